@@ -1,0 +1,103 @@
+"""Where an array lives, and how a kernel gets at it without a copy.
+
+Host inputs (NumPy) take the CPU kernels. Device inputs take the CUDA kernels: numba device
+arrays, anything with ``__cuda_array_interface__`` (CuPy arrays, torch CUDA tensors), or
+anything whose ``__dlpack_device__`` says CUDA. Under ``NUMBA_ENABLE_CUDASIM=1`` the
+simulator's device arrays count as device arrays, so the CUDA kernels run on the CPU.
+
+Outputs of a device call are allocated on the device and handed back in the caller's
+framework (CuPy in, CuPy out; torch in, torch out; otherwise numba device arrays). This
+module never imports torch or CuPy: it only uses them when the caller's array already
+comes from them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+_DLPACK_CUDA_DEVICES = (2, 13)  # kDLCUDA, kDLCUDAManaged
+
+
+def simulator_enabled() -> bool:
+    from numba import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+def is_device_array(x) -> bool:
+    """True when ``x`` lives on a CUDA device (or is a simulator device array)."""
+    if isinstance(x, np.ndarray):
+        return False
+    if simulator_enabled():
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        if isinstance(x, FakeCUDAArray):
+            return True
+    if hasattr(x, "__cuda_array_interface__"):
+        return True
+    dlpack_device = getattr(x, "__dlpack_device__", None)
+    if dlpack_device is not None:
+        try:
+            return dlpack_device()[0] in _DLPACK_CUDA_DEVICES
+        except Exception:  # an object that claims DLPack but cannot answer is not ours
+            return False
+    return False
+
+
+def as_device_array(x):
+    """A numba device array viewing ``x`` (no copy)."""
+    from numba import cuda
+
+    if simulator_enabled():
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        if isinstance(x, FakeCUDAArray):
+            return x
+    if hasattr(x, "__cuda_array_interface__"):
+        return cuda.as_cuda_array(x)
+    import cupy  # DLPack-only producers: CuPy imports them without a copy
+
+    return cuda.as_cuda_array(cupy.from_dlpack(x))
+
+
+def framework_of(x) -> str:
+    """"torch", "cupy" or "numba": which framework produced ``x``."""
+    module = type(x).__module__
+    if module.startswith("torch"):
+        return "torch"
+    if module.startswith("cupy"):
+        return "cupy"
+    return "numba"
+
+
+def wrap_like(out, template):
+    """Return the numba device array ``out`` in the framework of ``template`` (zero-copy)."""
+    kind = framework_of(template)
+    if kind == "torch":
+        return sys.modules["torch"].as_tensor(out, device=template.device)
+    if kind == "cupy":
+        return sys.modules["cupy"].asarray(out)
+    return out
+
+
+def resolve_stream(template, stream=None):
+    """The numba stream to launch on: ``stream`` if given (a numba stream or a raw handle),
+    else the current stream of the framework that produced ``template``."""
+    from numba import cuda
+
+    if stream is not None and not isinstance(stream, int):
+        return stream
+    if simulator_enabled():
+        return cuda.default_stream()
+    handle = stream
+    if handle is None:
+        kind = framework_of(template)
+        if kind == "torch":
+            handle = sys.modules["torch"].cuda.current_stream(template.device).cuda_stream
+        elif kind == "cupy":
+            handle = sys.modules["cupy"].cuda.get_current_stream().ptr
+        else:
+            handle = 0
+    return cuda.external_stream(handle) if handle else cuda.default_stream()
