@@ -1,0 +1,1 @@
+"""The torch adapter: the MoE module, zero-copy tensor exchange, dispatchers."""

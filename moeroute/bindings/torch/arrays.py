@@ -1,0 +1,213 @@
+"""Torch tensors in, routing kernels, torch tensors out: zero-copy, both ways.
+
+CPU tensors reach the Numba kernels as NumPy views of the same memory
+(``Tensor.numpy()``), and the kernels' NumPy results come back through
+``torch.from_numpy``: no copy in either direction. CUDA tensors go to the kernels as they
+are (``__cuda_array_interface__``) and come back as torch tensors on the same device.
+bfloat16 has no NumPy dtype, so it never becomes a NumPy float: it crosses as its raw
+16-bit pattern (a ``uint16`` view) to kernels that read raw bf16, or is converted on the
+torch side.
+
+This module is the one place the torch adapter imports the routing kernels from.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import torch
+
+from moeroute.routing import reference as _reference
+
+__all__ = [
+    "host_array",
+    "kernel_array",
+    "as_tensor",
+    "expert_map_for_device",
+    "select_experts",
+    "append_shared_slots",
+    "remap_to_local",
+    "sort_by_expert",
+    "combine",
+    "ROUTING_KERNELS",
+]
+
+#: The routing operations the adapter calls (one import point).
+ROUTING_KERNELS = types.SimpleNamespace(
+    select_experts=_reference.select_experts,
+    append_shared_slots=_reference.append_shared_slots,
+    remap_to_local=_reference.remap_to_local,
+    sort_by_expert=_reference.sort_by_expert,
+    combine=_reference.combine,
+)
+#: Whether ROUTING_KERNELS.combine reads bfloat16 as raw uint16 bits (keyword ``raw_bf16``).
+_COMBINE_TAKES_RAW_BF16 = False
+
+
+def host_array(tensor: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a CPU tensor's memory (no copy).
+
+    Parameters
+    ----------
+    tensor : Tensor, on the CPU, any shape
+        bfloat16 comes back as its raw bit pattern (``uint16``), never as NumPy floats.
+
+    Returns
+    -------
+    numpy.ndarray, same shape, sharing ``tensor``'s memory.
+
+    Raises
+    ------
+    TypeError
+        ``tensor`` is not a torch.Tensor.
+    ValueError
+        ``tensor`` is not on the CPU.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"host_array needs a CPU tensor, got one on {tensor.device}")
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.uint16)
+    return tensor.numpy()
+
+
+def kernel_array(tensor: torch.Tensor):
+    """What a routing kernel takes for ``tensor``: a NumPy view (CPU) or the tensor (CUDA).
+
+    The tensor is made contiguous first (a no-op when it already is).
+    """
+    tensor = tensor.detach().contiguous()
+    if tensor.device.type == "cpu":
+        return host_array(tensor)
+    return tensor
+
+
+def as_tensor(array, device: torch.device | None = None) -> torch.Tensor:
+    """A torch tensor viewing a kernel's output (no copy).
+
+    Parameters
+    ----------
+    array : numpy.ndarray, torch.Tensor or a numba device array
+    device : torch.device, optional
+        The CUDA device a numba device array lives on.
+    """
+    if isinstance(array, torch.Tensor):
+        return array
+    if isinstance(array, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(array))
+    if isinstance(array, np.generic):
+        return torch.from_numpy(np.asarray(array))
+    return torch.as_tensor(array, device=device)
+
+
+def expert_map_for_device(expert_map: np.ndarray, device: torch.device):
+    """``expert_map`` (int32 [num_physical_experts]) as the kernels take it on ``device``."""
+    if torch.device(device).type == "cpu":
+        return np.ascontiguousarray(expert_map, dtype=np.int32)
+    return torch.as_tensor(expert_map, dtype=torch.int32, device=device)
+
+
+def _device_of(tensor: torch.Tensor) -> torch.device:
+    return tensor.device
+
+
+def select_experts(logits: torch.Tensor, router, correction_bias: torch.Tensor | None = None):
+    """Top-k routing of SPEC section 1 on torch tensors.
+
+    Parameters
+    ----------
+    logits : Tensor [T, N] float32
+    router : moeroute.config.RouterConfig
+    correction_bias : Tensor [N] float32, optional
+
+    Returns
+    -------
+    topk_weights : Tensor [T, K] float32
+    topk_ids : Tensor [T, K] int32
+    """
+    bias = None if correction_bias is None else kernel_array(correction_bias)
+    weights, ids = ROUTING_KERNELS.select_experts(kernel_array(logits), router, bias)
+    device = _device_of(logits)
+    return as_tensor(weights, device), as_tensor(ids, device)
+
+
+def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weights=None):
+    """Physical ids and weights with the fused shared slots appended (SPEC section 4).
+
+    Parameters
+    ----------
+    topk_ids : Tensor [T, K] int32, logical routed ids
+    topk_weights : Tensor [T, K] float32
+    layout : moeroute.layout.ExpertLayout
+    home_rank : int
+    shared_weights : None, float, or Tensor [T] / [T, 1] float32
+        ``layout.shared_slot_weight(gate, rsf)``.
+
+    Returns
+    -------
+    ids : Tensor [T, K + S'] int32, weights : Tensor [T, K + S'] float32
+        (S' = S when fused, else 0).
+    """
+    if isinstance(shared_weights, torch.Tensor):
+        shared_weights = kernel_array(shared_weights.to(torch.float32))
+    ids, weights = ROUTING_KERNELS.append_shared_slots(
+        kernel_array(topk_ids), kernel_array(topk_weights), layout, home_rank, shared_weights
+    )
+    device = _device_of(topk_ids)
+    return as_tensor(ids, device), as_tensor(weights, device)
+
+
+def remap_to_local(ids: torch.Tensor, expert_map) -> torch.Tensor:
+    """Physical -> local ids: ``expert_map[id]``, -1 when not held (int32, shape of ``ids``)."""
+    local = ROUTING_KERNELS.remap_to_local(kernel_array(ids), expert_map)
+    return as_tensor(local, _device_of(ids))
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
+    """Stable expert sort of the flat (token, slot) entries.
+
+    Returns
+    -------
+    sorted_slots : Tensor [M] int32, flat indices ``t*K' + k`` in expert order
+    expert_offsets : Tensor [num_experts + 1] int32
+    inverse_index : Tensor [T, K'] int32, row of each entry, -1 when dropped
+    """
+    sorted_slots, offsets, inverse = ROUTING_KERNELS.sort_by_expert(
+        kernel_array(topk_ids), num_experts
+    )
+    device = _device_of(topk_ids)
+    return as_tensor(sorted_slots, device), as_tensor(offsets, device), as_tensor(inverse, device)
+
+
+def combine(expert_out: torch.Tensor, inverse_index: torch.Tensor, topk_weights: torch.Tensor):
+    """``out[t] = sum_k w[t, k] * expert_out[inverse_index[t, k]]``, float32 accumulation.
+
+    Parameters
+    ----------
+    expert_out : Tensor [M, H], float32, float16 or bfloat16
+    inverse_index : Tensor [T, K'] int32 (-1 entries skipped)
+    topk_weights : Tensor [T, K'] float32
+
+    Returns
+    -------
+    Tensor [T, H], dtype of ``expert_out``.
+    """
+    device = _device_of(expert_out)
+    if expert_out.dtype == torch.bfloat16 and device.type == "cpu" and not _COMBINE_TAKES_RAW_BF16:
+        # No raw-bf16 kernel: accumulate from a float32 copy made on the torch side.
+        out = ROUTING_KERNELS.combine(
+            kernel_array(expert_out.float()), kernel_array(inverse_index),
+            kernel_array(topk_weights),
+        )
+        return as_tensor(out, device).to(torch.bfloat16)
+    kwargs = {"raw_bf16": True} if expert_out.dtype == torch.bfloat16 and _COMBINE_TAKES_RAW_BF16 else {}
+    out = ROUTING_KERNELS.combine(
+        kernel_array(expert_out), kernel_array(inverse_index), kernel_array(topk_weights), **kwargs
+    )
+    out = as_tensor(out, device)
+    if expert_out.dtype == torch.bfloat16 and out.dtype == torch.uint16:
+        out = out.view(torch.bfloat16)
+    return out
