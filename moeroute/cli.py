@@ -1,0 +1,334 @@
+"""The moeroute command line (``moeroute`` / ``python -m moeroute``).
+
+Commands
+--------
+plan      show the expert layout and shared-expert plan of a model on E ranks
+route     route random logits with a preset and show the expert and rank load
+--list-presets
+          list the built-in model presets
+
+Adding a command: append a `Command` to `COMMANDS`. Its module is imported only
+when that command runs (or its ``--help`` is asked for), so a command needing
+torch costs nothing to the others. The module provides ``add_arguments(parser)``
+and ``run(args) -> int`` (or the names given in the `Command`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from moeroute.config import PRESETS, ModelPreset, get_preset
+from moeroute.layout import DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, SHARED_SLOT_MODES
+
+__all__ = ["Command", "COMMANDS", "main", "build_parser"]
+
+#: Exit status for a request that cannot work (impossible layout, bad config).
+EXIT_USAGE = 2
+#: Width in characters of the longest histogram bar.
+HISTOGRAM_WIDTH = 40
+#: Scale of the random correction bias: small next to the spread of sigmoid scores
+#: (about 0.2), so it shifts a few picks instead of dominating the choice.
+CORRECTION_BIAS_SCALE = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """A subcommand whose module is imported only when it is used.
+
+    Attributes
+    ----------
+    name : str
+        Subcommand name on the command line.
+    help : str
+        One line shown by ``moeroute --help``.
+    module : str
+        Module holding the two functions below.
+    add_arguments : str
+        Name of ``f(parser: argparse.ArgumentParser) -> None`` in ``module``.
+    run : str
+        Name of ``f(args: argparse.Namespace) -> int`` in ``module``.
+    """
+
+    name: str
+    help: str
+    module: str
+    add_arguments: str = "add_arguments"
+    run: str = "run"
+
+    def load(self, attribute: str) -> Any:
+        return getattr(importlib.import_module(self.module), getattr(self, attribute))
+
+
+COMMANDS: list[Command] = [
+    Command("plan", "show the expert layout and shared-expert plan of a model",
+            __name__, "add_plan_arguments", "run_plan"),
+    Command("route", "route random logits with a preset and show the expert and rank load",
+            __name__, "add_route_arguments", "run_route"),
+]
+
+
+# ---------------------------------------------------------------------------
+# Shared argument helpers
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be an integer >= 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be an integer >= 0")
+    return value
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--preset", metavar="NAME",
+                       help=f"built-in model preset: {', '.join(PRESETS)}")
+    model.add_argument("--config", metavar="PATH",
+                       help="Hugging Face config.json (or the directory holding it)")
+
+
+def _load_model(args: argparse.Namespace) -> ModelPreset:
+    if args.preset is not None:
+        return get_preset(args.preset)
+    return ModelPreset.from_hf(args.config)
+
+
+def _describe_model(preset: ModelPreset) -> list[str]:
+    router = preset.router
+    shared = "no shared expert"
+    if preset.num_shared_experts:
+        shared = (
+            f"shared expert: intermediate {preset.shared_intermediate_size} = "
+            f"{preset.num_shared_experts} slot(s) x {preset.moe_intermediate_size}"
+            f"{', sigmoid-gated' if preset.shared_gated else ''}"
+        )
+        if preset.shared_unfusable_reason:
+            shared = (
+                f"shared expert: intermediate {preset.shared_intermediate_size}"
+                f"{', sigmoid-gated' if preset.shared_gated else ''} "
+                f"(not fusable: {preset.shared_unfusable_reason})"
+            )
+    return [
+        f"model: {preset.name} ({preset.model_type}), hidden {preset.hidden_size}, "
+        f"expert intermediate {preset.moe_intermediate_size}",
+        f"router: {router.num_experts} experts, top_k {router.top_k}, {router.scoring}"
+        f"{' + correction bias' if preset.has_correction_bias else ''}, "
+        f"groups {router.num_expert_group} (topk_group {router.topk_group}), "
+        f"renormalize {router.renormalize}, routed_scaling_factor {router.routed_scaling_factor:g}",
+        shared,
+    ]
+
+
+def _error(message: str) -> int:
+    print(f"moeroute: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+# ---------------------------------------------------------------------------
+# plan
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``moeroute plan``."""
+    _add_model_arguments(parser)
+    parser.add_argument("--ep", type=_positive_int, default=1, metavar="E",
+                        help="expert-parallel size (default 1)")
+    parser.add_argument("--dispatch", choices=DISPATCH_MODES, default=None,
+                        help="token dispatch (default: none for --ep 1, else all2all)")
+    parser.add_argument("--shared", choices=SHARED_MODES, default="auto",
+                        help="who computes the shared expert (default auto)")
+    parser.add_argument("--slots", choices=SHARED_SLOT_MODES, default=None,
+                        help="where fused shared slots live (default: derived from dispatch)")
+    parser.add_argument("--redundant", type=_non_negative_int, default=0, metavar="R",
+                        help="number of redundant (replica) experts (default 0)")
+    parser.add_argument("--regime", choices=SCALING_REGIMES, default="router",
+                        help="where routed_scaling_factor is applied (default router)")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Print the router configuration and ``ExpertLayout.describe()``; 2 on an impossible layout."""
+    from moeroute.layout import ExpertLayout
+
+    try:
+        preset = _load_model(args)
+        dispatch = args.dispatch or ("none" if args.ep == 1 else "all2all")
+        layout = ExpertLayout(
+            preset.router.num_experts, preset.num_shared_experts, args.ep, dispatch,
+            args.shared, args.slots, args.redundant,
+            scaling_regime=args.regime, unfusable_reason=preset.shared_unfusable_reason,
+        )
+    except ValueError as error:  # LayoutError included: an impossible layout
+        return _error(str(error))
+    print("\n".join(_describe_model(preset)))
+    print(layout.describe())
+    weight = "gate" if preset.shared_gated else "1"
+    if layout.shared == "fused":
+        scale = "" if args.regime == "router" else f" / {preset.router.routed_scaling_factor:g}"
+        print(f"shared slot weight: {weight}{scale}")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# route
+
+
+def add_route_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``moeroute route``."""
+    _add_model_arguments(parser)
+    parser.add_argument("--tokens", type=_non_negative_int, required=True, metavar="T",
+                        help="number of tokens to route")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--ep", type=_positive_int, default=1, metavar="E",
+                        help="expert-parallel size for the per-rank load (default 1)")
+    parser.add_argument("--repeat", type=_positive_int, default=10, metavar="R",
+                        help="timed calls after the first one (default 10)")
+
+
+def _load_select_experts():
+    """The routing entry point: the compiled one when available, else the NumPy reference."""
+    try:
+        from moeroute.routing import select_experts
+    except ImportError:
+        from moeroute.routing.reference import select_experts
+    return select_experts
+
+
+def _histogram(labels: Sequence[str], counts: Sequence[int]) -> list[str]:
+    peak = max(counts, default=0)
+    width = max((len(label) for label in labels), default=0)
+    lines = []
+    for label, count in zip(labels, counts):
+        bar = "#" * (round(HISTOGRAM_WIDTH * count / peak) if peak else 0)
+        lines.append(f"  {label.ljust(width)} |{bar.ljust(HISTOGRAM_WIDTH)}| {count}")
+    return lines
+
+
+def run_route(args: argparse.Namespace) -> int:
+    """Route random logits, print expert and rank load histograms and the median call time."""
+    import numpy as np
+
+    from moeroute.layout import ExpertLayout
+
+    try:
+        preset = _load_model(args)
+        router = preset.router
+        layout = ExpertLayout(router.num_experts, ep_size=args.ep,
+                              dispatch="none" if args.ep == 1 else "all2all")
+    except ValueError as error:  # LayoutError included
+        return _error(str(error))
+
+    rng = np.random.default_rng(args.seed)
+    logits = rng.standard_normal((args.tokens, router.num_experts), dtype=np.float32)
+    bias = None
+    if preset.has_correction_bias:
+        bias = CORRECTION_BIAS_SCALE * rng.standard_normal(router.num_experts, dtype=np.float32)
+
+    select_experts = _load_select_experts()
+    start = time.perf_counter()
+    weights, ids = select_experts(logits, router, bias)
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(args.repeat):
+        start = time.perf_counter()
+        select_experts(logits, router, bias)
+        times.append(time.perf_counter() - start)
+
+    ids = np.asarray(ids)
+    counts = np.bincount(ids.ravel(), minlength=router.num_experts)
+    total = int(counts.sum())
+    mean = total / router.num_experts
+    peak = int(counts.max(initial=0))
+    print("\n".join(_describe_model(preset)))
+    print(f"routing: {args.tokens} tokens, seed {args.seed}, "
+          f"{getattr(select_experts, '__module__', '?')}.select_experts")
+    print(f"first call: {first * 1e3:.3f} ms (includes any compilation)")
+    print(f"median time per call: {float(np.median(times)) * 1e3:.3f} ms over {args.repeat} calls")
+    imbalance = f"{peak / mean:.2f}x mean" if mean else "n/a"
+    print(f"per-expert load: {total} assignments = {args.tokens} tokens x top_k {router.top_k}; "
+          f"mean {mean:.1f}, max {peak} ({imbalance})")
+    print("\n".join(_histogram([f"expert {e}" for e in range(router.num_experts)], counts.tolist())))
+
+    rank_labels, rank_counts = [], []
+    for rank in range(layout.ep_size):
+        first_expert, count = layout.routed_range(rank)
+        rank_labels.append(f"rank {rank} experts [{first_expert}, {first_expert + count})")
+        rank_counts.append(int(counts[first_expert : first_expert + count].sum()))
+    rank_mean = total / layout.ep_size
+    rank_peak = max(rank_counts)
+    rank_imbalance = f"{rank_peak / rank_mean:.2f}x mean" if rank_mean else "n/a"
+    print(f"per-rank load (ep {layout.ep_size}, linear placement): mean {rank_mean:.1f}, "
+          f"max {rank_peak} ({rank_imbalance})")
+    print("\n".join(_histogram(rank_labels, rank_counts)))
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# --list-presets and the parser
+
+
+def list_presets() -> str:
+    """Table of the built-in presets and their key fields."""
+    header = ("name", "model_type", "N", "K", "scoring", "bias", "G/topk_group", "renorm",
+              "rsf", "S", "shared", "gated", "H", "I")
+    rows = [header]
+    for preset in PRESETS.values():
+        router = preset.router
+        rows.append((
+            preset.name, preset.model_type, str(router.num_experts), str(router.top_k),
+            router.scoring, "yes" if preset.has_correction_bias else "no",
+            f"{router.num_expert_group}/{router.topk_group}",
+            "yes" if router.renormalize else "no", f"{router.routed_scaling_factor:g}",
+            str(preset.num_shared_experts), str(preset.shared_intermediate_size),
+            "yes" if preset.shared_gated else "no", str(preset.hidden_size),
+            str(preset.moe_intermediate_size),
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser; only the ``selected`` command's module is imported."""
+    parser = argparse.ArgumentParser(
+        prog="moeroute",
+        description="Mixture-of-Experts routing, expert layouts and dispatch.",
+    )
+    parser.add_argument("--list-presets", action="store_true",
+                        help="list the built-in model presets and exit")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in COMMANDS:
+        sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
+        if command.name == selected:
+            command.load("add_arguments")(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 success, 2 usage or layout error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    names = {command.name: command for command in COMMANDS}
+    # The first word that is not an option names the command: load only that one.
+    selected = next((word for word in argv if not word.startswith("-")), None)
+    parser = build_parser(selected if selected in names else None)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    if args.list_presets:
+        print(list_presets())
+        return 0
+    if args.command is None:
+        parser.print_usage(sys.stderr)
+        return _error("a command is required (or --list-presets)")
+    return int(names[args.command].load("run")(args))

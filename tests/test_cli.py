@@ -1,0 +1,285 @@
+"""Tests for moeroute.cli: plan, route, --list-presets, help, extensibility."""
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from moeroute import cli
+from moeroute.config import PRESETS
+from moeroute.layout import ExpertLayout
+
+
+def run(capsys, *argv):
+    status = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def histogram(out, prefix):
+    """{label: count} of the histogram rows starting with ``prefix``."""
+    rows = {}
+    for line in out.splitlines():
+        match = re.match(rf"^  ({prefix}.*?)\s*\|[# ]*\| (\d+)$", line)
+        if match:
+            rows[match.group(1)] = int(match.group(2))
+    return rows
+
+
+# ----------------------------------------------------------------------------
+# --list-presets, help, errors
+
+
+def test_list_presets(capsys):
+    status, out, _ = run(capsys, "--list-presets")
+    assert status == 0
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["name", "model_type", "N", "K"]
+    for name, preset in PRESETS.items():
+        row = next(line.split() for line in lines if line.startswith(name + " "))
+        assert row[1:4] == [preset.model_type, str(preset.router.num_experts), str(preset.router.top_k)]
+        assert row[-2:] == [str(preset.hidden_size), str(preset.moe_intermediate_size)]
+
+
+def test_top_level_help_lists_commands(capsys):
+    status, out, _ = run(capsys, "--help")
+    assert status == 0
+    assert "plan" in out and "route" in out and "--list-presets" in out
+
+
+@pytest.mark.parametrize("command, options", [
+    ("plan", ["--preset", "--config", "--ep", "--dispatch", "--shared", "--slots", "--redundant", "--regime"]),
+    ("route", ["--preset", "--config", "--tokens", "--seed", "--ep", "--repeat"]),
+])
+def test_command_help_is_complete(capsys, command, options):
+    status, out, _ = run(capsys, command, "--help")
+    assert status == 0
+    for option in options:
+        assert option in out
+    assert "deepseek-v3" in out
+
+
+def test_missing_command(capsys):
+    status, _, err = run(capsys)
+    assert status == 2 and "a command is required" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan"],                                    # no model
+    ["plan", "--preset", "mixtral-8x7b", "--ep", "0"],
+    ["plan", "--preset", "mixtral-8x7b", "--dispatch", "deepep"],
+    ["plan", "--preset", "a", "--config", "b"],  # mutually exclusive
+    ["route", "--preset", "mixtral-8x7b"],       # --tokens required
+    ["route", "--preset", "mixtral-8x7b", "--tokens", "-1"],
+    ["bogus"],
+])
+def test_usage_errors_exit_2(capsys, argv):
+    status, _, err = run(capsys, *argv)
+    assert status == 2 and "usage" in err
+
+
+# ----------------------------------------------------------------------------
+# plan
+
+
+@pytest.mark.parametrize("name, ep", [("qwen3.5-moe", 8), ("deepseek-v3", 8), ("mixtral-8x7b", 1),
+                                      ("qwen1.5-moe-a2.7b", 7)])
+def test_plan_matches_layout(capsys, name, ep):
+    status, out, err = run(capsys, "plan", "--preset", name, "--ep", str(ep))
+    assert status == 0 and err == ""
+    preset = PRESETS[name]
+    layout = ExpertLayout(preset.router.num_experts, preset.num_shared_experts, ep,
+                          "none" if ep == 1 else "all2all")
+    assert f"dispatch={'none' if ep == 1 else 'all2all'}" in out
+    assert f"physical experts: {layout.num_physical_experts} " in out
+    assert layout.shared_reason in out
+    assert f"{preset.router.num_experts} experts, top_k {preset.router.top_k}" in out
+    rows = [line.split() for line in out.splitlines() if re.match(r"^  \d+ ", line)]
+    assert len(rows) == ep
+    for rank, row in enumerate(rows):
+        emap = layout.expert_map(rank)
+        held = np.flatnonzero(emap >= 0)
+        assert row[0] == str(rank)
+        assert int(row[3]) == layout.num_local_experts(rank) == held.size
+        if layout.shared_slots == "per_rank":
+            assert f"[{held[0]}, {held[-1] + 1})" == f"{row[1]} {row[2]}"
+
+
+def test_plan_512_plus_1_on_8_ranks(capsys):
+    status, out, _ = run(capsys, "plan", "--preset", "qwen3.5-moe", "--ep", "8")
+    assert status == 0
+    assert "physical experts: 520" in out
+    for rank in range(8):
+        assert re.search(rf"^  {rank}\s+\[{65 * rank}, {65 * rank + 65}\)\s+65\s", out, re.M)
+    assert "shared slot weight: gate" in out
+    assert "compatible" in out
+
+
+def test_plan_global_slots_under_all2all_exit_2(capsys):
+    status, out, err = run(capsys, "plan", "--preset", "deepseek-v3", "--ep", "8", "--slots", "global")
+    assert status == 2 and out == ""
+    assert "shared_slots='global' cannot be served by dispatch='all2all'" in err
+    assert "per_rank" in err and "runner" in err
+
+
+def test_plan_allgather_global_and_output_regime(capsys):
+    status, out, _ = run(capsys, "plan", "--preset", "glm-4.5", "--ep", "4", "--dispatch",
+                         "allgather", "--slots", "global", "--regime", "output")
+    assert status == 0
+    assert "physical experts: 161" in out and "home rank" in out
+    assert "shared slot weight: 1 / 2.5" in out
+
+
+def test_plan_explicit_runner_and_redundant(capsys):
+    status, out, _ = run(capsys, "plan", "--preset", "deepseek-v3", "--ep", "8", "--shared",
+                         "runner", "--redundant", "1")
+    assert status == 0
+    assert "physical experts: 257" in out
+    assert "shared expert: runner" in out
+    assert "P % E != 0: 257 routed physical experts over 8 ranks" in out
+
+
+def test_plan_config_path_and_unfusable_shared(capsys, tmp_path):
+    config = {"model_type": "qwen2_moe", "hidden_size": 2048, "moe_intermediate_size": 1408,
+              "shared_expert_intermediate_size": 5000, "num_experts": 60,
+              "num_experts_per_tok": 4}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    status, out, _ = run(capsys, "plan", "--config", str(path), "--ep", "2")
+    assert status == 0
+    assert "shared expert: overlap" in out and "not a multiple" in out
+    status, _, err = run(capsys, "plan", "--config", str(path), "--shared", "fused")
+    assert status == 2
+    assert "shared='fused' is impossible" in err and "5000 is not a multiple" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--preset", "gpt-4"], "unknown preset 'gpt-4'"),
+    (["plan", "--preset", "mixtral-8x7b", "--ep", "9"], "leave a rank with no routed expert"),
+    (["plan", "--preset", "mixtral-8x7b", "--ep", "2", "--dispatch", "none"], "dispatch='none'"),
+    (["route", "--preset", "mixtral-8x7b", "--tokens", "4", "--ep", "9"], "no routed expert"),
+])
+def test_plan_and_route_value_errors_exit_2(capsys, argv, message):
+    status, out, err = run(capsys, *argv)
+    assert status == 2 and out == ""
+    assert message in err
+
+
+def test_plan_missing_config_file(capsys, tmp_path):
+    status, _, err = run(capsys, "plan", "--config", str(tmp_path / "nope.json"))
+    assert status == 2 and "cannot read Hugging Face config" in err
+
+
+# ----------------------------------------------------------------------------
+# route
+
+
+class RecordingRouter:
+    """Plain top-k of (logits + bias), recording every call's ids."""
+
+    def __init__(self):
+        self.calls = 0
+        self.ids = None
+
+    def __call__(self, logits, config, correction_bias=None):
+        self.calls += 1
+        choice = logits if correction_bias is None else logits + correction_bias
+        ids = np.argsort(-choice, axis=1, kind="stable")[:, : config.top_k].astype(np.int32)
+        self.ids = ids
+        return np.full(ids.shape, 1.0 / config.top_k, np.float32), ids
+
+
+@pytest.mark.parametrize("name, tokens, ep", [("deepseek-v3", 64, 8), ("mixtral-8x7b", 33, 3),
+                                              ("qwen1.5-moe-a2.7b", 10, 1)])
+def test_route_histograms_sum_to_t_times_k(capsys, monkeypatch, name, tokens, ep):
+    router = RecordingRouter()
+    monkeypatch.setattr(cli, "_load_select_experts", lambda: router)
+    status, out, _ = run(capsys, "route", "--preset", name, "--tokens", str(tokens),
+                         "--ep", str(ep), "--repeat", "3", "--seed", "5")
+    assert status == 0
+    top_k = PRESETS[name].router.top_k
+    n = PRESETS[name].router.num_experts
+    experts = histogram(out, "expert ")
+    ranks = histogram(out, "rank ")
+    assert len(experts) == n and len(ranks) == ep
+    assert sum(experts.values()) == sum(ranks.values()) == tokens * top_k
+    expected = np.bincount(router.ids.ravel(), minlength=n)
+    assert [experts[f"expert {e}"] for e in range(n)] == expected.tolist()
+    layout = ExpertLayout(n, ep_size=ep, dispatch="none" if ep == 1 else "all2all")
+    for rank in range(ep):
+        start, count = layout.routed_range(rank)
+        assert ranks[f"rank {rank} experts [{start}, {start + count})"] == expected[start:start + count].sum()
+    assert router.calls == 1 + 3
+    assert re.search(r"median time per call: [\d.]+ ms over 3 calls", out)
+    assert f"{tokens * top_k} assignments" in out
+
+
+def test_route_is_seeded(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_load_select_experts", RecordingRouter)
+    outputs = []
+    for seed in ("1", "1", "2"):
+        _, out, _ = run(capsys, "route", "--preset", "mixtral-8x7b", "--tokens", "50",
+                        "--seed", seed, "--repeat", "1")
+        outputs.append(histogram(out, "expert "))
+    assert outputs[0] == outputs[1] != outputs[2]
+
+
+def test_route_with_library_select_experts(capsys):
+    status, out, _ = run(capsys, "route", "--preset", "deepseek-v3", "--tokens", "32",
+                         "--ep", "4", "--repeat", "1")
+    assert status == 0
+    assert sum(histogram(out, "expert ").values()) == 32 * 8
+    assert sum(histogram(out, "rank ").values()) == 32 * 8
+    assert "select_experts" in out
+
+
+def test_route_zero_tokens(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_load_select_experts", RecordingRouter)
+    status, out, _ = run(capsys, "route", "--preset", "mixtral-8x7b", "--tokens", "0", "--repeat", "1")
+    assert status == 0
+    assert set(histogram(out, "expert ").values()) == {0}
+
+
+# ----------------------------------------------------------------------------
+# Extensibility and entry points
+
+DEMO_MODULE = '''
+def add_arguments(parser):
+    parser.add_argument("--answer", type=int, required=True, help="what to return")
+
+def run(args):
+    print("demo ran")
+    return args.answer
+'''
+
+
+def test_new_command_is_loaded_lazily(capsys, monkeypatch, tmp_path):
+    (tmp_path / "moeroute_cli_demo_ext.py").write_text(DEMO_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    commands = cli.COMMANDS + [cli.Command("demo", "a demo", "moeroute_cli_demo_ext")]
+    monkeypatch.setattr(cli, "COMMANDS", commands)
+    monkeypatch.delitem(sys.modules, "moeroute_cli_demo_ext", raising=False)
+
+    status, out, _ = run(capsys, "--help")
+    assert status == 0 and "demo" in out
+    assert run(capsys, "plan", "--preset", "mixtral-8x7b")[0] == 0
+    assert "moeroute_cli_demo_ext" not in sys.modules
+
+    status, out, _ = run(capsys, "demo", "--answer", "7")
+    assert (status, out) == (7, "demo ran\n")
+    status, out, _ = run(capsys, "demo", "--help")
+    assert status == 0 and "--answer" in out
+
+
+def test_python_dash_m():
+    result = subprocess.run([sys.executable, "-m", "moeroute", "--list-presets"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert "deepseek-v3" in result.stdout
+    result = subprocess.run([sys.executable, "-m", "moeroute", "plan", "--preset", "kimi-k2",
+                             "--ep", "8", "--slots", "global"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "per_rank" in result.stderr
