@@ -1,1 +1,22 @@
-"""The torch adapter: the MoE module, zero-copy tensor exchange, dispatchers."""
+"""The torch adapter: the MoE module, zero-copy tensor exchange, dispatchers, transformers interop.
+
+    from moeroute.bindings.torch import MoE, replace_moe_blocks
+
+`MoE` is the layer (SPEC section 8); `replace_moe_blocks` swaps every supported
+transformers MoE block of a model for it. The dispatcher interface that expert
+parallelism implements is in `moeroute.bindings.torch.dispatch`.
+"""
+
+from moeroute.bindings.torch.dispatch import DispatchHandle, Dispatcher, LocalDispatcher
+from moeroute.bindings.torch.hf import SUPPORTED_BLOCKS, from_hf, replace_moe_blocks
+from moeroute.bindings.torch.moe import MoE
+
+__all__ = [
+    "MoE",
+    "replace_moe_blocks",
+    "from_hf",
+    "SUPPORTED_BLOCKS",
+    "Dispatcher",
+    "DispatchHandle",
+    "LocalDispatcher",
+]

@@ -1,0 +1,185 @@
+"""The experts one rank holds, and the compute that turns received tokens into partial outputs.
+
+`LocalExperts` owns the stacked weights in the Hugging Face layout (gate_up
+[L, 2I, H] with the gate rows first, down [L, H, I]) and computes, for each received row,
+``sum over its local slots of w * expert(x)``: exactly the ``partial_out`` that
+`moeroute.bindings.torch.dispatch.Dispatcher.combine` expects.
+
+CPU: the (row, slot) entries are sorted by expert with the Numba kernels, the rows gathered
+into expert order, each expert's rows go through two torch matmuls on a contiguous slice
+(BLAS), and the Numba combine sums the weighted outputs per row in float32.
+CUDA: `moeroute.gpu.fused_experts` runs the grouped GEMMs on torch's current stream.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeroute.bindings.torch import arrays
+
+__all__ = ["LocalExperts", "ACTIVATIONS", "SUPPORTED_DTYPES", "expert_mlp", "apply_activation"]
+
+#: Activations of the gate projection: "silu" (SwiGLU), "gelu" (erf GeGLU), "gelu_tanh".
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+#: Activation dtypes the expert compute serves (SPEC section 5).
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Standard deviation of the initial expert weights (the usual transformer init); real
+#: weights are loaded over them.
+INIT_STD = 0.02
+
+
+def check_activation(activation: str) -> str:
+    """Return ``activation``; ValueError naming it and the allowed ones otherwise."""
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not supported; use one of {ACTIVATIONS}")
+    return activation
+
+
+def apply_activation(gate: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate)`` for one of `ACTIVATIONS`; same shape and dtype."""
+    if activation == "silu":
+        return F.silu(gate)
+    if activation == "gelu":
+        return F.gelu(gate)
+    return F.gelu(gate, approximate="tanh")
+
+
+def expert_mlp(
+    hidden_sorted: torch.Tensor,
+    expert_offsets: list[int],
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """Gated MLP of each expert over its contiguous rows (CPU, BLAS).
+
+    Parameters
+    ----------
+    hidden_sorted : Tensor [M, H]
+        Rows in expert order; expert e owns rows ``[expert_offsets[e], expert_offsets[e+1])``.
+    expert_offsets : list of int, length L + 1
+    w_gate_up : Tensor [L, 2I, H], gate rows first
+    w_down : Tensor [L, H, I]
+    activation : str, one of `ACTIVATIONS`
+
+    Returns
+    -------
+    Tensor [M, H], dtype of ``hidden_sorted``: ``down(act(x gate^T) * (x up^T))`` per row.
+    """
+    rows, hidden = hidden_sorted.shape
+    inter = w_down.shape[2]
+    out = hidden_sorted.new_empty((rows, hidden))
+    if rows == 0:
+        return out
+    # One buffer for every expert's gate/up output keeps the activation one vectorised op.
+    gate_up = hidden_sorted.new_empty((rows, 2 * inter))
+    spans = [(e, expert_offsets[e], expert_offsets[e + 1])
+             for e in range(len(expert_offsets) - 1) if expert_offsets[e + 1] > expert_offsets[e]]
+    for e, start, stop in spans:
+        torch.mm(hidden_sorted[start:stop], w_gate_up[e].t(), out=gate_up[start:stop])
+    act = apply_activation(gate_up[:, :inter], activation)
+    act.mul_(gate_up[:, inter:])
+    for e, start, stop in spans:
+        torch.mm(act[start:stop], w_down[e].t(), out=out[start:stop])
+    return out
+
+
+def _permute_rows(hidden_states: torch.Tensor, sorted_slots: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Rows of ``hidden_states`` in expert order: row ``sorted_slots[i] // top_k``."""
+    token_rows = torch.div(sorted_slots, top_k, rounding_mode="floor").to(torch.int64)
+    return hidden_states.index_select(0, token_rows)
+
+
+class LocalExperts(nn.Module):
+    """Stacked weights of the experts one rank holds, and their compute.
+
+    Parameters
+    ----------
+    num_local_experts : int
+        L: routed experts held here, plus the fused shared slots when the layout fuses them.
+    hidden_size : int
+        H, the experts' input and output size.
+    intermediate_size : int
+        I, one expert's intermediate size.
+    activation : str
+        One of `ACTIVATIONS`.
+    dtype, device : torch dtype and device of the weights.
+
+    Attributes
+    ----------
+    w_gate_up : Parameter [L, 2I, H] (gate rows first), requires_grad False
+    w_down : Parameter [L, H, I], requires_grad False
+
+    Raises
+    ------
+    ValueError
+        A count or size below 1, an unknown activation, a dtype outside `SUPPORTED_DTYPES`.
+    """
+
+    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int,
+                 activation: str = "silu", *, dtype=None, device=None) -> None:
+        super().__init__()
+        for name, value in (("num_local_experts", num_local_experts),
+                            ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype={dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+        self.activation = check_activation(activation)
+        self.num_local_experts = num_local_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.w_gate_up = nn.Parameter(
+            torch.empty(num_local_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.w_down = nn.Parameter(
+            torch.empty(num_local_experts, hidden_size, intermediate_size, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            nn.init.normal_(self.w_gate_up, std=INIT_STD)
+            nn.init.normal_(self.w_down, std=INIT_STD)
+
+    def extra_repr(self) -> str:
+        return (f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, activation={self.activation!r}")
+
+    def forward(self, hidden_states: torch.Tensor, local_ids: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of each row's local experts.
+
+        Parameters
+        ----------
+        hidden_states : Tensor [Tr, H], dtype of the weights
+        local_ids : Tensor [Tr, K'] int32, local expert id per slot, -1 (or any id outside
+            [0, L)) = not computed here
+        weights : Tensor [Tr, K'] float32
+
+        Returns
+        -------
+        Tensor [Tr, H], dtype of ``hidden_states``: ``sum_k weights[t, k] * expert(x_t)``
+        over the slots held here (rows with none are zero).
+        """
+        if hidden_states.device.type == "cuda":
+            return self._forward_cuda(hidden_states, local_ids, weights)
+        top_k = local_ids.shape[1] if local_ids.dim() == 2 else 0
+        sorted_slots, expert_offsets, inverse_index = arrays.sort_by_expert(
+            local_ids, self.num_local_experts
+        )
+        hidden_sorted = _permute_rows(hidden_states, sorted_slots, max(top_k, 1))
+        expert_out = expert_mlp(hidden_sorted, expert_offsets.tolist(), self.w_gate_up,
+                                self.w_down, self.activation)
+        return arrays.combine(expert_out, inverse_index, weights)
+
+    def _forward_cuda(self, hidden_states, local_ids, weights):
+        from moeroute.gpu import fused_experts
+
+        return fused_experts(hidden_states, self.w_gate_up, self.w_down, weights, local_ids,
+                             activation=self.activation)

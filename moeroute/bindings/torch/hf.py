@@ -1,0 +1,201 @@
+"""transformers interop: build a moeroute MoE from a transformers MoE block, swap them in a model.
+
+Each supported block is read from its own modules (the router's fields are what its
+forward uses), in the transformers 5 layout where the experts are stacked parameters
+``experts.gate_up_proj`` [N, 2I, H] (gate rows first) and ``experts.down_proj`` [N, H, I].
+
+Routing of each family, and how it maps onto `moeroute.config.RouterConfig`:
+
+=========================  ==================================================================
+DeepseekV3MoE, Glm4MoeMoE  sigmoid scores of float32 logits, ``e_score_correction_bias`` for
+(Kimi-K2: DeepseekV3MoE    selection, groups scored by their top-2 sum (n_group, topk_group),
+with n_group = 1)          optional renormalization (+1e-20), times rsf. Shared MLP of size
+                           n_shared * I, ungated: S = n_shared slots. Exact.
+Qwen2Moe, Qwen3Next        softmax (float32) of logits computed in the weights' dtype, top-k,
+                           optional renormalization (``norm_topk_prob``; Qwen3.5 always),
+Qwen3_5Moe                 sigmoid-gated shared MLP: S = shared size / I slots (Qwen1.5-MoE:
+                           5632 / 1408 = 4), unfusable when it does not divide. Exact in
+                           float32 (the renormalization's 1e-20 is below float32 resolution
+                           of any sum of top-k probabilities).
+Qwen3Moe, Mixtral          softmax top-k, optional (Qwen3) or always (Mixtral) renormalized;
+                           no shared expert. Exact.
+=========================  ==================================================================
+
+Not bit-identical in bfloat16, by design: Qwen blocks round the routing weights to bfloat16
+before weighting and every block accumulates the expert outputs in bfloat16 (index_add_);
+moeroute keeps the weights in float32 and accumulates in float32. Selection is identical
+(the router logits are computed in the same dtype as the block's). Mixtral's training-time
+jitter noise is not reproduced (inference only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from moeroute.bindings.torch.moe import MoE
+from moeroute.config import RouterConfig
+
+__all__ = ["from_hf", "replace_moe_blocks", "SUPPORTED_BLOCKS"]
+
+#: transformers hidden_act name -> moeroute activation.
+_HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                   "gelu_new": "gelu_tanh"}
+
+
+def _activation(block: nn.Module) -> str:
+    config = getattr(block.experts, "config", None) or getattr(block, "config", None)
+    name = getattr(config, "hidden_act", "silu")
+    if name not in _HF_ACTIVATIONS:
+        raise ValueError(f"{type(block).__name__} uses hidden_act={name!r}; moeroute supports "
+                         f"{sorted(_HF_ACTIVATIONS)}")
+    return _HF_ACTIVATIONS[name]
+
+
+def _experts(block: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    experts = block.experts
+    gate_up = getattr(experts, "gate_up_proj", None)
+    down = getattr(experts, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or gate_up.dim() != 3:
+        raise ValueError(
+            f"{type(block).__name__}.experts has no stacked gate_up_proj [N, 2I, H] / down_proj [N, H, I]; "
+            "moeroute reads the transformers >= 5 expert layout"
+        )
+    if getattr(experts, "is_transposed", False) or not getattr(experts, "is_concatenated", True) \
+            or getattr(experts, "has_bias", False):
+        raise ValueError(f"{type(block).__name__}.experts stores transposed, interleaved or biased "
+                         "weights; moeroute reads [N, 2I, H] gate-then-up without bias")
+    return gate_up, down
+
+
+def _read_deepseek(block: nn.Module) -> dict:
+    gate = block.gate
+    router = RouterConfig(
+        num_experts=gate.num_experts, top_k=gate.top_k, scoring="sigmoid",
+        num_expert_group=gate.num_group, topk_group=gate.topk_group,
+        renormalize=bool(gate.norm_topk_prob), routed_scaling_factor=float(gate.routed_scaling_factor),
+    )
+    # The block always computes its logits in float32 and always applies the bias.
+    return dict(router=router, router_weight=gate.weight.float(), router_dtype=torch.float32,
+                correction_bias=gate.e_score_correction_bias, shared_experts=block.shared_experts,
+                shared_expert_gate=None)
+
+
+def _read_qwen(block: nn.Module) -> dict:
+    gate = block.gate
+    router = RouterConfig(
+        num_experts=gate.num_experts, top_k=gate.top_k, scoring="softmax",
+        # Qwen3.5-MoE and Mixtral routers have no norm_topk_prob: they always renormalize.
+        renormalize=bool(getattr(gate, "norm_topk_prob", True)),
+    )
+    return dict(router=router, router_weight=gate.weight, router_dtype=gate.weight.dtype,
+                correction_bias=None, shared_experts=getattr(block, "shared_expert", None),
+                shared_expert_gate=getattr(block, "shared_expert_gate", None))
+
+
+#: Block class name -> reader of its routing, router weights and shared expert.
+SUPPORTED_BLOCKS: dict[str, Callable[[nn.Module], dict]] = {
+    "DeepseekV3MoE": _read_deepseek,
+    "Glm4MoeMoE": _read_deepseek,
+    "Qwen3_5MoeSparseMoeBlock": _read_qwen,
+    "Qwen3NextSparseMoeBlock": _read_qwen,
+    "Qwen2MoeSparseMoeBlock": _read_qwen,
+    "Qwen3MoeSparseMoeBlock": _read_qwen,
+    "MixtralSparseMoeBlock": _read_qwen,
+}
+
+
+def _reader_for(block: nn.Module):
+    for cls in type(block).__mro__:
+        reader = SUPPORTED_BLOCKS.get(cls.__name__)
+        if reader is not None:
+            return reader
+    return None
+
+
+@torch.no_grad()
+def from_hf(block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str = "all2all",
+            **kwargs) -> MoE:
+    """A moeroute `MoE` computing what a transformers MoE block computes.
+
+    Parameters
+    ----------
+    block : nn.Module
+        One of `SUPPORTED_BLOCKS` (subclasses included).
+    ep_group : torch.distributed.ProcessGroup, optional
+        With a group, the new module holds only this rank's experts.
+    shared : {"auto", "runner", "overlap", "fused"}
+    dispatch : {"all2all", "allgather"}
+    **kwargs
+        Passed to `MoE` (e.g. ``scaling_regime``, ``num_redundant_experts``).
+
+    Returns
+    -------
+    MoE
+        On the block's device, in the dtype of its expert weights. The routed expert
+        weights (and fused shared slots) are copies; the shared MLP, its gate, the bias and
+        (for Qwen/Mixtral) the router weight share the block's tensors.
+
+    Raises
+    ------
+    TypeError
+        ``block`` is not a supported transformers MoE block.
+    ValueError, moeroute.layout.LayoutError
+        As `MoE` (e.g. ``shared="fused"`` for a shared MLP that does not split into slots).
+    """
+    reader = _reader_for(block) if isinstance(block, nn.Module) else None
+    if reader is None:
+        raise TypeError(f"block of type {type(block).__name__} is not a supported transformers MoE block; "
+                        f"supported: {', '.join(SUPPORTED_BLOCKS)}")
+    gate_up, down = _experts(block)
+    fields = reader(block)
+    num_experts, two_inter, hidden = gate_up.shape
+    if num_experts != fields["router"].num_experts:
+        raise ValueError(f"{type(block).__name__} routes over {fields['router'].num_experts} experts but "
+                         f"holds {num_experts}; an expert-parallel transformers block cannot be read")
+    bias = fields["correction_bias"]
+    module = MoE(
+        fields["router"], hidden, two_inter // 2,
+        shared_experts=fields["shared_experts"], shared_expert_gate=fields["shared_expert_gate"],
+        shared=shared, ep_group=ep_group, dispatch=dispatch, activation=_activation(block),
+        correction_bias=bias is not None, router_dtype=fields["router_dtype"],
+        dtype=gate_up.dtype, device=gate_up.device, **kwargs,
+    )
+    module.router_weight = nn.Parameter(fields["router_weight"].detach(), requires_grad=False)
+    if bias is not None:
+        module.correction_bias = bias.detach().float()
+    module.load_routed_weights(gate_up, down)
+    return module
+
+
+def replace_moe_blocks(model: nn.Module, **kwargs) -> int:
+    """Swap every supported transformers MoE block inside ``model`` for a moeroute `MoE`.
+
+    Parameters
+    ----------
+    model : nn.Module
+        E.g. a ``*ForCausalLM``; modified in place.
+    **kwargs
+        Passed to `from_hf` (``ep_group``, ``shared``, ``dispatch``, ``scaling_regime``, ...).
+
+    Returns
+    -------
+    int
+        The number of blocks replaced.
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not an nn.Module.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    targets = [(name, module) for name, module in model.named_modules()
+               if name and _reader_for(module) is not None]
+    for name, block in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, from_hf(block, **kwargs))
+    return len(targets)

@@ -1,0 +1,494 @@
+"""The MoE layer as a torch module: routing, shared-expert ownership, dispatch, experts, combine.
+
+One forward, one direction (SPEC sections 3, 5 and 8)::
+
+    router logits (float32) -> select_experts -> shared gate g -> append_shared_slots
+    (fused: slot weight = layout.shared_slot_weight(g, rsf)) -> dispatcher.dispatch
+    (async when overlap) -> [overlap: shared MLP while the transfer is in flight]
+    -> local experts -> dispatcher.combine -> ("output" regime: * rsf)
+    -> routed_output_transform -> + shared (runner / overlap)
+
+Who computes the shared expert is decided once, by `moeroute.layout.ExpertLayout`
+(``self.layout.shared``); every branch below reads that one field, so each token's shared
+contribution is computed exactly once in every mode.
+
+Where the weights live (all module parameters/buffers, ``requires_grad=False``):
+
+* ``router_weight`` [N, H]: the router linear. The logits are
+  ``F.linear(x.to(router_weight.dtype), router_weight)`` cast to float32, so a float32
+  router weight (the default) routes in float32, and a bfloat16 one reproduces checkpoints
+  whose router runs in bfloat16 (Qwen, Mixtral).
+* ``correction_bias`` [N] float32 buffer (None unless ``correction_bias=True``): added to
+  the scores for selection only (DeepSeek-V3 ``e_score_correction_bias``).
+* ``experts.w_gate_up`` [L, 2I, H'] and ``experts.w_down`` [L, H', I]: this rank's experts
+  in the Hugging Face stacked layout, H' = the routed input size (H unless a
+  routed_input_transform maps to a smaller latent size); with a fused shared expert the
+  last S of the L experts are its slots, filled from ``shared_experts`` at construction.
+* ``shared_experts`` / ``shared_expert_gate``: the given modules (runner and overlap); with
+  fused, only the gate is kept and called.
+
+The module is inference-only: it runs under ``torch.no_grad()`` / ``torch.inference_mode()``
+and raises when gradients are requested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeroute.bindings.torch import arrays
+from moeroute.bindings.torch.dispatch import Dispatcher, LocalDispatcher
+from moeroute.bindings.torch.experts import (
+    SUPPORTED_DTYPES,
+    LocalExperts,
+    apply_activation,
+    check_activation,
+)
+from moeroute.config import RouterConfig
+from moeroute.layout import DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, ExpertLayout
+
+__all__ = ["MoE", "shared_mlp_slots", "SUPPORTED_DEVICES"]
+
+#: Device types the forward serves: NumPy/Numba on the CPU, Numba CUDA + CuPy on CUDA.
+SUPPORTED_DEVICES = ("cpu", "cuda")
+#: Dispatch modes that need an expert-parallel process group.
+EP_DISPATCH_MODES = tuple(mode for mode in DISPATCH_MODES if mode != "none")
+#: Probe points for checking that a shared MLP's activation is the experts' activation.
+_ACTIVATION_PROBE = torch.linspace(-6.0, 6.0, steps=25)
+#: Float32 slack when comparing the probe (the two functions should agree bit for bit).
+_ACTIVATION_PROBE_ATOL = 1e-6
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    return int(value)
+
+
+def _linear_weight(module: nn.Module, name: str, out_features: int | None, in_features: int):
+    """``module.<name>.weight`` when it is a bias-free nn.Linear of the expected shape."""
+    layer = getattr(module, name, None)
+    if not isinstance(layer, nn.Linear):
+        return None, f"shared_experts.{name} is not an nn.Linear"
+    if layer.bias is not None:
+        return None, f"shared_experts.{name} has a bias, which expert slots do not carry"
+    if layer.in_features != in_features or (out_features is not None and layer.out_features != out_features):
+        return None, (f"shared_experts.{name} maps {layer.in_features} -> {layer.out_features}, "
+                      f"expected {in_features} -> {out_features if out_features is not None else '?'}")
+    return layer.weight, None
+
+
+def shared_mlp_slots(shared_experts: nn.Module, hidden_size: int, intermediate_size: int,
+                     activation: str):
+    """How a shared MLP splits into expert slots of the routed intermediate size.
+
+    A gated MLP ``down(act(gate(x)) * up(x))`` of intermediate size S*I is exactly the sum of
+    S MLPs of size I (the product is elementwise over the intermediate dimension).
+
+    Parameters
+    ----------
+    shared_experts : nn.Module
+        Expected: bias-free nn.Linear layers ``gate_proj`` [S*I, H], ``up_proj`` [S*I, H],
+        ``down_proj`` [H, S*I] and an ``act_fn`` equal to ``activation`` (when present).
+    hidden_size, intermediate_size : int
+        H and the routed I.
+    activation : str
+
+    Returns
+    -------
+    num_slots : int
+        S (1 when the MLP does not split).
+    reason : str or None
+        Why the MLP cannot become expert slots; None when it can.
+    """
+    gate, reason = _linear_weight(shared_experts, "gate_proj", None, hidden_size)
+    if reason is None:
+        total = gate.shape[0]
+        _, reason = _linear_weight(shared_experts, "up_proj", total, hidden_size)
+    if reason is None:
+        _, reason = _linear_weight(shared_experts, "down_proj", hidden_size, total)
+    if reason is None and total % intermediate_size:
+        reason = (f"the shared MLP's intermediate size {total} is not a multiple of the routed "
+                  f"intermediate_size={intermediate_size}, so it does not split into slots")
+    if reason is None:
+        act_fn = getattr(shared_experts, "act_fn", None)
+        if act_fn is not None:
+            probe = _ACTIVATION_PROBE.to(gate.device)
+            try:
+                same = torch.allclose(act_fn(probe), apply_activation(probe, activation),
+                                      atol=_ACTIVATION_PROBE_ATOL, rtol=0)
+            except Exception:  # an act_fn that cannot take a float32 vector is not ours to fuse
+                same = False
+            if not same:
+                reason = (f"the shared MLP's act_fn ({type(act_fn).__name__}) is not the experts' "
+                          f"activation {activation!r}")
+    if reason is not None:
+        return 1, reason + ("" if reason.startswith("the shared") else
+                            " (fusing needs a gated MLP with gate_proj/up_proj/down_proj)")
+    return total // intermediate_size, None
+
+
+def _check_module(name: str, value) -> None:
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be an nn.Module (or callable) or None, got {type(value).__name__}")
+
+
+class MoE(nn.Module):
+    """A Mixture-of-Experts layer: routing, shared experts, dispatch, expert GEMMs, combine.
+
+    Parameters
+    ----------
+    router : moeroute.config.RouterConfig
+        N, K, scoring, grouping, renormalization and rsf.
+    hidden_size : int
+        H.
+    intermediate_size : int
+        I, one routed expert's intermediate size.
+    shared_experts : nn.Module, optional
+        The shared MLP, ``[T, H] -> [T, H]``. It can be fused into S expert slots when it is a
+        gated MLP (``gate_proj``/``up_proj``/``down_proj``) of intermediate size S*I.
+    shared_expert_gate : nn.Module, optional
+        ``[T, H] -> [T, 1]``; the shared output is multiplied by ``sigmoid(gate(x))``.
+    shared : {"auto", "runner", "overlap", "fused"}
+        Who computes the shared expert (SPEC section 3); resolved once into ``self.layout``.
+    ep_group : torch.distributed.ProcessGroup, optional
+        Expert-parallel group; the module then holds only its rank's experts and dispatches
+        through ``moeroute.bindings.ep.make_dispatcher``. None: one rank, no communication.
+    dispatch : {"all2all", "allgather"}
+        Dispatch mode with ``ep_group``; ignored without one.
+    activation : {"silu", "gelu", "gelu_tanh"}
+    routed_input_transform, routed_output_transform : nn.Module, optional
+        Latent MoE: map the hidden states to the routed experts' input size H' and the
+        routed sum back to H. The router and shared experts see the original hidden states.
+        Either one makes "fused" impossible.
+    scaling_regime : {"router", "output"}
+        "router": rsf is folded into the routed weights; "output": routing uses rsf = 1 and
+        the combined routed sum is multiplied by rsf.
+    num_redundant_experts : int
+        R replica experts (EPLB), placed as in SPEC section 2.
+    routed_hidden_size : int, optional
+        H'; default H, or ``routed_input_transform.out_features`` when it has one.
+    correction_bias : bool
+        Register a ``correction_bias`` [N] float32 buffer (zeros) used for selection.
+    router_dtype : torch.dtype
+        Dtype of ``router_weight`` (float32 by default).
+    dtype, device
+        Of the expert weights; the activations must match.
+
+    Raises
+    ------
+    TypeError
+        ``router`` not a RouterConfig; a module argument that is not callable.
+    ValueError
+        Sizes below 1; an unknown shared, dispatch, activation or scaling_regime; a shared
+        gate without shared experts; an unsupported dtype or device.
+    moeroute.layout.LayoutError
+        A layout that cannot work, e.g. an explicit ``shared="fused"`` with a
+        routed_input_transform or with a shared MLP that does not split into slots.
+    """
+
+    def __init__(
+        self,
+        router: RouterConfig,
+        hidden_size: int,
+        intermediate_size: int,
+        shared_experts: nn.Module | None = None,
+        shared_expert_gate: nn.Module | None = None,
+        shared: str = "auto",
+        ep_group=None,
+        dispatch: str = "all2all",
+        activation: str = "silu",
+        routed_input_transform: nn.Module | None = None,
+        routed_output_transform: nn.Module | None = None,
+        *,
+        scaling_regime: str = "router",
+        num_redundant_experts: int = 0,
+        routed_hidden_size: int | None = None,
+        correction_bias: bool = False,
+        router_dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
+        device=None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(router, RouterConfig):
+            raise TypeError(f"router must be a moeroute RouterConfig, got {type(router).__name__}")
+        hidden_size = _positive_int("hidden_size", hidden_size)
+        intermediate_size = _positive_int("intermediate_size", intermediate_size)
+        for name, value in (("shared_experts", shared_experts), ("shared_expert_gate", shared_expert_gate),
+                            ("routed_input_transform", routed_input_transform),
+                            ("routed_output_transform", routed_output_transform)):
+            _check_module(name, value)
+        if shared_expert_gate is not None and shared_experts is None:
+            raise ValueError("shared_expert_gate was given without shared_experts; pass both or neither")
+        if not isinstance(shared, str) or shared not in SHARED_MODES:
+            raise ValueError(f"shared={shared!r} is not a shared mode; use one of {SHARED_MODES}")
+        if not isinstance(scaling_regime, str) or scaling_regime not in SCALING_REGIMES:
+            raise ValueError(f"scaling_regime={scaling_regime!r} is unknown; use one of {SCALING_REGIMES}")
+        if ep_group is not None and dispatch not in EP_DISPATCH_MODES:
+            raise ValueError(f"dispatch={dispatch!r} cannot serve an ep_group; use one of {EP_DISPATCH_MODES}")
+        activation = check_activation(activation)
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype={dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+        if router_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"router_dtype={router_dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+        if device is not None and torch.device(device).type not in SUPPORTED_DEVICES + ("meta",):
+            raise ValueError(f"device={device} is not supported; use one of {SUPPORTED_DEVICES}")
+        if routed_hidden_size is None:
+            routed_hidden_size = getattr(routed_input_transform, "out_features", hidden_size)
+        routed_hidden_size = _positive_int("routed_hidden_size", routed_hidden_size)
+        if routed_input_transform is None and routed_output_transform is None and routed_hidden_size != hidden_size:
+            raise ValueError(f"routed_hidden_size={routed_hidden_size} differs from hidden_size={hidden_size} "
+                             "but no routed_input_transform/routed_output_transform maps between them")
+
+        # The shared expert's slot count and whether it can be fused: the layout decides.
+        num_shared, unfusable = 0, None
+        if shared_experts is not None:
+            num_shared, unfusable = shared_mlp_slots(shared_experts, hidden_size, intermediate_size, activation)
+            if routed_input_transform is not None or routed_output_transform is not None:
+                unfusable = ("a routed_input_transform/routed_output_transform is set, and the shared "
+                             "expert needs the untransformed hidden states")
+
+        if ep_group is None:
+            ep_size, rank, layout_dispatch = 1, 0, "none"
+        else:
+            import torch.distributed as dist
+
+            ep_size, rank, layout_dispatch = dist.get_world_size(ep_group), dist.get_rank(ep_group), dispatch
+        self.layout = ExpertLayout(
+            router.num_experts, num_shared, ep_size=ep_size, dispatch=layout_dispatch, shared=shared,
+            num_redundant_experts=num_redundant_experts, scaling_regime=scaling_regime,
+            unfusable_reason=unfusable,
+        )
+        self.rank = rank
+        self.router = router
+        # "output" regime: route with rsf = 1, scale the combined routed sum afterwards.
+        self._selection_router = (router if scaling_regime == "router"
+                                  else dataclasses.replace(router, routed_scaling_factor=1.0))
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.routed_hidden_size = routed_hidden_size
+        self.num_shared_experts = num_shared
+        self.activation = activation
+
+        self.router_weight = nn.Parameter(
+            torch.empty(router.num_experts, hidden_size, dtype=router_dtype, device=device),
+            requires_grad=False,
+        )
+        nn.init.normal_(self.router_weight, std=0.02)
+        self.register_buffer(
+            "correction_bias",
+            torch.zeros(router.num_experts, dtype=torch.float32, device=device) if correction_bias else None,
+        )
+        self.experts = LocalExperts(self.layout.num_local_experts(rank), routed_hidden_size,
+                                    intermediate_size, activation, dtype=dtype, device=device)
+        self.shared_expert_gate = shared_expert_gate
+        self.routed_input_transform = routed_input_transform
+        self.routed_output_transform = routed_output_transform
+        if self.layout.shared == "fused":
+            # The shared MLP lives on as S expert slots; the module itself is never called.
+            self.shared_experts = None
+            self.load_shared_weights(shared_experts)
+        else:
+            self.shared_experts = shared_experts
+
+        if ep_group is None:
+            self.dispatcher: Dispatcher = LocalDispatcher(self.layout)
+        else:
+            from moeroute.bindings.ep import make_dispatcher
+
+            self.dispatcher = make_dispatcher(self.layout, ep_group, dispatch)
+
+    # ----------------------------------------------------------------- weights
+
+    def routed_expert_ids(self) -> list[int]:
+        """Logical expert id of each routed local expert of this rank (replicas included)."""
+        start, count = self.layout.routed_range(self.rank)
+        logical = self.layout.physical_to_logical
+        return [int(logical[p]) for p in range(start, start + count)]
+
+    @torch.no_grad()
+    def load_routed_weights(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+        """Copy this rank's routed experts out of the full stacked weights.
+
+        Parameters
+        ----------
+        w_gate_up : Tensor [N, 2I, H'] (gate rows first), any float dtype/device
+        w_down : Tensor [N, H', I]
+
+        Raises
+        ------
+        ValueError
+            Shapes other than the above.
+        """
+        n, inter, hid = self.router.num_experts, self.intermediate_size, self.routed_hidden_size
+        if tuple(w_gate_up.shape) != (n, 2 * inter, hid):
+            raise ValueError(f"w_gate_up has shape {tuple(w_gate_up.shape)}, expected [N, 2I, H'] = "
+                             f"{[n, 2 * inter, hid]}")
+        if tuple(w_down.shape) != (n, hid, inter):
+            raise ValueError(f"w_down has shape {tuple(w_down.shape)}, expected [N, H', I] = {[n, hid, inter]}")
+        index = torch.tensor(self.routed_expert_ids(), dtype=torch.int64, device=w_gate_up.device)
+        count = index.numel()
+        self.experts.w_gate_up[:count].copy_(w_gate_up.index_select(0, index))
+        self.experts.w_down[:count].copy_(w_down.index_select(0, index.to(w_down.device)))
+
+    @torch.no_grad()
+    def load_shared_weights(self, shared_experts: nn.Module) -> None:
+        """Copy a gated shared MLP into this rank's S fused expert slots.
+
+        Slot j gets intermediate rows/columns ``[j*I, (j+1)*I)`` of gate_proj, up_proj and
+        down_proj. Only meaningful when ``self.layout.shared == "fused"``.
+
+        Raises
+        ------
+        ValueError
+            The layout does not fuse the shared expert.
+        """
+        if self.layout.shared != "fused":
+            raise ValueError(f"load_shared_weights needs a fused layout; this one is shared={self.layout.shared!r}")
+        inter, s = self.intermediate_size, self.num_shared_experts
+        _, first = self.layout.routed_range(self.rank)
+        gate = shared_experts.gate_proj.weight
+        up = shared_experts.up_proj.weight
+        down = shared_experts.down_proj.weight
+        for j in range(s):
+            rows = slice(j * inter, (j + 1) * inter)
+            self.experts.w_gate_up[first + j, :inter].copy_(gate[rows])
+            self.experts.w_gate_up[first + j, inter:].copy_(up[rows])
+            self.experts.w_down[first + j].copy_(down[:, rows])
+
+    # ----------------------------------------------------------------- forward
+
+    def extra_repr(self) -> str:
+        r = self.router
+        return (f"num_experts={r.num_experts}, top_k={r.top_k}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, shared={self.layout.shared!r}, "
+                f"num_shared_experts={self.num_shared_experts}, ep_size={self.layout.ep_size}, "
+                f"rank={self.rank}, scaling_regime={self.layout.scaling_regime!r}")
+
+    def _check_forward_inputs(self, hidden_states, router_logits):
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
+        if hidden_states.dim() not in (2, 3) or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states must be [T, H] or [B, S, H] with H={self.hidden_size}, "
+                             f"got shape {tuple(hidden_states.shape)}")
+        expected = self.experts.w_gate_up.dtype
+        if hidden_states.dtype != expected:
+            raise ValueError(f"hidden_states dtype {hidden_states.dtype} does not match the expert weights' "
+                             f"dtype {expected}; convert one of them (supported: {SUPPORTED_DTYPES})")
+        device = hidden_states.device
+        if device.type not in SUPPORTED_DEVICES:
+            raise ValueError(f"hidden_states on device {device} is not supported; use one of {SUPPORTED_DEVICES}")
+        if device != self.experts.w_gate_up.device:
+            raise ValueError(f"hidden_states is on {device} but the expert weights are on "
+                             f"{self.experts.w_gate_up.device}; move the module or the input")
+        if router_logits is not None:
+            if not isinstance(router_logits, torch.Tensor):
+                raise TypeError(f"router_logits must be a torch.Tensor or None, got {type(router_logits).__name__}")
+            tokens = hidden_states.numel() // self.hidden_size
+            if tuple(router_logits.shape) != (tokens, self.router.num_experts):
+                raise ValueError(f"router_logits must be [T={tokens}, N={self.router.num_experts}], got "
+                                 f"shape {tuple(router_logits.shape)}")
+            if not router_logits.is_floating_point() or router_logits.device != device:
+                raise ValueError(f"router_logits must be a float tensor on {device}, got "
+                                 f"{router_logits.dtype} on {router_logits.device}")
+
+    def _check_inference(self, hidden_states, router_logits) -> None:
+        if not torch.is_grad_enabled():
+            return
+        wants_grad = hidden_states.requires_grad or (router_logits is not None and router_logits.requires_grad)
+        culprit = "hidden_states" if wants_grad else None
+        if culprit is None:
+            culprit = next((name for name, p in self.named_parameters() if p.requires_grad), None)
+        if culprit is not None:
+            raise RuntimeError(
+                f"moeroute MoE is inference-only, but gradients are requested ({culprit} requires grad); "
+                "run it under torch.no_grad() or torch.inference_mode(), or call requires_grad_(False)"
+            )
+
+    def compute_router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Router logits [T, N] float32 of hidden states [T, H]."""
+        weight = self.router_weight
+        return F.linear(hidden_states.to(weight.dtype), weight).float()
+
+    def _shared_gate(self, hidden_states):
+        if self.shared_expert_gate is None:
+            return None
+        return torch.sigmoid(self.shared_expert_gate(hidden_states))
+
+    def _shared_output(self, hidden_states, gate):
+        out = self.shared_experts(hidden_states)
+        return out if gate is None else gate * out
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the layer.
+
+        Parameters
+        ----------
+        hidden_states : Tensor [T, H] or [B, S, H], dtype of the expert weights, CPU or CUDA
+        router_logits : Tensor [T, N] float, optional
+            Precomputed logits (T = B*S); default ``compute_router_logits(hidden_states)``.
+
+        Returns
+        -------
+        Tensor, shape and dtype of ``hidden_states``:
+        ``sum_k w_k * expert_k(x) + g * shared(x)`` (SPEC section 3).
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad shapes, dtypes or devices (the message names the argument).
+        RuntimeError
+            Gradients requested (inference only).
+        """
+        self._check_forward_inputs(hidden_states, router_logits)
+        self._check_inference(hidden_states, router_logits)
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, self.hidden_size)
+        layout, rsf = self.layout, self.router.routed_scaling_factor
+        mode = layout.shared
+
+        logits = self.compute_router_logits(x) if router_logits is None else router_logits.float()
+        topk_weights, topk_ids = arrays.select_experts(logits, self._selection_router, self.correction_bias)
+        gate = self._shared_gate(x) if mode != "none" else None
+
+        slot_weights = None
+        if mode == "fused":
+            gate_values = None if gate is None else gate.reshape(-1).float()
+            slot_weights = layout.shared_slot_weight(gate_values, rsf)
+        ids, weights = arrays.append_shared_slots(topk_ids, topk_weights, layout, self.rank, slot_weights)
+
+        routed_input = x if self.routed_input_transform is None else self.routed_input_transform(x)
+        handle = self.dispatcher.dispatch(routed_input, ids, weights, async_op=mode == "overlap")
+        shared_out = self._shared_output(x, gate) if mode == "overlap" else None
+        recv_hidden, recv_local_ids, recv_weights = handle.wait()
+        partial = self.experts(recv_hidden, recv_local_ids, recv_weights)
+        routed = self.dispatcher.combine(partial, handle)
+
+        if layout.scaling_regime == "output" and rsf != 1.0:
+            routed = routed * rsf
+        if self.routed_output_transform is not None:
+            routed = self.routed_output_transform(routed)
+        if mode == "runner":
+            shared_out = self._shared_output(x, gate)
+        out = routed if shared_out is None else routed + shared_out
+        return out.reshape(shape)
+
+    # ------------------------------------------------------------ construction
+
+    @classmethod
+    def from_hf(cls, block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str = "all2all",
+                **kwargs) -> MoE:
+        """Build the equivalent moeroute layer from a transformers MoE block.
+
+        Supported: DeepseekV3MoE (also Kimi-K2), Glm4MoeMoE, Qwen3_5MoeSparseMoeBlock,
+        Qwen3NextSparseMoeBlock, Qwen2MoeSparseMoeBlock, Qwen3MoeSparseMoeBlock,
+        MixtralSparseMoeBlock. See `moeroute.bindings.torch.hf.from_hf`.
+        """
+        from moeroute.bindings.torch.hf import from_hf
+
+        return from_hf(block, ep_group=ep_group, shared=shared, dispatch=dispatch, **kwargs)
