@@ -19,6 +19,11 @@ import numpy as np
 import torch
 
 from moeroute.routing import reference as _reference
+from moeroute.routing.permute import permute as _permute
+from moeroute.routing.permute import sort_by_expert as _sort_by_expert
+from moeroute.routing.remap import remap_to_local as _remap_to_local
+from moeroute.routing.select import select_experts as _select_experts
+from moeroute.routing.shared_slots import append_shared_slots as _append_shared_slots
 
 __all__ = [
     "host_array",
@@ -29,16 +34,18 @@ __all__ = [
     "append_shared_slots",
     "remap_to_local",
     "sort_by_expert",
+    "permute",
     "combine",
     "ROUTING_KERNELS",
 ]
 
 #: The routing operations the adapter calls (one import point).
 ROUTING_KERNELS = types.SimpleNamespace(
-    select_experts=_reference.select_experts,
-    append_shared_slots=_reference.append_shared_slots,
-    remap_to_local=_reference.remap_to_local,
-    sort_by_expert=_reference.sort_by_expert,
+    select_experts=_select_experts,
+    append_shared_slots=_append_shared_slots,
+    remap_to_local=_remap_to_local,
+    sort_by_expert=_sort_by_expert,
+    permute=_permute,
     combine=_reference.combine,
 )
 #: Whether ROUTING_KERNELS.combine reads bfloat16 as raw uint16 bits (keyword ``raw_bf16``).
@@ -152,7 +159,9 @@ def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weig
         (S' = S when fused, else 0).
     """
     if isinstance(shared_weights, torch.Tensor):
-        shared_weights = kernel_array(shared_weights.to(torch.float32))
+        # With no rows there is nothing to weight (and a [0] array cannot be reshaped).
+        shared_weights = (kernel_array(shared_weights.to(torch.float32))
+                          if shared_weights.numel() else None)
     ids, weights = ROUTING_KERNELS.append_shared_slots(
         kernel_array(topk_ids), kernel_array(topk_weights), layout, home_rank, shared_weights
     )
@@ -180,6 +189,36 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
     )
     device = _device_of(topk_ids)
     return as_tensor(sorted_slots, device), as_tensor(offsets, device), as_tensor(inverse, device)
+
+
+def permute(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):
+    """Token rows in expert order (moved as raw bits: bfloat16 is never converted).
+
+    Parameters
+    ----------
+    hidden_states : Tensor [T, H], any dtype
+    topk_ids : Tensor [T, K'] int32; ids outside [0, num_experts) are dropped
+    num_experts : int
+
+    Returns
+    -------
+    permuted_hidden : Tensor [M, H], dtype of ``hidden_states``
+        Row r is ``hidden_states[sorted_slots[r] // K']``.
+    expert_offsets : Tensor [num_experts + 1] int32
+    inverse_index : Tensor [T, K'] int32, -1 for dropped entries
+    """
+    bf16 = hidden_states.dtype == torch.bfloat16
+    source = hidden_states.detach().contiguous()
+    if bf16:
+        source = source.view(torch.uint16 if source.device.type == "cpu" else torch.int16)
+    permuted, offsets, inverse = ROUTING_KERNELS.permute(
+        kernel_array(source), kernel_array(topk_ids), num_experts
+    )
+    device = _device_of(hidden_states)
+    permuted = as_tensor(permuted, device)
+    if bf16:
+        permuted = permuted.view(torch.bfloat16)
+    return permuted, as_tensor(offsets, device), as_tensor(inverse, device)
 
 
 def combine(expert_out: torch.Tensor, inverse_index: torch.Tensor, topk_weights: torch.Tensor):

@@ -86,12 +86,6 @@ def expert_mlp(
     return out
 
 
-def _permute_rows(hidden_states: torch.Tensor, sorted_slots: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Rows of ``hidden_states`` in expert order: row ``sorted_slots[i] // top_k``."""
-    token_rows = torch.div(sorted_slots, top_k, rounding_mode="floor").to(torch.int64)
-    return hidden_states.index_select(0, token_rows)
-
-
 class LocalExperts(nn.Module):
     """Stacked weights of the experts one rank holds, and their compute.
 
@@ -169,11 +163,9 @@ class LocalExperts(nn.Module):
         """
         if hidden_states.device.type == "cuda":
             return self._forward_cuda(hidden_states, local_ids, weights)
-        top_k = local_ids.shape[1] if local_ids.dim() == 2 else 0
-        sorted_slots, expert_offsets, inverse_index = arrays.sort_by_expert(
-            local_ids, self.num_local_experts
+        hidden_sorted, expert_offsets, inverse_index = arrays.permute(
+            hidden_states, local_ids, self.num_local_experts
         )
-        hidden_sorted = _permute_rows(hidden_states, sorted_slots, max(top_k, 1))
         expert_out = expert_mlp(hidden_sorted, expert_offsets.tolist(), self.w_gate_up,
                                 self.w_down, self.activation)
         return arrays.combine(expert_out, inverse_index, weights)

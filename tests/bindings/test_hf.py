@@ -1,0 +1,250 @@
+"""transformers interop: MoE.from_hf equals each block's own forward; the swap helper keeps logits.
+
+Tiny random blocks and models are built from their configs (no download).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from moeroute.bindings.torch import MoE, replace_moe_blocks  # noqa: E402
+from moeroute.layout import LayoutError  # noqa: E402
+
+H = 64
+FP32_RTOL = 1e-5  # normwise relative error in float32 (the brief's bound)
+# bfloat16 keeps 8 significant bits (ulp 2**-8 = 0.0039 relative); the blocks round their
+# routing weights and accumulate expert outputs in bfloat16, moeroute in float32: allow a
+# few ulps of the output's scale.
+BF16_RTOL = 2e-2
+
+
+def _deepseek_v3(**overrides):
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    fields = dict(hidden_size=H, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4,
+                  n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                  norm_topk_prob=True)
+    fields.update(overrides)
+    return DeepseekV3MoE(DeepseekV3Config(**fields))
+
+
+def _glm4_moe():
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
+
+    return Glm4MoeMoE(Glm4MoeConfig(hidden_size=H, moe_intermediate_size=32, n_routed_experts=16,
+                                    num_experts_per_tok=4, n_group=1, topk_group=1, n_shared_experts=2,
+                                    routed_scaling_factor=2.5, norm_topk_prob=True))
+
+
+def _qwen2_moe():
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    # Qwen1.5-MoE shape: the shared expert is 4x the routed one -> S = 4 slots.
+    return Qwen2MoeSparseMoeBlock(Qwen2MoeConfig(hidden_size=H, moe_intermediate_size=16,
+                                                 shared_expert_intermediate_size=64, num_experts=12,
+                                                 num_experts_per_tok=4, norm_topk_prob=False))
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    return Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=32, num_experts=16,
+                                                 num_experts_per_tok=4, norm_topk_prob=True))
+
+
+def _qwen3_next():
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+
+    return Qwen3NextSparseMoeBlock(Qwen3NextConfig(hidden_size=H, moe_intermediate_size=32,
+                                                   shared_expert_intermediate_size=32, num_experts=16,
+                                                   num_experts_per_tok=5, norm_topk_prob=True))
+
+
+def _qwen3_5_moe():
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    return Qwen3_5MoeSparseMoeBlock(Qwen3_5MoeTextConfig(hidden_size=H, moe_intermediate_size=32,
+                                                         shared_expert_intermediate_size=32, num_experts=16,
+                                                         num_experts_per_tok=5))
+
+
+def _mixtral():
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    return MixtralSparseMoeBlock(MixtralConfig(hidden_size=H, intermediate_size=32, num_local_experts=8,
+                                               num_experts_per_tok=2))
+
+
+# name -> (builder, has a shared expert, expected S)
+BLOCKS = {
+    "deepseek_v3": (_deepseek_v3, True, 1),
+    "kimi_k2": (lambda: _deepseek_v3(n_routed_experts=12, n_group=1, topk_group=1,
+                                     routed_scaling_factor=2.827), True, 1),
+    "glm4_moe": (_glm4_moe, True, 2),
+    "qwen2_moe": (_qwen2_moe, True, 4),
+    "qwen3_moe": (_qwen3_moe, False, 0),
+    "qwen3_next": (_qwen3_next, True, 1),
+    "qwen3_5_moe": (_qwen3_5_moe, True, 1),
+    "mixtral": (_mixtral, False, 0),
+}
+
+
+def _randomize(module, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+        for name, b in module.named_buffers():
+            if b.is_floating_point():  # the correction bias: spread so it changes selection
+                b.copy_(torch.randn(b.shape, generator=generator) * 0.05)
+    return module.eval()
+
+
+def rel_error(actual, expected):
+    expected = expected.double()
+    return float((actual.double() - expected).abs().max() / expected.abs().max())
+
+
+def _cases():
+    for name, (_, has_shared, _) in BLOCKS.items():
+        for shared in (("auto", "runner", "overlap", "fused") if has_shared else ("auto",)):
+            yield name, shared
+
+
+@pytest.mark.parametrize("name,shared", list(_cases()))
+def test_from_hf_matches_block_fp32(name, shared):
+    builder, has_shared, slots = BLOCKS[name]
+    block = _randomize(builder(), seed=1)
+    moe = MoE.from_hf(block, shared=shared)
+    assert moe.num_shared_experts == slots
+    assert moe.layout.shared == ({"auto": "fused"}.get(shared, shared) if has_shared else "none")
+    x = torch.randn(3, 5, H, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = block(x)
+        actual = moe(x)
+    assert actual.shape == expected.shape
+    assert rel_error(actual, expected) < FP32_RTOL
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_from_hf_matches_block_bf16(name):
+    builder, has_shared, _ = BLOCKS[name]
+    block = _randomize(builder(), seed=3).to(torch.bfloat16)
+    moe = MoE.from_hf(block)
+    assert moe.experts.w_gate_up.dtype == torch.bfloat16
+    x = torch.randn(2, 6, H, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = block(x)
+        actual = moe(x)
+    assert actual.dtype == torch.bfloat16
+    assert rel_error(actual, expected) < BF16_RTOL
+
+
+def test_from_hf_routing_matches_block_router():
+    """Selection is exact: the same ids and (to float32 rounding) weights as the block's router."""
+    from moeroute.bindings.torch import arrays
+
+    block = _randomize(_deepseek_v3(), seed=5)
+    moe = MoE.from_hf(block)
+    x = torch.randn(20, H, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        _, hf_weights, hf_ids = block.gate(x)
+        weights, ids = arrays.select_experts(moe.compute_router_logits(x), moe.router, moe.correction_bias)
+    order = torch.argsort(hf_ids.to(torch.int64), dim=1)
+    ours = torch.argsort(ids.to(torch.int64), dim=1)
+    assert torch.equal(torch.gather(hf_ids.to(torch.int32), 1, order), torch.gather(ids, 1, ours))
+    torch.testing.assert_close(torch.gather(weights, 1, ours), torch.gather(hf_weights, 1, order),
+                               rtol=1e-6, atol=0)
+
+
+def test_from_hf_copies_routed_weights_and_reads_router_fields():
+    block = _randomize(_deepseek_v3(), seed=7)
+    moe = MoE.from_hf(block)
+    assert moe.router.scoring == "sigmoid" and moe.router.num_expert_group == 4
+    assert moe.router.topk_group == 2 and moe.router.routed_scaling_factor == 2.5
+    torch.testing.assert_close(moe.correction_bias, block.gate.e_score_correction_bias, rtol=0, atol=0)
+    n = block.experts.gate_up_proj.shape[0]
+    torch.testing.assert_close(moe.experts.w_gate_up[:n], block.experts.gate_up_proj, rtol=0, atol=0)
+    # the fused shared slot is the shared MLP, gate rows then up rows
+    slot = moe.experts.w_gate_up[n]
+    torch.testing.assert_close(slot[:32], block.shared_experts.gate_proj.weight, rtol=0, atol=0)
+    torch.testing.assert_close(slot[32:], block.shared_experts.up_proj.weight, rtol=0, atol=0)
+    assert moe.experts.w_gate_up.data_ptr() != block.experts.gate_up_proj.data_ptr()
+
+
+def test_from_hf_fused_refused_when_shared_does_not_split():
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    block = Qwen2MoeSparseMoeBlock(Qwen2MoeConfig(hidden_size=H, moe_intermediate_size=16,
+                                                  shared_expert_intermediate_size=40, num_experts=8,
+                                                  num_experts_per_tok=2))
+    block = _randomize(block, seed=8)
+    assert MoE.from_hf(block).layout.shared == "runner"
+    with pytest.raises(LayoutError, match="not a multiple"):
+        MoE.from_hf(block, shared="fused")
+    x = torch.randn(7, H, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        assert rel_error(MoE.from_hf(block)(x), block(x[None])[0]) < FP32_RTOL
+
+
+def test_from_hf_rejects_unsupported_block():
+    with pytest.raises(TypeError, match="not a supported transformers MoE block"):
+        MoE.from_hf(nn.Linear(4, 4))
+
+
+# ------------------------------------------------------------------ whole models
+
+def _tiny_models():
+    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Qwen2MoeConfig,
+                              Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+    common = dict(vocab_size=128, hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, intermediate_size=96)
+    return {
+        "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=8,
+                                                          num_experts_per_tok=2, norm_topk_prob=True), 2),
+        "qwen2_moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig(**common, moe_intermediate_size=16,
+                                                          shared_expert_intermediate_size=32, num_experts=8,
+                                                          num_experts_per_tok=2), 2),
+        "deepseek_v3": (DeepseekV3ForCausalLM, DeepseekV3Config(
+            **common, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+            topk_group=1, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16), 1),
+    }
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "deepseek_v3"])
+def test_replace_moe_blocks_keeps_logits(name):
+    model_class, config, expected_blocks = _tiny_models()[name]
+    torch.manual_seed(10)
+    model = model_class(config).eval()
+    with torch.no_grad():  # make the correction bias matter
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if bias is not None:
+                bias.copy_(torch.randn(bias.shape) * 0.05)
+    input_ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        expected = model(input_ids).logits
+        count = replace_moe_blocks(model)
+        actual = model(input_ids).logits
+    assert count == expected_blocks
+    assert sum(isinstance(m, MoE) for m in model.modules()) == expected_blocks
+    assert rel_error(actual, expected) < FP32_RTOL
+
+
+def test_replace_moe_blocks_rejects_non_module():
+    with pytest.raises(TypeError, match="nn.Module"):
+        replace_moe_blocks("model")
