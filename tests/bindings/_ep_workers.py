@@ -1,0 +1,531 @@
+"""Bodies of the spawned processes of test_ep.py, and the helper that spawns them.
+
+Process start-up (torch import) dominates on a small machine, so one spawned group runs
+many configurations in a loop and returns plain records; the test functions assert on
+them. Every worker computes its reference independently: a dense single-process MoE layer
+written here in plain torch (float64), never the code under test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import pickle
+import time
+import traceback
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moeroute.layout import ExpertLayout
+from moeroute.routing import reference
+
+#: Timeout of the process groups of the correctness runs: generous for a loaded 2-core CI
+#: machine, yet a hang still fails the test instead of stalling it.
+PROCESS_GROUP_TIMEOUT_S = 60
+#: Timeout of the dead/stalled-peer runs: the survivors must raise within it.
+SHORT_TIMEOUT_S = 3
+#: fp32 relative error allowed against the float64 dense reference.
+FP32_TOLERANCE = 1e-5
+#: bf16 activations round every hidden row and partial output to 8 mantissa bits.
+BF16_TOLERANCE = 2e-2
+
+
+# --------------------------------------------------------------------------- spawning
+
+
+def _entry(rank, world_size, init_file, worker_name, payload, result_dir, timeout_s):
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    result = {"ok": True}
+    try:
+        result["value"] = WORKERS[worker_name](rank, world_size, payload)
+    except BaseException:
+        result = {"ok": False, "traceback": traceback.format_exc()}
+    with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as handle:
+        pickle.dump(result, handle)
+    # Skip the process-group teardown: after a dead-peer run it could block on the peer.
+    os._exit(0)
+
+
+def spawn_group(worker_name, world_size, tmp_dir, payload=None, *,
+                timeout_s=PROCESS_GROUP_TIMEOUT_S, join_timeout_s=240):
+    """Run ``WORKERS[worker_name](rank, world_size, payload)`` on ``world_size`` gloo ranks.
+
+    Returns the list of per-rank return values; raises AssertionError carrying the
+    worker's traceback when a rank raised, and when the group does not finish within
+    ``join_timeout_s`` (after killing it).
+    """
+    tmp_dir = str(tmp_dir)
+    os.makedirs(tmp_dir, exist_ok=True)
+    init_file = os.path.join(tmp_dir, f"store_{worker_name}_{world_size}_{time.monotonic_ns()}")
+    result_dir = init_file + "_results"
+    os.makedirs(result_dir)
+    context = mp.start_processes(
+        _entry, args=(world_size, init_file, worker_name, payload, result_dir, timeout_s),
+        nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + join_timeout_s
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{worker_name} on {world_size} ranks did not finish in {join_timeout_s} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    results = []
+    for rank in range(world_size):
+        path = os.path.join(result_dir, f"rank{rank}.pkl")
+        if not os.path.exists(path):
+            results.append(None)
+            continue
+        with open(path, "rb") as handle:
+            result = pickle.load(handle)
+        if not result["ok"]:
+            raise AssertionError(
+                f"{worker_name}: rank {rank} of {world_size} raised:\n{result['traceback']}")
+        results.append(result["value"])
+    return results
+
+
+# --------------------------------------------------------------------------- the layer
+
+
+@dataclasses.dataclass
+class Layer:
+    """A small MoE layer in float32: HF stacked expert weights, SwiGLU, optional shared MLP."""
+
+    router: torch.Tensor          # [N, H]
+    gate_up: torch.Tensor         # [N, 2I, H], gate rows first
+    down: torch.Tensor            # [N, H, I]
+    shared_gate_up: torch.Tensor  # [2*S*I, H]
+    shared_down: torch.Tensor     # [H, S*I]
+    shared_gate: torch.Tensor | None  # [H] per-token sigmoid gate
+    intermediate: int
+    num_shared: int
+
+
+def make_layer(seed, num_experts, hidden, intermediate, num_shared, gated):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen) * scale
+
+    return Layer(
+        router=rand(num_experts, hidden),
+        gate_up=rand(num_experts, 2 * intermediate, hidden, scale=hidden ** -0.5),
+        down=rand(num_experts, hidden, intermediate, scale=intermediate ** -0.5),
+        shared_gate_up=rand(2 * num_shared * intermediate, hidden, scale=hidden ** -0.5),
+        shared_down=rand(hidden, num_shared * intermediate, scale=intermediate ** -0.5),
+        shared_gate=rand(hidden) if gated and num_shared else None,
+        intermediate=intermediate,
+        num_shared=num_shared,
+    )
+
+
+def swiglu(x, gate_up, down):
+    gate, up = (x @ gate_up.t()).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up) @ down.t()
+
+
+def shared_gate_values(layer, x):
+    """[T, 1] per-token gate, or None for an ungated shared expert."""
+    if layer.shared_gate is None:
+        return None
+    return torch.sigmoid(x @ layer.shared_gate.to(x.dtype))[:, None]
+
+
+def route(layer, x, top_k, rsf, force_expert=None):
+    """Softmax top-k with renormalisation, rsf folded in: (ids int32 [T, K], w float32)."""
+    logits = x.float() @ layer.router.t()
+    if force_expert is not None:
+        logits[:, force_expert] += 1e4  # every token's first choice
+    probs = logits.softmax(dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), (weights * rsf).to(torch.float32)
+
+
+def dense_reference(layer, x, ids, weights):
+    """float64 ``sum_k w_k expert_k(x) + g * shared(x)`` for every token."""
+    x = x.double()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            out[t] += float(weights[t, k]) * swiglu(x[t], layer.gate_up[e].double(),
+                                                    layer.down[e].double())
+    if layer.num_shared:
+        shared = swiglu(x, layer.shared_gate_up.double(), layer.shared_down.double())
+        gate = shared_gate_values(layer, x)
+        out += shared if gate is None else gate * shared
+    return out
+
+
+def local_expert_weights(layer, layout, rank, local_id):
+    """(gate_up [2I, H], down [H, I]) of ``rank``'s local expert ``local_id``."""
+    start, count = layout.routed_range(rank)
+    if local_id < count:
+        logical = int(layout.physical_to_logical[start + local_id])
+        return layer.gate_up[logical], layer.down[logical]
+    j, inter = local_id - count, layer.intermediate
+    total = layer.num_shared * inter
+    gate_up = torch.cat([layer.shared_gate_up[j * inter:(j + 1) * inter],
+                         layer.shared_gate_up[total + j * inter: total + (j + 1) * inter]])
+    return gate_up, layer.shared_down[:, j * inter:(j + 1) * inter]
+
+
+def local_compute(layer, layout, rank, recv_hidden, recv_local_ids, recv_weights):
+    """Per received row, the sum over its local slots of w * expert(x), in float32."""
+    partial = torch.zeros(recv_hidden.shape, dtype=torch.float32)
+    x = recv_hidden.float()
+    for local_id in range(layout.num_local_experts(rank)):
+        rows, slots = (recv_local_ids == local_id).nonzero(as_tuple=True)
+        if rows.numel():
+            gate_up, down = local_expert_weights(layer, layout, rank, local_id)
+            y = swiglu(x[rows], gate_up, down) * recv_weights[rows, slots, None]
+            partial.index_add_(0, rows, y)
+    return partial.to(recv_hidden.dtype)
+
+
+def ep_forward(dispatcher, layer, layout, rank, x, ids, weights, rsf, overlap):
+    """The EP pipeline on this rank's tokens: append slots, dispatch, compute, combine.
+
+    ``weights`` carry rsf (the "router" regime); under the "output" regime it is divided
+    out here and applied after the combine, as an engine using that regime would.
+    """
+    regime = layout.scaling_regime
+    routed_weights = weights / rsf if regime == "output" else weights
+    gate = shared_gate_values(layer, x.float())
+    slot_weight = layout.shared_slot_weight(gate, rsf)
+    if isinstance(slot_weight, torch.Tensor):
+        slot_weight = slot_weight.numpy()
+    phys_ids, phys_weights = reference.append_shared_slots(
+        ids.numpy(), routed_weights.numpy(), layout, rank, slot_weight)
+    handle = dispatcher.dispatch(x, torch.from_numpy(phys_ids), torch.from_numpy(phys_weights),
+                                 async_op=overlap)
+    in_flight = not handle.is_completed()
+    shared_out = None
+    if layout.shared in ("runner", "overlap"):
+        shared_out = swiglu(x.float(), layer.shared_gate_up, layer.shared_down)
+        if gate is not None:
+            shared_out = gate * shared_out
+    recv = handle.wait()
+    partial = local_compute(layer, layout, rank, *recv)
+    out = dispatcher.combine(partial, handle).float()
+    if regime == "output":
+        out = out * rsf
+    if shared_out is not None:
+        out = out + shared_out
+    return out, phys_ids, in_flight
+
+
+# --------------------------------------------------------------------------- configurations
+
+_COUNT_PATTERNS = {
+    2: [(5, 3), (0, 6), (7, 0), (4, 4), (1, 9)],
+    4: [(5, 0, 3, 7), (2, 2, 2, 2), (0, 0, 6, 1), (3, 9, 1, 0), (4, 1, 0, 2)],
+}
+
+
+def dispatcher_configs(world_size):
+    """Named configurations of the dispatcher runs; each record's name is one of these."""
+    configs = []
+    counts = _COUNT_PATTERNS[world_size]
+
+    def add(name, **kw):
+        base = dict(N=8, R=0, K=2, S=0, gated=False, shared="auto", slots=None,
+                    regime="router", rsf=2.5, force_expert=None, dtype="float32",
+                    counts=counts[len(configs) % len(counts)])
+        base.update(kw)
+        configs.append(dict(name=name, **base))
+
+    for dispatch in ("all2all", "allgather"):
+        add(f"{dispatch}-noshared", dispatch=dispatch)
+        owners = [("runner", None), ("overlap", None), ("fused", "per_rank")]
+        if dispatch == "allgather":
+            owners.append(("fused", "global"))
+        for shared, slots in owners:
+            for num_shared in (1, 2):
+                for gated in (False, True):
+                    for regime in ("router", "output"):
+                        add(f"{dispatch}-{shared}{'-' + slots if slots else ''}-S{num_shared}"
+                            f"-{'gate' if gated else 'nogate'}-{regime}",
+                            dispatch=dispatch, shared=shared, slots=slots, S=num_shared,
+                            gated=gated, regime=regime)
+        zero = tuple(0 for _ in range(world_size))
+        add(f"{dispatch}-no-tokens-anywhere", dispatch=dispatch, S=1, counts=zero)
+        add(f"{dispatch}-all-to-one-expert-K1", dispatch=dispatch, K=1, force_expert=5,
+            counts=tuple(6 for _ in range(world_size)))
+        add(f"{dispatch}-all-to-one-expert-K3", dispatch=dispatch, K=3, S=1, force_expert=0,
+            counts=tuple(6 for _ in range(world_size)))
+        add(f"{dispatch}-redundant-eplb", dispatch=dispatch, N=6, R=world_size, K=3, S=1,
+            gated=True, counts=tuple(9 for _ in range(world_size)))
+        add(f"{dispatch}-uneven-placement", dispatch=dispatch, N=2 * world_size + 1, K=3,
+            S=2, shared="fused")
+        add(f"{dispatch}-bf16", dispatch=dispatch, S=1, gated=True, dtype="bfloat16")
+    return configs
+
+
+def _expected_bytes(layout, ids_by_rank, rank, hidden, element_size, top_k):
+    """Dispatch/combine bytes computed from expert_map alone (not the dispatcher's tables)."""
+    maps = [layout.expert_map(r) for r in range(layout.ep_size)]
+    if layout.dispatch == "allgather":
+        counts = [ids.shape[0] for ids in ids_by_rank]
+        rows = (layout.ep_size - 1) * max(counts)
+        returned = sum(counts) - counts[rank]
+        return rows * (hidden * element_size + 8 * top_k), returned * hidden * element_size
+
+    def destinations(home, row):
+        # all2all never has global slots over several ranks (the layout refuses them).
+        return {d for d in range(layout.ep_size) for p in row if maps[d][p] >= 0}
+
+    sent = sum(1 for row in ids_by_rank[rank] for d in destinations(rank, row) if d != rank)
+    received = sum(1 for home, ids in enumerate(ids_by_rank) if home != rank
+                   for row in ids if rank in destinations(home, row))
+    return sent * (hidden * element_size + 8 * top_k), received * hidden * element_size
+
+
+def run_config(config, rank, world_size, debug=True):
+    from moeroute.bindings.ep import make_dispatcher
+
+    hidden, inter = 16, 8
+    dtype = getattr(torch, config["dtype"])
+    layout = ExpertLayout(config["N"], config["S"], ep_size=world_size,
+                          dispatch=config["dispatch"], shared=config["shared"],
+                          shared_slots=config["slots"], num_redundant_experts=config["R"],
+                          scaling_regime=config["regime"])
+    layer = make_layer(1234, config["N"], hidden, inter, config["S"], config["gated"])
+    counts = config["counts"]
+    gen = torch.Generator().manual_seed(99)
+    x_all = torch.randn(sum(counts), hidden, generator=gen).to(dtype)
+    ids_all, w_all = route(layer, x_all, config["K"], config["rsf"], config["force_expert"])
+    start = sum(counts[:rank])
+    mine = slice(start, start + counts[rank])
+
+    dispatcher = make_dispatcher(layout, None, config["dispatch"], debug=debug)
+    out, phys_ids, in_flight = ep_forward(
+        dispatcher, layer, layout, rank, x_all[mine], ids_all[mine], w_all[mine],
+        config["rsf"], overlap=layout.shared == "overlap")
+    expected = dense_reference(layer, x_all[mine], ids_all[mine], w_all[mine])
+    scale = float(expected.abs().max()) if expected.numel() else 1.0
+    error = float((out.double() - expected).abs().max()) / scale if out.numel() else 0.0
+
+    # Every rank's physical ids, for the independent byte count.
+    ids_by_rank = []
+    for r in range(world_size):
+        s = sum(counts[:r])
+        routed_w = w_all[s:s + counts[r]]
+        ids_r, _ = reference.append_shared_slots(
+            ids_all[s:s + counts[r]].numpy(), routed_w.numpy(), layout, r, None)
+        ids_by_rank.append(ids_r)
+    assert np.array_equal(ids_by_rank[rank], phys_ids)
+    expected_dispatch, expected_combine = _expected_bytes(
+        layout, ids_by_rank, rank, hidden, x_all.element_size(), phys_ids.shape[1])
+    stats = dispatcher.last_stats
+    return dict(
+        name=config["name"], shared=layout.shared, shape=tuple(out.shape),
+        expected_shape=(counts[rank], hidden), error=error,
+        tolerance=BF16_TOLERANCE if dtype == torch.bfloat16 else FP32_TOLERANCE,
+        dispatch_bytes=stats.dispatch_bytes, expected_dispatch_bytes=expected_dispatch,
+        combine_bytes=stats.combine_bytes, expected_combine_bytes=expected_combine,
+        replica_slots=int(np.isin(phys_ids[:, :config["K"]],
+                                  layout.routed_id_map[layout.num_routed_experts:]).sum()),
+        in_flight=in_flight, overlap=layout.shared == "overlap",
+        forced_expert_slots=(int((ids_all[mine][:, 0] == config["force_expert"]).sum())
+                             if config["force_expert"] is not None else None),
+    )
+
+
+def _outcome(fn):
+    """(exception type name, message) of ``fn()``, or (None, None) when it returns."""
+    try:
+        fn()
+    except Exception as error:  # recorded and asserted by the parent test
+        return type(error).__name__, str(error)
+    return None, None
+
+
+def invalid_argument_cases(rank, world_size):
+    from moeroute.bindings.ep import All2AllDispatcher, AllGatherDispatcher, make_dispatcher
+
+    layout = ExpertLayout(8, 0, ep_size=world_size, dispatch="all2all")
+    dispatcher = make_dispatcher(layout, None, "all2all")
+    x = torch.zeros(3, 4)
+    ids = torch.zeros(3, 2, dtype=torch.int32)
+    w = torch.zeros(3, 2)
+    cases = {
+        "layout-type": lambda: make_dispatcher("all2all", None, "all2all"),
+        "dispatch-unknown": lambda: make_dispatcher(layout, None, "ring"),
+        "dispatch-mismatch": lambda: make_dispatcher(layout, None, "allgather"),
+        "allgather-class-mismatch": lambda: AllGatherDispatcher(layout),
+        "group-size": lambda: All2AllDispatcher(
+            ExpertLayout(8, 0, ep_size=world_size + 1, dispatch="all2all")),
+        "debug-type": lambda: All2AllDispatcher(layout, debug="yes"),
+        "ids-dtype": lambda: dispatcher.dispatch(x, ids.long(), w),
+        "weights-shape": lambda: dispatcher.dispatch(x, ids, w[:, :1]),
+        "hidden-not-tensor": lambda: dispatcher.dispatch(x.numpy(), ids, w),
+        "hidden-rank": lambda: dispatcher.dispatch(x[None], ids, w),
+        "async-type": lambda: dispatcher.dispatch(x, ids, w, async_op=1),
+    }
+    out = {name: _outcome(fn) for name, fn in cases.items()}
+
+    # Combine misuse (after a real, collective dispatch on every rank).
+    handle = dispatcher.dispatch(x, ids, w)
+    other = make_dispatcher(layout, None, "all2all")
+    recv_rows = handle.wait()[0].shape[0]
+    out["combine-foreign-handle"] = _outcome(lambda: other.combine(torch.zeros(recv_rows, 4),
+                                                                   handle))
+    out["combine-rows"] = _outcome(lambda: dispatcher.combine(torch.zeros(recv_rows + 1, 4),
+                                                              handle))
+    out["combine-handle-type"] = _outcome(lambda: dispatcher.combine(torch.zeros(1, 4), None))
+    dispatcher.combine(torch.zeros(recv_rows, 4), handle)
+    out["combine-twice"] = _outcome(lambda: dispatcher.combine(torch.zeros(recv_rows, 4),
+                                                               handle))
+    return out
+
+
+def debug_fault_cases(rank, world_size):
+    """Faults injected on every rank alike (so collectives stay matched); each must raise."""
+    from moeroute.bindings.ep import All2AllDispatcher, AllGatherDispatcher
+
+    out = {}
+    hidden = 4
+    x = torch.randn(6, hidden, generator=torch.Generator().manual_seed(rank))
+    # Every rank routes each token to an expert of every rank.
+    layout = ExpertLayout(8, 1, ep_size=world_size, dispatch="all2all")
+    per_rank = 8 // world_size
+    ids_logical = np.stack([[0, 8 - 1]] * 6).astype(np.int32)
+    phys, weights = reference.append_shared_slots(ids_logical, np.ones((6, 2), np.float32),
+                                                  layout, rank)
+    ids, w = torch.from_numpy(phys), torch.from_numpy(weights)
+
+    class DropsSharedSlot(All2AllDispatcher):
+        def _destinations(self, valid, safe, tables):
+            owner, local = super()._destinations(valid, safe, tables)
+            local[:, -1] = -1  # the shared slot reaches its rank without a local id
+            return owner, local
+
+    class WrongLocalId(All2AllDispatcher):
+        def _destinations(self, valid, safe, tables):
+            owner, local = super()._destinations(valid, safe, tables)
+            local[:, 0] = (local[:, 0] + 1) % per_rank  # a live id of the wrong expert
+            return owner, local
+
+    out["all2all-dropped-slot"] = _outcome(
+        lambda: DropsSharedSlot(layout, debug=True).dispatch(x, ids, w))
+    out["all2all-wrong-local-id"] = _outcome(
+        lambda: WrongLocalId(layout, debug=True).dispatch(x, ids, w))
+
+    def combine_with_duplicated_row():
+        dispatcher = All2AllDispatcher(layout, debug=True)
+        handle = dispatcher.dispatch(x, ids, w)
+        index = handle.state.send_token_index
+        index[1] = index[0]  # row 1 goes home to token 0: token 0 combined twice
+        partial = torch.zeros(handle.wait()[0].shape)
+        dispatcher.combine(partial, handle)
+
+    out["all2all-combined-twice"] = _outcome(combine_with_duplicated_row)
+
+    global_layout = ExpertLayout(8, 1, ep_size=world_size, dispatch="allgather",
+                                 shared_slots="global")
+    gphys, gweights = reference.append_shared_slots(
+        ids_logical, np.ones((6, 2), np.float32), global_layout, rank)
+
+    class NoHomeMask(AllGatherDispatcher):
+        def _local_ids(self, recv_ids, sizes):
+            tables = self._tables(recv_ids.device)
+            valid, safe = self._valid_and_safe(recv_ids)
+            local = tables.local[self.rank][safe]
+            return torch.where(valid, local, torch.full_like(local, -1)).to(torch.int32)
+
+    out["allgather-unmasked-global-slot"] = _outcome(
+        lambda: NoHomeMask(global_layout, debug=True).dispatch(
+            x, torch.from_numpy(gphys), torch.from_numpy(gweights)))
+
+    # The same faults without debug mode: no check, no error (the check is what raises).
+    out["all2all-dropped-slot-nodebug"] = _outcome(
+        lambda: DropsSharedSlot(layout, debug=False).dispatch(x, ids, w).wait())
+    return out
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def configs_worker(rank, world_size, payload):
+    records = [run_config(config, rank, world_size) for config in dispatcher_configs(world_size)]
+    result = {"records": records}
+    if payload and payload.get("invalid"):
+        result["invalid"] = invalid_argument_cases(rank, world_size)
+    if payload and payload.get("faults"):
+        result["faults"] = debug_fault_cases(rank, world_size)
+    dist.barrier()
+    return result
+
+
+def peer_failure_worker(rank, world_size, payload):
+    """Rank 1 exits (or stalls) before the dispatch; the others must raise, not hang."""
+    from moeroute.bindings.ep import make_dispatcher
+
+    layout = ExpertLayout(8, 1, ep_size=world_size, dispatch=payload["dispatch"])
+    dispatcher = make_dispatcher(layout, None, payload["dispatch"], debug=True)
+    x = torch.randn(4, 8)
+    ids, w = route(make_layer(0, 8, 8, 4, 1, False), x, 2, 1.0)
+    phys, weights = reference.append_shared_slots(ids.numpy(), w.numpy(), layout, rank)
+    dist.barrier()
+    if rank == 1:
+        if payload["failure"] == "exit":
+            os._exit(0)
+        time.sleep(payload["stall_s"])
+        return "stalled"
+    start = time.monotonic()
+    try:
+        handle = dispatcher.dispatch(x, torch.from_numpy(phys), torch.from_numpy(weights))
+        dispatcher.combine(torch.zeros(handle.wait()[0].shape), handle)
+    except Exception as error:  # the outcome under test
+        return dict(raised=type(error).__name__, message=str(error)[:300],
+                    elapsed=time.monotonic() - start)
+    return dict(raised=None, elapsed=time.monotonic() - start)
+
+
+def qwen35_worker(rank, world_size, payload):
+    """Qwen3.5-MoE shape: 512 routed experts, top-10, one gated shared expert, fused
+    per-rank slots on 8 all2all ranks (the case of SPEC "Why this exists", bug 2)."""
+    from moeroute.bindings.ep import make_dispatcher
+
+    num_experts, top_k, hidden, inter = 512, 10, 8, 4
+    records = []
+    for dispatch in ("all2all", "allgather"):
+        layout = ExpertLayout(num_experts, 1, ep_size=world_size, dispatch=dispatch)
+        layer = make_layer(7, num_experts, hidden, inter, 1, True)
+        counts = [3 + (r % 3) for r in range(world_size)]
+        x_all = torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(5))
+        ids_all, w_all = route(layer, x_all, top_k, 1.0)
+        start = sum(counts[:rank])
+        mine = slice(start, start + counts[rank])
+        dispatcher = make_dispatcher(layout, None, dispatch, debug=True)
+        out, phys, _ = ep_forward(dispatcher, layer, layout, rank, x_all[mine], ids_all[mine],
+                                  w_all[mine], 1.0, overlap=False)
+        expected = dense_reference(layer, x_all[mine], ids_all[mine], w_all[mine])
+        error = float((out.double() - expected).abs().max() / expected.abs().max())
+        records.append(dict(
+            dispatch=dispatch, shared=layout.shared, slots=layout.shared_slots,
+            num_physical=layout.num_physical_experts, error=error,
+            shared_ids=sorted(set(phys[:, -1].tolist())),
+            expected_shared_ids=layout.shared_slot_ids(rank).tolist(),
+        ))
+    return records
+
+
+WORKERS = {
+    "configs": configs_worker,
+    "peer_failure": peer_failure_worker,
+    "qwen35": qwen35_worker,
+}

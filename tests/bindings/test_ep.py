@@ -1,0 +1,205 @@
+"""Expert-parallel dispatchers on gloo: spawned process groups against a dense reference.
+
+Each module-scoped fixture spawns one process group that loops over many configurations
+(process start-up dominates); the tests below assert on the records it returns. Every
+configuration runs with debug=True, so the once-dispatched / once-combined count is
+checked on every forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from _ep_workers import (
+    SHORT_TIMEOUT_S,
+    dispatcher_configs,
+    spawn_group,
+)
+
+WORLD_SIZES = (2, 4)
+#: Survivors of a dead or stalled peer must raise within this many seconds (gloo timeout
+#: SHORT_TIMEOUT_S plus start-up noise on a loaded machine).
+PEER_FAILURE_DEADLINE_S = 20
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory):
+    """World size -> per-rank results of the configuration loop (spawned once)."""
+    cache = {}
+
+    def get(world_size):
+        if world_size not in cache:
+            payload = {"invalid": world_size == 2, "faults": True}
+            cache[world_size] = spawn_group(
+                "configs", world_size, tmp_path_factory.mktemp(f"ep{world_size}"), payload)
+        return cache[world_size]
+
+    return get
+
+
+def _records(results, name):
+    found = [next(r for r in rank_result["records"] if r["name"] == name)
+             for rank_result in results]
+    assert len(found) == len(results)
+    return found
+
+
+CONFIG_IDS = [(w, c["name"]) for w in WORLD_SIZES for c in dispatcher_configs(w)]
+
+
+@pytest.mark.parametrize("world_size,name", CONFIG_IDS, ids=[f"E{w}-{n}" for w, n in CONFIG_IDS])
+def test_each_rank_matches_dense_reference(groups, world_size, name):
+    for rank, record in enumerate(_records(groups(world_size), name)):
+        assert record["shape"] == record["expected_shape"], (rank, record)
+        assert record["error"] < record["tolerance"], (
+            f"rank {rank}: relative error {record['error']:.3g} >= {record['tolerance']}")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_every_configuration_ran_on_every_rank(groups, world_size):
+    expected = [c["name"] for c in dispatcher_configs(world_size)]
+    for rank_result in groups(world_size):
+        assert [r["name"] for r in rank_result["records"]] == expected
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_shared_owner_resolves_as_requested(groups, world_size):
+    for config in dispatcher_configs(world_size):
+        record = _records(groups(world_size), config["name"])[0]
+        if config["S"] == 0:
+            assert record["shared"] == "none"
+        elif config["shared"] != "auto":
+            assert record["shared"] == config["shared"]
+        else:  # auto with a splittable shared MLP fuses it
+            assert record["shared"] == "fused"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_bytes_sent_are_unique_token_rank_pairs(groups, world_size):
+    """all2all: (unique (token, other rank) pairs) x (H x element size + 8 bytes per slot);
+    combine: rows received from other ranks x H x element size."""
+    checked_nonzero = 0
+    for config in dispatcher_configs(world_size):
+        for rank, record in enumerate(_records(groups(world_size), config["name"])):
+            assert record["dispatch_bytes"] == record["expected_dispatch_bytes"], (rank, record)
+            assert record["combine_bytes"] == record["expected_combine_bytes"], (rank, record)
+            checked_nonzero += record["dispatch_bytes"] > 0
+    assert checked_nonzero > 0
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_overlap_dispatch_is_in_flight_until_wait(groups, world_size):
+    for config in dispatcher_configs(world_size):
+        for record in _records(groups(world_size), config["name"]):
+            assert record["in_flight"] == record["overlap"], record
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_redundant_experts_use_replicas(groups, world_size):
+    for dispatch in ("all2all", "allgather"):
+        records = _records(groups(world_size), f"{dispatch}-redundant-eplb")
+        assert sum(r["replica_slots"] for r in records) > 0  # the replica rule was exercised
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_all_tokens_reach_the_forced_expert(groups, world_size):
+    for dispatch in ("all2all", "allgather"):
+        for k in (1, 3):
+            for record in _records(groups(world_size), f"{dispatch}-all-to-one-expert-K{k}"):
+                assert record["forced_expert_slots"] == record["expected_shape"][0]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_debug_check_catches_injected_faults(groups, world_size):
+    for rank, rank_result in enumerate(groups(world_size)):
+        faults = rank_result["faults"]
+        kind, message = faults["all2all-dropped-slot"]
+        assert kind == "DispatchCheckError" and "dispatched 0 time(s)" in message, (rank, message)
+        kind, message = faults["all2all-wrong-local-id"]
+        assert kind == "DispatchCheckError" and "as local id" in message, (rank, message)
+        kind, message = faults["all2all-combined-twice"]
+        assert kind == "DispatchCheckError" and "combined 2 time(s)" in message, (rank, message)
+        kind, message = faults["allgather-unmasked-global-slot"]
+        assert kind == "DispatchCheckError", (rank, message)
+        assert f"dispatched (summed over ranks) {world_size} time(s)" in message
+        assert faults["all2all-dropped-slot-nodebug"] == (None, None)
+
+
+INVALID_CASES = {
+    # name: (exception type, substrings of the message)
+    "layout-type": ("TypeError", ["layout", "ExpertLayout", "str"]),
+    "dispatch-unknown": ("ValueError", ["dispatch='ring'", "all2all"]),
+    "dispatch-mismatch": ("ValueError", ["dispatch='allgather'", "layout.dispatch='all2all'"]),
+    "allgather-class-mismatch": ("ValueError", ["layout.dispatch='all2all'", "'allgather'"]),
+    "group-size": ("ValueError", ["2 ranks", "layout.ep_size=3"]),
+    "debug-type": ("TypeError", ["debug='yes'"]),
+    "ids-dtype": ("ValueError", ["topk_ids", "int32", "int64"]),
+    "weights-shape": ("ValueError", ["topk_weights", "(3, 1)"]),
+    "hidden-not-tensor": ("TypeError", ["hidden_states", "ndarray"]),
+    "hidden-rank": ("ValueError", ["hidden_states", "2-D"]),
+    "async-type": ("TypeError", ["async_op=1"]),
+    "combine-foreign-handle": ("ValueError", ["handle", "this dispatcher"]),
+    "combine-rows": ("ValueError", ["partial_out", "Tr="]),
+    "combine-handle-type": ("TypeError", ["handle", "NoneType"]),
+    "combine-twice": ("RuntimeError", ["already combined"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INVALID_CASES))
+def test_invalid_arguments_raise_at_the_boundary(groups, case):
+    kind, fragments = INVALID_CASES[case]
+    for rank_result in groups(2):
+        got_kind, message = rank_result["invalid"][case]
+        assert got_kind == kind, (case, got_kind, message)
+        for fragment in fragments:
+            assert fragment in message, (case, fragment, message)
+
+
+def test_make_dispatcher_needs_a_process_group():
+    from moeroute.bindings.ep import make_dispatcher
+    from moeroute.bindings.torch.dispatch import LocalDispatcher
+    from moeroute.layout import ExpertLayout
+
+    with pytest.raises(ValueError, match="init_process_group"):
+        make_dispatcher(ExpertLayout(8, 1, ep_size=2, dispatch="all2all"), None, "all2all")
+    local = make_dispatcher(ExpertLayout(8, 1), None, "none")
+    assert isinstance(local, LocalDispatcher)
+
+
+def test_transfer_stats_add_and_report():
+    from moeroute.bindings.ep import TransferStats
+
+    a = TransferStats(rows_sent=2, hidden_bytes=64, metadata_bytes=32, count_bytes=8,
+                      combine_bytes=64)
+    b = TransferStats(rows_sent=1, hidden_bytes=32, metadata_bytes=16, count_bytes=8,
+                      combine_bytes=32)
+    total = a + b
+    assert (total.rows_sent, total.dispatch_bytes, total.total_bytes) == (3, 144, 256)
+    assert total.as_dict()["total_bytes"] == 256
+
+
+@pytest.mark.parametrize("dispatch,failure", [("all2all", "exit"), ("allgather", "stall")])
+def test_dead_or_stalled_peer_raises_within_timeout(tmp_path, dispatch, failure):
+    payload = {"dispatch": dispatch, "failure": failure, "stall_s": SHORT_TIMEOUT_S + 2}
+    results = spawn_group("peer_failure", 3, tmp_path, payload, timeout_s=SHORT_TIMEOUT_S,
+                          join_timeout_s=90)
+    # The exiting rank leaves no result; the stalled one wakes after the others gave up.
+    assert results[1] == (None if failure == "exit" else "stalled")
+    for rank in (0, 2):
+        outcome = results[rank]
+        assert outcome is not None and outcome["raised"] == "CollectiveError", (rank, outcome)
+        assert f"rank {rank} of 3" in outcome["message"], outcome
+        assert outcome["elapsed"] < PEER_FAILURE_DEADLINE_S, (rank, outcome)
+        if failure == "stall":  # nothing closed a connection: the group's timeout fired
+            assert outcome["elapsed"] > 0.8 * SHORT_TIMEOUT_S, (rank, outcome)
+
+
+def test_qwen35_fused_per_rank_slots_on_eight_ranks(tmp_path):
+    results = spawn_group("qwen35", 8, tmp_path, join_timeout_s=180)
+    for rank, records in enumerate(results):
+        for record in records:
+            assert record["shared"] == "fused" and record["slots"] == "per_rank"
+            assert record["num_physical"] == 512 + 8
+            # SPEC section 2: rank r's block starts at b_r = 64 r + r; its slot follows 64 routed.
+            assert record["shared_ids"] == [65 * rank + 64] == record["expected_shared_ids"]
+            assert record["error"] < 1e-5, (rank, record)
