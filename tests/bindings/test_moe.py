@@ -1,0 +1,285 @@
+"""The MoE module and its parts: LocalExperts, LocalDispatcher, input checks, dtypes, GPU path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeroute.bindings.torch.dispatch import DispatchHandle, LocalDispatcher, check_dispatch_inputs
+from moeroute.bindings.torch.experts import LocalExperts
+from moeroute.bindings.torch.moe import MoE
+from moeroute.config import RouterConfig
+from moeroute.layout import ExpertLayout
+from moeroute.routing import reference
+
+H, I, N, K = 24, 16, 8, 3
+ROUTER = RouterConfig(N, K, "softmax", renormalize=True, routed_scaling_factor=1.5)
+FP32_RTOL = 1e-5
+# Normwise tolerances for half precision: the layer rounds its input, each expert's
+# intermediate and output to the dtype (ulp 2**-11 for float16, 2**-8 for bfloat16).
+HALF_RTOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}
+
+
+def _generator(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def make_moe(seed=0, dtype=torch.float32, activation="silu", **kwargs):
+    module = MoE(ROUTER, H, I, activation=activation, dtype=dtype, **kwargs)
+    generator = _generator(seed)
+    w_gate_up = torch.randn(N, 2 * I, H, generator=generator) * 0.3
+    w_down = torch.randn(N, H, I, generator=generator) * 0.3
+    with torch.no_grad():
+        module.router_weight.copy_(torch.randn(N, H, generator=generator))
+        module.load_routed_weights(w_gate_up.to(dtype), w_down.to(dtype))
+    return module, (w_gate_up.to(dtype), w_down.to(dtype))
+
+
+def dense_reference(module, x, weights, activation="silu"):
+    """sum_k w_k * expert_k(x) in float64, routing from moeroute.routing.reference."""
+    w_gate_up, w_down = (w.double() for w in weights)
+    logits = F.linear(x.to(module.router_weight.dtype), module.router_weight).float()
+    topk_weights, topk_ids = reference.select_experts(logits.numpy(), module.router)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    x64 = x.double()
+    for t in range(x.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            h = w_gate_up[e] @ x64[t]
+            out[t] += float(topk_weights[t, k]) * (w_down[e] @ (ACT[activation](h[:I]) * h[I:]))
+    return out
+
+
+def rel_error(actual, expected):
+    return float((actual.double() - expected).abs().max() / expected.abs().max())
+
+
+# ------------------------------------------------------------------ the module
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+def test_forward_matches_dense_reference(activation):
+    module, weights = make_moe(activation=activation)
+    x = torch.randn(10, H, generator=_generator(1))
+    out = module(x)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_error(out, dense_reference(module, x, weights, activation)) < FP32_RTOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(dtype):
+    module, weights = make_moe(seed=2, dtype=dtype)
+    x = torch.randn(16, H, generator=_generator(3)).to(dtype)
+    out = module(x)
+    assert out.dtype == dtype
+    expected = dense_reference(module, x, weights)
+    assert rel_error(out, expected) < HALF_RTOL[dtype]
+
+
+def test_three_dimensional_input_and_given_router_logits():
+    module, _ = make_moe(seed=4)
+    x = torch.randn(2, 5, H, generator=_generator(5))
+    out = module(x)
+    assert out.shape == (2, 5, H)
+    flat = module(x.reshape(10, H))
+    assert torch.equal(out.reshape(10, H), flat)
+    logits = module.compute_router_logits(x.reshape(10, H))
+    assert torch.equal(module(x, router_logits=logits), out)
+    # different logits give a different answer: the given logits are really used
+    assert not torch.allclose(module(x, router_logits=-logits), out)
+
+
+def test_zero_tokens():
+    module, _ = make_moe()
+    assert module(torch.zeros(0, H)).shape == (0, H)
+    assert module(torch.zeros(3, 0, H)).shape == (3, 0, H)
+
+
+def test_redundant_experts_compute_their_logical_expert():
+    module, weights = make_moe(seed=6, num_redundant_experts=3)
+    assert module.experts.num_local_experts == N + 3
+    assert module.routed_expert_ids() == list(range(N)) + [0, 1, 2]
+    x = torch.randn(40, H, generator=_generator(7))
+    assert rel_error(module(x), dense_reference(module, x, weights)) < FP32_RTOL
+
+
+def test_output_regime_without_shared_expert():
+    module, weights = make_moe(seed=8, scaling_regime="output")
+    x = torch.randn(9, H, generator=_generator(9))
+    assert rel_error(module(x), dense_reference(module, x, weights)) < FP32_RTOL
+
+
+def test_inference_only():
+    module, _ = make_moe()
+    x = torch.randn(4, H, requires_grad=True)
+    with pytest.raises(RuntimeError, match="inference-only.*hidden_states"):
+        module(x)
+    module.experts.w_down.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="experts.w_down"):
+        module(x.detach())
+    with torch.no_grad():
+        no_grad_out = module(x)
+    with torch.inference_mode():
+        assert torch.equal(module(x), no_grad_out)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda: torch.randn(4, H + 1), "H=24"),
+    (lambda: torch.randn(H), r"\[T, H\]"),
+    (lambda: torch.randn(4, H, dtype=torch.float64), "dtype"),
+    (lambda: np.zeros((4, H), np.float32), "torch.Tensor"),
+])
+def test_forward_rejects_bad_hidden_states(bad, match):
+    module, _ = make_moe()
+    with pytest.raises((ValueError, TypeError), match=match):
+        module(bad())
+
+
+def test_forward_rejects_bad_router_logits():
+    module, _ = make_moe()
+    x = torch.randn(4, H)
+    with pytest.raises(ValueError, match=r"router_logits must be \[T=4, N=8\]"):
+        module(x, router_logits=torch.randn(4, N + 1))
+    with pytest.raises(ValueError, match="float tensor"):
+        module(x, router_logits=torch.zeros(4, N, dtype=torch.int64))
+
+
+def test_forward_rejects_device_mismatch():
+    module = MoE(ROUTER, H, I, device="meta")
+    with pytest.raises(ValueError, match="device meta is not supported"):
+        module(torch.zeros(2, H, device="meta"))
+    with pytest.raises(ValueError, match="expert weights are on meta"):
+        module(torch.zeros(2, H))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(router=(8, 2)), TypeError, "RouterConfig"),
+    (dict(hidden_size=0), ValueError, "hidden_size=0"),
+    (dict(intermediate_size=2.5), ValueError, "intermediate_size=2.5"),
+    (dict(shared="sometimes"), ValueError, "shared='sometimes'"),
+    (dict(shared_expert_gate=nn.Linear(H, 1)), ValueError, "without shared_experts"),
+    (dict(activation="relu"), ValueError, "activation='relu'"),
+    (dict(scaling_regime="input"), ValueError, "scaling_regime='input'"),
+    (dict(dtype=torch.float64), ValueError, "dtype=torch.float64"),
+    (dict(device="mps"), ValueError, "device=mps"),
+    (dict(shared_experts=3), TypeError, "shared_experts"),
+    (dict(routed_hidden_size=12), ValueError, "routed_hidden_size=12"),
+    (dict(ep_group=object(), dispatch="none"), ValueError, "dispatch='none'"),
+])
+def test_constructor_rejects_bad_arguments(kwargs, error, match):
+    args = dict(router=ROUTER, hidden_size=H, intermediate_size=I)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        MoE(**args)
+
+
+def test_load_weights_checks_shapes_and_mode():
+    module, _ = make_moe()
+    with pytest.raises(ValueError, match="w_gate_up has shape"):
+        module.load_routed_weights(torch.zeros(N, I, H), torch.zeros(N, H, I))
+    with pytest.raises(ValueError, match="w_down has shape"):
+        module.load_routed_weights(torch.zeros(N, 2 * I, H), torch.zeros(N, I, H))
+    with pytest.raises(ValueError, match="fused layout"):
+        module.load_shared_weights(nn.Module())
+
+
+# ------------------------------------------------------------------ LocalExperts
+
+def test_local_experts_weighted_sum_skips_foreign_slots():
+    experts = LocalExperts(4, H, I)
+    generator = _generator(10)
+    with torch.no_grad():
+        experts.w_gate_up.copy_(torch.randn(4, 2 * I, H, generator=generator) * 0.3)
+        experts.w_down.copy_(torch.randn(4, H, I, generator=generator) * 0.3)
+    x = torch.randn(6, H, generator=generator)
+    ids = torch.tensor([[0, 3], [-1, 2], [-1, -1], [1, 1], [4, 0], [2, -1]], dtype=torch.int32)
+    weights = torch.rand(6, 2, generator=generator)
+    out = experts(x, ids, weights)
+    expected = torch.zeros(6, H, dtype=torch.float64)
+    for t in range(6):
+        for k in range(2):
+            e = int(ids[t, k])
+            if 0 <= e < 4:  # -1 and ids past L are held elsewhere
+                h = experts.w_gate_up[e].double() @ x[t].double()
+                expected[t] += float(weights[t, k]) * (experts.w_down[e].double() @ (F.silu(h[:I]) * h[I:]))
+    assert torch.equal(out[2], torch.zeros(H))
+    assert rel_error(out, expected) < FP32_RTOL
+
+
+def test_local_experts_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="num_local_experts=0"):
+        LocalExperts(0, H, I)
+    with pytest.raises(ValueError, match="dtype=torch.int32"):
+        LocalExperts(2, H, I, dtype=torch.int32)
+
+
+# ------------------------------------------------------------------ LocalDispatcher
+
+def test_local_dispatcher_maps_ids_and_passes_rows_through():
+    layout = ExpertLayout(8, 1, num_redundant_experts=2)  # physical 0..9 routed, 10 shared
+    dispatcher = LocalDispatcher(layout)
+    x = torch.randn(3, 4)
+    ids = torch.tensor([[0, 10], [9, 11], [-1, 5]], dtype=torch.int32)
+    handle = dispatcher.dispatch(x, ids, torch.ones(3, 2), async_op=True)
+    recv_hidden, local_ids, recv_weights = handle.wait()
+    assert recv_hidden is x  # nothing travels, nothing is copied
+    assert np.array_equal(local_ids.numpy(), reference.remap_to_local(ids.numpy(), layout.expert_map(0)))
+    assert local_ids.tolist() == [[0, 10], [9, -1], [-1, 5]]
+    partial = torch.randn(3, 4)
+    assert dispatcher.combine(partial, handle) is partial
+    with pytest.raises(ValueError, match="partial_out has 2 rows"):
+        dispatcher.combine(partial[:2], handle)
+
+
+def test_local_dispatcher_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="ep_size=1"):
+        LocalDispatcher(ExpertLayout(8, 0, ep_size=2, dispatch="all2all"))
+    with pytest.raises(TypeError, match="ExpertLayout"):
+        LocalDispatcher("layout")
+    dispatcher = LocalDispatcher(ExpertLayout(8))
+    with pytest.raises(ValueError, match="int32"):
+        dispatcher.dispatch(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, 1))
+    with pytest.raises(TypeError, match="DispatchHandle"):
+        dispatcher.combine(torch.zeros(2, 4), "handle")
+
+
+@pytest.mark.parametrize("args,match", [
+    ((torch.zeros(4), torch.zeros(4, 1, dtype=torch.int32), torch.zeros(4, 1)), "2-D"),
+    ((torch.zeros(4, 2), torch.zeros(3, 1, dtype=torch.int32), torch.zeros(3, 1)), "T=4"),
+    ((torch.zeros(4, 2), torch.zeros(4, 1, dtype=torch.int32), torch.zeros(4, 2)), "must equal"),
+    ((torch.zeros(4, 2), torch.zeros(4, 1, dtype=torch.int32), torch.zeros(4, 1, dtype=torch.float64)), "float32"),
+])
+def test_check_dispatch_inputs(args, match):
+    with pytest.raises(ValueError, match=match):
+        check_dispatch_inputs(*args)
+
+
+def test_dispatch_handle_waits_once():
+    calls = []
+    received = (torch.zeros(1), torch.zeros(1), torch.zeros(1))
+    handle = DispatchHandle(wait_fn=lambda: calls.append(1) or received)
+    assert not handle.is_completed()
+    assert handle.wait() is received and handle.wait() is received
+    assert calls == [1] and handle.is_completed()
+    with pytest.raises(ValueError, match="exactly one"):
+        DispatchHandle()
+
+
+# ------------------------------------------------------------------ GPU path
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_cpu(dtype):
+    module, _ = make_moe(seed=11, dtype=dtype)
+    x = torch.randn(33, H, generator=_generator(12)).to(dtype)
+    expected = module(x)
+    module_cuda = module.to("cuda")
+    out = module_cuda(x.cuda())
+    tolerance = FP32_RTOL if dtype == torch.float32 else HALF_RTOL[dtype]
+    assert out.device.type == "cuda" and out.dtype == dtype
+    assert rel_error(out.cpu(), expected.double()) < tolerance
