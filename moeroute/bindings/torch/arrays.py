@@ -18,7 +18,7 @@ import types
 import numpy as np
 import torch
 
-from moeroute.routing import reference as _reference
+from moeroute.routing.combine import combine as _combine
 from moeroute.routing.permute import permute as _permute
 from moeroute.routing.permute import sort_by_expert as _sort_by_expert
 from moeroute.routing.remap import remap_to_local as _remap_to_local
@@ -46,10 +46,8 @@ ROUTING_KERNELS = types.SimpleNamespace(
     remap_to_local=_remap_to_local,
     sort_by_expert=_sort_by_expert,
     permute=_permute,
-    combine=_reference.combine,
+    combine=_combine,
 )
-#: Whether ROUTING_KERNELS.combine reads bfloat16 as raw uint16 bits (keyword ``raw_bf16``).
-_COMBINE_TAKES_RAW_BF16 = False
 
 
 def host_array(tensor: torch.Tensor) -> np.ndarray:
@@ -235,18 +233,11 @@ def combine(expert_out: torch.Tensor, inverse_index: torch.Tensor, topk_weights:
     Tensor [T, H], dtype of ``expert_out``.
     """
     device = _device_of(expert_out)
-    if expert_out.dtype == torch.bfloat16 and device.type == "cpu" and not _COMBINE_TAKES_RAW_BF16:
-        # No raw-bf16 kernel: accumulate from a float32 copy made on the torch side.
-        out = ROUTING_KERNELS.combine(
-            kernel_array(expert_out.float()), kernel_array(inverse_index),
-            kernel_array(topk_weights),
-        )
-        return as_tensor(out, device).to(torch.bfloat16)
-    kwargs = {"raw_bf16": True} if expert_out.dtype == torch.bfloat16 and _COMBINE_TAKES_RAW_BF16 else {}
-    out = ROUTING_KERNELS.combine(
-        kernel_array(expert_out), kernel_array(inverse_index), kernel_array(topk_weights), **kwargs
-    )
+    bf16 = expert_out.dtype == torch.bfloat16
+    source = expert_out.detach().contiguous()
+    if bf16:
+        source = source.view(torch.uint16 if device.type == "cpu" else torch.int16)
+    out = ROUTING_KERNELS.combine(kernel_array(source), kernel_array(inverse_index),
+                                  kernel_array(topk_weights), raw_bf16=bf16)
     out = as_tensor(out, device)
-    if expert_out.dtype == torch.bfloat16 and out.dtype == torch.uint16:
-        out = out.view(torch.bfloat16)
-    return out
+    return out.view(torch.bfloat16) if bf16 else out
