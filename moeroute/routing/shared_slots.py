@@ -1,0 +1,275 @@
+"""append_shared_slots: routed ids to the physical id space, plus the fused shared slots.
+
+Column k < K of the output is the routed entry mapped by `logical_to_physical`; columns
+K..K+S-1 are the shared slots of the token's home rank with the shared slot weight. The
+shared slots exist only when the layout fuses the shared expert (``layout.shared ==
+"fused"``); they never go through the replica map.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+from numba import njit
+
+from moeroute.routing import _sort
+from moeroute.routing._arrays import as_device_array, is_device_array, resolve_stream
+from moeroute.routing.remap import check_layout, layout_device_tables, physical_id_cpu
+
+try:
+    from numba import cuda
+
+    from moeroute.routing.remap import physical_id_device
+except ImportError:  # pragma: no cover - CPU-only installs
+    cuda = None
+
+__all__ = ["append_shared_slots"]
+
+
+def _check_home_rank(layout, home_rank) -> int:
+    if isinstance(home_rank, bool) or not isinstance(home_rank, numbers.Integral):
+        raise TypeError(f"home_rank={home_rank!r} must be an integer in [0, {layout.ep_size})")
+    if not 0 <= home_rank < layout.ep_size:
+        raise ValueError(
+            f"home_rank={home_rank} is outside [0, {layout.ep_size}) for ep_size={layout.ep_size}"
+        )
+    return int(home_rank)
+
+
+def _check_append_args(layout, home_rank, ids_shape, weights_shape, weights_dtype,
+                       shared_weights, shared_shape) -> tuple[int, int]:
+    """Validated (home_rank, S'); S' = number of appended slots.
+
+    ``shared_shape`` is None for a scalar (or absent) shared weight.
+    """
+    check_layout(layout)
+    home_rank = _check_home_rank(layout, home_rank)
+    if tuple(weights_shape) != tuple(ids_shape):
+        raise ValueError(
+            f"topk_weights has shape {tuple(weights_shape)} but topk_ids has shape "
+            f"{tuple(ids_shape)}; they must match"
+        )
+    if np.dtype(weights_dtype).kind != "f":
+        raise TypeError(f"topk_weights must be floating point, got dtype {weights_dtype}")
+    _sort.check_index_limit("topk_ids.shape[0]", int(ids_shape[0]))
+    slots = layout.num_shared_experts if layout.shared == "fused" else 0
+    if slots == 0:
+        return home_rank, 0
+    if shared_weights is None and layout.scaling_regime == "output":
+        raise ValueError(
+            "shared_weights=None with scaling_regime='output': the combined sum is "
+            "multiplied by routed_scaling_factor afterwards, so a shared slot weight of 1.0 "
+            "would scale the shared expert by rsf. Pass "
+            "shared_weights=layout.shared_slot_weight(gate, routed_scaling_factor)"
+        )
+    if shared_shape is not None:
+        tokens = int(ids_shape[0])
+        allowed = [(), (tokens,), (tokens, 1), (tokens, slots)]
+        if tuple(shared_shape) not in allowed:
+            raise ValueError(
+                f"shared_weights has shape {tuple(shared_shape)}; use a scalar, [T]={tokens}, "
+                f"[T, 1] or [T, S]=[{tokens}, {slots}]"
+            )
+    return home_rank, slots
+
+
+def _slot_weight_strides(shape) -> tuple[int, int]:
+    """(row, column) multipliers reading a [T], [T, 1] or [T, S] weight as 2-D."""
+    if len(shape) == 0:
+        return 0, 0
+    if len(shape) == 1 or shape[1] == 1:
+        return 1, 0
+    return 1, 1
+
+
+# --------------------------------------------------------------------------- CPU
+
+
+@njit(cache=True)
+def _append_cpu(topk_ids, topk_weights, num_routed, replica_offsets, replica_ids,
+                routed_id_map, first_slot, slot_weights, use_row, use_col, scalar_weight,
+                has_array, out_ids, out_weights):
+    rows, top_k = topk_ids.shape
+    slots = out_ids.shape[1] - top_k
+    for t in range(rows):
+        for k in range(top_k):
+            out_ids[t, k] = physical_id_cpu(topk_ids[t, k], t, num_routed, replica_offsets,
+                                            replica_ids, routed_id_map)
+            out_weights[t, k] = topk_weights[t, k]
+        for j in range(slots):
+            out_ids[t, top_k + j] = first_slot + j
+            if has_array:
+                out_weights[t, top_k + j] = slot_weights[t * use_row, j * use_col]
+            else:
+                out_weights[t, top_k + j] = scalar_weight
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+def _append_kernel(topk_ids, topk_weights, num_routed, replica_offsets, replica_ids,
+                   routed_id_map, first_slot, slot_weights, use_row, use_col, scalar_weight,
+                   has_array, out_ids, out_weights):
+    """One thread per output entry (t, c), c < K + S."""
+    i = cuda.grid(1)
+    width = out_ids.shape[1]
+    if i < out_ids.shape[0] * width:
+        t = i // width
+        c = i % width
+        top_k = topk_ids.shape[1]
+        if c < top_k:
+            out_ids[t, c] = physical_id_device(topk_ids[t, c], t, num_routed,
+                                               replica_offsets, replica_ids, routed_id_map)
+            out_weights[t, c] = topk_weights[t, c]
+        else:
+            j = c - top_k
+            out_ids[t, c] = first_slot + j
+            if has_array:
+                out_weights[t, c] = slot_weights[t * use_row, j * use_col]
+            else:
+                out_weights[t, c] = scalar_weight
+
+
+_jitted: dict = {}
+
+
+def _kernel():
+    if "append" not in _jitted:
+        _sort.check_cuda_available()
+        _jitted["append"] = cuda.jit(_append_kernel)
+    return _jitted["append"]
+
+
+# --------------------------------------------------------------------------- API
+
+
+def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weights=None,
+                        *, stream=None):
+    """Physical ids and weights with the fused shared slots appended (SPEC sections 2, 4).
+
+    Parameters
+    ----------
+    topk_ids : array [T, K], integer
+        Logical routed ids (``select_experts`` output); ids outside [0, N) become -1.
+        NumPy (any integer dtype) or device (int32/int64).
+    topk_weights : array [T, K], float
+        float32 on the device; host floats are converted to float32.
+    layout : moeroute.layout.ExpertLayout
+        Decides the routed id map and whether (and where) shared slots are appended.
+    home_rank : int
+        Rank the tokens come from, in [0, layout.ep_size): selects the per-rank shared
+        slots ``b_h + L_h + j``; global slots are ``P + j`` for every rank.
+    shared_weights : None, scalar, or array [T], [T, 1] or [T, S] (float32 on the device)
+        The shared slot weight, ``layout.shared_slot_weight(gate, routed_scaling_factor)``.
+        None means 1.0, which is only right in the "router" scaling regime. Ignored when
+        no slots are appended.
+    stream : optional
+        Device inputs only; default: the current stream of the input's framework.
+
+    Returns
+    -------
+    ids : int32 [T, K + S']
+    weights : float32 [T, K + S']
+        S' = layout.num_shared_experts when ``layout.shared == "fused"``, else 0.
+
+    Raises
+    ------
+    TypeError
+        ``layout`` not an ExpertLayout; ``home_rank`` not an integer; non-integer ids;
+        non-float weights (not float32 on the device); a host ``shared_weights`` array
+        with device ids.
+    ValueError
+        ``home_rank`` outside [0, ep_size); ids not 2-D; weights of another shape;
+        ``shared_weights`` of another shape; ``shared_weights`` None while the layout
+        fuses the shared expert under scaling_regime "output" (the slot weight must be
+        ``layout.shared_slot_weight(gate, rsf)``, i.e. 1/rsf without a gate).
+
+    Examples
+    --------
+    N=8, S=1, E=2 (all2all): a token from rank 1 routed to logical 4 and 7 gets physical
+    ids 5 and 8 and shared id 9.
+    """
+    if is_device_array(topk_ids):
+        return _append_device(topk_ids, topk_weights, layout, home_rank, shared_weights,
+                              stream)
+    ids = _sort.host_ids("topk_ids", topk_ids)
+    weights = np.asarray(topk_weights)
+    shared = None if shared_weights is None else np.asarray(shared_weights)
+    if shared is not None and shared.dtype.kind not in "fiu":
+        raise TypeError(f"shared_weights must be real numbers, got dtype {shared.dtype}")
+    home_rank, slots = _check_append_args(
+        layout, home_rank, ids.shape, weights.shape, weights.dtype, shared_weights,
+        None if shared is None else shared.shape)
+    weights = np.ascontiguousarray(weights, dtype=np.float32)
+    first_slot = int(layout.shared_slot_ids(home_rank)[0]) if slots else 0
+    if shared is None or shared.ndim == 0:
+        scalar = np.float32(1.0 if shared is None else shared)
+        slot_weights, use_row, use_col, has_array = weights, 0, 0, False
+    else:
+        scalar = np.float32(0.0)
+        use_row, use_col = _slot_weight_strides(shared.shape)
+        columns = shared.shape[1] if shared.ndim == 2 else 1
+        slot_weights = np.ascontiguousarray(shared.reshape(shared.shape[0], columns), np.float32)
+        has_array = True
+    rows, top_k = ids.shape
+    out_ids = np.empty((rows, top_k + slots), np.int32)
+    out_weights = np.empty((rows, top_k + slots), np.float32)
+    _append_cpu(ids, weights, layout.num_routed_experts, layout.replica_offsets,
+                layout.replica_ids, layout.routed_id_map, first_slot, slot_weights,
+                use_row, use_col, scalar, has_array, out_ids, out_weights)
+    return out_ids, out_weights
+
+
+def _append_device(topk_ids, topk_weights, layout, home_rank, shared_weights, stream):
+    ids = _sort.device_ids("topk_ids", topk_ids)
+    if not is_device_array(topk_weights):
+        raise TypeError("topk_weights must be a device array when topk_ids is one")
+    weights = as_device_array(topk_weights)
+    if weights.dtype != np.float32:
+        raise TypeError(f"topk_weights on the device must be float32, got dtype {weights.dtype}")
+    shared = None
+    if shared_weights is not None:
+        if is_device_array(shared_weights):
+            shared = as_device_array(shared_weights)
+            if shared.dtype != np.float32:
+                raise TypeError(
+                    f"shared_weights on the device must be float32, got dtype {shared.dtype}")
+        elif isinstance(shared_weights, np.ndarray) and shared_weights.ndim > 0:
+            raise TypeError(
+                "shared_weights is a host array but topk_ids is on the device; pass it on "
+                "the same device (or a Python scalar)")
+        elif not isinstance(shared_weights, (numbers.Real, np.ndarray, np.generic)) \
+                or isinstance(shared_weights, bool):
+            raise TypeError(
+                f"shared_weights must be None, a real scalar or an array, got "
+                f"{type(shared_weights).__name__}")
+    home_rank, slots = _check_append_args(
+        layout, home_rank, ids.shape, weights.shape, weights.dtype, shared_weights,
+        None if shared is None else shared.shape)
+    launch_stream = resolve_stream(topk_ids, stream)
+    first_slot = int(layout.shared_slot_ids(home_rank)[0]) if slots else 0
+    if shared is None:
+        scalar = np.float32(1.0 if shared_weights is None else float(shared_weights))
+        slot_weights, use_row, use_col, has_array = weights, 0, 0, False
+    else:
+        scalar = np.float32(0.0)
+        use_row, use_col = _slot_weight_strides(shared.shape)
+        if shared.ndim == 2:
+            slot_weights = shared
+        else:  # [T] or 0-d: contiguous, so a 2-D view is free
+            slot_weights = shared.reshape(1 if shared.ndim == 0 else int(shared.shape[0]), 1)
+        has_array = True
+    rows, top_k = (int(n) for n in ids.shape)
+    out_ids, ids_view = _sort.device_empty((rows, top_k + slots), np.int32, topk_ids)
+    out_weights, weights_view = _sort.device_empty((rows, top_k + slots), np.float32,
+                                                   topk_ids)
+    numel = rows * (top_k + slots)
+    if numel:
+        offsets, replica_ids, routed_id_map = layout_device_tables(layout)
+        blocks, threads = _sort.launch_config(numel)
+        _kernel()[blocks, threads, launch_stream](
+            ids, weights, layout.num_routed_experts, offsets, replica_ids, routed_id_map,
+            first_slot, slot_weights, use_row, use_col, scalar, has_array, ids_view,
+            weights_view)
+    return out_ids, out_weights
