@@ -1,0 +1,351 @@
+"""combine: the weighted sum of each token's expert outputs, accumulated in float32.
+
+``out[t] = sum_k w[t, k] * expert_out[inverse_index[t, k]]`` over the entries with
+``inverse_index >= 0``, summed in k order in float32 and written in the activation dtype.
+
+bfloat16 has no NumPy dtype, and Numba's CPU target has no float16, so 16-bit activations
+are read as their raw bits: the CPU kernels decode them through a 65536-entry float32
+table, the CUDA kernels natively (float16) or by a shift (bfloat16). bfloat16 results are
+rounded to nearest-even from the float32 sum, as torch's ``.to(torch.bfloat16)`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import njit, prange
+
+from moeroute.routing import _sort
+from moeroute.routing._arrays import as_device_array, is_device_array, resolve_stream, \
+    simulator_enabled
+
+try:
+    from numba import cuda
+except ImportError:  # pragma: no cover - CPU-only installs
+    cuda = None
+
+__all__ = ["combine"]
+
+#: Output size (T*H elements) from which the CPU kernel runs on all cores. Measured on 2
+#: cores: waking the thread pool costs 7-14 ms; smaller sums finish sooner alone.
+PARALLEL_COMBINE_MIN_ELEMENTS = 4 << 20
+#: bfloat16 is the top half of a float32.
+_BF16_SHIFT = 16
+#: The quiet NaN torch writes for any NaN converted to bfloat16.
+_BF16_NAN = 0x7FC0
+#: Half of a bfloat16 ulp minus one, in float32 bits: the round-to-nearest-even bias.
+_BF16_ROUND_BIAS = 0x7FFF
+_FLOAT32_ABS_MASK = 0x7FFFFFFF
+_FLOAT32_INF_BITS = 0x7F800000
+
+_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+_BITS_DTYPES = (np.dtype(np.uint16), np.dtype(np.int16))
+
+
+def _check_combine_args(out_shape, out_dtype, index_shape, index_dtype, weights_shape,
+                        weights_dtype, raw_bf16) -> None:
+    if len(out_shape) != 2:
+        raise ValueError(f"expert_out must be 2-D [M, H], got shape {tuple(out_shape)}")
+    if len(index_shape) != 2:
+        raise ValueError(f"inverse_index must be 2-D [T, K], got shape {tuple(index_shape)}")
+    if np.dtype(index_dtype) not in (np.int32, np.int64):
+        raise TypeError(f"inverse_index must be int32 or int64, got dtype {index_dtype}")
+    if raw_bf16:
+        if np.dtype(out_dtype) not in _BITS_DTYPES:
+            raise TypeError(
+                f"raw_bf16=True needs expert_out as uint16 or int16 bfloat16 bits, got dtype "
+                f"{out_dtype}")
+    elif np.dtype(out_dtype) not in _FLOAT_DTYPES:
+        hint = (" (bfloat16 bits? pass raw_bf16=True)"
+                if np.dtype(out_dtype) in _BITS_DTYPES else "")
+        raise TypeError(
+            f"expert_out must be float32 or float16, got dtype {out_dtype}{hint}")
+    if weights_shape is not None:
+        if tuple(weights_shape) != tuple(index_shape):
+            raise ValueError(
+                f"topk_weights has shape {tuple(weights_shape)} but inverse_index has shape "
+                f"{tuple(index_shape)}; they must match")
+        if np.dtype(weights_dtype).kind != "f":
+            raise TypeError(f"topk_weights must be floating point, got dtype {weights_dtype}")
+    _sort.check_index_limit("inverse_index.shape[0] * expert_out.shape[1]",
+                            int(index_shape[0]) * int(out_shape[1]))
+
+
+# --------------------------------------------------------------------------- CPU
+
+
+@functools.cache
+def _decode_table(raw_bf16: bool) -> np.ndarray:
+    """float32 [65536]: the value of every 16-bit pattern (bfloat16 or float16)."""
+    patterns = np.arange(1 << 16, dtype=np.uint32)
+    if raw_bf16:
+        return (patterns << _BF16_SHIFT).view(np.float32)
+    return patterns.astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+@njit(cache=True, inline="always")
+def _combine_row(expert_out, inverse_index, weights, has_weights, t, out):
+    out[t, :] = 0
+    rows = expert_out.shape[0]
+    for k in range(inverse_index.shape[1]):
+        r = inverse_index[t, k]
+        if r >= 0 and r < rows:
+            w = weights[t, k] if has_weights else np.float32(1)
+            for h in range(out.shape[1]):
+                out[t, h] += w * expert_out[r, h]
+
+
+@njit(cache=True, inline="always")
+def _combine_row_decoded(expert_bits, table, inverse_index, weights, has_weights, t, out):
+    out[t, :] = 0
+    rows = expert_bits.shape[0]
+    for k in range(inverse_index.shape[1]):
+        r = inverse_index[t, k]
+        if r >= 0 and r < rows:
+            w = weights[t, k] if has_weights else np.float32(1)
+            for h in range(out.shape[1]):
+                out[t, h] += w * table[expert_bits[r, h]]
+
+
+@njit(cache=True)
+def _combine_cpu(expert_out, inverse_index, weights, has_weights, out):
+    for t in range(out.shape[0]):
+        _combine_row(expert_out, inverse_index, weights, has_weights, t, out)
+
+
+@njit(cache=True, parallel=True)
+def _combine_cpu_parallel(expert_out, inverse_index, weights, has_weights, out):
+    for t in prange(out.shape[0]):
+        _combine_row(expert_out, inverse_index, weights, has_weights, t, out)
+
+
+@njit(cache=True)
+def _combine_decoded_cpu(expert_bits, table, inverse_index, weights, has_weights, out):
+    for t in range(out.shape[0]):
+        _combine_row_decoded(expert_bits, table, inverse_index, weights, has_weights, t, out)
+
+
+@njit(cache=True, parallel=True)
+def _combine_decoded_cpu_parallel(expert_bits, table, inverse_index, weights, has_weights,
+                                  out):
+    for t in prange(out.shape[0]):
+        _combine_row_decoded(expert_bits, table, inverse_index, weights, has_weights, t, out)
+
+
+def _bf16_from_float_bits(bits):
+    """bfloat16 pattern of the float32 with bit pattern ``bits`` (uint32): rounded to
+    nearest even, as torch does; any NaN becomes the quiet NaN 0x7FC0.
+
+    One definition for the CPU (njit), the GPU (device function) and the simulator.
+    """
+    wide = np.int64(bits)  # room for the bias without wrapping
+    if wide & _FLOAT32_ABS_MASK > _FLOAT32_INF_BITS:
+        return np.uint16(_BF16_NAN)
+    return np.uint16((wide + _BF16_ROUND_BIAS + ((wide >> _BF16_SHIFT) & 1)) >> _BF16_SHIFT)
+
+
+def _float_bits_from_bf16(bits):
+    """float32 bit pattern (uint32) of the bfloat16 pattern ``bits`` (uint16)."""
+    return np.uint32(bits) << np.uint32(_BF16_SHIFT)
+
+
+_bf16_from_float_bits_cpu = njit(cache=True, inline="always")(_bf16_from_float_bits)
+
+
+@njit(cache=True)
+def _encode_bf16_cpu(value_bits, out_bits):
+    """out_bits [T, H] uint16 = bfloat16 of the float32 patterns value_bits [T, H] uint32."""
+    flat_in = value_bits.reshape(-1)
+    flat_out = out_bits.reshape(-1)
+    for i in range(flat_in.shape[0]):
+        flat_out[i] = _bf16_from_float_bits_cpu(flat_in[i])
+
+
+# --------------------------------------------------------------------------- CUDA
+# Only the float32 <-> uint32 reinterpretation differs between the GPU (libdevice) and
+# the simulator (which has no libdevice); the rounding arithmetic is shared.
+
+
+def _float_as_bits_python(value):
+    return np.array(value, dtype=np.float32).view(np.uint32)[()]
+
+
+def _bits_as_float_python(bits):
+    return np.array(bits, dtype=np.uint32).view(np.float32)[()]
+
+
+def _float_as_bits_device(value):
+    return np.uint32(cuda.libdevice.float_as_int(value))
+
+
+def _bits_as_float_device(bits):
+    return cuda.libdevice.int_as_float(np.int32(bits))
+
+
+if cuda is None:  # pragma: no cover - CPU-only installs
+    float_as_bits = bits_as_float = bf16_from_float_bits = float_bits_from_bf16 = None
+elif simulator_enabled():
+    float_as_bits, bits_as_float = _float_as_bits_python, _bits_as_float_python
+    bf16_from_float_bits, float_bits_from_bf16 = _bf16_from_float_bits, _float_bits_from_bf16
+else:
+    float_as_bits = cuda.jit(device=True)(_float_as_bits_device)
+    bits_as_float = cuda.jit(device=True)(_bits_as_float_device)
+    bf16_from_float_bits = cuda.jit(device=True)(_bf16_from_float_bits)
+    float_bits_from_bf16 = cuda.jit(device=True)(_float_bits_from_bf16)
+
+
+def _combine_kernel(expert_out, inverse_index, weights, has_weights, out):
+    """One thread per output element (t, h); float32 or float16 activations."""
+    i = cuda.grid(1)
+    width = out.shape[1]
+    if i < out.shape[0] * width:
+        t = i // width
+        h = i % width
+        rows = expert_out.shape[0]
+        acc = np.float32(0)
+        for k in range(inverse_index.shape[1]):
+            r = inverse_index[t, k]
+            if r >= 0 and r < rows:
+                w = np.float32(1)
+                if has_weights:
+                    w = weights[t, k]
+                acc += w * np.float32(expert_out[r, h])
+        out[t, h] = acc
+
+
+def _combine_bf16_kernel(expert_bits, inverse_index, weights, has_weights, out_bits):
+    """One thread per output element (t, h); bfloat16 activations as raw uint16 bits."""
+    i = cuda.grid(1)
+    width = out_bits.shape[1]
+    if i < out_bits.shape[0] * width:
+        t = i // width
+        h = i % width
+        rows = expert_bits.shape[0]
+        acc = np.float32(0)
+        for k in range(inverse_index.shape[1]):
+            r = inverse_index[t, k]
+            if r >= 0 and r < rows:
+                w = np.float32(1)
+                if has_weights:
+                    w = weights[t, k]
+                acc += w * bits_as_float(float_bits_from_bf16(expert_bits[r, h]))
+        out_bits[t, h] = bf16_from_float_bits(float_as_bits(acc))
+
+
+_jitted: dict = {}
+
+
+def _kernel(raw_bf16: bool):
+    if raw_bf16 not in _jitted:
+        _sort.check_cuda_available()
+        _jitted[raw_bf16] = cuda.jit(_combine_bf16_kernel if raw_bf16 else _combine_kernel)
+    return _jitted[raw_bf16]
+
+
+# --------------------------------------------------------------------------- API
+
+
+def combine(expert_out, inverse_index, topk_weights=None, *, raw_bf16=False, stream=None):
+    """Weighted sum of each token's expert outputs: ``out[t] = sum_k w[t,k] * y[inv[t,k]]``.
+
+    Parameters
+    ----------
+    expert_out : array [M, H]
+        float32 or float16; with ``raw_bf16=True``, bfloat16 activations as their raw bit
+        patterns (uint16 or int16, e.g. ``tensor.view(torch.int16)``).
+    inverse_index : int32 or int64 [T, K]
+        Row of ``expert_out`` for each (token, slot); entries < 0 are skipped (the
+        `sort_by_expert` / `permute` inverse index). On the host an entry >= M raises;
+        on the device it is skipped (checking would need a sync).
+    topk_weights : float [T, K], optional
+        Slot weights; None means 1 (outputs already weighted). float32 on the device;
+        host floats are converted to float32.
+    raw_bf16 : bool
+        Read ``expert_out`` as bfloat16 bits and write the result as bfloat16 bits of
+        the same dtype, rounded to nearest even from the float32 sum. Never goes through
+        a NumPy float conversion of the activations.
+    stream : optional
+        Device inputs only; default: the current stream of the input's framework.
+
+    Returns
+    -------
+    out : [T, H], dtype of ``expert_out``
+        float32 accumulation in k order; rows with no valid entry are 0.
+
+    Raises
+    ------
+    TypeError
+        ``expert_out`` not float32/float16 (or not uint16/int16 with ``raw_bf16``; a
+        16-bit integer ``expert_out`` without it); non-integer ``inverse_index``;
+        non-float ``topk_weights`` (not float32 on the device); host and device arrays
+        mixed.
+    ValueError
+        Arrays not 2-D; ``topk_weights`` shape != ``inverse_index`` shape; a host
+        ``inverse_index`` entry >= M; T*H above 2**31 - 1.
+    """
+    raw_bf16 = bool(raw_bf16)
+    on_device = is_device_array(expert_out)
+    others = [a for a in (inverse_index, topk_weights) if a is not None]
+    if any(is_device_array(a) != on_device for a in others):
+        raise TypeError(
+            "expert_out, inverse_index and topk_weights must all be host (NumPy) arrays or "
+            "all be device arrays")
+    if on_device:
+        return _combine_device(expert_out, inverse_index, topk_weights, raw_bf16, stream)
+    expert = np.asarray(expert_out)
+    index = np.asarray(inverse_index)
+    weights = None if topk_weights is None else np.asarray(topk_weights)
+    _check_combine_args(expert.shape, expert.dtype, index.shape, index.dtype,
+                        None if weights is None else weights.shape,
+                        None if weights is None else weights.dtype, raw_bf16)
+    if index.size and int(index.max()) >= expert.shape[0]:
+        raise ValueError(
+            f"inverse_index holds row {int(index.max())} but expert_out has only "
+            f"{expert.shape[0]} rows")
+    index = np.ascontiguousarray(index)
+    expert = np.ascontiguousarray(expert)
+    has_weights = weights is not None
+    weights = (np.ascontiguousarray(weights, dtype=np.float32) if has_weights
+               else np.empty((1, 1), np.float32))
+    tokens, width = index.shape[0], expert.shape[1]
+    parallel = tokens * width >= PARALLEL_COMBINE_MIN_ELEMENTS
+    if expert.dtype == np.float32:
+        out = np.empty((tokens, width), np.float32)
+        kernel = _combine_cpu_parallel if parallel else _combine_cpu
+        kernel(expert, index, weights, has_weights, out)
+        return out
+    accumulated = np.empty((tokens, width), np.float32)
+    kernel = _combine_decoded_cpu_parallel if parallel else _combine_decoded_cpu
+    kernel(expert.view(np.uint16), _decode_table(raw_bf16), index, weights, has_weights,
+           accumulated)
+    if not raw_bf16:
+        return accumulated.astype(np.float16)
+    out = np.empty((tokens, width), expert.dtype)
+    _encode_bf16_cpu(accumulated.view(np.uint32), out.view(np.uint16))
+    return out
+
+
+def _combine_device(expert_out, inverse_index, topk_weights, raw_bf16, stream):
+    _sort.check_cuda_available()
+    expert = as_device_array(expert_out)
+    index = as_device_array(inverse_index)
+    weights = None if topk_weights is None else as_device_array(topk_weights)
+    _check_combine_args(expert.shape, expert.dtype, index.shape, index.dtype,
+                        None if weights is None else weights.shape,
+                        None if weights is None else weights.dtype, raw_bf16)
+    if weights is not None and weights.dtype != np.float32:
+        raise TypeError(f"topk_weights on the device must be float32, got dtype {weights.dtype}")
+    launch_stream = resolve_stream(expert_out, stream)
+    tokens, width = int(index.shape[0]), int(expert.shape[1])
+    out, out_view = _sort.device_empty((tokens, width), expert.dtype, expert_out)
+    if tokens * width:
+        has_weights = weights is not None
+        if not has_weights:
+            weights = cuda.device_array((1, 1), np.float32, stream=launch_stream)
+        if raw_bf16:  # the kernel reads and writes the patterns as uint16
+            expert, out_view = expert.view(np.uint16), out_view.view(np.uint16)
+        blocks, threads = _sort.launch_config(tokens * width)
+        _kernel(raw_bf16)[blocks, threads, launch_stream](expert, index, weights, has_weights,
+                                                         out_view)
+    return out
