@@ -1,0 +1,302 @@
+"""fused_experts: the routed experts of one MoE layer on a GPU, with CuPy RawKernels.
+
+    align_block_size(topk_ids)      expert-sorted, block-padded (token, slot) indices
+    gate_up GEMM + act(gate) * up   intermediate [T*K, I]
+    down GEMM (x router weight)     expert_out [T*K, H]
+    sum over each token's slots     out [T, H]
+
+Inputs are CuPy arrays or torch CUDA tensors (taken through DLPack without a copy); the output
+comes back in the caller's framework, computed on its current stream. Validation happens once,
+here, before anything is launched.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from moeroute.gpu import launch as L
+from moeroute.gpu import loader
+from moeroute.gpu.align_fallback import align_block_size_array_api
+
+_TORCH_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ExpertProblem:
+    """Sizes of one fused_experts call: T tokens, hidden size H, intermediate size I, E local
+    experts, K slots per token, element type name."""
+
+    num_tokens: int
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    dtype: str
+
+
+def _framework(x) -> str:
+    module = type(x).__module__
+    if module.startswith("torch"):
+        return "torch"
+    if module.startswith("cupy"):
+        return "cupy"
+    return module.split(".")[0]
+
+
+def _dtype_name(x) -> str:
+    return str(x.dtype).removeprefix("torch.")
+
+
+def _is_c_contiguous(x) -> bool:
+    if _framework(x) == "torch":
+        return bool(x.is_contiguous())
+    flags = getattr(x, "flags", None)
+    return bool(flags is None or flags.c_contiguous)
+
+
+def _check_array(name: str, x, ndim: int, dtypes) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array (CuPy array or torch CUDA tensor), got {type(x).__name__}")
+    if len(x.shape) != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
+    if _dtype_name(x) not in dtypes:
+        raise ValueError(f"{name} has dtype {_dtype_name(x)}; expected {' or '.join(dtypes)}")
+    if not _is_c_contiguous(x):
+        raise ValueError(f"{name} must be C-contiguous (call .contiguous() / cupy.ascontiguousarray)")
+
+
+def check_fused_experts_args(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *,
+                             activation="silu", apply_router_weight=True, block_size=None) -> ExpertProblem:
+    """Validate the arguments of :func:`fused_experts` (shapes, dtypes, contiguity, options).
+
+    Works on any array with ``shape`` and ``dtype`` (the device is checked by fused_experts).
+
+    Raises
+    ------
+    ValueError
+        naming the argument, the value found and what is allowed.
+    TypeError
+        when an argument is not an array or ``apply_router_weight`` is not a bool.
+    """
+    _check_array("hidden_states", hidden_states, 2, L.DTYPES)
+    dtype = _dtype_name(hidden_states)
+    _check_array("w_gate_up", w_gate_up, 3, (dtype,))
+    _check_array("w_down", w_down, 3, (dtype,))
+    _check_array("topk_weights", topk_weights, 2, ("float32",))
+    _check_array("topk_ids", topk_ids, 2, ("int32",))
+
+    T, H = (int(v) for v in hidden_states.shape)
+    E, two_I, H_gate_up = (int(v) for v in w_gate_up.shape)
+    if H_gate_up != H:
+        raise ValueError(f"w_gate_up has shape {tuple(w_gate_up.shape)}: last dim {H_gate_up} != hidden size {H} "
+                         f"of hidden_states; expected [num_experts, 2 * intermediate_size, {H}]")
+    if two_I == 0 or two_I % 2:
+        raise ValueError(f"w_gate_up has shape {tuple(w_gate_up.shape)}: dim 1 must be 2 * intermediate_size "
+                         f"(gate rows, then up rows), a positive even number, got {two_I}")
+    I = two_I // 2
+    if E < 1 or H < 1:
+        raise ValueError(f"w_gate_up has shape {tuple(w_gate_up.shape)}: need at least one expert and hidden size >= 1")
+    if tuple(int(v) for v in w_down.shape) != (E, H, I):
+        raise ValueError(f"w_down has shape {tuple(w_down.shape)}; expected [num_experts, hidden_size, "
+                         f"intermediate_size] = {[E, H, I]}")
+    K = int(topk_ids.shape[1])
+    if int(topk_ids.shape[0]) != T or K < 1:
+        raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}; expected [{T}, top_k >= 1] "
+                         f"(one row per token of hidden_states)")
+    if tuple(int(v) for v in topk_weights.shape) != (T, K):
+        raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}; expected {[T, K]} like topk_ids")
+    if activation not in L.ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}; expected one of {sorted(L.ACTIVATIONS)}")
+    if not isinstance(apply_router_weight, bool):
+        raise TypeError(f"apply_router_weight must be a bool, got {apply_router_weight!r}")
+    if block_size is not None and block_size not in L.BLOCK_SIZES:
+        raise ValueError(f"block_size={block_size!r}; expected None (chosen from the shapes) or one of "
+                         f"{list(L.BLOCK_SIZES)}")
+    largest_block = block_size or L.LARGEST_BLOCK_SIZE
+    if T * K + E * largest_block > L.INT32_MAX:
+        raise ValueError(f"num_tokens * top_k = {T * K} with {E} experts exceeds the int32 row index of the "
+                         f"kernels; split the batch")
+    if max(H, I) > L.MAX_OUTPUT_COLUMNS:
+        raise ValueError(f"hidden size {H} / intermediate size {I} exceeds {L.MAX_OUTPUT_COLUMNS} columns "
+                         f"(the kernels' grid limit)")
+    return ExpertProblem(T, H, I, E, K, dtype)
+
+
+def run_fused_experts(backend, problem: ExpertProblem, hidden_states, w_gate_up, w_down, topk_weights,
+                      topk_ids, out, *, activation: str = "silu", apply_router_weight: bool = True,
+                      block_size=None, path=None):
+    """Enqueue the whole computation on ``backend`` (arrays already in its framework and storage
+    dtypes, arguments already checked) and return ``out``.
+
+    ``backend`` provides ``align_block_size(topk_ids, num_experts, block_size)``,
+    ``empty(shape, dtype_name)``, ``launch(KernelLaunch)``, ``pointer(array)``,
+    ``compute_capability`` and ``is_hip``. ``path`` is "mma", "simt" or None (the fastest
+    eligible).
+    """
+    T, H, I, E, K = (problem.num_tokens, problem.hidden_size, problem.intermediate_size,
+                     problem.num_experts, problem.top_k)
+    if T == 0:
+        return out
+    numel = T * K
+    block_size = block_size or L.choose_block_size(numel, E)
+    sorted_token_ids, expert_ids = backend.align_block_size(topk_ids, E, block_size)
+    intermediate = backend.empty((numel, I), problem.dtype)
+    expert_out = backend.empty((numel, H), problem.dtype)
+    if path is None:
+        pointers = [backend.pointer(x) for x in (hidden_states, w_gate_up, w_down, intermediate)]
+        eligible = L.mma_eligible(problem.dtype, backend.compute_capability, backend.is_hip, H, I, pointers)
+        path = "mma" if eligible else "simt"
+    common = dict(path=path, dtype=problem.dtype, block_size=block_size, sorted_token_ids=sorted_token_ids,
+                  expert_ids=expert_ids, topk_weights=topk_weights.reshape(-1), numel=numel)
+    backend.launch(L.plan_expert_gemm(gated=True, a=hidden_states, b=w_gate_up, c=intermediate, top_k=K,
+                                      n=I, k=H, activation=activation, **common))
+    backend.launch(L.plan_expert_gemm(gated=False, a=intermediate, b=w_down, c=expert_out, top_k=1, n=H,
+                                      k=I, apply_router_weight=apply_router_weight, **common))
+    backend.launch(L.plan_sum_topk(dtype=problem.dtype, expert_out=expert_out, topk_ids=topk_ids, out=out,
+                                   num_tokens=T, top_k=K, hidden_size=H, num_experts=E))
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _routing_align():
+    """moeroute.routing.align.align_block_size (Numba CUDA) when it exists, else None."""
+    try:
+        from moeroute.routing.align import align_block_size
+    except ImportError:
+        return None
+    return align_block_size
+
+
+class CupyBackend:
+    """Runs the plans with CuPy on the current device and stream; ``allocate(shape, dtype_name)``
+    makes the scratch arrays (CuPy's pool, or torch's caching allocator for torch callers)."""
+
+    def __init__(self, allocate):
+        import cupy
+
+        self._cupy = cupy
+        self._allocate = allocate
+        self.is_hip = loader.is_hip()
+        self.compute_capability = loader.compute_capability()
+
+    def empty(self, shape, dtype):
+        return self._allocate(shape, dtype)
+
+    def pointer(self, array) -> int:
+        return int(array.data.ptr)
+
+    def align_block_size(self, topk_ids, num_experts, block_size):
+        routing_align = None if self.is_hip else _routing_align()
+        if routing_align is None:
+            sorted_token_ids, expert_ids, _ = align_block_size_array_api(topk_ids, num_experts, block_size,
+                                                                         xp=self._cupy)
+        else:
+            sorted_token_ids, expert_ids, _ = routing_align(topk_ids, num_experts, block_size)
+        return self._cupy.asarray(sorted_token_ids), self._cupy.asarray(expert_ids)
+
+    def launch(self, plan: L.KernelLaunch) -> None:
+        kernel = loader.get_kernel(L.KERNEL_FILE, plan.name, plan.shared_memory)
+        kernel(plan.grid, plan.block, plan.args, shared_mem=plan.shared_memory)
+
+
+def _require_device_arrays(named: dict):
+    """The common framework ("torch" or "cupy") and device index of the arrays in ``named``."""
+    frameworks, devices = {}, {}
+    for name, x in named.items():
+        kind = _framework(x)
+        if kind == "torch":
+            if x.device.type != "cuda":
+                raise TypeError(f"{name} is a torch tensor on {x.device}; fused_experts needs CUDA (or ROCm) "
+                                f"tensors: move the inputs with .cuda()")
+            devices[name] = x.device.index
+        elif kind == "cupy":
+            devices[name] = x.device.id
+        else:
+            raise TypeError(f"{name} must be a CuPy array or a torch CUDA tensor, got "
+                            f"{type(x).__module__}.{type(x).__name__}")
+        frameworks[name] = kind
+    if len(set(frameworks.values())) > 1:
+        raise TypeError(f"mixed array frameworks {frameworks}: pass all CuPy arrays or all torch tensors")
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"arguments are on different devices {devices}: put them on one device")
+    return next(iter(frameworks.values())), next(iter(devices.values()))
+
+
+def _torch_as_cupy(tensor):
+    import cupy
+    import torch
+
+    # CuPy has no bfloat16: the kernels read the same 16 bits through an int16 view.
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return cupy.from_dlpack(tensor)
+
+
+def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, activation="silu",
+                  apply_router_weight=True, block_size=None):
+    """Routed-expert MLPs of one MoE layer: ``out[t] = sum_k w[t,k] * down_e(act(gate_e x_t) * up_e x_t)``
+    over the slots k whose expert e = topk_ids[t, k] is in [0, num_experts).
+
+    Parameters
+    ----------
+    hidden_states : [T, H] float32, float16 or bfloat16 (bfloat16 through torch only: CuPy has none)
+    w_gate_up : [E, 2I, H], dtype of hidden_states; Hugging Face stacked layout, gate rows first
+    w_down : [E, H, I], dtype of hidden_states
+    topk_weights : [T, K] float32
+    topk_ids : [T, K] int32, local expert ids; -1 (or any id outside [0, E)) is a slot computed
+        elsewhere (another expert-parallel rank): it contributes nothing here.
+    activation : "silu" (default), "gelu" (exact, erf) or "gelu_tanh" (tanh approximation)
+    apply_router_weight : multiply each slot's output by its topk_weights entry (True) or not
+    block_size : rows per align_block_size block, one of 16, 32, 64, 128; None picks one from
+        T * K / E.
+
+    All arrays are CuPy arrays or all are torch CUDA tensors, on one device, C-contiguous.
+    Accumulation is float32; intermediate and output are in the input dtype.
+
+    Returns
+    -------
+    out : [T, H], dtype of hidden_states, in the caller's framework, on the same device; the work
+        is enqueued on the caller's current stream (torch.cuda.current_stream() / CuPy's).
+
+    Raises
+    ------
+    TypeError
+        an argument is not a CuPy array / torch CUDA tensor, frameworks are mixed, or
+        apply_router_weight is not a bool.
+    ValueError
+        a shape, dtype, layout or option is wrong (the message names the argument), or the
+        arguments are on different devices.
+    """
+    problem = check_fused_experts_args(hidden_states, w_gate_up, w_down, topk_weights, topk_ids,
+                                       activation=activation, apply_router_weight=apply_router_weight,
+                                       block_size=block_size)
+    named = dict(hidden_states=hidden_states, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights,
+                 topk_ids=topk_ids)
+    framework, device = _require_device_arrays(named)
+    import cupy
+
+    shape = (problem.num_tokens, problem.hidden_size)
+    if framework == "torch":
+        import torch
+
+        torch_device = hidden_states.device
+
+        def allocate(shape, dtype):
+            return _torch_as_cupy(torch.empty(shape, dtype=getattr(torch, dtype), device=torch_device))
+
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(torch_device).cuda_stream, device)
+        out = torch.empty(shape, dtype=hidden_states.dtype, device=torch_device)
+        arrays = [_torch_as_cupy(x) for x in named.values()]
+        with cupy.cuda.Device(device), stream:
+            run_fused_experts(CupyBackend(allocate), problem, *arrays, _torch_as_cupy(out), activation=activation,
+                              apply_router_weight=apply_router_weight, block_size=block_size)
+        return out
+
+    def allocate(shape, dtype):
+        return cupy.empty(shape, dtype=L.STORAGE_DTYPES[dtype])
+
+    with cupy.cuda.Device(device):
+        out = cupy.empty(shape, dtype=hidden_states.dtype)
+        return run_fused_experts(CupyBackend(allocate), problem, *named.values(), out, activation=activation,
+                                 apply_router_weight=apply_router_weight, block_size=block_size)

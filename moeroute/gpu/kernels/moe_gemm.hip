@@ -1,0 +1,339 @@
+// Generated from moe_gemm.cu by tools/hipify_kernels.py (torch.utils.hipify name mapping);
+// do not edit: change moe_gemm.cu and rerun the script.
+// Grouped expert GEMMs over expert-sorted, block-padded rows (SPEC section 5) and the sum over
+// each token's top-k outputs.
+//
+// Rows come from align_block_size (SPEC section 4): block b of block_size consecutive entries of
+// sorted_token_ids belongs to expert expert_ids[b] (-1: nothing to do); entry j holds the flat
+// index t*top_k + k of a (token, slot), or numel for padding. Token rows are read through that
+// index (no gathered copy) and results are written to row `flat index` of the output, so padding
+// rows and slots of other ranks are never read or written. A thread block computes TILE_M rows;
+// TILE_M divides block_size, so a tile never straddles two experts.
+//
+//   gate_up (GATED = 1): A = hidden_states [T, H], row flat/top_k; B = w_gate_up[e] [2I, H]
+//     (gate rows first, then up); C = intermediate [numel, I] = act(A gate^T) * (A up^T).
+//   down    (GATED = 0): A = intermediate [numel, I], row flat (top_k = 1); B = w_down[e] [H, I];
+//     C = expert_out [numel, H] = A B^T, times topk_weights[flat] when apply_router_weight.
+// Accumulation is float32 on every path; C is written in the input type.
+//
+// Two implementations of the same contract:
+//   moe_gemm_simt  every type, every GPU (and the host emulation): shared-memory tiles in float32.
+//   moe_gemm_mma   float16 / bfloat16 on sm_80+: cp.async pipeline, ldmatrix, mma.sync m16n8k16.
+//                  Needs k % 8 == 0 and 16-byte aligned A / B (the launcher checks).
+#include "compat.cuh"
+
+namespace moeroute {
+
+// Activation codes, shared with moeroute/gpu/launch.py (ACTIVATIONS).
+constexpr int kActivationSilu = 0;
+constexpr int kActivationGelu = 1;      // exact: 0.5 x (1 + erf(x / sqrt(2)))
+constexpr int kActivationGeluTanh = 2;  // tanh approximation, as torch's approximate="tanh"
+
+constexpr float kInverseSqrt2 = 0.70710678118654752f;
+constexpr float kSqrt2OverPi = 0.79788456080286536f;
+constexpr float kGeluTanhCubic = 0.044715f;
+
+MOEROUTE_DEVICE float activate(float x, int activation) {
+  switch (activation) {
+    case kActivationGelu:
+      return 0.5f * x * (1.0f + erff(x * kInverseSqrt2));
+    case kActivationGeluTanh:
+      return 0.5f * x * (1.0f + tanhf(kSqrt2OverPi * (x + kGeluTanhCubic * x * x * x)));
+    case kActivationSilu:
+    default:
+      return x / (1.0f + expf(-x));
+  }
+}
+
+// SIMT tiling: 256 threads as a 16 x 16 grid, each owning TILE_M/16 rows x 4 columns.
+constexpr int kSimtThreadsX = 16;
+constexpr int kSimtThreadsY = 16;
+constexpr int kSimtThreads = kSimtThreadsX * kSimtThreadsY;
+constexpr int kSimtBlockN = 64;  // output columns per block
+constexpr int kSimtBlockK = 16;  // reduction slice staged in shared memory per step
+// Two resident blocks per multiprocessor: one loads its tiles while the other computes. (With
+// the thread count alone, ptxas squeezes the small tiles into 40 registers and spills.)
+constexpr int kSimtMinBlocksPerMultiprocessor = 2;
+
+}  // namespace moeroute
+
+// Grid: (row tiles, ceil(n / kSimtBlockN)); block: kSimtThreads.
+template <typename T, int TILE_M, int GATED>
+__global__ void __launch_bounds__(moeroute::kSimtThreads, moeroute::kSimtMinBlocksPerMultiprocessor)
+    moe_gemm_simt(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
+                  const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
+                  const float* __restrict__ topk_weights, int numel, int top_k, int n, int k, int block_size,
+                  int activation, int apply_router_weight) {
+  using namespace moeroute;
+  constexpr int GATES = GATED ? 2 : 1;
+  constexpr int ROWS_PER_THREAD = TILE_M / kSimtThreadsY;
+  constexpr int COLS_PER_THREAD = kSimtBlockN / kSimtThreadsX;
+  static_assert(TILE_M % kSimtThreadsY == 0, "TILE_M must be a multiple of the thread grid height");
+
+  // +1 column: the transposed stores of a warp hit 32 different banks.
+  __shared__ float a_tile[kSimtBlockK][TILE_M + 1];
+  __shared__ float b_tile[GATES][kSimtBlockK][kSimtBlockN + 1];
+  __shared__ int token_row[TILE_M];
+
+  const int row0 = blockIdx.x * TILE_M;
+  const int n0 = blockIdx.y * kSimtBlockN;
+  const int expert = expert_ids[row0 / block_size];
+  if (expert < 0) return;  // the whole block: no thread reaches a barrier
+
+  const int tid = threadIdx.x;
+  const int tx = tid % kSimtThreadsX, ty = tid / kSimtThreadsX;
+  for (int r = tid; r < TILE_M; r += kSimtThreads) token_row[r] = sorted_token_ids[row0 + r];
+  __syncthreads();
+
+  const T* b_expert = b + static_cast<long long>(expert) * GATES * n * k;
+  float accumulator[GATES][ROWS_PER_THREAD][COLS_PER_THREAD] = {};
+
+  for (int k0 = 0; k0 < k; k0 += kSimtBlockK) {
+    for (int e = tid; e < TILE_M * kSimtBlockK; e += kSimtThreads) {
+      const int m = e / kSimtBlockK, kk = e % kSimtBlockK;
+      const int token = token_row[m];
+      float value = 0.0f;
+      if (token < numel && k0 + kk < k) value = to_float(a[static_cast<long long>(token / top_k) * k + k0 + kk]);
+      a_tile[kk][m] = value;
+    }
+    for (int e = tid; e < GATES * kSimtBlockN * kSimtBlockK; e += kSimtThreads) {
+      const int row = e / kSimtBlockK, kk = e % kSimtBlockK;
+      const int gate = row / kSimtBlockN, col = row % kSimtBlockN;
+      float value = 0.0f;
+      if (n0 + col < n && k0 + kk < k)
+        value = to_float(b_expert[(static_cast<long long>(gate) * n + n0 + col) * k + k0 + kk]);
+      b_tile[gate][kk][col] = value;
+    }
+    __syncthreads();
+    MOEROUTE_UNROLL
+    for (int kk = 0; kk < kSimtBlockK; ++kk) {
+      float a_value[ROWS_PER_THREAD];
+      MOEROUTE_UNROLL
+      for (int i = 0; i < ROWS_PER_THREAD; ++i) a_value[i] = a_tile[kk][ty + kSimtThreadsY * i];
+      MOEROUTE_UNROLL
+      for (int g = 0; g < GATES; ++g) {
+        MOEROUTE_UNROLL
+        for (int j = 0; j < COLS_PER_THREAD; ++j) {
+          const float b_value = b_tile[g][kk][tx + kSimtThreadsX * j];
+          MOEROUTE_UNROLL
+          for (int i = 0; i < ROWS_PER_THREAD; ++i) accumulator[g][i][j] += a_value[i] * b_value;
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  MOEROUTE_UNROLL
+  for (int i = 0; i < ROWS_PER_THREAD; ++i) {
+    const int token = token_row[ty + kSimtThreadsY * i];
+    if (token >= numel) continue;
+    const float scale = (!GATED && apply_router_weight) ? topk_weights[token] : 1.0f;
+    T* c_row = c + static_cast<long long>(token) * n;
+    MOEROUTE_UNROLL
+    for (int j = 0; j < COLS_PER_THREAD; ++j) {
+      const int col = n0 + tx + kSimtThreadsX * j;
+      if (col >= n) continue;
+      const float value = GATED ? activate(accumulator[0][i][j], activation) * accumulator[GATES - 1][i][j]
+                                : accumulator[0][i][j] * scale;
+      c_row[col] = from_float<T>(value);
+    }
+  }
+}
+
+#if MOEROUTE_HAS_MMA
+
+namespace moeroute {
+
+constexpr int kMmaBlockK = 32;                // two m16n8k16 steps per pipeline stage
+constexpr int kMmaStages = 3;                 // two stages in flight while one is consumed
+constexpr int kMmaRowPitch = kMmaBlockK + 8;  // +16 bytes: ldmatrix's 8 row reads hit distinct banks
+constexpr int kMmaChunk = 8;                  // 16-bit values per 16-byte cp.async
+constexpr int kMmaChunksPerRow = kMmaBlockK / kMmaChunk;
+constexpr int kMmaGroupM = 8;                 // row tiles walked together: their A rows stay in L2
+
+// Issues the cp.async of one stage: TILE_M rows of A (through token_row), then GATES * BLOCK_N
+// rows of B (gate rows n0.., then up rows n + n0..), kMmaBlockK values each from column k0.
+// Rows and columns out of range are zero-filled.
+template <int TILE_M, int BLOCK_N, int GATES, int THREADS>
+MOEROUTE_DEVICE void mma_load_stage(unsigned short* a_stage, unsigned short* b_stage,
+                                    const unsigned short* a_values, const unsigned short* b_values,
+                                    const int* token_row, int numel, int top_k, int n, int k, int n0, int k0,
+                                    int tid) {
+  MOEROUTE_UNROLL
+  for (int i = 0; i < (TILE_M * kMmaChunksPerRow + THREADS - 1) / THREADS; ++i) {
+    const int chunk = tid + i * THREADS;
+    if (chunk < TILE_M * kMmaChunksPerRow) {
+      const int row = chunk / kMmaChunksPerRow, offset = (chunk % kMmaChunksPerRow) * kMmaChunk;
+      const int token = token_row[row];
+      const bool valid = token < numel && k0 + offset < k;
+      const unsigned short* source =
+          valid ? a_values + static_cast<long long>(token / top_k) * k + k0 + offset : a_values;
+      cp_async_16(a_stage + row * kMmaRowPitch + offset, source, valid);
+    }
+  }
+  constexpr int B_CHUNKS = GATES * BLOCK_N * kMmaChunksPerRow;
+  static_assert(B_CHUNKS % THREADS == 0, "every thread issues the same number of B copies");
+  MOEROUTE_UNROLL
+  for (int i = 0; i < B_CHUNKS / THREADS; ++i) {
+    const int chunk = tid + i * THREADS;
+    const int row = chunk / kMmaChunksPerRow, offset = (chunk % kMmaChunksPerRow) * kMmaChunk;
+    const int gate = row / BLOCK_N, col = n0 + row % BLOCK_N;
+    const bool valid = col < n && k0 + offset < k;
+    const unsigned short* source =
+        valid ? b_values + (static_cast<long long>(gate) * n + col) * k + k0 + offset : b_values;
+    cp_async_16(b_stage + row * kMmaRowPitch + offset, source, valid);
+  }
+}
+
+}  // namespace moeroute
+
+// Grid: (row tiles * ceil(n / BLOCK_N)), walked in groups of kMmaGroupM row tiles;
+// block: WARPS_M * WARPS_N warps; dynamic shared memory:
+// kMmaStages * (TILE_M + GATES * BLOCK_N) * kMmaRowPitch 16-bit values.
+template <typename T, int TILE_M, int BLOCK_N, int WARPS_M, int WARPS_N, int GATED>
+__global__ void __launch_bounds__(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE)
+    moe_gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
+                 const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
+                 const float* __restrict__ topk_weights, int numel, int top_k, int n, int k, int block_size,
+                 int activation, int apply_router_weight, int num_m_tiles) {
+  using namespace moeroute;
+  static_assert(MOEROUTE_WARP_SIZE == 32, "mma.sync fragments are laid out over 32 lanes");
+  constexpr int THREADS = WARPS_M * WARPS_N * MOEROUTE_WARP_SIZE;
+  constexpr int GATES = GATED ? 2 : 1;
+  constexpr int WARP_M = TILE_M / WARPS_M, WARP_N = BLOCK_N / WARPS_N;
+  constexpr int M_TILES = WARP_M / 16, N_TILES = WARP_N / 8;
+  static_assert(WARP_M % 16 == 0 && WARP_N % 16 == 0, "warp tiles are whole 16x16 pairs of fragments");
+  constexpr int STAGE_VALUES = (TILE_M + GATES * BLOCK_N) * kMmaRowPitch;
+
+  MOEROUTE_DYNAMIC_SHARED(shared_bytes);
+  unsigned short* stages = reinterpret_cast<unsigned short*>(shared_bytes);
+  __shared__ int token_row[TILE_M];
+
+  const int num_n_tiles = (n + BLOCK_N - 1) / BLOCK_N;
+  const int tiles_per_group = kMmaGroupM * num_n_tiles;
+  const int first_m_tile = (static_cast<int>(blockIdx.x) / tiles_per_group) * kMmaGroupM;
+  const int rows_in_group = num_m_tiles - first_m_tile < kMmaGroupM ? num_m_tiles - first_m_tile : kMmaGroupM;
+  const int in_group = static_cast<int>(blockIdx.x) % tiles_per_group;
+  const int row0 = (first_m_tile + in_group % rows_in_group) * TILE_M;
+  const int n0 = (in_group / rows_in_group) * BLOCK_N;
+
+  const int expert = expert_ids[row0 / block_size];
+  if (expert < 0) return;  // the whole block: no thread reaches a barrier
+
+  const int tid = threadIdx.x;
+  const int lane = tid % MOEROUTE_WARP_SIZE, warp = tid / MOEROUTE_WARP_SIZE;
+  const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
+  for (int r = tid; r < TILE_M; r += THREADS) token_row[r] = sorted_token_ids[row0 + r];
+  __syncthreads();
+
+  const unsigned short* a_values = reinterpret_cast<const unsigned short*>(a);
+  const unsigned short* b_values =
+      reinterpret_cast<const unsigned short*>(b) + static_cast<long long>(expert) * GATES * n * k;
+
+  float accumulator[GATES][M_TILES][N_TILES][4] = {};
+  const int k_tiles = (k + kMmaBlockK - 1) / kMmaBlockK;
+
+  // Every step commits one group (possibly empty) so that wait_group counts stay in step.
+  MOEROUTE_UNROLL
+  for (int s = 0; s < kMmaStages - 1; ++s) {
+    if (s < k_tiles) {
+      unsigned short* a_stage = stages + s * STAGE_VALUES;
+      mma_load_stage<TILE_M, BLOCK_N, GATES, THREADS>(a_stage, a_stage + TILE_M * kMmaRowPitch, a_values,
+                                                       b_values, token_row, numel, top_k, n, k, n0,
+                                                       s * kMmaBlockK, tid);
+    }
+    cp_async_commit();
+  }
+
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    cp_async_wait<kMmaStages - 2>();
+    // Tile kt is visible to all threads, and every warp is done with the stage refilled below.
+    __syncthreads();
+    const int next = kt + kMmaStages - 1;
+    if (next < k_tiles) {
+      unsigned short* a_stage = stages + (next % kMmaStages) * STAGE_VALUES;
+      mma_load_stage<TILE_M, BLOCK_N, GATES, THREADS>(a_stage, a_stage + TILE_M * kMmaRowPitch, a_values,
+                                                       b_values, token_row, numel, top_k, n, k, n0,
+                                                       next * kMmaBlockK, tid);
+    }
+    cp_async_commit();
+
+    const unsigned short* a_stage = stages + (kt % kMmaStages) * STAGE_VALUES;
+    const unsigned short* b_stage = a_stage + TILE_M * kMmaRowPitch;
+    MOEROUTE_UNROLL
+    for (int kk = 0; kk < kMmaBlockK; kk += 16) {
+      unsigned int a_fragment[M_TILES][4];
+      MOEROUTE_UNROLL
+      for (int mt = 0; mt < M_TILES; ++mt) {
+        // Lanes 0-15 address rows 0-15 at column kk, lanes 16-31 the same rows at kk + 8.
+        const int row = warp_m * WARP_M + mt * 16 + lane % 16;
+        ldmatrix_x4(a_fragment[mt], a_stage + row * kMmaRowPitch + kk + (lane / 16) * 8);
+      }
+      MOEROUTE_UNROLL
+      for (int g = 0; g < GATES; ++g) {
+        MOEROUTE_UNROLL
+        for (int nt = 0; nt < N_TILES; nt += 2) {
+          // Matrices: (n 0-7, k 0-7) (n 0-7, k 8-15) (n 8-15, k 0-7) (n 8-15, k 8-15).
+          const int row = g * BLOCK_N + warp_n * WARP_N + nt * 8 + (lane / 16) * 8 + lane % 8;
+          unsigned int b_fragment[4];
+          ldmatrix_x4(b_fragment, b_stage + row * kMmaRowPitch + kk + ((lane / 8) % 2) * 8);
+          MOEROUTE_UNROLL
+          for (int mt = 0; mt < M_TILES; ++mt) {
+            mma_m16n8k16<T>(accumulator[g][mt][nt], a_fragment[mt], b_fragment[0], b_fragment[1]);
+            mma_m16n8k16<T>(accumulator[g][mt][nt + 1], a_fragment[mt], b_fragment[2], b_fragment[3]);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  const int group = lane / 4, thread_in_group = lane % 4;
+  MOEROUTE_UNROLL
+  for (int mt = 0; mt < M_TILES; ++mt) {
+    MOEROUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int token = token_row[warp_m * WARP_M + mt * 16 + group + 8 * half];
+      if (token >= numel) continue;
+      const float scale = (!GATED && apply_router_weight) ? topk_weights[token] : 1.0f;
+      T* c_row = c + static_cast<long long>(token) * n;
+      MOEROUTE_UNROLL
+      for (int nt = 0; nt < N_TILES; ++nt) {
+        MOEROUTE_UNROLL
+        for (int j = 0; j < 2; ++j) {
+          const int col = n0 + warp_n * WARP_N + nt * 8 + 2 * thread_in_group + j;
+          if (col >= n) continue;
+          const float value = GATED ? activate(accumulator[0][mt][nt][2 * half + j], activation) *
+                                          accumulator[GATES - 1][mt][nt][2 * half + j]
+                                    : accumulator[0][mt][nt][2 * half + j] * scale;
+          c_row[col] = from_float<T>(value);
+        }
+      }
+    }
+  }
+}
+
+#endif  // MOEROUTE_HAS_MMA
+
+namespace moeroute {
+constexpr int kSumThreads = 256;  // columns of one token per pass
+}
+
+// out[t, :] = sum over slots k with 0 <= topk_ids[t, k] < num_experts of expert_out[t*top_k + k, :],
+// in slot order, float32 accumulation. Tokens with no such slot get zeros.
+template <typename T>
+__global__ void __launch_bounds__(moeroute::kSumThreads)
+    moe_sum_topk(const T* __restrict__ expert_out, const int* __restrict__ topk_ids, T* __restrict__ out, int top_k,
+                 int h, int num_experts) {
+  using namespace moeroute;
+  const long long token = blockIdx.x;
+  const int* ids = topk_ids + token * top_k;
+  for (int col = threadIdx.x; col < h; col += kSumThreads) {
+    float sum = 0.0f;
+    for (int slot = 0; slot < top_k; ++slot) {
+      const int expert = ids[slot];
+      if (expert >= 0 && expert < num_experts) sum += to_float(expert_out[(token * top_k + slot) * h + col]);
+    }
+    out[token * h + col] = from_float<T>(sum);
+  }
+}

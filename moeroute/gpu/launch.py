@@ -1,0 +1,200 @@
+"""Launch configuration of the expert GEMM kernels: which instantiation, grid, block, shared memory.
+
+Pure Python (no CuPy): the same plans drive the GPU (gemm.py, through the loader) and the host
+emulation used by the tests. Every number the kernels assume is a named constant here; the ones
+that mirror a ``constexpr`` in kernels/moe_gemm.cu say so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+KERNEL_FILE = "moe_gemm"  # kernels/moe_gemm.cu, kernels/moe_gemm.hip
+
+DTYPES = ("float32", "float16", "bfloat16")
+# C++ spelling of each element type in the kernels' template arguments (kernels/compat.cuh).
+KERNEL_TYPE_NAMES = {"float32": "float", "float16": "moeroute::float16", "bfloat16": "moeroute::bfloat16"}
+# NumPy dtype that stores each element type; bfloat16 travels as its 16 raw bits.
+STORAGE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+# Activation codes of moe_gemm.cu (kActivation*). gelu is the exact erf form, gelu_tanh torch's
+# approximate="tanh".
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+
+# align_block_size block sizes the kernels accept: every tile height below divides one of them.
+BLOCK_SIZES = (16, 32, 64, 128)
+
+# Mirrors of moe_gemm.cu.
+SIMT_THREADS = 256
+SIMT_BLOCK_N = 64
+SIMT_TILE_HEIGHTS = (64, 16)  # tallest first: the widest tile that divides block_size wins
+MMA_BLOCK_K = 32
+MMA_STAGES = 3
+MMA_ROW_PITCH = MMA_BLOCK_K + 8
+MMA_ELEMENT_BYTES = 2
+SUM_THREADS = 256
+
+# The mma path reads 16-byte chunks: rows must be a multiple of 8 values and start 16-byte aligned.
+MMA_ROW_MULTIPLE = 8
+MMA_POINTER_ALIGNMENT = 16
+MMA_MIN_COMPUTE_CAPABILITY = 80  # cp.async, ldmatrix and bf16 mma.sync arrived with sm_80
+
+# Dynamic shared memory a kernel may use without opting in to more (cudaFuncAttribute).
+DEFAULT_SHARED_MEMORY_LIMIT = 48 * 1024
+
+# Rows per expert below which a smaller block wastes less padding than it costs in reuse.
+# Thresholds sit halfway between block sizes: 24 -> 16, 48 -> 32, 96 -> 64, else 128.
+BLOCK_SIZE_THRESHOLDS = ((24, 16), (48, 32), (96, 64))
+LARGEST_BLOCK_SIZE = 128
+
+INT32_MAX = 2**31 - 1  # kernels index rows and tiles with int
+GRID_Y_LIMIT = 65535  # CUDA's limit on gridDim.y, which the SIMT kernels use for column tiles
+MAX_OUTPUT_COLUMNS = GRID_Y_LIMIT * SIMT_BLOCK_N
+
+
+@dataclass(frozen=True)
+class MmaTile:
+    """Tile of one moe_gemm_mma instantiation: tile_m rows x block_n output columns (per gate),
+    computed by warps_m x warps_n warps of 32 threads."""
+
+    tile_m: int
+    block_n: int
+    warps_m: int
+    warps_n: int
+
+    @property
+    def threads(self) -> int:
+        return self.warps_m * self.warps_n * 32
+
+    def shared_memory_bytes(self, gated: bool) -> int:
+        rows = self.tile_m + (2 if gated else 1) * self.block_n
+        return MMA_STAGES * rows * MMA_ROW_PITCH * MMA_ELEMENT_BYTES
+
+
+# (tile_m, gated) -> tile. Gated tiles have half the columns: the gate and up halves together
+# are as wide as the down tile, so every configuration holds at most 128 accumulators per thread
+# (no spills; tests/gpu/test_gpu_compile.py checks).
+MMA_TILES = {
+    (16, False): MmaTile(16, 128, 1, 4),
+    (16, True): MmaTile(16, 64, 1, 4),
+    (64, False): MmaTile(64, 128, 2, 2),
+    (64, True): MmaTile(64, 64, 2, 2),
+    (128, False): MmaTile(128, 128, 2, 2),
+    (128, True): MmaTile(128, 64, 2, 2),
+}
+MMA_TILE_HEIGHTS = (128, 64, 16)  # tallest first
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel launch: template instantiation, grid and block (x, y, z), dynamic shared memory
+    in bytes, and the arguments (device arrays and NumPy scalars, in the kernel's order)."""
+
+    name: str
+    grid: tuple
+    block: tuple
+    shared_memory: int
+    args: tuple
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def choose_block_size(numel: int, num_experts: int) -> int:
+    """Block size for align_block_size from the expected rows per expert, ``numel / num_experts``."""
+    rows_per_expert = numel / max(num_experts, 1)
+    for threshold, block_size in BLOCK_SIZE_THRESHOLDS:
+        if rows_per_expert <= threshold:
+            return block_size
+    return LARGEST_BLOCK_SIZE
+
+
+def simt_tile_height(block_size: int) -> int:
+    return next(h for h in SIMT_TILE_HEIGHTS if block_size % h == 0)
+
+
+def mma_tile_height(block_size: int) -> int:
+    return next(h for h in MMA_TILE_HEIGHTS if block_size % h == 0)
+
+
+def mma_eligible(dtype: str, compute_capability: int, is_hip: bool, hidden_size: int,
+                 intermediate_size: int, pointers) -> bool:
+    """True when the mma.sync path can run: float16/bfloat16 on sm_80+ (not HIP), H and I
+    multiples of 8, every pointer 16-byte aligned."""
+    return (
+        dtype in ("float16", "bfloat16")
+        and not is_hip
+        and compute_capability >= MMA_MIN_COMPUTE_CAPABILITY
+        and hidden_size % MMA_ROW_MULTIPLE == 0
+        and intermediate_size % MMA_ROW_MULTIPLE == 0
+        and all(int(p) % MMA_POINTER_ALIGNMENT == 0 for p in pointers)
+    )
+
+
+def simt_name(dtype: str, tile_m: int, gated: bool) -> str:
+    return f"moe_gemm_simt<{KERNEL_TYPE_NAMES[dtype]}, {tile_m}, {int(gated)}>"
+
+
+def mma_name(dtype: str, tile: MmaTile, gated: bool) -> str:
+    return (f"moe_gemm_mma<{KERNEL_TYPE_NAMES[dtype]}, {tile.tile_m}, {tile.block_n}, "
+            f"{tile.warps_m}, {tile.warps_n}, {int(gated)}>")
+
+
+def sum_name(dtype: str) -> str:
+    return f"moe_sum_topk<{KERNEL_TYPE_NAMES[dtype]}>"
+
+
+def shipped_name_expressions(platform: str = "cuda") -> list:
+    """Every instantiation the launcher can ask for on ``platform`` ("cuda" or "hip")."""
+    if platform not in ("cuda", "hip"):
+        raise ValueError(f"platform={platform!r}: expected 'cuda' or 'hip'")
+    names = []
+    for dtype in DTYPES:
+        for tile_m in SIMT_TILE_HEIGHTS:
+            for gated in (True, False):
+                names.append(simt_name(dtype, tile_m, gated))
+        names.append(sum_name(dtype))
+    if platform == "cuda":
+        for dtype in ("float16", "bfloat16"):
+            for (_, gated), tile in MMA_TILES.items():
+                names.append(mma_name(dtype, tile, gated))
+    return names
+
+
+def plan_expert_gemm(*, path: str, dtype: str, gated: bool, block_size: int, a, b, c,
+                     sorted_token_ids, expert_ids, topk_weights, numel: int, top_k: int, n: int,
+                     k: int, activation: str = "silu", apply_router_weight: bool = False) -> KernelLaunch:
+    """Launch of one grouped GEMM over ``len(sorted_token_ids)`` block-padded rows.
+
+    gate_up (``gated``): a = hidden_states [T, H], b = w_gate_up [E, 2n, k], c = [numel, n],
+    a's row of flat index j is j // top_k. down: a = intermediate [numel, k] (pass top_k=1),
+    b = w_down [E, n, k], c = [numel, n], weighted by topk_weights [numel] float32 when
+    ``apply_router_weight``.
+    """
+    rows = int(sorted_token_ids.shape[0])
+    scalars = (np.int32(numel), np.int32(top_k), np.int32(n), np.int32(k), np.int32(block_size),
+               np.int32(ACTIVATIONS[activation]), np.int32(bool(apply_router_weight)))
+    arrays = (a, b, c, sorted_token_ids, expert_ids, topk_weights)
+    if path == "simt":
+        tile_m = simt_tile_height(block_size)
+        return KernelLaunch(simt_name(dtype, tile_m, gated),
+                            (rows // tile_m, ceil_div(n, SIMT_BLOCK_N), 1), (SIMT_THREADS, 1, 1), 0,
+                            arrays + scalars)
+    if path == "mma":
+        tile = MMA_TILES[(mma_tile_height(block_size), gated)]
+        num_m_tiles = rows // tile.tile_m
+        grid = num_m_tiles * ceil_div(n, tile.block_n)
+        return KernelLaunch(mma_name(dtype, tile, gated), (grid, 1, 1), (tile.threads, 1, 1),
+                            tile.shared_memory_bytes(gated), arrays + scalars + (np.int32(num_m_tiles),))
+    raise ValueError(f"path={path!r}: expected 'simt' or 'mma'")
+
+
+def plan_sum_topk(*, dtype: str, expert_out, topk_ids, out, num_tokens: int, top_k: int,
+                  hidden_size: int, num_experts: int) -> KernelLaunch:
+    """Launch of ``out[t] = sum of expert_out[t*top_k + k] over slots with a valid id``."""
+    return KernelLaunch(sum_name(dtype), (num_tokens, 1, 1), (SUM_THREADS, 1, 1), 0,
+                        (expert_out, topk_ids, out, np.int32(top_k), np.int32(hidden_size),
+                         np.int32(num_experts)))
