@@ -99,7 +99,9 @@ def _sort_device(topk_ids, num_experts, stream):
     inverse, inverse_view = _sort.device_empty(tuple(ids.shape), np.int32, topk_ids)
     _sort.counting_sort_device(ids, num_experts, 1, sorted_view, offsets_view, None,
                                inverse_view if numel else None, launch_stream)
-    kept = int(offsets_view[num_experts:].copy_to_host(stream=launch_stream)[0])
+    kept_count = offsets_view[num_experts:].copy_to_host(stream=launch_stream)
+    launch_stream.synchronize()  # the host needs M before it can slice
+    kept = int(kept_count[0])
     return sorted_all[:kept], offsets, inverse, launch_stream
 
 

@@ -1,0 +1,222 @@
+"""The dispatch primitives' CUDA kernels under the Numba CUDA simulator, against the CPU path.
+
+Run by tests/routing/test_dispatch_cuda.py in a subprocess with NUMBA_ENABLE_CUDASIM=1
+(the simulator must be chosen before numba is imported). The simulator runs every CUDA
+thread as a Python thread (~2 ms each), so the shapes are small; the sort kernels are also
+launched with tiny chunks and blocks so that several chunks, tiles and scan tiles occur.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from moeroute.routing._arrays import simulator_enabled
+
+if not simulator_enabled():
+    pytest.skip("needs NUMBA_ENABLE_CUDASIM=1 before numba is imported",
+                allow_module_level=True)
+
+from numba import cuda  # noqa: E402
+
+from moeroute.layout import ExpertLayout  # noqa: E402
+from moeroute.routing import _sort  # noqa: E402
+from moeroute.routing.align import align_block_size  # noqa: E402
+from moeroute.routing.combine import combine  # noqa: E402
+from moeroute.routing.permute import permute, sort_by_expert  # noqa: E402
+from moeroute.routing.remap import logical_to_physical, remap_to_local  # noqa: E402
+from moeroute.routing.shared_slots import append_shared_slots  # noqa: E402
+
+
+def dev(array):
+    return cuda.to_device(np.ascontiguousarray(array))
+
+
+def host(array):
+    return array.copy_to_host()
+
+
+def bf16_bits(values):
+    return torch.from_numpy(np.asarray(values, np.float32)).to(torch.bfloat16).view(
+        torch.uint16).numpy()
+
+
+# ------------------------------------------------------------------ align / sort
+
+
+def test_align_spec_example():
+    ids = np.array([[0, 1], [1, 2], [0, 2]], np.int32)
+    sorted_ids, expert_ids, total = align_block_size(dev(ids), 4, 2)
+    assert host(sorted_ids).tolist() == [0, 4, 1, 2, 3, 5, 6, 6, 6, 6]
+    assert host(expert_ids).tolist() == [0, 1, 2, -1, -1]
+    total = host(total)
+    assert total.dtype == np.int32 and total.tolist() == [6]
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_align_matches_cpu(block_size, dtype):
+    rng = np.random.default_rng(block_size)
+    ids = rng.integers(-2, 9, (9, 3)).astype(dtype)
+    got = align_block_size(dev(ids), 7, block_size)
+    want = align_block_size(ids, 7, block_size)
+    np.testing.assert_array_equal(host(got[0]), want[0])
+    np.testing.assert_array_equal(host(got[1]), want[1])
+    assert int(host(got[2])[0]) == want[2]
+
+
+@pytest.mark.parametrize("block_size", [1, 3])
+def test_counting_sort_over_many_chunks_tiles_and_scan_tiles(block_size):
+    """chunk 10 / 4 threads: 4 chunks of 3 tiles; 40 experts over 8 scan threads: 5 tiles."""
+    rng = np.random.default_rng(7)
+    num_experts = 40
+    ids = rng.integers(-1, num_experts + 1, (13, 3)).astype(np.int32)
+    ids[:6] = rng.integers(0, 3, (6, 3))  # crowd a few experts so runs span chunks
+    numel = ids.size
+    capacity = _sort.padded_capacity(numel, num_experts, block_size)
+    sorted_out = cuda.device_array(capacity, np.int32)
+    starts = cuda.device_array(num_experts + 1, np.int32)
+    expert_ids = cuda.device_array(capacity // block_size, np.int32)
+    inverse = cuda.device_array(ids.shape, np.int32)
+    _sort.counting_sort_device(dev(ids), num_experts, block_size, sorted_out, starts,
+                               expert_ids, inverse, cuda.default_stream(), chunk_size=10,
+                               threads_per_block=4)
+    want_sorted, want_experts, want_total = align_block_size(ids, num_experts, block_size)
+    np.testing.assert_array_equal(host(sorted_out), want_sorted)
+    np.testing.assert_array_equal(host(expert_ids), want_experts)
+    assert host(starts)[-1] == want_total
+    if block_size == 1:
+        slots, offsets, inverse_index = sort_by_expert(ids, num_experts)
+        np.testing.assert_array_equal(host(starts), offsets)
+        np.testing.assert_array_equal(host(inverse), inverse_index)
+
+
+def test_zero_tokens():
+    ids = np.zeros((0, 4), np.int32)
+    sorted_ids, expert_ids, total = align_block_size(dev(ids), 3, 4)
+    want = align_block_size(ids, 3, 4)
+    np.testing.assert_array_equal(host(sorted_ids), want[0])
+    np.testing.assert_array_equal(host(expert_ids), want[1])
+    assert host(total).tolist() == [0]
+    slots, offsets, inverse = sort_by_expert(dev(ids), 3)
+    assert host(slots).shape == (0,) and host(inverse).shape == (0, 4)
+    np.testing.assert_array_equal(host(offsets), [0, 0, 0, 0])
+
+
+def test_sort_by_expert_matches_cpu_with_an_explicit_stream():
+    rng = np.random.default_rng(3)
+    ids = rng.integers(-1, 6, (11, 3))
+    got = sort_by_expert(dev(ids), 5, stream=cuda.stream())
+    for g, w in zip(got, sort_by_expert(ids, 5)):
+        np.testing.assert_array_equal(host(g), w)
+
+
+@pytest.mark.parametrize("kind", ["float32", "bf16-bits"])
+def test_permute_matches_cpu_bit_for_bit(kind):
+    rng = np.random.default_rng(4)
+    ids = rng.integers(-1, 5, (7, 2))
+    values = rng.standard_normal((7, 3)).astype(np.float32)
+    hidden = values if kind == "float32" else bf16_bits(values)
+    got = permute(dev(hidden), dev(ids), 5)
+    want = permute(hidden, ids, 5)
+    assert host(got[0]).tobytes() == want[0].tobytes()
+    for g, w in zip(got[1:], want[1:]):
+        np.testing.assert_array_equal(host(g), w)
+
+
+# ------------------------------------------------------------------ combine
+
+
+@pytest.mark.parametrize("kind", ["float32", "float16", "bf16-uint16", "bf16-int16"])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_combine_matches_cpu(kind, weighted):
+    rng = np.random.default_rng(5)
+    inverse = rng.integers(-1, 8, (5, 3)).astype(np.int32)
+    weights = rng.random((5, 3)).astype(np.float32) if weighted else None
+    values = rng.standard_normal((8, 4)).astype(np.float32)
+    raw = kind.startswith("bf16")
+    expert_out = {
+        "float32": values, "float16": values.astype(np.float16),
+        "bf16-uint16": bf16_bits(values), "bf16-int16": bf16_bits(values).view(np.int16),
+    }[kind]
+    got = combine(dev(expert_out), dev(inverse), None if weights is None else dev(weights),
+                  raw_bf16=raw)
+    want = combine(expert_out, inverse, weights, raw_bf16=raw)
+    got = host(got)
+    assert got.dtype == want.dtype
+    # The simulator sums in the same order in float32: equal bits.
+    assert got.tobytes() == want.tobytes()
+
+
+def test_combine_bf16_rounding_matches_cpu():
+    special = np.array([[1 + 2**-8], [1 + 3 * 2**-8], [3.4e38], [-1e-40], [np.inf], [-2.5]],
+                       np.float32)
+    one = bf16_bits(np.ones((1, 1)))
+    index = np.zeros((6, 1), np.int32)
+    got = host(combine(dev(one), dev(index), dev(special), raw_bf16=True))
+    np.testing.assert_array_equal(got, bf16_bits(special))
+
+
+def test_combine_empty_and_type_errors():
+    assert host(combine(dev(np.zeros((2, 3), np.float32)), dev(np.zeros((0, 2), np.int32)))
+                ).shape == (0, 3)
+    with pytest.raises(TypeError, match="float32"):
+        combine(dev(np.zeros((2, 3), np.float32)), dev(np.zeros((1, 2), np.int32)),
+                dev(np.ones((1, 2), np.float64)))
+    with pytest.raises(TypeError, match="all be device arrays"):
+        combine(dev(np.zeros((2, 3), np.float32)), np.zeros((1, 2), np.int32))
+
+
+# ------------------------------------------------------------------ ids
+
+
+LAYOUT = ExpertLayout(6, 2, ep_size=2, dispatch="all2all", num_redundant_experts=4,
+                      replica_table=[0, 0, 0, 3])
+
+
+def test_logical_to_physical_matches_cpu():
+    rng = np.random.default_rng(6)
+    ids = rng.integers(-1, 8, (9, 3))
+    np.testing.assert_array_equal(host(logical_to_physical(dev(ids), LAYOUT)),
+                                  logical_to_physical(ids, LAYOUT))
+
+
+@pytest.mark.parametrize("gate", ["none", "scalar", "[T]", "[T,S]"])
+def test_append_shared_slots_matches_cpu(gate):
+    rng = np.random.default_rng(8)
+    ids = rng.integers(-1, 7, (4, 3)).astype(np.int32)
+    weights = rng.random((4, 3)).astype(np.float32)
+    shared = {"none": None, "scalar": 0.5, "[T]": rng.random(4).astype(np.float32),
+              "[T,S]": rng.random((4, 2)).astype(np.float32)}[gate]
+    device_shared = dev(shared) if isinstance(shared, np.ndarray) else shared
+    got = append_shared_slots(dev(ids), dev(weights), LAYOUT, 1, device_shared)
+    want = append_shared_slots(ids, weights, LAYOUT, 1, shared)
+    np.testing.assert_array_equal(host(got[0]), want[0])
+    np.testing.assert_array_equal(host(got[1]), want[1])
+
+
+def test_append_shared_slots_not_fused_and_errors():
+    layout = ExpertLayout(8, 1, ep_size=2, dispatch="all2all", shared="overlap")
+    ids = np.array([[1, 6]], np.int32)
+    weights = np.ones((1, 2), np.float32)
+    got = append_shared_slots(dev(ids), dev(weights), layout, 0)
+    np.testing.assert_array_equal(host(got[0]), append_shared_slots(ids, weights, layout, 0)[0])
+    output_regime = ExpertLayout(8, 1, scaling_regime="output")
+    with pytest.raises(ValueError, match="shared_slot_weight"):
+        append_shared_slots(dev(ids), dev(weights), output_regime)
+    with pytest.raises(ValueError, match="home_rank=2"):
+        append_shared_slots(dev(ids), dev(weights), LAYOUT, 2)
+    with pytest.raises(TypeError, match="host array"):
+        append_shared_slots(dev(ids), dev(weights), LAYOUT, 0, np.ones(1, np.float32))
+    with pytest.raises(TypeError, match="int32 or int64"):
+        append_shared_slots(dev(ids.astype(np.float32)), dev(weights), LAYOUT, 0)
+
+
+@pytest.mark.parametrize("device_map", [True, False])
+def test_remap_to_local_matches_cpu(device_map):
+    expert_map = LAYOUT.expert_map(1)
+    rng = np.random.default_rng(9)
+    ids = rng.integers(-2, LAYOUT.num_physical_experts + 2, (5, 4)).astype(np.int32)
+    table = dev(expert_map) if device_map else expert_map
+    got = host(remap_to_local(dev(ids), table))
+    assert got.shape == ids.shape
+    np.testing.assert_array_equal(got, remap_to_local(ids, expert_map))

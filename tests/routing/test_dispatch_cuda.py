@@ -1,0 +1,230 @@
+"""CUDA kernels of the dispatch primitives: simulator runs, device compile checks, GPU runs.
+
+* The simulator suite (_sim_dispatch_cuda.py) runs in a subprocess with
+  NUMBA_ENABLE_CUDASIM=1: every kernel on small shapes against the CPU path.
+* Every kernel is compiled to PTX for sm_80 and sm_90 with NVRTC/NVVM (no GPU needed).
+* `gpu` tests run the kernels at full size on a real device, against the CPU path.
+"""
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+
+cuda = pytest.importorskip("numba.cuda")
+from numba import types as nt  # noqa: E402
+
+from moeroute.layout import ExpertLayout  # noqa: E402
+from moeroute.routing import _sort, combine as combine_module, permute as permute_module  # noqa: E402
+from moeroute.routing import remap as remap_module, shared_slots as shared_slots_module  # noqa: E402
+from moeroute.routing.align import align_block_size  # noqa: E402
+from moeroute.routing.combine import combine  # noqa: E402
+from moeroute.routing.permute import permute, sort_by_expert  # noqa: E402
+from moeroute.routing.remap import logical_to_physical, remap_to_local  # noqa: E402
+from moeroute.routing.shared_slots import append_shared_slots  # noqa: E402
+
+SIM_MODULE = Path(__file__).with_name("_sim_dispatch_cuda.py")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+#: The simulator suite takes ~10 s on 2 cores; this only guards against a hang.
+SIM_TIMEOUT_S = 600
+
+
+def test_cuda_kernels_under_the_simulator():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+         str(SIM_MODULE)],
+        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
+    summary = result.stdout[-3000:] + result.stderr[-2000:]
+    assert result.returncode == 0, summary
+    passed = re.search(r"(\d+) passed", result.stdout)
+    assert passed and int(passed.group(1)) > 0, summary
+    assert not re.search(r"\d+ (failed|skipped|error)", result.stdout), summary
+
+
+# ------------------------------------------------------------------ compile checks
+
+def _array(dtype, ndim):
+    return nt.Array(dtype, ndim, "A")
+
+
+I32, I64, F32, F16, U16, BOOL = nt.int32, nt.int64, nt.float32, nt.float16, nt.uint16, nt.boolean
+
+
+def _kernel_signatures():
+    ids2 = {name: _array(t, 2) for name, t in (("int32", I32), ("int64", I64))}
+    table = _array(I32, 1)
+    cases = []
+    for name, ids in ids2.items():
+        cases += [
+            (f"count[{name}]", _sort._count_kernel, (ids, I64, I64, _array(I32, 2))),
+            (f"place[{name}]", _sort._place_kernel,
+             (ids, I64, I64, _array(I32, 2), table, table, _array(I32, 2), BOOL)),
+            (f"logical_to_physical[{name}]", remap_module.logical_to_physical_kernel,
+             (ids, I64, table, table, table, _array(I32, 2))),
+            (f"remap[{name}]", remap_module._remap_kernel, (_array(ids.dtype, 1), table, table)),
+            (f"append[{name}]", shared_slots_module._append_kernel,
+             (ids, _array(F32, 2), I64, table, table, table, I64, _array(F32, 2), I64, I64,
+              F32, BOOL, _array(I32, 2), _array(F32, 2))),
+        ]
+    cases += [
+        ("scan", _sort._scan_kernel, (_array(I32, 2), I64, I64, table, table)),
+        ("pad", _sort._pad_kernel, (table, table, I64, I64, I64, table, table)),
+        ("gather[uint16]", permute_module._gather_rows_kernel,
+         (_array(U16, 2), table, I64, _array(U16, 2))),
+        ("gather[float32]", permute_module._gather_rows_kernel,
+         (_array(F32, 2), table, I64, _array(F32, 2))),
+        ("combine[float32]", combine_module._combine_kernel,
+         (_array(F32, 2), _array(I32, 2), _array(F32, 2), BOOL, _array(F32, 2))),
+        ("combine[float16]", combine_module._combine_kernel,
+         (_array(F16, 2), _array(I64, 2), _array(F32, 2), BOOL, _array(F16, 2))),
+        ("combine[bf16-bits]", combine_module._combine_bf16_kernel,
+         (_array(U16, 2), _array(I32, 2), _array(F32, 2), BOOL, _array(U16, 2))),
+    ]
+    return cases
+
+
+KERNELS = _kernel_signatures()
+
+
+@contextlib.contextmanager
+def _compiling_for(cc):
+    """numba-cuda compiles called device functions for the current device's compute
+    capability; with no GPU present, name the target instead."""
+    import numba.cuda.dispatcher as dispatcher
+
+    device = types.SimpleNamespace(compute_capability=cc)
+    with mock.patch.object(dispatcher, "get_current_device", return_value=device):
+        yield
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm_80", "sm_90"])
+@pytest.mark.parametrize("name,function,signature", KERNELS, ids=[k[0] for k in KERNELS])
+def test_kernel_compiles_to_ptx(name, function, signature, cc):
+    with _compiling_for(cc):
+        ptx, return_type = cuda.compile_ptx(function, signature, cc=cc)
+    assert return_type == nt.void
+    assert f".target sm_{cc[0]}{cc[1]}" in ptx
+    assert ".entry" in ptx
+
+
+# ------------------------------------------------------------------ GPU
+
+needs_device = pytest.mark.skipif(not cuda.is_available(), reason="no CUDA device")
+
+
+def _ids(rng, tokens, top_k, num_experts, invalid_fraction=0.0):
+    values = np.arange(num_experts)
+    p = 1.0 / (values + 1.0) ** 1.2
+    ids = rng.choice(values, size=(tokens, top_k), p=p / p.sum()).astype(np.int32)
+    ids[rng.random(ids.shape) < invalid_fraction] = -1
+    return ids
+
+
+@pytest.mark.gpu
+@needs_device
+@pytest.mark.parametrize("tokens,top_k,num_experts,block_size", [
+    (65536, 8, 256, 64), (65536, 9, 520, 128), (4097, 10, 1024, 16), (0, 8, 256, 64),
+    (1, 2, 8, 1),
+])
+def test_gpu_align_and_sort_match_cpu(tokens, top_k, num_experts, block_size):
+    rng = np.random.default_rng(tokens + num_experts)
+    ids = _ids(rng, tokens, top_k, num_experts, invalid_fraction=0.01)
+    device_ids = cuda.to_device(ids)
+    got = align_block_size(device_ids, num_experts, block_size)
+    want = align_block_size(ids, num_experts, block_size)
+    np.testing.assert_array_equal(got[0].copy_to_host(), want[0])
+    np.testing.assert_array_equal(got[1].copy_to_host(), want[1])
+    assert int(got[2].copy_to_host()[0]) == want[2]
+    for g, w in zip(sort_by_expert(device_ids, num_experts), sort_by_expert(ids, num_experts)):
+        np.testing.assert_array_equal(g.copy_to_host(), w)
+
+
+@pytest.mark.gpu
+@needs_device
+def test_gpu_permute_and_combine_match_cpu():
+    rng = np.random.default_rng(1)
+    tokens, top_k, num_experts, hidden = 65536, 8, 256, 64
+    ids = _ids(rng, tokens, top_k, num_experts, invalid_fraction=0.01)
+    values = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    bits = (values.view(np.uint32) >> 16).astype(np.uint16)  # truncated bf16 patterns
+    permuted = {}
+    for name, hidden_states in (("float32", values), ("bf16", bits)):
+        got = permute(cuda.to_device(hidden_states), cuda.to_device(ids), num_experts)
+        want = permute(hidden_states, ids, num_experts)
+        assert got[0].copy_to_host().tobytes() == want[0].tobytes()
+        np.testing.assert_array_equal(got[1].copy_to_host(), want[1])
+        np.testing.assert_array_equal(got[2].copy_to_host(), want[2])
+        permuted[name], inverse = want[0], want[2]
+    weights = rng.random((tokens, top_k)).astype(np.float32)
+    for expert_out, raw in ((permuted["float32"], False),
+                            (permuted["float32"].astype(np.float16), False),
+                            (permuted["bf16"], True)):
+        got = combine(cuda.to_device(expert_out), cuda.to_device(inverse),
+                      cuda.to_device(weights), raw_bf16=raw).copy_to_host()
+        cpu = combine(expert_out, inverse, weights, raw_bf16=raw)
+        assert got.dtype == cpu.dtype
+        if raw:
+            # The GPU may fuse multiply-adds: at most one bf16 ulp apart.
+            assert np.abs(got.astype(np.int32) - cpu.astype(np.int32)).max() <= 1
+            continue
+        # Fused multiply-adds change float32 sums by a few ulps of sum |w y|.
+        decoded = expert_out.astype(np.float32)
+        magnitude = np.zeros((tokens, hidden), np.float32)
+        for k in range(top_k):
+            kept = inverse[:, k] >= 0
+            magnitude[kept] += np.abs(weights[kept, k, None] * decoded[inverse[kept, k]])
+        ulp = 2.0**-11 if expert_out.dtype == np.float16 else 0.0
+        bound = 1e-6 * magnitude + ulp * np.abs(cpu.astype(np.float32))
+        assert np.all(np.abs(got.astype(np.float32) - cpu.astype(np.float32)) <= bound)
+
+
+@pytest.mark.gpu
+@needs_device
+def test_gpu_ids_match_cpu():
+    rng = np.random.default_rng(2)
+    layout = ExpertLayout(512, 1, ep_size=8, dispatch="all2all", num_redundant_experts=8)
+    ids = _ids(rng, 65536, 10, 512)
+    weights = rng.random(ids.shape).astype(np.float32)
+    gate = rng.random(65536).astype(np.float32)
+    np.testing.assert_array_equal(logical_to_physical(cuda.to_device(ids), layout).copy_to_host(),
+                                  logical_to_physical(ids, layout))
+    got = append_shared_slots(cuda.to_device(ids), cuda.to_device(weights), layout, 3,
+                              cuda.to_device(gate))
+    want = append_shared_slots(ids, weights, layout, 3, gate)
+    np.testing.assert_array_equal(got[0].copy_to_host(), want[0])
+    np.testing.assert_array_equal(got[1].copy_to_host(), want[1])
+    expert_map = layout.expert_map(3)
+    np.testing.assert_array_equal(
+        remap_to_local(got[0], cuda.to_device(expert_map)).copy_to_host(),
+        remap_to_local(want[0], expert_map))
+
+
+@pytest.mark.gpu
+@needs_device
+def test_gpu_framework_arrays_stay_in_their_framework():
+    rng = np.random.default_rng(3)
+    ids = _ids(rng, 1000, 8, 64)
+    cupy = pytest.importorskip("cupy")
+    got = align_block_size(cupy.asarray(ids), 64, 16)
+    assert all(isinstance(a, cupy.ndarray) for a in got)
+    np.testing.assert_array_equal(cupy.asnumpy(got[0]), align_block_size(ids, 64, 16)[0])
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA build here")
+    tensor_ids = torch.from_numpy(ids).cuda()
+    sorted_slots, offsets, inverse = sort_by_expert(tensor_ids, 64)
+    assert isinstance(sorted_slots, torch.Tensor) and sorted_slots.device == tensor_ids.device
+    np.testing.assert_array_equal(sorted_slots.cpu().numpy(), sort_by_expert(ids, 64)[0])
+    hidden = torch.randn(1000, 32, device="cuda").to(torch.bfloat16)
+    permuted, _, inverse = permute(hidden.view(torch.int16), tensor_ids, 64)
+    out = combine(permuted, inverse, None, raw_bf16=True).view(torch.bfloat16)
+    # Eight equal bf16 terms sum exactly in float32.
+    assert torch.equal(out, (hidden.float() * 8).to(torch.bfloat16))
