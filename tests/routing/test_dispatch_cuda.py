@@ -7,6 +7,7 @@
 """
 
 import contextlib
+import importlib
 import os
 import re
 import subprocess
@@ -22,8 +23,12 @@ cuda = pytest.importorskip("numba.cuda")
 from numba import types as nt  # noqa: E402
 
 from moeroute.layout import ExpertLayout  # noqa: E402
-from moeroute.routing import _sort, combine as combine_module, permute as permute_module  # noqa: E402
-from moeroute.routing import remap as remap_module, shared_slots as shared_slots_module  # noqa: E402
+from moeroute.routing import _sort  # noqa: E402
+# The package re-exports functions named like their modules (permute, combine).
+combine_module = importlib.import_module("moeroute.routing.combine")
+permute_module = importlib.import_module("moeroute.routing.permute")
+remap_module = importlib.import_module("moeroute.routing.remap")
+shared_slots_module = importlib.import_module("moeroute.routing.shared_slots")
 from moeroute.routing.align import align_block_size  # noqa: E402
 from moeroute.routing.combine import combine  # noqa: E402
 from moeroute.routing.permute import permute, sort_by_expert  # noqa: E402

@@ -1,14 +1,18 @@
 """sort_by_expert and permute on the CPU against the NumPy reference; the permute/combine
 round trip against a plain weighted sum."""
 
+import importlib
+
 import numpy as np
 import pytest
 import torch
 
-from moeroute.routing import permute as permute_module
 from moeroute.routing import reference
 from moeroute.routing.combine import combine
 from moeroute.routing.permute import permute, sort_by_expert
+
+# The package re-exports a function named like this module.
+permute_module = importlib.import_module("moeroute.routing.permute")
 
 PRESET_SHAPES = [(256, 8), (384, 8), (160, 8), (128, 8), (512, 10), (60, 4), (8, 2)]
 TOKENS = [0, 1, 7, 333, 4096]
@@ -101,7 +105,7 @@ def test_permute_parallel_gather_matches_sequential(monkeypatch):
 
 @pytest.mark.parametrize("tokens", [0, 1, 7, 333])
 def test_round_trip_with_identity_experts(tokens):
-    """combine(permute(x), inverse, w) with identity experts == sum_k w[t,k] x[t] over kept slots."""
+    """combine(permute(x), inverse, w) with identity experts == sum_k w[t,k] x[t], kept slots."""
     rng = np.random.default_rng(tokens + 100)
     top_k, num_experts = 6, 32
     ids = skewed_ids(rng, tokens, top_k, num_experts, invalid_fraction=0.2)

@@ -115,7 +115,8 @@ def test_output_regime_needs_explicit_shared_weights():
     layout = ExpertLayout(16, 1, scaling_regime="output")
     rng = np.random.default_rng(2)
     ids, weights = routing(rng, 5, layout)
-    with pytest.raises(ValueError, match=r"layout\.shared_slot_weight\(gate, routed_scaling_factor\)"):
+    advice = r"layout\.shared_slot_weight\(gate, routed_scaling_factor\)"
+    with pytest.raises(ValueError, match=advice):
         append_shared_slots(ids, weights, layout)
     gate = rng.random(5).astype(np.float32)
     slot_weight = layout.shared_slot_weight(gate, 2.5)
