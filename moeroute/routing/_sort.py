@@ -113,11 +113,6 @@ def device_empty(shape, dtype, template):
     return array, cuda.as_cuda_array(array)
 
 
-def to_device_like(host_array: np.ndarray, stream):
-    """``host_array`` copied to the device for a kernel (small tables only)."""
-    return cuda.to_device(np.ascontiguousarray(host_array), stream=stream)
-
-
 def check_count(name: str, value, minimum: int) -> int:
     """``value`` as an int >= ``minimum``; TypeError/ValueError naming ``name`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
