@@ -1,0 +1,873 @@
+"""select_experts: top-k expert selection for every token (SPEC section 1).
+
+Two kernels compute the same thing, side by side in this file:
+
+* the CPU kernel (Numba ``njit``, ``prange`` over token rows) for NumPy inputs;
+* the CUDA kernel (``numba.cuda``, one warp per token row) for device inputs.
+
+Both follow ``reference.select_experts`` and agree with each other: the same ranking
+(choice descending, a NaN choice below every value, ties to the lower expert id and the
+lower group id), the same float32 operations in the same order, the softmax sums taken
+in the same lane order. They differ only where ``exp`` itself rounds differently (the host
+evaluates it in float64 and rounds once, the device uses libdevice's ``expf``, within 2 ulp),
+i.e. by an ulp or two of a weight, and so in ids only between choices that close.
+
+Softmax without a correction bias ranks the raw logits: softmax is monotone, so this is
+the ranking of the scores without computing them, and with ``renormalize`` only the K
+picked exponentials are needed (the softmax denominator cancels). One exception keeps
+the reference's ties: when the K-th pick lies more than ``SOFTMAX_EXACT_GAP`` below the
+row's maximum, its float32 score may underflow to zero or a subnormal, where distinct
+logits tie at equal scores and the lower id must win; such rows rank the computed
+scores instead, as the reference does.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from functools import lru_cache
+
+import numba
+import numpy as np
+from llvmlite import ir
+# Kernel code must reach numba.cuda through this module-level name: the CUDA simulator
+# swaps in its own module for the global `cuda` of the functions it runs.
+from numba import cuda, float32, int32, int64, njit, prange
+from numba.core import types
+from numba.extending import intrinsic, overload
+
+from moeroute.config import RouterConfig
+from moeroute.routing import _arrays
+from moeroute.routing.reference import FLOAT32_MAX, RENORMALIZE_EPS
+
+__all__ = [
+    "select_experts",
+    "MAX_DEVICE_EXPERTS",
+    "MAX_DEVICE_TOP_K",
+    "MAX_DEVICE_GROUPS",
+    "SOFTMAX_EXACT_GAP",
+]
+
+WARP_SIZE = 32  # lanes of an NVIDIA warp; the device kernel gives one warp to a token row
+
+# Device limits: every lane keeps ceil(N / 32) scores in registers, lane r keeps pick r,
+# and the kept-group set is a 32-bit mask.
+MAX_DEVICE_EXPERTS = 1024  # 32 values per lane: more would spill registers to local memory
+MAX_DEVICE_TOP_K = WARP_SIZE  # lane r holds the r-th pick until the final coalesced store
+MAX_DEVICE_GROUPS = 32  # the kept groups form a 32-bit mask
+
+# A softmax pick more than this many nats below the row max may have a subnormal or zero
+# float32 score (exp(-87.3) is the smallest normal float32, less ln N for the division):
+# such rows rank the computed scores so that underflow ties go to the lower id.
+SOFTMAX_EXACT_GAP = 64.0
+
+# Below this many logits (T * N) one thread does the whole batch: the serial kernel takes
+# ~50-100 us there on 2 cores, the pool's wake-up ~10 us on an idle machine and far more
+# when the sibling core is busy (scratch timings of serial vs parallel at T = 16..512).
+PARALLEL_MIN_ELEMENTS = 1 << 15
+
+_SUPPORTED_HOST_DTYPES = ("float32", "float16")
+_SUPPORTED_DEVICE_DTYPES = ("float32", "float16", "bfloat16")
+
+_F32_MAX = np.float32(FLOAT32_MAX)
+_F32_NEG_MAX = np.float32(-FLOAT32_MAX)
+_F32_ONE = np.float32(1.0)
+_F32_ZERO = np.float32(0.0)
+_F32_EPS = np.float32(RENORMALIZE_EPS)
+_F32_NEG_INF = np.float32(-np.inf)
+
+# float16 -> float32 for every bit pattern: NumPy's own conversion, looked up by the CPU
+# kernel (Numba has no host float16 type).
+_HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------
+# Validation (one place, at the boundary)
+# --------------------------------------------------------------------------------------
+
+
+def _dtype_name(dtype) -> str:
+    """'float32', 'float16', 'bfloat16', ... for NumPy, CuPy, torch and numba dtypes."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def _validate(logits, config, correction_bias, on_device: bool) -> None:
+    """Raise TypeError/ValueError naming the bad argument; return None when all is well."""
+    if not isinstance(config, RouterConfig):
+        raise TypeError(f"config must be a moeroute RouterConfig, got {type(config).__name__}")
+    if not on_device and not isinstance(logits, np.ndarray):
+        raise TypeError(
+            f"logits must be a NumPy array or a CUDA device array, got {type(logits).__name__}"
+        )
+    shape = tuple(logits.shape)
+    if len(shape) != 2:
+        raise ValueError(f"logits must be 2-D [num_tokens, num_experts], got shape {shape}")
+    num_experts = config.num_experts
+    if shape[1] != num_experts:
+        raise ValueError(
+            f"logits.shape[1]={shape[1]} does not match config.num_experts={num_experts}"
+        )
+    allowed = _SUPPORTED_DEVICE_DTYPES if on_device else _SUPPORTED_HOST_DTYPES
+    name = _dtype_name(logits.dtype)
+    if name not in allowed:
+        where = "device" if on_device else "host"
+        raise ValueError(f"logits dtype {name} is not supported on the {where}; use one of {allowed}")
+    if correction_bias is not None:
+        if _arrays.is_device_array(correction_bias) != on_device:
+            raise TypeError(
+                "correction_bias must live where logits live: "
+                f"logits is a {'device' if on_device else 'host'} array, "
+                f"correction_bias is a {type(correction_bias).__name__}"
+            )
+        if not on_device and not isinstance(correction_bias, np.ndarray):
+            raise TypeError(
+                f"correction_bias must be a NumPy array, got {type(correction_bias).__name__}"
+            )
+        bias_shape = tuple(correction_bias.shape)
+        if bias_shape != (num_experts,):
+            raise ValueError(
+                f"correction_bias shape {bias_shape} must be ({num_experts},) = [num_experts]"
+            )
+        bias_dtype = _dtype_name(correction_bias.dtype)
+        if bias_dtype != "float32":
+            raise ValueError(f"correction_bias dtype {bias_dtype} must be float32")
+        if config.num_expert_group > 1 and config.experts_per_group < 2:
+            raise ValueError(
+                f"num_expert_group={config.num_expert_group} leaves "
+                f"{config.experts_per_group} expert per group; with a correction_bias the group "
+                "score is the sum of the two best experts, so a group needs at least 2"
+            )
+    if on_device:
+        if num_experts > MAX_DEVICE_EXPERTS:
+            raise ValueError(
+                f"num_experts={num_experts} exceeds the device kernel limit {MAX_DEVICE_EXPERTS}"
+            )
+        if config.top_k > MAX_DEVICE_TOP_K:
+            raise ValueError(f"top_k={config.top_k} exceeds the device kernel limit {MAX_DEVICE_TOP_K}")
+        if config.num_expert_group > MAX_DEVICE_GROUPS:
+            raise ValueError(
+                f"num_expert_group={config.num_expert_group} exceeds the device kernel limit "
+                f"{MAX_DEVICE_GROUPS}"
+            )
+
+
+# --------------------------------------------------------------------------------------
+# Public entry point
+# --------------------------------------------------------------------------------------
+
+
+def select_experts(logits, config, correction_bias=None, *, stream=None):
+    """Pick each token's top-k routed experts and their weights (SPEC section 1).
+
+    Parameters
+    ----------
+    logits : array [T, N]
+        Router logits. NumPy arrays (float32 or float16) run the CPU kernel; CUDA arrays
+        (numba device arrays, CuPy arrays, torch CUDA tensors; float32, float16 or
+        bfloat16) run the CUDA kernel on the device. Device logits must be C-contiguous.
+    config : moeroute.config.RouterConfig
+        N, K, scoring, grouped routing, renormalize and the routed scaling factor.
+    correction_bias : array [N] float32, optional
+        Added to the scores for selection only (DeepSeek-V3 ``noaux_tc``); on the same
+        side (host or device) as ``logits``.
+    stream : numba stream or int handle, optional
+        Device inputs only: the stream to launch on. Default: the current stream of the
+        framework that produced ``logits``. Ignored for NumPy inputs.
+
+    Returns
+    -------
+    topk_weights : float32 [T, K]
+        Scores of the picked experts, renormalized if ``config.renormalize``, times
+        ``config.routed_scaling_factor``.
+    topk_ids : int32 [T, K]
+        Picked expert ids, distinct, in [0, N), columns ordered by choice descending.
+        NumPy in gives NumPy out; device in gives device arrays of the same framework.
+
+    Raises
+    ------
+    TypeError
+        ``config`` is not a RouterConfig; ``logits`` is neither a NumPy nor a device
+        array; ``correction_bias`` does not live where ``logits`` lives.
+    ValueError
+        ``logits`` not 2-D, ``logits.shape[1] != N``, an unsupported dtype, a bias
+        whose shape is not [N] or dtype not float32, a bias with groups of one expert,
+        non-contiguous device logits, or a configuration past the device kernel's
+        limits: N <= 1024, K <= 32, num_expert_group <= 32 (``MAX_DEVICE_*``).
+        The CPU kernel has no limits beyond RouterConfig's own.
+
+    Notes
+    -----
+    Any row, NaN and infinite logits included, yields K distinct ids and finite
+    weights; T = 0 returns empty [0, K] outputs without launching anything.
+    """
+    on_device = _arrays.is_device_array(logits)
+    _validate(logits, config, correction_bias, on_device)
+    if on_device:
+        return _select_device(logits, config, correction_bias, stream)
+    return _select_host(logits, config, correction_bias)
+
+
+# --------------------------------------------------------------------------------------
+# CPU kernel
+# --------------------------------------------------------------------------------------
+
+# error_model="numpy": a float division by zero gives inf instead of raising, which keeps
+# the per-row loops free of branches so that LLVM vectorizes them.
+_cpu_jit = njit(cache=True, error_model="numpy")
+# Helpers that take arrays are inlined in Numba's IR: a real call would pay reference-count
+# updates (atomics) on every array argument, per call, per row.
+_cpu_inline = njit(cache=True, error_model="numpy", inline="always")
+
+
+@intrinsic
+def _float32_bits(typingctx, value):
+    """The bits of a float32 as an int32 (a register move, vectorizable)."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def _bits_float32(typingctx, bits):
+    """The float32 whose bits are the int32 ``bits``."""
+    if bits != types.int32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+@intrinsic
+def _bits_float64(typingctx, bits):
+    """The float64 whose bits are the int64 ``bits``."""
+    if bits != types.int64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+
+    return types.float64(types.int64), codegen
+
+
+# exp on the host is evaluated in float64 and rounded once to float32: the result is the
+# correctly rounded float32 exp (up to a few inputs in a million, off by one ulp), as libm's
+# expf, but from plain arithmetic that vectorizes; expf is a scalar call, and Numba's SVML
+# route needs an SVML-patched llvmlite that the PyPI wheels are not.
+_EXP_LOWEST = np.float64(-110.0)  # exp(-110) rounds to float32 zero; keeps 2**n normal
+_EXP_HIGHEST = np.float64(100.0)  # exp(100) overflows float32 to inf; keeps 2**n finite
+_ROUND_MAGIC = np.float64(1.5 * 2.0**52)  # x + M - M rounds a double to an integer
+_LOG2_E = np.float64(1.4426950408889634)
+_LN2_HI = np.float64(6.93147180369123816490e-01)  # ln 2 split so that n * hi is exact
+_LN2_LO = np.float64(1.90821492927058770002e-10)
+# 1/k! for k = 9..2: on |r| <= ln2/2 the degree-9 Taylor remainder is below 1e-11.
+_EXP_C9, _EXP_C8, _EXP_C7, _EXP_C6, _EXP_C5, _EXP_C4, _EXP_C3, _EXP_C2 = (
+    np.float64(1.0 / math.factorial(k)) for k in range(9, 1, -1)
+)
+_F64_ONE = np.float64(1.0)
+_F64_EXPONENT_BIAS = 1023
+
+_INT32_LOW31 = np.int32(0x7FFFFFFF)
+# Order keys: int32 that sort like the float32 choices, -0 == +0, NaN below -inf.
+_NAN_KEY = np.int32((int(np.float32(-np.inf).view(np.int32)) ^ 0x7FFFFFFF) - 1)  # key(-inf) - 1
+_NO_KEY = np.int32(np.iinfo(np.int32).min)  # below every key: "nothing picked yet"
+
+# A row's top-k is searched among the keys at or above a cut guessed from the previous
+# row's spread (best minus K-th best choice) times this slack: rows of a batch are alike, so
+# the cut passes a few times K keys and the branchy insertion sees only those. A cut that
+# passes fewer than K keys is dropped and the row inserts every key (always exact).
+_CUT_SLACK = np.float32(2.0)
+
+
+@_cpu_jit
+def _exp(value):
+    """float32 exp (see above); inf above ~88.7, 0 below ~-103.9."""
+    x = np.float64(value)
+    x = _EXP_LOWEST if x < _EXP_LOWEST else x
+    x = _EXP_HIGHEST if x > _EXP_HIGHEST else x
+    n = (x * _LOG2_E + _ROUND_MAGIC) - _ROUND_MAGIC
+    r = (x - n * _LN2_HI) - n * _LN2_LO
+    p = (((((((_EXP_C9 * r + _EXP_C8) * r + _EXP_C7) * r + _EXP_C6) * r + _EXP_C5) * r
+           + _EXP_C4) * r + _EXP_C3) * r + _EXP_C2) * r
+    p = (p * r + r) + _F64_ONE
+    return np.float32(p * _bits_float64((np.int64(n) + _F64_EXPONENT_BIAS) << 52))
+
+
+@_cpu_jit
+def _order_key(value):
+    """int32 key of a float32: keys compare like the values, -0 == +0, NaN lowest."""
+    bits = _float32_bits(value + _F32_ZERO)  # + 0 turns -0 into +0
+    key = np.int32(bits ^ ((bits >> 31) & _INT32_LOW31))
+    return key if value == value else _NAN_KEY
+
+
+@_cpu_jit
+def _key_value(key):
+    """The float32 of an order key (a NaN for the NaN key)."""
+    return _bits_float32(np.int32(key ^ ((key >> 31) & _INT32_LOW31)))
+
+
+def _as_float32(value, table):
+    """A logit as float32: float32 as is, float16 (passed as its uint16 bits) via ``table``."""
+
+
+@overload(_as_float32)
+def _as_float32_overload(value, table):
+    if isinstance(value, types.Float):
+        return lambda value, table: np.float32(value)
+    return lambda value, table: table[value]
+
+
+@_cpu_jit
+def _clip_logit(x):
+    """NaN -> -inf, then clamp to the finite float32 range (reference._scores)."""
+    x = x if x >= _F32_NEG_MAX else _F32_NEG_MAX  # NaN and -inf fail the comparison
+    return x if x <= _F32_MAX else _F32_MAX
+
+
+@_cpu_inline
+def _lane_order_sum(values, lane_sums):
+    """float32 sum of ``values`` in the device kernel's order.
+
+    Lane l adds elements l, l + 32, l + 64, ... in sequence, then the 32 lane sums meet
+    in a butterfly (xor 16, 8, 4, 2, 1) as in the warp reduction, so host and device
+    sums are bit for bit equal given equal summands.
+    """
+    n = values.shape[0]
+    for lane in range(WARP_SIZE):
+        lane_sums[lane] = _F32_ZERO
+    full = n - n % WARP_SIZE
+    for base in range(0, full, WARP_SIZE):
+        for lane in range(WARP_SIZE):
+            lane_sums[lane] += values[base + lane]
+    for lane in range(n - full):
+        lane_sums[lane] += values[full + lane]
+    width = WARP_SIZE // 2
+    while width >= 1:
+        for lane in range(width):
+            lane_sums[lane] = lane_sums[lane] + lane_sums[lane + width]
+        width //= 2
+    return lane_sums[0]
+
+
+@_cpu_inline
+def _push_top(key, index, top_keys, top_ids, count, capacity):
+    """Insert (key, index) into the descending buffer and return the new count.
+
+    Indices arrive in ascending order, so the strict comparison keeps the lower index
+    first among equal keys.
+    """
+    if count < capacity:
+        position = count
+        count += 1
+    elif key > top_keys[capacity - 1]:
+        position = capacity - 1
+    else:
+        return count
+    while position > 0 and key > top_keys[position - 1]:
+        top_keys[position] = top_keys[position - 1]
+        top_ids[position] = top_ids[position - 1]
+        position -= 1
+    top_keys[position] = key
+    top_ids[position] = index
+    return count
+
+
+@_cpu_inline
+def _keep_groups(keys, num_groups, topk_group, two_best, group_keys, kept, top_keys, top_ids):
+    """Mark the topk_group best groups in ``kept`` (ties to the lower group id).
+
+    A group's score is its best choice, or with ``two_best`` the float32 sum of its two
+    best choices (the reference's ranked[0] + ranked[1]).
+    """
+    group_size = keys.shape[0] // num_groups
+    for g in range(num_groups):
+        best = _NO_KEY
+        second = _NO_KEY
+        for i in range(g * group_size, (g + 1) * group_size):
+            key = keys[i]
+            # Branch-free: the loser of (key, best) competes for second place.
+            second = max(second, min(key, best))
+            best = max(key, best)
+        if two_best:
+            group_keys[g] = _order_key(_key_value(best) + _key_value(second))
+        else:
+            group_keys[g] = best
+    count = 0
+    for g in range(num_groups):
+        kept[g] = False
+        count = _push_top(group_keys[g], g, top_keys, top_ids, count, topk_group)
+    for j in range(topk_group):
+        kept[top_ids[j]] = True
+
+
+@_cpu_inline
+def _top_k(keys, top_k, spread, candidates, top_keys, top_ids):
+    """The top_k best keys into top_keys/top_ids, descending, the lower id first on ties.
+
+    ``spread[0]`` carries the previous row's spread from row to row (NaN: none yet).
+    """
+    n = keys.shape[0]
+    best = _NO_KEY
+    for i in range(n):
+        best = keys[i] if keys[i] > best else best
+    cut = _NO_KEY
+    guess = _key_value(best) - spread[0] * _CUT_SLACK
+    if guess > _F32_NEG_INF:  # not NaN, not -inf
+        cut = _order_key(guess)
+        passed = 0
+        for i in range(n):
+            passed += keys[i] >= cut
+        if passed < top_k:
+            cut = _NO_KEY
+    count = 0
+    for i in range(n):  # branch-free append, ids stay ascending
+        candidates[count] = i
+        count += keys[i] >= cut
+    filled = 0
+    for j in range(count):
+        i = candidates[j]
+        filled = _push_top(keys[i], i, top_keys, top_ids, filled, top_k)
+    spread[0] = _key_value(top_keys[0]) - _key_value(top_keys[top_k - 1])
+
+
+@_cpu_inline
+def _rank(keys, num_groups, topk_group, two_best, top_k, group_keys, kept, spread, candidates,
+          top_keys, top_ids):
+    """Grouped routing, then the top-k; experts of dropped groups get the lowest key."""
+    if num_groups > 1:
+        _keep_groups(keys, num_groups, topk_group, two_best, group_keys, kept, top_keys, top_ids)
+        group_size = keys.shape[0] // num_groups
+        for g in range(num_groups):
+            if not kept[g]:
+                for i in range(g * group_size, (g + 1) * group_size):
+                    keys[i] = _NO_KEY
+    _top_k(keys, top_k, spread, candidates, top_keys, top_ids)
+
+
+@_cpu_inline
+def _softmax_logit_row(x, num_groups, topk_group, top_k, renormalize, rsf, scores, keys,
+                       lane_sums, group_keys, kept, spread, candidates, top_keys, top_ids,
+                       out_w, out_ids, t):
+    """Softmax without bias: rank the clipped logits. Returns False, writing nothing, when
+    the row's K-th pick is more than SOFTMAX_EXACT_GAP below its maximum."""
+    num_experts = x.shape[0]
+    for i in range(num_experts):
+        keys[i] = _order_key(x[i])
+    _rank(keys, num_groups, topk_group, False, top_k, group_keys, kept, spread, candidates,
+          top_keys, top_ids)
+    row_max = x[top_ids[0]]
+    if x[top_ids[top_k - 1]] - row_max < -SOFTMAX_EXACT_GAP:
+        return False
+    total = _F32_ZERO
+    for k in range(top_k):
+        expert = top_ids[k]
+        out_ids[t, k] = expert
+        weight = _exp(x[expert] - row_max)
+        out_w[t, k] = weight
+        total += weight
+    if not renormalize:
+        for i in range(num_experts):
+            scores[i] = _exp(x[i] - row_max)
+        total = _lane_order_sum(scores, lane_sums)
+    for k in range(top_k):
+        out_w[t, k] = (out_w[t, k] / total) * rsf
+    return True
+
+
+@_cpu_inline
+def _exact_row(x, bias, has_bias, sigmoid, num_groups, topk_group, top_k, renormalize, rsf,
+               scores, keys, lane_sums, group_keys, kept, spread, candidates, top_keys, top_ids,
+               out_w, out_ids, t):
+    """Select one row from its computed scores (sigmoid, a bias, or a softmax row whose
+    picks reach the underflow range)."""
+    num_experts = x.shape[0]
+    if sigmoid:
+        for i in range(num_experts):
+            scores[i] = _F32_ONE / (_F32_ONE + _exp(-x[i]))
+    else:
+        best = _NO_KEY
+        for i in range(num_experts):
+            key = _order_key(x[i])
+            best = key if key > best else best
+        row_max = _key_value(best)
+        for i in range(num_experts):
+            scores[i] = _exp(x[i] - row_max)
+        total = _lane_order_sum(scores, lane_sums)
+        for i in range(num_experts):
+            scores[i] = scores[i] / total
+    if has_bias:
+        for i in range(num_experts):
+            keys[i] = _order_key(scores[i] + bias[i])
+    else:
+        for i in range(num_experts):
+            keys[i] = _order_key(scores[i])
+    _rank(keys, num_groups, topk_group, has_bias, top_k, group_keys, kept, spread, candidates,
+          top_keys, top_ids)
+
+    total = _F32_ZERO
+    for k in range(top_k):
+        expert = top_ids[k]
+        out_ids[t, k] = expert
+        weight = scores[expert]
+        out_w[t, k] = weight
+        total += weight
+    for k in range(top_k):
+        weight = out_w[t, k]
+        if renormalize:
+            weight = weight / (total + _F32_EPS)
+        out_w[t, k] = weight * rsf
+
+
+@_cpu_jit
+def _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group, top_k,
+                 renormalize, rsf, row_start, row_stop, out_w, out_ids):
+    """Rows [row_start, row_stop) of select_experts into out_w / out_ids."""
+    num_experts = logits.shape[1]
+    x = np.empty(num_experts, np.float32)
+    scores = np.empty(num_experts, np.float32)
+    keys = np.empty(num_experts, np.int32)
+    lane_sums = np.empty(WARP_SIZE, np.float32)
+    group_keys = np.empty(num_groups, np.int32)
+    kept = np.empty(num_groups, np.bool_)
+    buffer_size = max(top_k, topk_group)
+    top_keys = np.empty(buffer_size, np.int32)
+    top_ids = np.empty(buffer_size, np.int64)
+    candidates = np.empty(num_experts, np.int64)
+    spread = np.full(1, np.nan, np.float32)
+    rank_logits = not sigmoid and not has_bias
+    for t in range(row_start, row_stop):
+        for i in range(num_experts):
+            x[i] = _clip_logit(_as_float32(logits[t, i], table))
+        if rank_logits and _softmax_logit_row(
+            x, num_groups, topk_group, top_k, renormalize, rsf, scores, keys, lane_sums,
+            group_keys, kept, spread, candidates, top_keys, top_ids, out_w, out_ids, t,
+        ):
+            continue
+        _exact_row(x, bias, has_bias, sigmoid, num_groups, topk_group, top_k, renormalize,
+                   rsf, scores, keys, lane_sums, group_keys, kept, spread, candidates, top_keys,
+                   top_ids, out_w, out_ids, t)
+
+
+@_cpu_jit
+def _select_serial(logits, table, bias, has_bias, sigmoid, num_groups, topk_group, top_k,
+                   renormalize, rsf, out_w, out_ids):
+    _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group, top_k,
+                 renormalize, rsf, 0, logits.shape[0], out_w, out_ids)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _select_parallel(logits, table, bias, has_bias, sigmoid, num_groups, topk_group, top_k,
+                     renormalize, rsf, num_chunks, out_w, out_ids):
+    num_tokens = logits.shape[0]
+    for chunk in prange(num_chunks):
+        _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group, top_k,
+                     renormalize, rsf, chunk * num_tokens // num_chunks,
+                     (chunk + 1) * num_tokens // num_chunks, out_w, out_ids)
+
+
+_EMPTY_BIAS = np.zeros(1, np.float32)
+
+
+def _select_host(logits, config, correction_bias):
+    num_tokens = logits.shape[0]
+    top_k = config.top_k
+    out_w = np.empty((num_tokens, top_k), np.float32)
+    out_ids = np.empty((num_tokens, top_k), np.int32)
+    if num_tokens == 0:
+        return out_w, out_ids
+    logits = np.ascontiguousarray(logits)
+    if logits.dtype == np.float16:
+        logits = logits.view(np.uint16)
+    has_bias = correction_bias is not None
+    bias = np.ascontiguousarray(correction_bias) if has_bias else _EMPTY_BIAS
+    args = (logits, _HALF_TO_FLOAT, bias, has_bias, config.scoring == "sigmoid",
+            config.num_expert_group, config.topk_group, top_k, config.renormalize,
+            np.float32(config.routed_scaling_factor))
+    threads = numba.get_num_threads()
+    if threads > 1 and num_tokens > 1 and num_tokens * config.num_experts >= PARALLEL_MIN_ELEMENTS:
+        _select_parallel(*args, min(threads, num_tokens), out_w, out_ids)
+    else:
+        _select_serial(*args, out_w, out_ids)
+    return out_w, out_ids
+
+
+# --------------------------------------------------------------------------------------
+# CUDA kernel
+# --------------------------------------------------------------------------------------
+
+# 4 warps (128 threads) per block: one row per warp, enough warps per block to keep an SM
+# busy, and little idle tail when T is small.
+DEVICE_WARPS_PER_BLOCK = 4
+_LOW31 = 0x7FFFFFFF  # packed pick = key << 32 | (_LOW31 - expert): max() prefers the lower id
+
+
+def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormalize, input_kind):
+    """The CUDA kernel, as a Python function specialised to these compile-time constants.
+
+    One warp per token row; lane ``l`` holds experts ``l, l + 32, l + 64, ...`` (coalesced
+    loads) in ``ceil(N / 32)`` registers. Grouped routing reduces each group's best two
+    over the warp; then K rounds of warp argmax (a packed (key, id) maximum) pick the
+    experts, lane r keeping pick r for one coalesced store. ``input_kind`` is "float32",
+    "float16" or "bfloat16" (bfloat16 arrives as its int16 bits).
+    """
+    from moeroute.routing import _warp
+
+    shfl_xor, shfl_idx = _warp.shfl_xor, _warp.shfl_idx
+    allreduce_max, allreduce_sum = _warp.allreduce_max, _warp.allreduce_sum
+    float_as_int, int_as_float = _warp.float_as_int, _warp.int_as_float
+
+    lanes = WARP_SIZE
+    slots = -(-num_experts // WARP_SIZE)
+    group_size = num_experts // num_groups
+    grouped = num_groups > 1
+    rank_logits = not sigmoid and not has_bias
+    bf16 = input_kind == "bfloat16"
+    warps = _warp.warps_per_block(DEVICE_WARPS_PER_BLOCK)
+    scratch = _warp.scratch_size(warps * WARP_SIZE)
+    pad_key = _NO_KEY
+    nan_key = _NAN_KEY
+    low31 = _LOW31
+    no_pick = np.int64(-(2**63))
+    f32_zero, f32_one, f32_eps = _F32_ZERO, _F32_ONE, _F32_EPS
+    f32_max, f32_neg_max = _F32_MAX, _F32_NEG_MAX
+    exact_gap = np.float32(-SOFTMAX_EXACT_GAP)
+
+    @cuda.jit(device=True, inline="always")
+    def order_key(value):
+        bits = float_as_int(value + f32_zero)  # + 0 turns -0 into +0
+        key = np.int32(bits ^ ((bits >> 31) & low31))
+        return key if value == value else nan_key
+
+    @cuda.jit(device=True, inline="always")
+    def key_value(key):
+        return int_as_float(np.int32(key ^ ((key >> 31) & low31)))
+
+    @cuda.jit(device=True, inline="always")
+    def pack(key, expert):
+        return (np.int64(key) << 32) | np.int64(low31 - expert)
+
+    @cuda.jit(device=True, inline="always")
+    def load(logits, row, expert):
+        if bf16:
+            value = int_as_float(np.int32(np.int32(logits[row, expert]) << 16))
+        else:
+            value = np.float32(logits[row, expert])
+        value = value if value >= f32_neg_max else f32_neg_max  # NaN and -inf
+        return value if value <= f32_max else f32_max
+
+    @cuda.jit(device=True, inline="always")
+    def keep_groups(keys, lane, topk_group, two_best, scratch_i):
+        """Give the experts of dropped groups the lowest key (ties to the lower group)."""
+        group_keys = cuda.local.array(num_groups, int32)
+        for g in range(num_groups):
+            best = pad_key
+            second = pad_key
+            for j in range(slots):
+                expert = j * lanes + lane
+                member = expert >= g * group_size and expert < (g + 1) * group_size
+                key = keys[j] if member else pad_key
+                second = max(second, min(key, best))
+                best = max(key, best)
+            offset = lanes // 2
+            for _ in range(5):  # butterfly merge of (best, second) pairs
+                other_best = shfl_xor(best, offset, scratch_i)
+                other_second = shfl_xor(second, offset, scratch_i)
+                second = max(max(second, other_second), min(best, other_best))
+                best = max(best, other_best)
+                offset //= 2
+            if two_best:
+                group_keys[g] = order_key(key_value(best) + key_value(second))
+            else:
+                group_keys[g] = best
+        kept = 0
+        for g in range(num_groups):
+            rank = 0
+            for h in range(num_groups):
+                if group_keys[h] > group_keys[g] or (group_keys[h] == group_keys[g] and h < g):
+                    rank += 1
+            if rank < topk_group:
+                kept |= 1 << g
+        for j in range(slots):
+            if (kept >> ((j * lanes + lane) // group_size)) & 1 == 0:
+                keys[j] = pad_key
+
+    @cuda.jit(device=True, inline="always")
+    def lane_best(keys, scores, lane):
+        """This lane's best (packed key, score). Selects on compile-time slots only: a
+        run-time slot index would send the arrays to local memory."""
+        best = no_pick
+        best_score = f32_zero
+        for j in range(slots):
+            candidate = pack(keys[j], j * lanes + lane)
+            better = candidate > best
+            best = candidate if better else best
+            best_score = scores[j] if better else best_score
+        return best, best_score
+
+    @cuda.jit(device=True, inline="always")
+    def pick(keys, scores, lane, top_k, exp_weights, scratch_i, scratch_f):
+        """K rounds of warp argmax. Lane r returns pick r's id and weight numerator; all
+        lanes return the weight total (summed in pick order) and the first and last
+        picked values (clipped logits, scores or choices)."""
+        local_best, local_score = lane_best(keys, scores, lane)
+        my_id = 0
+        my_weight = f32_zero
+        total = f32_zero
+        first = f32_zero
+        value = f32_zero
+        for r in range(top_k):
+            best = allreduce_max(local_best, scratch_i)
+            key = np.int32(best >> 32)
+            expert = low31 - np.int32(best & 0xFFFFFFFF)
+            owner = expert % lanes
+            picked = local_score
+            if lane == owner:
+                slot = expert // lanes
+                for j in range(slots):
+                    keys[j] = pad_key if j == slot else keys[j]
+                local_best, local_score = lane_best(keys, scores, lane)
+            if has_bias:  # the choice includes the bias: fetch the score from its lane
+                value = shfl_idx(picked, owner, scratch_f)
+            else:
+                value = key_value(key)
+            if r == 0:
+                first = value
+            weight = np.float32(math.exp(value - first)) if exp_weights else value
+            total += weight
+            if lane == r:
+                my_id = expert
+                my_weight = weight
+        return my_id, my_weight, total, first, value
+
+    def select_experts_kernel(logits, bias, num_tokens, top_k, topk_group, rsf, out_w, out_ids):
+        scratch_i = cuda.shared.array(scratch, int64)
+        scratch_f = cuda.shared.array(scratch, float32)
+        tid = cuda.threadIdx.x
+        lane = tid % lanes
+        row = cuda.blockIdx.x * warps + tid // lanes
+        source_row = min(row, num_tokens - 1)  # idle warps of the last block mirror a row
+        x = cuda.local.array(slots, float32)
+        keys = cuda.local.array(slots, int32)
+        scores = cuda.local.array(slots, float32)
+        for j in range(slots):
+            expert = j * lanes + lane
+            x[j] = load(logits, source_row, expert) if expert < num_experts else f32_neg_max
+
+        exact = True
+        my_id = 0
+        my_weight = f32_zero
+        if rank_logits:
+            for j in range(slots):
+                keys[j] = order_key(x[j]) if j * lanes + lane < num_experts else pad_key
+            if grouped:
+                keep_groups(keys, lane, topk_group, False, scratch_i)
+            my_id, my_weight, total, row_max, last = pick(
+                keys, x, lane, top_k, True, scratch_i, scratch_f)
+            exact = last - row_max < exact_gap
+            if not exact:
+                if not renormalize:
+                    partial = f32_zero
+                    for j in range(slots):
+                        if j * lanes + lane < num_experts:
+                            partial += np.float32(math.exp(x[j] - row_max))
+                    total = allreduce_sum(partial, scratch_f)
+                my_weight = (my_weight / total) * rsf
+        if exact:
+            if sigmoid:
+                for j in range(slots):
+                    scores[j] = f32_one / (f32_one + np.float32(math.exp(-x[j])))
+            else:
+                best = pad_key
+                for j in range(slots):
+                    best = max(best, order_key(x[j]))
+                row_max = key_value(allreduce_max(best, scratch_i))
+                partial = f32_zero
+                for j in range(slots):
+                    scores[j] = np.float32(math.exp(x[j] - row_max))
+                    if j * lanes + lane < num_experts:
+                        partial += scores[j]
+                total = allreduce_sum(partial, scratch_f)
+                for j in range(slots):
+                    scores[j] = scores[j] / total
+            for j in range(slots):
+                expert = j * lanes + lane
+                if expert < num_experts:
+                    choice = scores[j] + bias[expert] if has_bias else scores[j]
+                    keys[j] = order_key(choice)
+                else:
+                    keys[j] = pad_key
+            if grouped:
+                keep_groups(keys, lane, topk_group, has_bias, scratch_i)
+            my_id, my_weight, total, first, last = pick(
+                keys, scores, lane, top_k, False, scratch_i, scratch_f)
+            if renormalize:
+                my_weight = my_weight / (total + f32_eps)
+            my_weight = my_weight * rsf
+        if row < num_tokens and lane < top_k:
+            out_ids[row, lane] = my_id
+            out_w[row, lane] = my_weight
+
+    return select_experts_kernel
+
+
+def _device_signature(input_kind):
+    """The numba signature of the kernel for ``input_kind`` logits (compile_ptx checks)."""
+    element = {"float32": types.float32, "float16": types.float16, "bfloat16": types.int16}[input_kind]
+    bias = types.float32[::1]
+    return (element[:, ::1], bias, types.int64, types.int64, types.int64, types.float32,
+            types.float32[:, ::1], types.int32[:, ::1])
+
+
+@lru_cache(maxsize=None)
+def _device_kernel(num_experts, num_groups, sigmoid, has_bias, renormalize, input_kind):
+    """The compiled kernel (a numba.cuda dispatcher), built once per specialisation."""
+    return cuda.jit(_device_kernel_function(num_experts, num_groups, sigmoid, has_bias,
+                                            renormalize, input_kind))
+
+
+def _device_logits(logits):
+    """(numba device array, input kind): bfloat16 is passed as its int16 bits."""
+    kind = _dtype_name(logits.dtype)
+    if kind == "bfloat16":
+        framework = _arrays.framework_of(logits)
+        if framework == "torch":
+            logits = logits.view(sys.modules["torch"].int16)
+        else:
+            logits = logits.view(np.int16)
+    array = _arrays.as_device_array(logits)
+    return array, kind
+
+
+def _select_device(logits, config, correction_bias, stream):
+    array, kind = _device_logits(logits)
+    if not array.is_c_contiguous():
+        raise ValueError(f"device logits must be C-contiguous, got strides {array.strides}")
+    num_tokens = array.shape[0]
+    top_k = config.top_k
+    launch_stream = _arrays.resolve_stream(logits, stream)
+    out_w = cuda.device_array((num_tokens, top_k), dtype=np.float32, stream=launch_stream)
+    out_ids = cuda.device_array((num_tokens, top_k), dtype=np.int32, stream=launch_stream)
+    if num_tokens > 0:
+        has_bias = correction_bias is not None
+        # Without a bias the kernel never reads it: any float32 vector fills the slot.
+        bias = _arrays.as_device_array(correction_bias) if has_bias else out_w.reshape(-1)
+        kernel = _device_kernel(config.num_experts, config.num_expert_group,
+                                config.scoring == "sigmoid", has_bias, config.renormalize, kind)
+        warps = _device_warps_per_block()
+        blocks = -(-num_tokens // warps)
+        kernel[blocks, warps * WARP_SIZE, launch_stream](
+            array, bias, num_tokens, top_k, config.topk_group,
+            np.float32(config.routed_scaling_factor), out_w, out_ids)
+    return _arrays.wrap_like(out_w, logits), _arrays.wrap_like(out_ids, logits)
+
+
+def _device_warps_per_block():
+    from moeroute.routing import _warp
+
+    return _warp.warps_per_block(DEVICE_WARPS_PER_BLOCK)
