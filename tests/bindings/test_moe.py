@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeroute.bindings.torch.dispatch import DispatchHandle, LocalDispatcher, check_dispatch_inputs
-from moeroute.bindings.torch.experts import LocalExperts
+from moeroute.bindings.torch.experts import (PADDED_MAX_ROWS, LocalExperts, choose_gemm, expert_mlp,
+                                             grouped_expert_mlp, padded_expert_mlp)
 from moeroute.bindings.torch.moe import MoE
 from moeroute.config import RouterConfig
 from moeroute.layout import ExpertLayout
@@ -189,8 +190,9 @@ def test_load_weights_checks_shapes_and_mode():
 
 # ------------------------------------------------------------------ LocalExperts
 
-def test_local_experts_weighted_sum_skips_foreign_slots():
-    experts = LocalExperts(4, H, I)
+@pytest.mark.parametrize("gemm", ["auto", "loop", "padded"])
+def test_local_experts_weighted_sum_skips_foreign_slots(gemm):
+    experts = LocalExperts(4, H, I, gemm=gemm)
     generator = _generator(10)
     with torch.no_grad():
         experts.w_gate_up.copy_(torch.randn(4, 2 * I, H, generator=generator) * 0.3)
@@ -210,11 +212,42 @@ def test_local_experts_weighted_sum_skips_foreign_slots():
     assert rel_error(out, expected) < FP32_RTOL
 
 
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 0, 2], [40, 1, 0, 7], [0, 0, 0, 0]])
+def test_gemm_strategies_agree_with_per_row_reference(counts):
+    generator = _generator(sum(counts))
+    offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    rows = offsets[-1]
+    x = torch.randn(rows, H, generator=generator)
+    w_gate_up = torch.randn(4, 2 * I, H, generator=generator) * 0.3
+    w_down = torch.randn(4, H, I, generator=generator) * 0.3
+    expected = torch.zeros(rows, H, dtype=torch.float64)
+    for e in range(4):
+        for r in range(offsets[e], offsets[e + 1]):
+            h = w_gate_up[e].double() @ x[r].double()
+            expected[r] = w_down[e].double() @ (F.silu(h[:I]) * h[I:])
+    results = [expert_mlp(x, offsets, w_gate_up, w_down), padded_expert_mlp(x, offsets, w_gate_up, w_down)]
+    if hasattr(torch, "_grouped_mm"):
+        results.append(grouped_expert_mlp(x, torch.tensor(offsets, dtype=torch.int32), w_gate_up, w_down))
+    for out in results:
+        assert out.shape == (rows, H)
+        if rows:
+            assert rel_error(out, expected) < FP32_RTOL
+
+
+def test_choose_gemm():
+    assert choose_gemm([3, 0, 5, 1]) == "padded"  # few rows, most experts hit
+    assert choose_gemm([PADDED_MAX_ROWS + 1, 4, 4, 4]) == "loop"  # one expert has many rows
+    assert choose_gemm([1, 0, 0, 0]) == "loop"  # decode: most experts idle
+    assert choose_gemm([]) == "loop"
+
+
 def test_local_experts_rejects_bad_arguments():
     with pytest.raises(ValueError, match="num_local_experts=0"):
         LocalExperts(0, H, I)
     with pytest.raises(ValueError, match="dtype=torch.int32"):
         LocalExperts(2, H, I, dtype=torch.int32)
+    with pytest.raises(ValueError, match="gemm='blas'"):
+        LocalExperts(2, H, I, gemm="blas")
 
 
 # ------------------------------------------------------------------ LocalDispatcher

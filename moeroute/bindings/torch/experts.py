@@ -5,9 +5,18 @@
 ``sum over its local slots of w * expert(x)``: exactly the ``partial_out`` that
 `moeroute.bindings.torch.dispatch.Dispatcher.combine` expects.
 
-CPU: the (row, slot) entries are sorted by expert with the Numba kernels, the rows gathered
-into expert order, each expert's rows go through two torch matmuls on a contiguous slice
-(BLAS), and the Numba combine sums the weighted outputs per row in float32.
+CPU: the (row, slot) entries are sorted by expert and the rows gathered into expert order
+by the Numba permute, the expert GEMMs run on torch's BLAS, and the Numba combine sums
+the weighted outputs per row in float32. Two GEMM strategies, picked per call by
+`choose_gemm` from the rows per expert:
+
+* "loop": two torch.mm per hit expert on its contiguous slice of rows (no copies, no
+  wasted flops): for large row counts.
+* "padded": the rows scattered into an [L, R, H] batch (R = the largest count) and two
+  torch.bmm for all experts at once: for few rows per expert (decode-sized batches, many
+  experts), where a GEMM costs about the read of its expert's weights whatever its row
+  count, and one batched call replaces 2L small ones, each a parallel region whose
+  thread hand-off dominates when the cores are shared.
 CUDA: `moeroute.gpu.fused_experts` runs the grouped GEMMs on torch's current stream.
 """
 
@@ -19,7 +28,8 @@ from torch import nn
 
 from moeroute.bindings.torch import arrays
 
-__all__ = ["LocalExperts", "ACTIVATIONS", "SUPPORTED_DTYPES", "expert_mlp", "apply_activation"]
+__all__ = ["LocalExperts", "ACTIVATIONS", "SUPPORTED_DTYPES", "GEMM_STRATEGIES", "choose_gemm",
+           "expert_mlp", "padded_expert_mlp", "grouped_expert_mlp", "apply_activation"]
 
 #: Activations of the gate projection: "silu" (SwiGLU), "gelu" (erf GeGLU), "gelu_tanh".
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -28,6 +38,14 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Standard deviation of the initial expert weights (the usual transformer init); real
 #: weights are loaded over them.
 INIT_STD = 0.02
+#: CPU expert-GEMM strategies; "auto" picks one per call with `choose_gemm`.
+GEMM_STRATEGIES = ("auto", "loop", "padded")
+#: Largest per-expert row count the padded batch is used for: below it an expert's
+#: GEMM is bound by reading its weights, so padding rows costs little compute.
+PADDED_MAX_ROWS = 32
+#: The padded batch covers every local expert; it is used only when at least this share
+#: of them has rows, so idle experts' weights are not read for nothing (decode: few hit).
+PADDED_MIN_HIT_FRACTION = 0.5
 
 
 def check_activation(activation: str) -> str:
@@ -86,6 +104,76 @@ def expert_mlp(
     return out
 
 
+def choose_gemm(counts: list[int]) -> str:
+    """"padded" for few rows per expert over mostly-hit experts, else "loop".
+
+    Parameters
+    ----------
+    counts : list of int, rows of each local expert
+    """
+    if not counts:
+        return "loop"
+    hit = sum(1 for c in counts if c)
+    if max(counts) <= PADDED_MAX_ROWS and hit >= PADDED_MIN_HIT_FRACTION * len(counts):
+        return "padded"
+    return "loop"
+
+
+def padded_expert_mlp(
+    hidden_sorted: torch.Tensor,
+    expert_offsets: list[int],
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """`expert_mlp` as two batched GEMMs over an [L, R, H] zero-padded batch.
+
+    Same parameters and result as `expert_mlp` (R = the largest row count; padding rows
+    are computed and dropped).
+    """
+    rows, hidden = hidden_sorted.shape
+    num_experts = len(expert_offsets) - 1
+    inter = w_down.shape[2]
+    if rows == 0:
+        return hidden_sorted.new_empty((0, hidden))
+    offsets = torch.tensor(expert_offsets, dtype=torch.int64)
+    counts = offsets[1:] - offsets[:-1]
+    width = int(counts.max())
+    row_expert = torch.repeat_interleave(torch.arange(num_experts), counts)
+    # Row i of expert e (sorted position offsets[e] + i) goes to batch slot e*R + i.
+    position = row_expert * width + (torch.arange(rows) - offsets[:-1][row_expert])
+    batch = hidden_sorted.new_zeros((num_experts * width, hidden))
+    batch.index_copy_(0, position, hidden_sorted)
+    gate_up = torch.bmm(batch.view(num_experts, width, hidden), w_gate_up.transpose(1, 2))
+    act = apply_activation(gate_up[..., :inter], activation)
+    act.mul_(gate_up[..., inter:])
+    out = torch.bmm(act, w_down.transpose(1, 2)).view(num_experts * width, hidden)
+    return out.index_select(0, position)
+
+
+def grouped_expert_mlp(
+    hidden_sorted: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """`expert_mlp` through ``torch._grouped_mm`` (one call per projection).
+
+    Same parameters and result as `expert_mlp`, with ``expert_offsets`` a tensor
+    [L + 1] (int32). Raises AttributeError on torch builds without ``torch._grouped_mm``.
+    """
+    rows, hidden = hidden_sorted.shape
+    inter = w_down.shape[2]
+    if rows == 0:
+        return hidden_sorted.new_empty((0, hidden))
+    ends = expert_offsets[1:].to(torch.int32)
+    gate_up = torch._grouped_mm(hidden_sorted, w_gate_up.transpose(-2, -1), offs=ends)
+    act = apply_activation(gate_up[:, :inter], activation)
+    act.mul_(gate_up[:, inter:])
+    return torch._grouped_mm(act, w_down.transpose(-2, -1), offs=ends)
+
+
 class LocalExperts(nn.Module):
     """Stacked weights of the experts one rank holds, and their compute.
 
@@ -99,6 +187,8 @@ class LocalExperts(nn.Module):
         I, one expert's intermediate size.
     activation : str
         One of `ACTIVATIONS`.
+    gemm : {"auto", "loop", "padded"}
+        CPU expert-GEMM strategy; "auto" decides per call (`choose_gemm`).
     dtype, device : torch dtype and device of the weights.
 
     Attributes
@@ -109,11 +199,12 @@ class LocalExperts(nn.Module):
     Raises
     ------
     ValueError
-        A count or size below 1, an unknown activation, a dtype outside `SUPPORTED_DTYPES`.
+        A count or size below 1, an unknown activation or gemm, a dtype outside
+        `SUPPORTED_DTYPES`.
     """
 
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int,
-                 activation: str = "silu", *, dtype=None, device=None) -> None:
+                 activation: str = "silu", *, gemm: str = "auto", dtype=None, device=None) -> None:
         super().__init__()
         for name, value in (("num_local_experts", num_local_experts),
                             ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
@@ -123,6 +214,9 @@ class LocalExperts(nn.Module):
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={dtype} is not supported; use one of {SUPPORTED_DTYPES}")
         self.activation = check_activation(activation)
+        if gemm not in GEMM_STRATEGIES:
+            raise ValueError(f"gemm={gemm!r} is not a GEMM strategy; use one of {GEMM_STRATEGIES}")
+        self.gemm = gemm
         self.num_local_experts = num_local_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -143,7 +237,8 @@ class LocalExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
-                f"intermediate_size={self.intermediate_size}, activation={self.activation!r}")
+                f"intermediate_size={self.intermediate_size}, activation={self.activation!r}, "
+                f"gemm={self.gemm!r}")
 
     def forward(self, hidden_states: torch.Tensor, local_ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
@@ -166,8 +261,12 @@ class LocalExperts(nn.Module):
         hidden_sorted, expert_offsets, inverse_index = arrays.permute(
             hidden_states, local_ids, self.num_local_experts
         )
-        expert_out = expert_mlp(hidden_sorted, expert_offsets.tolist(), self.w_gate_up,
-                                self.w_down, self.activation)
+        offsets = expert_offsets.tolist()
+        strategy = self.gemm
+        if strategy == "auto":
+            strategy = choose_gemm([b - a for a, b in zip(offsets[:-1], offsets[1:])])
+        mlp = padded_expert_mlp if strategy == "padded" else expert_mlp
+        expert_out = mlp(hidden_sorted, offsets, self.w_gate_up, self.w_down, self.activation)
         return arrays.combine(expert_out, inverse_index, weights)
 
     def _forward_cuda(self, hidden_states, local_ids, weights):

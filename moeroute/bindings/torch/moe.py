@@ -176,6 +176,8 @@ class MoE(nn.Module):
         Register a ``correction_bias`` [N] float32 buffer (zeros) used for selection.
     router_dtype : torch.dtype
         Dtype of ``router_weight`` (float32 by default).
+    gemm : {"auto", "loop", "padded"}
+        CPU expert-GEMM strategy (see `moeroute.bindings.torch.experts`).
     dtype, device
         Of the expert weights; the activations must match.
 
@@ -210,6 +212,7 @@ class MoE(nn.Module):
         routed_hidden_size: int | None = None,
         correction_bias: bool = False,
         router_dtype: torch.dtype = torch.float32,
+        gemm: str = "auto",
         dtype: torch.dtype | None = None,
         device=None,
     ) -> None:
@@ -285,7 +288,7 @@ class MoE(nn.Module):
             torch.zeros(router.num_experts, dtype=torch.float32, device=device) if correction_bias else None,
         )
         self.experts = LocalExperts(self.layout.num_local_experts(rank), routed_hidden_size,
-                                    intermediate_size, activation, dtype=dtype, device=device)
+                                    intermediate_size, activation, gemm=gemm, dtype=dtype, device=device)
         self.shared_expert_gate = shared_expert_gate
         self.routed_input_transform = routed_input_transform
         self.routed_output_transform = routed_output_transform

@@ -1,0 +1,203 @@
+"""End-to-end MoE layer on the CPU: moeroute's MoE vs the transformers block, same weights and input.
+
+A Qwen3-MoE-like block (H=1024, I=384, N=64, K=8, float32) at T in {16, 512, 2048}.
+Baselines, each timed interleaved with moeroute in one process (the order alternates
+every repetition), reported as the median of per-repetition time ratios:
+
+* ``hf_eager``: ``Qwen3MoeSparseMoeBlock`` as a standalone module (its experts loop over
+  the hit experts with index/where/index_add, the transformers default for a block);
+* ``hf_grouped_mm``: the same block with ``experts_implementation="grouped_mm"``, what
+  transformers picks for a whole model on torch >= 2.9.
+
+Also the time split of moeroute's layer (routing = router linear + select_experts +
+shared-slot append + local remap; permute; expert GEMMs; combine), the share spent beyond
+the GEMMs, and the expert-GEMM strategies side by side (per-expert torch.mm on contiguous
+slices, the padded torch.bmm batch, torch._grouped_mm). torch keeps its default thread
+count on both sides.
+
+JSON goes to bench/results/layer.json. Run: ``python bench/layer.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from moeroute.bindings.torch import arrays
+from moeroute.bindings.torch.experts import choose_gemm, expert_mlp, grouped_expert_mlp, padded_expert_mlp
+from moeroute.bindings.torch.moe import MoE
+
+HIDDEN, INTER, EXPERTS, TOP_K = 1024, 384, 64, 8
+TOKENS = (16, 512, 2048)
+#: Interleaved repetitions per size: enough for a stable median on a shared 2-core box.
+REPEATS = {16: 41, 512: 11, 2048: 7}
+QUICK_REPEATS = {16: 9, 512: 3, 2048: 3}
+#: Warm-up calls per function: compiles the Numba kernels, faults in the weights.
+WARMUP = 2
+WEIGHT_SCALE = 0.02
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "layer.json")
+
+
+def build_block():
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS,
+                            num_experts_per_tok=TOP_K, norm_topk_prob=True)
+    block = Qwen3MoeSparseMoeBlock(config).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * WEIGHT_SCALE)
+    return block
+
+
+def set_experts_implementation(block, name):
+    block.experts.config._experts_implementation = name
+
+
+def timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def interleaved(base, ours, repeats):
+    """Per-repetition (base, ours) times, alternating which runs first."""
+    for _ in range(WARMUP):
+        base(), ours()
+    pairs = []
+    for r in range(repeats):
+        if r % 2:
+            t_ours, t_base = timed(ours), timed(base)
+        else:
+            t_base, t_ours = timed(base), timed(ours)
+        pairs.append((t_base, t_ours))
+    return pairs
+
+
+def summarize(pairs):
+    return {
+        "base_ms": statistics.median(p[0] for p in pairs) * 1e3,
+        "moeroute_ms": statistics.median(p[1] for p in pairs) * 1e3,
+        "speedup_median_of_ratios": statistics.median(p[0] / p[1] for p in pairs),
+        "repeats": len(pairs),
+    }
+
+
+def stage_split(moe, x, repeats):
+    """Median time of each stage of moeroute's forward, run stage by stage on the same data."""
+    stages = {"routing": [], "permute": [], "gemm": [], "combine": [], "total": []}
+    experts = moe.experts
+    for r in range(repeats + WARMUP):
+        t0 = time.perf_counter()
+        logits = moe.compute_router_logits(x)
+        weights, ids = arrays.select_experts(logits, moe._selection_router, moe.correction_bias)
+        ids, weights = arrays.append_shared_slots(ids, weights, moe.layout, moe.rank, None)
+        handle = moe.dispatcher.dispatch(x, ids, weights)
+        recv_hidden, local_ids, recv_weights = handle.wait()
+        t1 = time.perf_counter()
+        hidden_sorted, offsets, inverse = arrays.permute(recv_hidden, local_ids, experts.num_local_experts)
+        t2 = time.perf_counter()
+        offsets_list = offsets.tolist()
+        strategy = choose_gemm([b - a for a, b in zip(offsets_list[:-1], offsets_list[1:])])
+        mlp = padded_expert_mlp if strategy == "padded" else expert_mlp
+        out = mlp(hidden_sorted, offsets_list, experts.w_gate_up, experts.w_down, experts.activation)
+        t3 = time.perf_counter()
+        arrays.combine(out, inverse, recv_weights)
+        t4 = time.perf_counter()
+        total = timed(lambda: moe(x))
+        if r >= WARMUP:
+            for name, value in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, total)):
+                stages[name].append(value)
+    medians = {name: statistics.median(values) * 1e3 for name, values in stages.items()}
+    staged = sum(medians[name] for name in ("routing", "permute", "gemm", "combine"))
+    medians["beyond_gemm_fraction"] = 1.0 - medians["gemm"] / staged
+    return {f"{k}_ms" if k != "beyond_gemm_fraction" else k: v for k, v in medians.items()}
+
+
+def gemm_strategies(moe, x, repeats):
+    """The expert-GEMM strategies on the same expert-sorted rows, each interleaved with "loop":
+    per-expert torch.mm, the padded torch.bmm batch, torch._grouped_mm."""
+    experts = moe.experts
+    logits = moe.compute_router_logits(x)
+    weights, ids = arrays.select_experts(logits, moe._selection_router, None)
+    hidden_sorted, offsets, _ = arrays.permute(x, ids, experts.num_local_experts)
+    offsets_list = offsets.tolist()
+    args = (experts.w_gate_up, experts.w_down, "silu")
+    loop = lambda: expert_mlp(hidden_sorted, offsets_list, *args)  # noqa: E731
+    others = {
+        "padded": lambda: padded_expert_mlp(hidden_sorted, offsets_list, *args),
+        "grouped_mm": lambda: grouped_expert_mlp(hidden_sorted, offsets, *args),
+    }
+    result = {"auto_choice": choose_gemm([b - a for a, b in zip(offsets_list[:-1], offsets_list[1:])])}
+    for name, fn in others.items():
+        torch.testing.assert_close(fn(), loop(), rtol=1e-4, atol=1e-5)
+        pairs = interleaved(fn, loop, repeats)
+        summary = summarize(pairs)
+        result[f"{name}_ms"] = summary["base_ms"]
+        result[f"loop_ms_vs_{name}"] = summary["moeroute_ms"]
+        result[f"{name}_speedup_over_loop_median_of_ratios"] = statistics.median(p[1] / p[0] for p in pairs)
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
+    parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    args = parser.parse_args(argv)
+    repeats = QUICK_REPEATS if args.quick else REPEATS
+
+    block = build_block()
+    moe = MoE.from_hf(block)
+    report = {
+        "benchmark": "layer",
+        "shape": {"hidden": HIDDEN, "intermediate": INTER, "experts": EXPERTS, "top_k": TOP_K,
+                  "dtype": "float32"},
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                    "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None},
+        "results": {},
+    }
+    with torch.inference_mode():
+        for tokens in args.tokens:
+            count = repeats.get(tokens, 5)
+            x = torch.randn(1, tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+            set_experts_implementation(block, "eager")
+            torch.testing.assert_close(moe(x), block(x), rtol=1e-4, atol=1e-6)
+            entry = {"vs_hf_eager": summarize(interleaved(lambda: block(x), lambda: moe(x), count))}
+            set_experts_implementation(block, "grouped_mm")
+            torch.testing.assert_close(moe(x), block(x), rtol=1e-4, atol=1e-6)
+            entry["vs_hf_grouped_mm"] = summarize(interleaved(lambda: block(x), lambda: moe(x), count))
+            flat = x.reshape(tokens, HIDDEN)
+            entry["split"] = stage_split(moe, flat, count)
+            entry["gemm_strategies"] = gemm_strategies(moe, flat, count)
+            report["results"][str(tokens)] = entry
+            eager, grouped, split = entry["vs_hf_eager"], entry["vs_hf_grouped_mm"], entry["split"]
+            print(f"T={tokens:5d}: moeroute {eager['moeroute_ms']:8.2f} ms | hf eager {eager['base_ms']:8.2f} ms "
+                  f"(x{eager['speedup_median_of_ratios']:.2f}) | hf grouped_mm {grouped['base_ms']:8.2f} ms "
+                  f"(x{grouped['speedup_median_of_ratios']:.2f})")
+            print(f"         split: routing {split['routing_ms']:.2f} ms, permute {split['permute_ms']:.2f} ms, "
+                  f"gemm {split['gemm_ms']:.2f} ms, combine {split['combine_ms']:.2f} ms; beyond GEMM "
+                  f"{split['beyond_gemm_fraction'] * 100:.1f}%", flush=True)
+            g = entry["gemm_strategies"]
+            print(f"         GEMM strategies (auto picks {g['auto_choice']}): loop {g['loop_ms_vs_padded']:.2f} ms, "
+                  f"padded {g['padded_ms']:.2f} ms (x{g['padded_speedup_over_loop_median_of_ratios']:.2f} vs loop), "
+                  f"grouped_mm {g['grouped_mm_ms']:.2f} ms (x{g['grouped_mm_speedup_over_loop_median_of_ratios']:.2f})",
+                  flush=True)
+    report["machine"]["load_average_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=2)
+    print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
