@@ -24,13 +24,16 @@ DEMO_SHARED_MODES = ("auto", "runner", "overlap", "fused")
 FP32_RTOL = 1e-5
 #: Weight scale of the random layer: keeps activations O(1) through SiLU.
 WEIGHT_SCALE = 0.05
+#: Router weights ~ N(0, 1/H): logits O(1), so sigmoid scores do not saturate and the
+#: load spreads over the experts as in a trained router.
+ROUTER_SCALE_POWER = -0.5
 #: Hottest experts listed in the load summary.
 LOAD_TOP = 3
 
 
 def _parse(argv):
     parser = argparse.ArgumentParser(prog="moeroute demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=256, help="tokens per forward (default 256)")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per forward (default 128)")
     parser.add_argument("--hidden-size", type=int, default=256, help="H (default 256)")
     parser.add_argument("--intermediate-size", type=int, default=128, help="I (default 128)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -82,7 +85,7 @@ def _layer_weights(preset, hidden, inter, seed):
     generator = torch.Generator().manual_seed(seed)
     n = preset.router.num_experts
     weights = {
-        "router": torch.randn(n, hidden, generator=generator),
+        "router": torch.randn(n, hidden, generator=generator) * hidden ** ROUTER_SCALE_POWER,
         "bias": torch.randn(n, generator=generator) * 0.1 if preset.has_correction_bias else None,
         "w_gate_up": torch.randn(n, 2 * inter, hidden, generator=generator) * WEIGHT_SCALE,
         "w_down": torch.randn(n, hidden, inter, generator=generator) * WEIGHT_SCALE,
@@ -97,7 +100,22 @@ def _layer_weights(preset, hidden, inter, seed):
 
 
 def _reference(preset, weights, x, inter):
-    """Dense float64 ``sum_k w_k * expert_k(x) + g * shared(x)`` with NumPy routing; also the ids."""
+    """Dense float64 ``sum_k w_k * expert_k(x) + g * shared(x)`` with NumPy routing; also the ids.
+
+    Runs single-threaded: it is hundreds of tiny float64 products, where torch's thread
+    hand-off per op costs more than the op.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference_single_thread(preset, weights, x, inter)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_single_thread(preset, weights, x, inter):
     import torch
     import torch.nn.functional as F
 

@@ -334,10 +334,15 @@ class MoE(nn.Module):
                              f"{[n, 2 * inter, hid]}")
         if tuple(w_down.shape) != (n, hid, inter):
             raise ValueError(f"w_down has shape {tuple(w_down.shape)}, expected [N, H', I] = {[n, hid, inter]}")
-        index = torch.tensor(self.routed_expert_ids(), dtype=torch.int64, device=w_gate_up.device)
-        count = index.numel()
-        self.experts.w_gate_up[:count].copy_(w_gate_up.index_select(0, index))
-        self.experts.w_down[:count].copy_(w_down.index_select(0, index.to(w_down.device)))
+        ids = self.routed_expert_ids()
+        if ids == list(range(ids[0], ids[0] + len(ids))):  # no replicas: one block copy
+            rows = slice(ids[0], ids[0] + len(ids))
+            self.experts.w_gate_up[:len(ids)].copy_(w_gate_up[rows])
+            self.experts.w_down[:len(ids)].copy_(w_down[rows])
+            return
+        for local, logical in enumerate(ids):
+            self.experts.w_gate_up[local].copy_(w_gate_up[logical])
+            self.experts.w_down[local].copy_(w_down[logical])
 
     @torch.no_grad()
     def load_shared_weights(self, shared_experts: nn.Module) -> None:
