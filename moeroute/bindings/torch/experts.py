@@ -270,7 +270,12 @@ class LocalExperts(nn.Module):
         return arrays.combine(expert_out, inverse_index, weights)
 
     def _forward_cuda(self, hidden_states, local_ids, weights):
-        from moeroute.gpu import fused_experts
-
-        return fused_experts(hidden_states, self.w_gate_up, self.w_down, weights, local_ids,
-                             activation=self.activation)
+        try:
+            from moeroute.gpu import fused_experts
+        except ImportError as error:  # CuPy missing: say what the CUDA path needs
+            raise RuntimeError(
+                f"hidden_states on {hidden_states.device} need moeroute's CUDA expert GEMMs, which "
+                f"could not be imported ({error}); install the 'cuda' extra (CuPy, numba-cuda)"
+            ) from error
+        return fused_experts(hidden_states.contiguous(), self.w_gate_up, self.w_down,
+                             weights.contiguous(), local_ids.contiguous(), activation=self.activation)
