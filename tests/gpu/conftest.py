@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from gpu_host_emulator import HostEmulator, compiler_available
 from moeroute.gpu import launch as L
-
-
-@functools.lru_cache(maxsize=1)
-def cuda_device_available() -> bool:
-    """True when CuPy sees a CUDA (or ROCm) device."""
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no driver, no CuPy, or no device: all mean "skip the GPU tests"
-        return False
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ where the kernels store them, so the remaining difference is float32 vs float64 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -118,3 +120,14 @@ def random_problem(rng, num_tokens, hidden_size, intermediate_size, num_experts)
     w_down = (rng.standard_normal((num_experts, hidden_size, intermediate_size))
               / np.sqrt(intermediate_size)).astype(np.float32)
     return x, w_gate_up, w_down
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_device_available() -> bool:
+    """True when both CuPy and torch see a CUDA device (the GPU tests use both)."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0 and torch.cuda.is_available()
+    except Exception:  # no driver, no CuPy, or no device: all mean "skip the GPU tests"
+        return False

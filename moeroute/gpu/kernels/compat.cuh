@@ -27,6 +27,14 @@
 #define MOEROUTE_UNROLL _Pragma("unroll")
 #endif
 
+// CUDA's second __launch_bounds__ argument counts resident blocks per multiprocessor, HIP's
+// counts waves per execution unit: AMD builds keep the thread count only.
+#if defined(MOEROUTE_PLATFORM_HIP)
+#define MOEROUTE_LAUNCH_BOUNDS(threads, min_blocks) __launch_bounds__(threads)
+#else
+#define MOEROUTE_LAUNCH_BOUNDS(threads, min_blocks) __launch_bounds__(threads, min_blocks)
+#endif
+
 // Threads per warp (NVIDIA) or wavefront (AMD: 64 on the CDNA parts gfx90a / gfx94x).
 #if defined(MOEROUTE_PLATFORM_HIP)
 #if defined(__AMDGCN_WAVEFRONT_SIZE)

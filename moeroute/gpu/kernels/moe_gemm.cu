@@ -57,7 +57,7 @@ constexpr int kSimtMinBlocksPerMultiprocessor = 2;
 
 // Grid: (row tiles, ceil(n / kSimtBlockN)); block: kSimtThreads.
 template <typename T, int TILE_M, int GATED>
-__global__ void __launch_bounds__(moeroute::kSimtThreads, moeroute::kSimtMinBlocksPerMultiprocessor)
+__global__ void MOEROUTE_LAUNCH_BOUNDS(moeroute::kSimtThreads, moeroute::kSimtMinBlocksPerMultiprocessor)
     moe_gemm_simt(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
                   const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
                   const float* __restrict__ topk_weights, int numel, int top_k, int n, int k, int block_size,
