@@ -170,6 +170,7 @@ def test_forward_rejects_device_mismatch():
     (dict(shared_experts=3), TypeError, "shared_experts"),
     (dict(routed_hidden_size=12), ValueError, "routed_hidden_size=12"),
     (dict(ep_group=object(), dispatch="none"), ValueError, "dispatch='none'"),
+    (dict(dispatch="ring"), ValueError, "dispatch='ring'"),
 ])
 def test_constructor_rejects_bad_arguments(kwargs, error, match):
     args = dict(router=ROUTER, hidden_size=H, intermediate_size=I)

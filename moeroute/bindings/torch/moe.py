@@ -159,7 +159,8 @@ class MoE(nn.Module):
         Expert-parallel group; the module then holds only its rank's experts and dispatches
         through ``moeroute.bindings.ep.make_dispatcher``. None: one rank, no communication.
     dispatch : {"all2all", "allgather"}
-        Dispatch mode with ``ep_group``; ignored without one.
+        Dispatch mode with ``ep_group``; without one nothing is dispatched (layout
+        dispatch "none").
     activation : {"silu", "gelu", "gelu_tanh"}
     routed_input_transform, routed_output_transform : nn.Module, optional
         Latent MoE: map the hidden states to the routed experts' input size H' and the
@@ -231,8 +232,9 @@ class MoE(nn.Module):
             raise ValueError(f"shared={shared!r} is not a shared mode; use one of {SHARED_MODES}")
         if not isinstance(scaling_regime, str) or scaling_regime not in SCALING_REGIMES:
             raise ValueError(f"scaling_regime={scaling_regime!r} is unknown; use one of {SCALING_REGIMES}")
-        if ep_group is not None and dispatch not in EP_DISPATCH_MODES:
-            raise ValueError(f"dispatch={dispatch!r} cannot serve an ep_group; use one of {EP_DISPATCH_MODES}")
+        if not isinstance(dispatch, str) or dispatch not in EP_DISPATCH_MODES:
+            raise ValueError(f"dispatch={dispatch!r} is not an expert-parallel dispatch mode; use one of "
+                             f"{EP_DISPATCH_MODES} (it only matters with an ep_group)")
         activation = check_activation(activation)
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in SUPPORTED_DTYPES:
