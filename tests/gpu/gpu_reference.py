@@ -92,7 +92,8 @@ def reference_fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, *, act
 def assert_close(actual, expected, dtype: str, what: str = "output") -> None:
     actual = np.asarray(actual, np.float64)
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
-    assert np.isfinite(actual).all(), f"{what}: {np.count_nonzero(~np.isfinite(actual))} elements not written or not finite"
+    missing = np.count_nonzero(~np.isfinite(actual))
+    assert missing == 0, f"{what}: {missing} elements not written or not finite"
     scale = max(float(np.abs(expected).max(initial=0.0)), 1e-30)
     error = float(np.abs(actual - expected).max(initial=0.0)) / scale
     assert error <= TOLERANCE[dtype], f"{what}: max error {error:.3g} of max |reference| > {TOLERANCE[dtype]} ({dtype})"
