@@ -1,0 +1,23 @@
+"""Routing and dispatch operations, each with a Numba CPU kernel and a numba.cuda kernel.
+
+NumPy inputs run on the CPU and return NumPy arrays; device arrays (numba, CuPy, torch CUDA
+tensors) run on the GPU and stay there. ``reference`` holds the plain NumPy definitions.
+"""
+
+from moeroute.routing.align import align_block_size
+from moeroute.routing.combine import combine
+from moeroute.routing.permute import permute, sort_by_expert
+from moeroute.routing.remap import logical_to_physical, remap_to_local
+from moeroute.routing.select import select_experts
+from moeroute.routing.shared_slots import append_shared_slots
+
+__all__ = [
+    "align_block_size",
+    "append_shared_slots",
+    "combine",
+    "logical_to_physical",
+    "permute",
+    "remap_to_local",
+    "select_experts",
+    "sort_by_expert",
+]

@@ -1,0 +1,38 @@
+"""moeroute: Mixture-of-Experts routing, expert layouts and token dispatch for inference engines.
+
+Data flows one way: ``RouterConfig`` -> ``ExpertLayout`` -> routing (``select_experts``,
+``append_shared_slots``, ``align_block_size``, ...) -> dispatch -> expert GEMMs -> combine.
+The torch module lives in ``moeroute.bindings.torch`` and is imported on demand.
+"""
+
+from moeroute.config import PRESETS, ModelPreset, RouterConfig, get_preset
+from moeroute.layout import ExpertLayout, LayoutError
+from moeroute.routing import (
+    align_block_size,
+    append_shared_slots,
+    combine,
+    logical_to_physical,
+    permute,
+    remap_to_local,
+    select_experts,
+    sort_by_expert,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRESETS",
+    "ExpertLayout",
+    "LayoutError",
+    "ModelPreset",
+    "RouterConfig",
+    "align_block_size",
+    "append_shared_slots",
+    "combine",
+    "get_preset",
+    "logical_to_physical",
+    "permute",
+    "remap_to_local",
+    "select_experts",
+    "sort_by_expert",
+]
