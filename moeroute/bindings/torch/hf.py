@@ -185,6 +185,11 @@ def replace_moe_blocks(model: nn.Module, **kwargs) -> int:
     int
         The number of blocks replaced.
 
+    Notes
+    -----
+    The replaced blocks' router modules are gone, so transformers can no longer record
+    router logits (``output_router_logits``, used for the training-time auxiliary loss).
+
     Raises
     ------
     TypeError
