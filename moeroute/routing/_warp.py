@@ -16,6 +16,8 @@ switched on or off later in a process).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import cuda
 
@@ -33,6 +35,7 @@ __all__ = [
     "allreduce_sum",
     "float_as_int",
     "int_as_float",
+    "expf",
 ]
 
 WARP_SIZE = 32  # NVIDIA warp width; numba.cuda targets NVIDIA only
@@ -76,6 +79,11 @@ if not SIMULATED:
         """The float32 whose bits are the int32 ``bits``."""
         return cuda.libdevice.int_as_float(bits)
 
+    @cuda.jit(device=True, inline="always")
+    def expf(value):
+        """float32 exp (libdevice ``expf``): inf on overflow, 0 on underflow."""
+        return math.exp(value)
+
 else:
 
     @cuda.jit(device=True)
@@ -106,6 +114,12 @@ else:
     @cuda.jit(device=True)
     def int_as_float(bits):
         return np.int32(bits).view(np.float32)
+
+    @cuda.jit(device=True)
+    def expf(value):
+        # Python's math.exp raises on overflow where the device returns inf.
+        with np.errstate(over="ignore", under="ignore"):
+            return np.float32(np.exp(np.float64(value)))
 
 
 @cuda.jit(device=True, inline="always")

@@ -620,7 +620,7 @@ def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormal
 
     shfl_xor, shfl_idx = _warp.shfl_xor, _warp.shfl_idx
     allreduce_max, allreduce_sum = _warp.allreduce_max, _warp.allreduce_sum
-    float_as_int, int_as_float = _warp.float_as_int, _warp.int_as_float
+    float_as_int, int_as_float, expf = _warp.float_as_int, _warp.int_as_float, _warp.expf
 
     lanes = WARP_SIZE
     slots = -(-num_experts // WARP_SIZE)
@@ -738,7 +738,7 @@ def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormal
                 value = key_value(key)
             if r == 0:
                 first = value
-            weight = np.float32(math.exp(value - first)) if exp_weights else value
+            weight = expf(value - first) if exp_weights else value
             total += weight
             if lane == r:
                 my_id = expert
@@ -775,13 +775,13 @@ def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormal
                     partial = f32_zero
                     for j in range(slots):
                         if j * lanes + lane < num_experts:
-                            partial += np.float32(math.exp(x[j] - row_max))
+                            partial += expf(x[j] - row_max)
                     total = allreduce_sum(partial, scratch_f)
                 my_weight = (my_weight / total) * rsf
         if exact:
             if sigmoid:
                 for j in range(slots):
-                    scores[j] = f32_one / (f32_one + np.float32(math.exp(-x[j])))
+                    scores[j] = f32_one / (f32_one + expf(-x[j]))
             else:
                 best = pad_key
                 for j in range(slots):
@@ -789,7 +789,7 @@ def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormal
                 row_max = key_value(allreduce_max(best, scratch_i))
                 partial = f32_zero
                 for j in range(slots):
-                    scores[j] = np.float32(math.exp(x[j] - row_max))
+                    scores[j] = expf(x[j] - row_max)
                     if j * lanes + lane < num_experts:
                         partial += scores[j]
                 total = allreduce_sum(partial, scratch_f)
