@@ -78,6 +78,8 @@ METADATA_BYTES_PER_SLOT = 8
 #: Row counts travel as int64: the dtype every backend supports for all-to-all of counts.
 _COUNT_DTYPE = torch.int64
 _COUNT_BYTES = 8
+# torch 2.13 renamed all_gather_into_tensor (same signature); older releases lack the new name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class DispatchCheckError(RuntimeError):
@@ -698,7 +700,7 @@ class AllGatherDispatcher(_EPDispatcher):
         state = self._start_forward(num_tokens, valid)
 
         sizes_t = torch.empty(e, dtype=_COUNT_DTYPE, device=device)
-        self._collective("token-count gather", dist.all_gather_into_tensor, sizes_t,
+        self._collective("token-count gather", _all_gather_single, sizes_t,
                          torch.tensor([num_tokens], dtype=_COUNT_DTYPE, device=device))
         sizes = sizes_t.tolist()
         state.sizes = sizes
@@ -711,9 +713,9 @@ class AllGatherDispatcher(_EPDispatcher):
         gathered_hidden = hidden_states.new_empty((e * padded_rows, hidden))
         gathered_meta = send_meta.new_empty((e * padded_rows, 2 * top_k))
         works = [
-            self._collective("token gather", dist.all_gather_into_tensor, gathered_hidden,
+            self._collective("token gather", _all_gather_single, gathered_hidden,
                              send_hidden, async_op=True),
-            self._collective("metadata gather", dist.all_gather_into_tensor, gathered_meta,
+            self._collective("metadata gather", _all_gather_single, gathered_meta,
                              send_meta, async_op=True),
         ]
 

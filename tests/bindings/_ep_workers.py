@@ -80,7 +80,7 @@ def spawn_group(worker_name, world_size, tmp_dir, payload=None, *,
         for process in context.processes:
             if process.is_alive():
                 process.kill()
-    results = []
+    results, failures = [], []
     for rank in range(world_size):
         path = os.path.join(result_dir, f"rank{rank}.pkl")
         if not os.path.exists(path):
@@ -89,9 +89,14 @@ def spawn_group(worker_name, world_size, tmp_dir, payload=None, *,
         with open(path, "rb") as handle:
             result = pickle.load(handle)
         if not result["ok"]:
-            raise AssertionError(
-                f"{worker_name}: rank {rank} of {world_size} raised:\n{result['traceback']}")
-        results.append(result["value"])
+            failures.append((rank, result["traceback"]))
+        results.append(result.get("value"))
+    if failures:
+        # A peer's failure shows up on the others as a CollectiveError: list the root first.
+        failures.sort(key=lambda failure: "CollectiveError" in failure[1])
+        raise AssertionError("\n".join(
+            f"{worker_name}: rank {rank} of {world_size} raised:\n{text}"
+            for rank, text in failures))
     return results
 
 
@@ -456,6 +461,119 @@ def debug_fault_cases(rank, world_size):
     return out
 
 
+# --------------------------------------------------------------------------- the MoE module
+
+
+class _SharedMLP(torch.nn.Module):
+    """A gated shared MLP as transformers writes it (fusable into slots of size I)."""
+
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _relative_error(out, expected):
+    if out.numel() == 0:
+        return 0.0
+    return float((out.double() - expected.double()).abs().max() / expected.double().abs().max())
+
+
+def moe_module_cases(rank, world_size):
+    """MoE(ep_group=...) on this rank's tokens against the single-process MoE on all tokens."""
+    from moeroute.bindings.ep import make_dispatcher
+    from moeroute.bindings.torch.moe import MoE
+    from moeroute.config import RouterConfig
+
+    hidden, inter, num_experts, top_k = 16, 8, 8, 2
+    counts = _COUNT_PATTERNS[world_size][0]
+    start = sum(counts[:rank])
+    mine = slice(start, start + counts[rank])
+    records = []
+    for dispatch in ("all2all", "allgather"):
+        for shared in ("runner", "overlap", "fused"):
+            for num_shared, gated, regime in ((1, False, "router"), (2, True, "output")):
+                torch.manual_seed(11)  # identical modules and weights on every rank
+                shared_mlp = _SharedMLP(hidden, num_shared * inter)
+                gate = torch.nn.Linear(hidden, 1, bias=False) if gated else None
+                router = RouterConfig(num_experts, top_k, routed_scaling_factor=2.5)
+                w_gate_up = torch.randn(num_experts, 2 * inter, hidden) * hidden ** -0.5
+                w_down = torch.randn(num_experts, hidden, inter) * inter ** -0.5
+                router_weight = torch.randn(num_experts, hidden)
+                x_all = torch.randn(sum(counts), hidden)
+                modules = []
+                for group in (None, dist.group.WORLD):
+                    module = MoE(router, hidden, inter, shared_mlp, gate, shared=shared,
+                                 ep_group=group, dispatch=dispatch, scaling_regime=regime)
+                    with torch.no_grad():
+                        module.router_weight.copy_(router_weight)
+                    module.load_routed_weights(w_gate_up, w_down)
+                    modules.append(module)
+                single, ep = modules
+                ep.dispatcher = make_dispatcher(ep.layout, None, dispatch, debug=True)
+                with torch.no_grad():
+                    expected = single(x_all)[mine]
+                    out = ep(x_all[mine])
+                records.append(dict(
+                    name=f"moe-{dispatch}-{shared}-S{num_shared}-{regime}",
+                    error=_relative_error(out, expected), shape=tuple(out.shape),
+                    expected_shape=tuple(expected.shape), shared=ep.layout.shared,
+                    local_experts=ep.experts.w_gate_up.shape[0],
+                    expected_local_experts=ep.layout.num_local_experts(rank),
+                ))
+    return records
+
+
+def _qwen3_5_block(hidden, inter, num_experts, top_k):
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    block = Qwen3_5MoeSparseMoeBlock(Qwen3_5MoeTextConfig(
+        hidden_size=hidden, moe_intermediate_size=inter, shared_expert_intermediate_size=inter,
+        num_experts=num_experts, num_experts_per_tok=top_k))
+    gen = torch.Generator().manual_seed(21)  # the same block on every rank
+    with torch.no_grad():
+        for parameter in block.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=gen) * 0.3)
+    return block.eval()
+
+
+def from_hf_cases(rank, world_size):
+    """MoE.from_hf(block, ep_group=...) against the block itself and the one-rank module."""
+    from moeroute.bindings.ep import make_dispatcher
+    from moeroute.bindings.torch.moe import MoE
+
+    hidden, counts = 16, _COUNT_PATTERNS[world_size][4]
+    block = _qwen3_5_block(hidden, 8, 8, 3)
+    start = sum(counts[:rank])
+    mine = slice(start, start + counts[rank])
+    x_all = torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        block_out = block(x_all[None])
+        block_out = (block_out[0] if isinstance(block_out, tuple) else block_out)[0]
+    single = MoE.from_hf(block)
+    records = []
+    for dispatch in ("all2all", "allgather"):
+        for shared in ("auto", "overlap"):
+            ep = MoE.from_hf(block, ep_group=dist.group.WORLD, shared=shared, dispatch=dispatch)
+            ep.dispatcher = make_dispatcher(ep.layout, None, dispatch, debug=True)
+            with torch.no_grad():
+                out = ep(x_all[mine])
+                expected = single(x_all)[mine]
+            records.append(dict(
+                name=f"from_hf-{dispatch}-{shared}", shared=ep.layout.shared,
+                error=_relative_error(out, expected),
+                error_vs_block=_relative_error(out, block_out[mine]),
+                shape=tuple(out.shape), expected_shape=tuple(expected.shape),
+            ))
+    return records
+
+
 # --------------------------------------------------------------------------- workers
 
 
@@ -466,6 +584,15 @@ def configs_worker(rank, world_size, payload):
         result["invalid"] = invalid_argument_cases(rank, world_size)
     if payload and payload.get("faults"):
         result["faults"] = debug_fault_cases(rank, world_size)
+    # The module cases run last: a failure there is recorded without losing the records
+    # above, and this rank then exits, so its peers fail fast instead of waiting.
+    for key, cases in (("moe", moe_module_cases), ("from_hf", from_hf_cases)):
+        if payload and payload.get(key):
+            try:
+                result[key] = cases(rank, world_size)
+            except Exception:
+                result[key + "_error"] = traceback.format_exc()
+                return result
     dist.barrier()
     return result
 

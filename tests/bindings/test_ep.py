@@ -29,12 +29,27 @@ def groups(tmp_path_factory):
 
     def get(world_size):
         if world_size not in cache:
-            payload = {"invalid": world_size == 2, "faults": True}
-            cache[world_size] = spawn_group(
-                "configs", world_size, tmp_path_factory.mktemp(f"ep{world_size}"), payload)
+            payload = {"invalid": world_size == 2, "faults": True, "moe": True,
+                       "from_hf": world_size == 2}
+            try:
+                cache[world_size] = spawn_group(
+                    "configs", world_size, tmp_path_factory.mktemp(f"ep{world_size}"), payload)
+            except AssertionError as error:  # fail every dependent test without respawning
+                cache[world_size] = error
+        if isinstance(cache[world_size], AssertionError):
+            raise cache[world_size]
         return cache[world_size]
 
     return get
+
+
+def _module_records(results, key):
+    """Per-rank records of the module cases; fails with the root error when a rank raised."""
+    errors = [r.get(key + "_error") for r in results if r.get(key + "_error")]
+    # A peer's failure shows up on the others as a CollectiveError: report the root first.
+    errors.sort(key=lambda text: "CollectiveError" in text)
+    assert not errors, errors[0]
+    return [r[key] for r in results]
 
 
 def _records(results, name):
@@ -123,6 +138,36 @@ def test_debug_check_catches_injected_faults(groups, world_size):
         assert kind == "DispatchCheckError", (rank, message)
         assert f"dispatched (summed over ranks) {world_size} time(s)" in message
         assert faults["all2all-dropped-slot-nodebug"] == (None, None)
+
+
+MOE_CASES = [f"moe-{dispatch}-{shared}-{variant}" for dispatch in ("all2all", "allgather")
+             for shared in ("runner", "overlap", "fused") for variant in ("S1-router", "S2-output")]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_moe_module_with_ep_group_matches_single_process(groups, world_size):
+    """MoE(ep_group=pg) on each rank's tokens equals the one-rank MoE on all tokens."""
+    for rank, records in enumerate(_module_records(groups(world_size), "moe")):
+        assert [r["name"] for r in records] == MOE_CASES
+        for record in records:
+            assert record["shape"] == record["expected_shape"], (rank, record)
+            assert record["error"] < 1e-5, (rank, record)
+            assert record["shared"] == record["name"].split("-")[2], record
+            # The module holds only this rank's experts (plus its fused shared slots).
+            assert record["local_experts"] == record["expected_local_experts"], record
+
+
+def test_from_hf_with_ep_group_matches_block_and_single_process(groups):
+    expected_names = [f"from_hf-{d}-{s}" for d in ("all2all", "allgather")
+                      for s in ("auto", "overlap")]
+    for rank, records in enumerate(_module_records(groups(2), "from_hf")):
+        assert [r["name"] for r in records] == expected_names
+        for record in records:
+            assert record["shape"] == record["expected_shape"] and record["shape"][0] > 0
+            assert record["error"] < 1e-5, (rank, record)
+            assert record["error_vs_block"] < 1e-5, (rank, record)
+            # Qwen3.5's gated shared expert is fused under auto (per-rank slots).
+            assert record["shared"] == ("fused" if record["name"].endswith("auto") else "overlap")
 
 
 INVALID_CASES = {
