@@ -248,3 +248,69 @@ def test_qwen35_fused_per_rank_slots_on_eight_ranks(tmp_path):
             # SPEC section 2: rank r's block starts at b_r = 64 r + r; its slot follows 64 routed.
             assert record["shared_ids"] == [65 * rank + 64] == record["expected_shared_ids"]
             assert record["error"] < 1e-5, (rank, record)
+
+
+# --------------------------------------------------------------------------- moeroute run
+
+
+def test_run_command_spawns_ranks_and_checks_them(capsys):
+    from moeroute.bindings import ep_run
+
+    status = ep_run.main(["--preset", "qwen1.5-moe-a2.7b", "--ep", "2", "--dispatch", "all2all",
+                          "--shared", "auto", "--tokens", "6", "--hidden", "16",
+                          "--intermediate", "8", "--repeat", "1", "--debug"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "ok" for row in rows), out
+    assert all(int(row[1]) == 6 for row in rows)  # tokens per rank
+    assert "shared expert: fused" in out and "every rank matches" in out
+
+
+def test_run_command_refuses_an_impossible_layout_before_spawning(capsys):
+    from moeroute.bindings import ep_run
+
+    status = ep_run.main(["--preset", "mixtral-8x7b", "--ep", "16", "--tokens", "4"])
+    assert status == ep_run.EXIT_USAGE
+    assert "ep_size=16" in capsys.readouterr().err
+
+
+def test_run_command_reports_a_mismatch():
+    import argparse
+
+    from moeroute.bindings import ep_run
+
+    args = argparse.Namespace(preset="mixtral-8x7b", ep=2, dispatch="all2all", tokens=4,
+                              hidden=16, intermediate=8, dtype="float32")
+    report = dict(rank=0, tokens=4, received_rows=4, slots_computed=8, max_expert_load=3,
+                  local_experts=4, bytes=None, forward_ms=1.0, error=0.0, shared="none",
+                  shared_reason="no shared expert")
+    text, status = ep_run._format(args, [report, dict(report, rank=1, error=1e-3)])
+    assert status == ep_run.EXIT_MISMATCH and "MISMATCH" in text
+    assert ep_run._format(args, [report])[1] == 0
+
+
+def test_run_command_joins_a_torchrun_group(tmp_path):
+    """Two processes with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    processes = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   CUDA_VISIBLE_DEVICES="")
+        processes.append(subprocess.Popen(
+            [sys.executable, "-m", "moeroute.bindings.ep_run", "--preset", "glm-4.5",
+             "--dispatch", "allgather", "--tokens", "5", "--hidden", "16",
+             "--intermediate", "8", "--repeat", "1", "--timeout", "60"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [process.communicate(timeout=120) for process in processes]
+    assert [p.returncode for p in processes] == [0, 0], outputs
+    assert "every rank matches" in outputs[0][0]
+    assert outputs[1][0] == ""  # only rank 0 prints the table

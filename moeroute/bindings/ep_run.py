@@ -1,0 +1,382 @@
+"""``moeroute run``: a preset-shaped MoE layer on E expert-parallel ranks, checked and timed.
+
+    moeroute run --preset qwen3.5-moe --ep 8 --dispatch all2all --shared auto --tokens 64
+
+Spawns E gloo processes on this machine, or, when launched by torchrun (RANK, WORLD_SIZE
+and MASTER_ADDR in the environment), joins that group (NCCL on GPUs, gloo otherwise). Every
+rank builds the same layer, shaped like the preset (experts, top-k, routing, shared expert
+and gate) at a small hidden/intermediate size with random weights, runs the expert-parallel
+`moeroute.bindings.torch.MoE` on its own tokens and the single-process layer on the same
+tokens, and reports its load, the bytes it sent and the forward time. The exit status is
+nonzero when any rank's output differs from the single-process result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pickle
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+from moeroute.config import PRESETS, get_preset
+from moeroute.layout import SCALING_REGIMES, SHARED_MODES, ExpertLayout
+
+__all__ = ["add_arguments", "run", "main", "EXIT_MISMATCH", "EXIT_USAGE", "EXIT_FAILURE"]
+
+#: A rank's output differs from the single-process layer.
+EXIT_MISMATCH = 1
+#: The request cannot work (impossible layout, bad arguments).
+EXIT_USAGE = 2
+#: A rank failed (exception, dead peer, timeout).
+EXIT_FAILURE = 3
+#: Relative error (max |ep - single| / max |single|) allowed per activation dtype: float32
+#: differs only by summation order; bfloat16 rounds every partial output to 8 bits.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+#: Environment variables torchrun sets; all present means "join, don't spawn".
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+#: Scale of the random correction bias: small next to the spread of sigmoid scores, so it
+#: shifts a few picks instead of dominating the choice.
+CORRECTION_BIAS_SCALE = 0.01
+#: Untimed forwards before the timed ones (first-call compilation and allocation).
+WARMUP_FORWARDS = 2
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be an integer >= 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be an integer >= 0")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``moeroute run``."""
+    parser.add_argument("--preset", required=True, metavar="NAME",
+                        help=f"model preset: {', '.join(PRESETS)}")
+    parser.add_argument("--ep", type=_positive_int, default=None, metavar="N",
+                        help="expert-parallel ranks to spawn (default: WORLD_SIZE under "
+                             "torchrun, else 2)")
+    parser.add_argument("--dispatch", choices=("all2all", "allgather"), default="all2all",
+                        help="token dispatch (default all2all)")
+    parser.add_argument("--shared", choices=SHARED_MODES, default="auto",
+                        help="who computes the shared expert (default auto)")
+    parser.add_argument("--tokens", type=_non_negative_int, required=True, metavar="T",
+                        help="tokens per rank")
+    parser.add_argument("--hidden", type=_positive_int, default=64, metavar="H",
+                        help="hidden size of the small layer (default 64)")
+    parser.add_argument("--intermediate", type=_positive_int, default=32, metavar="I",
+                        help="routed expert intermediate size (default 32)")
+    parser.add_argument("--redundant", type=_non_negative_int, default=0, metavar="R",
+                        help="redundant (replica) experts (default 0)")
+    parser.add_argument("--regime", choices=SCALING_REGIMES, default="router",
+                        help="where routed_scaling_factor is applied (default router)")
+    parser.add_argument("--dtype", choices=tuple(TOLERANCE), default="float32",
+                        help="activation and weight dtype (default float32)")
+    parser.add_argument("--repeat", type=_positive_int, default=5, metavar="R",
+                        help="timed forwards per rank (default 5)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--timeout", type=_positive_int, default=120, metavar="S",
+                        help="process-group timeout in seconds (default 120)")
+    parser.add_argument("--debug", action="store_true",
+                        help="check every (token, slot) is dispatched and combined once")
+
+
+def _under_torchrun() -> bool:
+    return all(name in os.environ for name in TORCHRUN_ENV)
+
+
+def _check_request(args: argparse.Namespace) -> tuple[Any, ExpertLayout]:
+    """The preset and the layout the ranks will build; ValueError (LayoutError) if impossible."""
+    preset = get_preset(args.preset)
+    fusable = preset.shared_unfusable_reason is None
+    return preset, ExpertLayout(
+        preset.router.num_experts, preset.num_shared_experts, ep_size=args.ep,
+        dispatch=args.dispatch, shared=args.shared, num_redundant_experts=args.redundant,
+        scaling_regime=args.regime,
+        unfusable_reason=None if fusable else preset.shared_unfusable_reason,
+    )
+
+
+# --------------------------------------------------------------------------- one rank
+
+
+def _gated_mlp(hidden: int, inter: int, dtype, device):
+    import torch
+    from torch import nn
+
+    class GatedMLP(nn.Module):
+        """``down(silu(gate(x)) * up(x))``: the shared MLP shape the presets use."""
+
+        def __init__(self):
+            super().__init__()
+            self.gate_proj = nn.Linear(hidden, inter, bias=False, dtype=dtype, device=device)
+            self.up_proj = nn.Linear(hidden, inter, bias=False, dtype=dtype, device=device)
+            self.down_proj = nn.Linear(inter, hidden, bias=False, dtype=dtype, device=device)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    return GatedMLP().requires_grad_(False)
+
+
+def _build_layers(args, preset, group, device):
+    """(ep_module, single_module) with identical random weights on every rank."""
+    import torch
+    from torch import nn
+
+    from moeroute.bindings.torch.moe import MoE
+
+    dtype = getattr(torch, args.dtype)
+    hidden, inter = args.hidden, args.intermediate
+    n = preset.router.num_experts
+    gen = torch.Generator().manual_seed(args.seed)
+
+    def rand(*shape, scale):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    shared_mlp = gate = None
+    if preset.num_shared_experts:
+        # Keep the preset's slot count; a preset whose shared MLP does not split keeps
+        # not splitting (one extra row).
+        shared_inter = preset.num_shared_experts * inter
+        if preset.shared_unfusable_reason is not None:
+            shared_inter += 1
+        shared_mlp = _gated_mlp(hidden, shared_inter, dtype, device)
+        with torch.no_grad():
+            for parameter in shared_mlp.parameters():
+                parameter.copy_(rand(*parameter.shape, scale=parameter.shape[1] ** -0.5))
+        if preset.shared_gated:
+            gate = nn.Linear(hidden, 1, bias=False, dtype=dtype, device=device).requires_grad_(False)
+            with torch.no_grad():
+                gate.weight.copy_(rand(1, hidden, scale=hidden ** -0.5))
+    w_gate_up = rand(n, 2 * inter, hidden, scale=hidden ** -0.5)
+    w_down = rand(n, hidden, inter, scale=inter ** -0.5)
+    router_weight = rand(n, hidden, scale=1.0).float()
+    bias = (torch.randn(n, generator=gen) * CORRECTION_BIAS_SCALE).to(device)
+
+    modules = []
+    for ep_group in (group, None):
+        module = MoE(preset.router, hidden, inter, shared_experts=shared_mlp,
+                     shared_expert_gate=gate, shared=args.shared, ep_group=ep_group,
+                     dispatch=args.dispatch, scaling_regime=args.regime,
+                     num_redundant_experts=args.redundant if ep_group is not None else 0,
+                     correction_bias=preset.has_correction_bias, dtype=dtype, device=device)
+        with torch.no_grad():
+            module.router_weight.copy_(router_weight)
+            if preset.has_correction_bias:
+                module.correction_bias.copy_(bias)
+        module.load_routed_weights(w_gate_up, w_down)
+        modules.append(module)
+    return modules
+
+
+def _rank_report(args, preset, rank: int, world: int, group, device) -> dict:
+    """Run this rank's check and timing; returns a plain dict (picklable)."""
+    import torch
+
+    from moeroute.bindings.ep import make_dispatcher
+
+    ep_module, single = _build_layers(args, preset, group, device)
+    if args.debug:
+        ep_module.dispatcher = make_dispatcher(ep_module.layout, group, args.dispatch, debug=True)
+    num_local = ep_module.layout.num_local_experts(rank)
+    load = torch.zeros(num_local, dtype=torch.int64)
+    received_rows = []
+
+    def count_load(_module, inputs):
+        _, local_ids, _ = inputs
+        held = local_ids[(local_ids >= 0) & (local_ids < num_local)].long().cpu()
+        load.add_(torch.bincount(held, minlength=num_local))
+        received_rows.append(local_ids.shape[0])
+
+    gen = torch.Generator().manual_seed(args.seed + 1 + rank)
+    x = torch.randn(args.tokens, args.hidden, generator=gen).to(device=device,
+                                                               dtype=getattr(torch, args.dtype))
+    hook = ep_module.experts.register_forward_pre_hook(count_load)
+    with torch.no_grad():
+        out = ep_module(x)
+        hook.remove()
+        expected = single(x)
+        stats = ep_module.dispatcher.last_stats
+        times = []
+        for i in range(WARMUP_FORWARDS + args.repeat):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            ep_module(x)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= WARMUP_FORWARDS:
+                times.append(time.perf_counter() - start)
+    error = 0.0
+    if out.numel():
+        scale = float(expected.double().abs().max()) or 1.0
+        error = float((out.double() - expected.double()).abs().max()) / scale
+    return dict(
+        rank=rank, tokens=args.tokens, received_rows=received_rows[0],
+        slots_computed=int(load.sum()), max_expert_load=int(load.max()) if num_local else 0,
+        local_experts=num_local, bytes=None if stats is None else stats.as_dict(),
+        forward_ms=1e3 * statistics.median(times), error=error,
+        shared=ep_module.layout.shared, shared_reason=ep_module.layout.shared_reason,
+    )
+
+
+def _init_group(args, rank: int, world: int, init_method: str, backend: str):
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    return dist.group.WORLD
+
+
+def _spawned_rank(rank: int, args: argparse.Namespace, init_file: str, result_dir: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # E processes share this machine's cores
+    try:
+        preset, _ = _check_request(args)
+        group = _init_group(args, rank, args.ep, f"file://{init_file}", "gloo")
+        result = {"ok": True, "report": _rank_report(args, preset, rank, args.ep, group,
+                                                       torch.device("cpu"))}
+    except BaseException:
+        result = {"ok": False, "error": traceback.format_exc()}
+    with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as handle:
+        pickle.dump(result, handle)
+    # Skip the group teardown: a failed peer could block it.
+    os._exit(0)
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def _format(args, reports: list[dict]) -> tuple[str, int]:
+    """The printed table and the exit status."""
+    tolerance = TOLERANCE[args.dtype]
+    first = reports[0]
+    lines = [
+        f"moeroute run: preset {args.preset}, ep {args.ep}, dispatch {args.dispatch}, "
+        f"{args.tokens} tokens per rank, H={args.hidden}, I={args.intermediate}, {args.dtype}",
+        f"shared expert: {first['shared']}. {first['shared_reason']}",
+        "rank  tokens  rows_in  slots  experts  max_load  sent_dispatch  sent_meta  "
+        "sent_combine  forward_ms  rel_error  check",
+    ]
+    status = 0
+    for r in reports:
+        ok = r["error"] < tolerance
+        status = status if ok else EXIT_MISMATCH
+        b = r["bytes"] or {}
+        lines.append(
+            f"{r['rank']:>4}  {r['tokens']:>6}  {r['received_rows']:>7}  {r['slots_computed']:>5}  "
+            f"{r['local_experts']:>7}  {r['max_expert_load']:>8}  "
+            f"{b.get('hidden_bytes', 0):>13}  {b.get('metadata_bytes', 0):>9}  "
+            f"{b.get('combine_bytes', 0):>12}  {r['forward_ms']:>10.3f}  "
+            f"{r['error']:>9.2e}  {'ok' if ok else 'MISMATCH'}")
+    total = sum((r["bytes"] or {}).get("total_bytes", 0) for r in reports)
+    lines.append(f"bytes sent by all ranks per forward (rows, metadata, counts, combine): {total}")
+    lines.append("result: " + ("every rank matches the single-process layer" if status == 0 else
+                               f"MISMATCH above tolerance {tolerance:g}"))
+    return "\n".join(lines), status
+
+
+def _run_spawned(args: argparse.Namespace) -> int:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="moeroute-run-") as tmp:
+        init_file = os.path.join(tmp, "store")
+        result_dir = os.path.join(tmp, "results")
+        os.makedirs(result_dir)
+        context = mp.start_processes(_spawned_rank, args=(args, init_file, result_dir),
+                                     nprocs=args.ep, join=False, start_method="spawn")
+        try:
+            while not context.join():
+                pass
+        except Exception as error:  # a rank died without reporting
+            print(f"moeroute run: a rank failed: {error}", file=sys.stderr)
+            return EXIT_FAILURE
+        results = []
+        for rank in range(args.ep):
+            path = os.path.join(result_dir, f"rank{rank}.pkl")
+            if not os.path.exists(path):
+                print(f"moeroute run: rank {rank} exited without a result", file=sys.stderr)
+                return EXIT_FAILURE
+            with open(path, "rb") as handle:
+                results.append(pickle.load(handle))
+    failed = [(rank, r["error"]) for rank, r in enumerate(results) if not r["ok"]]
+    if failed:
+        for rank, error in failed:
+            print(f"moeroute run: rank {rank} failed:\n{error}", file=sys.stderr)
+        return EXIT_FAILURE
+    text, status = _format(args, [r["report"] for r in results])
+    print(text)
+    return status
+
+
+def _run_torchrun(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    preset, _ = _check_request(args)
+    group = _init_group(args, rank, world, "env://", backend)
+    try:
+        report = _rank_report(args, preset, rank, world, group, device)
+        reports = [None] * world
+        dist.all_gather_object(reports, report, group=group)
+    finally:
+        dist.destroy_process_group()
+    text, status = _format(args, reports)
+    if rank == 0:
+        print(text)
+    return status
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``moeroute run`` with parsed arguments; returns the exit status.
+
+    0: every rank matches the single-process layer; `EXIT_MISMATCH`: one does not;
+    `EXIT_USAGE`: an impossible request (unknown preset, impossible layout, --ep
+    disagreeing with torchrun's WORLD_SIZE); `EXIT_FAILURE`: a rank failed.
+    """
+    torchrun = _under_torchrun()
+    if args.ep is None:
+        args.ep = int(os.environ["WORLD_SIZE"]) if torchrun else 2
+    if torchrun and args.ep != int(os.environ["WORLD_SIZE"]):
+        print(f"moeroute: error: --ep {args.ep} disagrees with torchrun's "
+              f"WORLD_SIZE={os.environ['WORLD_SIZE']}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        _check_request(args)
+    except ValueError as error:  # LayoutError included
+        print(f"moeroute: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    return _run_torchrun(args) if torchrun else _run_spawned(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``moeroute run`` (``argv`` without the command name)."""
+    parser = argparse.ArgumentParser(prog="moeroute run", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
