@@ -75,6 +75,8 @@ _F32_ONE = np.float32(1.0)
 _F32_ZERO = np.float32(0.0)
 _F32_EPS = np.float32(RENORMALIZE_EPS)
 _F32_NEG_INF = np.float32(-np.inf)
+_F32_INF = np.float32(np.inf)
+_F32_HALF = np.float32(0.5)
 
 # float16 -> float32 for every bit pattern: NumPy's own conversion, looked up by the CPU
 # kernel (Numba has no host float16 type).
@@ -277,11 +279,18 @@ _INT32_LOW31 = np.int32(0x7FFFFFFF)
 _NAN_KEY = np.int32((int(np.float32(-np.inf).view(np.int32)) ^ 0x7FFFFFFF) - 1)  # key(-inf) - 1
 _NO_KEY = np.int32(np.iinfo(np.int32).min)  # below every key: "nothing picked yet"
 
-# A row's top-k is searched among the keys at or above a cut guessed from the previous
-# row's spread (best minus K-th best choice) times this slack: rows of a batch are alike, so
-# the cut passes a few times K keys and the branchy insertion sees only those. A cut that
-# passes fewer than K keys is dropped and the row inserts every key (always exact).
-_CUT_SLACK = np.float32(2.0)
+# A row's top-k is picked among the keys at or above a cut. The first cut is the previous
+# row's spread (best minus K-th best choice) below the row's best: rows of a batch are alike.
+# Each pass collects the keys at or above the cut; the cut is bisected until between K and
+# 16 keys pass (one 16-lane block), for at most _CUT_STEPS passes. With no usable cut every
+# key is a candidate: always exact, only slower.
+_CUT_STEPS = 4
+
+# Candidate collection and the pick rounds work on 16 lanes at a time (one AVX-512
+# register of int32 keys; two of packed int64 picks).
+_LANES = 16
+_PACK_LOW31 = np.int64(0x7FFFFFFF)  # packed pick = key << 32 | (_PACK_LOW31 - id), as on the device
+_PACK_NONE = np.int64(np.iinfo(np.int64).min)  # below every packed pick
 
 
 @_cpu_jit
@@ -406,39 +415,152 @@ def _keep_groups(keys, num_groups, topk_group, two_best, group_keys, kept, top_k
         kept[top_ids[j]] = True
 
 
+def _splat(builder, vector, value):
+    result = ir.Constant(vector, ir.Undefined)
+    for lane in range(vector.count):
+        result = builder.insert_element(result, value, ir.Constant(ir.IntType(32), lane))
+    return result
+
+
+def _llvm_function(builder, name, return_type, argument_types):
+    module = builder.module
+    return module.globals.get(name) or ir.Function(
+        module, ir.FunctionType(return_type, argument_types), name=name)
+
+
+@intrinsic
+def _compress_at_least(typingctx, keys, start, cut, out, count):
+    """Append to ``out[count:]`` the indices i in [start, start + 16) with keys[i] >= cut,
+    in ascending order; return the new count. Stores 16 lanes at ``out[count]``, so ``out``
+    needs 16 spare slots. One vector compare, compress and store (vpcompressd into a
+    register, then a plain store: its memory form is slow on Zen 4)."""
+    if not (isinstance(keys, types.Array) and keys.dtype == types.int32 and keys.layout == "C"
+            and isinstance(out, types.Array) and out.dtype == types.int32 and out.layout == "C"):
+        return None
+    signature = types.intp(keys, types.intp, types.int32, out, types.intp)
+
+    def codegen(context, builder, sig, args):
+        keys_value, start_value, cut_value, out_value, count_value = args
+        keys_data = context.make_array(sig.args[0])(context, builder, value=keys_value).data
+        out_data = context.make_array(sig.args[3])(context, builder, value=out_value).data
+        i32 = ir.IntType(32)
+        vector = ir.VectorType(i32, _LANES)
+        mask_type = ir.VectorType(ir.IntType(1), _LANES)
+        source = builder.bitcast(builder.gep(keys_data, [start_value]), vector.as_pointer())
+        mask = builder.icmp_signed(">=", builder.load(source, align=4),
+                                   _splat(builder, vector, cut_value))
+        indices = builder.add(_splat(builder, vector, builder.trunc(start_value, i32)),
+                              ir.Constant(vector, list(range(_LANES))))
+        compress = _llvm_function(builder, f"llvm.experimental.vector.compress.v{_LANES}i32",
+                                  vector, [vector, mask_type, vector])
+        packed = builder.call(compress, [indices, mask, ir.Constant(vector, ir.Undefined)])
+        target = builder.bitcast(builder.gep(out_data, [count_value]), vector.as_pointer())
+        builder.store(packed, target, align=4)
+        mask_bits = ir.IntType(_LANES)
+        popcount = _llvm_function(builder, f"llvm.ctpop.i{_LANES}", mask_bits, [mask_bits])
+        passed = builder.call(popcount, [builder.bitcast(mask, mask_bits)])
+        return builder.add(count_value, builder.zext(passed, count_value.type))
+
+    return signature, codegen
+
+
+@intrinsic
+def _pop_max(typingctx, packed, start, previous):
+    """In ``packed[start:start + 16]`` replace ``previous`` by the lowest value, store the
+    block back and return its maximum: one pick round on one block, without branches."""
+    if not (isinstance(packed, types.Array) and packed.dtype == types.int64
+            and packed.layout == "C"):
+        return None
+    signature = types.int64(packed, types.intp, types.int64)
+
+    def codegen(context, builder, sig, args):
+        packed_value, start_value, previous_value = args
+        data = context.make_array(sig.args[0])(context, builder, value=packed_value).data
+        i64 = ir.IntType(64)
+        vector = ir.VectorType(i64, _LANES)
+        address = builder.bitcast(builder.gep(data, [start_value]), vector.as_pointer())
+        block = builder.load(address, align=8)
+        taken = builder.icmp_signed("==", block, _splat(builder, vector, previous_value))
+        block = builder.select(taken, _splat(builder, vector, ir.Constant(i64, int(_PACK_NONE))),
+                               block)
+        builder.store(block, address, align=8)
+        reduce_max = _llvm_function(builder, f"llvm.vector.reduce.smax.v{_LANES}i64", i64,
+                                    [vector])
+        return builder.call(reduce_max, [block])
+
+    return signature, codegen
+
+
 @_cpu_inline
-def _top_k(keys, top_k, spread, candidates, top_keys, top_ids):
+def _collect(keys, cut, candidates):
+    """Indices of keys >= cut into ``candidates`` (ascending); returns their count."""
+    n = keys.shape[0]
+    full = n - n % _LANES
+    count = 0
+    for start in range(0, full, _LANES):
+        count = _compress_at_least(keys, start, cut, candidates, count)
+    for i in range(full, n):  # branch-free append
+        candidates[count] = i
+        count += keys[i] >= cut
+    return count
+
+
+@_cpu_inline
+def _top_k(keys, top_k, spread, candidates, packed, top_keys, top_ids):
     """The top_k best keys into top_keys/top_ids, descending, the lower id first on ties.
 
     ``spread[0]`` carries the previous row's spread from row to row (NaN: none yet).
     """
-    n = keys.shape[0]
     best = _NO_KEY
-    for i in range(n):
+    for i in range(keys.shape[0]):
         best = keys[i] if keys[i] > best else best
-    cut = _NO_KEY
-    guess = _key_value(best) - spread[0] * _CUT_SLACK
-    if guess > _F32_NEG_INF:  # not NaN, not -inf
-        cut = _order_key(guess)
-        passed = 0
-        for i in range(n):
-            passed += keys[i] >= cut
-        if passed < top_k:
-            cut = _NO_KEY
+    best_value = _key_value(best)
+    target = max(top_k, _LANES)
+    width = spread[0]
+    narrow = _F32_ZERO  # widest width known to pass fewer than top_k keys
+    wide = _F32_INF  # narrowest width known to pass at least top_k keys
     count = 0
-    for i in range(n):  # branch-free append, ids stay ascending
-        candidates[count] = i
-        count += keys[i] >= cut
-    filled = 0
+    enough = False
+    for _ in range(_CUT_STEPS):
+        guess = best_value - width
+        if not guess > _F32_NEG_INF:  # NaN, or a cut at -inf: no usable cut
+            break
+        count = _collect(keys, _order_key(guess), candidates)
+        enough = count >= top_k
+        if enough:
+            if count <= target:
+                break
+            wide = width
+            width = (narrow + width) * _F32_HALF
+        else:
+            narrow = width
+            width = width + width if wide == _F32_INF else (width + wide) * _F32_HALF
+            if not width > narrow:  # a zero spread cannot grow
+                break
+    if not enough:
+        cut = _order_key(best_value - wide) if wide < _F32_INF else _NO_KEY
+        count = _collect(keys, cut, candidates)
+    # Pick rounds: the packed (key, id) maximum, 16 lanes at a time.
+    blocks = (count + _LANES - 1) // _LANES
     for j in range(count):
-        i = candidates[j]
-        filled = _push_top(keys[i], i, top_keys, top_ids, filled, top_k)
+        index = candidates[j]
+        packed[j] = (np.int64(keys[index]) << 32) | (_PACK_LOW31 - index)
+    for j in range(count, blocks * _LANES):
+        packed[j] = _PACK_NONE
+    previous = _PACK_NONE
+    for r in range(top_k):
+        winner = _PACK_NONE
+        for block in range(blocks):
+            winner = max(winner, _pop_max(packed, block * _LANES, previous))
+        top_keys[r] = np.int32(winner >> 32)
+        top_ids[r] = _PACK_LOW31 - (winner & 0xFFFFFFFF)
+        previous = winner
     spread[0] = _key_value(top_keys[0]) - _key_value(top_keys[top_k - 1])
 
 
 @_cpu_inline
 def _rank(keys, num_groups, topk_group, two_best, top_k, group_keys, kept, spread, candidates,
-          top_keys, top_ids):
+          packed, top_keys, top_ids):
     """Grouped routing, then the top-k; experts of dropped groups get the lowest key."""
     if num_groups > 1:
         _keep_groups(keys, num_groups, topk_group, two_best, group_keys, kept, top_keys, top_ids)
@@ -447,20 +569,20 @@ def _rank(keys, num_groups, topk_group, two_best, top_k, group_keys, kept, sprea
             if not kept[g]:
                 for i in range(g * group_size, (g + 1) * group_size):
                     keys[i] = _NO_KEY
-    _top_k(keys, top_k, spread, candidates, top_keys, top_ids)
+    _top_k(keys, top_k, spread, candidates, packed, top_keys, top_ids)
 
 
 @_cpu_inline
 def _softmax_logit_row(x, num_groups, topk_group, top_k, renormalize, rsf, scores, keys,
-                       lane_sums, group_keys, kept, spread, candidates, top_keys, top_ids,
-                       out_w, out_ids, t):
+                       lane_sums, group_keys, kept, spread, candidates, packed, top_keys,
+                       top_ids, out_w, out_ids, t):
     """Softmax without bias: rank the clipped logits. Returns False, writing nothing, when
     the row's K-th pick is more than SOFTMAX_EXACT_GAP below its maximum."""
     num_experts = x.shape[0]
     for i in range(num_experts):
         keys[i] = _order_key(x[i])
     _rank(keys, num_groups, topk_group, False, top_k, group_keys, kept, spread, candidates,
-          top_keys, top_ids)
+          packed, top_keys, top_ids)
     row_max = x[top_ids[0]]
     if x[top_ids[top_k - 1]] - row_max < -SOFTMAX_EXACT_GAP:
         return False
@@ -482,8 +604,8 @@ def _softmax_logit_row(x, num_groups, topk_group, top_k, renormalize, rsf, score
 
 @_cpu_inline
 def _exact_row(x, bias, has_bias, sigmoid, num_groups, topk_group, top_k, renormalize, rsf,
-               scores, keys, lane_sums, group_keys, kept, spread, candidates, top_keys, top_ids,
-               out_w, out_ids, t):
+               scores, keys, lane_sums, group_keys, kept, spread, candidates, packed, top_keys,
+               top_ids, out_w, out_ids, t):
     """Select one row from its computed scores (sigmoid, a bias, or a softmax row whose
     picks reach the underflow range)."""
     num_experts = x.shape[0]
@@ -508,7 +630,7 @@ def _exact_row(x, bias, has_bias, sigmoid, num_groups, topk_group, top_k, renorm
         for i in range(num_experts):
             keys[i] = _order_key(scores[i])
     _rank(keys, num_groups, topk_group, has_bias, top_k, group_keys, kept, spread, candidates,
-          top_keys, top_ids)
+          packed, top_keys, top_ids)
 
     total = _F32_ZERO
     for k in range(top_k):
@@ -538,7 +660,8 @@ def _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group,
     buffer_size = max(top_k, topk_group)
     top_keys = np.empty(buffer_size, np.int32)
     top_ids = np.empty(buffer_size, np.int64)
-    candidates = np.empty(num_experts, np.int64)
+    candidates = np.empty(num_experts + _LANES, np.int32)
+    packed = np.empty(num_experts + _LANES, np.int64)
     spread = np.full(1, np.nan, np.float32)
     rank_logits = not sigmoid and not has_bias
     for t in range(row_start, row_stop):
@@ -546,12 +669,12 @@ def _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group,
             x[i] = _clip_logit(_as_float32(logits[t, i], table))
         if rank_logits and _softmax_logit_row(
             x, num_groups, topk_group, top_k, renormalize, rsf, scores, keys, lane_sums,
-            group_keys, kept, spread, candidates, top_keys, top_ids, out_w, out_ids, t,
+            group_keys, kept, spread, candidates, packed, top_keys, top_ids, out_w, out_ids, t,
         ):
             continue
         _exact_row(x, bias, has_bias, sigmoid, num_groups, topk_group, top_k, renormalize,
-                   rsf, scores, keys, lane_sums, group_keys, kept, spread, candidates, top_keys,
-                   top_ids, out_w, out_ids, t)
+                   rsf, scores, keys, lane_sums, group_keys, kept, spread, candidates, packed,
+                   top_keys, top_ids, out_w, out_ids, t)
 
 
 @_cpu_jit
