@@ -44,7 +44,6 @@ travel back along the partial outputs and are counted). A mismatch raises
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Any
 
 import numpy as np

@@ -159,7 +159,8 @@ def _build_layers(args, preset, group, device):
             for parameter in shared_mlp.parameters():
                 parameter.copy_(rand(*parameter.shape, scale=parameter.shape[1] ** -0.5))
         if preset.shared_gated:
-            gate = nn.Linear(hidden, 1, bias=False, dtype=dtype, device=device).requires_grad_(False)
+            gate = nn.Linear(hidden, 1, bias=False, dtype=dtype, device=device)
+            gate.requires_grad_(False)
             with torch.no_grad():
                 gate.weight.copy_(rand(1, hidden, scale=hidden ** -0.5))
     w_gate_up = rand(n, 2 * inter, hidden, scale=hidden ** -0.5)
@@ -270,8 +271,8 @@ def _format(args, reports: list[dict]) -> tuple[str, int]:
         f"moeroute run: preset {args.preset}, ep {args.ep}, dispatch {args.dispatch}, "
         f"{args.tokens} tokens per rank, H={args.hidden}, I={args.intermediate}, {args.dtype}",
         f"shared expert: {first['shared']}. {first['shared_reason']}",
-        "rank  tokens  rows_in  slots  experts  max_load  sent_dispatch  sent_meta  "
-        "sent_combine  forward_ms  rel_error  check",
+        "rank  tokens  rows_in  slots  experts  max_load  sent_rows_B  sent_meta_B  "
+        "sent_combine_B  forward_ms  rel_error  check",
     ]
     status = 0
     for r in reports:
@@ -281,8 +282,8 @@ def _format(args, reports: list[dict]) -> tuple[str, int]:
         lines.append(
             f"{r['rank']:>4}  {r['tokens']:>6}  {r['received_rows']:>7}  {r['slots_computed']:>5}  "
             f"{r['local_experts']:>7}  {r['max_expert_load']:>8}  "
-            f"{b.get('hidden_bytes', 0):>13}  {b.get('metadata_bytes', 0):>9}  "
-            f"{b.get('combine_bytes', 0):>12}  {r['forward_ms']:>10.3f}  "
+            f"{b.get('hidden_bytes', 0):>11}  {b.get('metadata_bytes', 0):>11}  "
+            f"{b.get('combine_bytes', 0):>14}  {r['forward_ms']:>10.3f}  "
             f"{r['error']:>9.2e}  {'ok' if ok else 'MISMATCH'}")
     total = sum((r["bytes"] or {}).get("total_bytes", 0) for r in reports)
     lines.append(f"bytes sent by all ranks per forward (rows, metadata, counts, combine): {total}")

@@ -22,6 +22,25 @@ WORLD_SIZES = (2, 4)
 PEER_FAILURE_DEADLINE_S = 20
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compiled_kernels():
+    """Compile the routing kernels once here, so the spawned ranks load them from Numba's
+    cache instead of each compiling them at once on the same cores."""
+    import torch
+
+    from _ep_workers import _SharedMLP
+    from moeroute.bindings.torch.moe import MoE
+    from moeroute.config import RouterConfig
+
+    torch.manual_seed(0)
+    for shared, gate in (("fused", torch.nn.Linear(16, 1, bias=False)), ("fused", None),
+                         ("runner", None)):
+        module = MoE(RouterConfig(8, 2), 16, 8, _SharedMLP(16, 8), gate, shared=shared)
+        with torch.no_grad():
+            for tokens in (0, 3):
+                module(torch.randn(tokens, 16))
+
+
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory):
     """World size -> per-rank results of the configuration loop (spawned once)."""
