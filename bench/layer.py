@@ -11,9 +11,9 @@ every repetition), reported as the median of per-repetition time ratios:
 
 Also the time split of moeroute's layer (routing = router linear + select_experts +
 shared-slot append + local remap; permute; expert GEMMs; combine), the share spent beyond
-the GEMMs, and the expert-GEMM strategies side by side (per-expert torch.mm on contiguous
-slices, the padded torch.bmm batch, torch._grouped_mm). torch keeps its default thread
-count on both sides.
+the GEMMs, and the expert-GEMM strategies side by side against the per-expert torch.mm
+loop on contiguous slices: the same loop on oneDNN, the padded torch.bmm batch,
+torch._grouped_mm. torch keeps its default thread count on both sides.
 
 JSON goes to bench/results/layer.json. Run: ``python bench/layer.py [--quick]``.
 """
@@ -30,7 +30,8 @@ import time
 import torch
 
 from moeroute.bindings.torch import arrays
-from moeroute.bindings.torch.experts import choose_gemm, expert_mlp, grouped_expert_mlp, padded_expert_mlp
+from moeroute.bindings.torch.experts import (choose_gemm, expert_mlp, grouped_expert_mlp, onednn_linear_serves,
+                                             padded_expert_mlp)
 from moeroute.bindings.torch.moe import MoE
 
 HIDDEN, INTER, EXPERTS, TOP_K = 1024, 384, 64, 8
@@ -123,27 +124,30 @@ def stage_split(moe, x, repeats):
 
 
 def gemm_strategies(moe, x, repeats):
-    """The expert-GEMM strategies on the same expert-sorted rows, each interleaved with "loop":
-    per-expert torch.mm, the padded torch.bmm batch, torch._grouped_mm."""
+    """Expert-GEMM strategies on the same expert-sorted rows, each interleaved with the plain
+    per-expert torch.mm loop: the oneDNN loop, the padded torch.bmm batch, torch._grouped_mm."""
     experts = moe.experts
     logits = moe.compute_router_logits(x)
     weights, ids = arrays.select_experts(logits, moe._selection_router, None)
     hidden_sorted, offsets, _ = arrays.permute(x, ids, experts.num_local_experts)
     offsets_list = offsets.tolist()
     args = (experts.w_gate_up, experts.w_down, "silu")
-    loop = lambda: expert_mlp(hidden_sorted, offsets_list, *args)  # noqa: E731
+    loop_mm = lambda: expert_mlp(hidden_sorted, offsets_list, *args, linear="mm")  # noqa: E731
     others = {
+        "loop_onednn": lambda: expert_mlp(hidden_sorted, offsets_list, *args, linear="onednn"),
         "padded": lambda: padded_expert_mlp(hidden_sorted, offsets_list, *args),
         "grouped_mm": lambda: grouped_expert_mlp(hidden_sorted, offsets, *args),
     }
-    result = {"auto_choice": choose_gemm([b - a for a, b in zip(offsets_list[:-1], offsets_list[1:])])}
+    if not onednn_linear_serves(x.dtype):
+        del others["loop_onednn"]
+    result = {"auto_choice": choose_gemm([b - a for a, b in zip(offsets_list[:-1], offsets_list[1:])]),
+              "rows": len(hidden_sorted)}
     for name, fn in others.items():
-        torch.testing.assert_close(fn(), loop(), rtol=1e-4, atol=1e-5)
-        pairs = interleaved(fn, loop, repeats)
-        summary = summarize(pairs)
-        result[f"{name}_ms"] = summary["base_ms"]
-        result[f"loop_ms_vs_{name}"] = summary["moeroute_ms"]
-        result[f"{name}_speedup_over_loop_median_of_ratios"] = statistics.median(p[1] / p[0] for p in pairs)
+        torch.testing.assert_close(fn(), loop_mm(), rtol=1e-4, atol=1e-5)
+        pairs = interleaved(fn, loop_mm, repeats)
+        result[f"{name}_ms"] = statistics.median(p[0] for p in pairs) * 1e3
+        result[f"loop_mm_ms_vs_{name}"] = statistics.median(p[1] for p in pairs) * 1e3
+        result[f"{name}_speedup_over_loop_mm_median_of_ratios"] = statistics.median(p[1] / p[0] for p in pairs)
     return result
 
 
@@ -187,9 +191,9 @@ def main(argv=None) -> int:
                   f"gemm {split['gemm_ms']:.2f} ms, combine {split['combine_ms']:.2f} ms; beyond GEMM "
                   f"{split['beyond_gemm_fraction'] * 100:.1f}%", flush=True)
             g = entry["gemm_strategies"]
-            print(f"         GEMM strategies (auto picks {g['auto_choice']}): loop {g['loop_ms_vs_padded']:.2f} ms, "
-                  f"padded {g['padded_ms']:.2f} ms (x{g['padded_speedup_over_loop_median_of_ratios']:.2f} vs loop), "
-                  f"grouped_mm {g['grouped_mm_ms']:.2f} ms (x{g['grouped_mm_speedup_over_loop_median_of_ratios']:.2f})",
+            parts = [f"{name} {g[f'{name}_ms']:.2f} ms (x{g[f'{name}_speedup_over_loop_mm_median_of_ratios']:.2f})"
+                     for name in ("loop_onednn", "padded", "grouped_mm") if f"{name}_ms" in g]
+            print(f"         GEMMs vs the torch.mm loop (auto picks {g['auto_choice']}): " + ", ".join(parts),
                   flush=True)
     report["machine"]["load_average_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)

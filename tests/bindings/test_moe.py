@@ -10,7 +10,7 @@ from torch import nn
 
 from moeroute.bindings.torch.dispatch import DispatchHandle, LocalDispatcher, check_dispatch_inputs
 from moeroute.bindings.torch.experts import (PADDED_MAX_ROWS, LocalExperts, choose_gemm, expert_mlp,
-                                             grouped_expert_mlp, padded_expert_mlp)
+                                             grouped_expert_mlp, onednn_linear_serves, padded_expert_mlp)
 from moeroute.bindings.torch.moe import MoE
 from moeroute.config import RouterConfig
 from moeroute.layout import ExpertLayout
@@ -226,13 +226,43 @@ def test_gemm_strategies_agree_with_per_row_reference(counts):
         for r in range(offsets[e], offsets[e + 1]):
             h = w_gate_up[e].double() @ x[r].double()
             expected[r] = w_down[e].double() @ (F.silu(h[:I]) * h[I:])
-    results = [expert_mlp(x, offsets, w_gate_up, w_down), padded_expert_mlp(x, offsets, w_gate_up, w_down)]
+    results = [expert_mlp(x, offsets, w_gate_up, w_down, linear="mm"),
+               padded_expert_mlp(x, offsets, w_gate_up, w_down)]
+    if onednn_linear_serves(torch.float32):
+        results.append(expert_mlp(x, offsets, w_gate_up, w_down, linear="onednn"))
     if hasattr(torch, "_grouped_mm"):
         results.append(grouped_expert_mlp(x, torch.tensor(offsets, dtype=torch.int32), w_gate_up, w_down))
     for out in results:
         assert out.shape == (rows, H)
         if rows:
             assert rel_error(out, expected) < FP32_RTOL
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.bfloat16, HALF_RTOL[torch.bfloat16]),
+                                        (torch.float16, HALF_RTOL[torch.float16])])
+def test_loop_strategy_half_precision(dtype, rtol):
+    """The loop takes oneDNN or torch.mm depending on the dtype; both agree with float64."""
+    generator = _generator(21)
+    offsets = [0, 5, 5, 12]
+    x = torch.randn(12, H, generator=generator)
+    w_gate_up = torch.randn(3, 2 * I, H, generator=generator) * 0.3
+    w_down = torch.randn(3, H, I, generator=generator) * 0.3
+    expected = torch.cat([expert_mlp(x[a:b].double(), [0, b - a], w_gate_up[e:e + 1].double(),
+                                     w_down[e:e + 1].double(), linear="mm")
+                          for e, (a, b) in enumerate(zip(offsets[:-1], offsets[1:]))])
+    out = expert_mlp(x.to(dtype), offsets, w_gate_up.to(dtype), w_down.to(dtype))
+    assert out.dtype == dtype
+    assert rel_error(out, expected) < rtol
+
+
+def test_linear_backend_argument():
+    x = torch.randn(2, H)
+    with pytest.raises(ValueError, match="linear='mkl'"):
+        expert_mlp(x, [0, 2], torch.zeros(1, 2 * I, H), torch.zeros(1, H, I), linear="mkl")
+    if not onednn_linear_serves(torch.float16):
+        with pytest.raises(ValueError, match="cannot serve torch.float16"):
+            expert_mlp(x.half(), [0, 2], torch.zeros(1, 2 * I, H).half(), torch.zeros(1, H, I).half(),
+                       linear="onednn")
 
 
 def test_choose_gemm():
