@@ -65,6 +65,10 @@ SOFTMAX_EXACT_GAP = 64.0
 # ~50-100 us there on 2 cores, the pool's wake-up ~10 us on an idle machine and far more
 # when the sibling core is busy (scratch timings of serial vs parallel at T = 16..512).
 PARALLEL_MIN_ELEMENTS = 1 << 15
+# Rows per parallel work item: small enough that a thread stalled by other load leaves its
+# share to the others, large enough that per-item scratch and the first row's full scan
+# (no cut guess yet) stay negligible.
+PARALLEL_CHUNK_ROWS = 256
 
 _SUPPORTED_HOST_DTYPES = ("float32", "float16")
 _SUPPORTED_DEVICE_DTYPES = ("float32", "float16", "bfloat16")
@@ -506,14 +510,15 @@ def _collect(keys, cut, candidates):
 
 
 @_cpu_inline
-def _top_k(keys, top_k, spread, candidates, packed, top_keys, top_ids):
+def _top_k(keys, best, top_k, spread, candidates, packed, top_keys, top_ids):
     """The top_k best keys into top_keys/top_ids, descending, the lower id first on ties.
 
-    ``spread[0]`` carries the previous row's spread from row to row (NaN: none yet).
+    ``best`` is the largest key, or _NO_KEY to have it computed here. ``spread[0]``
+    carries the previous row's spread from row to row (NaN: none yet).
     """
-    best = _NO_KEY
-    for i in range(keys.shape[0]):
-        best = keys[i] if keys[i] > best else best
+    if best == _NO_KEY:
+        for i in range(keys.shape[0]):
+            best = keys[i] if keys[i] > best else best
     best_value = _key_value(best)
     target = max(top_k, _LANES)
     width = spread[0]
@@ -559,29 +564,30 @@ def _top_k(keys, top_k, spread, candidates, packed, top_keys, top_ids):
 
 
 @_cpu_inline
-def _rank(keys, num_groups, topk_group, two_best, top_k, group_keys, kept, spread, candidates,
-          packed, top_keys, top_ids):
-    """Grouped routing, then the top-k; experts of dropped groups get the lowest key."""
+def _rank(keys, best, num_groups, topk_group, two_best, top_k, group_keys, kept, spread,
+          candidates, packed, top_keys, top_ids):
+    """Grouped routing, then the top-k; experts of dropped groups get the lowest key.
+    ``best``: the largest key, or _NO_KEY when not known."""
     if num_groups > 1:
+        best = _NO_KEY  # the best key may sit in a dropped group
         _keep_groups(keys, num_groups, topk_group, two_best, group_keys, kept, top_keys, top_ids)
         group_size = keys.shape[0] // num_groups
         for g in range(num_groups):
             if not kept[g]:
                 for i in range(g * group_size, (g + 1) * group_size):
                     keys[i] = _NO_KEY
-    _top_k(keys, top_k, spread, candidates, packed, top_keys, top_ids)
+    _top_k(keys, best, top_k, spread, candidates, packed, top_keys, top_ids)
 
 
 @_cpu_inline
-def _softmax_logit_row(x, num_groups, topk_group, top_k, renormalize, rsf, scores, keys,
+def _softmax_logit_row(x, keys, best, num_groups, topk_group, top_k, renormalize, rsf, scores,
                        lane_sums, group_keys, kept, spread, candidates, packed, top_keys,
                        top_ids, out_w, out_ids, t):
-    """Softmax without bias: rank the clipped logits. Returns False, writing nothing, when
-    the row's K-th pick is more than SOFTMAX_EXACT_GAP below its maximum."""
+    """Softmax without bias: rank the clipped logits ``x`` by their ``keys`` (``best`` the
+    largest). Returns False, writing nothing, when the row's K-th pick is more than
+    SOFTMAX_EXACT_GAP below its maximum."""
     num_experts = x.shape[0]
-    for i in range(num_experts):
-        keys[i] = _order_key(x[i])
-    _rank(keys, num_groups, topk_group, False, top_k, group_keys, kept, spread, candidates,
+    _rank(keys, best, num_groups, topk_group, False, top_k, group_keys, kept, spread, candidates,
           packed, top_keys, top_ids)
     row_max = x[top_ids[0]]
     if x[top_ids[top_k - 1]] - row_max < -SOFTMAX_EXACT_GAP:
@@ -629,7 +635,8 @@ def _exact_row(x, bias, has_bias, sigmoid, num_groups, topk_group, top_k, renorm
     else:
         for i in range(num_experts):
             keys[i] = _order_key(scores[i])
-    _rank(keys, num_groups, topk_group, has_bias, top_k, group_keys, kept, spread, candidates,
+    _rank(keys, _NO_KEY, num_groups, topk_group, has_bias, top_k, group_keys, kept, spread,
+          candidates,
           packed, top_keys, top_ids)
 
     total = _F32_ZERO
@@ -665,13 +672,21 @@ def _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group,
     spread = np.full(1, np.nan, np.float32)
     rank_logits = not sigmoid and not has_bias
     for t in range(row_start, row_stop):
-        for i in range(num_experts):
-            x[i] = _clip_logit(_as_float32(logits[t, i], table))
-        if rank_logits and _softmax_logit_row(
-            x, num_groups, topk_group, top_k, renormalize, rsf, scores, keys, lane_sums,
-            group_keys, kept, spread, candidates, packed, top_keys, top_ids, out_w, out_ids, t,
-        ):
-            continue
+        if rank_logits:
+            best = _NO_KEY
+            for i in range(num_experts):  # one pass: load, clip, key, maximum
+                value = _clip_logit(_as_float32(logits[t, i], table))
+                x[i] = value
+                key = _order_key(value)
+                keys[i] = key
+                best = key if key > best else best
+            if _softmax_logit_row(x, keys, best, num_groups, topk_group, top_k, renormalize,
+                                  rsf, scores, lane_sums, group_keys, kept, spread, candidates,
+                                  packed, top_keys, top_ids, out_w, out_ids, t):
+                continue
+        else:
+            for i in range(num_experts):
+                x[i] = _clip_logit(_as_float32(logits[t, i], table))
         _exact_row(x, bias, has_bias, sigmoid, num_groups, topk_group, top_k, renormalize,
                    rsf, scores, keys, lane_sums, group_keys, kept, spread, candidates, packed,
                    top_keys, top_ids, out_w, out_ids, t)
@@ -714,7 +729,15 @@ def _select_host(logits, config, correction_bias):
             np.float32(config.routed_scaling_factor))
     threads = numba.get_num_threads()
     if threads > 1 and num_tokens > 1 and num_tokens * config.num_experts >= PARALLEL_MIN_ELEMENTS:
-        _select_parallel(*args, min(threads, num_tokens), out_w, out_ids)
+        chunks = max(threads, -(-num_tokens // PARALLEL_CHUNK_ROWS))
+        # One chunk per scheduling step: chunks go to whichever thread is free, so a thread
+        # stalled by other load on the machine leaves its share to the others. (Set here:
+        # setting it inside the jitted function would keep Numba from caching it.)
+        previous = numba.set_parallel_chunksize(1)
+        try:
+            _select_parallel(*args, chunks, out_w, out_ids)
+        finally:
+            numba.set_parallel_chunksize(previous)
     else:
         _select_serial(*args, out_w, out_ids)
     return out_w, out_ids
