@@ -8,8 +8,8 @@ Two kernels compute the same thing, side by side in this file:
 Both follow ``reference.select_experts`` and agree with each other: the same ranking
 (choice descending, a NaN choice below every value, ties to the lower expert id and the
 lower group id), the same float32 operations in the same order, the softmax sums taken
-in the same lane order. They differ only where ``exp`` itself rounds differently (the host
-evaluates it in float64 and rounds once, the device uses libdevice's ``expf``, within 2 ulp),
+in the same lane order. They differ only where ``exp`` itself rounds differently (the host's
+vectorized polynomial and libdevice's ``expf`` are each within 1-2 ulp of the exact value),
 i.e. by an ulp or two of a weight, and so in ids only between choices that close.
 
 Softmax without a correction bias ranks the raw logits: softmax is monotone, so this is
@@ -249,34 +249,21 @@ def _bits_float32(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
-@intrinsic
-def _bits_float64(typingctx, bits):
-    """The float64 whose bits are the int64 ``bits``."""
-    if bits != types.int64:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.DoubleType())
-
-    return types.float64(types.int64), codegen
-
-
-# exp on the host is evaluated in float64 and rounded once to float32: the result is the
-# correctly rounded float32 exp (up to a few inputs in a million, off by one ulp), as libm's
-# expf, but from plain arithmetic that vectorizes; expf is a scalar call, and Numba's SVML
-# route needs an SVML-patched llvmlite that the PyPI wheels are not.
-_EXP_LOWEST = np.float64(-110.0)  # exp(-110) rounds to float32 zero; keeps 2**n normal
-_EXP_HIGHEST = np.float64(100.0)  # exp(100) overflows float32 to inf; keeps 2**n finite
-_ROUND_MAGIC = np.float64(1.5 * 2.0**52)  # x + M - M rounds a double to an integer
-_LOG2_E = np.float64(1.4426950408889634)
-_LN2_HI = np.float64(6.93147180369123816490e-01)  # ln 2 split so that n * hi is exact
-_LN2_LO = np.float64(1.90821492927058770002e-10)
-# 1/k! for k = 9..2: on |r| <= ln2/2 the degree-9 Taylor remainder is below 1e-11.
-_EXP_C9, _EXP_C8, _EXP_C7, _EXP_C6, _EXP_C5, _EXP_C4, _EXP_C3, _EXP_C2 = (
-    np.float64(1.0 / math.factorial(k)) for k in range(9, 1, -1)
-)
-_F64_ONE = np.float64(1.0)
-_F64_EXPONENT_BIAS = 1023
+# exp on the host: Cody-Waite reduction by ln 2 and Cephes' degree-6 polynomial in float32,
+# from plain arithmetic that vectorizes (libm's expf is a scalar call; Numba's SVML route
+# needs an SVML-patched llvmlite, which PyPI's wheels are not). Within 1 ulp of the correctly
+# rounded exp (9 in 10 inputs exact, checked against float64 exp on 2M inputs); 2**n is
+# applied as two normal factors so that subnormal results and overflow round correctly.
+_EXP_LOWEST = np.float32(-104.0)  # exp(-104) rounds to float32 zero
+_EXP_HIGHEST = np.float32(89.0)  # exp(89) overflows float32 to inf
+_ROUND_MAGIC = np.float32(1.5 * 2.0**23)  # x + M - M rounds a float32 to an integer
+_LOG2_E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)  # ln 2 split so that n * hi is exact (9 significant bits)
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_P0, _EXP_P1, _EXP_P2, _EXP_P3, _EXP_P4, _EXP_P5 = (
+    np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3,
+                            4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1))
+_F32_EXPONENT_BIAS = 127
 
 _INT32_LOW31 = np.int32(0x7FFFFFFF)
 # Order keys: int32 that sort like the float32 choices, -0 == +0, NaN below -inf.
@@ -299,16 +286,17 @@ _PACK_NONE = np.int64(np.iinfo(np.int64).min)  # below every packed pick
 
 @_cpu_jit
 def _exp(value):
-    """float32 exp (see above); inf above ~88.7, 0 below ~-103.9."""
-    x = np.float64(value)
-    x = _EXP_LOWEST if x < _EXP_LOWEST else x
-    x = _EXP_HIGHEST if x > _EXP_HIGHEST else x
+    """float32 exp (see above); inf above ~88.72, 0 below ~-103.97."""
+    x = value if value > _EXP_LOWEST else _EXP_LOWEST
+    x = x if x < _EXP_HIGHEST else _EXP_HIGHEST
     n = (x * _LOG2_E + _ROUND_MAGIC) - _ROUND_MAGIC
     r = (x - n * _LN2_HI) - n * _LN2_LO
-    p = (((((((_EXP_C9 * r + _EXP_C8) * r + _EXP_C7) * r + _EXP_C6) * r + _EXP_C5) * r
-           + _EXP_C4) * r + _EXP_C3) * r + _EXP_C2) * r
-    p = (p * r + r) + _F64_ONE
-    return np.float32(p * _bits_float64((np.int64(n) + _F64_EXPONENT_BIAS) << 52))
+    p = (((((_EXP_P0 * r + _EXP_P1) * r + _EXP_P2) * r + _EXP_P3) * r + _EXP_P4) * r + _EXP_P5)
+    p = (p * (r * r) + r) + _F32_ONE
+    half = np.int32(n) >> 1
+    rest = np.int32(n) - half
+    return (p * _bits_float32(np.int32((half + _F32_EXPONENT_BIAS) << 23))
+            * _bits_float32(np.int32((rest + _F32_EXPONENT_BIAS) << 23)))
 
 
 @_cpu_jit
@@ -399,10 +387,18 @@ def _keep_groups(keys, num_groups, topk_group, two_best, group_keys, kept, top_k
     best choices (the reference's ranked[0] + ranked[1]).
     """
     group_size = keys.shape[0] // num_groups
+    full = group_size - group_size % _LANES
     for g in range(num_groups):
+        start = g * group_size
         best = _NO_KEY
         second = _NO_KEY
-        for i in range(g * group_size, (g + 1) * group_size):
+        for block in range(start, start + full, _LANES):
+            pair = _block_top2(keys, block)
+            block_best = np.int32(pair >> 32)
+            block_second = np.int32(pair & 0xFFFFFFFF)
+            second = max(max(second, block_second), min(best, block_best))
+            best = max(best, block_best)
+        for i in range(start + full, start + group_size):
             key = keys[i]
             # Branch-free: the loser of (key, best) competes for second place.
             second = max(second, min(key, best))
@@ -491,6 +487,39 @@ def _pop_max(typingctx, packed, start, previous):
         reduce_max = _llvm_function(builder, f"llvm.vector.reduce.smax.v{_LANES}i64", i64,
                                     [vector])
         return builder.call(reduce_max, [block])
+
+    return signature, codegen
+
+
+@intrinsic
+def _block_top2(typingctx, keys, start):
+    """The two largest of ``keys[start:start + 16]`` (equal when the maximum repeats),
+    packed as best << 32 | second (low 32 bits): vector max, count, masked max."""
+    if not (isinstance(keys, types.Array) and keys.dtype == types.int32 and keys.layout == "C"):
+        return None
+    signature = types.int64(keys, types.intp)
+
+    def codegen(context, builder, sig, args):
+        keys_value, start_value = args
+        data = context.make_array(sig.args[0])(context, builder, value=keys_value).data
+        i32 = ir.IntType(32)
+        i64 = ir.IntType(64)
+        vector = ir.VectorType(i32, _LANES)
+        block = builder.load(builder.bitcast(builder.gep(data, [start_value]),
+                                             vector.as_pointer()), align=4)
+        reduce_max = _llvm_function(builder, f"llvm.vector.reduce.smax.v{_LANES}i32", i32,
+                                    [vector])
+        best = builder.call(reduce_max, [block])
+        equal = builder.icmp_signed("==", block, _splat(builder, vector, best))
+        mask_bits = ir.IntType(_LANES)
+        popcount = _llvm_function(builder, f"llvm.ctpop.i{_LANES}", mask_bits, [mask_bits])
+        repeats = builder.call(popcount, [builder.bitcast(equal, mask_bits)])
+        others = builder.select(equal, _splat(builder, vector, ir.Constant(i32, int(_NO_KEY))),
+                                block)
+        second = builder.select(builder.icmp_unsigned(">", repeats, ir.Constant(mask_bits, 1)),
+                                best, builder.call(reduce_max, [others]))
+        high = builder.shl(builder.sext(best, i64), ir.Constant(i64, 32))
+        return builder.or_(high, builder.zext(second, i64))
 
     return signature, codegen
 
