@@ -23,7 +23,6 @@ scores instead, as the reference does.
 
 from __future__ import annotations
 
-import math
 import sys
 from functools import lru_cache
 
@@ -117,7 +116,8 @@ def _validate(logits, config, correction_bias, on_device: bool) -> None:
     name = _dtype_name(logits.dtype)
     if name not in allowed:
         where = "device" if on_device else "host"
-        raise ValueError(f"logits dtype {name} is not supported on the {where}; use one of {allowed}")
+        raise ValueError(
+            f"logits dtype {name} is not supported on the {where}; use one of {allowed}")
     if correction_bias is not None:
         if _arrays.is_device_array(correction_bias) != on_device:
             raise TypeError(
@@ -149,7 +149,8 @@ def _validate(logits, config, correction_bias, on_device: bool) -> None:
                 f"num_experts={num_experts} exceeds the device kernel limit {MAX_DEVICE_EXPERTS}"
             )
         if config.top_k > MAX_DEVICE_TOP_K:
-            raise ValueError(f"top_k={config.top_k} exceeds the device kernel limit {MAX_DEVICE_TOP_K}")
+            raise ValueError(
+                f"top_k={config.top_k} exceeds the device kernel limit {MAX_DEVICE_TOP_K}")
         if config.num_expert_group > MAX_DEVICE_GROUPS:
             raise ValueError(
                 f"num_expert_group={config.num_expert_group} exceeds the device kernel limit "
@@ -993,7 +994,8 @@ def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormal
 
 def _device_signature(input_kind):
     """The numba signature of the kernel for ``input_kind`` logits (compile_ptx checks)."""
-    element = {"float32": types.float32, "float16": types.float16, "bfloat16": types.int16}[input_kind]
+    element = {"float32": types.float32, "float16": types.float16,
+               "bfloat16": types.int16}[input_kind]
     bias = types.float32[::1]
     return (element[:, ::1], bias, types.int64, types.int64, types.int64, types.float32,
             types.float32[:, ::1], types.int32[:, ::1])
@@ -1019,6 +1021,22 @@ def _device_logits(logits):
     return array, kind
 
 
+def _device_empty(template, shape, dtype, stream):
+    """(array in the caller's framework, numba view of it), uninitialised. torch and CuPy
+    allocate from their caching pools, on their current stream: no cudaMalloc per call."""
+    framework = _arrays.framework_of(template)
+    if framework == "torch":
+        torch = sys.modules["torch"]
+        out = torch.empty(shape, dtype=getattr(torch, np.dtype(dtype).name),
+                          device=template.device)
+    elif framework == "cupy":
+        out = sys.modules["cupy"].empty(shape, dtype=dtype)
+    else:
+        out = cuda.device_array(shape, dtype=dtype, stream=stream)
+        return out, out
+    return out, _arrays.as_device_array(out)
+
+
 def _select_device(logits, config, correction_bias, stream):
     array, kind = _device_logits(logits)
     if not array.is_c_contiguous():
@@ -1026,8 +1044,8 @@ def _select_device(logits, config, correction_bias, stream):
     num_tokens = array.shape[0]
     top_k = config.top_k
     launch_stream = _arrays.resolve_stream(logits, stream)
-    out_w = cuda.device_array((num_tokens, top_k), dtype=np.float32, stream=launch_stream)
-    out_ids = cuda.device_array((num_tokens, top_k), dtype=np.int32, stream=launch_stream)
+    topk_weights, out_w = _device_empty(logits, (num_tokens, top_k), np.float32, launch_stream)
+    topk_ids, out_ids = _device_empty(logits, (num_tokens, top_k), np.int32, launch_stream)
     if num_tokens > 0:
         has_bias = correction_bias is not None
         # Without a bias the kernel never reads it: any float32 vector fills the slot.
@@ -1039,7 +1057,7 @@ def _select_device(logits, config, correction_bias, stream):
         kernel[blocks, warps * WARP_SIZE, launch_stream](
             array, bias, num_tokens, top_k, config.topk_group,
             np.float32(config.routed_scaling_factor), out_w, out_ids)
-    return _arrays.wrap_like(out_w, logits), _arrays.wrap_like(out_ids, logits)
+    return topk_weights, topk_ids
 
 
 def _device_warps_per_block():

@@ -192,7 +192,8 @@ def _arrays_is_device(array):
 
 @sim_only
 @pytest.mark.parametrize("config,error,match", [
-    (RouterConfig(1056, 4, "softmax"), ValueError, r"num_experts=1056 exceeds the device kernel limit 1024"),
+    (RouterConfig(1056, 4, "softmax"), ValueError,
+     r"num_experts=1056 exceeds the device kernel limit 1024"),
     (RouterConfig(64, 33, "softmax"), ValueError, r"top_k=33 exceeds the device kernel limit 32"),
     (RouterConfig(128, 4, "softmax", num_expert_group=64, topk_group=8), ValueError,
      r"num_expert_group=64 exceeds the device kernel limit 32"),
