@@ -799,9 +799,13 @@ def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormal
     float_as_int, int_as_float, expf = _warp.float_as_int, _warp.int_as_float, _warp.expf
 
     lanes = WARP_SIZE
+    lane_bits = WARP_SIZE.bit_length() - 1  # tid >> lane_bits is the warp of a thread
     slots = -(-num_experts // WARP_SIZE)
     group_size = num_experts // num_groups
     grouped = num_groups > 1
+    # Groups made of whole slots (DeepSeek-V3: 32 experts, slot j = group j): membership is
+    # known when compiling, so each lane touches only its own slots of a group.
+    slot_groups = group_size % WARP_SIZE == 0
     rank_logits = not sigmoid and not has_bias
     bf16 = input_kind == "bfloat16"
     warps = _warp.warps_per_block(DEVICE_WARPS_PER_BLOCK)
@@ -845,11 +849,15 @@ def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormal
             best = pad_key
             second = pad_key
             for j in range(slots):
-                expert = j * lanes + lane
-                member = expert >= g * group_size and expert < (g + 1) * group_size
-                key = keys[j] if member else pad_key
-                second = max(second, min(key, best))
-                best = max(key, best)
+                if slot_groups:
+                    member = (j * lanes) // group_size == g  # a constant once unrolled
+                else:
+                    expert = j * lanes + lane
+                    member = expert >= g * group_size and expert < (g + 1) * group_size
+                if member:
+                    key = keys[j]
+                    second = max(second, min(key, best))
+                    best = max(key, best)
             offset = lanes // 2
             for _ in range(5):  # butterfly merge of (best, second) pairs
                 other_best = shfl_xor(best, offset, scratch_i)
@@ -870,8 +878,11 @@ def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormal
             if rank < topk_group:
                 kept |= 1 << g
         for j in range(slots):
-            if (kept >> ((j * lanes + lane) // group_size)) & 1 == 0:
-                keys[j] = pad_key
+            if slot_groups:
+                group = (j * lanes) // group_size
+            else:
+                group = (j * lanes + lane) // group_size
+            keys[j] = keys[j] if (kept >> group) & 1 else pad_key
 
     @cuda.jit(device=True, inline="always")
     def lane_best(keys, scores, lane):
@@ -925,8 +936,8 @@ def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormal
         scratch_i = cuda.shared.array(scratch, int64)
         scratch_f = cuda.shared.array(scratch, float32)
         tid = cuda.threadIdx.x
-        lane = tid % lanes
-        row = cuda.blockIdx.x * warps + tid // lanes
+        lane = tid & (lanes - 1)
+        row = cuda.blockIdx.x * warps + (tid >> lane_bits)
         source_row = min(row, num_tokens - 1)  # idle warps of the last block mirror a row
         x = cuda.local.array(slots, float32)
         keys = cuda.local.array(slots, int32)

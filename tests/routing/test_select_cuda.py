@@ -131,6 +131,9 @@ SIM_CONFIGS = {
     "sigmoid, no bias, groups": (RouterConfig(48, 5, "sigmoid", num_expert_group=3,
                                               topk_group=2, renormalize=False), False),
     "K = 32": (RouterConfig(33, 32, "softmax"), False),
+    # Groups of whole slots (64 experts = 2 slots): membership fixed at compile time.
+    "sigmoid, bias, groups of 64": (RouterConfig(128, 6, "sigmoid", num_expert_group=2,
+                                                 topk_group=1, routed_scaling_factor=2.5), True),
     "N = 33": (RouterConfig(33, 3, "softmax", renormalize=False, routed_scaling_factor=0.5), False),
 }
 
