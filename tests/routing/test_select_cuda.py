@@ -208,13 +208,19 @@ def test_sim_device_limits(config, error, match):
 
 
 @sim_only
-def test_sim_bias_on_the_host_with_device_logits_is_refused():
+def test_sim_invalid_device_arguments():
     config = PRESETS["glm-4.5"].router
     logits = cuda.to_device(np.zeros((1, 160), np.float32))
     with pytest.raises(TypeError, match=r"correction_bias must live where logits live.*ndarray"):
         select_experts(logits, config, np.zeros(160, np.float32))
     with pytest.raises(ValueError, match=r"logits dtype float64 is not supported on the device"):
         select_experts(cuda.to_device(np.zeros((1, 160))), config)
+    strided = cuda.to_device(np.zeros((2, 320), np.float32))[:, ::2]
+    with pytest.raises(ValueError,
+                       match=r"device logits must be C-contiguous, got strides \(1280, 8\)"):
+        select_experts(strided, config)
+    with pytest.raises(ValueError, match=r"logits.shape\[1\]=161 does not match"):
+        select_experts(cuda.to_device(np.zeros((1, 161), np.float32)), config)
 
 
 @sim_only
