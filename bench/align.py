@@ -11,24 +11,20 @@ checked against each other before timing.
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
+
+from _common import interleaved, print_table, write_results  # noqa: E402
 
 from moeroute.routing.align import align_block_size  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "align.json"
-#: Untimed calls before timing: compilation, caches, torch's thread pool.
-WARMUP_CALLS = 5
 #: (num_tokens, top_k, num_experts, block_size) of the table: decode, prefill, DeepSeek-V3,
 #: Qwen3-Next with 8 per-rank shared slots (520 experts).
 TABLE = [
@@ -41,7 +37,8 @@ TABLE = [
 
 
 def torch_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: int):
-    """SPEC section 4 with torch ops: stable argsort + bincount + padding arithmetic."""
+    """SPEC section 4 with torch ops on the ids' device: stable argsort + bincount + padding."""
+    device = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     numel = flat.numel()
     valid = (flat >= 0) & (flat < num_experts)
@@ -54,14 +51,14 @@ def torch_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size:
     kept = int(counts.sum())
     entries = order[:kept]
     experts = key[entries]
-    positions = padded_starts[experts] + torch.arange(kept) - starts[experts]
+    positions = padded_starts[experts] + torch.arange(kept, device=device) - starts[experts]
     capacity = -(-(numel + num_experts * (block_size - 1)) // block_size) * block_size
-    sorted_token_ids = torch.full((capacity,), numel, dtype=torch.int32)
+    sorted_token_ids = torch.full((capacity,), numel, dtype=torch.int32, device=device)
     sorted_token_ids[positions] = entries.int()
     total = int(padded.sum())
-    expert_ids = torch.full((capacity // block_size,), -1, dtype=torch.int32)
+    expert_ids = torch.full((capacity // block_size,), -1, dtype=torch.int32, device=device)
     expert_ids[: total // block_size] = torch.repeat_interleave(
-        torch.arange(num_experts, dtype=torch.int32), padded // block_size)
+        torch.arange(num_experts, dtype=torch.int32, device=device), padded // block_size)
     return sorted_token_ids, expert_ids, total
 
 
@@ -104,32 +101,17 @@ def _run_align(num_tokens, top_k, num_experts, block_size, repeats, seed):
     if not (np.array_equal(ours[0], theirs[0].numpy())
             and np.array_equal(ours[1], theirs[1].numpy()) and ours[2] == theirs[2]):
         raise AssertionError("moeroute and torch align_block_size disagree")
-    for _ in range(WARMUP_CALLS):
-        align_block_size(ids, num_experts, block_size)
-        torch_align_block_size(ids_tensor, num_experts, block_size)
-    ours_ns, theirs_ns, ratios = [], [], []
-    for i in range(repeats):
-        # Alternate which one goes first so neither always sees the warmer cache.
-        pair = [None, None]
-        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
-            start = time.perf_counter_ns()
-            if which == 0:
-                align_block_size(ids, num_experts, block_size)
-            else:
-                torch_align_block_size(ids_tensor, num_experts, block_size)
-            pair[which] = time.perf_counter_ns() - start
-        ours_ns.append(pair[0])
-        theirs_ns.append(pair[1])
-        ratios.append(pair[1] / pair[0])
+    timing = interleaved(lambda: torch_align_block_size(ids_tensor, num_experts, block_size),
+                         lambda: align_block_size(ids, num_experts, block_size), repeats)
     return {
         "op": "align_block_size",
         "num_tokens": num_tokens,
         "top_k": top_k,
         "num_experts": num_experts,
         "block_size": block_size,
-        "moeroute_us": statistics.median(ours_ns) / 1e3,
-        "torch_us": statistics.median(theirs_ns) / 1e3,
-        "speedup": statistics.median(ratios),
+        "moeroute_us": timing["candidate_us"],
+        "torch_us": timing["baseline_us"],
+        "speedup": timing["speedup"],
         "repeats": repeats,
         "torch_threads": torch.get_num_threads(),
         "baseline": "torch.argsort(stable) + bincount + padding",
@@ -138,18 +120,10 @@ def _run_align(num_tokens, top_k, num_experts, block_size, repeats, seed):
 
 def main() -> None:
     rows = [run_align(*config) for config in TABLE]
-    header = f"{'tokens':>7} {'top_k':>5} {'experts':>7} {'B':>4} {'moeroute us':>12} " \
-             f"{'torch us':>10} {'speedup':>8}"
-    print(header)
-    for row in rows:
-        print(f"{row['num_tokens']:>7} {row['top_k']:>5} {row['num_experts']:>7} "
-              f"{row['block_size']:>4} {row['moeroute_us']:>12.1f} {row['torch_us']:>10.1f} "
-              f"{row['speedup']:>7.1f}x")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-               "torch": torch.__version__, "numpy": np.__version__}
-    RESULTS.write_text(json.dumps({"machine": machine, "results": rows}, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    print_table(["tokens", "top_k", "experts", "B", "moeroute us", "torch us", "speedup"],
+                [[r["num_tokens"], r["top_k"], r["num_experts"], r["block_size"],
+                  r["moeroute_us"], r["torch_us"], r["speedup"]] for r in rows])
+    print(f"wrote {write_results('align', {'results': rows})}")
 
 
 if __name__ == "__main__":

@@ -139,41 +139,11 @@ def select_rows(torch, repeats, copy_gbps, token_counts):
     return rows
 
 
-def torch_align_block_size(topk_ids, num_experts: int, block_size: int):
-    """SPEC section 4 with torch ops on the ids' device: stable argsort + bincount + padding
-    arithmetic (bench/align.py's CPU baseline, with every tensor on the ids' device)."""
-    import torch
-
-    device = topk_ids.device
-    flat = topk_ids.reshape(-1).long()
-    numel = flat.numel()
-    valid = (flat >= 0) & (flat < num_experts)
-    key = torch.where(valid, flat, torch.full_like(flat, num_experts))  # dropped ids sort last
-    order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
-    padded = (counts + block_size - 1) // block_size * block_size
-    padded_starts = torch.cumsum(padded, 0) - padded
-    starts = torch.cumsum(counts, 0) - counts
-    kept = int(counts.sum())
-    entries = order[:kept]
-    experts = key[entries]
-    positions = padded_starts[experts] + torch.arange(kept, device=device) - starts[experts]
-    capacity = -(-(numel + num_experts * (block_size - 1)) // block_size) * block_size
-    sorted_token_ids = torch.full((capacity,), numel, dtype=torch.int32, device=device)
-    sorted_token_ids[positions] = entries.int()
-    total = int(padded.sum())
-    expert_ids = torch.full((capacity // block_size,), -1, dtype=torch.int32, device=device)
-    expert_ids[: total // block_size] = torch.repeat_interleave(
-        torch.arange(num_experts, dtype=torch.int32, device=device), padded // block_size)
-    return sorted_token_ids, expert_ids, total
-
-
 def align_rows(torch, repeats, token_counts):
-    try:
-        from moeroute.routing.align import align_block_size
-    except ImportError as error:
-        print(f"align_block_size skipped: {error}")
-        return []
+    from align import torch_align_block_size
+
+    from moeroute.routing.align import align_block_size
+
     rows = []
     num_experts, top_k = 256, 8
     for tokens in token_counts:

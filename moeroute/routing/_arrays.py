@@ -35,7 +35,11 @@ def is_device_array(x) -> bool:
 
         if isinstance(x, FakeCUDAArray):
             return True
-    if hasattr(x, "__cuda_array_interface__"):
+    try:
+        if hasattr(x, "__cuda_array_interface__"):
+            return True
+    except RuntimeError:
+        # torch raises (instead of AttributeError) for CUDA tensors that require grad.
         return True
     dlpack_device = getattr(x, "__dlpack_device__", None)
     if dlpack_device is not None:
