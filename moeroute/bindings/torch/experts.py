@@ -10,8 +10,8 @@ by the Numba permute, the expert GEMMs run on torch's BLAS, and the Numba combin
 the weighted outputs per row in float32. Two GEMM strategies, picked per call by
 `choose_gemm` from the rows per expert:
 
-* "loop": two torch.mm per hit expert on its contiguous slice of rows (no copies, no
-  wasted flops): for large row counts.
+* "loop": per hit expert, its contiguous slice of rows through gate_up, the activation
+  and down (two GEMMs; no gather, no wasted flops): for large row counts.
 * "padded": the rows scattered into an [L, R, H] batch (R = the largest count) and two
   torch.bmm for all experts at once: for few rows per expert (decode-sized batches, many
   experts), where a GEMM costs about the read of its expert's weights whatever its row
@@ -145,25 +145,23 @@ def expert_mlp(
     out = hidden_sorted.new_empty((rows, hidden))
     if rows == 0:
         return out
-    # One buffer for every expert's gate/up output keeps the activation one vectorised op.
-    gate_up = hidden_sorted.new_empty((rows, 2 * inter))
-    spans = [(e, expert_offsets[e], expert_offsets[e + 1])
-             for e in range(len(expert_offsets) - 1) if expert_offsets[e + 1] > expert_offsets[e]]
-    if _linear_backend(linear, hidden_sorted.dtype) == "onednn":
-        op = _onednn_linear_op()
-        for e, start, stop in spans:
-            gate_up[start:stop] = op(hidden_sorted[start:stop], w_gate_up[e], None, "none", [], "")
+    onednn = _onednn_linear_op() if _linear_backend(linear, hidden_sorted.dtype) == "onednn" else None
+    # One expert at a time, start to finish: its [rows, 2I] intermediate is small enough to
+    # stay in cache, and no [M, 2I] buffer is allocated for the whole batch.
+    for e in range(len(expert_offsets) - 1):
+        start, stop = expert_offsets[e], expert_offsets[e + 1]
+        if start == stop:
+            continue
+        if onednn is not None:
+            gate_up = onednn(hidden_sorted[start:stop], w_gate_up[e], None, "none", [], "")
+        else:
+            gate_up = torch.mm(hidden_sorted[start:stop], w_gate_up[e].t())
         act = apply_activation(gate_up[:, :inter], activation)
         act.mul_(gate_up[:, inter:])
-        for e, start, stop in spans:
-            out[start:stop] = op(act[start:stop], w_down[e], None, "none", [], "")
-        return out
-    for e, start, stop in spans:
-        torch.mm(hidden_sorted[start:stop], w_gate_up[e].t(), out=gate_up[start:stop])
-    act = apply_activation(gate_up[:, :inter], activation)
-    act.mul_(gate_up[:, inter:])
-    for e, start, stop in spans:
-        torch.mm(act[start:stop], w_down[e].t(), out=out[start:stop])
+        if onednn is not None:
+            out[start:stop] = onednn(act, w_down[e], None, "none", [], "")
+        else:
+            torch.mm(act, w_down[e].t(), out=out[start:stop])
     return out
 
 
