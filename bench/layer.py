@@ -23,26 +23,33 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from moeroute.bindings.torch import arrays
-from moeroute.bindings.torch.experts import (choose_gemm, expert_mlp, grouped_expert_mlp, onednn_linear_serves,
-                                             padded_expert_mlp)
-from moeroute.bindings.torch.moe import MoE
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
+
+from _common import RESULTS_DIR, interleaved, write_results  # noqa: E402
+
+from moeroute.bindings.torch import arrays  # noqa: E402
+from moeroute.bindings.torch.experts import (choose_gemm, expert_mlp, grouped_expert_mlp,  # noqa: E402
+                                             onednn_linear_serves, padded_expert_mlp)
+from moeroute.bindings.torch.moe import MoE  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 1024, 384, 64, 8
 TOKENS = (16, 512, 2048)
 #: Interleaved repetitions per size: enough for a stable median on a shared 2-core box.
 REPEATS = {16: 41, 512: 11, 2048: 7}
 QUICK_REPEATS = {16: 9, 512: 3, 2048: 3}
-#: Warm-up calls per function: compiles the Numba kernels, faults in the weights.
+#: Warm-up passes of the stage split: compiles the Numba kernels, faults in the weights.
 WARMUP = 2
 WEIGHT_SCALE = 0.02
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "layer.json")
+RESULTS = RESULTS_DIR / "layer.json"
 
 
 def build_block():
@@ -69,27 +76,10 @@ def timed(fn):
     return time.perf_counter() - start
 
 
-def interleaved(base, ours, repeats):
-    """Per-repetition (base, ours) times, alternating which runs first."""
-    for _ in range(WARMUP):
-        base(), ours()
-    pairs = []
-    for r in range(repeats):
-        if r % 2:
-            t_ours, t_base = timed(ours), timed(base)
-        else:
-            t_base, t_ours = timed(base), timed(ours)
-        pairs.append((t_base, t_ours))
-    return pairs
-
-
-def summarize(pairs):
-    return {
-        "base_ms": statistics.median(p[0] for p in pairs) * 1e3,
-        "moeroute_ms": statistics.median(p[1] for p in pairs) * 1e3,
-        "speedup_median_of_ratios": statistics.median(p[0] / p[1] for p in pairs),
-        "repeats": len(pairs),
-    }
+def as_ms(result):
+    """_common.interleaved's result with times in ms (baseline first, moeroute second)."""
+    return {"base_ms": result["baseline_us"] / 1e3, "moeroute_ms": result["candidate_us"] / 1e3,
+            "speedup_median_of_ratios": result["speedup"], "repeats": result["repeats"]}
 
 
 def stage_split(moe, x, repeats):
@@ -144,10 +134,10 @@ def gemm_strategies(moe, x, repeats):
               "rows": len(hidden_sorted)}
     for name, fn in others.items():
         torch.testing.assert_close(fn(), loop_mm(), rtol=1e-4, atol=1e-5)
-        pairs = interleaved(fn, loop_mm, repeats)
-        result[f"{name}_ms"] = statistics.median(p[0] for p in pairs) * 1e3
-        result[f"loop_mm_ms_vs_{name}"] = statistics.median(p[1] for p in pairs) * 1e3
-        result[f"{name}_speedup_over_loop_mm_median_of_ratios"] = statistics.median(p[1] / p[0] for p in pairs)
+        timing = interleaved(loop_mm, fn, repeats)
+        result[f"{name}_ms"] = timing["candidate_us"] / 1e3
+        result[f"loop_mm_ms_vs_{name}"] = timing["baseline_us"] / 1e3
+        result[f"{name}_speedup_over_loop_mm_median_of_ratios"] = timing["speedup"]
     return result
 
 
@@ -164,16 +154,13 @@ def main(argv=None) -> int:
         "benchmark": "layer",
         "shape": {"hidden": HIDDEN, "intermediate": INTER, "experts": EXPERTS, "top_k": TOP_K,
                   "dtype": "float32"},
-        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "note": "a shared 2-core machine: each size records the 1-minute load average "
-                            "before and after it ran"},
+        "note": "a shared 2-core machine: each size records the 1-minute load average before and "
+                "after it ran",
         "results": {},
     }
-    if os.path.exists(RESULTS) and set(map(str, args.tokens)) != set(map(str, TOKENS)):
+    if RESULTS.exists() and set(map(str, args.tokens)) != set(map(str, TOKENS)):
         # A partial run (some --tokens) updates those sizes and keeps the others.
-        with open(RESULTS, encoding="utf-8") as handle:
-            report["results"] = json.load(handle).get("results", {})
+        report["results"] = json.loads(RESULTS.read_text()).get("results", {})
     with torch.inference_mode():
         for tokens in args.tokens:
             count = repeats.get(tokens, 5)
@@ -181,10 +168,10 @@ def main(argv=None) -> int:
             set_experts_implementation(block, "eager")
             torch.testing.assert_close(moe(x), block(x), rtol=1e-4, atol=1e-6)
             entry = {"load_average_before": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
-            entry["vs_hf_eager"] = summarize(interleaved(lambda: block(x), lambda: moe(x), count))
+            entry["vs_hf_eager"] = as_ms(interleaved(lambda: block(x), lambda: moe(x), count))
             set_experts_implementation(block, "grouped_mm")
             torch.testing.assert_close(moe(x), block(x), rtol=1e-4, atol=1e-6)
-            entry["vs_hf_grouped_mm"] = summarize(interleaved(lambda: block(x), lambda: moe(x), count))
+            entry["vs_hf_grouped_mm"] = as_ms(interleaved(lambda: block(x), lambda: moe(x), count))
             flat = x.reshape(tokens, HIDDEN)
             entry["split"] = stage_split(moe, flat, count)
             entry["gemm_strategies"] = gemm_strategies(moe, flat, max(3, count // 2))
@@ -202,10 +189,8 @@ def main(argv=None) -> int:
                      for name in ("loop_onednn", "padded", "grouped_mm") if f"{name}_ms" in g]
             print(f"         GEMMs vs the torch.mm loop (auto picks {g['auto_choice']}): " + ", ".join(parts),
                   flush=True)
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=2)
-    print(f"wrote {RESULTS}")
+    path = write_results("layer", report)
+    print(f"wrote {path}")
     return 0
 
 
