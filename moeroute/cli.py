@@ -70,6 +70,8 @@ COMMANDS: list[Command] = [
             __name__, "add_plan_arguments", "run_plan"),
     Command("route", "route random logits with a preset and show the expert and rank load",
             __name__, "add_route_arguments", "run_route"),
+    Command("demo", "run a DeepSeek-V3- and a Qwen3.5-shaped layer in every shared mode and "
+            "check each against the dense reference", "moeroute.demo"),
     Command("run", "run a preset-shaped MoE layer on N expert-parallel ranks and check it "
             "against one rank", "moeroute.bindings.ep_run"),
 ]

@@ -31,8 +31,8 @@ ROUTER_SCALE_POWER = -0.5
 LOAD_TOP = 3
 
 
-def _parse(argv):
-    parser = argparse.ArgumentParser(prog="moeroute demo", description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's options, added to ``parser`` (``moeroute demo`` and ``python -m moeroute.demo``)."""
     parser.add_argument("--tokens", type=int, default=128, help="tokens per forward (default 128)")
     parser.add_argument("--hidden-size", type=int, default=256, help="H (default 256)")
     parser.add_argument("--intermediate-size", type=int, default=128, help="I (default 128)")
@@ -40,11 +40,15 @@ def _parse(argv):
                         help="auto: CUDA when a GPU is present, else CPU")
     parser.add_argument("--repeats", type=int, default=3, help="timed forwards per mode (median)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+
+
+def _check_args(parser: argparse.ArgumentParser | None, args) -> None:
     for name in ("tokens", "hidden_size", "intermediate_size", "repeats"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    return args
+            message = f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1"
+            if parser is not None:
+                parser.error(message)
+            raise SystemExit(f"moeroute demo: {message}")
 
 
 def _device(requested: str):
@@ -173,7 +177,16 @@ def _build(preset, weights, hidden, inter, shared, device):
 
 def main(argv=None) -> int:
     """Run the demo; returns 0 when every check passes, 1 otherwise."""
-    args = _parse(argv)
+    parser = argparse.ArgumentParser(prog="moeroute demo", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    return run(args)
+
+
+def run(args) -> int:
+    """Run the demo with parsed arguments; returns 0 when every check passes, 1 otherwise."""
+    _check_args(None, args)
     import torch
 
     from moeroute.config import get_preset

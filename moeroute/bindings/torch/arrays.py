@@ -157,11 +157,7 @@ def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weig
         (S' = S when fused, else 0).
     """
     if isinstance(shared_weights, torch.Tensor):
-        # With no rows there is nothing to weight (and a [0] array cannot be reshaped): any
-        # scalar serves. Not None, which means "ungated" and is refused under the "output"
-        # regime (a rank of an expert-parallel group can have no tokens).
-        shared_weights = (kernel_array(shared_weights.to(torch.float32))
-                          if shared_weights.numel() else np.float32(0.0))
+        shared_weights = kernel_array(shared_weights.to(torch.float32))
     ids, weights = ROUTING_KERNELS.append_shared_slots(
         kernel_array(topk_ids), kernel_array(topk_weights), layout, home_rank, shared_weights
     )
