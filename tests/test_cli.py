@@ -259,18 +259,18 @@ def run(args):
 def test_new_command_is_loaded_lazily(capsys, monkeypatch, tmp_path):
     (tmp_path / "moeroute_cli_demo_ext.py").write_text(DEMO_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    commands = cli.COMMANDS + [cli.Command("demo", "a demo", "moeroute_cli_demo_ext")]
+    commands = cli.COMMANDS + [cli.Command("extension", "an extension", "moeroute_cli_demo_ext")]
     monkeypatch.setattr(cli, "COMMANDS", commands)
     monkeypatch.delitem(sys.modules, "moeroute_cli_demo_ext", raising=False)
 
     status, out, _ = run(capsys, "--help")
-    assert status == 0 and "demo" in out
+    assert status == 0 and "extension" in out
     assert run(capsys, "plan", "--preset", "mixtral-8x7b")[0] == 0
     assert "moeroute_cli_demo_ext" not in sys.modules
 
-    status, out, _ = run(capsys, "demo", "--answer", "7")
+    status, out, _ = run(capsys, "extension", "--answer", "7")
     assert (status, out) == (7, "demo ran\n")
-    status, out, _ = run(capsys, "demo", "--help")
+    status, out, _ = run(capsys, "extension", "--help")
     assert status == 0 and "--answer" in out
 
 
@@ -283,3 +283,10 @@ def test_python_dash_m():
                              "--ep", "8", "--slots", "global"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "per_rank" in result.stderr
+
+
+def test_demo_and_run_are_registered(capsys):
+    status, out, _ = run(capsys, "demo", "--help")
+    assert status == 0 and "--tokens" in out and "--device" in out
+    status, out, _ = run(capsys, "run", "--help")
+    assert status == 0 and "--ep" in out and "--dispatch" in out
