@@ -26,7 +26,7 @@ from typing import Any
 from moeroute.config import PRESETS, ModelPreset, get_preset
 from moeroute.layout import DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, SHARED_SLOT_MODES
 
-__all__ = ["Command", "COMMANDS", "main", "build_parser"]
+__all__ = ["Command", "COMMANDS", "main", "build_parser", "positive_int", "non_negative_int"]
 
 #: Exit status for a request that cannot work (impossible layout, bad config).
 EXIT_USAGE = 2
@@ -81,14 +81,16 @@ COMMANDS: list[Command] = [
 # Shared argument helpers
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be an integer >= 1")
     return value
 
 
-def _non_negative_int(text: str) -> int:
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} must be an integer >= 0")
@@ -147,7 +149,7 @@ def _error(message: str) -> int:
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``moeroute plan``."""
     _add_model_arguments(parser)
-    parser.add_argument("--ep", type=_positive_int, default=1, metavar="E",
+    parser.add_argument("--ep", type=positive_int, default=1, metavar="E",
                         help="expert-parallel size (default 1)")
     parser.add_argument("--dispatch", choices=DISPATCH_MODES, default=None,
                         help="token dispatch (default: none for --ep 1, else all2all)")
@@ -155,7 +157,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="who computes the shared expert (default auto)")
     parser.add_argument("--slots", choices=SHARED_SLOT_MODES, default=None,
                         help="where fused shared slots live (default: derived from dispatch)")
-    parser.add_argument("--redundant", type=_non_negative_int, default=0, metavar="R",
+    parser.add_argument("--redundant", type=non_negative_int, default=0, metavar="R",
                         help="number of redundant (replica) experts (default 0)")
     parser.add_argument("--regime", choices=SCALING_REGIMES, default="router",
                         help="where routed_scaling_factor is applied (default router)")
@@ -191,12 +193,12 @@ def run_plan(args: argparse.Namespace) -> int:
 def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``moeroute route``."""
     _add_model_arguments(parser)
-    parser.add_argument("--tokens", type=_non_negative_int, required=True, metavar="T",
+    parser.add_argument("--tokens", type=non_negative_int, required=True, metavar="T",
                         help="number of tokens to route")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--ep", type=_positive_int, default=1, metavar="E",
+    parser.add_argument("--ep", type=positive_int, default=1, metavar="E",
                         help="expert-parallel size for the per-rank load (default 1)")
-    parser.add_argument("--repeat", type=_positive_int, default=10, metavar="R",
+    parser.add_argument("--repeat", type=positive_int, default=10, metavar="R",
                         help="timed calls after the first one (default 10)")
 
 

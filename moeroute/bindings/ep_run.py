@@ -24,6 +24,7 @@ import time
 import traceback
 from typing import Any
 
+from moeroute.cli import non_negative_int, positive_int
 from moeroute.config import PRESETS, get_preset
 from moeroute.layout import SCALING_REGIMES, SHARED_MODES, ExpertLayout
 
@@ -47,47 +48,33 @@ CORRECTION_BIAS_SCALE = 0.01
 WARMUP_FORWARDS = 2
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be an integer >= 1")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be an integer >= 0")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``moeroute run``."""
     parser.add_argument("--preset", required=True, metavar="NAME",
                         help=f"model preset: {', '.join(PRESETS)}")
-    parser.add_argument("--ep", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--ep", type=positive_int, default=None, metavar="N",
                         help="expert-parallel ranks to spawn (default: WORLD_SIZE under "
                              "torchrun, else 2)")
     parser.add_argument("--dispatch", choices=("all2all", "allgather"), default="all2all",
                         help="token dispatch (default all2all)")
     parser.add_argument("--shared", choices=SHARED_MODES, default="auto",
                         help="who computes the shared expert (default auto)")
-    parser.add_argument("--tokens", type=_non_negative_int, required=True, metavar="T",
+    parser.add_argument("--tokens", type=non_negative_int, required=True, metavar="T",
                         help="tokens per rank")
-    parser.add_argument("--hidden", type=_positive_int, default=64, metavar="H",
+    parser.add_argument("--hidden", type=positive_int, default=64, metavar="H",
                         help="hidden size of the small layer (default 64)")
-    parser.add_argument("--intermediate", type=_positive_int, default=32, metavar="I",
+    parser.add_argument("--intermediate", type=positive_int, default=32, metavar="I",
                         help="routed expert intermediate size (default 32)")
-    parser.add_argument("--redundant", type=_non_negative_int, default=0, metavar="R",
+    parser.add_argument("--redundant", type=non_negative_int, default=0, metavar="R",
                         help="redundant (replica) experts (default 0)")
     parser.add_argument("--regime", choices=SCALING_REGIMES, default="router",
                         help="where routed_scaling_factor is applied (default router)")
     parser.add_argument("--dtype", choices=tuple(TOLERANCE), default="float32",
                         help="activation and weight dtype (default float32)")
-    parser.add_argument("--repeat", type=_positive_int, default=5, metavar="R",
+    parser.add_argument("--repeat", type=positive_int, default=5, metavar="R",
                         help="timed forwards per rank (default 5)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--timeout", type=_positive_int, default=120, metavar="S",
+    parser.add_argument("--timeout", type=positive_int, default=120, metavar="S",
                         help="process-group timeout in seconds (default 120)")
     parser.add_argument("--debug", action="store_true",
                         help="check every (token, slot) is dispatched and combined once")
