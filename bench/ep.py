@@ -44,6 +44,7 @@ from _common import interleaved, print_table, write_results  # noqa: E402
 
 from moeroute.bindings.ep import METADATA_BYTES_PER_SLOT, make_dispatcher  # noqa: E402
 from moeroute.bindings.torch import arrays  # noqa: E402
+from moeroute.bindings.torch.mlp import GatedMLP  # noqa: E402
 from moeroute.config import get_preset  # noqa: E402
 from moeroute.layout import ExpertLayout  # noqa: E402
 
@@ -210,18 +211,6 @@ def time_figures(rank, repeats):
     return out
 
 
-class _GatedMLP(torch.nn.Module):
-    def __init__(self, hidden, inter):
-        super().__init__()
-        self.gate_proj = torch.nn.Linear(hidden, inter, bias=False)
-        self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
-        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
-        self.act_fn = torch.nn.SiLU()
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
 def overlap_figures(rank, repeats):
     from moeroute.bindings.torch.moe import MoE
     from moeroute.config import RouterConfig
@@ -229,7 +218,7 @@ def overlap_figures(rank, repeats):
     c = OVERLAP
     torch.manual_seed(0)  # the same weights on every rank
     router = RouterConfig(c["experts"], c["top_k"])
-    shared_mlp = _GatedMLP(c["hidden"], c["intermediate"]).requires_grad_(False)
+    shared_mlp = GatedMLP(c["hidden"], c["intermediate"]).requires_grad_(False)
     gate = torch.nn.Linear(c["hidden"], 1, bias=False).requires_grad_(False)
     w_gate_up = torch.randn(c["experts"], 2 * c["intermediate"], c["hidden"]) * 0.02
     w_down = torch.randn(c["experts"], c["hidden"], c["intermediate"]) * 0.02

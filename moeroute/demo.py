@@ -69,12 +69,9 @@ class _SharedMLP:
         import torch
         from torch import nn
 
-        mlp = nn.Module()
-        mlp.gate_proj = nn.Linear(hidden, inter, bias=False)
-        mlp.up_proj = nn.Linear(hidden, inter, bias=False)
-        mlp.down_proj = nn.Linear(inter, hidden, bias=False)
-        mlp.act_fn = nn.SiLU()
-        mlp.forward = lambda x: mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+        from moeroute.bindings.torch.mlp import GatedMLP
+
+        mlp = GatedMLP(hidden, inter)
         gate = nn.Linear(hidden, 1, bias=False) if gated else None
         with torch.no_grad():
             for module in (mlp, gate):

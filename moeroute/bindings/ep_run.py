@@ -99,31 +99,12 @@ def _check_request(args: argparse.Namespace) -> tuple[Any, ExpertLayout]:
 # --------------------------------------------------------------------------- one rank
 
 
-def _gated_mlp(hidden: int, inter: int, dtype, device):
-    import torch
-    from torch import nn
-
-    class GatedMLP(nn.Module):
-        """``down(silu(gate(x)) * up(x))``: the shared MLP shape the presets use."""
-
-        def __init__(self):
-            super().__init__()
-            self.gate_proj = nn.Linear(hidden, inter, bias=False, dtype=dtype, device=device)
-            self.up_proj = nn.Linear(hidden, inter, bias=False, dtype=dtype, device=device)
-            self.down_proj = nn.Linear(inter, hidden, bias=False, dtype=dtype, device=device)
-            self.act_fn = nn.SiLU()
-
-        def forward(self, x):
-            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-    return GatedMLP().requires_grad_(False)
-
-
 def _build_layers(args, preset, group, device):
     """(ep_module, single_module) with identical random weights on every rank."""
     import torch
     from torch import nn
 
+    from moeroute.bindings.torch.mlp import GatedMLP
     from moeroute.bindings.torch.moe import MoE
 
     dtype = getattr(torch, args.dtype)
@@ -141,7 +122,7 @@ def _build_layers(args, preset, group, device):
         shared_inter = preset.num_shared_experts * inter
         if preset.shared_unfusable_reason is not None:
             shared_inter += 1
-        shared_mlp = _gated_mlp(hidden, shared_inter, dtype, device)
+        shared_mlp = GatedMLP(hidden, shared_inter, dtype=dtype, device=device).requires_grad_(False)
         with torch.no_grad():
             for parameter in shared_mlp.parameters():
                 parameter.copy_(rand(*parameter.shape, scale=parameter.shape[1] ** -0.5))

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moeroute.bindings.torch.mlp import GatedMLP
 from moeroute.layout import ExpertLayout
 from moeroute.routing import reference
 
@@ -464,18 +465,7 @@ def debug_fault_cases(rank, world_size):
 # --------------------------------------------------------------------------- the MoE module
 
 
-class _SharedMLP(torch.nn.Module):
-    """A gated shared MLP as transformers writes it (fusable into slots of size I)."""
-
-    def __init__(self, hidden, inter):
-        super().__init__()
-        self.gate_proj = torch.nn.Linear(hidden, inter, bias=False)
-        self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
-        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
-        self.act_fn = torch.nn.SiLU()
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+_SharedMLP = GatedMLP  # a gated shared MLP as transformers writes it (fusable into slots of size I)
 
 
 def _relative_error(out, expected):

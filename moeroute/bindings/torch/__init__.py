@@ -9,10 +9,12 @@ parallelism implements is in `moeroute.bindings.torch.dispatch`.
 
 from moeroute.bindings.torch.dispatch import DispatchHandle, Dispatcher, LocalDispatcher
 from moeroute.bindings.torch.hf import SUPPORTED_BLOCKS, from_hf, replace_moe_blocks
+from moeroute.bindings.torch.mlp import GatedMLP
 from moeroute.bindings.torch.moe import MoE
 
 __all__ = [
     "MoE",
+    "GatedMLP",
     "replace_moe_blocks",
     "from_hf",
     "SUPPORTED_BLOCKS",
