@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from moeroute.gpu import launch as L
 from moeroute.gpu import loader
 from moeroute.gpu.align_fallback import align_block_size_array_api
+from moeroute.routing._arrays import framework_of
 
 _TORCH_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -35,21 +36,12 @@ class ExpertProblem:
     dtype: str
 
 
-def _framework(x) -> str:
-    module = type(x).__module__
-    if module.startswith("torch"):
-        return "torch"
-    if module.startswith("cupy"):
-        return "cupy"
-    return module.split(".")[0]
-
-
 def _dtype_name(x) -> str:
     return str(x.dtype).removeprefix("torch.")
 
 
 def _is_c_contiguous(x) -> bool:
-    if _framework(x) == "torch":
+    if framework_of(x) == "torch":
         return bool(x.is_contiguous())
     flags = getattr(x, "flags", None)
     return bool(flags is None or flags.c_contiguous)
@@ -204,7 +196,7 @@ def _require_device_arrays(named: dict):
     """The common framework ("torch" or "cupy") and device index of the arrays in ``named``."""
     frameworks, devices = {}, {}
     for name, x in named.items():
-        kind = _framework(x)
+        kind = framework_of(x)
         if kind == "torch":
             if x.device.type != "cuda":
                 raise TypeError(f"{name} is a torch tensor on {x.device}; fused_experts needs CUDA (or ROCm) "

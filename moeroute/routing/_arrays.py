@@ -5,8 +5,8 @@ arrays, anything with ``__cuda_array_interface__`` (CuPy arrays, torch CUDA tens
 anything whose ``__dlpack_device__`` says CUDA. Under ``NUMBA_ENABLE_CUDASIM=1`` the
 simulator's device arrays count as device arrays, so the CUDA kernels run on the CPU.
 
-Outputs of a device call are allocated on the device and handed back in the caller's
-framework (CuPy in, CuPy out; torch in, torch out; otherwise numba device arrays). This
+Outputs of a device call are allocated by the caller's framework (`device_empty`: CuPy in,
+CuPy out; torch in, torch out; otherwise numba device arrays). This
 module never imports torch or CuPy: it only uses them when the caller's array already
 comes from them.
 """
@@ -76,14 +76,33 @@ def framework_of(x) -> str:
     return "numba"
 
 
-def wrap_like(out, template):
-    """Return the numba device array ``out`` in the framework of ``template`` (zero-copy)."""
+def device_empty(shape, dtype, template, stream=None):
+    """An uninitialised device array allocated by the framework of ``template``.
+
+    Returns ``(array, view)``: ``array`` in the caller's framework (torch tensors from
+    torch's caching allocator, CuPy arrays from CuPy's pool: no cudaMalloc per call),
+    ``view`` a numba device array over the same memory for the kernels (no copy). Other
+    callers (and the simulator) get a numba device array as both.
+    """
+    from numba import cuda
+
+    shape = tuple(int(s) for s in shape)
+    dtype = np.dtype(dtype)
     kind = framework_of(template)
-    if kind == "torch":
-        return sys.modules["torch"].as_tensor(out, device=template.device)
-    if kind == "cupy":
-        return sys.modules["cupy"].asarray(out)
-    return out
+    if kind == "torch" and not simulator_enabled():
+        torch = sys.modules["torch"]
+        array = torch.empty(shape, dtype=getattr(torch, dtype.name), device=template.device)
+    elif kind == "cupy" and not simulator_enabled():
+        cupy = sys.modules["cupy"]
+        with template.device:
+            array = cupy.empty(shape, dtype=dtype)
+    else:
+        array = cuda.device_array(shape, dtype=dtype, stream=stream or 0)
+        return array, array
+    if 0 in shape:
+        # Nothing to view; kernels are not launched on empty outputs.
+        return array, cuda.device_array(shape, dtype=dtype)
+    return array, cuda.as_cuda_array(array)
 
 
 def resolve_stream(template, stream=None):

@@ -25,8 +25,6 @@ GPU (``numba.cuda``), deterministic by construction (no atomics decide an order)
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 from numba import int32, int64, njit
 
@@ -35,7 +33,7 @@ try:  # numba.cuda comes with the optional numba-cuda package
 except ImportError:  # pragma: no cover - CPU-only installs
     cuda = None
 
-from moeroute.routing._arrays import as_device_array, framework_of, simulator_enabled
+from moeroute.routing._arrays import as_device_array
 
 #: Threads per block of the elementwise kernels: a multiple of every warp size (32, 64)
 #: that keeps several blocks resident per SM.
@@ -49,20 +47,6 @@ SORT_TILE = 256
 SORT_CHUNK = 4096
 #: Output positions and block ids are int32: every size must stay below this.
 INDEX_LIMIT = 2**31 - 1
-
-# numpy dtype -> torch dtype name, for allocating outputs with the caller's allocator.
-_TORCH_DTYPE_NAMES = {
-    np.dtype(np.int32): "int32",
-    np.dtype(np.int64): "int64",
-    np.dtype(np.int16): "int16",
-    np.dtype(np.uint16): "uint16",
-    np.dtype(np.float16): "float16",
-    np.dtype(np.float32): "float32",
-    np.dtype(np.float64): "float64",
-    np.dtype(np.uint8): "uint8",
-    np.dtype(np.int8): "int8",
-}
-
 
 # --------------------------------------------------------------------------- helpers
 
@@ -84,33 +68,6 @@ def launch_config(work_items: int, limit: int = THREADS_PER_BLOCK) -> tuple[int,
     """
     threads = min(limit, max(32, -(-work_items // 32) * 32))
     return max(1, -(-work_items // threads)), threads
-
-
-def device_empty(shape, dtype, template):
-    """An uninitialised device array allocated by the framework of ``template``.
-
-    Returns ``(array, view)``: ``array`` in the caller's framework (torch tensors come
-    from torch's caching allocator, CuPy arrays from CuPy's pool), ``view`` a numba
-    device array over the same memory for the kernels (no copy).
-    """
-    shape = tuple(int(s) for s in shape)
-    dtype = np.dtype(dtype)
-    kind = framework_of(template)
-    if kind == "torch" and not simulator_enabled():
-        torch = sys.modules["torch"]
-        array = torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPE_NAMES[dtype]),
-                            device=template.device)
-    elif kind == "cupy" and not simulator_enabled():
-        cupy = sys.modules["cupy"]
-        with template.device:
-            array = cupy.empty(shape, dtype=dtype)
-    else:
-        array = cuda.device_array(shape, dtype=dtype)
-        return array, array
-    if 0 in shape:
-        # Nothing to view; the kernels are not launched on empty outputs.
-        return array, cuda.device_array(shape, dtype=dtype)
-    return array, cuda.as_cuda_array(array)
 
 
 def check_count(name: str, value, minimum: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from moeroute.routing import _sort
-from moeroute.routing._arrays import is_device_array, resolve_stream
+from moeroute.routing._arrays import device_empty, is_device_array, resolve_stream
 
 __all__ = ["align_block_size"]
 
@@ -84,9 +84,9 @@ def _align_device(topk_ids, num_experts, block_size, stream):
     num_experts, block_size, numel, capacity = _check_align_args(
         ids.shape, num_experts, block_size)
     launch_stream = resolve_stream(topk_ids, stream)
-    sorted_token_ids, sorted_view = _sort.device_empty((capacity,), np.int32, topk_ids)
-    expert_ids, expert_view = _sort.device_empty((capacity // block_size,), np.int32, topk_ids)
-    starts, starts_view = _sort.device_empty((num_experts + 1,), np.int32, topk_ids)
+    sorted_token_ids, sorted_view = device_empty((capacity,), np.int32, topk_ids)
+    expert_ids, expert_view = device_empty((capacity // block_size,), np.int32, topk_ids)
+    starts, starts_view = device_empty((num_experts + 1,), np.int32, topk_ids)
     _sort.counting_sort_device(ids, num_experts, block_size, sorted_view, starts_view,
                                expert_view, None, launch_stream)
     return sorted_token_ids, expert_ids, starts[num_experts:]

@@ -17,7 +17,7 @@ import numpy as np
 from numba import njit, prange
 
 from moeroute.routing import _sort
-from moeroute.routing._arrays import as_device_array, is_device_array, resolve_stream, \
+from moeroute.routing._arrays import as_device_array, device_empty, is_device_array, resolve_stream, \
     simulator_enabled
 
 try:
@@ -338,7 +338,7 @@ def _combine_device(expert_out, inverse_index, topk_weights, raw_bf16, stream):
         raise TypeError(f"topk_weights on the device must be float32, got dtype {weights.dtype}")
     launch_stream = resolve_stream(expert_out, stream)
     tokens, width = int(index.shape[0]), int(expert.shape[1])
-    out, out_view = _sort.device_empty((tokens, width), expert.dtype, expert_out)
+    out, out_view = device_empty((tokens, width), expert.dtype, expert_out)
     if tokens * width:
         has_weights = weights is not None
         if not has_weights:

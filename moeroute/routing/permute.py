@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit, prange
 
 from moeroute.routing import _sort
-from moeroute.routing._arrays import as_device_array, is_device_array, resolve_stream
+from moeroute.routing._arrays import as_device_array, device_empty, is_device_array, resolve_stream
 
 try:
     from numba import cuda
@@ -94,9 +94,9 @@ def _sort_device(topk_ids, num_experts, stream):
     ids = _sort.device_ids("topk_ids", topk_ids)
     num_experts, numel = _check_sort_args(ids.shape, num_experts)
     launch_stream = resolve_stream(topk_ids, stream)
-    sorted_all, sorted_view = _sort.device_empty((numel,), np.int32, topk_ids)
-    offsets, offsets_view = _sort.device_empty((num_experts + 1,), np.int32, topk_ids)
-    inverse, inverse_view = _sort.device_empty(tuple(ids.shape), np.int32, topk_ids)
+    sorted_all, sorted_view = device_empty((numel,), np.int32, topk_ids)
+    offsets, offsets_view = device_empty((num_experts + 1,), np.int32, topk_ids)
+    inverse, inverse_view = device_empty(tuple(ids.shape), np.int32, topk_ids)
     _sort.counting_sort_device(ids, num_experts, 1, sorted_view, offsets_view, None,
                                inverse_view if numel else None, launch_stream)
     kept_count = offsets_view[num_experts:].copy_to_host(stream=launch_stream)
@@ -183,7 +183,7 @@ def _permute_device(hidden_states, topk_ids, num_experts, stream):
         topk_ids, num_experts, stream)
     kept = int(sorted_slots.shape[0])
     width = int(hidden_view.shape[1])
-    permuted, permuted_view = _sort.device_empty((kept, width), hidden_view.dtype,
+    permuted, permuted_view = device_empty((kept, width), hidden_view.dtype,
                                                  hidden_states)
     if kept and width:
         slots_view = as_device_array(sorted_slots)

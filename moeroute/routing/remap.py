@@ -18,7 +18,7 @@ from numba import njit
 
 from moeroute.layout import REPLICA_HASH_MULTIPLIER, ExpertLayout
 from moeroute.routing import _sort
-from moeroute.routing._arrays import as_device_array, is_device_array, resolve_stream
+from moeroute.routing._arrays import as_device_array, device_empty, is_device_array, resolve_stream
 
 try:
     from numba import cuda
@@ -200,7 +200,7 @@ def logical_to_physical(topk_ids, layout, *, stream=None):
         ids = _sort.device_ids("topk_ids", topk_ids)
         _sort.check_index_limit("topk_ids.shape[0]", int(ids.shape[0]))
         launch_stream = resolve_stream(topk_ids, stream)
-        out, out_view = _sort.device_empty(tuple(ids.shape), np.int32, topk_ids)
+        out, out_view = device_empty(tuple(ids.shape), np.int32, topk_ids)
         launch_logical_to_physical(ids, layout, out_view, launch_stream)
         return out
     ids = _sort.host_ids("topk_ids", topk_ids)
@@ -266,7 +266,7 @@ def _remap_device(ids, expert_map, stream):
         table = cuda.to_device(np.ascontiguousarray(host_table, dtype=np.int32),
                                stream=launch_stream)
     shape = tuple(view.shape)
-    out, out_view = _sort.device_empty(shape, np.int32, ids)
+    out, out_view = device_empty(shape, np.int32, ids)
     size = int(np.prod(shape, dtype=np.int64))
     if size:
         blocks, threads = _sort.launch_config(size)

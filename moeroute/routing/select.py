@@ -1032,22 +1032,6 @@ def _device_logits(logits):
     return array, kind
 
 
-def _device_empty(template, shape, dtype, stream):
-    """(array in the caller's framework, numba view of it), uninitialised. torch and CuPy
-    allocate from their caching pools, on their current stream: no cudaMalloc per call."""
-    framework = _arrays.framework_of(template)
-    if framework == "torch":
-        torch = sys.modules["torch"]
-        out = torch.empty(shape, dtype=getattr(torch, np.dtype(dtype).name),
-                          device=template.device)
-    elif framework == "cupy":
-        out = sys.modules["cupy"].empty(shape, dtype=dtype)
-    else:
-        out = cuda.device_array(shape, dtype=dtype, stream=stream)
-        return out, out
-    return out, _arrays.as_device_array(out)
-
-
 def _select_device(logits, config, correction_bias, stream):
     array, kind = _device_logits(logits)
     if not array.is_c_contiguous():
@@ -1055,8 +1039,8 @@ def _select_device(logits, config, correction_bias, stream):
     num_tokens = array.shape[0]
     top_k = config.top_k
     launch_stream = _arrays.resolve_stream(logits, stream)
-    topk_weights, out_w = _device_empty(logits, (num_tokens, top_k), np.float32, launch_stream)
-    topk_ids, out_ids = _device_empty(logits, (num_tokens, top_k), np.int32, launch_stream)
+    topk_weights, out_w = _arrays.device_empty((num_tokens, top_k), np.float32, logits, launch_stream)
+    topk_ids, out_ids = _arrays.device_empty((num_tokens, top_k), np.int32, logits, launch_stream)
     if num_tokens > 0:
         has_bias = correction_bias is not None
         # Without a bias the kernel never reads it: any float32 vector fills the slot.

@@ -14,7 +14,7 @@ import numpy as np
 from numba import njit
 
 from moeroute.routing import _sort
-from moeroute.routing._arrays import as_device_array, is_device_array, resolve_stream
+from moeroute.routing._arrays import as_device_array, device_empty, is_device_array, resolve_stream
 from moeroute.routing.remap import check_layout, layout_device_tables, physical_id_cpu
 
 try:
@@ -261,8 +261,8 @@ def _append_device(topk_ids, topk_weights, layout, home_rank, shared_weights, st
             slot_weights = shared.reshape(1 if shared.ndim == 0 else int(shared.shape[0]), 1)
         has_array = True
     rows, top_k = (int(n) for n in ids.shape)
-    out_ids, ids_view = _sort.device_empty((rows, top_k + slots), np.int32, topk_ids)
-    out_weights, weights_view = _sort.device_empty((rows, top_k + slots), np.float32,
+    out_ids, ids_view = device_empty((rows, top_k + slots), np.int32, topk_ids)
+    out_weights, weights_view = device_empty((rows, top_k + slots), np.float32,
                                                    topk_ids)
     numel = rows * (top_k + slots)
     if numel:
