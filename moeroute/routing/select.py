@@ -271,11 +271,14 @@ _INT32_LOW31 = np.int32(0x7FFFFFFF)
 _NAN_KEY = np.int32((int(np.float32(-np.inf).view(np.int32)) ^ 0x7FFFFFFF) - 1)  # key(-inf) - 1
 _NO_KEY = np.int32(np.iinfo(np.int32).min)  # below every key: "nothing picked yet"
 
-# A row's top-k is picked among the keys at or above a cut. The first cut is the previous
-# row's spread (best minus K-th best choice) below the row's best: rows of a batch are alike.
-# Each pass collects the keys at or above the cut; the cut is bisected until between K and
-# 16 keys pass (one 16-lane block), for at most _CUT_STEPS passes. With no usable cut every
-# key is a candidate: always exact, only slower.
+# A row's top-k is picked among the keys at or above a cut. With K <= 16 and N >= 16 the
+# cut is the K-th largest of the 16 lane maxima (lane l: keys l, l + 16, ...): 16 distinct
+# keys of the row, so at least K keys pass, typically K to 2K of them on random logits.
+# Otherwise the first cut is the previous row's spread (best minus K-th best choice) below
+# the row's best (rows of a batch are alike), bisected until between K and 16 keys pass,
+# for at most _CUT_STEPS passes. With no usable cut every key is a candidate: always
+# exact, only slower. Up to _COUNTED_BLOCKS blocks of 16 candidates are placed by counting
+# the candidates above each; more go through K pick rounds.
 _CUT_STEPS = 4
 
 # Candidate collection and the pick rounds work on 16 lanes at a time (one AVX-512
@@ -525,6 +528,184 @@ def _block_top2(typingctx, keys, start):
     return signature, codegen
 
 
+def _block_loop(builder, blocks, first, step):
+    """Emit ``for i in range(blocks)`` with loop-carried values: ``step(i, carried)`` builds
+    one iteration and returns the next carried values; returns the final ones (``first``
+    when ``blocks`` is 0)."""
+    i64 = ir.IntType(64)
+    entry = builder.basic_block
+    body = builder.append_basic_block("blocks")
+    done = builder.append_basic_block("blocks_done")
+    builder.cbranch(builder.icmp_signed(">", blocks, ir.Constant(i64, 0)), body, done)
+    builder.position_at_end(body)
+    index = builder.phi(i64)
+    carried = [builder.phi(value.type) for value in first]
+    following = step(index, carried)
+    after = builder.add(index, ir.Constant(i64, 1))
+    tail = builder.basic_block
+    index.add_incoming(ir.Constant(i64, 0), entry)
+    index.add_incoming(after, tail)
+    for phi, start, value in zip(carried, first, following):
+        phi.add_incoming(start, entry)
+        phi.add_incoming(value, tail)
+    builder.cbranch(builder.icmp_signed("<", after, blocks), body, done)
+    builder.position_at_end(done)
+    final = []
+    for start, value in zip(first, following):
+        phi = builder.phi(value.type)
+        phi.add_incoming(start, entry)
+        phi.add_incoming(value, tail)
+        final.append(phi)
+    return final
+
+
+def _vector_smax(builder, a, b):
+    return builder.select(builder.icmp_signed(">", a, b), a, b)
+
+
+def _vector_smin(builder, a, b):
+    return builder.select(builder.icmp_signed("<", a, b), a, b)
+
+
+def _is_c_array(value, dtype, ndim=1):
+    return (isinstance(value, types.Array) and value.dtype == dtype and value.ndim == ndim
+            and value.layout == "C")
+
+
+@intrinsic
+def _lane_maxima(typingctx, keys, lanes):
+    """``lanes[l]`` = the largest of keys l, l + 16, l + 32, ... over the whole 16-key blocks
+    (the maximum is kept in a register across blocks)."""
+    if not (_is_c_array(keys, types.int32) and _is_c_array(lanes, types.int32)):
+        return None
+    signature = types.void(keys, lanes)
+
+    def codegen(context, builder, sig, args):
+        keys_array = context.make_array(sig.args[0])(context, builder, value=args[0])
+        lanes_data = context.make_array(sig.args[1])(context, builder, value=args[1]).data
+        vector = ir.VectorType(ir.IntType(32), _LANES)
+        base = builder.bitcast(keys_array.data, vector.as_pointer())
+        blocks = builder.udiv(builder.extract_value(keys_array.shape, 0),
+                              ir.Constant(ir.IntType(64), _LANES))
+
+        def step(index, carried):
+            block = builder.load(builder.gep(base, [index]), align=4)
+            return [_vector_smax(builder, carried[0], block)]
+
+        (maxima,) = _block_loop(builder, blocks, [ir.Constant(vector, [int(_NO_KEY)] * _LANES)],
+                                step)
+        builder.store(maxima, builder.bitcast(lanes_data, vector.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+_KEY_NEG_MAX = np.int32(int(np.float32(-FLOAT32_MAX).view(np.int32)) ^ 0x7FFFFFFF)
+_KEY_POS_MAX = np.int32(np.float32(FLOAT32_MAX).view(np.int32))
+
+
+@intrinsic
+def _logit_keys(typingctx, row, x, keys, lanes):
+    """One pass over the whole 16-logit blocks of a float32 row: the clipped logit into
+    ``x`` (NaN -> -inf, then clamped to the finite range: _clip_logit), its order key into
+    ``keys`` (_order_key) and the per-lane key maxima into ``lanes`` (_lane_maxima)."""
+    if not (_is_c_array(row, types.float32) and _is_c_array(x, types.float32)
+            and _is_c_array(keys, types.int32) and _is_c_array(lanes, types.int32)):
+        return None
+    signature = types.void(row, x, keys, lanes)
+
+    def codegen(context, builder, sig, args):
+        row_array = context.make_array(sig.args[0])(context, builder, value=args[0])
+        x_data = context.make_array(sig.args[1])(context, builder, value=args[1]).data
+        keys_data = context.make_array(sig.args[2])(context, builder, value=args[2]).data
+        lanes_data = context.make_array(sig.args[3])(context, builder, value=args[3]).data
+        i32 = ir.IntType(32)
+        floats = ir.VectorType(ir.FloatType(), _LANES)
+        ints = ir.VectorType(i32, _LANES)
+        row_base = builder.bitcast(row_array.data, floats.as_pointer())
+        x_base = builder.bitcast(x_data, floats.as_pointer())
+        keys_base = builder.bitcast(keys_data, ints.as_pointer())
+        blocks = builder.udiv(builder.extract_value(row_array.shape, 0),
+                              ir.Constant(ir.IntType(64), _LANES))
+        low31 = _splat(builder, ints, ir.Constant(i32, int(_INT32_LOW31)))
+        lowest = _splat(builder, ints, ir.Constant(i32, int(_KEY_NEG_MAX)))
+        highest = _splat(builder, ints, ir.Constant(i32, int(_KEY_POS_MAX)))
+
+        def step(index, carried):
+            value = builder.load(builder.gep(row_base, [index]), align=4)
+            # + 0 turns -0 into +0; the key map is its own inverse.
+            bits = builder.bitcast(builder.fadd(value, ir.Constant(floats, [0.0] * _LANES)), ints)
+            key = builder.xor(bits, builder.and_(builder.ashr(bits, _splat(
+                builder, ints, ir.Constant(i32, 31))), low31))
+            key = _vector_smin(builder, _vector_smax(builder, key, lowest), highest)
+            key = builder.select(builder.fcmp_unordered("uno", value, value), lowest, key)
+            builder.store(key, builder.gep(keys_base, [index]), align=4)
+            clipped = builder.xor(key, builder.and_(builder.ashr(key, _splat(
+                builder, ints, ir.Constant(i32, 31))), low31))
+            builder.store(builder.bitcast(clipped, floats), builder.gep(x_base, [index]),
+                          align=4)
+            return [_vector_smax(builder, carried[0], key)]
+
+        (maxima,) = _block_loop(builder, blocks, [ir.Constant(ints, [int(_NO_KEY)] * _LANES)],
+                                step)
+        builder.store(maxima, builder.bitcast(lanes_data, ints.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def _count_above(typingctx, packed, block, against, ranks):
+    """``ranks[block + j] +=`` how many of ``packed[against:against + 16]`` exceed
+    ``packed[block + j]``, j < 16: 16 broadcast compares, each adding its 0/1 lanes. Summed
+    over every ``against`` block this is each distinct packed pick's place in descending
+    order."""
+    if not (_is_c_array(packed, types.int64) and _is_c_array(ranks, types.int32)):
+        return None
+    signature = types.void(packed, types.intp, types.intp, ranks)
+
+    def codegen(context, builder, sig, args):
+        packed_value, block_start, against_start, ranks_value = args
+        packed_data = context.make_array(sig.args[0])(context, builder, value=packed_value).data
+        ranks_data = context.make_array(sig.args[3])(context, builder, value=ranks_value).data
+        i32 = ir.IntType(32)
+        vector = ir.VectorType(ir.IntType(64), _LANES)
+        ints = ir.VectorType(i32, _LANES)
+        own = builder.load(builder.bitcast(builder.gep(packed_data, [block_start]),
+                                           vector.as_pointer()), align=8)
+        target = builder.bitcast(builder.gep(ranks_data, [block_start]), ints.as_pointer())
+        counts = builder.load(target, align=4)
+        for lane in range(_LANES):
+            other = builder.load(builder.gep(packed_data, [
+                builder.add(against_start, ir.Constant(against_start.type, lane))]), align=8)
+            below = builder.icmp_signed("<", own, _splat(builder, vector, other))
+            counts = builder.add(counts, builder.zext(below, ints))
+        builder.store(counts, target, align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+# Up to this many 16-candidate blocks get their places by counting (blocks**2 compares of
+# 16 x 16); beyond, K pick rounds over the blocks cost less.
+_COUNTED_BLOCKS = 2
+
+
+@_cpu_inline
+def _lane_cut(lanes, top_k, packed, places):
+    """A cut with at least ``top_k`` keys at or above it (``top_k`` <= 16): the top_k-th
+    largest of the 16 lane maxima, which are 16 distinct keys of the row."""
+    for lane in range(_LANES):
+        packed[lane] = (np.int64(lanes[lane]) << 32) | (_PACK_LOW31 - lane)
+        places[lane] = 0
+    _count_above(packed, 0, 0, places)
+    cut = _NO_KEY
+    for lane in range(_LANES):
+        if places[lane] == top_k - 1:
+            cut = lanes[lane]
+    return cut
+
+
 @_cpu_inline
 def _collect(keys, cut, candidates):
     """Indices of keys >= cut into ``candidates`` (ascending); returns their count."""
@@ -540,95 +721,114 @@ def _collect(keys, cut, candidates):
 
 
 @_cpu_inline
-def _top_k(keys, best, top_k, spread, candidates, packed, top_keys, top_ids):
+def _top_k(keys, lanes, lanes_ready, top_k, spread, candidates, packed, top_keys, top_ids):
     """The top_k best keys into top_keys/top_ids, descending, the lower id first on ties.
 
-    ``best`` is the largest key, or _NO_KEY to have it computed here. ``spread[0]``
-    carries the previous row's spread from row to row (NaN: none yet).
+    ``lanes`` holds the lane maxima of ``keys`` (_lane_maxima) when ``lanes_ready``, else
+    it is scratch. With at most 16 picks and at least 16 keys the cut comes from the lane
+    maxima; otherwise ``spread[0]`` carries the previous row's spread from row to row (NaN:
+    none yet) to guess the cut. ``top_keys``/``top_ids`` need top_k + 1 slots (the last
+    takes the unplaced candidates).
     """
-    if best == _NO_KEY:
+    if top_k <= _LANES and keys.shape[0] >= _LANES:
+        if not lanes_ready:
+            _lane_maxima(keys, lanes)
+        count = _collect(keys, _lane_cut(lanes, top_k, packed, candidates), candidates)
+    else:
+        best = _NO_KEY
         for i in range(keys.shape[0]):
             best = keys[i] if keys[i] > best else best
-    best_value = _key_value(best)
-    target = max(top_k, _LANES)
-    width = spread[0]
-    narrow = _F32_ZERO  # widest width known to pass fewer than top_k keys
-    wide = _F32_INF  # narrowest width known to pass at least top_k keys
-    count = 0
-    enough = False
-    for _ in range(_CUT_STEPS):
-        guess = best_value - width
-        if not guess > _F32_NEG_INF:  # NaN, or a cut at -inf: no usable cut
-            break
-        count = _collect(keys, _order_key(guess), candidates)
-        enough = count >= top_k
-        if enough:
-            if count <= target:
+        best_value = _key_value(best)
+        target = max(top_k, _LANES)
+        width = spread[0]
+        narrow = _F32_ZERO  # widest width known to pass fewer than top_k keys
+        wide = _F32_INF  # narrowest width known to pass at least top_k keys
+        count = 0
+        enough = False
+        for _ in range(_CUT_STEPS):
+            guess = best_value - width
+            if not guess > _F32_NEG_INF:  # NaN, or a cut at -inf: no usable cut
                 break
-            wide = width
-            width = (narrow + width) * _F32_HALF
-        else:
-            narrow = width
-            width = width + width if wide == _F32_INF else (width + wide) * _F32_HALF
-            if not width > narrow:  # a zero spread cannot grow
-                break
-    if not enough:
-        cut = _order_key(best_value - wide) if wide < _F32_INF else _NO_KEY
-        count = _collect(keys, cut, candidates)
-    # Pick rounds: the packed (key, id) maximum, 16 lanes at a time.
-    blocks = (count + _LANES - 1) // _LANES
+            count = _collect(keys, _order_key(guess), candidates)
+            enough = count >= top_k
+            if enough:
+                if count <= target:
+                    break
+                wide = width
+                width = (narrow + width) * _F32_HALF
+            else:
+                narrow = width
+                width = width + width if wide == _F32_INF else (width + wide) * _F32_HALF
+                if not width > narrow:  # a zero spread cannot grow
+                    break
+        if not enough:
+            cut = _order_key(best_value - wide) if wide < _F32_INF else _NO_KEY
+            count = _collect(keys, cut, candidates)
+    blocks = max((count + _LANES - 1) // _LANES, 1)
     for j in range(count):
         index = candidates[j]
         packed[j] = (np.int64(keys[index]) << 32) | (_PACK_LOW31 - index)
     for j in range(count, blocks * _LANES):
         packed[j] = _PACK_NONE
-    previous = _PACK_NONE
-    for r in range(top_k):
-        winner = _PACK_NONE
-        for block in range(blocks):
-            winner = max(winner, _pop_max(packed, block * _LANES, previous))
-        top_keys[r] = np.int32(winner >> 32)
-        top_ids[r] = _PACK_LOW31 - (winner & 0xFFFFFFFF)
-        previous = winner
+    if blocks <= _COUNTED_BLOCKS:
+        # Every candidate's place by counting the candidates above it: no pick rounds.
+        for j in range(blocks * _LANES):
+            candidates[j] = 0
+        for block in range(0, blocks * _LANES, _LANES):
+            for against in range(0, blocks * _LANES, _LANES):
+                _count_above(packed, block, against, candidates)
+        for j in range(count):  # branch-free: places past the picks land in the spare slot
+            place = min(candidates[j], top_k)
+            top_keys[place] = np.int32(packed[j] >> 32)
+            top_ids[place] = _PACK_LOW31 - (packed[j] & 0xFFFFFFFF)
+    else:
+        # Pick rounds: the packed (key, id) maximum, 16 lanes at a time.
+        previous = _PACK_NONE
+        for r in range(top_k):
+            winner = _PACK_NONE
+            for block in range(blocks):
+                winner = max(winner, _pop_max(packed, block * _LANES, previous))
+            top_keys[r] = np.int32(winner >> 32)
+            top_ids[r] = _PACK_LOW31 - (winner & 0xFFFFFFFF)
+            previous = winner
     spread[0] = _key_value(top_keys[0]) - _key_value(top_keys[top_k - 1])
 
 
 @_cpu_inline
-def _rank(keys, best, num_groups, topk_group, two_best, top_k, group_keys, kept, spread,
-          candidates, packed, top_keys, top_ids):
+def _rank(keys, lanes, lanes_ready, num_groups, topk_group, two_best, top_k, group_keys, kept,
+          spread, candidates, packed, top_keys, top_ids):
     """Grouped routing, then the top-k; experts of dropped groups get the lowest key.
-    ``best``: the largest key, or _NO_KEY when not known."""
+    ``lanes``: the lane maxima of ``keys`` when ``lanes_ready``."""
     if num_groups > 1:
-        best = _NO_KEY  # the best key may sit in a dropped group
+        lanes_ready = False  # the dropped groups change the lane maxima
         _keep_groups(keys, num_groups, topk_group, two_best, group_keys, kept, top_keys, top_ids)
         group_size = keys.shape[0] // num_groups
         for g in range(num_groups):
             if not kept[g]:
                 for i in range(g * group_size, (g + 1) * group_size):
                     keys[i] = _NO_KEY
-    _top_k(keys, best, top_k, spread, candidates, packed, top_keys, top_ids)
+    _top_k(keys, lanes, lanes_ready, top_k, spread, candidates, packed, top_keys, top_ids)
 
 
 @_cpu_inline
-def _softmax_logit_row(x, keys, best, num_groups, topk_group, top_k, renormalize, rsf, scores,
+def _softmax_logit_row(x, keys, lanes, num_groups, topk_group, top_k, renormalize, rsf, scores,
                        lane_sums, group_keys, kept, spread, candidates, packed, top_keys,
                        top_ids, out_w, out_ids, t):
-    """Softmax without bias: rank the clipped logits ``x`` by their ``keys`` (``best`` the
-    largest). Returns False, writing nothing, when the row's K-th pick is more than
+    """Softmax without bias: rank the clipped logits ``x`` by their ``keys`` (``lanes``
+    their lane maxima). Returns False, writing nothing, when the row's K-th pick is more than
     SOFTMAX_EXACT_GAP below its maximum."""
     num_experts = x.shape[0]
-    _rank(keys, best, num_groups, topk_group, False, top_k, group_keys, kept, spread, candidates,
-          packed, top_keys, top_ids)
-    row_max = x[top_ids[0]]
-    if x[top_ids[top_k - 1]] - row_max < -SOFTMAX_EXACT_GAP:
+    _rank(keys, lanes, True, num_groups, topk_group, False, top_k, group_keys, kept, spread,
+          candidates, packed, top_keys, top_ids)
+    row_max = _key_value(top_keys[0])  # the picks' clipped logits, from their keys
+    if _key_value(top_keys[top_k - 1]) - row_max < -SOFTMAX_EXACT_GAP:
         return False
+    for k in range(top_k):  # vectorizes: no sum in this loop
+        out_w[t, k] = _exp(_key_value(top_keys[k]) - row_max)
     total = _F32_ZERO
     for k in range(top_k):
-        expert = top_ids[k]
-        out_ids[t, k] = expert
-        weight = _exp(x[expert] - row_max)
-        out_w[t, k] = weight
-        total += weight
+        out_ids[t, k] = top_ids[k]
+        total += out_w[t, k]
     if not renormalize:
         for i in range(num_experts):
             scores[i] = _exp(x[i] - row_max)
@@ -640,7 +840,7 @@ def _softmax_logit_row(x, keys, best, num_groups, topk_group, top_k, renormalize
 
 @_cpu_inline
 def _exact_row(x, bias, has_bias, sigmoid, num_groups, topk_group, top_k, renormalize, rsf,
-               scores, keys, lane_sums, group_keys, kept, spread, candidates, packed, top_keys,
+               scores, keys, lanes, lane_sums, group_keys, kept, spread, candidates, packed, top_keys,
                top_ids, out_w, out_ids, t):
     """Select one row from its computed scores (sigmoid, a bias, or a softmax row whose
     picks reach the underflow range)."""
@@ -665,9 +865,8 @@ def _exact_row(x, bias, has_bias, sigmoid, num_groups, topk_group, top_k, renorm
     else:
         for i in range(num_experts):
             keys[i] = _order_key(scores[i])
-    _rank(keys, _NO_KEY, num_groups, topk_group, has_bias, top_k, group_keys, kept, spread,
-          candidates,
-          packed, top_keys, top_ids)
+    _rank(keys, lanes, False, num_groups, topk_group, has_bias, top_k, group_keys, kept,
+          spread, candidates, packed, top_keys, top_ids)
 
     total = _F32_ZERO
     for k in range(top_k):
@@ -683,6 +882,30 @@ def _exact_row(x, bias, has_bias, sigmoid, num_groups, topk_group, top_k, renorm
         out_w[t, k] = weight * rsf
 
 
+def _load_row(logits, t, table, x, keys, lanes):
+    """Row ``t`` of the logits clipped into ``x``, its order keys into ``keys`` and their
+    lane maxima into ``lanes``: one vector pass for float32 rows."""
+
+
+@overload(_load_row, inline="always")
+def _load_row_overload(logits, t, table, x, keys, lanes):
+    if logits.dtype == types.float32 and logits.layout == "C":
+        def load(logits, t, table, x, keys, lanes):
+            row = logits[t]
+            _logit_keys(row, x, keys, lanes)
+            for i in range(row.shape[0] - row.shape[0] % _LANES, row.shape[0]):
+                x[i] = _clip_logit(row[i])
+                keys[i] = _order_key(x[i])
+        return load
+
+    def load_converted(logits, t, table, x, keys, lanes):
+        for i in range(logits.shape[1]):
+            x[i] = _clip_logit(_as_float32(logits[t, i], table))
+            keys[i] = _order_key(x[i])
+        _lane_maxima(keys, lanes)
+    return load_converted
+
+
 @_cpu_jit
 def _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group, top_k,
                  renormalize, rsf, row_start, row_stop, out_w, out_ids):
@@ -694,23 +917,18 @@ def _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group,
     lane_sums = np.empty(WARP_SIZE, np.float32)
     group_keys = np.empty(num_groups, np.int32)
     kept = np.empty(num_groups, np.bool_)
-    buffer_size = max(top_k, topk_group)
+    buffer_size = max(top_k, topk_group) + 1  # + 1: _top_k's spare slot
     top_keys = np.empty(buffer_size, np.int32)
     top_ids = np.empty(buffer_size, np.int64)
     candidates = np.empty(num_experts + _LANES, np.int32)
     packed = np.empty(num_experts + _LANES, np.int64)
     spread = np.full(1, np.nan, np.float32)
+    lanes = np.empty(_LANES, np.int32)
     rank_logits = not sigmoid and not has_bias
     for t in range(row_start, row_stop):
         if rank_logits:
-            best = _NO_KEY
-            for i in range(num_experts):  # one pass: load, clip, key, maximum
-                value = _clip_logit(_as_float32(logits[t, i], table))
-                x[i] = value
-                key = _order_key(value)
-                keys[i] = key
-                best = key if key > best else best
-            if _softmax_logit_row(x, keys, best, num_groups, topk_group, top_k, renormalize,
+            _load_row(logits, t, table, x, keys, lanes)
+            if _softmax_logit_row(x, keys, lanes, num_groups, topk_group, top_k, renormalize,
                                   rsf, scores, lane_sums, group_keys, kept, spread, candidates,
                                   packed, top_keys, top_ids, out_w, out_ids, t):
                 continue
@@ -718,7 +936,7 @@ def _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group,
             for i in range(num_experts):
                 x[i] = _clip_logit(_as_float32(logits[t, i], table))
         _exact_row(x, bias, has_bias, sigmoid, num_groups, topk_group, top_k, renormalize,
-                   rsf, scores, keys, lane_sums, group_keys, kept, spread, candidates, packed,
+                   rsf, scores, keys, lanes, lane_sums, group_keys, kept, spread, candidates, packed,
                    top_keys, top_ids, out_w, out_ids, t)
 
 

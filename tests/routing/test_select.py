@@ -165,6 +165,24 @@ def test_ties_at_the_cut_go_to_the_lower_id():
     assert_matches_reference(logits, config)
 
 
+# The CPU kernel cuts each row at the K-th largest of its 16 lane maxima (K <= 16, N >= 16),
+# places up to 32 candidates by counting and more by pick rounds, and guesses the cut from
+# the previous row otherwise (K > 16 or N < 16). Few distinct values make exact ties, wide
+# ones tens of candidates: every path meets the lower-id rule.
+@pytest.mark.parametrize("num_experts,top_k", [
+    (n, k) for n in (8, 16, 17, 60, 64, 200, 512) for k in (1, 2, 10, 16, 17, 24) if k <= n])
+@pytest.mark.parametrize("levels", [3, 40, None])
+def test_candidate_paths_match_reference(num_experts, top_k, levels):
+    rng = rng_for("paths", num_experts, top_k, levels)
+    shape = (97, num_experts)
+    if levels is None:
+        logits = rng.standard_normal(shape).astype(np.float32)
+    else:
+        logits = rng.integers(0, levels, shape).astype(np.float32)
+    for scoring in ("softmax", "sigmoid"):
+        assert_matches_reference(logits, RouterConfig(num_experts, top_k, scoring))
+
+
 def test_equal_group_maxima_keep_the_lower_group():
     # Groups 0 and 1 share the best logit; group 1 has the better runner-up, but a group's
     # score is its maximum, so the tie goes to group 0.
