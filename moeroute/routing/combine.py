@@ -25,7 +25,7 @@ try:
 except ImportError:  # pragma: no cover - CPU-only installs
     cuda = None
 
-__all__ = ["combine"]
+__all__ = ["combine", "accumulate_rows"]
 
 #: Output size (T*H elements) from which the CPU kernel runs on all cores. Measured on 2
 #: cores: waking the thread pool costs 7-14 ms; smaller sums finish sooner alone.
@@ -349,3 +349,105 @@ def _combine_device(expert_out, inverse_index, topk_weights, raw_bf16, stream):
         _kernel(raw_bf16)[blocks, threads, launch_stream](expert, index, weights, has_weights,
                                                          out_view)
     return out
+
+
+# --------------------------------------------------------------------------- accumulate
+
+
+@njit(cache=True, inline="always")
+def _accumulate_row(rows, tokens, weights, r, out):
+    t = tokens[r]
+    w = weights[r]
+    for h in range(out.shape[1]):
+        out[t, h] += w * rows[r, h]
+
+
+@njit(cache=True)
+def _accumulate_cpu(rows, tokens, weights, out):
+    for r in range(rows.shape[0]):
+        _accumulate_row(rows, tokens, weights, r, out)
+
+
+@njit(cache=True, parallel=True)
+def _accumulate_cpu_parallel(rows, tokens, weights, out):
+    for r in prange(rows.shape[0]):  # distinct tokens: no two rows write the same sums
+        _accumulate_row(rows, tokens, weights, r, out)
+
+
+@njit(cache=True)
+def _accumulate_decoded_cpu(row_bits, table, tokens, weights, out):
+    for r in range(row_bits.shape[0]):
+        t = tokens[r]
+        w = weights[r]
+        for h in range(out.shape[1]):
+            out[t, h] += w * table[row_bits[r, h]]
+
+
+#: Rows x width from which accumulate_rows splits float32 rows over the cores (when the
+#: tokens are strictly increasing, hence distinct: no two rows then add into one sum).
+PARALLEL_ACCUMULATE_MIN_ELEMENTS = 1 << 16
+
+
+def _distinct(tokens: np.ndarray) -> bool:
+    """True when ``tokens`` is strictly increasing (as a sorted expert's tokens are)."""
+    return tokens.shape[0] < 2 or bool((tokens[1:] > tokens[:-1]).all())
+
+
+def accumulate_rows(out, rows, tokens, weights, *, raw_bf16=False):
+    """``out[tokens[r]] += weights[r] * rows[r]`` for every row r, in row order (CPU).
+
+    The streamed form of `combine`: one expert's outputs at a time go straight into the
+    float32 sums while they are still in cache, instead of through an [M, H] buffer.
+
+    Parameters
+    ----------
+    out : float32 array [T, H], C-contiguous; updated in place
+    rows : array [R, H]
+        float32 or float16; with ``raw_bf16=True`` bfloat16 bit patterns (uint16/int16).
+    tokens : integer array [R], each in [0, T)
+    weights : float32 array [R]
+
+    Raises
+    ------
+    TypeError
+        ``out`` not float32; ``rows`` of another dtype (see `combine`); ``tokens`` not
+        integer; ``weights`` not float32.
+    ValueError
+        Shapes that do not match; a token outside [0, T); ``out`` not C-contiguous.
+    """
+    out_array = np.asarray(out)
+    rows = np.asarray(rows)
+    tokens = np.asarray(tokens)
+    weights = np.asarray(weights)
+    if out_array.dtype != np.float32 or out_array.ndim != 2:
+        raise TypeError(f"out must be a 2-D float32 array, got {out_array.dtype} "
+                        f"with shape {out_array.shape}")
+    if not out_array.flags.c_contiguous:
+        raise ValueError("out must be C-contiguous (it is updated in place)")
+    if rows.ndim != 2 or rows.shape[1] != out_array.shape[1]:
+        raise ValueError(f"rows must be [R, {out_array.shape[1]}], got shape {rows.shape}")
+    if tokens.shape != (rows.shape[0],) or weights.shape != (rows.shape[0],):
+        raise ValueError(f"tokens and weights must be [{rows.shape[0]}], got shapes "
+                         f"{tokens.shape} and {weights.shape}")
+    if tokens.dtype.kind not in "iu":
+        raise TypeError(f"tokens must be integers, got dtype {tokens.dtype}")
+    if weights.dtype != np.float32:
+        raise TypeError(f"weights must be float32, got dtype {weights.dtype}")
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= out_array.shape[0]):
+        raise ValueError(f"tokens must lie in [0, {out_array.shape[0]}), got "
+                         f"[{int(tokens.min())}, {int(tokens.max())}]")
+    _check_combine_args(rows.shape, rows.dtype, (rows.shape[0], 1), np.int32, None, None,
+                        raw_bf16)
+    accumulate_checked(out_array, np.ascontiguousarray(rows), tokens, weights,
+                       bool(raw_bf16), _distinct(tokens))
+
+
+def accumulate_checked(out, rows, tokens, weights, raw_bf16, distinct):
+    """`accumulate_rows` without its checks, for callers whose arguments hold by
+    construction (C-contiguous rows, valid tokens; ``distinct``: no token repeats)."""
+    if rows.dtype == np.float32:
+        parallel = distinct and rows.size >= PARALLEL_ACCUMULATE_MIN_ELEMENTS
+        (_accumulate_cpu_parallel if parallel else _accumulate_cpu)(rows, tokens, weights, out)
+    else:
+        _accumulate_decoded_cpu(rows.view(np.uint16), _decode_table(raw_bf16), tokens, weights,
+                                out)

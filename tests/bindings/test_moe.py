@@ -9,8 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeroute.bindings.torch.dispatch import DispatchHandle, LocalDispatcher, check_dispatch_inputs
+from moeroute.bindings.torch import experts as experts_module
 from moeroute.bindings.torch.experts import (PADDED_MAX_ROWS, LocalExperts, choose_gemm, expert_mlp,
-                                             grouped_expert_mlp, onednn_linear_serves, padded_expert_mlp)
+                                             grouped_expert_mlp, onednn_linear_serves, padded_expert_mlp,
+                                             streamed_expert_mlp)
 from moeroute.bindings.torch.moe import MoE
 from moeroute.config import RouterConfig
 from moeroute.layout import ExpertLayout
@@ -253,6 +255,73 @@ def test_loop_strategy_half_precision(dtype, rtol):
     out = expert_mlp(x.to(dtype), offsets, w_gate_up.to(dtype), w_down.to(dtype))
     assert out.dtype == dtype
     assert rel_error(out, expected) < rtol
+
+
+def _slot_reference(x, local_ids, weights, w_gate_up, w_down):
+    """sum over each row's valid slots of w * expert(x), in float64, slot by slot."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(local_ids.shape[1]):
+            e = int(local_ids[t, k])
+            if 0 <= e < w_gate_up.shape[0]:
+                h = w_gate_up[e].double() @ x[t].double()
+                out[t] += float(weights[t, k]) * (w_down[e].double() @ (F.silu(h[:I]) * h[I:]))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streamed_expert_mlp_against_slot_reference(dtype):
+    """Gather, MLP and float32 sums per expert: equal to the slot-by-slot float64 sum,
+    rows without a local slot zero; the stage clock adds up its three stages."""
+    generator = _generator(33)
+    num_tokens, experts = 40, 5
+    x = torch.randn(num_tokens, H, generator=generator)
+    local_ids = torch.randint(-1, experts, (num_tokens, 3), generator=generator, dtype=torch.int32)
+    local_ids[:, 1] = torch.where(local_ids[:, 1] == local_ids[:, 0], -1, local_ids[:, 1])
+    local_ids[:, 2] = torch.where((local_ids[:, 2] == local_ids[:, 0]) | (local_ids[:, 2] == local_ids[:, 1]),
+                                  -1, local_ids[:, 2])
+    local_ids[7] = -1  # a row with nothing here
+    weights = torch.rand(num_tokens, 3, generator=generator)
+    w_gate_up = torch.randn(experts, 2 * I, H, generator=generator) * 0.3
+    w_down = torch.randn(experts, H, I, generator=generator) * 0.3
+    sorted_slots, offsets, _ = experts_module.arrays.sort_by_expert(local_ids, experts)
+    seconds = {}
+    out = streamed_expert_mlp(x.to(dtype), sorted_slots, offsets.tolist(), weights, w_gate_up.to(dtype),
+                              w_down.to(dtype), stage_seconds=seconds)
+    assert out.dtype == dtype and out.shape == (num_tokens, H)
+    expected = _slot_reference(x.to(dtype), local_ids, weights, w_gate_up.to(dtype), w_down.to(dtype))
+    assert rel_error(out, expected) < (FP32_RTOL if dtype == torch.float32 else HALF_RTOL[dtype])
+    assert torch.equal(out[7], torch.zeros(H, dtype=dtype))
+    assert set(seconds) == {"permute", "gemm", "combine"} and all(v >= 0 for v in seconds.values())
+
+
+@pytest.mark.skipif(not onednn_linear_serves(torch.float32), reason="this torch build has no oneDNN linear")
+def test_packed_cpu_weights_give_identical_outputs_and_follow_weight_changes():
+    module, _ = make_moe(seed=4, gemm="loop")
+    x = torch.randn(50, H, generator=_generator(5))
+    with torch.inference_mode():
+        plain = module(x)
+    assert module.pack_cpu_weights() is module
+    with torch.inference_mode():
+        assert torch.equal(module(x), plain)  # the same oneDNN kernels: bit for bit
+    packed_gate_up, _ = module.experts.cpu_weights()
+    assert isinstance(packed_gate_up, list) and len(packed_gate_up) == N
+    # New weights loaded in place: the packed copies are rebuilt, not served stale.
+    other, weights = make_moe(seed=9, gemm="loop")
+    with torch.no_grad():
+        module.load_routed_weights(*weights)
+        module.router_weight.copy_(other.router_weight)
+    with torch.inference_mode():
+        assert torch.equal(module(x), other(x))
+    module.pack_cpu_weights(False)
+    assert module.experts.cpu_weights()[0] is module.experts.w_gate_up
+
+
+def test_pack_cpu_weights_refuses_what_onednn_cannot_serve(monkeypatch):
+    module, _ = make_moe(seed=1)
+    monkeypatch.setattr(experts_module, "onednn_linear_serves", lambda dtype: False)
+    with pytest.raises(ValueError, match="oneDNN cannot serve torch.float32"):
+        module.pack_cpu_weights()
 
 
 def test_linear_backend_argument():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moeroute.routing import reference
-from moeroute.routing.combine import combine
+from moeroute.routing.combine import accumulate_rows, combine
 
 # The package re-exports a function named like this module.
 combine_module = importlib.import_module("moeroute.routing.combine")
@@ -178,3 +178,66 @@ def test_invalid_arguments(change, error, words):
     with pytest.raises(error, match=words):
         combine(args["expert_out"], args["inverse_index"], args["topk_weights"],
                 raw_bf16=args["raw_bf16"])
+
+
+# ------------------------------------------------------------------ accumulate_rows
+
+
+def _accumulate_reference(out, rows, tokens, weights):
+    """The same sums in float64, row by row."""
+    expected = out.astype(np.float64)
+    for r in range(rows.shape[0]):
+        expected[tokens[r]] += float(weights[r]) * rows[r].astype(np.float64)
+    return expected
+
+
+@pytest.mark.parametrize("num_rows,width,repeat", [(0, 8, False), (5, 8, False),
+                                                   (300, 256, False), (300, 256, True)])
+def test_accumulate_rows_float32(num_rows, width, repeat):
+    """Serial, parallel (>= PARALLEL_ACCUMULATE_MIN_ELEMENTS, distinct tokens) and
+    repeated tokens (always serial) all equal the float64 sums."""
+    rng = np.random.default_rng(num_rows + repeat)
+    num_tokens = 400
+    tokens = (rng.integers(0, num_tokens, num_rows) if repeat
+              else np.sort(rng.choice(num_tokens, num_rows, replace=False)))
+    rows = rng.standard_normal((num_rows, width)).astype(np.float32)
+    weights = rng.random(num_rows).astype(np.float32)
+    out = rng.standard_normal((num_tokens, width)).astype(np.float32)
+    expected = _accumulate_reference(out, rows, tokens, weights)
+    accumulate_rows(out, rows, tokens.astype(np.int64), weights)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_accumulate_rows_16_bit(kind):
+    rng = np.random.default_rng(7)
+    values = torch.from_numpy(rng.standard_normal((6, 16)).astype(np.float32))
+    tokens = np.array([0, 3, 3, 1, 9, 2])
+    weights = rng.random(6).astype(np.float32)
+    out = np.zeros((10, 16), np.float32)
+    if kind == "float16":
+        rows, exact = values.half().numpy(), values.half().float().numpy()
+        accumulate_rows(out, rows, tokens, weights)
+    else:
+        rows, exact = values.bfloat16().view(torch.uint16).numpy(), values.bfloat16().float().numpy()
+        accumulate_rows(out, rows, tokens, weights, raw_bf16=True)
+    np.testing.assert_allclose(out, _accumulate_reference(np.zeros_like(out), exact, tokens, weights),
+                               rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("change,error,words", [
+    ({"out": np.zeros((4, 3), np.float64)}, TypeError, "out must be a 2-D float32"),
+    ({"out": np.zeros((3, 4), np.float32).T}, ValueError, "C-contiguous"),
+    ({"rows": np.zeros((2, 5), np.float32)}, ValueError, "rows must be"),
+    ({"tokens": np.array([0])}, ValueError, "tokens and weights must be"),
+    ({"tokens": np.array([0.0, 1.0])}, TypeError, "tokens must be integers"),
+    ({"tokens": np.array([0, 4])}, ValueError, r"tokens must lie in \[0, 4\)"),
+    ({"weights": np.ones(2)}, TypeError, "weights must be float32"),
+    ({"rows": np.zeros((2, 3), np.int32)}, TypeError, "expert_out must be float32 or float16"),
+])
+def test_accumulate_rows_invalid_arguments(change, error, words):
+    args = {"out": np.zeros((4, 3), np.float32), "rows": np.zeros((2, 3), np.float32),
+            "tokens": np.array([0, 1]), "weights": np.ones(2, np.float32)}
+    args.update(change)
+    with pytest.raises(error, match=words):
+        accumulate_rows(args["out"], args["rows"], args["tokens"], args["weights"])

@@ -5,40 +5,44 @@
 ``sum over its local slots of w * expert(x)``: exactly the ``partial_out`` that
 `moeroute.bindings.torch.dispatch.Dispatcher.combine` expects.
 
-CPU: the (row, slot) entries are sorted by expert and the rows gathered into expert order
-by the Numba permute, the expert GEMMs run on torch's BLAS, and the Numba combine sums
-the weighted outputs per row in float32. Two GEMM strategies, picked per call by
-`choose_gemm` from the rows per expert:
+CPU: the (row, slot) entries are sorted by expert (the Numba counting sort). Two GEMM
+strategies, picked per call by `choose_gemm` from the rows per expert:
 
-* "loop": per hit expert, its contiguous slice of rows through gate_up, the activation
-  and down (two GEMMs; no gather, no wasted flops): for large row counts.
-* "padded": the rows scattered into an [L, R, H] batch (R = the largest count) and two
-  torch.bmm for all experts at once: for few rows per expert (decode-sized batches, many
-  experts), where a GEMM costs about the read of its expert's weights whatever its row
-  count, and one batched call replaces 2L small ones, each a parallel region whose
-  thread hand-off dominates when the cores are shared.
+* "loop" (`streamed_expert_mlp`): per hit expert, its rows gathered, through gate_up, the
+  activation and down (two GEMMs, no wasted flops), and the weighted outputs added into
+  float32 sums by a Numba kernel while they are still in cache: no [M, H] permuted or
+  expert-output buffer is written and read back. For large row counts.
+* "padded": the rows permuted by the Numba gather, scattered into an [L, R, H] batch
+  (R = the largest count), two torch.bmm for all experts at once, then the Numba combine:
+  for few rows per expert (decode-sized batches, many experts), where a GEMM costs about
+  the read of its expert's weights whatever its row count, and one batched call replaces
+  2L small ones, each a parallel region whose thread hand-off dominates when the cores
+  are shared.
 
 Each per-expert GEMM of the "loop" strategy goes to oneDNN (``torch.ops.mkldnn._linear_pointwise``,
 the op torch's own compiler emits for CPU linears) where this torch build has it and it
-serves the dtype, else to ``torch.mm`` (MKL/OpenBLAS). On the 2-core AMD EPYC (Zen 4) used
-for development, oneDNN ran the float32 expert GEMMs of bench/layer.py's Qwen3-MoE-like
-layer 1.24x (T=2048) and 1.30x (T=512) faster than the same loop on torch.mm.
+serves the dtype, else to ``torch.mm`` (MKL/OpenBLAS). `LocalExperts.pack_cpu_weights`
+(opt-in, a second copy of the weights) keeps them in oneDNN's blocked layout, so that
+oneDNN does not reorder each expert's weights on every call. bench/layer.py measures
+both against the torch.mm loop and the transformers block.
 CUDA: `moeroute.gpu.fused_experts` runs the grouped GEMMs on torch's current stream.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moeroute.bindings.torch import arrays
+from moeroute.routing.combine import accumulate_checked
 
 __all__ = ["LocalExperts", "ACTIVATIONS", "SUPPORTED_DTYPES", "GEMM_STRATEGIES", "LINEAR_BACKENDS",
            "choose_gemm", "onednn_linear_serves",
-           "expert_mlp", "padded_expert_mlp", "grouped_expert_mlp", "apply_activation"]
+           "expert_mlp", "streamed_expert_mlp", "padded_expert_mlp", "grouped_expert_mlp", "apply_activation"]
 
 #: Activations of the gate projection: "silu" (SwiGLU), "gelu" (erf GeGLU), "gelu_tanh".
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -141,28 +145,110 @@ def expert_mlp(
         An unknown ``linear``, or "onednn" where it cannot serve the dtype.
     """
     rows, hidden = hidden_sorted.shape
-    inter = w_down.shape[2]
     out = hidden_sorted.new_empty((rows, hidden))
     if rows == 0:
         return out
-    onednn = _onednn_linear_op() if _linear_backend(linear, hidden_sorted.dtype) == "onednn" else None
+    onednn = _onednn_op_for(linear, hidden_sorted.dtype)
     # One expert at a time, start to finish: its [rows, 2I] intermediate is small enough to
     # stay in cache, and no [M, 2I] buffer is allocated for the whole batch.
     for e in range(len(expert_offsets) - 1):
         start, stop = expert_offsets[e], expert_offsets[e + 1]
+        if start != stop:
+            _one_expert(hidden_sorted[start:stop], w_gate_up[e], w_down[e], activation, onednn,
+                        out=out[start:stop])
+    return out
+
+
+def _onednn_op_for(linear: str, dtype: torch.dtype):
+    """oneDNN's linear op when ``linear`` resolves to "onednn" for ``dtype``, else None."""
+    return _onednn_linear_op() if _linear_backend(linear, dtype) == "onednn" else None
+
+
+def _one_expert(x, w_gate_up, w_down, activation, onednn, out=None):
+    """``down(act(x gate^T) * (x up^T))`` for one expert's rows: oneDNN when ``onednn`` is
+    its op, else torch.mm; into ``out`` when given."""
+    inter = w_down.shape[1]
+    if onednn is not None:
+        gate_up = onednn(x, w_gate_up, None, "none", [], "")
+    else:
+        gate_up = torch.mm(x, w_gate_up.t())
+    act = apply_activation(gate_up[:, :inter], activation)
+    act.mul_(gate_up[:, inter:])
+    if onednn is None:
+        return torch.mm(act, w_down.t(), out=out)
+    if out is None:
+        return onednn(act, w_down, None, "none", [], "")
+    out.copy_(onednn(act, w_down, None, "none", [], ""))
+    return out
+
+
+def streamed_expert_mlp(
+    hidden_states: torch.Tensor,
+    sorted_slots: torch.Tensor,
+    expert_offsets: list[int],
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str = "silu",
+    linear: str = "auto",
+    stage_seconds: dict | None = None,
+) -> torch.Tensor:
+    """Permute, expert MLPs and combine in one pass over the experts (CPU).
+
+    Per expert: gather its token rows, run its MLP (as `expert_mlp`), add the weighted
+    outputs into float32 sums (`moeroute.routing.combine.accumulate_rows`). An expert's
+    rows stay in cache from gather to sum, and no [M, H] permuted or expert-output buffer
+    is written, read back or page-faulted in.
+
+    Parameters
+    ----------
+    hidden_states : Tensor [T, H]
+    sorted_slots : Tensor [M] int32, flat slots ``t*K' + k`` in expert order (`sort_by_expert`)
+    expert_offsets : list of int, length L + 1
+    topk_weights : Tensor [T, K'] float32
+    w_gate_up, w_down, activation, linear : as `expert_mlp`; the weights may also be
+        sequences of one expert's weights each (`LocalExperts.pack_cpu_weights`)
+    stage_seconds : dict, optional
+        When given, the seconds spent gathering ("permute"), in the expert MLPs ("gemm")
+        and summing ("combine") are added to its entries of those names.
+
+    Returns
+    -------
+    Tensor [T, H], dtype of ``hidden_states``: ``sum_k w[t, k] * expert_k(x_t)`` over the
+    sorted slots, accumulated in float32 in expert order (rows with none are zero).
+    """
+    num_tokens, hidden = hidden_states.shape
+    top_k = topk_weights.shape[1]
+    onednn = _onednn_op_for(linear, hidden_states.dtype)
+    sums = torch.zeros((num_tokens, hidden), dtype=torch.float32)
+    slots = sorted_slots.to(torch.int64)
+    tokens = slots // top_k
+    slot_weights = topk_weights.reshape(-1).to(torch.float32)[slots]
+    tokens_np, weights_np, sums_np = tokens.numpy(), slot_weights.numpy(), sums.numpy()
+    raw_bf16 = hidden_states.dtype == torch.bfloat16
+    clock = time.perf_counter if stage_seconds is not None else None
+    spent = [0.0, 0.0, 0.0]
+    for e in range(len(expert_offsets) - 1):
+        start, stop = expert_offsets[e], expert_offsets[e + 1]
         if start == stop:
             continue
-        if onednn is not None:
-            gate_up = onednn(hidden_sorted[start:stop], w_gate_up[e], None, "none", [], "")
-        else:
-            gate_up = torch.mm(hidden_sorted[start:stop], w_gate_up[e].t())
-        act = apply_activation(gate_up[:, :inter], activation)
-        act.mul_(gate_up[:, inter:])
-        if onednn is not None:
-            out[start:stop] = onednn(act, w_down[e], None, "none", [], "")
-        else:
-            torch.mm(act, w_down[e].t(), out=out[start:stop])
-    return out
+        t0 = clock() if clock else 0.0
+        x = torch.index_select(hidden_states, 0, tokens[start:stop])
+        t1 = clock() if clock else 0.0
+        y = _one_expert(x, w_gate_up[e], w_down[e], activation, onednn)
+        t2 = clock() if clock else 0.0
+        # Valid by construction: the tokens of one expert's sorted slots ascend, each once.
+        accumulate_checked(sums_np, arrays.host_array(y), tokens_np[start:stop],
+                           weights_np[start:stop], raw_bf16, True)
+        if clock:
+            t3 = clock()
+            spent[0] += t1 - t0
+            spent[1] += t2 - t1
+            spent[2] += t3 - t2
+    if stage_seconds is not None:
+        for name, seconds in zip(("permute", "gemm", "combine"), spent):
+            stage_seconds[name] = stage_seconds.get(name, 0.0) + seconds
+    return sums if hidden_states.dtype == torch.float32 else sums.to(hidden_states.dtype)
 
 
 def choose_gemm(counts: list[int]) -> str:
@@ -289,12 +375,52 @@ class LocalExperts(nn.Module):
             torch.empty(num_local_experts, hidden_size, intermediate_size, dtype=dtype, device=device),
             requires_grad=False,
         )
+        self._packed = None  # see pack_cpu_weights
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
             nn.init.normal_(self.w_gate_up, std=INIT_STD)
             nn.init.normal_(self.w_down, std=INIT_STD)
+
+    def pack_cpu_weights(self, enable: bool = True) -> "LocalExperts":
+        """Keep oneDNN-packed copies of the expert weights for the CPU expert loop.
+
+        oneDNN otherwise reorders each expert's weights into its blocked layout on every
+        call; packed once, the loop skips that work (bench/layer.py measures the gain). The
+        copies cost as much memory as the expert weights themselves, so this is opt-in.
+        They are rebuilt when the weights change in place or move, and results are the
+        same bit for bit. ``enable=False`` drops them.
+
+        Returns ``self``. Raises ValueError when the weights are not on the CPU or this
+        torch build's oneDNN cannot serve their dtype.
+        """
+        self._packed = None
+        if not enable:
+            return self
+        if self.w_gate_up.device.type != "cpu":
+            raise ValueError(f"pack_cpu_weights needs the weights on the CPU, they are on "
+                             f"{self.w_gate_up.device}")
+        if not onednn_linear_serves(self.w_gate_up.dtype):
+            raise ValueError(f"this torch build's oneDNN cannot serve {self.w_gate_up.dtype} "
+                             "weights; keep the plain weights (enable=False)")
+        self._packed = (None, None, None)  # built on the next CPU forward
+        return self
+
+    def cpu_weights(self):
+        """(w_gate_up, w_down) as the CPU expert loop uses them: the parameters, or lists of
+        per-expert oneDNN-packed copies after `pack_cpu_weights` (built here when stale)."""
+        packed = self._packed
+        if packed is None:
+            return self.w_gate_up, self.w_down
+        key = tuple((w.data_ptr(), w._version) for w in (self.w_gate_up, self.w_down))
+        if packed[0] != key:
+            reorder = torch.ops.mkldnn._reorder_linear_weight
+            with torch.no_grad():
+                packed = (key, [reorder(w) for w in self.w_gate_up],
+                          [reorder(w) for w in self.w_down])
+            self._packed = packed
+        return packed[1], packed[2]
 
     def extra_repr(self) -> str:
         return (f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
@@ -319,15 +445,19 @@ class LocalExperts(nn.Module):
         """
         if hidden_states.device.type == "cuda":
             return self._forward_cuda(hidden_states, local_ids, weights)
-        hidden_sorted, expert_offsets, inverse_index = arrays.permute(
-            hidden_states, local_ids, self.num_local_experts
-        )
+        sorted_slots, expert_offsets, inverse_index = arrays.sort_by_expert(
+            local_ids, self.num_local_experts)
         offsets = expert_offsets.tolist()
         strategy = self.gemm
         if strategy == "auto":
             strategy = choose_gemm([b - a for a, b in zip(offsets[:-1], offsets[1:])])
-        mlp = padded_expert_mlp if strategy == "padded" else expert_mlp
-        expert_out = mlp(hidden_sorted, offsets, self.w_gate_up, self.w_down, self.activation)
+        if strategy == "loop":
+            w_gate_up, w_down = self.cpu_weights()
+            return streamed_expert_mlp(hidden_states.contiguous(), sorted_slots, offsets, weights,
+                                       w_gate_up, w_down, self.activation)
+        hidden_sorted, _, _ = arrays.permute(hidden_states, local_ids, self.num_local_experts)
+        expert_out = padded_expert_mlp(hidden_sorted, offsets, self.w_gate_up, self.w_down,
+                                       self.activation)
         return arrays.combine(expert_out, inverse_index, weights)
 
     def _forward_cuda(self, hidden_states, local_ids, weights):

@@ -316,6 +316,13 @@ class MoE(nn.Module):
         logical = self.layout.physical_to_logical
         return [int(logical[p]) for p in range(start, start + count)]
 
+    def pack_cpu_weights(self, enable: bool = True) -> "MoE":
+        """Keep oneDNN-packed copies of the expert weights for CPU forwards (opt-in: a
+        second copy of the expert weights in memory); see
+        `moeroute.bindings.torch.LocalExperts.pack_cpu_weights`. Returns ``self``."""
+        self.experts.pack_cpu_weights(enable)
+        return self
+
     @torch.no_grad()
     def load_routed_weights(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
         """Copy this rank's routed experts out of the full stacked weights.
