@@ -104,7 +104,8 @@ def stage_split(moe, x, repeats):
         t1 = time.perf_counter()
         sorted_slots, offsets, inverse = arrays.sort_by_expert(local_ids, experts.num_local_experts)
         offsets_list = offsets.tolist()
-        strategy = choose_gemm([b - a for a, b in zip(offsets_list[:-1], offsets_list[1:])])
+        strategy = choose_gemm([b - a for a, b in zip(offsets_list[:-1], offsets_list[1:])],
+                               onednn_linear_serves(x.dtype))
         t2 = time.perf_counter()
         if strategy == "loop":
             seconds = {}
@@ -150,7 +151,8 @@ def gemm_strategies(moe, x, repeats):
     }
     if not onednn_linear_serves(x.dtype):
         del others["loop_onednn"]
-    result = {"auto_choice": choose_gemm([b - a for a, b in zip(offsets_list[:-1], offsets_list[1:])]),
+    result = {"auto_choice": choose_gemm([b - a for a, b in zip(offsets_list[:-1], offsets_list[1:])],
+                                         onednn_linear_serves(x.dtype)),
               "rows": len(hidden_sorted)}
     for name, fn in others.items():
         torch.testing.assert_close(fn(), loop_mm(), rtol=1e-4, atol=1e-5)

@@ -339,6 +339,7 @@ def test_choose_gemm():
     assert choose_gemm([PADDED_MAX_ROWS + 1, 4, 4, 4]) == "loop"  # one expert has many rows
     assert choose_gemm([1, 0, 0, 0]) == "loop"  # decode: most experts idle
     assert choose_gemm([]) == "loop"
+    assert choose_gemm([3, 0, 5, 1], onednn=True) == "loop"  # oneDNN: the streamed loop always
 
 
 def test_local_experts_rejects_bad_arguments():

@@ -17,7 +17,8 @@ strategies, picked per call by `choose_gemm` from the rows per expert:
   for few rows per expert (decode-sized batches, many experts), where a GEMM costs about
   the read of its expert's weights whatever its row count, and one batched call replaces
   2L small ones, each a parallel region whose thread hand-off dominates when the cores
-  are shared.
+  are shared. "auto" picks it only where the loop's linears run on torch.mm: on oneDNN
+  the streamed loop measured faster at every size (see `choose_gemm`).
 
 Each per-expert GEMM of the "loop" strategy goes to oneDNN (``torch.ops.mkldnn._linear_pointwise``,
 the op torch's own compiler emits for CPU linears) where this torch build has it and it
@@ -251,14 +252,18 @@ def streamed_expert_mlp(
     return sums if hidden_states.dtype == torch.float32 else sums.to(hidden_states.dtype)
 
 
-def choose_gemm(counts: list[int]) -> str:
-    """"padded" for few rows per expert over mostly-hit experts, else "loop".
+def choose_gemm(counts: list[int], onednn: bool = False) -> str:
+    """"padded" for few rows per expert over mostly-hit experts on torch.mm, else "loop".
+
+    With oneDNN linears the streamed loop wins at every row count measured (bench/layer.py,
+    T = 16: 1.3x over the padded batch), so ``onednn`` always gives "loop".
 
     Parameters
     ----------
     counts : list of int, rows of each local expert
+    onednn : bool, whether the loop's linears run on oneDNN (`onednn_linear_serves`)
     """
-    if not counts:
+    if onednn or not counts:
         return "loop"
     hit = sum(1 for c in counts if c)
     if max(counts) <= PADDED_MAX_ROWS and hit >= PADDED_MIN_HIT_FRACTION * len(counts):
@@ -450,7 +455,8 @@ class LocalExperts(nn.Module):
         offsets = expert_offsets.tolist()
         strategy = self.gemm
         if strategy == "auto":
-            strategy = choose_gemm([b - a for a, b in zip(offsets[:-1], offsets[1:])])
+            strategy = choose_gemm([b - a for a, b in zip(offsets[:-1], offsets[1:])],
+                                   onednn_linear_serves(self.w_gate_up.dtype))
         if strategy == "loop":
             w_gate_up, w_down = self.cpu_weights()
             return streamed_expert_mlp(hidden_states.contiguous(), sorted_slots, offsets, weights,
