@@ -313,8 +313,15 @@ def test_packed_cpu_weights_give_identical_outputs_and_follow_weight_changes():
         module.router_weight.copy_(other.router_weight)
     with torch.inference_mode():
         assert torch.equal(module(x), other(x))
-    module.pack_cpu_weights(False)
-    assert module.experts.cpu_weights()[0] is module.experts.w_gate_up
+    # Converted to another dtype: the copies go at once, and come back for the new dtype
+    # (or the plain weights serve, where oneDNN cannot); outputs as without them.
+    module.to(torch.bfloat16)
+    assert module.experts._packed == (None, None, None)
+    with torch.inference_mode():
+        packed_out = module(x.bfloat16())
+        module.pack_cpu_weights(False)
+        assert module.experts.cpu_weights()[0] is module.experts.w_gate_up
+        torch.testing.assert_close(packed_out, module(x.bfloat16()), rtol=0, atol=0)
 
 
 def test_pack_cpu_weights_refuses_what_onednn_cannot_serve(monkeypatch):

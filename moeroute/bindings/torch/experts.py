@@ -418,7 +418,12 @@ class LocalExperts(nn.Module):
         packed = self._packed
         if packed is None:
             return self.w_gate_up, self.w_down
-        key = tuple((w.data_ptr(), w._version) for w in (self.w_gate_up, self.w_down))
+        if self.w_gate_up.device.type != "cpu" or not onednn_linear_serves(self.w_gate_up.dtype):
+            # Moved or converted (module.to) to what oneDNN cannot serve here: plain weights,
+            # and no stale copies kept; packing resumes if the weights come back.
+            self._packed = (None, None, None)
+            return self.w_gate_up, self.w_down
+        key = tuple((w.data_ptr(), w._version, w.dtype) for w in (self.w_gate_up, self.w_down))
         if packed[0] != key:
             reorder = torch.ops.mkldnn._reorder_linear_weight
             with torch.no_grad():
@@ -426,6 +431,13 @@ class LocalExperts(nn.Module):
                           [reorder(w) for w in self.w_down])
             self._packed = packed
         return packed[1], packed[2]
+
+    def _apply(self, fn, *args, **kwargs):
+        # module.to / .half() / .cuda(): the packed copies describe the old weights; drop
+        # them now (not at the next CPU forward) so that their memory goes with them.
+        if self._packed is not None:
+            self._packed = (None, None, None)
+        return super()._apply(fn, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
