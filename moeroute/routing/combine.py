@@ -43,6 +43,17 @@ _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 _BITS_DTYPES = (np.dtype(np.uint16), np.dtype(np.int16))
 
 
+def _check_activation_dtype(name, dtype, raw_bf16) -> None:
+    """float32/float16 activations, or bfloat16 bit patterns with ``raw_bf16``."""
+    if raw_bf16:
+        if np.dtype(dtype) not in _BITS_DTYPES:
+            raise TypeError(
+                f"raw_bf16=True needs {name} as uint16 or int16 bfloat16 bits, got dtype {dtype}")
+    elif np.dtype(dtype) not in _FLOAT_DTYPES:
+        hint = " (bfloat16 bits? pass raw_bf16=True)" if np.dtype(dtype) in _BITS_DTYPES else ""
+        raise TypeError(f"{name} must be float32 or float16, got dtype {dtype}{hint}")
+
+
 def _check_combine_args(out_shape, out_dtype, index_shape, index_dtype, weights_shape,
                         weights_dtype, raw_bf16) -> None:
     if len(out_shape) != 2:
@@ -51,16 +62,7 @@ def _check_combine_args(out_shape, out_dtype, index_shape, index_dtype, weights_
         raise ValueError(f"inverse_index must be 2-D [T, K], got shape {tuple(index_shape)}")
     if np.dtype(index_dtype) not in (np.int32, np.int64):
         raise TypeError(f"inverse_index must be int32 or int64, got dtype {index_dtype}")
-    if raw_bf16:
-        if np.dtype(out_dtype) not in _BITS_DTYPES:
-            raise TypeError(
-                f"raw_bf16=True needs expert_out as uint16 or int16 bfloat16 bits, got dtype "
-                f"{out_dtype}")
-    elif np.dtype(out_dtype) not in _FLOAT_DTYPES:
-        hint = (" (bfloat16 bits? pass raw_bf16=True)"
-                if np.dtype(out_dtype) in _BITS_DTYPES else "")
-        raise TypeError(
-            f"expert_out must be float32 or float16, got dtype {out_dtype}{hint}")
+    _check_activation_dtype("expert_out", out_dtype, raw_bf16)
     if weights_shape is not None:
         if tuple(weights_shape) != tuple(index_shape):
             raise ValueError(
@@ -385,6 +387,8 @@ def _accumulate_decoded_cpu(row_bits, table, tokens, weights, out):
 
 #: Rows x width from which accumulate_rows splits float32 rows over the cores (when the
 #: tokens are strictly increasing, hence distinct: no two rows then add into one sum).
+#: One expert's 256 x 1024 rows: the sums of bench/layer.py's T=2048 layer took 4.7 ms a
+#: forward in parallel against 6.7 ms serial (cProfile, 2 cores).
 PARALLEL_ACCUMULATE_MIN_ELEMENTS = 1 << 16
 
 
@@ -436,8 +440,7 @@ def accumulate_rows(out, rows, tokens, weights, *, raw_bf16=False):
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= out_array.shape[0]):
         raise ValueError(f"tokens must lie in [0, {out_array.shape[0]}), got "
                          f"[{int(tokens.min())}, {int(tokens.max())}]")
-    _check_combine_args(rows.shape, rows.dtype, (rows.shape[0], 1), np.int32, None, None,
-                        raw_bf16)
+    _check_activation_dtype("rows", rows.dtype, raw_bf16)
     accumulate_checked(out_array, np.ascontiguousarray(rows), tokens, weights,
                        bool(raw_bf16), _distinct(tokens))
 

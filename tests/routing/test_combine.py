@@ -233,7 +233,7 @@ def test_accumulate_rows_16_bit(kind):
     ({"tokens": np.array([0.0, 1.0])}, TypeError, "tokens must be integers"),
     ({"tokens": np.array([0, 4])}, ValueError, r"tokens must lie in \[0, 4\)"),
     ({"weights": np.ones(2)}, TypeError, "weights must be float32"),
-    ({"rows": np.zeros((2, 3), np.int32)}, TypeError, "expert_out must be float32 or float16"),
+    ({"rows": np.zeros((2, 3), np.int32)}, TypeError, "rows must be float32 or float16"),
 ])
 def test_accumulate_rows_invalid_arguments(change, error, words):
     args = {"out": np.zeros((4, 3), np.float32), "rows": np.zeros((2, 3), np.float32),
