@@ -316,7 +316,7 @@ def test_packed_cpu_weights_give_identical_outputs_and_follow_weight_changes():
     # Converted to another dtype: the copies go at once, and come back for the new dtype
     # (or the plain weights serve, where oneDNN cannot); outputs as without them.
     module.to(torch.bfloat16)
-    assert module.experts._packed == (None, None, None)
+    assert module.experts._packed is None
     with torch.inference_mode():
         packed_out = module(x.bfloat16())
         module.pack_cpu_weights(False)

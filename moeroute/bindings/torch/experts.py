@@ -380,7 +380,10 @@ class LocalExperts(nn.Module):
             torch.empty(num_local_experts, hidden_size, intermediate_size, dtype=dtype, device=device),
             requires_grad=False,
         )
-        self._packed = None  # see pack_cpu_weights
+        #: Whether the CPU loop uses oneDNN-packed copies (`pack_cpu_weights`), and the
+        #: copies: (key of the weights they were made from, gate_up list, down list).
+        self.pack_cpu = False
+        self._packed = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -400,43 +403,37 @@ class LocalExperts(nn.Module):
         Returns ``self``. Raises ValueError when the weights are not on the CPU or this
         torch build's oneDNN cannot serve their dtype.
         """
-        self._packed = None
-        if not enable:
-            return self
-        if self.w_gate_up.device.type != "cpu":
+        if enable and self.w_gate_up.device.type != "cpu":
             raise ValueError(f"pack_cpu_weights needs the weights on the CPU, they are on "
                              f"{self.w_gate_up.device}")
-        if not onednn_linear_serves(self.w_gate_up.dtype):
+        if enable and not onednn_linear_serves(self.w_gate_up.dtype):
             raise ValueError(f"this torch build's oneDNN cannot serve {self.w_gate_up.dtype} "
                              "weights; keep the plain weights (enable=False)")
-        self._packed = (None, None, None)  # built on the next CPU forward
+        self.pack_cpu = bool(enable)
+        self._packed = None  # built on the next CPU forward
         return self
 
     def cpu_weights(self):
         """(w_gate_up, w_down) as the CPU expert loop uses them: the parameters, or lists of
         per-expert oneDNN-packed copies after `pack_cpu_weights` (built here when stale)."""
-        packed = self._packed
-        if packed is None:
-            return self.w_gate_up, self.w_down
-        if self.w_gate_up.device.type != "cpu" or not onednn_linear_serves(self.w_gate_up.dtype):
-            # Moved or converted (module.to) to what oneDNN cannot serve here: plain weights,
-            # and no stale copies kept; packing resumes if the weights come back.
-            self._packed = (None, None, None)
+        if (not self.pack_cpu or self.w_gate_up.device.type != "cpu"
+                or not onednn_linear_serves(self.w_gate_up.dtype)):
+            # Not asked for, or moved/converted (module.to) to what oneDNN cannot serve
+            # here: the plain weights; packing resumes if the weights come back.
             return self.w_gate_up, self.w_down
         key = tuple((w.data_ptr(), w._version, w.dtype) for w in (self.w_gate_up, self.w_down))
-        if packed[0] != key:
+        if self._packed is None or self._packed[0] != key:
+            self._packed = None  # free the stale copies before building new ones
             reorder = torch.ops.mkldnn._reorder_linear_weight
             with torch.no_grad():
-                packed = (key, [reorder(w) for w in self.w_gate_up],
-                          [reorder(w) for w in self.w_down])
-            self._packed = packed
-        return packed[1], packed[2]
+                self._packed = (key, [reorder(w) for w in self.w_gate_up],
+                                [reorder(w) for w in self.w_down])
+        return self._packed[1], self._packed[2]
 
     def _apply(self, fn, *args, **kwargs):
         # module.to / .half() / .cuda(): the packed copies describe the old weights; drop
         # them now (not at the next CPU forward) so that their memory goes with them.
-        if self._packed is not None:
-            self._packed = (None, None, None)
+        self._packed = None
         return super()._apply(fn, *args, **kwargs)
 
     def extra_repr(self) -> str:
