@@ -419,6 +419,11 @@ def _keep_groups(keys, num_groups, topk_group, two_best, group_keys, kept, top_k
         kept[top_ids[j]] = True
 
 
+def _is_c_array(value, dtype, ndim=1):
+    return (isinstance(value, types.Array) and value.dtype == dtype and value.ndim == ndim
+            and value.layout == "C")
+
+
 def _splat(builder, vector, value):
     result = ir.Constant(vector, ir.Undefined)
     for lane in range(vector.count):
@@ -438,8 +443,7 @@ def _compress_at_least(typingctx, keys, start, cut, out, count):
     in ascending order; return the new count. Stores 16 lanes at ``out[count]``, so ``out``
     needs 16 spare slots. One vector compare, compress and store (vpcompressd into a
     register, then a plain store: its memory form is slow on Zen 4)."""
-    if not (isinstance(keys, types.Array) and keys.dtype == types.int32 and keys.layout == "C"
-            and isinstance(out, types.Array) and out.dtype == types.int32 and out.layout == "C"):
+    if not (_is_c_array(keys, types.int32) and _is_c_array(out, types.int32)):
         return None
     signature = types.intp(keys, types.intp, types.int32, out, types.intp)
 
@@ -472,8 +476,7 @@ def _compress_at_least(typingctx, keys, start, cut, out, count):
 def _pop_max(typingctx, packed, start, previous):
     """In ``packed[start:start + 16]`` replace ``previous`` by the lowest value, store the
     block back and return its maximum: one pick round on one block, without branches."""
-    if not (isinstance(packed, types.Array) and packed.dtype == types.int64
-            and packed.layout == "C"):
+    if not _is_c_array(packed, types.int64):
         return None
     signature = types.int64(packed, types.intp, types.int64)
 
@@ -499,7 +502,7 @@ def _pop_max(typingctx, packed, start, previous):
 def _block_top2(typingctx, keys, start):
     """The two largest of ``keys[start:start + 16]`` (equal when the maximum repeats),
     packed as best << 32 | second (low 32 bits): vector max, count, masked max."""
-    if not (isinstance(keys, types.Array) and keys.dtype == types.int32 and keys.layout == "C"):
+    if not _is_c_array(keys, types.int32):
         return None
     signature = types.int64(keys, types.intp)
 
@@ -565,11 +568,6 @@ def _vector_smax(builder, a, b):
 
 def _vector_smin(builder, a, b):
     return builder.select(builder.icmp_signed("<", a, b), a, b)
-
-
-def _is_c_array(value, dtype, ndim=1):
-    return (isinstance(value, types.Array) and value.dtype == dtype and value.ndim == ndim
-            and value.layout == "C")
 
 
 @intrinsic
