@@ -274,6 +274,9 @@ _NO_KEY = np.int32(np.iinfo(np.int32).min)  # below every key: "nothing picked y
 # A row's top-k is picked among the keys at or above a cut. With K <= 16 and N >= 16 the
 # cut is the K-th largest of the 16 lane maxima (lane l: keys l, l + 16, ...): 16 distinct
 # keys of the row, so at least K keys pass, typically K to 2K of them on random logits.
+# float32 softmax rows with renormalize and no groups (Qwen's routers) take this cut from
+# the raw float bits and compare the logits themselves against it: no key array is
+# written, only the candidates' keys are computed (_softmax_fast_row).
 # Otherwise the first cut is the previous row's spread (best minus K-th best choice) below
 # the row's best (rows of a batch are alike), bisected until between K and 16 keys pass,
 # for at most _CUT_STEPS passes. With no usable cut every key is a candidate: always
@@ -443,9 +446,11 @@ def _compress_at_least(typingctx, keys, start, cut, out, count):
     in ascending order; return the new count. Stores 16 lanes at ``out[count]``, so ``out``
     needs 16 spare slots. One vector compare, compress and store (vpcompressd into a
     register, then a plain store: its memory form is slow on Zen 4)."""
-    if not (_is_c_array(keys, types.int32) and _is_c_array(out, types.int32)):
+    floats = _is_c_array(keys, types.float32) and cut == types.float32
+    if not ((floats or _is_c_array(keys, types.int32) and cut == types.int32)
+            and _is_c_array(out, types.int32)):
         return None
-    signature = types.intp(keys, types.intp, types.int32, out, types.intp)
+    signature = types.intp(keys, types.intp, cut, out, types.intp)
 
     def codegen(context, builder, sig, args):
         keys_value, start_value, cut_value, out_value, count_value = args
@@ -454,9 +459,15 @@ def _compress_at_least(typingctx, keys, start, cut, out, count):
         i32 = ir.IntType(32)
         vector = ir.VectorType(i32, _LANES)
         mask_type = ir.VectorType(ir.IntType(1), _LANES)
-        source = builder.bitcast(builder.gep(keys_data, [start_value]), vector.as_pointer())
-        mask = builder.icmp_signed(">=", builder.load(source, align=4),
-                                   _splat(builder, vector, cut_value))
+        if floats:  # ordered compare: a NaN never passes
+            values = ir.VectorType(ir.FloatType(), _LANES)
+            source = builder.bitcast(builder.gep(keys_data, [start_value]), values.as_pointer())
+            mask = builder.fcmp_ordered(">=", builder.load(source, align=4),
+                                        _splat(builder, values, cut_value))
+        else:
+            source = builder.bitcast(builder.gep(keys_data, [start_value]), vector.as_pointer())
+            mask = builder.icmp_signed(">=", builder.load(source, align=4),
+                                       _splat(builder, vector, cut_value))
         indices = builder.add(_splat(builder, vector, builder.trunc(start_value, i32)),
                               ir.Constant(vector, list(range(_LANES))))
         compress = _llvm_function(builder, f"llvm.experimental.vector.compress.v{_LANES}i32",
@@ -598,8 +609,58 @@ def _lane_maxima(typingctx, keys, lanes):
     return signature, codegen
 
 
+# Order keys of the finite float32 extremes: keys outside them are infinities or NaNs.
 _KEY_NEG_MAX = np.int32(int(np.float32(-FLOAT32_MAX).view(np.int32)) ^ 0x7FFFFFFF)
 _KEY_POS_MAX = np.int32(np.float32(FLOAT32_MAX).view(np.int32))
+
+
+@intrinsic
+def _raw_cut(typingctx, row, top_k):
+    """The top_k-th largest (top_k <= 16) of the 16 lane maxima of the raw keys (bits ^
+    ((bits >> 31) & 0x7FFFFFFF): -0 below +0, infinities and NaNs unclipped) over the whole
+    16-logit blocks of a float32 row: at least top_k logits of the row have a raw key at or
+    above it. _NO_KEY when a lane maximum exceeds the key of FLOAT32_MAX (+inf or NaN)."""
+    if not (_is_c_array(row, types.float32) and isinstance(top_k, types.Integer)):
+        return None
+    signature = types.int32(row, top_k)
+
+    def codegen(context, builder, sig, args):
+        row_array = context.make_array(sig.args[0])(context, builder, value=args[0])
+        i32 = ir.IntType(32)
+        ints = ir.VectorType(i32, _LANES)
+        base = builder.bitcast(row_array.data, ints.as_pointer())
+        blocks = builder.udiv(builder.extract_value(row_array.shape, 0),
+                              ir.Constant(ir.IntType(64), _LANES))
+        low31 = _splat(builder, ints, ir.Constant(i32, int(_INT32_LOW31)))
+        shift = _splat(builder, ints, ir.Constant(i32, 31))
+
+        def step(index, carried):
+            bits = builder.load(builder.gep(base, [index]), align=4)
+            key = builder.xor(bits, builder.and_(builder.ashr(bits, shift), low31))
+            return [_vector_smax(builder, carried[0], key)]
+
+        (maxima,) = _block_loop(builder, blocks, [ir.Constant(ints, [int(_NO_KEY)] * _LANES)],
+                                step)
+        # at_least[l]: how many lane maxima are >= maxima[l]; the cut is the largest maximum
+        # with at least top_k of them.
+        at_least = ir.Constant(ints, [0] * _LANES)
+        for lane in range(_LANES):
+            other = _splat(builder, ints, builder.extract_element(maxima, ir.Constant(i32, lane)))
+            at_least = builder.sub(at_least, builder.sext(
+                builder.icmp_signed(">=", other, maxima), ints))
+        k = args[1]
+        if k.type.width != 32:
+            k = builder.trunc(k, i32) if k.type.width > 32 else builder.sext(k, i32)
+        enough = builder.icmp_signed(">=", at_least, _splat(builder, ints, k))
+        no_key = _splat(builder, ints, ir.Constant(i32, int(_NO_KEY)))
+        reduce_max = _llvm_function(builder, f"llvm.vector.reduce.smax.v{_LANES}i32", i32,
+                                    [ints])
+        cut = builder.call(reduce_max, [builder.select(enough, maxima, no_key)])
+        top = builder.call(reduce_max, [maxima])
+        clean = builder.icmp_signed("<=", top, ir.Constant(i32, int(_KEY_POS_MAX)))
+        return builder.select(clean, cut, ir.Constant(i32, int(_NO_KEY)))
+
+    return signature, codegen
 
 
 @intrinsic
@@ -762,21 +823,29 @@ def _top_k(keys, lanes, lanes_ready, top_k, spread, candidates, packed, top_keys
         if not enough:
             cut = _order_key(best_value - wide) if wide < _F32_INF else _NO_KEY
             count = _collect(keys, cut, candidates)
-    blocks = max((count + _LANES - 1) // _LANES, 1)
     for j in range(count):
         index = candidates[j]
         packed[j] = (np.int64(keys[index]) << 32) | (_PACK_LOW31 - index)
+    _place(packed, count, top_k, candidates, top_keys, top_ids)
+    spread[0] = _key_value(top_keys[0]) - _key_value(top_keys[top_k - 1])
+
+
+@_cpu_inline
+def _place(packed, count, top_k, places, top_keys, top_ids):
+    """The top_k largest of the ``count`` packed candidates into top_keys/top_ids,
+    descending (``places``: scratch; top_keys/top_ids need top_k + 1 slots)."""
+    blocks = max((count + _LANES - 1) // _LANES, 1)
     for j in range(count, blocks * _LANES):
         packed[j] = _PACK_NONE
     if blocks <= _COUNTED_BLOCKS:
         # Every candidate's place by counting the candidates above it: no pick rounds.
         for j in range(blocks * _LANES):
-            candidates[j] = 0
+            places[j] = 0
         for block in range(0, blocks * _LANES, _LANES):
             for against in range(0, blocks * _LANES, _LANES):
-                _count_above(packed, block, against, candidates)
+                _count_above(packed, block, against, places)
         for j in range(count):  # branch-free: places past the picks land in the spare slot
-            place = min(candidates[j], top_k)
+            place = min(places[j], top_k)
             top_keys[place] = np.int32(packed[j] >> 32)
             top_ids[place] = _PACK_LOW31 - (packed[j] & 0xFFFFFFFF)
     else:
@@ -789,7 +858,62 @@ def _top_k(keys, lanes, lanes_ready, top_k, spread, candidates, packed, top_keys
             top_keys[r] = np.int32(winner >> 32)
             top_ids[r] = _PACK_LOW31 - (winner & 0xFFFFFFFF)
             previous = winner
-    spread[0] = _key_value(top_keys[0]) - _key_value(top_keys[top_k - 1])
+
+
+@_cpu_inline
+def _softmax_fast_row(row, top_k, rsf, candidates, packed, top_keys, top_ids, out_w, out_ids,
+                      t):
+    """Softmax with renormalize, without bias or groups, K <= 16 <= N, straight from a
+    float32 row: the cut from the raw lane maxima (_raw_cut), candidates by a float
+    compare, order keys only for them. Returns False, writing nothing, when the row takes
+    the keyed path instead: an inf or NaN among the lane maxima, a cut at or below
+    -FLOAT32_MAX (where clipping could tie values), or picks past SOFTMAX_EXACT_GAP.
+
+    With the cut finite and no +inf or NaN above it, every logit at or above the cut is
+    finite, so clipping leaves the candidates as they are; -0 and +0 compare equal as
+    floats and get one key."""
+    cut = _raw_cut(row, top_k)
+    if cut <= _KEY_NEG_MAX:
+        return False
+    cut_value = _key_value(cut)
+    n = row.shape[0]
+    full = n - n % _LANES
+    count = 0
+    for start in range(0, full, _LANES):
+        count = _compress_at_least(row, start, cut_value, candidates, count)
+    for i in range(full, n):  # branch-free append; an inf here clips to FLOAT32_MAX
+        candidates[count] = i
+        count += row[i] >= cut_value
+    for j in range(count):
+        index = candidates[j]
+        packed[j] = (np.int64(_order_key(_clip_logit(row[index]))) << 32) | (_PACK_LOW31 - index)
+    _place(packed, count, top_k, candidates, top_keys, top_ids)
+    if not _within_exact_gap(top_keys, top_k):
+        return False
+    total = _write_picks(top_keys, top_ids, top_k, out_w, out_ids, t)
+    for k in range(top_k):
+        out_w[t, k] = (out_w[t, k] / total) * rsf
+    return True
+
+
+@_cpu_inline
+def _within_exact_gap(top_keys, top_k):
+    """False when the K-th pick lies more than SOFTMAX_EXACT_GAP below the first."""
+    return not _key_value(top_keys[top_k - 1]) - _key_value(top_keys[0]) < -SOFTMAX_EXACT_GAP
+
+
+@_cpu_inline
+def _write_picks(top_keys, top_ids, top_k, out_w, out_ids, t):
+    """Row ``t``: the picks' ids, and exp(pick - first pick) as weights (the logits from
+    their keys); returns the sum of those exponentials."""
+    row_max = _key_value(top_keys[0])
+    for k in range(top_k):  # vectorizes: no sum in this loop
+        out_w[t, k] = _exp(_key_value(top_keys[k]) - row_max)
+    total = _F32_ZERO
+    for k in range(top_k):
+        out_ids[t, k] = top_ids[k]
+        total += out_w[t, k]
+    return total
 
 
 @_cpu_inline
@@ -818,16 +942,11 @@ def _softmax_logit_row(x, keys, lanes, num_groups, topk_group, top_k, renormaliz
     num_experts = x.shape[0]
     _rank(keys, lanes, True, num_groups, topk_group, False, top_k, group_keys, kept, spread,
           candidates, packed, top_keys, top_ids)
-    row_max = _key_value(top_keys[0])  # the picks' clipped logits, from their keys
-    if _key_value(top_keys[top_k - 1]) - row_max < -SOFTMAX_EXACT_GAP:
+    if not _within_exact_gap(top_keys, top_k):
         return False
-    for k in range(top_k):  # vectorizes: no sum in this loop
-        out_w[t, k] = _exp(_key_value(top_keys[k]) - row_max)
-    total = _F32_ZERO
-    for k in range(top_k):
-        out_ids[t, k] = top_ids[k]
-        total += out_w[t, k]
+    total = _write_picks(top_keys, top_ids, top_k, out_w, out_ids, t)
     if not renormalize:
+        row_max = _key_value(top_keys[0])
         for i in range(num_experts):
             scores[i] = _exp(x[i] - row_max)
         total = _lane_order_sum(scores, lane_sums)
@@ -904,6 +1023,24 @@ def _load_row_overload(logits, t, table, x, keys, lanes):
     return load_converted
 
 
+def _fast_row(logits, t, top_k, rsf, candidates, packed, top_keys, top_ids, out_w, out_ids):
+    """`_softmax_fast_row` on row ``t`` of float32 logits; False (not done) otherwise."""
+
+
+@overload(_fast_row, inline="always")
+def _fast_row_overload(logits, t, top_k, rsf, candidates, packed, top_keys, top_ids, out_w,
+                       out_ids):
+    if logits.dtype == types.float32 and logits.layout == "C":
+        def fast(logits, t, top_k, rsf, candidates, packed, top_keys, top_ids, out_w, out_ids):
+            return _softmax_fast_row(logits[t], top_k, rsf, candidates, packed, top_keys,
+                                     top_ids, out_w, out_ids, t)
+        return fast
+
+    def converted(logits, t, top_k, rsf, candidates, packed, top_keys, top_ids, out_w, out_ids):
+        return False
+    return converted
+
+
 @_cpu_jit
 def _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group, top_k,
                  renormalize, rsf, row_start, row_stop, out_w, out_ids):
@@ -923,8 +1060,12 @@ def _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group,
     spread = np.full(1, np.nan, np.float32)
     lanes = np.empty(_LANES, np.int32)
     rank_logits = not sigmoid and not has_bias
+    fast = renormalize and num_groups == 1 and top_k <= _LANES and num_experts >= _LANES
     for t in range(row_start, row_stop):
         if rank_logits:
+            if fast and _fast_row(logits, t, top_k, rsf, candidates, packed, top_keys, top_ids,
+                                  out_w, out_ids):
+                continue
             _load_row(logits, t, table, x, keys, lanes)
             if _softmax_logit_row(x, keys, lanes, num_groups, topk_group, top_k, renormalize,
                                   rsf, scores, lane_sums, group_keys, kept, spread, candidates,

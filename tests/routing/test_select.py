@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from moeroute.config import PRESETS, RouterConfig
 from moeroute.routing import reference
+from moeroute.routing.reference import FLOAT32_MAX
 from moeroute.routing.select import select_experts
 
 WEIGHT_RTOL = 1e-6
@@ -181,6 +182,30 @@ def test_candidate_paths_match_reference(num_experts, top_k, levels):
         logits = rng.integers(0, levels, shape).astype(np.float32)
     for scoring in ("softmax", "sigmoid"):
         assert_matches_reference(logits, RouterConfig(num_experts, top_k, scoring))
+
+
+# float32 softmax rows with renormalize and no groups are ranked straight from the raw
+# logits; signed zeros, the finite extremes, infinities and NaNs (in the 16-logit blocks or
+# the tail) either rank as their clipped values there or send the row to the keyed path.
+@pytest.mark.parametrize("num_experts", [16, 17, 64, 70, 512])
+@pytest.mark.parametrize("top_k", [1, 10, 16])
+@pytest.mark.parametrize("palette", [
+    [-0.0, 0.0, 0.5, -1.0, 2.0],
+    [-0.0, 0.0, FLOAT32_MAX, -FLOAT32_MAX, 1.0],
+    [np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0, 1.0, -1.0],
+    [-np.inf, -FLOAT32_MAX, np.nan, -2.0],
+])
+def test_raw_logit_path_edge_values(num_experts, top_k, palette):
+    rng = rng_for("raw", num_experts, top_k, len(palette), palette[2])
+    logits = rng.choice(np.array(palette, np.float32), size=(64, num_experts))
+    logits[::3] += rng.standard_normal((len(logits[::3]), num_experts)).astype(np.float32)
+    config = RouterConfig(num_experts, top_k, "softmax", renormalize=True,
+                          routed_scaling_factor=1.5)
+    with np.errstate(invalid="ignore", over="ignore"):
+        weights, ids = select_experts(logits, config)
+        ref_weights, ref_ids = reference.select_experts(logits, config)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(weights, ref_weights, rtol=WEIGHT_RTOL, atol=1e-30)
 
 
 def test_equal_group_maxima_keep_the_lower_group():
