@@ -47,7 +47,7 @@ from moeroute.bindings.torch.moe import MoE  # noqa: E402
 HIDDEN, INTER, EXPERTS, TOP_K = 1024, 384, 64, 8
 TOKENS = (16, 512, 2048)
 #: Interleaved repetitions per size: enough for a stable median on a shared 2-core box.
-REPEATS = {16: 41, 512: 11, 2048: 7}
+REPEATS = {16: 41, 512: 11, 2048: 11}
 QUICK_REPEATS = {16: 9, 512: 3, 2048: 3}
 #: Warm-up passes of the stage split: compiles the Numba kernels, faults in the weights.
 WARMUP = 2
