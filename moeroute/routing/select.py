@@ -443,7 +443,8 @@ def _llvm_function(builder, name, return_type, argument_types):
 @intrinsic
 def _compress_at_least(typingctx, keys, start, cut, out, count):
     """Append to ``out[count:]`` the indices i in [start, start + 16) with keys[i] >= cut,
-    in ascending order; return the new count. Stores 16 lanes at ``out[count]``, so ``out``
+    in ascending order; return the new count. ``keys``: int32 keys with an int32 cut, or
+    float32 logits with a float32 cut (an ordered compare: NaN never passes). Stores 16 lanes at ``out[count]``, so ``out``
     needs 16 spare slots. One vector compare, compress and store (vpcompressd into a
     register, then a plain store: its memory form is slow on Zen 4)."""
     floats = _is_c_array(keys, types.float32) and cut == types.float32
@@ -459,7 +460,7 @@ def _compress_at_least(typingctx, keys, start, cut, out, count):
         i32 = ir.IntType(32)
         vector = ir.VectorType(i32, _LANES)
         mask_type = ir.VectorType(ir.IntType(1), _LANES)
-        if floats:  # ordered compare: a NaN never passes
+        if floats:
             values = ir.VectorType(ir.FloatType(), _LANES)
             source = builder.bitcast(builder.gep(keys_data, [start_value]), values.as_pointer())
             mask = builder.fcmp_ordered(">=", builder.load(source, align=4),
@@ -525,8 +526,7 @@ def _block_top2(typingctx, keys, start):
         vector = ir.VectorType(i32, _LANES)
         block = builder.load(builder.bitcast(builder.gep(data, [start_value]),
                                              vector.as_pointer()), align=4)
-        reduce_max = _llvm_function(builder, f"llvm.vector.reduce.smax.v{_LANES}i32", i32,
-                                    [vector])
+        reduce_max = _reduce_smax(builder)
         best = builder.call(reduce_max, [block])
         equal = builder.icmp_signed("==", block, _splat(builder, vector, best))
         mask_bits = ir.IntType(_LANES)
@@ -581,6 +581,50 @@ def _vector_smin(builder, a, b):
     return builder.select(builder.icmp_signed("<", a, b), a, b)
 
 
+def _vector_key_map(builder, bits):
+    """bits ^ ((bits >> 31) & 0x7FFFFFFF) on int32 lanes: float32 bits to an order key, and
+    back (the map is its own inverse)."""
+    ints = bits.type
+    i32 = ints.element
+    sign = builder.ashr(bits, _splat(builder, ints, ir.Constant(i32, 31)))
+    return builder.xor(bits, builder.and_(sign, _splat(builder, ints,
+                                                       ir.Constant(i32, int(_INT32_LOW31)))))
+
+
+def _lane_maxima_loop(builder, blocks, block_keys):
+    """Emit the loop over ``blocks`` 16-lane blocks; ``block_keys(index)`` builds block
+    ``index``'s int32 keys. Returns the per-lane maxima (_NO_KEY where there is no block)."""
+    ints = ir.VectorType(ir.IntType(32), _LANES)
+    (maxima,) = _block_loop(builder, blocks, [ir.Constant(ints, [int(_NO_KEY)] * _LANES)],
+                            lambda index, carried: [_vector_smax(builder, carried[0],
+                                                                 block_keys(index))])
+    return maxima
+
+
+def _kth_largest(builder, maxima, k):
+    """The k-th largest (1 <= k <= 16, counted with repeats) of 16 int32 lanes: the largest
+    lane with at least k lanes at or above it."""
+    ints = maxima.type
+    i32 = ints.element
+    at_least = ir.Constant(ints, [0] * _LANES)
+    for lane in range(_LANES):
+        other = _splat(builder, ints, builder.extract_element(maxima, ir.Constant(i32, lane)))
+        at_least = builder.sub(at_least, builder.sext(builder.icmp_signed(">=", other, maxima),
+                                                      ints))
+    if k.type.width != 32:
+        k = builder.trunc(k, i32) if k.type.width > 32 else builder.sext(k, i32)
+    enough = builder.icmp_signed(">=", at_least, _splat(builder, ints, k))
+    no_key = _splat(builder, ints, ir.Constant(i32, int(_NO_KEY)))
+    return builder.call(_reduce_smax(builder), [builder.select(enough, maxima, no_key)])
+
+
+def _reduce_smax(builder):
+    """LLVM's signed maximum over a 16-lane int32 vector."""
+    ints = ir.VectorType(ir.IntType(32), _LANES)
+    return _llvm_function(builder, f"llvm.vector.reduce.smax.v{_LANES}i32", ints.element,
+                          [ints])
+
+
 @intrinsic
 def _lane_maxima(typingctx, keys, lanes):
     """``lanes[l]`` = the largest of keys l, l + 16, l + 32, ... over the whole 16-key blocks
@@ -596,13 +640,8 @@ def _lane_maxima(typingctx, keys, lanes):
         base = builder.bitcast(keys_array.data, vector.as_pointer())
         blocks = builder.udiv(builder.extract_value(keys_array.shape, 0),
                               ir.Constant(ir.IntType(64), _LANES))
-
-        def step(index, carried):
-            block = builder.load(builder.gep(base, [index]), align=4)
-            return [_vector_smax(builder, carried[0], block)]
-
-        (maxima,) = _block_loop(builder, blocks, [ir.Constant(vector, [int(_NO_KEY)] * _LANES)],
-                                step)
+        maxima = _lane_maxima_loop(
+            builder, blocks, lambda index: builder.load(builder.gep(base, [index]), align=4))
         builder.store(maxima, builder.bitcast(lanes_data, vector.as_pointer()), align=4)
         return context.get_dummy_value()
 
@@ -631,32 +670,10 @@ def _raw_cut(typingctx, row, top_k):
         base = builder.bitcast(row_array.data, ints.as_pointer())
         blocks = builder.udiv(builder.extract_value(row_array.shape, 0),
                               ir.Constant(ir.IntType(64), _LANES))
-        low31 = _splat(builder, ints, ir.Constant(i32, int(_INT32_LOW31)))
-        shift = _splat(builder, ints, ir.Constant(i32, 31))
-
-        def step(index, carried):
-            bits = builder.load(builder.gep(base, [index]), align=4)
-            key = builder.xor(bits, builder.and_(builder.ashr(bits, shift), low31))
-            return [_vector_smax(builder, carried[0], key)]
-
-        (maxima,) = _block_loop(builder, blocks, [ir.Constant(ints, [int(_NO_KEY)] * _LANES)],
-                                step)
-        # at_least[l]: how many lane maxima are >= maxima[l]; the cut is the largest maximum
-        # with at least top_k of them.
-        at_least = ir.Constant(ints, [0] * _LANES)
-        for lane in range(_LANES):
-            other = _splat(builder, ints, builder.extract_element(maxima, ir.Constant(i32, lane)))
-            at_least = builder.sub(at_least, builder.sext(
-                builder.icmp_signed(">=", other, maxima), ints))
-        k = args[1]
-        if k.type.width != 32:
-            k = builder.trunc(k, i32) if k.type.width > 32 else builder.sext(k, i32)
-        enough = builder.icmp_signed(">=", at_least, _splat(builder, ints, k))
-        no_key = _splat(builder, ints, ir.Constant(i32, int(_NO_KEY)))
-        reduce_max = _llvm_function(builder, f"llvm.vector.reduce.smax.v{_LANES}i32", i32,
-                                    [ints])
-        cut = builder.call(reduce_max, [builder.select(enough, maxima, no_key)])
-        top = builder.call(reduce_max, [maxima])
+        maxima = _lane_maxima_loop(builder, blocks, lambda index: _vector_key_map(
+            builder, builder.load(builder.gep(base, [index]), align=4)))
+        cut = _kth_largest(builder, maxima, args[1])
+        top = builder.call(_reduce_smax(builder), [maxima])
         clean = builder.icmp_signed("<=", top, ir.Constant(i32, int(_KEY_POS_MAX)))
         return builder.select(clean, cut, ir.Constant(i32, int(_NO_KEY)))
 
@@ -686,27 +703,22 @@ def _logit_keys(typingctx, row, x, keys, lanes):
         keys_base = builder.bitcast(keys_data, ints.as_pointer())
         blocks = builder.udiv(builder.extract_value(row_array.shape, 0),
                               ir.Constant(ir.IntType(64), _LANES))
-        low31 = _splat(builder, ints, ir.Constant(i32, int(_INT32_LOW31)))
         lowest = _splat(builder, ints, ir.Constant(i32, int(_KEY_NEG_MAX)))
         highest = _splat(builder, ints, ir.Constant(i32, int(_KEY_POS_MAX)))
 
-        def step(index, carried):
+        def block_keys(index):
             value = builder.load(builder.gep(row_base, [index]), align=4)
             # + 0 turns -0 into +0; the key map is its own inverse.
             bits = builder.bitcast(builder.fadd(value, ir.Constant(floats, [0.0] * _LANES)), ints)
-            key = builder.xor(bits, builder.and_(builder.ashr(bits, _splat(
-                builder, ints, ir.Constant(i32, 31))), low31))
-            key = _vector_smin(builder, _vector_smax(builder, key, lowest), highest)
+            key = _vector_smin(builder, _vector_smax(builder, _vector_key_map(builder, bits),
+                                                     lowest), highest)
             key = builder.select(builder.fcmp_unordered("uno", value, value), lowest, key)
             builder.store(key, builder.gep(keys_base, [index]), align=4)
-            clipped = builder.xor(key, builder.and_(builder.ashr(key, _splat(
-                builder, ints, ir.Constant(i32, 31))), low31))
-            builder.store(builder.bitcast(clipped, floats), builder.gep(x_base, [index]),
-                          align=4)
-            return [_vector_smax(builder, carried[0], key)]
+            builder.store(builder.bitcast(_vector_key_map(builder, key), floats),
+                          builder.gep(x_base, [index]), align=4)
+            return key
 
-        (maxima,) = _block_loop(builder, blocks, [ir.Constant(ints, [int(_NO_KEY)] * _LANES)],
-                                step)
+        maxima = _lane_maxima_loop(builder, blocks, block_keys)
         builder.store(maxima, builder.bitcast(lanes_data, ints.as_pointer()), align=4)
         return context.get_dummy_value()
 
@@ -750,19 +762,21 @@ def _count_above(typingctx, packed, block, against, ranks):
 _COUNTED_BLOCKS = 2
 
 
-@_cpu_inline
-def _lane_cut(lanes, top_k, packed, places):
+@intrinsic
+def _lane_cut(typingctx, lanes, top_k):
     """A cut with at least ``top_k`` keys at or above it (``top_k`` <= 16): the top_k-th
-    largest of the 16 lane maxima, which are 16 distinct keys of the row."""
-    for lane in range(_LANES):
-        packed[lane] = (np.int64(lanes[lane]) << 32) | (_PACK_LOW31 - lane)
-        places[lane] = 0
-    _count_above(packed, 0, 0, places)
-    cut = _NO_KEY
-    for lane in range(_LANES):
-        if places[lane] == top_k - 1:
-            cut = lanes[lane]
-    return cut
+    largest of the 16 lane maxima ``lanes`` (16 distinct keys of the row)."""
+    if not (_is_c_array(lanes, types.int32) and isinstance(top_k, types.Integer)):
+        return None
+    signature = types.int32(lanes, top_k)
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+        ints = ir.VectorType(ir.IntType(32), _LANES)
+        maxima = builder.load(builder.bitcast(data, ints.as_pointer()), align=4)
+        return _kth_largest(builder, maxima, args[1])
+
+    return signature, codegen
 
 
 @_cpu_inline
@@ -792,7 +806,7 @@ def _top_k(keys, lanes, lanes_ready, top_k, spread, candidates, packed, top_keys
     if top_k <= _LANES and keys.shape[0] >= _LANES:
         if not lanes_ready:
             _lane_maxima(keys, lanes)
-        count = _collect(keys, _lane_cut(lanes, top_k, packed, candidates), candidates)
+        count = _collect(keys, _lane_cut(lanes, top_k), candidates)
     else:
         best = _NO_KEY
         for i in range(keys.shape[0]):
