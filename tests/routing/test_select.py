@@ -11,7 +11,7 @@ import zlib
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from moeroute.config import PRESETS, RouterConfig
@@ -404,8 +404,15 @@ def routing_problems(draw):
     return config, logits, bias
 
 
+# A bias can pick an expert whose score is ~6e-16: its renormalized weight is then
+# s / (s + 1e-20) = 0.99998, not 1 (SPEC section 1, rule 5).
+_TINY_PICK = (RouterConfig(2, 1, "softmax", renormalize=True),
+              np.array([[-19.0, 16.0]], np.float32), np.array([1.0, 0.0], np.float32))
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(routing_problems())
+@example(_TINY_PICK)
 def test_properties(problem):
     config, logits, bias = problem
     weights, ids = select_experts(logits, config, bias)
@@ -413,16 +420,17 @@ def test_properties(problem):
     assert ((ids >= 0) & (ids < config.num_experts)).all()
     assert all(len(set(row)) == config.top_k for row in ids.tolist())
     assert np.isfinite(weights).all() and (weights >= 0).all()
-    if config.renormalize and logits.shape[0]:
-        np.testing.assert_allclose(weights.sum(axis=1, dtype=np.float64),
-                                   config.routed_scaling_factor, rtol=1e-5)
-    # Columns are ordered by choice (score + bias), descending.
     x = logits.astype(np.float64)
     if config.scoring == "sigmoid":
         scores = 1.0 / (1.0 + np.exp(-x))
     else:
         e = np.exp(x - x.max(axis=1, keepdims=True)) if x.size else x
         scores = e / e.sum(axis=1, keepdims=True) if x.size else x
+    if config.renormalize and logits.shape[0]:
+        picked_scores = np.take_along_axis(scores, ids.astype(np.int64), axis=1).sum(axis=1)
+        expected = config.routed_scaling_factor * picked_scores / (picked_scores + 1e-20)
+        np.testing.assert_allclose(weights.sum(axis=1, dtype=np.float64), expected, rtol=1e-5)
+    # Columns are ordered by choice (score + bias), descending.
     choice = scores if bias is None else scores + bias
     picked = np.take_along_axis(choice, ids.astype(np.int64), axis=1)
     slack = 1e-6 * np.maximum(np.abs(picked[:, 1:]), 1e-3)
