@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeroute.bindings.torch import arrays
+from moeroute.bindings.torch import arrays, ops
 from moeroute.bindings.torch.dispatch import Dispatcher, LocalDispatcher
 from moeroute.bindings.torch.experts import (
     SUPPORTED_DTYPES,
@@ -218,6 +218,8 @@ class MoE(nn.Module):
         device=None,
     ) -> None:
         super().__init__()
+        # The key by which torch.ops.moeroute.moe_forward finds this layer (see forward).
+        self.layer_key = ops.register_layer(self)
         if not isinstance(router, RouterConfig):
             raise TypeError(f"router must be a moeroute RouterConfig, got {type(router).__name__}")
         hidden_size = _positive_int("hidden_size", hidden_size)
@@ -441,8 +443,26 @@ class MoE(nn.Module):
         out = self.shared_experts(hidden_states)
         return out if gate is None else gate * out
 
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        # A copy (copy.deepcopy, pickle) is a layer of its own: moe_forward must find it,
+        # not the module it was copied from.
+        self.layer_key = ops.register_layer(self)
+
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the layer.
+        """Run the layer as one opaque op, ``torch.ops.moeroute.moe_forward``.
+
+        torch.compile and torch.export see the op and its fake (an empty tensor of the
+        input's shape and dtype), never the kernels behind it; the op calls `forward_impl`.
+        Parameters, result and errors are those of `forward_impl`; the inputs are checked
+        here, before the op.
+        """
+        self._check_forward_inputs(hidden_states, router_logits)
+        self._check_inference(hidden_states, router_logits)
+        return torch.ops.moeroute.moe_forward(hidden_states, router_logits, self.layer_key)
+
+    def forward_impl(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the layer (eagerly: the body of ``torch.ops.moeroute.moe_forward``).
 
         Parameters
         ----------

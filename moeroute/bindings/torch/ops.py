@@ -1,0 +1,396 @@
+"""The pipeline as torch custom ops: ``torch.ops.moeroute.*``, each with a fake (meta) kernel.
+
+torch.compile, torch.export and CUDA graphs see each op as one opaque call whose output
+shapes come from its fake kernel; nothing inside (NumPy views of tensors, Numba and CuPy
+launches, oneDNN linears) is traced.
+
+===============================================  =============================================
+``select_experts(logits, top_k, scoring,         Top-k routing (SPEC section 1). logits [T, N]
+num_expert_group, topk_group, renormalize,       float32; correction_bias [N] float32 or None.
+routed_scaling_factor, correction_bias)``        -> (topk_weights [T, K] float32,
+                                                 topk_ids [T, K] int32).
+``append_shared_slots(topk_ids, topk_weights,    Fused shared slots appended (SPEC section 4);
+layout_key, home_rank, shared_weights,           the layout is found by `layout_key`.
+shared_weight)``                                 -> (ids [T, K+S'] int32, weights float32).
+``experts(hidden_states, w_gate_up, w_down,      The local experts' weighted sum (CPU: sort,
+topk_ids, topk_weights, activation, gemm)``      BLAS/oneDNN GEMMs, combine; CUDA: as
+                                                 ``fused_experts``). -> [T, H].
+``fused_experts(hidden_states, w_gate_up,        The CuPy grouped-GEMM path (CUDA tensors
+w_down, topk_weights, topk_ids, activation,      only; the fake kernel serves any device).
+apply_router_weight, block_size)``               -> [T, H].
+``moe_forward(hidden_states, router_logits,      One whole `moeroute.bindings.torch.MoE` layer,
+layer_key)``                                     found by `register_layer`'s key. -> shape and
+                                                 dtype of hidden_states.
+===============================================  =============================================
+
+Objects that are not tensors or scalars (an `ExpertLayout`, an `MoE` module) reach the ops
+through a string key: `layout_key` and `register_layer` keep weak references, so a key
+lives as long as its object and a compiled graph holds only the string. The plain Python
+wrappers `select_experts` and `append_shared_slots` below take the config objects and
+call the ops.
+
+None of the ops has an autograd formula: the pipeline is inference-only.
+"""
+
+import itertools
+import weakref
+from typing import Optional
+
+import torch
+
+from moeroute.bindings.torch import arrays
+from moeroute.bindings.torch.experts import (
+    GEMM_STRATEGIES,
+    SUPPORTED_DTYPES,
+    check_activation,
+    choose_gemm,
+    onednn_linear_serves,
+    padded_expert_mlp,
+    streamed_expert_mlp,
+)
+from moeroute.config import RouterConfig
+from moeroute.layout import ExpertLayout
+
+__all__ = [
+    "NAMESPACE",
+    "OPS",
+    "layout_key",
+    "register_layer",
+    "registered_layer",
+    "select_experts",
+    "append_shared_slots",
+]
+
+#: The torch.library namespace: the ops are ``torch.ops.moeroute.<name>``.
+NAMESPACE = "moeroute"
+
+# ------------------------------------------------------------------ registries
+
+_LAYOUTS: "weakref.WeakValueDictionary[str, ExpertLayout]" = weakref.WeakValueDictionary()
+_LAYOUT_KEYS: "weakref.WeakKeyDictionary[ExpertLayout, str]" = weakref.WeakKeyDictionary()
+_LAYOUT_COUNTER = itertools.count()
+_LAYERS: "weakref.WeakValueDictionary[str, torch.nn.Module]" = weakref.WeakValueDictionary()
+_LAYER_COUNTER = itertools.count()
+
+
+def layout_key(layout: ExpertLayout) -> str:
+    """The string that names ``layout`` in ``torch.ops.moeroute.append_shared_slots``.
+
+    Equal layouts share one key. The registry holds the layout weakly: the key is valid
+    while the layout (or an equal one registered under it) is alive.
+
+    Raises
+    ------
+    TypeError
+        ``layout`` is not an ExpertLayout.
+    """
+    if not isinstance(layout, ExpertLayout):
+        raise TypeError(f"layout must be a moeroute ExpertLayout, got {type(layout).__name__}")
+    key = _LAYOUT_KEYS.get(layout)
+    if key is None or _LAYOUTS.get(key) is None:
+        key = f"layout.{next(_LAYOUT_COUNTER)}"
+        _LAYOUT_KEYS[layout] = key
+        _LAYOUTS[key] = layout
+    return key
+
+
+def _registered_layout(key: str) -> ExpertLayout:
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        raise ValueError(f"layout_key={key!r} names no live ExpertLayout; get keys from "
+                         "moeroute.bindings.torch.ops.layout_key(layout) in this process")
+    return layout
+
+
+def register_layer(module: torch.nn.Module) -> str:
+    """Register ``module`` for ``torch.ops.moeroute.moe_forward``; returns its new key.
+
+    The op calls ``module.forward_impl(hidden_states, router_logits)``. Keys are
+    ``"moe.<n>"`` in construction order; the registry holds the module weakly.
+    """
+    key = f"moe.{next(_LAYER_COUNTER)}"
+    _LAYERS[key] = module
+    return key
+
+
+def registered_layer(key: str) -> torch.nn.Module:
+    """The live module registered under ``key``.
+
+    Raises
+    ------
+    ValueError
+        No live module has that key (it was garbage-collected, or the key comes from
+        another process: an exported program runs only where its layers exist).
+    """
+    module = _LAYERS.get(key)
+    if module is None:
+        raise ValueError(f"layer_key={key!r} names no live moeroute layer; the MoE module was deleted "
+                         "or built in another process (moe_forward runs only where its layer exists)")
+    return module
+
+
+def _static_int(value) -> bool:
+    # Fake kernels validate what is known at trace time; symbolic sizes are checked when run.
+    return isinstance(value, int)
+
+
+# ------------------------------------------------------------------ select_experts
+
+def _check_logits(logits: torch.Tensor) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [T, N], got shape {tuple(logits.shape)}")
+
+
+def _router(num_experts, top_k, scoring, num_expert_group, topk_group, renormalize,
+            routed_scaling_factor) -> RouterConfig:
+    return RouterConfig(num_experts, top_k, scoring, num_expert_group, topk_group, renormalize,
+                        routed_scaling_factor)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::select_experts", mutates_args=())
+def _select_experts_op(
+    logits: torch.Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    num_expert_group: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+    correction_bias: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_logits(logits)
+    router = _router(logits.shape[1], top_k, scoring, num_expert_group, topk_group, renormalize,
+                     routed_scaling_factor)
+    return arrays.select_experts(logits, router, correction_bias)
+
+
+@_select_experts_op.register_fake
+def _(logits, top_k, scoring="softmax", num_expert_group=1, topk_group=1, renormalize=True,
+      routed_scaling_factor=1.0, correction_bias=None):
+    _check_logits(logits)
+    if _static_int(logits.shape[1]):
+        _router(logits.shape[1], top_k, scoring, num_expert_group, topk_group, renormalize,
+                routed_scaling_factor)
+    shape = (logits.shape[0], top_k)
+    return (logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int32))
+
+
+def select_experts(logits: torch.Tensor, router: RouterConfig,
+                   correction_bias: Optional[torch.Tensor] = None):
+    """``torch.ops.moeroute.select_experts`` with a `RouterConfig`.
+
+    Parameters
+    ----------
+    logits : Tensor [T, N] float32, CPU or CUDA
+    router : RouterConfig (N = router.num_experts)
+    correction_bias : Tensor [N] float32, optional
+
+    Returns
+    -------
+    topk_weights : Tensor [T, K] float32
+    topk_ids : Tensor [T, K] int32
+
+    Raises
+    ------
+    TypeError
+        ``router`` is not a RouterConfig.
+    ValueError
+        ``logits`` is not [T, router.num_experts], or as `moeroute.select_experts`.
+    """
+    if not isinstance(router, RouterConfig):
+        raise TypeError(f"router must be a moeroute RouterConfig, got {type(router).__name__}")
+    if logits.dim() != 2 or logits.shape[1] != router.num_experts:
+        raise ValueError(f"logits must be [T, N={router.num_experts}], got shape {tuple(logits.shape)}")
+    return torch.ops.moeroute.select_experts(
+        logits, router.top_k, router.scoring, router.num_expert_group, router.topk_group,
+        router.renormalize, float(router.routed_scaling_factor), correction_bias)
+
+
+# ------------------------------------------------------------------ append_shared_slots
+
+def _appended_slots(layout: ExpertLayout) -> int:
+    return layout.num_shared_experts if layout.shared == "fused" else 0
+
+
+@torch.library.custom_op(f"{NAMESPACE}::append_shared_slots", mutates_args=())
+def _append_shared_slots_op(
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    layout_key: str,
+    home_rank: int = 0,
+    shared_weights: Optional[torch.Tensor] = None,
+    shared_weight: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if shared_weights is not None and shared_weight is not None:
+        raise ValueError("pass the shared slot weight as shared_weights (a tensor) or shared_weight "
+                         "(a float), not both")
+    layout = _registered_layout(layout_key)
+    shared = shared_weights if shared_weights is not None else shared_weight
+    return arrays.append_shared_slots(topk_ids, topk_weights, layout, home_rank, shared)
+
+
+@_append_shared_slots_op.register_fake
+def _(topk_ids, topk_weights, layout_key, home_rank=0, shared_weights=None, shared_weight=None):
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be 2-D [T, K], got shape {tuple(topk_ids.shape)}")
+    slots = _appended_slots(_registered_layout(layout_key))
+    shape = (topk_ids.shape[0], topk_ids.shape[1] + slots)
+    return (topk_ids.new_empty(shape, dtype=torch.int32), topk_ids.new_empty(shape, dtype=torch.float32))
+
+
+def append_shared_slots(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout,
+                        home_rank: int = 0, shared_weights=None):
+    """``torch.ops.moeroute.append_shared_slots`` with an `ExpertLayout`.
+
+    Parameters
+    ----------
+    topk_ids : Tensor [T, K] int32, logical routed ids
+    topk_weights : Tensor [T, K] float32
+    layout : ExpertLayout
+    home_rank : int
+    shared_weights : None, float, or Tensor [T] / [T, 1] / [T, S] float32
+        ``layout.shared_slot_weight(gate, rsf)``.
+
+    Returns
+    -------
+    ids : Tensor [T, K + S'] int32, weights : Tensor [T, K + S'] float32
+        S' = S when the layout fuses the shared expert, else 0.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As `moeroute.append_shared_slots`.
+    """
+    key = layout_key(layout)
+    if isinstance(shared_weights, torch.Tensor):
+        return torch.ops.moeroute.append_shared_slots(topk_ids, topk_weights, key, home_rank,
+                                                      shared_weights.to(torch.float32), None)
+    scalar = None if shared_weights is None else float(shared_weights)
+    return torch.ops.moeroute.append_shared_slots(topk_ids, topk_weights, key, home_rank, None, scalar)
+
+
+# ------------------------------------------------------------------ experts
+
+def _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm):
+    check_activation(activation)
+    if gemm not in GEMM_STRATEGIES:
+        raise ValueError(f"gemm={gemm!r} is not a GEMM strategy; use one of {GEMM_STRATEGIES}")
+    if hidden_states.dim() != 2:
+        raise ValueError(f"hidden_states must be 2-D [T, H], got shape {tuple(hidden_states.shape)}")
+    if hidden_states.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"hidden_states has dtype {hidden_states.dtype}; use one of {SUPPORTED_DTYPES}")
+    num_tokens, hidden = hidden_states.shape
+    if w_gate_up.dim() != 3 or w_gate_up.shape[2] != hidden or w_gate_up.shape[1] % 2:
+        raise ValueError(f"w_gate_up must be [L, 2I, H={hidden}], got shape {tuple(w_gate_up.shape)}")
+    num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    if tuple(w_down.shape) != (num_experts, hidden, inter):
+        raise ValueError(f"w_down must be [L, H, I] = {[num_experts, hidden, inter]}, got shape "
+                         f"{tuple(w_down.shape)}")
+    for name, weight in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if weight.dtype != hidden_states.dtype:
+            raise ValueError(f"{name} has dtype {weight.dtype}, hidden_states {hidden_states.dtype}; "
+                             "they must match")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens or topk_ids.dtype != torch.int32:
+        raise ValueError(f"topk_ids must be int32 [T={num_tokens}, K], got {topk_ids.dtype} of shape "
+                         f"{tuple(topk_ids.shape)}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape) or topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_weights must be float32 of the shape of topk_ids {tuple(topk_ids.shape)}, "
+                         f"got {topk_weights.dtype} of shape {tuple(topk_weights.shape)}")
+
+
+@torch.library.custom_op(f"{NAMESPACE}::experts", mutates_args=())
+def _experts_op(
+    hidden_states: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    activation: str = "silu",
+    gemm: str = "auto",
+) -> torch.Tensor:
+    """``sum_k w[t, k] * expert_{ids[t, k]}(x_t)`` over the ids in [0, L); the others are
+    computed elsewhere and skipped. The CPU path of `LocalExperts` with plain weights."""
+    _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm)
+    if hidden_states.device.type == "cuda":
+        return torch.ops.moeroute.fused_experts(hidden_states.contiguous(), w_gate_up.contiguous(),
+                                                w_down.contiguous(), topk_weights.contiguous(),
+                                                topk_ids.contiguous(), activation)
+    num_experts = w_gate_up.shape[0]
+    sorted_slots, expert_offsets, inverse_index = arrays.sort_by_expert(topk_ids, num_experts)
+    offsets = expert_offsets.tolist()
+    strategy = gemm
+    if strategy == "auto":
+        strategy = choose_gemm([b - a for a, b in zip(offsets[:-1], offsets[1:])],
+                               onednn_linear_serves(w_gate_up.dtype))
+    if strategy == "loop":
+        return streamed_expert_mlp(hidden_states.contiguous(), sorted_slots, offsets, topk_weights,
+                                   w_gate_up, w_down, activation)
+    hidden_sorted, _, _ = arrays.permute(hidden_states, topk_ids, num_experts)
+    expert_out = padded_expert_mlp(hidden_sorted, offsets, w_gate_up, w_down, activation)
+    return arrays.combine(expert_out, inverse_index, topk_weights)
+
+
+@_experts_op.register_fake
+def _(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation="silu", gemm="auto"):
+    _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm)
+    return hidden_states.new_empty(hidden_states.shape)
+
+
+# ------------------------------------------------------------------ fused_experts (CUDA)
+
+@torch.library.custom_op(f"{NAMESPACE}::fused_experts", mutates_args=())
+def _fused_experts_op(
+    hidden_states: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    apply_router_weight: bool = True,
+    block_size: Optional[int] = None,
+) -> torch.Tensor:
+    """`moeroute.gpu.fused_experts` on torch CUDA tensors (it raises TypeError for others)."""
+    try:
+        from moeroute.gpu import fused_experts
+    except ImportError as error:  # CuPy missing: say what the CUDA path needs
+        raise RuntimeError(f"moeroute's CUDA expert GEMMs could not be imported ({error}); install the "
+                           "'cuda' extra (CuPy, numba-cuda)") from error
+    return fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation=activation,
+                         apply_router_weight=apply_router_weight, block_size=block_size)
+
+
+@_fused_experts_op.register_fake
+def _(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation="silu",
+      apply_router_weight=True, block_size=None):
+    _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, "auto")
+    return hidden_states.new_empty(hidden_states.shape)
+
+
+# ------------------------------------------------------------------ the whole layer
+
+@torch.library.custom_op(f"{NAMESPACE}::moe_forward", mutates_args=())
+def _moe_forward_op(hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor],
+                    layer_key: str) -> torch.Tensor:
+    """One MoE layer, run eagerly by the registered module's ``forward_impl``."""
+    out = registered_layer(layer_key).forward_impl(hidden_states, router_logits)
+    # A custom op's output must be a fresh, contiguous tensor (the fake promises one).
+    if not out.is_contiguous() or out.untyped_storage().data_ptr() == hidden_states.untyped_storage().data_ptr():
+        out = out.clone(memory_format=torch.contiguous_format)
+    return out
+
+
+@_moe_forward_op.register_fake
+def _(hidden_states, router_logits, layer_key):
+    registered_layer(layer_key)
+    return hidden_states.new_empty(hidden_states.shape)
+
+
+#: The registered ops by name (``OPS["select_experts"] is torch.ops.moeroute.select_experts``'s
+#: Python handle, for torch.library.opcheck and introspection).
+OPS = {
+    "select_experts": _select_experts_op,
+    "append_shared_slots": _append_shared_slots_op,
+    "experts": _experts_op,
+    "fused_experts": _fused_experts_op,
+    "moe_forward": _moe_forward_op,
+}

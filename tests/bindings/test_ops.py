@@ -1,0 +1,333 @@
+"""torch.ops.moeroute.*: values against the NumPy/torch references, torch.library.opcheck on
+every op, fake kernels, the key registries and the errors."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from moeroute.bindings.torch import ops
+from moeroute.bindings.torch.moe import MoE
+from moeroute.config import RouterConfig
+from moeroute.layout import ExpertLayout
+from moeroute.routing import reference
+
+H, I, N = 24, 16, 8
+FP32_ATOL = 1e-5  # float32 outputs of magnitude ~1: a few ulps of accumulation-order difference
+
+SOFTMAX = RouterConfig(N, 3, "softmax", renormalize=True, routed_scaling_factor=1.5)
+GROUPED = RouterConfig(16, 4, "sigmoid", num_expert_group=4, topk_group=2, renormalize=True,
+                       routed_scaling_factor=2.5)
+
+
+def _generator(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _opcheck(op, args, kwargs=None):
+    """opcheck's schema, fake-tensor and AOT-dispatch (dynamic shapes) checks all pass."""
+    results = torch.library.opcheck(op, args, kwargs)
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
+def test_ops_are_registered_in_the_moeroute_namespace():
+    for name in ("select_experts", "append_shared_slots", "experts", "fused_experts", "moe_forward"):
+        packet = getattr(torch.ops.moeroute, name)
+        assert packet.default._schema.name == f"moeroute::{name}"
+        assert ops.OPS[name]._qualname == f"moeroute::{name}"
+
+
+# ------------------------------------------------------------------ select_experts
+
+@pytest.mark.parametrize("router, with_bias", [(SOFTMAX, False), (GROUPED, True)])
+def test_select_experts_op_matches_reference(router, with_bias):
+    logits = torch.randn(11, router.num_experts, generator=_generator(1))
+    bias = torch.randn(router.num_experts, generator=_generator(2)) * 0.1 if with_bias else None
+    weights, ids = ops.select_experts(logits, router, bias)
+    expected_weights, expected_ids = reference.select_experts(
+        logits.numpy(), router, None if bias is None else bias.numpy())
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    np.testing.assert_array_equal(ids.numpy(), expected_ids)
+    np.testing.assert_allclose(weights.numpy(), expected_weights, rtol=1e-6, atol=1e-7)
+    args = (logits, router.top_k, router.scoring, router.num_expert_group, router.topk_group,
+            router.renormalize, float(router.routed_scaling_factor), bias)
+    _opcheck(ops.OPS["select_experts"], args)
+
+
+def test_select_experts_op_zero_tokens():
+    weights, ids = ops.select_experts(torch.empty(0, N), SOFTMAX)
+    assert tuple(ids.shape) == (0, SOFTMAX.top_k) and tuple(weights.shape) == (0, SOFTMAX.top_k)
+
+
+def test_select_experts_op_errors():
+    with pytest.raises(ValueError, match="logits must be 2-D"):
+        torch.ops.moeroute.select_experts(torch.zeros(N), 2)
+    with pytest.raises(ValueError, match="top_k=9"):
+        torch.ops.moeroute.select_experts(torch.zeros(3, N), 9)
+    with pytest.raises(ValueError, match=r"logits must be \[T, N=8\]"):
+        ops.select_experts(torch.zeros(3, 6), SOFTMAX)
+    with pytest.raises(TypeError, match="RouterConfig"):
+        ops.select_experts(torch.zeros(3, N), {"top_k": 2})
+    # The fake kernel refuses the same arguments at trace time.
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match="top_k=9"):
+        torch.ops.moeroute.select_experts(mode.from_tensor(torch.zeros(3, N)), 9)
+
+
+# ------------------------------------------------------------------ append_shared_slots
+
+def test_append_shared_slots_op_worked_example():
+    # SPEC section 2: N=8, S=1, E=2, all2all; a token from rank 1 routed to logical 4 and 7
+    # gets physical ids 5 and 8 and shared id 9.
+    layout = ExpertLayout(8, 1, ep_size=2, dispatch="all2all")
+    ids = torch.tensor([[4, 7]], dtype=torch.int32)
+    weights = torch.tensor([[0.6, 0.4]])
+    out_ids, out_weights = ops.append_shared_slots(ids, weights, layout, home_rank=1, shared_weights=0.5)
+    assert out_ids.tolist() == [[5, 8, 9]]
+    np.testing.assert_allclose(out_weights.numpy(), [[0.6, 0.4, 0.5]])
+
+
+@pytest.mark.parametrize("shared_weights", [None, 0.25, "tensor"])
+@pytest.mark.parametrize("layout_args", [dict(num_shared_experts=2), dict(num_shared_experts=0),
+                                         dict(num_shared_experts=1, num_redundant_experts=3)])
+def test_append_shared_slots_op_matches_reference(layout_args, shared_weights):
+    layout = ExpertLayout(N, **layout_args)
+    topk_weights, topk_ids = reference.select_experts(
+        torch.randn(9, N, generator=_generator(3)).numpy(), SOFTMAX)
+    gate = None
+    if shared_weights == "tensor":
+        gate = torch.rand(9, generator=_generator(4))
+        shared_weights = gate
+    ids, weights = ops.append_shared_slots(torch.from_numpy(topk_ids), torch.from_numpy(topk_weights),
+                                           layout, 0, shared_weights)
+    expected_ids, expected_weights = reference.append_shared_slots(
+        topk_ids, topk_weights, layout, 0, None if gate is None and shared_weights is None
+        else (gate.numpy() if gate is not None else shared_weights))
+    np.testing.assert_array_equal(ids.numpy(), expected_ids)
+    np.testing.assert_allclose(weights.numpy(), expected_weights, rtol=0, atol=0)
+    key = ops.layout_key(layout)
+    tensor_weights = gate if gate is not None else None
+    scalar_weight = shared_weights if isinstance(shared_weights, float) else None
+    _opcheck(ops.OPS["append_shared_slots"],
+             (torch.from_numpy(topk_ids), torch.from_numpy(topk_weights), key, 0, tensor_weights,
+              scalar_weight))
+
+
+def test_layout_keys_are_shared_by_equal_layouts_and_weak():
+    first = ExpertLayout(N, 1)
+    key = ops.layout_key(first)
+    assert ops.layout_key(ExpertLayout(N, 1)) == key
+    assert ops.layout_key(ExpertLayout(N, 2)) != key
+    del first
+    gc.collect()
+    with pytest.raises(ValueError, match="names no live ExpertLayout"):
+        torch.ops.moeroute.append_shared_slots(torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, 2),
+                                               key, 0, None, None)
+    with pytest.raises(TypeError, match="ExpertLayout"):
+        ops.layout_key("layout.0")
+
+
+def test_append_shared_slots_op_rejects_both_weight_forms():
+    key = ops.layout_key(layout := ExpertLayout(N, 1))
+    with pytest.raises(ValueError, match="not both"):
+        torch.ops.moeroute.append_shared_slots(torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, 2),
+                                               key, 0, torch.ones(1), 1.0)
+    assert layout.shared == "fused"
+
+
+# ------------------------------------------------------------------ experts (CPU)
+
+ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}
+
+
+def _expert_problem(seed, tokens=10, slots=3, experts=5, dtype=torch.float32):
+    generator = _generator(seed)
+    hidden = torch.randn(tokens, H, generator=generator).to(dtype)
+    w_gate_up = (torch.randn(experts, 2 * I, H, generator=generator) * 0.3).to(dtype)
+    w_down = (torch.randn(experts, H, I, generator=generator) * 0.3).to(dtype)
+    # Ids outside [0, experts) (another rank's) must be skipped.
+    ids = torch.randint(-1, experts + 1, (tokens, slots), generator=generator, dtype=torch.int32)
+    weights = torch.rand(tokens, slots, generator=generator)
+    return hidden, w_gate_up, w_down, ids, weights
+
+
+def _experts_reference(hidden, w_gate_up, w_down, ids, weights, activation="silu"):
+    """sum over the slots with a local id of w * down(act(gate x) * up x), float64."""
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    inter = w_down.shape[2]
+    for t in range(hidden.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if 0 <= e < w_gate_up.shape[0]:
+                h = w_gate_up[e].double() @ hidden[t].double()
+                y = w_down[e].double() @ (ACT[activation](h[:inter]) * h[inter:])
+                out[t] += float(weights[t, k]) * y
+    return out
+
+
+@pytest.mark.parametrize("gemm", ["auto", "loop", "padded"])
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_experts_op_matches_reference(gemm, activation):
+    args = _expert_problem(5)
+    out = torch.ops.moeroute.experts(*args, activation, gemm)
+    assert out.dtype == torch.float32 and tuple(out.shape) == (10, H)
+    torch.testing.assert_close(out.double(), _experts_reference(*args, activation), rtol=1e-5,
+                               atol=FP32_ATOL)
+    _opcheck(ops.OPS["experts"], (*args, activation, gemm))
+
+
+def test_experts_op_bfloat16():
+    args = _expert_problem(6, dtype=torch.bfloat16)
+    out = torch.ops.moeroute.experts(*args)
+    assert out.dtype == torch.bfloat16
+    expected = _experts_reference(*args)
+    # bfloat16 rounds the input, the intermediate and the output (8 significant bits).
+    assert ((out.double() - expected).norm() / expected.norm()).item() < 3e-2
+    _opcheck(ops.OPS["experts"], args)
+
+
+def test_experts_op_zero_tokens():
+    hidden, w_gate_up, w_down, ids, weights = _expert_problem(7)
+    out = torch.ops.moeroute.experts(hidden[:0], w_gate_up, w_down, ids[:0], weights[:0])
+    assert tuple(out.shape) == (0, H)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(hidden=torch.zeros(10, H + 1)), r"w_gate_up must be \[L, 2I, H=25\]"),
+    (dict(w_down=torch.zeros(5, H, I + 1)), r"w_down must be \[L, H, I\]"),
+    (dict(ids=torch.zeros(10, 3, dtype=torch.int64)), "topk_ids must be int32"),
+    (dict(weights=torch.zeros(10, 2)), "topk_weights must be float32 of the shape"),
+    (dict(w_gate_up=torch.zeros(5, 2 * I, H, dtype=torch.float64)), "dtype"),
+    (dict(activation="relu"), "activation='relu'"),
+    (dict(gemm="grouped"), "gemm='grouped'"),
+])
+def test_experts_op_errors(change, message):
+    hidden, w_gate_up, w_down, ids, weights = _expert_problem(8)
+    args = dict(hidden=hidden, w_gate_up=w_gate_up, w_down=w_down, ids=ids, weights=weights,
+                activation="silu", gemm="auto")
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        torch.ops.moeroute.experts(*args.values())
+    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(ValueError, match=message):
+        torch.ops.moeroute.experts(*args.values())
+
+
+# ------------------------------------------------------------------ fused_experts (CUDA)
+
+def _meta(*tensors):
+    return tuple(t.to("meta") for t in tensors)
+
+
+def test_fused_experts_op_schema_and_fake_on_meta_tensors():
+    hidden, w_gate_up, w_down, ids, weights = _expert_problem(9)
+    # Its real kernel needs CUDA; on the CPU its schema and fake kernel run on meta tensors.
+    args = (*_meta(hidden, w_gate_up, w_down, weights, ids), "silu", True, None)
+    _opcheck(ops.OPS["fused_experts"], args)
+    out = torch.ops.moeroute.fused_experts(*args)
+    assert out.device.type == "meta" and tuple(out.shape) == (10, H) and out.dtype == torch.float32
+    int64_ids = ids.long()
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match="topk_ids must be int32"):
+        torch.ops.moeroute.fused_experts(*(mode.from_tensor(t) for t in (hidden, w_gate_up, w_down, weights)),
+                                         mode.from_tensor(int64_ids))
+
+
+def test_fused_experts_op_refuses_cpu_tensors():
+    hidden, w_gate_up, w_down, ids, weights = _expert_problem(10)
+    pytest.importorskip("cupy")
+    with pytest.raises(TypeError, match="needs CUDA"):
+        torch.ops.moeroute.fused_experts(hidden, w_gate_up, w_down, weights, ids)
+
+
+@pytest.mark.gpu
+def test_fused_experts_op_matches_reference_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    args = _expert_problem(11)
+    hidden, w_gate_up, w_down, ids, weights = (t.cuda() for t in args)
+    out = torch.ops.moeroute.fused_experts(hidden, w_gate_up, w_down, weights, ids)
+    torch.testing.assert_close(out.double().cpu(), _experts_reference(*args), rtol=1e-4, atol=1e-4)
+    via_experts = torch.ops.moeroute.experts(hidden, w_gate_up, w_down, ids, weights)
+    torch.testing.assert_close(via_experts, out, rtol=0, atol=0)
+    _opcheck(ops.OPS["fused_experts"], (hidden, w_gate_up, w_down, weights, ids, "silu", True, None))
+
+
+# ------------------------------------------------------------------ moe_forward
+
+def _moe(seed=0, **kwargs):
+    module = MoE(SOFTMAX, H, I, **kwargs)
+    generator = _generator(seed)
+    with torch.no_grad():
+        module.router_weight.copy_(torch.randn(N, H, generator=generator))
+        module.load_routed_weights(torch.randn(N, 2 * I, H, generator=generator) * 0.3,
+                                   torch.randn(N, H, I, generator=generator) * 0.3)
+    return module
+
+
+def _moe_reference(module, x):
+    """The layer without a shared expert, in float64 from the reference routing."""
+    logits = F.linear(x, module.router_weight).float()
+    weights, ids = reference.select_experts(logits.numpy(), module.router)
+    return _experts_reference(x, module.experts.w_gate_up, module.experts.w_down,
+                              torch.from_numpy(ids), torch.from_numpy(weights))
+
+
+def test_moe_forward_is_the_op_and_matches_reference():
+    module = _moe()
+    x = torch.randn(2, 5, H, generator=_generator(12))
+    with torch.inference_mode():
+        out = module(x)
+        direct = torch.ops.moeroute.moe_forward(x, None, module.layer_key)
+        eager = module.forward_impl(x)
+    torch.testing.assert_close(out.double(), _moe_reference(module, x.reshape(-1, H)).reshape(x.shape),
+                               rtol=1e-5, atol=FP32_ATOL)
+    assert torch.equal(out, direct) and torch.equal(out, eager)
+    with torch.no_grad():
+        _opcheck(ops.OPS["moe_forward"], (x, None, module.layer_key))
+        logits = torch.randn(10, N, generator=_generator(13))
+        _opcheck(ops.OPS["moe_forward"], (x, logits, module.layer_key))
+
+
+def test_moe_forward_traced_graph_holds_only_the_op():
+    module = _moe(shared_experts=torch.nn.Linear(H, H, bias=False))
+    x = torch.randn(6, H, generator=_generator(14))
+    with torch.no_grad():
+        exported = torch.export.export(module, (x,))
+        targets = [node.target for node in exported.graph.nodes if node.op == "call_function"]
+        assert targets == [torch.ops.moeroute.moe_forward.default]
+        torch.testing.assert_close(exported.module()(x), module.forward_impl(x), rtol=0, atol=0)
+
+
+def test_layer_keys_are_unique_and_follow_copies():
+    module = _moe(1)
+    copied = copy.deepcopy(module)
+    assert copied.layer_key != module.layer_key
+    assert ops.registered_layer(copied.layer_key) is copied
+    with torch.no_grad():
+        copied.experts.w_down.mul_(2.0)
+        x = torch.randn(4, H, generator=_generator(15))
+        # The copy's op runs the copy: its outputs double, the original's do not.
+        torch.testing.assert_close(copied(x), 2.0 * module(x), rtol=1e-6, atol=1e-6)
+
+
+def test_moe_forward_unknown_layer_key():
+    module = _moe(2)
+    key = module.layer_key
+    del module
+    gc.collect()
+    with pytest.raises(ValueError, match=f"layer_key='{key}' names no live moeroute layer"):
+        torch.ops.moeroute.moe_forward(torch.zeros(2, H), None, key)
+
+
+def test_moe_forward_checks_inputs_before_the_op():
+    module = _moe(3)
+    with pytest.raises(TypeError, match="hidden_states must be a torch.Tensor"):
+        module([[0.0] * H])
+    with pytest.raises(ValueError, match="router_logits must be"):
+        module(torch.zeros(3, H), torch.zeros(3, N + 1))
+    with pytest.raises(RuntimeError, match="inference-only"):
+        module(torch.zeros(3, H, requires_grad=True))
