@@ -248,3 +248,30 @@ def test_replace_moe_blocks_keeps_logits(name):
 def test_replace_moe_blocks_rejects_non_module():
     with pytest.raises(TypeError, match="nn.Module"):
         replace_moe_blocks("model")
+
+
+# ------------------------------------------------------------------ module structure
+
+def test_moe_module_does_not_import_hf():
+    # Data flows one way: hf.py builds MoE (and attaches MoE.from_hf); moe.py never imports hf.
+    import ast
+    import inspect
+
+    import moeroute.bindings.torch.moe as moe_module
+
+    tree = ast.parse(inspect.getsource(moe_module))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not any(name and name.endswith(".hf") for name in imported), imported
+
+
+def test_from_hf_classmethod_builds_the_subclass_it_is_called_on():
+    class Tagged(MoE):
+        pass
+
+    block = _randomize(_qwen3_moe())
+    x = torch.randn(1, 7, H, generator=torch.Generator().manual_seed(5))
+    module = Tagged.from_hf(block)
+    assert type(module) is Tagged
+    with torch.no_grad():
+        assert rel_error(module(x), block(x)) < FP32_RTOL

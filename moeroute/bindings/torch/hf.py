@@ -115,7 +115,6 @@ def _reader_for(block: nn.Module):
     return None
 
 
-@torch.no_grad()
 def from_hf(block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str = "all2all",
             **kwargs) -> MoE:
     """A moeroute `MoE` computing what a transformers MoE block computes.
@@ -145,6 +144,14 @@ def from_hf(block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str
     ValueError, moeroute.layout.LayoutError
         As `MoE` (e.g. ``shared="fused"`` for a shared MLP that does not split into slots).
     """
+    return _build(MoE, block, ep_group=ep_group, shared=shared, dispatch=dispatch, **kwargs)
+
+
+@torch.no_grad()
+def _build(cls: type[MoE], block: nn.Module, ep_group=None, shared: str = "auto",
+           dispatch: str = "all2all", **kwargs) -> MoE:
+    """``MoE.from_hf(block, ep_group=None, shared="auto", dispatch="all2all", **kwargs)``:
+    `from_hf`, building an instance of the class it is called on (a subclass of `MoE`)."""
     reader = _reader_for(block) if isinstance(block, nn.Module) else None
     if reader is None:
         raise TypeError(f"block of type {type(block).__name__} is not a supported transformers MoE block; "
@@ -156,7 +163,7 @@ def from_hf(block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str
         raise ValueError(f"{type(block).__name__} routes over {fields['router'].num_experts} experts but "
                          f"holds {num_experts}; an expert-parallel transformers block cannot be read")
     bias = fields["correction_bias"]
-    module = MoE(
+    module = cls(
         fields["router"], hidden, two_inter // 2,
         shared_experts=fields["shared_experts"], shared_expert_gate=fields["shared_expert_gate"],
         shared=shared, ep_group=ep_group, dispatch=dispatch, activation=_activation(block),
@@ -168,6 +175,11 @@ def from_hf(block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str
         module.correction_bias = bias.detach().float()
     module.load_routed_weights(gate_up, down)
     return module
+
+
+# MoE.from_hf is attached here, beside the readers, so that moe.py never imports this module
+# (the data flows one way, hf -> moe); importing the torch adapter imports this module.
+MoE.from_hf = classmethod(_build)
 
 
 def replace_moe_blocks(model: nn.Module, **kwargs) -> int:

@@ -29,6 +29,11 @@ Where the weights live (all module parameters/buffers, ``requires_grad=False``):
 
 The module is inference-only: it runs under ``torch.no_grad()`` / ``torch.inference_mode()``
 and raises when gradients are requested.
+
+``forward`` is one opaque custom op, ``torch.ops.moeroute.moe_forward``
+(`moeroute.bindings.torch.ops`), whose body is ``forward_impl``: torch.compile and
+torch.export see the op, not the kernels. ``MoE.from_hf`` is attached by
+`moeroute.bindings.torch.hf`, which imports this module (never the other way round).
 """
 
 from __future__ import annotations
@@ -514,18 +519,3 @@ class MoE(nn.Module):
             shared_out = self._shared_output(x, gate)
         out = routed if shared_out is None else routed + shared_out
         return out.reshape(shape)
-
-    # ------------------------------------------------------------ construction
-
-    @classmethod
-    def from_hf(cls, block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str = "all2all",
-                **kwargs) -> MoE:
-        """Build the equivalent moeroute layer from a transformers MoE block.
-
-        Supported: DeepseekV3MoE (also Kimi-K2), Glm4MoeMoE, Qwen3_5MoeSparseMoeBlock,
-        Qwen3NextSparseMoeBlock, Qwen2MoeSparseMoeBlock, Qwen3MoeSparseMoeBlock,
-        MixtralSparseMoeBlock. See `moeroute.bindings.torch.hf.from_hf`.
-        """
-        from moeroute.bindings.torch.hf import from_hf
-
-        return from_hf(block, ep_group=ep_group, shared=shared, dispatch=dispatch, **kwargs)
