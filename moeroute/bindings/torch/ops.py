@@ -67,17 +67,30 @@ NAMESPACE = "moeroute"
 # ------------------------------------------------------------------ registries
 
 _LAYOUTS: "weakref.WeakValueDictionary[str, ExpertLayout]" = weakref.WeakValueDictionary()
-_LAYOUT_KEYS: "weakref.WeakKeyDictionary[ExpertLayout, str]" = weakref.WeakKeyDictionary()
 _LAYOUT_COUNTER = itertools.count()
+#: Attribute of a registered ExpertLayout that holds its key: compiled code reads it (and
+#: Dynamo guards on it) instead of looking the layout up in a weak dictionary.
+_LAYOUT_KEY_ATTRIBUTE = "_torch_op_key"
 _LAYERS: "weakref.WeakValueDictionary[str, torch.nn.Module]" = weakref.WeakValueDictionary()
 _LAYER_COUNTER = itertools.count()
+
+
+@torch.compiler.assume_constant_result
+def _register_layout(layout: ExpertLayout) -> str:
+    # Runs once per layout, eagerly even while Dynamo traces (the key becomes a constant).
+    key = getattr(layout, _LAYOUT_KEY_ATTRIBUTE, None)
+    if key is None:
+        key = f"layout.{next(_LAYOUT_COUNTER)}"
+        _LAYOUTS[key] = layout
+        object.__setattr__(layout, _LAYOUT_KEY_ATTRIBUTE, key)  # ExpertLayout is otherwise frozen
+    return key
 
 
 def layout_key(layout: ExpertLayout) -> str:
     """The string that names ``layout`` in ``torch.ops.moeroute.append_shared_slots``.
 
-    Equal layouts share one key. The registry holds the layout weakly: the key is valid
-    while the layout (or an equal one registered under it) is alive.
+    One key per layout object, the same on every call. The registry holds the layout
+    weakly: the key is valid while the layout is alive. Traceable by torch.compile.
 
     Raises
     ------
@@ -86,12 +99,8 @@ def layout_key(layout: ExpertLayout) -> str:
     """
     if not isinstance(layout, ExpertLayout):
         raise TypeError(f"layout must be a moeroute ExpertLayout, got {type(layout).__name__}")
-    key = _LAYOUT_KEYS.get(layout)
-    if key is None or _LAYOUTS.get(key) is None:
-        key = f"layout.{next(_LAYOUT_COUNTER)}"
-        _LAYOUT_KEYS[layout] = key
-        _LAYOUTS[key] = layout
-    return key
+    key = getattr(layout, _LAYOUT_KEY_ATTRIBUTE, None)
+    return _register_layout(layout) if key is None else key
 
 
 def _registered_layout(key: str) -> ExpertLayout:
