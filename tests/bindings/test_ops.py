@@ -117,6 +117,8 @@ def test_layout_keys_are_stable_per_layout_and_weak():
     key = ops.layout_key(first)
     assert ops.layout_key(first) == key
     assert ops.layout_key(ExpertLayout(N, 1)) != key
+    copied = copy.deepcopy(first)  # carries the original's key attribute: gets its own
+    assert ops.layout_key(copied) not in (key, None)
     del first
     gc.collect()
     with pytest.raises(ValueError, match="names no live ExpertLayout"):

@@ -79,7 +79,7 @@ _LAYER_COUNTER = itertools.count()
 def _register_layout(layout: ExpertLayout) -> str:
     # Runs once per layout, eagerly even while Dynamo traces (the key becomes a constant).
     key = getattr(layout, _LAYOUT_KEY_ATTRIBUTE, None)
-    if key is None:
+    if key is None or _LAYOUTS.get(key) is not layout:  # new, or a copy carrying its original's key
         key = f"layout.{next(_LAYOUT_COUNTER)}"
         _LAYOUTS[key] = layout
         object.__setattr__(layout, _LAYOUT_KEY_ATTRIBUTE, key)  # ExpertLayout is otherwise frozen
@@ -100,7 +100,9 @@ def layout_key(layout: ExpertLayout) -> str:
     if not isinstance(layout, ExpertLayout):
         raise TypeError(f"layout must be a moeroute ExpertLayout, got {type(layout).__name__}")
     key = getattr(layout, _LAYOUT_KEY_ATTRIBUTE, None)
-    return _register_layout(layout) if key is None else key
+    if key is None or (not torch.compiler.is_compiling() and _LAYOUTS.get(key) is not layout):
+        return _register_layout(layout)
+    return key
 
 
 def _registered_layout(key: str) -> ExpertLayout:
