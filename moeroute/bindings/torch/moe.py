@@ -261,9 +261,9 @@ class MoE(nn.Module):
         if ep_group is None:
             ep_size, rank, layout_dispatch = 1, 0, "none"
         else:
-            import torch.distributed as dist
+            from moeroute.bindings.ep import ep_group_size_and_rank
 
-            ep_size, rank, layout_dispatch = dist.get_world_size(ep_group), dist.get_rank(ep_group), dispatch
+            (ep_size, rank), layout_dispatch = ep_group_size_and_rank(ep_group), dispatch
         self.layout = ExpertLayout(
             router.num_experts, num_shared, ep_size=ep_size, dispatch=layout_dispatch, shared=shared,
             num_redundant_experts=num_redundant_experts, scaling_regime=scaling_regime,
@@ -304,9 +304,35 @@ class MoE(nn.Module):
         if ep_group is None:
             self.dispatcher: Dispatcher = LocalDispatcher(self.layout)
         else:
-            from moeroute.bindings.ep import make_dispatcher
+            from moeroute.bindings.ep import check_ranks_agree, make_dispatcher
 
+            # Once, here rather than on the first forward: a disagreement surfaces where the
+            # layers are built, and the forward stays free of extra collectives.
+            check_ranks_agree(self.ep_fingerprint(), ep_group, "the MoE layer")
             self.dispatcher = make_dispatcher(self.layout, ep_group, dispatch)
+
+    def ep_fingerprint(self) -> dict:
+        """The fields every rank of an expert-parallel group must agree on (plain values):
+        the layout, every router field, the sizes, dtypes, activation and the optional
+        parts. Exchanged once at construction with ``ep_group``."""
+        from moeroute.bindings.ep import layout_fingerprint
+
+        fields = layout_fingerprint(self.layout)
+        fields.update({f"router.{name}": value
+                       for name, value in dataclasses.asdict(self.router).items()})
+        fields.update({
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "routed_hidden_size": self.routed_hidden_size,
+            "dtype": str(self.experts.w_gate_up.dtype),
+            "router_dtype": str(self.router_weight.dtype),
+            "activation": self.activation,
+            "correction_bias": self.correction_bias is not None,
+            "shared_expert_gate": self.shared_expert_gate is not None,
+            "routed_input_transform": self.routed_input_transform is not None,
+            "routed_output_transform": self.routed_output_transform is not None,
+        })
+        return fields
 
     # ----------------------------------------------------------------- weights
 
