@@ -414,12 +414,17 @@ def accumulate_rows(out, rows, tokens, weights, *, raw_bf16=False):
     Raises
     ------
     TypeError
-        ``out`` not float32; ``rows`` of another dtype (see `combine`); ``tokens`` not
-        integer; ``weights`` not float32.
+        ``out`` not a float32 NumPy array; ``rows`` of another dtype (see `combine`);
+        ``tokens`` not integer; ``weights`` not float32.
     ValueError
-        Shapes that do not match; a token outside [0, T); ``out`` not C-contiguous.
+        Shapes that do not match; a token outside [0, T); ``out`` not C-contiguous or
+        read-only.
     """
-    out_array = np.asarray(out)
+    if not isinstance(out, np.ndarray):
+        # np.asarray would copy a list (or similar), and the sums would be lost with it.
+        raise TypeError(f"out must be a NumPy array (it is updated in place), got "
+                        f"{type(out).__name__}")
+    out_array = out
     rows = np.asarray(rows)
     tokens = np.asarray(tokens)
     weights = np.asarray(weights)
@@ -428,6 +433,9 @@ def accumulate_rows(out, rows, tokens, weights, *, raw_bf16=False):
                         f"with shape {out_array.shape}")
     if not out_array.flags.c_contiguous:
         raise ValueError("out must be C-contiguous (it is updated in place)")
+    if not out_array.flags.writeable:
+        raise ValueError("out is read-only (flags.writeable is False); pass a writable "
+                         "float32 array, it is updated in place")
     if rows.ndim != 2 or rows.shape[1] != out_array.shape[1]:
         raise ValueError(f"rows must be [R, {out_array.shape[1]}], got shape {rows.shape}")
     if tokens.shape != (rows.shape[0],) or weights.shape != (rows.shape[0],):

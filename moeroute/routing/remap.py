@@ -29,6 +29,8 @@ __all__ = ["logical_to_physical", "remap_to_local"]
 
 #: The replica hash is taken modulo 2**32 on every backend (uint32 arithmetic in engines).
 _HASH_MASK = 0xFFFFFFFF
+#: Largest local id: the output is int32.
+_LOCAL_ID_MAX = int(np.iinfo(np.int32).max)
 #: Layouts whose id tables are kept on the device; a process rarely uses more than a few.
 _DEVICE_TABLE_CACHE_SIZE = 32
 
@@ -47,6 +49,18 @@ def _check_expert_map_dtype(dtype, ndim) -> None:
         raise TypeError(f"expert_map must hold integers, got dtype {dtype}")
     if ndim != 1:
         raise ValueError(f"expert_map must be 1-D [num_physical_experts], got {ndim}-D")
+
+
+def _check_host_expert_map(table: np.ndarray) -> None:
+    """ValueError unless every entry is -1 or a local id that fits the int32 output."""
+    if table.size == 0 or table.dtype == np.int32 and int(table.min()) >= -1:
+        return
+    low, high = int(table.min()), int(table.max())
+    if low < -1 or high > _LOCAL_ID_MAX:
+        raise ValueError(
+            f"expert_map values must be -1 (not held) or local ids in [0, {_LOCAL_ID_MAX}] "
+            f"(int32), got values in [{low}, {high}]"
+        )
 
 
 # ------------------------------------------------------------------ shared scalar rule
@@ -219,8 +233,9 @@ def remap_to_local(ids, expert_map, *, stream=None):
     ids : array, any shape, integer
         Physical ids (NumPy any integer dtype; device int32/int64, C-contiguous).
     expert_map : int [num_physical_experts]
-        ``layout.expert_map(rank)``: local id or -1. A NumPy map with device ``ids`` is
-        copied to the device on every call; pass a device map to avoid that.
+        ``layout.expert_map(rank)``: local id or -1, each fitting int32 (a NumPy map of a
+        wider dtype is checked; a device map must be int32). A NumPy map with device
+        ``ids`` is copied to the device on every call; pass a device map to avoid that.
     stream : optional
         Device inputs only.
 
@@ -232,9 +247,11 @@ def remap_to_local(ids, expert_map, *, stream=None):
     Raises
     ------
     TypeError
-        Non-integer ``ids`` or ``expert_map``; a device ``expert_map`` with host ``ids``.
+        Non-integer ``ids`` or ``expert_map``; a device ``expert_map`` with host ``ids``
+        or of a dtype other than int32.
     ValueError
-        ``expert_map`` not 1-D; device ``ids`` not C-contiguous.
+        ``expert_map`` not 1-D or holding values outside [-1, 2**31 - 1] (they would wrap
+        to a held expert's id); device ``ids`` not C-contiguous.
     """
     if is_device_array(ids):
         return _remap_device(ids, expert_map, stream)
@@ -246,6 +263,7 @@ def remap_to_local(ids, expert_map, *, stream=None):
     host = _sort.host_ids("ids", ids, ndim=None)
     table = np.asarray(expert_map)
     _check_expert_map_dtype(table.dtype, table.ndim)
+    _check_host_expert_map(table)
     table = np.ascontiguousarray(table, dtype=np.int32)
     out = np.empty(host.shape, np.int32)
     _remap_cpu(host.reshape(-1), table, out.reshape(-1))
@@ -260,9 +278,14 @@ def _remap_device(ids, expert_map, stream):
     if is_device_array(expert_map):
         table = as_device_array(expert_map)
         _check_expert_map_dtype(table.dtype, table.ndim)
+        if table.dtype != np.int32:
+            # Wider values could not be checked against the int32 output without a sync.
+            raise TypeError(f"a device expert_map must be int32, got dtype {table.dtype}; "
+                            "layout.expert_map(rank) is int32")
     else:
         host_table = np.asarray(expert_map)
         _check_expert_map_dtype(host_table.dtype, host_table.ndim)
+        _check_host_expert_map(host_table)
         table = cuda.to_device(np.ascontiguousarray(host_table, dtype=np.int32),
                                stream=launch_stream)
     shape = tuple(view.shape)
