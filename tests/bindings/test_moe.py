@@ -121,13 +121,16 @@ def test_inference_only():
     x = torch.randn(4, H, requires_grad=True)
     with pytest.raises(RuntimeError, match="inference-only.*hidden_states"):
         module(x)
-    module.experts.w_down.requires_grad_(True)
-    with pytest.raises(RuntimeError, match="experts.w_down"):
-        module(x.detach())
+    with pytest.raises(RuntimeError, match="inference-only.*router_logits"):
+        module(x.detach(), torch.zeros(4, N, requires_grad=True))
     with torch.no_grad():
         no_grad_out = module(x)
     with torch.inference_mode():
         assert torch.equal(module(x), no_grad_out)
+    # Parameters that require grad do not ask for gradients: the layer runs as inference.
+    module.experts.w_down.requires_grad_(True)
+    out = module(x.detach())
+    assert not out.requires_grad and torch.equal(out, no_grad_out)
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -194,9 +194,18 @@ def replace_moe_blocks(model: nn.Module, **kwargs) -> int:
     ------
     TypeError
         ``model`` is not an nn.Module.
+    ValueError
+        ``model`` is itself a supported MoE block: a swap in place cannot replace the
+        caller's reference to it; use ``MoE.from_hf(block)`` (and assign the result).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if _reader_for(model) is not None:
+        raise ValueError(
+            f"model is itself a {type(model).__name__}, a supported MoE block: "
+            "replace_moe_blocks swaps the blocks inside a model and cannot replace your "
+            "reference to the block; build the layer with MoE.from_hf(block) instead"
+        )
     targets = [(name, module) for name, module in model.named_modules()
                if name and _reader_for(module) is not None]
     for name, block in targets:

@@ -27,13 +27,17 @@ Where the weights live (all module parameters/buffers, ``requires_grad=False``):
 * ``shared_experts`` / ``shared_expert_gate``: the given modules (runner and overlap); with
   fused, only the gate is kept and called.
 
-The module is inference-only: it runs under ``torch.no_grad()`` / ``torch.inference_mode()``
-and raises when gradients are requested.
+The module is inference-only, in every shared mode alike: its forward always runs without
+autograd (under ``torch.no_grad()``), whatever ``requires_grad`` its parameters carry (the
+shared MLP and gate taken from transformers keep theirs), and its output never requires grad.
+It raises a RuntimeError only when the caller asks for gradients: grad mode on and
+``hidden_states`` or ``router_logits`` requiring grad.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 
 import torch
@@ -130,6 +134,18 @@ def shared_mlp_slots(shared_experts: nn.Module, hidden_size: int, intermediate_s
         return 1, reason + ("" if reason.startswith("the shared") else
                             " (fusing needs a gated MLP with gate_proj/up_proj/down_proj)")
     return total // intermediate_size, None
+
+
+def _runs_as_inference(forward):
+    """Run ``forward`` under ``torch.no_grad()`` after `MoE._check_inference`: the layer is
+    inference-only whatever its parameters' ``requires_grad``."""
+    @functools.wraps(forward)
+    def run(self, hidden_states, router_logits=None):
+        self._check_inference(hidden_states, router_logits)
+        with torch.no_grad():
+            return forward(self, hidden_states, router_logits)
+
+    return run
 
 
 def _check_module(name: str, value) -> None:
@@ -441,16 +457,17 @@ class MoE(nn.Module):
                                  f"{router_logits.dtype} on {router_logits.device}")
 
     def _check_inference(self, hidden_states, router_logits) -> None:
+        # Only the caller's inputs can ask for gradients: parameters that require grad (as
+        # transformers leaves a shared MLP's) do not, so every shared mode behaves alike.
         if not torch.is_grad_enabled():
             return
-        wants_grad = hidden_states.requires_grad or (router_logits is not None and router_logits.requires_grad)
-        culprit = "hidden_states" if wants_grad else None
-        if culprit is None:
-            culprit = next((name for name, p in self.named_parameters() if p.requires_grad), None)
+        culprit = next((name for name, value in (("hidden_states", hidden_states),
+                                                  ("router_logits", router_logits))
+                        if getattr(value, "requires_grad", False)), None)
         if culprit is not None:
             raise RuntimeError(
                 f"moeroute MoE is inference-only, but gradients are requested ({culprit} requires grad); "
-                "run it under torch.no_grad() or torch.inference_mode(), or call requires_grad_(False)"
+                "run it under torch.no_grad() or torch.inference_mode(), or pass a detached tensor"
             )
 
     def compute_router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -467,8 +484,9 @@ class MoE(nn.Module):
         out = self.shared_experts(hidden_states)
         return out if gate is None else gate * out
 
+    @_runs_as_inference
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the layer.
+        """Run the layer (always without autograd: see the module docstring).
 
         Parameters
         ----------
@@ -486,10 +504,10 @@ class MoE(nn.Module):
         TypeError, ValueError
             Bad shapes, dtypes or devices (the message names the argument).
         RuntimeError
-            Gradients requested (inference only).
+            ``hidden_states`` or ``router_logits`` requires grad while grad mode is on
+            (inference only).
         """
         self._check_forward_inputs(hidden_states, router_logits)
-        self._check_inference(hidden_states, router_logits)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
         layout, rsf = self.layout, self.router.routed_scaling_factor
