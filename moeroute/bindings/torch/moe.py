@@ -359,8 +359,10 @@ class MoE(nn.Module):
         return [int(logical[p]) for p in range(start, start + count)]
 
     def pack_cpu_weights(self, enable: bool = True) -> "MoE":
-        """Keep oneDNN-packed copies of the expert weights for CPU forwards (opt-in: a
-        second copy of the expert weights in memory); see
+        """Pack the expert weights now into oneDNN copies for CPU forwards (opt-in: a
+        second copy of the expert weights in memory). Explicit: the copies are a snapshot;
+        re-pack after changing the weights (a change torch can see makes the next CPU
+        forward raise; a write through ``.data`` is not seen). See
         `moeroute.bindings.torch.LocalExperts.pack_cpu_weights`. Returns ``self``."""
         self.experts.pack_cpu_weights(enable)
         return self
