@@ -174,6 +174,8 @@ class MoE(nn.Module):
     ep_group : torch.distributed.ProcessGroup, optional
         Expert-parallel group; the module then holds only its rank's experts and dispatches
         through ``moeroute.bindings.ep.make_dispatcher``. None: one rank, no communication.
+        Construction with a group is a collective: the ranks exchange `ep_fingerprint`
+        once and must all agree.
     dispatch : {"all2all", "allgather"}
         Dispatch mode with ``ep_group``; without one nothing is dispatched (layout
         dispatch "none").
@@ -201,7 +203,11 @@ class MoE(nn.Module):
     Raises
     ------
     TypeError
-        ``router`` not a RouterConfig; a module argument that is not callable.
+        ``router`` not a RouterConfig; a module argument that is not callable; ``ep_group``
+        not a torch.distributed ProcessGroup.
+    moeroute.bindings.ep.RankMismatchError
+        With ``ep_group``: the ranks disagree on a field of `ep_fingerprint`; raised on
+        every rank with the same message naming each field and each rank's value.
     ValueError
         Sizes below 1; an unknown shared, dispatch, activation or scaling_regime; a shared
         gate without shared experts; an unsupported dtype or device.
