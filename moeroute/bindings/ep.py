@@ -194,9 +194,19 @@ def check_ranks_agree(fields: dict[str, Any], group: Any = None, what: str = "th
     RankMismatchError
         On every rank, with the same message: each field whose values differ, with every
         rank's value.
+    CollectiveError
+        A peer exited or did not join the exchange within the group's timeout.
     """
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, dict(fields), group=group)
+    world = dist.get_world_size(group)
+    gathered: list = [None] * world
+    try:
+        dist.all_gather_object(gathered, dict(fields), group=group)
+    except RuntimeError as error:
+        raise CollectiveError(
+            f"rank {dist.get_rank(group)} of {world}: the agreement check of {what} failed; a "
+            f"peer rank exited (perhaps failing to build its layer) or did not reach the check "
+            f"within the process group's timeout ({error})"
+        ) from error
     names = list(dict.fromkeys(name for rank_fields in gathered for name in rank_fields))
     missing = "<missing>"
     differing = {}

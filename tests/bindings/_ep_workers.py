@@ -743,6 +743,19 @@ def peer_failure_worker(rank, world_size, payload):
     ids, w = route(make_layer(0, 8, 8, 4, 1, False), x, 2, 1.0)
     phys, weights = reference.append_shared_slots(ids.numpy(), w.numpy(), layout, rank)
     dist.barrier()
+    if payload["failure"] == "build":  # rank 1 dies before the layer's agreement check
+        if rank == 1:
+            os._exit(0)
+        from moeroute.bindings.torch.moe import MoE
+        from moeroute.config import RouterConfig
+
+        start = time.monotonic()
+        try:
+            MoE(RouterConfig(8, 2), 8, 4, ep_group=dist.group.WORLD)
+        except Exception as error:  # the outcome under test
+            return dict(raised=type(error).__name__, message=str(error)[:300],
+                        elapsed=time.monotonic() - start)
+        return dict(raised=None, elapsed=time.monotonic() - start)
     if rank == 1:
         if payload["failure"] == "exit":
             os._exit(0)

@@ -242,13 +242,14 @@ def test_transfer_stats_add_and_report():
     assert total.as_dict()["total_bytes"] == 256
 
 
-@pytest.mark.parametrize("dispatch,failure", [("all2all", "exit"), ("allgather", "stall")])
+@pytest.mark.parametrize("dispatch,failure", [("all2all", "exit"), ("allgather", "stall"),
+                                              ("all2all", "build")])
 def test_dead_or_stalled_peer_raises_within_timeout(tmp_path, dispatch, failure):
     payload = {"dispatch": dispatch, "failure": failure, "stall_s": SHORT_TIMEOUT_S + 2}
     results = spawn_group("peer_failure", 3, tmp_path, payload, timeout_s=SHORT_TIMEOUT_S,
                           join_timeout_s=90)
     # The exiting rank leaves no result; the stalled one wakes after the others gave up.
-    assert results[1] == (None if failure == "exit" else "stalled")
+    assert results[1] == ("stalled" if failure == "stall" else None)
     for rank in (0, 2):
         outcome = results[rank]
         assert outcome is not None and outcome["raised"] == "CollectiveError", (rank, outcome)
