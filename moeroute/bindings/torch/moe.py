@@ -24,6 +24,10 @@ Where the weights live (all module parameters/buffers, ``requires_grad=False``):
   in the Hugging Face stacked layout, H' = the routed input size (H unless a
   routed_input_transform maps to a smaller latent size); with a fused shared expert the
   last S of the L experts are its slots, filled from ``shared_experts`` at construction.
+  Given ``expert_weights`` that are exactly these experts (one rank, no replicas, no fused
+  slots), the parameters share their memory instead of copying it.
+* Loading accepts the transformers names of the block this module replaces
+  (``_load_from_state_dict`` maps them).
 * ``shared_experts`` / ``shared_expert_gate``: the given modules (runner and overlap); with
   fused, only the gate is kept and called.
 
