@@ -232,6 +232,8 @@ def select_experts(logits, config, correction_bias=None, *, stream=None, out=Non
     bfloat16 = _arrays.is_bfloat16(logits)
     logits = _host_input("logits", logits)
     if correction_bias is not None and not _arrays.is_device_array(correction_bias):
+        if _arrays.is_bfloat16(correction_bias):  # its raw bits would read as uint16
+            raise ValueError("correction_bias dtype bfloat16 must be float32")
         correction_bias = _host_input("correction_bias", correction_bias)
     _validate(logits, config, correction_bias, on_device,
               dtype_name="bfloat16" if bfloat16 else None)

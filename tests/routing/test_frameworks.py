@@ -116,19 +116,25 @@ def test_select_experts_rejects_unsupported_inputs():
         moeroute.select_experts(torch.zeros(2, 32, dtype=torch.float64), config)
     with pytest.raises(ValueError, match="CPU tensor"):
         moeroute.select_experts(torch.zeros(2, 32, device="meta"), config)
+    with pytest.raises(ValueError, match="correction_bias dtype bfloat16 must be float32"):
+        moeroute.select_experts(torch.zeros(2, 32), config, torch.zeros(32, dtype=torch.bfloat16))
 
 
 # ------------------------------------------------------------------ out= buffers
 
 
-@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("framework", ["numpy", "torch", "torch-bfloat16"])
 def test_select_experts_writes_into_out_buffers(framework):
     config = ROUTERS["sigmoid-groups"]
     logits = _logits(TOKENS, config.num_experts, 3)
     bias = 0.1 * _logits(1, config.num_experts, 4)[0]
+    if framework == "torch-bfloat16":
+        logits = torch.from_numpy(logits).to(torch.bfloat16).float().numpy()  # exact upcast
     ref_w, ref_ids = reference.select_experts(logits, config, bias)
-    if framework == "torch":
+    if framework.startswith("torch"):
         logits, bias = torch.from_numpy(logits), torch.from_numpy(bias)
+        if framework == "torch-bfloat16":
+            logits = logits.to(torch.bfloat16)
         out = (torch.full((TOKENS, 3), -7.0), torch.full((TOKENS, 3), -7, dtype=torch.int32))
     else:
         out = (np.full((TOKENS, 3), -7.0, np.float32), np.full((TOKENS, 3), -7, np.int32))
