@@ -9,6 +9,10 @@ Outputs of a device call are allocated by the caller's framework (`device_empty`
 CuPy out; torch in, torch out; otherwise numba device arrays). This
 module never imports torch or CuPy: it only uses them when the caller's array already
 comes from them.
+
+Host inputs may also be CPU torch tensors: `host_array` views their memory as NumPy (no
+copy; bfloat16, which NumPy lacks, as its raw 16-bit pattern, never as NumPy floats) and
+`as_caller` hands the NumPy results back as torch tensors over the same memory.
 """
 
 from __future__ import annotations
@@ -18,6 +22,93 @@ import sys
 import numpy as np
 
 _DLPACK_CUDA_DEVICES = (2, 13)  # kDLCUDA, kDLCUDAManaged
+
+
+def torch_of(x):
+    """The torch module when ``x`` is a torch tensor, else None (torch is never imported)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return torch
+    return None
+
+
+def is_bfloat16(x) -> bool:
+    """True for a bfloat16 array of any framework (torch, CuPy/NumPy with ml_dtypes)."""
+    return str(getattr(x, "dtype", "")).rsplit(".", 1)[-1] == "bfloat16"
+
+
+def host_array(x):
+    """A NumPy view of a host input, without a copy.
+
+    Parameters
+    ----------
+    x : numpy.ndarray, CPU torch tensor, or anything ``np.asarray`` takes
+
+    Returns
+    -------
+    numpy.ndarray of ``x``'s shape. A CPU torch tensor is viewed through ``Tensor.numpy()``
+    (detached; no copy); a bfloat16 tensor comes back as its raw bit pattern (``uint16``),
+    never as NumPy floats: callers that accept bfloat16 check `is_bfloat16` on ``x``.
+    Other inputs go through ``np.asarray`` (NumPy arrays are returned as they are).
+
+    Raises
+    ------
+    ValueError
+        ``x`` is a torch tensor that is not on the CPU (device tensors take the device path).
+    """
+    if isinstance(x, np.ndarray):
+        return x
+    torch = torch_of(x)
+    if torch is None:
+        return np.asarray(x)
+    if x.device.type != "cpu":
+        raise ValueError(f"host_array needs a CPU tensor, got one on {x.device}")
+    x = x.detach()
+    if x.dtype == torch.bfloat16:
+        x = x.view(torch.uint16)
+    return x.resolve_conj().resolve_neg().numpy()
+
+
+def as_caller(result, template, bfloat16: bool = False):
+    """``result`` (a NumPy array or a Python scalar) in the framework of ``template``.
+
+    A torch ``template`` gives a CPU torch tensor over the same memory
+    (``torch.from_numpy``, no copy); ``bfloat16=True`` reinterprets a ``uint16`` result as
+    bfloat16 (the raw bits `host_array` produced). Any other template returns ``result``
+    as it is (NumPy in, NumPy out); scalars stay Python scalars.
+    """
+    torch = torch_of(template)
+    if torch is None or not isinstance(result, np.ndarray):
+        return result
+    tensor = torch.from_numpy(result)
+    return tensor.view(torch.bfloat16) if bfloat16 else tensor
+
+
+def device_bits16(x):
+    """A bfloat16 device array as its raw 16-bit pattern (int16 view, no copy): numba and
+    CuPy know no bfloat16 (torch describes it as ``<V2`` in the CUDA array interface)."""
+    torch = torch_of(x)
+    if torch is not None:
+        return x.view(torch.int16)
+    return x.view(np.int16)
+
+
+def from_device_bits16(array, template):
+    """Undo `device_bits16` on a result allocated like ``template``: torch results become
+    bfloat16 again (a view); other frameworks keep the int16 pattern (they have no bfloat16)."""
+    torch = torch_of(template)
+    if torch is not None and torch_of(array) is not None:
+        return array.view(torch.bfloat16)
+    return array
+
+
+def host_floats(x):
+    """`host_array` of a float input that the op reads as float32 (weights): a bfloat16
+    torch tensor is converted by torch (never through NumPy floats), others are viewed."""
+    torch = torch_of(x)
+    if torch is not None and x.dtype == torch.bfloat16:
+        x = x.detach().float()
+    return host_array(x)
 
 
 def simulator_enabled() -> bool:

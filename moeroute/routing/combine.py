@@ -17,8 +17,19 @@ import numpy as np
 from numba import njit, prange
 
 from moeroute.routing import _sort
-from moeroute.routing._arrays import as_device_array, device_empty, is_device_array, resolve_stream, \
-    simulator_enabled
+from moeroute.routing._arrays import (
+    as_caller,
+    as_device_array,
+    device_bits16,
+    device_empty,
+    from_device_bits16,
+    host_array,
+    host_floats,
+    is_bfloat16,
+    is_device_array,
+    resolve_stream,
+    simulator_enabled,
+)
 
 try:
     from numba import cuda
@@ -254,8 +265,10 @@ def combine(expert_out, inverse_index, topk_weights=None, *, raw_bf16=False, str
     Parameters
     ----------
     expert_out : array [M, H]
-        float32 or float16; with ``raw_bf16=True``, bfloat16 activations as their raw bit
-        patterns (uint16 or int16, e.g. ``tensor.view(torch.int16)``).
+        float32, float16 or (torch) bfloat16, NumPy, CPU torch or device; with
+        ``raw_bf16=True``, bfloat16 activations as their raw bit patterns (uint16 or int16,
+        e.g. ``tensor.view(torch.int16)``). The result has the framework, device and dtype
+        of ``expert_out``.
     inverse_index : int32 or int64 [T, K]
         Row of ``expert_out`` for each (token, slot); entries < 0 are skipped (the
         `sort_by_expert` / `permute` inverse index). On the host an entry >= M raises;
@@ -287,6 +300,9 @@ def combine(expert_out, inverse_index, topk_weights=None, *, raw_bf16=False, str
         ``inverse_index`` entry >= M; T*H above 2**31 - 1.
     """
     raw_bf16 = bool(raw_bf16)
+    # A bfloat16 array (torch) is read as its raw bits and answered in bfloat16.
+    bfloat16 = is_bfloat16(expert_out)
+    raw_bf16 = raw_bf16 or bfloat16
     on_device = is_device_array(expert_out)
     others = [a for a in (inverse_index, topk_weights) if a is not None]
     if any(is_device_array(a) != on_device for a in others):
@@ -294,10 +310,18 @@ def combine(expert_out, inverse_index, topk_weights=None, *, raw_bf16=False, str
             "expert_out, inverse_index and topk_weights must all be host (NumPy) arrays or "
             "all be device arrays")
     if on_device:
+        if bfloat16:
+            result = _combine_device(device_bits16(expert_out), inverse_index, topk_weights,
+                                     raw_bf16, stream)
+            return from_device_bits16(result, expert_out)
         return _combine_device(expert_out, inverse_index, topk_weights, raw_bf16, stream)
-    expert = np.asarray(expert_out)
-    index = np.asarray(inverse_index)
-    weights = None if topk_weights is None else np.asarray(topk_weights)
+    return as_caller(_combine_host(host_array(expert_out), host_array(inverse_index),
+                                   None if topk_weights is None else host_floats(topk_weights),
+                                   raw_bf16), expert_out, bfloat16=bfloat16)
+
+
+def _combine_host(expert, index, weights, raw_bf16):
+    """`combine` on NumPy arrays (bfloat16 as uint16 bits with ``raw_bf16``)."""
     _check_combine_args(expert.shape, expert.dtype, index.shape, index.dtype,
                         None if weights is None else weights.shape,
                         None if weights is None else weights.dtype, raw_bf16)

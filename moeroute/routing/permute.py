@@ -12,7 +12,17 @@ import numpy as np
 from numba import njit, prange
 
 from moeroute.routing import _sort
-from moeroute.routing._arrays import as_device_array, device_empty, is_device_array, resolve_stream
+from moeroute.routing._arrays import (
+    as_caller,
+    as_device_array,
+    device_bits16,
+    device_empty,
+    from_device_bits16,
+    host_array,
+    is_bfloat16,
+    is_device_array,
+    resolve_stream,
+)
 
 try:
     from numba import cuda
@@ -53,8 +63,9 @@ def sort_by_expert(topk_ids, num_experts, *, stream=None):
     Parameters
     ----------
     topk_ids : array [T, K], integer
-        NumPy (any integer dtype) or a device array (int32 or int64). Ids outside
-        ``[0, num_experts)`` (e.g. -1 for experts another rank holds) are dropped.
+        NumPy or CPU torch (any integer dtype) or a device array (int32 or int64). Ids
+        outside ``[0, num_experts)`` (e.g. -1 for experts another rank holds) are dropped.
+        Results come back in the framework and on the device of ``topk_ids``.
     num_experts : int
         >= 1.
     stream : optional
@@ -84,9 +95,9 @@ def sort_by_expert(topk_ids, num_experts, *, stream=None):
         sorted_slots, expert_offsets, inverse_index, _ = _sort_device(
             topk_ids, num_experts, stream)
         return sorted_slots, expert_offsets, inverse_index
-    ids = _sort.host_ids("topk_ids", topk_ids)
+    ids = _sort.host_ids("topk_ids", host_array(topk_ids))
     num_experts, _ = _check_sort_args(ids.shape, num_experts)
-    return _sort.sort_cpu(ids, num_experts)
+    return tuple(as_caller(a, topk_ids) for a in _sort.sort_cpu(ids, num_experts))
 
 
 def _sort_device(topk_ids, num_experts, stream):
@@ -111,8 +122,10 @@ def permute(hidden_states, topk_ids, num_experts, *, stream=None):
     Parameters
     ----------
     hidden_states : array [T, H], any dtype
-        Moved as raw bits: float32, float16, or bfloat16 as its uint16/int16 bit pattern.
-        Host and device inputs must not be mixed with ``topk_ids``.
+        Moved as raw bits: float32, float16, bfloat16 torch tensors, or bfloat16 as its
+        uint16/int16 bit pattern. Host (NumPy, CPU torch) and device inputs must not be
+        mixed with ``topk_ids``. ``permuted_hidden`` has the framework and dtype of
+        ``hidden_states``.
     topk_ids : array [T, K], integer
         As in `sort_by_expert`.
     num_experts : int
@@ -141,8 +154,9 @@ def permute(hidden_states, topk_ids, num_experts, *, stream=None):
         )
     if is_device_array(topk_ids):
         return _permute_device(hidden_states, topk_ids, num_experts, stream)
-    ids = _sort.host_ids("topk_ids", topk_ids)
-    hidden = np.asarray(hidden_states)
+    ids = _sort.host_ids("topk_ids", host_array(topk_ids))
+    # bfloat16 torch tensors arrive as their uint16 bits: the gather moves bits anyway.
+    hidden = host_array(hidden_states)
     _check_hidden_states(hidden.shape, ids.shape[0])
     num_experts, _ = _check_sort_args(ids.shape, num_experts)
     sorted_slots, expert_offsets, inverse_index = _sort.sort_cpu(ids, num_experts)
@@ -152,7 +166,8 @@ def permute(hidden_states, topk_ids, num_experts, *, stream=None):
         parallel = permuted.nbytes >= PARALLEL_GATHER_MIN_BYTES
         gather = _gather_rows_parallel if parallel else _gather_rows
         gather(source, sorted_slots, ids.shape[1], _as_bits(permuted))
-    return permuted, expert_offsets, inverse_index
+    return (as_caller(permuted, hidden_states, bfloat16=is_bfloat16(hidden_states)),
+            as_caller(expert_offsets, topk_ids), as_caller(inverse_index, topk_ids))
 
 
 def _as_bits(array: np.ndarray) -> np.ndarray:
@@ -176,6 +191,9 @@ def _gather_rows_parallel(source, sorted_slots, top_k, out):
 
 
 def _permute_device(hidden_states, topk_ids, num_experts, stream):
+    bfloat16 = is_bfloat16(hidden_states)
+    if bfloat16:  # moved as its 16-bit pattern
+        hidden_states = device_bits16(hidden_states)
     hidden_view = as_device_array(hidden_states)
     _check_hidden_states(hidden_view.shape, int(as_device_array(topk_ids).shape[0]))
     top_k = int(as_device_array(topk_ids).shape[1])
@@ -190,6 +208,8 @@ def _permute_device(hidden_states, topk_ids, num_experts, stream):
         blocks, threads = _sort.launch_config(kept * width)
         _gather_kernel()[blocks, threads, launch_stream](hidden_view, slots_view, top_k,
                                                         permuted_view)
+    if bfloat16:
+        permuted = from_device_bits16(permuted, hidden_states)
     return permuted, expert_offsets, inverse_index
 
 

@@ -18,7 +18,14 @@ from numba import njit
 
 from moeroute.layout import REPLICA_HASH_MULTIPLIER, ExpertLayout
 from moeroute.routing import _sort
-from moeroute.routing._arrays import as_device_array, device_empty, is_device_array, resolve_stream
+from moeroute.routing._arrays import (
+    as_caller,
+    as_device_array,
+    device_empty,
+    host_array,
+    is_device_array,
+    resolve_stream,
+)
 
 try:
     from numba import cuda
@@ -192,7 +199,8 @@ def logical_to_physical(topk_ids, layout, *, stream=None):
     Parameters
     ----------
     topk_ids : array [T, K], integer
-        Logical ids; NumPy (any integer dtype) or device (int32/int64).
+        Logical ids; NumPy or CPU torch (any integer dtype) or device (int32/int64).
+        The result is in the framework and on the device of ``topk_ids``.
     layout : moeroute.layout.ExpertLayout
     stream : optional
         Device inputs only; default: the current stream of the input's framework.
@@ -217,12 +225,12 @@ def logical_to_physical(topk_ids, layout, *, stream=None):
         out, out_view = device_empty(tuple(ids.shape), np.int32, topk_ids)
         launch_logical_to_physical(ids, layout, out_view, launch_stream)
         return out
-    ids = _sort.host_ids("topk_ids", topk_ids)
+    ids = _sort.host_ids("topk_ids", host_array(topk_ids))
     _sort.check_index_limit("topk_ids.shape[0]", ids.shape[0])
     out = np.empty(ids.shape, np.int32)
     logical_to_physical_cpu(ids, layout.num_routed_experts, layout.replica_offsets,
                             layout.replica_ids, layout.routed_id_map, out)
-    return out
+    return as_caller(out, topk_ids)
 
 
 def remap_to_local(ids, expert_map, *, stream=None):
@@ -231,7 +239,8 @@ def remap_to_local(ids, expert_map, *, stream=None):
     Parameters
     ----------
     ids : array, any shape, integer
-        Physical ids (NumPy any integer dtype; device int32/int64, C-contiguous).
+        Physical ids (NumPy or CPU torch, any integer dtype; device int32/int64,
+        C-contiguous). The result is in the framework and on the device of ``ids``.
     expert_map : int [num_physical_experts]
         ``layout.expert_map(rank)``: local id or -1, each fitting int32 (a NumPy map of a
         wider dtype is checked; a device map must be int32). A NumPy map with device
@@ -260,14 +269,14 @@ def remap_to_local(ids, expert_map, *, stream=None):
             "expert_map is a device array but ids are on the host; pass both on the "
             "device or both as NumPy arrays"
         )
-    host = _sort.host_ids("ids", ids, ndim=None)
-    table = np.asarray(expert_map)
+    host = _sort.host_ids("ids", host_array(ids), ndim=None)
+    table = host_array(expert_map)
     _check_expert_map_dtype(table.dtype, table.ndim)
     _check_host_expert_map(table)
     table = np.ascontiguousarray(table, dtype=np.int32)
     out = np.empty(host.shape, np.int32)
     _remap_cpu(host.reshape(-1), table, out.reshape(-1))
-    return out
+    return as_caller(out, ids)
 
 
 def _remap_device(ids, expert_map, stream):

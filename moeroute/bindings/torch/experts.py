@@ -327,6 +327,26 @@ def grouped_expert_mlp(
     return torch._grouped_mm(act, w_down.transpose(-2, -1), offs=ends)
 
 
+def _check_adopted_weights(weights, num_local_experts, hidden_size, intermediate_size):
+    """``weights`` as a (gate_up, down) pair of tensors of the expected shapes and one
+    supported dtype and device; ValueError/TypeError naming the mismatch otherwise."""
+    if not isinstance(weights, (tuple, list)) or len(weights) != 2 \
+            or not all(isinstance(w, torch.Tensor) for w in weights):
+        raise TypeError("weights must be a (w_gate_up, w_down) pair of tensors")
+    gate_up, down = weights
+    expected = ((num_local_experts, 2 * intermediate_size, hidden_size),
+                (num_local_experts, hidden_size, intermediate_size))
+    for name, tensor, shape in (("w_gate_up", gate_up, expected[0]), ("w_down", down, expected[1])):
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"weights {name} has shape {tuple(tensor.shape)}, expected {list(shape)}")
+    if gate_up.dtype != down.dtype or gate_up.device != down.device:
+        raise ValueError(f"weights must share one dtype and device, got {gate_up.dtype} on {gate_up.device} "
+                         f"and {down.dtype} on {down.device}")
+    if gate_up.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"weights dtype {gate_up.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    return gate_up, down
+
+
 class LocalExperts(nn.Module):
     """Stacked weights of the experts one rank holds, and their compute.
 
@@ -343,6 +363,10 @@ class LocalExperts(nn.Module):
     gemm : {"auto", "loop", "padded"}
         CPU expert-GEMM strategy; "auto" decides per call (`choose_gemm`).
     dtype, device : torch dtype and device of the weights.
+    weights : (Tensor [L, 2I, H], Tensor [L, H, I]), optional
+        Existing stacked weights to adopt: the parameters share their memory (no copy),
+        and dtype and device are theirs. E.g. a transformers experts module's
+        ``gate_up_proj`` / ``down_proj``, or a contiguous slice of them.
 
     Attributes
     ----------
@@ -357,12 +381,17 @@ class LocalExperts(nn.Module):
     """
 
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int,
-                 activation: str = "silu", *, gemm: str = "auto", dtype=None, device=None) -> None:
+                 activation: str = "silu", *, gemm: str = "auto", dtype=None, device=None,
+                 weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
         for name, value in (("num_local_experts", num_local_experts),
                             ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if weights is not None:
+            adopted = _check_adopted_weights(weights, num_local_experts, hidden_size,
+                                             intermediate_size)
+            dtype, device = adopted[0].dtype, adopted[0].device
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={dtype} is not supported; use one of {SUPPORTED_DTYPES}")
@@ -373,6 +402,15 @@ class LocalExperts(nn.Module):
         self.num_local_experts = num_local_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
+        #: Whether the CPU loop uses oneDNN-packed copies (`pack_cpu_weights`), and the
+        #: copies: (key of the weights they were made from, gate_up list, down list).
+        self.pack_cpu = False
+        self._packed = None
+        if weights is not None:
+            # Parameters over the given tensors' memory: no copy, no initialisation.
+            self.w_gate_up = nn.Parameter(adopted[0].detach(), requires_grad=False)
+            self.w_down = nn.Parameter(adopted[1].detach(), requires_grad=False)
+            return
         self.w_gate_up = nn.Parameter(
             torch.empty(num_local_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device),
             requires_grad=False,
@@ -381,10 +419,6 @@ class LocalExperts(nn.Module):
             torch.empty(num_local_experts, hidden_size, intermediate_size, dtype=dtype, device=device),
             requires_grad=False,
         )
-        #: Whether the CPU loop uses oneDNN-packed copies (`pack_cpu_weights`), and the
-        #: copies: (key of the weights they were made from, gate_up list, down list).
-        self.pack_cpu = False
-        self._packed = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

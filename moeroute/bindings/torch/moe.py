@@ -24,6 +24,10 @@ Where the weights live (all module parameters/buffers, ``requires_grad=False``):
   in the Hugging Face stacked layout, H' = the routed input size (H unless a
   routed_input_transform maps to a smaller latent size); with a fused shared expert the
   last S of the L experts are its slots, filled from ``shared_experts`` at construction.
+  Given ``expert_weights`` that are exactly these experts (one rank, no replicas, no fused
+  slots), the parameters share their memory instead of copying it.
+* Loading accepts the transformers names of the block this module replaces
+  (``_load_from_state_dict`` maps them).
 * ``shared_experts`` / ``shared_expert_gate``: the given modules (runner and overlap); with
   fused, only the gate is kept and called.
 
@@ -199,6 +203,12 @@ class MoE(nn.Module):
         CPU expert-GEMM strategy (see `moeroute.bindings.torch.experts`).
     dtype, device
         Of the expert weights; the activations must match.
+    expert_weights : (Tensor [N, 2I, H'], Tensor [N, H', I]), optional
+        The full stacked routed weights (the transformers layout) to take this rank's
+        experts from. When the rank holds exactly these N experts (one rank, no replicas,
+        no fused shared slots) and their dtype and device are ``dtype`` and ``device``, the
+        module's expert parameters share their memory (no copy); otherwise this rank's
+        experts are copied (`load_routed_weights`).
 
     Raises
     ------
@@ -238,6 +248,7 @@ class MoE(nn.Module):
         gemm: str = "auto",
         dtype: torch.dtype | None = None,
         device=None,
+        expert_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(router, RouterConfig):
@@ -311,8 +322,16 @@ class MoE(nn.Module):
             "correction_bias",
             torch.zeros(router.num_experts, dtype=torch.float32, device=device) if correction_bias else None,
         )
-        self.experts = LocalExperts(self.layout.num_local_experts(rank), routed_hidden_size,
-                                    intermediate_size, activation, gemm=gemm, dtype=dtype, device=device)
+        local_experts = self.layout.num_local_experts(rank)
+        if expert_weights is not None and self._can_alias(expert_weights, dtype, device):
+            # This rank holds exactly the given experts: share their memory, copy nothing.
+            self.experts = LocalExperts(local_experts, routed_hidden_size, intermediate_size, activation,
+                                        gemm=gemm, weights=tuple(expert_weights))
+        else:
+            self.experts = LocalExperts(local_experts, routed_hidden_size, intermediate_size, activation,
+                                        gemm=gemm, dtype=dtype, device=device)
+            if expert_weights is not None:
+                self.load_routed_weights(*expert_weights)
         self.shared_expert_gate = shared_expert_gate
         self.routed_input_transform = routed_input_transform
         self.routed_output_transform = routed_output_transform
@@ -357,6 +376,25 @@ class MoE(nn.Module):
         return fields
 
     # ----------------------------------------------------------------- weights
+
+    def _can_alias(self, expert_weights, dtype, device) -> bool:
+        """True when the local experts are exactly the rows of ``expert_weights``, in
+        order, in the requested dtype and device: no fused shared slots, no replicas, and
+        one rank holding all N (a rank's slice would keep the whole tensor alive)."""
+        gate_up, down = expert_weights
+        n = self.router.num_experts
+        return (self.layout.num_local_experts(self.rank) == n and self.layout.shared != "fused"
+                and self.routed_expert_ids() == list(range(n))
+                and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+                and gate_up.dtype == down.dtype == dtype and gate_up.device == down.device
+                and (device is None or gate_up.device == torch.device(device))
+                and tuple(gate_up.shape) == (n, 2 * self.intermediate_size, self.routed_hidden_size)
+                and tuple(down.shape) == (n, self.routed_hidden_size, self.intermediate_size))
+
+    def shares_weights_with(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+        """True when the expert parameters alias (share the memory of) these tensors."""
+        return (self.experts.w_gate_up.data_ptr() == w_gate_up.data_ptr()
+                and self.experts.w_down.data_ptr() == w_down.data_ptr())
 
     def routed_expert_ids(self) -> list[int]:
         """Logical expert id of each routed local expert of this rank (replicas included)."""
@@ -427,6 +465,70 @@ class MoE(nn.Module):
             self.experts.w_gate_up[first + j, :inter].copy_(gate[rows])
             self.experts.w_gate_up[first + j, inter:].copy_(up[rows])
             self.experts.w_down[first + j].copy_(down[:, rows])
+
+    # ------------------------------------------------------------ state dict
+
+    #: transformers parameter names (relative to the block) -> this module's.
+    _TRANSFORMERS_RENAMES = {"gate.weight": "router_weight",
+                             "gate.e_score_correction_bias": "correction_bias"}
+    #: Where transformers blocks keep their shared MLP (DeepSeek/GLM, Qwen).
+    _TRANSFORMERS_SHARED = ("shared_experts.", "shared_expert.")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # A transformers checkpoint of the block this module replaced loads as it is: its
+        # names are mapped to this module's before the usual loading (which copies into the
+        # existing parameters, so aliased weights stay aliased).
+        self._map_transformers_keys(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    @torch.no_grad()
+    def _map_transformers_keys(self, state_dict, prefix) -> None:
+        """Rename (and for a rank's slice or fused slots, assemble) transformers keys in place.
+
+        ``experts.gate_up_proj`` [N, 2I, H] and ``experts.down_proj`` [N, H, I] become this
+        rank's ``experts.w_gate_up`` / ``experts.w_down`` (its routed experts, then the fused
+        shared slots cut from the shared MLP's ``gate_proj``/``up_proj``/``down_proj``);
+        ``gate.weight`` -> ``router_weight``; ``gate.e_score_correction_bias`` ->
+        ``correction_bias``; ``shared_expert.*`` -> ``shared_experts.*``.
+        """
+        for source, target in self._TRANSFORMERS_RENAMES.items():
+            if prefix + source in state_dict:
+                state_dict[prefix + target] = state_dict.pop(prefix + source)
+        shared = {}
+        for shared_prefix in self._TRANSFORMERS_SHARED:
+            for key in [k for k in state_dict if k.startswith(prefix + shared_prefix)]:
+                shared[key[len(prefix + shared_prefix):]] = state_dict.pop(key)
+        gate_up_key, down_key = prefix + "experts.gate_up_proj", prefix + "experts.down_proj"
+        if gate_up_key in state_dict and down_key in state_dict:
+            gate_up, down = state_dict.pop(gate_up_key), state_dict.pop(down_key)
+            ids = self.routed_expert_ids()
+            if ids != list(range(gate_up.shape[0])):
+                index = torch.tensor(ids, dtype=torch.long, device=gate_up.device)
+                gate_up, down = gate_up.index_select(0, index), down.index_select(0, index)
+            if self.layout.shared == "fused":
+                slots = self._fused_slots(shared, gate_up)
+                gate_up = torch.cat([gate_up, slots[0].to(gate_up.dtype)])
+                down = torch.cat([down, slots[1].to(down.dtype)])
+            state_dict[prefix + "experts.w_gate_up"] = gate_up
+            state_dict[prefix + "experts.w_down"] = down
+        if self.layout.shared != "fused":
+            for name, value in shared.items():
+                state_dict[prefix + "shared_experts." + name] = value
+
+    def _fused_slots(self, shared, like):
+        """The S fused slots [S, 2I, H], [S, H, I] cut from a shared MLP's state dict."""
+        inter, s = self.intermediate_size, self.num_shared_experts
+        try:
+            gate, up, down = (shared[f"{name}.weight"] for name in ("gate_proj", "up_proj", "down_proj"))
+        except KeyError as missing:
+            raise KeyError(f"the state dict has experts.gate_up_proj but no shared MLP {missing.args[0]} "
+                           "(under shared_experts. or shared_expert.) to fill the fused slots") from None
+        gate_up = torch.stack([torch.cat([gate[j * inter:(j + 1) * inter], up[j * inter:(j + 1) * inter]])
+                               for j in range(s)])
+        down = torch.stack([down[:, j * inter:(j + 1) * inter] for j in range(s)])
+        return gate_up.to(like.device), down.to(like.device)
 
     # ----------------------------------------------------------------- forward
 
