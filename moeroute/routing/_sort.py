@@ -33,7 +33,7 @@ try:  # numba.cuda comes with the optional numba-cuda package
 except ImportError:  # pragma: no cover - CPU-only installs
     cuda = None
 
-from moeroute.routing._arrays import as_device_array
+from moeroute.routing._arrays import as_device_array, device_empty
 
 #: Threads per block of the elementwise kernels: a multiple of every warp size (32, 64)
 #: that keeps several blocks resident per SM.
@@ -47,6 +47,8 @@ SORT_TILE = 256
 SORT_CHUNK = 4096
 #: Output positions and block ids are int32: every size must stay below this.
 INDEX_LIMIT = 2**31 - 1
+#: CUDA's limit on gridDim.y (and z).
+MAX_GRID_Y = 65535
 
 # --------------------------------------------------------------------------- helpers
 
@@ -68,6 +70,21 @@ def launch_config(work_items: int, limit: int = THREADS_PER_BLOCK) -> tuple[int,
     """
     threads = min(limit, max(32, -(-work_items // 32) * 32))
     return max(1, -(-work_items // threads)), threads
+
+
+def row_launch_config(rows: int, width: int, limit: int = THREADS_PER_BLOCK):
+    """(grid, threads) of a row-wise elementwise kernel: block (r, c) covers columns
+    ``[c*threads, (c+1)*threads)`` of row r.
+
+    Row and column come straight from blockIdx (x: rows, up to 2**31 - 1; y: column tiles,
+    up to 65535), so the kernels need no 64-bit division to split a flat index.
+    """
+    threads = min(limit, max(32, -(-width // 32) * 32))
+    column_tiles = -(-width // threads)
+    if column_tiles > MAX_GRID_Y:
+        raise ValueError(f"width={width} needs {column_tiles} column tiles of {threads} threads; "
+                         f"at most {MAX_GRID_Y} fit in gridDim.y")
+    return (max(1, rows), max(1, column_tiles)), threads
 
 
 def check_count(name: str, value, minimum: int) -> int:
@@ -346,7 +363,7 @@ def kernel(name: str):
 
 def counting_sort_device(topk_ids, num_experts, block_size, sorted_out, expert_starts,
                          expert_ids, inverse_out, stream, *, chunk_size=SORT_CHUNK,
-                         threads_per_block=SORT_TILE):
+                         threads_per_block=SORT_TILE, template=None):
     """Launch the stable counting sort on ``stream``.
 
     Parameters
@@ -365,6 +382,10 @@ def counting_sort_device(topk_ids, num_experts, block_size, sorted_out, expert_s
     stream : numba stream
     chunk_size, threads_per_block : int
         Tuning knobs (any values give the same result); threads_per_block <= SORT_TILE.
+    template : caller's device array, optional
+        Scratch buffers come from its framework's allocator (`device_empty`); default:
+        numba device arrays. No count is read back: every size here is an upper bound
+        known on the host, so the launches can be captured in a CUDA graph.
     """
     if not 1 <= threads_per_block <= SORT_TILE or chunk_size < 1:
         raise ValueError(f"threads_per_block={threads_per_block} must be in [1, {SORT_TILE}] "
@@ -372,16 +393,22 @@ def counting_sort_device(topk_ids, num_experts, block_size, sorted_out, expert_s
     rows, cols = topk_ids.shape
     numel = rows * cols
     num_chunks = max(1, -(-numel // chunk_size))
-    chunk_counts = cuda.device_array((num_chunks, num_experts), np.int32, stream=stream)
-    expert_counts = cuda.device_array(num_experts, np.int32, stream=stream)
+    if template is None:
+        template = sorted_out
+
+    def scratch(shape):
+        return device_empty(shape, np.int32, template, stream)[1]
+
+    chunk_counts = scratch((num_chunks, num_experts))
+    expert_counts = scratch((num_experts,))
     # Tiny inputs get a block no larger than their chunk.
     sort_threads = min(threads_per_block, _power_of_two_at_least(max(min(chunk_size, numel), 1)))
     scan_threads = min(threads_per_block, _power_of_two_at_least(num_experts))
     write_inverse = inverse_out is not None
     if inverse_out is None:
-        inverse_out = cuda.device_array((1, 1), np.int32, stream=stream)
+        inverse_out = scratch((1, 1))  # never written (write_inverse is False)
     if expert_ids is None:
-        expert_ids = cuda.device_array(0, np.int32, stream=stream)
+        expert_ids = scratch((0,))
     kernel("count")[num_chunks, sort_threads, stream](topk_ids, num_experts, chunk_size,
                                                        chunk_counts)
     kernel("scan")[1, scan_threads, stream](chunk_counts, num_experts, block_size,
