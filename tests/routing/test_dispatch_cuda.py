@@ -33,6 +33,7 @@ from moeroute.routing.align import align_block_size  # noqa: E402
 from moeroute.routing.combine import combine  # noqa: E402
 from moeroute.routing.permute import permute, sort_by_expert  # noqa: E402
 from moeroute.routing.remap import logical_to_physical, remap_to_local  # noqa: E402
+from moeroute.routing.select import DEVICE_WARPS_PER_BLOCK  # noqa: E402
 from moeroute.routing.shared_slots import append_shared_slots  # noqa: E402
 
 SIM_MODULE = Path(__file__).with_name("_sim_dispatch_cuda.py")
@@ -42,7 +43,9 @@ SIM_TIMEOUT_S = 600
 
 
 def test_cuda_kernels_under_the_simulator():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    # The device's launch configuration: four warps per block (exact warp intrinsics).
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+               MOEROUTE_SIM_WARPS=str(DEVICE_WARPS_PER_BLOCK))
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
          str(SIM_MODULE)],
@@ -133,6 +136,18 @@ def test_kernel_compiles_to_ptx(name, function, signature, cc):
     assert return_type == nt.void
     assert f".target sm_{cc[0]}{cc[1]}" in ptx
     assert ".entry" in ptx
+
+
+ELEMENTWISE = [k for k in KERNELS if k[0].startswith(("gather", "combine"))]
+
+
+@pytest.mark.parametrize("name,function,signature", ELEMENTWISE, ids=[k[0] for k in ELEMENTWISE])
+def test_elementwise_kernels_do_no_64_bit_division(name, function, signature):
+    """Row and column come from the block index: no 64-bit divide or remainder per element
+    (each is a ~70-instruction software routine on the GPU)."""
+    with _compiling_for((9, 0)):
+        ptx, _ = cuda.compile_ptx(function, signature, cc=(9, 0))
+    assert not re.search(r"\b(div|rem)\.[su]64\b", ptx)
 
 
 # ------------------------------------------------------------------ GPU
