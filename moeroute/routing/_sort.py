@@ -18,9 +18,12 @@ GPU (``numba.cuda``), deterministic by construction (no atomics decide an order)
    ``expert_starts[e]``; ``expert_starts[E]`` is the padded total.
 3. ``place``: block c walks its chunk in tiles of ``blockDim`` entries; an entry's rank
    among the earlier entries of the tile with the same expert, plus the chunk's running
-   count, plus the chunk prefix, plus the expert start is its output position.
-4. ``pad``: one thread per output position writes the padding value into positions past
-   their expert's entries and the expert id of every block.
+   count, plus the chunk prefix, plus the expert start is its output position. Then,
+   in the same launch, the grid strides over the output positions: the padding value
+   into positions past their expert's entries, the expert id of every block (disjoint
+   from the placed positions, so no barrier is needed between the two passes).
+
+Three launches, no host read-back: every size is an upper bound known on the host.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ SORT_CHUNK = 4096
 INDEX_LIMIT = 2**31 - 1
 #: CUDA's limit on gridDim.y (and z).
 MAX_GRID_Y = 65535
+#: Blocks of the place kernel beyond its chunks, for the padding pass (grid-stride): enough
+#: to fill an H100/H200 (132 SMs) a few times over.
+MAX_PAD_BLOCKS = 1024
 
 # --------------------------------------------------------------------------- helpers
 
@@ -280,9 +286,12 @@ def _scan_kernel(chunk_counts, num_experts, block_size, expert_counts, expert_st
         expert_starts[num_experts] = carry
 
 
-def _place_kernel(topk_ids, num_experts, chunk_size, chunk_counts, expert_starts,
-                  sorted_out, inverse_out, write_inverse):
-    """Block c places the entries of chunk c, stably; chunk_counts[c, :] is its cursor."""
+def _place_kernel(topk_ids, num_experts, chunk_size, chunk_counts, expert_counts, expert_starts,
+                  block_size, sorted_out, inverse_out, write_inverse, expert_ids):
+    """Block c places the entries of chunk c, stably (chunk_counts[c, :] is its cursor); then
+    the whole grid pads: every output position past its expert's entries gets T*K and every
+    block of B positions its expert id. The two write disjoint positions, so the padding
+    needs no barrier after the placing (one launch instead of two)."""
     tile = cuda.shared.array(SORT_TILE, int32)
     chunk = cuda.blockIdx.x
     tid = cuda.threadIdx.x
@@ -315,14 +324,14 @@ def _place_kernel(topk_ids, num_experts, chunk_size, chunk_counts, expert_starts
         if e >= 0:
             cuda.atomic.add(chunk_counts, (chunk, e), 1)
         cuda.syncthreads()
+    for p in range(chunk * nthreads + tid, sorted_out.shape[0], cuda.gridDim.x * nthreads):
+        pad_position_device(p, expert_counts, expert_starts, num_experts, block_size, numel,
+                            sorted_out, expert_ids)
 
 
-def _pad_kernel(expert_counts, expert_starts, num_experts, block_size, pad_value,
-                sorted_out, expert_ids):
-    """Position p: the pad value when p is past its expert's entries; block ids."""
-    p = cuda.grid(1)
-    if p >= sorted_out.shape[0]:
-        return
+def _pad_position(p, expert_counts, expert_starts, num_experts, block_size, pad_value,
+                  sorted_out, expert_ids):
+    """Position p: the pad value when p is past its expert's entries; its block's expert id."""
     total = expert_starts[num_experts]
     e = -1
     if p < total:
@@ -344,11 +353,13 @@ def _pad_kernel(expert_counts, expert_starts, num_experts, block_size, pad_value
         expert_ids[p // block_size] = e
 
 
+pad_position_device = None if cuda is None else cuda.jit(device=True)(_pad_position)
+
+
 _KERNEL_FUNCTIONS = {
     "count": _count_kernel,
     "scan": _scan_kernel,
     "place": _place_kernel,
-    "pad": _pad_kernel,
 }
 _kernels: dict = {}
 
@@ -413,15 +424,13 @@ def counting_sort_device(topk_ids, num_experts, block_size, sorted_out, expert_s
                                                        chunk_counts)
     kernel("scan")[1, scan_threads, stream](chunk_counts, num_experts, block_size,
                                             expert_counts, expert_starts)
-    if numel:
-        kernel("place")[num_chunks, sort_threads, stream](
-            topk_ids, num_experts, chunk_size, chunk_counts, expert_starts, sorted_out,
-            inverse_out, write_inverse)
     capacity = sorted_out.shape[0]
     if capacity:
-        blocks, threads = launch_config(capacity)
-        kernel("pad")[blocks, threads, stream](expert_counts, expert_starts, num_experts,
-                                               block_size, numel, sorted_out, expert_ids)
+        # Enough blocks for the chunks, and for the padding pass when the chunks are few.
+        pad_blocks = -(-capacity // sort_threads)
+        kernel("place")[max(num_chunks, min(pad_blocks, MAX_PAD_BLOCKS)), sort_threads, stream](
+            topk_ids, num_experts, chunk_size, chunk_counts, expert_counts, expert_starts,
+            block_size, sorted_out, inverse_out, write_inverse, expert_ids)
 
 
 def _power_of_two_at_least(n: int) -> int:
