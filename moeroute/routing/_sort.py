@@ -13,17 +13,17 @@ GPU (``numba.cuda``), deterministic by construction (no atomics decide an order)
 
 1. ``count``: block c counts the ids of chunk c (``chunk_size`` flat entries) per expert
    into ``chunk_counts[c, e]`` (integer atomics: a sum, whatever the order).
-2. ``scan`` (one block): per expert, the exclusive prefix of its counts over the chunks
-   (in place), then the exclusive scan of the padded per-expert totals in expert order:
-   ``expert_starts[e]``; ``expert_starts[E]`` is the padded total.
-3. ``place``: block c walks its chunk in tiles of ``blockDim`` entries; an entry's rank
-   among the earlier entries of the tile with the same expert, plus the chunk's running
-   count, plus the chunk prefix, plus the expert start is its output position. Then,
-   in the same launch, the grid strides over the output positions: the padding value
-   into positions past their expert's entries, the expert id of every block (disjoint
-   from the placed positions, so no barrier is needed between the two passes).
+2. ``place``, one launch, block b working alone on row b of its scratch: per expert, the
+   counts of the chunks before chunk b and of all chunks; the exclusive scan of the padded
+   totals over experts (a block-wide Hillis-Steele scan): ``expert_starts[e]``,
+   ``expert_starts[E]`` the padded total (written by block 0). Then block b walks chunk b in
+   tiles of ``blockDim`` entries: an entry's rank among the earlier entries of the tile
+   with the same expert, plus the chunk's running count, plus its prefix, plus the expert
+   start is its output position. Then the grid strides over the output positions: the
+   padding value past each expert's entries, the expert id of every block (disjoint from
+   the placed positions, so no barrier separates the two).
 
-Three launches, no host read-back: every size is an upper bound known on the host.
+Two launches, no host read-back: every size is an upper bound known on the host.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ SORT_CHUNK = 4096
 INDEX_LIMIT = 2**31 - 1
 #: CUDA's limit on gridDim.y (and z).
 MAX_GRID_Y = 65535
-#: Blocks of the place kernel beyond its chunks, for the padding pass (grid-stride): enough
-#: to fill an H100/H200 (132 SMs) a few times over.
-MAX_PAD_BLOCKS = 1024
+#: Blocks of the place kernel when the padding pass wants more than one per chunk: two per
+#: SM of an H100/H200 (132 SMs). Each block repeats the expert scan, so no more than that.
+PAD_BLOCKS = 264
 
 # --------------------------------------------------------------------------- helpers
 
@@ -244,61 +244,69 @@ def _count_kernel(topk_ids, num_experts, chunk_size, chunk_counts):
             cuda.atomic.add(chunk_counts, (chunk, int32(e)), 1)
 
 
-def _scan_kernel(chunk_counts, num_experts, block_size, expert_counts, expert_starts):
-    """One block. chunk_counts -> per-expert exclusive prefix over chunks (in place);
-    expert_counts[e] = entries of expert e; expert_starts[e] = padded exclusive scan,
-    expert_starts[E] = padded total."""
-    tile = cuda.shared.array(SORT_TILE, int64)
-    tid = cuda.threadIdx.x
-    nthreads = cuda.blockDim.x
-    num_chunks = chunk_counts.shape[0]
-    for e in range(tid, num_experts, nthreads):
-        running = 0
-        for c in range(num_chunks):
-            count = chunk_counts[c, e]
-            chunk_counts[c, e] = running
-            running += count
-        expert_counts[e] = running
-    cuda.syncthreads()
-    carry = int64(0)
-    for base in range(0, num_experts, nthreads):
-        e = base + tid
-        value = int64(0)
-        if e < num_experts:
-            value = (int64(expert_counts[e]) + block_size - 1) // block_size * block_size
-        tile[tid] = value
-        cuda.syncthreads()
-        # Hillis-Steele inclusive scan of the tile.
-        offset = 1
-        while offset < nthreads:
-            addend = int64(0)
-            if tid >= offset:
-                addend = tile[tid - offset]
-            cuda.syncthreads()
-            tile[tid] += addend
-            cuda.syncthreads()
-            offset *= 2
-        if e < num_experts:
-            expert_starts[e] = carry + tile[tid] - value
-        carry += tile[nthreads - 1]
-        cuda.syncthreads()  # the next tile overwrites `tile`
-    if tid == 0:
-        expert_starts[num_experts] = carry
+def _place_kernel(topk_ids, num_experts, chunk_size, num_chunks, block_size, chunk_counts,
+                  cursors, starts, totals, expert_starts, sorted_out, inverse_out, write_inverse,
+                  expert_ids):
+    """Scan, place and pad in one launch; block b owns row b of ``cursors``, ``starts`` and
+    ``totals`` (scratch [grid, E(+1)]), so blocks never wait for each other.
 
-
-def _place_kernel(topk_ids, num_experts, chunk_size, chunk_counts, expert_counts, expert_starts,
-                  block_size, sorted_out, inverse_out, write_inverse, expert_ids):
-    """Block c places the entries of chunk c, stably (chunk_counts[c, :] is its cursor); then
-    the whole grid pads: every output position past its expert's entries gets T*K and every
-    block of B positions its expert id. The two write disjoint positions, so the padding
-    needs no barrier after the placing (one launch instead of two)."""
+    1. Per expert (threads strided over experts): the entries of the chunks before chunk b
+       and of all chunks (chunk_counts is only read here, never written).
+    2. Exclusive scan of the padded totals over experts (Hillis-Steele in tiles of
+       blockDim): each expert's start; block 0 also writes them to ``expert_starts``.
+    3. Block b places the entries of chunk b, stably (row b of ``cursors`` is its cursor).
+    4. The grid strides over the output positions: the padding value past each expert's
+       entries and every block's expert id (disjoint from the placed positions).
+    Every block repeats steps 1-2, O(E * chunks / blockDim) reads per thread from L2, in
+    exchange for no grid-wide barrier and no second launch.
+    """
+    tile64 = cuda.shared.array(SORT_TILE, int64)
     tile = cuda.shared.array(SORT_TILE, int32)
-    chunk = cuda.blockIdx.x
+    block = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     cols = topk_ids.shape[1]
     numel = topk_ids.shape[0] * cols
-    begin = chunk * chunk_size
+    for e in range(tid, num_experts, nthreads):
+        running = 0
+        before = 0
+        for c in range(num_chunks):
+            if c == block:
+                before = running
+            running += chunk_counts[c, e]
+        cursors[block, e] = before
+        totals[block, e] = running
+    carry = int64(0)
+    for base in range(0, num_experts, nthreads):  # same trip count for every thread
+        e = base + tid
+        value = int64(0)
+        if e < num_experts:  # the same thread wrote totals[block, e] above
+            value = (int64(totals[block, e]) + block_size - 1) // block_size * block_size
+        tile64[tid] = value
+        cuda.syncthreads()
+        offset = 1
+        while offset < nthreads:
+            addend = int64(0)
+            if tid >= offset:
+                addend = tile64[tid - offset]
+            cuda.syncthreads()
+            tile64[tid] += addend
+            cuda.syncthreads()
+            offset *= 2
+        if e < num_experts:
+            start = carry + tile64[tid] - value
+            starts[block, e] = start
+            cursors[block, e] += start
+            if block == 0:
+                expert_starts[e] = start
+        carry += tile64[nthreads - 1]
+        cuda.syncthreads()  # the next tile overwrites `tile64`
+    if tid == 0:
+        starts[block, num_experts] = carry
+        if block == 0:
+            expert_starts[num_experts] = carry
+    cuda.syncthreads()  # this block's rows are complete (global writes, one block)
+    begin = block * chunk_size
     end = min(begin + chunk_size, numel)
     for tile_begin in range(begin, end, nthreads):  # same trip count for every thread
         i = tile_begin + tid
@@ -314,7 +322,7 @@ def _place_kernel(topk_ids, num_experts, chunk_size, chunk_counts, expert_counts
             for j in range(tid):
                 if tile[j] == e:
                     rank += 1
-            position = expert_starts[e] + chunk_counts[chunk, e] + rank
+            position = cursors[block, e] + rank
             sorted_out[position] = i
             if write_inverse:
                 inverse_out[i // cols, i % cols] = position
@@ -322,10 +330,12 @@ def _place_kernel(topk_ids, num_experts, chunk_size, chunk_counts, expert_counts
             inverse_out[i // cols, i % cols] = -1
         cuda.syncthreads()  # every thread has read its cursor before any update
         if e >= 0:
-            cuda.atomic.add(chunk_counts, (chunk, e), 1)
+            cuda.atomic.add(cursors, (block, e), 1)
         cuda.syncthreads()
-    for p in range(chunk * nthreads + tid, sorted_out.shape[0], cuda.gridDim.x * nthreads):
-        pad_position_device(p, expert_counts, expert_starts, num_experts, block_size, numel,
+    row_starts = starts[block]
+    row_totals = totals[block]
+    for p in range(block * nthreads + tid, sorted_out.shape[0], cuda.gridDim.x * nthreads):
+        pad_position_device(p, row_totals, row_starts, num_experts, block_size, numel,
                             sorted_out, expert_ids)
 
 
@@ -358,7 +368,6 @@ pad_position_device = None if cuda is None else cuda.jit(device=True)(_pad_posit
 
 _KERNEL_FUNCTIONS = {
     "count": _count_kernel,
-    "scan": _scan_kernel,
     "place": _place_kernel,
 }
 _kernels: dict = {}
@@ -411,26 +420,22 @@ def counting_sort_device(topk_ids, num_experts, block_size, sorted_out, expert_s
         return device_empty(shape, np.int32, template, stream)[1]
 
     chunk_counts = scratch((num_chunks, num_experts))
-    expert_counts = scratch((num_experts,))
-    # Tiny inputs get a block no larger than their chunk.
-    sort_threads = min(threads_per_block, _power_of_two_at_least(max(min(chunk_size, numel), 1)))
-    scan_threads = min(threads_per_block, _power_of_two_at_least(num_experts))
+    # Tiny inputs get a block no larger than their chunk or their expert count.
+    threads = min(threads_per_block, max(_power_of_two_at_least(max(min(chunk_size, numel), 1)),
+                                         _power_of_two_at_least(num_experts)))
+    capacity = sorted_out.shape[0]
+    # One block per chunk, more when the padding pass has far more positions than that.
+    grid = max(num_chunks, min(-(-capacity // threads), PAD_BLOCKS))
     write_inverse = inverse_out is not None
     if inverse_out is None:
         inverse_out = scratch((1, 1))  # never written (write_inverse is False)
     if expert_ids is None:
         expert_ids = scratch((0,))
-    kernel("count")[num_chunks, sort_threads, stream](topk_ids, num_experts, chunk_size,
-                                                       chunk_counts)
-    kernel("scan")[1, scan_threads, stream](chunk_counts, num_experts, block_size,
-                                            expert_counts, expert_starts)
-    capacity = sorted_out.shape[0]
-    if capacity:
-        # Enough blocks for the chunks, and for the padding pass when the chunks are few.
-        pad_blocks = -(-capacity // sort_threads)
-        kernel("place")[max(num_chunks, min(pad_blocks, MAX_PAD_BLOCKS)), sort_threads, stream](
-            topk_ids, num_experts, chunk_size, chunk_counts, expert_counts, expert_starts,
-            block_size, sorted_out, inverse_out, write_inverse, expert_ids)
+    kernel("count")[num_chunks, threads, stream](topk_ids, num_experts, chunk_size, chunk_counts)
+    kernel("place")[grid, threads, stream](
+        topk_ids, num_experts, chunk_size, num_chunks, block_size, chunk_counts,
+        scratch((grid, num_experts)), scratch((grid, num_experts + 1)), scratch((grid, num_experts)),
+        expert_starts, sorted_out, inverse_out, write_inverse, expert_ids)
 
 
 def _power_of_two_at_least(n: int) -> int:

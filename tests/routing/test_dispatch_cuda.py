@@ -89,8 +89,8 @@ def _kernel_signatures():
         cases += [
             (f"count[{name}]", _sort._count_kernel, (ids, I64, I64, _array(I32, 2))),
             (f"place[{name}]", _sort._place_kernel,
-             (ids, I64, I64, _array(I32, 2), table, table, I64, table, _array(I32, 2), BOOL,
-              table)),
+             (ids, I64, I64, I64, I64, _array(I32, 2), _array(I32, 2), _array(I32, 2),
+              _array(I32, 2), table, table, _array(I32, 2), BOOL, table)),
             (f"logical_to_physical[{name}]", remap_module.logical_to_physical_kernel,
              (ids, I64, table, table, table, _array(I32, 2))),
             (f"remap[{name}]", remap_module._remap_kernel, (_array(ids.dtype, 1), table, table)),
@@ -99,7 +99,6 @@ def _kernel_signatures():
               F32, BOOL, _array(I32, 2), _array(F32, 2))),
         ]
     cases += [
-        ("scan", _sort._scan_kernel, (_array(I32, 2), I64, I64, table, table)),
         ("gather[uint16]", permute_module._gather_rows_kernel,
          (_array(U16, 2), table, table, I64, _array(U16, 2))),
         ("gather[float32]", permute_module._gather_rows_kernel,
