@@ -261,8 +261,10 @@ def run_plan(out: Path) -> int:
         command = stage_command(stage, out)
         if command is None:
             continue
+        started = time.time()
         records.append(run_stage(stage, command, out, log, child_environment(out)))
-        if stage.name == "routing" and ROUTING_RESULTS.exists():
+        # gpu_routing.py writes into bench/results: take its JSON only if this run wrote it.
+        if stage.name == "routing" and ROUTING_RESULTS.exists() and ROUTING_RESULTS.stat().st_mtime >= started:
             shutil.copy(ROUTING_RESULTS, out / ROUTING_JSON)
     summary = write_summary(out, records)
     log.write(summary)
@@ -455,7 +457,8 @@ def write_summary(out: Path, records: list[dict]) -> str:
     lines = [f"# GPU check, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", ""]
     try:
         environment = json.loads((out / ENVIRONMENT_JSON).read_text())
-        lines.append(f"Device: {environment.get('nvidia_smi', {}).get('output', '?')}")
+        smi = environment.get("nvidia_smi", {})
+        lines.append(f"Device: {smi.get('output') or smi.get('error', '?')}")
     except (OSError, ValueError):
         lines.append("Device: unknown (no environment.json)")
     lines += ["", "| stage | status | seconds |", "|---|---|---|"]
