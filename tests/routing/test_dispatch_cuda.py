@@ -140,6 +140,17 @@ def test_kernel_compiles_to_ptx(name, function, signature, cc):
 ELEMENTWISE = [k for k in KERNELS if k[0].startswith(("gather", "combine"))]
 
 
+def test_row_launch_config_covers_every_column_once():
+    for rows, width in [(3, 300), (1, 1), (5, 32), (2, 257), (7, 7168)]:
+        (grid_rows, tiles), threads = _sort.row_launch_config(rows, width)
+        assert grid_rows == rows and threads % 32 == 0 and threads <= _sort.THREADS_PER_BLOCK
+        columns = np.arange(tiles)[:, None] * threads + np.arange(threads)[None, :]
+        assert set(columns[columns < width].tolist()) == set(range(width))
+        assert tiles == 1 or (tiles - 1) * threads < width  # no block of only idle threads
+    with pytest.raises(ValueError, match=r"width=16777216 needs 65536 column tiles"):
+        _sort.row_launch_config(1, 65536 * 256)
+
+
 @pytest.mark.parametrize("name,function,signature", ELEMENTWISE, ids=[k[0] for k in ELEMENTWISE])
 def test_elementwise_kernels_do_no_64_bit_division(name, function, signature):
     """Row and column come from the block index: no 64-bit divide or remainder per element
