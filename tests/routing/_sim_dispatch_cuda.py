@@ -253,6 +253,7 @@ class HostTraffic:
 
     def __init__(self):
         self.events = []
+        self.launches = []  # kernel names, in launch order
         self.counting = False
 
     def note(self, what):
@@ -316,6 +317,8 @@ def traffic(monkeypatch):
         # A NumPy argument of a launch is copied to the device and back around it (device
         # functions, called on kernel threads, take the simulator's local arrays as NumPy).
         if threading.current_thread() is threading.main_thread():
+            if record.counting:
+                record.launches.append(self.fn.__name__)
             for arg in args:
                 if isinstance(arg, np.ndarray) and arg.ndim > 0:
                     record.note("NumPy kernel argument")
@@ -418,3 +421,28 @@ def test_the_instrumentation_sees_each_kind_of_traffic(traffic):
     names = set(traffic.events)
     assert {"stream.synchronize", "FakeCUDAArray.copy_to_host", "to_device", "device_array",
             "host element read", "NumPy kernel argument"} <= names, traffic.events
+
+
+#: Kernel launches per op on device inputs: align in two (count, then scan + place + pad).
+EXPECTED_LAUNCHES = {
+    "select_experts": ["select_experts_kernel"],
+    "align_block_size": ["_count_kernel", "_place_kernel"],
+    "sort_by_expert": ["_count_kernel", "_place_kernel"],
+    "permute": ["_count_kernel", "_place_kernel", "_gather_rows_kernel"],
+    "combine": ["_combine_kernel"],
+    "combine-unweighted": ["_combine_kernel"],
+    "logical_to_physical": ["logical_to_physical_kernel"],
+    "append_shared_slots": ["_append_kernel"],
+    "remap_to_local[host map]": ["_remap_kernel"],
+    "remap_to_local[device map]": ["_remap_kernel"],
+}
+
+
+@pytest.mark.parametrize("op", GRAPH_SAFETY_OPS)
+def test_launches_per_op(op, traffic):
+    device_op, _ = _graph_safety_cases()[op]
+    device_op(dev)
+    traffic.counting = True
+    device_op(dev)
+    traffic.counting = False
+    assert traffic.launches == EXPECTED_LAUNCHES[op]
