@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -62,6 +63,8 @@ WARM_GEMM_PROCESSES = 6
 GEMM_REPEATS = 10
 #: Seconds a killed stage's process group gets to exit before the next stage starts.
 KILL_GRACE_S = 5
+#: Seconds one GPU test may take (with pytest-timeout, which the GPU image has).
+PER_TEST_TIMEOUT_S = 60
 
 #: Every test file that holds `gpu`-marked tests; the dry run checks that this list is
 #: complete and that each file exists, so a new GPU test file cannot be silently skipped.
@@ -107,7 +110,11 @@ def stage_command(stage: Stage, out: Path) -> list[str] | None:
     if stage.name in ("environment", "warm"):
         return [python, str(SCRIPT), "--stage", stage.name, "--out", str(out)]
     if stage.name == "tests":
-        return [python, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
+        per_test = []
+        if importlib.util.find_spec("pytest_timeout") is not None:
+            # A hung test fails alone; the stage goes on and still writes its JUnit XML.
+            per_test = [f"--timeout={PER_TEST_TIMEOUT_S}", "--timeout-method=signal"]
+        return [python, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", *per_test,
                 f"--junitxml={out / PYTEST_XML}", *GPU_TEST_FILES]
     if stage.name == "routing":
         return [python, str(ROUTING_SCRIPT), "--quick"]
