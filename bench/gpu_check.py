@@ -1,4 +1,4 @@
-"""The one call of a GPU session: staged, bounded, results written as they come, nothing installed.
+"""One call on a GPU machine: staged, bounded, results written as they come, nothing installed.
 
     python3 bench/gpu_check.py [--out DIR]       # DIR defaults to $OUT, else bench/results/gpu_check
     python3 bench/gpu_check.py --dry-run         # no GPU needed: checks the plan itself
