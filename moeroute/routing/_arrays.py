@@ -142,7 +142,13 @@ def is_device_array(x) -> bool:
 
 
 def as_device_array(x):
-    """A numba device array viewing ``x`` (no copy)."""
+    """A numba device array viewing ``x`` (no copy, no synchronization).
+
+    numba-cuda would otherwise synchronize on the stream named by the producer's
+    ``__cuda_array_interface__`` (``NUMBA_CUDA_ARRAY_INTERFACE_SYNC``): a host wait per
+    conversion, and an error under CUDA graph capture. The kernels are enqueued on the
+    producer's current stream (`resolve_stream`), so stream order already covers it.
+    """
     from numba import cuda
 
     if simulator_enabled():
@@ -151,10 +157,10 @@ def as_device_array(x):
         if isinstance(x, FakeCUDAArray):
             return x
     if hasattr(x, "__cuda_array_interface__"):
-        return cuda.as_cuda_array(x)
+        return cuda.as_cuda_array(x, sync=False)
     import cupy  # DLPack-only producers: CuPy imports them without a copy
 
-    return cuda.as_cuda_array(cupy.from_dlpack(x))
+    return cuda.as_cuda_array(cupy.from_dlpack(x), sync=False)
 
 
 def framework_of(x) -> str:
@@ -173,7 +179,14 @@ def device_empty(shape, dtype, template, stream=None):
     Returns ``(array, view)``: ``array`` in the caller's framework (torch tensors from
     torch's caching allocator, CuPy arrays from CuPy's pool: no cudaMalloc per call),
     ``view`` a numba device array over the same memory for the kernels (no copy). Other
-    callers (and the simulator) get a numba device array as both.
+    callers (and the simulator) get a numba device array as both. This is the one place
+    where the device ops allocate (scratch included), so under CUDA graph capture every
+    buffer comes from the framework's graph-aware allocator.
+
+    ``stream``: the numba stream the buffer is used on. torch allocates on its current
+    stream; when ``stream`` is another one, the tensor is recorded on it
+    (``Tensor.record_stream``), so the caching allocator does not hand the memory out
+    again before that stream's work on it is done.
     """
     from numba import cuda
 
@@ -183,6 +196,7 @@ def device_empty(shape, dtype, template, stream=None):
     if kind == "torch" and not simulator_enabled():
         torch = sys.modules["torch"]
         array = torch.empty(shape, dtype=getattr(torch, dtype.name), device=template.device)
+        _record_on_stream(torch, array, stream)
     elif kind == "cupy" and not simulator_enabled():
         cupy = sys.modules["cupy"]
         with template.device:
@@ -193,7 +207,22 @@ def device_empty(shape, dtype, template, stream=None):
     if 0 in shape:
         # Nothing to view; kernels are not launched on empty outputs.
         return array, cuda.device_array(shape, dtype=dtype)
-    return array, cuda.as_cuda_array(array)
+    return array, cuda.as_cuda_array(array, sync=False)
+
+
+def stream_handle(stream) -> int:
+    """The raw CUDA stream handle of a numba stream (0: the default stream)."""
+    handle = getattr(stream, "handle", stream)
+    return int(getattr(handle, "value", handle) or 0)
+
+
+def _record_on_stream(torch, tensor, stream) -> None:
+    """``tensor.record_stream`` on ``stream`` when it is not torch's current stream."""
+    if stream is None or tensor.numel() == 0:
+        return
+    handle = stream_handle(stream)
+    if handle != torch.cuda.current_stream(tensor.device).cuda_stream:
+        tensor.record_stream(torch.cuda.ExternalStream(handle, device=tensor.device))
 
 
 def resolve_stream(template, stream=None):

@@ -85,9 +85,10 @@ def _align_device(topk_ids, num_experts, block_size, stream):
     num_experts, block_size, numel, capacity = _check_align_args(
         ids.shape, num_experts, block_size)
     launch_stream = resolve_stream(topk_ids, stream)
-    sorted_token_ids, sorted_view = device_empty((capacity,), np.int32, topk_ids)
-    expert_ids, expert_view = device_empty((capacity // block_size,), np.int32, topk_ids)
-    starts, starts_view = device_empty((num_experts + 1,), np.int32, topk_ids)
+    sorted_token_ids, sorted_view = device_empty((capacity,), np.int32, topk_ids, launch_stream)
+    expert_ids, expert_view = device_empty((capacity // block_size,), np.int32, topk_ids,
+                                           launch_stream)
+    starts, starts_view = device_empty((num_experts + 1,), np.int32, topk_ids, launch_stream)
     _sort.counting_sort_device(ids, num_experts, block_size, sorted_view, starts_view,
-                               expert_view, None, launch_stream)
+                               expert_view, None, launch_stream, template=topk_ids)
     return sorted_token_ids, expert_ids, starts[num_experts:]

@@ -209,12 +209,11 @@ else:
 
 
 def _combine_kernel(expert_out, inverse_index, weights, has_weights, out):
-    """One thread per output element (t, h); float32 or float16 activations."""
-    i = cuda.grid(1)
-    width = out.shape[1]
-    if i < out.shape[0] * width:
-        t = i // width
-        h = i % width
+    """Block (t, c): columns ``c*blockDim + tid`` of token t (`row_launch_config`: 32-bit
+    index math, no division); float32 or float16 activations."""
+    t = cuda.blockIdx.x
+    h = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if t < out.shape[0] and h < out.shape[1]:
         rows = expert_out.shape[0]
         acc = np.float32(0)
         for k in range(inverse_index.shape[1]):
@@ -228,12 +227,10 @@ def _combine_kernel(expert_out, inverse_index, weights, has_weights, out):
 
 
 def _combine_bf16_kernel(expert_bits, inverse_index, weights, has_weights, out_bits):
-    """One thread per output element (t, h); bfloat16 activations as raw uint16 bits."""
-    i = cuda.grid(1)
-    width = out_bits.shape[1]
-    if i < out_bits.shape[0] * width:
-        t = i // width
-        h = i % width
+    """As `_combine_kernel`; bfloat16 activations as raw uint16 bits."""
+    t = cuda.blockIdx.x
+    h = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if t < out_bits.shape[0] and h < out_bits.shape[1]:
         rows = expert_bits.shape[0]
         acc = np.float32(0)
         for k in range(inverse_index.shape[1]):
@@ -364,16 +361,16 @@ def _combine_device(expert_out, inverse_index, topk_weights, raw_bf16, stream):
         raise TypeError(f"topk_weights on the device must be float32, got dtype {weights.dtype}")
     launch_stream = resolve_stream(expert_out, stream)
     tokens, width = int(index.shape[0]), int(expert.shape[1])
-    out, out_view = device_empty((tokens, width), expert.dtype, expert_out)
+    out, out_view = device_empty((tokens, width), expert.dtype, expert_out, launch_stream)
     if tokens * width:
         has_weights = weights is not None
-        if not has_weights:
-            weights = cuda.device_array((1, 1), np.float32, stream=launch_stream)
+        if not has_weights:  # never read; allocated like every other buffer (graph capture)
+            weights = device_empty((1, 1), np.float32, expert_out, launch_stream)[1]
         if raw_bf16:  # the kernel reads and writes the patterns as uint16
             expert, out_view = expert.view(np.uint16), out_view.view(np.uint16)
-        blocks, threads = _sort.launch_config(tokens * width)
-        _kernel(raw_bf16)[blocks, threads, launch_stream](expert, index, weights, has_weights,
-                                                         out_view)
+        grid, threads = _sort.row_launch_config(tokens, width)
+        _kernel(raw_bf16)[grid, threads, launch_stream](expert, index, weights, has_weights,
+                                                       out_view)
     return out
 
 

@@ -174,6 +174,29 @@ def layout_device_tables(layout: ExpertLayout):
     return tables
 
 
+_device_maps: OrderedDict = OrderedDict()
+
+
+def expert_map_device_table(expert_map: np.ndarray):
+    """int32 device copy of the host ``expert_map``, uploaded once per content and device.
+
+    Keyed by the map's bytes, so a map edited in place gets a new upload. The first call
+    copies synchronously (before any capture: the warm-up call); later calls copy nothing.
+    """
+    table = np.ascontiguousarray(expert_map, dtype=np.int32)
+    device = cuda.get_current_device()
+    key = (table.tobytes(), getattr(device, "id", 0))
+    found = _device_maps.get(key)
+    if found is None:
+        found = cuda.to_device(table)
+        _device_maps[key] = found
+        if len(_device_maps) > _DEVICE_TABLE_CACHE_SIZE:
+            _device_maps.popitem(last=False)
+    else:
+        _device_maps.move_to_end(key)
+    return found
+
+
 def launch_logical_to_physical(ids_view, layout, out_view, stream) -> None:
     """Fill the first K columns of ``out_view`` from ``ids_view`` [T, K] on ``stream``."""
     numel = int(ids_view.shape[0]) * int(ids_view.shape[1])
@@ -222,7 +245,7 @@ def logical_to_physical(topk_ids, layout, *, stream=None):
         ids = _sort.device_ids("topk_ids", topk_ids)
         _sort.check_index_limit("topk_ids.shape[0]", int(ids.shape[0]))
         launch_stream = resolve_stream(topk_ids, stream)
-        out, out_view = device_empty(tuple(ids.shape), np.int32, topk_ids)
+        out, out_view = device_empty(tuple(ids.shape), np.int32, topk_ids, launch_stream)
         launch_logical_to_physical(ids, layout, out_view, launch_stream)
         return out
     ids = _sort.host_ids("topk_ids", host_array(topk_ids))
@@ -244,7 +267,8 @@ def remap_to_local(ids, expert_map, *, stream=None):
     expert_map : int [num_physical_experts]
         ``layout.expert_map(rank)``: local id or -1, each fitting int32 (a NumPy map of a
         wider dtype is checked; a device map must be int32). A NumPy map with device
-        ``ids`` is copied to the device on every call; pass a device map to avoid that.
+        ``ids`` is uploaded once per distinct content and device and kept (as the layout
+        tables are), so later calls copy nothing and can be captured in a CUDA graph.
     stream : optional
         Device inputs only.
 
@@ -295,10 +319,9 @@ def _remap_device(ids, expert_map, stream):
         host_table = np.asarray(expert_map)
         _check_expert_map_dtype(host_table.dtype, host_table.ndim)
         _check_host_expert_map(host_table)
-        table = cuda.to_device(np.ascontiguousarray(host_table, dtype=np.int32),
-                               stream=launch_stream)
+        table = expert_map_device_table(host_table)
     shape = tuple(view.shape)
-    out, out_view = device_empty(shape, np.int32, ids)
+    out, out_view = device_empty(shape, np.int32, ids, launch_stream)
     size = int(np.prod(shape, dtype=np.int64))
     if size:
         blocks, threads = _sort.launch_config(size)
