@@ -103,16 +103,24 @@ def test_dispatch_primitives_device_in_device_out():
     assert np.array_equal(expert_ids.copy_to_host(), ref_experts)
     assert int(total.copy_to_host()[0]) == ref_total
 
-    for got, expected in zip(moeroute.sort_by_expert(local, num_local),
-                             reference.sort_by_expert(ref_local, num_local)):
-        _assert_device(got)
-        assert np.array_equal(got.copy_to_host(), expected)
+    # On the device the sorted slots are sized by their upper bound T*K (no read-back of
+    # the kept count): the first expert_offsets[-1] entries are the sort, the rest T*K.
+    got_sorted, got_offsets, got_inverse = moeroute.sort_by_expert(local, num_local)
+    _assert_device(got_sorted, got_offsets, got_inverse)
+    ref_sorted_slots, ref_offsets, ref_inverse = reference.sort_by_expert(ref_local, num_local)
+    kept, numel = len(ref_sorted_slots), ref_local.size
+    assert np.array_equal(got_sorted.copy_to_host(),
+                          np.concatenate([ref_sorted_slots, np.full(numel - kept, numel)]))
+    assert np.array_equal(got_offsets.copy_to_host(), ref_offsets)
+    assert np.array_equal(got_inverse.copy_to_host(), ref_inverse)
 
     hidden = _rng(6).standard_normal((TOKENS, 5)).astype(np.float32)
     permuted, offsets, inverse = moeroute.permute(dev(hidden), local, num_local)
     _assert_device(permuted, offsets, inverse)
     ref_perm, ref_offsets, ref_inverse = reference.permute(hidden, ref_local, num_local)
-    np.testing.assert_array_equal(permuted.copy_to_host(), ref_perm)
+    assert permuted.shape == (numel, hidden.shape[1])
+    np.testing.assert_array_equal(permuted.copy_to_host()[:kept], ref_perm)
+    assert np.array_equal(offsets.copy_to_host(), ref_offsets)
     assert np.array_equal(inverse.copy_to_host(), ref_inverse)
 
     combined = moeroute.combine(permuted, inverse, out_w)
