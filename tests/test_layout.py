@@ -536,3 +536,34 @@ def test_equality_hash_and_repr_round_trip():
         assert rebuilt == layout and hash(rebuilt) == hash(layout)
     assert layouts_[0] != layouts_[1]
     assert ExpertLayout(8, 1, 2, "all2all") == ExpertLayout(8, 1, 2, "all2all", "fused", "per_rank")
+
+
+# ---------------------------------------------------------------------------- int32 id limit
+
+
+@pytest.mark.parametrize("kwargs, total", [
+    (dict(num_routed_experts=2**31 + 5), 2**31 + 5),
+    (dict(num_routed_experts=2**31 - 2, num_redundant_experts=2), 2**31),
+    (dict(num_routed_experts=2**31 - 8, num_shared_experts=2, ep_size=4, dispatch="all2all"),
+     2**31),
+])
+def test_layout_refuses_ids_beyond_int32_before_allocating(kwargs, total):
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(LayoutError, match=rf"= {total} physical experts exceed the int32 id limit 2147483647"):
+            ExpertLayout(**kwargs)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20  # refused before any id table was built
+
+
+def test_layout_id_limit_is_the_int32_maximum():
+    """N + R + E*S may reach 2**31 - 1 (the largest int32); one more is refused."""
+    from moeroute.layout import MAX_PHYSICAL_EXPERTS
+
+    assert MAX_PHYSICAL_EXPERTS == np.iinfo(np.int32).max
+    with pytest.raises(LayoutError, match="exceed the int32 id limit"):
+        ExpertLayout(MAX_PHYSICAL_EXPERTS, 1)

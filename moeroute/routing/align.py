@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from moeroute.routing import _sort
-from moeroute.routing._arrays import device_empty, is_device_array, resolve_stream
+from moeroute.routing._arrays import as_caller, device_empty, host_array, is_device_array, resolve_stream
 
 __all__ = ["align_block_size"]
 
@@ -35,8 +35,9 @@ def align_block_size(topk_ids, num_experts, block_size, *, stream=None):
     Parameters
     ----------
     topk_ids : array [T, K], integer
-        NumPy (any integer dtype) or a device array (int32 or int64; CuPy, torch CUDA,
-        numba). T = 0 is allowed.
+        NumPy or CPU torch (any integer dtype) or a device array (int32 or int64; CuPy,
+        torch CUDA, numba). T = 0 is allowed. The arrays come back in the framework and
+        on the device of ``topk_ids``.
     num_experts : int
         Experts in the id space, >= 1 (e.g. 520 = 512 routed + 8 per-rank shared slots).
     block_size : int
@@ -70,13 +71,13 @@ def align_block_size(topk_ids, num_experts, block_size, *, stream=None):
     """
     if is_device_array(topk_ids):
         return _align_device(topk_ids, num_experts, block_size, stream)
-    ids = _sort.host_ids("topk_ids", topk_ids)
+    ids = _sort.host_ids("topk_ids", host_array(topk_ids))
     num_experts, block_size, numel, capacity = _check_align_args(
         ids.shape, num_experts, block_size)
     sorted_token_ids = np.empty(capacity, np.int32)
     expert_ids = np.empty(capacity // block_size, np.int32)
     total = _sort.align_cpu(ids, num_experts, block_size, sorted_token_ids, expert_ids)
-    return sorted_token_ids, expert_ids, int(total)
+    return as_caller(sorted_token_ids, topk_ids), as_caller(expert_ids, topk_ids), int(total)
 
 
 def _align_device(topk_ids, num_experts, block_size, stream):
@@ -84,9 +85,10 @@ def _align_device(topk_ids, num_experts, block_size, stream):
     num_experts, block_size, numel, capacity = _check_align_args(
         ids.shape, num_experts, block_size)
     launch_stream = resolve_stream(topk_ids, stream)
-    sorted_token_ids, sorted_view = device_empty((capacity,), np.int32, topk_ids)
-    expert_ids, expert_view = device_empty((capacity // block_size,), np.int32, topk_ids)
-    starts, starts_view = device_empty((num_experts + 1,), np.int32, topk_ids)
+    sorted_token_ids, sorted_view = device_empty((capacity,), np.int32, topk_ids, launch_stream)
+    expert_ids, expert_view = device_empty((capacity // block_size,), np.int32, topk_ids,
+                                           launch_stream)
+    starts, starts_view = device_empty((num_experts + 1,), np.int32, topk_ids, launch_stream)
     _sort.counting_sort_device(ids, num_experts, block_size, sorted_view, starts_view,
-                               expert_view, None, launch_stream)
+                               expert_view, None, launch_stream, template=topk_ids)
     return sorted_token_ids, expert_ids, starts[num_experts:]
