@@ -1,6 +1,6 @@
 """The pipeline as torch custom ops: ``torch.ops.moeroute.*``, each with a fake (meta) kernel.
 
-torch.compile, torch.export and CUDA graphs see each op as one opaque call whose output
+torch.compile and torch.export see each op as one opaque call whose output
 shapes come from its fake kernel; nothing inside (NumPy views of tensors, Numba and CuPy
 launches, oneDNN linears) is traced.
 
