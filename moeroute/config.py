@@ -32,8 +32,9 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
 ]
 
-#: Scoring functions applied to the router logits before selection.
-SCORING_FUNCTIONS = ("softmax", "sigmoid")
+#: Scoring functions applied to the router logits before selection: softmax, sigmoid,
+#: sqrt(softplus(logits)) and "none" (the raw logits are the scores).
+SCORING_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus", "none")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -58,8 +59,14 @@ class RouterConfig:
     top_k : int
         K, the number of routed experts per token; 1 <= K <= N, and with grouped
         routing K <= topk_group * N / num_expert_group.
-    scoring : {"softmax", "sigmoid"}
-        Function turning router logits into scores.
+    scoring : {"softmax", "sigmoid", "sqrtsoftplus", "none"}
+        Function turning router logits into scores: softmax over the N logits, sigmoid,
+        ``sqrt(softplus(logits))`` (SGLang's biased top-k), or "none": the raw logits are
+        the scores (FlashInfer's TopK routing). With "none" and ``renormalize`` the K picked
+        logits are divided by ``sum + 1e-20`` only when that divisor is positive and finite
+        (otherwise they stay as they are), and every weight is clamped to the finite float32
+        range. Top-k on the logits then a softmax over the K picked (gpt-oss) is
+        "softmax" with ``renormalize=True``.
     num_expert_group : int
         G, the number of expert groups; must divide N. 1 disables grouped routing.
     topk_group : int
