@@ -32,6 +32,9 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
 ]
 
+#: Expert activations a preset may name (the torch experts implement each).
+EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+
 #: Scoring functions applied to the router logits before selection: softmax, sigmoid,
 #: sqrt(softplus(logits)) and "none" (the raw logits are the scores).
 SCORING_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus", "none")
@@ -206,6 +209,11 @@ class ModelPreset:
     shared_unfusable_reason : str or None
         Why the shared MLP cannot become expert slots (pass it to
         ``ExpertLayout(unfusable_reason=...)``); None when it can.
+    activation : str
+        The experts' activation: "silu" (default), "gelu", "gelu_tanh" or "swigluoai"
+        (gpt-oss).
+    expert_bias : bool
+        The experts carry gate_up and down biases, and the router linear a bias (gpt-oss).
 
     Raises
     ------
@@ -224,6 +232,8 @@ class ModelPreset:
     hidden_size: int
     moe_intermediate_size: int
     shared_unfusable_reason: str | None = None
+    activation: str = "silu"
+    expert_bias: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.router, RouterConfig):
@@ -249,6 +259,10 @@ class ModelPreset:
             )
         if self.shared_gated and not shared:
             raise ValueError("shared_gated=True needs a shared expert (num_shared_experts > 0)")
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r} is not supported; use one of "
+                             f"{EXPERT_ACTIVATIONS}")
+        object.__setattr__(self, "expert_bias", bool(self.expert_bias))
         object.__setattr__(self, "hidden_size", hidden)
         object.__setattr__(self, "moe_intermediate_size", inter)
         object.__setattr__(self, "num_shared_experts", shared)
@@ -512,6 +526,34 @@ def _read_mixtral(fields: Mapping) -> dict:
     )
 
 
+def _read_gpt_oss(fields: Mapping) -> dict:
+    # gpt-oss: top-k of the (biased) router logits, then softmax over the K picked, which is
+    # softmax + renormalize (SPEC section 9); biased experts with the clamped swigluoai.
+    limit = _field(fields, "swiglu_limit", 7.0)
+    alpha = _field(fields, "swiglu_alpha", 1.702)
+    if (float(alpha), float(limit)) != (1.702, 7.0):
+        raise ValueError(
+            f"swiglu_alpha={alpha}, swiglu_limit={limit}: moeroute's swigluoai uses alpha=1.702 "
+            "and limit=7.0"
+        )
+    return dict(
+        router=RouterConfig(
+            num_experts=_field(fields, ("num_local_experts", "num_experts"), 128),
+            top_k=_field(fields, ("num_experts_per_tok", "experts_per_token"), 4),
+            scoring="softmax",
+            renormalize=True,
+        ),
+        has_correction_bias=False,
+        num_shared_experts=0,
+        shared_intermediate_size=0,
+        shared_gated=False,
+        hidden_size=_field(fields, "hidden_size", 2880),
+        moe_intermediate_size=_field(fields, "intermediate_size", 2880),
+        activation="swigluoai",
+        expert_bias=True,
+    )
+
+
 _READERS: dict[str, Callable[[Mapping], dict]] = {
     "deepseek_v3": _read_deepseek_v3,
     "kimi_k2": _read_deepseek_v3,
@@ -523,6 +565,7 @@ _READERS: dict[str, Callable[[Mapping], dict]] = {
     # Qwen3.5-MoE's router always renormalizes (it has no norm_topk_prob field).
     "qwen3_5_moe_text": _qwen_reader(256, 8, 512, 512, norm_topk_prob=None),
     "mixtral": _read_mixtral,
+    "gpt_oss": _read_gpt_oss,
 }
 
 #: Model types ``from_hf`` reads (top-level ``model_type`` values).
@@ -588,6 +631,19 @@ PRESETS: dict[str, ModelPreset] = {
             "mixtral-8x7b", "mixtral",
             RouterConfig(8, 2, "softmax", renormalize=True),
             hidden_size=4096, moe_intermediate_size=14336,
+        ),
+        # gpt-oss: softmax over the top-k logits = softmax + renormalize; biased experts.
+        _preset(
+            "gpt-oss-20b", "gpt_oss",
+            RouterConfig(32, 4, "softmax", renormalize=True),
+            hidden_size=2880, moe_intermediate_size=2880, activation="swigluoai",
+            expert_bias=True,
+        ),
+        _preset(
+            "gpt-oss-120b", "gpt_oss",
+            RouterConfig(128, 4, "softmax", renormalize=True),
+            hidden_size=2880, moe_intermediate_size=2880, activation="swigluoai",
+            expert_bias=True,
         ),
     )
 }
