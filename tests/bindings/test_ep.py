@@ -49,7 +49,7 @@ def groups(tmp_path_factory):
     def get(world_size):
         if world_size not in cache:
             payload = {"invalid": world_size == 2, "faults": True, "moe": True,
-                       "from_hf": world_size == 2}
+                       "from_hf": world_size == 2, "placement": world_size == 2}
             try:
                 cache[world_size] = spawn_group(
                     "configs", world_size, tmp_path_factory.mktemp(f"ep{world_size}"), payload)
@@ -187,6 +187,33 @@ def test_from_hf_with_ep_group_matches_block_and_single_process(groups):
             assert record["error_vs_block"] < 1e-5, (rank, record)
             # Qwen3.5's gated shared expert is fused under auto (per-rank slots).
             assert record["shared"] == ("fused" if record["name"].endswith("auto") else "overlap")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_round_robin_and_table_placements_hold_the_right_experts(groups, world_size):
+    for dispatch in ("all2all", "allgather"):
+        record = _records(groups(world_size), f"{dispatch}-round-robin")[0]
+        # Rank r holds logical r, r+E, r+2E, ... (no redundant experts here).
+        assert record["logical_experts"] == [list(range(r, 9, world_size)) for r in range(world_size)]
+        table = [5, 4, 3, 2, 1, 0] + [0] * (world_size - 1)
+        record = _records(groups(world_size), f"{dispatch}-physical-to-logical-table")[0]
+        assert sum(record["logical_experts"], []) == table
+        redundant = _records(groups(world_size), f"{dispatch}-round-robin-redundant")
+        assert sum(r["replica_slots"] for r in redundant) > 0
+
+
+def test_placements_with_gpt_oss_experts_match_single_process(groups):
+    expected_names = [f"placement-{d}-{p}" for d in ("all2all", "allgather") for p in ("round_robin", "table")]
+    table = list(range(8))[::-1] + [3, 3]
+    for rank, records in enumerate(_module_records(groups(2), "placement")):
+        assert [r["name"] for r in records] == expected_names
+        for record in records:
+            assert record["shape"] == record["expected_shape"] and record["shape"][0] > 0
+            assert record["error"] < 1e-5, (rank, record)
+            if record["name"].endswith("round_robin"):
+                assert record["logical_experts"] == list(range(rank, 8, 2))
+            else:
+                assert record["logical_experts"] == table[5 * rank:5 * rank + 5]
 
 
 INVALID_CASES = {
