@@ -63,7 +63,7 @@ def select_experts(logits, config, correction_bias=None):
 
     Returns
     -------
-    topk_weights : ndarray [T, K] float32
+    topk_weights : ndarray [T, K] float32 (scoring "none": see `_raw_logit_weights`)
     topk_ids : ndarray [T, K] int32, columns ordered by choice descending
     """
     logits = np.asarray(logits)

@@ -178,7 +178,8 @@ def select_experts(logits, config, correction_bias=None, *, stream=None):
         (numba device arrays, CuPy arrays, torch CUDA tensors; float32, float16 or
         bfloat16) run the CUDA kernel on the device. Device logits must be C-contiguous.
     config : moeroute.config.RouterConfig
-        N, K, scoring, grouped routing, renormalize and the routed scaling factor.
+        N, K, scoring ("softmax", "sigmoid", "sqrtsoftplus" or "none"), grouped routing,
+        renormalize and the routed scaling factor.
     correction_bias : array [N] float32, optional
         Added to the scores for selection only (DeepSeek-V3 ``noaux_tc``); on the same
         side (host or device) as ``logits``.
@@ -190,7 +191,8 @@ def select_experts(logits, config, correction_bias=None, *, stream=None):
     -------
     topk_weights : float32 [T, K]
         Scores of the picked experts, renormalized if ``config.renormalize``, times
-        ``config.routed_scaling_factor``.
+        ``config.routed_scaling_factor``. Scoring "none" (raw logits): renormalized only when
+        ``sum + 1e-20`` is positive and finite, then clamped to the finite float32 range.
     topk_ids : int32 [T, K]
         Picked expert ids, distinct, in [0, N), columns ordered by choice descending.
         NumPy in gives NumPy out; device in gives device arrays of the same framework.
