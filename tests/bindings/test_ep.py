@@ -313,6 +313,19 @@ def test_run_command_spawns_ranks_and_checks_them(capsys):
     assert "shared expert: fused" in out and "every rank matches" in out
 
 
+def test_run_command_gpt_oss_round_robin(capsys):
+    from moeroute.bindings import ep_run
+
+    status = ep_run.main(["--preset", "gpt-oss-20b", "--ep", "2", "--placement", "round_robin",
+                          "--redundant", "2", "--tokens", "5", "--hidden", "16", "--intermediate", "8",
+                          "--repeat", "1", "--debug"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "ok" for row in rows), out
+    assert "every rank matches" in out
+
+
 def test_run_command_refuses_an_impossible_layout_before_spawning(capsys):
     from moeroute.bindings import ep_run
 
