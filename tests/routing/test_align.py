@@ -216,6 +216,25 @@ def test_expert_map_worked_example():
     assert total == 6
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    tokens=st.integers(0, 30),
+    top_k=st.integers(1, 5),
+    num_physical=st.integers(1, 20),
+    num_experts=st.integers(1, 12),
+    block_size=st.integers(1, 8),
+    data=st.data(),
+)
+def test_expert_map_property(tokens, top_k, num_physical, num_experts, block_size, data):
+    # Any integer map, entries outside [0, num_experts) included: equal to remap then align.
+    expert_map = np.array(data.draw(st.lists(st.integers(-3, num_experts + 2), min_size=num_physical,
+                                             max_size=num_physical)), dtype=np.int64)
+    ids = np.array(data.draw(st.lists(st.integers(-2, num_physical + 2), min_size=tokens * top_k,
+                                      max_size=tokens * top_k)), dtype=np.int32).reshape(tokens, top_k)
+    assert_same(align_block_size(ids, num_experts, block_size, expert_map),
+                align_block_size(remap_to_local(ids, expert_map), num_experts, block_size))
+
+
 @pytest.mark.parametrize("expert_map,error,words", [
     (np.zeros((2, 5), np.int32), ValueError, "expert_map must be 1-D"),
     (np.zeros(5, np.float32), TypeError, "expert_map must hold integers"),
