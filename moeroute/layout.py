@@ -11,7 +11,9 @@ logical id
     0..N-1, what the router outputs.
 routed physical id
     0..P-1 with P = N + R: a logical expert or one of its replicas (EPLB).
-    Physical p >= N replicates logical ``p % N`` unless a replica table is given.
+    Physical p >= N replicates logical ``p % N`` unless a replica table is given. Rank r
+    always holds a contiguous run of them; the placement ("linear", "round_robin" or a
+    ``physical_to_logical`` table) says which logical expert each one computes.
 physical id
     0..num_physical_experts-1, the id space of the grouped GEMM across all ranks:
     the routed physical ids plus the shared slots when the shared expert is fused.

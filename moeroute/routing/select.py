@@ -87,8 +87,9 @@ _F32_HALF = np.float32(0.5)
 _HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 
 # config.scoring as the CPU kernel's integer argument (one compiled kernel serves all four).
-_SCORING_CODES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "none": 3}
 _SOFTMAX, _SIGMOID, _SQRTSOFTPLUS, _RAW = 0, 1, 2, 3
+_SCORING_CODES = {"softmax": _SOFTMAX, "sigmoid": _SIGMOID, "sqrtsoftplus": _SQRTSOFTPLUS,
+                  "none": _RAW}
 
 
 # --------------------------------------------------------------------------------------
