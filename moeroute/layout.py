@@ -851,8 +851,9 @@ class ExpertLayout:
         return (
             self._num_routed_experts, self._num_shared_experts, self._ep_size,
             self._dispatch, self._shared, self._shared_slots, self._num_redundant_experts,
+            # The full table: it says what every placement (linear, round-robin, any table) does.
             tuple(self._physical_to_logical.tolist()),
-            self._scaling_regime, self._unfusable_reason, self._placement,
+            self._scaling_regime, self._unfusable_reason,
         )
 
     def __eq__(self, other: object) -> bool:

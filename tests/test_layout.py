@@ -679,5 +679,8 @@ def test_round_robin_equality_and_repr():
     a = ExpertLayout(8, 1, 2, "all2all", placement="round_robin")
     b = ExpertLayout(8, 1, 2, "all2all")
     assert a != b
+    # Layouts that place every expert alike are equal, however they were described.
+    assert a == ExpertLayout(8, 1, 2, "all2all", physical_to_logical=[0, 2, 4, 6, 1, 3, 5, 7])
+    assert b == ExpertLayout(8, 1, 2, "all2all", physical_to_logical=list(range(8)))
     again = eval(repr(a), {"ExpertLayout": ExpertLayout})
     assert again == a and hash(again) == hash(a)
