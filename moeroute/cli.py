@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -26,7 +27,8 @@ from typing import Any
 from moeroute.config import PRESETS, SCORING_FUNCTIONS, ModelPreset, get_preset
 from moeroute.layout import DISPATCH_MODES, PLACEMENTS, SCALING_REGIMES, SHARED_MODES, SHARED_SLOT_MODES
 
-__all__ = ["Command", "COMMANDS", "main", "build_parser", "positive_int", "non_negative_int"]
+__all__ = ["Command", "COMMANDS", "main", "build_parser", "positive_int", "non_negative_int",
+           "check_fits_in_memory", "physical_memory_bytes"]
 
 #: Exit status for a request that cannot work (impossible layout, bad config).
 EXIT_USAGE = 2
@@ -35,6 +37,14 @@ HISTOGRAM_WIDTH = 40
 #: Scale of the random correction bias: small next to the spread of sigmoid scores
 #: (about 0.2), so it shifts a few picks instead of dominating the choice.
 CORRECTION_BIAS_SCALE = 0.01
+#: Bytes per routed token of ``route``: its float32 logits row, plus float32 weights and
+#: int32 ids per pick (the outputs).
+ROUTE_BYTES_PER_LOGIT = 4
+ROUTE_BYTES_PER_PICK = 8
+#: Bytes per physical expert of ``plan``'s layout tables (a handful of int32 arrays and
+#: the describe() text), and per rank (one expert map and one line of text each).
+PLAN_BYTES_PER_EXPERT = 64
+PLAN_BYTES_PER_RANK = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +105,25 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} must be an integer >= 0")
     return value
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_fits_in_memory(what: str, nbytes: int) -> None:
+    """ValueError when ``nbytes`` (the estimate of what a request allocates) exceeds the
+    machine's physical memory: refused before anything is allocated."""
+    total = physical_memory_bytes()
+    if total is not None and nbytes > total:
+        raise ValueError(
+            f"{what} needs about {nbytes:.3g} bytes, more than this machine's "
+            f"{total:.3g} bytes of memory; use a smaller size"
+        )
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -173,6 +202,11 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         preset = _load_model(args)
         dispatch = args.dispatch or ("none" if args.ep == 1 else "all2all")
+        physical = (preset.router.num_experts + args.redundant
+                    + args.ep * preset.num_shared_experts)
+        check_fits_in_memory(
+            f"the layout of {physical} physical experts on --ep {args.ep} ranks",
+            physical * PLAN_BYTES_PER_EXPERT + args.ep * PLAN_BYTES_PER_RANK)
         layout = ExpertLayout(
             preset.router.num_experts, preset.num_shared_experts, args.ep, dispatch,
             args.shared, args.slots, args.redundant,
@@ -199,7 +233,8 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
     parser.add_argument("--tokens", type=non_negative_int, required=True, metavar="T",
                         help="number of tokens to route")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="random seed, an integer >= 0 (default 0)")
     parser.add_argument("--ep", type=positive_int, default=1, metavar="E",
                         help="expert-parallel size for the per-rank load (default 1)")
     parser.add_argument("--repeat", type=positive_int, default=10, metavar="R",
@@ -241,27 +276,37 @@ def run_route(args: argparse.Namespace) -> int:
             preset = dataclasses.replace(
                 preset, router=dataclasses.replace(preset.router, scoring=args.scoring))
         router = preset.router
+        check_fits_in_memory(
+            f"routing --tokens {args.tokens} over {router.num_experts} experts",
+            args.tokens * (router.num_experts * ROUTE_BYTES_PER_LOGIT
+                           + router.top_k * ROUTE_BYTES_PER_PICK))
         layout = ExpertLayout(router.num_experts, ep_size=args.ep,
                               dispatch="none" if args.ep == 1 else "all2all",
                               placement=args.placement)
     except ValueError as error:  # LayoutError included
         return _error(str(error))
 
-    rng = np.random.default_rng(args.seed)
-    logits = rng.standard_normal((args.tokens, router.num_experts), dtype=np.float32)
-    bias = None
-    if preset.has_correction_bias:
-        bias = CORRECTION_BIAS_SCALE * rng.standard_normal(router.num_experts, dtype=np.float32)
+    try:
+        rng = np.random.default_rng(args.seed)
+        logits = rng.standard_normal((args.tokens, router.num_experts), dtype=np.float32)
+        bias = None
+        if preset.has_correction_bias:
+            bias = CORRECTION_BIAS_SCALE * rng.standard_normal(router.num_experts,
+                                                               dtype=np.float32)
 
-    select_experts = _load_select_experts()
-    start = time.perf_counter()
-    weights, ids = select_experts(logits, router, bias)
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(args.repeat):
+        select_experts = _load_select_experts()
         start = time.perf_counter()
-        select_experts(logits, router, bias)
-        times.append(time.perf_counter() - start)
+        weights, ids = select_experts(logits, router, bias)
+        first = time.perf_counter() - start
+        times = []
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            select_experts(logits, router, bias)
+            times.append(time.perf_counter() - start)
+    except MemoryError:  # the estimate fit the machine, the free memory did not
+        return _error(f"not enough free memory to route --tokens {args.tokens}; use fewer tokens")
+    except ValueError as error:  # a size beyond a kernel's int32 limit
+        return _error(str(error))
 
     ids = np.asarray(ids)
     counts = np.bincount(ids.ravel(), minlength=router.num_experts)

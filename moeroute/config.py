@@ -30,6 +30,7 @@ __all__ = [
     "get_preset",
     "SCORING_FUNCTIONS",
     "SUPPORTED_MODEL_TYPES",
+    "ROUTED_SCALING_FACTOR_RANGE",
 ]
 
 #: Expert activations a preset may name (the torch experts implement each).
@@ -38,6 +39,10 @@ EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 #: Scoring functions applied to the router logits before selection: softmax, sigmoid,
 #: sqrt(softplus(logits)) and "none" (the raw logits are the scores).
 SCORING_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus", "none")
+#: Allowed routed_scaling_factor range. Scores are at most 1 (before scaling), so
+#: weights stay at most 1e6, far below float32's 3.4e38 even summed over many tokens'
+#: expert outputs, and a weight of 1 stays far above float32's smallest normal 1.2e-38.
+ROUTED_SCALING_FACTOR_RANGE = (1e-6, 1e6)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -77,7 +82,8 @@ class RouterConfig:
     renormalize : bool
         Divide the K picked weights by their sum before scaling.
     routed_scaling_factor : float
-        rsf, a finite factor > 0 multiplied into the routed weights.
+        rsf, a factor in `ROUTED_SCALING_FACTOR_RANGE` ([1e-6, 1e6]) multiplied into the
+        routed weights, so that float32 weights stay finite and nonzero.
 
     Raises
     ------
@@ -110,13 +116,17 @@ class RouterConfig:
                 f"got {type(self.renormalize).__name__}"
             )
         rsf = self.routed_scaling_factor
+        low, high = ROUTED_SCALING_FACTOR_RANGE
         if isinstance(rsf, bool) or not isinstance(rsf, numbers.Real):
             raise ValueError(
-                f"routed_scaling_factor={rsf!r} must be a finite real number > 0, "
-                f"got {type(rsf).__name__}"
+                f"routed_scaling_factor={rsf!r} must be a finite real number in "
+                f"[{low:g}, {high:g}], got {type(rsf).__name__}"
             )
-        if not math.isfinite(rsf) or rsf <= 0:
-            raise ValueError(f"routed_scaling_factor={rsf} must be a finite real number > 0")
+        if not math.isfinite(rsf) or not low <= rsf <= high:
+            raise ValueError(
+                f"routed_scaling_factor={rsf} must be a finite real number in [{low:g}, {high:g}] "
+                "(outside it float32 weights overflow to inf or vanish to 0)"
+            )
         if top_k > num_experts:
             raise ValueError(
                 f"top_k={top_k} exceeds num_experts={num_experts}; top_k must be in [1, {num_experts}]"
@@ -306,6 +316,11 @@ class ModelPreset:
                 "config has no 'model_type'; supported model types: "
                 + ", ".join(SUPPORTED_MODEL_TYPES)
             )
+        if not isinstance(model_type, str):
+            raise ValueError(
+                f"model_type={model_type!r} must be a string, got {type(model_type).__name__}; "
+                "supported model types: " + ", ".join(SUPPORTED_MODEL_TYPES)
+            )
         fields = top
         text_type = model_type
         if model_type in _COMPOSITE_TEXT_TYPES:
@@ -346,25 +361,57 @@ def _as_dict(config: Any) -> Mapping:
         try:
             with open(path, encoding="utf-8") as handle:
                 loaded = json.load(handle)
-        except (OSError, json.JSONDecodeError) as error:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ValueError(f"cannot read Hugging Face config {path!r}: {error}") from error
         if not isinstance(loaded, dict):
             raise ValueError(f"{path!r} does not hold a JSON object")
         return loaded
     to_dict = getattr(config, "to_dict", None)
     if callable(to_dict):
-        return to_dict()
+        fields = to_dict()
+        if not isinstance(fields, Mapping):
+            raise ValueError(
+                f"config {type(config).__name__}.to_dict() returned {type(fields).__name__}, "
+                "expected a dict of the configuration's fields"
+            )
+        return fields
     raise ValueError(
         f"config must be a dict, a path to config.json or a transformers config, "
         f"got {type(config).__name__}"
     )
 
 
+def _check_field_type(key: str, value: Any, default: Any) -> None:
+    """ValueError when ``value`` is not of the kind of its transformers default."""
+    if isinstance(default, bool):
+        ok, kind = isinstance(value, (bool, np.bool_)), "a bool"
+    elif isinstance(default, numbers.Integral):
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        kind = "an integer"
+    elif isinstance(default, numbers.Real):
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        kind = "a real number"
+    elif isinstance(default, str):
+        ok, kind = isinstance(value, str), "a string"
+    else:
+        return
+    if not ok:
+        raise ValueError(
+            f"Hugging Face config field {key!r}={value!r} must be {kind}, "
+            f"got {type(value).__name__}"
+        )
+
+
 def _field(fields: Mapping, names: str | tuple[str, ...], default: Any = _REQUIRED) -> Any:
-    """First present, non-null field among ``names``; ``default`` otherwise."""
+    """First present, non-null field among ``names``; ``default`` otherwise.
+
+    A present value must be of the kind of ``default`` (bool, integer, real or string);
+    ValueError naming the field otherwise.
+    """
     names = (names,) if isinstance(names, str) else names
     for key in names:
         if fields.get(key) is not None:
+            _check_field_type(key, fields[key], default)
             return fields[key]
     if default is _REQUIRED:
         raise ValueError(f"Hugging Face config lacks the required field {names[0]!r}")
@@ -373,6 +420,8 @@ def _field(fields: Mapping, names: str | tuple[str, ...], default: Any = _REQUIR
 
 def _shared_split(shared_size: int, inter: int) -> tuple[int, str | None]:
     """S and the unfusable reason for a shared MLP of total intermediate ``shared_size``."""
+    shared_size = _check_int("shared_expert_intermediate_size", shared_size, 0)
+    inter = _check_int("moe_intermediate_size", inter, 1)
     if shared_size == 0:
         return 0, None
     if shared_size % inter == 0:

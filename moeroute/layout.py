@@ -43,6 +43,7 @@ __all__ = [
     "BACKEND_REQUIREMENTS",
     "PLACEMENTS",
     "REPLICA_HASH_MULTIPLIER",
+    "MAX_PHYSICAL_EXPERTS",
 ]
 
 #: "none": one rank; "all2all": tokens travel to the ranks holding their experts
@@ -68,6 +69,9 @@ REPLICA_HASH_MULTIPLIER = 2654435769
 REPLICA_HASH_MODULUS = 2**32
 
 _ID_DTYPE = np.int32
+#: Largest physical expert count: ids are int32 (-1 marks "not held"), so every id in
+#: [0, count) must fit in int32.
+MAX_PHYSICAL_EXPERTS = int(np.iinfo(_ID_DTYPE).max)
 
 
 class LayoutError(ValueError):
@@ -146,7 +150,8 @@ class ExpertLayout:
     Raises
     ------
     LayoutError
-        ep_size < 1; N < 1; negative S or R; dispatch "none" with E > 1; P < E
+        ep_size < 1; N < 1; negative S or R; N + R + E*S above `MAX_PHYSICAL_EXPERTS`
+        (2**31 - 1: ids are int32), checked before anything is allocated; dispatch "none" with E > 1; P < E
         (a rank would hold no routed expert); an unknown dispatch, shared,
         shared_slots, scaling_regime or placement value; a replica table of the wrong
         length or with ids outside [0, N); a physical_to_logical table that is not a 1-D
@@ -228,6 +233,13 @@ class ExpertLayout:
                 "use dispatch='all2all' or dispatch='allgather'"
             )
         p = n + r
+        # Checked before any table is allocated: the largest physical id space (per-rank
+        # slots) must fit the int32 ids.
+        if p + e * s > MAX_PHYSICAL_EXPERTS:
+            raise LayoutError(
+                f"N={n} + R={r} + ep_size*S={e}*{s} = {p + e * s} physical experts exceed the "
+                f"int32 id limit {MAX_PHYSICAL_EXPERTS}; ids are int32"
+            )
         if p < e:
             raise LayoutError(
                 f"{p} routed physical experts (N={n} + R={r}) over ep_size={e} ranks would "

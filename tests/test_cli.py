@@ -334,3 +334,56 @@ def test_list_presets_names_activation(capsys):
     status, out, _ = run(capsys, "--list-presets")
     line = next(line for line in out.splitlines() if line.startswith("gpt-oss-120b"))
     assert "swigluoai+biases" in line.split() and " 128 " in line
+
+
+# bad input: exit 2, one clear line, no traceback, nothing allocated
+
+
+def _zero_intermediate_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen2_moe", "num_experts": 8,
+                                "num_experts_per_tok": 2, "moe_intermediate_size": 0}))
+    return str(path)
+
+
+BAD_INPUT = {
+    # name: (argv, text of the error line)
+    "route-negative-seed": (["route", "--preset", "mixtral-8x7b", "--tokens", "4", "--seed", "-1"],
+                            "argument --seed: -1 must be an integer >= 0"),
+    "route-huge-tokens": (["route", "--preset", "mixtral-8x7b", "--tokens", "1000000000000"],
+                          "routing --tokens 1000000000000 over 8 experts needs about"),
+    "plan-zero-intermediate": (["plan", "--config", "{zero}"], "moe_intermediate_size=0 must be an integer >= 1"),
+    "route-zero-intermediate": (["route", "--config", "{zero}", "--tokens", "4"],
+                                "moe_intermediate_size=0 must be an integer >= 1"),
+    "plan-huge-layout": (["plan", "--preset", "mixtral-8x7b", "--redundant", "100000000000000"],
+                         "physical experts on --ep 1 ranks needs about"),
+    "run-negative-seed": (["run", "--preset", "mixtral-8x7b", "--tokens", "4", "--seed", "-3"],
+                          "argument --seed: -3 must be an integer >= 0"),
+    "run-huge-tokens": (["run", "--preset", "mixtral-8x7b", "--tokens", "1000000000000"],
+                        "--ep 2 ranks of --tokens 1000000000000"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUT))
+def test_bad_input_exits_2_with_one_clear_line(tmp_path, name):
+    argv, message = BAD_INPUT[name]
+    argv = [arg.replace("{zero}", _zero_intermediate_config(tmp_path)) for arg in argv]
+    result = subprocess.run([sys.executable, "-m", "moeroute", *argv], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    error_lines = [line for line in lines if not line.startswith(("usage:", " "))]
+    assert len(error_lines) == 1 and message in error_lines[0], result.stderr
+
+
+def test_sizes_beyond_memory_are_refused_before_allocating(capsys, monkeypatch):
+    """The estimate is compared with the machine's memory before any array exists."""
+    monkeypatch.setattr(cli, "physical_memory_bytes", lambda: 10_000)
+    allocations = []
+    monkeypatch.setattr(np.random, "default_rng", lambda *a: allocations.append(a))
+    assert cli.check_fits_in_memory("x", 10_000) is None  # the bound is inclusive
+    # 209 tokens x (8 logits x 4 bytes + 2 picks x 8 bytes) = 10032 bytes > 10000.
+    status, out, err = run(capsys, "route", "--preset", "mixtral-8x7b", "--tokens", "209")
+    assert status == 2 and out == "" and allocations == []
+    assert "needs about 1e+04 bytes, more than this machine's 1e+04 bytes" in err

@@ -64,7 +64,10 @@ ROUTER_ERRORS = [
      r"top_k=9 exceeds topk_group \* experts_per_group = 8"),
     (dict(num_experts=8, top_k=2, renormalize=1), r"renormalize=1 must be a bool"),
     (dict(num_experts=8, top_k=2, renormalize="yes"), r"renormalize='yes' must be a bool"),
-    (dict(num_experts=8, top_k=2, routed_scaling_factor=0.0), r"routed_scaling_factor=0.0 must be a finite real number > 0"),
+    (dict(num_experts=8, top_k=2, routed_scaling_factor=0.0), r"routed_scaling_factor=0.0 must be a finite real number in \[1e-06, 1e\+06\]"),
+    (dict(num_experts=8, top_k=2, routed_scaling_factor=1e300), r"routed_scaling_factor=1e\+300 .*\[1e-06, 1e\+06\]"),
+    (dict(num_experts=8, top_k=2, routed_scaling_factor=1e-300), r"routed_scaling_factor=1e-300 .*\[1e-06, 1e\+06\]"),
+    (dict(num_experts=8, top_k=2, routed_scaling_factor=1.000001e6), r"routed_scaling_factor=1000001"),
     (dict(num_experts=8, top_k=2, routed_scaling_factor=-1), r"routed_scaling_factor=-1"),
     (dict(num_experts=8, top_k=2, routed_scaling_factor=math.inf), r"routed_scaling_factor=inf"),
     (dict(num_experts=8, top_k=2, routed_scaling_factor=math.nan), r"routed_scaling_factor=nan"),
@@ -277,6 +280,20 @@ HF_ERRORS = [
     ({"model_type": "qwen3_5_moe"}, r"'text_config', which is missing"),
     (dict(HF_CONFIGS["qwen3-30b-a3b"], num_experts_per_tok=200), r"top_k=200 exceeds num_experts=128"),
     (42, r"config must be a dict, a path to config.json or a transformers config, got int"),
+    # Values of the wrong kind name the field (they were ZeroDivisionError/TypeError).
+    (dict(HF_CONFIGS["qwen1.5-moe-a2.7b"], moe_intermediate_size=0), r"moe_intermediate_size=0 must be an integer >= 1"),
+    (dict(HF_CONFIGS["qwen3-30b-a3b"], moe_intermediate_size=0), r"moe_intermediate_size=0 must be an integer >= 1"),
+    (dict(HF_CONFIGS["deepseek-v3"], moe_intermediate_size=0), r"moe_intermediate_size=0 must be an integer >= 1"),
+    (dict(HF_CONFIGS["qwen1.5-moe-a2.7b"], shared_expert_intermediate_size="5632"),
+     r"'shared_expert_intermediate_size'='5632' must be an integer, got str"),
+    (dict(HF_CONFIGS["deepseek-v3"], n_shared_experts="1"), r"'n_shared_experts'='1' must be an integer, got str"),
+    (dict(HF_CONFIGS["deepseek-v3"], routed_scaling_factor="2.5"),
+     r"'routed_scaling_factor'='2.5' must be a real number, got str"),
+    (dict(HF_CONFIGS["deepseek-v3"], norm_topk_prob="yes"), r"'norm_topk_prob'='yes' must be a bool, got str"),
+    (dict(HF_CONFIGS["mixtral-8x7b"], num_local_experts=8.0), r"'num_local_experts'=8.0 must be an integer, got float"),
+    (dict(HF_CONFIGS["deepseek-v3"], routed_scaling_factor=1e300), r"routed_scaling_factor=1e\+300"),
+    ({"model_type": ["qwen3_moe"]}, r"model_type=\['qwen3_moe'\] must be a string, got list"),
+    ({"model_type": 3}, r"model_type=3 must be a string, got int"),
 ]
 
 
@@ -297,6 +314,35 @@ def test_from_hf_file_errors(tmp_path):
     listing.write_text("[1, 2]")
     with pytest.raises(ValueError, match="does not hold a JSON object"):
         ModelPreset.from_hf(listing)
+
+
+def test_from_hf_non_utf8_file_names_the_path(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_bytes(b'{"model_type": "\xff\xfe"}')
+    with pytest.raises(ValueError, match=r"cannot read Hugging Face config .*config\.json.*utf-8"):
+        ModelPreset.from_hf(tmp_path)
+
+
+def test_from_hf_config_object_whose_to_dict_is_not_a_dict():
+    class NoFields:
+        def to_dict(self):
+            return None
+
+    with pytest.raises(ValueError, match=r"NoFields.to_dict\(\) returned NoneType, expected a dict"):
+        ModelPreset.from_hf(NoFields())
+
+
+def test_router_config_scaling_factor_range_keeps_float32_weights_finite():
+    """The extremes of the allowed range still give finite, nonzero float32 weights."""
+    from moeroute.config import ROUTED_SCALING_FACTOR_RANGE
+    from moeroute.routing.reference import select_experts
+
+    logits = np.array([[3.0, -2.0, 0.5, 40.0]], np.float32)
+    for rsf in ROUTED_SCALING_FACTOR_RANGE:
+        for renormalize in (True, False):
+            config = RouterConfig(4, 2, renormalize=renormalize, routed_scaling_factor=rsf)
+            weights, _ = select_experts(logits, config)
+            assert np.all(np.isfinite(weights)) and weights[0, 0] > 0, (rsf, weights)
 
 
 def test_unknown_model_type_lists_all_supported():

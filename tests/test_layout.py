@@ -684,3 +684,34 @@ def test_round_robin_equality_and_repr():
     assert b == ExpertLayout(8, 1, 2, "all2all", physical_to_logical=list(range(8)))
     again = eval(repr(a), {"ExpertLayout": ExpertLayout})
     assert again == a and hash(again) == hash(a)
+
+
+# ---------------------------------------------------------------------------- int32 id limit
+
+
+@pytest.mark.parametrize("kwargs, total", [
+    (dict(num_routed_experts=2**31 + 5), 2**31 + 5),
+    (dict(num_routed_experts=2**31 - 2, num_redundant_experts=2), 2**31),
+    (dict(num_routed_experts=2**31 - 8, num_shared_experts=2, ep_size=4, dispatch="all2all"),
+     2**31),
+])
+def test_layout_refuses_ids_beyond_int32_before_allocating(kwargs, total):
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(LayoutError, match=rf"= {total} physical experts exceed the int32 id limit 2147483647"):
+            ExpertLayout(**kwargs)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20  # refused before any id table was built
+
+
+def test_layout_id_limit_is_the_int32_maximum():
+    """N + R + E*S may reach 2**31 - 1 (the largest int32); one more is refused."""
+    from moeroute.layout import MAX_PHYSICAL_EXPERTS
+
+    assert MAX_PHYSICAL_EXPERTS == np.iinfo(np.int32).max
+    with pytest.raises(LayoutError, match="exceed the int32 id limit"):
+        ExpertLayout(MAX_PHYSICAL_EXPERTS, 1)

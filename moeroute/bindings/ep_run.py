@@ -24,7 +24,7 @@ import time
 import traceback
 from typing import Any
 
-from moeroute.cli import non_negative_int, positive_int
+from moeroute.cli import check_fits_in_memory, non_negative_int, positive_int
 from moeroute.config import PRESETS, get_preset
 from moeroute.layout import PLACEMENTS, SCALING_REGIMES, SHARED_MODES, ExpertLayout
 
@@ -46,6 +46,9 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 CORRECTION_BIAS_SCALE = 0.01
 #: Untimed forwards before the timed ones (first-call compilation and allocation).
 WARMUP_FORWARDS = 2
+#: Activation-sized buffers a rank holds per token of the group (inputs, received rows,
+#: partials, outputs of both layers), for the memory estimate made before spawning.
+RANK_ACTIVATION_BUFFERS = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="activation and weight dtype (default float32)")
     parser.add_argument("--repeat", type=positive_int, default=5, metavar="R",
                         help="timed forwards per rank (default 5)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="random seed, an integer >= 0 (default 0)")
     parser.add_argument("--timeout", type=positive_int, default=120, metavar="S",
                         help="process-group timeout in seconds (default 120)")
     parser.add_argument("--debug", action="store_true",
@@ -90,6 +94,16 @@ def _check_request(args: argparse.Namespace) -> tuple[Any, ExpertLayout]:
     """The preset and the layout the ranks will build; ValueError (LayoutError) if impossible."""
     preset = get_preset(args.preset)
     fusable = preset.shared_unfusable_reason is None
+    # Per spawned rank: the EP and the single-process layer (all N experts: gate_up, down),
+    # this rank's tokens and a few activation-sized buffers of every rank's tokens.
+    element = 2 if args.dtype == "bfloat16" else 4
+    weights = 2 * preset.router.num_experts * 3 * args.intermediate * args.hidden
+    activations = RANK_ACTIVATION_BUFFERS * args.ep * args.tokens * args.hidden
+    ranks_here = 1 if _under_torchrun() else args.ep
+    check_fits_in_memory(
+        f"--ep {args.ep} ranks of --tokens {args.tokens} x --hidden {args.hidden} with "
+        f"{preset.router.num_experts} experts of --intermediate {args.intermediate}",
+        ranks_here * (weights + activations) * element)
     return preset, ExpertLayout(
         preset.router.num_experts, preset.num_shared_experts, ep_size=args.ep,
         dispatch=args.dispatch, shared=args.shared, num_redundant_experts=args.redundant,

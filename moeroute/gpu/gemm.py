@@ -170,11 +170,14 @@ class CupyBackend:
     """Runs the plans with CuPy on the current device and stream; ``allocate(shape, dtype_name)``
     makes the scratch arrays (CuPy's pool, or torch's caching allocator for torch callers)."""
 
-    def __init__(self, allocate):
+    def __init__(self, allocate, align_template=None):
         import cupy
 
         self._cupy = cupy
         self._allocate = allocate
+        # The caller's topk_ids (a torch tensor): the Numba align then allocates through
+        # torch's caching allocator too, not CuPy's pool (CUDA graph capture needs one).
+        self._align_template = align_template
         self.is_hip = loader.is_hip()
         self.compute_capability = loader.compute_capability()
 
@@ -189,6 +192,11 @@ class CupyBackend:
         if routing_align is None:
             sorted_token_ids, expert_ids, _ = align_block_size_array_api(topk_ids, num_experts, block_size,
                                                                          xp=self._cupy)
+        elif self._align_template is not None:
+            stream = self._cupy.cuda.get_current_stream().ptr
+            sorted_token_ids, expert_ids, _ = routing_align(self._align_template, num_experts, block_size,
+                                                            stream=stream)
+            return _torch_as_cupy(sorted_token_ids), _torch_as_cupy(expert_ids)
         else:
             sorted_token_ids, expert_ids, _ = routing_align(topk_ids, num_experts, block_size)
         return self._cupy.asarray(sorted_token_ids), self._cupy.asarray(expert_ids)
@@ -291,11 +299,14 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, a
 
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(torch_device).cuda_stream, device)
         out = torch.empty(shape, dtype=hidden_states.dtype, device=torch_device)
-        arrays = [_torch_as_cupy(named[name]) for name in
-                  ("hidden_states", "w_gate_up", "w_down", "topk_weights", "topk_ids")]
-        bias_arrays = {name: None if bias is None else _torch_as_cupy(bias) for name, bias in biases.items()}
         with cupy.cuda.Device(device), stream:
-            run_fused_experts(CupyBackend(allocate), problem, *arrays, _torch_as_cupy(out), activation=activation,
+            # DLPack hands over a tensor with a stream-ordered sync against CuPy's current
+            # stream: inside the block that is torch's own stream, so nothing waits.
+            arrays = [_torch_as_cupy(named[name]) for name in
+                      ("hidden_states", "w_gate_up", "w_down", "topk_weights", "topk_ids")]
+            bias_arrays = {name: None if bias is None else _torch_as_cupy(bias) for name, bias in biases.items()}
+            backend = CupyBackend(allocate, align_template=topk_ids)
+            run_fused_experts(backend, problem, *arrays, _torch_as_cupy(out), activation=activation,
                               apply_router_weight=apply_router_weight, block_size=block_size, **bias_arrays)
         return out
 

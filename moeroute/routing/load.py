@@ -18,7 +18,8 @@ import numpy as np
 from numba import njit
 
 from moeroute.routing import _sort
-from moeroute.routing._arrays import as_device_array, device_empty, is_device_array, resolve_stream
+from moeroute.routing._arrays import (as_caller, as_device_array, device_empty, host_array,
+                                     is_device_array, resolve_stream)
 
 try:
     from numba import cuda
@@ -83,12 +84,14 @@ def expert_load(ids, num_experts, *, out=None, stream=None):
     ----------
     ids : array, any shape, integer
         Expert ids, e.g. topk_ids [T, K] (logical) or the physical ids of
-        `append_shared_slots` [T, K + S]. NumPy (any integer dtype) runs on the CPU;
-        a device array (int32/int64, C-contiguous; torch CUDA, CuPy, numba) on the GPU.
+        `append_shared_slots` [T, K + S]. NumPy or CPU torch (any integer dtype) runs on
+        the CPU; a device array (int32/int64, C-contiguous; torch CUDA, CuPy, numba) on the
+        GPU. The counts come back in the framework of ``ids``.
     num_experts : int
         Size of the id space, >= 1; ids outside ``[0, num_experts)`` are not counted.
     out : array int64 [num_experts], optional
-        A counter to add into (same side as ``ids``: a NumPy array, or a device array).
+        A counter to add into (same side as ``ids``: a NumPy array or CPU torch tensor, or
+        a device array).
         Default: fresh zeroed counters.
     stream : optional
         Device inputs only; default: the current stream of the input's framework.
@@ -134,16 +137,17 @@ def expert_load(ids, num_experts, *, out=None, stream=None):
     if out is not None and is_device_array(out):
         raise TypeError("out is a device array but ids are on the host; pass both on the "
                         "device or both as NumPy arrays")
-    host = _sort.host_ids("ids", ids, ndim=None)
+    host = _sort.host_ids("ids", host_array(ids), ndim=None)
     if out is None:
         counts = np.zeros(num_experts, LOAD_DTYPE)
-    else:
-        if not isinstance(out, np.ndarray):
-            raise TypeError(f"out must be a NumPy int64 array for host ids, got "
-                            f"{type(out).__name__}")
-        _check_out(out, num_experts, False)
-        if not out.flags.c_contiguous or not out.flags.writeable:
-            raise ValueError("out must be a writable C-contiguous array")
-        counts = out
+        _count_cpu(host.reshape(-1), counts)
+        return as_caller(counts, ids)
+    if isinstance(out, (list, tuple)) or not hasattr(out, "shape"):
+        raise TypeError(f"out must be a NumPy (or CPU torch) int64 array for host ids, got "
+                        f"{type(out).__name__}")
+    _check_out(out, num_experts, False)
+    counts = host_array(out)  # a CPU torch counter is viewed, not copied
+    if not counts.flags.c_contiguous or not counts.flags.writeable:
+        raise ValueError("out must be a writable C-contiguous array")
     _count_cpu(host.reshape(-1), counts)
-    return counts
+    return out

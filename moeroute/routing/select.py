@@ -24,7 +24,6 @@ scores instead, as the reference does.
 from __future__ import annotations
 
 import math
-import sys
 from functools import lru_cache
 
 import numba
@@ -70,7 +69,7 @@ PARALLEL_MIN_ELEMENTS = 1 << 15
 # (no cut guess yet) stay negligible.
 PARALLEL_CHUNK_ROWS = 256
 
-_SUPPORTED_HOST_DTYPES = ("float32", "float16")
+_SUPPORTED_HOST_DTYPES = ("float32", "float16", "bfloat16")
 _SUPPORTED_DEVICE_DTYPES = ("float32", "float16", "bfloat16")
 
 _F32_MAX = np.float32(FLOAT32_MAX)
@@ -85,6 +84,11 @@ _F32_HALF = np.float32(0.5)
 # float16 -> float32 for every bit pattern: NumPy's own conversion, looked up by the CPU
 # kernel (Numba has no host float16 type).
 _HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+#: bfloat16 is the top half of a float32.
+_BF16_SHIFT = 16
+# bfloat16 -> float32 for every bit pattern (exact: the pattern shifted into the top half);
+# the same kernel as float16 serves it with this table.
+_BF16_TO_FLOAT = (np.arange(1 << 16, dtype=np.uint32) << _BF16_SHIFT).view(np.float32)
 
 # config.scoring as the CPU kernel's integer argument (one compiled kernel serves all four).
 _SOFTMAX, _SIGMOID, _SQRTSOFTPLUS, _RAW = 0, 1, 2, 3
@@ -102,8 +106,11 @@ def _dtype_name(dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-def _validate(logits, config, correction_bias, on_device: bool) -> None:
-    """Raise TypeError/ValueError naming the bad argument; return None when all is well."""
+def _validate(logits, config, correction_bias, on_device: bool, dtype_name=None) -> None:
+    """Raise TypeError/ValueError naming the bad argument; return None when all is well.
+
+    ``dtype_name`` overrides the dtype of host ``logits`` passed as raw bits (bfloat16).
+    """
     if not isinstance(config, RouterConfig):
         raise TypeError(f"config must be a moeroute RouterConfig, got {type(config).__name__}")
     if not on_device and not isinstance(logits, np.ndarray):
@@ -119,7 +126,7 @@ def _validate(logits, config, correction_bias, on_device: bool) -> None:
             f"logits.shape[1]={shape[1]} does not match config.num_experts={num_experts}"
         )
     allowed = _SUPPORTED_DEVICE_DTYPES if on_device else _SUPPORTED_HOST_DTYPES
-    name = _dtype_name(logits.dtype)
+    name = dtype_name or _dtype_name(logits.dtype)
     if name not in allowed:
         where = "device" if on_device else "host"
         raise ValueError(
@@ -169,15 +176,17 @@ def _validate(logits, config, correction_bias, on_device: bool) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def select_experts(logits, config, correction_bias=None, *, stream=None):
+def select_experts(logits, config, correction_bias=None, *, stream=None, out=None):
     """Pick each token's top-k routed experts and their weights (SPEC section 1).
 
     Parameters
     ----------
-    logits : array [T, N]
-        Router logits. NumPy arrays (float32 or float16) run the CPU kernel; CUDA arrays
-        (numba device arrays, CuPy arrays, torch CUDA tensors; float32, float16 or
-        bfloat16) run the CUDA kernel on the device. Device logits must be C-contiguous.
+    logits : array [T, N], float32, float16 or bfloat16
+        Router logits. NumPy arrays and CPU torch tensors run the CPU kernel (on the
+        tensor's memory, no copy; bfloat16 read as its raw bits and upcast exactly); CUDA
+        arrays (numba device arrays, CuPy arrays, torch CUDA tensors) run the CUDA kernel
+        on the device. Device logits must be C-contiguous. float16 and bfloat16 logits
+        route exactly as their float32 upcast.
     config : moeroute.config.RouterConfig
         N, K, scoring ("softmax", "sigmoid", "sqrtsoftplus" or "none"), grouped routing,
         renormalize and the routed scaling factor.
@@ -186,7 +195,10 @@ def select_experts(logits, config, correction_bias=None, *, stream=None):
         side (host or device) as ``logits``.
     stream : numba stream or int handle, optional
         Device inputs only: the stream to launch on. Default: the current stream of the
-        framework that produced ``logits``. Ignored for NumPy inputs.
+        framework that produced ``logits``. Ignored for host inputs.
+    out : (topk_weights, topk_ids), optional
+        Preallocated outputs to write into and return: C-contiguous [T, K] float32 and
+        int32 arrays of the framework and device of ``logits``.
 
     Returns
     -------
@@ -196,17 +208,20 @@ def select_experts(logits, config, correction_bias=None, *, stream=None):
         ``sum + 1e-20`` is positive and finite, then clamped to the finite float32 range.
     topk_ids : int32 [T, K]
         Picked expert ids, distinct, in [0, N), columns ordered by choice descending.
-        NumPy in gives NumPy out; device in gives device arrays of the same framework.
+        NumPy in gives NumPy out, torch in gives torch tensors on the same device, CuPy
+        in gives CuPy, numba device arrays give numba device arrays.
 
     Raises
     ------
     TypeError
-        ``config`` is not a RouterConfig; ``logits`` is neither a NumPy nor a device
-        array; ``correction_bias`` does not live where ``logits`` lives.
+        ``config`` is not a RouterConfig; ``logits`` is neither a NumPy array, a torch
+        tensor nor a device array; ``correction_bias`` does not live where ``logits``
+        lives; ``out`` is not a pair of arrays of the framework of ``logits``.
     ValueError
         ``logits`` not 2-D, ``logits.shape[1] != N``, an unsupported dtype, a bias
         whose shape is not [N] or dtype not float32, a bias with groups of one expert,
-        non-contiguous device logits, or a configuration past the device kernel's
+        non-contiguous device logits, ``out`` buffers of the wrong shape, dtype or
+        device or not C-contiguous, or a configuration past the device kernel's
         limits: N <= 1024, K <= 32, num_expert_group <= 32 (``MAX_DEVICE_*``).
         The CPU kernel has no limits beyond RouterConfig's own.
 
@@ -216,10 +231,83 @@ def select_experts(logits, config, correction_bias=None, *, stream=None):
     weights; T = 0 returns empty [0, K] outputs without launching anything.
     """
     on_device = _arrays.is_device_array(logits)
-    _validate(logits, config, correction_bias, on_device)
     if on_device:
-        return _select_device(logits, config, correction_bias, stream)
-    return _select_host(logits, config, correction_bias)
+        _validate(logits, config, correction_bias, on_device)
+        outputs = _check_out(out, logits, config.top_k, on_device)
+        return _select_device(logits, config, correction_bias, stream, outputs)
+    caller = logits
+    # CPU torch tensors (and bfloat16 ones as their raw bits) run the CPU kernel in place.
+    bfloat16 = _arrays.is_bfloat16(logits)
+    logits = _host_input("logits", logits)
+    if correction_bias is not None and not _arrays.is_device_array(correction_bias):
+        if _arrays.is_bfloat16(correction_bias):  # its raw bits would read as uint16
+            raise ValueError("correction_bias dtype bfloat16 must be float32")
+        correction_bias = _host_input("correction_bias", correction_bias)
+    _validate(logits, config, correction_bias, on_device,
+              dtype_name="bfloat16" if bfloat16 else None)
+    outputs = _check_out(out, caller, config.top_k, on_device)
+    host_out = None if outputs is None else tuple(_arrays.host_array(o) for o in outputs)
+    weights, ids = _select_host(logits, config, correction_bias, bfloat16, host_out)
+    if outputs is not None:
+        return outputs
+    return _arrays.as_caller(weights, caller), _arrays.as_caller(ids, caller)
+
+
+def _host_input(name, array):
+    """A NumPy view of a host ``array`` (CPU torch tensors without a copy)."""
+    if isinstance(array, np.ndarray) or _arrays.torch_of(array) is not None:
+        return _arrays.host_array(array)
+    raise TypeError(f"{name} must be a NumPy array, a torch tensor or a CUDA device array, got "
+                    f"{type(array).__name__}")
+
+
+def _check_out(out, logits, top_k, on_device):
+    """Validated caller buffers ``(topk_weights, topk_ids)`` for ``out=``, or None.
+
+    Each must be C-contiguous, of shape [T, K], float32 / int32, from the framework of
+    ``logits`` and on its device; TypeError / ValueError naming the buffer otherwise.
+    """
+    if out is None:
+        return None
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError(f"out must be a (topk_weights, topk_ids) pair, got {type(out).__name__}")
+    shape = (int(logits.shape[0]), int(top_k))
+    torch = _arrays.torch_of(logits)
+    for name, buffer, dtype in (("out[0] (topk_weights)", out[0], "float32"),
+                                ("out[1] (topk_ids)", out[1], "int32")):
+        if _arrays.is_device_array(buffer) != on_device:
+            where = "a device array" if on_device else "a host array"
+            raise TypeError(f"{name} must be {where} like logits, got {type(buffer).__name__}")
+        if on_device and _arrays.framework_of(buffer) != _arrays.framework_of(logits):
+            raise TypeError(f"{name} is a {_arrays.framework_of(buffer)} array but logits is a "
+                            f"{_arrays.framework_of(logits)} one; pass buffers of the same framework")
+        if not on_device:
+            if torch is not None and _arrays.torch_of(buffer) is None:
+                raise TypeError(f"{name} must be a torch tensor like logits, got {type(buffer).__name__}")
+            if torch is None and not isinstance(buffer, np.ndarray):
+                raise TypeError(f"{name} must be a NumPy array like logits, got {type(buffer).__name__}")
+        if tuple(int(n) for n in buffer.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(buffer.shape)}, expected [T, K] = {list(shape)}")
+        if _dtype_name(buffer.dtype) != dtype:
+            raise ValueError(f"{name} has dtype {_dtype_name(buffer.dtype)}, expected {dtype}")
+        if torch is not None:
+            if buffer.device != logits.device:
+                raise ValueError(f"{name} is on {buffer.device} but logits is on {logits.device}")
+            contiguous = buffer.is_contiguous()
+        elif isinstance(buffer, np.ndarray):
+            contiguous = buffer.flags.c_contiguous
+            if not buffer.flags.writeable:
+                raise ValueError(f"{name} is read-only")
+        else:
+            view = _arrays.as_device_array(buffer)
+            contiguous = view.is_c_contiguous()
+            device_of = getattr(buffer, "device", None)
+            if device_of is not None and getattr(logits, "device", None) is not None \
+                    and str(device_of) != str(logits.device):
+                raise ValueError(f"{name} is on {device_of} but logits is on {logits.device}")
+        if not contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------------------
@@ -1153,19 +1241,25 @@ def _select_parallel(logits, table, bias, has_bias, scoring, num_groups, topk_gr
 _EMPTY_BIAS = np.zeros(1, np.float32)
 
 
-def _select_host(logits, config, correction_bias):
+def _select_host(logits, config, correction_bias, bfloat16=False, out=None):
+    """The CPU kernel; ``bfloat16``: ``logits`` are bfloat16 bit patterns (uint16);
+    ``out``: C-contiguous (float32, int32) [T, K] NumPy buffers to write into."""
     num_tokens = logits.shape[0]
     top_k = config.top_k
-    out_w = np.empty((num_tokens, top_k), np.float32)
-    out_ids = np.empty((num_tokens, top_k), np.int32)
+    if out is None:
+        out_w = np.empty((num_tokens, top_k), np.float32)
+        out_ids = np.empty((num_tokens, top_k), np.int32)
+    else:
+        out_w, out_ids = out
     if num_tokens == 0:
         return out_w, out_ids
     logits = np.ascontiguousarray(logits)
+    table = _BF16_TO_FLOAT if bfloat16 else _HALF_TO_FLOAT
     if logits.dtype == np.float16:
         logits = logits.view(np.uint16)
     has_bias = correction_bias is not None
     bias = np.ascontiguousarray(correction_bias) if has_bias else _EMPTY_BIAS
-    args = (logits, _HALF_TO_FLOAT, bias, has_bias, _SCORING_CODES[config.scoring],
+    args = (logits, table, bias, has_bias, _SCORING_CODES[config.scoring],
             config.num_expert_group, config.topk_group, top_k, config.renormalize,
             np.float32(config.routed_scaling_factor))
     threads = numba.get_num_threads()
@@ -1466,24 +1560,26 @@ def _device_logits(logits):
     """(numba device array, input kind): bfloat16 is passed as its int16 bits."""
     kind = _dtype_name(logits.dtype)
     if kind == "bfloat16":
-        framework = _arrays.framework_of(logits)
-        if framework == "torch":
-            logits = logits.view(sys.modules["torch"].int16)
-        else:
-            logits = logits.view(np.int16)
+        logits = _arrays.device_bits16(logits)
     array = _arrays.as_device_array(logits)
     return array, kind
 
 
-def _select_device(logits, config, correction_bias, stream):
+def _select_device(logits, config, correction_bias, stream, out=None):
     array, kind = _device_logits(logits)
     if not array.is_c_contiguous():
         raise ValueError(f"device logits must be C-contiguous, got strides {array.strides}")
     num_tokens = array.shape[0]
     top_k = config.top_k
     launch_stream = _arrays.resolve_stream(logits, stream)
-    topk_weights, out_w = _arrays.device_empty((num_tokens, top_k), np.float32, logits, launch_stream)
-    topk_ids, out_ids = _arrays.device_empty((num_tokens, top_k), np.int32, logits, launch_stream)
+    if out is None:
+        topk_weights, out_w = _arrays.device_empty((num_tokens, top_k), np.float32, logits,
+                                                   launch_stream)
+        topk_ids, out_ids = _arrays.device_empty((num_tokens, top_k), np.int32, logits,
+                                                 launch_stream)
+    else:
+        topk_weights, topk_ids = out
+        out_w, out_ids = (_arrays.as_device_array(o) for o in out)
     if num_tokens > 0:
         has_bias = correction_bias is not None
         # Without a bias the kernel never reads it: any float32 vector fills the slot.

@@ -617,6 +617,151 @@ def placement_module_cases(rank, world_size):
     return records
 
 
+# --------------------------------------------------------------------------- rank agreement
+
+
+def _moe_mismatch_cases(world_size):
+    """(name, base MoE kwargs, last rank's overrides, {field: (base value, last rank's value)}).
+
+    The last rank builds its layer with the overrides; every field listed must be reported
+    with exactly these per-rank values (the other ranks take the base value).
+    """
+    from moeroute.config import RouterConfig
+
+    grouped = dict(num_expert_group=2, topk_group=1)
+    transforms = lambda width: dict(  # noqa: E731 - a latent MoE of routed width ``width``
+        routed_input_transform=torch.nn.Linear(16, width, bias=False),
+        routed_output_transform=torch.nn.Linear(width, 16, bias=False))
+    return [
+        ("num_experts", {}, dict(router=RouterConfig(12, 2)),
+         {"router.num_experts": (8, 12), "layout.num_routed_experts": (8, 12)}),
+        ("top_k", {}, dict(router=RouterConfig(8, 3)), {"router.top_k": (2, 3)}),
+        ("scoring", {}, dict(router=RouterConfig(8, 2, scoring="sigmoid")),
+         {"router.scoring": ("softmax", "sigmoid")}),
+        ("num_expert_group", {}, dict(router=RouterConfig(8, 2, **grouped)),
+         {"router.num_expert_group": (1, 2)}),
+        ("topk_group", dict(router=RouterConfig(8, 2, **grouped)),
+         dict(router=RouterConfig(8, 2, num_expert_group=2, topk_group=2)),
+         {"router.topk_group": (1, 2)}),
+        ("renormalize", {}, dict(router=RouterConfig(8, 2, renormalize=False)),
+         {"router.renormalize": (True, False)}),
+        ("routed_scaling_factor", {}, dict(router=RouterConfig(8, 2, routed_scaling_factor=2.5)),
+         {"router.routed_scaling_factor": (1.0, 2.5)}),
+        ("hidden_size", {}, dict(hidden_size=32), {"hidden_size": (16, 32)}),
+        ("intermediate_size", {}, dict(intermediate_size=4),
+         {"intermediate_size": (8, 4), "layout.num_shared_experts": (1, 2)}),
+        ("routed_hidden_size", transforms(8), transforms(12), {"routed_hidden_size": (8, 12)}),
+        ("dtype", {}, dict(dtype=torch.bfloat16), {"dtype": ("torch.float32", "torch.bfloat16")}),
+        ("router_dtype", {}, dict(router_dtype=torch.bfloat16),
+         {"router_dtype": ("torch.float32", "torch.bfloat16")}),
+        ("activation", {}, dict(activation="gelu"), {"activation": ("silu", "gelu")}),
+        ("shared", {}, dict(shared="runner"),
+         {"layout.shared": ("fused", "runner"), "layout.shared_slots": ("per_rank", None)}),
+        ("dispatch", {}, dict(dispatch="allgather"),
+         {"layout.dispatch": ("all2all", "allgather")}),
+        ("scaling_regime", {}, dict(scaling_regime="output"),
+         {"layout.scaling_regime": ("router", "output")}),
+        ("num_redundant_experts", {}, dict(num_redundant_experts=world_size),
+         {"layout.num_redundant_experts": (0, world_size)}),
+        ("correction_bias", {}, dict(correction_bias=True), {"correction_bias": (False, True)}),
+        ("shared_expert_gate", {}, dict(gated=True), {"shared_expert_gate": (False, True)}),
+    ]
+
+
+def _mismatch_outcome(fn):
+    """(exception type, message, {field: per-rank values}) of ``fn()``; Nones when it ran."""
+    try:
+        fn()
+    except Exception as error:  # the outcome under test
+        return type(error).__name__, str(error), getattr(error, "fields", None)
+    return None, None, None
+
+
+def _build_moe(world_size, overrides):
+    from moeroute.bindings.torch.moe import MoE
+    from moeroute.config import RouterConfig
+
+    kwargs = dict(router=RouterConfig(8, 2), hidden_size=16, intermediate_size=8,
+                  ep_group=dist.group.WORLD)
+    kwargs.update(overrides)
+    gated = kwargs.pop("gated", False)
+    hidden = kwargs["hidden_size"]
+    shared_mlp = _SharedMLP(hidden, 8)
+    gate = torch.nn.Linear(hidden, 1, bias=False) if gated else None
+    return MoE(shared_experts=shared_mlp, shared_expert_gate=gate, **kwargs)
+
+
+def _dispatcher_mismatch_cases(rank, world_size, dispatch):
+    """Dispatchers whose last rank differs in one exchanged size; each must raise on all."""
+    from moeroute.bindings.ep import make_dispatcher
+
+    last = rank == world_size - 1
+    layout = ExpertLayout(8, 0, ep_size=world_size, dispatch=dispatch)
+    other_layout = ExpertLayout(12 if last else 8, 0, ep_size=world_size, dispatch=dispatch)
+    gen = torch.Generator().manual_seed(rank)
+
+    def dispatch_once(layout=layout, hidden=8, dtype=torch.float32, top_k=2, debug=False):
+        x = torch.randn(5, hidden, generator=gen).to(dtype)
+        ids = torch.randint(0, 8, (5, top_k), generator=gen, dtype=torch.int32)
+        w = torch.rand(5, top_k, generator=gen)
+        dispatcher = make_dispatcher(layout, None, dispatch, debug=debug)
+        handle = dispatcher.dispatch(x, ids, w)
+        dispatcher.combine(torch.zeros_like(handle.wait()[0]), handle)
+
+    cases = {
+        "hidden_states.shape[1]": ((8, 4), lambda: dispatch_once(hidden=4 if last else 8)),
+        "hidden_states.dtype": (("torch.float32", "torch.bfloat16"), lambda: dispatch_once(
+            dtype=torch.bfloat16 if last else torch.float32)),
+        "topk_ids.shape[1]": ((2, 3), lambda: dispatch_once(top_k=3 if last else 2)),
+        "debug": ((False, True), lambda: dispatch_once(debug=last)),
+        "layout.num_routed_experts": ((8, 12), lambda: dispatch_once(layout=other_layout)),
+    }
+    records = {}
+    for field, (values, fn) in cases.items():
+        records[f"{dispatch}:{field}"] = (field, values, _mismatch_outcome(fn))
+
+    # The group is still usable: partial = row * (sum of its live weights) sums home to
+    # x * (sum of the token's weights), every slot counted once.
+    dispatcher = make_dispatcher(layout, None, dispatch, debug=True)
+    x = torch.randn(5, 8, generator=gen)
+    ids = torch.randint(0, 8, (5, 2), generator=gen, dtype=torch.int32)
+    w = torch.rand(5, 2, generator=gen)
+    handle = dispatcher.dispatch(x, ids, w)
+    recv_hidden, _, recv_weights = handle.wait()
+    out = dispatcher.combine(recv_hidden * recv_weights.sum(1, keepdim=True), handle)
+    records[f"{dispatch}:after"] = _relative_error(out, x.double() * w.double().sum(1, keepdim=True))
+    return records
+
+
+def agreement_cases(rank, world_size):
+    """Ranks that disagree: every case must raise RankMismatchError on every rank."""
+    records = {}
+    last = rank == world_size - 1
+    for name, base, override, fields in _moe_mismatch_cases(world_size):
+        torch.manual_seed(5)
+        kwargs = dict(base)
+        if last:
+            kwargs.update(override)
+        records[f"moe:{name}"] = (fields, _mismatch_outcome(lambda: _build_moe(world_size, kwargs)))
+    for dispatch in ("all2all", "allgather"):
+        records.update(_dispatcher_mismatch_cases(rank, world_size, dispatch))
+
+    # A layer converted on one rank after construction: caught by the check of the first
+    # exchange of its forward.
+    from moeroute.bindings.torch.moe import MoE  # noqa: F401 - imported for _build_moe
+
+    torch.manual_seed(5)
+    module = _build_moe(world_size, {})
+    if last:
+        module = module.to(torch.bfloat16)
+    x = torch.randn(3, 16, dtype=module.experts.w_gate_up.dtype)
+    with torch.no_grad():
+        records["forward:dtype"] = (
+            "hidden_states.dtype", ("torch.float32", "torch.bfloat16"),
+            _mismatch_outcome(lambda: module(x)))
+    return records
+
+
 # --------------------------------------------------------------------------- workers
 
 
@@ -630,7 +775,7 @@ def configs_worker(rank, world_size, payload):
     # The module cases run last: a failure there is recorded without losing the records
     # above, and this rank then exits, so its peers fail fast instead of waiting.
     for key, cases in (("moe", moe_module_cases), ("from_hf", from_hf_cases),
-                       ("placement", placement_module_cases)):
+                       ("placement", placement_module_cases), ("agreement", agreement_cases)):
         if payload and payload.get(key):
             try:
                 result[key] = cases(rank, world_size)
@@ -651,6 +796,19 @@ def peer_failure_worker(rank, world_size, payload):
     ids, w = route(make_layer(0, 8, 8, 4, 1, False), x, 2, 1.0)
     phys, weights = reference.append_shared_slots(ids.numpy(), w.numpy(), layout, rank)
     dist.barrier()
+    if payload["failure"] == "build":  # rank 1 dies before the layer's agreement check
+        if rank == 1:
+            os._exit(0)
+        from moeroute.bindings.torch.moe import MoE
+        from moeroute.config import RouterConfig
+
+        start = time.monotonic()
+        try:
+            MoE(RouterConfig(8, 2), 8, 4, ep_group=dist.group.WORLD)
+        except Exception as error:  # the outcome under test
+            return dict(raised=type(error).__name__, message=str(error)[:300],
+                        elapsed=time.monotonic() - start)
+        return dict(raised=None, elapsed=time.monotonic() - start)
     if rank == 1:
         if payload["failure"] == "exit":
             os._exit(0)

@@ -368,3 +368,30 @@ def test_replace_moe_blocks_gpt_oss_keeps_logits():
     assert count == 2
     assert sum(isinstance(m, TupleOutputMoE) for m in model.modules()) == 2
     assert rel_error(actual, expected) < FP32_RTOL
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen2_moe", "deepseek_v3"])
+def test_from_hf_runs_as_inference_in_every_shared_mode_outside_no_grad(name):
+    """transformers leaves the shared MLP's parameters requiring grad; that used to make
+    shared="runner"/"overlap" raise outside no_grad while "auto" (fused) ran."""
+    builder, _, _ = BLOCKS[name]
+    block = _randomize(builder(), seed=4)
+    assert any(p.requires_grad for p in block.parameters())
+    x = torch.randn(2, 3, H, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = block(x)
+    for shared in ("auto", "runner", "overlap", "fused"):
+        out = MoE.from_hf(block, shared=shared)(x)  # grad mode on
+        assert not out.requires_grad, shared
+        assert rel_error(out, expected) < FP32_RTOL, shared
+    with pytest.raises(RuntimeError, match="inference-only.*hidden_states requires grad"):
+        MoE.from_hf(block, shared="runner")(x.requires_grad_(True))
+
+
+def test_replace_moe_blocks_on_a_bare_block_says_to_use_from_hf():
+    block = _qwen3_moe()
+    with pytest.raises(ValueError, match=r"itself a Qwen3MoeSparseMoeBlock.*MoE.from_hf\(block\)"):
+        replace_moe_blocks(block)
+    # A model holding the block is still swapped.
+    holder = nn.Sequential(block)
+    assert replace_moe_blocks(holder) == 1 and isinstance(holder[0], MoE)

@@ -121,13 +121,16 @@ def test_inference_only():
     x = torch.randn(4, H, requires_grad=True)
     with pytest.raises(RuntimeError, match="inference-only.*hidden_states"):
         module(x)
-    module.experts.w_down.requires_grad_(True)
-    with pytest.raises(RuntimeError, match="experts.w_down"):
-        module(x.detach())
+    with pytest.raises(RuntimeError, match="inference-only.*router_logits"):
+        module(x.detach(), torch.zeros(4, N, requires_grad=True))
     with torch.no_grad():
         no_grad_out = module(x)
     with torch.inference_mode():
         assert torch.equal(module(x), no_grad_out)
+    # Parameters that require grad do not ask for gradients: the layer runs as inference.
+    module.experts.w_down.requires_grad_(True)
+    out = module(x.detach())
+    assert not out.requires_grad and torch.equal(out, no_grad_out)
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -295,33 +298,112 @@ def test_streamed_expert_mlp_against_slot_reference(dtype):
     assert set(seconds) == {"permute", "gemm", "combine"} and all(v >= 0 for v in seconds.values())
 
 
-@pytest.mark.skipif(not onednn_linear_serves(torch.float32), reason="this torch build has no oneDNN linear")
-def test_packed_cpu_weights_give_identical_outputs_and_follow_weight_changes():
+NEEDS_ONEDNN = pytest.mark.skipif(not onednn_linear_serves(torch.float32),
+                                  reason="this torch build has no oneDNN linear")
+
+
+@NEEDS_ONEDNN
+def test_packed_cpu_weights_give_identical_outputs():
     module, _ = make_moe(seed=4, gemm="loop")
     x = torch.randn(50, H, generator=_generator(5))
     with torch.inference_mode():
         plain = module(x)
     assert module.pack_cpu_weights() is module
-    with torch.inference_mode():
-        assert torch.equal(module(x), plain)  # the same oneDNN kernels: bit for bit
     packed_gate_up, _ = module.experts.cpu_weights()
     assert isinstance(packed_gate_up, list) and len(packed_gate_up) == N
-    # New weights loaded in place: the packed copies are rebuilt, not served stale.
-    other, weights = make_moe(seed=9, gemm="loop")
+    with torch.inference_mode():
+        assert torch.equal(module(x), plain)  # the same oneDNN kernels: bit for bit
+    module.pack_cpu_weights(False)
+    assert module.experts.cpu_weights()[0] is module.experts.w_gate_up
+
+
+def _change_by_copy(module, other):
     with torch.no_grad():
-        module.load_routed_weights(*weights)
-        module.router_weight.copy_(other.router_weight)
+        module.experts.w_gate_up.copy_(other.experts.w_gate_up)
+        module.experts.w_down.copy_(other.experts.w_down)
+
+
+def _change_by_load_state_dict(module, other):
+    module.load_state_dict(other.state_dict())
+
+
+def _change_by_assigning_data(module, other):
+    module.experts.w_gate_up.data = other.experts.w_gate_up.detach().clone()
+    module.experts.w_down.data = other.experts.w_down.detach().clone()
+
+
+def _change_by_load_routed_weights(module, other):
+    module.load_routed_weights(other.experts.w_gate_up, other.experts.w_down)
+
+
+@NEEDS_ONEDNN
+@pytest.mark.parametrize("change", [_change_by_copy, _change_by_load_state_dict,
+                                    _change_by_assigning_data, _change_by_load_routed_weights])
+def test_weight_changes_torch_sees_after_packing_ask_for_a_repack(change):
+    """Explicit packing: a change torch can see raises at the next CPU forward (it used to
+    be served stale or silently repacked); re-packing serves the new weights."""
+    module, _ = make_moe(seed=4, gemm="loop")
+    other, _ = make_moe(seed=9, gemm="loop")
+    with torch.no_grad():
+        other.router_weight.copy_(module.router_weight)
+    x = torch.randn(50, H, generator=_generator(5))
+    module.pack_cpu_weights()
+    change(module, other)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"after pack_cpu_weights\(\).*"
+                                                                   r"call pack_cpu_weights\(\) again"):
+        module(x)
+    module.pack_cpu_weights()
     with torch.inference_mode():
         assert torch.equal(module(x), other(x))
-    # Converted to another dtype: the copies go at once, and come back for the new dtype
-    # (or the plain weights serve, where oneDNN cannot); outputs as without them.
-    module.to(torch.bfloat16)
-    assert module.experts._packed is None
+
+
+@NEEDS_ONEDNN
+def test_writes_through_data_need_an_explicit_repack():
+    """``.data`` writes bypass torch's version counter: as documented, the packed snapshot
+    keeps serving the weights of the last pack_cpu_weights() until the caller re-packs."""
+    module, _ = make_moe(seed=4, gemm="loop")
+    other, _ = make_moe(seed=9, gemm="loop")
+    with torch.no_grad():
+        other.router_weight.copy_(module.router_weight)
+    x = torch.randn(50, H, generator=_generator(5))
     with torch.inference_mode():
-        packed_out = module(x.bfloat16())
+        before = module(x)
+    module.pack_cpu_weights()
+    module.experts.w_gate_up.data.copy_(other.experts.w_gate_up)
+    module.experts.w_down.data.copy_(other.experts.w_down)
+    with torch.inference_mode():
+        assert torch.equal(module(x), before)  # the snapshot, as documented
+        module.pack_cpu_weights()
+        assert torch.equal(module(x), other(x))
         module.pack_cpu_weights(False)
-        assert module.experts.cpu_weights()[0] is module.experts.w_gate_up
-        torch.testing.assert_close(packed_out, module(x.bfloat16()), rtol=0, atol=0)
+        assert torch.equal(module(x), other(x))
+
+
+@NEEDS_ONEDNN
+def test_to_after_packing():
+    """.to() to the same dtype keeps the copies; a conversion drops them at once and the
+    next CPU forward asks for a re-pack (or pack_cpu_weights(False))."""
+    module, _ = make_moe(seed=4, gemm="loop")
+    x = torch.randn(50, H, generator=_generator(5))
+    with torch.inference_mode():
+        plain = module(x)
+    module.pack_cpu_weights()
+    module.to(torch.float32)
+    assert module.experts._packed is not None
+    with torch.inference_mode():
+        assert torch.equal(module(x), plain)
+    module.to(torch.bfloat16)
+    assert module.experts._packed is None  # the old copies' memory is freed now
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="call pack_cpu_weights"):
+        module(x.bfloat16())
+    module.pack_cpu_weights(False)
+    reference_module, _ = make_moe(seed=4, gemm="loop")
+    reference_module.to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(module(x.bfloat16()), reference_module(x.bfloat16()))
+        unpacked = module.to(torch.float32)(x)
+        module.pack_cpu_weights()
+        assert torch.equal(module(x), unpacked)
 
 
 def test_pack_cpu_weights_refuses_what_onednn_cannot_serve(monkeypatch):

@@ -180,3 +180,19 @@ def test_prefer_rank_invalid(rank, error):
     layout = ExpertLayout(8, 0, 4, "all2all")
     with pytest.raises(error, match="prefer_rank"):
         logical_to_physical(np.zeros((2, 2), np.int32), layout, rank)
+
+
+@pytest.mark.parametrize("values", [[0, 2**31], [-1, 2**31 + 3], [-2, 0], [0, 2**32 + 1]])
+def test_remap_refuses_map_values_that_do_not_fit_int32(values):
+    """Such values used to wrap to another (held) local id; now they raise."""
+    expert_map = np.array(values, np.int64)
+    with pytest.raises(ValueError, match=r"expert_map values must be -1 .* \[0, 2147483647\]"):
+        remap_to_local(np.array([0, 1], np.int32), expert_map)
+
+
+def test_remap_accepts_a_wide_map_within_int32():
+    expert_map = np.array([-1, 0, 2**31 - 1], np.int64)
+    ids = np.array([2, 1, 0, 3], np.int64)
+    np.testing.assert_array_equal(remap_to_local(ids, expert_map),
+                                  reference.remap_to_local(ids, expert_map))
+    np.testing.assert_array_equal(remap_to_local(ids, expert_map), [2**31 - 1, 0, -1, -1])

@@ -47,7 +47,9 @@ def rng_for(*key):
 
 @no_sim
 def test_cuda_simulator_suite():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    # The device's launch configuration: four warps per block (exact warp intrinsics).
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+               MOEROUTE_SIM_WARPS=str(select_module.DEVICE_WARPS_PER_BLOCK))
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
          "-k", "test_sim_", str(Path(__file__))],
@@ -117,8 +119,9 @@ def test_sim_bfloat16_bits_match_cpu():
     kernel = select_module._device_kernel(config.num_experts, 1, "softmax", False, True, "bfloat16")
     out_w = cuda.device_array((2, config.top_k), np.float32)
     out_ids = cuda.device_array((2, config.top_k), np.int32)
-    kernel[2, 32](cuda.to_device(bits), out_w.reshape(-1), 2, config.top_k, 1, np.float32(1.0),
-                  out_w, out_ids)
+    warps = select_module._device_warps_per_block()
+    kernel[-(-2 // warps), warps * 32](cuda.to_device(bits), out_w.reshape(-1), 2, config.top_k, 1,
+                                       np.float32(1.0), out_w, out_ids)
     host_w, host_ids = select_experts(as_float, config)
     np.testing.assert_array_equal(out_ids.copy_to_host(), host_ids)
     np.testing.assert_allclose(out_w.copy_to_host(), host_w, rtol=WEIGHT_RTOL)
@@ -246,7 +249,7 @@ def test_sim_invalid_device_arguments():
 
 @sim_only
 def test_sim_warp_helpers_fallback():
-    assert _warp.SIMULATED and _warp.warps_per_block(4) == 1
+    assert _warp.SIMULATED and _warp.warps_per_block(4) == min(4, _warp.SIM_WARPS)
 
     @cuda.jit
     def helpers(keys, values, out_max, out_sum, out_idx, out_xor, out_bits, out_float):

@@ -23,8 +23,9 @@ strategies, picked per call by `choose_gemm` from the rows per expert:
 Each per-expert GEMM of the "loop" strategy goes to oneDNN (``torch.ops.mkldnn._linear_pointwise``,
 the op torch's own compiler emits for CPU linears) where this torch build has it and it
 serves the dtype, else to ``torch.mm`` (MKL/OpenBLAS). `LocalExperts.pack_cpu_weights`
-(opt-in, a second copy of the weights) keeps them in oneDNN's blocked layout, so that
-oneDNN does not reorder each expert's weights on every call. bench/layer.py measures
+(opt-in, a second copy of the weights, explicit: re-pack after changing the weights) keeps
+them in oneDNN's blocked layout, so that oneDNN does not reorder each expert's weights on
+every call. bench/layer.py measures
 both against the torch.mm loop and the transformers block.
 CUDA: `moeroute.gpu.fused_experts` runs the grouped GEMMs on torch's current stream.
 """
@@ -375,6 +376,26 @@ def grouped_expert_mlp(
     return torch._grouped_mm(act, w_down.transpose(-2, -1), offs=ends)
 
 
+def _check_adopted_weights(weights, num_local_experts, hidden_size, intermediate_size):
+    """``weights`` as a (gate_up, down) pair of tensors of the expected shapes and one
+    supported dtype and device; ValueError/TypeError naming the mismatch otherwise."""
+    if not isinstance(weights, (tuple, list)) or len(weights) != 2 \
+            or not all(isinstance(w, torch.Tensor) for w in weights):
+        raise TypeError("weights must be a (w_gate_up, w_down) pair of tensors")
+    gate_up, down = weights
+    expected = ((num_local_experts, 2 * intermediate_size, hidden_size),
+                (num_local_experts, hidden_size, intermediate_size))
+    for name, tensor, shape in (("w_gate_up", gate_up, expected[0]), ("w_down", down, expected[1])):
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"weights {name} has shape {tuple(tensor.shape)}, expected {list(shape)}")
+    if gate_up.dtype != down.dtype or gate_up.device != down.device:
+        raise ValueError(f"weights must share one dtype and device, got {gate_up.dtype} on {gate_up.device} "
+                         f"and {down.dtype} on {down.device}")
+    if gate_up.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"weights dtype {gate_up.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    return gate_up, down
+
+
 class LocalExperts(nn.Module):
     """Stacked weights of the experts one rank holds, and their compute.
 
@@ -393,6 +414,10 @@ class LocalExperts(nn.Module):
     bias : bool
         Give every expert a gate_up bias and a down bias (gpt-oss), initialised to zeros.
     dtype, device : torch dtype and device of the weights.
+    weights : (Tensor [L, 2I, H], Tensor [L, H, I]), optional
+        Existing stacked weights to adopt: the parameters share their memory (no copy),
+        and dtype and device are theirs. E.g. a transformers experts module's
+        ``gate_up_proj`` / ``down_proj``, or a contiguous slice of them.
 
     Attributes
     ----------
@@ -410,12 +435,16 @@ class LocalExperts(nn.Module):
 
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int,
                  activation: str = "silu", *, gemm: str = "auto", bias: bool = False, dtype=None,
-                 device=None) -> None:
+                 device=None, weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
         for name, value in (("num_local_experts", num_local_experts),
                             ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if weights is not None:
+            adopted = _check_adopted_weights(weights, num_local_experts, hidden_size,
+                                             intermediate_size)
+            dtype, device = adopted[0].dtype, adopted[0].device
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={dtype} is not supported; use one of {SUPPORTED_DTYPES}")
@@ -426,14 +455,10 @@ class LocalExperts(nn.Module):
         self.num_local_experts = num_local_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.w_gate_up = nn.Parameter(
-            torch.empty(num_local_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device),
-            requires_grad=False,
-        )
-        self.w_down = nn.Parameter(
-            torch.empty(num_local_experts, hidden_size, intermediate_size, dtype=dtype, device=device),
-            requires_grad=False,
-        )
+        #: Whether the CPU loop uses oneDNN-packed copies (`pack_cpu_weights`), and the
+        #: copies: (key of the weights they were made from, gate_up list, down list).
+        self.pack_cpu = False
+        self._packed = None
         if not isinstance(bias, bool):
             raise ValueError(f"bias={bias!r} must be a bool")
         self.b_gate_up = self.b_down = None
@@ -443,10 +468,19 @@ class LocalExperts(nn.Module):
                 requires_grad=False)
             self.b_down = nn.Parameter(torch.zeros(num_local_experts, hidden_size, dtype=dtype, device=device),
                                        requires_grad=False)
-        #: Whether the CPU loop uses oneDNN-packed copies (`pack_cpu_weights`), and the
-        #: copies: (key of the weights they were made from, gate_up list, down list).
-        self.pack_cpu = False
-        self._packed = None
+        if weights is not None:
+            # Parameters over the given tensors' memory: no copy, no initialisation.
+            self.w_gate_up = nn.Parameter(adopted[0].detach(), requires_grad=False)
+            self.w_down = nn.Parameter(adopted[1].detach(), requires_grad=False)
+            return
+        self.w_gate_up = nn.Parameter(
+            torch.empty(num_local_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.w_down = nn.Parameter(
+            torch.empty(num_local_experts, hidden_size, intermediate_size, dtype=dtype, device=device),
+            requires_grad=False,
+        )
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -455,13 +489,20 @@ class LocalExperts(nn.Module):
             nn.init.normal_(self.w_down, std=INIT_STD)
 
     def pack_cpu_weights(self, enable: bool = True) -> "LocalExperts":
-        """Keep oneDNN-packed copies of the expert weights for the CPU expert loop.
+        """Pack the expert weights now into oneDNN copies for the CPU expert loop.
 
         oneDNN otherwise reorders each expert's weights into its blocked layout on every
         call; packed once, the loop skips that work (bench/layer.py measures the gain). The
         copies cost as much memory as the expert weights themselves, so this is opt-in.
-        They are rebuilt when the weights change in place or move, and results are the
-        same bit for bit. ``enable=False`` drops them.
+        Results are the same bit for bit.
+
+        Packing is explicit: the copies are a snapshot of the weights at this call, and
+        after changing the weights in any way, call ``pack_cpu_weights()`` again.
+        Changes torch can see (``copy_`` and other in-place ops, ``load_state_dict``,
+        assigning ``.data``, ``module.to(...)`` to another dtype or device) make the next
+        CPU forward raise a RuntimeError instead of computing with stale copies; writes
+        through ``.data`` bypass torch's version counter and are NOT seen: re-pack after
+        them. ``enable=False`` drops the copies (the plain weights serve).
 
         Returns ``self``. Raises ValueError when the weights are not on the CPU or this
         torch build's oneDNN cannot serve their dtype.
@@ -473,31 +514,47 @@ class LocalExperts(nn.Module):
             raise ValueError(f"this torch build's oneDNN cannot serve {self.w_gate_up.dtype} "
                              "weights; keep the plain weights (enable=False)")
         self.pack_cpu = bool(enable)
-        self._packed = None  # built on the next CPU forward
+        self._packed = None  # free old copies before building new ones
+        if self.pack_cpu:
+            reorder = torch.ops.mkldnn._reorder_linear_weight
+            with torch.no_grad():
+                self._packed = (self._weights_key(), [reorder(w) for w in self.w_gate_up],
+                                [reorder(w) for w in self.w_down])
         return self
+
+    def _weights_key(self) -> tuple:
+        """What torch can tell about the weights' identity: storage, version, dtype, device."""
+        return tuple((w.data_ptr(), w._version, w.dtype, w.device)
+                     for w in (self.w_gate_up, self.w_down))
 
     def cpu_weights(self):
         """(w_gate_up, w_down) as the CPU expert loop uses them: the parameters, or lists of
-        per-expert oneDNN-packed copies after `pack_cpu_weights` (built here when stale)."""
-        if (not self.pack_cpu or self.w_gate_up.device.type != "cpu"
-                or not onednn_linear_serves(self.w_gate_up.dtype)):
-            # Not asked for, or moved/converted (module.to) to what oneDNN cannot serve
-            # here: the plain weights; packing resumes if the weights come back.
+        per-expert oneDNN-packed copies after `pack_cpu_weights`.
+
+        Raises
+        ------
+        RuntimeError
+            The weights changed in a way torch can see since `pack_cpu_weights`.
+        """
+        if not self.pack_cpu:
             return self.w_gate_up, self.w_down
-        key = tuple((w.data_ptr(), w._version, w.dtype) for w in (self.w_gate_up, self.w_down))
-        if self._packed is None or self._packed[0] != key:
-            self._packed = None  # free the stale copies before building new ones
-            reorder = torch.ops.mkldnn._reorder_linear_weight
-            with torch.no_grad():
-                self._packed = (key, [reorder(w) for w in self.w_gate_up],
-                                [reorder(w) for w in self.w_down])
+        if self._packed is None or self._packed[0] != self._weights_key():
+            raise RuntimeError(
+                "the expert weights changed (written in place, loaded, replaced, moved or "
+                "converted) after pack_cpu_weights(); the packed copies are a snapshot: call "
+                "pack_cpu_weights() again to re-pack them, or pack_cpu_weights(False) to use "
+                "the weights directly"
+            )
         return self._packed[1], self._packed[2]
 
     def _apply(self, fn, *args, **kwargs):
-        # module.to / .half() / .cuda(): the packed copies describe the old weights; drop
-        # them now (not at the next CPU forward) so that their memory goes with them.
-        self._packed = None
-        return super()._apply(fn, *args, **kwargs)
+        # module.to / .half() / .cuda(): copies of weights that moved or were converted are
+        # dropped now (their memory goes with them); the next CPU forward then asks for a
+        # re-pack. A .to() that changes nothing keeps them.
+        result = super()._apply(fn, *args, **kwargs)
+        if self._packed is not None and self._packed[0] != self._weights_key():
+            self._packed = None
+        return result
 
     def extra_repr(self) -> str:
         return (f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "

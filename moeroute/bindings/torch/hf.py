@@ -35,15 +35,21 @@ jitter noise is not reproduced (inference only).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from moeroute.bindings.torch.experts import LocalExperts
 from moeroute.bindings.torch.moe import MoE
 from moeroute.config import RouterConfig
 
-__all__ = ["from_hf", "replace_moe_blocks", "SUPPORTED_BLOCKS", "TupleOutputMoE"]
+__all__ = ["from_hf", "replace_moe_blocks", "SUPPORTED_BLOCKS", "EXPERTS_IMPLEMENTATION",
+           "experts_forward", "register_experts_implementation", "TupleOutputMoE"]
+
+#: The name under which moeroute registers in transformers' experts interface.
+EXPERTS_IMPLEMENTATION = "moeroute"
 
 #: transformers hidden_act name -> moeroute activation.
 _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -170,8 +176,12 @@ def from_hf(block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str
     -------
     MoE
         On the block's device, in the dtype of its expert weights. The routed expert
-        weights (and fused shared slots) are copies; the shared MLP, its gate, the bias and
-        (for Qwen/Mixtral) the router weight share the block's tensors.
+        weights share the block's ``gate_up_proj`` / ``down_proj`` memory when the module
+        holds exactly those experts (one rank, no replicas, no fused shared slots); they
+        are copies otherwise (this rank's experts, then the fused shared slots). The
+        shared MLP, its gate, the bias and (for Qwen/Mixtral) the router weight share the
+        block's tensors. The module loads the block's transformers state dict (its
+        parameter names are mapped on loading).
 
     Raises
     ------
@@ -201,15 +211,16 @@ def from_hf(block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str
         shared=shared, ep_group=ep_group, dispatch=dispatch,
         activation=fields.get("activation") or _activation(block),
         correction_bias=bias is not None, router_dtype=fields["router_dtype"],
-        dtype=gate_up.dtype, device=gate_up.device, expert_bias=expert_biases is not None,
-        router_bias=fields.get("router_bias") is not None, **kwargs,
+        dtype=gate_up.dtype, device=gate_up.device, expert_weights=(gate_up, down),
+        expert_bias=expert_biases is not None, router_bias=fields.get("router_bias") is not None, **kwargs,
     )
     module.router_weight = nn.Parameter(fields["router_weight"].detach(), requires_grad=False)
     if fields.get("router_bias") is not None:
         module.router_bias = nn.Parameter(fields["router_bias"].detach(), requires_grad=False)
     if bias is not None:
         module.correction_bias = bias.detach().float()
-    module.load_routed_weights(gate_up, down, *(expert_biases or ()))
+    if expert_biases is not None:
+        module.load_expert_biases(*expert_biases)
     return module
 
 
@@ -242,6 +253,12 @@ def replace_moe_blocks(model: nn.Module, **kwargs) -> int:
 
     Notes
     -----
+    Blocks are swapped one at a time, and each original block is released before the next
+    one is read. Where the new module aliases the block's expert weights (see `from_hf`),
+    no expert weight is copied; otherwise the extra memory at any moment is one block's
+    copied experts. The patched model still loads a transformers state dict
+    (``model.load_state_dict(hf_state_dict)``): `MoE` maps the transformers names.
+
     The replaced blocks' router modules are gone, so transformers can no longer record
     router logits (``output_router_logits``, used for the training-time auxiliary loss).
 
@@ -249,16 +266,119 @@ def replace_moe_blocks(model: nn.Module, **kwargs) -> int:
     ------
     TypeError
         ``model`` is not an nn.Module.
+    ValueError
+        ``model`` is itself a supported MoE block: a swap in place cannot replace the
+        caller's reference to it; use ``MoE.from_hf(block)`` (and assign the result).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    targets = [(name, module) for name, module in model.named_modules()
-               if name and _reader_for(module) is not None]
-    for name, block in targets:
+    if _reader_for(model) is not None:
+        raise ValueError(
+            f"model is itself a {type(model).__name__}, a supported MoE block: "
+            "replace_moe_blocks swaps the blocks inside a model and cannot replace your "
+            "reference to the block; build the layer with MoE.from_hf(block) instead"
+        )
+    # Names only: holding the blocks themselves would keep every original alive to the end.
+    targets = [name for name, module in model.named_modules() if name and _reader_for(module) is not None]
+    for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        module = from_hf(block, **kwargs)
-        if _reader_for(block) is _read_gpt_oss:
-            module = TupleOutputMoE(module)
-        setattr(parent, child, module)
+        block = getattr(parent, child)
+        tuple_output = _reader_for(block) is _read_gpt_oss
+        replacement = from_hf(block, **kwargs)
+        if tuple_output:  # gpt-oss blocks return (hidden_states, router_scores)
+            replacement = TupleOutputMoE(replacement)
+        del block
+        setattr(parent, child, replacement)  # the last reference to the block goes here
+        del replacement
     return len(targets)
+
+
+# ------------------------------------------------------------------ experts interface
+
+#: transformers experts module -> (key of the weights it was built from, LocalExperts
+#: sharing those weights). Weak keys: the cache goes with the module.
+_LOCAL_EXPERTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _local_experts(experts: nn.Module) -> LocalExperts:
+    """A `LocalExperts` over ``experts``' own gate_up_proj / down_proj (no copy), rebuilt
+    when the parameters are replaced (``model.to(...)``, a new Parameter)."""
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    key = tuple((w.data_ptr(), w.dtype, w.device, tuple(w.shape)) for w in (gate_up, down))
+    cached = _LOCAL_EXPERTS.get(experts)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if gate_up.dim() != 3 or getattr(experts, "is_transposed", False) \
+            or not getattr(experts, "is_concatenated", True) or getattr(experts, "has_bias", False) \
+            or not getattr(experts, "has_gate", True):
+        raise ValueError(f"{type(experts).__name__} stores transposed, interleaved, biased or ungated "
+                         "weights; the moeroute experts implementation reads gate_up_proj [N, 2I, H] "
+                         "(gate rows first) and down_proj [N, H, I] without bias")
+    name = getattr(getattr(experts, "config", None), "hidden_act", "silu")
+    if name not in _HF_ACTIVATIONS:
+        raise ValueError(f"{type(experts).__name__} uses hidden_act={name!r}; moeroute supports "
+                         f"{sorted(_HF_ACTIVATIONS)}")
+    num_experts, two_inter, hidden = gate_up.shape
+    local = LocalExperts(num_experts, hidden, two_inter // 2, _HF_ACTIVATIONS[name], weights=(gate_up, down))
+    _LOCAL_EXPERTS[experts] = (key, local)
+    return local
+
+
+def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts-implementation signature, computed by moeroute's expert kernels.
+
+    Parameters
+    ----------
+    experts : nn.Module
+        A transformers ``@use_experts_implementation`` experts module with stacked
+        ``gate_up_proj`` [N, 2I, H] (gate rows first) and ``down_proj`` [N, H, I].
+    hidden_states : Tensor [T, H], dtype of the expert weights
+    top_k_index : Tensor [T, K], integer
+        Expert of each slot; ids outside [0, N) (expert-parallel sentinels) are skipped.
+    top_k_weights : Tensor [T, K], float
+        Routing weight of each slot.
+
+    Returns
+    -------
+    Tensor [T, H], dtype of ``hidden_states``: ``sum_k w_k * expert_k(x)``, accumulated
+    in float32.
+
+    Raises
+    ------
+    ValueError
+        Transposed, interleaved, biased or ungated expert weights; an activation moeroute
+        does not have.
+    """
+    local = _local_experts(experts)
+    ids = top_k_index.to(torch.int32).contiguous()
+    weights = top_k_weights.to(torch.float32).contiguous()
+    with torch.no_grad():  # moeroute's experts are inference-only
+        out = local(hidden_states.contiguous(), ids, weights)
+    return out.to(hidden_states.dtype)
+
+
+def register_experts_implementation(name: str = EXPERTS_IMPLEMENTATION) -> str:
+    """Register moeroute in transformers' experts interface (``ALL_EXPERTS_FUNCTIONS``).
+
+    Afterwards a model selects it like any other implementation, without its modules
+    being replaced: ``AutoModelForCausalLM.from_pretrained(..., experts_implementation=
+    "moeroute")``, ``model.set_experts_implementation("moeroute")``, or
+    ``config._experts_implementation = "moeroute"``. Only the expert computation changes;
+    the model's own router, shared experts and weights stay. Idempotent.
+
+    Returns
+    -------
+    str
+        ``name``.
+
+    Raises
+    ------
+    ImportError
+        transformers (>= 5, with ``transformers.integrations.moe``) is not installed.
+    """
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(name, experts_forward)
+    return name

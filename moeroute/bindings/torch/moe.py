@@ -28,16 +28,24 @@ Where the weights live (all module parameters/buffers, ``requires_grad=False``):
   in the Hugging Face stacked layout, H' = the routed input size (H unless a
   routed_input_transform maps to a smaller latent size); with a fused shared expert the
   last S of the L experts are its slots, filled from ``shared_experts`` at construction.
+  Given ``expert_weights`` that are exactly these experts (one rank, no replicas, no fused
+  slots), the parameters share their memory instead of copying it.
+* Loading accepts the transformers names of the block this module replaces
+  (``_load_from_state_dict`` maps them).
 * ``shared_experts`` / ``shared_expert_gate``: the given modules (runner and overlap); with
   fused, only the gate is kept and called.
 
-The module is inference-only: it runs under ``torch.no_grad()`` / ``torch.inference_mode()``
-and raises when gradients are requested.
+The module is inference-only, in every shared mode alike: its forward always runs without
+autograd (under ``torch.no_grad()``), whatever ``requires_grad`` its parameters carry (the
+shared MLP and gate taken from transformers keep theirs), and its output never requires grad.
+It raises a RuntimeError only when the caller asks for gradients: grad mode on and
+``hidden_states`` or ``router_logits`` requiring grad.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 
 import torch
@@ -141,6 +149,18 @@ def shared_mlp_slots(shared_experts: nn.Module, hidden_size: int, intermediate_s
     return total // intermediate_size, None
 
 
+def _runs_as_inference(forward):
+    """Run ``forward`` under ``torch.no_grad()`` after `MoE._check_inference`: the layer is
+    inference-only whatever its parameters' ``requires_grad``."""
+    @functools.wraps(forward)
+    def run(self, hidden_states, router_logits=None):
+        self._check_inference(hidden_states, router_logits)
+        with torch.no_grad():
+            return forward(self, hidden_states, router_logits)
+
+    return run
+
+
 def _check_module(name: str, value) -> None:
     if value is not None and not callable(value):
         raise TypeError(f"{name} must be an nn.Module (or callable) or None, got {type(value).__name__}")
@@ -167,6 +187,8 @@ class MoE(nn.Module):
     ep_group : torch.distributed.ProcessGroup, optional
         Expert-parallel group; the module then holds only its rank's experts and dispatches
         through ``moeroute.bindings.ep.make_dispatcher``. None: one rank, no communication.
+        Construction with a group is a collective: the ranks exchange `ep_fingerprint`
+        once and must all agree.
     dispatch : {"all2all", "allgather"}
         Dispatch mode with ``ep_group``; without one nothing is dispatched (layout
         dispatch "none").
@@ -204,11 +226,21 @@ class MoE(nn.Module):
         the redundant experts itself (leave ``num_redundant_experts`` 0).
     dtype, device
         Of the expert weights; the activations must match.
+    expert_weights : (Tensor [N, 2I, H'], Tensor [N, H', I]), optional
+        The full stacked routed weights (the transformers layout) to take this rank's
+        experts from. When the rank holds exactly these N experts (one rank, no replicas,
+        no fused shared slots) and their dtype and device are ``dtype`` and ``device``, the
+        module's expert parameters share their memory (no copy); otherwise this rank's
+        experts are copied (`load_routed_weights`).
 
     Raises
     ------
     TypeError
-        ``router`` not a RouterConfig; a module argument that is not callable.
+        ``router`` not a RouterConfig; a module argument that is not callable; ``ep_group``
+        not a torch.distributed ProcessGroup.
+    moeroute.bindings.ep.RankMismatchError
+        With ``ep_group``: the ranks disagree on a field of `ep_fingerprint`; raised on
+        every rank with the same message naming each field and each rank's value.
     ValueError
         Sizes below 1; an unknown shared, dispatch, activation or scaling_regime; a shared
         gate without shared experts; an unsupported dtype or device;
@@ -240,6 +272,7 @@ class MoE(nn.Module):
         gemm: str = "auto",
         dtype: torch.dtype | None = None,
         device=None,
+        expert_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
         expert_bias: bool = False,
         router_bias: bool = False,
         apply_router_weight_on_input: bool = False,
@@ -300,9 +333,9 @@ class MoE(nn.Module):
         if ep_group is None:
             ep_size, rank, layout_dispatch = 1, 0, "none"
         else:
-            import torch.distributed as dist
+            from moeroute.bindings.ep import ep_group_size_and_rank
 
-            ep_size, rank, layout_dispatch = dist.get_world_size(ep_group), dist.get_rank(ep_group), dispatch
+            (ep_size, rank), layout_dispatch = ep_group_size_and_rank(ep_group), dispatch
         self.layout = ExpertLayout(
             router.num_experts, num_shared, ep_size=ep_size, dispatch=layout_dispatch, shared=shared,
             num_redundant_experts=num_redundant_experts, scaling_regime=scaling_regime,
@@ -333,9 +366,16 @@ class MoE(nn.Module):
         if router_bias:
             self.router_bias = nn.Parameter(torch.zeros(router.num_experts, dtype=router_dtype, device=device),
                                             requires_grad=False)
-        self.experts = LocalExperts(self.layout.num_local_experts(rank), routed_hidden_size,
-                                    intermediate_size, activation, gemm=gemm, bias=expert_bias, dtype=dtype,
-                                    device=device)
+        local_experts = self.layout.num_local_experts(rank)
+        if expert_weights is not None and self._can_alias(expert_weights, dtype, device):
+            # This rank holds exactly the given experts: share their memory, copy nothing.
+            self.experts = LocalExperts(local_experts, routed_hidden_size, intermediate_size, activation,
+                                        gemm=gemm, bias=expert_bias, weights=tuple(expert_weights))
+        else:
+            self.experts = LocalExperts(local_experts, routed_hidden_size, intermediate_size, activation,
+                                        gemm=gemm, bias=expert_bias, dtype=dtype, device=device)
+            if expert_weights is not None:
+                self.load_routed_weights(*expert_weights)
         self.shared_expert_gate = shared_expert_gate
         self.routed_input_transform = routed_input_transform
         self.routed_output_transform = routed_output_transform
@@ -349,11 +389,59 @@ class MoE(nn.Module):
         if ep_group is None:
             self.dispatcher: Dispatcher = LocalDispatcher(self.layout)
         else:
-            from moeroute.bindings.ep import make_dispatcher
+            from moeroute.bindings.ep import check_ranks_agree, make_dispatcher
 
+            # Once, here rather than on the first forward: a disagreement surfaces where the
+            # layers are built, and the forward stays free of extra collectives.
+            check_ranks_agree(self.ep_fingerprint(), ep_group, "the MoE layer")
             self.dispatcher = make_dispatcher(self.layout, ep_group, dispatch)
 
+    def ep_fingerprint(self) -> dict:
+        """The fields every rank of an expert-parallel group must agree on (plain values):
+        the layout, every router field, the sizes, dtypes, activation and the optional
+        parts. Exchanged once at construction with ``ep_group``."""
+        from moeroute.bindings.ep import layout_fingerprint
+
+        fields = layout_fingerprint(self.layout)
+        fields.update({f"router.{name}": value
+                       for name, value in dataclasses.asdict(self.router).items()})
+        fields.update({
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "routed_hidden_size": self.routed_hidden_size,
+            "dtype": str(self.experts.w_gate_up.dtype),
+            "router_dtype": str(self.router_weight.dtype),
+            "activation": self.activation,
+            "correction_bias": self.correction_bias is not None,
+            "shared_expert_gate": self.shared_expert_gate is not None,
+            "routed_input_transform": self.routed_input_transform is not None,
+            "routed_output_transform": self.routed_output_transform is not None,
+            "expert_bias": self.experts.b_gate_up is not None,
+            "router_bias": self.router_bias is not None,
+            "apply_router_weight_on_input": self.apply_router_weight_on_input,
+        })
+        return fields
+
     # ----------------------------------------------------------------- weights
+
+    def _can_alias(self, expert_weights, dtype, device) -> bool:
+        """True when the local experts are exactly the rows of ``expert_weights``, in
+        order, in the requested dtype and device: no fused shared slots, no replicas, and
+        one rank holding all N (a rank's slice would keep the whole tensor alive)."""
+        gate_up, down = expert_weights
+        n = self.router.num_experts
+        return (self.layout.num_local_experts(self.rank) == n and self.layout.shared != "fused"
+                and self.routed_expert_ids() == list(range(n))
+                and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+                and gate_up.dtype == down.dtype == dtype and gate_up.device == down.device
+                and (device is None or gate_up.device == torch.device(device))
+                and tuple(gate_up.shape) == (n, 2 * self.intermediate_size, self.routed_hidden_size)
+                and tuple(down.shape) == (n, self.routed_hidden_size, self.intermediate_size))
+
+    def shares_weights_with(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+        """True when the expert parameters alias (share the memory of) these tensors."""
+        return (self.experts.w_gate_up.data_ptr() == w_gate_up.data_ptr()
+                and self.experts.w_down.data_ptr() == w_down.data_ptr())
 
     def routed_expert_ids(self) -> list[int]:
         """Logical expert id of each routed local expert of this rank (replicas included)."""
@@ -362,8 +450,10 @@ class MoE(nn.Module):
         return [int(logical[p]) for p in range(start, start + count)]
 
     def pack_cpu_weights(self, enable: bool = True) -> "MoE":
-        """Keep oneDNN-packed copies of the expert weights for CPU forwards (opt-in: a
-        second copy of the expert weights in memory); see
+        """Pack the expert weights now into oneDNN copies for CPU forwards (opt-in: a
+        second copy of the expert weights in memory). Explicit: the copies are a snapshot;
+        re-pack after changing the weights (a change torch can see makes the next CPU
+        forward raise; a write through ``.data`` is not seen). See
         `moeroute.bindings.torch.LocalExperts.pack_cpu_weights`. Returns ``self``."""
         self.experts.pack_cpu_weights(enable)
         return self
@@ -396,6 +486,29 @@ class MoE(nn.Module):
         if tuple(w_down.shape) != (n, hid, inter):
             raise ValueError(f"w_down has shape {tuple(w_down.shape)}, expected [N, H', I] = {[n, hid, inter]}")
         pairs = [(self.experts.w_gate_up, w_gate_up), (self.experts.w_down, w_down)]
+        self._copy_expert_rows(pairs + self._bias_pairs(gate_up_bias, down_bias))
+
+    @torch.no_grad()
+    def load_expert_biases(self, gate_up_bias: torch.Tensor | None = None,
+                           down_bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's routed expert biases out of the full stacked biases.
+
+        Parameters
+        ----------
+        gate_up_bias : Tensor [N, 2I] (gate entries first), optional
+        down_bias : Tensor [N, H'], optional
+
+        Raises
+        ------
+        ValueError
+            Shapes other than the above; a module built without ``expert_bias=True``.
+        """
+        self._copy_expert_rows(self._bias_pairs(gate_up_bias, down_bias))
+
+    def _bias_pairs(self, gate_up_bias, down_bias) -> list:
+        """(target parameter, source) of the given biases, shapes checked."""
+        n, inter, hid = self.router.num_experts, self.intermediate_size, self.routed_hidden_size
+        pairs = []
         for name, bias, shape, target in (("gate_up_bias", gate_up_bias, (n, 2 * inter), self.experts.b_gate_up),
                                           ("down_bias", down_bias, (n, hid), self.experts.b_down)):
             if bias is None:
@@ -406,6 +519,10 @@ class MoE(nn.Module):
             if tuple(bias.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(bias.shape)}, expected {list(shape)}")
             pairs.append((target, bias))
+        return pairs
+
+    def _copy_expert_rows(self, pairs) -> None:
+        """Copy this rank's routed rows of each (target, full source) pair."""
         ids = self.routed_expert_ids()
         if ids == list(range(ids[0], ids[0] + len(ids))):  # no replicas: one block copy
             rows = slice(ids[0], ids[0] + len(ids))
@@ -440,6 +557,70 @@ class MoE(nn.Module):
             self.experts.w_gate_up[first + j, :inter].copy_(gate[rows])
             self.experts.w_gate_up[first + j, inter:].copy_(up[rows])
             self.experts.w_down[first + j].copy_(down[:, rows])
+
+    # ------------------------------------------------------------ state dict
+
+    #: transformers parameter names (relative to the block) -> this module's.
+    _TRANSFORMERS_RENAMES = {"gate.weight": "router_weight",
+                             "gate.e_score_correction_bias": "correction_bias"}
+    #: Where transformers blocks keep their shared MLP (DeepSeek/GLM, Qwen).
+    _TRANSFORMERS_SHARED = ("shared_experts.", "shared_expert.")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # A transformers checkpoint of the block this module replaced loads as it is: its
+        # names are mapped to this module's before the usual loading (which copies into the
+        # existing parameters, so aliased weights stay aliased).
+        self._map_transformers_keys(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    @torch.no_grad()
+    def _map_transformers_keys(self, state_dict, prefix) -> None:
+        """Rename (and for a rank's slice or fused slots, assemble) transformers keys in place.
+
+        ``experts.gate_up_proj`` [N, 2I, H] and ``experts.down_proj`` [N, H, I] become this
+        rank's ``experts.w_gate_up`` / ``experts.w_down`` (its routed experts, then the fused
+        shared slots cut from the shared MLP's ``gate_proj``/``up_proj``/``down_proj``);
+        ``gate.weight`` -> ``router_weight``; ``gate.e_score_correction_bias`` ->
+        ``correction_bias``; ``shared_expert.*`` -> ``shared_experts.*``.
+        """
+        for source, target in self._TRANSFORMERS_RENAMES.items():
+            if prefix + source in state_dict:
+                state_dict[prefix + target] = state_dict.pop(prefix + source)
+        shared = {}
+        for shared_prefix in self._TRANSFORMERS_SHARED:
+            for key in [k for k in state_dict if k.startswith(prefix + shared_prefix)]:
+                shared[key[len(prefix + shared_prefix):]] = state_dict.pop(key)
+        gate_up_key, down_key = prefix + "experts.gate_up_proj", prefix + "experts.down_proj"
+        if gate_up_key in state_dict and down_key in state_dict:
+            gate_up, down = state_dict.pop(gate_up_key), state_dict.pop(down_key)
+            ids = self.routed_expert_ids()
+            if ids != list(range(gate_up.shape[0])):
+                index = torch.tensor(ids, dtype=torch.long, device=gate_up.device)
+                gate_up, down = gate_up.index_select(0, index), down.index_select(0, index)
+            if self.layout.shared == "fused":
+                slots = self._fused_slots(shared, gate_up)
+                gate_up = torch.cat([gate_up, slots[0].to(gate_up.dtype)])
+                down = torch.cat([down, slots[1].to(down.dtype)])
+            state_dict[prefix + "experts.w_gate_up"] = gate_up
+            state_dict[prefix + "experts.w_down"] = down
+        if self.layout.shared != "fused":
+            for name, value in shared.items():
+                state_dict[prefix + "shared_experts." + name] = value
+
+    def _fused_slots(self, shared, like):
+        """The S fused slots [S, 2I, H], [S, H, I] cut from a shared MLP's state dict."""
+        inter, s = self.intermediate_size, self.num_shared_experts
+        try:
+            gate, up, down = (shared[f"{name}.weight"] for name in ("gate_proj", "up_proj", "down_proj"))
+        except KeyError as missing:
+            raise KeyError(f"the state dict has experts.gate_up_proj but no shared MLP {missing.args[0]} "
+                           "(under shared_experts. or shared_expert.) to fill the fused slots") from None
+        gate_up = torch.stack([torch.cat([gate[j * inter:(j + 1) * inter], up[j * inter:(j + 1) * inter]])
+                               for j in range(s)])
+        down = torch.stack([down[:, j * inter:(j + 1) * inter] for j in range(s)])
+        return gate_up.to(like.device), down.to(like.device)
 
     # ----------------------------------------------------------------- forward
 
@@ -478,16 +659,17 @@ class MoE(nn.Module):
                                  f"{router_logits.dtype} on {router_logits.device}")
 
     def _check_inference(self, hidden_states, router_logits) -> None:
+        # Only the caller's inputs can ask for gradients: parameters that require grad (as
+        # transformers leaves a shared MLP's) do not, so every shared mode behaves alike.
         if not torch.is_grad_enabled():
             return
-        wants_grad = hidden_states.requires_grad or (router_logits is not None and router_logits.requires_grad)
-        culprit = "hidden_states" if wants_grad else None
-        if culprit is None:
-            culprit = next((name for name, p in self.named_parameters() if p.requires_grad), None)
+        culprit = next((name for name, value in (("hidden_states", hidden_states),
+                                                  ("router_logits", router_logits))
+                        if getattr(value, "requires_grad", False)), None)
         if culprit is not None:
             raise RuntimeError(
                 f"moeroute MoE is inference-only, but gradients are requested ({culprit} requires grad); "
-                "run it under torch.no_grad() or torch.inference_mode(), or call requires_grad_(False)"
+                "run it under torch.no_grad() or torch.inference_mode(), or pass a detached tensor"
             )
 
     def compute_router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -504,8 +686,9 @@ class MoE(nn.Module):
         out = self.shared_experts(hidden_states)
         return out if gate is None else gate * out
 
+    @_runs_as_inference
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the layer.
+        """Run the layer (always without autograd: see the module docstring).
 
         Parameters
         ----------
@@ -523,10 +706,10 @@ class MoE(nn.Module):
         TypeError, ValueError
             Bad shapes, dtypes or devices (the message names the argument).
         RuntimeError
-            Gradients requested (inference only).
+            ``hidden_states`` or ``router_logits`` requires grad while grad mode is on
+            (inference only).
         """
         self._check_forward_inputs(hidden_states, router_logits)
-        self._check_inference(hidden_states, router_logits)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
         layout, rsf = self.layout, self.router.routed_scaling_factor
