@@ -73,6 +73,7 @@ GPU_TEST_FILES = (
     "tests/gpu/test_gpu_graph.py",
     "tests/routing/test_select_cuda.py",
     "tests/routing/test_dispatch_cuda.py",
+    "tests/routing/test_frameworks.py",
     "tests/bindings/test_moe.py",
 )
 

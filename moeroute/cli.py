@@ -24,8 +24,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from moeroute.config import PRESETS, ModelPreset, get_preset
-from moeroute.layout import DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, SHARED_SLOT_MODES
+from moeroute.config import PRESETS, SCORING_FUNCTIONS, ModelPreset, get_preset
+from moeroute.layout import DISPATCH_MODES, PLACEMENTS, SCALING_REGIMES, SHARED_MODES, SHARED_SLOT_MODES
 
 __all__ = ["Command", "COMMANDS", "main", "build_parser", "positive_int", "non_negative_int",
            "check_fits_in_memory", "physical_memory_bytes"]
@@ -190,6 +190,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="number of redundant (replica) experts (default 0)")
     parser.add_argument("--regime", choices=SCALING_REGIMES, default="router",
                         help="where routed_scaling_factor is applied (default router)")
+    parser.add_argument("--placement", choices=PLACEMENTS, default="linear",
+                        help="which logical experts each rank holds (default linear; round_robin: "
+                             "rank r holds r, r+E, ...)")
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -208,6 +211,7 @@ def run_plan(args: argparse.Namespace) -> int:
             preset.router.num_experts, preset.num_shared_experts, args.ep, dispatch,
             args.shared, args.slots, args.redundant,
             scaling_regime=args.regime, unfusable_reason=preset.shared_unfusable_reason,
+            placement=args.placement,
         )
     except ValueError as error:  # LayoutError included: an impossible layout
         return _error(str(error))
@@ -235,6 +239,10 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                         help="expert-parallel size for the per-rank load (default 1)")
     parser.add_argument("--repeat", type=positive_int, default=10, metavar="R",
                         help="timed calls after the first one (default 10)")
+    parser.add_argument("--scoring", choices=SCORING_FUNCTIONS, default=None,
+                        help="override the preset's scoring function")
+    parser.add_argument("--placement", choices=PLACEMENTS, default="linear",
+                        help="expert placement for the per-rank load (default linear)")
 
 
 def _load_select_experts():
@@ -264,13 +272,17 @@ def run_route(args: argparse.Namespace) -> int:
 
     try:
         preset = _load_model(args)
+        if args.scoring is not None:
+            preset = dataclasses.replace(
+                preset, router=dataclasses.replace(preset.router, scoring=args.scoring))
         router = preset.router
         check_fits_in_memory(
             f"routing --tokens {args.tokens} over {router.num_experts} experts",
             args.tokens * (router.num_experts * ROUTE_BYTES_PER_LOGIT
                            + router.top_k * ROUTE_BYTES_PER_PICK))
         layout = ExpertLayout(router.num_experts, ep_size=args.ep,
-                              dispatch="none" if args.ep == 1 else "all2all")
+                              dispatch="none" if args.ep == 1 else "all2all",
+                              placement=args.placement)
     except ValueError as error:  # LayoutError included
         return _error(str(error))
 
@@ -313,13 +325,16 @@ def run_route(args: argparse.Namespace) -> int:
 
     rank_labels, rank_counts = [], []
     for rank in range(layout.ep_size):
-        first_expert, count = layout.routed_range(rank)
-        rank_labels.append(f"rank {rank} experts [{first_expert}, {first_expert + count})")
-        rank_counts.append(int(counts[first_expert : first_expert + count].sum()))
+        if args.placement == "linear":
+            first_expert, count = layout.routed_range(rank)
+            rank_labels.append(f"rank {rank} experts [{first_expert}, {first_expert + count})")
+        else:
+            rank_labels.append(f"rank {rank} experts {rank}, {rank + layout.ep_size}, ...")
+        rank_counts.append(int(counts[layout.logical_experts(rank)].sum()))
     rank_mean = total / layout.ep_size
     rank_peak = max(rank_counts)
     rank_imbalance = f"{rank_peak / rank_mean:.2f}x mean" if rank_mean else "n/a"
-    print(f"per-rank load (ep {layout.ep_size}, linear placement): mean {rank_mean:.1f}, "
+    print(f"per-rank load (ep {layout.ep_size}, {args.placement} placement): mean {rank_mean:.1f}, "
           f"max {rank_peak} ({rank_imbalance})")
     print("\n".join(_histogram(rank_labels, rank_counts)))
     return 0
@@ -332,7 +347,7 @@ def run_route(args: argparse.Namespace) -> int:
 def list_presets() -> str:
     """Table of the built-in presets and their key fields."""
     header = ("name", "model_type", "N", "K", "scoring", "bias", "G/topk_group", "renorm",
-              "rsf", "S", "shared", "gated", "H", "I")
+              "rsf", "S", "shared", "gated", "activation", "H", "I")
     rows = [header]
     for preset in PRESETS.values():
         router = preset.router
@@ -342,8 +357,9 @@ def list_presets() -> str:
             f"{router.num_expert_group}/{router.topk_group}",
             "yes" if router.renormalize else "no", f"{router.routed_scaling_factor:g}",
             str(preset.num_shared_experts), str(preset.shared_intermediate_size),
-            "yes" if preset.shared_gated else "no", str(preset.hidden_size),
-            str(preset.moe_intermediate_size),
+            "yes" if preset.shared_gated else "no",
+            preset.activation + ("+biases" if preset.expert_bias else ""),
+            str(preset.hidden_size), str(preset.moe_intermediate_size),
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)

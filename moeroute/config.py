@@ -33,8 +33,12 @@ __all__ = [
     "ROUTED_SCALING_FACTOR_RANGE",
 ]
 
-#: Scoring functions applied to the router logits before selection.
-SCORING_FUNCTIONS = ("softmax", "sigmoid")
+#: Expert activations a preset may name (the torch experts implement each).
+EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+
+#: Scoring functions applied to the router logits before selection: softmax, sigmoid,
+#: sqrt(softplus(logits)) and "none" (the raw logits are the scores).
+SCORING_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus", "none")
 #: Allowed routed_scaling_factor range. Scores are at most 1 (before scaling), so
 #: weights stay at most 1e6, far below float32's 3.4e38 even summed over many tokens'
 #: expert outputs, and a weight of 1 stays far above float32's smallest normal 1.2e-38.
@@ -63,8 +67,14 @@ class RouterConfig:
     top_k : int
         K, the number of routed experts per token; 1 <= K <= N, and with grouped
         routing K <= topk_group * N / num_expert_group.
-    scoring : {"softmax", "sigmoid"}
-        Function turning router logits into scores.
+    scoring : {"softmax", "sigmoid", "sqrtsoftplus", "none"}
+        Function turning router logits into scores: softmax over the N logits, sigmoid,
+        ``sqrt(softplus(logits))`` (SGLang's biased top-k), or "none": the raw logits are
+        the scores (FlashInfer's TopK routing). With "none" and ``renormalize`` the K picked
+        logits are divided by ``sum + 1e-20`` only when that divisor is positive and finite
+        (otherwise they stay as they are), and every weight is clamped to the finite float32
+        range. Top-k on the logits then a softmax over the K picked (gpt-oss) is
+        "softmax" with ``renormalize=True``.
     num_expert_group : int
         G, the number of expert groups; must divide N. 1 disables grouped routing.
     topk_group : int
@@ -209,6 +219,11 @@ class ModelPreset:
     shared_unfusable_reason : str or None
         Why the shared MLP cannot become expert slots (pass it to
         ``ExpertLayout(unfusable_reason=...)``); None when it can.
+    activation : str
+        The experts' activation: "silu" (default), "gelu", "gelu_tanh" or "swigluoai"
+        (gpt-oss).
+    expert_bias : bool
+        The experts carry gate_up and down biases, and the router linear a bias (gpt-oss).
 
     Raises
     ------
@@ -227,6 +242,8 @@ class ModelPreset:
     hidden_size: int
     moe_intermediate_size: int
     shared_unfusable_reason: str | None = None
+    activation: str = "silu"
+    expert_bias: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.router, RouterConfig):
@@ -252,6 +269,10 @@ class ModelPreset:
             )
         if self.shared_gated and not shared:
             raise ValueError("shared_gated=True needs a shared expert (num_shared_experts > 0)")
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r} is not supported; use one of "
+                             f"{EXPERT_ACTIVATIONS}")
+        object.__setattr__(self, "expert_bias", bool(self.expert_bias))
         object.__setattr__(self, "hidden_size", hidden)
         object.__setattr__(self, "moe_intermediate_size", inter)
         object.__setattr__(self, "num_shared_experts", shared)
@@ -554,6 +575,34 @@ def _read_mixtral(fields: Mapping) -> dict:
     )
 
 
+def _read_gpt_oss(fields: Mapping) -> dict:
+    # gpt-oss: top-k of the (biased) router logits, then softmax over the K picked, which is
+    # softmax + renormalize (SPEC section 9); biased experts with the clamped swigluoai.
+    limit = _field(fields, "swiglu_limit", 7.0)
+    alpha = _field(fields, "swiglu_alpha", 1.702)
+    if (float(alpha), float(limit)) != (1.702, 7.0):
+        raise ValueError(
+            f"swiglu_alpha={alpha}, swiglu_limit={limit}: moeroute's swigluoai uses alpha=1.702 "
+            "and limit=7.0"
+        )
+    return dict(
+        router=RouterConfig(
+            num_experts=_field(fields, ("num_local_experts", "num_experts"), 128),
+            top_k=_field(fields, ("num_experts_per_tok", "experts_per_token"), 4),
+            scoring="softmax",
+            renormalize=True,
+        ),
+        has_correction_bias=False,
+        num_shared_experts=0,
+        shared_intermediate_size=0,
+        shared_gated=False,
+        hidden_size=_field(fields, "hidden_size", 2880),
+        moe_intermediate_size=_field(fields, "intermediate_size", 2880),
+        activation="swigluoai",
+        expert_bias=True,
+    )
+
+
 _READERS: dict[str, Callable[[Mapping], dict]] = {
     "deepseek_v3": _read_deepseek_v3,
     "kimi_k2": _read_deepseek_v3,
@@ -565,6 +614,7 @@ _READERS: dict[str, Callable[[Mapping], dict]] = {
     # Qwen3.5-MoE's router always renormalizes (it has no norm_topk_prob field).
     "qwen3_5_moe_text": _qwen_reader(256, 8, 512, 512, norm_topk_prob=None),
     "mixtral": _read_mixtral,
+    "gpt_oss": _read_gpt_oss,
 }
 
 #: Model types ``from_hf`` reads (top-level ``model_type`` values).
@@ -630,6 +680,19 @@ PRESETS: dict[str, ModelPreset] = {
             "mixtral-8x7b", "mixtral",
             RouterConfig(8, 2, "softmax", renormalize=True),
             hidden_size=4096, moe_intermediate_size=14336,
+        ),
+        # gpt-oss: softmax over the top-k logits = softmax + renormalize; biased experts.
+        _preset(
+            "gpt-oss-20b", "gpt_oss",
+            RouterConfig(32, 4, "softmax", renormalize=True),
+            hidden_size=2880, moe_intermediate_size=2880, activation="swigluoai",
+            expert_bias=True,
+        ),
+        _preset(
+            "gpt-oss-120b", "gpt_oss",
+            RouterConfig(128, 4, "softmax", renormalize=True),
+            hidden_size=2880, moe_intermediate_size=2880, activation="swigluoai",
+            expert_bias=True,
         ),
     )
 }

@@ -51,8 +51,9 @@ def test_top_level_help_lists_commands(capsys):
 
 
 @pytest.mark.parametrize("command, options", [
-    ("plan", ["--preset", "--config", "--ep", "--dispatch", "--shared", "--slots", "--redundant", "--regime"]),
-    ("route", ["--preset", "--config", "--tokens", "--seed", "--ep", "--repeat"]),
+    ("plan", ["--preset", "--config", "--ep", "--dispatch", "--shared", "--slots", "--redundant", "--regime",
+              "--placement"]),
+    ("route", ["--preset", "--config", "--tokens", "--seed", "--ep", "--repeat", "--scoring", "--placement"]),
 ])
 def test_command_help_is_complete(capsys, command, options):
     status, out, _ = run(capsys, command, "--help")
@@ -293,6 +294,48 @@ def test_demo_and_run_are_registered(capsys):
 
 
 # ----------------------------------------------------------------------------
+# placement, scoring, gpt-oss
+
+
+def test_plan_round_robin_placement(capsys):
+    status, out, _ = run(capsys, "plan", "--preset", "gpt-oss-20b", "--ep", "4", "--placement", "round_robin")
+    assert status == 0
+    layout = ExpertLayout(32, ep_size=4, dispatch="all2all", placement="round_robin")
+    assert layout.describe() in out
+    assert "rank 1: 1, 5, 9, 13, 17, 21, 25, 29" in out
+
+
+def test_route_round_robin_rank_load_and_scoring(capsys, monkeypatch):
+    router = RecordingRouter()
+    seen = []
+
+    def recording(logits, config, correction_bias=None):
+        seen.append(config.scoring)
+        return router(logits, config, correction_bias)
+
+    monkeypatch.setattr(cli, "_load_select_experts", lambda: recording)
+    status, out, _ = run(capsys, "route", "--preset", "gpt-oss-20b", "--tokens", "40", "--ep", "4",
+                         "--placement", "round_robin", "--scoring", "none", "--repeat", "1")
+    assert status == 0 and set(seen) == {"none"}
+    expected = np.bincount(router.ids.ravel(), minlength=32)
+    ranks = histogram(out, "rank ")
+    for rank in range(4):
+        assert ranks[f"rank {rank} experts {rank}, {rank + 4}, ..."] == expected[rank::4].sum()
+    assert "round_robin placement" in out
+
+
+def test_route_with_library_sqrtsoftplus(capsys):
+    status, out, _ = run(capsys, "route", "--preset", "deepseek-v3", "--tokens", "16", "--scoring",
+                         "sqrtsoftplus", "--repeat", "1")
+    assert status == 0 and "sqrtsoftplus" in out
+
+
+def test_list_presets_names_activation(capsys):
+    status, out, _ = run(capsys, "--list-presets")
+    line = next(line for line in out.splitlines() if line.startswith("gpt-oss-120b"))
+    assert "swigluoai+biases" in line.split() and " 128 " in line
+
+
 # bad input: exit 2, one clear line, no traceback, nothing allocated
 
 

@@ -155,17 +155,26 @@ def _kernel(name: str):
 _device_tables: OrderedDict = OrderedDict()
 
 
-def layout_device_tables(layout: ExpertLayout):
+def _replica_tables(layout: ExpertLayout, prefer_rank):
+    """(replica_offsets, replica_ids) of ``layout``, or its `preferred_replicas` of a rank."""
+    if prefer_rank is None:
+        return layout.replica_offsets, layout.replica_ids
+    return layout.preferred_replicas(prefer_rank)
+
+
+def layout_device_tables(layout: ExpertLayout, prefer_rank=None):
     """(replica_offsets, replica_ids, routed_id_map) of ``layout`` on the current device.
 
-    Uploaded once per layout and device (a synchronous copy, so any stream may use them).
+    Uploaded once per layout, ``prefer_rank`` and device (a synchronous copy, so any stream
+    may use them).
     """
     device = cuda.get_current_device()
-    key = (layout, getattr(device, "id", 0))
+    key = (layout, prefer_rank, getattr(device, "id", 0))
     tables = _device_tables.get(key)
     if tables is None:
+        offsets, replica_ids = _replica_tables(layout, prefer_rank)
         tables = tuple(cuda.to_device(np.ascontiguousarray(a)) for a in (
-            layout.replica_offsets, layout.replica_ids, layout.routed_id_map))
+            offsets, replica_ids, layout.routed_id_map))
         _device_tables[key] = tables
         if len(_device_tables) > _DEVICE_TABLE_CACHE_SIZE:
             _device_tables.popitem(last=False)
@@ -197,12 +206,12 @@ def expert_map_device_table(expert_map: np.ndarray):
     return found
 
 
-def launch_logical_to_physical(ids_view, layout, out_view, stream) -> None:
+def launch_logical_to_physical(ids_view, layout, out_view, stream, prefer_rank=None) -> None:
     """Fill the first K columns of ``out_view`` from ``ids_view`` [T, K] on ``stream``."""
     numel = int(ids_view.shape[0]) * int(ids_view.shape[1])
     if numel == 0:
         return
-    offsets, replica_ids, routed_id_map = layout_device_tables(layout)
+    offsets, replica_ids, routed_id_map = layout_device_tables(layout, prefer_rank)
     blocks, threads = _sort.launch_config(numel)
     _kernel("l2p")[blocks, threads, stream](ids_view, layout.num_routed_experts, offsets,
                                             replica_ids, routed_id_map, out_view)
@@ -211,13 +220,16 @@ def launch_logical_to_physical(ids_view, layout, out_view, stream) -> None:
 # --------------------------------------------------------------------------- API
 
 
-def logical_to_physical(topk_ids, layout, *, stream=None):
-    """Map logical routed ids to the layout's physical id space (SPEC section 2).
+def logical_to_physical(topk_ids, layout, prefer_rank=None, *, stream=None):
+    """Map logical routed ids to the layout's physical id space (SPEC sections 2 and 9).
 
     Redundant experts (EPLB): logical l of token row t uses replica
     ``replicas[((t * 2654435769) mod 2**32) % count]`` of ``layout.replica_ids``; then
     ``layout.routed_id_map`` shifts it into its owner's block (per-rank shared slots).
-    Shared slots never go through this map (see `append_shared_slots`).
+    With ``prefer_rank`` the replicas are those ``prefer_rank`` holds when it holds any
+    (SGLang's static dispatch: traffic stays on the rank), else all of them
+    (`ExpertLayout.preferred_replicas`). Shared slots never go through this map (see
+    `append_shared_slots`).
 
     Parameters
     ----------
@@ -225,6 +237,8 @@ def logical_to_physical(topk_ids, layout, *, stream=None):
         Logical ids; NumPy or CPU torch (any integer dtype) or device (int32/int64).
         The result is in the framework and on the device of ``topk_ids``.
     layout : moeroute.layout.ExpertLayout
+    prefer_rank : int, optional
+        A rank in [0, E) whose replicas are preferred.
     stream : optional
         Device inputs only; default: the current stream of the input's framework.
 
@@ -238,21 +252,27 @@ def logical_to_physical(topk_ids, layout, *, stream=None):
     TypeError
         ``layout`` not an ExpertLayout; non-integer ``topk_ids``.
     ValueError
-        ``topk_ids`` not 2-D, or with more than 2**31 - 1 rows.
+        ``topk_ids`` not 2-D, or with more than 2**31 - 1 rows; ``prefer_rank`` not an
+        integer in [0, E).
     """
     check_layout(layout)
+    if prefer_rank is not None:
+        # Validates it (ValueError naming prefer_rank) before anything launches.
+        layout.preferred_replicas(prefer_rank)
+        prefer_rank = int(prefer_rank)
     if is_device_array(topk_ids):
         ids = _sort.device_ids("topk_ids", topk_ids)
         _sort.check_index_limit("topk_ids.shape[0]", int(ids.shape[0]))
         launch_stream = resolve_stream(topk_ids, stream)
         out, out_view = device_empty(tuple(ids.shape), np.int32, topk_ids, launch_stream)
-        launch_logical_to_physical(ids, layout, out_view, launch_stream)
+        launch_logical_to_physical(ids, layout, out_view, launch_stream, prefer_rank)
         return out
     ids = _sort.host_ids("topk_ids", host_array(topk_ids))
     _sort.check_index_limit("topk_ids.shape[0]", ids.shape[0])
     out = np.empty(ids.shape, np.int32)
-    logical_to_physical_cpu(ids, layout.num_routed_experts, layout.replica_offsets,
-                            layout.replica_ids, layout.routed_id_map, out)
+    offsets, replica_ids = _replica_tables(layout, prefer_rank)
+    logical_to_physical_cpu(ids, layout.num_routed_experts, offsets, replica_ids,
+                            layout.routed_id_map, out)
     return as_caller(out, topk_ids)
 
 

@@ -23,6 +23,7 @@ scores instead, as the reference does.
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import numba
@@ -88,6 +89,11 @@ _BF16_SHIFT = 16
 # bfloat16 -> float32 for every bit pattern (exact: the pattern shifted into the top half);
 # the same kernel as float16 serves it with this table.
 _BF16_TO_FLOAT = (np.arange(1 << 16, dtype=np.uint32) << _BF16_SHIFT).view(np.float32)
+
+# config.scoring as the CPU kernel's integer argument (one compiled kernel serves all four).
+_SOFTMAX, _SIGMOID, _SQRTSOFTPLUS, _RAW = 0, 1, 2, 3
+_SCORING_CODES = {"softmax": _SOFTMAX, "sigmoid": _SIGMOID, "sqrtsoftplus": _SQRTSOFTPLUS,
+                  "none": _RAW}
 
 
 # --------------------------------------------------------------------------------------
@@ -182,7 +188,8 @@ def select_experts(logits, config, correction_bias=None, *, stream=None, out=Non
         on the device. Device logits must be C-contiguous. float16 and bfloat16 logits
         route exactly as their float32 upcast.
     config : moeroute.config.RouterConfig
-        N, K, scoring, grouped routing, renormalize and the routed scaling factor.
+        N, K, scoring ("softmax", "sigmoid", "sqrtsoftplus" or "none"), grouped routing,
+        renormalize and the routed scaling factor.
     correction_bias : array [N] float32, optional
         Added to the scores for selection only (DeepSeek-V3 ``noaux_tc``); on the same
         side (host or device) as ``logits``.
@@ -197,7 +204,8 @@ def select_experts(logits, config, correction_bias=None, *, stream=None, out=Non
     -------
     topk_weights : float32 [T, K]
         Scores of the picked experts, renormalized if ``config.renormalize``, times
-        ``config.routed_scaling_factor``.
+        ``config.routed_scaling_factor``. Scoring "none" (raw logits): renormalized only when
+        ``sum + 1e-20`` is positive and finite, then clamped to the finite float32 range.
     topk_ids : int32 [T, K]
         Picked expert ids, distinct, in [0, N), columns ordered by choice descending.
         NumPy in gives NumPy out, torch in gives torch tensors on the same device, CuPy
@@ -424,6 +432,28 @@ def _clip_logit(x):
     """NaN -> -inf, then clamp to the finite float32 range (reference._scores)."""
     x = x if x >= _F32_NEG_MAX else _F32_NEG_MAX  # NaN and -inf fail the comparison
     return x if x <= _F32_MAX else _F32_MAX
+
+
+@_cpu_jit
+def _sqrt_softplus(x):
+    """sqrt(softplus(x)) of a clipped logit in float32: max(x, 0) + log1p(exp(-|x|)) never
+    overflows, so every score is finite and >= 0."""
+    magnitude = x if x >= _F32_ZERO else -x
+    positive = x if x > _F32_ZERO else _F32_ZERO
+    return np.float32(np.sqrt(positive + np.float32(np.log1p(_exp(-magnitude)))))
+
+
+@_cpu_jit
+def _raw_logit_weight(weight, total, renormalize, rsf):
+    """Weight of a pick under scoring "none" (reference._raw_logit_weights): divided by
+    ``total + 1e-20`` only when that divisor is positive and finite, times rsf, clamped to
+    the finite float32 range."""
+    divisor = total + _F32_EPS
+    if renormalize and divisor > _F32_ZERO and divisor <= _F32_MAX:
+        weight = weight / divisor
+    weight = weight * rsf
+    weight = weight if weight >= _F32_NEG_MAX else _F32_NEG_MAX
+    return weight if weight <= _F32_MAX else _F32_MAX
 
 
 @_cpu_inline
@@ -1058,15 +1088,21 @@ def _softmax_logit_row(x, keys, lanes, num_groups, topk_group, top_k, renormaliz
 
 
 @_cpu_inline
-def _exact_row(x, bias, has_bias, sigmoid, num_groups, topk_group, top_k, renormalize, rsf,
+def _exact_row(x, bias, has_bias, scoring, num_groups, topk_group, top_k, renormalize, rsf,
                scores, keys, lanes, lane_sums, group_keys, kept, spread, candidates, packed, top_keys,
                top_ids, out_w, out_ids, t):
-    """Select one row from its computed scores (sigmoid, a bias, or a softmax row whose
-    picks reach the underflow range)."""
+    """Select one row from its computed scores (sigmoid, sqrt-softplus, raw logits, a bias,
+    or a softmax row whose picks reach the underflow range)."""
     num_experts = x.shape[0]
-    if sigmoid:
+    if scoring == _SIGMOID:
         for i in range(num_experts):
             scores[i] = _F32_ONE / (_F32_ONE + _exp(-x[i]))
+    elif scoring == _SQRTSOFTPLUS:
+        for i in range(num_experts):
+            scores[i] = _sqrt_softplus(x[i])
+    elif scoring == _RAW:
+        for i in range(num_experts):
+            scores[i] = x[i]
     else:
         best = _NO_KEY
         for i in range(num_experts):
@@ -1094,6 +1130,10 @@ def _exact_row(x, bias, has_bias, sigmoid, num_groups, topk_group, top_k, renorm
         weight = scores[expert]
         out_w[t, k] = weight
         total += weight
+    if scoring == _RAW:
+        for k in range(top_k):
+            out_w[t, k] = _raw_logit_weight(out_w[t, k], total, renormalize, rsf)
+        return
     for k in range(top_k):
         weight = out_w[t, k]
         if renormalize:
@@ -1144,7 +1184,7 @@ def _fast_row_overload(logits, t, top_k, rsf, candidates, packed, top_keys, top_
 
 
 @_cpu_jit
-def _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group, top_k,
+def _select_rows(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
                  renormalize, rsf, row_start, row_stop, out_w, out_ids):
     """Rows [row_start, row_stop) of select_experts into out_w / out_ids."""
     num_experts = logits.shape[1]
@@ -1161,7 +1201,7 @@ def _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group,
     packed = np.empty(num_experts + _LANES, np.int64)
     spread = np.full(1, np.nan, np.float32)
     lanes = np.empty(_LANES, np.int32)
-    rank_logits = not sigmoid and not has_bias
+    rank_logits = scoring == _SOFTMAX and not has_bias
     fast = renormalize and num_groups == 1 and top_k <= _LANES and num_experts >= _LANES
     for t in range(row_start, row_stop):
         if rank_logits:
@@ -1176,24 +1216,24 @@ def _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group,
         else:
             for i in range(num_experts):
                 x[i] = _clip_logit(_as_float32(logits[t, i], table))
-        _exact_row(x, bias, has_bias, sigmoid, num_groups, topk_group, top_k, renormalize,
+        _exact_row(x, bias, has_bias, scoring, num_groups, topk_group, top_k, renormalize,
                    rsf, scores, keys, lanes, lane_sums, group_keys, kept, spread, candidates, packed,
                    top_keys, top_ids, out_w, out_ids, t)
 
 
 @_cpu_jit
-def _select_serial(logits, table, bias, has_bias, sigmoid, num_groups, topk_group, top_k,
+def _select_serial(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
                    renormalize, rsf, out_w, out_ids):
-    _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group, top_k,
+    _select_rows(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
                  renormalize, rsf, 0, logits.shape[0], out_w, out_ids)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _select_parallel(logits, table, bias, has_bias, sigmoid, num_groups, topk_group, top_k,
+def _select_parallel(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
                      renormalize, rsf, num_chunks, out_w, out_ids):
     num_tokens = logits.shape[0]
     for chunk in prange(num_chunks):
-        _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group, top_k,
+        _select_rows(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
                      renormalize, rsf, chunk * num_tokens // num_chunks,
                      (chunk + 1) * num_tokens // num_chunks, out_w, out_ids)
 
@@ -1219,7 +1259,7 @@ def _select_host(logits, config, correction_bias, bfloat16=False, out=None):
         logits = logits.view(np.uint16)
     has_bias = correction_bias is not None
     bias = np.ascontiguousarray(correction_bias) if has_bias else _EMPTY_BIAS
-    args = (logits, table, bias, has_bias, config.scoring == "sigmoid",
+    args = (logits, table, bias, has_bias, _SCORING_CODES[config.scoring],
             config.num_expert_group, config.topk_group, top_k, config.renormalize,
             np.float32(config.routed_scaling_factor))
     threads = numba.get_num_threads()
@@ -1248,14 +1288,15 @@ DEVICE_WARPS_PER_BLOCK = 4
 _LOW31 = 0x7FFFFFFF  # packed pick = key << 32 | (_LOW31 - expert): max() prefers the lower id
 
 
-def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormalize, input_kind):
+def _device_kernel_function(num_experts, num_groups, scoring, has_bias, renormalize, input_kind):
     """The CUDA kernel, as a Python function specialised to these compile-time constants.
 
     One warp per token row; lane ``l`` holds experts ``l, l + 32, l + 64, ...`` (coalesced
     loads) in ``ceil(N / 32)`` registers. Grouped routing reduces each group's best two
     over the warp; then K rounds of warp argmax (a packed (key, id) maximum) pick the
-    experts, lane r keeping pick r for one coalesced store. ``input_kind`` is "float32",
-    "float16" or "bfloat16" (bfloat16 arrives as its int16 bits).
+    experts, lane r keeping pick r for one coalesced store. ``scoring`` is one of
+    `moeroute.config.SCORING_FUNCTIONS`; ``input_kind`` is "float32", "float16" or
+    "bfloat16" (bfloat16 arrives as its int16 bits).
     """
     from moeroute.routing import _warp
 
@@ -1271,7 +1312,12 @@ def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormal
     # Groups made of whole slots (DeepSeek-V3: 32 experts, slot j = group j): membership is
     # known when compiling, so each lane touches only its own slots of a group.
     slot_groups = group_size % WARP_SIZE == 0
-    rank_logits = not sigmoid and not has_bias
+    if scoring not in _SCORING_CODES:
+        raise ValueError(f"scoring={scoring!r} is not one of {tuple(_SCORING_CODES)}")
+    sigmoid = scoring == "sigmoid"
+    sqrt_softplus = scoring == "sqrtsoftplus"
+    raw = scoring == "none"
+    rank_logits = scoring == "softmax" and not has_bias
     bf16 = input_kind == "bfloat16"
     warps = _warp.warps_per_block(DEVICE_WARPS_PER_BLOCK)
     scratch = _warp.scratch_size(warps * WARP_SIZE)
@@ -1282,6 +1328,21 @@ def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormal
     f32_zero, f32_one, f32_eps = _F32_ZERO, _F32_ONE, _F32_EPS
     f32_max, f32_neg_max = _F32_MAX, _F32_NEG_MAX
     exact_gap = np.float32(-SOFTMAX_EXACT_GAP)
+
+    @cuda.jit(device=True, inline="always")
+    def softplus_sqrt(x):
+        """sqrt(softplus(x)) as the CPU kernel's _sqrt_softplus: never overflows."""
+        magnitude = x if x >= f32_zero else -x
+        positive = x if x > f32_zero else f32_zero
+        return np.float32(math.sqrt(np.float32(positive + np.float32(math.log1p(expf(-magnitude))))))
+
+    @cuda.jit(device=True, inline="always")
+    def raw_weight(weight, total):
+        """A pick's weight under scoring "none" (the CPU kernel's _raw_logit_weight)."""
+        divisor = total + f32_eps
+        if renormalize and divisor > f32_zero and divisor <= f32_max:
+            weight = weight / divisor
+        return weight
 
     @cuda.jit(device=True, inline="always")
     def order_key(value):
@@ -1434,6 +1495,12 @@ def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormal
             if sigmoid:
                 for j in range(slots):
                     scores[j] = f32_one / (f32_one + expf(-x[j]))
+            elif sqrt_softplus:
+                for j in range(slots):
+                    scores[j] = softplus_sqrt(x[j])
+            elif raw:
+                for j in range(slots):
+                    scores[j] = x[j]
             else:
                 best = pad_key
                 for j in range(slots):
@@ -1458,9 +1525,14 @@ def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormal
                 keep_groups(keys, lane, topk_group, has_bias, scratch_i)
             my_id, my_weight, total, first, last = pick(
                 keys, scores, lane, top_k, False, scratch_i, scratch_f)
-            if renormalize:
-                my_weight = my_weight / (total + f32_eps)
-            my_weight = my_weight * rsf
+            if raw:
+                my_weight = raw_weight(my_weight, total) * rsf
+                my_weight = my_weight if my_weight >= f32_neg_max else f32_neg_max
+                my_weight = my_weight if my_weight <= f32_max else f32_max
+            else:
+                if renormalize:
+                    my_weight = my_weight / (total + f32_eps)
+                my_weight = my_weight * rsf
         if row < num_tokens and lane < top_k:
             out_ids[row, lane] = my_id
             out_w[row, lane] = my_weight
@@ -1478,9 +1550,9 @@ def _device_signature(input_kind):
 
 
 @lru_cache(maxsize=None)
-def _device_kernel(num_experts, num_groups, sigmoid, has_bias, renormalize, input_kind):
+def _device_kernel(num_experts, num_groups, scoring, has_bias, renormalize, input_kind):
     """The compiled kernel (a numba.cuda dispatcher), built once per specialisation."""
-    return cuda.jit(_device_kernel_function(num_experts, num_groups, sigmoid, has_bias,
+    return cuda.jit(_device_kernel_function(num_experts, num_groups, scoring, has_bias,
                                             renormalize, input_kind))
 
 
@@ -1513,7 +1585,7 @@ def _select_device(logits, config, correction_bias, stream, out=None):
         # Without a bias the kernel never reads it: any float32 vector fills the slot.
         bias = _arrays.as_device_array(correction_bias) if has_bias else out_w.reshape(-1)
         kernel = _device_kernel(config.num_experts, config.num_expert_group,
-                                config.scoring == "sigmoid", has_bias, config.renormalize, kind)
+                                config.scoring, has_bias, config.renormalize, kind)
         warps = _device_warps_per_block()
         blocks = -(-num_tokens // warps)
         kernel[blocks, warps * WARP_SIZE, launch_stream](

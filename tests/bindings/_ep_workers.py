@@ -249,7 +249,7 @@ def dispatcher_configs(world_size):
     def add(name, **kw):
         base = dict(N=8, R=0, K=2, S=0, gated=False, shared="auto", slots=None,
                     regime="router", rsf=2.5, force_expert=None, dtype="float32",
-                    counts=counts[len(configs) % len(counts)])
+                    counts=counts[len(configs) % len(counts)], placement="linear", table=None)
         base.update(kw)
         configs.append(dict(name=name, **base))
 
@@ -277,6 +277,14 @@ def dispatcher_configs(world_size):
         add(f"{dispatch}-uneven-placement", dispatch=dispatch, N=2 * world_size + 1, K=3,
             S=2, shared="fused")
         add(f"{dispatch}-bf16", dispatch=dispatch, S=1, gated=True, dtype="bfloat16")
+        add(f"{dispatch}-round-robin", dispatch=dispatch, N=9, K=3, S=1, gated=True,
+            placement="round_robin")
+        add(f"{dispatch}-round-robin-redundant", dispatch=dispatch, N=6, R=world_size + 1, K=3,
+            placement="round_robin", counts=tuple(9 for _ in range(world_size)))
+        # An EPLB table: logical 0 on every rank, the others once, in reverse order.
+        add(f"{dispatch}-physical-to-logical-table", dispatch=dispatch, N=6, K=3, S=1,
+            table=[5, 4, 3, 2, 1, 0] + [0] * (world_size - 1),
+            counts=tuple(9 for _ in range(world_size)))
     return configs
 
 
@@ -307,7 +315,8 @@ def run_config(config, rank, world_size, debug=True):
     layout = ExpertLayout(config["N"], config["S"], ep_size=world_size,
                           dispatch=config["dispatch"], shared=config["shared"],
                           shared_slots=config["slots"], num_redundant_experts=config["R"],
-                          scaling_regime=config["regime"])
+                          scaling_regime=config["regime"], placement=config["placement"],
+                          physical_to_logical=config["table"])
     layer = make_layer(1234, config["N"], hidden, inter, config["S"], config["gated"])
     counts = config["counts"]
     gen = torch.Generator().manual_seed(99)
@@ -344,6 +353,7 @@ def run_config(config, rank, world_size, debug=True):
         combine_bytes=stats.combine_bytes, expected_combine_bytes=expected_combine,
         replica_slots=int(np.isin(phys_ids[:, :config["K"]],
                                   layout.routed_id_map[layout.num_routed_experts:]).sum()),
+        logical_experts=[layout.logical_experts(r).tolist() for r in range(world_size)],
         in_flight=in_flight, overlap=layout.shared == "overlap",
         forced_expert_slots=(int((ids_all[mine][:, 0] == config["force_expert"]).sum())
                              if config["force_expert"] is not None else None),
@@ -564,6 +574,49 @@ def from_hf_cases(rank, world_size):
     return records
 
 
+def placement_module_cases(rank, world_size):
+    """gpt-oss-shaped MoE (swigluoai, expert and router biases) with round-robin placement and
+    an EPLB table, on ep_group, against the one-rank module on all tokens."""
+    from moeroute.bindings.ep import make_dispatcher
+    from moeroute.bindings.torch.moe import MoE
+    from moeroute.config import RouterConfig
+
+    hidden, inter, num_experts, top_k = 16, 8, 8, 2
+    counts = _COUNT_PATTERNS[world_size][3]
+    start = sum(counts[:rank])
+    mine = slice(start, start + counts[rank])
+    table = list(range(num_experts))[::-1] + [3] * world_size  # logical 3 on every rank
+    records = []
+    for dispatch in ("all2all", "allgather"):
+        for name, placement_kwargs in (("round_robin", dict(placement="round_robin")),
+                                       ("table", dict(physical_to_logical=table))):
+            torch.manual_seed(12)  # identical weights on every rank
+            router = RouterConfig(num_experts, top_k)
+            weights = (torch.randn(num_experts, 2 * inter, hidden), torch.randn(num_experts, hidden, inter) * 0.3,
+                       torch.randn(num_experts, 2 * inter), torch.randn(num_experts, hidden))
+            router_weight, router_bias = torch.randn(num_experts, hidden), torch.randn(num_experts)
+            x_all = torch.randn(sum(counts), hidden)
+            modules = []
+            for group in (None, dist.group.WORLD):
+                module = MoE(router, hidden, inter, ep_group=group, dispatch=dispatch, activation="swigluoai",
+                             expert_bias=True, router_bias=True,
+                             **(placement_kwargs if group is not None else {}))
+                with torch.no_grad():
+                    module.router_weight.copy_(router_weight)
+                    module.router_bias.copy_(router_bias)
+                module.load_routed_weights(*weights)
+                modules.append(module)
+            single, ep = modules
+            ep.dispatcher = make_dispatcher(ep.layout, None, dispatch, debug=True)
+            with torch.no_grad():
+                expected = single(x_all)[mine]
+                out = ep(x_all[mine])
+            records.append(dict(name=f"placement-{dispatch}-{name}", error=_relative_error(out, expected),
+                                shape=tuple(out.shape), expected_shape=tuple(expected.shape),
+                                logical_experts=ep.routed_expert_ids()))
+    return records
+
+
 # --------------------------------------------------------------------------- rank agreement
 
 
@@ -722,7 +775,7 @@ def configs_worker(rank, world_size, payload):
     # The module cases run last: a failure there is recorded without losing the records
     # above, and this rank then exits, so its peers fail fast instead of waiting.
     for key, cases in (("moe", moe_module_cases), ("from_hf", from_hf_cases),
-                       ("agreement", agreement_cases)):
+                       ("placement", placement_module_cases), ("agreement", agreement_cases)):
         if payload and payload.get(key):
             try:
                 result[key] = cases(rank, world_size)

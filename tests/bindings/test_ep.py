@@ -49,7 +49,7 @@ def groups(tmp_path_factory):
     def get(world_size):
         if world_size not in cache:
             payload = {"invalid": world_size == 2, "faults": True, "moe": True,
-                       "from_hf": world_size == 2, "agreement": True}
+                       "from_hf": world_size == 2, "placement": world_size == 2, "agreement": True}
             try:
                 cache[world_size] = spawn_group(
                     "configs", world_size, tmp_path_factory.mktemp(f"ep{world_size}"), payload)
@@ -189,6 +189,33 @@ def test_from_hf_with_ep_group_matches_block_and_single_process(groups):
             assert record["shared"] == ("fused" if record["name"].endswith("auto") else "overlap")
 
 
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_round_robin_and_table_placements_hold_the_right_experts(groups, world_size):
+    for dispatch in ("all2all", "allgather"):
+        record = _records(groups(world_size), f"{dispatch}-round-robin")[0]
+        # Rank r holds logical r, r+E, r+2E, ... (no redundant experts here).
+        assert record["logical_experts"] == [list(range(r, 9, world_size)) for r in range(world_size)]
+        table = [5, 4, 3, 2, 1, 0] + [0] * (world_size - 1)
+        record = _records(groups(world_size), f"{dispatch}-physical-to-logical-table")[0]
+        assert sum(record["logical_experts"], []) == table
+        redundant = _records(groups(world_size), f"{dispatch}-round-robin-redundant")
+        assert sum(r["replica_slots"] for r in redundant) > 0
+
+
+def test_placements_with_gpt_oss_experts_match_single_process(groups):
+    expected_names = [f"placement-{d}-{p}" for d in ("all2all", "allgather") for p in ("round_robin", "table")]
+    table = list(range(8))[::-1] + [3, 3]
+    for rank, records in enumerate(_module_records(groups(2), "placement")):
+        assert [r["name"] for r in records] == expected_names
+        for record in records:
+            assert record["shape"] == record["expected_shape"] and record["shape"][0] > 0
+            assert record["error"] < 1e-5, (rank, record)
+            if record["name"].endswith("round_robin"):
+                assert record["logical_experts"] == list(range(rank, 8, 2))
+            else:
+                assert record["logical_experts"] == table[5 * rank:5 * rank + 5]
+
+
 INVALID_CASES = {
     # name: (exception type, substrings of the message)
     "layout-type": ("TypeError", ["layout", "ExpertLayout", "str"]),
@@ -285,6 +312,19 @@ def test_run_command_spawns_ranks_and_checks_them(capsys):
     assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "ok" for row in rows), out
     assert all(int(row[1]) == 6 for row in rows)  # tokens per rank
     assert "shared expert: fused" in out and "every rank matches" in out
+
+
+def test_run_command_gpt_oss_round_robin(capsys):
+    from moeroute.bindings import ep_run
+
+    status = ep_run.main(["--preset", "gpt-oss-20b", "--ep", "2", "--placement", "round_robin",
+                          "--redundant", "2", "--tokens", "5", "--hidden", "16", "--intermediate", "8",
+                          "--repeat", "1", "--debug"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "ok" for row in rows), out
+    assert "every rank matches" in out
 
 
 def test_run_command_refuses_an_impossible_layout_before_spawning(capsys):

@@ -506,3 +506,148 @@ def test_cuda_matches_cpu(dtype):
     tolerance = FP32_RTOL if dtype == torch.float32 else HALF_RTOL[dtype]
     assert out.device.type == "cuda" and out.dtype == dtype
     assert rel_error(out.cpu(), expected.double()) < tolerance
+
+
+# ------------------------------------------------------------------ biases, swigluoai, weight on input
+
+def swigluoai_reference(gate, up):
+    """gpt-oss's activation, written out: clamps at 7, alpha 1.702."""
+    gate = torch.clamp(gate, max=7.0)
+    up = torch.clamp(up, min=-7.0, max=7.0)
+    return (up + 1.0) * gate * torch.sigmoid(1.702 * gate)
+
+
+def biased_reference(router, router_weight, x, w_gate_up, w_down, b_gate_up, b_down, activation,
+                     router_bias=None, weight_on_input=False):
+    """sum_k w_k * (down(act(gate x + bg) * (up x + bu)) + bd) in float64."""
+    logits = F.linear(x, router_weight, router_bias).float()
+    topk_weights, topk_ids = reference.select_experts(logits.numpy(), router)
+    x64 = x.double()
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e, w = int(topk_ids[t, k]), float(topk_weights[t, k])
+            row = x64[t] * w if weight_on_input else x64[t]
+            h = w_gate_up[e].double() @ row + b_gate_up[e].double()
+            if activation == "swigluoai":
+                act = swigluoai_reference(h[:I], h[I:])
+            else:
+                act = ACT[activation](h[:I]) * h[I:]
+            y = w_down[e].double() @ act + b_down[e].double()
+            out[t] += y if weight_on_input else w * y
+    return out
+
+
+def make_biased_moe(seed, activation, **kwargs):
+    module = MoE(ROUTER if "router" not in kwargs else kwargs.pop("router"), H, I, activation=activation,
+                 expert_bias=True, router_bias=True, **kwargs)
+    g = _generator(seed)
+    n = module.router.num_experts
+    # Large enough that the swigluoai clamps at +-7 are reached.
+    tensors = (torch.randn(n, 2 * I, H, generator=g) * 1.5, torch.randn(n, H, I, generator=g) * 0.3,
+               torch.randn(n, 2 * I, generator=g) * 2.0, torch.randn(n, H, generator=g))
+    with torch.no_grad():
+        module.router_weight.copy_(torch.randn(n, H, generator=g))
+        module.router_bias.copy_(torch.randn(n, generator=g))
+        module.load_routed_weights(*tensors)
+    return module, tensors
+
+
+@pytest.mark.parametrize("gemm", ["loop", "padded"])
+@pytest.mark.parametrize("activation", ["swigluoai", "silu"])
+def test_expert_bias_and_activation_match_reference(gemm, activation):
+    module, tensors = make_biased_moe(31, activation, gemm=gemm)
+    x = torch.randn(37, H, generator=_generator(32))
+    pre = torch.einsum("eih,th->tei", tensors[0], x) + tensors[2]
+    if activation == "swigluoai":
+        assert (pre[..., :I] > 7).any() and (pre[..., I:].abs() > 7).any()
+    with torch.no_grad():
+        out = module(x)
+    expected = biased_reference(module.router, module.router_weight, x, *tensors, activation,
+                                router_bias=module.router_bias)
+    assert (out.double() - expected).abs().max() / expected.abs().max() < FP32_RTOL
+
+
+@pytest.mark.parametrize("linear", ["mm", "onednn"])
+def test_expert_mlp_bias_backends_agree(linear):
+    if linear == "onednn" and not onednn_linear_serves(torch.float32):
+        pytest.skip("this torch build's oneDNN cannot serve float32 linears")
+    g = _generator(33)
+    x = torch.randn(10, H, generator=g)
+    w_gate_up, w_down = torch.randn(2, 2 * I, H, generator=g), torch.randn(2, H, I, generator=g)
+    b_gate_up, b_down = torch.randn(2, 2 * I, generator=g), torch.randn(2, H, generator=g)
+    offsets = [0, 4, 10]
+    out = expert_mlp(x, offsets, w_gate_up, w_down, "swigluoai", linear=linear, b_gate_up=b_gate_up,
+                     b_down=b_down)
+    padded = padded_expert_mlp(x, offsets, w_gate_up, w_down, "swigluoai", b_gate_up, b_down)
+    for e in range(2):
+        rows = slice(offsets[e], offsets[e + 1])
+        h = x[rows].double() @ w_gate_up[e].double().T + b_gate_up[e].double()
+        y = swigluoai_reference(h[:, :I], h[:, I:]) @ w_down[e].double().T + b_down[e].double()
+        torch.testing.assert_close(out[rows].double(), y, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(padded[rows].double(), y, rtol=1e-4, atol=1e-4)
+
+
+def test_expert_bias_with_round_robin_replicas_loads_each_logical_expert():
+    module, tensors = make_biased_moe(34, "swigluoai", num_redundant_experts=3, placement="round_robin")
+    logical = module.routed_expert_ids()
+    for local, e in enumerate(logical):
+        torch.testing.assert_close(module.experts.b_gate_up[local], tensors[2][e], rtol=0, atol=0)
+        torch.testing.assert_close(module.experts.b_down[local], tensors[3][e], rtol=0, atol=0)
+    x = torch.randn(11, H, generator=_generator(35))
+    with torch.no_grad():
+        out = module(x)
+    expected = biased_reference(module.router, module.router_weight, x, *tensors, "swigluoai",
+                                router_bias=module.router_bias)
+    assert (out.double() - expected).abs().max() / expected.abs().max() < FP32_RTOL
+
+
+def test_apply_router_weight_on_input_matches_reference():
+    router = RouterConfig(N, 1, "sigmoid", renormalize=False)
+    module, tensors = make_biased_moe(36, "silu", router=router, apply_router_weight_on_input=True)
+    x = torch.randn(21, H, generator=_generator(37))
+    with torch.no_grad():
+        out = module(x)
+    expected = biased_reference(router, module.router_weight, x, *tensors, "silu",
+                                router_bias=module.router_bias, weight_on_input=True)
+    assert (out.double() - expected).abs().max() / expected.abs().max() < FP32_RTOL
+    # Not the same as weighting the output: the experts are not linear.
+    weighted_output = biased_reference(router, module.router_weight, x, *tensors, "silu",
+                                       router_bias=module.router_bias)
+    assert (weighted_output - expected).abs().max() > 1e-2 * expected.abs().max()
+
+
+def test_apply_router_weight_on_input_keeps_the_shared_expert_unscaled():
+    from moeroute.bindings.torch import GatedMLP
+
+    router = RouterConfig(N, 1, "softmax", renormalize=False)
+    shared = GatedMLP(H, I)
+    module = MoE(router, H, I, shared_experts=shared, apply_router_weight_on_input=True)
+    assert module.layout.shared == "runner"
+    assert "apply_router_weight_on_input" in module.layout.shared_reason
+    with torch.no_grad():
+        module.load_routed_weights(torch.zeros(N, 2 * I, H), torch.zeros(N, H, I))
+        x = torch.randn(5, H, generator=_generator(38))
+        torch.testing.assert_close(module(x), shared(x))
+
+
+@pytest.mark.parametrize("kwargs,error,words", [
+    (dict(apply_router_weight_on_input=True), ValueError,
+     "apply_router_weight_on_input=True needs top_k=1.*got top_k=3"),
+    (dict(expert_bias=1), ValueError, "expert_bias=1 must be a bool"),
+    (dict(router_bias="yes"), ValueError, "router_bias='yes' must be a bool"),
+    (dict(activation="swiglu"), ValueError, "activation='swiglu' is not supported"),
+])
+def test_bias_and_weight_on_input_errors(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        MoE(ROUTER, H, I, **kwargs)
+
+
+def test_load_routed_weights_bias_errors():
+    plain = MoE(ROUTER, H, I)
+    weights = (torch.zeros(N, 2 * I, H), torch.zeros(N, H, I))
+    with pytest.raises(ValueError, match="gate_up_bias was given but the module has no expert biases"):
+        plain.load_routed_weights(*weights, gate_up_bias=torch.zeros(N, 2 * I))
+    biased = MoE(ROUTER, H, I, expert_bias=True)
+    with pytest.raises(ValueError, match=r"down_bias has shape \(8, 5\), expected \[8, 24\]"):
+        biased.load_routed_weights(*weights, down_bias=torch.zeros(N, 5))

@@ -44,10 +44,16 @@ from moeroute.routing.combine import accumulate_checked
 
 __all__ = ["LocalExperts", "ACTIVATIONS", "SUPPORTED_DTYPES", "GEMM_STRATEGIES", "LINEAR_BACKENDS",
            "choose_gemm", "onednn_linear_serves",
-           "expert_mlp", "streamed_expert_mlp", "padded_expert_mlp", "grouped_expert_mlp", "apply_activation"]
+           "expert_mlp", "streamed_expert_mlp", "padded_expert_mlp", "grouped_expert_mlp", "apply_activation",
+           "gated_activation", "SWIGLUOAI_ALPHA", "SWIGLUOAI_LIMIT"]
 
-#: Activations of the gate projection: "silu" (SwiGLU), "gelu" (erf GeGLU), "gelu_tanh".
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+#: Activations of the gated MLP: "silu" (SwiGLU), "gelu" (erf GeGLU), "gelu_tanh", and
+#: "swigluoai" (gpt-oss: clamped gate and up, ``(up + 1) * gate * sigmoid(1.702 * gate)``).
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+#: gpt-oss's swiglu_alpha: the sigmoid's slope in ``gate * sigmoid(alpha * gate)``.
+SWIGLUOAI_ALPHA = 1.702
+#: gpt-oss's swiglu_limit: gate clamped above at it, up clamped to [-limit, limit].
+SWIGLUOAI_LIMIT = 7.0
 #: Activation dtypes the expert compute serves (SPEC section 5).
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Standard deviation of the initial expert weights (the usual transformer init); real
@@ -73,12 +79,33 @@ def check_activation(activation: str) -> str:
 
 
 def apply_activation(gate: torch.Tensor, activation: str) -> torch.Tensor:
-    """``act(gate)`` for one of `ACTIVATIONS`; same shape and dtype."""
+    """``act(gate)`` for "silu", "gelu" or "gelu_tanh"; same shape and dtype.
+
+    Raises ValueError for "swigluoai", which also transforms the up projection (use
+    `gated_activation`).
+    """
     if activation == "silu":
         return F.silu(gate)
     if activation == "gelu":
         return F.gelu(gate)
+    if activation == "swigluoai":
+        raise ValueError("activation='swigluoai' clamps and shifts the up projection too; it has no "
+                         "gate-only form (use gated_activation(gate, up, 'swigluoai'))")
     return F.gelu(gate, approximate="tanh")
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """The gated MLP's intermediate: ``act(gate) * up``, or for "swigluoai"
+    ``(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 * g)`` with ``g = min(gate, 7)``.
+
+    ``gate`` and ``up`` have the same shape; the result has it too, in their dtype. ``gate``
+    may be modified in place (it is a scratch slice of the gate_up product).
+    """
+    if activation != "swigluoai":
+        return apply_activation(gate, activation).mul_(up)
+    gate = gate.clamp(max=SWIGLUOAI_LIMIT)
+    glu = gate * torch.sigmoid(gate * SWIGLUOAI_ALPHA)
+    return glu.mul_(up.clamp(-SWIGLUOAI_LIMIT, SWIGLUOAI_LIMIT) + 1)
 
 
 def _onednn_linear_op():
@@ -123,6 +150,8 @@ def expert_mlp(
     w_down: torch.Tensor,
     activation: str = "silu",
     linear: str = "auto",
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated MLP of each expert over its contiguous rows (CPU, BLAS).
 
@@ -136,10 +165,15 @@ def expert_mlp(
     activation : str, one of `ACTIVATIONS`
     linear : {"auto", "onednn", "mm"}
         Backend of each expert's linear.
+    b_gate_up : Tensor [L, 2I], optional
+        Bias of the gate_up projection (gate entries first), dtype of the weights.
+    b_down : Tensor [L, H], optional
+        Bias of the down projection.
 
     Returns
     -------
-    Tensor [M, H], dtype of ``hidden_sorted``: ``down(act(x gate^T) * (x up^T))`` per row.
+    Tensor [M, H], dtype of ``hidden_sorted``: ``down(act(x gate^T + b_gate) * (x up^T + b_up))
+    + b_down`` per row (`gated_activation` for "swigluoai").
 
     Raises
     ------
@@ -157,8 +191,13 @@ def expert_mlp(
         start, stop = expert_offsets[e], expert_offsets[e + 1]
         if start != stop:
             _one_expert(hidden_sorted[start:stop], w_gate_up[e], w_down[e], activation, onednn,
-                        out=out[start:stop])
+                        out=out[start:stop], b_gate_up=_row(b_gate_up, e), b_down=_row(b_down, e))
     return out
+
+
+def _row(bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    """Expert ``e``'s bias vector, or None without biases."""
+    return None if bias is None else bias[e]
 
 
 def _onednn_op_for(linear: str, dtype: torch.dtype):
@@ -166,21 +205,24 @@ def _onednn_op_for(linear: str, dtype: torch.dtype):
     return _onednn_linear_op() if _linear_backend(linear, dtype) == "onednn" else None
 
 
-def _one_expert(x, w_gate_up, w_down, activation, onednn, out=None):
-    """``down(act(x gate^T) * (x up^T))`` for one expert's rows: oneDNN when ``onednn`` is
-    its op, else torch.mm; into ``out`` when given."""
+def _one_expert(x, w_gate_up, w_down, activation, onednn, out=None, b_gate_up=None, b_down=None):
+    """``down(act(x gate^T + b_gate) * (x up^T + b_up)) + b_down`` for one expert's rows
+    (biases optional): oneDNN when ``onednn`` is its op, else torch.mm; into ``out`` when given."""
     inter = w_down.shape[1]
     if onednn is not None:
-        gate_up = onednn(x, w_gate_up, None, "none", [], "")
+        gate_up = onednn(x, w_gate_up, b_gate_up, "none", [], "")
+    elif b_gate_up is not None:
+        gate_up = torch.addmm(b_gate_up, x, w_gate_up.t())
     else:
         gate_up = torch.mm(x, w_gate_up.t())
-    act = apply_activation(gate_up[:, :inter], activation)
-    act.mul_(gate_up[:, inter:])
+    act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
     if onednn is None:
+        if b_down is not None:
+            return torch.addmm(b_down, act, w_down.t(), out=out)
         return torch.mm(act, w_down.t(), out=out)
     if out is None:
-        return onednn(act, w_down, None, "none", [], "")
-    out.copy_(onednn(act, w_down, None, "none", [], ""))
+        return onednn(act, w_down, b_down, "none", [], "")
+    out.copy_(onednn(act, w_down, b_down, "none", [], ""))
     return out
 
 
@@ -194,6 +236,8 @@ def streamed_expert_mlp(
     activation: str = "silu",
     linear: str = "auto",
     stage_seconds: dict | None = None,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Permute, expert MLPs and combine in one pass over the experts (CPU).
 
@@ -208,8 +252,8 @@ def streamed_expert_mlp(
     sorted_slots : Tensor [M] int32, flat slots ``t*K' + k`` in expert order (`sort_by_expert`)
     expert_offsets : list of int, length L + 1
     topk_weights : Tensor [T, K'] float32
-    w_gate_up, w_down, activation, linear : as `expert_mlp`; the weights may also be
-        sequences of one expert's weights each (`LocalExperts.pack_cpu_weights`)
+    w_gate_up, w_down, activation, linear, b_gate_up, b_down : as `expert_mlp`; the weights
+        may also be sequences of one expert's weights each (`LocalExperts.pack_cpu_weights`)
     stage_seconds : dict, optional
         When given, the seconds spent gathering ("permute"), in the expert MLPs ("gemm")
         and summing ("combine") are added to its entries of those names.
@@ -237,7 +281,8 @@ def streamed_expert_mlp(
         t0 = clock() if clock else 0.0
         x = torch.index_select(hidden_states, 0, tokens[start:stop])
         t1 = clock() if clock else 0.0
-        y = _one_expert(x, w_gate_up[e], w_down[e], activation, onednn)
+        y = _one_expert(x, w_gate_up[e], w_down[e], activation, onednn, b_gate_up=_row(b_gate_up, e),
+                        b_down=_row(b_down, e))
         t2 = clock() if clock else 0.0
         # Valid by construction: the tokens of one expert's sorted slots ascend, each once.
         accumulate_checked(sums_np, arrays.host_array(y), tokens_np[start:stop],
@@ -278,6 +323,8 @@ def padded_expert_mlp(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     activation: str = "silu",
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`expert_mlp` as two batched GEMMs over an [L, R, H] zero-padded batch.
 
@@ -298,10 +345,13 @@ def padded_expert_mlp(
     batch = hidden_sorted.new_zeros((num_experts * width, hidden))
     batch.index_copy_(0, position, hidden_sorted)
     gate_up = torch.bmm(batch.view(num_experts, width, hidden), w_gate_up.transpose(1, 2))
-    act = apply_activation(gate_up[..., :inter], activation)
-    act.mul_(gate_up[..., inter:])
-    out = torch.bmm(act, w_down.transpose(1, 2)).view(num_experts * width, hidden)
-    return out.index_select(0, position)
+    if b_gate_up is not None:
+        gate_up += b_gate_up[:, None, :]
+    act = gated_activation(gate_up[..., :inter], gate_up[..., inter:], activation)
+    out = torch.bmm(act, w_down.transpose(1, 2))
+    if b_down is not None:
+        out += b_down[:, None, :]
+    return out.view(num_experts * width, hidden).index_select(0, position)
 
 
 def grouped_expert_mlp(
@@ -322,8 +372,7 @@ def grouped_expert_mlp(
         return hidden_sorted.new_empty((0, hidden))
     ends = expert_offsets[1:].to(torch.int32)
     gate_up = torch._grouped_mm(hidden_sorted, w_gate_up.transpose(-2, -1), offs=ends)
-    act = apply_activation(gate_up[:, :inter], activation)
-    act.mul_(gate_up[:, inter:])
+    act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
     return torch._grouped_mm(act, w_down.transpose(-2, -1), offs=ends)
 
 
@@ -362,6 +411,8 @@ class LocalExperts(nn.Module):
         One of `ACTIVATIONS`.
     gemm : {"auto", "loop", "padded"}
         CPU expert-GEMM strategy; "auto" decides per call (`choose_gemm`).
+    bias : bool
+        Give every expert a gate_up bias and a down bias (gpt-oss), initialised to zeros.
     dtype, device : torch dtype and device of the weights.
     weights : (Tensor [L, 2I, H], Tensor [L, H, I]), optional
         Existing stacked weights to adopt: the parameters share their memory (no copy),
@@ -372,6 +423,8 @@ class LocalExperts(nn.Module):
     ----------
     w_gate_up : Parameter [L, 2I, H] (gate rows first), requires_grad False
     w_down : Parameter [L, H, I], requires_grad False
+    b_gate_up : Parameter [L, 2I] (gate entries first) or None, requires_grad False
+    b_down : Parameter [L, H] or None, requires_grad False
 
     Raises
     ------
@@ -381,8 +434,8 @@ class LocalExperts(nn.Module):
     """
 
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int,
-                 activation: str = "silu", *, gemm: str = "auto", dtype=None, device=None,
-                 weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 activation: str = "silu", *, gemm: str = "auto", bias: bool = False, dtype=None,
+                 device=None, weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
         for name, value in (("num_local_experts", num_local_experts),
                             ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
@@ -406,6 +459,15 @@ class LocalExperts(nn.Module):
         #: copies: (key of the weights they were made from, gate_up list, down list).
         self.pack_cpu = False
         self._packed = None
+        if not isinstance(bias, bool):
+            raise ValueError(f"bias={bias!r} must be a bool")
+        self.b_gate_up = self.b_down = None
+        if bias:
+            self.b_gate_up = nn.Parameter(
+                torch.zeros(num_local_experts, 2 * intermediate_size, dtype=dtype, device=device),
+                requires_grad=False)
+            self.b_down = nn.Parameter(torch.zeros(num_local_experts, hidden_size, dtype=dtype, device=device),
+                                       requires_grad=False)
         if weights is not None:
             # Parameters over the given tensors' memory: no copy, no initialisation.
             self.w_gate_up = nn.Parameter(adopted[0].detach(), requires_grad=False)
@@ -497,7 +559,7 @@ class LocalExperts(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, activation={self.activation!r}, "
-                f"gemm={self.gemm!r}")
+                f"gemm={self.gemm!r}, bias={self.b_gate_up is not None}")
 
     def forward(self, hidden_states: torch.Tensor, local_ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
@@ -527,10 +589,11 @@ class LocalExperts(nn.Module):
         if strategy == "loop":
             w_gate_up, w_down = self.cpu_weights()
             return streamed_expert_mlp(hidden_states.contiguous(), sorted_slots, offsets, weights,
-                                       w_gate_up, w_down, self.activation)
+                                       w_gate_up, w_down, self.activation, b_gate_up=self.b_gate_up,
+                                       b_down=self.b_down)
         hidden_sorted, _, _ = arrays.permute(hidden_states, local_ids, self.num_local_experts)
         expert_out = padded_expert_mlp(hidden_sorted, offsets, self.w_gate_up, self.w_down,
-                                       self.activation)
+                                       self.activation, self.b_gate_up, self.b_down)
         return arrays.combine(expert_out, inverse_index, weights)
 
     def _forward_cuda(self, hidden_states, local_ids, weights):
@@ -542,4 +605,5 @@ class LocalExperts(nn.Module):
                 f"could not be imported ({error}); install the 'cuda' extra (CuPy, numba-cuda)"
             ) from error
         return fused_experts(hidden_states.contiguous(), self.w_gate_up, self.w_down,
-                             weights.contiguous(), local_ids.contiguous(), activation=self.activation)
+                             weights.contiguous(), local_ids.contiguous(), activation=self.activation,
+                             gate_up_bias=self.b_gate_up, down_bias=self.b_down)

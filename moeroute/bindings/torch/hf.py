@@ -19,6 +19,11 @@ Qwen3_5Moe                 sigmoid-gated shared MLP: S = shared size / I slots (
                            of any sum of top-k probabilities).
 Qwen3Moe, Mixtral          softmax top-k, optional (Qwen3) or always (Mixtral) renormalized;
                            no shared expert. Exact.
+GptOssMLP                  router linear with a bias, top-k of the logits then softmax over
+                           the K picked (= softmax + renormalize); experts with biases,
+                           gate/up columns interleaved in ``gate_up_proj`` [N, H, 2I]
+                           (transposed: gate = columns 0, 2, 4, ..., up = 1, 3, 5, ...),
+                           ``down_proj`` [N, I, H]; activation "swigluoai". Exact in float32.
 =========================  ==================================================================
 
 Not bit-identical in bfloat16, by design: Qwen blocks round the routing weights to bfloat16
@@ -41,7 +46,7 @@ from moeroute.bindings.torch.moe import MoE
 from moeroute.config import RouterConfig
 
 __all__ = ["from_hf", "replace_moe_blocks", "SUPPORTED_BLOCKS", "EXPERTS_IMPLEMENTATION",
-           "experts_forward", "register_experts_implementation"]
+           "experts_forward", "register_experts_implementation", "TupleOutputMoE"]
 
 #: The name under which moeroute registers in transformers' experts interface.
 EXPERTS_IMPLEMENTATION = "moeroute"
@@ -89,6 +94,33 @@ def _read_deepseek(block: nn.Module) -> dict:
                 shared_expert_gate=None)
 
 
+def _gpt_oss_experts(experts: nn.Module) -> tuple[torch.Tensor, ...]:
+    """gpt-oss expert weights in moeroute's layout: (w_gate_up [N, 2I, H] gate rows first,
+    w_down [N, H, I], gate_up_bias [N, 2I] gate entries first, down_bias [N, H])."""
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    gate_up_bias, down_bias = experts.gate_up_proj_bias, experts.down_proj_bias
+    # [N, H, 2I] with gate/up interleaved along the last axis -> [N, 2I, H], gate block first.
+    w_gate_up = torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=-1).transpose(1, 2)
+    b_gate_up = torch.cat([gate_up_bias[..., 0::2], gate_up_bias[..., 1::2]], dim=-1)
+    return w_gate_up, down.transpose(1, 2), b_gate_up, down_bias
+
+
+def _read_gpt_oss(block: nn.Module) -> dict:
+    from moeroute.bindings.torch.experts import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+
+    router, experts = block.router, block.experts
+    alpha, limit = float(experts.alpha), float(experts.limit)
+    if (alpha, limit) != (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT):
+        raise ValueError(f"{type(block).__name__} uses swiglu_alpha={alpha}, swiglu_limit={limit}; moeroute's "
+                         f"swigluoai has alpha={SWIGLUOAI_ALPHA}, limit={SWIGLUOAI_LIMIT}")
+    # top-k of the logits, then softmax over the K picked: softmax + renormalize (SPEC section 9).
+    config = RouterConfig(num_experts=router.num_experts, top_k=router.top_k, scoring="softmax",
+                          renormalize=True)
+    return dict(router=config, router_weight=router.weight, router_dtype=router.weight.dtype,
+                router_bias=router.bias, correction_bias=None, shared_experts=None,
+                shared_expert_gate=None, experts=_gpt_oss_experts(experts), activation="swigluoai")
+
+
 def _read_qwen(block: nn.Module) -> dict:
     gate = block.gate
     router = RouterConfig(
@@ -110,7 +142,10 @@ SUPPORTED_BLOCKS: dict[str, Callable[[nn.Module], dict]] = {
     "Qwen2MoeSparseMoeBlock": _read_qwen,
     "Qwen3MoeSparseMoeBlock": _read_qwen,
     "MixtralSparseMoeBlock": _read_qwen,
+    "GptOssMLP": _read_gpt_oss,
 }
+
+
 
 
 def _reader_for(block: nn.Module):
@@ -166,8 +201,12 @@ def _build(cls: type[MoE], block: nn.Module, ep_group=None, shared: str = "auto"
     if reader is None:
         raise TypeError(f"block of type {type(block).__name__} is not a supported transformers MoE block; "
                         f"supported: {', '.join(SUPPORTED_BLOCKS)}")
-    gate_up, down = _experts(block)
     fields = reader(block)
+    expert_biases = None
+    if "experts" in fields:
+        gate_up, down, *expert_biases = fields["experts"]
+    else:
+        gate_up, down = _experts(block)
     num_experts, two_inter, hidden = gate_up.shape
     if num_experts != fields["router"].num_experts:
         raise ValueError(f"{type(block).__name__} routes over {fields['router'].num_experts} experts but "
@@ -176,19 +215,37 @@ def _build(cls: type[MoE], block: nn.Module, ep_group=None, shared: str = "auto"
     module = cls(
         fields["router"], hidden, two_inter // 2,
         shared_experts=fields["shared_experts"], shared_expert_gate=fields["shared_expert_gate"],
-        shared=shared, ep_group=ep_group, dispatch=dispatch, activation=_activation(block),
+        shared=shared, ep_group=ep_group, dispatch=dispatch,
+        activation=fields.get("activation") or _activation(block),
         correction_bias=bias is not None, router_dtype=fields["router_dtype"],
-        dtype=gate_up.dtype, device=gate_up.device, expert_weights=(gate_up, down), **kwargs,
+        dtype=gate_up.dtype, device=gate_up.device, expert_weights=(gate_up, down),
+        expert_bias=expert_biases is not None, router_bias=fields.get("router_bias") is not None, **kwargs,
     )
     module.router_weight = nn.Parameter(fields["router_weight"].detach(), requires_grad=False)
+    if fields.get("router_bias") is not None:
+        module.router_bias = nn.Parameter(fields["router_bias"].detach(), requires_grad=False)
     if bias is not None:
         module.correction_bias = bias.detach().float()
+    if expert_biases is not None:
+        module.load_expert_biases(*expert_biases)
     return module
 
 
 # MoE.from_hf is attached here, beside the readers, so that moe.py never imports this module
 # (the data flows one way, hf -> moe); importing the torch adapter imports this module.
 MoE.from_hf = classmethod(_build)
+
+
+class TupleOutputMoE(nn.Module):
+    """A moeroute `MoE` standing in for a block whose forward returns ``(hidden_states,
+    router_scores)`` (gpt-oss): returns ``(moe(hidden_states), None)``."""
+
+    def __init__(self, moe: MoE) -> None:
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        return self.moe(hidden_states, *args, **kwargs), None
 
 
 def replace_moe_blocks(model: nn.Module, **kwargs) -> int:
@@ -238,7 +295,12 @@ def replace_moe_blocks(model: nn.Module, **kwargs) -> int:
     for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        replacement = from_hf(getattr(parent, child), **kwargs)
+        block = getattr(parent, child)
+        tuple_output = _reader_for(block) is _read_gpt_oss
+        replacement = from_hf(block, **kwargs)
+        if tuple_output:  # gpt-oss blocks return (hidden_states, router_scores)
+            replacement = TupleOutputMoE(replacement)
+        del block
         setattr(parent, child, replacement)  # the last reference to the block goes here
         del replacement
     return len(targets)

@@ -20,6 +20,10 @@ Where the weights live (all module parameters/buffers, ``requires_grad=False``):
   whose router runs in bfloat16 (Qwen, Mixtral).
 * ``correction_bias`` [N] float32 buffer (None unless ``correction_bias=True``): added to
   the scores for selection only (DeepSeek-V3 ``e_score_correction_bias``).
+* ``router_bias`` [N] (None unless ``router_bias=True``): the router linear's bias (gpt-oss),
+  dtype of ``router_weight``.
+* ``experts.b_gate_up`` [L, 2I] and ``experts.b_down`` [L, H'] (None unless
+  ``expert_bias=True``): the experts' biases (gpt-oss); zeros for fused shared slots.
 * ``experts.w_gate_up`` [L, 2I, H'] and ``experts.w_down`` [L, H', I]: this rank's experts
   in the Hugging Face stacked layout, H' = the routed input size (H unless a
   routed_input_transform maps to a smaller latent size); with a fused shared expert the
@@ -127,7 +131,12 @@ def shared_mlp_slots(shared_experts: nn.Module, hidden_size: int, intermediate_s
     if reason is None and total % intermediate_size:
         reason = (f"the shared MLP's intermediate size {total} is not a multiple of the routed "
                   f"intermediate_size={intermediate_size}, so it does not split into slots")
-    if reason is None:
+    if reason is None and activation == "swigluoai":
+        # swigluoai has no gate-only form to probe: the MLP must say it uses it.
+        if getattr(shared_experts, "activation", None) != "swigluoai":
+            reason = ("the shared MLP does not declare activation='swigluoai' (the experts' "
+                      "activation), so it cannot be checked to split into slots")
+    elif reason is None:
         act_fn = getattr(shared_experts, "act_fn", None)
         if act_fn is not None:
             probe = _ACTIVATION_PROBE.to(gate.device)
@@ -188,7 +197,8 @@ class MoE(nn.Module):
     dispatch : {"all2all", "allgather"}
         Dispatch mode with ``ep_group``; without one nothing is dispatched (layout
         dispatch "none").
-    activation : {"silu", "gelu", "gelu_tanh"}
+    activation : {"silu", "gelu", "gelu_tanh", "swigluoai"}
+        "swigluoai" is gpt-oss's clamped SwiGLU (`moeroute.bindings.torch.experts.gated_activation`).
     routed_input_transform, routed_output_transform : nn.Module, optional
         Latent MoE: map the hidden states to the routed experts' input size H' and the
         routed sum back to H. The router and shared experts see the original hidden states.
@@ -206,6 +216,19 @@ class MoE(nn.Module):
         Dtype of ``router_weight`` (float32 by default).
     gemm : {"auto", "loop", "padded"}
         CPU expert-GEMM strategy (see `moeroute.bindings.torch.experts`).
+    expert_bias : bool
+        Experts carry a gate_up bias [2I] and a down bias [H] each (gpt-oss); load them with
+        `load_routed_weights` (``gate_up_bias``, ``down_bias``).
+    router_bias : bool
+        The router linear has a bias [N] (gpt-oss): ``logits = x @ router_weight^T + router_bias``.
+    apply_router_weight_on_input : bool
+        Multiply each token's routed input row by its router weight before the experts and
+        combine with weight 1 (vLLM's Llama 4 path). Needs ``router.top_k == 1``; the shared
+        expert still sees the unscaled input, so it is never fused.
+    placement : {"linear", "round_robin"}
+    physical_to_logical : array_like of int [P], optional
+        Expert placement over the EP ranks (`moeroute.layout.ExpertLayout`); a table sets
+        the redundant experts itself (leave ``num_redundant_experts`` 0).
     dtype, device
         Of the expert weights; the activations must match.
     expert_weights : (Tensor [N, 2I, H'], Tensor [N, H', I]), optional
@@ -225,7 +248,8 @@ class MoE(nn.Module):
         every rank with the same message naming each field and each rank's value.
     ValueError
         Sizes below 1; an unknown shared, dispatch, activation or scaling_regime; a shared
-        gate without shared experts; an unsupported dtype or device.
+        gate without shared experts; an unsupported dtype or device;
+        ``apply_router_weight_on_input`` with top_k != 1; a non-bool flag.
     moeroute.layout.LayoutError
         A layout that cannot work, e.g. an explicit ``shared="fused"`` with a
         routed_input_transform or with a shared MLP that does not split into slots.
@@ -254,6 +278,11 @@ class MoE(nn.Module):
         dtype: torch.dtype | None = None,
         device=None,
         expert_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+        expert_bias: bool = False,
+        router_bias: bool = False,
+        apply_router_weight_on_input: bool = False,
+        placement: str = "linear",
+        physical_to_logical=None,
     ) -> None:
         super().__init__()
         # The key by which torch.ops.moeroute.moe_forward finds this layer (see forward).
@@ -276,6 +305,13 @@ class MoE(nn.Module):
             raise ValueError(f"dispatch={dispatch!r} is not an expert-parallel dispatch mode; use one of "
                              f"{EP_DISPATCH_MODES} (it only matters with an ep_group)")
         activation = check_activation(activation)
+        for name, value in (("expert_bias", expert_bias), ("router_bias", router_bias),
+                            ("apply_router_weight_on_input", apply_router_weight_on_input)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} must be a bool")
+        if apply_router_weight_on_input and router.top_k != 1:
+            raise ValueError(f"apply_router_weight_on_input=True needs top_k=1 (one weight per input row), "
+                             f"got top_k={router.top_k}")
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={dtype} is not supported; use one of {SUPPORTED_DTYPES}")
@@ -297,6 +333,9 @@ class MoE(nn.Module):
             if routed_input_transform is not None or routed_output_transform is not None:
                 unfusable = ("a routed_input_transform/routed_output_transform is set, and the shared "
                              "expert needs the untransformed hidden states")
+            elif apply_router_weight_on_input:
+                unfusable = ("apply_router_weight_on_input scales the routed input rows, and the shared "
+                             "expert needs the unscaled hidden states")
 
         if ep_group is None:
             ep_size, rank, layout_dispatch = 1, 0, "none"
@@ -307,8 +346,9 @@ class MoE(nn.Module):
         self.layout = ExpertLayout(
             router.num_experts, num_shared, ep_size=ep_size, dispatch=layout_dispatch, shared=shared,
             num_redundant_experts=num_redundant_experts, scaling_regime=scaling_regime,
-            unfusable_reason=unfusable,
+            unfusable_reason=unfusable, placement=placement, physical_to_logical=physical_to_logical,
         )
+        self.apply_router_weight_on_input = apply_router_weight_on_input
         self.rank = rank
         self.router = router
         # "output" regime: route with rsf = 1, scale the combined routed sum afterwards.
@@ -329,14 +369,18 @@ class MoE(nn.Module):
             "correction_bias",
             torch.zeros(router.num_experts, dtype=torch.float32, device=device) if correction_bias else None,
         )
+        self.router_bias = None
+        if router_bias:
+            self.router_bias = nn.Parameter(torch.zeros(router.num_experts, dtype=router_dtype, device=device),
+                                            requires_grad=False)
         local_experts = self.layout.num_local_experts(rank)
         if expert_weights is not None and self._can_alias(expert_weights, dtype, device):
             # This rank holds exactly the given experts: share their memory, copy nothing.
             self.experts = LocalExperts(local_experts, routed_hidden_size, intermediate_size, activation,
-                                        gemm=gemm, weights=tuple(expert_weights))
+                                        gemm=gemm, bias=expert_bias, weights=tuple(expert_weights))
         else:
             self.experts = LocalExperts(local_experts, routed_hidden_size, intermediate_size, activation,
-                                        gemm=gemm, dtype=dtype, device=device)
+                                        gemm=gemm, bias=expert_bias, dtype=dtype, device=device)
             if expert_weights is not None:
                 self.load_routed_weights(*expert_weights)
         self.shared_expert_gate = shared_expert_gate
@@ -379,6 +423,9 @@ class MoE(nn.Module):
             "shared_expert_gate": self.shared_expert_gate is not None,
             "routed_input_transform": self.routed_input_transform is not None,
             "routed_output_transform": self.routed_output_transform is not None,
+            "expert_bias": self.experts.b_gate_up is not None,
+            "router_bias": self.router_bias is not None,
+            "apply_router_weight_on_input": self.apply_router_weight_on_input,
         })
         return fields
 
@@ -419,18 +466,25 @@ class MoE(nn.Module):
         return self
 
     @torch.no_grad()
-    def load_routed_weights(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    def load_routed_weights(self, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                            gate_up_bias: torch.Tensor | None = None,
+                            down_bias: torch.Tensor | None = None) -> None:
         """Copy this rank's routed experts out of the full stacked weights.
 
         Parameters
         ----------
         w_gate_up : Tensor [N, 2I, H'] (gate rows first), any float dtype/device
         w_down : Tensor [N, H', I]
+        gate_up_bias : Tensor [N, 2I] (gate entries first), optional
+            Only with ``expert_bias=True``; None leaves the current biases.
+        down_bias : Tensor [N, H'], optional
+            Only with ``expert_bias=True``; None leaves the current biases.
 
         Raises
         ------
         ValueError
-            Shapes other than the above.
+            Shapes other than the above; a bias given to a module built without
+            ``expert_bias=True``.
         """
         n, inter, hid = self.router.num_experts, self.intermediate_size, self.routed_hidden_size
         if tuple(w_gate_up.shape) != (n, 2 * inter, hid):
@@ -438,15 +492,53 @@ class MoE(nn.Module):
                              f"{[n, 2 * inter, hid]}")
         if tuple(w_down.shape) != (n, hid, inter):
             raise ValueError(f"w_down has shape {tuple(w_down.shape)}, expected [N, H', I] = {[n, hid, inter]}")
+        pairs = [(self.experts.w_gate_up, w_gate_up), (self.experts.w_down, w_down)]
+        self._copy_expert_rows(pairs + self._bias_pairs(gate_up_bias, down_bias))
+
+    @torch.no_grad()
+    def load_expert_biases(self, gate_up_bias: torch.Tensor | None = None,
+                           down_bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's routed expert biases out of the full stacked biases.
+
+        Parameters
+        ----------
+        gate_up_bias : Tensor [N, 2I] (gate entries first), optional
+        down_bias : Tensor [N, H'], optional
+
+        Raises
+        ------
+        ValueError
+            Shapes other than the above; a module built without ``expert_bias=True``.
+        """
+        self._copy_expert_rows(self._bias_pairs(gate_up_bias, down_bias))
+
+    def _bias_pairs(self, gate_up_bias, down_bias) -> list:
+        """(target parameter, source) of the given biases, shapes checked."""
+        n, inter, hid = self.router.num_experts, self.intermediate_size, self.routed_hidden_size
+        pairs = []
+        for name, bias, shape, target in (("gate_up_bias", gate_up_bias, (n, 2 * inter), self.experts.b_gate_up),
+                                          ("down_bias", down_bias, (n, hid), self.experts.b_down)):
+            if bias is None:
+                continue
+            if target is None:
+                raise ValueError(f"{name} was given but the module has no expert biases; build it with "
+                                 "expert_bias=True")
+            if tuple(bias.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(bias.shape)}, expected {list(shape)}")
+            pairs.append((target, bias))
+        return pairs
+
+    def _copy_expert_rows(self, pairs) -> None:
+        """Copy this rank's routed rows of each (target, full source) pair."""
         ids = self.routed_expert_ids()
         if ids == list(range(ids[0], ids[0] + len(ids))):  # no replicas: one block copy
             rows = slice(ids[0], ids[0] + len(ids))
-            self.experts.w_gate_up[:len(ids)].copy_(w_gate_up[rows])
-            self.experts.w_down[:len(ids)].copy_(w_down[rows])
+            for target, source in pairs:
+                target[:len(ids)].copy_(source[rows])
             return
         for local, logical in enumerate(ids):
-            self.experts.w_gate_up[local].copy_(w_gate_up[logical])
-            self.experts.w_down[local].copy_(w_down[logical])
+            for target, source in pairs:
+                target[local].copy_(source[logical])
 
     @torch.no_grad()
     def load_shared_weights(self, shared_experts: nn.Module) -> None:
@@ -590,7 +682,7 @@ class MoE(nn.Module):
     def compute_router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Router logits [T, N] float32 of hidden states [T, H]."""
         weight = self.router_weight
-        return F.linear(hidden_states.to(weight.dtype), weight).float()
+        return F.linear(hidden_states.to(weight.dtype), weight, self.router_bias).float()
 
     def _shared_gate(self, hidden_states):
         if self.shared_expert_gate is None:
@@ -660,6 +752,10 @@ class MoE(nn.Module):
         ids, weights = arrays.append_shared_slots(topk_ids, topk_weights, layout, self.rank, slot_weights)
 
         routed_input = x if self.routed_input_transform is None else self.routed_input_transform(x)
+        if self.apply_router_weight_on_input:
+            # K = 1: scale the input row by its weight, then every routed slot counts once.
+            routed_input = routed_input * topk_weights.to(routed_input.dtype)
+            weights = torch.ones_like(weights)
         handle = self.dispatcher.dispatch(routed_input, ids, weights, async_op=mode == "overlap")
         shared_out = self._shared_output(x, gate) if mode == "overlap" else None
         recv_hidden, recv_local_ids, recv_weights = handle.wait()
