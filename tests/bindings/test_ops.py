@@ -177,6 +177,27 @@ def test_experts_op_matches_reference(gemm, activation):
     _opcheck(ops.OPS["experts"], (*args, activation, gemm))
 
 
+@pytest.mark.parametrize("gemm", ["loop", "padded"])
+def test_experts_op_with_biases_matches_reference(gemm):
+    hidden, w_gate_up, w_down, ids, weights = _expert_problem(12)
+    generator = _generator(13)
+    b_gate_up = torch.randn(5, 2 * I, generator=generator) * 0.5
+    b_down = torch.randn(5, H, generator=generator) * 0.5
+    out = torch.ops.moeroute.experts(hidden, w_gate_up, w_down, ids, weights, "silu", gemm, b_gate_up, b_down)
+    expected = torch.zeros(hidden.shape, dtype=torch.float64)
+    for t in range(hidden.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if 0 <= e < 5:
+                h = w_gate_up[e].double() @ hidden[t].double() + b_gate_up[e].double()
+                y = w_down[e].double() @ (F.silu(h[:I]) * h[I:]) + b_down[e].double()
+                expected[t] += float(weights[t, k]) * y
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=FP32_ATOL)
+    _opcheck(ops.OPS["experts"], (hidden, w_gate_up, w_down, ids, weights, "silu", gemm, b_gate_up, b_down))
+    with pytest.raises(ValueError, match=r"b_down must be torch.float32 \[5, 24\]"):
+        torch.ops.moeroute.experts(hidden, w_gate_up, w_down, ids, weights, "silu", gemm, b_gate_up, b_down[:, 1:])
+
+
 def test_experts_op_bfloat16():
     args = _expert_problem(6, dtype=torch.bfloat16)
     out = torch.ops.moeroute.experts(*args)

@@ -13,11 +13,12 @@ routed_scaling_factor, correction_bias)``        -> (topk_weights [T, K] float32
 layout_key, home_rank, shared_weights,           the layout is found by `layout_key`.
 shared_weight)``                                 -> (ids [T, K+S'] int32, weights float32).
 ``experts(hidden_states, w_gate_up, w_down,      The local experts' weighted sum (CPU: sort,
-topk_ids, topk_weights, activation, gemm)``      BLAS/oneDNN GEMMs, combine; CUDA: as
-                                                 ``fused_experts``). -> [T, H].
+topk_ids, topk_weights, activation, gemm,        BLAS/oneDNN GEMMs, combine; CUDA: as
+b_gate_up, b_down)``                             ``fused_experts``); biases optional. -> [T, H].
 ``fused_experts(hidden_states, w_gate_up,        The CuPy grouped-GEMM path (CUDA tensors
 w_down, topk_weights, topk_ids, activation,      only; the fake kernel serves any device).
-apply_router_weight, block_size)``               -> [T, H].
+apply_router_weight, block_size, gate_up_bias,   -> [T, H].
+down_bias)``
 ``moe_forward(hidden_states, router_logits,      One whole `moeroute.bindings.torch.MoE` layer,
 layer_key)``                                     found by `register_layer`'s key. -> shape and
                                                  dtype of hidden_states.
@@ -282,7 +283,8 @@ def append_shared_slots(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layo
 
 # ------------------------------------------------------------------ experts
 
-def _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm):
+def _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
+                        b_gate_up=None, b_down=None):
     check_activation(activation)
     if gemm not in GEMM_STRATEGIES:
         raise ValueError(f"gemm={gemm!r} is not a GEMM strategy; use one of {GEMM_STRATEGIES}")
@@ -307,6 +309,11 @@ def _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights
     if tuple(topk_weights.shape) != tuple(topk_ids.shape) or topk_weights.dtype != torch.float32:
         raise ValueError(f"topk_weights must be float32 of the shape of topk_ids {tuple(topk_ids.shape)}, "
                          f"got {topk_weights.dtype} of shape {tuple(topk_weights.shape)}")
+    for name, bias, shape in (("b_gate_up", b_gate_up, (num_experts, 2 * inter)),
+                              ("b_down", b_down, (num_experts, hidden))):
+        if bias is not None and (tuple(bias.shape) != tuple(shape) or bias.dtype != hidden_states.dtype):
+            raise ValueError(f"{name} must be {hidden_states.dtype} {list(shape)}, got {bias.dtype} of shape "
+                             f"{tuple(bias.shape)}")
 
 
 @torch.library.custom_op(f"{NAMESPACE}::experts", mutates_args=())
@@ -318,14 +325,19 @@ def _experts_op(
     topk_weights: torch.Tensor,
     activation: str = "silu",
     gemm: str = "auto",
+    b_gate_up: Optional[torch.Tensor] = None,
+    b_down: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``sum_k w[t, k] * expert_{ids[t, k]}(x_t)`` over the ids in [0, L); the others are
-    computed elsewhere and skipped. The CPU path of `LocalExperts` with plain weights."""
-    _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm)
+    computed elsewhere and skipped. Optional biases b_gate_up [L, 2I] and b_down [L, H].
+    The computation of `LocalExperts` with plain (not oneDNN-packed) weights."""
+    _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
+                        b_gate_up, b_down)
     if hidden_states.device.type == "cuda":
+        contiguous = [None if t is None else t.contiguous() for t in (b_gate_up, b_down)]
         return torch.ops.moeroute.fused_experts(hidden_states.contiguous(), w_gate_up.contiguous(),
                                                 w_down.contiguous(), topk_weights.contiguous(),
-                                                topk_ids.contiguous(), activation)
+                                                topk_ids.contiguous(), activation, True, None, *contiguous)
     num_experts = w_gate_up.shape[0]
     sorted_slots, expert_offsets, inverse_index = arrays.sort_by_expert(topk_ids, num_experts)
     offsets = expert_offsets.tolist()
@@ -335,15 +347,17 @@ def _experts_op(
                                onednn_linear_serves(w_gate_up.dtype))
     if strategy == "loop":
         return streamed_expert_mlp(hidden_states.contiguous(), sorted_slots, offsets, topk_weights,
-                                   w_gate_up, w_down, activation)
+                                   w_gate_up, w_down, activation, b_gate_up=b_gate_up, b_down=b_down)
     hidden_sorted, _, _ = arrays.permute(hidden_states, topk_ids, num_experts)
-    expert_out = padded_expert_mlp(hidden_sorted, offsets, w_gate_up, w_down, activation)
+    expert_out = padded_expert_mlp(hidden_sorted, offsets, w_gate_up, w_down, activation, b_gate_up, b_down)
     return arrays.combine(expert_out, inverse_index, topk_weights)
 
 
 @_experts_op.register_fake
-def _(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation="silu", gemm="auto"):
-    _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm)
+def _(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation="silu", gemm="auto",
+      b_gate_up=None, b_down=None):
+    _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
+                        b_gate_up, b_down)
     return hidden_states.new_empty(hidden_states.shape)
 
 
@@ -359,6 +373,8 @@ def _fused_experts_op(
     activation: str = "silu",
     apply_router_weight: bool = True,
     block_size: Optional[int] = None,
+    gate_up_bias: Optional[torch.Tensor] = None,
+    down_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """`moeroute.gpu.fused_experts` on torch CUDA tensors (it raises TypeError for others)."""
     try:
@@ -367,13 +383,15 @@ def _fused_experts_op(
         raise RuntimeError(f"moeroute's CUDA expert GEMMs could not be imported ({error}); install the "
                            "'cuda' extra (CuPy, numba-cuda)") from error
     return fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation=activation,
-                         apply_router_weight=apply_router_weight, block_size=block_size)
+                         apply_router_weight=apply_router_weight, block_size=block_size,
+                         gate_up_bias=gate_up_bias, down_bias=down_bias)
 
 
 @_fused_experts_op.register_fake
 def _(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation="silu",
-      apply_router_weight=True, block_size=None):
-    _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, "auto")
+      apply_router_weight=True, block_size=None, gate_up_bias=None, down_bias=None):
+    _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, "auto",
+                        gate_up_bias, down_bias)
     return hidden_states.new_empty(hidden_states.shape)
 
 
