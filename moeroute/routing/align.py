@@ -6,9 +6,8 @@ Both give the same arrays, entry for entry (SPEC section 4 fixes one answer).
 
 With an ``expert_map`` (vLLM's argument) each id is first ``expert_map[id]`` (-1 outside the
 map) and -1 is dropped: the result of `remap_to_local` followed by `align_block_size`. On
-the CPU the map is read inside the sort's two passes over the ids; on the GPU the ids are
-mapped by the remap kernel into a [T, K] int32 scratch array first (one elementwise launch),
-so the counting sort itself is shared unchanged.
+the CPU the map is read inside the sort's two passes over the ids, on the GPU inside the
+counting sort's two kernels: no [T, K] local-id array is written and no launch is added.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from numba import njit
 
 from moeroute.routing import _sort
 from moeroute.routing._arrays import as_caller, device_empty, host_array, is_device_array, resolve_stream
-from moeroute.routing.remap import _check_host_expert_map, remap_to_local
+from moeroute.routing.remap import _check_host_expert_map, device_expert_map
 
 __all__ = ["align_block_size"]
 
@@ -138,10 +137,7 @@ def align_block_size(topk_ids, num_experts, block_size, expert_map=None, *, stre
     ([0, 4, 1, 2, 3, 5, 6, 6, 6, 6], [0, 1, 2, -1, -1], 6)
     """
     if is_device_array(topk_ids):
-        if expert_map is not None:
-            # Validated and mapped by the remap kernel (same stream, caller's allocator).
-            topk_ids = remap_to_local(topk_ids, expert_map, stream=stream)
-        return _align_device(topk_ids, num_experts, block_size, stream)
+        return _align_device(topk_ids, num_experts, block_size, expert_map, stream)
     if expert_map is not None and is_device_array(expert_map):
         raise TypeError("expert_map is a device array but topk_ids are on the host; pass "
                         "both on the device or both as NumPy arrays")
@@ -159,8 +155,9 @@ def align_block_size(topk_ids, num_experts, block_size, expert_map=None, *, stre
     return as_caller(sorted_token_ids, topk_ids), as_caller(expert_ids, topk_ids), int(total)
 
 
-def _align_device(topk_ids, num_experts, block_size, stream):
+def _align_device(topk_ids, num_experts, block_size, expert_map, stream):
     ids = _sort.device_ids("topk_ids", topk_ids)
+    table = None if expert_map is None else device_expert_map(expert_map)
     num_experts, block_size, numel, capacity = _check_align_args(
         ids.shape, num_experts, block_size)
     launch_stream = resolve_stream(topk_ids, stream)
@@ -169,5 +166,6 @@ def _align_device(topk_ids, num_experts, block_size, stream):
                                            launch_stream)
     starts, starts_view = device_empty((num_experts + 1,), np.int32, topk_ids, launch_stream)
     _sort.counting_sort_device(ids, num_experts, block_size, sorted_view, starts_view,
-                               expert_view, None, launch_stream, template=topk_ids)
+                               expert_view, None, launch_stream, expert_map=table,
+                               template=topk_ids)
     return sorted_token_ids, expert_ids, starts[num_experts:]
