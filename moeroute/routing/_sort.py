@@ -157,24 +157,41 @@ def padded_capacity(numel: int, num_experts: int, block_size: int) -> int:
 # --------------------------------------------------------------------------- CPU
 
 
+def _mapped_id(value, expert_map, use_map):
+    """``expert_map[value]`` (-1 outside the map) when ``use_map``, else ``value``."""
+    if not use_map:
+        return value
+    if value < 0 or value >= expert_map.shape[0]:
+        return -1
+    return expert_map[value]
+
+
+mapped_id_cpu = njit(cache=True)(_mapped_id)
+mapped_id_device = None if cuda is None else cuda.jit(device=True)(_mapped_id)
+#: The ``expert_map`` argument of the sort kernels when no map is used (never read).
+NO_EXPERT_MAP = np.zeros(1, np.int32)
+
+
 @njit(cache=True)
-def _count_cpu(topk_ids, num_experts):
+def _count_cpu(topk_ids, num_experts, expert_map, use_map):
     counts = np.zeros(num_experts, np.int64)
     rows, cols = topk_ids.shape
     for t in range(rows):
         for k in range(cols):
-            e = topk_ids[t, k]
+            e = mapped_id_cpu(topk_ids[t, k], expert_map, use_map)
             if e >= 0 and e < num_experts:
                 counts[e] += 1
     return counts
 
 
 @njit(cache=True)
-def align_cpu(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids):
-    """Fill ``sorted_token_ids`` and ``expert_ids``; return num_tokens_post_padded."""
+def align_cpu(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, expert_map,
+              use_map):
+    """Fill ``sorted_token_ids`` and ``expert_ids``; return num_tokens_post_padded. With
+    ``use_map`` each id is first ``expert_map[id]`` (-1 outside the map), in both passes."""
     rows, cols = topk_ids.shape
     numel = rows * cols
-    counts = _count_cpu(topk_ids, num_experts)
+    counts = _count_cpu(topk_ids, num_experts, expert_map, use_map)
     cursor = np.empty(num_experts, np.int64)
     position = 0
     for e in range(num_experts):
@@ -188,7 +205,7 @@ def align_cpu(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids):
     sorted_token_ids[:] = numel
     for t in range(rows):
         for k in range(cols):
-            e = topk_ids[t, k]
+            e = mapped_id_cpu(topk_ids[t, k], expert_map, use_map)
             if e >= 0 and e < num_experts:
                 sorted_token_ids[cursor[e]] = t * cols + k
                 cursor[e] += 1
@@ -199,7 +216,7 @@ def align_cpu(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids):
 def sort_cpu(topk_ids, num_experts):
     """(sorted_slots int32 [M], expert_offsets int32 [E+1], inverse_index int32 [T, K])."""
     rows, cols = topk_ids.shape
-    counts = _count_cpu(topk_ids, num_experts)
+    counts = _count_cpu(topk_ids, num_experts, NO_EXPERT_MAP, False)
     expert_offsets = np.empty(num_experts + 1, np.int32)
     cursor = np.empty(num_experts, np.int64)
     position = 0
@@ -226,8 +243,8 @@ def sort_cpu(topk_ids, num_experts):
 # --------------------------------------------------------------------------- CUDA
 
 
-def _count_kernel(topk_ids, num_experts, chunk_size, chunk_counts):
-    """Block c: chunk_counts[c, e] = entries of chunk c with expert e."""
+def _count_kernel(topk_ids, expert_map, use_map, num_experts, chunk_size, chunk_counts):
+    """Block c: chunk_counts[c, e] = entries of chunk c with expert e (after the map)."""
     chunk = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
@@ -239,12 +256,12 @@ def _count_kernel(topk_ids, num_experts, chunk_size, chunk_counts):
     begin = chunk * chunk_size
     end = min(begin + chunk_size, numel)
     for i in range(begin + tid, end, nthreads):
-        e = topk_ids[i // cols, i % cols]
+        e = mapped_id_device(topk_ids[i // cols, i % cols], expert_map, use_map)
         if e >= 0 and e < num_experts:
             cuda.atomic.add(chunk_counts, (chunk, int32(e)), 1)
 
 
-def _place_kernel(topk_ids, num_experts, chunk_size, num_chunks, block_size, chunk_counts,
+def _place_kernel(topk_ids, expert_map, use_map, num_experts, chunk_size, num_chunks, block_size, chunk_counts,
                   cursors, starts, totals, expert_starts, sorted_out, inverse_out, write_inverse,
                   expert_ids):
     """Scan, place and pad in one launch; block b owns row b of ``cursors``, ``starts`` and
@@ -312,7 +329,7 @@ def _place_kernel(topk_ids, num_experts, chunk_size, num_chunks, block_size, chu
         i = tile_begin + tid
         e = int32(-1)
         if i < end:
-            value = topk_ids[i // cols, i % cols]
+            value = mapped_id_device(topk_ids[i // cols, i % cols], expert_map, use_map)
             if value >= 0 and value < num_experts:
                 e = int32(value)
         tile[tid] = e
@@ -382,8 +399,8 @@ def kernel(name: str):
 
 
 def counting_sort_device(topk_ids, num_experts, block_size, sorted_out, expert_starts,
-                         expert_ids, inverse_out, stream, *, chunk_size=SORT_CHUNK,
-                         threads_per_block=SORT_TILE, template=None):
+                         expert_ids, inverse_out, stream, *, expert_map=None,
+                         chunk_size=SORT_CHUNK, threads_per_block=SORT_TILE, template=None):
     """Launch the stable counting sort on ``stream``.
 
     Parameters
@@ -402,6 +419,9 @@ def counting_sort_device(topk_ids, num_experts, block_size, sorted_out, expert_s
     stream : numba stream
     chunk_size, threads_per_block : int
         Tuning knobs (any values give the same result); threads_per_block <= SORT_TILE.
+    expert_map : numba device array int32 [num_physical_experts], optional
+        Each id is first ``expert_map[id]`` (-1 outside the map) inside both kernels: the
+        remap costs no launch and no [T, K] buffer.
     template : caller's device array, optional
         Scratch buffers come from its framework's allocator (`device_empty`); default:
         numba device arrays. No count is read back: every size here is an upper bound
@@ -431,9 +451,13 @@ def counting_sort_device(topk_ids, num_experts, block_size, sorted_out, expert_s
         inverse_out = scratch((1, 1))  # never written (write_inverse is False)
     if expert_ids is None:
         expert_ids = scratch((0,))
-    kernel("count")[num_chunks, threads, stream](topk_ids, num_experts, chunk_size, chunk_counts)
+    use_map = expert_map is not None
+    if expert_map is None:
+        expert_map = scratch((1,))  # never read (use_map is False)
+    kernel("count")[num_chunks, threads, stream](topk_ids, expert_map, use_map, num_experts,
+                                                 chunk_size, chunk_counts)
     kernel("place")[grid, threads, stream](
-        topk_ids, num_experts, chunk_size, num_chunks, block_size, chunk_counts,
+        topk_ids, expert_map, use_map, num_experts, chunk_size, num_chunks, block_size, chunk_counts,
         scratch((grid, num_experts)), scratch((grid, num_experts + 1)), scratch((grid, num_experts)),
         expert_starts, sorted_out, inverse_out, write_inverse, expert_ids)
 

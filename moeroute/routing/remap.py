@@ -323,23 +323,29 @@ def remap_to_local(ids, expert_map, *, stream=None):
     return as_caller(out, ids)
 
 
+def device_expert_map(expert_map):
+    """``expert_map`` as an int32 numba device vector, checked: a device map must already be
+    int32 (wider values could not be checked against int32 without a sync); a host map is
+    checked on the host and uploaded once (`expert_map_device_table`)."""
+    if is_device_array(expert_map):
+        table = as_device_array(expert_map)
+        _check_expert_map_dtype(table.dtype, table.ndim)
+        if table.dtype != np.int32:
+            raise TypeError(f"a device expert_map must be int32, got dtype {table.dtype}; "
+                            "layout.expert_map(rank) is int32")
+        return table
+    host_table = np.asarray(expert_map)
+    _check_expert_map_dtype(host_table.dtype, host_table.ndim)
+    _check_host_expert_map(host_table)
+    return expert_map_device_table(host_table)
+
+
 def _remap_device(ids, expert_map, stream):
     view = _sort.device_ids("ids", ids, ndim=None)
     if not view.is_c_contiguous():
         raise ValueError("ids on the device must be C-contiguous")
     launch_stream = resolve_stream(ids, stream)
-    if is_device_array(expert_map):
-        table = as_device_array(expert_map)
-        _check_expert_map_dtype(table.dtype, table.ndim)
-        if table.dtype != np.int32:
-            # Wider values could not be checked against the int32 output without a sync.
-            raise TypeError(f"a device expert_map must be int32, got dtype {table.dtype}; "
-                            "layout.expert_map(rank) is int32")
-    else:
-        host_table = np.asarray(expert_map)
-        _check_expert_map_dtype(host_table.dtype, host_table.ndim)
-        _check_host_expert_map(host_table)
-        table = expert_map_device_table(host_table)
+    table = device_expert_map(expert_map)
     shape = tuple(view.shape)
     out, out_view = device_empty(shape, np.int32, ids, launch_stream)
     size = int(np.prod(shape, dtype=np.int64))

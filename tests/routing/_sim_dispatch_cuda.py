@@ -337,6 +337,7 @@ def _graph_safety_cases():
     weights = rng.random((5, 2)).astype(np.float32)
     hidden = rng.standard_normal((5, 3)).astype(np.float32)
     expert_map = LAYOUT.expert_map(1)
+    num_local = LAYOUT.num_local_experts(1)
     inverse = sort_by_expert(ids, 6)[2]
     expert_out = rng.standard_normal((ids.size, 3)).astype(np.float32)
     logits = rng.standard_normal((3, 8)).astype(np.float32)
@@ -347,6 +348,12 @@ def _graph_safety_cases():
                            lambda: select_experts(logits, config, bias)),
         "align_block_size": (lambda d: align_block_size(d(ids), 6, 4),
                              lambda: align_block_size(ids, 6, 4)),
+        "align_block_size[host map]": (
+            lambda d: align_block_size(d(ids), num_local, 4, expert_map),
+            lambda: align_block_size(ids, num_local, 4, expert_map)),
+        "align_block_size[device map]": (
+            lambda d: align_block_size(d(ids), num_local, 4, d(expert_map)),
+            lambda: align_block_size(ids, num_local, 4, expert_map)),
         "sort_by_expert": (lambda d: sort_by_expert(d(ids), 6), lambda: sort_by_expert(ids, 6)),
         "permute": (lambda d: permute(d(hidden), d(ids), 6), lambda: permute(hidden, ids, 6)),
         "combine": (lambda d: combine(d(expert_out), d(inverse), d(weights)),
@@ -364,7 +371,8 @@ def _graph_safety_cases():
     }
 
 
-GRAPH_SAFETY_OPS = ["select_experts", "align_block_size", "sort_by_expert", "permute", "combine",
+GRAPH_SAFETY_OPS = ["select_experts", "align_block_size", "align_block_size[host map]",
+                    "align_block_size[device map]", "sort_by_expert", "permute", "combine",
                     "combine-unweighted", "logical_to_physical", "append_shared_slots",
                     "remap_to_local[host map]", "remap_to_local[device map]"]
 
@@ -427,6 +435,9 @@ def test_the_instrumentation_sees_each_kind_of_traffic(traffic):
 EXPECTED_LAUNCHES = {
     "select_experts": ["select_experts_kernel"],
     "align_block_size": ["_count_kernel", "_place_kernel"],
+    # The map is read inside both kernels: no remap launch, no [T, K] buffer.
+    "align_block_size[host map]": ["_count_kernel", "_place_kernel"],
+    "align_block_size[device map]": ["_count_kernel", "_place_kernel"],
     "sort_by_expert": ["_count_kernel", "_place_kernel"],
     "permute": ["_count_kernel", "_place_kernel", "_gather_rows_kernel"],
     "combine": ["_combine_kernel"],

@@ -247,7 +247,7 @@ def test_expert_map_invalid(expert_map, error, words):
         align_block_size(np.zeros((2, 3), np.int32), 4, 2, expert_map)
 
 
-# The CUDA path (the remap kernel, then the counting sort) under the simulator; see
+# The CUDA path (the map read inside the counting sort's two kernels) under the simulator; see
 # test_align_cuda_simulator below.
 from moeroute.routing._arrays import simulator_enabled  # noqa: E402
 

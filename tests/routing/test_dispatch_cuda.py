@@ -87,9 +87,9 @@ def _kernel_signatures():
     cases = []
     for name, ids in ids2.items():
         cases += [
-            (f"count[{name}]", _sort._count_kernel, (ids, I64, I64, _array(I32, 2))),
+            (f"count[{name}]", _sort._count_kernel, (ids, table, BOOL, I64, I64, _array(I32, 2))),
             (f"place[{name}]", _sort._place_kernel,
-             (ids, I64, I64, I64, I64, _array(I32, 2), _array(I32, 2), _array(I32, 2),
+             (ids, table, BOOL, I64, I64, I64, I64, _array(I32, 2), _array(I32, 2), _array(I32, 2),
               _array(I32, 2), table, table, _array(I32, 2), BOOL, table)),
             (f"logical_to_physical[{name}]", remap_module.logical_to_physical_kernel,
              (ids, I64, table, table, table, _array(I32, 2))),
