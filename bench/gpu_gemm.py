@@ -91,7 +91,8 @@ def moeroute_gemm(x, w_gate_up, w_down, topk_weights, topk_ids, path=None, compu
     if compute_capability is None:
         compute_capability = backend.compute_capability
     common = dict(path=path, dtype=problem.dtype, block_size=block_size, sorted_token_ids=sorted_ids,
-                  compute_capability=compute_capability, expert_ids=expert_ids, topk_weights=_torch_as_cupy(topk_weights).reshape(-1), numel=T * K)
+                  compute_capability=compute_capability, expert_ids=expert_ids,
+                  topk_weights=_torch_as_cupy(topk_weights).reshape(-1), numel=T * K)
     plans = [L.plan_expert_gemm(gated=True, a=a, b=b13, c=inter, top_k=K, n=I, k=H, **common),
              L.plan_expert_gemm(gated=False, a=inter, b=b2, c=out, top_k=1, n=H, k=I, **common)]
     kernels = [loader.get_kernel(L.KERNEL_FILE, p.name, p.shared_memory) for p in plans]

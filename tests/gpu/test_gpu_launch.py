@@ -29,7 +29,8 @@ def _kernel_constant(name: str) -> int:
 
 @pytest.mark.parametrize("python_value, kernel_name", [
     (L.SIMT_THREADS, "kSimtThreads"), (L.SIMT_BLOCK_N, "kSimtBlockN"), (L.MMA_ROW_PADDING, "kMmaRowPadding"),
-    (L.MMA_CHUNK, "kMmaChunk"), (L.SUM_THREADS, "kSumThreads"), (L.MMA_ROW_MULTIPLE, "kMmaChunk"), (L.ACTIVATIONS["silu"], "kActivationSilu"),
+    (L.MMA_CHUNK, "kMmaChunk"), (L.SUM_THREADS, "kSumThreads"), (L.MMA_ROW_MULTIPLE, "kMmaChunk"),
+    (L.ACTIVATIONS["silu"], "kActivationSilu"),
     (L.ACTIVATIONS["gelu"], "kActivationGelu"), (L.ACTIVATIONS["gelu_tanh"], "kActivationGeluTanh"),
 ])
 def test_constants_match_the_kernels(python_value, kernel_name):
