@@ -109,15 +109,20 @@ MMA_TILES = {
 # sm_90 (Hopper): twice the warps on the same tiles (8 warps on the 64- and 128-row tiles), so
 # each thread holds at most 64 accumulators; __launch_bounds__(threads, 2) caps ptxas at 128
 # registers (two blocks of 256 threads fill the 65536-register file), and a fourth pipeline
-# stage keeps three k slices in flight. At most 80 KiB of shared memory per block: two blocks
-# fit in Hopper's 228 KiB per multiprocessor.
+# stage keeps three k slices in flight. The 64-row tiles take 64 k values per stage (one
+# barrier per four k16 steps; 108 KiB of shared memory, two blocks still fit in Hopper's
+# 228 KiB per multiprocessor); at 128 rows that slice made ptxas spill the down tile, and the
+# 16-row tile would fit only two blocks, so those keep 32 (at most 80 KiB per block).
 HOPPER_STAGES = 4
 HOPPER_MIN_BLOCKS = 2
+HOPPER_WIDE_BLOCK_K = 64
 MMA_TILES_SM90 = {
     (16, False): MmaTile(16, 128, 1, 4, stages=HOPPER_STAGES, min_blocks=HOPPER_MIN_BLOCKS),
     (16, True): MmaTile(16, 64, 1, 4, stages=HOPPER_STAGES, min_blocks=HOPPER_MIN_BLOCKS),
-    (64, False): MmaTile(64, 128, 2, 4, stages=HOPPER_STAGES, min_blocks=HOPPER_MIN_BLOCKS),
-    (64, True): MmaTile(64, 64, 2, 4, stages=HOPPER_STAGES, min_blocks=HOPPER_MIN_BLOCKS),
+    (64, False): MmaTile(64, 128, 2, 4, block_k=HOPPER_WIDE_BLOCK_K, stages=HOPPER_STAGES,
+                         min_blocks=HOPPER_MIN_BLOCKS),
+    (64, True): MmaTile(64, 64, 2, 4, block_k=HOPPER_WIDE_BLOCK_K, stages=HOPPER_STAGES,
+                        min_blocks=HOPPER_MIN_BLOCKS),
     (128, False): MmaTile(128, 128, 4, 2, stages=HOPPER_STAGES, min_blocks=HOPPER_MIN_BLOCKS),
     (128, True): MmaTile(128, 64, 4, 2, stages=HOPPER_STAGES, min_blocks=HOPPER_MIN_BLOCKS),
 }
