@@ -1,179 +1,506 @@
-"""Everything a GPU session should run, in one call of about 8 minutes, installing nothing.
+"""One call on a GPU machine: staged, bounded, results written as they come, nothing installed.
 
-    python3 bench/gpu_check.py [--copy-to DIR]
+    python3 bench/gpu_check.py [--out DIR]       # DIR defaults to $OUT, else bench/results/gpu_check
+    python3 bench/gpu_check.py --dry-run         # no GPU needed: checks the plan itself
 
-1. the GPU tests of the whole repository (pytest -m gpu), JUnit XML in bench/results/;
-2. bench/gpu_routing.py, when it exists, with a short repeat count;
-3. bench/gpu_gemm.py with a short repeat count (bench/results/gpu_gemm.json);
-4. bench/results/gpu_summary.md: a short table of all of the above.
+Stages, each in its own process group under its own time limit, so a stage that hangs or
+crashes is killed and the next one still runs (the whole plan fits `BUDGET_S`):
 
-Each step runs in its own process with a time limit, so one that hangs or crashes still leaves
-the others' results. --copy-to (default: $OUT when set) copies the result files there.
+0. environment  versions, nvidia-smi, a trivial Numba launch on a torch tensor and one NVRTC
+                compile -> environment.json, rewritten after every probe. When Numba finds no
+                libnvvm, the probe looks for one in the usual places and hands CUDA_HOME to
+                the later stages.
+1. warm         fills the on-disk caches in parallel: the Numba CPU kernels (the host
+                references of the GPU tests) and every shipped CuPy GEMM instantiation.
+2. tests        pytest -m gpu over an explicit file list (no whole-tree collection), JUnit XML
+                written straight to DIR.
+3. routing      bench/gpu_routing.py --quick -> DIR/gpu_routing.json as soon as it finishes.
+4. gemm         bench/gpu_gemm.py -> DIR/gpu_gemm.json.
+5. summary      DIR/gpu_summary.md, a short table of all of the above, also printed.
+
+Everything printed is also appended to DIR/gpu_check.log as it happens. The script never
+installs anything; packages the machine lacks travel as wheels (docs/gpu.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
+import platform
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ElementTree
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
-SUMMARY = RESULTS / "gpu_summary.md"
-PYTEST_XML = RESULTS / "gpu_pytest.xml"
-GEMM_JSON = RESULTS / "gpu_gemm.json"
+SCRIPT = Path(__file__).resolve()
+DEFAULT_OUT = REPO / "bench" / "results" / "gpu_check"
 ROUTING_SCRIPT = REPO / "bench" / "gpu_routing.py"
-# Seconds per step: the tests compile every kernel once (NVRTC, a few seconds each), the
-# benchmarks reuse CuPy's on-disk kernel cache.
-TEST_TIMEOUT = 240
-ROUTING_TIMEOUT = 75
-GEMM_TIMEOUT = 135
+ROUTING_RESULTS = REPO / "bench" / "results" / "gpu_routing.json"
+GEMM_SCRIPT = REPO / "bench" / "gpu_gemm.py"
+
+#: Seconds the whole plan may take: one device call of at most ~8 minutes, with room for the
+#: machine's own start and the file transfers inside the call's 10-minute command limit.
+BUDGET_S = 480
+#: The environment stage must answer within this, whatever else is broken.
+ENVIRONMENT_LIMIT_S = 30
+#: A device call returns at most this many files from its output folder.
+MAX_RETURNED_FILES = 8
+#: File names a device call returns: letters, digits, '.', '_' and '-'.
+RETURNABLE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+#: Parallel warm-up processes for the GEMM instantiations (NVRTC is single-threaded).
+WARM_GEMM_PROCESSES = 6
 GEMM_REPEATS = 10
-ROUTING_REPEATS = 10
+#: Seconds a killed stage's process group gets to exit before the next stage starts.
+KILL_GRACE_S = 5
+#: Seconds one GPU test may take (with pytest-timeout, which the GPU image has).
+PER_TEST_TIMEOUT_S = 60
+
+#: Every test file that holds `gpu`-marked tests; the dry run checks that this list is
+#: complete and that each file exists, so a new GPU test file cannot be silently skipped.
+GPU_TEST_FILES = (
+    "tests/gpu/test_gpu_device.py",
+    "tests/gpu/test_gpu_graph.py",
+    "tests/routing/test_select_cuda.py",
+    "tests/routing/test_dispatch_cuda.py",
+    "tests/routing/test_frameworks.py",
+    "tests/bindings/test_moe.py",
+)
+
+ENVIRONMENT_JSON = "environment.json"
+LOG = "gpu_check.log"
+PYTEST_XML = "gpu_pytest.xml"
+ROUTING_JSON = "gpu_routing.json"
+GEMM_JSON = "gpu_gemm.json"
+SUMMARY = "gpu_summary.md"
+OUTPUT_FILES = (ENVIRONMENT_JSON, LOG, PYTEST_XML, ROUTING_JSON, GEMM_JSON, SUMMARY)
 
 
-def run_step(name, command, timeout):
-    """Run ``command`` in the repository root; return a record of what happened."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+@dataclass(frozen=True)
+class Stage:
+    """One step of the plan: a name, a time limit, and the command it runs (None: in process)."""
+
+    name: str
+    timeout_s: int
+    description: str
+
+
+STAGES = (
+    Stage("environment", ENVIRONMENT_LIMIT_S, "versions, nvidia-smi, Numba launch, NVRTC compile"),
+    Stage("warm", 70, "Numba CPU kernels and CuPy GEMM instantiations, in parallel"),
+    Stage("tests", 170, "pytest -m gpu over GPU_TEST_FILES"),
+    Stage("routing", 60, "bench/gpu_routing.py --quick"),
+    Stage("gemm", 115, f"bench/gpu_gemm.py --repeats {GEMM_REPEATS}"),
+    Stage("summary", 5, "gpu_summary.md"),
+)
+
+
+def stage_command(stage: Stage, out: Path) -> list[str] | None:
+    """The argv of ``stage`` (run in the repository root), or None for the in-process summary."""
+    python = sys.executable
+    if stage.name in ("environment", "warm"):
+        return [python, str(SCRIPT), "--stage", stage.name, "--out", str(out)]
+    if stage.name == "tests":
+        per_test = []
+        if importlib.util.find_spec("pytest_timeout") is not None:
+            # A hung test fails alone; the stage goes on and still writes its JUnit XML.
+            per_test = [f"--timeout={PER_TEST_TIMEOUT_S}", "--timeout-method=signal"]
+        return [python, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", *per_test,
+                f"--junitxml={out / PYTEST_XML}", *GPU_TEST_FILES]
+    if stage.name == "routing":
+        return [python, str(ROUTING_SCRIPT), "--quick"]
+    if stage.name == "gemm":
+        return [python, str(GEMM_SCRIPT), "--repeats", str(GEMM_REPEATS), "--out", str(out / GEMM_JSON)]
+    if stage.name == "summary":
+        return None
+    raise ValueError(f"unknown stage {stage.name!r}")
+
+
+# --------------------------------------------------------------------------- the plan check
+
+
+def files_with_gpu_tests(root: Path = REPO) -> set[str]:
+    """Test files under ``root``/tests that mark tests `gpu` (by text: nothing is imported)."""
+    found = set()
+    for path in (root / "tests").rglob("test_*.py"):
+        if re.search(r"\bpytest\.mark\.gpu\b", path.read_text(errors="replace")):
+            found.add(path.relative_to(root).as_posix())
+    return found
+
+
+def planned_seconds(stages=STAGES) -> int:
+    """The plan's worst case: every timeout, plus the kill grace of each subprocess stage."""
+    return sum(s.timeout_s + (KILL_GRACE_S if stage_command(s, Path("out")) else 0) for s in stages)
+
+
+def check_plan(stages=STAGES, test_files=GPU_TEST_FILES, budget_s=BUDGET_S, root: Path = REPO,
+               output_files=OUTPUT_FILES) -> list[str]:
+    """Every problem of the plan, as sentences; empty when the plan is sound."""
+    problems = []
+    names = [s.name for s in stages]
+    if len(set(names)) != len(names):
+        problems.append(f"stage names repeat: {names}")
+    if not stages or stages[0].name != "environment":
+        problems.append("the first stage must be 'environment'")
+    for stage in stages:
+        if stage.timeout_s <= 0:
+            problems.append(f"stage {stage.name!r} has timeout {stage.timeout_s} s; it must be > 0")
+        try:
+            stage_command(stage, Path("out"))
+        except ValueError as error:
+            problems.append(str(error))
+    environment = [s for s in stages if s.name == "environment"]
+    if environment and environment[0].timeout_s > ENVIRONMENT_LIMIT_S:
+        problems.append(f"the environment stage takes up to {environment[0].timeout_s} s; "
+                        f"it must answer within {ENVIRONMENT_LIMIT_S} s")
+    total = planned_seconds(stages)
+    if total > budget_s:
+        problems.append(f"stage timeouts plus kill grace sum to {total} s, over the budget of {budget_s} s")
+    for name in test_files:
+        if not (root / name).is_file():
+            problems.append(f"GPU test file {name} does not exist")
+    missing = files_with_gpu_tests(root) - set(test_files)
+    if missing:
+        problems.append(f"files with gpu-marked tests missing from GPU_TEST_FILES: {sorted(missing)}")
+    for script in (ROUTING_SCRIPT, GEMM_SCRIPT):
+        if not (root / script.relative_to(REPO)).is_file():
+            problems.append(f"benchmark script {script.relative_to(REPO)} does not exist")
+    if len(output_files) > MAX_RETURNED_FILES:
+        problems.append(f"{len(output_files)} output files; a device call returns at most {MAX_RETURNED_FILES}")
+    for name in output_files:
+        if not RETURNABLE_NAME.match(name):
+            problems.append(f"output file name {name!r} would not come back from a device call")
+    return problems
+
+
+def dry_run() -> int:
+    """Print the plan and its problems; 0 when there are none."""
+    out = Path("$OUT")
+    for stage in STAGES:
+        command = stage_command(stage, out)
+        shown = "(in process)"
+        if command:
+            shown = " ".join(command).replace(sys.executable, "python3").replace(f"{REPO}/", "")
+        print(f"{stage.name:<12} {stage.timeout_s:>4} s  {shown}")
+    print(f"worst case {planned_seconds()} s (timeouts plus {KILL_GRACE_S} s kill grace per process) "
+          f"against a budget of {BUDGET_S} s")
+    problems = check_plan()
+    for problem in problems:
+        print(f"PROBLEM: {problem}")
+    print("plan OK" if not problems else f"{len(problems)} problem(s)")
+    return 0 if not problems else 1
+
+
+# --------------------------------------------------------------------------- running stages
+
+
+class Log:
+    """Print and append to the log file, line by line, flushed (a killed call keeps it)."""
+
+    def __init__(self, path: Path):
+        self.file = path.open("a", buffering=1)
+        self.lock = threading.Lock()
+
+    def write(self, text: str) -> None:
+        with self.lock:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            self.file.write(text)
+
+
+def run_stage(stage: Stage, command, out: Path, log: Log, env: dict) -> dict:
+    """Run one stage; kill its whole process group at its time limit."""
     started = time.monotonic()
-    print(f"== {name}: {' '.join(command)}", flush=True)
-    try:
-        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-        status, output = result.returncode, result.stdout + result.stderr
-    except subprocess.TimeoutExpired as expired:
-        status = "timeout"
-        output = (expired.stdout or b"").decode(errors="replace") if isinstance(expired.stdout, bytes) \
-            else (expired.stdout or "")
-    seconds = time.monotonic() - started
-    print(output[-6000:], flush=True)
-    print(f"== {name}: status {status} after {seconds:.0f} s", flush=True)
-    return {"name": name, "status": status, "seconds": seconds, "tail": output[-3000:]}
+    log.write(f"== {stage.name} ({stage.timeout_s} s): {' '.join(command)}\n")
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, errors="replace",
+                               start_new_session=True)
+    tail = []
 
+    def pump():
+        for line in process.stdout:
+            log.write(line)
+            tail.append(line)
+            del tail[:-200]
 
-def routing_command():
-    """bench/gpu_routing.py with a short repeat count if it takes one."""
-    command = [sys.executable, str(ROUTING_SCRIPT)]
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
     try:
-        help_text = subprocess.run(command + ["--help"], cwd=REPO, capture_output=True, text=True, timeout=60).stdout
+        status = process.wait(timeout=stage.timeout_s)
     except subprocess.TimeoutExpired:
-        help_text = ""
-    if "--quick" in help_text:
-        command.append("--quick")
-    elif "--repeats" in help_text:
-        command += ["--repeats", str(ROUTING_REPEATS)]
-    return command
+        status = "timeout"
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=KILL_GRACE_S)
+    reader.join(timeout=KILL_GRACE_S)
+    seconds = time.monotonic() - started
+    log.write(f"== {stage.name}: status {status} after {seconds:.0f} s\n")
+    return {"name": stage.name, "status": status, "seconds": round(seconds, 1), "tail": "".join(tail)[-3000:]}
 
 
-def pytest_counts(path):
+def child_environment(out: Path) -> dict:
+    """The environment of later stages: the repository importable, and CUDA_HOME when the
+    environment stage found libnvvm only by searching."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    try:
+        found = json.loads((out / ENVIRONMENT_JSON).read_text())
+    except (OSError, ValueError):
+        return env
+    env.update(found.get("child_env", {}))
+    return env
+
+
+def run_plan(out: Path) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    log = Log(out / LOG)
+    log.write(f"# gpu_check {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M:%S} UTC, out={out}\n")
+    records = []
+    for stage in STAGES:
+        command = stage_command(stage, out)
+        if command is None:
+            continue
+        started = time.time()
+        records.append(run_stage(stage, command, out, log, child_environment(out)))
+        # gpu_routing.py writes into bench/results: take its JSON only if this run wrote it.
+        if stage.name == "routing" and ROUTING_RESULTS.exists() and ROUTING_RESULTS.stat().st_mtime >= started:
+            shutil.copy(ROUTING_RESULTS, out / ROUTING_JSON)
+    summary = write_summary(out, records)
+    log.write(summary)
+    return 0 if all(r["status"] == 0 for r in records) else 1
+
+
+# --------------------------------------------------------------------------- stage 0
+
+
+def _probe(record: dict, path: Path, name: str, function) -> None:
+    """Run one probe, store its answer or its error, rewrite the JSON."""
+    started = time.monotonic()
+    try:
+        record[name] = function()
+    except Exception as error:  # a probe reports, it never stops the stage
+        record[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+    record.setdefault("seconds", {})[name] = round(time.monotonic() - started, 2)
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    found = {"python": sys.version.split()[0], "platform": platform.platform()}
+    for package in ("numpy", "numba", "numba-cuda", "cupy-cuda13x", "cupy-cuda12x", "torch",
+                    "cuda-python", "cuda-bindings", "nvidia-cuda-nvrtc", "pytest", "hypothesis",
+                    "transformers"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def _nvidia_smi() -> dict:
+    query = "name,driver_version,memory.total,compute_cap,clocks.max.sm"
+    result = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+                            capture_output=True, text=True, timeout=10)
+    return {"query": query, "output": result.stdout.strip(), "returncode": result.returncode}
+
+
+def _numba_launch_on_torch() -> dict:
+    import torch
+    from numba import cuda
+
+    @cuda.jit
+    def add_one(values):
+        i = cuda.grid(1)
+        if i < values.shape[0]:
+            values[i] += 1
+
+    tensor = torch.arange(64, dtype=torch.int32, device="cuda")
+    add_one[1, 64](cuda.as_cuda_array(tensor, sync=False))
+    torch.cuda.synchronize()
+    ok = bool(torch.equal(tensor.cpu(), torch.arange(1, 65, dtype=torch.int32)))
+    return {"ok": ok, "device": torch.cuda.get_device_name(), "torch_cuda": torch.version.cuda}
+
+
+def _nvrtc_compile() -> dict:
+    import cupy
+
+    kernel = cupy.RawKernel(r'extern "C" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }',
+                            "twice")
+    values = cupy.ones(32, dtype=cupy.float32)
+    kernel((1,), (32,), (values,))
+    return {"ok": bool((values == 2).all()), "nvrtc": cupy.cuda.nvrtc.getVersion(),
+            "runtime": cupy.cuda.runtime.runtimeGetVersion()}
+
+
+#: Where a CUDA toolkit's libnvvm may live when Numba's own search misses it.
+NVVM_SEARCH_ROOTS = ("/usr/local/cuda", "/usr/local", "/opt")
+
+
+def find_libnvvm() -> str | None:
+    """A toolkit root holding nvvm/lib64/libnvvm.so*, searched in site-packages and the usual
+    places; None when there is none."""
+    import site
+
+    roots = [Path(p) for p in site.getsitepackages() + [site.getusersitepackages()]] + [
+        Path(p) for p in NVVM_SEARCH_ROOTS]
+    for root in roots:
+        if not root.is_dir():
+            continue
+        for pattern in ("nvvm/lib64/libnvvm.so*", "*/nvvm/lib64/libnvvm.so*", "nvidia/*/nvvm/lib64/libnvvm.so*",
+                        "nvidia/*/*/nvvm/lib64/libnvvm.so*"):
+            for library in root.glob(pattern):
+                return str(library.parents[2])
+    return None
+
+
+def environment_stage(out: Path) -> int:
+    path = out / ENVIRONMENT_JSON
+    record: dict = {"utc": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M:%S}"}
+    _probe(record, path, "versions", _versions)
+    _probe(record, path, "nvidia_smi", _nvidia_smi)
+    _probe(record, path, "nvrtc_compile", _nvrtc_compile)
+    _probe(record, path, "numba_launch", _numba_launch_on_torch)
+    if "error" in record["numba_launch"]:
+        # Most often libnvvm not found: name a toolkit root for the later stages.
+        root = find_libnvvm()
+        record["libnvvm_search"] = root
+        if root:
+            record["child_env"] = {"CUDA_HOME": root}
+        path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    print(json.dumps(record, indent=2, default=str))
+    return 0 if all(record[k].get("ok") for k in ("nvrtc_compile", "numba_launch")) else 1
+
+
+# --------------------------------------------------------------------------- stage 1
+
+_WARM_CPU = """
+import numpy as np
+from moeroute import ExpertLayout, RouterConfig, align_block_size, append_shared_slots, select_experts
+from moeroute.routing.combine import combine
+from moeroute.routing.permute import permute
+from moeroute.routing.remap import logical_to_physical, remap_to_local
+rng = np.random.default_rng(0)
+for dtype in (np.float32, np.float16):
+    for scoring in ("softmax", "sigmoid"):
+        logits = rng.standard_normal((4, 16)).astype(dtype)
+        select_experts(logits, RouterConfig(16, 2, scoring=scoring), np.zeros(16, np.float32) if scoring == "sigmoid" else None)
+ids = rng.integers(0, 8, (4, 2)).astype(np.int32)
+weights = rng.random((4, 2)).astype(np.float32)
+layout = ExpertLayout(8, 1, ep_size=2, dispatch="all2all")
+append_shared_slots(ids, weights, layout, 1)
+remap_to_local(logical_to_physical(ids, layout), layout.expert_map(0))
+align_block_size(ids, 8, 4)
+permuted, _, inverse = permute(rng.random((4, 8)).astype(np.float32), ids, 8)
+combine(permuted, inverse, weights)
+print("warm: CPU kernels compiled")
+"""
+
+_WARM_GEMM = """
+import sys
+from moeroute.gpu import loader
+names = sys.argv[1:]
+for name in names:
+    loader.get_kernel("moe_gemm", name)
+print(f"warm: {len(names)} GEMM instantiations compiled")
+"""
+
+
+def warm_stage(out: Path) -> int:
+    from moeroute.gpu import launch
+
+    names = launch.shipped_name_expressions("cuda")
+    groups = [names[i::WARM_GEMM_PROCESSES] for i in range(WARM_GEMM_PROCESSES)]
+    commands = [[sys.executable, "-c", _WARM_CPU]] + [[sys.executable, "-c", _WARM_GEMM, *g] for g in groups if g]
+
+    def run(command):
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+        return result.returncode, (result.stdout + result.stderr)[-2000:]
+
+    with ThreadPoolExecutor(len(commands)) as pool:
+        results = list(pool.map(run, commands))
+    for status, text in results:
+        print(f"[{status}] {text.strip()}")
+    return 0 if all(status == 0 for status, _ in results) else 1
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def pytest_counts(path: Path):
     if not path.exists():
         return None, []
-    root = ElementTree.parse(path).getroot()
+    try:
+        root = ElementTree.parse(path).getroot()
+    except ElementTree.ParseError:
+        return None, []
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     counts = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
-    failed = []
-    for case in root.iter("testcase"):
-        if case.find("failure") is not None or case.find("error") is not None:
-            failed.append(f"{case.get('classname')}::{case.get('name')}")
+    failed = [f"{case.get('classname')}::{case.get('name')}" for case in root.iter("testcase")
+              if case.find("failure") is not None or case.find("error") is not None]
     return counts, failed
 
 
-def gemm_section():
-    if not GEMM_JSON.exists():
-        return ["bench/gpu_gemm.py wrote no results."]
-    data = json.loads(GEMM_JSON.read_text())
-    by_case = {}
-    for row in data["results"]:
-        by_case.setdefault((row["model"], row["tokens_per_expert"]), {})[row["impl"]] = row["tflops"]
-    impls = ["moeroute_gemm", "moeroute_gemm_simt", "moeroute_fused_experts", "torch_loop", "torch_grouped_mm",
-             "cublas_dense"]
-    lines = [f"Device: {data['machine']['device']}, torch {data['machine']['torch']}, cupy {data['machine']['cupy']}; "
-             f"bf16 TFLOP/s (median of {data['repeats']} interleaved samples).", "",
-             "| model | tokens/expert | path | " + " | ".join(impls) + " | vs loop | of dense |",
-             "|---" * (len(impls) + 5) + "|"]
-    summaries = {(s["model"], s["tokens_per_expert"]): s for s in data["summary"]}
-    for key, tflops in by_case.items():
-        s = summaries[key]
-        cells = [f"{tflops[i]:.1f}" if i in tflops else "-" for i in impls]
-        vs_loop = s["speedup_vs_torch_loop"]
-        of_dense = s["fraction_of_dense_cublas"]
-        lines.append(f"| {key[0]} | {key[1]} | {s['gemm_path']} | " + " | ".join(cells)
-                     + f" | {vs_loop:.2f}x | {of_dense:.0%} |")
-    lines += ["", "Targets:"]
-    for target in data["targets"]:
-        lines.append(f"- {target['model']}: {target['target']}: {target['value']:.2f} "
-                     f"({'met' if target['met'] else 'NOT met'})")
-    return lines
-
-
-def routing_section():
-    found = sorted(p for p in RESULTS.glob("gpu_routing*.json"))
-    if not found:
-        return ["No bench/results/gpu_routing*.json."]
-    lines = []
-    for path in found:
+def _targets(path: Path) -> list[str]:
+    if not path.exists():
+        return [f"{path.name}: not written."]
+    try:
         data = json.loads(path.read_text())
-        rows = data.get("results", data) if isinstance(data, dict) else data
-        lines.append(f"{path.name}:")
-        for row in rows if isinstance(rows, list) else [rows]:
-            lines.append(f"- {json.dumps(row, sort_keys=True)[:300]}")
-    return lines
+    except ValueError:
+        return [f"{path.name}: unreadable."]
+    return [f"- {t['model']}: {t['target']}: {t['value']:.2f} ({'met' if t['met'] else 'NOT met'})"
+            for t in data.get("targets", [])] or [f"{path.name}: no targets."]
 
 
-def write_summary(device, steps):
-    counts, failed = pytest_counts(PYTEST_XML)
-    lines = [f"# GPU check, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "",
-             f"Device: {device}", "", "| step | status | seconds |", "|---|---|---|"]
-    lines += [f"| {s['name']} | {s['status']} | {s['seconds']:.0f} |" for s in steps]
-    lines += ["", "## GPU tests (pytest -m gpu)", ""]
+def write_summary(out: Path, records: list[dict]) -> str:
+    lines = [f"# GPU check, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", ""]
+    try:
+        environment = json.loads((out / ENVIRONMENT_JSON).read_text())
+        smi = environment.get("nvidia_smi", {})
+        lines.append(f"Device: {smi.get('output') or smi.get('error', '?')}")
+    except (OSError, ValueError):
+        lines.append("Device: unknown (no environment.json)")
+    lines += ["", "| stage | status | seconds |", "|---|---|---|"]
+    lines += [f"| {r['name']} | {r['status']} | {r['seconds']:.0f} |" for r in records]
+    counts, failed = pytest_counts(out / PYTEST_XML)
+    lines += ["", "## GPU tests", ""]
     if counts is None:
-        lines.append("No JUnit report (the test step did not finish).")
+        lines.append("No JUnit report (the test stage did not finish).")
     else:
         passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
         lines.append(f"{passed} passed, {counts['failures']} failed, {counts['errors']} errors, "
                      f"{counts['skipped']} skipped.")
         lines += [f"- FAILED {name}" for name in failed[:40]]
-    lines += ["", "## Expert GEMMs (bench/gpu_gemm.py)", ""] + gemm_section()
-    lines += ["", "## Routing kernels (bench/gpu_routing.py)", ""] + routing_section()
-    SUMMARY.write_text("\n".join(lines) + "\n")
-    print(SUMMARY.read_text())
-
-
-def device_name():
-    try:
-        result = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=30)
-        return result.stdout.strip() or "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown (no nvidia-smi)"
+    lines += ["", "## Routing targets", ""] + _targets(out / ROUTING_JSON)
+    lines += ["", "## GEMM targets", ""] + _targets(out / GEMM_JSON)
+    text = "\n".join(lines) + "\n"
+    (out / SUMMARY).write_text(text)
+    return text
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--copy-to", type=Path, default=os.environ.get("OUT"),
-                        help="also copy the result files here (default: $OUT)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or DEFAULT_OUT),
+                        help="result folder (default: $OUT, else bench/results/gpu_check)")
+    parser.add_argument("--dry-run", action="store_true", help="check the plan without a GPU and exit")
+    parser.add_argument("--stage", choices=("environment", "warm"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    device = device_name()
-    steps = [run_step("pytest -m gpu", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p",
-                                        "no:cacheprovider", f"--junitxml={PYTEST_XML}"], TEST_TIMEOUT)]
-    if ROUTING_SCRIPT.exists():
-        steps.append(run_step("bench/gpu_routing.py", routing_command(), ROUTING_TIMEOUT))
-    steps.append(run_step("bench/gpu_gemm.py", [sys.executable, "bench/gpu_gemm.py", "--repeats", str(GEMM_REPEATS)],
-                          GEMM_TIMEOUT))
-    write_summary(device, steps)
-    if args.copy_to:
-        args.copy_to.mkdir(parents=True, exist_ok=True)
-        for path in [SUMMARY, PYTEST_XML, GEMM_JSON, *RESULTS.glob("gpu_routing*.json")]:
-            if path.exists():
-                shutil.copy(path, args.copy_to / path.name)
-    return 0 if all(s["status"] == 0 for s in steps) else 1
+    if args.dry_run:
+        return dry_run()
+    if args.stage == "environment":
+        return environment_stage(args.out)
+    if args.stage == "warm":
+        return warm_stage(args.out)
+    return run_plan(args.out)
 
 
 if __name__ == "__main__":

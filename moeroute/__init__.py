@@ -2,7 +2,10 @@
 
 Data flows one way: ``RouterConfig`` -> ``ExpertLayout`` -> routing (``select_experts``,
 ``append_shared_slots``, ``align_block_size``, ...) -> dispatch -> expert GEMMs -> combine.
-The torch module lives in ``moeroute.bindings.torch`` and is imported on demand.
+Every routing op takes NumPy arrays, torch tensors (CPU or CUDA), CuPy arrays and numba
+device arrays and answers in the caller's framework. The torch module lives in
+``moeroute.bindings.torch`` and vLLM-shaped entry points in ``moeroute.compat.vllm``; both
+are imported on demand.
 """
 
 from moeroute.config import PRESETS, ModelPreset, RouterConfig, get_preset
@@ -11,6 +14,7 @@ from moeroute.routing import (
     align_block_size,
     append_shared_slots,
     combine,
+    expert_load,
     logical_to_physical,
     permute,
     remap_to_local,
@@ -30,6 +34,7 @@ __all__ = [
     "align_block_size",
     "append_shared_slots",
     "combine",
+    "expert_load",
     "get_preset",
     "logical_to_physical",
     "permute",

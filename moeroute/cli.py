@@ -19,15 +19,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from moeroute.config import PRESETS, ModelPreset, get_preset
-from moeroute.layout import DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, SHARED_SLOT_MODES
+from moeroute.config import PRESETS, SCORING_FUNCTIONS, ModelPreset, get_preset
+from moeroute.layout import DISPATCH_MODES, PLACEMENTS, SCALING_REGIMES, SHARED_MODES, SHARED_SLOT_MODES
 
-__all__ = ["Command", "COMMANDS", "main", "build_parser", "positive_int", "non_negative_int"]
+__all__ = ["Command", "COMMANDS", "main", "build_parser", "positive_int", "non_negative_int",
+           "check_fits_in_memory", "physical_memory_bytes"]
 
 #: Exit status for a request that cannot work (impossible layout, bad config).
 EXIT_USAGE = 2
@@ -36,6 +38,14 @@ HISTOGRAM_WIDTH = 40
 #: Scale of the random correction bias: small next to the spread of sigmoid scores
 #: (about 0.2), so it shifts a few picks instead of dominating the choice.
 CORRECTION_BIAS_SCALE = 0.01
+#: Bytes per routed token of ``route``: its float32 logits row, plus float32 weights and
+#: int32 ids per pick (the outputs).
+ROUTE_BYTES_PER_LOGIT = 4
+ROUTE_BYTES_PER_PICK = 8
+#: Bytes per physical expert of ``plan``'s layout tables (a handful of int32 arrays and
+#: the describe() text), and per rank (one expert map and one line of text each).
+PLAN_BYTES_PER_EXPERT = 64
+PLAN_BYTES_PER_RANK = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +108,25 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} must be an integer >= 0")
     return value
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_fits_in_memory(what: str, nbytes: int) -> None:
+    """ValueError when ``nbytes`` (the estimate of what a request allocates) exceeds the
+    machine's physical memory: refused before anything is allocated."""
+    total = physical_memory_bytes()
+    if total is not None and nbytes > total:
+        raise ValueError(
+            f"{what} needs about {nbytes:.3g} bytes, more than this machine's "
+            f"{total:.3g} bytes of memory; use a smaller size"
+        )
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,6 +193,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="number of redundant (replica) experts (default 0)")
     parser.add_argument("--regime", choices=SCALING_REGIMES, default="router",
                         help="where routed_scaling_factor is applied (default router)")
+    parser.add_argument("--placement", choices=PLACEMENTS, default="linear",
+                        help="which logical experts each rank holds (default linear; round_robin: "
+                             "rank r holds r, r+E, ...)")
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -173,10 +205,16 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         preset = _load_model(args)
         dispatch = args.dispatch or ("none" if args.ep == 1 else "all2all")
+        physical = (preset.router.num_experts + args.redundant
+                    + args.ep * preset.num_shared_experts)
+        check_fits_in_memory(
+            f"the layout of {physical} physical experts on --ep {args.ep} ranks",
+            physical * PLAN_BYTES_PER_EXPERT + args.ep * PLAN_BYTES_PER_RANK)
         layout = ExpertLayout(
             preset.router.num_experts, preset.num_shared_experts, args.ep, dispatch,
             args.shared, args.slots, args.redundant,
             scaling_regime=args.regime, unfusable_reason=preset.shared_unfusable_reason,
+            placement=args.placement,
         )
     except ValueError as error:  # LayoutError included: an impossible layout
         return _error(str(error))
@@ -198,11 +236,16 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
     parser.add_argument("--tokens", type=non_negative_int, required=True, metavar="T",
                         help="number of tokens to route")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="random seed, an integer >= 0 (default 0)")
     parser.add_argument("--ep", type=positive_int, default=1, metavar="E",
                         help="expert-parallel size for the per-rank load (default 1)")
     parser.add_argument("--repeat", type=positive_int, default=10, metavar="R",
                         help="timed calls after the first one (default 10)")
+    parser.add_argument("--scoring", choices=SCORING_FUNCTIONS, default=None,
+                        help="override the preset's scoring function")
+    parser.add_argument("--placement", choices=PLACEMENTS, default="linear",
+                        help="expert placement for the per-rank load (default linear)")
 
 
 def _load_select_experts():
@@ -232,27 +275,41 @@ def run_route(args: argparse.Namespace) -> int:
 
     try:
         preset = _load_model(args)
+        if args.scoring is not None:
+            preset = dataclasses.replace(
+                preset, router=dataclasses.replace(preset.router, scoring=args.scoring))
         router = preset.router
+        check_fits_in_memory(
+            f"routing --tokens {args.tokens} over {router.num_experts} experts",
+            args.tokens * (router.num_experts * ROUTE_BYTES_PER_LOGIT
+                           + router.top_k * ROUTE_BYTES_PER_PICK))
         layout = ExpertLayout(router.num_experts, ep_size=args.ep,
-                              dispatch="none" if args.ep == 1 else "all2all")
+                              dispatch="none" if args.ep == 1 else "all2all",
+                              placement=args.placement)
     except ValueError as error:  # LayoutError included
         return _error(str(error))
 
-    rng = np.random.default_rng(args.seed)
-    logits = rng.standard_normal((args.tokens, router.num_experts), dtype=np.float32)
-    bias = None
-    if preset.has_correction_bias:
-        bias = CORRECTION_BIAS_SCALE * rng.standard_normal(router.num_experts, dtype=np.float32)
+    try:
+        rng = np.random.default_rng(args.seed)
+        logits = rng.standard_normal((args.tokens, router.num_experts), dtype=np.float32)
+        bias = None
+        if preset.has_correction_bias:
+            bias = CORRECTION_BIAS_SCALE * rng.standard_normal(router.num_experts,
+                                                               dtype=np.float32)
 
-    select_experts = _load_select_experts()
-    start = time.perf_counter()
-    weights, ids = select_experts(logits, router, bias)
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(args.repeat):
+        select_experts = _load_select_experts()
         start = time.perf_counter()
-        select_experts(logits, router, bias)
-        times.append(time.perf_counter() - start)
+        weights, ids = select_experts(logits, router, bias)
+        first = time.perf_counter() - start
+        times = []
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            select_experts(logits, router, bias)
+            times.append(time.perf_counter() - start)
+    except MemoryError:  # the estimate fit the machine, the free memory did not
+        return _error(f"not enough free memory to route --tokens {args.tokens}; use fewer tokens")
+    except ValueError as error:  # a size beyond a kernel's int32 limit
+        return _error(str(error))
 
     ids = np.asarray(ids)
     counts = np.bincount(ids.ravel(), minlength=router.num_experts)
@@ -271,13 +328,16 @@ def run_route(args: argparse.Namespace) -> int:
 
     rank_labels, rank_counts = [], []
     for rank in range(layout.ep_size):
-        first_expert, count = layout.routed_range(rank)
-        rank_labels.append(f"rank {rank} experts [{first_expert}, {first_expert + count})")
-        rank_counts.append(int(counts[first_expert : first_expert + count].sum()))
+        if args.placement == "linear":
+            first_expert, count = layout.routed_range(rank)
+            rank_labels.append(f"rank {rank} experts [{first_expert}, {first_expert + count})")
+        else:
+            rank_labels.append(f"rank {rank} experts {rank}, {rank + layout.ep_size}, ...")
+        rank_counts.append(int(counts[layout.logical_experts(rank)].sum()))
     rank_mean = total / layout.ep_size
     rank_peak = max(rank_counts)
     rank_imbalance = f"{rank_peak / rank_mean:.2f}x mean" if rank_mean else "n/a"
-    print(f"per-rank load (ep {layout.ep_size}, linear placement): mean {rank_mean:.1f}, "
+    print(f"per-rank load (ep {layout.ep_size}, {args.placement} placement): mean {rank_mean:.1f}, "
           f"max {rank_peak} ({rank_imbalance})")
     print("\n".join(_histogram(rank_labels, rank_counts)))
     return 0
@@ -290,7 +350,7 @@ def run_route(args: argparse.Namespace) -> int:
 def list_presets() -> str:
     """Table of the built-in presets and their key fields."""
     header = ("name", "model_type", "N", "K", "scoring", "bias", "G/topk_group", "renorm",
-              "rsf", "S", "shared", "gated", "H", "I")
+              "rsf", "S", "shared", "gated", "activation", "H", "I")
     rows = [header]
     for preset in PRESETS.values():
         router = preset.router
@@ -300,8 +360,9 @@ def list_presets() -> str:
             f"{router.num_expert_group}/{router.topk_group}",
             "yes" if router.renormalize else "no", f"{router.routed_scaling_factor:g}",
             str(preset.num_shared_experts), str(preset.shared_intermediate_size),
-            "yes" if preset.shared_gated else "no", str(preset.hidden_size),
-            str(preset.moe_intermediate_size),
+            "yes" if preset.shared_gated else "no",
+            preset.activation + ("+biases" if preset.expert_bias else ""),
+            str(preset.hidden_size), str(preset.moe_intermediate_size),
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)

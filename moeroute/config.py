@@ -30,10 +30,19 @@ __all__ = [
     "get_preset",
     "SCORING_FUNCTIONS",
     "SUPPORTED_MODEL_TYPES",
+    "ROUTED_SCALING_FACTOR_RANGE",
 ]
 
-#: Scoring functions applied to the router logits before selection.
-SCORING_FUNCTIONS = ("softmax", "sigmoid")
+#: Expert activations a preset may name (the torch experts implement each).
+EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+
+#: Scoring functions applied to the router logits before selection: softmax, sigmoid,
+#: sqrt(softplus(logits)) and "none" (the raw logits are the scores).
+SCORING_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus", "none")
+#: Allowed routed_scaling_factor range. Scores are at most 1 (before scaling), so
+#: weights stay at most 1e6, far below float32's 3.4e38 even summed over many tokens'
+#: expert outputs, and a weight of 1 stays far above float32's smallest normal 1.2e-38.
+ROUTED_SCALING_FACTOR_RANGE = (1e-6, 1e6)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -58,8 +67,14 @@ class RouterConfig:
     top_k : int
         K, the number of routed experts per token; 1 <= K <= N, and with grouped
         routing K <= topk_group * N / num_expert_group.
-    scoring : {"softmax", "sigmoid"}
-        Function turning router logits into scores.
+    scoring : {"softmax", "sigmoid", "sqrtsoftplus", "none"}
+        Function turning router logits into scores: softmax over the N logits, sigmoid,
+        ``sqrt(softplus(logits))`` (SGLang's biased top-k), or "none": the raw logits are
+        the scores (FlashInfer's TopK routing). With "none" and ``renormalize`` the K picked
+        logits are divided by ``sum + 1e-20`` only when that divisor is positive and finite
+        (otherwise they stay as they are), and every weight is clamped to the finite float32
+        range. Top-k on the logits then a softmax over the K picked (gpt-oss) is
+        "softmax" with ``renormalize=True``.
     num_expert_group : int
         G, the number of expert groups; must divide N. 1 disables grouped routing.
     topk_group : int
@@ -67,7 +82,8 @@ class RouterConfig:
     renormalize : bool
         Divide the K picked weights by their sum before scaling.
     routed_scaling_factor : float
-        rsf, a finite factor > 0 multiplied into the routed weights.
+        rsf, a factor in `ROUTED_SCALING_FACTOR_RANGE` ([1e-6, 1e6]) multiplied into the
+        routed weights, so that float32 weights stay finite and nonzero.
 
     Raises
     ------
@@ -100,13 +116,17 @@ class RouterConfig:
                 f"got {type(self.renormalize).__name__}"
             )
         rsf = self.routed_scaling_factor
+        low, high = ROUTED_SCALING_FACTOR_RANGE
         if isinstance(rsf, bool) or not isinstance(rsf, numbers.Real):
             raise ValueError(
-                f"routed_scaling_factor={rsf!r} must be a finite real number > 0, "
-                f"got {type(rsf).__name__}"
+                f"routed_scaling_factor={rsf!r} must be a finite real number in "
+                f"[{low:g}, {high:g}], got {type(rsf).__name__}"
             )
-        if not math.isfinite(rsf) or rsf <= 0:
-            raise ValueError(f"routed_scaling_factor={rsf} must be a finite real number > 0")
+        if not math.isfinite(rsf) or not low <= rsf <= high:
+            raise ValueError(
+                f"routed_scaling_factor={rsf} must be a finite real number in [{low:g}, {high:g}] "
+                "(outside it float32 weights overflow to inf or vanish to 0)"
+            )
         if top_k > num_experts:
             raise ValueError(
                 f"top_k={top_k} exceeds num_experts={num_experts}; top_k must be in [1, {num_experts}]"
@@ -199,6 +219,11 @@ class ModelPreset:
     shared_unfusable_reason : str or None
         Why the shared MLP cannot become expert slots (pass it to
         ``ExpertLayout(unfusable_reason=...)``); None when it can.
+    activation : str
+        The experts' activation: "silu" (default), "gelu", "gelu_tanh" or "swigluoai"
+        (gpt-oss).
+    expert_bias : bool
+        The experts carry gate_up and down biases, and the router linear a bias (gpt-oss).
 
     Raises
     ------
@@ -217,6 +242,8 @@ class ModelPreset:
     hidden_size: int
     moe_intermediate_size: int
     shared_unfusable_reason: str | None = None
+    activation: str = "silu"
+    expert_bias: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.router, RouterConfig):
@@ -242,6 +269,10 @@ class ModelPreset:
             )
         if self.shared_gated and not shared:
             raise ValueError("shared_gated=True needs a shared expert (num_shared_experts > 0)")
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r} is not supported; use one of "
+                             f"{EXPERT_ACTIVATIONS}")
+        object.__setattr__(self, "expert_bias", bool(self.expert_bias))
         object.__setattr__(self, "hidden_size", hidden)
         object.__setattr__(self, "moe_intermediate_size", inter)
         object.__setattr__(self, "num_shared_experts", shared)
@@ -285,6 +316,11 @@ class ModelPreset:
                 "config has no 'model_type'; supported model types: "
                 + ", ".join(SUPPORTED_MODEL_TYPES)
             )
+        if not isinstance(model_type, str):
+            raise ValueError(
+                f"model_type={model_type!r} must be a string, got {type(model_type).__name__}; "
+                "supported model types: " + ", ".join(SUPPORTED_MODEL_TYPES)
+            )
         fields = top
         text_type = model_type
         if model_type in _COMPOSITE_TEXT_TYPES:
@@ -325,25 +361,57 @@ def _as_dict(config: Any) -> Mapping:
         try:
             with open(path, encoding="utf-8") as handle:
                 loaded = json.load(handle)
-        except (OSError, json.JSONDecodeError) as error:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ValueError(f"cannot read Hugging Face config {path!r}: {error}") from error
         if not isinstance(loaded, dict):
             raise ValueError(f"{path!r} does not hold a JSON object")
         return loaded
     to_dict = getattr(config, "to_dict", None)
     if callable(to_dict):
-        return to_dict()
+        fields = to_dict()
+        if not isinstance(fields, Mapping):
+            raise ValueError(
+                f"config {type(config).__name__}.to_dict() returned {type(fields).__name__}, "
+                "expected a dict of the configuration's fields"
+            )
+        return fields
     raise ValueError(
         f"config must be a dict, a path to config.json or a transformers config, "
         f"got {type(config).__name__}"
     )
 
 
+def _check_field_type(key: str, value: Any, default: Any) -> None:
+    """ValueError when ``value`` is not of the kind of its transformers default."""
+    if isinstance(default, bool):
+        ok, kind = isinstance(value, (bool, np.bool_)), "a bool"
+    elif isinstance(default, numbers.Integral):
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        kind = "an integer"
+    elif isinstance(default, numbers.Real):
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        kind = "a real number"
+    elif isinstance(default, str):
+        ok, kind = isinstance(value, str), "a string"
+    else:
+        return
+    if not ok:
+        raise ValueError(
+            f"Hugging Face config field {key!r}={value!r} must be {kind}, "
+            f"got {type(value).__name__}"
+        )
+
+
 def _field(fields: Mapping, names: str | tuple[str, ...], default: Any = _REQUIRED) -> Any:
-    """First present, non-null field among ``names``; ``default`` otherwise."""
+    """First present, non-null field among ``names``; ``default`` otherwise.
+
+    A present value must be of the kind of ``default`` (bool, integer, real or string);
+    ValueError naming the field otherwise.
+    """
     names = (names,) if isinstance(names, str) else names
     for key in names:
         if fields.get(key) is not None:
+            _check_field_type(key, fields[key], default)
             return fields[key]
     if default is _REQUIRED:
         raise ValueError(f"Hugging Face config lacks the required field {names[0]!r}")
@@ -352,6 +420,8 @@ def _field(fields: Mapping, names: str | tuple[str, ...], default: Any = _REQUIR
 
 def _shared_split(shared_size: int, inter: int) -> tuple[int, str | None]:
     """S and the unfusable reason for a shared MLP of total intermediate ``shared_size``."""
+    shared_size = _check_int("shared_expert_intermediate_size", shared_size, 0)
+    inter = _check_int("moe_intermediate_size", inter, 1)
     if shared_size == 0:
         return 0, None
     if shared_size % inter == 0:
@@ -505,6 +575,34 @@ def _read_mixtral(fields: Mapping) -> dict:
     )
 
 
+def _read_gpt_oss(fields: Mapping) -> dict:
+    # gpt-oss: top-k of the (biased) router logits, then softmax over the K picked, which is
+    # softmax + renormalize (SPEC section 9); biased experts with the clamped swigluoai.
+    limit = _field(fields, "swiglu_limit", 7.0)
+    alpha = _field(fields, "swiglu_alpha", 1.702)
+    if (float(alpha), float(limit)) != (1.702, 7.0):
+        raise ValueError(
+            f"swiglu_alpha={alpha}, swiglu_limit={limit}: moeroute's swigluoai uses alpha=1.702 "
+            "and limit=7.0"
+        )
+    return dict(
+        router=RouterConfig(
+            num_experts=_field(fields, ("num_local_experts", "num_experts"), 128),
+            top_k=_field(fields, ("num_experts_per_tok", "experts_per_token"), 4),
+            scoring="softmax",
+            renormalize=True,
+        ),
+        has_correction_bias=False,
+        num_shared_experts=0,
+        shared_intermediate_size=0,
+        shared_gated=False,
+        hidden_size=_field(fields, "hidden_size", 2880),
+        moe_intermediate_size=_field(fields, "intermediate_size", 2880),
+        activation="swigluoai",
+        expert_bias=True,
+    )
+
+
 _READERS: dict[str, Callable[[Mapping], dict]] = {
     "deepseek_v3": _read_deepseek_v3,
     "kimi_k2": _read_deepseek_v3,
@@ -516,6 +614,7 @@ _READERS: dict[str, Callable[[Mapping], dict]] = {
     # Qwen3.5-MoE's router always renormalizes (it has no norm_topk_prob field).
     "qwen3_5_moe_text": _qwen_reader(256, 8, 512, 512, norm_topk_prob=None),
     "mixtral": _read_mixtral,
+    "gpt_oss": _read_gpt_oss,
 }
 
 #: Model types ``from_hf`` reads (top-level ``model_type`` values).
@@ -581,6 +680,19 @@ PRESETS: dict[str, ModelPreset] = {
             "mixtral-8x7b", "mixtral",
             RouterConfig(8, 2, "softmax", renormalize=True),
             hidden_size=4096, moe_intermediate_size=14336,
+        ),
+        # gpt-oss: softmax over the top-k logits = softmax + renormalize; biased experts.
+        _preset(
+            "gpt-oss-20b", "gpt_oss",
+            RouterConfig(32, 4, "softmax", renormalize=True),
+            hidden_size=2880, moe_intermediate_size=2880, activation="swigluoai",
+            expert_bias=True,
+        ),
+        _preset(
+            "gpt-oss-120b", "gpt_oss",
+            RouterConfig(128, 4, "softmax", renormalize=True),
+            hidden_size=2880, moe_intermediate_size=2880, activation="swigluoai",
+            expert_bias=True,
         ),
     )
 }

@@ -11,7 +11,9 @@ logical id
     0..N-1, what the router outputs.
 routed physical id
     0..P-1 with P = N + R: a logical expert or one of its replicas (EPLB).
-    Physical p >= N replicates logical ``p % N`` unless a replica table is given.
+    Physical p >= N replicates logical ``p % N`` unless a replica table is given. Rank r
+    always holds a contiguous run of them; the placement ("linear", "round_robin" or a
+    ``physical_to_logical`` table) says which logical expert each one computes.
 physical id
     0..num_physical_experts-1, the id space of the grouped GEMM across all ranks:
     the routed physical ids plus the shared slots when the shared expert is fused.
@@ -39,7 +41,9 @@ __all__ = [
     "SHARED_SLOT_MODES",
     "SCALING_REGIMES",
     "BACKEND_REQUIREMENTS",
+    "PLACEMENTS",
     "REPLICA_HASH_MULTIPLIER",
+    "MAX_PHYSICAL_EXPERTS",
 ]
 
 #: "none": one rank; "all2all": tokens travel to the ranks holding their experts
@@ -54,6 +58,9 @@ SHARED_SLOT_MODES = ("global", "per_rank")
 SCALING_REGIMES = ("router", "output")
 #: Requirements `ExpertLayout.check_backend` knows.
 BACKEND_REQUIREMENTS = ("equal_blocks",)
+#: How logical experts spread over the ranks: "linear" (rank r holds a contiguous run of
+#: logical ids) or "round_robin" (rank r holds logical r, r+E, r+2E, ...).
+PLACEMENTS = ("linear", "round_robin")
 
 #: Knuth's multiplicative hash constant, floor(2**32 / golden ratio): consecutive
 #: token rows land on well-spread replicas without any per-token state.
@@ -62,6 +69,9 @@ REPLICA_HASH_MULTIPLIER = 2654435769
 REPLICA_HASH_MODULUS = 2**32
 
 _ID_DTYPE = np.int32
+#: Largest physical expert count: ids are int32 (-1 marks "not held"), so every id in
+#: [0, count) must fit in int32.
+MAX_PHYSICAL_EXPERTS = int(np.iinfo(_ID_DTYPE).max)
 
 
 class LayoutError(ValueError):
@@ -117,6 +127,18 @@ class ExpertLayout:
         R, the number of replica experts; P = N + R routed physical experts.
     replica_table : array_like of int, shape [R], optional
         Logical id replicated by routed physical expert N + i. Default: ``(N + i) % N``.
+    placement : {"linear", "round_robin"}
+        Which logical experts each rank holds. The physical id space is always tiled into
+        contiguous per-rank blocks (SPEC section 2); placement decides which logical expert
+        each physical id computes. "linear": physical p computes logical p (p < N), or its
+        replica table entry. "round_robin": take the P-long sequence of "linear"; rank r
+        holds its entries r, r+E, r+2E, ... in that order (vLLM's round-robin placement:
+        with R = 0, rank r holds logical r, r+E, ...).
+    physical_to_logical : array_like of int, shape [P], optional
+        Any EPLB table: the logical expert each routed physical expert computes, P >= N,
+        every logical id present at least once. P - N is the number of redundant experts
+        (``num_redundant_experts`` may be left 0 or must equal it); excludes
+        ``replica_table`` and ``placement="round_robin"``.
     scaling_regime : {"router", "output"}
         Where rsf is applied; decides the fused shared slot weight
         (see `shared_slot_weight`).
@@ -128,10 +150,14 @@ class ExpertLayout:
     Raises
     ------
     LayoutError
-        ep_size < 1; N < 1; negative S or R; dispatch "none" with E > 1; P < E
+        ep_size < 1; N < 1; negative S or R; N + R + E*S above `MAX_PHYSICAL_EXPERTS`
+        (2**31 - 1: ids are int32), checked before anything is allocated; dispatch "none" with E > 1; P < E
         (a rank would hold no routed expert); an unknown dispatch, shared,
-        shared_slots or scaling_regime value; a replica table of the wrong
-        length or with ids outside [0, N); "fused" (explicit, or implied by a
+        shared_slots, scaling_regime or placement value; a replica table of the wrong
+        length or with ids outside [0, N); a physical_to_logical table that is not a 1-D
+        integer array of length P >= N with ids in [0, N) covering every logical id, or
+        given with replica_table, placement="round_robin" or a disagreeing
+        num_redundant_experts; "fused" (explicit, or implied by a
         shared_slots request) with an unfusable_reason; shared_slots with an
         explicit non-fused mode; "global" slots under all2all with E > 1.
 
@@ -161,11 +187,35 @@ class ExpertLayout:
         replica_table: Any = None,
         scaling_regime: str = "router",
         unfusable_reason: str | None = None,
+        placement: str = "linear",
+        physical_to_logical: Any = None,
     ) -> None:
         n = _count("num_routed_experts", num_routed_experts, 1)
         s = _count("num_shared_experts", num_shared_experts, 0)
         e = _count("ep_size", ep_size, 1)
         r = _count("num_redundant_experts", num_redundant_experts, 0)
+        _choice("placement", placement, PLACEMENTS)
+        table = None
+        if physical_to_logical is not None:
+            table = _check_physical_to_logical(physical_to_logical, n)
+            if replica_table is not None:
+                raise LayoutError(
+                    "physical_to_logical and replica_table both give the replicas; pass only "
+                    "physical_to_logical (it covers every routed physical expert)"
+                )
+            if placement != "linear":
+                raise LayoutError(
+                    f"placement={placement!r} cannot be combined with physical_to_logical: the "
+                    "table already says which logical expert each physical id computes; "
+                    "reorder the table instead"
+                )
+            if r not in (0, table.shape[0] - n):
+                raise LayoutError(
+                    f"num_redundant_experts={r} disagrees with physical_to_logical of length "
+                    f"{table.shape[0]} = N + {table.shape[0] - n}; leave it 0 or pass "
+                    f"{table.shape[0] - n}"
+                )
+            r = table.shape[0] - n
         _choice("dispatch", dispatch, DISPATCH_MODES)
         _choice("shared", shared, SHARED_MODES)
         if shared_slots is not None:
@@ -183,6 +233,13 @@ class ExpertLayout:
                 "use dispatch='all2all' or dispatch='allgather'"
             )
         p = n + r
+        # Checked before any table is allocated: the largest physical id space (per-rank
+        # slots) must fit the int32 ids.
+        if p + e * s > MAX_PHYSICAL_EXPERTS:
+            raise LayoutError(
+                f"N={n} + R={r} + ep_size*S={e}*{s} = {p + e * s} physical experts exceed the "
+                f"int32 id limit {MAX_PHYSICAL_EXPERTS}; ids are int32"
+            )
         if p < e:
             raise LayoutError(
                 f"{p} routed physical experts (N={n} + R={r}) over ep_size={e} ranks would "
@@ -199,15 +256,21 @@ class ExpertLayout:
         self._unfusable_reason = unfusable_reason
         self._requested_shared = shared
         self._requested_slots = shared_slots
-        self._physical_to_logical = self._build_replicas(replica_table)
+        self._placement = placement if table is None else "table"
+        self._physical_to_logical = self._build_replicas(replica_table, table)
+        self._preferred_replicas = {}  # prefer_rank -> (offsets, ids), built on demand
         self._resolve_shared(shared, shared_slots)
         self._build_placement()
         self._frozen = True
 
     # ------------------------------------------------------------------ build
 
-    def _build_replicas(self, replica_table: Any) -> np.ndarray:
+    def _build_replicas(self, replica_table: Any, full_table: np.ndarray | None = None) -> np.ndarray:
         n, r = self._num_routed_experts, self._num_redundant_experts
+        self._replica_table_values = np.zeros(0, dtype=_ID_DTYPE)
+        if full_table is not None:
+            self._has_replica_table = False
+            return self._replica_index(full_table.astype(np.int64))
         if replica_table is None:
             table = np.arange(n, n + r, dtype=np.int64) % n
             self._has_replica_table = False
@@ -227,7 +290,18 @@ class ExpertLayout:
                     f"logical expert id; ids must be in [0, {n})"
                 )
             self._has_replica_table = True
+            self._replica_table_values = table.astype(_ID_DTYPE)
         logical = np.concatenate([np.arange(n, dtype=np.int64), table.astype(np.int64)])
+        if self._placement == "round_robin":
+            # Rank r's block [a_r, a_r + L_r) takes entries r, r+E, r+2E, ... of the linear
+            # sequence: L_r of them, exactly the block's length.
+            e = self._ep_size
+            logical = np.concatenate([logical[rank::e] for rank in range(e)])
+        return self._replica_index(logical)
+
+    def _replica_index(self, logical: np.ndarray) -> np.ndarray:
+        """Set the replica CSR (offsets, ids) of the table ``logical`` [P]; return it int32."""
+        n = self._num_routed_experts
         # Stable sort keeps each logical expert's replicas in ascending physical order.
         order = np.argsort(logical, kind="stable")
         self._replica_ids = _readonly(order.astype(_ID_DTYPE))
@@ -454,7 +528,7 @@ class ExpertLayout:
         """int32 [P], read-only: routed physical ids grouped by logical expert.
 
         The replicas of logical l are ``replica_ids[replica_offsets[l]:replica_offsets[l+1]]``,
-        ascending; the first one is l itself.
+        ascending; with linear placement and no table the first one is l itself.
         """
         return self._replica_ids
 
@@ -462,6 +536,53 @@ class ExpertLayout:
     def physical_to_logical(self) -> np.ndarray:
         """int32 [P], read-only: the logical expert each routed physical expert computes."""
         return self._physical_to_logical
+
+    @property
+    def placement(self) -> str:
+        """"linear", "round_robin", or "table" (built from ``physical_to_logical``)."""
+        return self._placement
+
+    def logical_experts(self, rank: int) -> np.ndarray:
+        """int32 [L_r]: the logical expert of each routed local expert of ``rank``, in local
+        id order (replicas included).
+
+        Raises
+        ------
+        ValueError
+            ``rank`` outside [0, E).
+        """
+        start, count = self.routed_range(rank)
+        return self._physical_to_logical[start:start + count].copy()
+
+    def preferred_replicas(self, prefer_rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """Replica CSR (offsets int32 [N + 1], ids int32 [P']) that keeps traffic on a rank.
+
+        Logical l lists the replicas held by ``prefer_rank`` when it holds any, else all
+        its replicas (as `replica_offsets` / `replica_ids`); ascending physical order.
+        `logical_to_physical(..., prefer_rank=r)` hashes over these lists. Read-only arrays,
+        built once per rank.
+
+        Raises
+        ------
+        ValueError
+            ``prefer_rank`` outside [0, E).
+        """
+        rank = self._check_rank("prefer_rank", prefer_rank)
+        cached = self._preferred_replicas.get(rank)
+        if cached is not None:
+            return cached
+        start, count = self.routed_range(rank)
+        offsets, ids = self._replica_offsets, self._replica_ids
+        lists = []
+        for logical in range(self._num_routed_experts):
+            replicas = ids[offsets[logical]:offsets[logical + 1]]
+            local = replicas[(replicas >= start) & (replicas < start + count)]
+            lists.append(local if local.size else replicas)
+        new_offsets = np.zeros(self._num_routed_experts + 1, dtype=_ID_DTYPE)
+        np.cumsum([len(x) for x in lists], out=new_offsets[1:])
+        cached = (_readonly(new_offsets), _readonly(np.concatenate(lists).astype(_ID_DTYPE)))
+        self._preferred_replicas[rank] = cached
+        return cached
 
     # --------------------------------------------------------------- methods
 
@@ -711,12 +832,23 @@ class ExpertLayout:
         else:
             lines.append("shared slots: none (the shared expert is not fused)")
         lines.append(f"shared expert: {self._shared}. {self._shared_reason}")
-        if r:
-            replicas = ", ".join(
-                f"{n + i}->{int(self._physical_to_logical[n + i])}" for i in range(min(r, 16))
-            )
-            more = f", ... ({r - 16} more)" if r > 16 else ""
-            lines.append(f"replicas (physical->logical): {replicas}{more}")
+        if self._placement == "linear":
+            if r:
+                replicas = ", ".join(
+                    f"{n + i}->{int(self._physical_to_logical[n + i])}" for i in range(min(r, 16))
+                )
+                more = f", ... ({r - 16} more)" if r > 16 else ""
+                lines.append(f"replicas (physical->logical): {replicas}{more}")
+        else:
+            how = ("round_robin: rank r holds entries r, r+E, r+2E, ... of the linear sequence"
+                   if self._placement == "round_robin" else "physical_to_logical table")
+            lines.append(f"placement: {how}; logical experts of each rank, in local id order:")
+            for rank in range(e):
+                logical = self.logical_experts(rank).tolist()
+                shown = ", ".join(str(x) for x in logical[:_DESCRIBE_MAX_IDS])
+                more = f", ... ({len(logical) - _DESCRIBE_MAX_IDS} more)" \
+                    if len(logical) > _DESCRIBE_MAX_IDS else ""
+                lines.append(f"  rank {rank}: {shown}{more}")
         lines.append(f"scaling regime: {self._scaling_regime}")
         problems = self.check_backend("equal_blocks")
         lines.append(
@@ -731,7 +863,8 @@ class ExpertLayout:
         return (
             self._num_routed_experts, self._num_shared_experts, self._ep_size,
             self._dispatch, self._shared, self._shared_slots, self._num_redundant_experts,
-            tuple(self._physical_to_logical[self._num_routed_experts:].tolist()),
+            # The full table: it says what every placement (linear, round-robin, any table) does.
+            tuple(self._physical_to_logical.tolist()),
             self._scaling_regime, self._unfusable_reason,
         )
 
@@ -756,16 +889,51 @@ class ExpertLayout:
         if self._shared_slots is not None:
             parts.append(f"shared_slots={self._shared_slots!r}")
         parts.append(f"num_redundant_experts={self._num_redundant_experts}")
-        if self._has_replica_table:
+        if self._placement == "table":
+            parts.append(f"physical_to_logical={self._physical_to_logical.tolist()!r}")
+        elif self._has_replica_table:
             parts.append(
                 "replica_table="
-                + repr(self._physical_to_logical[self._num_routed_experts:].tolist())
+                + repr(self._replica_table_values.tolist())
             )
+        if self._placement == "round_robin":
+            parts.append("placement='round_robin'")
         if self._scaling_regime != "router":
             parts.append(f"scaling_regime={self._scaling_regime!r}")
         if self._unfusable_reason is not None:
             parts.append(f"unfusable_reason={self._unfusable_reason!r}")
         return f"ExpertLayout({', '.join(parts)})"
+
+
+#: describe() lists at most this many logical ids per rank.
+_DESCRIBE_MAX_IDS = 16
+
+
+def _check_physical_to_logical(table: Any, num_routed: int) -> np.ndarray:
+    """``table`` as an int64 [P] array, P >= N, every logical id present; LayoutError otherwise."""
+    array = np.asarray(table)
+    if array.ndim != 1 or array.shape[0] < num_routed:
+        raise LayoutError(
+            f"physical_to_logical has shape {array.shape}; it needs one logical id per routed "
+            f"physical expert, shape [P] with P >= num_routed_experts={num_routed}"
+        )
+    if not np.issubdtype(array.dtype, np.integer):
+        raise LayoutError(f"physical_to_logical must hold integers, got dtype {array.dtype}")
+    bad = (array < 0) | (array >= num_routed)
+    if bad.any():
+        index = int(np.argmax(bad))
+        raise LayoutError(
+            f"physical_to_logical[{index}]={int(array[index])} is not a logical expert id; "
+            f"ids must be in [0, {num_routed})"
+        )
+    missing = np.flatnonzero(np.bincount(array, minlength=num_routed) == 0)
+    if missing.size:
+        raise LayoutError(
+            f"physical_to_logical holds no replica of logical expert(s) "
+            f"{missing[:8].tolist()}{' ...' if missing.size > 8 else ''}; every logical id in "
+            f"[0, {num_routed}) must appear at least once"
+        )
+    return array.astype(np.int64)
 
 
 def _id_span(ids: np.ndarray) -> str:

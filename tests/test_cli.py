@@ -51,8 +51,9 @@ def test_top_level_help_lists_commands(capsys):
 
 
 @pytest.mark.parametrize("command, options", [
-    ("plan", ["--preset", "--config", "--ep", "--dispatch", "--shared", "--slots", "--redundant", "--regime"]),
-    ("route", ["--preset", "--config", "--tokens", "--seed", "--ep", "--repeat"]),
+    ("plan", ["--preset", "--config", "--ep", "--dispatch", "--shared", "--slots", "--redundant", "--regime",
+              "--placement"]),
+    ("route", ["--preset", "--config", "--tokens", "--seed", "--ep", "--repeat", "--scoring", "--placement"]),
 ])
 def test_command_help_is_complete(capsys, command, options):
     status, out, _ = run(capsys, command, "--help")
@@ -290,3 +291,99 @@ def test_demo_and_run_are_registered(capsys):
     assert status == 0 and "--tokens" in out and "--device" in out
     status, out, _ = run(capsys, "run", "--help")
     assert status == 0 and "--ep" in out and "--dispatch" in out
+
+
+# ----------------------------------------------------------------------------
+# placement, scoring, gpt-oss
+
+
+def test_plan_round_robin_placement(capsys):
+    status, out, _ = run(capsys, "plan", "--preset", "gpt-oss-20b", "--ep", "4", "--placement", "round_robin")
+    assert status == 0
+    layout = ExpertLayout(32, ep_size=4, dispatch="all2all", placement="round_robin")
+    assert layout.describe() in out
+    assert "rank 1: 1, 5, 9, 13, 17, 21, 25, 29" in out
+
+
+def test_route_round_robin_rank_load_and_scoring(capsys, monkeypatch):
+    router = RecordingRouter()
+    seen = []
+
+    def recording(logits, config, correction_bias=None):
+        seen.append(config.scoring)
+        return router(logits, config, correction_bias)
+
+    monkeypatch.setattr(cli, "_load_select_experts", lambda: recording)
+    status, out, _ = run(capsys, "route", "--preset", "gpt-oss-20b", "--tokens", "40", "--ep", "4",
+                         "--placement", "round_robin", "--scoring", "none", "--repeat", "1")
+    assert status == 0 and set(seen) == {"none"}
+    expected = np.bincount(router.ids.ravel(), minlength=32)
+    ranks = histogram(out, "rank ")
+    for rank in range(4):
+        assert ranks[f"rank {rank} experts {rank}, {rank + 4}, ..."] == expected[rank::4].sum()
+    assert "round_robin placement" in out
+
+
+def test_route_with_library_sqrtsoftplus(capsys):
+    status, out, _ = run(capsys, "route", "--preset", "deepseek-v3", "--tokens", "16", "--scoring",
+                         "sqrtsoftplus", "--repeat", "1")
+    assert status == 0 and "sqrtsoftplus" in out
+
+
+def test_list_presets_names_activation(capsys):
+    status, out, _ = run(capsys, "--list-presets")
+    line = next(line for line in out.splitlines() if line.startswith("gpt-oss-120b"))
+    assert "swigluoai+biases" in line.split() and " 128 " in line
+
+
+# bad input: exit 2, one clear line, no traceback, nothing allocated
+
+
+def _zero_intermediate_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen2_moe", "num_experts": 8,
+                                "num_experts_per_tok": 2, "moe_intermediate_size": 0}))
+    return str(path)
+
+
+BAD_INPUT = {
+    # name: (argv, text of the error line)
+    "route-negative-seed": (["route", "--preset", "mixtral-8x7b", "--tokens", "4", "--seed", "-1"],
+                            "argument --seed: -1 must be an integer >= 0"),
+    "route-huge-tokens": (["route", "--preset", "mixtral-8x7b", "--tokens", "1000000000000"],
+                          "routing --tokens 1000000000000 over 8 experts needs about"),
+    "plan-zero-intermediate": (["plan", "--config", "{zero}"], "moe_intermediate_size=0 must be an integer >= 1"),
+    "route-zero-intermediate": (["route", "--config", "{zero}", "--tokens", "4"],
+                                "moe_intermediate_size=0 must be an integer >= 1"),
+    "plan-huge-layout": (["plan", "--preset", "mixtral-8x7b", "--redundant", "100000000000000"],
+                         "physical experts on --ep 1 ranks needs about"),
+    "run-negative-seed": (["run", "--preset", "mixtral-8x7b", "--tokens", "4", "--seed", "-3"],
+                          "argument --seed: -3 must be an integer >= 0"),
+    "run-huge-tokens": (["run", "--preset", "mixtral-8x7b", "--tokens", "1000000000000"],
+                        "--ep 2 ranks of --tokens 1000000000000"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUT))
+def test_bad_input_exits_2_with_one_clear_line(tmp_path, name):
+    argv, message = BAD_INPUT[name]
+    argv = [arg.replace("{zero}", _zero_intermediate_config(tmp_path)) for arg in argv]
+    result = subprocess.run([sys.executable, "-m", "moeroute", *argv], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    error_lines = [line for line in lines if not line.startswith(("usage:", " "))]
+    assert len(error_lines) == 1 and message in error_lines[0], result.stderr
+
+
+def test_sizes_beyond_memory_are_refused_before_allocating(capsys, monkeypatch):
+    """The estimate is compared with the machine's memory before any array exists."""
+    monkeypatch.setattr(cli, "physical_memory_bytes", lambda: 10_000)
+    allocations = []
+    monkeypatch.setattr(np.random, "default_rng", lambda *a: allocations.append(a))
+    assert cli.check_fits_in_memory("x", 10_000) is None  # the bound is inclusive
+    # 209 tokens x (8 logits x 4 bytes + 2 picks x 8 bytes) = 10032 bytes > 10000.
+    status, out, err = run(capsys, "route", "--preset", "mixtral-8x7b", "--tokens", "209")
+    assert status == 2 and out == "" and allocations == []
+    assert "needs about 1e+04 bytes, more than this machine's 1e+04 bytes" in err

@@ -64,7 +64,10 @@ ROUTER_ERRORS = [
      r"top_k=9 exceeds topk_group \* experts_per_group = 8"),
     (dict(num_experts=8, top_k=2, renormalize=1), r"renormalize=1 must be a bool"),
     (dict(num_experts=8, top_k=2, renormalize="yes"), r"renormalize='yes' must be a bool"),
-    (dict(num_experts=8, top_k=2, routed_scaling_factor=0.0), r"routed_scaling_factor=0.0 must be a finite real number > 0"),
+    (dict(num_experts=8, top_k=2, routed_scaling_factor=0.0), r"routed_scaling_factor=0.0 must be a finite real number in \[1e-06, 1e\+06\]"),
+    (dict(num_experts=8, top_k=2, routed_scaling_factor=1e300), r"routed_scaling_factor=1e\+300 .*\[1e-06, 1e\+06\]"),
+    (dict(num_experts=8, top_k=2, routed_scaling_factor=1e-300), r"routed_scaling_factor=1e-300 .*\[1e-06, 1e\+06\]"),
+    (dict(num_experts=8, top_k=2, routed_scaling_factor=1.000001e6), r"routed_scaling_factor=1000001"),
     (dict(num_experts=8, top_k=2, routed_scaling_factor=-1), r"routed_scaling_factor=-1"),
     (dict(num_experts=8, top_k=2, routed_scaling_factor=math.inf), r"routed_scaling_factor=inf"),
     (dict(num_experts=8, top_k=2, routed_scaling_factor=math.nan), r"routed_scaling_factor=nan"),
@@ -133,6 +136,17 @@ HF_CONFIGS = {
         "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
         "hidden_size": 4096, "intermediate_size": 14336, "num_local_experts": 8,
         "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,
+    },
+    # Released config.json files (the 20b one spells top-k as experts_per_token).
+    "gpt-oss-20b": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+        "hidden_size": 2880, "intermediate_size": 2880, "num_local_experts": 32,
+        "experts_per_token": 4, "swiglu_limit": 7.0, "num_hidden_layers": 24,
+    },
+    "gpt-oss-120b": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+        "hidden_size": 2880, "intermediate_size": 2880, "num_local_experts": 128,
+        "num_experts_per_tok": 4, "swiglu_limit": 7.0, "num_hidden_layers": 36,
     },
 }
 
@@ -262,10 +276,24 @@ HF_ERRORS = [
     (dict(DEEPSEEK_V2, n_group=None), r"lacks the required field 'n_group'"),
     (dict(DEEPSEEK_V2, topk_method="noaux_tc"), r"topk_method='noaux_tc' is not supported for deepseek_v2"),
     (dict(HF_CONFIGS["deepseek-v3"], topk_method="random"), r"topk_method='random' is not supported"),
-    (dict(HF_CONFIGS["deepseek-v3"], scoring_func="sqrtsoftplus"), r"scoring='sqrtsoftplus' is not supported"),
+    (dict(HF_CONFIGS["deepseek-v3"], scoring_func="tanh"), r"scoring='tanh' is not supported"),
     ({"model_type": "qwen3_5_moe"}, r"'text_config', which is missing"),
     (dict(HF_CONFIGS["qwen3-30b-a3b"], num_experts_per_tok=200), r"top_k=200 exceeds num_experts=128"),
     (42, r"config must be a dict, a path to config.json or a transformers config, got int"),
+    # Values of the wrong kind name the field (they were ZeroDivisionError/TypeError).
+    (dict(HF_CONFIGS["qwen1.5-moe-a2.7b"], moe_intermediate_size=0), r"moe_intermediate_size=0 must be an integer >= 1"),
+    (dict(HF_CONFIGS["qwen3-30b-a3b"], moe_intermediate_size=0), r"moe_intermediate_size=0 must be an integer >= 1"),
+    (dict(HF_CONFIGS["deepseek-v3"], moe_intermediate_size=0), r"moe_intermediate_size=0 must be an integer >= 1"),
+    (dict(HF_CONFIGS["qwen1.5-moe-a2.7b"], shared_expert_intermediate_size="5632"),
+     r"'shared_expert_intermediate_size'='5632' must be an integer, got str"),
+    (dict(HF_CONFIGS["deepseek-v3"], n_shared_experts="1"), r"'n_shared_experts'='1' must be an integer, got str"),
+    (dict(HF_CONFIGS["deepseek-v3"], routed_scaling_factor="2.5"),
+     r"'routed_scaling_factor'='2.5' must be a real number, got str"),
+    (dict(HF_CONFIGS["deepseek-v3"], norm_topk_prob="yes"), r"'norm_topk_prob'='yes' must be a bool, got str"),
+    (dict(HF_CONFIGS["mixtral-8x7b"], num_local_experts=8.0), r"'num_local_experts'=8.0 must be an integer, got float"),
+    (dict(HF_CONFIGS["deepseek-v3"], routed_scaling_factor=1e300), r"routed_scaling_factor=1e\+300"),
+    ({"model_type": ["qwen3_moe"]}, r"model_type=\['qwen3_moe'\] must be a string, got list"),
+    ({"model_type": 3}, r"model_type=3 must be a string, got int"),
 ]
 
 
@@ -286,6 +314,35 @@ def test_from_hf_file_errors(tmp_path):
     listing.write_text("[1, 2]")
     with pytest.raises(ValueError, match="does not hold a JSON object"):
         ModelPreset.from_hf(listing)
+
+
+def test_from_hf_non_utf8_file_names_the_path(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_bytes(b'{"model_type": "\xff\xfe"}')
+    with pytest.raises(ValueError, match=r"cannot read Hugging Face config .*config\.json.*utf-8"):
+        ModelPreset.from_hf(tmp_path)
+
+
+def test_from_hf_config_object_whose_to_dict_is_not_a_dict():
+    class NoFields:
+        def to_dict(self):
+            return None
+
+    with pytest.raises(ValueError, match=r"NoFields.to_dict\(\) returned NoneType, expected a dict"):
+        ModelPreset.from_hf(NoFields())
+
+
+def test_router_config_scaling_factor_range_keeps_float32_weights_finite():
+    """The extremes of the allowed range still give finite, nonzero float32 weights."""
+    from moeroute.config import ROUTED_SCALING_FACTOR_RANGE
+    from moeroute.routing.reference import select_experts
+
+    logits = np.array([[3.0, -2.0, 0.5, 40.0]], np.float32)
+    for rsf in ROUTED_SCALING_FACTOR_RANGE:
+        for renormalize in (True, False):
+            config = RouterConfig(4, 2, renormalize=renormalize, routed_scaling_factor=rsf)
+            weights, _ = select_experts(logits, config)
+            assert np.all(np.isfinite(weights)) and weights[0, 0] > 0, (rsf, weights)
 
 
 def test_unknown_model_type_lists_all_supported():
@@ -343,6 +400,8 @@ PRESET_TABLE = {
     "qwen3.5-moe": (512, 10, "softmax", 1, 1, True, 1.0, False, 1, 512, True, 2048, 512),
     "qwen1.5-moe-a2.7b": (60, 4, "softmax", 1, 1, False, 1.0, False, 4, 5632, True, 2048, 1408),
     "mixtral-8x7b": (8, 2, "softmax", 1, 1, True, 1.0, False, 0, 0, False, 4096, 14336),
+    "gpt-oss-20b": (32, 4, "softmax", 1, 1, True, 1.0, False, 0, 0, False, 2880, 2880),
+    "gpt-oss-120b": (128, 4, "softmax", 1, 1, True, 1.0, False, 0, 0, False, 2880, 2880),
 }
 
 
@@ -395,3 +454,41 @@ def test_model_preset_with_unfusable_reason_accepts_any_shared_size():
         shared_unfusable_reason="5000 is not a multiple of 1408",
     )
     assert preset.shared_intermediate_size == 5000
+
+
+# ----------------------------------------------------------------------------
+# gpt-oss and the new scorings
+
+
+def test_gpt_oss_presets_name_their_activation_and_biases():
+    for name in ("gpt-oss-20b", "gpt-oss-120b"):
+        preset = PRESETS[name]
+        assert preset.activation == "swigluoai" and preset.expert_bias
+    assert PRESETS["deepseek-v3"].activation == "silu" and not PRESETS["deepseek-v3"].expert_bias
+
+
+def test_from_hf_transformers_gpt_oss(transformers):
+    config = transformers.GptOssConfig(num_local_experts=32, num_experts_per_tok=4)
+    assert RouterConfig.from_hf(config) == PRESETS["gpt-oss-20b"].router
+    assert ModelPreset.from_hf(config, name="gpt-oss-20b") == PRESETS["gpt-oss-20b"]
+    # transformers' defaults are the 120b sizes.
+    assert ModelPreset.from_hf(transformers.GptOssConfig(), name="gpt-oss-120b") == PRESETS["gpt-oss-120b"]
+
+
+def test_from_hf_gpt_oss_rejects_other_swiglu_constants():
+    with pytest.raises(ValueError, match="swiglu_alpha=1.5, swiglu_limit=7.0"):
+        RouterConfig.from_hf({"model_type": "gpt_oss", "swiglu_alpha": 1.5})
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "none"])
+def test_router_config_new_scorings(scoring):
+    config = RouterConfig(16, 4, scoring, num_expert_group=4, topk_group=2)
+    assert config.scoring == scoring
+    # A DeepSeek-style config naming the scoring function is read as it says.
+    read = RouterConfig.from_hf(dict(HF_CONFIGS["deepseek-v3"], scoring_func=scoring))
+    assert read == dataclasses.replace(PRESETS["deepseek-v3"].router, scoring=scoring)
+
+
+def test_model_preset_unknown_activation():
+    with pytest.raises(ValueError, match="activation='relu' is not supported"):
+        dataclasses.replace(PRESETS["gpt-oss-20b"], activation="relu")

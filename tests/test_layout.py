@@ -161,7 +161,9 @@ def layouts(draw):
         if dispatch != "all2all" or e == 1:
             allowed.append("global")
         slots = draw(st.sampled_from(allowed))
-    return ExpertLayout(n, s, e, dispatch, shared, slots, r)
+    # The physical id space (blocks, slots, maps) is the same for every placement.
+    placement = draw(st.sampled_from(["linear", "round_robin"]))
+    return ExpertLayout(n, s, e, dispatch, shared, slots, r, placement=placement)
 
 
 @settings(max_examples=150, deadline=None)
@@ -536,3 +538,180 @@ def test_equality_hash_and_repr_round_trip():
         assert rebuilt == layout and hash(rebuilt) == hash(layout)
     assert layouts_[0] != layouts_[1]
     assert ExpertLayout(8, 1, 2, "all2all") == ExpertLayout(8, 1, 2, "all2all", "fused", "per_rank")
+
+
+# ----------------------------------------------------------------------------
+# Placements: round-robin and general physical_to_logical tables (SPEC section 9)
+
+
+def reference_round_robin(n, r, e, replica_table=None):
+    """Logical experts of each rank, by enumeration: entry q of the linear sequence
+    (q < N: q, else its replica) goes to rank q % E."""
+    sequence = list(range(n)) + (
+        [(n + i) % n for i in range(r)] if replica_table is None else list(replica_table))
+    return [[sequence[q] for q in range(len(sequence)) if q % e == rank] for rank in range(e)]
+
+
+@pytest.mark.parametrize("n, r, e", [(8, 0, 2), (16, 0, 4), (10, 0, 3), (8, 2, 3), (64, 7, 8),
+                                     (5, 0, 5), (6, 3, 4)])
+@pytest.mark.parametrize("s, dispatch", [(0, "all2all"), (1, "all2all"), (2, "allgather")])
+def test_round_robin_places_logical_r_r_plus_e(n, r, e, s, dispatch):
+    layout = ExpertLayout(n, s, e, dispatch, num_redundant_experts=r, placement="round_robin")
+    assert layout.placement == "round_robin"
+    expected = reference_round_robin(n, r, e)
+    for rank in range(e):
+        assert layout.logical_experts(rank).tolist() == expected[rank]
+        start, count = layout.routed_range(rank)
+        assert count == len(expected[rank])
+        # The physical id space keeps its per-rank blocks: expert_map and owner_rank agree.
+        emap = layout.expert_map(rank)
+        for local, p in enumerate(range(start, start + count)):
+            physical = int(layout.routed_id_map[p])
+            assert emap[physical] == local and layout.owner_rank[physical] == rank
+    if r == 0:
+        # vLLM's round-robin: rank r holds logical r, r+E, r+2E, ...
+        for rank in range(e):
+            assert layout.logical_experts(rank).tolist() == list(range(rank, n, e))
+    # Shared slots and the equal-block check do not depend on the placement.
+    linear = ExpertLayout(n, s, e, dispatch, num_redundant_experts=r)
+    assert layout.num_physical_experts == linear.num_physical_experts
+    assert layout.check_backend() == linear.check_backend()
+    for rank in range(e):
+        np.testing.assert_array_equal(layout.shared_slot_ids(rank), linear.shared_slot_ids(rank))
+        np.testing.assert_array_equal(layout.expert_map(rank), linear.expert_map(rank))
+
+
+def test_round_robin_with_replica_table():
+    layout = ExpertLayout(4, 0, 3, "all2all", num_redundant_experts=2, replica_table=[3, 1],
+                          placement="round_robin")
+    # Linear sequence 0, 1, 2, 3, 3, 1: rank 0 takes entries 0 and 3, rank 1 1 and 4, ...
+    assert [layout.logical_experts(r).tolist() for r in range(3)] == [[0, 3], [1, 3], [2, 1]]
+    assert repr(layout).endswith("replica_table=[3, 1], placement='round_robin')")
+
+
+def test_round_robin_replicas_follow_the_hash_rule():
+    layout = ExpertLayout(6, 0, 4, "all2all", num_redundant_experts=2, placement="round_robin")
+    table = layout.physical_to_logical
+    for logical in range(6):
+        replicas = np.flatnonzero(table == logical).tolist()
+        assert len(replicas) == (2 if logical < 2 else 1)
+        for row in (0, 1, 5, 77):
+            assert layout.choose_replica(logical, row) == reference_replica(replicas, row)
+
+
+TABLE_CASES = [
+    ([0, 1, 2, 3], 2),
+    ([3, 2, 1, 0], 2),
+    ([0, 1, 2, 3, 0, 0, 3], 3),
+    ([2, 0, 1, 2, 3, 2, 1, 0], 4),
+]
+
+
+@pytest.mark.parametrize("table, e", TABLE_CASES)
+def test_physical_to_logical_table(table, e):
+    layout = ExpertLayout(4, 1, e, "all2all", physical_to_logical=table)
+    assert layout.placement == "table"
+    assert layout.num_redundant_experts == len(table) - 4
+    assert layout.physical_to_logical.tolist() == table
+    blocks = reference_routed_blocks(len(table), e)
+    for rank in range(e):
+        assert layout.logical_experts(rank).tolist() == [table[p] for p in blocks[rank]]
+    for logical in range(4):
+        replicas = [p for p, x in enumerate(table) if x == logical]
+        got = layout.replica_ids[layout.replica_offsets[logical]:layout.replica_offsets[logical + 1]]
+        assert got.tolist() == replicas
+    again = eval(repr(layout), {"ExpertLayout": ExpertLayout})
+    assert again == layout and hash(again) == hash(layout)
+    # num_redundant_experts may be given when it agrees with the table.
+    assert ExpertLayout(4, 1, e, "all2all", num_redundant_experts=len(table) - 4,
+                        physical_to_logical=table) == layout
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(physical_to_logical=[0, 1, 2]), r"shape \(3,\).*P >= num_routed_experts=4"),
+    (dict(physical_to_logical=[[0, 1, 2, 3]]), r"shape \(1, 4\)"),
+    (dict(physical_to_logical=[0, 1, 2, 2]), r"no replica of logical expert\(s\) \[3\]"),
+    (dict(physical_to_logical=[0, 1, 2, 3, 4]), r"physical_to_logical\[4\]=4 is not a logical"),
+    (dict(physical_to_logical=[0, 1, 2, -1, 3]), r"physical_to_logical\[3\]=-1"),
+    (dict(physical_to_logical=[0.0, 1.0, 2.0, 3.0]), "must hold integers"),
+    (dict(physical_to_logical=[0, 1, 2, 3, 0], num_redundant_experts=2),
+     "num_redundant_experts=2 disagrees with physical_to_logical of length 5"),
+    (dict(physical_to_logical=[0, 1, 2, 3, 0], num_redundant_experts=1, replica_table=[0]),
+     "physical_to_logical and replica_table"),
+    (dict(physical_to_logical=[0, 1, 2, 3], placement="round_robin"),
+     "placement='round_robin' cannot be combined with physical_to_logical"),
+    (dict(placement="blocked"), "unknown placement='blocked'"),
+    (dict(physical_to_logical=[0, 1, 2, 3], ep_size=5), "would leave a rank with no routed"),
+])
+def test_placement_errors(kwargs, message):
+    args = dict(num_routed_experts=4, ep_size=2, dispatch="all2all")
+    args.update(kwargs)
+    with pytest.raises(LayoutError, match=message):
+        ExpertLayout(**args)
+
+
+def test_preferred_replicas_keep_traffic_on_the_rank():
+    table = [0, 1, 2, 3, 0, 2, 0, 3]  # ranks of 2: [0, 1] [2, 3] [0, 2] [0, 3]
+    layout = ExpertLayout(4, 0, 4, "all2all", physical_to_logical=table)
+    for rank in range(4):
+        offsets, ids = layout.preferred_replicas(rank)
+        start, count = layout.routed_range(rank)
+        for logical in range(4):
+            replicas = [p for p, x in enumerate(table) if x == logical]
+            local = [p for p in replicas if start <= p < start + count]
+            assert ids[offsets[logical]:offsets[logical + 1]].tolist() == (local or replicas)
+    with pytest.raises(ValueError, match=r"prefer_rank=4 is outside \[0, 4\)"):
+        layout.preferred_replicas(4)
+
+
+def test_describe_names_the_placement_and_each_ranks_logical_experts():
+    text = ExpertLayout(8, 1, 2, "all2all", placement="round_robin").describe()
+    assert "placement: round_robin" in text
+    assert "rank 0: 0, 2, 4, 6" in text and "rank 1: 1, 3, 5, 7" in text
+    text = ExpertLayout(4, 0, 2, "all2all", physical_to_logical=[3, 2, 1, 0, 0]).describe()
+    assert "placement: physical_to_logical table" in text
+    assert "rank 0: 3, 2, 1" in text and "rank 1: 0, 0" in text
+    long = ExpertLayout(40, 0, 2, "all2all", placement="round_robin").describe()
+    assert "rank 0: 0, 2, 4" in long and "... (4 more)" in long
+
+
+def test_round_robin_equality_and_repr():
+    a = ExpertLayout(8, 1, 2, "all2all", placement="round_robin")
+    b = ExpertLayout(8, 1, 2, "all2all")
+    assert a != b
+    # Layouts that place every expert alike are equal, however they were described.
+    assert a == ExpertLayout(8, 1, 2, "all2all", physical_to_logical=[0, 2, 4, 6, 1, 3, 5, 7])
+    assert b == ExpertLayout(8, 1, 2, "all2all", physical_to_logical=list(range(8)))
+    again = eval(repr(a), {"ExpertLayout": ExpertLayout})
+    assert again == a and hash(again) == hash(a)
+
+
+# ---------------------------------------------------------------------------- int32 id limit
+
+
+@pytest.mark.parametrize("kwargs, total", [
+    (dict(num_routed_experts=2**31 + 5), 2**31 + 5),
+    (dict(num_routed_experts=2**31 - 2, num_redundant_experts=2), 2**31),
+    (dict(num_routed_experts=2**31 - 8, num_shared_experts=2, ep_size=4, dispatch="all2all"),
+     2**31),
+])
+def test_layout_refuses_ids_beyond_int32_before_allocating(kwargs, total):
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(LayoutError, match=rf"= {total} physical experts exceed the int32 id limit 2147483647"):
+            ExpertLayout(**kwargs)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20  # refused before any id table was built
+
+
+def test_layout_id_limit_is_the_int32_maximum():
+    """N + R + E*S may reach 2**31 - 1 (the largest int32); one more is refused."""
+    from moeroute.layout import MAX_PHYSICAL_EXPERTS
+
+    assert MAX_PHYSICAL_EXPERTS == np.iinfo(np.int32).max
+    with pytest.raises(LayoutError, match="exceed the int32 id limit"):
+        ExpertLayout(MAX_PHYSICAL_EXPERTS, 1)

@@ -34,6 +34,16 @@ Byte accounting: each forward (one dispatch and its combine) records a `Transfer
 with the bytes this rank sent to OTHER ranks (rows a rank keeps for itself are copied,
 not sent): ``dispatcher.last_stats`` and the running ``dispatcher.cumulative_stats``.
 
+Agreement between ranks: every rank must run the same layer. Before every exchange the
+ranks compare a fixed-size signature (hidden size, activation dtype, slots per token, debug
+flag and a digest of the layout) carried by the size exchange that starts each dispatch
+(all2all: the row counts; allgather: the token counts), so a disagreement is found before
+any transfer whose sizes depend on it. Every rank then sees every rank's signature and
+raises the same `RankMismatchError` naming the field and each rank's value, where gloo would
+otherwise abort the process ("Received data size doesn't match") or, for sizes that happen
+to line up, return a wrong result. `check_ranks_agree` compares any set of named fields
+(the MoE module exchanges its full configuration with it once, at construction).
+
 Debug mode (``debug=True``, same value on every rank): every (token, slot) with a valid id
 is checked to be dispatched to exactly one rank, with a local id that maps back to the
 slot's physical id, and to be combined exactly once at home (the receivers' slot masks
@@ -44,6 +54,8 @@ travel back along the partial outputs and are counted). A mismatch raises
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import zlib
 from typing import Any
 
 import numpy as np
@@ -63,6 +75,10 @@ __all__ = [
     "AllGatherDispatcher",
     "CollectiveError",
     "DispatchCheckError",
+    "RankMismatchError",
+    "check_ranks_agree",
+    "layout_fingerprint",
+    "ep_group_size_and_rank",
     "TransferStats",
     "make_dispatcher",
     "EP_DISPATCH_MODES",
@@ -77,6 +93,10 @@ METADATA_BYTES_PER_SLOT = 8
 #: Row counts travel as int64: the dtype every backend supports for all-to-all of counts.
 _COUNT_DTYPE = torch.int64
 _COUNT_BYTES = 8
+#: Bytes of the layout digest kept in the signature: 7 bytes fit a non-negative int64.
+_DIGEST_BYTES = 7
+#: Longest rendering of one rank's value in a `RankMismatchError` (long tables are cut).
+_MAX_VALUE_CHARS = 120
 # torch 2.13 renamed all_gather_into_tensor (same signature); older releases lack the new name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -87,6 +107,120 @@ class DispatchCheckError(RuntimeError):
 
 class CollectiveError(RuntimeError):
     """A collective of the dispatch failed: a peer died or missed the group's timeout."""
+
+
+class RankMismatchError(ValueError):
+    """The ranks of one expert-parallel group disagree on a field of the layer.
+
+    Raised on every rank with the same message: each differing field with every rank's
+    value. ``fields`` maps each differing field name to the list of per-rank values.
+    """
+
+    def __init__(self, message: str, fields: dict[str, list]) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
+def _render(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _MAX_VALUE_CHARS else text[:_MAX_VALUE_CHARS - 3] + "..."
+
+
+def ep_group_size_and_rank(ep_group: Any) -> tuple[int, int]:
+    """(size, rank) of ``ep_group`` in torch.distributed.
+
+    Raises
+    ------
+    TypeError
+        ``ep_group`` is not a torch.distributed ProcessGroup (e.g. the string "world";
+        pass ``torch.distributed.group.WORLD`` or a group from ``new_group``).
+    ValueError
+        torch.distributed is not initialized.
+    """
+    if not dist.is_available() or not isinstance(ep_group, dist.ProcessGroup):
+        raise TypeError(
+            f"ep_group={ep_group!r} must be a torch.distributed ProcessGroup (e.g. "
+            f"torch.distributed.group.WORLD or torch.distributed.new_group(...)) or None, "
+            f"got {type(ep_group).__name__}"
+        )
+    if not dist.is_initialized():
+        raise ValueError(
+            "ep_group needs an initialized torch.distributed process group; call "
+            "torch.distributed.init_process_group first"
+        )
+    return dist.get_world_size(ep_group), dist.get_rank(ep_group)
+
+
+def layout_fingerprint(layout: ExpertLayout) -> dict[str, Any]:
+    """The fields of ``layout`` every rank of its group must agree on, as plain values."""
+    return {
+        "layout.num_routed_experts": layout.num_routed_experts,
+        "layout.num_shared_experts": layout.num_shared_experts,
+        "layout.ep_size": layout.ep_size,
+        "layout.dispatch": layout.dispatch,
+        "layout.shared": layout.shared,
+        "layout.shared_slots": layout.shared_slots,
+        "layout.num_redundant_experts": layout.num_redundant_experts,
+        "layout.scaling_regime": layout.scaling_regime,
+        "layout.placement": getattr(layout, "placement", "linear"),
+        "layout.physical_to_logical": tuple(int(v) for v in layout.physical_to_logical),
+    }
+
+
+def _digest(fields: dict[str, Any]) -> int:
+    """A process-independent integer digest (Python's hash() is salted per process)."""
+    text = repr(sorted(fields.items())).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=_DIGEST_BYTES).digest(), "little")
+
+
+def check_ranks_agree(fields: dict[str, Any], group: Any = None, what: str = "the layer") -> None:
+    """Exchange ``fields`` between the ranks of ``group`` and raise unless all agree.
+
+    A collective: every rank of ``group`` must call it (with the same field names). It
+    uses ``torch.distributed.all_gather_object``; with NCCL the current CUDA device must
+    be this rank's.
+
+    Parameters
+    ----------
+    fields : dict
+        Field name -> a picklable value comparable with ``==`` (ints, strings, tuples).
+    group : torch.distributed.ProcessGroup, optional
+        None: the default group.
+    what : str
+        What the fields describe, for the message.
+
+    Raises
+    ------
+    RankMismatchError
+        On every rank, with the same message: each field whose values differ, with every
+        rank's value.
+    CollectiveError
+        A peer exited or did not join the exchange within the group's timeout.
+    """
+    world = dist.get_world_size(group)
+    gathered: list = [None] * world
+    try:
+        dist.all_gather_object(gathered, dict(fields), group=group)
+    except RuntimeError as error:
+        raise CollectiveError(
+            f"rank {dist.get_rank(group)} of {world}: the agreement check of {what} failed; a "
+            f"peer rank exited (perhaps failing to build its layer) or did not reach the check "
+            f"within the process group's timeout ({error})"
+        ) from error
+    names = list(dict.fromkeys(name for rank_fields in gathered for name in rank_fields))
+    missing = "<missing>"
+    differing = {}
+    for name in names:
+        values = [rank_fields.get(name, missing) for rank_fields in gathered]
+        if any(value != values[0] for value in values[1:]):
+            differing[name] = values
+    if differing:
+        details = "; ".join(
+            f"{name}: " + ", ".join(f"rank {r}={_render(v)}" for r, v in enumerate(values))
+            for name, values in differing.items())
+        raise RankMismatchError(
+            f"the {len(gathered)} expert-parallel ranks disagree on {what}: {details}; "
+            "build every rank's layer with the same arguments", differing)
 
 
 @dataclasses.dataclass
@@ -143,6 +277,8 @@ class TransferStats:
 
 def _check_group(layout: ExpertLayout, group: Any) -> tuple[Any, int]:
     """The process group (default group when None) and this rank in it."""
+    if group is not None:
+        ep_group_size_and_rank(group)  # TypeError for what is not a process group
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
             "ep_group needs an initialized torch.distributed process group; call "
@@ -268,6 +404,30 @@ class _EPDispatcher(Dispatcher):
         self.forward_count = 0
         self._host_tables = self._build_tables()
         self._tables_on: dict[torch.device, _Tables] = {}
+        self._layout_fields = layout_fingerprint(layout)
+        self._layout_digest = _digest(self._layout_fields)
+
+    def _signature(self, hidden_states: torch.Tensor, top_k: int) -> list[int]:
+        """What every rank must agree on before an exchange, as int64-safe integers."""
+        return [hidden_states.shape[1], zlib.crc32(str(hidden_states.dtype).encode()), top_k,
+                int(self.debug), self._layout_digest]
+
+    def _check_signatures(self, signatures: list[list[int]], hidden_states: torch.Tensor,
+                          top_k: int) -> None:
+        """Raise `RankMismatchError` on every rank unless every rank sent the same signature.
+
+        ``signatures[r]`` is rank r's `_signature`; every rank holds the same list, so all
+        of them take the same branch and join the same detail exchange.
+        """
+        if all(row == signatures[0] for row in signatures[1:]):
+            return
+        fields = {"hidden_states.shape[1]": hidden_states.shape[1],
+                  "hidden_states.dtype": str(hidden_states.dtype),
+                  "topk_ids.shape[1]": top_k, "debug": self.debug, **self._layout_fields}
+        check_ranks_agree(fields, self.group, f"the {self.mode} dispatch")
+        raise RankMismatchError(  # the digests differ, the fields do not: never expected
+            f"the expert-parallel ranks sent different {self.mode} signatures {signatures}",
+            {"signature": signatures})
 
     def _build_tables(self) -> _Tables:
         layout, e = self.layout, self.ep_size
@@ -361,6 +521,14 @@ class _EPDispatcher(Dispatcher):
         if partial_out.device != recv_hidden.device:
             raise ValueError(
                 f"partial_out is on {partial_out.device}, the dispatch on {recv_hidden.device}"
+            )
+        # The dispatch checked that every rank sent rows of this width and dtype; holding the
+        # partials to the same keeps the combine's transfer sizes equal on every rank.
+        if partial_out.shape[1] != recv_hidden.shape[1] or partial_out.dtype != recv_hidden.dtype:
+            raise ValueError(
+                f"partial_out must have the dispatched rows' width and dtype "
+                f"[Tr, {recv_hidden.shape[1]}] {recv_hidden.dtype}, got "
+                f"{tuple(partial_out.shape)} {partial_out.dtype}"
             )
         return state
 
@@ -492,17 +660,20 @@ class All2AllDispatcher(_EPDispatcher):
             self._check_dispatched_once(topk_ids, valid, send_token, send_dest, send_local,
                                         tables)
 
-        # One collective for the counts (debug: plus the live-slot counts per destination).
+        # One collective of fixed width for the counts, the live-slot counts per destination
+        # (debug only, else 0) and this rank's signature, sent to every rank alike.
+        live_per_dest = torch.zeros(e, dtype=_COUNT_DTYPE, device=device)
         if self.debug:
-            live_per_dest = torch.zeros(e, dtype=_COUNT_DTYPE, device=device)
             live_per_dest.index_add_(0, send_dest, live.sum(dim=1, dtype=_COUNT_DTYPE))
-            counts_out = torch.stack([send_counts_t, live_per_dest], dim=1)
-        else:
-            counts_out = send_counts_t[:, None]
+        signature = torch.tensor(self._signature(hidden_states, top_k), dtype=_COUNT_DTYPE,
+                                 device=device).expand(e, -1)
+        counts_out = torch.cat([send_counts_t[:, None], live_per_dest[:, None], signature], dim=1)
         counts_in = torch.empty_like(counts_out)
         self._collective("row-count exchange", dist.all_to_all_single, counts_in, counts_out)
+        received = counts_in.tolist()
+        self._check_signatures([row[2:] for row in received], hidden_states, top_k)
         send_counts = send_counts_t.tolist()
-        recv_counts = counts_in[:, 0].tolist()
+        recv_counts = [row[0] for row in received]
         state.send_token_index, state.send_counts, state.recv_counts = (
             send_token, send_counts, recv_counts)
 
@@ -698,10 +869,14 @@ class AllGatherDispatcher(_EPDispatcher):
         valid, _ = self._valid_and_safe(topk_ids)
         state = self._start_forward(num_tokens, valid)
 
-        sizes_t = torch.empty(e, dtype=_COUNT_DTYPE, device=device)
+        # The token counts travel with every rank's signature (one gather of fixed width).
+        mine = [num_tokens] + self._signature(hidden_states, top_k)
+        sizes_t = torch.empty(e * len(mine), dtype=_COUNT_DTYPE, device=device)
         self._collective("token-count gather", _all_gather_single, sizes_t,
-                         torch.tensor([num_tokens], dtype=_COUNT_DTYPE, device=device))
-        sizes = sizes_t.tolist()
+                         torch.tensor(mine, dtype=_COUNT_DTYPE, device=device))
+        gathered = sizes_t.view(e, len(mine)).tolist()
+        self._check_signatures([row[1:] for row in gathered], hidden_states, top_k)
+        sizes = [row[0] for row in gathered]
         state.sizes = sizes
         padded_rows = max(sizes)
 
@@ -722,7 +897,7 @@ class AllGatherDispatcher(_EPDispatcher):
         stats.rows_sent = (e - 1) * padded_rows
         stats.hidden_bytes = stats.rows_sent * hidden * hidden_states.element_size()
         stats.metadata_bytes = stats.rows_sent * top_k * METADATA_BYTES_PER_SLOT
-        stats.count_bytes = (e - 1) * _COUNT_BYTES
+        stats.count_bytes = (e - 1) * len(mine) * _COUNT_BYTES
 
         def finish():
             self._wait_all("token gather", works)

@@ -24,9 +24,9 @@ import time
 import traceback
 from typing import Any
 
-from moeroute.cli import non_negative_int, positive_int
+from moeroute.cli import check_fits_in_memory, non_negative_int, positive_int
 from moeroute.config import PRESETS, get_preset
-from moeroute.layout import SCALING_REGIMES, SHARED_MODES, ExpertLayout
+from moeroute.layout import PLACEMENTS, SCALING_REGIMES, SHARED_MODES, ExpertLayout
 
 __all__ = ["add_arguments", "run", "main", "EXIT_MISMATCH", "EXIT_USAGE", "EXIT_FAILURE"]
 
@@ -46,6 +46,9 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 CORRECTION_BIAS_SCALE = 0.01
 #: Untimed forwards before the timed ones (first-call compilation and allocation).
 WARMUP_FORWARDS = 2
+#: Activation-sized buffers a rank holds per token of the group (inputs, received rows,
+#: partials, outputs of both layers), for the memory estimate made before spawning.
+RANK_ACTIVATION_BUFFERS = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,13 +70,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="routed expert intermediate size (default 32)")
     parser.add_argument("--redundant", type=non_negative_int, default=0, metavar="R",
                         help="redundant (replica) experts (default 0)")
+    parser.add_argument("--placement", choices=PLACEMENTS, default="linear",
+                        help="which logical experts each rank holds (default linear)")
     parser.add_argument("--regime", choices=SCALING_REGIMES, default="router",
                         help="where routed_scaling_factor is applied (default router)")
     parser.add_argument("--dtype", choices=tuple(TOLERANCE), default="float32",
                         help="activation and weight dtype (default float32)")
     parser.add_argument("--repeat", type=positive_int, default=5, metavar="R",
                         help="timed forwards per rank (default 5)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="random seed, an integer >= 0 (default 0)")
     parser.add_argument("--timeout", type=positive_int, default=120, metavar="S",
                         help="process-group timeout in seconds (default 120)")
     parser.add_argument("--debug", action="store_true",
@@ -88,11 +94,22 @@ def _check_request(args: argparse.Namespace) -> tuple[Any, ExpertLayout]:
     """The preset and the layout the ranks will build; ValueError (LayoutError) if impossible."""
     preset = get_preset(args.preset)
     fusable = preset.shared_unfusable_reason is None
+    # Per spawned rank: the EP and the single-process layer (all N experts: gate_up, down),
+    # this rank's tokens and a few activation-sized buffers of every rank's tokens.
+    element = 2 if args.dtype == "bfloat16" else 4
+    weights = 2 * preset.router.num_experts * 3 * args.intermediate * args.hidden
+    activations = RANK_ACTIVATION_BUFFERS * args.ep * args.tokens * args.hidden
+    ranks_here = 1 if _under_torchrun() else args.ep
+    check_fits_in_memory(
+        f"--ep {args.ep} ranks of --tokens {args.tokens} x --hidden {args.hidden} with "
+        f"{preset.router.num_experts} experts of --intermediate {args.intermediate}",
+        ranks_here * (weights + activations) * element)
     return preset, ExpertLayout(
         preset.router.num_experts, preset.num_shared_experts, ep_size=args.ep,
         dispatch=args.dispatch, shared=args.shared, num_redundant_experts=args.redundant,
         scaling_regime=args.regime,
         unfusable_reason=None if fusable else preset.shared_unfusable_reason,
+        placement=args.placement,
     )
 
 
@@ -135,6 +152,11 @@ def _build_layers(args, preset, group, device):
     w_down = rand(n, hidden, inter, scale=inter ** -0.5)
     router_weight = rand(n, hidden, scale=1.0).float()
     bias = (torch.randn(n, generator=gen) * CORRECTION_BIAS_SCALE).to(device)
+    # gpt-oss-style presets: biased experts and router, their own activation.
+    expert_biases = ()
+    if preset.expert_bias:
+        expert_biases = (rand(n, 2 * inter, scale=1.0), rand(n, hidden, scale=1.0))
+        router_bias = rand(n, scale=1.0).float()
 
     modules = []
     for ep_group in (group, None):
@@ -142,12 +164,17 @@ def _build_layers(args, preset, group, device):
                      shared_expert_gate=gate, shared=args.shared, ep_group=ep_group,
                      dispatch=args.dispatch, scaling_regime=args.regime,
                      num_redundant_experts=args.redundant if ep_group is not None else 0,
-                     correction_bias=preset.has_correction_bias, dtype=dtype, device=device)
+                     placement=args.placement if ep_group is not None else "linear",
+                     correction_bias=preset.has_correction_bias, dtype=dtype, device=device,
+                     activation=preset.activation, expert_bias=preset.expert_bias,
+                     router_bias=preset.expert_bias)
         with torch.no_grad():
             module.router_weight.copy_(router_weight)
             if preset.has_correction_bias:
                 module.correction_bias.copy_(bias)
-        module.load_routed_weights(w_gate_up, w_down)
+            if preset.expert_bias:
+                module.router_bias.copy_(router_bias)
+        module.load_routed_weights(w_gate_up, w_down, *expert_biases)
         modules.append(module)
     return modules
 

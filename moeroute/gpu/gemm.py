@@ -59,7 +59,8 @@ def _check_array(name: str, x, ndim: int, dtypes) -> None:
 
 
 def check_fused_experts_args(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *,
-                             activation="silu", apply_router_weight=True, block_size=None) -> ExpertProblem:
+                             activation="silu", apply_router_weight=True, block_size=None,
+                             gate_up_bias=None, down_bias=None) -> ExpertProblem:
     """Validate the arguments of :func:`fused_experts` (shapes, dtypes, contiguity, options).
 
     Works on any array with ``shape`` and ``dtype`` (the device is checked by fused_experts).
@@ -98,6 +99,11 @@ def check_fused_experts_args(hidden_states, w_gate_up, w_down, topk_weights, top
                          f"(one row per token of hidden_states)")
     if tuple(int(v) for v in topk_weights.shape) != (T, K):
         raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}; expected {[T, K]} like topk_ids")
+    for name, bias, shape in (("gate_up_bias", gate_up_bias, (E, two_I)), ("down_bias", down_bias, (E, H))):
+        if bias is not None:
+            _check_array(name, bias, 2, (dtype,))
+            if tuple(int(v) for v in bias.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(bias.shape)}; expected {list(shape)}")
     if activation not in L.ACTIVATIONS:
         raise ValueError(f"activation={activation!r}; expected one of {sorted(L.ACTIVATIONS)}")
     if not isinstance(apply_router_weight, bool):
@@ -117,7 +123,7 @@ def check_fused_experts_args(hidden_states, w_gate_up, w_down, topk_weights, top
 
 def run_fused_experts(backend, problem: ExpertProblem, hidden_states, w_gate_up, w_down, topk_weights,
                       topk_ids, out, *, activation: str = "silu", apply_router_weight: bool = True,
-                      block_size=None, path=None):
+                      block_size=None, path=None, gate_up_bias=None, down_bias=None):
     """Enqueue the whole computation on ``backend`` (arrays already in its framework and storage
     dtypes, arguments already checked) and return ``out``.
 
@@ -142,9 +148,9 @@ def run_fused_experts(backend, problem: ExpertProblem, hidden_states, w_gate_up,
     common = dict(path=path, dtype=problem.dtype, block_size=block_size, sorted_token_ids=sorted_token_ids,
                   expert_ids=expert_ids, topk_weights=topk_weights.reshape(-1), numel=numel)
     backend.launch(L.plan_expert_gemm(gated=True, a=hidden_states, b=w_gate_up, c=intermediate, top_k=K,
-                                      n=I, k=H, activation=activation, **common))
+                                      n=I, k=H, activation=activation, bias=gate_up_bias, **common))
     backend.launch(L.plan_expert_gemm(gated=False, a=intermediate, b=w_down, c=expert_out, top_k=1, n=H,
-                                      k=I, apply_router_weight=apply_router_weight, **common))
+                                      k=I, apply_router_weight=apply_router_weight, bias=down_bias, **common))
     backend.launch(L.plan_sum_topk(dtype=problem.dtype, expert_out=expert_out, topk_ids=topk_ids, out=out,
                                    num_tokens=T, top_k=K, hidden_size=H, num_experts=E))
     return out
@@ -164,11 +170,14 @@ class CupyBackend:
     """Runs the plans with CuPy on the current device and stream; ``allocate(shape, dtype_name)``
     makes the scratch arrays (CuPy's pool, or torch's caching allocator for torch callers)."""
 
-    def __init__(self, allocate):
+    def __init__(self, allocate, align_template=None):
         import cupy
 
         self._cupy = cupy
         self._allocate = allocate
+        # The caller's topk_ids (a torch tensor): the Numba align then allocates through
+        # torch's caching allocator too, not CuPy's pool (CUDA graph capture needs one).
+        self._align_template = align_template
         self.is_hip = loader.is_hip()
         self.compute_capability = loader.compute_capability()
 
@@ -183,6 +192,11 @@ class CupyBackend:
         if routing_align is None:
             sorted_token_ids, expert_ids, _ = align_block_size_array_api(topk_ids, num_experts, block_size,
                                                                          xp=self._cupy)
+        elif self._align_template is not None:
+            stream = self._cupy.cuda.get_current_stream().ptr
+            sorted_token_ids, expert_ids, _ = routing_align(self._align_template, num_experts, block_size,
+                                                            stream=stream)
+            return _torch_as_cupy(sorted_token_ids), _torch_as_cupy(expert_ids)
         else:
             sorted_token_ids, expert_ids, _ = routing_align(topk_ids, num_experts, block_size)
         return self._cupy.asarray(sorted_token_ids), self._cupy.asarray(expert_ids)
@@ -226,7 +240,7 @@ def _torch_as_cupy(tensor):
 
 
 def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, activation="silu",
-                  apply_router_weight=True, block_size=None):
+                  apply_router_weight=True, block_size=None, gate_up_bias=None, down_bias=None):
     """Routed-expert MLPs of one MoE layer: ``out[t] = sum_k w[t,k] * down_e(act(gate_e x_t) * up_e x_t)``
     over the slots k whose expert e = topk_ids[t, k] is in [0, num_experts).
 
@@ -238,10 +252,14 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, a
     topk_weights : [T, K] float32
     topk_ids : [T, K] int32, local expert ids; -1 (or any id outside [0, E)) is a slot computed
         elsewhere (another expert-parallel rank): it contributes nothing here.
-    activation : "silu" (default), "gelu" (exact, erf) or "gelu_tanh" (tanh approximation)
+    activation : "silu" (default), "gelu" (exact, erf), "gelu_tanh" (tanh approximation) or
+        "swigluoai" (gpt-oss: ``(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g)``, g = min(gate, 7))
     apply_router_weight : multiply each slot's output by its topk_weights entry (True) or not
     block_size : rows per align_block_size block, one of 16, 32, 64, 128; None picks one from
         T * K / E.
+    gate_up_bias : [E, 2I], dtype of hidden_states, optional; gate entries first, added before
+        the activation
+    down_bias : [E, H], dtype of hidden_states, optional; added before the router weight
 
     All arrays are CuPy arrays or all are torch CUDA tensors, on one device, C-contiguous.
     Accumulation is float32; intermediate and output are in the input dtype.
@@ -262,9 +280,11 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, a
     """
     problem = check_fused_experts_args(hidden_states, w_gate_up, w_down, topk_weights, topk_ids,
                                        activation=activation, apply_router_weight=apply_router_weight,
-                                       block_size=block_size)
+                                       block_size=block_size, gate_up_bias=gate_up_bias, down_bias=down_bias)
     named = dict(hidden_states=hidden_states, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights,
                  topk_ids=topk_ids)
+    biases = dict(gate_up_bias=gate_up_bias, down_bias=down_bias)
+    named.update({name: bias for name, bias in biases.items() if bias is not None})
     framework, device = _require_device_arrays(named)
     import cupy
 
@@ -279,10 +299,15 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, a
 
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(torch_device).cuda_stream, device)
         out = torch.empty(shape, dtype=hidden_states.dtype, device=torch_device)
-        arrays = [_torch_as_cupy(x) for x in named.values()]
         with cupy.cuda.Device(device), stream:
-            run_fused_experts(CupyBackend(allocate), problem, *arrays, _torch_as_cupy(out), activation=activation,
-                              apply_router_weight=apply_router_weight, block_size=block_size)
+            # DLPack hands over a tensor with a stream-ordered sync against CuPy's current
+            # stream: inside the block that is torch's own stream, so nothing waits.
+            arrays = [_torch_as_cupy(named[name]) for name in
+                      ("hidden_states", "w_gate_up", "w_down", "topk_weights", "topk_ids")]
+            bias_arrays = {name: None if bias is None else _torch_as_cupy(bias) for name, bias in biases.items()}
+            backend = CupyBackend(allocate, align_template=topk_ids)
+            run_fused_experts(backend, problem, *arrays, _torch_as_cupy(out), activation=activation,
+                              apply_router_weight=apply_router_weight, block_size=block_size, **bias_arrays)
         return out
 
     def allocate(shape, dtype):
@@ -290,5 +315,6 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, a
 
     with cupy.cuda.Device(device):
         out = cupy.empty(shape, dtype=hidden_states.dtype)
-        return run_fused_experts(CupyBackend(allocate), problem, *named.values(), out, activation=activation,
-                                 apply_router_weight=apply_router_weight, block_size=block_size)
+        return run_fused_experts(CupyBackend(allocate), problem, hidden_states, w_gate_up, w_down, topk_weights,
+                                 topk_ids, out, activation=activation, apply_router_weight=apply_router_weight,
+                                 block_size=block_size, **biases)

@@ -20,8 +20,8 @@ KERNEL_TYPE_NAMES = {"float32": "float", "float16": "moeroute::float16", "bfloat
 STORAGE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 # Activation codes of moe_gemm.cu (kActivation*). gelu is the exact erf form, gelu_tanh torch's
-# approximate="tanh".
-ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+# approximate="tanh", swigluoai gpt-oss's clamped SwiGLU (alpha 1.702, limit 7).
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swigluoai": 3}
 
 # align_block_size block sizes the kernels accept: every tile height below divides one of them.
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -166,18 +166,22 @@ def shipped_name_expressions(platform: str = "cuda") -> list:
 
 def plan_expert_gemm(*, path: str, dtype: str, gated: bool, block_size: int, a, b, c,
                      sorted_token_ids, expert_ids, topk_weights, numel: int, top_k: int, n: int,
-                     k: int, activation: str = "silu", apply_router_weight: bool = False) -> KernelLaunch:
+                     k: int, activation: str = "silu", apply_router_weight: bool = False,
+                     bias=None) -> KernelLaunch:
     """Launch of one grouped GEMM over ``len(sorted_token_ids)`` block-padded rows.
 
     gate_up (``gated``): a = hidden_states [T, H], b = w_gate_up [E, 2n, k], c = [numel, n],
     a's row of flat index j is j // top_k. down: a = intermediate [numel, k] (pass top_k=1),
     b = w_down [E, n, k], c = [numel, n], weighted by topk_weights [numel] float32 when
-    ``apply_router_weight``.
+    ``apply_router_weight``. ``bias`` (optional, dtype of b): [E, 2n] for gate_up (gate
+    entries first), [E, n] for down, added to the products before the activation / weight.
     """
     rows = int(sorted_token_ids.shape[0])
     scalars = (np.int32(numel), np.int32(top_k), np.int32(n), np.int32(k), np.int32(block_size),
-               np.int32(ACTIVATIONS[activation]), np.int32(bool(apply_router_weight)))
-    arrays = (a, b, c, sorted_token_ids, expert_ids, topk_weights)
+               np.int32(ACTIVATIONS[activation]), np.int32(bool(apply_router_weight)),
+               np.int32(bias is not None))
+    # Without a bias the kernel never reads the pointer: b fills the slot.
+    arrays = (a, b, c, sorted_token_ids, expert_ids, topk_weights, b if bias is None else bias)
     if path == "simt":
         tile_m = simt_tile_height(block_size)
         return KernelLaunch(simt_name(dtype, tile_m, gated),

@@ -6,6 +6,7 @@ tensors) run on the GPU and stay there. ``reference`` holds the plain NumPy defi
 
 from moeroute.routing.align import align_block_size
 from moeroute.routing.combine import combine
+from moeroute.routing.load import expert_load
 from moeroute.routing.permute import permute, sort_by_expert
 from moeroute.routing.remap import logical_to_physical, remap_to_local
 from moeroute.routing.select import select_experts
@@ -15,6 +16,7 @@ __all__ = [
     "align_block_size",
     "append_shared_slots",
     "combine",
+    "expert_load",
     "logical_to_physical",
     "permute",
     "remap_to_local",

@@ -9,6 +9,10 @@ Outputs of a device call are allocated by the caller's framework (`device_empty`
 CuPy out; torch in, torch out; otherwise numba device arrays). This
 module never imports torch or CuPy: it only uses them when the caller's array already
 comes from them.
+
+Host inputs may also be CPU torch tensors: `host_array` views their memory as NumPy (no
+copy; bfloat16, which NumPy lacks, as its raw 16-bit pattern, never as NumPy floats) and
+`as_caller` hands the NumPy results back as torch tensors over the same memory.
 """
 
 from __future__ import annotations
@@ -18,6 +22,93 @@ import sys
 import numpy as np
 
 _DLPACK_CUDA_DEVICES = (2, 13)  # kDLCUDA, kDLCUDAManaged
+
+
+def torch_of(x):
+    """The torch module when ``x`` is a torch tensor, else None (torch is never imported)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return torch
+    return None
+
+
+def is_bfloat16(x) -> bool:
+    """True for a bfloat16 array of any framework (torch, CuPy/NumPy with ml_dtypes)."""
+    return str(getattr(x, "dtype", "")).rsplit(".", 1)[-1] == "bfloat16"
+
+
+def host_array(x):
+    """A NumPy view of a host input, without a copy.
+
+    Parameters
+    ----------
+    x : numpy.ndarray, CPU torch tensor, or anything ``np.asarray`` takes
+
+    Returns
+    -------
+    numpy.ndarray of ``x``'s shape. A CPU torch tensor is viewed through ``Tensor.numpy()``
+    (detached; no copy); a bfloat16 tensor comes back as its raw bit pattern (``uint16``),
+    never as NumPy floats: callers that accept bfloat16 check `is_bfloat16` on ``x``.
+    Other inputs go through ``np.asarray`` (NumPy arrays are returned as they are).
+
+    Raises
+    ------
+    ValueError
+        ``x`` is a torch tensor that is not on the CPU (device tensors take the device path).
+    """
+    if isinstance(x, np.ndarray):
+        return x
+    torch = torch_of(x)
+    if torch is None:
+        return np.asarray(x)
+    if x.device.type != "cpu":
+        raise ValueError(f"host_array needs a CPU tensor, got one on {x.device}")
+    x = x.detach()
+    if x.dtype == torch.bfloat16:
+        x = x.view(torch.uint16)
+    return x.resolve_conj().resolve_neg().numpy()
+
+
+def as_caller(result, template, bfloat16: bool = False):
+    """``result`` (a NumPy array or a Python scalar) in the framework of ``template``.
+
+    A torch ``template`` gives a CPU torch tensor over the same memory
+    (``torch.from_numpy``, no copy); ``bfloat16=True`` reinterprets a ``uint16`` result as
+    bfloat16 (the raw bits `host_array` produced). Any other template returns ``result``
+    as it is (NumPy in, NumPy out); scalars stay Python scalars.
+    """
+    torch = torch_of(template)
+    if torch is None or not isinstance(result, np.ndarray):
+        return result
+    tensor = torch.from_numpy(result)
+    return tensor.view(torch.bfloat16) if bfloat16 else tensor
+
+
+def device_bits16(x):
+    """A bfloat16 device array as its raw 16-bit pattern (int16 view, no copy): numba and
+    CuPy know no bfloat16 (torch describes it as ``<V2`` in the CUDA array interface)."""
+    torch = torch_of(x)
+    if torch is not None:
+        return x.view(torch.int16)
+    return x.view(np.int16)
+
+
+def from_device_bits16(array, template):
+    """Undo `device_bits16` on a result allocated like ``template``: torch results become
+    bfloat16 again (a view); other frameworks keep the int16 pattern (they have no bfloat16)."""
+    torch = torch_of(template)
+    if torch is not None and torch_of(array) is not None:
+        return array.view(torch.bfloat16)
+    return array
+
+
+def host_floats(x):
+    """`host_array` of a float input that the op reads as float32 (weights): a bfloat16
+    torch tensor is converted by torch (never through NumPy floats), others are viewed."""
+    torch = torch_of(x)
+    if torch is not None and x.dtype == torch.bfloat16:
+        x = x.detach().float()
+    return host_array(x)
 
 
 def simulator_enabled() -> bool:
@@ -51,7 +142,13 @@ def is_device_array(x) -> bool:
 
 
 def as_device_array(x):
-    """A numba device array viewing ``x`` (no copy)."""
+    """A numba device array viewing ``x`` (no copy, no synchronization).
+
+    numba-cuda would otherwise synchronize on the stream named by the producer's
+    ``__cuda_array_interface__`` (``NUMBA_CUDA_ARRAY_INTERFACE_SYNC``): a host wait per
+    conversion, and an error under CUDA graph capture. The kernels are enqueued on the
+    producer's current stream (`resolve_stream`), so stream order already covers it.
+    """
     from numba import cuda
 
     if simulator_enabled():
@@ -60,10 +157,10 @@ def as_device_array(x):
         if isinstance(x, FakeCUDAArray):
             return x
     if hasattr(x, "__cuda_array_interface__"):
-        return cuda.as_cuda_array(x)
+        return cuda.as_cuda_array(x, sync=False)
     import cupy  # DLPack-only producers: CuPy imports them without a copy
 
-    return cuda.as_cuda_array(cupy.from_dlpack(x))
+    return cuda.as_cuda_array(cupy.from_dlpack(x), sync=False)
 
 
 def framework_of(x) -> str:
@@ -82,7 +179,14 @@ def device_empty(shape, dtype, template, stream=None):
     Returns ``(array, view)``: ``array`` in the caller's framework (torch tensors from
     torch's caching allocator, CuPy arrays from CuPy's pool: no cudaMalloc per call),
     ``view`` a numba device array over the same memory for the kernels (no copy). Other
-    callers (and the simulator) get a numba device array as both.
+    callers (and the simulator) get a numba device array as both. This is the one place
+    where the device ops allocate (scratch included), so under CUDA graph capture every
+    buffer comes from the framework's graph-aware allocator.
+
+    ``stream``: the numba stream the buffer is used on. torch allocates on its current
+    stream; when ``stream`` is another one, the tensor is recorded on it
+    (``Tensor.record_stream``), so the caching allocator does not hand the memory out
+    again before that stream's work on it is done.
     """
     from numba import cuda
 
@@ -92,6 +196,7 @@ def device_empty(shape, dtype, template, stream=None):
     if kind == "torch" and not simulator_enabled():
         torch = sys.modules["torch"]
         array = torch.empty(shape, dtype=getattr(torch, dtype.name), device=template.device)
+        _record_on_stream(torch, array, stream)
     elif kind == "cupy" and not simulator_enabled():
         cupy = sys.modules["cupy"]
         with template.device:
@@ -102,7 +207,22 @@ def device_empty(shape, dtype, template, stream=None):
     if 0 in shape:
         # Nothing to view; kernels are not launched on empty outputs.
         return array, cuda.device_array(shape, dtype=dtype)
-    return array, cuda.as_cuda_array(array)
+    return array, cuda.as_cuda_array(array, sync=False)
+
+
+def stream_handle(stream) -> int:
+    """The raw CUDA stream handle of a numba stream (0: the default stream)."""
+    handle = getattr(stream, "handle", stream)
+    return int(getattr(handle, "value", handle) or 0)
+
+
+def _record_on_stream(torch, tensor, stream) -> None:
+    """``tensor.record_stream`` on ``stream`` when it is not torch's current stream."""
+    if stream is None or tensor.numel() == 0:
+        return
+    handle = stream_handle(stream)
+    if handle != torch.cuda.current_stream(tensor.device).cuda_stream:
+        tensor.record_stream(torch.cuda.ExternalStream(handle, device=tensor.device))
 
 
 def resolve_stream(template, stream=None):

@@ -13,14 +13,17 @@ GPU (``numba.cuda``), deterministic by construction (no atomics decide an order)
 
 1. ``count``: block c counts the ids of chunk c (``chunk_size`` flat entries) per expert
    into ``chunk_counts[c, e]`` (integer atomics: a sum, whatever the order).
-2. ``scan`` (one block): per expert, the exclusive prefix of its counts over the chunks
-   (in place), then the exclusive scan of the padded per-expert totals in expert order:
-   ``expert_starts[e]``; ``expert_starts[E]`` is the padded total.
-3. ``place``: block c walks its chunk in tiles of ``blockDim`` entries; an entry's rank
-   among the earlier entries of the tile with the same expert, plus the chunk's running
-   count, plus the chunk prefix, plus the expert start is its output position.
-4. ``pad``: one thread per output position writes the padding value into positions past
-   their expert's entries and the expert id of every block.
+2. ``place``, one launch, block b working alone on row b of its scratch: per expert, the
+   counts of the chunks before chunk b and of all chunks; the exclusive scan of the padded
+   totals over experts (a block-wide Hillis-Steele scan): ``expert_starts[e]``,
+   ``expert_starts[E]`` the padded total (written by block 0). Then block b walks chunk b in
+   tiles of ``blockDim`` entries: an entry's rank among the earlier entries of the tile
+   with the same expert, plus the chunk's running count, plus its prefix, plus the expert
+   start is its output position. Then the grid strides over the output positions: the
+   padding value past each expert's entries, the expert id of every block (disjoint from
+   the placed positions, so no barrier separates the two).
+
+Two launches, no host read-back: every size is an upper bound known on the host.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ try:  # numba.cuda comes with the optional numba-cuda package
 except ImportError:  # pragma: no cover - CPU-only installs
     cuda = None
 
-from moeroute.routing._arrays import as_device_array
+from moeroute.routing._arrays import as_device_array, device_empty
 
 #: Threads per block of the elementwise kernels: a multiple of every warp size (32, 64)
 #: that keeps several blocks resident per SM.
@@ -47,6 +50,11 @@ SORT_TILE = 256
 SORT_CHUNK = 4096
 #: Output positions and block ids are int32: every size must stay below this.
 INDEX_LIMIT = 2**31 - 1
+#: CUDA's limit on gridDim.y (and z).
+MAX_GRID_Y = 65535
+#: Blocks of the place kernel when the padding pass wants more than one per chunk: two per
+#: SM of an H100/H200 (132 SMs). Each block repeats the expert scan, so no more than that.
+PAD_BLOCKS = 264
 
 # --------------------------------------------------------------------------- helpers
 
@@ -68,6 +76,21 @@ def launch_config(work_items: int, limit: int = THREADS_PER_BLOCK) -> tuple[int,
     """
     threads = min(limit, max(32, -(-work_items // 32) * 32))
     return max(1, -(-work_items // threads)), threads
+
+
+def row_launch_config(rows: int, width: int, limit: int = THREADS_PER_BLOCK):
+    """(grid, threads) of a row-wise elementwise kernel: block (r, c) covers columns
+    ``[c*threads, (c+1)*threads)`` of row r.
+
+    Row and column come straight from blockIdx (x: rows, up to 2**31 - 1; y: column tiles,
+    up to 65535), so the kernels need no 64-bit division to split a flat index.
+    """
+    threads = min(limit, max(32, -(-width // 32) * 32))
+    column_tiles = -(-width // threads)
+    if column_tiles > MAX_GRID_Y:
+        raise ValueError(f"width={width} needs {column_tiles} column tiles of {threads} threads; "
+                         f"at most {MAX_GRID_Y} fit in gridDim.y")
+    return (max(1, rows), max(1, column_tiles)), threads
 
 
 def check_count(name: str, value, minimum: int) -> int:
@@ -203,8 +226,20 @@ def sort_cpu(topk_ids, num_experts):
 # --------------------------------------------------------------------------- CUDA
 
 
-def _count_kernel(topk_ids, num_experts, chunk_size, chunk_counts):
-    """Block c: chunk_counts[c, e] = entries of chunk c with expert e."""
+def _mapped_id(value, expert_map, use_map):
+    """``expert_map[value]`` (-1 outside the map) when ``use_map``, else ``value``."""
+    if not use_map:
+        return value
+    if value < 0 or value >= expert_map.shape[0]:
+        return -1
+    return expert_map[value]
+
+
+mapped_id_device = None if cuda is None else cuda.jit(device=True)(_mapped_id)
+
+
+def _count_kernel(topk_ids, expert_map, use_map, num_experts, chunk_size, chunk_counts):
+    """Block c: chunk_counts[c, e] = entries of chunk c with expert e (after the map)."""
     chunk = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
@@ -216,69 +251,80 @@ def _count_kernel(topk_ids, num_experts, chunk_size, chunk_counts):
     begin = chunk * chunk_size
     end = min(begin + chunk_size, numel)
     for i in range(begin + tid, end, nthreads):
-        e = topk_ids[i // cols, i % cols]
+        e = mapped_id_device(topk_ids[i // cols, i % cols], expert_map, use_map)
         if e >= 0 and e < num_experts:
             cuda.atomic.add(chunk_counts, (chunk, int32(e)), 1)
 
 
-def _scan_kernel(chunk_counts, num_experts, block_size, expert_counts, expert_starts):
-    """One block. chunk_counts -> per-expert exclusive prefix over chunks (in place);
-    expert_counts[e] = entries of expert e; expert_starts[e] = padded exclusive scan,
-    expert_starts[E] = padded total."""
-    tile = cuda.shared.array(SORT_TILE, int64)
-    tid = cuda.threadIdx.x
-    nthreads = cuda.blockDim.x
-    num_chunks = chunk_counts.shape[0]
-    for e in range(tid, num_experts, nthreads):
-        running = 0
-        for c in range(num_chunks):
-            count = chunk_counts[c, e]
-            chunk_counts[c, e] = running
-            running += count
-        expert_counts[e] = running
-    cuda.syncthreads()
-    carry = int64(0)
-    for base in range(0, num_experts, nthreads):
-        e = base + tid
-        value = int64(0)
-        if e < num_experts:
-            value = (int64(expert_counts[e]) + block_size - 1) // block_size * block_size
-        tile[tid] = value
-        cuda.syncthreads()
-        # Hillis-Steele inclusive scan of the tile.
-        offset = 1
-        while offset < nthreads:
-            addend = int64(0)
-            if tid >= offset:
-                addend = tile[tid - offset]
-            cuda.syncthreads()
-            tile[tid] += addend
-            cuda.syncthreads()
-            offset *= 2
-        if e < num_experts:
-            expert_starts[e] = carry + tile[tid] - value
-        carry += tile[nthreads - 1]
-        cuda.syncthreads()  # the next tile overwrites `tile`
-    if tid == 0:
-        expert_starts[num_experts] = carry
+def _place_kernel(topk_ids, expert_map, use_map, num_experts, chunk_size, num_chunks, block_size, chunk_counts,
+                  cursors, starts, totals, expert_starts, sorted_out, inverse_out, write_inverse,
+                  expert_ids):
+    """Scan, place and pad in one launch; block b owns row b of ``cursors``, ``starts`` and
+    ``totals`` (scratch [grid, E(+1)]), so blocks never wait for each other.
 
-
-def _place_kernel(topk_ids, num_experts, chunk_size, chunk_counts, expert_starts,
-                  sorted_out, inverse_out, write_inverse):
-    """Block c places the entries of chunk c, stably; chunk_counts[c, :] is its cursor."""
+    1. Per expert (threads strided over experts): the entries of the chunks before chunk b
+       and of all chunks (chunk_counts is only read here, never written).
+    2. Exclusive scan of the padded totals over experts (Hillis-Steele in tiles of
+       blockDim): each expert's start; block 0 also writes them to ``expert_starts``.
+    3. Block b places the entries of chunk b, stably (row b of ``cursors`` is its cursor).
+    4. The grid strides over the output positions: the padding value past each expert's
+       entries and every block's expert id (disjoint from the placed positions).
+    Every block repeats steps 1-2, O(E * chunks / blockDim) reads per thread from L2, in
+    exchange for no grid-wide barrier and no second launch.
+    """
+    tile64 = cuda.shared.array(SORT_TILE, int64)
     tile = cuda.shared.array(SORT_TILE, int32)
-    chunk = cuda.blockIdx.x
+    block = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     cols = topk_ids.shape[1]
     numel = topk_ids.shape[0] * cols
-    begin = chunk * chunk_size
+    for e in range(tid, num_experts, nthreads):
+        running = 0
+        before = 0
+        for c in range(num_chunks):
+            if c == block:
+                before = running
+            running += chunk_counts[c, e]
+        cursors[block, e] = before
+        totals[block, e] = running
+    carry = int64(0)
+    for base in range(0, num_experts, nthreads):  # same trip count for every thread
+        e = base + tid
+        value = int64(0)
+        if e < num_experts:  # the same thread wrote totals[block, e] above
+            value = (int64(totals[block, e]) + block_size - 1) // block_size * block_size
+        tile64[tid] = value
+        cuda.syncthreads()
+        offset = 1
+        while offset < nthreads:
+            addend = int64(0)
+            if tid >= offset:
+                addend = tile64[tid - offset]
+            cuda.syncthreads()
+            tile64[tid] += addend
+            cuda.syncthreads()
+            offset *= 2
+        if e < num_experts:
+            start = carry + tile64[tid] - value
+            starts[block, e] = start
+            cursors[block, e] += start
+            if block == 0:
+                expert_starts[e] = start
+        carry += tile64[nthreads - 1]
+        cuda.syncthreads()  # the next tile overwrites `tile64`
+    if tid == 0:
+        starts[block, num_experts] = carry
+        if block == 0:
+            expert_starts[num_experts] = carry
+    cuda.syncthreads()  # this block's rows are complete (global writes, one block)
+    begin = block * chunk_size
     end = min(begin + chunk_size, numel)
     for tile_begin in range(begin, end, nthreads):  # same trip count for every thread
         i = tile_begin + tid
         e = int32(-1)
         if i < end:
-            value = topk_ids[i // cols, i % cols]
+            value = mapped_id_device(topk_ids[i // cols, i % cols], expert_map, use_map)
             if value >= 0 and value < num_experts:
                 e = int32(value)
         tile[tid] = e
@@ -288,7 +334,7 @@ def _place_kernel(topk_ids, num_experts, chunk_size, chunk_counts, expert_starts
             for j in range(tid):
                 if tile[j] == e:
                     rank += 1
-            position = expert_starts[e] + chunk_counts[chunk, e] + rank
+            position = cursors[block, e] + rank
             sorted_out[position] = i
             if write_inverse:
                 inverse_out[i // cols, i % cols] = position
@@ -296,16 +342,18 @@ def _place_kernel(topk_ids, num_experts, chunk_size, chunk_counts, expert_starts
             inverse_out[i // cols, i % cols] = -1
         cuda.syncthreads()  # every thread has read its cursor before any update
         if e >= 0:
-            cuda.atomic.add(chunk_counts, (chunk, e), 1)
+            cuda.atomic.add(cursors, (block, e), 1)
         cuda.syncthreads()
+    row_starts = starts[block]
+    row_totals = totals[block]
+    for p in range(block * nthreads + tid, sorted_out.shape[0], cuda.gridDim.x * nthreads):
+        pad_position_device(p, row_totals, row_starts, num_experts, block_size, numel,
+                            sorted_out, expert_ids)
 
 
-def _pad_kernel(expert_counts, expert_starts, num_experts, block_size, pad_value,
-                sorted_out, expert_ids):
-    """Position p: the pad value when p is past its expert's entries; block ids."""
-    p = cuda.grid(1)
-    if p >= sorted_out.shape[0]:
-        return
+def _pad_position(p, expert_counts, expert_starts, num_experts, block_size, pad_value,
+                  sorted_out, expert_ids):
+    """Position p: the pad value when p is past its expert's entries; its block's expert id."""
     total = expert_starts[num_experts]
     e = -1
     if p < total:
@@ -327,11 +375,12 @@ def _pad_kernel(expert_counts, expert_starts, num_experts, block_size, pad_value
         expert_ids[p // block_size] = e
 
 
+pad_position_device = None if cuda is None else cuda.jit(device=True)(_pad_position)
+
+
 _KERNEL_FUNCTIONS = {
     "count": _count_kernel,
-    "scan": _scan_kernel,
     "place": _place_kernel,
-    "pad": _pad_kernel,
 }
 _kernels: dict = {}
 
@@ -345,8 +394,8 @@ def kernel(name: str):
 
 
 def counting_sort_device(topk_ids, num_experts, block_size, sorted_out, expert_starts,
-                         expert_ids, inverse_out, stream, *, chunk_size=SORT_CHUNK,
-                         threads_per_block=SORT_TILE):
+                         expert_ids, inverse_out, stream, *, expert_map=None,
+                         chunk_size=SORT_CHUNK, threads_per_block=SORT_TILE, template=None):
     """Launch the stable counting sort on ``stream``.
 
     Parameters
@@ -365,6 +414,13 @@ def counting_sort_device(topk_ids, num_experts, block_size, sorted_out, expert_s
     stream : numba stream
     chunk_size, threads_per_block : int
         Tuning knobs (any values give the same result); threads_per_block <= SORT_TILE.
+    expert_map : numba device array int32 [num_physical_experts], optional
+        Each id is first ``expert_map[id]`` (-1 outside the map) inside both kernels: the
+        remap costs no launch and no [T, K] buffer.
+    template : caller's device array, optional
+        Scratch buffers come from its framework's allocator (`device_empty`); default:
+        numba device arrays. No count is read back: every size here is an upper bound
+        known on the host, so the launches can be captured in a CUDA graph.
     """
     if not 1 <= threads_per_block <= SORT_TILE or chunk_size < 1:
         raise ValueError(f"threads_per_block={threads_per_block} must be in [1, {SORT_TILE}] "
@@ -372,29 +428,33 @@ def counting_sort_device(topk_ids, num_experts, block_size, sorted_out, expert_s
     rows, cols = topk_ids.shape
     numel = rows * cols
     num_chunks = max(1, -(-numel // chunk_size))
-    chunk_counts = cuda.device_array((num_chunks, num_experts), np.int32, stream=stream)
-    expert_counts = cuda.device_array(num_experts, np.int32, stream=stream)
-    # Tiny inputs get a block no larger than their chunk.
-    sort_threads = min(threads_per_block, _power_of_two_at_least(max(min(chunk_size, numel), 1)))
-    scan_threads = min(threads_per_block, _power_of_two_at_least(num_experts))
+    if template is None:
+        template = sorted_out
+
+    def scratch(shape):
+        return device_empty(shape, np.int32, template, stream)[1]
+
+    chunk_counts = scratch((num_chunks, num_experts))
+    # Tiny inputs get a block no larger than their chunk or their expert count.
+    threads = min(threads_per_block, max(_power_of_two_at_least(max(min(chunk_size, numel), 1)),
+                                         _power_of_two_at_least(num_experts)))
+    capacity = sorted_out.shape[0]
+    # One block per chunk, more when the padding pass has far more positions than that.
+    grid = max(num_chunks, min(-(-capacity // threads), PAD_BLOCKS))
     write_inverse = inverse_out is not None
     if inverse_out is None:
-        inverse_out = cuda.device_array((1, 1), np.int32, stream=stream)
+        inverse_out = scratch((1, 1))  # never written (write_inverse is False)
     if expert_ids is None:
-        expert_ids = cuda.device_array(0, np.int32, stream=stream)
-    kernel("count")[num_chunks, sort_threads, stream](topk_ids, num_experts, chunk_size,
-                                                       chunk_counts)
-    kernel("scan")[1, scan_threads, stream](chunk_counts, num_experts, block_size,
-                                            expert_counts, expert_starts)
-    if numel:
-        kernel("place")[num_chunks, sort_threads, stream](
-            topk_ids, num_experts, chunk_size, chunk_counts, expert_starts, sorted_out,
-            inverse_out, write_inverse)
-    capacity = sorted_out.shape[0]
-    if capacity:
-        blocks, threads = launch_config(capacity)
-        kernel("pad")[blocks, threads, stream](expert_counts, expert_starts, num_experts,
-                                               block_size, numel, sorted_out, expert_ids)
+        expert_ids = scratch((0,))
+    use_map = expert_map is not None
+    if expert_map is None:
+        expert_map = scratch((1,))  # never read (use_map is False)
+    kernel("count")[num_chunks, threads, stream](topk_ids, expert_map, use_map, num_experts,
+                                                 chunk_size, chunk_counts)
+    kernel("place")[grid, threads, stream](
+        topk_ids, expert_map, use_map, num_experts, chunk_size, num_chunks, block_size, chunk_counts,
+        scratch((grid, num_experts)), scratch((grid, num_experts + 1)), scratch((grid, num_experts)),
+        expert_starts, sorted_out, inverse_out, write_inverse, expert_ids)
 
 
 def _power_of_two_at_least(n: int) -> int:

@@ -1,14 +1,22 @@
-"""Warp primitives for the numba.cuda kernels, with a fallback for the CUDA simulator.
+"""Warp primitives for the numba.cuda kernels, with exact versions for the CUDA simulator.
 
-On a device the helpers are the hardware's warp shuffles (``shfl_xor_sync``,
-``shfl_sync``) and libdevice bit casts. Under ``NUMBA_ENABLE_CUDASIM=1`` the simulator
-has no warp intrinsics, so the same helpers exchange values through a shared-memory
-scratch array and ``syncthreads``; that is only correct when a block is one warp, so
-kernels launch one warp per block under the simulator (``warps_per_block``).
+On a device the helpers are the hardware's warp intrinsics (``shfl_xor_sync``,
+``shfl_sync``, ``shfl_down_sync``, ``shfl_up_sync``, ``syncwarp``, ``ballot_sync``) and
+libdevice bit casts. Under ``NUMBA_ENABLE_CUDASIM=1`` the simulator has no warp
+intrinsics; this module gives it versions with the same semantics for the full mask: the
+32 lanes of each warp (or the lanes of a partial last warp) meet at a barrier of their own,
+publish their values and read their partner's. Each warp is independent of the others, so
+they are exact for blocks of any number of warps, and warp-divergent control flow between
+warps is allowed (as on the device); lanes of one warp that do not all arrive raise an
+error after `SIM_BARRIER_TIMEOUT_S` instead of hanging.
 
-Every helper takes the scratch array, so kernel code is the same on both paths: kernels
-allocate it with ``scratch_size(threads)`` elements, which is 1 on a device (unused) and
-one slot per thread under the simulator.
+Kernels launch ``warps_per_block(preferred)`` warps per block: ``preferred`` on a device;
+under the simulator ``MOEROUTE_SIM_WARPS`` of them (default 1, at most ``preferred``), so
+``MOEROUTE_SIM_WARPS=4`` runs the device's launch configuration. Simulated threads cost
+about 2 ms each, which is why one warp is the default.
+
+Every helper takes a scratch array (``scratch_size(threads)`` elements, 1: unused), kept
+so that kernel code is the same on both paths and older callers keep working.
 
 Which path is taken is fixed when this module is imported (the simulator cannot be
 switched on or off later in a process).
@@ -17,6 +25,8 @@ switched on or off later in a process).
 from __future__ import annotations
 
 import math
+import os
+import threading
 
 import numpy as np
 from numba import cuda
@@ -27,10 +37,15 @@ __all__ = [
     "WARP_SIZE",
     "FULL_MASK",
     "SIMULATED",
+    "SIM_WARPS",
     "scratch_size",
     "warps_per_block",
     "shfl_xor",
     "shfl_idx",
+    "shfl_down",
+    "shfl_up",
+    "syncwarp",
+    "ballot",
     "allreduce_max",
     "allreduce_sum",
     "float_as_int",
@@ -42,19 +57,38 @@ WARP_SIZE = 32  # NVIDIA warp width; numba.cuda targets NVIDIA only
 FULL_MASK = 0xFFFFFFFF  # every lane of the warp takes part in each shuffle
 # Butterfly offsets of a full-warp reduction: 16, 8, 4, 2, 1.
 _BUTTERFLY_STEPS = 5
+#: Environment variable: warps per block under the simulator.
+SIM_WARPS_VARIABLE = "MOEROUTE_SIM_WARPS"
+#: Seconds the simulator waits for all lanes of a warp at a collective before it reports
+#: divergence (a simulated lane takes milliseconds per step, never this long).
+SIM_BARRIER_TIMEOUT_S = 120.0
 
 SIMULATED = simulator_enabled()
 
 
+def _sim_warps_from_environment() -> int:
+    text = os.environ.get(SIM_WARPS_VARIABLE, "1")
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{SIM_WARPS_VARIABLE}={text!r} must be a positive integer "
+                         "(warps per block under the CUDA simulator)")
+    return value
+
+
+SIM_WARPS = _sim_warps_from_environment() if SIMULATED else 1
+
+
 def scratch_size(threads_per_block: int) -> int:
-    """Elements of the per-block scratch array the helpers need."""
-    return threads_per_block if SIMULATED else 1
+    """Elements of the per-block scratch array the helpers take (1: no helper uses it)."""
+    return 1
 
 
 def warps_per_block(preferred: int) -> int:
-    """``preferred`` on a device; 1 under the simulator, whose fallback synchronizes the
-    whole block and so needs block-uniform control flow."""
-    return 1 if SIMULATED else preferred
+    """``preferred`` on a device; ``min(preferred, MOEROUTE_SIM_WARPS)`` under the simulator."""
+    return min(preferred, SIM_WARPS) if SIMULATED else preferred
 
 
 if not SIMULATED:
@@ -68,6 +102,26 @@ if not SIMULATED:
     def shfl_idx(value, src_lane, scratch):
         """The ``value`` of lane ``src_lane``."""
         return cuda.shfl_sync(FULL_MASK, value, src_lane)
+
+    @cuda.jit(device=True, inline="always")
+    def shfl_down(value, delta, scratch):
+        """The ``value`` of lane ``lane + delta``; a lane's own value past the warp."""
+        return cuda.shfl_down_sync(FULL_MASK, value, delta)
+
+    @cuda.jit(device=True, inline="always")
+    def shfl_up(value, delta, scratch):
+        """The ``value`` of lane ``lane - delta``; a lane's own value below lane 0."""
+        return cuda.shfl_up_sync(FULL_MASK, value, delta)
+
+    @cuda.jit(device=True, inline="always")
+    def syncwarp(scratch):
+        """The lanes of the warp wait for each other (memory ordering among them)."""
+        cuda.syncwarp(FULL_MASK)
+
+    @cuda.jit(device=True, inline="always")
+    def ballot(predicate, scratch):
+        """uint32 with bit l set when lane l's ``predicate`` holds."""
+        return cuda.ballot_sync(FULL_MASK, predicate)
 
     @cuda.jit(device=True, inline="always")
     def float_as_int(value):
@@ -86,26 +140,92 @@ if not SIMULATED:
 
 else:
 
+    class _WarpExchange:
+        """The meeting point of one simulated warp: a barrier of its lanes and a slot each."""
+
+        def __init__(self, lanes):
+            self.barrier = threading.Barrier(lanes, timeout=SIM_BARRIER_TIMEOUT_S)
+            self.values = [None] * WARP_SIZE
+
+        def exchange(self, lane, value):
+            """Every lane's ``value``, once all lanes have published theirs."""
+            try:
+                self.values[lane] = value
+                self.barrier.wait()
+                values = list(self.values)
+                self.barrier.wait()  # nobody overwrites a slot before all have read
+            except threading.BrokenBarrierError:
+                raise RuntimeError(
+                    "simulated warp collective: not every lane of the warp arrived (divergent "
+                    "lanes or an early return before a full-mask shuffle)") from None
+            return values
+
+    _exchanges: dict = {}
+    _exchanges_lock = threading.Lock()
+
+    def _warp_exchange(block, warp, lanes):
+        key = (block, warp, lanes)
+        with _exchanges_lock:
+            found = _exchanges.get(key)
+            if found is None or found.barrier.broken:
+                found = _exchanges[key] = _WarpExchange(lanes)
+        return found
+
+    def _my_warp():
+        """(exchange, lane) of the calling simulated thread."""
+        dim, idx, block = cuda.blockDim, cuda.threadIdx, cuda.blockIdx
+        threads = dim.x * dim.y * dim.z
+        tid = idx.x + dim.x * (idx.y + dim.y * idx.z)
+        warp, lane = divmod(tid, WARP_SIZE)
+        lanes = min(WARP_SIZE, threads - warp * WARP_SIZE)
+        return _warp_exchange((block.x, block.y, block.z, threads), warp, lanes), lane
+
+    def _all_lanes(value):
+        exchange, lane = _my_warp()
+        return exchange.exchange(lane, value), lane
+
     @cuda.jit(device=True)
     def shfl_xor(value, lane_mask, scratch):
-        """Simulator fallback of ``shfl_xor_sync`` through shared memory (one warp per block)."""
-        tid = cuda.threadIdx.x
-        scratch[tid] = value
-        cuda.syncthreads()
-        lane = tid % WARP_SIZE
-        out = scratch[tid - lane + (lane ^ lane_mask)]
-        cuda.syncthreads()
-        return out
+        """Simulator ``shfl_xor_sync`` (full mask): the value of lane ``lane ^ lane_mask``."""
+        values, lane = _all_lanes(value)
+        partner = lane ^ lane_mask
+        return values[partner] if partner < len(values) and values[partner] is not None else value
 
     @cuda.jit(device=True)
     def shfl_idx(value, src_lane, scratch):
-        """Simulator fallback of ``shfl_sync`` through shared memory (one warp per block)."""
-        tid = cuda.threadIdx.x
-        scratch[tid] = value
-        cuda.syncthreads()
-        out = scratch[tid - tid % WARP_SIZE + src_lane]
-        cuda.syncthreads()
-        return out
+        """Simulator ``shfl_sync`` (full mask): the value of lane ``src_lane`` (mod 32)."""
+        values, _ = _all_lanes(value)
+        source = values[src_lane % WARP_SIZE]
+        return value if source is None else source
+
+    @cuda.jit(device=True)
+    def shfl_down(value, delta, scratch):
+        """Simulator ``shfl_down_sync``: lane + delta's value, own value past the warp."""
+        values, lane = _all_lanes(value)
+        source = lane + delta
+        return values[source] if source < WARP_SIZE and values[source] is not None else value
+
+    @cuda.jit(device=True)
+    def shfl_up(value, delta, scratch):
+        """Simulator ``shfl_up_sync``: lane - delta's value, own value below lane 0."""
+        values, lane = _all_lanes(value)
+        source = lane - delta
+        return values[source] if source >= 0 else value
+
+    @cuda.jit(device=True)
+    def syncwarp(scratch):
+        """Simulator ``syncwarp`` (full mask): the lanes of this warp wait for each other."""
+        _all_lanes(0)
+
+    @cuda.jit(device=True)
+    def ballot(predicate, scratch):
+        """Simulator ``ballot_sync`` (full mask): bit l set when lane l's predicate holds."""
+        values, _ = _all_lanes(bool(predicate))
+        bits = 0
+        for lane, vote in enumerate(values):
+            if vote:
+                bits |= 1 << lane
+        return np.uint32(bits)
 
     @cuda.jit(device=True)
     def float_as_int(value):

@@ -3,16 +3,75 @@
 The CPU kernel is a sequential counting sort (`moeroute.routing._sort.align_cpu`); the
 CUDA kernels are the deterministic chunked counting sort of `moeroute.routing._sort`.
 Both give the same arrays, entry for entry (SPEC section 4 fixes one answer).
+
+With an ``expert_map`` (vLLM's argument) each id is first ``expert_map[id]`` (-1 outside the
+map) and -1 is dropped: the result of `remap_to_local` followed by `align_block_size`. On
+the CPU the map is read inside the sort's two passes over the ids, on the GPU inside the
+counting sort's two kernels: no [T, K] local-id array is written and no launch is added.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from numba import njit
+
 from moeroute.routing import _sort
-from moeroute.routing._arrays import device_empty, is_device_array, resolve_stream
+from moeroute.routing._arrays import as_caller, device_empty, host_array, is_device_array, resolve_stream
+from moeroute.routing.remap import _check_host_expert_map, device_expert_map
 
 __all__ = ["align_block_size"]
+
+
+@njit(cache=True)
+def _mapped(expert_map, value):
+    """``expert_map[value]``, -1 outside the map."""
+    if value < 0 or value >= expert_map.shape[0]:
+        return -1
+    return expert_map[value]
+
+
+@njit(cache=True)
+def _align_mapped_cpu(topk_ids, expert_map, num_experts, block_size, sorted_token_ids,
+                      expert_ids):
+    """`_sort.align_cpu` on ``expert_map[topk_ids]``; returns num_tokens_post_padded."""
+    rows, cols = topk_ids.shape
+    numel = rows * cols
+    counts = np.zeros(num_experts, np.int64)
+    for t in range(rows):
+        for k in range(cols):
+            e = _mapped(expert_map, topk_ids[t, k])
+            if e >= 0 and e < num_experts:
+                counts[e] += 1
+    cursor = np.empty(num_experts, np.int64)
+    position = 0
+    for e in range(num_experts):
+        cursor[e] = position
+        padded = (counts[e] + block_size - 1) // block_size * block_size
+        for b in range(position // block_size, (position + padded) // block_size):
+            expert_ids[b] = e
+        position += padded
+    for b in range(position // block_size, expert_ids.shape[0]):
+        expert_ids[b] = -1
+    sorted_token_ids[:] = numel
+    for t in range(rows):
+        for k in range(cols):
+            e = _mapped(expert_map, topk_ids[t, k])
+            if e >= 0 and e < num_experts:
+                sorted_token_ids[cursor[e]] = t * cols + k
+                cursor[e] += 1
+    return position
+
+
+def _host_expert_map(expert_map) -> np.ndarray:
+    """``expert_map`` as a C-contiguous int64 NumPy vector; TypeError/ValueError otherwise."""
+    table = np.asarray(host_array(expert_map))
+    if table.dtype.kind not in "iu":
+        raise TypeError(f"expert_map must hold integers, got dtype {table.dtype}")
+    if table.ndim != 1:
+        raise ValueError(f"expert_map must be 1-D [num_physical_experts], got shape {table.shape}")
+    _check_host_expert_map(table)  # the values remap_to_local accepts: -1 or an int32 local id
+    return np.ascontiguousarray(table, dtype=np.int64)
 
 
 def _check_align_args(shape, num_experts, block_size) -> tuple[int, int, int, int]:
@@ -25,22 +84,30 @@ def _check_align_args(shape, num_experts, block_size) -> tuple[int, int, int, in
     return num_experts, block_size, numel, capacity
 
 
-def align_block_size(topk_ids, num_experts, block_size, *, stream=None):
+def align_block_size(topk_ids, num_experts, block_size, expert_map=None, *, stream=None):
     """Sort the flat (token, slot) entries by expert and pad each expert to ``block_size``.
 
-    Flat index ``i = t*K + k``. Entries whose id is outside ``[0, num_experts)`` are
-    dropped. Per expert, its flat indices in ascending order, padded to a multiple of
+    Flat index ``i = t*K + k``. With ``expert_map`` each id first becomes
+    ``expert_map[id]`` (-1 for ids outside the map): the result equals
+    ``align_block_size(remap_to_local(topk_ids, expert_map), num_experts, block_size)``.
+    Entries whose (mapped) id is outside ``[0, num_experts)`` are dropped. Per expert, its flat indices in ascending order, padded to a multiple of
     ``block_size`` with the value ``numel = T*K``; experts with no entries get no block.
 
     Parameters
     ----------
     topk_ids : array [T, K], integer
-        NumPy (any integer dtype) or a device array (int32 or int64; CuPy, torch CUDA,
-        numba). T = 0 is allowed.
+        NumPy or CPU torch (any integer dtype) or a device array (int32 or int64; CuPy,
+        torch CUDA, numba). T = 0 is allowed. The arrays come back in the framework and
+        on the device of ``topk_ids``.
     num_experts : int
         Experts in the id space, >= 1 (e.g. 520 = 512 routed + 8 per-rank shared slots).
     block_size : int
         B, rows per GEMM block, >= 1.
+    expert_map : array [num_physical_experts], integer, optional
+        Physical id -> local id (-1: not held here), e.g. ``layout.expert_map(rank)``
+        (vLLM's ``expert_map`` argument); ``num_experts`` is then the local expert count.
+        NumPy/CPU torch for host ids; for device ids a device map, or a host map (uploaded
+        once per content and device, as `remap_to_local` does).
     stream : numba stream or int handle, optional
         Device inputs only; default: the current stream of the input's framework.
 
@@ -57,10 +124,11 @@ def align_block_size(topk_ids, num_experts, block_size, *, stream=None):
     ------
     TypeError
         ``topk_ids`` not integer (int32/int64 on the device); ``num_experts`` or
-        ``block_size`` not an integer.
+        ``block_size`` not an integer; a non-integer ``expert_map``, or a device map with
+        host ids.
     ValueError
         ``topk_ids`` not 2-D; ``num_experts`` < 1; ``block_size`` < 1; C above the int32
-        limit (2**31 - 1).
+        limit (2**31 - 1); ``expert_map`` not 1-D.
 
     Examples
     --------
@@ -69,24 +137,35 @@ def align_block_size(topk_ids, num_experts, block_size, *, stream=None):
     ([0, 4, 1, 2, 3, 5, 6, 6, 6, 6], [0, 1, 2, -1, -1], 6)
     """
     if is_device_array(topk_ids):
-        return _align_device(topk_ids, num_experts, block_size, stream)
-    ids = _sort.host_ids("topk_ids", topk_ids)
+        return _align_device(topk_ids, num_experts, block_size, expert_map, stream)
+    if expert_map is not None and is_device_array(expert_map):
+        raise TypeError("expert_map is a device array but topk_ids are on the host; pass "
+                        "both on the device or both as NumPy arrays")
+    ids = _sort.host_ids("topk_ids", host_array(topk_ids))
+    table = None if expert_map is None else _host_expert_map(expert_map)
     num_experts, block_size, numel, capacity = _check_align_args(
         ids.shape, num_experts, block_size)
     sorted_token_ids = np.empty(capacity, np.int32)
     expert_ids = np.empty(capacity // block_size, np.int32)
-    total = _sort.align_cpu(ids, num_experts, block_size, sorted_token_ids, expert_ids)
-    return sorted_token_ids, expert_ids, int(total)
+    if table is None:
+        total = _sort.align_cpu(ids, num_experts, block_size, sorted_token_ids, expert_ids)
+    else:
+        total = _align_mapped_cpu(ids, table, num_experts, block_size, sorted_token_ids,
+                                  expert_ids)
+    return as_caller(sorted_token_ids, topk_ids), as_caller(expert_ids, topk_ids), int(total)
 
 
-def _align_device(topk_ids, num_experts, block_size, stream):
+def _align_device(topk_ids, num_experts, block_size, expert_map, stream):
     ids = _sort.device_ids("topk_ids", topk_ids)
+    table = None if expert_map is None else device_expert_map(expert_map)
     num_experts, block_size, numel, capacity = _check_align_args(
         ids.shape, num_experts, block_size)
     launch_stream = resolve_stream(topk_ids, stream)
-    sorted_token_ids, sorted_view = device_empty((capacity,), np.int32, topk_ids)
-    expert_ids, expert_view = device_empty((capacity // block_size,), np.int32, topk_ids)
-    starts, starts_view = device_empty((num_experts + 1,), np.int32, topk_ids)
+    sorted_token_ids, sorted_view = device_empty((capacity,), np.int32, topk_ids, launch_stream)
+    expert_ids, expert_view = device_empty((capacity // block_size,), np.int32, topk_ids,
+                                           launch_stream)
+    starts, starts_view = device_empty((num_experts + 1,), np.int32, topk_ids, launch_stream)
     _sort.counting_sort_device(ids, num_experts, block_size, sorted_view, starts_view,
-                               expert_view, None, launch_stream)
+                               expert_view, None, launch_stream, expert_map=table,
+                               template=topk_ids)
     return sorted_token_ids, expert_ids, starts[num_experts:]

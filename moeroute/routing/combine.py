@@ -17,8 +17,19 @@ import numpy as np
 from numba import njit, prange
 
 from moeroute.routing import _sort
-from moeroute.routing._arrays import as_device_array, device_empty, is_device_array, resolve_stream, \
-    simulator_enabled
+from moeroute.routing._arrays import (
+    as_caller,
+    as_device_array,
+    device_bits16,
+    device_empty,
+    from_device_bits16,
+    host_array,
+    host_floats,
+    is_bfloat16,
+    is_device_array,
+    resolve_stream,
+    simulator_enabled,
+)
 
 try:
     from numba import cuda
@@ -198,12 +209,11 @@ else:
 
 
 def _combine_kernel(expert_out, inverse_index, weights, has_weights, out):
-    """One thread per output element (t, h); float32 or float16 activations."""
-    i = cuda.grid(1)
-    width = out.shape[1]
-    if i < out.shape[0] * width:
-        t = i // width
-        h = i % width
+    """Block (t, c): columns ``c*blockDim + tid`` of token t (`row_launch_config`: 32-bit
+    index math, no division); float32 or float16 activations."""
+    t = cuda.blockIdx.x
+    h = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if t < out.shape[0] and h < out.shape[1]:
         rows = expert_out.shape[0]
         acc = np.float32(0)
         for k in range(inverse_index.shape[1]):
@@ -217,12 +227,10 @@ def _combine_kernel(expert_out, inverse_index, weights, has_weights, out):
 
 
 def _combine_bf16_kernel(expert_bits, inverse_index, weights, has_weights, out_bits):
-    """One thread per output element (t, h); bfloat16 activations as raw uint16 bits."""
-    i = cuda.grid(1)
-    width = out_bits.shape[1]
-    if i < out_bits.shape[0] * width:
-        t = i // width
-        h = i % width
+    """As `_combine_kernel`; bfloat16 activations as raw uint16 bits."""
+    t = cuda.blockIdx.x
+    h = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if t < out_bits.shape[0] and h < out_bits.shape[1]:
         rows = expert_bits.shape[0]
         acc = np.float32(0)
         for k in range(inverse_index.shape[1]):
@@ -254,8 +262,10 @@ def combine(expert_out, inverse_index, topk_weights=None, *, raw_bf16=False, str
     Parameters
     ----------
     expert_out : array [M, H]
-        float32 or float16; with ``raw_bf16=True``, bfloat16 activations as their raw bit
-        patterns (uint16 or int16, e.g. ``tensor.view(torch.int16)``).
+        float32, float16 or (torch) bfloat16, NumPy, CPU torch or device; with
+        ``raw_bf16=True``, bfloat16 activations as their raw bit patterns (uint16 or int16,
+        e.g. ``tensor.view(torch.int16)``). The result has the framework, device and dtype
+        of ``expert_out``.
     inverse_index : int32 or int64 [T, K]
         Row of ``expert_out`` for each (token, slot); entries < 0 are skipped (the
         `sort_by_expert` / `permute` inverse index). On the host an entry >= M raises;
@@ -287,6 +297,9 @@ def combine(expert_out, inverse_index, topk_weights=None, *, raw_bf16=False, str
         ``inverse_index`` entry >= M; T*H above 2**31 - 1.
     """
     raw_bf16 = bool(raw_bf16)
+    # A bfloat16 array (torch) is read as its raw bits and answered in bfloat16.
+    bfloat16 = is_bfloat16(expert_out)
+    raw_bf16 = raw_bf16 or bfloat16
     on_device = is_device_array(expert_out)
     others = [a for a in (inverse_index, topk_weights) if a is not None]
     if any(is_device_array(a) != on_device for a in others):
@@ -294,10 +307,18 @@ def combine(expert_out, inverse_index, topk_weights=None, *, raw_bf16=False, str
             "expert_out, inverse_index and topk_weights must all be host (NumPy) arrays or "
             "all be device arrays")
     if on_device:
+        if bfloat16:
+            result = _combine_device(device_bits16(expert_out), inverse_index, topk_weights,
+                                     raw_bf16, stream)
+            return from_device_bits16(result, expert_out)
         return _combine_device(expert_out, inverse_index, topk_weights, raw_bf16, stream)
-    expert = np.asarray(expert_out)
-    index = np.asarray(inverse_index)
-    weights = None if topk_weights is None else np.asarray(topk_weights)
+    return as_caller(_combine_host(host_array(expert_out), host_array(inverse_index),
+                                   None if topk_weights is None else host_floats(topk_weights),
+                                   raw_bf16), expert_out, bfloat16=bfloat16)
+
+
+def _combine_host(expert, index, weights, raw_bf16):
+    """`combine` on NumPy arrays (bfloat16 as uint16 bits with ``raw_bf16``)."""
     _check_combine_args(expert.shape, expert.dtype, index.shape, index.dtype,
                         None if weights is None else weights.shape,
                         None if weights is None else weights.dtype, raw_bf16)
@@ -340,16 +361,16 @@ def _combine_device(expert_out, inverse_index, topk_weights, raw_bf16, stream):
         raise TypeError(f"topk_weights on the device must be float32, got dtype {weights.dtype}")
     launch_stream = resolve_stream(expert_out, stream)
     tokens, width = int(index.shape[0]), int(expert.shape[1])
-    out, out_view = device_empty((tokens, width), expert.dtype, expert_out)
+    out, out_view = device_empty((tokens, width), expert.dtype, expert_out, launch_stream)
     if tokens * width:
         has_weights = weights is not None
-        if not has_weights:
-            weights = cuda.device_array((1, 1), np.float32, stream=launch_stream)
+        if not has_weights:  # never read; allocated like every other buffer (graph capture)
+            weights = device_empty((1, 1), np.float32, expert_out, launch_stream)[1]
         if raw_bf16:  # the kernel reads and writes the patterns as uint16
             expert, out_view = expert.view(np.uint16), out_view.view(np.uint16)
-        blocks, threads = _sort.launch_config(tokens * width)
-        _kernel(raw_bf16)[blocks, threads, launch_stream](expert, index, weights, has_weights,
-                                                         out_view)
+        grid, threads = _sort.row_launch_config(tokens, width)
+        _kernel(raw_bf16)[grid, threads, launch_stream](expert, index, weights, has_weights,
+                                                       out_view)
     return out
 
 
@@ -414,12 +435,17 @@ def accumulate_rows(out, rows, tokens, weights, *, raw_bf16=False):
     Raises
     ------
     TypeError
-        ``out`` not float32; ``rows`` of another dtype (see `combine`); ``tokens`` not
-        integer; ``weights`` not float32.
+        ``out`` not a float32 NumPy array; ``rows`` of another dtype (see `combine`);
+        ``tokens`` not integer; ``weights`` not float32.
     ValueError
-        Shapes that do not match; a token outside [0, T); ``out`` not C-contiguous.
+        Shapes that do not match; a token outside [0, T); ``out`` not C-contiguous or
+        read-only.
     """
-    out_array = np.asarray(out)
+    if not isinstance(out, np.ndarray):
+        # np.asarray would copy a list (or similar), and the sums would be lost with it.
+        raise TypeError(f"out must be a NumPy array (it is updated in place), got "
+                        f"{type(out).__name__}")
+    out_array = out
     rows = np.asarray(rows)
     tokens = np.asarray(tokens)
     weights = np.asarray(weights)
@@ -428,6 +454,9 @@ def accumulate_rows(out, rows, tokens, weights, *, raw_bf16=False):
                         f"with shape {out_array.shape}")
     if not out_array.flags.c_contiguous:
         raise ValueError("out must be C-contiguous (it is updated in place)")
+    if not out_array.flags.writeable:
+        raise ValueError("out is read-only (flags.writeable is False); pass a writable "
+                         "float32 array, it is updated in place")
     if rows.ndim != 2 or rows.shape[1] != out_array.shape[1]:
         raise ValueError(f"rows must be [R, {out_array.shape[1]}], got shape {rows.shape}")
     if tokens.shape != (rows.shape[0],) or weights.shape != (rows.shape[0],):

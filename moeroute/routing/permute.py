@@ -9,10 +9,20 @@ int16 view): no value is ever converted.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, uint32
 
 from moeroute.routing import _sort
-from moeroute.routing._arrays import as_device_array, device_empty, is_device_array, resolve_stream
+from moeroute.routing._arrays import (
+    as_caller,
+    as_device_array,
+    device_bits16,
+    device_empty,
+    from_device_bits16,
+    host_array,
+    is_bfloat16,
+    is_device_array,
+    resolve_stream,
+)
 
 try:
     from numba import cuda
@@ -53,8 +63,9 @@ def sort_by_expert(topk_ids, num_experts, *, stream=None):
     Parameters
     ----------
     topk_ids : array [T, K], integer
-        NumPy (any integer dtype) or a device array (int32 or int64). Ids outside
-        ``[0, num_experts)`` (e.g. -1 for experts another rank holds) are dropped.
+        NumPy or CPU torch (any integer dtype) or a device array (int32 or int64). Ids
+        outside ``[0, num_experts)`` (e.g. -1 for experts another rank holds) are dropped.
+        Results come back in the framework and on the device of ``topk_ids``.
     num_experts : int
         >= 1.
     stream : optional
@@ -69,9 +80,12 @@ def sort_by_expert(topk_ids, num_experts, *, stream=None):
     inverse_index : int32 [T, K]
         Row of each entry in ``sorted_slots``, -1 for dropped entries.
 
-    The order is the same on the CPU and the GPU (a stable sort has one answer). On the
-    device, M is read back to the host to size ``sorted_slots`` (a 4-byte copy that
-    waits for the stream).
+    The order is the same on the CPU and the GPU (a stable sort has one answer).
+
+    On the device nothing is read back to the host (no copy, no synchronization: CUDA
+    graph capture works): ``sorted_slots`` is sized by its upper bound ``T*K``, its first
+    ``expert_offsets[num_experts]`` entries are the sort and the rest hold ``T*K`` (the
+    `align_block_size` padding value), as vLLM's ``num_tokens_post_padded`` pattern does.
 
     Raises
     ------
@@ -81,28 +95,23 @@ def sort_by_expert(topk_ids, num_experts, *, stream=None):
         ``topk_ids`` not 2-D; ``num_experts`` < 1; more than 2**31 - 1 entries.
     """
     if is_device_array(topk_ids):
-        sorted_slots, expert_offsets, inverse_index, _ = _sort_device(
-            topk_ids, num_experts, stream)
-        return sorted_slots, expert_offsets, inverse_index
-    ids = _sort.host_ids("topk_ids", topk_ids)
+        return _sort_device(topk_ids, num_experts, stream)[0]
+    ids = _sort.host_ids("topk_ids", host_array(topk_ids))
     num_experts, _ = _check_sort_args(ids.shape, num_experts)
-    return _sort.sort_cpu(ids, num_experts)
+    return tuple(as_caller(a, topk_ids) for a in _sort.sort_cpu(ids, num_experts))
 
 
 def _sort_device(topk_ids, num_experts, stream):
-    """Device sort; also returns the launch stream."""
+    """Device sort at its upper-bound size; also returns the numba views and the stream."""
     ids = _sort.device_ids("topk_ids", topk_ids)
     num_experts, numel = _check_sort_args(ids.shape, num_experts)
     launch_stream = resolve_stream(topk_ids, stream)
-    sorted_all, sorted_view = device_empty((numel,), np.int32, topk_ids)
-    offsets, offsets_view = device_empty((num_experts + 1,), np.int32, topk_ids)
-    inverse, inverse_view = device_empty(tuple(ids.shape), np.int32, topk_ids)
+    sorted_all, sorted_view = device_empty((numel,), np.int32, topk_ids, launch_stream)
+    offsets, offsets_view = device_empty((num_experts + 1,), np.int32, topk_ids, launch_stream)
+    inverse, inverse_view = device_empty(tuple(ids.shape), np.int32, topk_ids, launch_stream)
     _sort.counting_sort_device(ids, num_experts, 1, sorted_view, offsets_view, None,
-                               inverse_view if numel else None, launch_stream)
-    kept_count = offsets_view[num_experts:].copy_to_host(stream=launch_stream)
-    launch_stream.synchronize()  # the host needs M before it can slice
-    kept = int(kept_count[0])
-    return sorted_all[:kept], offsets, inverse, launch_stream
+                               inverse_view if numel else None, launch_stream, template=topk_ids)
+    return (sorted_all, offsets, inverse), (sorted_view, offsets_view), launch_stream
 
 
 def permute(hidden_states, topk_ids, num_experts, *, stream=None):
@@ -111,8 +120,10 @@ def permute(hidden_states, topk_ids, num_experts, *, stream=None):
     Parameters
     ----------
     hidden_states : array [T, H], any dtype
-        Moved as raw bits: float32, float16, or bfloat16 as its uint16/int16 bit pattern.
-        Host and device inputs must not be mixed with ``topk_ids``.
+        Moved as raw bits: float32, float16, bfloat16 torch tensors, or bfloat16 as its
+        uint16/int16 bit pattern. Host (NumPy, CPU torch) and device inputs must not be
+        mixed with ``topk_ids``. ``permuted_hidden`` has the framework and dtype of
+        ``hidden_states``.
     topk_ids : array [T, K], integer
         As in `sort_by_expert`.
     num_experts : int
@@ -122,7 +133,9 @@ def permute(hidden_states, topk_ids, num_experts, *, stream=None):
     Returns
     -------
     permuted_hidden : [M, H], dtype of ``hidden_states``
-        Row r is ``hidden_states[sorted_slots[r] // K]``.
+        Row r is ``hidden_states[sorted_slots[r] // K]``. On the device M is the upper
+        bound ``T*K`` (nothing is read back to the host); rows from
+        ``expert_offsets[num_experts]`` on are left unwritten.
     expert_offsets : int32 [num_experts + 1]
     inverse_index : int32 [T, K]
 
@@ -141,8 +154,9 @@ def permute(hidden_states, topk_ids, num_experts, *, stream=None):
         )
     if is_device_array(topk_ids):
         return _permute_device(hidden_states, topk_ids, num_experts, stream)
-    ids = _sort.host_ids("topk_ids", topk_ids)
-    hidden = np.asarray(hidden_states)
+    ids = _sort.host_ids("topk_ids", host_array(topk_ids))
+    # bfloat16 torch tensors arrive as their uint16 bits: the gather moves bits anyway.
+    hidden = host_array(hidden_states)
     _check_hidden_states(hidden.shape, ids.shape[0])
     num_experts, _ = _check_sort_args(ids.shape, num_experts)
     sorted_slots, expert_offsets, inverse_index = _sort.sort_cpu(ids, num_experts)
@@ -152,7 +166,8 @@ def permute(hidden_states, topk_ids, num_experts, *, stream=None):
         parallel = permuted.nbytes >= PARALLEL_GATHER_MIN_BYTES
         gather = _gather_rows_parallel if parallel else _gather_rows
         gather(source, sorted_slots, ids.shape[1], _as_bits(permuted))
-    return permuted, expert_offsets, inverse_index
+    return (as_caller(permuted, hidden_states, bfloat16=is_bfloat16(hidden_states)),
+            as_caller(expert_offsets, topk_ids), as_caller(inverse_index, topk_ids))
 
 
 def _as_bits(array: np.ndarray) -> np.ndarray:
@@ -176,31 +191,37 @@ def _gather_rows_parallel(source, sorted_slots, top_k, out):
 
 
 def _permute_device(hidden_states, topk_ids, num_experts, stream):
+    bfloat16 = is_bfloat16(hidden_states)
+    if bfloat16:  # moved as its 16-bit pattern
+        hidden_states = device_bits16(hidden_states)
     hidden_view = as_device_array(hidden_states)
     _check_hidden_states(hidden_view.shape, int(as_device_array(topk_ids).shape[0]))
     top_k = int(as_device_array(topk_ids).shape[1])
-    sorted_slots, expert_offsets, inverse_index, launch_stream = _sort_device(
+    (_, expert_offsets, inverse_index), (sorted_view, offsets_view), launch_stream = _sort_device(
         topk_ids, num_experts, stream)
-    kept = int(sorted_slots.shape[0])
+    rows = int(sorted_view.shape[0])
     width = int(hidden_view.shape[1])
-    permuted, permuted_view = device_empty((kept, width), hidden_view.dtype,
-                                                 hidden_states)
-    if kept and width:
-        slots_view = as_device_array(sorted_slots)
-        blocks, threads = _sort.launch_config(kept * width)
-        _gather_kernel()[blocks, threads, launch_stream](hidden_view, slots_view, top_k,
-                                                        permuted_view)
+    permuted, permuted_view = device_empty((rows, width), hidden_view.dtype, hidden_states,
+                                           launch_stream)
+    if rows and width:
+        grid, threads = _sort.row_launch_config(rows, width)
+        kept_count = offsets_view[num_experts:]  # on the device: no read-back
+        _gather_kernel()[grid, threads, launch_stream](hidden_view, sorted_view, kept_count, top_k,
+                                                       permuted_view)
+    if bfloat16:
+        permuted = from_device_bits16(permuted, hidden_states)
     return permuted, expert_offsets, inverse_index
 
 
-def _gather_rows_kernel(source, sorted_slots, top_k, out):
-    """One thread per output element; consecutive threads read consecutive columns."""
-    i = cuda.grid(1)
-    width = out.shape[1]
-    if i < out.shape[0] * width:
-        r = i // width
-        h = i % width
-        out[r, h] = source[sorted_slots[r] // top_k, h]
+def _gather_rows_kernel(source, sorted_slots, kept_count, top_k, out):
+    """Block (r, c): columns ``c*blockDim + tid`` of output row r; rows from
+    ``kept_count[0]`` on are not written. 32-bit index math: the row comes from blockIdx.x,
+    the token from an unsigned 32-bit division (slots are < 2**31 by the index check)."""
+    r = cuda.blockIdx.x
+    h = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if r < kept_count[0] and h < out.shape[1]:
+        token = uint32(sorted_slots[r]) // uint32(top_k)
+        out[r, h] = source[token, h]
 
 
 _jitted: dict = {}

@@ -9,6 +9,7 @@ Numerical conventions shared by all implementations
 * Scores are computed in float32 from logits cast to float32.
 * A NaN logit counts as ``-inf``; logits are clamped to the finite float32 range first, so
   scores are always finite: a ``+inf`` logit wins, an all ``-inf`` row is uniform (softmax).
+  Scorings: softmax, sigmoid, ``sqrt(softplus(x))`` and "none" (the clipped logits).
 * Ranking is by ``choice`` descending; a NaN choice (only a NaN correction bias makes one)
   ranks below every other value; ties go to the lower expert id (and the lower group id).
 """
@@ -40,6 +41,12 @@ def _scores(logits: np.ndarray, scoring: str) -> np.ndarray:
     with np.errstate(over="ignore", under="ignore"):
         if scoring == "sigmoid":
             return (np.float32(1) / (np.float32(1) + np.exp(-x))).astype(np.float32)
+        if scoring == "sqrtsoftplus":
+            # softplus(x) = max(x, 0) + log1p(exp(-|x|)): finite for every finite x.
+            softplus = np.maximum(x, np.float32(0)) + np.log1p(np.exp(-np.abs(x)))
+            return np.sqrt(softplus.astype(np.float32)).astype(np.float32)
+        if scoring == "none":
+            return x.astype(np.float32)
         shifted = x - x.max(axis=-1, keepdims=True)
         e = np.exp(shifted.astype(np.float32))
         return (e / e.sum(axis=-1, keepdims=True, dtype=np.float32)).astype(np.float32)
@@ -56,7 +63,7 @@ def select_experts(logits, config, correction_bias=None):
 
     Returns
     -------
-    topk_weights : ndarray [T, K] float32
+    topk_weights : ndarray [T, K] float32 (scoring "none": see `_raw_logit_weights`)
     topk_ids : ndarray [T, K] int32, columns ordered by choice descending
     """
     logits = np.asarray(logits)
@@ -91,35 +98,74 @@ def select_experts(logits, config, correction_bias=None):
     topk_ids = order[:, :K].astype(np.int32)
 
     weights = np.take_along_axis(scores, topk_ids, axis=-1).astype(np.float32)
+    if config.scoring == "none":
+        return _raw_logit_weights(weights, config), topk_ids
     if config.renormalize:
         weights = weights / (weights.sum(axis=-1, keepdims=True, dtype=np.float32) + np.float32(RENORMALIZE_EPS))
     weights = (weights * np.float32(config.routed_scaling_factor)).astype(np.float32)
     return weights, topk_ids
 
 
-def logical_to_physical(topk_ids, layout):
+def _raw_logit_weights(weights, config):
+    """Weights of scoring "none": the picked (clipped) logits, divided by their float32 sum
+    (taken in pick order) plus 1e-20 when renormalize is set and that divisor is positive
+    and finite (a sum <= -1e-20 or an overflowed one leaves them as they are), times rsf,
+    clamped to the finite float32 range so that every weight is finite."""
+    weights = weights.astype(np.float32)
+    out = np.empty_like(weights)
+    for t in range(weights.shape[0]):
+        total = np.float32(0)
+        with np.errstate(over="ignore"):
+            for k in range(weights.shape[1]):
+                total = np.float32(total + weights[t, k])
+            divisor = np.float32(total + np.float32(RENORMALIZE_EPS))
+            row = weights[t]
+            if config.renormalize and np.float32(0) < divisor <= FLOAT32_MAX:
+                row = (row / divisor).astype(np.float32)
+            row = (row * np.float32(config.routed_scaling_factor)).astype(np.float32)
+        out[t] = np.clip(row, -FLOAT32_MAX, FLOAT32_MAX)
+    return out
+
+
+def logical_to_physical(topk_ids, layout, prefer_rank=None):
     """Map logical routed ids to ids in the layout's physical id space.
 
     Redundant experts: logical ``l`` of token row ``t`` goes to
-    ``replicas[((t * 2654435769) mod 2**32) % count]``; then per-rank shared slots shift
-    the routed physical id by its owner's rank times S (``layout.routed_id_map``).
-    Ids outside ``[0, N)`` become -1.
+    ``replicas[((t * 2654435769) mod 2**32) % count]``, the replicas being the routed
+    physical ids ``p`` with ``layout.physical_to_logical[p] == l`` in ascending order, or,
+    with ``prefer_rank``, only those inside that rank's routed range when there are any.
+    Then per-rank shared slots shift the routed physical id by its owner's rank times S
+    (``layout.routed_id_map``). Ids outside ``[0, N)`` become -1.
 
     topk_ids : ndarray [T, K] int -> ndarray [T, K] int32
     """
     topk_ids = np.asarray(topk_ids)
     T = topk_ids.shape[0]
     out = np.full(topk_ids.shape, -1, dtype=np.int32)
-    offsets, replica_ids = layout.replica_offsets, layout.replica_ids
+    table = np.asarray(layout.physical_to_logical)
+    local = np.zeros(table.shape[0], dtype=bool)
+    if prefer_rank is not None:
+        start, count = layout.routed_range(prefer_rank)
+        local[start:start + count] = True
     for t in range(T):
         h = (t * REPLICA_HASH_MULTIPLIER) % (1 << 32)
         for k in range(topk_ids.shape[1]):
             logical = int(topk_ids[t, k])
             if 0 <= logical < layout.num_routed_experts:
-                start, stop = int(offsets[logical]), int(offsets[logical + 1])
-                physical = int(replica_ids[start + h % (stop - start)])
+                replicas = np.flatnonzero(table == logical)
+                if local[replicas].any():
+                    replicas = replicas[local[replicas]]
+                physical = int(replicas[h % replicas.shape[0]])
                 out[t, k] = layout.routed_id_map[physical]
     return out
+
+
+def expert_load(ids, num_experts):
+    """Tokens per expert: ``counts[e]`` = entries of ``ids`` (any shape) equal to e, for e in
+    [0, num_experts); other ids are not counted. Returns int64 [num_experts]."""
+    flat = np.asarray(ids).reshape(-1).astype(np.int64)
+    flat = flat[(flat >= 0) & (flat < num_experts)]
+    return np.bincount(flat, minlength=num_experts).astype(np.int64)
 
 
 def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weights=None):
@@ -158,12 +204,15 @@ def remap_to_local(ids, expert_map):
     return np.where(valid, expert_map[np.where(valid, ids, 0)], -1).astype(np.int32)
 
 
-def align_block_size(topk_ids, num_experts, block_size):
+def align_block_size(topk_ids, num_experts, block_size, expert_map=None):
     """Expert-sorted, block-padded flat indices (SPEC section 4, to the letter).
 
+    With ``expert_map`` the ids are ``remap_to_local(topk_ids, expert_map)`` first.
     Returns sorted_token_ids int32 [numel + num_experts*(B-1) rounded up to B],
     expert_ids int32 [len(sorted_token_ids) // B], num_tokens_post_padded (int).
     """
+    if expert_map is not None:
+        topk_ids = remap_to_local(topk_ids, expert_map)
     flat = np.asarray(topk_ids).reshape(-1)
     numel = flat.shape[0]
     B = block_size

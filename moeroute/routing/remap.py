@@ -18,7 +18,14 @@ from numba import njit
 
 from moeroute.layout import REPLICA_HASH_MULTIPLIER, ExpertLayout
 from moeroute.routing import _sort
-from moeroute.routing._arrays import as_device_array, device_empty, is_device_array, resolve_stream
+from moeroute.routing._arrays import (
+    as_caller,
+    as_device_array,
+    device_empty,
+    host_array,
+    is_device_array,
+    resolve_stream,
+)
 
 try:
     from numba import cuda
@@ -29,6 +36,8 @@ __all__ = ["logical_to_physical", "remap_to_local"]
 
 #: The replica hash is taken modulo 2**32 on every backend (uint32 arithmetic in engines).
 _HASH_MASK = 0xFFFFFFFF
+#: Largest local id: the output is int32.
+_LOCAL_ID_MAX = int(np.iinfo(np.int32).max)
 #: Layouts whose id tables are kept on the device; a process rarely uses more than a few.
 _DEVICE_TABLE_CACHE_SIZE = 32
 
@@ -47,6 +56,18 @@ def _check_expert_map_dtype(dtype, ndim) -> None:
         raise TypeError(f"expert_map must hold integers, got dtype {dtype}")
     if ndim != 1:
         raise ValueError(f"expert_map must be 1-D [num_physical_experts], got {ndim}-D")
+
+
+def _check_host_expert_map(table: np.ndarray) -> None:
+    """ValueError unless every entry is -1 or a local id that fits the int32 output."""
+    if table.size == 0 or table.dtype == np.int32 and int(table.min()) >= -1:
+        return
+    low, high = int(table.min()), int(table.max())
+    if low < -1 or high > _LOCAL_ID_MAX:
+        raise ValueError(
+            f"expert_map values must be -1 (not held) or local ids in [0, {_LOCAL_ID_MAX}] "
+            f"(int32), got values in [{low}, {high}]"
+        )
 
 
 # ------------------------------------------------------------------ shared scalar rule
@@ -134,17 +155,26 @@ def _kernel(name: str):
 _device_tables: OrderedDict = OrderedDict()
 
 
-def layout_device_tables(layout: ExpertLayout):
+def _replica_tables(layout: ExpertLayout, prefer_rank):
+    """(replica_offsets, replica_ids) of ``layout``, or its `preferred_replicas` of a rank."""
+    if prefer_rank is None:
+        return layout.replica_offsets, layout.replica_ids
+    return layout.preferred_replicas(prefer_rank)
+
+
+def layout_device_tables(layout: ExpertLayout, prefer_rank=None):
     """(replica_offsets, replica_ids, routed_id_map) of ``layout`` on the current device.
 
-    Uploaded once per layout and device (a synchronous copy, so any stream may use them).
+    Uploaded once per layout, ``prefer_rank`` and device (a synchronous copy, so any stream
+    may use them).
     """
     device = cuda.get_current_device()
-    key = (layout, getattr(device, "id", 0))
+    key = (layout, prefer_rank, getattr(device, "id", 0))
     tables = _device_tables.get(key)
     if tables is None:
+        offsets, replica_ids = _replica_tables(layout, prefer_rank)
         tables = tuple(cuda.to_device(np.ascontiguousarray(a)) for a in (
-            layout.replica_offsets, layout.replica_ids, layout.routed_id_map))
+            offsets, replica_ids, layout.routed_id_map))
         _device_tables[key] = tables
         if len(_device_tables) > _DEVICE_TABLE_CACHE_SIZE:
             _device_tables.popitem(last=False)
@@ -153,12 +183,35 @@ def layout_device_tables(layout: ExpertLayout):
     return tables
 
 
-def launch_logical_to_physical(ids_view, layout, out_view, stream) -> None:
+_device_maps: OrderedDict = OrderedDict()
+
+
+def expert_map_device_table(expert_map: np.ndarray):
+    """int32 device copy of the host ``expert_map``, uploaded once per content and device.
+
+    Keyed by the map's bytes, so a map edited in place gets a new upload. The first call
+    copies synchronously (before any capture: the warm-up call); later calls copy nothing.
+    """
+    table = np.ascontiguousarray(expert_map, dtype=np.int32)
+    device = cuda.get_current_device()
+    key = (table.tobytes(), getattr(device, "id", 0))
+    found = _device_maps.get(key)
+    if found is None:
+        found = cuda.to_device(table)
+        _device_maps[key] = found
+        if len(_device_maps) > _DEVICE_TABLE_CACHE_SIZE:
+            _device_maps.popitem(last=False)
+    else:
+        _device_maps.move_to_end(key)
+    return found
+
+
+def launch_logical_to_physical(ids_view, layout, out_view, stream, prefer_rank=None) -> None:
     """Fill the first K columns of ``out_view`` from ``ids_view`` [T, K] on ``stream``."""
     numel = int(ids_view.shape[0]) * int(ids_view.shape[1])
     if numel == 0:
         return
-    offsets, replica_ids, routed_id_map = layout_device_tables(layout)
+    offsets, replica_ids, routed_id_map = layout_device_tables(layout, prefer_rank)
     blocks, threads = _sort.launch_config(numel)
     _kernel("l2p")[blocks, threads, stream](ids_view, layout.num_routed_experts, offsets,
                                             replica_ids, routed_id_map, out_view)
@@ -167,19 +220,25 @@ def launch_logical_to_physical(ids_view, layout, out_view, stream) -> None:
 # --------------------------------------------------------------------------- API
 
 
-def logical_to_physical(topk_ids, layout, *, stream=None):
-    """Map logical routed ids to the layout's physical id space (SPEC section 2).
+def logical_to_physical(topk_ids, layout, prefer_rank=None, *, stream=None):
+    """Map logical routed ids to the layout's physical id space (SPEC sections 2 and 9).
 
     Redundant experts (EPLB): logical l of token row t uses replica
     ``replicas[((t * 2654435769) mod 2**32) % count]`` of ``layout.replica_ids``; then
     ``layout.routed_id_map`` shifts it into its owner's block (per-rank shared slots).
-    Shared slots never go through this map (see `append_shared_slots`).
+    With ``prefer_rank`` the replicas are those ``prefer_rank`` holds when it holds any
+    (SGLang's static dispatch: traffic stays on the rank), else all of them
+    (`ExpertLayout.preferred_replicas`). Shared slots never go through this map (see
+    `append_shared_slots`).
 
     Parameters
     ----------
     topk_ids : array [T, K], integer
-        Logical ids; NumPy (any integer dtype) or device (int32/int64).
+        Logical ids; NumPy or CPU torch (any integer dtype) or device (int32/int64).
+        The result is in the framework and on the device of ``topk_ids``.
     layout : moeroute.layout.ExpertLayout
+    prefer_rank : int, optional
+        A rank in [0, E) whose replicas are preferred.
     stream : optional
         Device inputs only; default: the current stream of the input's framework.
 
@@ -193,22 +252,28 @@ def logical_to_physical(topk_ids, layout, *, stream=None):
     TypeError
         ``layout`` not an ExpertLayout; non-integer ``topk_ids``.
     ValueError
-        ``topk_ids`` not 2-D, or with more than 2**31 - 1 rows.
+        ``topk_ids`` not 2-D, or with more than 2**31 - 1 rows; ``prefer_rank`` not an
+        integer in [0, E).
     """
     check_layout(layout)
+    if prefer_rank is not None:
+        # Validates it (ValueError naming prefer_rank) before anything launches.
+        layout.preferred_replicas(prefer_rank)
+        prefer_rank = int(prefer_rank)
     if is_device_array(topk_ids):
         ids = _sort.device_ids("topk_ids", topk_ids)
         _sort.check_index_limit("topk_ids.shape[0]", int(ids.shape[0]))
         launch_stream = resolve_stream(topk_ids, stream)
-        out, out_view = device_empty(tuple(ids.shape), np.int32, topk_ids)
-        launch_logical_to_physical(ids, layout, out_view, launch_stream)
+        out, out_view = device_empty(tuple(ids.shape), np.int32, topk_ids, launch_stream)
+        launch_logical_to_physical(ids, layout, out_view, launch_stream, prefer_rank)
         return out
-    ids = _sort.host_ids("topk_ids", topk_ids)
+    ids = _sort.host_ids("topk_ids", host_array(topk_ids))
     _sort.check_index_limit("topk_ids.shape[0]", ids.shape[0])
     out = np.empty(ids.shape, np.int32)
-    logical_to_physical_cpu(ids, layout.num_routed_experts, layout.replica_offsets,
-                            layout.replica_ids, layout.routed_id_map, out)
-    return out
+    offsets, replica_ids = _replica_tables(layout, prefer_rank)
+    logical_to_physical_cpu(ids, layout.num_routed_experts, offsets, replica_ids,
+                            layout.routed_id_map, out)
+    return as_caller(out, topk_ids)
 
 
 def remap_to_local(ids, expert_map, *, stream=None):
@@ -217,10 +282,13 @@ def remap_to_local(ids, expert_map, *, stream=None):
     Parameters
     ----------
     ids : array, any shape, integer
-        Physical ids (NumPy any integer dtype; device int32/int64, C-contiguous).
+        Physical ids (NumPy or CPU torch, any integer dtype; device int32/int64,
+        C-contiguous). The result is in the framework and on the device of ``ids``.
     expert_map : int [num_physical_experts]
-        ``layout.expert_map(rank)``: local id or -1. A NumPy map with device ``ids`` is
-        copied to the device on every call; pass a device map to avoid that.
+        ``layout.expert_map(rank)``: local id or -1, each fitting int32 (a NumPy map of a
+        wider dtype is checked; a device map must be int32). A NumPy map with device
+        ``ids`` is uploaded once per distinct content and device and kept (as the layout
+        tables are), so later calls copy nothing and can be captured in a CUDA graph.
     stream : optional
         Device inputs only.
 
@@ -232,9 +300,11 @@ def remap_to_local(ids, expert_map, *, stream=None):
     Raises
     ------
     TypeError
-        Non-integer ``ids`` or ``expert_map``; a device ``expert_map`` with host ``ids``.
+        Non-integer ``ids`` or ``expert_map``; a device ``expert_map`` with host ``ids``
+        or of a dtype other than int32.
     ValueError
-        ``expert_map`` not 1-D; device ``ids`` not C-contiguous.
+        ``expert_map`` not 1-D or holding values outside [-1, 2**31 - 1] (they would wrap
+        to a held expert's id); device ``ids`` not C-contiguous.
     """
     if is_device_array(ids):
         return _remap_device(ids, expert_map, stream)
@@ -243,13 +313,31 @@ def remap_to_local(ids, expert_map, *, stream=None):
             "expert_map is a device array but ids are on the host; pass both on the "
             "device or both as NumPy arrays"
         )
-    host = _sort.host_ids("ids", ids, ndim=None)
-    table = np.asarray(expert_map)
+    host = _sort.host_ids("ids", host_array(ids), ndim=None)
+    table = host_array(expert_map)
     _check_expert_map_dtype(table.dtype, table.ndim)
+    _check_host_expert_map(table)
     table = np.ascontiguousarray(table, dtype=np.int32)
     out = np.empty(host.shape, np.int32)
     _remap_cpu(host.reshape(-1), table, out.reshape(-1))
-    return out
+    return as_caller(out, ids)
+
+
+def device_expert_map(expert_map):
+    """``expert_map`` as an int32 numba device vector, checked: a device map must already be
+    int32 (wider values could not be checked against int32 without a sync); a host map is
+    checked on the host and uploaded once (`expert_map_device_table`)."""
+    if is_device_array(expert_map):
+        table = as_device_array(expert_map)
+        _check_expert_map_dtype(table.dtype, table.ndim)
+        if table.dtype != np.int32:
+            raise TypeError(f"a device expert_map must be int32, got dtype {table.dtype}; "
+                            "layout.expert_map(rank) is int32")
+        return table
+    host_table = np.asarray(expert_map)
+    _check_expert_map_dtype(host_table.dtype, host_table.ndim)
+    _check_host_expert_map(host_table)
+    return expert_map_device_table(host_table)
 
 
 def _remap_device(ids, expert_map, stream):
@@ -257,16 +345,9 @@ def _remap_device(ids, expert_map, stream):
     if not view.is_c_contiguous():
         raise ValueError("ids on the device must be C-contiguous")
     launch_stream = resolve_stream(ids, stream)
-    if is_device_array(expert_map):
-        table = as_device_array(expert_map)
-        _check_expert_map_dtype(table.dtype, table.ndim)
-    else:
-        host_table = np.asarray(expert_map)
-        _check_expert_map_dtype(host_table.dtype, host_table.ndim)
-        table = cuda.to_device(np.ascontiguousarray(host_table, dtype=np.int32),
-                               stream=launch_stream)
+    table = device_expert_map(expert_map)
     shape = tuple(view.shape)
-    out, out_view = device_empty(shape, np.int32, ids)
+    out, out_view = device_empty(shape, np.int32, ids, launch_stream)
     size = int(np.prod(shape, dtype=np.int64))
     if size:
         blocks, threads = _sort.launch_config(size)

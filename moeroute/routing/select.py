@@ -23,7 +23,7 @@ scores instead, as the reference does.
 
 from __future__ import annotations
 
-import sys
+import math
 from functools import lru_cache
 
 import numba
@@ -69,7 +69,7 @@ PARALLEL_MIN_ELEMENTS = 1 << 15
 # (no cut guess yet) stay negligible.
 PARALLEL_CHUNK_ROWS = 256
 
-_SUPPORTED_HOST_DTYPES = ("float32", "float16")
+_SUPPORTED_HOST_DTYPES = ("float32", "float16", "bfloat16")
 _SUPPORTED_DEVICE_DTYPES = ("float32", "float16", "bfloat16")
 
 _F32_MAX = np.float32(FLOAT32_MAX)
@@ -84,6 +84,16 @@ _F32_HALF = np.float32(0.5)
 # float16 -> float32 for every bit pattern: NumPy's own conversion, looked up by the CPU
 # kernel (Numba has no host float16 type).
 _HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+#: bfloat16 is the top half of a float32.
+_BF16_SHIFT = 16
+# bfloat16 -> float32 for every bit pattern (exact: the pattern shifted into the top half);
+# the same kernel as float16 serves it with this table.
+_BF16_TO_FLOAT = (np.arange(1 << 16, dtype=np.uint32) << _BF16_SHIFT).view(np.float32)
+
+# config.scoring as the CPU kernel's integer argument (one compiled kernel serves all four).
+_SOFTMAX, _SIGMOID, _SQRTSOFTPLUS, _RAW = 0, 1, 2, 3
+_SCORING_CODES = {"softmax": _SOFTMAX, "sigmoid": _SIGMOID, "sqrtsoftplus": _SQRTSOFTPLUS,
+                  "none": _RAW}
 
 
 # --------------------------------------------------------------------------------------
@@ -96,8 +106,11 @@ def _dtype_name(dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-def _validate(logits, config, correction_bias, on_device: bool) -> None:
-    """Raise TypeError/ValueError naming the bad argument; return None when all is well."""
+def _validate(logits, config, correction_bias, on_device: bool, dtype_name=None) -> None:
+    """Raise TypeError/ValueError naming the bad argument; return None when all is well.
+
+    ``dtype_name`` overrides the dtype of host ``logits`` passed as raw bits (bfloat16).
+    """
     if not isinstance(config, RouterConfig):
         raise TypeError(f"config must be a moeroute RouterConfig, got {type(config).__name__}")
     if not on_device and not isinstance(logits, np.ndarray):
@@ -113,7 +126,7 @@ def _validate(logits, config, correction_bias, on_device: bool) -> None:
             f"logits.shape[1]={shape[1]} does not match config.num_experts={num_experts}"
         )
     allowed = _SUPPORTED_DEVICE_DTYPES if on_device else _SUPPORTED_HOST_DTYPES
-    name = _dtype_name(logits.dtype)
+    name = dtype_name or _dtype_name(logits.dtype)
     if name not in allowed:
         where = "device" if on_device else "host"
         raise ValueError(
@@ -163,42 +176,52 @@ def _validate(logits, config, correction_bias, on_device: bool) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def select_experts(logits, config, correction_bias=None, *, stream=None):
+def select_experts(logits, config, correction_bias=None, *, stream=None, out=None):
     """Pick each token's top-k routed experts and their weights (SPEC section 1).
 
     Parameters
     ----------
-    logits : array [T, N]
-        Router logits. NumPy arrays (float32 or float16) run the CPU kernel; CUDA arrays
-        (numba device arrays, CuPy arrays, torch CUDA tensors; float32, float16 or
-        bfloat16) run the CUDA kernel on the device. Device logits must be C-contiguous.
+    logits : array [T, N], float32, float16 or bfloat16
+        Router logits. NumPy arrays and CPU torch tensors run the CPU kernel (on the
+        tensor's memory, no copy; bfloat16 read as its raw bits and upcast exactly); CUDA
+        arrays (numba device arrays, CuPy arrays, torch CUDA tensors) run the CUDA kernel
+        on the device. Device logits must be C-contiguous. float16 and bfloat16 logits
+        route exactly as their float32 upcast.
     config : moeroute.config.RouterConfig
-        N, K, scoring, grouped routing, renormalize and the routed scaling factor.
+        N, K, scoring ("softmax", "sigmoid", "sqrtsoftplus" or "none"), grouped routing,
+        renormalize and the routed scaling factor.
     correction_bias : array [N] float32, optional
         Added to the scores for selection only (DeepSeek-V3 ``noaux_tc``); on the same
         side (host or device) as ``logits``.
     stream : numba stream or int handle, optional
         Device inputs only: the stream to launch on. Default: the current stream of the
-        framework that produced ``logits``. Ignored for NumPy inputs.
+        framework that produced ``logits``. Ignored for host inputs.
+    out : (topk_weights, topk_ids), optional
+        Preallocated outputs to write into and return: C-contiguous [T, K] float32 and
+        int32 arrays of the framework and device of ``logits``.
 
     Returns
     -------
     topk_weights : float32 [T, K]
         Scores of the picked experts, renormalized if ``config.renormalize``, times
-        ``config.routed_scaling_factor``.
+        ``config.routed_scaling_factor``. Scoring "none" (raw logits): renormalized only when
+        ``sum + 1e-20`` is positive and finite, then clamped to the finite float32 range.
     topk_ids : int32 [T, K]
         Picked expert ids, distinct, in [0, N), columns ordered by choice descending.
-        NumPy in gives NumPy out; device in gives device arrays of the same framework.
+        NumPy in gives NumPy out, torch in gives torch tensors on the same device, CuPy
+        in gives CuPy, numba device arrays give numba device arrays.
 
     Raises
     ------
     TypeError
-        ``config`` is not a RouterConfig; ``logits`` is neither a NumPy nor a device
-        array; ``correction_bias`` does not live where ``logits`` lives.
+        ``config`` is not a RouterConfig; ``logits`` is neither a NumPy array, a torch
+        tensor nor a device array; ``correction_bias`` does not live where ``logits``
+        lives; ``out`` is not a pair of arrays of the framework of ``logits``.
     ValueError
         ``logits`` not 2-D, ``logits.shape[1] != N``, an unsupported dtype, a bias
         whose shape is not [N] or dtype not float32, a bias with groups of one expert,
-        non-contiguous device logits, or a configuration past the device kernel's
+        non-contiguous device logits, ``out`` buffers of the wrong shape, dtype or
+        device or not C-contiguous, or a configuration past the device kernel's
         limits: N <= 1024, K <= 32, num_expert_group <= 32 (``MAX_DEVICE_*``).
         The CPU kernel has no limits beyond RouterConfig's own.
 
@@ -208,10 +231,83 @@ def select_experts(logits, config, correction_bias=None, *, stream=None):
     weights; T = 0 returns empty [0, K] outputs without launching anything.
     """
     on_device = _arrays.is_device_array(logits)
-    _validate(logits, config, correction_bias, on_device)
     if on_device:
-        return _select_device(logits, config, correction_bias, stream)
-    return _select_host(logits, config, correction_bias)
+        _validate(logits, config, correction_bias, on_device)
+        outputs = _check_out(out, logits, config.top_k, on_device)
+        return _select_device(logits, config, correction_bias, stream, outputs)
+    caller = logits
+    # CPU torch tensors (and bfloat16 ones as their raw bits) run the CPU kernel in place.
+    bfloat16 = _arrays.is_bfloat16(logits)
+    logits = _host_input("logits", logits)
+    if correction_bias is not None and not _arrays.is_device_array(correction_bias):
+        if _arrays.is_bfloat16(correction_bias):  # its raw bits would read as uint16
+            raise ValueError("correction_bias dtype bfloat16 must be float32")
+        correction_bias = _host_input("correction_bias", correction_bias)
+    _validate(logits, config, correction_bias, on_device,
+              dtype_name="bfloat16" if bfloat16 else None)
+    outputs = _check_out(out, caller, config.top_k, on_device)
+    host_out = None if outputs is None else tuple(_arrays.host_array(o) for o in outputs)
+    weights, ids = _select_host(logits, config, correction_bias, bfloat16, host_out)
+    if outputs is not None:
+        return outputs
+    return _arrays.as_caller(weights, caller), _arrays.as_caller(ids, caller)
+
+
+def _host_input(name, array):
+    """A NumPy view of a host ``array`` (CPU torch tensors without a copy)."""
+    if isinstance(array, np.ndarray) or _arrays.torch_of(array) is not None:
+        return _arrays.host_array(array)
+    raise TypeError(f"{name} must be a NumPy array, a torch tensor or a CUDA device array, got "
+                    f"{type(array).__name__}")
+
+
+def _check_out(out, logits, top_k, on_device):
+    """Validated caller buffers ``(topk_weights, topk_ids)`` for ``out=``, or None.
+
+    Each must be C-contiguous, of shape [T, K], float32 / int32, from the framework of
+    ``logits`` and on its device; TypeError / ValueError naming the buffer otherwise.
+    """
+    if out is None:
+        return None
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError(f"out must be a (topk_weights, topk_ids) pair, got {type(out).__name__}")
+    shape = (int(logits.shape[0]), int(top_k))
+    torch = _arrays.torch_of(logits)
+    for name, buffer, dtype in (("out[0] (topk_weights)", out[0], "float32"),
+                                ("out[1] (topk_ids)", out[1], "int32")):
+        if _arrays.is_device_array(buffer) != on_device:
+            where = "a device array" if on_device else "a host array"
+            raise TypeError(f"{name} must be {where} like logits, got {type(buffer).__name__}")
+        if on_device and _arrays.framework_of(buffer) != _arrays.framework_of(logits):
+            raise TypeError(f"{name} is a {_arrays.framework_of(buffer)} array but logits is a "
+                            f"{_arrays.framework_of(logits)} one; pass buffers of the same framework")
+        if not on_device:
+            if torch is not None and _arrays.torch_of(buffer) is None:
+                raise TypeError(f"{name} must be a torch tensor like logits, got {type(buffer).__name__}")
+            if torch is None and not isinstance(buffer, np.ndarray):
+                raise TypeError(f"{name} must be a NumPy array like logits, got {type(buffer).__name__}")
+        if tuple(int(n) for n in buffer.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(buffer.shape)}, expected [T, K] = {list(shape)}")
+        if _dtype_name(buffer.dtype) != dtype:
+            raise ValueError(f"{name} has dtype {_dtype_name(buffer.dtype)}, expected {dtype}")
+        if torch is not None:
+            if buffer.device != logits.device:
+                raise ValueError(f"{name} is on {buffer.device} but logits is on {logits.device}")
+            contiguous = buffer.is_contiguous()
+        elif isinstance(buffer, np.ndarray):
+            contiguous = buffer.flags.c_contiguous
+            if not buffer.flags.writeable:
+                raise ValueError(f"{name} is read-only")
+        else:
+            view = _arrays.as_device_array(buffer)
+            contiguous = view.is_c_contiguous()
+            device_of = getattr(buffer, "device", None)
+            if device_of is not None and getattr(logits, "device", None) is not None \
+                    and str(device_of) != str(logits.device):
+                raise ValueError(f"{name} is on {device_of} but logits is on {logits.device}")
+        if not contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------------------
@@ -336,6 +432,28 @@ def _clip_logit(x):
     """NaN -> -inf, then clamp to the finite float32 range (reference._scores)."""
     x = x if x >= _F32_NEG_MAX else _F32_NEG_MAX  # NaN and -inf fail the comparison
     return x if x <= _F32_MAX else _F32_MAX
+
+
+@_cpu_jit
+def _sqrt_softplus(x):
+    """sqrt(softplus(x)) of a clipped logit in float32: max(x, 0) + log1p(exp(-|x|)) never
+    overflows, so every score is finite and >= 0."""
+    magnitude = x if x >= _F32_ZERO else -x
+    positive = x if x > _F32_ZERO else _F32_ZERO
+    return np.float32(np.sqrt(positive + np.float32(np.log1p(_exp(-magnitude)))))
+
+
+@_cpu_jit
+def _raw_logit_weight(weight, total, renormalize, rsf):
+    """Weight of a pick under scoring "none" (reference._raw_logit_weights): divided by
+    ``total + 1e-20`` only when that divisor is positive and finite, times rsf, clamped to
+    the finite float32 range."""
+    divisor = total + _F32_EPS
+    if renormalize and divisor > _F32_ZERO and divisor <= _F32_MAX:
+        weight = weight / divisor
+    weight = weight * rsf
+    weight = weight if weight >= _F32_NEG_MAX else _F32_NEG_MAX
+    return weight if weight <= _F32_MAX else _F32_MAX
 
 
 @_cpu_inline
@@ -970,15 +1088,21 @@ def _softmax_logit_row(x, keys, lanes, num_groups, topk_group, top_k, renormaliz
 
 
 @_cpu_inline
-def _exact_row(x, bias, has_bias, sigmoid, num_groups, topk_group, top_k, renormalize, rsf,
+def _exact_row(x, bias, has_bias, scoring, num_groups, topk_group, top_k, renormalize, rsf,
                scores, keys, lanes, lane_sums, group_keys, kept, spread, candidates, packed, top_keys,
                top_ids, out_w, out_ids, t):
-    """Select one row from its computed scores (sigmoid, a bias, or a softmax row whose
-    picks reach the underflow range)."""
+    """Select one row from its computed scores (sigmoid, sqrt-softplus, raw logits, a bias,
+    or a softmax row whose picks reach the underflow range)."""
     num_experts = x.shape[0]
-    if sigmoid:
+    if scoring == _SIGMOID:
         for i in range(num_experts):
             scores[i] = _F32_ONE / (_F32_ONE + _exp(-x[i]))
+    elif scoring == _SQRTSOFTPLUS:
+        for i in range(num_experts):
+            scores[i] = _sqrt_softplus(x[i])
+    elif scoring == _RAW:
+        for i in range(num_experts):
+            scores[i] = x[i]
     else:
         best = _NO_KEY
         for i in range(num_experts):
@@ -1006,6 +1130,10 @@ def _exact_row(x, bias, has_bias, sigmoid, num_groups, topk_group, top_k, renorm
         weight = scores[expert]
         out_w[t, k] = weight
         total += weight
+    if scoring == _RAW:
+        for k in range(top_k):
+            out_w[t, k] = _raw_logit_weight(out_w[t, k], total, renormalize, rsf)
+        return
     for k in range(top_k):
         weight = out_w[t, k]
         if renormalize:
@@ -1056,7 +1184,7 @@ def _fast_row_overload(logits, t, top_k, rsf, candidates, packed, top_keys, top_
 
 
 @_cpu_jit
-def _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group, top_k,
+def _select_rows(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
                  renormalize, rsf, row_start, row_stop, out_w, out_ids):
     """Rows [row_start, row_stop) of select_experts into out_w / out_ids."""
     num_experts = logits.shape[1]
@@ -1073,7 +1201,7 @@ def _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group,
     packed = np.empty(num_experts + _LANES, np.int64)
     spread = np.full(1, np.nan, np.float32)
     lanes = np.empty(_LANES, np.int32)
-    rank_logits = not sigmoid and not has_bias
+    rank_logits = scoring == _SOFTMAX and not has_bias
     fast = renormalize and num_groups == 1 and top_k <= _LANES and num_experts >= _LANES
     for t in range(row_start, row_stop):
         if rank_logits:
@@ -1088,36 +1216,36 @@ def _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group,
         else:
             for i in range(num_experts):
                 x[i] = _clip_logit(_as_float32(logits[t, i], table))
-        _exact_row(x, bias, has_bias, sigmoid, num_groups, topk_group, top_k, renormalize,
+        _exact_row(x, bias, has_bias, scoring, num_groups, topk_group, top_k, renormalize,
                    rsf, scores, keys, lanes, lane_sums, group_keys, kept, spread, candidates, packed,
                    top_keys, top_ids, out_w, out_ids, t)
 
 
 @_cpu_jit
-def _select_serial(logits, table, bias, has_bias, sigmoid, num_groups, topk_group, top_k,
+def _select_serial(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
                    renormalize, rsf, out_w, out_ids):
-    _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group, top_k,
+    _select_rows(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
                  renormalize, rsf, 0, logits.shape[0], out_w, out_ids)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _select_parallel(logits, table, bias, has_bias, sigmoid, num_groups, topk_group, top_k,
+def _select_parallel(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
                      renormalize, rsf, num_chunks, out_w, out_ids):
     num_tokens = logits.shape[0]
     for chunk in prange(num_chunks):
-        _select_rows(logits, table, bias, has_bias, sigmoid, num_groups, topk_group, top_k,
+        _select_rows(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
                      renormalize, rsf, chunk * num_tokens // num_chunks,
                      (chunk + 1) * num_tokens // num_chunks, out_w, out_ids)
 
 
 # Slots of the descriptor of the torch-team kernel (see moeroute.routing._parallel).
 _TEAM_SLOTS = ("counter", "num_chunks", "num_tokens", "num_experts", "top_k", "logits", "table",
-               "bias_size", "bias", "has_bias", "sigmoid", "num_groups", "topk_group",
+               "bias_size", "bias", "has_bias", "scoring", "num_groups", "topk_group",
                "renormalize", "rsf_bits", "out_w", "out_ids")
 (_S_COUNTER, _S_CHUNKS, _S_TOKENS, _S_EXPERTS, _S_TOP_K, _S_LOGITS, _S_TABLE, _S_BIAS_SIZE,
- _S_BIAS, _S_HAS_BIAS, _S_SIGMOID, _S_GROUPS, _S_TOPK_GROUP, _S_RENORMALIZE, _S_RSF,
+ _S_BIAS, _S_HAS_BIAS, _S_SCORING, _S_GROUPS, _S_TOPK_GROUP, _S_RENORMALIZE, _S_RSF,
  _S_OUT_W, _S_OUT_IDS) = range(len(_TEAM_SLOTS))
-_TABLE_SIZE = 1 << 16  # _HALF_TO_FLOAT: one float32 per 16-bit pattern
+_TABLE_SIZE = 1 << 16  # _HALF_TO_FLOAT / _BF16_TO_FLOAT: one float32 per 16-bit pattern
 
 
 @lru_cache(maxsize=None)
@@ -1143,7 +1271,7 @@ def _team_kernel(logits_dtype):
         num_chunks = d[_S_CHUNKS]
         chunk = claim_chunk(descriptor)
         while chunk < num_chunks:
-            _select_rows(logits, table, bias, d[_S_HAS_BIAS] != 0, d[_S_SIGMOID] != 0,
+            _select_rows(logits, table, bias, d[_S_HAS_BIAS] != 0, d[_S_SCORING],
                          d[_S_GROUPS], d[_S_TOPK_GROUP], top_k, d[_S_RENORMALIZE] != 0,
                          float32_from_bits(d[_S_RSF]), chunk * num_tokens // num_chunks,
                          (chunk + 1) * num_tokens // num_chunks, out_w, out_ids)
@@ -1152,22 +1280,25 @@ def _team_kernel(logits_dtype):
     return run_chunks
 
 
-def _select_team(logits, bias, has_bias, config, num_chunks, threads, out_w, out_ids):
-    """`_select_parallel` on torch's OpenMP team (the arrays stay alive until it returns)."""
+def _select_team(args, num_chunks, threads, out_w, out_ids):
+    """`_select_parallel(*args, ...)` on torch's OpenMP team (the arrays stay alive until it
+    returns)."""
+    (logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k, renormalize,
+     rsf) = args
     descriptor = np.zeros(len(_TEAM_SLOTS), np.int64)
     descriptor[_S_CHUNKS] = num_chunks
     descriptor[_S_TOKENS], descriptor[_S_EXPERTS] = logits.shape
-    descriptor[_S_TOP_K] = config.top_k
+    descriptor[_S_TOP_K] = top_k
     descriptor[_S_LOGITS] = logits.ctypes.data
-    descriptor[_S_TABLE] = _HALF_TO_FLOAT.ctypes.data
+    descriptor[_S_TABLE] = table.ctypes.data
     descriptor[_S_BIAS_SIZE] = bias.shape[0]
     descriptor[_S_BIAS] = bias.ctypes.data
     descriptor[_S_HAS_BIAS] = has_bias
-    descriptor[_S_SIGMOID] = config.scoring == "sigmoid"
-    descriptor[_S_GROUPS] = config.num_expert_group
-    descriptor[_S_TOPK_GROUP] = config.topk_group
-    descriptor[_S_RENORMALIZE] = config.renormalize
-    descriptor[_S_RSF] = np.float32(config.routed_scaling_factor).view(np.int32)
+    descriptor[_S_SCORING] = scoring
+    descriptor[_S_GROUPS] = num_groups
+    descriptor[_S_TOPK_GROUP] = topk_group
+    descriptor[_S_RENORMALIZE] = renormalize
+    descriptor[_S_RSF] = np.float32(rsf).view(np.int32)
     descriptor[_S_OUT_W] = out_w.ctypes.data
     descriptor[_S_OUT_IDS] = out_ids.ctypes.data
     _parallel.run_team(_team_kernel(logits.dtype.name), descriptor, threads)
@@ -1176,26 +1307,32 @@ def _select_team(logits, bias, has_bias, config, num_chunks, threads, out_w, out
 _EMPTY_BIAS = np.zeros(1, np.float32)
 
 
-def _select_host(logits, config, correction_bias):
+def _select_host(logits, config, correction_bias, bfloat16=False, out=None):
+    """The CPU kernel; ``bfloat16``: ``logits`` are bfloat16 bit patterns (uint16);
+    ``out``: C-contiguous (float32, int32) [T, K] NumPy buffers to write into."""
     num_tokens = logits.shape[0]
     top_k = config.top_k
-    out_w = np.empty((num_tokens, top_k), np.float32)
-    out_ids = np.empty((num_tokens, top_k), np.int32)
+    if out is None:
+        out_w = np.empty((num_tokens, top_k), np.float32)
+        out_ids = np.empty((num_tokens, top_k), np.int32)
+    else:
+        out_w, out_ids = out
     if num_tokens == 0:
         return out_w, out_ids
     logits = np.ascontiguousarray(logits)
+    table = _BF16_TO_FLOAT if bfloat16 else _HALF_TO_FLOAT
     if logits.dtype == np.float16:
         logits = logits.view(np.uint16)
     has_bias = correction_bias is not None
     bias = np.ascontiguousarray(correction_bias) if has_bias else _EMPTY_BIAS
-    args = (logits, _HALF_TO_FLOAT, bias, has_bias, config.scoring == "sigmoid",
+    args = (logits, table, bias, has_bias, _SCORING_CODES[config.scoring],
             config.num_expert_group, config.topk_group, top_k, config.renormalize,
             np.float32(config.routed_scaling_factor))
     threads = _parallel.cpu_threads()
     if threads > 1 and num_tokens > 1 and num_tokens * config.num_experts >= PARALLEL_MIN_ELEMENTS:
         chunks = max(threads, -(-num_tokens // PARALLEL_CHUNK_ROWS))
         if _parallel.torch_team():
-            _select_team(logits, bias, has_bias, config, chunks, threads, out_w, out_ids)
+            _select_team(args, chunks, threads, out_w, out_ids)
             return out_w, out_ids
         # One chunk per scheduling step: chunks go to whichever thread is free, so a thread
         # stalled by other load on the machine leaves its share to the others. (Set here:
@@ -1220,14 +1357,15 @@ DEVICE_WARPS_PER_BLOCK = 4
 _LOW31 = 0x7FFFFFFF  # packed pick = key << 32 | (_LOW31 - expert): max() prefers the lower id
 
 
-def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormalize, input_kind):
+def _device_kernel_function(num_experts, num_groups, scoring, has_bias, renormalize, input_kind):
     """The CUDA kernel, as a Python function specialised to these compile-time constants.
 
     One warp per token row; lane ``l`` holds experts ``l, l + 32, l + 64, ...`` (coalesced
     loads) in ``ceil(N / 32)`` registers. Grouped routing reduces each group's best two
     over the warp; then K rounds of warp argmax (a packed (key, id) maximum) pick the
-    experts, lane r keeping pick r for one coalesced store. ``input_kind`` is "float32",
-    "float16" or "bfloat16" (bfloat16 arrives as its int16 bits).
+    experts, lane r keeping pick r for one coalesced store. ``scoring`` is one of
+    `moeroute.config.SCORING_FUNCTIONS`; ``input_kind`` is "float32", "float16" or
+    "bfloat16" (bfloat16 arrives as its int16 bits).
     """
     from moeroute.routing import _warp
 
@@ -1243,7 +1381,12 @@ def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormal
     # Groups made of whole slots (DeepSeek-V3: 32 experts, slot j = group j): membership is
     # known when compiling, so each lane touches only its own slots of a group.
     slot_groups = group_size % WARP_SIZE == 0
-    rank_logits = not sigmoid and not has_bias
+    if scoring not in _SCORING_CODES:
+        raise ValueError(f"scoring={scoring!r} is not one of {tuple(_SCORING_CODES)}")
+    sigmoid = scoring == "sigmoid"
+    sqrt_softplus = scoring == "sqrtsoftplus"
+    raw = scoring == "none"
+    rank_logits = scoring == "softmax" and not has_bias
     bf16 = input_kind == "bfloat16"
     warps = _warp.warps_per_block(DEVICE_WARPS_PER_BLOCK)
     scratch = _warp.scratch_size(warps * WARP_SIZE)
@@ -1254,6 +1397,21 @@ def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormal
     f32_zero, f32_one, f32_eps = _F32_ZERO, _F32_ONE, _F32_EPS
     f32_max, f32_neg_max = _F32_MAX, _F32_NEG_MAX
     exact_gap = np.float32(-SOFTMAX_EXACT_GAP)
+
+    @cuda.jit(device=True, inline="always")
+    def softplus_sqrt(x):
+        """sqrt(softplus(x)) as the CPU kernel's _sqrt_softplus: never overflows."""
+        magnitude = x if x >= f32_zero else -x
+        positive = x if x > f32_zero else f32_zero
+        return np.float32(math.sqrt(np.float32(positive + np.float32(math.log1p(expf(-magnitude))))))
+
+    @cuda.jit(device=True, inline="always")
+    def raw_weight(weight, total):
+        """A pick's weight under scoring "none" (the CPU kernel's _raw_logit_weight)."""
+        divisor = total + f32_eps
+        if renormalize and divisor > f32_zero and divisor <= f32_max:
+            weight = weight / divisor
+        return weight
 
     @cuda.jit(device=True, inline="always")
     def order_key(value):
@@ -1406,6 +1564,12 @@ def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormal
             if sigmoid:
                 for j in range(slots):
                     scores[j] = f32_one / (f32_one + expf(-x[j]))
+            elif sqrt_softplus:
+                for j in range(slots):
+                    scores[j] = softplus_sqrt(x[j])
+            elif raw:
+                for j in range(slots):
+                    scores[j] = x[j]
             else:
                 best = pad_key
                 for j in range(slots):
@@ -1430,9 +1594,14 @@ def _device_kernel_function(num_experts, num_groups, sigmoid, has_bias, renormal
                 keep_groups(keys, lane, topk_group, has_bias, scratch_i)
             my_id, my_weight, total, first, last = pick(
                 keys, scores, lane, top_k, False, scratch_i, scratch_f)
-            if renormalize:
-                my_weight = my_weight / (total + f32_eps)
-            my_weight = my_weight * rsf
+            if raw:
+                my_weight = raw_weight(my_weight, total) * rsf
+                my_weight = my_weight if my_weight >= f32_neg_max else f32_neg_max
+                my_weight = my_weight if my_weight <= f32_max else f32_max
+            else:
+                if renormalize:
+                    my_weight = my_weight / (total + f32_eps)
+                my_weight = my_weight * rsf
         if row < num_tokens and lane < top_k:
             out_ids[row, lane] = my_id
             out_w[row, lane] = my_weight
@@ -1450,9 +1619,9 @@ def _device_signature(input_kind):
 
 
 @lru_cache(maxsize=None)
-def _device_kernel(num_experts, num_groups, sigmoid, has_bias, renormalize, input_kind):
+def _device_kernel(num_experts, num_groups, scoring, has_bias, renormalize, input_kind):
     """The compiled kernel (a numba.cuda dispatcher), built once per specialisation."""
-    return cuda.jit(_device_kernel_function(num_experts, num_groups, sigmoid, has_bias,
+    return cuda.jit(_device_kernel_function(num_experts, num_groups, scoring, has_bias,
                                             renormalize, input_kind))
 
 
@@ -1460,30 +1629,32 @@ def _device_logits(logits):
     """(numba device array, input kind): bfloat16 is passed as its int16 bits."""
     kind = _dtype_name(logits.dtype)
     if kind == "bfloat16":
-        framework = _arrays.framework_of(logits)
-        if framework == "torch":
-            logits = logits.view(sys.modules["torch"].int16)
-        else:
-            logits = logits.view(np.int16)
+        logits = _arrays.device_bits16(logits)
     array = _arrays.as_device_array(logits)
     return array, kind
 
 
-def _select_device(logits, config, correction_bias, stream):
+def _select_device(logits, config, correction_bias, stream, out=None):
     array, kind = _device_logits(logits)
     if not array.is_c_contiguous():
         raise ValueError(f"device logits must be C-contiguous, got strides {array.strides}")
     num_tokens = array.shape[0]
     top_k = config.top_k
     launch_stream = _arrays.resolve_stream(logits, stream)
-    topk_weights, out_w = _arrays.device_empty((num_tokens, top_k), np.float32, logits, launch_stream)
-    topk_ids, out_ids = _arrays.device_empty((num_tokens, top_k), np.int32, logits, launch_stream)
+    if out is None:
+        topk_weights, out_w = _arrays.device_empty((num_tokens, top_k), np.float32, logits,
+                                                   launch_stream)
+        topk_ids, out_ids = _arrays.device_empty((num_tokens, top_k), np.int32, logits,
+                                                 launch_stream)
+    else:
+        topk_weights, topk_ids = out
+        out_w, out_ids = (_arrays.as_device_array(o) for o in out)
     if num_tokens > 0:
         has_bias = correction_bias is not None
         # Without a bias the kernel never reads it: any float32 vector fills the slot.
         bias = _arrays.as_device_array(correction_bias) if has_bias else out_w.reshape(-1)
         kernel = _device_kernel(config.num_experts, config.num_expert_group,
-                                config.scoring == "sigmoid", has_bias, config.renormalize, kind)
+                                config.scoring, has_bias, config.renormalize, kind)
         warps = _device_warps_per_block()
         blocks = -(-num_tokens // warps)
         kernel[blocks, warps * WARP_SIZE, launch_stream](

@@ -14,7 +14,15 @@ import numpy as np
 from numba import njit
 
 from moeroute.routing import _sort
-from moeroute.routing._arrays import as_device_array, device_empty, is_device_array, resolve_stream
+from moeroute.routing._arrays import (
+    as_caller,
+    as_device_array,
+    device_empty,
+    host_array,
+    host_floats,
+    is_device_array,
+    resolve_stream,
+)
 from moeroute.routing.remap import check_layout, layout_device_tables, physical_id_cpu
 
 try:
@@ -152,7 +160,8 @@ def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weig
     ----------
     topk_ids : array [T, K], integer
         Logical routed ids (``select_experts`` output); ids outside [0, N) become -1.
-        NumPy (any integer dtype) or device (int32/int64).
+        NumPy or CPU torch (any integer dtype) or device (int32/int64). Results come back
+        in the framework and on the device of ``topk_ids``.
     topk_weights : array [T, K], float
         float32 on the device; host floats are converted to float32.
     layout : moeroute.layout.ExpertLayout
@@ -193,9 +202,10 @@ def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weig
     if is_device_array(topk_ids):
         return _append_device(topk_ids, topk_weights, layout, home_rank, shared_weights,
                               stream)
-    ids = _sort.host_ids("topk_ids", topk_ids)
-    weights = np.asarray(topk_weights)
-    shared = None if shared_weights is None else np.asarray(shared_weights)
+    caller = topk_ids
+    ids = _sort.host_ids("topk_ids", host_array(topk_ids))
+    weights = host_floats(topk_weights)
+    shared = None if shared_weights is None else host_floats(shared_weights)
     if shared is not None and shared.dtype.kind not in "fiu":
         raise TypeError(f"shared_weights must be real numbers, got dtype {shared.dtype}")
     home_rank, slots = _check_append_args(
@@ -218,7 +228,7 @@ def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weig
     _append_cpu(ids, weights, layout.num_routed_experts, layout.replica_offsets,
                 layout.replica_ids, layout.routed_id_map, first_slot, slot_weights,
                 use_row, use_col, scalar, has_array, out_ids, out_weights)
-    return out_ids, out_weights
+    return as_caller(out_ids, caller), as_caller(out_weights, caller)
 
 
 def _append_device(topk_ids, topk_weights, layout, home_rank, shared_weights, stream):

@@ -249,7 +249,7 @@ def dispatcher_configs(world_size):
     def add(name, **kw):
         base = dict(N=8, R=0, K=2, S=0, gated=False, shared="auto", slots=None,
                     regime="router", rsf=2.5, force_expert=None, dtype="float32",
-                    counts=counts[len(configs) % len(counts)])
+                    counts=counts[len(configs) % len(counts)], placement="linear", table=None)
         base.update(kw)
         configs.append(dict(name=name, **base))
 
@@ -277,6 +277,14 @@ def dispatcher_configs(world_size):
         add(f"{dispatch}-uneven-placement", dispatch=dispatch, N=2 * world_size + 1, K=3,
             S=2, shared="fused")
         add(f"{dispatch}-bf16", dispatch=dispatch, S=1, gated=True, dtype="bfloat16")
+        add(f"{dispatch}-round-robin", dispatch=dispatch, N=9, K=3, S=1, gated=True,
+            placement="round_robin")
+        add(f"{dispatch}-round-robin-redundant", dispatch=dispatch, N=6, R=world_size + 1, K=3,
+            placement="round_robin", counts=tuple(9 for _ in range(world_size)))
+        # An EPLB table: logical 0 on every rank, the others once, in reverse order.
+        add(f"{dispatch}-physical-to-logical-table", dispatch=dispatch, N=6, K=3, S=1,
+            table=[5, 4, 3, 2, 1, 0] + [0] * (world_size - 1),
+            counts=tuple(9 for _ in range(world_size)))
     return configs
 
 
@@ -307,7 +315,8 @@ def run_config(config, rank, world_size, debug=True):
     layout = ExpertLayout(config["N"], config["S"], ep_size=world_size,
                           dispatch=config["dispatch"], shared=config["shared"],
                           shared_slots=config["slots"], num_redundant_experts=config["R"],
-                          scaling_regime=config["regime"])
+                          scaling_regime=config["regime"], placement=config["placement"],
+                          physical_to_logical=config["table"])
     layer = make_layer(1234, config["N"], hidden, inter, config["S"], config["gated"])
     counts = config["counts"]
     gen = torch.Generator().manual_seed(99)
@@ -344,6 +353,7 @@ def run_config(config, rank, world_size, debug=True):
         combine_bytes=stats.combine_bytes, expected_combine_bytes=expected_combine,
         replica_slots=int(np.isin(phys_ids[:, :config["K"]],
                                   layout.routed_id_map[layout.num_routed_experts:]).sum()),
+        logical_experts=[layout.logical_experts(r).tolist() for r in range(world_size)],
         in_flight=in_flight, overlap=layout.shared == "overlap",
         forced_expert_slots=(int((ids_all[mine][:, 0] == config["force_expert"]).sum())
                              if config["force_expert"] is not None else None),
@@ -564,6 +574,194 @@ def from_hf_cases(rank, world_size):
     return records
 
 
+def placement_module_cases(rank, world_size):
+    """gpt-oss-shaped MoE (swigluoai, expert and router biases) with round-robin placement and
+    an EPLB table, on ep_group, against the one-rank module on all tokens."""
+    from moeroute.bindings.ep import make_dispatcher
+    from moeroute.bindings.torch.moe import MoE
+    from moeroute.config import RouterConfig
+
+    hidden, inter, num_experts, top_k = 16, 8, 8, 2
+    counts = _COUNT_PATTERNS[world_size][3]
+    start = sum(counts[:rank])
+    mine = slice(start, start + counts[rank])
+    table = list(range(num_experts))[::-1] + [3] * world_size  # logical 3 on every rank
+    records = []
+    for dispatch in ("all2all", "allgather"):
+        for name, placement_kwargs in (("round_robin", dict(placement="round_robin")),
+                                       ("table", dict(physical_to_logical=table))):
+            torch.manual_seed(12)  # identical weights on every rank
+            router = RouterConfig(num_experts, top_k)
+            weights = (torch.randn(num_experts, 2 * inter, hidden), torch.randn(num_experts, hidden, inter) * 0.3,
+                       torch.randn(num_experts, 2 * inter), torch.randn(num_experts, hidden))
+            router_weight, router_bias = torch.randn(num_experts, hidden), torch.randn(num_experts)
+            x_all = torch.randn(sum(counts), hidden)
+            modules = []
+            for group in (None, dist.group.WORLD):
+                module = MoE(router, hidden, inter, ep_group=group, dispatch=dispatch, activation="swigluoai",
+                             expert_bias=True, router_bias=True,
+                             **(placement_kwargs if group is not None else {}))
+                with torch.no_grad():
+                    module.router_weight.copy_(router_weight)
+                    module.router_bias.copy_(router_bias)
+                module.load_routed_weights(*weights)
+                modules.append(module)
+            single, ep = modules
+            ep.dispatcher = make_dispatcher(ep.layout, None, dispatch, debug=True)
+            with torch.no_grad():
+                expected = single(x_all)[mine]
+                out = ep(x_all[mine])
+            records.append(dict(name=f"placement-{dispatch}-{name}", error=_relative_error(out, expected),
+                                shape=tuple(out.shape), expected_shape=tuple(expected.shape),
+                                logical_experts=ep.routed_expert_ids()))
+    return records
+
+
+# --------------------------------------------------------------------------- rank agreement
+
+
+def _moe_mismatch_cases(world_size):
+    """(name, base MoE kwargs, last rank's overrides, {field: (base value, last rank's value)}).
+
+    The last rank builds its layer with the overrides; every field listed must be reported
+    with exactly these per-rank values (the other ranks take the base value).
+    """
+    from moeroute.config import RouterConfig
+
+    grouped = dict(num_expert_group=2, topk_group=1)
+    transforms = lambda width: dict(  # noqa: E731 - a latent MoE of routed width ``width``
+        routed_input_transform=torch.nn.Linear(16, width, bias=False),
+        routed_output_transform=torch.nn.Linear(width, 16, bias=False))
+    return [
+        ("num_experts", {}, dict(router=RouterConfig(12, 2)),
+         {"router.num_experts": (8, 12), "layout.num_routed_experts": (8, 12)}),
+        ("top_k", {}, dict(router=RouterConfig(8, 3)), {"router.top_k": (2, 3)}),
+        ("scoring", {}, dict(router=RouterConfig(8, 2, scoring="sigmoid")),
+         {"router.scoring": ("softmax", "sigmoid")}),
+        ("num_expert_group", {}, dict(router=RouterConfig(8, 2, **grouped)),
+         {"router.num_expert_group": (1, 2)}),
+        ("topk_group", dict(router=RouterConfig(8, 2, **grouped)),
+         dict(router=RouterConfig(8, 2, num_expert_group=2, topk_group=2)),
+         {"router.topk_group": (1, 2)}),
+        ("renormalize", {}, dict(router=RouterConfig(8, 2, renormalize=False)),
+         {"router.renormalize": (True, False)}),
+        ("routed_scaling_factor", {}, dict(router=RouterConfig(8, 2, routed_scaling_factor=2.5)),
+         {"router.routed_scaling_factor": (1.0, 2.5)}),
+        ("hidden_size", {}, dict(hidden_size=32), {"hidden_size": (16, 32)}),
+        ("intermediate_size", {}, dict(intermediate_size=4),
+         {"intermediate_size": (8, 4), "layout.num_shared_experts": (1, 2)}),
+        ("routed_hidden_size", transforms(8), transforms(12), {"routed_hidden_size": (8, 12)}),
+        ("dtype", {}, dict(dtype=torch.bfloat16), {"dtype": ("torch.float32", "torch.bfloat16")}),
+        ("router_dtype", {}, dict(router_dtype=torch.bfloat16),
+         {"router_dtype": ("torch.float32", "torch.bfloat16")}),
+        ("activation", {}, dict(activation="gelu"), {"activation": ("silu", "gelu")}),
+        ("shared", {}, dict(shared="runner"),
+         {"layout.shared": ("fused", "runner"), "layout.shared_slots": ("per_rank", None)}),
+        ("dispatch", {}, dict(dispatch="allgather"),
+         {"layout.dispatch": ("all2all", "allgather")}),
+        ("scaling_regime", {}, dict(scaling_regime="output"),
+         {"layout.scaling_regime": ("router", "output")}),
+        ("num_redundant_experts", {}, dict(num_redundant_experts=world_size),
+         {"layout.num_redundant_experts": (0, world_size)}),
+        ("correction_bias", {}, dict(correction_bias=True), {"correction_bias": (False, True)}),
+        ("shared_expert_gate", {}, dict(gated=True), {"shared_expert_gate": (False, True)}),
+    ]
+
+
+def _mismatch_outcome(fn):
+    """(exception type, message, {field: per-rank values}) of ``fn()``; Nones when it ran."""
+    try:
+        fn()
+    except Exception as error:  # the outcome under test
+        return type(error).__name__, str(error), getattr(error, "fields", None)
+    return None, None, None
+
+
+def _build_moe(world_size, overrides):
+    from moeroute.bindings.torch.moe import MoE
+    from moeroute.config import RouterConfig
+
+    kwargs = dict(router=RouterConfig(8, 2), hidden_size=16, intermediate_size=8,
+                  ep_group=dist.group.WORLD)
+    kwargs.update(overrides)
+    gated = kwargs.pop("gated", False)
+    hidden = kwargs["hidden_size"]
+    shared_mlp = _SharedMLP(hidden, 8)
+    gate = torch.nn.Linear(hidden, 1, bias=False) if gated else None
+    return MoE(shared_experts=shared_mlp, shared_expert_gate=gate, **kwargs)
+
+
+def _dispatcher_mismatch_cases(rank, world_size, dispatch):
+    """Dispatchers whose last rank differs in one exchanged size; each must raise on all."""
+    from moeroute.bindings.ep import make_dispatcher
+
+    last = rank == world_size - 1
+    layout = ExpertLayout(8, 0, ep_size=world_size, dispatch=dispatch)
+    other_layout = ExpertLayout(12 if last else 8, 0, ep_size=world_size, dispatch=dispatch)
+    gen = torch.Generator().manual_seed(rank)
+
+    def dispatch_once(layout=layout, hidden=8, dtype=torch.float32, top_k=2, debug=False):
+        x = torch.randn(5, hidden, generator=gen).to(dtype)
+        ids = torch.randint(0, 8, (5, top_k), generator=gen, dtype=torch.int32)
+        w = torch.rand(5, top_k, generator=gen)
+        dispatcher = make_dispatcher(layout, None, dispatch, debug=debug)
+        handle = dispatcher.dispatch(x, ids, w)
+        dispatcher.combine(torch.zeros_like(handle.wait()[0]), handle)
+
+    cases = {
+        "hidden_states.shape[1]": ((8, 4), lambda: dispatch_once(hidden=4 if last else 8)),
+        "hidden_states.dtype": (("torch.float32", "torch.bfloat16"), lambda: dispatch_once(
+            dtype=torch.bfloat16 if last else torch.float32)),
+        "topk_ids.shape[1]": ((2, 3), lambda: dispatch_once(top_k=3 if last else 2)),
+        "debug": ((False, True), lambda: dispatch_once(debug=last)),
+        "layout.num_routed_experts": ((8, 12), lambda: dispatch_once(layout=other_layout)),
+    }
+    records = {}
+    for field, (values, fn) in cases.items():
+        records[f"{dispatch}:{field}"] = (field, values, _mismatch_outcome(fn))
+
+    # The group is still usable: partial = row * (sum of its live weights) sums home to
+    # x * (sum of the token's weights), every slot counted once.
+    dispatcher = make_dispatcher(layout, None, dispatch, debug=True)
+    x = torch.randn(5, 8, generator=gen)
+    ids = torch.randint(0, 8, (5, 2), generator=gen, dtype=torch.int32)
+    w = torch.rand(5, 2, generator=gen)
+    handle = dispatcher.dispatch(x, ids, w)
+    recv_hidden, _, recv_weights = handle.wait()
+    out = dispatcher.combine(recv_hidden * recv_weights.sum(1, keepdim=True), handle)
+    records[f"{dispatch}:after"] = _relative_error(out, x.double() * w.double().sum(1, keepdim=True))
+    return records
+
+
+def agreement_cases(rank, world_size):
+    """Ranks that disagree: every case must raise RankMismatchError on every rank."""
+    records = {}
+    last = rank == world_size - 1
+    for name, base, override, fields in _moe_mismatch_cases(world_size):
+        torch.manual_seed(5)
+        kwargs = dict(base)
+        if last:
+            kwargs.update(override)
+        records[f"moe:{name}"] = (fields, _mismatch_outcome(lambda: _build_moe(world_size, kwargs)))
+    for dispatch in ("all2all", "allgather"):
+        records.update(_dispatcher_mismatch_cases(rank, world_size, dispatch))
+
+    # A layer converted on one rank after construction: caught by the check of the first
+    # exchange of its forward.
+    from moeroute.bindings.torch.moe import MoE  # noqa: F401 - imported for _build_moe
+
+    torch.manual_seed(5)
+    module = _build_moe(world_size, {})
+    if last:
+        module = module.to(torch.bfloat16)
+    x = torch.randn(3, 16, dtype=module.experts.w_gate_up.dtype)
+    with torch.no_grad():
+        records["forward:dtype"] = (
+            "hidden_states.dtype", ("torch.float32", "torch.bfloat16"),
+            _mismatch_outcome(lambda: module(x)))
+    return records
+
+
 # --------------------------------------------------------------------------- workers
 
 
@@ -576,7 +774,8 @@ def configs_worker(rank, world_size, payload):
         result["faults"] = debug_fault_cases(rank, world_size)
     # The module cases run last: a failure there is recorded without losing the records
     # above, and this rank then exits, so its peers fail fast instead of waiting.
-    for key, cases in (("moe", moe_module_cases), ("from_hf", from_hf_cases)):
+    for key, cases in (("moe", moe_module_cases), ("from_hf", from_hf_cases),
+                       ("placement", placement_module_cases), ("agreement", agreement_cases)):
         if payload and payload.get(key):
             try:
                 result[key] = cases(rank, world_size)
@@ -597,6 +796,19 @@ def peer_failure_worker(rank, world_size, payload):
     ids, w = route(make_layer(0, 8, 8, 4, 1, False), x, 2, 1.0)
     phys, weights = reference.append_shared_slots(ids.numpy(), w.numpy(), layout, rank)
     dist.barrier()
+    if payload["failure"] == "build":  # rank 1 dies before the layer's agreement check
+        if rank == 1:
+            os._exit(0)
+        from moeroute.bindings.torch.moe import MoE
+        from moeroute.config import RouterConfig
+
+        start = time.monotonic()
+        try:
+            MoE(RouterConfig(8, 2), 8, 4, ep_group=dist.group.WORLD)
+        except Exception as error:  # the outcome under test
+            return dict(raised=type(error).__name__, message=str(error)[:300],
+                        elapsed=time.monotonic() - start)
+        return dict(raised=None, elapsed=time.monotonic() - start)
     if rank == 1:
         if payload["failure"] == "exit":
             os._exit(0)

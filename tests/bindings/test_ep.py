@@ -49,7 +49,7 @@ def groups(tmp_path_factory):
     def get(world_size):
         if world_size not in cache:
             payload = {"invalid": world_size == 2, "faults": True, "moe": True,
-                       "from_hf": world_size == 2}
+                       "from_hf": world_size == 2, "placement": world_size == 2, "agreement": True}
             try:
                 cache[world_size] = spawn_group(
                     "configs", world_size, tmp_path_factory.mktemp(f"ep{world_size}"), payload)
@@ -189,6 +189,33 @@ def test_from_hf_with_ep_group_matches_block_and_single_process(groups):
             assert record["shared"] == ("fused" if record["name"].endswith("auto") else "overlap")
 
 
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_round_robin_and_table_placements_hold_the_right_experts(groups, world_size):
+    for dispatch in ("all2all", "allgather"):
+        record = _records(groups(world_size), f"{dispatch}-round-robin")[0]
+        # Rank r holds logical r, r+E, r+2E, ... (no redundant experts here).
+        assert record["logical_experts"] == [list(range(r, 9, world_size)) for r in range(world_size)]
+        table = [5, 4, 3, 2, 1, 0] + [0] * (world_size - 1)
+        record = _records(groups(world_size), f"{dispatch}-physical-to-logical-table")[0]
+        assert sum(record["logical_experts"], []) == table
+        redundant = _records(groups(world_size), f"{dispatch}-round-robin-redundant")
+        assert sum(r["replica_slots"] for r in redundant) > 0
+
+
+def test_placements_with_gpt_oss_experts_match_single_process(groups):
+    expected_names = [f"placement-{d}-{p}" for d in ("all2all", "allgather") for p in ("round_robin", "table")]
+    table = list(range(8))[::-1] + [3, 3]
+    for rank, records in enumerate(_module_records(groups(2), "placement")):
+        assert [r["name"] for r in records] == expected_names
+        for record in records:
+            assert record["shape"] == record["expected_shape"] and record["shape"][0] > 0
+            assert record["error"] < 1e-5, (rank, record)
+            if record["name"].endswith("round_robin"):
+                assert record["logical_experts"] == list(range(rank, 8, 2))
+            else:
+                assert record["logical_experts"] == table[5 * rank:5 * rank + 5]
+
+
 INVALID_CASES = {
     # name: (exception type, substrings of the message)
     "layout-type": ("TypeError", ["layout", "ExpertLayout", "str"]),
@@ -242,13 +269,14 @@ def test_transfer_stats_add_and_report():
     assert total.as_dict()["total_bytes"] == 256
 
 
-@pytest.mark.parametrize("dispatch,failure", [("all2all", "exit"), ("allgather", "stall")])
+@pytest.mark.parametrize("dispatch,failure", [("all2all", "exit"), ("allgather", "stall"),
+                                              ("all2all", "build")])
 def test_dead_or_stalled_peer_raises_within_timeout(tmp_path, dispatch, failure):
     payload = {"dispatch": dispatch, "failure": failure, "stall_s": SHORT_TIMEOUT_S + 2}
     results = spawn_group("peer_failure", 3, tmp_path, payload, timeout_s=SHORT_TIMEOUT_S,
                           join_timeout_s=90)
     # The exiting rank leaves no result; the stalled one wakes after the others gave up.
-    assert results[1] == (None if failure == "exit" else "stalled")
+    assert results[1] == ("stalled" if failure == "stall" else None)
     for rank in (0, 2):
         outcome = results[rank]
         assert outcome is not None and outcome["raised"] == "CollectiveError", (rank, outcome)
@@ -284,6 +312,19 @@ def test_run_command_spawns_ranks_and_checks_them(capsys):
     assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "ok" for row in rows), out
     assert all(int(row[1]) == 6 for row in rows)  # tokens per rank
     assert "shared expert: fused" in out and "every rank matches" in out
+
+
+def test_run_command_gpt_oss_round_robin(capsys):
+    from moeroute.bindings import ep_run
+
+    status = ep_run.main(["--preset", "gpt-oss-20b", "--ep", "2", "--placement", "round_robin",
+                          "--redundant", "2", "--tokens", "5", "--hidden", "16", "--intermediate", "8",
+                          "--repeat", "1", "--debug"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "ok" for row in rows), out
+    assert "every rank matches" in out
 
 
 def test_run_command_refuses_an_impossible_layout_before_spawning(capsys):
@@ -333,3 +374,66 @@ def test_run_command_joins_a_torchrun_group(tmp_path):
     assert [p.returncode for p in processes] == [0, 0], outputs
     assert "every rank matches" in outputs[0][0]
     assert outputs[1][0] == ""  # only rank 0 prints the table
+
+
+# --------------------------------------------------------------------------- rank agreement
+
+from _ep_workers import _moe_mismatch_cases  # noqa: E402
+
+MOE_MISMATCH_NAMES = [case[0] for case in _moe_mismatch_cases(2)]
+DISPATCH_MISMATCH_FIELDS = ["hidden_states.shape[1]", "hidden_states.dtype", "topk_ids.shape[1]",
+                            "debug", "layout.num_routed_experts"]
+
+
+def _assert_same_error_on_every_rank(outcomes, fields, world_size):
+    """outcomes[rank] = (kind, message, reported fields); fields = {name: (base, last rank's)}."""
+    messages = set()
+    for rank, (kind, message, reported) in enumerate(outcomes):
+        assert kind == "RankMismatchError", (rank, kind, message)
+        for field, (base, odd) in fields.items():
+            assert reported[field] == [base] * (world_size - 1) + [odd], (rank, field, reported)
+            assert field in message and f"rank {world_size - 1}={odd!r}" in message, message
+            assert f"rank 0={base!r}" in message, message
+        messages.add(message)
+    assert len(messages) == 1, messages  # the same error on every rank
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("name", MOE_MISMATCH_NAMES)
+def test_moe_ranks_that_disagree_raise_the_same_error_at_construction(groups, world_size, name):
+    per_rank = _module_records(groups(world_size), "agreement")
+    fields = per_rank[0][f"moe:{name}"][0]
+    _assert_same_error_on_every_rank([records[f"moe:{name}"][1] for records in per_rank],
+                                     fields, world_size)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("dispatch", ["all2all", "allgather"])
+@pytest.mark.parametrize("field", DISPATCH_MISMATCH_FIELDS)
+def test_dispatch_sizes_that_disagree_raise_instead_of_aborting(groups, world_size, dispatch,
+                                                                field):
+    per_rank = _module_records(groups(world_size), "agreement")
+    name, values, _ = per_rank[0][f"{dispatch}:{field}"]
+    assert name == field
+    _assert_same_error_on_every_rank([records[f"{dispatch}:{field}"][2] for records in per_rank],
+                                     {field: values}, world_size)
+    # The group survives: a matching dispatch afterwards is exact.
+    for records in per_rank:
+        assert records[f"{dispatch}:after"] < 1e-6
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_layer_converted_on_one_rank_raises_in_forward(groups, world_size):
+    per_rank = _module_records(groups(world_size), "agreement")
+    field, values, _ = per_rank[0]["forward:dtype"]
+    _assert_same_error_on_every_rank([records["forward:dtype"][2] for records in per_rank],
+                                     {field: values}, world_size)
+
+
+@pytest.mark.parametrize("ep_group", ["world", 0, object()])
+def test_ep_group_must_be_a_process_group(ep_group):
+    from moeroute.bindings.torch.moe import MoE
+    from moeroute.config import RouterConfig
+
+    with pytest.raises(TypeError, match=r"ep_group=.*ProcessGroup"):
+        MoE(RouterConfig(8, 2), 16, 8, ep_group=ep_group)

@@ -248,3 +248,150 @@ def test_replace_moe_blocks_keeps_logits(name):
 def test_replace_moe_blocks_rejects_non_module():
     with pytest.raises(TypeError, match="nn.Module"):
         replace_moe_blocks("model")
+
+
+# ------------------------------------------------------------------ gpt-oss
+
+def _gpt_oss_config(**overrides):
+    from transformers import GptOssConfig
+
+    fields = dict(vocab_size=128, hidden_size=H, intermediate_size=32, num_local_experts=8,
+                  num_experts_per_tok=4, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"])
+    fields.update(overrides)
+    return GptOssConfig(**fields)
+
+
+def _gpt_oss_block(seed, expert_scale=3.0):
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    block = _randomize(GptOssMLP(_gpt_oss_config()), seed=seed)
+    with torch.no_grad():  # large enough that swigluoai's clamps at +-7 take effect
+        block.experts.gate_up_proj.mul_(expert_scale)
+    return block
+
+
+def _gpt_oss_gate_up(block, x):
+    """Pre-activation gate/up values of every expert, to check the clamps are exercised."""
+    experts = block.experts
+    return torch.einsum("th,ehc->etc", x.reshape(-1, H), experts.gate_up_proj) + experts.gate_up_proj_bias[:, None]
+
+
+@pytest.mark.parametrize("shape", [(13, H), (3, 5, H)], ids=["T,H", "B,S,H"])
+def test_from_hf_gpt_oss_matches_block_fp32(shape):
+    block = _gpt_oss_block(seed=21)
+    moe = MoE.from_hf(block)
+    assert moe.activation == "swigluoai" and moe.router.scoring == "softmax" and moe.router.renormalize
+    assert moe.router.num_experts == 8 and moe.router.top_k == 4
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(22))
+    gate_up = _gpt_oss_gate_up(block, x)
+    assert (gate_up[..., 0::2] > 7).any() and (gate_up[..., 1::2].abs() > 7).any()
+    with torch.no_grad():
+        expected, _ = block(x if x.dim() == 3 else x[None])
+        actual = moe(x)
+    expected = expected if x.dim() == 3 else expected[0]
+    assert actual.shape == x.shape
+    assert rel_error(actual, expected) < FP32_RTOL
+
+
+def test_from_hf_gpt_oss_matches_plain_torch_definition():
+    # Independent definition: router linear with bias, top-k logits, softmax over the K,
+    # per slot (up + 1) * g * sigmoid(1.702 g) with clamps, both projections biased.
+    block = _gpt_oss_block(seed=23)
+    moe = MoE.from_hf(block)
+    r, e = block.router, block.experts
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(24))
+    logits = x @ r.weight.T + r.bias
+    top, ids = torch.topk(logits, 4, dim=-1)
+    weights = torch.softmax(top, dim=-1)
+    expected = torch.zeros_like(x)
+    for t in range(9):
+        for k in range(4):
+            j = int(ids[t, k])
+            gate_up = x[t] @ e.gate_up_proj[j] + e.gate_up_proj_bias[j]
+            gate = gate_up[0::2].clamp(max=7.0)
+            up = gate_up[1::2].clamp(-7.0, 7.0)
+            hidden = (up + 1) * gate * torch.sigmoid(1.702 * gate)
+            expected[t] += weights[t, k] * (hidden @ e.down_proj[j] + e.down_proj_bias[j])
+    with torch.no_grad():
+        assert rel_error(moe(x), expected) < FP32_RTOL
+
+
+def test_from_hf_gpt_oss_weight_layout():
+    block = _gpt_oss_block(seed=25)
+    moe = MoE.from_hf(block)
+    e = block.experts
+    inter = 32
+    for j in range(8):
+        # gate rows = even columns of gate_up_proj[j] transposed, up rows = odd columns.
+        torch.testing.assert_close(moe.experts.w_gate_up[j, :inter], e.gate_up_proj[j][:, 0::2].T, rtol=0, atol=0)
+        torch.testing.assert_close(moe.experts.w_gate_up[j, inter:], e.gate_up_proj[j][:, 1::2].T, rtol=0, atol=0)
+        torch.testing.assert_close(moe.experts.b_gate_up[j, :inter], e.gate_up_proj_bias[j, 0::2], rtol=0, atol=0)
+        torch.testing.assert_close(moe.experts.b_gate_up[j, inter:], e.gate_up_proj_bias[j, 1::2], rtol=0, atol=0)
+        torch.testing.assert_close(moe.experts.w_down[j], e.down_proj[j].T, rtol=0, atol=0)
+        torch.testing.assert_close(moe.experts.b_down[j], e.down_proj_bias[j], rtol=0, atol=0)
+    torch.testing.assert_close(moe.router_bias, block.router.bias, rtol=0, atol=0)
+
+
+def test_from_hf_gpt_oss_bf16():
+    block = _gpt_oss_block(seed=26, expert_scale=1.0).to(torch.bfloat16)
+    moe = MoE.from_hf(block)
+    x = torch.randn(2, 6, H, generator=torch.Generator().manual_seed(27)).to(torch.bfloat16)
+    with torch.no_grad():
+        expected, _ = block(x)
+        actual = moe(x)
+    assert actual.dtype == torch.bfloat16
+    assert rel_error(actual, expected) < BF16_RTOL
+
+
+def test_from_hf_gpt_oss_rejects_other_swiglu_constants():
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    block = GptOssMLP(_gpt_oss_config(swiglu_limit=5.0))
+    with pytest.raises(ValueError, match="swiglu_limit=5.0"):
+        MoE.from_hf(block)
+
+
+def test_replace_moe_blocks_gpt_oss_keeps_logits():
+    from transformers import GptOssForCausalLM
+
+    from moeroute.bindings.torch.hf import TupleOutputMoE
+
+    torch.manual_seed(28)
+    model = GptOssForCausalLM(_gpt_oss_config()).eval()
+    _randomize(model, seed=28)
+    input_ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(29))
+    with torch.no_grad():
+        expected = model(input_ids).logits
+        count = replace_moe_blocks(model)
+        actual = model(input_ids).logits
+    assert count == 2
+    assert sum(isinstance(m, TupleOutputMoE) for m in model.modules()) == 2
+    assert rel_error(actual, expected) < FP32_RTOL
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen2_moe", "deepseek_v3"])
+def test_from_hf_runs_as_inference_in_every_shared_mode_outside_no_grad(name):
+    """transformers leaves the shared MLP's parameters requiring grad; that used to make
+    shared="runner"/"overlap" raise outside no_grad while "auto" (fused) ran."""
+    builder, _, _ = BLOCKS[name]
+    block = _randomize(builder(), seed=4)
+    assert any(p.requires_grad for p in block.parameters())
+    x = torch.randn(2, 3, H, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = block(x)
+    for shared in ("auto", "runner", "overlap", "fused"):
+        out = MoE.from_hf(block, shared=shared)(x)  # grad mode on
+        assert not out.requires_grad, shared
+        assert rel_error(out, expected) < FP32_RTOL, shared
+    with pytest.raises(RuntimeError, match="inference-only.*hidden_states requires grad"):
+        MoE.from_hf(block, shared="runner")(x.requires_grad_(True))
+
+
+def test_replace_moe_blocks_on_a_bare_block_says_to_use_from_hf():
+    block = _qwen3_moe()
+    with pytest.raises(ValueError, match=r"itself a Qwen3MoeSparseMoeBlock.*MoE.from_hf\(block\)"):
+        replace_moe_blocks(block)
+    # A model holding the block is still swapped.
+    holder = nn.Sequential(block)
+    assert replace_moe_blocks(holder) == 1 and isinstance(holder[0], MoE)

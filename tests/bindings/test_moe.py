@@ -121,13 +121,16 @@ def test_inference_only():
     x = torch.randn(4, H, requires_grad=True)
     with pytest.raises(RuntimeError, match="inference-only.*hidden_states"):
         module(x)
-    module.experts.w_down.requires_grad_(True)
-    with pytest.raises(RuntimeError, match="experts.w_down"):
-        module(x.detach())
+    with pytest.raises(RuntimeError, match="inference-only.*router_logits"):
+        module(x.detach(), torch.zeros(4, N, requires_grad=True))
     with torch.no_grad():
         no_grad_out = module(x)
     with torch.inference_mode():
         assert torch.equal(module(x), no_grad_out)
+    # Parameters that require grad do not ask for gradients: the layer runs as inference.
+    module.experts.w_down.requires_grad_(True)
+    out = module(x.detach())
+    assert not out.requires_grad and torch.equal(out, no_grad_out)
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -295,33 +298,112 @@ def test_streamed_expert_mlp_against_slot_reference(dtype):
     assert set(seconds) == {"permute", "gemm", "combine"} and all(v >= 0 for v in seconds.values())
 
 
-@pytest.mark.skipif(not onednn_linear_serves(torch.float32), reason="this torch build has no oneDNN linear")
-def test_packed_cpu_weights_give_identical_outputs_and_follow_weight_changes():
+NEEDS_ONEDNN = pytest.mark.skipif(not onednn_linear_serves(torch.float32),
+                                  reason="this torch build has no oneDNN linear")
+
+
+@NEEDS_ONEDNN
+def test_packed_cpu_weights_give_identical_outputs():
     module, _ = make_moe(seed=4, gemm="loop")
     x = torch.randn(50, H, generator=_generator(5))
     with torch.inference_mode():
         plain = module(x)
     assert module.pack_cpu_weights() is module
-    with torch.inference_mode():
-        assert torch.equal(module(x), plain)  # the same oneDNN kernels: bit for bit
     packed_gate_up, _ = module.experts.cpu_weights()
     assert isinstance(packed_gate_up, list) and len(packed_gate_up) == N
-    # New weights loaded in place: the packed copies are rebuilt, not served stale.
-    other, weights = make_moe(seed=9, gemm="loop")
+    with torch.inference_mode():
+        assert torch.equal(module(x), plain)  # the same oneDNN kernels: bit for bit
+    module.pack_cpu_weights(False)
+    assert module.experts.cpu_weights()[0] is module.experts.w_gate_up
+
+
+def _change_by_copy(module, other):
     with torch.no_grad():
-        module.load_routed_weights(*weights)
-        module.router_weight.copy_(other.router_weight)
+        module.experts.w_gate_up.copy_(other.experts.w_gate_up)
+        module.experts.w_down.copy_(other.experts.w_down)
+
+
+def _change_by_load_state_dict(module, other):
+    module.load_state_dict(other.state_dict())
+
+
+def _change_by_assigning_data(module, other):
+    module.experts.w_gate_up.data = other.experts.w_gate_up.detach().clone()
+    module.experts.w_down.data = other.experts.w_down.detach().clone()
+
+
+def _change_by_load_routed_weights(module, other):
+    module.load_routed_weights(other.experts.w_gate_up, other.experts.w_down)
+
+
+@NEEDS_ONEDNN
+@pytest.mark.parametrize("change", [_change_by_copy, _change_by_load_state_dict,
+                                    _change_by_assigning_data, _change_by_load_routed_weights])
+def test_weight_changes_torch_sees_after_packing_ask_for_a_repack(change):
+    """Explicit packing: a change torch can see raises at the next CPU forward (it used to
+    be served stale or silently repacked); re-packing serves the new weights."""
+    module, _ = make_moe(seed=4, gemm="loop")
+    other, _ = make_moe(seed=9, gemm="loop")
+    with torch.no_grad():
+        other.router_weight.copy_(module.router_weight)
+    x = torch.randn(50, H, generator=_generator(5))
+    module.pack_cpu_weights()
+    change(module, other)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"after pack_cpu_weights\(\).*"
+                                                                   r"call pack_cpu_weights\(\) again"):
+        module(x)
+    module.pack_cpu_weights()
     with torch.inference_mode():
         assert torch.equal(module(x), other(x))
-    # Converted to another dtype: the copies go at once, and come back for the new dtype
-    # (or the plain weights serve, where oneDNN cannot); outputs as without them.
-    module.to(torch.bfloat16)
-    assert module.experts._packed is None
+
+
+@NEEDS_ONEDNN
+def test_writes_through_data_need_an_explicit_repack():
+    """``.data`` writes bypass torch's version counter: as documented, the packed snapshot
+    keeps serving the weights of the last pack_cpu_weights() until the caller re-packs."""
+    module, _ = make_moe(seed=4, gemm="loop")
+    other, _ = make_moe(seed=9, gemm="loop")
+    with torch.no_grad():
+        other.router_weight.copy_(module.router_weight)
+    x = torch.randn(50, H, generator=_generator(5))
     with torch.inference_mode():
-        packed_out = module(x.bfloat16())
+        before = module(x)
+    module.pack_cpu_weights()
+    module.experts.w_gate_up.data.copy_(other.experts.w_gate_up)
+    module.experts.w_down.data.copy_(other.experts.w_down)
+    with torch.inference_mode():
+        assert torch.equal(module(x), before)  # the snapshot, as documented
+        module.pack_cpu_weights()
+        assert torch.equal(module(x), other(x))
         module.pack_cpu_weights(False)
-        assert module.experts.cpu_weights()[0] is module.experts.w_gate_up
-        torch.testing.assert_close(packed_out, module(x.bfloat16()), rtol=0, atol=0)
+        assert torch.equal(module(x), other(x))
+
+
+@NEEDS_ONEDNN
+def test_to_after_packing():
+    """.to() to the same dtype keeps the copies; a conversion drops them at once and the
+    next CPU forward asks for a re-pack (or pack_cpu_weights(False))."""
+    module, _ = make_moe(seed=4, gemm="loop")
+    x = torch.randn(50, H, generator=_generator(5))
+    with torch.inference_mode():
+        plain = module(x)
+    module.pack_cpu_weights()
+    module.to(torch.float32)
+    assert module.experts._packed is not None
+    with torch.inference_mode():
+        assert torch.equal(module(x), plain)
+    module.to(torch.bfloat16)
+    assert module.experts._packed is None  # the old copies' memory is freed now
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="call pack_cpu_weights"):
+        module(x.bfloat16())
+    module.pack_cpu_weights(False)
+    reference_module, _ = make_moe(seed=4, gemm="loop")
+    reference_module.to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(module(x.bfloat16()), reference_module(x.bfloat16()))
+        unpacked = module.to(torch.float32)(x)
+        module.pack_cpu_weights()
+        assert torch.equal(module(x), unpacked)
 
 
 def test_pack_cpu_weights_refuses_what_onednn_cannot_serve(monkeypatch):
@@ -427,3 +509,148 @@ def test_cuda_matches_cpu(dtype):
     tolerance = FP32_RTOL if dtype == torch.float32 else HALF_RTOL[dtype]
     assert out.device.type == "cuda" and out.dtype == dtype
     assert rel_error(out.cpu(), expected.double()) < tolerance
+
+
+# ------------------------------------------------------------------ biases, swigluoai, weight on input
+
+def swigluoai_reference(gate, up):
+    """gpt-oss's activation, written out: clamps at 7, alpha 1.702."""
+    gate = torch.clamp(gate, max=7.0)
+    up = torch.clamp(up, min=-7.0, max=7.0)
+    return (up + 1.0) * gate * torch.sigmoid(1.702 * gate)
+
+
+def biased_reference(router, router_weight, x, w_gate_up, w_down, b_gate_up, b_down, activation,
+                     router_bias=None, weight_on_input=False):
+    """sum_k w_k * (down(act(gate x + bg) * (up x + bu)) + bd) in float64."""
+    logits = F.linear(x, router_weight, router_bias).float()
+    topk_weights, topk_ids = reference.select_experts(logits.numpy(), router)
+    x64 = x.double()
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e, w = int(topk_ids[t, k]), float(topk_weights[t, k])
+            row = x64[t] * w if weight_on_input else x64[t]
+            h = w_gate_up[e].double() @ row + b_gate_up[e].double()
+            if activation == "swigluoai":
+                act = swigluoai_reference(h[:I], h[I:])
+            else:
+                act = ACT[activation](h[:I]) * h[I:]
+            y = w_down[e].double() @ act + b_down[e].double()
+            out[t] += y if weight_on_input else w * y
+    return out
+
+
+def make_biased_moe(seed, activation, **kwargs):
+    module = MoE(ROUTER if "router" not in kwargs else kwargs.pop("router"), H, I, activation=activation,
+                 expert_bias=True, router_bias=True, **kwargs)
+    g = _generator(seed)
+    n = module.router.num_experts
+    # Large enough that the swigluoai clamps at +-7 are reached.
+    tensors = (torch.randn(n, 2 * I, H, generator=g) * 1.5, torch.randn(n, H, I, generator=g) * 0.3,
+               torch.randn(n, 2 * I, generator=g) * 2.0, torch.randn(n, H, generator=g))
+    with torch.no_grad():
+        module.router_weight.copy_(torch.randn(n, H, generator=g))
+        module.router_bias.copy_(torch.randn(n, generator=g))
+        module.load_routed_weights(*tensors)
+    return module, tensors
+
+
+@pytest.mark.parametrize("gemm", ["loop", "padded"])
+@pytest.mark.parametrize("activation", ["swigluoai", "silu"])
+def test_expert_bias_and_activation_match_reference(gemm, activation):
+    module, tensors = make_biased_moe(31, activation, gemm=gemm)
+    x = torch.randn(37, H, generator=_generator(32))
+    pre = torch.einsum("eih,th->tei", tensors[0], x) + tensors[2]
+    if activation == "swigluoai":
+        assert (pre[..., :I] > 7).any() and (pre[..., I:].abs() > 7).any()
+    with torch.no_grad():
+        out = module(x)
+    expected = biased_reference(module.router, module.router_weight, x, *tensors, activation,
+                                router_bias=module.router_bias)
+    assert (out.double() - expected).abs().max() / expected.abs().max() < FP32_RTOL
+
+
+@pytest.mark.parametrize("linear", ["mm", "onednn"])
+def test_expert_mlp_bias_backends_agree(linear):
+    if linear == "onednn" and not onednn_linear_serves(torch.float32):
+        pytest.skip("this torch build's oneDNN cannot serve float32 linears")
+    g = _generator(33)
+    x = torch.randn(10, H, generator=g)
+    w_gate_up, w_down = torch.randn(2, 2 * I, H, generator=g), torch.randn(2, H, I, generator=g)
+    b_gate_up, b_down = torch.randn(2, 2 * I, generator=g), torch.randn(2, H, generator=g)
+    offsets = [0, 4, 10]
+    out = expert_mlp(x, offsets, w_gate_up, w_down, "swigluoai", linear=linear, b_gate_up=b_gate_up,
+                     b_down=b_down)
+    padded = padded_expert_mlp(x, offsets, w_gate_up, w_down, "swigluoai", b_gate_up, b_down)
+    for e in range(2):
+        rows = slice(offsets[e], offsets[e + 1])
+        h = x[rows].double() @ w_gate_up[e].double().T + b_gate_up[e].double()
+        y = swigluoai_reference(h[:, :I], h[:, I:]) @ w_down[e].double().T + b_down[e].double()
+        torch.testing.assert_close(out[rows].double(), y, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(padded[rows].double(), y, rtol=1e-4, atol=1e-4)
+
+
+def test_expert_bias_with_round_robin_replicas_loads_each_logical_expert():
+    module, tensors = make_biased_moe(34, "swigluoai", num_redundant_experts=3, placement="round_robin")
+    logical = module.routed_expert_ids()
+    for local, e in enumerate(logical):
+        torch.testing.assert_close(module.experts.b_gate_up[local], tensors[2][e], rtol=0, atol=0)
+        torch.testing.assert_close(module.experts.b_down[local], tensors[3][e], rtol=0, atol=0)
+    x = torch.randn(11, H, generator=_generator(35))
+    with torch.no_grad():
+        out = module(x)
+    expected = biased_reference(module.router, module.router_weight, x, *tensors, "swigluoai",
+                                router_bias=module.router_bias)
+    assert (out.double() - expected).abs().max() / expected.abs().max() < FP32_RTOL
+
+
+def test_apply_router_weight_on_input_matches_reference():
+    router = RouterConfig(N, 1, "sigmoid", renormalize=False)
+    module, tensors = make_biased_moe(36, "silu", router=router, apply_router_weight_on_input=True)
+    x = torch.randn(21, H, generator=_generator(37))
+    with torch.no_grad():
+        out = module(x)
+    expected = biased_reference(router, module.router_weight, x, *tensors, "silu",
+                                router_bias=module.router_bias, weight_on_input=True)
+    assert (out.double() - expected).abs().max() / expected.abs().max() < FP32_RTOL
+    # Not the same as weighting the output: the experts are not linear.
+    weighted_output = biased_reference(router, module.router_weight, x, *tensors, "silu",
+                                       router_bias=module.router_bias)
+    assert (weighted_output - expected).abs().max() > 1e-2 * expected.abs().max()
+
+
+def test_apply_router_weight_on_input_keeps_the_shared_expert_unscaled():
+    from moeroute.bindings.torch import GatedMLP
+
+    router = RouterConfig(N, 1, "softmax", renormalize=False)
+    shared = GatedMLP(H, I)
+    module = MoE(router, H, I, shared_experts=shared, apply_router_weight_on_input=True)
+    assert module.layout.shared == "runner"
+    assert "apply_router_weight_on_input" in module.layout.shared_reason
+    with torch.no_grad():
+        module.load_routed_weights(torch.zeros(N, 2 * I, H), torch.zeros(N, H, I))
+        x = torch.randn(5, H, generator=_generator(38))
+        torch.testing.assert_close(module(x), shared(x))
+
+
+@pytest.mark.parametrize("kwargs,error,words", [
+    (dict(apply_router_weight_on_input=True), ValueError,
+     "apply_router_weight_on_input=True needs top_k=1.*got top_k=3"),
+    (dict(expert_bias=1), ValueError, "expert_bias=1 must be a bool"),
+    (dict(router_bias="yes"), ValueError, "router_bias='yes' must be a bool"),
+    (dict(activation="swiglu"), ValueError, "activation='swiglu' is not supported"),
+])
+def test_bias_and_weight_on_input_errors(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        MoE(ROUTER, H, I, **kwargs)
+
+
+def test_load_routed_weights_bias_errors():
+    plain = MoE(ROUTER, H, I)
+    weights = (torch.zeros(N, 2 * I, H), torch.zeros(N, H, I))
+    with pytest.raises(ValueError, match="gate_up_bias was given but the module has no expert biases"):
+        plain.load_routed_weights(*weights, gate_up_bias=torch.zeros(N, 2 * I))
+    biased = MoE(ROUTER, H, I, expert_bias=True)
+    with pytest.raises(ValueError, match=r"down_bias has shape \(8, 5\), expected \[8, 24\]"):
+        biased.load_routed_weights(*weights, down_bias=torch.zeros(N, 5))

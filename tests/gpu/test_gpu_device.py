@@ -169,3 +169,27 @@ def test_align_fallback_on_device():
     np.testing.assert_array_equal(cupy.asnumpy(sorted_ids), want[0])
     np.testing.assert_array_equal(cupy.asnumpy(expert_ids), want[1])
     assert int(total) == want[2]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpt_oss_experts_with_biases_match_torch(dtype):
+    # fused_experts with swigluoai and both biases against a float64 torch definition.
+    x, w_gate_up, w_down, topk_weights, topk_ids = make_inputs(**SHAPE, dtype=dtype, seed=9)
+    w_gate_up = (w_gate_up.float() * 8.0).to(w_gate_up.dtype)  # reach the clamps at +-7
+    E, two_I = w_gate_up.shape[:2]
+    I = two_I // 2
+    g = torch.Generator(device=x.device).manual_seed(10)
+    b_gate_up = (torch.randn(E, two_I, device=x.device, generator=g) * 2.0).to(x.dtype)
+    b_down = torch.randn(E, x.shape[1], device=x.device, generator=g).to(x.dtype)
+    out = fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, activation="swigluoai",
+                        gate_up_bias=b_gate_up, down_bias=b_down)
+    expected = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for e in range(E):
+        t, k = torch.nonzero(topk_ids == e, as_tuple=True)
+        if t.numel() == 0:
+            continue
+        h = x[t].double() @ w_gate_up[e].double().T + b_gate_up[e].double()
+        gate, up = h[:, :I].clamp(max=7.0), h[:, I:].clamp(-7.0, 7.0)
+        y = ((up + 1) * gate * torch.sigmoid(1.702 * gate)) @ w_down[e].double().T + b_down[e].double()
+        expected.index_add_(0, t, y * topk_weights[t, k].double()[:, None])
+    assert relative_error(out, expected) < RELATIVE_ERROR[dtype]

@@ -166,3 +166,51 @@ def test_fused_experts_checks_shapes_before_devices():
     args["w_down"] = torch.zeros((3, 8, 8), dtype=torch.float16)
     with pytest.raises(ValueError, match="w_down has shape"):
         fused_experts(**args)
+
+
+@pytest.mark.parametrize("dtype, H, I", [("float32", 37, 23), ("bfloat16", 72, 40)])
+def test_pipeline_with_biases_and_swigluoai(emulator, dtype, H, I):
+    # The gpt-oss expert on the whole launch sequence against a plain NumPy definition.
+    rng = np.random.default_rng(H)
+    x, w_gate_up, w_down = random_problem(rng, 9, H, I, 4)
+    w_gate_up = w_gate_up * 8.0  # products of a few units: the clamps at +-7 are reached
+    topk_weights, topk_ids = routing(rng, 9, 4, 3)
+    b_gate_up = (rng.standard_normal((4, 2 * I)) * 2.0).astype(np.float32)
+    b_down = rng.standard_normal((4, H)).astype(np.float32)
+    backend = HostBackend(emulator)
+    problem = dataclasses.replace(
+        check_fused_experts_args(x.astype(np.float32), w_gate_up.astype(np.float32), w_down.astype(np.float32),
+                                 topk_weights, topk_ids, activation="swigluoai", gate_up_bias=b_gate_up,
+                                 down_bias=b_down), dtype=dtype)
+    stored = [to_storage(v, dtype) for v in (x, w_gate_up, w_down, b_gate_up, b_down)]
+    inputs = [backend.arrays.copy(v) for v in stored[:3]] + [backend.arrays.copy(topk_weights),
+                                                             backend.arrays.copy(topk_ids)]
+    out = backend.empty((9, H), dtype)
+    run_fused_experts(backend, problem, *inputs, out, activation="swigluoai",
+                      gate_up_bias=backend.arrays.copy(stored[3]), down_bias=backend.arrays.copy(stored[4]))
+    backend.arrays.check_guards()
+    xs, w13, w2, b13, b2 = (from_storage(v, dtype) for v in stored)
+    expected = np.zeros((9, H))
+    for t in range(9):
+        for k in range(3):
+            e = topk_ids[t, k]
+            if e < 0:
+                continue
+            h = w13[e] @ xs[t] + b13[e]
+            gate, up = np.minimum(h[:I], 7.0), np.clip(h[I:], -7.0, 7.0)
+            inter = (up + 1.0) * gate / (1.0 + np.exp(-1.702 * gate))
+            expected[t] += topk_weights[t, k] * (w2[e] @ inter + b2[e])
+    # bfloat16 rounds the intermediate and each slot's output: allow a few of its ulps.
+    scale = np.abs(expected).max()
+    tolerance = 1e-5 if dtype == "float32" else 3e-2
+    assert np.abs(from_storage(out, dtype) - expected).max() <= tolerance * scale
+
+
+@pytest.mark.parametrize("name, bias, words", [
+    ("gate_up_bias", np.zeros((3, 15), np.float16), r"gate_up_bias has shape \(3, 15\); expected \[3, 16\]"),
+    ("down_bias", np.zeros((3, 16), np.float32), "down_bias has dtype float32; expected float16"),
+    ("down_bias", np.zeros(16, np.float16), "down_bias must be 2-D"),
+])
+def test_check_rejects_bad_biases(name, bias, words):
+    with pytest.raises(ValueError, match=words):
+        check_fused_experts_args(**_valid_args(), **{name: bias})

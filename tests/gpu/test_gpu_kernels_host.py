@@ -180,3 +180,59 @@ def test_sum_topk(emulator, dtype):
     tolerance = {"float32": 1e-6, "float16": TOLERANCE["float16"], "bfloat16": TOLERANCE["bfloat16"]}[dtype]
     assert np.abs(actual - round_to(expected, dtype)).max() <= tolerance * scale
     arrays.check_guards()
+
+
+# ------------------------------------------------------------------ biases and swigluoai
+
+def swigluoai(gate, up):
+    """gpt-oss's activation in float64: gate clamped above at 7, up to [-7, 7]."""
+    gate = np.minimum(gate, 7.0)
+    up = np.clip(up, -7.0, 7.0)
+    return (up + 1.0) * gate / (1.0 + np.exp(-1.702 * gate))
+
+
+def act_float64(gate, up, activation):
+    if activation == "swigluoai":
+        return swigluoai(gate, up)
+    silu = gate / (1.0 + np.exp(-gate))
+    return silu * up
+
+
+@pytest.mark.parametrize("path, dtype, shape", [("simt", "float32", SIMT_SHAPE), ("simt", "bfloat16", SIMT_SHAPE),
+                                                ("mma", "bfloat16", MMA_SHAPE), ("mma", "float16", MMA_SHAPE)])
+@pytest.mark.parametrize("activation", ["swigluoai", "silu"])
+def test_biased_gemms(emulator, path, dtype, shape, activation):
+    case = Case(dtype, 16, shape, seed=13)
+    rng = np.random.default_rng(17)
+    E, H, I = case.num_experts, case.H, case.I
+    # Gate/up products of a few units: scaled so that the clamps at +-7 are reached.
+    case.w_gate_up[...] = to_storage(case.values(case.w_gate_up) * 8.0, dtype)
+    gate_up_bias = case.arrays.copy(to_storage(rng.standard_normal((E, 2 * I)) * 2.0, dtype))
+    down_bias = case.arrays.copy(to_storage(rng.standard_normal((E, H)), dtype))
+    intermediate = case.empty(case.numel, I)
+    emulator.launch(case.gemm(path, True, case.x, intermediate, activation=activation, bias=gate_up_bias))
+    x, w_gate_up, w_down = case.values(case.x), case.values(case.w_gate_up), case.values(case.w_down)
+    b_gate_up, b_down = case.values(gate_up_bias), case.values(down_bias)
+    flat_ids = case.topk_ids.reshape(-1)
+    expected = np.full((case.numel, I), np.nan)
+    pre_activation = []
+    for j in np.nonzero(case.valid)[0]:
+        e, row = flat_ids[j], x[j // TOP_K]
+        gate = w_gate_up[e, :I] @ row + b_gate_up[e, :I]
+        up = w_gate_up[e, I:] @ row + b_gate_up[e, I:]
+        pre_activation.append((gate, up))
+        expected[j] = round_to(act_float64(gate, up, activation), dtype)
+    gates = np.concatenate([g for g, _ in pre_activation])
+    ups = np.concatenate([u for _, u in pre_activation])
+    assert (gates > 7).any() and (np.abs(ups) > 7).any()
+    check_rows(case, intermediate, expected, f"biased intermediate ({path}, {activation})")
+
+    expert_out = case.empty(case.numel, H)
+    emulator.launch(case.gemm(path, False, intermediate, expert_out, apply_router_weight=True, bias=down_bias))
+    inter = case.values(intermediate)
+    expected = np.full((case.numel, H), np.nan)
+    weights = case.topk_weights.reshape(-1)
+    for j in np.nonzero(case.valid)[0]:
+        e = flat_ids[j]
+        expected[j] = round_to((w_down[e] @ inter[j] + b_down[e]) * weights[j], dtype)
+    check_rows(case, expert_out, expected, f"biased expert_out ({path})")

@@ -86,8 +86,9 @@ def test_simt_plan():
     plan = _plan("simt", 128, 512, 100)
     assert plan.name == "moe_gemm_simt<moeroute::bfloat16, 64, 1>"
     assert plan.grid == (512 // 64, 2, 1) and plan.block == (256, 1, 1) and plan.shared_memory == 0
-    scalars = [int(a) for a in plan.args[6:]]
-    assert scalars == [5, 2, 100, 64, 128, L.ACTIVATIONS["gelu_tanh"], 1]
+    assert plan.args[6] is plan.args[1]  # no bias: the kernel never reads the pointer
+    scalars = [int(a) for a in plan.args[7:]]
+    assert scalars == [5, 2, 100, 64, 128, L.ACTIVATIONS["gelu_tanh"], 1, 0]
     assert _plan("simt", 32, 64, 100).name == "moe_gemm_simt<moeroute::bfloat16, 16, 1>"
 
 
@@ -117,3 +118,14 @@ def test_unknown_path():
 ])
 def test_mma_eligible(dtype, cc, hip, H, I, pointer, expected):
     assert L.mma_eligible(dtype, cc, hip, H, I, [256, pointer]) is expected
+
+
+def test_plan_with_bias_passes_it_and_sets_the_flag():
+    arrays = [np.zeros(1, np.float32)] * 3
+    bias = np.zeros(4, np.float32)
+    plan = L.plan_expert_gemm(path="simt", dtype="float32", gated=True, block_size=16, a=arrays[0], b=arrays[1],
+                              c=arrays[2], sorted_token_ids=np.zeros(16, np.int32),
+                              expert_ids=np.zeros(1, np.int32), topk_weights=arrays[0], numel=5, top_k=2,
+                              n=2, k=8, activation="swigluoai", bias=bias)
+    assert plan.args[6] is bias
+    assert int(plan.args[12]) == L.ACTIVATIONS["swigluoai"] == 3 and int(plan.args[-1]) == 1

@@ -105,9 +105,14 @@ def test_zero_tokens():
 def test_sort_by_expert_matches_cpu_with_an_explicit_stream():
     rng = np.random.default_rng(3)
     ids = rng.integers(-1, 6, (11, 3))
-    got = sort_by_expert(dev(ids), 5, stream=cuda.stream())
-    for g, w in zip(got, sort_by_expert(ids, 5)):
-        np.testing.assert_array_equal(host(g), w)
+    slots, offsets, inverse = sort_by_expert(dev(ids), 5, stream=cuda.stream())
+    want_slots, want_offsets, want_inverse = sort_by_expert(ids, 5)
+    np.testing.assert_array_equal(host(offsets), want_offsets)
+    np.testing.assert_array_equal(host(inverse), want_inverse)
+    # Sized by the upper bound T*K: the sort, then the padding value T*K.
+    kept = int(want_offsets[-1])
+    assert kept < ids.size  # some -1 ids were dropped
+    np.testing.assert_array_equal(host(slots), np.r_[want_slots, np.full(ids.size - kept, ids.size)])
 
 
 @pytest.mark.parametrize("kind", ["float32", "bf16-bits"])
@@ -118,9 +123,24 @@ def test_permute_matches_cpu_bit_for_bit(kind):
     hidden = values if kind == "float32" else bf16_bits(values)
     got = permute(dev(hidden), dev(ids), 5)
     want = permute(hidden, ids, 5)
-    assert host(got[0]).tobytes() == want[0].tobytes()
+    kept = want[0].shape[0]
+    assert kept < ids.size and host(got[0]).shape == (ids.size, 3)
+    assert host(got[0])[:kept].tobytes() == want[0].tobytes()
     for g, w in zip(got[1:], want[1:]):
         np.testing.assert_array_equal(host(g), w)
+
+
+def test_permute_and_combine_over_several_column_tiles():
+    """H = 300 spans two column tiles of 256 threads (blockIdx.y = 0, 1)."""
+    rng = np.random.default_rng(10)
+    ids = np.array([[2, -1], [0, 2]], np.int32)
+    hidden = rng.standard_normal((2, 300)).astype(np.float32)
+    permuted, _, inverse = permute(dev(hidden), dev(ids), 3)
+    want, _, want_inverse = permute(hidden, ids, 3)
+    np.testing.assert_array_equal(host(permuted)[:3], want)
+    weights = rng.random((2, 2)).astype(np.float32)
+    got = host(combine(permuted, inverse, dev(weights)))
+    assert got.tobytes() == combine(want, want_inverse, weights).tobytes()
 
 
 # ------------------------------------------------------------------ combine
@@ -220,3 +240,220 @@ def test_remap_to_local_matches_cpu(device_map):
     got = host(remap_to_local(dev(ids), table))
     assert got.shape == ids.shape
     np.testing.assert_array_equal(got, remap_to_local(ids, expert_map))
+
+
+# ------------------------------------------------------------------ graph safety
+
+
+class HostTraffic:
+    """Counts what would stall or break a CUDA graph capture on a real device: copies to
+    or from the host, host reads of device elements, synchronizations, and allocations
+    that do not go through `moeroute.routing._arrays.device_empty` (the one gateway to the
+    caller framework's allocator)."""
+
+    def __init__(self):
+        self.events = []
+        self.launches = []  # kernel names, in launch order
+        self.counting = False
+
+    def note(self, what):
+        if self.counting:
+            self.events.append(what)
+
+
+@pytest.fixture
+def traffic(monkeypatch):
+    import sys
+    import threading
+
+    from numba.cuda.simulator import api as sim_api
+    from numba.cuda.simulator.cudadrv import devicearray as sim_arrays
+
+    from moeroute.routing import _arrays
+
+    record = HostTraffic()
+    gateway = _arrays.device_empty.__code__
+
+    def counted(name, function, allowed_from=None):
+        def wrapper(*args, **kwargs):
+            if allowed_from is None or sys._getframe(1).f_code is not allowed_from:
+                record.note(name)
+            return function(*args, **kwargs)
+        return wrapper
+
+    for name in ("device_array", "device_array_like", "pinned_array", "mapped_array",
+                 "managed_array"):
+        if not hasattr(cuda, name):
+            continue
+        original = getattr(cuda, name)
+        monkeypatch.setattr(cuda, name, counted(name, original, allowed_from=gateway))
+    for name in ("to_device", "synchronize"):
+        monkeypatch.setattr(cuda, name, counted(name, getattr(cuda, name)))
+    monkeypatch.setattr(sim_api.stream, "synchronize",
+                        counted("stream.synchronize", sim_api.stream.synchronize))
+    monkeypatch.setattr(sim_api.Event, "synchronize",
+                        counted("event.synchronize", sim_api.Event.synchronize))
+    fake = sim_arrays.FakeCUDAArray
+    for name in ("copy_to_host", "copy_to_device", "__array__", "__int__", "__float__",
+                 "__index__", "__bool__", "tolist", "item"):
+        if hasattr(fake, name):
+            monkeypatch.setattr(fake, name, counted(f"FakeCUDAArray.{name}", getattr(fake, name)),
+                                raising=False)
+    getitem = fake.__getitem__
+
+    def host_getitem(self, index):
+        value = getitem(self, index)
+        # Kernel threads read elements all the time; the host thread reading one is a
+        # device-to-host copy and a synchronization on a real device.
+        if threading.current_thread() is threading.main_thread() and not isinstance(value, fake):
+            record.note("host element read")
+        return value
+
+    monkeypatch.setattr(fake, "__getitem__", host_getitem)
+    launch = __import__("numba.cuda.simulator.kernel", fromlist=["FakeCUDAKernel"]).FakeCUDAKernel
+    call = launch.__call__
+
+    def checked_call(self, *args):
+        # A NumPy argument of a launch is copied to the device and back around it (device
+        # functions, called on kernel threads, take the simulator's local arrays as NumPy).
+        if threading.current_thread() is threading.main_thread():
+            if record.counting:
+                record.launches.append(self.fn.__name__)
+            for arg in args:
+                if isinstance(arg, np.ndarray) and arg.ndim > 0:
+                    record.note("NumPy kernel argument")
+        return call(self, *args)
+
+    monkeypatch.setattr(launch, "__call__", checked_call)
+    return record
+
+
+def _graph_safety_cases():
+    from moeroute.config import RouterConfig
+    from moeroute.routing.select import select_experts
+
+    rng = np.random.default_rng(11)
+    ids = rng.integers(-1, 6, (5, 2)).astype(np.int32)
+    weights = rng.random((5, 2)).astype(np.float32)
+    hidden = rng.standard_normal((5, 3)).astype(np.float32)
+    expert_map = LAYOUT.expert_map(1)
+    num_local = LAYOUT.num_local_experts(1)
+    inverse = sort_by_expert(ids, 6)[2]
+    expert_out = rng.standard_normal((ids.size, 3)).astype(np.float32)
+    logits = rng.standard_normal((3, 8)).astype(np.float32)
+    config = RouterConfig(8, 2, scoring="sigmoid", renormalize=True)
+    bias = rng.standard_normal(8).astype(np.float32)
+    return {
+        "select_experts": (lambda d: select_experts(d(logits), config, d(bias)),
+                           lambda: select_experts(logits, config, bias)),
+        "align_block_size": (lambda d: align_block_size(d(ids), 6, 4),
+                             lambda: align_block_size(ids, 6, 4)),
+        "align_block_size[host map]": (
+            lambda d: align_block_size(d(ids), num_local, 4, expert_map),
+            lambda: align_block_size(ids, num_local, 4, expert_map)),
+        "align_block_size[device map]": (
+            lambda d: align_block_size(d(ids), num_local, 4, d(expert_map)),
+            lambda: align_block_size(ids, num_local, 4, expert_map)),
+        "sort_by_expert": (lambda d: sort_by_expert(d(ids), 6), lambda: sort_by_expert(ids, 6)),
+        "permute": (lambda d: permute(d(hidden), d(ids), 6), lambda: permute(hidden, ids, 6)),
+        "combine": (lambda d: combine(d(expert_out), d(inverse), d(weights)),
+                    lambda: combine(expert_out, inverse, weights)),
+        "combine-unweighted": (lambda d: combine(d(expert_out), d(inverse)),
+                               lambda: combine(expert_out, inverse)),
+        "logical_to_physical": (lambda d: logical_to_physical(d(ids), LAYOUT),
+                                lambda: logical_to_physical(ids, LAYOUT)),
+        "append_shared_slots": (lambda d: append_shared_slots(d(ids), d(weights), LAYOUT, 1),
+                                lambda: append_shared_slots(ids, weights, LAYOUT, 1)),
+        "remap_to_local[host map]": (lambda d: remap_to_local(d(ids), expert_map),
+                                     lambda: remap_to_local(ids, expert_map)),
+        "remap_to_local[device map]": (lambda d: remap_to_local(d(ids), d(expert_map)),
+                                       lambda: remap_to_local(ids, expert_map)),
+    }
+
+
+GRAPH_SAFETY_OPS = ["select_experts", "align_block_size", "align_block_size[host map]",
+                    "align_block_size[device map]", "sort_by_expert", "permute", "combine",
+                    "combine-unweighted", "logical_to_physical", "append_shared_slots",
+                    "remap_to_local[host map]", "remap_to_local[device map]"]
+
+
+def _as_tuple(result):
+    return result if isinstance(result, tuple) else (result,)
+
+
+@pytest.mark.parametrize("op", GRAPH_SAFETY_OPS)
+def test_device_ops_copy_sync_and_allocate_nothing_outside_the_framework(op, traffic):
+    """After a warm-up call (kernel compile, layout and map tables uploaded once), a call on
+    device inputs neither copies to or from the host, nor synchronizes, nor allocates
+    except through the caller framework's allocator; its values still match the CPU."""
+    device_op, host_op = _graph_safety_cases()[op]
+    device_op(dev)  # warm-up: compiles, caches tables
+    inputs = {}
+
+    def staged(array):  # inputs are uploaded before counting starts
+        if id(array) not in inputs:
+            inputs[id(array)] = dev(array)
+        return inputs[id(array)]
+
+    device_op(staged)
+    traffic.counting = True
+    got = device_op(staged)
+    traffic.counting = False
+    assert traffic.events == [], f"{op}: {sorted(set(traffic.events))}"
+    want = _as_tuple(host_op())
+    for g, w in zip(_as_tuple(got), want):
+        g = host(g) if hasattr(g, "copy_to_host") else np.asarray(g)
+        w = np.asarray(w)
+        if op in ("sort_by_expert", "permute") and g.shape != w.shape:
+            g = g[:w.shape[0]]  # device outputs are sized by the upper bound T*K
+        if op == "align_block_size" and g.shape == (1,):
+            g = g[0]
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=0)
+
+
+def test_the_instrumentation_sees_each_kind_of_traffic(traffic):
+    """The counter is not blind: a sync, a read-back, a copy, a stray allocation, a host
+    element read and a NumPy kernel argument each show up."""
+    array = dev(np.arange(4, dtype=np.int32))
+    traffic.counting = True
+    cuda.default_stream().synchronize()
+    array.copy_to_host()
+    cuda.to_device(np.zeros(2))
+    cuda.device_array(3, np.int32)
+    int(array[1])
+    remap_to_local(array, np.arange(4, dtype=np.int32))  # first upload of a host map
+    permute_module = __import__("moeroute.routing.permute", fromlist=["_gather_kernel"])
+    permute_module._gather_kernel()[(1, 1), 32](np.zeros((1, 1), np.float32), array, array[:1], 1,
+                                                np.zeros((1, 1), np.float32))
+    traffic.counting = False
+    names = set(traffic.events)
+    assert {"stream.synchronize", "FakeCUDAArray.copy_to_host", "to_device", "device_array",
+            "host element read", "NumPy kernel argument"} <= names, traffic.events
+
+
+#: Kernel launches per op on device inputs: align in two (count, then scan + place + pad).
+EXPECTED_LAUNCHES = {
+    "select_experts": ["select_experts_kernel"],
+    "align_block_size": ["_count_kernel", "_place_kernel"],
+    # The map is read inside both kernels: no remap launch, no [T, K] buffer.
+    "align_block_size[host map]": ["_count_kernel", "_place_kernel"],
+    "align_block_size[device map]": ["_count_kernel", "_place_kernel"],
+    "sort_by_expert": ["_count_kernel", "_place_kernel"],
+    "permute": ["_count_kernel", "_place_kernel", "_gather_rows_kernel"],
+    "combine": ["_combine_kernel"],
+    "combine-unweighted": ["_combine_kernel"],
+    "logical_to_physical": ["logical_to_physical_kernel"],
+    "append_shared_slots": ["_append_kernel"],
+    "remap_to_local[host map]": ["_remap_kernel"],
+    "remap_to_local[device map]": ["_remap_kernel"],
+}
+
+
+@pytest.mark.parametrize("op", GRAPH_SAFETY_OPS)
+def test_launches_per_op(op, traffic):
+    device_op, _ = _graph_safety_cases()[op]
+    device_op(dev)
+    traffic.counting = True
+    device_op(dev)
+    traffic.counting = False
+    assert traffic.launches == EXPECTED_LAUNCHES[op]

@@ -170,3 +170,128 @@ def test_invalid_arguments(kwargs, error, words):
     args.update(kwargs)
     with pytest.raises(error, match=words):
         align_block_size(args["ids"], args["num_experts"], args["block_size"])
+
+
+# ------------------------------------------------------------------ with an expert map
+
+from moeroute.layout import ExpertLayout  # noqa: E402
+from moeroute.routing.remap import remap_to_local  # noqa: E402
+
+# (label, layout arguments): linear, round-robin, per-rank and global shared slots, EPLB.
+MAP_LAYOUTS = [
+    ("512+1 on 8, all2all", dict(num_routed_experts=512, num_shared_experts=1, ep_size=8,
+                                 dispatch="all2all")),
+    ("60+2 on 7, allgather", dict(num_routed_experts=60, num_shared_experts=2, ep_size=7,
+                                  dispatch="allgather", shared_slots="global")),
+    ("round robin 16 on 4", dict(num_routed_experts=16, ep_size=4, dispatch="all2all",
+                                 placement="round_robin", num_redundant_experts=3)),
+    ("table", dict(num_routed_experts=6, ep_size=2, dispatch="all2all",
+                   physical_to_logical=[5, 0, 1, 2, 3, 4, 0, 0])),
+]
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("label,kwargs", MAP_LAYOUTS, ids=[label for label, _ in MAP_LAYOUTS])
+def test_expert_map_equals_remap_then_align(label, kwargs, block_size):
+    layout = ExpertLayout(**kwargs)
+    rng = np.random.default_rng(len(label) * 31 + block_size)
+    # Ids past both ends of the physical id space and -1 must be dropped.
+    ids = rng.integers(-2, layout.num_physical_experts + 3, (257, 9))
+    for rank in range(layout.ep_size):
+        expert_map = layout.expert_map(rank)
+        local = layout.num_local_experts(rank)
+        got = align_block_size(ids, local, block_size, expert_map)
+        assert_same(got, align_block_size(remap_to_local(ids, expert_map), local, block_size))
+        assert_same(got, reference.align_block_size(ids, local, block_size, expert_map))
+
+
+def test_expert_map_worked_example():
+    # Rank 1 of N=8, S=1, E=2 (SPEC section 2): physical 5..9 are its local 0..4.
+    expert_map = ExpertLayout(8, 1, ep_size=2, dispatch="all2all").expert_map(1)
+    ids = np.array([[5, 0], [9, 6], [-1, 5]])
+    sorted_ids, expert_ids, total = align_block_size(ids, 5, 2, expert_map)
+    # local 0 <- flat 0 and 5; local 1 <- flat 3; local 4 <- flat 2; flat 1 and 4 dropped.
+    assert sorted_ids.tolist()[:6] == [0, 5, 3, 6, 2, 6]
+    assert expert_ids.tolist()[:4] == [0, 1, 4, -1]
+    assert total == 6
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    tokens=st.integers(0, 30),
+    top_k=st.integers(1, 5),
+    num_physical=st.integers(1, 20),
+    num_experts=st.integers(1, 12),
+    block_size=st.integers(1, 8),
+    data=st.data(),
+)
+def test_expert_map_property(tokens, top_k, num_physical, num_experts, block_size, data):
+    # Any valid map (-1 or a local id), ids past num_experts included: equal to remap then align.
+    expert_map = np.array(data.draw(st.lists(st.integers(-1, num_experts + 2), min_size=num_physical,
+                                             max_size=num_physical)), dtype=np.int64)
+    ids = np.array(data.draw(st.lists(st.integers(-2, num_physical + 2), min_size=tokens * top_k,
+                                      max_size=tokens * top_k)), dtype=np.int32).reshape(tokens, top_k)
+    assert_same(align_block_size(ids, num_experts, block_size, expert_map),
+                align_block_size(remap_to_local(ids, expert_map), num_experts, block_size))
+
+
+@pytest.mark.parametrize("expert_map,error,words", [
+    (np.zeros((2, 5), np.int32), ValueError, "expert_map must be 1-D"),
+    (np.zeros(5, np.float32), TypeError, "expert_map must hold integers"),
+    # The values remap_to_local refuses are refused here too.
+    (np.array([0, -2, 1]), ValueError, r"expert_map values must be -1 .* got values in \[-2, 1\]"),
+    (np.array([0, 2**31]), ValueError, "expert_map values must be -1"),
+])
+def test_expert_map_invalid(expert_map, error, words):
+    with pytest.raises(error, match=words):
+        align_block_size(np.zeros((2, 3), np.int32), 4, 2, expert_map)
+
+
+# The CUDA path (the map read inside the counting sort's two kernels) under the simulator; see
+# test_align_cuda_simulator below.
+from moeroute.routing._arrays import simulator_enabled  # noqa: E402
+
+_SIMULATED = simulator_enabled()
+_sim_only = pytest.mark.skipif(not _SIMULATED, reason="runs inside the CUDA simulator subprocess")
+_no_sim = pytest.mark.skipif(_SIMULATED, reason="needs the real numba.cuda, not the simulator")
+
+
+@_sim_only
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_sim_expert_map_matches_cpu(block_size):
+    from numba import cuda
+
+    layout = ExpertLayout(13, 1, ep_size=3, dispatch="all2all", placement="round_robin")
+    rng = np.random.default_rng(block_size)
+    ids = rng.integers(-2, layout.num_physical_experts + 2, (11, 3)).astype(np.int32)
+    for rank in range(3):
+        expert_map = layout.expert_map(rank)
+        local = layout.num_local_experts(rank)
+        expected = align_block_size(ids, local, block_size, expert_map)
+        # Host map (uploaded once) and device map, through the public function.
+        for table in (expert_map, cuda.to_device(expert_map)):
+            got = align_block_size(cuda.to_device(ids), local, block_size, table)
+            np.testing.assert_array_equal(got[0].copy_to_host(), expected[0])
+            np.testing.assert_array_equal(got[1].copy_to_host(), expected[1])
+            assert got[2].copy_to_host().tolist() == [expected[2]]
+
+
+@_no_sim
+def test_align_cuda_simulator():
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+         "-k", "test_sim_", __file__],
+        env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
+        timeout=900)
+    summary = result.stdout[-3000:] + result.stderr[-2000:]
+    assert result.returncode == 0, summary
+    passed = re.search(r"(\d+) passed", result.stdout)
+    assert passed and int(passed.group(1)) > 0, summary
+    assert not re.search(r"\d+ (failed|errors?)", result.stdout), summary

@@ -234,10 +234,20 @@ def test_accumulate_rows_16_bit(kind):
     ({"tokens": np.array([0, 4])}, ValueError, r"tokens must lie in \[0, 4\)"),
     ({"weights": np.ones(2)}, TypeError, "weights must be float32"),
     ({"rows": np.zeros((2, 3), np.int32)}, TypeError, "rows must be float32 or float16"),
+    ({"out": np.zeros((4, 3), np.float32)[:, :]}, None, None),
+    ({"out": np.broadcast_to(np.zeros(3, np.float32), (4, 3)).copy()}, None, None),
+    ({"out": [[0.0] * 3] * 4}, TypeError, "out must be a NumPy array .* got list"),
+    ({"out": np.zeros((4, 3), np.float32)}, "readonly", None),
 ])
 def test_accumulate_rows_invalid_arguments(change, error, words):
     args = {"out": np.zeros((4, 3), np.float32), "rows": np.zeros((2, 3), np.float32),
             "tokens": np.array([0, 1]), "weights": np.ones(2, np.float32)}
     args.update(change)
+    if error is None:  # writable arrays of other provenance are fine
+        accumulate_rows(args["out"], args["rows"], args["tokens"], args["weights"])
+        return
+    if error == "readonly":  # was a Numba TypingError
+        args["out"].setflags(write=False)
+        error, words = ValueError, r"out is read-only \(flags.writeable is False\)"
     with pytest.raises(error, match=words):
         accumulate_rows(args["out"], args["rows"], args["tokens"], args["weights"])

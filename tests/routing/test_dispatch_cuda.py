@@ -33,6 +33,7 @@ from moeroute.routing.align import align_block_size  # noqa: E402
 from moeroute.routing.combine import combine  # noqa: E402
 from moeroute.routing.permute import permute, sort_by_expert  # noqa: E402
 from moeroute.routing.remap import logical_to_physical, remap_to_local  # noqa: E402
+from moeroute.routing.select import DEVICE_WARPS_PER_BLOCK  # noqa: E402
 from moeroute.routing.shared_slots import append_shared_slots  # noqa: E402
 
 SIM_MODULE = Path(__file__).with_name("_sim_dispatch_cuda.py")
@@ -42,7 +43,9 @@ SIM_TIMEOUT_S = 600
 
 
 def test_cuda_kernels_under_the_simulator():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    # The device's launch configuration: four warps per block (exact warp intrinsics).
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+               MOEROUTE_SIM_WARPS=str(DEVICE_WARPS_PER_BLOCK))
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
          str(SIM_MODULE)],
@@ -52,6 +55,21 @@ def test_cuda_kernels_under_the_simulator():
     passed = re.search(r"(\d+) passed", result.stdout)
     assert passed and int(passed.group(1)) > 0, summary
     assert not re.search(r"\d+ (failed|skipped|error)", result.stdout), summary
+
+
+def test_device_views_never_synchronize(monkeypatch):
+    """numba-cuda syncs on the producer's stream unless told not to: a host wait per call."""
+    from moeroute.routing import _arrays
+
+    calls = []
+    monkeypatch.setattr(cuda, "as_cuda_array", lambda obj, sync=True: calls.append(sync) or obj)
+
+    class Producer:
+        __cuda_array_interface__ = {"shape": (2,), "typestr": "<i4", "data": (0, False),
+                                    "version": 3, "stream": 7}
+
+    _arrays.as_device_array(Producer())
+    assert calls == [False]
 
 
 # ------------------------------------------------------------------ compile checks
@@ -69,9 +87,10 @@ def _kernel_signatures():
     cases = []
     for name, ids in ids2.items():
         cases += [
-            (f"count[{name}]", _sort._count_kernel, (ids, I64, I64, _array(I32, 2))),
+            (f"count[{name}]", _sort._count_kernel, (ids, table, BOOL, I64, I64, _array(I32, 2))),
             (f"place[{name}]", _sort._place_kernel,
-             (ids, I64, I64, _array(I32, 2), table, table, _array(I32, 2), BOOL)),
+             (ids, table, BOOL, I64, I64, I64, I64, _array(I32, 2), _array(I32, 2), _array(I32, 2),
+              _array(I32, 2), table, table, _array(I32, 2), BOOL, table)),
             (f"logical_to_physical[{name}]", remap_module.logical_to_physical_kernel,
              (ids, I64, table, table, table, _array(I32, 2))),
             (f"remap[{name}]", remap_module._remap_kernel, (_array(ids.dtype, 1), table, table)),
@@ -80,12 +99,10 @@ def _kernel_signatures():
               F32, BOOL, _array(I32, 2), _array(F32, 2))),
         ]
     cases += [
-        ("scan", _sort._scan_kernel, (_array(I32, 2), I64, I64, table, table)),
-        ("pad", _sort._pad_kernel, (table, table, I64, I64, I64, table, table)),
         ("gather[uint16]", permute_module._gather_rows_kernel,
-         (_array(U16, 2), table, I64, _array(U16, 2))),
+         (_array(U16, 2), table, table, I64, _array(U16, 2))),
         ("gather[float32]", permute_module._gather_rows_kernel,
-         (_array(F32, 2), table, I64, _array(F32, 2))),
+         (_array(F32, 2), table, table, I64, _array(F32, 2))),
         ("combine[float32]", combine_module._combine_kernel,
          (_array(F32, 2), _array(I32, 2), _array(F32, 2), BOOL, _array(F32, 2))),
         ("combine[float16]", combine_module._combine_kernel,
@@ -120,6 +137,29 @@ def test_kernel_compiles_to_ptx(name, function, signature, cc):
     assert ".entry" in ptx
 
 
+ELEMENTWISE = [k for k in KERNELS if k[0].startswith(("gather", "combine"))]
+
+
+def test_row_launch_config_covers_every_column_once():
+    for rows, width in [(3, 300), (1, 1), (5, 32), (2, 257), (7, 7168)]:
+        (grid_rows, tiles), threads = _sort.row_launch_config(rows, width)
+        assert grid_rows == rows and threads % 32 == 0 and threads <= _sort.THREADS_PER_BLOCK
+        columns = np.arange(tiles)[:, None] * threads + np.arange(threads)[None, :]
+        assert set(columns[columns < width].tolist()) == set(range(width))
+        assert tiles == 1 or (tiles - 1) * threads < width  # no block of only idle threads
+    with pytest.raises(ValueError, match=r"width=16777216 needs 65536 column tiles"):
+        _sort.row_launch_config(1, 65536 * 256)
+
+
+@pytest.mark.parametrize("name,function,signature", ELEMENTWISE, ids=[k[0] for k in ELEMENTWISE])
+def test_elementwise_kernels_do_no_64_bit_division(name, function, signature):
+    """Row and column come from the block index: no 64-bit divide or remainder per element
+    (each is a ~70-instruction software routine on the GPU)."""
+    with _compiling_for((9, 0)):
+        ptx, _ = cuda.compile_ptx(function, signature, cc=(9, 0))
+    assert not re.search(r"\b(div|rem)\.[su]64\b", ptx)
+
+
 # ------------------------------------------------------------------ GPU
 
 needs_device = pytest.mark.skipif(not cuda.is_available(), reason="no CUDA device")
@@ -148,8 +188,13 @@ def test_gpu_align_and_sort_match_cpu(tokens, top_k, num_experts, block_size):
     np.testing.assert_array_equal(got[0].copy_to_host(), want[0])
     np.testing.assert_array_equal(got[1].copy_to_host(), want[1])
     assert int(got[2].copy_to_host()[0]) == want[2]
-    for g, w in zip(sort_by_expert(device_ids, num_experts), sort_by_expert(ids, num_experts)):
-        np.testing.assert_array_equal(g.copy_to_host(), w)
+    slots, offsets, inverse = sort_by_expert(device_ids, num_experts)
+    want_slots, want_offsets, want_inverse = sort_by_expert(ids, num_experts)
+    np.testing.assert_array_equal(offsets.copy_to_host(), want_offsets)
+    np.testing.assert_array_equal(inverse.copy_to_host(), want_inverse)
+    kept = int(want_offsets[-1])  # sized by the upper bound T*K, padded with T*K
+    np.testing.assert_array_equal(slots.copy_to_host(),
+                                  np.r_[want_slots, np.full(ids.size - kept, ids.size)])
 
 
 @pytest.mark.gpu
@@ -164,7 +209,8 @@ def test_gpu_permute_and_combine_match_cpu():
     for name, hidden_states in (("float32", values), ("bf16", bits)):
         got = permute(cuda.to_device(hidden_states), cuda.to_device(ids), num_experts)
         want = permute(hidden_states, ids, num_experts)
-        assert got[0].copy_to_host().tobytes() == want[0].tobytes()
+        assert got[0].shape == (ids.size, hidden)  # the upper bound; rows past M unwritten
+        assert got[0].copy_to_host()[:want[0].shape[0]].tobytes() == want[0].tobytes()
         np.testing.assert_array_equal(got[1].copy_to_host(), want[1])
         np.testing.assert_array_equal(got[2].copy_to_host(), want[2])
         permuted[name], inverse = want[0], want[2]
@@ -227,7 +273,8 @@ def test_gpu_framework_arrays_stay_in_their_framework():
     tensor_ids = torch.from_numpy(ids).cuda()
     sorted_slots, offsets, inverse = sort_by_expert(tensor_ids, 64)
     assert isinstance(sorted_slots, torch.Tensor) and sorted_slots.device == tensor_ids.device
-    np.testing.assert_array_equal(sorted_slots.cpu().numpy(), sort_by_expert(ids, 64)[0])
+    want_slots = sort_by_expert(ids, 64)[0]
+    np.testing.assert_array_equal(sorted_slots[:want_slots.shape[0]].cpu().numpy(), want_slots)
     hidden = torch.randn(1000, 32, device="cuda").to(torch.bfloat16)
     permuted, _, inverse = permute(hidden.view(torch.int16), tensor_ids, 64)
     out = combine(permuted, inverse, None, raw_bf16=True).view(torch.bfloat16)

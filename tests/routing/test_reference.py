@@ -15,13 +15,17 @@ ROUTING_CASES = [
     (128, 8, "softmax", 1, 1, True, 1.0, False),     # Qwen3-30B-A3B
     (60, 4, "softmax", 1, 1, False, 1.0, False),     # Qwen1.5-MoE
     (64, 6, "softmax", 8, 3, True, 16.0, False),     # DeepSeek-V2 style group_limited_greedy
+    (256, 8, "sqrtsoftplus", 8, 4, True, 2.5, True),  # SGLang's biased top-k, sqrt-softplus
+    (64, 4, "sqrtsoftplus", 1, 1, False, 1.0, False),
+    (32, 4, "none", 1, 1, False, 1.5, False),        # FlashInfer's TopK: the raw logits
 ]
 
 
 def torch_route(logits, cfg, bias):
     """Routing as transformers' DeepSeek-V3 / Qwen blocks compute it (float64, no ties here)."""
     x = torch.from_numpy(logits).double()
-    scores = x.sigmoid() if cfg.scoring == "sigmoid" else x.softmax(-1)
+    scores = {"sigmoid": x.sigmoid, "sqrtsoftplus": lambda: torch.nn.functional.softplus(x).sqrt(),
+              "none": lambda: x}.get(cfg.scoring, lambda: x.softmax(-1))()
     choice = scores + torch.from_numpy(bias).double() if bias is not None else scores
     T, N = x.shape
     G = cfg.num_expert_group
@@ -107,3 +111,30 @@ def test_sort_permute_combine_against_loops():
             if 0 <= ids[t, k] < E:
                 loop[t] += w[t, k] * (ids[t, k] + 1) * x[t]
     np.testing.assert_allclose(out, loop, rtol=1e-5, atol=1e-6)
+
+
+def test_gpt_oss_routing_is_softmax_with_renormalize():
+    # top-k of the logits, then softmax over the K picked (transformers' GptOssTopKRouter).
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((65, 32)).astype(np.float32)
+    top, ids = torch.topk(torch.from_numpy(logits).double(), 4, dim=-1)
+    w, got_ids = reference.select_experts(logits, RouterConfig(32, 4, "softmax", renormalize=True))
+    np.testing.assert_array_equal(got_ids, ids.numpy())
+    np.testing.assert_allclose(w, torch.softmax(top, dim=-1).numpy(), rtol=1e-6)
+
+
+def test_align_with_expert_map_worked_example():
+    # Rank 1 of N=8, S=1, E=2 holds physical 5..9 as local 0..4.
+    expert_map = np.array([-1] * 5 + [0, 1, 2, 3, 4], np.int32)
+    ids = np.array([[5, 0], [9, 6], [-1, 5], [12, 7]])
+    sorted_ids, expert_ids, total = reference.align_block_size(ids, 5, 2, expert_map)
+    # local 0: flat 0, 5; local 1: flat 3; local 2: flat 7; local 4: flat 2 (ids 0, -1, 12 dropped).
+    assert sorted_ids.tolist()[:8] == [0, 5, 3, 8, 7, 8, 2, 8]
+    assert expert_ids.tolist()[:5] == [0, 1, 2, 4, -1]
+    assert total == 8
+
+
+def test_expert_load_counts_by_loop():
+    ids = np.array([[3, 0, -1], [3, 7, 2], [9, 3, 0]])
+    counts = [sum(int(v) == e for v in ids.reshape(-1)) for e in range(8)]
+    assert reference.expert_load(ids, 8).tolist() == counts == [2, 0, 1, 3, 0, 0, 0, 1]

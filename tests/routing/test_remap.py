@@ -131,3 +131,68 @@ class _DeviceLike:
 def test_invalid_arguments(call, error, words):
     with pytest.raises(error, match=words):
         call()
+
+
+# ------------------------------------------------------------------ placements, prefer_rank
+
+PREFER_LAYOUTS = [
+    ("round robin + replicas", dict(num_routed_experts=10, num_shared_experts=1, ep_size=3,
+                                    dispatch="all2all", num_redundant_experts=5,
+                                    placement="round_robin")),
+    ("table", dict(num_routed_experts=4, ep_size=4, dispatch="all2all",
+                   physical_to_logical=[0, 1, 2, 3, 0, 2, 0, 3])),
+    ("table, global slots", dict(num_routed_experts=5, num_shared_experts=2, ep_size=2,
+                                 dispatch="allgather", shared_slots="global",
+                                 physical_to_logical=[4, 3, 2, 1, 0, 0, 1])),
+]
+
+
+@pytest.mark.parametrize("label,kwargs", PREFER_LAYOUTS, ids=[label for label, _ in PREFER_LAYOUTS])
+def test_prefer_rank_matches_reference(label, kwargs):
+    layout = ExpertLayout(**kwargs)
+    rng = np.random.default_rng(len(label))
+    ids = logical_ids(rng, 301, layout, top_k=4)
+    np.testing.assert_array_equal(logical_to_physical(ids, layout),
+                                  reference.logical_to_physical(ids, layout))
+    for rank in range(layout.ep_size):
+        out = logical_to_physical(ids, layout, rank)
+        np.testing.assert_array_equal(out, reference.logical_to_physical(ids, layout, rank))
+
+
+def test_prefer_rank_keeps_tokens_on_the_rank_when_it_holds_a_replica():
+    table = [0, 1, 2, 3, 0, 2, 0, 3]  # ranks hold [0, 1] [2, 3] [0, 2] [0, 3]
+    layout = ExpertLayout(4, 0, 4, "all2all", physical_to_logical=table)
+    ids = np.tile(np.arange(4), (500, 1))
+    for rank in range(4):
+        out = logical_to_physical(ids, layout, prefer_rank=rank)
+        owner = np.asarray(layout.owner_rank)[out]
+        held = {table[p] for p in range(2 * rank, 2 * rank + 2)}
+        for logical in range(4):
+            replicas = [p for p, x in enumerate(table) if x == logical]
+            if logical in held:
+                assert set(owner[:, logical].tolist()) == {rank}
+            else:  # the hash rule over all replicas: every one is used
+                assert sorted(set(out[:, logical].tolist())) == replicas
+
+
+@pytest.mark.parametrize("rank,error", [(4, ValueError), (-1, ValueError), (1.5, ValueError)])
+def test_prefer_rank_invalid(rank, error):
+    layout = ExpertLayout(8, 0, 4, "all2all")
+    with pytest.raises(error, match="prefer_rank"):
+        logical_to_physical(np.zeros((2, 2), np.int32), layout, rank)
+
+
+@pytest.mark.parametrize("values", [[0, 2**31], [-1, 2**31 + 3], [-2, 0], [0, 2**32 + 1]])
+def test_remap_refuses_map_values_that_do_not_fit_int32(values):
+    """Such values used to wrap to another (held) local id; now they raise."""
+    expert_map = np.array(values, np.int64)
+    with pytest.raises(ValueError, match=r"expert_map values must be -1 .* \[0, 2147483647\]"):
+        remap_to_local(np.array([0, 1], np.int32), expert_map)
+
+
+def test_remap_accepts_a_wide_map_within_int32():
+    expert_map = np.array([-1, 0, 2**31 - 1], np.int64)
+    ids = np.array([2, 1, 0, 3], np.int64)
+    np.testing.assert_array_equal(remap_to_local(ids, expert_map),
+                                  reference.remap_to_local(ids, expert_map))
+    np.testing.assert_array_equal(remap_to_local(ids, expert_map), [2**31 - 1, 0, -1, -1])

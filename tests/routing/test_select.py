@@ -48,18 +48,28 @@ def draw_inputs(preset, num_tokens, dtype, rng):
     return logits, bias
 
 
+def float64_scores(logits, scoring):
+    """Independent float64 scores of finite logits (SPEC sections 1 and 9)."""
+    x = logits.astype(np.float64)
+    if scoring == "sigmoid":
+        return 1.0 / (1.0 + np.exp(-x))
+    if scoring == "sqrtsoftplus":
+        return np.sqrt(np.logaddexp(0.0, x))
+    if scoring == "none":
+        return x
+    if x.size == 0:
+        return x
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
 def near_tie_rows(logits, config, bias):
     """Rows where a decision (group cut-off, pick order, K-th vs K+1-th) is a near tie.
 
     Independent float64 definition of SPEC section 1 for finite logits. Exact ties (equal
     inputs) are not near ties: both sides compute equal values and take the lower id.
     """
-    x = logits.astype(np.float64)
-    if config.scoring == "sigmoid":
-        scores = 1.0 / (1.0 + np.exp(-x))
-    else:
-        e = np.exp(x - x.max(axis=1, keepdims=True))
-        scores = e / e.sum(axis=1, keepdims=True)
+    scores = float64_scores(logits, config.scoring)
     choice = scores if bias is None else scores + bias.astype(np.float64)
 
     def close(a, b):
@@ -130,6 +140,15 @@ CONFIG_CASES = {
     "K = 32": RouterConfig(256, 32, "softmax"),
     "K = 1": RouterConfig(64, 1, "sigmoid", renormalize=True),
     "groups of 2": RouterConfig(32, 4, "sigmoid", num_expert_group=16, topk_group=4),
+    "sqrtsoftplus": RouterConfig(96, 8, "sqrtsoftplus", renormalize=True,
+                                 routed_scaling_factor=2.5),
+    "sqrtsoftplus, no renormalize": RouterConfig(64, 6, "sqrtsoftplus", renormalize=False),
+    "sqrtsoftplus, groups": RouterConfig(64, 4, "sqrtsoftplus", num_expert_group=8,
+                                         topk_group=2),
+    "none": RouterConfig(64, 4, "none", renormalize=False, routed_scaling_factor=1.5),
+    "none, renormalize": RouterConfig(32, 1, "none", renormalize=True),
+    "none, groups": RouterConfig(64, 6, "none", num_expert_group=4, topk_group=2,
+                                 renormalize=False),
 }
 
 
@@ -180,8 +199,9 @@ def test_candidate_paths_match_reference(num_experts, top_k, levels):
         logits = rng.standard_normal(shape).astype(np.float32)
     else:
         logits = rng.integers(0, levels, shape).astype(np.float32)
-    for scoring in ("softmax", "sigmoid"):
-        assert_matches_reference(logits, RouterConfig(num_experts, top_k, scoring))
+    for scoring in ("softmax", "sigmoid", "sqrtsoftplus", "none"):
+        assert_matches_reference(logits, RouterConfig(num_experts, top_k, scoring,
+                                                      renormalize=scoring != "none"))
 
 
 # float32 softmax rows with renormalize and no groups are ranked straight from the raw
@@ -280,6 +300,76 @@ def test_nan_and_inf_rows(preset_name):
     np.testing.assert_allclose(weights, ref_weights, rtol=WEIGHT_RTOL, atol=1e-30)
 
 
+NEW_SCORING_CONFIGS = {
+    "sqrtsoftplus": RouterConfig(24, 4, "sqrtsoftplus", routed_scaling_factor=2.0),
+    "sqrtsoftplus, groups": RouterConfig(24, 4, "sqrtsoftplus", num_expert_group=4, topk_group=2),
+    "none": RouterConfig(24, 4, "none", renormalize=False),
+    "none, renormalize": RouterConfig(24, 4, "none", renormalize=True, routed_scaling_factor=3.0),
+}
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("name", list(NEW_SCORING_CONFIGS))
+def test_new_scorings_nan_and_inf_rows(name, with_bias):
+    config = NEW_SCORING_CONFIGS[name]
+    rng = rng_for("special-new", name, with_bias)
+    logits = special_rows(config.num_experts, rng)
+    bias = (0.1 * rng.standard_normal(config.num_experts)).astype(np.float32) if with_bias else None
+    with np.errstate(invalid="ignore", over="ignore"):
+        weights, ids = select_experts(logits, config, bias)
+        ref_weights, ref_ids = reference.select_experts(logits, config, bias)
+    assert np.isfinite(weights).all()
+    assert all(len(set(row)) == config.top_k for row in ids.tolist())
+    assert ((ids >= 0) & (ids < config.num_experts)).all()
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(weights, ref_weights, rtol=WEIGHT_RTOL, atol=1e-30)
+
+
+def test_sqrtsoftplus_bias_selects_but_does_not_weigh():
+    config = RouterConfig(4, 2, "sqrtsoftplus", renormalize=False, routed_scaling_factor=2.0)
+    logits = np.array([[2.0, 1.0, 0.0, -1.0]], np.float32)
+    bias = np.array([0.0, 0.0, 0.0, 10.0], np.float32)
+    weights, ids = select_experts(logits, config, bias)
+    np.testing.assert_array_equal(ids, [[3, 0]])
+    expected = 2.0 * np.sqrt(np.log1p(np.exp(np.array([-1.0, 2.0]))))
+    np.testing.assert_allclose(weights[0], expected, rtol=WEIGHT_RTOL)
+
+
+# scoring "none" + renormalize: divide by sum + 1e-20 only when that is a positive finite
+# number; keep the raw logits otherwise; clamp to the finite float32 range.
+RAW_RENORMALIZE_ROWS = [
+    ([3.0, 1.0, -5.0, 0.5], [0, 1], [0.75, 0.25]),           # positive sum: a plain division
+    ([1.0, -1.0, -5.0, -6.0], [0, 1], [1e20, -1e20]),        # sum 0: divided by 1e-20
+    ([-1.0, -2.0, -5.0, -6.0], [0, 1], [-1.0, -2.0]),        # negative sum: kept as they are
+    ([FLOAT32_MAX, FLOAT32_MAX, 0.0, 0.0], [0, 1], [FLOAT32_MAX, FLOAT32_MAX]),  # sum overflows
+    ([1e-30, 1e30, -3e38, 0.0], [1, 0], [1e30 / (1e30 + 1e-20), 1e-30 / 1e30]),
+    ([np.nan, np.inf, -np.inf, 0.0], [1, 3], [1.0, 0.0]),   # +inf clips to FLOAT32_MAX
+]
+
+
+@pytest.mark.parametrize("row,expected_ids,expected_weights", RAW_RENORMALIZE_ROWS)
+def test_raw_logit_renormalize_rule(row, expected_ids, expected_weights):
+    config = RouterConfig(4, 2, "none", renormalize=True)
+    logits = np.array([row], np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        weights, ids = select_experts(logits, config)
+        ref_weights, ref_ids = reference.select_experts(logits, config)
+    np.testing.assert_array_equal(ids[0], expected_ids)
+    np.testing.assert_array_equal(ref_ids[0], expected_ids)
+    expected = np.clip(np.array(expected_weights, np.float64), -FLOAT32_MAX, FLOAT32_MAX)
+    # atol: 1e-30 / 1e30 underflows to 0 in float32.
+    np.testing.assert_allclose(weights[0], expected, rtol=WEIGHT_RTOL, atol=1e-38)
+    np.testing.assert_allclose(ref_weights[0], expected, rtol=WEIGHT_RTOL, atol=1e-38)
+    assert np.isfinite(weights).all()
+
+
+def test_raw_logit_weights_overflowing_rsf_are_clamped():
+    config = RouterConfig(3, 2, "none", renormalize=False, routed_scaling_factor=4.0)
+    weights, ids = select_experts(np.array([[3e38, -3e38, 1.0]], np.float32), config)
+    np.testing.assert_array_equal(ids, [[0, 2]])
+    np.testing.assert_array_equal(weights, [[FLOAT32_MAX, 4.0]])
+
+
 def test_nan_bias_ranks_below_every_value():
     config = RouterConfig(6, 4, "sigmoid")
     bias = np.array([NAN, 0.0, NAN, -INF, 0.0, 0.0], np.float32)
@@ -341,7 +431,7 @@ ERROR_CASES = [
     ("N mismatch", dict(logits=np.zeros((3, 255), np.float32)), ValueError,
      r"logits.shape\[1\]=255 .*num_experts=256"),
     ("float64 logits", dict(logits=np.zeros((3, 256))), ValueError,
-     r"dtype float64 .*\('float32', 'float16'\)"),
+     r"dtype float64 .*\('float32', 'float16', 'bfloat16'\)"),
     ("int logits", dict(logits=np.zeros((3, 256), np.int32)), ValueError, r"dtype int32"),
     ("list logits", dict(logits=[[0.0] * 256]), TypeError, r"logits must be a NumPy array.*list"),
     ("bias shape", dict(correction_bias=np.zeros(255, np.float32)), ValueError,
@@ -351,7 +441,7 @@ ERROR_CASES = [
     ("bias dtype", dict(correction_bias=np.zeros(256)), ValueError,
      r"correction_bias dtype float64 must be float32"),
     ("bias list", dict(correction_bias=[0.0] * 256), TypeError,
-     r"correction_bias must be a NumPy array, got list"),
+     r"correction_bias must be a NumPy array, a torch tensor or a CUDA device array, got list"),
     ("config", dict(config={"num_experts": 256}), TypeError,
      r"config must be a .*RouterConfig.*dict"),
     ("groups of one with bias", dict(config=RouterConfig(8, 2, "sigmoid", num_expert_group=8,
@@ -387,7 +477,7 @@ def routing_problems(draw):
     topk_group = draw(st.integers(1, num_groups))
     top_k = draw(st.integers(1, min(32, topk_group * experts_per_group)))
     config = RouterConfig(
-        num_experts, top_k, draw(st.sampled_from(["softmax", "sigmoid"])),
+        num_experts, top_k, draw(st.sampled_from(["softmax", "sigmoid", "sqrtsoftplus", "none"])),
         num_expert_group=num_groups, topk_group=topk_group,
         renormalize=draw(st.booleans()),
         routed_scaling_factor=draw(st.floats(0.25, 4.0)),
@@ -419,14 +509,18 @@ def test_properties(problem):
     assert ids.shape == weights.shape == (logits.shape[0], config.top_k)
     assert ((ids >= 0) & (ids < config.num_experts)).all()
     assert all(len(set(row)) == config.top_k for row in ids.tolist())
-    assert np.isfinite(weights).all() and (weights >= 0).all()
-    x = logits.astype(np.float64)
-    if config.scoring == "sigmoid":
-        scores = 1.0 / (1.0 + np.exp(-x))
-    else:
-        e = np.exp(x - x.max(axis=1, keepdims=True)) if x.size else x
-        scores = e / e.sum(axis=1, keepdims=True) if x.size else x
-    if config.renormalize and logits.shape[0]:
+    assert np.isfinite(weights).all()
+    assert config.scoring == "none" or (weights >= 0).all()
+    scores = float64_scores(logits, config.scoring)
+    if config.scoring == "none" and logits.shape[0]:
+        picked = np.take_along_axis(scores, ids.astype(np.int64), axis=1)
+        divisor = picked.sum(axis=1, keepdims=True) + 1e-20
+        usable = config.renormalize & (divisor > 1e-3)  # well away from the sign change
+        expected = np.where(usable, picked / np.where(usable, divisor, 1.0), picked)
+        expected = config.routed_scaling_factor * expected
+        rows = (divisor[:, 0] > 1e-3) | (divisor[:, 0] < -1e-3) | (not config.renormalize)
+        np.testing.assert_allclose(weights[rows], expected[rows], rtol=1e-4, atol=1e-5)
+    elif config.renormalize and logits.shape[0]:
         picked_scores = np.take_along_axis(scores, ids.astype(np.int64), axis=1).sum(axis=1)
         expected = config.routed_scaling_factor * picked_scores / (picked_scores + 1e-20)
         np.testing.assert_allclose(weights.sum(axis=1, dtype=np.float64), expected, rtol=1e-5)

@@ -47,7 +47,9 @@ def rng_for(*key):
 
 @no_sim
 def test_cuda_simulator_suite():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    # The device's launch configuration: four warps per block (exact warp intrinsics).
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+               MOEROUTE_SIM_WARPS=str(select_module.DEVICE_WARPS_PER_BLOCK))
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
          "-k", "test_sim_", str(Path(__file__))],
@@ -114,11 +116,12 @@ def test_sim_bfloat16_bits_match_cpu():
     values = rng_for("bf16").standard_normal((2, config.num_experts)).astype(np.float32)
     bits = (values.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
     as_float = (bits.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    kernel = select_module._device_kernel(config.num_experts, 1, False, False, True, "bfloat16")
+    kernel = select_module._device_kernel(config.num_experts, 1, "softmax", False, True, "bfloat16")
     out_w = cuda.device_array((2, config.top_k), np.float32)
     out_ids = cuda.device_array((2, config.top_k), np.int32)
-    kernel[2, 32](cuda.to_device(bits), out_w.reshape(-1), 2, config.top_k, 1, np.float32(1.0),
-                  out_w, out_ids)
+    warps = select_module._device_warps_per_block()
+    kernel[-(-2 // warps), warps * 32](cuda.to_device(bits), out_w.reshape(-1), 2, config.top_k, 1,
+                                       np.float32(1.0), out_w, out_ids)
     host_w, host_ids = select_experts(as_float, config)
     np.testing.assert_array_equal(out_ids.copy_to_host(), host_ids)
     np.testing.assert_allclose(out_w.copy_to_host(), host_w, rtol=WEIGHT_RTOL)
@@ -135,6 +138,12 @@ SIM_CONFIGS = {
     "sigmoid, bias, groups of 64": (RouterConfig(128, 6, "sigmoid", num_expert_group=2,
                                                  topk_group=1, routed_scaling_factor=2.5), True),
     "N = 33": (RouterConfig(33, 3, "softmax", renormalize=False, routed_scaling_factor=0.5), False),
+    "sqrtsoftplus, bias, groups": (RouterConfig(64, 4, "sqrtsoftplus", num_expert_group=4,
+                                                topk_group=2, routed_scaling_factor=2.5), True),
+    "sqrtsoftplus, no renormalize": (RouterConfig(40, 3, "sqrtsoftplus", renormalize=False),
+                                     False),
+    "none": (RouterConfig(40, 3, "none", renormalize=False, routed_scaling_factor=1.5), False),
+    "none, renormalize, bias": (RouterConfig(48, 4, "none", renormalize=True), True),
 }
 
 
@@ -164,7 +173,10 @@ def special_rows(num_experts, rng):
     (RouterConfig(64, 4, "sigmoid", num_expert_group=4, topk_group=2, routed_scaling_factor=2.5),
      True),
     (RouterConfig(40, 3, "softmax", renormalize=False), False),
-], ids=["sigmoid-bias-groups", "softmax-no-renormalize"])
+    (RouterConfig(40, 3, "sqrtsoftplus", num_expert_group=4, topk_group=2), True),
+    (RouterConfig(40, 3, "none", renormalize=True, routed_scaling_factor=2.0), False),
+], ids=["sigmoid-bias-groups", "softmax-no-renormalize", "sqrtsoftplus-bias-groups",
+        "none-renormalize"])
 def test_sim_nan_and_inf_rows_match_cpu(config, with_bias):
     rng = rng_for("special", config)
     logits = special_rows(config.num_experts, rng)
@@ -175,6 +187,18 @@ def test_sim_nan_and_inf_rows_match_cpu(config, with_bias):
         dev_w, dev_ids = assert_device_matches_host(logits, config, bias)
     assert np.isfinite(dev_w).all()
     assert all(len(set(row)) == config.top_k for row in dev_ids.tolist())
+
+
+@sim_only
+def test_sim_raw_logit_renormalize_rule_matches_cpu():
+    # Positive, zero, negative and overflowing sums of the picked logits (scoring "none").
+    config = RouterConfig(4, 2, "none", renormalize=True)
+    logits = np.array([[3.0, 1.0, -5.0, 0.5], [1.0, -1.0, -5.0, -6.0],
+                       [-1.0, -2.0, -5.0, -6.0], [3e38, 3e38, 0.0, 0.0]], np.float32)
+    with np.errstate(over="ignore"):
+        dev_w, dev_ids = assert_device_matches_host(logits, config)
+    np.testing.assert_allclose(dev_w, [[0.75, 0.25], [1e20, -1e20], [-1.0, -2.0], [3e38, 3e38]],
+                               rtol=WEIGHT_RTOL)
 
 
 @sim_only
@@ -225,7 +249,7 @@ def test_sim_invalid_device_arguments():
 
 @sim_only
 def test_sim_warp_helpers_fallback():
-    assert _warp.SIMULATED and _warp.warps_per_block(4) == 1
+    assert _warp.SIMULATED and _warp.warps_per_block(4) == min(4, _warp.SIM_WARPS)
 
     @cuda.jit
     def helpers(keys, values, out_max, out_sum, out_idx, out_xor, out_bits, out_float):
@@ -259,18 +283,21 @@ def test_sim_warp_helpers_fallback():
 
 # ------------------------------------------------------------------ device compile checks
 
-# (name, N, G, sigmoid, bias, renormalize, input kind): every code shape the kernel takes.
+# (name, N, G, scoring, bias, renormalize, input kind): every code shape the kernel takes.
 PTX_CASES = [
-    ("deepseek-v3", 256, 8, True, True, True, "float32"),
-    ("kimi-k2", 384, 1, True, True, True, "bfloat16"),
-    ("glm-4.5", 160, 1, True, True, True, "float16"),
-    ("qwen3-30b-a3b", 128, 1, False, False, True, "float16"),
-    ("qwen3.5-moe", 512, 1, False, False, True, "bfloat16"),
-    ("qwen1.5-moe-a2.7b", 60, 1, False, False, False, "float32"),
-    ("mixtral-8x7b", 8, 1, False, False, True, "float32"),
-    ("softmax-bias-groups", 64, 4, False, True, True, "float32"),
-    ("softmax-groups", 128, 8, False, False, True, "bfloat16"),
-    ("sigmoid-no-bias-groups", 48, 3, True, False, False, "float32"),
+    ("deepseek-v3", 256, 8, "sigmoid", True, True, "float32"),
+    ("kimi-k2", 384, 1, "sigmoid", True, True, "bfloat16"),
+    ("glm-4.5", 160, 1, "sigmoid", True, True, "float16"),
+    ("qwen3-30b-a3b", 128, 1, "softmax", False, True, "float16"),
+    ("qwen3.5-moe", 512, 1, "softmax", False, True, "bfloat16"),
+    ("qwen1.5-moe-a2.7b", 60, 1, "softmax", False, False, "float32"),
+    ("mixtral-8x7b", 8, 1, "softmax", False, True, "float32"),
+    ("softmax-bias-groups", 64, 4, "softmax", True, True, "float32"),
+    ("softmax-groups", 128, 8, "softmax", False, True, "bfloat16"),
+    ("sigmoid-no-bias-groups", 48, 3, "sigmoid", False, False, "float32"),
+    ("sqrtsoftplus-bias-groups", 256, 8, "sqrtsoftplus", True, True, "bfloat16"),
+    ("none-renormalize", 128, 1, "none", False, True, "float32"),
+    ("none-bias-groups", 64, 4, "none", True, False, "float16"),
 ]
 LOCAL_MEMORY = re.compile(r"\b(ld|st)\.local\b")
 
@@ -280,8 +307,8 @@ LOCAL_MEMORY = re.compile(r"\b(ld|st)\.local\b")
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
 @pytest.mark.parametrize("case", PTX_CASES, ids=[c[0] for c in PTX_CASES])
 def test_kernel_compiles_to_ptx_without_local_memory(case, cc):
-    name, num_experts, groups, sigmoid, has_bias, renormalize, kind = case
-    function = select_module._device_kernel_function(num_experts, groups, sigmoid, has_bias,
+    name, num_experts, groups, scoring, has_bias, renormalize, kind = case
+    function = select_module._device_kernel_function(num_experts, groups, scoring, has_bias,
                                                      renormalize, kind)
     ptx, _ = cuda.compile_ptx(function, select_module._device_signature(kind), cc=cc)
     assert f".target sm_{cc[0]}{cc[1]}" in ptx

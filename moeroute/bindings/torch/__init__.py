@@ -8,7 +8,13 @@ parallelism implements is in `moeroute.bindings.torch.dispatch`.
 """
 
 from moeroute.bindings.torch.dispatch import DispatchHandle, Dispatcher, LocalDispatcher
-from moeroute.bindings.torch.hf import SUPPORTED_BLOCKS, from_hf, replace_moe_blocks
+from moeroute.bindings.torch.hf import (
+    SUPPORTED_BLOCKS,
+    experts_forward,
+    from_hf,
+    register_experts_implementation,
+    replace_moe_blocks,
+)
 from moeroute.bindings.torch.mlp import GatedMLP
 from moeroute.bindings.torch.moe import MoE
 
@@ -16,6 +22,8 @@ __all__ = [
     "MoE",
     "GatedMLP",
     "replace_moe_blocks",
+    "register_experts_implementation",
+    "experts_forward",
     "from_hf",
     "SUPPORTED_BLOCKS",
     "Dispatcher",

@@ -1,12 +1,12 @@
 """Torch tensors in, routing kernels, torch tensors out: zero-copy, both ways.
 
-CPU tensors reach the Numba kernels as NumPy views of the same memory
+The routing operations take torch tensors themselves (`moeroute.routing._arrays` does the
+crossing): CPU tensors reach the Numba kernels as NumPy views of the same memory
 (``Tensor.numpy()``), and the kernels' NumPy results come back through
 ``torch.from_numpy``: no copy in either direction. CUDA tensors go to the kernels as they
 are (``__cuda_array_interface__``) and come back as torch tensors on the same device.
 bfloat16 has no NumPy dtype, so it never becomes a NumPy float: it crosses as its raw
-16-bit pattern (a ``uint16`` view) to kernels that read raw bf16, or is converted on the
-torch side.
+16-bit pattern to kernels that read raw bf16, or is converted on the torch side.
 
 This module is the one place the torch adapter imports the routing kernels from.
 """
@@ -18,6 +18,7 @@ import types
 import numpy as np
 import torch
 
+from moeroute.routing import _arrays
 from moeroute.routing.combine import combine as _combine
 from moeroute.routing.permute import permute as _permute
 from moeroute.routing.permute import sort_by_expert as _sort_by_expert
@@ -71,12 +72,7 @@ def host_array(tensor: torch.Tensor) -> np.ndarray:
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise ValueError(f"host_array needs a CPU tensor, got one on {tensor.device}")
-    tensor = tensor.detach()
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.uint16)
-    return tensor.numpy()
+    return _arrays.host_array(tensor)
 
 
 def kernel_array(tensor: torch.Tensor):
@@ -115,8 +111,8 @@ def expert_map_for_device(expert_map: np.ndarray, device: torch.device):
     return torch.as_tensor(expert_map, dtype=torch.int32, device=device)
 
 
-def _device_of(tensor: torch.Tensor) -> torch.device:
-    return tensor.device
+def _contiguous(tensor):
+    return tensor.detach().contiguous() if isinstance(tensor, torch.Tensor) else tensor
 
 
 def select_experts(logits: torch.Tensor, router, correction_bias: torch.Tensor | None = None):
@@ -124,7 +120,7 @@ def select_experts(logits: torch.Tensor, router, correction_bias: torch.Tensor |
 
     Parameters
     ----------
-    logits : Tensor [T, N] float32
+    logits : Tensor [T, N] float32, float16 or bfloat16
     router : moeroute.config.RouterConfig
     correction_bias : Tensor [N] float32, optional
 
@@ -133,10 +129,7 @@ def select_experts(logits: torch.Tensor, router, correction_bias: torch.Tensor |
     topk_weights : Tensor [T, K] float32
     topk_ids : Tensor [T, K] int32
     """
-    bias = None if correction_bias is None else kernel_array(correction_bias)
-    weights, ids = ROUTING_KERNELS.select_experts(kernel_array(logits), router, bias)
-    device = _device_of(logits)
-    return as_tensor(weights, device), as_tensor(ids, device)
+    return ROUTING_KERNELS.select_experts(_contiguous(logits), router, _contiguous(correction_bias))
 
 
 def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weights=None):
@@ -157,18 +150,14 @@ def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weig
         (S' = S when fused, else 0).
     """
     if isinstance(shared_weights, torch.Tensor):
-        shared_weights = kernel_array(shared_weights.to(torch.float32))
-    ids, weights = ROUTING_KERNELS.append_shared_slots(
-        kernel_array(topk_ids), kernel_array(topk_weights), layout, home_rank, shared_weights
-    )
-    device = _device_of(topk_ids)
-    return as_tensor(ids, device), as_tensor(weights, device)
+        shared_weights = shared_weights.detach().to(torch.float32).contiguous()
+    return ROUTING_KERNELS.append_shared_slots(_contiguous(topk_ids), _contiguous(topk_weights),
+                                               layout, home_rank, shared_weights)
 
 
 def remap_to_local(ids: torch.Tensor, expert_map) -> torch.Tensor:
     """Physical -> local ids: ``expert_map[id]``, -1 when not held (int32, shape of ``ids``)."""
-    local = ROUTING_KERNELS.remap_to_local(kernel_array(ids), expert_map)
-    return as_tensor(local, _device_of(ids))
+    return ROUTING_KERNELS.remap_to_local(_contiguous(ids), expert_map)
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
@@ -180,11 +169,7 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
     expert_offsets : Tensor [num_experts + 1] int32
     inverse_index : Tensor [T, K'] int32, row of each entry, -1 when dropped
     """
-    sorted_slots, offsets, inverse = ROUTING_KERNELS.sort_by_expert(
-        kernel_array(topk_ids), num_experts
-    )
-    device = _device_of(topk_ids)
-    return as_tensor(sorted_slots, device), as_tensor(offsets, device), as_tensor(inverse, device)
+    return ROUTING_KERNELS.sort_by_expert(_contiguous(topk_ids), num_experts)
 
 
 def permute(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):
@@ -203,18 +188,7 @@ def permute(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
     expert_offsets : Tensor [num_experts + 1] int32
     inverse_index : Tensor [T, K'] int32, -1 for dropped entries
     """
-    bf16 = hidden_states.dtype == torch.bfloat16
-    source = hidden_states.detach().contiguous()
-    if bf16:
-        source = source.view(torch.uint16 if source.device.type == "cpu" else torch.int16)
-    permuted, offsets, inverse = ROUTING_KERNELS.permute(
-        kernel_array(source), kernel_array(topk_ids), num_experts
-    )
-    device = _device_of(hidden_states)
-    permuted = as_tensor(permuted, device)
-    if bf16:
-        permuted = permuted.view(torch.bfloat16)
-    return permuted, as_tensor(offsets, device), as_tensor(inverse, device)
+    return ROUTING_KERNELS.permute(_contiguous(hidden_states), _contiguous(topk_ids), num_experts)
 
 
 def combine(expert_out: torch.Tensor, inverse_index: torch.Tensor, topk_weights: torch.Tensor):
@@ -230,12 +204,5 @@ def combine(expert_out: torch.Tensor, inverse_index: torch.Tensor, topk_weights:
     -------
     Tensor [T, H], dtype of ``expert_out``.
     """
-    device = _device_of(expert_out)
-    bf16 = expert_out.dtype == torch.bfloat16
-    source = expert_out.detach().contiguous()
-    if bf16:
-        source = source.view(torch.uint16 if device.type == "cpu" else torch.int16)
-    out = ROUTING_KERNELS.combine(kernel_array(source), kernel_array(inverse_index),
-                                  kernel_array(topk_weights), raw_bf16=bf16)
-    out = as_tensor(out, device)
-    return out.view(torch.bfloat16) if bf16 else out
+    return ROUTING_KERNELS.combine(_contiguous(expert_out), _contiguous(inverse_index),
+                                   _contiguous(topk_weights))

@@ -23,8 +23,9 @@ strategies, picked per call by `choose_gemm` from the rows per expert:
 Each per-expert GEMM of the "loop" strategy goes to oneDNN (``torch.ops.mkldnn._linear_pointwise``,
 the op torch's own compiler emits for CPU linears) where this torch build has it and it
 serves the dtype, else to ``torch.mm`` (MKL/OpenBLAS). `LocalExperts.pack_cpu_weights`
-(opt-in, a second copy of the weights) keeps them in oneDNN's blocked layout, so that
-oneDNN does not reorder each expert's weights on every call. bench/layer.py measures
+(opt-in, a second copy of the weights, explicit: re-pack after changing the weights) keeps
+them in oneDNN's blocked layout, so that oneDNN does not reorder each expert's weights on
+every call. bench/layer.py measures
 both against the torch.mm loop and the transformers block.
 CUDA: `moeroute.gpu.fused_experts` runs the grouped GEMMs on torch's current stream.
 """
@@ -43,10 +44,16 @@ from moeroute.routing.combine import accumulate_checked
 
 __all__ = ["LocalExperts", "ACTIVATIONS", "SUPPORTED_DTYPES", "GEMM_STRATEGIES", "LINEAR_BACKENDS",
            "choose_gemm", "onednn_linear_serves",
-           "expert_mlp", "streamed_expert_mlp", "padded_expert_mlp", "grouped_expert_mlp", "apply_activation"]
+           "expert_mlp", "streamed_expert_mlp", "padded_expert_mlp", "grouped_expert_mlp", "apply_activation",
+           "gated_activation", "SWIGLUOAI_ALPHA", "SWIGLUOAI_LIMIT"]
 
-#: Activations of the gate projection: "silu" (SwiGLU), "gelu" (erf GeGLU), "gelu_tanh".
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+#: Activations of the gated MLP: "silu" (SwiGLU), "gelu" (erf GeGLU), "gelu_tanh", and
+#: "swigluoai" (gpt-oss: clamped gate and up, ``(up + 1) * gate * sigmoid(1.702 * gate)``).
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+#: gpt-oss's swiglu_alpha: the sigmoid's slope in ``gate * sigmoid(alpha * gate)``.
+SWIGLUOAI_ALPHA = 1.702
+#: gpt-oss's swiglu_limit: gate clamped above at it, up clamped to [-limit, limit].
+SWIGLUOAI_LIMIT = 7.0
 #: Activation dtypes the expert compute serves (SPEC section 5).
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Standard deviation of the initial expert weights (the usual transformer init); real
@@ -74,12 +81,33 @@ def check_activation(activation: str) -> str:
 
 
 def apply_activation(gate: torch.Tensor, activation: str) -> torch.Tensor:
-    """``act(gate)`` for one of `ACTIVATIONS`; same shape and dtype."""
+    """``act(gate)`` for "silu", "gelu" or "gelu_tanh"; same shape and dtype.
+
+    Raises ValueError for "swigluoai", which also transforms the up projection (use
+    `gated_activation`).
+    """
     if activation == "silu":
         return F.silu(gate)
     if activation == "gelu":
         return F.gelu(gate)
+    if activation == "swigluoai":
+        raise ValueError("activation='swigluoai' clamps and shifts the up projection too; it has no "
+                         "gate-only form (use gated_activation(gate, up, 'swigluoai'))")
     return F.gelu(gate, approximate="tanh")
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """The gated MLP's intermediate: ``act(gate) * up``, or for "swigluoai"
+    ``(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 * g)`` with ``g = min(gate, 7)``.
+
+    ``gate`` and ``up`` have the same shape; the result has it too, in their dtype. ``gate``
+    may be modified in place (it is a scratch slice of the gate_up product).
+    """
+    if activation != "swigluoai":
+        return apply_activation(gate, activation).mul_(up)
+    gate = gate.clamp(max=SWIGLUOAI_LIMIT)
+    glu = gate * torch.sigmoid(gate * SWIGLUOAI_ALPHA)
+    return glu.mul_(up.clamp(-SWIGLUOAI_LIMIT, SWIGLUOAI_LIMIT) + 1)
 
 
 def _onednn_linear_op():
@@ -124,6 +152,8 @@ def expert_mlp(
     w_down: torch.Tensor,
     activation: str = "silu",
     linear: str = "auto",
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated MLP of each expert over its contiguous rows (CPU, BLAS).
 
@@ -137,10 +167,15 @@ def expert_mlp(
     activation : str, one of `ACTIVATIONS`
     linear : {"auto", "onednn", "mm"}
         Backend of each expert's linear.
+    b_gate_up : Tensor [L, 2I], optional
+        Bias of the gate_up projection (gate entries first), dtype of the weights.
+    b_down : Tensor [L, H], optional
+        Bias of the down projection.
 
     Returns
     -------
-    Tensor [M, H], dtype of ``hidden_sorted``: ``down(act(x gate^T) * (x up^T))`` per row.
+    Tensor [M, H], dtype of ``hidden_sorted``: ``down(act(x gate^T + b_gate) * (x up^T + b_up))
+    + b_down`` per row (`gated_activation` for "swigluoai").
 
     Raises
     ------
@@ -158,8 +193,13 @@ def expert_mlp(
         start, stop = expert_offsets[e], expert_offsets[e + 1]
         if start != stop:
             _one_expert(hidden_sorted[start:stop], w_gate_up[e], w_down[e], activation, onednn,
-                        out=out[start:stop])
+                        out=out[start:stop], b_gate_up=_row(b_gate_up, e), b_down=_row(b_down, e))
     return out
+
+
+def _row(bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    """Expert ``e``'s bias vector, or None without biases."""
+    return None if bias is None else bias[e]
 
 
 def _onednn_op_for(linear: str, dtype: torch.dtype):
@@ -167,21 +207,24 @@ def _onednn_op_for(linear: str, dtype: torch.dtype):
     return _onednn_linear_op() if _linear_backend(linear, dtype) == "onednn" else None
 
 
-def _one_expert(x, w_gate_up, w_down, activation, onednn, out=None):
-    """``down(act(x gate^T) * (x up^T))`` for one expert's rows: oneDNN when ``onednn`` is
-    its op, else torch.mm; into ``out`` when given."""
+def _one_expert(x, w_gate_up, w_down, activation, onednn, out=None, b_gate_up=None, b_down=None):
+    """``down(act(x gate^T + b_gate) * (x up^T + b_up)) + b_down`` for one expert's rows
+    (biases optional): oneDNN when ``onednn`` is its op, else torch.mm; into ``out`` when given."""
     inter = w_down.shape[1]
     if onednn is not None:
-        gate_up = onednn(x, w_gate_up, None, "none", [], "")
+        gate_up = onednn(x, w_gate_up, b_gate_up, "none", [], "")
+    elif b_gate_up is not None:
+        gate_up = torch.addmm(b_gate_up, x, w_gate_up.t())
     else:
         gate_up = torch.mm(x, w_gate_up.t())
-    act = apply_activation(gate_up[:, :inter], activation)
-    act.mul_(gate_up[:, inter:])
+    act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
     if onednn is None:
+        if b_down is not None:
+            return torch.addmm(b_down, act, w_down.t(), out=out)
         return torch.mm(act, w_down.t(), out=out)
     if out is None:
-        return onednn(act, w_down, None, "none", [], "")
-    out.copy_(onednn(act, w_down, None, "none", [], ""))
+        return onednn(act, w_down, b_down, "none", [], "")
+    out.copy_(onednn(act, w_down, b_down, "none", [], ""))
     return out
 
 
@@ -195,6 +238,8 @@ def streamed_expert_mlp(
     activation: str = "silu",
     linear: str = "auto",
     stage_seconds: dict | None = None,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Permute, expert MLPs and combine in one pass over the experts (CPU).
 
@@ -209,8 +254,8 @@ def streamed_expert_mlp(
     sorted_slots : Tensor [M] int32, flat slots ``t*K' + k`` in expert order (`sort_by_expert`)
     expert_offsets : list of int, length L + 1
     topk_weights : Tensor [T, K'] float32
-    w_gate_up, w_down, activation, linear : as `expert_mlp`; the weights may also be
-        sequences of one expert's weights each (`LocalExperts.pack_cpu_weights`)
+    w_gate_up, w_down, activation, linear, b_gate_up, b_down : as `expert_mlp`; the weights
+        may also be sequences of one expert's weights each (`LocalExperts.pack_cpu_weights`)
     stage_seconds : dict, optional
         When given, the seconds spent gathering ("permute"), in the expert MLPs ("gemm")
         and summing ("combine") are added to its entries of those names.
@@ -238,7 +283,8 @@ def streamed_expert_mlp(
         t0 = clock() if clock else 0.0
         x = torch.index_select(hidden_states, 0, tokens[start:stop])
         t1 = clock() if clock else 0.0
-        y = _one_expert(x, w_gate_up[e], w_down[e], activation, onednn)
+        y = _one_expert(x, w_gate_up[e], w_down[e], activation, onednn, b_gate_up=_row(b_gate_up, e),
+                        b_down=_row(b_down, e))
         t2 = clock() if clock else 0.0
         # Valid by construction: the tokens of one expert's sorted slots ascend, each once.
         accumulate_checked(sums_np, arrays.host_array(y), tokens_np[start:stop],
@@ -282,6 +328,8 @@ def padded_expert_mlp(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     activation: str = "silu",
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`expert_mlp` as two batched GEMMs over an [L, R, H] zero-padded batch.
 
@@ -302,10 +350,13 @@ def padded_expert_mlp(
     batch = hidden_sorted.new_zeros((num_experts * width, hidden))
     batch.index_copy_(0, position, hidden_sorted)
     gate_up = torch.bmm(batch.view(num_experts, width, hidden), w_gate_up.transpose(1, 2))
-    act = apply_activation(gate_up[..., :inter], activation)
-    act.mul_(gate_up[..., inter:])
-    out = torch.bmm(act, w_down.transpose(1, 2)).view(num_experts * width, hidden)
-    return out.index_select(0, position)
+    if b_gate_up is not None:
+        gate_up += b_gate_up[:, None, :]
+    act = gated_activation(gate_up[..., :inter], gate_up[..., inter:], activation)
+    out = torch.bmm(act, w_down.transpose(1, 2))
+    if b_down is not None:
+        out += b_down[:, None, :]
+    return out.view(num_experts * width, hidden).index_select(0, position)
 
 
 def grouped_expert_mlp(
@@ -326,9 +377,28 @@ def grouped_expert_mlp(
         return hidden_sorted.new_empty((0, hidden))
     ends = expert_offsets[1:].to(torch.int32)
     gate_up = torch._grouped_mm(hidden_sorted, w_gate_up.transpose(-2, -1), offs=ends)
-    act = apply_activation(gate_up[:, :inter], activation)
-    act.mul_(gate_up[:, inter:])
+    act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
     return torch._grouped_mm(act, w_down.transpose(-2, -1), offs=ends)
+
+
+def _check_adopted_weights(weights, num_local_experts, hidden_size, intermediate_size):
+    """``weights`` as a (gate_up, down) pair of tensors of the expected shapes and one
+    supported dtype and device; ValueError/TypeError naming the mismatch otherwise."""
+    if not isinstance(weights, (tuple, list)) or len(weights) != 2 \
+            or not all(isinstance(w, torch.Tensor) for w in weights):
+        raise TypeError("weights must be a (w_gate_up, w_down) pair of tensors")
+    gate_up, down = weights
+    expected = ((num_local_experts, 2 * intermediate_size, hidden_size),
+                (num_local_experts, hidden_size, intermediate_size))
+    for name, tensor, shape in (("w_gate_up", gate_up, expected[0]), ("w_down", down, expected[1])):
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"weights {name} has shape {tuple(tensor.shape)}, expected {list(shape)}")
+    if gate_up.dtype != down.dtype or gate_up.device != down.device:
+        raise ValueError(f"weights must share one dtype and device, got {gate_up.dtype} on {gate_up.device} "
+                         f"and {down.dtype} on {down.device}")
+    if gate_up.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"weights dtype {gate_up.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    return gate_up, down
 
 
 class LocalExperts(nn.Module):
@@ -346,12 +416,20 @@ class LocalExperts(nn.Module):
         One of `ACTIVATIONS`.
     gemm : {"auto", "loop", "padded"}
         CPU expert-GEMM strategy; "auto" decides per call (`choose_gemm`).
+    bias : bool
+        Give every expert a gate_up bias and a down bias (gpt-oss), initialised to zeros.
     dtype, device : torch dtype and device of the weights.
+    weights : (Tensor [L, 2I, H], Tensor [L, H, I]), optional
+        Existing stacked weights to adopt: the parameters share their memory (no copy),
+        and dtype and device are theirs. E.g. a transformers experts module's
+        ``gate_up_proj`` / ``down_proj``, or a contiguous slice of them.
 
     Attributes
     ----------
     w_gate_up : Parameter [L, 2I, H] (gate rows first), requires_grad False
     w_down : Parameter [L, H, I], requires_grad False
+    b_gate_up : Parameter [L, 2I] (gate entries first) or None, requires_grad False
+    b_down : Parameter [L, H] or None, requires_grad False
 
     Raises
     ------
@@ -361,12 +439,17 @@ class LocalExperts(nn.Module):
     """
 
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int,
-                 activation: str = "silu", *, gemm: str = "auto", dtype=None, device=None) -> None:
+                 activation: str = "silu", *, gemm: str = "auto", bias: bool = False, dtype=None,
+                 device=None, weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
         for name, value in (("num_local_experts", num_local_experts),
                             ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if weights is not None:
+            adopted = _check_adopted_weights(weights, num_local_experts, hidden_size,
+                                             intermediate_size)
+            dtype, device = adopted[0].dtype, adopted[0].device
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={dtype} is not supported; use one of {SUPPORTED_DTYPES}")
@@ -377,6 +460,24 @@ class LocalExperts(nn.Module):
         self.num_local_experts = num_local_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
+        #: Whether the CPU loop uses oneDNN-packed copies (`pack_cpu_weights`), and the
+        #: copies: (key of the weights they were made from, gate_up list, down list).
+        self.pack_cpu = False
+        self._packed = None
+        if not isinstance(bias, bool):
+            raise ValueError(f"bias={bias!r} must be a bool")
+        self.b_gate_up = self.b_down = None
+        if bias:
+            self.b_gate_up = nn.Parameter(
+                torch.zeros(num_local_experts, 2 * intermediate_size, dtype=dtype, device=device),
+                requires_grad=False)
+            self.b_down = nn.Parameter(torch.zeros(num_local_experts, hidden_size, dtype=dtype, device=device),
+                                       requires_grad=False)
+        if weights is not None:
+            # Parameters over the given tensors' memory: no copy, no initialisation.
+            self.w_gate_up = nn.Parameter(adopted[0].detach(), requires_grad=False)
+            self.w_down = nn.Parameter(adopted[1].detach(), requires_grad=False)
+            return
         self.w_gate_up = nn.Parameter(
             torch.empty(num_local_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device),
             requires_grad=False,
@@ -385,10 +486,6 @@ class LocalExperts(nn.Module):
             torch.empty(num_local_experts, hidden_size, intermediate_size, dtype=dtype, device=device),
             requires_grad=False,
         )
-        #: Whether the CPU loop uses oneDNN-packed copies (`pack_cpu_weights`), and the
-        #: copies: (key of the weights they were made from, gate_up list, down list).
-        self.pack_cpu = False
-        self._packed = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -397,13 +494,20 @@ class LocalExperts(nn.Module):
             nn.init.normal_(self.w_down, std=INIT_STD)
 
     def pack_cpu_weights(self, enable: bool = True) -> "LocalExperts":
-        """Keep oneDNN-packed copies of the expert weights for the CPU expert loop.
+        """Pack the expert weights now into oneDNN copies for the CPU expert loop.
 
         oneDNN otherwise reorders each expert's weights into its blocked layout on every
         call; packed once, the loop skips that work (bench/layer.py measures the gain). The
         copies cost as much memory as the expert weights themselves, so this is opt-in.
-        They are rebuilt when the weights change in place or move, and results are the
-        same bit for bit. ``enable=False`` drops them.
+        Results are the same bit for bit.
+
+        Packing is explicit: the copies are a snapshot of the weights at this call, and
+        after changing the weights in any way, call ``pack_cpu_weights()`` again.
+        Changes torch can see (``copy_`` and other in-place ops, ``load_state_dict``,
+        assigning ``.data``, ``module.to(...)`` to another dtype or device) make the next
+        CPU forward raise a RuntimeError instead of computing with stale copies; writes
+        through ``.data`` bypass torch's version counter and are NOT seen: re-pack after
+        them. ``enable=False`` drops the copies (the plain weights serve).
 
         Returns ``self``. Raises ValueError when the weights are not on the CPU or this
         torch build's oneDNN cannot serve their dtype.
@@ -415,36 +519,52 @@ class LocalExperts(nn.Module):
             raise ValueError(f"this torch build's oneDNN cannot serve {self.w_gate_up.dtype} "
                              "weights; keep the plain weights (enable=False)")
         self.pack_cpu = bool(enable)
-        self._packed = None  # built on the next CPU forward
+        self._packed = None  # free old copies before building new ones
+        if self.pack_cpu:
+            reorder = torch.ops.mkldnn._reorder_linear_weight
+            with torch.no_grad():
+                self._packed = (self._weights_key(), [reorder(w) for w in self.w_gate_up],
+                                [reorder(w) for w in self.w_down])
         return self
+
+    def _weights_key(self) -> tuple:
+        """What torch can tell about the weights' identity: storage, version, dtype, device."""
+        return tuple((w.data_ptr(), w._version, w.dtype, w.device)
+                     for w in (self.w_gate_up, self.w_down))
 
     def cpu_weights(self):
         """(w_gate_up, w_down) as the CPU expert loop uses them: the parameters, or lists of
-        per-expert oneDNN-packed copies after `pack_cpu_weights` (built here when stale)."""
-        if (not self.pack_cpu or self.w_gate_up.device.type != "cpu"
-                or not onednn_linear_serves(self.w_gate_up.dtype)):
-            # Not asked for, or moved/converted (module.to) to what oneDNN cannot serve
-            # here: the plain weights; packing resumes if the weights come back.
+        per-expert oneDNN-packed copies after `pack_cpu_weights`.
+
+        Raises
+        ------
+        RuntimeError
+            The weights changed in a way torch can see since `pack_cpu_weights`.
+        """
+        if not self.pack_cpu:
             return self.w_gate_up, self.w_down
-        key = tuple((w.data_ptr(), w._version, w.dtype) for w in (self.w_gate_up, self.w_down))
-        if self._packed is None or self._packed[0] != key:
-            self._packed = None  # free the stale copies before building new ones
-            reorder = torch.ops.mkldnn._reorder_linear_weight
-            with torch.no_grad():
-                self._packed = (key, [reorder(w) for w in self.w_gate_up],
-                                [reorder(w) for w in self.w_down])
+        if self._packed is None or self._packed[0] != self._weights_key():
+            raise RuntimeError(
+                "the expert weights changed (written in place, loaded, replaced, moved or "
+                "converted) after pack_cpu_weights(); the packed copies are a snapshot: call "
+                "pack_cpu_weights() again to re-pack them, or pack_cpu_weights(False) to use "
+                "the weights directly"
+            )
         return self._packed[1], self._packed[2]
 
     def _apply(self, fn, *args, **kwargs):
-        # module.to / .half() / .cuda(): the packed copies describe the old weights; drop
-        # them now (not at the next CPU forward) so that their memory goes with them.
-        self._packed = None
-        return super()._apply(fn, *args, **kwargs)
+        # module.to / .half() / .cuda(): copies of weights that moved or were converted are
+        # dropped now (their memory goes with them); the next CPU forward then asks for a
+        # re-pack. A .to() that changes nothing keeps them.
+        result = super()._apply(fn, *args, **kwargs)
+        if self._packed is not None and self._packed[0] != self._weights_key():
+            self._packed = None
+        return result
 
     def extra_repr(self) -> str:
         return (f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, activation={self.activation!r}, "
-                f"gemm={self.gemm!r}")
+                f"gemm={self.gemm!r}, bias={self.b_gate_up is not None}")
 
     def forward(self, hidden_states: torch.Tensor, local_ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
@@ -474,10 +594,11 @@ class LocalExperts(nn.Module):
         if strategy == "loop":
             w_gate_up, w_down = self.cpu_weights()
             return streamed_expert_mlp(hidden_states.contiguous(), sorted_slots, offsets, weights,
-                                       w_gate_up, w_down, self.activation)
+                                       w_gate_up, w_down, self.activation, b_gate_up=self.b_gate_up,
+                                       b_down=self.b_down)
         hidden_sorted, _, _ = arrays.permute(hidden_states, local_ids, self.num_local_experts)
         expert_out = padded_expert_mlp(hidden_sorted, offsets, self.w_gate_up, self.w_down,
-                                       self.activation)
+                                       self.activation, self.b_gate_up, self.b_down)
         return arrays.combine(expert_out, inverse_index, weights)
 
     def _forward_cuda(self, hidden_states, local_ids, weights):
@@ -489,4 +610,5 @@ class LocalExperts(nn.Module):
                 f"could not be imported ({error}); install the 'cuda' extra (CuPy, numba-cuda)"
             ) from error
         return fused_experts(hidden_states.contiguous(), self.w_gate_up, self.w_down,
-                             weights.contiguous(), local_ids.contiguous(), activation=self.activation)
+                             weights.contiguous(), local_ids.contiguous(), activation=self.activation,
+                             gate_up_bias=self.b_gate_up, down_bias=self.b_down)

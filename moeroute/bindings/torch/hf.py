@@ -19,6 +19,11 @@ Qwen3_5Moe                 sigmoid-gated shared MLP: S = shared size / I slots (
                            of any sum of top-k probabilities).
 Qwen3Moe, Mixtral          softmax top-k, optional (Qwen3) or always (Mixtral) renormalized;
                            no shared expert. Exact.
+GptOssMLP                  router linear with a bias, top-k of the logits then softmax over
+                           the K picked (= softmax + renormalize); experts with biases,
+                           gate/up columns interleaved in ``gate_up_proj`` [N, H, 2I]
+                           (transposed: gate = columns 0, 2, 4, ..., up = 1, 3, 5, ...),
+                           ``down_proj`` [N, I, H]; activation "swigluoai". Exact in float32.
 =========================  ==================================================================
 
 Not bit-identical in bfloat16, by design: Qwen blocks round the routing weights to bfloat16
@@ -30,15 +35,21 @@ jitter noise is not reproduced (inference only).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from moeroute.bindings.torch.experts import LocalExperts
 from moeroute.bindings.torch.moe import MoE
 from moeroute.config import RouterConfig
 
-__all__ = ["from_hf", "replace_moe_blocks", "SUPPORTED_BLOCKS"]
+__all__ = ["from_hf", "replace_moe_blocks", "SUPPORTED_BLOCKS", "EXPERTS_IMPLEMENTATION",
+           "experts_forward", "register_experts_implementation", "TupleOutputMoE"]
+
+#: The name under which moeroute registers in transformers' experts interface.
+EXPERTS_IMPLEMENTATION = "moeroute"
 
 #: transformers hidden_act name -> moeroute activation.
 _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -83,6 +94,33 @@ def _read_deepseek(block: nn.Module) -> dict:
                 shared_expert_gate=None)
 
 
+def _gpt_oss_experts(experts: nn.Module) -> tuple[torch.Tensor, ...]:
+    """gpt-oss expert weights in moeroute's layout: (w_gate_up [N, 2I, H] gate rows first,
+    w_down [N, H, I], gate_up_bias [N, 2I] gate entries first, down_bias [N, H])."""
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    gate_up_bias, down_bias = experts.gate_up_proj_bias, experts.down_proj_bias
+    # [N, H, 2I] with gate/up interleaved along the last axis -> [N, 2I, H], gate block first.
+    w_gate_up = torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=-1).transpose(1, 2)
+    b_gate_up = torch.cat([gate_up_bias[..., 0::2], gate_up_bias[..., 1::2]], dim=-1)
+    return w_gate_up, down.transpose(1, 2), b_gate_up, down_bias
+
+
+def _read_gpt_oss(block: nn.Module) -> dict:
+    from moeroute.bindings.torch.experts import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+
+    router, experts = block.router, block.experts
+    alpha, limit = float(experts.alpha), float(experts.limit)
+    if (alpha, limit) != (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT):
+        raise ValueError(f"{type(block).__name__} uses swiglu_alpha={alpha}, swiglu_limit={limit}; moeroute's "
+                         f"swigluoai has alpha={SWIGLUOAI_ALPHA}, limit={SWIGLUOAI_LIMIT}")
+    # top-k of the logits, then softmax over the K picked: softmax + renormalize (SPEC section 9).
+    config = RouterConfig(num_experts=router.num_experts, top_k=router.top_k, scoring="softmax",
+                          renormalize=True)
+    return dict(router=config, router_weight=router.weight, router_dtype=router.weight.dtype,
+                router_bias=router.bias, correction_bias=None, shared_experts=None,
+                shared_expert_gate=None, experts=_gpt_oss_experts(experts), activation="swigluoai")
+
+
 def _read_qwen(block: nn.Module) -> dict:
     gate = block.gate
     router = RouterConfig(
@@ -104,7 +142,10 @@ SUPPORTED_BLOCKS: dict[str, Callable[[nn.Module], dict]] = {
     "Qwen2MoeSparseMoeBlock": _read_qwen,
     "Qwen3MoeSparseMoeBlock": _read_qwen,
     "MixtralSparseMoeBlock": _read_qwen,
+    "GptOssMLP": _read_gpt_oss,
 }
+
+
 
 
 def _reader_for(block: nn.Module):
@@ -135,8 +176,12 @@ def from_hf(block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str
     -------
     MoE
         On the block's device, in the dtype of its expert weights. The routed expert
-        weights (and fused shared slots) are copies; the shared MLP, its gate, the bias and
-        (for Qwen/Mixtral) the router weight share the block's tensors.
+        weights share the block's ``gate_up_proj`` / ``down_proj`` memory when the module
+        holds exactly those experts (one rank, no replicas, no fused shared slots); they
+        are copies otherwise (this rank's experts, then the fused shared slots). The
+        shared MLP, its gate, the bias and (for Qwen/Mixtral) the router weight share the
+        block's tensors. The module loads the block's transformers state dict (its
+        parameter names are mapped on loading).
 
     Raises
     ------
@@ -149,8 +194,12 @@ def from_hf(block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str
     if reader is None:
         raise TypeError(f"block of type {type(block).__name__} is not a supported transformers MoE block; "
                         f"supported: {', '.join(SUPPORTED_BLOCKS)}")
-    gate_up, down = _experts(block)
     fields = reader(block)
+    expert_biases = None
+    if "experts" in fields:
+        gate_up, down, *expert_biases = fields["experts"]
+    else:
+        gate_up, down = _experts(block)
     num_experts, two_inter, hidden = gate_up.shape
     if num_experts != fields["router"].num_experts:
         raise ValueError(f"{type(block).__name__} routes over {fields['router'].num_experts} experts but "
@@ -159,15 +208,32 @@ def from_hf(block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str
     module = MoE(
         fields["router"], hidden, two_inter // 2,
         shared_experts=fields["shared_experts"], shared_expert_gate=fields["shared_expert_gate"],
-        shared=shared, ep_group=ep_group, dispatch=dispatch, activation=_activation(block),
+        shared=shared, ep_group=ep_group, dispatch=dispatch,
+        activation=fields.get("activation") or _activation(block),
         correction_bias=bias is not None, router_dtype=fields["router_dtype"],
-        dtype=gate_up.dtype, device=gate_up.device, **kwargs,
+        dtype=gate_up.dtype, device=gate_up.device, expert_weights=(gate_up, down),
+        expert_bias=expert_biases is not None, router_bias=fields.get("router_bias") is not None, **kwargs,
     )
     module.router_weight = nn.Parameter(fields["router_weight"].detach(), requires_grad=False)
+    if fields.get("router_bias") is not None:
+        module.router_bias = nn.Parameter(fields["router_bias"].detach(), requires_grad=False)
     if bias is not None:
         module.correction_bias = bias.detach().float()
-    module.load_routed_weights(gate_up, down)
+    if expert_biases is not None:
+        module.load_expert_biases(*expert_biases)
     return module
+
+
+class TupleOutputMoE(nn.Module):
+    """A moeroute `MoE` standing in for a block whose forward returns ``(hidden_states,
+    router_scores)`` (gpt-oss): returns ``(moe(hidden_states), None)``."""
+
+    def __init__(self, moe: MoE) -> None:
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        return self.moe(hidden_states, *args, **kwargs), None
 
 
 def replace_moe_blocks(model: nn.Module, **kwargs) -> int:
@@ -187,6 +253,12 @@ def replace_moe_blocks(model: nn.Module, **kwargs) -> int:
 
     Notes
     -----
+    Blocks are swapped one at a time, and each original block is released before the next
+    one is read. Where the new module aliases the block's expert weights (see `from_hf`),
+    no expert weight is copied; otherwise the extra memory at any moment is one block's
+    copied experts. The patched model still loads a transformers state dict
+    (``model.load_state_dict(hf_state_dict)``): `MoE` maps the transformers names.
+
     The replaced blocks' router modules are gone, so transformers can no longer record
     router logits (``output_router_logits``, used for the training-time auxiliary loss).
 
@@ -194,13 +266,119 @@ def replace_moe_blocks(model: nn.Module, **kwargs) -> int:
     ------
     TypeError
         ``model`` is not an nn.Module.
+    ValueError
+        ``model`` is itself a supported MoE block: a swap in place cannot replace the
+        caller's reference to it; use ``MoE.from_hf(block)`` (and assign the result).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    targets = [(name, module) for name, module in model.named_modules()
-               if name and _reader_for(module) is not None]
-    for name, block in targets:
+    if _reader_for(model) is not None:
+        raise ValueError(
+            f"model is itself a {type(model).__name__}, a supported MoE block: "
+            "replace_moe_blocks swaps the blocks inside a model and cannot replace your "
+            "reference to the block; build the layer with MoE.from_hf(block) instead"
+        )
+    # Names only: holding the blocks themselves would keep every original alive to the end.
+    targets = [name for name, module in model.named_modules() if name and _reader_for(module) is not None]
+    for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, from_hf(block, **kwargs))
+        block = getattr(parent, child)
+        tuple_output = _reader_for(block) is _read_gpt_oss
+        replacement = from_hf(block, **kwargs)
+        if tuple_output:  # gpt-oss blocks return (hidden_states, router_scores)
+            replacement = TupleOutputMoE(replacement)
+        del block
+        setattr(parent, child, replacement)  # the last reference to the block goes here
+        del replacement
     return len(targets)
+
+
+# ------------------------------------------------------------------ experts interface
+
+#: transformers experts module -> (key of the weights it was built from, LocalExperts
+#: sharing those weights). Weak keys: the cache goes with the module.
+_LOCAL_EXPERTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _local_experts(experts: nn.Module) -> LocalExperts:
+    """A `LocalExperts` over ``experts``' own gate_up_proj / down_proj (no copy), rebuilt
+    when the parameters are replaced (``model.to(...)``, a new Parameter)."""
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    key = tuple((w.data_ptr(), w.dtype, w.device, tuple(w.shape)) for w in (gate_up, down))
+    cached = _LOCAL_EXPERTS.get(experts)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if gate_up.dim() != 3 or getattr(experts, "is_transposed", False) \
+            or not getattr(experts, "is_concatenated", True) or getattr(experts, "has_bias", False) \
+            or not getattr(experts, "has_gate", True):
+        raise ValueError(f"{type(experts).__name__} stores transposed, interleaved, biased or ungated "
+                         "weights; the moeroute experts implementation reads gate_up_proj [N, 2I, H] "
+                         "(gate rows first) and down_proj [N, H, I] without bias")
+    name = getattr(getattr(experts, "config", None), "hidden_act", "silu")
+    if name not in _HF_ACTIVATIONS:
+        raise ValueError(f"{type(experts).__name__} uses hidden_act={name!r}; moeroute supports "
+                         f"{sorted(_HF_ACTIVATIONS)}")
+    num_experts, two_inter, hidden = gate_up.shape
+    local = LocalExperts(num_experts, hidden, two_inter // 2, _HF_ACTIVATIONS[name], weights=(gate_up, down))
+    _LOCAL_EXPERTS[experts] = (key, local)
+    return local
+
+
+def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts-implementation signature, computed by moeroute's expert kernels.
+
+    Parameters
+    ----------
+    experts : nn.Module
+        A transformers ``@use_experts_implementation`` experts module with stacked
+        ``gate_up_proj`` [N, 2I, H] (gate rows first) and ``down_proj`` [N, H, I].
+    hidden_states : Tensor [T, H], dtype of the expert weights
+    top_k_index : Tensor [T, K], integer
+        Expert of each slot; ids outside [0, N) (expert-parallel sentinels) are skipped.
+    top_k_weights : Tensor [T, K], float
+        Routing weight of each slot.
+
+    Returns
+    -------
+    Tensor [T, H], dtype of ``hidden_states``: ``sum_k w_k * expert_k(x)``, accumulated
+    in float32.
+
+    Raises
+    ------
+    ValueError
+        Transposed, interleaved, biased or ungated expert weights; an activation moeroute
+        does not have.
+    """
+    local = _local_experts(experts)
+    ids = top_k_index.to(torch.int32).contiguous()
+    weights = top_k_weights.to(torch.float32).contiguous()
+    with torch.no_grad():  # moeroute's experts are inference-only
+        out = local(hidden_states.contiguous(), ids, weights)
+    return out.to(hidden_states.dtype)
+
+
+def register_experts_implementation(name: str = EXPERTS_IMPLEMENTATION) -> str:
+    """Register moeroute in transformers' experts interface (``ALL_EXPERTS_FUNCTIONS``).
+
+    Afterwards a model selects it like any other implementation, without its modules
+    being replaced: ``AutoModelForCausalLM.from_pretrained(..., experts_implementation=
+    "moeroute")``, ``model.set_experts_implementation("moeroute")``, or
+    ``config._experts_implementation = "moeroute"``. Only the expert computation changes;
+    the model's own router, shared experts and weights stay. Idempotent.
+
+    Returns
+    -------
+    str
+        ``name``.
+
+    Raises
+    ------
+    ImportError
+        transformers (>= 5, with ``transformers.integrations.moe``) is not installed.
+    """
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(name, experts_forward)
+    return name

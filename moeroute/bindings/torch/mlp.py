@@ -1,6 +1,6 @@
 """The gated MLP of a shared expert, in the shape transformers writes it.
 
-``down_proj(act(gate_proj(x)) * up_proj(x))`` with bias-free linears: the shape that
+``down_proj(act(gate_proj(x)) * up_proj(x))`` (or the "swigluoai" form) with bias-free linears: the shape that
 `MoE` can fuse into expert slots (`moeroute.bindings.torch.moe.shared_mlp_slots`).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeroute.bindings.torch.experts import apply_activation, check_activation
+from moeroute.bindings.torch.experts import apply_activation, check_activation, gated_activation
 
 __all__ = ["GatedMLP"]
 
@@ -48,4 +48,4 @@ class GatedMLP(nn.Module):
         return apply_activation(x, self.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(gated_activation(self.gate_proj(x), self.up_proj(x), self.activation))

@@ -20,20 +20,32 @@ Where the weights live (all module parameters/buffers, ``requires_grad=False``):
   whose router runs in bfloat16 (Qwen, Mixtral).
 * ``correction_bias`` [N] float32 buffer (None unless ``correction_bias=True``): added to
   the scores for selection only (DeepSeek-V3 ``e_score_correction_bias``).
+* ``router_bias`` [N] (None unless ``router_bias=True``): the router linear's bias (gpt-oss),
+  dtype of ``router_weight``.
+* ``experts.b_gate_up`` [L, 2I] and ``experts.b_down`` [L, H'] (None unless
+  ``expert_bias=True``): the experts' biases (gpt-oss); zeros for fused shared slots.
 * ``experts.w_gate_up`` [L, 2I, H'] and ``experts.w_down`` [L, H', I]: this rank's experts
   in the Hugging Face stacked layout, H' = the routed input size (H unless a
   routed_input_transform maps to a smaller latent size); with a fused shared expert the
   last S of the L experts are its slots, filled from ``shared_experts`` at construction.
+  Given ``expert_weights`` that are exactly these experts (one rank, no replicas, no fused
+  slots), the parameters share their memory instead of copying it.
+* Loading accepts the transformers names of the block this module replaces
+  (``_load_from_state_dict`` maps them).
 * ``shared_experts`` / ``shared_expert_gate``: the given modules (runner and overlap); with
   fused, only the gate is kept and called.
 
-The module is inference-only: it runs under ``torch.no_grad()`` / ``torch.inference_mode()``
-and raises when gradients are requested.
+The module is inference-only, in every shared mode alike: its forward always runs without
+autograd (under ``torch.no_grad()``), whatever ``requires_grad`` its parameters carry (the
+shared MLP and gate taken from transformers keep theirs), and its output never requires grad.
+It raises a RuntimeError only when the caller asks for gradients: grad mode on and
+``hidden_states`` or ``router_logits`` requiring grad.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 
 import torch
@@ -114,7 +126,12 @@ def shared_mlp_slots(shared_experts: nn.Module, hidden_size: int, intermediate_s
     if reason is None and total % intermediate_size:
         reason = (f"the shared MLP's intermediate size {total} is not a multiple of the routed "
                   f"intermediate_size={intermediate_size}, so it does not split into slots")
-    if reason is None:
+    if reason is None and activation == "swigluoai":
+        # swigluoai has no gate-only form to probe: the MLP must say it uses it.
+        if getattr(shared_experts, "activation", None) != "swigluoai":
+            reason = ("the shared MLP does not declare activation='swigluoai' (the experts' "
+                      "activation), so it cannot be checked to split into slots")
+    elif reason is None:
         act_fn = getattr(shared_experts, "act_fn", None)
         if act_fn is not None:
             probe = _ACTIVATION_PROBE.to(gate.device)
@@ -130,6 +147,18 @@ def shared_mlp_slots(shared_experts: nn.Module, hidden_size: int, intermediate_s
         return 1, reason + ("" if reason.startswith("the shared") else
                             " (fusing needs a gated MLP with gate_proj/up_proj/down_proj)")
     return total // intermediate_size, None
+
+
+def _runs_as_inference(forward):
+    """Run ``forward`` under ``torch.no_grad()`` after `MoE._check_inference`: the layer is
+    inference-only whatever its parameters' ``requires_grad``."""
+    @functools.wraps(forward)
+    def run(self, hidden_states, router_logits=None):
+        self._check_inference(hidden_states, router_logits)
+        with torch.no_grad():
+            return forward(self, hidden_states, router_logits)
+
+    return run
 
 
 def _check_module(name: str, value) -> None:
@@ -158,10 +187,13 @@ class MoE(nn.Module):
     ep_group : torch.distributed.ProcessGroup, optional
         Expert-parallel group; the module then holds only its rank's experts and dispatches
         through ``moeroute.bindings.ep.make_dispatcher``. None: one rank, no communication.
+        Construction with a group is a collective: the ranks exchange `ep_fingerprint`
+        once and must all agree.
     dispatch : {"all2all", "allgather"}
         Dispatch mode with ``ep_group``; without one nothing is dispatched (layout
         dispatch "none").
-    activation : {"silu", "gelu", "gelu_tanh"}
+    activation : {"silu", "gelu", "gelu_tanh", "swigluoai"}
+        "swigluoai" is gpt-oss's clamped SwiGLU (`moeroute.bindings.torch.experts.gated_activation`).
     routed_input_transform, routed_output_transform : nn.Module, optional
         Latent MoE: map the hidden states to the routed experts' input size H' and the
         routed sum back to H. The router and shared experts see the original hidden states.
@@ -179,16 +211,40 @@ class MoE(nn.Module):
         Dtype of ``router_weight`` (float32 by default).
     gemm : {"auto", "loop", "padded"}
         CPU expert-GEMM strategy (see `moeroute.bindings.torch.experts`).
+    expert_bias : bool
+        Experts carry a gate_up bias [2I] and a down bias [H] each (gpt-oss); load them with
+        `load_routed_weights` (``gate_up_bias``, ``down_bias``).
+    router_bias : bool
+        The router linear has a bias [N] (gpt-oss): ``logits = x @ router_weight^T + router_bias``.
+    apply_router_weight_on_input : bool
+        Multiply each token's routed input row by its router weight before the experts and
+        combine with weight 1 (vLLM's Llama 4 path). Needs ``router.top_k == 1``; the shared
+        expert still sees the unscaled input, so it is never fused.
+    placement : {"linear", "round_robin"}
+    physical_to_logical : array_like of int [P], optional
+        Expert placement over the EP ranks (`moeroute.layout.ExpertLayout`); a table sets
+        the redundant experts itself (leave ``num_redundant_experts`` 0).
     dtype, device
         Of the expert weights; the activations must match.
+    expert_weights : (Tensor [N, 2I, H'], Tensor [N, H', I]), optional
+        The full stacked routed weights (the transformers layout) to take this rank's
+        experts from. When the rank holds exactly these N experts (one rank, no replicas,
+        no fused shared slots) and their dtype and device are ``dtype`` and ``device``, the
+        module's expert parameters share their memory (no copy); otherwise this rank's
+        experts are copied (`load_routed_weights`).
 
     Raises
     ------
     TypeError
-        ``router`` not a RouterConfig; a module argument that is not callable.
+        ``router`` not a RouterConfig; a module argument that is not callable; ``ep_group``
+        not a torch.distributed ProcessGroup.
+    moeroute.bindings.ep.RankMismatchError
+        With ``ep_group``: the ranks disagree on a field of `ep_fingerprint`; raised on
+        every rank with the same message naming each field and each rank's value.
     ValueError
         Sizes below 1; an unknown shared, dispatch, activation or scaling_regime; a shared
-        gate without shared experts; an unsupported dtype or device.
+        gate without shared experts; an unsupported dtype or device;
+        ``apply_router_weight_on_input`` with top_k != 1; a non-bool flag.
     moeroute.layout.LayoutError
         A layout that cannot work, e.g. an explicit ``shared="fused"`` with a
         routed_input_transform or with a shared MLP that does not split into slots.
@@ -216,6 +272,12 @@ class MoE(nn.Module):
         gemm: str = "auto",
         dtype: torch.dtype | None = None,
         device=None,
+        expert_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+        expert_bias: bool = False,
+        router_bias: bool = False,
+        apply_router_weight_on_input: bool = False,
+        placement: str = "linear",
+        physical_to_logical=None,
     ) -> None:
         super().__init__()
         if not isinstance(router, RouterConfig):
@@ -236,6 +298,13 @@ class MoE(nn.Module):
             raise ValueError(f"dispatch={dispatch!r} is not an expert-parallel dispatch mode; use one of "
                              f"{EP_DISPATCH_MODES} (it only matters with an ep_group)")
         activation = check_activation(activation)
+        for name, value in (("expert_bias", expert_bias), ("router_bias", router_bias),
+                            ("apply_router_weight_on_input", apply_router_weight_on_input)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} must be a bool")
+        if apply_router_weight_on_input and router.top_k != 1:
+            raise ValueError(f"apply_router_weight_on_input=True needs top_k=1 (one weight per input row), "
+                             f"got top_k={router.top_k}")
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={dtype} is not supported; use one of {SUPPORTED_DTYPES}")
@@ -257,18 +326,22 @@ class MoE(nn.Module):
             if routed_input_transform is not None or routed_output_transform is not None:
                 unfusable = ("a routed_input_transform/routed_output_transform is set, and the shared "
                              "expert needs the untransformed hidden states")
+            elif apply_router_weight_on_input:
+                unfusable = ("apply_router_weight_on_input scales the routed input rows, and the shared "
+                             "expert needs the unscaled hidden states")
 
         if ep_group is None:
             ep_size, rank, layout_dispatch = 1, 0, "none"
         else:
-            import torch.distributed as dist
+            from moeroute.bindings.ep import ep_group_size_and_rank
 
-            ep_size, rank, layout_dispatch = dist.get_world_size(ep_group), dist.get_rank(ep_group), dispatch
+            (ep_size, rank), layout_dispatch = ep_group_size_and_rank(ep_group), dispatch
         self.layout = ExpertLayout(
             router.num_experts, num_shared, ep_size=ep_size, dispatch=layout_dispatch, shared=shared,
             num_redundant_experts=num_redundant_experts, scaling_regime=scaling_regime,
-            unfusable_reason=unfusable,
+            unfusable_reason=unfusable, placement=placement, physical_to_logical=physical_to_logical,
         )
+        self.apply_router_weight_on_input = apply_router_weight_on_input
         self.rank = rank
         self.router = router
         # "output" regime: route with rsf = 1, scale the combined routed sum afterwards.
@@ -289,8 +362,20 @@ class MoE(nn.Module):
             "correction_bias",
             torch.zeros(router.num_experts, dtype=torch.float32, device=device) if correction_bias else None,
         )
-        self.experts = LocalExperts(self.layout.num_local_experts(rank), routed_hidden_size,
-                                    intermediate_size, activation, gemm=gemm, dtype=dtype, device=device)
+        self.router_bias = None
+        if router_bias:
+            self.router_bias = nn.Parameter(torch.zeros(router.num_experts, dtype=router_dtype, device=device),
+                                            requires_grad=False)
+        local_experts = self.layout.num_local_experts(rank)
+        if expert_weights is not None and self._can_alias(expert_weights, dtype, device):
+            # This rank holds exactly the given experts: share their memory, copy nothing.
+            self.experts = LocalExperts(local_experts, routed_hidden_size, intermediate_size, activation,
+                                        gemm=gemm, bias=expert_bias, weights=tuple(expert_weights))
+        else:
+            self.experts = LocalExperts(local_experts, routed_hidden_size, intermediate_size, activation,
+                                        gemm=gemm, bias=expert_bias, dtype=dtype, device=device)
+            if expert_weights is not None:
+                self.load_routed_weights(*expert_weights)
         self.shared_expert_gate = shared_expert_gate
         self.routed_input_transform = routed_input_transform
         self.routed_output_transform = routed_output_transform
@@ -304,11 +389,59 @@ class MoE(nn.Module):
         if ep_group is None:
             self.dispatcher: Dispatcher = LocalDispatcher(self.layout)
         else:
-            from moeroute.bindings.ep import make_dispatcher
+            from moeroute.bindings.ep import check_ranks_agree, make_dispatcher
 
+            # Once, here rather than on the first forward: a disagreement surfaces where the
+            # layers are built, and the forward stays free of extra collectives.
+            check_ranks_agree(self.ep_fingerprint(), ep_group, "the MoE layer")
             self.dispatcher = make_dispatcher(self.layout, ep_group, dispatch)
 
+    def ep_fingerprint(self) -> dict:
+        """The fields every rank of an expert-parallel group must agree on (plain values):
+        the layout, every router field, the sizes, dtypes, activation and the optional
+        parts. Exchanged once at construction with ``ep_group``."""
+        from moeroute.bindings.ep import layout_fingerprint
+
+        fields = layout_fingerprint(self.layout)
+        fields.update({f"router.{name}": value
+                       for name, value in dataclasses.asdict(self.router).items()})
+        fields.update({
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "routed_hidden_size": self.routed_hidden_size,
+            "dtype": str(self.experts.w_gate_up.dtype),
+            "router_dtype": str(self.router_weight.dtype),
+            "activation": self.activation,
+            "correction_bias": self.correction_bias is not None,
+            "shared_expert_gate": self.shared_expert_gate is not None,
+            "routed_input_transform": self.routed_input_transform is not None,
+            "routed_output_transform": self.routed_output_transform is not None,
+            "expert_bias": self.experts.b_gate_up is not None,
+            "router_bias": self.router_bias is not None,
+            "apply_router_weight_on_input": self.apply_router_weight_on_input,
+        })
+        return fields
+
     # ----------------------------------------------------------------- weights
+
+    def _can_alias(self, expert_weights, dtype, device) -> bool:
+        """True when the local experts are exactly the rows of ``expert_weights``, in
+        order, in the requested dtype and device: no fused shared slots, no replicas, and
+        one rank holding all N (a rank's slice would keep the whole tensor alive)."""
+        gate_up, down = expert_weights
+        n = self.router.num_experts
+        return (self.layout.num_local_experts(self.rank) == n and self.layout.shared != "fused"
+                and self.routed_expert_ids() == list(range(n))
+                and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+                and gate_up.dtype == down.dtype == dtype and gate_up.device == down.device
+                and (device is None or gate_up.device == torch.device(device))
+                and tuple(gate_up.shape) == (n, 2 * self.intermediate_size, self.routed_hidden_size)
+                and tuple(down.shape) == (n, self.routed_hidden_size, self.intermediate_size))
+
+    def shares_weights_with(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+        """True when the expert parameters alias (share the memory of) these tensors."""
+        return (self.experts.w_gate_up.data_ptr() == w_gate_up.data_ptr()
+                and self.experts.w_down.data_ptr() == w_down.data_ptr())
 
     def routed_expert_ids(self) -> list[int]:
         """Logical expert id of each routed local expert of this rank (replicas included)."""
@@ -317,25 +450,34 @@ class MoE(nn.Module):
         return [int(logical[p]) for p in range(start, start + count)]
 
     def pack_cpu_weights(self, enable: bool = True) -> "MoE":
-        """Keep oneDNN-packed copies of the expert weights for CPU forwards (opt-in: a
-        second copy of the expert weights in memory); see
+        """Pack the expert weights now into oneDNN copies for CPU forwards (opt-in: a
+        second copy of the expert weights in memory). Explicit: the copies are a snapshot;
+        re-pack after changing the weights (a change torch can see makes the next CPU
+        forward raise; a write through ``.data`` is not seen). See
         `moeroute.bindings.torch.LocalExperts.pack_cpu_weights`. Returns ``self``."""
         self.experts.pack_cpu_weights(enable)
         return self
 
     @torch.no_grad()
-    def load_routed_weights(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    def load_routed_weights(self, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                            gate_up_bias: torch.Tensor | None = None,
+                            down_bias: torch.Tensor | None = None) -> None:
         """Copy this rank's routed experts out of the full stacked weights.
 
         Parameters
         ----------
         w_gate_up : Tensor [N, 2I, H'] (gate rows first), any float dtype/device
         w_down : Tensor [N, H', I]
+        gate_up_bias : Tensor [N, 2I] (gate entries first), optional
+            Only with ``expert_bias=True``; None leaves the current biases.
+        down_bias : Tensor [N, H'], optional
+            Only with ``expert_bias=True``; None leaves the current biases.
 
         Raises
         ------
         ValueError
-            Shapes other than the above.
+            Shapes other than the above; a bias given to a module built without
+            ``expert_bias=True``.
         """
         n, inter, hid = self.router.num_experts, self.intermediate_size, self.routed_hidden_size
         if tuple(w_gate_up.shape) != (n, 2 * inter, hid):
@@ -343,15 +485,53 @@ class MoE(nn.Module):
                              f"{[n, 2 * inter, hid]}")
         if tuple(w_down.shape) != (n, hid, inter):
             raise ValueError(f"w_down has shape {tuple(w_down.shape)}, expected [N, H', I] = {[n, hid, inter]}")
+        pairs = [(self.experts.w_gate_up, w_gate_up), (self.experts.w_down, w_down)]
+        self._copy_expert_rows(pairs + self._bias_pairs(gate_up_bias, down_bias))
+
+    @torch.no_grad()
+    def load_expert_biases(self, gate_up_bias: torch.Tensor | None = None,
+                           down_bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's routed expert biases out of the full stacked biases.
+
+        Parameters
+        ----------
+        gate_up_bias : Tensor [N, 2I] (gate entries first), optional
+        down_bias : Tensor [N, H'], optional
+
+        Raises
+        ------
+        ValueError
+            Shapes other than the above; a module built without ``expert_bias=True``.
+        """
+        self._copy_expert_rows(self._bias_pairs(gate_up_bias, down_bias))
+
+    def _bias_pairs(self, gate_up_bias, down_bias) -> list:
+        """(target parameter, source) of the given biases, shapes checked."""
+        n, inter, hid = self.router.num_experts, self.intermediate_size, self.routed_hidden_size
+        pairs = []
+        for name, bias, shape, target in (("gate_up_bias", gate_up_bias, (n, 2 * inter), self.experts.b_gate_up),
+                                          ("down_bias", down_bias, (n, hid), self.experts.b_down)):
+            if bias is None:
+                continue
+            if target is None:
+                raise ValueError(f"{name} was given but the module has no expert biases; build it with "
+                                 "expert_bias=True")
+            if tuple(bias.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(bias.shape)}, expected {list(shape)}")
+            pairs.append((target, bias))
+        return pairs
+
+    def _copy_expert_rows(self, pairs) -> None:
+        """Copy this rank's routed rows of each (target, full source) pair."""
         ids = self.routed_expert_ids()
         if ids == list(range(ids[0], ids[0] + len(ids))):  # no replicas: one block copy
             rows = slice(ids[0], ids[0] + len(ids))
-            self.experts.w_gate_up[:len(ids)].copy_(w_gate_up[rows])
-            self.experts.w_down[:len(ids)].copy_(w_down[rows])
+            for target, source in pairs:
+                target[:len(ids)].copy_(source[rows])
             return
         for local, logical in enumerate(ids):
-            self.experts.w_gate_up[local].copy_(w_gate_up[logical])
-            self.experts.w_down[local].copy_(w_down[logical])
+            for target, source in pairs:
+                target[local].copy_(source[logical])
 
     @torch.no_grad()
     def load_shared_weights(self, shared_experts: nn.Module) -> None:
@@ -377,6 +557,70 @@ class MoE(nn.Module):
             self.experts.w_gate_up[first + j, :inter].copy_(gate[rows])
             self.experts.w_gate_up[first + j, inter:].copy_(up[rows])
             self.experts.w_down[first + j].copy_(down[:, rows])
+
+    # ------------------------------------------------------------ state dict
+
+    #: transformers parameter names (relative to the block) -> this module's.
+    _TRANSFORMERS_RENAMES = {"gate.weight": "router_weight",
+                             "gate.e_score_correction_bias": "correction_bias"}
+    #: Where transformers blocks keep their shared MLP (DeepSeek/GLM, Qwen).
+    _TRANSFORMERS_SHARED = ("shared_experts.", "shared_expert.")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # A transformers checkpoint of the block this module replaced loads as it is: its
+        # names are mapped to this module's before the usual loading (which copies into the
+        # existing parameters, so aliased weights stay aliased).
+        self._map_transformers_keys(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    @torch.no_grad()
+    def _map_transformers_keys(self, state_dict, prefix) -> None:
+        """Rename (and for a rank's slice or fused slots, assemble) transformers keys in place.
+
+        ``experts.gate_up_proj`` [N, 2I, H] and ``experts.down_proj`` [N, H, I] become this
+        rank's ``experts.w_gate_up`` / ``experts.w_down`` (its routed experts, then the fused
+        shared slots cut from the shared MLP's ``gate_proj``/``up_proj``/``down_proj``);
+        ``gate.weight`` -> ``router_weight``; ``gate.e_score_correction_bias`` ->
+        ``correction_bias``; ``shared_expert.*`` -> ``shared_experts.*``.
+        """
+        for source, target in self._TRANSFORMERS_RENAMES.items():
+            if prefix + source in state_dict:
+                state_dict[prefix + target] = state_dict.pop(prefix + source)
+        shared = {}
+        for shared_prefix in self._TRANSFORMERS_SHARED:
+            for key in [k for k in state_dict if k.startswith(prefix + shared_prefix)]:
+                shared[key[len(prefix + shared_prefix):]] = state_dict.pop(key)
+        gate_up_key, down_key = prefix + "experts.gate_up_proj", prefix + "experts.down_proj"
+        if gate_up_key in state_dict and down_key in state_dict:
+            gate_up, down = state_dict.pop(gate_up_key), state_dict.pop(down_key)
+            ids = self.routed_expert_ids()
+            if ids != list(range(gate_up.shape[0])):
+                index = torch.tensor(ids, dtype=torch.long, device=gate_up.device)
+                gate_up, down = gate_up.index_select(0, index), down.index_select(0, index)
+            if self.layout.shared == "fused":
+                slots = self._fused_slots(shared, gate_up)
+                gate_up = torch.cat([gate_up, slots[0].to(gate_up.dtype)])
+                down = torch.cat([down, slots[1].to(down.dtype)])
+            state_dict[prefix + "experts.w_gate_up"] = gate_up
+            state_dict[prefix + "experts.w_down"] = down
+        if self.layout.shared != "fused":
+            for name, value in shared.items():
+                state_dict[prefix + "shared_experts." + name] = value
+
+    def _fused_slots(self, shared, like):
+        """The S fused slots [S, 2I, H], [S, H, I] cut from a shared MLP's state dict."""
+        inter, s = self.intermediate_size, self.num_shared_experts
+        try:
+            gate, up, down = (shared[f"{name}.weight"] for name in ("gate_proj", "up_proj", "down_proj"))
+        except KeyError as missing:
+            raise KeyError(f"the state dict has experts.gate_up_proj but no shared MLP {missing.args[0]} "
+                           "(under shared_experts. or shared_expert.) to fill the fused slots") from None
+        gate_up = torch.stack([torch.cat([gate[j * inter:(j + 1) * inter], up[j * inter:(j + 1) * inter]])
+                               for j in range(s)])
+        down = torch.stack([down[:, j * inter:(j + 1) * inter] for j in range(s)])
+        return gate_up.to(like.device), down.to(like.device)
 
     # ----------------------------------------------------------------- forward
 
@@ -415,22 +659,23 @@ class MoE(nn.Module):
                                  f"{router_logits.dtype} on {router_logits.device}")
 
     def _check_inference(self, hidden_states, router_logits) -> None:
+        # Only the caller's inputs can ask for gradients: parameters that require grad (as
+        # transformers leaves a shared MLP's) do not, so every shared mode behaves alike.
         if not torch.is_grad_enabled():
             return
-        wants_grad = hidden_states.requires_grad or (router_logits is not None and router_logits.requires_grad)
-        culprit = "hidden_states" if wants_grad else None
-        if culprit is None:
-            culprit = next((name for name, p in self.named_parameters() if p.requires_grad), None)
+        culprit = next((name for name, value in (("hidden_states", hidden_states),
+                                                  ("router_logits", router_logits))
+                        if getattr(value, "requires_grad", False)), None)
         if culprit is not None:
             raise RuntimeError(
                 f"moeroute MoE is inference-only, but gradients are requested ({culprit} requires grad); "
-                "run it under torch.no_grad() or torch.inference_mode(), or call requires_grad_(False)"
+                "run it under torch.no_grad() or torch.inference_mode(), or pass a detached tensor"
             )
 
     def compute_router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Router logits [T, N] float32 of hidden states [T, H]."""
         weight = self.router_weight
-        return F.linear(hidden_states.to(weight.dtype), weight).float()
+        return F.linear(hidden_states.to(weight.dtype), weight, self.router_bias).float()
 
     def _shared_gate(self, hidden_states):
         if self.shared_expert_gate is None:
@@ -441,8 +686,9 @@ class MoE(nn.Module):
         out = self.shared_experts(hidden_states)
         return out if gate is None else gate * out
 
+    @_runs_as_inference
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the layer.
+        """Run the layer (always without autograd: see the module docstring).
 
         Parameters
         ----------
@@ -460,10 +706,10 @@ class MoE(nn.Module):
         TypeError, ValueError
             Bad shapes, dtypes or devices (the message names the argument).
         RuntimeError
-            Gradients requested (inference only).
+            ``hidden_states`` or ``router_logits`` requires grad while grad mode is on
+            (inference only).
         """
         self._check_forward_inputs(hidden_states, router_logits)
-        self._check_inference(hidden_states, router_logits)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
         layout, rsf = self.layout, self.router.routed_scaling_factor
@@ -480,6 +726,10 @@ class MoE(nn.Module):
         ids, weights = arrays.append_shared_slots(topk_ids, topk_weights, layout, self.rank, slot_weights)
 
         routed_input = x if self.routed_input_transform is None else self.routed_input_transform(x)
+        if self.apply_router_weight_on_input:
+            # K = 1: scale the input row by its weight, then every routed slot counts once.
+            routed_input = routed_input * topk_weights.to(routed_input.dtype)
+            weights = torch.ones_like(weights)
         handle = self.dispatcher.dispatch(routed_input, ids, weights, async_op=mode == "overlap")
         shared_out = self._shared_output(x, gate) if mode == "overlap" else None
         recv_hidden, recv_local_ids, recv_weights = handle.wait()
@@ -504,7 +754,7 @@ class MoE(nn.Module):
 
         Supported: DeepseekV3MoE (also Kimi-K2), Glm4MoeMoE, Qwen3_5MoeSparseMoeBlock,
         Qwen3NextSparseMoeBlock, Qwen2MoeSparseMoeBlock, Qwen3MoeSparseMoeBlock,
-        MixtralSparseMoeBlock. See `moeroute.bindings.torch.hf.from_hf`.
+        MixtralSparseMoeBlock, GptOssMLP. See `moeroute.bindings.torch.hf.from_hf`.
         """
         from moeroute.bindings.torch.hf import from_hf
 

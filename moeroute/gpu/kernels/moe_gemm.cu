@@ -9,9 +9,12 @@
 // TILE_M divides block_size, so a tile never straddles two experts.
 //
 //   gate_up (GATED = 1): A = hidden_states [T, H], row flat/top_k; B = w_gate_up[e] [2I, H]
-//     (gate rows first, then up); C = intermediate [numel, I] = act(A gate^T) * (A up^T).
+//     (gate rows first, then up); C = intermediate [numel, I] = act(A gate^T) * (A up^T), or
+//     for swigluoai (gpt-oss) (clamp(A up^T) + 1) * g * sigmoid(1.702 g), g = min(A gate^T, 7).
 //   down    (GATED = 0): A = intermediate [numel, I], row flat (top_k = 1); B = w_down[e] [H, I];
 //     C = expert_out [numel, H] = A B^T, times topk_weights[flat] when apply_router_weight.
+// With has_bias, bias[e] ([2I]: gate entries then up entries; [H] for down) is added to the
+// products before the activation / the router weight; without it `bias` is never read.
 // Accumulation is float32 on every path; C is written in the input type.
 //
 // Two implementations of the same contract:
@@ -26,10 +29,13 @@ namespace moeroute {
 constexpr int kActivationSilu = 0;
 constexpr int kActivationGelu = 1;      // exact: 0.5 x (1 + erf(x / sqrt(2)))
 constexpr int kActivationGeluTanh = 2;  // tanh approximation, as torch's approximate="tanh"
+constexpr int kActivationSwigluOai = 3; // gpt-oss: clamped gate and up, (up + 1) * gate * sigmoid(1.702 gate)
 
 constexpr float kInverseSqrt2 = 0.70710678118654752f;
 constexpr float kSqrt2OverPi = 0.79788456080286536f;
 constexpr float kGeluTanhCubic = 0.044715f;
+constexpr float kSwigluOaiAlpha = 1.702f;  // gpt-oss swiglu_alpha
+constexpr float kSwigluOaiLimit = 7.0f;    // gpt-oss swiglu_limit
 
 MOEROUTE_DEVICE float activate(float x, int activation) {
   switch (activation) {
@@ -41,6 +47,16 @@ MOEROUTE_DEVICE float activate(float x, int activation) {
     default:
       return x / (1.0f + expf(-x));
   }
+}
+
+// The gated MLP's intermediate value from the gate and up products.
+MOEROUTE_DEVICE float gated_activate(float gate, float up, int activation) {
+  if (activation == kActivationSwigluOai) {
+    const float g = fminf(gate, kSwigluOaiLimit);
+    const float u = fminf(fmaxf(up, -kSwigluOaiLimit), kSwigluOaiLimit);
+    return (u + 1.0f) * (g / (1.0f + expf(-kSwigluOaiAlpha * g)));
+  }
+  return activate(gate, activation) * up;
 }
 
 // SIMT tiling: 256 threads as a 16 x 16 grid, each owning TILE_M/16 rows x 4 columns.
@@ -60,8 +76,8 @@ template <typename T, int TILE_M, int GATED>
 __global__ void MOEROUTE_LAUNCH_BOUNDS(moeroute::kSimtThreads, moeroute::kSimtMinBlocksPerMultiprocessor)
     moe_gemm_simt(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
                   const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
-                  const float* __restrict__ topk_weights, int numel, int top_k, int n, int k, int block_size,
-                  int activation, int apply_router_weight) {
+                  const float* __restrict__ topk_weights, const T* __restrict__ bias, int numel, int top_k,
+                  int n, int k, int block_size, int activation, int apply_router_weight, int has_bias) {
   using namespace moeroute;
   constexpr int GATES = GATED ? 2 : 1;
   constexpr int ROWS_PER_THREAD = TILE_M / kSimtThreadsY;
@@ -127,12 +143,17 @@ __global__ void MOEROUTE_LAUNCH_BOUNDS(moeroute::kSimtThreads, moeroute::kSimtMi
     if (token >= numel) continue;
     const float scale = (!GATED && apply_router_weight) ? topk_weights[token] : 1.0f;
     T* c_row = c + static_cast<long long>(token) * n;
+    const T* bias_row = bias + static_cast<long long>(expert) * GATES * n;
     MOEROUTE_UNROLL
     for (int j = 0; j < COLS_PER_THREAD; ++j) {
       const int col = n0 + tx + kSimtThreadsX * j;
       if (col >= n) continue;
-      const float value = GATED ? activate(accumulator[0][i][j], activation) * accumulator[GATES - 1][i][j]
-                                : accumulator[0][i][j] * scale;
+      float first = accumulator[0][i][j], second = accumulator[GATES - 1][i][j];
+      if (has_bias) {
+        first += to_float(bias_row[col]);
+        if (GATED) second += to_float(bias_row[n + col]);
+      }
+      const float value = GATED ? gated_activate(first, second, activation) : first * scale;
       c_row[col] = from_float<T>(value);
     }
   }
@@ -192,8 +213,9 @@ template <typename T, int TILE_M, int BLOCK_N, int WARPS_M, int WARPS_N, int GAT
 __global__ void __launch_bounds__(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE)
     moe_gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
                  const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
-                 const float* __restrict__ topk_weights, int numel, int top_k, int n, int k, int block_size,
-                 int activation, int apply_router_weight, int num_m_tiles) {
+                 const float* __restrict__ topk_weights, const T* __restrict__ bias, int numel, int top_k,
+                 int n, int k, int block_size, int activation, int apply_router_weight, int has_bias,
+                 int num_m_tiles) {
   using namespace moeroute;
   static_assert(MOEROUTE_WARP_SIZE == 32, "mma.sync fragments are laid out over 32 lanes");
   constexpr int THREADS = WARPS_M * WARPS_N * MOEROUTE_WARP_SIZE;
@@ -206,6 +228,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE)
   MOEROUTE_DYNAMIC_SHARED(shared_bytes);
   unsigned short* stages = reinterpret_cast<unsigned short*>(shared_bytes);
   __shared__ int token_row[TILE_M];
+  // The block's expert, for the bias in the epilogue: kept in shared memory rather than a
+  // register live across the main loop (which made ptxas spill the bf16 64x64 gated tile).
+  __shared__ int block_expert;
 
   const int num_n_tiles = (n + BLOCK_N - 1) / BLOCK_N;
   const int tiles_per_group = kMmaGroupM * num_n_tiles;
@@ -222,6 +247,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE)
   const int lane = tid % MOEROUTE_WARP_SIZE, warp = tid / MOEROUTE_WARP_SIZE;
   const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
   for (int r = tid; r < TILE_M; r += THREADS) token_row[r] = sorted_token_ids[row0 + r];
+  if (tid == 0) block_expert = expert;
   __syncthreads();
 
   const unsigned short* a_values = reinterpret_cast<const unsigned short*>(a);
@@ -295,15 +321,19 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE)
       if (token >= numel) continue;
       const float scale = (!GATED && apply_router_weight) ? topk_weights[token] : 1.0f;
       T* c_row = c + static_cast<long long>(token) * n;
+      const T* bias_row = bias + static_cast<long long>(block_expert) * GATES * n;
       MOEROUTE_UNROLL
       for (int nt = 0; nt < N_TILES; ++nt) {
         MOEROUTE_UNROLL
         for (int j = 0; j < 2; ++j) {
           const int col = n0 + warp_n * WARP_N + nt * 8 + 2 * thread_in_group + j;
           if (col >= n) continue;
-          const float value = GATED ? activate(accumulator[0][mt][nt][2 * half + j], activation) *
-                                          accumulator[GATES - 1][mt][nt][2 * half + j]
-                                    : accumulator[0][mt][nt][2 * half + j] * scale;
+          float first = accumulator[0][mt][nt][2 * half + j], second = accumulator[GATES - 1][mt][nt][2 * half + j];
+          if (has_bias) {
+            first += to_float(bias_row[col]);
+            if (GATED) second += to_float(bias_row[n + col]);
+          }
+          const float value = GATED ? gated_activate(first, second, activation) : first * scale;
           c_row[col] = from_float<T>(value);
         }
       }

@@ -1,0 +1,153 @@
+"""expert_load: tokens per expert, the counters an EPLB rebalancer reads.
+
+``counts[e]`` is the number of entries of ``ids`` equal to ``e`` for ``e`` in
+``[0, num_experts)``; every other id (-1, shared slots past the range, ...) is not counted.
+Feed it physical ids (`logical_to_physical` / `append_shared_slots` output) with
+``layout.num_physical_experts`` for per-physical-expert load, or logical ids with N for
+per-logical-expert load. With ``out`` the counts are added into an existing counter, so a
+rebalancer can accumulate a window of steps and reset the counter itself.
+
+CPU: one sequential pass (Numba ``njit``). CUDA: one thread per entry, integer atomics into
+the int64 counters (a sum, so the result does not depend on the order); device inputs stay
+on the device, the counters are allocated by the input's framework and nothing synchronizes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from moeroute.routing import _sort
+from moeroute.routing._arrays import (as_caller, as_device_array, device_empty, host_array,
+                                     is_device_array, resolve_stream)
+
+try:
+    from numba import cuda
+except ImportError:  # pragma: no cover - CPU-only installs
+    cuda = None
+
+__all__ = ["expert_load", "LOAD_DTYPE"]
+
+#: Counter dtype: int64, so a long accumulation window (2**31 tokens) cannot overflow.
+LOAD_DTYPE = np.int64
+
+
+@njit(cache=True)
+def _count_cpu(ids, counts):
+    size = counts.shape[0]
+    for i in range(ids.shape[0]):
+        e = ids[i]
+        if e >= 0 and e < size:
+            counts[e] += 1
+
+
+def _zero_kernel(counts):
+    i = cuda.grid(1)
+    if i < counts.shape[0]:
+        counts[i] = 0
+
+
+def _count_kernel(ids, counts):
+    i = cuda.grid(1)
+    if i < ids.shape[0]:
+        e = ids[i]
+        if e >= 0 and e < counts.shape[0]:
+            cuda.atomic.add(counts, e, 1)
+
+
+_jitted: dict = {}
+
+
+def _kernel(name: str):
+    if name not in _jitted:
+        _sort.check_cuda_available()
+        _jitted[name] = cuda.jit({"zero": _zero_kernel, "count": _count_kernel}[name])
+    return _jitted[name]
+
+
+def _check_out(out, num_experts, on_device):
+    shape = tuple(out.shape)
+    if shape != (num_experts,):
+        raise ValueError(f"out has shape {shape}; it must be ({num_experts},) = [num_experts]")
+    name = str(out.dtype).rsplit(".", 1)[-1]
+    if name != "int64":
+        raise TypeError(f"out must hold int64 counters, got dtype {name}")
+    if is_device_array(out) != on_device:
+        where = "device" if on_device else "host"
+        raise TypeError(f"out must live where ids live (on the {where}), got {type(out).__name__}")
+
+
+def expert_load(ids, num_experts, *, out=None, stream=None):
+    """Count the entries routed to each expert (per-expert load for EPLB).
+
+    Parameters
+    ----------
+    ids : array, any shape, integer
+        Expert ids, e.g. topk_ids [T, K] (logical) or the physical ids of
+        `append_shared_slots` [T, K + S]. NumPy or CPU torch (any integer dtype) runs on
+        the CPU; a device array (int32/int64, C-contiguous; torch CUDA, CuPy, numba) on the
+        GPU. The counts come back in the framework of ``ids``.
+    num_experts : int
+        Size of the id space, >= 1; ids outside ``[0, num_experts)`` are not counted.
+    out : array int64 [num_experts], optional
+        A counter to add into (same side as ``ids``: a NumPy array or CPU torch tensor, or
+        a device array).
+        Default: fresh zeroed counters.
+    stream : optional
+        Device inputs only; default: the current stream of the input's framework.
+
+    Returns
+    -------
+    counts : int64 [num_experts]
+        ``out`` when given (counts added in place), else a new array in the input's
+        framework and device.
+
+    Raises
+    ------
+    TypeError
+        Non-integer ``ids``; ``num_experts`` not an integer; ``out`` not int64 or not on
+        the side of ``ids``.
+    ValueError
+        ``num_experts`` < 1; ``out`` not of shape [num_experts]; device ``ids`` not
+        C-contiguous.
+
+    Examples
+    --------
+    >>> expert_load(np.array([[0, 2], [2, -1]]), 4).tolist()
+    [1, 0, 2, 0]
+    """
+    num_experts = _sort.check_count("num_experts", num_experts, 1)
+    if is_device_array(ids):
+        view = _sort.device_ids("ids", ids, ndim=None)
+        if not view.is_c_contiguous():
+            raise ValueError("ids on the device must be C-contiguous")
+        launch_stream = resolve_stream(ids, stream)
+        if out is None:
+            counts, counts_view = device_empty((num_experts,), LOAD_DTYPE, ids)
+            blocks, threads = _sort.launch_config(num_experts)
+            _kernel("zero")[blocks, threads, launch_stream](counts_view)
+        else:
+            _check_out(out, num_experts, True)
+            counts, counts_view = out, as_device_array(out)
+        size = int(np.prod(view.shape, dtype=np.int64))
+        if size:
+            blocks, threads = _sort.launch_config(size)
+            _kernel("count")[blocks, threads, launch_stream](view.reshape(size), counts_view)
+        return counts
+    if out is not None and is_device_array(out):
+        raise TypeError("out is a device array but ids are on the host; pass both on the "
+                        "device or both as NumPy arrays")
+    host = _sort.host_ids("ids", host_array(ids), ndim=None)
+    if out is None:
+        counts = np.zeros(num_experts, LOAD_DTYPE)
+        _count_cpu(host.reshape(-1), counts)
+        return as_caller(counts, ids)
+    if isinstance(out, (list, tuple)) or not hasattr(out, "shape"):
+        raise TypeError(f"out must be a NumPy (or CPU torch) int64 array for host ids, got "
+                        f"{type(out).__name__}")
+    _check_out(out, num_experts, False)
+    counts = host_array(out)  # a CPU torch counter is viewed, not copied
+    if not counts.flags.c_contiguous or not counts.flags.writeable:
+        raise ValueError("out must be a writable C-contiguous array")
+    _count_cpu(host.reshape(-1), counts)
+    return out

@@ -1,0 +1,352 @@
+"""Every public routing op on every framework: NumPy arrays, CPU torch tensors, and (under the
+CUDA simulator, or on a GPU) numba device arrays, CuPy arrays and torch CUDA tensors.
+
+Each op's answer is checked against ``moeroute.routing.reference`` (ids exactly, weights
+with a stated tolerance) and must come back in the input's framework, dtype and device.
+bfloat16 and float16 logits must route exactly as their float32 upcast.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import moeroute
+from moeroute.config import RouterConfig
+from moeroute.layout import ExpertLayout
+from moeroute.routing import _arrays, reference
+
+WEIGHT_RTOL = 1e-6  # float32 routing weights: a few ulps between kernel and reference
+TOKENS = 37
+
+ROUTERS = {
+    "softmax": RouterConfig(32, 4, "softmax", renormalize=True),
+    "softmax-raw": RouterConfig(32, 4, "softmax", renormalize=False, routed_scaling_factor=1.5),
+    "sigmoid-groups": RouterConfig(32, 3, "sigmoid", num_expert_group=4, topk_group=2,
+                                   routed_scaling_factor=2.5),
+}
+#: Logit dtypes of CPU torch tensors; every one routes as its float32 upcast.
+TORCH_LOGIT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+SIM_MODULE = Path(__file__).with_name("_sim_frameworks.py")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SIM_TIMEOUT_S = 600  # the suite takes well under a minute; this only guards against a hang
+
+
+def _rng(*key):
+    return np.random.default_rng([zlib.crc32(str(k).encode()) for k in key])
+
+
+def _logits(tokens, experts, seed=0):
+    return _rng("logits", tokens, experts, seed).standard_normal((tokens, experts)).astype(np.float32)
+
+
+def _torch_ids(rows, cols, high, seed=0, dtype=torch.int32):
+    ids = _rng("ids", rows, cols, high, seed).integers(-1, high + 1, size=(rows, cols))
+    return torch.from_numpy(ids).to(dtype)
+
+
+# ------------------------------------------------------------------ select_experts
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+@pytest.mark.parametrize("dtype", TORCH_LOGIT_DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [0, 1, TOKENS])
+def test_select_experts_cpu_torch_routes_as_float32_upcast(name, dtype, tokens):
+    config = ROUTERS[name]
+    logits = torch.from_numpy(_logits(tokens, config.num_experts)).to(dtype)
+    bias = (torch.from_numpy(_logits(1, config.num_experts, 1)[0]) * 0.1
+            if config.scoring == "sigmoid" else None)
+    weights, ids = moeroute.select_experts(logits, config, bias)
+    upcast = logits.float().numpy()  # exact for float16 and bfloat16
+    ref_w, ref_ids = reference.select_experts(upcast, config, None if bias is None else bias.numpy())
+    assert isinstance(weights, torch.Tensor) and isinstance(ids, torch.Tensor)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert weights.device.type == ids.device.type == "cpu"
+    assert np.array_equal(ids.numpy(), ref_ids)
+    np.testing.assert_allclose(weights.numpy(), ref_w, rtol=WEIGHT_RTOL, atol=0)
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_select_experts_bf16_bits_equal_float32_upcast_bit_for_bit(name):
+    # The same kernel on float32 input and on bfloat16 input (upcast by a table of bit
+    # patterns) must give identical ids and weights, bit for bit.
+    config = ROUTERS[name]
+    logits = torch.from_numpy(_logits(TOKENS, config.num_experts, 2)).to(torch.bfloat16)
+    w16, ids16 = moeroute.select_experts(logits, config)
+    w32, ids32 = moeroute.select_experts(logits.float().numpy(), config)
+    assert np.array_equal(ids16.numpy(), ids32)
+    assert np.array_equal(w16.numpy().view(np.uint32), w32.view(np.uint32))
+
+
+def test_select_experts_numpy_in_numpy_out_and_noncontiguous_torch():
+    config = ROUTERS["softmax"]
+    logits = _logits(TOKENS, config.num_experts)
+    weights, ids = moeroute.select_experts(logits, config)
+    assert isinstance(weights, np.ndarray) and isinstance(ids, np.ndarray)
+    # A transposed (non-contiguous) CPU tensor routes as its contiguous copy.
+    strided = torch.from_numpy(np.ascontiguousarray(logits.T)).T
+    assert not strided.is_contiguous()
+    t_weights, t_ids = moeroute.select_experts(strided, config)
+    assert np.array_equal(t_ids.numpy(), ids)
+    np.testing.assert_array_equal(t_weights.numpy(), weights)
+
+
+def test_select_experts_accepts_tensors_that_require_grad():
+    config = ROUTERS["softmax"]
+    logits = torch.from_numpy(_logits(5, config.num_experts)).requires_grad_(True)
+    _, ids = moeroute.select_experts(logits, config)
+    _, ref_ids = reference.select_experts(logits.detach().numpy(), config)
+    assert np.array_equal(ids.numpy(), ref_ids)
+
+
+def test_select_experts_rejects_unsupported_inputs():
+    config = ROUTERS["softmax"]
+    with pytest.raises(TypeError, match="logits must be a NumPy array, a torch tensor"):
+        moeroute.select_experts([[0.0] * 32], config)
+    with pytest.raises(ValueError, match="logits dtype float64 is not supported"):
+        moeroute.select_experts(torch.zeros(2, 32, dtype=torch.float64), config)
+    with pytest.raises(ValueError, match="CPU tensor"):
+        moeroute.select_experts(torch.zeros(2, 32, device="meta"), config)
+    with pytest.raises(ValueError, match="correction_bias dtype bfloat16 must be float32"):
+        moeroute.select_experts(torch.zeros(2, 32), config, torch.zeros(32, dtype=torch.bfloat16))
+
+
+# ------------------------------------------------------------------ out= buffers
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch", "torch-bfloat16"])
+def test_select_experts_writes_into_out_buffers(framework):
+    config = ROUTERS["sigmoid-groups"]
+    logits = _logits(TOKENS, config.num_experts, 3)
+    bias = 0.1 * _logits(1, config.num_experts, 4)[0]
+    if framework == "torch-bfloat16":
+        logits = torch.from_numpy(logits).to(torch.bfloat16).float().numpy()  # exact upcast
+    ref_w, ref_ids = reference.select_experts(logits, config, bias)
+    if framework.startswith("torch"):
+        logits, bias = torch.from_numpy(logits), torch.from_numpy(bias)
+        if framework == "torch-bfloat16":
+            logits = logits.to(torch.bfloat16)
+        out = (torch.full((TOKENS, 3), -7.0), torch.full((TOKENS, 3), -7, dtype=torch.int32))
+    else:
+        out = (np.full((TOKENS, 3), -7.0, np.float32), np.full((TOKENS, 3), -7, np.int32))
+    result = moeroute.select_experts(logits, config, bias, out=out)
+    assert result[0] is out[0] and result[1] is out[1]
+    assert np.array_equal(np.asarray(out[1]), ref_ids)
+    np.testing.assert_allclose(np.asarray(out[0]), ref_w, rtol=WEIGHT_RTOL, atol=0)
+
+
+def test_select_experts_out_buffers_are_validated():
+    config = ROUTERS["softmax"]
+    logits = torch.from_numpy(_logits(4, config.num_experts))
+    good_w, good_ids = torch.empty(4, 4), torch.empty(4, 4, dtype=torch.int32)
+    cases = [
+        ((good_w,), TypeError, r"out must be a \(topk_weights, topk_ids\) pair"),
+        ((torch.empty(4, 5), good_ids), ValueError, r"out\[0\] \(topk_weights\) has shape \(4, 5\)"),
+        ((good_w, torch.empty(4, 4, dtype=torch.int64)), ValueError,
+         r"out\[1\] \(topk_ids\) has dtype int64, expected int32"),
+        ((torch.empty(4, 4, dtype=torch.float64), good_ids), ValueError, "dtype float64"),
+        ((torch.empty(4, 4).T, good_ids), ValueError, "C-contiguous"),
+        ((np.empty((4, 4), np.float32), good_ids), TypeError, "must be a torch tensor like logits"),
+        ((good_w, torch.empty(4, 4, dtype=torch.int32, device="meta")), ValueError,
+         r"out\[1\] \(topk_ids\) is on meta but logits is on cpu"),
+    ]
+    for out, error, match in cases:
+        with pytest.raises(error, match=match):
+            moeroute.select_experts(logits, config, out=out)
+    with pytest.raises(TypeError, match="must be a NumPy array like logits"):
+        moeroute.select_experts(logits.numpy(), config, out=(good_w, good_ids))
+    with pytest.raises(ValueError, match="read-only"):
+        frozen = np.empty((4, 4), np.float32)
+        frozen.flags.writeable = False
+        moeroute.select_experts(logits.numpy(), config, out=(frozen, good_ids.numpy()))
+
+
+# ------------------------------------------------------------------ dispatch primitives
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64], ids=str)
+def test_logical_to_physical_and_remap_on_torch(id_dtype):
+    layout = ExpertLayout(16, num_shared_experts=1, ep_size=4, dispatch="all2all",
+                          num_redundant_experts=4)
+    ids = _torch_ids(TOKENS, 4, 16, 5, id_dtype)
+    physical = moeroute.logical_to_physical(ids, layout)
+    assert isinstance(physical, torch.Tensor) and physical.dtype == torch.int32
+    assert np.array_equal(physical.numpy(), reference.logical_to_physical(ids.numpy(), layout))
+    expert_map = layout.expert_map(2)
+    for table in (expert_map, torch.from_numpy(expert_map)):
+        local = moeroute.remap_to_local(physical, table)
+        assert isinstance(local, torch.Tensor) and local.dtype == torch.int32
+        assert np.array_equal(local.numpy(), reference.remap_to_local(physical.numpy(), expert_map))
+
+
+@pytest.mark.parametrize("shared_weights", [None, "tensor", 0.5])
+def test_append_shared_slots_on_torch(shared_weights):
+    layout = ExpertLayout(16, num_shared_experts=2, ep_size=2, dispatch="all2all")
+    ids = _torch_ids(TOKENS, 4, 16, 6)
+    weights = torch.from_numpy(_rng("w").random((TOKENS, 4)).astype(np.float32))
+    if shared_weights == "tensor":
+        shared_weights = torch.from_numpy(_rng("g").random(TOKENS).astype(np.float32))
+    out_ids, out_w = moeroute.append_shared_slots(ids, weights, layout, 1, shared_weights)
+    ref_shared = shared_weights.numpy() if isinstance(shared_weights, torch.Tensor) else shared_weights
+    ref_ids, ref_w = reference.append_shared_slots(ids.numpy(), weights.numpy(), layout, 1, ref_shared)
+    assert isinstance(out_ids, torch.Tensor) and isinstance(out_w, torch.Tensor)
+    assert out_ids.dtype == torch.int32 and out_w.dtype == torch.float32
+    assert np.array_equal(out_ids.numpy(), ref_ids)
+    np.testing.assert_allclose(out_w.numpy(), ref_w, rtol=0, atol=0)
+
+
+def test_append_shared_slots_bf16_weights_are_converted_by_torch():
+    layout = ExpertLayout(8, num_shared_experts=1)
+    ids = _torch_ids(6, 2, 8, 7)
+    weights = torch.tensor(_rng("w16").random((6, 2)), dtype=torch.bfloat16)
+    _, out_w = moeroute.append_shared_slots(ids, weights, layout)
+    np.testing.assert_array_equal(out_w[:, :2].numpy(), weights.float().numpy())
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("tokens", [0, TOKENS])
+def test_align_and_sort_on_torch(id_dtype, tokens):
+    ids = _torch_ids(tokens, 4, 12, 8, id_dtype)
+    sorted_ids, expert_ids, total = moeroute.align_block_size(ids, 12, 4)
+    ref_sorted, ref_experts, ref_total = reference.align_block_size(ids.numpy(), 12, 4)
+    assert isinstance(sorted_ids, torch.Tensor) and isinstance(expert_ids, torch.Tensor)
+    assert np.array_equal(sorted_ids.numpy(), ref_sorted)
+    assert np.array_equal(expert_ids.numpy(), ref_experts)
+    assert total == ref_total and isinstance(total, int)
+    got = moeroute.sort_by_expert(ids, 12)
+    for value, expected in zip(got, reference.sort_by_expert(ids.numpy(), 12)):
+        assert isinstance(value, torch.Tensor) and value.dtype == torch.int32
+        assert np.array_equal(value.numpy(), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_permute_and_combine_on_torch(dtype):
+    ids = _torch_ids(TOKENS, 3, 10, 9)
+    hidden = torch.from_numpy(_logits(TOKENS, 24, 10)).to(dtype)
+    permuted, offsets, inverse = moeroute.permute(hidden, ids, 10)
+    assert isinstance(permuted, torch.Tensor) and permuted.dtype == dtype
+    # The reference gathers float32 rows; the gather moves bits, so the upcast must agree.
+    ref_perm, ref_offsets, ref_inverse = reference.permute(hidden.float().numpy(), ids.numpy(), 10)
+    np.testing.assert_array_equal(permuted.float().numpy(), ref_perm)
+    assert np.array_equal(offsets.numpy(), ref_offsets)
+    assert np.array_equal(inverse.numpy(), ref_inverse)
+
+    weights = torch.from_numpy(_rng("cw").random((TOKENS, 3)).astype(np.float32))
+    out = moeroute.combine(permuted, inverse, weights)
+    assert isinstance(out, torch.Tensor) and out.dtype == dtype
+    expected = reference.combine(permuted.float().numpy(), inverse.numpy(), weights.numpy())
+    # float32 sums rounded once to the output dtype: half an ulp of that dtype.
+    rtol = {torch.float32: 1e-6, torch.float16: 2**-11, torch.bfloat16: 2**-8}[dtype]
+    np.testing.assert_allclose(out.float().numpy(), expected, rtol=rtol, atol=1e-6)
+
+
+def test_results_share_memory_with_numpy_outputs():
+    # torch out of a CPU op is a view of the kernel's NumPy result: no copy on the way back.
+    result = np.arange(6, dtype=np.int32)
+    template = torch.zeros(1)
+    tensor = _arrays.as_caller(result, template)
+    assert tensor.data_ptr() == result.ctypes.data
+    assert _arrays.as_caller(result, np.zeros(1)) is result
+    bits = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+    view = _arrays.host_array(bits)
+    assert view.dtype == np.uint16 and view.ctypes.data == bits.data_ptr()
+    back = _arrays.as_caller(view, bits, bfloat16=True)
+    assert back.dtype == torch.bfloat16 and torch.equal(back, bits)
+
+
+def test_framework_detection_never_imports_torch():
+    # The routing layer finds torch only through sys.modules, and only for torch inputs.
+    code = ("import sys, numpy as np, moeroute;"
+            "w, i = moeroute.select_experts(np.zeros((2, 8), np.float32), moeroute.RouterConfig(8, 2));"
+            "from moeroute.routing import _arrays;"
+            "assert _arrays.torch_of(np.zeros(1)) is None;"
+            "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=SIM_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "False"
+
+
+def test_device_detection_and_bits_of_torch_tensors():
+    cpu = torch.zeros(2, 3, dtype=torch.bfloat16)
+    assert not _arrays.is_device_array(cpu)
+    assert _arrays.framework_of(cpu) == "torch"
+    assert _arrays.is_bfloat16(cpu) and not _arrays.is_bfloat16(np.zeros(1, np.float16))
+    bits = _arrays.device_bits16(cpu)
+    assert bits.dtype == torch.int16 and bits.data_ptr() == cpu.data_ptr()
+    assert _arrays.from_device_bits16(bits, cpu).dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------ device frameworks
+
+
+def test_device_frameworks_under_the_simulator():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+         str(SIM_MODULE)],
+        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
+    summary = result.stdout[-3000:] + result.stderr[-2000:]
+    assert result.returncode == 0, summary
+    passed = re.search(r"(\d+) passed", result.stdout)
+    assert passed and int(passed.group(1)) > 0, summary
+    assert not re.search(r"\d+ (failed|error)", result.stdout), summary
+
+
+requires_torch_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                         reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+
+@pytest.mark.gpu
+@requires_torch_cuda
+@pytest.mark.parametrize("dtype", TORCH_LOGIT_DTYPES, ids=str)
+def test_gpu_torch_cuda_tensors_in_and_out(dtype):
+    config = ROUTERS["sigmoid-groups"]
+    logits = torch.from_numpy(_logits(TOKENS, config.num_experts)).to(dtype)
+    bias = torch.from_numpy(0.1 * _logits(1, config.num_experts, 1)[0])
+    ref_w, ref_ids = reference.select_experts(logits.float().numpy(), config, bias.numpy())
+    weights, ids = moeroute.select_experts(logits.cuda(), config, bias.cuda())
+    assert weights.is_cuda and ids.is_cuda and ids.dtype == torch.int32
+    assert np.array_equal(ids.cpu().numpy(), ref_ids)
+    np.testing.assert_allclose(weights.cpu().numpy(), ref_w, rtol=1e-5, atol=0)
+    out = (torch.empty_like(weights), torch.empty_like(ids))
+    result = moeroute.select_experts(logits.cuda(), config, bias.cuda(), out=out)
+    assert result[0] is out[0] and torch.equal(out[1], ids)
+    layout = ExpertLayout(32, num_shared_experts=1)
+    dev_ids, dev_w = moeroute.append_shared_slots(ids, weights, layout)
+    ref_ids2, ref_w2 = reference.append_shared_slots(ids.cpu().numpy(), weights.cpu().numpy(), layout)
+    assert dev_ids.is_cuda and np.array_equal(dev_ids.cpu().numpy(), ref_ids2)
+    hidden = torch.randn(TOKENS, 16, dtype=torch.bfloat16, device="cuda")
+    permuted, _, inverse = moeroute.permute(hidden, dev_ids, 33)
+    assert permuted.is_cuda and permuted.dtype == torch.bfloat16
+    combined = moeroute.combine(permuted, inverse, dev_w)
+    assert combined.is_cuda and combined.dtype == torch.bfloat16
+    expected = reference.combine(permuted.float().cpu().numpy(), inverse.cpu().numpy(),
+                                 dev_w.cpu().numpy())
+    np.testing.assert_allclose(combined.float().cpu().numpy(), expected, rtol=2**-8, atol=1e-6)
+
+
+@pytest.mark.gpu
+@requires_torch_cuda
+def test_gpu_cupy_arrays_in_and_out():
+    cupy = pytest.importorskip("cupy")
+    config = ROUTERS["softmax"]
+    logits = _logits(TOKENS, config.num_experts)
+    weights, ids = moeroute.select_experts(cupy.asarray(logits), config)
+    assert isinstance(ids, cupy.ndarray) and isinstance(weights, cupy.ndarray)
+    ref_w, ref_ids = reference.select_experts(logits, config)
+    assert np.array_equal(cupy.asnumpy(ids), ref_ids)
+    sorted_ids, expert_ids, total = moeroute.align_block_size(ids, 32, 4)
+    ref_sorted, ref_experts, ref_total = reference.align_block_size(ref_ids, 32, 4)
+    assert isinstance(sorted_ids, cupy.ndarray)
+    assert np.array_equal(cupy.asnumpy(sorted_ids), ref_sorted)
+    assert int(cupy.asnumpy(total)[0]) == ref_total
