@@ -104,8 +104,9 @@ def _routing_steps(presets, dtypes) -> list[tuple[str, Callable[[], None]]]:
     below and above each serial/parallel threshold."""
     from moeroute.layout import ExpertLayout
     from moeroute.routing import _parallel
-    from moeroute.routing import (align_block_size, append_shared_slots, combine, permute,
-                                  remap_to_local, select_experts, sort_by_expert)
+    from moeroute.routing import (align_block_size, append_shared_slots, combine, expert_load,
+                                  logical_to_physical, permute, remap_to_local, select_experts,
+                                  sort_by_expert)
     from moeroute.routing.combine import (PARALLEL_ACCUMULATE_MIN_ELEMENTS,
                                           PARALLEL_COMBINE_MIN_ELEMENTS, accumulate_rows)
     from moeroute.routing.permute import PARALLEL_GATHER_MIN_BYTES
@@ -140,12 +141,16 @@ def _routing_steps(presets, dtypes) -> list[tuple[str, Callable[[], None]]]:
         gates = np.ones((tokens, max(1, preset.num_shared_experts)), np.float32)
         for shared_weights in (None, gates[:, 0], gates):
             slot_ids, slot_weights = append_shared_slots(ids, weights, layout, 0, shared_weights)
-        remap_to_local(slot_ids, layout.expert_map(0))
+        logical_to_physical(ids, layout)
+        expert_map = layout.expert_map(0)
+        remap_to_local(slot_ids, expert_map)
         experts = layout.num_physical_experts
         for id_dtype in (np.int32, np.int64):
             typed = slot_ids.astype(id_dtype)
             align_block_size(typed, experts, 64)
+            align_block_size(typed, expert_map.shape[0], 64, expert_map)
             sort_by_expert(typed, experts)
+            expert_load(typed, experts)
         _dispatch_kernels(slot_ids, slot_weights, experts, dtypes)
 
     def dispatch_parallel():
@@ -220,8 +225,9 @@ def warmup(presets: Sequence[str] | None = None, *, dtypes: Sequence[str] = WARM
            torch_module: bool | None = None, progress: bool = True) -> dict:
     """Compile every CPU kernel the presets use into Numba's on-disk cache.
 
-    Runs select_experts, append_shared_slots, remap_to_local, align_block_size,
-    sort_by_expert, permute, combine and accumulate_rows on small inputs shaped like each
+    Runs select_experts, append_shared_slots, logical_to_physical, remap_to_local,
+    align_block_size (with and without an expert map), sort_by_expert, expert_load, permute,
+    combine and accumulate_rows on small inputs shaped like each
     preset, for each dtype, below and above each serial/parallel threshold, and (when
     torch is installed) the torch `MoE` module's CPU forward. A kernel already in the cache
     is loaded, not compiled, so a second call is quick. Set ``NUMBA_CACHE_DIR`` before the
