@@ -157,24 +157,41 @@ def padded_capacity(numel: int, num_experts: int, block_size: int) -> int:
 # --------------------------------------------------------------------------- CPU
 
 
+def _mapped_id(value, expert_map, use_map):
+    """``expert_map[value]`` (-1 outside the map) when ``use_map``, else ``value``."""
+    if not use_map:
+        return value
+    if value < 0 or value >= expert_map.shape[0]:
+        return -1
+    return expert_map[value]
+
+
+mapped_id_cpu = njit(cache=True)(_mapped_id)
+mapped_id_device = None if cuda is None else cuda.jit(device=True)(_mapped_id)
+#: The ``expert_map`` argument of the sort kernels when no map is used (never read).
+NO_EXPERT_MAP = np.zeros(1, np.int32)
+
+
 @njit(cache=True)
-def _count_cpu(topk_ids, num_experts):
+def _count_cpu(topk_ids, num_experts, expert_map, use_map):
     counts = np.zeros(num_experts, np.int64)
     rows, cols = topk_ids.shape
     for t in range(rows):
         for k in range(cols):
-            e = topk_ids[t, k]
+            e = mapped_id_cpu(topk_ids[t, k], expert_map, use_map)
             if e >= 0 and e < num_experts:
                 counts[e] += 1
     return counts
 
 
 @njit(cache=True)
-def align_cpu(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids):
-    """Fill ``sorted_token_ids`` and ``expert_ids``; return num_tokens_post_padded."""
+def align_cpu(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, expert_map,
+              use_map):
+    """Fill ``sorted_token_ids`` and ``expert_ids``; return num_tokens_post_padded. With
+    ``use_map`` each id is first ``expert_map[id]`` (-1 outside the map), in both passes."""
     rows, cols = topk_ids.shape
     numel = rows * cols
-    counts = _count_cpu(topk_ids, num_experts)
+    counts = _count_cpu(topk_ids, num_experts, expert_map, use_map)
     cursor = np.empty(num_experts, np.int64)
     position = 0
     for e in range(num_experts):
@@ -188,7 +205,7 @@ def align_cpu(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids):
     sorted_token_ids[:] = numel
     for t in range(rows):
         for k in range(cols):
-            e = topk_ids[t, k]
+            e = mapped_id_cpu(topk_ids[t, k], expert_map, use_map)
             if e >= 0 and e < num_experts:
                 sorted_token_ids[cursor[e]] = t * cols + k
                 cursor[e] += 1
@@ -199,7 +216,7 @@ def align_cpu(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids):
 def sort_cpu(topk_ids, num_experts):
     """(sorted_slots int32 [M], expert_offsets int32 [E+1], inverse_index int32 [T, K])."""
     rows, cols = topk_ids.shape
-    counts = _count_cpu(topk_ids, num_experts)
+    counts = _count_cpu(topk_ids, num_experts, NO_EXPERT_MAP, False)
     expert_offsets = np.empty(num_experts + 1, np.int32)
     cursor = np.empty(num_experts, np.int64)
     position = 0
@@ -224,18 +241,6 @@ def sort_cpu(topk_ids, num_experts):
 
 
 # --------------------------------------------------------------------------- CUDA
-
-
-def _mapped_id(value, expert_map, use_map):
-    """``expert_map[value]`` (-1 outside the map) when ``use_map``, else ``value``."""
-    if not use_map:
-        return value
-    if value < 0 or value >= expert_map.shape[0]:
-        return -1
-    return expert_map[value]
-
-
-mapped_id_device = None if cuda is None else cuda.jit(device=True)(_mapped_id)
 
 
 def _count_kernel(topk_ids, expert_map, use_map, num_experts, chunk_size, chunk_counts):

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from numba import njit
-
 from moeroute.routing import _sort
 from moeroute.routing._arrays import as_caller, device_empty, host_array, is_device_array, resolve_stream
 from moeroute.routing.remap import _check_host_expert_map, device_expert_map
@@ -23,55 +21,16 @@ from moeroute.routing.remap import _check_host_expert_map, device_expert_map
 __all__ = ["align_block_size"]
 
 
-@njit(cache=True)
-def _mapped(expert_map, value):
-    """``expert_map[value]``, -1 outside the map."""
-    if value < 0 or value >= expert_map.shape[0]:
-        return -1
-    return expert_map[value]
-
-
-@njit(cache=True)
-def _align_mapped_cpu(topk_ids, expert_map, num_experts, block_size, sorted_token_ids,
-                      expert_ids):
-    """`_sort.align_cpu` on ``expert_map[topk_ids]``; returns num_tokens_post_padded."""
-    rows, cols = topk_ids.shape
-    numel = rows * cols
-    counts = np.zeros(num_experts, np.int64)
-    for t in range(rows):
-        for k in range(cols):
-            e = _mapped(expert_map, topk_ids[t, k])
-            if e >= 0 and e < num_experts:
-                counts[e] += 1
-    cursor = np.empty(num_experts, np.int64)
-    position = 0
-    for e in range(num_experts):
-        cursor[e] = position
-        padded = (counts[e] + block_size - 1) // block_size * block_size
-        for b in range(position // block_size, (position + padded) // block_size):
-            expert_ids[b] = e
-        position += padded
-    for b in range(position // block_size, expert_ids.shape[0]):
-        expert_ids[b] = -1
-    sorted_token_ids[:] = numel
-    for t in range(rows):
-        for k in range(cols):
-            e = _mapped(expert_map, topk_ids[t, k])
-            if e >= 0 and e < num_experts:
-                sorted_token_ids[cursor[e]] = t * cols + k
-                cursor[e] += 1
-    return position
-
-
 def _host_expert_map(expert_map) -> np.ndarray:
-    """``expert_map`` as a C-contiguous int64 NumPy vector; TypeError/ValueError otherwise."""
+    """``expert_map`` as a C-contiguous int32 NumPy vector (its values are checked to fit);
+    TypeError/ValueError otherwise."""
     table = np.asarray(host_array(expert_map))
     if table.dtype.kind not in "iu":
         raise TypeError(f"expert_map must hold integers, got dtype {table.dtype}")
     if table.ndim != 1:
         raise ValueError(f"expert_map must be 1-D [num_physical_experts], got shape {table.shape}")
     _check_host_expert_map(table)  # the values remap_to_local accepts: -1 or an int32 local id
-    return np.ascontiguousarray(table, dtype=np.int64)
+    return np.ascontiguousarray(table, dtype=np.int32)
 
 
 def _check_align_args(shape, num_experts, block_size) -> tuple[int, int, int, int]:
@@ -147,11 +106,9 @@ def align_block_size(topk_ids, num_experts, block_size, expert_map=None, *, stre
         ids.shape, num_experts, block_size)
     sorted_token_ids = np.empty(capacity, np.int32)
     expert_ids = np.empty(capacity // block_size, np.int32)
-    if table is None:
-        total = _sort.align_cpu(ids, num_experts, block_size, sorted_token_ids, expert_ids)
-    else:
-        total = _align_mapped_cpu(ids, table, num_experts, block_size, sorted_token_ids,
-                                  expert_ids)
+    use_map = table is not None
+    total = _sort.align_cpu(ids, num_experts, block_size, sorted_token_ids, expert_ids,
+                            table if use_map else _sort.NO_EXPERT_MAP, use_map)
     return as_caller(sorted_token_ids, topk_ids), as_caller(expert_ids, topk_ids), int(total)
 
 
