@@ -5,9 +5,9 @@ scores by ``topk``/``max`` over a [T, G, N/G] view, a group mask, ``masked_fill`
 ``topk`` (vLLM's ``grouped_topk``; ``fused_topk``'s softmax + topk without groups or bias).
 Both run on the same float32 logits in one process that runs torch (torch on
 ``--torch-threads`` threads), interleaved call by call, as routing runs inside a model; the
-figure is the median of the per-pair time ratios. moeroute is measured with its parallel
-kernel in torch's OpenMP team (the default, see moeroute/routing/_parallel.py) and, for
-comparison, on Numba's own threading layer (``team numba``). The achieved logits bandwidth (logits bytes
+figure is the median of the per-pair time ratios. ``--teams`` picks how moeroute's parallel
+kernel runs: on Numba's own threads (``numba``, the default) and/or in torch's OpenMP team
+(``auto``; see moeroute/routing/_parallel.py). The achieved logits bandwidth (logits bytes
 read per second) is set against the host copy bandwidth measured in the same run.
 align_block_size against a torch argsort implementation comes from bench/align.py.
 
@@ -138,7 +138,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-align", action="store_true", help="skip align_block_size")
     parser.add_argument("--torch-threads", type=int, default=TORCH_THREADS,
                         help="torch.set_num_threads for the whole run")
-    parser.add_argument("--teams", nargs="+", default=["auto"], choices=_parallel.TEAM_MODES,
+    parser.add_argument("--teams", nargs="+", default=[_parallel.DEFAULT_TEAM_MODE],
+                        choices=_parallel.TEAM_MODES,
                         help="how moeroute's parallel kernel runs (auto: torch's OpenMP team)")
     args = parser.parse_args(argv)
     presets = list(PRESETS) if args.all_presets else args.presets

@@ -3,9 +3,9 @@
 Each option runs in its own process (a threading layer is chosen once per process), with
 torch imported and ``torch.set_num_threads(--torch-threads)``:
 
-* ``torch-team``: the default; moeroute's parallel kernels run in torch's own OpenMP team
+* ``torch-team``: moeroute's parallel kernels run in torch's own OpenMP team
   (``MOEROUTE_CPU_TEAM=auto``, see moeroute/routing/_parallel.py);
-* ``numba-omp``, ``numba-workqueue``, ``numba-tbb``: Numba's ``prange`` kernel on that
+* ``numba-omp`` (the default), ``numba-workqueue``, ``numba-tbb``: Numba's ``prange`` kernel on that
   threading layer (``MOEROUTE_CPU_TEAM=numba``; tbb only where the tbb package is installed);
 * ``python-pool``: a pool of Python threads, each running the serial kernel with the GIL
   released on its share of the rows.

@@ -4,12 +4,12 @@ Two OpenMP runtimes in one process (torch's bundled libgomp and the system one u
 Numba's ``omp`` threading layer) each keep their own worker threads spinning after a
 parallel region; on a machine with as many cores as torch uses, a moeroute call right after
 a torch op competes with torch's spinning workers, and the next torch op with moeroute's.
-So when torch is loaded and brings its own libgomp, the parallel kernels run inside
-torch's own OpenMP team: ``GOMP_parallel`` of torch's libgomp called with a Numba
+So with ``MOEROUTE_CPU_TEAM=auto`` (or `set_team_mode("auto")`), when torch is loaded and
+brings its own libgomp, the parallel kernels run inside torch's own OpenMP team: ``GOMP_parallel`` of torch's libgomp called with a Numba
 ``cfunc`` whose threads claim chunks of rows from a shared counter. The same workers then
 serve torch and moeroute in turn, and moeroute uses ``torch.get_num_threads()`` of them.
-Without torch (or with a torch built on another OpenMP) the kernels use Numba's own
-``prange`` parallelism and threading layer. bench/routing.py measures both, interleaved
+Otherwise (the default, see `DEFAULT_TEAM_MODE`; or without torch, or with a torch built on
+another OpenMP) the kernels use Numba's own ``prange`` parallelism and threading layer. bench/routing.py measures both, interleaved
 call by call with torch, and bench/threads.py the other options.
 
 The team kernels take one int64 descriptor array: slot 0 is the chunk counter (claimed
@@ -28,12 +28,17 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-__all__ = ["cpu_threads", "torch_team", "torch_team_available", "run_team", "TEAM_MODES", "set_team_mode", "team_mode"]
+__all__ = ["DEFAULT_TEAM_MODE", "cpu_threads", "torch_team", "torch_team_available", "run_team", "TEAM_MODES", "set_team_mode", "team_mode"]
 
 #: How parallel kernels run: "auto" (torch's OpenMP team when available, else Numba),
 #: "torch" (torch's team, an error when unavailable) or "numba" (Numba's threading layer).
 TEAM_MODES = ("auto", "torch", "numba")
-_mode = os.environ.get("MOEROUTE_CPU_TEAM", "auto")
+#: The default stays Numba's threads until a quiet-machine run of bench/threads.py and
+#: bench/routing.py --teams auto numba shows torch's team ahead: on a saturated machine
+#: Qwen3.5 routing measured 7.7x and 6.1x interleaved with torch in the team against 9.5x
+#: and 8.2x on Numba's threads (DeepSeek-V3: 11.7x, 8.9x against 11.0x, 11.0x).
+DEFAULT_TEAM_MODE = "numba"
+_mode = os.environ.get("MOEROUTE_CPU_TEAM", DEFAULT_TEAM_MODE)
 
 
 def set_team_mode(mode: str) -> str:
