@@ -37,6 +37,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import calls_per_sample, cuda_events, median_ratio, print_table, rotated  # noqa: E402
 
 from moeroute.gpu import fused_experts, loader  # noqa: E402
 from moeroute.gpu import launch as L  # noqa: E402
@@ -154,13 +157,8 @@ def relative_difference(a, b):
 
 
 def time_calls(fn, inner):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(inner):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / inner
+    """Device ms per call of ``fn``, from ``inner`` back-to-back calls between CUDA events."""
+    return cuda_events(torch)(calls_per_sample(fn, inner)) * 1e3 / inner
 
 
 def bench_case(model, hidden_size, intermediate_size, tokens_per_expert, num_experts, repeats, warmup,
@@ -209,12 +207,10 @@ def bench_case(model, hidden_size, intermediate_size, tokens_per_expert, num_exp
             fn()
         estimate = time_calls(fn, 1)
         inner[name] = max(1, min(100, math.ceil(SAMPLE_MS / max(estimate, 1e-3))))
-    samples = {name: [] for name in implementations}
     names = list(implementations)
-    for r in range(repeats):
-        rotation = names[r % len(names):] + names[:r % len(names)]  # no one always goes first
-        for name in rotation:
-            samples[name].append(time_calls(implementations[name], inner[name]))
+    batches = {name: calls_per_sample(implementations[name], inner[name]) for name in names}
+    seconds = rotated(batches, repeats, warmup=0, timer=cuda_events(torch))
+    samples = {name: [s * 1e3 / inner[name] for s in seconds[name]] for name in names}  # ms per call
 
     flops = 6.0 * num_experts * tokens_per_expert * intermediate_size * hidden_size
     rows = []
@@ -225,19 +221,19 @@ def bench_case(model, hidden_size, intermediate_size, tokens_per_expert, num_exp
                      "median_ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "calls_per_sample": inner[name],
                      "max_rel_diff_vs_torch_loop": checks.get(name)})
 
-    def median_ratio(numerator, denominator):
+    def ratio(numerator, denominator):
         if numerator not in samples or denominator not in samples:
             return None
-        return statistics.median(n / d for n, d in zip(samples[numerator], samples[denominator]))
+        return median_ratio(samples[numerator], samples[denominator])
 
     summary = {"model": model, "tokens_per_expert": tokens_per_expert, "gemm_path": path,
                "block_size": L.choose_block_size(tokens_per_expert * num_experts, num_experts),
-               "speedup_vs_torch_loop": median_ratio("torch_loop", "moeroute_gemm"),
-               "speedup_vs_torch_grouped_mm": median_ratio("torch_grouped_mm", "moeroute_gemm"),
-               "speedup_vs_simt": median_ratio("moeroute_gemm_simt", "moeroute_gemm"),
+               "speedup_vs_torch_loop": ratio("torch_loop", "moeroute_gemm"),
+               "speedup_vs_torch_grouped_mm": ratio("torch_grouped_mm", "moeroute_gemm"),
+               "speedup_vs_simt": ratio("moeroute_gemm_simt", "moeroute_gemm"),
                "mma_tiles": "sm90" if sm80_tiles else "sm80",
-               "speedup_vs_sm80_tiles": median_ratio("moeroute_gemm_sm80_tiles", "moeroute_gemm"),
-               "fraction_of_dense_cublas": median_ratio("cublas_dense", "moeroute_gemm")}
+               "speedup_vs_sm80_tiles": ratio("moeroute_gemm_sm80_tiles", "moeroute_gemm"),
+               "fraction_of_dense_cublas": ratio("cublas_dense", "moeroute_gemm")}
     return rows, summary
 
 
@@ -263,11 +259,11 @@ def main(argv=None) -> int:
                                             with_simt=not args.no_simt)
             rows += case_rows
             summaries.append(summary)
-            tflops = {r["impl"]: r["tflops"] for r in case_rows}
-            print(f"{model:>14} m={m:>5} path={summary['gemm_path']:<4} "
-                  + " ".join(f"{k}={v:7.1f}" for k, v in tflops.items())
-                  + f"  vs_loop={summary['speedup_vs_torch_loop']:.2f}x"
-                  + f"  of_dense={summary['fraction_of_dense_cublas']:.2f}", flush=True)
+            print_table(["model", "m", "path", "impl", "median ms", "TFLOP/s"],
+                        [[model, m, summary["gemm_path"], r["impl"], r["median_ms"], r["tflops"]]
+                         for r in case_rows])
+            print(f"vs torch loop x{summary['speedup_vs_torch_loop']:.2f}, of dense cuBLAS "
+                  f"{summary['fraction_of_dense_cublas']:.2f}", flush=True)
 
     targets = []
     for s in summaries:
