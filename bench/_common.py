@@ -1,4 +1,9 @@
-"""Shared helpers of the benchmarks: interleaved timing, copy bandwidth, JSON, tables.
+"""Shared helpers of the benchmarks: timers, interleaved timing, copy bandwidth, JSON, tables.
+
+Every script in bench/ times through here: `wall_clock` or `cuda_events` times one call,
+`calls_per_sample` batches launch-bound calls into one sample, `median_time` takes a
+median, `rotated` / `interleaved` run several callables in turn, and `print_table` /
+`write_results` report.
 
 Every speed figure of the project comes from here: a baseline and a candidate run on the
 same inputs in one process, alternately call by call, and the figure is the median of the
@@ -25,36 +30,95 @@ WARMUP_CALLS = 3
 COPY_BYTES = 256 << 20
 
 
-def interleaved(baseline, candidate, repeats: int, warmup: int = WARMUP_CALLS) -> dict:
-    """Time two zero-argument callables alternately.
+def wall_clock(fn) -> float:
+    """Seconds one call of ``fn`` takes on the host clock (the default timer)."""
+    start = time.perf_counter_ns()
+    fn()
+    return max(time.perf_counter_ns() - start, 1) / 1e9
+
+
+def cuda_events(torch):
+    """A timer measuring the device time of one call with a pair of CUDA events on torch's
+    current stream (it waits for the call to finish)."""
+    def timer(fn) -> float:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return max(start.elapsed_time(end), 1e-6) / 1e3  # ms -> s
+    return timer
+
+
+def calls_per_sample(fn, calls: int):
+    """``fn`` run ``calls`` times as one timed sample (launch-bound GPU work): divide by
+    ``calls`` for the time per call."""
+    if calls < 1:
+        raise ValueError(f"calls={calls} must be >= 1")
+
+    def batch():
+        for _ in range(calls):
+            fn()
+    return batch
+
+
+def median_time(fn, repeats: int, warmup: int = WARMUP_CALLS, timer=wall_clock) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
+    for _ in range(warmup):
+        fn()
+    return statistics.median(timer(fn) for _ in range(repeats))
+
+
+def rotated(callables: dict, repeats: int, warmup: int = WARMUP_CALLS, timer=wall_clock) -> dict:
+    """Time several named zero-argument callables in turn, ``repeats`` rounds.
+
+    Each round runs every callable once; the starting one rotates from round to round so
+    that none always finds the caches warm (with two, they alternate). Returns
+    ``{name: [seconds per round]}``, in the order of ``callables``.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
+    names = list(callables)
+    for _ in range(warmup):
+        for name in names:
+            callables[name]()
+    samples = {name: [] for name in names}
+    for r in range(repeats):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(timer(callables[name]))
+    return samples
+
+
+def median_ratio(numerators, denominators) -> float:
+    """Median over rounds of numerator_time / denominator_time (two `rotated` lists)."""
+    return statistics.median(n / d for n, d in zip(numerators, denominators))
+
+
+def interleaved(baseline, candidate, repeats: int, warmup: int = WARMUP_CALLS,
+                timer=wall_clock) -> dict:
+    """Time two zero-argument callables alternately, call by call (`rotated` of the two).
+
+    ``timer(fn) -> seconds`` times one call: `wall_clock` (default) or `cuda_events`.
 
     Returns
     -------
     dict
         ``baseline_us`` and ``candidate_us`` (medians), ``speedup`` (median over pairs of
-        baseline_time / candidate_time) and ``repeats``.
+        baseline_time / candidate_time), ``speedup_range`` ([min, max] of those ratios)
+        and ``repeats``.
     """
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats} must be >= 1")
-    for _ in range(warmup):
-        baseline()
-        candidate()
-    base_ns, cand_ns, ratios = [], [], []
-    for i in range(repeats):
-        # Alternate who goes first so neither always finds the caches warm.
-        order = (0, 1) if i % 2 == 0 else (1, 0)
-        pair = [0, 0]
-        for which in order:
-            start = time.perf_counter_ns()
-            (baseline if which == 0 else candidate)()
-            pair[which] = max(time.perf_counter_ns() - start, 1)
-        base_ns.append(pair[0])
-        cand_ns.append(pair[1])
-        ratios.append(pair[0] / pair[1])
+    samples = rotated({"baseline": baseline, "candidate": candidate}, repeats, warmup, timer)
+    base, cand = samples["baseline"], samples["candidate"]
+    ratios = [b / c for b, c in zip(base, cand)]
     return {
-        "baseline_us": statistics.median(base_ns) / 1e3,
-        "candidate_us": statistics.median(cand_ns) / 1e3,
+        "baseline_us": statistics.median(base) * 1e6,
+        "candidate_us": statistics.median(cand) * 1e6,
         "speedup": statistics.median(ratios),
+        "speedup_range": [min(ratios), max(ratios)],
         "repeats": repeats,
     }
 

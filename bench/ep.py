@@ -33,14 +33,13 @@ import datetime  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import interleaved, print_table, write_results  # noqa: E402
+from _common import interleaved, median_time, print_table, write_results  # noqa: E402
 
 from moeroute.bindings.ep import METADATA_BYTES_PER_SLOT, make_dispatcher  # noqa: E402
 from moeroute.bindings.torch import arrays  # noqa: E402
@@ -235,12 +234,8 @@ def overlap_figures(rank, repeats):
     with torch.no_grad():
         same = torch.allclose(modules["runner"](x), modules["overlap"](x), rtol=1e-5, atol=1e-6)
         pair = interleaved(lambda: modules["runner"](x), lambda: modules["overlap"](x), repeats)
-        shared_times = []
-        for _ in range(repeats):
-            start = time.perf_counter_ns()
-            torch.sigmoid(gate(x)) * shared_mlp(x)
-            shared_times.append(time.perf_counter_ns() - start)
-    shared_us = statistics.median(shared_times) / 1e3
+        shared_us = median_time(lambda: torch.sigmoid(gate(x)) * shared_mlp(x), repeats,
+                                warmup=0) * 1e6
     return dict(
         runner_us=pair["baseline_us"], overlap_us=pair["candidate_us"],
         speedup=pair["speedup"], shared_mlp_us=shared_us,

@@ -6,6 +6,9 @@ DeepSeek-V3 (H=7168, I=2048) and Qwen3-30B-A3B (H=2048, I=768) expert shapes. Im
     moeroute_gemm           the two grouped GEMMs (gate_up + fused SiLU-and-mul, down), rows read
                             through sorted_token_ids; the path the launcher picks (mma on sm_80+)
     moeroute_gemm_simt      the same with the SIMT kernels (the fallback path)
+    moeroute_gemm_sm80_tiles  on sm_90+ only: the mma path with the sm_80 tile table
+                            (launch.MMA_TILES) instead of the Hopper one (MMA_TILES_SM90), so
+                            speedup_vs_sm80_tiles measures the Hopper configuration
     moeroute_fused_experts  the public call: align + both GEMMs + the top-k sum
     torch_loop              per expert: x_e @ w_gate_up[e].T, silu(gate) * up, @ w_down[e].T, on
                             rows already gathered per expert (no gather, no weights, no sum)
@@ -34,6 +37,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import calls_per_sample, cuda_events, median_ratio, print_table, rotated  # noqa: E402
 
 from moeroute.gpu import fused_experts, loader  # noqa: E402
 from moeroute.gpu import launch as L  # noqa: E402
@@ -62,9 +68,10 @@ def build_case(hidden_size, intermediate_size, tokens_per_expert, num_experts, s
     return x, w_gate_up, w_down, topk_weights, topk_ids
 
 
-def moeroute_gemm(x, w_gate_up, w_down, topk_weights, topk_ids, path=None):
+def moeroute_gemm(x, w_gate_up, w_down, topk_weights, topk_ids, path=None, compute_capability=None):
     """A closure launching the two GEMM kernels (align and buffers prepared once), and the
-    per-slot output [T*K, H] it writes."""
+    per-slot output [T*K, H] it writes. ``compute_capability`` picks the mma tile table
+    (default: the device's)."""
     import cupy
 
     problem = check_fused_experts_args(x, w_gate_up, w_down, topk_weights, topk_ids, apply_router_weight=False)
@@ -84,8 +91,11 @@ def moeroute_gemm(x, w_gate_up, w_down, topk_weights, topk_ids, path=None):
         pointers = [int(v.data.ptr) for v in (a, b13, b2, inter)]
         eligible = L.mma_eligible(problem.dtype, backend.compute_capability, backend.is_hip, H, I, pointers)
         path = "mma" if eligible else "simt"
+    if compute_capability is None:
+        compute_capability = backend.compute_capability
     common = dict(path=path, dtype=problem.dtype, block_size=block_size, sorted_token_ids=sorted_ids,
-                  expert_ids=expert_ids, topk_weights=_torch_as_cupy(topk_weights).reshape(-1), numel=T * K)
+                  compute_capability=compute_capability, expert_ids=expert_ids,
+                  topk_weights=_torch_as_cupy(topk_weights).reshape(-1), numel=T * K)
     plans = [L.plan_expert_gemm(gated=True, a=a, b=b13, c=inter, top_k=K, n=I, k=H, **common),
              L.plan_expert_gemm(gated=False, a=inter, b=b2, c=out, top_k=1, n=H, k=I, **common)]
     kernels = [loader.get_kernel(L.KERNEL_FILE, p.name, p.shared_memory) for p in plans]
@@ -147,13 +157,8 @@ def relative_difference(a, b):
 
 
 def time_calls(fn, inner):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(inner):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / inner
+    """Device ms per call of ``fn``, from ``inner`` back-to-back calls between CUDA events."""
+    return cuda_events(torch)(calls_per_sample(fn, inner)) * 1e3 / inner
 
 
 def bench_case(model, hidden_size, intermediate_size, tokens_per_expert, num_experts, repeats, warmup,
@@ -166,6 +171,10 @@ def bench_case(model, hidden_size, intermediate_size, tokens_per_expert, num_exp
     if with_simt and path != "simt":
         implementations["moeroute_gemm_simt"], simt_out, _ = moeroute_gemm(x, w_gate_up, w_down, topk_weights,
                                                                           topk_ids, path="simt")
+    sm80_tiles = path == "mma" and loader.compute_capability() >= L.HOPPER_COMPUTE_CAPABILITY
+    if sm80_tiles:
+        implementations["moeroute_gemm_sm80_tiles"], sm80_out, _ = moeroute_gemm(
+            x, w_gate_up, w_down, topk_weights, topk_ids, path="mma", compute_capability=L.MMA_MIN_COMPUTE_CAPABILITY)
     implementations["moeroute_fused_experts"] = lambda: fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids,
                                                                       apply_router_weight=False)
     implementations.update(runs)
@@ -180,6 +189,9 @@ def bench_case(model, hidden_size, intermediate_size, tokens_per_expert, num_exp
     if "moeroute_gemm_simt" in implementations:
         checks["moeroute_gemm_simt"] = relative_difference(
             simt_out.view(tokens_per_expert, num_experts, hidden_size).transpose(0, 1), loop_out)
+    if sm80_tiles:
+        checks["moeroute_gemm_sm80_tiles"] = relative_difference(
+            sm80_out.view(tokens_per_expert, num_experts, hidden_size).transpose(0, 1), loop_out)
     if "torch_grouped_mm" in torch_outputs:
         checks["torch_grouped_mm"] = relative_difference(torch_outputs["torch_grouped_mm"],
                                                          loop_out.reshape(-1, hidden_size))
@@ -195,12 +207,10 @@ def bench_case(model, hidden_size, intermediate_size, tokens_per_expert, num_exp
             fn()
         estimate = time_calls(fn, 1)
         inner[name] = max(1, min(100, math.ceil(SAMPLE_MS / max(estimate, 1e-3))))
-    samples = {name: [] for name in implementations}
     names = list(implementations)
-    for r in range(repeats):
-        rotation = names[r % len(names):] + names[:r % len(names)]  # no one always goes first
-        for name in rotation:
-            samples[name].append(time_calls(implementations[name], inner[name]))
+    batches = {name: calls_per_sample(implementations[name], inner[name]) for name in names}
+    seconds = rotated(batches, repeats, warmup=0, timer=cuda_events(torch))
+    samples = {name: [s * 1e3 / inner[name] for s in seconds[name]] for name in names}  # ms per call
 
     flops = 6.0 * num_experts * tokens_per_expert * intermediate_size * hidden_size
     rows = []
@@ -211,17 +221,19 @@ def bench_case(model, hidden_size, intermediate_size, tokens_per_expert, num_exp
                      "median_ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "calls_per_sample": inner[name],
                      "max_rel_diff_vs_torch_loop": checks.get(name)})
 
-    def median_ratio(numerator, denominator):
+    def ratio(numerator, denominator):
         if numerator not in samples or denominator not in samples:
             return None
-        return statistics.median(n / d for n, d in zip(samples[numerator], samples[denominator]))
+        return median_ratio(samples[numerator], samples[denominator])
 
     summary = {"model": model, "tokens_per_expert": tokens_per_expert, "gemm_path": path,
                "block_size": L.choose_block_size(tokens_per_expert * num_experts, num_experts),
-               "speedup_vs_torch_loop": median_ratio("torch_loop", "moeroute_gemm"),
-               "speedup_vs_torch_grouped_mm": median_ratio("torch_grouped_mm", "moeroute_gemm"),
-               "speedup_vs_simt": median_ratio("moeroute_gemm_simt", "moeroute_gemm"),
-               "fraction_of_dense_cublas": median_ratio("cublas_dense", "moeroute_gemm")}
+               "speedup_vs_torch_loop": ratio("torch_loop", "moeroute_gemm"),
+               "speedup_vs_torch_grouped_mm": ratio("torch_grouped_mm", "moeroute_gemm"),
+               "speedup_vs_simt": ratio("moeroute_gemm_simt", "moeroute_gemm"),
+               "mma_tiles": "sm90" if sm80_tiles else "sm80",
+               "speedup_vs_sm80_tiles": ratio("moeroute_gemm_sm80_tiles", "moeroute_gemm"),
+               "fraction_of_dense_cublas": ratio("cublas_dense", "moeroute_gemm")}
     return rows, summary
 
 
@@ -247,11 +259,11 @@ def main(argv=None) -> int:
                                             with_simt=not args.no_simt)
             rows += case_rows
             summaries.append(summary)
-            tflops = {r["impl"]: r["tflops"] for r in case_rows}
-            print(f"{model:>14} m={m:>5} path={summary['gemm_path']:<4} "
-                  + " ".join(f"{k}={v:7.1f}" for k, v in tflops.items())
-                  + f"  vs_loop={summary['speedup_vs_torch_loop']:.2f}x"
-                  + f"  of_dense={summary['fraction_of_dense_cublas']:.2f}", flush=True)
+            print_table(["model", "m", "path", "impl", "median ms", "TFLOP/s"],
+                        [[model, m, summary["gemm_path"], r["impl"], r["median_ms"], r["tflops"]]
+                         for r in case_rows])
+            print(f"vs torch loop x{summary['speedup_vs_torch_loop']:.2f}, of dense cuBLAS "
+                  f"{summary['fraction_of_dense_cublas']:.2f}", flush=True)
 
     targets = []
     for s in summaries:

@@ -15,9 +15,7 @@ Without a CUDA GPU it exits with a message saying so.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +24,8 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
-from _common import print_table, write_results  # noqa: E402
+from _common import (calls_per_sample, cuda_events, interleaved, print_table,  # noqa: E402
+                     wall_clock, write_results)
 
 TOKEN_COUNTS = [1, 64, 1024, 16384, 65536]
 PRESET_NAMES = ["deepseek-v3", "qwen3.5-moe"]
@@ -56,52 +55,30 @@ def require_gpu():
 
 
 def event_pair(torch, baseline, candidate, repeats):
-    """Alternate the two callables, each between CUDA events; medians and ratio median."""
-    for _ in range(WARMUP_CALLS):
-        baseline()
-        candidate()
-    torch.cuda.synchronize()
-    times = ([], [])
-    ratios = []
-    for i in range(repeats):
-        pair = [0.0, 0.0]
-        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            (baseline if which == 0 else candidate)()
-            end.record()
-            end.synchronize()
-            pair[which] = start.elapsed_time(end) * 1e3  # ms -> us
-        times[0].append(pair[0])
-        times[1].append(pair[1])
-        ratios.append(pair[0] / max(pair[1], 1e-3))
-    return statistics.median(times[0]), statistics.median(times[1]), statistics.median(ratios)
+    """`interleaved` on CUDA events: (baseline us, candidate us, median of per-pair ratios)."""
+    result = interleaved(baseline, candidate, repeats, warmup=WARMUP_CALLS, timer=cuda_events(torch))
+    return result["baseline_us"], result["candidate_us"], result["speedup"]
 
 
 def host_us_per_call(torch, function):
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(HOST_LOOP_CALLS):
-        function()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / HOST_LOOP_CALLS * 1e6
+    """Host wall time per call over HOST_LOOP_CALLS back-to-back calls, synchronized."""
+    batch = calls_per_sample(function, HOST_LOOP_CALLS)
+
+    def synchronized():
+        torch.cuda.synchronize()
+        batch()
+        torch.cuda.synchronize()
+
+    return wall_clock(synchronized) / HOST_LOOP_CALLS * 1e6
 
 
 def device_copy_gbps(torch):
     source = torch.ones(COPY_BYTES // 4, dtype=torch.float32, device="cuda")
     target = torch.empty_like(source)
+    timer = cuda_events(torch)
     for _ in range(3):
         target.copy_(source)
-    best = float("inf")
-    for _ in range(10):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        target.copy_(source)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e-3)
+    best = min(timer(lambda: target.copy_(source)) for _ in range(10))
     return 2 * COPY_BYTES / best / 1e9
 
 

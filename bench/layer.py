@@ -17,6 +17,9 @@ the GEMMs, and the expert-GEMM strategies side by side against the per-expert to
 loop on contiguous slices: the same loop on oneDNN, the padded torch.bmm batch,
 torch._grouped_mm. torch keeps its default thread count on both sides.
 
+Decode sizes: T = 1 and T = 8 on this shape and on a Qwen3-30B-A3B block (H=2048, I=768,
+N=128, K=8), float32 and bfloat16, against hf_eager (``--decode-only`` runs just these).
+
 JSON goes to bench/results/layer.json. Run: ``python bench/layer.py [--quick]``.
 """
 
@@ -36,7 +39,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
-from _common import RESULTS_DIR, interleaved, write_results  # noqa: E402
+from _common import RESULTS_DIR, interleaved, print_table, wall_clock, write_results  # noqa: E402
 
 from moeroute.bindings.torch import arrays  # noqa: E402
 from moeroute.bindings.torch.experts import (choose_gemm, expert_mlp, grouped_expert_mlp,  # noqa: E402
@@ -45,6 +48,13 @@ from moeroute.bindings.torch.experts import (choose_gemm, expert_mlp, grouped_ex
 from moeroute.bindings.torch.moe import MoE  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 1024, 384, 64, 8
+#: Decode-sized batches: (name, H, I, N, K) shapes, token counts and dtypes.
+DECODE_SHAPES = (("readme", HIDDEN, INTER, EXPERTS, TOP_K), ("qwen3-30b-a3b", 2048, 768, 128, 8))
+DECODE_TOKENS = (1, 8)
+DECODE_DTYPES = ("float32", "bfloat16")
+DECODE_REPEATS, QUICK_DECODE_REPEATS = 41, 9
+#: Output tolerance against the block, relative to its largest output, per dtype.
+DECODE_RTOL = {"float32": 1e-4, "bfloat16": 3e-2}
 TOKENS = (16, 512, 2048)
 #: Interleaved repetitions per size: enough for a stable median on a shared 2-core box.
 REPEATS = {16: 41, 512: 11, 2048: 11}
@@ -55,12 +65,12 @@ WEIGHT_SCALE = 0.02
 RESULTS = RESULTS_DIR / "layer.json"
 
 
-def build_block():
+def build_block(hidden=HIDDEN, inter=INTER, experts=EXPERTS, top_k=TOP_K):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    config = Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS,
-                            num_experts_per_tok=TOP_K, norm_topk_prob=True)
+    config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
+                            num_experts_per_tok=top_k, norm_topk_prob=True)
     block = Qwen3MoeSparseMoeBlock(config).eval()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -71,12 +81,6 @@ def build_block():
 
 def set_experts_implementation(block, name):
     block.experts.config._experts_implementation = name
-
-
-def timed(fn):
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def as_ms(result):
@@ -124,7 +128,7 @@ def stage_split(moe, x, repeats):
             t4 = time.perf_counter()
             arrays.combine(out, inverse, recv_weights)
             permute, gemm, combine = t3 - t1, t4 - t3, time.perf_counter() - t4
-        total = timed(lambda: moe(x))
+        total = wall_clock(lambda: moe(x))
         if r >= WARMUP:
             for name, value in zip(stages, (t1 - t0, permute, gemm, combine, total)):
                 stages[name].append(value)
@@ -163,12 +167,54 @@ def gemm_strategies(moe, x, repeats):
     return result
 
 
+def decode_rows(repeats):
+    """moeroute's MoE against hf_eager at decode sizes: every shape, dtype and T."""
+    rows = []
+    for name, hidden, inter, experts, top_k in DECODE_SHAPES:
+        block32 = build_block(hidden, inter, experts, top_k)
+        set_experts_implementation(block32, "eager")
+        for dtype_name in DECODE_DTYPES:
+            block = block32 if dtype_name == "float32" else build_block(hidden, inter, experts, top_k).to(
+                getattr(torch, dtype_name))
+            set_experts_implementation(block, "eager")
+            # Packed oneDNN weights where oneDNN serves the dtype, as the main table runs.
+            moe = MoE.from_hf(block).pack_cpu_weights(onednn_linear_serves(block.gate.weight.dtype))
+            for tokens in DECODE_TOKENS:
+                x = torch.randn(1, tokens, hidden, generator=torch.Generator().manual_seed(tokens))
+                x = x.to(block.gate.weight.dtype)
+                with torch.inference_mode():
+                    expected, actual = block(x), moe(x)
+                    error = float((actual.float() - expected.float()).abs().max()
+                                  / expected.float().abs().max())
+                    if not error < DECODE_RTOL[dtype_name]:
+                        raise AssertionError(f"{name} {dtype_name} T={tokens}: relative error {error}")
+                    timing = interleaved(lambda: block(x), lambda: moe(x), repeats)
+                rows.append({"shape": name, "hidden": hidden, "intermediate": inter, "experts": experts,
+                             "top_k": top_k, "dtype": dtype_name, "tokens": tokens,
+                             "moeroute_ms": timing["candidate_us"] / 1e3,
+                             "hf_eager_ms": timing["baseline_us"] / 1e3, "speedup": timing["speedup"],
+                             "speedup_range": timing["speedup_range"], "repeats": repeats,
+                             "relative_error": error})
+                row = rows[-1]
+                print(f"decode {name} {dtype_name} T={tokens}: moeroute {row['moeroute_ms']:.2f} ms, "
+                      f"hf eager {row['hf_eager_ms']:.2f} ms, x{row['speedup']:.2f}", flush=True)
+            del moe, block
+    print_table(["shape", "dtype", "T", "moeroute ms", "hf eager ms", "speedup", "range"],
+                [[r["shape"], r["dtype"], r["tokens"], r["moeroute_ms"], r["hf_eager_ms"], r["speedup"],
+                  "{:.2f}-{:.2f}".format(*r["speedup_range"])] for r in rows])
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    parser.add_argument("--decode-only", action="store_true", help="only the T = 1 and 8 table")
+    parser.add_argument("--no-decode", action="store_true", help="skip the T = 1 and 8 table")
     args = parser.parse_args(argv)
     repeats = QUICK_REPEATS if args.quick else REPEATS
+    if args.decode_only:
+        args.tokens = []
 
     block = build_block()
     moe = MoE.from_hf(block).pack_cpu_weights()
@@ -181,9 +227,11 @@ def main(argv=None) -> int:
                 "after it ran",
         "results": {},
     }
-    if RESULTS.exists() and set(map(str, args.tokens)) != set(map(str, TOKENS)):
+    previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    if set(map(str, args.tokens)) != set(map(str, TOKENS)):
         # A partial run (some --tokens) updates those sizes and keeps the others.
-        report["results"] = json.loads(RESULTS.read_text()).get("results", {})
+        report["results"] = previous.get("results", {})
+    report["decode"] = previous.get("decode", [])
     with torch.inference_mode():
         for tokens in args.tokens:
             count = repeats.get(tokens, 5)
@@ -216,6 +264,8 @@ def main(argv=None) -> int:
                      for name in ("loop_onednn", "padded", "grouped_mm") if f"{name}_ms" in g]
             print(f"         GEMMs vs the torch.mm loop (auto picks {g['auto_choice']}): " + ", ".join(parts),
                   flush=True)
+    if not args.no_decode:
+        report["decode"] = decode_rows(QUICK_DECODE_REPEATS if args.quick else DECODE_REPEATS)
     path = write_results("layer", report)
     print(f"wrote {path}")
     return 0

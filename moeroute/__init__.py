@@ -21,6 +21,7 @@ from moeroute.routing import (
     select_experts,
     sort_by_expert,
 )
+from moeroute.runtime import warmup
 
 __version__ = "0.1.0"
 
@@ -40,4 +41,5 @@ __all__ = [
     "remap_to_local",
     "select_experts",
     "sort_by_expert",
+    "warmup",
 ]

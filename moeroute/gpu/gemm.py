@@ -146,6 +146,7 @@ def run_fused_experts(backend, problem: ExpertProblem, hidden_states, w_gate_up,
         eligible = L.mma_eligible(problem.dtype, backend.compute_capability, backend.is_hip, H, I, pointers)
         path = "mma" if eligible else "simt"
     common = dict(path=path, dtype=problem.dtype, block_size=block_size, sorted_token_ids=sorted_token_ids,
+                  compute_capability=backend.compute_capability,
                   expert_ids=expert_ids, topk_weights=topk_weights.reshape(-1), numel=numel)
     backend.launch(L.plan_expert_gemm(gated=True, a=hidden_states, b=w_gate_up, c=intermediate, top_k=K,
                                       n=I, k=H, activation=activation, bias=gate_up_bias, **common))

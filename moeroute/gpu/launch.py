@@ -30,9 +30,8 @@ BLOCK_SIZES = (16, 32, 64, 128)
 SIMT_THREADS = 256
 SIMT_BLOCK_N = 64
 SIMT_TILE_HEIGHTS = (64, 16)  # tallest first: the widest tile that divides block_size wins
-MMA_BLOCK_K = 32
-MMA_STAGES = 3
-MMA_ROW_PITCH = MMA_BLOCK_K + 8
+MMA_ROW_PADDING = 8  # kMmaRowPadding: 16-bit values after each shared-memory row
+MMA_CHUNK = 8  # kMmaChunk: 16-bit values per 16-byte cp.async
 MMA_ELEMENT_BYTES = 2
 SUM_THREADS = 256
 
@@ -40,6 +39,8 @@ SUM_THREADS = 256
 MMA_ROW_MULTIPLE = 8
 MMA_POINTER_ALIGNMENT = 16
 MMA_MIN_COMPUTE_CAPABILITY = 80  # cp.async, ldmatrix and bf16 mma.sync arrived with sm_80
+HOPPER_COMPUTE_CAPABILITY = 90  # from here on the launcher picks MMA_TILES_SM90
+REGISTERS_PER_MULTIPROCESSOR = 65536  # sm_80 and sm_90
 
 # Dynamic shared memory a kernel may use without opting in to more (cudaFuncAttribute).
 DEFAULT_SHARED_MEMORY_LIMIT = 48 * 1024
@@ -57,25 +58,45 @@ MAX_OUTPUT_COLUMNS = GRID_Y_LIMIT * SIMT_BLOCK_N
 @dataclass(frozen=True)
 class MmaTile:
     """Tile of one moe_gemm_mma instantiation: tile_m rows x block_n output columns (per gate),
-    computed by warps_m x warps_n warps of 32 threads."""
+    computed by warps_m x warps_n warps of 32 threads; block_k reduction values per pipeline
+    stage, ``stages`` stages in shared memory, and ``min_blocks`` resident blocks per
+    multiprocessor asked of ptxas (``__launch_bounds__``), which caps the registers per thread
+    at ``max_registers``."""
 
     tile_m: int
     block_n: int
     warps_m: int
     warps_n: int
+    block_k: int = 32
+    stages: int = 3
+    min_blocks: int = 1
 
     @property
     def threads(self) -> int:
         return self.warps_m * self.warps_n * 32
 
+    @property
+    def row_pitch(self) -> int:
+        return self.block_k + MMA_ROW_PADDING
+
+    @property
+    def max_registers(self) -> int:
+        """Registers per thread that still let ``min_blocks`` blocks share a multiprocessor."""
+        return REGISTERS_PER_MULTIPROCESSOR // (self.min_blocks * self.threads)
+
+    def accumulators(self, gated: bool) -> int:
+        """float32 accumulators per thread."""
+        warp_m, warp_n = self.tile_m // self.warps_m, self.block_n // self.warps_n
+        return (2 if gated else 1) * (warp_m // 16) * (warp_n // 8) * 4
+
     def shared_memory_bytes(self, gated: bool) -> int:
         rows = self.tile_m + (2 if gated else 1) * self.block_n
-        return MMA_STAGES * rows * MMA_ROW_PITCH * MMA_ELEMENT_BYTES
+        return self.stages * rows * self.row_pitch * MMA_ELEMENT_BYTES
 
 
-# (tile_m, gated) -> tile. Gated tiles have half the columns: the gate and up halves together
-# are as wide as the down tile, so every configuration holds at most 128 accumulators per thread
-# (no spills; tests/gpu/test_gpu_compile.py checks).
+# (tile_m, gated) -> tile, for sm_80 (Ampere). Gated tiles have half the columns: the gate and
+# up halves together are as wide as the down tile, so every configuration holds at most 128
+# accumulators per thread (no spills; tests/gpu/test_gpu_compile.py checks).
 MMA_TILES = {
     (16, False): MmaTile(16, 128, 1, 4),
     (16, True): MmaTile(16, 64, 1, 4),
@@ -83,6 +104,27 @@ MMA_TILES = {
     (64, True): MmaTile(64, 64, 2, 2),
     (128, False): MmaTile(128, 128, 2, 2),
     (128, True): MmaTile(128, 64, 2, 2),
+}
+
+# sm_90 (Hopper): twice the warps on the same tiles (8 warps on the 64- and 128-row tiles), so
+# each thread holds at most 64 accumulators; __launch_bounds__(threads, 2) caps ptxas at 128
+# registers (two blocks of 256 threads fill the 65536-register file), and a fourth pipeline
+# stage keeps three k slices in flight. The 64-row tiles take 64 k values per stage (one
+# barrier per four k16 steps; 108 KiB of shared memory, two blocks still fit in Hopper's
+# 228 KiB per multiprocessor); at 128 rows that slice made ptxas spill the down tile, and the
+# 16-row tile would fit only two blocks, so those keep 32 (at most 80 KiB per block).
+HOPPER_STAGES = 4
+HOPPER_MIN_BLOCKS = 2
+HOPPER_WIDE_BLOCK_K = 64
+MMA_TILES_SM90 = {
+    (16, False): MmaTile(16, 128, 1, 4, stages=HOPPER_STAGES, min_blocks=HOPPER_MIN_BLOCKS),
+    (16, True): MmaTile(16, 64, 1, 4, stages=HOPPER_STAGES, min_blocks=HOPPER_MIN_BLOCKS),
+    (64, False): MmaTile(64, 128, 2, 4, block_k=HOPPER_WIDE_BLOCK_K, stages=HOPPER_STAGES,
+                         min_blocks=HOPPER_MIN_BLOCKS),
+    (64, True): MmaTile(64, 64, 2, 4, block_k=HOPPER_WIDE_BLOCK_K, stages=HOPPER_STAGES,
+                        min_blocks=HOPPER_MIN_BLOCKS),
+    (128, False): MmaTile(128, 128, 4, 2, stages=HOPPER_STAGES, min_blocks=HOPPER_MIN_BLOCKS),
+    (128, True): MmaTile(128, 64, 4, 2, stages=HOPPER_STAGES, min_blocks=HOPPER_MIN_BLOCKS),
 }
 MMA_TILE_HEIGHTS = (128, 64, 16)  # tallest first
 
@@ -120,6 +162,12 @@ def mma_tile_height(block_size: int) -> int:
     return next(h for h in MMA_TILE_HEIGHTS if block_size % h == 0)
 
 
+def mma_tiles(compute_capability: int) -> dict:
+    """The tile table for a GPU of ``compute_capability`` (major * 10 + minor): MMA_TILES_SM90
+    from sm_90 on, MMA_TILES before."""
+    return MMA_TILES_SM90 if compute_capability >= HOPPER_COMPUTE_CAPABILITY else MMA_TILES
+
+
 def mma_eligible(dtype: str, compute_capability: int, is_hip: bool, hidden_size: int,
                  intermediate_size: int, pointers) -> bool:
     """True when the mma.sync path can run: float16/bfloat16 on sm_80+ (not HIP), H and I
@@ -140,7 +188,7 @@ def simt_name(dtype: str, tile_m: int, gated: bool) -> str:
 
 def mma_name(dtype: str, tile: MmaTile, gated: bool) -> str:
     return (f"moe_gemm_mma<{KERNEL_TYPE_NAMES[dtype]}, {tile.tile_m}, {tile.block_n}, "
-            f"{tile.warps_m}, {tile.warps_n}, {int(gated)}>")
+            f"{tile.warps_m}, {tile.warps_n}, {tile.block_k}, {tile.stages}, {tile.min_blocks}, {int(gated)}>")
 
 
 def sum_name(dtype: str) -> str:
@@ -159,15 +207,16 @@ def shipped_name_expressions(platform: str = "cuda") -> list:
         names.append(sum_name(dtype))
     if platform == "cuda":
         for dtype in ("float16", "bfloat16"):
-            for (_, gated), tile in MMA_TILES.items():
-                names.append(mma_name(dtype, tile, gated))
+            for table in (MMA_TILES, MMA_TILES_SM90):
+                for (_, gated), tile in table.items():
+                    names.append(mma_name(dtype, tile, gated))
     return names
 
 
 def plan_expert_gemm(*, path: str, dtype: str, gated: bool, block_size: int, a, b, c,
                      sorted_token_ids, expert_ids, topk_weights, numel: int, top_k: int, n: int,
                      k: int, activation: str = "silu", apply_router_weight: bool = False,
-                     bias=None) -> KernelLaunch:
+                     bias=None, compute_capability: int = MMA_MIN_COMPUTE_CAPABILITY) -> KernelLaunch:
     """Launch of one grouped GEMM over ``len(sorted_token_ids)`` block-padded rows.
 
     gate_up (``gated``): a = hidden_states [T, H], b = w_gate_up [E, 2n, k], c = [numel, n],
@@ -175,6 +224,7 @@ def plan_expert_gemm(*, path: str, dtype: str, gated: bool, block_size: int, a, 
     b = w_down [E, n, k], c = [numel, n], weighted by topk_weights [numel] float32 when
     ``apply_router_weight``. ``bias`` (optional, dtype of b): [E, 2n] for gate_up (gate
     entries first), [E, n] for down, added to the products before the activation / weight.
+    ``compute_capability`` (major * 10 + minor) picks the mma tile table (``mma_tiles``).
     """
     rows = int(sorted_token_ids.shape[0])
     scalars = (np.int32(numel), np.int32(top_k), np.int32(n), np.int32(k), np.int32(block_size),
@@ -188,7 +238,7 @@ def plan_expert_gemm(*, path: str, dtype: str, gated: bool, block_size: int, a, 
                             (rows // tile_m, ceil_div(n, SIMT_BLOCK_N), 1), (SIMT_THREADS, 1, 1), 0,
                             arrays + scalars)
     if path == "mma":
-        tile = MMA_TILES[(mma_tile_height(block_size), gated)]
+        tile = mma_tiles(compute_capability)[(mma_tile_height(block_size), gated)]
         num_m_tiles = rows // tile.tile_m
         grid = num_m_tiles * ceil_div(n, tile.block_n)
         return KernelLaunch(mma_name(dtype, tile, gated), (grid, 1, 1), (tile.threads, 1, 1),

@@ -429,6 +429,9 @@ def test_choose_gemm():
     assert choose_gemm([1, 0, 0, 0]) == "loop"  # decode: most experts idle
     assert choose_gemm([]) == "loop"
     assert choose_gemm([3, 0, 5, 1], onednn=True) == "loop"  # oneDNN: the streamed loop always
+    for dtype in (torch.bfloat16, torch.float16):  # half-precision CPU bmm: the loop always
+        assert choose_gemm([3, 0, 5, 1], dtype=dtype) == "loop"
+    assert choose_gemm([3, 0, 5, 1], dtype=torch.float32) == "padded"
 
 
 def test_local_experts_rejects_bad_arguments():

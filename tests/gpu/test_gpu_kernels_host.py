@@ -18,6 +18,11 @@ from moeroute.routing import reference
 TOP_K = 3
 SIMT_SHAPE = (37, 23)  # (H, I): odd, not multiples of any tile
 MMA_SHAPE = (72, 40)   # multiples of 8 (16-byte rows), not of the 32-wide k step or the column tiles
+# gate_up on the mma path needs only H % 8 == 0: an odd I leaves a last column with no pair
+# (scalar tail) and rows starting at odd elements (no aligned 4-byte pair store).
+MMA_ODD_COLUMNS_SHAPE = (72, 37)
+# Compute capabilities of the two mma tile tables (launch.MMA_TILES, launch.MMA_TILES_SM90).
+MMA_ARCHS = [pytest.param(80, id="sm80"), pytest.param(90, id="sm90")]
 
 SIMT_CASES = [("float32", 16), ("float32", 32), ("float32", 64), ("float32", 128),
               ("float16", 16), ("float16", 64), ("bfloat16", 16), ("bfloat16", 128)]
@@ -54,13 +59,13 @@ class Case:
     def empty(self, rows, cols):
         return self.arrays.empty((rows, cols), L.STORAGE_DTYPES[self.dtype])
 
-    def gemm(self, path, gated, a, c, **options):
+    def gemm(self, path, gated, a, c, cc=L.MMA_MIN_COMPUTE_CAPABILITY, **options):
         b = self.w_gate_up if gated else self.w_down
         n, k = (self.I, self.H) if gated else (self.H, self.I)
         return L.plan_expert_gemm(path=path, dtype=self.dtype, gated=gated, block_size=self.block_size, a=a, b=b,
                                   c=c, sorted_token_ids=self.sorted_token_ids, expert_ids=self.expert_ids,
                                   topk_weights=self.weights, numel=self.numel, top_k=TOP_K if gated else 1,
-                                  n=n, k=k, **options)
+                                  n=n, k=k, compute_capability=cc, **options)
 
 
 def check_rows(case, actual, expected, what):
@@ -71,18 +76,18 @@ def check_rows(case, actual, expected, what):
     case.arrays.check_guards()
 
 
-def run_gate_up(emulator, case, path, activation="silu"):
+def run_gate_up(emulator, case, path, activation="silu", cc=L.MMA_MIN_COMPUTE_CAPABILITY):
     intermediate = case.empty(case.numel, case.I)
-    emulator.launch(case.gemm(path, True, case.x, intermediate, activation=activation))
+    emulator.launch(case.gemm(path, True, case.x, intermediate, cc=cc, activation=activation))
     expected, _ = reference_slots(case.values(case.x), case.values(case.w_gate_up), case.values(case.w_down),
                                   case.topk_weights, case.topk_ids, activation=activation, dtype=case.dtype)
     check_rows(case, intermediate, expected, f"intermediate ({path}, {activation})")
     return intermediate
 
 
-def run_down(emulator, case, path, intermediate, apply_router_weight):
+def run_down(emulator, case, path, intermediate, apply_router_weight, cc=L.MMA_MIN_COMPUTE_CAPABILITY):
     expert_out = case.empty(case.numel, case.H)
-    emulator.launch(case.gemm(path, False, intermediate, expert_out, apply_router_weight=apply_router_weight))
+    emulator.launch(case.gemm(path, False, intermediate, expert_out, cc=cc, apply_router_weight=apply_router_weight))
     # Reference from the kernel's own intermediate, so that only the down GEMM is under test.
     inter = case.values(intermediate)
     flat_ids = case.topk_ids.reshape(-1)
@@ -102,21 +107,45 @@ def test_simt_gemms(emulator, dtype, block_size):
     run_down(emulator, case, "simt", intermediate, apply_router_weight=True)
 
 
+@pytest.mark.parametrize("cc", MMA_ARCHS)
 @pytest.mark.parametrize("dtype, block_size", MMA_CASES)
-def test_mma_gemms(emulator, dtype, block_size):
+def test_mma_gemms(emulator, dtype, block_size, cc):
     case = Case(dtype, block_size, MMA_SHAPE)
-    intermediate = run_gate_up(emulator, case, "mma")
-    run_down(emulator, case, "mma", intermediate, apply_router_weight=True)
+    intermediate = run_gate_up(emulator, case, "mma", cc=cc)
+    run_down(emulator, case, "mma", intermediate, apply_router_weight=True, cc=cc)
 
 
-@pytest.mark.parametrize("path, dtype, shape", [("simt", "float32", (150, 70)), ("mma", "bfloat16", (264, 136))])
-def test_many_tiles(emulator, path, dtype, shape):
+@pytest.mark.parametrize("cc", MMA_ARCHS)
+@pytest.mark.parametrize("dtype, block_size", [("bfloat16", 16), ("bfloat16", 128), ("float16", 64)])
+@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
+def test_mma_gate_up_odd_columns(emulator, dtype, block_size, activation, cc):
+    # Packed pair stores where a row's pair is 4-byte aligned, two scalar stores where it is
+    # not (odd rows of an odd I), one scalar store for the last column: all exact.
+    case = Case(dtype, block_size, MMA_ODD_COLUMNS_SHAPE, seed=19)
+    # Gate/up products of a few units: swigluoai's clamps at +-7 are reached.
+    case.w_gate_up[...] = to_storage(case.values(case.w_gate_up) * 8.0, dtype)
+    intermediate = case.empty(case.numel, case.I)
+    emulator.launch(case.gemm("mma", True, case.x, intermediate, cc=cc, activation=activation))
+    x, w_gate_up, I = case.values(case.x), case.values(case.w_gate_up), case.I
+    flat_ids = case.topk_ids.reshape(-1)
+    expected = np.full((case.numel, I), np.nan)
+    for j in np.nonzero(case.valid)[0]:
+        e, row = flat_ids[j], x[j // TOP_K]
+        expected[j] = round_to(act_float64(w_gate_up[e, :I] @ row, w_gate_up[e, I:] @ row, activation), dtype)
+    check_rows(case, intermediate, expected, f"odd-column intermediate ({activation}, sm_{cc})")
+
+
+@pytest.mark.parametrize("path, dtype, shape, cc", [("simt", "float32", (150, 70), 80),
+                                                    ("mma", "bfloat16", (264, 136), 80),
+                                                    ("mma", "bfloat16", (264, 136), 90)])
+def test_many_tiles(emulator, path, dtype, shape, cc):
     # Several column tiles (gate_up and down) and more row tiles than one group of the mma
-    # kernel's grouped tile order (8), with used blocks in the partial last group.
+    # kernel's grouped tile order (8), with used blocks in the partial last group; k = 264
+    # and 136 are not multiples of the 32-wide k slice, so the pipelines end on a partial stage.
     case = Case(dtype, 16, shape, seed=5, counts=[100, 0, 60])
     used_blocks = np.count_nonzero(case.expert_ids >= 0)
     assert used_blocks == 11 and len(case.expert_ids) % 8 != 0
-    run_down(emulator, case, path, run_gate_up(emulator, case, path), apply_router_weight=True)
+    run_down(emulator, case, path, run_gate_up(emulator, case, path, cc=cc), apply_router_weight=True, cc=cc)
 
 
 @pytest.mark.parametrize("path, dtype, shape", [("simt", "float32", SIMT_SHAPE), ("mma", "bfloat16", MMA_SHAPE)])
@@ -131,13 +160,14 @@ def test_down_without_router_weight(emulator, path, dtype, shape):
     run_down(emulator, case, path, run_gate_up(emulator, case, path), apply_router_weight=False)
 
 
+@pytest.mark.parametrize("cc", MMA_ARCHS)
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("eager_async_copies", [False, True])
-def test_interleavings(emulator, schedule, eager_async_copies):
+def test_interleavings(emulator, schedule, eager_async_copies, cc):
     # Warps running ahead of each other, cp.async landing early or late: same results.
     emulator.configure(schedule, eager_async_copies)
     case = Case("bfloat16", 64, MMA_SHAPE, seed=11)
-    run_down(emulator, case, "mma", run_gate_up(emulator, case, "mma"), apply_router_weight=True)
+    run_down(emulator, case, "mma", run_gate_up(emulator, case, "mma", cc=cc), apply_router_weight=True, cc=cc)
     simt = Case("float32", 16, SIMT_SHAPE, seed=11)
     run_gate_up(emulator, simt, "simt")
 
@@ -198,11 +228,14 @@ def act_float64(gate, up, activation):
     return silu * up
 
 
-@pytest.mark.parametrize("path, dtype, shape", [("simt", "float32", SIMT_SHAPE), ("simt", "bfloat16", SIMT_SHAPE),
-                                                ("mma", "bfloat16", MMA_SHAPE), ("mma", "float16", MMA_SHAPE)])
+@pytest.mark.parametrize("path, dtype, shape, block_size, cc", [
+    ("simt", "float32", SIMT_SHAPE, 16, 80), ("simt", "bfloat16", SIMT_SHAPE, 16, 80),
+    ("mma", "bfloat16", MMA_SHAPE, 16, 80), ("mma", "float16", MMA_SHAPE, 16, 80),
+    ("mma", "bfloat16", MMA_SHAPE, 16, 90), ("mma", "float16", MMA_SHAPE, 128, 90),
+    ("mma", "bfloat16", MMA_SHAPE, 64, 90)])
 @pytest.mark.parametrize("activation", ["swigluoai", "silu"])
-def test_biased_gemms(emulator, path, dtype, shape, activation):
-    case = Case(dtype, 16, shape, seed=13)
+def test_biased_gemms(emulator, path, dtype, shape, block_size, cc, activation):
+    case = Case(dtype, block_size, shape, seed=13)
     rng = np.random.default_rng(17)
     E, H, I = case.num_experts, case.H, case.I
     # Gate/up products of a few units: scaled so that the clamps at +-7 are reached.
@@ -210,7 +243,7 @@ def test_biased_gemms(emulator, path, dtype, shape, activation):
     gate_up_bias = case.arrays.copy(to_storage(rng.standard_normal((E, 2 * I)) * 2.0, dtype))
     down_bias = case.arrays.copy(to_storage(rng.standard_normal((E, H)), dtype))
     intermediate = case.empty(case.numel, I)
-    emulator.launch(case.gemm(path, True, case.x, intermediate, activation=activation, bias=gate_up_bias))
+    emulator.launch(case.gemm(path, True, case.x, intermediate, cc=cc, activation=activation, bias=gate_up_bias))
     x, w_gate_up, w_down = case.values(case.x), case.values(case.w_gate_up), case.values(case.w_down)
     b_gate_up, b_down = case.values(gate_up_bias), case.values(down_bias)
     flat_ids = case.topk_ids.reshape(-1)
@@ -228,7 +261,7 @@ def test_biased_gemms(emulator, path, dtype, shape, activation):
     check_rows(case, intermediate, expected, f"biased intermediate ({path}, {activation})")
 
     expert_out = case.empty(case.numel, H)
-    emulator.launch(case.gemm(path, False, intermediate, expert_out, apply_router_weight=True, bias=down_bias))
+    emulator.launch(case.gemm(path, False, intermediate, expert_out, cc=cc, apply_router_weight=True, bias=down_bias))
     inter = case.values(intermediate)
     expected = np.full((case.numel, H), np.nan)
     weights = case.topk_weights.reshape(-1)

@@ -10,8 +10,12 @@ from moeroute.gpu import launch as L
 from moeroute.gpu.loader import KERNEL_DIR
 
 KERNEL_SOURCE = (KERNEL_DIR / "moe_gemm.cu").read_text()
-# Largest dynamic shared memory a block may opt into on sm_80 (A100: 163 KB) and sm_90 (227 KB).
+# Largest dynamic shared memory a block may opt into on sm_80 (A100: 163 KB) and sm_90 (227 KB),
+# and the shared memory of one multiprocessor on sm_90 (228 KB, 1 KB of it reserved per block).
 SM80_SHARED_MEMORY_OPT_IN = 163 * 1024
+SM90_SHARED_MEMORY_PER_MULTIPROCESSOR = 228 * 1024
+SM90_RESERVED_SHARED_MEMORY_PER_BLOCK = 1024
+TILE_TABLES = [(80, L.MMA_TILES), (90, L.MMA_TILES_SM90)]
 
 
 def _kernel_constant(name: str) -> int:
@@ -24,9 +28,9 @@ def _kernel_constant(name: str) -> int:
 
 
 @pytest.mark.parametrize("python_value, kernel_name", [
-    (L.SIMT_THREADS, "kSimtThreads"), (L.SIMT_BLOCK_N, "kSimtBlockN"), (L.MMA_BLOCK_K, "kMmaBlockK"),
-    (L.MMA_STAGES, "kMmaStages"), (L.MMA_ROW_PITCH, "kMmaRowPitch"), (L.SUM_THREADS, "kSumThreads"),
-    (L.MMA_ROW_MULTIPLE, "kMmaChunk"), (L.ACTIVATIONS["silu"], "kActivationSilu"),
+    (L.SIMT_THREADS, "kSimtThreads"), (L.SIMT_BLOCK_N, "kSimtBlockN"), (L.MMA_ROW_PADDING, "kMmaRowPadding"),
+    (L.MMA_CHUNK, "kMmaChunk"), (L.SUM_THREADS, "kSumThreads"), (L.MMA_ROW_MULTIPLE, "kMmaChunk"),
+    (L.ACTIVATIONS["silu"], "kActivationSilu"),
     (L.ACTIVATIONS["gelu"], "kActivationGelu"), (L.ACTIVATIONS["gelu_tanh"], "kActivationGeluTanh"),
 ])
 def test_constants_match_the_kernels(python_value, kernel_name):
@@ -49,37 +53,64 @@ def test_choose_block_size(numel, num_experts, expected):
 def test_tiles_divide_every_block_size(block_size):
     assert block_size % L.simt_tile_height(block_size) == 0
     assert block_size % L.mma_tile_height(block_size) == 0
-    assert (L.mma_tile_height(block_size), True) in L.MMA_TILES
+    for _, table in TILE_TABLES:
+        assert (L.mma_tile_height(block_size), True) in table
+        assert (L.mma_tile_height(block_size), False) in table
 
 
-@pytest.mark.parametrize("key, tile", sorted(L.MMA_TILES.items()))
-def test_mma_tiles_fit(key, tile):
+@pytest.mark.parametrize("cc, key, tile", [(cc, key, tile) for cc, table in TILE_TABLES
+                                           for key, tile in sorted(table.items())])
+def test_mma_tiles_fit(cc, key, tile):
     tile_m, gated = key
     assert tile.tile_m == tile_m
     warp_m, warp_n = tile.tile_m // tile.warps_m, tile.block_n // tile.warps_n
     assert warp_m % 16 == 0 and warp_n % 16 == 0, "whole 16x16 fragment pairs per warp"
     accumulators = (2 if gated else 1) * (warp_m // 16) * (warp_n // 8) * 4
-    assert accumulators <= 128
+    assert tile.accumulators(gated) == accumulators <= 128
+    assert tile.block_k % 16 == 0 and tile.stages >= 2
     # B rows are split evenly over the threads (static_assert in mma_load_stage)
-    assert ((2 if gated else 1) * tile.block_n * L.MMA_BLOCK_K // 8) % tile.threads == 0
-    expected = L.MMA_STAGES * (tile.tile_m + (2 if gated else 1) * tile.block_n) * L.MMA_ROW_PITCH * 2
+    assert ((2 if gated else 1) * tile.block_n * tile.block_k // 8) % tile.threads == 0
+    expected = tile.stages * (tile.tile_m + (2 if gated else 1) * tile.block_n) * (tile.block_k + 8) * 2
     assert tile.shared_memory_bytes(gated) == expected <= SM80_SHARED_MEMORY_OPT_IN
+    assert tile.max_registers == 65536 // (tile.min_blocks * tile.threads)
+
+
+@pytest.mark.parametrize("key, tile", sorted(L.MMA_TILES_SM90.items()))
+def test_hopper_tiles_are_leaner_and_deeper(key, tile):
+    # Against the sm_80 tile of the same height: at least as many resident blocks asked of
+    # ptxas, at most half the accumulators per thread (or the same where sm_80 already has
+    # four warps per 16-row tile), a deeper pipeline, and two blocks' shared memory in one SM.
+    tile_m, gated = key
+    ampere = L.MMA_TILES[key]
+    assert (tile.tile_m, tile.block_n) == (ampere.tile_m, ampere.block_n)
+    assert tile.min_blocks >= 2 and tile.max_registers >= 128
+    assert tile.stages > ampere.stages
+    assert tile.accumulators(gated) <= max(ampere.accumulators(gated) // 2, 32 if tile_m == 16 else 0)
+    per_block = tile.shared_memory_bytes(gated) + 4 * tile_m + SM90_RESERVED_SHARED_MEMORY_PER_BLOCK
+    assert tile.min_blocks * per_block <= SM90_SHARED_MEMORY_PER_MULTIPROCESSOR
+
+
+@pytest.mark.parametrize("cc, table", [(0, L.MMA_TILES), (75, L.MMA_TILES), (80, L.MMA_TILES), (86, L.MMA_TILES),
+                                       (89, L.MMA_TILES), (90, L.MMA_TILES_SM90), (100, L.MMA_TILES_SM90)])
+def test_mma_tiles_by_compute_capability(cc, table):
+    assert L.mma_tiles(cc) is table
 
 
 def test_shipped_names():
     cuda, hip = L.shipped_name_expressions("cuda"), L.shipped_name_expressions("hip")
-    assert len(set(cuda)) == len(cuda) == 3 * 2 * 2 + 3 + 2 * len(L.MMA_TILES)
+    assert len(set(cuda)) == len(cuda) == 3 * 2 * 2 + 3 + 2 * (len(L.MMA_TILES) + len(L.MMA_TILES_SM90))
     assert set(hip) == {n for n in cuda if not n.startswith("moe_gemm_mma")}
     with pytest.raises(ValueError, match="platform='metal'"):
         L.shipped_name_expressions("metal")
 
 
-def _plan(path, block_size, rows, n, gated=True):
+def _plan(path, block_size, rows, n, gated=True, compute_capability=80):
     arrays = [np.zeros(1, np.float32)] * 3
     return L.plan_expert_gemm(path=path, dtype="bfloat16", gated=gated, block_size=block_size, a=arrays[0],
                               b=arrays[1], c=arrays[2], sorted_token_ids=np.zeros(rows, np.int32),
                               expert_ids=np.zeros(rows // block_size, np.int32), topk_weights=arrays[0],
-                              numel=5, top_k=2, n=n, k=64, activation="gelu_tanh", apply_router_weight=True)
+                              numel=5, top_k=2, n=n, k=64, activation="gelu_tanh", apply_router_weight=True,
+                              compute_capability=compute_capability)
 
 
 def test_simt_plan():
@@ -95,10 +126,18 @@ def test_simt_plan():
 def test_mma_plan():
     plan = _plan("mma", 32, 640, 200, gated=False)
     tile = L.MMA_TILES[(16, False)]
-    assert plan.name == "moe_gemm_mma<moeroute::bfloat16, 16, 128, 1, 4, 0>"
+    assert plan.name == "moe_gemm_mma<moeroute::bfloat16, 16, 128, 1, 4, 32, 3, 1, 0>"
     assert plan.grid == ((640 // 16) * 2, 1, 1) and plan.block == (128, 1, 1)
-    assert plan.shared_memory == tile.shared_memory_bytes(False)
+    assert plan.shared_memory == tile.shared_memory_bytes(False) == 3 * (16 + 128) * 40 * 2
     assert int(plan.args[-1]) == 640 // 16
+
+
+def test_mma_plan_on_hopper():
+    plan = _plan("mma", 128, 640, 200, gated=True, compute_capability=90)
+    assert plan.name == "moe_gemm_mma<moeroute::bfloat16, 128, 64, 4, 2, 32, 4, 2, 1>"
+    assert plan.grid == ((640 // 128) * 4, 1, 1) and plan.block == (256, 1, 1)
+    assert plan.shared_memory == 4 * (128 + 2 * 64) * 40 * 2
+    assert int(plan.args[-1]) == 640 // 128
 
 
 def test_unknown_path():

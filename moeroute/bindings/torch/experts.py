@@ -69,6 +69,8 @@ PADDED_MAX_ROWS = 32
 #: The padded batch covers every local expert; it is used only when at least this share
 #: of them has rows, so idle experts' weights are not read for nothing (decode: few hit).
 PADDED_MIN_HIT_FRACTION = 0.5
+#: Dtypes the padded batch is chosen for: torch's CPU bmm is slow in half precision.
+PADDED_DTYPES = (torch.float32,)
 
 
 def check_activation(activation: str) -> str:
@@ -298,18 +300,21 @@ def streamed_expert_mlp(
     return sums if hidden_states.dtype == torch.float32 else sums.to(hidden_states.dtype)
 
 
-def choose_gemm(counts: list[int], onednn: bool = False) -> str:
-    """"padded" for few rows per expert over mostly-hit experts on torch.mm, else "loop".
+def choose_gemm(counts: list[int], onednn: bool = False, dtype: torch.dtype = torch.float32) -> str:
+    """"padded" for few rows per float32 expert over mostly-hit experts on torch.mm, else "loop".
 
     With oneDNN linears the streamed loop wins at every row count measured (bench/layer.py,
-    T = 16: 1.3x over the padded batch), so ``onednn`` always gives "loop".
+    T = 16: 1.3x over the padded batch), so ``onednn`` always gives "loop". So does a
+    half-precision dtype: torch's CPU bmm in bfloat16/float16 ran 1.4-2.1x slower than the
+    per-expert loop at T = 8, 16 and 64 (H = 1024, I = 384, N = 64, K = 8, interleaved).
 
     Parameters
     ----------
     counts : list of int, rows of each local expert
     onednn : bool, whether the loop's linears run on oneDNN (`onednn_linear_serves`)
+    dtype : torch.dtype, of the activations and weights
     """
-    if onednn or not counts:
+    if onednn or not counts or dtype not in PADDED_DTYPES:
         return "loop"
     hit = sum(1 for c in counts if c)
     if max(counts) <= PADDED_MAX_ROWS and hit >= PADDED_MIN_HIT_FRACTION * len(counts):
@@ -585,7 +590,7 @@ class LocalExperts(nn.Module):
         strategy = self.gemm
         if strategy == "auto":
             strategy = choose_gemm([b - a for a, b in zip(offsets[:-1], offsets[1:])],
-                                   onednn_linear_serves(self.w_gate_up.dtype))
+                                   onednn_linear_serves(self.w_gate_up.dtype), self.w_gate_up.dtype)
         if strategy == "loop":
             w_gate_up, w_down = self.cpu_weights()
             return streamed_expert_mlp(hidden_states.contiguous(), sorted_slots, offsets, weights,

@@ -19,8 +19,10 @@
 //
 // Two implementations of the same contract:
 //   moe_gemm_simt  every type, every GPU (and the host emulation): shared-memory tiles in float32.
-//   moe_gemm_mma   float16 / bfloat16 on sm_80+: cp.async pipeline, ldmatrix, mma.sync m16n8k16.
-//                  Needs k % 8 == 0 and 16-byte aligned A / B (the launcher checks).
+//   moe_gemm_mma   float16 / bfloat16 on sm_80+: cp.async pipeline, ldmatrix, mma.sync m16n8k16,
+//                  packed 4-byte epilogue stores. Needs k % 8 == 0 and 16-byte aligned A / B (the
+//                  launcher checks). Tile shape, k slice, pipeline depth and occupancy are template
+//                  arguments: launch.py holds one configuration for sm_80 and one for sm_90.
 #include "compat.cuh"
 
 namespace moeroute {
@@ -163,44 +165,62 @@ __global__ void MOEROUTE_LAUNCH_BOUNDS(moeroute::kSimtThreads, moeroute::kSimtMi
 
 namespace moeroute {
 
-constexpr int kMmaBlockK = 32;                // two m16n8k16 steps per pipeline stage
-constexpr int kMmaStages = 3;                 // two stages in flight while one is consumed
-constexpr int kMmaRowPitch = kMmaBlockK + 8;  // +16 bytes: ldmatrix's 8 row reads hit distinct banks
-constexpr int kMmaChunk = 8;                  // 16-bit values per 16-byte cp.async
-constexpr int kMmaChunksPerRow = kMmaBlockK / kMmaChunk;
-constexpr int kMmaGroupM = 8;                 // row tiles walked together: their A rows stay in L2
+// The tile configurations (launch.py MMA_TILES, MMA_TILES_SM90) choose the k slice per stage
+// (BLOCK_K), the pipeline depth (STAGES) and the resident blocks ptxas must allow (MIN_BLOCKS).
+constexpr int kMmaRowPadding = 8;  // +16 bytes a row: ldmatrix's 8 row reads hit distinct banks
+constexpr int kMmaChunk = 8;       // 16-bit values per 16-byte cp.async
+constexpr int kMmaGroupM = 8;      // row tiles walked together: their A rows stay in L2
+
+// Writes the pair (lo, hi) to dst[0], dst[1]: one 4-byte store when dst is 4-byte aligned and
+// both columns are in range, else one 2-byte store per column in range (the scalar tail).
+template <typename T>
+MOEROUTE_DEVICE void store_pair(T* dst, float lo, float hi, bool hi_in_range) {
+  const T lo_value = from_float<T>(lo);
+  if (hi_in_range) {
+    const T hi_value = from_float<T>(hi);
+    if ((reinterpret_cast<unsigned long long>(dst) & 3ull) == 0) {
+      *reinterpret_cast<unsigned int*>(dst) =
+          static_cast<unsigned int>(lo_value.bits) | (static_cast<unsigned int>(hi_value.bits) << 16);
+      return;
+    }
+    dst[1] = hi_value;
+  }
+  dst[0] = lo_value;
+}
 
 // Issues the cp.async of one stage: TILE_M rows of A (through token_row), then GATES * BLOCK_N
-// rows of B (gate rows n0.., then up rows n + n0..), kMmaBlockK values each from column k0.
+// rows of B (gate rows n0.., then up rows n + n0..), BLOCK_K values each from column k0.
 // Rows and columns out of range are zero-filled.
-template <int TILE_M, int BLOCK_N, int GATES, int THREADS>
+template <int TILE_M, int BLOCK_N, int BLOCK_K, int GATES, int THREADS>
 MOEROUTE_DEVICE void mma_load_stage(unsigned short* a_stage, unsigned short* b_stage,
                                     const unsigned short* a_values, const unsigned short* b_values,
                                     const int* token_row, int numel, int top_k, int n, int k, int n0, int k0,
                                     int tid) {
+  constexpr int kRowPitch = BLOCK_K + kMmaRowPadding;
+  constexpr int kChunksPerRow = BLOCK_K / kMmaChunk;
   MOEROUTE_UNROLL
-  for (int i = 0; i < (TILE_M * kMmaChunksPerRow + THREADS - 1) / THREADS; ++i) {
+  for (int i = 0; i < (TILE_M * kChunksPerRow + THREADS - 1) / THREADS; ++i) {
     const int chunk = tid + i * THREADS;
-    if (chunk < TILE_M * kMmaChunksPerRow) {
-      const int row = chunk / kMmaChunksPerRow, offset = (chunk % kMmaChunksPerRow) * kMmaChunk;
+    if (chunk < TILE_M * kChunksPerRow) {
+      const int row = chunk / kChunksPerRow, offset = (chunk % kChunksPerRow) * kMmaChunk;
       const int token = token_row[row];
       const bool valid = token < numel && k0 + offset < k;
       const unsigned short* source =
           valid ? a_values + static_cast<long long>(token / top_k) * k + k0 + offset : a_values;
-      cp_async_16(a_stage + row * kMmaRowPitch + offset, source, valid);
+      cp_async_16(a_stage + row * kRowPitch + offset, source, valid);
     }
   }
-  constexpr int B_CHUNKS = GATES * BLOCK_N * kMmaChunksPerRow;
+  constexpr int B_CHUNKS = GATES * BLOCK_N * kChunksPerRow;
   static_assert(B_CHUNKS % THREADS == 0, "every thread issues the same number of B copies");
   MOEROUTE_UNROLL
   for (int i = 0; i < B_CHUNKS / THREADS; ++i) {
     const int chunk = tid + i * THREADS;
-    const int row = chunk / kMmaChunksPerRow, offset = (chunk % kMmaChunksPerRow) * kMmaChunk;
+    const int row = chunk / kChunksPerRow, offset = (chunk % kChunksPerRow) * kMmaChunk;
     const int gate = row / BLOCK_N, col = n0 + row % BLOCK_N;
     const bool valid = col < n && k0 + offset < k;
     const unsigned short* source =
         valid ? b_values + (static_cast<long long>(gate) * n + col) * k + k0 + offset : b_values;
-    cp_async_16(b_stage + row * kMmaRowPitch + offset, source, valid);
+    cp_async_16(b_stage + row * kRowPitch + offset, source, valid);
   }
 }
 
@@ -208,9 +228,12 @@ MOEROUTE_DEVICE void mma_load_stage(unsigned short* a_stage, unsigned short* b_s
 
 // Grid: (row tiles * ceil(n / BLOCK_N)), walked in groups of kMmaGroupM row tiles;
 // block: WARPS_M * WARPS_N warps; dynamic shared memory:
-// kMmaStages * (TILE_M + GATES * BLOCK_N) * kMmaRowPitch 16-bit values.
-template <typename T, int TILE_M, int BLOCK_N, int WARPS_M, int WARPS_N, int GATED>
-__global__ void __launch_bounds__(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE)
+// STAGES * (TILE_M + GATES * BLOCK_N) * (BLOCK_K + kMmaRowPadding) 16-bit values.
+// MIN_BLOCKS resident blocks per multiprocessor cap ptxas at 65536 / (MIN_BLOCKS * threads)
+// registers per thread.
+template <typename T, int TILE_M, int BLOCK_N, int WARPS_M, int WARPS_N, int BLOCK_K, int STAGES, int MIN_BLOCKS,
+          int GATED>
+__global__ void MOEROUTE_LAUNCH_BOUNDS(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE, MIN_BLOCKS)
     moe_gemm_mma(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
                  const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
                  const float* __restrict__ topk_weights, const T* __restrict__ bias, int numel, int top_k,
@@ -223,7 +246,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE)
   constexpr int WARP_M = TILE_M / WARPS_M, WARP_N = BLOCK_N / WARPS_N;
   constexpr int M_TILES = WARP_M / 16, N_TILES = WARP_N / 8;
   static_assert(WARP_M % 16 == 0 && WARP_N % 16 == 0, "warp tiles are whole 16x16 pairs of fragments");
-  constexpr int STAGE_VALUES = (TILE_M + GATES * BLOCK_N) * kMmaRowPitch;
+  static_assert(BLOCK_K % 16 == 0 && STAGES >= 2, "whole k16 steps per stage, one stage loading while one computes");
+  constexpr int kRowPitch = BLOCK_K + kMmaRowPadding;
+  constexpr int STAGE_VALUES = (TILE_M + GATES * BLOCK_N) * kRowPitch;
 
   MOEROUTE_DYNAMIC_SHARED(shared_bytes);
   unsigned short* stages = reinterpret_cast<unsigned short*>(shared_bytes);
@@ -255,43 +280,43 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE)
       reinterpret_cast<const unsigned short*>(b) + static_cast<long long>(expert) * GATES * n * k;
 
   float accumulator[GATES][M_TILES][N_TILES][4] = {};
-  const int k_tiles = (k + kMmaBlockK - 1) / kMmaBlockK;
+  const int k_tiles = (k + BLOCK_K - 1) / BLOCK_K;
 
   // Every step commits one group (possibly empty) so that wait_group counts stay in step.
   MOEROUTE_UNROLL
-  for (int s = 0; s < kMmaStages - 1; ++s) {
+  for (int s = 0; s < STAGES - 1; ++s) {
     if (s < k_tiles) {
       unsigned short* a_stage = stages + s * STAGE_VALUES;
-      mma_load_stage<TILE_M, BLOCK_N, GATES, THREADS>(a_stage, a_stage + TILE_M * kMmaRowPitch, a_values,
+      mma_load_stage<TILE_M, BLOCK_N, BLOCK_K, GATES, THREADS>(a_stage, a_stage + TILE_M * kRowPitch, a_values,
                                                        b_values, token_row, numel, top_k, n, k, n0,
-                                                       s * kMmaBlockK, tid);
+                                                       s * BLOCK_K, tid);
     }
     cp_async_commit();
   }
 
   for (int kt = 0; kt < k_tiles; ++kt) {
-    cp_async_wait<kMmaStages - 2>();
+    cp_async_wait<STAGES - 2>();
     // Tile kt is visible to all threads, and every warp is done with the stage refilled below.
     __syncthreads();
-    const int next = kt + kMmaStages - 1;
+    const int next = kt + STAGES - 1;
     if (next < k_tiles) {
-      unsigned short* a_stage = stages + (next % kMmaStages) * STAGE_VALUES;
-      mma_load_stage<TILE_M, BLOCK_N, GATES, THREADS>(a_stage, a_stage + TILE_M * kMmaRowPitch, a_values,
+      unsigned short* a_stage = stages + (next % STAGES) * STAGE_VALUES;
+      mma_load_stage<TILE_M, BLOCK_N, BLOCK_K, GATES, THREADS>(a_stage, a_stage + TILE_M * kRowPitch, a_values,
                                                        b_values, token_row, numel, top_k, n, k, n0,
-                                                       next * kMmaBlockK, tid);
+                                                       next * BLOCK_K, tid);
     }
     cp_async_commit();
 
-    const unsigned short* a_stage = stages + (kt % kMmaStages) * STAGE_VALUES;
-    const unsigned short* b_stage = a_stage + TILE_M * kMmaRowPitch;
+    const unsigned short* a_stage = stages + (kt % STAGES) * STAGE_VALUES;
+    const unsigned short* b_stage = a_stage + TILE_M * kRowPitch;
     MOEROUTE_UNROLL
-    for (int kk = 0; kk < kMmaBlockK; kk += 16) {
+    for (int kk = 0; kk < BLOCK_K; kk += 16) {
       unsigned int a_fragment[M_TILES][4];
       MOEROUTE_UNROLL
       for (int mt = 0; mt < M_TILES; ++mt) {
         // Lanes 0-15 address rows 0-15 at column kk, lanes 16-31 the same rows at kk + 8.
         const int row = warp_m * WARP_M + mt * 16 + lane % 16;
-        ldmatrix_x4(a_fragment[mt], a_stage + row * kMmaRowPitch + kk + (lane / 16) * 8);
+        ldmatrix_x4(a_fragment[mt], a_stage + row * kRowPitch + kk + (lane / 16) * 8);
       }
       MOEROUTE_UNROLL
       for (int g = 0; g < GATES; ++g) {
@@ -300,7 +325,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE)
           // Matrices: (n 0-7, k 0-7) (n 0-7, k 8-15) (n 8-15, k 0-7) (n 8-15, k 8-15).
           const int row = g * BLOCK_N + warp_n * WARP_N + nt * 8 + (lane / 16) * 8 + lane % 8;
           unsigned int b_fragment[4];
-          ldmatrix_x4(b_fragment, b_stage + row * kMmaRowPitch + kk + ((lane / 8) % 2) * 8);
+          ldmatrix_x4(b_fragment, b_stage + row * kRowPitch + kk + ((lane / 8) % 2) * 8);
           MOEROUTE_UNROLL
           for (int mt = 0; mt < M_TILES; ++mt) {
             mma_m16n8k16<T>(accumulator[g][mt][nt], a_fragment[mt], b_fragment[0], b_fragment[1]);
@@ -324,18 +349,20 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE)
       const T* bias_row = bias + static_cast<long long>(block_expert) * GATES * n;
       MOEROUTE_UNROLL
       for (int nt = 0; nt < N_TILES; ++nt) {
+        // The fragment holds two adjacent columns of this row: one packed store.
+        const int col = n0 + warp_n * WARP_N + nt * 8 + 2 * thread_in_group;
+        if (col >= n) continue;
+        float value[2];
         MOEROUTE_UNROLL
         for (int j = 0; j < 2; ++j) {
-          const int col = n0 + warp_n * WARP_N + nt * 8 + 2 * thread_in_group + j;
-          if (col >= n) continue;
           float first = accumulator[0][mt][nt][2 * half + j], second = accumulator[GATES - 1][mt][nt][2 * half + j];
-          if (has_bias) {
-            first += to_float(bias_row[col]);
-            if (GATED) second += to_float(bias_row[n + col]);
+          if (has_bias && col + j < n) {
+            first += to_float(bias_row[col + j]);
+            if (GATED) second += to_float(bias_row[n + col + j]);
           }
-          const float value = GATED ? gated_activate(first, second, activation) : first * scale;
-          c_row[col] = from_float<T>(value);
+          value[j] = GATED ? gated_activate(first, second, activation) : first * scale;
         }
+        store_pair(c_row + col, value[0], value[1], col + 1 < n);
       }
     }
   }

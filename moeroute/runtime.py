@@ -1,0 +1,349 @@
+"""The CPU runtime: where the compiled kernels are cached, and compiling them ahead of use.
+
+The CPU kernels are Numba functions compiled on first use and cached on disk (``cache=True``),
+so only the first process on a machine pays for compilation. `warmup` pays it up front:
+it runs every CPU kernel the presets use, for every dtype and on both sides of every
+serial/parallel threshold, on small synthetic inputs, so that a later process loads them
+all from the cache. The cache lives where Numba puts it: ``NUMBA_CACHE_DIR`` when that is
+set (read when Numba is imported), else ``__pycache__`` beside the package's sources when
+writable, else a per-user directory (`cache_dir` says which).
+
+Data flows one way: this module imports the routing kernels only inside `warmup`, and the
+torch module only when torch is installed and asked for.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+__all__ = ["warmup", "cache_dir", "cpu_dispatchers", "WARMUP_DTYPES", "add_warmup_arguments",
+           "run_warmup"]
+
+#: Activation and logits dtypes compiled by default: each is its own specialization.
+WARMUP_DTYPES = ("float32", "float16", "bfloat16")
+#: Rows of the small calls: the serial kernels (decode-sized batches).
+SMALL_TOKENS = 3
+#: Router and expert sizes of the torch module's warm-up layer: the kernels' compiled
+#: code depends on dtypes and array layouts only, so a tiny layer compiles what a real
+#: one runs.
+MODULE_EXPERTS, MODULE_TOP_K, MODULE_HIDDEN, MODULE_INTERMEDIATE = 8, 2, 256, 32
+#: Token counts of the warm-up layer: one row (decode), few rows per expert (the padded
+#: batch) and enough rows per expert for the parallel accumulation (see
+#: `moeroute.routing.combine.PARALLEL_ACCUMULATE_MIN_ELEMENTS`).
+MODULE_TOKENS = (1, 16, 2048)
+
+
+def cache_dir() -> str:
+    """The directory holding moeroute's compiled CPU kernels (Numba's on-disk cache).
+
+    Returns
+    -------
+    str
+        ``NUMBA_CACHE_DIR``'s mirror of the package when that variable was set before Numba
+        was imported, else the ``__pycache__`` directory beside ``moeroute/routing`` or
+        Numba's per-user fallback when that is not writable.
+    """
+    from moeroute.routing import select
+
+    cache = getattr(select._select_serial, "_cache", None)
+    path = getattr(cache, "_cache_path", None)  # Numba's own record of where it writes
+    if path is None:
+        raise RuntimeError("this Numba version does not say where it caches compiled functions")
+    return str(path)
+
+
+def _progress_printer(enabled: bool) -> Callable[[str], None]:
+    if not enabled:
+        return lambda line: None
+
+    def emit(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    return emit
+
+
+def _check_dtypes(dtypes) -> tuple[str, ...]:
+    if isinstance(dtypes, str) or not isinstance(dtypes, Iterable):
+        raise TypeError(f"dtypes must be a sequence of dtype names from {WARMUP_DTYPES}, got {dtypes!r}")
+    dtypes = tuple(dtypes)
+    unknown = [d for d in dtypes if d not in WARMUP_DTYPES]
+    if unknown or not dtypes:
+        raise ValueError(f"dtypes={dtypes!r}: each must be one of {WARMUP_DTYPES}, at least one")
+    return dtypes
+
+
+def _check_presets(presets) -> list:
+    from moeroute.config import PRESETS
+
+    if presets is None:
+        return list(PRESETS.values())
+    if isinstance(presets, str) or not isinstance(presets, Iterable):
+        raise TypeError(f"presets must be a sequence of preset names, got {presets!r}")
+    names = list(presets)
+    unknown = [name for name in names if name not in PRESETS]
+    if unknown or not names:
+        raise ValueError(f"presets={names!r}: each must be one of {sorted(PRESETS)}, at least one")
+    return [PRESETS[name] for name in names]
+
+
+def _host_bits(values: np.ndarray, dtype: str) -> tuple[np.ndarray, bool]:
+    """float32 values as the host kernels take ``dtype``: (array, raw_bf16)."""
+    if dtype == "bfloat16":
+        bits = (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        return bits, True
+    return values.astype(dtype), False
+
+
+def _routing_steps(presets, dtypes) -> list[tuple[str, Callable[[], None]]]:
+    """One step per preset: every routing and dispatch kernel on its shapes, each dtype,
+    below and above each serial/parallel threshold."""
+    from moeroute.layout import ExpertLayout
+    from moeroute.routing import _parallel
+    from moeroute.routing import (align_block_size, append_shared_slots, combine, expert_load,
+                                  logical_to_physical, permute, remap_to_local, select_experts,
+                                  sort_by_expert)
+    from moeroute.routing.combine import (PARALLEL_ACCUMULATE_MIN_ELEMENTS,
+                                          PARALLEL_COMBINE_MIN_ELEMENTS, accumulate_rows)
+    from moeroute.routing.permute import PARALLEL_GATHER_MIN_BYTES
+    from moeroute.routing.select import PARALLEL_MIN_ELEMENTS
+
+    rng = np.random.default_rng(0)
+    # Numba's prange kernel always; torch's OpenMP team where torch (loaded first) has one.
+    teams = ["numba"] + (["torch"] if _parallel.torch_team_available() else [])
+    host_logit_dtypes = [d for d in dtypes if d in ("float32", "float16")]  # NumPy has no bf16
+
+    def routing(preset):
+        router = preset.router
+        num_experts = router.num_experts
+        bias = np.zeros(num_experts, np.float32) if preset.has_correction_bias else None
+        parallel_tokens = math.ceil(PARALLEL_MIN_ELEMENTS / num_experts) + 1
+        ids = None
+        for dtype in host_logit_dtypes:
+            logits = rng.standard_normal((SMALL_TOKENS, num_experts)).astype(dtype)
+            weights, ids = select_experts(logits, router, bias)
+            logits = rng.standard_normal((parallel_tokens, num_experts)).astype(dtype)
+            for team in teams:  # the parallel kernel of each way of running it
+                previous = _parallel.set_team_mode(team)
+                try:
+                    select_experts(logits, router, bias)
+                finally:
+                    _parallel.set_team_mode(previous)
+        if ids is None:  # only bfloat16 asked for: ids for the dispatch kernels all the same
+            logits = rng.standard_normal((SMALL_TOKENS, num_experts)).astype(np.float32)
+            weights, ids = select_experts(logits, router, bias)
+        layout = ExpertLayout(num_experts, preset.num_shared_experts)
+        tokens = ids.shape[0]
+        gates = np.ones((tokens, max(1, preset.num_shared_experts)), np.float32)
+        for shared_weights in (None, gates[:, 0], gates):
+            slot_ids, slot_weights = append_shared_slots(ids, weights, layout, 0, shared_weights)
+        logical_to_physical(ids, layout)
+        expert_map = layout.expert_map(0)
+        remap_to_local(slot_ids, expert_map)
+        experts = layout.num_physical_experts
+        for id_dtype in (np.int32, np.int64):
+            typed = slot_ids.astype(id_dtype)
+            align_block_size(typed, experts, 64)
+            align_block_size(typed, expert_map.shape[0], 64, expert_map)
+            sort_by_expert(typed, experts)
+            expert_load(typed, experts)
+        _dispatch_kernels(slot_ids, slot_weights, experts, dtypes)
+
+    def dispatch_parallel():
+        # Above the parallel thresholds of permute, combine and accumulate_rows.
+        experts, top_k = MODULE_EXPERTS, MODULE_TOP_K
+        for dtype in dtypes:
+            width = 2 if dtype != "float32" else 4
+            hidden = 1024
+            tokens = max(math.ceil(PARALLEL_GATHER_MIN_BYTES / (top_k * hidden * width)),
+                         math.ceil(PARALLEL_COMBINE_MIN_ELEMENTS / hidden)) + 1
+            ids = (np.arange(tokens * top_k, dtype=np.int32) % experts).reshape(tokens, top_k)
+            weights = np.full((tokens, top_k), 0.5, np.float32)
+            states, raw = _host_bits(np.zeros((tokens, hidden), np.float32), dtype)
+            permuted, _, inverse = permute(states, ids, experts)
+            combine(permuted, inverse, weights, raw_bf16=raw)
+            rows = math.ceil(PARALLEL_ACCUMULATE_MIN_ELEMENTS / hidden) + 1
+            out = np.zeros((rows, hidden), np.float32)
+            accumulate_rows(out, states[:rows], np.arange(rows), weights[:rows, 0], raw_bf16=raw)
+
+    steps = [(f"routing and dispatch kernels, {preset.name}", lambda p=preset: routing(p))
+             for preset in presets]
+    steps.append(("parallel permute, combine and accumulate_rows", dispatch_parallel))
+    return steps
+
+
+def _dispatch_kernels(ids, weights, num_experts, dtypes) -> None:
+    """permute, combine and accumulate_rows on small inputs (their serial kernels)."""
+    from moeroute.routing import combine, permute
+    from moeroute.routing.combine import accumulate_rows
+
+    tokens = ids.shape[0]
+    for dtype in dtypes:
+        states, raw = _host_bits(np.ones((tokens, 16), np.float32), dtype)
+        permuted, _, inverse = permute(states, ids, num_experts)
+        combine(permuted, inverse, weights, raw_bf16=raw)
+        combine(permuted, inverse, None, raw_bf16=raw)
+        out = np.zeros((tokens, 16), np.float32)
+        accumulate_rows(out, states, np.arange(tokens), weights[:, 0], raw_bf16=raw)
+
+
+def _module_steps(dtypes) -> list[tuple[str, Callable[[], None]]]:
+    """The torch MoE module's CPU forward: each dtype, GEMM strategy and shared mode."""
+    import torch
+
+    from moeroute.bindings.torch import GatedMLP, MoE
+    from moeroute.config import RouterConfig
+
+    hidden, inter = MODULE_HIDDEN, MODULE_INTERMEDIATE
+    routers = {
+        "softmax": (RouterConfig(MODULE_EXPERTS, MODULE_TOP_K), False),
+        "sigmoid + bias, groups": (RouterConfig(MODULE_EXPERTS, MODULE_TOP_K, scoring="sigmoid",
+                                                num_expert_group=2, topk_group=1,
+                                                routed_scaling_factor=2.5), True),
+    }
+
+    def forward(dtype_name):
+        dtype = getattr(torch, dtype_name)
+        generator = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            for router, bias in routers.values():
+                for shared in ("fused", "runner"):
+                    for gemm in ("loop", "padded"):
+                        moe = MoE(router, hidden, inter, shared_experts=GatedMLP(hidden, inter).to(dtype),
+                                  shared=shared, correction_bias=bias, gemm=gemm, dtype=dtype)
+                        for tokens in MODULE_TOKENS:
+                            moe(torch.randn(tokens, hidden, generator=generator).to(dtype))
+
+    return [(f"torch MoE module, {name}", lambda n=name: forward(n)) for name in dtypes]
+
+
+def warmup(presets: Sequence[str] | None = None, *, dtypes: Sequence[str] = WARMUP_DTYPES,
+           torch_module: bool | None = None, progress: bool = True) -> dict:
+    """Compile every CPU kernel the presets use into Numba's on-disk cache.
+
+    Runs select_experts, append_shared_slots, logical_to_physical, remap_to_local,
+    align_block_size (with and without an expert map), sort_by_expert, expert_load, permute,
+    combine and accumulate_rows on small inputs shaped like each
+    preset, for each dtype, below and above each serial/parallel threshold, and (when
+    torch is installed) the torch `MoE` module's CPU forward. A kernel already in the cache
+    is loaded, not compiled, so a second call is quick. Set ``NUMBA_CACHE_DIR`` before the
+    first import of moeroute to choose the cache directory.
+
+    Parameters
+    ----------
+    presets : sequence of str, optional
+        Preset names (``moeroute.PRESETS``); default: all of them.
+    dtypes : sequence of str
+        Among ``WARMUP_DTYPES`` ("float32", "float16", "bfloat16"): the logits and
+        activation dtypes to compile for.
+    torch_module : bool, optional
+        Also run the torch module's forward; default: when torch is importable.
+    progress : bool
+        Print one line per step (and its seconds) to stderr.
+
+    Returns
+    -------
+    dict
+        ``compiled`` (moeroute functions compiled now), ``loaded`` (functions loaded from the
+        cache), ``seconds``, ``steps`` and ``cache_dir``.
+
+    Raises
+    ------
+    ValueError
+        An unknown preset or dtype, or an empty list of either.
+    TypeError
+        ``presets`` or ``dtypes`` not a sequence of names.
+    """
+    from numba.core import event
+
+    chosen = _check_presets(presets)
+    dtypes = _check_dtypes(dtypes)
+    if torch_module is None or torch_module:
+        # Imported first: routing then also compiles the kernels that run in torch's team.
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            if torch_module:
+                raise
+            torch_module = False
+        else:
+            torch_module = True
+    steps = _routing_steps(chosen, dtypes)
+    if torch_module:
+        steps += _module_steps(dtypes)
+
+    compiled = 0
+
+    class _CountCompiles(event.Listener):
+        def on_start(self, _event):
+            pass
+
+        def on_end(self, event_):
+            nonlocal compiled
+            # Numba's own helpers (e.g. carray for the cfuncs) are not moeroute's kernels.
+            compiled += event_.data["dispatcher"].py_func.__module__.startswith("moeroute")
+
+    emit = _progress_printer(progress)
+    before = _cache_hits()
+    listener = _CountCompiles()
+    start = time.perf_counter()
+    with event.install_listener("numba:compile", listener):
+        for index, (name, step) in enumerate(steps, 1):
+            step_start = time.perf_counter()
+            step()
+            emit(f"warmup [{index}/{len(steps)}] {name}: {time.perf_counter() - step_start:.1f} s")
+    seconds = time.perf_counter() - start
+    result = {"compiled": compiled, "loaded": _cache_hits() - before, "seconds": seconds,
+              "steps": len(steps), "cache_dir": cache_dir()}
+    emit(f"warmup done in {seconds:.1f} s: {result['compiled']} functions compiled, "
+         f"{result['loaded']} loaded from {result['cache_dir']}")
+    return result
+
+
+def _cache_hits() -> int:
+    """Cache loads so far of moeroute's CPU kernels (their dispatchers' own counters)."""
+    return sum(sum(dispatcher.stats.cache_hits.values()) for dispatcher in cpu_dispatchers())
+
+
+def cpu_dispatchers() -> list:
+    """Every Numba CPU dispatcher defined in moeroute's routing modules (imports them)."""
+    import importlib
+    import pkgutil
+
+    from numba.core.registry import CPUDispatcher
+
+    import moeroute.routing as routing
+
+    found = {}
+    for info in pkgutil.iter_modules(routing.__path__):
+        module = importlib.import_module(f"moeroute.routing.{info.name}")
+        for value in vars(module).values():
+            if isinstance(value, CPUDispatcher) and value.py_func.__module__ == module.__name__:
+                found[id(value)] = value
+    return list(found.values())
+
+
+def add_warmup_arguments(parser) -> None:
+    """Arguments of ``moeroute warmup``."""
+    from moeroute.config import PRESETS
+
+    parser.add_argument("--presets", nargs="+", choices=sorted(PRESETS), metavar="PRESET",
+                        help="presets to compile for (default: all)")
+    parser.add_argument("--dtypes", nargs="+", choices=WARMUP_DTYPES, default=list(WARMUP_DTYPES),
+                        help="logits and activation dtypes (default: all)")
+    parser.add_argument("--no-torch", action="store_true",
+                        help="skip the torch module's forward (routing kernels only)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def run_warmup(args) -> int:
+    """``moeroute warmup``: compile, then print what was compiled and where it is cached."""
+    result = warmup(args.presets, dtypes=args.dtypes, torch_module=False if args.no_torch else None,
+                    progress=not args.quiet)
+    print(f"{result['compiled']} functions compiled, {result['loaded']} loaded from the cache, "
+          f"in {result['seconds']:.1f} s; cache: {result['cache_dir']}")
+    return 0

@@ -1,0 +1,130 @@
+"""moeroute.warmup and ``moeroute warmup``: the CPU kernels compiled into Numba's cache.
+
+The cache test runs the command line in a fresh process with an empty ``NUMBA_CACHE_DIR``,
+then a second fresh process that runs a patched tiny model: every moeroute kernel that
+forward needs must come from the cache (Numba's own hit and compile counters, not
+seconds), and the patched model must still match the unpatched one.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import moeroute
+from moeroute import runtime
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FORWARD_AFTER_WARMUP = textwrap.dedent("""
+    import json
+    import numpy as np
+    import torch
+    from numba.core import event
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    import moeroute
+    from moeroute.bindings.torch import replace_moe_blocks
+    from moeroute.runtime import cpu_dispatchers
+
+    compiled = []
+
+    class Record(event.Listener):
+        def on_start(self, ev):
+            compiled.append(ev.data["dispatcher"].py_func.__module__ + "." +
+                            ev.data["dispatcher"].py_func.__qualname__)
+
+        def on_end(self, ev):
+            pass
+
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                            moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                            norm_topk_prob=True, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = model(ids).logits
+    replace_moe_blocks(model)
+    with event.install_listener("numba:compile", Record()):
+        with torch.inference_mode():
+            actual = model(ids).logits
+        warm = [c for c in compiled if c.startswith("moeroute.")]
+        # A dtype the warm-up was not asked for compiles: the counter works.
+        from moeroute.routing.combine import accumulate_rows
+        accumulate_rows(np.zeros((2, 4), np.float32), np.ones((2, 4), np.float16),
+                        np.arange(2), np.ones(2, np.float32))
+    cold = [c for c in compiled if c.startswith("moeroute.")][len(warm):]
+    hits = sum(sum(d.stats.cache_hits.values()) for d in cpu_dispatchers())
+    error = float((actual - expected).abs().max() / expected.abs().max())
+    print(json.dumps({"compiled_in_forward": warm, "compiled_after": cold, "cache_hits": hits,
+                      "relative_error": error, "cache_dir": moeroute.runtime.cache_dir()}))
+""")
+
+
+def _run(args, cache_dir, timeout=1800):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir), PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.slow
+def test_warmup_cache_serves_a_fresh_process(tmp_path):
+    pytest.importorskip("transformers")
+    cache = tmp_path / "numba-cache"
+    warm = _run(["-m", "moeroute", "warmup", "--presets", "qwen3-30b-a3b", "--dtypes", "float32"],
+                cache)
+    assert "warmup [1/" in warm.stderr  # progress lines
+    assert str(cache) in warm.stdout
+    index_files = list(cache.rglob("*.nbi"))
+    assert index_files, "warm-up wrote no cache index"
+    assert all(str(path).startswith(str(cache)) for path in index_files)
+
+    report = json.loads(_run(["-c", FORWARD_AFTER_WARMUP], cache).stdout.strip().splitlines()[-1])
+    assert report["compiled_in_forward"] == []
+    assert report["cache_hits"] > 0
+    assert report["compiled_after"], "the compile counter saw nothing: it cannot tell"
+    assert report["cache_dir"].startswith(str(cache))
+    assert report["relative_error"] < 1e-5
+
+
+def test_warmup_is_public():
+    assert "warmup" in moeroute.__all__
+    assert moeroute.warmup is runtime.warmup
+
+
+@pytest.mark.parametrize("presets, dtypes, error, match", [
+    (["no-such-model"], ("float32",), ValueError, "presets=.*no-such-model"),
+    ([], ("float32",), ValueError, "at least one"),
+    ("deepseek-v3", ("float32",), TypeError, "sequence of preset names"),
+    (None, ("float64",), ValueError, "dtypes=.*float64.*bfloat16"),
+    (None, "float32", TypeError, "sequence of dtype names"),
+])
+def test_warmup_rejects_bad_arguments(presets, dtypes, error, match):
+    with pytest.raises(error, match=match):
+        runtime.warmup(presets, dtypes=dtypes, progress=False)
+
+
+def test_cache_dir_is_where_numba_writes():
+    from moeroute.routing import select
+
+    assert runtime.cache_dir() == str(select._select_serial._cache._cache_path)
+    assert os.path.isabs(runtime.cache_dir())
+
+
+def test_cpu_dispatchers_cover_the_kernels():
+    import importlib
+
+    select, combine, permute = (importlib.import_module(f"moeroute.routing.{name}")
+                                for name in ("select", "combine", "permute"))
+    names = {d.py_func.__module__ + "." + d.py_func.__name__ for d in runtime.cpu_dispatchers()}
+    for function in (select._select_serial, select._select_parallel, combine._accumulate_cpu,
+                     permute._gather_rows):
+        assert function.py_func.__module__ + "." + function.py_func.__name__ in names
