@@ -75,6 +75,7 @@ GPU_TEST_FILES = (
     "tests/routing/test_dispatch_cuda.py",
     "tests/routing/test_frameworks.py",
     "tests/bindings/test_moe.py",
+    "tests/bindings/test_ops.py",
 )
 
 ENVIRONMENT_JSON = "environment.json"
