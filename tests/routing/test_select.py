@@ -228,6 +228,52 @@ def test_raw_logit_path_edge_values(num_experts, top_k, palette):
     np.testing.assert_allclose(weights, ref_weights, rtol=WEIGHT_RTOL, atol=1e-30)
 
 
+from numba import njit  # noqa: E402
+
+from moeroute.routing import select as select_module  # noqa: E402
+
+
+def _compress_all(compress):
+    """Every 16-value block of ``keys`` through ``compress``, as one index list."""
+
+    @njit(cache=False)
+    def run(keys, cut, out):
+        count = 0
+        for start in range(0, keys.shape[0] - keys.shape[0] % 16, 16):
+            count = compress(keys, start, cut, out, count)
+        return count
+
+    return run
+
+
+@pytest.mark.parametrize("kind", ["vector", "table"])
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_compress_at_least_both_ways(kind, dtype):
+    # The block compress of the candidate pass, both implementations on this CPU (the one not
+    # chosen for it is only slower): the indices passing an ordered >= compare, ascending.
+    compress = {"vector": select_module._compress_vector,
+                "table": select_module._compress_table}[kind]
+    run = _compress_all(compress)
+    rng = np.random.default_rng(17)
+    palette = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, FLOAT32_MAX], np.float32)
+    for trial in range(40):
+        n = 16 * int(rng.integers(1, 9))
+        if dtype == np.float32:
+            keys = rng.standard_normal(n).astype(np.float32)
+            keys[rng.random(n) < 0.1] = palette[trial % len(palette)]
+            cut = np.float32(rng.choice([0.5, 0.0, -np.inf, np.inf, 2.0]))
+        else:
+            keys = rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32)
+            keys[rng.random(n) < 0.1] = np.int32(2**31 - 1)
+            cut = np.int32(rng.choice([0, -2**31, 2**31 - 1, 2**30]))
+        out = np.full(n + 16, -7, np.int32)
+        count = run(keys, cut, out)
+        with np.errstate(invalid="ignore"):
+            expected = np.nonzero(keys >= cut)[0]
+        assert count == len(expected)
+        np.testing.assert_array_equal(out[:count], expected)
+
+
 def test_equal_group_maxima_keep_the_lower_group():
     # Groups 0 and 1 share the best logit; group 1 has the better runner-up, but a group's
     # score is its maximum, so the tie goes to group 0.
