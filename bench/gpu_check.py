@@ -14,7 +14,8 @@ crashes is killed and the next one still runs (the whole plan fits `BUDGET_S`):
                 references of the GPU tests) and every shipped CuPy GEMM instantiation.
 2. tests        pytest -m gpu over an explicit file list (no whole-tree collection), JUnit XML
                 written straight to DIR.
-3. routing      bench/gpu_routing.py --quick -> DIR/gpu_routing.json as soon as it finishes.
+3. routing      bench/gpu_routing.py --quick -> DIR/gpu_routing.json as soon as it finishes
+                (with the launch overhead of numba dispatch vs the cached launcher).
 4. gemm         bench/gpu_gemm.py -> DIR/gpu_gemm.json.
 5. summary      DIR/gpu_summary.md, a short table of all of the above, also printed.
 
@@ -74,6 +75,7 @@ GPU_TEST_FILES = (
     "tests/routing/test_select_cuda.py",
     "tests/routing/test_dispatch_cuda.py",
     "tests/routing/test_frameworks.py",
+    "tests/routing/test_launcher.py",
     "tests/bindings/test_moe.py",
     "tests/bindings/test_ops.py",
 )

@@ -7,6 +7,10 @@ and candidate alternating call by call; the table gives medians, the median of t
 ratios, the host wall time per call (Python launch overhead included) and the achieved logits
 bandwidth against the device copy bandwidth measured first.
 
+Launch overhead (issue 14): select_experts at T in {1, 8, 64} through numba's dispatcher and
+through the cached launcher (MOEROUTE_CUDA_LAUNCHER=numba / cached), as host microseconds per
+call of HOST_LOOP_CALLS back-to-back calls followed by one synchronize, alternating.
+
     python bench/gpu_routing.py [--repeats 50] [--quick]
 
 Without a CUDA GPU it exits with a message saying so.
@@ -33,6 +37,8 @@ WARMUP_CALLS = 10  # compile, allocator and cache warm-up before timing
 COPY_BYTES = 1 << 30  # device copy buffer: far past L2 (H100/H200: 50-60 MiB)
 HOST_LOOP_CALLS = 50  # back-to-back calls timed on the host clock for the per-call wall time
 ALIGN_BLOCK_SIZE = 64
+LAUNCHER_TOKEN_COUNTS = [1, 8, 64]
+LAUNCHER_PRESET = "deepseek-v3"
 # Targets of the routing kernel (design goals; this script reports whether they are met).
 SMALL_BATCH_US = 10.0  # per call for T <= 64
 COPY_FRACTION_AT_65536 = 0.5
@@ -116,6 +122,61 @@ def select_rows(torch, repeats, copy_gbps, token_counts):
     return rows
 
 
+def launcher_rows(torch, repeats, token_counts):
+    """Host us per call of select_experts, numba dispatch vs the cached launcher."""
+    import os
+
+    from moeroute.config import PRESETS
+    from moeroute.routing import _launcher
+    from moeroute.routing.select import select_experts
+
+    reason = _launcher.cached_unavailable_reason()
+    if reason is not None:
+        print(f"cached launcher not measured: {reason}")
+        return []
+    preset = PRESETS[LAUNCHER_PRESET]
+    config = preset.router
+    previous = os.environ.get(_launcher.LAUNCHER_ENV)
+    rows = []
+    try:
+        for tokens in token_counts:
+            generator = torch.Generator(device="cuda").manual_seed(2)
+            logits = torch.randn(tokens, config.num_experts, device="cuda", generator=generator)
+            bias = 0.1 * torch.randn(config.num_experts, device="cuda", generator=generator)
+            results = {}
+
+            def run_with(launcher):
+                batch = calls_per_sample(lambda: select_experts(logits, config, bias),
+                                         HOST_LOOP_CALLS)
+
+                def run():
+                    os.environ[_launcher.LAUNCHER_ENV] = launcher
+                    batch()
+                    results[launcher] = select_experts(logits, config, bias)
+                return run
+
+            def synchronized(fn):
+                torch.cuda.synchronize()
+                return wall_clock(lambda: (fn(), torch.cuda.synchronize()))
+
+            result = interleaved(run_with("numba"), run_with("cached"), repeats,
+                                 warmup=WARMUP_CALLS, timer=synchronized)
+            same = all(bool((a == b).all()) for a, b in zip(results["numba"], results["cached"]))
+            rows.append({
+                "op": "select_experts launch", "preset": LAUNCHER_PRESET, "num_tokens": tokens,
+                "numba_host_us_per_call": result["baseline_us"] / (HOST_LOOP_CALLS + 1),
+                "cached_host_us_per_call": result["candidate_us"] / (HOST_LOOP_CALLS + 1),
+                "speedup": result["speedup"], "same_outputs": same, "repeats": repeats,
+                "calls_per_sample": HOST_LOOP_CALLS + 1,
+            })
+    finally:
+        if previous is None:
+            os.environ.pop(_launcher.LAUNCHER_ENV, None)
+        else:
+            os.environ[_launcher.LAUNCHER_ENV] = previous
+    return rows
+
+
 def align_rows(torch, repeats, token_counts):
     from align import torch_align_block_size
 
@@ -172,6 +233,11 @@ def main(argv=None) -> None:
                 [[r["preset"], r["num_tokens"], r["moeroute_us"], r["moeroute_host_us_per_call"],
                   r["torch_us"], r["speedup"], r["logits_gbps"],
                   f"{100 * r['fraction_of_copy_bandwidth']:.0f}%"] for r in select])
+    launch = launcher_rows(torch, repeats, LAUNCHER_TOKEN_COUNTS)
+    if launch:
+        print_table(["launch T", "numba us/call", "cached us/call", "speedup", "same outputs"],
+                    [[r["num_tokens"], r["numba_host_us_per_call"], r["cached_host_us_per_call"],
+                      r["speedup"], r["same_outputs"]] for r in launch])
     align = align_rows(torch, repeats, TOKEN_COUNTS)
     if align:
         print_table(["align T", "moeroute us", "torch us", "speedup"],
@@ -183,7 +249,7 @@ def main(argv=None) -> None:
               f"({'met' if target['met'] else 'NOT met'})")
     path = write_results("gpu_routing", {
         "device": torch.cuda.get_device_name(), "device_copy_gbps": copy_gbps,
-        "results": select + align, "targets": found,
+        "results": select + launch + align, "targets": found,
         "numpy": np.__version__,
     })
     print(f"wrote {path}")

@@ -173,17 +173,19 @@ def framework_of(x) -> str:
     return "numba"
 
 
-def device_empty(shape, dtype, template, stream=None):
+def device_empty(shape, dtype, template, stream=None, view=True):
     """An uninitialised device array allocated by the framework of ``template``.
 
     Returns ``(array, view)``: ``array`` in the caller's framework (torch tensors from
     torch's caching allocator, CuPy arrays from CuPy's pool: no cudaMalloc per call),
-    ``view`` a numba device array over the same memory for the kernels (no copy). Other
+    ``view`` a numba device array over the same memory for the kernels (no copy), or
+    ``array`` itself when ``view=False`` (the cached launcher reads torch and CuPy arrays
+    directly). Other
     callers (and the simulator) get a numba device array as both. This is the one place
     where the device ops allocate (scratch included), so under CUDA graph capture every
     buffer comes from the framework's graph-aware allocator.
 
-    ``stream``: the numba stream the buffer is used on. torch allocates on its current
+    ``stream``: the numba stream (or raw handle) the buffer is used on. torch allocates on its current
     stream; when ``stream`` is another one, the tensor is recorded on it
     (``Tensor.record_stream``), so the caching allocator does not hand the memory out
     again before that stream's work on it is done.
@@ -202,12 +204,25 @@ def device_empty(shape, dtype, template, stream=None):
         with template.device:
             array = cupy.empty(shape, dtype=dtype)
     else:
-        array = cuda.device_array(shape, dtype=dtype, stream=stream or 0)
+        numba_stream = 0 if isinstance(stream, int) else stream or 0
+        array = cuda.device_array(shape, dtype=dtype, stream=numba_stream)
+        return array, array
+    if not view:
         return array, array
     if 0 in shape:
         # Nothing to view; kernels are not launched on empty outputs.
         return array, cuda.device_array(shape, dtype=dtype)
     return array, cuda.as_cuda_array(array, sync=False)
+
+
+def is_c_contiguous(x) -> bool:
+    """True when device array ``x`` (numba, CuPy, torch) is C-contiguous."""
+    if framework_of(x) == "torch":
+        return x.is_contiguous()
+    flags = getattr(x, "flags", None)
+    if flags is not None and hasattr(flags, "c_contiguous"):  # CuPy
+        return bool(flags.c_contiguous)
+    return x.is_c_contiguous()
 
 
 def stream_handle(stream) -> int:

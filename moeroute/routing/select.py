@@ -37,7 +37,7 @@ from numba.core import types
 from numba.extending import intrinsic, overload
 
 from moeroute.config import RouterConfig
-from moeroute.routing import _arrays, _parallel
+from moeroute.routing import _arrays, _launcher, _parallel
 from moeroute.routing.reference import FLOAT32_MAX, RENORMALIZE_EPS
 
 __all__ = [
@@ -1668,8 +1668,10 @@ def _device_kernel_function(num_experts, num_groups, scoring, has_bias, renormal
     return select_experts_kernel
 
 
+@lru_cache(maxsize=None)
 def _device_signature(input_kind):
-    """The numba signature of the kernel for ``input_kind`` logits (compile_ptx checks)."""
+    """The numba signature of the kernel for ``input_kind`` logits (the cached launcher's
+    layout, compile_ptx checks)."""
     element = {"float32": types.float32, "float16": types.float16,
                "bfloat16": types.int16}[input_kind]
     bias = types.float32[::1]
@@ -1684,41 +1686,50 @@ def _device_kernel(num_experts, num_groups, scoring, has_bias, renormalize, inpu
                                             renormalize, input_kind))
 
 
-def _device_logits(logits):
-    """(numba device array, input kind): bfloat16 is passed as its int16 bits."""
+def _device_logits(logits, launcher="numba"):
+    """(kernel array, input kind): bfloat16 is passed as its int16 bits."""
     kind = _dtype_name(logits.dtype)
     if kind == "bfloat16":
         logits = _arrays.device_bits16(logits)
-    array = _arrays.as_device_array(logits)
-    return array, kind
+    return _launcher.kernel_array(logits, launcher), kind
 
 
 def _select_device(logits, config, correction_bias, stream, out=None):
-    array, kind = _device_logits(logits)
-    if not array.is_c_contiguous():
-        raise ValueError(f"device logits must be C-contiguous, got strides {array.strides}")
+    launcher = _launcher.active_launcher()
+    array, kind = _device_logits(logits, launcher)
+    if not _arrays.is_c_contiguous(array):
+        strides = (tuple(s * array.element_size() for s in array.stride())  # torch, in bytes
+                   if callable(getattr(array, "stride", None)) else tuple(array.strides))
+        raise ValueError(f"device logits must be C-contiguous, got strides {strides}")
     num_tokens = array.shape[0]
     top_k = config.top_k
-    launch_stream = _arrays.resolve_stream(logits, stream)
+    if launcher == "cached":  # the raw handle: no numba stream object per call
+        launch_stream = _launcher.stream_handle_of(logits, stream)
+    else:
+        launch_stream = _arrays.resolve_stream(logits, stream)
     if out is None:
+        view = launcher == "numba"
         topk_weights, out_w = _arrays.device_empty((num_tokens, top_k), np.float32, logits,
-                                                   launch_stream)
+                                                   launch_stream, view=view)
         topk_ids, out_ids = _arrays.device_empty((num_tokens, top_k), np.int32, logits,
-                                                 launch_stream)
+                                                 launch_stream, view=view)
     else:
         topk_weights, topk_ids = out
-        out_w, out_ids = (_arrays.as_device_array(o) for o in out)
+        out_w, out_ids = (_launcher.kernel_array(o, launcher) for o in out)
     if num_tokens > 0:
         has_bias = correction_bias is not None
         # Without a bias the kernel never reads it: any float32 vector fills the slot.
-        bias = _arrays.as_device_array(correction_bias) if has_bias else out_w.reshape(-1)
+        bias = (_launcher.kernel_array(correction_bias, launcher) if has_bias
+                else out_w.reshape(-1))
         kernel = _device_kernel(config.num_experts, config.num_expert_group,
                                 config.scoring, has_bias, config.renormalize, kind)
         warps = _device_warps_per_block()
         blocks = -(-num_tokens // warps)
-        kernel[blocks, warps * WARP_SIZE, launch_stream](
-            array, bias, num_tokens, top_k, config.topk_group,
-            np.float32(config.routed_scaling_factor), out_w, out_ids)
+        _launcher.launch(kernel, _device_signature(kind), blocks, warps * WARP_SIZE,
+                         launch_stream,
+                         (array, bias, num_tokens, top_k, config.topk_group,
+                          np.float32(config.routed_scaling_factor), out_w, out_ids),
+                         launcher)
     return topk_weights, topk_ids
 
 

@@ -1,0 +1,278 @@
+"""The cached launcher of the routing kernels (routing/_launcher.py).
+
+* The argument layout is checked against the ``.entry`` parameters numba emits (PTX for
+  sm_90, no GPU needed) for every select_experts signature and a kernel of every scalar type.
+* The packer's values are checked on numpy-backed stand-ins of the three array kinds
+  (torch CPU tensors, CuPy-like and numba-like objects) against hand-written lists.
+* Launcher selection: the simulator and a machine without a device fall back to numba.
+* ``gpu``: select_experts through the cached launcher equals the numba-dispatched result.
+"""
+
+import numpy as np
+import pytest
+
+cuda = pytest.importorskip("numba.cuda")
+
+from numba import types  # noqa: E402
+
+from moeroute.config import PRESETS  # noqa: E402
+from moeroute.routing import _launcher  # noqa: E402
+from moeroute.routing import select as select_module  # noqa: E402
+from moeroute.routing._arrays import simulator_enabled  # noqa: E402
+
+SIMULATED = simulator_enabled()
+no_sim = pytest.mark.skipif(SIMULATED, reason="compiles with the real numba.cuda, not the simulator")
+
+SELECT_KINDS = ["float32", "float16", "bfloat16"]
+# Every scalar type the packer marshals, around arrays of 1, 2 and 3 dimensions.
+ALL_SCALARS = (types.float32[:, ::1], types.int64, types.int32, types.uint32, types.int16,
+               types.uint16, types.int8, types.uint8, types.float64, types.float32,
+               types.float16, types.boolean, types.int64[::1], types.uint64, types.int8[:, :, ::1])
+
+
+def _every_scalar_kernel(a, i64, i32, u32, i16, u16, i8, u8, f64, f32, f16, flag, b, u64, c):
+    a[0, 0] = (i64 + i32 + u32 + i16 + u16 + i8 + u8 + f64 + f32 + f16 + (1 if flag else 0)
+               + b[0] + u64 + c[0, 0, 0])
+
+
+def select_ptx(kind):
+    function = select_module._device_kernel_function(8, 1, "softmax", False, True, kind)
+    ptx, _ = cuda.compile_ptx(function, select_module._device_signature(kind), cc=(9, 0))
+    return ptx
+
+
+@no_sim
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", SELECT_KINDS)
+def test_select_layout_matches_numba_ptx(kind):
+    signature = select_module._device_signature(kind)
+    _, found = _launcher.parse_entry(select_ptx(kind))
+    expected = _launcher.parameter_types(signature)
+    # logits [T, N] and the outputs: 9 fields each; bias 7; 3 int64 and one float32 scalar.
+    assert len(expected) == 9 + 7 + 3 + 1 + 9 + 9
+    assert found == expected
+
+
+@no_sim
+def test_every_scalar_type_matches_numba_ptx():
+    ptx, _ = cuda.compile_ptx(_every_scalar_kernel, ALL_SCALARS, cc=(9, 0))
+    _, found = _launcher.parse_entry(ptx)
+    assert found == _launcher.parameter_types(ALL_SCALARS)
+    packed = _launcher.make_packer(ALL_SCALARS)(
+        (CupyLike(np.zeros((2, 3), np.float32)), 1, 2, 3, 4, 5, 6, 7, 8.0, 9.0, 10.0, True,
+         CupyLike(np.zeros(4, np.int64)), 11, CupyLike(np.zeros((1, 2, 3), np.int8))))
+    assert len(packed) == len(found)
+    # CuPy copies each value at its own width: ints and floats as 8 bytes, NumPy scalars
+    # at their itemsize. Every parameter gets exactly its PTX width.
+    widths = {"u64": 8, "f64": 8, "u32": 4, "f32": 4, "u16": 2, "u8": 1}
+    for value, ptx_type in zip(packed, found):
+        size = 8 if type(value) in (int, float) else np.asarray(value).itemsize
+        assert size == widths[ptx_type], (value, ptx_type)
+
+
+def test_unsupported_argument_type_is_refused():
+    with pytest.raises(ValueError, match="argument 1 has type complex64"):
+        _launcher.parameter_types((types.float32[::1], types.complex64))
+    with pytest.raises(ValueError, match="complex64"):
+        _launcher.make_packer((types.complex64,))
+
+
+def test_parse_entry_reads_name_and_parameters():
+    ptx = (".visible .entry _Z1kPf(\n\t.param .u64 _Z1kPf_param_0,\n\t.param .f32 _Z1kPf_param_1\n)"
+           "\n{\n\tret;\n}\n")
+    assert _launcher.parse_entry(ptx) == ("_Z1kPf", ["u64", "f32"])
+    with pytest.raises(ValueError, match="found 0"):
+        _launcher.parse_entry(".version 8.0\n")
+
+
+# ------------------------------------------------------------------ packing values
+
+
+class CupyLike:
+    """The attributes the launcher reads from a CuPy array, over NumPy memory."""
+
+    class _Pointer:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+    def __init__(self, array):
+        self.array = array
+        self.data = self._Pointer(array.ctypes.data)
+        self.shape = array.shape
+        self.strides = array.strides
+        self.itemsize = array.itemsize
+
+
+class NumbaLike:
+    """The attributes the launcher reads from a numba device array, over NumPy memory."""
+
+    def __init__(self, array):
+        import ctypes
+
+        self.array = array
+        self.device_ctypes_pointer = ctypes.c_void_p(array.ctypes.data)
+        self.shape = array.shape
+        self.strides = array.strides
+        self.dtype = array.dtype
+
+
+def expected_select_parameters(logits, bias, out_w, out_ids, num_tokens, top_k, topk_group, rsf):
+    """numba's ABI for select_experts' kernel, written out by hand from NumPy arrays."""
+    def fields(a):
+        return [0, 0, a.size, a.itemsize, a.ctypes.data, *a.shape, *a.strides]
+    return (fields(logits) + fields(bias) + [num_tokens, top_k, topk_group, np.float32(rsf)]
+            + fields(out_w) + fields(out_ids))
+
+
+def select_arrays(kind, num_tokens=5):
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((num_tokens, 8)).astype(
+        {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16}[kind])
+    bias = rng.standard_normal(8).astype(np.float32)
+    return logits, bias, np.zeros((num_tokens, 2), np.float32), np.zeros((num_tokens, 2), np.int32)
+
+
+def torch_wrap(array):
+    torch = pytest.importorskip("torch")
+    return torch.from_numpy(array)
+
+
+@pytest.mark.parametrize("wrap", [CupyLike, NumbaLike, torch_wrap], ids=["cupy", "numba", "torch"])
+@pytest.mark.parametrize("kind", SELECT_KINDS)
+def test_packer_builds_numba_abi_values(kind, wrap):
+    logits, bias, out_w, out_ids = select_arrays(kind)
+    pack = _launcher.make_packer(select_module._device_signature(kind))
+    packed = pack((wrap(logits), wrap(bias), 5, 2, 1, np.float32(2.5), wrap(out_w), wrap(out_ids)))
+    expected = expected_select_parameters(logits, bias, out_w, out_ids, 5, 2, 1, 2.5)
+    assert packed == expected
+    assert [type(v) for v in packed] == [type(v) for v in expected]
+
+
+def test_packer_refuses_wrong_arrays():
+    kind = "float32"
+    logits, bias, out_w, out_ids = select_arrays(kind)
+    pack = _launcher.make_packer(select_module._device_signature(kind))
+
+    def args(first):
+        return (first, CupyLike(bias), 5, 2, 1, 1.0, CupyLike(out_w), CupyLike(out_ids))
+
+    with pytest.raises(ValueError, match="argument 0 must be C-contiguous"):
+        pack(args(CupyLike(np.zeros((8, 5), np.float32).T)))
+    with pytest.raises(ValueError, match="argument 0 must be a 2-D array of 4-byte items"):
+        pack(args(CupyLike(np.zeros(40, np.float32))))
+    with pytest.raises(ValueError, match="2-D array of 4-byte items"):
+        pack(args(CupyLike(logits.astype(np.float16))))
+    with pytest.raises(TypeError, match="takes 8 arguments, got 7"):
+        pack(args(CupyLike(logits))[:7])
+    with pytest.raises(TypeError, match="got list"):
+        pack(args([[1.0]]))
+    # A column of one row is C-contiguous whatever its stride.
+    column = CupyLike(np.zeros((5, 1), np.float32)[:, :1])
+    column.strides = (4, 400)
+    assert _launcher.make_packer((types.float32[:, ::1],))((column,))[-2:] == [4, 400]
+
+
+# ------------------------------------------------------------------ selection
+
+
+@pytest.fixture
+def launcher_env(monkeypatch):
+    def set_value(value):
+        if value is None:
+            monkeypatch.delenv(_launcher.LAUNCHER_ENV, raising=False)
+        else:
+            monkeypatch.setenv(_launcher.LAUNCHER_ENV, value)
+    return set_value
+
+
+def test_simulator_falls_back_to_numba(launcher_env):
+    assert _launcher._resolve("auto", True) == "numba"
+    assert "simulator" in _launcher._cached_unavailable_reason(True)
+    launcher_env(None)
+    assert _launcher.requested_launcher() == "auto"
+
+
+def test_env_switch_selects_and_rejects(launcher_env):
+    launcher_env("numba")
+    assert _launcher.active_launcher() == "numba"
+    launcher_env(" Cached ")
+    assert _launcher.requested_launcher() == "cached"
+    assert _launcher.active_launcher() == "cached"  # asked for explicitly: never silently numba
+    launcher_env("ptx")
+    with pytest.raises(ValueError, match=r"MOEROUTE_CUDA_LAUNCHER='ptx' is not one of"):
+        _launcher.active_launcher()
+
+
+def test_auto_follows_availability(launcher_env):
+    launcher_env("auto")
+    reason = _launcher.cached_unavailable_reason()
+    assert _launcher.active_launcher() == ("numba" if reason else "cached")
+
+
+def test_explicit_cached_without_device_says_why(launcher_env):
+    reason = _launcher.cached_unavailable_reason()
+    if reason is None:
+        pytest.skip("the cached launcher can run here")
+    launcher_env("cached")
+    with pytest.raises(RuntimeError, match="cannot run: " + reason.split(" (")[0]):
+        _launcher.launch(None, (), 1, 1, None, ())
+
+
+@no_sim
+@pytest.mark.slow
+def test_compile_image_links_a_cubin_without_a_gpu():
+    pytest.importorskip("cuda.core")
+    kernel = select_module._device_kernel(8, 1, "softmax", False, True, "float32")
+    cubin, name, ptx = _launcher.compile_image(kernel, select_module._device_signature("float32"),
+                                               "sm_90")
+    assert cubin[:4] == b"\x7fELF"
+    assert name.encode() in cubin and _launcher.parse_entry(ptx)[0] == name
+    assert ".target sm_90" in ptx
+
+
+def test_kernels_with_linked_files_stay_on_numba():
+    class Dispatcher:
+        targetoptions = {"link": ("extra.cu",), "fastmath": False}
+    with pytest.raises(RuntimeError, match="cannot reproduce the jit options {'link'"):
+        _launcher.compile_image(Dispatcher(), (), "sm_90")
+
+
+# ------------------------------------------------------------------ GPU
+
+requires_gpu = pytest.mark.skipif(
+    SIMULATED or _launcher.cached_unavailable_reason() is not None,
+    reason=f"needs a CUDA GPU visible to CuPy: {_launcher.cached_unavailable_reason()}")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("framework", ["torch", "cupy"])
+@pytest.mark.parametrize("preset_name", ["deepseek-v3", "qwen3.5-moe", "mixtral-8x7b"])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 1000])
+def test_gpu_cached_launch_equals_numba_dispatch(framework, preset_name, num_tokens, launcher_env):
+    from moeroute.routing.select import select_experts
+
+    preset = PRESETS[preset_name]
+    config = preset.router
+    rng = np.random.default_rng(num_tokens)
+    host_logits = rng.standard_normal((num_tokens, config.num_experts)).astype(np.float32)
+    host_bias = (0.1 * rng.standard_normal(config.num_experts)).astype(np.float32)
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("torch has no CUDA build here")
+        to_device, to_host = (lambda a: torch.from_numpy(a).cuda()), (lambda t: t.cpu().numpy())
+    else:
+        import cupy
+
+        to_device, to_host = cupy.asarray, cupy.asnumpy
+    logits = to_device(host_logits)
+    bias = to_device(host_bias) if preset.has_correction_bias else None
+    results = {}
+    for launcher in ("numba", "cached"):
+        launcher_env(launcher)
+        weights, ids = select_experts(logits, config, bias)
+        assert type(weights) is type(logits)
+        results[launcher] = to_host(weights), to_host(ids)
+    np.testing.assert_array_equal(results["cached"][1], results["numba"][1])
+    np.testing.assert_array_equal(results["cached"][0], results["numba"][0])
