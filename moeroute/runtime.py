@@ -45,7 +45,8 @@ def cache_dir() -> str:
     -------
     str
         ``NUMBA_CACHE_DIR``'s mirror of the package when that variable was set before Numba
-        was imported, else the ``__pycache__`` directory beside ``moeroute/routing`` or
+        was imported, else the ``__pycache__`` directory beside the select kernel's source
+        (``moeroute/routing/select/``; each routing module's kernels are cached beside it) or
         Numba's per-user fallback when that is not writable.
     """
     from moeroute.routing import select
@@ -310,7 +311,8 @@ def _cache_hits() -> int:
 
 
 def cpu_dispatchers() -> list:
-    """Every Numba CPU dispatcher defined in moeroute's routing modules (imports them)."""
+    """Every Numba CPU dispatcher defined in moeroute's routing modules and their
+    subpackages (imports them)."""
     import importlib
     import pkgutil
 
@@ -319,8 +321,8 @@ def cpu_dispatchers() -> list:
     import moeroute.routing as routing
 
     found = {}
-    for info in pkgutil.iter_modules(routing.__path__):
-        module = importlib.import_module(f"moeroute.routing.{info.name}")
+    for info in pkgutil.walk_packages(routing.__path__, prefix="moeroute.routing."):
+        module = importlib.import_module(info.name)
         for value in vars(module).values():
             if isinstance(value, CPUDispatcher) and value.py_func.__module__ == module.__name__:
                 found[id(value)] = value

@@ -259,7 +259,7 @@ def allreduce_sum(value, scratch):
 
     Butterfly order (xor 16, 8, 4, 2, 1, each lane adding its partner to its own value):
     every lane ends with the same bits, and the host reproduces them
-    (``select._lane_order_sum``).
+    (``select._host._lane_order_sum``).
     """
     offset = WARP_SIZE // 2
     for _ in range(_BUTTERFLY_STEPS):

@@ -230,7 +230,7 @@ def test_raw_logit_path_edge_values(num_experts, top_k, palette):
 
 from numba import njit  # noqa: E402
 
-from moeroute.routing import select as select_module  # noqa: E402
+from moeroute.routing.select import _simd  # noqa: E402
 
 
 def _compress_all(compress):
@@ -251,8 +251,8 @@ def _compress_all(compress):
 def test_compress_at_least_both_ways(kind, dtype):
     # The block compress of the candidate pass, both implementations on this CPU (the one not
     # chosen for it is only slower): the indices passing an ordered >= compare, ascending.
-    compress = {"vector": select_module._compress_vector,
-                "table": select_module._compress_table}[kind]
+    compress = {"vector": _simd._compress_vector,
+                "table": _simd._compress_table}[kind]
     run = _compress_all(compress)
     rng = np.random.default_rng(17)
     palette = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, FLOAT32_MAX], np.float32)

@@ -1,0 +1,453 @@
+"""select_experts' CPU kernel, its vector steps: Numba intrinsics that emit LLVM IR on 16
+lanes (compress, pick rounds, lane maxima, cuts), and the IR builder helpers they share."""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import binding as llvm_binding
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
+
+from moeroute.routing.reference import FLOAT32_MAX
+from moeroute.routing.select._common import _INT32_LOW31, _NO_KEY
+
+# Candidate collection and the pick rounds work on 16 lanes at a time (one AVX-512
+# register of int32 keys; two of packed int64 picks).
+_LANES = 16
+_PACK_LOW31 = np.int64(0x7FFFFFFF)  # packed pick = key << 32 | (_PACK_LOW31 - id), as on the device
+_PACK_NONE = np.int64(np.iinfo(np.int64).min)  # below every packed pick
+
+
+@intrinsic
+def _float32_bits(typingctx, value):
+    """The bits of a float32 as an int32 (a register move, vectorizable)."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def _bits_float32(typingctx, bits):
+    """The float32 whose bits are the int32 ``bits``."""
+    if bits != types.int32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+def _is_c_array(value, dtype, ndim=1):
+    return (isinstance(value, types.Array) and value.dtype == dtype and value.ndim == ndim
+            and value.layout == "C")
+
+
+def _splat(builder, vector, value):
+    result = ir.Constant(vector, ir.Undefined)
+    for lane in range(vector.count):
+        result = builder.insert_element(result, value, ir.Constant(ir.IntType(32), lane))
+    return result
+
+
+def _llvm_function(builder, name, return_type, argument_types):
+    module = builder.module
+    return module.globals.get(name) or ir.Function(
+        module, ir.FunctionType(return_type, argument_types), name=name)
+
+
+# How _compress_at_least packs the passing indices of a 16-lane block to the front:
+# * with AVX-512 (vpcompressd), LLVM's vector compress: one instruction;
+# * elsewhere (AVX2, NEON), where LLVM expands that compress into 16 scalar steps, a table:
+#   each 8-lane half's compare mask (vmovmskps) picks a row of _PACK_TABLE holding the set
+#   bits' positions packed left, stored as one 8-lane vector; 3-4x faster on Zen 3.
+_HOST_FEATURES = llvm_binding.get_host_cpu_features().flatten().split(",")
+VECTOR_COMPRESS = "+avx512f" in _HOST_FEATURES
+_HALF = 8
+_PACK_TABLE = [[bit for bit in range(_HALF) if mask >> bit & 1] for mask in range(1 << _HALF)]
+_PACK_TABLE = [row + [0] * (_HALF - len(row)) for row in _PACK_TABLE]
+
+
+def _pack_table(builder):
+    """The 256 x 8 int32 table of set-bit positions, one constant per LLVM module."""
+    row = ir.VectorType(ir.IntType(32), _HALF)
+    table_type = ir.ArrayType(row, len(_PACK_TABLE))
+    name = "moeroute_select_pack_table"
+    table = builder.module.globals.get(name)
+    if table is None:
+        table = ir.GlobalVariable(builder.module, table_type, name=name)
+        table.linkage = "internal"
+        table.global_constant = True
+        table.align = 32
+        table.initializer = ir.Constant(table_type, [ir.Constant(row, r) for r in _PACK_TABLE])
+    return table
+
+
+def _compress_intrinsic(vector_compress):
+    """``_compress_at_least(keys, start, cut, out, count)``: append to ``out[count:]`` the
+    indices i in [start, start + 16) with keys[i] >= cut, in ascending order, and return
+    the new count. ``keys``: int32 keys with an int32 cut, or float32 logits with a float32
+    cut (an ordered compare: NaN never passes). Stores 16 lanes at ``out[count]``, so ``out``
+    needs 16 spare slots. One vector compare, then a compress (``vector_compress``:
+    vpcompressd into a register and a plain store, as its memory form is slow on Zen 4) or
+    two table lookups and 8-lane stores."""
+
+    def compress_at_least(typingctx, keys, start, cut, out, count):
+        return _compress_typing(vector_compress, keys, cut, out)
+
+    return intrinsic(compress_at_least)
+
+
+def _compress_typing(vector_compress, keys, cut, out):
+    floats = _is_c_array(keys, types.float32) and cut == types.float32
+    if not ((floats or _is_c_array(keys, types.int32) and cut == types.int32)
+            and _is_c_array(out, types.int32)):
+        return None
+    signature = types.intp(keys, types.intp, cut, out, types.intp)
+
+    def compare(builder, data, first, cut_value, lanes):
+        element = ir.FloatType() if floats else ir.IntType(32)
+        vector = ir.VectorType(element, lanes)
+        source = builder.load(builder.bitcast(builder.gep(data, [first]), vector.as_pointer()),
+                              align=4)
+        if floats:
+            return builder.fcmp_ordered(">=", source, _splat(builder, vector, cut_value))
+        return builder.icmp_signed(">=", source, _splat(builder, vector, cut_value))
+
+    def append(builder, out_data, count, indices, mask, lanes):
+        """Store ``indices`` at out[count] and return count + popcount(mask)."""
+        target = builder.bitcast(builder.gep(out_data, [count]), indices.type.as_pointer())
+        builder.store(indices, target, align=4)
+        mask_bits = ir.IntType(lanes)
+        popcount = _llvm_function(builder, f"llvm.ctpop.i{lanes}", mask_bits, [mask_bits])
+        passed = builder.call(popcount, [builder.bitcast(mask, mask_bits)])
+        return builder.add(count, builder.zext(passed, count.type))
+
+    def codegen(context, builder, sig, args):
+        keys_value, start_value, cut_value, out_value, count_value = args
+        keys_data = context.make_array(sig.args[0])(context, builder, value=keys_value).data
+        out_data = context.make_array(sig.args[3])(context, builder, value=out_value).data
+        i32 = ir.IntType(32)
+        if vector_compress:
+            vector = ir.VectorType(i32, _LANES)
+            mask = compare(builder, keys_data, start_value, cut_value, _LANES)
+            indices = builder.add(_splat(builder, vector, builder.trunc(start_value, i32)),
+                                  ir.Constant(vector, list(range(_LANES))))
+            compress = _llvm_function(builder, f"llvm.experimental.vector.compress.v{_LANES}i32",
+                                      vector, [vector, ir.VectorType(ir.IntType(1), _LANES),
+                                               vector])
+            packed = builder.call(compress, [indices, mask, ir.Constant(vector, ir.Undefined)])
+            return append(builder, out_data, count_value, packed, mask, _LANES)
+        table = _pack_table(builder)
+        row = ir.VectorType(i32, _HALF)
+        count = count_value
+        for half in range(_LANES // _HALF):
+            first = builder.add(start_value, ir.Constant(start_value.type, half * _HALF))
+            mask = compare(builder, keys_data, first, cut_value, _HALF)
+            entry = builder.zext(builder.bitcast(mask, ir.IntType(_HALF)), i32)
+            positions = builder.load(builder.gep(table, [ir.Constant(i32, 0), entry]), align=32)
+            indices = builder.add(positions, _splat(builder, row, builder.trunc(first, i32)))
+            count = append(builder, out_data, count, indices, mask, _HALF)
+        return count
+
+    return signature, codegen
+
+
+_compress_vector = _compress_intrinsic(True)
+_compress_table = _compress_intrinsic(False)
+_compress_at_least = _compress_vector if VECTOR_COMPRESS else _compress_table
+
+
+@intrinsic
+def _pop_max(typingctx, packed, start, previous):
+    """In ``packed[start:start + 16]`` replace ``previous`` by the lowest value, store the
+    block back and return its maximum: one pick round on one block, without branches."""
+    if not _is_c_array(packed, types.int64):
+        return None
+    signature = types.int64(packed, types.intp, types.int64)
+
+    def codegen(context, builder, sig, args):
+        packed_value, start_value, previous_value = args
+        data = context.make_array(sig.args[0])(context, builder, value=packed_value).data
+        i64 = ir.IntType(64)
+        vector = ir.VectorType(i64, _LANES)
+        address = builder.bitcast(builder.gep(data, [start_value]), vector.as_pointer())
+        block = builder.load(address, align=8)
+        taken = builder.icmp_signed("==", block, _splat(builder, vector, previous_value))
+        block = builder.select(taken, _splat(builder, vector, ir.Constant(i64, int(_PACK_NONE))),
+                               block)
+        builder.store(block, address, align=8)
+        reduce_max = _llvm_function(builder, f"llvm.vector.reduce.smax.v{_LANES}i64", i64,
+                                    [vector])
+        return builder.call(reduce_max, [block])
+
+    return signature, codegen
+
+
+@intrinsic
+def _block_top2(typingctx, keys, start):
+    """The two largest of ``keys[start:start + 16]`` (equal when the maximum repeats),
+    packed as best << 32 | second (low 32 bits): vector max, count, masked max."""
+    if not _is_c_array(keys, types.int32):
+        return None
+    signature = types.int64(keys, types.intp)
+
+    def codegen(context, builder, sig, args):
+        keys_value, start_value = args
+        data = context.make_array(sig.args[0])(context, builder, value=keys_value).data
+        i32 = ir.IntType(32)
+        i64 = ir.IntType(64)
+        vector = ir.VectorType(i32, _LANES)
+        block = builder.load(builder.bitcast(builder.gep(data, [start_value]),
+                                             vector.as_pointer()), align=4)
+        reduce_max = _reduce_smax(builder)
+        best = builder.call(reduce_max, [block])
+        equal = builder.icmp_signed("==", block, _splat(builder, vector, best))
+        mask_bits = ir.IntType(_LANES)
+        popcount = _llvm_function(builder, f"llvm.ctpop.i{_LANES}", mask_bits, [mask_bits])
+        repeats = builder.call(popcount, [builder.bitcast(equal, mask_bits)])
+        others = builder.select(equal, _splat(builder, vector, ir.Constant(i32, int(_NO_KEY))),
+                                block)
+        second = builder.select(builder.icmp_unsigned(">", repeats, ir.Constant(mask_bits, 1)),
+                                best, builder.call(reduce_max, [others]))
+        high = builder.shl(builder.sext(best, i64), ir.Constant(i64, 32))
+        return builder.or_(high, builder.zext(second, i64))
+
+    return signature, codegen
+
+
+def _block_loop(builder, blocks, first, step):
+    """Emit ``for i in range(blocks)`` with loop-carried values: ``step(i, carried)`` builds
+    one iteration and returns the next carried values; returns the final ones (``first``
+    when ``blocks`` is 0)."""
+    i64 = ir.IntType(64)
+    entry = builder.basic_block
+    body = builder.append_basic_block("blocks")
+    done = builder.append_basic_block("blocks_done")
+    builder.cbranch(builder.icmp_signed(">", blocks, ir.Constant(i64, 0)), body, done)
+    builder.position_at_end(body)
+    index = builder.phi(i64)
+    carried = [builder.phi(value.type) for value in first]
+    following = step(index, carried)
+    after = builder.add(index, ir.Constant(i64, 1))
+    tail = builder.basic_block
+    index.add_incoming(ir.Constant(i64, 0), entry)
+    index.add_incoming(after, tail)
+    for phi, start, value in zip(carried, first, following):
+        phi.add_incoming(start, entry)
+        phi.add_incoming(value, tail)
+    builder.cbranch(builder.icmp_signed("<", after, blocks), body, done)
+    builder.position_at_end(done)
+    final = []
+    for start, value in zip(first, following):
+        phi = builder.phi(value.type)
+        phi.add_incoming(start, entry)
+        phi.add_incoming(value, tail)
+        final.append(phi)
+    return final
+
+
+def _vector_smax(builder, a, b):
+    return builder.select(builder.icmp_signed(">", a, b), a, b)
+
+
+def _vector_smin(builder, a, b):
+    return builder.select(builder.icmp_signed("<", a, b), a, b)
+
+
+def _vector_key_map(builder, bits):
+    """bits ^ ((bits >> 31) & 0x7FFFFFFF) on int32 lanes: float32 bits to an order key, and
+    back (the map is its own inverse)."""
+    ints = bits.type
+    i32 = ints.element
+    sign = builder.ashr(bits, _splat(builder, ints, ir.Constant(i32, 31)))
+    return builder.xor(bits, builder.and_(sign, _splat(builder, ints,
+                                                       ir.Constant(i32, int(_INT32_LOW31)))))
+
+
+def _lane_maxima_loop(builder, blocks, block_keys):
+    """Emit the loop over ``blocks`` 16-lane blocks; ``block_keys(index)`` builds block
+    ``index``'s int32 keys. Returns the per-lane maxima (_NO_KEY where there is no block)."""
+    ints = ir.VectorType(ir.IntType(32), _LANES)
+    (maxima,) = _block_loop(builder, blocks, [ir.Constant(ints, [int(_NO_KEY)] * _LANES)],
+                            lambda index, carried: [_vector_smax(builder, carried[0],
+                                                                 block_keys(index))])
+    return maxima
+
+
+def _kth_largest(builder, maxima, k):
+    """The k-th largest (1 <= k <= 16, counted with repeats) of 16 int32 lanes: the largest
+    lane with at least k lanes at or above it."""
+    ints = maxima.type
+    i32 = ints.element
+    at_least = ir.Constant(ints, [0] * _LANES)
+    for lane in range(_LANES):
+        other = _splat(builder, ints, builder.extract_element(maxima, ir.Constant(i32, lane)))
+        at_least = builder.sub(at_least, builder.sext(builder.icmp_signed(">=", other, maxima),
+                                                      ints))
+    if k.type.width != 32:
+        k = builder.trunc(k, i32) if k.type.width > 32 else builder.sext(k, i32)
+    enough = builder.icmp_signed(">=", at_least, _splat(builder, ints, k))
+    no_key = _splat(builder, ints, ir.Constant(i32, int(_NO_KEY)))
+    return builder.call(_reduce_smax(builder), [builder.select(enough, maxima, no_key)])
+
+
+def _reduce_smax(builder):
+    """LLVM's signed maximum over a 16-lane int32 vector."""
+    ints = ir.VectorType(ir.IntType(32), _LANES)
+    return _llvm_function(builder, f"llvm.vector.reduce.smax.v{_LANES}i32", ints.element,
+                          [ints])
+
+
+@intrinsic
+def _lane_maxima(typingctx, keys, lanes):
+    """``lanes[l]`` = the largest of keys l, l + 16, l + 32, ... over the whole 16-key blocks
+    (the maximum is kept in a register across blocks)."""
+    if not (_is_c_array(keys, types.int32) and _is_c_array(lanes, types.int32)):
+        return None
+    signature = types.void(keys, lanes)
+
+    def codegen(context, builder, sig, args):
+        keys_array = context.make_array(sig.args[0])(context, builder, value=args[0])
+        lanes_data = context.make_array(sig.args[1])(context, builder, value=args[1]).data
+        vector = ir.VectorType(ir.IntType(32), _LANES)
+        base = builder.bitcast(keys_array.data, vector.as_pointer())
+        blocks = builder.udiv(builder.extract_value(keys_array.shape, 0),
+                              ir.Constant(ir.IntType(64), _LANES))
+        maxima = _lane_maxima_loop(
+            builder, blocks, lambda index: builder.load(builder.gep(base, [index]), align=4))
+        builder.store(maxima, builder.bitcast(lanes_data, vector.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+# Order keys of the finite float32 extremes: keys outside them are infinities or NaNs.
+_KEY_NEG_MAX = np.int32(int(np.float32(-FLOAT32_MAX).view(np.int32)) ^ 0x7FFFFFFF)
+_KEY_POS_MAX = np.int32(np.float32(FLOAT32_MAX).view(np.int32))
+
+
+@intrinsic
+def _raw_cut(typingctx, row, top_k):
+    """The top_k-th largest (top_k <= 16) of the 16 lane maxima of the raw keys (bits ^
+    ((bits >> 31) & 0x7FFFFFFF): -0 below +0, infinities and NaNs unclipped) over the whole
+    16-logit blocks of a float32 row: at least top_k logits of the row have a raw key at or
+    above it. _NO_KEY when a lane maximum exceeds the key of FLOAT32_MAX (+inf or NaN)."""
+    if not (_is_c_array(row, types.float32) and isinstance(top_k, types.Integer)):
+        return None
+    signature = types.int32(row, top_k)
+
+    def codegen(context, builder, sig, args):
+        row_array = context.make_array(sig.args[0])(context, builder, value=args[0])
+        i32 = ir.IntType(32)
+        ints = ir.VectorType(i32, _LANES)
+        base = builder.bitcast(row_array.data, ints.as_pointer())
+        blocks = builder.udiv(builder.extract_value(row_array.shape, 0),
+                              ir.Constant(ir.IntType(64), _LANES))
+        maxima = _lane_maxima_loop(builder, blocks, lambda index: _vector_key_map(
+            builder, builder.load(builder.gep(base, [index]), align=4)))
+        cut = _kth_largest(builder, maxima, args[1])
+        top = builder.call(_reduce_smax(builder), [maxima])
+        clean = builder.icmp_signed("<=", top, ir.Constant(i32, int(_KEY_POS_MAX)))
+        return builder.select(clean, cut, ir.Constant(i32, int(_NO_KEY)))
+
+    return signature, codegen
+
+
+@intrinsic
+def _logit_keys(typingctx, row, x, keys, lanes):
+    """One pass over the whole 16-logit blocks of a float32 row: the clipped logit into
+    ``x`` (NaN -> -inf, then clamped to the finite range: _clip_logit), its order key into
+    ``keys`` (_order_key) and the per-lane key maxima into ``lanes`` (_lane_maxima)."""
+    if not (_is_c_array(row, types.float32) and _is_c_array(x, types.float32)
+            and _is_c_array(keys, types.int32) and _is_c_array(lanes, types.int32)):
+        return None
+    signature = types.void(row, x, keys, lanes)
+
+    def codegen(context, builder, sig, args):
+        row_array = context.make_array(sig.args[0])(context, builder, value=args[0])
+        x_data = context.make_array(sig.args[1])(context, builder, value=args[1]).data
+        keys_data = context.make_array(sig.args[2])(context, builder, value=args[2]).data
+        lanes_data = context.make_array(sig.args[3])(context, builder, value=args[3]).data
+        i32 = ir.IntType(32)
+        floats = ir.VectorType(ir.FloatType(), _LANES)
+        ints = ir.VectorType(i32, _LANES)
+        row_base = builder.bitcast(row_array.data, floats.as_pointer())
+        x_base = builder.bitcast(x_data, floats.as_pointer())
+        keys_base = builder.bitcast(keys_data, ints.as_pointer())
+        blocks = builder.udiv(builder.extract_value(row_array.shape, 0),
+                              ir.Constant(ir.IntType(64), _LANES))
+        lowest = _splat(builder, ints, ir.Constant(i32, int(_KEY_NEG_MAX)))
+        highest = _splat(builder, ints, ir.Constant(i32, int(_KEY_POS_MAX)))
+
+        def block_keys(index):
+            value = builder.load(builder.gep(row_base, [index]), align=4)
+            # + 0 turns -0 into +0; the key map is its own inverse.
+            bits = builder.bitcast(builder.fadd(value, ir.Constant(floats, [0.0] * _LANES)), ints)
+            key = _vector_smin(builder, _vector_smax(builder, _vector_key_map(builder, bits),
+                                                     lowest), highest)
+            key = builder.select(builder.fcmp_unordered("uno", value, value), lowest, key)
+            builder.store(key, builder.gep(keys_base, [index]), align=4)
+            builder.store(builder.bitcast(_vector_key_map(builder, key), floats),
+                          builder.gep(x_base, [index]), align=4)
+            return key
+
+        maxima = _lane_maxima_loop(builder, blocks, block_keys)
+        builder.store(maxima, builder.bitcast(lanes_data, ints.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def _count_above(typingctx, packed, block, against, ranks):
+    """``ranks[block + j] +=`` how many of ``packed[against:against + 16]`` exceed
+    ``packed[block + j]``, j < 16: 16 broadcast compares, each adding its 0/1 lanes. Summed
+    over every ``against`` block this is each distinct packed pick's place in descending
+    order."""
+    if not (_is_c_array(packed, types.int64) and _is_c_array(ranks, types.int32)):
+        return None
+    signature = types.void(packed, types.intp, types.intp, ranks)
+
+    def codegen(context, builder, sig, args):
+        packed_value, block_start, against_start, ranks_value = args
+        packed_data = context.make_array(sig.args[0])(context, builder, value=packed_value).data
+        ranks_data = context.make_array(sig.args[3])(context, builder, value=ranks_value).data
+        i32 = ir.IntType(32)
+        vector = ir.VectorType(ir.IntType(64), _LANES)
+        ints = ir.VectorType(i32, _LANES)
+        own = builder.load(builder.bitcast(builder.gep(packed_data, [block_start]),
+                                           vector.as_pointer()), align=8)
+        target = builder.bitcast(builder.gep(ranks_data, [block_start]), ints.as_pointer())
+        counts = builder.load(target, align=4)
+        for lane in range(_LANES):
+            other = builder.load(builder.gep(packed_data, [
+                builder.add(against_start, ir.Constant(against_start.type, lane))]), align=8)
+            below = builder.icmp_signed("<", own, _splat(builder, vector, other))
+            counts = builder.add(counts, builder.zext(below, ints))
+        builder.store(counts, target, align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def _lane_cut(typingctx, lanes, top_k):
+    """A cut with at least ``top_k`` keys at or above it (``top_k`` <= 16): the top_k-th
+    largest of the 16 lane maxima ``lanes`` (16 distinct keys of the row)."""
+    if not (_is_c_array(lanes, types.int32) and isinstance(top_k, types.Integer)):
+        return None
+    signature = types.int32(lanes, top_k)
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+        ints = ir.VectorType(ir.IntType(32), _LANES)
+        maxima = builder.load(builder.bitcast(data, ints.as_pointer()), align=4)
+        return _kth_largest(builder, maxima, args[1])
+
+    return signature, codegen
