@@ -1,8 +1,8 @@
-"""The CUDA side of select_experts: one warp per token row.
+"""The CUDA side of select_experts and route: one warp per token row.
 
-`row_routine` builds the per-row work as a device function (for select_experts' kernel and
-kernels that fuse more work after the selection); `select_kernel_function` builds the
-kernel around it. Every builder takes the compile-time constants
+`row_routine` builds the per-row work as a device function (select_experts' kernel and the
+fused route kernel both call it); `select_kernel_function` and `route_kernel_function`
+build the kernels around it. Every builder takes the compile-time constants
 (N, groups, scoring, bias or not, renormalize, input dtype) and returns plain Python
 functions: `cuda.jit` compiles them for a device, `cuda.compile_ptx` checks them without
 one, and the CUDA simulator runs them as Python.
@@ -57,6 +57,8 @@ __all__ = [
     "row_routine",
     "select_kernel_function",
     "select_signature",
+    "route_kernel_function",
+    "route_signature",
     "warps_per_block",
 ]
 
@@ -428,3 +430,70 @@ def select_signature(input_kind):
     """The numba signature of `select_kernel_function`'s kernel (compile_ptx checks)."""
     return (_element_type(input_kind)[:, ::1], types.float32[::1], types.int64, types.int64,
             types.int64, types.float32, types.float32[:, ::1], types.int32[:, ::1])
+
+
+def route_kernel_function(num_experts, num_groups, scoring, has_bias, renormalize,
+                          input_kind):
+    """The fused route kernel: select_experts' row routine, then in the same warp the
+    physical id of each pick (replica hash and per-rank shift, `remap.physical_id_device`),
+    the fused shared slots, and the rank's local ids.
+
+    ``kernel(logits, bias, T, K, topk_group, rsf, num_routed, replica_offsets, replica_ids,
+    routed_id_map, first_slot, num_slots, slot_weights [T or 1, S or 1] float32, use_row,
+    use_col, scalar_weight, has_array, expert_map int32, out_w [T, K + S'], out_ids)``:
+    columns < K are lane r's pick, column K + j (j < S') the shared slot ``first_slot + j``
+    with weight ``slot_weights[t * use_row, j * use_col]`` or ``scalar_weight``.
+    """
+    from moeroute.routing.remap import _physical_id
+
+    # Compiled here from remap's one definition: inlined, and compile_ptx needs no context.
+    physical_id_device = cuda.jit(device=True, inline="always")(_physical_id)
+    select_row, slots = row_routine(num_experts, num_groups, scoring, has_bias, renormalize,
+                                    input_kind)
+    warps = warps_per_block()
+    lanes = WARP_SIZE
+    lane_bits = WARP_SIZE.bit_length() - 1
+
+    def route_kernel(logits, bias, num_tokens, top_k, topk_group, rsf, num_routed,
+                     replica_offsets, replica_ids, routed_id_map, first_slot, num_slots,
+                     slot_weights, use_row, use_col, scalar_weight, has_array, expert_map,
+                     out_w, out_ids):
+        heads = cuda.shared.array((warps, slots, lanes), int64)
+        tid = cuda.threadIdx.x
+        lane = tid & (lanes - 1)
+        warp = tid >> lane_bits
+        row = cuda.blockIdx.x * warps + warp
+        source_row = min(row, num_tokens - 1)  # idle warps of the last block mirror a row
+        my_id, my_weight = select_row(logits, bias, source_row, lane, heads, warp, top_k,
+                                      topk_group, rsf)
+        if row < num_tokens:
+            map_size = expert_map.shape[0]
+            if lane < top_k:
+                physical = physical_id_device(my_id, row, num_routed, replica_offsets,
+                                              replica_ids, routed_id_map)
+                local = -1
+                if physical >= 0 and physical < map_size:
+                    local = expert_map[physical]
+                out_ids[row, lane] = local
+                out_w[row, lane] = my_weight
+            for j in range(lane, num_slots, lanes):
+                physical = first_slot + j
+                local = -1
+                if physical >= 0 and physical < map_size:
+                    local = expert_map[physical]
+                out_ids[row, top_k + j] = local
+                if has_array:
+                    out_w[row, top_k + j] = slot_weights[row * use_row, j * use_col]
+                else:
+                    out_w[row, top_k + j] = scalar_weight
+
+    return route_kernel
+
+
+def route_signature(input_kind):
+    """The numba signature of `route_kernel_function`'s kernel (compile_ptx checks)."""
+    ids = types.int32[::1]
+    return (_element_type(input_kind)[:, ::1], types.float32[::1], types.int64, types.int64,
+            types.int64, types.float32, types.int64, ids, ids, ids, types.int64, types.int64,
+            types.float32[:, :], types.int64, types.int64, types.float32, types.boolean,
+            ids, types.float32[:, ::1], types.int32[:, ::1])
