@@ -1,7 +1,7 @@
 """moeroute: Mixture-of-Experts routing, expert layouts and token dispatch for inference engines.
 
 Data flows one way: ``RouterConfig`` -> ``ExpertLayout`` -> routing (``select_experts``,
-``append_shared_slots``, ``align_block_size``, ...) -> dispatch -> expert GEMMs -> combine.
+``append_shared_slots``, ``align_block_size``, ``route`` fusing the first ones, ...) -> dispatch -> expert GEMMs -> combine.
 Every routing op takes NumPy arrays, torch tensors (CPU or CUDA), CuPy arrays and numba
 device arrays and answers in the caller's framework. The torch module lives in
 ``moeroute.bindings.torch`` and vLLM-shaped entry points in ``moeroute.compat.vllm``; both
@@ -18,6 +18,7 @@ from moeroute.routing import (
     logical_to_physical,
     permute,
     remap_to_local,
+    route,
     select_experts,
     sort_by_expert,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "logical_to_physical",
     "permute",
     "remap_to_local",
+    "route",
     "select_experts",
     "sort_by_expert",
     "warmup",

@@ -9,6 +9,7 @@ from moeroute.routing.combine import combine
 from moeroute.routing.load import expert_load
 from moeroute.routing.permute import permute, sort_by_expert
 from moeroute.routing.remap import logical_to_physical, remap_to_local
+from moeroute.routing.route import route
 from moeroute.routing.select import select_experts
 from moeroute.routing.shared_slots import append_shared_slots
 
@@ -20,6 +21,7 @@ __all__ = [
     "logical_to_physical",
     "permute",
     "remap_to_local",
+    "route",
     "select_experts",
     "sort_by_expert",
 ]

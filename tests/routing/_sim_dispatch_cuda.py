@@ -191,6 +191,8 @@ def test_combine_empty_and_type_errors():
 
 LAYOUT = ExpertLayout(6, 2, ep_size=2, dispatch="all2all", num_redundant_experts=4,
                       replica_table=[0, 0, 0, 3])
+# route's layout: the 8 experts of _graph_safety_cases' router, replicas, per-rank slots.
+ROUTE_LAYOUT = ExpertLayout(8, 1, ep_size=2, dispatch="all2all", num_redundant_experts=2)
 
 
 def test_logical_to_physical_matches_cpu():
@@ -330,6 +332,7 @@ def traffic(monkeypatch):
 
 def _graph_safety_cases():
     from moeroute.config import RouterConfig
+    from moeroute.routing.route import route
     from moeroute.routing.select import select_experts
 
     rng = np.random.default_rng(11)
@@ -343,9 +346,12 @@ def _graph_safety_cases():
     logits = rng.standard_normal((3, 8)).astype(np.float32)
     config = RouterConfig(8, 2, scoring="sigmoid", renormalize=True)
     bias = rng.standard_normal(8).astype(np.float32)
+    gate = rng.random(3).astype(np.float32)
     return {
         "select_experts": (lambda d: select_experts(d(logits), config, d(bias)),
                            lambda: select_experts(logits, config, bias)),
+        "route": (lambda d: route(d(logits), config, ROUTE_LAYOUT, 1, d(bias), d(gate), 1),
+                  lambda: route(logits, config, ROUTE_LAYOUT, 1, bias, gate, 1)),
         "align_block_size": (lambda d: align_block_size(d(ids), 6, 4),
                              lambda: align_block_size(ids, 6, 4)),
         "align_block_size[host map]": (
@@ -371,7 +377,7 @@ def _graph_safety_cases():
     }
 
 
-GRAPH_SAFETY_OPS = ["select_experts", "align_block_size", "align_block_size[host map]",
+GRAPH_SAFETY_OPS = ["select_experts", "route", "align_block_size", "align_block_size[host map]",
                     "align_block_size[device map]", "sort_by_expert", "permute", "combine",
                     "combine-unweighted", "logical_to_physical", "append_shared_slots",
                     "remap_to_local[host map]", "remap_to_local[device map]"]
@@ -434,6 +440,8 @@ def test_the_instrumentation_sees_each_kind_of_traffic(traffic):
 #: Kernel launches per op on device inputs: align in two (count, then scan + place + pad).
 EXPECTED_LAUNCHES = {
     "select_experts": ["select_experts_kernel"],
+    # select + replicas + shared slots + local ids: one launch.
+    "route": ["route_kernel"],
     "align_block_size": ["_count_kernel", "_place_kernel"],
     # The map is read inside both kernels: no remap launch, no [T, K] buffer.
     "align_block_size[host map]": ["_count_kernel", "_place_kernel"],

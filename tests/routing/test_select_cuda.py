@@ -6,7 +6,8 @@
   (the simulator runs every CUDA thread as a Python thread): ids exactly, weights with
   rtol 1e-6. They also exercise the shared-memory fallback of routing._warp.
 * Every kernel specialisation compiles to PTX for sm_80 and sm_90 (NVVM, no GPU needed)
-  with warp shuffles and without local-memory traffic.
+  with warp shuffles, a ballot per pick round and without local-memory traffic; the
+  per-lane sorting network sorts (0-1 principle).
 * ``gpu`` tests run the kernel at full size on a real device against the CPU path.
 """
 
@@ -313,10 +314,36 @@ def test_kernel_compiles_to_ptx_without_local_memory(case, cc):
     ptx, _ = cuda.compile_ptx(function, select_module._device_signature(kind), cc=cc)
     assert f".target sm_{cc[0]}{cc[1]}" in ptx
     assert "shfl.sync.bfly" in ptx
-    if has_bias:  # the picked score travels from its lane
-        assert "shfl.sync.idx" in ptx
+    # The pick rounds: the winner's lane by ballot, its id by an indexed shuffle, its next
+    # candidate from the lane's sorted column in shared memory.
+    assert "vote.sync.ballot" in ptx and "shfl.sync.idx" in ptx
+    assert re.search(r"\bld\.shared\.u64\b", ptx)
     # N <= 512 keeps every per-lane array in registers (K is a run-time value).
     assert not LOCAL_MEMORY.search(ptx), LOCAL_MEMORY.findall(ptx)[:5]
+
+
+@pytest.mark.parametrize("size", list(range(1, 33)))
+def test_sorting_network_sorts(size):
+    # 0-1 principle: a comparator network sorts every input iff it sorts every 0/1 input;
+    # exhaustive up to 16 elements, sampled above; the generated function on random keys.
+    from moeroute.routing.select._cuda import _sort_descending_function, sorting_network
+
+    pairs = sorting_network(size)
+    assert all(0 <= i < j < size for i, j in pairs)
+    if size <= 16:
+        rows = ((np.arange(1 << size)[:, None] >> np.arange(size)) & 1).astype(np.int8)
+    else:
+        rows = (rng_for("network", size).random((1 << 14, size)) < 0.5).astype(np.int8)
+    for i, j in pairs:
+        high = np.maximum(rows[:, i], rows[:, j])
+        rows[:, j] = np.minimum(rows[:, i], rows[:, j])
+        rows[:, i] = high
+    assert (np.diff(rows.astype(int), axis=1) <= 0).all()
+    keys = rng_for("keys", size).integers(-2**62, 2**62, size)
+    keys[: size // 2] = keys[0]  # repeated values
+    values = keys.copy()
+    _sort_descending_function(size)(values)
+    np.testing.assert_array_equal(values, np.sort(keys)[::-1])
 
 
 @no_sim

@@ -4,7 +4,8 @@ Two kernels compute the same thing, one module each in this package:
 
 * ``_host``: the CPU kernel (Numba ``njit``, ``prange`` over token rows) for NumPy inputs,
   with its vector steps written as LLVM IR in ``_simd``;
-* ``_device``: the CUDA kernel (``numba.cuda``, one warp per token row) for device inputs.
+* ``_cuda``: the CUDA kernels (``numba.cuda``, one warp per token row), shared with ``route``;
+* ``_device``: select_experts on device inputs (allocation, kernel cache, launch).
 
 This module holds the public function and its validation; ``_common`` the constants and
 order keys both kernels share.

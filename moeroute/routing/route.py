@@ -1,0 +1,183 @@
+"""route: select_experts + append_shared_slots + remap to one rank's local ids, fused.
+
+On device inputs one CUDA kernel does all three (`select._cuda.route_kernel_function`):
+the warp that picks a row's experts maps each pick to its physical id (replica hash,
+per-rank shift), appends the fused shared slots and looks up the rank's local ids, so no
+[T, K] intermediate is written or read back and there is one launch instead of three.
+On host inputs (NumPy, CPU torch) it is the composition of the three CPU ops.
+"""
+
+from __future__ import annotations
+
+import numbers
+from functools import lru_cache
+
+import numpy as np
+
+from moeroute.routing import _arrays, select, shared_slots
+from moeroute.routing.select import _cuda as _select_device
+from moeroute.routing.select._device import _device_logits
+from moeroute.routing.remap import (
+    check_layout,
+    expert_map_device_table,
+    layout_device_tables,
+    remap_to_local,
+)
+
+__all__ = ["route"]
+
+
+def _check_route_args(config, layout, rank) -> int:
+    """Validated ``rank``; TypeError/ValueError naming the argument otherwise."""
+    check_layout(layout)
+    num_experts = getattr(config, "num_experts", None)
+    if num_experts is not None and num_experts != layout.num_routed_experts:
+        raise ValueError(
+            f"config.num_experts={num_experts} does not match "
+            f"layout.num_routed_experts={layout.num_routed_experts}"
+        )
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
+        raise TypeError(f"rank={rank!r} must be an integer in [0, {layout.ep_size})")
+    if not 0 <= rank < layout.ep_size:
+        raise ValueError(f"rank={rank} is outside [0, {layout.ep_size}) for "
+                         f"ep_size={layout.ep_size}")
+    return int(rank)
+
+
+def route(logits, config, layout, rank=0, correction_bias=None, shared_weights=None,
+          home_rank=0, *, stream=None):
+    """Route tokens to the local experts of ``rank`` in one step (SPEC sections 1, 2, 4).
+
+    Equal to ``select_experts`` -> ``append_shared_slots(ids, weights, layout, home_rank,
+    shared_weights)`` -> ``remap_to_local(ids, layout.expert_map(rank))``: ids exactly,
+    weights as computed by select_experts (and the shared slot weights copied).
+
+    Parameters
+    ----------
+    logits : array [T, N], float32, float16 or bfloat16
+        Router logits, as for `select_experts`: NumPy or CPU torch runs the CPU ops;
+        C-contiguous device arrays (numba, CuPy, torch CUDA) run one CUDA kernel and the
+        results stay on the device, in the framework of ``logits``.
+    config : moeroute.RouterConfig
+        ``config.num_experts`` must equal ``layout.num_routed_experts``.
+    layout : moeroute.ExpertLayout
+        Replicas, shared slots and which rank holds which physical expert.
+    rank : int
+        The rank whose local ids are returned, in [0, layout.ep_size).
+    correction_bias : array [N] float32, optional
+        Selection-only bias, on the side (host or device) of ``logits``.
+    shared_weights : None, scalar, or array [T], [T, 1] or [T, S] float32, optional
+        The fused shared slot weight, ``layout.shared_slot_weight(gate, rsf)``; None
+        means 1.0 (the "router" scaling regime only). Device arrays with device logits.
+    home_rank : int
+        The rank the tokens come from, in [0, layout.ep_size): picks the per-rank shared
+        slots (and is where their results are computed).
+    stream : optional
+        Device inputs only: the stream to launch on; default: the current stream of the
+        framework that produced ``logits``.
+
+    Returns
+    -------
+    weights : float32 [T, K + S']
+        Columns < K: select_experts' weights; columns K + j: the shared slot weight.
+    local_ids : int32 [T, K + S']
+        ``layout.expert_map(rank)`` of each physical id: the local expert index on
+        ``rank``, or -1 where ``rank`` does not hold that expert (another rank's routed
+        expert or, per_rank, another rank's shared slot).
+        S' = layout.num_shared_experts when ``layout.shared == "fused"``, else 0.
+
+    Raises
+    ------
+    TypeError
+        ``config`` not a RouterConfig, ``layout`` not an ExpertLayout, ``rank`` or
+        ``home_rank`` not an integer, ``correction_bias`` or ``shared_weights`` not on
+        the side of ``logits``, and as `select_experts`.
+    ValueError
+        ``config.num_experts != layout.num_routed_experts``; ``rank`` or ``home_rank``
+        outside [0, ep_size); ``shared_weights`` of another shape or None under
+        scaling_regime "output" with fused slots; and as `select_experts` (shape, dtype,
+        bias, device limits).
+    """
+    rank = _check_route_args(config, layout, rank)
+    if _arrays.is_device_array(logits):
+        return _route_device(logits, config, layout, rank, correction_bias, shared_weights,
+                             home_rank, stream)
+    topk_weights, topk_ids = select.select_experts(logits, config, correction_bias)
+    ids, weights = shared_slots.append_shared_slots(topk_ids, topk_weights, layout,
+                                                    home_rank, shared_weights)
+    return weights, remap_to_local(ids, layout.expert_map(rank))
+
+
+@lru_cache(maxsize=None)
+def _route_kernel(num_experts, num_groups, scoring, has_bias, renormalize, input_kind):
+    """The compiled route kernel, built once per specialisation."""
+    from numba import cuda
+
+    return cuda.jit(_select_device.route_kernel_function(
+        num_experts, num_groups, scoring, has_bias, renormalize, input_kind))
+
+
+def _device_shared_weights(shared_weights):
+    """(device array or None, scalar) for a device launch; TypeError for host arrays."""
+    if shared_weights is None:
+        return None, np.float32(1.0)
+    if _arrays.is_device_array(shared_weights):
+        shared = _arrays.as_device_array(shared_weights)
+        if shared.dtype != np.float32:
+            raise TypeError(
+                f"shared_weights on the device must be float32, got dtype {shared.dtype}")
+        return shared, np.float32(0.0)
+    if isinstance(shared_weights, np.ndarray) and shared_weights.ndim > 0:
+        raise TypeError("shared_weights is a host array but logits are on the device; pass "
+                        "it on the same device (or a Python scalar)")
+    if not isinstance(shared_weights, (numbers.Real, np.ndarray, np.generic)) \
+            or isinstance(shared_weights, bool):
+        raise TypeError(f"shared_weights must be None, a real scalar or an array, got "
+                        f"{type(shared_weights).__name__}")
+    return None, np.float32(float(shared_weights))
+
+
+def _route_device(logits, config, layout, rank, correction_bias, shared_weights, home_rank,
+                  stream):
+    select._validate(logits, config, correction_bias, True)
+    array, kind = _device_logits(logits)
+    if not array.is_c_contiguous():
+        raise ValueError(f"device logits must be C-contiguous, got strides {array.strides}")
+    num_tokens, top_k = int(array.shape[0]), config.top_k
+    shared, scalar = _device_shared_weights(shared_weights)
+    home_rank, slots = shared_slots._check_append_args(
+        layout, home_rank, (num_tokens, top_k), (num_tokens, top_k), np.float32,
+        shared_weights, None if shared is None else shared.shape)
+    launch_stream = _arrays.resolve_stream(logits, stream)
+    width = top_k + slots
+    weights, weights_view = _arrays.device_empty((num_tokens, width), np.float32, logits,
+                                                 launch_stream)
+    local_ids, ids_view = _arrays.device_empty((num_tokens, width), np.int32, logits,
+                                               launch_stream)
+    if num_tokens == 0:
+        return weights, local_ids
+    has_bias = correction_bias is not None
+    # Without a bias (or a shared weight array) the kernel never reads it: any float32
+    # array of the right rank fills the slot.
+    bias = _arrays.as_device_array(correction_bias) if has_bias else weights_view.reshape(-1)
+    if shared is None:
+        slot_weights, use_row, use_col, has_array = weights_view, 0, 0, False
+    else:
+        use_row, use_col = shared_slots._slot_weight_strides(shared.shape)
+        if shared.ndim == 2:
+            slot_weights = shared
+        else:  # [T] or 0-d: contiguous, so a 2-D view is free
+            slot_weights = shared.reshape(1 if shared.ndim == 0 else int(shared.shape[0]), 1)
+        has_array = True
+    first_slot = int(layout.shared_slot_ids(home_rank)[0]) if slots else 0
+    offsets, replica_ids, routed_id_map = layout_device_tables(layout)
+    expert_map = expert_map_device_table(layout.expert_map(rank))
+    kernel = _route_kernel(config.num_experts, config.num_expert_group, config.scoring,
+                           has_bias, config.renormalize, kind)
+    warps = _select_device.warps_per_block()
+    kernel[-(-num_tokens // warps), warps * _select_device.WARP_SIZE, launch_stream](
+        array, bias, num_tokens, top_k, config.topk_group,
+        np.float32(config.routed_scaling_factor), layout.num_routed_experts, offsets,
+        replica_ids, routed_id_map, first_slot, slots, slot_weights, use_row, use_col,
+        scalar, has_array, expert_map, weights_view, ids_view)
+    return weights, local_ids
