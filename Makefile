@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= -n auto --maxprocesses=4
 
 .PHONY: setup demo test bench hip-toolchain clean
 
