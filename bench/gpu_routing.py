@@ -7,8 +7,8 @@ and candidate alternating call by call; the table gives medians, the median of t
 ratios, the host wall time per call (Python launch overhead included) and the achieved logits
 bandwidth against the device copy bandwidth measured first.
 
-Launch overhead (issue 14): select_experts at T in {1, 8, 64} through numba's dispatcher and
-through the cached launcher (MOEROUTE_CUDA_LAUNCHER=numba / cached), as host microseconds per
+Launch overhead: select_experts, the fused route and align_block_size at T in {1, 8, 64}
+through numba's dispatcher and through the cached launcher (MOEROUTE_CUDA_LAUNCHER=numba / cached), as host microseconds per
 call of HOST_LOOP_CALLS back-to-back calls followed by one synchronize, alternating.
 
     python bench/gpu_routing.py [--repeats 50] [--quick]
@@ -122,53 +122,66 @@ def select_rows(torch, repeats, copy_gbps, token_counts):
     return rows
 
 
+def launcher_calls(torch, tokens):
+    """op name -> a call on ``tokens`` rows (the ops of one routing step, T small)."""
+    from moeroute.config import PRESETS
+    from moeroute.layout import ExpertLayout
+    from moeroute.routing import align_block_size, route, select_experts
+
+    config = PRESETS[LAUNCHER_PRESET].router
+    layout = ExpertLayout(config.num_experts, 1, ep_size=8, dispatch="all2all")
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    logits = torch.randn(tokens, config.num_experts, device="cuda", generator=generator)
+    bias = 0.1 * torch.randn(config.num_experts, device="cuda", generator=generator)
+    ids = select_experts(logits, config, bias)[1]
+    return {
+        "select_experts": lambda: select_experts(logits, config, bias),
+        "route": lambda: route(logits, config, layout, 3, bias, None, 3),
+        "align_block_size": lambda: align_block_size(ids, config.num_experts, ALIGN_BLOCK_SIZE),
+    }
+
+
 def launcher_rows(torch, repeats, token_counts):
-    """Host us per call of select_experts, numba dispatch vs the cached launcher."""
+    """Host us per call of each routing op, numba dispatch vs the cached launcher."""
     import os
 
-    from moeroute.config import PRESETS
     from moeroute.routing import _launcher
-    from moeroute.routing.select import select_experts
 
     reason = _launcher.cached_unavailable_reason()
     if reason is not None:
         print(f"cached launcher not measured: {reason}")
         return []
-    preset = PRESETS[LAUNCHER_PRESET]
-    config = preset.router
     previous = os.environ.get(_launcher.LAUNCHER_ENV)
     rows = []
     try:
         for tokens in token_counts:
-            generator = torch.Generator(device="cuda").manual_seed(2)
-            logits = torch.randn(tokens, config.num_experts, device="cuda", generator=generator)
-            bias = 0.1 * torch.randn(config.num_experts, device="cuda", generator=generator)
-            results = {}
+            for op, call in launcher_calls(torch, tokens).items():
+                results = {}
 
-            def run_with(launcher):
-                batch = calls_per_sample(lambda: select_experts(logits, config, bias),
-                                         HOST_LOOP_CALLS)
+                def run_with(launcher, call=call, results=results):
+                    batch = calls_per_sample(call, HOST_LOOP_CALLS)
 
-                def run():
-                    os.environ[_launcher.LAUNCHER_ENV] = launcher
-                    batch()
-                    results[launcher] = select_experts(logits, config, bias)
-                return run
+                    def run():
+                        os.environ[_launcher.LAUNCHER_ENV] = launcher
+                        batch()
+                        results[launcher] = call()
+                    return run
 
-            def synchronized(fn):
-                torch.cuda.synchronize()
-                return wall_clock(lambda: (fn(), torch.cuda.synchronize()))
+                def synchronized(fn):
+                    torch.cuda.synchronize()
+                    return wall_clock(lambda: (fn(), torch.cuda.synchronize()))
 
-            result = interleaved(run_with("numba"), run_with("cached"), repeats,
-                                 warmup=WARMUP_CALLS, timer=synchronized)
-            same = all(bool((a == b).all()) for a, b in zip(results["numba"], results["cached"]))
-            rows.append({
-                "op": "select_experts launch", "preset": LAUNCHER_PRESET, "num_tokens": tokens,
-                "numba_host_us_per_call": result["baseline_us"] / (HOST_LOOP_CALLS + 1),
-                "cached_host_us_per_call": result["candidate_us"] / (HOST_LOOP_CALLS + 1),
-                "speedup": result["speedup"], "same_outputs": same, "repeats": repeats,
-                "calls_per_sample": HOST_LOOP_CALLS + 1,
-            })
+                result = interleaved(run_with("numba"), run_with("cached"), repeats,
+                                     warmup=WARMUP_CALLS, timer=synchronized)
+                same = all(bool((a == b).all()) for a, b in zip(results["numba"],
+                                                                results["cached"]))
+                rows.append({
+                    "op": f"{op} launch", "preset": LAUNCHER_PRESET, "num_tokens": tokens,
+                    "numba_host_us_per_call": result["baseline_us"] / (HOST_LOOP_CALLS + 1),
+                    "cached_host_us_per_call": result["candidate_us"] / (HOST_LOOP_CALLS + 1),
+                    "speedup": result["speedup"], "same_outputs": same, "repeats": repeats,
+                    "calls_per_sample": HOST_LOOP_CALLS + 1,
+                })
     finally:
         if previous is None:
             os.environ.pop(_launcher.LAUNCHER_ENV, None)
@@ -235,9 +248,11 @@ def main(argv=None) -> None:
                   f"{100 * r['fraction_of_copy_bandwidth']:.0f}%"] for r in select])
     launch = launcher_rows(torch, repeats, LAUNCHER_TOKEN_COUNTS)
     if launch:
-        print_table(["launch T", "numba us/call", "cached us/call", "speedup", "same outputs"],
-                    [[r["num_tokens"], r["numba_host_us_per_call"], r["cached_host_us_per_call"],
-                      r["speedup"], r["same_outputs"]] for r in launch])
+        print_table(["launch", "T", "numba us/call", "cached us/call", "speedup",
+                     "same outputs"],
+                    [[r["op"], r["num_tokens"], r["numba_host_us_per_call"],
+                      r["cached_host_us_per_call"], r["speedup"], r["same_outputs"]]
+                     for r in launch])
     align = align_rows(torch, repeats, TOKEN_COUNTS)
     if align:
         print_table(["align T", "moeroute us", "torch us", "speedup"],

@@ -14,6 +14,11 @@ signature is fixed, none of that has to happen per call:
   list CuPy's launcher takes, and the kernel goes on the caller's stream. No DLPack, no
   ``__cuda_array_interface__`` (so no stream sync), no allocation.
 
+Every routing kernel launches through `launch`. A caller may state the signature (select
+does); otherwise it is read from the arguments (`signature_of`: numba's typing of the same
+memory, looked up per dtype/rank/layout), so the cubin is the specialisation numba's
+dispatcher would have compiled for those arguments.
+
 numba's kernel ABI: every array argument is numba's array struct, passed field by field:
 meminfo, parent, nitems, itemsize, data, shape[ndim], strides[ndim] (all 64-bit); scalars
 are passed as their numba type. ``parameter_types`` states that list in PTX types and the
@@ -221,6 +226,76 @@ def make_packer(signature):
 
 
 # --------------------------------------------------------------------------------------
+# The signature of a launch, from its arguments
+# --------------------------------------------------------------------------------------
+
+# Python scalars as numba's dispatcher types them.
+_PYTHON_SCALAR_TYPES = {int: types.int64, float: types.float64, bool: types.boolean}
+_SCALAR_TYPES: dict = {}  # Python or NumPy scalar type -> numba type
+_ARRAY_TYPES: dict = {}  # (dtype name, ndim, layout) -> numba array type
+
+
+def _array_type(dtype_name: str, ndim: int, layout: str):
+    key = (dtype_name, ndim, layout)
+    found = _ARRAY_TYPES.get(key)
+    if found is None:
+        from numba import from_dtype
+
+        found = _ARRAY_TYPES[key] = types.Array(from_dtype(np.dtype(dtype_name)), ndim, layout)
+    return found
+
+
+def argument_type(x):
+    """The numba type numba's dispatcher gives kernel argument ``x``.
+
+    Arrays: numba device arrays carry theirs; torch tensors and CuPy arrays are typed by
+    dtype, ndim and layout ("C" when C-contiguous, else "F" when Fortran-contiguous, else
+    "A"), as ``numba.typeof`` types the same memory. Scalars: Python int, float and bool as
+    int64, float64 and boolean; NumPy scalars as their own dtype. TypeError otherwise
+    (bfloat16 has no numba type: the ops pass it as its int16 bits).
+    """
+    kind = type(x)
+    found = _SCALAR_TYPES.get(kind)
+    if found is not None:
+        return found
+    if kind in _PYTHON_SCALAR_TYPES or isinstance(x, np.generic):
+        if kind in _PYTHON_SCALAR_TYPES:
+            found = _PYTHON_SCALAR_TYPES[kind]
+        else:
+            from numba import from_dtype
+
+            found = from_dtype(x.dtype)
+        _SCALAR_TYPES[kind] = found
+        return found
+    numba_type = getattr(x, "_numba_type_", None)
+    if numba_type is not None:
+        return numba_type
+    if callable(getattr(x, "data_ptr", None)):  # torch
+        dtype_name = str(x.dtype).rsplit(".", 1)[-1]
+        if dtype_name == "bfloat16":
+            raise TypeError("bfloat16 tensors have no numba type; pass their int16 bits")
+        ndim = x.dim()
+        if x.is_contiguous():
+            layout = "C"
+        elif ndim > 1 and x.permute(*reversed(range(ndim))).is_contiguous():
+            layout = "F"
+        else:
+            layout = "A"
+        return _array_type(dtype_name, ndim, layout)
+    flags = getattr(x, "flags", None)
+    if flags is not None and hasattr(x, "dtype"):  # CuPy
+        layout = "C" if flags.c_contiguous else "F" if flags.f_contiguous else "A"
+        return _array_type(np.dtype(x.dtype).name, x.ndim, layout)
+    raise TypeError(f"cannot type kernel argument of type {kind.__name__}: the launcher takes "
+                    f"torch tensors, CuPy arrays, numba device arrays and scalars")
+
+
+def signature_of(args) -> tuple:
+    """The kernel signature of ``args``: `argument_type` of each."""
+    return tuple(argument_type(x) for x in args)
+
+
+# --------------------------------------------------------------------------------------
 # Which launcher runs
 # --------------------------------------------------------------------------------------
 
@@ -375,15 +450,16 @@ def kernel_array(x, launcher: str):
     return x if launcher == "cached" else _arrays.as_device_array(x)
 
 
-def launch(dispatcher, signature, griddim: int, blockdim: int, stream, args,
+def launch(dispatcher, signature, griddim, blockdim, stream, args,
            launcher: str | None = None) -> None:
     """Launch ``dispatcher`` at ``signature`` with ``args`` on ``stream``.
 
     Parameters
     ----------
     dispatcher : numba.cuda dispatcher (``cuda.jit(function)``)
-    signature : tuple of numba types, the argument types ``args`` have
-    griddim, blockdim : int, blocks and threads per block (1-D)
+    signature : tuple of numba types, the argument types ``args`` have, or None: derived
+        from ``args`` (`signature_of`, as numba's dispatcher would type them)
+    griddim, blockdim : int or tuple of ints, blocks and threads per block
     stream : a numba stream, a raw stream handle (int), or None (the default stream)
     args : the kernel arguments; arrays as `kernel_array` gives them for ``launcher``
     launcher : "cached" or "numba"; default `active_launcher()`
@@ -404,8 +480,12 @@ def launch(dispatcher, signature, griddim: int, blockdim: int, stream, args,
     reason = cached_unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"{LAUNCHER_ENV}=cached, but the cached launcher cannot run: {reason}")
-    cached_kernel(dispatcher, signature)((griddim,), (blockdim,), _arrays.stream_handle(stream),
-                                         args)
+    if signature is None:
+        signature = signature_of(args)
+    cached_kernel(dispatcher, signature)(
+        griddim if isinstance(griddim, tuple) else (griddim,),
+        blockdim if isinstance(blockdim, tuple) else (blockdim,),
+        _arrays.stream_handle(stream), args)
 
 
 def stream_handle_of(template, stream=None) -> int:

@@ -36,6 +36,7 @@ try:  # numba.cuda comes with the optional numba-cuda package
 except ImportError:  # pragma: no cover - CPU-only installs
     cuda = None
 
+from moeroute.routing import _launcher
 from moeroute.routing._arrays import as_device_array, device_empty
 
 #: Threads per block of the elementwise kernels: a multiple of every warp size (32, 64)
@@ -167,7 +168,8 @@ def _mapped_id(value, expert_map, use_map):
 
 
 mapped_id_cpu = njit(cache=True)(_mapped_id)
-mapped_id_device = None if cuda is None else cuda.jit(device=True)(_mapped_id)
+mapped_id_device = (None if cuda is None
+                    else cuda.jit(device=True, inline="always")(_mapped_id))
 #: The ``expert_map`` argument of the sort kernels when no map is used (never read).
 NO_EXPERT_MAP = np.zeros(1, np.int32)
 
@@ -380,7 +382,8 @@ def _pad_position(p, expert_counts, expert_starts, num_experts, block_size, pad_
         expert_ids[p // block_size] = e
 
 
-pad_position_device = None if cuda is None else cuda.jit(device=True)(_pad_position)
+pad_position_device = (None if cuda is None
+                       else cuda.jit(device=True, inline="always")(_pad_position))
 
 
 _KERNEL_FUNCTIONS = {
@@ -454,12 +457,12 @@ def counting_sort_device(topk_ids, num_experts, block_size, sorted_out, expert_s
     use_map = expert_map is not None
     if expert_map is None:
         expert_map = scratch((1,))  # never read (use_map is False)
-    kernel("count")[num_chunks, threads, stream](topk_ids, expert_map, use_map, num_experts,
-                                                 chunk_size, chunk_counts)
-    kernel("place")[grid, threads, stream](
+    _launcher.launch(kernel("count"), None, num_chunks, threads, stream,
+                     (topk_ids, expert_map, use_map, num_experts, chunk_size, chunk_counts))
+    _launcher.launch(kernel("place"), None, grid, threads, stream, (
         topk_ids, expert_map, use_map, num_experts, chunk_size, num_chunks, block_size, chunk_counts,
         scratch((grid, num_experts)), scratch((grid, num_experts + 1)), scratch((grid, num_experts)),
-        expert_starts, sorted_out, inverse_out, write_inverse, expert_ids)
+        expert_starts, sorted_out, inverse_out, write_inverse, expert_ids))
 
 
 def _power_of_two_at_least(n: int) -> int:

@@ -16,7 +16,7 @@ import functools
 import numpy as np
 from numba import njit, prange
 
-from moeroute.routing import _sort
+from moeroute.routing import _launcher, _sort
 from moeroute.routing._arrays import (
     as_caller,
     as_device_array,
@@ -202,10 +202,10 @@ elif simulator_enabled():
     float_as_bits, bits_as_float = _float_as_bits_python, _bits_as_float_python
     bf16_from_float_bits, float_bits_from_bf16 = _bf16_from_float_bits, _float_bits_from_bf16
 else:
-    float_as_bits = cuda.jit(device=True)(_float_as_bits_device)
-    bits_as_float = cuda.jit(device=True)(_bits_as_float_device)
-    bf16_from_float_bits = cuda.jit(device=True)(_bf16_from_float_bits)
-    float_bits_from_bf16 = cuda.jit(device=True)(_float_bits_from_bf16)
+    float_as_bits = cuda.jit(device=True, inline="always")(_float_as_bits_device)
+    bits_as_float = cuda.jit(device=True, inline="always")(_bits_as_float_device)
+    bf16_from_float_bits = cuda.jit(device=True, inline="always")(_bf16_from_float_bits)
+    float_bits_from_bf16 = cuda.jit(device=True, inline="always")(_float_bits_from_bf16)
 
 
 def _combine_kernel(expert_out, inverse_index, weights, has_weights, out):
@@ -369,8 +369,8 @@ def _combine_device(expert_out, inverse_index, topk_weights, raw_bf16, stream):
         if raw_bf16:  # the kernel reads and writes the patterns as uint16
             expert, out_view = expert.view(np.uint16), out_view.view(np.uint16)
         grid, threads = _sort.row_launch_config(tokens, width)
-        _kernel(raw_bf16)[grid, threads, launch_stream](expert, index, weights, has_weights,
-                                                       out_view)
+        _launcher.launch(_kernel(raw_bf16), None, grid, threads, launch_stream,
+                         (expert, index, weights, has_weights, out_view))
     return out
 
 

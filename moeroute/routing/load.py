@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from moeroute.routing import _sort
+from moeroute.routing import _launcher, _sort
 from moeroute.routing._arrays import (as_caller, as_device_array, device_empty, host_array,
                                      is_device_array, resolve_stream)
 
@@ -125,14 +125,15 @@ def expert_load(ids, num_experts, *, out=None, stream=None):
         if out is None:
             counts, counts_view = device_empty((num_experts,), LOAD_DTYPE, ids)
             blocks, threads = _sort.launch_config(num_experts)
-            _kernel("zero")[blocks, threads, launch_stream](counts_view)
+            _launcher.launch(_kernel("zero"), None, blocks, threads, launch_stream, (counts_view,))
         else:
             _check_out(out, num_experts, True)
             counts, counts_view = out, as_device_array(out)
         size = int(np.prod(view.shape, dtype=np.int64))
         if size:
             blocks, threads = _sort.launch_config(size)
-            _kernel("count")[blocks, threads, launch_stream](view.reshape(size), counts_view)
+            _launcher.launch(_kernel("count"), None, blocks, threads, launch_stream,
+                             (view.reshape(size), counts_view))
         return counts
     if out is not None and is_device_array(out):
         raise TypeError("out is a device array but ids are on the host; pass both on the "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange, uint32
 
-from moeroute.routing import _sort
+from moeroute.routing import _launcher, _sort
 from moeroute.routing._arrays import (
     as_caller,
     as_device_array,
@@ -206,8 +206,8 @@ def _permute_device(hidden_states, topk_ids, num_experts, stream):
     if rows and width:
         grid, threads = _sort.row_launch_config(rows, width)
         kept_count = offsets_view[num_experts:]  # on the device: no read-back
-        _gather_kernel()[grid, threads, launch_stream](hidden_view, sorted_view, kept_count, top_k,
-                                                       permuted_view)
+        _launcher.launch(_gather_kernel(), None, grid, threads, launch_stream,
+                         (hidden_view, sorted_view, kept_count, top_k, permuted_view))
     if bfloat16:
         permuted = from_device_bits16(permuted, hidden_states)
     return permuted, expert_offsets, inverse_index

@@ -17,7 +17,7 @@ import numpy as np
 from numba import njit
 
 from moeroute.layout import REPLICA_HASH_MULTIPLIER, ExpertLayout
-from moeroute.routing import _sort
+from moeroute.routing import _launcher, _sort
 from moeroute.routing._arrays import (
     as_caller,
     as_device_array,
@@ -91,7 +91,8 @@ def _physical_id(logical, token_row, num_routed, replica_offsets, replica_ids, r
 
 
 physical_id_cpu = njit(cache=True, inline="always")(_physical_id)
-physical_id_device = None if cuda is None else cuda.jit(device=True)(_physical_id)
+physical_id_device = (None if cuda is None
+                      else cuda.jit(device=True, inline="always")(_physical_id))
 
 
 # --------------------------------------------------------------------------- CPU
@@ -213,8 +214,9 @@ def launch_logical_to_physical(ids_view, layout, out_view, stream, prefer_rank=N
         return
     offsets, replica_ids, routed_id_map = layout_device_tables(layout, prefer_rank)
     blocks, threads = _sort.launch_config(numel)
-    _kernel("l2p")[blocks, threads, stream](ids_view, layout.num_routed_experts, offsets,
-                                            replica_ids, routed_id_map, out_view)
+    _launcher.launch(_kernel("l2p"), None, blocks, threads, stream,
+                     (ids_view, layout.num_routed_experts, offsets, replica_ids, routed_id_map,
+                      out_view))
 
 
 # --------------------------------------------------------------------------- API
@@ -351,6 +353,6 @@ def _remap_device(ids, expert_map, stream):
     size = int(np.prod(shape, dtype=np.int64))
     if size:
         blocks, threads = _sort.launch_config(size)
-        _kernel("remap")[blocks, threads, launch_stream](
-            view.reshape(size), table, out_view.reshape(size))
+        _launcher.launch(_kernel("remap"), None, blocks, threads, launch_stream,
+                         (view.reshape(size), table, out_view.reshape(size)))
     return out

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from moeroute.routing import _arrays, select, shared_slots
+from moeroute.routing import _arrays, _launcher, select, shared_slots
 from moeroute.routing.select import _cuda as _select_device
 from moeroute.routing.select._device import _device_logits
 from moeroute.routing.remap import (
@@ -117,15 +117,15 @@ def _route_kernel(num_experts, num_groups, scoring, has_bias, renormalize, input
         num_experts, num_groups, scoring, has_bias, renormalize, input_kind))
 
 
-def _device_shared_weights(shared_weights):
-    """(device array or None, scalar) for a device launch; TypeError for host arrays."""
+def _device_shared_weights(shared_weights, launcher):
+    """(kernel array or None, scalar) for a device launch; TypeError for host arrays."""
     if shared_weights is None:
         return None, np.float32(1.0)
     if _arrays.is_device_array(shared_weights):
-        shared = _arrays.as_device_array(shared_weights)
-        if shared.dtype != np.float32:
-            raise TypeError(
-                f"shared_weights on the device must be float32, got dtype {shared.dtype}")
+        shared = _launcher.kernel_array(shared_weights, launcher)
+        dtype = str(shared.dtype).rsplit(".", 1)[-1]
+        if dtype != "float32":
+            raise TypeError(f"shared_weights on the device must be float32, got dtype {dtype}")
         return shared, np.float32(0.0)
     if isinstance(shared_weights, np.ndarray) and shared_weights.ndim > 0:
         raise TypeError("shared_weights is a host array but logits are on the device; pass "
@@ -140,30 +140,37 @@ def _device_shared_weights(shared_weights):
 def _route_device(logits, config, layout, rank, correction_bias, shared_weights, home_rank,
                   stream):
     select._validate(logits, config, correction_bias, True)
-    array, kind = _device_logits(logits)
-    if not array.is_c_contiguous():
-        raise ValueError(f"device logits must be C-contiguous, got strides {array.strides}")
+    launcher = _launcher.active_launcher()
+    array, kind = _device_logits(logits, launcher)
+    if not _arrays.is_c_contiguous(array):
+        raise ValueError(f"device logits must be C-contiguous, got shape {tuple(array.shape)} "
+                         f"with non-contiguous strides")
     num_tokens, top_k = int(array.shape[0]), config.top_k
-    shared, scalar = _device_shared_weights(shared_weights)
+    shared, scalar = _device_shared_weights(shared_weights, launcher)
     home_rank, slots = shared_slots._check_append_args(
         layout, home_rank, (num_tokens, top_k), (num_tokens, top_k), np.float32,
-        shared_weights, None if shared is None else shared.shape)
-    launch_stream = _arrays.resolve_stream(logits, stream)
+        shared_weights, None if shared is None else tuple(shared.shape))
+    if launcher == "cached":  # the raw handle: no numba stream object per call
+        launch_stream = _launcher.stream_handle_of(logits, stream)
+    else:
+        launch_stream = _arrays.resolve_stream(logits, stream)
     width = top_k + slots
-    weights, weights_view = _arrays.device_empty((num_tokens, width), np.float32, logits,
-                                                 launch_stream)
-    local_ids, ids_view = _arrays.device_empty((num_tokens, width), np.int32, logits,
-                                               launch_stream)
+    view = launcher == "numba"
+    weights, weights_out = _arrays.device_empty((num_tokens, width), np.float32, logits,
+                                                launch_stream, view=view)
+    local_ids, ids_out = _arrays.device_empty((num_tokens, width), np.int32, logits,
+                                              launch_stream, view=view)
     if num_tokens == 0:
         return weights, local_ids
     has_bias = correction_bias is not None
     # Without a bias (or a shared weight array) the kernel never reads it: any float32
     # array of the right rank fills the slot.
-    bias = _arrays.as_device_array(correction_bias) if has_bias else weights_view.reshape(-1)
+    bias = (_launcher.kernel_array(correction_bias, launcher) if has_bias
+            else weights_out.reshape(-1))
     if shared is None:
-        slot_weights, use_row, use_col, has_array = weights_view, 0, 0, False
+        slot_weights, use_row, use_col, has_array = weights_out, 0, 0, False
     else:
-        use_row, use_col = shared_slots._slot_weight_strides(shared.shape)
+        use_row, use_col = shared_slots._slot_weight_strides(tuple(shared.shape))
         if shared.ndim == 2:
             slot_weights = shared
         else:  # [T] or 0-d: contiguous, so a 2-D view is free
@@ -175,9 +182,11 @@ def _route_device(logits, config, layout, rank, correction_bias, shared_weights,
     kernel = _route_kernel(config.num_experts, config.num_expert_group, config.scoring,
                            has_bias, config.renormalize, kind)
     warps = _select_device.warps_per_block()
-    kernel[-(-num_tokens // warps), warps * _select_device.WARP_SIZE, launch_stream](
-        array, bias, num_tokens, top_k, config.topk_group,
-        np.float32(config.routed_scaling_factor), layout.num_routed_experts, offsets,
-        replica_ids, routed_id_map, first_slot, slots, slot_weights, use_row, use_col,
-        scalar, has_array, expert_map, weights_view, ids_view)
+    _launcher.launch(
+        kernel, None, -(-num_tokens // warps), warps * _select_device.WARP_SIZE, launch_stream,
+        (array, bias, num_tokens, top_k, config.topk_group,
+         np.float32(config.routed_scaling_factor), layout.num_routed_experts, offsets,
+         replica_ids, routed_id_map, first_slot, slots, slot_weights, use_row, use_col,
+         scalar, has_array, expert_map, weights_out, ids_out),
+        launcher)
     return weights, local_ids

@@ -13,7 +13,7 @@ import numbers
 import numpy as np
 from numba import njit
 
-from moeroute.routing import _sort
+from moeroute.routing import _launcher, _sort
 from moeroute.routing._arrays import (
     as_caller,
     as_device_array,
@@ -278,8 +278,8 @@ def _append_device(topk_ids, topk_weights, layout, home_rank, shared_weights, st
     if numel:
         offsets, replica_ids, routed_id_map = layout_device_tables(layout)
         blocks, threads = _sort.launch_config(numel)
-        _kernel()[blocks, threads, launch_stream](
+        _launcher.launch(_kernel(), None, blocks, threads, launch_stream, (
             ids, weights, layout.num_routed_experts, offsets, replica_ids, routed_id_map,
             first_slot, slot_weights, use_row, use_col, scalar, has_array, ids_view,
-            weights_view)
+            weights_view))
     return out_ids, out_weights

@@ -465,3 +465,34 @@ def test_launches_per_op(op, traffic):
     device_op(dev)
     traffic.counting = False
     assert traffic.launches == EXPECTED_LAUNCHES[op]
+
+
+@pytest.mark.parametrize("op", GRAPH_SAFETY_OPS)
+def test_every_launch_goes_through_the_launcher_with_numba_typeof_signatures(op, traffic,
+                                                                            monkeypatch):
+    """Each kernel launch of each op is a `_launcher.launch` (so the cached launcher takes
+    it on a GPU), and the signature the cached launcher compiles, `signature_of` the
+    launch's arguments, is what numba's dispatcher types the same arguments as."""
+    import numba
+
+    from moeroute.routing import _launcher
+
+    device_op, _ = _graph_safety_cases()[op]
+    device_op(dev)
+    seen = []
+    launch = _launcher.launch
+
+    def recorded(dispatcher, signature, griddim, blockdim, stream, args, launcher=None):
+        derived = _launcher.signature_of(args)
+        seen.append((dispatcher.fn.__name__, derived, tuple(numba.typeof(a) for a in args)))
+        if signature is not None:
+            assert tuple(signature) == derived
+        return launch(dispatcher, signature, griddim, blockdim, stream, args, launcher)
+
+    monkeypatch.setattr(_launcher, "launch", recorded)
+    traffic.counting = True
+    device_op(dev)
+    traffic.counting = False
+    assert [name for name, _, _ in seen] == traffic.launches == EXPECTED_LAUNCHES[op]
+    for name, derived, typed in seen:
+        assert derived == typed, name

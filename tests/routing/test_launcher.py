@@ -13,6 +13,7 @@ import pytest
 
 cuda = pytest.importorskip("numba.cuda")
 
+import numba  # noqa: E402
 from numba import types  # noqa: E402
 
 from moeroute.config import PRESETS  # noqa: E402
@@ -276,3 +277,169 @@ def test_gpu_cached_launch_equals_numba_dispatch(framework, preset_name, num_tok
         results[launcher] = to_host(weights), to_host(ids)
     np.testing.assert_array_equal(results["cached"][1], results["numba"][1])
     np.testing.assert_array_equal(results["cached"][0], results["numba"][0])
+
+
+# ------------------------------------------------------------------ every op's launches
+
+
+class CupyTyped(CupyLike):
+    """CupyLike with the attributes the signature is read from (dtype, ndim, flags)."""
+
+    class _Flags:
+        def __init__(self, array):
+            self.c_contiguous = array.flags.c_contiguous
+            self.f_contiguous = array.flags.f_contiguous
+
+    def __init__(self, array):
+        super().__init__(array)
+        self.dtype, self.ndim, self.flags = array.dtype, array.ndim, self._Flags(array)
+
+
+ARRAY_CASES = {
+    "2-D C": np.zeros((3, 4), np.float32),
+    "2-D F": np.zeros((4, 3), np.int16).T,
+    "2-D strided": np.zeros((4, 6), np.int32)[:, ::2],
+    "1-D": np.zeros(5, np.int64),
+    "1-D strided": np.zeros(6, np.float16)[::2],
+    "3-D": np.zeros((2, 3, 4), np.uint8),
+    "one row": np.zeros((1, 4), np.float32),
+}
+
+
+@pytest.mark.parametrize("case", ARRAY_CASES)
+def test_array_types_are_numba_typeof_of_the_same_memory(case):
+    torch = pytest.importorskip("torch")
+    array = ARRAY_CASES[case]
+    expected = numba.typeof(array)
+    assert _launcher.argument_type(torch.from_numpy(array)) == expected
+    assert _launcher.argument_type(CupyTyped(array)) == expected
+
+
+def test_scalar_types_are_numba_typeof():
+    values = [3, 2.5, True, np.int32(1), np.int64(1), np.uint32(1), np.int8(1), np.float32(1),
+              np.float64(1), np.bool_(True)]
+    assert _launcher.signature_of(values) == tuple(numba.typeof(v) for v in values)
+    assert _launcher.signature_of(values)[:3] == (types.int64, types.float64, types.boolean)
+
+
+def test_untyped_arguments_are_refused():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="bfloat16 tensors have no numba type"):
+        _launcher.argument_type(torch.zeros(2, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="cannot type kernel argument of type str"):
+        _launcher.signature_of((np.float32(1), "text"))
+
+
+def op_kernel_launches():
+    """(dispatcher, arguments) of each device op's kernel, with NumPy arrays of the dtypes
+    and ranks the op passes (the simulator suite checks the ops' own launches are typed as
+    `signature_of` types them)."""
+    import importlib
+
+    from moeroute.layout import ExpertLayout
+
+    _sort, combine, load, permute, remap, route, shared_slots = (
+        importlib.import_module(f"moeroute.routing.{name}") for name in (
+            "_sort", "combine", "load", "permute", "remap", "route", "shared_slots"))
+
+    layout = ExpertLayout(6, 1, ep_size=2, dispatch="all2all", num_redundant_experts=2)
+    offsets, replicas, routed = (np.ascontiguousarray(a) for a in (
+        layout.replica_offsets, layout.replica_ids, layout.routed_id_map))
+    ids = np.zeros((3, 2), np.int32)
+    weights = np.zeros((3, 2), np.float32)
+    table = np.zeros(7, np.int32)
+    scratch = np.zeros((2, 6), np.int32)
+    return {
+        "load.zero": (load._kernel("zero"), (np.zeros(6, np.int64),)),
+        "load.count": (load._kernel("count"), (ids.reshape(-1), np.zeros(6, np.int64))),
+        "remap.l2p": (remap._kernel("l2p"), (ids, 6, offsets, replicas, routed, ids.copy())),
+        "remap.remap": (remap._kernel("remap"), (ids.reshape(-1), table, ids.reshape(-1).copy())),
+        "shared_slots.append": (shared_slots._kernel(), (
+            ids, weights, 6, offsets, replicas, routed, 6, np.zeros((3, 1), np.float32), 1, 0,
+            np.float32(1), True, np.zeros((3, 3), np.int32), np.zeros((3, 3), np.float32))),
+        "sort.count": (_sort.kernel("count"), (ids, table[:1], False, 6, 4, scratch)),
+        "sort.place": (_sort.kernel("place"), (
+            ids.astype(np.int64), table, True, 6, 4, 2, 4, scratch, scratch,
+            np.zeros((2, 7), np.int32), scratch, np.zeros(7, np.int32), np.zeros(32, np.int32),
+            ids.copy(), True, np.zeros(8, np.int32))),
+        "permute.gather": (permute._gather_kernel(), (
+            np.zeros((3, 4), np.float16), np.zeros(6, np.int32), np.zeros(1, np.int32), 2,
+            np.zeros((6, 4), np.float16))),
+        "combine": (combine._kernel(False), (
+            np.zeros((6, 4), np.float32), ids, weights, True, np.zeros((3, 4), np.float32))),
+        "combine.bf16": (combine._kernel(True), (
+            np.zeros((6, 4), np.uint16), ids, weights, False, np.zeros((3, 4), np.uint16))),
+        "route": (route._route_kernel(6, 1, "sigmoid", True, True, "float32"), (
+            np.zeros((3, 6), np.float32), np.zeros(6, np.float32), 3, 2, 1, np.float32(1), 6,
+            offsets, replicas, routed, 6, 1, np.zeros((3, 1), np.float32), 1, 0, np.float32(0),
+            True, table, np.zeros((3, 3), np.float32), np.zeros((3, 3), np.int32))),
+    }
+
+
+@no_sim
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["load.zero", "load.count", "remap.l2p", "remap.remap",
+                                  "shared_slots.append", "sort.count", "sort.place",
+                                  "permute.gather", "combine", "combine.bf16", "route"])
+def test_every_op_kernel_links_for_the_cached_launcher(name):
+    """Each op's kernel compiles (PTX, sm_90) and links (nvJitLink) at the signature of its
+    launch, and the packer's layout is the ``.entry`` numba emits for it."""
+    pytest.importorskip("cuda.core")
+    dispatcher, arguments = op_kernel_launches()[name]
+    signature = tuple(numba.typeof(a) for a in arguments)
+    cubin, entry, ptx = _launcher.compile_image(dispatcher, signature, "sm_90")
+    assert cubin[:4] == b"\x7fELF" and entry.encode() in cubin
+    assert _launcher.parse_entry(ptx)[1] == _launcher.parameter_types(signature)
+    packed = _launcher.make_packer(signature)(
+        [CupyTyped(a) if isinstance(a, np.ndarray) else a for a in arguments])
+    assert len(packed) == len(_launcher.parameter_types(signature))
+
+
+def gpu_op_cases(to_device):
+    """name -> call of each device op on ``to_device``'d inputs (the GPU comparison below)."""
+    from moeroute import routing
+    from moeroute.config import RouterConfig
+    from moeroute.layout import ExpertLayout
+
+    rng = np.random.default_rng(3)
+    layout = ExpertLayout(16, 1, ep_size=2, dispatch="all2all", num_redundant_experts=2)
+    config = RouterConfig(16, 4, scoring="sigmoid", renormalize=True)
+    logits = to_device(rng.standard_normal((300, 16)).astype(np.float32))
+    bias = to_device(rng.standard_normal(16).astype(np.float32))
+    gate = to_device(rng.random(300).astype(np.float32))
+    ids = to_device(rng.integers(-1, 16, (300, 4)).astype(np.int32))
+    weights = to_device(rng.random((300, 4)).astype(np.float32))
+    hidden = to_device(rng.standard_normal((300, 96)).astype(np.float16))
+    expert_map = layout.expert_map(1)
+    inverse = routing.sort_by_expert(ids, 16)[2]
+    expert_out = to_device(rng.standard_normal((1200, 96)).astype(np.float32))
+    return {
+        "route": lambda: routing.route(logits, config, layout, 1, bias, gate, 1),
+        "align_block_size": lambda: routing.align_block_size(ids, 9, 16, expert_map),
+        "sort_by_expert": lambda: routing.sort_by_expert(ids, 16),
+        "permute": lambda: routing.permute(hidden, ids, 16),
+        "combine": lambda: routing.combine(expert_out, inverse, weights),
+        "logical_to_physical": lambda: routing.logical_to_physical(ids, layout),
+        "append_shared_slots": lambda: routing.append_shared_slots(ids, weights, layout, 1),
+        "remap_to_local": lambda: routing.remap_to_local(ids, expert_map),
+        "expert_load": lambda: routing.expert_load(ids, 16),
+    }
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("op", ["route", "align_block_size", "sort_by_expert", "permute",
+                                "combine", "logical_to_physical", "append_shared_slots",
+                                "remap_to_local", "expert_load"])
+def test_gpu_every_op_cached_launch_equals_numba_dispatch(op, launcher_env):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA build here")
+    call = gpu_op_cases(lambda a: torch.from_numpy(a).cuda())[op]
+    results = {}
+    for launcher in ("numba", "cached"):
+        launcher_env(launcher)
+        got = call()
+        results[launcher] = [g.cpu().numpy() for g in (got if isinstance(got, tuple) else (got,))]
+    for cached, numba_result in zip(results["cached"], results["numba"]):
+        np.testing.assert_array_equal(cached, numba_result)
