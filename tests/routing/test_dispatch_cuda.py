@@ -8,10 +8,7 @@
 
 import contextlib
 import importlib
-import os
 import re
-import subprocess
-import sys
 import types
 from pathlib import Path
 from unittest import mock
@@ -35,26 +32,14 @@ from moeroute.routing.permute import permute, sort_by_expert  # noqa: E402
 from moeroute.routing.remap import logical_to_physical, remap_to_local  # noqa: E402
 from moeroute.routing.select import DEVICE_WARPS_PER_BLOCK  # noqa: E402
 from moeroute.routing.shared_slots import append_shared_slots  # noqa: E402
+from _simulator import run_simulator_suite  # noqa: E402
 
 SIM_MODULE = Path(__file__).with_name("_sim_dispatch_cuda.py")
-REPO_ROOT = Path(__file__).resolve().parents[2]
-#: The simulator suite takes ~10 s on 2 cores; this only guards against a hang.
-SIM_TIMEOUT_S = 600
 
 
 def test_cuda_kernels_under_the_simulator():
     # The device's launch configuration: four warps per block (exact warp intrinsics).
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               MOEROUTE_SIM_WARPS=str(DEVICE_WARPS_PER_BLOCK))
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-         str(SIM_MODULE)],
-        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
-    summary = result.stdout[-3000:] + result.stderr[-2000:]
-    assert result.returncode == 0, summary
-    passed = re.search(r"(\d+) passed", result.stdout)
-    assert passed and int(passed.group(1)) > 0, summary
-    assert not re.search(r"\d+ (failed|skipped|error)", result.stdout), summary
+    run_simulator_suite(SIM_MODULE, warps=DEVICE_WARPS_PER_BLOCK)
 
 
 def test_device_views_never_synchronize(monkeypatch):

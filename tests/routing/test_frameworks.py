@@ -8,8 +8,6 @@ bfloat16 and float16 logits must route exactly as their float32 upcast.
 
 from __future__ import annotations
 
-import os
-import re
 import subprocess
 import sys
 import zlib
@@ -23,6 +21,7 @@ import moeroute
 from moeroute.config import RouterConfig
 from moeroute.layout import ExpertLayout
 from moeroute.routing import _arrays, reference
+from _simulator import run_simulator_suite  # noqa: E402
 
 WEIGHT_RTOL = 1e-6  # float32 routing weights: a few ulps between kernel and reference
 TOKENS = 37
@@ -290,16 +289,7 @@ def test_device_detection_and_bits_of_torch_tensors():
 
 
 def test_device_frameworks_under_the_simulator():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-         str(SIM_MODULE)],
-        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
-    summary = result.stdout[-3000:] + result.stderr[-2000:]
-    assert result.returncode == 0, summary
-    passed = re.search(r"(\d+) passed", result.stdout)
-    assert passed and int(passed.group(1)) > 0, summary
-    assert not re.search(r"\d+ (failed|error)", result.stdout), summary
+    run_simulator_suite(SIM_MODULE, allow_skipped=True)
 
 
 requires_torch_cuda = pytest.mark.skipif(not torch.cuda.is_available(),

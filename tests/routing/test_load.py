@@ -5,10 +5,6 @@ and compiled for a device; logical_to_physical(prefer_rank=...) on the simulator
 in a subprocess and asserts that they all passed.
 """
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,12 +16,11 @@ from moeroute.routing._arrays import simulator_enabled
 from moeroute.routing.load import expert_load
 from moeroute.routing.remap import logical_to_physical
 from moeroute.routing.shared_slots import append_shared_slots
+from _simulator import run_simulator_suite  # noqa: E402
 
 SIMULATED = simulator_enabled()
 sim_only = pytest.mark.skipif(not SIMULATED, reason="runs inside the CUDA simulator subprocess")
 no_sim = pytest.mark.skipif(SIMULATED, reason="needs the real numba.cuda, not the simulator")
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SIM_TIMEOUT_S = 900  # guards against a hang only
 
 
 def bincount_reference(ids, num_experts):
@@ -115,16 +110,7 @@ def test_invalid_arguments(call, error, words):
 
 @no_sim
 def test_cuda_simulator_suite():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-         "-k", "test_sim_", str(Path(__file__))],
-        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
-    summary = result.stdout[-3000:] + result.stderr[-2000:]
-    assert result.returncode == 0, summary
-    passed = re.search(r"(\d+) passed", result.stdout)
-    assert passed and int(passed.group(1)) > 0, summary
-    assert not re.search(r"\d+ (failed|skipped|errors?)", result.stdout), summary
+    run_simulator_suite(Path(__file__), select="test_sim_")
 
 
 @sim_only

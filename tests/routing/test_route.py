@@ -10,10 +10,7 @@
 * The fused kernel compiles to PTX for sm_90 without local-memory traffic.
 """
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,12 +19,10 @@ import pytest
 from moeroute import ExpertLayout, RouterConfig, append_shared_slots, remap_to_local, route
 from moeroute import select_experts
 from moeroute.routing._arrays import simulator_enabled
+from _simulator import run_simulator_suite  # noqa: E402
 
 SIMULATED = simulator_enabled()
-REPO_ROOT = Path(__file__).resolve().parents[2]
 WEIGHT_RTOL = 1e-6
-#: The simulator cases take ~20 s on 2 cores; this only guards against a hang.
-SIM_TIMEOUT_S = 600
 
 sim_only = pytest.mark.skipif(not SIMULATED, reason="runs inside the CUDA simulator subprocess")
 no_sim = pytest.mark.skipif(SIMULATED, reason="needs the real numba.cuda, not the simulator")
@@ -159,17 +154,7 @@ def test_invalid_arguments_name_themselves(kwargs, error, match):
 def test_route_under_the_simulator():
     from moeroute.routing.select._cuda import DEVICE_WARPS_PER_BLOCK
 
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               MOEROUTE_SIM_WARPS=str(DEVICE_WARPS_PER_BLOCK))
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-         "-k", "test_sim_", str(Path(__file__))],
-        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
-    summary = result.stdout[-3000:] + result.stderr[-2000:]
-    assert result.returncode == 0, summary
-    passed = re.search(r"(\d+) passed", result.stdout)
-    assert passed and int(passed.group(1)) > 0, summary
-    assert not re.search(r"\d+ (failed|skipped|errors?)", result.stdout), summary
+    run_simulator_suite(Path(__file__), warps=DEVICE_WARPS_PER_BLOCK, select="test_sim_")
 
 
 # (name, config, bias, layout, rank, home_rank, shared weights kind, rows, input dtype)

@@ -12,10 +12,7 @@
 """
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,11 +27,9 @@ cuda = pytest.importorskip("numba.cuda")
 from moeroute.routing import _warp  # noqa: E402
 from moeroute.routing import select as select_module  # noqa: E402
 from moeroute.routing.select import select_experts  # noqa: E402
+from _simulator import run_simulator_suite  # noqa: E402
 
 WEIGHT_RTOL = 1e-6
-REPO_ROOT = Path(__file__).resolve().parents[2]
-# The simulator suite takes ~40 s on 2 cores; this only guards against a hang.
-SIM_TIMEOUT_S = 900
 
 sim_only = pytest.mark.skipif(not SIMULATED, reason="runs inside the CUDA simulator subprocess")
 no_sim = pytest.mark.skipif(SIMULATED, reason="needs the real numba.cuda, not the simulator")
@@ -49,17 +44,8 @@ def rng_for(*key):
 @no_sim
 def test_cuda_simulator_suite():
     # The device's launch configuration: four warps per block (exact warp intrinsics).
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               MOEROUTE_SIM_WARPS=str(select_module.DEVICE_WARPS_PER_BLOCK))
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-         "-k", "test_sim_", str(Path(__file__))],
-        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
-    summary = result.stdout[-3000:] + result.stderr[-2000:]
-    assert result.returncode == 0, summary
-    passed = re.search(r"(\d+) passed", result.stdout)
-    assert passed and int(passed.group(1)) > 0, summary
-    assert not re.search(r"\d+ (failed|skipped|errors?)", result.stdout), summary
+    run_simulator_suite(Path(__file__), warps=select_module.DEVICE_WARPS_PER_BLOCK,
+                        select="test_sim_")
 
 
 # ------------------------------------------------------------------ simulator

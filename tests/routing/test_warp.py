@@ -2,7 +2,6 @@
 exact in blocks of the device's warps per block (tests/routing/_sim_warp.py, in a subprocess)."""
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,23 +13,10 @@ from numba import types as nt  # noqa: E402
 
 from moeroute.routing import _warp  # noqa: E402
 from moeroute.routing.select import DEVICE_WARPS_PER_BLOCK  # noqa: E402
+from _simulator import run_simulator_suite  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SIM_MODULE = Path(__file__).with_name("_sim_warp.py")
-#: The simulator suite takes ~20 s on 2 cores; this only guards against a hang.
-SIM_TIMEOUT_S = 600
-
-
-def run_simulator_suite(module, warps):
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", MOEROUTE_SIM_WARPS=str(warps))
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(module)],
-        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
-    summary = result.stdout[-3000:] + result.stderr[-2000:]
-    assert result.returncode == 0, summary
-    passed = re.search(r"(\d+) passed", result.stdout)
-    assert passed and int(passed.group(1)) > 0, summary
-    assert not re.search(r"\d+ (failed|skipped|errors?)", result.stdout), summary
 
 
 def test_simulated_warp_intrinsics_with_the_devices_warps_per_block():
