@@ -290,9 +290,41 @@ def argument_type(x):
                     f"torch tensors, CuPy arrays, numba device arrays and scalars")
 
 
+def _argument_key(x):
+    """What `argument_type` of ``x`` depends on, read cheaply: the Python type of a scalar;
+    dtype, rank and contiguity of a torch or CuPy array; a numba array's own type."""
+    kind = type(x)
+    if kind in _PYTHON_SCALAR_TYPES or kind in _SCALAR_TYPES:
+        return kind
+    dim = getattr(x, "dim", None)
+    if dim is not None:  # torch: a non-contiguous tensor is keyed by its strides too
+        if x.is_contiguous():
+            return x.dtype, dim(), True
+        return x.dtype, dim(), x.stride(), tuple(x.shape)
+    numba_type = getattr(x, "_numba_type_", None)
+    if numba_type is not None:
+        return numba_type
+    flags = getattr(x, "flags", None)
+    if flags is not None:
+        return (x.dtype, x.ndim, flags.c_contiguous, flags.f_contiguous)
+    return kind  # a NumPy scalar (or an argument argument_type refuses)
+
+
+_SIGNATURES: dict = {}  # tuple of _argument_key -> signature (one tuple object per key)
+
+
 def signature_of(args) -> tuple:
-    """The kernel signature of ``args``: `argument_type` of each."""
-    return tuple(argument_type(x) for x in args)
+    """The kernel signature of ``args``: `argument_type` of each.
+
+    Looked up by cheap per-argument keys (`_argument_key`), so a launch whose arguments
+    have the dtypes, ranks and layouts of an earlier one reuses that signature object,
+    without typing anything (numba types hash slowly: ~0.3 us each).
+    """
+    key = tuple(map(_argument_key, args))
+    found = _SIGNATURES.get(key)
+    if found is None:
+        found = _SIGNATURES.setdefault(key, tuple(argument_type(x) for x in args))
+    return found
 
 
 # --------------------------------------------------------------------------------------
@@ -395,7 +427,7 @@ class CachedKernel:
 
     def __init__(self, dispatcher, signature):
         self.dispatcher = dispatcher
-        self.signature = tuple(signature)
+        self.signature = signature if type(signature) is tuple else tuple(signature)
         self.pack = make_packer(self.signature)
         self._functions = {}  # device id -> cupy.cuda.function.Function
         self._lock = threading.Lock()
@@ -432,15 +464,24 @@ class CachedKernel:
 
 
 _CACHE: dict = {}  # (dispatcher, signature) -> CachedKernel
+# (dispatcher, id(signature)) -> (CachedKernel, signature): the per-call lookup. The ops'
+# signatures come from lru-cached functions or `signature_of`, one tuple object each, so
+# the identity of the tuple finds the kernel without hashing numba types (~0.3 us per
+# type); the entry holds the tuple, so its id is never reused while the entry exists.
+_BY_IDENTITY: dict = {}
 
 
 def cached_kernel(dispatcher, signature) -> CachedKernel:
     """The CachedKernel of ``dispatcher`` at ``signature``, built once (the device
     modules inside it are loaded once per device)."""
+    found = _BY_IDENTITY.get((dispatcher, id(signature)))
+    if found is not None:
+        return found[0]
     key = (dispatcher, tuple(signature))
     kernel = _CACHE.get(key)
     if kernel is None:
         kernel = _CACHE.setdefault(key, CachedKernel(dispatcher, signature))
+    _BY_IDENTITY[(dispatcher, id(signature))] = kernel, signature  # keeps the id taken
     return kernel
 
 

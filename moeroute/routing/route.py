@@ -117,6 +117,12 @@ def _route_kernel(num_experts, num_groups, scoring, has_bias, renormalize, input
         num_experts, num_groups, scoring, has_bias, renormalize, input_kind))
 
 
+@lru_cache(maxsize=None)
+def _route_signature(input_kind, bias_layout, slot_layout):
+    """The route kernel's signature, one tuple object per argument (the launcher's key)."""
+    return _select_device.route_signature(input_kind, bias_layout, slot_layout)
+
+
 def _device_shared_weights(shared_weights, launcher):
     """(kernel array or None, scalar) for a device launch; TypeError for host arrays."""
     if shared_weights is None:
@@ -182,8 +188,11 @@ def _route_device(logits, config, layout, rank, correction_bias, shared_weights,
     kernel = _route_kernel(config.num_experts, config.num_expert_group, config.scoring,
                            has_bias, config.renormalize, kind)
     warps = _select_device.warps_per_block()
+    signature = _route_signature(
+        kind, "C" if not has_bias or _arrays.is_c_contiguous(bias) else "A",
+        "C" if shared is None or _arrays.is_c_contiguous(slot_weights) else "A")
     _launcher.launch(
-        kernel, None, -(-num_tokens // warps), warps * _select_device.WARP_SIZE, launch_stream,
+        kernel, signature, -(-num_tokens // warps), warps * _select_device.WARP_SIZE, launch_stream,
         (array, bias, num_tokens, top_k, config.topk_group,
          np.float32(config.routed_scaling_factor), layout.num_routed_experts, offsets,
          replica_ids, routed_id_map, first_slot, slots, slot_weights, use_row, use_col,

@@ -322,6 +322,31 @@ def test_scalar_types_are_numba_typeof():
     assert _launcher.signature_of(values)[:3] == (types.int64, types.float64, types.boolean)
 
 
+def test_signatures_are_one_object_per_argument_types():
+    """Launches with arguments of the same dtypes, ranks and layouts share one signature
+    tuple (the launcher's identity key); a strided view or another dtype gets its own."""
+    torch = pytest.importorskip("torch")
+    first = (torch.zeros(3, 4), torch.zeros(5, dtype=torch.int32), 7, np.float32(1), True)
+    again = (torch.ones(9, 2), torch.ones(1, dtype=torch.int32), 8, np.float32(2), False)
+    assert _launcher.signature_of(first) is _launcher.signature_of(again)
+    strided = (torch.zeros(4, 6)[:, ::2], *first[1:])
+    transposed = (torch.zeros(4, 3).t(), *first[1:])
+    assert _launcher.signature_of(strided)[0] == types.Array(types.float32, 2, "A")
+    assert _launcher.signature_of(transposed)[0] == types.Array(types.float32, 2, "F")
+    assert _launcher.signature_of((torch.zeros(3, 4, dtype=torch.float16), *first[1:]))[0] \
+        == types.float16[:, ::1]
+
+
+def test_cached_kernels_are_found_by_value_and_by_identity():
+    kernel = select_module._device_kernel(8, 1, "softmax", False, True, "float32")
+    signature = select_module._device_signature("float32")
+    found = _launcher.cached_kernel(kernel, signature)
+    assert _launcher.cached_kernel(kernel, tuple(list(signature))) is found
+    assert _launcher.cached_kernel(kernel, signature) is found
+    other = _launcher.cached_kernel(kernel, select_module._device_signature("float32", "A"))
+    assert other is not found and other.signature[1] == types.Array(types.float32, 1, "A")
+
+
 def test_untyped_arguments_are_refused():
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match="bfloat16 tensors have no numba type"):

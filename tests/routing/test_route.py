@@ -256,7 +256,7 @@ def test_route_kernel_compiles_to_ptx_without_local_memory(case):
     from moeroute.routing.select import _cuda as _select_device
 
     function = _select_device.route_kernel_function(*case)
-    ptx, _ = cuda.compile_ptx(function, _select_device.route_signature(case[-1]), cc=(9, 0))
+    ptx, _ = cuda.compile_ptx(function, _select_device.route_signature(case[-1], "C", "A"), cc=(9, 0))
     assert ".target sm_90" in ptx
     assert "shfl.sync.bfly" in ptx and "vote.sync.ballot" in ptx
     assert not LOCAL_MEMORY.search(ptx), LOCAL_MEMORY.findall(ptx)[:5]

@@ -419,10 +419,23 @@ def select_kernel_function(num_experts, num_groups, scoring, has_bias, renormali
     return select_experts_kernel
 
 
-def select_signature(input_kind):
-    """The numba signature of `select_kernel_function`'s kernel (compile_ptx checks)."""
-    return (_element_type(input_kind)[:, ::1], types.float32[::1], types.int64, types.int64,
-            types.int64, types.float32, types.float32[:, ::1], types.int32[:, ::1])
+def select_signature(input_kind, bias_layout="C"):
+    """The numba signature of `select_kernel_function`'s kernel (the cached launcher's
+    layout, compile_ptx checks); ``bias_layout`` "A" for a strided bias vector."""
+    return (_element_type(input_kind)[:, ::1], types.Array(types.float32, 1, bias_layout),
+            types.int64, types.int64, types.int64, types.float32, types.float32[:, ::1],
+            types.int32[:, ::1])
+
+
+def route_signature(input_kind, bias_layout="C", slot_layout="C"):
+    """The numba signature of `route_kernel_function`'s kernel: "A" layouts for a strided
+    bias or shared-weight array (any other argument is C-contiguous)."""
+    table = types.int32[::1]
+    return (_element_type(input_kind)[:, ::1], types.Array(types.float32, 1, bias_layout),
+            types.int64, types.int64, types.int64, types.float32, types.int64, table, table,
+            table, types.int64, types.int64, types.Array(types.float32, 2, slot_layout),
+            types.int64, types.int64, types.float32, types.boolean, table,
+            types.float32[:, ::1], types.int32[:, ::1])
 
 
 def route_kernel_function(num_experts, num_groups, scoring, has_bias, renormalize,
@@ -481,12 +494,3 @@ def route_kernel_function(num_experts, num_groups, scoring, has_bias, renormaliz
                     out_w[row, top_k + j] = scalar_weight
 
     return route_kernel
-
-
-def route_signature(input_kind):
-    """The numba signature of `route_kernel_function`'s kernel (compile_ptx checks)."""
-    ids = types.int32[::1]
-    return (_element_type(input_kind)[:, ::1], types.float32[::1], types.int64, types.int64,
-            types.int64, types.float32, types.int64, ids, ids, ids, types.int64, types.int64,
-            types.float32[:, :], types.int64, types.int64, types.float32, types.boolean,
-            ids, types.float32[:, ::1], types.int32[:, ::1])

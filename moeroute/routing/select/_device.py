@@ -25,10 +25,10 @@ def _device_kernel_function(num_experts, num_groups, scoring, has_bias, renormal
 
 
 @lru_cache(maxsize=None)
-def _device_signature(input_kind):
+def _device_signature(input_kind, bias_layout="C"):
     """The numba signature of the kernel for ``input_kind`` logits (the cached launcher's
-    layout, compile_ptx checks)."""
-    return _cuda.select_signature(input_kind)
+    layout, compile_ptx checks); one tuple object per argument (the launcher's key)."""
+    return _cuda.select_signature(input_kind, bias_layout)
 
 
 @lru_cache(maxsize=None)
@@ -77,7 +77,8 @@ def _select_device(logits, config, correction_bias, stream, out=None):
                                 config.scoring, has_bias, config.renormalize, kind)
         warps = _device_warps_per_block()
         blocks = -(-num_tokens // warps)
-        _launcher.launch(kernel, _device_signature(kind), blocks, warps * WARP_SIZE,
+        bias_layout = "C" if not has_bias or _arrays.is_c_contiguous(bias) else "A"
+        _launcher.launch(kernel, _device_signature(kind, bias_layout), blocks, warps * WARP_SIZE,
                          launch_stream,
                          (array, bias, num_tokens, top_k, config.topk_group,
                           np.float32(config.routed_scaling_factor), out_w, out_ids),
