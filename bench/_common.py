@@ -23,7 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+#: Where write_results puts its JSON: bench/results, or MOEROUTE_BENCH_RESULTS when set (the
+#: test suite runs benchmarks into a temporary directory).
+RESULTS_DIR = Path(os.environ.get("MOEROUTE_BENCH_RESULTS")
+                   or Path(__file__).resolve().parent / "results")
 # Untimed calls before timing: compilation, caches, thread pools.
 WARMUP_CALLS = 3
 # Host copy buffer: far larger than any cache, small enough for a 2-core, 24 GiB machine.

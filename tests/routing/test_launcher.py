@@ -468,3 +468,29 @@ def test_gpu_every_op_cached_launch_equals_numba_dispatch(op, launcher_env):
         results[launcher] = [g.cpu().numpy() for g in (got if isinstance(got, tuple) else (got,))]
     for cached, numba_result in zip(results["cached"], results["numba"]):
         np.testing.assert_array_equal(cached, numba_result)
+
+
+@no_sim
+def test_launch_overhead_bench_runs_without_a_gpu(tmp_path):
+    """bench/launch_overhead.py (the host-side figure of the cached launcher) runs here:
+    every kernel, token count and array kind gets a row, and its own checks pass (the
+    arguments are typed as numba types them, each packs to the kernel's parameter count)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, str(repo / "bench" / "launch_overhead.py"), "--repeats", "3",
+         "--calls", "20"], env=dict(os.environ, MOEROUTE_BENCH_RESULTS=str(tmp_path)),
+        cwd=repo, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = json.loads((tmp_path / "launch_overhead.json").read_text())["results"]
+    assert {(r["kernel"], r["num_tokens"], r["arrays"]) for r in rows} == {
+        (kernel, tokens, arrays) for kernel in ("select_experts", "route", "route, signature_of")
+        for tokens in (1, 8, 64) for arrays in ("torch", "cupy-like")}
+    assert {r["arguments"] for r in rows if r["kernel"] != "select_experts"} == {20}
+    assert all(r["cached_pack_us_per_call"] > 0 and r["numba_typing_us_per_call"] > 0
+               for r in rows)
