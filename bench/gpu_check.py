@@ -76,6 +76,7 @@ GPU_TEST_FILES = (
     "tests/routing/test_dispatch_cuda.py",
     "tests/routing/test_frameworks.py",
     "tests/routing/test_launcher.py",
+    "tests/routing/test_route.py",
     "tests/bindings/test_moe.py",
     "tests/bindings/test_ops.py",
 )

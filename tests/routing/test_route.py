@@ -260,3 +260,43 @@ def test_route_kernel_compiles_to_ptx_without_local_memory(case):
     assert ".target sm_90" in ptx
     assert "shfl.sync.bfly" in ptx and "vote.sync.ballot" in ptx
     assert not LOCAL_MEMORY.search(ptx), LOCAL_MEMORY.findall(ptx)[:5]
+
+
+# ------------------------------------------------------------------ GPU
+
+
+def _torch_cuda():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATED or _torch_cuda() is None,
+                    reason="needs torch with a CUDA device (bench/gpu_check.py runs it)")
+@pytest.mark.parametrize("launcher", ["numba", "cached"])
+@pytest.mark.parametrize("num_tokens", [1, 64, 4099])
+@pytest.mark.parametrize("label,kwargs", LAYOUTS[2:5], ids=[label for label, _ in LAYOUTS[2:5]])
+def test_gpu_route_equals_the_cpu_composition(label, kwargs, num_tokens, launcher,
+                                              monkeypatch):
+    """Torch CUDA tensors in, torch CUDA tensors out, on both launchers: ids exactly and
+    weights within WEIGHT_RTOL of the CPU composition, for a strided gate too."""
+    torch = _torch_cuda()
+    monkeypatch.setenv("MOEROUTE_CUDA_LAUNCHER", launcher)
+    config = CONFIGS[0][1]
+    layout = ExpertLayout(config.num_experts, **kwargs)
+    rng = rng_for(label, num_tokens)
+    logits = rng.standard_normal((num_tokens, config.num_experts)).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(config.num_experts)).astype(np.float32)
+    gate = rng.random((num_tokens, 2)).astype(np.float32)
+    device_gate = torch.from_numpy(gate).cuda()[:, 1]  # strided: "A" layout
+    rank = home_rank = layout.ep_size - 1
+    weights, local_ids = route(torch.from_numpy(logits).cuda(), config, layout, rank,
+                               torch.from_numpy(bias).cuda(), device_gate, home_rank)
+    assert weights.is_cuda and local_ids.is_cuda
+    want_w, want_ids = composed(logits, config, layout, rank, bias,
+                                np.ascontiguousarray(gate[:, 1]), home_rank)
+    np.testing.assert_array_equal(local_ids.cpu().numpy(), want_ids)
+    np.testing.assert_allclose(weights.cpu().numpy(), want_w, rtol=WEIGHT_RTOL, atol=0)
