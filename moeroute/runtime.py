@@ -6,7 +6,9 @@ it runs every CPU kernel the presets use, for every dtype and on both sides of e
 serial/parallel threshold, on small synthetic inputs, so that a later process loads them
 all from the cache. The cache lives where Numba puts it: ``NUMBA_CACHE_DIR`` when that is
 set (read when Numba is imported), else ``__pycache__`` beside the package's sources when
-writable, else a per-user directory (`cache_dir` says which).
+writable, else a per-user directory (`cache_dir` says which). A cached kernel is stamped with
+all the sources it can read, not only its own file (`moeroute.routing._cache`), so an edit to
+any of them compiles it again.
 
 Data flows one way: this module imports the routing kernels only inside `warmup`, and the
 torch module only when torch is installed and asked for.

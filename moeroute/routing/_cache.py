@@ -1,0 +1,84 @@
+"""Numba's on-disk cache of the CPU kernels, invalidated by a change to any of their sources.
+
+Numba checks a cached function against the source file it is defined in, and nothing else.
+A kernel that inlines code or reads constants from another module (the row kernels of
+``select/_host.py`` call ``select/_simd.py``'s intrinsics and read ``select/_common.py``'s
+constants; ``remap.py`` reads ``layout.py``'s hash multiplier) would be loaded stale from
+``__pycache__`` after an edit to that other module alone. `install` adds cache locators
+for moeroute's functions whose source stamp is the pair (the function's file, `sources_stamp`):
+a hash of every file a kernel can read, the ``moeroute/routing`` package and the two modules
+it imports from (``layout.py``, ``config.py``). The cache directories stay Numba's own
+(``NUMBA_CACHE_DIR``, else ``__pycache__`` beside the source, else the per-user directory),
+and functions outside moeroute keep Numba's locators.
+
+An installed package never changes, so this costs one hash of those files per process
+(~1 ms); in a working tree, an edit to any of them recompiles the CPU kernels once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from functools import lru_cache
+from pathlib import Path
+
+ROUTING_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = ROUTING_DIR.parent
+#: Modules outside moeroute/routing whose names the kernels read.
+IMPORTED_MODULES = ("layout.py", "config.py")
+
+
+def source_files(package_dir: Path = PACKAGE_DIR) -> list[Path]:
+    """The files behind `sources_stamp`: moeroute/routing/**/*.py and `IMPORTED_MODULES`."""
+    routing = sorted((package_dir / "routing").rglob("*.py"))
+    return routing + [package_dir / name for name in IMPORTED_MODULES]
+
+
+def stamp_of(files, root: Path) -> str:
+    """SHA-256 over each file's path relative to ``root`` and its contents."""
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(str(Path(path).relative_to(root)).encode())
+        digest.update(hashlib.sha256(Path(path).read_bytes()).digest())
+    return digest.hexdigest()
+
+
+@lru_cache(maxsize=None)
+def sources_stamp() -> str:
+    """`stamp_of` moeroute's kernel sources, computed once per process."""
+    return stamp_of(source_files(), PACKAGE_DIR)
+
+
+def _in_package(py_file) -> bool:
+    return os.path.realpath(py_file).startswith(str(ROUTING_DIR) + os.sep)
+
+
+def _stamped(base):
+    """``base`` (one of Numba's source-file locators), for moeroute's kernels only, with
+    `sources_stamp` added to its source stamp."""
+
+    class Locator(base):
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            if not _in_package(py_file):
+                return None  # the next locator in Numba's list takes it
+            return super().from_function(py_func, py_file)
+
+        def get_source_stamp(self):
+            return super().get_source_stamp(), sources_stamp()
+
+    Locator.__name__ = Locator.__qualname__ = f"Moeroute{base.__name__}"
+    return Locator
+
+
+def install() -> None:
+    """Put moeroute's locators in front of Numba's (idempotent). Must run before the first
+    ``njit(cache=True)`` of moeroute is decorated: Numba picks a function's locator then."""
+    from numba.core import caching
+
+    impl = caching.CacheImpl
+    if any(getattr(c, "__name__", "").startswith("Moeroute") for c in impl._locator_classes):
+        return
+    ours = [_stamped(c) for c in (caching.UserProvidedCacheLocator,
+                                  caching.InTreeCacheLocator, caching.UserWideCacheLocator)]
+    impl._locator_classes = ours + list(impl._locator_classes)

@@ -1,0 +1,77 @@
+"""Numba's on-disk cache of the CPU kernels (moeroute/routing/_cache.py): every kernel's
+cache entry is stamped with all of its sources, so an edit to a module it reads (and not
+to its own file) still recompiles it, and an unchanged tree still loads from the cache."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from moeroute import runtime
+from moeroute.routing import _cache
+
+# Counts one kernel's cache loads and compiles in a fresh process over a copied package.
+PROBE = """
+import json, numpy as np
+from moeroute.routing import load
+counts = load.expert_load(np.array([[0, 2], [2, -1]]), 4)
+stats = load._count_cpu.stats
+print(json.dumps([counts.tolist(), sum(stats.cache_hits.values()),
+                  sum(stats.cache_misses.values())]))
+"""
+
+
+def test_every_cpu_kernel_is_stamped_with_all_its_sources():
+    dispatchers = runtime.cpu_dispatchers()
+    assert len(dispatchers) > 10
+    for dispatcher in dispatchers:
+        locator = dispatcher._cache._impl.locator
+        assert type(locator).__name__.startswith("Moeroute"), dispatcher.py_func.__qualname__
+        assert locator.get_source_stamp()[1] == _cache.sources_stamp()
+
+
+def test_the_stamp_covers_the_modules_kernels_read():
+    names = {str(p.relative_to(_cache.PACKAGE_DIR)) for p in _cache.source_files()}
+    assert {"routing/select/_simd.py", "routing/select/_common.py", "routing/select/_host.py",
+            "routing/remap.py", "layout.py", "config.py"} <= names
+
+
+def test_the_stamp_follows_contents_and_names(tmp_path):
+    (tmp_path / "a.py").write_text("X = 1\n")
+    (tmp_path / "b.py").write_text("Y = 2\n")
+    files = [tmp_path / "a.py", tmp_path / "b.py"]
+    before = _cache.stamp_of(files, tmp_path)
+    assert _cache.stamp_of(files, tmp_path) == before
+    (tmp_path / "b.py").write_text("Y = 3\n")
+    assert _cache.stamp_of(files, tmp_path) != before
+    (tmp_path / "b.py").write_text("Y = 2\n")
+    assert _cache.stamp_of(files, tmp_path) == before
+    (tmp_path / "b.py").rename(tmp_path / "c.py")
+    assert _cache.stamp_of([tmp_path / "a.py", tmp_path / "c.py"], tmp_path) != before
+
+
+def test_an_edit_to_another_module_recompiles_and_an_unchanged_tree_loads(tmp_path):
+    """In a copy of the package (in-tree cache): compile, load, then edit only
+    select/_common.py (not load.py) and see load's kernel compiled again."""
+    shutil.copytree(_cache.PACKAGE_DIR, tmp_path / "moeroute",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.nbi", "*.nbc"))
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env["PYTHONPATH"] = str(tmp_path)
+
+    def probe():
+        result = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        counts, hits, misses = __import__("json").loads(result.stdout.strip().splitlines()[-1])
+        np.testing.assert_array_equal(counts, [1, 0, 2, 0])
+        return hits, misses
+
+    assert probe() == (0, 1)  # compiled and written
+    assert probe() == (1, 0)  # loaded
+    common = tmp_path / "moeroute" / "routing" / "select" / "_common.py"
+    common.write_text(common.read_text() + "\n# edited\n")
+    assert probe() == (0, 1)  # another module changed: compiled again
+    assert probe() == (1, 0)
