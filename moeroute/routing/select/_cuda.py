@@ -391,27 +391,43 @@ def _element_type(input_kind):
             "bfloat16": types.int16}[input_kind]
 
 
-def select_kernel_function(num_experts, num_groups, scoring, has_bias, renormalize,
-                           input_kind):
-    """select_experts' kernel: ``kernel(logits [T, N], bias [N] float32, T, K,
-    topk_group, rsf, out_w [T, K] float32, out_ids [T, K] int32)``; one warp per row,
-    `warps_per_block()` rows per block; lane r stores pick r (a coalesced store)."""
+def _warp_row_routine(num_experts, num_groups, scoring, has_bias, renormalize, input_kind):
+    """The row set-up both kernels share, as an inlined device function:
+    ``pick(logits, bias, T, K, topk_group, rsf) -> (row, lane, id, weight)``: one warp per
+    row, `warps_per_block()` rows per block, ``id``/``weight`` lane r's pick r (for
+    r < K). Idle warps of the last block mirror row T - 1 (``row`` >= T: store nothing)."""
     select_row, slots = row_routine(num_experts, num_groups, scoring, has_bias, renormalize,
                                     input_kind)
     warps = warps_per_block()
     lanes = WARP_SIZE
     lane_bits = WARP_SIZE.bit_length() - 1  # tid >> lane_bits is the warp of a thread
 
-    def select_experts_kernel(logits, bias, num_tokens, top_k, topk_group, rsf, out_w,
-                              out_ids):
+    @cuda.jit(device=True, inline="always")
+    def pick(logits, bias, num_tokens, top_k, topk_group, rsf):
         heads = cuda.shared.array((warps, slots, lanes), int64)
         tid = cuda.threadIdx.x
         lane = tid & (lanes - 1)
         warp = tid >> lane_bits
         row = cuda.blockIdx.x * warps + warp
-        source_row = min(row, num_tokens - 1)  # idle warps of the last block mirror a row
+        source_row = min(row, num_tokens - 1)
         my_id, my_weight = select_row(logits, bias, source_row, lane, heads, warp, top_k,
                                       topk_group, rsf)
+        return row, lane, my_id, my_weight
+
+    return pick
+
+
+def select_kernel_function(num_experts, num_groups, scoring, has_bias, renormalize,
+                           input_kind):
+    """select_experts' kernel: ``kernel(logits [T, N], bias [N] float32, T, K,
+    topk_group, rsf, out_w [T, K] float32, out_ids [T, K] int32)``; one warp per row,
+    `warps_per_block()` rows per block; lane r stores pick r (a coalesced store)."""
+    pick = _warp_row_routine(num_experts, num_groups, scoring, has_bias, renormalize,
+                             input_kind)
+
+    def select_experts_kernel(logits, bias, num_tokens, top_k, topk_group, rsf, out_w,
+                              out_ids):
+        row, lane, my_id, my_weight = pick(logits, bias, num_tokens, top_k, topk_group, rsf)
         if row < num_tokens and lane < top_k:
             out_ids[row, lane] = my_id
             out_w[row, lane] = my_weight
@@ -454,24 +470,15 @@ def route_kernel_function(num_experts, num_groups, scoring, has_bias, renormaliz
 
     # Compiled here from remap's one definition: inlined, and compile_ptx needs no context.
     physical_id_device = cuda.jit(device=True, inline="always")(_physical_id)
-    select_row, slots = row_routine(num_experts, num_groups, scoring, has_bias, renormalize,
-                                    input_kind)
-    warps = warps_per_block()
+    pick = _warp_row_routine(num_experts, num_groups, scoring, has_bias, renormalize,
+                             input_kind)
     lanes = WARP_SIZE
-    lane_bits = WARP_SIZE.bit_length() - 1
 
     def route_kernel(logits, bias, num_tokens, top_k, topk_group, rsf, num_routed,
                      replica_offsets, replica_ids, routed_id_map, first_slot, num_slots,
                      slot_weights, use_row, use_col, scalar_weight, has_array, expert_map,
                      out_w, out_ids):
-        heads = cuda.shared.array((warps, slots, lanes), int64)
-        tid = cuda.threadIdx.x
-        lane = tid & (lanes - 1)
-        warp = tid >> lane_bits
-        row = cuda.blockIdx.x * warps + warp
-        source_row = min(row, num_tokens - 1)  # idle warps of the last block mirror a row
-        my_id, my_weight = select_row(logits, bias, source_row, lane, heads, warp, top_k,
-                                      topk_group, rsf)
+        row, lane, my_id, my_weight = pick(logits, bias, num_tokens, top_k, topk_group, rsf)
         if row < num_tokens:
             map_size = expert_map.shape[0]
             if lane < top_k:
