@@ -153,6 +153,20 @@ def _kernel(name: str):
     return _jitted[name]
 
 
+def _kept(cache: OrderedDict, key: tuple, upload):
+    """``cache``'s entry for ``key`` on the current device, made by ``upload()`` on a miss;
+    the least recently used of more than `_DEVICE_TABLE_CACHE_SIZE` entries is dropped."""
+    key = (*key, getattr(cuda.get_current_device(), "id", 0))
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = upload()
+        if len(cache) > _DEVICE_TABLE_CACHE_SIZE:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
+    return found
+
+
 _device_tables: OrderedDict = OrderedDict()
 
 
@@ -169,19 +183,12 @@ def layout_device_tables(layout: ExpertLayout, prefer_rank=None):
     Uploaded once per layout, ``prefer_rank`` and device (a synchronous copy, so any stream
     may use them).
     """
-    device = cuda.get_current_device()
-    key = (layout, prefer_rank, getattr(device, "id", 0))
-    tables = _device_tables.get(key)
-    if tables is None:
+    def upload():
         offsets, replica_ids = _replica_tables(layout, prefer_rank)
-        tables = tuple(cuda.to_device(np.ascontiguousarray(a)) for a in (
+        return tuple(cuda.to_device(np.ascontiguousarray(a)) for a in (
             offsets, replica_ids, layout.routed_id_map))
-        _device_tables[key] = tables
-        if len(_device_tables) > _DEVICE_TABLE_CACHE_SIZE:
-            _device_tables.popitem(last=False)
-    else:
-        _device_tables.move_to_end(key)
-    return tables
+
+    return _kept(_device_tables, (layout, prefer_rank), upload)
 
 
 _device_maps: OrderedDict = OrderedDict()
@@ -194,17 +201,7 @@ def expert_map_device_table(expert_map: np.ndarray):
     copies synchronously (before any capture: the warm-up call); later calls copy nothing.
     """
     table = np.ascontiguousarray(expert_map, dtype=np.int32)
-    device = cuda.get_current_device()
-    key = (table.tobytes(), getattr(device, "id", 0))
-    found = _device_maps.get(key)
-    if found is None:
-        found = cuda.to_device(table)
-        _device_maps[key] = found
-        if len(_device_maps) > _DEVICE_TABLE_CACHE_SIZE:
-            _device_maps.popitem(last=False)
-    else:
-        _device_maps.move_to_end(key)
-    return found
+    return _kept(_device_maps, (table.tobytes(),), lambda: cuda.to_device(table))
 
 
 def launch_logical_to_physical(ids_view, layout, out_view, stream, prefer_rank=None) -> None:

@@ -496,3 +496,24 @@ def test_every_launch_goes_through_the_launcher_with_numba_typeof_signatures(op,
     assert [name for name, _, _ in seen] == traffic.launches == EXPECTED_LAUNCHES[op]
     for name, derived, typed in seen:
         assert derived == typed, name
+
+
+def test_device_tables_are_uploaded_once_and_the_oldest_dropped():
+    from moeroute.routing import remap as remap_module
+
+    remap_module._device_maps.clear()
+    maps = [np.full(4, i, np.int32) for i in range(remap_module._DEVICE_TABLE_CACHE_SIZE + 1)]
+    first = remap_module.expert_map_device_table(maps[0])
+    assert remap_module.expert_map_device_table(maps[0].copy()) is first  # by content
+    np.testing.assert_array_equal(host(first), maps[0])
+    for table in maps[1:]:
+        remap_module.expert_map_device_table(table)
+    assert len(remap_module._device_maps) == remap_module._DEVICE_TABLE_CACHE_SIZE
+    assert remap_module.expert_map_device_table(maps[0]) is not first  # dropped, uploaded again
+    assert remap_module.expert_map_device_table(maps[-1]) is remap_module.expert_map_device_table(
+        maps[-1])
+    tables = remap_module.layout_device_tables(LAYOUT)
+    assert remap_module.layout_device_tables(LAYOUT) is tables
+    for got, want in zip(tables, (LAYOUT.replica_offsets, LAYOUT.replica_ids,
+                                  LAYOUT.routed_id_map)):
+        np.testing.assert_array_equal(host(got), want)
