@@ -445,9 +445,11 @@ class CachedKernel:
     def _load(self, device_id: int):
         import cupy
 
+        from moeroute.routing import _cubins
+
         device = cupy.cuda.Device(device_id)
-        cubin, name, _ = compile_image(self.dispatcher, self.signature,
-                                       f"sm_{device.compute_capability}")
+        cubin, name = _cubins.load_or_compile(self.dispatcher, self.signature,
+                                              f"sm_{device.compute_capability}", compile_image)
         with device:
             module = cupy.cuda.function.Module()
             module.load(cubin)
