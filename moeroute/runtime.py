@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["warmup", "cache_dir", "cpu_dispatchers", "WARMUP_DTYPES", "add_warmup_arguments",
+__all__ = ["warmup", "warmup_cuda", "cache_dir", "cpu_dispatchers", "WARMUP_DTYPES", "add_warmup_arguments",
            "run_warmup"]
 
 #: Activation and logits dtypes compiled by default: each is its own specialization.
@@ -307,6 +307,90 @@ def warmup(presets: Sequence[str] | None = None, *, dtypes: Sequence[str] = WARM
     return result
 
 
+def warmup_cuda(presets: Sequence[str] | None = None, *, archs: Sequence[str] = ("sm_90",),
+                dtypes: Sequence[str] = WARMUP_DTYPES, progress: bool = True) -> dict:
+    """Compile the device routing kernels of the presets into the cubin cache, no GPU needed.
+
+    select_experts' and the fused route's kernels (the slow ones to compile: seconds each)
+    for each preset, logits dtype and architecture, as the cached launcher will ask for them
+    (`moeroute.routing._cubins`): a later process on a GPU of that architecture loads them
+    instead of compiling. Already cached kernels are loaded, not compiled. The other ops'
+    kernels compile in a fraction of a second on first use and are cached then.
+
+    Parameters
+    ----------
+    presets : sequence of str, optional
+        Preset names; default: all of them.
+    archs : sequence of str
+        Target architectures, "sm_XY" (e.g. "sm_90" for H100/H200, "sm_80" for A100).
+    dtypes : sequence of str
+        Logits dtypes among ``WARMUP_DTYPES``.
+    progress : bool
+        Print one line per preset and architecture to stderr.
+
+    Returns
+    -------
+    dict
+        ``compiled``, ``loaded`` (kernels), ``seconds``, ``cache_dir`` (None when the cubin
+        cache is off: then nothing is kept and this only checks that the kernels compile).
+
+    Raises
+    ------
+    ValueError
+        An unknown preset or dtype, an architecture not of the form "sm_XY".
+    RuntimeError
+        numba-cuda or cuda.core (nvJitLink) is not installed.
+    """
+    import re
+
+    chosen = _check_presets(presets)
+    dtypes = _check_dtypes(dtypes)
+    if isinstance(archs, str) or not archs:
+        raise ValueError(f"archs must be a non-empty sequence like ['sm_90'], got {archs!r}")
+    for arch in archs:
+        if not isinstance(arch, str) or not re.fullmatch(r"sm_\d{2,3}", arch):
+            raise ValueError(f"arch {arch!r} is not of the form 'sm_XY' (e.g. 'sm_90')")
+    try:
+        import cuda.core  # noqa: F401
+
+        from moeroute.routing import _cubins, _launcher
+        from moeroute.routing.route import _route_kernel, _route_signature
+        from moeroute.routing.select import _device
+    except ImportError as error:
+        raise RuntimeError(f"warmup_cuda needs numba-cuda and cuda.core (pip install "
+                           f"'moeroute[cuda]'): {error}") from error
+    emit = _progress_printer(progress)
+    compiled = 0
+
+    def compile_counted(dispatcher, signature, arch):
+        nonlocal compiled
+        compiled += 1
+        return _launcher.compile_image(dispatcher, signature, arch)
+
+    total = 0
+    start = time.perf_counter()
+    for arch in archs:
+        for preset in chosen:
+            step_start = time.perf_counter()
+            router = preset.router
+            constants = (router.num_experts, router.num_expert_group, router.scoring,
+                         preset.has_correction_bias, router.renormalize)
+            for kind in dtypes:
+                for kernel, signature in (
+                        (_device._device_kernel(*constants, kind), _device._device_signature(kind)),
+                        (_route_kernel(*constants, kind), _route_signature(kind, "C", "C"))):
+                    _cubins.load_or_compile(kernel, signature, arch, compile_counted)
+                    total += 1
+            emit(f"warmup_cuda {arch} {preset.name}: {time.perf_counter() - step_start:.1f} s")
+    directory = _cubins.cache_dir()
+    result = {"compiled": compiled, "loaded": total - compiled,
+              "seconds": time.perf_counter() - start,
+              "cache_dir": None if directory is None else str(directory)}
+    emit(f"warmup_cuda done in {result['seconds']:.1f} s: {compiled} kernels compiled, "
+         f"{result['loaded']} loaded from {result['cache_dir']}")
+    return result
+
+
 def _cache_hits() -> int:
     """Cache loads so far of moeroute's CPU kernels (their dispatchers' own counters)."""
     return sum(sum(dispatcher.stats.cache_hits.values()) for dispatcher in cpu_dispatchers())
@@ -341,6 +425,9 @@ def add_warmup_arguments(parser) -> None:
                         help="logits and activation dtypes (default: all)")
     parser.add_argument("--no-torch", action="store_true",
                         help="skip the torch module's forward (routing kernels only)")
+    parser.add_argument("--cuda-arch", nargs="+", metavar="ARCH", default=None,
+                        help="also compile the device routing kernels for these architectures "
+                             "(e.g. sm_90) into the cubin cache; no GPU needed")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -350,4 +437,9 @@ def run_warmup(args) -> int:
                     progress=not args.quiet)
     print(f"{result['compiled']} functions compiled, {result['loaded']} loaded from the cache, "
           f"in {result['seconds']:.1f} s; cache: {result['cache_dir']}")
+    if args.cuda_arch:
+        result = warmup_cuda(args.presets, archs=args.cuda_arch, dtypes=args.dtypes,
+                             progress=not args.quiet)
+        print(f"{result['compiled']} device kernels compiled, {result['loaded']} loaded, in "
+              f"{result['seconds']:.1f} s; cubin cache: {result['cache_dir']}")
     return 0

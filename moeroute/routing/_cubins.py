@@ -22,7 +22,6 @@ a partial cubin. ``MOEROUTE_CUBIN_CACHE=off`` disables it.
 from __future__ import annotations
 
 import hashlib
-import marshal
 import os
 import tempfile
 import types as pytypes
@@ -53,7 +52,7 @@ def describe(value):
         return None if inner is None else f"jit{sorted(options.items())!r}:{inner}"
     if isinstance(value, pytypes.FunctionType):
         # The code itself too: some device functions are generated (exec) per constant.
-        cells = [f"code={hashlib.sha256(marshal.dumps(value.__code__)).hexdigest()[:16]}"]
+        cells = [f"code={_code_digest(value.__code__)}"]
         defaults = describe(tuple(value.__defaults__ or ()))
         if defaults is None:
             return None
@@ -69,6 +68,19 @@ def describe(value):
             cells.append(f"{name}={part}")
         return f"{value.__module__}.{value.__qualname__}[{'; '.join(cells)}]"
     return None
+
+
+def _code_digest(code) -> str:
+    """A stable digest of a code object: its bytecode, names and constants (nested code
+    objects by their own digest). Not marshal: its output depends on reference counts."""
+    digest = hashlib.sha256(code.co_code)
+    digest.update(repr((code.co_names, code.co_varnames, code.co_freevars)).encode())
+    for constant in code.co_consts:
+        if isinstance(constant, pytypes.CodeType):
+            digest.update(_code_digest(constant).encode())
+        else:
+            digest.update(f"{type(constant).__name__}:{constant!r};".encode())
+    return digest.hexdigest()[:16]
 
 
 def cache_dir() -> Path | None:

@@ -120,3 +120,43 @@ def test_a_real_cubin_round_trips(cache_env):
         raise AssertionError("compiled again")
 
     assert _cubins.load_or_compile(kernel, signature, "sm_90", refuse) == compiled
+
+
+@no_sim
+@pytest.mark.slow
+def test_warmup_cuda_fills_the_cache_a_launch_then_reads(cache_env, capsys):
+    """`moeroute.runtime.warmup_cuda` compiles select's and route's kernels for a preset
+    without a GPU; a second warm-up and the launcher's own lookup read them."""
+    pytest.importorskip("cuda.core")
+    from moeroute import runtime
+    from moeroute.config import PRESETS
+
+    first = runtime.warmup_cuda(["mixtral-8x7b"], archs=["sm_90"], dtypes=["float32"])
+    assert (first["compiled"], first["loaded"]) == (2, 0)
+    assert first["cache_dir"] == str(cache_env) and len(list(cache_env.glob("*.cubin"))) == 2
+    again = runtime.warmup_cuda(["mixtral-8x7b"], archs=["sm_90"], dtypes=["float32"],
+                                progress=False)
+    assert (again["compiled"], again["loaded"]) == (0, 2)
+    assert "warmup_cuda sm_90 mixtral-8x7b" in capsys.readouterr().err
+
+    router = PRESETS["mixtral-8x7b"].router
+    kernel = select_device._device_kernel(router.num_experts, router.num_expert_group,
+                                          router.scoring, False, router.renormalize, "float32")
+
+    def refuse(*args):
+        raise AssertionError("compiled again")
+
+    cubin, name = _cubins.load_or_compile(kernel, select_device._device_signature("float32"),
+                                          "sm_90", refuse)
+    assert cubin[:4] == b"\x7fELF" and name.encode() in cubin
+
+
+def test_warmup_cuda_refuses_bad_arguments():
+    from moeroute import runtime
+
+    with pytest.raises(ValueError, match="arch 'sm90' is not of the form 'sm_XY'"):
+        runtime.warmup_cuda(["mixtral-8x7b"], archs=["sm90"])
+    with pytest.raises(ValueError, match="archs must be a non-empty sequence"):
+        runtime.warmup_cuda(["mixtral-8x7b"], archs="sm_90")
+    with pytest.raises(ValueError, match="each must be one of"):
+        runtime.warmup_cuda(["no-such-model"])
