@@ -1,6 +1,6 @@
 """align_block_size: expert-sorted, block-padded flat indices for a grouped GEMM.
 
-The CPU kernel is a sequential counting sort (`moeroute.routing._sort.align_cpu`); the
+The CPU kernel is a sequential counting sort (`moeroute.routing._sort._host.align_cpu`); the
 CUDA kernels are the deterministic chunked counting sort of `moeroute.routing._sort`.
 Both give the same arrays, entry for entry (SPEC section 4 fixes one answer).
 

@@ -21,11 +21,11 @@ from numba import types as nt  # noqa: E402
 
 from moeroute.layout import ExpertLayout  # noqa: E402
 from moeroute.routing import _sort  # noqa: E402
-# The package re-exports functions named like their modules (permute, combine).
-combine_module = importlib.import_module("moeroute.routing.combine")
-permute_module = importlib.import_module("moeroute.routing.permute")
-remap_module = importlib.import_module("moeroute.routing.remap")
-shared_slots_module = importlib.import_module("moeroute.routing.shared_slots")
+# Each op's CUDA kernels live in its package's _cuda module.
+combine_module = importlib.import_module("moeroute.routing.combine._cuda")
+permute_module = importlib.import_module("moeroute.routing.permute._cuda")
+remap_module = importlib.import_module("moeroute.routing.remap._cuda")
+shared_slots_module = importlib.import_module("moeroute.routing.shared_slots._cuda")
 from moeroute.routing.align import align_block_size  # noqa: E402
 from moeroute.routing.combine import combine  # noqa: E402
 from moeroute.routing.permute import permute, sort_by_expert  # noqa: E402

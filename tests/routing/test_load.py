@@ -154,7 +154,7 @@ def test_count_kernel_compiles_to_ptx(ids_type):
     cuda = pytest.importorskip("numba.cuda")
     from numba import types
 
-    from moeroute.routing import load
+    from moeroute.routing.load import _cuda as load
 
     signature = (getattr(types, ids_type)[::1], types.int64[::1])
     ptx, _ = cuda.compile_ptx(load._count_kernel, signature, cc=(8, 0))

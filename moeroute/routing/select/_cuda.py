@@ -466,7 +466,7 @@ def route_kernel_function(num_experts, num_groups, scoring, has_bias, renormaliz
     columns < K are lane r's pick, column K + j (j < S') the shared slot ``first_slot + j``
     with weight ``slot_weights[t * use_row, j * use_col]`` or ``scalar_weight``.
     """
-    from moeroute.routing.remap import _physical_id
+    from moeroute.routing.remap._common import _physical_id
 
     # Compiled here from remap's one definition: inlined, and compile_ptx needs no context.
     physical_id_device = cuda.jit(device=True, inline="always")(_physical_id)

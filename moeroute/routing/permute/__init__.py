@@ -9,7 +9,6 @@ int16 view): no value is ever converted.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange, uint32
 
 from moeroute.routing import _launcher, _sort
 from moeroute.routing._arrays import (
@@ -24,10 +23,8 @@ from moeroute.routing._arrays import (
     resolve_stream,
 )
 
-try:
-    from numba import cuda
-except ImportError:  # pragma: no cover - CPU-only installs
-    cuda = None
+from moeroute.routing.permute._cuda import _gather_kernel, _gather_rows_kernel  # noqa: F401
+from moeroute.routing.permute._host import _gather_rows, _gather_rows_parallel
 
 __all__ = ["sort_by_expert", "permute"]
 
@@ -178,18 +175,6 @@ def _as_bits(array: np.ndarray) -> np.ndarray:
     return array.view(bits)
 
 
-@njit(cache=True)
-def _gather_rows(source, sorted_slots, top_k, out):
-    for r in range(sorted_slots.shape[0]):
-        out[r, :] = source[sorted_slots[r] // top_k, :]
-
-
-@njit(cache=True, parallel=True)
-def _gather_rows_parallel(source, sorted_slots, top_k, out):
-    for r in prange(sorted_slots.shape[0]):
-        out[r, :] = source[sorted_slots[r] // top_k, :]
-
-
 def _permute_device(hidden_states, topk_ids, num_experts, stream):
     bfloat16 = is_bfloat16(hidden_states)
     if bfloat16:  # moved as its 16-bit pattern
@@ -211,24 +196,3 @@ def _permute_device(hidden_states, topk_ids, num_experts, stream):
     if bfloat16:
         permuted = from_device_bits16(permuted, hidden_states)
     return permuted, expert_offsets, inverse_index
-
-
-def _gather_rows_kernel(source, sorted_slots, kept_count, top_k, out):
-    """Block (r, c): columns ``c*blockDim + tid`` of output row r; rows from
-    ``kept_count[0]`` on are not written. 32-bit index math: the row comes from blockIdx.x,
-    the token from an unsigned 32-bit division (slots are < 2**31 by the index check)."""
-    r = cuda.blockIdx.x
-    h = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
-    if r < kept_count[0] and h < out.shape[1]:
-        token = uint32(sorted_slots[r]) // uint32(top_k)
-        out[r, h] = source[token, h]
-
-
-_jitted: dict = {}
-
-
-def _gather_kernel():
-    if "gather" not in _jitted:
-        _sort.check_cuda_available()
-        _jitted["gather"] = cuda.jit(_gather_rows_kernel)
-    return _jitted["gather"]

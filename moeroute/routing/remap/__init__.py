@@ -11,12 +11,9 @@ remap_to_local
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import numpy as np
-from numba import njit
 
-from moeroute.layout import REPLICA_HASH_MULTIPLIER, ExpertLayout
+from moeroute.layout import ExpertLayout
 from moeroute.routing import _launcher, _sort
 from moeroute.routing._arrays import (
     as_caller,
@@ -26,20 +23,28 @@ from moeroute.routing._arrays import (
     is_device_array,
     resolve_stream,
 )
-
-try:
-    from numba import cuda
-except ImportError:  # pragma: no cover - CPU-only installs
-    cuda = None
+from moeroute.routing.remap._common import _physical_id, _replica_tables  # noqa: F401
+from moeroute.routing.remap._cuda import (  # noqa: F401  (the device ops import these)
+    _DEVICE_TABLE_CACHE_SIZE,
+    _device_maps,
+    _device_tables,
+    _kernel,
+    expert_map_device_table,
+    launch_logical_to_physical,
+    layout_device_tables,
+    logical_to_physical_kernel,
+    physical_id_device,
+)
+from moeroute.routing.remap._host import (  # noqa: F401
+    _remap_cpu,
+    logical_to_physical_cpu,
+    physical_id_cpu,
+)
 
 __all__ = ["logical_to_physical", "remap_to_local"]
 
-#: The replica hash is taken modulo 2**32 on every backend (uint32 arithmetic in engines).
-_HASH_MASK = 0xFFFFFFFF
 #: Largest local id: the output is int32.
 _LOCAL_ID_MAX = int(np.iinfo(np.int32).max)
-#: Layouts whose id tables are kept on the device; a process rarely uses more than a few.
-_DEVICE_TABLE_CACHE_SIZE = 32
 
 
 def check_layout(layout) -> ExpertLayout:
@@ -68,152 +73,6 @@ def _check_host_expert_map(table: np.ndarray) -> None:
             f"expert_map values must be -1 (not held) or local ids in [0, {_LOCAL_ID_MAX}] "
             f"(int32), got values in [{low}, {high}]"
         )
-
-
-# ------------------------------------------------------------------ shared scalar rule
-
-
-def _physical_id(logical, token_row, num_routed, replica_offsets, replica_ids, routed_id_map):
-    """Physical id of logical id ``logical`` for token row ``token_row``; -1 outside [0, N).
-
-    Compiled twice from this one definition: for the CPU kernels (njit) and as a CUDA
-    device function.
-    """
-    if logical < 0 or logical >= num_routed:
-        return -1
-    first = replica_offsets[logical]
-    count = replica_offsets[logical + 1] - first
-    replica = replica_ids[first]
-    if count > 1:
-        hashed = (np.int64(token_row) * REPLICA_HASH_MULTIPLIER) & _HASH_MASK
-        replica = replica_ids[first + hashed % count]
-    return routed_id_map[replica]
-
-
-physical_id_cpu = njit(cache=True, inline="always")(_physical_id)
-physical_id_device = (None if cuda is None
-                      else cuda.jit(device=True, inline="always")(_physical_id))
-
-
-# --------------------------------------------------------------------------- CPU
-
-
-@njit(cache=True)
-def logical_to_physical_cpu(topk_ids, num_routed, replica_offsets, replica_ids,
-                            routed_id_map, out):
-    """Fill out[:, :K] with the physical ids of topk_ids [T, K]."""
-    rows, cols = topk_ids.shape
-    for t in range(rows):
-        for k in range(cols):
-            out[t, k] = physical_id_cpu(topk_ids[t, k], t, num_routed, replica_offsets,
-                                        replica_ids, routed_id_map)
-
-
-@njit(cache=True)
-def _remap_cpu(ids, expert_map, out):
-    size = expert_map.shape[0]
-    for i in range(ids.shape[0]):
-        physical = ids[i]
-        out[i] = expert_map[physical] if physical >= 0 and physical < size else -1
-
-
-# --------------------------------------------------------------------------- CUDA
-
-
-def logical_to_physical_kernel(topk_ids, num_routed, replica_offsets, replica_ids,
-                               routed_id_map, out):
-    """One thread per (t, k)."""
-    i = cuda.grid(1)
-    cols = topk_ids.shape[1]
-    if i < topk_ids.shape[0] * cols:
-        t = i // cols
-        k = i % cols
-        out[t, k] = physical_id_device(topk_ids[t, k], t, num_routed, replica_offsets,
-                                       replica_ids, routed_id_map)
-
-
-def _remap_kernel(ids, expert_map, out):
-    i = cuda.grid(1)
-    if i < ids.shape[0]:
-        physical = ids[i]
-        local = -1
-        if physical >= 0 and physical < expert_map.shape[0]:
-            local = expert_map[physical]
-        out[i] = local
-
-
-_jitted: dict = {}
-
-
-def _kernel(name: str):
-    if name not in _jitted:
-        _sort.check_cuda_available()
-        function = {"l2p": logical_to_physical_kernel, "remap": _remap_kernel}[name]
-        _jitted[name] = cuda.jit(function)
-    return _jitted[name]
-
-
-def _kept(cache: OrderedDict, key: tuple, upload):
-    """``cache``'s entry for ``key`` on the current device, made by ``upload()`` on a miss;
-    the least recently used of more than `_DEVICE_TABLE_CACHE_SIZE` entries is dropped."""
-    key = (*key, getattr(cuda.get_current_device(), "id", 0))
-    found = cache.get(key)
-    if found is None:
-        found = cache[key] = upload()
-        if len(cache) > _DEVICE_TABLE_CACHE_SIZE:
-            cache.popitem(last=False)
-    else:
-        cache.move_to_end(key)
-    return found
-
-
-_device_tables: OrderedDict = OrderedDict()
-
-
-def _replica_tables(layout: ExpertLayout, prefer_rank):
-    """(replica_offsets, replica_ids) of ``layout``, or its `preferred_replicas` of a rank."""
-    if prefer_rank is None:
-        return layout.replica_offsets, layout.replica_ids
-    return layout.preferred_replicas(prefer_rank)
-
-
-def layout_device_tables(layout: ExpertLayout, prefer_rank=None):
-    """(replica_offsets, replica_ids, routed_id_map) of ``layout`` on the current device.
-
-    Uploaded once per layout, ``prefer_rank`` and device (a synchronous copy, so any stream
-    may use them).
-    """
-    def upload():
-        offsets, replica_ids = _replica_tables(layout, prefer_rank)
-        return tuple(cuda.to_device(np.ascontiguousarray(a)) for a in (
-            offsets, replica_ids, layout.routed_id_map))
-
-    return _kept(_device_tables, (layout, prefer_rank), upload)
-
-
-_device_maps: OrderedDict = OrderedDict()
-
-
-def expert_map_device_table(expert_map: np.ndarray):
-    """int32 device copy of the host ``expert_map``, uploaded once per content and device.
-
-    Keyed by the map's bytes, so a map edited in place gets a new upload. The first call
-    copies synchronously (before any capture: the warm-up call); later calls copy nothing.
-    """
-    table = np.ascontiguousarray(expert_map, dtype=np.int32)
-    return _kept(_device_maps, (table.tobytes(),), lambda: cuda.to_device(table))
-
-
-def launch_logical_to_physical(ids_view, layout, out_view, stream, prefer_rank=None) -> None:
-    """Fill the first K columns of ``out_view`` from ``ids_view`` [T, K] on ``stream``."""
-    numel = int(ids_view.shape[0]) * int(ids_view.shape[1])
-    if numel == 0:
-        return
-    offsets, replica_ids, routed_id_map = layout_device_tables(layout, prefer_rank)
-    blocks, threads = _sort.launch_config(numel)
-    _launcher.launch(_kernel("l2p"), None, blocks, threads, stream,
-                     (ids_view, layout.num_routed_experts, offsets, replica_ids, routed_id_map,
-                      out_view))
 
 
 # --------------------------------------------------------------------------- API

@@ -7,62 +7,25 @@ Feed it physical ids (`logical_to_physical` / `append_shared_slots` output) with
 per-logical-expert load. With ``out`` the counts are added into an existing counter, so a
 rebalancer can accumulate a window of steps and reset the counter itself.
 
-CPU: one sequential pass (Numba ``njit``). CUDA: one thread per entry, integer atomics into
-the int64 counters (a sum, so the result does not depend on the order); device inputs stay
-on the device, the counters are allocated by the input's framework and nothing synchronizes.
+CPU: one sequential pass (Numba ``njit``, `_host`). CUDA: one thread per entry, integer
+atomics into the int64 counters (`_cuda`); device inputs stay on the device, the counters
+are allocated by the input's framework and nothing synchronizes.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from moeroute.routing import _launcher, _sort
 from moeroute.routing._arrays import (as_caller, as_device_array, device_empty, host_array,
                                      is_device_array, resolve_stream)
-
-try:
-    from numba import cuda
-except ImportError:  # pragma: no cover - CPU-only installs
-    cuda = None
+from moeroute.routing.load._cuda import _kernel
+from moeroute.routing.load._host import _count_cpu
 
 __all__ = ["expert_load", "LOAD_DTYPE"]
 
 #: Counter dtype: int64, so a long accumulation window (2**31 tokens) cannot overflow.
 LOAD_DTYPE = np.int64
-
-
-@njit(cache=True)
-def _count_cpu(ids, counts):
-    size = counts.shape[0]
-    for i in range(ids.shape[0]):
-        e = ids[i]
-        if e >= 0 and e < size:
-            counts[e] += 1
-
-
-def _zero_kernel(counts):
-    i = cuda.grid(1)
-    if i < counts.shape[0]:
-        counts[i] = 0
-
-
-def _count_kernel(ids, counts):
-    i = cuda.grid(1)
-    if i < ids.shape[0]:
-        e = ids[i]
-        if e >= 0 and e < counts.shape[0]:
-            cuda.atomic.add(counts, e, 1)
-
-
-_jitted: dict = {}
-
-
-def _kernel(name: str):
-    if name not in _jitted:
-        _sort.check_cuda_available()
-        _jitted[name] = cuda.jit({"zero": _zero_kernel, "count": _count_kernel}[name])
-    return _jitted[name]
 
 
 def _check_out(out, num_experts, on_device):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import numbers
 
 import numpy as np
-from numba import njit
 
 from moeroute.routing import _launcher, _sort
 from moeroute.routing._arrays import (
@@ -23,14 +22,9 @@ from moeroute.routing._arrays import (
     is_device_array,
     resolve_stream,
 )
-from moeroute.routing.remap import check_layout, layout_device_tables, physical_id_cpu
-
-try:
-    from numba import cuda
-
-    from moeroute.routing.remap import physical_id_device
-except ImportError:  # pragma: no cover - CPU-only installs
-    cuda = None
+from moeroute.routing.remap import check_layout, layout_device_tables
+from moeroute.routing.shared_slots._cuda import _append_kernel, _kernel  # noqa: F401
+from moeroute.routing.shared_slots._host import _append_cpu
 
 __all__ = ["append_shared_slots"]
 
@@ -89,64 +83,6 @@ def _slot_weight_strides(shape) -> tuple[int, int]:
     if len(shape) == 1 or shape[1] == 1:
         return 1, 0
     return 1, 1
-
-
-# --------------------------------------------------------------------------- CPU
-
-
-@njit(cache=True)
-def _append_cpu(topk_ids, topk_weights, num_routed, replica_offsets, replica_ids,
-                routed_id_map, first_slot, slot_weights, use_row, use_col, scalar_weight,
-                has_array, out_ids, out_weights):
-    rows, top_k = topk_ids.shape
-    slots = out_ids.shape[1] - top_k
-    for t in range(rows):
-        for k in range(top_k):
-            out_ids[t, k] = physical_id_cpu(topk_ids[t, k], t, num_routed, replica_offsets,
-                                            replica_ids, routed_id_map)
-            out_weights[t, k] = topk_weights[t, k]
-        for j in range(slots):
-            out_ids[t, top_k + j] = first_slot + j
-            if has_array:
-                out_weights[t, top_k + j] = slot_weights[t * use_row, j * use_col]
-            else:
-                out_weights[t, top_k + j] = scalar_weight
-
-
-# --------------------------------------------------------------------------- CUDA
-
-
-def _append_kernel(topk_ids, topk_weights, num_routed, replica_offsets, replica_ids,
-                   routed_id_map, first_slot, slot_weights, use_row, use_col, scalar_weight,
-                   has_array, out_ids, out_weights):
-    """One thread per output entry (t, c), c < K + S."""
-    i = cuda.grid(1)
-    width = out_ids.shape[1]
-    if i < out_ids.shape[0] * width:
-        t = i // width
-        c = i % width
-        top_k = topk_ids.shape[1]
-        if c < top_k:
-            out_ids[t, c] = physical_id_device(topk_ids[t, c], t, num_routed,
-                                               replica_offsets, replica_ids, routed_id_map)
-            out_weights[t, c] = topk_weights[t, c]
-        else:
-            j = c - top_k
-            out_ids[t, c] = first_slot + j
-            if has_array:
-                out_weights[t, c] = slot_weights[t * use_row, j * use_col]
-            else:
-                out_weights[t, c] = scalar_weight
-
-
-_jitted: dict = {}
-
-
-def _kernel():
-    if "append" not in _jitted:
-        _sort.check_cuda_available()
-        _jitted["append"] = cuda.jit(_append_kernel)
-    return _jitted["append"]
 
 
 # --------------------------------------------------------------------------- API

@@ -11,10 +11,7 @@ rounded to nearest-even from the float32 sum, as torch's ``.to(torch.bfloat16)``
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
-from numba import njit, prange
 
 from moeroute.routing import _launcher, _sort
 from moeroute.routing._arrays import (
@@ -28,28 +25,25 @@ from moeroute.routing._arrays import (
     is_bfloat16,
     is_device_array,
     resolve_stream,
-    simulator_enabled,
 )
-
-try:
-    from numba import cuda
-except ImportError:  # pragma: no cover - CPU-only installs
-    cuda = None
+from moeroute.routing.combine._cuda import _combine_bf16_kernel, _combine_kernel, _kernel  # noqa: F401
+from moeroute.routing.combine._host import (
+    _accumulate_cpu,
+    _accumulate_cpu_parallel,
+    _accumulate_decoded_cpu,
+    _combine_cpu,
+    _combine_cpu_parallel,
+    _combine_decoded_cpu,
+    _combine_decoded_cpu_parallel,
+    _decode_table,
+    _encode_bf16_cpu,
+)
 
 __all__ = ["combine", "accumulate_rows"]
 
 #: Output size (T*H elements) from which the CPU kernel runs on all cores. Measured on 2
 #: cores: waking the thread pool costs 7-14 ms; smaller sums finish sooner alone.
 PARALLEL_COMBINE_MIN_ELEMENTS = 4 << 20
-#: bfloat16 is the top half of a float32.
-_BF16_SHIFT = 16
-#: The quiet NaN torch writes for any NaN converted to bfloat16.
-_BF16_NAN = 0x7FC0
-#: Half of a bfloat16 ulp minus one, in float32 bits: the round-to-nearest-even bias.
-_BF16_ROUND_BIAS = 0x7FFF
-_FLOAT32_ABS_MASK = 0x7FFFFFFF
-_FLOAT32_INF_BITS = 0x7F800000
-
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 _BITS_DTYPES = (np.dtype(np.uint16), np.dtype(np.int16))
 
@@ -83,174 +77,6 @@ def _check_combine_args(out_shape, out_dtype, index_shape, index_dtype, weights_
             raise TypeError(f"topk_weights must be floating point, got dtype {weights_dtype}")
     _sort.check_index_limit("inverse_index.shape[0] * expert_out.shape[1]",
                             int(index_shape[0]) * int(out_shape[1]))
-
-
-# --------------------------------------------------------------------------- CPU
-
-
-@functools.cache
-def _decode_table(raw_bf16: bool) -> np.ndarray:
-    """float32 [65536]: the value of every 16-bit pattern (bfloat16 or float16)."""
-    patterns = np.arange(1 << 16, dtype=np.uint32)
-    if raw_bf16:
-        return (patterns << _BF16_SHIFT).view(np.float32)
-    return patterns.astype(np.uint16).view(np.float16).astype(np.float32)
-
-
-@njit(cache=True, inline="always")
-def _combine_row(expert_out, inverse_index, weights, has_weights, t, out):
-    out[t, :] = 0
-    rows = expert_out.shape[0]
-    for k in range(inverse_index.shape[1]):
-        r = inverse_index[t, k]
-        if r >= 0 and r < rows:
-            w = weights[t, k] if has_weights else np.float32(1)
-            for h in range(out.shape[1]):
-                out[t, h] += w * expert_out[r, h]
-
-
-@njit(cache=True, inline="always")
-def _combine_row_decoded(expert_bits, table, inverse_index, weights, has_weights, t, out):
-    out[t, :] = 0
-    rows = expert_bits.shape[0]
-    for k in range(inverse_index.shape[1]):
-        r = inverse_index[t, k]
-        if r >= 0 and r < rows:
-            w = weights[t, k] if has_weights else np.float32(1)
-            for h in range(out.shape[1]):
-                out[t, h] += w * table[expert_bits[r, h]]
-
-
-@njit(cache=True)
-def _combine_cpu(expert_out, inverse_index, weights, has_weights, out):
-    for t in range(out.shape[0]):
-        _combine_row(expert_out, inverse_index, weights, has_weights, t, out)
-
-
-@njit(cache=True, parallel=True)
-def _combine_cpu_parallel(expert_out, inverse_index, weights, has_weights, out):
-    for t in prange(out.shape[0]):
-        _combine_row(expert_out, inverse_index, weights, has_weights, t, out)
-
-
-@njit(cache=True)
-def _combine_decoded_cpu(expert_bits, table, inverse_index, weights, has_weights, out):
-    for t in range(out.shape[0]):
-        _combine_row_decoded(expert_bits, table, inverse_index, weights, has_weights, t, out)
-
-
-@njit(cache=True, parallel=True)
-def _combine_decoded_cpu_parallel(expert_bits, table, inverse_index, weights, has_weights,
-                                  out):
-    for t in prange(out.shape[0]):
-        _combine_row_decoded(expert_bits, table, inverse_index, weights, has_weights, t, out)
-
-
-def _bf16_from_float_bits(bits):
-    """bfloat16 pattern of the float32 with bit pattern ``bits`` (uint32): rounded to
-    nearest even, as torch does; any NaN becomes the quiet NaN 0x7FC0.
-
-    One definition for the CPU (njit), the GPU (device function) and the simulator.
-    """
-    wide = np.int64(bits)  # room for the bias without wrapping
-    if wide & _FLOAT32_ABS_MASK > _FLOAT32_INF_BITS:
-        return np.uint16(_BF16_NAN)
-    return np.uint16((wide + _BF16_ROUND_BIAS + ((wide >> _BF16_SHIFT) & 1)) >> _BF16_SHIFT)
-
-
-def _float_bits_from_bf16(bits):
-    """float32 bit pattern (uint32) of the bfloat16 pattern ``bits`` (uint16)."""
-    return np.uint32(bits) << np.uint32(_BF16_SHIFT)
-
-
-_bf16_from_float_bits_cpu = njit(cache=True, inline="always")(_bf16_from_float_bits)
-
-
-@njit(cache=True)
-def _encode_bf16_cpu(value_bits, out_bits):
-    """out_bits [T, H] uint16 = bfloat16 of the float32 patterns value_bits [T, H] uint32."""
-    flat_in = value_bits.reshape(-1)
-    flat_out = out_bits.reshape(-1)
-    for i in range(flat_in.shape[0]):
-        flat_out[i] = _bf16_from_float_bits_cpu(flat_in[i])
-
-
-# --------------------------------------------------------------------------- CUDA
-# Only the float32 <-> uint32 reinterpretation differs between the GPU (libdevice) and
-# the simulator (which has no libdevice); the rounding arithmetic is shared.
-
-
-def _float_as_bits_python(value):
-    return np.array(value, dtype=np.float32).view(np.uint32)[()]
-
-
-def _bits_as_float_python(bits):
-    return np.array(bits, dtype=np.uint32).view(np.float32)[()]
-
-
-def _float_as_bits_device(value):
-    return np.uint32(cuda.libdevice.float_as_int(value))
-
-
-def _bits_as_float_device(bits):
-    return cuda.libdevice.int_as_float(np.int32(bits))
-
-
-if cuda is None:  # pragma: no cover - CPU-only installs
-    float_as_bits = bits_as_float = bf16_from_float_bits = float_bits_from_bf16 = None
-elif simulator_enabled():
-    float_as_bits, bits_as_float = _float_as_bits_python, _bits_as_float_python
-    bf16_from_float_bits, float_bits_from_bf16 = _bf16_from_float_bits, _float_bits_from_bf16
-else:
-    float_as_bits = cuda.jit(device=True, inline="always")(_float_as_bits_device)
-    bits_as_float = cuda.jit(device=True, inline="always")(_bits_as_float_device)
-    bf16_from_float_bits = cuda.jit(device=True, inline="always")(_bf16_from_float_bits)
-    float_bits_from_bf16 = cuda.jit(device=True, inline="always")(_float_bits_from_bf16)
-
-
-def _combine_kernel(expert_out, inverse_index, weights, has_weights, out):
-    """Block (t, c): columns ``c*blockDim + tid`` of token t (`row_launch_config`: 32-bit
-    index math, no division); float32 or float16 activations."""
-    t = cuda.blockIdx.x
-    h = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
-    if t < out.shape[0] and h < out.shape[1]:
-        rows = expert_out.shape[0]
-        acc = np.float32(0)
-        for k in range(inverse_index.shape[1]):
-            r = inverse_index[t, k]
-            if r >= 0 and r < rows:
-                w = np.float32(1)
-                if has_weights:
-                    w = weights[t, k]
-                acc += w * np.float32(expert_out[r, h])
-        out[t, h] = acc
-
-
-def _combine_bf16_kernel(expert_bits, inverse_index, weights, has_weights, out_bits):
-    """As `_combine_kernel`; bfloat16 activations as raw uint16 bits."""
-    t = cuda.blockIdx.x
-    h = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
-    if t < out_bits.shape[0] and h < out_bits.shape[1]:
-        rows = expert_bits.shape[0]
-        acc = np.float32(0)
-        for k in range(inverse_index.shape[1]):
-            r = inverse_index[t, k]
-            if r >= 0 and r < rows:
-                w = np.float32(1)
-                if has_weights:
-                    w = weights[t, k]
-                acc += w * bits_as_float(float_bits_from_bf16(expert_bits[r, h]))
-        out_bits[t, h] = bf16_from_float_bits(float_as_bits(acc))
-
-
-_jitted: dict = {}
-
-
-def _kernel(raw_bf16: bool):
-    if raw_bf16 not in _jitted:
-        _sort.check_cuda_available()
-        _jitted[raw_bf16] = cuda.jit(_combine_bf16_kernel if raw_bf16 else _combine_kernel)
-    return _jitted[raw_bf16]
 
 
 # --------------------------------------------------------------------------- API
@@ -372,38 +198,6 @@ def _combine_device(expert_out, inverse_index, topk_weights, raw_bf16, stream):
         _launcher.launch(_kernel(raw_bf16), None, grid, threads, launch_stream,
                          (expert, index, weights, has_weights, out_view))
     return out
-
-
-# --------------------------------------------------------------------------- accumulate
-
-
-@njit(cache=True, inline="always")
-def _accumulate_row(rows, tokens, weights, r, out):
-    t = tokens[r]
-    w = weights[r]
-    for h in range(out.shape[1]):
-        out[t, h] += w * rows[r, h]
-
-
-@njit(cache=True)
-def _accumulate_cpu(rows, tokens, weights, out):
-    for r in range(rows.shape[0]):
-        _accumulate_row(rows, tokens, weights, r, out)
-
-
-@njit(cache=True, parallel=True)
-def _accumulate_cpu_parallel(rows, tokens, weights, out):
-    for r in prange(rows.shape[0]):  # distinct tokens: no two rows write the same sums
-        _accumulate_row(rows, tokens, weights, r, out)
-
-
-@njit(cache=True)
-def _accumulate_decoded_cpu(row_bits, table, tokens, weights, out):
-    for r in range(row_bits.shape[0]):
-        t = tokens[r]
-        w = weights[r]
-        for h in range(out.shape[1]):
-            out[t, h] += w * table[row_bits[r, h]]
 
 
 #: Rows x width from which accumulate_rows splits float32 rows over the cores (when the
