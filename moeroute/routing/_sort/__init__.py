@@ -39,6 +39,7 @@ from moeroute.routing._sort._common import (  # noqa: F401
     check_index_limit,
     device_ids,
     host_ids,
+    jit_kernel,
     launch_config,
     padded_capacity,
     row_launch_config,

@@ -3,6 +3,8 @@ compile (`_mapped_id`)."""
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 try:  # numba.cuda comes with the optional numba-cuda package
@@ -39,6 +41,14 @@ def check_cuda_available() -> None:
             "a device array was passed but numba.cuda is not available; "
             "install the 'cuda' extra (numba-cuda)"
         )
+
+
+@lru_cache(maxsize=None)
+def jit_kernel(function):
+    """``cuda.jit(function)``, once per function: the ops' kernels are jitted on first use
+    (RuntimeError naming the missing extra when numba.cuda is not installed)."""
+    check_cuda_available()
+    return cuda.jit(function)
 
 
 def launch_config(work_items: int, limit: int = THREADS_PER_BLOCK) -> tuple[int, int]:

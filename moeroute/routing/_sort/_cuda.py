@@ -10,7 +10,7 @@ from moeroute.routing._sort._common import (
     SORT_CHUNK,
     SORT_TILE,
     _mapped_id,
-    check_cuda_available,
+    jit_kernel,
     cuda,
 )
 
@@ -163,15 +163,11 @@ _KERNEL_FUNCTIONS = {
     "count": _count_kernel,
     "place": _place_kernel,
 }
-_kernels: dict = {}
 
 
 def kernel(name: str):
     """The numba.cuda dispatcher of one sort kernel, jitted on first use."""
-    if name not in _kernels:
-        check_cuda_available()
-        _kernels[name] = cuda.jit(_KERNEL_FUNCTIONS[name])
-    return _kernels[name]
+    return jit_kernel(_KERNEL_FUNCTIONS[name])
 
 
 def counting_sort_device(topk_ids, num_experts, block_size, sorted_out, expert_starts,

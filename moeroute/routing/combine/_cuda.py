@@ -78,11 +78,5 @@ def _combine_bf16_kernel(expert_bits, inverse_index, weights, has_weights, out_b
         out_bits[t, h] = bf16_from_float_bits(float_as_bits(acc))
 
 
-_jitted: dict = {}
-
-
 def _kernel(raw_bf16: bool):
-    if raw_bf16 not in _jitted:
-        _sort.check_cuda_available()
-        _jitted[raw_bf16] = cuda.jit(_combine_bf16_kernel if raw_bf16 else _combine_kernel)
-    return _jitted[raw_bf16]
+    return _sort.jit_kernel(_combine_bf16_kernel if raw_bf16 else _combine_kernel)

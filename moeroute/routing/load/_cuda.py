@@ -23,11 +23,5 @@ def _count_kernel(ids, counts):
             cuda.atomic.add(counts, e, 1)
 
 
-_jitted: dict = {}
-
-
 def _kernel(name: str):
-    if name not in _jitted:
-        _sort.check_cuda_available()
-        _jitted[name] = cuda.jit({"zero": _zero_kernel, "count": _count_kernel}[name])
-    return _jitted[name]
+    return _sort.jit_kernel({"zero": _zero_kernel, "count": _count_kernel}[name])

@@ -21,11 +21,5 @@ def _gather_rows_kernel(source, sorted_slots, kept_count, top_k, out):
         out[r, h] = source[token, h]
 
 
-_jitted: dict = {}
-
-
 def _gather_kernel():
-    if "gather" not in _jitted:
-        _sort.check_cuda_available()
-        _jitted["gather"] = cuda.jit(_gather_rows_kernel)
-    return _jitted["gather"]
+    return _sort.jit_kernel(_gather_rows_kernel)

@@ -43,15 +43,8 @@ def _remap_kernel(ids, expert_map, out):
         out[i] = local
 
 
-_jitted: dict = {}
-
-
 def _kernel(name: str):
-    if name not in _jitted:
-        _sort.check_cuda_available()
-        function = {"l2p": logical_to_physical_kernel, "remap": _remap_kernel}[name]
-        _jitted[name] = cuda.jit(function)
-    return _jitted[name]
+    return _sort.jit_kernel({"l2p": logical_to_physical_kernel, "remap": _remap_kernel}[name])
 
 
 def _kept(cache: OrderedDict, key: tuple, upload):

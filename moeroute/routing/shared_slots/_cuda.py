@@ -33,11 +33,5 @@ def _append_kernel(topk_ids, topk_weights, num_routed, replica_offsets, replica_
                 out_weights[t, c] = scalar_weight
 
 
-_jitted: dict = {}
-
-
 def _kernel():
-    if "append" not in _jitted:
-        _sort.check_cuda_available()
-        _jitted["append"] = cuda.jit(_append_kernel)
-    return _jitted["append"]
+    return _sort.jit_kernel(_append_kernel)
