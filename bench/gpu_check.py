@@ -11,7 +11,8 @@ crashes is killed and the next one still runs (the whole plan fits `BUDGET_S`):
                 libnvvm, the probe looks for one in the usual places and hands CUDA_HOME to
                 the later stages.
 1. warm         fills the on-disk caches in parallel: the Numba CPU kernels (the host
-                references of the GPU tests) and every shipped CuPy GEMM instantiation.
+                references of the GPU tests), every shipped CuPy GEMM instantiation and
+                the cubins of the select and route kernels the tests and benchmarks use.
 2. tests        pytest -m gpu over an explicit file list (no whole-tree collection), JUnit XML
                 written straight to DIR.
 3. routing      bench/gpu_routing.py --quick -> DIR/gpu_routing.json as soon as it finishes
@@ -409,6 +410,18 @@ combine(permuted, inverse, weights)
 print("warm: CPU kernels compiled")
 """
 
+_WARM_CUBINS = """
+try:
+    import cupy
+    from moeroute.runtime import warmup_cuda
+    arch = "sm_" + cupy.cuda.Device(0).compute_capability
+    found = warmup_cuda(["deepseek-v3", "qwen3.5-moe", "mixtral-8x7b"], archs=[arch],
+                        dtypes=["float32"], progress=False)
+    print(f"warm: {found['compiled']} device routing kernels compiled for {arch}")
+except Exception as error:  # the tests then compile on first use; not a failure
+    print(f"warm: device routing kernels not compiled ({type(error).__name__}: {error})")
+"""
+
 _WARM_GEMM = """
 import sys
 from moeroute.gpu import loader
@@ -424,7 +437,8 @@ def warm_stage(out: Path) -> int:
 
     names = launch.shipped_name_expressions("cuda")
     groups = [names[i::WARM_GEMM_PROCESSES] for i in range(WARM_GEMM_PROCESSES)]
-    commands = [[sys.executable, "-c", _WARM_CPU]] + [[sys.executable, "-c", _WARM_GEMM, *g] for g in groups if g]
+    commands = [[sys.executable, "-c", _WARM_CPU], [sys.executable, "-c", _WARM_CUBINS]] + [
+        [sys.executable, "-c", _WARM_GEMM, *g] for g in groups if g]
 
     def run(command):
         result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
