@@ -245,6 +245,16 @@ def _array_type(dtype_name: str, ndim: int, layout: str):
     return found
 
 
+def _torch_layout(x) -> str:
+    """numba's layout letter of torch tensor ``x``: "C", "F" (Fortran-contiguous) or "A"."""
+    if x.is_contiguous():
+        return "C"
+    ndim = x.dim()
+    if ndim > 1 and x.permute(*reversed(range(ndim))).is_contiguous():
+        return "F"
+    return "A"
+
+
 def argument_type(x):
     """The numba type numba's dispatcher gives kernel argument ``x``.
 
@@ -274,14 +284,7 @@ def argument_type(x):
         dtype_name = str(x.dtype).rsplit(".", 1)[-1]
         if dtype_name == "bfloat16":
             raise TypeError("bfloat16 tensors have no numba type; pass their int16 bits")
-        ndim = x.dim()
-        if x.is_contiguous():
-            layout = "C"
-        elif ndim > 1 and x.permute(*reversed(range(ndim))).is_contiguous():
-            layout = "F"
-        else:
-            layout = "A"
-        return _array_type(dtype_name, ndim, layout)
+        return _array_type(dtype_name, x.dim(), _torch_layout(x))
     flags = getattr(x, "flags", None)
     if flags is not None and hasattr(x, "dtype"):  # CuPy
         layout = "C" if flags.c_contiguous else "F" if flags.f_contiguous else "A"
@@ -297,10 +300,8 @@ def _argument_key(x):
     if kind in _PYTHON_SCALAR_TYPES or kind in _SCALAR_TYPES:
         return kind
     dim = getattr(x, "dim", None)
-    if dim is not None:  # torch: a non-contiguous tensor is keyed by its strides too
-        if x.is_contiguous():
-            return x.dtype, dim(), True
-        return x.dtype, dim(), x.stride(), tuple(x.shape)
+    if dim is not None:  # torch: by layout letter, so the keys stay few whatever the shapes
+        return x.dtype, dim(), "C" if x.is_contiguous() else _torch_layout(x)
     numba_type = getattr(x, "_numba_type_", None)
     if numba_type is not None:
         return numba_type

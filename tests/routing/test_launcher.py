@@ -494,3 +494,17 @@ def test_launch_overhead_bench_runs_without_a_gpu(tmp_path):
     assert {r["arguments"] for r in rows if r["kernel"] != "select_experts"} == {20}
     assert all(r["cached_pack_us_per_call"] > 0 and r["numba_typing_us_per_call"] > 0
                for r in rows)
+
+
+def test_strided_arguments_of_any_shape_share_one_signature():
+    """Keys are per dtype, rank and layout letter: strided tensors of ever new shapes (a
+    server's varying batch) reuse one signature and one cached kernel entry."""
+    torch = pytest.importorskip("torch")
+    signatures = {id(_launcher.signature_of((torch.zeros(rows, 6)[:, ::2], 1)))
+                  for rows in range(2, 40)}
+    assert len(signatures) == 1
+    kernel = select_module._device_kernel(8, 1, "softmax", False, True, "float32")
+    entries = len(_launcher._BY_IDENTITY)
+    for rows in range(2, 40):
+        _launcher.cached_kernel(kernel, _launcher.signature_of((torch.zeros(rows, 6)[:, ::2],)))
+    assert len(_launcher._BY_IDENTITY) <= entries + 1
