@@ -215,6 +215,22 @@ def device_empty(shape, dtype, template, stream=None, view=True):
     return array, cuda.as_cuda_array(array, sync=False)
 
 
+def column_view(x):
+    """A [n, 1] view of device array ``x`` of shape [n] (or [1, 1] of a 0-d one), no copy.
+
+    numba's ``DeviceNDArray.reshape`` refuses a strided vector ("operation requires
+    copying") although the view exists (strides (s, s)), so a numba array is viewed by
+    hand; torch and CuPy reshape to a view themselves.
+    """
+    if x.ndim == 1 and hasattr(x, "gpu_data") and not x.is_c_contiguous():
+        from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+        stride = x.strides[0]
+        return DeviceNDArray(shape=(int(x.shape[0]), 1), strides=(stride, stride),
+                             dtype=x.dtype, gpu_data=x.gpu_data)
+    return x.reshape(1 if x.ndim == 0 else int(x.shape[0]), 1)
+
+
 def is_c_contiguous(x) -> bool:
     """True when device array ``x`` (numba, CuPy, torch) is C-contiguous."""
     if framework_of(x) == "torch":

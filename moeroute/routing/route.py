@@ -123,26 +123,6 @@ def _route_signature(input_kind, bias_layout, slot_layout):
     return _select_device.route_signature(input_kind, bias_layout, slot_layout)
 
 
-def _device_shared_weights(shared_weights, launcher):
-    """(kernel array or None, scalar) for a device launch; TypeError for host arrays."""
-    if shared_weights is None:
-        return None, np.float32(1.0)
-    if _arrays.is_device_array(shared_weights):
-        shared = _launcher.kernel_array(shared_weights, launcher)
-        dtype = str(shared.dtype).rsplit(".", 1)[-1]
-        if dtype != "float32":
-            raise TypeError(f"shared_weights on the device must be float32, got dtype {dtype}")
-        return shared, np.float32(0.0)
-    if isinstance(shared_weights, np.ndarray) and shared_weights.ndim > 0:
-        raise TypeError("shared_weights is a host array but logits are on the device; pass "
-                        "it on the same device (or a Python scalar)")
-    if not isinstance(shared_weights, (numbers.Real, np.ndarray, np.generic)) \
-            or isinstance(shared_weights, bool):
-        raise TypeError(f"shared_weights must be None, a real scalar or an array, got "
-                        f"{type(shared_weights).__name__}")
-    return None, np.float32(float(shared_weights))
-
-
 def _route_device(logits, config, layout, rank, correction_bias, shared_weights, home_rank,
                   stream):
     select._validate(logits, config, correction_bias, True)
@@ -152,7 +132,8 @@ def _route_device(logits, config, layout, rank, correction_bias, shared_weights,
         raise ValueError(f"device logits must be C-contiguous, got shape {tuple(array.shape)} "
                          f"with non-contiguous strides")
     num_tokens, top_k = int(array.shape[0]), config.top_k
-    shared, scalar = _device_shared_weights(shared_weights, launcher)
+    shared, scalar = shared_slots.device_shared_weights(
+        shared_weights, lambda x: _launcher.kernel_array(x, launcher), "logits")
     home_rank, slots = shared_slots._check_append_args(
         layout, home_rank, (num_tokens, top_k), (num_tokens, top_k), np.float32,
         shared_weights, None if shared is None else tuple(shared.shape))
@@ -173,15 +154,8 @@ def _route_device(logits, config, layout, rank, correction_bias, shared_weights,
     # array of the right rank fills the slot.
     bias = (_launcher.kernel_array(correction_bias, launcher) if has_bias
             else weights_out.reshape(-1))
-    if shared is None:
-        slot_weights, use_row, use_col, has_array = weights_out, 0, 0, False
-    else:
-        use_row, use_col = shared_slots._slot_weight_strides(tuple(shared.shape))
-        if shared.ndim == 2:
-            slot_weights = shared
-        else:  # [T] or 0-d: contiguous, so a 2-D view is free
-            slot_weights = shared.reshape(1 if shared.ndim == 0 else int(shared.shape[0]), 1)
-        has_array = True
+    slot_weights, use_row, use_col, has_array = shared_slots.device_slot_weights(
+        shared, weights_out)
     first_slot = int(layout.shared_slot_ids(home_rank)[0]) if slots else 0
     offsets, replica_ids, routed_id_map = layout_device_tables(layout)
     expert_map = expert_map_device_table(layout.expert_map(rank))

@@ -340,3 +340,26 @@ def test_gpu_cupy_arrays_in_and_out():
     assert isinstance(sorted_ids, cupy.ndarray)
     assert np.array_equal(cupy.asnumpy(sorted_ids), ref_sorted)
     assert int(cupy.asnumpy(total)[0]) == ref_total
+
+
+def test_column_view_of_a_strided_numba_vector_needs_no_copy():
+    """numba's reshape refuses a strided [T] vector (a strided gate); column_view gives the
+    [T, 1] view (strides (s, s)) over the same memory. No device needed: the array is
+    described over a stand-in pointer."""
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    class Pointer:
+        device_ctypes_pointer = None
+
+        def view(self, *args):
+            return self
+
+    pointer = Pointer()
+    strided = DeviceNDArray(shape=(5,), strides=(8,), dtype=np.float32, gpu_data=pointer)
+    with pytest.raises(NotImplementedError, match="requires copying"):
+        strided.reshape(5, 1)
+    column = _arrays.column_view(strided)
+    assert (column.shape, column.strides, column.gpu_data) == ((5, 1), (8, 8), pointer)
+    gate = torch.arange(10.0)[::2]
+    assert _arrays.column_view(gate).tolist() == [[0.0], [2.0], [4.0], [6.0], [8.0]]
+    assert _arrays.column_view(torch.tensor(3.0)).shape == (1, 1)

@@ -15,6 +15,7 @@ import numpy as np
 from moeroute.routing import _launcher, _sort
 from moeroute.routing._arrays import (
     as_caller,
+    column_view,
     as_device_array,
     device_empty,
     host_array,
@@ -167,6 +168,43 @@ def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weig
     return as_caller(out_ids, caller), as_caller(out_weights, caller)
 
 
+def device_shared_weights(shared_weights, to_kernel, beside: str):
+    """(kernel array or None, scalar weight) of ``shared_weights`` for a device launch.
+
+    A device array is passed through ``to_kernel`` and must be float32 (the scalar is then
+    unused); None means 1.0; a Python or NumPy scalar is the scalar. TypeError for a host
+    array (``beside`` names the device input it should sit beside) or another type.
+    """
+    if shared_weights is None:
+        return None, np.float32(1.0)
+    if is_device_array(shared_weights):
+        shared = to_kernel(shared_weights)
+        dtype = str(shared.dtype).rsplit(".", 1)[-1]
+        if dtype != "float32":
+            raise TypeError(f"shared_weights on the device must be float32, got dtype {dtype}")
+        return shared, np.float32(0.0)
+    if isinstance(shared_weights, np.ndarray) and shared_weights.ndim > 0:
+        raise TypeError(f"shared_weights is a host array but {beside} is on the device; pass "
+                        f"it on the same device (or a Python scalar)")
+    if not isinstance(shared_weights, (numbers.Real, np.ndarray, np.generic)) \
+            or isinstance(shared_weights, bool):
+        raise TypeError(f"shared_weights must be None, a real scalar or an array, got "
+                        f"{type(shared_weights).__name__}")
+    return None, np.float32(float(shared_weights))
+
+
+def device_slot_weights(shared, unused):
+    """(slot_weights 2-D, use_row, use_col, has_array) the append and route kernels read:
+    ``shared`` [T], [T, 1], [T, S] or 0-d as a 2-D view (`column_view`: no copy, strided
+    vectors included), or, without one, ``unused`` (any float32 2-D array: never read)."""
+    if shared is None:
+        return unused, 0, 0, False
+    use_row, use_col = _slot_weight_strides(tuple(shared.shape))
+    if shared.ndim != 2:
+        shared = column_view(shared)
+    return shared, use_row, use_col, True
+
+
 def _append_device(topk_ids, topk_weights, layout, home_rank, shared_weights, stream):
     ids = _sort.device_ids("topk_ids", topk_ids)
     if not is_device_array(topk_weights):
@@ -174,38 +212,13 @@ def _append_device(topk_ids, topk_weights, layout, home_rank, shared_weights, st
     weights = as_device_array(topk_weights)
     if weights.dtype != np.float32:
         raise TypeError(f"topk_weights on the device must be float32, got dtype {weights.dtype}")
-    shared = None
-    if shared_weights is not None:
-        if is_device_array(shared_weights):
-            shared = as_device_array(shared_weights)
-            if shared.dtype != np.float32:
-                raise TypeError(
-                    f"shared_weights on the device must be float32, got dtype {shared.dtype}")
-        elif isinstance(shared_weights, np.ndarray) and shared_weights.ndim > 0:
-            raise TypeError(
-                "shared_weights is a host array but topk_ids is on the device; pass it on "
-                "the same device (or a Python scalar)")
-        elif not isinstance(shared_weights, (numbers.Real, np.ndarray, np.generic)) \
-                or isinstance(shared_weights, bool):
-            raise TypeError(
-                f"shared_weights must be None, a real scalar or an array, got "
-                f"{type(shared_weights).__name__}")
+    shared, scalar = device_shared_weights(shared_weights, as_device_array, "topk_ids")
     home_rank, slots = _check_append_args(
         layout, home_rank, ids.shape, weights.shape, weights.dtype, shared_weights,
-        None if shared is None else shared.shape)
+        None if shared is None else tuple(shared.shape))
     launch_stream = resolve_stream(topk_ids, stream)
     first_slot = int(layout.shared_slot_ids(home_rank)[0]) if slots else 0
-    if shared is None:
-        scalar = np.float32(1.0 if shared_weights is None else float(shared_weights))
-        slot_weights, use_row, use_col, has_array = weights, 0, 0, False
-    else:
-        scalar = np.float32(0.0)
-        use_row, use_col = _slot_weight_strides(shared.shape)
-        if shared.ndim == 2:
-            slot_weights = shared
-        else:  # [T] or 0-d: contiguous, so a 2-D view is free
-            slot_weights = shared.reshape(1 if shared.ndim == 0 else int(shared.shape[0]), 1)
-        has_array = True
+    slot_weights, use_row, use_col, has_array = device_slot_weights(shared, weights)
     rows, top_k = (int(n) for n in ids.shape)
     out_ids, ids_view = device_empty((rows, top_k + slots), np.int32, topk_ids)
     out_weights, weights_view = device_empty((rows, top_k + slots), np.float32,
