@@ -12,6 +12,7 @@ try:  # numba.cuda comes with the optional numba-cuda package
 except ImportError:  # pragma: no cover - CPU-only installs
     cuda = None
 
+from moeroute._validate import integer
 from moeroute.routing._arrays import as_device_array
 
 #: Threads per block of the elementwise kernels: a multiple of every warp size (32, 64)
@@ -77,13 +78,9 @@ def row_launch_config(rows: int, width: int, limit: int = THREADS_PER_BLOCK):
 
 
 def check_count(name: str, value, minimum: int) -> int:
-    """``value`` as an int >= ``minimum``; TypeError/ValueError naming ``name`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}={value!r} must be an integer >= {minimum}, "
-                        f"got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be an integer >= {minimum}")
-    return int(value)
+    """``value`` as an int >= ``minimum`` (`moeroute._validate.integer`); TypeError /
+    ValueError naming ``name`` otherwise."""
+    return integer(name, value, minimum)
 
 
 def host_ids(name: str, ids, ndim: int | None = 2) -> np.ndarray:
