@@ -10,11 +10,12 @@ silently falls back to its default on a value nobody meant.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["IntegerTypeError", "integer", "environ_choice", "environ_int"]
+__all__ = ["IntegerTypeError", "integer", "environ_choice", "environ_int", "environ_directory"]
 
 
 class IntegerTypeError(TypeError, ValueError):
@@ -91,3 +92,27 @@ def environ_int(variable: str, default: int, minimum: int, why: str = "") -> int
         raise ValueError(f"{variable}={raw!r} must be an integer >= {minimum}{what}; unset it "
                          f"for the default {default}")
     return value
+
+
+def environ_directory(variable: str, why: str = "") -> Path | str | None:
+    """The value of environment variable ``variable`` naming a directory: None when unset
+    or empty, the string ``"off"`` (any case), or the directory's Path (created later by
+    its user when missing).
+
+    Raises
+    ------
+    ValueError
+        The value names something that exists and is not a directory.
+    """
+    raw = os.environ.get(variable)
+    text = (raw or "").strip()
+    if not text:
+        return None
+    if text.lower() == "off":
+        return "off"
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        what = f" ({why})" if why else ""
+        raise ValueError(f"{variable}={raw!r} is not a directory{what}; use a directory, "
+                         "'off', or unset it for the default")
+    return path

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moeroute._validate import environ_directory
+
 CACHE_ENV = "MOEROUTE_CUBIN_CACHE"
 _SIMPLE = (bool, int, float, str, bytes, type(None), np.generic)
 
@@ -84,12 +86,13 @@ def _code_digest(code) -> str:
 
 
 def cache_dir() -> Path | None:
-    """Where cubins are kept, or None when ``MOEROUTE_CUBIN_CACHE=off``."""
-    chosen = os.environ.get(CACHE_ENV, "").strip()
-    if chosen.lower() == "off":
+    """Where cubins are kept, or None when ``MOEROUTE_CUBIN_CACHE=off``; ValueError when
+    the variable names a file."""
+    chosen = environ_directory(CACHE_ENV, "where compiled routing cubins are kept")
+    if chosen == "off":
         return None
-    if chosen:
-        return Path(chosen)
+    if chosen is not None:
+        return chosen
     from moeroute import runtime
 
     return Path(runtime.cache_dir()) / "cubins"

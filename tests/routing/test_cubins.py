@@ -160,3 +160,13 @@ def test_warmup_cuda_refuses_bad_arguments():
         runtime.warmup_cuda(["mixtral-8x7b"], archs="sm_90")
     with pytest.raises(ValueError, match="each must be one of"):
         runtime.warmup_cuda(["no-such-model"])
+
+
+def test_a_cache_variable_naming_a_file_is_refused(monkeypatch, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv(_cubins.CACHE_ENV, str(blocked))
+    with pytest.raises(ValueError, match=r"MOEROUTE_CUBIN_CACHE='.*file' is not a directory"):
+        _cubins.cache_dir()
+    monkeypatch.setenv(_cubins.CACHE_ENV, " OFF ")
+    assert _cubins.cache_dir() is None
