@@ -368,9 +368,17 @@ def list_presets() -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr and exit status 2 (no
+    usage block; ``--help`` shows it). Subcommand parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     """The argument parser; only the ``selected`` command's module is imported."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="moeroute",
         description="Mixture-of-Experts routing, expert layouts and dispatch.",
     )
@@ -399,6 +407,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(list_presets())
         return 0
     if args.command is None:
-        parser.print_usage(sys.stderr)
-        return _error("a command is required (or --list-presets)")
+        return _error("a command is required (or --list-presets); see moeroute --help")
     return int(names[args.command].load("run")(args))
