@@ -22,6 +22,9 @@ import sys
 import numpy as np
 
 _DLPACK_CUDA_DEVICES = (2, 13)  # kDLCUDA, kDLCUDAManaged
+#: Bound on NumPy's exact overlap search (``np.shares_memory``); past it the two arrays are
+#: taken to overlap. With one C-contiguous side (every ``out=`` buffer) it needs far less.
+SHARES_MEMORY_MAX_WORK = 1 << 20
 
 
 def torch_of(x):
@@ -275,3 +278,94 @@ def resolve_stream(template, stream=None):
         else:
             handle = 0
     return cuda.external_stream(handle) if handle else cuda.default_stream()
+
+
+# --------------------------------------------------------------------------------------
+# Overlap of out= buffers with the other arrays of a call
+# --------------------------------------------------------------------------------------
+
+
+def _host_memory(x):
+    """The NumPy array over ``x``'s memory for a host array (NumPy, CPU torch) or a
+    simulator device array, else None (a real device array)."""
+    if isinstance(x, np.ndarray):
+        return x
+    torch = torch_of(x)
+    if torch is not None and x.device.type == "cpu":
+        return host_array(x)
+    if simulator_enabled():
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        if isinstance(x, FakeCUDAArray):
+            return x._ary
+    return None
+
+
+def device_span(x) -> tuple[int, int] | None:
+    """``[first, last + 1)`` byte addresses of the elements of array ``x``, from its
+    framework's own description (torch's ``data_ptr``/``stride``, else the CUDA array
+    interface: data pointer, shape, strides, item size); None when ``x`` is empty."""
+    torch = torch_of(x)
+    if torch is not None:
+        start, shape, item = x.data_ptr(), tuple(x.shape), x.element_size()
+        strides = tuple(s * item for s in x.stride())
+    else:
+        if not hasattr(x, "__cuda_array_interface__"):
+            x = as_device_array(x)
+        interface = x.__cuda_array_interface__
+        start, shape = int(interface["data"][0]), tuple(interface["shape"])
+        item = np.dtype(interface["typestr"]).itemsize
+        strides = interface.get("strides")
+        if strides is None:  # C-contiguous
+            strides, step = [], item
+            for n in reversed(shape):
+                strides.insert(0, step)
+                step *= n
+    if 0 in shape:
+        return None
+    low = start + sum(min(0, (n - 1) * s) for n, s in zip(shape, strides))
+    high = start + sum(max(0, (n - 1) * s) for n, s in zip(shape, strides)) + item
+    return low, high
+
+
+def overlaps(a, b) -> bool:
+    """Whether arrays ``a`` and ``b`` share any byte of memory.
+
+    Host arrays (NumPy, CPU torch) are compared exactly (``np.shares_memory``; taken as
+    overlapping when the search would exceed `SHARES_MEMORY_MAX_WORK`); device arrays by
+    their byte spans (`device_span`), so two strided views interleaved in one span count
+    as overlapping. A host and a device array never overlap.
+    """
+    host_a, host_b = _host_memory(a), _host_memory(b)
+    if host_a is not None and host_b is not None:
+        try:
+            return bool(np.shares_memory(host_a, host_b, max_work=SHARES_MEMORY_MAX_WORK))
+        except np.exceptions.TooHardError:
+            return True
+    if host_a is not None or host_b is not None:
+        return False
+    span_a, span_b = device_span(a), device_span(b)
+    return (span_a is not None and span_b is not None
+            and span_a[0] < span_b[1] and span_b[0] < span_a[1])
+
+
+def check_no_overlap(outputs: dict, inputs: dict) -> None:
+    """ValueError when a buffer an op writes overlaps another one it writes or an array it
+    reads: a kernel would read what it has already overwritten, or two outputs would
+    overwrite each other (``out=(w, w.view(np.int32))``). No alias is allowed, exact or
+    partial.
+
+    Parameters
+    ----------
+    outputs : {argument name: array}
+        The buffers the op writes (``out=``).
+    inputs : {argument name: array or None}
+        The arrays it reads; None entries (optional arguments not given) are skipped.
+    """
+    written = list(outputs.items())
+    for index, (name, buffer) in enumerate(written):
+        others = written[index + 1:] + [(n, a) for n, a in inputs.items() if a is not None]
+        for other_name, other in others:
+            if overlaps(buffer, other):
+                raise ValueError(f"{name} overlaps {other_name} in memory; pass an out= buffer "
+                                 "that shares no memory with the op's other arguments")
