@@ -301,19 +301,33 @@ def _host_memory(x):
     return None
 
 
-def device_span(x) -> tuple[int, int] | None:
-    """``[first, last + 1)`` byte addresses of the elements of array ``x``, from its
-    framework's own description (torch's ``data_ptr``/``stride``, else the CUDA array
-    interface: data pointer, shape, strides, item size); None when ``x`` is empty."""
+def _span(start: int, shape, strides, item: int) -> tuple[int, int] | None:
+    if 0 in tuple(shape):
+        return None
+    low = start + sum(min(0, (n - 1) * s) for n, s in zip(shape, strides))
+    high = start + sum(max(0, (n - 1) * s) for n, s in zip(shape, strides)) + item
+    return low, high
+
+
+def memory_span(x) -> tuple[str, int, int] | None:
+    """``(space, first, last + 1)``: the byte addresses of the elements of array ``x``, in
+    "host" or "device" memory, from its framework's own description (NumPy's array
+    interface, torch's ``data_ptr``/``stride``, else the CUDA array interface: data
+    pointer, shape, strides, item size); None when ``x`` is empty."""
     torch = torch_of(x)
     if torch is not None:
-        start, shape, item = x.data_ptr(), tuple(x.shape), x.element_size()
-        strides = tuple(s * item for s in x.stride())
+        item = x.element_size()
+        span = _span(x.data_ptr(), tuple(x.shape), tuple(s * item for s in x.stride()), item)
+        space = "host" if x.device.type == "cpu" else "device"
     else:
-        if not hasattr(x, "__cuda_array_interface__"):
-            x = as_device_array(x)
-        interface = x.__cuda_array_interface__
-        start, shape = int(interface["data"][0]), tuple(interface["shape"])
+        host = _host_memory(x)
+        if host is not None:
+            interface, space = host.__array_interface__, "host"
+        else:
+            if not hasattr(x, "__cuda_array_interface__"):
+                x = as_device_array(x)
+            interface, space = x.__cuda_array_interface__, "device"
+        shape = tuple(interface["shape"])
         item = np.dtype(interface["typestr"]).itemsize
         strides = interface.get("strides")
         if strides is None:  # C-contiguous
@@ -321,32 +335,31 @@ def device_span(x) -> tuple[int, int] | None:
             for n in reversed(shape):
                 strides.insert(0, step)
                 step *= n
-    if 0 in shape:
-        return None
-    low = start + sum(min(0, (n - 1) * s) for n, s in zip(shape, strides))
-    high = start + sum(max(0, (n - 1) * s) for n, s in zip(shape, strides)) + item
-    return low, high
+        span = _span(int(interface["data"][0]), shape, strides, item)
+    return None if span is None else (space, *span)
 
 
 def overlaps(a, b) -> bool:
     """Whether arrays ``a`` and ``b`` share any byte of memory.
 
-    Host arrays (NumPy, CPU torch) are compared exactly (``np.shares_memory``; taken as
-    overlapping when the search would exceed `SHARES_MEMORY_MAX_WORK`); device arrays by
-    their byte spans (`device_span`), so two strided views interleaved in one span count
-    as overlapping. A host and a device array never overlap.
+    First their byte spans (`memory_span`): disjoint spans, or one on the host and one on a
+    device, never overlap. Host arrays (NumPy, CPU torch) whose spans meet are then compared
+    exactly (``np.shares_memory``, so interleaved strided views that share no element pass;
+    taken as overlapping when the search would exceed `SHARES_MEMORY_MAX_WORK`); device
+    arrays whose spans meet count as overlapping.
     """
-    host_a, host_b = _host_memory(a), _host_memory(b)
-    if host_a is not None and host_b is not None:
-        try:
-            return bool(np.shares_memory(host_a, host_b, max_work=SHARES_MEMORY_MAX_WORK))
-        except np.exceptions.TooHardError:
-            return True
-    if host_a is not None or host_b is not None:
+    span_a, span_b = memory_span(a), memory_span(b)
+    if span_a is None or span_b is None or span_a[0] != span_b[0]:
         return False
-    span_a, span_b = device_span(a), device_span(b)
-    return (span_a is not None and span_b is not None
-            and span_a[0] < span_b[1] and span_b[0] < span_a[1])
+    if not (span_a[1] < span_b[2] and span_b[1] < span_a[2]):
+        return False
+    if span_a[0] == "device":
+        return True
+    try:
+        return bool(np.shares_memory(_host_memory(a), _host_memory(b),
+                                     max_work=SHARES_MEMORY_MAX_WORK))
+    except np.exceptions.TooHardError:
+        return True
 
 
 def check_no_overlap(outputs: dict, inputs: dict) -> None:

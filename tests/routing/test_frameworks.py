@@ -254,9 +254,9 @@ class _CudaArrayLike:
 
 def test_device_arrays_overlap_by_their_byte_spans():
     a = _CudaArrayLike(4096, (4, 8))  # 128 bytes: [4096, 4224)
-    assert _arrays.device_span(a) == (4096, 4224)
-    assert _arrays.device_span(_CudaArrayLike(4096, (4, 2), strides=(32, 4))) == (4096, 4200)
-    assert _arrays.device_span(_CudaArrayLike(4096, (0, 8))) is None
+    assert _arrays.memory_span(a) == ("device", 4096, 4224)
+    assert _arrays.memory_span(_CudaArrayLike(4096, (4, 2), strides=(32, 4))) == ("device", 4096, 4200)
+    assert _arrays.memory_span(_CudaArrayLike(4096, (0, 8))) is None
     assert _arrays.overlaps(a, _CudaArrayLike(4224 - 4, (1,), "<i4"))  # the last element
     assert not _arrays.overlaps(a, _CudaArrayLike(4224, (4, 8)))  # adjacent
     assert not _arrays.overlaps(a, _CudaArrayLike(4096, (0, 8)))  # empty
@@ -265,11 +265,16 @@ def test_device_arrays_overlap_by_their_byte_spans():
         _arrays.check_no_overlap({"out[0] (topk_weights)": _CudaArrayLike(8192, (4, 2)),
                                   "out[1] (topk_ids)": _CudaArrayLike(4200, (4, 2), "<i4")},
                                  {"logits": a, "correction_bias": None})
-    # torch tensors are measured by their own data_ptr and strides.
+    # torch tensors are measured by their own data_ptr and strides, NumPy arrays by theirs;
+    # host spans that meet are then compared exactly.
     t = torch.zeros(6, 8)
     start = t.data_ptr()
-    assert _arrays.device_span(t[1:3]) == (start + 32, start + 96)
-    assert _arrays.device_span(t[:, 2]) == (start + 8, start + 5 * 32 + 12)
+    assert _arrays.memory_span(t[1:3]) == ("host", start + 32, start + 96)
+    assert _arrays.memory_span(t[:, 2]) == ("host", start + 8, start + 5 * 32 + 12)
+    assert _arrays.memory_span(t.numpy()[:, 2]) == ("host", start + 8, start + 5 * 32 + 12)
+    assert not _arrays.overlaps(t[:, 2], t[:, 3])  # interleaved, no shared element
+    assert _arrays.overlaps(t[:, 2], t[4:5].numpy())
+    assert not _arrays.overlaps(t[:, 2], _CudaArrayLike(start, (6, 8)))  # host vs device
 
 
 # ------------------------------------------------------------------ dispatch primitives
