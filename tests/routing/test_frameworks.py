@@ -218,6 +218,15 @@ def test_select_experts_refuses_out_buffers_sharing_memory(framework):
     np.testing.assert_allclose(np.asarray(weights), ref_w, rtol=WEIGHT_RTOL, atol=0)
 
 
+def test_select_experts_names_a_meta_tensor():
+    config = ROUTERS["softmax"]
+    with pytest.raises(ValueError, match=r"logits is on meta; select_experts takes CPU or CUDA"):
+        moeroute.select_experts(torch.empty(4, config.num_experts, device="meta"), config)
+    with pytest.raises(ValueError, match=r"correction_bias is on meta"):
+        moeroute.select_experts(torch.zeros(4, config.num_experts), config,
+                                torch.empty(config.num_experts, device="meta"))
+
+
 def test_expert_load_and_accumulate_rows_refuse_out_over_their_inputs():
     from moeroute.routing.combine import accumulate_rows
 

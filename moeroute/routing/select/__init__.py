@@ -215,7 +215,12 @@ def select_experts(logits, config, correction_bias=None, *, stream=None, out=Non
 
 def _host_input(name, array):
     """A NumPy view of a host ``array`` (CPU torch tensors without a copy)."""
-    if isinstance(array, np.ndarray) or _arrays.torch_of(array) is not None:
+    torch = _arrays.torch_of(array)
+    if torch is not None and array.device.type != "cpu":
+        # A meta (or other non-CUDA) tensor holds no values the kernels could read.
+        raise ValueError(f"{name} is on {array.device}; select_experts takes CPU or CUDA "
+                         "tensors, NumPy arrays or CUDA device arrays")
+    if isinstance(array, np.ndarray) or torch is not None:
         return _arrays.host_array(array)
     raise TypeError(f"{name} must be a NumPy array, a torch tensor or a CUDA device array, got "
                     f"{type(array).__name__}")
