@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SEMANTICS = ROOT / "docs" / "semantics.md"
 
 #: "docs/semantics.md section 4", "semantics sections 2 and 3", "semantics sections 1, 2, 4",
-#: "docs/semantics.md sections 2-3"; a reference may wrap onto a comment's next line.
+#: "docs/semantics.md sections 2-3", "docs/semantics.md, section 6"; a reference may wrap onto a
+#: comment's next line.
 _REFERENCE = re.compile(
-    r"(?:docs/semantics\.md|semantics)[\s#*]+sections?[\s#*]+"
+    r"(?:docs/semantics\.md|semantics)[\s#*,]+sections?[\s#*]+"
     r"(\d+(?:[\s#*]*(?:,|and|-|–|to)[\s#*]*\d+)*)",
     re.IGNORECASE,
 )
@@ -72,6 +73,7 @@ def test_every_section_reference_in_the_package_and_readme_exists():
     ("(docs/semantics.md sections 2 and 3)", {2, 3}),
     ("docs/semantics.md sections 1, 2, 4", {1, 2, 4}),
     ("semantics sections 2-5", {2, 3, 4, 5}),
+    ("(docs/semantics.md, section 6)", {6}),
     ("# follows docs/semantics.md\n    # section 9 (placements)", {9}),
     ("the semantics of section 3", set()),  # prose, not a reference
     ("SPEC section 2", set()),
