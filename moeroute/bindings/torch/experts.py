@@ -517,7 +517,9 @@ class LocalExperts(nn.Module):
         assigning ``.data``, ``module.to(...)`` to another dtype or device) make the next
         CPU forward raise a RuntimeError instead of computing with stale copies; writes
         through ``.data`` bypass torch's version counter and are NOT seen: re-pack after
-        them. ``enable=False`` drops the copies (the plain weights serve).
+        them. ``enable=False`` drops the copies (the plain weights serve). Copies of the
+        module (``copy.deepcopy``, pickle, ``torch.save``) never carry the packed copies:
+        they re-pack from their own weights, or run unpacked where they cannot pack.
 
         Returns ``self``. Raises ValueError when the weights are not on the CPU or this
         torch build's oneDNN cannot serve their dtype.

@@ -310,9 +310,9 @@ def from_hf(block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str
         weights share the block's ``gate_up_proj`` / ``down_proj`` memory when the module
         holds exactly those experts (one rank, no replicas, no fused shared slots); they
         are copies otherwise (this rank's experts, then the fused shared slots). The
-        shared MLP, its gate, the bias and (for Qwen/Mixtral) the router weight share the
-        block's tensors. The module loads the block's transformers state dict (its
-        parameter names are mapped on loading).
+        shared MLP, its gate, the bias and the router weight share the block's tensors.
+        The module saves and loads the block's transformers state dict: its
+        ``checkpoint_format`` (`TransformersCheckpoint`) maps the names and layouts.
 
     Raises
     ------
@@ -421,7 +421,9 @@ def replace_moe_blocks(model: nn.Module, **kwargs) -> int:
     one is read. Where the new module aliases the block's expert weights (see `from_hf`),
     no expert weight is copied; otherwise the extra memory at any moment is one block's
     copied experts. The patched model still loads a transformers state dict
-    (``model.load_state_dict(hf_state_dict)``): `MoE` maps the transformers names.
+    (``model.load_state_dict(hf_state_dict)``) and saves one (``model.state_dict()``,
+    ``save_pretrained``): each new module maps the block's names and layouts
+    (`TransformersCheckpoint`; an expert-parallel module refuses to save a partial one).
 
     The replaced blocks' router modules are gone, so transformers can no longer record
     router logits (``output_router_logits``, used for the training-time auxiliary loss).

@@ -38,7 +38,8 @@ at its forward naming the dtype.
   Given ``expert_weights`` that are exactly these experts (one rank, no replicas, no fused
   slots), the parameters share their memory instead of copying it.
 * Loading accepts the transformers names of the block this module replaces
-  (``_load_from_state_dict`` maps them).
+  (``_load_from_state_dict`` maps them); a module built by ``from_hf`` also saves them
+  (``checkpoint_format``).
 * ``shared_experts`` / ``shared_expert_gate``: the given modules (runner and overlap); with
   fused, only the gate is kept and called.
 
