@@ -14,7 +14,6 @@ import copy
 import io
 import pickle
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -301,7 +300,7 @@ def _state(model):
 #: (family, replace_moe_blocks options): every family as patched by default (fused shared
 #: slots where the shared MLP splits), and the other shared modes and replicas.
 CHECKPOINT_CASES = [(family, {}) for family in FAMILIES] + [
-    ("deepseek_v3", {"shared": "runner"}), ("qwen2_moe", {"shared": "overlap"}),
+    ("deepseek_v3", {"shared": "runner"}), ("qwen3_5_moe", {"shared": "overlap"}),
     ("qwen3_moe", {"num_redundant_experts": 3}), ("gpt_oss", {"num_redundant_experts": 2}),
 ]
 
@@ -354,8 +353,6 @@ def test_save_pretrained_of_a_patched_model_loads_into_transformers(family, tmp_
     model_class, _ = _config(family)
     loaded = model_class.from_pretrained(tmp_path / "patched").eval()
     assert rel_error(_logits(loaded), expected) < RTOL[torch.float32]
-    # ... and back: the transformers model loaded from it, patched, computes the same.
-    assert rel_error(_logits(_patch(loaded)), expected) < RTOL[torch.float32]
 
 
 def _fake_expert_parallel(monkeypatch, ep_size, rank):

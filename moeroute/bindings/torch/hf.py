@@ -36,7 +36,6 @@ jitter noise is not reproduced (inference only).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import weakref
 from collections.abc import Callable
 
@@ -218,7 +217,9 @@ class TransformersCheckpoint:
                 "block; save from a model patched without ep_group, or set module.checkpoint_format = None "
                 "to save this rank's state under moeroute's names"
             )
-        pop = functools.partial(_pop_prefixed, state_dict, prefix)
+        def pop(name):
+            return state_dict.pop(prefix + name)
+
         inter, num_experts = module.intermediate_size, module.router.num_experts
         gate_up, down = pop("experts.w_gate_up"), pop("experts.w_down")
         # One local row per logical expert (the first replica); fused slots after them.
@@ -246,10 +247,6 @@ class TransformersCheckpoint:
             for key in [k for k in state_dict if k.startswith(prefix + "shared_experts.")]:
                 out[self.shared_prefix + key[len(prefix + "shared_experts."):]] = state_dict.pop(key)
         state_dict.update((prefix + name, tensor) for name, tensor in out.items())
-
-
-def _pop_prefixed(state_dict: dict, prefix: str, name: str):
-    return state_dict.pop(prefix + name)
 
 
 def _select_rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
