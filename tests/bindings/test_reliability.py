@@ -5,7 +5,8 @@
 * ``correction_bias`` stays float32, values unchanged, under every dtype change.
 * oneDNN-packed copies are not part of copied or saved state: copies re-pack and compute
   the same.
-* A patched transformers model saves what the unpatched model saves, and loads it back.
+* A patched transformers model saves what the unpatched model saves, and loads it back
+  (the expert-parallel refusal runs on gloo ranks in test_ep.py).
 """
 
 from __future__ import annotations
@@ -353,37 +354,6 @@ def test_save_pretrained_of_a_patched_model_loads_into_transformers(family, tmp_
     model_class, _ = _config(family)
     loaded = model_class.from_pretrained(tmp_path / "patched").eval()
     assert rel_error(_logits(loaded), expected) < RTOL[torch.float32]
-
-
-def _fake_expert_parallel(monkeypatch, ep_size, rank):
-    """MoE construction with an ep_group, in one process: the group's size and rank are
-    given, and the collectives (agreement check, dispatcher) are not needed to save."""
-    from moeroute.bindings import ep
-
-    monkeypatch.setattr(ep, "ep_group_size_and_rank", lambda group: (ep_size, rank))
-    monkeypatch.setattr(ep, "check_ranks_agree", lambda fields, group, what: None)
-    monkeypatch.setattr(ep, "make_dispatcher", lambda layout, group, dispatch: None)
-
-
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_expert_parallel_module_refuses_a_partial_transformers_checkpoint(monkeypatch):
-    from moeroute.bindings.torch import MoE as MoEModule
-
-    model = _model("qwen3_moe", seed=6)
-    block = model.model.layers[0].mlp
-    full = {k: v.clone() for k, v in block.state_dict().items()}
-    _fake_expert_parallel(monkeypatch, ep_size=2, rank=1)
-    moe = MoEModule.from_hf(block, ep_group=object())
-    assert moe.routed_expert_ids() == [4, 5, 6, 7]
-    with pytest.raises(RuntimeError, match=r"rank 1's experts of an expert-parallel layer \(2 ranks\).*"
-                                           r"checkpoint_format = None"):
-        moe.state_dict()
-    # Loading the full checkpoint takes this rank's experts; moeroute's names save them.
-    moe.load_state_dict(full, strict=True)
-    moe.checkpoint_format = None
-    own = moe.state_dict()
-    assert torch.equal(own["experts.w_gate_up"], full["experts.gate_up_proj"][4:])
-    assert torch.equal(own["router_weight"], full["gate.weight"])
 
 
 # ------------------------------------------------------------------ bfloat16 DeepSeek / GLM
