@@ -144,6 +144,17 @@ def test_local_experts_and_expert_bodies_refuse_float64():
     assert torch.float64 not in SUPPORTED_DTYPES
 
 
+def test_transformers_experts_interface_refuses_a_float64_model():
+    pytest.importorskip("transformers")
+    from moeroute.bindings.torch.hf import experts_forward
+
+    block = _model("qwen3_moe", seed=13).model.layers[0].mlp.double()
+    x = torch.randn(3, MODEL_H, dtype=torch.float64, generator=_generator(14))
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    with pytest.raises(ValueError, match=r"torch.float64 is not supported.*torch.float32"):
+        experts_forward(block.experts, x, ids, torch.full((3, 2), 0.5, dtype=torch.float64))
+
+
 # ------------------------------------------------------------------ correction_bias stays float32
 
 @pytest.mark.filterwarnings("ignore:Complex modules:UserWarning")
@@ -354,6 +365,17 @@ def test_save_pretrained_of_a_patched_model_loads_into_transformers(family, tmp_
     model_class, _ = _config(family)
     loaded = model_class.from_pretrained(tmp_path / "patched").eval()
     assert rel_error(_logits(loaded), expected) < RTOL[torch.float32]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("copier", [_deepcopy, _torch_save_load])
+def test_copies_of_a_patched_model_keep_saving_transformers_names(copier):
+    model = _model("deepseek_v3", seed=15)
+    expected = _state(model)
+    copied = copier(_patch(model))
+    saved = _state(copied)
+    assert set(saved) == set(expected)
+    assert all(torch.equal(saved[name], tensor) for name, tensor in expected.items())
 
 
 # ------------------------------------------------------------------ bfloat16 DeepSeek / GLM
