@@ -217,6 +217,7 @@ class TransformersCheckpoint:
                 "block; save from a model patched without ep_group, or set module.checkpoint_format = None "
                 "to save this rank's state under moeroute's names"
             )
+
         def pop(name):
             return state_dict.pop(prefix + name)
 

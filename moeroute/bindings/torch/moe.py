@@ -23,10 +23,6 @@ Where the weights live (all module parameters/buffers, ``requires_grad=False``):
 * ``correction_bias`` [N] float32 buffer (None unless ``correction_bias=True``): added to
   the scores for selection only (DeepSeek-V3 ``e_score_correction_bias``). It stays
   float32, values unchanged, when the module changes dtype (``.half()``, ``.to(dtype)``).
-
-The forward serves the dtypes of `SUPPORTED_DTYPES` (float32, float16, bfloat16); a
-module moved to any other (``.double()``, a float8 or complex dtype) raises a ValueError
-at its forward naming the dtype.
 * ``router_bias`` [N] (None unless ``router_bias=True``): the router linear's bias (gpt-oss),
   dtype of ``router_weight``.
 * ``experts.b_gate_up`` [L, 2I] and ``experts.b_down`` [L, H'] (None unless
@@ -42,6 +38,10 @@ at its forward naming the dtype.
   (``checkpoint_format``).
 * ``shared_experts`` / ``shared_expert_gate``: the given modules (runner and overlap); with
   fused, only the gate is kept and called.
+
+The forward serves the dtypes of `SUPPORTED_DTYPES` (float32, float16, bfloat16); a
+module moved to any other (``.double()``, a float8 or complex dtype) raises a ValueError
+at its forward naming the dtype.
 
 The module is inference-only, in every shared mode alike: its forward always runs without
 autograd (under ``torch.no_grad()``), whatever ``requires_grad`` its parameters carry (the
