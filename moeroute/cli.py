@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from moeroute import __version__
 from moeroute.config import PRESETS, SCORING_FUNCTIONS, ModelPreset, get_preset
 from moeroute.layout import DISPATCH_MODES, PLACEMENTS, SCALING_REGIMES, SHARED_MODES, SHARED_SLOT_MODES
 
@@ -384,6 +385,7 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--list-presets", action="store_true",
                         help="list the built-in model presets and exit")
+    parser.add_argument("--version", action="version", version=f"moeroute {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)

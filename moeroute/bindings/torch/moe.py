@@ -17,9 +17,12 @@ Where the weights live (all module parameters/buffers, ``requires_grad=False``):
 * ``router_weight`` [N, H]: the router linear. The logits are
   ``F.linear(x.to(router_weight.dtype), router_weight)`` cast to float32, so a float32
   router weight (the default) routes in float32, and a bfloat16 one reproduces checkpoints
-  whose router runs in bfloat16 (Qwen, Mixtral).
+  whose router runs in bfloat16 (Qwen, Mixtral). ``router_compute_dtype`` (None by
+  default) fixes the dtype the logits are computed in whatever the weight's dtype
+  (DeepSeek-V3 and GLM routers upcast a bfloat16 weight to float32).
 * ``correction_bias`` [N] float32 buffer (None unless ``correction_bias=True``): added to
-  the scores for selection only (DeepSeek-V3 ``e_score_correction_bias``).
+  the scores for selection only (DeepSeek-V3 ``e_score_correction_bias``). It stays
+  float32, values unchanged, when the module changes dtype (``.half()``, ``.to(dtype)``).
 * ``router_bias`` [N] (None unless ``router_bias=True``): the router linear's bias (gpt-oss),
   dtype of ``router_weight``.
 * ``experts.b_gate_up`` [L, 2I] and ``experts.b_down`` [L, H'] (None unless
@@ -31,9 +34,14 @@ Where the weights live (all module parameters/buffers, ``requires_grad=False``):
   Given ``expert_weights`` that are exactly these experts (one rank, no replicas, no fused
   slots), the parameters share their memory instead of copying it.
 * Loading accepts the transformers names of the block this module replaces
-  (``_load_from_state_dict`` maps them).
+  (``_load_from_state_dict`` maps them); a module built by ``from_hf`` also saves them
+  (``checkpoint_format``).
 * ``shared_experts`` / ``shared_expert_gate``: the given modules (runner and overlap); with
   fused, only the gate is kept and called.
+
+The forward serves the dtypes of `SUPPORTED_DTYPES` (float32, float16, bfloat16); a
+module moved to any other (``.double()``, a float8 or complex dtype) raises a ValueError
+at its forward naming the dtype.
 
 The module is inference-only, in every shared mode alike: its forward always runs without
 autograd (under ``torch.no_grad()``), whatever ``requires_grad`` its parameters carry (the
@@ -64,6 +72,7 @@ from moeroute.bindings.torch.experts import (
     LocalExperts,
     apply_activation,
     check_activation,
+    check_dtype,
 )
 from moeroute.config import RouterConfig
 from moeroute.layout import DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, ExpertLayout
@@ -365,6 +374,10 @@ class MoE(nn.Module):
             requires_grad=False,
         )
         nn.init.normal_(self.router_weight, std=0.02)
+        #: The dtype the router logits are computed in; None: router_weight's own dtype (it
+        #: follows the module's dtype changes). ``from_hf`` sets float32 for the blocks whose
+        #: router upcasts its bfloat16 weight (DeepSeek-V3, GLM-4-MoE).
+        self.router_compute_dtype = None
         self.register_buffer(
             "correction_bias",
             torch.zeros(router.num_experts, dtype=torch.float32, device=device) if correction_bias else None,
@@ -567,6 +580,11 @@ class MoE(nn.Module):
 
     # ------------------------------------------------------------ state dict
 
+    #: How checkpoints name this module's state: None, moeroute's names (loading also maps
+    #: the transformers stacked names); `from_hf` sets the block's format, which the module
+    #: then saves and loads (`moeroute.bindings.torch.hf.TransformersCheckpoint`).
+    checkpoint_format = None
+
     #: transformers parameter names (relative to the block) -> this module's.
     _TRANSFORMERS_RENAMES = {"gate.weight": "router_weight",
                              "gate.e_score_correction_bias": "correction_bias"}
@@ -578,7 +596,10 @@ class MoE(nn.Module):
         # A transformers checkpoint of the block this module replaced loads as it is: its
         # names are mapped to this module's before the usual loading (which copies into the
         # existing parameters, so aliased weights stay aliased).
-        self._map_transformers_keys(state_dict, prefix)
+        if self.checkpoint_format is not None:
+            self.checkpoint_format.load(self, state_dict, prefix)
+        else:
+            self._map_transformers_keys(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
@@ -645,6 +666,9 @@ class MoE(nn.Module):
             raise ValueError(f"hidden_states must be [T, H] or [B, S, H] with H={self.hidden_size}, "
                              f"got shape {tuple(hidden_states.shape)}")
         expected = self.experts.w_gate_up.dtype
+        # A module moved to another dtype (module.double()) is refused here, never misread.
+        check_dtype("the module's expert weights", expected)
+        check_dtype("the module's router_weight", self.router_weight.dtype)
         if hidden_states.dtype != expected:
             raise ValueError(f"hidden_states dtype {hidden_states.dtype} does not match the expert weights' "
                              f"dtype {expected}; convert one of them (supported: {SUPPORTED_DTYPES})")
@@ -680,9 +704,11 @@ class MoE(nn.Module):
             )
 
     def compute_router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Router logits [T, N] float32 of hidden states [T, H]."""
-        weight = self.router_weight
-        return F.linear(hidden_states.to(weight.dtype), weight, self.router_bias).float()
+        """Router logits [T, N] float32 of hidden states [T, H], computed in
+        ``router_compute_dtype`` (default: the dtype of ``router_weight``)."""
+        weight, bias = self.router_weight, self.router_bias
+        dtype = self.router_compute_dtype or weight.dtype
+        return F.linear(hidden_states.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)).float()
 
     def _shared_gate(self, hidden_states):
         if self.shared_expert_gate is None:
@@ -692,6 +718,16 @@ class MoE(nn.Module):
     def _shared_output(self, hidden_states, gate):
         out = self.shared_experts(hidden_states)
         return out if gate is None else gate * out
+
+    def _apply(self, fn, *args, **kwargs):
+        # correction_bias is float32 state (added to float32 scores): .half(), .bfloat16(),
+        # .double() and .to(dtype) move it with the module but keep its dtype and values.
+        bias = self.correction_bias
+        result = super()._apply(fn, *args, **kwargs)
+        moved = self.correction_bias
+        if bias is not None and moved is not None and moved.dtype != torch.float32:
+            self.correction_bias = bias.to(device=moved.device, dtype=torch.float32)
+        return result
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
