@@ -314,11 +314,17 @@ def memory_span(x) -> tuple[str, int, int] | None:
     "host" or "device" memory, from its framework's own description (NumPy's array
     interface, torch's ``data_ptr``/``stride``, else the CUDA array interface: data
     pointer, shape, strides, item size); None when ``x`` is empty."""
+    if isinstance(x, np.ndarray) and x.flags.c_contiguous:  # the common case, no loop
+        start = x.__array_interface__["data"][0]
+        return None if x.size == 0 else ("host", start, start + x.nbytes)
     torch = torch_of(x)
     if torch is not None:
-        item = x.element_size()
-        span = _span(x.data_ptr(), tuple(x.shape), tuple(s * item for s in x.stride()), item)
         space = "host" if x.device.type == "cpu" else "device"
+        item = x.element_size()
+        if x.is_contiguous():
+            start = x.data_ptr()
+            return None if x.numel() == 0 else (space, start, start + x.numel() * item)
+        span = _span(x.data_ptr(), tuple(x.shape), tuple(s * item for s in x.stride()), item)
     else:
         host = _host_memory(x)
         if host is not None:
@@ -342,22 +348,31 @@ def memory_span(x) -> tuple[str, int, int] | None:
 def overlaps(a, b) -> bool:
     """Whether arrays ``a`` and ``b`` share any byte of memory.
 
-    First their byte spans (`memory_span`): disjoint spans, or one on the host and one on a
-    device, never overlap. Host arrays (NumPy, CPU torch) whose spans meet are then compared
-    exactly (``np.shares_memory``, so interleaved strided views that share no element pass;
-    taken as overlapping when the search would exceed `SHARES_MEMORY_MAX_WORK`); device
-    arrays whose spans meet count as overlapping.
+    Two NumPy arrays: ``np.may_share_memory`` (their bounds, in C), then, when the bounds
+    meet, ``np.shares_memory`` (exact, so interleaved strided views that share no element
+    pass; taken as overlapping when the search would exceed `SHARES_MEMORY_MAX_WORK`).
+    Otherwise their byte spans (`memory_span`) first: disjoint spans, or one on the host and
+    one on a device, never overlap; host arrays (CPU torch) whose spans meet are then
+    compared exactly as above, device arrays whose spans meet count as overlapping.
     """
-    span_a, span_b = memory_span(a), memory_span(b)
-    if span_a is None or span_b is None or span_a[0] != span_b[0]:
+    return _overlapping(a, b, memory_span)
+
+
+def _overlapping(a, b, span_of) -> bool:
+    """`overlaps`, with ``span_of(array)`` giving `memory_span` (memoized by the caller)."""
+    if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+        span_a, span_b = span_of(a), span_of(b)
+        if span_a is None or span_b is None or span_a[0] != span_b[0]:
+            return False
+        if not (span_a[1] < span_b[2] and span_b[1] < span_a[2]):
+            return False
+        if span_a[0] == "device":
+            return True
+        a, b = _host_memory(a), _host_memory(b)
+    elif not np.may_share_memory(a, b):
         return False
-    if not (span_a[1] < span_b[2] and span_b[1] < span_a[2]):
-        return False
-    if span_a[0] == "device":
-        return True
     try:
-        return bool(np.shares_memory(_host_memory(a), _host_memory(b),
-                                     max_work=SHARES_MEMORY_MAX_WORK))
+        return bool(np.shares_memory(a, b, max_work=SHARES_MEMORY_MAX_WORK))
     except np.exceptions.TooHardError:
         return True
 
@@ -375,10 +390,17 @@ def check_no_overlap(outputs: dict, inputs: dict) -> None:
     inputs : {argument name: array or None}
         The arrays it reads; None entries (optional arguments not given) are skipped.
     """
+    spans = {}
+
+    def span_of(array):  # each array's span computed once
+        if id(array) not in spans:
+            spans[id(array)] = memory_span(array)
+        return spans[id(array)]
+
     written = list(outputs.items())
+    read = [(n, a) for n, a in inputs.items() if a is not None]
     for index, (name, buffer) in enumerate(written):
-        others = written[index + 1:] + [(n, a) for n, a in inputs.items() if a is not None]
-        for other_name, other in others:
-            if overlaps(buffer, other):
+        for other_name, other in written[index + 1:] + read:
+            if _overlapping(buffer, other, span_of):
                 raise ValueError(f"{name} overlaps {other_name} in memory; pass an out= buffer "
                                  "that shares no memory with the op's other arguments")
