@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from moeroute import __version__
+from moeroute._args import check_fits_in_memory, non_negative_int, physical_memory_bytes, positive_int
 from moeroute.config import PRESETS, SCORING_FUNCTIONS, ModelPreset, get_preset
 from moeroute.layout import DISPATCH_MODES, PLACEMENTS, SCALING_REGIMES, SHARED_MODES, SHARED_SLOT_MODES
 
@@ -93,41 +93,6 @@ COMMANDS: list[Command] = [
 
 # ---------------------------------------------------------------------------
 # Shared argument helpers
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be an integer >= 1")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be an integer >= 0")
-    return value
-
-
-def physical_memory_bytes() -> int | None:
-    """This machine's physical memory in bytes, or None where the OS does not say."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def check_fits_in_memory(what: str, nbytes: int) -> None:
-    """ValueError when ``nbytes`` (the estimate of what a request allocates) exceeds the
-    machine's physical memory: refused before anything is allocated."""
-    total = physical_memory_bytes()
-    if total is not None and nbytes > total:
-        raise ValueError(
-            f"{what} needs about {nbytes:.3g} bytes, more than this machine's "
-            f"{total:.3g} bytes of memory; use a smaller size"
-        )
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
+from moeroute.routing._cache import cache_dir
+
 __all__ = ["warmup", "warmup_cuda", "cache_dir", "cpu_dispatchers", "WARMUP_DTYPES", "add_warmup_arguments",
            "run_warmup", "check_arch", "check_cuda_toolchain"]
 
@@ -38,26 +40,6 @@ MODULE_EXPERTS, MODULE_TOP_K, MODULE_HIDDEN, MODULE_INTERMEDIATE = 8, 2, 256, 32
 #: batch) and enough rows per expert for the parallel accumulation (see
 #: `moeroute.routing.combine.PARALLEL_ACCUMULATE_MIN_ELEMENTS`).
 MODULE_TOKENS = (1, 16, 2048)
-
-
-def cache_dir() -> str:
-    """The directory holding moeroute's compiled CPU kernels (Numba's on-disk cache).
-
-    Returns
-    -------
-    str
-        ``NUMBA_CACHE_DIR``'s mirror of the package when that variable was set before Numba
-        was imported, else the ``__pycache__`` directory beside the select kernel's source
-        (``moeroute/routing/select/``; each routing module's kernels are cached beside it) or
-        Numba's per-user fallback when that is not writable.
-    """
-    from moeroute.routing import select
-
-    cache = getattr(select._select_serial, "_cache", None)
-    path = getattr(cache, "_cache_path", None)  # Numba's own record of where it writes
-    if path is None:
-        raise RuntimeError("this Numba version does not say where it caches compiled functions")
-    return str(path)
 
 
 def _progress_printer(enabled: bool) -> Callable[[str], None]:

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from moeroute import cli
+from moeroute import _args, cli
 from moeroute.config import PRESETS
 from moeroute.layout import ExpertLayout
 
@@ -425,7 +425,7 @@ def test_bad_input_exits_2_with_one_clear_line(tmp_path, name):
 
 def test_sizes_beyond_memory_are_refused_before_allocating(capsys, monkeypatch):
     """The estimate is compared with the machine's memory before any array exists."""
-    monkeypatch.setattr(cli, "physical_memory_bytes", lambda: 10_000)
+    monkeypatch.setattr(_args, "physical_memory_bytes", lambda: 10_000)  # where the check reads it
     allocations = []
     monkeypatch.setattr(np.random, "default_rng", lambda *a: allocations.append(a))
     assert cli.check_fits_in_memory("x", 10_000) is None  # the bound is inclusive

@@ -137,3 +137,27 @@ def install() -> None:
     ours = [_stamped(c) for c in (caching.UserProvidedCacheLocator,
                                   caching.InTreeCacheLocator, caching.UserWideCacheLocator)]
     impl._locator_classes = ours + list(impl._locator_classes)
+
+
+def _probe():
+    """A function of this package for asking Numba's locators where a kernel would be cached."""
+
+
+def cache_dir() -> str:
+    """The directory holding moeroute's compiled CPU kernels (Numba's on-disk cache).
+
+    ``NUMBA_CACHE_DIR``'s mirror of the package when that variable was set before Numba was
+    imported, else the ``__pycache__`` directory beside the select kernel's source
+    (``moeroute/routing/select/``; each routing module's kernels are cached beside it), or
+    Numba's per-user fallback when that is not writable: the directory Numba's own locators
+    (moeroute's stamped ones in front) choose for a function of ``select/_host.py``.
+    """
+    from numba.core import caching
+
+    install()
+    source = str(ROUTING_DIR / "select" / "_host.py")
+    for locator_class in caching.CacheImpl._locator_classes:
+        locator = locator_class.from_function(_probe, source)
+        if locator is not None:
+            return str(locator.get_cache_path())
+    raise RuntimeError("no Numba cache locator accepts moeroute's kernels (read-only install?)")

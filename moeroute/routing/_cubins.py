@@ -14,7 +14,7 @@ cubin is kept under a key that names everything the code generated from it depen
   cuda.core (nvJitLink).
 
 The directory is ``MOEROUTE_CUBIN_CACHE`` when set, else ``cubins/`` in the directory
-where Numba caches moeroute's CPU kernels (`moeroute.runtime.cache_dir`); entries are
+where Numba caches moeroute's CPU kernels (`moeroute.runtime.cache_dir`, defined in `moeroute.routing._cache`); entries are
 written atomically (a temporary file, then a rename), so concurrent processes never read
 a partial cubin, and the ``.name`` file beside each cubin records its SHA-256: a cubin
 damaged later (truncated, overwritten) is compiled again and replaced, with one
@@ -97,9 +97,9 @@ def cache_dir() -> Path | None:
         return None
     if chosen is not None:
         return chosen
-    from moeroute import runtime
+    from moeroute.routing import _cache
 
-    return Path(runtime.cache_dir()) / "cubins"
+    return Path(_cache.cache_dir()) / "cubins"
 
 
 def cache_key(dispatcher, signature, arch: str) -> str | None:
