@@ -16,6 +16,11 @@ Steps of one layer:
    rank (``_remove_duplicates``), and refined again.
 4. Of the starts whose heaviest rank is at most the greedy's, the one with the fewest
    duplicates wins, then the lighter heaviest rank.
+5. With a previous placement: the plan's ranks are renumbered (nodes, then ranks inside
+   each node) to overlap the previous ones most and each rank's experts take the slots
+   they held; the previous placement improved by swaps competes with it when its heaviest
+   rank is at most the greedy's, and wins when it has no more duplicates and moves no more
+   experts.
 
 Swaps never cross nodes under the hierarchical policy, so every expert stays on the node
 its group was packed onto.
@@ -289,14 +294,18 @@ def _improve(load, phy2log, num_ranks, num_nodes, limit):
 
 
 @njit(cache=True)
-def _plan_layer(load, num_physical, num_ranks, num_nodes, num_groups):
+def _greedy_peak(load, num_physical, num_ranks, num_nodes, num_groups):
+    """The heaviest rank of DeepSeek's greedy, with the comparison slack added."""
+    greedy = _greedy(load, num_physical, num_ranks, num_nodes, num_groups, False)
+    counts = _replica_counts(greedy, load.shape[0])
+    return _rank_loads(load, greedy, counts, num_ranks).max() * (1.0 + RELATIVE_TOLERANCE)
+
+
+@njit(cache=True)
+def _plan_layer(load, num_physical, num_ranks, num_nodes, num_groups, allowed):
     """The chosen plan of one layer (see the module docstring)."""
     n = load.shape[0]
-    greedy = _greedy(load, num_physical, num_ranks, num_nodes, num_groups, False)
-    counts = _replica_counts(greedy, n)
-    limit = _rank_loads(load, greedy, counts, num_ranks).max()
-    allowed = limit * (1.0 + RELATIVE_TOLERANCE)
-    best = greedy.copy()
+    best = _greedy(load, num_physical, num_ranks, num_nodes, num_groups, False)
     best_peak = _improve(load, best, num_ranks, num_nodes, allowed)
     best_dups = _duplicates(_held(best, n, num_ranks))
     if best_dups == 0:
@@ -406,22 +415,25 @@ def _moved(plan, previous):
 
 
 @njit(cache=True)
-def _follow_previous(load, plan, previous, num_ranks, num_nodes):
-    """The plan's ranks and slots matched to ``previous``; ``previous`` itself when it is at
-    least as balanced and holds no more duplicates."""
+def _follow_previous(load, plan, previous, num_ranks, num_nodes, allowed):
+    """(a) ``plan`` with its ranks renumbered and its slots matched to ``previous``, or
+    (b) ``previous`` improved by swaps when its heaviest rank is at most ``allowed`` (the
+    greedy's) and it has no more duplicates and moves no more experts than (a)."""
     n = load.shape[0]
-    counts = _replica_counts(plan, n)
-    peak = _rank_loads(load, plan, counts, num_ranks).max()
-    old_counts = _replica_counts(previous, n)
-    old_peak = _rank_loads(load, previous, old_counts, num_ranks).max()
-    if old_peak <= peak * (1.0 + RELATIVE_TOLERANCE) and \
-            _duplicates(_held(previous, n, num_ranks)) <= _duplicates(_held(plan, n, num_ranks)):
-        return previous.copy()
     kept = _keep_slots(plan, previous, num_ranks)
     relabeled = _keep_slots(_relabel_ranks(plan, previous, n, num_ranks, num_nodes),
                             previous, num_ranks)
     if _moved(relabeled, previous) < _moved(kept, previous):
-        return relabeled
+        kept = relabeled
+    swapped = previous.copy()
+    peak = _improve(load, swapped, num_ranks, num_nodes, allowed)
+    if peak <= allowed:
+        # An expert swapped away and back later returns to its old slot.
+        swapped = _keep_slots(swapped, previous, num_ranks)
+        dups_swapped = _duplicates(_held(swapped, n, num_ranks))
+        dups_kept = _duplicates(_held(kept, n, num_ranks))
+        if dups_swapped <= dups_kept and _moved(swapped, previous) <= _moved(kept, previous):
+            return swapped
     return kept
 
 
@@ -431,8 +443,10 @@ def _plan_layers(load, num_physical, num_ranks, num_nodes, num_groups, previous,
     layers = load.shape[0]
     out = np.empty((layers, num_physical), np.int64)
     for layer in range(layers):
-        plan = _plan_layer(load[layer], num_physical, num_ranks, num_nodes, num_groups)
+        allowed = _greedy_peak(load[layer], num_physical, num_ranks, num_nodes, num_groups)
+        plan = _plan_layer(load[layer], num_physical, num_ranks, num_nodes, num_groups, allowed)
         if has_previous:
-            plan = _follow_previous(load[layer], plan, previous[layer], num_ranks, num_nodes)
+            plan = _follow_previous(load[layer], plan, previous[layer], num_ranks, num_nodes,
+                                    allowed)
         out[layer] = plan
     return out

@@ -426,9 +426,10 @@ def rebalance(load: Any, num_physical_experts: int, ep_size: int, *, num_nodes: 
         Expert groups (DeepSeek-V3: 8); must divide N.
     previous : Placement or array_like int [P] / [L, P], optional
         The placement in use. The new plan's ranks are renumbered and each rank's experts
-        reordered so that an expert that keeps a replica on a rank keeps its slot there;
-        ``previous`` itself is kept when it is at least as balanced. It never moves more
-        experts than the plan made without ``previous``.
+        reordered so that an expert that keeps a replica on a rank keeps its slot there.
+        ``previous`` improved by swaps is taken instead when it stays at least as balanced
+        as the greedy, with no more duplicates and fewer moves (an unchanged load moves
+        nothing). It never moves more experts than the plan made without ``previous``.
 
     Returns
     -------

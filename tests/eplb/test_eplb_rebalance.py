@@ -241,3 +241,18 @@ def test_rank_load_splits_evenly_over_replicas():
     assert np.allclose(rank_load(load, table, 2), expected, rtol=0, atol=1e-12)
     assert balancedness(load, table, 2) == pytest.approx(ref.balancedness(expected), rel=1e-12)
     assert balancedness([0.0] * 4, table, 2) == 1.0
+
+
+def test_a_drifting_load_moves_few_experts():
+    rng = np.random.default_rng(3)
+    load = (1e4 / np.arange(1, 65) ** 1.1)[rng.permutation(64)][None].repeat(4, axis=0)
+    plan = rebalance(load, 80, 8, num_groups=8, num_nodes=2)
+    drifted = load * rng.uniform(0.9, 1.1, size=load.shape)
+    fresh = rebalance(drifted, 80, 8, num_groups=8, num_nodes=2)
+    kept = rebalance(drifted, 80, 8, num_groups=8, num_nodes=2, previous=plan)
+    assert (kept.moved(plan) <= fresh.moved(plan)).all()
+    assert kept.moved(plan).sum() < fresh.moved(plan).sum() / 2
+    for layer in range(4):
+        greedy = ref.greedy_rank_loads(drifted[layer].tolist(), 80, 8, 2, 8)
+        assert max(ref.rank_loads(drifted[layer].tolist(), kept.layer(layer).tolist(), 8)) \
+            <= max(greedy) * (1 + REL)
