@@ -5,6 +5,7 @@ Commands
 plan      show the expert layout and shared-expert plan of a model on E ranks
 route     route random logits with a preset and show the expert and rank load
 warmup    compile the CPU kernels into Numba's on-disk cache (NUMBA_CACHE_DIR)
+eplb      plan an expert placement from a measured or synthetic load
 --list-presets
           list the built-in model presets
 
@@ -85,6 +86,8 @@ COMMANDS: list[Command] = [
             "check each against the dense reference", "moeroute.demo"),
     Command("run", "run a preset-shaped MoE layer on N expert-parallel ranks and check it "
             "against one rank", "moeroute.bindings.ep_run"),
+    Command("eplb", "plan an expert placement (EPLB) from a measured or synthetic load",
+            "moeroute.eplb.cli"),
     Command("warmup", "compile every CPU kernel the presets use into Numba's on-disk cache",
             "moeroute.runtime", "add_warmup_arguments", "run_warmup"),
 ]
