@@ -43,7 +43,7 @@ from torch import nn
 
 from moeroute.bindings.ep import CollectiveError, check_ranks_agree, make_dispatcher
 from moeroute.bindings.torch.dispatch import LocalDispatcher
-from moeroute.eplb.placement import Placement, _check_table
+from moeroute.eplb.placement import Placement
 from moeroute.layout import ExpertLayout
 
 __all__ = ["gather_load", "apply", "ApplyHandle", "TransferPlan", "moe_layers"]

@@ -8,7 +8,7 @@ import torch
 
 from moeroute.bindings.torch.moe import MoE
 from moeroute.config import RouterConfig
-from moeroute.eplb import Placement, apply, gather_load, rebalance
+from moeroute.eplb import apply, gather_load, rebalance
 from moeroute.layout import REPLICA_HASH_MULTIPLIER
 
 N, K, HIDDEN, INTER = 8, 2, 16, 8
