@@ -12,7 +12,11 @@ layer, 65536 tokens x top-8 per layer). For each setting:
 * experts moved when the load drifts by +-10 % and the plan follows the previous one
   (``previous=``) against a fresh plan;
 * the time to rebalance all 61 layers (median of several calls), and its ratio to the
-  plain-Python greedy (interleaved, median of the per-pair ratios).
+  plain-Python greedy (interleaved, median of the per-pair ratios);
+* on 4 gloo ranks (``moeroute run --eplb`` machinery: a DeepSeek-V3-routed layer at a small
+  hidden size, skewed router logits), the heaviest rank's tokens and the layer time before
+  and after one live rebalance; the old and the rebalanced layer are timed in turn on every
+  rank (median of the per-pair ratios).
 
     python bench/eplb.py              # table + bench/results/eplb.json
     python bench/eplb.py --quick      # fewer layers and settings (the test suite's smoke run)
@@ -110,11 +114,48 @@ def run(quick: bool) -> dict:
     return {"settings": records, "versus_python_greedy": {"layers": layers, **ratio}}
 
 
+#: The live run: ``moeroute run`` arguments (DeepSeek-V3 routing, 4 ranks, 4 replicas).
+LIVE_ARGS = ["--preset", "deepseek-v3", "--ep", "4", "--redundant", "4", "--tokens", "512",
+             "--hidden", "128", "--intermediate", "64", "--repeat", "9", "--eplb"]
+
+
+def live_rebalance() -> dict:
+    from moeroute.eplb.run import add_arguments, spawn_reports
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(LIVE_ARGS)
+    reports = spawn_reports(args)
+    first = reports[0]
+    record = {
+        "args": " ".join(LIVE_ARGS),
+        "balancedness_before": first["balancedness_before"],
+        "balancedness_after": first["balancedness_after"],
+        "rank_tokens_before": first["rank_tokens_before"],
+        "rank_tokens_after": first["rank_tokens_after"],
+        "heaviest_rank_tokens_before": max(first["rank_tokens_before"]),
+        "heaviest_rank_tokens_after": max(first["rank_tokens_after"]),
+        "forward_ms_before": [r["forward_ms_before"] for r in reports],
+        "forward_ms_after": [r["forward_ms_after"] for r in reports],
+        "layer_speedup_per_rank": [r["speedup"] for r in reports],
+        "experts_moved": first["experts_moved"],
+        "expert_bytes_moved": sum(r["bytes_received"] for r in reports),
+        "max_rel_error_after": max(r["error_after"] for r in reports),
+    }
+    print(f"live rebalance on 4 gloo ranks: heaviest rank {record['heaviest_rank_tokens_before']:.0f} "
+          f"-> {record['heaviest_rank_tokens_after']:.0f} tokens, balancedness "
+          f"{record['balancedness_before']:.3f} -> {record['balancedness_after']:.3f}, layer time "
+          f"ratio old/new per rank {[round(v, 2) for v in record['layer_speedup_per_rank']]}")
+    return record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 layers, 2 exponents")
+    parser.add_argument("--quick", action="store_true", help="4 layers, 2 exponents, no live run")
     args = parser.parse_args()
     payload = run(args.quick)
+    if not args.quick:
+        payload["live_rebalance"] = live_rebalance()
     if not args.quick:
         print("wrote", write_results("eplb", payload))
 

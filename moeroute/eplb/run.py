@@ -26,7 +26,7 @@ import traceback
 
 from moeroute.bindings import ep_run
 
-__all__ = ["add_arguments", "run", "DEFAULT_SKEW"]
+__all__ = ["add_arguments", "run", "spawn_reports", "DEFAULT_SKEW"]
 
 #: Router logit offset scale of the skewed routing: expert j gets -skew * log(1 + j).
 DEFAULT_SKEW = 1.2
@@ -61,6 +61,9 @@ def _rank_report(args, preset, rank: int, world: int, group, device) -> dict:
     from moeroute.eplb.recorder import LoadRecorder
 
     ep_module, single = ep_run._build_layers(args, preset, group, device)
+    # The same layer again, left on the old placement: forwards of the two are timed in
+    # turn after the rebalance, so machine noise hits both alike.
+    old_module, _ = ep_run._build_layers(args, preset, group, device)
     ep_module.load_recorder = LoadRecorder(args.repeat)
     n = preset.router.num_experts
     gen = torch.Generator().manual_seed(args.seed + 1 + rank)
@@ -69,29 +72,39 @@ def _rank_report(args, preset, rank: int, world: int, group, device) -> dict:
     offsets = -args.skew * torch.log1p(torch.arange(n, dtype=torch.float32))
     logits = (torch.randn(args.tokens, n, generator=gen) + offsets).to(device)
 
-    def measure():
-        ep_module.load_recorder.reset()
-        times = []
-        with torch.no_grad():
-            for _ in range(args.repeat):
-                start = time.perf_counter()
-                out = ep_module(x, logits)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                times.append(time.perf_counter() - start)
+    def timed(module):
+        start = time.perf_counter()
+        out = module(x, logits)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return out, time.perf_counter() - start
+
+    def physical_load():
         physical = ep_module.load_recorder.physical_load(ep_module.layout).to(device)
         dist.all_reduce(physical, group=group)
-        return out, physical.cpu().numpy(), 1e3 * statistics.median(times)
+        return physical.cpu().numpy()
 
     with torch.no_grad():
         expected = single(x, logits)
-        ep_module(x, logits)  # first-call compilation, untimed
-    out_before, physical_before, ms_before = measure()
-    load = gather_load(ep_module, group)
-    layout = ep_module.layout
-    placement = rebalance(load, layout.num_routed_physical, layout.ep_size)
-    handle = apply(ep_module, placement, group)
-    out_after, physical_after, ms_after = measure()
+        for module in (ep_module, old_module):
+            module(x, logits)  # first-call compilation, untimed
+        ep_module.load_recorder.reset()
+        for _ in range(args.repeat):
+            out_before = ep_module(x, logits)
+        physical_before = physical_load()
+        load = gather_load(ep_module, group)
+        layout = ep_module.layout
+        placement = rebalance(load, layout.num_routed_physical, layout.ep_size)
+        handle = apply(ep_module, placement, group)
+        before_s, after_s = [], []
+        for _ in range(args.repeat):
+            _, seconds = timed(old_module)
+            before_s.append(seconds)
+            out_after, seconds = timed(ep_module)
+            after_s.append(seconds)
+        physical_after = physical_load()
+    ms_before, ms_after = 1e3 * statistics.median(before_s), 1e3 * statistics.median(after_s)
+    speedup = statistics.median(b / a for b, a in zip(before_s, after_s))
 
     def error(out):
         if not out.numel():
@@ -107,7 +120,7 @@ def _rank_report(args, preset, rank: int, world: int, group, device) -> dict:
                 rank_tokens_after=per_rank(physical_after),
                 balancedness_before=float(balancedness_from_physical(physical_before, world)),
                 balancedness_after=float(balancedness_from_physical(physical_after, world)),
-                forward_ms_before=ms_before, forward_ms_after=ms_after,
+                forward_ms_before=ms_before, forward_ms_after=ms_after, speedup=speedup,
                 error_before=error(out_before), error_after=error(out_after),
                 experts_moved=handle.experts_moved, bytes_received=handle.bytes_received,
                 bytes_sent=handle.bytes_sent)
@@ -121,6 +134,7 @@ def _format(args, reports: list[dict]) -> tuple[str, int]:
              f"balancedness (mean/max rank tokens): before {first['balancedness_before']:.3f}, "
              f"after {first['balancedness_after']:.3f}; experts moved: {first['experts_moved']}, "
              f"expert bytes moved: {sum(r['bytes_received'] for r in reports)}",
+             "forward times: the old and the new placement timed in turn, per-pair median",
              "rank  tokens_before  tokens_after  forward_ms_before  forward_ms_after  "
              "rel_error_after  check"]
     status = 0
@@ -153,7 +167,9 @@ def _spawned_rank(rank: int, args, init_file: str, result_dir: str) -> None:
     os._exit(0)  # a failed peer could block the group's teardown
 
 
-def _run_spawned(args) -> int:
+def spawn_reports(args) -> list[dict]:
+    """Every spawned rank's report (``--ep`` gloo ranks on this machine); RuntimeError with
+    the failing ranks' tracebacks otherwise."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="moeroute-eplb-") as tmp:
@@ -165,22 +181,27 @@ def _run_spawned(args) -> int:
             while not context.join():
                 pass
         except Exception as error:
-            print(f"moeroute run: a rank failed: {error}", file=sys.stderr)
-            return ep_run.EXIT_FAILURE
+            raise RuntimeError(f"a rank failed: {error}") from None
         results = []
         for rank in range(args.ep):
             path = os.path.join(result_dir, f"rank{rank}.pkl")
             if not os.path.exists(path):
-                print(f"moeroute run: rank {rank} exited without a result", file=sys.stderr)
-                return ep_run.EXIT_FAILURE
+                raise RuntimeError(f"rank {rank} exited without a result")
             with open(path, "rb") as handle:
                 results.append(pickle.load(handle))
-    failed = [(rank, r["error"]) for rank, r in enumerate(results) if not r["ok"]]
-    for rank, error in failed:
-        print(f"moeroute run: rank {rank} failed:\n{error}", file=sys.stderr)
+    failed = [f"rank {rank} failed:\n{r['error']}" for rank, r in enumerate(results) if not r["ok"]]
     if failed:
+        raise RuntimeError("\n".join(failed))
+    return [r["report"] for r in results]
+
+
+def _run_spawned(args) -> int:
+    try:
+        reports = spawn_reports(args)
+    except RuntimeError as error:
+        print(f"moeroute run: {error}", file=sys.stderr)
         return ep_run.EXIT_FAILURE
-    text, status = _format(args, [r["report"] for r in results])
+    text, status = _format(args, reports)
     print(text)
     return status
 
