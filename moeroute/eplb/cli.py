@@ -43,6 +43,16 @@ def _fail(message: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``eplb`` arguments; parse errors print one line and exit 2 (no usage block)."""
     parser.error = _fail  # one line, not argparse's usage block
+    parse_known = parser.parse_known_args
+
+    def parse_strict(args=None, namespace=None):
+        # Unknown arguments would otherwise reach the top-level parser's usage block.
+        namespace, extras = parse_known(args, namespace)
+        if extras:
+            _fail(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    parser.parse_known_args = parse_strict
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", metavar="FILE",
                         help="tokens per logical expert, [N] or [L, N]: .npy, .pt or .json")

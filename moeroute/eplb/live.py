@@ -540,6 +540,8 @@ class _ReceivedRows:
                 for name, tensor in _expert_tensors(layer):
                     size = len(dsts) * _row_bytes(tensor)
                     raw = self.buffer[offset:offset + size]
+                    if offset % tensor.element_size():
+                        raw = raw.clone()  # a dtype view needs an aligned offset
                     rows = raw.view(tensor.dtype).reshape(len(dsts), *tensor.shape[1:])
                     cut[index].setdefault(name, []).append(rows)
                     offset += size

@@ -130,6 +130,11 @@ def skewed_inputs(rank, step, tokens=24):
     return x, logits
 
 
+def _scale_rows(logical):
+    """float32 [len, 2, 3] rows that name their logical expert."""
+    return logical.float()[:, None, None] * 10 + torch.arange(6.0).reshape(1, 2, 3)
+
+
 def _logical_counts(logits):
     ids = torch.topk(torch.softmax(logits, dim=-1), K, dim=-1).indices
     return torch.bincount(ids.reshape(-1), minlength=N)
@@ -165,6 +170,13 @@ def live_worker(rank, world_size, payload):
             # Several layers share one transfer: checked on 2 ranks; 4 ranks run one layer.
             layers, weights = build_layers(world_size, dispatch, shared,
                                            num_layers=2 if world_size == 2 else 1)
+            # Stand-ins for a quantized format's per-expert tensors (scales, packed blocks):
+            # any tensor of module.experts with one row per local expert travels with it.
+            for layer in layers:
+                logical = torch.tensor(layer.routed_expert_ids() + [N] * layer.num_shared_experts
+                                       * (layer.layout.shared == "fused"))
+                layer.experts.register_buffer("scale_inv", _scale_rows(logical))
+                layer.experts.register_buffer("blocks", logical[:, None].repeat(1, 5).to(torch.uint8))
             steps = 2
             local_counts = torch.zeros(N, dtype=torch.int64)
             for step in range(steps):
@@ -184,7 +196,14 @@ def live_worker(rank, world_size, payload):
                 for local, logical in enumerate(placement.layer(index)[rank * slots:(rank + 1) * slots]):
                     wrong_weights += not torch.equal(layer.experts.w_gate_up[local], weights[index][0][logical])
                     wrong_weights += not torch.equal(layer.experts.w_down[local], weights[index][1][logical])
-            row_bytes = (2 * INTER * HIDDEN + HIDDEN * INTER) * 4
+            for index, layer in enumerate(layers):
+                logical = torch.tensor(placement.layer(index)[rank * slots:(rank + 1) * slots].tolist())
+                routed = logical.numel()
+                wrong_weights += not torch.equal(layer.experts.scale_inv[:routed], _scale_rows(logical))
+                wrong_weights += not torch.equal(layer.experts.blocks[:routed],
+                                                 logical[:, None].repeat(1, 5).to(torch.uint8))
+            # gate_up + down float32 rows, scale_inv float32 [2, 3], blocks uint8 [5]
+            row_bytes = (2 * INTER * HIDDEN + HIDDEN * INTER) * 4 + 6 * 4 + 5
             expected_bytes = sum(_expected_received_bytes(old[i], placement.layer(i), world_size, rank,
                                                           row_bytes) for i in range(len(layers)))
             totals = torch.tensor([handle.bytes_sent, handle.bytes_received], dtype=torch.int64)

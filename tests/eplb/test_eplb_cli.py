@@ -80,6 +80,8 @@ def test_synthetic_load_is_a_seeded_zipf_sample():
     (["--load", "load.txt", "--ep", "8"], ["load.txt", ".npy, .pt, .json"]),
     (["--synthetic", "zipf:1", "--ep", "8", "--redundant", "-8"], ["--redundant", ">= 0"]),
     (["--synthetic", "zipf:1", "--ep", "8", "--out", "plan.csv"], ["--out", ".npy, .json"]),
+    (["--synthetic", "zipf:1", "--ep", "8", "--bogus", "3"], ["unrecognized", "--bogus 3"]),
+    (["--synthetic", "zipf:1", "--ep"], ["--ep", "expected one argument"]),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, words, capsys):
     assert main(["eplb", *argv]) == 2
