@@ -69,6 +69,14 @@ def moe_layers(modules: Any) -> list:
     return layers
 
 
+def _comm_device(group: Any, device: torch.device) -> torch.device:
+    """Where a collective's tensors must live: the layers' device under NCCL, else the CPU
+    (gloo's all_to_all serves CPU tensors)."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        return device
+    return torch.device("cpu")
+
+
 def _group_of(layers: list, group: Any):
     """The EP process group of the layers (None when they run on one rank)."""
     if group is not None:
@@ -116,8 +124,8 @@ def gather_load(modules: Any, group: Any = None) -> np.ndarray:
     device = layers[0].load_recorder.counts.device if layers[0].load_recorder.counts is not None \
         else torch.device("cpu")
     widths = [t.numel() for t in physical]
-    flat = torch.cat([t.to(device) for t in physical])
     group = _group_of(layers, group)
+    flat = torch.cat([t.to(_comm_device(group, device)) for t in physical])
     if group is not None:
         try:
             dist.all_reduce(flat, group=group)
@@ -268,6 +276,7 @@ class _Pending:
         self.tensors, self.received, self.work = tensors, received, work
         self.recv_buffer, self.group, self.handle = recv_buffer, group, handle
         self.layout_before = layout_before
+        self.comm_device = recv_buffer.device
         self.local_rows = [self._local_rows(layer, plan, names)
                            for layer, plan, names in zip(layers, plans, tensors)]
 
@@ -298,7 +307,7 @@ class _Pending:
     def _agree(self, state: int) -> int:
         if self.group is None:
             return state
-        flag = torch.tensor([state], dtype=torch.int64)
+        flag = torch.tensor([state], dtype=torch.int64, device=self.comm_device)
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         except RuntimeError as error:
@@ -399,11 +408,11 @@ def _check_request(layers, placement) -> np.ndarray:
     return np.asarray(placement.physical_to_logical, dtype=np.int64)
 
 
-def _byte_rows(tensor: torch.Tensor, slots: list[int]) -> torch.Tensor:
-    """Rows ``slots`` of ``tensor`` as one flat uint8 CPU tensor."""
+def _byte_rows(tensor: torch.Tensor, slots: list[int], device: torch.device) -> torch.Tensor:
+    """Rows ``slots`` of ``tensor`` as one flat uint8 tensor on ``device``."""
     rows = tensor.detach().index_select(0, torch.tensor(slots, dtype=torch.long,
                                                         device=tensor.device))
-    return rows.contiguous().cpu().reshape(-1).view(torch.uint8)
+    return rows.contiguous().to(device).reshape(-1).view(torch.uint8)
 
 
 def apply(modules: Any, placement: Placement, group: Any = None, async_op: bool = False) -> ApplyHandle:
@@ -467,6 +476,7 @@ def apply(modules: Any, placement: Placement, group: Any = None, async_op: bool 
         }, group, "the EPLB placement")
 
     handle = ApplyHandle()
+    comm_device = _comm_device(group, layers[0].experts.w_gate_up.device)
     plans = []
     send_chunks: list[list[torch.Tensor]] = [[] for _ in range(ep_size)]
     receive_sizes = [0] * ep_size
@@ -480,16 +490,16 @@ def apply(modules: Any, placement: Placement, group: Any = None, async_op: bool 
         row_bytes = sum(_row_bytes(t) for _, t in named)
         for dst in sorted(plan.send):
             for _, t in named:
-                send_chunks[dst].append(_byte_rows(t, [s for s, _ in plan.send[dst]]))
+                send_chunks[dst].append(_byte_rows(t, [s for s, _ in plan.send[dst]], comm_device))
         for src, dsts in plan.receive.items():
             receive_sizes[src] += len(dsts) * row_bytes
             handle.experts_received += len(dsts)
     send_sizes = [sum(c.numel() for c in chunks) for chunks in send_chunks]
     handle.bytes_sent = sum(send_sizes)
     handle.bytes_received = sum(receive_sizes)
-    empty = torch.zeros(0, dtype=torch.uint8)
+    empty = torch.zeros(0, dtype=torch.uint8, device=comm_device)
     send_buffer = torch.cat([c for chunks in send_chunks for c in chunks] or [empty])
-    recv_buffer = torch.empty(sum(receive_sizes), dtype=torch.uint8)
+    recv_buffer = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=comm_device)
     work = None
     if group is not None:
         try:

@@ -97,7 +97,8 @@ class _SharedMLP(torch.nn.Module):
         return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def build_layers(world_size, dispatch, shared, num_layers=2, record_load=True):
+def build_layers(world_size, dispatch, shared, num_layers=2, record_load=True,
+                 placement="linear"):
     """``num_layers`` MoE layers on the world group, the same weights on every rank, and
     the full stacked routed weights of each layer."""
     from moeroute.bindings.torch.moe import MoE
@@ -113,7 +114,8 @@ def build_layers(world_size, dispatch, shared, num_layers=2, record_load=True):
                 torch.randn(N, HIDDEN, INTER) * INTER ** -0.5)
         layer = MoE(RouterConfig(N, K), HIDDEN, INTER, shared_mlp, gate, shared=shared,
                     ep_group=dist.group.WORLD, dispatch=dispatch,
-                    num_redundant_experts=redundant, record_load=record_load)
+                    num_redundant_experts=redundant, record_load=record_load,
+                    placement=placement)
         layer.load_routed_weights(*full)
         layers.append(layer)
         weights.append(full)
@@ -168,8 +170,10 @@ def live_worker(rank, world_size, payload):
     for dispatch in ("all2all", "allgather"):
         for shared in ("runner", "overlap", "fused"):
             # Several layers share one transfer: checked on 2 ranks; 4 ranks run one layer.
-            layers, weights = build_layers(world_size, dispatch, shared,
-                                           num_layers=2 if world_size == 2 else 1)
+            # The overlap cases start from the round-robin placement, the others from linear.
+            layers, weights = build_layers(
+                world_size, dispatch, shared, num_layers=2 if world_size == 2 else 1,
+                placement="round_robin" if shared == "overlap" else "linear")
             # Stand-ins for a quantized format's per-expert tensors (scales, packed blocks):
             # any tensor of module.experts with one row per local expert travels with it.
             for layer in layers:

@@ -158,3 +158,27 @@ def test_async_apply_swaps_at_the_next_forward():
         placement.physical_to_logical.tolist()
     for a, b in zip(before, after):
         assert torch.allclose(a, b, rtol=0, atol=TOLERANCE * float(b.abs().max()))
+
+
+def test_apply_with_fused_global_shared_slots_on_one_rank():
+    from moeroute.bindings.torch.mlp import GatedMLP
+
+    torch.manual_seed(6)
+    full = (torch.randn(N, 2 * INTER, HIDDEN), torch.randn(N, HIDDEN, INTER) * 0.3)
+    module = MoE(RouterConfig(N, K), HIDDEN, INTER, GatedMLP(HIDDEN, 2 * INTER),
+                 torch.nn.Linear(HIDDEN, 1, bias=False), shared="fused", num_redundant_experts=4,
+                 record_load=True)
+    module.load_routed_weights(*full)
+    assert module.layout.shared_slots == "global"
+    shared_rows = module.experts.w_gate_up[12:].clone()  # the 2 fused slots after the 12 routed
+    x, logits = torch.randn(21, HIDDEN), torch.randn(21, N)
+    logits[:, 1] += 3.0
+    with torch.no_grad():
+        before = module(x, logits)
+    placement = rebalance(gather_load(module), 12, 1)
+    apply(module, placement)
+    assert torch.equal(module.experts.w_gate_up[12:], shared_rows)  # shared slots never move
+    assert module.layout.shared == "fused" and module.layout.shared_slots == "global"
+    with torch.no_grad():
+        after = module(x, logits)
+    assert torch.allclose(before, after, rtol=0, atol=TOLERANCE * float(after.abs().max()))
