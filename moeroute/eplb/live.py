@@ -270,15 +270,14 @@ class ApplyHandle:
 class _Pending:
     """A posted transfer and what the swap needs; shared by every layer of one `apply`."""
 
-    def __init__(self, layers, tables, plans, tensors, received, work, recv_buffer, group,
-                 handle, layout_before) -> None:
+    def __init__(self, layers, tables, plans, names, received, work, recv_buffer, group,
+                 handle) -> None:
         self.layers, self.tables, self.plans = layers, tables, plans
-        self.tensors, self.received, self.work = tensors, received, work
+        self.names, self.received, self.work = names, received, work
         self.recv_buffer, self.group, self.handle = recv_buffer, group, handle
-        self.layout_before = layout_before
         self.comm_device = recv_buffer.device
-        self.local_rows = [self._local_rows(layer, plan, names)
-                           for layer, plan, names in zip(layers, plans, tensors)]
+        self.local_rows = [self._local_rows(layer, plan, layer_names)
+                           for layer, plan, layer_names in zip(layers, plans, names)]
 
     @staticmethod
     def _local_rows(layer, plan, names):
@@ -287,8 +286,8 @@ class _Pending:
             return None
         sources = torch.tensor([s for s, _ in plan.local], dtype=torch.long)
         current = dict(_expert_tensors(layer))
-        return {name: current[name].index_select(0, sources.to(current[name].device)).clone()
-                for name, _ in names}
+        return {name: current[name].index_select(0, sources.to(current[name].device))
+                for name in names}
 
     def _transfer_state(self) -> int:
         """1 finished, 0 in flight, -1 failed (this rank)."""
@@ -355,23 +354,23 @@ class _Pending:
     def _swap(self) -> None:
         with torch.no_grad():
             for index, layer in enumerate(self.layers):
-                plan, names = self.plans[index], self.tensors[index]
+                plan, names = self.plans[index], self.names[index]
                 current = dict(_expert_tensors(layer))
-                updates: dict[str, list] = {name: [] for name, _ in names}
+                updates: dict[str, list] = {name: [] for name in names}
                 slots: list[int] = []
                 if plan.local:
                     slots += [dst for _, dst in plan.local]
-                    for name, _ in names:
+                    for name in names:
                         updates[name].append(self.local_rows[index][name])
                 for src in sorted(plan.receive):
                     dsts = plan.receive[src]
                     slots += dsts
-                for name, _ in names:
+                for name in names:
                     for rows in self.received[index].get(name, []):
                         updates[name].append(rows)
                 if slots:
                     index_tensor = torch.tensor(slots, dtype=torch.long)
-                    for name, _ in names:
+                    for name in names:
                         tensor = current[name]
                         rows = torch.cat([r.to(tensor.device) for r in updates[name]])
                         fresh = tensor.detach().clone()
@@ -392,8 +391,6 @@ class _Pending:
 
 
 def _check_request(layers, placement) -> np.ndarray:
-    if not isinstance(placement, Placement):
-        raise TypeError(f"placement must be a moeroute.eplb.Placement, got {type(placement).__name__}")
     if placement.num_layers != len(layers):
         raise ValueError(f"placement has {placement.num_layers} layer(s) for {len(layers)} MoE "
                          f"layer(s); pass one placement row per layer")
@@ -454,26 +451,30 @@ def apply(modules: Any, placement: Placement, group: Any = None, async_op: bool 
         placement.
     """
     layers = moe_layers(modules)
-    tables = _check_request(layers, placement)
+    if not isinstance(placement, Placement):
+        raise TypeError(f"placement must be a moeroute.eplb.Placement, got {type(placement).__name__}")
+    if not isinstance(async_op, bool):
+        raise TypeError(f"async_op={async_op!r} must be a bool")
     if any(layer.pending_placement is not None for layer in layers):
         raise ValueError("an asynchronous apply is still pending on these layers; call its "
                          "handle's wait() first")
-    if not isinstance(async_op, bool):
-        raise TypeError(f"async_op={async_op!r} must be a bool")
     group = _group_of(layers, group)
-    ep_size = layers[0].layout.ep_size
-    rank = layers[0].rank
-    tensors = [[(name, tuple(t.shape), str(t.dtype)) for name, t in _expert_tensors(layer)]
-               for layer in layers]
     if group is not None:
+        # First, so that a placement one rank refuses cannot leave the others waiting.
+        tensors = [[(name, tuple(t.shape), str(t.dtype)) for name, t in _expert_tensors(layer)]
+                   for layer in layers]
         check_ranks_agree({
             "eplb.layers": len(layers),
-            "eplb.placement": _digest(tables),
+            "eplb.placement": (placement.physical_to_logical.shape,
+                               _digest(placement.physical_to_logical)),
             "eplb.current_placement": _digest(np.stack([layer.layout.physical_to_logical
                                                          for layer in layers])),
             "eplb.expert_tensors": tuple(tuple(t) for t in tensors),
             "eplb.async_op": async_op,
         }, group, "the EPLB placement")
+    tables = _check_request(layers, placement)
+    ep_size = layers[0].layout.ep_size
+    rank = layers[0].rank
 
     handle = ApplyHandle()
     comm_device = _comm_device(group, layers[0].experts.w_gate_up.device)
@@ -509,9 +510,8 @@ def apply(modules: Any, placement: Placement, group: Any = None, async_op: bool 
                                   "keeps its old placement") from error
     received = _ReceivedRows(layers, plans, recv_buffer, receive_sizes)
     pending = _Pending(layers, tables, plans,
-                       [[(name, None) for name, _ in _expert_tensors(layer)] for layer in layers],
-                       received, work, recv_buffer, group, handle,
-                       [layer.layout for layer in layers])
+                       [[name for name, _ in _expert_tensors(layer)] for layer in layers],
+                       received, work, recv_buffer, group, handle)
     handle._pending = pending
     if async_op:
         for layer in layers:
