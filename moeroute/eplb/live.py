@@ -18,9 +18,9 @@ How `apply` moves the weights (every rank of the EP group calls it with the same
    parameter or buffer of ``module.experts`` whose first dimension is the local expert
    count), so formats need no code of their own.
 4. Commit: a one-integer ``all_reduce`` confirms that every rank received everything; only
-   then does each layer get its new rows (written into a copy of each tensor, swapped in)
-   and a new layout and dispatcher, and its load window is cleared. A failure anywhere
-   before the commit leaves every layer of every rank on its old placement, untouched.
+   then does each layer get its new rows (written in place into its expert tensors) and a
+   new layout and dispatcher, and its load window is cleared. A failure anywhere before the
+   commit leaves every layer of every rank on its old placement, untouched.
 
 ``async_op=True`` posts the transfer and returns; forwards go on with the old placement.
 At each forward of the first layer while the transfer is pending, the ranks agree with a
@@ -352,42 +352,40 @@ class _Pending:
                 layer.pending_placement = None
 
     def _swap(self) -> None:
+        """Every layer to its new placement. All that can fail (new layouts, dispatchers,
+        row buffers) is built first; then the rows are written in place and the layouts
+        assigned, steps that allocate nothing."""
+        prepared = []
         with torch.no_grad():
             for index, layer in enumerate(self.layers):
                 plan, names = self.plans[index], self.names[index]
                 current = dict(_expert_tensors(layer))
-                updates: dict[str, list] = {name: [] for name in names}
-                slots: list[int] = []
-                if plan.local:
-                    slots += [dst for _, dst in plan.local]
-                    for name in names:
-                        updates[name].append(self.local_rows[index][name])
+                slots = [dst for _, dst in plan.local]
                 for src in sorted(plan.receive):
-                    dsts = plan.receive[src]
-                    slots += dsts
+                    slots += plan.receive[src]
+                writes = []
                 for name in names:
-                    for rows in self.received[index].get(name, []):
-                        updates[name].append(rows)
-                if slots:
-                    index_tensor = torch.tensor(slots, dtype=torch.long)
-                    for name in names:
+                    parts = ([self.local_rows[index][name]] if plan.local else []) \
+                        + list(self.received[index].get(name, []))
+                    if slots:
                         tensor = current[name]
-                        rows = torch.cat([r.to(tensor.device) for r in updates[name]])
-                        fresh = tensor.detach().clone()
-                        fresh.index_copy_(0, index_tensor.to(tensor.device), rows)
-                        tensor.data = fresh
-                    if getattr(layer.experts, "pack_cpu", False):
-                        layer.experts.pack_cpu_weights(True)
+                        rows = torch.cat([part.to(tensor.device) for part in parts])
+                        where = torch.tensor(slots, dtype=torch.long, device=tensor.device)
+                        writes.append((tensor, where, rows))
                 layout = _new_layout(layer.layout, self.tables[index])
-                layer.layout = layout
                 old = layer.dispatcher
-                if isinstance(old, LocalDispatcher):
-                    layer.dispatcher = LocalDispatcher(layout)
-                else:
-                    layer.dispatcher = make_dispatcher(layout, old.group, layout.dispatch,
-                                                       debug=old.debug)
+                dispatcher = LocalDispatcher(layout) if isinstance(old, LocalDispatcher) else \
+                    make_dispatcher(layout, old.group, layout.dispatch, debug=old.debug)
+                prepared.append((layer, writes, layout, dispatcher))
+            for layer, writes, layout, dispatcher in prepared:
+                for tensor, where, rows in writes:
+                    tensor.index_copy_(0, where, rows)
+                layer.layout, layer.dispatcher = layout, dispatcher
                 if layer.load_recorder is not None:
                     layer.load_recorder.reset()
+        for layer, writes, _, _ in prepared:
+            if writes and getattr(layer.experts, "pack_cpu", False):
+                layer.experts.pack_cpu_weights(True)  # the oneDNN copies are snapshots
 
 
 def _check_request(layers, placement) -> np.ndarray:
@@ -435,6 +433,10 @@ def apply(modules: Any, placement: Placement, group: Any = None, async_op: bool 
     -------
     ApplyHandle
         Bytes sent and received by this rank, experts moved, copied and received.
+
+    The expert tensors are written in place (no second copy of the weights): a layer built to
+    share its weights with the caller's tensors (``expert_weights`` on a rank holding exactly
+    the N experts) reorders those tensors too.
 
     Raises
     ------

@@ -182,3 +182,21 @@ def test_apply_with_fused_global_shared_slots_on_one_rank():
     with torch.no_grad():
         after = module(x, logits)
     assert torch.allclose(before, after, rtol=0, atol=TOLERANCE * float(after.abs().max()))
+
+
+def test_apply_repacks_onednn_copies():
+    from moeroute.bindings.torch.experts import onednn_linear_serves
+
+    if not onednn_linear_serves(torch.float32):
+        pytest.skip("this torch build's oneDNN does not serve float32")
+    torch.manual_seed(7)
+    module = _module(num_redundant_experts=4)
+    module.load_routed_weights(torch.randn(N, 2 * INTER, HIDDEN), torch.randn(N, HIDDEN, INTER))
+    module.pack_cpu_weights()
+    x, logits = torch.randn(15, HIDDEN), torch.randn(15, N)
+    with torch.no_grad():
+        before = module(x, logits)
+    apply(module, rebalance(np.arange(N, 0, -1) ** 2, 12, 1))
+    with torch.no_grad():
+        after = module(x, logits)  # stale copies would raise
+    assert torch.allclose(before, after, rtol=0, atol=TOLERANCE * float(after.abs().max()))
