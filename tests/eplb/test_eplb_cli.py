@@ -115,3 +115,20 @@ def test_torch_load_file(tmp_path, capsys):
     plan = rebalance(load.numpy(), 6, 2)
     after = ref.rank_loads(load.tolist(), plan.layer(0).tolist(), 2)
     assert report["layers"][0]["balancedness_after"] == pytest.approx(ref.balancedness(after))
+
+
+def test_bench_quick_run_matches_or_beats_the_greedy(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, MOEROUTE_BENCH_RESULTS=str(tmp_path), PYTHONPATH=str(root))
+    subprocess.run([sys.executable, str(root / "bench" / "eplb.py"), "--quick"], env=env,
+                   check=True, capture_output=True, timeout=300)
+    results = json.loads((tmp_path / "eplb_quick.json").read_text())
+    for setting in results["settings"]:
+        assert setting["layers_worse_than_greedy"] == 0
+        assert setting["balancedness_moeroute"] >= setting["balancedness_greedy"] * (1 - 1e-9)
+        assert setting["moved_with_previous_per_layer"] <= setting["moved_fresh_per_layer"]
