@@ -5,6 +5,7 @@ Commands
 plan      show the expert layout and shared-expert plan of a model on E ranks
 route     route random logits with a preset and show the expert and rank load
 warmup    compile the CPU kernels into Numba's on-disk cache (NUMBA_CACHE_DIR)
+eplb      plan an expert placement from a measured or synthetic load
 --list-presets
           list the built-in model presets
 
@@ -85,7 +86,9 @@ COMMANDS: list[Command] = [
     Command("demo", "run a DeepSeek-V3- and a Qwen3.5-shaped layer in every shared mode and "
             "check each against the dense reference", "moeroute.demo"),
     Command("run", "run a preset-shaped MoE layer on N expert-parallel ranks and check it "
-            "against one rank", "moeroute.bindings.ep_run"),
+            "against one rank", "moeroute.eplb.run"),  # moeroute.bindings.ep_run + --eplb
+    Command("eplb", "plan an expert placement (EPLB) from a measured or synthetic load",
+            "moeroute.eplb.cli"),
     Command("warmup", "compile every CPU kernel the presets use into Numba's on-disk cache",
             "moeroute.runtime", "add_warmup_arguments", "run_warmup"),
 ]

@@ -75,6 +75,7 @@ from moeroute.bindings.torch.experts import (
     check_dtype,
 )
 from moeroute.config import RouterConfig
+from moeroute.eplb.recorder import DEFAULT_LOAD_WINDOW, LoadRecorder, check_window
 from moeroute.layout import DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, ExpertLayout
 
 __all__ = ["MoE", "shared_mlp_slots", "SUPPORTED_DEVICES"]
@@ -238,6 +239,12 @@ class MoE(nn.Module):
     physical_to_logical : array_like of int [P], optional
         Expert placement over the EP ranks (`moeroute.layout.ExpertLayout`); a table sets
         the redundant experts itself (leave ``num_redundant_experts`` 0).
+    record_load : bool
+        Count this rank's tokens per physical expert over the last ``load_window`` forwards
+        on the forward's device (`moeroute.eplb.recorder.LoadRecorder`, ``load_recorder``);
+        `moeroute.eplb.gather_load` reads the windows of the EP group.
+    load_window : int
+        Forwards per load window (default 128).
     dtype, device
         Of the expert weights; the activations must match.
     expert_weights : (Tensor [N, 2I, H'], Tensor [N, H', I]), optional
@@ -292,6 +299,8 @@ class MoE(nn.Module):
         apply_router_weight_on_input: bool = False,
         placement: str = "linear",
         physical_to_logical=None,
+        record_load: bool = False,
+        load_window: int = DEFAULT_LOAD_WINDOW,
     ) -> None:
         super().__init__()
         # The key by which torch.ops.moeroute.moe_forward finds this layer (see forward).
@@ -415,6 +424,11 @@ class MoE(nn.Module):
             # layers are built, and the forward stays free of extra collectives.
             check_ranks_agree(self.ep_fingerprint(), ep_group, "the MoE layer")
             self.dispatcher = make_dispatcher(self.layout, ep_group, dispatch)
+        # EPLB (moeroute.eplb): the load window, and a placement swap waiting for its forward.
+        if not isinstance(record_load, bool):
+            raise ValueError(f"record_load={record_load!r} must be a bool")
+        self.load_recorder = LoadRecorder(check_window(load_window)) if record_load else None
+        self.pending_placement = None
 
     def ep_fingerprint(self) -> dict:
         """The fields every rank of an expert-parallel group must agree on (plain values):
@@ -772,6 +786,8 @@ class MoE(nn.Module):
             (inference only).
         """
         self._check_forward_inputs(hidden_states, router_logits)
+        if self.pending_placement is not None:  # EPLB: an async apply swaps in here when done
+            self.pending_placement.at_forward(self)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
         layout, rsf = self.layout, self.router.routed_scaling_factor
@@ -786,6 +802,8 @@ class MoE(nn.Module):
             gate_values = None if gate is None else gate.reshape(-1).float()
             slot_weights = layout.shared_slot_weight(gate_values, rsf)
         ids, weights = arrays.append_shared_slots(topk_ids, topk_weights, layout, self.rank, slot_weights)
+        if self.load_recorder is not None:  # EPLB load window: this rank's tokens, at home
+            self.load_recorder.record(ids, layout.num_physical_experts)
 
         routed_input = x if self.routed_input_transform is None else self.routed_input_transform(x)
         if self.apply_router_weight_on_input:
