@@ -58,7 +58,7 @@ def _rank_report(args, preset, rank: int, world: int, group, device) -> dict:
     import torch.distributed as dist
 
     from moeroute.eplb import apply, balancedness_from_physical, gather_load, rebalance
-    from moeroute.eplb.recorder import LoadRecorder
+    from moeroute.bindings.torch.load_window import LoadRecorder
 
     ep_module, single = ep_run._build_layers(args, preset, group, device)
     # The same layer again, left on the old placement: forwards of the two are timed in

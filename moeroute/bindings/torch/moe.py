@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeroute.bindings.torch import arrays, ops
-from moeroute.bindings.torch.dispatch import Dispatcher, LocalDispatcher
+from moeroute.bindings.torch.dispatch import Dispatcher, LocalDispatcher, ep_dispatcher_factory
 from moeroute.bindings.torch.experts import (
     SUPPORTED_DTYPES,
     LocalExperts,
@@ -74,8 +74,9 @@ from moeroute.bindings.torch.experts import (
     check_activation,
     check_dtype,
 )
+from moeroute.bindings.torch.group import check_ranks_agree, ep_group_size_and_rank, layout_fingerprint
+from moeroute.bindings.torch.load_window import DEFAULT_LOAD_WINDOW, LoadRecorder, check_window
 from moeroute.config import RouterConfig
-from moeroute.eplb.recorder import DEFAULT_LOAD_WINDOW, LoadRecorder, check_window
 from moeroute.layout import DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, ExpertLayout
 
 __all__ = ["MoE", "shared_mlp_slots", "SUPPORTED_DEVICES"]
@@ -201,7 +202,7 @@ class MoE(nn.Module):
         Who computes the shared expert (SPEC section 3); resolved once into ``self.layout``.
     ep_group : torch.distributed.ProcessGroup, optional
         Expert-parallel group; the module then holds only its rank's experts and dispatches
-        through ``moeroute.bindings.ep.make_dispatcher``. None: one rank, no communication.
+        through ``dispatcher_factory``. None: one rank, no communication.
         Construction with a group is a collective: the ranks exchange `ep_fingerprint`
         once and must all agree.
     dispatch : {"all2all", "allgather"}
@@ -241,10 +242,13 @@ class MoE(nn.Module):
         the redundant experts itself (leave ``num_redundant_experts`` 0).
     record_load : bool
         Count this rank's tokens per physical expert over the last ``load_window`` forwards
-        on the forward's device (`moeroute.eplb.recorder.LoadRecorder`, ``load_recorder``);
+        on the forward's device (`moeroute.bindings.torch.load_window.LoadRecorder`, ``load_recorder``);
         `moeroute.eplb.gather_load` reads the windows of the EP group.
     load_window : int
         Forwards per load window (default 128).
+    dispatcher_factory : callable, optional
+        ``factory(layout, ep_group, dispatch) -> Dispatcher`` building the dispatcher with
+        ``ep_group``; default `moeroute.bindings.ep.make_dispatcher` (all2all, allgather).
     dtype, device
         Of the expert weights; the activations must match.
     expert_weights : (Tensor [N, 2I, H'], Tensor [N, H', I]), optional
@@ -259,7 +263,7 @@ class MoE(nn.Module):
     TypeError
         ``router`` not a RouterConfig; a module argument that is not callable; ``ep_group``
         not a torch.distributed ProcessGroup.
-    moeroute.bindings.ep.RankMismatchError
+    moeroute.bindings.torch.group.RankMismatchError
         With ``ep_group``: the ranks disagree on a field of `ep_fingerprint`; raised on
         every rank with the same message naming each field and each rank's value.
     ValueError
@@ -301,6 +305,7 @@ class MoE(nn.Module):
         physical_to_logical=None,
         record_load: bool = False,
         load_window: int = DEFAULT_LOAD_WINDOW,
+        dispatcher_factory=None,
     ) -> None:
         super().__init__()
         # The key by which torch.ops.moeroute.moe_forward finds this layer (see forward).
@@ -358,8 +363,6 @@ class MoE(nn.Module):
         if ep_group is None:
             ep_size, rank, layout_dispatch = 1, 0, "none"
         else:
-            from moeroute.bindings.ep import ep_group_size_and_rank
-
             (ep_size, rank), layout_dispatch = ep_group_size_and_rank(ep_group), dispatch
         self.layout = ExpertLayout(
             router.num_experts, num_shared, ep_size=ep_size, dispatch=layout_dispatch, shared=shared,
@@ -418,12 +421,11 @@ class MoE(nn.Module):
         if ep_group is None:
             self.dispatcher: Dispatcher = LocalDispatcher(self.layout)
         else:
-            from moeroute.bindings.ep import check_ranks_agree, make_dispatcher
-
             # Once, here rather than on the first forward: a disagreement surfaces where the
             # layers are built, and the forward stays free of extra collectives.
             check_ranks_agree(self.ep_fingerprint(), ep_group, "the MoE layer")
-            self.dispatcher = make_dispatcher(self.layout, ep_group, dispatch)
+            factory = dispatcher_factory or ep_dispatcher_factory()
+            self.dispatcher = factory(self.layout, ep_group, dispatch)
         # EPLB (moeroute.eplb): the load window, and a placement swap waiting for its forward.
         if not isinstance(record_load, bool):
             raise ValueError(f"record_load={record_load!r} must be a bool")
@@ -434,8 +436,6 @@ class MoE(nn.Module):
         """The fields every rank of an expert-parallel group must agree on (plain values):
         the layout, every router field, the sizes, dtypes, activation and the optional
         parts. Exchanged once at construction with ``ep_group``."""
-        from moeroute.bindings.ep import layout_fingerprint
-
         fields = layout_fingerprint(self.layout)
         fields.update({f"router.{name}": value
                        for name, value in dataclasses.asdict(self.router).items()})
