@@ -31,6 +31,7 @@ demo: setup
 	$(VENV)/bin/moeroute demo
 
 test: setup hip-toolchain
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The wheel as users get it: built, installed into a fresh venv outside the checkout, demo + routing.
