@@ -29,7 +29,7 @@ once per token and adds it, and the method tells the runner so
 shared experts. One object answers "who computes the shared expert" for both sides.
 
 `STATS` counts what the plugin did in this process (layers served and declined, MoE
-calls, tokens routed).
+calls and tokens routed in eager mode).
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ ROUTERS = ("CPURouter", "FusedTopKRouter", "GroupedTopKRouter", "FusedTopKBiasRo
 WEIGHT_DTYPES = ("torch.float32", "torch.float16", "torch.bfloat16")
 
 #: What the plugin did in this process: "layers" served, "declined" layers, "calls" of the
-#: served layers' forward, "tokens" routed by moeroute.
+#: served layers' forward and "tokens" routed by moeroute (eager calls; not counted inside
+#: a torch.compile graph).
 STATS: collections.Counter = collections.Counter()
 
 # A child of vLLM's logger: the lines appear in vLLM's log, formatted as its own.
@@ -349,8 +350,9 @@ def _plugin_classes():
             return self._experts(layer, x, topk_weights.to(torch.float32), topk_ids.to(torch.int32))
 
         def _experts(self, layer, x, topk_weights, topk_ids):
-            STATS["calls"] += 1
-            STATS["tokens"] += int(x.shape[0])
+            if not torch.compiler.is_compiling():  # a traced graph would count once, at tracing
+                STATS["calls"] += 1
+                STATS["tokens"] += int(x.shape[0])
             return torch.ops.moeroute.experts(x, layer.w13_weight, layer.w2_weight, topk_ids, topk_weights,
                                               self.plan.activation, "auto")
 
