@@ -1,12 +1,13 @@
 """Serve tiny checkpoints with vLLM in this process and write what happened as JSON.
 
-    python tests_vllm/serve.py OUT.json MODEL_DIR [MODEL_DIR ...]
+    python tests_vllm/serve.py [--compiled] OUT.json MODEL_DIR [MODEL_DIR ...]
 
 Run by the tests in a fresh process per plugin setting (vLLM's MoE method registry is
 per process); the environment says whether the moeroute plugin acts. For each model:
 greedy tokens and vLLM's top-2 logprobs per step for one batch of 1 prompt and one of 4,
 how often each MoE runner ran and how often (and on how many token rows) its shared MLP
-ran, and moeroute's plugin counters.
+ran, and moeroute's plugin counters. ``--compiled`` serves with vLLM's torch.compile
+(``enforce_eager=False``); the call counts then only cover what ran outside the graph.
 """
 
 import json
@@ -65,12 +66,12 @@ def count_calls(model):
             module.shared_experts._layer.register_forward_hook(shared_hook, with_kwargs=True)
 
 
-def serve(model_dir):
+def serve(model_dir, eager=True):
     from vllm import LLM, SamplingParams
 
     with open(os.path.join(model_dir, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=eager,
               max_model_len=128, seed=0, kv_cache_memory_bytes=32 << 20)
     llm.apply_model(count_calls)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2, detokenize=False,
@@ -89,10 +90,12 @@ def serve(model_dir):
 
 
 def main():
-    out_path, model_dirs = sys.argv[1], sys.argv[2:]
+    arguments = sys.argv[1:]
+    eager = "--compiled" not in arguments
+    out_path, *model_dirs = [a for a in arguments if a != "--compiled"]
     results = {}
     for model_dir in model_dirs:
-        results[model_dir] = serve(model_dir)
+        results[model_dir] = serve(model_dir, eager)
     from moeroute.compat import vllm_plugin
 
     results["stats"] = dict(vllm_plugin.STATS)

@@ -28,14 +28,16 @@ import checkpoints  # noqa: E402
 #: Top-2 log-probability gap of vLLM's own run below which a step is a tie.
 TIE = 1e-2
 SHARED_MODELS = ("qwen2_moe", "deepseek_v3")
+#: Also served with vLLM's torch.compile (enforce_eager=False) and the plugin.
+COMPILED_MODEL = "qwen2_moe"
 #: MoE layers of each tiny checkpoint (DeepSeek-V3's first layer is dense).
 MOE_LAYERS = {"qwen3_moe": 2, "qwen2_moe": 2, "mixtral": 2, "deepseek_v3": 2}
 
 
-def _serve(out_path, specs, **env):
+def _serve(out_path, specs, *options, **env):
     environment = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "MOEROUTE_VLLM")}
     environment.update(env)
-    done = subprocess.run([sys.executable, str(HERE / "serve.py"), str(out_path), *specs],
+    done = subprocess.run([sys.executable, str(HERE / "serve.py"), *options, str(out_path), *specs],
                           env=environment, capture_output=True, text=True, timeout=900)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-6000:]
@@ -50,7 +52,8 @@ def served(tmp_path_factory):
     specs = [dirs[name] for name in checkpoints.MODELS]
     off, off_log = _serve(root / "off.json", specs)
     on, on_log = _serve(root / "on.json", specs, VLLM_PLUGINS="moeroute")
-    return {"dirs": dirs, "off": off, "on": on, "off_log": off_log, "on_log": on_log}
+    compiled, _ = _serve(root / "compiled.json", [dirs[COMPILED_MODEL]], "--compiled", VLLM_PLUGINS="moeroute")
+    return {"dirs": dirs, "off": off, "on": on, "compiled": compiled, "off_log": off_log, "on_log": on_log}
 
 
 def _counts(run, spec):
@@ -117,3 +120,16 @@ def test_same_greedy_tokens_as_vllm(served, name, batch):
     compared = [_compare(r, c) for r, c in zip(reference, candidate)]
     # The first tokens come from the prefill: at least those are compared for every prompt.
     assert all(n >= 1 for n in compared), compared
+
+
+@pytest.mark.parametrize("batch", ["1", "4"])
+def test_compiled_model_gives_vllm_tokens(served, batch):
+    # vLLM compiles the model with the plugin's layers inside: moeroute's ops are opaque
+    # custom ops with fake kernels, so the graph holds them and the tokens stay vLLM's.
+    spec = served["dirs"][COMPILED_MODEL]
+    compiled = served["compiled"][spec]
+    assert all(c["method"] == "MoerouteMoEMethod" and c["monolithic"] for c in compiled["counts"].values())
+    assert served["compiled"]["stats"]["layers"] == MOE_LAYERS[COMPILED_MODEL]
+    reference = served["off"][spec]["batches"][batch]
+    compared = [_compare(r, c) for r, c in zip(reference, compiled["batches"][batch])]
+    assert len(compared) == int(batch) and all(n >= 1 for n in compared), compared
