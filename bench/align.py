@@ -37,7 +37,7 @@ TABLE = [
 
 
 def torch_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: int):
-    """SPEC section 4 with torch ops on the ids' device: stable argsort + bincount + padding."""
+    """docs/semantics.md section 4 with torch ops on the ids' device: stable argsort + bincount + padding."""
     device = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     numel = flat.numel()

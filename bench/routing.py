@@ -42,7 +42,7 @@ TORCH_THREADS = 2  # the figures' setting: torch on the development machine's 2 
 
 
 def torch_select(logits: torch.Tensor, config, bias: torch.Tensor | None):
-    """SPEC section 1 with torch ops, as transformers/vLLM write it (grouped_topk/fused_topk)."""
+    """docs/semantics.md section 1 with torch ops, as transformers/vLLM write it (grouped_topk/fused_topk)."""
     if config.scoring == "sigmoid":
         scores = logits.sigmoid()
     else:
@@ -134,7 +134,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=8192, help="T, tokens per call")
     parser.add_argument("--repeats", type=int, default=30, help="interleaved pairs per figure")
     parser.add_argument("--presets", nargs="+", default=DEFAULT_PRESETS, choices=sorted(PRESETS))
-    parser.add_argument("--all-presets", action="store_true", help="every preset of SPEC 1")
+    parser.add_argument("--all-presets", action="store_true", help="every built-in preset")
     parser.add_argument("--no-align", action="store_true", help="skip align_block_size")
     parser.add_argument("--torch-threads", type=int, default=TORCH_THREADS,
                         help="torch.set_num_threads for the whole run")

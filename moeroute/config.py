@@ -1,11 +1,11 @@
 """Router configuration, model presets and reading Hugging Face configs.
 
 `RouterConfig` holds what `select_experts` needs to pick each token's experts
-(SPEC section 1). `ModelPreset` adds what the expert layout and the shared-expert
+(docs/semantics.md section 1). `ModelPreset` adds what the expert layout and the shared-expert
 plan need: the correction bias, the shared expert's shape and gate, and the
 hidden and intermediate sizes. Both can be read from a Hugging Face
 ``config.json`` (a dict, a path, or a transformers configuration object) with
-``from_hf``; `PRESETS` holds the models of SPEC section 1 with their real sizes.
+``from_hf``; `PRESETS` holds the models of docs/semantics.md section 1 with their real sizes.
 
 This module is the bottom of the stack: it imports neither torch nor
 transformers (a transformers configuration is read through ``to_dict()``).
@@ -60,7 +60,7 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
-    """How a token's routed experts are chosen and weighted (SPEC section 1).
+    """How a token's routed experts are chosen and weighted (docs/semantics.md section 1).
 
     Parameters
     ----------
@@ -585,7 +585,7 @@ def _read_mixtral(fields: Mapping) -> dict:
 
 def _read_gpt_oss(fields: Mapping) -> dict:
     # gpt-oss: top-k of the (biased) router logits, then softmax over the K picked, which is
-    # softmax + renormalize (SPEC section 9); biased experts with the clamped swigluoai.
+    # softmax + renormalize (docs/semantics.md section 9); biased experts with the clamped swigluoai.
     limit = _field(fields, "swiglu_limit", 7.0)
     alpha = _field(fields, "swiglu_alpha", 1.702)
     if (float(alpha), float(limit)) != (1.702, 7.0):
@@ -632,7 +632,7 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(
 
 
 # ---------------------------------------------------------------------------
-# Presets: the models of SPEC section 1 with the sizes of their released checkpoints.
+# Presets: the models of docs/semantics.md section 1 with the sizes of their released checkpoints.
 
 def _preset(name: str, model_type: str, router: RouterConfig, **fields: Any) -> ModelPreset:
     fields.setdefault("has_correction_bias", False)

@@ -2,7 +2,7 @@
 
 `ExpertLayout` is built once from the expert counts, the expert-parallel size, the
 dispatch mode and the requested shared-expert mode, validated at construction, and
-immutable afterwards (SPEC sections 2 and 3). Every code path that places experts,
+immutable afterwards (docs/semantics.md sections 2 and 3). Every code path that places experts,
 appends shared slots or decides who runs the shared MLP reads this one object.
 
 Id spaces
@@ -126,7 +126,7 @@ class ExpertLayout:
         Logical id replicated by routed physical expert N + i. Default: ``(N + i) % N``.
     placement : {"linear", "round_robin"}
         Which logical experts each rank holds. The physical id space is always tiled into
-        contiguous per-rank blocks (SPEC section 2); placement decides which logical expert
+        contiguous per-rank blocks (docs/semantics.md section 2); placement decides which logical expert
         each physical id computes. "linear": physical p computes logical p (p < N), or its
         replica table entry. "round_robin": take the P-long sequence of "linear"; rank r
         holds its entries r, r+E, r+2E, ... in that order (vLLM's round-robin placement:
@@ -734,7 +734,7 @@ class ExpertLayout:
         return problems
 
     def shared_slot_weight(self, gate: Any = None, routed_scaling_factor: float = 1.0) -> Any:
-        """Weight of a fused shared slot: the one place it is computed (SPEC section 3).
+        """Weight of a fused shared slot: the one place it is computed (docs/semantics.md section 3).
 
         Parameters
         ----------

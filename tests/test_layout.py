@@ -215,7 +215,7 @@ def test_layout_matches_enumeration_reference(layout):
 
 
 # ----------------------------------------------------------------------------
-# Shared-expert resolution (SPEC section 3)
+# Shared-expert resolution (docs/semantics.md section 3)
 
 # (S, E, dispatch, unfusable_reason) -> (shared, shared_slots, home_rank_masked)
 AUTO_TABLE = [
@@ -326,7 +326,7 @@ def test_layout_errors(kwargs, message):
 
 
 def spec_says_invalid(n, s, e, r, dispatch, shared, slots, reason):
-    """SPEC sections 2-3 as a plain decision list."""
+    """docs/semantics.md sections 2-3 as a plain decision list."""
     if dispatch == "none" and e > 1 or n + r < e:
         return True
     if s == 0:
@@ -434,7 +434,7 @@ def test_replicas_never_touch_shared_slots():
 
 
 # ----------------------------------------------------------------------------
-# Shared slot weight (SPEC section 3)
+# Shared slot weight (docs/semantics.md section 3)
 
 
 def test_shared_slot_weight_router_regime():
@@ -541,7 +541,7 @@ def test_equality_hash_and_repr_round_trip():
 
 
 # ----------------------------------------------------------------------------
-# Placements: round-robin and general physical_to_logical tables (SPEC section 9)
+# Placements: round-robin and general physical_to_logical tables (docs/semantics.md section 9)
 
 
 def reference_round_robin(n, r, e, replica_table=None):

@@ -1,6 +1,6 @@
 """Expert parallelism on torch.distributed: the all2all and allgather dispatchers.
 
-Both implement `moeroute.bindings.torch.dispatch.Dispatcher` (SPEC section 6) with the
+Both implement `moeroute.bindings.torch.dispatch.Dispatcher` (docs/semantics.md section 6) with the
 collectives every torch backend offers on its devices (gloo on CPU, NCCL on GPU); nothing
 here owns a transport, a thread or a timeout of its own. Every collective runs on the
 process group given at construction and inherits that group's timeout, so a dead or stalled
@@ -447,7 +447,7 @@ def _unpack_metadata(meta: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torc
 
 
 class All2AllDispatcher(_EPDispatcher):
-    """Tokens travel once to each rank holding one of their slots (SPEC section 6).
+    """Tokens travel once to each rank holding one of their slots (docs/semantics.md section 6).
 
     Parameters
     ----------
@@ -687,7 +687,7 @@ class All2AllDispatcher(_EPDispatcher):
 
 
 class AllGatherDispatcher(_EPDispatcher):
-    """Every rank sees every token and computes its local experts (SPEC section 6).
+    """Every rank sees every token and computes its local experts (docs/semantics.md section 6).
 
     Parameters
     ----------

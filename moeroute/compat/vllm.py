@@ -8,7 +8,7 @@ engine written against vLLM swaps the import and keeps its call sites:
     topk_weights, topk_ids = fused_topk(hidden_states, router_logits, top_k, renormalize=True)
 
 Both take torch tensors (CPU or CUDA) and return ``(topk_weights float32 [T, K], topk_ids
-int32 [T, K])`` on the device of ``gating_output``. Routing follows moeroute's SPEC
+int32 [T, K])`` on the device of ``gating_output``. Routing follows moeroute's semantics (docs/semantics.md)
 section 1, which is vLLM's reference semantics with three precisions:
 
 * scores are computed in float32 whatever the logits' dtype (float16 and bfloat16 logits

@@ -2,7 +2,7 @@
 
 Used by ``moeroute.gpu.fused_experts`` only while ``moeroute.routing.align`` (the Numba CUDA
 kernel) is not importable. Same semantics as ``moeroute.routing.reference.align_block_size``
-(SPEC section 4), and no host synchronisation: every size is known from the input shape, so a
+(docs/semantics.md section 4), and no host synchronisation: every size is known from the input shape, so a
 CuPy call only enqueues work on the current stream.
 """
 

@@ -2,7 +2,7 @@
 
 The CPU kernel is a sequential counting sort (`moeroute.routing._sort._host.align_cpu`); the
 CUDA kernels are the deterministic chunked counting sort of `moeroute.routing._sort`.
-Both give the same arrays, entry for entry (SPEC section 4 fixes one answer).
+Both give the same arrays, entry for entry (docs/semantics.md section 4 fixes one answer).
 
 With an ``expert_map`` (vLLM's argument) each id is first ``expert_map[id]`` (-1 outside the
 map) and -1 is dropped: the result of `remap_to_local` followed by `align_block_size`. On

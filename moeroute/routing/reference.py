@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 FLOAT32_MAX = np.float32(np.finfo(np.float32).max)
-RENORMALIZE_EPS = 1e-20  # added to the weight sum before dividing (SPEC section 1, rule 5)
+RENORMALIZE_EPS = 1e-20  # added to the weight sum before dividing (docs/semantics.md section 1, rule 5)
 # Knuth's multiplicative hash constant (2**32 / golden ratio): spreads consecutive token
 # rows over the replicas of an expert.
 REPLICA_HASH_MULTIPLIER = 2654435769
@@ -53,7 +53,7 @@ def _scores(logits: np.ndarray, scoring: str) -> np.ndarray:
 
 
 def select_experts(logits, config, correction_bias=None):
-    """Top-k routing (SPEC section 1).
+    """Top-k routing (docs/semantics.md section 1).
 
     Parameters
     ----------
@@ -169,7 +169,7 @@ def expert_load(ids, num_experts):
 
 
 def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weights=None):
-    """Physical ids and weights with the fused shared slots appended (SPEC section 4).
+    """Physical ids and weights with the fused shared slots appended (docs/semantics.md section 4).
 
     topk_ids : ndarray [T, K] int (logical routed ids)
     topk_weights : ndarray [T, K] float32
@@ -205,7 +205,7 @@ def remap_to_local(ids, expert_map):
 
 
 def align_block_size(topk_ids, num_experts, block_size, expert_map=None):
-    """Expert-sorted, block-padded flat indices (SPEC section 4, to the letter).
+    """Expert-sorted, block-padded flat indices (docs/semantics.md section 4, to the letter).
 
     With ``expert_map`` the ids are ``remap_to_local(topk_ids, expert_map)`` first.
     Returns sorted_token_ids int32 [numel + num_experts*(B-1) rounded up to B],

@@ -45,7 +45,7 @@ def _check_route_args(config, layout, rank) -> int:
 
 def route(logits, config, layout, rank=0, correction_bias=None, shared_weights=None,
           home_rank=0, *, stream=None):
-    """Route tokens to the local experts of ``rank`` in one step (SPEC sections 1, 2, 4).
+    """Route tokens to the local experts of ``rank`` in one step (docs/semantics.md sections 1, 2, 4).
 
     Equal to ``select_experts`` -> ``append_shared_slots(ids, weights, layout, home_rank,
     shared_weights)`` -> ``remap_to_local(ids, layout.expert_map(rank))``: ids exactly,

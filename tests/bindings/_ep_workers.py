@@ -827,7 +827,7 @@ def peer_failure_worker(rank, world_size, payload):
 
 def qwen35_worker(rank, world_size, payload):
     """Qwen3.5-MoE shape: 512 routed experts, top-10, one gated shared expert, fused
-    per-rank slots on 8 all2all ranks (the case of SPEC "Why this exists", bug 2)."""
+    per-rank slots on 8 all2all ranks (the shared-expert case moeroute exists to get right: one shared slot per rank under all2all)."""
     from moeroute.bindings.ep import make_dispatcher
 
     num_experts, top_k, hidden, inter = 512, 10, 8, 4

@@ -311,7 +311,7 @@ def test_qwen35_fused_per_rank_slots_on_eight_ranks(tmp_path):
         for record in records:
             assert record["shared"] == "fused" and record["slots"] == "per_rank"
             assert record["num_physical"] == 512 + 8
-            # SPEC section 2: rank r's block starts at b_r = 64 r + r; its slot follows 64 routed.
+            # docs/semantics.md section 2: rank r's block starts at b_r = 64 r + r; its slot follows 64 routed.
             assert record["shared_ids"] == [65 * rank + 64] == record["expected_shared_ids"]
             assert record["error"] < 1e-5, (rank, record)
 

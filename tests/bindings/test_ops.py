@@ -82,7 +82,7 @@ def test_select_experts_op_errors():
 # ------------------------------------------------------------------ append_shared_slots
 
 def test_append_shared_slots_op_worked_example():
-    # SPEC section 2: N=8, S=1, E=2, all2all; a token from rank 1 routed to logical 4 and 7
+    # docs/semantics.md section 2: N=8, S=1, E=2, all2all; a token from rank 1 routed to logical 4 and 7
     # gets physical ids 5 and 8 and shared id 9.
     layout = ExpertLayout(8, 1, ep_size=2, dispatch="all2all")
     ids = torch.tensor([[4, 7]], dtype=torch.int32)

@@ -1,4 +1,4 @@
-"""The shared-expert ownership switch at E = 1 (SPEC section 3).
+"""The shared-expert ownership switch at E = 1 (docs/semantics.md section 3).
 
 Every (shared mode x S x gate x scaling regime) must give the dense reference
 ``sum_k w_k * expert_k(x) + g * shared(x)``, computed here in float64 from the routing of

@@ -1,6 +1,6 @@
 """Independent references and inputs for the expert GEMM tests (host emulation and GPU).
 
-The reference is a per-(token, slot) loop in float64 written from SPEC section 5, with torch's
+The reference is a per-(token, slot) loop in float64 written from docs/semantics.md section 5, with torch's
 activation functions; it rounds the intermediate and each slot's output to the element type
 where the kernels store them, so the remaining difference is float32 vs float64 accumulation.
 """

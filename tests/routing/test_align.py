@@ -1,4 +1,4 @@
-"""align_block_size on the CPU against the NumPy reference and the SPEC's invariants."""
+"""align_block_size on the CPU against the NumPy reference and the invariants of docs/semantics.md section 4."""
 
 import numpy as np
 import pytest
@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from moeroute.routing import reference
 from moeroute.routing.align import align_block_size
 
-# (num_experts N, top_k K) of the SPEC presets.
+# (num_experts N, top_k K) of the built-in presets.
 PRESET_SHAPES = [
     (256, 8),   # DeepSeek-V3/R1
     (384, 8),   # Kimi-K2
@@ -206,7 +206,7 @@ def test_expert_map_equals_remap_then_align(label, kwargs, block_size):
 
 
 def test_expert_map_worked_example():
-    # Rank 1 of N=8, S=1, E=2 (SPEC section 2): physical 5..9 are its local 0..4.
+    # Rank 1 of N=8, S=1, E=2 (docs/semantics.md section 2): physical 5..9 are its local 0..4.
     expert_map = ExpertLayout(8, 1, ep_size=2, dispatch="all2all").expert_map(1)
     ids = np.array([[5, 0], [9, 6], [-1, 5]])
     sorted_ids, expert_ids, total = align_block_size(ids, 5, 2, expert_map)

@@ -1,5 +1,5 @@
 """The NumPy reference against independent formulations: torch routing as engines write it,
-the SPEC's worked examples, and per-entry loops for the dispatch operations."""
+the worked examples of docs/semantics.md, and per-entry loops for the dispatch operations."""
 
 import numpy as np
 import pytest

@@ -49,7 +49,7 @@ def draw_inputs(preset, num_tokens, dtype, rng):
 
 
 def float64_scores(logits, scoring):
-    """Independent float64 scores of finite logits (SPEC sections 1 and 9)."""
+    """Independent float64 scores of finite logits (docs/semantics.md sections 1 and 9)."""
     x = logits.astype(np.float64)
     if scoring == "sigmoid":
         return 1.0 / (1.0 + np.exp(-x))
@@ -66,7 +66,7 @@ def float64_scores(logits, scoring):
 def near_tie_rows(logits, config, bias):
     """Rows where a decision (group cut-off, pick order, K-th vs K+1-th) is a near tie.
 
-    Independent float64 definition of SPEC section 1 for finite logits. Exact ties (equal
+    Independent float64 definition of docs/semantics.md section 1 for finite logits. Exact ties (equal
     inputs) are not near ties: both sides compute equal values and take the lower id.
     """
     scores = float64_scores(logits, config.scoring)
@@ -541,7 +541,7 @@ def routing_problems(draw):
 
 
 # A bias can pick an expert whose score is ~6e-16: its renormalized weight is then
-# s / (s + 1e-20) = 0.99998, not 1 (SPEC section 1, rule 5).
+# s / (s + 1e-20) = 0.99998, not 1 (docs/semantics.md section 1, rule 5).
 _TINY_PICK = (RouterConfig(2, 1, "softmax", renormalize=True),
               np.array([[-19.0, 16.0]], np.float32), np.array([1.0, 0.0], np.float32))
 

@@ -2,7 +2,7 @@
 
     from moeroute.bindings.torch import MoE, replace_moe_blocks
 
-`MoE` is the layer (SPEC section 8); `replace_moe_blocks` swaps every supported
+`MoE` is the layer (docs/semantics.md section 8); `replace_moe_blocks` swaps every supported
 transformers MoE block of a model for it. The dispatcher interface that expert
 parallelism implements is in `moeroute.bindings.torch.dispatch`.
 """

@@ -116,7 +116,7 @@ def _contiguous(tensor):
 
 
 def select_experts(logits: torch.Tensor, router, correction_bias: torch.Tensor | None = None):
-    """Top-k routing of SPEC section 1 on torch tensors.
+    """Top-k routing of docs/semantics.md section 1 on torch tensors.
 
     Parameters
     ----------
@@ -133,7 +133,7 @@ def select_experts(logits: torch.Tensor, router, correction_bias: torch.Tensor |
 
 
 def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weights=None):
-    """Physical ids and weights with the fused shared slots appended (SPEC section 4).
+    """Physical ids and weights with the fused shared slots appended (docs/semantics.md section 4).
 
     Parameters
     ----------

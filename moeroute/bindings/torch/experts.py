@@ -54,7 +54,7 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 SWIGLUOAI_ALPHA = 1.702
 #: gpt-oss's swiglu_limit: gate clamped above at it, up clamped to [-limit, limit].
 SWIGLUOAI_LIMIT = 7.0
-#: Activation dtypes the expert compute serves (SPEC section 5).
+#: Activation dtypes the expert compute serves (docs/semantics.md section 5).
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Standard deviation of the initial expert weights (the usual transformer init); real
 #: weights are loaded over them.

@@ -131,7 +131,7 @@ def _read_gpt_oss(block: nn.Module) -> dict:
     if (alpha, limit) != (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT):
         raise ValueError(f"{type(block).__name__} uses swiglu_alpha={alpha}, swiglu_limit={limit}; moeroute's "
                          f"swigluoai has alpha={SWIGLUOAI_ALPHA}, limit={SWIGLUOAI_LIMIT}")
-    # top-k of the logits, then softmax over the K picked: softmax + renormalize (SPEC section 9).
+    # top-k of the logits, then softmax over the K picked: softmax + renormalize (docs/semantics.md section 9).
     config = RouterConfig(num_experts=router.num_experts, top_k=router.top_k, scoring="softmax",
                           renormalize=True)
     return dict(router=config, router_weight=router.weight, router_dtype=router.weight.dtype,

@@ -1,6 +1,6 @@
 """The MoE layer as a torch module: routing, shared-expert ownership, dispatch, experts, combine.
 
-One forward, one direction (SPEC sections 3, 5 and 8)::
+One forward, one direction (docs/semantics.md sections 3, 5 and 8)::
 
     router logits (float32) -> select_experts -> shared gate g -> append_shared_slots
     (fused: slot weight = layout.shared_slot_weight(g, rsf)) -> dispatcher.dispatch
@@ -199,7 +199,7 @@ class MoE(nn.Module):
     shared_expert_gate : nn.Module, optional
         ``[T, H] -> [T, 1]``; the shared output is multiplied by ``sigmoid(gate(x))``.
     shared : {"auto", "runner", "overlap", "fused"}
-        Who computes the shared expert (SPEC section 3); resolved once into ``self.layout``.
+        Who computes the shared expert (docs/semantics.md section 3); resolved once into ``self.layout``.
     ep_group : torch.distributed.ProcessGroup, optional
         Expert-parallel group; the module then holds only its rank's experts and dispatches
         through ``dispatcher_factory``. None: one rank, no communication.
@@ -218,7 +218,7 @@ class MoE(nn.Module):
         "router": rsf is folded into the routed weights; "output": routing uses rsf = 1 and
         the combined routed sum is multiplied by rsf.
     num_redundant_experts : int
-        R replica experts (EPLB), placed as in SPEC section 2.
+        R replica experts (EPLB), placed as in docs/semantics.md section 2.
     routed_hidden_size : int, optional
         H'; default H, or ``routed_input_transform.out_features`` when it has one.
     correction_bias : bool
@@ -775,7 +775,7 @@ class MoE(nn.Module):
         Returns
         -------
         Tensor, shape and dtype of ``hidden_states``:
-        ``sum_k w_k * expert_k(x) + g * shared(x)`` (SPEC section 3).
+        ``sum_k w_k * expert_k(x) + g * shared(x)`` (docs/semantics.md section 3).
 
         Raises
         ------

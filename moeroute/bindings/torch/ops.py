@@ -5,11 +5,11 @@ shapes come from its fake kernel; nothing inside (NumPy views of tensors, Numba 
 launches, oneDNN linears) is traced.
 
 ===============================================  =============================================
-``select_experts(logits, top_k, scoring,         Top-k routing (SPEC section 1). logits [T, N]
+``select_experts(logits, top_k, scoring,         Top-k routing (docs/semantics.md section 1). logits [T, N]
 num_expert_group, topk_group, renormalize,       float32; correction_bias [N] float32 or None.
 routed_scaling_factor, correction_bias)``        -> (topk_weights [T, K] float32,
                                                  topk_ids [T, K] int32).
-``append_shared_slots(topk_ids, topk_weights,    Fused shared slots appended (SPEC section 4);
+``append_shared_slots(topk_ids, topk_weights,    Fused shared slots appended (docs/semantics.md section 4);
 layout_key, home_rank, shared_weights,           the layout is found by `layout_key`.
 shared_weight)``                                 -> (ids [T, K+S'] int32, weights float32).
 ``experts(hidden_states, w_gate_up, w_down,      The local experts' weighted sum (CPU: sort,

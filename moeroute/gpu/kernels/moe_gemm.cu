@@ -1,7 +1,7 @@
-// Grouped expert GEMMs over expert-sorted, block-padded rows (SPEC section 5) and the sum over
+// Grouped expert GEMMs over expert-sorted, block-padded rows (docs/semantics.md section 5) and the sum over
 // each token's top-k outputs.
 //
-// Rows come from align_block_size (SPEC section 4): block b of block_size consecutive entries of
+// Rows come from align_block_size (docs/semantics.md section 4): block b of block_size consecutive entries of
 // sorted_token_ids belongs to expert expert_ids[b] (-1: nothing to do); entry j holds the flat
 // index t*top_k + k of a (token, slot), or numel for padding. Token rows are read through that
 // index (no gathered copy) and results are written to row `flat index` of the output, so padding

@@ -79,7 +79,7 @@ def _check_host_expert_map(table: np.ndarray) -> None:
 
 
 def logical_to_physical(topk_ids, layout, prefer_rank=None, *, stream=None):
-    """Map logical routed ids to the layout's physical id space (SPEC sections 2 and 9).
+    """Map logical routed ids to the layout's physical id space (docs/semantics.md sections 2 and 9).
 
     Redundant experts (EPLB): logical l of token row t uses replica
     ``replicas[((t * 2654435769) mod 2**32) % count]`` of ``layout.replica_ids``; then

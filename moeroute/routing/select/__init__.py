@@ -1,4 +1,4 @@
-"""select_experts: top-k expert selection for every token (SPEC section 1).
+"""select_experts: top-k expert selection for every token (docs/semantics.md section 1).
 
 Two kernels compute the same thing, one module each in this package:
 
@@ -135,7 +135,7 @@ def _validate(logits, config, correction_bias, on_device: bool, dtype_name=None)
 
 
 def select_experts(logits, config, correction_bias=None, *, stream=None, out=None):
-    """Pick each token's top-k routed experts and their weights (SPEC section 1).
+    """Pick each token's top-k routed experts and their weights (docs/semantics.md section 1).
 
     Parameters
     ----------

@@ -91,7 +91,7 @@ def _slot_weight_strides(shape) -> tuple[int, int]:
 
 def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weights=None,
                         *, stream=None):
-    """Physical ids and weights with the fused shared slots appended (SPEC sections 2, 4).
+    """Physical ids and weights with the fused shared slots appended (docs/semantics.md sections 2, 4).
 
     Parameters
     ----------
