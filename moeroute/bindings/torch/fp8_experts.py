@@ -1,0 +1,184 @@
+"""FP8 (w8a8) expert compute on the CPU: the numerics of `moeroute.quant`, streamed.
+
+For the rows one rank received (``[Tr, H]`` with local expert ids and weights), computes
+``sum_k w_k * expert_k(x)`` where each expert is the w8a8 MLP of docs/quant.md: its input
+quantized per token group (or per token, or with a static scale), the gate_up GEMM over the
+FP8 weight with its block scales, the activation, the intermediate rounded to the
+activation dtype and quantized again, the down GEMM, and the weighted sum in float32.
+
+The FP8 weights are never dequantized whole. Two strategies, picked by rows per expert:
+
+* "rows" (few rows per expert, decode): the Numba kernels of `moeroute.quant._host` decode
+  one weight row at a time into a cache-resident buffer and dot it with every row of the
+  expert, so memory reads one byte per weight. Both GEMMs of every hit expert run in two
+  parallel calls; the second adds into the float32 sums directly.
+* "blocks" (many rows per expert, prefill): per expert, `BLOCK_ROWS_PER_CHUNK` block rows
+  at a time are decoded into a small reusable float32 buffer, converted to the activation
+  dtype, and multiplied by the expert's rows with torch (oneDNN/MKL): the GEMM's compute is
+  then the cost, as in the float layer.
+
+`choose_fp8_strategy` picks between them; bench/quant.py measured the crossover.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeroute.bindings.torch import arrays
+from moeroute.bindings.torch.experts import gated_activation
+from moeroute.quant import QuantConfig, quantize_fp8_activations, quantize_fp8_static
+from moeroute.quant import _host
+
+__all__ = ["fp8_experts_forward", "choose_fp8_strategy", "FP8_STRATEGIES", "fake_quantize"]
+
+#: CPU strategies of the FP8 experts; "auto" picks per call (`choose_fp8_strategy`).
+FP8_STRATEGIES = ("auto", "rows", "blocks")
+#: Largest rows-per-expert (mean over hit experts) served by the row-streaming kernels:
+#: their dot products are not register-blocked over rows, so past a few dozen rows a
+#: BLAS GEMM over decoded blocks is faster (bench/quant.py).
+ROWS_MAX_ROWS_PER_EXPERT = 16
+#: Weight rows decoded per chunk by the "blocks" strategy is this many block rows (bn):
+#: 4 x 128 rows x 7168 columns x 4 bytes = 14 MiB at most, reused across experts.
+BLOCK_ROWS_PER_CHUNK = 4
+
+
+def choose_fp8_strategy(counts: list[int]) -> str:
+    """"rows" when the hit experts average at most `ROWS_MAX_ROWS_PER_EXPERT` rows, else "blocks"."""
+    hit = [c for c in counts if c]
+    if not hit or sum(hit) <= ROWS_MAX_ROWS_PER_EXPERT * len(hit):
+        return "rows"
+    return "blocks"
+
+
+def fake_quantize(x: torch.Tensor, config: QuantConfig, static_scale=None) -> torch.Tensor:
+    """``q_a * s_a`` float32 of activations ``x [M, K]``: the values the FP8 GEMM multiplies.
+
+    Dynamic: per row and group of ``config.activation_group_size`` columns (fp8_block) or
+    per row (fp8_tensor). ``static_scale``: a float32 tensor [M] or a float (static scheme).
+    """
+    if static_scale is not None:
+        scale = static_scale[:, None] if isinstance(static_scale, torch.Tensor) else static_scale
+        return quantize_fp8_static(x, scale).float() * scale
+    group = config.activation_group_size
+    q, scales = quantize_fp8_activations(x, group, config.scale_fmt)
+    cols = x.shape[-1]
+    if group is None:
+        return q.float() * scales
+    return q.float().mul_(scales.repeat_interleave(group, dim=-1)[..., :cols])
+
+
+def _kernel_scales(config: QuantConfig, gate_up_scale, down_scale, hidden, inter):
+    """Scales as the kernels index them, ``scale[e, row // bn, col // bk]``, and (bn, bk) of
+    each GEMM: per-tensor FP8 is one block per matrix (per gate and per up)."""
+    if config.format == "fp8_block":
+        bn, bk = config.block_size
+        return gate_up_scale, down_scale, (bn, bk), (bn, bk)
+    return (gate_up_scale.reshape(-1, 2, 1).contiguous(), down_scale.reshape(-1, 1, 1).contiguous(),
+            (inter, hidden), (hidden, inter))
+
+
+def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor,
+                        q_gate_up: torch.Tensor, gate_up_scale: torch.Tensor, q_down: torch.Tensor,
+                        down_scale: torch.Tensor, config: QuantConfig, activation: str = "silu",
+                        input_scale: torch.Tensor | None = None, strategy: str = "auto") -> torch.Tensor:
+    """Weighted sum of each row's local w8a8 experts (CPU).
+
+    Parameters
+    ----------
+    hidden_states : Tensor [Tr, H] float32/bfloat16/float16
+    local_ids : Tensor [Tr, K'] int32; ids outside [0, L) are not computed here
+    weights : Tensor [Tr, K'] float32
+    q_gate_up : Tensor [L, 2I, H] float8_e4m3fn (gate rows first)
+    gate_up_scale : Tensor float32, [L, 2*ceil(I/bn), ceil(H/bk)] (fp8_block) or [L, 2]
+    q_down : Tensor [L, H, I] float8_e4m3fn
+    down_scale : Tensor float32, [L, ceil(H/bn), ceil(I/bk)] (fp8_block) or [L]
+    config : QuantConfig
+    activation : str
+    input_scale : Tensor [L, 2] float32 (gate_up input, down input), static scheme only
+    strategy : {"auto", "rows", "blocks"}
+
+    Returns
+    -------
+    Tensor [Tr, H], dtype of ``hidden_states``, accumulated in float32.
+    """
+    if strategy not in FP8_STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not an FP8 strategy; use one of {FP8_STRATEGIES}")
+    num_tokens, hidden = hidden_states.shape
+    num_experts, two_inter, _ = q_gate_up.shape
+    inter = two_inter // 2
+    top_k = local_ids.shape[1]
+    sorted_slots, expert_offsets, _ = arrays.sort_by_expert(local_ids, num_experts)
+    offsets = expert_offsets.to(torch.int64)
+    counts = (offsets[1:] - offsets[:-1]).tolist()
+    slots = sorted_slots.to(torch.int64)
+    tokens = slots // top_k
+    slot_weights = weights.reshape(-1).to(torch.float32)[slots].contiguous()
+    sums = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+    if slots.numel() == 0:
+        return sums.to(hidden_states.dtype)
+    if strategy == "auto":
+        strategy = choose_fp8_strategy(counts)
+    static = config.activation == "static"
+    row_expert = torch.repeat_interleave(torch.arange(num_experts), torch.tensor(counts))
+    gu_scale, d_scale, gu_block, d_block = _kernel_scales(config, gate_up_scale, down_scale, hidden, inter)
+
+    # First GEMM's input: quantized once per token (dynamic), or per (row, expert) with the
+    # expert's static scale.
+    if static:
+        xs = fake_quantize(hidden_states[tokens], config, input_scale[row_expert, 0].float())
+        x_rows = torch.arange(tokens.numel())
+    else:
+        xs = fake_quantize(hidden_states, config)
+        x_rows = tokens
+    hit = [e for e, c in enumerate(counts) if c]
+    if strategy == "rows":
+        gate_up = torch.empty(tokens.numel(), two_inter, dtype=torch.float32)
+        nb = gu_scale.shape[1]
+        work = torch.tensor([[e, b] for e in hit for b in range(nb)], dtype=torch.int64)
+        _host.gate_up_rows(xs.numpy(), x_rows.numpy(), offsets.numpy(), work.numpy(),
+                           q_gate_up.view(torch.uint8).numpy(), gu_scale.numpy(), inter, gu_block[0],
+                           gu_block[1], gate_up.numpy())
+    else:
+        gate_up = _blocks_gemm(xs[x_rows], offsets, hit, q_gate_up, gu_scale, gu_block, hidden_states.dtype,
+                               halves=(inter, gu_scale.shape[1] // 2))
+    act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
+    if hidden_states.dtype != torch.float32:  # the intermediate in the activation dtype, as GPUs keep it
+        act = act.to(hidden_states.dtype)
+    act_scale = input_scale[row_expert, 1].float() if static else None
+    acts = fake_quantize(act, config, act_scale).contiguous()
+    if strategy == "rows":
+        _host.down_rows(acts.numpy(), tokens.numpy(), slot_weights.numpy(), offsets.numpy(),
+                        torch.tensor(hit, dtype=torch.int64).numpy(), q_down.view(torch.uint8).numpy(),
+                        d_scale.numpy(), d_block[0], d_block[1], sums.numpy())
+    else:
+        y = _blocks_gemm(acts, offsets, hit, q_down, d_scale, d_block, hidden_states.dtype)
+        sums.index_add_(0, tokens, y.mul_(slot_weights[:, None]))
+    return sums if hidden_states.dtype == torch.float32 else sums.to(hidden_states.dtype)
+
+
+def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None):
+    """[M, R] float32: each expert's rows of ``xs`` times its weight decoded in chunks.
+
+    ``halves`` (I, nb): the weight is gate_up, whose up rows count block rows from row I.
+    """
+    rows_out = q.shape[1]
+    cols = q.shape[2]
+    bn, bk = block
+    out = torch.empty(xs.shape[0], rows_out, dtype=torch.float32)
+    chunk_rows = min(rows_out, bn * BLOCK_ROWS_PER_CHUNK)
+    buffer = torch.empty(chunk_rows, cols, dtype=torch.float32)
+    x_cast = xs.to(dtype)
+    q_bytes = q.view(torch.uint8)
+    # Chunks never straddle gate and up (their block rows are numbered apart).
+    spans = [(0, rows_out, 0)] if halves is None else [(0, halves[0], 0), (halves[0], rows_out, halves[0])]
+    for e in hit:
+        start, stop = int(offsets[e]), int(offsets[e + 1])
+        x_e = x_cast[start:stop]
+        for first, last, origin in spans:
+            scale_e = scale[e] if origin == 0 else scale[e, halves[1]:]
+            for r0 in range(first, last, chunk_rows):
+                r1 = min(last, r0 + chunk_rows)
+                w = buffer[:r1 - r0]
+                _host.dequantize_rows(q_bytes[e].numpy(), scale_e.numpy(), r0, r1, origin, bn, bk, w.numpy())
+                out[start:stop, r0:r1] = torch.mm(x_e, w.to(dtype).t())
+    return out
