@@ -23,13 +23,15 @@ The FP8 weights are never dequantized whole. Two strategies, picked by rows per 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from moeroute.bindings.torch import arrays
-from moeroute.bindings.torch.experts import gated_activation
-from moeroute.quant import QuantConfig, quantize_fp8_activations, quantize_fp8_static
+from moeroute.bindings.torch.experts import check_activation, gated_activation
+from moeroute.quant import FP8_DTYPE, QuantConfig, check_scale, quantize_fp8_activations, quantize_fp8_static
 from moeroute.quant import _host
 
-__all__ = ["fp8_experts_forward", "choose_fp8_strategy", "FP8_STRATEGIES", "fake_quantize"]
+__all__ = ["QuantizedExperts", "fp8_experts_forward", "choose_fp8_strategy", "FP8_STRATEGIES",
+           "fake_quantize"]
 
 #: CPU strategies of the FP8 experts; "auto" picks per call (`choose_fp8_strategy`).
 FP8_STRATEGIES = ("auto", "rows", "blocks")
@@ -113,20 +115,24 @@ def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, we
     slots = sorted_slots.to(torch.int64)
     tokens = slots // top_k
     slot_weights = weights.reshape(-1).to(torch.float32)[slots].contiguous()
-    sums = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+    device = hidden_states.device
+    sums = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
     if slots.numel() == 0:
         return sums.to(hidden_states.dtype)
-    if strategy == "auto":
+    if device.type != "cpu":
+        strategy = "blocks"  # the row kernels are Numba CPU code
+    elif strategy == "auto":
         strategy = choose_fp8_strategy(counts)
     static = config.activation == "static"
-    row_expert = torch.repeat_interleave(torch.arange(num_experts), torch.tensor(counts))
+    row_expert = torch.repeat_interleave(torch.arange(num_experts, device=device),
+                                         torch.tensor(counts, device=device))
     gu_scale, d_scale, gu_block, d_block = _kernel_scales(config, gate_up_scale, down_scale, hidden, inter)
 
     # First GEMM's input: quantized once per token (dynamic), or per (row, expert) with the
     # expert's static scale.
     if static:
         xs = fake_quantize(hidden_states[tokens], config, input_scale[row_expert, 0].float())
-        x_rows = torch.arange(tokens.numel())
+        x_rows = torch.arange(tokens.numel(), device=device)
     else:
         xs = fake_quantize(hidden_states, config)
         x_rows = tokens
@@ -164,9 +170,9 @@ def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None):
     rows_out = q.shape[1]
     cols = q.shape[2]
     bn, bk = block
-    out = torch.empty(xs.shape[0], rows_out, dtype=torch.float32)
+    out = torch.empty(xs.shape[0], rows_out, dtype=torch.float32, device=xs.device)
     chunk_rows = min(rows_out, bn * BLOCK_ROWS_PER_CHUNK)
-    buffer = torch.empty(chunk_rows, cols, dtype=torch.float32)
+    buffer = torch.empty(chunk_rows, cols, dtype=torch.float32, device=xs.device)
     x_cast = xs.to(dtype)
     q_bytes = q.view(torch.uint8)
     # Chunks never straddle gate and up (their block rows are numbered apart).
@@ -179,6 +185,149 @@ def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None):
             for r0 in range(first, last, chunk_rows):
                 r1 = min(last, r0 + chunk_rows)
                 w = buffer[:r1 - r0]
-                _host.dequantize_rows(q_bytes[e].numpy(), scale_e.numpy(), r0, r1, origin, bn, bk, w.numpy())
+                if q.device.type == "cpu":
+                    _host.dequantize_rows(q_bytes[e].numpy(), scale_e.numpy(), r0, r1, origin, bn, bk,
+                                          w.numpy())
+                else:  # torch's own e4m3 conversion is fast on devices
+                    rows = torch.arange(r0, r1, device=q.device) - origin
+                    block_scales = scale_e[rows // bn].repeat_interleave(bk, dim=1)[:, :cols]
+                    torch.mul(q[e, r0:r1].float(), block_scales, out=w)
                 out[start:stop, r0:r1] = torch.mm(x_e, w.to(dtype).t())
     return out
+
+
+class QuantizedExperts(nn.Module):
+    """The FP8 experts one rank holds (the quantized counterpart of `LocalExperts`).
+
+    Parameters
+    ----------
+    num_local_experts, hidden_size, intermediate_size, activation
+        As `moeroute.bindings.torch.experts.LocalExperts`.
+    quant : QuantConfig
+    device : torch device of the weights.
+    strategy : {"auto", "rows", "blocks"}
+        CPU strategy (`fp8_experts_forward`).
+
+    Attributes
+    ----------
+    w_gate_up : Parameter [L, 2I, H] float8_e4m3fn (gate rows first)
+    w_down : Parameter [L, H, I] float8_e4m3fn
+    gate_up_scale : Parameter float32, [L, 2*ceil(I/bn), ceil(H/bk)] (fp8_block: the gate's
+        block rows, then the up's) or [L, 2] (fp8_tensor: gate, up)
+    down_scale : Parameter float32, [L, ceil(H/bn), ceil(I/bk)] or [L]
+    input_scale : Parameter [L, 2] float32 (gate_up input, down input) with
+        ``activation="static"``, else None
+    b_gate_up, b_down : None (quantized experts carry no biases)
+
+    The weights start at zero with unit scales (no float copy is ever made); load them with
+    ``MoE.load_routed_weights``, ``load_state_dict`` or `moeroute.bindings.torch.load_experts`.
+    ``module.to(dtype)`` leaves them as they are (it moves them to another device only):
+    casting FP8 values without their scales would be silently wrong.
+    """
+
+    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int,
+                 activation: str = "silu", *, quant: QuantConfig, device=None, strategy: str = "auto") -> None:
+        super().__init__()
+        if not isinstance(quant, QuantConfig):
+            raise TypeError(f"quant must be a moeroute.quant.QuantConfig, got {type(quant).__name__}")
+        if strategy not in FP8_STRATEGIES:
+            raise ValueError(f"strategy={strategy!r} is not an FP8 strategy; use one of {FP8_STRATEGIES}")
+        self.activation = check_activation(activation)
+        self.quant = quant
+        self.strategy = strategy
+        self.num_local_experts = num_local_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.gemm = strategy
+        self.b_gate_up = self.b_down = None
+        self.pack_cpu = False
+        gate_up_shape, down_shape = quant.scale_shapes(num_local_experts, hidden_size, intermediate_size)
+
+        def parameter(tensor):
+            return nn.Parameter(tensor, requires_grad=False)
+
+        self.w_gate_up = parameter(torch.zeros(num_local_experts, 2 * intermediate_size, hidden_size,
+                                               dtype=FP8_DTYPE, device=device))
+        self.w_down = parameter(torch.zeros(num_local_experts, hidden_size, intermediate_size, dtype=FP8_DTYPE,
+                                            device=device))
+        self.gate_up_scale = parameter(torch.ones(gate_up_shape, dtype=torch.float32, device=device))
+        self.down_scale = parameter(torch.ones(down_shape, dtype=torch.float32, device=device))
+        self.input_scale = None
+        if quant.activation == "static":
+            self.input_scale = parameter(torch.ones(num_local_experts, 2, dtype=torch.float32, device=device))
+
+    def quantized_tensors(self) -> dict:
+        """name -> parameter of every tensor a load must fill: weights, scales, input scales."""
+        names = ("w_gate_up", "w_down", "gate_up_scale", "down_scale", "input_scale")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def pack_cpu_weights(self, enable: bool = True):
+        if enable:
+            raise ValueError("pack_cpu_weights packs float weights for oneDNN; FP8 experts are decoded "
+                             "in the expert loop and have nothing to pack")
+        return self
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(dtype)/.half() would cast the e4m3 values (and the scales) without their scales:
+        # keep every quantized tensor's dtype, follow only the device.
+        kept = {name: p.data for name, p in self._parameters.items() if p is not None}
+        result = super()._apply(fn, *args, **kwargs)
+        for name, old in kept.items():
+            param = self._parameters[name]
+            if param.dtype != old.dtype:
+                param.data = old.to(device=param.device)
+        return result
+
+    def extra_repr(self) -> str:
+        return (f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, activation={self.activation!r}, "
+                f"quant={self.quant!r}")
+
+    def forward(self, hidden_states: torch.Tensor, local_ids: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of each row's local w8a8 experts: as `LocalExperts.forward`, with the
+        numerics of docs/quant.md; any of float32/bfloat16/float16 activations."""
+        return fp8_experts_forward(hidden_states.contiguous(), local_ids.contiguous(), weights.contiguous(),
+                                   self.w_gate_up, self.gate_up_scale, self.w_down, self.down_scale,
+                                   self.quant, self.activation, self.input_scale, self.strategy)
+
+
+def check_quantized_weights(quant: QuantConfig, num_experts: int, hidden_size: int, intermediate_size: int,
+                            w_gate_up, w_down, gate_up_scale, down_scale, input_scale) -> dict:
+    """The full stacked FP8 tensors checked at the boundary; name -> tensor (scales float32).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument: a float weight (quantize it first), an FP8 weight without its
+        scales, shapes other than `QuantConfig.scale_shapes`, scales that are not float32,
+        not finite or not positive, a static scheme without ``input_scale`` (or one given
+        to a dynamic layer).
+    """
+    expected = {"w_gate_up": (num_experts, 2 * intermediate_size, hidden_size),
+                "w_down": (num_experts, hidden_size, intermediate_size)}
+    for name, weight in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(weight).__name__}")
+        if weight.dtype != FP8_DTYPE:
+            raise ValueError(f"{name} has dtype {weight.dtype} but the layer has quant={quant.format!r}, "
+                             "which stores float8_e4m3fn weights with their scales; quantize float weights "
+                             "with moeroute.quant.quantize_experts")
+        if tuple(weight.shape) != expected[name]:
+            raise ValueError(f"{name} has shape {tuple(weight.shape)}, expected {list(expected[name])}")
+    gate_up_shape, down_shape = quant.scale_shapes(num_experts, hidden_size, intermediate_size)
+    for name, scale in (("gate_up_scale", gate_up_scale), ("down_scale", down_scale)):
+        if scale is None:
+            raise ValueError(f"{name} is missing: FP8 weights (quant={quant.format!r}) need their scales")
+    tensors = {"w_gate_up": w_gate_up, "w_down": w_down,
+               "gate_up_scale": check_scale("gate_up_scale", gate_up_scale, gate_up_shape),
+               "down_scale": check_scale("down_scale", down_scale, down_shape)}
+    if quant.activation == "static":
+        if input_scale is None:
+            raise ValueError("input_scale is missing: quant activation='static' needs the [N, 2] activation "
+                             "scales (gate_up input, down input)")
+        tensors["input_scale"] = check_scale("input_scale", input_scale, (num_experts, 2))
+    elif input_scale is not None:
+        raise ValueError("input_scale was given but the layer quantizes activations dynamically "
+                         "(QuantConfig activation='dynamic')")
+    return tensors

@@ -59,6 +59,7 @@ from torch import nn
 
 from moeroute.bindings.torch import arrays, ops
 from moeroute.bindings.torch.dispatch import Dispatcher, LocalDispatcher
+from moeroute.bindings.torch.fp8_experts import FP8_STRATEGIES, QuantizedExperts, check_quantized_weights
 from moeroute.bindings.torch.experts import (
     SUPPORTED_DTYPES,
     LocalExperts,
@@ -67,6 +68,7 @@ from moeroute.bindings.torch.experts import (
 )
 from moeroute.config import RouterConfig
 from moeroute.layout import DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, ExpertLayout
+from moeroute.quant import QuantConfig, dequantize_fp8_block, dequantize_fp8_tensor, quantize_experts
 
 __all__ = ["MoE", "shared_mlp_slots", "SUPPORTED_DEVICES"]
 
@@ -154,6 +156,29 @@ def shared_mlp_slots(shared_experts: nn.Module, hidden_size: int, intermediate_s
     return total // intermediate_size, None
 
 
+def _split_slots(gate, up, down, inter: int, num_slots: int):
+    """A shared MLP's gate/up [S*I, H] and down [H, S*I] as S expert slots [S, 2I, H], [S, H, I]."""
+    gate_up = torch.stack([torch.cat([gate[j * inter:(j + 1) * inter], up[j * inter:(j + 1) * inter]])
+                           for j in range(num_slots)])
+    down = torch.stack([down[:, j * inter:(j + 1) * inter] for j in range(num_slots)])
+    return gate_up, down
+
+
+def linear_float_weight(linear: nn.Module) -> torch.Tensor:
+    """A linear layer's weight in float32, dequantized when it is an FP8 linear (float8_e4m3fn
+    ``weight`` with ``weight_scale_inv`` per ``block_size`` block, or one scale)."""
+    weight = linear.weight
+    if weight.dtype != torch.float8_e4m3fn:
+        return weight.float()
+    scale = getattr(linear, "weight_scale_inv", None)
+    if scale is None:
+        raise ValueError(f"{type(linear).__name__} holds a float8_e4m3fn weight without weight_scale_inv")
+    block = getattr(linear, "block_size", None)
+    if block is None or scale.numel() == 1:
+        return dequantize_fp8_tensor(weight, scale.reshape(()))
+    return dequantize_fp8_block(weight, scale, tuple(block))
+
+
 def _runs_as_inference(forward):
     """Run ``forward`` under ``torch.no_grad()`` after `MoE._check_inference`: the layer is
     inference-only whatever its parameters' ``requires_grad``."""
@@ -231,6 +256,14 @@ class MoE(nn.Module):
         the redundant experts itself (leave ``num_redundant_experts`` 0).
     dtype, device
         Of the expert weights; the activations must match.
+    quant : moeroute.quant.QuantConfig, optional
+        Keep the routed experts quantized (FP8: docs/quant.md). The expert parameters are then
+        float8_e4m3fn with float32 scales, loaded with `load_routed_weights` (``gate_up_scale``,
+        ``down_scale``, ``input_scale``), ``load_state_dict`` or
+        `moeroute.bindings.torch.load_experts`; activations may be float32, bfloat16 or float16.
+        The shared experts stay as given: who computes them is the layout's answer, the same
+        as without ``quant``. Fused shared slots are quantized with the same config.
+        ``gemm`` then names the FP8 CPU strategy ("auto", "rows", "blocks").
     expert_weights : (Tensor [N, 2I, H'], Tensor [N, H', I]), optional
         The full stacked routed weights (the transformers layout) to take this rank's
         experts from. When the rank holds exactly these N experts (one rank, no replicas,
@@ -283,6 +316,7 @@ class MoE(nn.Module):
         apply_router_weight_on_input: bool = False,
         placement: str = "linear",
         physical_to_logical=None,
+        quant: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         # The key by which torch.ops.moeroute.moe_forward finds this layer (see forward).
@@ -309,6 +343,17 @@ class MoE(nn.Module):
                             ("apply_router_weight_on_input", apply_router_weight_on_input)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be a bool")
+        if quant is not None and not isinstance(quant, QuantConfig):
+            raise TypeError(f"quant must be a moeroute.quant.QuantConfig or None, got {type(quant).__name__}")
+        if quant is not None and expert_bias:
+            raise ValueError(f"expert_bias=True is not served with quant={quant.format!r} (FP8 experts carry "
+                             "no biases)")
+        if quant is not None and expert_weights is not None:
+            raise ValueError("expert_weights takes float weights; with quant, load the FP8 experts and their "
+                             "scales with load_routed_weights(w_gate_up, w_down, gate_up_scale=..., "
+                             "down_scale=...)")
+        if quant is not None and gemm not in FP8_STRATEGIES:
+            raise ValueError(f"gemm={gemm!r} is not an FP8 strategy; with quant use one of {FP8_STRATEGIES}")
         if apply_router_weight_on_input and router.top_k != 1:
             raise ValueError(f"apply_router_weight_on_input=True needs top_k=1 (one weight per input row), "
                              f"got top_k={router.top_k}")
@@ -336,6 +381,9 @@ class MoE(nn.Module):
             elif apply_router_weight_on_input:
                 unfusable = ("apply_router_weight_on_input scales the routed input rows, and the shared "
                              "expert needs the unscaled hidden states")
+            elif quant is not None and quant.activation == "static":
+                unfusable = ("quant activation='static' needs given activation scales for every expert "
+                             "slot, and the shared MLP has none")
 
         if ep_group is None:
             ep_size, rank, layout_dispatch = 1, 0, "none"
@@ -374,7 +422,12 @@ class MoE(nn.Module):
             self.router_bias = nn.Parameter(torch.zeros(router.num_experts, dtype=router_dtype, device=device),
                                             requires_grad=False)
         local_experts = self.layout.num_local_experts(rank)
-        if expert_weights is not None and self._can_alias(expert_weights, dtype, device):
+        self.quant = quant
+        if quant is not None:
+            # FP8 experts: the format is data; the layout above already decided the plan.
+            self.experts = QuantizedExperts(local_experts, routed_hidden_size, intermediate_size, activation,
+                                            quant=quant, device=device, strategy=gemm)
+        elif expert_weights is not None and self._can_alias(expert_weights, dtype, device):
             # This rank holds exactly the given experts: share their memory, copy nothing.
             self.experts = LocalExperts(local_experts, routed_hidden_size, intermediate_size, activation,
                                         gemm=gemm, bias=expert_bias, weights=tuple(expert_weights))
@@ -426,6 +479,7 @@ class MoE(nn.Module):
             "expert_bias": self.experts.b_gate_up is not None,
             "router_bias": self.router_bias is not None,
             "apply_router_weight_on_input": self.apply_router_weight_on_input,
+            "quant": repr(self.quant),
         })
         return fields
 
@@ -468,13 +522,27 @@ class MoE(nn.Module):
     @torch.no_grad()
     def load_routed_weights(self, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                             gate_up_bias: torch.Tensor | None = None,
-                            down_bias: torch.Tensor | None = None) -> None:
+                            down_bias: torch.Tensor | None = None, *,
+                            gate_up_scale: torch.Tensor | None = None,
+                            down_scale: torch.Tensor | None = None,
+                            input_scale: torch.Tensor | None = None) -> None:
         """Copy this rank's routed experts out of the full stacked weights.
+
+        With ``quant``, the weights are float8_e4m3fn and stay so (this rank's experts are
+        copied, never dequantized), and the scales are required.
 
         Parameters
         ----------
         w_gate_up : Tensor [N, 2I, H'] (gate rows first), any float dtype/device
+            (float8_e4m3fn with ``quant``)
         w_down : Tensor [N, H', I]
+        gate_up_scale : Tensor float32, with ``quant`` only
+            fp8_block: [N, 2*ceil(I/bn), ceil(H'/bk)] (the gate's block rows, then the up's);
+            fp8_tensor: [N, 2] (gate, up).
+        down_scale : Tensor float32, with ``quant`` only
+            fp8_block: [N, ceil(H'/bn), ceil(I/bk)]; fp8_tensor: [N].
+        input_scale : Tensor [N, 2] float32, with ``activation="static"`` only
+            The static activation scales of the gate_up and down inputs.
         gate_up_bias : Tensor [N, 2I] (gate entries first), optional
             Only with ``expert_bias=True``; None leaves the current biases.
         down_bias : Tensor [N, H'], optional
@@ -487,6 +555,19 @@ class MoE(nn.Module):
             ``expert_bias=True``.
         """
         n, inter, hid = self.router.num_experts, self.intermediate_size, self.routed_hidden_size
+        if self.quant is not None:
+            if gate_up_bias is not None or down_bias is not None:
+                raise ValueError("gate_up_bias/down_bias were given but FP8 experts carry no biases")
+            tensors = check_quantized_weights(self.quant, n, hid, inter, w_gate_up, w_down, gate_up_scale,
+                                              down_scale, input_scale)
+            targets = self.experts.quantized_tensors()
+            self._copy_expert_rows([(targets[name], tensor) for name, tensor in tensors.items()])
+            return
+        for name, scale in (("gate_up_scale", gate_up_scale), ("down_scale", down_scale),
+                            ("input_scale", input_scale)):
+            if scale is not None:
+                raise ValueError(f"{name} was given but this layer holds float experts; build it with "
+                                 "quant=QuantConfig(...) to keep FP8 weights")
         if tuple(w_gate_up.shape) != (n, 2 * inter, hid):
             raise ValueError(f"w_gate_up has shape {tuple(w_gate_up.shape)}, expected [N, 2I, H'] = "
                              f"{[n, 2 * inter, hid]}")
@@ -556,6 +637,10 @@ class MoE(nn.Module):
             raise ValueError(f"load_shared_weights needs a fused layout; this one is shared={self.layout.shared!r}")
         inter, s = self.intermediate_size, self.num_shared_experts
         _, first = self.layout.routed_range(self.rank)
+        if self.quant is not None:
+            self._load_quantized_slots(first, *(linear_float_weight(getattr(shared_experts, name))
+                                                for name in ("gate_proj", "up_proj", "down_proj")))
+            return
         gate = shared_experts.gate_proj.weight
         up = shared_experts.up_proj.weight
         down = shared_experts.down_proj.weight
@@ -564,6 +649,16 @@ class MoE(nn.Module):
             self.experts.w_gate_up[first + j, :inter].copy_(gate[rows])
             self.experts.w_gate_up[first + j, inter:].copy_(up[rows])
             self.experts.w_down[first + j].copy_(down[:, rows])
+
+    def _load_quantized_slots(self, first: int, gate, up, down) -> None:
+        """Quantize a float shared MLP (gate/up [S*I, H], down [H, S*I]) into the S fused
+        slots from local expert ``first`` on, with the layer's QuantConfig."""
+        inter, s = self.intermediate_size, self.num_shared_experts
+        w_gate_up, w_down = _split_slots(gate, up, down, inter, s)
+        quantized = quantize_experts(w_gate_up, w_down, self.quant)
+        targets = self.experts.quantized_tensors()
+        for name, tensor in zip(("w_gate_up", "gate_up_scale", "w_down", "down_scale"), quantized):
+            targets[name][first:first + s].copy_(tensor)
 
     # ------------------------------------------------------------ state dict
 
@@ -624,9 +719,7 @@ class MoE(nn.Module):
         except KeyError as missing:
             raise KeyError(f"the state dict has experts.gate_up_proj but no shared MLP {missing.args[0]} "
                            "(under shared_experts. or shared_expert.) to fill the fused slots") from None
-        gate_up = torch.stack([torch.cat([gate[j * inter:(j + 1) * inter], up[j * inter:(j + 1) * inter]])
-                               for j in range(s)])
-        down = torch.stack([down[:, j * inter:(j + 1) * inter] for j in range(s)])
+        gate_up, down = _split_slots(gate, up, down, inter, s)
         return gate_up.to(like.device), down.to(like.device)
 
     # ----------------------------------------------------------------- forward
@@ -645,7 +738,11 @@ class MoE(nn.Module):
             raise ValueError(f"hidden_states must be [T, H] or [B, S, H] with H={self.hidden_size}, "
                              f"got shape {tuple(hidden_states.shape)}")
         expected = self.experts.w_gate_up.dtype
-        if hidden_states.dtype != expected:
+        if self.quant is not None:  # FP8 experts serve every activation dtype
+            if hidden_states.dtype not in SUPPORTED_DTYPES:
+                raise ValueError(f"hidden_states dtype {hidden_states.dtype} is not served; use one of "
+                                 f"{SUPPORTED_DTYPES}")
+        elif hidden_states.dtype != expected:
             raise ValueError(f"hidden_states dtype {hidden_states.dtype} does not match the expert weights' "
                              f"dtype {expected}; convert one of them (supported: {SUPPORTED_DTYPES})")
         device = hidden_states.device
