@@ -31,7 +31,35 @@ from moeroute.quant import FP8_DTYPE, QuantConfig, check_scale, quantize_fp8_act
 from moeroute.quant import _host
 
 __all__ = ["QuantizedExperts", "fp8_experts_forward", "choose_fp8_strategy", "FP8_STRATEGIES",
-           "fake_quantize"]
+           "fake_quantize", "check_quantized_weights", "PROJECTIONS", "STACKED_SCALE_KEYS", "per_expert_key",
+           "gate_up_scale_from_stacked"]
+
+#: The three projections of a per-expert checkpoint, in moeroute's row order (gate, up, down).
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+#: transformers 5 FP8Experts scale names (relative to the block) -> QuantizedExperts parameter.
+STACKED_SCALE_KEYS = {"experts.gate_up_proj_scale_inv": "gate_up_scale",
+                      "experts.down_proj_scale_inv": "down_scale"}
+
+
+def per_expert_key(expert: int, projection: str, scale: bool = False) -> str:
+    """``experts.{e}.{projection}.weight`` (or ``.weight_scale_inv``), relative to the block."""
+    return f"experts.{expert}.{projection}.{'weight_scale_inv' if scale else 'weight'}"
+
+
+def gate_up_scale_from_stacked(scale: torch.Tensor, quant: QuantConfig, intermediate_size: int) -> torch.Tensor:
+    """transformers' fused gate_up scales [.., ceil(2I/bn), G] as moeroute's [.., 2*ceil(I/bn), G].
+
+    The two are the same rows when bn divides I. Otherwise a block of the fused tensor spans
+    gate and up rows, which have their own block rows here: ValueError.
+    """
+    if quant.format != "fp8_block":
+        return scale
+    bn = quant.block_size[0]
+    if intermediate_size % bn:
+        raise ValueError(f"gate_up_proj_scale_inv blocks span the gate and up rows (intermediate size "
+                         f"{intermediate_size} is not a multiple of the block rows {bn}); moeroute keeps "
+                         "gate and up in their own block rows: load the per-expert gate_proj/up_proj weights")
+    return scale
 
 #: CPU strategies of the FP8 experts; "auto" picks per call (`choose_fp8_strategy`).
 FP8_STRATEGIES = ("auto", "rows", "blocks")

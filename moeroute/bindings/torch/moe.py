@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+import re
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +60,14 @@ from torch import nn
 
 from moeroute.bindings.torch import arrays, ops
 from moeroute.bindings.torch.dispatch import Dispatcher, LocalDispatcher
-from moeroute.bindings.torch.fp8_experts import FP8_STRATEGIES, QuantizedExperts, check_quantized_weights
+from moeroute.bindings.torch.fp8_experts import (
+    FP8_STRATEGIES,
+    PROJECTIONS,
+    STACKED_SCALE_KEYS,
+    QuantizedExperts,
+    check_quantized_weights,
+    gate_up_scale_from_stacked,
+)
 from moeroute.bindings.torch.experts import (
     SUPPORTED_DTYPES,
     LocalExperts,
@@ -695,7 +703,9 @@ class MoE(nn.Module):
             for key in [k for k in state_dict if k.startswith(prefix + shared_prefix)]:
                 shared[key[len(prefix + shared_prefix):]] = state_dict.pop(key)
         gate_up_key, down_key = prefix + "experts.gate_up_proj", prefix + "experts.down_proj"
-        if gate_up_key in state_dict and down_key in state_dict:
+        if self.quant is not None:
+            self._map_quantized_expert_keys(state_dict, prefix, shared)
+        elif gate_up_key in state_dict and down_key in state_dict:
             gate_up, down = state_dict.pop(gate_up_key), state_dict.pop(down_key)
             ids = self.routed_expert_ids()
             if ids != list(range(gate_up.shape[0])):
@@ -710,6 +720,84 @@ class MoE(nn.Module):
         if self.layout.shared != "fused":
             for name, value in shared.items():
                 state_dict[prefix + "shared_experts." + name] = value
+
+    @torch.no_grad()
+    def _map_quantized_expert_keys(self, state_dict, prefix, shared) -> None:
+        """FP8 experts of a checkpoint -> this rank's ``experts.*`` tensors, still FP8.
+
+        Reads DeepSeek-V3's per-expert keys (``experts.{e}.{gate,up,down}_proj.weight`` with
+        ``.weight_scale_inv``) or transformers 5's stacked FP8Experts keys; the other ranks'
+        experts are dropped. Fused shared slots are the shared MLP (float, or FP8 with
+        ``weight_scale_inv``) quantized with the layer's config.
+        """
+        quant, inter, hid = self.quant, self.intermediate_size, self.routed_hidden_size
+        ids = self.routed_expert_ids()
+        routed = None
+        pattern = re.compile(re.escape(prefix) + r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
+        found = {}
+        for key in [k for k in state_dict if k.startswith(prefix + "experts.")]:
+            match = pattern.match(key)
+            if match:
+                found[int(match.group(1)), match.group(2), match.group(3)] = state_dict.pop(key)
+        if found:
+            def take(e, projection, kind):
+                key = f"{prefix}experts.{e}.{projection}.{kind}"
+                if (e, projection, kind) not in found:
+                    raise KeyError(f"{key} is missing from the state dict (this rank holds expert {e})")
+                tensor = found[e, projection, kind]
+                if kind == "weight" and tensor.dtype != torch.float8_e4m3fn:
+                    raise ValueError(f"{key} has dtype {tensor.dtype} but the layer has quant={quant.format!r} "
+                                     "(float8_e4m3fn weights with their weight_scale_inv)")
+                return tensor
+
+            gate, up, down = ([take(e, p, "weight") for e in ids] for p in PROJECTIONS)
+            gate_s, up_s, down_s = ([take(e, p, "weight_scale_inv") for e in ids] for p in PROJECTIONS)
+            if quant.format == "fp8_block":  # gate block rows, then up block rows
+                gate_up_scale = torch.stack([torch.cat(pair) for pair in zip(gate_s, up_s)])
+                down_scale = torch.stack(down_s)
+            else:  # one scale per projection: [L, 2] (gate, up) and [L]
+                gate_up_scale = torch.stack([torch.stack([a.reshape(()), b.reshape(())])
+                                             for a, b in zip(gate_s, up_s)])
+                down_scale = torch.stack([d.reshape(()) for d in down_s])
+            routed = (torch.stack([torch.cat(pair) for pair in zip(gate, up)]), torch.stack(down),
+                      gate_up_scale, down_scale, None)
+        elif prefix + "experts.gate_up_proj" in state_dict:
+            names = ["experts.gate_up_proj", "experts.down_proj", *STACKED_SCALE_KEYS]
+            if quant.activation == "static":
+                names += ["experts.gate_up_proj_activation_scale", "experts.down_proj_activation_scale"]
+            stacked = []
+            for name in names:
+                if prefix + name not in state_dict:
+                    raise KeyError(f"{prefix + name} is missing from the state dict (FP8 experts need it)")
+                tensor = state_dict.pop(prefix + name)
+                stacked.append(tensor.index_select(0, torch.tensor(ids, device=tensor.device)))
+            gate_up_scale = gate_up_scale_from_stacked(stacked[2], quant, inter)
+            input_scale = torch.stack(stacked[4:6], dim=1) if quant.activation == "static" else None
+            routed = (stacked[0], stacked[1], gate_up_scale, stacked[3], input_scale)
+        targets = self.experts.quantized_tensors()
+        pieces = {}
+        if routed is not None:
+            checked = check_quantized_weights(quant, len(ids), hid, inter, *routed)
+            pieces.update({name: [tensor] for name, tensor in checked.items()})
+        if self.layout.shared == "fused" and "gate_proj.weight" in shared:
+            weights = []
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                weight, scale = shared.pop(f"{name}.weight"), shared.pop(f"{name}.weight_scale_inv", None)
+                if weight.dtype == torch.float8_e4m3fn:
+                    if scale is None:
+                        raise KeyError(f"{prefix}shared_experts.{name}.weight_scale_inv is missing for the FP8 "
+                                       "shared MLP")
+                    weight = (dequantize_fp8_block(weight, scale, quant.block_size) if scale.numel() > 1
+                              else dequantize_fp8_tensor(weight, scale.reshape(())))
+                weights.append(weight.float())
+            slots = quantize_experts(*_split_slots(*weights, inter, self.num_shared_experts), quant)
+            for name, tensor in zip(("w_gate_up", "gate_up_scale", "w_down", "down_scale"), slots):
+                pieces.setdefault(name, [targets[name][:len(ids)].detach().clone()]).append(tensor)
+        for name, parts in pieces.items():
+            full = targets[name]
+            if len(parts) == 1 and parts[0].shape[0] < full.shape[0]:  # routed only: keep the slots
+                parts.append(full[parts[0].shape[0]:].detach().clone())
+            state_dict[prefix + "experts." + name] = torch.cat([p.to(full.device) for p in parts])
 
     def _fused_slots(self, shared, like):
         """The S fused slots [S, 2I, H], [S, H, I] cut from a shared MLP's state dict."""
