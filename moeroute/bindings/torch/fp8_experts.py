@@ -321,8 +321,11 @@ class QuantizedExperts(nn.Module):
 
 
 def check_quantized_weights(quant: QuantConfig, num_experts: int, hidden_size: int, intermediate_size: int,
-                            w_gate_up, w_down, gate_up_scale, down_scale, input_scale) -> dict:
+                            w_gate_up, w_down, gate_up_scale, down_scale, input_scale,
+                            check_values: bool = True) -> dict:
     """The full stacked FP8 tensors checked at the boundary; name -> tensor (scales float32).
+
+    ``check_values=False`` checks shapes and dtypes only (no read of the scales' values).
 
     Raises
     ------
@@ -348,13 +351,13 @@ def check_quantized_weights(quant: QuantConfig, num_experts: int, hidden_size: i
         if scale is None:
             raise ValueError(f"{name} is missing: FP8 weights (quant={quant.format!r}) need their scales")
     tensors = {"w_gate_up": w_gate_up, "w_down": w_down,
-               "gate_up_scale": check_scale("gate_up_scale", gate_up_scale, gate_up_shape),
-               "down_scale": check_scale("down_scale", down_scale, down_shape)}
+               "gate_up_scale": check_scale("gate_up_scale", gate_up_scale, gate_up_shape, check_values),
+               "down_scale": check_scale("down_scale", down_scale, down_shape, check_values)}
     if quant.activation == "static":
         if input_scale is None:
             raise ValueError("input_scale is missing: quant activation='static' needs the [N, 2] activation "
                              "scales (gate_up input, down input)")
-        tensors["input_scale"] = check_scale("input_scale", input_scale, (num_experts, 2))
+        tensors["input_scale"] = check_scale("input_scale", input_scale, (num_experts, 2), check_values)
     elif input_scale is not None:
         raise ValueError("input_scale was given but the layer quantizes activations dynamically "
                          "(QuantConfig activation='dynamic')")
