@@ -121,6 +121,12 @@ class QuantConfig:
         return ((num_experts, 2 * _cdiv(intermediate_size, bn), _cdiv(hidden_size, bk)),
                 (num_experts, _cdiv(hidden_size, bn), _cdiv(intermediate_size, bk)))
 
+    def expert_bytes(self, hidden_size: int, intermediate_size: int) -> int:
+        """Bytes one expert takes in this format: 3*H*I one-byte weights plus its float32 scales."""
+        gate_up, down = self.scale_shapes(1, hidden_size, intermediate_size)
+        scales = gate_up[1] * (gate_up[2] if len(gate_up) > 2 else 1) + (down[1] * down[2] if len(down) > 1 else 1)
+        return 3 * hidden_size * intermediate_size + 4 * scales
+
     @classmethod
     def from_hf(cls, config: Any) -> QuantConfig | None:
         """Read a Hugging Face ``quantization_config``.

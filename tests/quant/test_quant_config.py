@@ -87,3 +87,22 @@ def test_from_hf_unquantized_is_none():
 def test_from_hf_refuses_what_it_cannot_serve(fields, match):
     with pytest.raises(ValueError, match=match):
         QuantConfig.from_hf(fields)
+
+
+def test_expert_bytes():
+    # DeepSeek-V3: 3 * 7168 * 2048 one-byte weights + 4 bytes x (2*16*56 + 56*16) block scales.
+    assert QuantConfig("fp8_block").expert_bytes(7168, 2048) == 3 * 7168 * 2048 + 4 * (2 * 16 * 56 + 56 * 16)
+    assert QuantConfig("fp8_tensor").expert_bytes(7168, 2048) == 3 * 7168 * 2048 + 4 * 3
+    # Partial blocks count whole: I = 200 in 128-row blocks -> 2 block rows each for gate and up.
+    assert QuantConfig("fp8_block").expert_bytes(256, 200) == 3 * 256 * 200 + 4 * (2 * 2 * 2 + 2 * 2)
+
+
+def test_cli_plan_reports_fp8_bytes_per_rank(capsys):
+    from moeroute.cli import main
+
+    assert main(["plan", "--preset", "deepseek-v3", "--ep", "8", "--quant", "fp8_block"]) == 0
+    out = capsys.readouterr().out
+    per_expert = QuantConfig("fp8_block").expert_bytes(7168, 2048)
+    # 256 routed experts / 8 ranks + 1 fused shared slot per rank = 33 experts per rank.
+    line = f"  rank 7: 33 experts, {33 * per_expert / 2**30:.2f} GiB fp8_block ({33 * 3 * 7168 * 2048 * 2 / 2**30:.2f} GiB bfloat16)"
+    assert line in out.splitlines()
