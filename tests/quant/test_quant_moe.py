@@ -18,7 +18,7 @@ from moeroute.bindings.torch import MoE
 from moeroute.bindings.torch.fp8_experts import fp8_experts_forward
 from moeroute.config import RouterConfig
 from moeroute.layout import LayoutError
-from moeroute.quant import QuantConfig, dequantize_experts, quantize_experts
+from moeroute.quant import QuantConfig, dequantize_experts, dequantize_fp8_block, quantize_experts
 from moeroute.quant.reference import moe_experts_reference
 from moeroute.routing import reference
 
@@ -254,3 +254,27 @@ def test_errors_name_the_argument():
         static.load_routed_weights(q[0], q[2], gate_up_scale=q[1], down_scale=q[3])
     with pytest.raises(ValueError, match="hidden_states dtype torch.float64"):
         module(torch.zeros(2, H, dtype=torch.float64))
+
+
+def test_torch_decoder_of_the_device_path_matches_numba():
+    # The blocks strategy decodes with torch's e4m3 conversion on devices: run that branch on
+    # the CPU against the Numba decoder (same chunks, same float32 values).
+    from moeroute.bindings.torch import fp8_experts
+
+    quant = QuantConfig("fp8_block", block_size=(64, 128))
+    q_gu, s_gu, _, _ = quantize_experts(_randn(3, 400, H, seed=1, scale=0.1), _randn(3, H, 200, seed=2), quant)
+    x = _randn(9, H, seed=3)
+    offsets = torch.tensor([0, 4, 4, 9])
+    args = (x, offsets, [0, 2], q_gu, s_gu, quant.block_size, torch.float32)
+    numba_out = fp8_experts._blocks_gemm(*args, halves=(200, s_gu.shape[1] // 2), decoder="numba")
+    torch_out = fp8_experts._blocks_gemm(*args, halves=(200, s_gu.shape[1] // 2), decoder="torch")
+    rows = torch.cat([torch.arange(0, 4), torch.arange(4, 9)])
+    assert torch.equal(numba_out[rows], torch_out[rows])
+    nb = s_gu.shape[1] // 2
+
+    def weight(e):  # gate and up decoded from their own block rows
+        return torch.cat([dequantize_fp8_block(q_gu[e, :200], s_gu[e, :nb], quant.block_size),
+                          dequantize_fp8_block(q_gu[e, 200:], s_gu[e, nb:], quant.block_size)])
+
+    expected = torch.cat([x[0:4] @ weight(0).T, x[4:9] @ weight(2).T])
+    torch.testing.assert_close(torch_out, expected, rtol=1e-5, atol=1e-5)

@@ -190,11 +190,15 @@ def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, we
     return sums if hidden_states.dtype == torch.float32 else sums.to(hidden_states.dtype)
 
 
-def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None):
+def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None, decoder=None):
     """[M, R] float32: each expert's rows of ``xs`` times its weight decoded in chunks.
 
     ``halves`` (I, nb): the weight is gate_up, whose up rows count block rows from row I.
+    ``decoder``: "numba" (`moeroute.quant._host.dequantize_rows`, CPU) or "torch" (torch's
+    e4m3 conversion, fast on devices); default by the weight's device.
     """
+    if decoder is None:
+        decoder = "numba" if q.device.type == "cpu" else "torch"
     rows_out = q.shape[1]
     cols = q.shape[2]
     bn, bk = block
@@ -213,7 +217,7 @@ def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None):
             for r0 in range(first, last, chunk_rows):
                 r1 = min(last, r0 + chunk_rows)
                 w = buffer[:r1 - r0]
-                if q.device.type == "cpu":
+                if decoder == "numba":
                     _host.dequantize_rows(q_bytes[e].numpy(), scale_e.numpy(), r0, r1, origin, bn, bk,
                                           w.numpy())
                 else:  # torch's own e4m3 conversion is fast on devices
