@@ -12,10 +12,10 @@ The FP8 weights are never dequantized whole. Two strategies, picked by rows per 
   one weight row at a time into a cache-resident buffer and dot it with every row of the
   expert, so memory reads one byte per weight. Both GEMMs of every hit expert run in two
   parallel calls; the second adds into the float32 sums directly.
-* "blocks" (many rows per expert, prefill): per expert, `BLOCK_ROWS_PER_CHUNK` block rows
-  at a time are decoded into a small reusable float32 buffer, converted to the activation
-  dtype, and multiplied by the expert's rows with torch (oneDNN/MKL): the GEMM's compute is
-  then the cost, as in the float layer.
+* "blocks" (many rows per expert, prefill): per expert, `CHUNK_BYTES` of weight rows at a
+  time are decoded into one reusable buffer (straight to bfloat16 for bfloat16 activations,
+  else float32), and multiplied by the expert's rows with torch (oneDNN/MKL): the GEMM's
+  compute is then the cost, as in the float layer.
 
 `choose_fp8_strategy` picks between them; bench/quant.py measured the crossover.
 """
@@ -67,9 +67,9 @@ FP8_STRATEGIES = ("auto", "rows", "blocks")
 #: their dot products are not register-blocked over rows, so past a few dozen rows a
 #: BLAS GEMM over decoded blocks is faster (bench/quant.py).
 ROWS_MAX_ROWS_PER_EXPERT = 16
-#: Weight rows decoded per chunk by the "blocks" strategy is this many block rows (bn):
-#: 4 x 128 rows x 7168 columns x 4 bytes = 14 MiB at most, reused across experts.
-BLOCK_ROWS_PER_CHUNK = 4
+#: Bytes of decoded weights per chunk of the "blocks" strategy: one reusable buffer, large
+#: enough that the chunked GEMMs keep the speed of whole ones (bench/quant.py).
+CHUNK_BYTES = 16 << 20
 
 
 def choose_fp8_strategy(counts: list[int]) -> str:
@@ -203,8 +203,12 @@ def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None, decoder=
     cols = q.shape[2]
     bn, bk = block
     out = torch.empty(xs.shape[0], rows_out, dtype=torch.float32, device=xs.device)
-    chunk_rows = min(rows_out, bn * BLOCK_ROWS_PER_CHUNK)
-    buffer = torch.empty(chunk_rows, cols, dtype=torch.float32, device=xs.device)
+    bf16_bits = decoder == "numba" and dtype == torch.bfloat16  # decode straight to bfloat16
+    element = 2 if bf16_bits else 4
+    chunk_rows = min(rows_out, max(1, CHUNK_BYTES // (element * cols)))  # rows need not align to blocks
+    buffer = torch.empty(chunk_rows, cols, dtype=torch.bfloat16 if bf16_bits else torch.float32,
+                         device=xs.device)
+    work = torch.empty(cols, dtype=torch.float32)
     x_cast = xs.to(dtype)
     q_bytes = q.view(torch.uint8)
     # Chunks never straddle gate and up (their block rows are numbered apart).
@@ -217,7 +221,10 @@ def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None, decoder=
             for r0 in range(first, last, chunk_rows):
                 r1 = min(last, r0 + chunk_rows)
                 w = buffer[:r1 - r0]
-                if decoder == "numba":
+                if bf16_bits:
+                    _host.dequantize_rows_bf16(q_bytes[e].numpy(), scale_e.numpy(), r0, r1, origin, bn, bk,
+                                               work.numpy(), w.view(torch.int16).numpy())
+                elif decoder == "numba":
                     _host.dequantize_rows(q_bytes[e].numpy(), scale_e.numpy(), r0, r1, origin, bn, bk,
                                           w.numpy())
                 else:  # torch's own e4m3 conversion is fast on devices
