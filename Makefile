@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?= -n auto --maxprocesses=4
 
-.PHONY: setup demo test bench hip-toolchain clean
+.PHONY: setup demo test wheel-check bench hip-toolchain clean
 
 setup: $(VENV)/.installed
 
@@ -31,7 +31,12 @@ demo: setup
 	$(VENV)/bin/moeroute demo
 
 test: setup hip-toolchain
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The wheel as users get it: built, installed into a fresh venv outside the checkout, demo + routing.
+wheel-check: setup
+	PYTHON=$(abspath $(PY)) TORCH_PIN="$(TORCH_PIN)" bash tools/check_wheel.sh
 
 bench: setup
 	$(PY) bench/routing.py

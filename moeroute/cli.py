@@ -5,6 +5,7 @@ Commands
 plan      show the expert layout and shared-expert plan of a model on E ranks
 route     route random logits with a preset and show the expert and rank load
 warmup    compile the CPU kernels into Numba's on-disk cache (NUMBA_CACHE_DIR)
+eplb      plan an expert placement from a measured or synthetic load
 --list-presets
           list the built-in model presets
 
@@ -19,12 +20,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from moeroute import __version__
+from moeroute._args import check_fits_in_memory, non_negative_int, physical_memory_bytes, positive_int
 from moeroute.config import PRESETS, SCORING_FUNCTIONS, ModelPreset, get_preset
 from moeroute.layout import DISPATCH_MODES, PLACEMENTS, SCALING_REGIMES, SHARED_MODES, SHARED_SLOT_MODES
 
@@ -84,7 +86,9 @@ COMMANDS: list[Command] = [
     Command("demo", "run a DeepSeek-V3- and a Qwen3.5-shaped layer in every shared mode and "
             "check each against the dense reference", "moeroute.demo"),
     Command("run", "run a preset-shaped MoE layer on N expert-parallel ranks and check it "
-            "against one rank", "moeroute.bindings.ep_run"),
+            "against one rank", "moeroute.eplb.run"),  # moeroute.bindings.ep_run + --eplb
+    Command("eplb", "plan an expert placement (EPLB) from a measured or synthetic load",
+            "moeroute.eplb.cli"),
     Command("warmup", "compile every CPU kernel the presets use into Numba's on-disk cache",
             "moeroute.runtime", "add_warmup_arguments", "run_warmup"),
 ]
@@ -92,41 +96,6 @@ COMMANDS: list[Command] = [
 
 # ---------------------------------------------------------------------------
 # Shared argument helpers
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be an integer >= 1")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be an integer >= 0")
-    return value
-
-
-def physical_memory_bytes() -> int | None:
-    """This machine's physical memory in bytes, or None where the OS does not say."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def check_fits_in_memory(what: str, nbytes: int) -> None:
-    """ValueError when ``nbytes`` (the estimate of what a request allocates) exceeds the
-    machine's physical memory: refused before anything is allocated."""
-    total = physical_memory_bytes()
-    if total is not None and nbytes > total:
-        raise ValueError(
-            f"{what} needs about {nbytes:.3g} bytes, more than this machine's "
-            f"{total:.3g} bytes of memory; use a smaller size"
-        )
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -388,14 +357,23 @@ def list_presets() -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr and exit status 2 (no
+    usage block; ``--help`` shows it). Subcommand parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     """The argument parser; only the ``selected`` command's module is imported."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="moeroute",
         description="Mixture-of-Experts routing, expert layouts and dispatch.",
     )
     parser.add_argument("--list-presets", action="store_true",
                         help="list the built-in model presets and exit")
+    parser.add_argument("--version", action="version", version=f"moeroute {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
@@ -419,6 +397,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(list_presets())
         return 0
     if args.command is None:
-        parser.print_usage(sys.stderr)
-        return _error("a command is required (or --list-presets)")
+        return _error("a command is required (or --list-presets); see moeroute --help")
     return int(names[args.command].load("run")(args))

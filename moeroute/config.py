@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from moeroute._validate import integer
+
 __all__ = [
     "RouterConfig",
     "ModelPreset",
@@ -45,15 +47,15 @@ SCORING_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus", "none")
 ROUTED_SCALING_FACTOR_RANGE = (1e-6, 1e6)
 
 
+#: Largest number of experts: expert ids (and the offsets of their rows) are int32.
+MAX_NUM_EXPERTS = 2**31 - 1
+
+
 def _check_int(name: str, value: Any, minimum: int) -> int:
-    """Return ``value`` as an int >= ``minimum``; ValueError naming ``name`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(
-            f"{name}={value!r} must be an integer >= {minimum}, got {type(value).__name__}"
-        )
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be an integer >= {minimum}")
-    return int(value)
+    """Return ``value`` as an int >= ``minimum`` (`moeroute._validate.integer`: Python and
+    NumPy integers, never bools, floats or strings); ValueError naming ``name`` otherwise
+    (`IntegerTypeError`, also a TypeError, for a value of another kind)."""
+    return integer(name, value, minimum)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +65,8 @@ class RouterConfig:
     Parameters
     ----------
     num_experts : int
-        N, the number of routed (logical) experts; >= 1.
+        N, the number of routed (logical) experts; 1 <= N <= 2**31 - 1 (`MAX_NUM_EXPERTS`:
+        expert ids are int32).
     top_k : int
         K, the number of routed experts per token; 1 <= K <= N, and with grouped
         routing K <= topk_group * N / num_expert_group.
@@ -90,7 +93,9 @@ class RouterConfig:
     ValueError
         On any value outside the ranges above; the message names the argument,
         its value and the allowed range, e.g.
-        ``top_k=9 exceeds topk_group * experts_per_group = 8``.
+        ``top_k=9 exceeds topk_group * experts_per_group = 8``. Integers follow
+        `moeroute._validate.integer`: Python or NumPy integers; a bool, float or string is
+        refused (`IntegerTypeError`, a ValueError and a TypeError).
     """
 
     num_experts: int
@@ -103,6 +108,9 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         num_experts = _check_int("num_experts", self.num_experts, 1)
+        if num_experts > MAX_NUM_EXPERTS:
+            raise ValueError(f"num_experts={num_experts} exceeds {MAX_NUM_EXPERTS}: expert ids "
+                             "are int32; use at most 2**31 - 1 experts")
         top_k = _check_int("top_k", self.top_k, 1)
         num_groups = _check_int("num_expert_group", self.num_expert_group, 1)
         topk_group = _check_int("topk_group", self.topk_group, 1)
@@ -386,7 +394,7 @@ def _check_field_type(key: str, value: Any, default: Any) -> None:
     if isinstance(default, bool):
         ok, kind = isinstance(value, (bool, np.bool_)), "a bool"
     elif isinstance(default, numbers.Integral):
-        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
         kind = "an integer"
     elif isinstance(default, numbers.Real):
         ok = isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from moeroute._validate import integer
+
 __all__ = [
     "LayoutError",
     "ExpertLayout",
@@ -84,14 +86,9 @@ def _readonly(array: np.ndarray) -> np.ndarray:
 
 
 def _count(name: str, value: Any, minimum: int) -> int:
-    """``value`` as an int >= ``minimum``, LayoutError naming ``name`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise LayoutError(
-            f"{name}={value!r} must be an integer >= {minimum}, got {type(value).__name__}"
-        )
-    if value < minimum:
-        raise LayoutError(f"{name}={value} must be an integer >= {minimum}")
-    return int(value)
+    """``value`` as an int >= ``minimum`` (`moeroute._validate.integer`), LayoutError
+    naming ``name`` otherwise."""
+    return integer(name, value, minimum, error=LayoutError, type_error=LayoutError)
 
 
 def _choice(name: str, value: Any, allowed: tuple, extra: str = "") -> None:
@@ -587,8 +584,7 @@ class ExpertLayout:
     # --------------------------------------------------------------- methods
 
     def _check_rank(self, name: str, rank: Any) -> int:
-        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
-            raise ValueError(f"{name}={rank!r} must be an integer in [0, {self._ep_size})")
+        rank = integer(name, rank)
         if not 0 <= rank < self._ep_size:
             raise ValueError(f"{name}={rank} is outside [0, {self._ep_size}) for ep_size={self._ep_size}")
         return int(rank)
@@ -687,12 +683,9 @@ class ExpertLayout:
             ``logical_id`` outside [0, N) or a negative ``token_row``.
         """
         n = self._num_routed_experts
-        if isinstance(logical_id, bool) or not isinstance(logical_id, numbers.Integral) \
-                or not 0 <= logical_id < n:
+        if not 0 <= integer("logical_id", logical_id) < n:
             raise ValueError(f"logical_id={logical_id!r} must be an integer in [0, {n})")
-        if isinstance(token_row, bool) or not isinstance(token_row, numbers.Integral) \
-                or token_row < 0:
-            raise ValueError(f"token_row={token_row!r} must be an integer >= 0")
+        token_row = integer("token_row", token_row, 0)
         first = int(self._replica_offsets[logical_id])
         count = int(self._replica_offsets[logical_id + 1]) - first
         hashed = (int(token_row) * REPLICA_HASH_MULTIPLIER) % REPLICA_HASH_MODULUS

@@ -23,8 +23,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
+from moeroute.routing._cache import cache_dir
+
 __all__ = ["warmup", "warmup_cuda", "cache_dir", "cpu_dispatchers", "WARMUP_DTYPES", "add_warmup_arguments",
-           "run_warmup"]
+           "run_warmup", "check_arch", "check_cuda_toolchain"]
 
 #: Activation and logits dtypes compiled by default: each is its own specialization.
 WARMUP_DTYPES = ("float32", "float16", "bfloat16")
@@ -38,26 +40,6 @@ MODULE_EXPERTS, MODULE_TOP_K, MODULE_HIDDEN, MODULE_INTERMEDIATE = 8, 2, 256, 32
 #: batch) and enough rows per expert for the parallel accumulation (see
 #: `moeroute.routing.combine.PARALLEL_ACCUMULATE_MIN_ELEMENTS`).
 MODULE_TOKENS = (1, 16, 2048)
-
-
-def cache_dir() -> str:
-    """The directory holding moeroute's compiled CPU kernels (Numba's on-disk cache).
-
-    Returns
-    -------
-    str
-        ``NUMBA_CACHE_DIR``'s mirror of the package when that variable was set before Numba
-        was imported, else the ``__pycache__`` directory beside the select kernel's source
-        (``moeroute/routing/select/``; each routing module's kernels are cached beside it) or
-        Numba's per-user fallback when that is not writable.
-    """
-    from moeroute.routing import select
-
-    cache = getattr(select._select_serial, "_cache", None)
-    path = getattr(cache, "_cache_path", None)  # Numba's own record of where it writes
-    if path is None:
-        raise RuntimeError("this Numba version does not say where it caches compiled functions")
-    return str(path)
 
 
 def _progress_printer(enabled: bool) -> Callable[[str], None]:
@@ -341,24 +323,17 @@ def warmup_cuda(presets: Sequence[str] | None = None, *, archs: Sequence[str] = 
     RuntimeError
         numba-cuda or cuda.core (nvJitLink) is not installed.
     """
-    import re
-
     chosen = _check_presets(presets)
     dtypes = _check_dtypes(dtypes)
     if isinstance(archs, str) or not archs:
         raise ValueError(f"archs must be a non-empty sequence like ['sm_90'], got {archs!r}")
     for arch in archs:
-        if not isinstance(arch, str) or not re.fullmatch(r"sm_\d{2,3}", arch):
-            raise ValueError(f"arch {arch!r} is not of the form 'sm_XY' (e.g. 'sm_90')")
-    try:
-        import cuda.core  # noqa: F401
+        check_arch(arch)
+    check_cuda_toolchain()
+    from moeroute.routing import _cubins, _launcher
+    from moeroute.routing.route import _route_kernel, _route_signature
+    from moeroute.routing.select import _device
 
-        from moeroute.routing import _cubins, _launcher
-        from moeroute.routing.route import _route_kernel, _route_signature
-        from moeroute.routing.select import _device
-    except ImportError as error:
-        raise RuntimeError(f"warmup_cuda needs numba-cuda and cuda.core (pip install "
-                           f"'moeroute[cuda]'): {error}") from error
     emit = _progress_printer(progress)
     compiled = 0
 
@@ -389,6 +364,28 @@ def warmup_cuda(presets: Sequence[str] | None = None, *, archs: Sequence[str] = 
     emit(f"warmup_cuda done in {result['seconds']:.1f} s: {compiled} kernels compiled, "
          f"{result['loaded']} loaded from {result['cache_dir']}")
     return result
+
+
+def check_arch(arch) -> str:
+    """``arch`` when it names a CUDA architecture as "sm_XY" (or "sm_XYZ"), e.g. "sm_90";
+    ValueError otherwise (``sm90``, ``90`` and ``sm9`` are refused, not guessed at)."""
+    import re
+
+    if not isinstance(arch, str) or not re.fullmatch(r"sm_\d{2,3}", arch):
+        raise ValueError(f"arch {arch!r} is not of the form 'sm_XY' (e.g. 'sm_90' for "
+                         "H100/H200, 'sm_80' for A100)")
+    return arch
+
+
+def check_cuda_toolchain() -> None:
+    """RuntimeError naming what is missing when the device kernels cannot be compiled here
+    (numba-cuda and cuda.core's nvJitLink; no GPU needed)."""
+    try:
+        import cuda.core  # noqa: F401
+        from numba import cuda  # noqa: F401
+    except ImportError as error:
+        raise RuntimeError(f"compiling the device kernels needs numba-cuda and cuda.core "
+                           f"(pip install 'moeroute[cuda]'): {error}") from error
 
 
 def _cache_hits() -> int:
@@ -426,13 +423,30 @@ def add_warmup_arguments(parser) -> None:
     parser.add_argument("--no-torch", action="store_true",
                         help="skip the torch module's forward (routing kernels only)")
     parser.add_argument("--cuda-arch", nargs="+", metavar="ARCH", default=None,
+                        type=_arch_argument,
                         help="also compile the device routing kernels for these architectures "
                              "(e.g. sm_90) into the cubin cache; no GPU needed")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
+def _arch_argument(text: str) -> str:
+    import argparse
+
+    try:
+        return check_arch(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def run_warmup(args) -> int:
-    """``moeroute warmup``: compile, then print what was compiled and where it is cached."""
+    """``moeroute warmup``: compile, then print what was compiled and where it is cached.
+    Everything asked for is checked before any work (exit status 2 and one line)."""
+    if args.cuda_arch:
+        try:
+            check_cuda_toolchain()
+        except RuntimeError as error:
+            print(f"moeroute warmup: error: {error}", file=sys.stderr)
+            return 2
     result = warmup(args.presets, dtypes=args.dtypes, torch_module=False if args.no_torch else None,
                     progress=not args.quiet)
     print(f"{result['compiled']} functions compiled, {result['loaded']} loaded from the cache, "

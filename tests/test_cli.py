@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from moeroute import cli
+from moeroute import _args, cli
 from moeroute.config import PRESETS
 from moeroute.layout import ExpertLayout
 
@@ -76,10 +76,53 @@ def test_missing_command(capsys):
     ["route", "--preset", "mixtral-8x7b"],       # --tokens required
     ["route", "--preset", "mixtral-8x7b", "--tokens", "-1"],
     ["bogus"],
+    ["plan", "--preset", "mixtral-8x7b", "--ep", "two"],
+    ["route", "--preset", "mixtral-8x7b", "--tokens", "4", "--scoring", "relu"],
+    [],                                          # no command
 ])
-def test_usage_errors_exit_2(capsys, argv):
-    status, _, err = run(capsys, *argv)
-    assert status == 2 and "usage" in err
+def test_usage_errors_exit_2_with_one_line(capsys, argv):
+    """argparse's errors too: one line, no usage block (``--help`` shows the usage)."""
+    status, out, err = run(capsys, *argv)
+    assert status == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moeroute") and ": error: " in lines[0], err
+    assert "usage" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["warmup", "--cuda-arch", "sm9"], "argument --cuda-arch: arch 'sm9' is not of the form 'sm_XY'"),
+    (["warmup", "--cuda-arch", "90"], "argument --cuda-arch: arch '90' is not of the form 'sm_XY'"),
+    (["warmup", "--cuda-arch", "sm_90", "sm90"], "arch 'sm90' is not of the form 'sm_XY'"),
+    (["warmup", "--presets", "nope"], "argument --presets: invalid choice: 'nope'"),
+    (["warmup", "--dtypes", "float64"], "argument --dtypes: invalid choice: 'float64'"),
+])
+def test_warmup_checks_every_argument_before_any_work(capsys, monkeypatch, argv, message):
+    """`warmup --cuda-arch sm9` used to run the whole CPU warm-up, then exit 1 with a
+    traceback: now nothing runs, and one line says why."""
+    from moeroute import runtime
+
+    calls = []
+    monkeypatch.setattr(runtime, "warmup", lambda *a, **k: calls.append("warmup"))
+    monkeypatch.setattr(runtime, "warmup_cuda", lambda *a, **k: calls.append("warmup_cuda"))
+    status, out, err = run(capsys, *argv)
+    assert status == 2 and out == "" and calls == []
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moeroute warmup: error: ") and message in lines[0], err
+
+
+def test_warmup_without_the_cuda_toolchain_stops_before_the_cpu_warmup(capsys, monkeypatch):
+    from moeroute import runtime
+
+    def missing():
+        raise RuntimeError("compiling the device kernels needs numba-cuda and cuda.core")
+
+    calls = []
+    monkeypatch.setattr(runtime, "check_cuda_toolchain", missing)
+    monkeypatch.setattr(runtime, "warmup", lambda *a, **k: calls.append("warmup"))
+    status, out, err = run(capsys, "warmup", "--cuda-arch", "sm_90")
+    assert status == 2 and out == "" and calls == []
+    assert err.strip().splitlines() == [
+        "moeroute warmup: error: compiling the device kernels needs numba-cuda and cuda.core"]
 
 
 # ----------------------------------------------------------------------------
@@ -361,6 +404,10 @@ BAD_INPUT = {
                           "argument --seed: -3 must be an integer >= 0"),
     "run-huge-tokens": (["run", "--preset", "mixtral-8x7b", "--tokens", "1000000000000"],
                         "--ep 2 ranks of --tokens 1000000000000"),
+    "plan-zero-ep": (["plan", "--preset", "mixtral-8x7b", "--ep", "0"],
+                     "argument --ep: 0 must be an integer >= 1"),
+    "warmup-bad-arch": (["warmup", "--cuda-arch", "sm9"], "arch 'sm9' is not of the form 'sm_XY'"),
+    "warmup-bad-preset": (["warmup", "--presets", "nope"], "invalid choice: 'nope'"),
 }
 
 
@@ -373,13 +420,12 @@ def test_bad_input_exits_2_with_one_clear_line(tmp_path, name):
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
     lines = result.stderr.strip().splitlines()
-    error_lines = [line for line in lines if not line.startswith(("usage:", " "))]
-    assert len(error_lines) == 1 and message in error_lines[0], result.stderr
+    assert len(lines) == 1 and message in lines[0], result.stderr
 
 
 def test_sizes_beyond_memory_are_refused_before_allocating(capsys, monkeypatch):
     """The estimate is compared with the machine's memory before any array exists."""
-    monkeypatch.setattr(cli, "physical_memory_bytes", lambda: 10_000)
+    monkeypatch.setattr(_args, "physical_memory_bytes", lambda: 10_000)  # where the check reads it
     allocations = []
     monkeypatch.setattr(np.random, "default_rng", lambda *a: allocations.append(a))
     assert cli.check_fits_in_memory("x", 10_000) is None  # the bound is inclusive

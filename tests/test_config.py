@@ -53,6 +53,8 @@ ROUTER_ERRORS = [
     (dict(num_experts=8.0, top_k=2), r"num_experts=8.0 must be an integer.*float"),
     (dict(num_experts=8, top_k="2"), r"top_k='2' must be an integer"),
     (dict(num_experts=True, top_k=1), r"num_experts=True must be an integer"),
+    (dict(num_experts=2**31 + 16, top_k=2), r"num_experts=2147483664 exceeds 2147483647: expert ids are int32"),
+    (dict(num_experts=8, top_k=2.0), r"top_k=2.0 must be an integer >= 1, got float"),
     (dict(num_experts=8, top_k=2, scoring="relu"), r"scoring='relu' is not supported.*'softmax', 'sigmoid'"),
     (dict(num_experts=8, top_k=2, scoring=None), r"scoring=None"),
     (dict(num_experts=8, top_k=2, num_expert_group=0), r"num_expert_group=0 must be an integer >= 1"),

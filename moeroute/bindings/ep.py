@@ -54,7 +54,6 @@ travel back along the partial outputs and are counted). A mismatch raises
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import zlib
 from typing import Any
 
@@ -67,6 +66,15 @@ from moeroute.bindings.torch.dispatch import (
     Dispatcher,
     LocalDispatcher,
     check_dispatch_inputs,
+    register_ep_dispatcher_factory,
+)
+from moeroute.bindings.torch.group import (
+    CollectiveError,
+    RankMismatchError,
+    check_ranks_agree,
+    ep_group_size_and_rank,
+    fields_digest,
+    layout_fingerprint,
 )
 from moeroute.layout import ExpertLayout
 
@@ -93,134 +101,12 @@ METADATA_BYTES_PER_SLOT = 8
 #: Row counts travel as int64: the dtype every backend supports for all-to-all of counts.
 _COUNT_DTYPE = torch.int64
 _COUNT_BYTES = 8
-#: Bytes of the layout digest kept in the signature: 7 bytes fit a non-negative int64.
-_DIGEST_BYTES = 7
-#: Longest rendering of one rank's value in a `RankMismatchError` (long tables are cut).
-_MAX_VALUE_CHARS = 120
 # torch 2.13 renamed all_gather_into_tensor (same signature); older releases lack the new name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class DispatchCheckError(RuntimeError):
     """Debug mode found a (token, slot) dispatched or combined other than exactly once."""
-
-
-class CollectiveError(RuntimeError):
-    """A collective of the dispatch failed: a peer died or missed the group's timeout."""
-
-
-class RankMismatchError(ValueError):
-    """The ranks of one expert-parallel group disagree on a field of the layer.
-
-    Raised on every rank with the same message: each differing field with every rank's
-    value. ``fields`` maps each differing field name to the list of per-rank values.
-    """
-
-    def __init__(self, message: str, fields: dict[str, list]) -> None:
-        super().__init__(message)
-        self.fields = fields
-
-
-def _render(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= _MAX_VALUE_CHARS else text[:_MAX_VALUE_CHARS - 3] + "..."
-
-
-def ep_group_size_and_rank(ep_group: Any) -> tuple[int, int]:
-    """(size, rank) of ``ep_group`` in torch.distributed.
-
-    Raises
-    ------
-    TypeError
-        ``ep_group`` is not a torch.distributed ProcessGroup (e.g. the string "world";
-        pass ``torch.distributed.group.WORLD`` or a group from ``new_group``).
-    ValueError
-        torch.distributed is not initialized.
-    """
-    if not dist.is_available() or not isinstance(ep_group, dist.ProcessGroup):
-        raise TypeError(
-            f"ep_group={ep_group!r} must be a torch.distributed ProcessGroup (e.g. "
-            f"torch.distributed.group.WORLD or torch.distributed.new_group(...)) or None, "
-            f"got {type(ep_group).__name__}"
-        )
-    if not dist.is_initialized():
-        raise ValueError(
-            "ep_group needs an initialized torch.distributed process group; call "
-            "torch.distributed.init_process_group first"
-        )
-    return dist.get_world_size(ep_group), dist.get_rank(ep_group)
-
-
-def layout_fingerprint(layout: ExpertLayout) -> dict[str, Any]:
-    """The fields of ``layout`` every rank of its group must agree on, as plain values."""
-    return {
-        "layout.num_routed_experts": layout.num_routed_experts,
-        "layout.num_shared_experts": layout.num_shared_experts,
-        "layout.ep_size": layout.ep_size,
-        "layout.dispatch": layout.dispatch,
-        "layout.shared": layout.shared,
-        "layout.shared_slots": layout.shared_slots,
-        "layout.num_redundant_experts": layout.num_redundant_experts,
-        "layout.scaling_regime": layout.scaling_regime,
-        "layout.placement": getattr(layout, "placement", "linear"),
-        "layout.physical_to_logical": tuple(int(v) for v in layout.physical_to_logical),
-    }
-
-
-def _digest(fields: dict[str, Any]) -> int:
-    """A process-independent integer digest (Python's hash() is salted per process)."""
-    text = repr(sorted(fields.items())).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=_DIGEST_BYTES).digest(), "little")
-
-
-def check_ranks_agree(fields: dict[str, Any], group: Any = None, what: str = "the layer") -> None:
-    """Exchange ``fields`` between the ranks of ``group`` and raise unless all agree.
-
-    A collective: every rank of ``group`` must call it (with the same field names). It
-    uses ``torch.distributed.all_gather_object``; with NCCL the current CUDA device must
-    be this rank's.
-
-    Parameters
-    ----------
-    fields : dict
-        Field name -> a picklable value comparable with ``==`` (ints, strings, tuples).
-    group : torch.distributed.ProcessGroup, optional
-        None: the default group.
-    what : str
-        What the fields describe, for the message.
-
-    Raises
-    ------
-    RankMismatchError
-        On every rank, with the same message: each field whose values differ, with every
-        rank's value.
-    CollectiveError
-        A peer exited or did not join the exchange within the group's timeout.
-    """
-    world = dist.get_world_size(group)
-    gathered: list = [None] * world
-    try:
-        dist.all_gather_object(gathered, dict(fields), group=group)
-    except RuntimeError as error:
-        raise CollectiveError(
-            f"rank {dist.get_rank(group)} of {world}: the agreement check of {what} failed; a "
-            f"peer rank exited (perhaps failing to build its layer) or did not reach the check "
-            f"within the process group's timeout ({error})"
-        ) from error
-    names = list(dict.fromkeys(name for rank_fields in gathered for name in rank_fields))
-    missing = "<missing>"
-    differing = {}
-    for name in names:
-        values = [rank_fields.get(name, missing) for rank_fields in gathered]
-        if any(value != values[0] for value in values[1:]):
-            differing[name] = values
-    if differing:
-        details = "; ".join(
-            f"{name}: " + ", ".join(f"rank {r}={_render(v)}" for r, v in enumerate(values))
-            for name, values in differing.items())
-        raise RankMismatchError(
-            f"the {len(gathered)} expert-parallel ranks disagree on {what}: {details}; "
-            "build every rank's layer with the same arguments", differing)
 
 
 @dataclasses.dataclass
@@ -405,7 +291,7 @@ class _EPDispatcher(Dispatcher):
         self._host_tables = self._build_tables()
         self._tables_on: dict[torch.device, _Tables] = {}
         self._layout_fields = layout_fingerprint(layout)
-        self._layout_digest = _digest(self._layout_fields)
+        self._layout_digest = fields_digest(self._layout_fields)
 
     def _signature(self, hidden_states: torch.Tensor, top_k: int) -> list[int]:
         """What every rank must agree on before an exchange, as int64-safe integers."""
@@ -989,3 +875,6 @@ class AllGatherDispatcher(_EPDispatcher):
         self._collective("combine", dist.all_to_all_single, returned, rows,
                          [num_tokens] * self.ep_size, sizes)
         return returned.view(self.ep_size, num_tokens, rows.shape[1]).to(torch.float32).sum(0)
+
+
+register_ep_dispatcher_factory(make_dispatcher)  # the torch module's default for ep_group

@@ -24,7 +24,7 @@ import time
 import traceback
 from typing import Any
 
-from moeroute.cli import check_fits_in_memory, non_negative_int, positive_int
+from moeroute._args import check_fits_in_memory, non_negative_int, positive_int
 from moeroute.config import PRESETS, get_preset
 from moeroute.layout import PLACEMENTS, SCALING_REGIMES, SHARED_MODES, ExpertLayout
 

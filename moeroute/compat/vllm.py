@@ -25,24 +25,42 @@ the two tensors every caller uses.
 from __future__ import annotations
 
 import functools
+import numbers
 
+import numpy as np
 import torch
 
-from moeroute.config import RouterConfig
+from moeroute._validate import integer
+from moeroute.config import ROUTED_SCALING_FACTOR_RANGE, RouterConfig
 from moeroute.routing.select import select_experts
 
 __all__ = ["fused_topk", "grouped_topk", "SCORING_FUNCS"]
 
 #: ``scoring_func`` values grouped_topk accepts (vLLM's names are moeroute's).
 SCORING_FUNCS = ("softmax", "sigmoid")
+#: Devices whose tensors hold logits the kernels can read.
+_DEVICE_TYPES = ("cpu", "cuda")
 
 
 @functools.lru_cache(maxsize=256)
-def _router(num_experts, top_k, scoring, num_expert_group, topk_group, renormalize, rsf):
-    # Engines call these once per layer per step with the same arguments: validate once.
+def _cached_router(num_experts, top_k, scoring, num_expert_group, topk_group, renormalize, rsf):
     return RouterConfig(num_experts, top_k, scoring, num_expert_group=num_expert_group,
                         topk_group=topk_group, renormalize=renormalize,
                         routed_scaling_factor=rsf)
+
+
+def _router(num_experts, top_k, scoring, num_expert_group, topk_group, renormalize, rsf):
+    """The RouterConfig of these arguments, each checked first (so the answer never depends
+    on which calls came before: an ``lru_cache`` alone would take ``2.0`` for a cached ``2``
+    and hash a list into a TypeError). Engines call once per layer per step with the same
+    arguments: the checked, plain-Python key then finds the cached config."""
+    top_k = integer("topk", top_k, 1)
+    if isinstance(rsf, (bool, np.bool_)) or not isinstance(rsf, numbers.Real):
+        low, high = ROUTED_SCALING_FACTOR_RANGE
+        raise TypeError(f"routed_scaling_factor={rsf!r} must be a real number in "
+                        f"[{low:g}, {high:g}], got {type(rsf).__name__}")
+    return _cached_router(num_experts, top_k, scoring, num_expert_group, topk_group,
+                          _as_bool("renormalize", renormalize), float(rsf))
 
 
 def _check_inputs(hidden_states, gating_output):
@@ -50,6 +68,10 @@ def _check_inputs(hidden_states, gating_output):
     for name, value in (("hidden_states", hidden_states), ("gating_output", gating_output)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if gating_output.device.type not in _DEVICE_TYPES:
+        raise ValueError(f"gating_output is on {gating_output.device}; routing runs on "
+                         f"{' or '.join(_DEVICE_TYPES)} tensors (a meta tensor holds no "
+                         "logits to route)")
     if gating_output.dim() != 2:
         raise ValueError(f"gating_output must be 2-D [num_tokens, num_experts], got shape "
                          f"{tuple(gating_output.shape)}")
@@ -74,8 +96,8 @@ def _ids_as(topk_ids, indices_type, num_experts):
 
 
 def _as_bool(name, value) -> bool:
-    if not isinstance(value, (bool, int)):
-        raise TypeError(f"{name}={value!r} must be a bool")
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}={value!r} must be a bool, got {type(value).__name__}")
     return bool(value)
 
 
@@ -106,13 +128,16 @@ def fused_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: i
     Raises
     ------
     TypeError
-        Inputs that are not tensors; a non-integer ``indices_type``.
+        Inputs that are not tensors; ``topk`` not an integer (Python or NumPy; a bool,
+        float, string or list is refused, the same in every process and after any call);
+        ``renormalize`` not a bool; a non-integer ``indices_type``.
     ValueError
-        Logits not 2-D or of an unsupported dtype; token counts that differ; K outside
-        [1, N]; an ``indices_type`` too narrow for N - 1.
+        Logits not 2-D, of an unsupported dtype or on a device other than CPU or CUDA
+        (e.g. meta); token counts that differ; K outside [1, N]; an ``indices_type`` too
+        narrow for N - 1.
     """
     num_experts = _check_inputs(hidden_states, gating_output)
-    router = _router(num_experts, topk, "softmax", 1, 1, _as_bool("renormalize", renormalize), 1.0)
+    router = _router(num_experts, topk, "softmax", 1, 1, renormalize, 1.0)
     topk_weights, topk_ids = select_experts(gating_output.contiguous(), router)
     return topk_weights, _ids_as(topk_ids, indices_type, num_experts)
 
@@ -155,21 +180,23 @@ def grouped_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk:
     Raises
     ------
     TypeError
-        Inputs that are not tensors.
+        Inputs that are not tensors; ``topk``, ``num_expert_group`` or ``topk_group`` not
+        an integer; ``routed_scaling_factor`` not a real number (None, a string);
+        ``renormalize`` not a bool.
     ValueError
-        An unknown ``scoring_func``; G not dividing N; ``topk_group`` > G; K larger than
+        An unknown ``scoring_func``; a negative ``num_expert_group`` or ``topk_group``;
+        ``routed_scaling_factor`` outside [1e-6, 1e6]; G not dividing N; ``topk_group`` > G; K larger than
         the kept groups hold; a bias of shape other than [N]; as `fused_topk`.
     """
     num_experts = _check_inputs(hidden_states, gating_output)
     if scoring_func not in SCORING_FUNCS:
         raise ValueError(f"scoring_func={scoring_func!r} is not supported; use one of {SCORING_FUNCS}")
-    for name, value in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name}={value!r} must be an integer >= 0 (0: no grouping / all groups)")
+    num_expert_group = integer("num_expert_group", num_expert_group, 0)  # 0: no grouping
+    topk_group = integer("topk_group", topk_group, 0)  # 0: all groups
     groups = max(num_expert_group, 1)
     kept = groups if topk_group == 0 else topk_group
-    router = _router(num_experts, topk, scoring_func, groups, kept,
-                     _as_bool("renormalize", renormalize), float(routed_scaling_factor))
+    router = _router(num_experts, topk, scoring_func, groups, kept, renormalize,
+                     routed_scaling_factor)
     bias = e_score_correction_bias
     if bias is not None:
         if not isinstance(bias, torch.Tensor):

@@ -22,6 +22,9 @@ import sys
 import numpy as np
 
 _DLPACK_CUDA_DEVICES = (2, 13)  # kDLCUDA, kDLCUDAManaged
+#: Bound on NumPy's exact overlap search (``np.shares_memory``); past it the two arrays are
+#: taken to overlap. With one C-contiguous side (every ``out=`` buffer) it needs far less.
+SHARES_MEMORY_MAX_WORK = 1 << 20
 
 
 def torch_of(x):
@@ -275,3 +278,129 @@ def resolve_stream(template, stream=None):
         else:
             handle = 0
     return cuda.external_stream(handle) if handle else cuda.default_stream()
+
+
+# --------------------------------------------------------------------------------------
+# Overlap of out= buffers with the other arrays of a call
+# --------------------------------------------------------------------------------------
+
+
+def _host_memory(x):
+    """The NumPy array over ``x``'s memory for a host array (NumPy, CPU torch) or a
+    simulator device array, else None (a real device array)."""
+    if isinstance(x, np.ndarray):
+        return x
+    torch = torch_of(x)
+    if torch is not None and x.device.type == "cpu":
+        return host_array(x)
+    if simulator_enabled():
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        if isinstance(x, FakeCUDAArray):
+            return x._ary
+    return None
+
+
+def _span(start: int, shape, strides, item: int) -> tuple[int, int] | None:
+    if 0 in tuple(shape):
+        return None
+    low = start + sum(min(0, (n - 1) * s) for n, s in zip(shape, strides))
+    high = start + sum(max(0, (n - 1) * s) for n, s in zip(shape, strides)) + item
+    return low, high
+
+
+def memory_span(x) -> tuple[str, int, int] | None:
+    """``(space, first, last + 1)``: the byte addresses of the elements of array ``x``, in
+    "host" or "device" memory, from its framework's own description (NumPy's array
+    interface, torch's ``data_ptr``/``stride``, else the CUDA array interface: data
+    pointer, shape, strides, item size); None when ``x`` is empty."""
+    if isinstance(x, np.ndarray) and x.flags.c_contiguous:  # the common case, no loop
+        start = x.__array_interface__["data"][0]
+        return None if x.size == 0 else ("host", start, start + x.nbytes)
+    torch = torch_of(x)
+    if torch is not None:
+        space = "host" if x.device.type == "cpu" else "device"
+        item = x.element_size()
+        if x.is_contiguous():
+            start = x.data_ptr()
+            return None if x.numel() == 0 else (space, start, start + x.numel() * item)
+        span = _span(x.data_ptr(), tuple(x.shape), tuple(s * item for s in x.stride()), item)
+    else:
+        host = _host_memory(x)
+        if host is not None:
+            interface, space = host.__array_interface__, "host"
+        else:
+            if not hasattr(x, "__cuda_array_interface__"):
+                x = as_device_array(x)
+            interface, space = x.__cuda_array_interface__, "device"
+        shape = tuple(interface["shape"])
+        item = np.dtype(interface["typestr"]).itemsize
+        strides = interface.get("strides")
+        if strides is None:  # C-contiguous
+            strides, step = [], item
+            for n in reversed(shape):
+                strides.insert(0, step)
+                step *= n
+        span = _span(int(interface["data"][0]), shape, strides, item)
+    return None if span is None else (space, *span)
+
+
+def overlaps(a, b) -> bool:
+    """Whether arrays ``a`` and ``b`` share any byte of memory.
+
+    Two NumPy arrays: ``np.may_share_memory`` (their bounds, in C), then, when the bounds
+    meet, ``np.shares_memory`` (exact, so interleaved strided views that share no element
+    pass; taken as overlapping when the search would exceed `SHARES_MEMORY_MAX_WORK`).
+    Otherwise their byte spans (`memory_span`) first: disjoint spans, or one on the host and
+    one on a device, never overlap; host arrays (CPU torch) whose spans meet are then
+    compared exactly as above, device arrays whose spans meet count as overlapping.
+    """
+    return _overlapping(a, b, memory_span)
+
+
+def _overlapping(a, b, span_of) -> bool:
+    """`overlaps`, with ``span_of(array)`` giving `memory_span` (memoized by the caller)."""
+    if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+        span_a, span_b = span_of(a), span_of(b)
+        if span_a is None or span_b is None or span_a[0] != span_b[0]:
+            return False
+        if not (span_a[1] < span_b[2] and span_b[1] < span_a[2]):
+            return False
+        if span_a[0] == "device":
+            return True
+        a, b = _host_memory(a), _host_memory(b)
+    elif not np.may_share_memory(a, b):
+        return False
+    try:
+        return bool(np.shares_memory(a, b, max_work=SHARES_MEMORY_MAX_WORK))
+    except np.exceptions.TooHardError:
+        return True
+
+
+def check_no_overlap(outputs: dict, inputs: dict) -> None:
+    """ValueError when a buffer an op writes overlaps another one it writes or an array it
+    reads: a kernel would read what it has already overwritten, or two outputs would
+    overwrite each other (``out=(w, w.view(np.int32))``). No alias is allowed, exact or
+    partial.
+
+    Parameters
+    ----------
+    outputs : {argument name: array}
+        The buffers the op writes (``out=``).
+    inputs : {argument name: array or None}
+        The arrays it reads; None entries (optional arguments not given) are skipped.
+    """
+    spans = {}
+
+    def span_of(array):  # each array's span computed once
+        if id(array) not in spans:
+            spans[id(array)] = memory_span(array)
+        return spans[id(array)]
+
+    written = list(outputs.items())
+    read = [(n, a) for n, a in inputs.items() if a is not None]
+    for index, (name, buffer) in enumerate(written):
+        for other_name, other in written[index + 1:] + read:
+            if _overlapping(buffer, other, span_of):
+                raise ValueError(f"{name} overlaps {other_name} in memory; pass an out= buffer "
+                                 "that shares no memory with the op's other arguments")

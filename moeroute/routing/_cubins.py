@@ -14,9 +14,11 @@ cubin is kept under a key that names everything the code generated from it depen
   cuda.core (nvJitLink).
 
 The directory is ``MOEROUTE_CUBIN_CACHE`` when set, else ``cubins/`` in the directory
-where Numba caches moeroute's CPU kernels (`moeroute.runtime.cache_dir`); entries are
+where Numba caches moeroute's CPU kernels (`moeroute.runtime.cache_dir`, defined in `moeroute.routing._cache`); entries are
 written atomically (a temporary file, then a rename), so concurrent processes never read
-a partial cubin. ``MOEROUTE_CUBIN_CACHE=off`` disables it.
+a partial cubin, and the ``.name`` file beside each cubin records its SHA-256: a cubin
+damaged later (truncated, overwritten) is compiled again and replaced, with one
+`UnreadableCacheWarning` naming it. ``MOEROUTE_CUBIN_CACHE=off`` disables the cache.
 """
 
 from __future__ import annotations
@@ -25,9 +27,13 @@ import hashlib
 import os
 import tempfile
 import types as pytypes
+import warnings
 from pathlib import Path
 
 import numpy as np
+
+from moeroute._validate import environ_directory
+from moeroute.routing._cache import UnreadableCacheWarning
 
 CACHE_ENV = "MOEROUTE_CUBIN_CACHE"
 _SIMPLE = (bool, int, float, str, bytes, type(None), np.generic)
@@ -84,15 +90,16 @@ def _code_digest(code) -> str:
 
 
 def cache_dir() -> Path | None:
-    """Where cubins are kept, or None when ``MOEROUTE_CUBIN_CACHE=off``."""
-    chosen = os.environ.get(CACHE_ENV, "").strip()
-    if chosen.lower() == "off":
+    """Where cubins are kept, or None when ``MOEROUTE_CUBIN_CACHE=off``; ValueError when
+    the variable names a file."""
+    chosen = environ_directory(CACHE_ENV, "where compiled routing cubins are kept")
+    if chosen == "off":
         return None
-    if chosen:
-        return Path(chosen)
-    from moeroute import runtime
+    if chosen is not None:
+        return chosen
+    from moeroute.routing import _cache
 
-    return Path(runtime.cache_dir()) / "cubins"
+    return Path(_cache.cache_dir()) / "cubins"
 
 
 def cache_key(dispatcher, signature, arch: str) -> str | None:
@@ -116,24 +123,44 @@ def cache_key(dispatcher, signature, arch: str) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _read_entry(directory: Path, key: str):
+    """(cubin, name) of entry ``key``, None when there is none, or the Path of the damaged
+    file when the cubin does not match the digest its ``.name`` file records."""
+    try:
+        record = (directory / f"{key}.name").read_text()
+        cubin = (directory / f"{key}.cubin").read_bytes()
+    except OSError:
+        return None
+    name, _, digest = record.partition("\n")
+    if not name or digest != hashlib.sha256(cubin).hexdigest():
+        return directory / f"{key}.cubin"
+    return cubin, name
+
+
 def load_or_compile(dispatcher, signature, arch: str, compile_image):
     """(cubin bytes, entry name) of the kernel: from the disk cache when an entry exists,
     else ``compile_image(dispatcher, signature, arch)`` and kept for the next process.
-    A cache that cannot be read or written is passed over (the kernel is compiled)."""
+    A cache that cannot be read or written is passed over (the kernel is compiled); an
+    entry whose cubin is damaged (its SHA-256 is not the one recorded beside it) is
+    compiled again and replaced, with one `UnreadableCacheWarning` naming the file."""
     directory = cache_dir()
     key = None if directory is None else cache_key(dispatcher, signature, arch)
     if key is not None:
-        try:
-            name = (directory / f"{key}.name").read_text()
-            return (directory / f"{key}.cubin").read_bytes(), name
-        except OSError:
-            pass
+        entry = _read_entry(directory, key)
+        if isinstance(entry, tuple):
+            return entry
+        if entry is not None:
+            warnings.warn(f"moeroute: the cached cubin {entry} is damaged (its SHA-256 is not "
+                          "the one recorded beside it); compiling it again and replacing the "
+                          "entry", UnreadableCacheWarning, stacklevel=2)
     cubin, name, _ = compile_image(dispatcher, signature, arch)
     if key is not None:
         try:
             directory.mkdir(parents=True, exist_ok=True)
             _write_atomically(directory / f"{key}.cubin", cubin)
-            _write_atomically(directory / f"{key}.name", name.encode())  # written last
+            # Written last: the entry's name and the digest its cubin is checked against.
+            record = f"{name}\n{hashlib.sha256(cubin).hexdigest()}"
+            _write_atomically(directory / f"{key}.name", record.encode())
         except OSError:
             pass
     return cubin, name

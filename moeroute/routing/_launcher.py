@@ -36,7 +36,6 @@ Under the CUDA simulator ``auto`` is numba: the simulator keeps running the same
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import threading
@@ -45,6 +44,7 @@ from functools import lru_cache
 import numpy as np
 from numba.core import types
 
+from moeroute._validate import environ_choice
 from moeroute.routing import _arrays
 
 LAUNCHER_ENV = "MOEROUTE_CUDA_LAUNCHER"
@@ -335,10 +335,8 @@ def signature_of(args) -> tuple:
 
 def requested_launcher() -> str:
     """The value of MOEROUTE_CUDA_LAUNCHER ("auto" when unset); ValueError for others."""
-    value = os.environ.get(LAUNCHER_ENV, "auto").strip().lower() or "auto"
-    if value not in LAUNCHERS:
-        raise ValueError(f"{LAUNCHER_ENV}={value!r} is not one of {LAUNCHERS}")
-    return value
+    return environ_choice(LAUNCHER_ENV, LAUNCHERS, "auto",
+                          "which launcher starts the routing CUDA kernels")
 
 
 @lru_cache(maxsize=None)

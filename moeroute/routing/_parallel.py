@@ -28,6 +28,8 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
+from moeroute._validate import environ_choice
+
 __all__ = ["DEFAULT_TEAM_MODE", "cpu_threads", "torch_team", "torch_team_available", "run_team", "TEAM_MODES", "set_team_mode", "team_mode"]
 
 #: How parallel kernels run: "auto" (torch's OpenMP team when available, else Numba),
@@ -38,13 +40,16 @@ TEAM_MODES = ("auto", "torch", "numba")
 #: Qwen3.5 routing measured 7.7x and 6.1x interleaved with torch in the team against 9.5x
 #: and 8.2x on Numba's threads (DeepSeek-V3: 11.7x, 8.9x against 11.0x, 11.0x).
 DEFAULT_TEAM_MODE = "numba"
-_mode = os.environ.get("MOEROUTE_CPU_TEAM", DEFAULT_TEAM_MODE)
+#: Environment variable naming the mode (one of `TEAM_MODES`), read on first use.
+TEAM_ENV = "MOEROUTE_CPU_TEAM"
+_mode: str | None = None  # None: not chosen yet, `team_mode` reads TEAM_ENV
 
 
 def set_team_mode(mode: str) -> str:
     """Choose how parallel CPU kernels run (one of `TEAM_MODES`); returns the previous mode.
 
-    Also read once from the ``MOEROUTE_CPU_TEAM`` environment variable at import.
+    Until it is called, the mode is read once from the ``MOEROUTE_CPU_TEAM`` environment
+    variable (`team_mode`).
 
     Raises
     ------
@@ -52,14 +57,25 @@ def set_team_mode(mode: str) -> str:
         ``mode`` not one of `TEAM_MODES`.
     """
     global _mode
-    if mode not in TEAM_MODES:
+    if not isinstance(mode, str) or mode not in TEAM_MODES:
         raise ValueError(f"mode={mode!r} is not a CPU team mode; use one of {TEAM_MODES}")
-    previous, _mode = _mode, mode
+    previous, _mode = team_mode(), mode
     return previous
 
 
 def team_mode() -> str:
-    """The current mode (one of `TEAM_MODES`)."""
+    """The current mode (one of `TEAM_MODES`): `set_team_mode`'s, else ``MOEROUTE_CPU_TEAM``
+    (default `DEFAULT_TEAM_MODE`), read on first use.
+
+    Raises
+    ------
+    ValueError
+        ``MOEROUTE_CPU_TEAM`` set to anything but one of `TEAM_MODES`.
+    """
+    global _mode
+    if _mode is None:
+        _mode = environ_choice(TEAM_ENV, TEAM_MODES, DEFAULT_TEAM_MODE,
+                               "how moeroute's parallel CPU kernels run")
     return _mode
 
 
@@ -112,10 +128,11 @@ def torch_team() -> bool:
     RuntimeError
         Mode "torch" while torch's libgomp is not loaded.
     """
-    if _mode == "numba":
+    mode = team_mode()
+    if mode == "numba":
         return False
     available = _torch_gomp_parallel() is not None
-    if _mode == "torch" and not available:
+    if mode == "torch" and not available:
         raise RuntimeError("MOEROUTE_CPU_TEAM=torch, but torch with its own libgomp is not loaded")
     return available
 

@@ -25,12 +25,12 @@ switched on or off later in a process).
 from __future__ import annotations
 
 import math
-import os
 import threading
 
 import numpy as np
 from numba import cuda
 
+from moeroute._validate import environ_int
 from moeroute.routing._arrays import simulator_enabled
 
 __all__ = [
@@ -67,15 +67,7 @@ SIMULATED = simulator_enabled()
 
 
 def _sim_warps_from_environment() -> int:
-    text = os.environ.get(SIM_WARPS_VARIABLE, "1")
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{SIM_WARPS_VARIABLE}={text!r} must be a positive integer "
-                         "(warps per block under the CUDA simulator)")
-    return value
+    return environ_int(SIM_WARPS_VARIABLE, 1, 1, "warps per block under the CUDA simulator")
 
 
 SIM_WARPS = _sim_warps_from_environment() if SIMULATED else 1

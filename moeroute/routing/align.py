@@ -100,10 +100,11 @@ def align_block_size(topk_ids, num_experts, block_size, expert_map=None, *, stre
     if expert_map is not None and is_device_array(expert_map):
         raise TypeError("expert_map is a device array but topk_ids are on the host; pass "
                         "both on the device or both as NumPy arrays")
-    ids = _sort.host_ids("topk_ids", host_array(topk_ids))
+    view = _sort.host_id_view("topk_ids", topk_ids)
     table = None if expert_map is None else _host_expert_map(expert_map)
     num_experts, block_size, numel, capacity = _check_align_args(
-        ids.shape, num_experts, block_size)
+        view.shape, num_experts, block_size)  # before anything is copied
+    ids = _sort.kernel_ids(view)
     sorted_token_ids = np.empty(capacity, np.int32)
     expert_ids = np.empty(capacity // block_size, np.int32)
     use_map = table is not None

@@ -9,11 +9,11 @@ On host inputs (NumPy, CPU torch) it is the composition of the three CPU ops.
 
 from __future__ import annotations
 
-import numbers
 from functools import lru_cache
 
 import numpy as np
 
+from moeroute._validate import integer
 from moeroute.routing import _arrays, _launcher, select, shared_slots
 from moeroute.routing.select import _cuda as _select_device
 from moeroute.routing.select._device import _device_logits
@@ -36,8 +36,7 @@ def _check_route_args(config, layout, rank) -> int:
             f"config.num_experts={num_experts} does not match "
             f"layout.num_routed_experts={layout.num_routed_experts}"
         )
-    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
-        raise TypeError(f"rank={rank!r} must be an integer in [0, {layout.ep_size})")
+    rank = integer("rank", rank)
     if not 0 <= rank < layout.ep_size:
         raise ValueError(f"rank={rank} is outside [0, {layout.ep_size}) for "
                          f"ep_size={layout.ep_size}")

@@ -775,7 +775,8 @@ def configs_worker(rank, world_size, payload):
     # The module cases run last: a failure there is recorded without losing the records
     # above, and this rank then exits, so its peers fail fast instead of waiting.
     for key, cases in (("moe", moe_module_cases), ("from_hf", from_hf_cases),
-                       ("placement", placement_module_cases), ("agreement", agreement_cases)):
+                       ("placement", placement_module_cases), ("agreement", agreement_cases),
+                       ("checkpoint", checkpoint_cases)):
         if payload and payload.get(key):
             try:
                 result[key] = cases(rank, world_size)
@@ -851,6 +852,36 @@ def qwen35_worker(rank, world_size, payload):
             expected_shared_ids=layout.shared_slot_ids(rank).tolist(),
         ))
     return records
+
+
+def checkpoint_cases(rank, world_size):
+    """A from_hf module under EP and transformers checkpoints: the save of a partial block is
+    refused, the full block's state dict loads this rank's experts, moeroute's names save them."""
+    from moeroute.bindings.torch.moe import MoE
+
+    block = _qwen3_5_block(16, 8, 8, 3)
+    full = {name: -tensor for name, tensor in block.state_dict().items()}  # other values than the block's
+    moe = MoE.from_hf(block, ep_group=dist.group.WORLD)
+    try:
+        moe.state_dict()
+        refusal = None
+    except RuntimeError as error:
+        refusal = str(error)
+    result = moe.load_state_dict(full, strict=True)
+    moe.checkpoint_format = None
+    own = moe.state_dict()
+    ids = moe.routed_expert_ids()
+    routed = len(ids)
+    inter = moe.intermediate_size
+    return dict(
+        refusal=refusal, missing=list(result.missing_keys), unexpected=list(result.unexpected_keys),
+        ids=ids, shared=moe.layout.shared, keys=sorted(own),
+        routed_equal=bool(torch.equal(own["experts.w_gate_up"][:routed], full["experts.gate_up_proj"][ids])
+                          and torch.equal(own["experts.w_down"][:routed], full["experts.down_proj"][ids])),
+        slot_equal=bool(torch.equal(own["experts.w_gate_up"][routed, :inter],
+                                    full["shared_expert.gate_proj.weight"])),
+        router_equal=bool(torch.equal(own["router_weight"], full["gate.weight"])),
+    )
 
 
 WORKERS = {

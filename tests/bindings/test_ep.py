@@ -49,7 +49,8 @@ def groups(tmp_path_factory):
     def get(world_size):
         if world_size not in cache:
             payload = {"invalid": world_size == 2, "faults": True, "moe": True,
-                       "from_hf": world_size == 2, "placement": world_size == 2, "agreement": True}
+                       "from_hf": world_size == 2, "placement": world_size == 2, "agreement": True,
+                       "checkpoint": world_size == 2}
             try:
                 cache[world_size] = spawn_group(
                     "configs", world_size, tmp_path_factory.mktemp(f"ep{world_size}"), payload)
@@ -187,6 +188,24 @@ def test_from_hf_with_ep_group_matches_block_and_single_process(groups):
             assert record["error_vs_block"] < 1e-5, (rank, record)
             # Qwen3.5's gated shared expert is fused under auto (per-rank slots).
             assert record["shared"] == ("fused" if record["name"].endswith("auto") else "overlap")
+
+
+def test_from_hf_under_ep_refuses_a_partial_transformers_checkpoint(groups):
+    """Qwen3.5-MoE block on two ranks (fused per-rank shared slots): each rank refuses to
+    save the block's checkpoint, loads its own experts from the full one, and saves them
+    under moeroute's names (checkpoint_format = None)."""
+    results = groups(2)
+    errors = [r["checkpoint_error"] for r in results if r.get("checkpoint_error")]
+    assert not errors, errors[0]
+    for rank, result in enumerate(results):
+        record = result["checkpoint"]
+        assert record["refusal"] is not None and f"rank {rank}'s experts" in record["refusal"]
+        assert "expert-parallel layer (2 ranks)" in record["refusal"]
+        assert "checkpoint_format = None" in record["refusal"]
+        assert record["missing"] == [] and record["unexpected"] == []
+        assert record["ids"] == list(range(4 * rank, 4 * rank + 4)) and record["shared"] == "fused"
+        assert "experts.w_gate_up" in record["keys"] and "router_weight" in record["keys"]
+        assert record["routed_equal"] and record["slot_equal"] and record["router_equal"]
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -209,9 +209,18 @@ def test_state_dict_loading_keeps_aliasing_and_own_names_still_load():
     assert experts.w_gate_up.data_ptr() == pointer  # copied into, not replaced
     torch.testing.assert_close(experts.w_gate_up, state["model.layers.0.mlp.experts.gate_up_proj"],
                                rtol=0, atol=0)
-    own = model.state_dict()  # moeroute's own names round-trip too
+    saved = model.state_dict()  # saved under transformers' names again
+    assert set(saved) == set(state)
+    blocks = [m for m in model.modules() if isinstance(m, MoE)]
+    formats = [block.checkpoint_format for block in blocks]
+    for block in blocks:
+        block.checkpoint_format = None
+    own = {k: v.clone() for k, v in model.state_dict().items()}  # moeroute's own names, which still load
     assert "model.layers.0.mlp.experts.w_gate_up" in own
-    model.load_state_dict(own, strict=True)
+    for block, checkpoint_format in zip(blocks, formats):
+        block.checkpoint_format = checkpoint_format
+    model.load_state_dict({k: -v for k, v in own.items()}, strict=True)
+    torch.testing.assert_close(experts.w_gate_up, -own["model.layers.0.mlp.experts.w_gate_up"], rtol=0, atol=0)
 
 
 def test_fused_state_dict_without_shared_mlp_is_named():

@@ -157,3 +157,52 @@ def test_bad_arguments_are_named():
         grouped_topk(hidden, logits, 2, True, -1, 1)
     with pytest.raises(ValueError, match="correction_bias shape"):
         grouped_topk(hidden, logits, 2, True, 4, 2, "sigmoid", 1.0, torch.zeros(15))
+
+
+# Arguments are checked before the config cache: the same answer whatever came before.
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda h, g: fused_topk(h, g, [2], True), TypeError, r"topk=\[2\] must be an integer"),
+    (lambda h, g: fused_topk(h, g, 2.0, True), TypeError, r"topk=2.0 must be an integer.*float"),
+    (lambda h, g: fused_topk(h, g, True, True), TypeError, r"topk=True must be an integer"),
+    (lambda h, g: fused_topk(h, g, "2", True), TypeError, r"topk='2' must be an integer"),
+    (lambda h, g: fused_topk(h, g, 2, 1), TypeError, r"renormalize=1 must be a bool"),
+    (lambda h, g: grouped_topk(h, g, 2, True, 4, 2, "softmax", None), TypeError,
+     r"routed_scaling_factor=None must be a real number in \[1e-06, 1e\+06\], got NoneType"),
+    (lambda h, g: grouped_topk(h, g, 2, True, 4, 2, "softmax", "2.5"), TypeError,
+     r"routed_scaling_factor='2.5' must be a real number.*got str"),
+    (lambda h, g: grouped_topk(h, g, 2, True, 4, 2, "softmax", [2.5]), TypeError,
+     r"routed_scaling_factor=\[2.5\]"),
+    (lambda h, g: grouped_topk(h, g, 2, True, 4, 2, "softmax", 0.0), ValueError,
+     r"routed_scaling_factor=0.0 must be a finite real number"),
+    (lambda h, g: grouped_topk(h, g, 2, True, 4.0, 2), TypeError,
+     r"num_expert_group=4.0 must be an integer >= 0, got float"),
+    (lambda h, g: grouped_topk(h, g, 2, True, 4, [2]), TypeError, r"topk_group=\[2\]"),
+    (lambda h, g: fused_topk(h, g.to("meta"), 2, True), ValueError,
+     r"gating_output is on meta; routing runs on cpu or cuda tensors"),
+], ids=["topk-list", "topk-float", "topk-bool", "topk-str", "renormalize-int", "rsf-none",
+        "rsf-str", "rsf-list", "rsf-range", "groups-float", "topk-group-list", "meta"])
+def test_bad_arguments_refused_whatever_came_before(call, error, match):
+    hidden, logits = _inputs(4, 16, torch.float32)
+    # Warm the config cache with the valid neighbours first (2 == 2.0, 4 == 4.0 as keys).
+    fused_topk(hidden, logits, 2, True)
+    grouped_topk(hidden, logits, 2, True, 4, 2, "softmax", 2.5)
+    grouped_topk(hidden, logits, 2, True, 4, 2)
+    with pytest.raises(error, match=match):
+        call(hidden, logits)
+
+
+def test_numpy_integers_are_integers_for_every_argument():
+    """np.int64 is accepted for topk, num_expert_group and topk_group alike (and np.float64
+    for the scaling factor), with the same result as Python ints."""
+    np = pytest.importorskip("numpy")
+    hidden, logits = _inputs(TOKENS, 16, torch.float32, seed=3)
+    want_w, want_ids = vllm_grouped_topk(logits, 3, True, 4, 2, routed_scaling_factor=2.5)
+    weights, ids = grouped_topk(hidden, logits, np.int64(3), np.bool_(True), np.int64(4),
+                                np.int32(2), "softmax", np.float64(2.5))
+    torch.testing.assert_close(ids, want_ids, rtol=0, atol=0)
+    torch.testing.assert_close(weights, want_w, rtol=WEIGHT_RTOL, atol=0)
+    weights, ids = fused_topk(hidden, logits, np.int64(3), True)
+    want_w, want_ids = vllm_fused_topk(logits, 3, True)
+    torch.testing.assert_close(ids, want_ids, rtol=0, atol=0)
+    torch.testing.assert_close(weights, want_w, rtol=WEIGHT_RTOL, atol=0)

@@ -74,6 +74,23 @@ def test_select_experts_device_out_buffers():
                                 out=(cuda.device_array((5, 4), np.float32), out[1]))
 
 
+def test_select_experts_device_out_buffers_sharing_memory_are_refused():
+    config = RouterConfig(16, 4, "softmax")
+    buffer = cuda.to_device(_rng(6).standard_normal(TOKENS * 16 + TOKENS * 4).astype(np.float32))
+    logits = buffer[:TOKENS * 16].reshape(TOKENS, 16)
+    spare = buffer[TOKENS * 16:].reshape(TOKENS, 4)
+    ids = cuda.device_array((TOKENS, 4), np.int32)
+    last_row = buffer[TOKENS * 16 - 16:TOKENS * 16 - 16 + TOKENS * 4].reshape(TOKENS, 4)
+    with pytest.raises(ValueError, match=r"out\[0\] \(topk_weights\) overlaps logits"):
+        moeroute.select_experts(logits, config, out=(last_row, ids))
+    with pytest.raises(ValueError, match=r"out\[0\] \(topk_weights\) overlaps out\[1\]"):
+        moeroute.select_experts(logits, config, out=(spare, spare.view(np.int32)))
+    weights, picked = moeroute.select_experts(logits, config, out=(spare, ids))
+    ref_w, ref_ids = reference.select_experts(logits.copy_to_host(), config)
+    assert np.array_equal(picked.copy_to_host(), ref_ids)
+    np.testing.assert_allclose(weights.copy_to_host(), ref_w, rtol=WEIGHT_RTOL, atol=0)
+
+
 def test_dispatch_primitives_device_in_device_out():
     layout = ExpertLayout(8, num_shared_experts=1, ep_size=2, dispatch="all2all",
                           num_redundant_experts=2)

@@ -295,3 +295,24 @@ def test_align_cuda_simulator():
     passed = re.search(r"(\d+) passed", result.stdout)
     assert passed and int(passed.group(1)) > 0, summary
     assert not re.search(r"\d+ (failed|errors?)", result.stdout), summary
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.broadcast_to(np.zeros((1, 8), np.int64), (2**28 + 1, 8)),
+    lambda: np.broadcast_to(np.zeros((1, 8), np.uint8), (2**28 + 1, 8)),
+    lambda: __import__("torch").zeros(1, 8, dtype=__import__("torch").int64).expand(2**28 + 1, 8),
+], ids=["numpy-int64", "numpy-uint8", "torch-expand"])
+def test_the_int32_limit_is_checked_before_a_broadcast_view_is_copied(make):
+    """Used to copy (and widen) the 2**31 + 8 entries, 8-16 GiB, then refuse them."""
+    import tracemalloc
+
+    ids = make()
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"numel \+ num_experts\*\(block_size-1\)=.* exceeds "
+                                             r"the int32 index limit 2147483647"):
+            align_block_size(ids, 8, 64)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak

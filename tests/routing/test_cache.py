@@ -2,6 +2,7 @@
 cache entry is stamped with all of its sources, so an edit to a module it reads (and not
 to its own file) still recompiles it, and an unchanged tree still loads from the cache."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -74,3 +75,45 @@ def test_an_edit_to_another_module_recompiles_and_an_unchanged_tree_loads(tmp_pa
     common.write_text(common.read_text() + "\n# edited\n")
     assert probe() == (0, 1)  # another module changed: compiled again
     assert probe() == (1, 0)
+
+
+# A damaged entry heals: recompiled, replaced, one warning naming the file.
+
+HEAL_PROBE = """
+import json, warnings, numpy as np
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from moeroute.routing import load
+    counts = load.expert_load(np.array([[0, 2], [2, -1]]), 4)
+stats = load._count_cpu.stats
+print(json.dumps([counts.tolist(), sum(stats.cache_hits.values()),
+                  sum(stats.cache_misses.values()),
+                  [[type(w.message).__name__, str(w.message)] for w in caught
+                   if "moeroute" in str(w.message)]]))
+"""
+
+
+def test_a_corrupted_or_truncated_cache_file_is_recompiled_with_one_warning(tmp_path):
+    """Used to fail the call with UnpicklingError (garbage .nbc) or EOFError (truncated
+    .nbi); now the kernel is compiled again, the entry replaced, and one warning names
+    the file. Each run is a fresh process with NUMBA_CACHE_DIR in tmp_path."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+
+    def probe():
+        result = subprocess.run([sys.executable, "-c", HEAL_PROBE], env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        counts, hits, misses, caught = json.loads(result.stdout.strip().splitlines()[-1])
+        np.testing.assert_array_equal(counts, [1, 0, 2, 0])  # reference.expert_load
+        return hits, misses, caught
+
+    assert probe() == (0, 1, [])  # compiled and written
+    index = next((tmp_path / "cache").rglob("*_count_cpu*.nbi"))
+    data = next((tmp_path / "cache").rglob("*_count_cpu*.nbc"))
+    for path, damage in ((data, b"not a pickle at all"), (index, index.read_bytes()[:7])):
+        path.write_bytes(damage)
+        hits, misses, caught = probe()
+        assert (hits, misses) == (0, 1)
+        assert len(caught) == 1 and caught[0][0] == "UnreadableCacheWarning", caught
+        assert str(path) in caught[0][1] and "compiling it again" in caught[0][1]
+        assert probe() == (1, 0, [])  # the entry was replaced: loaded, no warning

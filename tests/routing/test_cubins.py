@@ -160,3 +160,42 @@ def test_warmup_cuda_refuses_bad_arguments():
         runtime.warmup_cuda(["mixtral-8x7b"], archs="sm_90")
     with pytest.raises(ValueError, match="each must be one of"):
         runtime.warmup_cuda(["no-such-model"])
+
+
+def test_a_cache_variable_naming_a_file_is_refused(monkeypatch, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv(_cubins.CACHE_ENV, str(blocked))
+    with pytest.raises(ValueError, match=r"MOEROUTE_CUBIN_CACHE='.*file' is not a directory"):
+        _cubins.cache_dir()
+    monkeypatch.setenv(_cubins.CACHE_ENV, " OFF ")
+    assert _cubins.cache_dir() is None
+
+
+@pytest.mark.parametrize("damage", [
+    lambda data: data[:5],                       # truncated
+    lambda data: b"X" + data[1:],                # one byte overwritten
+    lambda data: b"",                            # emptied
+], ids=["truncated", "overwritten", "empty"])
+def test_a_damaged_cubin_is_compiled_again_and_replaced(cache_env, damage):
+    """A damaged .cubin entry used to be handed back as it was; now its digest does not
+    match, one warning names it, and the fresh compile replaces it."""
+    from moeroute.routing._cache import UnreadableCacheWarning
+
+    kernel, signature = select_kernel(8), select_device._device_signature("float32")
+    compiles = Compiles()
+    first = _cubins.load_or_compile(kernel, signature, "sm_90", compiles)
+    (entry,) = cache_env.glob("*.cubin")
+    entry.write_bytes(damage(entry.read_bytes()))
+    with pytest.warns(UnreadableCacheWarning) as caught:
+        again = _cubins.load_or_compile(kernel, signature, "sm_90", compiles)
+    assert len(caught) == 1 and str(entry) in str(caught[0].message)
+    assert again == first == (b"cubin for sm_90", "entry_sm_90")
+    assert compiles.calls == ["sm_90", "sm_90"]
+    assert entry.read_bytes() == b"cubin for sm_90"  # replaced
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _cubins.load_or_compile(kernel, signature, "sm_90", compiles) == first
+    assert compiles.calls == ["sm_90", "sm_90"]  # read, not compiled

@@ -169,6 +169,123 @@ def test_select_experts_out_buffers_are_validated():
         moeroute.select_experts(logits.numpy(), config, out=(frozen, good_ids.numpy()))
 
 
+# An out= buffer that shares memory with another output or an input is refused: the
+# kernels would read what they already overwrote (ids like 1053609165 came back before).
+
+
+def _overlap_cases(framework, tokens, experts, top_k):
+    """(logits, bias, out, message) per way of aliasing, all views of one float32 buffer."""
+    size = tokens * experts
+    if framework == "numpy":
+        buffer = _rng(5).standard_normal(size + tokens * top_k + 2 * experts).astype(np.float32)
+        as_int32 = lambda a: a.view(np.int32)  # noqa: E731
+        flat = buffer
+    else:
+        flat = torch.from_numpy(
+            _rng(5).standard_normal(size + tokens * top_k + 2 * experts).astype(np.float32))
+        as_int32 = lambda a: a.view(torch.int32)  # noqa: E731
+    logits = flat[:size].reshape(tokens, experts)
+    bias = flat[size:size + experts]
+    spare = flat[size + experts:size + experts + tokens * top_k].reshape(tokens, top_k)
+    other = (np.empty((tokens, top_k), np.int32) if framework == "numpy"
+             else torch.empty(tokens, top_k, dtype=torch.int32))
+    last_row = flat[size - experts:size - experts + tokens * top_k].reshape(tokens, top_k)
+    two_rows = flat[size - 2 * experts:size - 2 * experts + tokens * top_k].reshape(tokens, top_k)
+    into_bias = flat[size + experts - 1:size + experts - 1 + tokens * top_k].reshape(tokens, top_k)
+    return logits, bias, spare, other, [
+        ((spare, as_int32(spare)), r"out\[0\] \(topk_weights\) overlaps out\[1\] \(topk_ids\)"),
+        ((last_row, other), r"out\[0\] \(topk_weights\) overlaps logits"),
+        ((two_rows, other), r"out\[0\] \(topk_weights\) overlaps logits"),
+        ((spare, as_int32(last_row)), r"out\[1\] \(topk_ids\) overlaps logits"),
+        ((into_bias, other), r"out\[0\] \(topk_weights\) overlaps correction_bias"),
+    ]
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_select_experts_refuses_out_buffers_sharing_memory(framework):
+    config = RouterConfig(16, 4, "sigmoid", num_expert_group=4, topk_group=2)
+    logits, bias, spare, other, cases = _overlap_cases(framework, 6, 16, 4)
+    for out, match in cases:
+        before = np.asarray(logits).copy()
+        with pytest.raises(ValueError, match=match):
+            moeroute.select_experts(logits, config, bias, out=out)
+        np.testing.assert_array_equal(np.asarray(logits), before)  # nothing was written
+    # Adjacent, not overlapping: accepted, and the answer is the reference's.
+    ref_w, ref_ids = reference.select_experts(np.asarray(logits), config, np.asarray(bias))
+    weights, ids = moeroute.select_experts(logits, config, bias, out=(spare, other))
+    assert weights is spare and ids is other
+    np.testing.assert_array_equal(np.asarray(ids), ref_ids)
+    np.testing.assert_allclose(np.asarray(weights), ref_w, rtol=WEIGHT_RTOL, atol=0)
+
+
+def test_select_experts_names_a_meta_tensor():
+    config = ROUTERS["softmax"]
+    with pytest.raises(ValueError, match=r"logits is on meta; select_experts takes CPU or CUDA"):
+        moeroute.select_experts(torch.empty(4, config.num_experts, device="meta"), config)
+    with pytest.raises(ValueError, match=r"correction_bias is on meta"):
+        moeroute.select_experts(torch.zeros(4, config.num_experts), config,
+                                torch.empty(config.num_experts, device="meta"))
+
+
+def test_expert_load_and_accumulate_rows_refuse_out_over_their_inputs():
+    from moeroute.routing.combine import accumulate_rows
+
+    ids = np.array([[0, 1, 3, 3], [2, 3, 0, 1]], np.int64)
+    with pytest.raises(ValueError, match=r"out overlaps ids"):
+        moeroute.expert_load(ids, 4, out=ids[0])  # the counts would change the ids they count
+    np.testing.assert_array_equal(ids, [[0, 1, 3, 3], [2, 3, 0, 1]])
+    tensor_ids = torch.from_numpy(ids)
+    with pytest.raises(ValueError, match=r"out overlaps ids"):
+        moeroute.expert_load(tensor_ids, 4, out=tensor_ids[1])
+    counter = np.zeros(4, np.int64)
+    np.testing.assert_array_equal(moeroute.expert_load(ids, 4, out=counter),
+                                  reference.expert_load(ids, 4))
+
+    buffer = np.arange(18, dtype=np.float32).reshape(6, 3)
+    tokens, weights = np.array([0, 2]), np.ones(2, np.float32)
+    with pytest.raises(ValueError, match=r"out overlaps rows"):
+        accumulate_rows(buffer[:4], buffer[3:5], tokens, weights)
+    flat = np.zeros(14, np.float32)
+    with pytest.raises(ValueError, match=r"out overlaps weights"):
+        accumulate_rows(flat[:12].reshape(4, 3), np.ones((2, 3), np.float32), tokens, flat[11:13])
+    out = np.zeros((4, 3), np.float32)
+    accumulate_rows(out, buffer[3:5], tokens, weights)  # disjoint: out[0] = row 3, out[2] = row 4
+    np.testing.assert_array_equal(out[[0, 2]], buffer[3:5])
+
+
+class _CudaArrayLike:
+    """A device array as the CUDA array interface describes it (no memory behind it)."""
+
+    def __init__(self, pointer, shape, typestr="<f4", strides=None):
+        self.__cuda_array_interface__ = {"data": (pointer, False), "shape": shape,
+                                         "typestr": typestr, "strides": strides, "version": 3}
+
+
+def test_device_arrays_overlap_by_their_byte_spans():
+    a = _CudaArrayLike(4096, (4, 8))  # 128 bytes: [4096, 4224)
+    assert _arrays.memory_span(a) == ("device", 4096, 4224)
+    assert _arrays.memory_span(_CudaArrayLike(4096, (4, 2), strides=(32, 4))) == ("device", 4096, 4200)
+    assert _arrays.memory_span(_CudaArrayLike(4096, (0, 8))) is None
+    assert _arrays.overlaps(a, _CudaArrayLike(4224 - 4, (1,), "<i4"))  # the last element
+    assert not _arrays.overlaps(a, _CudaArrayLike(4224, (4, 8)))  # adjacent
+    assert not _arrays.overlaps(a, _CudaArrayLike(4096, (0, 8)))  # empty
+    assert not _arrays.overlaps(a, np.zeros(4))  # host and device never overlap
+    with pytest.raises(ValueError, match=r"out\[1\] \(topk_ids\) overlaps logits"):
+        _arrays.check_no_overlap({"out[0] (topk_weights)": _CudaArrayLike(8192, (4, 2)),
+                                  "out[1] (topk_ids)": _CudaArrayLike(4200, (4, 2), "<i4")},
+                                 {"logits": a, "correction_bias": None})
+    # torch tensors are measured by their own data_ptr and strides, NumPy arrays by theirs;
+    # host spans that meet are then compared exactly.
+    t = torch.zeros(6, 8)
+    start = t.data_ptr()
+    assert _arrays.memory_span(t[1:3]) == ("host", start + 32, start + 96)
+    assert _arrays.memory_span(t[:, 2]) == ("host", start + 8, start + 5 * 32 + 12)
+    assert _arrays.memory_span(t.numpy()[:, 2]) == ("host", start + 8, start + 5 * 32 + 12)
+    assert not _arrays.overlaps(t[:, 2], t[:, 3])  # interleaved, no shared element
+    assert _arrays.overlaps(t[:, 2], t[4:5].numpy())
+    assert not _arrays.overlaps(t[:, 2], _CudaArrayLike(start, (6, 8)))  # host vs device
+
+
 # ------------------------------------------------------------------ dispatch primitives
 
 

@@ -94,3 +94,27 @@ def test_numba_mode_never_uses_the_team():
         assert not _parallel.torch_team()
     finally:
         _parallel.set_team_mode(previous)
+
+
+@pytest.mark.parametrize("value", ["bogus", "Numba2", "1"])
+def test_an_unknown_cpu_team_variable_is_refused_when_read(monkeypatch, value):
+    """MOEROUTE_CPU_TEAM=bogus used to run as "auto"; now the first parallel call names it."""
+    from moeroute.config import RouterConfig
+    from moeroute.routing.select import PARALLEL_MIN_ELEMENTS, select_experts
+
+    monkeypatch.setattr(_parallel, "_mode", None)  # not chosen yet: read the variable
+    monkeypatch.setenv(_parallel.TEAM_ENV, value)
+    message = rf"MOEROUTE_CPU_TEAM='{value}' is not one of \('auto', 'torch', 'numba'\)"
+    with pytest.raises(ValueError, match=message):
+        _parallel.team_mode()
+    logits = np.zeros((PARALLEL_MIN_ELEMENTS // 8 + 1, 8), np.float32)
+    with pytest.raises(ValueError, match=message):
+        select_experts(logits, RouterConfig(8, 2))
+
+
+@pytest.mark.parametrize("value, mode", [("numba", "numba"), (" AUTO ", "auto"), ("", "numba")])
+def test_the_cpu_team_variable_names_the_mode(monkeypatch, value, mode):
+    monkeypatch.setattr(_parallel, "_mode", None)
+    monkeypatch.setenv(_parallel.TEAM_ENV, value)
+    assert _parallel.team_mode() == mode
+    assert _parallel.DEFAULT_TEAM_MODE == "numba"

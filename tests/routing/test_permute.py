@@ -154,3 +154,39 @@ def test_round_trip_bf16_bits_against_torch():
 def test_invalid_arguments(call, error, words):
     with pytest.raises(error, match=words):
         call()
+
+
+# Size limits are checked on the shape, before a broadcast or expanded view is copied.
+
+HUGE_ROWS = 2**28 + 1  # x 8 slots = 2**31 + 8 entries: past the int32 positions
+
+
+def _refused_without_allocating(call, match):
+    """``call`` raises ValueError matching ``match`` having allocated under 1 MiB (NumPy
+    reports its buffers to tracemalloc; the copy the check used to follow was 8-16 GiB)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=match):
+            call()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.broadcast_to(np.zeros((1, 8), np.int64), (HUGE_ROWS, 8)),
+    lambda: np.broadcast_to(np.zeros((1, 8), np.int16), (HUGE_ROWS, 8)),  # would be widened
+    lambda: torch.zeros(1, 8, dtype=torch.int32).expand(HUGE_ROWS, 8),
+], ids=["numpy-int64", "numpy-int16", "torch-expand"])
+def test_sort_and_permute_check_the_entry_limit_before_copying(make):
+    ids = make()
+    _refused_without_allocating(lambda: sort_by_expert(ids, 8),
+                                r"topk_ids.size=2147483656 exceeds the int32 index limit")
+    hidden = np.broadcast_to(np.zeros((1, 4), np.float32), (HUGE_ROWS, 4))
+    if isinstance(ids, torch.Tensor):
+        hidden = torch.zeros(1, 4).expand(HUGE_ROWS, 4)
+    _refused_without_allocating(lambda: permute(hidden, ids, 8),
+                                r"topk_ids.size=2147483656 exceeds the int32 index limit")

@@ -196,3 +196,21 @@ def test_remap_accepts_a_wide_map_within_int32():
     np.testing.assert_array_equal(remap_to_local(ids, expert_map),
                                   reference.remap_to_local(ids, expert_map))
     np.testing.assert_array_equal(remap_to_local(ids, expert_map), [2**31 - 1, 0, -1, -1])
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int8])
+def test_the_row_limit_is_checked_before_a_broadcast_view_is_copied(dtype):
+    """2**31 rows of a one-element broadcast: refused on the shape (the copy it used to
+    make first was 2-16 GiB)."""
+    import tracemalloc
+
+    ids = np.broadcast_to(np.zeros((1, 1), dtype), (2**31, 1))
+    layout = ExpertLayout(8)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"topk_ids.shape\[0\]=2147483648 exceeds the int32"):
+            logical_to_physical(ids, layout)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak

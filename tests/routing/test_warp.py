@@ -47,4 +47,4 @@ def test_bad_warp_count_is_refused_naming_the_variable(text):
     result = subprocess.run([sys.executable, "-c", "import moeroute.routing._warp"], env=env, cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
-    assert f"MOEROUTE_SIM_WARPS={text!r} must be a positive integer" in result.stderr
+    assert f"MOEROUTE_SIM_WARPS={text!r} must be an integer >= 1" in result.stderr

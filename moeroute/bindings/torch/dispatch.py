@@ -31,7 +31,8 @@ import torch
 
 from moeroute.layout import ExpertLayout
 
-__all__ = ["DispatchHandle", "Dispatcher", "LocalDispatcher", "check_dispatch_inputs"]
+__all__ = ["DispatchHandle", "Dispatcher", "LocalDispatcher", "check_dispatch_inputs",
+           "register_ep_dispatcher_factory", "ep_dispatcher_factory"]
 
 
 class DispatchHandle:
@@ -250,3 +251,33 @@ class LocalDispatcher(Dispatcher):
                 f"{handle.num_tokens} tokens"
             )
         return partial_out
+
+
+#: The factory building a dispatcher for an expert-parallel layer: ``factory(layout, group,
+#: dispatch) -> Dispatcher``. The torch module is given it (``MoE(dispatcher_factory=...)``)
+#: or takes the one `moeroute.bindings.ep` registers here, so this layer never imports the
+#: dispatchers built on top of it.
+_EP_DISPATCHER_FACTORY = None
+
+
+def register_ep_dispatcher_factory(factory) -> None:
+    """Make ``factory(layout, group, dispatch)`` the default builder of EP dispatchers."""
+    global _EP_DISPATCHER_FACTORY
+    if not callable(factory):
+        raise TypeError(f"factory must be callable, got {type(factory).__name__}")
+    _EP_DISPATCHER_FACTORY = factory
+
+
+def ep_dispatcher_factory():
+    """The registered default factory (`moeroute.bindings.ep.make_dispatcher`).
+
+    Raises
+    ------
+    RuntimeError
+        None is registered: ``moeroute.bindings`` registers it when imported, so this only
+        happens when the dispatch module was loaded by hand without its package.
+    """
+    if _EP_DISPATCHER_FACTORY is None:
+        raise RuntimeError("no expert-parallel dispatcher is registered; import moeroute.bindings.ep "
+                           "or pass MoE(dispatcher_factory=...)")
+    return _EP_DISPATCHER_FACTORY

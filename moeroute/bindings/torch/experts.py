@@ -43,7 +43,7 @@ from moeroute.bindings.torch import arrays
 from moeroute.routing.combine import accumulate_checked
 
 __all__ = ["LocalExperts", "ACTIVATIONS", "SUPPORTED_DTYPES", "GEMM_STRATEGIES", "LINEAR_BACKENDS",
-           "choose_gemm", "onednn_linear_serves",
+           "check_dtype", "choose_gemm", "onednn_linear_serves",
            "expert_mlp", "streamed_expert_mlp", "padded_expert_mlp", "grouped_expert_mlp", "apply_activation",
            "gated_activation", "SWIGLUOAI_ALPHA", "SWIGLUOAI_LIMIT"]
 
@@ -71,6 +71,14 @@ PADDED_MAX_ROWS = 32
 PADDED_MIN_HIT_FRACTION = 0.5
 #: Dtypes the padded batch is chosen for: torch's CPU bmm is slow in half precision.
 PADDED_DTYPES = (torch.float32,)
+
+
+def check_dtype(name: str, dtype: torch.dtype) -> None:
+    """ValueError naming ``name``, ``dtype`` and `SUPPORTED_DTYPES` unless it is one of them
+    (a module can be moved to float64, float8 or complex dtypes; the kernels serve none)."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name} are {dtype}, which the expert compute does not serve; use one of "
+                         f"{SUPPORTED_DTYPES} (e.g. module.to(torch.float32))")
 
 
 def check_activation(activation: str) -> str:
@@ -265,6 +273,8 @@ def streamed_expert_mlp(
     Tensor [T, H], dtype of ``hidden_states``: ``sum_k w[t, k] * expert_k(x_t)`` over the
     sorted slots, accumulated in float32 in expert order (rows with none are zero).
     """
+    # The float32 sums read other dtypes as 16-bit patterns: anything else must not get in.
+    check_dtype("hidden_states", hidden_states.dtype)
     num_tokens, hidden = hidden_states.shape
     top_k = topk_weights.shape[1]
     onednn = _onednn_op_for(linear, hidden_states.dtype)
@@ -507,7 +517,9 @@ class LocalExperts(nn.Module):
         assigning ``.data``, ``module.to(...)`` to another dtype or device) make the next
         CPU forward raise a RuntimeError instead of computing with stale copies; writes
         through ``.data`` bypass torch's version counter and are NOT seen: re-pack after
-        them. ``enable=False`` drops the copies (the plain weights serve).
+        them. ``enable=False`` drops the copies (the plain weights serve). Copies of the
+        module (``copy.deepcopy``, pickle, ``torch.save``) never carry the packed copies:
+        they re-pack from their own weights, or run unpacked where they cannot pack.
 
         Returns ``self``. Raises ValueError when the weights are not on the CPU or this
         torch build's oneDNN cannot serve their dtype.
@@ -561,6 +573,21 @@ class LocalExperts(nn.Module):
             self._packed = None
         return result
 
+    def __getstate__(self):
+        # oneDNN-packed copies are opaque tensors (no storage to copy or save) and derived
+        # data: copies and pickles (copy.deepcopy, torch.save) carry the weights only.
+        state = super().__getstate__()
+        state["_packed"] = None
+        return state
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        if self.pack_cpu:
+            # Re-packed from the copy's own weights; where they cannot be packed (loaded onto
+            # another device, a dtype oneDNN does not serve) the copy uses them unpacked.
+            serves = self.w_gate_up.device.type == "cpu" and onednn_linear_serves(self.w_gate_up.dtype)
+            self.pack_cpu_weights(serves)
+
     def extra_repr(self) -> str:
         return (f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, activation={self.activation!r}, "
@@ -581,7 +608,17 @@ class LocalExperts(nn.Module):
         -------
         Tensor [Tr, H], dtype of ``hidden_states``: ``sum_k weights[t, k] * expert(x_t)``
         over the slots held here (rows with none are zero).
+
+        Raises
+        ------
+        ValueError
+            The weights are not of a `SUPPORTED_DTYPES` dtype (``module.double()``), or
+            ``hidden_states`` is not of theirs.
         """
+        check_dtype("the expert weights", self.w_gate_up.dtype)
+        if hidden_states.dtype != self.w_gate_up.dtype:
+            raise ValueError(f"hidden_states dtype {hidden_states.dtype} does not match the expert "
+                             f"weights' dtype {self.w_gate_up.dtype}")
         if hidden_states.device.type == "cuda":
             return self._forward_cuda(hidden_states, local_ids, weights)
         sorted_slots, expert_offsets, inverse_index = arrays.sort_by_expert(

@@ -17,9 +17,12 @@ Where the weights live (all module parameters/buffers, ``requires_grad=False``):
 * ``router_weight`` [N, H]: the router linear. The logits are
   ``F.linear(x.to(router_weight.dtype), router_weight)`` cast to float32, so a float32
   router weight (the default) routes in float32, and a bfloat16 one reproduces checkpoints
-  whose router runs in bfloat16 (Qwen, Mixtral).
+  whose router runs in bfloat16 (Qwen, Mixtral). ``router_compute_dtype`` (None by
+  default) fixes the dtype the logits are computed in whatever the weight's dtype
+  (DeepSeek-V3 and GLM routers upcast a bfloat16 weight to float32).
 * ``correction_bias`` [N] float32 buffer (None unless ``correction_bias=True``): added to
-  the scores for selection only (DeepSeek-V3 ``e_score_correction_bias``).
+  the scores for selection only (DeepSeek-V3 ``e_score_correction_bias``). It stays
+  float32, values unchanged, when the module changes dtype (``.half()``, ``.to(dtype)``).
 * ``router_bias`` [N] (None unless ``router_bias=True``): the router linear's bias (gpt-oss),
   dtype of ``router_weight``.
 * ``experts.b_gate_up`` [L, 2I] and ``experts.b_down`` [L, H'] (None unless
@@ -31,9 +34,14 @@ Where the weights live (all module parameters/buffers, ``requires_grad=False``):
   Given ``expert_weights`` that are exactly these experts (one rank, no replicas, no fused
   slots), the parameters share their memory instead of copying it.
 * Loading accepts the transformers names of the block this module replaces
-  (``_load_from_state_dict`` maps them).
+  (``_load_from_state_dict`` maps them); a module built by ``from_hf`` also saves them
+  (``checkpoint_format``).
 * ``shared_experts`` / ``shared_expert_gate``: the given modules (runner and overlap); with
   fused, only the gate is kept and called.
+
+The forward serves the dtypes of `SUPPORTED_DTYPES` (float32, float16, bfloat16); a
+module moved to any other (``.double()``, a float8 or complex dtype) raises a ValueError
+at its forward naming the dtype.
 
 The module is inference-only, in every shared mode alike: its forward always runs without
 autograd (under ``torch.no_grad()``), whatever ``requires_grad`` its parameters carry (the
@@ -59,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeroute.bindings.torch import arrays, ops
-from moeroute.bindings.torch.dispatch import Dispatcher, LocalDispatcher
+from moeroute.bindings.torch.dispatch import Dispatcher, LocalDispatcher, ep_dispatcher_factory
 from moeroute.bindings.torch.fp8_experts import (
     FP8_STRATEGIES,
     PROJECTIONS,
@@ -73,7 +81,10 @@ from moeroute.bindings.torch.experts import (
     LocalExperts,
     apply_activation,
     check_activation,
+    check_dtype,
 )
+from moeroute.bindings.torch.group import check_ranks_agree, ep_group_size_and_rank, layout_fingerprint
+from moeroute.bindings.torch.load_window import DEFAULT_LOAD_WINDOW, LoadRecorder, check_window
 from moeroute.config import RouterConfig
 from moeroute.layout import DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, ExpertLayout
 from moeroute.quant import QuantConfig, dequantize_fp8_block, dequantize_fp8_tensor, quantize_experts
@@ -224,7 +235,7 @@ class MoE(nn.Module):
         Who computes the shared expert (SPEC section 3); resolved once into ``self.layout``.
     ep_group : torch.distributed.ProcessGroup, optional
         Expert-parallel group; the module then holds only its rank's experts and dispatches
-        through ``moeroute.bindings.ep.make_dispatcher``. None: one rank, no communication.
+        through ``dispatcher_factory``. None: one rank, no communication.
         Construction with a group is a collective: the ranks exchange `ep_fingerprint`
         once and must all agree.
     dispatch : {"all2all", "allgather"}
@@ -262,6 +273,15 @@ class MoE(nn.Module):
     physical_to_logical : array_like of int [P], optional
         Expert placement over the EP ranks (`moeroute.layout.ExpertLayout`); a table sets
         the redundant experts itself (leave ``num_redundant_experts`` 0).
+    record_load : bool
+        Count this rank's tokens per physical expert over the last ``load_window`` forwards
+        on the forward's device (`moeroute.bindings.torch.load_window.LoadRecorder`, ``load_recorder``);
+        `moeroute.eplb.gather_load` reads the windows of the EP group.
+    load_window : int
+        Forwards per load window (default 128).
+    dispatcher_factory : callable, optional
+        ``factory(layout, ep_group, dispatch) -> Dispatcher`` building the dispatcher with
+        ``ep_group``; default `moeroute.bindings.ep.make_dispatcher` (all2all, allgather).
     dtype, device
         Of the expert weights; the activations must match.
     quant : moeroute.quant.QuantConfig, optional
@@ -284,7 +304,7 @@ class MoE(nn.Module):
     TypeError
         ``router`` not a RouterConfig; a module argument that is not callable; ``ep_group``
         not a torch.distributed ProcessGroup.
-    moeroute.bindings.ep.RankMismatchError
+    moeroute.bindings.torch.group.RankMismatchError
         With ``ep_group``: the ranks disagree on a field of `ep_fingerprint`; raised on
         every rank with the same message naming each field and each rank's value.
     ValueError
@@ -324,6 +344,9 @@ class MoE(nn.Module):
         apply_router_weight_on_input: bool = False,
         placement: str = "linear",
         physical_to_logical=None,
+        record_load: bool = False,
+        load_window: int = DEFAULT_LOAD_WINDOW,
+        dispatcher_factory=None,
         quant: QuantConfig | None = None,
     ) -> None:
         super().__init__()
@@ -396,8 +419,6 @@ class MoE(nn.Module):
         if ep_group is None:
             ep_size, rank, layout_dispatch = 1, 0, "none"
         else:
-            from moeroute.bindings.ep import ep_group_size_and_rank
-
             (ep_size, rank), layout_dispatch = ep_group_size_and_rank(ep_group), dispatch
         self.layout = ExpertLayout(
             router.num_experts, num_shared, ep_size=ep_size, dispatch=layout_dispatch, shared=shared,
@@ -421,6 +442,10 @@ class MoE(nn.Module):
             requires_grad=False,
         )
         nn.init.normal_(self.router_weight, std=0.02)
+        #: The dtype the router logits are computed in; None: router_weight's own dtype (it
+        #: follows the module's dtype changes). ``from_hf`` sets float32 for the blocks whose
+        #: router upcasts its bfloat16 weight (DeepSeek-V3, GLM-4-MoE).
+        self.router_compute_dtype = None
         self.register_buffer(
             "correction_bias",
             torch.zeros(router.num_experts, dtype=torch.float32, device=device) if correction_bias else None,
@@ -457,19 +482,21 @@ class MoE(nn.Module):
         if ep_group is None:
             self.dispatcher: Dispatcher = LocalDispatcher(self.layout)
         else:
-            from moeroute.bindings.ep import check_ranks_agree, make_dispatcher
-
             # Once, here rather than on the first forward: a disagreement surfaces where the
             # layers are built, and the forward stays free of extra collectives.
             check_ranks_agree(self.ep_fingerprint(), ep_group, "the MoE layer")
-            self.dispatcher = make_dispatcher(self.layout, ep_group, dispatch)
+            factory = dispatcher_factory or ep_dispatcher_factory()
+            self.dispatcher = factory(self.layout, ep_group, dispatch)
+        # EPLB (moeroute.eplb): the load window, and a placement swap waiting for its forward.
+        if not isinstance(record_load, bool):
+            raise ValueError(f"record_load={record_load!r} must be a bool")
+        self.load_recorder = LoadRecorder(check_window(load_window)) if record_load else None
+        self.pending_placement = None
 
     def ep_fingerprint(self) -> dict:
         """The fields every rank of an expert-parallel group must agree on (plain values):
         the layout, every router field, the sizes, dtypes, activation and the optional
         parts. Exchanged once at construction with ``ep_group``."""
-        from moeroute.bindings.ep import layout_fingerprint
-
         fields = layout_fingerprint(self.layout)
         fields.update({f"router.{name}": value
                        for name, value in dataclasses.asdict(self.router).items()})
@@ -670,6 +697,11 @@ class MoE(nn.Module):
 
     # ------------------------------------------------------------ state dict
 
+    #: How checkpoints name this module's state: None, moeroute's names (loading also maps
+    #: the transformers stacked names); `from_hf` sets the block's format, which the module
+    #: then saves and loads (`moeroute.bindings.torch.hf.TransformersCheckpoint`).
+    checkpoint_format = None
+
     #: transformers parameter names (relative to the block) -> this module's.
     _TRANSFORMERS_RENAMES = {"gate.weight": "router_weight",
                              "gate.e_score_correction_bias": "correction_bias"}
@@ -681,7 +713,10 @@ class MoE(nn.Module):
         # A transformers checkpoint of the block this module replaced loads as it is: its
         # names are mapped to this module's before the usual loading (which copies into the
         # existing parameters, so aliased weights stay aliased).
-        self._map_transformers_keys(state_dict, prefix)
+        if self.checkpoint_format is not None:
+            self.checkpoint_format.load(self, state_dict, prefix)
+        else:
+            self._map_transformers_keys(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
@@ -826,13 +861,17 @@ class MoE(nn.Module):
             raise ValueError(f"hidden_states must be [T, H] or [B, S, H] with H={self.hidden_size}, "
                              f"got shape {tuple(hidden_states.shape)}")
         expected = self.experts.w_gate_up.dtype
+        # A module moved to another dtype (module.double()) is refused here, never misread.
+        check_dtype("the module's router_weight", self.router_weight.dtype)
         if self.quant is not None:  # FP8 experts serve every activation dtype
             if hidden_states.dtype not in SUPPORTED_DTYPES:
                 raise ValueError(f"hidden_states dtype {hidden_states.dtype} is not served; use one of "
                                  f"{SUPPORTED_DTYPES}")
-        elif hidden_states.dtype != expected:
-            raise ValueError(f"hidden_states dtype {hidden_states.dtype} does not match the expert weights' "
-                             f"dtype {expected}; convert one of them (supported: {SUPPORTED_DTYPES})")
+        else:
+            check_dtype("the module's expert weights", expected)
+            if hidden_states.dtype != expected:
+                raise ValueError(f"hidden_states dtype {hidden_states.dtype} does not match the expert weights' "
+                                 f"dtype {expected}; convert one of them (supported: {SUPPORTED_DTYPES})")
         device = hidden_states.device
         if device.type not in SUPPORTED_DEVICES:
             raise ValueError(f"hidden_states on device {device} is not supported; use one of {SUPPORTED_DEVICES}")
@@ -865,9 +904,11 @@ class MoE(nn.Module):
             )
 
     def compute_router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Router logits [T, N] float32 of hidden states [T, H]."""
-        weight = self.router_weight
-        return F.linear(hidden_states.to(weight.dtype), weight, self.router_bias).float()
+        """Router logits [T, N] float32 of hidden states [T, H], computed in
+        ``router_compute_dtype`` (default: the dtype of ``router_weight``)."""
+        weight, bias = self.router_weight, self.router_bias
+        dtype = self.router_compute_dtype or weight.dtype
+        return F.linear(hidden_states.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)).float()
 
     def _shared_gate(self, hidden_states):
         if self.shared_expert_gate is None:
@@ -877,6 +918,16 @@ class MoE(nn.Module):
     def _shared_output(self, hidden_states, gate):
         out = self.shared_experts(hidden_states)
         return out if gate is None else gate * out
+
+    def _apply(self, fn, *args, **kwargs):
+        # correction_bias is float32 state (added to float32 scores): .half(), .bfloat16(),
+        # .double() and .to(dtype) move it with the module but keep its dtype and values.
+        bias = self.correction_bias
+        result = super()._apply(fn, *args, **kwargs)
+        moved = self.correction_bias
+        if bias is not None and moved is not None and moved.dtype != torch.float32:
+            self.correction_bias = bias.to(device=moved.device, dtype=torch.float32)
+        return result
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
@@ -921,6 +972,8 @@ class MoE(nn.Module):
             (inference only).
         """
         self._check_forward_inputs(hidden_states, router_logits)
+        if self.pending_placement is not None:  # EPLB: an async apply swaps in here when done
+            self.pending_placement.at_forward(self)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
         layout, rsf = self.layout, self.router.routed_scaling_factor
@@ -935,6 +988,8 @@ class MoE(nn.Module):
             gate_values = None if gate is None else gate.reshape(-1).float()
             slot_weights = layout.shared_slot_weight(gate_values, rsf)
         ids, weights = arrays.append_shared_slots(topk_ids, topk_weights, layout, self.rank, slot_weights)
+        if self.load_recorder is not None:  # EPLB load window: this rank's tokens, at home
+            self.load_recorder.record(ids, layout.num_physical_experts)
 
         routed_input = x if self.routed_input_transform is None else self.routed_input_transform(x)
         if self.apply_router_weight_on_input:

@@ -12,7 +12,8 @@ try:  # numba.cuda comes with the optional numba-cuda package
 except ImportError:  # pragma: no cover - CPU-only installs
     cuda = None
 
-from moeroute.routing._arrays import as_device_array
+from moeroute._validate import integer
+from moeroute.routing._arrays import as_device_array, host_array
 
 #: Threads per block of the elementwise kernels: a multiple of every warp size (32, 64)
 #: that keeps several blocks resident per SM.
@@ -77,17 +78,14 @@ def row_launch_config(rows: int, width: int, limit: int = THREADS_PER_BLOCK):
 
 
 def check_count(name: str, value, minimum: int) -> int:
-    """``value`` as an int >= ``minimum``; TypeError/ValueError naming ``name`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}={value!r} must be an integer >= {minimum}, "
-                        f"got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be an integer >= {minimum}")
-    return int(value)
+    """``value`` as an int >= ``minimum`` (`moeroute._validate.integer`); TypeError /
+    ValueError naming ``name`` otherwise."""
+    return integer(name, value, minimum)
 
 
-def host_ids(name: str, ids, ndim: int | None = 2) -> np.ndarray:
-    """A C-contiguous int32 or int64 NumPy array of ``ids`` (copied only when needed).
+def host_id_view(name: str, ids, ndim: int | None = 2) -> np.ndarray:
+    """``ids`` as a NumPy array, checked, never copied (a broadcast or expanded view stays
+    one): callers check their size limits on its shape before `kernel_ids` copies.
 
     Raises
     ------
@@ -96,15 +94,26 @@ def host_ids(name: str, ids, ndim: int | None = 2) -> np.ndarray:
     ValueError
         ``ndim`` given and the array has another number of dimensions.
     """
-    array = np.asarray(ids)
+    array = host_array(ids)
     if array.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers, got dtype {array.dtype}")
     if ndim is not None and array.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {array.shape}")
+    return array
+
+
+def kernel_ids(array: np.ndarray) -> np.ndarray:
+    """A C-contiguous int32 or int64 copy of ``array`` (a `host_id_view`), or ``array``
+    itself when it already is one."""
     if array.dtype not in (np.int32, np.int64):
         # Other widths are rare; two specialisations keep the compiled cache small.
         array = array.astype(np.int64)
     return np.ascontiguousarray(array)
+
+
+def host_ids(name: str, ids, ndim: int | None = 2) -> np.ndarray:
+    """`kernel_ids` of `host_id_view` in one step, for ops with no size limit to check."""
+    return kernel_ids(host_id_view(name, ids, ndim))
 
 
 def device_ids(name: str, ids, ndim: int | None = 2):

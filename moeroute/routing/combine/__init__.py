@@ -17,6 +17,7 @@ from moeroute.routing import _launcher, _sort
 from moeroute.routing._arrays import (
     as_caller,
     as_device_array,
+    check_no_overlap,
     device_bits16,
     device_empty,
     from_device_bits16,
@@ -232,8 +233,8 @@ def accumulate_rows(out, rows, tokens, weights, *, raw_bf16=False):
         ``out`` not a float32 NumPy array; ``rows`` of another dtype (see `combine`);
         ``tokens`` not integer; ``weights`` not float32.
     ValueError
-        Shapes that do not match; a token outside [0, T); ``out`` not C-contiguous or
-        read-only.
+        Shapes that do not match; a token outside [0, T); ``out`` not C-contiguous,
+        read-only, or sharing memory with ``rows``, ``tokens`` or ``weights``.
     """
     if not isinstance(out, np.ndarray):
         # np.asarray would copy a list (or similar), and the sums would be lost with it.
@@ -264,6 +265,7 @@ def accumulate_rows(out, rows, tokens, weights, *, raw_bf16=False):
         raise ValueError(f"tokens must lie in [0, {out_array.shape[0]}), got "
                          f"[{int(tokens.min())}, {int(tokens.max())}]")
     _check_activation_dtype("rows", rows.dtype, raw_bf16)
+    check_no_overlap({"out": out_array}, {"rows": rows, "tokens": tokens, "weights": weights})
     accumulate_checked(out_array, np.ascontiguousarray(rows), tokens, weights,
                        bool(raw_bf16), _distinct(tokens))
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from moeroute.routing import _launcher, _sort
-from moeroute.routing._arrays import (as_caller, as_device_array, device_empty, host_array,
-                                     is_device_array, resolve_stream)
+from moeroute.routing._arrays import (as_caller, as_device_array, check_no_overlap, device_empty,
+                                     host_array, is_device_array, resolve_stream)
 from moeroute.routing.load._cuda import _kernel
 from moeroute.routing.load._host import _count_cpu
 
@@ -71,8 +71,8 @@ def expert_load(ids, num_experts, *, out=None, stream=None):
         Non-integer ``ids``; ``num_experts`` not an integer; ``out`` not int64 or not on
         the side of ``ids``.
     ValueError
-        ``num_experts`` < 1; ``out`` not of shape [num_experts]; device ``ids`` not
-        C-contiguous.
+        ``num_experts`` < 1; ``out`` not of shape [num_experts] or sharing memory with
+        ``ids``; device ``ids`` not C-contiguous.
 
     Examples
     --------
@@ -91,6 +91,7 @@ def expert_load(ids, num_experts, *, out=None, stream=None):
             _launcher.launch(_kernel("zero"), None, blocks, threads, launch_stream, (counts_view,))
         else:
             _check_out(out, num_experts, True)
+            check_no_overlap({"out": out}, {"ids": ids})
             counts, counts_view = out, as_device_array(out)
         size = int(np.prod(view.shape, dtype=np.int64))
         if size:
@@ -113,5 +114,6 @@ def expert_load(ids, num_experts, *, out=None, stream=None):
     counts = host_array(out)  # a CPU torch counter is viewed, not copied
     if not counts.flags.c_contiguous or not counts.flags.writeable:
         raise ValueError("out must be a writable C-contiguous array")
+    check_no_overlap({"out": out}, {"ids": ids})  # counting into the ids would change them
     _count_cpu(host.reshape(-1), counts)
     return out

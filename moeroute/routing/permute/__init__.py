@@ -93,8 +93,9 @@ def sort_by_expert(topk_ids, num_experts, *, stream=None):
     """
     if is_device_array(topk_ids):
         return _sort_device(topk_ids, num_experts, stream)[0]
-    ids = _sort.host_ids("topk_ids", host_array(topk_ids))
-    num_experts, _ = _check_sort_args(ids.shape, num_experts)
+    view = _sort.host_id_view("topk_ids", topk_ids)
+    num_experts, _ = _check_sort_args(view.shape, num_experts)  # before anything is copied
+    ids = _sort.kernel_ids(view)
     return tuple(as_caller(a, topk_ids) for a in _sort.sort_cpu(ids, num_experts))
 
 
@@ -151,11 +152,12 @@ def permute(hidden_states, topk_ids, num_experts, *, stream=None):
         )
     if is_device_array(topk_ids):
         return _permute_device(hidden_states, topk_ids, num_experts, stream)
-    ids = _sort.host_ids("topk_ids", host_array(topk_ids))
+    view = _sort.host_id_view("topk_ids", topk_ids)
     # bfloat16 torch tensors arrive as their uint16 bits: the gather moves bits anyway.
     hidden = host_array(hidden_states)
-    _check_hidden_states(hidden.shape, ids.shape[0])
-    num_experts, _ = _check_sort_args(ids.shape, num_experts)
+    _check_hidden_states(hidden.shape, view.shape[0])
+    num_experts, _ = _check_sort_args(view.shape, num_experts)  # before anything is copied
+    ids = _sort.kernel_ids(view)
     sorted_slots, expert_offsets, inverse_index = _sort.sort_cpu(ids, num_experts)
     permuted = np.empty((sorted_slots.shape[0], hidden.shape[1]), hidden.dtype)
     if permuted.size:

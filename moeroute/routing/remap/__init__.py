@@ -125,8 +125,9 @@ def logical_to_physical(topk_ids, layout, prefer_rank=None, *, stream=None):
         out, out_view = device_empty(tuple(ids.shape), np.int32, topk_ids, launch_stream)
         launch_logical_to_physical(ids, layout, out_view, launch_stream, prefer_rank)
         return out
-    ids = _sort.host_ids("topk_ids", host_array(topk_ids))
-    _sort.check_index_limit("topk_ids.shape[0]", ids.shape[0])
+    view = _sort.host_id_view("topk_ids", topk_ids)
+    _sort.check_index_limit("topk_ids.shape[0]", view.shape[0])  # before anything is copied
+    ids = _sort.kernel_ids(view)
     out = np.empty(ids.shape, np.int32)
     offsets, replica_ids = _replica_tables(layout, prefer_rank)
     logical_to_physical_cpu(ids, layout.num_routed_experts, offsets, replica_ids,

@@ -156,7 +156,8 @@ def select_experts(logits, config, correction_bias=None, *, stream=None, out=Non
         framework that produced ``logits``. Ignored for host inputs.
     out : (topk_weights, topk_ids), optional
         Preallocated outputs to write into and return: C-contiguous [T, K] float32 and
-        int32 arrays of the framework and device of ``logits``.
+        int32 arrays of the framework and device of ``logits``, sharing no memory with
+        each other or with ``logits`` and ``correction_bias``.
 
     Returns
     -------
@@ -179,7 +180,8 @@ def select_experts(logits, config, correction_bias=None, *, stream=None, out=Non
         ``logits`` not 2-D, ``logits.shape[1] != N``, an unsupported dtype, a bias
         whose shape is not [N] or dtype not float32, a bias with groups of one expert,
         non-contiguous device logits, ``out`` buffers of the wrong shape, dtype or
-        device or not C-contiguous, or a configuration past the device kernel's
+        device, not C-contiguous, or sharing memory with each other, ``logits`` or
+        ``correction_bias`` (no alias is allowed), or a configuration past the device kernel's
         limits: N <= 1024, K <= 32, num_expert_group <= 32 (``MAX_DEVICE_*``).
         The CPU kernel has no limits beyond RouterConfig's own.
 
@@ -191,7 +193,7 @@ def select_experts(logits, config, correction_bias=None, *, stream=None, out=Non
     on_device = _arrays.is_device_array(logits)
     if on_device:
         _validate(logits, config, correction_bias, on_device)
-        outputs = _check_out(out, logits, config.top_k, on_device)
+        outputs = _check_out(out, logits, config.top_k, on_device, correction_bias)
         return _select_device(logits, config, correction_bias, stream, outputs)
     caller = logits
     # CPU torch tensors (and bfloat16 ones as their raw bits) run the CPU kernel in place.
@@ -203,7 +205,7 @@ def select_experts(logits, config, correction_bias=None, *, stream=None, out=Non
         correction_bias = _host_input("correction_bias", correction_bias)
     _validate(logits, config, correction_bias, on_device,
               dtype_name="bfloat16" if bfloat16 else None)
-    outputs = _check_out(out, caller, config.top_k, on_device)
+    outputs = _check_out(out, caller, config.top_k, on_device, correction_bias)
     host_out = None if outputs is None else tuple(_arrays.host_array(o) for o in outputs)
     weights, ids = _select_host(logits, config, correction_bias, bfloat16, host_out)
     if outputs is not None:
@@ -213,17 +215,23 @@ def select_experts(logits, config, correction_bias=None, *, stream=None, out=Non
 
 def _host_input(name, array):
     """A NumPy view of a host ``array`` (CPU torch tensors without a copy)."""
-    if isinstance(array, np.ndarray) or _arrays.torch_of(array) is not None:
+    torch = _arrays.torch_of(array)
+    if torch is not None and array.device.type != "cpu":
+        # A meta (or other non-CUDA) tensor holds no values the kernels could read.
+        raise ValueError(f"{name} is on {array.device}; select_experts takes CPU or CUDA "
+                         "tensors, NumPy arrays or CUDA device arrays")
+    if isinstance(array, np.ndarray) or torch is not None:
         return _arrays.host_array(array)
     raise TypeError(f"{name} must be a NumPy array, a torch tensor or a CUDA device array, got "
                     f"{type(array).__name__}")
 
 
-def _check_out(out, logits, top_k, on_device):
+def _check_out(out, logits, top_k, on_device, correction_bias=None):
     """Validated caller buffers ``(topk_weights, topk_ids)`` for ``out=``, or None.
 
     Each must be C-contiguous, of shape [T, K], float32 / int32, from the framework of
-    ``logits`` and on its device; TypeError / ValueError naming the buffer otherwise.
+    ``logits`` and on its device, and share no memory with the other buffer, ``logits``
+    or ``correction_bias``; TypeError / ValueError naming the buffer otherwise.
     """
     if out is None:
         return None
@@ -265,4 +273,6 @@ def _check_out(out, logits, top_k, on_device):
                 raise ValueError(f"{name} is on {device_of} but logits is on {logits.device}")
         if not contiguous:
             raise ValueError(f"{name} must be C-contiguous")
+    _arrays.check_no_overlap({"out[0] (topk_weights)": out[0], "out[1] (topk_ids)": out[1]},
+                             {"logits": logits, "correction_bias": correction_bias})
     return tuple(out)

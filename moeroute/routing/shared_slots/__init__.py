@@ -12,6 +12,7 @@ import numbers
 
 import numpy as np
 
+from moeroute._validate import integer
 from moeroute.routing import _launcher, _sort
 from moeroute.routing._arrays import (
     as_caller,
@@ -31,8 +32,7 @@ __all__ = ["append_shared_slots"]
 
 
 def _check_home_rank(layout, home_rank) -> int:
-    if isinstance(home_rank, bool) or not isinstance(home_rank, numbers.Integral):
-        raise TypeError(f"home_rank={home_rank!r} must be an integer in [0, {layout.ep_size})")
+    home_rank = integer("home_rank", home_rank)
     if not 0 <= home_rank < layout.ep_size:
         raise ValueError(
             f"home_rank={home_rank} is outside [0, {layout.ep_size}) for ep_size={layout.ep_size}"
