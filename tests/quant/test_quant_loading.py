@@ -309,3 +309,17 @@ def test_load_experts_peak_memory(tmp_path):
     growth = (figures["peak_kb"] - figures["before_kb"]) * 1024
     # The layer's own FP8 weights (first touched here) plus one tensor at a time.
     assert growth <= 1.1 * fp8_bytes, (growth, fp8_bytes)
+
+
+def test_from_hf_fp8_layer_state_dict_round_trips():
+    # An FP8 layer saves its FP8 weights with their scales (moeroute's names) and loads them back.
+    model = _deepseek_model()
+    replace_moe_blocks(model, quant=QUANT, shared="runner")
+    layer = model.model.layers[1].mlp
+    state = layer.state_dict()
+    assert state["experts.w_gate_up"].dtype == torch.float8_e4m3fn and "experts.gate_up_scale" in state
+    copy = MoE(layer.router, H, I, shared_experts=SharedMLP(H, I), shared="runner", quant=QUANT,
+               correction_bias=True)
+    copy.load_state_dict(state)
+    _assert_holds(copy, (state["experts.w_gate_up"], state["experts.gate_up_scale"], state["experts.w_down"],
+                         state["experts.down_scale"]), list(range(N)))

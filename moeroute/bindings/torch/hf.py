@@ -418,9 +418,12 @@ def _build(cls: type[MoE], block: nn.Module, ep_group=None, shared: str = "auto"
         module.correction_bias = bias.detach().float()
     if expert_biases is not None:
         module.load_expert_biases(*expert_biases)
-    # Saved and loaded under the block's names and layouts (see TransformersCheckpoint).
-    module.checkpoint_format = fields["checkpoint"]
-    module.register_state_dict_post_hook(_save_in_checkpoint_format)
+    # Saved and loaded under the block's names and layouts (see TransformersCheckpoint). FP8
+    # layers save under moeroute's names (weights and scales together); they still load the
+    # transformers and DeepSeek-V3 FP8 names (MoE._map_quantized_expert_keys).
+    if quant is None:
+        module.checkpoint_format = fields["checkpoint"]
+        module.register_state_dict_post_hook(_save_in_checkpoint_format)
     return module
 
 
