@@ -165,6 +165,24 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--placement", choices=PLACEMENTS, default="linear",
                         help="which logical experts each rank holds (default linear; round_robin: "
                              "rank r holds r, r+E, ...)")
+    parser.add_argument("--quant", choices=("fp8_block", "fp8_tensor"), default=None,
+                        help="report expert bytes per rank in this format (fp8_block: 128x128 blocks) "
+                             "beside bfloat16")
+
+
+def _expert_bytes_lines(preset, layout, quant_format) -> list[str]:
+    """Expert weight bytes each rank holds, in bfloat16 and (with --quant) the FP8 format."""
+    from moeroute.quant.config import QuantConfig
+
+    quant = QuantConfig(quant_format)
+    hidden, inter = preset.hidden_size, preset.moe_intermediate_size
+    per_expert = quant.expert_bytes(hidden, inter)
+    lines = [f"routed expert bytes per rank and layer ({quant_format}; bfloat16 for comparison):"]
+    for rank in range(layout.ep_size):
+        local = layout.num_local_experts(rank)
+        lines.append(f"  rank {rank}: {local} experts, {local * per_expert / 2**30:.2f} GiB {quant_format} "
+                     f"({local * 3 * hidden * inter * 2 / 2**30:.2f} GiB bfloat16)")
+    return lines
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -193,6 +211,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if layout.shared == "fused":
         scale = "" if args.regime == "router" else f" / {preset.router.routed_scaling_factor:g}"
         print(f"shared slot weight: {weight}{scale}")
+    if args.quant is not None:
+        print("\n".join(_expert_bytes_lines(preset, layout, args.quant)))
     return 0
 
 

@@ -3,10 +3,12 @@
     from moeroute.bindings.torch import MoE, replace_moe_blocks
 
 `MoE` is the layer (docs/semantics.md section 8); `replace_moe_blocks` swaps every supported
-transformers MoE block of a model for it. The dispatcher interface that expert
+transformers MoE block of a model for it; `load_experts` fills the layers from a
+safetensors checkpoint one tensor at a time (FP8 experts stay FP8). The dispatcher interface that expert
 parallelism implements is in `moeroute.bindings.torch.dispatch`.
 """
 
+from moeroute.bindings.torch.checkpoint import load_experts
 from moeroute.bindings.torch.dispatch import DispatchHandle, Dispatcher, LocalDispatcher
 from moeroute.bindings.torch.hf import (
     SUPPORTED_BLOCKS,
@@ -21,6 +23,7 @@ from moeroute.bindings.torch.moe import MoE
 __all__ = [
     "MoE",
     "GatedMLP",
+    "load_experts",
     "replace_moe_blocks",
     "register_experts_implementation",
     "experts_forward",

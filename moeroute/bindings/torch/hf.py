@@ -43,8 +43,10 @@ import torch
 from torch import nn
 
 from moeroute.bindings.torch.experts import LocalExperts
+from moeroute.bindings.torch.fp8_experts import gate_up_scale_from_stacked
 from moeroute.bindings.torch.moe import MoE
 from moeroute.config import RouterConfig
+from moeroute.quant import FP8_DTYPE, QuantConfig, quantize_experts
 
 __all__ = ["from_hf", "replace_moe_blocks", "SUPPORTED_BLOCKS", "EXPERTS_IMPLEMENTATION",
            "experts_forward", "register_experts_implementation", "TupleOutputMoE", "TransformersCheckpoint"]
@@ -80,6 +82,48 @@ def _experts(block: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"{type(block).__name__}.experts stores transposed, interleaved or biased "
                          "weights; moeroute reads [N, 2I, H] gate-then-up without bias")
     return gate_up, down
+
+
+#: Experts quantized per call of `_quantize_float_experts` (bounds the float32 copy it makes).
+_QUANTIZE_EXPERTS_PER_STEP = 8
+
+
+def _fp8_experts(experts: nn.Module, quant: QuantConfig | None):
+    """(QuantConfig, load_routed_weights kwargs) of a transformers FP8Experts module, or None
+    when its weights are not float8_e4m3fn."""
+    gate_up = getattr(experts, "gate_up_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or gate_up.dtype != FP8_DTYPE:
+        return None
+    gate_up_scale, down_scale = experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv
+    block = getattr(experts, "block_size", None)
+    e8m0 = getattr(torch, "float8_e8m0fnu", None)
+    found = QuantConfig("fp8_block" if block is not None else "fp8_tensor",
+                        block_size=None if block is None else tuple(block),
+                        activation=getattr(experts, "activation_scheme", "dynamic"),
+                        scale_fmt="ue8m0" if gate_up_scale.dtype == e8m0 else "float")
+    if quant is not None and quant != found:
+        raise ValueError(f"quant={quant!r} differs from the block's FP8 experts ({found!r}); leave quant None "
+                         "to keep the checkpoint's format")
+    num_experts, two_inter, _ = gate_up.shape
+    if found.format == "fp8_tensor":
+        gate_up_scale, down_scale = gate_up_scale.reshape(num_experts, -1), down_scale.reshape(num_experts)
+        if gate_up_scale.shape[1] == 1:
+            gate_up_scale = gate_up_scale.expand(num_experts, 2)
+    else:
+        gate_up_scale = gate_up_scale_from_stacked(gate_up_scale, found, two_inter // 2)
+    kwargs = dict(gate_up_scale=gate_up_scale, down_scale=down_scale)
+    if found.activation == "static":
+        kwargs["input_scale"] = torch.stack([experts.gate_up_proj_activation_scale,
+                                             experts.down_proj_activation_scale], dim=1)
+    return found, kwargs
+
+
+def _quantize_float_experts(gate_up: torch.Tensor, down: torch.Tensor, quant: QuantConfig):
+    """A float block's experts quantized with ``quant`` (a few experts at a time)."""
+    parts = [quantize_experts(gate_up[i:i + _QUANTIZE_EXPERTS_PER_STEP], down[i:i + _QUANTIZE_EXPERTS_PER_STEP],
+                              quant) for i in range(0, gate_up.shape[0], _QUANTIZE_EXPERTS_PER_STEP)]
+    q_gate_up, gate_up_scale, q_down, down_scale = (torch.cat(list(t)) for t in zip(*parts))
+    return (q_gate_up, q_down), dict(gate_up_scale=gate_up_scale, down_scale=down_scale)
 
 
 def _read_deepseek(block: nn.Module) -> dict:
@@ -299,7 +343,11 @@ def from_hf(block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str
     shared : {"auto", "runner", "overlap", "fused"}
     dispatch : {"all2all", "allgather"}
     **kwargs
-        Passed to `MoE` (e.g. ``scaling_regime``, ``num_redundant_experts``).
+        Passed to `MoE` (e.g. ``scaling_regime``, ``num_redundant_experts``). ``quant``: a
+        `moeroute.quant.QuantConfig` to quantize a float block's experts with (a few experts
+        at a time). A block whose experts are transformers' ``FP8Experts`` (fine-grained FP8)
+        keeps its float8_e4m3fn weights and scales as they are, and its format is read from
+        the block (``quant``, when given, must agree).
 
     Returns
     -------
@@ -333,7 +381,12 @@ def _build(cls: type[MoE], block: nn.Module, ep_group=None, shared: str = "auto"
                         f"supported: {', '.join(SUPPORTED_BLOCKS)}")
     fields = reader(block)
     expert_biases = None
-    if "experts" in fields:
+    quant = kwargs.pop("quant", None)
+    fp8 = _fp8_experts(block.experts, quant) if reader is not _read_gpt_oss else None
+    if fp8 is not None:  # transformers FP8Experts: kept as they are
+        quant, fp8_scales = fp8
+        gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
+    elif "experts" in fields:
         gate_up, down, *expert_biases = fields["experts"]
     else:
         gate_up, down = _experts(block)
@@ -348,9 +401,15 @@ def _build(cls: type[MoE], block: nn.Module, ep_group=None, shared: str = "auto"
         shared=shared, ep_group=ep_group, dispatch=dispatch,
         activation=fields.get("activation") or _activation(block),
         correction_bias=bias is not None, router_dtype=fields["router_dtype"],
-        dtype=gate_up.dtype, device=gate_up.device, expert_weights=(gate_up, down),
+        dtype=None if quant is not None else gate_up.dtype, device=gate_up.device,
+        expert_weights=None if quant is not None else (gate_up, down), quant=quant,
         expert_bias=expert_biases is not None, router_bias=fields.get("router_bias") is not None, **kwargs,
     )
+    if fp8 is not None:
+        module.load_routed_weights(gate_up, down, **fp8_scales)
+    elif quant is not None:
+        weights, scales = _quantize_float_experts(gate_up, down, quant)
+        module.load_routed_weights(*weights, **scales)
     module.router_weight = nn.Parameter(fields["router_weight"].detach(), requires_grad=False)
     module.router_compute_dtype = fields.get("router_compute_dtype")
     if fields.get("router_bias") is not None:
@@ -359,9 +418,12 @@ def _build(cls: type[MoE], block: nn.Module, ep_group=None, shared: str = "auto"
         module.correction_bias = bias.detach().float()
     if expert_biases is not None:
         module.load_expert_biases(*expert_biases)
-    # Saved and loaded under the block's names and layouts (see TransformersCheckpoint).
-    module.checkpoint_format = fields["checkpoint"]
-    module.register_state_dict_post_hook(_save_in_checkpoint_format)
+    # Saved and loaded under the block's names and layouts (see TransformersCheckpoint). FP8
+    # layers save under moeroute's names (weights and scales together); they still load the
+    # transformers and DeepSeek-V3 FP8 names (MoE._map_quantized_expert_keys).
+    if quant is None:
+        module.checkpoint_format = fields["checkpoint"]
+        module.register_state_dict_post_hook(_save_in_checkpoint_format)
     return module
 
 

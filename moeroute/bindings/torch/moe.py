@@ -60,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+import re
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,14 @@ from torch import nn
 
 from moeroute.bindings.torch import arrays, ops
 from moeroute.bindings.torch.dispatch import Dispatcher, LocalDispatcher, ep_dispatcher_factory
+from moeroute.bindings.torch.fp8_experts import (
+    FP8_STRATEGIES,
+    PROJECTIONS,
+    STACKED_SCALE_KEYS,
+    QuantizedExperts,
+    check_quantized_weights,
+    gate_up_scale_from_stacked,
+)
 from moeroute.bindings.torch.experts import (
     SUPPORTED_DTYPES,
     LocalExperts,
@@ -78,6 +87,7 @@ from moeroute.bindings.torch.group import check_ranks_agree, ep_group_size_and_r
 from moeroute.bindings.torch.load_window import DEFAULT_LOAD_WINDOW, LoadRecorder, check_window
 from moeroute.config import RouterConfig
 from moeroute.layout import DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, ExpertLayout
+from moeroute.quant import QuantConfig, dequantize_fp8_block, dequantize_fp8_tensor, quantize_experts
 
 __all__ = ["MoE", "shared_mlp_slots", "SUPPORTED_DEVICES"]
 
@@ -163,6 +173,29 @@ def shared_mlp_slots(shared_experts: nn.Module, hidden_size: int, intermediate_s
         return 1, reason + ("" if reason.startswith("the shared") else
                             " (fusing needs a gated MLP with gate_proj/up_proj/down_proj)")
     return total // intermediate_size, None
+
+
+def _split_slots(gate, up, down, inter: int, num_slots: int):
+    """A shared MLP's gate/up [S*I, H] and down [H, S*I] as S expert slots [S, 2I, H], [S, H, I]."""
+    gate_up = torch.stack([torch.cat([gate[j * inter:(j + 1) * inter], up[j * inter:(j + 1) * inter]])
+                           for j in range(num_slots)])
+    down = torch.stack([down[:, j * inter:(j + 1) * inter] for j in range(num_slots)])
+    return gate_up, down
+
+
+def linear_float_weight(linear: nn.Module) -> torch.Tensor:
+    """A linear layer's weight in float32, dequantized when it is an FP8 linear (float8_e4m3fn
+    ``weight`` with ``weight_scale_inv`` per ``block_size`` block, or one scale)."""
+    weight = linear.weight
+    if weight.dtype != torch.float8_e4m3fn:
+        return weight.float()
+    scale = getattr(linear, "weight_scale_inv", None)
+    if scale is None:
+        raise ValueError(f"{type(linear).__name__} holds a float8_e4m3fn weight without weight_scale_inv")
+    block = getattr(linear, "block_size", None)
+    if block is None or scale.numel() == 1:
+        return dequantize_fp8_tensor(weight, scale.reshape(()))
+    return dequantize_fp8_block(weight, scale, tuple(block))
 
 
 def _runs_as_inference(forward):
@@ -251,6 +284,14 @@ class MoE(nn.Module):
         ``ep_group``; default `moeroute.bindings.ep.make_dispatcher` (all2all, allgather).
     dtype, device
         Of the expert weights; the activations must match.
+    quant : moeroute.quant.QuantConfig, optional
+        Keep the routed experts quantized (FP8: docs/quant.md). The expert parameters are then
+        float8_e4m3fn with float32 scales, loaded with `load_routed_weights` (``gate_up_scale``,
+        ``down_scale``, ``input_scale``), ``load_state_dict`` or
+        `moeroute.bindings.torch.load_experts`; activations may be float32, bfloat16 or float16.
+        The shared experts stay as given: who computes them is the layout's answer, the same
+        as without ``quant``. Fused shared slots are quantized with the same config.
+        ``gemm`` then names the FP8 CPU strategy ("auto", "rows", "blocks").
     expert_weights : (Tensor [N, 2I, H'], Tensor [N, H', I]), optional
         The full stacked routed weights (the transformers layout) to take this rank's
         experts from. When the rank holds exactly these N experts (one rank, no replicas,
@@ -306,6 +347,7 @@ class MoE(nn.Module):
         record_load: bool = False,
         load_window: int = DEFAULT_LOAD_WINDOW,
         dispatcher_factory=None,
+        quant: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         # The key by which torch.ops.moeroute.moe_forward finds this layer (see forward).
@@ -332,6 +374,17 @@ class MoE(nn.Module):
                             ("apply_router_weight_on_input", apply_router_weight_on_input)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be a bool")
+        if quant is not None and not isinstance(quant, QuantConfig):
+            raise TypeError(f"quant must be a moeroute.quant.QuantConfig or None, got {type(quant).__name__}")
+        if quant is not None and expert_bias:
+            raise ValueError(f"expert_bias=True is not served with quant={quant.format!r} (FP8 experts carry "
+                             "no biases)")
+        if quant is not None and expert_weights is not None:
+            raise ValueError("expert_weights takes float weights; with quant, load the FP8 experts and their "
+                             "scales with load_routed_weights(w_gate_up, w_down, gate_up_scale=..., "
+                             "down_scale=...)")
+        if quant is not None and gemm not in FP8_STRATEGIES:
+            raise ValueError(f"gemm={gemm!r} is not an FP8 strategy; with quant use one of {FP8_STRATEGIES}")
         if apply_router_weight_on_input and router.top_k != 1:
             raise ValueError(f"apply_router_weight_on_input=True needs top_k=1 (one weight per input row), "
                              f"got top_k={router.top_k}")
@@ -359,6 +412,9 @@ class MoE(nn.Module):
             elif apply_router_weight_on_input:
                 unfusable = ("apply_router_weight_on_input scales the routed input rows, and the shared "
                              "expert needs the unscaled hidden states")
+            elif quant is not None and quant.activation == "static":
+                unfusable = ("quant activation='static' needs given activation scales for every expert "
+                             "slot, and the shared MLP has none")
 
         if ep_group is None:
             ep_size, rank, layout_dispatch = 1, 0, "none"
@@ -399,7 +455,12 @@ class MoE(nn.Module):
             self.router_bias = nn.Parameter(torch.zeros(router.num_experts, dtype=router_dtype, device=device),
                                             requires_grad=False)
         local_experts = self.layout.num_local_experts(rank)
-        if expert_weights is not None and self._can_alias(expert_weights, dtype, device):
+        self.quant = quant
+        if quant is not None:
+            # FP8 experts: the format is data; the layout above already decided the plan.
+            self.experts = QuantizedExperts(local_experts, routed_hidden_size, intermediate_size, activation,
+                                            quant=quant, device=device, strategy=gemm)
+        elif expert_weights is not None and self._can_alias(expert_weights, dtype, device):
             # This rank holds exactly the given experts: share their memory, copy nothing.
             self.experts = LocalExperts(local_experts, routed_hidden_size, intermediate_size, activation,
                                         gemm=gemm, bias=expert_bias, weights=tuple(expert_weights))
@@ -453,6 +514,7 @@ class MoE(nn.Module):
             "expert_bias": self.experts.b_gate_up is not None,
             "router_bias": self.router_bias is not None,
             "apply_router_weight_on_input": self.apply_router_weight_on_input,
+            "quant": repr(self.quant),
         })
         return fields
 
@@ -495,13 +557,27 @@ class MoE(nn.Module):
     @torch.no_grad()
     def load_routed_weights(self, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                             gate_up_bias: torch.Tensor | None = None,
-                            down_bias: torch.Tensor | None = None) -> None:
+                            down_bias: torch.Tensor | None = None, *,
+                            gate_up_scale: torch.Tensor | None = None,
+                            down_scale: torch.Tensor | None = None,
+                            input_scale: torch.Tensor | None = None) -> None:
         """Copy this rank's routed experts out of the full stacked weights.
+
+        With ``quant``, the weights are float8_e4m3fn and stay so (this rank's experts are
+        copied, never dequantized), and the scales are required.
 
         Parameters
         ----------
         w_gate_up : Tensor [N, 2I, H'] (gate rows first), any float dtype/device
+            (float8_e4m3fn with ``quant``)
         w_down : Tensor [N, H', I]
+        gate_up_scale : Tensor float32, with ``quant`` only
+            fp8_block: [N, 2*ceil(I/bn), ceil(H'/bk)] (the gate's block rows, then the up's);
+            fp8_tensor: [N, 2] (gate, up).
+        down_scale : Tensor float32, with ``quant`` only
+            fp8_block: [N, ceil(H'/bn), ceil(I/bk)]; fp8_tensor: [N].
+        input_scale : Tensor [N, 2] float32, with ``activation="static"`` only
+            The static activation scales of the gate_up and down inputs.
         gate_up_bias : Tensor [N, 2I] (gate entries first), optional
             Only with ``expert_bias=True``; None leaves the current biases.
         down_bias : Tensor [N, H'], optional
@@ -514,6 +590,19 @@ class MoE(nn.Module):
             ``expert_bias=True``.
         """
         n, inter, hid = self.router.num_experts, self.intermediate_size, self.routed_hidden_size
+        if self.quant is not None:
+            if gate_up_bias is not None or down_bias is not None:
+                raise ValueError("gate_up_bias/down_bias were given but FP8 experts carry no biases")
+            tensors = check_quantized_weights(self.quant, n, hid, inter, w_gate_up, w_down, gate_up_scale,
+                                              down_scale, input_scale)
+            targets = self.experts.quantized_tensors()
+            self._copy_expert_rows([(targets[name], tensor) for name, tensor in tensors.items()])
+            return
+        for name, scale in (("gate_up_scale", gate_up_scale), ("down_scale", down_scale),
+                            ("input_scale", input_scale)):
+            if scale is not None:
+                raise ValueError(f"{name} was given but this layer holds float experts; build it with "
+                                 "quant=QuantConfig(...) to keep FP8 weights")
         if tuple(w_gate_up.shape) != (n, 2 * inter, hid):
             raise ValueError(f"w_gate_up has shape {tuple(w_gate_up.shape)}, expected [N, 2I, H'] = "
                              f"{[n, 2 * inter, hid]}")
@@ -583,6 +672,10 @@ class MoE(nn.Module):
             raise ValueError(f"load_shared_weights needs a fused layout; this one is shared={self.layout.shared!r}")
         inter, s = self.intermediate_size, self.num_shared_experts
         _, first = self.layout.routed_range(self.rank)
+        if self.quant is not None:
+            self._load_quantized_slots(first, *(linear_float_weight(getattr(shared_experts, name))
+                                                for name in ("gate_proj", "up_proj", "down_proj")))
+            return
         gate = shared_experts.gate_proj.weight
         up = shared_experts.up_proj.weight
         down = shared_experts.down_proj.weight
@@ -591,6 +684,16 @@ class MoE(nn.Module):
             self.experts.w_gate_up[first + j, :inter].copy_(gate[rows])
             self.experts.w_gate_up[first + j, inter:].copy_(up[rows])
             self.experts.w_down[first + j].copy_(down[:, rows])
+
+    def _load_quantized_slots(self, first: int, gate, up, down) -> None:
+        """Quantize a float shared MLP (gate/up [S*I, H], down [H, S*I]) into the S fused
+        slots from local expert ``first`` on, with the layer's QuantConfig."""
+        inter, s = self.intermediate_size, self.num_shared_experts
+        w_gate_up, w_down = _split_slots(gate, up, down, inter, s)
+        quantized = quantize_experts(w_gate_up, w_down, self.quant)
+        targets = self.experts.quantized_tensors()
+        for name, tensor in zip(("w_gate_up", "gate_up_scale", "w_down", "down_scale"), quantized):
+            targets[name][first:first + s].copy_(tensor)
 
     # ------------------------------------------------------------ state dict
 
@@ -635,7 +738,9 @@ class MoE(nn.Module):
             for key in [k for k in state_dict if k.startswith(prefix + shared_prefix)]:
                 shared[key[len(prefix + shared_prefix):]] = state_dict.pop(key)
         gate_up_key, down_key = prefix + "experts.gate_up_proj", prefix + "experts.down_proj"
-        if gate_up_key in state_dict and down_key in state_dict:
+        if self.quant is not None:
+            self._map_quantized_expert_keys(state_dict, prefix, shared)
+        elif gate_up_key in state_dict and down_key in state_dict:
             gate_up, down = state_dict.pop(gate_up_key), state_dict.pop(down_key)
             ids = self.routed_expert_ids()
             if ids != list(range(gate_up.shape[0])):
@@ -651,6 +756,84 @@ class MoE(nn.Module):
             for name, value in shared.items():
                 state_dict[prefix + "shared_experts." + name] = value
 
+    @torch.no_grad()
+    def _map_quantized_expert_keys(self, state_dict, prefix, shared) -> None:
+        """FP8 experts of a checkpoint -> this rank's ``experts.*`` tensors, still FP8.
+
+        Reads DeepSeek-V3's per-expert keys (``experts.{e}.{gate,up,down}_proj.weight`` with
+        ``.weight_scale_inv``) or transformers 5's stacked FP8Experts keys; the other ranks'
+        experts are dropped. Fused shared slots are the shared MLP (float, or FP8 with
+        ``weight_scale_inv``) quantized with the layer's config.
+        """
+        quant, inter, hid = self.quant, self.intermediate_size, self.routed_hidden_size
+        ids = self.routed_expert_ids()
+        routed = None
+        pattern = re.compile(re.escape(prefix) + r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
+        found = {}
+        for key in [k for k in state_dict if k.startswith(prefix + "experts.")]:
+            match = pattern.match(key)
+            if match:
+                found[int(match.group(1)), match.group(2), match.group(3)] = state_dict.pop(key)
+        if found:
+            def take(e, projection, kind):
+                key = f"{prefix}experts.{e}.{projection}.{kind}"
+                if (e, projection, kind) not in found:
+                    raise KeyError(f"{key} is missing from the state dict (this rank holds expert {e})")
+                tensor = found[e, projection, kind]
+                if kind == "weight" and tensor.dtype != torch.float8_e4m3fn:
+                    raise ValueError(f"{key} has dtype {tensor.dtype} but the layer has quant={quant.format!r} "
+                                     "(float8_e4m3fn weights with their weight_scale_inv)")
+                return tensor
+
+            gate, up, down = ([take(e, p, "weight") for e in ids] for p in PROJECTIONS)
+            gate_s, up_s, down_s = ([take(e, p, "weight_scale_inv") for e in ids] for p in PROJECTIONS)
+            if quant.format == "fp8_block":  # gate block rows, then up block rows
+                gate_up_scale = torch.stack([torch.cat(pair) for pair in zip(gate_s, up_s)])
+                down_scale = torch.stack(down_s)
+            else:  # one scale per projection: [L, 2] (gate, up) and [L]
+                gate_up_scale = torch.stack([torch.stack([a.reshape(()), b.reshape(())])
+                                             for a, b in zip(gate_s, up_s)])
+                down_scale = torch.stack([d.reshape(()) for d in down_s])
+            routed = (torch.stack([torch.cat(pair) for pair in zip(gate, up)]), torch.stack(down),
+                      gate_up_scale, down_scale, None)
+        elif prefix + "experts.gate_up_proj" in state_dict:
+            names = ["experts.gate_up_proj", "experts.down_proj", *STACKED_SCALE_KEYS]
+            if quant.activation == "static":
+                names += ["experts.gate_up_proj_activation_scale", "experts.down_proj_activation_scale"]
+            stacked = []
+            for name in names:
+                if prefix + name not in state_dict:
+                    raise KeyError(f"{prefix + name} is missing from the state dict (FP8 experts need it)")
+                tensor = state_dict.pop(prefix + name)
+                stacked.append(tensor.index_select(0, torch.tensor(ids, device=tensor.device)))
+            gate_up_scale = gate_up_scale_from_stacked(stacked[2], quant, inter)
+            input_scale = torch.stack(stacked[4:6], dim=1) if quant.activation == "static" else None
+            routed = (stacked[0], stacked[1], gate_up_scale, stacked[3], input_scale)
+        targets = self.experts.quantized_tensors()
+        pieces = {}
+        if routed is not None:
+            checked = check_quantized_weights(quant, len(ids), hid, inter, *routed)
+            pieces.update({name: [tensor] for name, tensor in checked.items()})
+        if self.layout.shared == "fused" and "gate_proj.weight" in shared:
+            weights = []
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                weight, scale = shared.pop(f"{name}.weight"), shared.pop(f"{name}.weight_scale_inv", None)
+                if weight.dtype == torch.float8_e4m3fn:
+                    if scale is None:
+                        raise KeyError(f"{prefix}shared_experts.{name}.weight_scale_inv is missing for the FP8 "
+                                       "shared MLP")
+                    weight = (dequantize_fp8_block(weight, scale, quant.block_size) if scale.numel() > 1
+                              else dequantize_fp8_tensor(weight, scale.reshape(())))
+                weights.append(weight.float())
+            slots = quantize_experts(*_split_slots(*weights, inter, self.num_shared_experts), quant)
+            for name, tensor in zip(("w_gate_up", "gate_up_scale", "w_down", "down_scale"), slots):
+                pieces.setdefault(name, [targets[name][:len(ids)].detach().clone()]).append(tensor)
+        for name, parts in pieces.items():
+            full = targets[name]
+            if len(parts) == 1 and parts[0].shape[0] < full.shape[0]:  # routed only: keep the slots
+                parts.append(full[parts[0].shape[0]:].detach().clone())
+            state_dict[prefix + "experts." + name] = torch.cat([p.to(full.device) for p in parts])
+
     def _fused_slots(self, shared, like):
         """The S fused slots [S, 2I, H], [S, H, I] cut from a shared MLP's state dict."""
         inter, s = self.intermediate_size, self.num_shared_experts
@@ -659,9 +842,7 @@ class MoE(nn.Module):
         except KeyError as missing:
             raise KeyError(f"the state dict has experts.gate_up_proj but no shared MLP {missing.args[0]} "
                            "(under shared_experts. or shared_expert.) to fill the fused slots") from None
-        gate_up = torch.stack([torch.cat([gate[j * inter:(j + 1) * inter], up[j * inter:(j + 1) * inter]])
-                               for j in range(s)])
-        down = torch.stack([down[:, j * inter:(j + 1) * inter] for j in range(s)])
+        gate_up, down = _split_slots(gate, up, down, inter, s)
         return gate_up.to(like.device), down.to(like.device)
 
     # ----------------------------------------------------------------- forward
@@ -681,11 +862,16 @@ class MoE(nn.Module):
                              f"got shape {tuple(hidden_states.shape)}")
         expected = self.experts.w_gate_up.dtype
         # A module moved to another dtype (module.double()) is refused here, never misread.
-        check_dtype("the module's expert weights", expected)
         check_dtype("the module's router_weight", self.router_weight.dtype)
-        if hidden_states.dtype != expected:
-            raise ValueError(f"hidden_states dtype {hidden_states.dtype} does not match the expert weights' "
-                             f"dtype {expected}; convert one of them (supported: {SUPPORTED_DTYPES})")
+        if self.quant is not None:  # FP8 experts serve every activation dtype
+            if hidden_states.dtype not in SUPPORTED_DTYPES:
+                raise ValueError(f"hidden_states dtype {hidden_states.dtype} is not served; use one of "
+                                 f"{SUPPORTED_DTYPES}")
+        else:
+            check_dtype("the module's expert weights", expected)
+            if hidden_states.dtype != expected:
+                raise ValueError(f"hidden_states dtype {hidden_states.dtype} does not match the expert weights' "
+                                 f"dtype {expected}; convert one of them (supported: {SUPPORTED_DTYPES})")
         device = hidden_states.device
         if device.type not in SUPPORTED_DEVICES:
             raise ValueError(f"hidden_states on device {device} is not supported; use one of {SUPPORTED_DEVICES}")

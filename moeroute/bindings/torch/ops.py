@@ -14,7 +14,10 @@ layout_key, home_rank, shared_weights,           the layout is found by `layout_
 shared_weight)``                                 -> (ids [T, K+S'] int32, weights float32).
 ``experts(hidden_states, w_gate_up, w_down,      The local experts' weighted sum (CPU: sort,
 topk_ids, topk_weights, activation, gemm,        BLAS/oneDNN GEMMs, combine; CUDA: as
-b_gate_up, b_down)``                             ``fused_experts``); biases optional. -> [T, H].
+b_gate_up, b_down, gate_up_scale, down_scale,    ``fused_experts``); biases optional. With
+input_scale, quant_format, block_size,           ``quant_format`` ("fp8_block"/"fp8_tensor")
+quant_activation, scale_fmt)``                   the weights are float8_e4m3fn with their
+                                                 scales (docs/quant.md). -> [T, H].
 ``fused_experts(hidden_states, w_gate_up,        The CuPy grouped-GEMM path (CUDA tensors
 w_down, topk_weights, topk_ids, activation,      only; the fake kernel serves any device).
 apply_router_weight, block_size, gate_up_bias,   -> [T, H].
@@ -49,8 +52,10 @@ from moeroute.bindings.torch.experts import (
     padded_expert_mlp,
     streamed_expert_mlp,
 )
+from moeroute.bindings.torch.fp8_experts import check_quantized_weights, fp8_experts_forward
 from moeroute.config import RouterConfig
 from moeroute.layout import ExpertLayout
+from moeroute.quant import QuantConfig
 
 __all__ = [
     "NAMESPACE",
@@ -316,6 +321,34 @@ def _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights
                              f"{tuple(bias.shape)}")
 
 
+def _quant_config(quant_format, block_size, quant_activation, scale_fmt) -> QuantConfig:
+    return QuantConfig(quant_format, block_size=None if block_size is None else tuple(block_size),
+                       activation=quant_activation, scale_fmt=scale_fmt)
+
+
+def _check_fp8_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
+                            b_gate_up, b_down, gate_up_scale, down_scale, input_scale, quant):
+    """The FP8 form of `_check_experts_args` (weights float8_e4m3fn, scales per `QuantConfig`)."""
+    check_activation(activation)
+    if hidden_states.dim() != 2 or hidden_states.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"hidden_states must be 2-D [T, H] of {SUPPORTED_DTYPES}, got {hidden_states.dtype} of "
+                         f"shape {tuple(hidden_states.shape)}")
+    if b_gate_up is not None or b_down is not None:
+        raise ValueError("FP8 experts carry no biases; pass b_gate_up=b_down=None")
+    if w_gate_up.dim() != 3 or w_gate_up.shape[1] % 2:
+        raise ValueError(f"w_gate_up must be [L, 2I, H], got shape {tuple(w_gate_up.shape)}")
+    num_experts, two_inter, hidden = w_gate_up.shape
+    if _static_int(num_experts) and _static_int(hidden) and _static_int(two_inter):
+        # Shapes and dtypes only: scale values are checked where weights are loaded, and
+        # reading them here would synchronize a device (and cannot run on fake tensors).
+        check_quantized_weights(quant, num_experts, hidden, two_inter // 2, w_gate_up, w_down, gate_up_scale,
+                                down_scale, input_scale, check_values=False)
+    if topk_ids.dim() != 2 or topk_ids.dtype != torch.int32 or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_ids must be int32 [T, K] and topk_weights float32 of its shape, got "
+                         f"{topk_ids.dtype} {tuple(topk_ids.shape)} and {topk_weights.dtype} "
+                         f"{tuple(topk_weights.shape)}")
+
+
 @torch.library.custom_op(f"{NAMESPACE}::experts", mutates_args=())
 def _experts_op(
     hidden_states: torch.Tensor,
@@ -327,10 +360,26 @@ def _experts_op(
     gemm: str = "auto",
     b_gate_up: Optional[torch.Tensor] = None,
     b_down: Optional[torch.Tensor] = None,
+    gate_up_scale: Optional[torch.Tensor] = None,
+    down_scale: Optional[torch.Tensor] = None,
+    input_scale: Optional[torch.Tensor] = None,
+    quant_format: str = "",
+    block_size: Optional[list[int]] = None,
+    quant_activation: str = "dynamic",
+    scale_fmt: str = "float",
 ) -> torch.Tensor:
     """``sum_k w[t, k] * expert_{ids[t, k]}(x_t)`` over the ids in [0, L); the others are
     computed elsewhere and skipped. Optional biases b_gate_up [L, 2I] and b_down [L, H].
-    The computation of `LocalExperts` with plain (not oneDNN-packed) weights."""
+    The computation of `LocalExperts` with plain (not oneDNN-packed) weights. With
+    ``quant_format``: FP8 weights and their scales, the computation of `QuantizedExperts`
+    (``gemm`` then names the FP8 strategy: "auto", "rows" or "blocks")."""
+    if quant_format:
+        quant = _quant_config(quant_format, block_size, quant_activation, scale_fmt)
+        _check_fp8_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
+                                b_gate_up, b_down, gate_up_scale, down_scale, input_scale, quant)
+        return fp8_experts_forward(hidden_states.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
+                                   w_gate_up, gate_up_scale.float(), w_down, down_scale.float(), quant, activation,
+                                   None if input_scale is None else input_scale.float(), gemm)
     _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
                         b_gate_up, b_down)
     if hidden_states.device.type == "cuda":
@@ -355,9 +404,15 @@ def _experts_op(
 
 @_experts_op.register_fake
 def _(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation="silu", gemm="auto",
-      b_gate_up=None, b_down=None):
-    _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
-                        b_gate_up, b_down)
+      b_gate_up=None, b_down=None, gate_up_scale=None, down_scale=None, input_scale=None, quant_format="",
+      block_size=None, quant_activation="dynamic", scale_fmt="float"):
+    if quant_format:
+        quant = _quant_config(quant_format, block_size, quant_activation, scale_fmt)
+        _check_fp8_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
+                                b_gate_up, b_down, gate_up_scale, down_scale, input_scale, quant)
+    else:
+        _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
+                            b_gate_up, b_down)
     return hidden_states.new_empty(hidden_states.shape)
 
 

@@ -1,0 +1,137 @@
+"""FP8 experts on the CPU: the FP8 MoE layer against the same layer in bfloat16.
+
+Two shapes, each at T = 1, 8 and 512 tokens, bfloat16 activations:
+
+* Qwen3-30B-A3B: H = 2048, I = 768, N = 128, K = 8;
+* a DeepSeek-V3 expert shape: H = 7168, I = 2048, N = 16, K = 8.
+
+Both layers share the router weights (so the same experts are hit) and hold the same
+weights: the bfloat16 layer the float values, the FP8 layer those quantized with
+fp8_block 128x128. They run interleaved, call by call, in one process; the figure is the
+median of the per-call time ratios (bf16 time / FP8 time). Also the FP8 layer's weight
+bytes read per second (1 byte per weight of every hit expert) against the host copy
+bandwidth (bytes read plus written by a large np.copyto), and the "rows"/"blocks" CPU
+strategies against each other at T = 8 (at T = 512, "auto" takes blocks).
+
+transformers' ``FP8Experts`` does not run on a CPU (its linear fetches a GPU kernel from
+the kernels hub): the script says so instead of timing it.
+
+JSON goes to bench/results/quant.json. Run: ``python bench/quant.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
+
+from _common import host_copy_bandwidth, interleaved, print_table, write_results  # noqa: E402
+
+from moeroute.bindings.torch import MoE  # noqa: E402
+from moeroute.config import RouterConfig  # noqa: E402
+from moeroute.quant import QuantConfig, quantize_experts  # noqa: E402
+
+SHAPES = {"qwen3_30b_a3b": dict(hidden=2048, inter=768, experts=128, top_k=8),
+          "deepseek_v3_experts": dict(hidden=7168, inter=2048, experts=16, top_k=8)}
+TOKENS = (1, 8, 512)
+QUANT = QuantConfig("fp8_block")
+#: Repeats per (shape, T): decode calls take milliseconds, prefill ones seconds.
+REPEATS = {1: 15, 8: 15, 512: 2}
+#: Experts quantized per step while building (bounds the float32 temporaries).
+BUILD_STEP = 8
+
+
+def build(shape, seed=0):
+    h, inter, n, k = shape["hidden"], shape["inter"], shape["experts"], shape["top_k"]
+    router = RouterConfig(n, k, "softmax", renormalize=True)
+    generator = torch.Generator().manual_seed(seed)
+    bf16 = MoE(router, h, inter, dtype=torch.bfloat16)
+    fp8 = MoE(router, h, inter, quant=QUANT)
+    router_weight = torch.randn(n, h, generator=generator) * 0.02
+    with torch.no_grad():
+        bf16.router_weight.copy_(router_weight)
+        fp8.router_weight.copy_(router_weight)
+        for first in range(0, n, BUILD_STEP):
+            rows = slice(first, min(n, first + BUILD_STEP))
+            count = rows.stop - rows.start
+            w_gate_up = torch.randn(count, 2 * inter, h, generator=generator) * 0.02
+            w_down = torch.randn(count, h, inter, generator=generator) * 0.02
+            bf16.experts.w_gate_up[rows] = w_gate_up
+            bf16.experts.w_down[rows] = w_down
+            q_gu, s_gu, q_d, s_d = quantize_experts(w_gate_up, w_down, QUANT)
+            fp8.experts.w_gate_up[rows] = q_gu
+            fp8.experts.gate_up_scale[rows] = s_gu
+            fp8.experts.w_down[rows] = q_d
+            fp8.experts.down_scale[rows] = s_d
+    return bf16, fp8
+
+
+def hit_experts(module, x) -> int:
+    from moeroute.bindings.torch import arrays
+
+    _, ids = arrays.select_experts(module.compute_router_logits(x), module.router, None)
+    return len(set(ids.reshape(-1).tolist()))
+
+
+def run(quick: bool) -> dict:
+    copy_gbs = host_copy_bandwidth()
+    print(f"host copy bandwidth {copy_gbs:.1f} GB/s (read + write)")
+    rows, results = [], {}
+    for name, shape in SHAPES.items():
+        bf16, fp8 = build(shape)
+        per_expert_bytes = 3 * shape["hidden"] * shape["inter"]
+        for tokens in TOKENS:
+            if quick and tokens == 512:
+                continue
+            x = torch.randn(tokens, shape["hidden"], generator=torch.Generator().manual_seed(tokens)).bfloat16()
+            with torch.no_grad():
+                timing = interleaved(lambda: bf16(x), lambda: fp8(x), repeats=REPEATS[tokens], warmup=1)
+            hit = hit_experts(fp8, x)
+            fp8_gbs = hit * per_expert_bytes / (timing["candidate_us"] / 1e6) / 1e9
+            entry = {"tokens": tokens, "bf16_ms": timing["baseline_us"] / 1e3,
+                     "fp8_ms": timing["candidate_us"] / 1e3, "speedup": timing["speedup"],
+                     "speedup_range": timing["speedup_range"], "repeats": timing["repeats"],
+                     "experts_hit": hit, "fp8_weight_gbs": fp8_gbs,
+                     "fp8_weight_share_of_copy_bandwidth": fp8_gbs / copy_gbs}
+            if tokens == 8:
+                def with_strategy(strategy):
+                    def call():
+                        fp8.experts.strategy = strategy
+                        return fp8(x)
+                    return call
+                with torch.no_grad():
+                    split = interleaved(with_strategy("blocks"), with_strategy("rows"),
+                                        repeats=max(3, REPEATS[tokens] // 3), warmup=1)
+                fp8.experts.strategy = "auto"
+                entry["rows_over_blocks_speedup"] = split["speedup"]
+            results.setdefault(name, []).append(entry)
+            rows.append([name, tokens, entry["bf16_ms"], entry["fp8_ms"], entry["speedup"], fp8_gbs,
+                         entry["fp8_weight_share_of_copy_bandwidth"],
+                         entry.get("rows_over_blocks_speedup", float("nan"))])
+            print_table(["shape", "T", "bf16 ms", "fp8 ms", "bf16/fp8", "fp8 GB/s", "of copy", "blocks/rows"],
+                        rows[-1:])
+        del bf16, fp8
+    print()
+    print_table(["shape", "T", "bf16 ms", "fp8 ms", "bf16/fp8", "fp8 GB/s", "of copy", "blocks/rows"], rows)
+    return {"host_copy_gbs": copy_gbs, "quant": repr(QUANT), "activation_dtype": "bfloat16",
+            "shapes": SHAPES, "results": results,
+            "transformers_fp8_experts": "not run: transformers' FP8Experts fetches a GPU kernel from the "
+                                        "kernels hub and has no CPU path"}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="decode sizes only (T = 1, 8)")
+    args = parser.parse_args(argv)
+    path = write_results("quant", run(args.quick))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,375 @@
+"""FP8 (w8a8) expert compute on the CPU: the numerics of `moeroute.quant`, streamed.
+
+For the rows one rank received (``[Tr, H]`` with local expert ids and weights), computes
+``sum_k w_k * expert_k(x)`` where each expert is the w8a8 MLP of docs/quant.md: its input
+quantized per token group (or per token, or with a static scale), the gate_up GEMM over the
+FP8 weight with its block scales, the activation, the intermediate rounded to the
+activation dtype and quantized again, the down GEMM, and the weighted sum in float32.
+
+The FP8 weights are never dequantized whole. Two strategies, picked by rows per expert:
+
+* "rows" (few rows per expert, decode): the Numba kernels of `moeroute.quant._host` decode
+  one weight row at a time into a cache-resident buffer and dot it with every row of the
+  expert, so memory reads one byte per weight. Both GEMMs of every hit expert run in two
+  parallel calls; the second adds into the float32 sums directly.
+* "blocks" (many rows per expert, prefill): per expert, `CHUNK_BYTES` of weight rows at a
+  time are decoded into one reusable buffer (straight to bfloat16 for bfloat16 activations,
+  else float32), and multiplied by the expert's rows with torch (oneDNN/MKL): the GEMM's
+  compute is then the cost, as in the float layer.
+
+`choose_fp8_strategy` picks between them; bench/quant.py measured the crossover.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeroute.bindings.torch import arrays
+from moeroute.bindings.torch.experts import check_activation, gated_activation
+from moeroute.quant import FP8_DTYPE, QuantConfig, check_scale, quantize_fp8_activations, quantize_fp8_static
+from moeroute.quant import _host
+
+__all__ = ["QuantizedExperts", "fp8_experts_forward", "choose_fp8_strategy", "FP8_STRATEGIES",
+           "fake_quantize", "check_quantized_weights", "PROJECTIONS", "STACKED_SCALE_KEYS", "per_expert_key",
+           "gate_up_scale_from_stacked"]
+
+#: The three projections of a per-expert checkpoint, in moeroute's row order (gate, up, down).
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+#: transformers 5 FP8Experts scale names (relative to the block) -> QuantizedExperts parameter.
+STACKED_SCALE_KEYS = {"experts.gate_up_proj_scale_inv": "gate_up_scale",
+                      "experts.down_proj_scale_inv": "down_scale"}
+
+
+def per_expert_key(expert: int, projection: str, scale: bool = False) -> str:
+    """``experts.{e}.{projection}.weight`` (or ``.weight_scale_inv``), relative to the block."""
+    return f"experts.{expert}.{projection}.{'weight_scale_inv' if scale else 'weight'}"
+
+
+def gate_up_scale_from_stacked(scale: torch.Tensor, quant: QuantConfig, intermediate_size: int) -> torch.Tensor:
+    """transformers' fused gate_up scales [.., ceil(2I/bn), G] as moeroute's [.., 2*ceil(I/bn), G].
+
+    The two are the same rows when bn divides I. Otherwise a block of the fused tensor spans
+    gate and up rows, which have their own block rows here: ValueError.
+    """
+    if quant.format != "fp8_block":
+        return scale
+    bn = quant.block_size[0]
+    if intermediate_size % bn:
+        raise ValueError(f"gate_up_proj_scale_inv blocks span the gate and up rows (intermediate size "
+                         f"{intermediate_size} is not a multiple of the block rows {bn}); moeroute keeps "
+                         "gate and up in their own block rows: load the per-expert gate_proj/up_proj weights")
+    return scale
+
+#: CPU strategies of the FP8 experts; "auto" picks per call (`choose_fp8_strategy`).
+FP8_STRATEGIES = ("auto", "rows", "blocks")
+#: Largest rows-per-expert (mean over hit experts) served by the row-streaming kernels:
+#: their dot products are not register-blocked over rows, so past a few dozen rows a
+#: BLAS GEMM over decoded blocks is faster (bench/quant.py).
+ROWS_MAX_ROWS_PER_EXPERT = 16
+#: Bytes of decoded weights per chunk of the "blocks" strategy: one reusable buffer, large
+#: enough that the chunked GEMMs keep the speed of whole ones (bench/quant.py).
+CHUNK_BYTES = 16 << 20
+
+
+def choose_fp8_strategy(counts: list[int]) -> str:
+    """"rows" when the hit experts average at most `ROWS_MAX_ROWS_PER_EXPERT` rows, else "blocks"."""
+    hit = [c for c in counts if c]
+    if not hit or sum(hit) <= ROWS_MAX_ROWS_PER_EXPERT * len(hit):
+        return "rows"
+    return "blocks"
+
+
+def fake_quantize(x: torch.Tensor, config: QuantConfig, static_scale=None) -> torch.Tensor:
+    """``q_a * s_a`` float32 of activations ``x [M, K]``: the values the FP8 GEMM multiplies.
+
+    Dynamic: per row and group of ``config.activation_group_size`` columns (fp8_block) or
+    per row (fp8_tensor). ``static_scale``: a float32 tensor [M] or a float (static scheme).
+    """
+    if static_scale is not None:
+        scale = static_scale[:, None] if isinstance(static_scale, torch.Tensor) else static_scale
+        return quantize_fp8_static(x, scale).float() * scale
+    group = config.activation_group_size
+    q, scales = quantize_fp8_activations(x, group, config.scale_fmt)
+    cols = x.shape[-1]
+    if group is None:
+        return q.float() * scales
+    return q.float().mul_(scales.repeat_interleave(group, dim=-1)[..., :cols])
+
+
+def _kernel_scales(config: QuantConfig, gate_up_scale, down_scale, hidden, inter):
+    """Scales as the kernels index them, ``scale[e, row // bn, col // bk]``, and (bn, bk) of
+    each GEMM: per-tensor FP8 is one block per matrix (per gate and per up)."""
+    if config.format == "fp8_block":
+        bn, bk = config.block_size
+        return gate_up_scale, down_scale, (bn, bk), (bn, bk)
+    return (gate_up_scale.reshape(-1, 2, 1).contiguous(), down_scale.reshape(-1, 1, 1).contiguous(),
+            (inter, hidden), (hidden, inter))
+
+
+def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor,
+                        q_gate_up: torch.Tensor, gate_up_scale: torch.Tensor, q_down: torch.Tensor,
+                        down_scale: torch.Tensor, config: QuantConfig, activation: str = "silu",
+                        input_scale: torch.Tensor | None = None, strategy: str = "auto") -> torch.Tensor:
+    """Weighted sum of each row's local w8a8 experts (CPU).
+
+    Parameters
+    ----------
+    hidden_states : Tensor [Tr, H] float32/bfloat16/float16
+    local_ids : Tensor [Tr, K'] int32; ids outside [0, L) are not computed here
+    weights : Tensor [Tr, K'] float32
+    q_gate_up : Tensor [L, 2I, H] float8_e4m3fn (gate rows first)
+    gate_up_scale : Tensor float32, [L, 2*ceil(I/bn), ceil(H/bk)] (fp8_block) or [L, 2]
+    q_down : Tensor [L, H, I] float8_e4m3fn
+    down_scale : Tensor float32, [L, ceil(H/bn), ceil(I/bk)] (fp8_block) or [L]
+    config : QuantConfig
+    activation : str
+    input_scale : Tensor [L, 2] float32 (gate_up input, down input), static scheme only
+    strategy : {"auto", "rows", "blocks"}
+
+    Returns
+    -------
+    Tensor [Tr, H], dtype of ``hidden_states``, accumulated in float32.
+    """
+    if strategy not in FP8_STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not an FP8 strategy; use one of {FP8_STRATEGIES}")
+    num_tokens, hidden = hidden_states.shape
+    num_experts, two_inter, _ = q_gate_up.shape
+    inter = two_inter // 2
+    top_k = local_ids.shape[1]
+    sorted_slots, expert_offsets, _ = arrays.sort_by_expert(local_ids, num_experts)
+    offsets = expert_offsets.to(torch.int64)
+    counts = (offsets[1:] - offsets[:-1]).tolist()
+    slots = sorted_slots.to(torch.int64)
+    tokens = slots // top_k
+    slot_weights = weights.reshape(-1).to(torch.float32)[slots].contiguous()
+    device = hidden_states.device
+    sums = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
+    if slots.numel() == 0:
+        return sums.to(hidden_states.dtype)
+    if device.type != "cpu":
+        strategy = "blocks"  # the row kernels are Numba CPU code
+    elif strategy == "auto":
+        strategy = choose_fp8_strategy(counts)
+    static = config.activation == "static"
+    row_expert = torch.repeat_interleave(torch.arange(num_experts, device=device),
+                                         torch.tensor(counts, device=device))
+    gu_scale, d_scale, gu_block, d_block = _kernel_scales(config, gate_up_scale, down_scale, hidden, inter)
+
+    # First GEMM's input: quantized once per token (dynamic), or per (row, expert) with the
+    # expert's static scale.
+    if static:
+        xs = fake_quantize(hidden_states[tokens], config, input_scale[row_expert, 0].float())
+        x_rows = torch.arange(tokens.numel(), device=device)
+    else:
+        xs = fake_quantize(hidden_states, config)
+        x_rows = tokens
+    hit = [e for e, c in enumerate(counts) if c]
+    if strategy == "rows":
+        gate_up = torch.empty(tokens.numel(), two_inter, dtype=torch.float32)
+        nb = gu_scale.shape[1]
+        work = torch.tensor([[e, b] for e in hit for b in range(nb)], dtype=torch.int64)
+        _host.gate_up_rows(xs.numpy(), x_rows.numpy(), offsets.numpy(), work.numpy(),
+                           q_gate_up.view(torch.uint8).numpy(), gu_scale.numpy(), inter, gu_block[0],
+                           gu_block[1], gate_up.numpy())
+    else:
+        gate_up = _blocks_gemm(xs[x_rows], offsets, hit, q_gate_up, gu_scale, gu_block, hidden_states.dtype,
+                               halves=(inter, gu_scale.shape[1] // 2))
+    act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
+    if hidden_states.dtype != torch.float32:  # the intermediate in the activation dtype, as GPUs keep it
+        act = act.to(hidden_states.dtype)
+    act_scale = input_scale[row_expert, 1].float() if static else None
+    acts = fake_quantize(act, config, act_scale).contiguous()
+    if strategy == "rows":
+        _host.down_rows(acts.numpy(), tokens.numpy(), slot_weights.numpy(), offsets.numpy(),
+                        torch.tensor(hit, dtype=torch.int64).numpy(), q_down.view(torch.uint8).numpy(),
+                        d_scale.numpy(), d_block[0], d_block[1], sums.numpy())
+    else:
+        y = _blocks_gemm(acts, offsets, hit, q_down, d_scale, d_block, hidden_states.dtype)
+        sums.index_add_(0, tokens, y.mul_(slot_weights[:, None]))
+    return sums if hidden_states.dtype == torch.float32 else sums.to(hidden_states.dtype)
+
+
+def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None, decoder=None):
+    """[M, R] float32: each expert's rows of ``xs`` times its weight decoded in chunks.
+
+    ``halves`` (I, nb): the weight is gate_up, whose up rows count block rows from row I.
+    ``decoder``: "numba" (`moeroute.quant._host.dequantize_rows`, CPU) or "torch" (torch's
+    e4m3 conversion, fast on devices); default by the weight's device.
+    """
+    if decoder is None:
+        decoder = "numba" if q.device.type == "cpu" else "torch"
+    rows_out = q.shape[1]
+    cols = q.shape[2]
+    bn, bk = block
+    out = torch.empty(xs.shape[0], rows_out, dtype=torch.float32, device=xs.device)
+    bf16_bits = decoder == "numba" and dtype == torch.bfloat16  # decode straight to bfloat16
+    element = 2 if bf16_bits else 4
+    chunk_rows = min(rows_out, max(1, CHUNK_BYTES // (element * cols)))  # rows need not align to blocks
+    buffer = torch.empty(chunk_rows, cols, dtype=torch.bfloat16 if bf16_bits else torch.float32,
+                         device=xs.device)
+    work = torch.empty(cols, dtype=torch.float32)
+    x_cast = xs.to(dtype)
+    q_bytes = q.view(torch.uint8)
+    # Chunks never straddle gate and up (their block rows are numbered apart).
+    spans = [(0, rows_out, 0)] if halves is None else [(0, halves[0], 0), (halves[0], rows_out, halves[0])]
+    for e in hit:
+        start, stop = int(offsets[e]), int(offsets[e + 1])
+        x_e = x_cast[start:stop]
+        for first, last, origin in spans:
+            scale_e = scale[e] if origin == 0 else scale[e, halves[1]:]
+            for r0 in range(first, last, chunk_rows):
+                r1 = min(last, r0 + chunk_rows)
+                w = buffer[:r1 - r0]
+                if bf16_bits:
+                    _host.dequantize_rows_bf16(q_bytes[e].numpy(), scale_e.numpy(), r0, r1, origin, bn, bk,
+                                               work.numpy(), w.view(torch.int16).numpy())
+                elif decoder == "numba":
+                    _host.dequantize_rows(q_bytes[e].numpy(), scale_e.numpy(), r0, r1, origin, bn, bk,
+                                          w.numpy())
+                else:  # torch's own e4m3 conversion is fast on devices
+                    rows = torch.arange(r0, r1, device=q.device) - origin
+                    block_scales = scale_e[rows // bn].repeat_interleave(bk, dim=1)[:, :cols]
+                    torch.mul(q[e, r0:r1].float(), block_scales, out=w)
+                out[start:stop, r0:r1] = torch.mm(x_e, w.to(dtype).t())
+    return out
+
+
+class QuantizedExperts(nn.Module):
+    """The FP8 experts one rank holds (the quantized counterpart of `LocalExperts`).
+
+    Parameters
+    ----------
+    num_local_experts, hidden_size, intermediate_size, activation
+        As `moeroute.bindings.torch.experts.LocalExperts`.
+    quant : QuantConfig
+    device : torch device of the weights.
+    strategy : {"auto", "rows", "blocks"}
+        CPU strategy (`fp8_experts_forward`).
+
+    Attributes
+    ----------
+    w_gate_up : Parameter [L, 2I, H] float8_e4m3fn (gate rows first)
+    w_down : Parameter [L, H, I] float8_e4m3fn
+    gate_up_scale : Parameter float32, [L, 2*ceil(I/bn), ceil(H/bk)] (fp8_block: the gate's
+        block rows, then the up's) or [L, 2] (fp8_tensor: gate, up)
+    down_scale : Parameter float32, [L, ceil(H/bn), ceil(I/bk)] or [L]
+    input_scale : Parameter [L, 2] float32 (gate_up input, down input) with
+        ``activation="static"``, else None
+    b_gate_up, b_down : None (quantized experts carry no biases)
+
+    The weights start at zero with unit scales (no float copy is ever made); load them with
+    ``MoE.load_routed_weights``, ``load_state_dict`` or `moeroute.bindings.torch.load_experts`.
+    ``module.to(dtype)`` leaves them as they are (it moves them to another device only):
+    casting FP8 values without their scales would be silently wrong.
+    """
+
+    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int,
+                 activation: str = "silu", *, quant: QuantConfig, device=None, strategy: str = "auto") -> None:
+        super().__init__()
+        if not isinstance(quant, QuantConfig):
+            raise TypeError(f"quant must be a moeroute.quant.QuantConfig, got {type(quant).__name__}")
+        if strategy not in FP8_STRATEGIES:
+            raise ValueError(f"strategy={strategy!r} is not an FP8 strategy; use one of {FP8_STRATEGIES}")
+        self.activation = check_activation(activation)
+        self.quant = quant
+        self.strategy = strategy
+        self.num_local_experts = num_local_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.gemm = strategy
+        self.b_gate_up = self.b_down = None
+        self.pack_cpu = False
+        gate_up_shape, down_shape = quant.scale_shapes(num_local_experts, hidden_size, intermediate_size)
+
+        def parameter(tensor):
+            return nn.Parameter(tensor, requires_grad=False)
+
+        self.w_gate_up = parameter(torch.zeros(num_local_experts, 2 * intermediate_size, hidden_size,
+                                               dtype=FP8_DTYPE, device=device))
+        self.w_down = parameter(torch.zeros(num_local_experts, hidden_size, intermediate_size, dtype=FP8_DTYPE,
+                                            device=device))
+        self.gate_up_scale = parameter(torch.ones(gate_up_shape, dtype=torch.float32, device=device))
+        self.down_scale = parameter(torch.ones(down_shape, dtype=torch.float32, device=device))
+        self.input_scale = None
+        if quant.activation == "static":
+            self.input_scale = parameter(torch.ones(num_local_experts, 2, dtype=torch.float32, device=device))
+
+    def quantized_tensors(self) -> dict:
+        """name -> parameter of every tensor a load must fill: weights, scales, input scales."""
+        names = ("w_gate_up", "w_down", "gate_up_scale", "down_scale", "input_scale")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def pack_cpu_weights(self, enable: bool = True):
+        if enable:
+            raise ValueError("pack_cpu_weights packs float weights for oneDNN; FP8 experts are decoded "
+                             "in the expert loop and have nothing to pack")
+        return self
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(dtype)/.half() would cast the e4m3 values (and the scales) without their scales:
+        # keep every quantized tensor's dtype, follow only the device.
+        kept = {name: p.data for name, p in self._parameters.items() if p is not None}
+        result = super()._apply(fn, *args, **kwargs)
+        for name, old in kept.items():
+            param = self._parameters[name]
+            if param.dtype != old.dtype:
+                param.data = old.to(device=param.device)
+        return result
+
+    def extra_repr(self) -> str:
+        return (f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, activation={self.activation!r}, "
+                f"quant={self.quant!r}")
+
+    def forward(self, hidden_states: torch.Tensor, local_ids: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of each row's local w8a8 experts: as `LocalExperts.forward`, with the
+        numerics of docs/quant.md; any of float32/bfloat16/float16 activations."""
+        return fp8_experts_forward(hidden_states.contiguous(), local_ids.contiguous(), weights.contiguous(),
+                                   self.w_gate_up, self.gate_up_scale, self.w_down, self.down_scale,
+                                   self.quant, self.activation, self.input_scale, self.strategy)
+
+
+def check_quantized_weights(quant: QuantConfig, num_experts: int, hidden_size: int, intermediate_size: int,
+                            w_gate_up, w_down, gate_up_scale, down_scale, input_scale,
+                            check_values: bool = True) -> dict:
+    """The full stacked FP8 tensors checked at the boundary; name -> tensor (scales float32).
+
+    ``check_values=False`` checks shapes and dtypes only (no read of the scales' values).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument: a float weight (quantize it first), an FP8 weight without its
+        scales, shapes other than `QuantConfig.scale_shapes`, scales that are not float32,
+        not finite or not positive, a static scheme without ``input_scale`` (or one given
+        to a dynamic layer).
+    """
+    expected = {"w_gate_up": (num_experts, 2 * intermediate_size, hidden_size),
+                "w_down": (num_experts, hidden_size, intermediate_size)}
+    for name, weight in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(weight).__name__}")
+        if weight.dtype != FP8_DTYPE:
+            raise ValueError(f"{name} has dtype {weight.dtype} but the layer has quant={quant.format!r}, "
+                             "which stores float8_e4m3fn weights with their scales; quantize float weights "
+                             "with moeroute.quant.quantize_experts")
+        if tuple(weight.shape) != expected[name]:
+            raise ValueError(f"{name} has shape {tuple(weight.shape)}, expected {list(expected[name])}")
+    gate_up_shape, down_shape = quant.scale_shapes(num_experts, hidden_size, intermediate_size)
+    for name, scale in (("gate_up_scale", gate_up_scale), ("down_scale", down_scale)):
+        if scale is None:
+            raise ValueError(f"{name} is missing: FP8 weights (quant={quant.format!r}) need their scales")
+    tensors = {"w_gate_up": w_gate_up, "w_down": w_down,
+               "gate_up_scale": check_scale("gate_up_scale", gate_up_scale, gate_up_shape, check_values),
+               "down_scale": check_scale("down_scale", down_scale, down_shape, check_values)}
+    if quant.activation == "static":
+        if input_scale is None:
+            raise ValueError("input_scale is missing: quant activation='static' needs the [N, 2] activation "
+                             "scales (gate_up input, down input)")
+        tensors["input_scale"] = check_scale("input_scale", input_scale, (num_experts, 2), check_values)
+    elif input_scale is not None:
+        raise ValueError("input_scale was given but the layer quantizes activations dynamically "
+                         "(QuantConfig activation='dynamic')")
+    return tensors

@@ -1,0 +1,280 @@
+"""MoE(quant=...): FP8 experts against the plain w8a8 reference, in every shared mode.
+
+The reference routes with moeroute.routing.reference, runs the experts with
+moeroute.quant.reference (one k-group at a time, float64 sums) and adds the shared
+contribution once: the float shared MLP for runner/overlap, the w8a8 of its quantized slots
+for fused. Tolerances (max abs diff / max abs reference): 2e-2 with float32 activations,
+4e-2 with bfloat16 ones, 8e-2 against the float32 layer on the dequantized weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeroute.bindings.torch import MoE
+from moeroute.bindings.torch.fp8_experts import fp8_experts_forward
+from moeroute.config import RouterConfig
+from moeroute.layout import LayoutError
+from moeroute.quant import QuantConfig, dequantize_experts, dequantize_fp8_block, quantize_experts
+from moeroute.quant.reference import moe_experts_reference
+from moeroute.routing import reference
+
+H, N, K, T = 256, 8, 2, 12
+RTOL = {torch.float32: 2e-2, torch.bfloat16: 4e-2}
+DEQUANTIZED_RTOL = 8e-2
+ROUTER = RouterConfig(N, K, "softmax", renormalize=True)
+
+FORMATS = {
+    "block128": QuantConfig("fp8_block"),
+    "block64x128": QuantConfig("fp8_block", block_size=(64, 128)),
+    "block_ue8m0": QuantConfig("fp8_block", scale_fmt="ue8m0"),
+    "tensor": QuantConfig("fp8_tensor"),
+}
+
+
+class CountingMLP(nn.Module):
+    """A transformers-style gated shared MLP that counts its calls."""
+
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.act_fn = nn.SiLU()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _randn(*shape, seed, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def build(quant, inter, shared="runner", num_shared=1, gated=True, dtype=torch.float32, seed=0):
+    shared_mlp = gate = None
+    if num_shared:
+        shared_mlp = CountingMLP(H, num_shared * inter)
+        gate = nn.Linear(H, 1, bias=False)
+        with torch.no_grad():
+            for i, p in enumerate(list(shared_mlp.parameters()) + list(gate.parameters())):
+                p.copy_(_randn(*p.shape, seed=seed + 10 + i, scale=0.1))
+        shared_mlp.to(dtype)
+        gate = gate.to(dtype) if gated else None
+    module = MoE(ROUTER, H, inter, shared_experts=shared_mlp, shared_expert_gate=gate, shared=shared,
+                 quant=quant)
+    w_gate_up, w_down = _randn(N, 2 * inter, H, seed=seed, scale=0.1), _randn(N, H, inter, seed=seed + 1, scale=0.1)
+    q_gu, s_gu, q_d, s_d = quantize_experts(w_gate_up, w_down, quant)
+    input_scale = None
+    if quant.activation == "static":
+        input_scale = torch.tensor([[4.0 / 448, 2.0 / 448]]).repeat(N, 1)
+    with torch.no_grad():
+        module.router_weight.copy_(_randn(N, H, seed=seed + 2))
+    module.load_routed_weights(q_gu, w_down=q_d, gate_up_scale=s_gu, down_scale=s_d, input_scale=input_scale)
+    return module, shared_mlp, gate, (q_gu, s_gu, q_d, s_d, input_scale)
+
+
+def _routing(module, x):
+    logits = F.linear(x.float(), module.router_weight.float())
+    weights, ids = reference.select_experts(logits.numpy(), module.router, None)
+    return torch.from_numpy(weights), torch.from_numpy(ids).long()
+
+
+@torch.no_grad()
+def reference_output(module, x, quantized, shared_mlp, gate, dtype, shared_times=1):
+    """Routed w8a8 experts + ``shared_times`` x the shared contribution, float32."""
+    quant = module.quant
+    q_gu, s_gu, q_d, s_d, input_scale = quantized
+    topk_weights, topk_ids = _routing(module, x)
+    routed = moe_experts_reference(x, topk_ids, topk_weights, q_gu, s_gu, q_d, s_d, quant.block_size,
+                                   quant.scale_fmt, input_scale=input_scale, intermediate_dtype=dtype)
+    if shared_mlp is None:
+        return routed
+    g = torch.ones(x.shape[0], 1) if gate is None else torch.sigmoid(x.double() @ gate.weight.double().T)
+    inter = module.intermediate_size
+    if module.layout.shared == "fused":
+        # The slots hold the shared MLP quantized with the layer's config.
+        num_slots = module.num_shared_experts
+        gate_w, up_w, down_w = (shared_mlp.gate_proj.weight.float(), shared_mlp.up_proj.weight.float(),
+                                shared_mlp.down_proj.weight.float())
+        slots_gu = torch.stack([torch.cat([gate_w[j * inter:(j + 1) * inter], up_w[j * inter:(j + 1) * inter]])
+                                for j in range(num_slots)])
+        slots_d = torch.stack([down_w[:, j * inter:(j + 1) * inter] for j in range(num_slots)])
+        q = quantize_experts(slots_gu, slots_d, quant)
+        ids = torch.arange(num_slots).repeat(x.shape[0], 1)
+        shared = moe_experts_reference(x, ids, g.float().expand(-1, num_slots), *q, quant.block_size,
+                                       quant.scale_fmt, intermediate_dtype=dtype)
+    else:
+        x64 = x.double()
+        s = (F.silu(x64 @ shared_mlp.gate_proj.weight.double().T) * (x64 @ shared_mlp.up_proj.weight.double().T))
+        shared = (g * (s @ shared_mlp.down_proj.weight.double().T)).float()
+    return routed + shared_times * shared
+
+
+def rel_error(actual, expected):
+    return float((actual.float() - expected).abs().max() / expected.abs().max())
+
+
+# Every (format x shared mode); the (I, activation dtype) pairs rotate over the shared modes so
+# that each format meets I = 200 and I = 100 (EP-split size, not a block multiple) in both dtypes.
+SIZES = [(200, torch.float32), (100, torch.bfloat16), (200, torch.bfloat16), (100, torch.float32)]
+CASES = [(fmt, *SIZES[(i + j) % 4], shared)
+         for i, fmt in enumerate(FORMATS) for j, shared in enumerate(["runner", "overlap", "fused", "auto"])]
+
+
+@pytest.mark.parametrize("fmt,inter,dtype,shared", CASES)
+def test_matches_w8a8_reference_and_shared_once(fmt, inter, dtype, shared):
+    quant = FORMATS[fmt]
+    module, shared_mlp, gate, quantized = build(quant, inter, shared, dtype=dtype)
+    assert module.layout.shared == ("fused" if shared == "auto" else shared)
+    x = _randn(T, H, seed=99).to(dtype)
+    with torch.no_grad():
+        out = module(x)
+    assert out.dtype == dtype and out.shape == x.shape
+    expected = reference_output(module, x, quantized, shared_mlp, gate, dtype)
+    assert rel_error(out, expected) < RTOL[dtype]
+    # The shared contribution is large enough that missing or doubling it would fail.
+    for times in (0, 2):
+        wrong = reference_output(module, x, quantized, shared_mlp, gate, dtype, shared_times=times)
+        assert rel_error(out, wrong) > 5 * RTOL[dtype]
+    # Computed exactly once: by the MLP itself (runner/overlap), or by its slots (fused).
+    assert shared_mlp.calls == (0 if module.layout.shared == "fused" else 1)
+
+
+@pytest.mark.parametrize("fmt", ["block128", "block64x128", "tensor"])
+def test_close_to_float_layer_on_dequantized_weights(fmt):
+    quant = FORMATS[fmt]
+    module, _, _, (q_gu, s_gu, q_d, s_d, _) = build(quant, 200, num_shared=0)
+    float_layer = MoE(ROUTER, H, 200)
+    with torch.no_grad():
+        float_layer.router_weight.copy_(module.router_weight)
+    float_layer.load_routed_weights(*dequantize_experts(q_gu, s_gu, q_d, s_d, quant))
+    x = _randn(T, H, seed=5)
+    with torch.no_grad():
+        assert rel_error(module(x), float_layer(x).double().float()) < DEQUANTIZED_RTOL
+
+
+def test_static_per_tensor():
+    quant = QuantConfig("fp8_tensor", activation="static")
+    module, shared_mlp, gate, quantized = build(quant, 200, shared="auto")
+    # Static activation scales leave the shared MLP without slot scales: auto runs it itself.
+    assert module.layout.shared == "runner"
+    x = _randn(T, H, seed=3)
+    with torch.no_grad():
+        out = module(x)
+    assert rel_error(out, reference_output(module, x, quantized, shared_mlp, gate, torch.float32)) < 2e-2
+    with pytest.raises(LayoutError, match="static"):
+        build(quant, 200, shared="fused")
+
+
+@pytest.mark.parametrize("strategy", ["rows", "blocks"])
+@pytest.mark.parametrize("rows_per_expert", [1, 5, 40])
+def test_cpu_strategies_agree_with_reference(strategy, rows_per_expert):
+    quant = QuantConfig("fp8_block", block_size=(64, 128))
+    inter, experts = 200, 3
+    q = quantize_experts(_randn(experts, 2 * inter, H, seed=1, scale=0.1),
+                         _randn(experts, H, inter, seed=2, scale=0.1), quant)
+    tokens = rows_per_expert * experts
+    x = _randn(tokens, H, seed=3)
+    ids = torch.stack([torch.arange(tokens) % experts, (torch.arange(tokens) + 1) % (experts + 1) - 1], 1)
+    weights = torch.rand(tokens, 2, generator=torch.Generator().manual_seed(4))
+    out = fp8_experts_forward(x, ids.int(), weights, *q, quant, strategy=strategy)
+    expected = moe_experts_reference(x, ids, weights, *q, quant.block_size)
+    assert rel_error(out, expected) < 1e-4  # float32: the same numerics, summation order aside
+
+
+def test_to_dtype_keeps_fp8_weights():
+    module, _, _, (q_gu, s_gu, _, _, _) = build(FORMATS["block128"], 200, num_shared=0)
+    module.to(torch.bfloat16)
+    assert module.experts.w_gate_up.dtype == torch.float8_e4m3fn
+    assert module.experts.gate_up_scale.dtype == torch.float32
+    assert torch.equal(module.experts.w_gate_up.view(torch.uint8), q_gu.view(torch.uint8))
+    assert torch.equal(module.experts.gate_up_scale, s_gu)
+
+
+def test_state_dict_round_trip():
+    module, _, _, _ = build(FORMATS["block64x128"], 200, num_shared=0)
+    copy = MoE(ROUTER, H, 200, quant=FORMATS["block64x128"])
+    copy.load_state_dict(module.state_dict())
+    x = _randn(4, H, seed=8)
+    with torch.no_grad():
+        assert torch.equal(copy(x), module(x))
+
+
+# ------------------------------------------------------------------ bad input
+
+def _quantized(quant, inter=200):
+    return quantize_experts(_randn(N, 2 * inter, H, seed=0, scale=0.1), _randn(N, H, inter, seed=1, scale=0.1),
+                            quant)
+
+
+def test_errors_name_the_argument():
+    quant = FORMATS["block128"]
+    module = MoE(ROUTER, H, 200, quant=quant)
+    q_gu, s_gu, q_d, s_d = _quantized(quant)
+    w_gu = _randn(N, 400, H, seed=0)
+    with pytest.raises(ValueError, match="w_gate_up has dtype torch.float32.*quantize_experts"):
+        module.load_routed_weights(w_gu, q_d, gate_up_scale=s_gu, down_scale=s_d)
+    with pytest.raises(ValueError, match="gate_up_scale is missing"):
+        module.load_routed_weights(q_gu, q_d, down_scale=s_d)
+    with pytest.raises(ValueError, match=r"gate_up_scale has shape \(8, 3, 2\), expected \[8, 4, 2\]"):
+        module.load_routed_weights(q_gu, q_d, gate_up_scale=s_gu[:, :3], down_scale=s_d)
+    with pytest.raises(ValueError, match="down_scale has dtype torch.bfloat16"):
+        module.load_routed_weights(q_gu, q_d, gate_up_scale=s_gu, down_scale=s_d.bfloat16())
+    bad = s_d.clone()
+    bad[3, 1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"down_scale must be finite and > 0.*\[\(3, 1, 0\)\]|down_scale\[\(3, 1, 0\)\]"):
+        module.load_routed_weights(q_gu, q_d, gate_up_scale=s_gu, down_scale=bad)
+    bad = s_gu.clone()
+    bad[0, 0, 0] = 0.0
+    with pytest.raises(ValueError, match="gate_up_scale must be finite and > 0"):
+        module.load_routed_weights(q_gu, q_d, gate_up_scale=bad, down_scale=s_d)
+    # A checkpoint whose block size is not the declared one: its scales do not divide as declared.
+    _, s_gu64, _, s_d64 = _quantized(QuantConfig("fp8_block", block_size=(64, 128)))
+    with pytest.raises(ValueError, match="gate_up_scale has shape"):
+        module.load_routed_weights(q_gu, q_d, gate_up_scale=s_gu64, down_scale=s_d64)
+    with pytest.raises(ValueError, match="input_scale was given"):
+        module.load_routed_weights(q_gu, q_d, gate_up_scale=s_gu, down_scale=s_d, input_scale=torch.ones(N, 2))
+    float_layer = MoE(ROUTER, H, 200)
+    with pytest.raises(ValueError, match="gate_up_scale was given but this layer holds float experts"):
+        float_layer.load_routed_weights(w_gu, _randn(N, H, 200, seed=1), gate_up_scale=s_gu)
+    with pytest.raises(ValueError, match="expert_weights takes float weights"):
+        MoE(ROUTER, H, 200, quant=quant, expert_weights=(w_gu, _randn(N, H, 200, seed=1)))
+    with pytest.raises(TypeError, match="quant must be"):
+        MoE(ROUTER, H, 200, quant="fp8_block")
+    with pytest.raises(ValueError, match="expert_bias"):
+        MoE(ROUTER, H, 200, quant=quant, expert_bias=True)
+    static = MoE(ROUTER, H, 200, quant=QuantConfig("fp8_tensor", activation="static"))
+    q = _quantized(QuantConfig("fp8_tensor"))
+    with pytest.raises(ValueError, match="input_scale is missing"):
+        static.load_routed_weights(q[0], q[2], gate_up_scale=q[1], down_scale=q[3])
+    with pytest.raises(ValueError, match="hidden_states dtype torch.float64"):
+        module(torch.zeros(2, H, dtype=torch.float64))
+
+
+def test_torch_decoder_of_the_device_path_matches_numba():
+    # The blocks strategy decodes with torch's e4m3 conversion on devices: run that branch on
+    # the CPU against the Numba decoder (same chunks, same float32 values).
+    from moeroute.bindings.torch import fp8_experts
+
+    quant = QuantConfig("fp8_block", block_size=(64, 128))
+    q_gu, s_gu, _, _ = quantize_experts(_randn(3, 400, H, seed=1, scale=0.1), _randn(3, H, 200, seed=2), quant)
+    x = _randn(9, H, seed=3)
+    offsets = torch.tensor([0, 4, 4, 9])
+    args = (x, offsets, [0, 2], q_gu, s_gu, quant.block_size, torch.float32)
+    numba_out = fp8_experts._blocks_gemm(*args, halves=(200, s_gu.shape[1] // 2), decoder="numba")
+    torch_out = fp8_experts._blocks_gemm(*args, halves=(200, s_gu.shape[1] // 2), decoder="torch")
+    rows = torch.cat([torch.arange(0, 4), torch.arange(4, 9)])
+    assert torch.equal(numba_out[rows], torch_out[rows])
+    nb = s_gu.shape[1] // 2
+
+    def weight(e):  # gate and up decoded from their own block rows
+        return torch.cat([dequantize_fp8_block(q_gu[e, :200], s_gu[e, :nb], quant.block_size),
+                          dequantize_fp8_block(q_gu[e, 200:], s_gu[e, nb:], quant.block_size)])
+
+    expected = torch.cat([x[0:4] @ weight(0).T, x[4:9] @ weight(2).T])
+    torch.testing.assert_close(torch_out, expected, rtol=1e-5, atol=1e-5)
