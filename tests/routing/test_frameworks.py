@@ -220,7 +220,7 @@ def test_select_experts_refuses_out_buffers_sharing_memory(framework):
 
 def test_select_experts_names_a_meta_tensor():
     config = ROUTERS["softmax"]
-    with pytest.raises(ValueError, match=r"logits is on meta; select_experts takes CPU or CUDA"):
+    with pytest.raises(ValueError, match=r"logits is on meta; select_experts takes a CPU tensor, a CUDA tensor"):
         moeroute.select_experts(torch.empty(4, config.num_experts, device="meta"), config)
     with pytest.raises(ValueError, match=r"correction_bias is on meta"):
         moeroute.select_experts(torch.zeros(4, config.num_experts), config,

@@ -218,8 +218,8 @@ def _host_input(name, array):
     torch = _arrays.torch_of(array)
     if torch is not None and array.device.type != "cpu":
         # A meta (or other non-CUDA) tensor holds no values the kernels could read.
-        raise ValueError(f"{name} is on {array.device}; select_experts takes CPU or CUDA "
-                         "tensors, NumPy arrays or CUDA device arrays")
+        raise ValueError(f"{name} is on {array.device}; select_experts takes a CPU tensor, a CUDA "
+                         "tensor, a NumPy array or a CUDA device array")
     if isinstance(array, np.ndarray) or torch is not None:
         return _arrays.host_array(array)
     raise TypeError(f"{name} must be a NumPy array, a torch tensor or a CUDA device array, got "
