@@ -73,6 +73,7 @@ PER_TEST_TIMEOUT_S = 60
 GPU_TEST_FILES = (
     "tests/gpu/test_gpu_device.py",
     "tests/gpu/test_gpu_graph.py",
+    "tests/gpu/test_gpu_fp8_device.py",
     "tests/routing/test_select_cuda.py",
     "tests/routing/test_dispatch_cuda.py",
     "tests/routing/test_frameworks.py",
