@@ -81,6 +81,7 @@ GPU_TEST_FILES = (
     "tests/routing/test_route.py",
     "tests/bindings/test_moe.py",
     "tests/bindings/test_ops.py",
+    "tests/quant/test_quant_fp8.py",
 )
 
 ENVIRONMENT_JSON = "environment.json"
