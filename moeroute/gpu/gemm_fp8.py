@@ -115,7 +115,7 @@ def plan_fp8_gemm(*, path: str, dtype: str, gated: bool, block_size: int, a, a_s
     raise ValueError(f"path={path!r}: expected 'simt' or 'mma'")
 
 
-def check_fp8_experts_args(hidden_states, q_gate_up, gate_up_scale, q_down, down_scale, topk_weights, topk_ids,
+def check_fp8_experts_args(hidden_states, w_gate_up, gate_up_scale, w_down, down_scale, topk_weights, topk_ids,
                            *, format: str, block_size=(128, 128)):
     """Shapes of an FP8 fused_experts call: returns (T, H, I, E, K, (bn_gate_up, bk_gate_up),
     (bn_down, bk_down)) or raises ValueError naming the argument."""
@@ -125,12 +125,12 @@ def check_fp8_experts_args(hidden_states, q_gate_up, gate_up_scale, q_down, down
     if len(shape(hidden_states)) != 2:
         raise ValueError(f"hidden_states must be [T, H], got shape {shape(hidden_states)}")
     T, H = shape(hidden_states)
-    if len(shape(q_gate_up)) != 3 or shape(q_gate_up)[1] % 2 or shape(q_gate_up)[2] != H:
-        raise ValueError(f"q_gate_up has shape {shape(q_gate_up)}; expected [num_experts, 2 * I, {H}]")
-    E, two_I, _ = shape(q_gate_up)
+    if len(shape(w_gate_up)) != 3 or shape(w_gate_up)[1] % 2 or shape(w_gate_up)[2] != H:
+        raise ValueError(f"w_gate_up has shape {shape(w_gate_up)}; expected [num_experts, 2 * I, {H}]")
+    E, two_I, _ = shape(w_gate_up)
     I = two_I // 2
-    if shape(q_down) != (E, H, I):
-        raise ValueError(f"q_down has shape {shape(q_down)}; expected {[E, H, I]}")
+    if shape(w_down) != (E, H, I):
+        raise ValueError(f"w_down has shape {shape(w_down)}; expected {[E, H, I]}")
     if shape(topk_ids) != shape(topk_weights) or len(shape(topk_ids)) != 2 or shape(topk_ids)[0] != T:
         raise ValueError(f"topk_ids {shape(topk_ids)} and topk_weights {shape(topk_weights)} must both be [{T}, K]")
     K = shape(topk_ids)[1]
@@ -151,7 +151,7 @@ def check_fp8_experts_args(hidden_states, q_gate_up, gate_up_scale, q_down, down
     return T, H, I, E, K, gate_up_tile, down_tile
 
 
-def run_fp8_experts(backend, dtype: str, hidden_states, q_gate_up, gate_up_scale, q_down, down_scale,
+def run_fp8_experts(backend, dtype: str, hidden_states, w_gate_up, gate_up_scale, w_down, down_scale,
                     topk_weights, topk_ids, out, *, format: str, block_size=(128, 128), scale_fmt: str = "float",
                     activation: str = "silu", apply_router_weight: bool = True, align_block=None, path=None):
     """Enqueue the FP8 expert MLPs on ``backend`` (arrays in its framework: e4m3 weights as
@@ -166,7 +166,7 @@ def run_fp8_experts(backend, dtype: str, hidden_states, q_gate_up, gate_up_scale
     if activation not in L.ACTIVATIONS:
         raise ValueError(f"activation={activation!r}; expected one of {sorted(L.ACTIVATIONS)}")
     T, H, I, E, K, (bn_gu, bk_gu), (bn_d, bk_d) = check_fp8_experts_args(
-        hidden_states, q_gate_up, gate_up_scale, q_down, down_scale, topk_weights, topk_ids,
+        hidden_states, w_gate_up, gate_up_scale, w_down, down_scale, topk_weights, topk_ids,
         format=format, block_size=block_size)
     if T == 0:
         return out
@@ -185,14 +185,14 @@ def run_fp8_experts(backend, dtype: str, hidden_states, q_gate_up, gate_up_scale
     intermediate = backend.empty((numel, I), dtype)
     common = dict(path=path, dtype=dtype, block_size=align_block, sorted_token_ids=sorted_token_ids,
                   expert_ids=expert_ids, topk_weights=topk_weights.reshape(-1), numel=numel)
-    backend.launch(plan_fp8_gemm(gated=True, a=q_x, a_scale=s_x, b=q_gate_up, b_scale=gate_up_scale, c=intermediate,
+    backend.launch(plan_fp8_gemm(gated=True, a=q_x, a_scale=s_x, b=w_gate_up, b_scale=gate_up_scale, c=intermediate,
                                  top_k=K, n=I, k=H, bn=bn_gu, bk=bk_gu, activation=activation, **common))
     q_i = backend.empty((numel, I), "uint8")
     s_i = backend.empty((numel, L.ceil_div(I, bk_d)), "float32")
     backend.launch(plan_quantize(dtype=dtype, x=intermediate, q=q_i, scales=s_i, rows=numel, cols=I,
                                  group_size=bk_d, ue8m0=ue8m0))
     expert_out = backend.empty((numel, H), dtype)
-    backend.launch(plan_fp8_gemm(gated=False, a=q_i, a_scale=s_i, b=q_down, b_scale=down_scale, c=expert_out,
+    backend.launch(plan_fp8_gemm(gated=False, a=q_i, a_scale=s_i, b=w_down, b_scale=down_scale, c=expert_out,
                                  top_k=1, n=H, k=I, bn=bn_d, bk=bk_d, apply_router_weight=apply_router_weight,
                                  **common))
     backend.launch(L.plan_sum_topk(dtype=dtype, expert_out=expert_out, topk_ids=topk_ids, out=out, num_tokens=T,
@@ -222,12 +222,12 @@ class CupyFp8Backend:
         kernel(plan.grid, plan.block, plan.args, shared_mem=plan.shared_memory)
 
 
-def fused_experts_fp8(hidden_states, q_gate_up, gate_up_scale, q_down, down_scale, topk_weights, topk_ids, *,
+def fused_experts_fp8(hidden_states, w_gate_up, gate_up_scale, w_down, down_scale, topk_weights, topk_ids, *,
                       quant, activation: str = "silu", apply_router_weight: bool = True, path=None):
     """Routed FP8 expert MLPs on torch CUDA tensors: ``out[t] = sum_k w[t,k] * expert(x_t)`` with
     the w8a8 numerics of ``quant`` (a moeroute.quant.QuantConfig with activation="dynamic").
 
-    hidden_states [T, H] float32 / float16 / bfloat16; q_gate_up [E, 2I, H] and q_down [E, H, I]
+    hidden_states [T, H] float32 / float16 / bfloat16; w_gate_up [E, 2I, H] and w_down [E, H, I]
     torch.float8_e4m3fn; scales float32 as QuantConfig.scale_shapes; topk_weights [T, K]
     float32; topk_ids [T, K] int32 (ids outside [0, E) contribute nothing). Returns [T, H] in the
     dtype of hidden_states, enqueued on torch's current stream.
@@ -243,17 +243,26 @@ def fused_experts_fp8(hidden_states, q_gate_up, gate_up_scale, q_down, down_scal
     if quant.activation != "dynamic":
         raise ValueError(f"quant.activation={quant.activation!r}: the GPU kernels quantize activations "
                          f"dynamically; use activation='dynamic'")
-    for name, tensor, dtypes in (("hidden_states", hidden_states, (torch.float32, torch.float16, torch.bfloat16)),
-                                 ("q_gate_up", q_gate_up, (torch.float8_e4m3fn,)),
-                                 ("q_down", q_down, (torch.float8_e4m3fn,)),
-                                 ("gate_up_scale", gate_up_scale, (torch.float32,)),
-                                 ("down_scale", down_scale, (torch.float32,)),
-                                 ("topk_weights", topk_weights, (torch.float32,)),
-                                 ("topk_ids", topk_ids, (torch.int32,))):
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cuda":
-            raise TypeError(f"{name} must be a torch CUDA tensor")
+    named = (("hidden_states", hidden_states, (torch.float32, torch.float16, torch.bfloat16)),
+             ("w_gate_up", w_gate_up, (torch.float8_e4m3fn,)),
+             ("w_down", w_down, (torch.float8_e4m3fn,)),
+             ("gate_up_scale", gate_up_scale, (torch.float32,)),
+             ("down_scale", down_scale, (torch.float32,)),
+             ("topk_weights", topk_weights, (torch.float32,)),
+             ("topk_ids", topk_ids, (torch.int32,)))
+    for name, tensor, dtypes in named:
+        if tensor is None:
+            raise ValueError(f"{name} is required with quant={quant.format!r}")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor, got {type(tensor).__name__}")
         if tensor.dtype not in dtypes:
-            raise ValueError(f"{name} has dtype {tensor.dtype}; expected {' or '.join(map(str, dtypes))}")
+            raise ValueError(f"{name} has dtype {tensor.dtype}; expected {' or '.join(map(str, dtypes))} "
+                             f"with quant={quant.format!r}")
+    check_fp8_experts_args(hidden_states, w_gate_up, gate_up_scale, w_down, down_scale, topk_weights, topk_ids,
+                           format=quant.format, block_size=quant.block_size)
+    for name, tensor, _ in named:
+        if tensor.device.type != "cuda" or tensor.device != hidden_states.device:
+            raise TypeError(f"{name} is on {tensor.device}; all arguments must be torch CUDA tensors on one device")
         if not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     device = hidden_states.device
@@ -265,8 +274,8 @@ def fused_experts_fp8(hidden_states, q_gate_up, gate_up_scale, q_down, down_scal
     out = torch.empty(hidden_states.shape, dtype=hidden_states.dtype, device=device)
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
     with cupy.cuda.Device(device.index), stream:
-        arrays = [_torch_as_cupy(t) for t in (hidden_states, q_gate_up.view(torch.uint8), gate_up_scale,
-                                              q_down.view(torch.uint8), down_scale, topk_weights, topk_ids)]
+        arrays = [_torch_as_cupy(t) for t in (hidden_states, w_gate_up.view(torch.uint8), gate_up_scale,
+                                              w_down.view(torch.uint8), down_scale, topk_weights, topk_ids)]
         run_fp8_experts(CupyFp8Backend(allocate), dtype, *arrays, _torch_as_cupy(out), format=quant.format,
                         block_size=quant.block_size, scale_fmt=quant.scale_fmt, activation=activation,
                         apply_router_weight=apply_router_weight, path=path)

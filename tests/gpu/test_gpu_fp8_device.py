@@ -73,3 +73,22 @@ def test_device_quantizer_matches_quantize_fp8_activations(dtype, scale_fmt):
     q_ref, s_ref = quantize_fp8_activations(x, 128, scale_fmt)
     assert torch.equal(scales.cpu(), s_ref)
     assert torch.equal(q.cpu(), q_ref.view(torch.uint8))
+
+
+def test_fused_experts_quant_routes_to_the_fp8_kernels():
+    from moeroute.gpu import fused_experts
+
+    T, H, I, E, K = 40, 256, 136, 4, 2
+    g = torch.Generator().manual_seed(9)
+    config = QuantConfig(format="fp8_block", block_size=(128, 128))
+    q_gu, s_gu, q_d, s_d = quantize_experts(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5,
+                                            torch.randn(E, H, I, generator=g) / I ** 0.5, config)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    topk_ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32)
+    topk_weights = torch.rand(T, K, generator=g)
+    out = fused_experts(x.cuda(), q_gu.cuda(), q_d.cuda(), topk_weights.cuda(), topk_ids.cuda(), quant=config,
+                        gate_up_scale=s_gu.cuda(), down_scale=s_d.cuda())
+    expected = moe_experts_reference(x.float(), topk_ids.long(), topk_weights, q_gu, s_gu, q_d, s_d,
+                                     block_size=(128, 128), intermediate_dtype=torch.bfloat16)
+    error = float((out.float().cpu() - expected).abs().max() / expected.abs().max())
+    assert out.dtype == torch.bfloat16 and error <= TOLERANCE[torch.bfloat16], error

@@ -243,3 +243,30 @@ def test_hipcc_compiles_the_hip_variant(tmp_path):
     code_object = output.read_bytes()
     assert b"moe_gemm_fp8_simt" in code_object and b"fp8_quantize_groups" in code_object
     assert b"moe_gemm_fp8_mma" not in code_object, "the FP8 mma.sync path must be compiled out on AMD"
+
+
+def test_fused_experts_quant_rejects_bad_input_before_launching():
+    # CPU tensors: every check below fires before any device is needed.
+    from moeroute.gpu import fused_experts
+
+    config = QuantConfig(format="fp8_block", block_size=(64, 128))
+    x, topk_ids, topk_weights, (q_gu, s_gu, q_d, s_d) = _problem(config, "float32", seed=2)
+    ids, weights = torch.from_numpy(topk_ids), torch.from_numpy(topk_weights)
+    call = dict(quant=config, gate_up_scale=s_gu, down_scale=s_d)
+    with pytest.raises(ValueError, match="w_gate_up has dtype torch.float32"):
+        fused_experts(x, q_gu.float(), q_d, weights, ids, **call)
+    with pytest.raises(ValueError, match="down_scale is required"):
+        fused_experts(x, q_gu, q_d, weights, ids, quant=config, gate_up_scale=s_gu)
+    with pytest.raises(ValueError, match="gate_up_scale has dtype"):
+        fused_experts(x, q_gu, q_d, weights, ids, quant=config, gate_up_scale=s_gu.double(), down_scale=s_d)
+    with pytest.raises(ValueError, match="gate_up_scale has shape"):
+        fused_experts(x, q_gu, q_d, weights, ids, quant=config, gate_up_scale=s_gu[:, 1:], down_scale=s_d)
+    with pytest.raises(ValueError, match="block_size"):
+        fused_experts(x, q_gu, q_d, weights, ids, block_size=16, **call)
+    with pytest.raises(ValueError, match="activation='dynamic'"):
+        fused_experts(x, q_gu, q_d, weights, ids, **{**call, "quant": QuantConfig(format="fp8_tensor",
+                                                                                   activation="static")})
+    with pytest.raises(ValueError, match="quant="):
+        fused_experts(x, x, x, weights, ids, gate_up_scale=s_gu)
+    with pytest.raises(TypeError, match="CUDA"):
+        fused_experts(x, q_gu, q_d, weights, ids, **call)
