@@ -229,13 +229,14 @@ def test_mma_kernel_emits_the_e4m3_instruction(tmp_path):
 
 
 @pytest.mark.skipif(HIPCC is None, reason="hipcc not found (apt-get install hipcc): HIP compile check skipped")
-def test_hipcc_compiles_the_hip_variant(tmp_path):
+@pytest.mark.parametrize("arch", ["gfx90a", "gfx940"])
+def test_hipcc_compiles_the_hip_variant(tmp_path, arch):
     names = G.shipped_name_expressions("hip")
     refs = ",\n".join(f"    reinterpret_cast<const void*>(&{name})" for name in names)
     source = tmp_path / "fp8.hip"
     source.write_text(f'#include "{G.KERNEL_FILE}.hip"\nconst void* moeroute_fp8_kernels[] = {{\n{refs}\n}};\n')
-    output = tmp_path / "fp8-gfx90a.co"
-    result = subprocess.run([HIPCC, "--genco", "--offload-arch=gfx90a", "-std=c++17", "-Wall", f"-I{KERNEL_DIR}",
+    output = tmp_path / f"fp8-{arch}.co"
+    result = subprocess.run([HIPCC, "--genco", f"--offload-arch={arch}", "-std=c++17", "-Wall", f"-I{KERNEL_DIR}",
                              str(source), "-o", str(output)], capture_output=True, text=True,
                             env={**os.environ, "HIP_PLATFORM": "amd"})
     assert result.returncode == 0, result.stderr
