@@ -115,25 +115,34 @@ def plan_fp8_gemm(*, path: str, dtype: str, gated: bool, block_size: int, a, a_s
     raise ValueError(f"path={path!r}: expected 'simt' or 'mma'")
 
 
+def _shape(x) -> tuple:
+    return tuple(int(v) for v in x.shape)
+
+
 def check_fp8_experts_args(hidden_states, w_gate_up, gate_up_scale, w_down, down_scale, topk_weights, topk_ids,
                            *, format: str, block_size=(128, 128)):
     """Shapes of an FP8 fused_experts call: returns (T, H, I, E, K, (bn_gate_up, bk_gate_up),
     (bn_down, bk_down)) or raises ValueError naming the argument."""
     if format not in FORMATS:
         raise ValueError(f"format={format!r}; expected one of {list(FORMATS)}")
-    shape = lambda x: tuple(int(v) for v in x.shape)  # noqa: E731
-    if len(shape(hidden_states)) != 2:
-        raise ValueError(f"hidden_states must be [T, H], got shape {shape(hidden_states)}")
-    T, H = shape(hidden_states)
-    if len(shape(w_gate_up)) != 3 or shape(w_gate_up)[1] % 2 or shape(w_gate_up)[2] != H:
-        raise ValueError(f"w_gate_up has shape {shape(w_gate_up)}; expected [num_experts, 2 * I, {H}]")
-    E, two_I, _ = shape(w_gate_up)
+    if len(_shape(hidden_states)) != 2:
+        raise ValueError(f"hidden_states must be [T, H], got shape {_shape(hidden_states)}")
+    T, H = _shape(hidden_states)
+    if len(_shape(w_gate_up)) != 3 or _shape(w_gate_up)[1] % 2 or _shape(w_gate_up)[2] != H:
+        raise ValueError(f"w_gate_up has shape {_shape(w_gate_up)}; expected [num_experts, 2 * I, {H}]")
+    E, two_I, _ = _shape(w_gate_up)
     I = two_I // 2
-    if shape(w_down) != (E, H, I):
-        raise ValueError(f"w_down has shape {shape(w_down)}; expected {[E, H, I]}")
-    if shape(topk_ids) != shape(topk_weights) or len(shape(topk_ids)) != 2 or shape(topk_ids)[0] != T:
-        raise ValueError(f"topk_ids {shape(topk_ids)} and topk_weights {shape(topk_weights)} must both be [{T}, K]")
-    K = shape(topk_ids)[1]
+    if _shape(w_down) != (E, H, I):
+        raise ValueError(f"w_down has shape {_shape(w_down)}; expected {[E, H, I]}")
+    if _shape(topk_ids) != _shape(topk_weights) or len(_shape(topk_ids)) != 2 or _shape(topk_ids)[0] != T:
+        raise ValueError(f"topk_ids {_shape(topk_ids)} and topk_weights {_shape(topk_weights)} must both be [{T}, K]")
+    K = _shape(topk_ids)[1]
+    if T * K + E * L.LARGEST_BLOCK_SIZE > L.INT32_MAX:
+        raise ValueError(f"num_tokens * top_k = {T * K} with {E} experts exceeds the int32 row index of the "
+                         f"kernels; split the batch")
+    if max(H, I) > L.MAX_OUTPUT_COLUMNS:
+        raise ValueError(f"hidden size {H} / intermediate size {I} exceeds {L.MAX_OUTPUT_COLUMNS} columns "
+                         f"(the kernels' grid limit)")
     if format == "fp8_block":
         bn, bk = (int(v) for v in block_size)
         if bn < 1 or bk < 1:
@@ -144,10 +153,10 @@ def check_fp8_experts_args(hidden_states, w_gate_up, gate_up_scale, w_down, down
     else:
         expected_gu, expected_d = (E, 2), (E,)
         gate_up_tile, down_tile = (I, H), (H, I)
-    if shape(gate_up_scale) != expected_gu:
-        raise ValueError(f"gate_up_scale has shape {shape(gate_up_scale)}; expected {list(expected_gu)} for {format}")
-    if shape(down_scale) != expected_d:
-        raise ValueError(f"down_scale has shape {shape(down_scale)}; expected {list(expected_d)} for {format}")
+    if _shape(gate_up_scale) != expected_gu:
+        raise ValueError(f"gate_up_scale has shape {_shape(gate_up_scale)}; expected {list(expected_gu)} for {format}")
+    if _shape(down_scale) != expected_d:
+        raise ValueError(f"down_scale has shape {_shape(down_scale)}; expected {list(expected_d)} for {format}")
     return T, H, I, E, K, gate_up_tile, down_tile
 
 
