@@ -65,11 +65,14 @@ def mma_name(dtype: str, tile: Fp8MmaTile, gated: bool) -> str:
             f"{tile.warps_n}, {tile.min_blocks}, {int(gated)}>")
 
 
-def shipped_name_expressions(platform: str = "cuda") -> list:
+def shipped_name_expressions(platform: str = "cuda", compute_capability=None) -> list:
     """Every instantiation of moe_gemm_fp8.cu the launcher can ask for on ``platform``
-    ("cuda": with the sm_89+ mma kernels; "hip": SIMT only)."""
+    ("cuda": with the sm_89+ mma kernels, unless ``compute_capability`` is below 89, where they
+    do not exist; "hip": SIMT only)."""
     if platform not in ("cuda", "hip"):
         raise ValueError(f"platform={platform!r}: expected 'cuda' or 'hip'")
+    with_mma = platform == "cuda" and (compute_capability is None
+                                       or compute_capability >= FP8_MMA_MIN_COMPUTE_CAPABILITY)
     names = []
     for dtype in L.DTYPES:
         names.append(quantize_name(dtype))
@@ -77,7 +80,7 @@ def shipped_name_expressions(platform: str = "cuda") -> list:
         for tile_m in L.SIMT_TILE_HEIGHTS:
             for gated in (True, False):
                 names.append(simt_name(dtype, tile_m, gated))
-        if platform == "cuda":
+        if with_mma:
             for (_, gated), tile in FP8_MMA_TILES.items():
                 names.append(mma_name(dtype, tile, gated))
     return names

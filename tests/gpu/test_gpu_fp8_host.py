@@ -271,3 +271,11 @@ def test_fused_experts_quant_rejects_bad_input_before_launching():
         fused_experts(x, x, x, weights, ids, gate_up_scale=s_gu)
     with pytest.raises(TypeError, match="CUDA"):
         fused_experts(x, q_gu, q_d, weights, ids, **call)
+
+
+def test_shipped_names_leave_out_the_mma_kernels_where_they_do_not_exist():
+    mma = {name for name in G.shipped_name_expressions("cuda") if name.startswith("moe_gemm_fp8_mma")}
+    assert len(mma) == len(L.DTYPES) * len(G.FP8_MMA_TILES)
+    assert not mma & set(G.shipped_name_expressions("cuda", 80))
+    assert not mma & set(G.shipped_name_expressions("hip"))
+    assert mma <= set(G.shipped_name_expressions("cuda", 90))
