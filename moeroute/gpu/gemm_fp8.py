@@ -56,6 +56,10 @@ def quantize_name(dtype: str) -> str:
     return f"fp8_quantize_groups<{L.KERNEL_TYPE_NAMES[dtype]}>"
 
 
+def quantize_static_name(dtype: str) -> str:
+    return f"fp8_quantize_static<{L.KERNEL_TYPE_NAMES[dtype]}>"
+
+
 def simt_name(dtype: str, tile_m: int, gated: bool) -> str:
     return f"moe_gemm_fp8_simt<{L.KERNEL_TYPE_NAMES[dtype]}, {tile_m}, {int(gated)}>"
 
@@ -75,7 +79,7 @@ def shipped_name_expressions(platform: str = "cuda", compute_capability=None) ->
                                        or compute_capability >= FP8_MMA_MIN_COMPUTE_CAPABILITY)
     names = []
     for dtype in L.DTYPES:
-        names.append(quantize_name(dtype))
+        names += [quantize_name(dtype), quantize_static_name(dtype)]
         names.append(L.sum_name(dtype))
         for tile_m in L.SIMT_TILE_HEIGHTS:
             for gated in (True, False):
@@ -92,6 +96,16 @@ def plan_quantize(*, dtype: str, x, q, scales, rows: int, cols: int, group_size:
     ``scales [rows, ceil(cols / group_size)]`` float32."""
     return L.KernelLaunch(quantize_name(dtype), (rows, 1, 1), (QUANT_THREADS, 1, 1), 0,
                           (x, q, scales, np.int32(cols), np.int32(group_size), np.int32(bool(ue8m0))))
+
+
+def plan_quantize_static(*, dtype: str, x, q, scales, topk_ids, input_scale, rows: int, cols: int,
+                         row_divisor: int, which: int, num_experts: int) -> L.KernelLaunch:
+    """Launch quantizing, for each slot j < rows, row j // row_divisor of ``x`` with the given
+    scale ``input_scale[topk_ids[j], which]`` ([E, 2] float32: gate_up input, down input) into
+    row j of ``q`` [rows, cols]; ``scales [rows]`` receives the scale."""
+    return L.KernelLaunch(quantize_static_name(dtype), (rows, 1, 1), (QUANT_THREADS, 1, 1), 0,
+                          (x, q, scales, topk_ids, input_scale, np.int32(cols), np.int32(row_divisor), np.int32(2),
+                           np.int32(which), np.int32(num_experts)))
 
 
 def plan_fp8_gemm(*, path: str, dtype: str, gated: bool, block_size: int, a, a_scale, b, b_scale, c,
@@ -165,9 +179,14 @@ def check_fp8_experts_args(hidden_states, w_gate_up, gate_up_scale, w_down, down
 
 def run_fp8_experts(backend, dtype: str, hidden_states, w_gate_up, gate_up_scale, w_down, down_scale,
                     topk_weights, topk_ids, out, *, format: str, block_size=(128, 128), scale_fmt: str = "float",
-                    activation: str = "silu", apply_router_weight: bool = True, align_block=None, path=None):
+                    activation: str = "silu", apply_router_weight: bool = True, align_block=None, path=None,
+                    input_scale=None):
     """Enqueue the FP8 expert MLPs on ``backend`` (arrays in its framework: e4m3 weights as
     uint8 bits, scales float32, hidden_states and out of ``dtype``) and return ``out``.
+
+    ``input_scale`` (fp8_tensor only): [E, 2] float32 static activation scales (gate_up input,
+    down input) instead of dynamic per-token ones; each slot's rows are then quantized with
+    its expert's scale.
 
     ``backend`` provides ``empty(shape, dtype_name)`` (including "uint8"), ``launch(plan)``,
     ``align_block_size``, ``compute_capability`` and ``is_hip``; ``path`` is "mma", "simt" or
@@ -180,6 +199,11 @@ def run_fp8_experts(backend, dtype: str, hidden_states, w_gate_up, gate_up_scale
     T, H, I, E, K, (bn_gu, bk_gu), (bn_d, bk_d) = check_fp8_experts_args(
         hidden_states, w_gate_up, gate_up_scale, w_down, down_scale, topk_weights, topk_ids,
         format=format, block_size=block_size)
+    if input_scale is not None:
+        if format != "fp8_tensor":
+            raise ValueError(f"input_scale (static activation scales) needs format='fp8_tensor', got {format!r}")
+        if _shape(input_scale) != (E, 2):
+            raise ValueError(f"input_scale has shape {_shape(input_scale)}; expected {[E, 2]} (gate_up, down)")
     if T == 0:
         return out
     if path is None:
@@ -190,19 +214,35 @@ def run_fp8_experts(backend, dtype: str, hidden_states, w_gate_up, gate_up_scale
     align_block = align_block or L.choose_block_size(numel, E)
     ue8m0 = scale_fmt == "ue8m0"
     sorted_token_ids, expert_ids = backend.align_block_size(topk_ids, E, align_block)
-    q_x = backend.empty((T, H), "uint8")
-    s_x = backend.empty((T, L.ceil_div(H, bk_gu)), "float32")
-    backend.launch(plan_quantize(dtype=dtype, x=hidden_states, q=q_x, scales=s_x, rows=T, cols=H,
-                                 group_size=bk_gu, ue8m0=ue8m0))
+    flat_ids = topk_ids.reshape(-1)
+    if input_scale is None:
+        q_x = backend.empty((T, H), "uint8")
+        s_x = backend.empty((T, L.ceil_div(H, bk_gu)), "float32")
+        backend.launch(plan_quantize(dtype=dtype, x=hidden_states, q=q_x, scales=s_x, rows=T, cols=H,
+                                     group_size=bk_gu, ue8m0=ue8m0))
+        gate_up_top_k = K
+    else:  # one quantized row per slot: the scale depends on the slot's expert
+        q_x = backend.empty((numel, H), "uint8")
+        s_x = backend.empty((numel, 1), "float32")
+        backend.launch(plan_quantize_static(dtype=dtype, x=hidden_states, q=q_x, scales=s_x, topk_ids=flat_ids,
+                                            input_scale=input_scale, rows=numel, cols=H, row_divisor=K, which=0,
+                                            num_experts=E))
+        gate_up_top_k = 1
     intermediate = backend.empty((numel, I), dtype)
     common = dict(path=path, dtype=dtype, block_size=align_block, sorted_token_ids=sorted_token_ids,
                   expert_ids=expert_ids, topk_weights=topk_weights.reshape(-1), numel=numel)
     backend.launch(plan_fp8_gemm(gated=True, a=q_x, a_scale=s_x, b=w_gate_up, b_scale=gate_up_scale, c=intermediate,
-                                 top_k=K, n=I, k=H, bn=bn_gu, bk=bk_gu, activation=activation, **common))
+                                 top_k=gate_up_top_k, n=I, k=H, bn=bn_gu, bk=bk_gu, activation=activation, **common))
     q_i = backend.empty((numel, I), "uint8")
-    s_i = backend.empty((numel, L.ceil_div(I, bk_d)), "float32")
-    backend.launch(plan_quantize(dtype=dtype, x=intermediate, q=q_i, scales=s_i, rows=numel, cols=I,
-                                 group_size=bk_d, ue8m0=ue8m0))
+    if input_scale is None:
+        s_i = backend.empty((numel, L.ceil_div(I, bk_d)), "float32")
+        backend.launch(plan_quantize(dtype=dtype, x=intermediate, q=q_i, scales=s_i, rows=numel, cols=I,
+                                     group_size=bk_d, ue8m0=ue8m0))
+    else:
+        s_i = backend.empty((numel, 1), "float32")
+        backend.launch(plan_quantize_static(dtype=dtype, x=intermediate, q=q_i, scales=s_i, topk_ids=flat_ids,
+                                            input_scale=input_scale, rows=numel, cols=I, row_divisor=1, which=1,
+                                            num_experts=E))
     expert_out = backend.empty((numel, H), dtype)
     backend.launch(plan_fp8_gemm(gated=False, a=q_i, a_scale=s_i, b=w_down, b_scale=down_scale, c=expert_out,
                                  top_k=1, n=H, k=I, bn=bn_d, bk=bk_d, apply_router_weight=apply_router_weight,
@@ -235,14 +275,16 @@ class CupyFp8Backend:
 
 
 def fused_experts_fp8(hidden_states, w_gate_up, gate_up_scale, w_down, down_scale, topk_weights, topk_ids, *,
-                      quant, activation: str = "silu", apply_router_weight: bool = True, path=None):
+                      quant, activation: str = "silu", apply_router_weight: bool = True, path=None,
+                      input_scale=None):
     """Routed FP8 expert MLPs on torch CUDA tensors: ``out[t] = sum_k w[t,k] * expert(x_t)`` with
     the w8a8 numerics of ``quant`` (a moeroute.quant.QuantConfig with activation="dynamic").
 
     hidden_states [T, H] float32 / float16 / bfloat16; w_gate_up [E, 2I, H] and w_down [E, H, I]
     torch.float8_e4m3fn; scales float32 as QuantConfig.scale_shapes; topk_weights [T, K]
-    float32; topk_ids [T, K] int32 (ids outside [0, E) contribute nothing). Returns [T, H] in the
-    dtype of hidden_states, enqueued on torch's current stream.
+    float32; topk_ids [T, K] int32 (ids outside [0, E) contribute nothing); input_scale [E, 2]
+    float32 (gate_up input, down input), required with fp8_tensor and activation="static".
+    Returns [T, H] in the dtype of hidden_states, enqueued on torch's current stream.
     """
     import cupy
     import torch
@@ -252,16 +294,17 @@ def fused_experts_fp8(hidden_states, w_gate_up, gate_up_scale, w_down, down_scal
 
     if not isinstance(quant, QuantConfig):
         raise TypeError(f"quant must be a moeroute.quant.QuantConfig, got {type(quant).__name__}")
-    if quant.activation != "dynamic":
-        raise ValueError(f"quant.activation={quant.activation!r}: the GPU kernels quantize activations "
-                         f"dynamically; use activation='dynamic'")
+    static = quant.activation == "static"
+    if static != (input_scale is not None):
+        raise ValueError(f"input_scale must be given exactly when quant.activation='static' "
+                         f"(got activation={quant.activation!r}, input_scale={'set' if input_scale is not None else None})")
     named = (("hidden_states", hidden_states, (torch.float32, torch.float16, torch.bfloat16)),
              ("w_gate_up", w_gate_up, (torch.float8_e4m3fn,)),
              ("w_down", w_down, (torch.float8_e4m3fn,)),
              ("gate_up_scale", gate_up_scale, (torch.float32,)),
              ("down_scale", down_scale, (torch.float32,)),
              ("topk_weights", topk_weights, (torch.float32,)),
-             ("topk_ids", topk_ids, (torch.int32,)))
+             ("topk_ids", topk_ids, (torch.int32,))) + ((("input_scale", input_scale, (torch.float32,)),) if static else ())
     for name, tensor, dtypes in named:
         if tensor is None:
             raise ValueError(f"{name} is required with quant={quant.format!r}")
@@ -290,5 +333,6 @@ def fused_experts_fp8(hidden_states, w_gate_up, gate_up_scale, w_down, down_scal
                                               w_down.view(torch.uint8), down_scale, topk_weights, topk_ids)]
         run_fp8_experts(CupyFp8Backend(allocate), dtype, *arrays, _torch_as_cupy(out), format=quant.format,
                         block_size=quant.block_size, scale_fmt=quant.scale_fmt, activation=activation,
-                        apply_router_weight=apply_router_weight, path=path)
+                        apply_router_weight=apply_router_weight, path=path,
+                        input_scale=_torch_as_cupy(input_scale) if static else None)
     return out

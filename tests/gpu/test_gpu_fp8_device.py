@@ -92,3 +92,21 @@ def test_fused_experts_quant_routes_to_the_fp8_kernels():
                                      block_size=(128, 128), intermediate_dtype=torch.bfloat16)
     error = float((out.float().cpu() - expected).abs().max() / expected.abs().max())
     assert out.dtype == torch.bfloat16 and error <= TOLERANCE[torch.bfloat16], error
+
+
+@pytest.mark.parametrize("path", _paths())
+def test_static_activation_scales_on_device(path):
+    T, H, I, E, K = 64, 256, 136, 4, 2
+    g = torch.Generator().manual_seed(13)
+    config = QuantConfig(format="fp8_tensor", activation="static")
+    q_gu, s_gu, q_d, s_d = quantize_experts(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5,
+                                            torch.randn(E, H, I, generator=g) / I ** 0.5, config)
+    x = torch.randn(T, H, generator=g)
+    topk_ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32)
+    topk_weights = torch.rand(T, K, generator=g)
+    input_scale = torch.tensor([[0.004 * 4.0 ** e, 0.0005 * 2.0 ** e] for e in range(E)], dtype=torch.float32)
+    cuda = [t.cuda() for t in (x, q_gu, s_gu, q_d, s_d, topk_weights, topk_ids)]
+    out = G.fused_experts_fp8(*cuda, quant=config, path=path, input_scale=input_scale.cuda())
+    expected = moe_experts_reference(x, topk_ids.long(), topk_weights, q_gu, s_gu, q_d, s_d, input_scale=input_scale)
+    error = float((out.cpu() - expected).abs().max() / expected.abs().max())
+    assert error <= TOLERANCE[torch.float32], error

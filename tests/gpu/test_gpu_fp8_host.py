@@ -41,7 +41,7 @@ HIPCC = shutil.which("hipcc")
 def _host_names():
     names = []
     for dtype in HOST_DTYPES:
-        names += [G.quantize_name(dtype), L.sum_name(dtype)]
+        names += [G.quantize_name(dtype), G.quantize_static_name(dtype), L.sum_name(dtype)]
         names += [G.simt_name(dtype, tile_m, gated) for tile_m in L.SIMT_TILE_HEIGHTS for gated in (True, False)]
         names += [G.mma_name(dtype, tile, gated) for (_, gated), tile in G.FP8_MMA_TILES.items()]
     return names
@@ -264,7 +264,7 @@ def test_fused_experts_quant_rejects_bad_input_before_launching():
         fused_experts(x, q_gu, q_d, weights, ids, quant=config, gate_up_scale=s_gu[:, 1:], down_scale=s_d)
     with pytest.raises(ValueError, match="block_size"):
         fused_experts(x, q_gu, q_d, weights, ids, block_size=16, **call)
-    with pytest.raises(ValueError, match="activation='dynamic'"):
+    with pytest.raises(ValueError, match="input_scale must be given exactly when"):
         fused_experts(x, q_gu, q_d, weights, ids, **{**call, "quant": QuantConfig(format="fp8_tensor",
                                                                                    activation="static")})
     with pytest.raises(ValueError, match="quant="):
@@ -279,3 +279,33 @@ def test_shipped_names_leave_out_the_mma_kernels_where_they_do_not_exist():
     assert not mma & set(G.shipped_name_expressions("cuda", 80))
     assert not mma & set(G.shipped_name_expressions("hip"))
     assert mma <= set(G.shipped_name_expressions("cuda", 90))
+
+
+@pytest.mark.parametrize("path", ["simt", "mma"])
+@pytest.mark.parametrize("dtype", HOST_DTYPES)
+def test_static_activation_scales_match_reference(fp8_emulator, path, dtype):
+    # fp8_tensor with given input scales [E, 2]: each slot's rows are quantized with its expert's
+    # scales. Scales differ per expert by 4x, and values beyond 448 * scale saturate.
+    config = QuantConfig(format="fp8_tensor", activation="static")
+    x, topk_ids, topk_weights, (q_gu, s_gu, q_d, s_d) = _problem(config, dtype, seed=4)
+    E = len(COUNTS)
+    input_scale = torch.tensor([[0.004 * 4.0 ** e, 0.0005 * 2.0 ** e] for e in range(E)], dtype=torch.float32)
+    arrays = GuardedArrays()
+    backend = Fp8HostBackend(fp8_emulator, arrays)
+    out = arrays.empty(tuple(x.shape), L.STORAGE_DTYPES[dtype])
+    bytes_of = lambda q: arrays.copy(q.view(torch.uint8).numpy())  # noqa: E731
+    G.run_fp8_experts(backend, dtype, arrays.copy(to_storage(x.float().numpy(), dtype)), bytes_of(q_gu),
+                      arrays.copy(s_gu.numpy()), bytes_of(q_d), arrays.copy(s_d.numpy()), arrays.copy(topk_weights),
+                      arrays.copy(topk_ids), out, format="fp8_tensor", align_block=16, path=path,
+                      input_scale=arrays.copy(input_scale.numpy()))
+    arrays.check_guards()
+    assert G.quantize_static_name(dtype) in backend.launched
+    expected = moe_experts_reference(x.float(), torch.from_numpy(topk_ids).long(), torch.from_numpy(topk_weights),
+                                     q_gu, s_gu, q_d, s_d, input_scale=input_scale,
+                                     intermediate_dtype=TORCH[dtype]).double().numpy()
+    actual = from_storage(out, dtype)
+    error = np.abs(actual - expected).max() / np.abs(expected).max()
+    assert error <= TOLERANCE[dtype], f"static {dtype} {path}: relative error {error:.3g}"
+    with pytest.raises(ValueError, match="input_scale has shape"):
+        G.run_fp8_experts(backend, dtype, x, q_gu, s_gu, q_d, s_d, topk_weights, topk_ids, out, format="fp8_tensor",
+                          input_scale=input_scale[:2])

@@ -113,6 +113,26 @@ __global__ void __launch_bounds__(moeroute::kQuantThreads)
   }
 }
 
+// Static activation scales (fp8_tensor with given input scales): row j of q is row j / row_divisor
+// of x divided by the scale of slot j's expert, input_scale[expert * scale_stride + scale_offset];
+// scales[j] receives that scale. Slots whose id is outside [0, num_experts) are left alone.
+// Grid: rows of q; block: kQuantThreads.
+template <typename T>
+__global__ void __launch_bounds__(moeroute::kQuantThreads)
+    fp8_quantize_static(const T* __restrict__ x, unsigned char* __restrict__ q, float* __restrict__ scales,
+                        const int* __restrict__ topk_ids, const float* __restrict__ input_scale, int cols,
+                        int row_divisor, int scale_stride, int scale_offset, int num_experts) {
+  using namespace moeroute;
+  const long long row = blockIdx.x;
+  const int expert = topk_ids[row];
+  if (expert < 0 || expert >= num_experts) return;
+  const float scale = input_scale[static_cast<long long>(expert) * scale_stride + scale_offset];
+  if (threadIdx.x == 0) scales[row] = scale;
+  const T* x_row = x + (row / row_divisor) * cols;
+  for (int col = threadIdx.x; col < cols; col += kQuantThreads)
+    q[row * cols + col] = float_to_e4m3(to_float(x_row[col]) / scale);
+}
+
 // Grid: (row tiles, ceil(n / kSimtBlockN)); block: kSimtThreads. Tiling as moe_gemm_simt.
 template <typename T, int TILE_M, int GATED>
 __global__ void MOEROUTE_LAUNCH_BOUNDS(moeroute::kSimtThreads, moeroute::kSimtMinBlocksPerMultiprocessor)
