@@ -73,6 +73,7 @@ PER_TEST_TIMEOUT_S = 60
 GPU_TEST_FILES = (
     "tests/gpu/test_gpu_device.py",
     "tests/gpu/test_gpu_graph.py",
+    "tests/gpu/test_gpu_fp8_device.py",
     "tests/routing/test_select_cuda.py",
     "tests/routing/test_dispatch_cuda.py",
     "tests/routing/test_frameworks.py",
@@ -80,6 +81,7 @@ GPU_TEST_FILES = (
     "tests/routing/test_route.py",
     "tests/bindings/test_moe.py",
     "tests/bindings/test_ops.py",
+    "tests/quant/test_quant_fp8.py",
 )
 
 ENVIRONMENT_JSON = "environment.json"
@@ -425,20 +427,21 @@ except Exception as error:  # the tests then compile on first use; not a failure
 _WARM_GEMM = """
 import sys
 from moeroute.gpu import loader
-names = sys.argv[1:]
+kernel_file, names = sys.argv[1], sys.argv[2:]
 for name in names:
-    loader.get_kernel("moe_gemm", name)
-print(f"warm: {len(names)} GEMM instantiations compiled")
+    loader.get_kernel(kernel_file, name)
+print(f"warm: {len(names)} {kernel_file} instantiations compiled")
 """
 
 
 def warm_stage(out: Path) -> int:
-    from moeroute.gpu import launch
+    from moeroute.gpu import gemm_fp8, launch, loader
 
-    names = launch.shipped_name_expressions("cuda")
-    groups = [names[i::WARM_GEMM_PROCESSES] for i in range(WARM_GEMM_PROCESSES)]
+    kernels = {launch.KERNEL_FILE: launch.shipped_name_expressions("cuda"),
+               gemm_fp8.KERNEL_FILE: gemm_fp8.shipped_name_expressions("cuda", loader.compute_capability())}
     commands = [[sys.executable, "-c", _WARM_CPU], [sys.executable, "-c", _WARM_CUBINS]] + [
-        [sys.executable, "-c", _WARM_GEMM, *g] for g in groups if g]
+        [sys.executable, "-c", _WARM_GEMM, kernel_file, *names[i::WARM_GEMM_PROCESSES]]
+        for kernel_file, names in kernels.items() for i in range(WARM_GEMM_PROCESSES) if names[i::WARM_GEMM_PROCESSES]]
 
     def run(command):
         result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)

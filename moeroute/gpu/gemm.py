@@ -241,7 +241,8 @@ def _torch_as_cupy(tensor):
 
 
 def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, activation="silu",
-                  apply_router_weight=True, block_size=None, gate_up_bias=None, down_bias=None):
+                  apply_router_weight=True, block_size=None, gate_up_bias=None, down_bias=None, quant=None,
+                  gate_up_scale=None, down_scale=None, input_scale=None):
     """Routed-expert MLPs of one MoE layer: ``out[t] = sum_k w[t,k] * down_e(act(gate_e x_t) * up_e x_t)``
     over the slots k whose expert e = topk_ids[t, k] is in [0, num_experts).
 
@@ -262,6 +263,12 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, a
         the activation
     down_bias : [E, H], dtype of hidden_states, optional; added before the router weight
 
+    quant : moeroute.quant.QuantConfig, optional
+        FP8 experts (torch CUDA tensors only): w_gate_up / w_down are float8_e4m3fn with
+        ``gate_up_scale`` / ``down_scale`` float32 of ``quant.scale_shapes``, and the w8a8
+        kernels of moe_gemm_fp8.cu run them (moeroute.gpu.gemm_fp8.fused_experts_fp8);
+        ``input_scale`` [E, 2] float32 with fp8_tensor and activation="static".
+
     All arrays are CuPy arrays or all are torch CUDA tensors, on one device, C-contiguous.
     Accumulation is float32; intermediate and output are in the input dtype.
 
@@ -279,6 +286,19 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, a
         a shape, dtype, layout or option is wrong (the message names the argument), or the
         arguments are on different devices.
     """
+    if quant is not None:
+        from moeroute.gpu.gemm_fp8 import fused_experts_fp8
+
+        unsupported = {"block_size": block_size, "gate_up_bias": gate_up_bias, "down_bias": down_bias}
+        for name, value in unsupported.items():
+            if value is not None:
+                raise ValueError(f"{name} is not supported with quant= (FP8 experts): pass None")
+        return fused_experts_fp8(hidden_states, w_gate_up, gate_up_scale, w_down, down_scale, topk_weights, topk_ids,
+                                 quant=quant, activation=activation, apply_router_weight=apply_router_weight,
+                                 input_scale=input_scale)
+    if gate_up_scale is not None or down_scale is not None or input_scale is not None:
+        raise ValueError("gate_up_scale / down_scale / input_scale are FP8 scales: pass quant=QuantConfig(...) "
+                         "with them")
     problem = check_fused_experts_args(hidden_states, w_gate_up, w_down, topk_weights, topk_ids,
                                        activation=activation, apply_router_weight=apply_router_weight,
                                        block_size=block_size, gate_up_bias=gate_up_bias, down_bias=down_bias)
