@@ -100,3 +100,46 @@ def test_without_a_group_fp8_dispatch_changes_nothing():
             outs.append(module(torch.randn(5, 40, generator=torch.Generator().manual_seed(2))))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     assert outs[0].abs().max() > 0
+
+
+def test_run_command_checks_an_fp8_layer_against_the_reference(capsys):
+    import re
+
+    from moeroute.bindings import ep_run
+
+    status = ep_run.main(["--preset", "qwen1.5-moe-a2.7b", "--ep", "2", "--tokens", "6", "--hidden", "160",
+                          "--intermediate", "40", "--repeat", "1", "--quant", "fp8_block",
+                          "--dispatch-dtype", "fp8"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    found = re.findall(r"w8a8 reference \(moeroute.quant.reference\): max relative error ([0-9.e+-]+) over "
+                       r"2 ranks \(< 0.02\): PASS; FP8 rows sent with (\d+) bytes of scales", out)
+    assert len(found) == 1, out
+    assert float(found[0][0]) < ep_run.QUANT_TOLERANCE["float32"] and int(found[0][1]) > 0
+    assert "every rank matches" in out
+
+
+def test_run_command_fails_an_fp8_layer_off_the_reference():
+    import argparse
+
+    from moeroute.bindings import ep_run
+
+    args = argparse.Namespace(preset="mixtral-8x7b", ep=2, dispatch="all2all", tokens=4, hidden=16,
+                              intermediate=8, dtype="float32", quant="fp8_block", dispatch_dtype="fp8")
+    report = dict(rank=0, tokens=4, received_rows=4, slots_computed=8, max_expert_load=3, local_experts=4,
+                  bytes=None, forward_ms=1.0, error=0.0, shared="none", shared_reason="no shared expert",
+                  reference_error=1e-6)
+    assert ep_run._format(args, [report])[1] == 0
+    text, status = ep_run._format(args, [report, dict(report, rank=1, reference_error=0.05)])
+    assert status == ep_run.EXIT_MISMATCH and "5.00e-02" in text and ": FAIL" in text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--preset", "deepseek-v3", "--dispatch-dtype", "fp8"], "--dispatch-dtype fp8 needs FP8 experts"),
+    (["--preset", "gpt-oss-20b", "--quant", "fp8_block"], "carry biases"),
+])
+def test_run_command_refuses_fp8_requests_it_cannot_serve(argv, message, capsys):
+    from moeroute.bindings import ep_run
+
+    assert ep_run.main(argv + ["--ep", "2", "--tokens", "4"]) == ep_run.EXIT_USAGE
+    assert message in capsys.readouterr().err
