@@ -109,7 +109,7 @@ def test_run_command_checks_an_fp8_layer_against_the_reference(capsys):
 
     status = ep_run.main(["--preset", "qwen1.5-moe-a2.7b", "--ep", "2", "--tokens", "6", "--hidden", "160",
                           "--intermediate", "40", "--repeat", "1", "--quant", "fp8_block",
-                          "--dispatch-dtype", "fp8"])
+                          "--dispatch-dtype", "fp8", "--debug"])
     out = capsys.readouterr().out
     assert status == 0, out
     found = re.findall(r"w8a8 reference \(moeroute.quant.reference\): max relative error ([0-9.e+-]+) over "
