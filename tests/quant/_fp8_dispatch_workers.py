@@ -87,8 +87,12 @@ def _case(rank, world_size, quant, inter, dtype, dispatch, shared):
     router_weight = _randn(N, H, seed=3, scale=1.0)
     router, layers = _layers(quant, inter, dtype, dispatch, shared, q, router_weight, shared_mlp)
     x = _randn(T, H, seed=10 + rank, scale=1.0).to(dtype)
+    outs, shared_calls = {}, {}
     with torch.no_grad():
-        outs = {name: module(x).float() for name, module in layers.items()}
+        for name, module in layers.items():
+            before = shared_mlp.calls
+            outs[name] = module(x).float()
+            shared_calls[name] = shared_mlp.calls - before
     fp8_stats = layers["fp8"].dispatcher.last_stats
     float_stats = layers["float"].dispatcher.last_stats
     single = outs["single"]
@@ -100,6 +104,8 @@ def _case(rank, world_size, quant, inter, dtype, dispatch, shared):
         "error_vs_single": float((outs["fp8"] - single).abs().max() / single.abs().max()),
         # ... and against the same EP layer dispatching float rows (same q, same scales).
         "equal_to_float_dispatch": bool(torch.equal(outs["fp8"], outs["float"])),
+        # The shared MLP ran once per forward, or never when fused (its slots computed it).
+        "shared_calls": shared_calls["fp8"],
         "hidden_bytes": fp8_stats.hidden_bytes,
         "scale_bytes": fp8_stats.scale_bytes,
         "token_bytes": fp8_stats.token_bytes,

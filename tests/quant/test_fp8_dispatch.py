@@ -45,6 +45,7 @@ def test_output_equals_the_single_rank_fp8_layer(results):
         assert record["error_vs_single"] < tolerance, record
         # The experts would have quantized the float rows exactly as the sender did.
         assert record["equal_to_float_dispatch"], record
+        assert record["shared_calls"] == (0 if record["case"][-1] == "fused" else 1), record
     checked = [r for r in records if "error_vs_reference" in r]
     assert checked
     for record in checked:
