@@ -137,9 +137,24 @@ def _mismatch(rank, world_size):
     return None
 
 
+def _float_only_dispatcher(rank, world_size):
+    """A dispatcher_factory whose dispatcher does not carry FP8 rows: refused at construction."""
+    class FloatOnly:
+        pass
+
+    try:
+        MoE(RouterConfig(N, K, "softmax", renormalize=True), H, 200, ep_group=dist.group.WORLD,
+            quant=QuantConfig("fp8_block"), dispatch_dtype="fp8",
+            dispatcher_factory=lambda layout, group, dispatch: FloatOnly())
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def fp8_dispatch_worker(rank, world_size):
     records = [_case(rank, world_size, *case) for case in CASES]
-    return {"cases": records, "mismatch": _mismatch(rank, world_size)}
+    return {"cases": records, "mismatch": _mismatch(rank, world_size),
+            "float_only": _float_only_dispatcher(rank, world_size)}
 
 
 #: Both ranks' whole case loop must finish within this (a loaded 2-core machine).

@@ -69,6 +69,11 @@ def test_ranks_disagreeing_on_dispatch_dtype_are_refused(results):
         assert rank["mismatch"] is not None and "dispatch_dtype" in rank["mismatch"]
 
 
+def test_a_dispatcher_that_cannot_carry_fp8_rows_is_refused(results):
+    for rank in results:
+        assert rank["float_only"] is not None and "carries_fp8" in rank["float_only"], rank["float_only"]
+
+
 def _router():
     return RouterConfig(4, 2, "softmax", renormalize=True)
 

@@ -319,7 +319,9 @@ class MoE(nn.Module):
     ValueError
         Sizes below 1; an unknown shared, dispatch, activation or scaling_regime; a shared
         gate without shared experts; an unsupported dtype or device;
-        ``apply_router_weight_on_input`` with top_k != 1; a non-bool flag.
+        ``apply_router_weight_on_input`` with top_k != 1; a non-bool flag; a
+        ``dispatch_dtype`` other than None/"auto"/"fp8", or "fp8" on a float layer, with static
+        activation scales, or with a dispatcher that does not carry FP8 rows.
     moeroute.layout.LayoutError
         A layout that cannot work, e.g. an explicit ``shared="fused"`` with a
         routed_input_transform or with a shared MLP that does not split into slots.
