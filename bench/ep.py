@@ -12,11 +12,17 @@ with real presets and measure:
   allgather combine (one exact all_to_all_single) against an all-reduce of the padded
   partials;
 * overlap: the MoE layer with shared="runner" against shared="overlap" (same weights),
-  and the shared MLP alone; the hidden fraction is (runner - overlap) / shared MLP.
+  and the shared MLP alone; the hidden fraction is (runner - overlap) / shared MLP;
+* FP8 dispatch: the same tokens dispatched as bfloat16 rows and as e4m3 rows with their
+  float32 scales per group of 128 (``MoE(dispatch_dtype="fp8")``'s payload), both modes:
+  the token bytes (and dispatch bytes with the metadata) from TransferStats, their ratio,
+  and the time of dispatch + combine, each up to the FP8 experts' first GEMM input (the
+  receiver quantizes bfloat16 rows; the sender quantizes FP8 rows, the receiver decodes).
 
 Timing pairs run interleaved in one process per rank (bench/_common.interleaved: the
 order alternates, the figure is the median of per-pair ratios); the JSON holds every
-rank's figures. Run: ``python bench/ep.py [--quick]``; writes bench/results/ep.json.
+rank's figures. Run: ``python bench/ep.py [--quick] [--only fp8]``; writes
+bench/results/ep.json (``--only fp8``: bench/results/ep_fp8.json).
 """
 
 from __future__ import annotations
@@ -43,9 +49,11 @@ from _common import interleaved, median_time, print_table, write_results  # noqa
 
 from moeroute.bindings.ep import METADATA_BYTES_PER_SLOT, make_dispatcher  # noqa: E402
 from moeroute.bindings.torch import arrays  # noqa: E402
+from moeroute.bindings.torch.fp8_experts import fake_quantize, quantize_for_dispatch  # noqa: E402
 from moeroute.bindings.torch.mlp import GatedMLP  # noqa: E402
 from moeroute.config import get_preset  # noqa: E402
 from moeroute.layout import ExpertLayout  # noqa: E402
+from moeroute.quant import QuantConfig  # noqa: E402
 
 WORLD_SIZE = 4
 #: Tokens per rank and hidden size of the byte and communication runs: a decode/prefill
@@ -244,13 +252,54 @@ def overlap_figures(rank, repeats):
     )
 
 
-def rank_main(rank, init_file, repeats, result_path):
+def fp8_dispatch_figures(rank, repeats):
+    """bfloat16 rows against FP8 rows (e4m3 + float32 scales per 128 columns), same tokens."""
+    quant = QuantConfig("fp8_block")
+    out = {}
+    for dispatch in ("all2all", "allgather"):
+        layout = layout_for("deepseek-v3", dispatch)
+        ids, weights = route("deepseek-v3", layout, rank, TOKENS, seed=3)
+        x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank)).to(DTYPE)
+        dispatcher = make_dispatcher(layout, None, dispatch)
+
+        # Both end with the first GEMM's input of an FP8 expert (an identity expert otherwise):
+        # bfloat16 rows are quantized by the receiver, FP8 rows by the sender.
+        def bf16_dispatch_combine():
+            handle = dispatcher.dispatch(x, ids, weights)
+            return dispatcher.combine(fake_quantize(handle.wait()[0], quant).to(DTYPE), handle)
+
+        def fp8_dispatch_combine():
+            handle = dispatcher.dispatch(quantize_for_dispatch(x, quant), ids, weights)
+            return dispatcher.combine(handle.wait()[0].dequantize().to(DTYPE), handle)
+
+        bf16_dispatch_combine()
+        bf16 = dispatcher.last_stats
+        fp8_dispatch_combine()
+        fp8 = dispatcher.last_stats
+        out[dispatch] = dict(
+            rows_sent=fp8.rows_sent, bf16_token_bytes=bf16.token_bytes,
+            fp8_value_bytes=fp8.hidden_bytes, fp8_scale_bytes=fp8.scale_bytes,
+            fp8_token_bytes=fp8.token_bytes, token_bytes_ratio=fp8.token_bytes / bf16.token_bytes,
+            bf16_dispatch_bytes=bf16.dispatch_bytes, fp8_dispatch_bytes=fp8.dispatch_bytes,
+            dispatch_bytes_ratio=fp8.dispatch_bytes / bf16.dispatch_bytes,
+            time=interleaved(bf16_dispatch_combine, fp8_dispatch_combine, repeats),
+        )
+    return out
+
+
+#: Sections of the report; ``--only`` picks one.
+SECTIONS = ("bytes", "time", "overlap", "fp8")
+
+
+def rank_main(rank, init_file, repeats, result_path, sections=SECTIONS):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD_SIZE,
                             timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
-    report = dict(rank=rank, bytes=byte_figures(rank), time=time_figures(rank, repeats),
-                  overlap=overlap_figures(rank, repeats))
+    runners = dict(bytes=lambda: byte_figures(rank), time=lambda: time_figures(rank, repeats),
+                   overlap=lambda: overlap_figures(rank, repeats),
+                   fp8=lambda: fp8_dispatch_figures(rank, repeats))
+    report = dict(rank=rank, **{name: runners[name]() for name in sections})
     reports = [None] * WORLD_SIZE
     dist.all_gather_object(reports, report)
     if rank == 0:
@@ -271,7 +320,18 @@ def summarize(reports):
         return dict(median=statistics.median(values), min=min(values), max=max(values),
                     per_rank=values)
 
-    summary = {"bytes": {}, "time": {}, "overlap": {}}
+    summary = {}
+    if "fp8" in reports[0]:
+        summary["fp8"] = {
+            dispatch: {field: across(lambda r: r["fp8"][dispatch][field])
+                       for field in ("bf16_token_bytes", "fp8_token_bytes", "token_bytes_ratio",
+                                     "bf16_dispatch_bytes", "fp8_dispatch_bytes", "dispatch_bytes_ratio")}
+            | {f"time_{field}": across(lambda r: r["fp8"][dispatch]["time"][field])
+               for field in ("baseline_us", "candidate_us", "speedup")}
+            for dispatch in ("all2all", "allgather")}
+    if "bytes" not in reports[0]:
+        return summary
+    summary.update({"bytes": {}, "time": {}, "overlap": {}})
     for preset_name in BYTE_PRESETS:
         for dispatch in ("all2all", "allgather"):
             key = f"{preset_name}/{dispatch}"
@@ -296,7 +356,10 @@ def summarize(reports):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_REPEATS} repetitions")
+    parser.add_argument("--only", choices=("fp8",), default=None,
+                        help="run only the FP8 dispatch figures")
     args = parser.parse_args(argv)
+    sections = ("fp8",) if args.only == "fp8" else SECTIONS
     repeats = QUICK_REPEATS if args.quick else REPEATS
     import json
 
@@ -304,7 +367,8 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="moeroute-bench-ep-") as tmp:
         result_path = os.path.join(tmp, "reports.json")
-        mp.start_processes(rank_main, args=(os.path.join(tmp, "store"), repeats, result_path),
+        mp.start_processes(rank_main, args=(os.path.join(tmp, "store"), repeats, result_path,
+                                            sections),
                            nprocs=WORLD_SIZE, start_method="spawn")
         with open(result_path) as handle:
             reports = json.load(handle)
@@ -312,8 +376,23 @@ def main(argv=None) -> int:
     config = dict(world_size=WORLD_SIZE, backend="gloo", tokens_per_rank=TOKENS, hidden=HIDDEN,
                   dtype=str(DTYPE), repeats=repeats, threads_per_rank=1,
                   load_average_after=os.getloadavg())
-    path = write_results("ep", dict(config=config, summary=summary, per_rank=reports))
+    path = write_results("ep" if args.only is None else "ep_fp8",
+                         dict(config=config, summary=summary, per_rank=reports))
 
+    if "fp8" in summary:
+        print(f"FP8 dispatch on {WORLD_SIZE} ranks, deepseek-v3 routing, T={TOKENS}/rank, H={HIDDEN}: "
+              "bfloat16 rows against e4m3 rows + float32 scales per 128 columns (medians over ranks)")
+        rows = [(dispatch, round(v["bf16_token_bytes"]["median"]), round(v["fp8_token_bytes"]["median"]),
+                 v["token_bytes_ratio"]["median"], v["dispatch_bytes_ratio"]["median"],
+                 v["time_baseline_us"]["median"], v["time_candidate_us"]["median"],
+                 v["time_speedup"]["median"])
+                for dispatch, v in summary["fp8"].items()]
+        print_table(("dispatch", "bf16_rows_B", "fp8_rows_B", "rows_ratio", "with_meta_ratio", "bf16_us",
+                     "fp8_us", "bf16/fp8"), rows)
+        if "bytes" not in summary:
+            print(f"\nwrote {path}")
+            return 0
+        print()
     print(f"bytes per forward on {WORLD_SIZE} ranks, T={TOKENS}/rank, H={HIDDEN}, {DTYPE} "
           "(medians over ranks)")
     rows = []

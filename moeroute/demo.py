@@ -7,6 +7,10 @@ every shared-expert mode. Each output is compared with the dense reference
 ``sum_k w_k * expert_k(x) + g * shared(x)`` computed in float64 from the NumPy routing
 definitions; the demo prints the plan, the per-expert load, timings and PASS/FAIL, and
 exits nonzero when any check fails. CPU by default; CUDA when a GPU is present.
+
+A last check runs the DeepSeek-V3 layer with FP8 experts (fp8_block, 128x128 blocks, the
+shared expert fused as FP8 slots) against the plain-torch w8a8 definition of
+`moeroute.quant.reference` (docs/quant.md).
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ WEIGHT_SCALE = 0.05
 ROUTER_SCALE_POWER = -0.5
 #: Hottest experts listed in the load summary.
 LOAD_TOP = 3
+#: The FP8 check: its preset, and the relative error allowed against the w8a8 reference
+#: (float32 summation order; docs/quant.md's bound).
+FP8_PRESET = "deepseek-v3"
+FP8_RTOL = 2e-2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -190,7 +198,7 @@ def run(args) -> int:
 
     device = _device(args.device)
     hidden, inter, tokens = args.hidden_size, args.intermediate_size, args.tokens
-    steps = len(DEMO_PRESETS) * len(DEMO_SHARED_MODES)
+    steps = len(DEMO_PRESETS) * len(DEMO_SHARED_MODES) + 1  # + the FP8 check
     print(f"moeroute demo: {tokens} tokens, H={hidden}, I={inter}, float32, device {device}, "
           f"torch threads {torch.get_num_threads()}")
     failures, step = 0, 0
@@ -227,8 +235,51 @@ def run(args) -> int:
                 failures += not passed
                 print(f"  forward median {statistics.median(times) * 1e3:.2f} ms over {args.repeats}; "
                       f"max relative error {error:.2e} (< {FP32_RTOL:.0e}): {'PASS' if passed else 'FAIL'}")
+        step += 1
+        failures += not _fp8_check(args, device, step, steps)
     print(f"\n{steps - failures}/{steps} checks passed")
     return 1 if failures else 0
+
+
+def _fp8_check(args, device, step, steps) -> bool:
+    """The DeepSeek-V3 layer with FP8 experts against `moeroute.quant.reference`; True when it passes."""
+    import types
+
+    import torch
+
+    from moeroute.bindings.ep_run import quant_reference
+    from moeroute.bindings.torch.moe import MoE
+    from moeroute.config import get_preset
+    from moeroute.quant import QuantConfig, quantize_experts
+
+    preset = get_preset(FP8_PRESET)
+    hidden, inter = args.hidden_size, args.intermediate_size
+    weights = _layer_weights(preset, hidden, inter, args.seed)
+    quant = QuantConfig("fp8_block")
+    q = quantize_experts(weights["w_gate_up"], weights["w_down"], quant)
+    module = MoE(preset.router, hidden, inter, shared_experts=weights["shared"],
+                 shared_expert_gate=weights["gate"], correction_bias=weights["bias"] is not None, quant=quant)
+    with torch.no_grad():
+        module.router_weight.copy_(weights["router"])
+        if weights["bias"] is not None:
+            module.correction_bias.copy_(weights["bias"])
+    module.load_routed_weights(q[0], q[2], gate_up_scale=q[1], down_scale=q[3])
+    module = module.to(device)
+    x = torch.randn(args.tokens, hidden, generator=torch.Generator().manual_seed(args.seed + 100))
+    print(f"\n[{step}/{steps}] {FP8_PRESET} with FP8 experts ({quant.format}, blocks {quant.block_size}, "
+          f"shared={module.layout.shared!r}): {q[0].numel() + q[2].numel()} one-byte weights")
+    start = time.perf_counter()
+    out = module(x.to(device)).cpu()
+    elapsed = time.perf_counter() - start
+    settings = types.SimpleNamespace(quant=quant.format, dtype="float32", regime="router", intermediate=inter)
+    expected = quant_reference(settings, preset, module.layout,
+                               dict(router=weights["router"], bias=weights["bias"], routed=(q[0], q[2], q[1], q[3]),
+                                    shared=weights["shared"], gate=weights["gate"]), x)
+    error = float((out - expected).abs().max() / expected.abs().max())
+    passed = error < FP8_RTOL
+    print(f"  forward {elapsed * 1e3:.2f} ms (first call); max relative error against the w8a8 reference "
+          f"(moeroute.quant.reference) {error:.2e} (< {FP8_RTOL:.0e}): {'PASS' if passed else 'FAIL'}")
+    return passed
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 from moeroute import demo
 
 SMALL = ["--tokens", "6", "--hidden-size", "32", "--intermediate-size", "16", "--repeats", "1"]
-STEPS = len(demo.DEMO_PRESETS) * len(demo.DEMO_SHARED_MODES)
+FLOAT_STEPS = len(demo.DEMO_PRESETS) * len(demo.DEMO_SHARED_MODES)
+STEPS = FLOAT_STEPS + 1  # + the FP8 check against moeroute.quant.reference
 
 
 def test_demo_passes_every_mode(capsys):
@@ -26,7 +28,9 @@ def test_demo_passes_every_mode(capsys):
     for mode in ("runner", "overlap", "fused"):
         assert f"shared expert: {mode}." in out
     errors = [float(e) for e in re.findall(r"max relative error ([0-9.e+-]+)", out)]
-    assert len(errors) == STEPS and max(errors) < demo.FP32_RTOL
+    assert len(errors) == FLOAT_STEPS and max(errors) < demo.FP32_RTOL
+    fp8 = re.findall(r"w8a8 reference \(moeroute.quant.reference\) ([0-9.e+-]+) \(< [0-9.e+-]+\): PASS", out)
+    assert len(fp8) == 1 and float(fp8[0]) < demo.FP8_RTOL
     assert out.count("per-expert load (token slots)") == len(demo.DEMO_PRESETS)
 
 
@@ -48,8 +52,22 @@ def test_demo_fails_on_a_wrong_answer(capsys, monkeypatch):
     monkeypatch.setattr(demo, "_reference", off_by_a_bit)
     assert demo.main(SMALL) == 1
     out = capsys.readouterr().out
-    assert out.count(": FAIL") == STEPS
-    assert f"0/{STEPS} checks passed" in out
+    assert out.count(": FAIL") == FLOAT_STEPS
+    assert f"1/{STEPS} checks passed" in out
+
+
+def test_demo_fp8_check_fails_on_a_wrong_answer(capsys, monkeypatch):
+    from moeroute.bindings import ep_run
+
+    true_reference = ep_run.quant_reference
+
+    def off(*args):
+        return true_reference(*args) * (1 + 5e-2)  # beyond FP8_RTOL
+
+    monkeypatch.setattr(ep_run, "quant_reference", off)
+    args = argparse.Namespace(tokens=6, hidden_size=32, intermediate_size=16, seed=0)
+    assert not demo._fp8_check(args, torch.device("cpu"), 1, 1)
+    assert ": FAIL" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -30,6 +30,13 @@ allgather
        holding every token's result; unlike a reduce-scatter it also keeps the reduction
        in float32 when the partials are bfloat16 (NCCL would sum in bfloat16).
 
+FP8 dispatch: ``dispatch`` also takes the rows as
+`moeroute.bindings.torch.fp8_experts.FP8Activations` (e4m3 values with their float32 scales per
+token group, quantized once by the sender; ``MoE(..., dispatch_dtype="fp8")``). Both travel in
+one uint8 buffer per row (H bytes of values, then 4 x groups bytes of scales) through the same
+collectives as float rows, and the receiver gets FP8Activations back, bit for bit; the
+partial outputs still return in the activation dtype.
+
 Byte accounting: each forward (one dispatch and its combine) records a `TransferStats`
 with the bytes this rank sent to OTHER ranks (rows a rank keeps for itself are copied,
 not sent): ``dispatcher.last_stats`` and the running ``dispatcher.cumulative_stats``.
@@ -68,6 +75,7 @@ from moeroute.bindings.torch.dispatch import (
     check_dispatch_inputs,
     register_ep_dispatcher_factory,
 )
+from moeroute.bindings.torch.fp8_experts import FP8_DTYPE, FP8Activations
 from moeroute.bindings.torch.group import (
     CollectiveError,
     RankMismatchError,
@@ -118,7 +126,8 @@ class TransferStats:
     rows_sent : int
         Token rows sent to other ranks by the dispatch (allgather: padded rows x (E-1)).
     hidden_bytes : int
-        Hidden-state bytes of those rows: rows_sent x H x element size.
+        Hidden-state bytes of those rows: rows_sent x H x element size (1 with FP8
+        dispatch).
     metadata_bytes : int
         Slot ids and weights that travel with the rows: rows_sent x K' x
         `METADATA_BYTES_PER_SLOT`.
@@ -126,6 +135,9 @@ class TransferStats:
         The row-count exchange that precedes the rows.
     combine_bytes : int
         Partial outputs sent back to their home ranks (0 until `combine` runs).
+    scale_bytes : int
+        FP8 dispatch: the float32 activation scales of those rows, rows_sent x groups x 4
+        (0 for float rows).
     """
 
     rows_sent: int = 0
@@ -133,16 +145,22 @@ class TransferStats:
     metadata_bytes: int = 0
     count_bytes: int = 0
     combine_bytes: int = 0
+    scale_bytes: int = 0
+
+    @property
+    def token_bytes(self) -> int:
+        """The token rows as they travel: values plus (FP8) their scales."""
+        return self.hidden_bytes + self.scale_bytes
 
     @property
     def dispatch_bytes(self) -> int:
-        """Hidden rows plus their metadata: what the dispatch itself moves."""
-        return self.hidden_bytes + self.metadata_bytes
+        """Token rows, their scales and their metadata: what the dispatch itself moves."""
+        return self.hidden_bytes + self.scale_bytes + self.metadata_bytes
 
     @property
     def total_bytes(self) -> int:
         """Every byte of the forward: dispatch, counts and combine."""
-        return self.hidden_bytes + self.metadata_bytes + self.count_bytes + self.combine_bytes
+        return self.dispatch_bytes + self.count_bytes + self.combine_bytes
 
     def __add__(self, other: TransferStats) -> TransferStats:
         if not isinstance(other, TransferStats):
@@ -151,8 +169,9 @@ class TransferStats:
                                                      dataclasses.astuple(other))))
 
     def as_dict(self) -> dict[str, int]:
-        """All fields plus ``dispatch_bytes`` and ``total_bytes`` (for JSON reports)."""
+        """All fields plus ``token_bytes``, ``dispatch_bytes`` and ``total_bytes`` (for JSON)."""
         out = dataclasses.asdict(self)
+        out["token_bytes"] = self.token_bytes
         out["dispatch_bytes"] = self.dispatch_bytes
         out["total_bytes"] = self.total_bytes
         return out
@@ -278,6 +297,8 @@ class _EPDispatcher(Dispatcher):
     """Shared parts of the torch.distributed dispatchers."""
 
     mode: str = ""
+    #: ``dispatch`` takes FP8Activations as well as float rows (``MoE(dispatch_dtype="fp8")``).
+    carries_fp8 = True
 
     def __init__(self, layout: ExpertLayout, group: Any = None, *, debug: bool = False) -> None:
         self.layout = _check_layout(layout, self.mode)
@@ -295,7 +316,7 @@ class _EPDispatcher(Dispatcher):
 
     def _signature(self, hidden_states: torch.Tensor, top_k: int) -> list[int]:
         """What every rank must agree on before an exchange, as int64-safe integers."""
-        return [hidden_states.shape[1], zlib.crc32(str(hidden_states.dtype).encode()), top_k,
+        return [hidden_states.shape[1], zlib.crc32(_row_format(hidden_states).encode()), top_k,
                 int(self.debug), self._layout_digest]
 
     def _check_signatures(self, signatures: list[list[int]], hidden_states: torch.Tensor,
@@ -308,7 +329,7 @@ class _EPDispatcher(Dispatcher):
         if all(row == signatures[0] for row in signatures[1:]):
             return
         fields = {"hidden_states.shape[1]": hidden_states.shape[1],
-                  "hidden_states.dtype": str(hidden_states.dtype),
+                  "hidden_states.dtype": _row_format(hidden_states),
                   "topk_ids.shape[1]": top_k, "debug": self.debug, **self._layout_fields}
         check_ranks_agree(fields, self.group, f"the {self.mode} dispatch")
         raise RankMismatchError(  # the digests differ, the fields do not: never expected
@@ -443,6 +464,45 @@ def _unpack_metadata(meta: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torc
     return meta[:, :top_k].contiguous(), meta[:, top_k:].contiguous().view(torch.float32)
 
 
+def _rows_as_sent(hidden_states) -> tuple[torch.Tensor, Any]:
+    """(the 2-D tensor the collectives move, how to read it back).
+
+    Float rows travel as they are. FP8Activations travel as one uint8 row each: H bytes of
+    e4m3 values, then the row's float32 scales as 4 x groups bytes (gloo and NCCL both move
+    uint8; one collective instead of two).
+    """
+    if not isinstance(hidden_states, FP8Activations):
+        return hidden_states, None
+    hidden_states.check()
+    rows = torch.cat([hidden_states.q.view(torch.uint8), hidden_states.scales.contiguous().view(torch.uint8)],
+                     dim=1)
+    return rows, hidden_states
+
+
+def _rows_as_received(rows: torch.Tensor, like) -> Any:
+    """Inverse of `_rows_as_sent`: float rows, or FP8Activations shaped like ``like``'s."""
+    if like is None:
+        return rows
+    hidden = like.q.shape[1]
+    return FP8Activations(rows[:, :hidden].contiguous().view(FP8_DTYPE),
+                          rows[:, hidden:].contiguous().view(torch.float32), like.group_size, like.dtype)
+
+
+def _row_bytes(hidden_states) -> tuple[int, int]:
+    """(value bytes, scale bytes) of one token row as it travels."""
+    if isinstance(hidden_states, FP8Activations):
+        return hidden_states.q.shape[1], hidden_states.scales.shape[1] * hidden_states.scales.element_size()
+    return hidden_states.shape[1] * hidden_states.element_size(), 0
+
+
+def _row_format(hidden_states) -> str:
+    """How the token rows travel, for the ranks' agreement check."""
+    if isinstance(hidden_states, FP8Activations):
+        return (f"float8_e4m3fn with {hidden_states.scales.shape[1]} float32 scales per row "
+                f"(activations {hidden_states.dtype})")
+    return str(hidden_states.dtype)
+
+
 # --------------------------------------------------------------------------- all2all
 
 
@@ -495,7 +555,9 @@ class All2AllDispatcher(_EPDispatcher):
 
         Parameters
         ----------
-        hidden_states : Tensor [T, H], activation dtype
+        hidden_states : Tensor [T, H], activation dtype, or FP8Activations
+            FP8 rows with their scales (FP8 dispatch): they travel as they are and
+            ``recv_hidden`` is FP8Activations of the received rows.
         topk_ids : Tensor [T, K'] int32
             Physical ids; ids outside [0, num_physical_experts) are not routed.
         topk_weights : Tensor [T, K'] float32
@@ -520,9 +582,10 @@ class All2AllDispatcher(_EPDispatcher):
         CollectiveError
             A collective failed (dead peer, timeout of the process group).
         """
-        check_dispatch_inputs(hidden_states, topk_ids, topk_weights)
+        rows, fp8 = _rows_as_sent(hidden_states)
+        check_dispatch_inputs(rows, topk_ids, topk_weights)
         async_op = _as_flag("async_op", async_op)
-        device, e = hidden_states.device, self.ep_size
+        device, e = rows.device, self.ep_size
         num_tokens, top_k = topk_ids.shape
         tables = self._tables(device)
         valid, safe = self._valid_and_safe(topk_ids)
@@ -563,10 +626,10 @@ class All2AllDispatcher(_EPDispatcher):
         state.send_token_index, state.send_counts, state.recv_counts = (
             send_token, send_counts, recv_counts)
 
-        send_hidden = hidden_states.index_select(0, send_token)
+        send_hidden = rows.index_select(0, send_token)
         send_meta = _pack_metadata(send_local, send_weights)
         num_recv = sum(recv_counts)
-        recv_hidden = hidden_states.new_empty((num_recv, hidden_states.shape[1]))
+        recv_hidden = rows.new_empty((num_recv, rows.shape[1]))
         recv_meta = send_meta.new_empty((num_recv, 2 * top_k))
         works = [
             self._collective("token dispatch", dist.all_to_all_single, recv_hidden,
@@ -578,7 +641,8 @@ class All2AllDispatcher(_EPDispatcher):
         rows_out = send_token.shape[0] - send_counts[self.rank]
         stats = state.stats
         stats.rows_sent = rows_out
-        stats.hidden_bytes = rows_out * hidden_states.shape[1] * hidden_states.element_size()
+        value_bytes, scale_bytes = _row_bytes(hidden_states)
+        stats.hidden_bytes, stats.scale_bytes = rows_out * value_bytes, rows_out * scale_bytes
         stats.metadata_bytes = rows_out * top_k * METADATA_BYTES_PER_SLOT
         stats.count_bytes = (e - 1) * counts_out.shape[1] * _COUNT_BYTES
 
@@ -589,7 +653,7 @@ class All2AllDispatcher(_EPDispatcher):
             recv_local, recv_weights = _unpack_metadata(recv_meta, top_k)
             if self.debug:
                 self._check_received(recv_local, expected_live)
-            return recv_hidden, recv_local, recv_weights
+            return _rows_as_received(recv_hidden, fp8), recv_local, recv_weights
 
         return self._handle(state, finish, async_op)
 
@@ -722,7 +786,9 @@ class AllGatherDispatcher(_EPDispatcher):
 
         Parameters
         ----------
-        hidden_states : Tensor [T, H], activation dtype
+        hidden_states : Tensor [T, H], activation dtype, or FP8Activations
+            FP8 rows with their scales (FP8 dispatch): they travel as they are and
+            ``recv_hidden`` is FP8Activations of the received rows.
         topk_ids : Tensor [T, K'] int32
             Physical ids; ids outside [0, num_physical_experts) are not routed.
         topk_weights : Tensor [T, K'] float32
@@ -747,11 +813,12 @@ class AllGatherDispatcher(_EPDispatcher):
         CollectiveError
             A collective failed (dead peer, timeout of the process group).
         """
-        check_dispatch_inputs(hidden_states, topk_ids, topk_weights)
+        rows, fp8 = _rows_as_sent(hidden_states)
+        check_dispatch_inputs(rows, topk_ids, topk_weights)
         async_op = _as_flag("async_op", async_op)
-        device, e = hidden_states.device, self.ep_size
+        device, e = rows.device, self.ep_size
         num_tokens, top_k = topk_ids.shape
-        hidden = hidden_states.shape[1]
+        width = rows.shape[1]
         valid, _ = self._valid_and_safe(topk_ids)
         state = self._start_forward(num_tokens, valid)
 
@@ -766,11 +833,11 @@ class AllGatherDispatcher(_EPDispatcher):
         state.sizes = sizes
         padded_rows = max(sizes)
 
-        send_hidden = hidden_states.new_zeros((padded_rows, hidden))
-        send_hidden[:num_tokens] = hidden_states
+        send_hidden = rows.new_zeros((padded_rows, width))
+        send_hidden[:num_tokens] = rows
         send_meta = torch.full((padded_rows, 2 * top_k), -1, dtype=torch.int32, device=device)
         send_meta[:num_tokens] = _pack_metadata(topk_ids, topk_weights)
-        gathered_hidden = hidden_states.new_empty((e * padded_rows, hidden))
+        gathered_hidden = rows.new_empty((e * padded_rows, width))
         gathered_meta = send_meta.new_empty((e * padded_rows, 2 * top_k))
         works = [
             self._collective("token gather", _all_gather_single, gathered_hidden,
@@ -781,7 +848,8 @@ class AllGatherDispatcher(_EPDispatcher):
 
         stats = state.stats
         stats.rows_sent = (e - 1) * padded_rows
-        stats.hidden_bytes = stats.rows_sent * hidden * hidden_states.element_size()
+        value_bytes, scale_bytes = _row_bytes(hidden_states)
+        stats.hidden_bytes, stats.scale_bytes = stats.rows_sent * value_bytes, stats.rows_sent * scale_bytes
         stats.metadata_bytes = stats.rows_sent * top_k * METADATA_BYTES_PER_SLOT
         stats.count_bytes = (e - 1) * len(mine) * _COUNT_BYTES
 
@@ -802,7 +870,7 @@ class AllGatherDispatcher(_EPDispatcher):
                                        torch.zeros((), dtype=torch.float32, device=device))
             if self.debug:
                 self._check_dispatched_once(recv_ids, recv_local)
-            return recv_hidden, recv_local, recv_weights
+            return _rows_as_received(recv_hidden, fp8), recv_local, recv_weights
 
         return self._handle(state, finish, async_op)
 

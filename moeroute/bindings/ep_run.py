@@ -9,6 +9,12 @@ and gate) at a small hidden/intermediate size with random weights, runs the expe
 `moeroute.bindings.torch.MoE` on its own tokens and the single-process layer on the same
 tokens, and reports its load, the bytes it sent and the forward time. The exit status is
 nonzero when any rank's output differs from the single-process result.
+
+With ``--quant fp8_block`` (or ``fp8_tensor``) the routed experts are FP8 (the random weights
+quantized with `moeroute.quant.quantize_experts`), ``--dispatch-dtype fp8`` sends the tokens
+as e4m3 rows with their scales, and every rank also checks its output against the plain-torch
+w8a8 definition of `moeroute.quant.reference` (routing from the NumPy reference, the shared
+expert in float64 or, fused, as FP8 slots), printing the max relative error and PASS/FAIL.
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ EXIT_FAILURE = 3
 #: Relative error (max |ep - single| / max |single|) allowed per activation dtype: float32
 #: differs only by summation order; bfloat16 rounds every partial output to 8 bits.
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+#: FP8 layers against the w8a8 reference of moeroute.quant.reference (docs/quant.md): float32
+#: activations differ by float32 summation order and the odd e4m3 rounding tie; bfloat16 ones
+#: also round the intermediate and the outputs.
+QUANT_TOLERANCE = {"float32": 2e-2, "bfloat16": 4e-2}
 #: Environment variables torchrun sets; all present means "join, don't spawn".
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 #: Scale of the random correction bias: small next to the spread of sigmoid scores, so it
@@ -84,6 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="process-group timeout in seconds (default 120)")
     parser.add_argument("--debug", action="store_true",
                         help="check every (token, slot) is dispatched and combined once")
+    parser.add_argument("--quant", choices=("fp8_block", "fp8_tensor"), default=None,
+                        help="FP8 routed experts (128x128 blocks for fp8_block), also checked "
+                             "against the w8a8 reference")
+    parser.add_argument("--dispatch-dtype", choices=("auto", "fp8"), default="auto",
+                        help="fp8: send the tokens as e4m3 rows with their scales (needs --quant)")
 
 
 def _under_torchrun() -> bool:
@@ -93,6 +108,12 @@ def _under_torchrun() -> bool:
 def _check_request(args: argparse.Namespace) -> tuple[Any, ExpertLayout]:
     """The preset and the layout the ranks will build; ValueError (LayoutError) if impossible."""
     preset = get_preset(args.preset)
+    quant = getattr(args, "quant", None)
+    if quant is not None and preset.expert_bias:
+        raise ValueError(f"--quant {quant} is not served for preset {args.preset!r}: its experts carry "
+                         "biases, which FP8 experts do not")
+    if getattr(args, "dispatch_dtype", "auto") == "fp8" and quant is None:
+        raise ValueError("--dispatch-dtype fp8 needs FP8 experts: add --quant fp8_block (or fp8_tensor)")
     fusable = preset.shared_unfusable_reason is None
     # Per spawned rank: the EP and the single-process layer (all N experts: gate_up, down),
     # this rank's tokens and a few activation-sized buffers of every rank's tokens.
@@ -116,13 +137,25 @@ def _check_request(args: argparse.Namespace) -> tuple[Any, ExpertLayout]:
 # --------------------------------------------------------------------------- one rank
 
 
-def _build_layers(args, preset, group, device):
-    """(ep_module, single_module) with identical random weights on every rank."""
+def _quant_config(args):
+    from moeroute.quant import QuantConfig
+
+    quant = getattr(args, "quant", None)
+    return None if quant is None else QuantConfig(quant)
+
+
+def _build_layers(args, preset, group, device, keep=None):
+    """(ep_module, single_module) with identical random weights on every rank.
+
+    ``keep``: a dict that receives the weights (router, bias, FP8 tensors, shared MLP and
+    gate) for the reference check.
+    """
     import torch
     from torch import nn
 
     from moeroute.bindings.torch.mlp import GatedMLP
     from moeroute.bindings.torch.moe import MoE
+    from moeroute.quant import quantize_experts
 
     dtype = getattr(torch, args.dtype)
     hidden, inter = args.hidden, args.intermediate
@@ -158,6 +191,14 @@ def _build_layers(args, preset, group, device):
         expert_biases = (rand(n, 2 * inter, scale=1.0), rand(n, hidden, scale=1.0))
         router_bias = rand(n, scale=1.0).float()
 
+    quant = _quant_config(args)
+    routed = (w_gate_up, w_down)
+    if quant is not None:
+        q = quantize_experts(w_gate_up.float(), w_down.float(), quant)
+        routed = (q[0], q[2], q[1], q[3])  # w_gate_up, w_down, gate_up_scale, down_scale
+    if keep is not None:
+        keep.update(router=router_weight, bias=bias if preset.has_correction_bias else None,
+                    routed=routed, shared=shared_mlp, gate=gate)
     modules = []
     for ep_group in (group, None):
         module = MoE(preset.router, hidden, inter, shared_experts=shared_mlp,
@@ -167,16 +208,78 @@ def _build_layers(args, preset, group, device):
                      placement=args.placement if ep_group is not None else "linear",
                      correction_bias=preset.has_correction_bias, dtype=dtype, device=device,
                      activation=preset.activation, expert_bias=preset.expert_bias,
-                     router_bias=preset.expert_bias)
+                     router_bias=preset.expert_bias, quant=quant,
+                     dispatch_dtype=getattr(args, "dispatch_dtype", "auto"))
         with torch.no_grad():
             module.router_weight.copy_(router_weight)
             if preset.has_correction_bias:
                 module.correction_bias.copy_(bias)
             if preset.expert_bias:
                 module.router_bias.copy_(router_bias)
-        module.load_routed_weights(w_gate_up, w_down, *expert_biases)
+        if quant is None:
+            module.load_routed_weights(w_gate_up, w_down, *expert_biases)
+        else:
+            module.load_routed_weights(routed[0], routed[1], gate_up_scale=routed[2], down_scale=routed[3])
         modules.append(module)
     return modules
+
+
+def quant_reference(args, preset, layout, weights, x):
+    """float32 [T, H] of the FP8 layer written from the definitions, on the CPU.
+
+    Routing from `moeroute.routing.reference` (NumPy), the routed experts from
+    `moeroute.quant.reference.moe_experts_reference` on the FP8 tensors, the shared expert
+    in float64 (runner/overlap) or as S w8a8 slots quantized from its weights (fused), with
+    the scaling regime applied as docs/semantics.md section 3 defines it.
+    """
+    import dataclasses
+
+    import torch
+    import torch.nn.functional as F
+
+    from moeroute.quant import quantize_experts
+    from moeroute.quant.reference import _act, moe_experts_reference
+    from moeroute.routing import reference
+
+    quant = _quant_config(args)
+    dtype = getattr(torch, args.dtype)
+    x = x.cpu()
+    router, rsf = preset.router, preset.router.routed_scaling_factor
+    output_regime = args.regime == "output"
+    if output_regime:
+        router = dataclasses.replace(router, routed_scaling_factor=1.0)
+    logits = (x.float() @ weights["router"].cpu().T).numpy()
+    bias = None if weights["bias"] is None else weights["bias"].cpu().numpy()
+    topk_weights, topk_ids = reference.select_experts(logits, router, bias)
+    q = [t.cpu() for t in weights["routed"]]
+    block, fmt, act = quant.block_size, quant.scale_fmt, preset.activation
+    out = moe_experts_reference(x, torch.from_numpy(topk_ids).long(), torch.from_numpy(topk_weights),
+                                q[0], q[2], q[1], q[3], block, fmt, act, intermediate_dtype=dtype).double()
+    shared_mlp, gate = weights["shared"], weights["gate"]
+    if shared_mlp is not None:
+        x64 = x.double()
+        g = torch.ones(x.shape[0], 1, dtype=torch.float64)
+        if gate is not None:
+            g = torch.sigmoid(x64 @ gate.weight.detach().cpu().double().T)
+        gate_w, up_w, down_w = (getattr(shared_mlp, name).weight.detach().cpu().float()
+                                for name in ("gate_proj", "up_proj", "down_proj"))
+        if layout.shared == "fused":  # S slots of the routed size, quantized as the experts are
+            inter, slots = args.intermediate, layout.num_shared_experts
+            gate_up = torch.stack([torch.cat([gate_w[j * inter:(j + 1) * inter], up_w[j * inter:(j + 1) * inter]])
+                                   for j in range(slots)])
+            down = torch.stack([down_w[:, j * inter:(j + 1) * inter] for j in range(slots)])
+            sq = quantize_experts(gate_up, down, quant)
+            slot_weight = (g / rsf if output_regime else g).float().expand(-1, slots).contiguous()
+            out += moe_experts_reference(x, torch.arange(slots).expand(x.shape[0], -1), slot_weight,
+                                         *sq, block, fmt, act, intermediate_dtype=dtype).double()
+        if output_regime:
+            out *= rsf
+        if layout.shared != "fused":
+            h_gate, h_up = x64 @ gate_w.double().T, x64 @ up_w.double().T
+            out += g * (_act(h_gate, h_up, act) @ down_w.double().T)
+    elif output_regime:
+        out *= rsf
+    return out.float()
 
 
 def _rank_report(args, preset, rank: int, world: int, group, device) -> dict:
@@ -185,7 +288,8 @@ def _rank_report(args, preset, rank: int, world: int, group, device) -> dict:
 
     from moeroute.bindings.ep import make_dispatcher
 
-    ep_module, single = _build_layers(args, preset, group, device)
+    weights = {}
+    ep_module, single = _build_layers(args, preset, group, device, keep=weights)
     if args.debug:
         ep_module.dispatcher = make_dispatcher(ep_module.layout, group, args.dispatch, debug=True)
     num_local = ep_module.layout.num_local_experts(rank)
@@ -217,11 +321,17 @@ def _rank_report(args, preset, rank: int, world: int, group, device) -> dict:
                 torch.cuda.synchronize(device)
             if i >= WARMUP_FORWARDS:
                 times.append(time.perf_counter() - start)
-    error = 0.0
-    if out.numel():
-        scale = float(expected.double().abs().max()) or 1.0
-        error = float((out.double() - expected.double()).abs().max()) / scale
-    return dict(
+    def relative_error(reference):
+        if not out.numel():
+            return 0.0
+        scale = float(reference.double().abs().max()) or 1.0
+        return float((out.double().cpu() - reference.double().cpu()).abs().max()) / scale
+
+    error = relative_error(expected)
+    reference_error = None
+    if _quant_config(args) is not None:
+        reference_error = relative_error(quant_reference(args, preset, ep_module.layout, weights, x))
+    return dict(reference_error=reference_error,
         rank=rank, tokens=args.tokens, received_rows=received_rows[0],
         slots_computed=int(load.sum()), max_expert_load=int(load.max()) if num_local else 0,
         local_experts=num_local, bytes=None if stats is None else stats.as_dict(),
@@ -262,9 +372,11 @@ def _format(args, reports: list[dict]) -> tuple[str, int]:
     """The printed table and the exit status."""
     tolerance = TOLERANCE[args.dtype]
     first = reports[0]
+    quant = getattr(args, "quant", None)
     lines = [
         f"moeroute run: preset {args.preset}, ep {args.ep}, dispatch {args.dispatch}, "
-        f"{args.tokens} tokens per rank, H={args.hidden}, I={args.intermediate}, {args.dtype}",
+        f"{args.tokens} tokens per rank, H={args.hidden}, I={args.intermediate}, {args.dtype}"
+        + ("" if quant is None else f", experts {quant}, dispatch dtype {args.dispatch_dtype}"),
         f"shared expert: {first['shared']}. {first['shared_reason']}",
         "rank  tokens  rows_in  slots  experts  max_load  sent_rows_B  sent_meta_B  "
         "sent_combine_B  forward_ms  rel_error  check",
@@ -280,8 +392,17 @@ def _format(args, reports: list[dict]) -> tuple[str, int]:
             f"{b.get('hidden_bytes', 0):>11}  {b.get('metadata_bytes', 0):>11}  "
             f"{b.get('combine_bytes', 0):>14}  {r['forward_ms']:>10.3f}  "
             f"{r['error']:>9.2e}  {'ok' if ok else 'MISMATCH'}")
+    if quant is not None:
+        bound = QUANT_TOLERANCE[args.dtype]
+        worst = max(r["reference_error"] for r in reports)
+        passed = worst < bound
+        status = status if passed else EXIT_MISMATCH
+        scales = sum((r["bytes"] or {}).get("scale_bytes", 0) for r in reports)
+        lines.append(f"w8a8 reference (moeroute.quant.reference): max relative error {worst:.2e} over "
+                     f"{len(reports)} ranks (< {bound:g}): {'PASS' if passed else 'FAIL'}"
+                     + (f"; FP8 rows sent with {scales} bytes of scales" if scales else ""))
     total = sum((r["bytes"] or {}).get("total_bytes", 0) for r in reports)
-    lines.append(f"bytes sent by all ranks per forward (rows, metadata, counts, combine): {total}")
+    lines.append(f"bytes sent by all ranks per forward (rows, scales, metadata, counts, combine): {total}")
     lines.append("result: " + ("every rank matches the single-process layer" if status == 0 else
                                f"MISMATCH above tolerance {tolerance:g}"))
     return "\n".join(lines), status

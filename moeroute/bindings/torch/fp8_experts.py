@@ -22,6 +22,8 @@ The FP8 weights are never dequantized whole. Two strategies, picked by rows per 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -32,7 +34,7 @@ from moeroute.quant import _host
 
 __all__ = ["QuantizedExperts", "fp8_experts_forward", "choose_fp8_strategy", "FP8_STRATEGIES",
            "fake_quantize", "check_quantized_weights", "PROJECTIONS", "STACKED_SCALE_KEYS", "per_expert_key",
-           "gate_up_scale_from_stacked"]
+           "gate_up_scale_from_stacked", "FP8Activations", "quantize_for_dispatch", "check_dispatch_quant"]
 
 #: The three projections of a per-expert checkpoint, in moeroute's row order (gate, up, down).
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -91,10 +93,102 @@ def fake_quantize(x: torch.Tensor, config: QuantConfig, static_scale=None) -> to
         return quantize_fp8_static(x, scale).float() * scale
     group = config.activation_group_size
     q, scales = quantize_fp8_activations(x, group, config.scale_fmt)
-    cols = x.shape[-1]
+    return _dequantize_rows(q, scales, group)
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Activations:
+    """Token rows quantized once for FP8 dispatch: what travels instead of a float tensor.
+
+    Attributes
+    ----------
+    q : Tensor [T, H] float8_e4m3fn
+    scales : Tensor [T, G] float32
+        Per row and group of ``group_size`` columns (G = ceil(H / group_size)), or one per
+        row (G = 1) when ``group_size`` is None: ``x ~= q * scales[t, j // group_size]``.
+    group_size : int or None
+        The QuantConfig's activation group (fp8_block: bk; fp8_tensor: None, the whole row).
+    dtype : torch.dtype
+        The activation dtype the layer computes in (the experts' output dtype).
+
+    ``shape``, ``device`` and ``dtype`` answer as the float rows would, so a dispatcher's
+    combine checks its partial outputs against them unchanged.
+    """
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    group_size: int | None
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [T, H]: ``q * scales`` per group, the values the first FP8 GEMM multiplies."""
+        return _dequantize_rows(self.q, self.scales, self.group_size)
+
+    def check(self, name: str = "hidden_states") -> None:
+        """ValueError naming ``name`` unless q is 2-D e4m3 and scales float32 [T, G] beside it."""
+        q, scales = self.q, self.scales
+        if not isinstance(q, torch.Tensor) or q.dtype != FP8_DTYPE or q.dim() != 2:
+            raise ValueError(f"{name}.q must be a 2-D float8_e4m3fn tensor [T, H], got "
+                             f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+        groups = 1 if self.group_size is None else -(-q.shape[1] // self.group_size)
+        if (not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32
+                or tuple(scales.shape) != (q.shape[0], groups) or scales.device != q.device):
+            raise ValueError(f"{name}.scales must be float32 [{q.shape[0]}, {groups}] on {q.device}, got "
+                             f"{getattr(scales, 'dtype', type(scales).__name__)} "
+                             f"{tuple(getattr(scales, 'shape', ()))}")
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"{name}.dtype={self.dtype} must be the activation dtype (float32, bfloat16, "
+                             "float16)")
+
+
+def _dequantize_rows(q: torch.Tensor, scales: torch.Tensor, group: int | None) -> torch.Tensor:
     if group is None:
         return q.float() * scales
-    return q.float().mul_(scales.repeat_interleave(group, dim=-1)[..., :cols])
+    return q.float().mul_(scales.repeat_interleave(group, dim=-1)[..., :q.shape[-1]])
+
+
+def check_dispatch_quant(dispatch_dtype, quant: QuantConfig | None) -> str | None:
+    """``dispatch_dtype`` checked against the layer's format: "fp8" or None (the activation dtype).
+
+    Raises
+    ------
+    ValueError
+        Naming ``dispatch_dtype``: a value other than None, "auto" or "fp8"; "fp8" on a float
+        layer (its experts would compute on rounded inputs the single-rank layer never sees)
+        or with static activation scales (the first GEMM quantizes each (row, expert) with the
+        expert's own scale, which a per-token quantization on the sender cannot reproduce).
+    """
+    if dispatch_dtype is None or dispatch_dtype == "auto":
+        return None
+    if dispatch_dtype != "fp8":
+        raise ValueError(f"dispatch_dtype={dispatch_dtype!r} is unknown; use None/'auto' (the activation "
+                         "dtype) or 'fp8'")
+    if quant is None:
+        raise ValueError("dispatch_dtype='fp8' needs FP8 experts (quant=QuantConfig(...)): a float layer's "
+                         "experts would compute on e4m3-rounded inputs and differ from the single-rank layer")
+    if quant.activation != "dynamic":
+        raise ValueError("dispatch_dtype='fp8' needs dynamic activation scales; with quant "
+                         "activation='static' each expert quantizes its input with its own scale, which "
+                         "the sending rank cannot apply once per token")
+    return "fp8"
+
+
+def quantize_for_dispatch(x: torch.Tensor, config: QuantConfig) -> FP8Activations:
+    """Quantize the routed input rows ``x [T, H]`` once, as the FP8 experts' first GEMM would.
+
+    Per row and group of ``config.activation_group_size`` columns (fp8_block: bk; fp8_tensor:
+    the whole row), with ``config.scale_fmt`` (`moeroute.quant.quantize_fp8_activations`).
+    """
+    q, scales = quantize_fp8_activations(x, config.activation_group_size, config.scale_fmt)
+    return FP8Activations(q, scales, config.activation_group_size, x.dtype)
 
 
 def _kernel_scales(config: QuantConfig, gate_up_scale, down_scale, hidden, inter):
@@ -115,7 +209,10 @@ def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, we
 
     Parameters
     ----------
-    hidden_states : Tensor [Tr, H] float32/bfloat16/float16
+    hidden_states : Tensor [Tr, H] float32/bfloat16/float16, or FP8Activations
+        FP8Activations (FP8 dispatch): rows quantized once on the sending rank with this
+        config's groups; the first GEMM uses their q and scales as they are (dynamic scheme
+        only), so the result is that of the float rows they were quantized from.
     local_ids : Tensor [Tr, K'] int32; ids outside [0, L) are not computed here
     weights : Tensor [Tr, K'] float32
     q_gate_up : Tensor [L, 2I, H] float8_e4m3fn (gate rows first)
@@ -133,6 +230,16 @@ def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, we
     """
     if strategy not in FP8_STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not an FP8 strategy; use one of {FP8_STRATEGIES}")
+    received = None
+    if isinstance(hidden_states, FP8Activations):
+        received = hidden_states
+        received.check()
+        if config.activation != "dynamic" or received.group_size != config.activation_group_size:
+            raise ValueError(f"hidden_states are FP8 rows in groups of {received.group_size} columns, but "
+                             f"the experts quantize their input with activation={config.activation!r}, "
+                             f"groups of {config.activation_group_size}")
+        hidden_states = received.q
+    act_dtype = hidden_states.dtype if received is None else received.dtype
     num_tokens, hidden = hidden_states.shape
     num_experts, two_inter, _ = q_gate_up.shape
     inter = two_inter // 2
@@ -146,7 +253,7 @@ def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, we
     device = hidden_states.device
     sums = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
     if slots.numel() == 0:
-        return sums.to(hidden_states.dtype)
+        return sums.to(act_dtype)
     if device.type != "cpu":
         strategy = "blocks"  # the row kernels are Numba CPU code
     elif strategy == "auto":
@@ -156,9 +263,11 @@ def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, we
                                          torch.tensor(counts, device=device))
     gu_scale, d_scale, gu_block, d_block = _kernel_scales(config, gate_up_scale, down_scale, hidden, inter)
 
-    # First GEMM's input: quantized once per token (dynamic), or per (row, expert) with the
-    # expert's static scale.
-    if static:
+    # First GEMM's input: quantized once per token (dynamic; on the sending rank with FP8
+    # dispatch), or per (row, expert) with the expert's static scale.
+    if received is not None:
+        xs, x_rows = received.dequantize(), tokens
+    elif static:
         xs = fake_quantize(hidden_states[tokens], config, input_scale[row_expert, 0].float())
         x_rows = torch.arange(tokens.numel(), device=device)
     else:
@@ -173,11 +282,11 @@ def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, we
                            q_gate_up.view(torch.uint8).numpy(), gu_scale.numpy(), inter, gu_block[0],
                            gu_block[1], gate_up.numpy())
     else:
-        gate_up = _blocks_gemm(xs[x_rows], offsets, hit, q_gate_up, gu_scale, gu_block, hidden_states.dtype,
+        gate_up = _blocks_gemm(xs[x_rows], offsets, hit, q_gate_up, gu_scale, gu_block, act_dtype,
                                halves=(inter, gu_scale.shape[1] // 2))
     act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
-    if hidden_states.dtype != torch.float32:  # the intermediate in the activation dtype, as GPUs keep it
-        act = act.to(hidden_states.dtype)
+    if act_dtype != torch.float32:  # the intermediate in the activation dtype, as GPUs keep it
+        act = act.to(act_dtype)
     act_scale = input_scale[row_expert, 1].float() if static else None
     acts = fake_quantize(act, config, act_scale).contiguous()
     if strategy == "rows":
@@ -185,9 +294,9 @@ def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, we
                         torch.tensor(hit, dtype=torch.int64).numpy(), q_down.view(torch.uint8).numpy(),
                         d_scale.numpy(), d_block[0], d_block[1], sums.numpy())
     else:
-        y = _blocks_gemm(acts, offsets, hit, q_down, d_scale, d_block, hidden_states.dtype)
+        y = _blocks_gemm(acts, offsets, hit, q_down, d_scale, d_block, act_dtype)
         sums.index_add_(0, tokens, y.mul_(slot_weights[:, None]))
-    return sums if hidden_states.dtype == torch.float32 else sums.to(hidden_states.dtype)
+    return sums if act_dtype == torch.float32 else sums.to(act_dtype)
 
 
 def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None, decoder=None):
@@ -326,7 +435,9 @@ class QuantizedExperts(nn.Module):
                 weights: torch.Tensor) -> torch.Tensor:
         """Weighted sum of each row's local w8a8 experts: as `LocalExperts.forward`, with the
         numerics of docs/quant.md; any of float32/bfloat16/float16 activations."""
-        return fp8_experts_forward(hidden_states.contiguous(), local_ids.contiguous(), weights.contiguous(),
+        if isinstance(hidden_states, torch.Tensor):
+            hidden_states = hidden_states.contiguous()
+        return fp8_experts_forward(hidden_states, local_ids.contiguous(), weights.contiguous(),
                                    self.w_gate_up, self.gate_up_scale, self.w_down, self.down_scale,
                                    self.quant, self.activation, self.input_scale, self.strategy)
 

@@ -73,8 +73,10 @@ from moeroute.bindings.torch.fp8_experts import (
     PROJECTIONS,
     STACKED_SCALE_KEYS,
     QuantizedExperts,
+    check_dispatch_quant,
     check_quantized_weights,
     gate_up_scale_from_stacked,
+    quantize_for_dispatch,
 )
 from moeroute.bindings.torch.experts import (
     SUPPORTED_DTYPES,
@@ -292,6 +294,13 @@ class MoE(nn.Module):
         The shared experts stay as given: who computes them is the layout's answer, the same
         as without ``quant``. Fused shared slots are quantized with the same config.
         ``gemm`` then names the FP8 CPU strategy ("auto", "rows", "blocks").
+    dispatch_dtype : {None, "auto", "fp8"}
+        How the routed input rows travel with ``ep_group``. None/"auto": in the activation
+        dtype. "fp8" (FP8 experts with dynamic activation scales only): quantized once on the
+        sending rank, per token and group of ``quant``'s activation columns, exactly as the
+        experts' first GEMM would quantize them, and sent as e4m3 values with their float32
+        scales; the result equals the single-rank FP8 layer's (docs/quant.md, FP8 dispatch).
+        Without ``ep_group`` nothing travels and "fp8" changes nothing.
     expert_weights : (Tensor [N, 2I, H'], Tensor [N, H', I]), optional
         The full stacked routed weights (the transformers layout) to take this rank's
         experts from. When the rank holds exactly these N experts (one rank, no replicas,
@@ -310,7 +319,9 @@ class MoE(nn.Module):
     ValueError
         Sizes below 1; an unknown shared, dispatch, activation or scaling_regime; a shared
         gate without shared experts; an unsupported dtype or device;
-        ``apply_router_weight_on_input`` with top_k != 1; a non-bool flag.
+        ``apply_router_weight_on_input`` with top_k != 1; a non-bool flag; a
+        ``dispatch_dtype`` other than None/"auto"/"fp8", or "fp8" on a float layer, with static
+        activation scales, or with a dispatcher that does not carry FP8 rows.
     moeroute.layout.LayoutError
         A layout that cannot work, e.g. an explicit ``shared="fused"`` with a
         routed_input_transform or with a shared MLP that does not split into slots.
@@ -348,6 +359,7 @@ class MoE(nn.Module):
         load_window: int = DEFAULT_LOAD_WINDOW,
         dispatcher_factory=None,
         quant: QuantConfig | None = None,
+        dispatch_dtype: str | None = None,
     ) -> None:
         super().__init__()
         # The key by which torch.ops.moeroute.moe_forward finds this layer (see forward).
@@ -383,6 +395,7 @@ class MoE(nn.Module):
             raise ValueError("expert_weights takes float weights; with quant, load the FP8 experts and their "
                              "scales with load_routed_weights(w_gate_up, w_down, gate_up_scale=..., "
                              "down_scale=...)")
+        self.dispatch_dtype = check_dispatch_quant(dispatch_dtype, quant)
         if quant is not None and gemm not in FP8_STRATEGIES:
             raise ValueError(f"gemm={gemm!r} is not an FP8 strategy; with quant use one of {FP8_STRATEGIES}")
         if apply_router_weight_on_input and router.top_k != 1:
@@ -487,6 +500,9 @@ class MoE(nn.Module):
             check_ranks_agree(self.ep_fingerprint(), ep_group, "the MoE layer")
             factory = dispatcher_factory or ep_dispatcher_factory()
             self.dispatcher = factory(self.layout, ep_group, dispatch)
+            if self.dispatch_dtype == "fp8" and not getattr(self.dispatcher, "carries_fp8", False):
+                raise ValueError(f"dispatch_dtype='fp8' needs a dispatcher that carries FP8 rows "
+                                 f"(carries_fp8 = True); {type(self.dispatcher).__name__} does not")
         # EPLB (moeroute.eplb): the load window, and a placement swap waiting for its forward.
         if not isinstance(record_load, bool):
             raise ValueError(f"record_load={record_load!r} must be a bool")
@@ -515,6 +531,7 @@ class MoE(nn.Module):
             "router_bias": self.router_bias is not None,
             "apply_router_weight_on_input": self.apply_router_weight_on_input,
             "quant": repr(self.quant),
+            "dispatch_dtype": self.dispatch_dtype,
         })
         return fields
 
@@ -996,6 +1013,9 @@ class MoE(nn.Module):
             # K = 1: scale the input row by its weight, then every routed slot counts once.
             routed_input = routed_input * topk_weights.to(routed_input.dtype)
             weights = torch.ones_like(weights)
+        if self.dispatch_dtype == "fp8" and not isinstance(self.dispatcher, LocalDispatcher):
+            # FP8 dispatch: quantized once, here on the sending rank; the experts use it as is.
+            routed_input = quantize_for_dispatch(routed_input, self.quant)
         handle = self.dispatcher.dispatch(routed_input, ids, weights, async_op=mode == "overlap")
         shared_out = self._shared_output(x, gate) if mode == "overlap" else None
         recv_hidden, recv_local_ids, recv_weights = handle.wait()
