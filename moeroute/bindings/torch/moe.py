@@ -878,14 +878,16 @@ class MoE(nn.Module):
             raise ValueError(f"hidden_states must be [T, H] or [B, S, H] with H={self.hidden_size}, "
                              f"got shape {tuple(hidden_states.shape)}")
         expected = self.experts.w_gate_up.dtype
-        # A module moved to another dtype (module.double()) is refused here, never misread.
+        # A module moved to another dtype (module.double()) is refused here, never misread:
+        # the expert weights first, then the router's.
+        if self.quant is None:
+            check_dtype("the module's expert weights", expected)
         check_dtype("the module's router_weight", self.router_weight.dtype)
-        if self.quant is not None:  # FP8 experts serve every activation dtype
+        if self.quant is not None:  # quantized experts serve every activation dtype
             if hidden_states.dtype not in SUPPORTED_DTYPES:
                 raise ValueError(f"hidden_states dtype {hidden_states.dtype} is not served; use one of "
                                  f"{SUPPORTED_DTYPES}")
         else:
-            check_dtype("the module's expert weights", expected)
             if hidden_states.dtype != expected:
                 raise ValueError(f"hidden_states dtype {hidden_states.dtype} does not match the expert weights' "
                                  f"dtype {expected}; convert one of them (supported: {SUPPORTED_DTYPES})")
