@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["E2M1_VALUES", "MXFP4_BLOCK", "SCALE_BIAS", "dequantize_mxfp4", "quantize_mxfp4", "check_mxfp4"]
+__all__ = ["E2M1_VALUES", "MXFP4_BLOCK", "SCALE_BIAS", "dequantize_mxfp4", "decode_mxfp4", "quantize_mxfp4",
+           "check_mxfp4"]
 
 #: The 16 e2m1 values, indexed by a 4-bit code (bit 3 the sign).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -108,6 +109,11 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
         As `check_mxfp4` (a scale byte 255 included).
     """
     check_mxfp4(blocks, scales)
+    return decode_mxfp4(blocks, scales)
+
+
+def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`dequantize_mxfp4` without the checks (the caller has made them): float32 [..., rows, cols]."""
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
     low = table[(blocks & 0x0F).long()]
     high = table[(blocks >> 4).long()]

@@ -85,6 +85,7 @@ from moeroute.bindings.torch.experts import (
 )
 from moeroute.bindings.torch.group import check_ranks_agree, ep_group_size_and_rank, layout_fingerprint
 from moeroute.bindings.torch.load_window import DEFAULT_LOAD_WINDOW, LoadRecorder, check_window
+from moeroute.bindings.torch.mxfp4_experts import check_mxfp4_weights
 from moeroute.config import RouterConfig
 from moeroute.layout import DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, ExpertLayout
 from moeroute.quant import QuantConfig, dequantize_fp8_block, dequantize_fp8_tensor, quantize_experts
@@ -376,7 +377,7 @@ class MoE(nn.Module):
                 raise ValueError(f"{name}={value!r} must be a bool")
         if quant is not None and not isinstance(quant, QuantConfig):
             raise TypeError(f"quant must be a moeroute.quant.QuantConfig or None, got {type(quant).__name__}")
-        if quant is not None and expert_bias:
+        if quant is not None and expert_bias and quant.format != "mxfp4":
             raise ValueError(f"expert_bias=True is not served with quant={quant.format!r} (FP8 experts carry "
                              "no biases)")
         if quant is not None and expert_weights is not None:
@@ -459,7 +460,7 @@ class MoE(nn.Module):
         if quant is not None:
             # FP8 experts: the format is data; the layout above already decided the plan.
             self.experts = QuantizedExperts(local_experts, routed_hidden_size, intermediate_size, activation,
-                                            quant=quant, device=device, strategy=gemm)
+                                            quant=quant, device=device, strategy=gemm, bias=expert_bias)
         elif expert_weights is not None and self._can_alias(expert_weights, dtype, device):
             # This rank holds exactly the given experts: share their memory, copy nothing.
             self.experts = LocalExperts(local_experts, routed_hidden_size, intermediate_size, activation,
@@ -590,6 +591,17 @@ class MoE(nn.Module):
             ``expert_bias=True``.
         """
         n, inter, hid = self.router.num_experts, self.intermediate_size, self.routed_hidden_size
+        if self.quant is not None and self.quant.format == "mxfp4":
+            for name, scale in (("gate_up_scale", gate_up_scale), ("down_scale", down_scale),
+                                ("input_scale", input_scale)):
+                if scale is not None:
+                    raise ValueError(f"{name} was given but quant='mxfp4' takes each weight as a (blocks, "
+                                     "scales) pair: w_gate_up=(blocks, scales), w_down=(blocks, scales)")
+            tensors = check_mxfp4_weights(self.quant, n, hid, inter, w_gate_up, w_down)
+            targets = self.experts.quantized_tensors()
+            pairs = [(targets[name], tensor) for name, tensor in tensors.items()]
+            self._copy_expert_rows(pairs + self._bias_pairs(gate_up_bias, down_bias))
+            return
         if self.quant is not None:
             if gate_up_bias is not None or down_bias is not None:
                 raise ValueError("gate_up_bias/down_bias were given but FP8 experts carry no biases")
