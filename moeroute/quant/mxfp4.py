@@ -165,7 +165,7 @@ def quantize_mxfp4(w: torch.Tensor):
                          f"{MXFP4_BLOCK} input columns)")
     if w.numel() and not bool(torch.isfinite(w).all()):
         raise ValueError("w holds inf or NaN values, which MXFP4 cannot represent")
-    groups = w.double().reshape(*w.shape[:-1], cols // MXFP4_BLOCK, MXFP4_BLOCK)
+    groups = w.double().contiguous().reshape(*w.shape[:-1], cols // MXFP4_BLOCK, MXFP4_BLOCK)
     exponent = _block_exponent(groups.abs().amax(dim=-1))
     # Dividing by a power of two is exact in float64 for every float32 input.
     scaled = groups * torch.pow(2.0, -exponent.double())[..., None]
