@@ -160,3 +160,32 @@ def test_cuda_blocks_match_reference():
     with torch.no_grad():
         out = module(x.cuda()).cpu()
     assert rel_error(out, reference_output(module.cpu(), x, weights)) < 1e-3
+
+
+def test_state_dict_round_trip():
+    module, weights = build()
+    fresh = MoE(ROUTER, H, I, activation="swigluoai", expert_bias=True, router_bias=True,
+                quant=QuantConfig("mxfp4"))
+    fresh.load_state_dict(module.state_dict())
+    x = _randn(6, H, seed=8)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), module(x))
+    assert torch.equal(fresh.experts.w_down, weights[1][0])
+
+
+def test_fused_shared_slots_are_quantized_with_the_layer():
+    """A shared MLP fused as an expert slot is quantized with quantize_mxfp4 (no biases)."""
+    from torch import nn
+
+    shared = nn.Module()
+    shared.gate_proj, shared.up_proj = nn.Linear(H, I, bias=False), nn.Linear(H, I, bias=False)
+    shared.down_proj = nn.Linear(I, H, bias=False)
+    shared.act_fn = nn.SiLU()
+    shared.forward = lambda x: shared.down_proj(shared.act_fn(shared.gate_proj(x)) * shared.up_proj(x))
+    module = MoE(ROUTER, H, I, shared_experts=shared, shared="fused", quant=QuantConfig("mxfp4"))
+    slot = module.experts.w_gate_up.shape[0] - 1
+    gate_up = torch.cat([shared.gate_proj.weight, shared.up_proj.weight]).detach()
+    blocks, scales = quantize_mxfp4(gate_up)
+    assert torch.equal(module.experts.w_gate_up[slot], blocks)
+    assert torch.equal(module.experts.gate_up_scale[slot], scales)
+    assert torch.equal(module.experts.w_down[slot], quantize_mxfp4(shared.down_proj.weight.detach())[0])
