@@ -293,6 +293,8 @@ class MoE(nn.Module):
         The shared experts stay as given: who computes them is the layout's answer, the same
         as without ``quant``. Fused shared slots are quantized with the same config.
         ``gemm`` then names the FP8 CPU strategy ("auto", "rows", "blocks").
+        ``QuantConfig("mxfp4")``: gpt-oss's MXFP4 experts (uint8 blocks and scale bytes,
+        optionally ``expert_bias``), loaded as ``(blocks, scales)`` pairs.
     expert_weights : (Tensor [N, 2I, H'], Tensor [N, H', I]), optional
         The full stacked routed weights (the transformers layout) to take this rank's
         experts from. When the rank holds exactly these N experts (one rank, no replicas,
@@ -581,6 +583,9 @@ class MoE(nn.Module):
             The static activation scales of the gate_up and down inputs.
         gate_up_bias : Tensor [N, 2I] (gate entries first), optional
             Only with ``expert_bias=True``; None leaves the current biases.
+        With ``quant=QuantConfig("mxfp4")``, ``w_gate_up`` = (blocks uint8 [N, 2I, H'/32, 16],
+        scales uint8 [N, 2I, H'/32]) (gate rows first) and ``w_down`` = (blocks [N, H', I/32,
+        16], scales [N, H', I/32]) (`moeroute.quant.mxfp4`), copied packed; no ``*_scale``.
         down_bias : Tensor [N, H'], optional
             Only with ``expert_bias=True``; None leaves the current biases.
 
