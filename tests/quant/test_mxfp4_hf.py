@@ -96,3 +96,37 @@ def test_from_hf_refuses_another_format():
     _, packed, _, _ = mxfp4_block()
     with pytest.raises(ValueError, match="MXFP4 experts"):
         MoE.from_hf(packed, quant=QuantConfig("fp8_block"))
+
+
+def _checkpoint(packed):
+    """The block's state dict under gpt-oss's checkpoint names (a layer prefix included)."""
+    return {"model.layers.0.mlp." + key: value for key, value in packed.state_dict().items()}
+
+
+def test_load_state_dict_of_gpt_oss_mxfp4_keys():
+    reference, packed, _, _ = mxfp4_block(seed=2)
+    state = _checkpoint(packed)
+    assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in state
+    moe = MoE(MoE.from_hf(packed).router, H, I, activation="swigluoai", expert_bias=True, router_bias=True,
+              quant=QuantConfig("mxfp4"))
+    holder = torch.nn.Module()
+    holder.mlp = moe
+    holder.load_state_dict({k[len("model.layers.0."):]: v for k, v in state.items()})
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected, _ = reference(x[None])
+        actual = moe(x)
+    assert float((actual - expected[0]).abs().max() / expected.abs().max()) < RTOL[torch.float32]
+
+
+def test_load_state_dict_refuses_nan_scales_and_missing_keys():
+    _, packed, _, _ = mxfp4_block(seed=3)
+    moe = MoE.from_hf(packed)
+    state = dict(packed.state_dict())
+    state["experts.gate_up_proj_scales"] = state["experts.gate_up_proj_scales"].clone()
+    state["experts.gate_up_proj_scales"][1, 2, 0] = 255
+    with pytest.raises(ValueError, match=r"experts.gate_up_proj scales\[1, 2, 0\] is 255"):
+        moe.load_state_dict(state)
+    del state["experts.down_proj_scales"]
+    with pytest.raises(KeyError, match="down_proj_scales"):
+        moe.load_state_dict(state)

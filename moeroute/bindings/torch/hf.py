@@ -45,6 +45,8 @@ from torch import nn
 from moeroute.bindings.torch.experts import LocalExperts
 from moeroute.bindings.torch.fp8_experts import gate_up_scale_from_stacked
 from moeroute.bindings.torch.moe import MoE
+from moeroute.bindings.torch.mxfp4_experts import GPT_OSS_MXFP4_KEYS as MXFP4_CHECKPOINT_KEYS
+from moeroute.bindings.torch.mxfp4_experts import gate_rows_first
 from moeroute.config import RouterConfig
 from moeroute.quant import FP8_DTYPE, QuantConfig, quantize_experts
 
@@ -168,7 +170,7 @@ def _to_gpt_oss_layout(w_gate_up, w_down, b_gate_up, b_down):
 
 
 #: gpt-oss checkpoint names of MXFP4 experts (relative to the experts module).
-GPT_OSS_MXFP4_KEYS = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+GPT_OSS_MXFP4_KEYS = tuple(key[len("experts."):] for key in MXFP4_CHECKPOINT_KEYS)
 
 
 def _gpt_oss_mxfp4_experts(experts: nn.Module):
@@ -180,8 +182,7 @@ def _gpt_oss_mxfp4_experts(experts: nn.Module):
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return None
     gate_up_blocks, gate_up_scales, down_blocks, down_scales = tensors
-    rows = gate_up_blocks.shape[1]
-    order = torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)]).to(gate_up_blocks.device)
+    order = gate_rows_first(gate_up_blocks.shape[1], gate_up_blocks.device)
     bias = experts.gate_up_proj_bias
     return ((gate_up_blocks.index_select(1, order), gate_up_scales.index_select(1, order)),
             (down_blocks, down_scales), bias.index_select(-1, order.to(bias.device)), experts.down_proj_bias)

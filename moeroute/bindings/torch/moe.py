@@ -85,7 +85,7 @@ from moeroute.bindings.torch.experts import (
 )
 from moeroute.bindings.torch.group import check_ranks_agree, ep_group_size_and_rank, layout_fingerprint
 from moeroute.bindings.torch.load_window import DEFAULT_LOAD_WINDOW, LoadRecorder, check_window
-from moeroute.bindings.torch.mxfp4_experts import check_mxfp4_weights
+from moeroute.bindings.torch.mxfp4_experts import check_mxfp4_weights, map_gpt_oss_mxfp4_keys
 from moeroute.config import RouterConfig
 from moeroute.layout import DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, ExpertLayout
 from moeroute.quant import QuantConfig, dequantize_fp8_block, dequantize_fp8_tensor, quantize_experts
@@ -782,6 +782,9 @@ class MoE(nn.Module):
         experts are dropped. Fused shared slots are the shared MLP (float, or FP8 with
         ``weight_scale_inv``) quantized with the layer's config.
         """
+        if self.quant.format == "mxfp4":  # gpt-oss's MXFP4 names (mxfp4_experts)
+            map_gpt_oss_mxfp4_keys(self, state_dict, prefix)
+            return
         quant, inter, hid = self.quant, self.intermediate_size, self.routed_hidden_size
         ids = self.routed_expert_ids()
         routed = None

@@ -26,7 +26,8 @@ from moeroute.quant import QuantConfig, check_mxfp4
 from moeroute.quant import _mxfp4_host
 from moeroute.quant.mxfp4 import decode_mxfp4
 
-__all__ = ["mxfp4_experts_forward", "check_mxfp4_weights", "MXFP4_STRATEGIES", "CHUNK_BYTES"]
+__all__ = ["mxfp4_experts_forward", "check_mxfp4_weights", "MXFP4_STRATEGIES", "CHUNK_BYTES",
+           "map_gpt_oss_mxfp4_keys", "gate_rows_first", "GPT_OSS_MXFP4_KEYS"]
 
 #: CPU strategies; "auto" picks per call as the FP8 experts do.
 MXFP4_STRATEGIES = ("auto", "rows", "blocks")
@@ -174,3 +175,58 @@ def check_mxfp4_weights(quant: QuantConfig, num_experts: int, hidden_size: int, 
         tensors[name] = blocks
         tensors[f"{prefix}_scale"] = scales
     return tensors
+
+
+#: gpt-oss checkpoint names of MXFP4 experts, relative to the block.
+GPT_OSS_MXFP4_KEYS = ("experts.gate_up_proj_blocks", "experts.gate_up_proj_scales", "experts.down_proj_blocks",
+                      "experts.down_proj_scales")
+
+
+def gate_rows_first(rows: int, device=None) -> torch.Tensor:
+    """The row order taking gpt-oss's interleaved gate_up rows (gate, up, gate, ...) to
+    moeroute's (every gate row, then every up row): even rows, then odd rows."""
+    return torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)]).to(device)
+
+
+@torch.no_grad()
+def map_gpt_oss_mxfp4_keys(module, state_dict: dict, prefix: str) -> None:
+    """A gpt-oss MXFP4 checkpoint's names under ``prefix`` -> the module's, in place.
+
+    ``router.weight``/``router.bias`` -> ``router_weight``/``router_bias``;
+    ``experts.{gate_up,down}_proj_{blocks,scales}`` and ``experts.{gate_up,down}_proj_bias``
+    -> this rank's ``experts.w_gate_up``, ``experts.gate_up_scale``, ``experts.w_down``,
+    ``experts.down_scale``, ``experts.b_gate_up``, ``experts.b_down``, gate rows first (a
+    row permutation of blocks, scales and bias entries), still packed. Other ranks' experts
+    are dropped.
+
+    Raises
+    ------
+    KeyError
+        Some but not all of the four MXFP4 tensors.
+    ValueError
+        As `check_mxfp4` (a scale byte 255 included), naming the key.
+    """
+    for source, target in (("router.weight", "router_weight"), ("router.bias", "router_bias")):
+        if prefix + source in state_dict:
+            state_dict[prefix + target] = state_dict.pop(prefix + source)
+    keys = [prefix + name for name in GPT_OSS_MXFP4_KEYS]
+    present = [key for key in keys if key in state_dict]
+    if not present:
+        return
+    if len(present) != len(keys):
+        missing = sorted(set(keys) - set(present))
+        raise KeyError(f"{missing} missing from the state dict: MXFP4 experts need their blocks and scales")
+    gate_up_blocks, gate_up_scales, down_blocks, down_scales = (state_dict.pop(key) for key in keys)
+    check_mxfp4(gate_up_blocks, gate_up_scales, keys[0][:-len("_blocks")])
+    check_mxfp4(down_blocks, down_scales, keys[2][:-len("_blocks")])
+    ids = torch.tensor(module.routed_expert_ids(), dtype=torch.long)
+    order = gate_rows_first(gate_up_blocks.shape[1])
+    tensors = {"w_gate_up": gate_up_blocks[ids][:, order], "gate_up_scale": gate_up_scales[ids][:, order],
+               "w_down": down_blocks[ids], "down_scale": down_scales[ids]}
+    gate_up_bias, down_bias = prefix + "experts.gate_up_proj_bias", prefix + "experts.down_proj_bias"
+    if gate_up_bias in state_dict:
+        tensors["b_gate_up"] = state_dict.pop(gate_up_bias)[ids][:, order]
+    if down_bias in state_dict:
+        tensors["b_down"] = state_dict.pop(down_bias)[ids]
+    for name, tensor in tensors.items():
+        state_dict[prefix + "experts." + name] = tensor
