@@ -130,3 +130,26 @@ def test_load_state_dict_refuses_nan_scales_and_missing_keys():
     del state["experts.down_proj_scales"]
     with pytest.raises(KeyError, match="down_proj_scales"):
         moe.load_state_dict(state)
+
+
+def test_load_experts_reads_the_mxfp4_safetensors(tmp_path):
+    from safetensors.torch import save_file
+
+    from moeroute.bindings.torch import load_experts
+
+    reference, packed, _, _ = mxfp4_block(seed=4)
+    save_file({k: v.contiguous() for k, v in _checkpoint(packed).items()}, str(tmp_path / "model.safetensors"))
+    _, blank, _, _ = mxfp4_block(seed=5)  # other bytes and router: the load must replace them all
+    holder = torch.nn.Module()
+    holder.model = torch.nn.Module()
+    holder.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    holder.model.layers[0].mlp = MoE.from_hf(blank)
+    stats = load_experts(holder, tmp_path)
+    assert stats["layers"] == 1
+    moe = holder.model.layers[0].mlp
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected, _ = reference(x[None])
+        actual = moe(x)
+    assert float((actual - expected[0]).abs().max() / expected.abs().max()) < RTOL[torch.float32]
+    assert moe.experts.w_gate_up.dtype == torch.uint8
