@@ -3,8 +3,9 @@
     from moeroute.quant import QuantConfig, quantize_experts
 
 `QuantConfig` names a format ("fp8_block": DeepSeek-V3's block-scaled float8_e4m3fn;
-"fp8_tensor": one scale per expert and projection) and how activations are quantized
-around it. `moeroute.quant.fp8` quantizes and dequantizes torch tensors (CPU or CUDA);
+"fp8_tensor": one scale per expert and projection; "mxfp4": gpt-oss's 4-bit e2m1 blocks of
+32 with a power-of-two scale byte) and how activations are quantized around it.
+`moeroute.quant.fp8` and `moeroute.quant.mxfp4` quantize and dequantize torch tensors (CPU or CUDA);
 `moeroute.quant.reference` holds the w8a8 expert MLP the tests compare every backend
 against. docs/quant.md writes the formulas down.
 """
@@ -23,6 +24,7 @@ from moeroute.quant.fp8 import (
     quantize_fp8_static,
     quantize_fp8_tensor,
 )
+from moeroute.quant.mxfp4 import E2M1_VALUES, check_mxfp4, dequantize_mxfp4, quantize_mxfp4
 
 __all__ = [
     "QuantConfig",
@@ -40,4 +42,8 @@ __all__ = [
     "quantize_experts",
     "dequantize_experts",
     "check_scale",
+    "E2M1_VALUES",
+    "quantize_mxfp4",
+    "dequantize_mxfp4",
+    "check_mxfp4",
 ]

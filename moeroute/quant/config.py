@@ -3,9 +3,9 @@ activations are quantized around them.
 
 A format is data plus a decode rule (docs/quant.md); it never decides who computes the
 shared experts (that is `moeroute.layout.ExpertLayout`'s answer). Each format names the
-fields it uses in `FORMAT_FIELDS`, so that a later format (MXFP4: 4-bit blocks of 32 along
-the input dimension, 16/32-bit activations) adds one entry and its own defaults instead of
-reshaping the class.
+fields it uses in `FORMAT_FIELDS`: "mxfp4" (gpt-oss: 4-bit e2m1 values in blocks of 32 along
+the input dimension with a power-of-two scale byte each, activations left in bfloat16 or
+float32) is one entry with its own defaults.
 
 This module imports neither torch nor transformers: a transformers configuration is read
 through ``to_dict()`` (`moeroute.config`).
@@ -23,24 +23,31 @@ from moeroute.config import _as_dict
 __all__ = ["QuantConfig", "FORMATS", "ACTIVATION_SCHEMES", "SCALE_FORMATS", "DEFAULT_BLOCK_SIZE"]
 
 #: Weight formats of the routed experts.
-FORMATS = ("fp8_block", "fp8_tensor")
+FORMATS = ("fp8_block", "fp8_tensor", "mxfp4")
 #: "dynamic": activation scales computed from each call's values (per token group for
-#: fp8_block, per token for fp8_tensor); "static": one given scale per expert and projection.
-ACTIVATION_SCHEMES = ("dynamic", "static")
+#: fp8_block, per token for fp8_tensor); "static": one given scale per expert and projection;
+#: "none": activations are not quantized (mxfp4's w4a16).
+ACTIVATION_SCHEMES = ("dynamic", "static", "none")
 #: "float": any positive float32 scale; "ue8m0": scales are powers of two (DeepSeek-V3.1).
 SCALE_FORMATS = ("float", "ue8m0")
 #: DeepSeek-V3's weight_block_size: [output rows, input columns] per scale.
 DEFAULT_BLOCK_SIZE = (128, 128)
 
-#: Per format: (block_size default, allowed activation schemes). block_size None means the
-#: format has no blocks (one scale per expert and projection).
+#: MXFP4's block: one scale byte per weight row and 32 input columns (fixed by the format).
+MXFP4_BLOCK_SIZE = (1, 32)
+
+#: Per format: (block_size default, allowed activation schemes, the first being the
+#: default). block_size None means the format has no blocks (one scale per expert and
+#: projection).
 FORMAT_FIELDS = {
     "fp8_block": (DEFAULT_BLOCK_SIZE, ("dynamic",)),
     "fp8_tensor": (None, ("dynamic", "static")),
+    "mxfp4": (MXFP4_BLOCK_SIZE, ("none",)),
 }
 
 #: Hugging Face ``quant_method`` values read by `QuantConfig.from_hf`.
 _HF_FP8_METHODS = ("fp8",)
+_HF_MXFP4_METHODS = ("mxfp4",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,16 +56,20 @@ class QuantConfig:
 
     Parameters
     ----------
-    format : {"fp8_block", "fp8_tensor"}
+    format : {"fp8_block", "fp8_tensor", "mxfp4"}
         "fp8_block": float8_e4m3fn weights with one float32 scale per block of
         ``block_size`` (rows, columns), activations quantized per token and group of
         ``block_size[1]`` columns. "fp8_tensor": one float32 scale per expert and projection,
-        activations per token (dynamic) or with a given scale (static).
+        activations per token (dynamic) or with a given scale (static). "mxfp4": e2m1
+        nibbles packed two to a byte with one power-of-two scale byte per row and 32
+        columns (`moeroute.quant.mxfp4`), activations unquantized (w4a16).
     block_size : (int, int), optional
-        (bn, bk) of fp8_block; default (128, 128). Not accepted for fp8_tensor.
-    activation : {"dynamic", "static"}
+        (bn, bk) of fp8_block; default (128, 128). Not accepted for fp8_tensor; always
+        (1, 32) for mxfp4.
+    activation : {"dynamic", "static", "none"}, optional
         Activation scales computed per call, or given (`load_routed_weights`'s
-        ``input_scale``; fp8_tensor only).
+        ``input_scale``; fp8_tensor only), or no activation quantization (mxfp4 only).
+        Default: "dynamic" for the FP8 formats, "none" for mxfp4.
     scale_fmt : {"float", "ue8m0"}
         "ue8m0": the activation scales are rounded up to powers of two
         (``2 ** ceil(log2(amax / 448))``), as the weight scales of such checkpoints are.
@@ -73,7 +84,7 @@ class QuantConfig:
 
     format: str
     block_size: tuple[int, int] | None = None
-    activation: str = "dynamic"
+    activation: str | None = None
     scale_fmt: str = "float"
     modules_to_not_convert: tuple[str, ...] = ()
 
@@ -88,6 +99,11 @@ class QuantConfig:
                              "(one scale per expert and projection); leave it None")
         else:
             object.__setattr__(self, "block_size", _block_size(self.block_size))
+            if self.format == "mxfp4" and self.block_size != MXFP4_BLOCK_SIZE:
+                raise ValueError(f"block_size={self.block_size!r} does not apply to format='mxfp4', whose "
+                                 f"blocks are {MXFP4_BLOCK_SIZE} (one scale per row and 32 columns)")
+        if self.activation is None:
+            object.__setattr__(self, "activation", activations[0])
         if not isinstance(self.activation, str) or self.activation not in activations:
             raise ValueError(f"activation={self.activation!r} is not served by format={self.format!r}; "
                              f"use one of {activations}")
@@ -113,8 +129,16 @@ class QuantConfig:
         """Shapes of (gate_up_scale, down_scale) for N experts of sizes H and I.
 
         fp8_block: [N, 2*ceil(I/bn), ceil(H/bk)] (the gate's block rows, then the up's) and
-        [N, ceil(H/bn), ceil(I/bk)]; fp8_tensor: [N, 2] (gate, up) and [N].
+        [N, ceil(H/bn), ceil(I/bk)]; fp8_tensor: [N, 2] (gate, up) and [N]; mxfp4: uint8
+        [N, 2I, H/32] and [N, H, I/32] (H and I multiples of 32).
         """
+        if self.format == "mxfp4":
+            for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+                if size % 32:
+                    raise ValueError(f"{name}={size} is not a multiple of 32, which format='mxfp4' needs "
+                                     "(one scale per 32 input columns)")
+            return ((num_experts, 2 * intermediate_size, hidden_size // 32),
+                    (num_experts, hidden_size, intermediate_size // 32))
         if self.block_size is None:
             return (num_experts, 2), (num_experts,)
         bn, bk = self.block_size
@@ -122,7 +146,10 @@ class QuantConfig:
                 (num_experts, _cdiv(hidden_size, bn), _cdiv(intermediate_size, bk)))
 
     def expert_bytes(self, hidden_size: int, intermediate_size: int) -> int:
-        """Bytes one expert takes in this format: 3*H*I one-byte weights plus its float32 scales."""
+        """Bytes one expert takes in this format: 3*H*I one-byte weights plus their float32
+        scales (FP8), or 3*H*I half-byte weights plus a scale byte per 32 (mxfp4)."""
+        if self.format == "mxfp4":
+            return 3 * hidden_size * intermediate_size // 2 + 3 * hidden_size * intermediate_size // 32
         gate_up, down = self.scale_shapes(1, hidden_size, intermediate_size)
         scales = gate_up[1] * (gate_up[2] if len(gate_up) > 2 else 1) + (down[1] * down[2] if len(down) > 1 else 1)
         return 3 * hidden_size * intermediate_size + 4 * scales
@@ -139,7 +166,8 @@ class QuantConfig:
             ``quantization_config`` mapping itself. DeepSeek-V3's reads as
             ``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": [128, 128]}`` (+ ``"scale_fmt": "ue8m0"`` for V3.1):
-            fp8_block; without ``weight_block_size``, fp8_tensor.
+            fp8_block; without ``weight_block_size``, fp8_tensor. gpt-oss's
+            ``{"quant_method": "mxfp4", "modules_to_not_convert": [...]}``: mxfp4.
 
         Returns
         -------
@@ -165,9 +193,11 @@ class QuantConfig:
                 if not isinstance(fields, Mapping):
                     raise ValueError("quantization_config must be a mapping of its fields")
         method = fields.get("quant_method")
+        if method in _HF_MXFP4_METHODS:
+            return cls(format="mxfp4", modules_to_not_convert=tuple(fields.get("modules_to_not_convert") or ()))
         if method not in _HF_FP8_METHODS:
             raise ValueError(f"quantization_config quant_method={method!r} is not served; moeroute reads "
-                             f"{_HF_FP8_METHODS} (float8_e4m3fn weights)")
+                             f"{_HF_FP8_METHODS + _HF_MXFP4_METHODS} (float8_e4m3fn or MXFP4 weights)")
         fmt = fields.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise ValueError(f"quantization_config fmt={fmt!r} is not served; moeroute's FP8 is 'e4m3'")

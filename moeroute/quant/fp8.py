@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from moeroute.quant.config import QuantConfig, _block_size
+from moeroute.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 __all__ = [
     "FP8_DTYPE", "FP8_MAX", "MIN_AMAX",
@@ -256,10 +257,13 @@ def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, config: Quan
     -------
     (q_gate_up [N, 2I, H], gate_up_scale, q_down [N, H, I], down_scale): float8_e4m3fn
     weights and float32 scales of `QuantConfig.scale_shapes` (fp8_block: the gate's block
-    rows, then the up's; fp8_tensor: [N, 2] gate, up and [N]).
+    rows, then the up's; fp8_tensor: [N, 2] gate, up and [N]); mxfp4: uint8 blocks and
+    scale bytes (`moeroute.quant.mxfp4.quantize_mxfp4` of each stacked weight).
     """
     if not isinstance(config, QuantConfig):
         raise TypeError(f"config must be a QuantConfig, got {type(config).__name__}")
+    if config.format == "mxfp4":
+        return (*quantize_mxfp4(w_gate_up), *quantize_mxfp4(w_down))
     _check_float("w_gate_up", w_gate_up)
     _check_float("w_down", w_down)
     if w_gate_up.dim() != 3 or w_gate_up.shape[1] % 2:
@@ -279,6 +283,8 @@ def dequantize_experts(q_gate_up, gate_up_scale, q_down, down_scale, config: Qua
     """float32 (w_gate_up [N, 2I, H], w_down [N, H, I]) of `quantize_experts`' outputs."""
     if not isinstance(config, QuantConfig):
         raise TypeError(f"config must be a QuantConfig, got {type(config).__name__}")
+    if config.format == "mxfp4":
+        return dequantize_mxfp4(q_gate_up, gate_up_scale), dequantize_mxfp4(q_down, down_scale)
     _check_fp8("q_gate_up", q_gate_up)
     inter = q_gate_up.shape[-2] // 2
     if config.format == "fp8_block":

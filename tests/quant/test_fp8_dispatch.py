@@ -89,6 +89,8 @@ def test_fp8_dispatch_needs_fp8_experts_with_dynamic_scales():
         MoE(_router(), 64, 32, dispatch_dtype="fp8")
     with pytest.raises(ValueError, match="dispatch_dtype='fp8' needs dynamic activation scales"):
         MoE(_router(), 64, 32, quant=QuantConfig("fp8_tensor", activation="static"), dispatch_dtype="fp8")
+    with pytest.raises(ValueError, match="dispatch_dtype='fp8' needs FP8 experts; mxfp4 experts"):
+        MoE(_router(), 64, 32, quant=QuantConfig("mxfp4"), dispatch_dtype="fp8")
 
 
 def test_without_a_group_fp8_dispatch_changes_nothing():

@@ -29,7 +29,6 @@ def test_scale_shapes():
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(format="int8"), "format"),
-    (dict(format="mxfp4"), "format"),
     (dict(format="fp8_block", block_size=(0, 128)), "block_size"),
     (dict(format="fp8_block", block_size=(128,)), "block_size"),
     (dict(format="fp8_block", block_size=(128.0, 128)), "block_size"),
@@ -79,7 +78,6 @@ def test_from_hf_unquantized_is_none():
 
 
 @pytest.mark.parametrize("fields, match", [
-    ({"quant_method": "mxfp4"}, "quant_method='mxfp4'"),
     ({"quant_method": "awq"}, "quant_method='awq'"),
     ({**DEEPSEEK_V3, "fmt": "e5m2"}, "fmt='e5m2'"),
     ({**DEEPSEEK_V3, "activation_scheme": "static"}, "activation"),

@@ -14,6 +14,11 @@ stacked (transformers 5)                               ``experts.gate_up_proj`` 
                                                        ``experts.gate_up_proj_scale_inv``,
                                                        ``experts.down_proj_scale_inv`` and
                                                        (static) ``*_activation_scale`` [N]
+MXFP4 (gpt-oss)                                        ``experts.gate_up_proj_blocks`` [N, 2I,
+                                                       H/32, 16] and ``_scales`` [N, 2I, H/32]
+                                                       uint8 (rows gate, up, gate, ...),
+                                                       ``experts.down_proj_blocks``/``_scales``,
+                                                       ``experts.*_proj_bias``
 =====================================================  ==========================================
 
 `load_experts` fills a patched model's `MoE` layers straight from the files: every tensor is
@@ -35,6 +40,7 @@ from moeroute.bindings.torch.fp8_experts import (
     per_expert_key,
 )
 from moeroute.bindings.torch.moe import MoE
+from moeroute.bindings.torch.mxfp4_experts import GPT_OSS_MXFP4_KEYS, gate_rows_first
 from moeroute.quant import FP8_DTYPE, check_scale
 
 __all__ = ["load_experts"]
@@ -105,8 +111,39 @@ def _fp8(name: str, tensor: torch.Tensor, quant) -> torch.Tensor:
 
 
 @torch.no_grad()
+def _load_mxfp4(module, reader: _Reader, prefix: str) -> None:
+    """gpt-oss's MXFP4 experts (``experts.{gate_up,down}_proj_{blocks,scales,bias}``), one
+    expert row of one tensor at a time, gate_up rows de-interleaved (`gate_rows_first`)."""
+    experts = module.experts
+    for key in GPT_OSS_MXFP4_KEYS:
+        if prefix + key not in reader:
+            raise ValueError(f"{prefix + key} is missing: the layer has quant='mxfp4' and reads gpt-oss's "
+                             f"{', '.join(GPT_OSS_MXFP4_KEYS)}")
+    order = gate_rows_first(2 * module.intermediate_size)
+    pairs = (("experts.gate_up_proj_blocks", experts.w_gate_up, order),
+             ("experts.gate_up_proj_scales", experts.gate_up_scale, order),
+             ("experts.down_proj_blocks", experts.w_down, None), ("experts.down_proj_scales", experts.down_scale, None),
+             ("experts.gate_up_proj_bias", experts.b_gate_up, order), ("experts.down_proj_bias", experts.b_down, None))
+    for local, e in enumerate(module.routed_expert_ids()):
+        for name, target, rows in pairs:
+            if target is None or prefix + name not in reader:
+                continue
+            tensor = reader.get(prefix + name, e)
+            if name.endswith("_scales") and bool((tensor == 255).any()):
+                raise ValueError(f"{prefix + name}[{e}] holds the scale byte 255 (e8m0 NaN); MXFP4 scale bytes "
+                                 "are 0..254")
+            if not name.endswith("_bias") and tensor.dtype != torch.uint8:
+                raise ValueError(f"{prefix + name} has dtype {tensor.dtype}; MXFP4 blocks and scales are uint8")
+            _copy(target[local], tensor if rows is None else tensor[rows], prefix + name)
+
+
+@torch.no_grad()
 def _load_module(module, reader: _Reader, prefix: str) -> None:
     experts, quant = module.experts, module.quant
+    if quant is not None and quant.format == "mxfp4":
+        _load_mxfp4(module, reader, prefix)
+        _load_rest(module, reader, prefix)
+        return
     inter = module.intermediate_size
     ids = module.routed_expert_ids()
     nb = None
@@ -199,7 +236,7 @@ def load_experts(model: torch.nn.Module, path) -> dict:
     Notes
     -----
     Each layer takes only its rank's experts (expert parallelism: the others are never
-    read); FP8 weights stay FP8 (never dequantized). Every tensor is read from its file
+    read); FP8 weights stay FP8 and MXFP4 bytes stay packed (never dequantized). Every tensor is read from its file
     alone and released after its copy, so resident memory grows by the layers' weights plus
     one tensor. The router, correction bias and shared MLP under the layer's prefix are
     loaded too (through ``load_state_dict``, which fills fused shared slots).

@@ -29,6 +29,7 @@ from torch import nn
 
 from moeroute.bindings.torch import arrays
 from moeroute.bindings.torch.experts import check_activation, gated_activation
+from moeroute.bindings.torch.mxfp4_experts import mxfp4_experts_forward
 from moeroute.quant import FP8_DTYPE, QuantConfig, check_scale, quantize_fp8_activations, quantize_fp8_static
 from moeroute.quant import _host
 
@@ -174,6 +175,9 @@ def check_dispatch_quant(dispatch_dtype, quant: QuantConfig | None) -> str | Non
     if quant is None:
         raise ValueError("dispatch_dtype='fp8' needs FP8 experts (quant=QuantConfig(...)): a float layer's "
                          "experts would compute on e4m3-rounded inputs and differ from the single-rank layer")
+    if not quant.format.startswith("fp8"):
+        raise ValueError(f"dispatch_dtype='fp8' needs FP8 experts; {quant.format} experts compute on the "
+                         "activations as they are (w4a16), which e4m3 rows would round")
     if quant.activation != "dynamic":
         raise ValueError("dispatch_dtype='fp8' needs dynamic activation scales; with quant "
                          "activation='static' each expert quantizes its input with its own scale, which "
@@ -345,7 +349,8 @@ def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None, decoder=
 
 
 class QuantizedExperts(nn.Module):
-    """The FP8 experts one rank holds (the quantized counterpart of `LocalExperts`).
+    """The quantized experts one rank holds (the counterpart of `LocalExperts`): FP8, or
+    MXFP4 packed blocks and scale bytes (`moeroute.bindings.torch.mxfp4_experts`).
 
     Parameters
     ----------
@@ -354,7 +359,9 @@ class QuantizedExperts(nn.Module):
     quant : QuantConfig
     device : torch device of the weights.
     strategy : {"auto", "rows", "blocks"}
-        CPU strategy (`fp8_experts_forward`).
+        CPU strategy (`fp8_experts_forward`, `mxfp4_experts_forward`).
+    bias : bool
+        Experts carry a gate_up bias [2I] and a down bias [H] (gpt-oss; mxfp4 only).
 
     Attributes
     ----------
@@ -365,7 +372,12 @@ class QuantizedExperts(nn.Module):
     down_scale : Parameter float32, [L, ceil(H/bn), ceil(I/bk)] or [L]
     input_scale : Parameter [L, 2] float32 (gate_up input, down input) with
         ``activation="static"``, else None
-    b_gate_up, b_down : None (quantized experts carry no biases)
+    b_gate_up, b_down : None (FP8 experts carry no biases)
+
+    With ``quant.format == "mxfp4"``: ``w_gate_up`` uint8 [L, 2I, H/32, 16] and
+    ``gate_up_scale`` uint8 [L, 2I, H/32] (gate rows first), ``w_down`` uint8 [L, H, I/32, 16]
+    and ``down_scale`` uint8 [L, H, I/32] (`moeroute.quant.mxfp4`), and with ``bias``
+    ``b_gate_up`` [L, 2I] and ``b_down`` [L, H] float32.
 
     The weights start at zero with unit scales (no float copy is ever made); load them with
     ``MoE.load_routed_weights``, ``load_state_dict`` or `moeroute.bindings.torch.load_experts`.
@@ -374,7 +386,8 @@ class QuantizedExperts(nn.Module):
     """
 
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int,
-                 activation: str = "silu", *, quant: QuantConfig, device=None, strategy: str = "auto") -> None:
+                 activation: str = "silu", *, quant: QuantConfig, device=None, strategy: str = "auto",
+                 bias: bool = False) -> None:
         super().__init__()
         if not isinstance(quant, QuantConfig):
             raise TypeError(f"quant must be a moeroute.quant.QuantConfig, got {type(quant).__name__}")
@@ -393,6 +406,22 @@ class QuantizedExperts(nn.Module):
 
         def parameter(tensor):
             return nn.Parameter(tensor, requires_grad=False)
+
+        if bias and quant.format != "mxfp4":
+            raise ValueError(f"bias=True is not served with quant={quant.format!r} (FP8 experts carry no biases)")
+        if quant.format == "mxfp4":
+            # Packed bytes only (zero codes, unit scales) until loaded; no float copy is made.
+            self.w_gate_up = parameter(torch.zeros(*gate_up_shape, 16, dtype=torch.uint8, device=device))
+            self.w_down = parameter(torch.zeros(*down_shape, 16, dtype=torch.uint8, device=device))
+            self.gate_up_scale = parameter(torch.full(gate_up_shape, 127, dtype=torch.uint8, device=device))
+            self.down_scale = parameter(torch.full(down_shape, 127, dtype=torch.uint8, device=device))
+            self.input_scale = None
+            if bias:
+                self.b_gate_up = parameter(torch.zeros(num_local_experts, 2 * intermediate_size,
+                                                       dtype=torch.float32, device=device))
+                self.b_down = parameter(torch.zeros(num_local_experts, hidden_size, dtype=torch.float32,
+                                                    device=device))
+            return
 
         self.w_gate_up = parameter(torch.zeros(num_local_experts, 2 * intermediate_size, hidden_size,
                                                dtype=FP8_DTYPE, device=device))
@@ -437,6 +466,10 @@ class QuantizedExperts(nn.Module):
         numerics of docs/quant.md; any of float32/bfloat16/float16 activations."""
         if isinstance(hidden_states, torch.Tensor):
             hidden_states = hidden_states.contiguous()
+        if self.quant.format == "mxfp4":
+            return mxfp4_experts_forward(hidden_states, local_ids.contiguous(), weights.contiguous(),
+                                         self.w_gate_up, self.gate_up_scale, self.w_down, self.down_scale,
+                                         self.b_gate_up, self.b_down, self.activation, self.strategy)
         return fp8_experts_forward(hidden_states, local_ids.contiguous(), weights.contiguous(),
                                    self.w_gate_up, self.gate_up_scale, self.w_down, self.down_scale,
                                    self.quant, self.activation, self.input_scale, self.strategy)

@@ -45,6 +45,8 @@ from torch import nn
 from moeroute.bindings.torch.experts import LocalExperts
 from moeroute.bindings.torch.fp8_experts import gate_up_scale_from_stacked
 from moeroute.bindings.torch.moe import MoE
+from moeroute.bindings.torch.mxfp4_experts import GPT_OSS_MXFP4_KEYS as MXFP4_CHECKPOINT_KEYS
+from moeroute.bindings.torch.mxfp4_experts import gate_rows_first
 from moeroute.config import RouterConfig
 from moeroute.quant import FP8_DTYPE, QuantConfig, quantize_experts
 
@@ -167,6 +169,25 @@ def _to_gpt_oss_layout(w_gate_up, w_down, b_gate_up, b_down):
             interleave(b_gate_up), b_down)
 
 
+#: gpt-oss checkpoint names of MXFP4 experts (relative to the experts module).
+GPT_OSS_MXFP4_KEYS = tuple(key[len("experts."):] for key in MXFP4_CHECKPOINT_KEYS)
+
+
+def _gpt_oss_mxfp4_experts(experts: nn.Module):
+    """MXFP4 gpt-oss experts in moeroute's row order, or None when ``experts`` holds no MXFP4
+    tensors: ((gate_up blocks, scales) gate rows first, (down blocks, scales), gate_up_bias
+    gate entries first, down_bias). gate_up's rows alternate gate, up; MXFP4 rows are
+    independent, so putting the gate rows first is a row permutation of blocks and scales."""
+    tensors = [getattr(experts, name, None) for name in GPT_OSS_MXFP4_KEYS]
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    gate_up_blocks, gate_up_scales, down_blocks, down_scales = tensors
+    order = gate_rows_first(gate_up_blocks.shape[1], gate_up_blocks.device)
+    bias = experts.gate_up_proj_bias
+    return ((gate_up_blocks.index_select(1, order), gate_up_scales.index_select(1, order)),
+            (down_blocks, down_scales), bias.index_select(-1, order.to(bias.device)), experts.down_proj_bias)
+
+
 def _read_gpt_oss(block: nn.Module) -> dict:
     from moeroute.bindings.torch.experts import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 
@@ -180,8 +201,8 @@ def _read_gpt_oss(block: nn.Module) -> dict:
                           renormalize=True)
     return dict(router=config, router_weight=router.weight, router_dtype=router.weight.dtype,
                 router_bias=router.bias, correction_bias=None, shared_experts=None,
-                shared_expert_gate=None, experts=_gpt_oss_experts(experts), activation="swigluoai",
-                checkpoint=TransformersCheckpoint("gpt_oss"))
+                shared_expert_gate=None, experts=_gpt_oss_mxfp4_experts(experts) or _gpt_oss_experts(experts),
+                activation="swigluoai", checkpoint=TransformersCheckpoint("gpt_oss"))
 
 
 def _read_qwen(block: nn.Module) -> dict:
@@ -382,6 +403,8 @@ def _build(cls: type[MoE], block: nn.Module, ep_group=None, shared: str = "auto"
     fields = reader(block)
     expert_biases = None
     quant = kwargs.pop("quant", None)
+    if isinstance(fields.get("experts", (None,))[0], tuple):
+        return _build_mxfp4(cls, fields, quant, ep_group=ep_group, shared=shared, dispatch=dispatch, **kwargs)
     fp8 = _fp8_experts(block.experts, quant) if reader is not _read_gpt_oss else None
     if fp8 is not None:  # transformers FP8Experts: kept as they are
         quant, fp8_scales = fp8
@@ -424,6 +447,29 @@ def _build(cls: type[MoE], block: nn.Module, ep_group=None, shared: str = "auto"
     if quant is None:
         module.checkpoint_format = fields["checkpoint"]
         module.register_state_dict_post_hook(_save_in_checkpoint_format)
+    return module
+
+
+def _build_mxfp4(cls, fields, quant, **kwargs) -> MoE:
+    """`_build` for experts stored as MXFP4 blocks and scale bytes (gpt-oss): the packed
+    bytes are copied as they are (this rank's experts), never dequantized."""
+    (gate_up, down, gate_up_bias, down_bias) = fields["experts"]
+    if quant is not None and quant.format != "mxfp4":
+        raise ValueError(f"quant={quant!r} differs from the block's MXFP4 experts; leave quant None or pass "
+                         "QuantConfig('mxfp4')")
+    quant = quant or QuantConfig("mxfp4")
+    blocks = gate_up[0]
+    num_experts, two_inter = blocks.shape[:2]
+    if num_experts != fields["router"].num_experts:
+        raise ValueError(f"the block routes over {fields['router'].num_experts} experts but holds {num_experts}; "
+                         "an expert-parallel transformers block cannot be read")
+    module = cls(fields["router"], blocks.shape[2] * 32, two_inter // 2, activation=fields["activation"],
+                 router_dtype=fields["router_dtype"], device=blocks.device, quant=quant, expert_bias=True,
+                 router_bias=fields.get("router_bias") is not None, **kwargs)
+    module.load_routed_weights(w_gate_up=gate_up, w_down=down, gate_up_bias=gate_up_bias, down_bias=down_bias)
+    module.router_weight = nn.Parameter(fields["router_weight"].detach(), requires_grad=False)
+    if fields.get("router_bias") is not None:
+        module.router_bias = nn.Parameter(fields["router_bias"].detach(), requires_grad=False)
     return module
 
 

@@ -87,6 +87,7 @@ from moeroute.bindings.torch.experts import (
 )
 from moeroute.bindings.torch.group import check_ranks_agree, ep_group_size_and_rank, layout_fingerprint
 from moeroute.bindings.torch.load_window import DEFAULT_LOAD_WINDOW, LoadRecorder, check_window
+from moeroute.bindings.torch.mxfp4_experts import check_mxfp4_weights, map_gpt_oss_mxfp4_keys
 from moeroute.config import RouterConfig
 from moeroute.layout import DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, ExpertLayout
 from moeroute.quant import QuantConfig, dequantize_fp8_block, dequantize_fp8_tensor, quantize_experts
@@ -294,6 +295,8 @@ class MoE(nn.Module):
         The shared experts stay as given: who computes them is the layout's answer, the same
         as without ``quant``. Fused shared slots are quantized with the same config.
         ``gemm`` then names the FP8 CPU strategy ("auto", "rows", "blocks").
+        ``QuantConfig("mxfp4")``: gpt-oss's MXFP4 experts (uint8 blocks and scale bytes,
+        optionally ``expert_bias``), loaded as ``(blocks, scales)`` pairs.
     dispatch_dtype : {None, "auto", "fp8"}
         How the routed input rows travel with ``ep_group``. None/"auto": in the activation
         dtype. "fp8" (FP8 experts with dynamic activation scales only): quantized once on the
@@ -388,7 +391,7 @@ class MoE(nn.Module):
                 raise ValueError(f"{name}={value!r} must be a bool")
         if quant is not None and not isinstance(quant, QuantConfig):
             raise TypeError(f"quant must be a moeroute.quant.QuantConfig or None, got {type(quant).__name__}")
-        if quant is not None and expert_bias:
+        if quant is not None and expert_bias and quant.format != "mxfp4":
             raise ValueError(f"expert_bias=True is not served with quant={quant.format!r} (FP8 experts carry "
                              "no biases)")
         if quant is not None and expert_weights is not None:
@@ -472,7 +475,7 @@ class MoE(nn.Module):
         if quant is not None:
             # FP8 experts: the format is data; the layout above already decided the plan.
             self.experts = QuantizedExperts(local_experts, routed_hidden_size, intermediate_size, activation,
-                                            quant=quant, device=device, strategy=gemm)
+                                            quant=quant, device=device, strategy=gemm, bias=expert_bias)
         elif expert_weights is not None and self._can_alias(expert_weights, dtype, device):
             # This rank holds exactly the given experts: share their memory, copy nothing.
             self.experts = LocalExperts(local_experts, routed_hidden_size, intermediate_size, activation,
@@ -597,6 +600,9 @@ class MoE(nn.Module):
             The static activation scales of the gate_up and down inputs.
         gate_up_bias : Tensor [N, 2I] (gate entries first), optional
             Only with ``expert_bias=True``; None leaves the current biases.
+        With ``quant=QuantConfig("mxfp4")``, ``w_gate_up`` = (blocks uint8 [N, 2I, H'/32, 16],
+        scales uint8 [N, 2I, H'/32]) (gate rows first) and ``w_down`` = (blocks [N, H', I/32,
+        16], scales [N, H', I/32]) (`moeroute.quant.mxfp4`), copied packed; no ``*_scale``.
         down_bias : Tensor [N, H'], optional
             Only with ``expert_bias=True``; None leaves the current biases.
 
@@ -607,6 +613,17 @@ class MoE(nn.Module):
             ``expert_bias=True``.
         """
         n, inter, hid = self.router.num_experts, self.intermediate_size, self.routed_hidden_size
+        if self.quant is not None and self.quant.format == "mxfp4":
+            for name, scale in (("gate_up_scale", gate_up_scale), ("down_scale", down_scale),
+                                ("input_scale", input_scale)):
+                if scale is not None:
+                    raise ValueError(f"{name} was given but quant='mxfp4' takes each weight as a (blocks, "
+                                     "scales) pair: w_gate_up=(blocks, scales), w_down=(blocks, scales)")
+            tensors = check_mxfp4_weights(self.quant, n, hid, inter, w_gate_up, w_down)
+            targets = self.experts.quantized_tensors()
+            pairs = [(targets[name], tensor) for name, tensor in tensors.items()]
+            self._copy_expert_rows(pairs + self._bias_pairs(gate_up_bias, down_bias))
+            return
         if self.quant is not None:
             if gate_up_bias is not None or down_bias is not None:
                 raise ValueError("gate_up_bias/down_bias were given but FP8 experts carry no biases")
@@ -782,6 +799,9 @@ class MoE(nn.Module):
         experts are dropped. Fused shared slots are the shared MLP (float, or FP8 with
         ``weight_scale_inv``) quantized with the layer's config.
         """
+        if self.quant.format == "mxfp4":  # gpt-oss's MXFP4 names (mxfp4_experts)
+            map_gpt_oss_mxfp4_keys(self, state_dict, prefix)
+            return
         quant, inter, hid = self.quant, self.intermediate_size, self.routed_hidden_size
         ids = self.routed_expert_ids()
         routed = None

@@ -1,0 +1,232 @@
+"""MXFP4 (w4a16) expert compute: the packed gpt-oss weights, decoded inside the expert loop.
+
+For the rows one rank received (``[Tr, H]`` with local expert ids and weights), computes
+``sum_k w_k * expert_k(x)`` where each expert is the gated MLP (with the gpt-oss biases when
+present) over weights stored as MXFP4 blocks and scale bytes (`moeroute.quant.mxfp4`). The
+activations stay in their dtype (bfloat16, float16 or float32); sums are float32.
+
+The packed bytes are never dequantized whole. The two strategies of the FP8 experts, by
+rows per expert (`choose_fp8_strategy`):
+
+* "rows" (decode): the Numba kernels of `moeroute.quant._mxfp4_host` decode one weight row
+  at a time (a 16-entry table per 32 values) into a cache-resident buffer and dot it with
+  every row of the expert: memory reads half a byte per weight.
+* "blocks" (prefill): per expert, `CHUNK_BYTES` of weight rows at a time are decoded into
+  one reusable buffer (bfloat16 for bfloat16 activations: the values are exact in it) and
+  multiplied with torch. On a device the decode is torch's (`decode_mxfp4`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeroute.bindings.torch import arrays
+from moeroute.bindings.torch.experts import gated_activation
+from moeroute.quant import QuantConfig, check_mxfp4
+from moeroute.quant import _mxfp4_host
+from moeroute.quant.mxfp4 import decode_mxfp4
+
+__all__ = ["mxfp4_experts_forward", "check_mxfp4_weights", "MXFP4_STRATEGIES", "CHUNK_BYTES",
+           "map_gpt_oss_mxfp4_keys", "gate_rows_first", "GPT_OSS_MXFP4_KEYS"]
+
+#: CPU strategies; "auto" picks per call as the FP8 experts do.
+MXFP4_STRATEGIES = ("auto", "rows", "blocks")
+#: Bytes of decoded weights per chunk of the "blocks" strategy (one reusable buffer).
+CHUNK_BYTES = 16 << 20
+
+
+def mxfp4_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor,
+                          gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor,
+                          down_blocks: torch.Tensor, down_scales: torch.Tensor,
+                          gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                          activation: str = "silu", strategy: str = "auto") -> torch.Tensor:
+    """Weighted sum of each row's local MXFP4 experts.
+
+    Parameters
+    ----------
+    hidden_states : Tensor [Tr, H] float32/bfloat16/float16
+    local_ids : Tensor [Tr, K'] int32; ids outside [0, L) are not computed here
+    weights : Tensor [Tr, K'] float32
+    gate_up_blocks : Tensor [L, 2I, H/32, 16] uint8 (gate rows first)
+    gate_up_scales : Tensor [L, 2I, H/32] uint8
+    down_blocks : Tensor [L, H, I/32, 16] uint8
+    down_scales : Tensor [L, H, I/32] uint8
+    gate_up_bias : Tensor [L, 2I] float32, optional
+    down_bias : Tensor [L, H] float32, optional
+    activation : str
+    strategy : {"auto", "rows", "blocks"}
+
+    Returns
+    -------
+    Tensor [Tr, H], dtype of ``hidden_states``, accumulated in float32.
+    """
+    from moeroute.bindings.torch.fp8_experts import choose_fp8_strategy
+
+    if strategy not in MXFP4_STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not an MXFP4 strategy; use one of {MXFP4_STRATEGIES}")
+    num_tokens, hidden = hidden_states.shape
+    num_experts, two_inter = gate_up_blocks.shape[:2]
+    inter = two_inter // 2
+    top_k = local_ids.shape[1]
+    dtype, device = hidden_states.dtype, hidden_states.device
+    sorted_slots, expert_offsets, _ = arrays.sort_by_expert(local_ids, num_experts)
+    offsets = expert_offsets.to(torch.int64)
+    counts = (offsets[1:] - offsets[:-1]).tolist()
+    slots = sorted_slots.to(torch.int64)
+    tokens = slots // top_k
+    slot_weights = weights.reshape(-1).to(torch.float32)[slots].contiguous()
+    sums = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
+    if slots.numel() == 0:
+        return sums.to(dtype)
+    if device.type != "cpu":
+        strategy = "blocks"  # the row kernels are Numba CPU code
+    elif strategy == "auto":
+        strategy = choose_fp8_strategy(counts)
+    hit = [e for e, c in enumerate(counts) if c]
+    row_expert = torch.repeat_interleave(torch.arange(num_experts, device=device),
+                                         torch.tensor(counts, device=device))
+    if strategy == "rows":
+        xs = hidden_states.float().contiguous()
+        gate_up = torch.empty(tokens.numel(), two_inter, dtype=torch.float32)
+        chunks = -(-two_inter // _mxfp4_host.ROWS_PER_ITEM)
+        work = torch.tensor([[e, c] for e in hit for c in range(chunks)], dtype=torch.int64)
+        _mxfp4_host.gate_up_rows(xs.numpy(), tokens.numpy(), offsets.numpy(), work.numpy(),
+                                 gate_up_blocks.numpy(), gate_up_scales.numpy(), _mxfp4_host.ROWS_PER_ITEM,
+                                 gate_up.numpy())
+    else:
+        gate_up = _blocks_gemm(hidden_states[tokens], offsets, hit, gate_up_blocks, gate_up_scales, dtype)
+    if gate_up_bias is not None:
+        gate_up += gate_up_bias[row_expert].float()
+    act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
+    if dtype != torch.float32:  # the intermediate in the activation dtype, as the float layer keeps it
+        act = act.to(dtype)
+    if strategy == "rows":
+        _mxfp4_host.down_rows(act.float().contiguous().numpy(), tokens.numpy(), slot_weights.numpy(),
+                              offsets.numpy(), torch.tensor(hit, dtype=torch.int64).numpy(), down_blocks.numpy(),
+                              down_scales.numpy(), _mxfp4_host.ROWS_PER_ITEM, sums.numpy())
+        if down_bias is not None:
+            sums.index_add_(0, tokens, down_bias[row_expert].float() * slot_weights[:, None])
+    else:
+        y = _blocks_gemm(act, offsets, hit, down_blocks, down_scales, dtype)
+        if down_bias is not None:
+            y += down_bias[row_expert].float()
+        sums.index_add_(0, tokens, y.mul_(slot_weights[:, None]))
+    return sums if dtype == torch.float32 else sums.to(dtype)
+
+
+def _blocks_gemm(xs, offsets, hit, blocks, scales, dtype):
+    """[M, R] float32: each expert's rows of ``xs`` times its weight decoded in chunks."""
+    rows_out, cols = blocks.shape[1], blocks.shape[2] * 32
+    out = torch.empty(xs.shape[0], rows_out, dtype=torch.float32, device=xs.device)
+    on_cpu = blocks.device.type == "cpu"
+    bf16_bits = on_cpu and dtype == torch.bfloat16
+    element = 2 if bf16_bits else 4
+    chunk_rows = min(rows_out, max(1, CHUNK_BYTES // (element * cols)))
+    buffer = torch.empty(chunk_rows, cols, dtype=torch.bfloat16 if bf16_bits else torch.float32, device=xs.device)
+    work = torch.empty(cols, dtype=torch.float32)
+    x_cast = xs.to(dtype)
+    for e in hit:
+        start, stop = int(offsets[e]), int(offsets[e + 1])
+        x_e = x_cast[start:stop]
+        blocks_e, scales_e = blocks[e], scales[e]
+        for r0 in range(0, rows_out, chunk_rows):
+            r1 = min(rows_out, r0 + chunk_rows)
+            w = buffer[:r1 - r0]
+            if bf16_bits:
+                _mxfp4_host.dequantize_rows_bf16(blocks_e.numpy(), scales_e.numpy(), r0, r1, work.numpy(),
+                                                 w.view(torch.int16).numpy())
+            elif on_cpu:
+                _mxfp4_host.dequantize_rows(blocks_e.numpy(), scales_e.numpy(), r0, r1, w.numpy())
+            else:
+                w.copy_(decode_mxfp4(blocks_e[r0:r1], scales_e[r0:r1]))
+            out[start:stop, r0:r1] = torch.mm(x_e, w.to(dtype).t())
+    return out
+
+
+def check_mxfp4_weights(quant: QuantConfig, num_experts: int, hidden_size: int, intermediate_size: int,
+                        w_gate_up, w_down, check_values: bool = True) -> dict:
+    """The full stacked MXFP4 pairs checked at the boundary; name -> tensor of the layer.
+
+    ``w_gate_up`` and ``w_down`` are ``(blocks, scales)`` pairs of `QuantConfig.scale_shapes`
+    (gate rows first). ``check_values=False`` checks shapes and dtypes only.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument: a float weight (quantize it first: `quantize_mxfp4`), a pair
+        that is not two tensors, shapes other than the layer's, a scale byte 255.
+    """
+    gate_up_shape, down_shape = quant.scale_shapes(num_experts, hidden_size, intermediate_size)
+    tensors = {}
+    for name, pair, scale_shape in (("w_gate_up", w_gate_up, gate_up_shape), ("w_down", w_down, down_shape)):
+        if isinstance(pair, torch.Tensor):
+            raise ValueError(f"{name} is a {pair.dtype} tensor but the layer has quant='mxfp4', which stores "
+                             f"(blocks, scales) pairs; quantize float weights with moeroute.quant.quantize_mxfp4 "
+                             "(or pass the checkpoint's _blocks and _scales tensors)")
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(f"{name} must be a (blocks, scales) pair of uint8 tensors with quant='mxfp4', got "
+                            f"{type(pair).__name__}")
+        blocks, scales = pair
+        check_mxfp4(blocks, scales, name, check_values)
+        if tuple(scales.shape) != scale_shape:
+            raise ValueError(f"{name} scales has shape {tuple(scales.shape)}, expected {list(scale_shape)} "
+                             f"(blocks {[*scale_shape, 16]})")
+        prefix = "gate_up" if name == "w_gate_up" else "down"
+        tensors[name] = blocks
+        tensors[f"{prefix}_scale"] = scales
+    return tensors
+
+
+#: gpt-oss checkpoint names of MXFP4 experts, relative to the block.
+GPT_OSS_MXFP4_KEYS = ("experts.gate_up_proj_blocks", "experts.gate_up_proj_scales", "experts.down_proj_blocks",
+                      "experts.down_proj_scales")
+
+
+def gate_rows_first(rows: int, device=None) -> torch.Tensor:
+    """The row order taking gpt-oss's interleaved gate_up rows (gate, up, gate, ...) to
+    moeroute's (every gate row, then every up row): even rows, then odd rows."""
+    return torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)]).to(device)
+
+
+@torch.no_grad()
+def map_gpt_oss_mxfp4_keys(module, state_dict: dict, prefix: str) -> None:
+    """A gpt-oss MXFP4 checkpoint's names under ``prefix`` -> the module's, in place.
+
+    ``router.weight``/``router.bias`` -> ``router_weight``/``router_bias``;
+    ``experts.{gate_up,down}_proj_{blocks,scales}`` and ``experts.{gate_up,down}_proj_bias``
+    -> this rank's ``experts.w_gate_up``, ``experts.gate_up_scale``, ``experts.w_down``,
+    ``experts.down_scale``, ``experts.b_gate_up``, ``experts.b_down``, gate rows first (a
+    row permutation of blocks, scales and bias entries), still packed. Other ranks' experts
+    are dropped.
+
+    Raises
+    ------
+    KeyError
+        Some but not all of the four MXFP4 tensors.
+    ValueError
+        As `check_mxfp4` (a scale byte 255 included), naming the key.
+    """
+    for source, target in (("router.weight", "router_weight"), ("router.bias", "router_bias")):
+        if prefix + source in state_dict:
+            state_dict[prefix + target] = state_dict.pop(prefix + source)
+    keys = [prefix + name for name in GPT_OSS_MXFP4_KEYS]
+    present = [key for key in keys if key in state_dict]
+    if not present:
+        return
+    if len(present) != len(keys):
+        missing = sorted(set(keys) - set(present))
+        raise KeyError(f"{missing} missing from the state dict: MXFP4 experts need their blocks and scales")
+    gate_up_blocks, gate_up_scales, down_blocks, down_scales = (state_dict.pop(key) for key in keys)
+    check_mxfp4(gate_up_blocks, gate_up_scales, keys[0][:-len("_blocks")])
+    check_mxfp4(down_blocks, down_scales, keys[2][:-len("_blocks")])
+    ids = torch.tensor(module.routed_expert_ids(), dtype=torch.long)
+    order = gate_rows_first(gate_up_blocks.shape[1])
+    tensors = {"w_gate_up": gate_up_blocks[ids][:, order], "gate_up_scale": gate_up_scales[ids][:, order],
+               "w_down": down_blocks[ids], "down_scale": down_scales[ids]}
+    gate_up_bias, down_bias = prefix + "experts.gate_up_proj_bias", prefix + "experts.down_proj_bias"
+    if gate_up_bias in state_dict:
+        tensors["b_gate_up"] = state_dict.pop(gate_up_bias)[ids][:, order]
+    if down_bias in state_dict:
+        tensors["b_down"] = state_dict.pop(down_bias)[ids]
+    for name, tensor in tensors.items():
+        state_dict[prefix + "experts." + name] = tensor

@@ -1,0 +1,67 @@
+"""MXFP4 gpt-oss experts under expert parallelism (2 gloo ranks): all2all and allgather,
+linear, round-robin and a placement table; float32 and bfloat16 activations.
+
+Each rank holds only its experts' packed bytes and must reproduce the single-process
+float32 reference (the same bytes dequantized, the gpt-oss MLP) on its own tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import _mxfp4_ep_workers as workers
+from test_mxfp4_moe import RTOL, plain_dequantize
+from moeroute.routing import reference
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return workers.spawn(2, tmp_path_factory.mktemp("mxfp4_ep"))
+
+
+@functools.cache
+def _float_weights():
+    w = workers.weights()
+    return w, plain_dequantize(*w["gate_up"]), plain_dequantize(*w["down"])
+
+
+def _reference(x):
+    w, w_gate_up, w_down = _float_weights()
+    x = x.double()
+    logits = (x @ w["router_weight"].double().T + w["router_bias"].double()).float()
+    topk_weights, topk_ids = reference.select_experts(logits.numpy(), workers.ROUTER, None)
+    out = torch.zeros_like(x)
+    inter = workers.I
+    for t in range(x.shape[0]):
+        for k in range(workers.K):
+            e = int(topk_ids[t, k])
+            gate_up = w_gate_up[e] @ x[t] + w["gate_up_bias"][e].double()
+            gate, up = gate_up[:inter].clamp(max=7.0), gate_up[inter:].clamp(-7.0, 7.0)
+            act = (up + 1) * gate * torch.sigmoid(1.702 * gate)
+            out[t] += float(topk_weights[t, k]) * (w_down[e] @ act + w["down_bias"][e].double())
+    return out
+
+
+def test_every_case_matches_the_reference(results):
+    cases = [case for rank_cases in results for case in rank_cases]
+    assert len(cases) == 2 * len(workers.CASES) * 2
+    for case in cases:
+        expected = _reference(case["x"])
+        error = float((case["out"].double() - expected).abs().max() / expected.abs().max())
+        dtype = torch.float32 if case["dtype"] == "torch.float32" else torch.bfloat16
+        assert error < RTOL[dtype], (case["dispatch"], case["placement"], case["dtype"], case["rank"], error)
+
+
+def test_each_rank_holds_only_its_experts(results):
+    for rank, rank_cases in enumerate(results):
+        for case in rank_cases:
+            assert case["holds_only_local"]
+            if case["placement"] == "linear" and case["table"] is None:
+                assert case["local_experts"] == [3 * rank, 3 * rank + 1, 3 * rank + 2]
+            elif case["table"] is not None:
+                assert case["local_experts"] == case["table"][3 * rank:3 * rank + 3]
+            else:  # round robin
+                assert case["local_experts"] == [rank, rank + 2, rank + 4]
