@@ -5,6 +5,7 @@ activation, down GEMM with the router weight, sum over the top-k slots) on CuPy 
 CUDA tensors. Importing this package does not import CuPy.
 """
 
-from moeroute.gpu.gemm import check_fused_experts_args, fused_experts
+from moeroute.gpu.experts import fused_experts
+from moeroute.gpu.gemm import check_fused_experts_args
 
 __all__ = ["check_fused_experts_args", "fused_experts"]

@@ -30,6 +30,7 @@ from torch import nn
 from moeroute.bindings.torch import arrays
 from moeroute.bindings.torch.experts import check_activation, gated_activation
 from moeroute.bindings.torch.mxfp4_experts import mxfp4_experts_forward
+from moeroute.bindings.torch.quant_strategy import choose_strategy as choose_fp8_strategy
 from moeroute.quant import FP8_DTYPE, QuantConfig, check_scale, quantize_fp8_activations, quantize_fp8_static
 from moeroute.quant import _host
 
@@ -66,21 +67,9 @@ def gate_up_scale_from_stacked(scale: torch.Tensor, quant: QuantConfig, intermed
 
 #: CPU strategies of the FP8 experts; "auto" picks per call (`choose_fp8_strategy`).
 FP8_STRATEGIES = ("auto", "rows", "blocks")
-#: Largest rows-per-expert (mean over hit experts) served by the row-streaming kernels:
-#: their dot products are not register-blocked over rows, so past a few dozen rows a
-#: BLAS GEMM over decoded blocks is faster (bench/quant.py).
-ROWS_MAX_ROWS_PER_EXPERT = 16
 #: Bytes of decoded weights per chunk of the "blocks" strategy: one reusable buffer, large
 #: enough that the chunked GEMMs keep the speed of whole ones (bench/quant.py).
 CHUNK_BYTES = 16 << 20
-
-
-def choose_fp8_strategy(counts: list[int]) -> str:
-    """"rows" when the hit experts average at most `ROWS_MAX_ROWS_PER_EXPERT` rows, else "blocks"."""
-    hit = [c for c in counts if c]
-    if not hit or sum(hit) <= ROWS_MAX_ROWS_PER_EXPERT * len(hit):
-        return "rows"
-    return "blocks"
 
 
 def fake_quantize(x: torch.Tensor, config: QuantConfig, static_scale=None) -> torch.Tensor:

@@ -6,7 +6,7 @@ present) over weights stored as MXFP4 blocks and scale bytes (`moeroute.quant.mx
 activations stay in their dtype (bfloat16, float16 or float32); sums are float32.
 
 The packed bytes are never dequantized whole. The two strategies of the FP8 experts, by
-rows per expert (`choose_fp8_strategy`):
+rows per expert (`moeroute.bindings.torch.quant_strategy.choose_strategy`):
 
 * "rows" (decode): the Numba kernels of `moeroute.quant._mxfp4_host` decode one weight row
   at a time (a 16-entry table per 32 values) into a cache-resident buffer and dot it with
@@ -25,6 +25,7 @@ from moeroute.bindings.torch.experts import gated_activation
 from moeroute.quant import QuantConfig, check_mxfp4
 from moeroute.quant import _mxfp4_host
 from moeroute.quant.mxfp4 import decode_mxfp4
+from moeroute.bindings.torch.quant_strategy import choose_strategy
 
 __all__ = ["mxfp4_experts_forward", "check_mxfp4_weights", "MXFP4_STRATEGIES", "CHUNK_BYTES",
            "map_gpt_oss_mxfp4_keys", "gate_rows_first", "GPT_OSS_MXFP4_KEYS"]
@@ -60,8 +61,6 @@ def mxfp4_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, 
     -------
     Tensor [Tr, H], dtype of ``hidden_states``, accumulated in float32.
     """
-    from moeroute.bindings.torch.fp8_experts import choose_fp8_strategy
-
     if strategy not in MXFP4_STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not an MXFP4 strategy; use one of {MXFP4_STRATEGIES}")
     num_tokens, hidden = hidden_states.shape
@@ -81,7 +80,7 @@ def mxfp4_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, 
     if device.type != "cpu":
         strategy = "blocks"  # the row kernels are Numba CPU code
     elif strategy == "auto":
-        strategy = choose_fp8_strategy(counts)
+        strategy = choose_strategy(counts)
     hit = [e for e, c in enumerate(counts) if c]
     row_expert = torch.repeat_interleave(torch.arange(num_experts, device=device),
                                          torch.tensor(counts, device=device))
