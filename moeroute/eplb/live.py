@@ -286,8 +286,8 @@ class _Pending:
             return None
         sources = torch.tensor([s for s, _ in plan.local], dtype=torch.long)
         current = dict(_expert_tensors(layer))
-        return {name: current[name].index_select(0, sources.to(current[name].device))
-                for name in names}
+        return {name: _storage(current[name]).index_select(0, sources.to(current[name].device))
+                .view(current[name].dtype) for name in names}
 
     def _transfer_state(self) -> int:
         """1 finished, 0 in flight, -1 failed (this rank)."""
@@ -379,7 +379,7 @@ class _Pending:
                 prepared.append((layer, writes, layout, dispatcher))
             for layer, writes, layout, dispatcher in prepared:
                 for tensor, where, rows in writes:
-                    tensor.index_copy_(0, where, rows)
+                    _storage(tensor).index_copy_(0, where, _storage(rows))
                 layer.layout, layer.dispatcher = layout, dispatcher
                 if layer.load_recorder is not None:
                     layer.load_recorder.reset()
@@ -403,10 +403,18 @@ def _check_request(layers, placement) -> np.ndarray:
     return np.asarray(placement.physical_to_logical, dtype=np.int64)
 
 
+def _storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as torch can index-copy it: 1-byte float formats (FP8 weights) as their
+    uint8 bytes (torch's CPU index_copy_ has no float8 kernel), everything else as it is."""
+    if tensor.dtype.is_floating_point and tensor.element_size() == 1:
+        return tensor.view(torch.uint8)
+    return tensor
+
+
 def _byte_rows(tensor: torch.Tensor, slots: list[int], device: torch.device) -> torch.Tensor:
     """Rows ``slots`` of ``tensor`` as one flat uint8 tensor on ``device``."""
-    rows = tensor.detach().index_select(0, torch.tensor(slots, dtype=torch.long,
-                                                        device=tensor.device))
+    rows = _storage(tensor.detach()).index_select(0, torch.tensor(slots, dtype=torch.long,
+                                                                  device=tensor.device))
     return rows.contiguous().to(device).reshape(-1).view(torch.uint8)
 
 

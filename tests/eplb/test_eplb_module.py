@@ -10,6 +10,7 @@ from moeroute.bindings.torch.moe import MoE
 from moeroute.config import RouterConfig
 from moeroute.eplb import apply, gather_load, rebalance
 from moeroute.layout import REPLICA_HASH_MULTIPLIER
+from moeroute.quant import QuantConfig, quantize_experts
 
 N, K, HIDDEN, INTER = 8, 2, 16, 8
 #: float32 outputs computed from the same weights in another slot order.
@@ -199,4 +200,38 @@ def test_apply_repacks_onednn_copies():
     apply(module, rebalance(np.arange(N, 0, -1) ** 2, 12, 1))
     with torch.no_grad():
         after = module(x, logits)  # stale copies would raise
+    assert torch.allclose(before, after, rtol=0, atol=TOLERANCE * float(after.abs().max()))
+
+
+@pytest.mark.parametrize("quant", [QuantConfig("fp8_block", block_size=(16, 32)), QuantConfig("fp8_tensor"),
+                                   QuantConfig("mxfp4")], ids=lambda q: q.format)
+def test_apply_moves_quantized_experts_with_their_scales(quant):
+    """Quantized layers move their packed weights and scales slot by slot, never dequantized."""
+    hidden, inter = 32, 32
+    torch.manual_seed(7)
+    full = quantize_experts(torch.randn(N, 2 * inter, hidden), torch.randn(N, hidden, inter) * 0.3, quant)
+    torch.manual_seed(3)
+    layer = MoE(RouterConfig(N, K), hidden, inter, quant=quant, num_redundant_experts=4, record_load=True)
+    if quant.format == "mxfp4":
+        layer.load_routed_weights((full[0], full[1]), (full[2], full[3]))
+    else:
+        layer.load_routed_weights(full[0], full[2], gate_up_scale=full[1], down_scale=full[3])
+    x, logits = torch.randn(33, hidden), torch.randn(33, N)
+    logits[:, 5] += 4.0
+    with torch.no_grad():
+        before = layer(x, logits)
+    placement = rebalance(gather_load([layer]), 12, 1)
+    old = layer.layout.physical_to_logical.copy()
+    handle = apply([layer], placement)
+    assert handle.experts_moved == int(placement.moved(old[None]).sum()) > 0
+    experts = layer.experts
+    for slot, logical in enumerate(placement.layer(0).tolist()):
+        for name, source in (("w_gate_up", full[0]), ("gate_up_scale", full[1]), ("w_down", full[2]),
+                             ("down_scale", full[3])):
+            moved = getattr(experts, name)[slot]
+            assert moved.dtype == source.dtype
+            assert torch.equal(moved.reshape(-1).view(torch.uint8),
+                               source[logical].reshape(-1).view(torch.uint8)), (name, slot)
+    with torch.no_grad():
+        after = layer(x, logits)
     assert torch.allclose(before, after, rtol=0, atol=TOLERANCE * float(after.abs().max()))
