@@ -181,6 +181,7 @@ def _module_steps(dtypes) -> list[tuple[str, Callable[[], None]]]:
     import torch
 
     from moeroute.bindings.torch import GatedMLP, MoE
+    from moeroute.bindings.torch.experts import ROWS_DTYPES
     from moeroute.config import RouterConfig
 
     hidden, inter = MODULE_HIDDEN, MODULE_INTERMEDIATE
@@ -197,7 +198,9 @@ def _module_steps(dtypes) -> list[tuple[str, Callable[[], None]]]:
         with torch.inference_mode():
             for router, bias in routers.values():
                 for shared in ("fused", "runner"):
-                    for gemm in ("loop", "padded"):
+                    for gemm in ("loop", "padded", "rows"):
+                        if gemm == "rows" and dtype not in ROWS_DTYPES:
+                            continue
                         moe = MoE(router, hidden, inter, shared_experts=GatedMLP(hidden, inter).to(dtype),
                                   shared=shared, correction_bias=bias, gemm=gemm, dtype=dtype)
                         for tokens in MODULE_TOKENS:

@@ -10,8 +10,8 @@ from torch import nn
 
 from moeroute.bindings.torch.dispatch import DispatchHandle, LocalDispatcher, check_dispatch_inputs
 from moeroute.bindings.torch import experts as experts_module
-from moeroute.bindings.torch.experts import (PADDED_MAX_ROWS, LocalExperts, choose_gemm, expert_mlp,
-                                             grouped_expert_mlp, onednn_linear_serves, padded_expert_mlp,
+from moeroute.bindings.torch.experts import (PADDED_MAX_ROWS, ROWS_MAX_MEAN_ROWS, LocalExperts, choose_gemm,
+                                             expert_mlp, grouped_expert_mlp, onednn_linear_serves, padded_expert_mlp,
                                              streamed_expert_mlp)
 from moeroute.bindings.torch.moe import MoE
 from moeroute.config import RouterConfig
@@ -196,7 +196,7 @@ def test_load_weights_checks_shapes_and_mode():
 
 # ------------------------------------------------------------------ LocalExperts
 
-@pytest.mark.parametrize("gemm", ["auto", "loop", "padded"])
+@pytest.mark.parametrize("gemm", ["auto", "loop", "padded", "rows"])
 def test_local_experts_weighted_sum_skips_foreign_slots(gemm):
     experts = LocalExperts(4, H, I, gemm=gemm)
     generator = _generator(10)
@@ -424,14 +424,22 @@ def test_linear_backend_argument():
 
 
 def test_choose_gemm():
-    assert choose_gemm([3, 0, 5, 1]) == "padded"  # few rows, most experts hit
-    assert choose_gemm([PADDED_MAX_ROWS + 1, 4, 4, 4]) == "loop"  # one expert has many rows
-    assert choose_gemm([1, 0, 0, 0]) == "loop"  # decode: most experts idle
+    many = ROWS_MAX_MEAN_ROWS + 1
+    # Row kernels: bfloat16/float32 experts serving few rows each (mean over hit experts).
+    for dtype in (torch.float32, torch.bfloat16):
+        assert choose_gemm([3, 0, 5, 1], dtype=dtype) == "rows"
+        assert choose_gemm([1, 0, 0, 0], dtype=dtype) == "rows"  # decode: most experts idle
+        assert choose_gemm([3, 0, 5, 1], onednn=True, dtype=dtype) == "rows"
+        assert choose_gemm([ROWS_MAX_MEAN_ROWS] * 4, dtype=dtype) == "rows"
+        assert choose_gemm([many, many, 0, many], onednn=True, dtype=dtype) == "loop"
+    assert choose_gemm([many, 0, many, many], dtype=torch.bfloat16) == "loop"
+    # float16 has no row kernel: the padded batch or the loop, as before.
+    assert choose_gemm([3, 0, 5, 1], dtype=torch.float16) == "loop"  # half-precision CPU bmm is slow
     assert choose_gemm([]) == "loop"
-    assert choose_gemm([3, 0, 5, 1], onednn=True) == "loop"  # oneDNN: the streamed loop always
-    for dtype in (torch.bfloat16, torch.float16):  # half-precision CPU bmm: the loop always
-        assert choose_gemm([3, 0, 5, 1], dtype=dtype) == "loop"
-    assert choose_gemm([3, 0, 5, 1], dtype=torch.float32) == "padded"
+    assert choose_gemm([0, 0]) == "loop"
+    assert choose_gemm([many, many, many, 2 * PADDED_MAX_ROWS], dtype=torch.float32) == "loop"
+    assert choose_gemm([PADDED_MAX_ROWS] * 3 + [many], dtype=torch.float32) == "padded"
+    assert choose_gemm([PADDED_MAX_ROWS] * 3 + [many], onednn=True, dtype=torch.float32) == "loop"
 
 
 def test_local_experts_rejects_bad_arguments():

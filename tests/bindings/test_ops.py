@@ -166,7 +166,7 @@ def _experts_reference(hidden, w_gate_up, w_down, ids, weights, activation="silu
     return out
 
 
-@pytest.mark.parametrize("gemm", ["auto", "loop", "padded"])
+@pytest.mark.parametrize("gemm", ["auto", "loop", "padded", "rows"])
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
 def test_experts_op_matches_reference(gemm, activation):
     args = _expert_problem(5)
@@ -177,7 +177,7 @@ def test_experts_op_matches_reference(gemm, activation):
     _opcheck(ops.OPS["experts"], (*args, activation, gemm))
 
 
-@pytest.mark.parametrize("gemm", ["loop", "padded"])
+@pytest.mark.parametrize("gemm", ["loop", "padded", "rows"])
 def test_experts_op_with_biases_matches_reference(gemm):
     hidden, w_gate_up, w_down, ids, weights = _expert_problem(12)
     generator = _generator(13)

@@ -35,15 +35,18 @@ from __future__ import annotations
 import functools
 import time
 
+import numba
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeroute.bindings.torch import arrays
+from moeroute.bindings.torch import _rows, arrays
+from moeroute.routing._parallel import cpu_threads
 from moeroute.routing.combine import accumulate_checked
 
 __all__ = ["LocalExperts", "ACTIVATIONS", "SUPPORTED_DTYPES", "GEMM_STRATEGIES", "LINEAR_BACKENDS",
-           "check_dtype", "choose_gemm", "onednn_linear_serves",
+           "check_dtype", "choose_gemm", "cpu_experts", "onednn_linear_serves", "rows_expert_mlp",
            "expert_mlp", "streamed_expert_mlp", "padded_expert_mlp", "grouped_expert_mlp", "apply_activation",
            "gated_activation", "SWIGLUOAI_ALPHA", "SWIGLUOAI_LIMIT"]
 
@@ -62,7 +65,7 @@ INIT_STD = 0.02
 #: Backends of one expert's linear on the CPU; "auto": oneDNN where it serves the dtype.
 LINEAR_BACKENDS = ("auto", "onednn", "mm")
 #: CPU expert-GEMM strategies; "auto" picks one per call with `choose_gemm`.
-GEMM_STRATEGIES = ("auto", "loop", "padded")
+GEMM_STRATEGIES = ("auto", "loop", "padded", "rows")
 #: Largest per-expert row count the padded batch is used for: below it an expert's
 #: GEMM is bound by reading its weights, so padding rows costs little compute.
 PADDED_MAX_ROWS = 32
@@ -71,6 +74,11 @@ PADDED_MAX_ROWS = 32
 PADDED_MIN_HIT_FRACTION = 0.5
 #: Dtypes the padded batch is chosen for: torch's CPU bmm is slow in half precision.
 PADDED_DTYPES = (torch.float32,)
+#: Dtypes of the row kernels (`rows_expert_mlp`).
+ROWS_DTYPES = (torch.float32, torch.bfloat16)
+#: Largest mean row count per hit expert that "auto" gives the row kernels: below it an
+#: expert's GEMMs are bound by reading its weights (bench/layer.py measures the crossover).
+ROWS_MAX_MEAN_ROWS = 16
 
 
 def check_dtype(name: str, dtype: torch.dtype) -> None:
@@ -311,12 +319,16 @@ def streamed_expert_mlp(
 
 
 def choose_gemm(counts: list[int], onednn: bool = False, dtype: torch.dtype = torch.float32) -> str:
-    """"padded" for few rows per float32 expert over mostly-hit experts on torch.mm, else "loop".
+    """The CPU expert-GEMM strategy for experts with ``counts`` rows each.
 
-    With oneDNN linears the streamed loop wins at every row count measured (bench/layer.py,
-    T = 16: 1.3x over the padded batch), so ``onednn`` always gives "loop". So does a
-    half-precision dtype: torch's CPU bmm in bfloat16/float16 ran 1.4-2.1x slower than the
-    per-expert loop at T = 8, 16 and 64 (H = 1024, I = 384, N = 64, K = 8, interleaved).
+    "rows" for bfloat16 and float32 experts that serve few rows each (at most
+    `ROWS_MAX_MEAN_ROWS` per hit expert on average): each weight row is read once and dotted
+    with every row its expert serves (`rows_expert_mlp`); decode-sized batches are bound by
+    that read. Else "padded" for few rows per float32 expert over mostly-hit experts on
+    torch.mm, else the streamed "loop". With oneDNN linears the loop wins over the padded
+    batch at every row count measured (bench/layer.py, T = 16: 1.3x), and so does a
+    half-precision dtype (torch's CPU bmm in bfloat16/float16 ran 1.4-2.1x slower than the
+    loop at T = 8, 16 and 64; H = 1024, I = 384, N = 64, K = 8, interleaved).
 
     Parameters
     ----------
@@ -324,12 +336,143 @@ def choose_gemm(counts: list[int], onednn: bool = False, dtype: torch.dtype = to
     onednn : bool, whether the loop's linears run on oneDNN (`onednn_linear_serves`)
     dtype : torch.dtype, of the activations and weights
     """
-    if onednn or not counts or dtype not in PADDED_DTYPES:
-        return "loop"
     hit = sum(1 for c in counts if c)
+    if not hit:
+        return "loop"
+    if dtype in ROWS_DTYPES and sum(counts) <= ROWS_MAX_MEAN_ROWS * hit:
+        return "rows"
+    if onednn or dtype not in PADDED_DTYPES:
+        return "loop"
     if max(counts) <= PADDED_MAX_ROWS and hit >= PADDED_MIN_HIT_FRACTION * len(counts):
         return "padded"
     return "loop"
+
+
+def rows_expert_mlp(
+    hidden_states: torch.Tensor,
+    sorted_slots: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str = "silu",
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Expert MLPs and combine with the row kernels of `moeroute.bindings.torch._rows` (CPU).
+
+    Every hit expert's gate_up rows are read once and dotted with the float32 rows of its
+    tokens; the gated activation runs in float32; each down row is read once and its weighted
+    dots are added into float32 sums. Threads split the work as torch's thread count allows
+    (``torch.get_num_threads()``).
+
+    Parameters
+    ----------
+    hidden_states : Tensor [T, H], bfloat16 or float32
+    sorted_slots : Tensor [M] int32, flat slots ``t*K' + k`` in expert order (`sort_by_expert`)
+    expert_offsets : Tensor [L + 1], expert e's slots at ``[offsets[e], offsets[e+1])``
+    topk_weights : Tensor [T, K'] float32
+    w_gate_up, w_down, activation, b_gate_up, b_down : as `expert_mlp`, dtype of ``hidden_states``
+
+    Returns
+    -------
+    Tensor [T, H], dtype of ``hidden_states``: ``sum_k w[t, k] * expert_k(x_t)`` over the
+    sorted slots (rows with none are zero).
+    """
+    if hidden_states.dtype not in ROWS_DTYPES or w_gate_up.dtype != hidden_states.dtype:
+        raise ValueError(f"the row kernels serve {ROWS_DTYPES} weights and activations of one dtype, got "
+                         f"{hidden_states.dtype} activations and {w_gate_up.dtype} weights")
+    num_tokens, hidden = hidden_states.shape
+    inter = w_down.shape[2]
+    top_k = topk_weights.shape[1]
+    sums = torch.zeros((num_tokens, hidden), dtype=torch.float32)
+    offsets = expert_offsets.to(torch.int64)
+    hit = torch.nonzero(offsets[1:] - offsets[:-1]).flatten()
+    if hit.numel() == 0:
+        return sums.to(hidden_states.dtype)
+    slots = sorted_slots.to(torch.int64)
+    tokens = slots // top_k
+    slot_weights = topk_weights.reshape(-1).to(torch.float32)[slots]
+    blocks = -(-2 * inter // _rows.ROW_BLOCK)
+    work = torch.stack((hit.repeat_interleave(blocks), torch.arange(blocks).repeat(hit.numel())), 1)
+    xs = hidden_states.to(torch.float32).contiguous()
+    gate_up = torch.empty((slots.numel(), 2 * inter), dtype=torch.float32)
+    threads = numba.get_num_threads()
+    numba.set_num_threads(cpu_threads())
+    try:
+        _rows.gate_up_rows(xs.numpy(), tokens.numpy(), offsets.numpy(), work.contiguous().numpy(),
+                           _row_view(w_gate_up), _bias_view(b_gate_up), gate_up.numpy())
+        act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation).contiguous()
+        _rows.down_rows(act.numpy(), tokens.numpy(), slot_weights.numpy(), offsets.numpy(), hit.numpy(),
+                        _row_view(w_down), _bias_view(b_down), sums.numpy())
+    finally:
+        numba.set_num_threads(threads)
+    return sums if hidden_states.dtype == torch.float32 else sums.to(hidden_states.dtype)
+
+
+_NO_BIAS = np.zeros((0, 0), np.float32)
+
+
+def _row_view(weight: torch.Tensor) -> np.ndarray:
+    """A weight as the row kernels read it: bfloat16 as its uint16 bits, float32 as is."""
+    weight = weight.detach()
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    return weight.view(torch.uint16).numpy() if weight.dtype == torch.bfloat16 else weight.numpy()
+
+
+def _bias_view(bias: torch.Tensor | None) -> np.ndarray:
+    return _NO_BIAS if bias is None else bias.detach().to(torch.float32).contiguous().numpy()
+
+
+def cpu_experts(
+    hidden_states: torch.Tensor,
+    local_ids: torch.Tensor,
+    weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str = "silu",
+    gemm: str = "auto",
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    loop_weights: tuple | None = None,
+) -> torch.Tensor:
+    """The CPU experts body of `LocalExperts` and ``torch.ops.moeroute.experts``.
+
+    Sorts the (row, slot) entries by expert, picks the GEMM strategy (``gemm``, or
+    `choose_gemm` from the rows per expert and the dtype for "auto") and runs it.
+
+    Parameters
+    ----------
+    hidden_states : Tensor [T, H]; local_ids : Tensor [T, K'] int32 (ids outside [0, L) are
+        skipped); weights : Tensor [T, K'] float32
+    w_gate_up, w_down, activation, b_gate_up, b_down : as `expert_mlp`
+    gemm : one of `GEMM_STRATEGIES`
+    loop_weights : (gate_up, down) the "loop" strategy uses instead of the plain weights
+        (oneDNN-packed copies, `LocalExperts.cpu_weights`), optional
+
+    Returns
+    -------
+    Tensor [T, H], dtype of ``hidden_states``.
+    """
+    dtype = w_gate_up.dtype
+    num_experts = w_gate_up.shape[0]
+    sorted_slots, expert_offsets, inverse_index = arrays.sort_by_expert(local_ids, num_experts)
+    offsets = expert_offsets.tolist()
+    strategy = gemm
+    if strategy == "auto":
+        strategy = choose_gemm([b - a for a, b in zip(offsets[:-1], offsets[1:])],
+                               onednn_linear_serves(dtype), dtype)
+    if strategy == "rows":
+        return rows_expert_mlp(hidden_states, sorted_slots, expert_offsets, weights, w_gate_up, w_down,
+                               activation, b_gate_up, b_down)
+    if strategy == "loop":
+        gate_up, down = loop_weights if loop_weights is not None else (w_gate_up, w_down)
+        return streamed_expert_mlp(hidden_states.contiguous(), sorted_slots, offsets, weights, gate_up, down,
+                                   activation, b_gate_up=b_gate_up, b_down=b_down)
+    hidden_sorted, _, _ = arrays.permute(hidden_states, local_ids, num_experts)
+    expert_out = padded_expert_mlp(hidden_sorted, offsets, w_gate_up, w_down, activation, b_gate_up, b_down)
+    return arrays.combine(expert_out, inverse_index, weights)
 
 
 def padded_expert_mlp(
@@ -621,22 +764,9 @@ class LocalExperts(nn.Module):
                              f"weights' dtype {self.w_gate_up.dtype}")
         if hidden_states.device.type == "cuda":
             return self._forward_cuda(hidden_states, local_ids, weights)
-        sorted_slots, expert_offsets, inverse_index = arrays.sort_by_expert(
-            local_ids, self.num_local_experts)
-        offsets = expert_offsets.tolist()
-        strategy = self.gemm
-        if strategy == "auto":
-            strategy = choose_gemm([b - a for a, b in zip(offsets[:-1], offsets[1:])],
-                                   onednn_linear_serves(self.w_gate_up.dtype), self.w_gate_up.dtype)
-        if strategy == "loop":
-            w_gate_up, w_down = self.cpu_weights()
-            return streamed_expert_mlp(hidden_states.contiguous(), sorted_slots, offsets, weights,
-                                       w_gate_up, w_down, self.activation, b_gate_up=self.b_gate_up,
-                                       b_down=self.b_down)
-        hidden_sorted, _, _ = arrays.permute(hidden_states, local_ids, self.num_local_experts)
-        expert_out = padded_expert_mlp(hidden_sorted, offsets, self.w_gate_up, self.w_down,
-                                       self.activation, self.b_gate_up, self.b_down)
-        return arrays.combine(expert_out, inverse_index, weights)
+        loop_weights = self.cpu_weights() if self.pack_cpu else None
+        return cpu_experts(hidden_states, local_ids, weights, self.w_gate_up, self.w_down, self.activation,
+                           self.gemm, self.b_gate_up, self.b_down, loop_weights=loop_weights)
 
     def _forward_cuda(self, hidden_states, local_ids, weights):
         try:

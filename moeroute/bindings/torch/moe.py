@@ -261,7 +261,7 @@ class MoE(nn.Module):
         Register a ``correction_bias`` [N] float32 buffer (zeros) used for selection.
     router_dtype : torch.dtype
         Dtype of ``router_weight`` (float32 by default).
-    gemm : {"auto", "loop", "padded"}
+    gemm : {"auto", "loop", "padded", "rows"}
         CPU expert-GEMM strategy (see `moeroute.bindings.torch.experts`).
     expert_bias : bool
         Experts carry a gate_up bias [2I] and a down bias [H] each (gpt-oss); load them with

@@ -47,10 +47,7 @@ from moeroute.bindings.torch.experts import (
     GEMM_STRATEGIES,
     SUPPORTED_DTYPES,
     check_activation,
-    choose_gemm,
-    onednn_linear_serves,
-    padded_expert_mlp,
-    streamed_expert_mlp,
+    cpu_experts,
 )
 from moeroute.bindings.torch.fp8_experts import check_quantized_weights, fp8_experts_forward
 from moeroute.config import RouterConfig
@@ -387,19 +384,8 @@ def _experts_op(
         return torch.ops.moeroute.fused_experts(hidden_states.contiguous(), w_gate_up.contiguous(),
                                                 w_down.contiguous(), topk_weights.contiguous(),
                                                 topk_ids.contiguous(), activation, True, None, *contiguous)
-    num_experts = w_gate_up.shape[0]
-    sorted_slots, expert_offsets, inverse_index = arrays.sort_by_expert(topk_ids, num_experts)
-    offsets = expert_offsets.tolist()
-    strategy = gemm
-    if strategy == "auto":
-        strategy = choose_gemm([b - a for a, b in zip(offsets[:-1], offsets[1:])],
-                               onednn_linear_serves(w_gate_up.dtype))
-    if strategy == "loop":
-        return streamed_expert_mlp(hidden_states.contiguous(), sorted_slots, offsets, topk_weights,
-                                   w_gate_up, w_down, activation, b_gate_up=b_gate_up, b_down=b_down)
-    hidden_sorted, _, _ = arrays.permute(hidden_states, topk_ids, num_experts)
-    expert_out = padded_expert_mlp(hidden_sorted, offsets, w_gate_up, w_down, activation, b_gate_up, b_down)
-    return arrays.combine(expert_out, inverse_index, topk_weights)
+    return cpu_experts(hidden_states, topk_ids, topk_weights, w_gate_up, w_down, activation, gemm, b_gate_up,
+                       b_down)
 
 
 @_experts_op.register_fake

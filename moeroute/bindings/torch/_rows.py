@@ -1,0 +1,122 @@
+"""Numba CPU kernels of the float expert GEMMs for few rows per expert: one weight row at a time.
+
+At decode-sized batches an expert serves one to a few rows, and its GEMMs are bound by reading
+its weights. These kernels read each weight row once, widen it to float32 in a small buffer
+that stays in cache (bfloat16: the 16 bits moved into a float32's high half, exact; float32:
+the row itself), and dot it with every row the expert serves, four at a time. No weight is
+reordered or copied per call (oneDNN reorders each expert's bfloat16 weights on every call
+where the CPU has no bfloat16 instructions), and the second GEMM adds its weighted outputs
+straight into the float32 sums (the combine).
+
+Arrays are NumPy: bfloat16 weights as uint16 views, or float32; activations, biases and
+sums float32. The FP8 kernels of `moeroute.quant._host` have the same structure.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba.core import types
+from numba.extending import overload
+
+__all__ = ["gate_up_rows", "down_rows", "ROW_BLOCK"]
+
+#: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
+ROW_BLOCK = 64
+#: Activation rows dotted per pass over a widened weight row.
+_ROW_TILE = 4
+
+
+def _widen(row, bits):  # pragma: no cover - replaced by the overload inside Numba code
+    raise NotImplementedError
+
+
+@overload(_widen)
+def _widen_impl(row, bits):
+    """The weight row as float32: bfloat16 bits (uint16) widened into ``bits``, float32 as is."""
+    if row.dtype == types.uint16:
+        def widen_bf16(row, bits):
+            for k in range(row.shape[0]):
+                bits[k] = np.int32(row[k]) << 16
+            return bits.view(np.float32)
+        return widen_bf16
+    if row.dtype == types.float32:
+        return lambda row, bits: row
+    return None
+
+
+@numba.njit(fastmath=True)
+def _dot(w, x):
+    acc = np.float32(0.0)
+    for k in range(w.shape[0]):
+        acc += w[k] * x[k]
+    return acc
+
+
+@numba.njit(fastmath=True)
+def _dot4(w, x0, x1, x2, x3, out):
+    """out[i] = dot(w, x_i) for four rows (w read once for the four)."""
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    for k in range(w.shape[0]):
+        wk = w[k]
+        a0 += wk * x0[k]
+        a1 += wk * x1[k]
+        a2 += wk * x2[k]
+        a3 += wk * x3[k]
+    out[0], out[1], out[2], out[3] = a0, a1, a2, a3
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def gate_up_rows(xs, tokens, offsets, work, w_gate_up, bias, out):
+    """out[m, n] = xs[tokens[m]] . W_e[n] (+ bias[e, n]) for each expert e's sorted rows m.
+
+    xs [T, H] float32, tokens [M] int64, offsets [L + 1] int64, work [W, 2] int64 (expert,
+    block of `ROW_BLOCK` weight rows), w_gate_up [L, 2I, H] uint16 (bfloat16 bits) or
+    float32, bias [L, 2I] float32 or [0, 0] (none), out [M, 2I] float32.
+    """
+    hidden, rows = w_gate_up.shape[2], w_gate_up.shape[1]
+    has_bias = bias.shape[0] > 0
+    for item in numba.prange(work.shape[0]):
+        e, b = work[item, 0], work[item, 1]
+        bits = np.empty(hidden, np.int32)
+        tile = np.empty(_ROW_TILE, np.float32)
+        start, stop = offsets[e], offsets[e + 1]
+        tiled = start + (stop - start) // _ROW_TILE * _ROW_TILE
+        for n in range(b * ROW_BLOCK, min(rows, (b + 1) * ROW_BLOCK)):
+            w = _widen(w_gate_up[e, n], bits)
+            add = bias[e, n] if has_bias else np.float32(0.0)
+            for m in range(start, tiled, _ROW_TILE):
+                _dot4(w, xs[tokens[m]], xs[tokens[m + 1]], xs[tokens[m + 2]], xs[tokens[m + 3]], tile)
+                for i in range(_ROW_TILE):
+                    out[m + i, n] = tile[i] + add
+            for m in range(tiled, stop):
+                out[m, n] = _dot(w, xs[tokens[m]]) + add
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def down_rows(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums):
+    """sums[tokens[m], n] += slot_weights[m] * (acts[m] . W_e[n] (+ bias[e, n])).
+
+    The second GEMM and the combine. Threads split the output columns (blocks of
+    `ROW_BLOCK`), so each sum has one writer, and experts are added in ``experts`` order
+    (deterministic). acts [M, I] float32, experts [E'] int64 (the hit experts), w_down
+    [L, H, I] uint16 or float32, bias [L, H] float32 or [0, 0], sums [T, H] float32.
+    """
+    hidden, inter = w_down.shape[1], w_down.shape[2]
+    has_bias = bias.shape[0] > 0
+    for b in numba.prange((hidden + ROW_BLOCK - 1) // ROW_BLOCK):
+        bits = np.empty(inter, np.int32)
+        tile = np.empty(_ROW_TILE, np.float32)
+        for i in range(experts.shape[0]):
+            e = experts[i]
+            start, stop = offsets[e], offsets[e + 1]
+            tiled = start + (stop - start) // _ROW_TILE * _ROW_TILE
+            for n in range(b * ROW_BLOCK, min(hidden, (b + 1) * ROW_BLOCK)):
+                w = _widen(w_down[e, n], bits)
+                add = bias[e, n] if has_bias else np.float32(0.0)
+                for m in range(start, tiled, _ROW_TILE):
+                    _dot4(w, acts[m], acts[m + 1], acts[m + 2], acts[m + 3], tile)
+                    for j in range(_ROW_TILE):
+                        sums[tokens[m + j], n] += slot_weights[m + j] * (tile[j] + add)
+                for m in range(tiled, stop):
+                    sums[tokens[m], n] += slot_weights[m] * (_dot(w, acts[m]) + add)
