@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from moeroute._args import check_fits_in_memory, non_negative_int, positive_int
 from moeroute.config import PRESETS, get_preset
@@ -348,23 +348,6 @@ def _init_group(args, rank: int, world: int, init_method: str, backend: str):
     return dist.group.WORLD
 
 
-def _spawned_rank(rank: int, args: argparse.Namespace, init_file: str, result_dir: str) -> None:
-    import torch
-
-    torch.set_num_threads(1)  # E processes share this machine's cores
-    try:
-        preset, _ = _check_request(args)
-        group = _init_group(args, rank, args.ep, f"file://{init_file}", "gloo")
-        result = {"ok": True, "report": _rank_report(args, preset, rank, args.ep, group,
-                                                       torch.device("cpu"))}
-    except BaseException:
-        result = {"ok": False, "error": traceback.format_exc()}
-    with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as handle:
-        pickle.dump(result, handle)
-    # Skip the group teardown: a failed peer could block it.
-    os._exit(0)
-
-
 # --------------------------------------------------------------------------- reporting
 
 
@@ -408,40 +391,94 @@ def _format(args, reports: list[dict]) -> tuple[str, int]:
     return "\n".join(lines), status
 
 
-def _run_spawned(args: argparse.Namespace) -> int:
+# --------------------------------------------------------------------------- launching
+
+
+class RunSteps(NamedTuple):
+    """What one kind of rank run does; `launch` and `spawn_reports` do the rest (spawning
+    or joining torchrun's group, collecting the reports, exit statuses). Module-level
+    functions only: spawned ranks receive them pickled."""
+
+    #: args -> the preset; ValueError (LayoutError included) when the request is impossible.
+    check: Callable[[argparse.Namespace], Any]
+    #: (args, preset, rank, world, group, device) -> this rank's report, a picklable dict.
+    rank_report: Callable[..., dict]
+    #: (args, every rank's report) -> (the printed text, the exit status).
+    format: Callable[[argparse.Namespace, list], tuple[str, int]]
+
+
+def _check_preset(args: argparse.Namespace):
+    return _check_request(args)[0]
+
+
+#: ``moeroute run`` itself.
+RUN_STEPS = RunSteps(_check_preset, _rank_report, _format)
+
+
+def _spawned_rank(rank: int, args: argparse.Namespace, init_file: str, result_dir: str,
+                  steps: RunSteps) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # E processes share this machine's cores
+    try:
+        preset = steps.check(args)
+        group = _init_group(args, rank, args.ep, f"file://{init_file}", "gloo")
+        result = {"ok": True, "report": steps.rank_report(args, preset, rank, args.ep, group,
+                                                            torch.device("cpu"))}
+    except BaseException:
+        result = {"ok": False, "error": traceback.format_exc()}
+    with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as handle:
+        pickle.dump(result, handle)
+    # Skip the group teardown: a failed peer could block it.
+    os._exit(0)
+
+
+def spawn_reports(args: argparse.Namespace, steps: RunSteps = RUN_STEPS) -> list[dict]:
+    """Every rank's report from ``args.ep`` gloo ranks spawned on this machine.
+
+    Raises
+    ------
+    RuntimeError
+        A rank died, exited without a report or raised (the message holds the tracebacks).
+    """
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="moeroute-run-") as tmp:
         init_file = os.path.join(tmp, "store")
         result_dir = os.path.join(tmp, "results")
         os.makedirs(result_dir)
-        context = mp.start_processes(_spawned_rank, args=(args, init_file, result_dir),
+        context = mp.start_processes(_spawned_rank, args=(args, init_file, result_dir, steps),
                                      nprocs=args.ep, join=False, start_method="spawn")
         try:
             while not context.join():
                 pass
         except Exception as error:  # a rank died without reporting
-            print(f"moeroute run: a rank failed: {error}", file=sys.stderr)
-            return EXIT_FAILURE
+            raise RuntimeError(f"a rank failed: {error}") from None
         results = []
         for rank in range(args.ep):
             path = os.path.join(result_dir, f"rank{rank}.pkl")
             if not os.path.exists(path):
-                print(f"moeroute run: rank {rank} exited without a result", file=sys.stderr)
-                return EXIT_FAILURE
+                raise RuntimeError(f"rank {rank} exited without a result")
             with open(path, "rb") as handle:
                 results.append(pickle.load(handle))
-    failed = [(rank, r["error"]) for rank, r in enumerate(results) if not r["ok"]]
+    failed = [f"rank {rank} failed:\n{r['error']}" for rank, r in enumerate(results) if not r["ok"]]
     if failed:
-        for rank, error in failed:
-            print(f"moeroute run: rank {rank} failed:\n{error}", file=sys.stderr)
+        raise RuntimeError("\n".join(failed))
+    return [r["report"] for r in results]
+
+
+def _run_spawned(args: argparse.Namespace, steps: RunSteps) -> int:
+    try:
+        reports = spawn_reports(args, steps)
+    except RuntimeError as error:
+        print(f"moeroute run: {error}", file=sys.stderr)
         return EXIT_FAILURE
-    text, status = _format(args, [r["report"] for r in results])
+    text, status = steps.format(args, reports)
     print(text)
     return status
 
 
-def _run_torchrun(args: argparse.Namespace) -> int:
+def _run_torchrun(args: argparse.Namespace, steps: RunSteps) -> int:
     import torch
     import torch.distributed as dist
 
@@ -452,26 +489,27 @@ def _run_torchrun(args: argparse.Namespace) -> int:
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    preset, _ = _check_request(args)
+    preset = steps.check(args)
     group = _init_group(args, rank, world, "env://", backend)
     try:
-        report = _rank_report(args, preset, rank, world, group, device)
+        report = steps.rank_report(args, preset, rank, world, group, device)
         reports = [None] * world
         dist.all_gather_object(reports, report, group=group)
     finally:
         dist.destroy_process_group()
-    text, status = _format(args, reports)
+    text, status = steps.format(args, reports)
     if rank == 0:
         print(text)
     return status
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run ``moeroute run`` with parsed arguments; returns the exit status.
+def launch(args: argparse.Namespace, steps: RunSteps) -> int:
+    """Run ``steps`` on every rank: join torchrun's group (RANK, WORLD_SIZE and MASTER_ADDR
+    set) or spawn ``--ep`` gloo ranks (default 2); returns the exit status.
 
-    0: every rank matches the single-process layer; `EXIT_MISMATCH`: one does not;
-    `EXIT_USAGE`: an impossible request (unknown preset, impossible layout, --ep
-    disagreeing with torchrun's WORLD_SIZE); `EXIT_FAILURE`: a rank failed.
+    `EXIT_USAGE` with one line on stderr, before any rank starts: ``steps.check`` refuses
+    the request, or --ep disagrees with torchrun's WORLD_SIZE; `EXIT_FAILURE`: a rank
+    failed; otherwise ``steps.format``'s status.
     """
     torchrun = _under_torchrun()
     if args.ep is None:
@@ -481,11 +519,21 @@ def run(args: argparse.Namespace) -> int:
               f"WORLD_SIZE={os.environ['WORLD_SIZE']}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        _check_request(args)
+        steps.check(args)
     except ValueError as error:  # LayoutError included
         print(f"moeroute: error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    return _run_torchrun(args) if torchrun else _run_spawned(args)
+    return _run_torchrun(args, steps) if torchrun else _run_spawned(args, steps)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``moeroute run`` with parsed arguments; returns the exit status.
+
+    0: every rank matches the single-process layer; `EXIT_MISMATCH`: one does not;
+    `EXIT_USAGE`: an impossible request (unknown preset, impossible layout, --ep
+    disagreeing with torchrun's WORLD_SIZE); `EXIT_FAILURE`: a rank failed.
+    """
+    return launch(args, RUN_STEPS)
 
 
 def main(argv: list[str] | None = None) -> int:

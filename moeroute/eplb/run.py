@@ -16,13 +16,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import pickle
 import statistics
-import sys
-import tempfile
 import time
-import traceback
 
 from moeroute.bindings import ep_run
 
@@ -151,96 +146,16 @@ def _format(args, reports: list[dict]) -> tuple[str, int]:
     return "\n".join(lines), status
 
 
-def _spawned_rank(rank: int, args, init_file: str, result_dir: str) -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        preset = _check(args)
-        group = ep_run._init_group(args, rank, args.ep, f"file://{init_file}", "gloo")
-        result = {"ok": True, "report": _rank_report(args, preset, rank, args.ep, group,
-                                                       torch.device("cpu"))}
-    except BaseException:
-        result = {"ok": False, "error": traceback.format_exc()}
-    with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as handle:
-        pickle.dump(result, handle)
-    os._exit(0)  # a failed peer could block the group's teardown
+#: ``moeroute run --eplb``: spawned or joined like ``moeroute run`` (`ep_run.launch`).
+EPLB_STEPS = ep_run.RunSteps(_check, _rank_report, _format)
 
 
 def spawn_reports(args) -> list[dict]:
     """Every spawned rank's report (``--ep`` gloo ranks on this machine); RuntimeError with
     the failing ranks' tracebacks otherwise."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="moeroute-eplb-") as tmp:
-        init_file, result_dir = os.path.join(tmp, "store"), os.path.join(tmp, "results")
-        os.makedirs(result_dir)
-        context = mp.start_processes(_spawned_rank, args=(args, init_file, result_dir),
-                                     nprocs=args.ep, join=False, start_method="spawn")
-        try:
-            while not context.join():
-                pass
-        except Exception as error:
-            raise RuntimeError(f"a rank failed: {error}") from None
-        results = []
-        for rank in range(args.ep):
-            path = os.path.join(result_dir, f"rank{rank}.pkl")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {rank} exited without a result")
-            with open(path, "rb") as handle:
-                results.append(pickle.load(handle))
-    failed = [f"rank {rank} failed:\n{r['error']}" for rank, r in enumerate(results) if not r["ok"]]
-    if failed:
-        raise RuntimeError("\n".join(failed))
-    return [r["report"] for r in results]
-
-
-def _run_spawned(args) -> int:
-    try:
-        reports = spawn_reports(args)
-    except RuntimeError as error:
-        print(f"moeroute run: {error}", file=sys.stderr)
-        return ep_run.EXIT_FAILURE
-    text, status = _format(args, reports)
-    print(text)
-    return status
-
-
-def _run_torchrun(args) -> int:
-    import torch
-    import torch.distributed as dist
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    preset = _check(args)
-    group = ep_run._init_group(args, rank, world, "env://", backend)
-    try:
-        report = _rank_report(args, preset, rank, world, group, device)
-        reports = [None] * world
-        dist.all_gather_object(reports, report, group=group)
-    finally:
-        dist.destroy_process_group()
-    text, status = _format(args, reports)
-    if rank == 0:
-        print(text)
-    return status
+    return ep_run.spawn_reports(args, EPLB_STEPS)
 
 
 def run(args: argparse.Namespace) -> int:
     """``moeroute run`` (without ``--eplb``) or the live rebalancing run; the exit status."""
-    if not args.eplb:
-        return ep_run.run(args)
-    torchrun = ep_run._under_torchrun()
-    if args.ep is None:
-        args.ep = int(os.environ["WORLD_SIZE"]) if torchrun else 2
-    try:
-        _check(args)
-    except ValueError as error:  # LayoutError included
-        print(f"moeroute: error: {error}", file=sys.stderr)
-        return ep_run.EXIT_USAGE
-    return _run_torchrun(args) if torchrun else _run_spawned(args)
+    return ep_run.launch(args, EPLB_STEPS if args.eplb else ep_run.RUN_STEPS)

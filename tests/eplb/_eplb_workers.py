@@ -163,7 +163,7 @@ def live_worker(rank, world_size, payload):
     With ``payload["more"]`` also the async and disagreement cases (one spawn for all)."""
     from moeroute.eplb import apply, gather_load, rebalance
 
-    records = []
+    records = [dict(r, name="held-" + r["name"]) for r in held_async_worker(rank, world_size, None)]
     if payload and payload.get("more"):
         records += [dict(r, name="async-" + r["name"]) for r in async_worker(rank, world_size, None)]
         records.append(dict(disagree_worker(rank, world_size, None), name="disagree"))
@@ -257,6 +257,111 @@ def async_worker(rank, world_size, payload):
                             swapped_at=swapped_at, errors=errors, done=handle.done,
                             tables=[layer.layout.physical_to_logical.tolist() for layer in layers],
                             expected_tables=placement.physical_to_logical.tolist()))
+    return records
+
+
+class HeldTransfer:
+    """Stands in for ``moeroute.eplb.live._all_to_all`` (the seam dead_peer_worker uses too):
+    the transfer `apply` posts reports itself in flight (``is_completed()`` False) until
+    `release`, whatever the network did, so forwards run during it without any timing.
+
+    ``post_at_apply=True``: the real all_to_all is posted at once, as `apply` does, and its
+    bytes may land while it is held. False: it is posted only at `release`, and until then the
+    receive buffer holds 0xFF bytes (NaN in every float format): a forward that read received
+    rows before the swap would return NaN.
+    """
+
+    def __init__(self, real, post_at_apply: bool) -> None:
+        self.real, self.post_at_apply = real, post_at_apply
+        self.args, self.work = None, None
+        self.released = False
+        self.waited_while_held = False
+
+    def __call__(self, recv_buffer, send_buffer, receive_sizes, send_sizes, group):
+        self.args = (recv_buffer, send_buffer, receive_sizes, send_sizes, group)
+        if self.post_at_apply:
+            self.work = self.real(*self.args)
+        else:
+            recv_buffer.fill_(0xFF)
+        return self
+
+    def is_completed(self) -> bool:
+        return self.released
+
+    def wait(self, *args) -> bool:
+        if not self.released:
+            self.waited_while_held = True
+            self.release()
+        return True
+
+    def release(self) -> None:
+        """Finish the transfer (a collective: every rank calls it at the same point)."""
+        if self.work is None:
+            self.work = self.real(*self.args)
+        self.work.wait()
+        self.released = True
+
+
+#: (dispatch, shared mode, post_at_apply) of the held asynchronous applies.
+HELD_CASES = [("all2all", "overlap", True), ("all2all", "fused", False),
+              ("allgather", "runner", False), ("allgather", "fused", True)]
+#: Forwards run while the transfer is held open.
+HELD_FORWARDS = 3
+
+
+def held_async_worker(rank, world_size, payload):
+    """apply(async_op=True) whose transfer is held open (`HeldTransfer`) across
+    ``HELD_FORWARDS`` forwards, then released: per forward, the error against the output of
+    the old placement and the placement in use; after the release, one forward, the table
+    and whether every slot holds its logical expert's weights."""
+    from moeroute.eplb import apply, gather_load, live, rebalance
+
+    records = []
+    real = live._all_to_all
+    try:
+        for dispatch, shared, post_at_apply in HELD_CASES:
+            layers, weights = build_layers(world_size, dispatch, shared)
+            x, logits = skewed_inputs(rank, 0)
+            reference = _forward_all(layers, x, logits)  # the old placement
+            old_tables = [layer.layout.physical_to_logical.tolist() for layer in layers]
+            old_rows = [layer.experts.w_gate_up.clone() for layer in layers]
+            placement = rebalance(gather_load(layers), layers[0].layout.num_routed_physical,
+                                  world_size)
+            held = live._all_to_all = HeldTransfer(real, post_at_apply)
+            handle = apply(layers, placement, async_op=True)
+            during = []
+            for _ in range(HELD_FORWARDS):
+                out = _forward_all(layers, x, logits)
+                during.append(dict(
+                    error=_max_error(out, reference), done=handle.done,
+                    pending=all(layer.pending_placement is not None for layer in layers),
+                    tables=[layer.layout.physical_to_logical.tolist() for layer in layers],
+                    rows_kept=all(torch.equal(layer.experts.w_gate_up, rows)
+                                  for layer, rows in zip(layers, old_rows))))
+            held.release()
+            out = _forward_all(layers, x, logits)
+            slots = layers[0].layout.num_routed_physical // world_size
+            wrong_weights = 0
+            for index, layer in enumerate(layers):
+                block = placement.layer(index)[rank * slots:(rank + 1) * slots]
+                for local, logical in enumerate(block.tolist()):
+                    wrong_weights += not torch.equal(layer.experts.w_gate_up[local],
+                                                     weights[index][0][logical])
+                    wrong_weights += not torch.equal(layer.experts.w_down[local],
+                                                     weights[index][1][logical])
+            records.append(dict(
+                name=f"{dispatch}-{shared}-{'posted' if post_at_apply else 'deferred'}",
+                during=during, old_tables=old_tables,
+                moved=int(placement.moved(np.array(old_tables)).sum()),
+                waited_while_held=held.waited_while_held,
+                after_error=_max_error(out, reference), after_done=handle.done,
+                after_pending=any(layer.pending_placement is not None for layer in layers),
+                after_tables=[layer.layout.physical_to_logical.tolist() for layer in layers],
+                expected_tables=placement.physical_to_logical.tolist(),
+                wrong_weights=wrong_weights, error=repr(handle.error)))
+            handle.wait()  # a no-op once swapped
+    finally:
+        live._all_to_all = real
     return records
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from _eplb_workers import TOLERANCE, spawn_group
+from _eplb_workers import HELD_CASES, HELD_FORWARDS, TOLERANCE, spawn_group
 
 MODES = [f"{d}-{s}" for d in ("all2all", "allgather") for s in ("runner", "overlap", "fused")]
 
@@ -80,6 +80,28 @@ def test_async_apply_swaps_every_rank_at_the_same_forward(live):
         for record in records:
             assert record["done"] and record["tables"] == record["expected_tables"]
             assert max(record["errors"]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("case", ["-".join([d, s, "posted" if p else "deferred"])
+                                  for d, s, p in HELD_CASES])
+def test_async_apply_keeps_the_old_placement_while_the_transfer_is_in_flight(live, world_size, case):
+    """The transfer is held open (_eplb_workers.HeldTransfer) for several forwards: they
+    compute with the old placement and weights; the forward after its release swaps."""
+    for rank in range(world_size):
+        record = _record(live(world_size), rank, "held-" + case)
+        assert record["moved"] > 0  # the placement changes
+        assert len(record["during"]) == HELD_FORWARDS
+        for forward in record["during"]:
+            assert forward["error"] <= TOLERANCE  # NaN (read the receive buffer early) fails too
+            assert forward["pending"] and not forward["done"]
+            assert forward["tables"] == record["old_tables"]
+            assert forward["rows_kept"]  # nothing written into the live expert tensors yet
+        assert not record["waited_while_held"]  # no forward blocked on the transfer
+        assert record["after_done"] and not record["after_pending"], record["error"]
+        assert record["after_tables"] == record["expected_tables"] != record["old_tables"]
+        assert record["wrong_weights"] == 0
+        assert record["after_error"] <= TOLERANCE
 
 
 def test_ranks_that_disagree_raise_everywhere_and_keep_the_old_placement(live):

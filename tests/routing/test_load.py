@@ -133,6 +133,29 @@ def test_sim_counts_match_cpu(dtype):
 
 
 @sim_only
+def test_sim_load_window_ring_row_matches_bincount():
+    """The device call of the MoE load window (LoadRecorder.record): row ``forward % W`` of
+    the int64 ring [W, P] is zeroed, then ``expert_load(physical_ids, P, out=row)`` adds
+    into that row, a view at an offset inside the ring; the other rows stay as they were."""
+    from numba import cuda
+
+    window, num_physical = 3, 11
+    rng = np.random.default_rng(17)
+    ring = cuda.to_device(np.full((window, num_physical), 7, np.int64))  # stale counts
+    expected = np.full((window, num_physical), 7, np.int64)
+    for forward in range(5):
+        # append_shared_slots output: int32 [T, K + S]; -1 and ids >= P are never counted.
+        ids = rng.integers(-1, num_physical + 2, (6, 3)).astype(np.int32)
+        row = ring[forward % window]
+        row.copy_to_device(np.zeros(num_physical, np.int64))  # the recorder's row.zero_()
+        assert expert_load(cuda.to_device(ids), num_physical, out=row) is row
+        flat = ids.reshape(-1)
+        expected[forward % window] = np.bincount(flat[(flat >= 0) & (flat < num_physical)],
+                                                 minlength=num_physical)
+        np.testing.assert_array_equal(ring.copy_to_host(), expected)
+
+
+@sim_only
 def test_sim_prefer_rank_matches_cpu():
     from numba import cuda
 
@@ -149,13 +172,14 @@ def test_sim_prefer_rank_matches_cpu():
 
 
 @no_sim
+@pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm_80", "sm_90"])
 @pytest.mark.parametrize("ids_type", ["int32", "int64"])
-def test_count_kernel_compiles_to_ptx(ids_type):
+def test_count_kernel_compiles_to_ptx(ids_type, cc):
     cuda = pytest.importorskip("numba.cuda")
     from numba import types
 
     from moeroute.routing.load import _cuda as load
 
     signature = (getattr(types, ids_type)[::1], types.int64[::1])
-    ptx, _ = cuda.compile_ptx(load._count_kernel, signature, cc=(8, 0))
-    assert ".target sm_80" in ptx and "atom.global.add.u64" in ptx
+    ptx, _ = cuda.compile_ptx(load._count_kernel, signature, cc=cc)
+    assert f".target sm_{cc[0]}{cc[1]}" in ptx and "atom.global.add.u64" in ptx
