@@ -5,15 +5,13 @@ scores by ``topk``/``max`` over a [T, G, N/G] view, a group mask, ``masked_fill`
 ``topk`` (vLLM's ``grouped_topk``; ``fused_topk``'s softmax + topk without groups or bias).
 Both run on the same float32 logits in one process that runs torch (torch on
 ``--torch-threads`` threads), interleaved call by call, as routing runs inside a model; the
-figure is the median of the per-pair time ratios. ``--teams`` picks how moeroute's parallel
-kernel runs: on Numba's own threads (``numba``, the default) and/or in torch's OpenMP team
-(``auto``; see moeroute/routing/_parallel.py). The achieved logits bandwidth (logits bytes
-read per second) is set against the host copy bandwidth measured in the same run.
+figure is the median of the per-pair time ratios. moeroute's parallel kernel runs on Numba's
+threads, as many as torch uses (moeroute/routing/_parallel.py). The achieved logits bandwidth
+(logits bytes read per second) is set against the host copy bandwidth measured in the same run.
 align_block_size against a torch argsort implementation comes from bench/align.py.
 
     python bench/routing.py                    # T = 8192, DeepSeek-V3 and Qwen3.5
     python bench/routing.py --tokens 2048 --all-presets
-    python bench/routing.py --teams auto numba     # both ways of running the parallel kernel
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ sys.path.insert(0, str(BENCH))
 from _common import host_copy_bandwidth, interleaved, print_table, write_results  # noqa: E402
 
 from moeroute.config import PRESETS  # noqa: E402
-from moeroute.routing import _parallel  # noqa: E402
 from moeroute.routing.select import select_experts  # noqa: E402
 
 DEFAULT_PRESETS = ["deepseek-v3", "qwen3.5-moe"]
@@ -77,8 +74,7 @@ def agreement(ours, theirs) -> float:
     return float((ours_ids == their_ids).all(axis=1).mean())
 
 
-def run_select(preset_name: str, num_tokens: int, repeats: int, copy_gbps: float, seed=0,
-               teams=("auto",)):
+def run_select(preset_name: str, num_tokens: int, repeats: int, copy_gbps: float, seed=0):
     preset = PRESETS[preset_name]
     config = preset.router
     rng = np.random.default_rng(seed)
@@ -89,34 +85,25 @@ def run_select(preset_name: str, num_tokens: int, repeats: int, copy_gbps: float
     logits_t = torch.from_numpy(logits)
     bias_t = None if bias is None else torch.from_numpy(bias)
     same = agreement(select_experts(logits, config, bias), torch_select(logits_t, config, bias_t))
-    rows = []
-    for team in teams:
-        previous = _parallel.set_team_mode(team)
-        try:
-            used = "torch" if _parallel.torch_team() else "numba"
-            timing = interleaved(lambda: torch_select(logits_t, config, bias_t),
-                                 lambda: select_experts(logits, config, bias), repeats)
-        finally:
-            _parallel.set_team_mode(previous)
-        gbps = logits.nbytes / (timing["candidate_us"] * 1e-6) / 1e9
-        rows.append({
-            "op": "select_experts",
-            "preset": preset_name,
-            "team": used,
-            "num_tokens": num_tokens,
-            "num_experts": config.num_experts,
-            "top_k": config.top_k,
-            "moeroute_us": timing["candidate_us"],
-            "torch_us": timing["baseline_us"],
-            "speedup": timing["speedup"],
-            "speedup_range": timing["speedup_range"],
-            "repeats": repeats,
-            "logits_gbps": gbps,
-            "fraction_of_copy_bandwidth": gbps / copy_gbps,
-            "same_expert_sets": same,
-            "baseline": "torch sigmoid/softmax + group topk/max + masked_fill + topk",
-        })
-    return rows
+    timing = interleaved(lambda: torch_select(logits_t, config, bias_t),
+                         lambda: select_experts(logits, config, bias), repeats)
+    gbps = logits.nbytes / (timing["candidate_us"] * 1e-6) / 1e9
+    return [{
+        "op": "select_experts",
+        "preset": preset_name,
+        "num_tokens": num_tokens,
+        "num_experts": config.num_experts,
+        "top_k": config.top_k,
+        "moeroute_us": timing["candidate_us"],
+        "torch_us": timing["baseline_us"],
+        "speedup": timing["speedup"],
+        "speedup_range": timing["speedup_range"],
+        "repeats": repeats,
+        "logits_gbps": gbps,
+        "fraction_of_copy_bandwidth": gbps / copy_gbps,
+        "same_expert_sets": same,
+        "baseline": "torch sigmoid/softmax + group topk/max + masked_fill + topk",
+    }]
 
 
 def run_align_rows(num_tokens: int, repeats: int):
@@ -138,9 +125,6 @@ def main(argv=None) -> None:
     parser.add_argument("--no-align", action="store_true", help="skip align_block_size")
     parser.add_argument("--torch-threads", type=int, default=TORCH_THREADS,
                         help="torch.set_num_threads for the whole run")
-    parser.add_argument("--teams", nargs="+", default=[_parallel.DEFAULT_TEAM_MODE],
-                        choices=_parallel.TEAM_MODES,
-                        help="how moeroute's parallel kernel runs (auto: torch's OpenMP team)")
     args = parser.parse_args(argv)
     presets = list(PRESETS) if args.all_presets else args.presets
     torch.set_num_threads(args.torch_threads)
@@ -149,11 +133,11 @@ def main(argv=None) -> None:
     print(f"host copy bandwidth: {copy_gbps:.1f} GB/s (read + write), "
           f"torch threads {torch.get_num_threads()}")
     rows = [row for name in presets
-            for row in run_select(name, args.tokens, args.repeats, copy_gbps, teams=args.teams)]
+            for row in run_select(name, args.tokens, args.repeats, copy_gbps)]
     print_table(
-        ["preset", "team", "T", "moeroute us", "torch us", "speedup", "range", "GB/s", "of copy",
+        ["preset", "T", "moeroute us", "torch us", "speedup", "range", "GB/s", "of copy",
          "same"],
-        [[r["preset"], r["team"], r["num_tokens"], r["moeroute_us"], r["torch_us"], r["speedup"],
+        [[r["preset"], r["num_tokens"], r["moeroute_us"], r["torch_us"], r["speedup"],
           "{:.1f}-{:.1f}".format(*r["speedup_range"]), r["logits_gbps"],
           f"{100 * r['fraction_of_copy_bandwidth']:.0f}%", f"{100 * r['same_expert_sets']:.2f}%"]
          for r in rows])

@@ -3,10 +3,8 @@
 Each option runs in its own process (a threading layer is chosen once per process), with
 torch imported and ``torch.set_num_threads(--torch-threads)``:
 
-* ``torch-team``: moeroute's parallel kernels run in torch's own OpenMP team
-  (``MOEROUTE_CPU_TEAM=auto``, see moeroute/routing/_parallel.py);
 * ``numba-omp`` (the default), ``numba-workqueue``, ``numba-tbb``: Numba's ``prange`` kernel on that
-  threading layer (``MOEROUTE_CPU_TEAM=numba``; tbb only where the tbb package is installed);
+  threading layer (tbb only where the tbb package is installed);
 * ``python-pool``: a pool of Python threads, each running the serial kernel with the GIL
   released on its share of the rows;
 * ``control``: no moeroute call at all, torch's own routing in its place: the drift of the
@@ -19,7 +17,7 @@ DeepSeek-V3 interleaved call by call with the torch-native formulation (bench/ro
 should stay near 1 (moeroute leaves no threads competing with torch's).
 
     python bench/threads.py                      # every option available here
-    python bench/threads.py --options torch-team numba-omp
+    python bench/threads.py --options numba-omp numba-workqueue
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ sys.path.insert(0, str(BENCH))
 
 from _common import median_time, print_table, write_results  # noqa: E402
 
-OPTIONS = ("torch-team", "numba-omp", "numba-workqueue", "numba-tbb", "python-pool", "control")
+OPTIONS = ("numba-omp", "numba-workqueue", "numba-tbb", "python-pool", "control")
 PRESETS = ("qwen3.5-moe", "deepseek-v3")
 TOKENS = 8192
 #: The unpatched model timed before and after moeroute runs: "small", a causal LM whose
@@ -57,7 +55,6 @@ MODELS = {
 
 def _option_env(option: str) -> dict:
     env = dict(os.environ)
-    env["MOEROUTE_CPU_TEAM"] = "auto" if option in ("torch-team", "python-pool") else "numba"
     if option.startswith("numba-"):
         env["NUMBA_THREADING_LAYER"] = option.split("-", 1)[1]
     return env
@@ -124,7 +121,6 @@ def child(option: str, torch_threads: int, forwards: int, repeats: int, model_na
     result["forward_before_ms"] = median_time(forward, forwards, warmup=forwards) * 1e3
 
     from moeroute.config import PRESETS as ALL_PRESETS
-    from moeroute.routing import _parallel
     from moeroute.routing.select import select_experts
 
     select = _python_pool_select(torch_threads) if option == "python-pool" else select_experts
@@ -158,7 +154,6 @@ def child(option: str, torch_threads: int, forwards: int, repeats: int, model_na
     result["after_over_before"] = result["forward_after_ms"] / result["forward_before_ms"]
     import numba
 
-    result["team"] = "torch" if option != "python-pool" and _parallel.torch_team() else option
     if option.startswith("numba-"):
         result["threading_layer"] = numba.threading_layer()
     result["load_after"] = os.getloadavg()[0]

@@ -2,8 +2,8 @@
 
 Commands
 --------
-plan      show the expert layout and shared-expert plan of a model on E ranks
-route     route random logits with a preset and show the expert and rank load
+plan      show the expert layout and shared-expert plan of a model on E ranks (--json: one object)
+route     route random logits with a preset and show the expert and rank load (--json: one object)
 warmup    compile the CPU kernels into Numba's on-disk cache (NUMBA_CACHE_DIR)
 eplb      plan an expert placement from a measured or synthetic load
 --list-presets
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -138,6 +139,33 @@ def _describe_model(preset: ModelPreset) -> list[str]:
     ]
 
 
+def _model_json(preset: ModelPreset) -> dict[str, Any]:
+    """The model fields both ``--json`` outputs share (the text's "model:" and "router:" lines)."""
+    router = preset.router
+    return {
+        "name": preset.name, "model_type": preset.model_type, "hidden_size": preset.hidden_size,
+        "moe_intermediate_size": preset.moe_intermediate_size, "num_experts": router.num_experts,
+        "top_k": router.top_k, "scoring": router.scoring,
+        "correction_bias": bool(preset.has_correction_bias),
+        "num_expert_group": router.num_expert_group, "topk_group": router.topk_group,
+        "renormalize": bool(router.renormalize),
+        "routed_scaling_factor": float(router.routed_scaling_factor),
+        "num_shared_experts": preset.num_shared_experts,
+        "shared_intermediate_size": preset.shared_intermediate_size,
+        "shared_gated": bool(preset.shared_gated),
+        "shared_unfusable_reason": preset.shared_unfusable_reason,
+    }
+
+
+def _print_json(value: dict[str, Any]) -> None:
+    print(json.dumps(value))
+
+
+def _add_json_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object on stdout instead of the text (keys: README, Command line)")
+
+
 def _error(message: str) -> int:
     print(f"moeroute: error: {message}", file=sys.stderr)
     return EXIT_USAGE
@@ -168,21 +196,66 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant", choices=("fp8_block", "fp8_tensor"), default=None,
                         help="report expert bytes per rank in this format (fp8_block: 128x128 blocks) "
                              "beside bfloat16")
+    _add_json_argument(parser)
+
+
+def _expert_bytes(preset, layout, quant_format) -> list[tuple[int, int, int]]:
+    """(local experts, bytes in ``quant_format``, bytes in bfloat16) of each rank's expert weights."""
+    from moeroute.quant.config import QuantConfig
+
+    hidden, inter = preset.hidden_size, preset.moe_intermediate_size
+    per_expert = QuantConfig(quant_format).expert_bytes(hidden, inter)
+    bfloat16_per_expert = 3 * hidden * inter * 2  # gate, up and down projections, 2 bytes each
+    return [(local, local * per_expert, local * bfloat16_per_expert)
+            for local in (layout.num_local_experts(rank) for rank in range(layout.ep_size))]
 
 
 def _expert_bytes_lines(preset, layout, quant_format) -> list[str]:
     """Expert weight bytes each rank holds, in bfloat16 and (with --quant) the FP8 format."""
-    from moeroute.quant.config import QuantConfig
-
-    quant = QuantConfig(quant_format)
-    hidden, inter = preset.hidden_size, preset.moe_intermediate_size
-    per_expert = quant.expert_bytes(hidden, inter)
     lines = [f"routed expert bytes per rank and layer ({quant_format}; bfloat16 for comparison):"]
-    for rank in range(layout.ep_size):
-        local = layout.num_local_experts(rank)
-        lines.append(f"  rank {rank}: {local} experts, {local * per_expert / 2**30:.2f} GiB {quant_format} "
-                     f"({local * 3 * hidden * inter * 2 / 2**30:.2f} GiB bfloat16)")
+    for rank, (local, quant_bytes, bfloat16_bytes) in enumerate(_expert_bytes(preset, layout, quant_format)):
+        lines.append(f"  rank {rank}: {local} experts, {quant_bytes / 2**30:.2f} GiB {quant_format} "
+                     f"({bfloat16_bytes / 2**30:.2f} GiB bfloat16)")
     return lines
+
+
+def _plan_json(preset, layout, args, shared_slot_weight) -> dict[str, Any]:
+    """``plan --json``: the model, the layout, each rank's experts and (with --quant) its bytes."""
+    import numpy as np
+
+    ranks = []
+    for rank in range(layout.ep_size):
+        expert_map = layout.expert_map(rank)
+        held = np.flatnonzero(expert_map >= 0)
+        ranks.append({
+            "rank": rank,
+            "num_local_experts": layout.num_local_experts(rank),
+            "local_to_physical": held[np.argsort(expert_map[held], kind="stable")].tolist(),
+            "logical_experts": layout.logical_experts(rank).tolist(),
+            "shared_slot_ids": layout.shared_slot_ids(rank).tolist(),
+        })
+    expert_bytes = None
+    if args.quant is not None:
+        expert_bytes = {"format": args.quant, "ranks": [
+            {"rank": rank, "num_local_experts": local, "bytes": quant_bytes, "bfloat16_bytes": bfloat16_bytes}
+            for rank, (local, quant_bytes, bfloat16_bytes)
+            in enumerate(_expert_bytes(preset, layout, args.quant))]}
+    return {
+        "model": _model_json(preset),
+        "layout": {
+            "num_routed_experts": layout.num_routed_experts,
+            "num_shared_experts": layout.num_shared_experts,
+            "num_redundant_experts": layout.num_redundant_experts,
+            "ep_size": layout.ep_size, "dispatch": layout.dispatch, "placement": layout.placement,
+            "num_physical_experts": layout.num_physical_experts,
+            "shared": layout.shared, "shared_reason": layout.shared_reason,
+            "shared_slots": layout.shared_slots, "scaling_regime": layout.scaling_regime,
+            "equal_block_problems": list(layout.check_backend("equal_blocks")),
+        },
+        "ranks": ranks,
+        "shared_slot_weight": shared_slot_weight,
+        "expert_bytes": expert_bytes,
+    }
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -205,12 +278,18 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     except ValueError as error:  # LayoutError included: an impossible layout
         return _error(str(error))
+    shared_slot_weight = None
+    if layout.shared == "fused":
+        weight = "gate" if preset.shared_gated else "1"
+        scale = "" if args.regime == "router" else f" / {preset.router.routed_scaling_factor:g}"
+        shared_slot_weight = f"{weight}{scale}"
+    if args.json:
+        _print_json(_plan_json(preset, layout, args, shared_slot_weight))
+        return 0
     print("\n".join(_describe_model(preset)))
     print(layout.describe())
-    weight = "gate" if preset.shared_gated else "1"
-    if layout.shared == "fused":
-        scale = "" if args.regime == "router" else f" / {preset.router.routed_scaling_factor:g}"
-        print(f"shared slot weight: {weight}{scale}")
+    if shared_slot_weight is not None:
+        print(f"shared slot weight: {shared_slot_weight}")
     if args.quant is not None:
         print("\n".join(_expert_bytes_lines(preset, layout, args.quant)))
     return 0
@@ -235,6 +314,7 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override the preset's scoring function")
     parser.add_argument("--placement", choices=PLACEMENTS, default="linear",
                         help="expert placement for the per-rank load (default linear)")
+    _add_json_argument(parser)
 
 
 def _load_select_experts():
@@ -305,6 +385,25 @@ def run_route(args: argparse.Namespace) -> int:
     total = int(counts.sum())
     mean = total / router.num_experts
     peak = int(counts.max(initial=0))
+    rank_counts = [int(counts[layout.logical_experts(rank)].sum()) for rank in range(layout.ep_size)]
+    rank_mean = total / layout.ep_size
+    rank_peak = max(rank_counts)
+    if args.json:
+        _print_json({
+            "model": _model_json(preset),
+            "tokens": args.tokens, "seed": args.seed, "ep_size": layout.ep_size,
+            "placement": args.placement,
+            "select_experts": f"{getattr(select_experts, '__module__', '?')}.select_experts",
+            "first_call_ms": first * 1e3, "median_call_ms": float(np.median(times)) * 1e3,
+            "repeat": args.repeat,
+            "assignments": total,
+            "expert_load": counts.tolist(),
+            "expert_load_max_over_mean": peak / mean if mean else None,
+            "rank_load": rank_counts,
+            "rank_logical_experts": [layout.logical_experts(rank).tolist() for rank in range(layout.ep_size)],
+            "rank_load_max_over_mean": rank_peak / rank_mean if rank_mean else None,
+        })
+        return 0
     print("\n".join(_describe_model(preset)))
     print(f"routing: {args.tokens} tokens, seed {args.seed}, "
           f"{getattr(select_experts, '__module__', '?')}.select_experts")
@@ -315,16 +414,13 @@ def run_route(args: argparse.Namespace) -> int:
           f"mean {mean:.1f}, max {peak} ({imbalance})")
     print("\n".join(_histogram([f"expert {e}" for e in range(router.num_experts)], counts.tolist())))
 
-    rank_labels, rank_counts = [], []
+    rank_labels = []
     for rank in range(layout.ep_size):
         if args.placement == "linear":
             first_expert, count = layout.routed_range(rank)
             rank_labels.append(f"rank {rank} experts [{first_expert}, {first_expert + count})")
         else:
             rank_labels.append(f"rank {rank} experts {rank}, {rank + layout.ep_size}, ...")
-        rank_counts.append(int(counts[layout.logical_experts(rank)].sum()))
-    rank_mean = total / layout.ep_size
-    rank_peak = max(rank_counts)
     rank_imbalance = f"{rank_peak / rank_mean:.2f}x mean" if rank_mean else "n/a"
     print(f"per-rank load (ep {layout.ep_size}, {args.placement} placement): mean {rank_mean:.1f}, "
           f"max {rank_peak} ({rank_imbalance})")

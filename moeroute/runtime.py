@@ -88,7 +88,6 @@ def _routing_steps(presets, dtypes) -> list[tuple[str, Callable[[], None]]]:
     """One step per preset: every routing and dispatch kernel on its shapes, each dtype,
     below and above each serial/parallel threshold."""
     from moeroute.layout import ExpertLayout
-    from moeroute.routing import _parallel
     from moeroute.routing import (align_block_size, append_shared_slots, combine, expert_load,
                                   logical_to_physical, permute, remap_to_local, select_experts,
                                   sort_by_expert)
@@ -98,8 +97,6 @@ def _routing_steps(presets, dtypes) -> list[tuple[str, Callable[[], None]]]:
     from moeroute.routing.select import PARALLEL_MIN_ELEMENTS
 
     rng = np.random.default_rng(0)
-    # Numba's prange kernel always; torch's OpenMP team where torch (loaded first) has one.
-    teams = ["numba"] + (["torch"] if _parallel.torch_team_available() else [])
     host_logit_dtypes = [d for d in dtypes if d in ("float32", "float16")]  # NumPy has no bf16
 
     def routing(preset):
@@ -112,12 +109,7 @@ def _routing_steps(presets, dtypes) -> list[tuple[str, Callable[[], None]]]:
             logits = rng.standard_normal((SMALL_TOKENS, num_experts)).astype(dtype)
             weights, ids = select_experts(logits, router, bias)
             logits = rng.standard_normal((parallel_tokens, num_experts)).astype(dtype)
-            for team in teams:  # the parallel kernel of each way of running it
-                previous = _parallel.set_team_mode(team)
-                try:
-                    select_experts(logits, router, bias)
-                finally:
-                    _parallel.set_team_mode(previous)
+            select_experts(logits, router, bias)  # the parallel kernel
         if ids is None:  # only bfloat16 asked for: ids for the dispatch kernels all the same
             logits = rng.standard_normal((SMALL_TOKENS, num_experts)).astype(np.float32)
             weights, ids = select_experts(logits, router, bias)
@@ -251,7 +243,7 @@ def warmup(presets: Sequence[str] | None = None, *, dtypes: Sequence[str] = WARM
     chosen = _check_presets(presets)
     dtypes = _check_dtypes(dtypes)
     if torch_module is None or torch_module:
-        # Imported first: routing then also compiles the kernels that run in torch's team.
+        # Imported first, as in a model's process (the parallel kernels take torch's thread count).
         try:
             import torch  # noqa: F401
         except ImportError:

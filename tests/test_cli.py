@@ -52,8 +52,9 @@ def test_top_level_help_lists_commands(capsys):
 
 @pytest.mark.parametrize("command, options", [
     ("plan", ["--preset", "--config", "--ep", "--dispatch", "--shared", "--slots", "--redundant", "--regime",
-              "--placement"]),
-    ("route", ["--preset", "--config", "--tokens", "--seed", "--ep", "--repeat", "--scoring", "--placement"]),
+              "--placement", "--quant", "--json"]),
+    ("route", ["--preset", "--config", "--tokens", "--seed", "--ep", "--repeat", "--scoring", "--placement",
+               "--json"]),
 ])
 def test_command_help_is_complete(capsys, command, options):
     status, out, _ = run(capsys, command, "--help")
@@ -433,3 +434,142 @@ def test_sizes_beyond_memory_are_refused_before_allocating(capsys, monkeypatch):
     status, out, err = run(capsys, "route", "--preset", "mixtral-8x7b", "--tokens", "209")
     assert status == 2 and out == "" and allocations == []
     assert "needs about 1e+04 bytes, more than this machine's 1e+04 bytes" in err
+
+
+# ----------------------------------------------------------------------------
+# --json: one object on stdout, the same values as the text and the API
+
+
+def run_json(capsys, *argv):
+    status, out, err = run(capsys, *argv, "--json")
+    assert status == 0 and err == ""
+    assert len(out.strip().splitlines()) == 1  # one object, one line
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--preset", "deepseek-v3", "--ep", "4", "--quant", "fp8_block"],
+    ["--preset", "glm-4.5", "--ep", "4", "--dispatch", "allgather", "--slots", "global", "--regime", "output"],
+    ["--preset", "gpt-oss-20b", "--ep", "4", "--placement", "round_robin"],
+    ["--preset", "deepseek-v3", "--ep", "8", "--shared", "runner", "--redundant", "8"],
+    ["--preset", "mixtral-8x7b"],
+])
+def test_plan_json_matches_the_layout_and_the_text(capsys, argv):
+    plan = run_json(capsys, "plan", *argv)
+    options = dict(zip(argv[::2], argv[1::2]))
+    preset = PRESETS[options["--preset"]]
+    ep = int(options.get("--ep", 1))
+    layout = ExpertLayout(preset.router.num_experts, preset.num_shared_experts, ep,
+                          options.get("--dispatch", "none" if ep == 1 else "all2all"),
+                          options.get("--shared", "auto"), options.get("--slots"),
+                          int(options.get("--redundant", 0)), scaling_regime=options.get("--regime", "router"),
+                          placement=options.get("--placement", "linear"))
+    router = preset.router
+    assert plan["model"]["name"] == preset.name
+    assert (plan["model"]["num_experts"], plan["model"]["top_k"], plan["model"]["scoring"]) == (
+        router.num_experts, router.top_k, router.scoring)
+    assert plan["model"]["routed_scaling_factor"] == router.routed_scaling_factor
+    assert plan["model"]["correction_bias"] == preset.has_correction_bias
+    assert plan["layout"] == {
+        "num_routed_experts": router.num_experts, "num_shared_experts": preset.num_shared_experts,
+        "num_redundant_experts": int(options.get("--redundant", 0)), "ep_size": ep,
+        "dispatch": layout.dispatch, "placement": layout.placement,
+        "num_physical_experts": layout.num_physical_experts, "shared": layout.shared,
+        "shared_reason": layout.shared_reason, "shared_slots": layout.shared_slots,
+        "scaling_regime": layout.scaling_regime,
+        "equal_block_problems": list(layout.check_backend("equal_blocks")),
+    }
+    assert [r["rank"] for r in plan["ranks"]] == list(range(ep))
+    for rank, row in enumerate(plan["ranks"]):
+        expert_map = layout.expert_map(rank)
+        local_to_physical = np.full(layout.num_local_experts(rank), -1)
+        for physical, local in enumerate(expert_map):  # invert the map by hand
+            if local >= 0:
+                local_to_physical[local] = physical
+        assert row["local_to_physical"] == local_to_physical.tolist()
+        assert row["num_local_experts"] == layout.num_local_experts(rank) == len(row["local_to_physical"])
+        assert row["logical_experts"] == layout.logical_experts(rank).tolist()
+        assert row["shared_slot_ids"] == layout.shared_slot_ids(rank).tolist()
+    # The text path prints the same facts.
+    status, text, _ = run(capsys, "plan", *argv)
+    assert status == 0
+    assert f"physical experts: {plan['layout']['num_physical_experts']} " in text
+    assert layout.describe() in text
+    if plan["shared_slot_weight"] is None:
+        assert "shared slot weight" not in text
+    else:
+        assert f"shared slot weight: {plan['shared_slot_weight']}\n" in text
+    if "--quant" not in options:
+        assert plan["expert_bytes"] is None
+        return
+    assert plan["expert_bytes"]["format"] == options["--quant"]
+    hidden, inter = preset.hidden_size, preset.moe_intermediate_size
+    for rank, row in enumerate(plan["expert_bytes"]["ranks"]):
+        local = layout.num_local_experts(rank)
+        assert (row["rank"], row["num_local_experts"]) == (rank, local)
+        assert row["bfloat16_bytes"] == local * 3 * hidden * inter * 2  # gate, up, down; 2 bytes each
+        assert row["bytes"] < row["bfloat16_bytes"]
+        assert (f"rank {rank}: {local} experts, {row['bytes'] / 2**30:.2f} GiB {options['--quant']} "
+                f"({row['bfloat16_bytes'] / 2**30:.2f} GiB bfloat16)") in text
+
+
+def test_plan_json_shared_slot_weight_and_errors(capsys):
+    assert run_json(capsys, "plan", "--preset", "qwen3.5-moe", "--ep", "8")["shared_slot_weight"] == "gate"
+    glm = run_json(capsys, "plan", "--preset", "glm-4.5", "--ep", "4", "--regime", "output")
+    assert glm["shared_slot_weight"] == "1 / 2.5"
+    status, out, err = run(capsys, "plan", "--preset", "deepseek-v3", "--ep", "8", "--slots", "global", "--json")
+    assert status == 2 and out == "" and "per_rank" in err  # errors stay one line on stderr
+
+
+@pytest.mark.parametrize("name, tokens, ep, placement", [("deepseek-v3", 64, 8, "linear"),
+                                                         ("gpt-oss-20b", 40, 4, "round_robin"),
+                                                         ("mixtral-8x7b", 0, 1, "linear")])
+def test_route_json_loads_match_the_router_and_the_text(capsys, monkeypatch, name, tokens, ep, placement):
+    router = RecordingRouter()
+    monkeypatch.setattr(cli, "_load_select_experts", lambda: router)
+    argv = ["route", "--preset", name, "--tokens", str(tokens), "--ep", str(ep), "--repeat", "2",
+            "--seed", "3", "--placement", placement]
+    result = run_json(capsys, *argv)
+    config = PRESETS[name].router
+    expected = np.bincount(router.ids.ravel(), minlength=config.num_experts)
+    assert result["expert_load"] == expected.tolist()
+    assert result["assignments"] == tokens * config.top_k
+    layout = ExpertLayout(config.num_experts, ep_size=ep, dispatch="none" if ep == 1 else "all2all",
+                          placement=placement)
+    logical = [layout.logical_experts(rank).tolist() for rank in range(ep)]
+    assert result["rank_logical_experts"] == logical
+    assert result["rank_load"] == [int(expected[experts].sum()) for experts in logical]
+    mean = tokens * config.top_k / config.num_experts
+    if tokens:
+        assert result["expert_load_max_over_mean"] == pytest.approx(expected.max() / mean)
+        rank_mean = tokens * config.top_k / ep
+        assert result["rank_load_max_over_mean"] == pytest.approx(max(result["rank_load"]) / rank_mean)
+    else:
+        assert result["expert_load_max_over_mean"] is None and result["rank_load_max_over_mean"] is None
+    assert (result["tokens"], result["seed"], result["ep_size"], result["placement"], result["repeat"]) == (
+        tokens, 3, ep, placement, 2)
+    assert result["model"]["name"] == name and router.calls == 1 + 2
+    assert result["first_call_ms"] >= 0 and result["median_call_ms"] >= 0
+    # The text path routes the same logits to the same load.
+    status, text, _ = run(capsys, *argv)
+    assert status == 0
+    experts = histogram(text, "expert ")
+    assert [experts[f"expert {e}"] for e in range(config.num_experts)] == result["expert_load"]
+    assert list(histogram(text, "rank ").values()) == result["rank_load"]
+
+
+def test_route_json_with_the_library_equals_select_experts(capsys):
+    from moeroute.routing import select_experts
+
+    result = run_json(capsys, "route", "--preset", "deepseek-v3", "--tokens", "32", "--ep", "4", "--repeat", "1",
+                      "--seed", "7")
+    assert result["select_experts"].endswith(".select_experts")
+    # The CLI's logits and bias, drawn from the seed as it draws them.
+    preset = PRESETS["deepseek-v3"]
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((32, 256), dtype=np.float32)
+    bias = cli.CORRECTION_BIAS_SCALE * rng.standard_normal(256, dtype=np.float32)
+    _, ids = select_experts(logits, preset.router, bias)
+    assert result["expert_load"] == np.bincount(np.asarray(ids).ravel(), minlength=256).tolist()
+    load = np.bincount(np.asarray(ids).ravel(), minlength=256)
+    assert result["rank_load"] == [int(load[64 * r:64 * r + 64].sum()) for r in range(4)]  # 64 experts a rank

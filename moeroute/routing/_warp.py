@@ -15,8 +15,8 @@ under the simulator ``MOEROUTE_SIM_WARPS`` of them (default 1, at most ``preferr
 ``MOEROUTE_SIM_WARPS=4`` runs the device's launch configuration. Simulated threads cost
 about 2 ms each, which is why one warp is the default.
 
-Every helper takes a scratch array (``scratch_size(threads)`` elements, 1: unused), kept
-so that kernel code is the same on both paths and older callers keep working.
+Both paths define the same helpers with the same signatures, so kernel code is the same
+on a device and under the simulator.
 
 Which path is taken is fixed when this module is imported (the simulator cannot be
 switched on or off later in a process).
@@ -38,7 +38,6 @@ __all__ = [
     "FULL_MASK",
     "SIMULATED",
     "SIM_WARPS",
-    "scratch_size",
     "warps_per_block",
     "shfl_xor",
     "shfl_idx",
@@ -73,11 +72,6 @@ def _sim_warps_from_environment() -> int:
 SIM_WARPS = _sim_warps_from_environment() if SIMULATED else 1
 
 
-def scratch_size(threads_per_block: int) -> int:
-    """Elements of the per-block scratch array the helpers take (1: no helper uses it)."""
-    return 1
-
-
 def warps_per_block(preferred: int) -> int:
     """``preferred`` on a device; ``min(preferred, MOEROUTE_SIM_WARPS)`` under the simulator."""
     return min(preferred, SIM_WARPS) if SIMULATED else preferred
@@ -86,32 +80,32 @@ def warps_per_block(preferred: int) -> int:
 if not SIMULATED:
 
     @cuda.jit(device=True, inline="always")
-    def shfl_xor(value, lane_mask, scratch):
+    def shfl_xor(value, lane_mask):
         """The ``value`` of lane ``lane ^ lane_mask`` (int32/int64/float32/float64)."""
         return cuda.shfl_xor_sync(FULL_MASK, value, lane_mask)
 
     @cuda.jit(device=True, inline="always")
-    def shfl_idx(value, src_lane, scratch):
+    def shfl_idx(value, src_lane):
         """The ``value`` of lane ``src_lane``."""
         return cuda.shfl_sync(FULL_MASK, value, src_lane)
 
     @cuda.jit(device=True, inline="always")
-    def shfl_down(value, delta, scratch):
+    def shfl_down(value, delta):
         """The ``value`` of lane ``lane + delta``; a lane's own value past the warp."""
         return cuda.shfl_down_sync(FULL_MASK, value, delta)
 
     @cuda.jit(device=True, inline="always")
-    def shfl_up(value, delta, scratch):
+    def shfl_up(value, delta):
         """The ``value`` of lane ``lane - delta``; a lane's own value below lane 0."""
         return cuda.shfl_up_sync(FULL_MASK, value, delta)
 
     @cuda.jit(device=True, inline="always")
-    def syncwarp(scratch):
+    def syncwarp():
         """The lanes of the warp wait for each other (memory ordering among them)."""
         cuda.syncwarp(FULL_MASK)
 
     @cuda.jit(device=True, inline="always")
-    def ballot(predicate, scratch):
+    def ballot(predicate):
         """uint32 with bit l set when lane l's ``predicate`` holds."""
         return cuda.ballot_sync(FULL_MASK, predicate)
 
@@ -177,40 +171,40 @@ else:
         return exchange.exchange(lane, value), lane
 
     @cuda.jit(device=True)
-    def shfl_xor(value, lane_mask, scratch):
+    def shfl_xor(value, lane_mask):
         """Simulator ``shfl_xor_sync`` (full mask): the value of lane ``lane ^ lane_mask``."""
         values, lane = _all_lanes(value)
         partner = lane ^ lane_mask
         return values[partner] if partner < len(values) and values[partner] is not None else value
 
     @cuda.jit(device=True)
-    def shfl_idx(value, src_lane, scratch):
+    def shfl_idx(value, src_lane):
         """Simulator ``shfl_sync`` (full mask): the value of lane ``src_lane`` (mod 32)."""
         values, _ = _all_lanes(value)
         source = values[src_lane % WARP_SIZE]
         return value if source is None else source
 
     @cuda.jit(device=True)
-    def shfl_down(value, delta, scratch):
+    def shfl_down(value, delta):
         """Simulator ``shfl_down_sync``: lane + delta's value, own value past the warp."""
         values, lane = _all_lanes(value)
         source = lane + delta
         return values[source] if source < WARP_SIZE and values[source] is not None else value
 
     @cuda.jit(device=True)
-    def shfl_up(value, delta, scratch):
+    def shfl_up(value, delta):
         """Simulator ``shfl_up_sync``: lane - delta's value, own value below lane 0."""
         values, lane = _all_lanes(value)
         source = lane - delta
         return values[source] if source >= 0 else value
 
     @cuda.jit(device=True)
-    def syncwarp(scratch):
+    def syncwarp():
         """Simulator ``syncwarp`` (full mask): the lanes of this warp wait for each other."""
         _all_lanes(0)
 
     @cuda.jit(device=True)
-    def ballot(predicate, scratch):
+    def ballot(predicate):
         """Simulator ``ballot_sync`` (full mask): bit l set when lane l's predicate holds."""
         values, _ = _all_lanes(bool(predicate))
         bits = 0
@@ -235,18 +229,18 @@ else:
 
 
 @cuda.jit(device=True, inline="always")
-def allreduce_max(value, scratch):
+def allreduce_max(value):
     """Maximum of ``value`` over the warp, returned to every lane (butterfly)."""
     offset = WARP_SIZE // 2
     for _ in range(_BUTTERFLY_STEPS):
-        other = shfl_xor(value, offset, scratch)
+        other = shfl_xor(value, offset)
         value = max(value, other)
         offset //= 2
     return value
 
 
 @cuda.jit(device=True, inline="always")
-def allreduce_sum(value, scratch):
+def allreduce_sum(value):
     """Sum of ``value`` over the warp, returned to every lane.
 
     Butterfly order (xor 16, 8, 4, 2, 1, each lane adding its partner to its own value):
@@ -255,6 +249,6 @@ def allreduce_sum(value, scratch):
     """
     offset = WARP_SIZE // 2
     for _ in range(_BUTTERFLY_STEPS):
-        value = value + shfl_xor(value, offset, scratch)
+        value = value + shfl_xor(value, offset)
         offset //= 2
     return value

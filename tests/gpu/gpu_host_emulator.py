@@ -1,4 +1,4 @@
-"""Build the CUDA kernels for the host (kernels/host_emulation.h) and run launch plans on NumPy arrays.
+"""Build the CUDA kernels for the host (host_emulation.h, beside this file) and run launch plans on NumPy arrays.
 
 The emulator compiles kernels/moe_gemm.cu with g++ into a shared library holding the requested
 template instantiations and a cuLaunchKernel-style entry point; ``HostBackend`` runs the same
@@ -27,6 +27,9 @@ POISON_BITS = {np.dtype(np.float32): np.uint32(0x7FC00000), np.dtype(np.float16)
 HOST_COMPILER = "g++"
 SCHEDULES = {"round_robin": 0, "lowest_first": 1, "highest_first": 2}  # moeroute_emu::Schedule
 ERROR_BUFFER_BYTES = 4096
+#: Holds host_emulation.h, which compat.cuh includes in the host build only (not part of the package).
+EMULATION_DIR = Path(__file__).resolve().parent
+EMULATION_HEADER = EMULATION_DIR / "host_emulation.h"
 
 
 def compiler_available() -> bool:
@@ -81,7 +84,8 @@ class HostEmulator:
     def __init__(self, names, build_dir=None):
         self.names = tuple(names)
         source = _translation_unit(self.names)
-        kernel_text = "".join(p.read_text() for p in sorted(KERNEL_DIR.iterdir()) if p.suffix in (".cu", ".cuh", ".h"))
+        kernel_text = "".join(p.read_text() for p in sorted(KERNEL_DIR.iterdir()) if p.suffix in (".cu", ".cuh"))
+        kernel_text += EMULATION_HEADER.read_text()
         digest = hashlib.sha256((source + kernel_text).encode()).hexdigest()[:16]
         build_dir = Path(build_dir or tempfile.gettempdir()) / f"moeroute-host-emulation-{digest}"
         library = build_dir / "kernels.so"
@@ -90,7 +94,8 @@ class HostEmulator:
             (build_dir / "kernels.cpp").write_text(source)
             partial = build_dir / f"kernels.{id(self)}.so"
             command = [HOST_COMPILER, "-std=c++20", "-O1", "-shared", "-fPIC", "-Wall", "-Wextra",
-                       "-Wno-unused-parameter", f"-I{KERNEL_DIR}", str(build_dir / "kernels.cpp"), "-o", str(partial)]
+                       "-Wno-unused-parameter", f"-I{KERNEL_DIR}", f"-I{EMULATION_DIR}",
+                       str(build_dir / "kernels.cpp"), "-o", str(partial)]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"host build failed:\n{result.stderr}")

@@ -144,3 +144,9 @@ def test_hip_variants_are_up_to_date():
 
 def test_host_emulation_builds_without_warnings(host_emulator):
     assert host_emulator.build_warnings == ""
+
+
+def test_the_host_emulation_header_is_not_in_the_package():
+    # Device compiles (NVRTC, hiprtc, hipcc) see only KERNEL_DIR, so they cannot depend on it.
+    assert not list(KERNEL_DIR.glob("*.h"))
+    assert (Path(__file__).with_name("host_emulation.h")).is_file()

@@ -1,4 +1,4 @@
-"""The FP8 kernels of moe_gemm_fp8.cu without a GPU: compiled for the host (kernels/host_emulation.h)
+"""The FP8 kernels of moe_gemm_fp8.cu without a GPU: compiled for the host (tests/gpu/host_emulation.h)
 and run against moeroute.quant (the activation quantizer, bit for bit) and the plain-torch w8a8
 reference (moeroute.quant.reference); NVRTC compiles for sm_89 / sm_90 with no spills; hipcc
 compiles the HIP variant.

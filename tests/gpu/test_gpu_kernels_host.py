@@ -1,4 +1,4 @@
-"""The CUDA kernels of moe_gemm.cu run on the CPU (kernels/host_emulation.h) against NumPy.
+"""The CUDA kernels of moe_gemm.cu run on the CPU (tests/gpu/host_emulation.h) against NumPy.
 
 Each GEMM runs on ragged routing: experts with 0, 1, B-1, B and B+1 rows, plus slots of other
 ranks (id -1 and an id >= E); H and I are not multiples of any tile. Outputs start as NaN and

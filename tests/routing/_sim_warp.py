@@ -12,7 +12,7 @@ from moeroute.routing._arrays import simulator_enabled
 if not simulator_enabled():
     pytest.skip("needs NUMBA_ENABLE_CUDASIM=1 before numba is imported", allow_module_level=True)
 
-from numba import cuda, int32  # noqa: E402
+from numba import cuda  # noqa: E402
 
 from moeroute.routing import _warp  # noqa: E402
 
@@ -23,18 +23,17 @@ OPS = ("xor3", "idx5", "down2", "up7", "ballot", "max", "sum")
 
 @cuda.jit
 def _warp_ops_kernel(values, out):
-    scratch = cuda.shared.array(1, int32)
     tid = cuda.threadIdx.x
     i = cuda.blockIdx.x * cuda.blockDim.x + tid
     value = values[i]
-    out[i, 0] = _warp.shfl_xor(value, 3, scratch)
-    out[i, 1] = _warp.shfl_idx(value, 5, scratch)
-    out[i, 2] = _warp.shfl_down(value, 2, scratch)
-    out[i, 3] = _warp.shfl_up(value, 7, scratch)
-    out[i, 4] = _warp.ballot(value % 3 == 0, scratch)
-    _warp.syncwarp(scratch)
-    out[i, 5] = _warp.allreduce_max(value, scratch)
-    out[i, 6] = _warp.allreduce_sum(value, scratch)
+    out[i, 0] = _warp.shfl_xor(value, 3)
+    out[i, 1] = _warp.shfl_idx(value, 5)
+    out[i, 2] = _warp.shfl_down(value, 2)
+    out[i, 3] = _warp.shfl_up(value, 7)
+    out[i, 4] = _warp.ballot(value % 3 == 0)
+    _warp.syncwarp()
+    out[i, 5] = _warp.allreduce_max(value)
+    out[i, 6] = _warp.allreduce_sum(value)
 
 
 def _reference(values):
@@ -73,12 +72,11 @@ def test_warp_intrinsics_are_exact_in_blocks_of_four_warps():
 def _divergent_warps_kernel(values, out):
     """Warp w runs w + 1 rounds of shuffles while the other warps do something else: legal on
     the device (each warp is its own SIMT unit), a deadlock for a block-wide fallback."""
-    scratch = cuda.shared.array(1, int32)
     tid = cuda.threadIdx.x
     warp = tid // W
     value = values[tid]
     for _ in range(warp + 1):
-        value = _warp.allreduce_sum(value, scratch)
+        value = _warp.allreduce_sum(value)
     out[tid] = value
 
 
@@ -97,11 +95,10 @@ def test_warps_of_one_block_may_diverge_from_each_other():
 
 @cuda.jit
 def _early_return_kernel(out):
-    scratch = cuda.shared.array(1, int32)
     lane = cuda.threadIdx.x % W
     if lane == 0:
         return  # lane 0 leaves: the others' full-mask shuffle can never complete
-    out[cuda.threadIdx.x] = _warp.shfl_xor(lane, 1, scratch)
+    out[cuda.threadIdx.x] = _warp.shfl_xor(lane, 1)
 
 
 def test_a_lane_missing_from_a_full_mask_collective_is_an_error(monkeypatch):

@@ -4,7 +4,7 @@
   before numba is imported): ``test_cuda_simulator_suite`` runs them in a subprocess and
   asserts they all passed. They compare the CUDA kernel with the CPU path on small shapes
   (the simulator runs every CUDA thread as a Python thread): ids exactly, weights with
-  rtol 1e-6. They also exercise the shared-memory fallback of routing._warp.
+  rtol 1e-6. They also exercise the simulator versions of the routing._warp helpers.
 * Every kernel specialisation compiles to PTX for sm_80 and sm_90 (NVVM, no GPU needed)
   with warp shuffles, a ballot per pick round and without local-memory traffic; the
   per-lane sorting network sorts (0-1 principle).
@@ -240,13 +240,11 @@ def test_sim_warp_helpers_fallback():
 
     @cuda.jit
     def helpers(keys, values, out_max, out_sum, out_idx, out_xor, out_bits, out_float):
-        scratch_i = cuda.shared.array(32, np.int64)
-        scratch_f = cuda.shared.array(32, np.float32)
         lane = cuda.threadIdx.x
-        out_max[lane] = _warp.allreduce_max(keys[lane], scratch_i)
-        out_sum[lane] = _warp.allreduce_sum(values[lane], scratch_f)
-        out_idx[lane] = _warp.shfl_idx(values[lane], 7, scratch_f)
-        out_xor[lane] = _warp.shfl_xor(keys[lane], 5, scratch_i)
+        out_max[lane] = _warp.allreduce_max(keys[lane])
+        out_sum[lane] = _warp.allreduce_sum(values[lane])
+        out_idx[lane] = _warp.shfl_idx(values[lane], 7)
+        out_xor[lane] = _warp.shfl_xor(keys[lane], 5)
         out_bits[lane] = _warp.float_as_int(values[lane])
         out_float[lane] = _warp.int_as_float(out_bits[lane])
 
@@ -335,12 +333,10 @@ def test_sorting_network_sorts(size):
 @no_sim
 def test_warp_helpers_compile_to_shuffles():
     def kernel(keys, values, out_i, out_f):
-        scratch_i = cuda.shared.array(1, np.int64)
-        scratch_f = cuda.shared.array(1, np.float32)
         lane = cuda.threadIdx.x
-        out_i[lane] = _warp.allreduce_max(keys[lane], scratch_i)
-        out_f[lane] = _warp.allreduce_sum(values[lane], scratch_f) + _warp.shfl_idx(
-            values[lane], 3, scratch_f) + _warp.int_as_float(_warp.float_as_int(values[lane]))
+        out_i[lane] = _warp.allreduce_max(keys[lane])
+        out_f[lane] = _warp.allreduce_sum(values[lane]) + _warp.shfl_idx(
+            values[lane], 3) + _warp.int_as_float(_warp.float_as_int(values[lane]))
 
     from numba import types
 

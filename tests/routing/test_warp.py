@@ -24,14 +24,13 @@ def test_simulated_warp_intrinsics_with_the_devices_warps_per_block():
 
 
 def _uses_every_helper(values, out):
-    scratch = cuda.shared.array(1, nt.int32)
     i = cuda.threadIdx.x
     value = values[i]
-    value = _warp.shfl_xor(value, 1, scratch) + _warp.shfl_idx(value, 2, scratch)
-    value += _warp.shfl_down(value, 1, scratch) + _warp.shfl_up(value, 1, scratch)
-    _warp.syncwarp(scratch)
-    value += _warp.ballot(value > 0, scratch)
-    out[i] = _warp.allreduce_max(value, scratch) + _warp.allreduce_sum(value, scratch)
+    value = _warp.shfl_xor(value, 1) + _warp.shfl_idx(value, 2)
+    value += _warp.shfl_down(value, 1) + _warp.shfl_up(value, 1)
+    _warp.syncwarp()
+    value += _warp.ballot(value > 0)
+    out[i] = _warp.allreduce_max(value) + _warp.allreduce_sum(value)
 
 
 def test_device_helpers_compile_to_warp_instructions():

@@ -1,7 +1,8 @@
 // The one place where the three ways of compiling the kernels differ:
 //   CUDA  NVRTC through CuPy (or nvcc), NVIDIA GPUs;
 //   HIP   hiprtc through CuPy (or hipcc), AMD GPUs;
-//   host  g++ with host_emulation.h, the kernels' threads run as fibers on a CPU (tests).
+//   host  g++ with tests/gpu/host_emulation.h, the kernels' threads run as fibers on a CPU (tests
+//         only: that header is not shipped; the host build puts tests/gpu on its include path).
 // Kernels include only this header, never a toolkit header: the 16-bit float types below are
 // plain 16-bit storage with explicit conversions, so a CuPy wheel needs no cuda_fp16.h /
 // cuda_bf16.h / hip_bf16.h on the include path at run time, and the host build needs none.
@@ -9,7 +10,7 @@
 
 #if defined(MOEROUTE_HOST_EMULATION)
 #define MOEROUTE_PLATFORM_HOST 1
-#include "host_emulation.h"
+#include "host_emulation.h"  // from tests/gpu, never seen by NVRTC, hiprtc or hipcc
 #elif defined(__HIPCC_RTC__) || defined(__HIPCC__) || defined(__HIP__)
 #define MOEROUTE_PLATFORM_HIP 1
 #if !defined(__HIPCC_RTC__)

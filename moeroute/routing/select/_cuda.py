@@ -210,7 +210,7 @@ def row_routine(num_experts, num_groups, scoring, has_bias, renormalize, input_k
         return expf(x - row_max) / total
 
     @cuda.jit(device=True, inline="always")
-    def keep_groups(keys, lane, topk_group, two_best, scratch):
+    def keep_groups(keys, lane, topk_group, two_best):
         """Give the experts of dropped groups the lowest key (ties to the lower group)."""
         group_keys = cuda.local.array(num_groups, int32)
         for g in range(num_groups):
@@ -228,8 +228,8 @@ def row_routine(num_experts, num_groups, scoring, has_bias, renormalize, input_k
                     best = max(key, best)
             offset = lanes // 2
             for _ in range(5):  # butterfly merge of (best, second) pairs
-                other_best = shfl_xor(best, offset, scratch)
-                other_second = shfl_xor(second, offset, scratch)
+                other_best = shfl_xor(best, offset)
+                other_second = shfl_xor(second, offset)
                 second = max(max(second, other_second), min(best, other_best))
                 best = max(best, other_best)
                 offset //= 2
@@ -253,7 +253,7 @@ def row_routine(num_experts, num_groups, scoring, has_bias, renormalize, input_k
             keys[j] = keys[j] if (kept >> group) & 1 else pad_key
 
     @cuda.jit(device=True, inline="always")
-    def pick(keys, lane, heads, warp, top_k, exp_weights, scratch):
+    def pick(keys, lane, heads, warp, top_k, exp_weights):
         """K rounds of warp argmax over sorted lane columns. Lane r returns pick r's id and
         weight numerator; all lanes return the weight total (summed in pick order) and
         the first and last picked values (key values: clipped logits, scores or choices)."""
@@ -272,14 +272,14 @@ def row_routine(num_experts, num_groups, scoring, has_bias, renormalize, input_k
         value = f32_zero
         for r in range(top_k):
             head_key = np.int32(head >> 32)
-            best_key = allreduce_max(head_key, scratch)
-            holders = ballot(head_key == best_key, scratch)
+            best_key = allreduce_max(head_key)
+            holders = ballot(head_key == best_key)
             head_id = low31 - np.int32(head & low31)
             if cuda.popc(holders) == 1:  # the same on every lane: no divergence
                 owner = cuda.ffs(holders) - 1
-                expert = shfl_idx(head_id, owner, scratch)
+                expert = shfl_idx(head_id, owner)
             else:  # equal keys on several lanes: the packed maximum has the lower id
-                best = allreduce_max(head, scratch)
+                best = allreduce_max(head)
                 expert = low31 - np.int32(best & low31)
                 owner = expert % lanes
             if lane == owner:
@@ -296,7 +296,6 @@ def row_routine(num_experts, num_groups, scoring, has_bias, renormalize, input_k
         return my_id, my_weight, total, first, value
 
     def select_row(logits, bias, row, lane, heads, warp, top_k, topk_group, rsf):
-        scratch = heads  # the warp helpers ignore it on a device (see _warp)
         x = cuda.local.array(slots, float32)
         keys = cuda.local.array(slots, int32)
         scores = cuda.local.array(slots, float32)
@@ -311,9 +310,9 @@ def row_routine(num_experts, num_groups, scoring, has_bias, renormalize, input_k
             for j in range(slots):
                 keys[j] = order_key(x[j]) if j * lanes + lane < num_experts else pad_key
             if grouped:
-                keep_groups(keys, lane, topk_group, False, scratch)
+                keep_groups(keys, lane, topk_group, False)
             my_id, my_weight, total, row_max, last = pick(
-                keys, lane, heads, warp, top_k, True, scratch)
+                keys, lane, heads, warp, top_k, True)
             exact = last - row_max < exact_gap
             if not exact:
                 if not renormalize:
@@ -321,7 +320,7 @@ def row_routine(num_experts, num_groups, scoring, has_bias, renormalize, input_k
                     for j in range(slots):
                         if j * lanes + lane < num_experts:
                             partial += expf(x[j] - row_max)
-                    total = allreduce_sum(partial, scratch)
+                    total = allreduce_sum(partial)
                 my_weight = (my_weight / total) * rsf
         if exact:
             row_max = f32_zero
@@ -339,13 +338,13 @@ def row_routine(num_experts, num_groups, scoring, has_bias, renormalize, input_k
                 best = pad_key
                 for j in range(slots):
                     best = max(best, order_key(x[j]))
-                row_max = key_value(allreduce_max(best, scratch))
+                row_max = key_value(allreduce_max(best))
                 partial = f32_zero
                 for j in range(slots):
                     scores[j] = expf(x[j] - row_max)
                     if j * lanes + lane < num_experts:
                         partial += scores[j]
-                total = allreduce_sum(partial, scratch)
+                total = allreduce_sum(partial)
                 for j in range(slots):
                     scores[j] = scores[j] / total
             for j in range(slots):
@@ -356,9 +355,9 @@ def row_routine(num_experts, num_groups, scoring, has_bias, renormalize, input_k
                 else:
                     keys[j] = pad_key
             if grouped:
-                keep_groups(keys, lane, topk_group, has_bias, scratch)
+                keep_groups(keys, lane, topk_group, has_bias)
             my_id, my_weight, weight_sum, first, last = pick(
-                keys, lane, heads, warp, top_k, False, scratch)
+                keys, lane, heads, warp, top_k, False)
             if has_bias:
                 # The key is the choice (score + bias): lane r recomputes its pick's score
                 # from the logit (a cached load, the same float32 operations), and the
@@ -367,7 +366,7 @@ def row_routine(num_experts, num_groups, scoring, has_bias, renormalize, input_k
                 my_weight = score_of(picked, row_max, total) if lane < top_k else f32_zero
                 weight_sum = f32_zero
                 for r in range(top_k):
-                    weight_sum += shfl_idx(my_weight, r, scratch)
+                    weight_sum += shfl_idx(my_weight, r)
             if raw:
                 my_weight = raw_weight(my_weight, weight_sum) * rsf
                 my_weight = my_weight if my_weight >= f32_neg_max else f32_neg_max

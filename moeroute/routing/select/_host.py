@@ -1,9 +1,7 @@
-"""select_experts' CPU kernel (Numba ``njit``, ``prange`` over token rows, or torch's
-OpenMP team) and its host launcher `_select_host`."""
+"""select_experts' CPU kernel (Numba ``njit``, ``prange`` over token rows) and its host
+launcher `_select_host`."""
 
 from __future__ import annotations
-
-from functools import lru_cache
 
 import numba
 import numpy as np
@@ -575,72 +573,6 @@ def _select_parallel(logits, table, bias, has_bias, scoring, num_groups, topk_gr
                      (chunk + 1) * num_tokens // num_chunks, out_w, out_ids)
 
 
-# Slots of the descriptor of the torch-team kernel (see moeroute.routing._parallel).
-_TEAM_SLOTS = ("counter", "num_chunks", "num_tokens", "num_experts", "top_k", "logits", "table",
-               "bias_size", "bias", "has_bias", "scoring", "num_groups", "topk_group",
-               "renormalize", "rsf_bits", "out_w", "out_ids")
-(_S_COUNTER, _S_CHUNKS, _S_TOKENS, _S_EXPERTS, _S_TOP_K, _S_LOGITS, _S_TABLE, _S_BIAS_SIZE,
- _S_BIAS, _S_HAS_BIAS, _S_SCORING, _S_GROUPS, _S_TOPK_GROUP, _S_RENORMALIZE, _S_RSF,
- _S_OUT_W, _S_OUT_IDS) = range(len(_TEAM_SLOTS))
-_TABLE_SIZE = 1 << 16  # _HALF_TO_FLOAT / _BF16_TO_FLOAT: one float32 per 16-bit pattern
-
-
-@lru_cache(maxsize=None)
-def _team_kernel(logits_dtype):
-    """The cfunc running `_select_rows` chunks in torch's OpenMP team, compiled (and cached
-    on disk) on first use per logits dtype ("float32" or "uint16")."""
-    from numba import carray, cfunc
-
-    from moeroute.routing._parallel import claim_chunk, float32_from_bits, pointer_at
-
-    element = numba.from_dtype(np.dtype(logits_dtype))
-    slots = len(_TEAM_SLOTS)
-
-    @cfunc(types.void(types.voidptr), cache=True, error_model="numpy")
-    def run_chunks(descriptor):
-        d = carray(descriptor, (slots,), np.int64)
-        num_tokens, top_k = d[_S_TOKENS], d[_S_TOP_K]
-        logits = carray(pointer_at(d[_S_LOGITS], element), (num_tokens, d[_S_EXPERTS]))
-        table = carray(pointer_at(d[_S_TABLE], float32), (_TABLE_SIZE,))
-        bias = carray(pointer_at(d[_S_BIAS], float32), (d[_S_BIAS_SIZE],))
-        out_w = carray(pointer_at(d[_S_OUT_W], float32), (num_tokens, top_k))
-        out_ids = carray(pointer_at(d[_S_OUT_IDS], int32), (num_tokens, top_k))
-        num_chunks = d[_S_CHUNKS]
-        chunk = claim_chunk(descriptor)
-        while chunk < num_chunks:
-            _select_rows(logits, table, bias, d[_S_HAS_BIAS] != 0, d[_S_SCORING],
-                         d[_S_GROUPS], d[_S_TOPK_GROUP], top_k, d[_S_RENORMALIZE] != 0,
-                         float32_from_bits(d[_S_RSF]), chunk * num_tokens // num_chunks,
-                         (chunk + 1) * num_tokens // num_chunks, out_w, out_ids)
-            chunk = claim_chunk(descriptor)
-
-    return run_chunks
-
-
-def _select_team(args, num_chunks, threads, out_w, out_ids):
-    """`_select_parallel(*args, ...)` on torch's OpenMP team (the arrays stay alive until it
-    returns)."""
-    (logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k, renormalize,
-     rsf) = args
-    descriptor = np.zeros(len(_TEAM_SLOTS), np.int64)
-    descriptor[_S_CHUNKS] = num_chunks
-    descriptor[_S_TOKENS], descriptor[_S_EXPERTS] = logits.shape
-    descriptor[_S_TOP_K] = top_k
-    descriptor[_S_LOGITS] = logits.ctypes.data
-    descriptor[_S_TABLE] = table.ctypes.data
-    descriptor[_S_BIAS_SIZE] = bias.shape[0]
-    descriptor[_S_BIAS] = bias.ctypes.data
-    descriptor[_S_HAS_BIAS] = has_bias
-    descriptor[_S_SCORING] = scoring
-    descriptor[_S_GROUPS] = num_groups
-    descriptor[_S_TOPK_GROUP] = topk_group
-    descriptor[_S_RENORMALIZE] = renormalize
-    descriptor[_S_RSF] = np.float32(rsf).view(np.int32)
-    descriptor[_S_OUT_W] = out_w.ctypes.data
-    descriptor[_S_OUT_IDS] = out_ids.ctypes.data
-    _parallel.run_team(_team_kernel(logits.dtype.name), descriptor, threads)
-
-
 _EMPTY_BIAS = np.zeros(1, np.float32)
 
 
@@ -668,9 +600,6 @@ def _select_host(logits, config, correction_bias, bfloat16=False, out=None):
     threads = _parallel.cpu_threads()
     if threads > 1 and num_tokens > 1 and num_tokens * config.num_experts >= PARALLEL_MIN_ELEMENTS:
         chunks = max(threads, -(-num_tokens // PARALLEL_CHUNK_ROWS))
-        if _parallel.torch_team():
-            _select_team(args, chunks, threads, out_w, out_ids)
-            return out_w, out_ids
         # One chunk per scheduling step: chunks go to whichever thread is free, so a thread
         # stalled by other load on the machine leaves its share to the others. (Set here:
         # setting it inside the jitted function would keep Numba from caching it.)

@@ -1,5 +1,6 @@
-// Host emulation of the CUDA execution model, so that the kernels of this directory run on a CPU
-// in tests (compat.cuh includes this when MOEROUTE_HOST_EMULATION is defined; g++ builds it).
+// Host emulation of the CUDA execution model, so that the kernels of moeroute/gpu/kernels run on a
+// CPU in tests (compat.cuh includes this when MOEROUTE_HOST_EMULATION is defined; g++ builds it
+// with this directory on its include path, see gpu_host_emulator.py). Not shipped in the package.
 //
 // Blocks run one after another. Inside a block every CUDA thread is a fiber (ucontext) on the
 // calling OS thread, switched at __syncthreads() and at warp-collective operations, so a block
