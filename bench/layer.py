@@ -42,9 +42,9 @@ sys.path.insert(0, str(BENCH))
 from _common import RESULTS_DIR, interleaved, print_table, wall_clock, write_results  # noqa: E402
 
 from moeroute.bindings.torch import arrays  # noqa: E402
-from moeroute.bindings.torch.experts import (choose_gemm, expert_mlp, grouped_expert_mlp,  # noqa: E402
-                                             onednn_linear_serves, padded_expert_mlp,
-                                             streamed_expert_mlp)
+from moeroute.bindings.torch.experts import (choose_gemm, cpu_experts, expert_mlp,  # noqa: E402
+                                             grouped_expert_mlp, onednn_linear_serves, padded_expert_mlp,
+                                             rows_expert_mlp, streamed_expert_mlp)
 from moeroute.bindings.torch.moe import MoE  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 1024, 384, 64, 8
@@ -109,9 +109,13 @@ def stage_split(moe, x, repeats):
         sorted_slots, offsets, inverse = arrays.sort_by_expert(local_ids, experts.num_local_experts)
         offsets_list = offsets.tolist()
         strategy = choose_gemm([b - a for a, b in zip(offsets_list[:-1], offsets_list[1:])],
-                               onednn_linear_serves(x.dtype))
+                               onednn_linear_serves(x.dtype), x.dtype)
         t2 = time.perf_counter()
-        if strategy == "loop":
+        if strategy == "rows":  # the row kernels add into the sums as they go: gemm includes combine
+            rows_expert_mlp(recv_hidden, sorted_slots, offsets, recv_weights, experts.w_gate_up,
+                            experts.w_down, experts.activation)
+            permute, gemm, combine = t2 - t1, time.perf_counter() - t2, 0.0
+        elif strategy == "loop":
             seconds = {}
             w_gate_up, w_down = experts.cpu_weights()
             streamed_expert_mlp(recv_hidden, sorted_slots, offsets_list, recv_weights, w_gate_up,
@@ -156,7 +160,7 @@ def gemm_strategies(moe, x, repeats):
     if not onednn_linear_serves(x.dtype):
         del others["loop_onednn"]
     result = {"auto_choice": choose_gemm([b - a for a, b in zip(offsets_list[:-1], offsets_list[1:])],
-                                         onednn_linear_serves(x.dtype)),
+                                         onednn_linear_serves(x.dtype), x.dtype),
               "rows": len(hidden_sorted)}
     for name, fn in others.items():
         torch.testing.assert_close(fn(), loop_mm(), rtol=1e-4, atol=1e-5)
@@ -205,13 +209,59 @@ def decode_rows(repeats):
     return rows
 
 
+#: The row kernels against the streamed loop: token counts (mean rows per hit expert from
+#: 1 to 64 on the README shape) and repeats.
+ROWS_TOKENS = (1, 8, 32, 64, 128, 256, 512)
+ROWS_REPEATS = {1: 41, 8: 31, 32: 15, 64: 11, 128: 7, 256: 5, 512: 5}
+
+
+def rows_crossover(quick: bool) -> list[dict]:
+    """The experts body with gemm="rows" against gemm="loop" (oneDNN-packed weights where oneDNN
+    serves the dtype), same routing, interleaved: where the row kernels stop paying
+    (`moeroute.bindings.torch.experts.ROWS_MAX_MEAN_ROWS`)."""
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        moe = MoE.from_hf(build_block()).to(dtype)
+        experts = moe.experts.pack_cpu_weights(onednn_linear_serves(dtype))
+        for tokens in ROWS_TOKENS:
+            x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+            with torch.inference_mode():
+                weights, ids = arrays.select_experts(moe.compute_router_logits(x), moe._selection_router, None)
+            counts = torch.bincount(ids.flatten().long(), minlength=EXPERTS)
+            mean_rows = float(counts.sum() / (counts > 0).sum())
+            loop_weights = experts.cpu_weights() if experts.pack_cpu else None
+            args = (x, ids, weights, experts.w_gate_up, experts.w_down, "silu")
+            loop = lambda: cpu_experts(*args, "loop", loop_weights=loop_weights)  # noqa: E731
+            rows_fn = lambda: cpu_experts(*args, "rows")  # noqa: E731
+            expected, got = loop().float(), rows_fn().float()
+            error = float((expected - got).abs().max() / expected.abs().max())
+            timing = interleaved(loop, rows_fn, 3 if quick else ROWS_REPEATS[tokens])
+            rows.append({"dtype": str(dtype).removeprefix("torch."), "tokens": tokens,
+                         "mean_rows_per_hit_expert": mean_rows, "loop_ms": timing["baseline_us"] / 1e3,
+                         "rows_ms": timing["candidate_us"] / 1e3, "speedup": timing["speedup"],
+                         "speedup_range": timing["speedup_range"], "relative_difference": error,
+                         "load_average": os.getloadavg()[0]})
+            print(f"rows vs loop {rows[-1]['dtype']} T={tokens} ({mean_rows:.1f} rows/expert): "
+                  f"{rows[-1]['rows_ms']:.2f} ms vs {rows[-1]['loop_ms']:.2f} ms, x{timing['speedup']:.2f}",
+                  flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     parser.add_argument("--decode-only", action="store_true", help="only the T = 1 and 8 table")
     parser.add_argument("--no-decode", action="store_true", help="skip the T = 1 and 8 table")
+    parser.add_argument("--rows-only", action="store_true",
+                        help="only the row kernels against the streamed loop (gemm 'rows' vs 'loop')")
     args = parser.parse_args(argv)
+    if args.rows_only:
+        previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        previous["rows_vs_loop"] = rows_crossover(args.quick)
+        previous.pop("machine", None)
+        print(f"wrote {write_results('layer', previous)}")
+        return 0
     repeats = QUICK_REPEATS if args.quick else REPEATS
     if args.decode_only:
         args.tokens = []
