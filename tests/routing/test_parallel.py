@@ -51,3 +51,40 @@ def test_the_kernels_take_torchs_thread_count_and_agree_on_one_thread(name):
     assert same.mean() > 0.999, f"{(~same).sum()} rows pick other experts than the reference"
     np.testing.assert_allclose(single[0][same], ref_w[same], rtol=WEIGHT_RTOL, atol=1e-30)
 
+
+
+_KEEPS_TORCH_THREADS = r"""
+import sys
+import numpy as np
+import torch
+assert torch.get_num_threads() == 1, torch.get_num_threads()
+if sys.argv[1] == "bindings":
+    import moeroute.bindings.torch  # noqa: F401
+import moeroute
+from moeroute.routing.combine import PARALLEL_ACCUMULATE_MIN_ELEMENTS, accumulate_rows
+
+rows = PARALLEL_ACCUMULATE_MIN_ELEMENTS // 64 * 4
+rng = np.random.default_rng(0)
+y = rng.standard_normal((rows, 64)).astype(np.float32)
+out = np.zeros((rows, 64), np.float32)
+accumulate_rows(out, y, np.arange(rows, dtype=np.int32), np.ones(rows, np.float32))  # a parallel kernel
+assert np.array_equal(out, y)
+logits = torch.from_numpy(rng.standard_normal((4096, 64)).astype(np.float32))
+moeroute.select_experts(logits, moeroute.RouterConfig(64, 8))
+print(torch.get_num_threads())
+"""
+
+
+@pytest.mark.parametrize("first_import", ["routing", "bindings"])
+def test_numbas_workers_leave_torchs_thread_count_alone(first_import):
+    """Numba's omp layer and torch share libgomp: starting Numba's pool would set torch's
+    thread count to the pool size (1 -> cores). It stays what the process gave torch."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="2")
+    result = subprocess.run([sys.executable, "-c", _KEEPS_TORCH_THREADS, first_import], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["1"]

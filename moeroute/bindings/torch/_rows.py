@@ -19,7 +19,7 @@ import numpy as np
 from numba.core import types
 from numba.extending import overload
 
-__all__ = ["gate_up_rows", "down_rows", "ROW_BLOCK"]
+__all__ = ["gate_up_rows", "gate_up_rows_serial", "down_rows", "down_rows_serial", "ROW_BLOCK"]
 
 #: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
 ROW_BLOCK = 64
@@ -112,6 +112,24 @@ def _rows_times_weights(xs, tokens, start, stop, w0, w1, tile, out, n):
             out[m, n + 1] = _dot(w1, xs[tokens[m]])
 
 
+@numba.njit(fastmath=True)
+def _gate_up_item(xs, tokens, offsets, e, b, w_gate_up, bias, out):
+    """Block ``b`` of expert ``e``'s gate_up rows for all its sorted rows (`gate_up_rows`)."""
+    hidden, rows = w_gate_up.shape[2], w_gate_up.shape[1]
+    bits = np.empty((2, hidden), np.int32)
+    tile = np.empty(2 * _ROW_TILE, np.float32)
+    start, stop = offsets[e], offsets[e + 1]
+    last = min(rows, (b + 1) * ROW_BLOCK)
+    for n in range(b * ROW_BLOCK, last, 2):
+        w0 = _widen(w_gate_up[e, n], bits[0])
+        w1 = _widen(w_gate_up[e, n + 1], bits[1]) if n + 1 < last else w0[:0]
+        _rows_times_weights(xs, tokens, start, stop, w0, w1, tile, out, n)
+    if bias.shape[0] > 0:
+        for m in range(start, stop):
+            for n in range(b * ROW_BLOCK, last):
+                out[m, n] += bias[e, n]
+
+
 @numba.njit(parallel=True, fastmath=True, cache=True)
 def gate_up_rows(xs, tokens, offsets, work, w_gate_up, bias, out):
     """out[m, n] = xs[tokens[m]] . W_e[n] (+ bias[e, n]) for each expert e's sorted rows m.
@@ -120,21 +138,40 @@ def gate_up_rows(xs, tokens, offsets, work, w_gate_up, bias, out):
     block of `ROW_BLOCK` weight rows), w_gate_up [L, 2I, H] uint16 (bfloat16 bits) or
     float32, bias [L, 2I] float32 or [0, 0] (none), out [M, 2I] float32.
     """
-    hidden, rows = w_gate_up.shape[2], w_gate_up.shape[1]
     for item in numba.prange(work.shape[0]):
-        e, b = work[item, 0], work[item, 1]
-        bits = np.empty((2, hidden), np.int32)
-        tile = np.empty(2 * _ROW_TILE, np.float32)
+        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, bias, out)
+
+
+@numba.njit(fastmath=True, cache=True)
+def gate_up_rows_serial(xs, tokens, offsets, work, w_gate_up, bias, out):
+    """`gate_up_rows` on the calling thread (no parallel region to start: one thread)."""
+    for item in range(work.shape[0]):
+        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, bias, out)
+
+
+@numba.njit(fastmath=True)
+def _down_block(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums, b):
+    """Output columns of block ``b`` over every hit expert (`down_rows`)."""
+    hidden, inter = w_down.shape[1], w_down.shape[2]
+    rows = np.arange(acts.shape[0])
+    bits = np.empty((2, inter), np.int32)
+    tile = np.empty(2 * _ROW_TILE, np.float32)
+    first, last = b * ROW_BLOCK, min(hidden, (b + 1) * ROW_BLOCK)
+    dots = np.empty((0, ROW_BLOCK), np.float32)
+    for i in range(experts.shape[0]):
+        e = experts[i]
         start, stop = offsets[e], offsets[e + 1]
-        last = min(rows, (b + 1) * ROW_BLOCK)
-        for n in range(b * ROW_BLOCK, last, 2):
-            w0 = _widen(w_gate_up[e, n], bits[0])
-            w1 = _widen(w_gate_up[e, n + 1], bits[1]) if n + 1 < last else w0[:0]
-            _rows_times_weights(xs, tokens, start, stop, w0, w1, tile, out, n)
-        if bias.shape[0] > 0:
-            for m in range(start, stop):
-                for n in range(b * ROW_BLOCK, last):
-                    out[m, n] += bias[e, n]
+        if dots.shape[0] < stop - start:
+            dots = np.empty((stop - start, ROW_BLOCK), np.float32)
+        for n in range(first, last, 2):
+            w0 = _widen(w_down[e, n], bits[0])
+            w1 = _widen(w_down[e, n + 1], bits[1]) if n + 1 < last else w0[:0]
+            _rows_times_weights(acts[start:stop], rows, 0, stop - start, w0, w1, tile, dots, n - first)
+        for m in range(start, stop):
+            t, weight = tokens[m], slot_weights[m]
+            for n in range(first, last):
+                add = bias[e, n] if bias.shape[0] > 0 else np.float32(0.0)
+                sums[t, n] += weight * (dots[m - start, n - first] + add)
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
@@ -146,24 +183,12 @@ def down_rows(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums):
     (deterministic). acts [M, I] float32, experts [E'] int64 (the hit experts), w_down
     [L, H, I] uint16 or float32, bias [L, H] float32 or [0, 0], sums [T, H] float32.
     """
-    hidden, inter = w_down.shape[1], w_down.shape[2]
-    rows = np.arange(acts.shape[0])
-    for b in numba.prange((hidden + ROW_BLOCK - 1) // ROW_BLOCK):
-        bits = np.empty((2, inter), np.int32)
-        tile = np.empty(2 * _ROW_TILE, np.float32)
-        first, last = b * ROW_BLOCK, min(hidden, (b + 1) * ROW_BLOCK)
-        dots = np.empty((0, ROW_BLOCK), np.float32)
-        for i in range(experts.shape[0]):
-            e = experts[i]
-            start, stop = offsets[e], offsets[e + 1]
-            if dots.shape[0] < stop - start:
-                dots = np.empty((stop - start, ROW_BLOCK), np.float32)
-            for n in range(first, last, 2):
-                w0 = _widen(w_down[e, n], bits[0])
-                w1 = _widen(w_down[e, n + 1], bits[1]) if n + 1 < last else w0[:0]
-                _rows_times_weights(acts[start:stop], rows, 0, stop - start, w0, w1, tile, dots, n - first)
-            for m in range(start, stop):
-                t, weight = tokens[m], slot_weights[m]
-                for n in range(first, last):
-                    add = bias[e, n] if bias.shape[0] > 0 else np.float32(0.0)
-                    sums[t, n] += weight * (dots[m - start, n - first] + add)
+    for b in numba.prange((w_down.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
+        _down_block(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums, b)
+
+
+@numba.njit(fastmath=True, cache=True)
+def down_rows_serial(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums):
+    """`down_rows` on the calling thread."""
+    for b in range((w_down.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
+        _down_block(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums, b)

@@ -397,16 +397,22 @@ def rows_expert_mlp(
     work = torch.stack((hit.repeat_interleave(blocks), torch.arange(blocks).repeat(hit.numel())), 1)
     xs = hidden_states.to(torch.float32).contiguous()
     gate_up = torch.empty((slots.numel(), 2 * inter), dtype=torch.float32)
-    threads = numba.get_num_threads()
-    numba.set_num_threads(cpu_threads())
-    try:
-        _rows.gate_up_rows(xs.numpy(), tokens.numpy(), offsets.numpy(), work.contiguous().numpy(),
-                           _row_view(w_gate_up), _bias_view(b_gate_up), gate_up.numpy())
-        act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation).contiguous()
-        _rows.down_rows(act.numpy(), tokens.numpy(), slot_weights.numpy(), offsets.numpy(), hit.numpy(),
-                        _row_view(w_down), _bias_view(b_down), sums.numpy())
-    finally:
+    threads = cpu_threads()
+    # One thread: the serial kernels, with no parallel region to start (starting one costs
+    # more than a decode step's dots when the cores are busy).
+    gate_up_rows, down_rows = ((_rows.gate_up_rows_serial, _rows.down_rows_serial) if threads == 1
+                               else (_rows.gate_up_rows, _rows.down_rows))
+    previous = numba.get_num_threads()
+    if threads > 1:
         numba.set_num_threads(threads)
+    try:
+        gate_up_rows(xs.numpy(), tokens.numpy(), offsets.numpy(), work.contiguous().numpy(),
+                     _row_view(w_gate_up), _bias_view(b_gate_up), gate_up.numpy())
+        act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation).contiguous()
+        down_rows(act.numpy(), tokens.numpy(), slot_weights.numpy(), offsets.numpy(), hit.numpy(),
+                  _row_view(w_down), _bias_view(b_down), sums.numpy())
+    finally:
+        numba.set_num_threads(previous)
     return sums if hidden_states.dtype == torch.float32 else sums.to(hidden_states.dtype)
 
 

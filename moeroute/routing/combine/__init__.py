@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeroute.routing import _launcher, _sort
+from moeroute.routing import _launcher, _parallel, _sort
 from moeroute.routing._arrays import (
     as_caller,
     as_device_array,
@@ -159,7 +159,7 @@ def _combine_host(expert, index, weights, raw_bf16):
     weights = (np.ascontiguousarray(weights, dtype=np.float32) if has_weights
                else np.empty((1, 1), np.float32))
     tokens, width = index.shape[0], expert.shape[1]
-    parallel = tokens * width >= PARALLEL_COMBINE_MIN_ELEMENTS
+    parallel = tokens * width >= PARALLEL_COMBINE_MIN_ELEMENTS and _parallel.cpu_threads() > 1
     if expert.dtype == np.float32:
         out = np.empty((tokens, width), np.float32)
         kernel = _combine_cpu_parallel if parallel else _combine_cpu
@@ -274,7 +274,7 @@ def accumulate_checked(out, rows, tokens, weights, raw_bf16, distinct):
     """`accumulate_rows` without its checks, for callers whose arguments hold by
     construction (C-contiguous rows, valid tokens; ``distinct``: no token repeats)."""
     if rows.dtype == np.float32:
-        parallel = distinct and rows.size >= PARALLEL_ACCUMULATE_MIN_ELEMENTS
+        parallel = distinct and rows.size >= PARALLEL_ACCUMULATE_MIN_ELEMENTS and _parallel.cpu_threads() > 1
         (_accumulate_cpu_parallel if parallel else _accumulate_cpu)(rows, tokens, weights, out)
     else:
         _accumulate_decoded_cpu(rows.view(np.uint16), _decode_table(raw_bf16), tokens, weights,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeroute.routing import _launcher, _sort
+from moeroute.routing import _launcher, _parallel, _sort
 from moeroute.routing._arrays import (
     as_caller,
     as_device_array,
@@ -162,7 +162,7 @@ def permute(hidden_states, topk_ids, num_experts, *, stream=None):
     permuted = np.empty((sorted_slots.shape[0], hidden.shape[1]), hidden.dtype)
     if permuted.size:
         source = _as_bits(np.ascontiguousarray(hidden))
-        parallel = permuted.nbytes >= PARALLEL_GATHER_MIN_BYTES
+        parallel = permuted.nbytes >= PARALLEL_GATHER_MIN_BYTES and _parallel.cpu_threads() > 1
         gather = _gather_rows_parallel if parallel else _gather_rows
         gather(source, sorted_slots, ids.shape[1], _as_bits(permuted))
     return (as_caller(permuted, hidden_states, bfloat16=is_bfloat16(hidden_states)),
