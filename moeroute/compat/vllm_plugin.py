@@ -10,17 +10,28 @@ Installing moeroute changes nothing in vLLM. The plugin acts only when asked:
 only checks the switch and returns.)
 
 Asked, it registers `MoerouteMoEMethod` as vLLM's out-of-tree replacement of
-``UnquantizedFusedMoEMethod`` (vLLM's ``CustomOp.register_oot`` seam). For each MoE layer
-it decides once, after the weights are loaded, whether it serves the layer:
+``UnquantizedFusedMoEMethod`` (vLLM's ``CustomOp.register_oot`` seam), and replaces vLLM's
+``RoutedExperts`` layer (a ``PluggableLayer``, same seam) by one whose quant-method choice
+swaps vLLM's ``Fp8MoEMethod`` for `MoerouteFp8MoEMethod` (vLLM's FP8 MoE method is no
+CustomOp, so the layer that picks it is the seam). `MoerouteFp8MoEMethod` creates and loads
+the FP8 weights and scales exactly as vLLM's method does (its ``create_weights`` and weight
+loaders): ``w13_weight`` [E, 2I, H] / ``w2_weight`` [E, H, I] float8_e4m3fn with
+``w13_weight_scale_inv`` [E, 2*ceil(I/bn), ceil(H/bk)] / ``w2_weight_scale_inv``
+[E, ceil(H/bn), ceil(I/bk)] float32, which is moeroute's fp8_block layout (gate block rows
+first); served, ``torch.ops.moeroute.experts(..., quant_format="fp8_block")`` runs on them
+as they are (docs/quant.md), never dequantized whole. For each MoE layer it decides once,
+after the weights are loaded, whether it serves the layer:
 
 * served: the layer becomes "monolithic" for vLLM's runner, which hands it the router
   logits; ``apply_monolithic`` routes them with `moeroute.select_experts` (a
   `moeroute.RouterConfig` built from the layer's top_k, renormalize, grouped top-k,
   scoring_func, routed_scaling_factor; the correction bias read from the layer at every
   call) and runs ``torch.ops.moeroute.experts`` on the layer's own ``w13_weight`` /
-  ``w2_weight`` (the Hugging Face stacked layout: no second copy, no repacking);
+  ``w2_weight`` (and FP8 scales) (the Hugging Face stacked layout: no second copy, no
+  repacking);
 * declined: vLLM's own method sets the layer up and runs it, unchanged, and one log line
-  per reason says why (a quantized scheme, an activation, expert parallelism, ...).
+  per reason says why (another quantized scheme, per-tensor FP8, an activation, expert
+  parallelism, ...).
 
 Shared experts: each served layer's plan is an `moeroute.ExpertLayout` whose resolved
 ``shared`` mode is ``"runner"``: vLLM's MoE runner computes the shared MLP (and its gate)
@@ -42,6 +53,7 @@ import os
 
 __all__ = [
     "PLUGIN_NAME",
+    "FP8_WEIGHT_DTYPES",
     "SWITCH",
     "STATS",
     "LayerPlan",
@@ -65,6 +77,8 @@ SCORING_FUNCS = ("softmax", "sigmoid")
 ROUTERS = ("CPURouter", "FusedTopKRouter", "GroupedTopKRouter", "FusedTopKBiasRouter")
 #: Expert weight dtypes moeroute's expert GEMMs serve.
 WEIGHT_DTYPES = ("torch.float32", "torch.float16", "torch.bfloat16")
+#: Expert weight dtypes of FP8 layers the plugin serves.
+FP8_WEIGHT_DTYPES = ("torch.float8_e4m3fn",)
 
 #: What the plugin did in this process: "layers" served, "declined" layers, "calls" of the
 #: served layers' forward and "tokens" routed by moeroute (eager calls; not counted inside
@@ -139,7 +153,11 @@ def register() -> None:
                        "UnquantizedFusedMoEMethod with %s; vLLM keeps that one", present.__name__)
         return
     # vLLM's documented seam: an out-of-tree subclass replaces the in-tree class by name.
-    method_cls.__base__.register_oot(method_cls)
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
+
+    UnquantizedFusedMoEMethod.register_oot(method_cls)
     if "RoutedExperts" not in op_registry_oot:
         routed_experts_cls.__base__.register_oot(routed_experts_cls)
     logger.info("moeroute: registered as vLLM's unquantized MoE method (%s)",
@@ -161,11 +179,14 @@ class LayerPlan:
         runner, once per token; "none": there is none).
     activation : str
         moeroute's name of the experts' gated activation.
+    quant : moeroute.quant.QuantConfig or None
+        The experts' quantization (fp8_block), None for float experts.
     """
 
     router: object
     layout: object
     activation: str
+    quant: object = None
 
     def describe(self) -> str:
         r = self.router
@@ -173,10 +194,13 @@ class LayerPlan:
                    + (f", {r.topk_group} of {r.num_expert_group} groups" if r.num_expert_group > 1 else "")
                    + (", renormalized" if r.renormalize else "")
                    + (f", scaled by {r.routed_scaling_factor:g}" if r.routed_scaling_factor != 1.0 else ""))
-        return f"{routing}; {self.activation} experts; shared expert: {self.layout.shared}"
+        experts = f"{self.activation} experts"
+        if self.quant is not None:
+            experts = f"{self.quant.format} {self.quant.block_size[0]}x{self.quant.block_size[1]} {experts}"
+        return f"{routing}; {experts}; shared expert: {self.layout.shared}"
 
 
-def decline_reason(moe_config, layer, runner) -> str | None:
+def decline_reason(moe_config, layer, runner, weight_dtypes=WEIGHT_DTYPES) -> str | None:
     """Why moeroute does not serve this layer, in words, or None when it does.
 
     Parameters
@@ -184,6 +208,7 @@ def decline_reason(moe_config, layer, runner) -> str | None:
     moe_config : vLLM FusedMoEConfig of the layer
     layer : vLLM RoutedExperts (the expert weights and routing arguments)
     runner : the layer's vLLM MoERunner, or None when it cannot be found
+    weight_dtypes : the expert weight dtypes served (`WEIGHT_DTYPES`, `FP8_WEIGHT_DTYPES`)
     """
     if runner is None:
         return "its MoE runner is not registered in vLLM's forward context"
@@ -218,12 +243,12 @@ def decline_reason(moe_config, layer, runner) -> str | None:
         return "it holds a subset of the experts (expert parallelism)"
     for name in ("w13_weight", "w2_weight"):
         dtype = str(getattr(getattr(layer, name, None), "dtype", None))
-        if dtype not in WEIGHT_DTYPES:
-            return f"its {name} has dtype {dtype}; the plugin serves {', '.join(WEIGHT_DTYPES)}"
+        if dtype not in weight_dtypes:
+            return f"its {name} has dtype {dtype}; the plugin serves {', '.join(weight_dtypes)} here"
     return None
 
 
-def build_plan(layer, runner) -> LayerPlan:
+def build_plan(layer, runner, quant=None) -> LayerPlan:
     """The `LayerPlan` of a layer that `decline_reason` accepts.
 
     Raises
@@ -246,7 +271,7 @@ def build_plan(layer, runner) -> LayerPlan:
     # the plan says so, and both sides read it.
     num_shared = 0 if runner.shared_experts is None else 1
     layout = ExpertLayout(router.num_experts, num_shared, shared="runner")
-    return LayerPlan(router, layout, ACTIVATIONS[layer.moe_config.activation.value])
+    return LayerPlan(router, layout, ACTIVATIONS[layer.moe_config.activation.value], quant)
 
 
 def _decline(layer_name: str, reason: str) -> None:
@@ -277,94 +302,195 @@ def _routed_experts_capture_on() -> bool:
     return bool(getattr(aux, "enable_return_routed_experts", False))
 
 
+def fp8_decline_reason(method, layer) -> str | None:
+    """Why moeroute does not serve this FP8 layer (beyond `decline_reason`), or None.
+
+    Parameters
+    ----------
+    method : vLLM Fp8MoEMethod of the layer (its quant config and block shape)
+    layer : vLLM RoutedExperts holding the loaded FP8 weights and scales
+    """
+    config = method.quant_config
+    if not method.block_quant:
+        return "its FP8 experts have per-tensor scales; the plugin serves block-scaled FP8 (weight_block_size)"
+    if config.activation_scheme != "dynamic":
+        return f"its FP8 activation scheme is {config.activation_scheme!r}; the plugin serves 'dynamic'"
+    if method.weight_scale_refine is not None or list(method.moe_block_shape) != list(method.weight_block_size):
+        return (f"vLLM refines its scale blocks {list(method.weight_block_size)} to {list(method.moe_block_shape)} "
+                "(tensor parallelism)")
+    for name in ("w13_weight_scale_inv", "w2_weight_scale_inv"):
+        dtype = str(getattr(getattr(layer, name, None), "dtype", None))
+        if dtype != "torch.float32":
+            return f"its {name} has dtype {dtype}; the plugin serves float32 block scales"
+    return None
+
+
+def _fp8_quant_config(method, layer):
+    """moeroute's `QuantConfig` of a served FP8 layer, its loaded weights and scales checked
+    (shapes, dtypes and scale values, once); ValueError/TypeError with moeroute's message."""
+    from moeroute.bindings.torch.fp8_experts import check_quantized_weights
+    from moeroute.quant import QuantConfig
+
+    quant = QuantConfig("fp8_block", block_size=tuple(int(b) for b in method.weight_block_size))
+    w13, w2 = layer.w13_weight, layer.w2_weight
+    check_quantized_weights(quant, int(w13.shape[0]), int(w13.shape[2]), int(w13.shape[1]) // 2, w13, w2,
+                            layer.w13_weight_scale_inv, layer.w2_weight_scale_inv, None)
+    return quant
+
+
+class _ServedMethod:
+    """What moeroute's vLLM MoE methods share: the decision after loading, the plan, and
+    routing plus experts when served. Mixed in before a vLLM method class, whose code runs
+    for a declined layer."""
+
+    #: The layer's `LayerPlan` once moeroute serves it; None: vLLM's method runs.
+    plan = None
+    #: Expert weight dtypes this method serves.
+    weight_dtypes = WEIGHT_DTYPES
+
+    def _quant_reason(self, layer) -> str | None:
+        """A reason to decline that is the quantization's, or None."""
+        return None
+
+    def _quant_config(self, layer):
+        """moeroute's QuantConfig of a served layer (None: float experts)."""
+        return None
+
+    def process_weights_after_loading(self, layer) -> None:
+        runner = _find_runner(layer)
+        reason = decline_reason(self.moe, layer, runner, self.weight_dtypes)
+        if reason is None and _routed_experts_capture_on():
+            reason = "vLLM captures the routed experts (enable_return_routed_experts)"
+        if reason is None:
+            reason = self._quant_reason(layer)
+        plan = None
+        if reason is None:
+            try:
+                plan = build_plan(layer, runner, self._quant_config(layer))
+            except (TypeError, ValueError) as error:
+                reason = f"moeroute refuses its routing or weights ({error})"
+        if plan is None:
+            _decline(layer.layer_name, reason)
+            super().process_weights_after_loading(layer)
+            return
+        # The loaded w13_weight [E, 2I, H] (gate rows first) and w2_weight [E, H, I] (and FP8
+        # block scales) are moeroute's layout already: used as they are, never repacked or copied.
+        self.plan = plan
+        STATS["layers"] += 1
+        if plan.quant is not None:
+            STATS["quantized_layers"] += 1
+        if STATS["layers"] == 1 or (plan.quant is not None and STATS["quantized_layers"] == 1):
+            logger.info("moeroute: serving MoE layer %s: %s", layer.layer_name, plan.describe())
+
+    @property
+    def is_monolithic(self) -> bool:
+        # Served: the runner hands over the router logits and moeroute routes.
+        return True if self.plan is not None else super().is_monolithic
+
+    @property
+    def mk_can_overlap_shared_experts(self) -> bool:
+        # The runner asks whether the kernel computes the shared experts: only when
+        # moeroute's plan gives them to it, never for a layer the plan gives the runner.
+        if self.plan is not None:
+            return self.plan.layout.shared not in ("runner", "none")
+        return super().mk_can_overlap_shared_experts
+
+    def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+        if self.plan is None:
+            return super().apply_monolithic(layer, x, router_logits, input_ids)
+        import torch
+
+        from moeroute.bindings.torch import ops
+
+        bias = layer.e_score_correction_bias
+        if bias is not None and bias.dtype != torch.float32:
+            bias = bias.float()
+        topk_weights, topk_ids = ops.select_experts(router_logits, self.plan.router, bias)
+        return self._experts(layer, x, topk_weights, topk_ids)
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        if self.plan is None:
+            return super().apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        import torch
+
+        # Reached only if a caller routes first: the experts are still moeroute's, and the
+        # shared experts stay with the runner, as the plan says.
+        return self._experts(layer, x, topk_weights.to(torch.float32), topk_ids.to(torch.int32))
+
+    def _experts(self, layer, x, topk_weights, topk_ids):
+        import torch
+
+        if not torch.compiler.is_compiling():  # a traced graph would count once, at tracing
+            STATS["calls"] += 1
+            STATS["tokens"] += int(x.shape[0])
+        quant = self.plan.quant
+        if quant is None:
+            return torch.ops.moeroute.experts(x, layer.w13_weight, layer.w2_weight, topk_ids, topk_weights,
+                                              self.plan.activation, "auto")
+        return torch.ops.moeroute.experts(
+            x, layer.w13_weight, layer.w2_weight, topk_ids, topk_weights, self.plan.activation, "auto",
+            gate_up_scale=layer.w13_weight_scale_inv, down_scale=layer.w2_weight_scale_inv,
+            quant_format=quant.format, block_size=list(quant.block_size), quant_activation=quant.activation,
+            scale_fmt=quant.scale_fmt)
+
+
 @functools.cache
 def _plugin_classes():
     """(method class, RoutedExperts class), defined on first use: vLLM is imported only
     when the plugin acts."""
-    import torch
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
         UnquantizedFusedMoEMethod,
     )
 
-    from moeroute.bindings.torch import ops  # registers torch.ops.moeroute.*
+    from moeroute.bindings.torch import ops  # noqa: F401  (registers torch.ops.moeroute.*)
 
-    class MoerouteMoEMethod(UnquantizedFusedMoEMethod):
+    class MoerouteMoEMethod(_ServedMethod, UnquantizedFusedMoEMethod):
         """vLLM's unquantized MoE method, with moeroute's routing and experts where the
         layer allows (see the module docstring); vLLM's own code elsewhere."""
 
-        def __init__(self, moe):
-            super().__init__(moe)
-            #: The layer's `LayerPlan` once moeroute serves it; None: vLLM's method runs.
-            self.plan = None
-
-        def process_weights_after_loading(self, layer) -> None:
-            runner = _find_runner(layer)
-            reason = decline_reason(self.moe, layer, runner)
-            if reason is None and _routed_experts_capture_on():
-                reason = "vLLM captures the routed experts (enable_return_routed_experts)"
-            plan = None
-            if reason is None:
-                try:
-                    plan = build_plan(layer, runner)
-                except ValueError as error:
-                    reason = f"its routing is not a valid moeroute RouterConfig ({error})"
-            if plan is None:
-                _decline(layer.layer_name, reason)
-                super().process_weights_after_loading(layer)
-                return
-            # The loaded w13_weight [E, 2I, H] (gate rows first) and w2_weight [E, H, I] are
-            # moeroute's layout already: they are used as they are, never repacked or copied.
-            self.plan = plan
-            STATS["layers"] += 1
-            if STATS["layers"] == 1:
-                logger.info("moeroute: serving MoE layer %s: %s", layer.layer_name, plan.describe())
-
-        @property
-        def is_monolithic(self) -> bool:
-            # Served: the runner hands over the router logits and moeroute routes.
-            return True if self.plan is not None else super().is_monolithic
-
-        @property
-        def mk_can_overlap_shared_experts(self) -> bool:
-            # The runner asks whether the kernel computes the shared experts: only when
-            # moeroute's plan gives them to it, never for a layer the plan gives the runner.
-            if self.plan is not None:
-                return self.plan.layout.shared not in ("runner", "none")
-            return super().mk_can_overlap_shared_experts
-
-        def apply_monolithic(self, layer, x, router_logits, input_ids=None):
-            if self.plan is None:
-                return super().apply_monolithic(layer, x, router_logits, input_ids)
-            bias = layer.e_score_correction_bias
-            if bias is not None and bias.dtype != torch.float32:
-                bias = bias.float()
-            topk_weights, topk_ids = ops.select_experts(router_logits, self.plan.router, bias)
-            return self._experts(layer, x, topk_weights, topk_ids)
-
-        def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-            if self.plan is None:
-                return super().apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
-            # Reached only if a caller routes first: the experts are still moeroute's, and the
-            # shared experts stay with the runner, as the plan says.
-            return self._experts(layer, x, topk_weights.to(torch.float32), topk_ids.to(torch.int32))
-
-        def _experts(self, layer, x, topk_weights, topk_ids):
-            if not torch.compiler.is_compiling():  # a traced graph would count once, at tracing
-                STATS["calls"] += 1
-                STATS["tokens"] += int(x.shape[0])
-            return torch.ops.moeroute.experts(x, layer.w13_weight, layer.w2_weight, topk_ids, topk_weights,
-                                              self.plan.activation, "auto")
-
     class MoerouteRoutedExperts(RoutedExperts):
-        """vLLM's RoutedExperts; says in one log line when a quantized layer keeps vLLM's
-        method (the plugin serves unquantized experts)."""
+        """vLLM's RoutedExperts whose FP8 block-scaled experts get `MoerouteFp8MoEMethod`;
+        says in one log line when another quantized layer keeps vLLM's method."""
 
         def _get_quant_method(self, prefix, quant_config, moe_config):
             method = super()._get_quant_method(prefix, quant_config, moe_config)
+            replacement = _quant_replacement(method)
+            if replacement is not None:
+                return replacement(quant_config, self)
             if not isinstance(method, UnquantizedFusedMoEMethod):
                 _decline(prefix, f"its experts are quantized ({type(method).__name__}); the plugin "
-                                 "serves unquantized experts")
+                                 "serves unquantized and FP8 (Fp8MoEMethod) experts")
             return method
 
     return MoerouteMoEMethod, MoerouteRoutedExperts
+
+
+def _quant_replacement(method):
+    """moeroute's class for vLLM's quantized MoE method ``method`` (exactly vLLM's class,
+    not a subclass someone else made), or None."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+
+    if type(method) is Fp8MoEMethod:
+        return _fp8_method_class()
+    return None
+
+
+@functools.cache
+def _fp8_method_class():
+    from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+
+    class MoerouteFp8MoEMethod(_ServedMethod, Fp8MoEMethod):
+        """vLLM's FP8 MoE method: its weights, scales and loaders; served, moeroute's routing
+        and fp8_block experts run on them (see the module docstring)."""
+
+        weight_dtypes = FP8_WEIGHT_DTYPES
+
+        def _quant_reason(self, layer):
+            return fp8_decline_reason(self, layer)
+
+        def _quant_config(self, layer):
+            return _fp8_quant_config(self, layer)
+
+    return MoerouteFp8MoEMethod
+
