@@ -57,7 +57,7 @@ def save_model(model_cls, config, directory, seed=0):
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for module_name, module in model.named_modules():
-            if module_name.endswith(("mlp.gate", "block_sparse_moe.gate")):
+            if module_name.endswith(("mlp.gate", "block_sparse_moe.gate", "mlp.router")):
                 module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * ROUTER_STD)
                 bias = getattr(module, "e_score_correction_bias", None)
                 if bias is not None:

@@ -19,8 +19,15 @@ loaders): ``w13_weight`` [E, 2I, H] / ``w2_weight`` [E, H, I] float8_e4m3fn with
 ``w13_weight_scale_inv`` [E, 2*ceil(I/bn), ceil(H/bk)] / ``w2_weight_scale_inv``
 [E, ceil(H/bn), ceil(I/bk)] float32, which is moeroute's fp8_block layout (gate block rows
 first); served, ``torch.ops.moeroute.experts(..., quant_format="fp8_block")`` runs on them
-as they are (docs/quant.md), never dequantized whole. For each MoE layer it decides once,
-after the weights are loaded, whether it serves the layer:
+as they are (docs/quant.md), never dequantized whole. gpt-oss's MoE layers are vLLM's
+``GptOssRoutedExperts`` (registered under its own name, so replaced too): for its MXFP4
+config (``GptOssMxfp4Config``) the plugin picks `MoerouteMxfp4MoEMethod` before vLLM builds
+``GptOssMxfp4MoEMethod`` (which raises where vLLM has no MXFP4 backend, e.g. a CPU without
+AMX), keeps that method's weights (uint8 nibbles [E, rows, cols/2], e8m0 scale bytes
+[E, rows, cols/32], bfloat16 biases) and loaders, reorders a served layer's interleaved
+gate_up rows gate-first once after loading, and runs moeroute's MXFP4 experts on the bytes.
+For each MoE layer it decides once, after the weights are loaded, whether it serves the
+layer:
 
 * served: the layer becomes "monolithic" for vLLM's runner, which hands it the router
   logits; ``apply_monolithic`` routes them with `moeroute.select_experts` (a
@@ -79,6 +86,10 @@ ROUTERS = ("CPURouter", "FusedTopKRouter", "GroupedTopKRouter", "FusedTopKBiasRo
 WEIGHT_DTYPES = ("torch.float32", "torch.float16", "torch.bfloat16")
 #: Expert weight dtypes of FP8 layers the plugin serves.
 FP8_WEIGHT_DTYPES = ("torch.float8_e4m3fn",)
+#: MXFP4 (gpt-oss) layers: packed uint8 weights, gpt-oss's activation (moeroute's
+#: "swigluoai": alpha 1.702, limit 7, the rows gate-first after the plugin reorders them).
+MXFP4_WEIGHT_DTYPES = ("torch.uint8",)
+MXFP4_ACTIVATIONS = {"swigluoai": "swigluoai"}
 
 #: What the plugin did in this process: "layers" served, "declined" layers, "calls" of the
 #: served layers' forward and "tokens" routed by moeroute (eager calls; not counted inside
@@ -159,7 +170,10 @@ def register() -> None:
 
     UnquantizedFusedMoEMethod.register_oot(method_cls)
     if "RoutedExperts" not in op_registry_oot:
-        routed_experts_cls.__base__.register_oot(routed_experts_cls)
+        routed_experts_cls.__bases__[-1].register_oot(routed_experts_cls)
+    gpt_oss_cls = _gpt_oss_routed_experts_class()
+    if gpt_oss_cls is not None and "GptOssRoutedExperts" not in op_registry_oot:
+        gpt_oss_cls.__bases__[-1].register_oot(gpt_oss_cls)
     logger.info("moeroute: registered as vLLM's unquantized MoE method (%s)",
                 f"{SWITCH}=1" if os.environ.get(SWITCH) == "1" else f"VLLM_PLUGINS names {PLUGIN_NAME}")
 
@@ -195,12 +209,15 @@ class LayerPlan:
                    + (", renormalized" if r.renormalize else "")
                    + (f", scaled by {r.routed_scaling_factor:g}" if r.routed_scaling_factor != 1.0 else ""))
         experts = f"{self.activation} experts"
-        if self.quant is not None:
+        if self.quant is not None and self.quant.format == "fp8_block":
             experts = f"{self.quant.format} {self.quant.block_size[0]}x{self.quant.block_size[1]} {experts}"
+        elif self.quant is not None:
+            experts = f"{self.quant.format} {experts}"
         return f"{routing}; {experts}; shared expert: {self.layout.shared}"
 
 
-def decline_reason(moe_config, layer, runner, weight_dtypes=WEIGHT_DTYPES) -> str | None:
+def decline_reason(moe_config, layer, runner, weight_dtypes=WEIGHT_DTYPES, activations=ACTIVATIONS,
+                   biases=False) -> str | None:
     """Why moeroute does not serve this layer, in words, or None when it does.
 
     Parameters
@@ -208,7 +225,9 @@ def decline_reason(moe_config, layer, runner, weight_dtypes=WEIGHT_DTYPES) -> st
     moe_config : vLLM FusedMoEConfig of the layer
     layer : vLLM RoutedExperts (the expert weights and routing arguments)
     runner : the layer's vLLM MoERunner, or None when it cannot be found
-    weight_dtypes : the expert weight dtypes served (`WEIGHT_DTYPES`, `FP8_WEIGHT_DTYPES`)
+    weight_dtypes : the expert weight dtypes served (`WEIGHT_DTYPES`, `FP8_WEIGHT_DTYPES`, ...)
+    activations : vLLM activation name -> moeroute's, of the activations served
+    biases : whether expert biases are served (MXFP4 gpt-oss experts)
     """
     if runner is None:
         return "its MoE runner is not registered in vLLM's forward context"
@@ -222,9 +241,9 @@ def decline_reason(moe_config, layer, runner, weight_dtypes=WEIGHT_DTYPES) -> st
     if moe_config.is_lora_enabled:
         return "LoRA is enabled"
     activation = moe_config.activation.value
-    if activation not in ACTIVATIONS:
-        return f"activation {activation!r} is not one the plugin serves ({', '.join(ACTIVATIONS)})"
-    if moe_config.has_bias:
+    if activation not in activations:
+        return f"activation {activation!r} is not one the plugin serves here ({', '.join(activations)})"
+    if moe_config.has_bias and not biases:
         return "its experts have biases"
     if layer.apply_router_weight_on_input:
         return "it applies the router weight on the input"
@@ -248,7 +267,7 @@ def decline_reason(moe_config, layer, runner, weight_dtypes=WEIGHT_DTYPES) -> st
     return None
 
 
-def build_plan(layer, runner, quant=None) -> LayerPlan:
+def build_plan(layer, runner, quant=None, activations=ACTIVATIONS) -> LayerPlan:
     """The `LayerPlan` of a layer that `decline_reason` accepts.
 
     Raises
@@ -271,7 +290,7 @@ def build_plan(layer, runner, quant=None) -> LayerPlan:
     # the plan says so, and both sides read it.
     num_shared = 0 if runner.shared_experts is None else 1
     layout = ExpertLayout(router.num_experts, num_shared, shared="runner")
-    return LayerPlan(router, layout, ACTIVATIONS[layer.moe_config.activation.value], quant)
+    return LayerPlan(router, layout, activations[layer.moe_config.activation.value], quant)
 
 
 def _decline(layer_name: str, reason: str) -> None:
@@ -345,8 +364,10 @@ class _ServedMethod:
 
     #: The layer's `LayerPlan` once moeroute serves it; None: vLLM's method runs.
     plan = None
-    #: Expert weight dtypes this method serves.
+    #: Expert weight dtypes, activations and biases this method serves.
     weight_dtypes = WEIGHT_DTYPES
+    activations = ACTIVATIONS
+    biases = False
 
     def _quant_reason(self, layer) -> str | None:
         """A reason to decline that is the quantization's, or None."""
@@ -356,9 +377,16 @@ class _ServedMethod:
         """moeroute's QuantConfig of a served layer (None: float experts)."""
         return None
 
+    def _adopt_weights(self, layer) -> None:
+        """Put a served layer's loaded weights in moeroute's layout (in place), if needed."""
+
+    def _vllm_setup(self, layer, reason: str) -> None:
+        """vLLM's own set-up of a declined layer."""
+        super().process_weights_after_loading(layer)
+
     def process_weights_after_loading(self, layer) -> None:
         runner = _find_runner(layer)
-        reason = decline_reason(self.moe, layer, runner, self.weight_dtypes)
+        reason = decline_reason(self.moe, layer, runner, self.weight_dtypes, self.activations, self.biases)
         if reason is None and _routed_experts_capture_on():
             reason = "vLLM captures the routed experts (enable_return_routed_experts)"
         if reason is None:
@@ -366,13 +394,14 @@ class _ServedMethod:
         plan = None
         if reason is None:
             try:
-                plan = build_plan(layer, runner, self._quant_config(layer))
+                plan = build_plan(layer, runner, self._quant_config(layer), self.activations)
             except (TypeError, ValueError) as error:
                 reason = f"moeroute refuses its routing or weights ({error})"
         if plan is None:
             _decline(layer.layer_name, reason)
-            super().process_weights_after_loading(layer)
+            self._vllm_setup(layer, reason)
             return
+        self._adopt_weights(layer)
         # The loaded w13_weight [E, 2I, H] (gate rows first) and w2_weight [E, H, I] (and FP8
         # block scales) are moeroute's layout already: used as they are, never repacked or copied.
         self.plan = plan
@@ -424,6 +453,8 @@ class _ServedMethod:
             STATS["calls"] += 1
             STATS["tokens"] += int(x.shape[0])
         quant = self.plan.quant
+        if quant is not None and quant.format == "mxfp4":
+            return _mxfp4_experts(layer, x, topk_weights, topk_ids)
         if quant is None:
             return torch.ops.moeroute.experts(x, layer.w13_weight, layer.w2_weight, topk_ids, topk_weights,
                                               self.plan.activation, "auto")
@@ -449,21 +480,56 @@ def _plugin_classes():
         """vLLM's unquantized MoE method, with moeroute's routing and experts where the
         layer allows (see the module docstring); vLLM's own code elsewhere."""
 
-    class MoerouteRoutedExperts(RoutedExperts):
+    class MoerouteRoutedExperts(_ChoosesQuantMethod, RoutedExperts):
         """vLLM's RoutedExperts whose FP8 block-scaled experts get `MoerouteFp8MoEMethod`;
         says in one log line when another quantized layer keeps vLLM's method."""
 
-        def _get_quant_method(self, prefix, quant_config, moe_config):
-            method = super()._get_quant_method(prefix, quant_config, moe_config)
-            replacement = _quant_replacement(method)
-            if replacement is not None:
-                return replacement(quant_config, self)
-            if not isinstance(method, UnquantizedFusedMoEMethod):
-                _decline(prefix, f"its experts are quantized ({type(method).__name__}); the plugin "
-                                 "serves unquantized and FP8 (Fp8MoEMethod) experts")
-            return method
-
     return MoerouteMoEMethod, MoerouteRoutedExperts
+
+
+class _ChoosesQuantMethod:
+    """The quant-method choice of moeroute's RoutedExperts classes (mixed in before vLLM's)."""
+
+    def _get_quant_method(self, prefix, quant_config, moe_config):
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+            UnquantizedFusedMoEMethod,
+        )
+
+        if _is_gpt_oss_mxfp4(quant_config):
+            # Chosen before vLLM's method is built: on a CPU without AMX building it raises.
+            return _mxfp4_method_class()(moe_config)
+        method = super()._get_quant_method(prefix, quant_config, moe_config)
+        replacement = _quant_replacement(method)
+        if replacement is not None:
+            return replacement(quant_config, self)
+        if not isinstance(method, UnquantizedFusedMoEMethod):
+            _decline(prefix, f"its experts are quantized ({type(method).__name__}); the plugin "
+                             "serves unquantized, FP8 (Fp8MoEMethod) and gpt-oss MXFP4 experts")
+        return method
+
+
+def _is_gpt_oss_mxfp4(quant_config) -> bool:
+    try:
+        from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config
+    except ImportError:
+        return False
+    return type(quant_config) is GptOssMxfp4Config
+
+
+@functools.cache
+def _gpt_oss_routed_experts_class():
+    """moeroute's replacement of vLLM's GptOssRoutedExperts (gpt-oss builds its MoE layers
+    with that subclass, which vLLM's registry keys by its own name), or None."""
+    try:
+        from vllm.model_executor.models.gpt_oss import GptOssRoutedExperts
+    except ImportError:
+        return None
+
+    class MoerouteGptOssRoutedExperts(_ChoosesQuantMethod, GptOssRoutedExperts):
+        """vLLM's GptOssRoutedExperts (its loaders) whose MXFP4 experts get
+        `MoerouteMxfp4MoEMethod`."""
+
+    return MoerouteGptOssRoutedExperts
 
 
 def _quant_replacement(method):
@@ -494,3 +560,117 @@ def _fp8_method_class():
 
     return MoerouteFp8MoEMethod
 
+
+def mxfp4_decline_reason(layer) -> str | None:
+    """Why moeroute does not serve this gpt-oss MXFP4 layer (beyond `decline_reason`), or None."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    from moeroute.bindings.torch.experts import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+
+    for name, value in (("swiglu_alpha", SWIGLUOAI_ALPHA), ("swiglu_limit", SWIGLUOAI_LIMIT)):
+        given = getattr(layer, name, None)
+        if given is not None and float(given) != value:
+            return f"its {name} is {given}; moeroute's swigluoai has {value}"
+    config = get_current_vllm_config_or_none()
+    mode = getattr(getattr(config, "compilation_config", None), "mode", None)
+    if mode is not None and int(mode) != 0:
+        return ("vLLM compiles the model (enforce_eager=False) and moeroute's MXFP4 experts are no torch "
+                "custom op yet")
+    return None
+
+
+def _mxfp4_quant_config(layer):
+    """moeroute's QuantConfig("mxfp4") of a served layer, its loaded bytes checked."""
+    from moeroute.bindings.torch.mxfp4_experts import check_mxfp4_weights
+    from moeroute.quant import QuantConfig
+
+    quant = QuantConfig("mxfp4")
+    num_experts, two_inter = layer.w13_weight.shape[:2]
+    hidden = layer.w2_weight.shape[1]
+    w13, w2 = _mxfp4_blocks(layer)
+    check_mxfp4_weights(quant, int(num_experts), int(hidden), int(two_inter) // 2,
+                        (w13, layer.w13_weight_scale), (w2, layer.w2_weight_scale))
+    return quant
+
+
+def _mxfp4_blocks(layer):
+    """vLLM's packed w13/w2 [E, rows, cols/2] uint8 viewed as moeroute's [E, rows, cols/32, 16]."""
+    w13, w2 = layer.w13_weight, layer.w2_weight
+    return (w13.view(w13.shape[0], w13.shape[1], -1, 16), w2.view(w2.shape[0], w2.shape[1], -1, 16))
+
+
+def _mxfp4_experts(layer, x, topk_weights, topk_ids):
+    from moeroute.bindings.torch.mxfp4_experts import mxfp4_experts_forward
+
+    w13, w2 = _mxfp4_blocks(layer)
+    return mxfp4_experts_forward(x, topk_ids, topk_weights, w13, layer.w13_weight_scale, w2, layer.w2_weight_scale,
+                                 getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None), "swigluoai")
+
+
+@functools.cache
+def _mxfp4_method_class():
+    import torch
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+    from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4MoEMethod
+
+    class MoerouteMxfp4MoEMethod(_ServedMethod, GptOssMxfp4MoEMethod):
+        """vLLM's gpt-oss MXFP4 MoE method: its weights, scales, biases and loaders; served,
+        moeroute's routing and MXFP4 experts run on them.
+
+        vLLM keeps gpt-oss's interleaved gate_up rows (gate, up, gate, ...); a served layer's
+        packed rows, scale rows and bias entries are put gate rows first once after loading
+        (a row permutation of the bytes; nothing is dequantized)."""
+
+        weight_dtypes = MXFP4_WEIGHT_DTYPES
+        activations = MXFP4_ACTIVATIONS
+        biases = True
+
+        def __init__(self, moe):
+            try:
+                super().__init__(moe)
+                #: vLLM's reason it has no MXFP4 backend here, or None when it has one.
+                self.vllm_unavailable = None
+            except NotImplementedError as error:
+                # vLLM's __init__ up to its backend choice, without a backend.
+                FusedMoEMethodBase.__init__(self, moe)
+                self.weight_dtype = "gpt_oss_mxfp4"
+                self.mxfp4_backend, self.experts_cls = Mxfp4MoeBackend.NONE, None
+                self.max_capture_size = moe.max_capture_size
+                self._cache_permute_indices = {}
+                self.moe_kernel = None
+                self.w13_precision_config = self.w2_precision_config = None
+                self.vllm_unavailable = str(error)
+
+        @property
+        def is_monolithic(self) -> bool:
+            if self.plan is None and self.experts_cls is None:
+                return False
+            return super().is_monolithic
+
+        def _quant_reason(self, layer):
+            return mxfp4_decline_reason(layer)
+
+        def _quant_config(self, layer):
+            return _mxfp4_quant_config(layer)
+
+        def _vllm_setup(self, layer, reason):
+            if self.vllm_unavailable is not None:
+                raise NotImplementedError(f"{self.vllm_unavailable} (moeroute declined layer {layer.layer_name}: "
+                                          f"{reason})")
+            super()._vllm_setup(layer, reason)
+
+        def _adopt_weights(self, layer):
+            rows = layer.w13_weight.shape[1]
+            order = torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)]).to(layer.w13_weight.device)
+            for name in ("w13_weight", "w13_weight_scale", "w13_bias"):
+                param = getattr(layer, name, None)
+                if param is not None:
+                    param.data = param.data.index_select(1, order)
+
+        def get_fused_moe_quant_config(self, layer):
+            if self.plan is not None and self.mxfp4_backend == Mxfp4MoeBackend.NONE:
+                return None  # no vLLM kernel runs this layer
+            return super().get_fused_moe_quant_config(layer)
+
+    return MoerouteMxfp4MoEMethod
