@@ -47,12 +47,17 @@ MODELS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 def save(name, directory, seed=0):
     """Save the tiny random ``name`` checkpoint (one of `MODELS`) into ``directory``."""
     model_cls, config = _config(name)
+    return save_model(model_cls, config, directory, seed)
+
+
+def save_model(model_cls, config, directory, seed=0):
+    """Save a random ``model_cls(config)`` with the routers drawn as `save` draws them."""
     torch.manual_seed(seed)
     model = model_cls(config)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for module_name, module in model.named_modules():
-            if module_name.endswith(("mlp.gate", "block_sparse_moe.gate")):
+            if module_name.endswith(("mlp.gate", "block_sparse_moe.gate", "mlp.router")):
                 module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * ROUTER_STD)
                 bias = getattr(module, "e_score_correction_bias", None)
                 if bias is not None:

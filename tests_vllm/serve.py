@@ -1,6 +1,6 @@
 """Serve tiny checkpoints with vLLM in this process and write what happened as JSON.
 
-    python tests_vllm/serve.py [--compiled] OUT.json MODEL_DIR [MODEL_DIR ...]
+    python tests_vllm/serve.py [--compiled] [--capture] OUT.json MODEL_DIR [MODEL_DIR ...]
 
 Run by the tests in a fresh process per plugin setting (vLLM's MoE method registry is
 per process); the environment says whether the moeroute plugin acts. For each model:
@@ -8,6 +8,8 @@ greedy tokens and vLLM's top-2 logprobs per step for one batch of 1 prompt and o
 how often each MoE runner ran and how often (and on how many token rows) its shared MLP
 ran, and moeroute's plugin counters. ``--compiled`` serves with vLLM's torch.compile
 (``enforce_eager=False``); the call counts then only cover what ran outside the graph.
+``--capture`` also saves, for each MoE layer moeroute serves, every call's input rows,
+router logits, correction bias, routed_scaling_factor and output (torch.save into OUT.json.<i>.pt for the i-th model).
 """
 
 import json
@@ -66,7 +68,33 @@ def count_calls(model):
             module.shared_experts._layer.register_forward_hook(shared_hook, with_kwargs=True)
 
 
-def serve(model_dir, eager=True):
+#: Per served MoE layer (by layer name): one dict of tensors per call.
+CAPTURED = {}
+
+
+def capture_calls(model):
+    """Record every call of the moeroute-served MoE methods into `CAPTURED`."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    for module in model.modules():
+        if not isinstance(module, MoERunner) or getattr(module._quant_method, "plan", None) is None:
+            continue
+        method, calls = module._quant_method, []
+        CAPTURED[module.routed_experts.layer_name] = calls
+        original = method.apply_monolithic
+
+        def apply_monolithic(layer, x, router_logits, input_ids=None, original=original, calls=calls):
+            out = original(layer, x, router_logits, input_ids)
+            bias = layer.e_score_correction_bias
+            calls.append({"x": x.clone(), "router_logits": router_logits.clone(), "out": out.clone(),
+                          "bias": None if bias is None else bias.clone(),
+                          "routed_scaling_factor": float(layer.routed_scaling_factor)})
+            return out
+
+        method.apply_monolithic = apply_monolithic
+
+
+def serve(model_dir, eager=True, capture=False):
     from vllm import LLM, SamplingParams
 
     with open(os.path.join(model_dir, "config.json")) as f:
@@ -74,6 +102,8 @@ def serve(model_dir, eager=True):
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=eager,
               max_model_len=128, seed=0, kv_cache_memory_bytes=32 << 20)
     llm.apply_model(count_calls)
+    if capture:
+        llm.apply_model(capture_calls)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2, detokenize=False,
                             ignore_eos=True)
     batches = {}
@@ -92,10 +122,16 @@ def serve(model_dir, eager=True):
 def main():
     arguments = sys.argv[1:]
     eager = "--compiled" not in arguments
-    out_path, *model_dirs = [a for a in arguments if a != "--compiled"]
+    capture = "--capture" in arguments
+    out_path, *model_dirs = [a for a in arguments if a not in ("--compiled", "--capture")]
     results = {}
     for model_dir in model_dirs:
-        results[model_dir] = serve(model_dir, eager)
+        CAPTURED.clear()
+        results[model_dir] = serve(model_dir, eager, capture)
+        if capture:
+            import torch
+
+            torch.save(dict(CAPTURED), out_path + f".{len(results) - 1}.pt")
     from moeroute.compat import vllm_plugin
 
     results["stats"] = dict(vllm_plugin.STATS)

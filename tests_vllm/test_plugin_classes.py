@@ -1,5 +1,6 @@
-"""The plugin's classes inside vLLM, without serving a model: registration, the quantized
-fallback line and the shared-expert answer read from the plan.
+"""The plugin's classes inside vLLM, without serving a model: registration (gpt-oss's
+RoutedExperts subclass included), the quantized fallback line, the shared-expert answer read
+from the plan and the MXFP4 decline rules.
 
 (Registering changes vLLM's class registry of this process only; the serving tests run
 their engines in fresh processes.)
@@ -74,3 +75,33 @@ def test_runner_is_told_from_the_plan_who_computes_the_shared_expert(classes):
     assert served.mk_can_overlap_shared_experts is False
     # The answer is the plan's: a plan giving the shared expert to the kernel says so.
     assert _method(method_cls, "fused").mk_can_overlap_shared_experts is True
+
+
+@pytest.mark.parametrize("mode, declined", [(0, False), (3, True)])
+def test_mxfp4_layers_are_declined_when_vllm_compiles(mode, declined):
+    import types
+
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(mode=mode))):
+        reason = vllm_plugin.mxfp4_decline_reason(types.SimpleNamespace())
+    if declined:
+        assert "enforce_eager=False" in reason and "custom op" in reason
+    else:
+        assert reason is None
+
+
+def test_mxfp4_layers_with_other_swiglu_constants_are_declined():
+    import types
+
+    assert "swiglu_limit is 10.0" in vllm_plugin.mxfp4_decline_reason(types.SimpleNamespace(swiglu_limit=10.0))
+    assert "swiglu_alpha is 1.5" in vllm_plugin.mxfp4_decline_reason(types.SimpleNamespace(swiglu_alpha=1.5))
+    assert vllm_plugin.mxfp4_decline_reason(types.SimpleNamespace(swiglu_alpha=1.702, swiglu_limit=7.0)) is None
+
+
+def test_gpt_oss_routed_experts_are_replaced(classes):
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.models.gpt_oss import GptOssRoutedExperts
+
+    replacement = op_registry_oot["GptOssRoutedExperts"]
+    assert issubclass(replacement, GptOssRoutedExperts) and replacement is vllm_plugin._gpt_oss_routed_experts_class()

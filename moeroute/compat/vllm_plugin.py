@@ -10,17 +10,35 @@ Installing moeroute changes nothing in vLLM. The plugin acts only when asked:
 only checks the switch and returns.)
 
 Asked, it registers `MoerouteMoEMethod` as vLLM's out-of-tree replacement of
-``UnquantizedFusedMoEMethod`` (vLLM's ``CustomOp.register_oot`` seam). For each MoE layer
-it decides once, after the weights are loaded, whether it serves the layer:
+``UnquantizedFusedMoEMethod`` (vLLM's ``CustomOp.register_oot`` seam), and replaces vLLM's
+``RoutedExperts`` layer (a ``PluggableLayer``, same seam) by one whose quant-method choice
+swaps vLLM's ``Fp8MoEMethod`` for `MoerouteFp8MoEMethod` (vLLM's FP8 MoE method is no
+CustomOp, so the layer that picks it is the seam). `MoerouteFp8MoEMethod` creates and loads
+the FP8 weights and scales exactly as vLLM's method does (its ``create_weights`` and weight
+loaders): ``w13_weight`` [E, 2I, H] / ``w2_weight`` [E, H, I] float8_e4m3fn with
+``w13_weight_scale_inv`` [E, 2*ceil(I/bn), ceil(H/bk)] / ``w2_weight_scale_inv``
+[E, ceil(H/bn), ceil(I/bk)] float32, which is moeroute's fp8_block layout (gate block rows
+first); served, ``torch.ops.moeroute.experts(..., quant_format="fp8_block")`` runs on them
+as they are (docs/quant.md), never dequantized whole. gpt-oss's MoE layers are vLLM's
+``GptOssRoutedExperts`` (registered under its own name, so replaced too): for its MXFP4
+config (``GptOssMxfp4Config``) the plugin picks `MoerouteMxfp4MoEMethod` before vLLM builds
+``GptOssMxfp4MoEMethod`` (which raises where vLLM has no MXFP4 backend, e.g. a CPU without
+AMX), keeps that method's weights (uint8 nibbles [E, rows, cols/2], e8m0 scale bytes
+[E, rows, cols/32], bfloat16 biases) and loaders, reorders a served layer's interleaved
+gate_up rows gate-first once after loading, and runs moeroute's MXFP4 experts on the bytes.
+For each MoE layer it decides once, after the weights are loaded, whether it serves the
+layer:
 
 * served: the layer becomes "monolithic" for vLLM's runner, which hands it the router
   logits; ``apply_monolithic`` routes them with `moeroute.select_experts` (a
   `moeroute.RouterConfig` built from the layer's top_k, renormalize, grouped top-k,
   scoring_func, routed_scaling_factor; the correction bias read from the layer at every
   call) and runs ``torch.ops.moeroute.experts`` on the layer's own ``w13_weight`` /
-  ``w2_weight`` (the Hugging Face stacked layout: no second copy, no repacking);
+  ``w2_weight`` (and FP8 scales) (the Hugging Face stacked layout: no second copy, no
+  repacking);
 * declined: vLLM's own method sets the layer up and runs it, unchanged, and one log line
-  per reason says why (a quantized scheme, an activation, expert parallelism, ...).
+  per reason says why (another quantized scheme, per-tensor FP8, an activation, expert
+  parallelism, ...).
 
 Shared experts: each served layer's plan is an `moeroute.ExpertLayout` whose resolved
 ``shared`` mode is ``"runner"``: vLLM's MoE runner computes the shared MLP (and its gate)
@@ -42,6 +60,7 @@ import os
 
 __all__ = [
     "PLUGIN_NAME",
+    "FP8_WEIGHT_DTYPES",
     "SWITCH",
     "STATS",
     "LayerPlan",
@@ -65,6 +84,12 @@ SCORING_FUNCS = ("softmax", "sigmoid")
 ROUTERS = ("CPURouter", "FusedTopKRouter", "GroupedTopKRouter", "FusedTopKBiasRouter")
 #: Expert weight dtypes moeroute's expert GEMMs serve.
 WEIGHT_DTYPES = ("torch.float32", "torch.float16", "torch.bfloat16")
+#: Expert weight dtypes of FP8 layers the plugin serves.
+FP8_WEIGHT_DTYPES = ("torch.float8_e4m3fn",)
+#: MXFP4 (gpt-oss) layers: packed uint8 weights, gpt-oss's activation (moeroute's
+#: "swigluoai": alpha 1.702, limit 7, the rows gate-first after the plugin reorders them).
+MXFP4_WEIGHT_DTYPES = ("torch.uint8",)
+MXFP4_ACTIVATIONS = {"swigluoai": "swigluoai"}
 
 #: What the plugin did in this process: "layers" served, "declined" layers, "calls" of the
 #: served layers' forward and "tokens" routed by moeroute (eager calls; not counted inside
@@ -139,9 +164,16 @@ def register() -> None:
                        "UnquantizedFusedMoEMethod with %s; vLLM keeps that one", present.__name__)
         return
     # vLLM's documented seam: an out-of-tree subclass replaces the in-tree class by name.
-    method_cls.__base__.register_oot(method_cls)
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
+
+    UnquantizedFusedMoEMethod.register_oot(method_cls)
     if "RoutedExperts" not in op_registry_oot:
-        routed_experts_cls.__base__.register_oot(routed_experts_cls)
+        routed_experts_cls.__bases__[-1].register_oot(routed_experts_cls)
+    gpt_oss_cls = _gpt_oss_routed_experts_class()
+    if gpt_oss_cls is not None and "GptOssRoutedExperts" not in op_registry_oot:
+        gpt_oss_cls.__bases__[-1].register_oot(gpt_oss_cls)
     logger.info("moeroute: registered as vLLM's unquantized MoE method (%s)",
                 f"{SWITCH}=1" if os.environ.get(SWITCH) == "1" else f"VLLM_PLUGINS names {PLUGIN_NAME}")
 
@@ -161,11 +193,14 @@ class LayerPlan:
         runner, once per token; "none": there is none).
     activation : str
         moeroute's name of the experts' gated activation.
+    quant : moeroute.quant.QuantConfig or None
+        The experts' quantization (fp8_block), None for float experts.
     """
 
     router: object
     layout: object
     activation: str
+    quant: object = None
 
     def describe(self) -> str:
         r = self.router
@@ -173,10 +208,16 @@ class LayerPlan:
                    + (f", {r.topk_group} of {r.num_expert_group} groups" if r.num_expert_group > 1 else "")
                    + (", renormalized" if r.renormalize else "")
                    + (f", scaled by {r.routed_scaling_factor:g}" if r.routed_scaling_factor != 1.0 else ""))
-        return f"{routing}; {self.activation} experts; shared expert: {self.layout.shared}"
+        experts = f"{self.activation} experts"
+        if self.quant is not None and self.quant.format == "fp8_block":
+            experts = f"{self.quant.format} {self.quant.block_size[0]}x{self.quant.block_size[1]} {experts}"
+        elif self.quant is not None:
+            experts = f"{self.quant.format} {experts}"
+        return f"{routing}; {experts}; shared expert: {self.layout.shared}"
 
 
-def decline_reason(moe_config, layer, runner) -> str | None:
+def decline_reason(moe_config, layer, runner, weight_dtypes=WEIGHT_DTYPES, activations=ACTIVATIONS,
+                   biases=False) -> str | None:
     """Why moeroute does not serve this layer, in words, or None when it does.
 
     Parameters
@@ -184,6 +225,9 @@ def decline_reason(moe_config, layer, runner) -> str | None:
     moe_config : vLLM FusedMoEConfig of the layer
     layer : vLLM RoutedExperts (the expert weights and routing arguments)
     runner : the layer's vLLM MoERunner, or None when it cannot be found
+    weight_dtypes : the expert weight dtypes served (`WEIGHT_DTYPES`, `FP8_WEIGHT_DTYPES`, ...)
+    activations : vLLM activation name -> moeroute's, of the activations served
+    biases : whether expert biases are served (MXFP4 gpt-oss experts)
     """
     if runner is None:
         return "its MoE runner is not registered in vLLM's forward context"
@@ -197,9 +241,9 @@ def decline_reason(moe_config, layer, runner) -> str | None:
     if moe_config.is_lora_enabled:
         return "LoRA is enabled"
     activation = moe_config.activation.value
-    if activation not in ACTIVATIONS:
-        return f"activation {activation!r} is not one the plugin serves ({', '.join(ACTIVATIONS)})"
-    if moe_config.has_bias:
+    if activation not in activations:
+        return f"activation {activation!r} is not one the plugin serves here ({', '.join(activations)})"
+    if moe_config.has_bias and not biases:
         return "its experts have biases"
     if layer.apply_router_weight_on_input:
         return "it applies the router weight on the input"
@@ -218,12 +262,12 @@ def decline_reason(moe_config, layer, runner) -> str | None:
         return "it holds a subset of the experts (expert parallelism)"
     for name in ("w13_weight", "w2_weight"):
         dtype = str(getattr(getattr(layer, name, None), "dtype", None))
-        if dtype not in WEIGHT_DTYPES:
-            return f"its {name} has dtype {dtype}; the plugin serves {', '.join(WEIGHT_DTYPES)}"
+        if dtype not in weight_dtypes:
+            return f"its {name} has dtype {dtype}; the plugin serves {', '.join(weight_dtypes)} here"
     return None
 
 
-def build_plan(layer, runner) -> LayerPlan:
+def build_plan(layer, runner, quant=None, activations=ACTIVATIONS) -> LayerPlan:
     """The `LayerPlan` of a layer that `decline_reason` accepts.
 
     Raises
@@ -246,7 +290,7 @@ def build_plan(layer, runner) -> LayerPlan:
     # the plan says so, and both sides read it.
     num_shared = 0 if runner.shared_experts is None else 1
     layout = ExpertLayout(router.num_experts, num_shared, shared="runner")
-    return LayerPlan(router, layout, ACTIVATIONS[layer.moe_config.activation.value])
+    return LayerPlan(router, layout, activations[layer.moe_config.activation.value], quant)
 
 
 def _decline(layer_name: str, reason: str) -> None:
@@ -277,94 +321,356 @@ def _routed_experts_capture_on() -> bool:
     return bool(getattr(aux, "enable_return_routed_experts", False))
 
 
+def fp8_decline_reason(method, layer) -> str | None:
+    """Why moeroute does not serve this FP8 layer (beyond `decline_reason`), or None.
+
+    Parameters
+    ----------
+    method : vLLM Fp8MoEMethod of the layer (its quant config and block shape)
+    layer : vLLM RoutedExperts holding the loaded FP8 weights and scales
+    """
+    config = method.quant_config
+    if not method.block_quant:
+        return "its FP8 experts have per-tensor scales; the plugin serves block-scaled FP8 (weight_block_size)"
+    if config.activation_scheme != "dynamic":
+        return f"its FP8 activation scheme is {config.activation_scheme!r}; the plugin serves 'dynamic'"
+    if method.weight_scale_refine is not None or list(method.moe_block_shape) != list(method.weight_block_size):
+        return (f"vLLM refines its scale blocks {list(method.weight_block_size)} to {list(method.moe_block_shape)} "
+                "(tensor parallelism)")
+    for name in ("w13_weight_scale_inv", "w2_weight_scale_inv"):
+        dtype = str(getattr(getattr(layer, name, None), "dtype", None))
+        if dtype != "torch.float32":
+            return f"its {name} has dtype {dtype}; the plugin serves float32 block scales"
+    return None
+
+
+def _fp8_quant_config(method, layer):
+    """moeroute's `QuantConfig` of a served FP8 layer, its loaded weights and scales checked
+    (shapes, dtypes and scale values, once); ValueError/TypeError with moeroute's message."""
+    from moeroute.bindings.torch.fp8_experts import check_quantized_weights
+    from moeroute.quant import QuantConfig
+
+    quant = QuantConfig("fp8_block", block_size=tuple(int(b) for b in method.weight_block_size))
+    w13, w2 = layer.w13_weight, layer.w2_weight
+    check_quantized_weights(quant, int(w13.shape[0]), int(w13.shape[2]), int(w13.shape[1]) // 2, w13, w2,
+                            layer.w13_weight_scale_inv, layer.w2_weight_scale_inv, None)
+    return quant
+
+
+class _ServedMethod:
+    """What moeroute's vLLM MoE methods share: the decision after loading, the plan, and
+    routing plus experts when served. Mixed in before a vLLM method class, whose code runs
+    for a declined layer."""
+
+    #: The layer's `LayerPlan` once moeroute serves it; None: vLLM's method runs.
+    plan = None
+    #: Expert weight dtypes, activations and biases this method serves.
+    weight_dtypes = WEIGHT_DTYPES
+    activations = ACTIVATIONS
+    biases = False
+
+    def _quant_reason(self, layer) -> str | None:
+        """A reason to decline that is the quantization's, or None."""
+        return None
+
+    def _quant_config(self, layer):
+        """moeroute's QuantConfig of a served layer (None: float experts)."""
+        return None
+
+    def _adopt_weights(self, layer) -> None:
+        """Put a served layer's loaded weights in moeroute's layout (in place), if needed."""
+
+    def _vllm_setup(self, layer, reason: str) -> None:
+        """vLLM's own set-up of a declined layer."""
+        super().process_weights_after_loading(layer)
+
+    def process_weights_after_loading(self, layer) -> None:
+        runner = _find_runner(layer)
+        reason = decline_reason(self.moe, layer, runner, self.weight_dtypes, self.activations, self.biases)
+        if reason is None and _routed_experts_capture_on():
+            reason = "vLLM captures the routed experts (enable_return_routed_experts)"
+        if reason is None:
+            reason = self._quant_reason(layer)
+        plan = None
+        if reason is None:
+            try:
+                plan = build_plan(layer, runner, self._quant_config(layer), self.activations)
+            except (TypeError, ValueError) as error:
+                reason = f"moeroute refuses its routing or weights ({error})"
+        if plan is None:
+            _decline(layer.layer_name, reason)
+            self._vllm_setup(layer, reason)
+            return
+        self._adopt_weights(layer)
+        # The loaded w13_weight [E, 2I, H] (gate rows first) and w2_weight [E, H, I] (and FP8
+        # block scales) are moeroute's layout already: used as they are, never repacked or copied.
+        self.plan = plan
+        STATS["layers"] += 1
+        if plan.quant is not None:
+            STATS["quantized_layers"] += 1
+        if STATS["layers"] == 1 or (plan.quant is not None and STATS["quantized_layers"] == 1):
+            logger.info("moeroute: serving MoE layer %s: %s", layer.layer_name, plan.describe())
+
+    @property
+    def is_monolithic(self) -> bool:
+        # Served: the runner hands over the router logits and moeroute routes.
+        return True if self.plan is not None else super().is_monolithic
+
+    @property
+    def mk_can_overlap_shared_experts(self) -> bool:
+        # The runner asks whether the kernel computes the shared experts: only when
+        # moeroute's plan gives them to it, never for a layer the plan gives the runner.
+        if self.plan is not None:
+            return self.plan.layout.shared not in ("runner", "none")
+        return super().mk_can_overlap_shared_experts
+
+    def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+        if self.plan is None:
+            return super().apply_monolithic(layer, x, router_logits, input_ids)
+        import torch
+
+        from moeroute.bindings.torch import ops
+
+        bias = layer.e_score_correction_bias
+        if bias is not None and bias.dtype != torch.float32:
+            bias = bias.float()
+        topk_weights, topk_ids = ops.select_experts(router_logits, self.plan.router, bias)
+        return self._experts(layer, x, topk_weights, topk_ids)
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        if self.plan is None:
+            return super().apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        import torch
+
+        # Reached only if a caller routes first: the experts are still moeroute's, and the
+        # shared experts stay with the runner, as the plan says.
+        return self._experts(layer, x, topk_weights.to(torch.float32), topk_ids.to(torch.int32))
+
+    def _experts(self, layer, x, topk_weights, topk_ids):
+        import torch
+
+        if not torch.compiler.is_compiling():  # a traced graph would count once, at tracing
+            STATS["calls"] += 1
+            STATS["tokens"] += int(x.shape[0])
+        quant = self.plan.quant
+        if quant is not None and quant.format == "mxfp4":
+            return _mxfp4_experts(layer, x, topk_weights, topk_ids)
+        if quant is None:
+            return torch.ops.moeroute.experts(x, layer.w13_weight, layer.w2_weight, topk_ids, topk_weights,
+                                              self.plan.activation, "auto")
+        return torch.ops.moeroute.experts(
+            x, layer.w13_weight, layer.w2_weight, topk_ids, topk_weights, self.plan.activation, "auto",
+            gate_up_scale=layer.w13_weight_scale_inv, down_scale=layer.w2_weight_scale_inv,
+            quant_format=quant.format, block_size=list(quant.block_size), quant_activation=quant.activation,
+            scale_fmt=quant.scale_fmt)
+
+
 @functools.cache
 def _plugin_classes():
     """(method class, RoutedExperts class), defined on first use: vLLM is imported only
     when the plugin acts."""
-    import torch
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
         UnquantizedFusedMoEMethod,
     )
 
-    from moeroute.bindings.torch import ops  # registers torch.ops.moeroute.*
+    from moeroute.bindings.torch import ops  # noqa: F401  (registers torch.ops.moeroute.*)
 
-    class MoerouteMoEMethod(UnquantizedFusedMoEMethod):
+    class MoerouteMoEMethod(_ServedMethod, UnquantizedFusedMoEMethod):
         """vLLM's unquantized MoE method, with moeroute's routing and experts where the
         layer allows (see the module docstring); vLLM's own code elsewhere."""
 
-        def __init__(self, moe):
-            super().__init__(moe)
-            #: The layer's `LayerPlan` once moeroute serves it; None: vLLM's method runs.
-            self.plan = None
+    class MoerouteRoutedExperts(_ChoosesQuantMethod, RoutedExperts):
+        """vLLM's RoutedExperts whose FP8 block-scaled experts get `MoerouteFp8MoEMethod`;
+        says in one log line when another quantized layer keeps vLLM's method."""
 
-        def process_weights_after_loading(self, layer) -> None:
-            runner = _find_runner(layer)
-            reason = decline_reason(self.moe, layer, runner)
-            if reason is None and _routed_experts_capture_on():
-                reason = "vLLM captures the routed experts (enable_return_routed_experts)"
-            plan = None
-            if reason is None:
-                try:
-                    plan = build_plan(layer, runner)
-                except ValueError as error:
-                    reason = f"its routing is not a valid moeroute RouterConfig ({error})"
-            if plan is None:
-                _decline(layer.layer_name, reason)
-                super().process_weights_after_loading(layer)
-                return
-            # The loaded w13_weight [E, 2I, H] (gate rows first) and w2_weight [E, H, I] are
-            # moeroute's layout already: they are used as they are, never repacked or copied.
-            self.plan = plan
-            STATS["layers"] += 1
-            if STATS["layers"] == 1:
-                logger.info("moeroute: serving MoE layer %s: %s", layer.layer_name, plan.describe())
+    return MoerouteMoEMethod, MoerouteRoutedExperts
+
+
+class _ChoosesQuantMethod:
+    """The quant-method choice of moeroute's RoutedExperts classes (mixed in before vLLM's)."""
+
+    def _get_quant_method(self, prefix, quant_config, moe_config):
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+            UnquantizedFusedMoEMethod,
+        )
+
+        if _is_gpt_oss_mxfp4(quant_config):
+            # Chosen before vLLM's method is built: on a CPU without AMX building it raises.
+            return _mxfp4_method_class()(moe_config)
+        method = super()._get_quant_method(prefix, quant_config, moe_config)
+        replacement = _quant_replacement(method)
+        if replacement is not None:
+            return replacement(quant_config, self)
+        if not isinstance(method, UnquantizedFusedMoEMethod):
+            _decline(prefix, f"its experts are quantized ({type(method).__name__}); the plugin "
+                             "serves unquantized, FP8 (Fp8MoEMethod) and gpt-oss MXFP4 experts")
+        return method
+
+
+def _is_gpt_oss_mxfp4(quant_config) -> bool:
+    try:
+        from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config
+    except ImportError:
+        return False
+    return type(quant_config) is GptOssMxfp4Config
+
+
+@functools.cache
+def _gpt_oss_routed_experts_class():
+    """moeroute's replacement of vLLM's GptOssRoutedExperts (gpt-oss builds its MoE layers
+    with that subclass, which vLLM's registry keys by its own name), or None."""
+    try:
+        from vllm.model_executor.models.gpt_oss import GptOssRoutedExperts
+    except ImportError:
+        return None
+
+    class MoerouteGptOssRoutedExperts(_ChoosesQuantMethod, GptOssRoutedExperts):
+        """vLLM's GptOssRoutedExperts (its loaders) whose MXFP4 experts get
+        `MoerouteMxfp4MoEMethod`."""
+
+    return MoerouteGptOssRoutedExperts
+
+
+def _quant_replacement(method):
+    """moeroute's class for vLLM's quantized MoE method ``method`` (exactly vLLM's class,
+    not a subclass someone else made), or None."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+
+    if type(method) is Fp8MoEMethod:
+        return _fp8_method_class()
+    return None
+
+
+@functools.cache
+def _fp8_method_class():
+    from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+
+    class MoerouteFp8MoEMethod(_ServedMethod, Fp8MoEMethod):
+        """vLLM's FP8 MoE method: its weights, scales and loaders; served, moeroute's routing
+        and fp8_block experts run on them (see the module docstring)."""
+
+        weight_dtypes = FP8_WEIGHT_DTYPES
+
+        def _quant_reason(self, layer):
+            return fp8_decline_reason(self, layer)
+
+        def _quant_config(self, layer):
+            return _fp8_quant_config(self, layer)
+
+    return MoerouteFp8MoEMethod
+
+
+def mxfp4_decline_reason(layer) -> str | None:
+    """Why moeroute does not serve this gpt-oss MXFP4 layer (beyond `decline_reason`), or None."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    from moeroute.bindings.torch.experts import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+
+    for name, value in (("swiglu_alpha", SWIGLUOAI_ALPHA), ("swiglu_limit", SWIGLUOAI_LIMIT)):
+        given = getattr(layer, name, None)
+        if given is not None and float(given) != value:
+            return f"its {name} is {given}; moeroute's swigluoai has {value}"
+    config = get_current_vllm_config_or_none()
+    mode = getattr(getattr(config, "compilation_config", None), "mode", None)
+    if mode is not None and int(mode) != 0:
+        return ("vLLM compiles the model (enforce_eager=False) and moeroute's MXFP4 experts are no torch "
+                "custom op yet")
+    return None
+
+
+def _mxfp4_quant_config(layer):
+    """moeroute's QuantConfig("mxfp4") of a served layer, its loaded bytes checked."""
+    from moeroute.bindings.torch.mxfp4_experts import check_mxfp4_weights
+    from moeroute.quant import QuantConfig
+
+    quant = QuantConfig("mxfp4")
+    num_experts, two_inter = layer.w13_weight.shape[:2]
+    hidden = layer.w2_weight.shape[1]
+    w13, w2 = _mxfp4_blocks(layer)
+    check_mxfp4_weights(quant, int(num_experts), int(hidden), int(two_inter) // 2,
+                        (w13, layer.w13_weight_scale), (w2, layer.w2_weight_scale))
+    return quant
+
+
+def _mxfp4_blocks(layer):
+    """vLLM's packed w13/w2 [E, rows, cols/2] uint8 viewed as moeroute's [E, rows, cols/32, 16]."""
+    w13, w2 = layer.w13_weight, layer.w2_weight
+    return (w13.view(w13.shape[0], w13.shape[1], -1, 16), w2.view(w2.shape[0], w2.shape[1], -1, 16))
+
+
+def _mxfp4_experts(layer, x, topk_weights, topk_ids):
+    from moeroute.bindings.torch.mxfp4_experts import mxfp4_experts_forward
+
+    w13, w2 = _mxfp4_blocks(layer)
+    return mxfp4_experts_forward(x, topk_ids, topk_weights, w13, layer.w13_weight_scale, w2, layer.w2_weight_scale,
+                                 getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None), "swigluoai")
+
+
+@functools.cache
+def _mxfp4_method_class():
+    import torch
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+    from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4MoEMethod
+
+    class MoerouteMxfp4MoEMethod(_ServedMethod, GptOssMxfp4MoEMethod):
+        """vLLM's gpt-oss MXFP4 MoE method: its weights, scales, biases and loaders; served,
+        moeroute's routing and MXFP4 experts run on them.
+
+        vLLM keeps gpt-oss's interleaved gate_up rows (gate, up, gate, ...); a served layer's
+        packed rows, scale rows and bias entries are put gate rows first once after loading
+        (a row permutation of the bytes; nothing is dequantized)."""
+
+        weight_dtypes = MXFP4_WEIGHT_DTYPES
+        activations = MXFP4_ACTIVATIONS
+        biases = True
+
+        def __init__(self, moe):
+            try:
+                super().__init__(moe)
+                #: vLLM's reason it has no MXFP4 backend here, or None when it has one.
+                self.vllm_unavailable = None
+            except NotImplementedError as error:
+                # vLLM's __init__ up to its backend choice, without a backend.
+                FusedMoEMethodBase.__init__(self, moe)
+                self.weight_dtype = "gpt_oss_mxfp4"
+                self.mxfp4_backend, self.experts_cls = Mxfp4MoeBackend.NONE, None
+                self.max_capture_size = moe.max_capture_size
+                self._cache_permute_indices = {}
+                self.moe_kernel = None
+                self.w13_precision_config = self.w2_precision_config = None
+                self.vllm_unavailable = str(error)
 
         @property
         def is_monolithic(self) -> bool:
-            # Served: the runner hands over the router logits and moeroute routes.
-            return True if self.plan is not None else super().is_monolithic
+            if self.plan is None and self.experts_cls is None:
+                return False
+            return super().is_monolithic
 
-        @property
-        def mk_can_overlap_shared_experts(self) -> bool:
-            # The runner asks whether the kernel computes the shared experts: only when
-            # moeroute's plan gives them to it, never for a layer the plan gives the runner.
-            if self.plan is not None:
-                return self.plan.layout.shared not in ("runner", "none")
-            return super().mk_can_overlap_shared_experts
+        def _quant_reason(self, layer):
+            return mxfp4_decline_reason(layer)
 
-        def apply_monolithic(self, layer, x, router_logits, input_ids=None):
-            if self.plan is None:
-                return super().apply_monolithic(layer, x, router_logits, input_ids)
-            bias = layer.e_score_correction_bias
-            if bias is not None and bias.dtype != torch.float32:
-                bias = bias.float()
-            topk_weights, topk_ids = ops.select_experts(router_logits, self.plan.router, bias)
-            return self._experts(layer, x, topk_weights, topk_ids)
+        def _quant_config(self, layer):
+            return _mxfp4_quant_config(layer)
 
-        def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-            if self.plan is None:
-                return super().apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
-            # Reached only if a caller routes first: the experts are still moeroute's, and the
-            # shared experts stay with the runner, as the plan says.
-            return self._experts(layer, x, topk_weights.to(torch.float32), topk_ids.to(torch.int32))
+        def _vllm_setup(self, layer, reason):
+            if self.vllm_unavailable is not None:
+                raise NotImplementedError(f"{self.vllm_unavailable} (moeroute declined layer {layer.layer_name}: "
+                                          f"{reason})")
+            super()._vllm_setup(layer, reason)
 
-        def _experts(self, layer, x, topk_weights, topk_ids):
-            if not torch.compiler.is_compiling():  # a traced graph would count once, at tracing
-                STATS["calls"] += 1
-                STATS["tokens"] += int(x.shape[0])
-            return torch.ops.moeroute.experts(x, layer.w13_weight, layer.w2_weight, topk_ids, topk_weights,
-                                              self.plan.activation, "auto")
+        def _adopt_weights(self, layer):
+            rows = layer.w13_weight.shape[1]
+            order = torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)]).to(layer.w13_weight.device)
+            for name in ("w13_weight", "w13_weight_scale", "w13_bias"):
+                param = getattr(layer, name, None)
+                if param is not None:
+                    param.data = param.data.index_select(1, order)
 
-    class MoerouteRoutedExperts(RoutedExperts):
-        """vLLM's RoutedExperts; says in one log line when a quantized layer keeps vLLM's
-        method (the plugin serves unquantized experts)."""
+        def get_fused_moe_quant_config(self, layer):
+            if self.plan is not None and self.mxfp4_backend == Mxfp4MoeBackend.NONE:
+                return None  # no vLLM kernel runs this layer
+            return super().get_fused_moe_quant_config(layer)
 
-        def _get_quant_method(self, prefix, quant_config, moe_config):
-            method = super()._get_quant_method(prefix, quant_config, moe_config)
-            if not isinstance(method, UnquantizedFusedMoEMethod):
-                _decline(prefix, f"its experts are quantized ({type(method).__name__}); the plugin "
-                                 "serves unquantized experts")
-            return method
-
-    return MoerouteMoEMethod, MoerouteRoutedExperts
+    return MoerouteMxfp4MoEMethod
