@@ -1,9 +1,10 @@
 """Numba CPU kernels of the float expert GEMMs for few rows per expert: one weight row at a time.
 
 At decode-sized batches an expert serves one to a few rows, and its GEMMs are bound by reading
-its weights. These kernels read each weight row once, widen it to float32 in a small buffer
-that stays in cache (bfloat16: the 16 bits moved into a float32's high half, exact; float32:
-the row itself), and dot it with every row the expert serves, four at a time. No weight is
+its weights. These kernels read each weight row once and dot it with every row the expert
+serves, two weight rows by four activation rows at a time; a bfloat16 weight is widened to
+float32 in registers as it is read (its 16 bits moved into a float32's high half: exact), so
+memory carries two bytes a weight. No weight is
 reordered or copied per call (oneDNN reorders each expert's bfloat16 weights on every call
 where the CPU has no bfloat16 instructions), and the second GEMM adds its weighted outputs
 straight into the float32 sums (the combine).
@@ -16,8 +17,9 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba.core import types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 __all__ = ["gate_up_rows", "gate_up_rows_serial", "down_rows", "down_rows_serial", "ROW_BLOCK"]
 
@@ -27,21 +29,28 @@ ROW_BLOCK = 64
 _ROW_TILE = 4
 
 
-def _widen(row, bits):  # pragma: no cover - replaced by the overload inside Numba code
+@intrinsic
+def _bfloat16_bits_to_float32(typingctx, bits):
+    """The float32 whose high 16 bits are ``bits`` (uint16) and low bits zero: a bfloat16's
+    value, exactly. Zero-extend, shift, bitcast: LLVM vectorizes all three."""
+    def codegen(context, builder, signature, args):
+        wide = builder.zext(args[0], ir.IntType(32))
+        return builder.bitcast(builder.shl(wide, ir.Constant(ir.IntType(32), 16)), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+def _as_float32(value):  # pragma: no cover - replaced by the overload inside Numba code
     raise NotImplementedError
 
 
-@overload(_widen)
-def _widen_impl(row, bits):
-    """The weight row as float32: bfloat16 bits (uint16) widened into ``bits``, float32 as is."""
-    if row.dtype == types.uint16:
-        def widen_bf16(row, bits):
-            for k in range(row.shape[0]):
-                bits[k] = np.int32(row[k]) << 16
-            return bits.view(np.float32)
-        return widen_bf16
-    if row.dtype == types.float32:
-        return lambda row, bits: row
+@overload(_as_float32)
+def _as_float32_impl(value):
+    """A weight element as float32: bfloat16 bits (uint16) widened, float32 as is."""
+    if value == types.uint16:
+        return lambda value: _bfloat16_bits_to_float32(value)
+    if value == types.float32:
+        return lambda value: value
     return None
 
 
@@ -49,7 +58,7 @@ def _widen_impl(row, bits):
 def _dot(w, x):
     acc = np.float32(0.0)
     for k in range(w.shape[0]):
-        acc += w[k] * x[k]
+        acc += _as_float32(w[k]) * x[k]
     return acc
 
 
@@ -58,7 +67,7 @@ def _dot4(w, x0, x1, x2, x3, out):
     """out[i] = dot(w, x_i) for four rows (w read once for the four)."""
     a0 = a1 = a2 = a3 = np.float32(0.0)
     for k in range(w.shape[0]):
-        wk = w[k]
+        wk = _as_float32(w[k])
         a0 += wk * x0[k]
         a1 += wk * x1[k]
         a2 += wk * x2[k]
@@ -72,7 +81,7 @@ def _dot2x4(w0, w1, x0, x1, x2, x3, out):
     in registers for six loads a step, where `_dot4` has four for five."""
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
     for k in range(w0.shape[0]):
-        u, v = w0[k], w1[k]
+        u, v = _as_float32(w0[k]), _as_float32(w1[k])
         p = x0[k]
         a0 += u * p
         b0 += v * p
@@ -90,10 +99,9 @@ def _dot2x4(w0, w1, x0, x1, x2, x3, out):
 
 
 @numba.njit(fastmath=True)
-def _rows_times_weights(xs, tokens, start, stop, w0, w1, tile, out, n):
-    """out[m, n] = xs[tokens[m]] . w0 and out[m, n + 1] = . w1 for the rows m in [start, stop)
-    (w1 None-like when its length is 0: only column n)."""
-    pair = w1.shape[0] > 0
+def _rows_times_weights(xs, tokens, start, stop, w0, w1, pair, tile, out, n):
+    """out[m, n] = xs[tokens[m]] . w0, and with ``pair`` out[m, n + 1] = xs[tokens[m]] . w1,
+    for the rows m in [start, stop)."""
     tiled = start + (stop - start) // _ROW_TILE * _ROW_TILE
     for m in range(start, tiled, _ROW_TILE):
         x0, x1, x2, x3 = xs[tokens[m]], xs[tokens[m + 1]], xs[tokens[m + 2]], xs[tokens[m + 3]]
@@ -115,15 +123,25 @@ def _rows_times_weights(xs, tokens, start, stop, w0, w1, tile, out, n):
 @numba.njit(fastmath=True)
 def _gate_up_item(xs, tokens, offsets, e, b, w_gate_up, bias, out):
     """Block ``b`` of expert ``e``'s gate_up rows for all its sorted rows (`gate_up_rows`)."""
-    hidden, rows = w_gate_up.shape[2], w_gate_up.shape[1]
-    bits = np.empty((2, hidden), np.int32)
+    rows = w_gate_up.shape[1]
     tile = np.empty(2 * _ROW_TILE, np.float32)
     start, stop = offsets[e], offsets[e + 1]
     last = min(rows, (b + 1) * ROW_BLOCK)
-    for n in range(b * ROW_BLOCK, last, 2):
-        w0 = _widen(w_gate_up[e, n], bits[0])
-        w1 = _widen(w_gate_up[e, n + 1], bits[1]) if n + 1 < last else w0[:0]
-        _rows_times_weights(xs, tokens, start, stop, w0, w1, tile, out, n)
+    if stop - start == 1:  # decode: one row, a plain pass over the weights
+        x, weights, row = xs[tokens[start]], w_gate_up[e], out[start]
+        for n in range(b * ROW_BLOCK, last):
+            row[n] = _dot(weights[n], x)
+    elif stop - start < _ROW_TILE:  # two or three rows: each weight row read once, dotted in cache
+        weights = w_gate_up[e]
+        for n in range(b * ROW_BLOCK, last):
+            w = weights[n]
+            for m in range(start, stop):
+                out[m, n] = _dot(w, xs[tokens[m]])
+    else:
+        for n in range(b * ROW_BLOCK, last, 2):
+            pair = n + 1 < last
+            _rows_times_weights(xs, tokens, start, stop, w_gate_up[e, n], w_gate_up[e, n + 1 if pair else n],
+                                pair, tile, out, n)
     if bias.shape[0] > 0:
         for m in range(start, stop):
             for n in range(b * ROW_BLOCK, last):
@@ -152,9 +170,8 @@ def gate_up_rows_serial(xs, tokens, offsets, work, w_gate_up, bias, out):
 @numba.njit(fastmath=True)
 def _down_block(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums, b):
     """Output columns of block ``b`` over every hit expert (`down_rows`)."""
-    hidden, inter = w_down.shape[1], w_down.shape[2]
+    hidden = w_down.shape[1]
     rows = np.arange(acts.shape[0])
-    bits = np.empty((2, inter), np.int32)
     tile = np.empty(2 * _ROW_TILE, np.float32)
     first, last = b * ROW_BLOCK, min(hidden, (b + 1) * ROW_BLOCK)
     dots = np.empty((0, ROW_BLOCK), np.float32)
@@ -163,10 +180,21 @@ def _down_block(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums
         start, stop = offsets[e], offsets[e + 1]
         if dots.shape[0] < stop - start:
             dots = np.empty((stop - start, ROW_BLOCK), np.float32)
-        for n in range(first, last, 2):
-            w0 = _widen(w_down[e, n], bits[0])
-            w1 = _widen(w_down[e, n + 1], bits[1]) if n + 1 < last else w0[:0]
-            _rows_times_weights(acts[start:stop], rows, 0, stop - start, w0, w1, tile, dots, n - first)
+        if stop - start == 1:  # decode: one row, a plain pass over the weights
+            x, weights, row = acts[start], w_down[e], dots[0]
+            for n in range(first, last):
+                row[n - first] = _dot(weights[n], x)
+        elif stop - start < _ROW_TILE:
+            weights = w_down[e]
+            for n in range(first, last):
+                w = weights[n]
+                for m in range(start, stop):
+                    dots[m - start, n - first] = _dot(w, acts[m])
+        else:
+            for n in range(first, last, 2):
+                pair = n + 1 < last
+                _rows_times_weights(acts[start:stop], rows, 0, stop - start, w_down[e, n],
+                                    w_down[e, n + 1 if pair else n], pair, tile, dots, n - first)
         for m in range(start, stop):
             t, weight = tokens[m], slot_weights[m]
             for n in range(first, last):
