@@ -112,8 +112,8 @@ def stage_split(moe, x, repeats):
                                onednn_linear_serves(x.dtype), x.dtype)
         t2 = time.perf_counter()
         if strategy == "rows":  # the row kernels add into the sums as they go: gemm includes combine
-            rows_expert_mlp(recv_hidden, sorted_slots, offsets, recv_weights, experts.w_gate_up,
-                            experts.w_down, experts.activation)
+            rows_expert_mlp(recv_hidden, local_ids, recv_weights, experts.w_gate_up, experts.w_down,
+                            experts.activation)
             permute, gemm, combine = t2 - t1, time.perf_counter() - t2, 0.0
         elif strategy == "loop":
             seconds = {}

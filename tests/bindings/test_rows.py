@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from moeroute.bindings.torch import _rows
-from moeroute.bindings.torch.arrays import sort_by_expert
 from moeroute.bindings.torch.experts import (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, cpu_experts,
                                              rows_expert_mlp)
 
@@ -69,8 +68,7 @@ TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rto
 @pytest.mark.parametrize("tokens,top_k,bias", [(1, 1, False), (3, 2, True), (7, 4, False), (33, 3, True)])
 def test_rows_match_reference(dtype, activation, tokens, top_k, bias):
     x, ids, weights, w_gate_up, w_down, (b_gate_up, b_down) = _problem(tokens, top_k, dtype, tokens, bias)
-    sorted_slots, offsets, _ = sort_by_expert(ids, L)
-    out = rows_expert_mlp(x, sorted_slots, offsets, weights, w_gate_up, w_down, activation, b_gate_up, b_down)
+    out = rows_expert_mlp(x, ids, weights, w_gate_up, w_down, activation, b_gate_up, b_down)
     assert out.dtype == dtype and tuple(out.shape) == (tokens, H)
     expected = _reference(x, ids, weights, w_gate_up, w_down, activation, b_gate_up, b_down)
     scale = float(expected.abs().max()) or 1.0  # all slots held elsewhere: zeros
@@ -126,3 +124,21 @@ def test_rows_empty_and_refused_dtypes():
     assert torch.equal(out, torch.zeros_like(x))
     with pytest.raises(ValueError, match="row kernels serve"):
         cpu_experts(x.half(), ids, weights, w_gate_up.half(), w_down.half(), "silu", "rows")
+
+
+@pytest.mark.parametrize("tokens,top_k", [(1, 1), (5, 3), (64, 8)])
+def test_plan_rows_is_the_stable_expert_sort(tokens, top_k):
+    """tokens, weights and offsets as a stable sort of the flat slots by expert gives them."""
+    generator = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(-1, L + 1, (tokens, top_k), generator=generator, dtype=torch.int32)
+    weights = torch.rand(tokens, top_k, generator=generator)
+    plan_tokens, slot_weights, offsets, hit, work = _rows.plan_rows(ids.numpy(), weights.numpy(), L, 3)
+    flat = ids.reshape(-1).long()
+    valid = torch.nonzero((flat >= 0) & (flat < L)).flatten()
+    order = valid[torch.sort(flat[valid], stable=True).indices]
+    assert plan_tokens.tolist() == (order // top_k).tolist()
+    assert slot_weights.tolist() == weights.reshape(-1)[order].tolist()
+    counts = torch.bincount(flat[valid], minlength=L)
+    assert offsets.tolist() == [0] + torch.cumsum(counts, 0).tolist()
+    assert hit.tolist() == torch.nonzero(counts).flatten().tolist()
+    assert work.tolist() == [[e, b] for e in hit.tolist() for b in range(3)]

@@ -21,7 +21,7 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic, overload
 
-__all__ = ["gate_up_rows", "gate_up_rows_serial", "down_rows", "down_rows_serial", "ROW_BLOCK"]
+__all__ = ["plan_rows", "gate_up_rows", "gate_up_rows_serial", "down_rows", "down_rows_serial", "ROW_BLOCK"]
 
 #: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
 ROW_BLOCK = 64
@@ -220,3 +220,47 @@ def down_rows_serial(acts, tokens, slot_weights, offsets, experts, w_down, bias,
     """`down_rows` on the calling thread."""
     for b in range((w_down.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
         _down_block(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums, b)
+
+
+@numba.njit(cache=True)
+def plan_rows(ids, weights, num_experts, blocks):
+    """The row kernels' bookkeeping in one pass: each expert's slots in token order.
+
+    ids [T, K] int32/int64 local expert ids (outside [0, L) = held elsewhere, skipped),
+    weights [T, K] float32, ``blocks`` = weight-row blocks of gate_up per expert. Returns
+    tokens [M] int64 and slot_weights [M] float32 (expert-major, token order within an
+    expert, as a stable sort of the flat slots gives), offsets [L + 1] int64, hit [E'] int64
+    (experts with rows) and work [E' * blocks, 2] int64 (expert, block) for `gate_up_rows`.
+    """
+    num_tokens, top_k = ids.shape
+    offsets = np.zeros(num_experts + 1, np.int64)
+    for t in range(num_tokens):
+        for k in range(top_k):
+            e = ids[t, k]
+            if 0 <= e < num_experts:
+                offsets[e + 1] += 1
+    hits = 0
+    for e in range(num_experts):
+        hits += offsets[e + 1] > 0
+        offsets[e + 1] += offsets[e]
+    tokens = np.empty(offsets[num_experts], np.int64)
+    slot_weights = np.empty(offsets[num_experts], np.float32)
+    fill = offsets[:num_experts].copy()
+    for t in range(num_tokens):
+        for k in range(top_k):
+            e = ids[t, k]
+            if 0 <= e < num_experts:
+                tokens[fill[e]] = t
+                slot_weights[fill[e]] = weights[t, k]
+                fill[e] += 1
+    hit = np.empty(hits, np.int64)
+    work = np.empty((hits * blocks, 2), np.int64)
+    i = 0
+    for e in range(num_experts):
+        if offsets[e + 1] > offsets[e]:
+            hit[i] = e
+            for b in range(blocks):
+                work[i * blocks + b, 0] = e
+                work[i * blocks + b, 1] = b
+            i += 1
+    return tokens, slot_weights, offsets, hit, work

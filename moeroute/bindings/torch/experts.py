@@ -350,8 +350,7 @@ def choose_gemm(counts: list[int], onednn: bool = False, dtype: torch.dtype = to
 
 def rows_expert_mlp(
     hidden_states: torch.Tensor,
-    sorted_slots: torch.Tensor,
-    expert_offsets: torch.Tensor,
+    local_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
@@ -364,55 +363,61 @@ def rows_expert_mlp(
     Every hit expert's gate_up rows are read once and dotted with the float32 rows of its
     tokens; the gated activation runs in float32; each down row is read once and its weighted
     dots are added into float32 sums. Threads split the work as torch's thread count allows
-    (``torch.get_num_threads()``).
+    (``torch.get_num_threads()``; one thread runs the serial kernels).
 
     Parameters
     ----------
     hidden_states : Tensor [T, H], bfloat16 or float32
-    sorted_slots : Tensor [M] int32, flat slots ``t*K' + k`` in expert order (`sort_by_expert`)
-    expert_offsets : Tensor [L + 1], expert e's slots at ``[offsets[e], offsets[e+1])``
+    local_ids : Tensor [T, K'] int32, local expert id per slot (outside [0, L) = skipped)
     topk_weights : Tensor [T, K'] float32
     w_gate_up, w_down, activation, b_gate_up, b_down : as `expert_mlp`, dtype of ``hidden_states``
 
     Returns
     -------
     Tensor [T, H], dtype of ``hidden_states``: ``sum_k w[t, k] * expert_k(x_t)`` over the
-    sorted slots (rows with none are zero).
+    slots held here (rows with none are zero).
     """
+    plan = _plan_rows(local_ids, topk_weights, w_gate_up)
+    return _rows_forward(hidden_states, plan, w_gate_up, w_down, activation, b_gate_up, b_down)
+
+
+def _plan_rows(local_ids, topk_weights, w_gate_up):
+    """`moeroute.bindings.torch._rows.plan_rows` on the tensors' memory."""
+    blocks = -(-w_gate_up.shape[1] // _rows.ROW_BLOCK)
+    weights = topk_weights.detach().to(torch.float32).contiguous().numpy()
+    return _rows.plan_rows(local_ids.detach().contiguous().numpy(), weights, w_gate_up.shape[0], blocks)
+
+
+def _rows_forward(hidden_states, plan, w_gate_up, w_down, activation, b_gate_up, b_down):
     if hidden_states.dtype not in ROWS_DTYPES or w_gate_up.dtype != hidden_states.dtype:
         raise ValueError(f"the row kernels serve {ROWS_DTYPES} weights and activations of one dtype, got "
                          f"{hidden_states.dtype} activations and {w_gate_up.dtype} weights")
+    tokens, slot_weights, offsets, hit, work = plan
     num_tokens, hidden = hidden_states.shape
     inter = w_down.shape[2]
-    top_k = topk_weights.shape[1]
     sums = torch.zeros((num_tokens, hidden), dtype=torch.float32)
-    offsets = expert_offsets.to(torch.int64)
-    hit = torch.nonzero(offsets[1:] - offsets[:-1]).flatten()
-    if hit.numel() == 0:
+    if hit.shape[0] == 0:
         return sums.to(hidden_states.dtype)
-    slots = sorted_slots.to(torch.int64)
-    tokens = slots // top_k
-    slot_weights = topk_weights.reshape(-1).to(torch.float32)[slots]
-    blocks = -(-2 * inter // _rows.ROW_BLOCK)
-    work = torch.stack((hit.repeat_interleave(blocks), torch.arange(blocks).repeat(hit.numel())), 1)
-    xs = hidden_states.to(torch.float32).contiguous()
-    gate_up = torch.empty((slots.numel(), 2 * inter), dtype=torch.float32)
+    xs = hidden_states.detach().to(torch.float32).contiguous()
+    gate_up = torch.empty((tokens.shape[0], 2 * inter), dtype=torch.float32)
     threads = cpu_threads()
-    # One thread: the serial kernels, with no parallel region to start (starting one costs
-    # more than a decode step's dots when the cores are busy).
-    gate_up_rows, down_rows = ((_rows.gate_up_rows_serial, _rows.down_rows_serial) if threads == 1
-                               else (_rows.gate_up_rows, _rows.down_rows))
-    previous = numba.get_num_threads()
-    if threads > 1:
-        numba.set_num_threads(threads)
-    try:
-        gate_up_rows(xs.numpy(), tokens.numpy(), offsets.numpy(), work.contiguous().numpy(),
-                     _row_view(w_gate_up), _bias_view(b_gate_up), gate_up.numpy())
+    if threads == 1:  # the serial kernels: no parallel region to start
+        _rows.gate_up_rows_serial(xs.numpy(), tokens, offsets, work, _row_view(w_gate_up), _bias_view(b_gate_up),
+                                  gate_up.numpy())
         act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation).contiguous()
-        down_rows(act.numpy(), tokens.numpy(), slot_weights.numpy(), offsets.numpy(), hit.numpy(),
-                  _row_view(w_down), _bias_view(b_down), sums.numpy())
-    finally:
-        numba.set_num_threads(previous)
+        _rows.down_rows_serial(act.numpy(), tokens, slot_weights, offsets, hit, _row_view(w_down),
+                               _bias_view(b_down), sums.numpy())
+    else:
+        previous = numba.get_num_threads()
+        numba.set_num_threads(threads)
+        try:
+            _rows.gate_up_rows(xs.numpy(), tokens, offsets, work, _row_view(w_gate_up), _bias_view(b_gate_up),
+                               gate_up.numpy())
+            act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation).contiguous()
+            _rows.down_rows(act.numpy(), tokens, slot_weights, offsets, hit, _row_view(w_down),
+                            _bias_view(b_down), sums.numpy())
+        finally:
+            numba.set_num_threads(previous)
     return sums if hidden_states.dtype == torch.float32 else sums.to(hidden_states.dtype)
 
 
@@ -463,15 +468,18 @@ def cpu_experts(
     """
     dtype = w_gate_up.dtype
     num_experts = w_gate_up.shape[0]
+    if gemm == "rows" or (gemm == "auto" and dtype in ROWS_DTYPES):
+        # The row kernels' bookkeeping (one Numba pass) also gives the counts "auto" needs.
+        plan = _plan_rows(local_ids, weights, w_gate_up)
+        offsets = plan[2]
+        if gemm == "rows" or choose_gemm(np.diff(offsets).tolist(), onednn_linear_serves(dtype), dtype) == "rows":
+            return _rows_forward(hidden_states, plan, w_gate_up, w_down, activation, b_gate_up, b_down)
     sorted_slots, expert_offsets, inverse_index = arrays.sort_by_expert(local_ids, num_experts)
     offsets = expert_offsets.tolist()
     strategy = gemm
     if strategy == "auto":
         strategy = choose_gemm([b - a for a, b in zip(offsets[:-1], offsets[1:])],
                                onednn_linear_serves(dtype), dtype)
-    if strategy == "rows":
-        return rows_expert_mlp(hidden_states, sorted_slots, expert_offsets, weights, w_gate_up, w_down,
-                               activation, b_gate_up, b_down)
     if strategy == "loop":
         gate_up, down = loop_weights if loop_weights is not None else (w_gate_up, w_down)
         return streamed_expert_mlp(hidden_states.contiguous(), sorted_slots, offsets, weights, gate_up, down,
