@@ -46,7 +46,7 @@ from moeroute.routing._parallel import cpu_threads
 from moeroute.routing.combine import accumulate_checked
 
 __all__ = ["LocalExperts", "ACTIVATIONS", "SUPPORTED_DTYPES", "GEMM_STRATEGIES", "LINEAR_BACKENDS",
-           "check_dtype", "choose_gemm", "cpu_experts", "onednn_linear_serves", "rows_expert_mlp",
+           "check_dtype", "choose_gemm", "cpu_experts", "onednn_linear_serves", "rows_bound", "rows_expert_mlp",
            "expert_mlp", "streamed_expert_mlp", "padded_expert_mlp", "grouped_expert_mlp", "apply_activation",
            "gated_activation", "SWIGLUOAI_ALPHA", "SWIGLUOAI_LIMIT"]
 
@@ -77,7 +77,10 @@ PADDED_DTYPES = (torch.float32,)
 #: Dtypes of the row kernels (`rows_expert_mlp`).
 ROWS_DTYPES = (torch.float32, torch.bfloat16)
 #: Largest mean row count per hit expert that "auto" gives the row kernels: below it an
-#: expert's GEMMs are bound by reading its weights (bench/layer.py measures the crossover).
+#: expert's GEMMs are bound by reading its weights (bench/layer.py --rows-only measures the
+#: crossover against the oneDNN loop). bfloat16 on a CPU without bfloat16 instructions has no
+#: bound: there oneDNN converts (reorders) each expert's weights on every call, and the row
+#: kernels measured ahead at every row count (`rows_bound`).
 ROWS_MAX_MEAN_ROWS = 16
 
 
@@ -321,10 +324,9 @@ def streamed_expert_mlp(
 def choose_gemm(counts: list[int], onednn: bool = False, dtype: torch.dtype = torch.float32) -> str:
     """The CPU expert-GEMM strategy for experts with ``counts`` rows each.
 
-    "rows" for bfloat16 and float32 experts that serve few rows each (at most
-    `ROWS_MAX_MEAN_ROWS` per hit expert on average): each weight row is read once and dotted
-    with every row its expert serves (`rows_expert_mlp`); decode-sized batches are bound by
-    that read. Else "padded" for few rows per float32 expert over mostly-hit experts on
+    "rows" for bfloat16 and float32 experts that serve few rows each (at most `rows_bound`
+    per hit expert on average): each weight row is read once and dotted with every row its
+    expert serves (`rows_expert_mlp`); decode-sized batches are bound by that read. Else "padded" for few rows per float32 expert over mostly-hit experts on
     torch.mm, else the streamed "loop". With oneDNN linears the loop wins over the padded
     batch at every row count measured (bench/layer.py, T = 16: 1.3x), and so does a
     half-precision dtype (torch's CPU bmm in bfloat16/float16 ran 1.4-2.1x slower than the
@@ -339,13 +341,24 @@ def choose_gemm(counts: list[int], onednn: bool = False, dtype: torch.dtype = to
     hit = sum(1 for c in counts if c)
     if not hit:
         return "loop"
-    if dtype in ROWS_DTYPES and sum(counts) <= ROWS_MAX_MEAN_ROWS * hit:
+    if dtype in ROWS_DTYPES and sum(counts) <= rows_bound(dtype) * hit:
         return "rows"
     if onednn or dtype not in PADDED_DTYPES:
         return "loop"
     if max(counts) <= PADDED_MAX_ROWS and hit >= PADDED_MIN_HIT_FRACTION * len(counts):
         return "padded"
     return "loop"
+
+
+@functools.cache
+def rows_bound(dtype: torch.dtype) -> float:
+    """The mean rows per hit expert up to which "auto" picks the row kernels for ``dtype``:
+    `ROWS_MAX_MEAN_ROWS`, or no bound (inf) for bfloat16 where the CPU lacks bfloat16
+    instructions (AVX512-BF16, AMX)."""
+    if dtype == torch.bfloat16 and not (torch.cpu._is_avx512_bf16_supported()
+                                        or torch.cpu._is_amx_tile_supported()):
+        return float("inf")
+    return float(ROWS_MAX_MEAN_ROWS)
 
 
 def rows_expert_mlp(
