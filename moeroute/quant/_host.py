@@ -1,11 +1,12 @@
 """Numba CPU kernels of the FP8 expert GEMMs: dequantize one weight row at a time, in cache.
 
-A weight row of an e4m3 matrix is decoded into a small float32 buffer with integer SIMD
-(no table): the byte's 7 magnitude bits moved into a float32's exponent and mantissa make
+The GEMM kernels decode an e4m3 weight in registers as they read it, with integer SIMD (no
+table): the byte's 7 magnitude bits moved into a float32's exponent and mantissa make
 ``q * 2**-120`` exactly (e4m3 subnormals land on float32 subnormals), and the row's block
-scale times 2**120 restores ``q * s_w``. The buffer is then dotted with every row of
+scale times 2**120 restores ``q * s_w``. Each weight row is dotted with every row of
 fake-quantized activations that expert serves (``q_a * s_a``, float32), so memory reads
-about one byte per weight, whatever the row count.
+one byte per weight, whatever the row count. The dequantizers (`dequantize_rows`) decode
+whole rows into a float32 buffer the same way (`_decode_row`).
 
 Arrays are NumPy: weights as uint8 views of float8_e4m3fn tensors, scales float32, sums
 float32. Block scales are indexed ``scale[e, row // bn, col // bk]``; per-tensor FP8 is the
@@ -16,6 +17,9 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
 
 __all__ = ["gate_up_rows", "down_rows", "dequantize_rows"]
 
@@ -31,37 +35,53 @@ def _decode_row(q_row, bits):
         bits[k] = ((b & 0x7F) << 20) | ((b & 0x80) << 24)
 
 
+@intrinsic
+def _e4m3_unbiased(typingctx, byte):
+    """The float32 q * 2**-120 of an e4m3 byte: its 7 magnitude bits moved into a float32's
+    exponent and mantissa, the sign bit to the sign (the `_decode_row` bits, in registers;
+    LLVM vectorizes the zero-extend, masks, shifts and bitcast)."""
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        b = builder.zext(args[0], i32)
+        magnitude = builder.shl(builder.and_(b, ir.Constant(i32, 0x7F)), ir.Constant(i32, 20))
+        sign = builder.shl(builder.and_(b, ir.Constant(i32, 0x80)), ir.Constant(i32, 24))
+        return builder.bitcast(builder.or_(magnitude, sign), ir.FloatType())
+
+    return types.float32(types.uint8), codegen
+
+
 @numba.njit(fastmath=True)
-def _dot_groups(w, x, scale_row, bk):
-    """sum_g scale_row[g] * 2**120 * dot(w[group g], x[group g]) (w from `_decode_row`)."""
-    cols = w.shape[0]
+def _dot_groups(q, x, scale_row, bk):
+    """sum_g scale_row[g] * 2**120 * dot(decoded q[group g], x[group g]); q an e4m3 row
+    (uint8), decoded in registers as it is read."""
+    cols = q.shape[0]
     acc = np.float32(0.0)
     for g in range((cols + bk - 1) // bk):
         k0 = g * bk
         count = min(cols - k0, bk)
         # Slices with a zero-based count: LLVM vectorizes this form (a range(k0, k1) loop it
         # left scalar, 15x slower).
-        w_group, x_group = w[k0:k0 + count], x[k0:k0 + count]
+        q_group, x_group = q[k0:k0 + count], x[k0:k0 + count]
         part = np.float32(0.0)
         for k in range(count):
-            part += w_group[k] * x_group[k]
+            part += _e4m3_unbiased(q_group[k]) * x_group[k]
         acc += part * (scale_row[g] * _UNBIAS)
     return acc
 
 
 @numba.njit(fastmath=True)
-def _dot_groups4(w, x0, x1, x2, x3, scale_row, bk, out):
-    """`_dot_groups` of four activation rows at once (w read once for the four)."""
-    cols = w.shape[0]
+def _dot_groups4(q, x0, x1, x2, x3, scale_row, bk, out):
+    """`_dot_groups` of four activation rows at once (q read and decoded once for the four)."""
+    cols = q.shape[0]
     a0 = a1 = a2 = a3 = np.float32(0.0)
     for g in range((cols + bk - 1) // bk):
         k0 = g * bk
         count = min(cols - k0, bk)
-        wg = w[k0:k0 + count]
+        qg = q[k0:k0 + count]
         g0, g1, g2, g3 = x0[k0:k0 + count], x1[k0:k0 + count], x2[k0:k0 + count], x3[k0:k0 + count]
         p0 = p1 = p2 = p3 = np.float32(0.0)
         for k in range(count):
-            wk = wg[k]
+            wk = _e4m3_unbiased(qg[k])
             p0 += wk * g0[k]
             p1 += wk * g1[k]
             p2 += wk * g2[k]
@@ -87,20 +107,18 @@ def gate_up_rows(xs, tokens, offsets, work, q_gate_up, gate_up_scale, inter, bn,
     the up's, nb = ceil(I / bn)), q_gate_up [L, 2I, H] uint8, gate_up_scale [L, 2nb, G]
     float32, out [M, 2I] float32.
     """
-    hidden = xs.shape[1]
     nb = (inter + bn - 1) // bn
     for item in numba.prange(work.shape[0]):
         e, b = work[item, 0], work[item, 1]
         half, rb = (0, b) if b < nb else (1, b - nb)
-        bits = np.empty(hidden, np.int32)
-        w = bits.view(np.float32)
         tile = np.empty(_ROW_TILE, np.float32)
         start, stop = offsets[e], offsets[e + 1]
         tiled = start + (stop - start) // _ROW_TILE * _ROW_TILE
         scale_row = gate_up_scale[e, b]
+        weights = q_gate_up[e]
         for r in range(rb * bn, min(inter, (rb + 1) * bn)):
             n = half * inter + r
-            _decode_row(q_gate_up[e, n], bits)
+            w = weights[n]
             for m in range(start, tiled, _ROW_TILE):
                 _dot_groups4(w, xs[tokens[m]], xs[tokens[m + 1]], xs[tokens[m + 2]], xs[tokens[m + 3]],
                              scale_row, bk, tile)
@@ -119,18 +137,17 @@ def down_rows(acts, tokens, slot_weights, offsets, experts, q_down, down_scale, 
     (fake-quantized), experts [E'] int64 (hit experts), q_down [L, H, I] uint8, down_scale
     [L, ceil(H/bn), G] float32, sums [T, H] float32.
     """
-    hidden, inter = q_down.shape[1], q_down.shape[2]
+    hidden = q_down.shape[1]
     for b in numba.prange((hidden + bn - 1) // bn):
-        bits = np.empty(inter, np.int32)
-        w = bits.view(np.float32)
         tile = np.empty(_ROW_TILE, np.float32)
         for i in range(experts.shape[0]):
             e = experts[i]
             start, stop = offsets[e], offsets[e + 1]
             tiled = start + (stop - start) // _ROW_TILE * _ROW_TILE
             scale_row = down_scale[e, b]
+            weights = q_down[e]
             for n in range(b * bn, min(hidden, (b + 1) * bn)):
-                _decode_row(q_down[e, n], bits)
+                w = weights[n]
                 for m in range(start, tiled, _ROW_TILE):
                     _dot_groups4(w, acts[m], acts[m + 1], acts[m + 2], acts[m + 3], scale_row, bk, tile)
                     for j in range(_ROW_TILE):
