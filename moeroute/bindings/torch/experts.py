@@ -32,6 +32,7 @@ CUDA: `moeroute.gpu.fused_experts` runs the grouped GEMMs on torch's current str
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
@@ -414,27 +415,34 @@ def _rows_forward(hidden_states, plan, w_gate_up, w_down, activation, b_gate_up,
     xs = hidden_states.detach().to(torch.float32).contiguous()
     gate_up = torch.empty((tokens.shape[0], 2 * inter), dtype=torch.float32)
     threads = cpu_threads()
-    if threads == 1:  # the serial kernels: no parallel region to start
-        _rows.gate_up_rows_serial(xs.numpy(), tokens, offsets, work, _row_view(w_gate_up), _bias_view(b_gate_up),
-                                  gate_up.numpy())
+    # One thread: the serial kernels, with no parallel region to start.
+    gate_up_rows, down_rows = ((_rows.gate_up_rows_serial, _rows.down_rows_serial) if threads == 1
+                               else (_rows.gate_up_rows, _rows.down_rows))
+    with _numba_threads(threads):
+        gate_up_rows(xs.numpy(), tokens, offsets, work, _row_view(w_gate_up), _bias_view(b_gate_up),
+                     gate_up.numpy())
         act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation).contiguous()
-        _rows.down_rows_serial(act.numpy(), tokens, slot_weights, offsets, hit, _row_view(w_down),
-                               _bias_view(b_down), sums.numpy())
-    else:
-        previous = numba.get_num_threads()
-        numba.set_num_threads(threads)
-        try:
-            _rows.gate_up_rows(xs.numpy(), tokens, offsets, work, _row_view(w_gate_up), _bias_view(b_gate_up),
-                               gate_up.numpy())
-            act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation).contiguous()
-            _rows.down_rows(act.numpy(), tokens, slot_weights, offsets, hit, _row_view(w_down),
-                            _bias_view(b_down), sums.numpy())
-        finally:
-            numba.set_num_threads(previous)
+        down_rows(act.numpy(), tokens, slot_weights, offsets, hit, _row_view(w_down), _bias_view(b_down),
+                  sums.numpy())
     return sums if hidden_states.dtype == torch.float32 else sums.to(hidden_states.dtype)
 
 
 _NO_BIAS = np.zeros((0, 0), np.float32)
+
+
+@contextlib.contextmanager
+def _numba_threads(threads: int):
+    """Numba's parallel regions take ``threads`` threads inside the block (untouched for one:
+    the serial kernels start none)."""
+    if threads == 1:
+        yield
+        return
+    previous = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(previous)
 
 
 def _row_view(weight: torch.Tensor) -> np.ndarray:
