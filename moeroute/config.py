@@ -35,7 +35,11 @@ __all__ = [
     "ROUTED_SCALING_FACTOR_RANGE",
 ]
 
-#: Expert activations a preset may name (the torch experts implement each).
+#: Expert activations, the one list: a preset may name each, the torch experts
+#: (`moeroute.bindings.torch.activations`) and the GPU kernels implement each, and engine name
+#: mappings (vLLM, transformers) derive from it. Position = the kernels' activation code
+#: (kActivation* in gpu/kernels/moe_gemm.cu): "silu" SwiGLU, "gelu" exact (erf) GeGLU,
+#: "gelu_tanh" torch's approximate="tanh", "swigluoai" gpt-oss's clamped SwiGLU.
 EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 
 #: Scoring functions applied to the router logits before selection: softmax, sigmoid,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeroute.bindings.torch.experts import apply_activation, check_activation, gated_activation
+from moeroute.bindings.torch.activations import apply_activation, check_activation, gated_activation
 
 __all__ = ["GatedMLP"]
 

@@ -245,7 +245,7 @@ class MoE(nn.Module):
         Dispatch mode with ``ep_group``; without one nothing is dispatched (layout
         dispatch "none").
     activation : {"silu", "gelu", "gelu_tanh", "swigluoai"}
-        "swigluoai" is gpt-oss's clamped SwiGLU (`moeroute.bindings.torch.experts.gated_activation`).
+        "swigluoai" is gpt-oss's clamped SwiGLU (`moeroute.bindings.torch.activations.gated_activation`).
     routed_input_transform, routed_output_transform : nn.Module, optional
         Latent MoE: map the hidden states to the routed experts' input size H' and the
         routed sum back to H. The router and shared experts see the original hidden states.
