@@ -84,7 +84,7 @@ from moeroute.bindings.torch.group import (
     fields_digest,
     layout_fingerprint,
 )
-from moeroute.layout import ExpertLayout
+from moeroute.layout import EP_DISPATCH_MODES, ExpertLayout
 
 __all__ = [
     "All2AllDispatcher",
@@ -101,8 +101,6 @@ __all__ = [
     "METADATA_BYTES_PER_SLOT",
 ]
 
-#: Dispatch modes served by torch.distributed dispatchers ("none" is `LocalDispatcher`).
-EP_DISPATCH_MODES = ("all2all", "allgather")
 #: Each slot travels with an int32 id (local id for all2all, physical id for allgather)
 #: and a float32 weight.
 METADATA_BYTES_PER_SLOT = 8

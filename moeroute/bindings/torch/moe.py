@@ -89,15 +89,13 @@ from moeroute.bindings.torch.group import check_ranks_agree, ep_group_size_and_r
 from moeroute.bindings.torch.load_window import DEFAULT_LOAD_WINDOW, LoadRecorder, check_window
 from moeroute.bindings.torch.mxfp4_experts import check_mxfp4_weights, map_gpt_oss_mxfp4_keys
 from moeroute.config import RouterConfig
-from moeroute.layout import DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, ExpertLayout
+from moeroute.layout import EP_DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, ExpertLayout
 from moeroute.quant import QuantConfig, dequantize_fp8_block, dequantize_fp8_tensor, quantize_experts
 
 __all__ = ["MoE", "shared_mlp_slots", "SUPPORTED_DEVICES"]
 
 #: Device types the forward serves: NumPy/Numba on the CPU, Numba CUDA + CuPy on CUDA.
 SUPPORTED_DEVICES = ("cpu", "cuda")
-#: Dispatch modes that need an expert-parallel process group.
-EP_DISPATCH_MODES = tuple(mode for mode in DISPATCH_MODES if mode != "none")
 #: Probe points for checking that a shared MLP's activation is the experts' activation.
 _ACTIVATION_PROBE = torch.linspace(-6.0, 6.0, steps=25)
 #: Float32 slack when comparing the probe (the two functions should agree bit for bit).
