@@ -38,21 +38,23 @@ def _bounds(minimum: int | None, maximum: int | None) -> str:
 
 def integer(name: str, value: Any, minimum: int | None = None, maximum: int | None = None, *,
             error: type[Exception] = ValueError,
-            type_error: type[Exception] = IntegerTypeError) -> int:
+            type_error: type[Exception] = IntegerTypeError, why: str = "") -> int:
     """``value`` as a Python int within ``[minimum, maximum]`` (either bound optional).
 
     Accepted: Python ``int`` and NumPy integer scalars. Refused: ``bool`` (and
     ``numpy.bool_``), floats (even integral ones such as ``2.0``), strings, and anything
     else, with ``type_error`` (default `IntegerTypeError`, a TypeError and a ValueError);
     a value outside the bounds with ``error`` (default ValueError). Both messages name
-    ``name``, the value and the allowed range, e.g. ``top_k=0 must be an integer >= 1``.
+    ``name``, the value and the allowed range, e.g. ``top_k=0 must be an integer >= 1``,
+    and end with `` (why)`` when ``why`` is given (what the number counts, another allowed value).
     """
+    what = f" ({why})" if why else ""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise type_error(f"{name}={value!r} must be an integer{_bounds(minimum, maximum)}, "
+        raise type_error(f"{name}={value!r} must be an integer{_bounds(minimum, maximum)}{what}, "
                          f"got {type(value).__name__}")
     value = int(value)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise error(f"{name}={value} must be an integer{_bounds(minimum, maximum)}")
+        raise error(f"{name}={value} must be an integer{_bounds(minimum, maximum)}{what}")
     return value
 
 

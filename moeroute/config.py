@@ -35,7 +35,11 @@ __all__ = [
     "ROUTED_SCALING_FACTOR_RANGE",
 ]
 
-#: Expert activations a preset may name (the torch experts implement each).
+#: Expert activations, the one list: a preset may name each, the torch experts
+#: (`moeroute.bindings.torch.activations`) and the GPU kernels implement each, and engine name
+#: mappings (vLLM, transformers) derive from it. Position = the kernels' activation code
+#: (kActivation* in gpu/kernels/moe_gemm.cu): "silu" SwiGLU, "gelu" exact (erf) GeGLU,
+#: "gelu_tanh" torch's approximate="tanh", "swigluoai" gpt-oss's clamped SwiGLU.
 EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 
 #: Scoring functions applied to the router logits before selection: softmax, sigmoid,
@@ -49,13 +53,6 @@ ROUTED_SCALING_FACTOR_RANGE = (1e-6, 1e6)
 
 #: Largest number of experts: expert ids (and the offsets of their rows) are int32.
 MAX_NUM_EXPERTS = 2**31 - 1
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    """Return ``value`` as an int >= ``minimum`` (`moeroute._validate.integer`: Python and
-    NumPy integers, never bools, floats or strings); ValueError naming ``name`` otherwise
-    (`IntegerTypeError`, also a TypeError, for a value of another kind)."""
-    return integer(name, value, minimum)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,13 +104,13 @@ class RouterConfig:
     routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        num_experts = _check_int("num_experts", self.num_experts, 1)
+        num_experts = integer("num_experts", self.num_experts, 1)
         if num_experts > MAX_NUM_EXPERTS:
             raise ValueError(f"num_experts={num_experts} exceeds {MAX_NUM_EXPERTS}: expert ids "
                              "are int32; use at most 2**31 - 1 experts")
-        top_k = _check_int("top_k", self.top_k, 1)
-        num_groups = _check_int("num_expert_group", self.num_expert_group, 1)
-        topk_group = _check_int("topk_group", self.topk_group, 1)
+        top_k = integer("top_k", self.top_k, 1)
+        num_groups = integer("num_expert_group", self.num_expert_group, 1)
+        topk_group = integer("topk_group", self.topk_group, 1)
         if not isinstance(self.scoring, str) or self.scoring not in SCORING_FUNCTIONS:
             raise ValueError(
                 f"scoring={self.scoring!r} is not supported; use one of {SCORING_FUNCTIONS}"
@@ -256,10 +253,10 @@ class ModelPreset:
     def __post_init__(self) -> None:
         if not isinstance(self.router, RouterConfig):
             raise ValueError(f"router={self.router!r} must be a RouterConfig")
-        hidden = _check_int("hidden_size", self.hidden_size, 1)
-        inter = _check_int("moe_intermediate_size", self.moe_intermediate_size, 1)
-        shared = _check_int("num_shared_experts", self.num_shared_experts, 0)
-        shared_size = _check_int("shared_intermediate_size", self.shared_intermediate_size, 0)
+        hidden = integer("hidden_size", self.hidden_size, 1)
+        inter = integer("moe_intermediate_size", self.moe_intermediate_size, 1)
+        shared = integer("num_shared_experts", self.num_shared_experts, 0)
+        shared_size = integer("shared_intermediate_size", self.shared_intermediate_size, 0)
         if (shared == 0) != (shared_size == 0):
             raise ValueError(
                 f"num_shared_experts={shared} and shared_intermediate_size={shared_size} "
@@ -428,8 +425,8 @@ def _field(fields: Mapping, names: str | tuple[str, ...], default: Any = _REQUIR
 
 def _shared_split(shared_size: int, inter: int) -> tuple[int, str | None]:
     """S and the unfusable reason for a shared MLP of total intermediate ``shared_size``."""
-    shared_size = _check_int("shared_expert_intermediate_size", shared_size, 0)
-    inter = _check_int("moe_intermediate_size", inter, 1)
+    shared_size = integer("shared_expert_intermediate_size", shared_size, 0)
+    inter = integer("moe_intermediate_size", inter, 1)
     if shared_size == 0:
         return 0, None
     if shared_size % inter == 0:

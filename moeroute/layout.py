@@ -39,6 +39,7 @@ __all__ = [
     "LayoutError",
     "ExpertLayout",
     "DISPATCH_MODES",
+    "EP_DISPATCH_MODES",
     "SHARED_MODES",
     "SHARED_SLOT_MODES",
     "SCALING_REGIMES",
@@ -51,6 +52,9 @@ __all__ = [
 #: "none": one rank; "all2all": tokens travel to the ranks holding their experts
 #: (DeepEP-style); "allgather": every rank sees every token and results are reduced.
 DISPATCH_MODES = ("none", "all2all", "allgather")
+#: The dispatch modes that move tokens between ranks (torch.distributed dispatchers; "none"
+#: is the single-rank pass-through).
+EP_DISPATCH_MODES = tuple(mode for mode in DISPATCH_MODES if mode != "none")
 #: Requested shared-expert owner; "auto" resolves to one of the other three.
 SHARED_MODES = ("auto", "runner", "overlap", "fused")
 #: Where fused shared slots live in the physical id space.

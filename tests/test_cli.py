@@ -55,6 +55,7 @@ def test_top_level_help_lists_commands(capsys):
               "--placement", "--quant", "--json"]),
     ("route", ["--preset", "--config", "--tokens", "--seed", "--ep", "--repeat", "--scoring", "--placement",
                "--json"]),
+    ("run", ["--preset", "--ep", "--dispatch", "--tokens", "--quant", "--eplb", "--json"]),
 ])
 def test_command_help_is_complete(capsys, command, options):
     status, out, _ = run(capsys, command, "--help")

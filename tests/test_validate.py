@@ -47,6 +47,40 @@ def test_the_same_rule_in_config_layout_and_ops():
             call()
 
 
+def test_why_ends_both_messages():
+    with pytest.raises(ValueError, match=r"^w=0 must be an integer >= 1 \(forwards per window\)$"):
+        integer("w", 0, 1, why="forwards per window")
+    with pytest.raises(IntegerTypeError, match=r"^w=2.0 must be an integer >= 1 \(forwards per window\), got float$"):
+        integer("w", 2.0, 1, why="forwards per window")
+
+
+def test_the_same_rule_in_the_torch_modules_eplb_and_quant():
+    """The checks that were written by hand before: a bool, a float and 0 refused, NumPy integers taken."""
+    import torch
+
+    from moeroute.bindings.torch.load_window import check_window
+    from moeroute.bindings.torch.mlp import GatedMLP
+    from moeroute.eplb import rebalance
+    from moeroute.quant import QuantConfig
+    from moeroute.quant.fp8 import quantize_fp8_activations
+
+    load = np.ones(8)
+    calls = {
+        "load_window": check_window,
+        "hidden_size": lambda v: GatedMLP(v, 4),
+        "num_physical_experts": lambda v: rebalance(load, v, 2),
+        "group_size": lambda v: quantize_fp8_activations(torch.ones(2, 8), group_size=v),
+    }
+    for name, call in calls.items():
+        for bad in (True, 2.0, 0):
+            with pytest.raises(ValueError, match=rf"{name}={bad!r} must be an integer >= 1"):
+                call(bad)
+    assert check_window(np.int64(4)) == 4 and GatedMLP(np.int32(8), 4).gate_proj.in_features == 8
+    with pytest.raises(ValueError, match=r"block_size=\(True, 128\) must be a pair \(rows, columns\) of integers >= 1"):
+        QuantConfig("fp8_block", block_size=(True, 128))
+    assert QuantConfig("fp8_block", block_size=(np.int64(64), 128)).block_size == (64, 128)
+
+
 def test_router_config_refuses_more_experts_than_int32_ids():
     with pytest.raises(ValueError, match=r"num_experts=2147483664 exceeds 2147483647.*int32"):
         RouterConfig(2**31 + 16, 2)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import pickle
 import statistics
@@ -99,6 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "against the w8a8 reference")
     parser.add_argument("--dispatch-dtype", choices=("auto", "fp8"), default="auto",
                         help="fp8: send the tokens as e4m3 rows with their scales (needs --quant)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object on stdout instead of the text (keys: README, Command line)")
 
 
 def _under_torchrun() -> bool:
@@ -351,11 +354,40 @@ def _init_group(args, rank: int, world: int, init_method: str, backend: str):
 # --------------------------------------------------------------------------- reporting
 
 
+class _Checks(NamedTuple):
+    """The verdicts both the text and the JSON report: one per rank, the w8a8 one, the status."""
+
+    rank_ok: list[bool]
+    #: With --quant: (worst relative error, bound, passed, scale bytes sent); else None.
+    reference: tuple[float, float, bool, int] | None
+    status: int
+
+
+def _checks(args, reports: list[dict]) -> _Checks:
+    tolerance = TOLERANCE[args.dtype]
+    rank_ok = [r["error"] < tolerance for r in reports]
+    status = 0 if all(rank_ok) else EXIT_MISMATCH
+    reference = None
+    if getattr(args, "quant", None) is not None:
+        bound = QUANT_TOLERANCE[args.dtype]
+        worst = max(r["reference_error"] for r in reports)
+        passed = worst < bound
+        status = status if passed else EXIT_MISMATCH
+        scales = sum((r["bytes"] or {}).get("scale_bytes", 0) for r in reports)
+        reference = (worst, bound, passed, scales)
+    return _Checks(rank_ok, reference, status)
+
+
+def _total_bytes(reports: list[dict]) -> int:
+    return sum((r["bytes"] or {}).get("total_bytes", 0) for r in reports)
+
+
 def _format(args, reports: list[dict]) -> tuple[str, int]:
     """The printed table and the exit status."""
     tolerance = TOLERANCE[args.dtype]
     first = reports[0]
     quant = getattr(args, "quant", None)
+    checks = _checks(args, reports)
     lines = [
         f"moeroute run: preset {args.preset}, ep {args.ep}, dispatch {args.dispatch}, "
         f"{args.tokens} tokens per rank, H={args.hidden}, I={args.intermediate}, {args.dtype}"
@@ -364,10 +396,7 @@ def _format(args, reports: list[dict]) -> tuple[str, int]:
         "rank  tokens  rows_in  slots  experts  max_load  sent_rows_B  sent_meta_B  "
         "sent_combine_B  forward_ms  rel_error  check",
     ]
-    status = 0
-    for r in reports:
-        ok = r["error"] < tolerance
-        status = status if ok else EXIT_MISMATCH
+    for r, ok in zip(reports, checks.rank_ok):
         b = r["bytes"] or {}
         lines.append(
             f"{r['rank']:>4}  {r['tokens']:>6}  {r['received_rows']:>7}  {r['slots_computed']:>5}  "
@@ -375,20 +404,44 @@ def _format(args, reports: list[dict]) -> tuple[str, int]:
             f"{b.get('hidden_bytes', 0):>11}  {b.get('metadata_bytes', 0):>11}  "
             f"{b.get('combine_bytes', 0):>14}  {r['forward_ms']:>10.3f}  "
             f"{r['error']:>9.2e}  {'ok' if ok else 'MISMATCH'}")
-    if quant is not None:
-        bound = QUANT_TOLERANCE[args.dtype]
-        worst = max(r["reference_error"] for r in reports)
-        passed = worst < bound
-        status = status if passed else EXIT_MISMATCH
-        scales = sum((r["bytes"] or {}).get("scale_bytes", 0) for r in reports)
+    if checks.reference is not None:
+        worst, bound, passed, scales = checks.reference
         lines.append(f"w8a8 reference (moeroute.quant.reference): max relative error {worst:.2e} over "
                      f"{len(reports)} ranks (< {bound:g}): {'PASS' if passed else 'FAIL'}"
                      + (f"; FP8 rows sent with {scales} bytes of scales" if scales else ""))
-    total = sum((r["bytes"] or {}).get("total_bytes", 0) for r in reports)
-    lines.append(f"bytes sent by all ranks per forward (rows, scales, metadata, counts, combine): {total}")
-    lines.append("result: " + ("every rank matches the single-process layer" if status == 0 else
+    lines.append(f"bytes sent by all ranks per forward (rows, scales, metadata, counts, combine): "
+                 f"{_total_bytes(reports)}")
+    lines.append("result: " + ("every rank matches the single-process layer" if checks.status == 0 else
                                f"MISMATCH above tolerance {tolerance:g}"))
-    return "\n".join(lines), status
+    return "\n".join(lines), checks.status
+
+
+def _json(args, reports: list[dict]) -> dict[str, Any]:
+    """``run --json``: the text's values as one object (keys documented in the README)."""
+    first = reports[0]
+    checks = _checks(args, reports)
+    reference = None
+    if checks.reference is not None:
+        worst, bound, passed, scales = checks.reference
+        reference = {"max_relative_error": worst, "tolerance": bound, "passed": passed,
+                     "scale_bytes": scales}
+    return {
+        "preset": args.preset, "ep_size": args.ep, "dispatch": args.dispatch,
+        "tokens": args.tokens, "hidden": args.hidden, "intermediate": args.intermediate,
+        "dtype": args.dtype, "quant": getattr(args, "quant", None),
+        "dispatch_dtype": getattr(args, "dispatch_dtype", "auto"),
+        "shared": first["shared"], "shared_reason": first["shared_reason"],
+        "tolerance": TOLERANCE[args.dtype],
+        "ranks": [{
+            "rank": r["rank"], "tokens": r["tokens"], "received_rows": r["received_rows"],
+            "slots_computed": r["slots_computed"], "local_experts": r["local_experts"],
+            "max_expert_load": r["max_expert_load"], "bytes": r["bytes"],
+            "forward_ms": r["forward_ms"], "relative_error": r["error"], "ok": ok,
+        } for r, ok in zip(reports, checks.rank_ok)],
+        "reference": reference,
+        "total_bytes": _total_bytes(reports),
+        "matches": checks.status == 0,
+    }
 
 
 # --------------------------------------------------------------------------- launching
@@ -405,6 +458,8 @@ class RunSteps(NamedTuple):
     rank_report: Callable[..., dict]
     #: (args, every rank's report) -> (the printed text, the exit status).
     format: Callable[[argparse.Namespace, list], tuple[str, int]]
+    #: (args, every rank's report) -> the ``--json`` object; None: --json is not served.
+    to_json: Callable[[argparse.Namespace, list], dict] | None = None
 
 
 def _check_preset(args: argparse.Namespace):
@@ -412,7 +467,7 @@ def _check_preset(args: argparse.Namespace):
 
 
 #: ``moeroute run`` itself.
-RUN_STEPS = RunSteps(_check_preset, _rank_report, _format)
+RUN_STEPS = RunSteps(_check_preset, _rank_report, _format, _json)
 
 
 def _spawned_rank(rank: int, args: argparse.Namespace, init_file: str, result_dir: str,
@@ -467,6 +522,13 @@ def spawn_reports(args: argparse.Namespace, steps: RunSteps = RUN_STEPS) -> list
     return [r["report"] for r in results]
 
 
+def _output(args: argparse.Namespace, steps: RunSteps, reports: list[dict], text: str) -> str:
+    """What is printed: the text, or with ``--json`` the one-line JSON object."""
+    if getattr(args, "json", False) and steps.to_json is not None:
+        return json.dumps(steps.to_json(args, reports))
+    return text
+
+
 def _run_spawned(args: argparse.Namespace, steps: RunSteps) -> int:
     try:
         reports = spawn_reports(args, steps)
@@ -474,7 +536,7 @@ def _run_spawned(args: argparse.Namespace, steps: RunSteps) -> int:
         print(f"moeroute run: {error}", file=sys.stderr)
         return EXIT_FAILURE
     text, status = steps.format(args, reports)
-    print(text)
+    print(_output(args, steps, reports, text))
     return status
 
 
@@ -499,7 +561,7 @@ def _run_torchrun(args: argparse.Namespace, steps: RunSteps) -> int:
         dist.destroy_process_group()
     text, status = steps.format(args, reports)
     if rank == 0:
-        print(text)
+        print(_output(args, steps, reports, text))
     return status
 
 

@@ -14,11 +14,11 @@ split a logical expert's load evenly over its replicas: each of its c replicas c
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import numpy as np
 
+from moeroute._validate import integer
 from moeroute.eplb import _policy
 
 __all__ = [
@@ -44,12 +44,6 @@ _ID_DTYPE = np.int32
 def _readonly(array: np.ndarray) -> np.ndarray:
     array.setflags(write=False)
     return array
-
-
-def _count(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
-    return int(value)
 
 
 def _check_load(load: Any, name: str = "load") -> tuple[np.ndarray, bool]:
@@ -117,7 +111,7 @@ def _check_table(table: Any, name: str, num_logical: int, num_layers: int | None
 
 
 def _check_ep(ep_size: Any, num_physical: int, name: str = "ep_size") -> int:
-    ep_size = _count(name, ep_size, 1)
+    ep_size = integer(name, ep_size, 1)
     if num_physical % ep_size:
         raise ValueError(f"{name}={ep_size} does not divide the {num_physical} physical experts; "
                          f"use an ep_size that divides P (rank r holds [r*P/E, (r+1)*P/E))")
@@ -162,7 +156,7 @@ class Placement:
             if array.size == 0 or not np.issubdtype(array.dtype, np.integer):
                 raise ValueError("physical_to_logical must be a non-empty integer array [P] or [L, P]")
             num_logical_experts = int(array.max()) + 1
-        n = _count("num_logical_experts", num_logical_experts, 1)
+        n = integer("num_logical_experts", num_logical_experts, 1)
         table = _check_table(physical_to_logical, "physical_to_logical", n, None)
         self.ep_size = _check_ep(ep_size, table.shape[1])
         self.policy = policy
@@ -364,7 +358,7 @@ def fold_physical_load(physical_load: Any, physical_to_logical: Any, num_logical
     numpy.ndarray float64 [N] or [L, N].
     """
     values, one_layer = _check_load(physical_load, "physical_load")
-    n = _count("num_logical_experts", num_logical_experts, 1)
+    n = integer("num_logical_experts", num_logical_experts, 1)
     table = _check_table(physical_to_logical, "physical_to_logical", n, None, values.shape[1])
     if table.shape[0] == 1 and values.shape[0] > 1:
         table = np.repeat(table, values.shape[0], axis=0)
@@ -454,19 +448,19 @@ def rebalance(load: Any, num_physical_experts: int, ep_size: int, *, num_nodes: 
     """
     values, _ = _check_load(load)
     layers, n = values.shape
-    p = _count("num_physical_experts", num_physical_experts, 1)
+    p = integer("num_physical_experts", num_physical_experts, 1)
     if p < n:
         raise ValueError(f"num_physical_experts={p} is smaller than the {n} logical experts; "
                          f"use num_physical_experts >= {n} (every expert needs a replica)")
-    e = _count("ep_size", ep_size, 1)
+    e = integer("ep_size", ep_size, 1)
     if p % e:
         raise ValueError(f"num_physical_experts={p} is not a multiple of ep_size={e}; every rank "
                          f"holds P/E experts: use P in {{{(p // e) * e or e}, {(p // e + 1) * e}}}")
-    nodes = _count("num_nodes", num_nodes, 1)
+    nodes = integer("num_nodes", num_nodes, 1)
     if e % nodes:
         raise ValueError(f"num_nodes={nodes} does not divide ep_size={e}; use a num_nodes among "
                          f"{[d for d in range(1, e + 1) if e % d == 0]}")
-    groups = _count("num_groups", num_groups, 1)
+    groups = integer("num_groups", num_groups, 1)
     if n % groups:
         raise ValueError(f"num_groups={groups} does not divide the {n} logical experts; use a "
                          f"num_groups among {[d for d in range(1, n + 1) if n % d == 0]}")

@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace):
+    if getattr(args, "json", False):
+        raise ValueError("--json is not served with --eplb; leave it out for the text table")
     preset, layout = ep_run._check_request(args)
     p, e = layout.num_routed_physical, layout.ep_size
     if p % e:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moeroute.config import EXPERT_ACTIVATIONS
+
 KERNEL_FILE = "moe_gemm"  # kernels/moe_gemm.cu, kernels/moe_gemm.hip
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -21,7 +23,8 @@ STORAGE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.u
 
 # Activation codes of moe_gemm.cu (kActivation*). gelu is the exact erf form, gelu_tanh torch's
 # approximate="tanh", swigluoai gpt-oss's clamped SwiGLU (alpha 1.702, limit 7).
-ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swigluoai": 3}
+# The codes are the positions in moeroute.config.EXPERT_ACTIVATIONS.
+ACTIVATIONS = {name: code for code, name in enumerate(EXPERT_ACTIVATIONS)}
 
 # align_block_size block sizes the kernels accept: every tile height below divides one of them.
 BLOCK_SIZES = (16, 32, 64, 128)

@@ -14,10 +14,10 @@ through ``to_dict()`` (`moeroute.config`).
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
+from moeroute._validate import integer
 from moeroute.config import _as_dict
 
 __all__ = ["QuantConfig", "FORMATS", "ACTIVATION_SCHEMES", "SCALE_FORMATS", "DEFAULT_BLOCK_SIZE"]
@@ -221,7 +221,7 @@ def _block_size(value) -> tuple[int, int]:
         rows, cols = value
     except (TypeError, ValueError):
         raise ValueError(f"block_size={value!r} must be a pair (rows, columns) of integers >= 1") from None
-    for v in (rows, cols):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-            raise ValueError(f"block_size={value!r} must be a pair (rows, columns) of integers >= 1")
-    return int(rows), int(cols)
+    try:
+        return integer("rows", rows, 1), integer("columns", cols, 1)
+    except ValueError:  # IntegerTypeError included: name the pair as the caller wrote it
+        raise ValueError(f"block_size={value!r} must be a pair (rows, columns) of integers >= 1") from None

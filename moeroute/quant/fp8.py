@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from moeroute._validate import integer
 from moeroute.quant.config import QuantConfig, _block_size
 from moeroute.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
@@ -184,8 +185,7 @@ def quantize_fp8_activations(x: torch.Tensor, group_size: int | None = 128, scal
     hidden = x.shape[-1]
     if group_size is None:
         group_size = max(hidden, 1)
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size={group_size!r} must be an integer >= 1 or None")
+    group_size = integer("group_size", group_size, 1, why="or None: one group per row")
     groups = _cdiv(hidden, group_size)
     padded = x.float()
     if groups * group_size != hidden:

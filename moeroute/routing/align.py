@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from moeroute._validate import integer
 from moeroute.routing import _sort
 from moeroute.routing._arrays import as_caller, device_empty, host_array, is_device_array, resolve_stream
 from moeroute.routing.remap import _check_host_expert_map, device_expert_map
@@ -35,8 +36,8 @@ def _host_expert_map(expert_map) -> np.ndarray:
 
 def _check_align_args(shape, num_experts, block_size) -> tuple[int, int, int, int]:
     """Validated (num_experts, block_size, numel, capacity) for ids of ``shape``."""
-    num_experts = _sort.check_count("num_experts", num_experts, 1)
-    block_size = _sort.check_count("block_size", block_size, 1)
+    num_experts = integer("num_experts", num_experts, 1)
+    block_size = integer("block_size", block_size, 1)
     numel = int(shape[0]) * int(shape[1])
     capacity = _sort.padded_capacity(numel, num_experts, block_size)
     _sort.check_index_limit("numel + num_experts*(block_size-1)", capacity)

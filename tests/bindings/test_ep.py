@@ -369,6 +369,69 @@ def test_run_command_reports_a_mismatch():
     assert ep_run._format(args, [report])[1] == 0
 
 
+def test_run_json_matches_the_text_and_the_layout(capsys):
+    import json
+
+    from moeroute.cli import main
+    from moeroute.config import get_preset
+
+    argv = ["run", "--preset", "mixtral-8x7b", "--ep", "2", "--dispatch", "all2all", "--tokens", "6",
+            "--hidden", "16", "--intermediate", "8", "--repeat", "1"]
+    status = main(argv + ["--json"])
+    out = capsys.readouterr().out
+    assert status == 0 and len(out.splitlines()) == 1, out
+    result = json.loads(out)
+    assert (result["preset"], result["ep_size"], result["dispatch"], result["tokens"], result["hidden"],
+            result["intermediate"], result["dtype"], result["quant"], result["dispatch_dtype"]) == (
+        "mixtral-8x7b", 2, "all2all", 6, 16, 8, "float32", None, "auto")
+    assert result["shared"] == "none" and result["reference"] is None and result["matches"] is True
+    ranks = result["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["ok"] for r in ranks)
+    # No shared expert: every (token, slot) of both ranks is computed once, on its expert's rank.
+    top_k = get_preset("mixtral-8x7b").router.top_k
+    assert sum(r["slots_computed"] for r in ranks) == 2 * 6 * top_k
+    assert [r["local_experts"] for r in ranks] == [4, 4]  # 8 experts in equal blocks
+    assert result["total_bytes"] == sum(r["bytes"]["total_bytes"] for r in ranks) > 0
+    assert all(r["relative_error"] < result["tolerance"] for r in ranks)
+    # The text path reports the same figures (the same seeds, so the same routing).
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    for row, r in zip(rows, ranks):
+        b = r["bytes"]
+        assert [int(v) for v in row[:9]] == [r["rank"], r["tokens"], r["received_rows"], r["slots_computed"],
+                                             r["local_experts"], r["max_expert_load"], b["hidden_bytes"],
+                                             b["metadata_bytes"], b["combine_bytes"]]
+    assert f"combine): {result['total_bytes']}" in text
+
+
+def test_run_json_reports_a_mismatch_and_the_w8a8_check():
+    import argparse
+
+    from moeroute.bindings import ep_run
+
+    args = argparse.Namespace(preset="deepseek-v3", ep=2, dispatch="all2all", tokens=4, hidden=16,
+                              intermediate=8, dtype="float32", quant="fp8_block", dispatch_dtype="fp8")
+    report = dict(rank=0, tokens=4, received_rows=4, slots_computed=8, max_expert_load=3,
+                  local_experts=4, bytes={"scale_bytes": 32, "total_bytes": 100}, forward_ms=1.0,
+                  error=0.0, reference_error=1e-3, shared="fused", shared_reason="fusable")
+    reports = [report, dict(report, rank=1, error=1e-3, reference_error=0.5)]
+    result = ep_run._json(args, reports)
+    assert [r["ok"] for r in result["ranks"]] == [True, False] and result["matches"] is False
+    assert result["reference"] == {"max_relative_error": 0.5, "tolerance": ep_run.QUANT_TOLERANCE["float32"],
+                                   "passed": False, "scale_bytes": 64}
+    assert result["total_bytes"] == 200
+    assert ep_run._format(args, reports)[1] == ep_run.EXIT_MISMATCH
+
+
+def test_run_json_is_refused_with_eplb(capsys):
+    from moeroute.cli import main
+
+    status = main(["run", "--preset", "qwen3-30b-a3b", "--ep", "2", "--tokens", "4", "--eplb", "--json"])
+    out, err = capsys.readouterr()
+    assert status == 2 and out == "" and "--json" in err and len(err.strip().splitlines()) == 1
+
+
 def test_run_command_joins_a_torchrun_group(tmp_path):
     """Two processes with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
     import os

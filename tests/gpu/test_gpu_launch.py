@@ -32,6 +32,7 @@ def _kernel_constant(name: str) -> int:
     (L.MMA_CHUNK, "kMmaChunk"), (L.SUM_THREADS, "kSumThreads"), (L.MMA_ROW_MULTIPLE, "kMmaChunk"),
     (L.ACTIVATIONS["silu"], "kActivationSilu"),
     (L.ACTIVATIONS["gelu"], "kActivationGelu"), (L.ACTIVATIONS["gelu_tanh"], "kActivationGeluTanh"),
+    (L.ACTIVATIONS["swigluoai"], "kActivationSwigluOai"),
 ])
 def test_constants_match_the_kernels(python_value, kernel_name):
     assert python_value == _kernel_constant(kernel_name)

@@ -43,6 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeroute.bindings.torch import _rows, arrays
+from moeroute.bindings.torch.activations import (ACTIVATIONS, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, apply_activation,
+                                                 check_activation, gated_activation)
 from moeroute.routing._parallel import cpu_threads
 from moeroute.routing.combine import accumulate_checked
 
@@ -51,13 +53,6 @@ __all__ = ["LocalExperts", "ACTIVATIONS", "SUPPORTED_DTYPES", "GEMM_STRATEGIES",
            "expert_mlp", "streamed_expert_mlp", "padded_expert_mlp", "grouped_expert_mlp", "apply_activation",
            "gated_activation", "SWIGLUOAI_ALPHA", "SWIGLUOAI_LIMIT"]
 
-#: Activations of the gated MLP: "silu" (SwiGLU), "gelu" (erf GeGLU), "gelu_tanh", and
-#: "swigluoai" (gpt-oss: clamped gate and up, ``(up + 1) * gate * sigmoid(1.702 * gate)``).
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
-#: gpt-oss's swiglu_alpha: the sigmoid's slope in ``gate * sigmoid(alpha * gate)``.
-SWIGLUOAI_ALPHA = 1.702
-#: gpt-oss's swiglu_limit: gate clamped above at it, up clamped to [-limit, limit].
-SWIGLUOAI_LIMIT = 7.0
 #: Activation dtypes the expert compute serves (docs/semantics.md section 5).
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Standard deviation of the initial expert weights (the usual transformer init); real
@@ -91,43 +86,6 @@ def check_dtype(name: str, dtype: torch.dtype) -> None:
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"{name} are {dtype}, which the expert compute does not serve; use one of "
                          f"{SUPPORTED_DTYPES} (e.g. module.to(torch.float32))")
-
-
-def check_activation(activation: str) -> str:
-    """Return ``activation``; ValueError naming it and the allowed ones otherwise."""
-    if not isinstance(activation, str) or activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} is not supported; use one of {ACTIVATIONS}")
-    return activation
-
-
-def apply_activation(gate: torch.Tensor, activation: str) -> torch.Tensor:
-    """``act(gate)`` for "silu", "gelu" or "gelu_tanh"; same shape and dtype.
-
-    Raises ValueError for "swigluoai", which also transforms the up projection (use
-    `gated_activation`).
-    """
-    if activation == "silu":
-        return F.silu(gate)
-    if activation == "gelu":
-        return F.gelu(gate)
-    if activation == "swigluoai":
-        raise ValueError("activation='swigluoai' clamps and shifts the up projection too; it has no "
-                         "gate-only form (use gated_activation(gate, up, 'swigluoai'))")
-    return F.gelu(gate, approximate="tanh")
-
-
-def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    """The gated MLP's intermediate: ``act(gate) * up``, or for "swigluoai"
-    ``(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 * g)`` with ``g = min(gate, 7)``.
-
-    ``gate`` and ``up`` have the same shape; the result has it too, in their dtype. ``gate``
-    may be modified in place (it is a scratch slice of the gate_up product).
-    """
-    if activation != "swigluoai":
-        return apply_activation(gate, activation).mul_(up)
-    gate = gate.clamp(max=SWIGLUOAI_LIMIT)
-    glu = gate * torch.sigmoid(gate * SWIGLUOAI_ALPHA)
-    return glu.mul_(up.clamp(-SWIGLUOAI_LIMIT, SWIGLUOAI_LIMIT) + 1)
 
 
 def _onednn_linear_op():

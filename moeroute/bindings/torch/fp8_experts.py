@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from moeroute.bindings.torch import arrays
-from moeroute.bindings.torch.experts import check_activation, gated_activation
+from moeroute.bindings.torch.activations import check_activation, gated_activation
 from moeroute.bindings.torch.mxfp4_experts import mxfp4_experts_forward
 from moeroute.bindings.torch.quant_strategy import choose_strategy as choose_fp8_strategy
 from moeroute.quant import FP8_DTYPE, QuantConfig, check_scale, quantize_fp8_activations, quantize_fp8_static

@@ -56,7 +56,8 @@ __all__ = ["from_hf", "replace_moe_blocks", "SUPPORTED_BLOCKS", "EXPERTS_IMPLEME
 #: The name under which moeroute registers in transformers' experts interface.
 EXPERTS_IMPLEMENTATION = "moeroute"
 
-#: transformers hidden_act name -> moeroute activation.
+#: transformers hidden_act name -> moeroute activation (one of moeroute.config.EXPERT_ACTIVATIONS):
+#: transformers has its own spellings, and its gpt-oss blocks hard-code "swigluoai" unnamed.
 _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
                    "gelu_new": "gelu_tanh"}
 
@@ -189,7 +190,7 @@ def _gpt_oss_mxfp4_experts(experts: nn.Module):
 
 
 def _read_gpt_oss(block: nn.Module) -> dict:
-    from moeroute.bindings.torch.experts import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+    from moeroute.bindings.torch.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 
     router, experts = block.router, block.experts
     alpha, limit = float(experts.alpha), float(experts.limit)

@@ -13,10 +13,10 @@ Counters refer to the placement they were measured under: swapping a layer's pla
 
 from __future__ import annotations
 
-import numbers
 
 import torch
 
+from moeroute._validate import integer
 from moeroute.routing.load import expert_load
 
 __all__ = ["LoadRecorder", "DEFAULT_LOAD_WINDOW"]
@@ -27,10 +27,7 @@ DEFAULT_LOAD_WINDOW = 128
 
 
 def check_window(load_window) -> int:
-    if isinstance(load_window, bool) or not isinstance(load_window, numbers.Integral) \
-            or load_window < 1:
-        raise ValueError(f"load_window={load_window!r} must be an integer >= 1 (forwards per window)")
-    return int(load_window)
+    return integer("load_window", load_window, 1, why="forwards per window")
 
 
 class LoadRecorder:

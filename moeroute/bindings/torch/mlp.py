@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeroute.bindings.torch.experts import apply_activation, check_activation, gated_activation
+from moeroute._validate import integer
+from moeroute.bindings.torch.activations import apply_activation, check_activation, gated_activation
 
 __all__ = ["GatedMLP"]
 
@@ -35,9 +36,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", *,
                  dtype=None, device=None) -> None:
         super().__init__()
-        for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        hidden_size = integer("hidden_size", hidden_size, 1)
+        intermediate_size = integer("intermediate_size", intermediate_size, 1)
         self.activation = check_activation(activation)
         kwargs = {"bias": False, "dtype": dtype, "device": device}
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kwargs)

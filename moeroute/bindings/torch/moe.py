@@ -59,13 +59,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 import re
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeroute._validate import integer
 from moeroute.bindings.torch import arrays, ops
 from moeroute.bindings.torch.dispatch import Dispatcher, LocalDispatcher, ep_dispatcher_factory
 from moeroute.bindings.torch.fp8_experts import (
@@ -89,25 +89,17 @@ from moeroute.bindings.torch.group import check_ranks_agree, ep_group_size_and_r
 from moeroute.bindings.torch.load_window import DEFAULT_LOAD_WINDOW, LoadRecorder, check_window
 from moeroute.bindings.torch.mxfp4_experts import check_mxfp4_weights, map_gpt_oss_mxfp4_keys
 from moeroute.config import RouterConfig
-from moeroute.layout import DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, ExpertLayout
+from moeroute.layout import EP_DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, ExpertLayout
 from moeroute.quant import QuantConfig, dequantize_fp8_block, dequantize_fp8_tensor, quantize_experts
 
 __all__ = ["MoE", "shared_mlp_slots", "SUPPORTED_DEVICES"]
 
 #: Device types the forward serves: NumPy/Numba on the CPU, Numba CUDA + CuPy on CUDA.
 SUPPORTED_DEVICES = ("cpu", "cuda")
-#: Dispatch modes that need an expert-parallel process group.
-EP_DISPATCH_MODES = tuple(mode for mode in DISPATCH_MODES if mode != "none")
 #: Probe points for checking that a shared MLP's activation is the experts' activation.
 _ACTIVATION_PROBE = torch.linspace(-6.0, 6.0, steps=25)
 #: Float32 slack when comparing the probe (the two functions should agree bit for bit).
 _ACTIVATION_PROBE_ATOL = 1e-6
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an integer >= 1")
-    return int(value)
 
 
 def _linear_weight(module: nn.Module, name: str, out_features: int | None, in_features: int):
@@ -245,7 +237,7 @@ class MoE(nn.Module):
         Dispatch mode with ``ep_group``; without one nothing is dispatched (layout
         dispatch "none").
     activation : {"silu", "gelu", "gelu_tanh", "swigluoai"}
-        "swigluoai" is gpt-oss's clamped SwiGLU (`moeroute.bindings.torch.experts.gated_activation`).
+        "swigluoai" is gpt-oss's clamped SwiGLU (`moeroute.bindings.torch.activations.gated_activation`).
     routed_input_transform, routed_output_transform : nn.Module, optional
         Latent MoE: map the hidden states to the routed experts' input size H' and the
         routed sum back to H. The router and shared experts see the original hidden states.
@@ -369,8 +361,8 @@ class MoE(nn.Module):
         self.layer_key = ops.register_layer(self)
         if not isinstance(router, RouterConfig):
             raise TypeError(f"router must be a moeroute RouterConfig, got {type(router).__name__}")
-        hidden_size = _positive_int("hidden_size", hidden_size)
-        intermediate_size = _positive_int("intermediate_size", intermediate_size)
+        hidden_size = integer("hidden_size", hidden_size, 1)
+        intermediate_size = integer("intermediate_size", intermediate_size, 1)
         for name, value in (("shared_experts", shared_experts), ("shared_expert_gate", shared_expert_gate),
                             ("routed_input_transform", routed_input_transform),
                             ("routed_output_transform", routed_output_transform)):
@@ -413,7 +405,7 @@ class MoE(nn.Module):
             raise ValueError(f"device={device} is not supported; use one of {SUPPORTED_DEVICES}")
         if routed_hidden_size is None:
             routed_hidden_size = getattr(routed_input_transform, "out_features", hidden_size)
-        routed_hidden_size = _positive_int("routed_hidden_size", routed_hidden_size)
+        routed_hidden_size = integer("routed_hidden_size", routed_hidden_size, 1)
         if routed_input_transform is None and routed_output_transform is None and routed_hidden_size != hidden_size:
             raise ValueError(f"routed_hidden_size={routed_hidden_size} differs from hidden_size={hidden_size} "
                              "but no routed_input_transform/routed_output_transform maps between them")

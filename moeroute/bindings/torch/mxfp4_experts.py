@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from moeroute.bindings.torch import arrays
-from moeroute.bindings.torch.experts import gated_activation
+from moeroute.bindings.torch.activations import gated_activation
 from moeroute.quant import QuantConfig, check_mxfp4
 from moeroute.quant import _mxfp4_host
 from moeroute.quant.mxfp4 import decode_mxfp4

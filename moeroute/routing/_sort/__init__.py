@@ -34,7 +34,6 @@ from moeroute.routing._sort._common import (  # noqa: F401
     SORT_CHUNK,
     SORT_TILE,
     THREADS_PER_BLOCK,
-    check_count,
     check_cuda_available,
     check_index_limit,
     device_ids,

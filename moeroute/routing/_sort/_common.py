@@ -12,7 +12,6 @@ try:  # numba.cuda comes with the optional numba-cuda package
 except ImportError:  # pragma: no cover - CPU-only installs
     cuda = None
 
-from moeroute._validate import integer
 from moeroute.routing._arrays import as_device_array, host_array
 
 #: Threads per block of the elementwise kernels: a multiple of every warp size (32, 64)
@@ -75,12 +74,6 @@ def row_launch_config(rows: int, width: int, limit: int = THREADS_PER_BLOCK):
         raise ValueError(f"width={width} needs {column_tiles} column tiles of {threads} threads; "
                          f"at most {MAX_GRID_Y} fit in gridDim.y")
     return (max(1, rows), max(1, column_tiles)), threads
-
-
-def check_count(name: str, value, minimum: int) -> int:
-    """``value`` as an int >= ``minimum`` (`moeroute._validate.integer`); TypeError /
-    ValueError naming ``name`` otherwise."""
-    return integer(name, value, minimum)
 
 
 def host_id_view(name: str, ids, ndim: int | None = 2) -> np.ndarray:

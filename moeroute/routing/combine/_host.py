@@ -1,21 +1,11 @@
 """combine and accumulate_rows on the CPU (Numba ``njit``): 16-bit activations decoded
 through a 65536-entry float32 table, bfloat16 results rounded by `_common`'s rule."""
 
-import functools
-
 import numpy as np
 from numba import njit, prange
 
-from moeroute.routing.combine._common import _BF16_SHIFT, _bf16_from_float_bits
-
-
-@functools.cache
-def _decode_table(raw_bf16: bool) -> np.ndarray:
-    """float32 [65536]: the value of every 16-bit pattern (bfloat16 or float16)."""
-    patterns = np.arange(1 << 16, dtype=np.uint32)
-    if raw_bf16:
-        return (patterns << _BF16_SHIFT).view(np.float32)
-    return patterns.astype(np.uint16).view(np.float16).astype(np.float32)
+from moeroute.routing._float16 import decode_table as _decode_table  # noqa: F401 (the package's)
+from moeroute.routing.combine._common import _bf16_from_float_bits
 
 
 @njit(cache=True, inline="always")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from moeroute._validate import integer
 from moeroute.routing import _launcher, _sort
 from moeroute.routing._arrays import (as_caller, as_device_array, check_no_overlap, device_empty,
                                      host_array, is_device_array, resolve_stream)
@@ -79,7 +80,7 @@ def expert_load(ids, num_experts, *, out=None, stream=None):
     >>> expert_load(np.array([[0, 2], [2, -1]]), 4).tolist()
     [1, 0, 2, 0]
     """
-    num_experts = _sort.check_count("num_experts", num_experts, 1)
+    num_experts = integer("num_experts", num_experts, 1)
     if is_device_array(ids):
         view = _sort.device_ids("ids", ids, ndim=None)
         if not view.is_c_contiguous():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from moeroute._validate import integer
 from moeroute.routing import _launcher, _parallel, _sort
 from moeroute.routing._arrays import (
     as_caller,
@@ -38,7 +39,7 @@ _BITS_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 def _check_sort_args(shape, num_experts) -> tuple[int, int]:
     """Validated (num_experts, numel) for ids of ``shape``."""
-    num_experts = _sort.check_count("num_experts", num_experts, 1)
+    num_experts = integer("num_experts", num_experts, 1)
     numel = int(shape[0]) * int(shape[1])
     _sort.check_index_limit("topk_ids.size", numel)
     return num_experts, numel

@@ -10,6 +10,7 @@ from numba.core import types
 from numba.extending import overload
 
 from moeroute.routing import _parallel
+from moeroute.routing._float16 import decode_table
 from moeroute.routing.select._common import (
     _F32_EPS, _F32_HALF, _F32_INF, _F32_MAX, _F32_NEG_INF, _F32_NEG_MAX, _F32_ONE, _F32_ZERO,
     _INT32_LOW31, _NAN_KEY, _NO_KEY, _RAW, _SCORING_CODES, _SIGMOID, _SOFTMAX, _SQRTSOFTPLUS,
@@ -28,14 +29,10 @@ PARALLEL_MIN_ELEMENTS = 1 << 15
 # (no cut guess yet) stay negligible.
 PARALLEL_CHUNK_ROWS = 256
 
-# float16 -> float32 for every bit pattern: NumPy's own conversion, looked up by the CPU
-# kernel (Numba has no host float16 type).
-_HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
-#: bfloat16 is the top half of a float32.
-_BF16_SHIFT = 16
-# bfloat16 -> float32 for every bit pattern (exact: the pattern shifted into the top half);
-# the same kernel as float16 serves it with this table.
-_BF16_TO_FLOAT = (np.arange(1 << 16, dtype=np.uint32) << _BF16_SHIFT).view(np.float32)
+# float16 and bfloat16 -> float32 for every bit pattern, looked up by the CPU kernel (one
+# kernel serves both 16-bit kinds, each with its table).
+_HALF_TO_FLOAT = decode_table(bfloat16=False)
+_BF16_TO_FLOAT = decode_table(bfloat16=True)
 
 # error_model="numpy": a float division by zero gives inf instead of raising, which keeps
 # the per-row loops free of branches so that LLVM vectorizes them.
