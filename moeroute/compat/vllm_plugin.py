@@ -58,6 +58,8 @@ import functools
 import logging
 import os
 
+from moeroute.config import EXPERT_ACTIVATIONS
+
 __all__ = [
     "PLUGIN_NAME",
     "FP8_WEIGHT_DTYPES",
@@ -76,7 +78,7 @@ PLUGIN_NAME = "moeroute"
 SWITCH = "MOEROUTE_VLLM"
 _SWITCH_VALUES = ("", "0", "1")
 #: vLLM activation name -> moeroute activation (the same gated definitions).
-ACTIVATIONS = {name: name for name in __import__("moeroute.config").config.EXPERT_ACTIVATIONS if name != "swigluoai"}
+ACTIVATIONS = {name: name for name in EXPERT_ACTIVATIONS if name != "swigluoai"}
 #: vLLM ``scoring_func`` values the plugin routes (moeroute's names are vLLM's).
 SCORING_FUNCS = ("softmax", "sigmoid")
 #: vLLM routers whose decision moeroute reproduces from the layer's routing arguments;

@@ -39,12 +39,12 @@ import time
 import numba
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeroute.bindings.torch import _rows, arrays
 from moeroute.bindings.torch.activations import (ACTIVATIONS, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, apply_activation,
                                                  check_activation, gated_activation)
+from moeroute._validate import integer
 from moeroute.routing._parallel import cpu_threads
 from moeroute.routing.combine import accumulate_checked
 
@@ -588,10 +588,9 @@ class LocalExperts(nn.Module):
                  activation: str = "silu", *, gemm: str = "auto", bias: bool = False, dtype=None,
                  device=None, weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
-        for name, value in (("num_local_experts", num_local_experts),
-                            ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        num_local_experts = integer("num_local_experts", num_local_experts, 1)
+        hidden_size = integer("hidden_size", hidden_size, 1)
+        intermediate_size = integer("intermediate_size", intermediate_size, 1)
         if weights is not None:
             adopted = _check_adopted_weights(weights, num_local_experts, hidden_size,
                                              intermediate_size)
