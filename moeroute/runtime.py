@@ -190,13 +190,23 @@ def _module_steps(dtypes) -> list[tuple[str, Callable[[], None]]]:
         with torch.inference_mode():
             for router, bias in routers.values():
                 for shared in ("fused", "runner"):
-                    for gemm in ("loop", "padded", "rows"):
-                        if gemm == "rows" and dtype not in ROWS_DTYPES:
-                            continue
+                    for gemm in ("loop", "padded"):
                         moe = MoE(router, hidden, inter, shared_experts=GatedMLP(hidden, inter).to(dtype),
                                   shared=shared, correction_bias=bias, gemm=gemm, dtype=dtype)
                         for tokens in MODULE_TOKENS:
                             moe(torch.randn(tokens, hidden, generator=generator).to(dtype))
+            if dtype in ROWS_DTYPES:
+                # The row kernels depend on the dtype only: their serial forms (one torch
+                # thread) and their parallel ones (torch's count), with and without a row tile.
+                moe = MoE(routers["softmax"][0], hidden, inter, gemm="rows", dtype=dtype)
+                threads = torch.get_num_threads()
+                try:
+                    for count in sorted({1, threads}):
+                        torch.set_num_threads(count)
+                        for tokens in MODULE_TOKENS[:2]:
+                            moe(torch.randn(tokens, hidden, generator=generator).to(dtype))
+                finally:
+                    torch.set_num_threads(threads)
 
     return [(f"torch MoE module, {name}", lambda n=name: forward(n)) for name in dtypes]
 

@@ -32,7 +32,7 @@ def _inputs(preset, tokens, dtype, seed):
 @pytest.mark.parametrize("name", ["qwen3.5-moe", "deepseek-v3"])
 def test_the_kernels_take_torchs_thread_count_and_agree_on_one_thread(name):
     preset = PRESETS[name]
-    tokens = PARALLEL_MIN_ELEMENTS // preset.router.num_experts * 3 + 5  # parallel, uneven chunks
+    tokens = PARALLEL_MIN_ELEMENTS // preset.router.num_experts + 5  # parallel, uneven chunks
     config, logits, bias = _inputs(preset, tokens, "float32", seed=len(name))
     previous = torch.get_num_threads()
     try:
