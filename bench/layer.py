@@ -282,6 +282,7 @@ def main(argv=None) -> int:
         # A partial run (some --tokens) updates those sizes and keeps the others.
         report["results"] = previous.get("results", {})
     report["decode"] = previous.get("decode", [])
+    report["rows_vs_loop"] = previous.get("rows_vs_loop", [])
     with torch.inference_mode():
         for tokens in args.tokens:
             count = repeats.get(tokens, 5)
