@@ -447,15 +447,16 @@ def cpu_experts(
     """
     dtype = w_gate_up.dtype
     num_experts = w_gate_up.shape[0]
-    if gemm == "rows" or (gemm == "auto" and dtype in ROWS_DTYPES):
+    strategy = gemm
+    if strategy == "rows" or (strategy == "auto" and dtype in ROWS_DTYPES):
         # The row kernels' bookkeeping (one Numba pass) also gives the counts "auto" needs.
         plan = _plan_rows(local_ids, weights, w_gate_up)
-        offsets = plan[2]
-        if gemm == "rows" or choose_gemm(np.diff(offsets).tolist(), onednn_linear_serves(dtype), dtype) == "rows":
+        if strategy == "auto":
+            strategy = choose_gemm(np.diff(plan[2]).tolist(), onednn_linear_serves(dtype), dtype)
+        if strategy == "rows":
             return _rows_forward(hidden_states, plan, w_gate_up, w_down, activation, b_gate_up, b_down)
     sorted_slots, expert_offsets, inverse_index = arrays.sort_by_expert(local_ids, num_experts)
     offsets = expert_offsets.tolist()
-    strategy = gemm
     if strategy == "auto":
         strategy = choose_gemm([b - a for a, b in zip(offsets[:-1], offsets[1:])],
                                onednn_linear_serves(dtype), dtype)
