@@ -124,6 +124,9 @@ def is_device_array(x) -> bool:
     """True when ``x`` lives on a CUDA device (or is a simulator device array)."""
     if isinstance(x, np.ndarray):
         return False
+    torch = torch_of(x)
+    if torch is not None:  # the common case, answered without the interface probes below
+        return x.is_cuda
     if simulator_enabled():
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 

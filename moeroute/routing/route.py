@@ -104,6 +104,10 @@ def route(logits, config, layout, rank=0, correction_bias=None, shared_weights=N
     topk_weights, topk_ids = select.select_experts(logits, config, correction_bias)
     ids, weights = shared_slots.append_shared_slots(topk_ids, topk_weights, layout,
                                                     home_rank, shared_weights)
+    if layout.ep_size == 1:
+        # One rank holds every physical expert at its own index (expert_map(0) is the
+        # identity on [0, num_physical_experts)): the physical ids already are local.
+        return weights, ids
     return weights, remap_to_local(ids, layout.expert_map(rank))
 
 

@@ -31,6 +31,8 @@ no_sim = pytest.mark.skipif(SIMULATED, reason="needs the real numba.cuda, not th
 LAYOUTS = [
     ("ep1, no shared", dict(ep_size=1)),
     ("ep1, fused global", dict(num_shared_experts=1, ep_size=1, dispatch="none")),
+    ("ep1, per_rank S=2, redundant", dict(num_shared_experts=2, ep_size=1, dispatch="none",
+                                          shared_slots="per_rank", num_redundant_experts=3)),
     ("ep2, all2all per_rank", dict(num_shared_experts=1, ep_size=2, dispatch="all2all")),
     ("ep4, allgather global S=2", dict(num_shared_experts=2, ep_size=4, dispatch="allgather",
                                        shared_slots="global")),

@@ -23,6 +23,7 @@ from moeroute.routing.combine import combine as _combine
 from moeroute.routing.permute import permute as _permute
 from moeroute.routing.permute import sort_by_expert as _sort_by_expert
 from moeroute.routing.remap import remap_to_local as _remap_to_local
+from moeroute.routing.route import route as _route
 from moeroute.routing.select import select_experts as _select_experts
 from moeroute.routing.shared_slots import append_shared_slots as _append_shared_slots
 
@@ -33,6 +34,7 @@ __all__ = [
     "expert_map_for_device",
     "select_experts",
     "append_shared_slots",
+    "route",
     "remap_to_local",
     "sort_by_expert",
     "permute",
@@ -44,6 +46,7 @@ __all__ = [
 ROUTING_KERNELS = types.SimpleNamespace(
     select_experts=_select_experts,
     append_shared_slots=_append_shared_slots,
+    route=_route,
     remap_to_local=_remap_to_local,
     sort_by_expert=_sort_by_expert,
     permute=_permute,
@@ -153,6 +156,33 @@ def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weig
         shared_weights = shared_weights.detach().to(torch.float32).contiguous()
     return ROUTING_KERNELS.append_shared_slots(_contiguous(topk_ids), _contiguous(topk_weights),
                                                layout, home_rank, shared_weights)
+
+
+def route(logits: torch.Tensor, router, layout, rank=0, correction_bias=None, shared_weights=None,
+          home_rank=0):
+    """select_experts, the fused shared slots and the local ids of ``rank`` in one step
+    (docs/semantics.md sections 1, 2 and 4; one kernel launch on CUDA tensors).
+
+    Parameters
+    ----------
+    logits : Tensor [T, N] float32, float16 or bfloat16
+    router : moeroute.config.RouterConfig
+    layout : moeroute.layout.ExpertLayout
+    rank, home_rank : int
+        The rank whose local ids are returned; the rank the tokens come from.
+    correction_bias : Tensor [N] float32, optional
+    shared_weights : None, float, or Tensor [T] / [T, 1] float32
+        ``layout.shared_slot_weight(gate, rsf)``.
+
+    Returns
+    -------
+    weights : Tensor [T, K + S'] float32, local_ids : Tensor [T, K + S'] int32
+        -1 where ``rank`` does not hold the expert (S' = S when fused, else 0).
+    """
+    if isinstance(shared_weights, torch.Tensor):
+        shared_weights = shared_weights.detach().to(torch.float32).contiguous()
+    return ROUTING_KERNELS.route(_contiguous(logits), router, layout, rank, _contiguous(correction_bias),
+                                 shared_weights, home_rank)
 
 
 def remap_to_local(ids: torch.Tensor, expert_map) -> torch.Tensor:

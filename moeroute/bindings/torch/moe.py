@@ -49,9 +49,9 @@ shared MLP and gate taken from transformers keep theirs), and its output never r
 It raises a RuntimeError only when the caller asks for gradients: grad mode on and
 ``hidden_states`` or ``router_logits`` requiring grad.
 
-``forward`` is one opaque custom op, ``torch.ops.moeroute.moe_forward``
+Under a tracer ``forward`` is one opaque custom op, ``torch.ops.moeroute.moe_forward``
 (`moeroute.bindings.torch.ops`), whose body is ``forward_impl``: torch.compile and
-torch.export see the op, not the kernels. ``MoE.from_hf`` is attached by
+torch.export see the op, not the kernels; called eagerly it runs ``forward_impl`` itself. ``MoE.from_hf`` is attached by
 `moeroute.bindings.torch.hf`, which imports this module (never the other way round).
 """
 
@@ -203,6 +203,16 @@ def _runs_as_inference(forward):
             return forward(self, hidden_states, router_logits)
 
     return run
+
+
+def _eager(hidden_states, router_logits) -> bool:
+    """True when no tracer can be watching a forward on these inputs: plain tensors (not
+    fake, functional or proxy subclasses) outside torch.compile, torch.export and
+    torch.jit.trace."""
+    return (type(hidden_states) is torch.Tensor
+            and (router_logits is None or type(router_logits) is torch.Tensor)
+            and not torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+            and not torch.jit.is_tracing())
 
 
 def _check_module(name: str, value) -> None:
@@ -967,13 +977,18 @@ class MoE(nn.Module):
         self.layer_key = ops.register_layer(self)
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the layer as one opaque op, ``torch.ops.moeroute.moe_forward``.
+        """Run the layer: `forward_impl`, as one opaque op ``torch.ops.moeroute.moe_forward``
+        whenever a tracer is watching.
 
-        torch.compile and torch.export see the op and its fake (an empty tensor of the
-        input's shape and dtype), never the kernels behind it; the op calls `forward_impl`.
-        Parameters, result and errors are those of `forward_impl`; the inputs are checked
-        here, before the op.
+        torch.compile, torch.export and torch.jit.trace see the op and its fake (an empty
+        tensor of the input's shape and dtype), never the kernels behind it; the op calls
+        `forward_impl`. Called eagerly on plain tensors, the layer runs `forward_impl`
+        directly: the same computation without the op's dispatch (about 0.1-0.2 ms a call on
+        a CPU). Parameters, result and errors are those of `forward_impl`; the inputs are
+        checked once, before anything runs.
         """
+        if _eager(hidden_states, router_logits):
+            return self.forward_impl(hidden_states, router_logits)
         self._check_forward_inputs(hidden_states, router_logits)
         self._check_inference(hidden_states, router_logits)
         return torch.ops.moeroute.moe_forward(hidden_states, router_logits, self.layer_key)
@@ -1011,14 +1026,21 @@ class MoE(nn.Module):
         mode = layout.shared
 
         logits = self.compute_router_logits(x) if router_logits is None else router_logits.float()
-        topk_weights, topk_ids = arrays.select_experts(logits, self._selection_router, self.correction_bias)
         gate = self._shared_gate(x) if mode != "none" else None
-
         slot_weights = None
         if mode == "fused":
             gate_values = None if gate is None else gate.reshape(-1).float()
             slot_weights = layout.shared_slot_weight(gate_values, rsf)
-        ids, weights = arrays.append_shared_slots(topk_ids, topk_weights, layout, self.rank, slot_weights)
+        local = isinstance(self.dispatcher, LocalDispatcher)
+        if local:
+            # One rank: route picks, appends the shared slots and gives local ids in one op
+            # (one launch on a device); those ids are the physical ones, and nothing travels.
+            weights, ids = arrays.route(logits, self._selection_router, layout, 0, self.correction_bias,
+                                        slot_weights)
+            topk_weights = weights[:, :self.router.top_k]
+        else:
+            topk_weights, topk_ids = arrays.select_experts(logits, self._selection_router, self.correction_bias)
+            ids, weights = arrays.append_shared_slots(topk_ids, topk_weights, layout, self.rank, slot_weights)
         if self.load_recorder is not None:  # EPLB load window: this rank's tokens, at home
             self.load_recorder.record(ids, layout.num_physical_experts)
 
@@ -1027,14 +1049,18 @@ class MoE(nn.Module):
             # K = 1: scale the input row by its weight, then every routed slot counts once.
             routed_input = routed_input * topk_weights.to(routed_input.dtype)
             weights = torch.ones_like(weights)
-        if self.dispatch_dtype == "fp8" and not isinstance(self.dispatcher, LocalDispatcher):
-            # FP8 dispatch: quantized once, here on the sending rank; the experts use it as is.
-            routed_input = quantize_for_dispatch(routed_input, self.quant)
-        handle = self.dispatcher.dispatch(routed_input, ids, weights, async_op=mode == "overlap")
-        shared_out = self._shared_output(x, gate) if mode == "overlap" else None
-        recv_hidden, recv_local_ids, recv_weights = handle.wait()
-        partial = self.experts(recv_hidden, recv_local_ids, recv_weights)
-        routed = self.dispatcher.combine(partial, handle)
+        if local:
+            routed = self.experts(routed_input, ids, weights)
+            shared_out = self._shared_output(x, gate) if mode == "overlap" else None
+        else:
+            if self.dispatch_dtype == "fp8":
+                # FP8 dispatch: quantized once, here on the sending rank; the experts use it as is.
+                routed_input = quantize_for_dispatch(routed_input, self.quant)
+            handle = self.dispatcher.dispatch(routed_input, ids, weights, async_op=mode == "overlap")
+            shared_out = self._shared_output(x, gate) if mode == "overlap" else None
+            recv_hidden, recv_local_ids, recv_weights = handle.wait()
+            partial = self.experts(recv_hidden, recv_local_ids, recv_weights)
+            routed = self.dispatcher.combine(partial, handle)
 
         if layout.scaling_regime == "output" and rsf != 1.0:
             routed = routed * rsf
