@@ -9,6 +9,7 @@ On host inputs (NumPy, CPU torch) it is the composition of the three CPU ops.
 
 from __future__ import annotations
 
+import weakref
 from functools import lru_cache
 
 import numpy as np
@@ -102,13 +103,40 @@ def route(logits, config, layout, rank=0, correction_bias=None, shared_weights=N
         return _route_device(logits, config, layout, rank, correction_bias, shared_weights,
                              home_rank, stream)
     topk_weights, topk_ids = select.select_experts(logits, config, correction_bias)
-    ids, weights = shared_slots.append_shared_slots(topk_ids, topk_weights, layout,
-                                                    home_rank, shared_weights)
+    if _appends_nothing(layout):
+        # No slot to append, one replica per expert at its own index: select_experts' ids
+        # (all in [0, N), int32) already are the physical ones.
+        home_rank = shared_slots._check_append_args(
+            layout, home_rank, topk_ids.shape, topk_weights.shape, np.float32, shared_weights,
+            None)[0]
+        ids, weights = topk_ids, topk_weights
+    else:
+        ids, weights = shared_slots.append_shared_slots(topk_ids, topk_weights, layout,
+                                                        home_rank, shared_weights)
     if layout.ep_size == 1:
         # One rank holds every physical expert at its own index (expert_map(0) is the
         # identity on [0, num_physical_experts)): the physical ids already are local.
         return weights, ids
     return weights, remap_to_local(ids, layout.expert_map(rank))
+
+
+#: id(layout) -> (weak reference, whether append_shared_slots is the identity on it).
+_APPENDS_NOTHING: dict = {}
+
+
+def _appends_nothing(layout) -> bool:
+    """Whether `append_shared_slots` returns select_experts' output unchanged on ``layout``:
+    no fused shared slot and every logical expert one physical expert of the same id."""
+    entry = _APPENDS_NOTHING.get(id(layout))
+    if entry is not None and entry[0]() is layout:
+        return entry[1]
+    n = layout.num_routed_experts
+    identity = (layout.shared != "fused" and layout.num_routed_physical == n
+                and np.array_equal(layout.replica_offsets, np.arange(n + 1))
+                and np.array_equal(layout.replica_ids, np.arange(n))
+                and np.array_equal(layout.routed_id_map, np.arange(n)))
+    _APPENDS_NOTHING[id(layout)] = (weakref.ref(layout), identity)
+    return identity
 
 
 @lru_cache(maxsize=None)
