@@ -15,7 +15,7 @@ This package is the bottom of the stack: it imports neither torch nor transforme
 transformers configuration is read through ``to_dict()``).
 """
 
-from moeroute.config.configs import (
+from moeroute.config.configs import (  # noqa: F401  (the two constants outside __all__ too)
     EXPERT_ACTIVATIONS,
     MAX_NUM_EXPERTS,
     ROUTED_SCALING_FACTOR_RANGE,

@@ -7,7 +7,7 @@ constants; ``remap.py`` reads the layout's hash multiplier) would be loaded stal
 ``__pycache__`` after an edit to that other module alone. `install` adds cache locators
 for moeroute's functions whose source stamp is the pair (the function's file, `sources_stamp`):
 a hash of every file a kernel can read, the ``moeroute/routing`` package and the two packages
-it imports from (``layout.py``, ``config/``). The cache directories stay Numba's own
+it imports from (``layout/``, ``config/``). The cache directories stay Numba's own
 (``NUMBA_CACHE_DIR``, else ``__pycache__`` beside the source, else the per-user directory),
 and functions outside moeroute keep Numba's locators.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 ROUTING_DIR = Path(__file__).resolve().parent
 PACKAGE_DIR = ROUTING_DIR.parent
 #: Modules and packages outside moeroute/routing whose names the kernels read.
-IMPORTED_MODULES = ("layout.py", "config")
+IMPORTED_MODULES = ("layout", "config")
 
 
 def source_files(package_dir: Path = PACKAGE_DIR) -> list[Path]:
