@@ -3,11 +3,11 @@
 Numba checks a cached function against the source file it is defined in, and nothing else.
 A kernel that inlines code or reads constants from another module (the row kernels of
 ``select/_host.py`` call ``select/_simd.py``'s intrinsics and read ``select/_common.py``'s
-constants; ``remap.py`` reads ``layout.py``'s hash multiplier) would be loaded stale from
+constants; ``remap.py`` reads the layout's hash multiplier) would be loaded stale from
 ``__pycache__`` after an edit to that other module alone. `install` adds cache locators
 for moeroute's functions whose source stamp is the pair (the function's file, `sources_stamp`):
-a hash of every file a kernel can read, the ``moeroute/routing`` package and the two modules
-it imports from (``layout.py``, ``config.py``). The cache directories stay Numba's own
+a hash of every file a kernel can read, the ``moeroute/routing`` package and the two packages
+it imports from (``layout/``, ``config/``). The cache directories stay Numba's own
 (``NUMBA_CACHE_DIR``, else ``__pycache__`` beside the source, else the per-user directory),
 and functions outside moeroute keep Numba's locators.
 
@@ -30,14 +30,18 @@ from pathlib import Path
 
 ROUTING_DIR = Path(__file__).resolve().parent
 PACKAGE_DIR = ROUTING_DIR.parent
-#: Modules outside moeroute/routing whose names the kernels read.
-IMPORTED_MODULES = ("layout.py", "config.py")
+#: Modules and packages outside moeroute/routing whose names the kernels read.
+IMPORTED_MODULES = ("layout", "config")
 
 
 def source_files(package_dir: Path = PACKAGE_DIR) -> list[Path]:
-    """The files behind `sources_stamp`: moeroute/routing/**/*.py and `IMPORTED_MODULES`."""
-    routing = sorted((package_dir / "routing").rglob("*.py"))
-    return routing + [package_dir / name for name in IMPORTED_MODULES]
+    """The files behind `sources_stamp`: moeroute/routing/**/*.py and `IMPORTED_MODULES`
+    (a package's every .py file)."""
+    files = []
+    for name in ("routing", *IMPORTED_MODULES):
+        path = package_dir / name
+        files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    return files
 
 
 def stamp_of(files, root: Path) -> str:

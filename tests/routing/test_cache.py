@@ -36,7 +36,8 @@ def test_every_cpu_kernel_is_stamped_with_all_its_sources():
 def test_the_stamp_covers_the_modules_kernels_read():
     names = {str(p.relative_to(_cache.PACKAGE_DIR)) for p in _cache.source_files()}
     assert {"routing/select/_simd.py", "routing/select/_common.py", "routing/select/_host.py",
-            "routing/remap/_common.py", "layout.py", "config.py"} <= names
+            "routing/remap/_common.py", "layout/__init__.py", "layout/placement.py", "config/__init__.py",
+            "config/configs.py"} <= names
 
 
 def test_the_stamp_follows_contents_and_names(tmp_path):

@@ -35,7 +35,6 @@ jitter noise is not reproduced (inference only).
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from collections.abc import Callable
 
@@ -44,6 +43,11 @@ from torch import nn
 
 from moeroute.bindings.torch.experts import LocalExperts
 from moeroute.bindings.torch.fp8_experts import gate_up_scale_from_stacked
+from moeroute.bindings.torch.hf_keys import (
+    TransformersCheckpoint,
+    from_gpt_oss_layout,
+    save_in_checkpoint_format,
+)
 from moeroute.bindings.torch.moe import MoE
 from moeroute.bindings.torch.mxfp4_experts import GPT_OSS_MXFP4_KEYS as MXFP4_CHECKPOINT_KEYS
 from moeroute.bindings.torch.mxfp4_experts import gate_rows_first
@@ -147,27 +151,8 @@ def _read_deepseek(block: nn.Module) -> dict:
 def _gpt_oss_experts(experts: nn.Module) -> tuple[torch.Tensor, ...]:
     """gpt-oss expert weights in moeroute's layout: (w_gate_up [N, 2I, H] gate rows first,
     w_down [N, H, I], gate_up_bias [N, 2I] gate entries first, down_bias [N, H])."""
-    return _from_gpt_oss_layout(experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias,
-                                experts.down_proj_bias)
-
-
-def _from_gpt_oss_layout(gate_up, down, gate_up_bias, down_bias):
-    # [N, H, 2I] with gate/up interleaved along the last axis -> [N, 2I, H], gate block first.
-    w_gate_up = torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=-1).transpose(1, 2)
-    b_gate_up = torch.cat([gate_up_bias[..., 0::2], gate_up_bias[..., 1::2]], dim=-1)
-    return w_gate_up, down.transpose(1, 2), b_gate_up, down_bias
-
-
-def _to_gpt_oss_layout(w_gate_up, w_down, b_gate_up, b_down):
-    """The inverse of `_from_gpt_oss_layout`: gpt-oss's (gate_up_proj [N, H, 2I] interleaved,
-    down_proj [N, I, H], gate_up_proj_bias [N, 2I] interleaved, down_proj_bias [N, H])."""
-    inter = w_down.shape[2]
-
-    def interleave(gate_first):  # [..., 2I] gate block then up block -> g0, u0, g1, u1, ...
-        return torch.stack([gate_first[..., :inter], gate_first[..., inter:]], dim=-1).flatten(-2)
-
-    return (interleave(w_gate_up.transpose(1, 2)), w_down.transpose(1, 2).contiguous(),
-            interleave(b_gate_up), b_down)
+    return from_gpt_oss_layout(experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias,
+                               experts.down_proj_bias)
 
 
 #: gpt-oss checkpoint names of MXFP4 experts (relative to the experts module).
@@ -217,116 +202,6 @@ def _read_qwen(block: nn.Module) -> dict:
                 correction_bias=None, shared_experts=getattr(block, "shared_expert", None),
                 shared_expert_gate=getattr(block, "shared_expert_gate", None),
                 checkpoint=TransformersCheckpoint("stacked", "shared_expert."))
-
-
-# ------------------------------------------------------------------ checkpoints
-
-@dataclasses.dataclass(frozen=True)
-class TransformersCheckpoint:
-    """How the transformers block a module replaced names and lays out its state.
-
-    A module built by `from_hf` carries one as ``checkpoint_format``: its ``state_dict()``
-    then holds the block's own names and layouts (what the unpatched model saves), and it
-    loads them (moeroute's own names load too). ``module.checkpoint_format = None`` gives
-    moeroute's names (``router_weight``, ``experts.w_gate_up``, ...), e.g. for a rank's
-    own experts under expert parallelism.
-
-    Attributes
-    ----------
-    family : {"stacked", "gpt_oss"}
-        "stacked": ``gate.weight``, ``experts.gate_up_proj`` [N, 2I, H] (gate rows first),
-        ``experts.down_proj`` [N, H, I] (DeepSeek-V3, GLM-4-MoE, Qwen, Mixtral).
-        "gpt_oss": ``router.weight``/``router.bias``, ``experts.gate_up_proj`` [N, H, 2I]
-        (gate/up columns interleaved), ``experts.down_proj`` [N, I, H] and their biases.
-    shared_prefix : str
-        Where the block keeps its shared MLP: "shared_experts." (DeepSeek, GLM) or
-        "shared_expert." (Qwen).
-    """
-
-    family: str = "stacked"
-    shared_prefix: str = "shared_experts."
-
-    def load(self, module: MoE, state_dict: dict, prefix: str) -> None:
-        """Map the block's keys under ``prefix`` to the module's, in place."""
-        if self.family == "stacked":
-            module._map_transformers_keys(state_dict, prefix)
-            return
-        names = {"router.weight": "router_weight", "router.bias": "router_bias"}
-        for source, target in names.items():
-            if prefix + source in state_dict:
-                state_dict[prefix + target] = state_dict.pop(prefix + source)
-        sources = [prefix + "experts." + name for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias",
-                                                             "down_proj_bias")]
-        if all(key in state_dict for key in sources):
-            converted = _from_gpt_oss_layout(*(state_dict.pop(key) for key in sources))
-            ids = module.routed_expert_ids()
-            if ids != list(range(converted[0].shape[0])):  # this rank's experts (and replicas)
-                index = torch.tensor(ids, dtype=torch.long, device=converted[0].device)
-                converted = [tensor.index_select(0, index) for tensor in converted]
-            for name, tensor in zip(("w_gate_up", "w_down", "b_gate_up", "b_down"), converted):
-                state_dict[prefix + "experts." + name] = tensor
-
-    def save(self, module: MoE, state_dict: dict, prefix: str) -> None:
-        """Replace the module's keys under ``prefix`` by the block's, in place.
-
-        Raises
-        ------
-        RuntimeError
-            The module holds only its rank's experts (expert parallelism): the block's
-            checkpoint needs all N.
-        """
-        layout = module.layout
-        if layout.ep_size > 1:
-            raise RuntimeError(
-                f"the MoE at {prefix or 'the root'!r} holds rank {module.rank}'s experts of an expert-parallel "
-                f"layer ({layout.ep_size} ranks), so it cannot save the transformers checkpoint of the whole "
-                "block; save from a model patched without ep_group, or set module.checkpoint_format = None "
-                "to save this rank's state under moeroute's names"
-            )
-
-        def pop(name):
-            return state_dict.pop(prefix + name)
-
-        inter, num_experts = module.intermediate_size, module.router.num_experts
-        gate_up, down = pop("experts.w_gate_up"), pop("experts.w_down")
-        # One local row per logical expert (the first replica); fused slots after them.
-        ids = module.routed_expert_ids()
-        rows = [ids.index(e) for e in range(num_experts)]
-        routed = [_select_rows(gate_up, rows), _select_rows(down, rows)]
-        out = {}
-        if self.family == "gpt_oss":
-            converted = _to_gpt_oss_layout(*routed, *(_select_rows(pop(name), rows)
-                                                      for name in ("experts.b_gate_up", "experts.b_down")))
-            for name, tensor in zip(("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"),
-                                    converted):
-                out["experts." + name] = tensor
-            out["router.weight"], out["router.bias"] = pop("router_weight"), pop("router_bias")
-        else:
-            out["gate.weight"] = pop("router_weight")
-            if module.correction_bias is not None:
-                out["gate.e_score_correction_bias"] = pop("correction_bias")
-            out["experts.gate_up_proj"], out["experts.down_proj"] = routed
-            if layout.shared == "fused":  # the shared MLP is the S slots after the routed experts
-                slots = range(len(ids), len(ids) + module.num_shared_experts)
-                out[self.shared_prefix + "gate_proj.weight"] = torch.cat([gate_up[j, :inter] for j in slots])
-                out[self.shared_prefix + "up_proj.weight"] = torch.cat([gate_up[j, inter:] for j in slots])
-                out[self.shared_prefix + "down_proj.weight"] = torch.cat([down[j] for j in slots], dim=1)
-            for key in [k for k in state_dict if k.startswith(prefix + "shared_experts.")]:
-                out[self.shared_prefix + key[len(prefix + "shared_experts."):]] = state_dict.pop(key)
-        state_dict.update((prefix + name, tensor) for name, tensor in out.items())
-
-
-def _select_rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``tensor[rows]``; the tensor itself (or a leading slice of it) when rows are 0, 1, ..."""
-    if rows == list(range(len(rows))):
-        return tensor if tensor.shape[0] == len(rows) else tensor[:len(rows)]
-    return tensor.index_select(0, torch.tensor(rows, device=tensor.device))
-
-
-def _save_in_checkpoint_format(module: MoE, state_dict: dict, prefix: str, local_metadata) -> None:
-    """State-dict post-hook of the modules `from_hf` builds: the block's names and layouts."""
-    if module.checkpoint_format is not None:
-        module.checkpoint_format.save(module, state_dict, prefix)
 
 
 #: Block class name -> reader of its routing, router weights and shared expert.
@@ -444,10 +319,10 @@ def _build(cls: type[MoE], block: nn.Module, ep_group=None, shared: str = "auto"
         module.load_expert_biases(*expert_biases)
     # Saved and loaded under the block's names and layouts (see TransformersCheckpoint). FP8
     # layers save under moeroute's names (weights and scales together); they still load the
-    # transformers and DeepSeek-V3 FP8 names (MoE._map_quantized_expert_keys).
+    # transformers and DeepSeek-V3 FP8 names (hf_keys.map_quantized_expert_keys).
     if quant is None:
         module.checkpoint_format = fields["checkpoint"]
-        module.register_state_dict_post_hook(_save_in_checkpoint_format)
+        module.register_state_dict_post_hook(save_in_checkpoint_format)
     return module
 
 

@@ -34,8 +34,8 @@ Where the weights live (all module parameters/buffers, ``requires_grad=False``):
   Given ``expert_weights`` that are exactly these experts (one rank, no replicas, no fused
   slots), the parameters share their memory instead of copying it.
 * Loading accepts the transformers names of the block this module replaces
-  (``_load_from_state_dict`` maps them); a module built by ``from_hf`` also saves them
-  (``checkpoint_format``).
+  (``_load_from_state_dict`` maps them with `moeroute.bindings.torch.hf_keys`); a module
+  built by ``from_hf`` also saves them (``checkpoint_format``).
 * ``shared_experts`` / ``shared_expert_gate``: the given modules (runner and overlap); with
   fused, only the gate is kept and called.
 
@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 import torch
 import torch.nn.functional as F
@@ -70,12 +69,9 @@ from moeroute.bindings.torch import arrays, ops
 from moeroute.bindings.torch.dispatch import Dispatcher, LocalDispatcher, ep_dispatcher_factory
 from moeroute.bindings.torch.fp8_experts import (
     FP8_STRATEGIES,
-    PROJECTIONS,
-    STACKED_SCALE_KEYS,
     QuantizedExperts,
     check_dispatch_quant,
     check_quantized_weights,
-    gate_up_scale_from_stacked,
     quantize_for_dispatch,
 )
 from moeroute.bindings.torch.experts import (
@@ -86,8 +82,10 @@ from moeroute.bindings.torch.experts import (
     check_dtype,
 )
 from moeroute.bindings.torch.group import check_ranks_agree, ep_group_size_and_rank, layout_fingerprint
+from moeroute.bindings.torch.hf_keys import map_transformers_keys
+from moeroute.bindings.torch.hf_keys import split_slots as _split_slots
 from moeroute.bindings.torch.load_window import DEFAULT_LOAD_WINDOW, LoadRecorder, check_window
-from moeroute.bindings.torch.mxfp4_experts import check_mxfp4_weights, map_gpt_oss_mxfp4_keys
+from moeroute.bindings.torch.mxfp4_experts import check_mxfp4_weights
 from moeroute.config import RouterConfig
 from moeroute.layout import EP_DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, ExpertLayout
 from moeroute.quant import QuantConfig, dequantize_fp8_block, dequantize_fp8_tensor, quantize_experts
@@ -168,14 +166,6 @@ def shared_mlp_slots(shared_experts: nn.Module, hidden_size: int, intermediate_s
         return 1, reason + ("" if reason.startswith("the shared") else
                             " (fusing needs a gated MLP with gate_proj/up_proj/down_proj)")
     return total // intermediate_size, None
-
-
-def _split_slots(gate, up, down, inter: int, num_slots: int):
-    """A shared MLP's gate/up [S*I, H] and down [H, S*I] as S expert slots [S, 2I, H], [S, H, I]."""
-    gate_up = torch.stack([torch.cat([gate[j * inter:(j + 1) * inter], up[j * inter:(j + 1) * inter]])
-                           for j in range(num_slots)])
-    down = torch.stack([down[:, j * inter:(j + 1) * inter] for j in range(num_slots)])
-    return gate_up, down
 
 
 def linear_float_weight(linear: nn.Module) -> torch.Tensor:
@@ -735,14 +725,8 @@ class MoE(nn.Module):
 
     #: How checkpoints name this module's state: None, moeroute's names (loading also maps
     #: the transformers stacked names); `from_hf` sets the block's format, which the module
-    #: then saves and loads (`moeroute.bindings.torch.hf.TransformersCheckpoint`).
+    #: then saves and loads (`moeroute.bindings.torch.hf_keys.TransformersCheckpoint`).
     checkpoint_format = None
-
-    #: transformers parameter names (relative to the block) -> this module's.
-    _TRANSFORMERS_RENAMES = {"gate.weight": "router_weight",
-                             "gate.e_score_correction_bias": "correction_bias"}
-    #: Where transformers blocks keep their shared MLP (DeepSeek/GLM, Qwen).
-    _TRANSFORMERS_SHARED = ("shared_experts.", "shared_expert.")
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -752,137 +736,9 @@ class MoE(nn.Module):
         if self.checkpoint_format is not None:
             self.checkpoint_format.load(self, state_dict, prefix)
         else:
-            self._map_transformers_keys(state_dict, prefix)
+            map_transformers_keys(self, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-
-    @torch.no_grad()
-    def _map_transformers_keys(self, state_dict, prefix) -> None:
-        """Rename (and for a rank's slice or fused slots, assemble) transformers keys in place.
-
-        ``experts.gate_up_proj`` [N, 2I, H] and ``experts.down_proj`` [N, H, I] become this
-        rank's ``experts.w_gate_up`` / ``experts.w_down`` (its routed experts, then the fused
-        shared slots cut from the shared MLP's ``gate_proj``/``up_proj``/``down_proj``);
-        ``gate.weight`` -> ``router_weight``; ``gate.e_score_correction_bias`` ->
-        ``correction_bias``; ``shared_expert.*`` -> ``shared_experts.*``.
-        """
-        for source, target in self._TRANSFORMERS_RENAMES.items():
-            if prefix + source in state_dict:
-                state_dict[prefix + target] = state_dict.pop(prefix + source)
-        shared = {}
-        for shared_prefix in self._TRANSFORMERS_SHARED:
-            for key in [k for k in state_dict if k.startswith(prefix + shared_prefix)]:
-                shared[key[len(prefix + shared_prefix):]] = state_dict.pop(key)
-        gate_up_key, down_key = prefix + "experts.gate_up_proj", prefix + "experts.down_proj"
-        if self.quant is not None:
-            self._map_quantized_expert_keys(state_dict, prefix, shared)
-        elif gate_up_key in state_dict and down_key in state_dict:
-            gate_up, down = state_dict.pop(gate_up_key), state_dict.pop(down_key)
-            ids = self.routed_expert_ids()
-            if ids != list(range(gate_up.shape[0])):
-                index = torch.tensor(ids, dtype=torch.long, device=gate_up.device)
-                gate_up, down = gate_up.index_select(0, index), down.index_select(0, index)
-            if self.layout.shared == "fused":
-                slots = self._fused_slots(shared, gate_up)
-                gate_up = torch.cat([gate_up, slots[0].to(gate_up.dtype)])
-                down = torch.cat([down, slots[1].to(down.dtype)])
-            state_dict[prefix + "experts.w_gate_up"] = gate_up
-            state_dict[prefix + "experts.w_down"] = down
-        if self.layout.shared != "fused":
-            for name, value in shared.items():
-                state_dict[prefix + "shared_experts." + name] = value
-
-    @torch.no_grad()
-    def _map_quantized_expert_keys(self, state_dict, prefix, shared) -> None:
-        """FP8 experts of a checkpoint -> this rank's ``experts.*`` tensors, still FP8.
-
-        Reads DeepSeek-V3's per-expert keys (``experts.{e}.{gate,up,down}_proj.weight`` with
-        ``.weight_scale_inv``) or transformers 5's stacked FP8Experts keys; the other ranks'
-        experts are dropped. Fused shared slots are the shared MLP (float, or FP8 with
-        ``weight_scale_inv``) quantized with the layer's config.
-        """
-        if self.quant.format == "mxfp4":  # gpt-oss's MXFP4 names (mxfp4_experts)
-            map_gpt_oss_mxfp4_keys(self, state_dict, prefix)
-            return
-        quant, inter, hid = self.quant, self.intermediate_size, self.routed_hidden_size
-        ids = self.routed_expert_ids()
-        routed = None
-        pattern = re.compile(re.escape(prefix) + r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
-        found = {}
-        for key in [k for k in state_dict if k.startswith(prefix + "experts.")]:
-            match = pattern.match(key)
-            if match:
-                found[int(match.group(1)), match.group(2), match.group(3)] = state_dict.pop(key)
-        if found:
-            def take(e, projection, kind):
-                key = f"{prefix}experts.{e}.{projection}.{kind}"
-                if (e, projection, kind) not in found:
-                    raise KeyError(f"{key} is missing from the state dict (this rank holds expert {e})")
-                tensor = found[e, projection, kind]
-                if kind == "weight" and tensor.dtype != torch.float8_e4m3fn:
-                    raise ValueError(f"{key} has dtype {tensor.dtype} but the layer has quant={quant.format!r} "
-                                     "(float8_e4m3fn weights with their weight_scale_inv)")
-                return tensor
-
-            gate, up, down = ([take(e, p, "weight") for e in ids] for p in PROJECTIONS)
-            gate_s, up_s, down_s = ([take(e, p, "weight_scale_inv") for e in ids] for p in PROJECTIONS)
-            if quant.format == "fp8_block":  # gate block rows, then up block rows
-                gate_up_scale = torch.stack([torch.cat(pair) for pair in zip(gate_s, up_s)])
-                down_scale = torch.stack(down_s)
-            else:  # one scale per projection: [L, 2] (gate, up) and [L]
-                gate_up_scale = torch.stack([torch.stack([a.reshape(()), b.reshape(())])
-                                             for a, b in zip(gate_s, up_s)])
-                down_scale = torch.stack([d.reshape(()) for d in down_s])
-            routed = (torch.stack([torch.cat(pair) for pair in zip(gate, up)]), torch.stack(down),
-                      gate_up_scale, down_scale, None)
-        elif prefix + "experts.gate_up_proj" in state_dict:
-            names = ["experts.gate_up_proj", "experts.down_proj", *STACKED_SCALE_KEYS]
-            if quant.activation == "static":
-                names += ["experts.gate_up_proj_activation_scale", "experts.down_proj_activation_scale"]
-            stacked = []
-            for name in names:
-                if prefix + name not in state_dict:
-                    raise KeyError(f"{prefix + name} is missing from the state dict (FP8 experts need it)")
-                tensor = state_dict.pop(prefix + name)
-                stacked.append(tensor.index_select(0, torch.tensor(ids, device=tensor.device)))
-            gate_up_scale = gate_up_scale_from_stacked(stacked[2], quant, inter)
-            input_scale = torch.stack(stacked[4:6], dim=1) if quant.activation == "static" else None
-            routed = (stacked[0], stacked[1], gate_up_scale, stacked[3], input_scale)
-        targets = self.experts.quantized_tensors()
-        pieces = {}
-        if routed is not None:
-            checked = check_quantized_weights(quant, len(ids), hid, inter, *routed)
-            pieces.update({name: [tensor] for name, tensor in checked.items()})
-        if self.layout.shared == "fused" and "gate_proj.weight" in shared:
-            weights = []
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                weight, scale = shared.pop(f"{name}.weight"), shared.pop(f"{name}.weight_scale_inv", None)
-                if weight.dtype == torch.float8_e4m3fn:
-                    if scale is None:
-                        raise KeyError(f"{prefix}shared_experts.{name}.weight_scale_inv is missing for the FP8 "
-                                       "shared MLP")
-                    weight = (dequantize_fp8_block(weight, scale, quant.block_size) if scale.numel() > 1
-                              else dequantize_fp8_tensor(weight, scale.reshape(())))
-                weights.append(weight.float())
-            slots = quantize_experts(*_split_slots(*weights, inter, self.num_shared_experts), quant)
-            for name, tensor in zip(("w_gate_up", "gate_up_scale", "w_down", "down_scale"), slots):
-                pieces.setdefault(name, [targets[name][:len(ids)].detach().clone()]).append(tensor)
-        for name, parts in pieces.items():
-            full = targets[name]
-            if len(parts) == 1 and parts[0].shape[0] < full.shape[0]:  # routed only: keep the slots
-                parts.append(full[parts[0].shape[0]:].detach().clone())
-            state_dict[prefix + "experts." + name] = torch.cat([p.to(full.device) for p in parts])
-
-    def _fused_slots(self, shared, like):
-        """The S fused slots [S, 2I, H], [S, H, I] cut from a shared MLP's state dict."""
-        inter, s = self.intermediate_size, self.num_shared_experts
-        try:
-            gate, up, down = (shared[f"{name}.weight"] for name in ("gate_proj", "up_proj", "down_proj"))
-        except KeyError as missing:
-            raise KeyError(f"the state dict has experts.gate_up_proj but no shared MLP {missing.args[0]} "
-                           "(under shared_experts. or shared_expert.) to fill the fused slots") from None
-        gate_up, down = _split_slots(gate, up, down, inter, s)
-        return gate_up.to(like.device), down.to(like.device)
 
     # ----------------------------------------------------------------- forward
 

@@ -22,18 +22,49 @@ local id
     0..num_local_experts(rank)-1, the expert index within one rank's weights.
 
 All id arrays are int32 NumPy arrays. Arrays held as attributes are read-only;
-methods return fresh arrays. This module does not import torch.
+methods return fresh arrays. This package does not import torch.
+
+Rooms
+-----
+`moeroute.layout.policy`
+    The shared-expert policy: who computes the shared expert, the fused slot weight.
+`moeroute.layout.placement`
+    Replica tables, the per-rank blocks of the physical id space, expert maps.
+`moeroute.layout.describe`
+    The readable summary (`ExpertLayout.describe`).
+
+`ExpertLayout` (here) checks its arguments, builds itself from those rooms once and
+answers every question about the layout.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
 import numpy as np
 
 from moeroute._validate import integer
+from moeroute.layout import describe as _describe
+from moeroute.layout import placement as _placement
+from moeroute.layout._checks import ID_DTYPE as _ID_DTYPE
+from moeroute.layout._checks import MAX_PHYSICAL_EXPERTS, LayoutError
+from moeroute.layout._checks import choice as _choice
+from moeroute.layout._checks import count as _count
+from moeroute.layout.placement import (
+    BACKEND_REQUIREMENTS,
+    PLACEMENTS,
+    REPLICA_HASH_MODULUS,  # noqa: F401  (a name of this package since it was one module)
+    REPLICA_HASH_MULTIPLIER,
+)
+from moeroute.layout.policy import (
+    DISPATCH_MODES,
+    EP_DISPATCH_MODES,
+    SCALING_REGIMES,
+    SHARED_MODES,
+    SHARED_SLOT_MODES,
+    resolve_shared,
+    shared_slot_weight,
+)
 
 __all__ = [
     "LayoutError",
@@ -48,58 +79,6 @@ __all__ = [
     "REPLICA_HASH_MULTIPLIER",
     "MAX_PHYSICAL_EXPERTS",
 ]
-
-#: "none": one rank; "all2all": tokens travel to the ranks holding their experts
-#: (DeepEP-style); "allgather": every rank sees every token and results are reduced.
-DISPATCH_MODES = ("none", "all2all", "allgather")
-#: The dispatch modes that move tokens between ranks (torch.distributed dispatchers; "none"
-#: is the single-rank pass-through).
-EP_DISPATCH_MODES = tuple(mode for mode in DISPATCH_MODES if mode != "none")
-#: Requested shared-expert owner; "auto" resolves to one of the other three.
-SHARED_MODES = ("auto", "runner", "overlap", "fused")
-#: Where fused shared slots live in the physical id space.
-SHARED_SLOT_MODES = ("global", "per_rank")
-#: "router": rsf is folded into the routed weights; "output": the combined routed
-#: sum is multiplied by rsf afterwards.
-SCALING_REGIMES = ("router", "output")
-#: Requirements `ExpertLayout.check_backend` knows.
-BACKEND_REQUIREMENTS = ("equal_blocks",)
-#: How logical experts spread over the ranks: "linear" (rank r holds a contiguous run of
-#: logical ids) or "round_robin" (rank r holds logical r, r+E, r+2E, ...).
-PLACEMENTS = ("linear", "round_robin")
-
-#: Knuth's multiplicative hash constant, floor(2**32 / golden ratio): consecutive
-#: token rows land on well-spread replicas without any per-token state.
-REPLICA_HASH_MULTIPLIER = 2654435769
-#: The replica hash works modulo 2**32 so every backend computes it in uint32.
-REPLICA_HASH_MODULUS = 2**32
-
-_ID_DTYPE = np.int32
-#: Largest physical expert count: ids are int32 (-1 marks "not held"), so every id in
-#: [0, count) must fit in int32.
-MAX_PHYSICAL_EXPERTS = int(np.iinfo(_ID_DTYPE).max)
-
-
-class LayoutError(ValueError):
-    """An expert layout that cannot work; the message says why and what to use instead."""
-
-
-def _readonly(array: np.ndarray) -> np.ndarray:
-    array.setflags(write=False)
-    return array
-
-
-def _count(name: str, value: Any, minimum: int) -> int:
-    """``value`` as an int >= ``minimum`` (`moeroute._validate.integer`), LayoutError
-    naming ``name`` otherwise."""
-    return integer(name, value, minimum, error=LayoutError, type_error=LayoutError)
-
-
-def _choice(name: str, value: Any, allowed: tuple, extra: str = "") -> None:
-    if not isinstance(value, str) or value not in allowed:
-        allowed_text = ", ".join(repr(a) for a in allowed)
-        raise LayoutError(f"unknown {name}={value!r}; use one of {allowed_text}{extra}")
-
 
 class ExpertLayout:
     """Placement of routed experts and shared slots over expert-parallel ranks.
@@ -198,7 +177,7 @@ class ExpertLayout:
         _choice("placement", placement, PLACEMENTS)
         table = None
         if physical_to_logical is not None:
-            table = _check_physical_to_logical(physical_to_logical, n)
+            table = _placement.check_physical_to_logical(physical_to_logical, n)
             if replica_table is not None:
                 raise LayoutError(
                     "physical_to_logical and replica_table both give the replicas; pass only "
@@ -258,169 +237,20 @@ class ExpertLayout:
         self._requested_shared = shared
         self._requested_slots = shared_slots
         self._placement = placement if table is None else "table"
-        self._physical_to_logical = self._build_replicas(replica_table, table)
+        replicas = _placement.build_replicas(n, r, e, placement, replica_table, table)
+        self._physical_to_logical = replicas.physical_to_logical
+        self._replica_offsets, self._replica_ids = replicas.offsets, replicas.ids
+        self._replica_table_values = replicas.replica_table
+        self._has_replica_table = replicas.has_replica_table
         self._preferred_replicas = {}  # prefer_rank -> (offsets, ids), built on demand
-        self._resolve_shared(shared, shared_slots)
-        self._build_placement()
+        plan = resolve_shared(s, e, dispatch, unfusable_reason, shared, shared_slots)
+        self._shared, self._shared_slots = plan.shared, plan.shared_slots
+        self._home_rank_masked, self._shared_reason = plan.home_rank_masked, plan.reason
+        blocks = _placement.rank_blocks(p, e, s, self._shared_slots)
+        self._routed_starts, self._routed_counts = blocks.routed_starts, blocks.routed_counts
+        self._block_starts = blocks.block_starts
+        self._routed_id_map, self._owner_rank = blocks.routed_id_map, blocks.owner_rank
         self._frozen = True
-
-    # ------------------------------------------------------------------ build
-
-    def _build_replicas(self, replica_table: Any, full_table: np.ndarray | None = None) -> np.ndarray:
-        n, r = self._num_routed_experts, self._num_redundant_experts
-        self._replica_table_values = np.zeros(0, dtype=_ID_DTYPE)
-        if full_table is not None:
-            self._has_replica_table = False
-            return self._replica_index(full_table.astype(np.int64))
-        if replica_table is None:
-            table = np.arange(n, n + r, dtype=np.int64) % n
-            self._has_replica_table = False
-        else:
-            table = np.asarray(replica_table)
-            if table.ndim != 1 or table.shape[0] != r:
-                raise LayoutError(
-                    f"replica_table has shape {table.shape}; it needs one logical id per "
-                    f"redundant expert, shape [{r}]"
-                )
-            if r and not np.issubdtype(table.dtype, np.integer):
-                raise LayoutError(f"replica_table must hold integers, got dtype {table.dtype}")
-            bad = (table < 0) | (table >= n)
-            if bad.any():
-                raise LayoutError(
-                    f"replica_table[{int(np.argmax(bad))}]={int(table[bad][0])} is not a "
-                    f"logical expert id; ids must be in [0, {n})"
-                )
-            self._has_replica_table = True
-            self._replica_table_values = table.astype(_ID_DTYPE)
-        logical = np.concatenate([np.arange(n, dtype=np.int64), table.astype(np.int64)])
-        if self._placement == "round_robin":
-            # Rank r's block [a_r, a_r + L_r) takes entries r, r+E, r+2E, ... of the linear
-            # sequence: L_r of them, exactly the block's length.
-            e = self._ep_size
-            logical = np.concatenate([logical[rank::e] for rank in range(e)])
-        return self._replica_index(logical)
-
-    def _replica_index(self, logical: np.ndarray) -> np.ndarray:
-        """Set the replica CSR (offsets, ids) of the table ``logical`` [P]; return it int32."""
-        n = self._num_routed_experts
-        # Stable sort keeps each logical expert's replicas in ascending physical order.
-        order = np.argsort(logical, kind="stable")
-        self._replica_ids = _readonly(order.astype(_ID_DTYPE))
-        counts = np.bincount(logical, minlength=n)
-        offsets = np.zeros(n + 1, dtype=_ID_DTYPE)
-        np.cumsum(counts, out=offsets[1:])
-        self._replica_offsets = _readonly(offsets)
-        return _readonly(logical.astype(_ID_DTYPE))
-
-    def _resolve_shared(self, shared: str, shared_slots: str | None) -> None:
-        s, e, dispatch = self._num_shared_experts, self._ep_size, self._dispatch
-        reason = self._unfusable_reason
-        self._home_rank_masked = False
-        if s == 0:
-            self._shared, self._shared_slots = "none", None
-            self._shared_reason = (
-                "There is no shared expert (num_shared_experts=0), so nothing computes one."
-            )
-            return
-        if shared in ("runner", "overlap"):
-            if shared_slots is not None:
-                raise LayoutError(
-                    f"shared_slots={shared_slots!r} was requested with shared={shared!r}, but "
-                    "shared slots only exist when the shared expert is fused; drop shared_slots "
-                    "or use shared='fused'"
-                )
-            self._shared, self._shared_slots = shared, None
-            self._shared_reason = self._owner_sentence(shared, "requested")
-            return
-
-        fallback = "overlap" if e > 1 else "runner"
-        fused_requested = shared == "fused" or shared_slots is not None
-        if reason is not None:
-            if fused_requested:
-                what = (
-                    "shared='fused'" if shared == "fused"
-                    else f"shared_slots={shared_slots!r} (which needs a fused shared expert)"
-                )
-                raise LayoutError(
-                    f"{what} is impossible: {reason}. Use shared='overlap' or "
-                    f"shared='runner' (shared='auto' picks {fallback!r} here)"
-                )
-            self._shared, self._shared_slots = fallback, None
-            self._shared_reason = self._owner_sentence(fallback, f"auto: {reason}, so")
-            return
-
-        slots = shared_slots if shared_slots is not None else (
-            "global" if dispatch == "none" else "per_rank"
-        )
-        if slots == "global" and dispatch == "all2all" and e > 1:
-            raise LayoutError(
-                f"shared_slots='global' cannot be served by dispatch='all2all' over {e} ranks: "
-                "all-to-all backends tile the physical id space into contiguous per-rank "
-                "blocks, so one global shared id would reach a single rank. Use "
-                "shared_slots='per_rank' (one set of shared slots per rank), or "
-                "shared='runner' / shared='overlap' to compute the shared expert outside "
-                "the grouped GEMM"
-            )
-        self._shared, self._shared_slots = "fused", slots
-        self._home_rank_masked = slots == "global" and dispatch == "allgather" and e > 1
-        how = "requested" if shared == "fused" else (
-            "auto: the shared expert splits into expert slots, so"
-        )
-        self._shared_reason = self._owner_sentence("fused", how)
-
-    def _owner_sentence(self, mode: str, why: str) -> str:
-        s, e, dispatch = self._num_shared_experts, self._ep_size, self._dispatch
-        if why == "requested":
-            prefix = f"shared={mode!r} was requested: "
-        else:
-            prefix = why[0].upper() + why[1:] + " "
-        if mode == "fused":
-            where = {
-                "global": "global slots held by every rank",
-                "per_rank": "per-rank slots, one set in each rank's block",
-            }[self._shared_slots]
-            tail = (
-                "; a token's slots are computed only on its home rank"
-                if self._home_rank_masked else ""
-            )
-            return (
-                f"{prefix}the grouped GEMM computes the shared expert as {s} extra expert "
-                f"slot(s) ({where}){tail}."
-            )
-        if mode == "overlap":
-            during = (
-                f"while the {dispatch} dispatch over {e} ranks is in flight"
-                if dispatch != "none" else "inside the pipeline, once (there is no dispatch)"
-            )
-            return f"{prefix}the pipeline runs the shared MLP {during}."
-        return (
-            f"{prefix}the torch adapter runs the shared MLP on the local hidden states "
-            "and adds it."
-        )
-
-    def _build_placement(self) -> None:
-        p, e, s = self.num_routed_physical, self._ep_size, self._num_shared_experts
-        base, extra = divmod(p, e)
-        ranks = np.arange(e, dtype=np.int64)
-        counts = base + (ranks < extra)
-        starts = ranks * base + np.minimum(ranks, extra)
-        self._routed_starts = _readonly(starts.astype(_ID_DTYPE))
-        self._routed_counts = _readonly(counts.astype(_ID_DTYPE))
-        routed_owner = np.repeat(ranks, counts)
-
-        slots = self._shared_slots
-        per_rank_s = s if slots == "per_rank" else 0
-        self._block_starts = _readonly((starts + ranks * per_rank_s).astype(_ID_DTYPE))
-        self._routed_id_map = _readonly(
-            (np.arange(p, dtype=np.int64) + routed_owner * per_rank_s).astype(_ID_DTYPE)
-        )
-        if slots == "per_rank":
-            owner = np.repeat(ranks, counts + s)
-        elif slots == "global":
-            owner = np.concatenate([routed_owner, np.full(s, -1, dtype=np.int64)])
-        else:
-            owner = routed_owner
-        self._owner_rank = _readonly(owner.astype(_ID_DTYPE))
 
     def __setattr__(self, name: str, value: Any) -> None:
         if getattr(self, "_frozen", False):
@@ -496,12 +326,8 @@ class ExpertLayout:
     @property
     def num_physical_experts(self) -> int:
         """Size of the physical id space: P, P + S (global) or P + E*S (per_rank)."""
-        p, s = self.num_routed_physical, self._num_shared_experts
-        if self._shared_slots == "global":
-            return p + s
-        if self._shared_slots == "per_rank":
-            return p + self._ep_size * s
-        return p
+        return _placement.num_physical_experts(self.num_routed_physical, self._ep_size,
+                                               self._num_shared_experts, self._shared_slots)
 
     @property
     def routed_id_map(self) -> np.ndarray:
@@ -573,15 +399,8 @@ class ExpertLayout:
         if cached is not None:
             return cached
         start, count = self.routed_range(rank)
-        offsets, ids = self._replica_offsets, self._replica_ids
-        lists = []
-        for logical in range(self._num_routed_experts):
-            replicas = ids[offsets[logical]:offsets[logical + 1]]
-            local = replicas[(replicas >= start) & (replicas < start + count)]
-            lists.append(local if local.size else replicas)
-        new_offsets = np.zeros(self._num_routed_experts + 1, dtype=_ID_DTYPE)
-        np.cumsum([len(x) for x in lists], out=new_offsets[1:])
-        cached = (_readonly(new_offsets), _readonly(np.concatenate(lists).astype(_ID_DTYPE)))
+        cached = _placement.preferred_replicas(self._replica_offsets, self._replica_ids,
+                                               self._num_routed_experts, start, count)
         self._preferred_replicas[rank] = cached
         return cached
 
@@ -633,17 +452,9 @@ class ExpertLayout:
             ``rank`` outside [0, E).
         """
         start, count = self.routed_range(rank)
-        result = np.full(self.num_physical_experts, -1, dtype=_ID_DTYPE)
-        s = self._num_shared_experts
-        if self._shared_slots == "per_rank":
-            block = int(self._block_starts[rank])
-            result[block : block + count + s] = np.arange(count + s, dtype=_ID_DTYPE)
-        else:
-            result[start : start + count] = np.arange(count, dtype=_ID_DTYPE)
-            if self._shared_slots == "global":
-                p = self.num_routed_physical
-                result[p : p + s] = np.arange(count, count + s, dtype=_ID_DTYPE)
-        return result
+        return _placement.expert_map(self.num_physical_experts, start, count,
+                                     int(self._block_starts[rank]), self.num_routed_physical,
+                                     self._num_shared_experts, self._shared_slots)
 
     def shared_slot_ids(self, home_rank: int) -> np.ndarray:
         """Physical ids of the shared slots used by tokens from ``home_rank``.
@@ -690,10 +501,8 @@ class ExpertLayout:
         if not 0 <= integer("logical_id", logical_id) < n:
             raise ValueError(f"logical_id={logical_id!r} must be an integer in [0, {n})")
         token_row = integer("token_row", token_row, 0)
-        first = int(self._replica_offsets[logical_id])
-        count = int(self._replica_offsets[logical_id + 1]) - first
-        hashed = (int(token_row) * REPLICA_HASH_MULTIPLIER) % REPLICA_HASH_MODULUS
-        return int(self._replica_ids[first + hashed % count])
+        return _placement.hashed_replica(self._replica_offsets, self._replica_ids,
+                                         logical_id, token_row)
 
     def check_backend(self, requirement: str = "equal_blocks") -> list[str]:
         """Explicit incompatibilities of this layout with a backend requirement.
@@ -719,23 +528,8 @@ class ExpertLayout:
                 f"unknown requirement={requirement!r}; use one of "
                 + ", ".join(repr(r) for r in BACKEND_REQUIREMENTS)
             )
-        problems = []
-        p, e = self.num_routed_physical, self._ep_size
-        if p % e:
-            pad = -p % e
-            problems.append(
-                f"P % E != 0: {p} routed physical experts over {e} ranks leave a remainder "
-                f"of {p % e}, so ranks hold {p // e + 1} or {p // e} routed experts; "
-                f"equal-block backends need P divisible by E (add {pad} redundant experts "
-                f"for P = {p + pad})"
-            )
-        if self._shared_slots == "global" and e > 1:
-            problems.append(
-                f"global shared slots (ids {p}..{p + self._num_shared_experts - 1}) are held "
-                f"by all {e} ranks, outside the per-rank blocks; equal-block backends need "
-                "shared_slots='per_rank'"
-            )
-        return problems
+        return _placement.equal_blocks_problems(self.num_routed_physical, self._ep_size,
+                                                self._num_shared_experts, self._shared_slots)
 
     def shared_slot_weight(self, gate: Any = None, routed_scaling_factor: float = 1.0) -> Any:
         """Weight of a fused shared slot: the one place it is computed (docs/semantics.md section 3).
@@ -761,16 +555,7 @@ class ExpertLayout:
         ValueError
             A non-finite or non-positive ``routed_scaling_factor``.
         """
-        rsf = routed_scaling_factor
-        if isinstance(rsf, bool) or not isinstance(rsf, numbers.Real) \
-                or not math.isfinite(rsf) or rsf <= 0:
-            raise ValueError(
-                f"routed_scaling_factor={rsf!r} must be a finite real number > 0"
-            )
-        scale = 1.0 if self._scaling_regime == "router" else 1.0 / float(rsf)
-        if gate is None:
-            return scale
-        return gate * scale
+        return shared_slot_weight(self._scaling_regime, gate, routed_scaling_factor)
 
     def describe(self) -> str:
         """Readable summary: physical count, per-rank table, shared slots, owner, backend.
@@ -781,78 +566,7 @@ class ExpertLayout:
             Multi-line text; each rank's row gives its physical id range, local
             expert count, routed physical range and shared slot ids.
         """
-        n, s, e = self._num_routed_experts, self._num_shared_experts, self._ep_size
-        p, r = self.num_routed_physical, self._num_redundant_experts
-        lines = [
-            f"ExpertLayout: {n} routed + {s} shared expert(s), {r} redundant, "
-            f"ep_size={e}, dispatch={self._dispatch}",
-        ]
-        if self._shared_slots == "per_rank":
-            composition = f"{p} routed + {e} x {s} per-rank shared slots"
-        elif self._shared_slots == "global":
-            composition = f"{p} routed + {s} global shared slots"
-        else:
-            composition = f"{p} routed, no shared slots"
-        lines.append(f"physical experts: {self.num_physical_experts} ({composition})")
-
-        rows = [("rank", "physical ids", "local experts", "routed physical", "shared slot ids")]
-        for rank in range(e):
-            start, count = self.routed_range(rank)
-            slot_ids = self.shared_slot_ids(rank)
-            if self._shared_slots == "per_rank":
-                block = int(self._block_starts[rank])
-                physical = f"[{block}, {block + count + s})"
-                routed = f"[{start}, {start + count}) -> [{block}, {block + count})"
-            else:
-                physical = f"[{start}, {start + count})"
-                if self._shared_slots == "global":
-                    physical += f" + [{p}, {p + s})"
-                routed = f"[{start}, {start + count})"
-            slots_text = _id_span(slot_ids) if slot_ids.size else "-"
-            rows.append((str(rank), physical, str(self.num_local_experts(rank)), routed, slots_text))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
-                  for row in rows]
-
-        if self._shared_slots == "per_rank":
-            lines.append(
-                f"shared slots: per_rank; each rank's block ends with its own {s} slot(s) "
-                "and a token uses the slots of its home rank"
-            )
-        elif self._shared_slots == "global":
-            masked = " (computed only on the token's home rank)" if self._home_rank_masked else ""
-            local = "local id L_r" if s == 1 else f"local ids L_r..L_r+{s - 1}"
-            lines.append(
-                f"shared slots: global ids {_id_span(self.shared_slot_ids(0))}, held by every "
-                f"rank as {local}{masked}"
-            )
-        else:
-            lines.append("shared slots: none (the shared expert is not fused)")
-        lines.append(f"shared expert: {self._shared}. {self._shared_reason}")
-        if self._placement == "linear":
-            if r:
-                replicas = ", ".join(
-                    f"{n + i}->{int(self._physical_to_logical[n + i])}" for i in range(min(r, 16))
-                )
-                more = f", ... ({r - 16} more)" if r > 16 else ""
-                lines.append(f"replicas (physical->logical): {replicas}{more}")
-        else:
-            how = ("round_robin: rank r holds entries r, r+E, r+2E, ... of the linear sequence"
-                   if self._placement == "round_robin" else "physical_to_logical table")
-            lines.append(f"placement: {how}; logical experts of each rank, in local id order:")
-            for rank in range(e):
-                logical = self.logical_experts(rank).tolist()
-                shown = ", ".join(str(x) for x in logical[:_DESCRIBE_MAX_IDS])
-                more = f", ... ({len(logical) - _DESCRIBE_MAX_IDS} more)" \
-                    if len(logical) > _DESCRIBE_MAX_IDS else ""
-                lines.append(f"  rank {rank}: {shown}{more}")
-        lines.append(f"scaling regime: {self._scaling_regime}")
-        problems = self.check_backend("equal_blocks")
-        lines.append(
-            "equal-block backends (DeepEP/MoRI-style): "
-            + ("compatible" if not problems else "incompatible: " + "; ".join(problems))
-        )
-        return "\n".join(lines)
+        return _describe.describe(self)
 
     # ------------------------------------------------------------- identity
 
@@ -900,40 +614,3 @@ class ExpertLayout:
         if self._unfusable_reason is not None:
             parts.append(f"unfusable_reason={self._unfusable_reason!r}")
         return f"ExpertLayout({', '.join(parts)})"
-
-
-#: describe() lists at most this many logical ids per rank.
-_DESCRIBE_MAX_IDS = 16
-
-
-def _check_physical_to_logical(table: Any, num_routed: int) -> np.ndarray:
-    """``table`` as an int64 [P] array, P >= N, every logical id present; LayoutError otherwise."""
-    array = np.asarray(table)
-    if array.ndim != 1 or array.shape[0] < num_routed:
-        raise LayoutError(
-            f"physical_to_logical has shape {array.shape}; it needs one logical id per routed "
-            f"physical expert, shape [P] with P >= num_routed_experts={num_routed}"
-        )
-    if not np.issubdtype(array.dtype, np.integer):
-        raise LayoutError(f"physical_to_logical must hold integers, got dtype {array.dtype}")
-    bad = (array < 0) | (array >= num_routed)
-    if bad.any():
-        index = int(np.argmax(bad))
-        raise LayoutError(
-            f"physical_to_logical[{index}]={int(array[index])} is not a logical expert id; "
-            f"ids must be in [0, {num_routed})"
-        )
-    missing = np.flatnonzero(np.bincount(array, minlength=num_routed) == 0)
-    if missing.size:
-        raise LayoutError(
-            f"physical_to_logical holds no replica of logical expert(s) "
-            f"{missing[:8].tolist()}{' ...' if missing.size > 8 else ''}; every logical id in "
-            f"[0, {num_routed}) must appear at least once"
-        )
-    return array.astype(np.int64)
-
-
-def _id_span(ids: np.ndarray) -> str:
-    """'9' for one id, '9..12' for a contiguous run."""
-    first, last = int(ids[0]), int(ids[-1])
-    return str(first) if first == last else f"{first}..{last}"

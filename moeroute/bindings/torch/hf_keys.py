@@ -1,0 +1,323 @@
+"""The transformers key mapping: a checkpoint's state-dict names and layouts <-> moeroute's.
+
+One room for every translation between the names a transformers MoE block saves and the
+names of `moeroute.bindings.torch.moe.MoE` (``router_weight``, ``experts.w_gate_up``, ...):
+
+* `map_transformers_keys`: load time, the stacked names (``gate.weight``,
+  ``experts.gate_up_proj`` [N, 2I, H], ``experts.down_proj`` [N, H, I], the shared MLP)
+  -> this rank's tensors, fused shared slots assembled; `map_quantized_expert_keys` for FP8
+  (DeepSeek-V3's per-expert keys or transformers 5's stacked FP8Experts keys) and gpt-oss's
+  MXFP4 names. ``MoE._load_from_state_dict`` calls it for a module without a
+  ``checkpoint_format``.
+* `TransformersCheckpoint`: the ``checkpoint_format`` of a module `from_hf` built, which
+  loads and saves the block's own names and layouts (stacked, or gpt-oss's interleaved
+  gate/up columns); `save_in_checkpoint_format` is its state-dict post-hook.
+
+`moeroute.bindings.torch.hf` re-exports `TransformersCheckpoint`. This module imports
+neither ``moe.py`` nor ``hf.py`` (both import it): it reads the module it is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+from torch import nn
+
+from moeroute.bindings.torch.fp8_experts import (
+    PROJECTIONS,
+    STACKED_SCALE_KEYS,
+    check_quantized_weights,
+    gate_up_scale_from_stacked,
+)
+from moeroute.bindings.torch.mxfp4_experts import map_gpt_oss_mxfp4_keys
+from moeroute.quant import dequantize_fp8_block, dequantize_fp8_tensor, quantize_experts
+
+__all__ = [
+    "TRANSFORMERS_RENAMES",
+    "TRANSFORMERS_SHARED",
+    "TransformersCheckpoint",
+    "from_gpt_oss_layout",
+    "fused_slots",
+    "map_quantized_expert_keys",
+    "map_transformers_keys",
+    "save_in_checkpoint_format",
+    "split_slots",
+    "to_gpt_oss_layout",
+]
+
+#: transformers parameter names (relative to the block) -> `MoE`'s.
+TRANSFORMERS_RENAMES = {"gate.weight": "router_weight",
+                         "gate.e_score_correction_bias": "correction_bias"}
+#: Where transformers blocks keep their shared MLP (DeepSeek/GLM, Qwen).
+TRANSFORMERS_SHARED = ("shared_experts.", "shared_expert.")
+
+
+def split_slots(gate, up, down, inter: int, num_slots: int):
+    """A shared MLP's gate/up [S*I, H] and down [H, S*I] as S expert slots [S, 2I, H], [S, H, I]."""
+    gate_up = torch.stack([torch.cat([gate[j * inter:(j + 1) * inter], up[j * inter:(j + 1) * inter]])
+                           for j in range(num_slots)])
+    down = torch.stack([down[:, j * inter:(j + 1) * inter] for j in range(num_slots)])
+    return gate_up, down
+
+
+@torch.no_grad()
+def map_transformers_keys(module, state_dict: dict, prefix: str) -> None:
+    """Rename (and for a rank's slice or fused slots, assemble) transformers keys in place.
+
+    ``module`` is the `MoE` loading ``state_dict``: its layout, rank and ``quant`` decide
+    which experts it keeps and how its fused slots are filled.
+
+    ``experts.gate_up_proj`` [N, 2I, H] and ``experts.down_proj`` [N, H, I] become this
+    rank's ``experts.w_gate_up`` / ``experts.w_down`` (its routed experts, then the fused
+    shared slots cut from the shared MLP's ``gate_proj``/``up_proj``/``down_proj``);
+    ``gate.weight`` -> ``router_weight``; ``gate.e_score_correction_bias`` ->
+    ``correction_bias``; ``shared_expert.*`` -> ``shared_experts.*``.
+    """
+    for source, target in TRANSFORMERS_RENAMES.items():
+        if prefix + source in state_dict:
+            state_dict[prefix + target] = state_dict.pop(prefix + source)
+    shared = {}
+    for shared_prefix in TRANSFORMERS_SHARED:
+        for key in [k for k in state_dict if k.startswith(prefix + shared_prefix)]:
+            shared[key[len(prefix + shared_prefix):]] = state_dict.pop(key)
+    gate_up_key, down_key = prefix + "experts.gate_up_proj", prefix + "experts.down_proj"
+    if module.quant is not None:
+        map_quantized_expert_keys(module, state_dict, prefix, shared)
+    elif gate_up_key in state_dict and down_key in state_dict:
+        gate_up, down = state_dict.pop(gate_up_key), state_dict.pop(down_key)
+        ids = module.routed_expert_ids()
+        if ids != list(range(gate_up.shape[0])):
+            index = torch.tensor(ids, dtype=torch.long, device=gate_up.device)
+            gate_up, down = gate_up.index_select(0, index), down.index_select(0, index)
+        if module.layout.shared == "fused":
+            slots = fused_slots(module, shared, gate_up)
+            gate_up = torch.cat([gate_up, slots[0].to(gate_up.dtype)])
+            down = torch.cat([down, slots[1].to(down.dtype)])
+        state_dict[prefix + "experts.w_gate_up"] = gate_up
+        state_dict[prefix + "experts.w_down"] = down
+    if module.layout.shared != "fused":
+        for name, value in shared.items():
+            state_dict[prefix + "shared_experts." + name] = value
+
+
+@torch.no_grad()
+def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dict) -> None:
+    """FP8 experts of a checkpoint -> this rank's ``experts.*`` tensors, still FP8.
+
+    Reads DeepSeek-V3's per-expert keys (``experts.{e}.{gate,up,down}_proj.weight`` with
+    ``.weight_scale_inv``) or transformers 5's stacked FP8Experts keys; the other ranks'
+    experts are dropped. Fused shared slots are the shared MLP (float, or FP8 with
+    ``weight_scale_inv``) quantized with the layer's config.
+    """
+    if module.quant.format == "mxfp4":  # gpt-oss's MXFP4 names (mxfp4_experts)
+        map_gpt_oss_mxfp4_keys(module, state_dict, prefix)
+        return
+    quant, inter, hid = module.quant, module.intermediate_size, module.routed_hidden_size
+    ids = module.routed_expert_ids()
+    routed = None
+    pattern = re.compile(re.escape(prefix) + r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
+    found = {}
+    for key in [k for k in state_dict if k.startswith(prefix + "experts.")]:
+        match = pattern.match(key)
+        if match:
+            found[int(match.group(1)), match.group(2), match.group(3)] = state_dict.pop(key)
+    if found:
+        def take(e, projection, kind):
+            key = f"{prefix}experts.{e}.{projection}.{kind}"
+            if (e, projection, kind) not in found:
+                raise KeyError(f"{key} is missing from the state dict (this rank holds expert {e})")
+            tensor = found[e, projection, kind]
+            if kind == "weight" and tensor.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"{key} has dtype {tensor.dtype} but the layer has quant={quant.format!r} "
+                                 "(float8_e4m3fn weights with their weight_scale_inv)")
+            return tensor
+
+        gate, up, down = ([take(e, p, "weight") for e in ids] for p in PROJECTIONS)
+        gate_s, up_s, down_s = ([take(e, p, "weight_scale_inv") for e in ids] for p in PROJECTIONS)
+        if quant.format == "fp8_block":  # gate block rows, then up block rows
+            gate_up_scale = torch.stack([torch.cat(pair) for pair in zip(gate_s, up_s)])
+            down_scale = torch.stack(down_s)
+        else:  # one scale per projection: [L, 2] (gate, up) and [L]
+            gate_up_scale = torch.stack([torch.stack([a.reshape(()), b.reshape(())])
+                                         for a, b in zip(gate_s, up_s)])
+            down_scale = torch.stack([d.reshape(()) for d in down_s])
+        routed = (torch.stack([torch.cat(pair) for pair in zip(gate, up)]), torch.stack(down),
+                  gate_up_scale, down_scale, None)
+    elif prefix + "experts.gate_up_proj" in state_dict:
+        names = ["experts.gate_up_proj", "experts.down_proj", *STACKED_SCALE_KEYS]
+        if quant.activation == "static":
+            names += ["experts.gate_up_proj_activation_scale", "experts.down_proj_activation_scale"]
+        stacked = []
+        for name in names:
+            if prefix + name not in state_dict:
+                raise KeyError(f"{prefix + name} is missing from the state dict (FP8 experts need it)")
+            tensor = state_dict.pop(prefix + name)
+            stacked.append(tensor.index_select(0, torch.tensor(ids, device=tensor.device)))
+        gate_up_scale = gate_up_scale_from_stacked(stacked[2], quant, inter)
+        input_scale = torch.stack(stacked[4:6], dim=1) if quant.activation == "static" else None
+        routed = (stacked[0], stacked[1], gate_up_scale, stacked[3], input_scale)
+    targets = module.experts.quantized_tensors()
+    pieces = {}
+    if routed is not None:
+        checked = check_quantized_weights(quant, len(ids), hid, inter, *routed)
+        pieces.update({name: [tensor] for name, tensor in checked.items()})
+    if module.layout.shared == "fused" and "gate_proj.weight" in shared:
+        weights = []
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            weight, scale = shared.pop(f"{name}.weight"), shared.pop(f"{name}.weight_scale_inv", None)
+            if weight.dtype == torch.float8_e4m3fn:
+                if scale is None:
+                    raise KeyError(f"{prefix}shared_experts.{name}.weight_scale_inv is missing for the FP8 "
+                                   "shared MLP")
+                weight = (dequantize_fp8_block(weight, scale, quant.block_size) if scale.numel() > 1
+                          else dequantize_fp8_tensor(weight, scale.reshape(())))
+            weights.append(weight.float())
+        slots = quantize_experts(*split_slots(*weights, inter, module.num_shared_experts), quant)
+        for name, tensor in zip(("w_gate_up", "gate_up_scale", "w_down", "down_scale"), slots):
+            pieces.setdefault(name, [targets[name][:len(ids)].detach().clone()]).append(tensor)
+    for name, parts in pieces.items():
+        full = targets[name]
+        if len(parts) == 1 and parts[0].shape[0] < full.shape[0]:  # routed only: keep the slots
+            parts.append(full[parts[0].shape[0]:].detach().clone())
+        state_dict[prefix + "experts." + name] = torch.cat([p.to(full.device) for p in parts])
+
+
+def fused_slots(module, shared: dict, like: torch.Tensor):
+    """The S fused slots [S, 2I, H], [S, H, I] cut from a shared MLP's state dict."""
+    inter, s = module.intermediate_size, module.num_shared_experts
+    try:
+        gate, up, down = (shared[f"{name}.weight"] for name in ("gate_proj", "up_proj", "down_proj"))
+    except KeyError as missing:
+        raise KeyError(f"the state dict has experts.gate_up_proj but no shared MLP {missing.args[0]} "
+                       "(under shared_experts. or shared_expert.) to fill the fused slots") from None
+    gate_up, down = split_slots(gate, up, down, inter, s)
+    return gate_up.to(like.device), down.to(like.device)
+
+
+def from_gpt_oss_layout(gate_up, down, gate_up_bias, down_bias):
+    # [N, H, 2I] with gate/up interleaved along the last axis -> [N, 2I, H], gate block first.
+    w_gate_up = torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=-1).transpose(1, 2)
+    b_gate_up = torch.cat([gate_up_bias[..., 0::2], gate_up_bias[..., 1::2]], dim=-1)
+    return w_gate_up, down.transpose(1, 2), b_gate_up, down_bias
+
+
+def to_gpt_oss_layout(w_gate_up, w_down, b_gate_up, b_down):
+    """The inverse of `from_gpt_oss_layout`: gpt-oss's (gate_up_proj [N, H, 2I] interleaved,
+    down_proj [N, I, H], gate_up_proj_bias [N, 2I] interleaved, down_proj_bias [N, H])."""
+    inter = w_down.shape[2]
+
+    def interleave(gate_first):  # [..., 2I] gate block then up block -> g0, u0, g1, u1, ...
+        return torch.stack([gate_first[..., :inter], gate_first[..., inter:]], dim=-1).flatten(-2)
+
+    return (interleave(w_gate_up.transpose(1, 2)), w_down.transpose(1, 2).contiguous(),
+            interleave(b_gate_up), b_down)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformersCheckpoint:
+    """How the transformers block a module replaced names and lays out its state.
+
+    A module built by `from_hf` carries one as ``checkpoint_format``: its ``state_dict()``
+    then holds the block's own names and layouts (what the unpatched model saves), and it
+    loads them (moeroute's own names load too). ``module.checkpoint_format = None`` gives
+    moeroute's names (``router_weight``, ``experts.w_gate_up``, ...), e.g. for a rank's
+    own experts under expert parallelism.
+
+    Attributes
+    ----------
+    family : {"stacked", "gpt_oss"}
+        "stacked": ``gate.weight``, ``experts.gate_up_proj`` [N, 2I, H] (gate rows first),
+        ``experts.down_proj`` [N, H, I] (DeepSeek-V3, GLM-4-MoE, Qwen, Mixtral).
+        "gpt_oss": ``router.weight``/``router.bias``, ``experts.gate_up_proj`` [N, H, 2I]
+        (gate/up columns interleaved), ``experts.down_proj`` [N, I, H] and their biases.
+    shared_prefix : str
+        Where the block keeps its shared MLP: "shared_experts." (DeepSeek, GLM) or
+        "shared_expert." (Qwen).
+    """
+
+    family: str = "stacked"
+    shared_prefix: str = "shared_experts."
+
+    def load(self, module: nn.Module, state_dict: dict, prefix: str) -> None:
+        """Map the block's keys under ``prefix`` to the module's, in place."""
+        if self.family == "stacked":
+            map_transformers_keys(module, state_dict, prefix)
+            return
+        names = {"router.weight": "router_weight", "router.bias": "router_bias"}
+        for source, target in names.items():
+            if prefix + source in state_dict:
+                state_dict[prefix + target] = state_dict.pop(prefix + source)
+        sources = [prefix + "experts." + name for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias",
+                                                             "down_proj_bias")]
+        if all(key in state_dict for key in sources):
+            converted = from_gpt_oss_layout(*(state_dict.pop(key) for key in sources))
+            ids = module.routed_expert_ids()
+            if ids != list(range(converted[0].shape[0])):  # this rank's experts (and replicas)
+                index = torch.tensor(ids, dtype=torch.long, device=converted[0].device)
+                converted = [tensor.index_select(0, index) for tensor in converted]
+            for name, tensor in zip(("w_gate_up", "w_down", "b_gate_up", "b_down"), converted):
+                state_dict[prefix + "experts." + name] = tensor
+
+    def save(self, module: nn.Module, state_dict: dict, prefix: str) -> None:
+        """Replace the module's keys under ``prefix`` by the block's, in place.
+
+        Raises
+        ------
+        RuntimeError
+            The module holds only its rank's experts (expert parallelism): the block's
+            checkpoint needs all N.
+        """
+        layout = module.layout
+        if layout.ep_size > 1:
+            raise RuntimeError(
+                f"the MoE at {prefix or 'the root'!r} holds rank {module.rank}'s experts of an expert-parallel "
+                f"layer ({layout.ep_size} ranks), so it cannot save the transformers checkpoint of the whole "
+                "block; save from a model patched without ep_group, or set module.checkpoint_format = None "
+                "to save this rank's state under moeroute's names"
+            )
+
+        def pop(name):
+            return state_dict.pop(prefix + name)
+
+        inter, num_experts = module.intermediate_size, module.router.num_experts
+        gate_up, down = pop("experts.w_gate_up"), pop("experts.w_down")
+        # One local row per logical expert (the first replica); fused slots after them.
+        ids = module.routed_expert_ids()
+        rows = [ids.index(e) for e in range(num_experts)]
+        routed = [_select_rows(gate_up, rows), _select_rows(down, rows)]
+        out = {}
+        if self.family == "gpt_oss":
+            converted = to_gpt_oss_layout(*routed, *(_select_rows(pop(name), rows)
+                                                      for name in ("experts.b_gate_up", "experts.b_down")))
+            for name, tensor in zip(("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"),
+                                    converted):
+                out["experts." + name] = tensor
+            out["router.weight"], out["router.bias"] = pop("router_weight"), pop("router_bias")
+        else:
+            out["gate.weight"] = pop("router_weight")
+            if module.correction_bias is not None:
+                out["gate.e_score_correction_bias"] = pop("correction_bias")
+            out["experts.gate_up_proj"], out["experts.down_proj"] = routed
+            if layout.shared == "fused":  # the shared MLP is the S slots after the routed experts
+                slots = range(len(ids), len(ids) + module.num_shared_experts)
+                out[self.shared_prefix + "gate_proj.weight"] = torch.cat([gate_up[j, :inter] for j in slots])
+                out[self.shared_prefix + "up_proj.weight"] = torch.cat([gate_up[j, inter:] for j in slots])
+                out[self.shared_prefix + "down_proj.weight"] = torch.cat([down[j] for j in slots], dim=1)
+            for key in [k for k in state_dict if k.startswith(prefix + "shared_experts.")]:
+                out[self.shared_prefix + key[len(prefix + "shared_experts."):]] = state_dict.pop(key)
+        state_dict.update((prefix + name, tensor) for name, tensor in out.items())
+
+
+def _select_rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``tensor[rows]``; the tensor itself (or a leading slice of it) when rows are 0, 1, ..."""
+    if rows == list(range(len(rows))):
+        return tensor if tensor.shape[0] == len(rows) else tensor[:len(rows)]
+    return tensor.index_select(0, torch.tensor(rows, device=tensor.device))
+
+
+def save_in_checkpoint_format(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """State-dict post-hook of the modules `from_hf` builds: the block's names and layouts."""
+    if module.checkpoint_format is not None:
+        module.checkpoint_format.save(module, state_dict, prefix)
