@@ -436,7 +436,12 @@ class _ServedMethod:
         bias = layer.e_score_correction_bias
         if bias is not None and bias.dtype != torch.float32:
             bias = bias.float()
-        topk_weights, topk_ids = ops.select_experts(router_logits, self.plan.router, bias)
+        if ops.runs_eagerly(router_logits, bias):  # as vLLM calls it: no op dispatch
+            from moeroute.bindings.torch import arrays
+
+            topk_weights, topk_ids = arrays.select_experts(router_logits, self.plan.router, bias)
+        else:
+            topk_weights, topk_ids = ops.select_experts(router_logits, self.plan.router, bias)
         return self._experts(layer, x, topk_weights, topk_ids)
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
@@ -457,10 +462,15 @@ class _ServedMethod:
         quant = self.plan.quant
         if quant is not None and quant.format == "mxfp4":
             return _mxfp4_experts(layer, x, topk_weights, topk_ids)
+        from moeroute.bindings.torch import ops
+
+        # Called eagerly (as vLLM runs a layer's method, inside its own op), the op's body
+        # runs directly; a tracer sees the op.
+        experts = ops.experts if ops.runs_eagerly(x, topk_weights, topk_ids) else torch.ops.moeroute.experts
         if quant is None:
-            return torch.ops.moeroute.experts(x, layer.w13_weight, layer.w2_weight, topk_ids, topk_weights,
-                                              self.plan.activation, "auto")
-        return torch.ops.moeroute.experts(
+            return experts(x, layer.w13_weight, layer.w2_weight, topk_ids, topk_weights, self.plan.activation,
+                           "auto")
+        return experts(
             x, layer.w13_weight, layer.w2_weight, topk_ids, topk_weights, self.plan.activation, "auto",
             gate_up_scale=layer.w13_weight_scale_inv, down_scale=layer.w2_weight_scale_inv,
             quant_format=quant.format, block_size=list(quant.block_size), quant_activation=quant.activation,

@@ -195,16 +195,6 @@ def _runs_as_inference(forward):
     return run
 
 
-def _eager(hidden_states, router_logits) -> bool:
-    """True when no tracer can be watching a forward on these inputs: plain tensors (not
-    fake, functional or proxy subclasses) outside torch.compile, torch.export and
-    torch.jit.trace."""
-    return (type(hidden_states) is torch.Tensor
-            and (router_logits is None or type(router_logits) is torch.Tensor)
-            and not torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-            and not torch.jit.is_tracing())
-
-
 def _check_module(name: str, value) -> None:
     if value is not None and not callable(value):
         raise TypeError(f"{name} must be an nn.Module (or callable) or None, got {type(value).__name__}")
@@ -843,7 +833,7 @@ class MoE(nn.Module):
         a CPU). Parameters, result and errors are those of `forward_impl`; the inputs are
         checked once, before anything runs.
         """
-        if _eager(hidden_states, router_logits):
+        if ops.runs_eagerly(hidden_states, router_logits) and isinstance(hidden_states, torch.Tensor):
             return self.forward_impl(hidden_states, router_logits)
         self._check_forward_inputs(hidden_states, router_logits)
         self._check_inference(hidden_states, router_logits)
