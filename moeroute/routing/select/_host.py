@@ -16,9 +16,9 @@ from moeroute.routing.select._common import (
     _INT32_LOW31, _NAN_KEY, _NO_KEY, _RAW, _SCORING_CODES, _SIGMOID, _SOFTMAX, _SQRTSOFTPLUS,
     SOFTMAX_EXACT_GAP, WARP_SIZE)
 from moeroute.routing.select._simd import (
-    _KEY_NEG_MAX, _LANES, _PACK_LOW31, _PACK_NONE, _bits_float32, _block_top2,
-    _compress_at_least, _count_above, _float32_bits, _lane_cut, _lane_maxima, _logit_keys,
-    _pop_max, _raw_cut)
+    _KEY_NEG_MAX, _LANES, _PACK_LOW31, _PACK_NONE, _bits_float32, _block_top2, _borrowed,
+    _compress_at_least, _count_above, _float32_bits, _keep_alive, _lane_cut, _lane_maxima,
+    _logit_keys, _pop_max, _raw_cut)
 
 # Below this many logits (T * N) one thread does the whole batch: the serial kernel takes
 # ~50-100 us there on 2 cores, the pool's wake-up ~10 us on an idle machine and far more
@@ -533,6 +533,25 @@ def _select_rows(logits, table, bias, has_bias, scoring, num_groups, topk_group,
     packed = np.empty(num_experts + _LANES, np.int64)
     spread = np.full(1, np.nan, np.float32)
     lanes = np.empty(_LANES, np.int32)
+    # The row loop sees borrowed views only, so that it updates no reference counts; the
+    # arguments are the caller's, the scratch is kept alive below.
+    _row_loop(_borrowed(logits), _borrowed(table), _borrowed(bias), has_bias, scoring,
+              num_groups, topk_group, top_k, renormalize, rsf, row_start, row_stop,
+              _borrowed(out_w), _borrowed(out_ids), _borrowed(x), _borrowed(scores),
+              _borrowed(keys), _borrowed(lane_sums), _borrowed(group_keys), _borrowed(kept),
+              _borrowed(top_keys), _borrowed(top_ids), _borrowed(candidates),
+              _borrowed(packed), _borrowed(spread), _borrowed(lanes))
+    _keep_alive((x, scores, keys, lane_sums, group_keys, kept, top_keys, top_ids, candidates,
+                 packed, spread, lanes))
+
+
+@_cpu_jit
+def _row_loop(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
+              renormalize, rsf, row_start, row_stop, out_w, out_ids, x, scores, keys,
+              lane_sums, group_keys, kept, top_keys, top_ids, candidates, packed, spread,
+              lanes):
+    """`_select_rows`' loop over its rows, on its scratch arrays."""
+    num_experts = logits.shape[1]
     rank_logits = scoring == _SOFTMAX and not has_bias
     fast = renormalize and num_groups == 1 and top_k <= _LANES and num_experts >= _LANES
     for t in range(row_start, row_stop):
