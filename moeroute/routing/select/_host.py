@@ -253,7 +253,15 @@ def _top_k(keys, lanes, lanes_ready, top_k, spread, candidates, packed, top_keys
     none yet) to guess the cut. ``top_keys``/``top_ids`` need top_k + 1 slots (the last
     takes the unplaced candidates).
     """
-    if top_k <= _LANES and keys.shape[0] >= _LANES:
+    if keys.shape[0] < _LANES:
+        # Fewer keys than one block (Mixtral's 8 experts): insert them in order, no cut,
+        # no candidates, no packing.
+        count = 0
+        for i in range(keys.shape[0]):
+            count = _push_top(keys[i], i, top_keys, top_ids, count, top_k)
+        spread[0] = _key_value(top_keys[0]) - _key_value(top_keys[top_k - 1])
+        return
+    if top_k <= _LANES:
         if not lanes_ready:
             _lane_maxima(keys, lanes)
         count = _collect(keys, _lane_cut(lanes, top_k), candidates)
@@ -533,8 +541,9 @@ def _select_rows(logits, table, bias, has_bias, scoring, num_groups, topk_group,
     packed = np.empty(num_experts + _LANES, np.int64)
     spread = np.full(1, np.nan, np.float32)
     lanes = np.empty(_LANES, np.int32)
-    # The row loop sees borrowed views only, so that it updates no reference counts; the
-    # arguments are the caller's, the scratch is kept alive below.
+    # The row loop, inlined here, sees borrowed views only: LLVM then sees null owners and
+    # drops every reference count update of the loop. The arguments are the caller's; the
+    # scratch is kept alive below.
     _row_loop(_borrowed(logits), _borrowed(table), _borrowed(bias), has_bias, scoring,
               num_groups, topk_group, top_k, renormalize, rsf, row_start, row_stop,
               _borrowed(out_w), _borrowed(out_ids), _borrowed(x), _borrowed(scores),
@@ -545,7 +554,7 @@ def _select_rows(logits, table, bias, has_bias, scoring, num_groups, topk_group,
                  packed, spread, lanes))
 
 
-@_cpu_jit
+@_cpu_inline
 def _row_loop(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
               renormalize, rsf, row_start, row_stop, out_w, out_ids, x, scores, keys,
               lane_sums, group_keys, kept, top_keys, top_ids, candidates, packed, spread,
