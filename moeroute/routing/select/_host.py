@@ -40,6 +40,10 @@ _cpu_jit = njit(cache=True, error_model="numpy")
 # Helpers that take arrays are inlined in Numba's IR: a real call would pay reference-count
 # updates (atomics) on every array argument, per call, per row.
 _cpu_inline = njit(cache=True, error_model="numpy", inline="always")
+# The scalar helpers (exp, order keys, clipping) too: Numba compiles and caches each njit
+# function as its own library, and LLVM does not inline across them, so a called helper
+# stays a scalar call in every per-expert loop and keeps the loop from vectorizing.
+_cpu_scalar = _cpu_inline
 
 
 # exp on the host: Cody-Waite reduction by ln 2 and Cephes' degree-6 polynomial in float32,
@@ -76,7 +80,7 @@ _CUT_STEPS = 4
 _COUNTED_BLOCKS = 2
 
 
-@_cpu_jit
+@_cpu_scalar
 def _exp(value):
     """float32 exp (see above); inf above ~88.72, 0 below ~-103.97."""
     x = value if value > _EXP_LOWEST else _EXP_LOWEST
@@ -91,7 +95,7 @@ def _exp(value):
             * _bits_float32(np.int32((rest + _F32_EXPONENT_BIAS) << 23)))
 
 
-@_cpu_jit
+@_cpu_scalar
 def _order_key(value):
     """int32 key of a float32: keys compare like the values, -0 == +0, NaN lowest."""
     bits = _float32_bits(value + _F32_ZERO)  # + 0 turns -0 into +0
@@ -99,7 +103,7 @@ def _order_key(value):
     return key if value == value else _NAN_KEY
 
 
-@_cpu_jit
+@_cpu_scalar
 def _key_value(key):
     """The float32 of an order key (a NaN for the NaN key)."""
     return _bits_float32(np.int32(key ^ ((key >> 31) & _INT32_LOW31)))
@@ -116,14 +120,14 @@ def _as_float32_overload(value, table):
     return lambda value, table: table[value]
 
 
-@_cpu_jit
+@_cpu_scalar
 def _clip_logit(x):
     """NaN -> -inf, then clamp to the finite float32 range (reference._scores)."""
     x = x if x >= _F32_NEG_MAX else _F32_NEG_MAX  # NaN and -inf fail the comparison
     return x if x <= _F32_MAX else _F32_MAX
 
 
-@_cpu_jit
+@_cpu_scalar
 def _sqrt_softplus(x):
     """sqrt(softplus(x)) of a clipped logit in float32: max(x, 0) + log1p(exp(-|x|)) never
     overflows, so every score is finite and >= 0."""
@@ -132,7 +136,7 @@ def _sqrt_softplus(x):
     return np.float32(np.sqrt(positive + np.float32(np.log1p(_exp(-magnitude)))))
 
 
-@_cpu_jit
+@_cpu_scalar
 def _raw_logit_weight(weight, total, renormalize, rsf):
     """Weight of a pick under scoring "none" (reference._raw_logit_weights): divided by
     ``total + 1e-20`` only when that divisor is positive and finite, times rsf, clamped to
@@ -399,8 +403,9 @@ def _rank(keys, lanes, lanes_ready, num_groups, topk_group, two_best, top_k, gro
         group_size = keys.shape[0] // num_groups
         for g in range(num_groups):
             if not kept[g]:
-                for i in range(g * group_size, (g + 1) * group_size):
-                    keys[i] = _NO_KEY
+                # A slice store: one bounds computation, then a vector fill (an indexed loop
+                # pays a negative-index check per key and stays scalar).
+                keys[g * group_size:(g + 1) * group_size] = _NO_KEY
     _top_k(keys, lanes, lanes_ready, top_k, spread, candidates, packed, top_keys, top_ids)
 
 
