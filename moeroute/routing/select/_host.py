@@ -248,6 +248,24 @@ def _collect(keys, cut, candidates):
 
 
 @_cpu_inline
+def _small_top_k(keys, top_k, packed, top_keys, top_ids):
+    """The top_k best of a few keys into top_keys/top_ids by pick rounds: each round takes
+    the largest packed (key, id) (the lower id first on equal keys, as _place) and removes
+    it. Packed picks are distinct and above _PACK_NONE, so exactly the winner goes."""
+    n = keys.shape[0]
+    for i in range(n):
+        packed[i] = (np.int64(keys[i]) << 32) | (_PACK_LOW31 - i)
+    for r in range(top_k):
+        winner = _PACK_NONE
+        for i in range(n):
+            winner = max(winner, packed[i])
+        index = _PACK_LOW31 - (winner & 0xFFFFFFFF)
+        top_keys[r] = np.int32(winner >> 32)
+        top_ids[r] = index
+        packed[index] = _PACK_NONE
+
+
+@_cpu_inline
 def _top_k(keys, lanes, lanes_ready, top_k, spread, candidates, packed, top_keys, top_ids):
     """The top_k best keys into top_keys/top_ids, descending, the lower id first on ties.
 
@@ -258,11 +276,9 @@ def _top_k(keys, lanes, lanes_ready, top_k, spread, candidates, packed, top_keys
     takes the unplaced candidates).
     """
     if keys.shape[0] < _LANES:
-        # Fewer keys than one block (Mixtral's 8 experts): insert them in order, no cut,
-        # no candidates, no packing.
-        count = 0
-        for i in range(keys.shape[0]):
-            count = _push_top(keys[i], i, top_keys, top_ids, count, top_k)
+        # Fewer keys than one block (Mixtral's 8 experts): no cut, no candidates; top_k
+        # branch-free pick rounds over the packed keys (an insertion sort mispredicts).
+        _small_top_k(keys, top_k, packed, top_keys, top_ids)
         spread[0] = _key_value(top_keys[0]) - _key_value(top_keys[top_k - 1])
         return
     if top_k <= _LANES:
