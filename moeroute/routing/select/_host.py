@@ -16,9 +16,9 @@ from moeroute.routing.select._common import (
     _INT32_LOW31, _NAN_KEY, _NO_KEY, _RAW, _SCORING_CODES, _SIGMOID, _SOFTMAX, _SQRTSOFTPLUS,
     SOFTMAX_EXACT_GAP, WARP_SIZE)
 from moeroute.routing.select._simd import (
-    _KEY_NEG_MAX, _LANES, _PACK_LOW31, _PACK_NONE, _bits_float32, _block_top2,
-    _compress_at_least, _count_above, _float32_bits, _lane_cut, _lane_maxima, _logit_keys,
-    _pop_max, _raw_cut)
+    _KEY_NEG_MAX, _LANES, _PACK_LOW31, _PACK_NONE, _bits_float32, _block_top2, _borrowed,
+    _compress_at_least, _count_above, _float32_bits, _keep_alive, _lane_cut, _lane_maxima,
+    _logit_keys, _pop_max, _raw_cut)
 
 # Below this many logits (T * N) one thread does the whole batch: the serial kernel takes
 # ~50-100 us there on 2 cores, the pool's wake-up ~10 us on an idle machine and far more
@@ -40,6 +40,10 @@ _cpu_jit = njit(cache=True, error_model="numpy")
 # Helpers that take arrays are inlined in Numba's IR: a real call would pay reference-count
 # updates (atomics) on every array argument, per call, per row.
 _cpu_inline = njit(cache=True, error_model="numpy", inline="always")
+# The scalar helpers (exp, order keys, clipping) too: Numba compiles and caches each njit
+# function as its own library, and LLVM does not inline across them, so a called helper
+# stays a scalar call in every per-expert loop and keeps the loop from vectorizing.
+_cpu_scalar = _cpu_inline
 
 
 # exp on the host: Cody-Waite reduction by ln 2 and Cephes' degree-6 polynomial in float32,
@@ -76,7 +80,7 @@ _CUT_STEPS = 4
 _COUNTED_BLOCKS = 2
 
 
-@_cpu_jit
+@_cpu_scalar
 def _exp(value):
     """float32 exp (see above); inf above ~88.72, 0 below ~-103.97."""
     x = value if value > _EXP_LOWEST else _EXP_LOWEST
@@ -91,7 +95,7 @@ def _exp(value):
             * _bits_float32(np.int32((rest + _F32_EXPONENT_BIAS) << 23)))
 
 
-@_cpu_jit
+@_cpu_scalar
 def _order_key(value):
     """int32 key of a float32: keys compare like the values, -0 == +0, NaN lowest."""
     bits = _float32_bits(value + _F32_ZERO)  # + 0 turns -0 into +0
@@ -99,7 +103,7 @@ def _order_key(value):
     return key if value == value else _NAN_KEY
 
 
-@_cpu_jit
+@_cpu_scalar
 def _key_value(key):
     """The float32 of an order key (a NaN for the NaN key)."""
     return _bits_float32(np.int32(key ^ ((key >> 31) & _INT32_LOW31)))
@@ -116,14 +120,14 @@ def _as_float32_overload(value, table):
     return lambda value, table: table[value]
 
 
-@_cpu_jit
+@_cpu_scalar
 def _clip_logit(x):
     """NaN -> -inf, then clamp to the finite float32 range (reference._scores)."""
     x = x if x >= _F32_NEG_MAX else _F32_NEG_MAX  # NaN and -inf fail the comparison
     return x if x <= _F32_MAX else _F32_MAX
 
 
-@_cpu_jit
+@_cpu_scalar
 def _sqrt_softplus(x):
     """sqrt(softplus(x)) of a clipped logit in float32: max(x, 0) + log1p(exp(-|x|)) never
     overflows, so every score is finite and >= 0."""
@@ -132,7 +136,7 @@ def _sqrt_softplus(x):
     return np.float32(np.sqrt(positive + np.float32(np.log1p(_exp(-magnitude)))))
 
 
-@_cpu_jit
+@_cpu_scalar
 def _raw_logit_weight(weight, total, renormalize, rsf):
     """Weight of a pick under scoring "none" (reference._raw_logit_weights): divided by
     ``total + 1e-20`` only when that divisor is positive and finite, times rsf, clamped to
@@ -244,6 +248,24 @@ def _collect(keys, cut, candidates):
 
 
 @_cpu_inline
+def _small_top_k(keys, top_k, packed, top_keys, top_ids):
+    """The top_k best of a few keys into top_keys/top_ids by pick rounds: each round takes
+    the largest packed (key, id) (the lower id first on equal keys, as _place) and removes
+    it. Packed picks are distinct and above _PACK_NONE, so exactly the winner goes."""
+    n = keys.shape[0]
+    for i in range(n):
+        packed[i] = (np.int64(keys[i]) << 32) | (_PACK_LOW31 - i)
+    for r in range(top_k):
+        winner = _PACK_NONE
+        for i in range(n):
+            winner = max(winner, packed[i])
+        index = _PACK_LOW31 - (winner & 0xFFFFFFFF)
+        top_keys[r] = np.int32(winner >> 32)
+        top_ids[r] = index
+        packed[index] = _PACK_NONE
+
+
+@_cpu_inline
 def _top_k(keys, lanes, lanes_ready, top_k, spread, candidates, packed, top_keys, top_ids):
     """The top_k best keys into top_keys/top_ids, descending, the lower id first on ties.
 
@@ -253,7 +275,13 @@ def _top_k(keys, lanes, lanes_ready, top_k, spread, candidates, packed, top_keys
     none yet) to guess the cut. ``top_keys``/``top_ids`` need top_k + 1 slots (the last
     takes the unplaced candidates).
     """
-    if top_k <= _LANES and keys.shape[0] >= _LANES:
+    if keys.shape[0] < _LANES:
+        # Fewer keys than one block (Mixtral's 8 experts): no cut, no candidates; top_k
+        # branch-free pick rounds over the packed keys (an insertion sort mispredicts).
+        _small_top_k(keys, top_k, packed, top_keys, top_ids)
+        spread[0] = _key_value(top_keys[0]) - _key_value(top_keys[top_k - 1])
+        return
+    if top_k <= _LANES:
         if not lanes_ready:
             _lane_maxima(keys, lanes)
         count = _collect(keys, _lane_cut(lanes, top_k), candidates)
@@ -391,8 +419,9 @@ def _rank(keys, lanes, lanes_ready, num_groups, topk_group, two_best, top_k, gro
         group_size = keys.shape[0] // num_groups
         for g in range(num_groups):
             if not kept[g]:
-                for i in range(g * group_size, (g + 1) * group_size):
-                    keys[i] = _NO_KEY
+                # A slice store: one bounds computation, then a vector fill (an indexed loop
+                # pays a negative-index check per key and stays scalar).
+                keys[g * group_size:(g + 1) * group_size] = _NO_KEY
     _top_k(keys, lanes, lanes_ready, top_k, spread, candidates, packed, top_keys, top_ids)
 
 
@@ -533,6 +562,26 @@ def _select_rows(logits, table, bias, has_bias, scoring, num_groups, topk_group,
     packed = np.empty(num_experts + _LANES, np.int64)
     spread = np.full(1, np.nan, np.float32)
     lanes = np.empty(_LANES, np.int32)
+    # The row loop, inlined here, sees borrowed views only: LLVM then sees null owners and
+    # drops every reference count update of the loop. The arguments are the caller's; the
+    # scratch is kept alive below.
+    _row_loop(_borrowed(logits), _borrowed(table), _borrowed(bias), has_bias, scoring,
+              num_groups, topk_group, top_k, renormalize, rsf, row_start, row_stop,
+              _borrowed(out_w), _borrowed(out_ids), _borrowed(x), _borrowed(scores),
+              _borrowed(keys), _borrowed(lane_sums), _borrowed(group_keys), _borrowed(kept),
+              _borrowed(top_keys), _borrowed(top_ids), _borrowed(candidates),
+              _borrowed(packed), _borrowed(spread), _borrowed(lanes))
+    _keep_alive((x, scores, keys, lane_sums, group_keys, kept, top_keys, top_ids, candidates,
+                 packed, spread, lanes))
+
+
+@_cpu_inline
+def _row_loop(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
+              renormalize, rsf, row_start, row_stop, out_w, out_ids, x, scores, keys,
+              lane_sums, group_keys, kept, top_keys, top_ids, candidates, packed, spread,
+              lanes):
+    """`_select_rows`' loop over its rows, on its scratch arrays."""
+    num_experts = logits.shape[1]
     rank_logits = scoring == _SOFTMAX and not has_bias
     fast = renormalize and num_groups == 1 and top_k <= _LANES and num_experts >= _LANES
     for t in range(row_start, row_stop):
