@@ -14,7 +14,7 @@ from helpers.reference import swigluoai as swigluoai_reference
 from moeroute.bindings.torch.dispatch import DispatchHandle, LocalDispatcher, check_dispatch_inputs
 from moeroute.bindings.torch import experts as experts_module
 from moeroute.bindings.torch.experts import (PADDED_MAX_ROWS, ROWS_MAX_MEAN_ROWS, LocalExperts, choose_gemm,
-                                             expert_mlp, grouped_expert_mlp, rows_bound, onednn_linear_serves, padded_expert_mlp,
+                                             expert_mlp, rows_bound, onednn_linear_serves, padded_expert_mlp,
                                              streamed_expert_mlp)
 from moeroute.bindings.torch.moe import MoE
 from moeroute.config import RouterConfig
@@ -219,8 +219,6 @@ def test_gemm_strategies_agree_with_per_row_reference(counts):
                padded_expert_mlp(x, offsets, w_gate_up, w_down)]
     if onednn_linear_serves(torch.float32):
         results.append(expert_mlp(x, offsets, w_gate_up, w_down, linear="onednn"))
-    if hasattr(torch, "_grouped_mm"):
-        results.append(grouped_expert_mlp(x, torch.tensor(offsets, dtype=torch.int32), w_gate_up, w_down))
     for out in results:
         assert out.shape == (rows, H)
         if rows:
