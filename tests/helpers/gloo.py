@@ -11,6 +11,7 @@ import os
 import pickle
 import time
 import traceback
+from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
@@ -19,8 +20,8 @@ import torch.multiprocessing as mp
 #: Timeout of a group's collectives: generous for a loaded 2-core machine, yet a hang still
 #: fails the test instead of stalling it.
 PROCESS_GROUP_TIMEOUT_S = 60
-#: How often the parent looks whether the ranks have exited.
-POLL_S = 0.2
+#: Longest wait between two looks at the deadline; an exiting rank wakes the parent at once.
+POLL_S = 1.0
 
 
 def _entry(rank, world_size, init_file, worker, payload, result_dir, timeout_s):
@@ -63,11 +64,11 @@ def spawn_group(worker, world_size, tmp_dir, payload=None, *, timeout_s=PROCESS_
     try:
         # Poll the processes themselves: torch's context.join would terminate the survivors
         # as soon as one rank exits with an error (a dead-peer run kills one on purpose).
-        while any(process.is_alive() for process in context.processes):
+        while alive := [process for process in context.processes if process.is_alive()]:
             if time.monotonic() > deadline:
                 raise AssertionError(
                     f"{name} on {world_size} ranks did not finish in {join_timeout_s} s")
-            time.sleep(POLL_S)
+            wait([process.sentinel for process in alive], timeout=POLL_S)
     finally:
         for process in context.processes:
             if process.is_alive():
