@@ -42,9 +42,10 @@ sys.path.insert(0, str(BENCH))
 from _common import RESULTS_DIR, interleaved, print_table, wall_clock, write_results  # noqa: E402
 
 from moeroute.bindings.torch import arrays  # noqa: E402
+from moeroute.bindings.torch.activations import gated_activation  # noqa: E402
 from moeroute.bindings.torch.experts import (choose_gemm, cpu_experts, expert_mlp,  # noqa: E402
-                                             grouped_expert_mlp, onednn_linear_serves, padded_expert_mlp,
-                                             rows_expert_mlp, streamed_expert_mlp)
+                                             onednn_linear_serves, padded_expert_mlp, rows_expert_mlp,
+                                             streamed_expert_mlp)
 from moeroute.bindings.torch.moe import MoE  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 1024, 384, 64, 8
@@ -140,6 +141,30 @@ def stage_split(moe, x, repeats):
     staged = sum(medians[name] for name in ("routing", "permute", "gemm", "combine"))
     medians["beyond_gemm_fraction"] = 1.0 - medians["gemm"] / staged
     return {f"{k}_ms" if k != "beyond_gemm_fraction" else k: v for k, v in medians.items()}
+
+
+def grouped_expert_mlp(
+    hidden_sorted: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """`expert_mlp` through ``torch._grouped_mm`` (one call per projection): a comparison point
+    of `gemm_strategies` only, never one of moeroute's strategies ("auto" has no use for it).
+
+    Same parameters and result as `expert_mlp`, with ``expert_offsets`` a tensor
+    [L + 1] (int32). Raises AttributeError on torch builds without ``torch._grouped_mm``;
+    `gemm_strategies` checks its result against the torch.mm loop before timing it.
+    """
+    rows, hidden = hidden_sorted.shape
+    inter = w_down.shape[2]
+    if rows == 0:
+        return hidden_sorted.new_empty((0, hidden))
+    ends = expert_offsets[1:].to(torch.int32)
+    gate_up = torch._grouped_mm(hidden_sorted, w_gate_up.transpose(-2, -1), offs=ends)
+    act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
+    return torch._grouped_mm(act, w_down.transpose(-2, -1), offs=ends)
 
 
 def gemm_strategies(moe, x, repeats):

@@ -1,4 +1,4 @@
-"""Bodies of the spawned processes of test_ep.py, and the helper that spawns them.
+"""Bodies of the spawned processes of test_ep.py (spawned by helpers.gloo.spawn_group).
 
 Process start-up (torch import) dominates on a small machine, so one spawned group runs
 many configurations in a loop and returns plain records; the test functions assert on
@@ -9,96 +9,25 @@ written here in plain torch (float64), never the code under test.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
-import pickle
 import time
 import traceback
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from helpers.reference import dense_experts, rel_error
 from moeroute.bindings.torch.mlp import GatedMLP
 from moeroute.layout import ExpertLayout
 from moeroute.routing import reference
 
-#: Timeout of the process groups of the correctness runs: generous for a loaded 2-core CI
-#: machine, yet a hang still fails the test instead of stalling it.
-PROCESS_GROUP_TIMEOUT_S = 60
 #: Timeout of the dead/stalled-peer runs: the survivors must raise within it.
 SHORT_TIMEOUT_S = 3
 #: fp32 relative error allowed against the float64 dense reference.
 FP32_TOLERANCE = 1e-5
 #: bf16 activations round every hidden row and partial output to 8 mantissa bits.
 BF16_TOLERANCE = 2e-2
-
-
-# --------------------------------------------------------------------------- spawning
-
-
-def _entry(rank, world_size, init_file, worker_name, payload, result_dir, timeout_s):
-    torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    result = {"ok": True}
-    try:
-        result["value"] = WORKERS[worker_name](rank, world_size, payload)
-    except BaseException:
-        result = {"ok": False, "traceback": traceback.format_exc()}
-    with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as handle:
-        pickle.dump(result, handle)
-    # Skip the process-group teardown: after a dead-peer run it could block on the peer.
-    os._exit(0)
-
-
-def spawn_group(worker_name, world_size, tmp_dir, payload=None, *,
-                timeout_s=PROCESS_GROUP_TIMEOUT_S, join_timeout_s=240):
-    """Run ``WORKERS[worker_name](rank, world_size, payload)`` on ``world_size`` gloo ranks.
-
-    Returns the list of per-rank return values; raises AssertionError carrying the
-    worker's traceback when a rank raised, and when the group does not finish within
-    ``join_timeout_s`` (after killing it).
-    """
-    tmp_dir = str(tmp_dir)
-    os.makedirs(tmp_dir, exist_ok=True)
-    init_file = os.path.join(tmp_dir, f"store_{worker_name}_{world_size}_{time.monotonic_ns()}")
-    result_dir = init_file + "_results"
-    os.makedirs(result_dir)
-    context = mp.start_processes(
-        _entry, args=(world_size, init_file, worker_name, payload, result_dir, timeout_s),
-        nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + join_timeout_s
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"{worker_name} on {world_size} ranks did not finish in {join_timeout_s} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    results, failures = [], []
-    for rank in range(world_size):
-        path = os.path.join(result_dir, f"rank{rank}.pkl")
-        if not os.path.exists(path):
-            results.append(None)
-            continue
-        with open(path, "rb") as handle:
-            result = pickle.load(handle)
-        if not result["ok"]:
-            failures.append((rank, result["traceback"]))
-        results.append(result.get("value"))
-    if failures:
-        # A peer's failure shows up on the others as a CollectiveError: list the root first.
-        failures.sort(key=lambda failure: "CollectiveError" in failure[1])
-        raise AssertionError("\n".join(
-            f"{worker_name}: rank {rank} of {world_size} raised:\n{text}"
-            for rank, text in failures))
-    return results
 
 
 # --------------------------------------------------------------------------- the layer
@@ -161,13 +90,8 @@ def route(layer, x, top_k, rsf, force_expert=None):
 
 def dense_reference(layer, x, ids, weights):
     """float64 ``sum_k w_k expert_k(x) + g * shared(x)`` for every token."""
+    out = dense_experts(x, ids, weights, layer.gate_up, layer.down)
     x = x.double()
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for k in range(ids.shape[1]):
-            e = int(ids[t, k])
-            out[t] += float(weights[t, k]) * swiglu(x[t], layer.gate_up[e].double(),
-                                                    layer.down[e].double())
     if layer.num_shared:
         shared = swiglu(x, layer.shared_gate_up.double(), layer.shared_down.double())
         gate = shared_gate_values(layer, x)
@@ -479,9 +403,7 @@ _SharedMLP = GatedMLP  # a gated shared MLP as transformers writes it (fusable i
 
 
 def _relative_error(out, expected):
-    if out.numel() == 0:
-        return 0.0
-    return float((out.double() - expected.double()).abs().max() / expected.double().abs().max())
+    return 0.0 if out.numel() == 0 else rel_error(out, expected)
 
 
 def moe_module_cases(rank, world_size):
@@ -882,10 +804,3 @@ def checkpoint_cases(rank, world_size):
                                     full["shared_expert.gate_proj.weight"])),
         router_equal=bool(torch.equal(own["router_weight"], full["gate.weight"])),
     )
-
-
-WORKERS = {
-    "configs": configs_worker,
-    "peer_failure": peer_failure_worker,
-    "qwen35": qwen35_worker,
-}

@@ -7,16 +7,13 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.reference import generator as _generator
 from moeroute.bindings.torch import arrays
 from moeroute.config import RouterConfig
 from moeroute.layout import ExpertLayout
 from moeroute.routing import reference
 
 WEIGHT_RTOL = 1e-6  # float32 routing weights: a few ulps between kernel and reference
-
-
-def _generator(seed):
-    return torch.Generator().manual_seed(seed)
 
 
 # ------------------------------------------------------------------ zero copy

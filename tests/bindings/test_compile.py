@@ -13,6 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from helpers.reference import rel_error  # noqa: E402
 from moeroute.bindings.torch import MoE, replace_moe_blocks  # noqa: E402
 
 H = 64
@@ -46,11 +47,6 @@ def _deepseek_v3():
 MODELS = {"qwen3_moe": _qwen3_moe, "deepseek_v3": _deepseek_v3}
 
 
-def _rel_error(actual, expected):
-    expected = expected.double()
-    return float((actual.double() - expected).abs().max() / expected.abs().max())
-
-
 @pytest.fixture(scope="module", params=list(MODELS))
 def patched(request):
     """(name, patched model, input ids, its eager logits, the unpatched model's logits, MoE count)."""
@@ -67,7 +63,7 @@ def patched(request):
         unpatched = model(input_ids, use_cache=False).logits
         assert replace_moe_blocks(model) == moe_layers
         eager = model(input_ids, use_cache=False).logits
-    assert _rel_error(eager, unpatched) < FP32_TOL
+    assert rel_error(eager, unpatched) < FP32_TOL
     yield request.param, model, input_ids, eager, unpatched, moe_layers
     torch._dynamo.reset()
 
@@ -106,9 +102,9 @@ def test_compile_fullgraph_matches_eager(patched):
         other_ids = torch.flip(input_ids, dims=(1,))
         other_actual = compiled(other_ids, use_cache=False).logits
         other_eager = model(other_ids, use_cache=False).logits
-    assert _rel_error(actual, eager) < FP32_TOL
-    assert _rel_error(actual, unpatched) < FP32_TOL
-    assert _rel_error(other_actual, other_eager) < FP32_TOL
+    assert rel_error(actual, eager) < FP32_TOL
+    assert rel_error(actual, unpatched) < FP32_TOL
+    assert rel_error(other_actual, other_eager) < FP32_TOL
 
 
 def test_export_matches_eager(patched):
@@ -122,8 +118,8 @@ def test_export_matches_eager(patched):
     assert _private_ops(targets) == []
     layer_keys = {node.args[2] for node in exported.graph.nodes if node.target == MOE_OP}
     assert layer_keys == {m.layer_key for m in model.modules() if isinstance(m, MoE)}
-    assert _rel_error(actual, eager) < FP32_TOL
-    assert _rel_error(actual, unpatched) < FP32_TOL
+    assert rel_error(actual, eager) < FP32_TOL
+    assert rel_error(actual, unpatched) < FP32_TOL
 
 
 # ------------------------------------------------------------------ the ops in user graphs

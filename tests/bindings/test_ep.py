@@ -12,9 +12,12 @@ import pytest
 
 from _ep_workers import (
     SHORT_TIMEOUT_S,
+    configs_worker,
     dispatcher_configs,
-    spawn_group,
+    peer_failure_worker,
+    qwen35_worker,
 )
+from helpers.gloo import spawn_group
 
 WORLD_SIZES = (2, 4)
 #: Survivors of a dead or stalled peer must raise within this many seconds (gloo timeout
@@ -53,7 +56,8 @@ def groups(tmp_path_factory):
                        "checkpoint": world_size == 2}
             try:
                 cache[world_size] = spawn_group(
-                    "configs", world_size, tmp_path_factory.mktemp(f"ep{world_size}"), payload)
+                    configs_worker, world_size, tmp_path_factory.mktemp(f"ep{world_size}"), payload,
+                    join_timeout_s=240)
             except AssertionError as error:  # fail every dependent test without respawning
                 cache[world_size] = error
         if isinstance(cache[world_size], AssertionError):
@@ -292,8 +296,8 @@ def test_transfer_stats_add_and_report():
                                               ("all2all", "build")])
 def test_dead_or_stalled_peer_raises_within_timeout(tmp_path, dispatch, failure):
     payload = {"dispatch": dispatch, "failure": failure, "stall_s": SHORT_TIMEOUT_S + 2}
-    results = spawn_group("peer_failure", 3, tmp_path, payload, timeout_s=SHORT_TIMEOUT_S,
-                          join_timeout_s=90)
+    results = spawn_group(peer_failure_worker, 3, tmp_path, payload, timeout_s=SHORT_TIMEOUT_S,
+                          join_timeout_s=90, every_rank=False)
     # The exiting rank leaves no result; the stalled one wakes after the others gave up.
     assert results[1] == ("stalled" if failure == "stall" else None)
     for rank in (0, 2):
@@ -306,7 +310,7 @@ def test_dead_or_stalled_peer_raises_within_timeout(tmp_path, dispatch, failure)
 
 
 def test_qwen35_fused_per_rank_slots_on_eight_ranks(tmp_path):
-    results = spawn_group("qwen35", 8, tmp_path, join_timeout_s=180)
+    results = spawn_group(qwen35_worker, 8, tmp_path, join_timeout_s=180)
     for rank, records in enumerate(results):
         for record in records:
             assert record["shared"] == "fused" and record["slots"] == "per_rank"

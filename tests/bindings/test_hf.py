@@ -11,6 +11,8 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+from helpers.modules import randomize  # noqa: E402
+from helpers.reference import rel_error  # noqa: E402
 from moeroute.bindings.torch import MoE, replace_moe_blocks  # noqa: E402
 from moeroute.layout import LayoutError  # noqa: E402
 
@@ -101,19 +103,8 @@ BLOCKS = {
 
 
 def _randomize(module, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
-        for name, b in module.named_buffers():
-            if b.is_floating_point():  # the correction bias: spread so it changes selection
-                b.copy_(torch.randn(b.shape, generator=generator) * 0.05)
-    return module.eval()
-
-
-def rel_error(actual, expected):
-    expected = expected.double()
-    return float((actual.double() - expected).abs().max() / expected.abs().max())
+    """Random weights, the correction bias spread so that it changes selection; eval mode."""
+    return randomize(module, seed, 0.2, 0.05).eval()
 
 
 def _cases():

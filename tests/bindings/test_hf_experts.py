@@ -14,7 +14,8 @@ transformers = pytest.importorskip("transformers")
 
 from moeroute.bindings.torch import hf  # noqa: E402
 from moeroute.bindings.torch import register_experts_implementation  # noqa: E402
-from test_hf import BF16_RTOL, BLOCKS, FP32_RTOL, H, _randomize, rel_error  # noqa: E402
+from helpers.reference import rel_error  # noqa: E402
+from test_hf import BF16_RTOL, BLOCKS, FP32_RTOL, H, _randomize  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -21,7 +21,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from moeroute.bindings.torch import MoE, replace_moe_blocks  # noqa: E402
-from test_hf import BLOCKS, FP32_RTOL, H, _randomize, rel_error  # noqa: E402
+from helpers.reference import rel_error  # noqa: E402
+from test_hf import BLOCKS, FP32_RTOL, H, _randomize  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: Peak growth allowed while swapping, as a share of the model's expert weight bytes.

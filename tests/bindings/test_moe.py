@@ -8,10 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers.reference import dense_experts, rel_error
+from helpers.reference import generator as _generator
+from helpers.reference import swigluoai as swigluoai_reference
 from moeroute.bindings.torch.dispatch import DispatchHandle, LocalDispatcher, check_dispatch_inputs
 from moeroute.bindings.torch import experts as experts_module
 from moeroute.bindings.torch.experts import (PADDED_MAX_ROWS, ROWS_MAX_MEAN_ROWS, LocalExperts, choose_gemm,
-                                             expert_mlp, grouped_expert_mlp, rows_bound, onednn_linear_serves, padded_expert_mlp,
+                                             expert_mlp, rows_bound, onednn_linear_serves, padded_expert_mlp,
                                              streamed_expert_mlp)
 from moeroute.bindings.torch.moe import MoE
 from moeroute.config import RouterConfig
@@ -24,13 +27,6 @@ FP32_RTOL = 1e-5
 # Normwise tolerances for half precision: the layer rounds its input, each expert's
 # intermediate and output to the dtype (ulp 2**-11 for float16, 2**-8 for bfloat16).
 HALF_RTOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
-
-ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}
-
-
-def _generator(seed):
-    return torch.Generator().manual_seed(seed)
-
 
 def make_moe(seed=0, dtype=torch.float32, activation="silu", **kwargs):
     module = MoE(ROUTER, H, I, activation=activation, dtype=dtype, **kwargs)
@@ -45,21 +41,9 @@ def make_moe(seed=0, dtype=torch.float32, activation="silu", **kwargs):
 
 def dense_reference(module, x, weights, activation="silu"):
     """sum_k w_k * expert_k(x) in float64, routing from moeroute.routing.reference."""
-    w_gate_up, w_down = (w.double() for w in weights)
     logits = F.linear(x.to(module.router_weight.dtype), module.router_weight).float()
     topk_weights, topk_ids = reference.select_experts(logits.numpy(), module.router)
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
-    x64 = x.double()
-    for t in range(x.shape[0]):
-        for k in range(topk_ids.shape[1]):
-            e = int(topk_ids[t, k])
-            h = w_gate_up[e] @ x64[t]
-            out[t] += float(topk_weights[t, k]) * (w_down[e] @ (ACT[activation](h[:I]) * h[I:]))
-    return out
-
-
-def rel_error(actual, expected):
-    return float((actual.double() - expected).abs().max() / expected.abs().max())
+    return dense_experts(x, topk_ids, topk_weights, *weights, activation)
 
 
 # ------------------------------------------------------------------ the module
@@ -235,8 +219,6 @@ def test_gemm_strategies_agree_with_per_row_reference(counts):
                padded_expert_mlp(x, offsets, w_gate_up, w_down)]
     if onednn_linear_serves(torch.float32):
         results.append(expert_mlp(x, offsets, w_gate_up, w_down, linear="onednn"))
-    if hasattr(torch, "_grouped_mm"):
-        results.append(grouped_expert_mlp(x, torch.tensor(offsets, dtype=torch.int32), w_gate_up, w_down))
     for out in results:
         assert out.shape == (rows, H)
         if rows:
@@ -262,14 +244,7 @@ def test_loop_strategy_half_precision(dtype, rtol):
 
 def _slot_reference(x, local_ids, weights, w_gate_up, w_down):
     """sum over each row's valid slots of w * expert(x), in float64, slot by slot."""
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for k in range(local_ids.shape[1]):
-            e = int(local_ids[t, k])
-            if 0 <= e < w_gate_up.shape[0]:
-                h = w_gate_up[e].double() @ x[t].double()
-                out[t] += float(weights[t, k]) * (w_down[e].double() @ (F.silu(h[:I]) * h[I:]))
-    return out
+    return dense_experts(x, local_ids, weights, w_gate_up, w_down)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -526,32 +501,13 @@ def test_cuda_matches_cpu(dtype):
 
 # ------------------------------------------------------------------ biases, swigluoai, weight on input
 
-def swigluoai_reference(gate, up):
-    """gpt-oss's activation, written out: clamps at 7, alpha 1.702."""
-    gate = torch.clamp(gate, max=7.0)
-    up = torch.clamp(up, min=-7.0, max=7.0)
-    return (up + 1.0) * gate * torch.sigmoid(1.702 * gate)
-
-
 def biased_reference(router, router_weight, x, w_gate_up, w_down, b_gate_up, b_down, activation,
                      router_bias=None, weight_on_input=False):
     """sum_k w_k * (down(act(gate x + bg) * (up x + bu)) + bd) in float64."""
     logits = F.linear(x, router_weight, router_bias).float()
     topk_weights, topk_ids = reference.select_experts(logits.numpy(), router)
-    x64 = x.double()
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for k in range(topk_ids.shape[1]):
-            e, w = int(topk_ids[t, k]), float(topk_weights[t, k])
-            row = x64[t] * w if weight_on_input else x64[t]
-            h = w_gate_up[e].double() @ row + b_gate_up[e].double()
-            if activation == "swigluoai":
-                act = swigluoai_reference(h[:I], h[I:])
-            else:
-                act = ACT[activation](h[:I]) * h[I:]
-            y = w_down[e].double() @ act + b_down[e].double()
-            out[t] += y if weight_on_input else w * y
-    return out
+    return dense_experts(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down,
+                         weight_on_input=weight_on_input)
 
 
 def make_biased_moe(seed, activation, **kwargs):

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from helpers.reference import dense_experts
+from helpers.reference import generator as _generator
 from moeroute.bindings.torch import ops
 from moeroute.bindings.torch.moe import MoE
 from moeroute.config import RouterConfig
@@ -24,10 +26,6 @@ FP32_ATOL = 1e-5  # float32 outputs of magnitude ~1: a few ulps of accumulation-
 SOFTMAX = RouterConfig(N, 3, "softmax", renormalize=True, routed_scaling_factor=1.5)
 GROUPED = RouterConfig(16, 4, "sigmoid", num_expert_group=4, topk_group=2, renormalize=True,
                        routed_scaling_factor=2.5)
-
-
-def _generator(seed):
-    return torch.Generator().manual_seed(seed)
 
 
 def _opcheck(op, args, kwargs=None):
@@ -138,9 +136,6 @@ def test_append_shared_slots_op_rejects_both_weight_forms():
 
 # ------------------------------------------------------------------ experts (CPU)
 
-ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}
-
-
 def _expert_problem(seed, tokens=10, slots=3, experts=5, dtype=torch.float32):
     generator = _generator(seed)
     hidden = torch.randn(tokens, H, generator=generator).to(dtype)
@@ -154,16 +149,7 @@ def _expert_problem(seed, tokens=10, slots=3, experts=5, dtype=torch.float32):
 
 def _experts_reference(hidden, w_gate_up, w_down, ids, weights, activation="silu"):
     """sum over the slots with a local id of w * down(act(gate x) * up x), float64."""
-    out = torch.zeros(hidden.shape, dtype=torch.float64)
-    inter = w_down.shape[2]
-    for t in range(hidden.shape[0]):
-        for k in range(ids.shape[1]):
-            e = int(ids[t, k])
-            if 0 <= e < w_gate_up.shape[0]:
-                h = w_gate_up[e].double() @ hidden[t].double()
-                y = w_down[e].double() @ (ACT[activation](h[:inter]) * h[inter:])
-                out[t] += float(weights[t, k]) * y
-    return out
+    return dense_experts(hidden, ids, weights, w_gate_up, w_down, activation)
 
 
 @pytest.mark.parametrize("gemm", ["auto", "loop", "padded", "rows"])
@@ -184,14 +170,7 @@ def test_experts_op_with_biases_matches_reference(gemm):
     b_gate_up = torch.randn(5, 2 * I, generator=generator) * 0.5
     b_down = torch.randn(5, H, generator=generator) * 0.5
     out = torch.ops.moeroute.experts(hidden, w_gate_up, w_down, ids, weights, "silu", gemm, b_gate_up, b_down)
-    expected = torch.zeros(hidden.shape, dtype=torch.float64)
-    for t in range(hidden.shape[0]):
-        for k in range(ids.shape[1]):
-            e = int(ids[t, k])
-            if 0 <= e < 5:
-                h = w_gate_up[e].double() @ hidden[t].double() + b_gate_up[e].double()
-                y = w_down[e].double() @ (F.silu(h[:I]) * h[I:]) + b_down[e].double()
-                expected[t] += float(weights[t, k]) * y
+    expected = dense_experts(hidden, ids, weights, w_gate_up, w_down, "silu", b_gate_up, b_down)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=FP32_ATOL)
     _opcheck(ops.OPS["experts"], (hidden, w_gate_up, w_down, ids, weights, "silu", gemm, b_gate_up, b_down))
     with pytest.raises(ValueError, match=r"b_down must be torch.float32 \[5, 24\]"):

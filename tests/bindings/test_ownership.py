@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers.modules import CountingMLP, randomize
+from helpers.reference import dense_experts, rel_error
 from moeroute.bindings.torch.moe import MoE
 from moeroute.config import RouterConfig
 from moeroute.layout import LayoutError
@@ -30,24 +32,6 @@ ROUTERS = {
 }
 
 
-class GatedMLP(nn.Module):
-    """A Hugging Face style shared MLP that counts its calls and rows."""
-
-    def __init__(self, hidden, inter):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-        self.act_fn = nn.SiLU()
-        self.calls = 0
-        self.rows = 0
-
-    def forward(self, x):
-        self.calls += 1
-        self.rows += x.shape[0]
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
 class CountingGate(nn.Linear):
     def __init__(self, hidden):
         super().__init__(hidden, 1, bias=False)
@@ -58,23 +42,13 @@ class CountingGate(nn.Linear):
         return super().forward(x)
 
 
-def _randomize(module, seed):
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
-        for name, b in module.named_buffers():
-            if b is not None and b.is_floating_point():
-                b.copy_(torch.randn(b.shape, generator=generator) * 0.1)
-
-
 def build(shared, S, gated, regime, router="softmax", seed=0, **kwargs):
-    shared_mlp = GatedMLP(H, S * I) if S else None
+    shared_mlp = CountingMLP(H, S * I) if S else None
     gate = CountingGate(H) if gated else None
     if shared_mlp is not None:
-        _randomize(shared_mlp, seed + 1)
+        randomize(shared_mlp, seed + 1, 0.3, 0.1)
     if gate is not None:
-        _randomize(gate, seed + 2)
+        randomize(gate, seed + 2, 0.3, 0.1)
     config = ROUTERS[router]
     module = MoE(config, H, I, shared_experts=shared_mlp, shared_expert_gate=gate, shared=shared,
                  scaling_regime=regime, correction_bias=config.scoring == "sigmoid", **kwargs)
@@ -99,13 +73,7 @@ def dense_reference(module, x, shared_mlp, gate, weights, *, routed_in=None, rou
     topk_weights, topk_ids = reference.select_experts(logits.numpy(), module.router, bias)
     x64 = x.double()
     routed_x = x64 if routed_in is None else F.linear(x64, routed_in.weight.double())
-    routed = torch.zeros(x.shape[0], routed_x.shape[1], dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for k in range(topk_ids.shape[1]):
-            e = int(topk_ids[t, k])
-            h = w_gate_up[e] @ routed_x[t]
-            y = w_down[e] @ (F.silu(h[:I]) * h[I:])
-            routed[t] += float(topk_weights[t, k]) * y
+    routed = dense_experts(routed_x, topk_ids, topk_weights, w_gate_up, w_down)
     if routed_out is not None:
         routed = F.linear(routed, routed_out.weight.double(), routed_out.bias.double())
     if shared_mlp is None:
@@ -117,10 +85,6 @@ def dense_reference(module, x, shared_mlp, gate, weights, *, routed_in=None, rou
     if gate is not None:
         s = torch.sigmoid(x64 @ gate.weight.double().T) * s
     return routed + s
-
-
-def rel_error(actual, expected):
-    return float((actual.double() - expected).abs().max() / expected.abs().max())
 
 
 CASES = list(itertools.product(["auto", "runner", "overlap", "fused"], [1, 2], [False, True],
@@ -199,12 +163,12 @@ def test_fused_slot_weight_in_output_regime_is_gate_over_rsf():
 
 
 def test_auto_picks_runner_when_the_shared_mlp_does_not_split():
-    shared_mlp = GatedMLP(H, 24)  # 24 is not a multiple of I = 16
+    shared_mlp = CountingMLP(H, 24)  # 24 is not a multiple of I = 16
     module = MoE(ROUTERS["softmax"], H, I, shared_experts=shared_mlp)
     assert module.layout.shared == "runner"
     assert "not a multiple" in module.layout.shared_reason
     with pytest.raises(LayoutError, match="not a multiple"):
-        MoE(ROUTERS["softmax"], H, I, shared_experts=GatedMLP(H, 24), shared="fused")
+        MoE(ROUTERS["softmax"], H, I, shared_experts=CountingMLP(H, 24), shared="fused")
 
 
 def test_opaque_shared_module_is_never_fused():
@@ -216,7 +180,7 @@ def test_opaque_shared_module_is_never_fused():
 
 
 def test_shared_mlp_with_another_activation_is_not_fused():
-    shared_mlp = GatedMLP(H, I)
+    shared_mlp = CountingMLP(H, I)
     shared_mlp.act_fn = nn.GELU()
     with pytest.raises(LayoutError, match="act_fn"):
         MoE(ROUTERS["softmax"], H, I, shared_experts=shared_mlp, shared="fused")
@@ -249,7 +213,7 @@ def test_latent_moe(shared, expected, regime):
 
 def test_latent_moe_explicit_fused_is_a_layout_error():
     with pytest.raises(LayoutError, match="routed_input_transform"):
-        MoE(ROUTERS["softmax"], H, I, shared_experts=GatedMLP(H, I), shared="fused",
+        MoE(ROUTERS["softmax"], H, I, shared_experts=CountingMLP(H, I), shared="fused",
             routed_input_transform=nn.Linear(H, LATENT, bias=False),
             routed_output_transform=nn.Linear(LATENT, H, bias=False))
 

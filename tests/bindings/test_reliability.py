@@ -19,6 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.reference import dense_experts, rel_error
+from helpers.reference import generator as _generator
 from moeroute.bindings.torch import MoE
 from moeroute.bindings.torch.experts import (LocalExperts, SUPPORTED_DTYPES, onednn_linear_serves,
                                              streamed_expert_mlp)
@@ -32,10 +34,6 @@ RTOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 NEEDS_ONEDNN = pytest.mark.skipif(not onednn_linear_serves(torch.float32),
                                   reason="this torch build has no oneDNN linear")
-
-
-def _generator(seed):
-    return torch.Generator().manual_seed(seed)
 
 
 def _biased_moe(seed=0, **kwargs):
@@ -58,20 +56,7 @@ def dense_reference(module, x):
     logits = F.linear(x.to(weight.dtype), weight).float()
     bias = None if module.correction_bias is None else module.correction_bias.numpy()
     topk_weights, topk_ids = reference.select_experts(logits.numpy(), module.router, bias)
-    w_gate_up, w_down = module.experts.w_gate_up.double(), module.experts.w_down.double()
-    x64 = x.double()
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for k in range(topk_ids.shape[1]):
-            e = int(topk_ids[t, k])
-            h = w_gate_up[e] @ x64[t]
-            out[t] += float(topk_weights[t, k]) * (w_down[e] @ (F.silu(h[:I]) * h[I:]))
-    return out
-
-
-def rel_error(actual, expected):
-    expected = expected.double()
-    return float((actual.double() - expected).abs().max() / expected.abs().max())
+    return dense_experts(x, topk_ids, topk_weights, module.experts.w_gate_up, module.experts.w_down)
 
 
 # ------------------------------------------------------------------ dtypes a module can take

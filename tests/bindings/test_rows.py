@@ -4,43 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from helpers.reference import dense_experts
 from moeroute.bindings.torch import _rows
-from moeroute.bindings.torch.experts import (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, cpu_experts,
-                                             rows_expert_mlp)
+from moeroute.bindings.torch.experts import cpu_experts, rows_expert_mlp
 
 H, I, L = 96, 80, 6  # I and 2I not multiples of the row block, H not a multiple of 64
 
 
-def _act64(gate, up, activation):
-    if activation == "silu":
-        return F.silu(gate) * up
-    if activation == "gelu":
-        return F.gelu(gate) * up
-    if activation == "gelu_tanh":
-        return F.gelu(gate, approximate="tanh") * up
-    gate = gate.clamp(max=SWIGLUOAI_LIMIT)
-    up = up.clamp(-SWIGLUOAI_LIMIT, SWIGLUOAI_LIMIT)
-    return (up + 1) * gate * torch.sigmoid(SWIGLUOAI_ALPHA * gate)
-
-
 def _reference(x, ids, weights, w_gate_up, w_down, activation, b_gate_up=None, b_down=None):
     """sum_k w[t,k] * (W_down_e act(W_gate_up_e x_t + b) + b_down), float64 from the same values."""
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for k in range(ids.shape[1]):
-            e = int(ids[t, k])
-            if not 0 <= e < w_gate_up.shape[0]:
-                continue
-            h = w_gate_up[e].double() @ x[t].double()
-            if b_gate_up is not None:
-                h = h + b_gate_up[e].double()
-            y = w_down[e].double() @ _act64(h[:I], h[I:], activation)
-            if b_down is not None:
-                y = y + b_down[e].double()
-            out[t] += float(weights[t, k]) * y
-    return out
+    return dense_experts(x, ids, weights, w_gate_up, w_down, activation, b_gate_up, b_down)
 
 
 def _problem(tokens, top_k, dtype, seed, bias=False):

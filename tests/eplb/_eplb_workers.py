@@ -2,24 +2,20 @@
 
 Every check is computed here from plain definitions: the logical top-k picks with
 torch.topk, the weights a slot must hold from the full stacked weights, the bytes a rank
-must receive from the old and new tables. The spawning follows tests/bindings/_ep_workers.py.
+must receive from the old and new tables. helpers.gloo.spawn_group spawns them.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
-import pickle
 import time
-import traceback
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-#: Process-group timeout of the correctness runs (a loaded 2-core machine).
-PROCESS_GROUP_TIMEOUT_S = 60
+from helpers.modules import CountingMLP
+
 #: Timeout of the dead-peer run: the survivors must raise within it.
 SHORT_TIMEOUT_S = 3
 N, K, HIDDEN, INTER = 8, 2, 16, 8
@@ -27,74 +23,7 @@ N, K, HIDDEN, INTER = 8, 2, 16, 8
 TOLERANCE = 1e-6
 
 
-def _entry(rank, world_size, init_file, worker_name, payload, result_dir, timeout_s):
-    torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    result = {"ok": True}
-    try:
-        result["value"] = WORKERS[worker_name](rank, world_size, payload)
-    except BaseException:
-        result = {"ok": False, "traceback": traceback.format_exc()}
-    with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as handle:
-        pickle.dump(result, handle)
-    os._exit(0)  # no teardown: after a dead-peer run it could block on the peer
-
-
-def spawn_group(worker_name, world_size, tmp_dir, payload=None, *,
-                timeout_s=PROCESS_GROUP_TIMEOUT_S, join_timeout_s=300):
-    """Per-rank return values of ``WORKERS[worker_name]`` on ``world_size`` gloo ranks
-    (None for a rank that wrote nothing); AssertionError with the tracebacks otherwise."""
-    tmp_dir = str(tmp_dir)
-    os.makedirs(tmp_dir, exist_ok=True)
-    init_file = os.path.join(tmp_dir, f"store_{worker_name}_{world_size}_{time.monotonic_ns()}")
-    result_dir = init_file + "_results"
-    os.makedirs(result_dir)
-    context = mp.start_processes(
-        _entry, args=(world_size, init_file, worker_name, payload, result_dir, timeout_s),
-        nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + join_timeout_s
-    try:
-        # Poll the processes themselves: torch's context.join would terminate the survivors
-        # as soon as one rank exits with an error (the dead-peer run kills one on purpose).
-        while any(process.is_alive() for process in context.processes):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{worker_name} on {world_size} ranks did not finish")
-            time.sleep(0.2)
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    results, failures = [], []
-    for rank in range(world_size):
-        path = os.path.join(result_dir, f"rank{rank}.pkl")
-        if not os.path.exists(path):
-            results.append(None)
-            continue
-        with open(path, "rb") as handle:
-            result = pickle.load(handle)
-        if not result["ok"]:
-            failures.append((rank, result["traceback"]))
-        results.append(result.get("value"))
-    if failures:
-        raise AssertionError("\n".join(f"{worker_name}: rank {r} raised:\n{t}" for r, t in failures))
-    return results
-
-
 # --------------------------------------------------------------------------- the layers
-
-
-class _SharedMLP(torch.nn.Module):
-    def __init__(self, hidden, inter):
-        super().__init__()
-        self.gate_proj = torch.nn.Linear(hidden, inter, bias=False)
-        self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
-        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def build_layers(world_size, dispatch, shared, num_layers=2, record_load=True,
@@ -108,7 +37,7 @@ def build_layers(world_size, dispatch, shared, num_layers=2, record_load=True,
     redundant = -N % world_size + world_size  # P = N + redundant, a multiple of E
     for index in range(num_layers):
         torch.manual_seed(40 + index)  # identical on every rank
-        shared_mlp = _SharedMLP(HIDDEN, INTER)
+        shared_mlp = CountingMLP(HIDDEN, INTER)
         gate = torch.nn.Linear(HIDDEN, 1, bias=False)
         full = (torch.randn(N, 2 * INTER, HIDDEN) * HIDDEN ** -0.5,
                 torch.randn(N, HIDDEN, INTER) * INTER ** -0.5)
@@ -409,11 +338,3 @@ def dead_peer_worker(rank, world_size, payload):
                 table_kept=layers[0].layout.physical_to_logical.tolist() == old_table,
                 weights_kept=bool(torch.equal(layers[0].experts.w_gate_up, old_weights)),
                 pending=layers[0].pending_placement is not None)
-
-
-WORKERS = {
-    "live": live_worker,
-    "async": async_worker,
-    "disagree": disagree_worker,
-    "dead_peer": dead_peer_worker,
-}

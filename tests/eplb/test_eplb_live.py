@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from _eplb_workers import HELD_CASES, HELD_FORWARDS, TOLERANCE, spawn_group
+from _eplb_workers import HELD_CASES, HELD_FORWARDS, TOLERANCE, live_worker
+from helpers.gloo import spawn_group
 
 MODES = [f"{d}-{s}" for d in ("all2all", "allgather") for s in ("runner", "overlap", "fused")]
 
@@ -18,14 +19,15 @@ def compiled_kernels():
     """Compile the routing kernels here once, so the ranks load them from Numba's cache."""
     import torch
 
-    from _eplb_workers import N, _SharedMLP
+    from _eplb_workers import N
+    from helpers.modules import CountingMLP
     from moeroute.bindings.torch.moe import MoE
     from moeroute.config import RouterConfig
     from moeroute.eplb import rebalance
 
     rebalance([1.0] * N, N + 2, 2, previous=list(range(N)) + [0, 1])
     for shared in ("fused", "runner"):
-        module = MoE(RouterConfig(N, 2), 16, 8, _SharedMLP(16, 8), torch.nn.Linear(16, 1, bias=False),
+        module = MoE(RouterConfig(N, 2), 16, 8, CountingMLP(16, 8), torch.nn.Linear(16, 1, bias=False),
                      shared=shared, num_redundant_experts=2, record_load=True)
         with torch.no_grad():
             module(torch.randn(5, 16))
@@ -38,7 +40,7 @@ def live(tmp_path_factory):
     def get(world_size):
         if world_size not in cache:
             try:
-                cache[world_size] = spawn_group("live", world_size, tmp_path_factory.mktemp(f"live{world_size}"),
+                cache[world_size] = spawn_group(live_worker, world_size, tmp_path_factory.mktemp(f"live{world_size}"),
                                                 {"more": world_size == 2})
             except AssertionError as error:
                 cache[world_size] = error

@@ -10,17 +10,11 @@ section 2), never from the dispatcher's tables.
 
 from __future__ import annotations
 
-import datetime
-import os
-import pickle
-import time
-import traceback
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from _quant_ep_workers import SharedMLP, _randn
+from _quant_ep_workers import _randn
+from helpers.modules import CountingMLP
 from moeroute.bindings.torch import MoE
 from moeroute.bindings.torch.group import RankMismatchError
 from moeroute.config import RouterConfig
@@ -79,7 +73,7 @@ def _layers(quant, inter, dtype, dispatch, shared, q, router_weight, shared_mlp)
 
 
 def _case(rank, world_size, quant, inter, dtype, dispatch, shared):
-    shared_mlp = SharedMLP(H, inter).to(dtype)
+    shared_mlp = CountingMLP(H, inter).to(dtype)
     with torch.no_grad():
         for i, p in enumerate(shared_mlp.parameters()):
             p.copy_(_randn(*p.shape, seed=100 + i))
@@ -151,7 +145,7 @@ def _float_only_dispatcher(rank, world_size):
     return None
 
 
-def fp8_dispatch_worker(rank, world_size):
+def fp8_dispatch_worker(rank, world_size, payload=None):
     records = [_case(rank, world_size, *case) for case in CASES]
     return {"cases": records, "mismatch": _mismatch(rank, world_size),
             "float_only": _float_only_dispatcher(rank, world_size)}
@@ -159,41 +153,3 @@ def fp8_dispatch_worker(rank, world_size):
 
 #: Both ranks' whole case loop must finish within this (a loaded 2-core machine).
 JOIN_TIMEOUT_S = 300
-
-
-def _entry(rank, world_size, init_file, result_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        result = {"ok": True, "value": fp8_dispatch_worker(rank, world_size)}
-    except BaseException:
-        result = {"ok": False, "traceback": traceback.format_exc()}
-    with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as handle:
-        pickle.dump(result, handle)
-    os._exit(0)  # skip the group teardown: a failed peer could block it
-
-
-def spawn(world_size, tmp_dir):
-    """Per-rank records; AssertionError with the traceback when a rank raised."""
-    init_file = os.path.join(str(tmp_dir), "store")
-    result_dir = os.path.join(str(tmp_dir), "results")
-    os.makedirs(result_dir)
-    context = mp.start_processes(_entry, args=(world_size, init_file, result_dir), nprocs=world_size,
-                                 join=False, start_method="spawn")
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the FP8 dispatch ranks did not finish in {JOIN_TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    results = []
-    for rank in range(world_size):
-        with open(os.path.join(result_dir, f"rank{rank}.pkl"), "rb") as handle:
-            result = pickle.load(handle)
-        assert result["ok"], result["traceback"]
-        results.append(result["value"])
-    return results

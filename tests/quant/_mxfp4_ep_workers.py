@@ -7,16 +7,10 @@ with the single-process float32 reference of test_mxfp4_moe.py.
 
 from __future__ import annotations
 
-import datetime
-import os
-import pickle
-import time
-import traceback
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from helpers.reference import randn
 from moeroute.bindings.torch import MoE
 from moeroute.config import RouterConfig
 from moeroute.quant import QuantConfig, quantize_mxfp4
@@ -30,16 +24,12 @@ CASES = [("all2all", "linear", None), ("allgather", "round_robin", None),
          ("all2all", "linear", [5, 0, 3, 1, 4, 2])]
 
 
-def _randn(*shape, seed, scale=1.0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
-
-
 def weights():
     """The full packed experts, biases and router, the same on every rank."""
-    return {"gate_up": quantize_mxfp4(_randn(N, 2 * I, H, seed=1, scale=0.1)),
-            "down": quantize_mxfp4(_randn(N, H, I, seed=2, scale=0.1)),
-            "gate_up_bias": _randn(N, 2 * I, seed=3, scale=0.5), "down_bias": _randn(N, H, seed=4, scale=0.5),
-            "router_weight": _randn(N, H, seed=5), "router_bias": _randn(N, seed=6)}
+    return {"gate_up": quantize_mxfp4(randn(N, 2 * I, H, seed=1, scale=0.1)),
+            "down": quantize_mxfp4(randn(N, H, I, seed=2, scale=0.1)),
+            "gate_up_bias": randn(N, 2 * I, seed=3, scale=0.5), "down_bias": randn(N, H, seed=4, scale=0.5),
+            "router_weight": randn(N, H, seed=5), "router_bias": randn(N, seed=6)}
 
 
 def _case(rank, dispatch, placement, table, dtype):
@@ -52,7 +42,7 @@ def _case(rank, dispatch, placement, table, dtype):
         module.router_bias.copy_(w["router_bias"])
     module.load_routed_weights(w_gate_up=w["gate_up"], w_down=w["down"], gate_up_bias=w["gate_up_bias"],
                                down_bias=w["down_bias"])
-    x = _randn(T, H, seed=10 + rank).to(dtype)
+    x = randn(T, H, seed=10 + rank).to(dtype)
     with torch.no_grad():
         out = module(x)
     ids = module.routed_expert_ids()
@@ -62,43 +52,5 @@ def _case(rank, dispatch, placement, table, dtype):
             and torch.equal(module.experts.down_scale, w["down"][1][ids])}
 
 
-def worker(rank):
+def worker(rank, world_size, payload=None):
     return [_case(rank, *case, dtype) for case in CASES for dtype in (torch.float32, torch.bfloat16)]
-
-
-def _entry(rank, world_size, init_file, result_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        result = {"ok": True, "value": worker(rank)}
-    except BaseException:
-        result = {"ok": False, "traceback": traceback.format_exc()}
-    with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as handle:
-        pickle.dump(result, handle)
-    os._exit(0)
-
-
-def spawn(world_size, tmp_dir):
-    """Per-rank case lists; AssertionError with the traceback when a rank raised."""
-    init_file = os.path.join(str(tmp_dir), "store")
-    result_dir = os.path.join(str(tmp_dir), "results")
-    os.makedirs(result_dir)
-    context = mp.start_processes(_entry, args=(world_size, init_file, result_dir), nprocs=world_size,
-                                 join=False, start_method="spawn")
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the MXFP4 EP ranks did not finish in {JOIN_TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    results = []
-    for rank in range(world_size):
-        with open(os.path.join(result_dir, f"rank{rank}.pkl"), "rb") as handle:
-            result = pickle.load(handle)
-        assert result["ok"], result["traceback"]
-        results.append(result["value"])
-    return results

@@ -7,18 +7,14 @@ moeroute.quant.reference (plus the float shared MLP, once).
 
 from __future__ import annotations
 
-import datetime
-import os
-import pickle
-import time
-import traceback
+import functools
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch import nn
 
+from helpers.modules import CountingMLP
+from helpers.reference import randn
 from moeroute.bindings.torch import MoE
 from moeroute.config import RouterConfig
 from moeroute.quant import QuantConfig, quantize_experts
@@ -30,27 +26,12 @@ H, N, K, T = 256, 6, 2, 5
 JOIN_TIMEOUT_S = 400
 
 
-class SharedMLP(nn.Module):
-    def __init__(self, hidden, inter):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-        self.act_fn = nn.SiLU()
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-def _randn(*shape, seed, scale=0.1):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+_randn = functools.partial(randn, scale=0.1)
 
 
 def _case(rank, world_size, quant, inter, dispatch, shared):
     router = RouterConfig(N, K, "softmax", renormalize=True)
-    shared_mlp = SharedMLP(H, inter)
+    shared_mlp = CountingMLP(H, inter)
     with torch.no_grad():
         for i, p in enumerate(shared_mlp.parameters()):
             p.copy_(_randn(*p.shape, seed=100 + i))
@@ -83,7 +64,7 @@ def _case(rank, world_size, quant, inter, dispatch, shared):
             "shared_calls": shared_mlp.calls, "local_experts": module.routed_expert_ids()}
 
 
-def fp8_worker(rank, world_size):
+def fp8_worker(rank, world_size, payload=None):
     cases = []
     for quant, inter in ((QuantConfig("fp8_block"), 200), (QuantConfig("fp8_block", block_size=(64, 128)), 100),
                          (QuantConfig("fp8_tensor"), 100)):
@@ -91,41 +72,3 @@ def fp8_worker(rank, world_size):
             for shared in ("runner", "overlap", "fused"):
                 cases.append(_case(rank, world_size, quant, inter, dispatch, shared))
     return cases
-
-
-def _entry(rank, world_size, init_file, result_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        result = {"ok": True, "value": fp8_worker(rank, world_size)}
-    except BaseException:
-        result = {"ok": False, "traceback": traceback.format_exc()}
-    with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as handle:
-        pickle.dump(result, handle)
-    os._exit(0)
-
-
-def spawn(world_size, tmp_dir):
-    """Per-rank case lists; AssertionError with the traceback when a rank raised."""
-    init_file = os.path.join(str(tmp_dir), "store")
-    result_dir = os.path.join(str(tmp_dir), "results")
-    os.makedirs(result_dir)
-    context = mp.start_processes(_entry, args=(world_size, init_file, result_dir), nprocs=world_size,
-                                 join=False, start_method="spawn")
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    try:
-        while not context.join(timeout=1):  # False until every rank has exited
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the FP8 EP ranks did not finish in {JOIN_TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    results = []
-    for rank in range(world_size):
-        with open(os.path.join(result_dir, f"rank{rank}.pkl"), "rb") as handle:
-            result = pickle.load(handle)
-        assert result["ok"], result["traceback"]
-        results.append(result["value"])
-    return results

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _fp8_dispatch_workers import CASES, H, spawn
+from _fp8_dispatch_workers import CASES, JOIN_TIMEOUT_S, H, fp8_dispatch_worker
+from helpers.gloo import spawn_group
 from moeroute.bindings.torch import MoE
 from moeroute.config import RouterConfig
 from moeroute.quant import QuantConfig, quantize_experts
@@ -30,7 +31,8 @@ MAX_BYTES_RATIO = 0.53
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return spawn(2, tmp_path_factory.mktemp("fp8_dispatch"))
+    return spawn_group(fp8_dispatch_worker, 2, tmp_path_factory.mktemp("fp8_dispatch"),
+                       join_timeout_s=JOIN_TIMEOUT_S)
 
 
 def _records(results):

@@ -13,13 +13,16 @@ import pytest
 import torch
 
 import _mxfp4_ep_workers as workers
+from helpers.gloo import spawn_group
+from helpers.reference import dense_experts, rel_error
 from test_mxfp4_moe import RTOL, plain_dequantize
 from moeroute.routing import reference
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return workers.spawn(2, tmp_path_factory.mktemp("mxfp4_ep"))
+    return spawn_group(workers.worker, 2, tmp_path_factory.mktemp("mxfp4_ep"),
+                       join_timeout_s=workers.JOIN_TIMEOUT_S)
 
 
 @functools.cache
@@ -33,16 +36,8 @@ def _reference(x):
     x = x.double()
     logits = (x @ w["router_weight"].double().T + w["router_bias"].double()).float()
     topk_weights, topk_ids = reference.select_experts(logits.numpy(), workers.ROUTER, None)
-    out = torch.zeros_like(x)
-    inter = workers.I
-    for t in range(x.shape[0]):
-        for k in range(workers.K):
-            e = int(topk_ids[t, k])
-            gate_up = w_gate_up[e] @ x[t] + w["gate_up_bias"][e].double()
-            gate, up = gate_up[:inter].clamp(max=7.0), gate_up[inter:].clamp(-7.0, 7.0)
-            act = (up + 1) * gate * torch.sigmoid(1.702 * gate)
-            out[t] += float(topk_weights[t, k]) * (w_down[e] @ act + w["down_bias"][e].double())
-    return out
+    return dense_experts(x, topk_ids, topk_weights, w_gate_up, w_down, "swigluoai",
+                         w["gate_up_bias"], w["down_bias"])
 
 
 def test_every_case_matches_the_reference(results):
@@ -50,7 +45,7 @@ def test_every_case_matches_the_reference(results):
     assert len(cases) == 2 * len(workers.CASES) * 2
     for case in cases:
         expected = _reference(case["x"])
-        error = float((case["out"].double() - expected).abs().max() / expected.abs().max())
+        error = rel_error(case["out"], expected)
         dtype = torch.float32 if case["dtype"] == "torch.float32" else torch.bfloat16
         assert error < RTOL[dtype], (case["dispatch"], case["placement"], case["dtype"], case["rank"], error)
 

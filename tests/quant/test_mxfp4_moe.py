@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+import helpers.reference
+from helpers.reference import dense_experts, randn
 from moeroute.bindings.torch import MoE
 from moeroute.config import RouterConfig
 from moeroute.quant import QuantConfig, quantize_mxfp4
@@ -26,10 +27,6 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -
                     dtype=torch.float64)
 
 
-def _randn(*shape, seed, scale=1.0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
-
-
 def plain_dequantize(blocks, scales):
     """float64 [..., rows, cols] straight from the definition (no moeroute code)."""
     low, high = E2M1[(blocks % 16).long()], E2M1[(blocks // 16).long()]
@@ -40,9 +37,9 @@ def plain_dequantize(blocks, scales):
 
 def gpt_oss_weights(seed=0):
     """Packed experts (gate rows first) and float biases, as a checkpoint would hold them."""
-    w_gate_up, w_down = _randn(N, 2 * I, H, seed=seed, scale=0.1), _randn(N, H, I, seed=seed + 1, scale=0.1)
-    return (quantize_mxfp4(w_gate_up), quantize_mxfp4(w_down), _randn(N, 2 * I, seed=seed + 2, scale=0.5),
-            _randn(N, H, seed=seed + 3, scale=0.5))
+    w_gate_up, w_down = randn(N, 2 * I, H, seed=seed, scale=0.1), randn(N, H, I, seed=seed + 1, scale=0.1)
+    return (quantize_mxfp4(w_gate_up), quantize_mxfp4(w_down), randn(N, 2 * I, seed=seed + 2, scale=0.5),
+            randn(N, H, seed=seed + 3, scale=0.5))
 
 
 def build(gemm="auto", seed=0, **kwargs):
@@ -50,8 +47,8 @@ def build(gemm="auto", seed=0, **kwargs):
                  quant=QuantConfig("mxfp4"), gemm=gemm, **kwargs)
     gate_up, down, gate_up_bias, down_bias = weights = gpt_oss_weights(seed)
     with torch.no_grad():
-        module.router_weight.copy_(_randn(N, H, seed=seed + 4))
-        module.router_bias.copy_(_randn(N, seed=seed + 5))
+        module.router_weight.copy_(randn(N, H, seed=seed + 4))
+        module.router_bias.copy_(randn(N, seed=seed + 5))
     module.load_routed_weights(w_gate_up=gate_up, w_down=down, gate_up_bias=gate_up_bias, down_bias=down_bias)
     return module, weights
 
@@ -63,19 +60,12 @@ def reference_output(module, x, weights):
     x = x.reshape(-1, H).double()
     logits = (x @ module.router_weight.double().T + module.router_bias.double()).float()
     topk_weights, topk_ids = reference.select_experts(logits.numpy(), module.router, None)
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for k in range(K):
-            e = int(topk_ids[t, k])
-            gate_up = w_gate_up[e] @ x[t] + gate_up_bias[e].double()
-            gate, up = gate_up[:I].clamp(max=7.0), gate_up[I:].clamp(-7.0, 7.0)
-            act = (up + 1) * gate * torch.sigmoid(1.702 * gate)
-            out[t] += float(topk_weights[t, k]) * (w_down[e] @ act + down_bias[e].double())
-    return out
+    return dense_experts(x, topk_ids, topk_weights, w_gate_up, w_down, "swigluoai", gate_up_bias, down_bias)
 
 
 def rel_error(actual, expected):
-    return float((actual.double().reshape(expected.shape) - expected).abs().max() / expected.abs().max())
+    """helpers.reference.rel_error of the output flattened to the reference's [T, H]."""
+    return helpers.reference.rel_error(actual.reshape(expected.shape), expected)
 
 
 @pytest.mark.parametrize("gemm", ["rows", "blocks", "auto"])
@@ -83,7 +73,7 @@ def rel_error(actual, expected):
 @pytest.mark.parametrize("shape", [(12, H), (2, 5, H)])
 def test_matches_float32_reference(gemm, dtype, shape):
     module, weights = build(gemm)
-    x = _randn(*shape, seed=99).to(dtype)
+    x = randn(*shape, seed=99).to(dtype)
     with torch.no_grad():
         out = module(x)
     assert out.dtype == dtype and out.shape == x.shape
@@ -93,7 +83,7 @@ def test_matches_float32_reference(gemm, dtype, shape):
 def test_prefill_sized_batch_uses_blocks_and_matches():
     # 96 tokens x 2 over 8 experts: 24 rows per expert, past the "rows" strategy's limit.
     module, weights = build("auto")
-    x = _randn(96, H, seed=7)
+    x = randn(96, H, seed=7)
     with torch.no_grad():
         out = module(x)
     assert rel_error(out, reference_output(module, x, weights)) < RTOL[torch.float32]
@@ -118,7 +108,7 @@ def test_load_errors_are_clear():
     module = MoE(ROUTER, H, I, activation="swigluoai", expert_bias=True, quant=QuantConfig("mxfp4"))
     gate_up, down, _, _ = gpt_oss_weights()
     with pytest.raises(ValueError, match="w_gate_up is a torch.float32 tensor.*quantize_mxfp4"):
-        module.load_routed_weights(_randn(N, 2 * I, H, seed=0), down)
+        module.load_routed_weights(randn(N, 2 * I, H, seed=0), down)
     bad_scales = gate_up[1].clone()
     bad_scales[3, 5, 1] = 255
     with pytest.raises(ValueError, match=r"w_gate_up scales\[3, 5, 1\] is 255"):
@@ -146,7 +136,7 @@ def test_expert_parallel_slice_keeps_only_local_bytes():
     assert torch.equal(module.experts.gate_up_scale[:len(ids)], gu_scales[ids])
     assert torch.equal(module.experts.w_down[:len(ids)], d_blocks[ids])
     assert torch.equal(module.experts.b_gate_up[:len(ids)], gate_up_bias[ids])
-    x = _randn(10, H, seed=3)
+    x = randn(10, H, seed=3)
     with torch.no_grad():
         out = module(x)
     assert rel_error(out, reference_output(module, x, weights)) < RTOL[torch.float32]
@@ -156,7 +146,7 @@ def test_expert_parallel_slice_keeps_only_local_bytes():
 def test_cuda_blocks_match_reference():
     module, weights = build("auto")
     module = module.cuda()
-    x = _randn(12, H, seed=99)
+    x = randn(12, H, seed=99)
     with torch.no_grad():
         out = module(x.cuda()).cpu()
     assert rel_error(out, reference_output(module.cpu(), x, weights)) < 1e-3
@@ -167,7 +157,7 @@ def test_state_dict_round_trip():
     fresh = MoE(ROUTER, H, I, activation="swigluoai", expert_bias=True, router_bias=True,
                 quant=QuantConfig("mxfp4"))
     fresh.load_state_dict(module.state_dict())
-    x = _randn(6, H, seed=8)
+    x = randn(6, H, seed=8)
     with torch.no_grad():
         assert torch.equal(fresh(x), module(x))
     assert torch.equal(fresh.experts.w_down, weights[1][0])

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import pytest
 
-from _quant_ep_workers import N, spawn
+from _quant_ep_workers import JOIN_TIMEOUT_S, N, fp8_worker
+from helpers.gloo import spawn_group
 
 RTOL = 2e-2
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return spawn(2, tmp_path_factory.mktemp("fp8_ep"))
+    return spawn_group(fp8_worker, 2, tmp_path_factory.mktemp("fp8_ep"), join_timeout_s=JOIN_TIMEOUT_S)
 
 
 def test_every_case_matches_the_reference(results):

@@ -7,6 +7,7 @@ w8a8 reference.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -16,6 +17,8 @@ import pytest
 import torch
 from torch import nn
 
+from helpers.modules import CountingMLP
+from helpers.reference import randn
 from moeroute.bindings.torch import MoE, load_experts, replace_moe_blocks
 from moeroute.config import RouterConfig
 from moeroute.quant import QuantConfig, quantize_experts, quantize_fp8_block
@@ -30,8 +33,7 @@ ROUTER = RouterConfig(N, K, "softmax", renormalize=True)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _randn(*shape, seed, scale=0.1):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+_randn = functools.partial(randn, scale=0.1)
 
 
 def _experts(seed=0, quant=QUANT, inter=I):
@@ -67,18 +69,6 @@ def _assert_holds(module, expected, ids):
     assert torch.equal(experts.gate_up_scale[:n], s_gu[index]) and torch.equal(experts.down_scale[:n], s_d[index])
 
 
-class SharedMLP(nn.Module):
-    def __init__(self, hidden, inter):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-        self.act_fn = nn.SiLU()
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
 def test_load_state_dict_deepseek_per_expert_keys():
     expected = _experts()
     module = MoE(ROUTER, H, I, quant=QUANT)
@@ -108,7 +98,7 @@ def test_load_state_dict_replicas_take_their_logical_experts():
 @pytest.mark.parametrize("shared_fp8", [False, True])
 def test_fused_shared_slots_from_state_dict(shared_fp8):
     expected = _experts(seed=3)
-    shared = SharedMLP(H, I)
+    shared = CountingMLP(H, I)
     module = MoE(ROUTER, H, I, shared_experts=shared, shared="fused", quant=QUANT)
     gate, up, down = (_randn(I, H, seed=10), _randn(I, H, seed=11), _randn(H, I, seed=12))
     state = per_expert_state("", *expected)
@@ -318,7 +308,7 @@ def test_from_hf_fp8_layer_state_dict_round_trips():
     layer = model.model.layers[1].mlp
     state = layer.state_dict()
     assert state["experts.w_gate_up"].dtype == torch.float8_e4m3fn and "experts.gate_up_scale" in state
-    copy = MoE(layer.router, H, I, shared_experts=SharedMLP(H, I), shared="runner", quant=QUANT,
+    copy = MoE(layer.router, H, I, shared_experts=CountingMLP(H, I), shared="runner", quant=QUANT,
                correction_bias=True)
     copy.load_state_dict(state)
     _assert_holds(copy, (state["experts.w_gate_up"], state["experts.gate_up_scale"], state["experts.w_down"],

@@ -14,6 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers.modules import CountingMLP
+from helpers.reference import randn as _randn
+from helpers.reference import rel_error
 from moeroute.bindings.torch import MoE
 from moeroute.bindings.torch.fp8_experts import fp8_experts_forward
 from moeroute.config import RouterConfig
@@ -33,26 +36,6 @@ FORMATS = {
     "block_ue8m0": QuantConfig("fp8_block", scale_fmt="ue8m0"),
     "tensor": QuantConfig("fp8_tensor"),
 }
-
-
-class CountingMLP(nn.Module):
-    """A transformers-style gated shared MLP that counts its calls."""
-
-    def __init__(self, hidden, inter):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-        self.act_fn = nn.SiLU()
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-def _randn(*shape, seed, scale=1.0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
 
 
 def build(quant, inter, shared="runner", num_shared=1, gated=True, dtype=torch.float32, seed=0):
@@ -113,10 +96,6 @@ def reference_output(module, x, quantized, shared_mlp, gate, dtype, shared_times
         s = (F.silu(x64 @ shared_mlp.gate_proj.weight.double().T) * (x64 @ shared_mlp.up_proj.weight.double().T))
         shared = (g * (s @ shared_mlp.down_proj.weight.double().T)).float()
     return routed + shared_times * shared
-
-
-def rel_error(actual, expected):
-    return float((actual.float() - expected).abs().max() / expected.abs().max())
 
 
 # Every (format x shared mode); the (I, activation dtype) pairs rotate over the shared modes so

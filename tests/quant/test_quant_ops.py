@@ -3,9 +3,12 @@ opcheck (schema, fake kernel, AOT dispatch), and an FP8 layer under torch.compil
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
+from helpers.reference import randn
 from moeroute.bindings.torch import MoE, ops
 from moeroute.config import RouterConfig
 from moeroute.quant import QuantConfig, quantize_experts
@@ -14,8 +17,7 @@ from moeroute.quant.reference import moe_experts_reference
 H, I, L, T, K = 128, 80, 4, 6, 2
 
 
-def _randn(*shape, seed, scale=0.1):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+_randn = functools.partial(randn, scale=0.1)
 
 
 def _args(quant):

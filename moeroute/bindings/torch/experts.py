@@ -50,7 +50,7 @@ from moeroute.routing.combine import accumulate_checked
 
 __all__ = ["LocalExperts", "ACTIVATIONS", "SUPPORTED_DTYPES", "GEMM_STRATEGIES", "LINEAR_BACKENDS",
            "check_dtype", "choose_gemm", "cpu_experts", "onednn_linear_serves", "rows_bound", "rows_expert_mlp",
-           "expert_mlp", "streamed_expert_mlp", "padded_expert_mlp", "grouped_expert_mlp", "apply_activation",
+           "expert_mlp", "streamed_expert_mlp", "padded_expert_mlp", "apply_activation",
            "gated_activation", "SWIGLUOAI_ALPHA", "SWIGLUOAI_LIMIT"]
 
 #: Activation dtypes the expert compute serves (docs/semantics.md section 5).
@@ -504,28 +504,6 @@ def padded_expert_mlp(
     if b_down is not None:
         out += b_down[:, None, :]
     return out.view(num_experts * width, hidden).index_select(0, position)
-
-
-def grouped_expert_mlp(
-    hidden_sorted: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    activation: str = "silu",
-) -> torch.Tensor:
-    """`expert_mlp` through ``torch._grouped_mm`` (one call per projection).
-
-    Same parameters and result as `expert_mlp`, with ``expert_offsets`` a tensor
-    [L + 1] (int32). Raises AttributeError on torch builds without ``torch._grouped_mm``.
-    """
-    rows, hidden = hidden_sorted.shape
-    inter = w_down.shape[2]
-    if rows == 0:
-        return hidden_sorted.new_empty((0, hidden))
-    ends = expert_offsets[1:].to(torch.int32)
-    gate_up = torch._grouped_mm(hidden_sorted, w_gate_up.transpose(-2, -1), offs=ends)
-    act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
-    return torch._grouped_mm(act, w_down.transpose(-2, -1), offs=ends)
 
 
 def _check_adopted_weights(weights, num_local_experts, hidden_size, intermediate_size):
