@@ -21,6 +21,7 @@ import pytest
 from moeroute import ExpertLayout, RouterConfig, route
 from moeroute.routing._arrays import simulator_enabled
 from _simulator import run_simulator_suite  # noqa: E402
+from helpers.reference import dense_experts  # noqa: E402
 
 SIMULATED = simulator_enabled()
 sim_only = pytest.mark.skipif(not SIMULATED, reason="runs inside the CUDA simulator subprocess")
@@ -90,12 +91,7 @@ def test_one_rank_forward_routes_once(monkeypatch, shared):
     s = shared_mlp
     want = (torch.nn.functional.silu(x64 @ s.gate_proj.weight.double().T) * (x64 @ s.up_proj.weight.double().T)
             ) @ s.down_proj.weight.double().T
-    for t in range(T):
-        for k in range(K):
-            e = int(top_ids[t, k])
-            gate_up = w_gate_up[e].double() @ x64[t]
-            act = torch.nn.functional.silu(gate_up[:I]) * gate_up[I:]
-            want[t] += top_w[t, k] * (w_down[e].double() @ act)
+    want += dense_experts(x, top_ids, top_w, w_gate_up, w_down)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
 
 
