@@ -1,11 +1,21 @@
-"""Numba CPU kernels of the MXFP4 (w4a16) expert GEMMs: decode one weight row at a time, in cache.
+"""Numba CPU kernels of the MXFP4 (w4a16) expert GEMMs: the nibbles decoded in registers.
 
-A weight row is decoded 32 values at a time: the block's scale byte gives 2 ** (s - 127),
-which scales the 16 e2m1 values into a small table, and each byte's two nibbles index it
-(low nibble the even element). The decoded row (float32, cache-resident) is then dotted
-with every activation row the expert serves, so memory reads about half a byte per weight
-whatever the row count. The values are exact in float32 and in bfloat16 (an e2m1 value
-times a power of two), so the bfloat16 decode is the float32 bits' upper half.
+The row kernels (`gate_up_rows`, `down_rows` and their serial forms) read each packed weight
+row once and dot it with up to four activation rows per pass, decoding 32 values per scale
+byte on the fly. The activation rows are first split per block of 32 into their even and
+odd elements (`split_blocks`: ``[x0, x2, .., x30, x1, x3, .., x31]``), so the low nibbles of
+a block's 16 bytes pair with 16 contiguous even values and the high nibbles with 16 odd
+ones; the block scale 2 ** (s - 127) multiplies the block's partial dot once, not each
+value. Sums are float32; only their order differs from the definition's.
+
+On x86 with AVX2 and FMA (`SIMD`) the block dot is LLVM vector code: a nibble's low three
+bits index the eight e2m1 magnitudes with one ``vpermps`` (an in-register table), its sign
+bit is moved into the float's sign by a shift and an xor, and eight values at a time are
+multiplied into the rows' accumulators. Elsewhere the same kernels use a plain Numba loop
+(`dots_portable`), which the tests compare with the SIMD block dot (`dots_simd`).
+
+The prefill decode (`dequantize_rows`, `dequantize_rows_bf16`) writes whole float rows for
+BLAS GEMMs: per block, a 16-entry table scaled by its byte, indexed by the nibbles.
 
 Arrays are NumPy: blocks uint8 [L, R, G, 16], scales uint8 [L, R, G] (G = cols / 32),
 activations and sums float32.
@@ -15,16 +25,242 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import binding as llvm_binding
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
-from moeroute.quant.mxfp4 import E2M1_VALUES, SCALE_BIAS
+from moeroute.quant.mxfp4 import E2M1_VALUES, MXFP4_BLOCK, SCALE_BIAS
 
-__all__ = ["gate_up_rows", "down_rows", "dequantize_rows", "dequantize_rows_bf16"]
+__all__ = ["SIMD", "ROW_BLOCK", "split_blocks", "gate_up_rows", "gate_up_rows_serial", "down_rows",
+           "down_rows_serial", "dots_simd", "dots_portable", "dequantize_rows", "dequantize_rows_bf16"]
 
 _E2M1 = np.array(E2M1_VALUES, dtype=np.float32)
 #: 2 ** (s - 127) for every scale byte (255, e8m0's NaN, is refused at load).
 _SCALES = np.array([2.0 ** (s - SCALE_BIAS) for s in range(255)] + [np.nan], dtype=np.float32)
-#: Weight rows per parallel work item (one decoded row buffer each).
-ROWS_PER_ITEM = 64
+#: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
+ROW_BLOCK = 64
+#: Activation rows dotted per pass over a weight row (one decode serves them all; four rows
+#: keep 4 accumulators, 2 decoded vectors and the table within the 16 AVX2 registers).
+_ROW_TILE = 4
+#: Bytes per block (32 nibbles) and even values per block.
+_BLOCK_BYTES = MXFP4_BLOCK // 2
+
+
+def _host_simd() -> bool:
+    """AVX2 + FMA on the host, and Numba compiling for the host CPU (the vector code's target)."""
+    features = llvm_binding.get_host_cpu_features()
+    cpu_name = numba.config.CPU_NAME
+    return (features.get("avx2", False) and features.get("fma", False)
+            and (cpu_name is None or cpu_name == "host"))
+
+
+#: Whether the row kernels use the AVX2 block dot (else the portable loop).
+SIMD = _host_simd()
+
+
+@numba.njit(fastmath=True, cache=True)
+def split_blocks(x, out):
+    """out[t] = x[t] with each block of 32 reordered as its 16 even then its 16 odd elements.
+
+    x, out [T, C] float32 (C a multiple of 32).
+    """
+    for t in range(x.shape[0]):
+        row, target = x[t], out[t]
+        for base in range(0, x.shape[1], MXFP4_BLOCK):
+            for j in range(_BLOCK_BYTES):
+                target[base + j] = row[base + 2 * j]
+                target[base + _BLOCK_BYTES + j] = row[base + 2 * j + 1]
+
+
+#: The e2m1 magnitudes' float32 bits, entry m xor-ed with m << 28: the nibble's own bits,
+#: shifted to the top and xor-ed in, then cancel everything but its sign bit (bit 31).
+_SIMD_TABLE = [int(np.float32(value).view(np.int32)) ^ (m << 28) for m, value in enumerate(E2M1_VALUES[:8])]
+#: The float32 bits of 2 ** -127 (scale byte 0, a subnormal); other bytes s are s << 23.
+_SCALE_ZERO_BITS = 0x00400000
+
+
+@intrinsic
+def _block_dots_simd(typingctx, blocks_row, scales_row, xs, rows):
+    """(W . xs[rows[0]], ..) for one packed weight row W (blocks_row [G, 16], scales_row
+    [G]) and 1 to 4 rows of ``xs`` [*, G*32] (float32, `split_blocks` order): AVX2 code."""
+    if not (isinstance(rows, types.UniTuple) and 1 <= rows.count <= _ROW_TILE
+            and all(isinstance(a, types.Array) and a.layout == "C" for a in (blocks_row, scales_row, xs))):
+        return None
+    count = rows.count
+
+    def codegen(context, builder, signature, args):
+        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+        v16i8, v8i8, v8i32, v8f = ir.VectorType(i8, 16), ir.VectorType(i8, 8), ir.VectorType(i32, 8), ir.VectorType(f32, 8)
+        blocks = context.make_array(signature.args[0])(context, builder, args[0])
+        scales = context.make_array(signature.args[1])(context, builder, args[1])
+        xs_array = context.make_array(signature.args[2])(context, builder, args[2])
+        groups = builder.extract_value(blocks.shape, 0)
+        width = builder.extract_value(xs_array.shape, 1)
+        block_ptr = builder.bitcast(blocks.data, v16i8.as_pointer())
+        x_ptrs = [builder.bitcast(builder.gep(xs_array.data, [builder.mul(row, width)]), v8f.as_pointer())
+                  for row in cgutils.unpack_tuple(builder, args[3], count)]
+        permps = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f, [v8f, v8i32]),
+                                                "llvm.x86.avx2.permps")
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f, [v8f, v8f, v8f]),
+                                             "llvm.fma.v8f32")
+        table = builder.bitcast(ir.Constant(v8i32, _SIMD_TABLE), v8f)
+        four, sign_shift = ir.Constant(v8i32, [4] * 8), ir.Constant(v8i32, [28] * 8)
+        zero = ir.Constant(v8f, [0.0] * 8)
+        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(count)]
+        with cgutils.for_range(builder, groups) as loop:
+            g = loop.index
+            block = builder.load(builder.gep(block_ptr, [g]), align=1)
+            byte = builder.zext(builder.load(builder.gep(scales.data, [g])), i32)
+            bits = builder.select(builder.icmp_unsigned("==", byte, ir.Constant(i32, 0)),
+                                  ir.Constant(i32, _SCALE_ZERO_BITS), builder.shl(byte, ir.Constant(i32, 23)))
+            scale = builder.insert_element(ir.Constant(v8f, ir.Undefined), builder.bitcast(bits, f32),
+                                           ir.Constant(i32, 0))
+            scale = builder.shuffle_vector(scale, ir.Constant(v8f, ir.Undefined), ir.Constant(v8i32, [0] * 8))
+            values = []  # (low nibbles, high nibbles) of bytes 0-7, then of bytes 8-15
+            for half in range(2):
+                part = builder.shuffle_vector(block, ir.Constant(v16i8, ir.Undefined),
+                                              ir.Constant(v8i32, list(range(8 * half, 8 * half + 8))))
+                low = builder.zext(part, v8i32)  # vpermps reads an index's low 3 bits: the low magnitude
+                high = builder.lshr(low, four)
+                for nibble in (low, high):
+                    magnitude = builder.bitcast(builder.call(permps, [table, nibble]), v8i32)
+                    values.append(builder.bitcast(builder.xor(magnitude, builder.shl(nibble, sign_shift)), v8f))
+            base = builder.mul(g, ir.Constant(g.type, 4))  # a block's 32 floats are 4 vectors
+            for r in range(count):
+                # even elements 0-7, 8-15 at vectors 0, 1; odd elements at 2, 3
+                loads = [builder.load(builder.gep(x_ptrs[r], [builder.add(base, ir.Constant(g.type, k))]), align=4)
+                         for k in range(4)]
+                partial = builder.fmul(values[0], loads[0])
+                partial = builder.call(fma, [values[1], loads[2], partial])
+                partial = builder.call(fma, [values[2], loads[1], partial])
+                partial = builder.call(fma, [values[3], loads[3], partial])
+                builder.store(builder.call(fma, [partial, scale, builder.load(accs[r])]), accs[r])
+        sums = []
+        for r in range(count):
+            acc = builder.load(accs[r])
+            lanes = [builder.extract_element(acc, ir.Constant(i32, k)) for k in range(8)]
+            while len(lanes) > 1:
+                lanes = [builder.fadd(lanes[k], lanes[k + 1]) for k in range(0, len(lanes), 2)]
+            sums.append(lanes[0])
+        return context.make_tuple(builder, signature.return_type, sums)
+
+    return types.UniTuple(types.float32, count)(blocks_row, scales_row, xs, rows), codegen
+
+
+@numba.njit(fastmath=True)
+def dots_simd(blocks_row, scales_row, xs, rows, out):
+    """out[i] = W . xs[rows[i]] for a tuple of 1 to 4 ``rows``: `split_blocks` activations
+    [*, G*32] float32, a packed row blocks_row [G, 16] / scales_row [G] uint8. AVX2 + FMA."""
+    sums = _block_dots_simd(blocks_row, scales_row, xs, rows)
+    for i in range(len(rows)):
+        out[i] = sums[i]
+
+
+@numba.njit(fastmath=True)
+def dots_portable(blocks_row, scales_row, xs, rows, out):
+    """`dots_simd` as a plain loop (a table lookup per nibble), for any CPU."""
+    for i in range(len(rows)):
+        x = xs[rows[i]]
+        acc = np.float32(0.0)
+        for g in range(blocks_row.shape[0]):
+            base = g * MXFP4_BLOCK
+            partial = np.float32(0.0)
+            for j in range(_BLOCK_BYTES):
+                byte = blocks_row[g, j]
+                partial += _E2M1[byte & 0x0F] * x[base + j] + _E2M1[byte >> 4] * x[base + _BLOCK_BYTES + j]
+            acc += _SCALES[scales_row[g]] * partial
+        out[i] = acc
+
+
+_dots = dots_simd if SIMD else dots_portable
+
+
+@numba.njit(fastmath=True)
+def _row_tile(blocks_row, scales_row, xs, index, m, stop, tile):
+    """tile[i] = W . xs[index[m + i]] for up to `_ROW_TILE` rows from m; returns how many."""
+    count = min(_ROW_TILE, stop - m)
+    if count == 4:
+        _dots(blocks_row, scales_row, xs, (index[m], index[m + 1], index[m + 2], index[m + 3]), tile)
+    elif count == 3:
+        _dots(blocks_row, scales_row, xs, (index[m], index[m + 1], index[m + 2]), tile)
+    elif count == 2:
+        _dots(blocks_row, scales_row, xs, (index[m], index[m + 1]), tile)
+    else:
+        _dots(blocks_row, scales_row, xs, (index[m],), tile)
+    return count
+
+
+@numba.njit(fastmath=True)
+def _gate_up_item(xs, tokens, offsets, e, b, blocks, scales, bias, out):
+    """Block ``b`` of expert ``e``'s gate_up rows for all its sorted rows (`gate_up_rows`)."""
+    tile = np.empty(_ROW_TILE, np.float32)
+    start, stop = offsets[e], offsets[e + 1]
+    for n in range(b * ROW_BLOCK, min(blocks.shape[1], (b + 1) * ROW_BLOCK)):
+        add = bias[e, n] if bias.shape[0] > 0 else np.float32(0.0)
+        blocks_row, scales_row = blocks[e, n], scales[e, n]
+        for m in range(start, stop, _ROW_TILE):
+            count = _row_tile(blocks_row, scales_row, xs, tokens, m, stop, tile)
+            for i in range(count):
+                out[m + i, n] = tile[i] + add
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def gate_up_rows(xs, tokens, offsets, work, blocks, scales, bias, out):
+    """out[m, n] = xs[tokens[m]] . W_e[n] (+ bias[e, n]) for each expert e's sorted rows m.
+
+    xs [T, H] float32 in `split_blocks` order, tokens [M] int64, offsets [L + 1] int64, work
+    [W, 2] int64 (expert, block of `ROW_BLOCK` weight rows), blocks [L, 2I, H/32, 16] uint8,
+    scales [L, 2I, H/32] uint8, bias [L, 2I] float32 or [0, 0] (none), out [M, 2I] float32.
+    """
+    for item in numba.prange(work.shape[0]):
+        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], blocks, scales, bias, out)
+
+
+@numba.njit(fastmath=True, cache=True)
+def gate_up_rows_serial(xs, tokens, offsets, work, blocks, scales, bias, out):
+    """`gate_up_rows` on the calling thread (no parallel region to start: one thread)."""
+    for item in range(work.shape[0]):
+        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], blocks, scales, bias, out)
+
+
+@numba.njit(fastmath=True)
+def _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, b):
+    """Output columns of block ``b`` over every hit expert (`down_rows`)."""
+    index = np.arange(acts.shape[0])
+    tile = np.empty(_ROW_TILE, np.float32)
+    first, last = b * ROW_BLOCK, min(blocks.shape[1], (b + 1) * ROW_BLOCK)
+    for i in range(experts.shape[0]):
+        e = experts[i]
+        start, stop = offsets[e], offsets[e + 1]
+        for n in range(first, last):
+            add = bias[e, n] if bias.shape[0] > 0 else np.float32(0.0)
+            blocks_row, scales_row = blocks[e, n], scales[e, n]
+            for m in range(start, stop, _ROW_TILE):
+                count = _row_tile(blocks_row, scales_row, acts, index, m, stop, tile)
+                for j in range(count):
+                    sums[tokens[m + j], n] += slot_weights[m + j] * (tile[j] + add)
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def down_rows(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums):
+    """sums[tokens[m], n] += slot_weights[m] * (acts[m] . W_e[n] (+ bias[e, n])).
+
+    The second GEMM and the combine. Threads split the output columns (blocks of
+    `ROW_BLOCK`), so each sum has one writer, and experts are added in ``experts`` order
+    (deterministic). acts [M, I] float32 in `split_blocks` order, experts [E'] int64 (the
+    hit experts), blocks [L, H, I/32, 16], scales [L, H, I/32], bias [L, H] float32 or
+    [0, 0], sums [T, H] float32.
+    """
+    for b in numba.prange((blocks.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
+        _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, b)
+
+
+@numba.njit(fastmath=True, cache=True)
+def down_rows_serial(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums):
+    """`down_rows` on the calling thread."""
+    for b in range((blocks.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
+        _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, b)
 
 
 @numba.njit(fastmath=True)
@@ -40,86 +276,6 @@ def _decode_row(blocks_row, scales_row, table, w):
             byte = block[j]
             w[base + 2 * j] = table[byte & 0x0F]
             w[base + 2 * j + 1] = table[byte >> 4]
-
-
-@numba.njit(fastmath=True)
-def _dot(w, x):
-    acc = np.float32(0.0)
-    for k in range(w.shape[0]):
-        acc += w[k] * x[k]
-    return acc
-
-
-@numba.njit(fastmath=True)
-def _dot4(w, x0, x1, x2, x3, out):
-    """`_dot` of four activation rows at once (w read once for the four)."""
-    a0 = a1 = a2 = a3 = np.float32(0.0)
-    for k in range(w.shape[0]):
-        wk = w[k]
-        a0 += wk * x0[k]
-        a1 += wk * x1[k]
-        a2 += wk * x2[k]
-        a3 += wk * x3[k]
-    out[0], out[1], out[2], out[3] = a0, a1, a2, a3
-
-
-#: Activation rows dotted per pass over a decoded weight row (`_dot4`).
-_ROW_TILE = 4
-
-
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def gate_up_rows(xs, tokens, offsets, work, blocks, scales, rows_per_item, out):
-    """out[m, n] = xs[tokens[m]] . W_e[n] for each expert e's sorted rows m (first GEMM).
-
-    xs [T, H] float32, tokens [M] int64, offsets [L + 1] int64, work [W, 2] int64 (expert,
-    chunk of ``rows_per_item`` weight rows), blocks [L, 2I, H/32, 16] uint8, scales
-    [L, 2I, H/32] uint8, out [M, 2I] float32.
-    """
-    hidden = xs.shape[1]
-    total_rows = blocks.shape[1]
-    for item in numba.prange(work.shape[0]):
-        e, c = work[item, 0], work[item, 1]
-        w = np.empty(hidden, np.float32)
-        table = np.empty(16, np.float32)
-        tile = np.empty(_ROW_TILE, np.float32)
-        start, stop = offsets[e], offsets[e + 1]
-        tiled = start + (stop - start) // _ROW_TILE * _ROW_TILE
-        for n in range(c * rows_per_item, min(total_rows, (c + 1) * rows_per_item)):
-            _decode_row(blocks[e, n], scales[e, n], table, w)
-            for m in range(start, tiled, _ROW_TILE):
-                _dot4(w, xs[tokens[m]], xs[tokens[m + 1]], xs[tokens[m + 2]], xs[tokens[m + 3]], tile)
-                for i in range(_ROW_TILE):
-                    out[m + i, n] = tile[i]
-            for m in range(tiled, stop):
-                out[m, n] = _dot(w, xs[tokens[m]])
-
-
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def down_rows(acts, tokens, slot_weights, offsets, experts, blocks, scales, rows_per_item, sums):
-    """sums[tokens[m], n] += slot_weights[m] * (acts[m] . W_e[n]) (second GEMM + combine).
-
-    Threads split the output columns (chunks of W_down rows), so each sum has one writer,
-    and experts are added in ``experts`` order (deterministic). acts [M, I] float32,
-    experts [E'] int64 (hit experts), blocks [L, H, I/32, 16], scales [L, H, I/32], sums
-    [T, H] float32.
-    """
-    hidden, inter = blocks.shape[1], blocks.shape[2] * 32
-    for c in numba.prange((hidden + rows_per_item - 1) // rows_per_item):
-        w = np.empty(inter, np.float32)
-        table = np.empty(16, np.float32)
-        tile = np.empty(_ROW_TILE, np.float32)
-        for i in range(experts.shape[0]):
-            e = experts[i]
-            start, stop = offsets[e], offsets[e + 1]
-            tiled = start + (stop - start) // _ROW_TILE * _ROW_TILE
-            for n in range(c * rows_per_item, min(hidden, (c + 1) * rows_per_item)):
-                _decode_row(blocks[e, n], scales[e, n], table, w)
-                for m in range(start, tiled, _ROW_TILE):
-                    _dot4(w, acts[m], acts[m + 1], acts[m + 2], acts[m + 3], tile)
-                    for j in range(_ROW_TILE):
-                        sums[tokens[m + j], n] += slot_weights[m + j] * tile[j]
-                for m in range(tiled, stop):
-                    sums[tokens[m], n] += slot_weights[m] * _dot(w, acts[m])
 
 
 # Serial on purpose, as the FP8 decode: it runs between torch GEMMs, next to torch's threads.
