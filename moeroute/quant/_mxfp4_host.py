@@ -8,11 +8,12 @@ a block's 16 bytes pair with 16 contiguous even values and the high nibbles with
 ones; the block scale 2 ** (s - 127) multiplies the block's partial dot once, not each
 value. Sums are float32; only their order differs from the definition's.
 
-On x86 with AVX2 and FMA (`SIMD`) the block dot is LLVM vector code: a nibble's low three
-bits index the eight e2m1 magnitudes with one ``vpermps`` (an in-register table), its sign
-bit is moved into the float's sign by a shift and an xor, and eight values at a time are
-multiplied into the rows' accumulators. Elsewhere the same kernels use a plain Numba loop
-(`dots_portable`), which the tests compare with the SIMD block dot (`dots_simd`).
+On x86 with AVX2, FMA and F16C (`SIMD`) the block dot is LLVM vector code, two blocks per
+step: one ``pshufb`` looks up sixteen codes' float16 high bytes (every e2m1 value is a
+float16 whose low byte is zero, sign included), ``vcvtph2ps`` widens eight at a time to
+float32, exactly, and they are multiplied into the rows' accumulators. Elsewhere the same
+kernels use a plain Numba loop (`dots_portable`), which the tests compare with the vector
+block dot (`dots_simd`) and with the definition.
 
 The prefill decode (`dequantize_rows`, `dequantize_rows_bf16`) writes whole float rows for
 BLAS GEMMs: per block, a 16-entry table scaled by its byte, indexed by the nibbles.
@@ -40,18 +41,18 @@ _E2M1 = np.array(E2M1_VALUES, dtype=np.float32)
 _SCALES = np.array([2.0 ** (s - SCALE_BIAS) for s in range(255)] + [np.nan], dtype=np.float32)
 #: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
 ROW_BLOCK = 64
-#: Activation rows dotted per pass over a weight row (one decode serves them all; four rows
-#: keep 4 accumulators, 2 decoded vectors and the table within the 16 AVX2 registers).
+#: Activation rows dotted per pass over a weight row: one decode serves them all (four rows
+#: by two unrolled blocks is 8 accumulators, within the 16 AVX2 registers with the decode's).
 _ROW_TILE = 4
 #: Bytes per block (32 nibbles) and even values per block.
 _BLOCK_BYTES = MXFP4_BLOCK // 2
 
 
 def _host_simd() -> bool:
-    """AVX2 + FMA on the host, and Numba compiling for the host CPU (the vector code's target)."""
+    """AVX2, FMA and F16C on the host, and Numba compiling for the host CPU (the vector code's target)."""
     features = llvm_binding.get_host_cpu_features()
     cpu_name = numba.config.CPU_NAME
-    return (features.get("avx2", False) and features.get("fma", False)
+    return (features.get("avx2", False) and features.get("fma", False) and features.get("f16c", False)
             and (cpu_name is None or cpu_name == "host"))
 
 
@@ -73,17 +74,45 @@ def split_blocks(x, out):
                 target[base + _BLOCK_BYTES + j] = row[base + 2 * j + 1]
 
 
-#: The e2m1 magnitudes' float32 bits, entry m xor-ed with m << 28: the nibble's own bits,
-#: shifted to the top and xor-ed in, then cancel everything but its sign bit (bit 31).
-_SIMD_TABLE = [int(np.float32(value).view(np.int32)) ^ (m << 28) for m, value in enumerate(E2M1_VALUES[:8])]
-#: The float32 bits of 2 ** -127 (scale byte 0, a subnormal); other bytes s are s << 23.
-_SCALE_ZERO_BITS = 0x00400000
+#: The high byte of each e2m1 value as float16, by 4-bit code: every e2m1 value is a float16
+#: whose low byte is zero.
+_F16_HIGH_BYTES = [int(np.float16(value).view(np.uint16)) >> 8 for value in E2M1_VALUES]
+#: Blocks per loop step of the vector code: two blocks' chains of multiply-adds overlap.
+_UNROLL = 2
+
+
+def _decode_block(builder, block):
+    """A block's 16 bytes (<16 x i8>) -> four <8 x float>: the low nibbles of bytes 0-7 (the
+    even elements 0-14), their high nibbles (odd 1-15), then the same of bytes 8-15.
+
+    ``pshufb`` looks up each code's float16 high byte, interleaving with zero bytes makes
+    the float16 values and ``vcvtph2ps`` widens them to float32, exactly.
+    """
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+    v16i8 = ir.VectorType(i8, 16)
+    pshufb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16i8, [v16i8, v16i8]),
+                                            "llvm.x86.ssse3.pshuf.b.128")
+    table = ir.Constant(v16i8, _F16_HIGH_BYTES)
+    low_mask = ir.Constant(v16i8, [0x0F] * 16)
+    low = builder.and_(block, low_mask)
+    high = builder.and_(builder.lshr(block, ir.Constant(v16i8, [4] * 16)), low_mask)
+    zero = ir.Constant(v16i8, [0] * 16)
+    halves = ir.VectorType(ir.HalfType(), 8)
+    values = {}
+    for name, codes in (("low", low), ("high", high)):
+        high_bytes = builder.call(pshufb, [table, codes])
+        for part in range(2):  # bytes 0-7, then 8-15; a float16's low byte first (little-endian)
+            order = [k for j in range(8 * part, 8 * part + 8) for k in (16 + j, j)]
+            wide = builder.shuffle_vector(high_bytes, zero, ir.Constant(ir.VectorType(i32, 16), order))
+            values[name, part] = builder.fpext(builder.bitcast(wide, halves), ir.VectorType(ir.FloatType(), 8))
+    return [values["low", 0], values["high", 0], values["low", 1], values["high", 1]]
 
 
 @intrinsic
 def _block_dots_simd(typingctx, blocks_row, scales_row, xs, rows):
     """(W . xs[rows[0]], ..) for one packed weight row W (blocks_row [G, 16], scales_row
-    [G]) and 1 to 4 rows of ``xs`` [*, G*32] (float32, `split_blocks` order): AVX2 code."""
+    [G]) and 1 to 4 rows of ``xs`` [*, G*32] (float32, `split_blocks` order): x86 vector code
+    (AVX2, FMA, F16C)."""
     if not (isinstance(rows, types.UniTuple) and 1 <= rows.count <= _ROW_TILE
             and all(isinstance(a, types.Array) and a.layout == "C" for a in (blocks_row, scales_row, xs))):
         return None
@@ -91,54 +120,56 @@ def _block_dots_simd(typingctx, blocks_row, scales_row, xs, rows):
 
     def codegen(context, builder, signature, args):
         i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-        v16i8, v8i8, v8i32, v8f = ir.VectorType(i8, 16), ir.VectorType(i8, 8), ir.VectorType(i32, 8), ir.VectorType(f32, 8)
+        v16i8, v8f = ir.VectorType(i8, 16), ir.VectorType(f32, 8)
         blocks = context.make_array(signature.args[0])(context, builder, args[0])
         scales = context.make_array(signature.args[1])(context, builder, args[1])
         xs_array = context.make_array(signature.args[2])(context, builder, args[2])
         groups = builder.extract_value(blocks.shape, 0)
         width = builder.extract_value(xs_array.shape, 1)
+        index_type = groups.type
         block_ptr = builder.bitcast(blocks.data, v16i8.as_pointer())
         x_ptrs = [builder.bitcast(builder.gep(xs_array.data, [builder.mul(row, width)]), v8f.as_pointer())
                   for row in cgutils.unpack_tuple(builder, args[3], count)]
-        permps = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f, [v8f, v8i32]),
-                                                "llvm.x86.avx2.permps")
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f, [v8f, v8f, v8f]),
                                              "llvm.fma.v8f32")
-        table = builder.bitcast(ir.Constant(v8i32, _SIMD_TABLE), v8f)
-        four, sign_shift = ir.Constant(v8i32, [4] * 8), ir.Constant(v8i32, [28] * 8)
+        scale_table = cgutils.global_constant(builder, "mxfp4_scales",
+                                              ir.Constant(ir.ArrayType(f32, 256), [float(v) for v in _SCALES]))
         zero = ir.Constant(v8f, [0.0] * 8)
-        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(count)]
-        with cgutils.for_range(builder, groups) as loop:
-            g = loop.index
+        # one accumulator per row and unrolled block: independent chains
+        accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(count)] for _ in range(_UNROLL)]
+
+        def block_dots(g, accs_g):
             block = builder.load(builder.gep(block_ptr, [g]), align=1)
             byte = builder.zext(builder.load(builder.gep(scales.data, [g])), i32)
-            bits = builder.select(builder.icmp_unsigned("==", byte, ir.Constant(i32, 0)),
-                                  ir.Constant(i32, _SCALE_ZERO_BITS), builder.shl(byte, ir.Constant(i32, 23)))
-            scale = builder.insert_element(ir.Constant(v8f, ir.Undefined), builder.bitcast(bits, f32),
-                                           ir.Constant(i32, 0))
-            scale = builder.shuffle_vector(scale, ir.Constant(v8f, ir.Undefined), ir.Constant(v8i32, [0] * 8))
-            values = []  # (low nibbles, high nibbles) of bytes 0-7, then of bytes 8-15
-            for half in range(2):
-                part = builder.shuffle_vector(block, ir.Constant(v16i8, ir.Undefined),
-                                              ir.Constant(v8i32, list(range(8 * half, 8 * half + 8))))
-                low = builder.zext(part, v8i32)  # vpermps reads an index's low 3 bits: the low magnitude
-                high = builder.lshr(low, four)
-                for nibble in (low, high):
-                    magnitude = builder.bitcast(builder.call(permps, [table, nibble]), v8i32)
-                    values.append(builder.bitcast(builder.xor(magnitude, builder.shl(nibble, sign_shift)), v8f))
-            base = builder.mul(g, ir.Constant(g.type, 4))  # a block's 32 floats are 4 vectors
+            scale = builder.load(builder.gep(scale_table, [ir.Constant(i32, 0), byte]))
+            scale = builder.insert_element(ir.Constant(v8f, ir.Undefined), scale, ir.Constant(i32, 0))
+            scale = builder.shuffle_vector(scale, ir.Constant(v8f, ir.Undefined),
+                                           ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+            values = _decode_block(builder, block)
+            base = builder.mul(g, ir.Constant(index_type, 4))  # a block's 32 floats are 4 vectors
             for r in range(count):
                 # even elements 0-7, 8-15 at vectors 0, 1; odd elements at 2, 3
-                loads = [builder.load(builder.gep(x_ptrs[r], [builder.add(base, ir.Constant(g.type, k))]), align=4)
-                         for k in range(4)]
+                loads = [builder.load(builder.gep(x_ptrs[r], [builder.add(base, ir.Constant(index_type, k))]),
+                                      align=4) for k in range(4)]
                 partial = builder.fmul(values[0], loads[0])
                 partial = builder.call(fma, [values[1], loads[2], partial])
                 partial = builder.call(fma, [values[2], loads[1], partial])
                 partial = builder.call(fma, [values[3], loads[3], partial])
-                builder.store(builder.call(fma, [partial, scale, builder.load(accs[r])]), accs[r])
+                builder.store(builder.call(fma, [partial, scale, builder.load(accs_g[r])]), accs_g[r])
+
+        steps = builder.udiv(groups, ir.Constant(index_type, _UNROLL))
+        with cgutils.for_range(builder, steps) as loop:
+            first = builder.mul(loop.index, ir.Constant(index_type, _UNROLL))
+            for u in range(_UNROLL):
+                block_dots(builder.add(first, ir.Constant(index_type, u)), accs[u])
+        with cgutils.for_range_slice(builder, builder.mul(steps, ir.Constant(index_type, _UNROLL)), groups,
+                                     ir.Constant(index_type, 1)) as (g, _):
+            block_dots(g, accs[0])
         sums = []
         for r in range(count):
-            acc = builder.load(accs[r])
+            acc = builder.load(accs[0][r])
+            for u in range(1, _UNROLL):
+                acc = builder.fadd(acc, builder.load(accs[u][r]))
             lanes = [builder.extract_element(acc, ir.Constant(i32, k)) for k in range(8)]
             while len(lanes) > 1:
                 lanes = [builder.fadd(lanes[k], lanes[k + 1]) for k in range(0, len(lanes), 2)]
@@ -151,7 +182,7 @@ def _block_dots_simd(typingctx, blocks_row, scales_row, xs, rows):
 @numba.njit(fastmath=True)
 def dots_simd(blocks_row, scales_row, xs, rows, out):
     """out[i] = W . xs[rows[i]] for a tuple of 1 to 4 ``rows``: `split_blocks` activations
-    [*, G*32] float32, a packed row blocks_row [G, 16] / scales_row [G] uint8. AVX2 + FMA."""
+    [*, G*32] float32, a packed row blocks_row [G, 16] / scales_row [G] uint8 (needs `SIMD`)."""
     sums = _block_dots_simd(blocks_row, scales_row, xs, rows)
     for i in range(len(rows)):
         out[i] = sums[i]

@@ -17,7 +17,7 @@ E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5,
 RTOL = 1e-5
 DOTS = [pytest.param(_mxfp4_host.dots_portable, id="portable"),
         pytest.param(_mxfp4_host.dots_simd, id="simd",
-                     marks=pytest.mark.skipif(not _mxfp4_host.SIMD, reason="no AVX2 + FMA here"))]
+                     marks=pytest.mark.skipif(not _mxfp4_host.SIMD, reason="no AVX2, FMA and F16C here"))]
 ROW_TUPLES = [(0,), (3, 1), (2, 2, 5), (5, 0, 4, 1)]
 #: Rows per expert (0 = not hit): one, the 4-row tile with each remainder, an empty expert.
 COUNTS = [(1, 0, 2, 3), (4, 5, 0, 9), (0, 0, 1, 0), (7, 1, 6, 2)]
