@@ -15,8 +15,8 @@ float32, exactly, and they are multiplied into the rows' accumulators. Elsewhere
 kernels use a plain Numba loop (`dots_portable`), which the tests compare with the vector
 block dot (`dots_simd`) and with the definition.
 
-The prefill decode (`dequantize_rows`, `dequantize_rows_bf16`) writes whole float rows for
-BLAS GEMMs: per block, a 16-entry table scaled by its byte, indexed by the nibbles.
+The prefill decode (`dequantize_rows`) writes whole float32 rows for BLAS GEMMs, each value
+computed arithmetically from its code (a loop LLVM vectorizes).
 
 Arrays are NumPy: blocks uint8 [L, R, G, 16], scales uint8 [L, R, G] (G = cols / 32),
 activations and sums float32.
@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 from moeroute.quant.mxfp4 import E2M1_VALUES, MXFP4_BLOCK, SCALE_BIAS
 
 __all__ = ["SIMD", "ROW_BLOCK", "split_blocks", "gate_up_rows", "gate_up_rows_serial", "down_rows",
-           "down_rows_serial", "dots_simd", "dots_portable", "dequantize_rows", "dequantize_rows_bf16"]
+           "down_rows_serial", "dots_simd", "dots_portable", "dequantize_rows"]
 
 _E2M1 = np.array(E2M1_VALUES, dtype=np.float32)
 #: 2 ** (s - 127) for every scale byte (255, e8m0's NaN, is refused at load).
@@ -294,19 +294,27 @@ def down_rows_serial(acts, tokens, slot_weights, offsets, experts, blocks, scale
         _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, b)
 
 
+@numba.njit(fastmath=True, inline="always")
+def _e2m1_value(code, half_scale):
+    """e2m1[code] * 2 * half_scale by arithmetic (no table: the loop vectorizes): twice the
+    magnitude is the integer 0, 1, 2, 3, 4, 6, 8, 12; bit 3 is the sign."""
+    m = np.int32(code & 7)
+    twice = m if m < 4 else (2 + (m & 1)) << ((m >> 1) - 1)
+    value = np.float32(twice) * half_scale
+    return -value if code & 8 else value
+
+
 @numba.njit(fastmath=True)
-def _decode_row(blocks_row, scales_row, table, w):
-    """w [G*32] float32 <- the row's values: per block, a 16-entry table scaled by its byte."""
+def _decode_row(blocks_row, scales_row, w):
+    """w [G*32] float32 <- the row's values (low nibble the even element)."""
     for g in range(blocks_row.shape[0]):
-        scale = _SCALES[scales_row[g]]
-        for c in range(16):
-            table[c] = _E2M1[c] * scale
-        base = g * 32
+        half_scale = _SCALES[scales_row[g]] * np.float32(0.5)  # exact: a power of two
+        base = g * MXFP4_BLOCK
         block = blocks_row[g]
-        for j in range(16):
-            byte = block[j]
-            w[base + 2 * j] = table[byte & 0x0F]
-            w[base + 2 * j + 1] = table[byte >> 4]
+        for j in range(_BLOCK_BYTES):
+            byte = np.int32(block[j])
+            w[base + 2 * j] = _e2m1_value(byte & 0x0F, half_scale)
+            w[base + 2 * j + 1] = _e2m1_value(byte >> 4, half_scale)
 
 
 # Serial on purpose, as the FP8 decode: it runs between torch GEMMs, next to torch's threads.
@@ -316,19 +324,5 @@ def dequantize_rows(blocks, scales, row_start, row_stop, out):
 
     blocks [R, G, 16] uint8 and scales [R, G] uint8 (one matrix), out [rows, G*32] float32.
     """
-    table = np.empty(16, np.float32)
     for r in range(row_start, row_stop):
-        _decode_row(blocks[r], scales[r], table, out[r - row_start])
-
-
-@numba.njit(fastmath=True, cache=True)
-def dequantize_rows_bf16(blocks, scales, row_start, row_stop, work, out):
-    """`dequantize_rows` as bfloat16 bits: the values are exact in bfloat16, so a float32's
-    upper 16 bits. work [G*32] float32 scratch; out [rows, G*32] int16 (a bfloat16 view)."""
-    table = np.empty(16, np.float32)
-    bits = work.view(np.int32)
-    for r in range(row_start, row_stop):
-        _decode_row(blocks[r], scales[r], table, work)
-        target = out[r - row_start]
-        for k in range(work.shape[0]):
-            target[k] = np.int16(bits[k] >> 16)
+        _decode_row(blocks[r], scales[r], out[r - row_start])

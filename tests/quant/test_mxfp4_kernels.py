@@ -120,3 +120,13 @@ def test_row_kernels_match_the_definition(counts, with_bias, serial):
             expected_sums[tokens[m]] += slot_weights[m] * (w_down[e] @ acts[m] + (down_bias[e] if with_bias else 0.0))
     assert_close(gate_up, expected_gate_up)
     assert_close(sums, expected_sums)
+
+
+def test_dequantize_rows_matches_the_definition():
+    rng = np.random.default_rng(7)
+    blocks, scales = packed(rng, 5, 3)
+    blocks[0, 0] = np.arange(0, 256, 16) + np.arange(16)  # every code in both nibbles
+    scales[1] = (0, 252, 127)  # the smallest scale (a subnormal 2 ** -127) and a large one
+    out = np.full((3, 96), np.nan, np.float32)
+    _mxfp4_host.dequantize_rows(blocks, scales, 1, 4, out)
+    np.testing.assert_array_equal(out, plain_weights(blocks, scales)[1:4].astype(np.float32))
