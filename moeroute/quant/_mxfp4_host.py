@@ -41,8 +41,8 @@ _E2M1 = np.array(E2M1_VALUES, dtype=np.float32)
 _SCALES = np.array([2.0 ** (s - SCALE_BIAS) for s in range(255)] + [np.nan], dtype=np.float32)
 #: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
 ROW_BLOCK = 64
-#: Activation rows dotted per pass over a weight row: one decode serves them all (four rows
-#: by two unrolled blocks is 8 accumulators, within the 16 AVX2 registers with the decode's).
+#: Activation rows dotted per pass over a weight row: one decode serves them all (four
+#: accumulators and four decoded vectors fit the 16 AVX2 registers).
 _ROW_TILE = 4
 #: Bytes per block (32 nibbles) and even values per block.
 _BLOCK_BYTES = MXFP4_BLOCK // 2
@@ -77,7 +77,8 @@ def split_blocks(x, out):
 #: The high byte of each e2m1 value as float16, by 4-bit code: every e2m1 value is a float16
 #: whose low byte is zero.
 _F16_HIGH_BYTES = [int(np.float16(value).view(np.uint16)) >> 8 for value in E2M1_VALUES]
-#: Blocks per loop step of the vector code: two blocks' chains of multiply-adds overlap.
+#: Blocks per loop step of the vector code for one activation row: two blocks' chains of
+#: multiply-adds overlap (with more rows, the rows' chains do, and more accumulators spill).
 _UNROLL = 2
 
 
@@ -117,6 +118,7 @@ def _block_dots_simd(typingctx, blocks_row, scales_row, xs, rows):
             and all(isinstance(a, types.Array) and a.layout == "C" for a in (blocks_row, scales_row, xs))):
         return None
     count = rows.count
+    unroll = _UNROLL if count == 1 else 1
 
     def codegen(context, builder, signature, args):
         i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
@@ -136,7 +138,7 @@ def _block_dots_simd(typingctx, blocks_row, scales_row, xs, rows):
                                               ir.Constant(ir.ArrayType(f32, 256), [float(v) for v in _SCALES]))
         zero = ir.Constant(v8f, [0.0] * 8)
         # one accumulator per row and unrolled block: independent chains
-        accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(count)] for _ in range(_UNROLL)]
+        accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(count)] for _ in range(unroll)]
 
         def block_dots(g, accs_g):
             block = builder.load(builder.gep(block_ptr, [g]), align=1)
@@ -157,18 +159,18 @@ def _block_dots_simd(typingctx, blocks_row, scales_row, xs, rows):
                 partial = builder.call(fma, [values[3], loads[3], partial])
                 builder.store(builder.call(fma, [partial, scale, builder.load(accs_g[r])]), accs_g[r])
 
-        steps = builder.udiv(groups, ir.Constant(index_type, _UNROLL))
+        steps = builder.udiv(groups, ir.Constant(index_type, unroll))
         with cgutils.for_range(builder, steps) as loop:
-            first = builder.mul(loop.index, ir.Constant(index_type, _UNROLL))
-            for u in range(_UNROLL):
+            first = builder.mul(loop.index, ir.Constant(index_type, unroll))
+            for u in range(unroll):
                 block_dots(builder.add(first, ir.Constant(index_type, u)), accs[u])
-        with cgutils.for_range_slice(builder, builder.mul(steps, ir.Constant(index_type, _UNROLL)), groups,
+        with cgutils.for_range_slice(builder, builder.mul(steps, ir.Constant(index_type, unroll)), groups,
                                      ir.Constant(index_type, 1)) as (g, _):
             block_dots(g, accs[0])
         sums = []
         for r in range(count):
             acc = builder.load(accs[0][r])
-            for u in range(1, _UNROLL):
+            for u in range(1, unroll):
                 acc = builder.fadd(acc, builder.load(accs[u][r]))
             lanes = [builder.extract_element(acc, ir.Constant(i32, k)) for k in range(8)]
             while len(lanes) > 1:
