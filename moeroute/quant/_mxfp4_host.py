@@ -1,11 +1,22 @@
-"""Numba CPU kernels of the MXFP4 (w4a16) expert GEMMs: decode one weight row at a time, in cache.
+"""Numba CPU kernels of the MXFP4 (w4a16) expert GEMMs: the nibbles decoded in registers.
 
-A weight row is decoded 32 values at a time: the block's scale byte gives 2 ** (s - 127),
-which scales the 16 e2m1 values into a small table, and each byte's two nibbles index it
-(low nibble the even element). The decoded row (float32, cache-resident) is then dotted
-with every activation row the expert serves, so memory reads about half a byte per weight
-whatever the row count. The values are exact in float32 and in bfloat16 (an e2m1 value
-times a power of two), so the bfloat16 decode is the float32 bits' upper half.
+The row kernels (`gate_up_rows`, `down_rows` and their serial forms) read each packed weight
+row once and dot it with up to four activation rows per pass, decoding 32 values per scale
+byte on the fly. The activation rows are first split per block of 32 into their even and
+odd elements (`split_blocks`: ``[x0, x2, .., x30, x1, x3, .., x31]``), so the low nibbles of
+a block's 16 bytes pair with 16 contiguous even values and the high nibbles with 16 odd
+ones; the block scale 2 ** (s - 127) multiplies the block's partial dot once, not each
+value. Sums are float32; only their order differs from the definition's.
+
+On x86 with AVX2, FMA and F16C (`SIMD`) the block dot is LLVM vector code, two blocks per
+step: one ``pshufb`` looks up sixteen codes' float16 high bytes (every e2m1 value is a
+float16 whose low byte is zero, sign included), ``vcvtph2ps`` widens eight at a time to
+float32, exactly, and they are multiplied into the rows' accumulators. Elsewhere the same
+kernels use a plain Numba loop (`dots_portable`), which the tests compare with the vector
+block dot (`dots_simd`) and with the definition.
+
+The prefill decode (`dequantize_rows`) writes whole float32 rows for BLAS GEMMs, each value
+computed arithmetically from its code (a loop LLVM vectorizes).
 
 Arrays are NumPy: blocks uint8 [L, R, G, 16], scales uint8 [L, R, G] (G = cols / 32),
 activations and sums float32.
@@ -15,111 +26,297 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import binding as llvm_binding
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
-from moeroute.quant.mxfp4 import E2M1_VALUES, SCALE_BIAS
+from moeroute.quant.mxfp4 import E2M1_VALUES, MXFP4_BLOCK, SCALE_BIAS
 
-__all__ = ["gate_up_rows", "down_rows", "dequantize_rows", "dequantize_rows_bf16"]
+__all__ = ["SIMD", "ROW_BLOCK", "split_blocks", "gate_up_rows", "gate_up_rows_serial", "down_rows",
+           "down_rows_serial", "dots_simd", "dots_portable", "dequantize_rows"]
 
 _E2M1 = np.array(E2M1_VALUES, dtype=np.float32)
 #: 2 ** (s - 127) for every scale byte (255, e8m0's NaN, is refused at load).
 _SCALES = np.array([2.0 ** (s - SCALE_BIAS) for s in range(255)] + [np.nan], dtype=np.float32)
-#: Weight rows per parallel work item (one decoded row buffer each).
-ROWS_PER_ITEM = 64
-
-
-@numba.njit(fastmath=True)
-def _decode_row(blocks_row, scales_row, table, w):
-    """w [G*32] float32 <- the row's values: per block, a 16-entry table scaled by its byte."""
-    for g in range(blocks_row.shape[0]):
-        scale = _SCALES[scales_row[g]]
-        for c in range(16):
-            table[c] = _E2M1[c] * scale
-        base = g * 32
-        block = blocks_row[g]
-        for j in range(16):
-            byte = block[j]
-            w[base + 2 * j] = table[byte & 0x0F]
-            w[base + 2 * j + 1] = table[byte >> 4]
-
-
-@numba.njit(fastmath=True)
-def _dot(w, x):
-    acc = np.float32(0.0)
-    for k in range(w.shape[0]):
-        acc += w[k] * x[k]
-    return acc
-
-
-@numba.njit(fastmath=True)
-def _dot4(w, x0, x1, x2, x3, out):
-    """`_dot` of four activation rows at once (w read once for the four)."""
-    a0 = a1 = a2 = a3 = np.float32(0.0)
-    for k in range(w.shape[0]):
-        wk = w[k]
-        a0 += wk * x0[k]
-        a1 += wk * x1[k]
-        a2 += wk * x2[k]
-        a3 += wk * x3[k]
-    out[0], out[1], out[2], out[3] = a0, a1, a2, a3
-
-
-#: Activation rows dotted per pass over a decoded weight row (`_dot4`).
+#: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
+ROW_BLOCK = 64
+#: Activation rows dotted per pass over a weight row: one decode serves them all (four
+#: accumulators and four decoded vectors fit the 16 AVX2 registers).
 _ROW_TILE = 4
+#: Bytes per block (32 nibbles) and even values per block.
+_BLOCK_BYTES = MXFP4_BLOCK // 2
+
+
+def _host_simd() -> bool:
+    """AVX2, FMA and F16C on the host, and Numba compiling for the host CPU (the vector code's target)."""
+    features = llvm_binding.get_host_cpu_features()
+    cpu_name = numba.config.CPU_NAME
+    return (features.get("avx2", False) and features.get("fma", False) and features.get("f16c", False)
+            and (cpu_name is None or cpu_name == "host"))
+
+
+#: Whether the row kernels use the AVX2 block dot (else the portable loop).
+SIMD = _host_simd()
+
+
+@numba.njit(fastmath=True, cache=True)
+def split_blocks(x, out):
+    """out[t] = x[t] with each block of 32 reordered as its 16 even then its 16 odd elements.
+
+    x, out [T, C] float32 (C a multiple of 32).
+    """
+    for t in range(x.shape[0]):
+        row, target = x[t], out[t]
+        for base in range(0, x.shape[1], MXFP4_BLOCK):
+            for j in range(_BLOCK_BYTES):
+                target[base + j] = row[base + 2 * j]
+                target[base + _BLOCK_BYTES + j] = row[base + 2 * j + 1]
+
+
+#: The high byte of each e2m1 value as float16, by 4-bit code: every e2m1 value is a float16
+#: whose low byte is zero.
+_F16_HIGH_BYTES = [int(np.float16(value).view(np.uint16)) >> 8 for value in E2M1_VALUES]
+#: Blocks per loop step of the vector code for one activation row: two blocks' chains of
+#: multiply-adds overlap (with more rows, the rows' chains do, and more accumulators spill).
+_UNROLL = 2
+
+
+def _decode_block(builder, block):
+    """A block's 16 bytes (<16 x i8>) -> four <8 x float>: the low nibbles of bytes 0-7 (the
+    even elements 0-14), their high nibbles (odd 1-15), then the same of bytes 8-15.
+
+    ``pshufb`` looks up each code's float16 high byte, interleaving with zero bytes makes
+    the float16 values and ``vcvtph2ps`` widens them to float32, exactly.
+    """
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+    v16i8 = ir.VectorType(i8, 16)
+    pshufb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16i8, [v16i8, v16i8]),
+                                            "llvm.x86.ssse3.pshuf.b.128")
+    table = ir.Constant(v16i8, _F16_HIGH_BYTES)
+    low_mask = ir.Constant(v16i8, [0x0F] * 16)
+    low = builder.and_(block, low_mask)
+    high = builder.and_(builder.lshr(block, ir.Constant(v16i8, [4] * 16)), low_mask)
+    zero = ir.Constant(v16i8, [0] * 16)
+    halves = ir.VectorType(ir.HalfType(), 8)
+    values = {}
+    for name, codes in (("low", low), ("high", high)):
+        high_bytes = builder.call(pshufb, [table, codes])
+        for part in range(2):  # bytes 0-7, then 8-15; a float16's low byte first (little-endian)
+            order = [k for j in range(8 * part, 8 * part + 8) for k in (16 + j, j)]
+            wide = builder.shuffle_vector(high_bytes, zero, ir.Constant(ir.VectorType(i32, 16), order))
+            values[name, part] = builder.fpext(builder.bitcast(wide, halves), ir.VectorType(ir.FloatType(), 8))
+    return [values["low", 0], values["high", 0], values["low", 1], values["high", 1]]
+
+
+@intrinsic
+def _block_dots_simd(typingctx, blocks_row, scales_row, xs, rows):
+    """(W . xs[rows[0]], ..) for one packed weight row W (blocks_row [G, 16], scales_row
+    [G]) and 1 to 4 rows of ``xs`` [*, G*32] (float32, `split_blocks` order): x86 vector code
+    (AVX2, FMA, F16C)."""
+    if not (isinstance(rows, types.UniTuple) and 1 <= rows.count <= _ROW_TILE
+            and all(isinstance(a, types.Array) and a.layout == "C" for a in (blocks_row, scales_row, xs))):
+        return None
+    count = rows.count
+    unroll = _UNROLL if count == 1 else 1
+
+    def codegen(context, builder, signature, args):
+        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+        v16i8, v8f = ir.VectorType(i8, 16), ir.VectorType(f32, 8)
+        blocks = context.make_array(signature.args[0])(context, builder, args[0])
+        scales = context.make_array(signature.args[1])(context, builder, args[1])
+        xs_array = context.make_array(signature.args[2])(context, builder, args[2])
+        groups = builder.extract_value(blocks.shape, 0)
+        width = builder.extract_value(xs_array.shape, 1)
+        index_type = groups.type
+        block_ptr = builder.bitcast(blocks.data, v16i8.as_pointer())
+        x_ptrs = [builder.bitcast(builder.gep(xs_array.data, [builder.mul(row, width)]), v8f.as_pointer())
+                  for row in cgutils.unpack_tuple(builder, args[3], count)]
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f, [v8f, v8f, v8f]),
+                                             "llvm.fma.v8f32")
+        scale_table = cgutils.global_constant(builder, "mxfp4_scales",
+                                              ir.Constant(ir.ArrayType(f32, 256), [float(v) for v in _SCALES]))
+        zero = ir.Constant(v8f, [0.0] * 8)
+        # one accumulator per row and unrolled block: independent chains
+        accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(count)] for _ in range(unroll)]
+
+        def block_dots(g, accs_g):
+            block = builder.load(builder.gep(block_ptr, [g]), align=1)
+            byte = builder.zext(builder.load(builder.gep(scales.data, [g])), i32)
+            scale = builder.load(builder.gep(scale_table, [ir.Constant(i32, 0), byte]))
+            scale = builder.insert_element(ir.Constant(v8f, ir.Undefined), scale, ir.Constant(i32, 0))
+            scale = builder.shuffle_vector(scale, ir.Constant(v8f, ir.Undefined),
+                                           ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+            values = _decode_block(builder, block)
+            base = builder.mul(g, ir.Constant(index_type, 4))  # a block's 32 floats are 4 vectors
+            for r in range(count):
+                # even elements 0-7, 8-15 at vectors 0, 1; odd elements at 2, 3
+                loads = [builder.load(builder.gep(x_ptrs[r], [builder.add(base, ir.Constant(index_type, k))]),
+                                      align=4) for k in range(4)]
+                partial = builder.fmul(values[0], loads[0])
+                partial = builder.call(fma, [values[1], loads[2], partial])
+                partial = builder.call(fma, [values[2], loads[1], partial])
+                partial = builder.call(fma, [values[3], loads[3], partial])
+                builder.store(builder.call(fma, [partial, scale, builder.load(accs_g[r])]), accs_g[r])
+
+        steps = builder.udiv(groups, ir.Constant(index_type, unroll))
+        with cgutils.for_range(builder, steps) as loop:
+            first = builder.mul(loop.index, ir.Constant(index_type, unroll))
+            for u in range(unroll):
+                block_dots(builder.add(first, ir.Constant(index_type, u)), accs[u])
+        with cgutils.for_range_slice(builder, builder.mul(steps, ir.Constant(index_type, unroll)), groups,
+                                     ir.Constant(index_type, 1)) as (g, _):
+            block_dots(g, accs[0])
+        sums = []
+        for r in range(count):
+            acc = builder.load(accs[0][r])
+            for u in range(1, unroll):
+                acc = builder.fadd(acc, builder.load(accs[u][r]))
+            lanes = [builder.extract_element(acc, ir.Constant(i32, k)) for k in range(8)]
+            while len(lanes) > 1:
+                lanes = [builder.fadd(lanes[k], lanes[k + 1]) for k in range(0, len(lanes), 2)]
+            sums.append(lanes[0])
+        return context.make_tuple(builder, signature.return_type, sums)
+
+    return types.UniTuple(types.float32, count)(blocks_row, scales_row, xs, rows), codegen
+
+
+@numba.njit(fastmath=True)
+def dots_simd(blocks_row, scales_row, xs, rows, out):
+    """out[i] = W . xs[rows[i]] for a tuple of 1 to 4 ``rows``: `split_blocks` activations
+    [*, G*32] float32, a packed row blocks_row [G, 16] / scales_row [G] uint8 (needs `SIMD`)."""
+    sums = _block_dots_simd(blocks_row, scales_row, xs, rows)
+    for i in range(len(rows)):
+        out[i] = sums[i]
+
+
+@numba.njit(fastmath=True)
+def dots_portable(blocks_row, scales_row, xs, rows, out):
+    """`dots_simd` as a plain loop (a table lookup per nibble), for any CPU."""
+    for i in range(len(rows)):
+        x = xs[rows[i]]
+        acc = np.float32(0.0)
+        for g in range(blocks_row.shape[0]):
+            base = g * MXFP4_BLOCK
+            partial = np.float32(0.0)
+            for j in range(_BLOCK_BYTES):
+                byte = blocks_row[g, j]
+                partial += _E2M1[byte & 0x0F] * x[base + j] + _E2M1[byte >> 4] * x[base + _BLOCK_BYTES + j]
+            acc += _SCALES[scales_row[g]] * partial
+        out[i] = acc
+
+
+_dots = dots_simd if SIMD else dots_portable
+
+
+@numba.njit(fastmath=True)
+def _row_tile(blocks_row, scales_row, xs, index, m, stop, tile):
+    """tile[i] = W . xs[index[m + i]] for up to `_ROW_TILE` rows from m; returns how many."""
+    count = min(_ROW_TILE, stop - m)
+    if count == 4:
+        _dots(blocks_row, scales_row, xs, (index[m], index[m + 1], index[m + 2], index[m + 3]), tile)
+    elif count == 3:
+        _dots(blocks_row, scales_row, xs, (index[m], index[m + 1], index[m + 2]), tile)
+    elif count == 2:
+        _dots(blocks_row, scales_row, xs, (index[m], index[m + 1]), tile)
+    else:
+        _dots(blocks_row, scales_row, xs, (index[m],), tile)
+    return count
+
+
+@numba.njit(fastmath=True)
+def _gate_up_item(xs, tokens, offsets, e, b, blocks, scales, bias, out):
+    """Block ``b`` of expert ``e``'s gate_up rows for all its sorted rows (`gate_up_rows`)."""
+    tile = np.empty(_ROW_TILE, np.float32)
+    start, stop = offsets[e], offsets[e + 1]
+    for n in range(b * ROW_BLOCK, min(blocks.shape[1], (b + 1) * ROW_BLOCK)):
+        add = bias[e, n] if bias.shape[0] > 0 else np.float32(0.0)
+        blocks_row, scales_row = blocks[e, n], scales[e, n]
+        for m in range(start, stop, _ROW_TILE):
+            count = _row_tile(blocks_row, scales_row, xs, tokens, m, stop, tile)
+            for i in range(count):
+                out[m + i, n] = tile[i] + add
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def gate_up_rows(xs, tokens, offsets, work, blocks, scales, rows_per_item, out):
-    """out[m, n] = xs[tokens[m]] . W_e[n] for each expert e's sorted rows m (first GEMM).
+def gate_up_rows(xs, tokens, offsets, work, blocks, scales, bias, out):
+    """out[m, n] = xs[tokens[m]] . W_e[n] (+ bias[e, n]) for each expert e's sorted rows m.
 
-    xs [T, H] float32, tokens [M] int64, offsets [L + 1] int64, work [W, 2] int64 (expert,
-    chunk of ``rows_per_item`` weight rows), blocks [L, 2I, H/32, 16] uint8, scales
-    [L, 2I, H/32] uint8, out [M, 2I] float32.
+    xs [T, H] float32 in `split_blocks` order, tokens [M] int64, offsets [L + 1] int64, work
+    [W, 2] int64 (expert, block of `ROW_BLOCK` weight rows), blocks [L, 2I, H/32, 16] uint8,
+    scales [L, 2I, H/32] uint8, bias [L, 2I] float32 or [0, 0] (none), out [M, 2I] float32.
     """
-    hidden = xs.shape[1]
-    total_rows = blocks.shape[1]
     for item in numba.prange(work.shape[0]):
-        e, c = work[item, 0], work[item, 1]
-        w = np.empty(hidden, np.float32)
-        table = np.empty(16, np.float32)
-        tile = np.empty(_ROW_TILE, np.float32)
+        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], blocks, scales, bias, out)
+
+
+@numba.njit(fastmath=True, cache=True)
+def gate_up_rows_serial(xs, tokens, offsets, work, blocks, scales, bias, out):
+    """`gate_up_rows` on the calling thread (no parallel region to start: one thread)."""
+    for item in range(work.shape[0]):
+        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], blocks, scales, bias, out)
+
+
+@numba.njit(fastmath=True)
+def _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, b):
+    """Output columns of block ``b`` over every hit expert (`down_rows`)."""
+    index = np.arange(acts.shape[0])
+    tile = np.empty(_ROW_TILE, np.float32)
+    first, last = b * ROW_BLOCK, min(blocks.shape[1], (b + 1) * ROW_BLOCK)
+    for i in range(experts.shape[0]):
+        e = experts[i]
         start, stop = offsets[e], offsets[e + 1]
-        tiled = start + (stop - start) // _ROW_TILE * _ROW_TILE
-        for n in range(c * rows_per_item, min(total_rows, (c + 1) * rows_per_item)):
-            _decode_row(blocks[e, n], scales[e, n], table, w)
-            for m in range(start, tiled, _ROW_TILE):
-                _dot4(w, xs[tokens[m]], xs[tokens[m + 1]], xs[tokens[m + 2]], xs[tokens[m + 3]], tile)
-                for i in range(_ROW_TILE):
-                    out[m + i, n] = tile[i]
-            for m in range(tiled, stop):
-                out[m, n] = _dot(w, xs[tokens[m]])
+        for n in range(first, last):
+            add = bias[e, n] if bias.shape[0] > 0 else np.float32(0.0)
+            blocks_row, scales_row = blocks[e, n], scales[e, n]
+            for m in range(start, stop, _ROW_TILE):
+                count = _row_tile(blocks_row, scales_row, acts, index, m, stop, tile)
+                for j in range(count):
+                    sums[tokens[m + j], n] += slot_weights[m + j] * (tile[j] + add)
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def down_rows(acts, tokens, slot_weights, offsets, experts, blocks, scales, rows_per_item, sums):
-    """sums[tokens[m], n] += slot_weights[m] * (acts[m] . W_e[n]) (second GEMM + combine).
+def down_rows(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums):
+    """sums[tokens[m], n] += slot_weights[m] * (acts[m] . W_e[n] (+ bias[e, n])).
 
-    Threads split the output columns (chunks of W_down rows), so each sum has one writer,
-    and experts are added in ``experts`` order (deterministic). acts [M, I] float32,
-    experts [E'] int64 (hit experts), blocks [L, H, I/32, 16], scales [L, H, I/32], sums
-    [T, H] float32.
+    The second GEMM and the combine. Threads split the output columns (blocks of
+    `ROW_BLOCK`), so each sum has one writer, and experts are added in ``experts`` order
+    (deterministic). acts [M, I] float32 in `split_blocks` order, experts [E'] int64 (the
+    hit experts), blocks [L, H, I/32, 16], scales [L, H, I/32], bias [L, H] float32 or
+    [0, 0], sums [T, H] float32.
     """
-    hidden, inter = blocks.shape[1], blocks.shape[2] * 32
-    for c in numba.prange((hidden + rows_per_item - 1) // rows_per_item):
-        w = np.empty(inter, np.float32)
-        table = np.empty(16, np.float32)
-        tile = np.empty(_ROW_TILE, np.float32)
-        for i in range(experts.shape[0]):
-            e = experts[i]
-            start, stop = offsets[e], offsets[e + 1]
-            tiled = start + (stop - start) // _ROW_TILE * _ROW_TILE
-            for n in range(c * rows_per_item, min(hidden, (c + 1) * rows_per_item)):
-                _decode_row(blocks[e, n], scales[e, n], table, w)
-                for m in range(start, tiled, _ROW_TILE):
-                    _dot4(w, acts[m], acts[m + 1], acts[m + 2], acts[m + 3], tile)
-                    for j in range(_ROW_TILE):
-                        sums[tokens[m + j], n] += slot_weights[m + j] * tile[j]
-                for m in range(tiled, stop):
-                    sums[tokens[m], n] += slot_weights[m] * _dot(w, acts[m])
+    for b in numba.prange((blocks.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
+        _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, b)
+
+
+@numba.njit(fastmath=True, cache=True)
+def down_rows_serial(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums):
+    """`down_rows` on the calling thread."""
+    for b in range((blocks.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
+        _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, b)
+
+
+@numba.njit(fastmath=True, inline="always")
+def _e2m1_value(code, half_scale):
+    """e2m1[code] * 2 * half_scale by arithmetic (no table: the loop vectorizes): twice the
+    magnitude is the integer 0, 1, 2, 3, 4, 6, 8, 12; bit 3 is the sign."""
+    m = np.int32(code & 7)
+    twice = m if m < 4 else (2 + (m & 1)) << ((m >> 1) - 1)
+    value = np.float32(twice) * half_scale
+    return -value if code & 8 else value
+
+
+@numba.njit(fastmath=True)
+def _decode_row(blocks_row, scales_row, w):
+    """w [G*32] float32 <- the row's values (low nibble the even element)."""
+    for g in range(blocks_row.shape[0]):
+        half_scale = _SCALES[scales_row[g]] * np.float32(0.5)  # exact: a power of two
+        base = g * MXFP4_BLOCK
+        block = blocks_row[g]
+        for j in range(_BLOCK_BYTES):
+            byte = np.int32(block[j])
+            w[base + 2 * j] = _e2m1_value(byte & 0x0F, half_scale)
+            w[base + 2 * j + 1] = _e2m1_value(byte >> 4, half_scale)
 
 
 # Serial on purpose, as the FP8 decode: it runs between torch GEMMs, next to torch's threads.
@@ -129,19 +326,5 @@ def dequantize_rows(blocks, scales, row_start, row_stop, out):
 
     blocks [R, G, 16] uint8 and scales [R, G] uint8 (one matrix), out [rows, G*32] float32.
     """
-    table = np.empty(16, np.float32)
     for r in range(row_start, row_stop):
-        _decode_row(blocks[r], scales[r], table, out[r - row_start])
-
-
-@numba.njit(fastmath=True, cache=True)
-def dequantize_rows_bf16(blocks, scales, row_start, row_stop, work, out):
-    """`dequantize_rows` as bfloat16 bits: the values are exact in bfloat16, so a float32's
-    upper 16 bits. work [G*32] float32 scratch; out [rows, G*32] int16 (a bfloat16 view)."""
-    table = np.empty(16, np.float32)
-    bits = work.view(np.int32)
-    for r in range(row_start, row_stop):
-        _decode_row(blocks[r], scales[r], table, work)
-        target = out[r - row_start]
-        for k in range(work.shape[0]):
-            target[k] = np.int16(bits[k] >> 16)
+        _decode_row(blocks[r], scales[r], out[r - row_start])

@@ -8,24 +8,29 @@ activations stay in their dtype (bfloat16, float16 or float32); sums are float32
 The packed bytes are never dequantized whole. The two strategies of the FP8 experts, by
 rows per expert (`moeroute.bindings.torch.quant_strategy.choose_strategy`):
 
-* "rows" (decode): the Numba kernels of `moeroute.quant._mxfp4_host` decode one weight row
-  at a time (a 16-entry table per 32 values) into a cache-resident buffer and dot it with
-  every row of the expert: memory reads half a byte per weight.
+* "rows" (decode): the Numba kernels of `moeroute.quant._mxfp4_host` read each packed weight
+  row once, decode its nibbles in registers (AVX2 where the CPU has it) and dot them with up
+  to four of the expert's rows per pass: memory reads half a byte per weight. The biases and
+  the combine happen inside the kernels, and the bookkeeping is one Numba pass
+  (`moeroute.bindings.torch._rows.plan_rows`), as for the float row kernels.
 * "blocks" (prefill): per expert, `CHUNK_BYTES` of weight rows at a time are decoded into
-  one reusable buffer (bfloat16 for bfloat16 activations: the values are exact in it) and
-  multiplied with torch. On a device the decode is torch's (`decode_mxfp4`).
+  one reusable float32 buffer and multiplied with torch (a float32 GEMM on the CPU: the
+  bfloat16 activations are exact in it). On a device the decode is torch's (`decode_mxfp4`).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from moeroute.bindings.torch import arrays
+from moeroute.bindings.torch import _rows, arrays
 from moeroute.bindings.torch.activations import gated_activation
+from moeroute.bindings.torch.experts import _bias_view, _numba_threads
 from moeroute.quant import QuantConfig, check_mxfp4
 from moeroute.quant import _mxfp4_host
 from moeroute.quant.mxfp4 import decode_mxfp4
 from moeroute.bindings.torch.quant_strategy import choose_strategy
+from moeroute.routing._parallel import cpu_threads
 
 __all__ = ["mxfp4_experts_forward", "check_mxfp4_weights", "MXFP4_STRATEGIES", "CHUNK_BYTES",
            "map_gpt_oss_mxfp4_keys", "gate_rows_first", "GPT_OSS_MXFP4_KEYS"]
@@ -68,6 +73,15 @@ def mxfp4_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, 
     inter = two_inter // 2
     top_k = local_ids.shape[1]
     dtype, device = hidden_states.dtype, hidden_states.device
+    if device.type == "cpu" and strategy != "blocks":
+        # The row kernels' bookkeeping (one Numba pass) also gives the counts "auto" needs.
+        blocks_per_expert = -(-two_inter // _mxfp4_host.ROW_BLOCK)
+        plan = _rows.plan_rows(local_ids.detach().contiguous().numpy(),
+                               weights.detach().to(torch.float32).contiguous().numpy(), num_experts,
+                               blocks_per_expert)
+        if strategy == "rows" or choose_strategy(np.diff(plan[2]).tolist()) == "rows":
+            return _rows_forward(hidden_states, plan, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
+                                 gate_up_bias, down_bias, activation)
     sorted_slots, expert_offsets, _ = arrays.sort_by_expert(local_ids, num_experts)
     offsets = expert_offsets.to(torch.int64)
     counts = (offsets[1:] - offsets[:-1]).tolist()
@@ -77,53 +91,76 @@ def mxfp4_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, 
     sums = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
     if slots.numel() == 0:
         return sums.to(dtype)
-    if device.type != "cpu":
-        strategy = "blocks"  # the row kernels are Numba CPU code
-    elif strategy == "auto":
-        strategy = choose_strategy(counts)
     hit = [e for e, c in enumerate(counts) if c]
     row_expert = torch.repeat_interleave(torch.arange(num_experts, device=device),
                                          torch.tensor(counts, device=device))
-    if strategy == "rows":
-        xs = hidden_states.float().contiguous()
-        gate_up = torch.empty(tokens.numel(), two_inter, dtype=torch.float32)
-        chunks = -(-two_inter // _mxfp4_host.ROWS_PER_ITEM)
-        work = torch.tensor([[e, c] for e in hit for c in range(chunks)], dtype=torch.int64)
-        _mxfp4_host.gate_up_rows(xs.numpy(), tokens.numpy(), offsets.numpy(), work.numpy(),
-                                 gate_up_blocks.numpy(), gate_up_scales.numpy(), _mxfp4_host.ROWS_PER_ITEM,
-                                 gate_up.numpy())
-    else:
-        gate_up = _blocks_gemm(hidden_states[tokens], offsets, hit, gate_up_blocks, gate_up_scales, dtype)
+    gate_up = _blocks_gemm(hidden_states[tokens], offsets, hit, gate_up_blocks, gate_up_scales, dtype)
     if gate_up_bias is not None:
         gate_up += gate_up_bias[row_expert].float()
     act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
     if dtype != torch.float32:  # the intermediate in the activation dtype, as the float layer keeps it
         act = act.to(dtype)
-    if strategy == "rows":
-        _mxfp4_host.down_rows(act.float().contiguous().numpy(), tokens.numpy(), slot_weights.numpy(),
-                              offsets.numpy(), torch.tensor(hit, dtype=torch.int64).numpy(), down_blocks.numpy(),
-                              down_scales.numpy(), _mxfp4_host.ROWS_PER_ITEM, sums.numpy())
-        if down_bias is not None:
-            sums.index_add_(0, tokens, down_bias[row_expert].float() * slot_weights[:, None])
-    else:
-        y = _blocks_gemm(act, offsets, hit, down_blocks, down_scales, dtype)
-        if down_bias is not None:
-            y += down_bias[row_expert].float()
-        sums.index_add_(0, tokens, y.mul_(slot_weights[:, None]))
+    y = _blocks_gemm(act, offsets, hit, down_blocks, down_scales, dtype)
+    if down_bias is not None:
+        y += down_bias[row_expert].float()
+    sums.index_add_(0, tokens, y.mul_(slot_weights[:, None]))
     return sums if dtype == torch.float32 else sums.to(dtype)
 
 
+def _rows_forward(hidden_states, plan, gate_up_blocks, gate_up_scales, down_blocks, down_scales, gate_up_bias,
+                  down_bias, activation):
+    """The "rows" strategy: `moeroute.quant._mxfp4_host`'s kernels over a `plan_rows` plan."""
+    tokens, slot_weights, offsets, hit, work = plan
+    num_tokens, hidden = hidden_states.shape
+    inter = gate_up_blocks.shape[1] // 2
+    dtype = hidden_states.dtype
+    sums = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+    if hit.shape[0] == 0:
+        return sums.to(dtype)
+    xs = _split(hidden_states)
+    gate_up = torch.empty(tokens.shape[0], 2 * inter, dtype=torch.float32)
+    threads = cpu_threads()
+    # One thread: the serial kernels, with no parallel region to start.
+    gate_up_rows, down_rows = ((_mxfp4_host.gate_up_rows_serial, _mxfp4_host.down_rows_serial) if threads == 1
+                               else (_mxfp4_host.gate_up_rows, _mxfp4_host.down_rows))
+    with _numba_threads(threads):
+        gate_up_rows(xs, tokens, offsets, work, _packed(gate_up_blocks), _packed(gate_up_scales),
+                     _bias_view(gate_up_bias), gate_up.numpy())
+        act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
+        if dtype != torch.float32:  # the intermediate in the activation dtype, as the float layer keeps it
+            act = act.to(dtype)
+        down_rows(_split(act), tokens, slot_weights, offsets, hit, _packed(down_blocks), _packed(down_scales),
+                  _bias_view(down_bias), sums.numpy())
+    return sums if dtype == torch.float32 else sums.to(dtype)
+
+
+def _split(rows: torch.Tensor) -> np.ndarray:
+    """Rows as float32 in the kernels' order (`_mxfp4_host.split_blocks`)."""
+    values = rows.detach().to(torch.float32).contiguous().numpy()
+    out = np.empty_like(values)
+    _mxfp4_host.split_blocks(values, out)
+    return out
+
+
+def _packed(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().contiguous().numpy()
+
+
 def _blocks_gemm(xs, offsets, hit, blocks, scales, dtype):
-    """[M, R] float32: each expert's rows of ``xs`` times its weight decoded in chunks."""
+    """[M, R] float32: each expert's rows of ``xs`` times its weight decoded in chunks.
+
+    On the CPU the chunks are float32 and so is the GEMM: a bfloat16 GEMM there is about 3x
+    slower than float32 where the CPU has no bfloat16 instructions, and the bfloat16
+    activations are exact in float32.
+    """
     rows_out, cols = blocks.shape[1], blocks.shape[2] * 32
     out = torch.empty(xs.shape[0], rows_out, dtype=torch.float32, device=xs.device)
     on_cpu = blocks.device.type == "cpu"
-    bf16_bits = on_cpu and dtype == torch.bfloat16
-    element = 2 if bf16_bits else 4
-    chunk_rows = min(rows_out, max(1, CHUNK_BYTES // (element * cols)))
-    buffer = torch.empty(chunk_rows, cols, dtype=torch.bfloat16 if bf16_bits else torch.float32, device=xs.device)
-    work = torch.empty(cols, dtype=torch.float32)
+    chunk_rows = min(rows_out, max(1, CHUNK_BYTES // (4 * cols)))
+    buffer = torch.empty(chunk_rows, cols, dtype=torch.float32, device=xs.device)
     x_cast = xs.to(dtype)
+    if on_cpu:
+        x_cast = x_cast.float()
     for e in hit:
         start, stop = int(offsets[e]), int(offsets[e + 1])
         x_e = x_cast[start:stop]
@@ -131,14 +168,12 @@ def _blocks_gemm(xs, offsets, hit, blocks, scales, dtype):
         for r0 in range(0, rows_out, chunk_rows):
             r1 = min(rows_out, r0 + chunk_rows)
             w = buffer[:r1 - r0]
-            if bf16_bits:
-                _mxfp4_host.dequantize_rows_bf16(blocks_e.numpy(), scales_e.numpy(), r0, r1, work.numpy(),
-                                                 w.view(torch.int16).numpy())
-            elif on_cpu:
+            if on_cpu:
                 _mxfp4_host.dequantize_rows(blocks_e.numpy(), scales_e.numpy(), r0, r1, w.numpy())
+                out[start:stop, r0:r1] = torch.mm(x_e, w.t())
             else:
                 w.copy_(decode_mxfp4(blocks_e[r0:r1], scales_e[r0:r1]))
-            out[start:stop, r0:r1] = torch.mm(x_e, w.to(dtype).t())
+                out[start:stop, r0:r1] = torch.mm(x_e, w.to(dtype).t())
     return out
 
 

@@ -1,0 +1,132 @@
+"""The MXFP4 row kernels (moeroute.quant._mxfp4_host) against plain NumPy from the definition.
+
+The reference decodes each nibble by table (low nibble = even element, bit 3 the sign),
+multiplies by 2 ** (s - 127) and sums in float64; the kernels sum in float32 in their own
+order, so values agree to 1e-5 of the largest reference value.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moeroute.bindings.torch import _rows
+from moeroute.quant import _mxfp4_host
+
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+RTOL = 1e-5
+DOTS = [pytest.param(_mxfp4_host.dots_portable, id="portable"),
+        pytest.param(_mxfp4_host.dots_simd, id="simd",
+                     marks=pytest.mark.skipif(not _mxfp4_host.SIMD, reason="no AVX2, FMA and F16C here"))]
+ROW_TUPLES = [(0,), (3, 1), (2, 2, 5), (5, 0, 4, 1)]
+#: Rows per expert (0 = not hit): one, the 4-row tile with each remainder, an empty expert.
+COUNTS = [(1, 0, 2, 3), (4, 5, 0, 9), (0, 0, 1, 0), (7, 1, 6, 2)]
+
+
+def plain_weights(blocks, scales):
+    """float64 [..., rows, G*32] straight from the definition."""
+    values = np.stack([E2M1[blocks & 15], E2M1[blocks >> 4]], axis=-1).reshape(*blocks.shape[:-1], 32)
+    return (values * 2.0 ** (scales.astype(np.float64)[..., None] - 127)).reshape(*scales.shape[:-1], -1)
+
+
+def packed(rng, *shape):
+    """Random blocks [*shape, 16] and scale bytes [*shape] around 127."""
+    return rng.integers(0, 256, (*shape, 16), dtype=np.uint8), rng.integers(112, 136, shape).astype(np.uint8)
+
+
+def split(x):
+    out = np.empty_like(x)
+    _mxfp4_host.split_blocks(x, out)
+    return out
+
+
+def assert_close(actual, expected):
+    scale = max(np.abs(expected).max(), 1e-30)
+    np.testing.assert_array_less(np.abs(actual - expected) / scale, RTOL)
+
+
+def test_split_blocks_puts_even_then_odd_elements():
+    x = np.arange(2 * 96, dtype=np.float32).reshape(2, 96)
+    expected = x.reshape(2, 3, 16, 2).transpose(0, 1, 3, 2).reshape(2, 96)
+    np.testing.assert_array_equal(split(x), expected)
+
+
+#: Scale bytes of every block, with the activations' magnitude: the usual range, the
+#: smallest scale (2 ** -127, a float32 subnormal) and the largest (2 ** 127, whose weights
+#: exceed float32 unless the dot stays small).
+SCALE_CASES = [pytest.param((112, 136), 1.0, id="usual"), pytest.param((0, 1), 1.0, id="byte_0"),
+               pytest.param((254, 255), 2.0 ** -40, id="byte_254")]
+
+
+@pytest.mark.parametrize("dots", DOTS)
+@pytest.mark.parametrize("rows", ROW_TUPLES)
+@pytest.mark.parametrize("scale_range, magnitude", SCALE_CASES)
+def test_block_dots_match_the_definition(dots, rows, scale_range, magnitude):
+    rng = np.random.default_rng(len(rows))
+    blocks = rng.integers(0, 256, (9, 16), dtype=np.uint8)
+    blocks[0] = np.arange(0, 256, 16) + np.arange(16)  # every nibble in both halves
+    scales = rng.integers(*scale_range, 9).astype(np.uint8)
+    x = (rng.standard_normal((6, 9 * 32)) * magnitude).astype(np.float32)
+    out = np.full(4, np.nan, np.float32)
+    dots(blocks, scales, split(x), rows, out)
+    expected = x.astype(np.float64)[list(rows)] @ plain_weights(blocks, scales)
+    assert_close(out[:len(rows)], expected)
+
+
+def plan(counts, seed):
+    """Routing with ``counts[e]`` rows per expert over enough tokens (top-2, distinct experts)."""
+    rng = np.random.default_rng(seed)
+    num_tokens = max(counts) + 1
+    ids = np.full((num_tokens, len(counts)), -1, np.int32)
+    for e, count in enumerate(counts):
+        ids[rng.choice(num_tokens, count, replace=False), e] = e
+    weights = rng.random(ids.shape).astype(np.float32)
+    return ids, weights
+
+
+@pytest.mark.parametrize("serial", [False, True], ids=["parallel", "serial"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("counts", COUNTS)
+def test_row_kernels_match_the_definition(counts, with_bias, serial):
+    hidden, inter, num_experts = 96, 160, len(counts)  # 2I = 320: five weight-row blocks, the last partial
+    rng = np.random.default_rng(sum(counts))
+    ids, weights = plan(counts, sum(counts))
+    num_tokens = ids.shape[0]
+    gate_up_blocks, gate_up_scales = packed(rng, num_experts, 2 * inter, hidden // 32)
+    down_blocks, down_scales = packed(rng, num_experts, hidden, inter // 32)
+    gate_up_bias = rng.standard_normal((num_experts, 2 * inter)).astype(np.float32)
+    down_bias = rng.standard_normal((num_experts, hidden)).astype(np.float32)
+    no_bias = np.zeros((0, 0), np.float32)
+    x = rng.standard_normal((num_tokens, hidden)).astype(np.float32)
+    blocks_per_expert = -(-2 * inter // _mxfp4_host.ROW_BLOCK)
+    tokens, slot_weights, offsets, hit, work = _rows.plan_rows(ids, weights, num_experts, blocks_per_expert)
+    gate_up_rows = _mxfp4_host.gate_up_rows_serial if serial else _mxfp4_host.gate_up_rows
+    down_rows = _mxfp4_host.down_rows_serial if serial else _mxfp4_host.down_rows
+
+    gate_up = np.full((tokens.shape[0], 2 * inter), np.nan, np.float32)
+    gate_up_rows(split(x), tokens, offsets, work, gate_up_blocks, gate_up_scales,
+                 gate_up_bias if with_bias else no_bias, gate_up)
+    acts = rng.standard_normal((tokens.shape[0], inter)).astype(np.float32)
+    sums = np.zeros((num_tokens, hidden), np.float32)
+    down_rows(split(acts), tokens, slot_weights, offsets, hit, down_blocks, down_scales,
+              down_bias if with_bias else no_bias, sums)
+
+    w_gate_up, w_down = plain_weights(gate_up_blocks, gate_up_scales), plain_weights(down_blocks, down_scales)
+    expected_gate_up = np.empty(gate_up.shape)
+    expected_sums = np.zeros(sums.shape)
+    for e in range(num_experts):
+        for m in range(offsets[e], offsets[e + 1]):
+            expected_gate_up[m] = w_gate_up[e] @ x[tokens[m]] + (gate_up_bias[e] if with_bias else 0.0)
+            expected_sums[tokens[m]] += slot_weights[m] * (w_down[e] @ acts[m] + (down_bias[e] if with_bias else 0.0))
+    assert_close(gate_up, expected_gate_up)
+    assert_close(sums, expected_sums)
+
+
+def test_dequantize_rows_matches_the_definition():
+    rng = np.random.default_rng(7)
+    blocks, scales = packed(rng, 5, 3)
+    blocks[0, 0] = np.arange(0, 256, 16) + np.arange(16)  # every code in both nibbles
+    scales[1] = (0, 252, 127)  # the smallest scale (a subnormal 2 ** -127) and a large one
+    out = np.full((3, 96), np.nan, np.float32)
+    _mxfp4_host.dequantize_rows(blocks, scales, 1, 4, out)
+    np.testing.assert_array_equal(out, plain_weights(blocks, scales)[1:4].astype(np.float32))
