@@ -296,6 +296,74 @@ def down_rows_serial(acts, tokens, slot_weights, offsets, experts, blocks, scale
         _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, b)
 
 
+@intrinsic
+def _decode_row_split_simd(typingctx, blocks_row, scales_row, out):
+    """out [G*32] float32 <- one packed row's values in `split_blocks` order (per block its 16
+    even then its 16 odd elements), each block scaled: the `_decode_block` vectors stored,
+    not dotted (x86 vector code: AVX2, F16C)."""
+    if not all(isinstance(a, types.Array) and a.layout == "C" for a in (blocks_row, scales_row, out)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+        v16i8, v8f = ir.VectorType(i8, 16), ir.VectorType(f32, 8)
+        blocks = context.make_array(signature.args[0])(context, builder, args[0])
+        scales = context.make_array(signature.args[1])(context, builder, args[1])
+        target = context.make_array(signature.args[2])(context, builder, args[2])
+        groups = builder.extract_value(blocks.shape, 0)
+        index_type = groups.type
+        block_ptr = builder.bitcast(blocks.data, v16i8.as_pointer())
+        out_ptr = builder.bitcast(target.data, v8f.as_pointer())
+        scale_table = cgutils.global_constant(builder, "mxfp4_scales",
+                                              ir.Constant(ir.ArrayType(f32, 256), [float(v) for v in _SCALES]))
+        with cgutils.for_range(builder, groups) as loop:
+            g = loop.index
+            block = builder.load(builder.gep(block_ptr, [g]), align=1)
+            byte = builder.zext(builder.load(builder.gep(scales.data, [g])), i32)
+            scale = builder.load(builder.gep(scale_table, [ir.Constant(i32, 0), byte]))
+            scale = builder.insert_element(ir.Constant(v8f, ir.Undefined), scale, ir.Constant(i32, 0))
+            scale = builder.shuffle_vector(scale, ir.Constant(v8f, ir.Undefined),
+                                           ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+            values = _decode_block(builder, block)
+            base = builder.mul(g, ir.Constant(index_type, 4))
+            # split order: even bytes 0-7, even bytes 8-15, odd bytes 0-7, odd bytes 8-15
+            for k, vector in enumerate((values[0], values[2], values[1], values[3])):
+                builder.store(builder.fmul(vector, scale),
+                              builder.gep(out_ptr, [builder.add(base, ir.Constant(index_type, k))]), align=4)
+        return context.get_dummy_value()
+
+    return types.none(blocks_row, scales_row, out), codegen
+
+
+@numba.njit(fastmath=True)
+def _decode_row_split_portable(blocks_row, scales_row, w):
+    """`_decode_row_split_simd` as a plain loop, for any CPU."""
+    for g in range(blocks_row.shape[0]):
+        half_scale = _SCALES[scales_row[g]] * np.float32(0.5)
+        base = g * MXFP4_BLOCK
+        block = blocks_row[g]
+        for j in range(_BLOCK_BYTES):
+            byte = np.int32(block[j])
+            w[base + j] = _e2m1_value(byte & 0x0F, half_scale)
+            w[base + _BLOCK_BYTES + j] = _e2m1_value(byte >> 4, half_scale)
+
+
+@numba.njit(fastmath=True)
+def _decode_row_split_vector(blocks_row, scales_row, w):
+    _decode_row_split_simd(blocks_row, scales_row, w)
+
+
+_decode_row_split = _decode_row_split_vector if SIMD else _decode_row_split_portable
+
+
+@numba.njit(fastmath=True, cache=True)
+def dequantize_rows_split(blocks, scales, row_start, row_stop, out):
+    """`dequantize_rows` in `split_blocks` order (to multiply with `split_blocks` activations:
+    a dot product does not depend on the order of its terms)."""
+    for r in range(row_start, row_stop):
+        _decode_row_split(blocks[r], scales[r], out[r - row_start])
+
+
 @numba.njit(fastmath=True, inline="always")
 def _e2m1_value(code, half_scale):
     """e2m1[code] * 2 * half_scale by arithmetic (no table: the loop vectorizes): twice the

@@ -130,3 +130,21 @@ def test_dequantize_rows_matches_the_definition():
     out = np.full((3, 96), np.nan, np.float32)
     _mxfp4_host.dequantize_rows(blocks, scales, 1, 4, out)
     np.testing.assert_array_equal(out, plain_weights(blocks, scales)[1:4].astype(np.float32))
+
+
+@pytest.mark.parametrize("decode", [
+    pytest.param("simd", marks=pytest.mark.skipif(not _mxfp4_host.SIMD, reason="no AVX2, FMA and F16C here")),
+    "portable"])
+def test_dequantize_rows_split_is_the_definition_in_split_order(decode):
+    rng = np.random.default_rng(8)
+    blocks, scales = packed(rng, 6, 3)
+    blocks[0, 0] = np.arange(0, 256, 16) + np.arange(16)  # every code in both nibbles
+    scales[1] = (0, 254, 127)  # the smallest scale (a subnormal 2 ** -127) and the largest
+    out = np.full((4, 96), np.nan, np.float32)
+    if decode == "simd":
+        _mxfp4_host.dequantize_rows_split(blocks, scales, 1, 5, out)
+    else:
+        for r in range(1, 5):
+            _mxfp4_host._decode_row_split_portable(blocks[r], scales[r], out[r - 1])
+    want = split(plain_weights(blocks, scales)[1:5].astype(np.float32))
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))

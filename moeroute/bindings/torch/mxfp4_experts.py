@@ -151,7 +151,8 @@ def _blocks_gemm(xs, offsets, hit, blocks, scales, dtype):
 
     On the CPU the chunks are float32 and so is the GEMM: a bfloat16 GEMM there is about 3x
     slower than float32 where the CPU has no bfloat16 instructions, and the bfloat16
-    activations are exact in float32.
+    activations are exact in float32. Both operands are in `_mxfp4_host.split_blocks` order
+    (the vector decode writes each block's even values, then its odd ones).
     """
     rows_out, cols = blocks.shape[1], blocks.shape[2] * 32
     out = torch.empty(xs.shape[0], rows_out, dtype=torch.float32, device=xs.device)
@@ -159,8 +160,8 @@ def _blocks_gemm(xs, offsets, hit, blocks, scales, dtype):
     chunk_rows = min(rows_out, max(1, CHUNK_BYTES // (4 * cols)))
     buffer = torch.empty(chunk_rows, cols, dtype=torch.float32, device=xs.device)
     x_cast = xs.to(dtype)
-    if on_cpu:
-        x_cast = x_cast.float()
+    if on_cpu:  # float32, each block's even then odd values: the order the decode writes
+        x_cast = torch.from_numpy(_split(x_cast))
     for e in hit:
         start, stop = int(offsets[e]), int(offsets[e + 1])
         x_e = x_cast[start:stop]
@@ -169,7 +170,7 @@ def _blocks_gemm(xs, offsets, hit, blocks, scales, dtype):
             r1 = min(rows_out, r0 + chunk_rows)
             w = buffer[:r1 - r0]
             if on_cpu:
-                _mxfp4_host.dequantize_rows(blocks_e.numpy(), scales_e.numpy(), r0, r1, w.numpy())
+                _mxfp4_host.dequantize_rows_split(blocks_e.numpy(), scales_e.numpy(), r0, r1, w.numpy())
                 out[start:stop, r0:r1] = torch.mm(x_e, w.t())
             else:
                 w.copy_(decode_mxfp4(blocks_e[r0:r1], scales_e[r0:r1]))
