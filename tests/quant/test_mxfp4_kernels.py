@@ -1,4 +1,4 @@
-"""The MXFP4 row kernels (moeroute.quant._mxfp4_host) against plain NumPy from the definition.
+"""The MXFP4 row kernels (moeroute.quant._mxfp4_host, moeroute.bindings.torch._mxfp4_rows) against plain NumPy from the definition.
 
 The reference decodes each nibble by table (low nibble = even element, bit 3 the sign),
 multiplies by 2 ** (s - 127) and sums in float64; the kernels sum in float32 in their own
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moeroute.bindings.torch import _rows
+from moeroute.bindings.torch import _mxfp4_rows, _rows
 from moeroute.quant import _mxfp4_host
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -84,10 +84,11 @@ def plan(counts, seed):
     return ids, weights
 
 
+@pytest.mark.parametrize("kernels", [_mxfp4_host, _mxfp4_rows], ids=["tiles", "decoded_once"])
 @pytest.mark.parametrize("serial", [False, True], ids=["parallel", "serial"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("counts", COUNTS)
-def test_row_kernels_match_the_definition(counts, with_bias, serial):
+def test_row_kernels_match_the_definition(counts, with_bias, serial, kernels):
     hidden, inter, num_experts = 96, 160, len(counts)  # 2I = 320: five weight-row blocks, the last partial
     rng = np.random.default_rng(sum(counts))
     ids, weights = plan(counts, sum(counts))
@@ -100,8 +101,8 @@ def test_row_kernels_match_the_definition(counts, with_bias, serial):
     x = rng.standard_normal((num_tokens, hidden)).astype(np.float32)
     blocks_per_expert = -(-2 * inter // _mxfp4_host.ROW_BLOCK)
     tokens, slot_weights, offsets, hit, work = _rows.plan_rows(ids, weights, num_experts, blocks_per_expert)
-    gate_up_rows = _mxfp4_host.gate_up_rows_serial if serial else _mxfp4_host.gate_up_rows
-    down_rows = _mxfp4_host.down_rows_serial if serial else _mxfp4_host.down_rows
+    gate_up_rows = kernels.gate_up_rows_serial if serial else kernels.gate_up_rows
+    down_rows = kernels.down_rows_serial if serial else kernels.down_rows
 
     gate_up = np.full((tokens.shape[0], 2 * inter), np.nan, np.float32)
     gate_up_rows(split(x), tokens, offsets, work, gate_up_blocks, gate_up_scales,

@@ -5,17 +5,21 @@ For the rows one rank received (``[Tr, H]`` with local expert ids and weights), 
 present) over weights stored as MXFP4 blocks and scale bytes (`moeroute.quant.mxfp4`). The
 activations stay in their dtype (bfloat16, float16 or float32); sums are float32.
 
-The packed bytes are never dequantized whole. The two strategies of the FP8 experts, by
-rows per expert (`moeroute.bindings.torch.quant_strategy.choose_strategy`):
+The packed bytes are never dequantized whole. Two strategies:
 
-* "rows" (decode): the Numba kernels of `moeroute.quant._mxfp4_host` read each packed weight
-  row once, decode its nibbles in registers (AVX2 where the CPU has it) and dot them with up
-  to four of the expert's rows per pass: memory reads half a byte per weight. The biases and
-  the combine happen inside the kernels, and the bookkeeping is one Numba pass
-  (`moeroute.bindings.torch._rows.plan_rows`), as for the float row kernels.
-* "blocks" (prefill): per expert, `CHUNK_BYTES` of weight rows at a time are decoded into
-  one reusable float32 buffer and multiplied with torch (a float32 GEMM on the CPU: the
-  bfloat16 activations are exact in it). On a device the decode is torch's (`decode_mxfp4`).
+* "rows" (every CPU call under "auto"): each packed weight row is read once. With few rows
+  per expert, the Numba kernels of `moeroute.quant._mxfp4_host` decode its nibbles in
+  registers (AVX2 where the CPU has it) and dot them with up to four of the expert's rows
+  per pass; from `DECODED_MIN_ROWS` rows per hit expert on, `moeroute.bindings.torch._mxfp4_rows`
+  decodes each weight row once into cache and the float32 row kernels dot it with all of
+  them. Memory reads half a byte per weight. The biases and the combine happen inside the
+  kernels, and the bookkeeping is one Numba pass (`moeroute.bindings.torch._rows.plan_rows`),
+  as for the float row kernels. (Measured against "blocks" at T = 128 / 512 / 2048 on the
+  gpt-oss-20b expert shape, 2 threads: 0.62 / 1.05 / 8.6 s against 3.5 / 1.66 / 12.6 s.)
+* "blocks" (on request, and on a device): per expert, `CHUNK_BYTES` of weight rows at a
+  time are decoded into one reusable float32 buffer and multiplied with torch (a float32
+  GEMM on the CPU: the bfloat16 activations are exact in it). On a device the decode is
+  torch's (`decode_mxfp4`).
 """
 
 from __future__ import annotations
@@ -23,13 +27,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moeroute.bindings.torch import _rows, arrays
+from moeroute.bindings.torch import _mxfp4_rows, _rows, arrays
 from moeroute.bindings.torch.activations import gated_activation
 from moeroute.bindings.torch.experts import _bias_view, _numba_threads
 from moeroute.quant import QuantConfig, check_mxfp4
 from moeroute.quant import _mxfp4_host
 from moeroute.quant.mxfp4 import decode_mxfp4
-from moeroute.bindings.torch.quant_strategy import choose_strategy
 from moeroute.routing._parallel import cpu_threads
 
 __all__ = ["mxfp4_experts_forward", "check_mxfp4_weights", "MXFP4_STRATEGIES", "CHUNK_BYTES",
@@ -39,6 +42,9 @@ __all__ = ["mxfp4_experts_forward", "check_mxfp4_weights", "MXFP4_STRATEGIES", "
 MXFP4_STRATEGIES = ("auto", "rows", "blocks")
 #: Bytes of decoded weights per chunk of the "blocks" strategy (one reusable buffer).
 CHUNK_BYTES = 16 << 20
+#: Mean rows per hit expert from which the row strategy decodes each weight row once into
+#: cache (`moeroute.bindings.torch._mxfp4_rows`) instead of once per tile of four rows.
+DECODED_MIN_ROWS = 12
 
 
 def mxfp4_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor,
@@ -74,14 +80,12 @@ def mxfp4_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, 
     top_k = local_ids.shape[1]
     dtype, device = hidden_states.dtype, hidden_states.device
     if device.type == "cpu" and strategy != "blocks":
-        # The row kernels' bookkeeping (one Numba pass) also gives the counts "auto" needs.
         blocks_per_expert = -(-two_inter // _mxfp4_host.ROW_BLOCK)
         plan = _rows.plan_rows(local_ids.detach().contiguous().numpy(),
                                weights.detach().to(torch.float32).contiguous().numpy(), num_experts,
                                blocks_per_expert)
-        if strategy == "rows" or choose_strategy(np.diff(plan[2]).tolist()) == "rows":
-            return _rows_forward(hidden_states, plan, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
-                                 gate_up_bias, down_bias, activation)
+        return _rows_forward(hidden_states, plan, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
+                             gate_up_bias, down_bias, activation)
     sorted_slots, expert_offsets, _ = arrays.sort_by_expert(local_ids, num_experts)
     offsets = expert_offsets.to(torch.int64)
     counts = (offsets[1:] - offsets[:-1]).tolist()
@@ -120,9 +124,11 @@ def _rows_forward(hidden_states, plan, gate_up_blocks, gate_up_scales, down_bloc
     xs = _split(hidden_states)
     gate_up = torch.empty(tokens.shape[0], 2 * inter, dtype=torch.float32)
     threads = cpu_threads()
-    # One thread: the serial kernels, with no parallel region to start.
-    gate_up_rows, down_rows = ((_mxfp4_host.gate_up_rows_serial, _mxfp4_host.down_rows_serial) if threads == 1
-                               else (_mxfp4_host.gate_up_rows, _mxfp4_host.down_rows))
+    # Few rows per expert: decode in registers per tile of rows; more: decode each weight row
+    # once into cache for all of them. One thread: the serial kernels (no parallel region).
+    kernels = _mxfp4_rows if tokens.shape[0] >= DECODED_MIN_ROWS * hit.shape[0] else _mxfp4_host
+    gate_up_rows, down_rows = ((kernels.gate_up_rows_serial, kernels.down_rows_serial) if threads == 1
+                               else (kernels.gate_up_rows, kernels.down_rows))
     with _numba_threads(threads):
         gate_up_rows(xs, tokens, offsets, work, _packed(gate_up_blocks), _packed(gate_up_scales),
                      _bias_view(gate_up_bias), gate_up.numpy())

@@ -1,0 +1,102 @@
+"""MXFP4 row kernels for experts that serve many rows: each packed weight row is decoded once
+into a float32 buffer (`moeroute.quant._mxfp4_host`'s vector decode, in `split_blocks`
+order) and dotted with all the expert's rows by the float32 row kernels of
+`moeroute.bindings.torch._rows` (two weight rows by four activation rows per pass).
+
+The few-row kernels of `moeroute.quant._mxfp4_host` decode in registers for every tile of
+four rows, which is cheapest when an expert serves one to a few rows; past that the decode
+repeats per tile and these kernels, which decode once, win. Activations are float32 in
+`split_blocks` order: a dot product does not depend on the order of its terms. Arguments as
+in `moeroute.quant._mxfp4_host.gate_up_rows` / ``down_rows``.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from moeroute.bindings.torch import _rows
+from moeroute.quant import _mxfp4_host
+
+__all__ = ["gate_up_rows", "gate_up_rows_serial", "down_rows", "down_rows_serial"]
+
+ROW_BLOCK = _mxfp4_host.ROW_BLOCK
+_ROW_TILE = 4
+
+
+@numba.njit(fastmath=True)
+def _decode_pair(blocks, scales, e, n, pair, buffer):
+    _mxfp4_host._decode_row_split(blocks[e, n], scales[e, n], buffer[0])
+    if pair:
+        _mxfp4_host._decode_row_split(blocks[e, n + 1], scales[e, n + 1], buffer[1])
+
+
+@numba.njit(fastmath=True)
+def _gate_up_item(xs, tokens, offsets, e, b, blocks, scales, bias, out):
+    """Block ``b`` of expert ``e``'s gate_up rows for all its sorted rows."""
+    buffer = np.empty((2, xs.shape[1]), np.float32)
+    tile = np.empty(2 * _ROW_TILE, np.float32)
+    start, stop = offsets[e], offsets[e + 1]
+    last = min(blocks.shape[1], (b + 1) * ROW_BLOCK)
+    for n in range(b * ROW_BLOCK, last, 2):
+        pair = n + 1 < last
+        _decode_pair(blocks, scales, e, n, pair, buffer)
+        _rows._rows_times_weights(xs, tokens, start, stop, buffer[0], buffer[1], pair, tile, out, n)
+    if bias.shape[0] > 0:
+        for m in range(start, stop):
+            for n in range(b * ROW_BLOCK, last):
+                out[m, n] += bias[e, n]
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def gate_up_rows(xs, tokens, offsets, work, blocks, scales, bias, out):
+    """out[m, n] = xs[tokens[m]] . W_e[n] (+ bias[e, n]), each weight row decoded once."""
+    for item in numba.prange(work.shape[0]):
+        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], blocks, scales, bias, out)
+
+
+@numba.njit(fastmath=True, cache=True)
+def gate_up_rows_serial(xs, tokens, offsets, work, blocks, scales, bias, out):
+    """`gate_up_rows` on the calling thread."""
+    for item in range(work.shape[0]):
+        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], blocks, scales, bias, out)
+
+
+@numba.njit(fastmath=True)
+def _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, b):
+    """Output columns of block ``b`` over every hit expert."""
+    rows = np.arange(acts.shape[0])
+    buffer = np.empty((2, acts.shape[1]), np.float32)
+    tile = np.empty(2 * _ROW_TILE, np.float32)
+    first, last = b * ROW_BLOCK, min(blocks.shape[1], (b + 1) * ROW_BLOCK)
+    dots = np.empty((0, ROW_BLOCK), np.float32)
+    for i in range(experts.shape[0]):
+        e = experts[i]
+        start, stop = offsets[e], offsets[e + 1]
+        if dots.shape[0] < stop - start:
+            dots = np.empty((stop - start, ROW_BLOCK), np.float32)
+        for n in range(first, last, 2):
+            pair = n + 1 < last
+            _decode_pair(blocks, scales, e, n, pair, buffer)
+            _rows._rows_times_weights(acts[start:stop], rows, 0, stop - start, buffer[0], buffer[1], pair,
+                                      tile, dots, n - first)
+        for m in range(start, stop):
+            t, weight = tokens[m], slot_weights[m]
+            for n in range(first, last):
+                add = bias[e, n] if bias.shape[0] > 0 else np.float32(0.0)
+                sums[t, n] += weight * (dots[m - start, n - first] + add)
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def down_rows(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums):
+    """sums[tokens[m], n] += slot_weights[m] * (acts[m] . W_e[n] (+ bias[e, n])), each weight
+    row decoded once; threads split the output columns (one writer per sum)."""
+    for b in numba.prange((blocks.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
+        _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, b)
+
+
+@numba.njit(fastmath=True, cache=True)
+def down_rows_serial(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums):
+    """`down_rows` on the calling thread."""
+    for b in range((blocks.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
+        _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, b)
