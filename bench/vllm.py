@@ -5,8 +5,9 @@ Run in the vLLM venv (``make test-vllm`` builds it): ``.venv-vllm/bin/python ben
 Layer: a Qwen3-MoE-like layer (H=1024, I=384, N=64, K=8, bfloat16) at T = 1, 8, 64, 512.
 Baseline: vLLM's own CPU experts op (``cpu_fused_moe`` on the weights prepacked by
 ``cpu_prepack_moe_weight``, the ISA vLLM picks on this machine), what vLLM's
-``UnquantizedFusedMoEMethod`` runs on a CPU. Candidate: ``torch.ops.moeroute.experts`` on
-the same weights in the loaded (Hugging Face) layout, what the plugin runs. Both get the
+``UnquantizedFusedMoEMethod`` runs on a CPU. Candidate: the body of
+``torch.ops.moeroute.experts`` (``ops.experts``) on the same weights in the loaded (Hugging
+Face) layout, what the plugin runs in vLLM's eager layer call. Both get the
 same routing (topk_ids, topk_weights) and input, and their outputs are compared. A second
 pair adds each side's routing from the same logits (vLLM's CPU softmax top-k; moeroute's
 select_experts), i.e. the whole method call.
@@ -71,7 +72,7 @@ def layer_bench(repeats: dict) -> list[dict]:
     from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
     from vllm.model_executor.layers.fused_moe.router.cpu_router import _softmax_topk
 
-    from moeroute.bindings.torch import ops
+    from moeroute.bindings.torch import arrays, ops
     from moeroute.config import RouterConfig
 
     isa = vllm_isa()
@@ -91,8 +92,10 @@ def layer_bench(repeats: dict) -> list[dict]:
             cpu_fused_moe(out, x, w13_packed, w2_packed, None, None, topk_weights, topk_ids, "silu", isa)
             return out
 
+        # What the plugin runs inside vLLM's eager layer call: the ops' bodies, no op dispatch
+        # (moeroute.bindings.torch.ops.runs_eagerly).
         def moeroute_experts(x=x, topk_weights=topk_weights, topk_ids=topk_ids):
-            return torch.ops.moeroute.experts(x, w13, w2, topk_ids, topk_weights, "silu", "auto")
+            return ops.experts(x, w13, w2, topk_ids, topk_weights, "silu", "auto")
 
         def vllm_method(x=x, logits=logits):
             weights, ids = _softmax_topk(logits, TOP_K, True)
@@ -101,8 +104,8 @@ def layer_bench(repeats: dict) -> list[dict]:
             return out
 
         def moeroute_method(x=x, logits=logits):
-            weights, ids = ops.select_experts(logits, router)
-            return torch.ops.moeroute.experts(x, w13, w2, ids, weights, "silu", "auto")
+            weights, ids = arrays.select_experts(logits, router)
+            return ops.experts(x, w13, w2, ids, weights, "silu", "auto")
 
         expected, got = vllm_experts().float(), moeroute_experts().float()
         difference = float((expected - got).abs().max() / expected.abs().max())
