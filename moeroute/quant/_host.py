@@ -373,3 +373,49 @@ def dequantize_rows_bf16(q, scale, row_start, row_stop, scale_row_offset, bn, bk
             b = bits[k]
             # Round the float32 to its upper 16 bits: add 0x7fff plus the kept LSB (ties to even).
             target[k] = np.int16((b + 0x7FFF + ((b >> 16) & 1)) >> 16)
+
+
+# Not fastmath: the scale is an IEEE division, as torch computes it (fastmath would let LLVM
+# multiply by a reciprocal), so the values match `moeroute.quant.quantize_fp8_activations`
+# bit for bit.
+@numba.njit(cache=True)
+def quantize_rows(x, group, round_bf16, min_amax, q_out, s_out):
+    """q_out, s_out <- the dynamic e4m3 quantization of float32 rows ``x [M, K]`` per group of
+    ``group`` columns, ``quantize_fp8_activations``' numerics with ``scale_fmt="float"``.
+
+    ``s = max(amax(|x_group|), min_amax) / 448``, ``q = e4m3(clamp(x / s, -448, 448))``
+    rounded to nearest, ties to even; q_out [M, K] float32 holds the e4m3 values, s_out
+    [M, ceil(K/group)] float32 the scales. ``round_bf16``: ``x`` is first rounded to
+    bfloat16 (nearest, ties to even), as the cast to the activation dtype does. Serial: it
+    runs between other calls on small batches, where a parallel region costs more.
+    """
+    rows, cols = x.shape
+    for m in range(rows):
+        row, q_row = x[m], q_out[m]
+        q_bits = q_row.view(np.int32)
+        if round_bf16:
+            bits = q_row.view(np.int32)
+            source = row.view(np.int32)
+            for k in range(cols):
+                b = source[k]
+                bits[k] = (b + 0x7FFF + ((b >> 16) & 1)) & np.int32(-65536)
+            row = q_row
+        for g in range((cols + group - 1) // group):
+            k0 = g * group
+            k1 = min(cols, k0 + group)
+            amax = np.float32(0.0)
+            for k in range(k0, k1):
+                amax = max(amax, abs(row[k]))
+            scale = max(amax, min_amax) / np.float32(448.0)
+            s_out[m, g] = scale
+            for k in range(k0, k1):
+                v = min(max(row[k] / scale, np.float32(-448.0)), np.float32(448.0))
+                a = abs(v)
+                if a < np.float32(2.0 ** -6):  # e4m3 subnormals: multiples of 2**-9
+                    r = np.float32(np.rint(a * np.float32(512.0)) / np.float32(512.0))
+                    q_row[k] = -r if v < 0 else r
+                else:  # keep 3 mantissa bits (nearest, ties to even), in q_row's bits
+                    q_row[k] = a
+                    b = q_bits[k]
+                    q_bits[k] = ((b + 0x7FFFF + ((b >> 20) & 1)) & np.int32(-1048576)) | (
+                        np.int32(-2147483648) if v < 0 else np.int32(0))

@@ -327,3 +327,37 @@ def test_row_kernels_every_tile_shape_against_reference(fmt, threads):
         torch.set_num_threads(previous)
     expected = moe_experts_reference(x, ids, weights, *q, quant.block_size if fmt != "tensor" else None)
     assert rel_error(out, expected) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols,group", [(256, 128), (200, 64), (300, 128)])
+def test_row_quantizer_matches_quantize_fp8_activations(dtype, cols, group):
+    # The Numba quantizer of the row strategy, bit for bit against moeroute.quant's torch
+    # definition: every e4m3 value, the midpoints between neighbours and one float32 step to
+    # either side of each, plus random rows over a wide range of magnitudes.
+    import numpy as np
+
+    from moeroute.quant import _host, quantize_fp8_activations
+
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = values[torch.isfinite(values)].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    probes = torch.cat([values, mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9))])
+    rows = -(-probes.numel() // (group - 1))
+    x = _randn(rows + 16, cols, seed=6) * torch.logspace(-6, 3, rows + 16)[:, None]
+    grid = torch.zeros(rows, group - 1)
+    grid.view(-1)[:probes.numel()] = probes
+    x[:rows, 0] = 448.0  # amax 448: scale 1, the probes quantized as they are
+    x[:rows, 1:group] = grid
+    x = x.to(dtype)
+    q_ref, s_ref = quantize_fp8_activations(x, group)
+    q = np.empty(x.shape, np.float32)
+    s = np.empty((x.shape[0], -(-cols // group)), np.float32)
+    _host.quantize_rows(x.float().numpy(), group, False, np.float32(1e-10), q, s)
+    assert torch.equal(torch.from_numpy(q), q_ref.float())
+    assert torch.equal(torch.from_numpy(s), s_ref)
+    # Rounded to bfloat16 first, as the intermediate is.
+    _host.quantize_rows(x.float().numpy() * np.float32(1.01), group, True, np.float32(1e-10), q, s)
+    q_ref, s_ref = quantize_fp8_activations((x.float() * 1.01).bfloat16(), group)
+    assert torch.equal(torch.from_numpy(q), q_ref.float())
+    assert torch.equal(torch.from_numpy(s), s_ref)

@@ -35,6 +35,7 @@ from moeroute.bindings.torch.experts import _numba_threads
 from moeroute.bindings.torch.mxfp4_experts import mxfp4_experts_forward
 from moeroute.bindings.torch.quant_strategy import choose_strategy as choose_fp8_strategy
 from moeroute.quant import FP8_DTYPE, QuantConfig, check_scale, quantize_fp8_activations, quantize_fp8_static
+from moeroute.quant.fp8 import MIN_AMAX
 from moeroute.quant import _host
 from moeroute.routing._parallel import cpu_threads
 
@@ -306,10 +307,11 @@ def _rows_forward(hidden_states, received, plan, q_gate_up, gu_scale, gu_block, 
         q_x, s_x = _quantized_rows(hidden_states[torch.from_numpy(tokens)], config, gu_groups,
                                    input_scale[row_expert, 0].float())
         x_rows = np.arange(tokens.shape[0])
-    else:  # quantized once per token (on the sending rank with FP8 dispatch)
-        q_x, s_x = ((received.q, received.scales) if received is not None
-                    else quantize_fp8_activations(hidden_states, config.activation_group_size, config.scale_fmt))
-        q_x, s_x = q_x.float(), s_x.expand(-1, gu_groups).contiguous()
+    elif received is not None:  # quantized once per token on the sending rank (FP8 dispatch)
+        q_x, s_x = received.q.float(), received.scales.expand(-1, gu_groups).contiguous()
+        x_rows = tokens
+    else:  # quantized once per token
+        q_x, s_x = _quantized_rows(hidden_states, config, gu_groups)
         x_rows = tokens
     gate_up = torch.empty(tokens.shape[0], 2 * inter, dtype=torch.float32)
     threads = cpu_threads()
@@ -320,18 +322,37 @@ def _rows_forward(hidden_states, received, plan, q_gate_up, gu_scale, gu_block, 
         gate_up_rows(q_x.numpy(), s_x.numpy(), x_rows, offsets, work, q_gate_up.view(torch.uint8).numpy(),
                      gu_scale.numpy(), inter, gu_block[0], gu_block[1], gate_up.numpy())
         act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
-        if act_dtype != torch.float32:  # the intermediate in the activation dtype, as GPUs keep it
-            act = act.to(act_dtype)
-        q_act, s_act = _quantized_rows(act, config, d_groups, input_scale[row_expert, 1].float() if static else None)
+        # The intermediate rounded to the activation dtype (as GPUs keep it), then quantized.
+        q_act, s_act = _quantized_rows(act, config, d_groups, input_scale[row_expert, 1].float() if static else None,
+                                       round_to=act_dtype)
         down_rows(q_act.numpy(), s_act.numpy(), tokens, slot_weights, offsets, hit,
                   q_down.view(torch.uint8).numpy(), d_scale.numpy(), d_block[0], d_block[1], sums.numpy())
     return sums if act_dtype == torch.float32 else sums.to(act_dtype)
 
 
-def _quantized_rows(x: torch.Tensor, config: QuantConfig, groups: int, static_scale=None):
+def _quantized_rows(x: torch.Tensor, config: QuantConfig, groups: int, static_scale=None, round_to=None):
     """``(q_a, s_a)`` of activations ``x [M, K]``, the two factors of `fake_quantize`: the e4m3
     values as float32 [M, K] and their scales float32 [M, groups], one per row and weight
-    column block (a per-row scale repeated over the blocks)."""
+    column block (a per-row scale repeated over the blocks). ``round_to``: the dtype ``x`` is
+    first rounded to (the activation dtype of the intermediate).
+
+    Dynamic float scales of float32 or bfloat16 values run in one serial Numba pass
+    (`moeroute.quant._host.quantize_rows`, bit for bit `quantize_fp8_activations`): at decode
+    sizes torch's dozen elementwise ops each start a parallel region, which cost more than
+    the arithmetic (tens of milliseconds on a busy machine).
+    """
+    round_to = x.dtype if round_to is None else round_to
+    if (static_scale is None and config.scale_fmt == "float" and x.device.type == "cpu"
+            and round_to in (torch.float32, torch.bfloat16) and x.dtype in (torch.float32, torch.bfloat16)):
+        values = x.detach().float().contiguous()  # bfloat16 widened exactly
+        group = config.activation_group_size or max(1, x.shape[1])
+        q = torch.empty(x.shape, dtype=torch.float32)
+        scales = torch.empty(x.shape[0], -(-x.shape[1] // group), dtype=torch.float32)
+        _host.quantize_rows(values.numpy(), group, round_to == torch.bfloat16 and x.dtype == torch.float32,
+                            _MIN_AMAX, q.numpy(), scales.numpy())
+        return q, scales.expand(-1, groups).contiguous()
+    if x.dtype != round_to:
+        x = x.to(round_to)
     if static_scale is not None:
         q = quantize_fp8_static(x, static_scale[:, None]).float()
         scales = static_scale[:, None]
@@ -339,6 +360,10 @@ def _quantized_rows(x: torch.Tensor, config: QuantConfig, groups: int, static_sc
         q, scales = quantize_fp8_activations(x, config.activation_group_size, config.scale_fmt)
         q = q.float()
     return q, scales.expand(-1, groups).contiguous()
+
+
+#: `moeroute.quant`'s amax floor as float32 (the dynamic scale's ``max(amax, 1e-10)``).
+_MIN_AMAX = np.float32(MIN_AMAX)
 
 
 def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None, decoder=None):
