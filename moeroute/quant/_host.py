@@ -1,12 +1,16 @@
-"""Numba CPU kernels of the FP8 expert GEMMs: dequantize one weight row at a time, in cache.
+"""Numba CPU kernels of the FP8 expert GEMMs: e4m3 weights decoded in registers as they are read.
 
-The GEMM kernels decode an e4m3 weight in registers as they read it, with integer SIMD (no
-table): the byte's 7 magnitude bits moved into a float32's exponent and mantissa make
-``q * 2**-120`` exactly (e4m3 subnormals land on float32 subnormals), and the row's block
-scale times 2**120 restores ``q * s_w``. Each weight row is dotted with every row of
-fake-quantized activations that expert serves (``q_a * s_a``, float32), so memory reads
-one byte per weight, whatever the row count. The dequantizers (`dequantize_rows`) decode
-whole rows into a float32 buffer the same way (`_decode_row`).
+The GEMM kernels (`gate_up_rows`, `down_rows`, and their one-thread forms) read each weight
+row once and dot it with every row of quantized activations its expert serves, so memory
+carries one byte per weight whatever the row count; the structure is that of the bfloat16
+row kernels of `moeroute.bindings.torch._rows` (one row a plain pass, two weight rows by four
+activation rows at a time, serial forms for one thread). An e4m3 weight byte is decoded with
+integer SIMD and the float16 widening (`_e4m3_times_2_pow_minus_8`: ``q * 2**-8``, exact,
+never a float32 subnormal); the activations come as their e4m3 values (float32) and scales.
+Each group of bk columns sums exact products of e4m3 values, then adds that sum times
+``s_a * s_w * 2**8`` (`_group_scales`, once per activation row and weight block row): the
+order of the definition, ``sum_g s_a * s_w * dot_g``. The dequantizers (`dequantize_rows`)
+decode whole rows into a float32 buffer (`_decode_row`) for the BLAS path.
 
 Arrays are NumPy: weights as uint8 views of float8_e4m3fn tensors, scales float32, sums
 float32. Block scales are indexed ``scale[e, row // bn, col // bk]``; per-tensor FP8 is the
@@ -21,7 +25,8 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-__all__ = ["gate_up_rows", "down_rows", "dequantize_rows"]
+__all__ = ["gate_up_rows", "gate_up_rows_serial", "down_rows", "down_rows_serial", "dequantize_rows",
+           "dequantize_rows_bf16", "ROW_BLOCK"]
 
 #: 2**120: a float32 holding e4m3 bits in its low exponent/mantissa bits is q * 2**-120.
 _UNBIAS = np.float32(2.0 ** 120)
@@ -36,124 +41,292 @@ def _decode_row(q_row, bits):
 
 
 @intrinsic
-def _e4m3_unbiased(typingctx, byte):
-    """The float32 q * 2**-120 of an e4m3 byte: its 7 magnitude bits moved into a float32's
-    exponent and mantissa, the sign bit to the sign (the `_decode_row` bits, in registers;
-    LLVM vectorizes the zero-extend, masks, shifts and bitcast)."""
+def _e4m3_times_2_pow_minus_8(typingctx, byte):
+    """The float32 ``q * 2**-8`` of an e4m3 byte, exactly, by way of a float16.
+
+    The byte moved into a 16-bit word's high half (``b << 8``: sign at bit 15, exponent and
+    mantissa at bits 8-14), shifted right arithmetically by one and masked to clear the
+    copy of the sign at bit 14, is a float16 with e4m3's 4 exponent and 3 mantissa bits on
+    top of float16's 5 and 10: its value is ``q * 2**(7 - 15)``, e4m3 subnormals included
+    (they land on float16 subnormals). The widening to float32 (``vcvtph2ps``) is exact and
+    gives a normal float32 for every finite e4m3 value, so no float32 subnormal reaches the
+    multiplies (x86 takes slow assists on those). LLVM vectorizes the shift, mask and widening.
+    """
     def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        b = builder.zext(args[0], i32)
-        magnitude = builder.shl(builder.and_(b, ir.Constant(i32, 0x7F)), ir.Constant(i32, 20))
-        sign = builder.shl(builder.and_(b, ir.Constant(i32, 0x80)), ir.Constant(i32, 24))
-        return builder.bitcast(builder.or_(magnitude, sign), ir.FloatType())
+        i16 = ir.IntType(16)
+        high = builder.shl(builder.zext(args[0], i16), ir.Constant(i16, 8))
+        half = builder.and_(builder.ashr(high, ir.Constant(i16, 1)), ir.Constant(i16, 0xBFFF))
+        return builder.fpext(builder.bitcast(half, ir.HalfType()), ir.FloatType())
 
     return types.float32(types.uint8), codegen
 
 
+#: 2**8: undoes the 2**-8 of `_e4m3_times_2_pow_minus_8`; folded into the group scales.
+_DECODE_UNSCALE = np.float32(2.0 ** 8)
+#: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
+ROW_BLOCK = 64
+#: Activation rows dotted per pass over a decoded weight row.
+_ROW_TILE = 4
+
+
 @numba.njit(fastmath=True)
-def _dot_groups(q, x, scale_row, bk):
-    """sum_g scale_row[g] * 2**120 * dot(decoded q[group g], x[group g]); q an e4m3 row
-    (uint8), decoded in registers as it is read."""
-    cols = q.shape[0]
+def _group_scales(s_a, rows, start, stop, scale_row, dst):
+    """dst[i, g] = s_a[rows[start + i], g] * scale_row[g] * 2**8: the factor of group g's dot
+    of e4m3 values for activation row i and one weight block row."""
+    for i in range(stop - start):
+        sa, d = s_a[rows[start + i]], dst[i]
+        for g in range(scale_row.shape[0]):
+            d[g] = sa[g] * scale_row[g] * _DECODE_UNSCALE
+
+
+# The dots below sum the products of e4m3 values per group of bk columns (exact products,
+# sums of at most bk of them: nearly exact in float32), then add each group's sum times its
+# factor (`_group_scales`): the order of the definition, sum_g s_a * s_w * dot_g.
+
+
+@numba.njit(fastmath=True)
+def _dot(w, x, c, bk):
+    """sum_g c[g] * dot(decoded w[group g], x[group g]); w an e4m3 row (uint8), decoded in
+    registers as it is read, x the activation row's e4m3 values (float32)."""
+    cols = w.shape[0]
     acc = np.float32(0.0)
     for g in range((cols + bk - 1) // bk):
         k0 = g * bk
         count = min(cols - k0, bk)
         # Slices with a zero-based count: LLVM vectorizes this form (a range(k0, k1) loop it
-        # left scalar, 15x slower).
-        q_group, x_group = q[k0:k0 + count], x[k0:k0 + count]
+        # left scalar).
+        wg, xg = w[k0:k0 + count], x[k0:k0 + count]
         part = np.float32(0.0)
         for k in range(count):
-            part += _e4m3_unbiased(q_group[k]) * x_group[k]
-        acc += part * (scale_row[g] * _UNBIAS)
+            part += _e4m3_times_2_pow_minus_8(wg[k]) * xg[k]
+        acc += part * c[g]
     return acc
 
 
 @numba.njit(fastmath=True)
-def _dot_groups4(q, x0, x1, x2, x3, scale_row, bk, out):
-    """`_dot_groups` of four activation rows at once (q read and decoded once for the four)."""
-    cols = q.shape[0]
+def _dot2(w, x0, x1, c0, c1, bk):
+    """(`_dot`(w, x0, c0), `_dot`(w, x1, c1)), w read and decoded once for the two."""
+    cols = w.shape[0]
+    a0 = a1 = np.float32(0.0)
+    for g in range((cols + bk - 1) // bk):
+        k0 = g * bk
+        count = min(cols - k0, bk)
+        wg, g0, g1 = w[k0:k0 + count], x0[k0:k0 + count], x1[k0:k0 + count]
+        p0 = p1 = np.float32(0.0)
+        for k in range(count):
+            wk = _e4m3_times_2_pow_minus_8(wg[k])
+            p0 += wk * g0[k]
+            p1 += wk * g1[k]
+        a0 += p0 * c0[g]
+        a1 += p1 * c1[g]
+    return a0, a1
+
+
+@numba.njit(fastmath=True)
+def _dot4(w, x0, x1, x2, x3, c, bk, out):
+    """out[i] = `_dot`(w, x_i, c[i]) for four rows (w read and decoded once for the four)."""
+    cols = w.shape[0]
     a0 = a1 = a2 = a3 = np.float32(0.0)
     for g in range((cols + bk - 1) // bk):
         k0 = g * bk
         count = min(cols - k0, bk)
-        qg = q[k0:k0 + count]
+        wg = w[k0:k0 + count]
         g0, g1, g2, g3 = x0[k0:k0 + count], x1[k0:k0 + count], x2[k0:k0 + count], x3[k0:k0 + count]
         p0 = p1 = p2 = p3 = np.float32(0.0)
         for k in range(count):
-            wk = _e4m3_unbiased(qg[k])
+            wk = _e4m3_times_2_pow_minus_8(wg[k])
             p0 += wk * g0[k]
             p1 += wk * g1[k]
             p2 += wk * g2[k]
             p3 += wk * g3[k]
-        c = scale_row[g] * _UNBIAS
-        a0 += p0 * c
-        a1 += p1 * c
-        a2 += p2 * c
-        a3 += p3 * c
+        a0 += p0 * c[0, g]
+        a1 += p1 * c[1, g]
+        a2 += p2 * c[2, g]
+        a3 += p3 * c[3, g]
     out[0], out[1], out[2], out[3] = a0, a1, a2, a3
 
 
-#: Activation rows dotted per pass over a decoded weight row (`_dot_groups4`).
-_ROW_TILE = 4
+@numba.njit(fastmath=True)
+def _dot2x4(w0, w1, x0, x1, x2, x3, c, bk, out):
+    """out[2i + j] = `_dot`(w_j, x_i, c[i]) for two weight rows and four activation rows:
+    eight sums in registers for six loads a step."""
+    cols = w0.shape[0]
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+    for g in range((cols + bk - 1) // bk):
+        k0 = g * bk
+        count = min(cols - k0, bk)
+        u_g, v_g = w0[k0:k0 + count], w1[k0:k0 + count]
+        g0, g1, g2, g3 = x0[k0:k0 + count], x1[k0:k0 + count], x2[k0:k0 + count], x3[k0:k0 + count]
+        p0 = p1 = p2 = p3 = q0 = q1 = q2 = q3 = np.float32(0.0)
+        for k in range(count):
+            u, v = _e4m3_times_2_pow_minus_8(u_g[k]), _e4m3_times_2_pow_minus_8(v_g[k])
+            p = g0[k]
+            p0 += u * p
+            q0 += v * p
+            p = g1[k]
+            p1 += u * p
+            q1 += v * p
+            p = g2[k]
+            p2 += u * p
+            q2 += v * p
+            p = g3[k]
+            p3 += u * p
+            q3 += v * p
+        c0, c1, c2, c3 = c[0, g], c[1, g], c[2, g], c[3, g]
+        a0 += p0 * c0
+        b0 += q0 * c0
+        a1 += p1 * c1
+        b1 += q1 * c1
+        a2 += p2 * c2
+        b2 += q2 * c2
+        a3 += p3 * c3
+        b3 += q3 * c3
+    out[0], out[1], out[2], out[3] = a0, b0, a1, b1
+    out[4], out[5], out[6], out[7] = a2, b2, a3, b3
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def gate_up_rows(xs, tokens, offsets, work, q_gate_up, gate_up_scale, inter, bn, bk, out):
-    """out[m, :] = xs[tokens[m]] @ W_e^T for each expert e's sorted rows m (first GEMM).
+@numba.njit(fastmath=True)
+def _weight_rows_dots(q_a, rows, start, count, c, bk, weights, first, last, tile, out, column):
+    """out[i, column + n - first] = `_dot`(weights[n], q_a[rows[start + i]], c[i]) for
+    i < count, n in [first, last): one activation row a plain pass; else two weight rows by
+    four activation rows at a time, the last one to three activation rows by pairs (`_dot2`)
+    and one plain pass."""
+    if count == 1:
+        x, cx, row = q_a[rows[start]], c[0], out[0]
+        for n in range(first, last):
+            row[column + n - first] = _dot(weights[n], x, cx, bk)
+        return
+    tiled = count // _ROW_TILE * _ROW_TILE
+    paired = tiled + (count - tiled) // 2 * 2
+    for n in range(first, last, 2):
+        pair = n + 1 < last
+        w0, w1 = weights[n], weights[n + 1 if pair else n]
+        col = column + n - first
+        for i in range(0, tiled, _ROW_TILE):
+            x0, x1 = q_a[rows[start + i]], q_a[rows[start + i + 1]]
+            x2, x3 = q_a[rows[start + i + 2]], q_a[rows[start + i + 3]]
+            ci = c[i:i + _ROW_TILE]
+            if pair:
+                _dot2x4(w0, w1, x0, x1, x2, x3, ci, bk, tile)
+                for j in range(_ROW_TILE):
+                    out[i + j, col] = tile[2 * j]
+                    out[i + j, col + 1] = tile[2 * j + 1]
+            else:
+                _dot4(w0, x0, x1, x2, x3, ci, bk, tile)
+                for j in range(_ROW_TILE):
+                    out[i + j, col] = tile[j]
+        for i in range(tiled, paired, 2):
+            x0, x1 = q_a[rows[start + i]], q_a[rows[start + i + 1]]
+            out[i, col], out[i + 1, col] = _dot2(w0, x0, x1, c[i], c[i + 1], bk)
+            if pair:
+                out[i, col + 1], out[i + 1, col + 1] = _dot2(w1, x0, x1, c[i], c[i + 1], bk)
+        if paired < count:
+            x = q_a[rows[start + paired]]
+            out[paired, col] = _dot(w0, x, c[paired], bk)
+            if pair:
+                out[paired, col + 1] = _dot(w1, x, c[paired], bk)
 
-    xs [T, H] float32 (fake-quantized activations), tokens [M] int64, offsets [L + 1] int64,
-    work [W, 2] int64 (expert, block row) pairs (block rows 0..nb-1 the gate's, nb..2nb-1
-    the up's, nb = ceil(I / bn)), q_gate_up [L, 2I, H] uint8, gate_up_scale [L, 2nb, G]
-    float32, out [M, 2I] float32.
-    """
+
+@numba.njit(fastmath=True)
+def _gate_up_item(q_a, s_a, tokens, offsets, e, chunk, q_gate_up, gate_up_scale, inter, bn, bk, out):
+    """Weight rows [chunk * ROW_BLOCK, ..) of expert ``e``'s gate_up for all its sorted rows,
+    one weight block row at a time (its group factors: `_group_scales`)."""
+    two_inter = q_gate_up.shape[1]
     nb = (inter + bn - 1) // bn
-    for item in numba.prange(work.shape[0]):
-        e, b = work[item, 0], work[item, 1]
-        half, rb = (0, b) if b < nb else (1, b - nb)
-        tile = np.empty(_ROW_TILE, np.float32)
-        start, stop = offsets[e], offsets[e + 1]
-        tiled = start + (stop - start) // _ROW_TILE * _ROW_TILE
-        scale_row = gate_up_scale[e, b]
-        weights = q_gate_up[e]
-        for r in range(rb * bn, min(inter, (rb + 1) * bn)):
-            n = half * inter + r
-            w = weights[n]
-            for m in range(start, tiled, _ROW_TILE):
-                _dot_groups4(w, xs[tokens[m]], xs[tokens[m + 1]], xs[tokens[m + 2]], xs[tokens[m + 3]],
-                             scale_row, bk, tile)
-                for i in range(_ROW_TILE):
-                    out[m + i, n] = tile[i]
-            for m in range(tiled, stop):
-                out[m, n] = _dot_groups(w, xs[tokens[m]], scale_row, bk)
+    start, stop = offsets[e], offsets[e + 1]
+    factors = np.empty((stop - start, gate_up_scale.shape[2]), np.float32)
+    tile = np.empty(2 * _ROW_TILE, np.float32)
+    rows_out = out[start:stop]
+    weights = q_gate_up[e]
+    n, last = chunk * ROW_BLOCK, min(two_inter, (chunk + 1) * ROW_BLOCK)
+    while n < last:
+        if n < inter:  # gate rows: block rows 0..nb-1
+            b = n // bn
+            segment_end = min(last, (b + 1) * bn, inter)
+        else:  # up rows: block rows nb..2nb-1, counted from row I
+            rb = (n - inter) // bn
+            b = nb + rb
+            segment_end = min(last, inter + (rb + 1) * bn)
+        _group_scales(s_a, tokens, start, stop, gate_up_scale[e, b], factors)
+        _weight_rows_dots(q_a, tokens, start, stop - start, factors, bk, weights, n, segment_end, tile,
+                          rows_out, n)
+        n = segment_end
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def down_rows(acts, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums):
-    """sums[tokens[m], n] += slot_weights[m] * (acts[m] @ W_e^T)[n] (second GEMM + combine).
+def gate_up_rows(q_a, s_a, tokens, offsets, work, q_gate_up, gate_up_scale, inter, bn, bk, out):
+    """out[m, :] = x[tokens[m]] @ W_e^T for each expert e's sorted rows m (first GEMM), with
+    x = q_a * s_a per group of bk columns (the quantized activations).
 
-    Threads split the output columns (block rows of W_down), so each sum has one writer,
-    and experts are added in ``experts`` order (deterministic). acts [M, I] float32
-    (fake-quantized), experts [E'] int64 (hit experts), q_down [L, H, I] uint8, down_scale
-    [L, ceil(H/bn), G] float32, sums [T, H] float32.
+    q_a [T, H] float32 (e4m3 values), s_a [T, G] float32 (G = ceil(H / bk)), tokens [M] int64,
+    offsets [L + 1] int64, work [W, 2] int64 (expert, block of `ROW_BLOCK` weight rows of
+    gate_up), q_gate_up [L, 2I, H] uint8, gate_up_scale [L, 2nb, G] float32 (block rows
+    0..nb-1 the gate's, nb..2nb-1 the up's, nb = ceil(I / bn)), out [M, 2I] float32.
     """
+    for item in numba.prange(work.shape[0]):
+        _gate_up_item(q_a, s_a, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale,
+                      inter, bn, bk, out)
+
+
+@numba.njit(fastmath=True, cache=True)
+def gate_up_rows_serial(q_a, s_a, tokens, offsets, work, q_gate_up, gate_up_scale, inter, bn, bk, out):
+    """`gate_up_rows` on the calling thread (no parallel region to start: one thread)."""
+    for item in range(work.shape[0]):
+        _gate_up_item(q_a, s_a, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale,
+                      inter, bn, bk, out)
+
+
+@numba.njit(fastmath=True)
+def _down_block(q_a, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, block):
+    """Output columns [block * ROW_BLOCK, ..) over every hit expert (`down_rows`)."""
     hidden = q_down.shape[1]
-    for b in numba.prange((hidden + bn - 1) // bn):
-        tile = np.empty(_ROW_TILE, np.float32)
-        for i in range(experts.shape[0]):
-            e = experts[i]
-            start, stop = offsets[e], offsets[e + 1]
-            tiled = start + (stop - start) // _ROW_TILE * _ROW_TILE
-            scale_row = down_scale[e, b]
-            weights = q_down[e]
-            for n in range(b * bn, min(hidden, (b + 1) * bn)):
-                w = weights[n]
-                for m in range(start, tiled, _ROW_TILE):
-                    _dot_groups4(w, acts[m], acts[m + 1], acts[m + 2], acts[m + 3], scale_row, bk, tile)
-                    for j in range(_ROW_TILE):
-                        sums[tokens[m + j], n] += slot_weights[m + j] * tile[j]
-                for m in range(tiled, stop):
-                    sums[tokens[m], n] += slot_weights[m] * _dot_groups(w, acts[m], scale_row, bk)
+    rows = np.arange(q_a.shape[0])
+    tile = np.empty(2 * _ROW_TILE, np.float32)
+    first, last = block * ROW_BLOCK, min(hidden, (block + 1) * ROW_BLOCK)
+    factors = np.empty((0, down_scale.shape[2]), np.float32)
+    dots = np.empty((0, ROW_BLOCK), np.float32)
+    for i in range(experts.shape[0]):
+        e = experts[i]
+        start, stop = offsets[e], offsets[e + 1]
+        count = stop - start
+        if factors.shape[0] < count:
+            factors = np.empty((count, down_scale.shape[2]), np.float32)
+            dots = np.empty((count, ROW_BLOCK), np.float32)
+        weights = q_down[e]
+        n = first
+        while n < last:
+            b = n // bn
+            segment_end = min(last, (b + 1) * bn)
+            _group_scales(s_a, rows, start, stop, down_scale[e, b], factors)
+            _weight_rows_dots(q_a, rows, start, count, factors, bk, weights, n, segment_end, tile, dots,
+                              n - first)
+            n = segment_end
+        for m in range(start, stop):
+            t, weight = tokens[m], slot_weights[m]
+            d = dots[m - start]
+            for n in range(first, last):
+                sums[t, n] += weight * d[n - first]
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def down_rows(q_a, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums):
+    """sums[tokens[m], n] += slot_weights[m] * (a[m] @ W_e^T)[n] (second GEMM + combine), with
+    a = q_a * s_a per group of bk columns (the quantized intermediate).
+
+    Threads split the output columns (blocks of `ROW_BLOCK`), so each sum has one writer,
+    and experts are added in ``experts`` order (deterministic). q_a [M, I] float32 (e4m3
+    values), s_a [M, ceil(I/bk)] float32, experts [E'] int64 (hit experts), q_down
+    [L, H, I] uint8, down_scale [L, ceil(H/bn), ceil(I/bk)] float32, sums [T, H] float32.
+    """
+    for block in numba.prange((q_down.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
+        _down_block(q_a, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, block)
+
+
+@numba.njit(fastmath=True, cache=True)
+def down_rows_serial(q_a, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums):
+    """`down_rows` on the calling thread."""
+    for block in range((q_down.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
+        _down_block(q_a, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, block)
 
 
 # Serial on purpose: it runs between torch GEMMs, where starting Numba's thread pool next to
@@ -200,3 +373,49 @@ def dequantize_rows_bf16(q, scale, row_start, row_stop, scale_row_offset, bn, bk
             b = bits[k]
             # Round the float32 to its upper 16 bits: add 0x7fff plus the kept LSB (ties to even).
             target[k] = np.int16((b + 0x7FFF + ((b >> 16) & 1)) >> 16)
+
+
+# Not fastmath: the scale is an IEEE division, as torch computes it (fastmath would let LLVM
+# multiply by a reciprocal), so the values match `moeroute.quant.quantize_fp8_activations`
+# bit for bit.
+@numba.njit(cache=True)
+def quantize_rows(x, group, round_bf16, min_amax, q_out, s_out):
+    """q_out, s_out <- the dynamic e4m3 quantization of float32 rows ``x [M, K]`` per group of
+    ``group`` columns, ``quantize_fp8_activations``' numerics with ``scale_fmt="float"``.
+
+    ``s = max(amax(|x_group|), min_amax) / 448``, ``q = e4m3(clamp(x / s, -448, 448))``
+    rounded to nearest, ties to even; q_out [M, K] float32 holds the e4m3 values, s_out
+    [M, ceil(K/group)] float32 the scales. ``round_bf16``: ``x`` is first rounded to
+    bfloat16 (nearest, ties to even), as the cast to the activation dtype does. Serial: it
+    runs between other calls on small batches, where a parallel region costs more.
+    """
+    rows, cols = x.shape
+    for m in range(rows):
+        row, q_row = x[m], q_out[m]
+        q_bits = q_row.view(np.int32)
+        if round_bf16:
+            bits = q_row.view(np.int32)
+            source = row.view(np.int32)
+            for k in range(cols):
+                b = source[k]
+                bits[k] = (b + 0x7FFF + ((b >> 16) & 1)) & np.int32(-65536)
+            row = q_row
+        for g in range((cols + group - 1) // group):
+            k0 = g * group
+            k1 = min(cols, k0 + group)
+            amax = np.float32(0.0)
+            for k in range(k0, k1):
+                amax = max(amax, abs(row[k]))
+            scale = max(amax, min_amax) / np.float32(448.0)
+            s_out[m, g] = scale
+            for k in range(k0, k1):
+                v = min(max(row[k] / scale, np.float32(-448.0)), np.float32(448.0))
+                a = abs(v)
+                if a < np.float32(2.0 ** -6):  # e4m3 subnormals: multiples of 2**-9
+                    r = np.float32(np.rint(a * np.float32(512.0)) / np.float32(512.0))
+                    q_row[k] = -r if v < 0 else r
+                else:  # keep 3 mantissa bits (nearest, ties to even), in q_row's bits
+                    q_row[k] = a
+                    b = q_bits[k]
+                    q_bits[k] = ((b + 0x7FFFF + ((b >> 20) & 1)) & np.int32(-1048576)) | (
+                        np.int32(-2147483648) if v < 0 else np.int32(0))

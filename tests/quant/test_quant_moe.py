@@ -257,3 +257,86 @@ def test_torch_decoder_of_the_device_path_matches_numba():
 
     expected = torch.cat([x[0:4] @ weight(0).T, x[4:9] @ weight(2).T])
     torch.testing.assert_close(torch_out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_row_kernel_decodes_every_e4m3_code():
+    # The row kernels' in-register decode (through float16) against torch's e4m3 conversion,
+    # for all 254 finite codes, subnormals and both zeros included.
+    import numba
+    import numpy as np
+
+    from moeroute.quant import _host
+
+    @numba.njit
+    def decode(codes, out):
+        for i in range(codes.shape[0]):
+            out[i] = _host._e4m3_times_2_pow_minus_8(codes[i])
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = (codes & 0x7F) != 0x7F
+    out = np.empty(256, np.float32)
+    decode(codes.numpy(), out)
+    expected = codes.view(torch.float8_e4m3fn).float()
+    decoded = torch.from_numpy(out) * 256.0
+    assert torch.equal(decoded[finite], expected[finite])
+    assert torch.equal(torch.signbit(decoded[finite]), torch.signbit(expected[finite]))
+
+
+@pytest.mark.parametrize("fmt", ["block64x128", "tensor"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_kernels_every_tile_shape_against_reference(fmt, threads):
+    # 1 to 9 rows per expert cover the one-row pass, the pairs and the 2x4 tiles with every
+    # remainder; I = 200 leaves partial weight blocks and a block of 64 weight rows that
+    # spans gate and up. One torch thread runs the serial kernels.
+    quant = FORMATS[fmt]
+    inter, experts = 200, 9
+    q = quantize_experts(_randn(experts, 2 * inter, H, seed=1, scale=0.1),
+                         _randn(experts, H, inter, seed=2, scale=0.1), quant)
+    counts = torch.arange(1, experts + 1)
+    ids = torch.repeat_interleave(torch.arange(experts), counts)
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(5))]
+    ids = torch.stack([ids, torch.full_like(ids, -1)], 1)  # a slot held elsewhere: skipped
+    x = _randn(ids.shape[0], H, seed=3)
+    weights = torch.rand(ids.shape[0], 2, generator=torch.Generator().manual_seed(4))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = fp8_experts_forward(x, ids.int(), weights, *q, quant, strategy="rows")
+    finally:
+        torch.set_num_threads(previous)
+    expected = moe_experts_reference(x, ids, weights, *q, quant.block_size if fmt != "tensor" else None)
+    assert rel_error(out, expected) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols,group", [(256, 128), (200, 64), (300, 128)])
+def test_row_quantizer_matches_quantize_fp8_activations(dtype, cols, group):
+    # The Numba quantizer of the row strategy, bit for bit against moeroute.quant's torch
+    # definition: every e4m3 value, the midpoints between neighbours and one float32 step to
+    # either side of each, plus random rows over a wide range of magnitudes.
+    import numpy as np
+
+    from moeroute.quant import _host, quantize_fp8_activations
+
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = values[torch.isfinite(values)].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    probes = torch.cat([values, mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9))])
+    rows = -(-probes.numel() // (group - 1))
+    x = _randn(rows + 16, cols, seed=6) * torch.logspace(-6, 3, rows + 16)[:, None]
+    grid = torch.zeros(rows, group - 1)
+    grid.view(-1)[:probes.numel()] = probes
+    x[:rows, 0] = 448.0  # amax 448: scale 1, the probes quantized as they are
+    x[:rows, 1:group] = grid
+    x = x.to(dtype)
+    q_ref, s_ref = quantize_fp8_activations(x, group)
+    q = np.empty(x.shape, np.float32)
+    s = np.empty((x.shape[0], -(-cols // group)), np.float32)
+    _host.quantize_rows(x.float().numpy(), group, False, np.float32(1e-10), q, s)
+    assert torch.equal(torch.from_numpy(q), q_ref.float())
+    assert torch.equal(torch.from_numpy(s), s_ref)
+    # Rounded to bfloat16 first, as the intermediate is.
+    _host.quantize_rows(x.float().numpy() * np.float32(1.01), group, True, np.float32(1e-10), q, s)
+    q_ref, s_ref = quantize_fp8_activations((x.float() * 1.01).bfloat16(), group)
+    assert torch.equal(torch.from_numpy(q), q_ref.float())
+    assert torch.equal(torch.from_numpy(s), s_ref)

@@ -9,9 +9,10 @@ activation dtype and quantized again, the down GEMM, and the weighted sum in flo
 The FP8 weights are never dequantized whole. Two strategies, picked by rows per expert:
 
 * "rows" (few rows per expert, decode): the Numba kernels of `moeroute.quant._host` decode
-  one weight row at a time into a cache-resident buffer and dot it with every row of the
-  expert, so memory reads one byte per weight. Both GEMMs of every hit expert run in two
-  parallel calls; the second adds into the float32 sums directly.
+  each weight row in registers as they read it and dot it with every row of the expert, so
+  memory reads one byte per weight. Both GEMMs of every hit expert run in two calls
+  (parallel, or serial when torch has one thread); the second adds into the float32 sums
+  directly. The bookkeeping is `moeroute.bindings.torch._rows.plan_rows` (one Numba pass).
 * "blocks" (many rows per expert, prefill): per expert, `CHUNK_BYTES` of weight rows at a
   time are decoded into one reusable buffer (straight to bfloat16 for bfloat16 activations,
   else float32), and multiplied by the expert's rows with torch (oneDNN/MKL): the GEMM's
@@ -24,15 +25,19 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 from torch import nn
 
-from moeroute.bindings.torch import arrays
+from moeroute.bindings.torch import _rows, arrays
 from moeroute.bindings.torch.activations import check_activation, gated_activation
+from moeroute.bindings.torch.experts import _numba_threads
 from moeroute.bindings.torch.mxfp4_experts import mxfp4_experts_forward
 from moeroute.bindings.torch.quant_strategy import choose_strategy as choose_fp8_strategy
 from moeroute.quant import FP8_DTYPE, QuantConfig, check_scale, quantize_fp8_activations, quantize_fp8_static
+from moeroute.quant.fp8 import MIN_AMAX
 from moeroute.quant import _host
+from moeroute.routing._parallel import cpu_threads
 
 __all__ = ["QuantizedExperts", "fp8_experts_forward", "choose_fp8_strategy", "FP8_STRATEGIES",
            "fake_quantize", "check_quantized_weights", "PROJECTIONS", "STACKED_SCALE_KEYS", "per_expert_key",
@@ -236,6 +241,20 @@ def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, we
     num_tokens, hidden = hidden_states.shape
     num_experts, two_inter, _ = q_gate_up.shape
     inter = two_inter // 2
+    device = hidden_states.device
+    gu_scale, d_scale, gu_block, d_block = _kernel_scales(config, gate_up_scale, down_scale, hidden, inter)
+    if device.type != "cpu":
+        strategy = "blocks"  # the row kernels are Numba CPU code
+    if strategy != "blocks":
+        # The row kernels' bookkeeping in one Numba pass; it also gives "auto" its counts.
+        plan = _rows.plan_rows(local_ids.detach().contiguous().numpy(),
+                               weights.detach().to(torch.float32).contiguous().numpy(), num_experts,
+                               -(-two_inter // _host.ROW_BLOCK))
+        if strategy == "auto":
+            strategy = choose_fp8_strategy(np.diff(plan[2]).tolist())
+        if strategy == "rows":
+            return _rows_forward(hidden_states, received, plan, q_gate_up, gu_scale, gu_block, q_down, d_scale,
+                                 d_block, config, activation, input_scale, act_dtype)
     top_k = local_ids.shape[1]
     sorted_slots, expert_offsets, _ = arrays.sort_by_expert(local_ids, num_experts)
     offsets = expert_offsets.to(torch.int64)
@@ -243,53 +262,108 @@ def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, we
     slots = sorted_slots.to(torch.int64)
     tokens = slots // top_k
     slot_weights = weights.reshape(-1).to(torch.float32)[slots].contiguous()
-    device = hidden_states.device
     sums = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
     if slots.numel() == 0:
         return sums.to(act_dtype)
-    if device.type != "cpu":
-        strategy = "blocks"  # the row kernels are Numba CPU code
-    elif strategy == "auto":
-        strategy = choose_fp8_strategy(counts)
     static = config.activation == "static"
     row_expert = torch.repeat_interleave(torch.arange(num_experts, device=device),
                                          torch.tensor(counts, device=device))
-    gu_scale, d_scale, gu_block, d_block = _kernel_scales(config, gate_up_scale, down_scale, hidden, inter)
 
     # First GEMM's input: quantized once per token (dynamic; on the sending rank with FP8
     # dispatch), or per (row, expert) with the expert's static scale.
     if received is not None:
-        xs, x_rows = received.dequantize(), tokens
+        xs = received.dequantize()[tokens]
     elif static:
         xs = fake_quantize(hidden_states[tokens], config, input_scale[row_expert, 0].float())
-        x_rows = torch.arange(tokens.numel(), device=device)
     else:
-        xs = fake_quantize(hidden_states, config)
-        x_rows = tokens
+        xs = fake_quantize(hidden_states, config)[tokens]
     hit = [e for e, c in enumerate(counts) if c]
-    if strategy == "rows":
-        gate_up = torch.empty(tokens.numel(), two_inter, dtype=torch.float32)
-        nb = gu_scale.shape[1]
-        work = torch.tensor([[e, b] for e in hit for b in range(nb)], dtype=torch.int64)
-        _host.gate_up_rows(xs.numpy(), x_rows.numpy(), offsets.numpy(), work.numpy(),
-                           q_gate_up.view(torch.uint8).numpy(), gu_scale.numpy(), inter, gu_block[0],
-                           gu_block[1], gate_up.numpy())
-    else:
-        gate_up = _blocks_gemm(xs[x_rows], offsets, hit, q_gate_up, gu_scale, gu_block, act_dtype,
-                               halves=(inter, gu_scale.shape[1] // 2))
+    gate_up = _blocks_gemm(xs, offsets, hit, q_gate_up, gu_scale, gu_block, act_dtype,
+                           halves=(inter, gu_scale.shape[1] // 2))
     act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
     if act_dtype != torch.float32:  # the intermediate in the activation dtype, as GPUs keep it
         act = act.to(act_dtype)
     act_scale = input_scale[row_expert, 1].float() if static else None
     acts = fake_quantize(act, config, act_scale).contiguous()
-    if strategy == "rows":
-        _host.down_rows(acts.numpy(), tokens.numpy(), slot_weights.numpy(), offsets.numpy(),
-                        torch.tensor(hit, dtype=torch.int64).numpy(), q_down.view(torch.uint8).numpy(),
-                        d_scale.numpy(), d_block[0], d_block[1], sums.numpy())
-    else:
-        y = _blocks_gemm(acts, offsets, hit, q_down, d_scale, d_block, act_dtype)
-        sums.index_add_(0, tokens, y.mul_(slot_weights[:, None]))
+    y = _blocks_gemm(acts, offsets, hit, q_down, d_scale, d_block, act_dtype)
+    sums.index_add_(0, tokens, y.mul_(slot_weights[:, None]))
     return sums if act_dtype == torch.float32 else sums.to(act_dtype)
+
+
+def _rows_forward(hidden_states, received, plan, q_gate_up, gu_scale, gu_block, q_down, d_scale, d_block,
+                  config, activation, input_scale, act_dtype):
+    """The "rows" strategy: both GEMMs in the row kernels of `moeroute.quant._host`, the
+    second adding into the float32 sums; serial kernels when torch has one thread."""
+    tokens, slot_weights, offsets, hit, work = plan
+    num_tokens, hidden = hidden_states.shape
+    inter = q_gate_up.shape[1] // 2
+    sums = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+    if hit.shape[0] == 0:
+        return sums.to(act_dtype)
+    static = config.activation == "static"
+    gu_groups, d_groups = gu_scale.shape[2], d_scale.shape[2]
+    if static:  # per (row, expert): the expert's own input scale
+        row_expert = torch.from_numpy(np.repeat(np.arange(offsets.shape[0] - 1), np.diff(offsets)))
+        q_x, s_x = _quantized_rows(hidden_states[torch.from_numpy(tokens)], config, gu_groups,
+                                   input_scale[row_expert, 0].float())
+        x_rows = np.arange(tokens.shape[0])
+    elif received is not None:  # quantized once per token on the sending rank (FP8 dispatch)
+        q_x, s_x = received.q.float(), received.scales.expand(-1, gu_groups).contiguous()
+        x_rows = tokens
+    else:  # quantized once per token
+        q_x, s_x = _quantized_rows(hidden_states, config, gu_groups)
+        x_rows = tokens
+    gate_up = torch.empty(tokens.shape[0], 2 * inter, dtype=torch.float32)
+    threads = cpu_threads()
+    # One thread: the serial kernels, with no parallel region to start.
+    gate_up_rows, down_rows = ((_host.gate_up_rows_serial, _host.down_rows_serial) if threads == 1
+                               else (_host.gate_up_rows, _host.down_rows))
+    with _numba_threads(threads):
+        gate_up_rows(q_x.numpy(), s_x.numpy(), x_rows, offsets, work, q_gate_up.view(torch.uint8).numpy(),
+                     gu_scale.numpy(), inter, gu_block[0], gu_block[1], gate_up.numpy())
+        act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
+        # The intermediate rounded to the activation dtype (as GPUs keep it), then quantized.
+        q_act, s_act = _quantized_rows(act, config, d_groups, input_scale[row_expert, 1].float() if static else None,
+                                       round_to=act_dtype)
+        down_rows(q_act.numpy(), s_act.numpy(), tokens, slot_weights, offsets, hit,
+                  q_down.view(torch.uint8).numpy(), d_scale.numpy(), d_block[0], d_block[1], sums.numpy())
+    return sums if act_dtype == torch.float32 else sums.to(act_dtype)
+
+
+def _quantized_rows(x: torch.Tensor, config: QuantConfig, groups: int, static_scale=None, round_to=None):
+    """``(q_a, s_a)`` of activations ``x [M, K]``, the two factors of `fake_quantize`: the e4m3
+    values as float32 [M, K] and their scales float32 [M, groups], one per row and weight
+    column block (a per-row scale repeated over the blocks). ``round_to``: the dtype ``x`` is
+    first rounded to (the activation dtype of the intermediate).
+
+    Dynamic float scales of float32 or bfloat16 values run in one serial Numba pass
+    (`moeroute.quant._host.quantize_rows`, bit for bit `quantize_fp8_activations`): at decode
+    sizes torch's dozen elementwise ops each start a parallel region, which cost more than
+    the arithmetic (tens of milliseconds on a busy machine).
+    """
+    round_to = x.dtype if round_to is None else round_to
+    if (static_scale is None and config.scale_fmt == "float" and x.device.type == "cpu"
+            and round_to in (torch.float32, torch.bfloat16) and x.dtype in (torch.float32, torch.bfloat16)):
+        values = x.detach().float().contiguous()  # bfloat16 widened exactly
+        group = config.activation_group_size or max(1, x.shape[1])
+        q = torch.empty(x.shape, dtype=torch.float32)
+        scales = torch.empty(x.shape[0], -(-x.shape[1] // group), dtype=torch.float32)
+        _host.quantize_rows(values.numpy(), group, round_to == torch.bfloat16 and x.dtype == torch.float32,
+                            _MIN_AMAX, q.numpy(), scales.numpy())
+        return q, scales.expand(-1, groups).contiguous()
+    if x.dtype != round_to:
+        x = x.to(round_to)
+    if static_scale is not None:
+        q = quantize_fp8_static(x, static_scale[:, None]).float()
+        scales = static_scale[:, None]
+    else:
+        q, scales = quantize_fp8_activations(x, config.activation_group_size, config.scale_fmt)
+        q = q.float()
+    return q, scales.expand(-1, groups).contiguous()
+
+
+#: `moeroute.quant`'s amax floor as float32 (the dynamic scale's ``max(amax, 1e-10)``).
+_MIN_AMAX = np.float32(MIN_AMAX)
 
 
 def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None, decoder=None):
