@@ -379,13 +379,14 @@ def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None, decoder=
     cols = q.shape[2]
     bn, bk = block
     out = torch.empty(xs.shape[0], rows_out, dtype=torch.float32, device=xs.device)
-    bf16_bits = decoder == "numba" and dtype == torch.bfloat16  # decode straight to bfloat16
-    element = 2 if bf16_bits else 4
-    chunk_rows = min(rows_out, max(1, CHUNK_BYTES // (element * cols)))  # rows need not align to blocks
-    buffer = torch.empty(chunk_rows, cols, dtype=torch.bfloat16 if bf16_bits else torch.float32,
-                         device=xs.device)
-    work = torch.empty(cols, dtype=torch.float32)
+    # The CPU decodes to float32 and multiplies in float32 whatever the activation dtype: a
+    # bfloat16 GEMM is several times slower than float32 on CPUs without bfloat16
+    # instructions, and bfloat16 activations are exact in float32.
+    chunk_rows = min(rows_out, max(1, CHUNK_BYTES // (4 * cols)))  # rows need not align to blocks
+    buffer = torch.empty(chunk_rows, cols, dtype=torch.float32, device=xs.device)
     x_cast = xs.to(dtype)
+    if decoder == "numba":
+        x_cast = x_cast.float()
     q_bytes = q.view(torch.uint8)
     # Chunks never straddle gate and up (their block rows are numbered apart).
     spans = [(0, rows_out, 0)] if halves is None else [(0, halves[0], 0), (halves[0], rows_out, halves[0])]
@@ -397,17 +398,14 @@ def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None, decoder=
             for r0 in range(first, last, chunk_rows):
                 r1 = min(last, r0 + chunk_rows)
                 w = buffer[:r1 - r0]
-                if bf16_bits:
-                    _host.dequantize_rows_bf16(q_bytes[e].numpy(), scale_e.numpy(), r0, r1, origin, bn, bk,
-                                               work.numpy(), w.view(torch.int16).numpy())
-                elif decoder == "numba":
+                if decoder == "numba":
                     _host.dequantize_rows(q_bytes[e].numpy(), scale_e.numpy(), r0, r1, origin, bn, bk,
                                           w.numpy())
                 else:  # torch's own e4m3 conversion is fast on devices
                     rows = torch.arange(r0, r1, device=q.device) - origin
                     block_scales = scale_e[rows // bn].repeat_interleave(bk, dim=1)[:, :cols]
                     torch.mul(q[e, r0:r1].float(), block_scales, out=w)
-                out[start:stop, r0:r1] = torch.mm(x_e, w.to(dtype).t())
+                out[start:stop, r0:r1] = torch.mm(x_e, w.t() if decoder == "numba" else w.to(dtype).t())
     return out
 
 
