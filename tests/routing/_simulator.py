@@ -14,7 +14,8 @@ SIM_TIMEOUT_S = 900
 
 def run_simulator_suite(module, warps=None, *, select=None, allow_skipped=False,
                         timeout=SIM_TIMEOUT_S):
-    """Run the pytest file ``module`` under the simulator and assert that it passed.
+    """Run the pytest file ``module`` (or a list of files, in one process) under the
+    simulator and assert that it passed.
 
     ``warps``: MOEROUTE_SIM_WARPS (threads of a block run as that many warps); ``select``: a
     ``-k`` expression; ``allow_skipped``: whether skips are accepted (else a skip fails the
@@ -26,7 +27,8 @@ def run_simulator_suite(module, warps=None, *, select=None, allow_skipped=False,
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
     if select is not None:
         command += ["-k", select]
-    result = subprocess.run(command + [str(module)], env=env, cwd=REPO_ROOT,
+    modules = module if isinstance(module, (list, tuple)) else [module]
+    result = subprocess.run(command + [str(m) for m in modules], env=env, cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=timeout)
     summary = result.stdout[-3000:] + result.stderr[-2000:]
     assert result.returncode == 0, summary

@@ -3,7 +3,8 @@
 * CPU: a one-rank `MoE` forward calls the fused ``route`` once and none of the three ops it
   fuses (select_experts, append_shared_slots, remap_to_local), and its output matches a
   dense torch definition of the layer.
-* Device (``test_sim_*``, under NUMBA_ENABLE_CUDASIM=1 in a subprocess): the forward's device
+* Device (``test_sim_*``, under NUMBA_ENABLE_CUDASIM=1 in the subprocess that
+  test_route.py's ``test_route_under_the_simulator`` starts for both files): the forward's device
   pipeline - ``route`` on device logits, then the expert pipeline the module runs on CUDA
   tensors (`moeroute.gpu.gemm.run_fused_experts`: align, two GEMMs, the top-k sum) - counted
   at the two launch points, `moeroute.routing._launcher.launch` (every Numba kernel) and the
@@ -13,14 +14,11 @@
   tests run them).
 """
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from moeroute import ExpertLayout, RouterConfig, route
 from moeroute.routing._arrays import simulator_enabled
-from _simulator import run_simulator_suite  # noqa: E402
 from helpers.reference import dense_experts  # noqa: E402
 
 SIMULATED = simulator_enabled()
@@ -96,11 +94,6 @@ def test_one_rank_forward_routes_once(monkeypatch, shared):
 
 
 # ------------------------------------------------------------------ device, counted
-
-
-@no_sim
-def test_forward_launches_under_the_simulator():
-    run_simulator_suite(Path(__file__), select="test_sim_")
 
 
 class _RecordingBackend:

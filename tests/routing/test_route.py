@@ -156,7 +156,9 @@ def test_invalid_arguments_name_themselves(kwargs, error, match):
 def test_route_under_the_simulator():
     from moeroute.routing.select._cuda import DEVICE_WARPS_PER_BLOCK
 
-    run_simulator_suite(Path(__file__), warps=DEVICE_WARPS_PER_BLOCK, select="test_sim_")
+    # test_forward_launches' device counts share this simulator process (one start-up).
+    run_simulator_suite([Path(__file__), Path(__file__).with_name("test_forward_launches.py")],
+                        warps=DEVICE_WARPS_PER_BLOCK, select="test_sim_")
 
 
 # (name, config, bias, layout, rank, home_rank, shared weights kind, rows, input dtype)
