@@ -305,10 +305,12 @@ def _argument_key(x):
     numba_type = getattr(x, "_numba_type_", None)
     if numba_type is not None:
         return numba_type
+    if isinstance(x, np.generic):  # a NumPy scalar not typed yet (it has flags too)
+        return kind
     flags = getattr(x, "flags", None)
     if flags is not None:
         return (x.dtype, x.ndim, flags.c_contiguous, flags.f_contiguous)
-    return kind  # a NumPy scalar (or an argument argument_type refuses)
+    return kind  # an argument argument_type refuses
 
 
 _SIGNATURES: dict = {}  # tuple of _argument_key -> signature (one tuple object per key)

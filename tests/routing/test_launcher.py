@@ -337,6 +337,17 @@ def test_signatures_are_one_object_per_argument_types():
         == types.float16[:, ::1]
 
 
+def test_first_signature_of_a_numpy_scalar_is_the_one_later_launches_find(monkeypatch):
+    """A NumPy scalar type seen for the first time keys its signature as later ones do
+    (NumPy scalars carry ``flags`` like arrays; they must not be keyed as 0-d arrays)."""
+    monkeypatch.setattr(_launcher, "_SCALAR_TYPES", {})
+    monkeypatch.setattr(_launcher, "_SIGNATURES", {})
+    first = _launcher.signature_of((np.float32(1), np.int16(2)))
+    assert first == (types.float32, types.int16)
+    assert _launcher.signature_of((np.float32(3), np.int16(4))) is first
+    assert len(_launcher._SIGNATURES) == 1
+
+
 def test_cached_kernels_are_found_by_value_and_by_identity():
     kernel = select_module._device_kernel(8, 1, "softmax", False, True, "float32")
     signature = select_module._device_signature("float32")
