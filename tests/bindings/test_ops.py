@@ -213,6 +213,132 @@ def test_experts_op_errors(change, message):
         torch.ops.moeroute.experts(*args.values())
 
 
+# ------------------------------------------------------------------ experts on physical ids (expert_map)
+
+NUM_PHYSICAL = 12
+#: Five local experts held among twelve physical ones; -1: held by another rank.
+EXPERT_MAP = torch.tensor([-1, 3, -1, 0, -1, -1, 4, 1, -1, 2, -1, -1], dtype=torch.int32)
+
+
+def _physical_problem(seed, tokens=10, slots=3, dtype=torch.float32):
+    """Experts 0..4 held as physical ids 3, 7, 9, 1, 6; rows 0 and 1 route only to unheld
+    experts; one slot carries an id past the map (treated as not held)."""
+    hidden, w_gate_up, w_down, _, weights = _expert_problem(seed, tokens, slots, 5, dtype)
+    ids = torch.randint(0, NUM_PHYSICAL, (tokens, slots), generator=_generator(seed + 100), dtype=torch.int32)
+    ids[0] = torch.tensor([0, 2, 4][:slots], dtype=torch.int32)
+    ids[1] = torch.tensor([11, 8, 5][:slots], dtype=torch.int32)
+    ids[2, 0] = NUM_PHYSICAL + 3
+    return hidden, w_gate_up, w_down, ids, weights
+
+
+def _held_ids(ids, expert_map):
+    """The reference's local ids, written slot by slot: expert_map[p], -1 for p outside the map."""
+    table = expert_map.tolist()
+    return torch.tensor([[table[p] if 0 <= p < len(table) else -1 for p in row] for row in ids.tolist()],
+                        dtype=torch.int64)
+
+
+@pytest.mark.parametrize("gemm", ["auto", "loop", "padded", "rows"])
+def test_experts_op_with_expert_map_matches_reference_over_held_experts(gemm):
+    hidden, w_gate_up, w_down, ids, weights = _physical_problem(31)
+    out = torch.ops.moeroute.experts(hidden, w_gate_up, w_down, ids, weights, "silu", gemm, expert_map=EXPERT_MAP)
+    expected = dense_experts(hidden, _held_ids(ids, EXPERT_MAP), weights, w_gate_up, w_down)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=FP32_ATOL)
+    assert torch.count_nonzero(out[:2]) == 0  # rows whose slots are all held elsewhere
+    held_rows = (_held_ids(ids, EXPERT_MAP) >= 0).any(1)
+    assert torch.equal(out.abs().sum(1) > 0, held_rows) and int(held_rows.sum()) >= 6
+    # The eager body, an int64 map, and the op agree; opcheck runs schema, fake and AOT with the map.
+    eager = ops.experts(hidden, w_gate_up, w_down, ids, weights, "silu", gemm, expert_map=EXPERT_MAP.long())
+    torch.testing.assert_close(eager, out, rtol=0, atol=0)
+    _opcheck(ops.OPS["experts"], (hidden, w_gate_up, w_down, ids, weights, "silu", gemm),
+             dict(expert_map=EXPERT_MAP))
+
+
+def test_experts_op_with_expert_map_and_biases():
+    hidden, w_gate_up, w_down, ids, weights = _physical_problem(32)
+    generator = _generator(33)
+    b_gate_up = torch.randn(5, 2 * I, generator=generator) * 0.5
+    b_down = torch.randn(5, H, generator=generator) * 0.5
+    out = torch.ops.moeroute.experts(hidden, w_gate_up, w_down, ids, weights, "silu", "loop", b_gate_up, b_down,
+                                     expert_map=EXPERT_MAP)
+    expected = dense_experts(hidden, _held_ids(ids, EXPERT_MAP), weights, w_gate_up, w_down, "silu", b_gate_up,
+                             b_down)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=FP32_ATOL)
+    assert torch.count_nonzero(out[:2]) == 0  # no bias leaks into rows with no held expert
+
+
+def test_experts_op_with_expert_map_bfloat16():
+    args = _physical_problem(34, dtype=torch.bfloat16)
+    hidden, w_gate_up, w_down, ids, weights = args
+    out = torch.ops.moeroute.experts(*args, expert_map=EXPERT_MAP)
+    expected = dense_experts(hidden, _held_ids(ids, EXPERT_MAP), weights, w_gate_up, w_down)
+    assert out.dtype == torch.bfloat16
+    assert ((out.double() - expected).norm() / expected.norm()).item() < 3e-2
+    assert torch.count_nonzero(out[:2]) == 0
+
+
+def test_fp8_experts_op_with_expert_map_matches_reference_over_held_experts():
+    from moeroute.quant import QuantConfig, quantize_experts
+    from moeroute.quant.reference import moe_experts_reference
+
+    hidden_size, inter = 128, 80
+    quant = QuantConfig("fp8_block", block_size=(32, 64))
+    generator = _generator(35)
+    q_gu, s_gu, q_d, s_d = quantize_experts(torch.randn(5, 2 * inter, hidden_size, generator=generator) * 0.1,
+                                            torch.randn(5, hidden_size, inter, generator=generator) * 0.1, quant)
+    _, _, _, ids, weights = _physical_problem(36)
+    x = torch.randn(ids.shape[0], hidden_size, generator=generator)
+    kwargs = dict(gate_up_scale=s_gu, down_scale=s_d, quant_format=quant.format,
+                  block_size=list(quant.block_size), expert_map=EXPERT_MAP)
+    out = torch.ops.moeroute.experts(x, q_gu, q_d, ids, weights, **kwargs)
+    expected = moe_experts_reference(x, _held_ids(ids, EXPERT_MAP), weights, q_gu, s_gu, q_d, s_d,
+                                     quant.block_size)
+    assert float((out - expected).abs().max() / expected.abs().max()) < 1e-4
+    assert torch.count_nonzero(out[:2]) == 0
+    # Same as the local ids given directly: the map is the only difference.
+    local = torch.ops.moeroute.experts(x, q_gu, q_d, _held_ids(ids, EXPERT_MAP).int(), weights,
+                                       **{**kwargs, "expert_map": None})
+    torch.testing.assert_close(out, local, rtol=0, atol=0)
+
+
+def test_experts_op_with_expert_map_compiles():
+    hidden, w_gate_up, w_down, ids, weights = _physical_problem(37)
+
+    def layer(x, topk_ids, topk_weights, expert_map):
+        return torch.ops.moeroute.experts(x, w_gate_up, w_down, topk_ids, topk_weights,
+                                          expert_map=expert_map) + x
+
+    compiled = torch.compile(layer, fullgraph=True)
+    with torch.inference_mode():
+        actual = compiled(hidden, ids, weights, EXPERT_MAP)
+    expected = dense_experts(hidden, _held_ids(ids, EXPERT_MAP), weights, w_gate_up, w_down) + hidden.double()
+    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=FP32_ATOL)
+
+
+@pytest.mark.parametrize("expert_map, error, message", [
+    (EXPERT_MAP.float(), TypeError, "expert_map must hold integers"),
+    (EXPERT_MAP.bool(), TypeError, "expert_map must hold integers"),
+    (EXPERT_MAP.reshape(3, 4), ValueError, r"expert_map must be 1-D"),
+    (torch.where(EXPERT_MAP == 4, 5, EXPERT_MAP), ValueError, r"expert_map values must be .* \[0, 5\).*\[-1, 5\]"),
+    (torch.where(EXPERT_MAP == -1, -2, EXPERT_MAP), ValueError, r"expert_map values .*\[-2, 4\]"),
+])
+def test_experts_op_expert_map_errors(expert_map, error, message):
+    hidden, w_gate_up, w_down, ids, weights = _physical_problem(38)
+    with pytest.raises(error, match=message):
+        torch.ops.moeroute.experts(hidden, w_gate_up, w_down, ids, weights, expert_map=expert_map)
+    with pytest.raises(error, match=message):
+        ops.experts(hidden, w_gate_up, w_down, ids, weights, expert_map=expert_map)
+    if "values" not in message:  # the fake kernel sees shapes and dtypes, not values
+        with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(error, match=message):
+            torch.ops.moeroute.experts(hidden, w_gate_up, w_down, ids, weights, expert_map=expert_map)
+
+
+def test_experts_eager_body_rejects_a_non_tensor_expert_map():
+    hidden, w_gate_up, w_down, ids, weights = _physical_problem(39)
+    with pytest.raises(TypeError, match="expert_map must be an integer torch.Tensor"):
+        ops.experts(hidden, w_gate_up, w_down, ids, weights, expert_map=EXPERT_MAP.tolist())
+
+
 # ------------------------------------------------------------------ fused_experts (CUDA)
 
 def _meta(*tensors):

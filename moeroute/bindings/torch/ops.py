@@ -16,8 +16,11 @@ shared_weight)``                                 -> (ids [T, K+S'] int32, weight
 topk_ids, topk_weights, activation, gemm,        BLAS/oneDNN GEMMs, combine; CUDA: as
 b_gate_up, b_down, gate_up_scale, down_scale,    ``fused_experts``); biases optional. With
 input_scale, quant_format, block_size,           ``quant_format`` ("fp8_block"/"fp8_tensor")
-quant_activation, scale_fmt)``                   the weights are float8_e4m3fn with their
-                                                 scales (docs/quant.md). -> [T, H].
+quant_activation, scale_fmt, expert_map)``       the weights are float8_e4m3fn with their
+                                                 scales (docs/quant.md). With ``expert_map``
+                                                 (int [N_physical], -1 = not held) the ids
+                                                 are physical and mapped to local ids
+                                                 first. -> [T, H].
 ``fused_experts(hidden_states, w_gate_up,        The CuPy grouped-GEMM path (CUDA tensors
 w_down, topk_weights, topk_ids, activation,      only; the fake kernel serves any device).
 apply_router_weight, block_size, gate_up_bias,   -> [T, H].
@@ -357,6 +360,59 @@ def _check_fp8_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_wei
                          f"{tuple(topk_weights.shape)}")
 
 
+def _check_expert_map(expert_map, topk_ids, num_local_experts) -> None:
+    """TypeError/ValueError naming ``expert_map`` unless it is an integer tensor [N_physical] on
+    the device of ``topk_ids`` whose values (on the CPU, or wherever they can be read without a
+    device sync) are -1 or local ids in [0, num_local_experts)."""
+    if not isinstance(expert_map, torch.Tensor):
+        raise TypeError(f"expert_map must be an integer torch.Tensor [num_physical_experts] or None, got "
+                        f"{type(expert_map).__name__}")
+    if expert_map.dtype.is_floating_point or expert_map.dtype.is_complex or expert_map.dtype == torch.bool:
+        raise TypeError(f"expert_map must hold integers (int32: layout.expert_map(rank)), got dtype "
+                        f"{expert_map.dtype}")
+    if expert_map.dim() != 1:
+        raise ValueError(f"expert_map must be 1-D [num_physical_experts], got shape {tuple(expert_map.shape)}")
+    if expert_map.device != topk_ids.device:
+        raise ValueError(f"expert_map is on {expert_map.device}, topk_ids on {topk_ids.device}; pass both on "
+                         "one device")
+    # Values: read on the CPU only (a device read would synchronize the stream). On a device a
+    # value outside [-1, L) is not an error but names no local expert: its slots are skipped.
+    if expert_map.device.type == "cpu" and type(expert_map) is torch.Tensor and expert_map.numel() \
+            and _static_int(num_local_experts):
+        low, high = int(expert_map.min()), int(expert_map.max())
+        if low < -1 or high >= num_local_experts:
+            raise ValueError(f"expert_map values must be -1 (not held here) or local ids in "
+                             f"[0, {num_local_experts}) (num_local_experts = w_gate_up.shape[0]), got values "
+                             f"in [{low}, {high}]")
+
+
+def local_expert_ids(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor],
+                     num_local_experts: int) -> torch.Tensor:
+    """``topk_ids`` as the experts body takes them: unchanged without ``expert_map``; with
+    one, the physical ids mapped to local ids (``expert_map[id]``, -1 where this rank does
+    not hold the expert or the id is outside [0, len(expert_map))) by the routing library's
+    `remap_to_local` (one Numba pass on the CPU, one kernel launch on a device).
+
+    Parameters
+    ----------
+    topk_ids : Tensor [T, K] int32, physical ids when ``expert_map`` is given
+    expert_map : Tensor [N_physical] integer or None, on the device of ``topk_ids``
+    num_local_experts : int, L (the experts' leading dimension)
+
+    Raises
+    ------
+    TypeError, ValueError
+        As `_check_expert_map`: ``expert_map`` not an integer 1-D tensor on the device of
+        ``topk_ids``, or (CPU) holding values outside [-1, L).
+    """
+    if expert_map is None:
+        return topk_ids
+    _check_expert_map(expert_map, topk_ids, num_local_experts)
+    if expert_map.dtype != torch.int32:
+        expert_map = expert_map.to(torch.int32)
+    return arrays.remap_to_local(topk_ids, expert_map)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::experts", mutates_args=())
 def _experts_op(
     hidden_states: torch.Tensor,
@@ -375,31 +431,37 @@ def _experts_op(
     block_size: Optional[list[int]] = None,
     quant_activation: str = "dynamic",
     scale_fmt: str = "float",
+    expert_map: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``sum_k w[t, k] * expert_{ids[t, k]}(x_t)`` over the ids in [0, L); the others are
     computed elsewhere and skipped. Optional biases b_gate_up [L, 2I] and b_down [L, H].
     The computation of `LocalExperts` with plain (not oneDNN-packed) weights. With
     ``quant_format``: FP8 weights and their scales, the computation of `QuantizedExperts`
-    (``gemm`` then names the FP8 strategy: "auto", "rows" or "blocks")."""
+    (``gemm`` then names the FP8 strategy: "auto", "rows" or "blocks"). With ``expert_map``
+    (integer [N_physical], -1 = not held here) the ids are physical: id p is local expert
+    ``expert_map[p]``, and slots whose expert is not held contribute nothing (expert
+    parallelism: this rank's partial sum)."""
     return experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm, b_gate_up,
                    b_down, gate_up_scale, down_scale, input_scale, quant_format, block_size, quant_activation,
-                   scale_fmt)
+                   scale_fmt, expert_map)
 
 
 def experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation="silu", gemm="auto",
             b_gate_up=None, b_down=None, gate_up_scale=None, down_scale=None, input_scale=None,
-            quant_format="", block_size=None, quant_activation="dynamic", scale_fmt="float"):
+            quant_format="", block_size=None, quant_activation="dynamic", scale_fmt="float", expert_map=None):
     """The body of ``torch.ops.moeroute.experts`` (same arguments and result), called
     directly where `runs_eagerly` allows."""
     if quant_format:
         quant = _quant_config(quant_format, block_size, quant_activation, scale_fmt)
         _check_fp8_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
                                 b_gate_up, b_down, gate_up_scale, down_scale, input_scale, quant)
+        topk_ids = local_expert_ids(topk_ids, expert_map, w_gate_up.shape[0])
         return fp8_experts_forward(hidden_states.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
                                    w_gate_up, gate_up_scale.float(), w_down, down_scale.float(), quant, activation,
                                    None if input_scale is None else input_scale.float(), gemm)
     _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
                         b_gate_up, b_down)
+    topk_ids = local_expert_ids(topk_ids, expert_map, w_gate_up.shape[0])
     if hidden_states.device.type == "cuda":
         contiguous = [None if t is None else t.contiguous() for t in (b_gate_up, b_down)]
         return torch.ops.moeroute.fused_experts(hidden_states.contiguous(), w_gate_up.contiguous(),
@@ -412,7 +474,7 @@ def experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation
 @_experts_op.register_fake
 def _(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation="silu", gemm="auto",
       b_gate_up=None, b_down=None, gate_up_scale=None, down_scale=None, input_scale=None, quant_format="",
-      block_size=None, quant_activation="dynamic", scale_fmt="float"):
+      block_size=None, quant_activation="dynamic", scale_fmt="float", expert_map=None):
     if quant_format:
         quant = _quant_config(quant_format, block_size, quant_activation, scale_fmt)
         _check_fp8_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
@@ -420,6 +482,8 @@ def _(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation="silu
     else:
         _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
                             b_gate_up, b_down)
+    if expert_map is not None:
+        _check_expert_map(expert_map, topk_ids, w_gate_up.shape[0])
     return hidden_states.new_empty(hidden_states.shape)
 
 
