@@ -37,8 +37,15 @@ layer:
   ``w2_weight`` (and FP8 scales) (the Hugging Face stacked layout: no second copy, no
   repacking);
 * declined: vLLM's own method sets the layer up and runs it, unchanged, and one log line
-  per reason says why (another quantized scheme, per-tensor FP8, an activation, expert
-  parallelism, ...).
+  per reason says why (another quantized scheme, per-tensor FP8, an activation, tensor or
+  data parallelism of the experts, ...).
+
+Expert parallelism (vLLM's ``enable_expert_parallel`` with tensor parallelism only: every rank
+sees all tokens) is served: the layer holds ``local_num_experts`` experts and an
+``expert_map`` (global id -> local id, -1 = another rank's); routing runs over all experts,
+``torch.ops.moeroute.experts(..., expert_map=layer.expert_map)`` computes this rank's partial
+sums (other ranks' slots add nothing) and vLLM's runner all-reduces them, as it does after its
+own method. Data-parallel EP (all2all dispatch) is declined.
 
 Shared experts: each served layer's plan is an `moeroute.ExpertLayout` whose resolved
 ``shared`` mode is ``"runner"``: vLLM's MoE runner computes the shared MLP (and its gate)
@@ -197,12 +204,17 @@ class LayerPlan:
         moeroute's name of the experts' gated activation.
     quant : moeroute.quant.QuantConfig or None
         The experts' quantization (fp8_block), None for float experts.
+    num_local_experts : int or None
+        Expert parallelism: the experts this rank holds (the layer's ``expert_map`` maps
+        the routed ids to them at every call, and the other ranks' slots add nothing);
+        None: the layer holds every expert.
     """
 
     router: object
     layout: object
     activation: str
     quant: object = None
+    num_local_experts: int | None = None
 
     def describe(self) -> str:
         r = self.router
@@ -215,7 +227,9 @@ class LayerPlan:
             experts = f"{self.quant.format} {self.quant.block_size[0]}x{self.quant.block_size[1]} {experts}"
         elif self.quant is not None:
             experts = f"{self.quant.format} {experts}"
-        return f"{routing}; {experts}; shared expert: {self.layout.shared}"
+        held = "" if self.num_local_experts is None else \
+            f"; expert parallelism: {self.num_local_experts} of {r.num_experts} experts held here"
+        return f"{routing}; {experts}; shared expert: {self.layout.shared}{held}"
 
 
 def decline_reason(moe_config, layer, runner, weight_dtypes=WEIGHT_DTYPES, activations=ACTIVATIONS,
@@ -235,9 +249,18 @@ def decline_reason(moe_config, layer, runner, weight_dtypes=WEIGHT_DTYPES, activ
         return "its MoE runner is not registered in vLLM's forward context"
     parallel = moe_config.moe_parallel_config
     sizes = {name: getattr(parallel, f"{name}_size", 1) for name in ("tp", "dp", "ep", "pcp")}
-    if any(size > 1 for size in sizes.values()) or parallel.use_ep:
+    # Expert parallelism alone (vLLM's TP + EP: tp folded into ep, no all2all): every rank
+    # sees all tokens, computes its held experts' partial sums, and vLLM's runner all-reduces.
+    expert_parallel_only = (parallel.use_ep and getattr(parallel, "sp_size", 1) == 1
+                            and all(sizes[name] == 1 for name in ("tp", "dp", "pcp")))
+    if not expert_parallel_only and (any(size > 1 for size in sizes.values()) or parallel.use_ep):
         settings = ", ".join(f"{name}={size}" for name, size in sizes.items())
-        return f"it is split over several ranks ({settings}); the plugin serves single-rank layers"
+        if parallel.use_ep:
+            settings += f", sp={getattr(parallel, 'sp_size', 1)}"
+        return (f"it is split over several ranks ({settings}); the plugin serves single-rank layers and "
+                "expert parallelism without tensor, data, context or sequence parallelism")
+    if parallel.use_ep and sizes["ep"] > 1 and layer.expert_map is None:
+        return f"it is split over ep={sizes['ep']} ranks without an expert_map"
     if parallel.enable_eplb:
         return "expert load balancing (EPLB) is on"
     if moe_config.is_lora_enabled:
@@ -260,12 +283,34 @@ def decline_reason(moe_config, layer, runner, weight_dtypes=WEIGHT_DTYPES, activ
         return f"its router {router_name} is not one the plugin reproduces ({', '.join(ROUTERS)})"
     if getattr(runner.router, "eplb_state", None) is not None:
         return "its router records expert load (EPLB)"
-    if layer.expert_map is not None or layer.local_num_experts != layer.global_num_experts:
-        return "it holds a subset of the experts (expert parallelism)"
+    reason = _expert_map_reason(layer)
+    if reason is not None:
+        return reason
     for name in ("w13_weight", "w2_weight"):
         dtype = str(getattr(getattr(layer, name, None), "dtype", None))
         if dtype not in weight_dtypes:
             return f"its {name} has dtype {dtype}; the plugin serves {', '.join(weight_dtypes)} here"
+    return None
+
+
+def _expert_map_reason(layer) -> str | None:
+    """Why the layer's experts cannot be served as held (expert parallelism), or None: without
+    an ``expert_map`` it must hold every expert; with one, the map must cover the global
+    experts and name exactly the ``local_num_experts`` its weights hold."""
+    expert_map, local, total = layer.expert_map, int(layer.local_num_experts), int(layer.global_num_experts)
+    if expert_map is None:
+        if local != total:
+            return f"it holds {local} of {total} experts without an expert_map"
+        return None
+    if tuple(expert_map.shape) != (total,):
+        return f"its expert_map has shape {tuple(expert_map.shape)}, not [global_num_experts={total}]"
+    weights = getattr(layer, "w13_weight", None)
+    if weights is not None and int(weights.shape[0]) != local:
+        return f"its w13_weight holds {int(weights.shape[0])} experts, local_num_experts is {local}"
+    held = sorted(int(e) for e in expert_map.tolist() if int(e) != -1)
+    if held != list(range(local)):
+        return (f"its expert_map does not name each of its {local} local experts once (-1 for the others); "
+                f"held ids {held[:8]}{'...' if len(held) > 8 else ''}")
     return None
 
 
@@ -292,7 +337,8 @@ def build_plan(layer, runner, quant=None, activations=ACTIVATIONS) -> LayerPlan:
     # the plan says so, and both sides read it.
     num_shared = 0 if runner.shared_experts is None else 1
     layout = ExpertLayout(router.num_experts, num_shared, shared="runner")
-    return LayerPlan(router, layout, activations[layer.moe_config.activation.value], quant)
+    held = None if layer.expert_map is None else int(layer.local_num_experts)
+    return LayerPlan(router, layout, activations[layer.moe_config.activation.value], quant, held)
 
 
 def _decline(layer_name: str, reason: str) -> None:
@@ -460,21 +506,25 @@ class _ServedMethod:
             STATS["calls"] += 1
             STATS["tokens"] += int(x.shape[0])
         quant = self.plan.quant
+        # Expert parallelism: the routed ids are global; the layer's map (read at every call:
+        # vLLM may replace it) turns them into its local experts, -1 for other ranks' experts.
+        expert_map = layer.expert_map
         if quant is not None and quant.format == "mxfp4":
-            return _mxfp4_experts(layer, x, topk_weights, topk_ids)
+            return _mxfp4_experts(layer, x, topk_weights, topk_ids, expert_map)
         from moeroute.bindings.torch import ops
 
         # Called eagerly (as vLLM runs a layer's method, inside its own op), the op's body
         # runs directly; a tracer sees the op.
-        experts = ops.experts if ops.runs_eagerly(x, topk_weights, topk_ids) else torch.ops.moeroute.experts
+        eager = ops.runs_eagerly(x, topk_weights, topk_ids, expert_map)
+        experts = ops.experts if eager else torch.ops.moeroute.experts
         if quant is None:
             return experts(x, layer.w13_weight, layer.w2_weight, topk_ids, topk_weights, self.plan.activation,
-                           "auto")
+                           "auto", expert_map=expert_map)
         return experts(
             x, layer.w13_weight, layer.w2_weight, topk_ids, topk_weights, self.plan.activation, "auto",
             gate_up_scale=layer.w13_weight_scale_inv, down_scale=layer.w2_weight_scale_inv,
             quant_format=quant.format, block_size=list(quant.block_size), quant_activation=quant.activation,
-            scale_fmt=quant.scale_fmt)
+            scale_fmt=quant.scale_fmt, expert_map=expert_map)
 
 
 @functools.cache
@@ -611,10 +661,12 @@ def _mxfp4_blocks(layer):
     return (w13.view(w13.shape[0], w13.shape[1], -1, 16), w2.view(w2.shape[0], w2.shape[1], -1, 16))
 
 
-def _mxfp4_experts(layer, x, topk_weights, topk_ids):
+def _mxfp4_experts(layer, x, topk_weights, topk_ids, expert_map=None):
     from moeroute.bindings.torch.mxfp4_experts import mxfp4_experts_forward
+    from moeroute.bindings.torch.ops import local_expert_ids
 
     w13, w2 = _mxfp4_blocks(layer)
+    topk_ids = local_expert_ids(topk_ids, expert_map, int(w13.shape[0]))
     return mxfp4_experts_forward(x, topk_ids, topk_weights, w13, layer.w13_weight_scale, w2, layer.w2_weight_scale,
                                  getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None), "swigluoai")
 

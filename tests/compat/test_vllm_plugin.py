@@ -5,13 +5,16 @@ Here vLLM's layer objects are stood in by namespaces carrying the attributes the
 reads, so that each rule is checked on its own.
 """
 
+import dataclasses
 import logging
 import sys
 from enum import Enum
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from helpers.reference import dense_experts, generator
 from moeroute.compat import vllm_plugin
 from moeroute.config import RouterConfig
 
@@ -84,6 +87,21 @@ def _layer(**fields):
     return SimpleNamespace(**values)
 
 
+#: Rank 1 of two in vLLM's round-robin placement of 16 experts: odd ids held, as locals 0..7.
+_EP_MAP = torch.tensor([-1 if e % 2 == 0 else e // 2 for e in range(16)], dtype=torch.int32)
+
+
+def _ep_layer(**fields):
+    """The stand-in layer on rank 1 of vLLM's TP + EP over two ranks (8 of 16 experts held)."""
+    moe_config = SimpleNamespace(**{**vars(_layer().moe_config),
+                                    "moe_parallel_config": _parallel(ep_size=2, use_ep=True)})
+    values = dict(moe_config=moe_config, local_num_experts=8, expert_map=_EP_MAP,
+                  w13_weight=torch.empty(8, 128, 64, dtype=torch.bfloat16),
+                  w2_weight=torch.empty(8, 64, 64, dtype=torch.bfloat16))
+    values.update(fields)
+    return _layer(**values)
+
+
 def _runner(router=None, shared=None):
     return SimpleNamespace(router=router or CPURouter(), shared_experts=shared)
 
@@ -126,7 +144,10 @@ def _moe(**fields):
 @pytest.mark.parametrize("moe, layer, runner, words", [
     (_moe(), _layer(), None, "runner is not registered"),
     (_moe(moe_parallel_config=_parallel(tp_size=2)), _layer(), _runner(), "tp=2"),
-    (_moe(moe_parallel_config=_parallel(ep_size=2, use_ep=True)), _layer(), _runner(), "ep=2"),
+    (_moe(moe_parallel_config=_parallel(ep_size=2, use_ep=True)), _layer(), _runner(),
+     "ep=2 ranks without an expert_map"),
+    (_moe(moe_parallel_config=_parallel(dp_size=2, ep_size=2, use_ep=True)), _layer(), _runner(), "dp=2"),
+    (_moe(moe_parallel_config=_parallel(ep_size=2, use_ep=True, sp_size=2)), _layer(), _runner(), "sp=2"),
     (_moe(moe_parallel_config=_parallel(enable_eplb=True)), _layer(), _runner(), "EPLB"),
     (_moe(is_lora_enabled=True), _layer(), _runner(), "LoRA"),
     (_moe(activation=Activation.RELU2), _layer(), _runner(), "'relu2_no_mul'"),
@@ -137,7 +158,10 @@ def _moe(**fields):
     (_moe(), _layer(scoring_func="sqrtsoftplus"), _runner(), "'sqrtsoftplus'"),
     (_moe(has_hash_routing=True), _layer(), _runner(), "hash"),
     (_moe(), _layer(), _runner(router=ZeroExpertRouter()), "ZeroExpertRouter"),
-    (_moe(), _layer(local_num_experts=8), _runner(), "subset of the experts"),
+    (_moe(), _layer(local_num_experts=8), _runner(), "holds 8 of 16 experts without an expert_map"),
+    (_moe(), _ep_layer(expert_map=_EP_MAP[:8]), _runner(), "expert_map has shape (8,)"),
+    (_moe(), _ep_layer(expert_map=_EP_MAP.clamp(max=6)), _runner(), "name each of its 8 local experts once"),
+    (_moe(), _ep_layer(w13_weight=_layer().w13_weight), _runner(), "w13_weight holds 16 experts"),
     (_moe(), _layer(w13_weight=SimpleNamespace(dtype="torch.float8_e4m3fn")), _runner(), "float8_e4m3fn"),
 ])
 def test_unsupported_layers_are_declined_with_the_reason(moe, layer, runner, words):
@@ -157,3 +181,106 @@ def test_one_log_line_per_reason(monkeypatch, caplog):
     assert "model.layers.0.mlp.experts" in lines[0] and "its experts have biases" in lines[0]
     assert "model.layers.3.mlp.experts" in lines[1] and "LoRA is enabled" in lines[1]
     assert vllm_plugin.STATS["declined"] == 4
+
+
+# ------------------------------------------------------------------ expert parallelism (expert_map)
+
+def test_expert_parallel_layer_is_served_with_its_plan():
+    layer = _ep_layer()
+    assert vllm_plugin.decline_reason(layer.moe_config, layer, _runner()) is None
+    plan = vllm_plugin.build_plan(layer, _runner())
+    assert plan.router.num_experts == 16 and plan.num_local_experts == 8
+    assert "expert parallelism: 8 of 16 experts held here" in plan.describe()
+    assert vllm_plugin.build_plan(_layer(), _runner()).num_local_experts is None
+
+
+def _served(plan):
+    method = vllm_plugin._ServedMethod()
+    method.plan = plan
+    return method
+
+
+def _held(ids, expert_map):
+    """Local ids of the reference, slot by slot: expert_map[p] (-1: another rank's)."""
+    table = expert_map.tolist()
+    return torch.tensor([[table[p] for p in row] for row in ids.tolist()], dtype=torch.int64)
+
+
+def _global_ids(tokens, top_k, seed):
+    """Distinct global ids per token; token 0 routes only to experts rank 1 does not hold."""
+    ids = torch.stack([torch.randperm(16, generator=generator(seed + t))[:top_k] for t in range(tokens)])
+    ids[0] = torch.arange(0, 2 * top_k, 2)
+    return ids.to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_parallel_layer_computes_its_partial_sum(dtype):
+    hidden, inter, tokens, top_k = 64, 32, 9, 4
+    g = generator(40)
+    layer = _ep_layer(w13_weight=(torch.randn(8, 2 * inter, hidden, generator=g) * 0.2).to(dtype),
+                      w2_weight=(torch.randn(8, hidden, inter, generator=g) * 0.2).to(dtype))
+    plan = vllm_plugin.build_plan(layer, _runner())
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    ids, weights = _global_ids(tokens, top_k, 41), torch.rand(tokens, top_k, generator=g)
+    out = _served(plan)._experts(layer, x, weights, ids)
+    expected = dense_experts(x, _held(ids, _EP_MAP), weights, layer.w13_weight, layer.w2_weight)
+    assert out.dtype == dtype and torch.count_nonzero(out[0]) == 0
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    assert float((out.double() - expected).norm() / expected.norm()) < tolerance
+    # The two ranks' partial sums add up to the whole layer (what vLLM's all-reduce gives).
+    other_map = torch.where(_EP_MAP == -1, torch.arange(16, dtype=torch.int32) // 2, -1)
+    other = _ep_layer(expert_map=other_map, w13_weight=(torch.randn(8, 2 * inter, hidden, generator=g) * 0.2).to(dtype),
+                      w2_weight=(torch.randn(8, hidden, inter, generator=g) * 0.2).to(dtype))
+    total = out.double() + _served(plan)._experts(other, x, weights, ids).double()
+    whole_up = torch.empty(16, 2 * inter, hidden, dtype=dtype)
+    whole_down = torch.empty(16, hidden, inter, dtype=dtype)
+    whole_up[1::2], whole_up[0::2] = layer.w13_weight, other.w13_weight
+    whole_down[1::2], whole_down[0::2] = layer.w2_weight, other.w2_weight
+    whole = dense_experts(x, ids, weights, whole_up, whole_down)
+    assert float((total - whole).norm() / whole.norm()) < tolerance
+
+
+def test_expert_parallel_mxfp4_layer_computes_its_partial_sum():
+    from moeroute.quant import QuantConfig, quantize_mxfp4
+    from moeroute.quant.mxfp4 import dequantize_mxfp4
+
+    hidden, inter, tokens, top_k = 64, 32, 7, 4
+    g = generator(42)
+    (gu_blocks, gu_scales), (d_blocks, d_scales) = (quantize_mxfp4(torch.randn(8, 2 * inter, hidden, generator=g) * 0.2),
+                                                    quantize_mxfp4(torch.randn(8, hidden, inter, generator=g) * 0.2))
+    gu_bias, d_bias = torch.randn(8, 2 * inter, generator=g) * 0.3, torch.randn(8, hidden, generator=g) * 0.3
+    # vLLM's packed bytes [E, rows, cols/2] and scale bytes [E, rows, cols/32].
+    layer = _ep_layer(w13_weight=gu_blocks.reshape(8, 2 * inter, -1), w13_weight_scale=gu_scales,
+                      w2_weight=d_blocks.reshape(8, hidden, -1), w2_weight_scale=d_scales,
+                      w13_bias=gu_bias, w2_bias=d_bias)
+    plan = dataclasses.replace(vllm_plugin.build_plan(layer, _runner()), activation="swigluoai",
+                               quant=QuantConfig("mxfp4"))
+    x = torch.randn(tokens, hidden, generator=g)
+    ids, weights = _global_ids(tokens, top_k, 43), torch.rand(tokens, top_k, generator=g)
+    out = _served(plan)._experts(layer, x, weights, ids)
+    expected = dense_experts(x, _held(ids, _EP_MAP), weights, dequantize_mxfp4(gu_blocks, gu_scales),
+                             dequantize_mxfp4(d_blocks, d_scales), "swigluoai", gu_bias, d_bias)
+    assert torch.count_nonzero(out[0]) == 0  # no bias reaches a token none of whose experts are here
+    assert float((out.double() - expected).abs().max() / expected.abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("placement", ["linear", "round_robin"])
+def test_vllm_expert_maps_are_served(placement):
+    """vLLM's own maps (its determine_expert_map, rank 1 of two) pass the plugin's checks and
+    give each rank its share: the two partial sums add up to the whole layer."""
+    expert_map_manager = pytest.importorskip("vllm.model_executor.layers.fused_moe.expert_map_manager")
+    hidden, inter, tokens, top_k = 64, 32, 5, 4
+    g = generator(44)
+    w_up, w_down = torch.randn(16, 2 * inter, hidden, generator=g) * 0.2, torch.randn(16, hidden, inter, generator=g) * 0.2
+    x = torch.randn(tokens, hidden, generator=g)
+    ids, weights = _global_ids(tokens, top_k, 45), torch.rand(tokens, top_k, generator=g)
+    total = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for rank in range(2):
+        local, expert_map, _ = expert_map_manager.determine_expert_map(2, rank, 16, placement)
+        held = [int(e) for e in torch.argsort(expert_map)[-local:]]  # global ids in local order
+        assert [int(expert_map[e]) for e in held] == list(range(local))
+        layer = _ep_layer(local_num_experts=local, expert_map=expert_map, w13_weight=w_up[held], w2_weight=w_down[held])
+        assert vllm_plugin.decline_reason(layer.moe_config, layer, _runner()) is None
+        total += _served(vllm_plugin.build_plan(layer, _runner()))._experts(layer, x, weights, ids).double()
+    expected = dense_experts(x, ids, weights, w_up, w_down)
+    assert float((total - expected).norm() / expected.norm()) < 1e-5
