@@ -333,6 +333,20 @@ def test_experts_op_expert_map_errors(expert_map, error, message):
             torch.ops.moeroute.experts(hidden, w_gate_up, w_down, ids, weights, expert_map=expert_map)
 
 
+@pytest.mark.gpu
+def test_experts_op_with_expert_map_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    args = _physical_problem(40)
+    hidden, w_gate_up, w_down, ids, weights = args
+    out = torch.ops.moeroute.experts(*(t.cuda() for t in args), expert_map=EXPERT_MAP.cuda())
+    expected = dense_experts(hidden, _held_ids(ids, EXPERT_MAP), weights, w_gate_up, w_down)
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-4, atol=1e-4)
+    assert torch.count_nonzero(out[:2]) == 0
+    with pytest.raises(ValueError, match="expert_map is on cpu"):
+        torch.ops.moeroute.experts(*(t.cuda() for t in args), expert_map=EXPERT_MAP)
+
+
 def test_experts_eager_body_rejects_a_non_tensor_expert_map():
     hidden, w_gate_up, w_down, ids, weights = _physical_problem(39)
     with pytest.raises(TypeError, match="expert_map must be an integer torch.Tensor"):
