@@ -662,13 +662,16 @@ def _mxfp4_blocks(layer):
 
 
 def _mxfp4_experts(layer, x, topk_weights, topk_ids, expert_map=None):
-    from moeroute.bindings.torch.mxfp4_experts import mxfp4_experts_forward
-    from moeroute.bindings.torch.ops import local_expert_ids
+    """The layer's MXFP4 experts through ``torch.ops.moeroute.experts`` (its body when eager)."""
+    import torch
+
+    from moeroute.bindings.torch import ops
 
     w13, w2 = _mxfp4_blocks(layer)
-    topk_ids = local_expert_ids(topk_ids, expert_map, int(w13.shape[0]))
-    return mxfp4_experts_forward(x, topk_ids, topk_weights, w13, layer.w13_weight_scale, w2, layer.w2_weight_scale,
-                                 getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None), "swigluoai")
+    experts = ops.experts if ops.runs_eagerly(x, topk_weights, topk_ids, expert_map) else torch.ops.moeroute.experts
+    return experts(x, w13, w2, topk_ids, topk_weights, "swigluoai", "auto", getattr(layer, "w13_bias", None),
+                   getattr(layer, "w2_bias", None), gate_up_scale=layer.w13_weight_scale,
+                   down_scale=layer.w2_weight_scale, quant_format="mxfp4", expert_map=expert_map)
 
 
 @functools.cache

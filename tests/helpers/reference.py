@@ -15,6 +15,21 @@ SWIGLUOAI_LIMIT = 7.0
 SWIGLUOAI_ALPHA = 1.702
 
 
+#: The e2m1 value of each 4-bit MXFP4 code.
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks, scales):
+    """float64 [..., rows, cols] of MXFP4 ``blocks`` [..., rows, cols/32, 16] and ``scales``
+    [..., rows, cols/32]: ``e2m1[nibble] * 2 ** (scale - 127)``, byte j holding element 2j in
+    its low nibble and 2j+1 in its high one."""
+    table = torch.tensor(E2M1, dtype=torch.float64)
+    low, high = table[(blocks % 16).long()], table[(blocks // 16).long()]
+    values = torch.stack([low, high], dim=-1).flatten(-2)
+    values = values * torch.pow(2.0, scales.double() - 127)[..., None]
+    return values.flatten(-2)
+
+
 def generator(seed):
     """A CPU torch.Generator seeded with ``seed``."""
     return torch.Generator().manual_seed(seed)

@@ -23,16 +23,7 @@ from moeroute.routing import reference
 H, I, N, K = 128, 96, 8, 2
 RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 ROUTER = RouterConfig(N, K, "softmax", renormalize=True)  # gpt-oss: softmax over the top-k logits
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                    dtype=torch.float64)
-
-
-def plain_dequantize(blocks, scales):
-    """float64 [..., rows, cols] straight from the definition (no moeroute code)."""
-    low, high = E2M1[(blocks % 16).long()], E2M1[(blocks // 16).long()]
-    values = torch.stack([low, high], dim=-1).flatten(-2)  # element 2j low nibble, 2j+1 high
-    values = values * torch.pow(2.0, scales.double() - 127)[..., None]
-    return values.flatten(-2)
+plain_dequantize = helpers.reference.dequantize_mxfp4
 
 
 def gpt_oss_weights(seed=0):

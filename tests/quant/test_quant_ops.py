@@ -1,5 +1,7 @@
-"""torch.ops.moeroute.experts with FP8 weights and scales: values against the w8a8 reference,
-opcheck (schema, fake kernel, AOT dispatch), and an FP8 layer under torch.compile."""
+"""torch.ops.moeroute.experts with FP8 weights and scales (values against the w8a8 reference)
+and with MXFP4 blocks and scale bytes (values against a float64 dense layer on the same bytes
+decoded from the format's definition): opcheck (schema, fake kernel, AOT dispatch), and
+quantized layers under torch.compile."""
 
 from __future__ import annotations
 
@@ -8,10 +10,10 @@ import functools
 import pytest
 import torch
 
-from helpers.reference import randn
+from helpers.reference import dense_experts, dequantize_mxfp4, randn, rel_error
 from moeroute.bindings.torch import MoE, ops
 from moeroute.config import RouterConfig
-from moeroute.quant import QuantConfig, quantize_experts
+from moeroute.quant import QuantConfig, quantize_experts, quantize_mxfp4
 from moeroute.quant.reference import moe_experts_reference
 
 H, I, L, T, K = 128, 80, 4, 6, 2
@@ -61,6 +63,81 @@ def test_fp8_layer_compiles_fullgraph():
     q_gu, s_gu, q_d, s_d = quantize_experts(_randn(L, 2 * I, H, seed=0), _randn(L, H, I, seed=1), module.quant)
     module.load_routed_weights(q_gu, q_d, gate_up_scale=s_gu, down_scale=s_d)
     x = _randn(T, H, seed=4, scale=1.0).bfloat16()
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(x), module(x))
+
+
+MXFP4_I = 96  # MXFP4 packs 32 input columns per scale: I must be a multiple of 32
+
+
+def _mxfp4_args(bias=True):
+    gate_up, down = quantize_mxfp4(_randn(L, 2 * MXFP4_I, H, seed=5)), quantize_mxfp4(_randn(L, H, MXFP4_I, seed=6))
+    x = _randn(T, H, seed=7, scale=1.0)
+    ids = torch.tensor([[0, 3], [1, -1], [2, 2], [3, 0], [1, 2], [5, 0]], dtype=torch.int32)
+    weights = torch.rand(T, K, generator=torch.Generator().manual_seed(8))
+    kwargs = dict(gate_up_scale=gate_up[1], down_scale=down[1], quant_format="mxfp4")
+    if bias:
+        kwargs.update(b_gate_up=_randn(L, 2 * MXFP4_I, seed=9), b_down=_randn(L, H, seed=10))
+    return (x, gate_up[0], down[0], ids, weights), kwargs
+
+
+@pytest.mark.parametrize("gemm", ["auto", "rows", "blocks"])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_mxfp4_experts_op_values(gemm, dtype, tolerance):
+    """The op on packed bytes equals a float64 dense layer on the decoded weights; slot ids
+    outside [0, L) (-1, 5) add nothing."""
+    (x, gu_blocks, d_blocks, ids, weights), kwargs = _mxfp4_args()
+    out = torch.ops.moeroute.experts(x.to(dtype), gu_blocks, d_blocks, ids, weights, "swigluoai", gemm, **kwargs)
+    expected = dense_experts(x.to(dtype).double(), ids, weights, dequantize_mxfp4(gu_blocks, kwargs["gate_up_scale"]),
+                             dequantize_mxfp4(d_blocks, kwargs["down_scale"]), "swigluoai", kwargs["b_gate_up"],
+                             kwargs["b_down"])
+    assert out.dtype == dtype
+    assert rel_error(out, expected) < tolerance
+
+
+def test_mxfp4_experts_op_opcheck():
+    args, kwargs = _mxfp4_args()
+    results = torch.library.opcheck(ops.OPS["experts"], args, {**kwargs, "activation": "swigluoai"})
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
+def test_mxfp4_experts_op_errors():
+    args, kwargs = _mxfp4_args()
+    x, gu_blocks, d_blocks, ids, weights = args
+    with pytest.raises(ValueError, match="not an MXFP4 strategy"):
+        torch.ops.moeroute.experts(*args, gemm="padded", **kwargs)
+    with pytest.raises(ValueError, match="w_gate_up scales has shape"):
+        torch.ops.moeroute.experts(*args, **{**kwargs, "gate_up_scale": kwargs["gate_up_scale"][:, :1]})
+    with pytest.raises(ValueError, match="w_down blocks has dtype torch.float32"):
+        torch.ops.moeroute.experts(x, gu_blocks, d_blocks.float(), ids, weights, **kwargs)
+    with pytest.raises(ValueError, match="blocks"):
+        torch.ops.moeroute.experts(x, gu_blocks.flatten(-2), d_blocks, ids, weights, **kwargs)
+    with pytest.raises(ValueError, match=r"b_down must be \[4, 128\]"):
+        torch.ops.moeroute.experts(*args, **{**kwargs, "b_down": kwargs["b_down"][:, :64]})
+    with pytest.raises(ValueError, match="activation"):
+        torch.ops.moeroute.experts(*args, quant_activation="dynamic", **kwargs)
+    with pytest.raises(ValueError, match="input_scale"):
+        torch.ops.moeroute.experts(*args, input_scale=torch.ones(L, 2), **kwargs)
+
+
+def test_mxfp4_experts_op_compiles_fullgraph():
+    args, kwargs = _mxfp4_args()
+
+    def layer(x, *rest):
+        return torch.ops.moeroute.experts(x * 2, *rest, activation="swigluoai", **kwargs)
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(*args), layer(*args))
+
+
+def test_mxfp4_layer_compiles_fullgraph():
+    module = MoE(RouterConfig(L, K), H, MXFP4_I, activation="swigluoai", expert_bias=True,
+                 quant=QuantConfig("mxfp4"))
+    (_, gu_blocks, d_blocks, _, _), kwargs = _mxfp4_args()
+    module.load_routed_weights((gu_blocks, kwargs["gate_up_scale"]), (d_blocks, kwargs["down_scale"]),
+                               gate_up_bias=kwargs["b_gate_up"], down_bias=kwargs["b_down"])
+    x = _randn(T, H, seed=11, scale=1.0).bfloat16()
     compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         assert torch.equal(compiled(x), module(x))

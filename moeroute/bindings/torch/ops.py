@@ -17,10 +17,12 @@ topk_ids, topk_weights, activation, gemm,        BLAS/oneDNN GEMMs, combine; CUD
 b_gate_up, b_down, gate_up_scale, down_scale,    ``fused_experts``); biases optional. With
 input_scale, quant_format, block_size,           ``quant_format`` ("fp8_block"/"fp8_tensor")
 quant_activation, scale_fmt, expert_map)``       the weights are float8_e4m3fn with their
-                                                 scales (docs/quant.md). With ``expert_map``
-                                                 (int [N_physical], -1 = not held) the ids
-                                                 are physical and mapped to local ids
-                                                 first. -> [T, H].
+                                                 scales; with "mxfp4" the weights are the
+                                                 packed uint8 blocks and the scales their
+                                                 uint8 exponents (docs/quant.md). With
+                                                 ``expert_map`` (int [N_physical], -1 = not
+                                                 held) the ids are physical and mapped to
+                                                 local ids first. -> [T, H].
 ``fused_experts(hidden_states, w_gate_up,        The CuPy grouped-GEMM path (CUDA tensors
 w_down, topk_weights, topk_ids, activation,      only; the fake kernel serves any device).
 apply_router_weight, block_size, gate_up_bias,   -> [T, H].
@@ -53,6 +55,7 @@ from moeroute.bindings.torch.experts import (
     cpu_experts,
 )
 from moeroute.bindings.torch.fp8_experts import check_quantized_weights, fp8_experts_forward
+from moeroute.bindings.torch.mxfp4_experts import MXFP4_STRATEGIES, check_mxfp4_weights, mxfp4_experts_forward
 from moeroute.config import RouterConfig
 from moeroute.layout import ExpertLayout
 from moeroute.quant import QuantConfig
@@ -333,8 +336,50 @@ def _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights
 
 
 def _quant_config(quant_format, block_size, quant_activation, scale_fmt) -> QuantConfig:
+    """The op's quantization arguments as a `QuantConfig`; ``quant_activation=""`` is the
+    format's default ("dynamic" for FP8, "none" for MXFP4)."""
     return QuantConfig(quant_format, block_size=None if block_size is None else tuple(block_size),
-                       activation=quant_activation, scale_fmt=scale_fmt)
+                       activation=quant_activation or None, scale_fmt=scale_fmt)
+
+
+def _check_mxfp4_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
+                              b_gate_up, b_down, gate_up_scale, down_scale, input_scale, quant):
+    """The MXFP4 form of `_check_experts_args`: blocks uint8 [L, 2I, H/32, 16] and
+    [L, H, I/32, 16] with their uint8 scales; biases optional (added in float32)."""
+    check_activation(activation)
+    if gemm not in MXFP4_STRATEGIES:
+        raise ValueError(f"gemm={gemm!r} is not an MXFP4 strategy; use one of {MXFP4_STRATEGIES}")
+    if hidden_states.dim() != 2 or hidden_states.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"hidden_states must be 2-D [T, H] of {SUPPORTED_DTYPES}, got {hidden_states.dtype} of "
+                         f"shape {tuple(hidden_states.shape)}")
+    if input_scale is not None:
+        raise ValueError("MXFP4 experts keep their activations in float (w4a16); pass input_scale=None")
+    if w_gate_up.dim() != 4 or w_down.dim() != 4:
+        raise ValueError(f"with quant_format='mxfp4' w_gate_up and w_down are blocks [L, rows, cols/32, 16], got "
+                         f"shapes {tuple(w_gate_up.shape)} and {tuple(w_down.shape)}")
+    num_experts, two_inter = w_gate_up.shape[:2]
+    hidden = hidden_states.shape[1]
+    if _static_int(num_experts) and _static_int(two_inter) and _static_int(hidden):
+        if two_inter % 2:
+            raise ValueError(f"w_gate_up has {two_inter} rows; gate_up rows are 2I (gate rows, then up rows)")
+        # Shapes and dtypes only (reading the scale bytes would synchronize a device).
+        check_mxfp4_weights(quant, num_experts, hidden, two_inter // 2, (w_gate_up, gate_up_scale),
+                            (w_down, down_scale), check_values=False)
+    for name, bias, shape in (("b_gate_up", b_gate_up, (num_experts, two_inter)),
+                              ("b_down", b_down, (num_experts, hidden))):
+        if bias is not None and (tuple(bias.shape) != tuple(shape) or bias.dtype not in SUPPORTED_DTYPES):
+            raise ValueError(f"{name} must be {list(shape)} of {SUPPORTED_DTYPES} (added in float32), got "
+                             f"{bias.dtype} of shape {tuple(bias.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.dtype != torch.int32 or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_ids must be int32 [T, K] and topk_weights float32 of its shape, got "
+                         f"{topk_ids.dtype} {tuple(topk_ids.shape)} and {topk_weights.dtype} "
+                         f"{tuple(topk_weights.shape)}")
+
+
+def _check_quantized_experts_args(*args):
+    """`_check_mxfp4_experts_args` or `_check_fp8_experts_args` by the config's format."""
+    checks = _check_mxfp4_experts_args if args[-1].format == "mxfp4" else _check_fp8_experts_args
+    checks(*args)
 
 
 def _check_fp8_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
@@ -429,7 +474,7 @@ def _experts_op(
     input_scale: Optional[torch.Tensor] = None,
     quant_format: str = "",
     block_size: Optional[list[int]] = None,
-    quant_activation: str = "dynamic",
+    quant_activation: str = "",
     scale_fmt: str = "float",
     expert_map: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
@@ -440,7 +485,9 @@ def _experts_op(
     (``gemm`` then names the FP8 strategy: "auto", "rows" or "blocks"). With ``expert_map``
     (integer [N_physical], -1 = not held here) the ids are physical: id p is local expert
     ``expert_map[p]``, and slots whose expert is not held contribute nothing (expert
-    parallelism: this rank's partial sum)."""
+    parallelism: this rank's partial sum). With ``quant_format="mxfp4"``: ``w_gate_up`` /
+    ``w_down`` are MXFP4 blocks, ``gate_up_scale`` / ``down_scale`` their scale bytes, the
+    computation of an MXFP4 layer (biases added in float32)."""
     return experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm, b_gate_up,
                    b_down, gate_up_scale, down_scale, input_scale, quant_format, block_size, quant_activation,
                    scale_fmt, expert_map)
@@ -448,14 +495,18 @@ def _experts_op(
 
 def experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation="silu", gemm="auto",
             b_gate_up=None, b_down=None, gate_up_scale=None, down_scale=None, input_scale=None,
-            quant_format="", block_size=None, quant_activation="dynamic", scale_fmt="float", expert_map=None):
+            quant_format="", block_size=None, quant_activation="", scale_fmt="float", expert_map=None):
     """The body of ``torch.ops.moeroute.experts`` (same arguments and result), called
     directly where `runs_eagerly` allows."""
     if quant_format:
         quant = _quant_config(quant_format, block_size, quant_activation, scale_fmt)
-        _check_fp8_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
-                                b_gate_up, b_down, gate_up_scale, down_scale, input_scale, quant)
+        _check_quantized_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
+                                      b_gate_up, b_down, gate_up_scale, down_scale, input_scale, quant)
         topk_ids = local_expert_ids(topk_ids, expert_map, w_gate_up.shape[0])
+        if quant.format == "mxfp4":
+            return mxfp4_experts_forward(hidden_states.contiguous(), topk_ids.contiguous(),
+                                         topk_weights.contiguous(), w_gate_up, gate_up_scale, w_down, down_scale,
+                                         b_gate_up, b_down, activation, gemm)
         return fp8_experts_forward(hidden_states.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
                                    w_gate_up, gate_up_scale.float(), w_down, down_scale.float(), quant, activation,
                                    None if input_scale is None else input_scale.float(), gemm)
@@ -474,11 +525,11 @@ def experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation
 @_experts_op.register_fake
 def _(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation="silu", gemm="auto",
       b_gate_up=None, b_down=None, gate_up_scale=None, down_scale=None, input_scale=None, quant_format="",
-      block_size=None, quant_activation="dynamic", scale_fmt="float", expert_map=None):
+      block_size=None, quant_activation="", scale_fmt="float", expert_map=None):
     if quant_format:
         quant = _quant_config(quant_format, block_size, quant_activation, scale_fmt)
-        _check_fp8_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
-                                b_gate_up, b_down, gate_up_scale, down_scale, input_scale, quant)
+        _check_quantized_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
+                                      b_gate_up, b_down, gate_up_scale, down_scale, input_scale, quant)
     else:
         _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
                             b_gate_up, b_down)
