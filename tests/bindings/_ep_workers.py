@@ -415,7 +415,8 @@ def output_fault_cases(rank, world_size):
     w = torch.full((3, world_size), 0.5)
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
     faults = {"dropped": lambda local: -1,            # the slot arrives with no local id
-              "wrong-id": lambda local: local + 1}    # the next local expert of this rank
+              "wrong-id": lambda local: local + 1,    # the next local expert of this rank
+              "out-of-range": lambda local: 8}        # no rank holds 8 local experts here
     out = {}
     for cls in (All2AllDispatcher, AllGatherDispatcher):
         for fault, corrupt in faults.items():

@@ -186,6 +186,8 @@ def test_checked_dispatcher_catches_faults_in_a_plain_dispatchers_output(groups,
         # each rank relabels slot d as its local expert 1; rank 0's own row is found first
         "wrong-id": (f"rank 0: token row 0, slot 0 (physical id {physical_of[0][0]}) was sent "
                      f"to rank 0 as local id 1, which is physical id {physical_of[0][1]} there"),
+        "out-of-range": (f"rank 0: token row 0, slot 0 was sent to rank 0 as local id 8; rank 0 "
+                         f"holds local ids [0, {layout.num_local_experts(0)})"),
     }
     for rank, rank_result in enumerate(groups(world_size)):
         faults = rank_result["faults"]
