@@ -308,7 +308,7 @@ def invalid_argument_cases(rank, world_size):
         "allgather-class-mismatch": lambda: AllGatherDispatcher(layout),
         "group-size": lambda: All2AllDispatcher(
             ExpertLayout(8, 0, ep_size=world_size + 1, dispatch="all2all")),
-        "debug-type": lambda: All2AllDispatcher(layout, debug="yes"),
+        "debug-type": lambda: make_dispatcher(layout, None, "all2all", debug="yes"),
         "ids-dtype": lambda: dispatcher.dispatch(x, ids.long(), w),
         "weights-shape": lambda: dispatcher.dispatch(x, ids, w[:, :1]),
         "hidden-not-tensor": lambda: dispatcher.dispatch(x.numpy(), ids, w),
@@ -334,7 +334,7 @@ def invalid_argument_cases(rank, world_size):
 
 def debug_fault_cases(rank, world_size):
     """Faults injected on every rank alike (so collectives stay matched); each must raise."""
-    from moeroute.bindings.ep import All2AllDispatcher, AllGatherDispatcher
+    from moeroute.bindings.ep import All2AllDispatcher, AllGatherDispatcher, CheckedDispatcher
 
     out = {}
     hidden = 4
@@ -360,14 +360,14 @@ def debug_fault_cases(rank, world_size):
             return owner, local
 
     out["all2all-dropped-slot"] = _outcome(
-        lambda: DropsSharedSlot(layout, debug=True).dispatch(x, ids, w))
+        lambda: CheckedDispatcher(DropsSharedSlot(layout)).dispatch(x, ids, w))
     out["all2all-wrong-local-id"] = _outcome(
-        lambda: WrongLocalId(layout, debug=True).dispatch(x, ids, w))
+        lambda: CheckedDispatcher(WrongLocalId(layout)).dispatch(x, ids, w))
 
     def combine_with_duplicated_row():
-        dispatcher = All2AllDispatcher(layout, debug=True)
+        dispatcher = CheckedDispatcher(All2AllDispatcher(layout))
         handle = dispatcher.dispatch(x, ids, w)
-        index = handle.state.send_token_index
+        index = handle.state.inner_state.send_token_index
         index[1] = index[0]  # row 1 goes home to token 0: token 0 combined twice
         partial = torch.zeros(handle.wait()[0].shape)
         dispatcher.combine(partial, handle)
@@ -387,12 +387,55 @@ def debug_fault_cases(rank, world_size):
             return torch.where(valid, local, torch.full_like(local, -1)).to(torch.int32)
 
     out["allgather-unmasked-global-slot"] = _outcome(
-        lambda: NoHomeMask(global_layout, debug=True).dispatch(
+        lambda: CheckedDispatcher(NoHomeMask(global_layout)).dispatch(
             x, torch.from_numpy(gphys), torch.from_numpy(gweights)))
 
     # The same faults without debug mode: no check, no error (the check is what raises).
     out["all2all-dropped-slot-nodebug"] = _outcome(
-        lambda: DropsSharedSlot(layout, debug=False).dispatch(x, ids, w).wait())
+        lambda: DropsSharedSlot(layout).dispatch(x, ids, w).wait())
+    out.update(output_fault_cases(rank, world_size))
+    return out
+
+
+def first_expert_of_each_rank(layout):
+    """Per rank d, the physical id of d's local expert 0."""
+    return [int(np.flatnonzero(layout.expert_map(d) == 0)[0]) for d in range(layout.ep_size)]
+
+
+def output_fault_cases(rank, world_size):
+    """Faults in what a plain dispatcher hands out (``recv_local_ids``), caught by the wrapper.
+
+    Every token has one slot on every rank (slot d -> the first expert of rank d), so on
+    every rank received row 0 is rank 0's token row 0 and its one live slot is slot
+    ``rank``. Each rank corrupts that entry; only rank 0, the home of token row 0, raises.
+    """
+    from moeroute.bindings.ep import All2AllDispatcher, AllGatherDispatcher, CheckedDispatcher
+    from moeroute.bindings.torch.dispatch import DispatchHandle
+
+    w = torch.full((3, world_size), 0.5)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    faults = {"dropped": lambda local: -1,            # the slot arrives with no local id
+              "wrong-id": lambda local: local + 1,    # the next local expert of this rank
+              "out-of-range": lambda local: 8}        # no rank holds 8 local experts here
+    out = {}
+    for cls in (All2AllDispatcher, AllGatherDispatcher):
+        for fault, corrupt in faults.items():
+            class Corrupted(cls):
+                def dispatch(self, *args, _corrupt=corrupt, **kwargs):
+                    handle = super().dispatch(*args, **kwargs)
+                    recv_hidden, recv_local, recv_weights = handle.wait()
+                    recv_local = recv_local.clone()
+                    assert int(recv_local[0, self.rank]) == 0  # the first expert of this rank
+                    recv_local[0, self.rank] = _corrupt(int(recv_local[0, self.rank]))
+                    return DispatchHandle((recv_hidden, recv_local, recv_weights),
+                                          state=handle.state, num_tokens=handle.num_tokens)
+
+            layout = ExpertLayout(8, 0, ep_size=world_size, dispatch=cls.mode)
+            ids = torch.tensor([first_expert_of_each_rank(layout)] * 3, dtype=torch.int32)
+            out[f"output-{cls.mode}-{fault}"] = _outcome(
+                lambda: CheckedDispatcher(Corrupted(layout)).dispatch(x, ids, w))
+            out[f"output-{cls.mode}-{fault}-nodebug"] = _outcome(
+                lambda: Corrupted(layout).dispatch(x, ids, w))
     return out
 
 

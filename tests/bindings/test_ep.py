@@ -164,6 +164,40 @@ def test_debug_check_catches_injected_faults(groups, world_size):
         assert faults["all2all-dropped-slot-nodebug"] == (None, None)
 
 
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("dispatch", ["all2all", "allgather"])
+def test_checked_dispatcher_catches_faults_in_a_plain_dispatchers_output(groups, world_size,
+                                                                         dispatch):
+    """Every rank corrupts its received row 0 (rank 0's token row 0), slot ``rank``: only
+    rank 0, the token's home, raises, naming the token, slot and receiving rank."""
+    import numpy as np
+
+    from moeroute.layout import ExpertLayout
+
+    layout = ExpertLayout(8, 0, ep_size=world_size, dispatch=dispatch)
+    maps = [layout.expert_map(d) for d in range(world_size)]
+    physical_of = [{int(maps[d][p]): p for p in np.flatnonzero(maps[d] >= 0)}
+                   for d in range(world_size)]
+    counted = "dispatched" if dispatch == "all2all" else "dispatched (summed over ranks)"
+    expected = {
+        # each rank drops the one slot it holds: every slot of token row 0 arrives nowhere
+        "dropped": (f"rank 0: token row 0, slot 0 was {counted} 0 time(s); expected 1 "
+                    f"({world_size} (token, slot) entries wrong)"),
+        # each rank relabels slot d as its local expert 1; rank 0's own row is found first
+        "wrong-id": (f"rank 0: token row 0, slot 0 (physical id {physical_of[0][0]}) was sent "
+                     f"to rank 0 as local id 1, which is physical id {physical_of[0][1]} there"),
+        "out-of-range": (f"rank 0: token row 0, slot 0 was sent to rank 0 as local id 8; rank 0 "
+                         f"holds local ids [0, {layout.num_local_experts(0)})"),
+    }
+    for rank, rank_result in enumerate(groups(world_size)):
+        faults = rank_result["faults"]
+        for fault, message in expected.items():
+            got = faults[f"output-{dispatch}-{fault}"]
+            assert got == (("DispatchCheckError", message) if rank == 0 else (None, None)), \
+                (rank, fault, got)
+            assert faults[f"output-{dispatch}-{fault}-nodebug"] == (None, None)
+
+
 MOE_CASES = [f"moe-{dispatch}-{shared}-{variant}" for dispatch in ("all2all", "allgather")
              for shared in ("runner", "overlap", "fused") for variant in ("S1-router", "S2-output")]
 

@@ -51,17 +51,22 @@ otherwise abort the process ("Received data size doesn't match") or, for sizes t
 to line up, return a wrong result. `check_ranks_agree` compares any set of named fields
 (the MoE module exchanges its full configuration with it once, at construction).
 
-Debug mode (``debug=True``, same value on every rank): every (token, slot) with a valid id
-is checked to be dispatched to exactly one rank, with a local id that maps back to the
-slot's physical id, and to be combined exactly once at home (the receivers' slot masks
-travel back along the partial outputs and are counted). A mismatch raises
-`DispatchCheckError`. The checks cost extra collectives and host syncs: tests only. They
-stay branches of the two dispatchers rather than a wrapper: the debug counts ride on the
-dispatchers' own size exchanges (one collective fewer per forward than a wrapper's).
+Debug mode (``make_dispatcher(..., debug=True)``, same value on every rank) is a wrapper,
+`CheckedDispatcher`, around the plain dispatcher; the dispatchers' own dispatch and
+combine have no debug branch. After the dispatch, every rank sends the local ids it
+received back to the tokens' home ranks along the partial outputs' path, and the home rank
+checks that every (token, slot) with a valid id is live on exactly one rank, under a local
+id that maps back to the slot's physical id there; after the combine, the receivers' slot
+masks travel home the same way and each (token, slot) must be counted exactly once. A
+mismatch raises `DispatchCheckError` naming the token row, slot and rank. The checks cost
+one extra all-to-all each (two per forward) and host syncs: tests only. They are not
+counted in the transfer statistics, which stay the plain dispatcher's. The debug flag is
+part of the agreement signature, so ranks that disagree on it raise `RankMismatchError`.
 
 Modules: `moeroute.bindings.ep.stats` (`TransferStats`), `moeroute.bindings.ep.all2all`,
-`moeroute.bindings.ep.allgather`, and ``_base`` (what both share: checks, tables, the
-agreement signature, debug counts); the rank-agreement fields themselves are
+`moeroute.bindings.ep.allgather`, `moeroute.bindings.ep.checked` (debug mode), and
+``_base`` (what both dispatchers share: checks, tables, the agreement signature, the hooks
+debug mode checks through); the rank-agreement fields themselves are
 `moeroute.bindings.torch.group`'s. Every name is importable from `moeroute.bindings.ep`.
 """
 
@@ -69,9 +74,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeroute.bindings.ep._base import DispatchCheckError
+from moeroute.bindings.ep._base import _as_flag
 from moeroute.bindings.ep.all2all import All2AllDispatcher
 from moeroute.bindings.ep.allgather import AllGatherDispatcher
+from moeroute.bindings.ep.checked import CheckedDispatcher, DispatchCheckError
 from moeroute.bindings.ep.stats import METADATA_BYTES_PER_SLOT, TransferStats
 from moeroute.bindings.torch.dispatch import Dispatcher, LocalDispatcher, register_ep_dispatcher_factory
 from moeroute.bindings.torch.group import (
@@ -86,6 +92,7 @@ from moeroute.layout import EP_DISPATCH_MODES, ExpertLayout
 __all__ = [
     "All2AllDispatcher",
     "AllGatherDispatcher",
+    "CheckedDispatcher",
     "CollectiveError",
     "DispatchCheckError",
     "RankMismatchError",
@@ -112,19 +119,20 @@ def make_dispatcher(layout: ExpertLayout, ep_group: Any = None, dispatch: str | 
     dispatch : {"all2all", "allgather", "none"}, optional
         Must equal ``layout.dispatch`` when given (None: take the layout's).
     debug : bool
-        Count that every (token, slot) is dispatched and combined exactly once; raises
-        `DispatchCheckError` otherwise. Must be the same on every rank.
+        Wrap the dispatcher in a `CheckedDispatcher`, which checks that every (token, slot)
+        is dispatched and combined exactly once and raises `DispatchCheckError` otherwise.
+        Must be the same on every rank. Ignored for dispatch "none".
 
     Returns
     -------
     Dispatcher
-        `All2AllDispatcher`, `AllGatherDispatcher`, or `LocalDispatcher` for
-        dispatch "none" (one rank, nothing travels).
+        `All2AllDispatcher`, `AllGatherDispatcher` (wrapped in `CheckedDispatcher` when
+        ``debug``), or `LocalDispatcher` for dispatch "none" (one rank, nothing travels).
 
     Raises
     ------
     TypeError
-        ``layout`` is not an ExpertLayout.
+        ``layout`` is not an ExpertLayout, ``debug`` not a bool.
     ValueError
         Unknown ``dispatch``, ``dispatch`` differing from ``layout.dispatch``, no
         initialized process group, or a group size other than ``layout.ep_size``.
@@ -141,10 +149,12 @@ def make_dispatcher(layout: ExpertLayout, ep_group: Any = None, dispatch: str | 
             f"dispatch={dispatch!r} differs from layout.dispatch={layout.dispatch!r}; the "
             "layout's shared slots and placement were resolved for its own dispatch mode"
         )
+    debug = _as_flag("debug", debug)
     if dispatch == "none":
         return LocalDispatcher(layout)
     cls = All2AllDispatcher if dispatch == "all2all" else AllGatherDispatcher
-    return cls(layout, ep_group, debug=debug)
+    dispatcher = cls(layout, ep_group)
+    return CheckedDispatcher(dispatcher) if debug else dispatcher
 
 
 register_ep_dispatcher_factory(make_dispatcher)  # the torch module's default for ep_group

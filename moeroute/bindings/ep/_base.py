@@ -1,6 +1,7 @@
 """The parts both torch.distributed dispatchers share: argument checks, the layout tables,
-the rank-agreement signature exchanged before every transfer, the debug counts, the row
-formats (float or FP8) and the byte accounting (see `moeroute.bindings.ep`)."""
+the rank-agreement signature exchanged before every transfer, the row formats (float or FP8),
+the byte accounting and the two hooks debug mode (`moeroute.bindings.ep.checked`) checks
+through (see `moeroute.bindings.ep`)."""
 
 from __future__ import annotations
 
@@ -30,10 +31,6 @@ _COUNT_DTYPE = torch.int64
 _COUNT_BYTES = 8
 # torch 2.13 renamed all_gather_into_tensor (same signature); older releases lack the new name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class DispatchCheckError(RuntimeError):
-    """Debug mode found a (token, slot) dispatched or combined other than exactly once."""
 
 
 def _check_group(layout: ExpertLayout, group: Any) -> tuple[Any, int]:
@@ -80,7 +77,6 @@ class _ForwardState:
 
     dispatcher: Any
     num_tokens: int
-    valid: torch.Tensor | None          # [T, K'] bool, debug only: slots with a valid id
     stats: TransferStats
     combined: bool = False
     received: tuple | None = None       # filled by wait()
@@ -105,10 +101,13 @@ class _EPDispatcher(Dispatcher):
     #: ``dispatch`` takes FP8Activations as well as float rows (``MoE(dispatch_dtype="fp8")``).
     carries_fp8 = True
 
-    def __init__(self, layout: ExpertLayout, group: Any = None, *, debug: bool = False) -> None:
+    def __init__(self, layout: ExpertLayout, group: Any = None) -> None:
         self.layout = _check_layout(layout, self.mode)
         self.group, self.rank = _check_group(layout, group)
-        self.debug = _as_flag("debug", debug)
+        #: True once a `CheckedDispatcher` wraps this dispatcher (it sets the flag). The
+        #: dispatcher never reads it except into its rank-agreement signature, so ranks with
+        #: and without debug mode raise RankMismatchError instead of mismatching collectives.
+        self.debug = False
         self.ep_size = layout.ep_size
         self.num_physical_experts = layout.num_physical_experts
         self.last_stats: TransferStats | None = None
@@ -196,12 +195,11 @@ class _EPDispatcher(Dispatcher):
         valid = (ids >= 0) & (ids < self.num_physical_experts)
         return valid, torch.where(valid, ids, torch.zeros_like(ids))
 
-    def _start_forward(self, num_tokens: int, valid: torch.Tensor) -> _ForwardState:
+    def _start_forward(self, num_tokens: int) -> _ForwardState:
         stats = TransferStats()
         self.last_stats = stats
         self.forward_count += 1
-        return _ForwardState(dispatcher=self, num_tokens=num_tokens,
-                             valid=valid if self.debug else None, stats=stats)
+        return _ForwardState(dispatcher=self, num_tokens=num_tokens, stats=stats)
 
     def _handle(self, state: _ForwardState, finish, async_op: bool) -> DispatchHandle:
         def wait_fn():
@@ -248,16 +246,33 @@ class _EPDispatcher(Dispatcher):
         state.combined = True
         self.cumulative_stats = self.cumulative_stats + state.stats
 
-    def _check_counts(self, counts: torch.Tensor, valid: torch.Tensor, what: str) -> None:
-        """Raise DispatchCheckError unless ``counts`` is 1 at valid slots and 0 elsewhere."""
-        bad = counts != valid.to(counts.dtype)
-        if bool(bad.any()):
-            t, k = (int(i) for i in bad.nonzero()[0])
-            raise DispatchCheckError(
-                f"rank {self.rank}: token row {t}, slot {k} was {what} "
-                f"{int(counts[t, k])} time(s); expected {int(valid[t, k])} "
-                f"({int(bad.sum())} (token, slot) entries wrong)"
-            )
+    # Hooks for `CheckedDispatcher`: the path `combine` sends rows home on, and where each
+    # returned row belongs. The combine itself uses `_return_home`, so what the checks count
+    # travels exactly as the partial outputs do.
+
+    def _return_home(self, rows: torch.Tensor, state: _ForwardState, what: str) -> torch.Tensor:
+        """Send each received row back to the rank it came from, unsummed.
+
+        Parameters
+        ----------
+        rows : Tensor [Tr, C], contiguous
+            One row per received row of the dispatch ``state`` belongs to.
+        state : _ForwardState
+        what : str
+            The step, named in a `CollectiveError`.
+
+        Returns
+        -------
+        Tensor [M, C], dtype of ``rows``: the rows this rank's tokens got back, in the
+        order `_home_index` describes. Adds nothing to the transfer statistics.
+        """
+        raise NotImplementedError
+
+    def _home_index(self, state: _ForwardState,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token row [M] int64, source rank [M] int64) on ``device`` of each row
+        `_return_home` returns."""
+        raise NotImplementedError
 
 
 def _pack_metadata(ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -9,10 +9,8 @@ import torch.distributed as dist
 from moeroute.bindings.ep._base import (
     _COUNT_BYTES,
     _COUNT_DTYPE,
-    DispatchCheckError,
     _as_flag,
     _EPDispatcher,
-    _ForwardState,
     _pack_metadata,
     _row_bytes,
     _rows_as_received,
@@ -21,7 +19,7 @@ from moeroute.bindings.ep._base import (
     _unpack_metadata,
 )
 from moeroute.bindings.ep.stats import METADATA_BYTES_PER_SLOT, TransferStats
-from moeroute.bindings.torch.dispatch import DispatchHandle, check_dispatch_inputs
+from moeroute.bindings.torch.dispatch import check_dispatch_inputs
 
 __all__ = ["All2AllDispatcher"]
 
@@ -36,8 +34,6 @@ class All2AllDispatcher(_EPDispatcher):
     group : torch.distributed.ProcessGroup, optional
         The expert-parallel group (None: the default group); its timeout bounds every
         collective.
-    debug : bool
-        Check that every (token, slot) is dispatched and combined exactly once.
 
     Attributes
     ----------
@@ -50,7 +46,7 @@ class All2AllDispatcher(_EPDispatcher):
     Raises
     ------
     TypeError
-        ``layout`` is not an ExpertLayout, ``debug`` not a bool.
+        ``layout`` is not an ExpertLayout.
     ValueError
         ``layout.dispatch != "all2all"``, no initialized process group, or a group size
         other than ``layout.ep_size``.
@@ -97,8 +93,6 @@ class All2AllDispatcher(_EPDispatcher):
         ------
         TypeError, ValueError
             Bad arguments (see ``check_dispatch_inputs``); ``async_op`` not a bool.
-        DispatchCheckError
-            Debug mode only: a slot dispatched other than once.
         CollectiveError
             A collective failed (dead peer, timeout of the process group).
         """
@@ -110,7 +104,7 @@ class All2AllDispatcher(_EPDispatcher):
         tables = self._tables(device)
         valid, safe = self._valid_and_safe(topk_ids)
         owner, local = self._destinations(valid, safe, tables)
-        state = self._start_forward(num_tokens, valid)
+        state = self._start_forward(num_tokens)
 
         # in_rank[t, d]: token t has a slot on rank d; column 0 absorbs invalid slots.
         in_rank = torch.zeros(num_tokens, e + 1, dtype=torch.bool, device=device)
@@ -125,22 +119,16 @@ class All2AllDispatcher(_EPDispatcher):
                                  torch.full_like(live, -1, dtype=torch.int64))
         send_weights = torch.where(live, topk_weights.index_select(0, send_token),
                                    torch.zeros((), dtype=torch.float32, device=device))
-        if self.debug:
-            self._check_dispatched_once(topk_ids, valid, send_token, send_dest, send_local,
-                                        tables)
 
-        # One collective of fixed width for the counts, the live-slot counts per destination
-        # (debug only, else 0) and this rank's signature, sent to every rank alike.
-        live_per_dest = torch.zeros(e, dtype=_COUNT_DTYPE, device=device)
-        if self.debug:
-            live_per_dest.index_add_(0, send_dest, live.sum(dim=1, dtype=_COUNT_DTYPE))
+        # One collective of fixed width for the counts and this rank's signature, sent to
+        # every rank alike.
         signature = torch.tensor(self._signature(hidden_states, top_k), dtype=_COUNT_DTYPE,
                                  device=device).expand(e, -1)
-        counts_out = torch.cat([send_counts_t[:, None], live_per_dest[:, None], signature], dim=1)
+        counts_out = torch.cat([send_counts_t[:, None], signature], dim=1)
         counts_in = torch.empty_like(counts_out)
         self._collective("row-count exchange", dist.all_to_all_single, counts_in, counts_out)
         received = counts_in.tolist()
-        self._check_signatures([row[2:] for row in received], hidden_states, top_k)
+        self._check_signatures([row[1:] for row in received], hidden_states, top_k)
         send_counts = send_counts_t.tolist()
         recv_counts = [row[0] for row in received]
         state.send_token_index, state.send_counts, state.recv_counts = (
@@ -166,49 +154,12 @@ class All2AllDispatcher(_EPDispatcher):
         stats.metadata_bytes = rows_out * top_k * METADATA_BYTES_PER_SLOT
         stats.count_bytes = (e - 1) * counts_out.shape[1] * _COUNT_BYTES
 
-        expected_live = counts_in[:, 1].sum().item() if self.debug else None
-
         def finish():
             self._wait_all("token dispatch", works)
             recv_local, recv_weights = _unpack_metadata(recv_meta, top_k)
-            if self.debug:
-                self._check_received(recv_local, expected_live)
             return _rows_as_received(recv_hidden, fp8), recv_local, recv_weights
 
         return self._handle(state, finish, async_op)
-
-    def _check_dispatched_once(self, topk_ids, valid, send_token, send_dest, send_local,
-                               tables) -> None:
-        """Every valid slot is live in exactly one sent row, under an id that maps back."""
-        counts = torch.zeros(topk_ids.shape, dtype=torch.int64, device=topk_ids.device)
-        counts.index_add_(0, send_token, (send_local >= 0).long())
-        self._check_counts(counts, valid, "dispatched")
-        rows, slots = (send_local >= 0).nonzero(as_tuple=True)
-        physical = tables.local_to_physical[send_dest[rows], send_local[rows, slots]]
-        wrong = physical != topk_ids.long()[send_token[rows], slots]
-        if bool(wrong.any()):
-            i = int(wrong.nonzero()[0, 0])
-            t, k, d = int(send_token[rows[i]]), int(slots[i]), int(send_dest[rows[i]])
-            raise DispatchCheckError(
-                f"rank {self.rank}: token row {t}, slot {k} (physical id "
-                f"{int(topk_ids[t, k])}) was sent to rank {d} as local id "
-                f"{int(send_local[rows[i], k])}, which is physical id {int(physical[i])} there"
-            )
-
-    def _check_received(self, recv_local: torch.Tensor, expected_live: int) -> None:
-        held = self.layout.num_local_experts(self.rank)
-        out_of_range = (recv_local < -1) | (recv_local >= held)
-        if bool(out_of_range.any()):
-            raise DispatchCheckError(
-                f"rank {self.rank} received local id {int(recv_local[out_of_range][0])}; "
-                f"it holds local ids [0, {held})"
-            )
-        got = int((recv_local >= 0).sum())
-        if got != expected_live:
-            raise DispatchCheckError(
-                f"rank {self.rank} received {got} live slots; the senders dispatched "
-                f"{expected_live}"
-            )
 
     def combine(self, partial_out, handle):
         """Send the weighted partial outputs home and sum them per token.
@@ -236,32 +187,27 @@ class All2AllDispatcher(_EPDispatcher):
             The handle was already combined.
         CollectiveError
             A collective failed (dead peer, timeout of the process group).
-        DispatchCheckError
-            Debug mode only: a slot combined other than once.
         """
         state = self._check_combine_args(partial_out, handle)
         partial_out = partial_out.contiguous()
         hidden = partial_out.shape[1]
-        returned = partial_out.new_empty((state.send_token_index.shape[0], hidden))
-        self._collective("combine", dist.all_to_all_single, returned, partial_out,
-                         state.send_counts, state.recv_counts)
+        returned = self._return_home(partial_out, state, "combine")
         rows_out = sum(state.recv_counts) - state.recv_counts[self.rank]
         state.stats.combine_bytes = rows_out * hidden * partial_out.element_size()
         out = torch.zeros((state.num_tokens, hidden), dtype=torch.float32,
                           device=partial_out.device)
         out.index_add_(0, state.send_token_index, returned.to(torch.float32))
-        if self.debug:
-            self._check_combined_once(state, handle)
         self._finish_forward(state)
         return out.to(partial_out.dtype)
 
-    def _check_combined_once(self, state: _ForwardState, handle: DispatchHandle) -> None:
-        # The receivers' live masks travel home on the partials' path and are counted there.
-        recv_local = handle.wait()[1]
-        live = (recv_local >= 0).to(torch.int32)
-        returned = live.new_empty((state.send_token_index.shape[0], live.shape[1]))
-        self._collective("debug combine count", dist.all_to_all_single, returned, live,
+    def _return_home(self, rows, state, what):
+        """Rows in send order: by destination rank, then token row (see `_home_index`)."""
+        returned = rows.new_empty((state.send_token_index.shape[0], rows.shape[1]))
+        self._collective(what, dist.all_to_all_single, returned, rows,
                          state.send_counts, state.recv_counts)
-        counts = torch.zeros(state.valid.shape, dtype=torch.int32, device=live.device)
-        counts.index_add_(0, state.send_token_index, returned)
-        self._check_counts(counts, state.valid, "combined")
+        return returned
+
+    def _home_index(self, state, device):
+        source = torch.repeat_interleave(torch.arange(self.ep_size, device=device),
+                                         torch.tensor(state.send_counts, device=device))
+        return state.send_token_index.to(device), source

@@ -9,7 +9,6 @@ import torch.distributed as dist
 from moeroute.bindings.ep._base import (
     _COUNT_BYTES,
     _COUNT_DTYPE,
-    DispatchCheckError,
     _all_gather_single,
     _as_flag,
     _EPDispatcher,
@@ -20,7 +19,7 @@ from moeroute.bindings.ep._base import (
     _unpack_metadata,
 )
 from moeroute.bindings.ep.stats import METADATA_BYTES_PER_SLOT, TransferStats
-from moeroute.bindings.torch.dispatch import DispatchHandle, check_dispatch_inputs
+from moeroute.bindings.torch.dispatch import check_dispatch_inputs
 
 __all__ = ["AllGatherDispatcher"]
 
@@ -35,8 +34,6 @@ class AllGatherDispatcher(_EPDispatcher):
     group : torch.distributed.ProcessGroup, optional
         The expert-parallel group (None: the default group); its timeout bounds every
         collective.
-    debug : bool
-        Check that every (token, slot) is computed on exactly one rank and combined once.
 
     Attributes
     ----------
@@ -48,7 +45,7 @@ class AllGatherDispatcher(_EPDispatcher):
     Raises
     ------
     TypeError
-        ``layout`` is not an ExpertLayout, ``debug`` not a bool.
+        ``layout`` is not an ExpertLayout.
     ValueError
         ``layout.dispatch != "allgather"``, no initialized process group, or a group
         size other than ``layout.ep_size``.
@@ -83,8 +80,6 @@ class AllGatherDispatcher(_EPDispatcher):
         ------
         TypeError, ValueError
             Bad arguments (see ``check_dispatch_inputs``); ``async_op`` not a bool.
-        DispatchCheckError
-            Debug mode only: a slot computed on other than exactly one rank.
         CollectiveError
             A collective failed (dead peer, timeout of the process group).
         """
@@ -94,8 +89,7 @@ class AllGatherDispatcher(_EPDispatcher):
         device, e = rows.device, self.ep_size
         num_tokens, top_k = topk_ids.shape
         width = rows.shape[1]
-        valid, _ = self._valid_and_safe(topk_ids)
-        state = self._start_forward(num_tokens, valid)
+        state = self._start_forward(num_tokens)
 
         # The token counts travel with every rank's signature (one gather of fixed width).
         mine = [num_tokens] + self._signature(hidden_states, top_k)
@@ -143,8 +137,6 @@ class AllGatherDispatcher(_EPDispatcher):
             recv_local = self._local_ids(recv_ids, sizes)
             recv_weights = torch.where(recv_local >= 0, recv_weights,
                                        torch.zeros((), dtype=torch.float32, device=device))
-            if self.debug:
-                self._check_dispatched_once(recv_ids, recv_local)
             return _rows_as_received(recv_hidden, fp8), recv_local, recv_weights
 
         return self._handle(state, finish, async_op)
@@ -162,13 +154,6 @@ class AllGatherDispatcher(_EPDispatcher):
             held_by_all = tables.owner[safe] < 0
             keep = keep & ~(held_by_all & (source != self.rank)[:, None])
         return torch.where(keep, local, torch.full_like(local, -1)).to(torch.int32)
-
-    def _check_dispatched_once(self, recv_ids: torch.Tensor, recv_local: torch.Tensor) -> None:
-        """Across ranks, every valid gathered slot is live on exactly one rank."""
-        counts = (recv_local >= 0).to(torch.int32)
-        self._collective("debug dispatch count", dist.all_reduce, counts)
-        valid, _ = self._valid_and_safe(recv_ids)
-        self._check_counts(counts, valid, "dispatched (summed over ranks)")
 
     def combine(self, partial_out, handle):
         """Return every rank's partial rows to their home ranks and sum them there.
@@ -196,25 +181,26 @@ class AllGatherDispatcher(_EPDispatcher):
             The handle was already combined.
         CollectiveError
             A collective failed (dead peer, timeout of the process group).
-        DispatchCheckError
-            Debug mode only: a slot combined other than once.
         """
         state = self._check_combine_args(partial_out, handle)
         partial_out = partial_out.contiguous()
-        out = self._reduce_home(partial_out, state.sizes, state.num_tokens)
         hidden = partial_out.shape[1]
+        returned = self._return_home(partial_out, state, "combine")
+        # Every rank returns exactly T rows for this rank's T tokens: sum the E blocks.
+        out = returned.view(self.ep_size, state.num_tokens, hidden).to(torch.float32).sum(0)
         rows_out = sum(state.sizes) - state.sizes[self.rank]
         state.stats.combine_bytes = rows_out * hidden * partial_out.element_size()
-        if self.debug:
-            live = (handle.wait()[1] >= 0).to(torch.int32)
-            counts = self._reduce_home(live, state.sizes, state.num_tokens)
-            self._check_counts(counts.round().to(torch.int32), state.valid, "combined")
         self._finish_forward(state)
         return out.to(partial_out.dtype)
 
-    def _reduce_home(self, rows: torch.Tensor, sizes: list[int], num_tokens: int) -> torch.Tensor:
-        """float32 [T, C]: the sum over ranks of each rank's rows for this rank's tokens."""
-        returned = rows.new_empty((self.ep_size * num_tokens, rows.shape[1]))
-        self._collective("combine", dist.all_to_all_single, returned, rows,
-                         [num_tokens] * self.ep_size, sizes)
-        return returned.view(self.ep_size, num_tokens, rows.shape[1]).to(torch.float32).sum(0)
+    def _return_home(self, rows, state, what):
+        """Rows by source rank, each source's block holding this rank's T tokens in order."""
+        returned = rows.new_empty((self.ep_size * state.num_tokens, rows.shape[1]))
+        self._collective(what, dist.all_to_all_single, returned, rows,
+                         [state.num_tokens] * self.ep_size, state.sizes)
+        return returned
+
+    def _home_index(self, state, device):
+        tokens = torch.arange(state.num_tokens, device=device)
+        return (tokens.repeat(self.ep_size),
+                torch.arange(self.ep_size, device=device).repeat_interleave(state.num_tokens))
