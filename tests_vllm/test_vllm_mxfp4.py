@@ -48,9 +48,10 @@ def served_mxfp4(tmp_path_factory):
     mxfp4_dir, bf16_dir = str(root / "mxfp4"), str(root / "dequantized")
     quant_checkpoints.save_mxfp4_gpt_oss(mxfp4_dir, bf16_dir)
     on, on_log = _serve(root / "on.json", [mxfp4_dir], "--capture", VLLM_PLUGINS="moeroute")
+    compiled, _ = _serve(root / "compiled.json", [mxfp4_dir], "--compiled", VLLM_PLUGINS="moeroute")
     dequantized, _ = _serve(root / "dequantized.json", [bf16_dir])
     return {"mxfp4": mxfp4_dir, "bf16": bf16_dir, "on": on, "on_log": on_log, "dequantized": dequantized,
-            "captured": torch.load(str(root / "on.json") + ".0.pt")}
+            "compiled": compiled, "captured": torch.load(str(root / "on.json") + ".0.pt")}
 
 
 def test_vllm_alone_cannot_serve_it_here(tmp_path):
@@ -122,10 +123,17 @@ def test_layer_outputs_match_the_gpt_oss_reference(served_mxfp4, layer_name):
     assert max(errors) <= LAYER_BOUND, errors
 
 
+@pytest.mark.parametrize("run", ["on", "compiled"])
 @pytest.mark.parametrize("batch", ["1", "4"])
-def test_greedy_tokens_match_the_dequantized_model(served_mxfp4, batch):
+def test_greedy_tokens_match_the_dequantized_model(served_mxfp4, batch, run):
+    # "compiled": vLLM's torch.compile (enforce_eager=False) with the plugin's MXFP4 layers
+    # inside the graph (torch.ops.moeroute.experts on the packed bytes, an opaque custom op).
+    if run == "compiled":
+        counts = served_mxfp4["compiled"][served_mxfp4["mxfp4"]]["counts"].values()
+        assert all(c["method"] == "MoerouteMxfp4MoEMethod" and c["monolithic"] for c in counts), counts
+        assert served_mxfp4["compiled"]["stats"]["quantized_layers"] == len(MOE_LAYERS)
     reference = served_mxfp4["dequantized"][served_mxfp4["bf16"]]["batches"][batch]
-    candidate = served_mxfp4["on"][served_mxfp4["mxfp4"]]["batches"][batch]
+    candidate = served_mxfp4[run][served_mxfp4["mxfp4"]]["batches"][batch]
     assert len(reference) == len(candidate) == int(batch)
     compared = [_compare(r, c) for r, c in zip(reference, candidate)]
     assert all(n >= 1 for n in compared), compared

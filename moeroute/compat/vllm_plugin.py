@@ -625,19 +625,12 @@ def _fp8_method_class():
 
 def mxfp4_decline_reason(layer) -> str | None:
     """Why moeroute does not serve this gpt-oss MXFP4 layer (beyond `decline_reason`), or None."""
-    from vllm.config import get_current_vllm_config_or_none
-
     from moeroute.bindings.torch.experts import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 
     for name, value in (("swiglu_alpha", SWIGLUOAI_ALPHA), ("swiglu_limit", SWIGLUOAI_LIMIT)):
         given = getattr(layer, name, None)
         if given is not None and float(given) != value:
             return f"its {name} is {given}; moeroute's swigluoai has {value}"
-    config = get_current_vllm_config_or_none()
-    mode = getattr(getattr(config, "compilation_config", None), "mode", None)
-    if mode is not None and int(mode) != 0:
-        return ("vLLM compiles the model (enforce_eager=False) and moeroute's MXFP4 experts are no torch "
-                "custom op yet")
     return None
 
 
@@ -711,7 +704,11 @@ def _mxfp4_method_class():
 
         @property
         def is_monolithic(self) -> bool:
-            if self.plan is None and self.experts_cls is None:
+            # Served answers without super(): torch.compile traces this property inside
+            # vLLM's graph, and dynamo cannot read a property through super().
+            if self.plan is not None:
+                return True
+            if self.experts_cls is None:
                 return False
             return super().is_monolithic
 
