@@ -1,5 +1,15 @@
 """Where an array lives, and how a kernel gets at it without a copy.
 
+An array crosses into an op once: the op calls `enter(array, name)` for each input and gets
+a `Boundary`, which answers, asked once at entry, the caller's framework ("numpy", "torch",
+"cupy", "numba"), host or device, and the dtype (bfloat16 included, which NumPy lacks), and
+keeps, once first used, the NumPy view of a host input (`Boundary.host`), the kernel view of
+a device input (`Boundary.kernel`, bfloat16 as its 16-bit pattern on request) and its
+contiguity. Results leave through the same object: `Boundary.wrap` hands NumPy results back
+in the caller's framework, `Boundary.empty` allocates device outputs with the caller's
+framework on its device, and `Boundary.stream` names the caller's current stream. The ops'
+helpers take the boundary, not the array, so nothing below the op asks again.
+
 Host inputs (NumPy) take the CPU kernels. Device inputs take the CUDA kernels: numba device
 arrays, anything with ``__cuda_array_interface__`` (CuPy arrays, torch CUDA tensors), or
 anything whose ``__dlpack_device__`` says CUDA. Under ``NUMBA_ENABLE_CUDASIM=1`` the
@@ -12,7 +22,9 @@ comes from them.
 
 Host inputs may also be CPU torch tensors: `host_array` views their memory as NumPy (no
 copy; bfloat16, which NumPy lacks, as its raw 16-bit pattern, never as NumPy floats) and
-`as_caller` hands the NumPy results back as torch tensors over the same memory.
+`as_caller` hands the NumPy results back as torch tensors over the same memory. The
+free functions (`host_array`, `as_caller`, `is_device_array`, ...) remain for callers
+outside the ops (the torch bindings, tests); the ops use their inputs' boundaries.
 """
 
 from __future__ import annotations
@@ -265,6 +277,14 @@ class Boundary:
         self._kernel = ((launcher, bits16), view)
         return view
 
+    def from_bits16(self, result):
+        """Undo ``kernel(bits16=True)`` on a result allocated by `empty`: a torch result is
+        bfloat16 again (a view); other frameworks keep the int16 pattern (`from_device_bits16`)."""
+        torch = self.torch
+        if self.bfloat16 and torch is not None and isinstance(result, torch.Tensor):
+            return result.view(torch.bfloat16)
+        return result
+
     def contiguous(self) -> bool:
         """`is_c_contiguous` of the device array."""
         if self._contiguous is None:
@@ -289,7 +309,7 @@ class Boundary:
 
     def empty(self, shape, dtype, stream=None, view=True):
         """`device_empty` in this array's framework and on its device."""
-        return _device_empty(shape, dtype, self.framework, self.array, stream, view)
+        return device_empty(shape, dtype, self, stream, view)
 
 
 def enter(array, name: str = "array") -> Boundary:
@@ -311,24 +331,20 @@ def device_empty(shape, dtype, template, stream=None, view=True):
     buffer comes from the framework's graph-aware allocator.
 
     ``template``: the caller's device array, or its `Boundary` (whose framework is not
-    asked again).
+    asked again). Allocation happens in this function's own body: the simulator suite
+    takes its code object as the one allowed gateway to ``cuda.device_array``.
 
     ``stream``: the numba stream (or raw handle) the buffer is used on. torch allocates on its current
     stream; when ``stream`` is another one, the tensor is recorded on it
     (``Tensor.record_stream``), so the caching allocator does not hand the memory out
     again before that stream's work on it is done.
     """
+    from numba import cuda
+
     if isinstance(template, Boundary):
         kind, template = template.framework, template.array
     else:
         kind = framework_of(template)
-    return _device_empty(shape, dtype, kind, template, stream, view)
-
-
-def _device_empty(shape, dtype, kind, template, stream, view):
-    """`device_empty` for a ``template`` of framework ``kind``."""
-    from numba import cuda
-
     shape = tuple(int(s) for s in shape)
     dtype = np.dtype(dtype)
     if kind == "torch" and not simulator_enabled():

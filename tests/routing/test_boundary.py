@@ -132,3 +132,36 @@ def test_align_block_size_examines_each_input_once(examined):
             want += rows + [numel] * (-len(rows) % 4)
     assert expected[2] == len(want)
     np.testing.assert_array_equal(expected[0][:len(want)], want)
+
+
+def test_the_other_ops_examine_each_input_once(examined):
+    from moeroute.routing import (append_shared_slots, combine, expert_load, permute,
+                                  remap_to_local)
+
+    rng = np.random.default_rng(24)
+    layout = ExpertLayout(16, num_shared_experts=1, ep_size=2, dispatch="all2all")
+    ids, ids_np = _torch_and_numpy(rng.integers(0, 16, (6, 3)).astype(np.int64))
+    weights, weights_np = _torch_and_numpy(rng.random((6, 3)).astype(np.float32))
+    gate, gate_np = _torch_and_numpy(rng.random(6).astype(np.float32))
+    hidden, hidden_np = _torch_and_numpy(rng.standard_normal((6, 5)).astype(np.float32))
+    expert_map, expert_map_np = _torch_and_numpy(layout.expert_map(1))
+    calls = [
+        (lambda i, w, g: append_shared_slots(i, w, layout, 1, g), (ids, weights, gate),
+         (ids_np, weights_np, gate_np)),
+        (lambda i, m: (remap_to_local(i, m),), (ids, expert_map), (ids_np, expert_map_np)),
+        (lambda i: (expert_load(i, 16),), (ids,), (ids_np,)),
+        (lambda h, i: permute(h, i, 16), (hidden, ids), (hidden_np, ids_np)),
+    ]
+    for op, args, args_np in calls:
+        examined.clear()
+        result = op(*args)
+        assert [examined[id(a)] for a in args] == [1] * len(args)
+        _assert_same(result, op(*args_np))
+    permuted, _, inverse = permute(hidden_np, ids_np, 16)
+    rows, inverse_t = torch.from_numpy(permuted), torch.from_numpy(inverse)
+    examined.clear()
+    summed = combine(rows, inverse_t, weights)
+    assert [examined[id(a)] for a in (rows, inverse_t, weights)] == [1, 1, 1]
+    # Each token's rows come back: the weighted sum of its hidden row, sum_k w[t, k] * h[t].
+    np.testing.assert_allclose(summed.numpy(), weights_np.sum(1, keepdims=True) * hidden_np,
+                               rtol=1e-6, atol=1e-6)
