@@ -230,7 +230,7 @@ def _select_host_entry(entry, config, bias, out=None):
 def _host_input(entry):
     """A NumPy view of a host input, from its boundary (CPU torch tensors without a copy)."""
     name, array = entry.name, entry.array
-    if entry.torch is not None and array.device.type != "cpu":
+    if entry.torch is not None and not array.is_cpu:
         # A meta (or other non-CUDA) tensor holds no values the kernels could read.
         raise ValueError(f"{name} is on {array.device}; select_experts takes a CPU tensor, a CUDA "
                          "tensor, a NumPy array or a CUDA device array")
