@@ -1,5 +1,15 @@
 """Where an array lives, and how a kernel gets at it without a copy.
 
+An array crosses into an op once: the op calls `enter(array, name)` for each input and gets
+a `Boundary`, which answers, asked once at entry, the caller's framework ("numpy", "torch",
+"cupy", "numba"), host or device, and the dtype (bfloat16 included, which NumPy lacks), and
+keeps, once first used, the NumPy view of a host input (`Boundary.host`), the kernel view of
+a device input (`Boundary.kernel`, bfloat16 as its 16-bit pattern on request) and its
+contiguity. Results leave through the same object: `Boundary.wrap` hands NumPy results back
+in the caller's framework, `Boundary.empty` allocates device outputs with the caller's
+framework on its device, and `Boundary.stream` names the caller's current stream. The ops'
+helpers take the boundary, not the array, so nothing below the op asks again.
+
 Host inputs (NumPy) take the CPU kernels. Device inputs take the CUDA kernels: numba device
 arrays, anything with ``__cuda_array_interface__`` (CuPy arrays, torch CUDA tensors), or
 anything whose ``__dlpack_device__`` says CUDA. Under ``NUMBA_ENABLE_CUDASIM=1`` the
@@ -12,7 +22,9 @@ comes from them.
 
 Host inputs may also be CPU torch tensors: `host_array` views their memory as NumPy (no
 copy; bfloat16, which NumPy lacks, as its raw 16-bit pattern, never as NumPy floats) and
-`as_caller` hands the NumPy results back as torch tensors over the same memory.
+`as_caller` hands the NumPy results back as torch tensors over the same memory. The
+free functions (`host_array`, `as_caller`, `is_device_array`, ...) remain for callers
+outside the ops (the torch bindings, tests); the ops use their inputs' boundaries.
 """
 
 from __future__ import annotations
@@ -61,15 +73,20 @@ def host_array(x):
     """
     if isinstance(x, np.ndarray):
         return x
-    torch = torch_of(x)
+    return _host_view(x, torch_of(x))
+
+
+def _host_view(x, torch):
+    """`host_array` of a non-NumPy ``x``; ``torch``: `torch_of(x)`."""
     if torch is None:
         return np.asarray(x)
-    if x.device.type != "cpu":
+    if not x.is_cpu:  # cheaper than x.device.type, which builds a device object
         raise ValueError(f"host_array needs a CPU tensor, got one on {x.device}")
-    x = x.detach()
-    if x.dtype == torch.bfloat16:
-        x = x.view(torch.uint16)
-    return x.resolve_conj().resolve_neg().numpy()
+    if x.dtype is torch.bfloat16:
+        x = x.detach().view(torch.uint16)
+    # force=True: detach, resolve_conj, resolve_neg in one call (no copy for a CPU tensor
+    # without the conjugate or negative bit), half the cost of the three calls.
+    return x.numpy(force=True)
 
 
 def as_caller(result, template, bfloat16: bool = False):
@@ -179,6 +196,136 @@ def framework_of(x) -> str:
     return "numba"
 
 
+class Boundary:
+    """One array at an op's entry: what it is, asked once, and the way results go back.
+
+    Made by `enter` when an op is called; the op and its helpers then read these answers
+    instead of asking this module again.
+
+    Attributes (answered at entry)
+    ------------------------------
+    array : the caller's array, as given
+    name : the argument's name, for error messages
+    torch : the torch module when ``array`` is a torch tensor, else None
+    framework : "numpy", "torch", "cupy" or "numba" ("other" for a host object such as a
+        list); a device array's framework allocates the outputs and names the stream
+    on_device : whether ``array`` lives on a CUDA device (or is a simulator device array)
+    bfloat16 : whether the dtype is bfloat16
+
+    Kept after their first use: the dtype's name (`dtype`), the NumPy view of a host array
+    (`host`), the kernel view of a device array (`kernel`), its contiguity (`contiguous`).
+    Results leave through `wrap` (host) or are allocated in the caller's framework by
+    `empty` (device).
+    """
+
+    __slots__ = ("array", "name", "torch", "framework", "on_device", "bfloat16", "_dtype",
+                 "_host", "_kernel", "_contiguous")
+
+    def __init__(self, array, name="array"):
+        self.array = array
+        self.name = name
+        self._dtype = self._host = self._kernel = self._contiguous = None
+        if isinstance(array, np.ndarray):  # the common host case, no further probe
+            self.torch, self.framework, self.on_device = None, "numpy", False
+            self.bfloat16 = self.dtype == "bfloat16"
+            return
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(array, torch.Tensor):
+            self.torch, self.framework, self.on_device = torch, "torch", array.is_cuda
+            self.bfloat16 = array.dtype is torch.bfloat16
+            return
+        self.torch = None
+        self.on_device = is_device_array(array)
+        self.framework = framework_of(array) if self.on_device else "other"
+        self.bfloat16 = self.dtype == "bfloat16"
+
+    @property
+    def dtype(self) -> str:
+        """The dtype's name ("float32", "bfloat16", ...; "" for an object without one)."""
+        if self._dtype is None:
+            self._dtype = str(getattr(self.array, "dtype", "")).rsplit(".", 1)[-1]
+        return self._dtype
+
+    def __repr__(self):
+        where = "device" if self.on_device else "host"
+        return f"Boundary({self.name}: {self.framework} {self.dtype} on the {where})"
+
+    def host(self) -> np.ndarray:
+        """`host_array` of a host input: its NumPy view (no copy; bfloat16 as its raw bits)."""
+        if self._host is None:
+            array = self.array
+            self._host = array if self.framework == "numpy" else _host_view(array, self.torch)
+        return self._host
+
+    def host_floats(self) -> np.ndarray:
+        """`host_floats` of a host input: bfloat16 torch tensors converted by torch."""
+        if self.torch is not None and self.bfloat16:
+            return _host_view(self.array.detach().float(), self.torch)
+        return self.host()
+
+    def wrap(self, result, bfloat16: bool = False):
+        """`as_caller`: a host ``result`` (NumPy or scalar) in this input's framework."""
+        torch = self.torch
+        if torch is None or not isinstance(result, np.ndarray):
+            return result
+        tensor = torch.from_numpy(result)
+        return tensor.view(torch.bfloat16) if bfloat16 else tensor
+
+    def kernel(self, launcher: str = "numba", bits16: bool = False):
+        """The device array as the kernels take it under ``launcher``: the array itself for
+        the cached launcher, a numba device array view (`as_device_array`) for numba's;
+        with ``bits16`` a bfloat16 array as its int16 pattern (`device_bits16`)."""
+        kept = self._kernel
+        if kept is not None and kept[0] == (launcher, bits16):
+            return kept[1]
+        array = self.array
+        if bits16 and self.bfloat16:
+            array = array.view(self.torch.int16 if self.torch is not None else np.int16)
+        view = array if launcher == "cached" else as_device_array(array)
+        self._kernel = ((launcher, bits16), view)
+        return view
+
+    def from_bits16(self, result):
+        """Undo ``kernel(bits16=True)`` on a result allocated by `empty`: a torch result is
+        bfloat16 again (a view); other frameworks keep the int16 pattern (`from_device_bits16`)."""
+        torch = self.torch
+        if self.bfloat16 and torch is not None and isinstance(result, torch.Tensor):
+            return result.view(torch.bfloat16)
+        return result
+
+    def contiguous(self) -> bool:
+        """`is_c_contiguous` of the device array."""
+        if self._contiguous is None:
+            array = self.array
+            if self.framework == "torch":
+                self._contiguous = array.is_contiguous()
+            elif self.framework == "cupy":
+                self._contiguous = bool(array.flags.c_contiguous)
+            else:
+                self._contiguous = self.kernel().is_c_contiguous()
+        return self._contiguous
+
+    def stream(self, stream=None, launcher: str = "numba"):
+        """The stream to launch on: ``stream`` if given, else the current stream of this
+        array's framework; a raw handle (int) for the cached launcher, a numba stream
+        (`resolve_stream`) for numba's."""
+        if launcher == "cached":
+            if stream is not None:
+                return stream_handle(stream)
+            return current_stream_handle(self.framework, self.array)
+        return _resolve_stream(self.framework, self.array, stream)
+
+    def empty(self, shape, dtype, stream=None, view=True):
+        """`device_empty` in this array's framework and on its device."""
+        return device_empty(shape, dtype, self, stream, view)
+
+
+def enter(array, name: str = "array") -> Boundary:
+    """The `Boundary` of an op's input ``array``: the one call through which an op asks
+    what an array is (framework, host or device, dtype)."""
+    return Boundary(array, name)
+
+
 def device_empty(shape, dtype, template, stream=None, view=True):
     """An uninitialised device array allocated by the framework of ``template``.
 
@@ -191,6 +338,10 @@ def device_empty(shape, dtype, template, stream=None, view=True):
     where the device ops allocate (scratch included), so under CUDA graph capture every
     buffer comes from the framework's graph-aware allocator.
 
+    ``template``: the caller's device array, or its `Boundary` (whose framework is not
+    asked again). Allocation happens in this function's own body: the simulator suite
+    takes its code object as the one allowed gateway to ``cuda.device_array``.
+
     ``stream``: the numba stream (or raw handle) the buffer is used on. torch allocates on its current
     stream; when ``stream`` is another one, the tensor is recorded on it
     (``Tensor.record_stream``), so the caching allocator does not hand the memory out
@@ -198,9 +349,12 @@ def device_empty(shape, dtype, template, stream=None, view=True):
     """
     from numba import cuda
 
+    if isinstance(template, Boundary):
+        kind, template = template.framework, template.array
+    else:
+        kind = framework_of(template)
     shape = tuple(int(s) for s in shape)
     dtype = np.dtype(dtype)
-    kind = framework_of(template)
     if kind == "torch" and not simulator_enabled():
         torch = sys.modules["torch"]
         array = torch.empty(shape, dtype=getattr(torch, dtype.name), device=template.device)
@@ -265,6 +419,11 @@ def _record_on_stream(torch, tensor, stream) -> None:
 def resolve_stream(template, stream=None):
     """The numba stream to launch on: ``stream`` if given (a numba stream or a raw handle),
     else the current stream of the framework that produced ``template``."""
+    return _resolve_stream(framework_of(template), template, stream)
+
+
+def _resolve_stream(kind, template, stream):
+    """`resolve_stream` for a ``template`` of framework ``kind``."""
     from numba import cuda
 
     if stream is not None and not isinstance(stream, int):
@@ -273,14 +432,18 @@ def resolve_stream(template, stream=None):
         return cuda.default_stream()
     handle = stream
     if handle is None:
-        kind = framework_of(template)
-        if kind == "torch":
-            handle = sys.modules["torch"].cuda.current_stream(template.device).cuda_stream
-        elif kind == "cupy":
-            handle = sys.modules["cupy"].cuda.get_current_stream().ptr
-        else:
-            handle = 0
+        handle = current_stream_handle(kind, template)
     return cuda.external_stream(handle) if handle else cuda.default_stream()
+
+
+def current_stream_handle(kind, template) -> int:
+    """The raw handle of the current stream of framework ``kind`` ("torch": on
+    ``template``'s device; "cupy"; anything else: 0, the default stream)."""
+    if kind == "torch":
+        return sys.modules["torch"].cuda.current_stream(template.device).cuda_stream
+    if kind == "cupy":
+        return sys.modules["cupy"].cuda.get_current_stream().ptr
+    return 0
 
 
 # --------------------------------------------------------------------------------------

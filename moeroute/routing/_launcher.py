@@ -37,7 +37,6 @@ Under the CUDA simulator ``auto`` is numba: the simulator keeps running the same
 from __future__ import annotations
 
 import re
-import sys
 import threading
 from functools import lru_cache
 
@@ -537,9 +536,4 @@ def stream_handle_of(template, stream=None) -> int:
     given, else the current stream of ``template``'s framework (torch, CuPy), else 0."""
     if stream is not None:
         return _arrays.stream_handle(stream)
-    kind = _arrays.framework_of(template)
-    if kind == "torch":
-        return sys.modules["torch"].cuda.current_stream(template.device).cuda_stream
-    if kind == "cupy":
-        return sys.modules["cupy"].cuda.get_current_stream().ptr
-    return 0
+    return _arrays.current_stream_handle(_arrays.framework_of(template), template)

@@ -16,16 +16,16 @@ import numpy as np
 
 from moeroute._validate import integer
 from moeroute.routing import _sort
-from moeroute.routing._arrays import as_caller, device_empty, host_array, is_device_array, resolve_stream
+from moeroute.routing._arrays import enter
 from moeroute.routing.remap import _check_host_expert_map, device_expert_map
 
 __all__ = ["align_block_size"]
 
 
-def _host_expert_map(expert_map) -> np.ndarray:
-    """``expert_map`` as a C-contiguous int32 NumPy vector (its values are checked to fit);
-    TypeError/ValueError otherwise."""
-    table = np.asarray(host_array(expert_map))
+def _host_expert_map(entry) -> np.ndarray:
+    """``expert_map`` (its boundary ``entry``) as a C-contiguous int32 NumPy vector (its
+    values are checked to fit); TypeError/ValueError otherwise."""
+    table = np.asarray(entry.host())
     if table.dtype.kind not in "iu":
         raise TypeError(f"expert_map must hold integers, got dtype {table.dtype}")
     if table.ndim != 1:
@@ -96,13 +96,15 @@ def align_block_size(topk_ids, num_experts, block_size, expert_map=None, *, stre
     >>> s.tolist(), e.tolist(), n
     ([0, 4, 1, 2, 3, 5, 6, 6, 6, 6], [0, 1, 2, -1, -1], 6)
     """
-    if is_device_array(topk_ids):
-        return _align_device(topk_ids, num_experts, block_size, expert_map, stream)
-    if expert_map is not None and is_device_array(expert_map):
+    entry = enter(topk_ids, "topk_ids")
+    table = None if expert_map is None else enter(expert_map, "expert_map")
+    if entry.on_device:
+        return _align_device(entry, num_experts, block_size, table, stream)
+    if table is not None and table.on_device:
         raise TypeError("expert_map is a device array but topk_ids are on the host; pass "
                         "both on the device or both as NumPy arrays")
-    view = _sort.host_id_view("topk_ids", topk_ids)
-    table = None if expert_map is None else _host_expert_map(expert_map)
+    view = _sort.host_id_view("topk_ids", entry)
+    table = None if table is None else _host_expert_map(table)
     num_experts, block_size, numel, capacity = _check_align_args(
         view.shape, num_experts, block_size)  # before anything is copied
     ids = _sort.kernel_ids(view)
@@ -111,20 +113,21 @@ def align_block_size(topk_ids, num_experts, block_size, expert_map=None, *, stre
     use_map = table is not None
     total = _sort.align_cpu(ids, num_experts, block_size, sorted_token_ids, expert_ids,
                             table if use_map else _sort.NO_EXPERT_MAP, use_map)
-    return as_caller(sorted_token_ids, topk_ids), as_caller(expert_ids, topk_ids), int(total)
+    return entry.wrap(sorted_token_ids), entry.wrap(expert_ids), int(total)
 
 
-def _align_device(topk_ids, num_experts, block_size, expert_map, stream):
-    ids = _sort.device_ids("topk_ids", topk_ids)
+def _align_device(entry, num_experts, block_size, expert_map, stream):
+    """align_block_size on device ids, from the boundaries of ``topk_ids`` and
+    ``expert_map`` (None when absent)."""
+    ids = _sort.device_ids("topk_ids", entry)
     table = None if expert_map is None else device_expert_map(expert_map)
     num_experts, block_size, numel, capacity = _check_align_args(
         ids.shape, num_experts, block_size)
-    launch_stream = resolve_stream(topk_ids, stream)
-    sorted_token_ids, sorted_view = device_empty((capacity,), np.int32, topk_ids, launch_stream)
-    expert_ids, expert_view = device_empty((capacity // block_size,), np.int32, topk_ids,
-                                           launch_stream)
-    starts, starts_view = device_empty((num_experts + 1,), np.int32, topk_ids, launch_stream)
+    launch_stream = entry.stream(stream)
+    sorted_token_ids, sorted_view = entry.empty((capacity,), np.int32, launch_stream)
+    expert_ids, expert_view = entry.empty((capacity // block_size,), np.int32, launch_stream)
+    starts, starts_view = entry.empty((num_experts + 1,), np.int32, launch_stream)
     _sort.counting_sort_device(ids, num_experts, block_size, sorted_view, starts_view,
                                expert_view, None, launch_stream, expert_map=table,
-                               template=topk_ids)
+                               template=entry)
     return sorted_token_ids, expert_ids, starts[num_experts:]

@@ -16,14 +16,13 @@ import numpy as np
 
 from moeroute._validate import integer
 from moeroute.routing import _arrays, _launcher, select, shared_slots
-from moeroute.routing.select import _cuda as _select_device
-from moeroute.routing.select._device import _device_logits
 from moeroute.routing.remap import (
+    _remap_host,
     check_layout,
     expert_map_device_table,
     layout_device_tables,
-    remap_to_local,
 )
+from moeroute.routing.select import _cuda as _select_device
 
 __all__ = ["route"]
 
@@ -99,25 +98,28 @@ def route(logits, config, layout, rank=0, correction_bias=None, shared_weights=N
         bias, device limits).
     """
     rank = _check_route_args(config, layout, rank)
-    if _arrays.is_device_array(logits):
-        return _route_device(logits, config, layout, rank, correction_bias, shared_weights,
-                             home_rank, stream)
-    topk_weights, topk_ids = select.select_experts(logits, config, correction_bias)
+    entry = _arrays.enter(logits, "logits")
+    bias = None if correction_bias is None else _arrays.enter(correction_bias, "correction_bias")
+    if entry.on_device:
+        return _route_device(entry, config, layout, rank, bias, shared_weights, home_rank,
+                             stream)
+    # The CPU ops on NumPy views, composed; the results leave through the logits' boundary.
+    weights, ids, _ = select._select_host_entry(entry, config, bias)
     if _appends_nothing(layout):
         # No slot to append, one replica per expert at its own index: select_experts' ids
         # (all in [0, N), int32) already are the physical ones.
         home_rank = shared_slots._check_append_args(
-            layout, home_rank, topk_ids.shape, topk_weights.shape, np.float32, shared_weights,
-            None)[0]
-        ids, weights = topk_ids, topk_weights
+            layout, home_rank, ids.shape, weights.shape, np.float32, shared_weights, None)[0]
     else:
-        ids, weights = shared_slots.append_shared_slots(topk_ids, topk_weights, layout,
-                                                        home_rank, shared_weights)
-    if layout.ep_size == 1:
-        # One rank holds every physical expert at its own index (expert_map(0) is the
+        shared = (None if shared_weights is None
+                  else _arrays.enter(shared_weights, "shared_weights").host_floats())
+        ids, weights = shared_slots._append_host(ids, weights, layout, home_rank,
+                                                 shared_weights, shared)
+    if layout.ep_size > 1:
+        # On one rank every physical expert is held at its own index (expert_map(0) is the
         # identity on [0, num_physical_experts)): the physical ids already are local.
-        return weights, ids
-    return weights, remap_to_local(ids, layout.expert_map(rank))
+        ids = _remap_host(ids, layout.expert_map(rank))
+    return entry.wrap(weights), entry.wrap(ids)
 
 
 #: id(layout) -> (weak reference, whether append_shared_slots is the identity on it).
@@ -154,37 +156,36 @@ def _route_signature(input_kind, bias_layout, slot_layout):
     return _select_device.route_signature(input_kind, bias_layout, slot_layout)
 
 
-def _route_device(logits, config, layout, rank, correction_bias, shared_weights, home_rank,
-                  stream):
-    select._validate(logits, config, correction_bias, True)
+def _route_device(entry, config, layout, rank, bias, shared_weights, home_rank, stream):
+    """route on device logits, from the boundaries of ``logits`` and ``correction_bias``
+    (``bias``: None when absent): one launch on the logits' stream."""
+    correction_bias = None if bias is None else bias.array
+    select._validate(entry.array, config, correction_bias, True,
+                     bias_on_device=None if bias is None else bias.on_device)
     launcher = _launcher.active_launcher()
-    array, kind = _device_logits(logits, launcher)
-    if not _arrays.is_c_contiguous(array):
+    array, kind = entry.kernel(launcher, bits16=True), entry.dtype  # bfloat16 as int16 bits
+    if not entry.contiguous():
         raise ValueError(f"device logits must be C-contiguous, got shape {tuple(array.shape)} "
                          f"with non-contiguous strides")
     num_tokens, top_k = int(array.shape[0]), config.top_k
-    shared, scalar = shared_slots.device_shared_weights(
-        shared_weights, lambda x: _launcher.kernel_array(x, launcher), "logits")
+    shared_entry = (None if shared_weights is None
+                    else _arrays.enter(shared_weights, "shared_weights"))
+    shared, scalar = shared_slots.device_shared_weights(shared_entry, launcher, "logits")
     home_rank, slots = shared_slots._check_append_args(
         layout, home_rank, (num_tokens, top_k), (num_tokens, top_k), np.float32,
         shared_weights, None if shared is None else tuple(shared.shape))
-    if launcher == "cached":  # the raw handle: no numba stream object per call
-        launch_stream = _launcher.stream_handle_of(logits, stream)
-    else:
-        launch_stream = _arrays.resolve_stream(logits, stream)
+    # The cached launcher takes the raw handle: no numba stream object per call.
+    launch_stream = entry.stream(stream, launcher)
     width = top_k + slots
     view = launcher == "numba"
-    weights, weights_out = _arrays.device_empty((num_tokens, width), np.float32, logits,
-                                                launch_stream, view=view)
-    local_ids, ids_out = _arrays.device_empty((num_tokens, width), np.int32, logits,
-                                              launch_stream, view=view)
+    weights, weights_out = entry.empty((num_tokens, width), np.float32, launch_stream, view=view)
+    local_ids, ids_out = entry.empty((num_tokens, width), np.int32, launch_stream, view=view)
     if num_tokens == 0:
         return weights, local_ids
-    has_bias = correction_bias is not None
+    has_bias = bias is not None
     # Without a bias (or a shared weight array) the kernel never reads it: any float32
     # array of the right rank fills the slot.
-    bias = (_launcher.kernel_array(correction_bias, launcher) if has_bias
-            else weights_out.reshape(-1))
+    bias_array = bias.kernel(launcher) if has_bias else weights_out.reshape(-1)
     slot_weights, use_row, use_col, has_array = shared_slots.device_slot_weights(
         shared, weights_out)
     first_slot = int(layout.shared_slot_ids(home_rank)[0]) if slots else 0
@@ -194,11 +195,12 @@ def _route_device(logits, config, layout, rank, correction_bias, shared_weights,
                            has_bias, config.renormalize, kind)
     warps = _select_device.warps_per_block()
     signature = _route_signature(
-        kind, "C" if not has_bias or _arrays.is_c_contiguous(bias) else "A",
-        "C" if shared is None or _arrays.is_c_contiguous(slot_weights) else "A")
+        kind, "C" if not has_bias or bias.contiguous() else "A",
+        "C" if shared is None or (shared_entry.contiguous() if slot_weights is shared
+                                  else _arrays.is_c_contiguous(slot_weights)) else "A")
     _launcher.launch(
         kernel, signature, -(-num_tokens // warps), warps * _select_device.WARP_SIZE, launch_stream,
-        (array, bias, num_tokens, top_k, config.topk_group,
+        (array, bias_array, num_tokens, top_k, config.topk_group,
          np.float32(config.routed_scaling_factor), layout.num_routed_experts, offsets,
          replica_ids, routed_id_map, first_slot, slots, slot_weights, use_row, use_col,
          scalar, has_array, expert_map, weights_out, ids_out),

@@ -12,7 +12,7 @@ try:  # numba.cuda comes with the optional numba-cuda package
 except ImportError:  # pragma: no cover - CPU-only installs
     cuda = None
 
-from moeroute.routing._arrays import as_device_array, host_array
+from moeroute.routing._arrays import Boundary, as_device_array, host_array
 
 #: Threads per block of the elementwise kernels: a multiple of every warp size (32, 64)
 #: that keeps several blocks resident per SM.
@@ -77,8 +77,9 @@ def row_launch_config(rows: int, width: int, limit: int = THREADS_PER_BLOCK):
 
 
 def host_id_view(name: str, ids, ndim: int | None = 2) -> np.ndarray:
-    """``ids`` as a NumPy array, checked, never copied (a broadcast or expanded view stays
-    one): callers check their size limits on its shape before `kernel_ids` copies.
+    """``ids`` (a host array or its `Boundary`) as a NumPy array, checked, never copied (a
+    broadcast or expanded view stays one): callers check their size limits on its shape
+    before `kernel_ids` copies.
 
     Raises
     ------
@@ -87,7 +88,7 @@ def host_id_view(name: str, ids, ndim: int | None = 2) -> np.ndarray:
     ValueError
         ``ndim`` given and the array has another number of dimensions.
     """
-    array = host_array(ids)
+    array = ids.host() if isinstance(ids, Boundary) else host_array(ids)
     if array.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers, got dtype {array.dtype}")
     if ndim is not None and array.ndim != ndim:
@@ -110,7 +111,8 @@ def host_ids(name: str, ids, ndim: int | None = 2) -> np.ndarray:
 
 
 def device_ids(name: str, ids, ndim: int | None = 2):
-    """A numba device array viewing the device array ``ids`` (int32 or int64).
+    """A numba device array viewing the device array ``ids`` (or its `Boundary`; int32 or
+    int64).
 
     Raises
     ------
@@ -120,7 +122,7 @@ def device_ids(name: str, ids, ndim: int | None = 2):
         ``ndim`` given and the array has another number of dimensions.
     """
     check_cuda_available()
-    view = as_device_array(ids)
+    view = ids.kernel() if isinstance(ids, Boundary) else as_device_array(ids)
     if view.dtype not in (np.int32, np.int64):
         raise TypeError(f"{name} on the device must be int32 or int64, got dtype {view.dtype}")
     if ndim is not None and view.ndim != ndim:

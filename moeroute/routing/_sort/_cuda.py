@@ -194,7 +194,7 @@ def counting_sort_device(topk_ids, num_experts, block_size, sorted_out, expert_s
     expert_map : numba device array int32 [num_physical_experts], optional
         Each id is first ``expert_map[id]`` (-1 outside the map) inside both kernels: the
         remap costs no launch and no [T, K] buffer.
-    template : caller's device array, optional
+    template : caller's device array (or its `Boundary`), optional
         Scratch buffers come from its framework's allocator (`device_empty`); default:
         numba device arrays. No count is read back: every size here is an upper bound
         known on the host, so the launches can be captured in a CUDA graph.

@@ -14,19 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from moeroute.routing import _launcher, _parallel, _sort
-from moeroute.routing._arrays import (
-    as_caller,
-    as_device_array,
-    check_no_overlap,
-    device_bits16,
-    device_empty,
-    from_device_bits16,
-    host_array,
-    host_floats,
-    is_bfloat16,
-    is_device_array,
-    resolve_stream,
-)
+from moeroute.routing._arrays import check_no_overlap, enter
 from moeroute.routing.combine._cuda import _combine_bf16_kernel, _combine_kernel, _kernel  # noqa: F401
 from moeroute.routing.combine._host import (
     _accumulate_cpu,
@@ -124,24 +112,20 @@ def combine(expert_out, inverse_index, topk_weights=None, *, raw_bf16=False, str
         ``inverse_index`` entry >= M; T*H above 2**31 - 1.
     """
     raw_bf16 = bool(raw_bf16)
+    expert = enter(expert_out, "expert_out")
+    index = enter(inverse_index, "inverse_index")
+    weights = None if topk_weights is None else enter(topk_weights, "topk_weights")
     # A bfloat16 array (torch) is read as its raw bits and answered in bfloat16.
-    bfloat16 = is_bfloat16(expert_out)
-    raw_bf16 = raw_bf16 or bfloat16
-    on_device = is_device_array(expert_out)
-    others = [a for a in (inverse_index, topk_weights) if a is not None]
-    if any(is_device_array(a) != on_device for a in others):
+    raw_bf16 = raw_bf16 or expert.bfloat16
+    if any(e.on_device != expert.on_device for e in (index, weights) if e is not None):
         raise TypeError(
             "expert_out, inverse_index and topk_weights must all be host (NumPy) arrays or "
             "all be device arrays")
-    if on_device:
-        if bfloat16:
-            result = _combine_device(device_bits16(expert_out), inverse_index, topk_weights,
-                                     raw_bf16, stream)
-            return from_device_bits16(result, expert_out)
-        return _combine_device(expert_out, inverse_index, topk_weights, raw_bf16, stream)
-    return as_caller(_combine_host(host_array(expert_out), host_array(inverse_index),
-                                   None if topk_weights is None else host_floats(topk_weights),
-                                   raw_bf16), expert_out, bfloat16=bfloat16)
+    if expert.on_device:
+        return expert.from_bits16(_combine_device(expert, index, weights, raw_bf16, stream))
+    return expert.wrap(_combine_host(expert.host(), index.host(),
+                                     None if weights is None else weights.host_floats(),
+                                     raw_bf16), bfloat16=expert.bfloat16)
 
 
 def _combine_host(expert, index, weights, raw_bf16):
@@ -176,23 +160,25 @@ def _combine_host(expert, index, weights, raw_bf16):
     return out
 
 
-def _combine_device(expert_out, inverse_index, topk_weights, raw_bf16, stream):
+def _combine_device(expert_entry, index_entry, weights_entry, raw_bf16, stream):
+    """`combine` on device arrays, from their boundaries (``weights_entry``: None when
+    ``topk_weights`` is absent); a bfloat16 result comes back as its int16 bits."""
     _sort.check_cuda_available()
-    expert = as_device_array(expert_out)
-    index = as_device_array(inverse_index)
-    weights = None if topk_weights is None else as_device_array(topk_weights)
+    expert = expert_entry.kernel(bits16=True)
+    index = index_entry.kernel()
+    weights = None if weights_entry is None else weights_entry.kernel()
     _check_combine_args(expert.shape, expert.dtype, index.shape, index.dtype,
                         None if weights is None else weights.shape,
                         None if weights is None else weights.dtype, raw_bf16)
     if weights is not None and weights.dtype != np.float32:
         raise TypeError(f"topk_weights on the device must be float32, got dtype {weights.dtype}")
-    launch_stream = resolve_stream(expert_out, stream)
+    launch_stream = expert_entry.stream(stream)
     tokens, width = int(index.shape[0]), int(expert.shape[1])
-    out, out_view = device_empty((tokens, width), expert.dtype, expert_out, launch_stream)
+    out, out_view = expert_entry.empty((tokens, width), expert.dtype, launch_stream)
     if tokens * width:
         has_weights = weights is not None
         if not has_weights:  # never read; allocated like every other buffer (graph capture)
-            weights = device_empty((1, 1), np.float32, expert_out, launch_stream)[1]
+            weights = expert_entry.empty((1, 1), np.float32, launch_stream)[1]
         if raw_bf16:  # the kernel reads and writes the patterns as uint16
             expert, out_view = expert.view(np.uint16), out_view.view(np.uint16)
         grid, threads = _sort.row_launch_config(tokens, width)

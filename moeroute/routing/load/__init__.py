@@ -18,8 +18,7 @@ import numpy as np
 
 from moeroute._validate import integer
 from moeroute.routing import _launcher, _sort
-from moeroute.routing._arrays import (as_caller, as_device_array, check_no_overlap, device_empty,
-                                     host_array, is_device_array, resolve_stream)
+from moeroute.routing._arrays import check_no_overlap, enter
 from moeroute.routing.load._cuda import _kernel
 from moeroute.routing.load._host import _count_cpu
 
@@ -29,14 +28,17 @@ __all__ = ["expert_load", "LOAD_DTYPE"]
 LOAD_DTYPE = np.int64
 
 
-def _check_out(out, num_experts, on_device):
+def _check_out(out_entry, num_experts, on_device):
+    """TypeError/ValueError unless ``out`` (its boundary ``out_entry``) is an int64
+    [num_experts] counter on the side of the ids."""
+    out = out_entry.array
     shape = tuple(out.shape)
     if shape != (num_experts,):
         raise ValueError(f"out has shape {shape}; it must be ({num_experts},) = [num_experts]")
     name = str(out.dtype).rsplit(".", 1)[-1]
     if name != "int64":
         raise TypeError(f"out must hold int64 counters, got dtype {name}")
-    if is_device_array(out) != on_device:
+    if out_entry.on_device != on_device:
         where = "device" if on_device else "host"
         raise TypeError(f"out must live where ids live (on the {where}), got {type(out).__name__}")
 
@@ -81,38 +83,40 @@ def expert_load(ids, num_experts, *, out=None, stream=None):
     [1, 0, 2, 0]
     """
     num_experts = integer("num_experts", num_experts, 1)
-    if is_device_array(ids):
-        view = _sort.device_ids("ids", ids, ndim=None)
+    entry = enter(ids, "ids")
+    out_entry = None if out is None else enter(out, "out")
+    if entry.on_device:
+        view = _sort.device_ids("ids", entry, ndim=None)
         if not view.is_c_contiguous():
             raise ValueError("ids on the device must be C-contiguous")
-        launch_stream = resolve_stream(ids, stream)
+        launch_stream = entry.stream(stream)
         if out is None:
-            counts, counts_view = device_empty((num_experts,), LOAD_DTYPE, ids)
+            counts, counts_view = entry.empty((num_experts,), LOAD_DTYPE)
             blocks, threads = _sort.launch_config(num_experts)
             _launcher.launch(_kernel("zero"), None, blocks, threads, launch_stream, (counts_view,))
         else:
-            _check_out(out, num_experts, True)
+            _check_out(out_entry, num_experts, True)
             check_no_overlap({"out": out}, {"ids": ids})
-            counts, counts_view = out, as_device_array(out)
+            counts, counts_view = out, out_entry.kernel()
         size = int(np.prod(view.shape, dtype=np.int64))
         if size:
             blocks, threads = _sort.launch_config(size)
             _launcher.launch(_kernel("count"), None, blocks, threads, launch_stream,
                              (view.reshape(size), counts_view))
         return counts
-    if out is not None and is_device_array(out):
+    if out_entry is not None and out_entry.on_device:
         raise TypeError("out is a device array but ids are on the host; pass both on the "
                         "device or both as NumPy arrays")
-    host = _sort.host_ids("ids", host_array(ids), ndim=None)
+    host = _sort.host_ids("ids", entry, ndim=None)
     if out is None:
         counts = np.zeros(num_experts, LOAD_DTYPE)
         _count_cpu(host.reshape(-1), counts)
-        return as_caller(counts, ids)
+        return entry.wrap(counts)
     if isinstance(out, (list, tuple)) or not hasattr(out, "shape"):
         raise TypeError(f"out must be a NumPy (or CPU torch) int64 array for host ids, got "
                         f"{type(out).__name__}")
-    _check_out(out, num_experts, False)
-    counts = host_array(out)  # a CPU torch counter is viewed, not copied
+    _check_out(out_entry, num_experts, False)
+    counts = out_entry.host()  # a CPU torch counter is viewed, not copied
     if not counts.flags.c_contiguous or not counts.flags.writeable:
         raise ValueError("out must be a writable C-contiguous array")
     check_no_overlap({"out": out}, {"ids": ids})  # counting into the ids would change them

@@ -12,17 +12,7 @@ import numpy as np
 
 from moeroute._validate import integer
 from moeroute.routing import _launcher, _parallel, _sort
-from moeroute.routing._arrays import (
-    as_caller,
-    as_device_array,
-    device_bits16,
-    device_empty,
-    from_device_bits16,
-    host_array,
-    is_bfloat16,
-    is_device_array,
-    resolve_stream,
-)
+from moeroute.routing._arrays import enter
 
 from moeroute.routing.permute._cuda import _gather_kernel, _gather_rows_kernel  # noqa: F401
 from moeroute.routing.permute._host import _gather_rows, _gather_rows_parallel
@@ -92,24 +82,26 @@ def sort_by_expert(topk_ids, num_experts, *, stream=None):
     ValueError
         ``topk_ids`` not 2-D; ``num_experts`` < 1; more than 2**31 - 1 entries.
     """
-    if is_device_array(topk_ids):
-        return _sort_device(topk_ids, num_experts, stream)[0]
-    view = _sort.host_id_view("topk_ids", topk_ids)
+    entry = enter(topk_ids, "topk_ids")
+    if entry.on_device:
+        return _sort_device(entry, num_experts, stream)[0]
+    view = _sort.host_id_view("topk_ids", entry)
     num_experts, _ = _check_sort_args(view.shape, num_experts)  # before anything is copied
     ids = _sort.kernel_ids(view)
-    return tuple(as_caller(a, topk_ids) for a in _sort.sort_cpu(ids, num_experts))
+    return tuple(entry.wrap(a) for a in _sort.sort_cpu(ids, num_experts))
 
 
-def _sort_device(topk_ids, num_experts, stream):
-    """Device sort at its upper-bound size; also returns the numba views and the stream."""
-    ids = _sort.device_ids("topk_ids", topk_ids)
+def _sort_device(entry, num_experts, stream):
+    """Device sort at its upper-bound size, from the boundary of ``topk_ids``; also returns
+    the numba views and the stream."""
+    ids = _sort.device_ids("topk_ids", entry)
     num_experts, numel = _check_sort_args(ids.shape, num_experts)
-    launch_stream = resolve_stream(topk_ids, stream)
-    sorted_all, sorted_view = device_empty((numel,), np.int32, topk_ids, launch_stream)
-    offsets, offsets_view = device_empty((num_experts + 1,), np.int32, topk_ids, launch_stream)
-    inverse, inverse_view = device_empty(tuple(ids.shape), np.int32, topk_ids, launch_stream)
+    launch_stream = entry.stream(stream)
+    sorted_all, sorted_view = entry.empty((numel,), np.int32, launch_stream)
+    offsets, offsets_view = entry.empty((num_experts + 1,), np.int32, launch_stream)
+    inverse, inverse_view = entry.empty(tuple(ids.shape), np.int32, launch_stream)
     _sort.counting_sort_device(ids, num_experts, 1, sorted_view, offsets_view, None,
-                               inverse_view if numel else None, launch_stream, template=topk_ids)
+                               inverse_view if numel else None, launch_stream, template=entry)
     return (sorted_all, offsets, inverse), (sorted_view, offsets_view), launch_stream
 
 
@@ -146,16 +138,18 @@ def permute(hidden_states, topk_ids, num_experts, *, stream=None):
     ValueError
         As `sort_by_expert`; ``hidden_states`` not 2-D or not T rows.
     """
-    if is_device_array(topk_ids) != is_device_array(hidden_states):
+    ids_entry = enter(topk_ids, "topk_ids")
+    hidden_entry = enter(hidden_states, "hidden_states")
+    if ids_entry.on_device != hidden_entry.on_device:
         raise TypeError(
             "hidden_states and topk_ids must both be host (NumPy) arrays or both be "
             f"device arrays, got {type(hidden_states).__name__} and {type(topk_ids).__name__}"
         )
-    if is_device_array(topk_ids):
-        return _permute_device(hidden_states, topk_ids, num_experts, stream)
-    view = _sort.host_id_view("topk_ids", topk_ids)
+    if ids_entry.on_device:
+        return _permute_device(hidden_entry, ids_entry, num_experts, stream)
+    view = _sort.host_id_view("topk_ids", ids_entry)
     # bfloat16 torch tensors arrive as their uint16 bits: the gather moves bits anyway.
-    hidden = host_array(hidden_states)
+    hidden = hidden_entry.host()
     _check_hidden_states(hidden.shape, view.shape[0])
     num_experts, _ = _check_sort_args(view.shape, num_experts)  # before anything is copied
     ids = _sort.kernel_ids(view)
@@ -166,8 +160,8 @@ def permute(hidden_states, topk_ids, num_experts, *, stream=None):
         parallel = permuted.nbytes >= PARALLEL_GATHER_MIN_BYTES and _parallel.cpu_threads() > 1
         gather = _gather_rows_parallel if parallel else _gather_rows
         gather(source, sorted_slots, ids.shape[1], _as_bits(permuted))
-    return (as_caller(permuted, hidden_states, bfloat16=is_bfloat16(hidden_states)),
-            as_caller(expert_offsets, topk_ids), as_caller(inverse_index, topk_ids))
+    return (hidden_entry.wrap(permuted, bfloat16=hidden_entry.bfloat16),
+            ids_entry.wrap(expert_offsets), ids_entry.wrap(inverse_index))
 
 
 def _as_bits(array: np.ndarray) -> np.ndarray:
@@ -178,24 +172,21 @@ def _as_bits(array: np.ndarray) -> np.ndarray:
     return array.view(bits)
 
 
-def _permute_device(hidden_states, topk_ids, num_experts, stream):
-    bfloat16 = is_bfloat16(hidden_states)
-    if bfloat16:  # moved as its 16-bit pattern
-        hidden_states = device_bits16(hidden_states)
-    hidden_view = as_device_array(hidden_states)
-    _check_hidden_states(hidden_view.shape, int(as_device_array(topk_ids).shape[0]))
-    top_k = int(as_device_array(topk_ids).shape[1])
+def _permute_device(hidden_entry, ids_entry, num_experts, stream):
+    """permute on device arrays, from the boundaries of ``hidden_states`` and ``topk_ids``."""
+    hidden_view = hidden_entry.kernel(bits16=True)  # bfloat16 moved as its 16-bit pattern
+    ids_view = ids_entry.kernel()
+    _check_hidden_states(hidden_view.shape, int(ids_view.shape[0]))
+    top_k = int(ids_view.shape[1])
     (_, expert_offsets, inverse_index), (sorted_view, offsets_view), launch_stream = _sort_device(
-        topk_ids, num_experts, stream)
+        ids_entry, num_experts, stream)
     rows = int(sorted_view.shape[0])
     width = int(hidden_view.shape[1])
-    permuted, permuted_view = device_empty((rows, width), hidden_view.dtype, hidden_states,
-                                           launch_stream)
+    permuted, permuted_view = hidden_entry.empty((rows, width), hidden_view.dtype,
+                                                 launch_stream)
     if rows and width:
         grid, threads = _sort.row_launch_config(rows, width)
         kept_count = offsets_view[num_experts:]  # on the device: no read-back
         _launcher.launch(_gather_kernel(), None, grid, threads, launch_stream,
                          (hidden_view, sorted_view, kept_count, top_k, permuted_view))
-    if bfloat16:
-        permuted = from_device_bits16(permuted, hidden_states)
-    return permuted, expert_offsets, inverse_index
+    return hidden_entry.from_bits16(permuted), expert_offsets, inverse_index

@@ -15,14 +15,7 @@ import numpy as np
 
 from moeroute.layout import ExpertLayout
 from moeroute.routing import _launcher, _sort
-from moeroute.routing._arrays import (
-    as_caller,
-    as_device_array,
-    device_empty,
-    host_array,
-    is_device_array,
-    resolve_stream,
-)
+from moeroute.routing._arrays import Boundary, enter
 from moeroute.routing.remap._common import _physical_id, _replica_tables  # noqa: F401
 from moeroute.routing.remap._cuda import (  # noqa: F401  (the device ops import these)
     _DEVICE_TABLE_CACHE_SIZE,
@@ -118,21 +111,22 @@ def logical_to_physical(topk_ids, layout, prefer_rank=None, *, stream=None):
         # Validates it (ValueError naming prefer_rank) before anything launches.
         layout.preferred_replicas(prefer_rank)
         prefer_rank = int(prefer_rank)
-    if is_device_array(topk_ids):
-        ids = _sort.device_ids("topk_ids", topk_ids)
+    entry = enter(topk_ids, "topk_ids")
+    if entry.on_device:
+        ids = _sort.device_ids("topk_ids", entry)
         _sort.check_index_limit("topk_ids.shape[0]", int(ids.shape[0]))
-        launch_stream = resolve_stream(topk_ids, stream)
-        out, out_view = device_empty(tuple(ids.shape), np.int32, topk_ids, launch_stream)
+        launch_stream = entry.stream(stream)
+        out, out_view = entry.empty(tuple(ids.shape), np.int32, launch_stream)
         launch_logical_to_physical(ids, layout, out_view, launch_stream, prefer_rank)
         return out
-    view = _sort.host_id_view("topk_ids", topk_ids)
+    view = _sort.host_id_view("topk_ids", entry)
     _sort.check_index_limit("topk_ids.shape[0]", view.shape[0])  # before anything is copied
     ids = _sort.kernel_ids(view)
     out = np.empty(ids.shape, np.int32)
     offsets, replica_ids = _replica_tables(layout, prefer_rank)
     logical_to_physical_cpu(ids, layout.num_routed_experts, offsets, replica_ids,
                             layout.routed_id_map, out)
-    return as_caller(out, topk_ids)
+    return entry.wrap(out)
 
 
 def remap_to_local(ids, expert_map, *, stream=None):
@@ -165,48 +159,57 @@ def remap_to_local(ids, expert_map, *, stream=None):
         ``expert_map`` not 1-D or holding values outside [-1, 2**31 - 1] (they would wrap
         to a held expert's id); device ``ids`` not C-contiguous.
     """
-    if is_device_array(ids):
-        return _remap_device(ids, expert_map, stream)
-    if is_device_array(expert_map):
+    entry = enter(ids, "ids")
+    table = enter(expert_map, "expert_map")
+    if entry.on_device:
+        return _remap_device(entry, table, stream)
+    if table.on_device:
         raise TypeError(
             "expert_map is a device array but ids are on the host; pass both on the "
             "device or both as NumPy arrays"
         )
-    host = _sort.host_ids("ids", host_array(ids), ndim=None)
-    table = host_array(expert_map)
-    _check_expert_map_dtype(table.dtype, table.ndim)
-    _check_host_expert_map(table)
-    table = np.ascontiguousarray(table, dtype=np.int32)
-    out = np.empty(host.shape, np.int32)
-    _remap_cpu(host.reshape(-1), table, out.reshape(-1))
-    return as_caller(out, ids)
+    return entry.wrap(_remap_host(_sort.host_ids("ids", entry, ndim=None), table.host()))
+
+
+def _remap_host(ids: np.ndarray, expert_map: np.ndarray) -> np.ndarray:
+    """`remap_to_local` of NumPy ``ids`` (int32/int64) through a NumPy ``expert_map``
+    (checked here): a NumPy int32 array of the shape of ``ids``."""
+    _check_expert_map_dtype(expert_map.dtype, expert_map.ndim)
+    _check_host_expert_map(expert_map)
+    table = np.ascontiguousarray(expert_map, dtype=np.int32)
+    out = np.empty(ids.shape, np.int32)
+    _remap_cpu(ids.reshape(-1), table, out.reshape(-1))
+    return out
 
 
 def device_expert_map(expert_map):
     """``expert_map`` as an int32 numba device vector, checked: a device map must already be
     int32 (wider values could not be checked against int32 without a sync); a host map is
-    checked on the host and uploaded once (`expert_map_device_table`)."""
-    if is_device_array(expert_map):
-        table = as_device_array(expert_map)
+    checked on the host and uploaded once (`expert_map_device_table`). ``expert_map`` may be
+    given as its `Boundary`."""
+    entry = expert_map if isinstance(expert_map, Boundary) else enter(expert_map, "expert_map")
+    if entry.on_device:
+        table = entry.kernel()
         _check_expert_map_dtype(table.dtype, table.ndim)
         if table.dtype != np.int32:
             raise TypeError(f"a device expert_map must be int32, got dtype {table.dtype}; "
                             "layout.expert_map(rank) is int32")
         return table
-    host_table = np.asarray(expert_map)
+    host_table = np.asarray(entry.array)
     _check_expert_map_dtype(host_table.dtype, host_table.ndim)
     _check_host_expert_map(host_table)
     return expert_map_device_table(host_table)
 
 
-def _remap_device(ids, expert_map, stream):
-    view = _sort.device_ids("ids", ids, ndim=None)
+def _remap_device(entry, expert_map, stream):
+    """`remap_to_local` of device ids, from the boundaries of ``ids`` and ``expert_map``."""
+    view = _sort.device_ids("ids", entry, ndim=None)
     if not view.is_c_contiguous():
         raise ValueError("ids on the device must be C-contiguous")
-    launch_stream = resolve_stream(ids, stream)
+    launch_stream = entry.stream(stream)
     table = device_expert_map(expert_map)
     shape = tuple(view.shape)
-    out, out_view = device_empty(shape, np.int32, ids, launch_stream)
+    out, out_view = entry.empty(shape, np.int32, launch_stream)
     size = int(np.prod(shape, dtype=np.int64))
     if size:
         blocks, threads = _sort.launch_config(size)

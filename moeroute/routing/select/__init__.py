@@ -64,10 +64,12 @@ _SUPPORTED_DEVICE_DTYPES = ("float32", "float16", "bfloat16")
 # --------------------------------------------------------------------------------------
 
 
-def _validate(logits, config, correction_bias, on_device: bool, dtype_name=None) -> None:
+def _validate(logits, config, correction_bias, on_device: bool, dtype_name=None,
+              bias_on_device=None) -> None:
     """Raise TypeError/ValueError naming the bad argument; return None when all is well.
 
-    ``dtype_name`` overrides the dtype of host ``logits`` passed as raw bits (bfloat16).
+    ``dtype_name`` overrides the dtype of host ``logits`` passed as raw bits (bfloat16);
+    ``bias_on_device``: where ``correction_bias`` lives, when its boundary already knows.
     """
     if not isinstance(config, RouterConfig):
         raise TypeError(f"config must be a moeroute RouterConfig, got {type(config).__name__}")
@@ -90,7 +92,9 @@ def _validate(logits, config, correction_bias, on_device: bool, dtype_name=None)
         raise ValueError(
             f"logits dtype {name} is not supported on the {where}; use one of {allowed}")
     if correction_bias is not None:
-        if _arrays.is_device_array(correction_bias) != on_device:
+        if bias_on_device is None:
+            bias_on_device = _arrays.is_device_array(correction_bias)
+        if bias_on_device != on_device:
             raise TypeError(
                 "correction_bias must live where logits live: "
                 f"logits is a {'device' if on_device else 'host'} array, "
@@ -190,63 +194,75 @@ def select_experts(logits, config, correction_bias=None, *, stream=None, out=Non
     Any row, NaN and infinite logits included, yields K distinct ids and finite
     weights; T = 0 returns empty [0, K] outputs without launching anything.
     """
-    on_device = _arrays.is_device_array(logits)
-    if on_device:
-        _validate(logits, config, correction_bias, on_device)
-        outputs = _check_out(out, logits, config.top_k, on_device, correction_bias)
-        return _select_device(logits, config, correction_bias, stream, outputs)
-    caller = logits
-    # CPU torch tensors (and bfloat16 ones as their raw bits) run the CPU kernel in place.
-    bfloat16 = _arrays.is_bfloat16(logits)
-    logits = _host_input("logits", logits)
-    if correction_bias is not None and not _arrays.is_device_array(correction_bias):
-        if _arrays.is_bfloat16(correction_bias):  # its raw bits would read as uint16
-            raise ValueError("correction_bias dtype bfloat16 must be float32")
-        correction_bias = _host_input("correction_bias", correction_bias)
-    _validate(logits, config, correction_bias, on_device,
-              dtype_name="bfloat16" if bfloat16 else None)
-    outputs = _check_out(out, caller, config.top_k, on_device, correction_bias)
-    host_out = None if outputs is None else tuple(_arrays.host_array(o) for o in outputs)
-    weights, ids = _select_host(logits, config, correction_bias, bfloat16, host_out)
+    entry = _arrays.enter(logits, "logits")
+    bias = None if correction_bias is None else _arrays.enter(correction_bias, "correction_bias")
+    if entry.on_device:
+        _validate(logits, config, correction_bias, True,
+                  bias_on_device=None if bias is None else bias.on_device)
+        outputs = _check_out(out, entry, config.top_k, True, correction_bias)
+        return _select_device(entry, config, bias, stream, outputs)
+    weights, ids, outputs = _select_host_entry(entry, config, bias, out)
     if outputs is not None:
         return outputs
-    return _arrays.as_caller(weights, caller), _arrays.as_caller(ids, caller)
+    return entry.wrap(weights), entry.wrap(ids)
 
 
-def _host_input(name, array):
-    """A NumPy view of a host ``array`` (CPU torch tensors without a copy)."""
-    torch = _arrays.torch_of(array)
-    if torch is not None and array.device.type != "cpu":
+def _select_host_entry(entry, config, bias, out=None):
+    """select_experts on host logits, from their boundaries (``bias``: None when absent):
+    ``(topk_weights, topk_ids, outputs)``, NumPy arrays (the ``out=`` buffers' views when
+    ``outputs``, the validated caller buffers, is not None)."""
+    # CPU torch tensors (and bfloat16 ones as their raw bits) run the CPU kernel in place.
+    logits = _host_input(entry)
+    correction_bias = None if bias is None else bias.array
+    if bias is not None and not bias.on_device:
+        if bias.bfloat16:  # its raw bits would read as uint16
+            raise ValueError("correction_bias dtype bfloat16 must be float32")
+        correction_bias = _host_input(bias)
+    _validate(logits, config, correction_bias, False,
+              dtype_name="bfloat16" if entry.bfloat16 else None,
+              bias_on_device=None if bias is None else bias.on_device)
+    outputs = _check_out(out, entry, config.top_k, False, correction_bias)
+    host_out = None if outputs is None else tuple(_arrays.host_array(o) for o in outputs)
+    weights, ids = _select_host(logits, config, correction_bias, entry.bfloat16, host_out)
+    return weights, ids, outputs
+
+
+def _host_input(entry):
+    """A NumPy view of a host input, from its boundary (CPU torch tensors without a copy)."""
+    name, array = entry.name, entry.array
+    if entry.torch is not None and not array.is_cpu:
         # A meta (or other non-CUDA) tensor holds no values the kernels could read.
         raise ValueError(f"{name} is on {array.device}; select_experts takes a CPU tensor, a CUDA "
                          "tensor, a NumPy array or a CUDA device array")
-    if isinstance(array, np.ndarray) or torch is not None:
-        return _arrays.host_array(array)
+    if entry.framework in ("numpy", "torch"):
+        return entry.host()
     raise TypeError(f"{name} must be a NumPy array, a torch tensor or a CUDA device array, got "
                     f"{type(array).__name__}")
 
 
-def _check_out(out, logits, top_k, on_device, correction_bias=None):
+def _check_out(out, entry, top_k, on_device, correction_bias=None):
     """Validated caller buffers ``(topk_weights, topk_ids)`` for ``out=``, or None.
 
     Each must be C-contiguous, of shape [T, K], float32 / int32, from the framework of
-    ``logits`` and on its device, and share no memory with the other buffer, ``logits``
-    or ``correction_bias``; TypeError / ValueError naming the buffer otherwise.
+    the logits (``entry``: their boundary) and on their device, and share no memory with
+    the other buffer, the logits or ``correction_bias``; TypeError / ValueError naming the
+    buffer otherwise.
     """
     if out is None:
         return None
+    logits = entry.array
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise TypeError(f"out must be a (topk_weights, topk_ids) pair, got {type(out).__name__}")
     shape = (int(logits.shape[0]), int(top_k))
-    torch = _arrays.torch_of(logits)
+    torch = entry.torch
     for name, buffer, dtype in (("out[0] (topk_weights)", out[0], "float32"),
                                 ("out[1] (topk_ids)", out[1], "int32")):
         if _arrays.is_device_array(buffer) != on_device:
             where = "a device array" if on_device else "a host array"
             raise TypeError(f"{name} must be {where} like logits, got {type(buffer).__name__}")
-        if on_device and _arrays.framework_of(buffer) != _arrays.framework_of(logits):
+        if on_device and _arrays.framework_of(buffer) != entry.framework:
             raise TypeError(f"{name} is a {_arrays.framework_of(buffer)} array but logits is a "
-                            f"{_arrays.framework_of(logits)} one; pass buffers of the same framework")
+                            f"{entry.framework} one; pass buffers of the same framework")
         if not on_device:
             if torch is not None and _arrays.torch_of(buffer) is None:
                 raise TypeError(f"{name} must be a torch tensor like logits, got {type(buffer).__name__}")

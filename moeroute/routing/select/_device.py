@@ -8,9 +8,9 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
-from moeroute.routing import _arrays, _launcher
+from moeroute.routing import _launcher
 from moeroute.routing.select import _cuda
-from moeroute.routing.select._common import WARP_SIZE, _dtype_name
+from moeroute.routing.select._common import WARP_SIZE
 
 
 # The kernels are built in _cuda.py (select_experts' and the fused route's share a row routine).
@@ -38,49 +38,40 @@ def _device_kernel(num_experts, num_groups, scoring, has_bias, renormalize, inpu
                                             renormalize, input_kind))
 
 
-def _device_logits(logits, launcher="numba"):
-    """(kernel array, input kind): bfloat16 is passed as its int16 bits."""
-    kind = _dtype_name(logits.dtype)
-    if kind == "bfloat16":
-        logits = _arrays.device_bits16(logits)
-    return _launcher.kernel_array(logits, launcher), kind
-
-
-def _select_device(logits, config, correction_bias, stream, out=None):
+def _select_device(entry, config, bias, stream, out=None):
+    """select_experts on device logits, from their boundary ``entry`` (and ``bias``'s, or
+    None): outputs from the logits' framework, the launch on its stream."""
     launcher = _launcher.active_launcher()
-    array, kind = _device_logits(logits, launcher)
-    if not _arrays.is_c_contiguous(array):
+    array, kind = entry.kernel(launcher, bits16=True), entry.dtype  # bfloat16 as int16 bits
+    if not entry.contiguous():
         strides = (tuple(s * array.element_size() for s in array.stride())  # torch, in bytes
                    if callable(getattr(array, "stride", None)) else tuple(array.strides))
         raise ValueError(f"device logits must be C-contiguous, got strides {strides}")
     num_tokens = array.shape[0]
     top_k = config.top_k
-    if launcher == "cached":  # the raw handle: no numba stream object per call
-        launch_stream = _launcher.stream_handle_of(logits, stream)
-    else:
-        launch_stream = _arrays.resolve_stream(logits, stream)
+    # The cached launcher takes the raw handle: no numba stream object per call.
+    launch_stream = entry.stream(stream, launcher)
     if out is None:
         view = launcher == "numba"
-        topk_weights, out_w = _arrays.device_empty((num_tokens, top_k), np.float32, logits,
-                                                   launch_stream, view=view)
-        topk_ids, out_ids = _arrays.device_empty((num_tokens, top_k), np.int32, logits,
-                                                 launch_stream, view=view)
+        topk_weights, out_w = entry.empty((num_tokens, top_k), np.float32, launch_stream,
+                                          view=view)
+        topk_ids, out_ids = entry.empty((num_tokens, top_k), np.int32, launch_stream,
+                                        view=view)
     else:
         topk_weights, topk_ids = out
         out_w, out_ids = (_launcher.kernel_array(o, launcher) for o in out)
     if num_tokens > 0:
-        has_bias = correction_bias is not None
+        has_bias = bias is not None
         # Without a bias the kernel never reads it: any float32 vector fills the slot.
-        bias = (_launcher.kernel_array(correction_bias, launcher) if has_bias
-                else out_w.reshape(-1))
+        bias_array = bias.kernel(launcher) if has_bias else out_w.reshape(-1)
         kernel = _device_kernel(config.num_experts, config.num_expert_group,
                                 config.scoring, has_bias, config.renormalize, kind)
         warps = _device_warps_per_block()
         blocks = -(-num_tokens // warps)
-        bias_layout = "C" if not has_bias or _arrays.is_c_contiguous(bias) else "A"
+        bias_layout = "C" if not has_bias or bias.contiguous() else "A"
         _launcher.launch(kernel, _device_signature(kind, bias_layout), blocks, warps * WARP_SIZE,
                          launch_stream,
-                         (array, bias, num_tokens, top_k, config.topk_group,
+                         (array, bias_array, num_tokens, top_k, config.topk_group,
                           np.float32(config.routed_scaling_factor), out_w, out_ids),
                          launcher)
     return topk_weights, topk_ids

@@ -14,16 +14,7 @@ import numpy as np
 
 from moeroute._validate import integer
 from moeroute.routing import _launcher, _sort
-from moeroute.routing._arrays import (
-    as_caller,
-    column_view,
-    as_device_array,
-    device_empty,
-    host_array,
-    host_floats,
-    is_device_array,
-    resolve_stream,
-)
+from moeroute.routing._arrays import column_view, enter
 from moeroute.routing.remap import check_layout, layout_device_tables
 from moeroute.routing.shared_slots._cuda import _append_kernel, _kernel  # noqa: F401
 from moeroute.routing.shared_slots._host import _append_cpu
@@ -136,13 +127,21 @@ def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weig
     N=8, S=1, E=2 (all2all): a token from rank 1 routed to logical 4 and 7 gets physical
     ids 5 and 8 and shared id 9.
     """
-    if is_device_array(topk_ids):
-        return _append_device(topk_ids, topk_weights, layout, home_rank, shared_weights,
-                              stream)
-    caller = topk_ids
-    ids = _sort.host_ids("topk_ids", host_array(topk_ids))
-    weights = host_floats(topk_weights)
-    shared = None if shared_weights is None else host_floats(shared_weights)
+    entry = enter(topk_ids, "topk_ids")
+    weights = enter(topk_weights, "topk_weights")
+    shared = None if shared_weights is None else enter(shared_weights, "shared_weights")
+    if entry.on_device:
+        return _append_device(entry, weights, layout, home_rank, shared, stream)
+    ids = _sort.host_ids("topk_ids", entry)
+    out_ids, out_weights = _append_host(ids, weights.host_floats(), layout, home_rank,
+                                        shared_weights,
+                                        None if shared is None else shared.host_floats())
+    return entry.wrap(out_ids), entry.wrap(out_weights)
+
+
+def _append_host(ids, weights, layout, home_rank, shared_weights, shared):
+    """`append_shared_slots` on NumPy ``ids`` (int32/int64) and float ``weights``;
+    ``shared``: the NumPy view of ``shared_weights`` (None when absent). NumPy results."""
     if shared is not None and shared.dtype.kind not in "fiu":
         raise TypeError(f"shared_weights must be real numbers, got dtype {shared.dtype}")
     home_rank, slots = _check_append_args(
@@ -165,20 +164,23 @@ def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weig
     _append_cpu(ids, weights, layout.num_routed_experts, layout.replica_offsets,
                 layout.replica_ids, layout.routed_id_map, first_slot, slot_weights,
                 use_row, use_col, scalar, has_array, out_ids, out_weights)
-    return as_caller(out_ids, caller), as_caller(out_weights, caller)
+    return out_ids, out_weights
 
 
-def device_shared_weights(shared_weights, to_kernel, beside: str):
-    """(kernel array or None, scalar weight) of ``shared_weights`` for a device launch.
+def device_shared_weights(entry, launcher: str, beside: str):
+    """(kernel array or None, scalar weight) of ``shared_weights`` for a device launch,
+    from its boundary ``entry`` (None when absent).
 
-    A device array is passed through ``to_kernel`` and must be float32 (the scalar is then
-    unused); None means 1.0; a Python or NumPy scalar is the scalar. TypeError for a host
-    array (``beside`` names the device input it should sit beside) or another type.
+    A device array is viewed as the kernels take it under ``launcher`` and must be float32
+    (the scalar is then unused); None means 1.0; a Python or NumPy scalar is the scalar.
+    TypeError for a host array (``beside`` names the device input it should sit beside) or
+    another type.
     """
-    if shared_weights is None:
+    if entry is None:
         return None, np.float32(1.0)
-    if is_device_array(shared_weights):
-        shared = to_kernel(shared_weights)
+    shared_weights = entry.array
+    if entry.on_device:
+        shared = entry.kernel(launcher)
         dtype = str(shared.dtype).rsplit(".", 1)[-1]
         if dtype != "float32":
             raise TypeError(f"shared_weights on the device must be float32, got dtype {dtype}")
@@ -205,24 +207,26 @@ def device_slot_weights(shared, unused):
     return shared, use_row, use_col, True
 
 
-def _append_device(topk_ids, topk_weights, layout, home_rank, shared_weights, stream):
-    ids = _sort.device_ids("topk_ids", topk_ids)
-    if not is_device_array(topk_weights):
+def _append_device(entry, weights_entry, layout, home_rank, shared_entry, stream):
+    """`append_shared_slots` on device ids, from the boundaries of its arrays
+    (``shared_entry``: None when ``shared_weights`` is absent)."""
+    ids = _sort.device_ids("topk_ids", entry)
+    if not weights_entry.on_device:
         raise TypeError("topk_weights must be a device array when topk_ids is one")
-    weights = as_device_array(topk_weights)
+    weights = weights_entry.kernel()
     if weights.dtype != np.float32:
         raise TypeError(f"topk_weights on the device must be float32, got dtype {weights.dtype}")
-    shared, scalar = device_shared_weights(shared_weights, as_device_array, "topk_ids")
+    shared, scalar = device_shared_weights(shared_entry, "numba", "topk_ids")
+    shared_weights = None if shared_entry is None else shared_entry.array
     home_rank, slots = _check_append_args(
         layout, home_rank, ids.shape, weights.shape, weights.dtype, shared_weights,
         None if shared is None else tuple(shared.shape))
-    launch_stream = resolve_stream(topk_ids, stream)
+    launch_stream = entry.stream(stream)
     first_slot = int(layout.shared_slot_ids(home_rank)[0]) if slots else 0
     slot_weights, use_row, use_col, has_array = device_slot_weights(shared, weights)
     rows, top_k = (int(n) for n in ids.shape)
-    out_ids, ids_view = device_empty((rows, top_k + slots), np.int32, topk_ids)
-    out_weights, weights_view = device_empty((rows, top_k + slots), np.float32,
-                                                   topk_ids)
+    out_ids, ids_view = entry.empty((rows, top_k + slots), np.int32)
+    out_weights, weights_view = entry.empty((rows, top_k + slots), np.float32)
     numel = rows * (top_k + slots)
     if numel:
         offsets, replica_ids, routed_id_map = layout_device_tables(layout)
