@@ -248,7 +248,8 @@ def test_hipcc_compiles_the_hip_variant(tmp_path):
     output = tmp_path / "mxfp4.co"
     arch_flags = [f"--offload-arch={arch}" for arch in HIP_ARCHS]
     result = subprocess.run([HIPCC, "--genco", *arch_flags, "-std=c++17", "-Wall", f"-I{KERNEL_DIR}", str(source),
-                             "-o", str(output)], capture_output=True, text=True, env={**os.environ, "HIP_PLATFORM": "amd"})
+                             "-o", str(output)], capture_output=True, text=True,
+                            env={**os.environ, "HIP_PLATFORM": "amd"})
     assert result.returncode == 0, result.stderr
     assert "warning" not in result.stderr.lower(), result.stderr
     code_object = output.read_bytes()
