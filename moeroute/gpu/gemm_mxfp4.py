@@ -22,20 +22,33 @@ KERNEL_FILE = "moe_gemm_mxfp4"  # kernels/moe_gemm_mxfp4.cu, kernels/moe_gemm_mx
 BLOCK_VALUES = 32  # kMxfp4BlockValues: values per scale byte
 BLOCK_BYTES = 16  # kMxfp4BlockBytes: packed bytes per block
 MMA_DTYPES = ("float16", "bfloat16")  # mma.sync m16n8k16 takes 16-bit activations
-MMA_POINTER_ALIGNMENT = 4  # the mma kernel stages A and the blocks four bytes at a time
+MMA_POINTER_ALIGNMENT = 16  # the mma kernel copies A and the blocks in 16-byte cp.async chunks
+# Mirrors of moe_gemm_mxfp4.cu: k values per pipeline stage, and the shared-memory row pitches
+# of a stage (A in 16-bit values, B in packed bytes).
+MMA_SLICE_K = 64  # kMxfp4SliceK
+MMA_A_PITCH = MMA_SLICE_K + 8  # kMxfp4APitch
+MMA_B_PITCH = MMA_SLICE_K // 2 + 16  # kMxfp4BPitch
+MMA_STAGES = 4  # three k slices in flight while one is consumed
 
 
 class Mxfp4MmaTile:
     """One moe_gemm_mxfp4_mma instantiation: tile_m x block_n outputs per gate, warps_m x warps_n
-    warps, ``min_blocks`` resident blocks per multiprocessor asked of ptxas."""
+    warps, ``stages`` k slices in the cp.async pipeline, ``min_blocks`` resident blocks per
+    multiprocessor asked of ptxas."""
 
-    def __init__(self, tile_m, block_n, warps_m, warps_n, min_blocks=2):
-        self.tile_m, self.block_n, self.warps_m, self.warps_n, self.min_blocks = (
-            tile_m, block_n, warps_m, warps_n, min_blocks)
+    def __init__(self, tile_m, block_n, warps_m, warps_n, stages=MMA_STAGES, min_blocks=2):
+        self.tile_m, self.block_n, self.warps_m, self.warps_n, self.stages, self.min_blocks = (
+            tile_m, block_n, warps_m, warps_n, stages, min_blocks)
 
     @property
     def threads(self) -> int:
         return self.warps_m * self.warps_n * 32
+
+    def shared_memory_bytes(self, gated: bool, k: int) -> int:
+        """Dynamic shared memory: the pipeline's stages, then the tile's scale bytes (all of k)."""
+        rows = (2 if gated else 1) * self.block_n
+        stage = self.tile_m * MMA_A_PITCH * 2 + rows * MMA_B_PITCH
+        return self.stages * stage + rows * (k // BLOCK_VALUES)
 
 
 # (tile_m, gated) -> tile, sm_80 and sm_90. Each thread holds at most 32 float32 accumulators
@@ -56,7 +69,7 @@ def simt_name(dtype: str, tile_m: int, gated: bool) -> str:
 
 def mma_name(dtype: str, tile: Mxfp4MmaTile, gated: bool) -> str:
     return (f"moe_gemm_mxfp4_mma<{L.KERNEL_TYPE_NAMES[dtype]}, {tile.tile_m}, {tile.block_n}, {tile.warps_m}, "
-            f"{tile.warps_n}, {tile.min_blocks}, {int(gated)}>")
+            f"{tile.warps_n}, {tile.stages}, {tile.min_blocks}, {int(gated)}>")
 
 
 def shipped_name_expressions(platform: str = "cuda", compute_capability=None) -> list:
@@ -102,7 +115,7 @@ def plan_mxfp4_gemm(*, path: str, dtype: str, gated: bool, block_size: int, a, b
             raise ValueError(f"path='mma' needs float16 or bfloat16 activations, got {dtype}")
         tile = MMA_TILES[(next(h for h in MMA_TILE_HEIGHTS if block_size % h == 0), gated)]
         return L.KernelLaunch(mma_name(dtype, tile, gated), (rows // tile.tile_m, L.ceil_div(n, tile.block_n), 1),
-                              (tile.threads, 1, 1), 0, args)
+                              (tile.threads, 1, 1), tile.shared_memory_bytes(gated, k), args)
     raise ValueError(f"path={path!r}: expected 'simt' or 'mma'")
 
 
@@ -158,7 +171,7 @@ def run_mxfp4_experts(backend, dtype: str, hidden_states, gate_up_blocks, gate_u
 
     ``backend`` provides ``empty(shape, dtype_name)``, ``launch(plan)``, ``align_block_size``,
     ``pointer``, ``compute_capability`` and ``is_hip``; ``path`` is "mma", "simt" or None (mma
-    for float16 / bfloat16 on sm_80+ CUDA with 4-byte aligned activations and blocks, else simt).
+    for float16 / bfloat16 on sm_80+ CUDA with 16-byte aligned activations and blocks, else simt).
     """
     if activation not in L.ACTIVATIONS:
         raise ValueError(f"activation={activation!r}; expected one of {sorted(L.ACTIVATIONS)}")

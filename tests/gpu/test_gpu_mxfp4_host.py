@@ -33,7 +33,7 @@ TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.b
 HIPCC = shutil.which("hipcc")
 HIP_ARCHS = ("gfx90a", "gfx940")
 COUNTS = [0, 1, 15, 17]  # B - 1 and B + 1 rows at align block 16; expert 0 has none
-H, I, TOP_K = 96, 64, 2  # three and two 32-column scale blocks: the mma kernel's 64-wide k slices end half full
+H, I, TOP_K = 288, 64, 2  # 9 and 2 scale blocks: the mma kernel's 4-stage ring wraps and ends half full
 
 
 def _host_names():

@@ -15,12 +15,14 @@
 //   moe_gemm_mxfp4_simt  every GPU (and the host emulation, and HIP): each weight decoded to its
 //                        float32 value in registers (exact: two significant bits times 2^(s-127),
 //                        s = 0 being a float32 subnormal), float32 shared-memory tiles.
-//   moe_gemm_mxfp4_mma   float16 / bfloat16 on sm_80+: the nibbles decoded in registers to the
-//                        16-bit e2m1 values (exact in both types, no scale), mma.sync m16n8k16
-//                        over each 32-column k block into float32 partial sums, and the block's
-//                        scale 2^(s-127) applied in float32 when the block is promoted into the
-//                        accumulator (as the FP8 block-scaled kernel applies its scales). So every
-//                        scale byte 0..254 is exact, including those outside float16's range.
+//   moe_gemm_mxfp4_mma   float16 / bfloat16 on sm_80+: a cp.async pipeline of STAGES k slices
+//                        (activations and packed bytes; the tile's scale bytes staged once), the
+//                        nibbles decoded in registers to the 16-bit e2m1 values (exact in both
+//                        types, no scale), mma.sync m16n8k16 over each 32-column k block into
+//                        float32 partial sums, and the block's scale 2^(s-127) applied in float32
+//                        when the block is promoted into the accumulator (as the FP8 block-scaled
+//                        kernel applies its scales). So every scale byte 0..254 is exact,
+//                        including those outside float16's range.
 //
 //   gate_up (GATED = 1): A rows j / top_k of hidden_states; B rows: gate rows, then up rows
 //     (2n rows); C = intermediate [numel, n] = act(gate + bias) * (up + bias), swigluoai too.
@@ -181,19 +183,50 @@ __global__ void MOEROUTE_LAUNCH_BOUNDS(moeroute::kSimtThreads, moeroute::kSimtMi
 
 namespace moeroute {
 
-constexpr int kMxfp4SliceK = 64;  // values of k staged in shared memory per step: two scale blocks
+constexpr int kMxfp4SliceK = 64;  // values of k per pipeline stage: two scale blocks
 constexpr int kMxfp4SliceBlocks = kMxfp4SliceK / kMxfp4BlockValues;
-// A stage: 16-bit values, +8 a row so the fragment loads of a warp hit distinct banks.
+// A stage rows: 16-bit values, +8 (16 bytes) a row: the fragment loads of a warp hit distinct
+// banks and rows stay 16-byte aligned for cp.async.
 constexpr int kMxfp4APitch = kMxfp4SliceK + 8;
-// B stage: packed bytes (two values each), +4 a row for the same reason.
-constexpr int kMxfp4BPitch = kMxfp4SliceK / 2 + 4;
+// B stage rows: packed bytes (two values each), +16 a row for the same two reasons.
+constexpr int kMxfp4BPitch = kMxfp4SliceK / 2 + 16;
+constexpr int kMxfp4AChunks = kMxfp4SliceK / 8;   // 16-byte copies per A row and stage
+constexpr int kMxfp4BChunks = kMxfp4SliceK / 32;  // 16-byte copies per B row and stage
+
+// Issues the cp.async of one stage: TILE_M rows of A (through token_row), then GATES * BLOCK_N
+// rows of packed B (gate rows n0.., then up rows n + n0..), from k value k0. Rows and columns
+// out of range are zero-filled (zero bytes decode to e2m1 zeros).
+template <int TILE_M, int BLOCK_N, int GATES, int THREADS>
+MOEROUTE_DEVICE void mxfp4_load_stage(unsigned char* stage, const unsigned char* a_bytes,
+                                      const unsigned char* blocks_expert, const int* token_row, int numel,
+                                      int top_k, int n, int k, int n0, int k0, int tid) {
+  unsigned char* b_stage = stage + TILE_M * kMxfp4APitch * 2;
+  for (int chunk = tid; chunk < TILE_M * kMxfp4AChunks; chunk += THREADS) {
+    const int row = chunk / kMxfp4AChunks, offset = (chunk % kMxfp4AChunks) * 8;
+    const int token = token_row[row];
+    const bool valid = token < numel && k0 + offset < k;
+    const unsigned char* source =
+        valid ? a_bytes + (static_cast<long long>(token / top_k) * k + k0 + offset) * 2 : a_bytes;
+    cp_async_16(stage + (row * kMxfp4APitch + offset) * 2, source, valid);
+  }
+  for (int chunk = tid; chunk < GATES * BLOCK_N * kMxfp4BChunks; chunk += THREADS) {
+    const int row = chunk / kMxfp4BChunks, offset = (chunk % kMxfp4BChunks) * 16;
+    const int gate = row / BLOCK_N, col = n0 + row % BLOCK_N;
+    const bool valid = col < n && k0 / 2 + offset < k / 2;
+    const unsigned char* source =
+        valid ? blocks_expert + (static_cast<long long>(gate) * n + col) * (k / 2) + k0 / 2 + offset : blocks_expert;
+    cp_async_16(b_stage + row * kMxfp4BPitch + offset, source, valid);
+  }
+}
 
 }  // namespace moeroute
 
 // Grid: (row tiles, ceil(n / BLOCK_N)); block: WARPS_M * WARPS_N warps. Each warp owns
-// (TILE_M / WARPS_M) x (BLOCK_N / WARPS_N) outputs per gate as 16x8 mma tiles. Needs A rows and
-// the blocks 4-byte aligned (the launcher checks; k % 32 == 0 by the format).
-template <typename T, int TILE_M, int BLOCK_N, int WARPS_M, int WARPS_N, int MIN_BLOCKS, int GATED>
+// (TILE_M / WARPS_M) x (BLOCK_N / WARPS_N) outputs per gate as 16x8 mma tiles. Dynamic shared
+// memory: STAGES stages of (TILE_M * kMxfp4APitch * 2 + GATES * BLOCK_N * kMxfp4BPitch) bytes,
+// then the tile's scale bytes, GATES * BLOCK_N rows of k / 32. Needs A and the blocks 16-byte
+// aligned (the launcher checks; k % 32 == 0 by the format keeps every row aligned).
+template <typename T, int TILE_M, int BLOCK_N, int WARPS_M, int WARPS_N, int STAGES, int MIN_BLOCKS, int GATED>
 __global__ void MOEROUTE_LAUNCH_BOUNDS(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE, MIN_BLOCKS)
     moe_gemm_mxfp4_mma(const T* __restrict__ a, const unsigned char* __restrict__ b_blocks,
                        const unsigned char* __restrict__ b_scales, T* __restrict__ c,
@@ -203,20 +236,17 @@ __global__ void MOEROUTE_LAUNCH_BOUNDS(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE, MIN
                        int has_bias) {
   using namespace moeroute;
   static_assert(MOEROUTE_WARP_SIZE == 32, "mma.sync fragments are laid out over 32 lanes");
+  static_assert(STAGES >= 2, "one stage loading while one computes");
   constexpr int THREADS = WARPS_M * WARPS_N * MOEROUTE_WARP_SIZE;
   constexpr int GATES = GATED ? 2 : 1;
   constexpr int WARP_M = TILE_M / WARPS_M, WARP_N = BLOCK_N / WARPS_N;
   constexpr int M_TILES = WARP_M / 16, N_TILES = WARP_N / 8;
   static_assert(WARP_M % 16 == 0 && WARP_N % 8 == 0, "warp tiles are whole 16x8 mma tiles");
-  constexpr int A_WORDS_PER_ROW = kMxfp4SliceK / 2;  // two 16-bit values a word
-  constexpr int B_WORDS_PER_ROW = kMxfp4SliceK / 8;  // eight values a word
+  constexpr int STAGE_BYTES = TILE_M * kMxfp4APitch * 2 + GATES * BLOCK_N * kMxfp4BPitch;
 
-  __shared__ unsigned int a_words[TILE_M * kMxfp4APitch / 2];
-  __shared__ unsigned int b_words[GATES * BLOCK_N * kMxfp4BPitch / 4];
-  __shared__ float block_scale[GATES * BLOCK_N][kMxfp4SliceBlocks];
+  MOEROUTE_DYNAMIC_SHARED(shared_bytes);
+  unsigned char* scale_bytes = shared_bytes + STAGES * STAGE_BYTES;
   __shared__ int token_row[TILE_M];
-  const unsigned short* a_stage = reinterpret_cast<const unsigned short*>(a_words);
-  const unsigned char* b_stage = reinterpret_cast<const unsigned char*>(b_words);
 
   const int row0 = blockIdx.x * TILE_M;
   const int n0 = blockIdx.y * BLOCK_N;
@@ -228,47 +258,49 @@ __global__ void MOEROUTE_LAUNCH_BOUNDS(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE, MIN
   const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
   const int group = lane / 4, thread_in_group = lane % 4;
   for (int r = tid; r < TILE_M; r += THREADS) token_row[r] = sorted_token_ids[row0 + r];
+  __syncthreads();
 
   const int k_blocks = k / kMxfp4BlockValues;
+  const int k_steps = (k + kMxfp4SliceK - 1) / kMxfp4SliceK;
   const long long expert_rows = static_cast<long long>(expert) * GATES * n;
   const unsigned char* blocks_expert = b_blocks + expert_rows * k_blocks * kMxfp4BlockBytes;
+  const unsigned char* a_bytes = reinterpret_cast<const unsigned char*>(a);
+
+  // Every step commits one group (possibly empty) so that wait_group counts stay in step.
+  MOEROUTE_UNROLL
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < k_steps)
+      mxfp4_load_stage<TILE_M, BLOCK_N, GATES, THREADS>(shared_bytes + s * STAGE_BYTES, a_bytes, blocks_expert,
+                                                        token_row, numel, top_k, n, k, n0, s * kMxfp4SliceK, tid);
+    cp_async_commit();
+  }
+  // The tile's scale bytes, all of k, while the first stages are in flight (the first barrier of
+  // the loop publishes them). Rows out of range read as 0; they multiply zero sums.
   const unsigned char* scales_expert = b_scales + expert_rows * k_blocks;
-  const unsigned int* a_source = reinterpret_cast<const unsigned int*>(a);
+  for (int e = tid; e < GATES * BLOCK_N * k_blocks; e += THREADS) {
+    const int row = e / k_blocks, k_block = e % k_blocks;
+    const int gate = row / BLOCK_N, col = n0 + row % BLOCK_N;
+    scale_bytes[e] = col < n ? scales_expert[(static_cast<long long>(gate) * n + col) * k_blocks + k_block] : 0;
+  }
 
   float accumulator[GATES][M_TILES][N_TILES][4] = {};
-  for (int k0 = 0; k0 < k; k0 += kMxfp4SliceK) {
-    // Every thread is done with the previous slice (and token_row is written).
+  for (int kt = 0; kt < k_steps; ++kt) {
+    cp_async_wait<STAGES - 2>();
+    // Stage kt is visible to all threads, and every warp is done with the stage refilled below.
     __syncthreads();
-    for (int e = tid; e < TILE_M * A_WORDS_PER_ROW; e += THREADS) {
-      const int row = e / A_WORDS_PER_ROW, word = e % A_WORDS_PER_ROW;
-      const int token = token_row[row];
-      unsigned int value = 0u;
-      if (token < numel && k0 + 2 * word < k)
-        value = a_source[(static_cast<long long>(token / top_k) * k + k0) / 2 + word];
-      a_words[row * (kMxfp4APitch / 2) + word] = value;
-    }
-    for (int e = tid; e < GATES * BLOCK_N * B_WORDS_PER_ROW; e += THREADS) {
-      const int row = e / B_WORDS_PER_ROW, word = e % B_WORDS_PER_ROW;
-      const int gate = row / BLOCK_N, col = n0 + row % BLOCK_N;
-      unsigned int value = 0u;  // zero bytes: e2m1 zeros
-      if (col < n && k0 + 8 * word < k) {
-        const long long weight_row = static_cast<long long>(gate) * n + col;
-        value = reinterpret_cast<const unsigned int*>(blocks_expert + weight_row * (k / 2) + k0 / 2)[word];
-      }
-      b_words[row * (kMxfp4BPitch / 4) + word] = value;
-    }
-    for (int e = tid; e < GATES * BLOCK_N * kMxfp4SliceBlocks; e += THREADS) {
-      const int row = e / kMxfp4SliceBlocks, slice_block = e % kMxfp4SliceBlocks;
-      const int gate = row / BLOCK_N, col = n0 + row % BLOCK_N;
-      const int k_block = k0 / kMxfp4BlockValues + slice_block;
-      float scale = 0.0f;
-      if (col < n && k_block < k_blocks)
-        scale = mxfp4_scale(scales_expert[(static_cast<long long>(gate) * n + col) * k_blocks + k_block]);
-      block_scale[row][slice_block] = scale;
-    }
-    __syncthreads();
+    const int next = kt + STAGES - 1;
+    if (next < k_steps)
+      mxfp4_load_stage<TILE_M, BLOCK_N, GATES, THREADS>(shared_bytes + (next % STAGES) * STAGE_BYTES, a_bytes,
+                                                        blocks_expert, token_row, numel, top_k, n, k, n0,
+                                                        next * kMxfp4SliceK, tid);
+    cp_async_commit();
+
+    const unsigned short* a_stage = reinterpret_cast<const unsigned short*>(shared_bytes + (kt % STAGES) * STAGE_BYTES);
+    const unsigned char* b_stage = shared_bytes + (kt % STAGES) * STAGE_BYTES + TILE_M * kMxfp4APitch * 2;
     MOEROUTE_UNROLL
     for (int slice_block = 0; slice_block < kMxfp4SliceBlocks; ++slice_block) {
+      const int k_block = kt * kMxfp4SliceBlocks + slice_block;
+      if (k_block >= k_blocks) break;  // the last step of a k that is an odd number of blocks
       float partial[GATES][M_TILES][N_TILES][4] = {};
       MOEROUTE_UNROLL
       for (int step = 0; step < kMxfp4BlockValues; step += 16) {
@@ -304,8 +336,9 @@ __global__ void MOEROUTE_LAUNCH_BOUNDS(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE, MIN
       for (int gate = 0; gate < GATES; ++gate) {
         MOEROUTE_UNROLL
         for (int nt = 0; nt < N_TILES; ++nt) {
-          const int col = gate * BLOCK_N + warp_n * WARP_N + nt * 8 + 2 * thread_in_group;
-          const float scale[2] = {block_scale[col][slice_block], block_scale[col + 1][slice_block]};
+          const int row = gate * BLOCK_N + warp_n * WARP_N + nt * 8 + 2 * thread_in_group;
+          const float scale[2] = {mxfp4_scale(scale_bytes[row * k_blocks + k_block]),
+                                  mxfp4_scale(scale_bytes[(row + 1) * k_blocks + k_block])};
           MOEROUTE_UNROLL
           for (int mt = 0; mt < M_TILES; ++mt) {
             MOEROUTE_UNROLL
@@ -315,6 +348,7 @@ __global__ void MOEROUTE_LAUNCH_BOUNDS(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE, MIN
       }
     }
   }
+  cp_async_wait<0>();
 
   MOEROUTE_UNROLL
   for (int mt = 0; mt < M_TILES; ++mt) {
