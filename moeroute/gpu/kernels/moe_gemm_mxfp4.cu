@@ -12,7 +12,8 @@
 //
 //   moe_gemm_mxfp4_simt  every GPU (and the host emulation, and HIP): each weight decoded to its
 //                        float32 value in registers (exact: two significant bits times 2^(s-127),
-//                        s = 0 being a float32 subnormal), float32 shared-memory tiles.
+//                        s = 0 being a float32 subnormal; values of 2^128 and more, from s = 254
+//                        only, are inf as in moeroute.quant.dequantize_mxfp4), float32 tiles.
 //   moe_gemm_mxfp4_mma   float16 / bfloat16 on sm_80+: a cp.async pipeline of STAGES k slices
 //                        (activations and packed bytes; the tile's scale bytes staged once), the
 //                        nibbles decoded in registers to the 16-bit e2m1 values (exact in both
@@ -20,7 +21,8 @@
 //                        float32 partial sums, and the block's scale 2^(s-127) applied in float32
 //                        when the block is promoted into the accumulator (as the FP8 block-scaled
 //                        kernel applies its scales). So every scale byte 0..254 is exact,
-//                        including those outside float16's range.
+//                        including those outside float16's range (only a float32 overflow of
+//                        the block's scaled sum gives inf).
 //
 //   gate_up (GATED = 1): A rows j / top_k of hidden_states; B rows: gate rows, then up rows
 //     (2n rows); C = intermediate [numel, n] = act(gate + bias) * (up + bias), swigluoai too.
