@@ -43,6 +43,7 @@ def _host_names():
         names += [G.simt_name(dtype, 16, gated) for gated in (True, False)]
     names.append(L.sum_name("float16"))
     names += [G.mma_name(dtype, G.MMA_TILES[(16, gated)], gated) for dtype in G.MMA_DTYPES for gated in (True, False)]
+    names += [G.mma_name("bfloat16", G.MMA_TILES[(64, gated)], gated) for gated in (True, False)]
     return names
 
 
@@ -91,7 +92,8 @@ def _problem(seed, biases):
     return x, topk_ids, topk_weights, gate_up, down, bias
 
 
-def _run(emulator, dtype, path, x, topk_ids, topk_weights, gate_up, down, bias, activation, launched=None):
+def _run(emulator, dtype, path, x, topk_ids, topk_weights, gate_up, down, bias, activation, launched=None,
+         align_block=16):
     arrays = GuardedArrays()
     backend = Mxfp4HostBackend(emulator, arrays)
     T = x.shape[0]
@@ -100,7 +102,8 @@ def _run(emulator, dtype, path, x, topk_ids, topk_weights, gate_up, down, bias, 
     biases = {} if bias is None else dict(gate_up_bias=bytes_of(bias[0]), down_bias=bytes_of(bias[1]))
     G.run_mxfp4_experts(backend, dtype, arrays.copy(to_storage(x.numpy(), dtype)), bytes_of(gate_up[0]),
                         bytes_of(gate_up[1]), bytes_of(down[0]), bytes_of(down[1]), arrays.copy(topk_weights),
-                        arrays.copy(topk_ids), out, activation=activation, align_block=16, path=path, **biases)
+                        arrays.copy(topk_ids), out, activation=activation, align_block=align_block, path=path,
+                        **biases)
     arrays.check_guards()
     assert any(name.startswith(f"moe_gemm_mxfp4_{launched or path}") for name in backend.launched)
     return from_storage(out, dtype)
@@ -117,24 +120,26 @@ def test_host_build_has_no_warnings(mxfp4_emulator):
     assert mxfp4_emulator.build_warnings == ""
 
 
-CASES = [
-    pytest.param("simt", "float32", "swigluoai", True, id="simt-float32-swigluoai-bias"),
-    pytest.param("simt", "float32", "silu", False, id="simt-float32-silu"),
-    pytest.param("simt", "bfloat16", "swigluoai", True, id="simt-bfloat16-swigluoai-bias"),
-    pytest.param("mma", "bfloat16", "swigluoai", True, id="mma-bfloat16-swigluoai-bias"),
-    pytest.param("mma", "bfloat16", "silu", False, id="mma-bfloat16-silu"),
-    pytest.param("mma", "float16", "swigluoai", True, id="mma-float16-swigluoai-bias"),
-    # No path: the launcher's choice on the emulated sm_90 (mma for 16-bit activations, else simt).
-    pytest.param(None, "bfloat16", "silu", True, id="auto-bfloat16-silu-bias"),
-    pytest.param(None, "float32", "silu", True, id="auto-float32-silu-bias"),
+CASES = [  # path (None: the launcher's choice on the emulated sm_90), dtype, activation, biases, align block
+    pytest.param("simt", "float32", "swigluoai", True, 16, id="simt-float32-swigluoai-bias"),
+    pytest.param("simt", "float32", "silu", False, 16, id="simt-float32-silu"),
+    pytest.param("simt", "bfloat16", "swigluoai", True, 16, id="simt-bfloat16-swigluoai-bias"),
+    pytest.param("mma", "bfloat16", "swigluoai", True, 16, id="mma-bfloat16-swigluoai-bias"),
+    pytest.param("mma", "bfloat16", "silu", False, 16, id="mma-bfloat16-silu"),
+    pytest.param("mma", "float16", "swigluoai", True, 16, id="mma-float16-swigluoai-bias"),
+    # The 64-row tiles: eight warps, two 16-row mma tiles per warp.
+    pytest.param("mma", "bfloat16", "swigluoai", True, 64, id="mma-tile64-bfloat16-swigluoai-bias"),
+    pytest.param(None, "bfloat16", "silu", True, 16, id="auto-bfloat16-silu-bias"),
+    pytest.param(None, "float32", "silu", True, 16, id="auto-float32-silu-bias"),
 ]
 
 
-@pytest.mark.parametrize("path, dtype, activation, biases", CASES)
-def test_mxfp4_experts_match_dense_reference(mxfp4_emulator, path, dtype, activation, biases):
+@pytest.mark.parametrize("path, dtype, activation, biases, align_block", CASES)
+def test_mxfp4_experts_match_dense_reference(mxfp4_emulator, path, dtype, activation, biases, align_block):
     x, topk_ids, topk_weights, gate_up, down, bias = _problem(seed=3, biases=biases)
     launched = path or ("simt" if dtype == "float32" else "mma")
-    actual = _run(mxfp4_emulator, dtype, path, x, topk_ids, topk_weights, gate_up, down, bias, activation, launched)
+    actual = _run(mxfp4_emulator, dtype, path, x, topk_ids, topk_weights, gate_up, down, bias, activation, launched,
+                  align_block)
     expected = _reference(dtype, x, topk_ids, topk_weights, gate_up, down, bias, activation)
     assert np.isfinite(actual).all()
     error = np.abs(actual - expected).max() / np.abs(expected).max()
@@ -146,9 +151,9 @@ def test_mxfp4_experts_match_dense_reference(mxfp4_emulator, path, dtype, activa
 
 @pytest.mark.parametrize("path", ["simt", "mma"])
 def test_scales_outside_the_16_bit_range_are_exact(mxfp4_emulator, path):
-    # Scale bytes 1..20 and 234..254 (2^-126 .. 2^-107 and 2^107 .. 2^127): far outside float16
-    # and at bfloat16's edges; activations scaled the other way keep the products O(1). A kernel
-    # that folded the scale into a 16-bit weight, or mixed up the blocks' scales, is far off.
+    # Scale bytes 8 and 250 (2^-119 and 2^123), far outside float16's range, on the first two k
+    # blocks; activations scaled the other way (to bfloat16's edges) keep the products O(1). A
+    # kernel that mixed up the blocks' scales, or lost them to a 16-bit range, is far off.
     x, topk_ids, topk_weights, gate_up, down, _ = _problem(seed=5, biases=False)
     blocks, scales = gate_up
     scales = scales.clone()
