@@ -17,7 +17,12 @@ crashes is killed and the next one still runs (the whole plan fits `BUDGET_S`):
                 written straight to DIR.
 3. routing      bench/gpu_routing.py --quick -> DIR/gpu_routing.json as soon as it finishes
                 (with the launch overhead of numba dispatch vs the cached launcher).
-4. gemm         bench/gpu_gemm.py -> DIR/gpu_gemm.json.
+4. gemm         bench/gpu_gemm.py -> DIR/gpu_gemm.json (under `GEMM_SCRIPT_LIMIT_S`), then the
+                MXFP4 w4a16 benchmark in the rest of the stage's time -> DIR/gpu_mxfp4.json:
+                the gpt-oss-20b expert shape (H = I = 2880, 32 experts, top-4) at 1-64 tokens
+                per expert through fused_experts(quant=mxfp4), packed weight bytes per second
+                against the device's copy bandwidth (checked against a dequantized reference
+                first). It shares the gemm stage because the plan's six stages are fixed.
 5. summary      DIR/gpu_summary.md, a short table of all of the above, also printed.
 
 Everything printed is also appended to DIR/gpu_check.log as it happens. The script never
@@ -74,6 +79,7 @@ GPU_TEST_FILES = (
     "tests/gpu/test_gpu_device.py",
     "tests/gpu/test_gpu_graph.py",
     "tests/gpu/test_gpu_fp8_device.py",
+    "tests/gpu/test_gpu_mxfp4_device.py",
     "tests/routing/test_select_cuda.py",
     "tests/routing/test_dispatch_cuda.py",
     "tests/routing/test_frameworks.py",
@@ -89,8 +95,19 @@ LOG = "gpu_check.log"
 PYTEST_XML = "gpu_pytest.xml"
 ROUTING_JSON = "gpu_routing.json"
 GEMM_JSON = "gpu_gemm.json"
+MXFP4_JSON = "gpu_mxfp4.json"
 SUMMARY = "gpu_summary.md"
-OUTPUT_FILES = (ENVIRONMENT_JSON, LOG, PYTEST_XML, ROUTING_JSON, GEMM_JSON, SUMMARY)
+OUTPUT_FILES = (ENVIRONMENT_JSON, LOG, PYTEST_XML, ROUTING_JSON, GEMM_JSON, MXFP4_JSON, SUMMARY)
+
+#: Seconds of the gemm stage given to bench/gpu_gemm.py; the MXFP4 benchmark has the rest.
+GEMM_SCRIPT_LIMIT_S = 85
+#: The MXFP4 benchmark: gpt-oss-20b's expert shape, tokens per expert, and its target.
+MXFP4_SHAPE = {"hidden_size": 2880, "intermediate_size": 2880, "num_experts": 32, "top_k": 4}
+MXFP4_TOKENS_PER_EXPERT = (1, 4, 16, 64)
+MXFP4_TARGET_FRACTION = 0.5  # packed weight bytes per second over the device copy bandwidth
+MXFP4_CHECK_TOLERANCE = 2e-2  # bfloat16 activations, intermediate and output
+MXFP4_COPY_BYTES = 1 << 30  # buffer of the copy-bandwidth measurement
+MXFP4_SAMPLES = 5
 
 
 @dataclass(frozen=True)
@@ -107,7 +124,7 @@ STAGES = (
     Stage("warm", 70, "Numba CPU kernels and CuPy GEMM instantiations, in parallel"),
     Stage("tests", 170, "pytest -m gpu over GPU_TEST_FILES"),
     Stage("routing", 60, "bench/gpu_routing.py --quick"),
-    Stage("gemm", 115, f"bench/gpu_gemm.py --repeats {GEMM_REPEATS}"),
+    Stage("gemm", 115, f"bench/gpu_gemm.py --repeats {GEMM_REPEATS}, then the MXFP4 benchmark"),
     Stage("summary", 5, "gpu_summary.md"),
 )
 
@@ -115,7 +132,7 @@ STAGES = (
 def stage_command(stage: Stage, out: Path) -> list[str] | None:
     """The argv of ``stage`` (run in the repository root), or None for the in-process summary."""
     python = sys.executable
-    if stage.name in ("environment", "warm"):
+    if stage.name in ("environment", "warm", "gemm"):
         return [python, str(SCRIPT), "--stage", stage.name, "--out", str(out)]
     if stage.name == "tests":
         per_test = []
@@ -126,8 +143,6 @@ def stage_command(stage: Stage, out: Path) -> list[str] | None:
                 f"--junitxml={out / PYTEST_XML}", *GPU_TEST_FILES]
     if stage.name == "routing":
         return [python, str(ROUTING_SCRIPT), "--quick"]
-    if stage.name == "gemm":
-        return [python, str(GEMM_SCRIPT), "--repeats", str(GEMM_REPEATS), "--out", str(out / GEMM_JSON)]
     if stage.name == "summary":
         return None
     raise ValueError(f"unknown stage {stage.name!r}")
@@ -435,10 +450,12 @@ print(f"warm: {len(names)} {kernel_file} instantiations compiled")
 
 
 def warm_stage(out: Path) -> int:
-    from moeroute.gpu import gemm_fp8, launch, loader
+    from moeroute.gpu import gemm_fp8, gemm_mxfp4, launch, loader
 
+    capability = loader.compute_capability()
     kernels = {launch.KERNEL_FILE: launch.shipped_name_expressions("cuda"),
-               gemm_fp8.KERNEL_FILE: gemm_fp8.shipped_name_expressions("cuda", loader.compute_capability())}
+               gemm_fp8.KERNEL_FILE: gemm_fp8.shipped_name_expressions("cuda", capability),
+               gemm_mxfp4.KERNEL_FILE: gemm_mxfp4.shipped_name_expressions("cuda", capability)}
     commands = [[sys.executable, "-c", _WARM_CPU], [sys.executable, "-c", _WARM_CUBINS]] + [
         [sys.executable, "-c", _WARM_GEMM, kernel_file, *names[i::WARM_GEMM_PROCESSES]]
         for kernel_file, names in kernels.items() for i in range(WARM_GEMM_PROCESSES) if names[i::WARM_GEMM_PROCESSES]]
@@ -452,6 +469,112 @@ def warm_stage(out: Path) -> int:
     for status, text in results:
         print(f"[{status}] {text.strip()}")
     return 0 if all(status == 0 for status, _ in results) else 1
+
+
+# --------------------------------------------------------------------------- stage 4
+
+
+def gemm_stage(out: Path) -> int:
+    """bench/gpu_gemm.py under GEMM_SCRIPT_LIMIT_S (its process group killed past it), then the
+    MXFP4 benchmark."""
+    command = [sys.executable, str(GEMM_SCRIPT), "--repeats", str(GEMM_REPEATS), "--out", str(out / GEMM_JSON)]
+    process = subprocess.Popen(command, cwd=REPO, start_new_session=True)
+    try:
+        status = process.wait(timeout=GEMM_SCRIPT_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=KILL_GRACE_S)
+        print(f"gpu_gemm.py killed after {GEMM_SCRIPT_LIMIT_S} s")
+        status = 1
+    try:
+        mxfp4_status = mxfp4_benchmark(out / MXFP4_JSON)
+    except Exception as error:  # reported in the log; the stage status says it failed
+        print(f"MXFP4 benchmark failed: {type(error).__name__}: {error}")
+        mxfp4_status = 1
+    return 1 if (status or mxfp4_status) else 0
+
+
+def _event_seconds(torch, fn, inner: int) -> float:
+    """Seconds per call of ``fn``, ``inner`` back-to-back calls between two CUDA events."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(inner):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / 1e3 / inner
+
+
+def mxfp4_benchmark(path: Path) -> int:
+    """The MXFP4 experts of gpt-oss-20b on this GPU -> ``path`` (JSON with ``targets``).
+
+    Every expert gets exactly m (token, slot) rows, so every packed weight byte is read:
+    bytes per call = blocks + scales of both projections of all experts. The copy bandwidth is
+    (read + written bytes) per second of a device-to-device copy of MXFP4_COPY_BYTES.
+    """
+    import statistics
+
+    import torch
+
+    from moeroute.gpu import fused_experts
+    from moeroute.quant import QuantConfig
+    from moeroute.quant.mxfp4 import dequantize_mxfp4
+
+    H, I, E, K = (MXFP4_SHAPE[key] for key in ("hidden_size", "intermediate_size", "num_experts", "top_k"))
+    device = torch.device("cuda")
+    g = torch.Generator(device=device).manual_seed(0)
+    gate_up = (torch.randint(0, 256, (E, 2 * I, H // 32, 16), generator=g, dtype=torch.uint8, device=device),
+               torch.randint(120, 124, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8, device=device))
+    down = (torch.randint(0, 256, (E, H, I // 32, 16), generator=g, dtype=torch.uint8, device=device),
+            torch.randint(119, 123, (E, H, I // 32), generator=g, dtype=torch.uint8, device=device))
+    bias = (torch.randn(E, 2 * I, generator=g, device=device), torch.randn(E, H, generator=g, device=device))
+    packed_bytes = sum(t.numel() for t in (*gate_up, *down))
+    quant = QuantConfig(format="mxfp4")
+
+    source = torch.empty(MXFP4_COPY_BYTES, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    copy_bandwidth = max(2 * MXFP4_COPY_BYTES / _event_seconds(torch, lambda: target.copy_(source), 10)
+                         for _ in range(MXFP4_SAMPLES))
+    del source, target
+
+    rows, targets = [], []
+    for m in MXFP4_TOKENS_PER_EXPERT:
+        T = E * m // K
+        topk_ids = (torch.arange(T * K, device=device, dtype=torch.int32) % E).reshape(T, K)
+        topk_weights = torch.rand(T, K, generator=g, device=device)
+        x = torch.randn(T, H, generator=g, device=device).to(torch.bfloat16)
+
+        def call():
+            return fused_experts(x, gate_up, down, topk_weights, topk_ids, activation="swigluoai",
+                                 gate_up_bias=bias[0], down_bias=bias[1], quant=quant)
+
+        out = call().float()
+        # Reference: each slot's expert on weights dequantized in float32 (one expert at a time).
+        expected = torch.zeros(T, H, device=device)
+        for e in range(E):
+            token, slot = (topk_ids == e).nonzero(as_tuple=True)
+            h = x[token].float() @ dequantize_mxfp4(*(t[e] for t in gate_up)).T + bias[0][e]
+            gate, up = h[:, :I].clamp(max=7.0), h[:, I:].clamp(-7.0, 7.0)
+            act = ((up + 1) * gate * torch.sigmoid(1.702 * gate)).to(torch.bfloat16).float()
+            y = act @ dequantize_mxfp4(*(t[e] for t in down)).T + bias[1][e]
+            expected.index_add_(0, token, y * topk_weights[token, slot][:, None])
+        error = float((out - expected).abs().max() / expected.abs().max())
+        seconds = statistics.median(_event_seconds(torch, call, 10) for _ in range(MXFP4_SAMPLES))
+        fraction = packed_bytes / seconds / copy_bandwidth
+        rows.append({"tokens_per_expert": m, "num_tokens": T, "seconds": seconds, "relative_error": error,
+                     "packed_bytes": packed_bytes, "packed_bytes_per_s": packed_bytes / seconds,
+                     "fraction_of_copy_bandwidth": fraction})
+        print(f"mxfp4 m={m:3d}: {seconds * 1e6:8.1f} us, {packed_bytes / seconds / 1e9:7.1f} GB/s packed "
+              f"({fraction:.2f} of copy), relative error {error:.2e}")
+        targets.append({"model": f"gpt-oss-20b mxfp4 m={m}",
+                        "target": f"packed bytes/s >= {MXFP4_TARGET_FRACTION} x copy bandwidth, error <= "
+                                  f"{MXFP4_CHECK_TOLERANCE}",
+                        "value": fraction, "met": fraction >= MXFP4_TARGET_FRACTION and error <= MXFP4_CHECK_TOLERANCE})
+    path.write_text(json.dumps({"shape": MXFP4_SHAPE, "copy_bandwidth_bytes_per_s": copy_bandwidth,
+                                "device": torch.cuda.get_device_name(), "rows": rows, "targets": targets},
+                               indent=2) + "\n")
+    return 0 if all(row["relative_error"] <= MXFP4_CHECK_TOLERANCE for row in rows) else 1
 
 
 # --------------------------------------------------------------------------- summary
@@ -503,6 +626,7 @@ def write_summary(out: Path, records: list[dict]) -> str:
         lines += [f"- FAILED {name}" for name in failed[:40]]
     lines += ["", "## Routing targets", ""] + _targets(out / ROUTING_JSON)
     lines += ["", "## GEMM targets", ""] + _targets(out / GEMM_JSON)
+    lines += ["", "## MXFP4 targets", ""] + _targets(out / MXFP4_JSON)
     text = "\n".join(lines) + "\n"
     (out / SUMMARY).write_text(text)
     return text
@@ -513,7 +637,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or DEFAULT_OUT),
                         help="result folder (default: $OUT, else bench/results/gpu_check)")
     parser.add_argument("--dry-run", action="store_true", help="check the plan without a GPU and exit")
-    parser.add_argument("--stage", choices=("environment", "warm"), help=argparse.SUPPRESS)
+    parser.add_argument("--stage", choices=("environment", "warm", "gemm"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.dry_run:
         return dry_run()
@@ -521,6 +645,8 @@ def main(argv=None) -> int:
         return environment_stage(args.out)
     if args.stage == "warm":
         return warm_stage(args.out)
+    if args.stage == "gemm":
+        return gemm_stage(args.out)
     return run_plan(args.out)
 
 

@@ -1,13 +1,15 @@
 """``fused_experts``, the front door of the GPU expert GEMMs: float experts run the kernels of
 `moeroute.gpu.gemm` (kernels/moe_gemm.cu), FP8 experts (``quant=``) those of
-`moeroute.gpu.gemm_fp8` (kernels/moe_gemm_fp8.cu). Both sit below this module, so neither
-imports the other's front door."""
+`moeroute.gpu.gemm_fp8` (kernels/moe_gemm_fp8.cu), MXFP4 experts those of
+`moeroute.gpu.gemm_mxfp4` (kernels/moe_gemm_mxfp4.cu). All sit below this module, so none
+imports another's front door."""
 
 from __future__ import annotations
 
 from moeroute.gpu import launch as L
 from moeroute.gpu.gemm import CupyBackend, _require_device_arrays, _torch_as_cupy, check_fused_experts_args, run_fused_experts
 from moeroute.gpu.gemm_fp8 import fused_experts_fp8
+from moeroute.gpu.gemm_mxfp4 import fused_experts_mxfp4
 
 __all__ = ["fused_experts"]
 
@@ -40,6 +42,11 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, a
         ``gate_up_scale`` / ``down_scale`` float32 of ``quant.scale_shapes``, and the w8a8
         kernels of moe_gemm_fp8.cu run them (moeroute.gpu.gemm_fp8.fused_experts_fp8);
         ``input_scale`` [E, 2] float32 with fp8_tensor and activation="static".
+        MXFP4 experts (``QuantConfig(format="mxfp4")``, torch CUDA tensors only): w_gate_up and
+        w_down are ``(blocks, scales)`` pairs of uint8 tensors ([E, 2I, H/32, 16] and
+        [E, 2I, H/32]; [E, H, I/32, 16] and [E, H, I/32]), decoded in registers by the w4a16
+        kernels of moe_gemm_mxfp4.cu (moeroute.gpu.gemm_mxfp4.fused_experts_mxfp4); the biases
+        may be of any float dtype (added in float32); no scale arguments.
 
     All arrays are CuPy arrays or all are torch CUDA tensors, on one device, C-contiguous.
     Accumulation is float32; intermediate and output are in the input dtype.
@@ -58,6 +65,16 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, a
         a shape, dtype, layout or option is wrong (the message names the argument), or the
         arguments are on different devices.
     """
+    if quant is not None and getattr(quant, "format", None) == "mxfp4":
+        unsupported = {"block_size": block_size, "gate_up_scale": gate_up_scale, "down_scale": down_scale,
+                       "input_scale": input_scale}
+        for name, value in unsupported.items():
+            if value is not None:
+                raise ValueError(f"{name} is not supported with quant=mxfp4 (the scales travel in the "
+                                 f"(blocks, scales) pairs): pass None")
+        return fused_experts_mxfp4(hidden_states, w_gate_up, w_down, topk_weights, topk_ids,
+                                   gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation,
+                                   apply_router_weight=apply_router_weight)
     if quant is not None:
         unsupported = {"block_size": block_size, "gate_up_bias": gate_up_bias, "down_bias": down_bias}
         for name, value in unsupported.items():

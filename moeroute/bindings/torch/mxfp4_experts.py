@@ -16,13 +16,19 @@ The packed bytes are never dequantized whole. Two strategies:
   kernels, and the bookkeeping is one Numba pass (`moeroute.bindings.torch._rows.plan_rows`),
   as for the float row kernels. (Measured against "blocks" at T = 128 / 512 / 2048 on the
   gpt-oss-20b expert shape, 2 threads: 0.62 / 1.05 / 8.6 s against 3.5 / 1.66 / 12.6 s.)
-* "blocks" (on request, and on a device): per expert, `CHUNK_BYTES` of weight rows at a
-  time are decoded into one reusable float32 buffer and multiplied with torch (a float32
-  GEMM on the CPU: the bfloat16 activations are exact in it). On a device the decode is
-  torch's (`decode_mxfp4`).
+* "blocks" (on request, and on a device without CuPy): per expert, `CHUNK_BYTES` of weight
+  rows at a time are decoded into one reusable float32 buffer and multiplied with torch (a
+  float32 GEMM on the CPU: the bfloat16 activations are exact in it). On a device the decode
+  is torch's (`decode_mxfp4`).
+
+CUDA (and ROCm) tensors under "auto" run the w4a16 grouped GEMMs of `moeroute.gpu`
+(kernels/moe_gemm_mxfp4.cu: the nibbles decoded in registers, never a dequantized weight),
+on torch's current stream. Only when CuPy is not installed do they fall back to "blocks".
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import numpy as np
 import torch
@@ -67,6 +73,8 @@ def mxfp4_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, 
     down_bias : Tensor [L, H] float32, optional
     activation : str
     strategy : {"auto", "rows", "blocks"}
+        On CUDA tensors "auto" runs `moeroute.gpu.fused_experts` (the MXFP4 kernels) when CuPy
+        is installed, else "blocks".
 
     Returns
     -------
@@ -79,6 +87,14 @@ def mxfp4_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, 
     inter = two_inter // 2
     top_k = local_ids.shape[1]
     dtype, device = hidden_states.dtype, hidden_states.device
+    if device.type == "cuda" and strategy == "auto" and _cupy_installed():
+        from moeroute.gpu import fused_experts
+
+        return fused_experts(hidden_states.contiguous(), (gate_up_blocks.contiguous(), gate_up_scales.contiguous()),
+                             (down_blocks.contiguous(), down_scales.contiguous()),
+                             weights.to(torch.float32).contiguous(), local_ids.to(torch.int32).contiguous(),
+                             activation=activation, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                             quant=QuantConfig(format="mxfp4"))
     if device.type == "cpu" and strategy != "blocks":
         blocks_per_expert = -(-two_inter // _mxfp4_host.ROW_BLOCK)
         plan = _rows.plan_rows(local_ids.detach().contiguous().numpy(),
@@ -109,6 +125,11 @@ def mxfp4_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, 
         y += down_bias[row_expert].float()
     sums.index_add_(0, tokens, y.mul_(slot_weights[:, None]))
     return sums if dtype == torch.float32 else sums.to(dtype)
+
+
+def _cupy_installed() -> bool:
+    """CuPy importable: the GPU kernels can run (else CUDA tensors take the "blocks" strategy)."""
+    return importlib.util.find_spec("cupy") is not None
 
 
 def _rows_forward(hidden_states, plan, gate_up_blocks, gate_up_scales, down_blocks, down_scales, gate_up_bias,
