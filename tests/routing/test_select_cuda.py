@@ -285,12 +285,16 @@ PTX_CASES = [
     ("none-bias-groups", 64, 4, "none", True, False, "float16"),
 ]
 LOCAL_MEMORY = re.compile(r"\b(ld|st)\.local\b")
+# sm_90 takes every code shape; sm_80 the shapes that stress registers most (the largest N,
+# grouped sigmoid with a bias, each input kind): the kernel has no per-architecture code.
+SM80_CASES = ("deepseek-v3", "kimi-k2", "qwen3.5-moe", "none-bias-groups")
+PTX_TARGETS = [pytest.param(case, (9, 0), id=f"{case[0]}-sm90") for case in PTX_CASES] + [
+    pytest.param(case, (8, 0), id=f"{case[0]}-sm80") for case in PTX_CASES if case[0] in SM80_CASES]
 
 
 @no_sim
 @pytest.mark.slow
-@pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
-@pytest.mark.parametrize("case", PTX_CASES, ids=[c[0] for c in PTX_CASES])
+@pytest.mark.parametrize("case, cc", PTX_TARGETS)
 def test_kernel_compiles_to_ptx_without_local_memory(case, cc):
     name, num_experts, groups, scoring, has_bias, renormalize, kind = case
     function = select_module._device_kernel_function(num_experts, groups, scoring, has_bias,
