@@ -32,6 +32,17 @@ EMULATION_DIR = Path(__file__).resolve().parent
 EMULATION_HEADER = EMULATION_DIR / "host_emulation.h"
 
 
+def nvrtc_available() -> bool:
+    """Whether CuPy's NVRTC binding can compile here (no GPU needed)."""
+    try:
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+        return True
+    except Exception:  # CuPy or its NVRTC library missing
+        return False
+
+
 def compiler_available() -> bool:
     return shutil.which(HOST_COMPILER) is not None
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from gpu_host_emulator import nvrtc_available
 from moeroute.gpu import launch as L
 from moeroute.gpu.loader import KERNEL_DIR, nvrtc_compile
 
@@ -44,23 +45,13 @@ def sm90_resident_blocks(tile, gated, registers):
     return min(by_registers, SM90_SHARED_MEMORY // shared, SM90_MAX_WARPS // warps, SM90_MAX_BLOCKS)
 
 
-def _nvrtc_available() -> bool:
-    try:
-        from cupy.cuda import nvrtc
-
-        nvrtc.getVersion()
-        return True
-    except Exception:  # CuPy or its NVRTC library missing
-        return False
-
-
 @functools.cache
 def _compile(arch):
     return nvrtc_compile(L.KERNEL_FILE, L.shipped_name_expressions("cuda"), arch)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _nvrtc_available(), reason="CuPy's NVRTC binding is not available")
+@pytest.mark.skipif(not nvrtc_available(), reason="CuPy's NVRTC binding is not available")
 @pytest.mark.parametrize("arch", NVRTC_ARCHS)
 def test_nvrtc_compiles_every_instantiation(arch):
     names = L.shipped_name_expressions("cuda")
@@ -84,7 +75,7 @@ def test_nvrtc_compiles_every_instantiation(arch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _nvrtc_available(), reason="CuPy's NVRTC binding is not available")
+@pytest.mark.skipif(not nvrtc_available(), reason="CuPy's NVRTC binding is not available")
 def test_hopper_tiles_keep_more_warps_resident():
     # From the sm_90 compile: each Hopper tile keeps at least 2 blocks per multiprocessor, at
     # least as many bytes of cp.async in flight per multiprocessor (blocks x (stages - 1) stages)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import gpu_host_emulator
-from gpu_host_emulator import GuardedArrays, HostBackend, HostEmulator, compiler_available
+from gpu_host_emulator import GuardedArrays, HostBackend, HostEmulator, compiler_available, nvrtc_available
 from gpu_reference import from_storage, ragged_routing, to_storage
 from moeroute.gpu import gemm_fp8 as G
 from moeroute.gpu import launch as L
@@ -178,23 +178,13 @@ def test_bad_scale_shape_names_the_argument():
         G.check_fp8_experts_args(x, q_gu, s_gu, q_d, s_d, topk_weights, topk_ids, format="int8")
 
 
-def _nvrtc_available() -> bool:
-    try:
-        from cupy.cuda import nvrtc
-
-        nvrtc.getVersion()
-        return True
-    except Exception:  # CuPy or its NVRTC library missing
-        return False
-
-
 @functools.cache
 def _compile(arch):
     return nvrtc_compile(G.KERNEL_FILE, G.shipped_name_expressions("cuda"), arch)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _nvrtc_available(), reason="CuPy's NVRTC binding is not available")
+@pytest.mark.skipif(not nvrtc_available(), reason="CuPy's NVRTC binding is not available")
 @pytest.mark.parametrize("arch", ["sm_89", "sm_90"])
 def test_nvrtc_compiles_without_spills(arch):
     result = _compile(arch)
@@ -212,7 +202,7 @@ def test_nvrtc_compiles_without_spills(arch):
         assert registers <= L.REGISTERS_PER_MULTIPROCESSOR // (tile.min_blocks * tile.threads), report
 
 
-@pytest.mark.skipif(not _nvrtc_available(), reason="CuPy's NVRTC binding is not available")
+@pytest.mark.skipif(not nvrtc_available(), reason="CuPy's NVRTC binding is not available")
 def test_mma_kernel_emits_the_e4m3_instruction(tmp_path):
     from cupy.cuda import nvrtc
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import gpu_host_emulator
-from gpu_host_emulator import GuardedArrays, HostBackend, HostEmulator, compiler_available
+from gpu_host_emulator import GuardedArrays, HostBackend, HostEmulator, compiler_available, nvrtc_available
 from gpu_reference import from_storage, ragged_routing, to_storage
 from helpers.reference import dense_experts, dequantize_mxfp4
 from moeroute.gpu import gemm_mxfp4 as G
@@ -213,16 +213,6 @@ def test_shipped_names_leave_out_the_mma_kernels_where_they_do_not_exist():
     assert not mma & set(G.shipped_name_expressions("hip"))
 
 
-def _nvrtc_available() -> bool:
-    try:
-        from cupy.cuda import nvrtc
-
-        nvrtc.getVersion()
-        return True
-    except Exception:  # CuPy or its NVRTC library missing
-        return False
-
-
 @functools.cache
 def _compile(arch):
     # The MXFP4 GEMMs; moe_sum_topk (from moe_gemm.cu) is checked by test_gpu_compile.py.
@@ -231,7 +221,7 @@ def _compile(arch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _nvrtc_available(), reason="CuPy's NVRTC binding is not available")
+@pytest.mark.skipif(not nvrtc_available(), reason="CuPy's NVRTC binding is not available")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_nvrtc_compiles_without_spills(arch):
     result = _compile(arch)
