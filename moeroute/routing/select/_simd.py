@@ -10,7 +10,8 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from moeroute.routing.reference import FLOAT32_MAX
-from moeroute.routing.select._common import _INT32_LOW31, _NO_KEY
+from moeroute.routing.select import _common as common
+from moeroute.routing.select._common import _INT32_LOW31, _NAN_KEY, _NO_KEY
 
 # Candidate collection and the pick rounds work on 16 lanes at a time (one AVX-512
 # register of int32 keys; two of packed int64 picks).
@@ -41,6 +42,21 @@ def _bits_float32(typingctx, bits):
         return builder.bitcast(args[0], ir.FloatType())
 
     return types.float32(types.int32), codegen
+
+
+@intrinsic
+def _fma32(typingctx, a, b, c):
+    """a * b + c in float32 with one rounding (llvm.fma: one instruction where the CPU has
+    FMA, a libm call elsewhere; the result is the same)."""
+    if not (a == b == c == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        single = ir.FloatType()
+        fma = _llvm_function(builder, "llvm.fma.f32", single, [single] * 3)
+        return builder.call(fma, args)
+
+    return types.float32(types.float32, types.float32, types.float32), codegen
 
 
 @intrinsic
@@ -484,5 +500,237 @@ def _lane_cut(typingctx, lanes, top_k):
         ints = ir.VectorType(ir.IntType(32), _LANES)
         maxima = builder.load(builder.bitcast(data, ints.as_pointer()), align=4)
         return _kth_largest(builder, maxima, args[1])
+
+    return signature, codegen
+
+
+def _float_splat(vector, value):
+    return ir.Constant(vector, [float(np.float32(value))] * vector.count)
+
+
+def _int_splat(vector, value):
+    return ir.Constant(vector, [int(value)] * vector.count)
+
+
+def _vector_exp(builder, value):
+    """_host._exp on a float32 vector, operation for operation (the same fused multiply-adds
+    and roundings): lane for lane bit-equal to the scalar helper."""
+    floats = value.type
+    ints = ir.VectorType(ir.IntType(32), floats.count)
+    fma_function = _llvm_function(builder, f"llvm.fma.v{floats.count}f32", floats, [floats] * 3)
+
+    def fma(a, b, c):
+        return builder.call(fma_function, [a, b, c])
+
+    lowest = _float_splat(floats, common._EXP_LOWEST)
+    highest = _float_splat(floats, common._EXP_HIGHEST)
+    x = builder.select(builder.fcmp_ordered("<", value, highest), value, highest)
+    x = builder.select(builder.fcmp_ordered(">", x, lowest), x, lowest)
+    magic = _float_splat(floats, common._ROUND_MAGIC)
+    n = builder.fsub(fma(x, _float_splat(floats, common._LOG2_E), magic), magic)
+    minus_n = builder.fneg(n)
+    r = fma(minus_n, _float_splat(floats, common._LN2_HI), x)
+    r = fma(minus_n, _float_splat(floats, common._LN2_LO), r)
+    p = _float_splat(floats, common._EXP_P0)
+    for coefficient in (common._EXP_P1, common._EXP_P2, common._EXP_P3, common._EXP_P4,
+                        common._EXP_P5):
+        p = fma(p, r, _float_splat(floats, coefficient))
+    p = builder.fadd(fma(p, builder.fmul(r, r), r), _float_splat(floats, 1.0))
+    whole = builder.fptosi(n, ints)
+    half = builder.ashr(whole, _int_splat(ints, 1))
+    rest = builder.sub(whole, half)
+    bias = _int_splat(ints, common._F32_EXPONENT_BIAS)
+    mantissa = _int_splat(ints, 23)
+    first = builder.bitcast(builder.shl(builder.add(half, bias), mantissa), floats)
+    second = builder.bitcast(builder.shl(builder.add(rest, bias), mantissa), floats)
+    return builder.fmul(builder.fmul(p, first), second)
+
+
+@intrinsic
+def _sigmoid_keys(typingctx, x, bias, scores, keys, lanes):
+    """One pass over the whole 16-value blocks of the clipped logits ``x``: ``scores`` =
+    1 / (1 + exp(-x)) (the scalar formula of _host, bit for bit), ``keys`` = the order keys
+    of score + ``bias`` (of the score alone when ``bias`` is None) and ``lanes`` = the
+    per-lane key maxima (_lane_maxima).
+
+    ``bias`` must hold no NaN. A score is in [+0, 1], so score + bias is then neither NaN
+    nor -0 (+0 + -0 is +0) and its order key is the plain key map of its bits: the NaN and
+    -0 handling of _vector_order_key (a third of this pass) is left out."""
+    has_bias = bias != types.none
+    if not (_is_c_array(x, types.float32) and _is_c_array(scores, types.float32)
+            and _is_c_array(keys, types.int32) and _is_c_array(lanes, types.int32)
+            and (not has_bias or _is_c_array(bias, types.float32))):
+        return None
+    signature = types.void(x, bias, scores, keys, lanes)
+
+    def codegen(context, builder, sig, args):
+        def data(index):
+            return context.make_array(sig.args[index])(context, builder, value=args[index]).data
+
+        x_array = context.make_array(sig.args[0])(context, builder, value=args[0])
+        floats = ir.VectorType(ir.FloatType(), _LANES)
+        ints = ir.VectorType(ir.IntType(32), _LANES)
+        x_base = builder.bitcast(x_array.data, floats.as_pointer())
+        bias_base = builder.bitcast(data(1), floats.as_pointer()) if has_bias else None
+        scores_base = builder.bitcast(data(2), floats.as_pointer())
+        keys_base = builder.bitcast(data(3), ints.as_pointer())
+        blocks = builder.udiv(builder.extract_value(x_array.shape, 0),
+                              ir.Constant(ir.IntType(64), _LANES))
+        one = _float_splat(floats, 1.0)
+
+        def block_keys(index):
+            value = builder.load(builder.gep(x_base, [index]), align=4)
+            score = builder.fdiv(one, builder.fadd(one, _vector_exp(builder, builder.fneg(value))))
+            builder.store(score, builder.gep(scores_base, [index]), align=4)
+            if has_bias:
+                choice = builder.fadd(score, builder.load(builder.gep(bias_base, [index]),
+                                                          align=4))
+                key = _vector_key_map(builder, builder.bitcast(choice, ints))
+            else:
+                key = builder.bitcast(score, ints)  # a float >= +0: its bits are its key
+            builder.store(key, builder.gep(keys_base, [index]), align=4)
+            return key
+
+        maxima = _lane_maxima_loop(builder, blocks, block_keys)
+        builder.store(maxima, builder.bitcast(data(4), ints.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+# Grouped routing on groups of whole 16-key blocks: up to this many groups are chosen by
+# `_group_picks` (8 covers DeepSeek-V3's routers; more groups take the scalar merge).
+GROUP_SLOTS = 8
+
+
+def _top2_merge(builder, first, second):
+    """The per-lane (best, second best) of two (best, second best) vector pairs, repeats
+    counted: a best that appears in both is also the second."""
+    (best_a, second_a), (best_b, second_b) = first, second
+    return (_vector_smax(builder, best_a, best_b),
+            _vector_smax(builder, _vector_smin(builder, best_a, best_b),
+                         _vector_smax(builder, second_a, second_b)))
+
+
+def _halve_groups(builder, pairs, width):
+    """One level of the transposed top-2 reduction: vectors holding groups of ``width``
+    lanes each, in group order, become half as many vectors (or one, with junk lanes after
+    its groups) holding groups of ``width / 2`` lanes, each lane the merge of two."""
+    i32 = ir.IntType(32)
+    half = width // 2
+    merged = []
+    for index in range(0, len(pairs), 2):
+        low = pairs[index]
+        high = pairs[index + 1] if index + 1 < len(pairs) else None
+        groups = _LANES // width
+        sources = [(0, j) for j in range(groups)] + ([(_LANES, j) for j in range(groups)]
+                                                    if high is not None else [])
+        first_lanes, second_lanes = [], []
+        for offset, group in sources:
+            start = offset + group * width
+            first_lanes += range(start, start + half)
+            second_lanes += range(start + half, start + width)
+        first_lanes += [0] * (_LANES - len(first_lanes))
+        second_lanes += [0] * (_LANES - len(second_lanes))
+        other = high if high is not None else low
+
+        def pick(lanes, which):
+            mask = ir.Constant(ir.VectorType(i32, _LANES), lanes)
+            return builder.shuffle_vector(low[which], other[which], mask)
+
+        merged.append(_top2_merge(builder, (pick(first_lanes, 0), pick(first_lanes, 1)),
+                                  (pick(second_lanes, 0), pick(second_lanes, 1))))
+    return merged
+
+
+@intrinsic
+def _group_picks(typingctx, keys, num_groups, topk_group, two_best, kept, lanes):
+    """Grouped routing's choice of groups when every group is whole 16-key blocks and there
+    are at most GROUP_SLOTS groups: ``kept[g]`` marks the ``topk_group`` best groups (a
+    group's score is its best key, or with ``two_best`` the order key of the float32 sum of
+    its two best choices; ties to the lower group), ``lanes`` gets the per-lane key maxima of
+    the kept groups (_lane_maxima of the keys once dropped groups hold _NO_KEY).
+
+    Each group's blocks fold into per-lane (best, second) vectors; the groups' vectors then
+    meet in a transposed reduction (pairs of vectors shuffled into halves and merged) that
+    ends with group g's best and second in lane g, scored and ranked in one vector."""
+    if not (_is_c_array(keys, types.int32) and _is_c_array(kept, types.boolean)
+            and _is_c_array(lanes, types.int32) and isinstance(num_groups, types.Integer)
+            and isinstance(topk_group, types.Integer)
+            and isinstance(two_best, (types.Integer, types.Boolean))):
+        return None
+    signature = types.void(keys, num_groups, topk_group, two_best, kept, lanes)
+
+    def codegen(context, builder, sig, args):
+        keys_array = context.make_array(sig.args[0])(context, builder, value=args[0])
+        kept_data = context.make_array(sig.args[4])(context, builder, value=args[4]).data
+        lanes_data = context.make_array(sig.args[5])(context, builder, value=args[5]).data
+        i1, i8, i32, i64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        ints = ir.VectorType(i32, _LANES)
+        floats = ir.VectorType(ir.FloatType(), _LANES)
+        no_key = _int_splat(ints, _NO_KEY)
+        base = builder.bitcast(keys_array.data, ints.as_pointer())
+        groups = context.cast(builder, args[1], sig.args[1], types.int64)
+        chosen = builder.trunc(context.cast(builder, args[2], sig.args[2], types.int64), i32)
+        two = builder.icmp_signed("!=", context.cast(builder, args[3], sig.args[3], types.int64),
+                                  ir.Constant(i64, 0))
+        blocks = builder.udiv(builder.extract_value(keys_array.shape, 0),
+                              ir.Constant(i64, _LANES))
+        group_blocks = builder.udiv(blocks, groups)
+
+        slots = []
+        for slot in range(GROUP_SLOTS):
+            valid = builder.icmp_signed("<", ir.Constant(i64, slot), groups)
+            first = builder.mul(builder.select(valid, ir.Constant(i64, slot), ir.Constant(i64, 0)),
+                                group_blocks)
+
+            def fold(index, carried, first=first):
+                block = builder.load(builder.gep(base, [builder.add(first, index)]), align=4)
+                best, second = carried
+                return [_vector_smax(builder, best, block),
+                        _vector_smax(builder, second, _vector_smin(builder, best, block))]
+
+            best, second = _block_loop(builder, group_blocks, [no_key, no_key], fold)
+            slots.append((valid, builder.select(valid, best, no_key),
+                          builder.select(valid, second, no_key)))
+
+        pairs = [(best, second) for _, best, second in slots]
+        width = _LANES
+        while width > 1:
+            pairs = _halve_groups(builder, pairs, width)
+            width //= 2
+        (best, second), = pairs
+
+        def value(key):
+            return builder.bitcast(_vector_key_map(builder, key), floats)
+
+        total = builder.fadd(builder.fadd(value(best), value(second)),
+                             _float_splat(floats, 0.0))  # + 0: -0 as +0
+        summed = builder.select(builder.fcmp_unordered("uno", total, total),
+                                _int_splat(ints, _NAN_KEY),
+                                _vector_key_map(builder, builder.bitcast(total, ints)))
+        score = builder.select(two, summed, best)
+
+        lane_ids = ir.Constant(ints, list(range(_LANES)))
+        ahead = ir.Constant(ints, [0] * _LANES)
+        for slot in range(GROUP_SLOTS):
+            other = _splat(builder, ints, builder.extract_element(score, ir.Constant(i32, slot)))
+            beats = builder.or_(
+                builder.icmp_signed(">", other, score),
+                builder.and_(builder.icmp_signed("==", other, score),
+                             builder.icmp_signed("<", _int_splat(ints, slot), lane_ids)))
+            beats = builder.and_(beats, _splat(builder, ir.VectorType(i1, _LANES), slots[slot][0]))
+            ahead = builder.add(ahead, builder.zext(beats, ints))
+        keep = builder.icmp_signed("<", ahead, _splat(builder, ints, chosen))
+
+        maxima = no_key
+        for slot, (valid, slot_best, _) in enumerate(slots):
+            taken = builder.and_(valid, builder.extract_element(keep, ir.Constant(i32, slot)))
+            maxima = _vector_smax(builder, maxima, builder.select(taken, slot_best, no_key))
+            with builder.if_then(valid):
+                builder.store(builder.zext(taken, i8),
+                              builder.gep(kept_data, [ir.Constant(i64, slot)]))
+        builder.store(maxima, builder.bitcast(lanes_data, ints.as_pointer()), align=4)
+        return context.get_dummy_value()
 
     return signature, codegen
