@@ -1,9 +1,13 @@
 """Test-suite-wide settings."""
 
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 from hypothesis import settings
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Every property test draws the same examples on every run and machine: CI cannot fail by
 # chance, and a failure reproduces with the same command. No example database is read or
@@ -17,3 +21,29 @@ settings.load_profile("moeroute")
 # 0.1 ms runs the same kernels, to the same results, about five times faster.
 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
     sys.setswitchinterval(1e-4)
+
+
+# The CPU routing kernels (select_experts' serial and parallel kernels above all: about a
+# minute each to compile) are wanted by nearly every test process: both xdist workers, the
+# simulator suites' subprocesses (their host reference), the gloo ranks. With a cold on-disk
+# cache each of them compiled the same kernels at the same time. Under xdist the controller
+# compiles them into Numba's cache once, one process per logits dtype, before the workers
+# start; from then on every process loads them. A warm cache makes this a few seconds.
+WARMUP_DTYPES = ("float32", "float16")
+WARMUP_CODE = ("import sys, moeroute; moeroute.warmup(['deepseek-v3'], dtypes=[sys.argv[1]], "
+               "torch_module=False, progress=False)")
+
+
+def pytest_sessionstart(session):
+    config = session.config
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return  # an xdist worker, or a run without workers: kernels compile on first use
+    # cwd: the checkout's moeroute, as the tests' own subprocesses import it; the environment
+    # (NUMBA_CACHE_DIR included) is the workers'.
+    processes = [subprocess.Popen([sys.executable, "-c", WARMUP_CODE, dtype], cwd=REPO_ROOT,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for dtype in WARMUP_DTYPES]
+    for dtype, process in zip(WARMUP_DTYPES, processes):
+        _, stderr = process.communicate()
+        if process.returncode != 0:  # the tests that use the kernel fail and say why
+            sys.stderr.write(f"conftest: the {dtype} kernel warm-up failed:\n{stderr[-2000:]}\n")
