@@ -20,7 +20,8 @@ from moeroute.routing.select._common import (
 from moeroute.routing.select._simd import (
     GROUP_SLOTS, _KEY_NEG_MAX, _LANES, _PACK_LOW31, _PACK_NONE, _bits_float32, _block_top2,
     _borrowed, _compress_at_least, _count_above, _float32_bits, _fma32, _group_picks,
-    _keep_alive, _lane_cut, _lane_maxima, _logit_keys, _pop_max, _raw_cut, _sigmoid_keys)
+    _keep_alive, _lane_cut, _lane_maxima, _logit_keys, _place_block, _pop_max, _raw_cut,
+    _sigmoid_keys, _zero_block)
 
 # Below this many logits (T * N) one thread does the whole batch: the serial kernel takes
 # ~50-100 us there on 2 cores, the pool's wake-up ~10 us on an idle machine and far more
@@ -326,13 +327,16 @@ def _place_candidates(keys, count, top_k, spread, candidates, packed, top_keys, 
 def _place(packed, count, top_k, places, top_keys, top_ids):
     """The top_k largest of the ``count`` packed candidates into top_keys/top_ids,
     descending (``places``: scratch; top_keys/top_ids need top_k + 1 slots)."""
-    blocks = max((count + _LANES - 1) // _LANES, 1)
+    if count <= _LANES:  # the usual case: the cut passes a few more than top_k
+        _place_block(packed, count, top_k, top_keys, top_ids)
+        return
+    blocks = (count + _LANES - 1) // _LANES
     for j in range(count, blocks * _LANES):
         packed[j] = _PACK_NONE
     if blocks <= _COUNTED_BLOCKS:
         # Every candidate's place by counting the candidates above it: no pick rounds.
-        for j in range(blocks * _LANES):
-            places[j] = 0
+        _zero_block(places, 0)  # no loop: LLVM would make a loop of zero stores a memset call
+        _zero_block(places, _LANES)  # (blocks is 2 here)
         for block in range(0, blocks * _LANES, _LANES):
             for against in range(0, blocks * _LANES, _LANES):
                 _count_above(packed, block, against, places)
