@@ -9,7 +9,7 @@ import pytest
 from numba import njit
 
 from moeroute.routing.select import _host
-from moeroute.routing.select._simd import GROUP_SLOTS, _group_picks, _sigmoid_keys
+from moeroute.routing.select._simd import GROUP_SLOTS, _group_picks, _place_block, _sigmoid_keys
 
 LANES = 16
 NO_KEY = np.int32(np.iinfo(np.int32).min)
@@ -40,6 +40,11 @@ def _sigmoid_pass_no_bias(x, scores, keys, lanes):
 @njit(error_model="numpy")
 def _groups(keys, num_groups, topk_group, two_best, kept, lanes):
     _group_picks(keys, num_groups, topk_group, two_best, kept, lanes)
+
+
+@njit(error_model="numpy")
+def _place(packed, count, top_k, top_keys, top_ids):
+    _place_block(packed, count, top_k, top_keys, top_ids)
 
 
 def order_keys(values):
@@ -159,3 +164,20 @@ def test_group_picks_match_the_definition(num_groups, group_size, two_best, valu
                                                              two_best)
             assert np.array_equal(kept, expected_kept), (trial, topk_group)
             assert np.array_equal(lanes, expected_lanes), (trial, topk_group)
+
+
+@pytest.mark.parametrize("count, top_k", [(count, top_k) for count in (1, 2, 7, 8, 15, 16)
+                                           for top_k in (1, 4, 8, 16) if top_k <= count])
+def test_place_block_puts_the_top_k_picks_in_descending_order(count, top_k):
+    rng = np.random.default_rng([count, top_k])
+    for trial in range(20):
+        keys = rng.integers(-3, 3, count).astype(np.int32)  # repeats: ties to the lower id
+        ids = np.sort(rng.choice(500, count, replace=False))
+        packed = np.full(LANES, 12345, np.int64)  # entries past count are ignored
+        packed[:count] = (keys.astype(np.int64) << 32) | (0x7FFFFFFF - ids)
+        top_keys = np.full(top_k + 1, -1, np.int32)
+        top_ids = np.full(top_k + 1, -1, np.int64)
+        _place(packed, count, top_k, top_keys, top_ids)
+        order = sorted(range(count), key=lambda j: (-int(keys[j]), int(ids[j])))[:top_k]
+        assert np.array_equal(top_keys[:top_k], keys[order]), trial
+        assert np.array_equal(top_ids[:top_k], ids[order]), trial
