@@ -94,7 +94,7 @@ def test_exp_at_its_edges():
     assert np.all(out[7:] == 1.0)
 
 
-@pytest.mark.parametrize("num_experts", [16, 48, 256, 384])
+@pytest.mark.parametrize("num_experts", [16, 48, 112, 160, 256, 384])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_sigmoid_pass_is_the_scalar_formula_and_its_keys(num_experts, with_bias):
     rng = np.random.default_rng(num_experts + with_bias)
