@@ -39,6 +39,21 @@ _DLPACK_CUDA_DEVICES = (2, 13)  # kDLCUDA, kDLCUDAManaged
 SHARES_MEMORY_MAX_WORK = 1 << 20
 
 
+_DTYPE_NAMES: dict = {}
+
+
+def dtype_name(dtype) -> str:
+    """'float32', 'float16', 'bfloat16', ... for NumPy, CuPy, torch and numba dtypes (and ""
+    for None); remembered per dtype object, since ``str`` of a NumPy dtype costs microseconds."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        name = _DTYPE_NAMES[dtype] = "" if dtype is None else str(dtype).rsplit(".", 1)[-1]
+        return name
+    except TypeError:  # an unhashable dtype-like object
+        return str(dtype).rsplit(".", 1)[-1]
+
+
 def torch_of(x):
     """The torch module when ``x`` is a torch tensor, else None (torch is never imported)."""
     torch = sys.modules.get("torch")
@@ -49,7 +64,7 @@ def torch_of(x):
 
 def is_bfloat16(x) -> bool:
     """True for a bfloat16 array of any framework (torch, CuPy/NumPy with ml_dtypes)."""
-    return str(getattr(x, "dtype", "")).rsplit(".", 1)[-1] == "bfloat16"
+    return dtype_name(getattr(x, "dtype", None)) == "bfloat16"
 
 
 def host_array(x):
@@ -243,7 +258,7 @@ class Boundary:
     def dtype(self) -> str:
         """The dtype's name ("float32", "bfloat16", ...; "" for an object without one)."""
         if self._dtype is None:
-            self._dtype = str(getattr(self.array, "dtype", "")).rsplit(".", 1)[-1]
+            self._dtype = dtype_name(getattr(self.array, "dtype", None))
         return self._dtype
 
     def __repr__(self):

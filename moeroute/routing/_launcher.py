@@ -280,7 +280,7 @@ def argument_type(x):
     if numba_type is not None:
         return numba_type
     if callable(getattr(x, "data_ptr", None)):  # torch
-        dtype_name = str(x.dtype).rsplit(".", 1)[-1]
+        dtype_name = _arrays.dtype_name(x.dtype)
         if dtype_name == "bfloat16":
             raise TypeError("bfloat16 tensors have no numba type; pass their int16 bits")
         return _array_type(dtype_name, x.dim(), _torch_layout(x))

@@ -165,3 +165,16 @@ def test_the_other_ops_examine_each_input_once(examined):
     # Each token's rows come back: the weighted sum of its hidden row, sum_k w[t, k] * h[t].
     np.testing.assert_allclose(summed.numpy(), weights_np.sum(1, keepdims=True) * hidden_np,
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype, name", [
+    (np.dtype(np.float32), "float32"), (np.dtype(np.uint16), "uint16"),
+    (torch.bfloat16, "bfloat16"), (torch.float16, "float16"), (torch.int32, "int32"),
+    (None, ""), ("float32", "float32"),
+])
+def test_dtype_name_of_each_framework(dtype, name):
+    from numba.core import types
+
+    assert _arrays.dtype_name(dtype) == name
+    assert _arrays.dtype_name(dtype) == name  # remembered: the same answer again
+    assert _arrays.dtype_name(types.float32) == "float32"

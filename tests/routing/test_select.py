@@ -426,6 +426,20 @@ def test_nan_bias_ranks_below_every_value():
     assert_matches_reference(logits, config, bias)
 
 
+@pytest.mark.parametrize("num_tokens", [3, 600])  # 600 x 160 logits: the parallel kernel
+def test_nan_bias_entries_with_vector_rows(num_tokens):
+    # 160 experts take the vector sigmoid pass unless the bias holds a NaN; the kernel finds
+    # the NaN entries itself, in every parallel work item.
+    config = PRESETS["glm-4.5"].router
+    rng = rng_for("nan-bias-vector")
+    logits = rng.standard_normal((num_tokens, config.num_experts)).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(config.num_experts)).astype(np.float32)
+    bias[[3, 77, 150]] = NAN
+    weights, ids = select_experts(logits, config, bias)
+    assert not np.isin(ids, [3, 77, 150]).any()
+    assert_matches_reference(logits, config, bias)
+
+
 def test_softmax_underflow_rows_break_ties_by_id():
     # Every score but one underflows to 0: the zeros tie and the lowest ids win, although
     # their logits differ (a pure logit ranking would pick 5 and 4).

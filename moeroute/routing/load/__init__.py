@@ -18,7 +18,7 @@ import numpy as np
 
 from moeroute._validate import integer
 from moeroute.routing import _launcher, _sort
-from moeroute.routing._arrays import check_no_overlap, enter
+from moeroute.routing._arrays import check_no_overlap, dtype_name, enter
 from moeroute.routing.load._cuda import _kernel
 from moeroute.routing.load._host import _count_cpu
 
@@ -35,7 +35,7 @@ def _check_out(out_entry, num_experts, on_device):
     shape = tuple(out.shape)
     if shape != (num_experts,):
         raise ValueError(f"out has shape {shape}; it must be ({num_experts},) = [num_experts]")
-    name = str(out.dtype).rsplit(".", 1)[-1]
+    name = dtype_name(out.dtype)
     if name != "int64":
         raise TypeError(f"out must hold int64 counters, got dtype {name}")
     if out_entry.on_device != on_device:

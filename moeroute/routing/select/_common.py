@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from moeroute.routing._arrays import dtype_name
 from moeroute.routing.reference import FLOAT32_MAX, RENORMALIZE_EPS
 
 WARP_SIZE = 32  # lanes of an NVIDIA warp; the device kernel gives one warp to a token row
@@ -51,6 +52,4 @@ _NAN_KEY = np.int32((int(np.float32(-np.inf).view(np.int32)) ^ 0x7FFFFFFF) - 1) 
 _NO_KEY = np.int32(np.iinfo(np.int32).min)  # below every key: "nothing picked yet"
 
 
-def _dtype_name(dtype) -> str:
-    """'float32', 'float16', 'bfloat16', ... for NumPy, CuPy, torch and numba dtypes."""
-    return str(dtype).rsplit(".", 1)[-1]
+_dtype_name = dtype_name  # 'float32', 'float16', 'bfloat16', ... of any framework's dtype

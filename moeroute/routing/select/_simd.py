@@ -60,6 +60,36 @@ def _fma32(typingctx, a, b, c):
 
 
 @intrinsic
+def _prefetch_row(typingctx, array, row):
+    """Ask the CPU to bring row ``row`` of the 2-D ``array`` into its caches (llvm.prefetch of
+    each 64-byte line; a hint that never faults, so a row past the end is harmless)."""
+    if not (isinstance(array, types.Array) and array.ndim == 2
+            and isinstance(row, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        view = context.make_array(signature.args[0])(context, builder, value=args[0])
+        i64 = ir.IntType(64)
+        i32 = ir.IntType(32)
+        byte_ptr = ir.IntType(8).as_pointer()
+        strides = cgutils.unpack_tuple(builder, view.strides, 2)
+        shape = cgutils.unpack_tuple(builder, view.shape, 2)
+        row_index = context.cast(builder, args[1], signature.args[1], types.int64)
+        start = builder.add(builder.ptrtoint(view.data, i64), builder.mul(row_index, strides[0]))
+        nbytes = builder.mul(shape[1], strides[1])
+        prefetch = _llvm_function(builder, "llvm.prefetch.p0", ir.VoidType(),
+                                  [byte_ptr, i32, i32, i32])
+        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), nbytes,
+                                     ir.Constant(i64, 64)) as (offset, _):
+            address = builder.inttoptr(builder.add(start, offset), byte_ptr)
+            builder.call(prefetch, [address, ir.Constant(i32, 0), ir.Constant(i32, 3),
+                                    ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(array, row), codegen
+
+
+@intrinsic
 def _borrowed(typingctx, array):
     """``array`` as a view that holds no reference (no meminfo, no parent).
 

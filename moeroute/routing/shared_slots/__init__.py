@@ -14,7 +14,7 @@ import numpy as np
 
 from moeroute._validate import integer
 from moeroute.routing import _launcher, _sort
-from moeroute.routing._arrays import column_view, enter
+from moeroute.routing._arrays import column_view, dtype_name, enter
 from moeroute.routing.remap import check_layout, layout_device_tables
 from moeroute.routing.shared_slots._cuda import _append_kernel, _kernel  # noqa: F401
 from moeroute.routing.shared_slots._host import _append_cpu
@@ -181,7 +181,7 @@ def device_shared_weights(entry, launcher: str, beside: str):
     shared_weights = entry.array
     if entry.on_device:
         shared = entry.kernel(launcher)
-        dtype = str(shared.dtype).rsplit(".", 1)[-1]
+        dtype = dtype_name(shared.dtype)
         if dtype != "float32":
             raise TypeError(f"shared_weights on the device must be float32, got dtype {dtype}")
         return shared, np.float32(0.0)
