@@ -163,7 +163,13 @@ def test_cpu_strategies_agree_with_reference(strategy, rows_per_expert):
     weights = torch.rand(tokens, 2, generator=torch.Generator().manual_seed(4))
     out = fp8_experts_forward(x, ids.int(), weights, *q, quant, strategy=strategy)
     expected = moe_experts_reference(x, ids, weights, *q, quant.block_size)
-    assert rel_error(out, expected) < 1e-4  # float32: the same numerics, summation order aside
+    # float32: the same numerics up to float32 rounding and summation order, which can flip an
+    # e4m3 rounding tie of the re-quantized intermediate (one step of one value moves that
+    # token's row by up to about 5e-4 of the largest output, docs/quant.md). Every other row
+    # agrees to float32 rounding.
+    row_error = (out - expected).abs().amax(1) / expected.abs().max()
+    assert row_error.max() < 1e-3
+    assert int((row_error > 1e-5).sum()) <= max(1, tokens // 50)
 
 
 def test_to_dtype_keeps_fp8_weights():
