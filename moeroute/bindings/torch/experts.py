@@ -452,7 +452,13 @@ def cpu_experts(
         # The row kernels' bookkeeping (one Numba pass) also gives the counts "auto" needs.
         plan = _plan_rows(local_ids, weights, w_gate_up)
         if strategy == "auto":
-            strategy = choose_gemm(np.diff(plan[2]).tolist(), onednn_linear_serves(dtype), dtype)
+            offsets, hit = plan[2], plan[3]
+            # choose_gemm's "rows" test, from the plan's totals (decode calls skip building
+            # the per-expert counts: cold, that cost about as much as the plan itself)
+            if hit.shape[0] and offsets[-1] <= rows_bound(dtype) * hit.shape[0]:
+                strategy = "rows"
+            else:
+                strategy = choose_gemm(np.diff(offsets).tolist(), onednn_linear_serves(dtype), dtype)
         if strategy == "rows":
             return _rows_forward(hidden_states, plan, w_gate_up, w_down, activation, b_gate_up, b_down)
     sorted_slots, expert_offsets, inverse_index = arrays.sort_by_expert(local_ids, num_experts)
