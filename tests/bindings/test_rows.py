@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import numba
+import numpy as np
 import pytest
 import torch
 
 from helpers.reference import dense_experts
 from moeroute.bindings.torch import _rows
-from moeroute.bindings.torch.experts import cpu_experts, rows_expert_mlp
+from moeroute.bindings.torch.activations import gated_activation
+from moeroute.bindings.torch.experts import cpu_experts, rows_bound, rows_expert_mlp
 
 H, I, L = 96, 80, 6  # I and 2I not multiples of the row block, H not a multiple of 64
 
@@ -53,6 +56,17 @@ def test_rows_match_reference(dtype, activation, tokens, top_k, bias):
     assert torch.equal(again, out)
 
 
+@numba.njit
+def _gate_up_then_down(xs, w_gate_up, acts, w_down, gate_up, sums):
+    """The row kernels' two passes for one row of expert 0 (weight 2), without the activation."""
+    tokens, offsets = np.zeros(1, np.int64), np.array([0, 1], np.int64)
+    for b in range((w_gate_up.shape[1] + _rows.ROW_BLOCK - 1) // _rows.ROW_BLOCK):
+        _rows._gate_up_item(xs, tokens, offsets, 0, b, w_gate_up, np.zeros((0, 0), np.float32), gate_up)
+    for b in range((w_down.shape[1] + _rows.ROW_BLOCK - 1) // _rows.ROW_BLOCK):
+        _rows._down_block(acts, tokens, np.full(1, 2.0, np.float32), offsets, np.zeros(1, np.int64), w_down,
+                          np.zeros((0, 0), np.float32), sums, b)
+
+
 def test_rows_widen_bfloat16_exactly():
     """One weight row and one-hot inputs: each output is one bfloat16 weight, exactly."""
     generator = torch.Generator().manual_seed(3)
@@ -60,21 +74,90 @@ def test_rows_widen_bfloat16_exactly():
     w_down = torch.eye(H, I, dtype=torch.bfloat16)[None]
     x = torch.zeros(1, H, dtype=torch.bfloat16)
     x[0, 5] = 1
-    xs = x.float().numpy()
     gate_up = torch.empty(1, 2 * I)
-    work = torch.tensor([[0, b] for b in range(-(-2 * I // _rows.ROW_BLOCK))], dtype=torch.int64)
-    _rows.gate_up_rows(xs, torch.zeros(1, dtype=torch.int64).numpy(), torch.tensor([0, 1]).numpy(),
-                       work.numpy(), w_gate_up.view(torch.uint16).numpy(), torch.zeros(0, 0).numpy(),
-                       gate_up.numpy())
-    assert torch.equal(gate_up[0], w_gate_up[0, :, 5].float())
     sums = torch.zeros(1, H)
     acts = torch.arange(I, dtype=torch.float32)[None] + 1
-    _rows.down_rows(acts.numpy(), torch.zeros(1, dtype=torch.int64).numpy(), torch.full((1,), 2.0).numpy(),
-                    torch.tensor([0, 1]).numpy(), torch.zeros(1, dtype=torch.int64).numpy(),
-                    w_down.view(torch.uint16).numpy(), torch.zeros(0, 0).numpy(), sums.numpy())
+    _gate_up_then_down(x.float().numpy(), w_gate_up.view(torch.uint16).numpy(), acts.numpy(),
+                       w_down.view(torch.uint16).numpy(), gate_up.numpy(), sums.numpy())
+    assert torch.equal(gate_up[0], w_gate_up[0, :, 5].float())
     expected = torch.zeros(H)
     expected[:I] = 2 * (torch.arange(I, dtype=torch.float32) + 1)
     assert torch.equal(sums[0], expected)
+
+
+def _special_floats() -> torch.Tensor:
+    """Float32 values where activations and rounding have edges: signed zeros, infinities, NaN,
+    the bfloat16 tie points, the largest finite values, subnormals and a dense grid."""
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0xBF808000, 0x3F80C000, 0x3F807FFF, 0x7F7F8000, 0x7F7FFFFF,
+                         0x00008000, 0x00018000, 0x80000001], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    edges = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 7.0, -7.0, 7.0001, 88.0, -88.0,
+                          -104.0, 1e-30, -1e-30])
+    grid = torch.linspace(-20, 20, 4001)
+    return torch.cat([ties, edges, grid])
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "swigluoai"])
+def test_fused_activation_matches_torch(activation):
+    """The compiled activation against torch's float32 definition (`gated_activation`): within
+    4 float32 ulps of the result plus 4 ulps of |gate * up| (the GELUs' 1 + erf / 1 + tanh cancel
+    in the negative tail, where torch's vectorized erf and tanh and libm's differ by about one
+    ulp of 1), NaN exactly where torch has it."""
+    values = torch.cat([torch.tensor([0.0, -0.0, 7.0, -7.0, 7.0001, 88.0, -88.0, -104.0, 1e-30, -1e-30, 1e4,
+                                      -1e4, float("nan")]), torch.linspace(-20, 20, 4001)])
+    if activation in ("silu", "swigluoai"):  # the GELUs' overflow at infinity differs (torch: NaN)
+        values = torch.cat([values, torch.tensor([float("inf"), -float("inf")])])
+    gate = values.repeat(9)
+    up = values.roll(7).repeat(9)[torch.randperm(9 * values.numel(), generator=torch.Generator().manual_seed(1))]
+    acts = torch.empty(1, gate.numel())
+    _rows._activate_rows(torch.cat([gate, up])[None].numpy(), _rows.ACTIVATION_CODES[activation], acts.numpy())
+    expected = gated_activation(gate.clone(), up.clone(), activation)
+    got = acts[0]
+    assert torch.equal(got.isnan(), expected.isnan())
+    finite = expected.isfinite()
+    assert torch.equal(got[~finite & ~expected.isnan()], expected[~finite & ~expected.isnan()])
+    if activation == "swigluoai":  # the clamped operands
+        gate, up = gate.clamp(max=7), up.clamp(-7, 7) + 1
+    eps = 2.0 ** -23
+    bound = 4 * eps * (expected[finite].abs() + (gate[finite] * up[finite]).abs()).double()
+    assert bool(((got[finite].double() - expected[finite].double()).abs() <= bound).all())
+
+
+@numba.njit
+def _store(sums, out):
+    _rows._store_sums(sums, out)
+
+
+def test_bfloat16_output_rounds_as_torch():
+    """The float32 sums written as bfloat16: the same bits as torch's conversion (nearest, ties
+    to even, overflow to infinity); NaN as the quiet NaN 0x7FC0 (torch's scalar conversion's;
+    its vector one writes 0xFFFF)."""
+    values = torch.cat([_special_floats(), -torch.tensor([float("nan")]),
+                        torch.randn(4096, generator=torch.Generator().manual_seed(2)) * 1e3])[None]
+    out = torch.empty(values.shape, dtype=torch.bfloat16)
+    _store(values.numpy(), out.view(torch.uint16).numpy())
+    nan = values.isnan()
+    assert torch.equal(out.view(torch.int16)[~nan], values.to(torch.bfloat16).view(torch.int16)[~nan])
+    assert bool((out.view(torch.int16)[nan] == 0x7FC0).all()) and int(nan.sum()) == 2
+    same = torch.empty(values.shape)
+    _store(values.numpy(), same.numpy())
+    assert torch.equal(same.view(torch.int32), values.view(torch.int32))
+
+
+def test_auto_beyond_the_row_bound_takes_another_strategy():
+    """float32 experts with more rows per expert than the bound: the fused kernel declines
+    (False, output untouched) and "auto" serves the call with another strategy, same sums."""
+    x, ids, weights, w_gate_up, w_down, _ = _problem(64, 4, torch.float32, 8)
+    ids = ids.clamp(0, L - 1)
+    out = torch.full((64, H), 5.0)
+    served = _rows.rows_experts_serial(x.numpy(), ids.numpy(), weights.numpy(), w_gate_up.numpy(), w_down.numpy(),
+                                       np.zeros((0, 0), np.float32), np.zeros((0, 0), np.float32), 0, 16.0,
+                                       out.numpy())
+    assert served is False and bool((out == 5.0).all())
+    assert 64 * 4 / L > rows_bound(torch.float32)
+    auto = cpu_experts(x, ids, weights, w_gate_up, w_down, "silu", "auto")
+    expected = _reference(x, ids, weights, w_gate_up, w_down, "silu")
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(auto.double() / scale, expected / scale, **TOLERANCE[torch.float32])
 
 
 def test_rows_same_bits_on_any_thread_count():

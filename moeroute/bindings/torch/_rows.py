@@ -7,7 +7,8 @@ float32 in registers as it is read (its 16 bits moved into a float32's high half
 memory carries two bytes a weight. No weight is
 reordered or copied per call (oneDNN reorders each expert's bfloat16 weights on every call
 where the CPU has no bfloat16 instructions), and the second GEMM adds its weighted outputs
-straight into the float32 sums (the combine).
+straight into the float32 sums (the combine). One call (`rows_experts`) runs a whole forward,
+from the routed slots to the output rows, so a decode step enters compiled code once.
 
 Arrays are NumPy: bfloat16 weights as uint16 views, or float32; activations, biases and
 sums float32. The FP8 kernels of `moeroute.quant._host` have the same structure.
@@ -15,13 +16,15 @@ sums float32. The FP8 kernels of `moeroute.quant._host` have the same structure.
 
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic, overload
 
-__all__ = ["plan_rows", "gate_up_rows", "gate_up_rows_serial", "down_rows", "down_rows_serial", "ROW_BLOCK"]
+__all__ = ["plan_rows", "rows_experts", "rows_experts_serial", "ACTIVATION_CODES", "ROW_BLOCK"]
 
 #: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
 ROW_BLOCK = 64
@@ -122,7 +125,8 @@ def _rows_times_weights(xs, tokens, start, stop, w0, w1, pair, tile, out, n):
 
 @numba.njit(fastmath=True)
 def _gate_up_item(xs, tokens, offsets, e, b, w_gate_up, bias, out):
-    """Block ``b`` of expert ``e``'s gate_up rows for all its sorted rows (`gate_up_rows`)."""
+    """out[m, n] = xs[tokens[m]] . W_e[n] (+ bias[e, n]) for the weight rows n of block ``b``
+    of expert ``e`` and all its sorted rows m (`plan_rows`' order)."""
     rows = w_gate_up.shape[1]
     tile = np.empty(2 * _ROW_TILE, np.float32)
     start, stop = offsets[e], offsets[e + 1]
@@ -148,28 +152,11 @@ def _gate_up_item(xs, tokens, offsets, e, b, w_gate_up, bias, out):
                 out[m, n] += bias[e, n]
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def gate_up_rows(xs, tokens, offsets, work, w_gate_up, bias, out):
-    """out[m, n] = xs[tokens[m]] . W_e[n] (+ bias[e, n]) for each expert e's sorted rows m.
-
-    xs [T, H] float32, tokens [M] int64, offsets [L + 1] int64, work [W, 2] int64 (expert,
-    block of `ROW_BLOCK` weight rows), w_gate_up [L, 2I, H] uint16 (bfloat16 bits) or
-    float32, bias [L, 2I] float32 or [0, 0] (none), out [M, 2I] float32.
-    """
-    for item in numba.prange(work.shape[0]):
-        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, bias, out)
-
-
-@numba.njit(fastmath=True, cache=True)
-def gate_up_rows_serial(xs, tokens, offsets, work, w_gate_up, bias, out):
-    """`gate_up_rows` on the calling thread (no parallel region to start: one thread)."""
-    for item in range(work.shape[0]):
-        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, bias, out)
-
-
 @numba.njit(fastmath=True)
 def _down_block(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums, b):
-    """Output columns of block ``b`` over every hit expert (`down_rows`)."""
+    """sums[tokens[m], n] += slot_weights[m] * (acts[m] . W_e[n] (+ bias[e, n])) for the output
+    columns n of block ``b``, over every hit expert in ``experts`` order. Parallel callers split
+    the blocks, so each sum has one writer and the order of additions is fixed."""
     hidden = w_down.shape[1]
     rows = np.arange(acts.shape[0])
     tile = np.empty(2 * _ROW_TILE, np.float32)
@@ -202,26 +189,6 @@ def _down_block(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums
                 sums[t, n] += weight * (dots[m - start, n - first] + add)
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def down_rows(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums):
-    """sums[tokens[m], n] += slot_weights[m] * (acts[m] . W_e[n] (+ bias[e, n])).
-
-    The second GEMM and the combine. Threads split the output columns (blocks of
-    `ROW_BLOCK`), so each sum has one writer, and experts are added in ``experts`` order
-    (deterministic). acts [M, I] float32, experts [E'] int64 (the hit experts), w_down
-    [L, H, I] uint16 or float32, bias [L, H] float32 or [0, 0], sums [T, H] float32.
-    """
-    for b in numba.prange((w_down.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
-        _down_block(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums, b)
-
-
-@numba.njit(fastmath=True, cache=True)
-def down_rows_serial(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums):
-    """`down_rows` on the calling thread."""
-    for b in range((w_down.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
-        _down_block(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums, b)
-
-
 @numba.njit(cache=True)
 def plan_rows(ids, weights, num_experts, blocks):
     """The row kernels' bookkeeping in one pass: each expert's slots in token order.
@@ -230,7 +197,7 @@ def plan_rows(ids, weights, num_experts, blocks):
     weights [T, K] float32, ``blocks`` = weight-row blocks of gate_up per expert. Returns
     tokens [M] int64 and slot_weights [M] float32 (expert-major, token order within an
     expert, as a stable sort of the flat slots gives), offsets [L + 1] int64, hit [E'] int64
-    (experts with rows) and work [E' * blocks, 2] int64 (expert, block) for `gate_up_rows`.
+    (experts with rows) and work [E' * blocks, 2] int64 (expert, block) for the gate_up pass.
     """
     num_tokens, top_k = ids.shape
     offsets = np.zeros(num_experts + 1, np.int64)
@@ -264,3 +231,154 @@ def plan_rows(ids, weights, num_experts, blocks):
                 work[i * blocks + b, 1] = b
             i += 1
     return tokens, slot_weights, offsets, hit, work
+
+
+#: The gated activations of `rows_experts`, by code (the names of
+#: `moeroute.bindings.torch.activations.ACTIVATIONS`).
+ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swigluoai": 3}
+_SQRT_HALF = np.float32(0.7071067811865476)
+_SQRT_2_OVER_PI = np.float32(0.7978845608028654)
+_GELU_CUBIC = np.float32(0.044715)
+_SWIGLUOAI_ALPHA = np.float32(1.702)
+_SWIGLUOAI_LIMIT = np.float32(7.0)
+
+
+@numba.njit
+def _gated(gate, up, code):
+    """The gated MLP's intermediate for one column, in float32: ``act(gate) * up``, or
+    gpt-oss's ``(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g)`` with ``g = min(gate, 7)``.
+    Not fast-math: NaN and infinities pass through as in torch's definitions."""
+    one, half = np.float32(1.0), np.float32(0.5)
+    if code == 0:
+        return gate / (one + math.exp(-gate)) * up
+    if code == 1:
+        return gate * half * (one + math.erf(gate * _SQRT_HALF)) * up
+    if code == 2:
+        inner = _SQRT_2_OVER_PI * (gate + _GELU_CUBIC * gate * gate * gate)
+        return half * gate * (one + math.tanh(inner)) * up
+    g = _SWIGLUOAI_LIMIT if gate > _SWIGLUOAI_LIMIT else gate
+    u = _SWIGLUOAI_LIMIT if up > _SWIGLUOAI_LIMIT else (-_SWIGLUOAI_LIMIT if up < -_SWIGLUOAI_LIMIT else up)
+    return g * (one / (one + math.exp(-(g * _SWIGLUOAI_ALPHA)))) * (u + one)
+
+
+@numba.njit
+def _activate_rows(gate_up, code, acts):
+    """acts[m] = gated(gate_up[m, :I], gate_up[m, I:]) for every row m (`_gated`)."""
+    inter = acts.shape[1]
+    for m in range(acts.shape[0]):
+        for n in range(inter):
+            acts[m, n] = _gated(gate_up[m, n], gate_up[m, inter + n], code)
+
+
+def _float32_rows(x):  # pragma: no cover - replaced by the overload inside Numba code
+    raise NotImplementedError
+
+
+@overload(_float32_rows)
+def _float32_rows_impl(x):
+    """Activations as float32 rows: bfloat16 bits (uint16) widened into a new array, float32
+    as they are."""
+    if x.dtype == types.uint16:
+        def widen(x):
+            xs = np.empty(x.shape, np.float32)
+            for t in range(x.shape[0]):
+                for k in range(x.shape[1]):
+                    xs[t, k] = _bfloat16_bits_to_float32(x[t, k])
+            return xs
+        return widen
+    if x.dtype == types.float32:
+        return lambda x: x
+    return None
+
+
+def _store_sums(sums, out):  # pragma: no cover - replaced by the overload inside Numba code
+    raise NotImplementedError
+
+
+@overload(_store_sums)
+def _store_sums_impl(sums, out):
+    """The float32 sums into ``out``: copied for float32, rounded to the nearest bfloat16
+    (ties to even; NaN as the quiet NaN 0x7FC0, as torch rounds) for uint16 bits."""
+    if out.dtype == types.uint16:
+        def round_to_bfloat16(sums, out):
+            bits = sums.view(np.uint32)
+            for t in range(out.shape[0]):
+                for n in range(out.shape[1]):
+                    value = sums[t, n]
+                    if value != value:
+                        out[t, n] = np.uint16(0x7FC0)
+                    else:
+                        b = bits[t, n]
+                        out[t, n] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1)))
+                                              >> np.uint32(16))
+        return round_to_bfloat16
+    if out.dtype == types.float32:
+        def copy(sums, out):
+            out[:] = sums
+        return copy
+    return None
+
+
+@numba.njit
+def _blocks(matrix):
+    """Blocks of `ROW_BLOCK` rows of ``matrix``'s second-to-last axis."""
+    return (matrix.shape[-2] + ROW_BLOCK - 1) // ROW_BLOCK
+
+
+@numba.njit
+def _beyond(offsets, hit, bound):
+    """Whether the mean rows per hit expert exceed ``bound``."""
+    return hit.shape[0] > 0 and offsets[-1] > bound * hit.shape[0]
+
+
+@numba.njit
+def _buffers(x, rows, w_gate_up, w_down):
+    """The float32 rows of ``x`` and the scratch of one forward: gate_up [M, 2I], the
+    activations [M, I] and the zeroed sums [T, H]."""
+    return (_float32_rows(x), np.empty((rows, w_gate_up.shape[1]), np.float32),
+            np.empty((rows, w_down.shape[2]), np.float32), np.zeros((x.shape[0], w_down.shape[1]), np.float32))
+
+
+@numba.njit(parallel=True, cache=True)
+def rows_experts(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, code, bound, out):
+    """The whole float expert MLP with the row kernels, from the routed slots to the output.
+
+    x [T, H] and out [T, H] uint16 (bfloat16 bits) or float32, ids [T, K] int32/int64 local
+    expert ids (outside [0, L) skipped), weights [T, K] float32, w_gate_up [L, 2I, H] and
+    w_down [L, H, I] of x's type, b_gate_up [L, 2I] / b_down [L, H] float32 or [0, 0] (none),
+    ``code`` the activation (`ACTIVATION_CODES`). In one call: the bookkeeping (`plan_rows`),
+    the rows as float32, the gate_up dots, the activation, the down dots added into float32
+    sums (the combine: threads split the output columns, each sum has one writer and experts
+    add in one order) and the sums written to ``out``:
+    ``out[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` (rows with no slot held: 0).
+
+    Returns False, leaving ``out`` untouched, when the mean rows per hit expert exceed
+    ``bound`` (the caller's strategy choice; ``inf`` to serve every call), else True.
+    """
+    tokens, slot_weights, offsets, hit, work = plan_rows(ids, weights, w_gate_up.shape[0], _blocks(w_gate_up))
+    if _beyond(offsets, hit, bound):
+        return False
+    xs, gate_up, acts, sums = _buffers(x, tokens.shape[0], w_gate_up, w_down)
+    for item in numba.prange(work.shape[0]):
+        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, b_gate_up, gate_up)
+    _activate_rows(gate_up, code, acts)
+    for b in numba.prange(_blocks(w_down)):
+        _down_block(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, b)
+    _store_sums(sums, out)
+    return True
+
+
+@numba.njit(cache=True)
+def rows_experts_serial(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, code, bound, out):
+    """`rows_experts` on the calling thread (no parallel region to start: one thread)."""
+    tokens, slot_weights, offsets, hit, work = plan_rows(ids, weights, w_gate_up.shape[0], _blocks(w_gate_up))
+    if _beyond(offsets, hit, bound):
+        return False
+    xs, gate_up, acts, sums = _buffers(x, tokens.shape[0], w_gate_up, w_down)
+    for item in range(work.shape[0]):
+        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, b_gate_up, gate_up)
+    _activate_rows(gate_up, code, acts)
+    for b in range(_blocks(w_down)):
+        _down_block(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, b)
+    _store_sums(sums, out)
+    return True

@@ -349,40 +349,28 @@ def rows_expert_mlp(
     Tensor [T, H], dtype of ``hidden_states``: ``sum_k w[t, k] * expert_k(x_t)`` over the
     slots held here (rows with none are zero).
     """
-    plan = _plan_rows(local_ids, topk_weights, w_gate_up)
-    return _rows_forward(hidden_states, plan, w_gate_up, w_down, activation, b_gate_up, b_down)
+    served = _rows_forward(hidden_states, local_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up,
+                           b_down, float("inf"))
+    assert served is not None
+    return served
 
 
-def _plan_rows(local_ids, topk_weights, w_gate_up):
-    """`moeroute.bindings.torch._rows.plan_rows` on the tensors' memory."""
-    blocks = -(-w_gate_up.shape[1] // _rows.ROW_BLOCK)
-    weights = topk_weights.detach().to(torch.float32).contiguous().numpy()
-    return _rows.plan_rows(local_ids.detach().contiguous().numpy(), weights, w_gate_up.shape[0], blocks)
-
-
-def _rows_forward(hidden_states, plan, w_gate_up, w_down, activation, b_gate_up, b_down):
+def _rows_forward(hidden_states, local_ids, weights, w_gate_up, w_down, activation, b_gate_up, b_down, bound):
+    """The row kernels' whole forward (`moeroute.bindings.torch._rows.rows_experts`, one Numba
+    call), or None when the mean rows per hit expert exceed ``bound``."""
     if hidden_states.dtype not in ROWS_DTYPES or w_gate_up.dtype != hidden_states.dtype:
         raise ValueError(f"the row kernels serve {ROWS_DTYPES} weights and activations of one dtype, got "
                          f"{hidden_states.dtype} activations and {w_gate_up.dtype} weights")
-    tokens, slot_weights, offsets, hit, work = plan
-    num_tokens, hidden = hidden_states.shape
-    inter = w_down.shape[2]
-    sums = torch.zeros((num_tokens, hidden), dtype=torch.float32)
-    if hit.shape[0] == 0:
-        return sums.to(hidden_states.dtype)
-    xs = hidden_states.detach().to(torch.float32).contiguous()
-    gate_up = torch.empty((tokens.shape[0], 2 * inter), dtype=torch.float32)
+    out = torch.empty(hidden_states.shape, dtype=hidden_states.dtype)
     threads = cpu_threads()
-    # One thread: the serial kernels, with no parallel region to start.
-    gate_up_rows, down_rows = ((_rows.gate_up_rows_serial, _rows.down_rows_serial) if threads == 1
-                               else (_rows.gate_up_rows, _rows.down_rows))
+    # One thread: the serial kernel, with no parallel region to start.
+    kernel = _rows.rows_experts_serial if threads == 1 else _rows.rows_experts
     with _numba_threads(threads):
-        gate_up_rows(xs.numpy(), tokens, offsets, work, _row_view(w_gate_up), _bias_view(b_gate_up),
-                     gate_up.numpy())
-        act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation).contiguous()
-        down_rows(act.numpy(), tokens, slot_weights, offsets, hit, _row_view(w_down), _bias_view(b_down),
-                  sums.numpy())
-    return sums if hidden_states.dtype == torch.float32 else sums.to(hidden_states.dtype)
+        served = kernel(_row_view(hidden_states), local_ids.detach().contiguous().numpy(),
+                        weights.detach().to(torch.float32).contiguous().numpy(), _row_view(w_gate_up),
+                        _row_view(w_down), _bias_view(b_gate_up), _bias_view(b_down),
+                        _rows.ACTIVATION_CODES[activation], bound, _row_view(out))
+    return out if served else None
 
 
 _NO_BIAS = np.zeros((0, 0), np.float32)
@@ -449,18 +437,13 @@ def cpu_experts(
     num_experts = w_gate_up.shape[0]
     strategy = gemm
     if strategy == "rows" or (strategy == "auto" and dtype in ROWS_DTYPES):
-        # The row kernels' bookkeeping (one Numba pass) also gives the counts "auto" needs.
-        plan = _plan_rows(local_ids, weights, w_gate_up)
-        if strategy == "auto":
-            offsets, hit = plan[2], plan[3]
-            # choose_gemm's "rows" test, from the plan's totals (decode calls skip building
-            # the per-expert counts: cold, that cost about as much as the plan itself)
-            if hit.shape[0] and offsets[-1] <= rows_bound(dtype) * hit.shape[0]:
-                strategy = "rows"
-            else:
-                strategy = choose_gemm(np.diff(offsets).tolist(), onednn_linear_serves(dtype), dtype)
-        if strategy == "rows":
-            return _rows_forward(hidden_states, plan, w_gate_up, w_down, activation, b_gate_up, b_down)
+        # One Numba call plans, tests "auto"'s bound (choose_gemm's "rows" test, from the
+        # plan's totals) and, within it, computes the whole forward.
+        bound = float("inf") if strategy == "rows" else rows_bound(dtype)
+        out = _rows_forward(hidden_states, local_ids, weights, w_gate_up, w_down, activation, b_gate_up, b_down,
+                            bound)
+        if out is not None:
+            return out
     sorted_slots, expert_offsets, inverse_index = arrays.sort_by_expert(local_ids, num_experts)
     offsets = expert_offsets.tolist()
     if strategy == "auto":
