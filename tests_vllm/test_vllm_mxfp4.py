@@ -88,7 +88,10 @@ def _gpt_oss_moe_reference(x, router_logits, blocks_and_biases):
     w_gate_up = dequantize_mxfp4(gate_up_blocks, gate_up_scales).double()  # [E, 2I, H], rows gate, up, ...
     w_down = dequantize_mxfp4(down_blocks, down_scales).double()  # [E, H, I]
     b_gate_up, b_down = gate_up_bias.double(), down_bias.double()
-    top, ids = torch.topk(router_logits.float(), TOP_K, dim=1)
+    # top-k with ties to the lower expert id (moeroute's rule; torch.topk's order among equal
+    # values is unspecified, and bfloat16 router logits do tie)
+    ordered = torch.sort(router_logits.float(), dim=1, descending=True, stable=True)
+    top, ids = ordered.values[:, :TOP_K], ordered.indices[:, :TOP_K]
     weights = torch.softmax(top.double(), dim=1)
     x = x.double()
     out = torch.zeros_like(x)
