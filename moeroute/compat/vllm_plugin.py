@@ -102,7 +102,8 @@ MXFP4_ACTIVATIONS = {"swigluoai": "swigluoai"}
 
 #: What the plugin did in this process: "layers" served, "declined" layers, "calls" of the
 #: served layers' forward and "tokens" routed by moeroute (eager calls; not counted inside
-#: a torch.compile graph).
+#: a torch.compile graph), "huge_page_bytes" of served expert weights Linux moved onto 2 MB
+#: pages (`moeroute.bindings.torch.memory`).
 STATS: collections.Counter = collections.Counter()
 
 # A child of vLLM's logger: the lines appear in vLLM's log, formatted as its own.
@@ -450,6 +451,13 @@ class _ServedMethod:
             self._vllm_setup(layer, reason)
             return
         self._adopt_weights(layer)
+        # Decode streams the hit experts' weights from memory: 2 MB pages under them (advice
+        # to Linux; the tensors and their values stay as they are).
+        from moeroute.bindings.torch.memory import back_with_huge_pages
+
+        STATS["huge_page_bytes"] += back_with_huge_pages(
+            *(weight for weight in (getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None))
+              if weight is not None))
         # The loaded w13_weight [E, 2I, H] (gate rows first) and w2_weight [E, H, I] (and FP8
         # block scales) are moeroute's layout already: used as they are, never repacked or copied.
         self.plan = plan

@@ -78,6 +78,12 @@ ROWS_DTYPES = (torch.float32, torch.bfloat16)
 #: bound: there oneDNN converts (reorders) each expert's weights on every call, and the row
 #: kernels measured ahead at every row count (`rows_bound`).
 ROWS_MAX_MEAN_ROWS = 16
+#: The same bound for bfloat16 where the CPU has bfloat16 dot-product instructions (AVX512-BF16,
+#: AMX): there oneDNN's loop multiplies bfloat16 natively and overtakes the row kernels (which
+#: widen to float32) from about five rows per expert (bench/layer.py shape, one thread, AMD
+#: EPYC Zen 4: 4 rows 21.1 ms against the loop's 23.6 ms, 5 rows 23.7 / 24.8, 6 rows 27.7 /
+#: 25.4, 8 rows 35.1 / 28.4).
+ROWS_MAX_MEAN_ROWS_NATIVE_BF16 = 5
 
 
 def check_dtype(name: str, dtype: torch.dtype) -> None:
@@ -312,11 +318,11 @@ def choose_gemm(counts: list[int], onednn: bool = False, dtype: torch.dtype = to
 @functools.cache
 def rows_bound(dtype: torch.dtype) -> float:
     """The mean rows per hit expert up to which "auto" picks the row kernels for ``dtype``:
-    `ROWS_MAX_MEAN_ROWS`, or no bound (inf) for bfloat16 where the CPU lacks bfloat16
-    instructions (AVX512-BF16, AMX)."""
-    if dtype == torch.bfloat16 and not (torch.cpu._is_avx512_bf16_supported()
-                                        or torch.cpu._is_amx_tile_supported()):
-        return float("inf")
+    `ROWS_MAX_MEAN_ROWS`; for bfloat16 no bound (inf) where the CPU lacks bfloat16
+    instructions (AVX512-BF16, AMX), `ROWS_MAX_MEAN_ROWS_NATIVE_BF16` where it has them."""
+    if dtype == torch.bfloat16:
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        return float(ROWS_MAX_MEAN_ROWS_NATIVE_BF16) if native else float("inf")
     return float(ROWS_MAX_MEAN_ROWS)
 
 
