@@ -36,7 +36,8 @@ def _problem(tokens, top_k, dtype, seed, bias=False):
 
 
 # float32: only summation order differs from float64; bfloat16: the output is rounded to
-# bfloat16 once (relative 2**-8), all products are of the same bfloat16 values.
+# bfloat16 once (relative 2**-8), all products are of the same bfloat16 values (with the dot
+# instructions, AVX512-BF16, the intermediate is rounded to bfloat16 too).
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=8e-3, atol=8e-3)}
 
 
@@ -199,3 +200,40 @@ def test_plan_rows_is_the_stable_expert_sort(tokens, top_k):
     assert offsets.tolist() == [0] + torch.cumsum(counts, 0).tolist()
     assert hit.tolist() == torch.nonzero(counts).flatten().tolist()
     assert work.tolist() == [[e, b] for e in hit.tolist() for b in range(3)]
+
+
+BF16_DOT_REASON = "this CPU has no bfloat16 dot-product instructions (AVX512-BF16)"
+
+
+@pytest.mark.skipif(not _rows.BF16_DOT, reason=BF16_DOT_REASON)
+@pytest.mark.parametrize("length", [1, 31, 32, 33, 127, 128, 129, 160, 1000])
+def test_bf16_dot_instruction_matches_float64(length):
+    """vdpbf16ps over whole 32-lane groups plus the widened rest: the dot of the bfloat16 values
+    (exact products, float32 sums)."""
+    generator = torch.Generator().manual_seed(length)
+    w, x = (torch.randn(2, length, generator=generator) * 3).to(torch.bfloat16)
+    got = _rows._dot_bf16(w.view(torch.uint16).numpy(), x.view(torch.uint16).numpy())
+    expected = float((w.double() * x.double()).sum())
+    bound = 4 * length * 2.0 ** -24 * float((w.double() * x.double()).abs().sum())
+    assert abs(got - expected) <= bound
+
+
+@pytest.mark.parametrize("kernel", ["widened", "bf16_dot"])
+@pytest.mark.parametrize("tokens,top_k,bias", [(1, 1, False), (3, 2, True), (9, 4, True)])
+def test_both_bfloat16_kernels_match_reference(kernel, tokens, top_k, bias):
+    """The kernel that widens bfloat16 to float32 and the one with the dot instructions, each
+    against the float64 reference (the second rounds the intermediate to bfloat16)."""
+    if kernel == "bf16_dot" and not _rows.BF16_DOT:
+        pytest.skip(BF16_DOT_REASON)
+    x, ids, weights, w_gate_up, w_down, (b_gate_up, b_down) = _problem(tokens, top_k, torch.bfloat16, 11, bias)
+    run = _rows.rows_experts_serial if kernel == "widened" else _rows.rows_experts_bf16_serial
+    out = torch.empty(tokens, H, dtype=torch.bfloat16)
+    no_bias = np.zeros((0, 0), np.float32)
+    served = run(x.view(torch.uint16).numpy(), ids.numpy(), weights.numpy(), w_gate_up.view(torch.uint16).numpy(),
+                 w_down.view(torch.uint16).numpy(), no_bias if b_gate_up is None else b_gate_up.float().numpy(),
+                 no_bias if b_down is None else b_down.float().numpy(), _rows.ACTIVATION_CODES["silu"], np.inf,
+                 out.view(torch.uint16).numpy())
+    assert served
+    expected = _reference(x, ids, weights, w_gate_up, w_down, "silu", b_gate_up, b_down)
+    scale = float(expected.abs().max()) or 1.0
+    torch.testing.assert_close(out.double() / scale, expected / scale, **TOLERANCE[torch.bfloat16])

@@ -20,11 +20,13 @@ import math
 
 import numba
 import numpy as np
+from llvmlite import binding as llvm_binding
 from llvmlite import ir
-from numba.core import types
+from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
-__all__ = ["plan_rows", "rows_experts", "rows_experts_serial", "ACTIVATION_CODES", "ROW_BLOCK"]
+__all__ = ["plan_rows", "rows_experts", "rows_experts_serial", "rows_experts_bf16", "rows_experts_bf16_serial",
+           "BF16_DOT", "ACTIVATION_CODES", "ROW_BLOCK"]
 
 #: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
 ROW_BLOCK = 64
@@ -380,5 +382,205 @@ def rows_experts_serial(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, c
     _activate_rows(gate_up, code, acts)
     for b in range(_blocks(w_down)):
         _down_block(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, b)
+    _store_sums(sums, out)
+    return True
+
+
+# ---------------------------------------------------------------- bfloat16 dot-product instructions
+#
+# Where the CPU multiplies bfloat16 natively (AVX512-BF16: ``vdpbf16ps`` adds the two products
+# of each pair of bfloat16 lanes into a float32 lane), the bfloat16 layer's dots need no
+# widening: one instruction per 32 weights and row. The activations are then bfloat16 too: the
+# rows as given, the intermediate rounded to bfloat16 after the activation (as torch's
+# bfloat16 layer keeps it). The instruction flushes subnormal inputs and sums to zero.
+
+
+def _host_bf16_dot() -> bool:
+    """AVX512-BF16 on the host, and Numba compiling for the host CPU (the vector code's target)."""
+    features = llvm_binding.get_host_cpu_features()
+    cpu_name = numba.config.CPU_NAME
+    return (features.get("avx512bf16", False) and features.get("avx512f", False)
+            and (cpu_name is None or cpu_name == "host"))
+
+
+#: Whether this CPU runs `rows_experts_bf16` (bfloat16 dot-product instructions).
+BF16_DOT = _host_bf16_dot()
+_LANES = 32  # bfloat16 values per vdpbf16ps operand
+_CHAINS = 4  # independent accumulators: the instruction's latency hidden
+
+
+class _BFloat16Type(ir.types.Type):
+    """LLVM's ``bfloat`` (llvmlite's IR builder has no name for it)."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat16Type)
+
+    def __hash__(self):
+        return hash(_BFloat16Type)
+
+
+def _sum_lanes(builder, vector):
+    """The sum of a float vector's lanes: halves added, 16 -> 8 -> 4 -> 2 -> 1 (a fixed order)."""
+    i32 = ir.IntType(32)
+    width = vector.type.count
+    while width > 1:
+        width //= 2
+        low = builder.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(i32, width), list(range(width))))
+        high = builder.shuffle_vector(vector, vector,
+                                      ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width))))
+        vector = builder.fadd(low, high)
+    return builder.extract_element(vector, ir.Constant(i32, 0))
+
+
+@intrinsic
+def _dot_bf16_lanes(typingctx, w, x):
+    """sum_k w[k] * x[k] over the first 32 * (n // 32) elements of two bfloat16 rows (uint16
+    bits, C-contiguous [n]), with ``vdpbf16ps`` into float32 lanes."""
+    if not (isinstance(w, types.Array) and isinstance(x, types.Array) and w.ndim == x.ndim == 1
+            and w.dtype == x.dtype == types.uint16 and w.layout == x.layout == "C"):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i16, i32, f32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
+        v32i16, v16f = ir.VectorType(i16, _LANES), ir.VectorType(f32, 16)
+        v32bf = ir.VectorType(_BFloat16Type(), _LANES)
+        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v32bf, v32bf]),
+                                             "llvm.x86.avx512bf16.dpbf16ps.512")
+        w_array = context.make_array(signature.args[0])(context, builder, args[0])
+        x_array = context.make_array(signature.args[1])(context, builder, args[1])
+        n = builder.extract_value(w_array.shape, 0)
+        index_type = n.type
+        w_ptr = builder.bitcast(w_array.data, v32i16.as_pointer())
+        x_ptr = builder.bitcast(x_array.data, v32i16.as_pointer())
+        zero = ir.Constant(v16f, [0.0] * 16)
+        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(_CHAINS)]
+
+        def step(vector, acc):
+            a = builder.bitcast(builder.load(builder.gep(w_ptr, [vector]), align=2), v32bf)
+            b = builder.bitcast(builder.load(builder.gep(x_ptr, [vector]), align=2), v32bf)
+            builder.store(builder.call(dot, [builder.load(acc), a, b]), acc)
+
+        vectors = builder.udiv(n, ir.Constant(index_type, _LANES))
+        rounds = builder.udiv(vectors, ir.Constant(index_type, _CHAINS))
+        with cgutils.for_range(builder, rounds) as loop:
+            first = builder.mul(loop.index, ir.Constant(index_type, _CHAINS))
+            for c in range(_CHAINS):
+                step(builder.add(first, ir.Constant(index_type, c)), accs[c])
+        with cgutils.for_range_slice(builder, builder.mul(rounds, ir.Constant(index_type, _CHAINS)), vectors,
+                                     ir.Constant(index_type, 1)) as (vector, _):
+            step(vector, accs[0])
+        total = builder.load(accs[0])
+        for c in range(1, _CHAINS):
+            total = builder.fadd(total, builder.load(accs[c]))
+        return _sum_lanes(builder, total)
+
+    return types.float32(w, x), codegen
+
+
+@numba.njit(fastmath=True)
+def _dot_bf16(w, x):
+    """w . x for two bfloat16 rows (uint16 bits): the instruction over whole 32-lane groups,
+    the rest widened."""
+    acc = _dot_bf16_lanes(w, x)
+    for k in range(w.shape[0] // _LANES * _LANES, w.shape[0]):
+        acc += _bfloat16_bits_to_float32(w[k]) * _bfloat16_bits_to_float32(x[k])
+    return acc
+
+
+@numba.njit(fastmath=True)
+def _gate_up_item_bf16(x, tokens, offsets, e, b, w_gate_up, bias, out):
+    """`_gate_up_item` on bfloat16 rows ``x`` (uint16 [T, H]) with the dot instructions: each
+    weight row dotted with every row of the expert (from cache after the first)."""
+    weights = w_gate_up[e]
+    start, stop = offsets[e], offsets[e + 1]
+    for n in range(b * ROW_BLOCK, min(w_gate_up.shape[1], (b + 1) * ROW_BLOCK)):
+        w = weights[n]
+        add = bias[e, n] if bias.shape[0] > 0 else np.float32(0.0)
+        for m in range(start, stop):
+            out[m, n] = _dot_bf16(w, x[tokens[m]]) + add
+
+
+@numba.njit(fastmath=True)
+def _down_block_bf16(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums, b):
+    """`_down_block` on bfloat16 intermediates ``acts`` (uint16 [M, I]) with the dot
+    instructions."""
+    first, last = b * ROW_BLOCK, min(w_down.shape[1], (b + 1) * ROW_BLOCK)
+    for i in range(experts.shape[0]):
+        e = experts[i]
+        weights = w_down[e]
+        for m in range(offsets[e], offsets[e + 1]):
+            t, weight, row = tokens[m], slot_weights[m], acts[m]
+            for n in range(first, last):
+                add = bias[e, n] if bias.shape[0] > 0 else np.float32(0.0)
+                sums[t, n] += weight * (_dot_bf16(weights[n], row) + add)
+
+
+@numba.njit
+def _activate_rows_bf16(gate_up, code, acts):
+    """`_activate_rows`, each intermediate rounded to bfloat16 (uint16 bits [M, I])."""
+    inter = acts.shape[1]
+    for m in range(acts.shape[0]):
+        for n in range(inter):
+            acts[m, n] = _round_bfloat16(_gated(gate_up[m, n], gate_up[m, inter + n], code))
+
+
+@intrinsic
+def _float32_bits(typingctx, value):
+    """The uint32 bits of a float32."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@numba.njit
+def _round_bfloat16(value):
+    """A float32 rounded to the nearest bfloat16 (ties to even; NaN as 0x7FC0), as uint16 bits."""
+    if value != value:
+        return np.uint16(0x7FC0)
+    b = _float32_bits(value)
+    return np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+@numba.njit(parallel=True, cache=True)
+def rows_experts_bf16(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, code, bound, out):
+    """`rows_experts` for bfloat16 (x, weights and out uint16 bits) with the dot instructions
+    (`BF16_DOT`; never call it elsewhere): the intermediate is rounded to bfloat16 before the
+    down dots."""
+    tokens, slot_weights, offsets, hit, work = plan_rows(ids, weights, w_gate_up.shape[0], _blocks(w_gate_up))
+    if _beyond(offsets, hit, bound):
+        return False
+    gate_up = np.empty((tokens.shape[0], w_gate_up.shape[1]), np.float32)
+    for item in numba.prange(work.shape[0]):
+        _gate_up_item_bf16(x, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, b_gate_up, gate_up)
+    acts = np.empty((tokens.shape[0], w_down.shape[2]), np.uint16)
+    _activate_rows_bf16(gate_up, code, acts)
+    sums = np.zeros((x.shape[0], w_down.shape[1]), np.float32)
+    for b in numba.prange(_blocks(w_down)):
+        _down_block_bf16(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, b)
+    _store_sums(sums, out)
+    return True
+
+
+@numba.njit(cache=True)
+def rows_experts_bf16_serial(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, code, bound, out):
+    """`rows_experts_bf16` on the calling thread."""
+    tokens, slot_weights, offsets, hit, work = plan_rows(ids, weights, w_gate_up.shape[0], _blocks(w_gate_up))
+    if _beyond(offsets, hit, bound):
+        return False
+    gate_up = np.empty((tokens.shape[0], w_gate_up.shape[1]), np.float32)
+    for item in range(work.shape[0]):
+        _gate_up_item_bf16(x, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, b_gate_up, gate_up)
+    acts = np.empty((tokens.shape[0], w_down.shape[2]), np.uint16)
+    _activate_rows_bf16(gate_up, code, acts)
+    sums = np.zeros((x.shape[0], w_down.shape[1]), np.float32)
+    for b in range(_blocks(w_down)):
+        _down_block_bf16(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, b)
     _store_sums(sums, out)
     return True

@@ -79,11 +79,11 @@ ROWS_DTYPES = (torch.float32, torch.bfloat16)
 #: kernels measured ahead at every row count (`rows_bound`).
 ROWS_MAX_MEAN_ROWS = 16
 #: The same bound for bfloat16 where the CPU has bfloat16 dot-product instructions (AVX512-BF16,
-#: AMX): there oneDNN's loop multiplies bfloat16 natively and overtakes the row kernels (which
-#: widen to float32) from about five rows per expert (bench/layer.py shape, one thread, AMD
-#: EPYC Zen 4: 4 rows 21.1 ms against the loop's 23.6 ms, 5 rows 23.7 / 24.8, 6 rows 27.7 /
-#: 25.4, 8 rows 35.1 / 28.4).
-ROWS_MAX_MEAN_ROWS_NATIVE_BF16 = 5
+#: AMX): there oneDNN's loop multiplies bfloat16 natively, and so do the row kernels
+#: (`_rows.rows_experts_bf16`); the loop overtakes them above about eight rows per expert
+#: (H = 1024, I = 384, N = 64, K = 8, one thread, AMD EPYC Zen 4: 4 rows 13.4 ms against the
+#: loop's 23.5 ms, 8 rows 24.6 / 27.2, 10 rows 30.9 / 29.1, 16 rows 51.4 / 33.3).
+ROWS_MAX_MEAN_ROWS_NATIVE_BF16 = 8
 
 
 def check_dtype(name: str, dtype: torch.dtype) -> None:
@@ -369,8 +369,12 @@ def _rows_forward(hidden_states, local_ids, weights, w_gate_up, w_down, activati
                          f"{hidden_states.dtype} activations and {w_gate_up.dtype} weights")
     out = torch.empty(hidden_states.shape, dtype=hidden_states.dtype)
     threads = cpu_threads()
-    # One thread: the serial kernel, with no parallel region to start.
-    kernel = _rows.rows_experts_serial if threads == 1 else _rows.rows_experts
+    # One thread: the serial kernel, with no parallel region to start. bfloat16 on a CPU with
+    # bfloat16 dot-product instructions: the kernel that uses them.
+    if hidden_states.dtype == torch.bfloat16 and _rows.BF16_DOT:
+        kernel = _rows.rows_experts_bf16_serial if threads == 1 else _rows.rows_experts_bf16
+    else:
+        kernel = _rows.rows_experts_serial if threads == 1 else _rows.rows_experts
     with _numba_threads(threads):
         served = kernel(_row_view(hidden_states), local_ids.detach().contiguous().numpy(),
                         weights.detach().to(torch.float32).contiguous().numpy(), _row_view(w_gate_up),
