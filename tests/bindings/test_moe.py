@@ -13,8 +13,7 @@ from helpers.reference import generator as _generator
 from helpers.reference import swigluoai as swigluoai_reference
 from moeroute.bindings.torch.dispatch import DispatchHandle, LocalDispatcher, check_dispatch_inputs
 from moeroute.bindings.torch import experts as experts_module
-from moeroute.bindings.torch.experts import (PADDED_MAX_ROWS, ROWS_MAX_MEAN_ROWS, ROWS_MAX_MEAN_ROWS_NATIVE_BF16,
-                                             LocalExperts, choose_gemm,
+from moeroute.bindings.torch.experts import (PADDED_MAX_ROWS, ROWS_MAX_MEAN_ROWS, LocalExperts, choose_gemm,
                                              expert_mlp, rows_bound, onednn_linear_serves, padded_expert_mlp,
                                              streamed_expert_mlp)
 from moeroute.bindings.torch.moe import MoE
@@ -406,14 +405,11 @@ def test_choose_gemm():
         assert choose_gemm([3, 0, 5, 1], dtype=dtype) == "rows"
         assert choose_gemm([1, 0, 0, 0], dtype=dtype) == "rows"  # decode: most experts idle
         assert choose_gemm([3, 0, 5, 1], onednn=True, dtype=dtype) == "rows"
-    assert choose_gemm([ROWS_MAX_MEAN_ROWS] * 4, dtype=torch.float32) == "rows"
-    assert choose_gemm([ROWS_MAX_MEAN_ROWS_NATIVE_BF16] * 4, dtype=torch.bfloat16) == "rows"
+        assert choose_gemm([ROWS_MAX_MEAN_ROWS] * 4, dtype=dtype) == "rows"
     assert choose_gemm([many, many, 0, many], onednn=True, dtype=torch.float32) == "loop"
     # bfloat16 without bfloat16 instructions: the row kernels at every count; else bounded.
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    assert rows_bound(torch.bfloat16) == (ROWS_MAX_MEAN_ROWS_NATIVE_BF16 if native else float("inf"))
-    bound = ROWS_MAX_MEAN_ROWS_NATIVE_BF16 + 1
-    assert choose_gemm([bound, 0, bound, bound], dtype=torch.bfloat16) == ("loop" if native else "rows")
+    assert rows_bound(torch.bfloat16) == (ROWS_MAX_MEAN_ROWS if native else float("inf"))
     assert rows_bound(torch.float32) == ROWS_MAX_MEAN_ROWS
     assert choose_gemm([many, 0, many, many], dtype=torch.bfloat16) == ("loop" if native else "rows")
     assert choose_gemm([4096, 1], onednn=True, dtype=torch.bfloat16) == ("loop" if native else "rows")

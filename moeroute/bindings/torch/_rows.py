@@ -490,32 +490,126 @@ def _dot_bf16(w, x):
     return acc
 
 
+@intrinsic
+def _dot_bf16_rows(typingctx, w, xs, rows):
+    """(w . xs[rows[0]], ..) over the first 32 * (n // 32) elements, for one bfloat16 weight
+    row ``w`` (uint16 [n]) and 1 to 4 rows of ``xs`` (uint16 [*, n], C-contiguous): each group
+    of 32 weights is loaded once for all the rows."""
+    if not (isinstance(rows, types.UniTuple) and 1 <= rows.count <= _ROW_TILE
+            and isinstance(rows.dtype, types.Integer)
+            and isinstance(w, types.Array) and isinstance(xs, types.Array) and w.ndim == 1 and xs.ndim == 2
+            and w.dtype == xs.dtype == types.uint16 and w.layout == xs.layout == "C"):
+        return None
+    count = rows.count
+    chains = _CHAINS // count  # accumulators per row: 4 chains in flight whatever the count
+
+    def codegen(context, builder, signature, args):
+        i16, f32 = ir.IntType(16), ir.FloatType()
+        v32i16, v16f = ir.VectorType(i16, _LANES), ir.VectorType(f32, 16)
+        v32bf = ir.VectorType(_BFloat16Type(), _LANES)
+        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v32bf, v32bf]),
+                                             "llvm.x86.avx512bf16.dpbf16ps.512")
+        w_array = context.make_array(signature.args[0])(context, builder, args[0])
+        xs_array = context.make_array(signature.args[1])(context, builder, args[1])
+        n = builder.extract_value(w_array.shape, 0)
+        width = builder.extract_value(xs_array.shape, 1)
+        index_type = n.type
+        w_ptr = builder.bitcast(w_array.data, v32i16.as_pointer())
+        x_ptrs = [builder.bitcast(builder.gep(xs_array.data, [builder.mul(context.cast(builder, row, rows.dtype,
+                                                                                       types.intp), width)]),
+                                  v32i16.as_pointer())
+                  for row in cgutils.unpack_tuple(builder, args[2], count)]
+        zero = ir.Constant(v16f, [0.0] * 16)
+        accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(chains)] for _ in range(count)]
+
+        def step(vector, chain):
+            a = builder.bitcast(builder.load(builder.gep(w_ptr, [vector]), align=2), v32bf)
+            for r in range(count):
+                b = builder.bitcast(builder.load(builder.gep(x_ptrs[r], [vector]), align=2), v32bf)
+                builder.store(builder.call(dot, [builder.load(accs[r][chain]), a, b]), accs[r][chain])
+
+        vectors = builder.udiv(n, ir.Constant(index_type, _LANES))
+        rounds = builder.udiv(vectors, ir.Constant(index_type, chains))
+        with cgutils.for_range(builder, rounds) as loop:
+            first = builder.mul(loop.index, ir.Constant(index_type, chains))
+            for c in range(chains):
+                step(builder.add(first, ir.Constant(index_type, c)), c)
+        with cgutils.for_range_slice(builder, builder.mul(rounds, ir.Constant(index_type, chains)), vectors,
+                                     ir.Constant(index_type, 1)) as (vector, _):
+            step(vector, 0)
+        sums = []
+        for r in range(count):
+            total = builder.load(accs[r][0])
+            for c in range(1, chains):
+                total = builder.fadd(total, builder.load(accs[r][c]))
+            sums.append(_sum_lanes(builder, total))
+        return context.make_tuple(builder, signature.return_type, sums)
+
+    return types.UniTuple(types.float32, count)(w, xs, rows), codegen
+
+
+@numba.njit(fastmath=True)
+def _tail(w, x, acc):
+    """acc plus the widened products past the last whole 32-lane group."""
+    for k in range(w.shape[0] // _LANES * _LANES, w.shape[0]):
+        acc += _bfloat16_bits_to_float32(w[k]) * _bfloat16_bits_to_float32(x[k])
+    return acc
+
+
+@numba.njit(fastmath=True)
+def _dots_bf16(w, xs, r0, r1, r2, r3, count, out):
+    """out[i] = w . xs[r_i] for the first ``count`` (1 to 4) of the rows r0..r3, with the dot
+    instructions."""
+    if count == 4:
+        out[0], out[1], out[2], out[3] = _dot_bf16_rows(w, xs, (r0, r1, r2, r3))
+    elif count == 3:
+        out[0], out[1], out[2] = _dot_bf16_rows(w, xs, (r0, r1, r2))
+    elif count == 2:
+        out[0], out[1] = _dot_bf16_rows(w, xs, (r0, r1))
+    else:
+        (out[0],) = _dot_bf16_rows(w, xs, (r0,))
+    if w.shape[0] % _LANES:
+        for i, r in enumerate((r0, r1, r2, r3)):
+            if i < count:
+                out[i] = _tail(w, xs[r], out[i])
+
+
 @numba.njit(fastmath=True)
 def _gate_up_item_bf16(x, tokens, offsets, e, b, w_gate_up, bias, out):
     """`_gate_up_item` on bfloat16 rows ``x`` (uint16 [T, H]) with the dot instructions: each
-    weight row dotted with every row of the expert (from cache after the first)."""
+    weight row loaded once per four of the expert's rows."""
     weights = w_gate_up[e]
     start, stop = offsets[e], offsets[e + 1]
-    for n in range(b * ROW_BLOCK, min(w_gate_up.shape[1], (b + 1) * ROW_BLOCK)):
-        w = weights[n]
-        add = bias[e, n] if bias.shape[0] > 0 else np.float32(0.0)
-        for m in range(start, stop):
-            out[m, n] = _dot_bf16(w, x[tokens[m]]) + add
+    dots = np.empty(_ROW_TILE, np.float32)
+    for m in range(start, stop, _ROW_TILE):
+        count = min(_ROW_TILE, stop - m)
+        r0, r1 = tokens[m], tokens[min(m + 1, stop - 1)]
+        r2, r3 = tokens[min(m + 2, stop - 1)], tokens[min(m + 3, stop - 1)]
+        for n in range(b * ROW_BLOCK, min(w_gate_up.shape[1], (b + 1) * ROW_BLOCK)):
+            _dots_bf16(weights[n], x, r0, r1, r2, r3, count, dots)
+            add = bias[e, n] if bias.shape[0] > 0 else np.float32(0.0)
+            for i in range(count):
+                out[m + i, n] = dots[i] + add
 
 
 @numba.njit(fastmath=True)
 def _down_block_bf16(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums, b):
     """`_down_block` on bfloat16 intermediates ``acts`` (uint16 [M, I]) with the dot
-    instructions."""
+    instructions, each weight row loaded once per four rows."""
     first, last = b * ROW_BLOCK, min(w_down.shape[1], (b + 1) * ROW_BLOCK)
+    dots = np.empty(_ROW_TILE, np.float32)
     for i in range(experts.shape[0]):
         e = experts[i]
         weights = w_down[e]
-        for m in range(offsets[e], offsets[e + 1]):
-            t, weight, row = tokens[m], slot_weights[m], acts[m]
+        start, stop = offsets[e], offsets[e + 1]
+        for m in range(start, stop, _ROW_TILE):
+            count = min(_ROW_TILE, stop - m)
+            r1, r2, r3 = min(m + 1, stop - 1), min(m + 2, stop - 1), min(m + 3, stop - 1)
             for n in range(first, last):
+                _dots_bf16(weights[n], acts, m, r1, r2, r3, count, dots)
                 add = bias[e, n] if bias.shape[0] > 0 else np.float32(0.0)
-                sums[t, n] += weight * (_dot_bf16(weights[n], row) + add)
+                for j in range(count):
+                    sums[tokens[m + j], n] += slot_weights[m + j] * (dots[j] + add)
 
 
 @numba.njit
