@@ -593,10 +593,11 @@ def _gate_up_item_bf16(x, tokens, offsets, e, b, w_gate_up, bias, out):
 
 
 @numba.njit(fastmath=True)
-def _down_block_bf16(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums, b):
+def _down_block_bf16(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums, b, columns=ROW_BLOCK):
     """`_down_block` on bfloat16 intermediates ``acts`` (uint16 [M, I]) with the dot
-    instructions, each weight row loaded once per four rows."""
-    first, last = b * ROW_BLOCK, min(w_down.shape[1], (b + 1) * ROW_BLOCK)
+    instructions, each weight row loaded once per four rows, for the output columns of block
+    ``b`` of ``columns``."""
+    first, last = b * columns, min(w_down.shape[1], (b + 1) * columns)
     dots = np.empty(_ROW_TILE, np.float32)
     for i in range(experts.shape[0]):
         e = experts[i]
@@ -674,7 +675,8 @@ def rows_experts_bf16_serial(x, ids, weights, w_gate_up, w_down, b_gate_up, b_do
     acts = np.empty((tokens.shape[0], w_down.shape[2]), np.uint16)
     _activate_rows_bf16(gate_up, code, acts)
     sums = np.zeros((x.shape[0], w_down.shape[1]), np.float32)
-    for b in range(_blocks(w_down)):
-        _down_block_bf16(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, b)
+    # One thread: all columns as one block, each expert's down weights read as one stream
+    # (every sum still adds its experts in the same order: the parallel kernel's bits).
+    _down_block_bf16(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, 0, w_down.shape[1])
     _store_sums(sums, out)
     return True
