@@ -206,16 +206,23 @@ BF16_DOT_REASON = "this CPU has no bfloat16 dot-product instructions (AVX512-BF1
 
 
 @pytest.mark.skipif(not _rows.BF16_DOT, reason=BF16_DOT_REASON)
+@pytest.mark.parametrize("count", [1, 2, 3, 4])
 @pytest.mark.parametrize("length", [1, 31, 32, 33, 127, 128, 129, 160, 1000])
-def test_bf16_dot_instruction_matches_float64(length):
-    """vdpbf16ps over whole 32-lane groups plus the widened rest: the dot of the bfloat16 values
-    (exact products, float32 sums)."""
+def test_bf16_dot_instruction_matches_float64(length, count):
+    """vdpbf16ps over whole 32-lane groups plus the widened rest, one weight row against 1 to 4
+    activation rows (picked out of order): the dots of the bfloat16 values (exact products,
+    float32 sums)."""
     generator = torch.Generator().manual_seed(length)
-    w, x = (torch.randn(2, length, generator=generator) * 3).to(torch.bfloat16)
-    got = _rows._dot_bf16(w.view(torch.uint16).numpy(), x.view(torch.uint16).numpy())
-    expected = float((w.double() * x.double()).sum())
-    bound = 4 * length * 2.0 ** -24 * float((w.double() * x.double()).abs().sum())
-    assert abs(got - expected) <= bound
+    w = (torch.randn(length, generator=generator) * 3).to(torch.bfloat16)
+    xs = (torch.randn(6, length, generator=generator) * 3).to(torch.bfloat16)
+    rows = [4, 0, 5, 2][:count] + [2] * (4 - count)
+    out = np.full(4, np.nan, np.float32)
+    _rows._dots_bf16(w.view(torch.uint16).numpy(), xs.view(torch.uint16).numpy(), *rows, count, out)
+    for i in range(count):
+        products = w.double() * xs[rows[i]].double()
+        bound = 4 * length * 2.0 ** -24 * float(products.abs().sum())
+        assert abs(float(out[i]) - float(products.sum())) <= bound
+    assert np.isnan(out[count:]).all()
 
 
 @pytest.mark.parametrize("kernel", ["widened", "bf16_dot"])

@@ -436,61 +436,6 @@ def _sum_lanes(builder, vector):
 
 
 @intrinsic
-def _dot_bf16_lanes(typingctx, w, x):
-    """sum_k w[k] * x[k] over the first 32 * (n // 32) elements of two bfloat16 rows (uint16
-    bits, C-contiguous [n]), with ``vdpbf16ps`` into float32 lanes."""
-    if not (isinstance(w, types.Array) and isinstance(x, types.Array) and w.ndim == x.ndim == 1
-            and w.dtype == x.dtype == types.uint16 and w.layout == x.layout == "C"):
-        return None
-
-    def codegen(context, builder, signature, args):
-        i16, i32, f32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
-        v32i16, v16f = ir.VectorType(i16, _LANES), ir.VectorType(f32, 16)
-        v32bf = ir.VectorType(_BFloat16Type(), _LANES)
-        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v32bf, v32bf]),
-                                             "llvm.x86.avx512bf16.dpbf16ps.512")
-        w_array = context.make_array(signature.args[0])(context, builder, args[0])
-        x_array = context.make_array(signature.args[1])(context, builder, args[1])
-        n = builder.extract_value(w_array.shape, 0)
-        index_type = n.type
-        w_ptr = builder.bitcast(w_array.data, v32i16.as_pointer())
-        x_ptr = builder.bitcast(x_array.data, v32i16.as_pointer())
-        zero = ir.Constant(v16f, [0.0] * 16)
-        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(_CHAINS)]
-
-        def step(vector, acc):
-            a = builder.bitcast(builder.load(builder.gep(w_ptr, [vector]), align=2), v32bf)
-            b = builder.bitcast(builder.load(builder.gep(x_ptr, [vector]), align=2), v32bf)
-            builder.store(builder.call(dot, [builder.load(acc), a, b]), acc)
-
-        vectors = builder.udiv(n, ir.Constant(index_type, _LANES))
-        rounds = builder.udiv(vectors, ir.Constant(index_type, _CHAINS))
-        with cgutils.for_range(builder, rounds) as loop:
-            first = builder.mul(loop.index, ir.Constant(index_type, _CHAINS))
-            for c in range(_CHAINS):
-                step(builder.add(first, ir.Constant(index_type, c)), accs[c])
-        with cgutils.for_range_slice(builder, builder.mul(rounds, ir.Constant(index_type, _CHAINS)), vectors,
-                                     ir.Constant(index_type, 1)) as (vector, _):
-            step(vector, accs[0])
-        total = builder.load(accs[0])
-        for c in range(1, _CHAINS):
-            total = builder.fadd(total, builder.load(accs[c]))
-        return _sum_lanes(builder, total)
-
-    return types.float32(w, x), codegen
-
-
-@numba.njit(fastmath=True)
-def _dot_bf16(w, x):
-    """w . x for two bfloat16 rows (uint16 bits): the instruction over whole 32-lane groups,
-    the rest widened."""
-    acc = _dot_bf16_lanes(w, x)
-    for k in range(w.shape[0] // _LANES * _LANES, w.shape[0]):
-        acc += _bfloat16_bits_to_float32(w[k]) * _bfloat16_bits_to_float32(x[k])
-    return acc
-
-
-@intrinsic
 def _dot_bf16_rows(typingctx, w, xs, rows):
     """(w . xs[rows[0]], ..) over the first 32 * (n // 32) elements, for one bfloat16 weight
     row ``w`` (uint16 [n]) and 1 to 4 rows of ``xs`` (uint16 [*, n], C-contiguous): each group
