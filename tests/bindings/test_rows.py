@@ -244,3 +244,27 @@ def test_both_bfloat16_kernels_match_reference(kernel, tokens, top_k, bias):
     expected = _reference(x, ids, weights, w_gate_up, w_down, "silu", b_gate_up, b_down)
     scale = float(expected.abs().max()) or 1.0
     torch.testing.assert_close(out.double() / scale, expected / scale, **TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernels", ["widened", "bf16_dot"])
+def test_serial_and_parallel_kernels_give_the_same_bits(dtype, kernels):
+    """One thread reads each expert's down weights as one stream, the parallel kernel splits the
+    output columns: every sum still adds its experts in one order, so the bits are equal."""
+    if kernels == "bf16_dot" and (dtype != torch.bfloat16 or not _rows.BF16_DOT):
+        pytest.skip(BF16_DOT_REASON if dtype == torch.bfloat16 else "the dot kernels serve bfloat16")
+    x, ids, weights, w_gate_up, w_down, (b_gate_up, b_down) = _problem(24, 4, dtype, 13, bias=True)
+    serial, parallel = ((_rows.rows_experts_serial, _rows.rows_experts) if kernels == "widened"
+                        else (_rows.rows_experts_bf16_serial, _rows.rows_experts_bf16))
+
+    def view(tensor):
+        return tensor.view(torch.uint16).numpy() if tensor.dtype == torch.bfloat16 else tensor.numpy()
+
+    outs = []
+    for run in (serial, parallel):
+        out = torch.empty(24, H, dtype=dtype)
+        assert run(view(x), ids.numpy(), weights.numpy(), view(w_gate_up), view(w_down), b_gate_up.float().numpy(),
+                   b_down.float().numpy(), _rows.ACTIVATION_CODES["gelu"], np.inf, view(out))
+        outs.append(out)
+    assert torch.equal(outs[0].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       outs[1].view(torch.int16 if dtype == torch.bfloat16 else torch.int32))

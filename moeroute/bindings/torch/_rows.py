@@ -155,20 +155,21 @@ def _gate_up_item(xs, tokens, offsets, e, b, w_gate_up, bias, out):
 
 
 @numba.njit(fastmath=True)
-def _down_block(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums, b):
+def _down_block(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums, b, columns=ROW_BLOCK):
     """sums[tokens[m], n] += slot_weights[m] * (acts[m] . W_e[n] (+ bias[e, n])) for the output
-    columns n of block ``b``, over every hit expert in ``experts`` order. Parallel callers split
-    the blocks, so each sum has one writer and the order of additions is fixed."""
+    columns n of block ``b`` of ``columns``, over every hit expert in ``experts`` order.
+    Parallel callers split the blocks, so each sum has one writer and the order of additions
+    is fixed; one thread takes all columns as one block (each expert's weights one stream)."""
     hidden = w_down.shape[1]
     rows = np.arange(acts.shape[0])
     tile = np.empty(2 * _ROW_TILE, np.float32)
-    first, last = b * ROW_BLOCK, min(hidden, (b + 1) * ROW_BLOCK)
-    dots = np.empty((0, ROW_BLOCK), np.float32)
+    first, last = b * columns, min(hidden, (b + 1) * columns)
+    dots = np.empty((0, columns), np.float32)
     for i in range(experts.shape[0]):
         e = experts[i]
         start, stop = offsets[e], offsets[e + 1]
         if dots.shape[0] < stop - start:
-            dots = np.empty((stop - start, ROW_BLOCK), np.float32)
+            dots = np.empty((stop - start, columns), np.float32)
         if stop - start == 1:  # decode: one row, a plain pass over the weights
             x, weights, row = acts[start], w_down[e], dots[0]
             for n in range(first, last):
@@ -380,8 +381,7 @@ def rows_experts_serial(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, c
     for item in range(work.shape[0]):
         _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, b_gate_up, gate_up)
     _activate_rows(gate_up, code, acts)
-    for b in range(_blocks(w_down)):
-        _down_block(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, b)
+    _down_block(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, 0, w_down.shape[1])
     _store_sums(sums, out)
     return True
 
