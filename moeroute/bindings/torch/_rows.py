@@ -25,6 +25,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
+from moeroute.routing.select._simd import _float32_bits
+
 __all__ = ["plan_rows", "rows_experts", "rows_experts_serial", "rows_experts_bf16", "rows_experts_bf16_serial",
            "BF16_DOT", "ACTIVATION_CODES", "ROW_BLOCK"]
 
@@ -304,16 +306,9 @@ def _store_sums_impl(sums, out):
     (ties to even; NaN as the quiet NaN 0x7FC0, as torch rounds) for uint16 bits."""
     if out.dtype == types.uint16:
         def round_to_bfloat16(sums, out):
-            bits = sums.view(np.uint32)
             for t in range(out.shape[0]):
                 for n in range(out.shape[1]):
-                    value = sums[t, n]
-                    if value != value:
-                        out[t, n] = np.uint16(0x7FC0)
-                    else:
-                        b = bits[t, n]
-                        out[t, n] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1)))
-                                              >> np.uint32(16))
+                    out[t, n] = _round_bfloat16(sums[t, n])
         return round_to_bfloat16
     if out.dtype == types.float32:
         def copy(sums, out):
@@ -567,24 +562,12 @@ def _activate_rows_bf16(gate_up, code, acts):
             acts[m, n] = _round_bfloat16(_gated(gate_up[m, n], gate_up[m, inter + n], code))
 
 
-@intrinsic
-def _float32_bits(typingctx, value):
-    """The uint32 bits of a float32."""
-    if value != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(types.float32), codegen
-
-
 @numba.njit
 def _round_bfloat16(value):
     """A float32 rounded to the nearest bfloat16 (ties to even; NaN as 0x7FC0), as uint16 bits."""
     if value != value:
         return np.uint16(0x7FC0)
-    b = _float32_bits(value)
+    b = np.uint32(_float32_bits(value))
     return np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
