@@ -97,6 +97,13 @@ def _special_floats() -> torch.Tensor:
     return torch.cat([ties, edges, grid])
 
 
+def test_every_activation_has_a_kernel_code():
+    from moeroute.bindings.torch.activations import ACTIVATIONS
+
+    assert set(_rows.ACTIVATION_CODES) == set(ACTIVATIONS)
+    assert sorted(_rows.ACTIVATION_CODES.values()) == list(range(len(ACTIVATIONS)))
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "swigluoai"])
 def test_fused_activation_matches_torch(activation):
     """The compiled activation against torch's float32 definition (`gated_activation`): within

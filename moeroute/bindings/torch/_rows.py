@@ -25,6 +25,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
+from moeroute.bindings.torch.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 from moeroute.routing.select._simd import _float32_bits
 
 __all__ = ["plan_rows", "rows_experts", "rows_experts_serial", "rows_experts_bf16", "rows_experts_bf16_serial",
@@ -244,8 +245,8 @@ ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swigluoai": 3}
 _SQRT_HALF = np.float32(0.7071067811865476)
 _SQRT_2_OVER_PI = np.float32(0.7978845608028654)
 _GELU_CUBIC = np.float32(0.044715)
-_SWIGLUOAI_ALPHA = np.float32(1.702)
-_SWIGLUOAI_LIMIT = np.float32(7.0)
+_SWIGLUOAI_ALPHA = np.float32(SWIGLUOAI_ALPHA)
+_SWIGLUOAI_LIMIT = np.float32(SWIGLUOAI_LIMIT)
 
 
 @numba.njit
