@@ -212,24 +212,50 @@ def test_plan_rows_is_the_stable_expert_sort(tokens, top_k):
 BF16_DOT_REASON = "this CPU has no bfloat16 dot-product instructions (AVX512-BF16)"
 
 
+@numba.njit
+def _bf16_dots(w, w_rows, xs, x_rows, out):
+    if len(w_rows) == 4:
+        a = (w_rows[0], w_rows[1], w_rows[2], w_rows[3])
+        if len(x_rows) == 4:
+            _rows._dots_bf16(w, a, xs, (x_rows[0], x_rows[1], x_rows[2], x_rows[3]), out)
+        elif len(x_rows) == 3:
+            _rows._dots_bf16(w, a, xs, (x_rows[0], x_rows[1], x_rows[2]), out)
+        elif len(x_rows) == 2:
+            _rows._dots_bf16(w, a, xs, (x_rows[0], x_rows[1]), out)
+        else:
+            _rows._dots_bf16(w, a, xs, (x_rows[0],), out)
+    else:
+        b = (w_rows[0],)
+        if len(x_rows) == 4:
+            _rows._dots_bf16(w, b, xs, (x_rows[0], x_rows[1], x_rows[2], x_rows[3]), out)
+        elif len(x_rows) == 3:
+            _rows._dots_bf16(w, b, xs, (x_rows[0], x_rows[1], x_rows[2]), out)
+        elif len(x_rows) == 2:
+            _rows._dots_bf16(w, b, xs, (x_rows[0], x_rows[1]), out)
+        else:
+            _rows._dots_bf16(w, b, xs, (x_rows[0],), out)
+
+
 @pytest.mark.skipif(not _rows.BF16_DOT, reason=BF16_DOT_REASON)
+@pytest.mark.parametrize("weight_rows", [1, 4])
 @pytest.mark.parametrize("count", [1, 2, 3, 4])
 @pytest.mark.parametrize("length", [1, 31, 32, 33, 127, 128, 129, 160, 1000])
-def test_bf16_dot_instruction_matches_float64(length, count):
-    """vdpbf16ps over whole 32-lane groups plus the widened rest, one weight row against 1 to 4
-    activation rows (picked out of order): the dots of the bfloat16 values (exact products,
-    float32 sums)."""
+def test_bf16_dot_instruction_matches_float64(length, count, weight_rows):
+    """vdpbf16ps over whole 32-lane groups plus the widened rest, a tile of 1 or 4 weight rows
+    against 1 to 4 activation rows (both picked out of order): the dots of the bfloat16 values
+    (exact products, float32 sums), stored weight row by weight row."""
     generator = torch.Generator().manual_seed(length)
-    w = (torch.randn(length, generator=generator) * 3).to(torch.bfloat16)
+    w = (torch.randn(7, length, generator=generator) * 3).to(torch.bfloat16)
     xs = (torch.randn(6, length, generator=generator) * 3).to(torch.bfloat16)
-    rows = [4, 0, 5, 2][:count] + [2] * (4 - count)
-    out = np.full(4, np.nan, np.float32)
-    _rows._dots_bf16(w.view(torch.uint16).numpy(), xs.view(torch.uint16).numpy(), *rows, count, out)
-    for i in range(count):
-        products = w.double() * xs[rows[i]].double()
-        bound = 4 * length * 2.0 ** -24 * float(products.abs().sum())
-        assert abs(float(out[i]) - float(products.sum())) <= bound
-    assert np.isnan(out[count:]).all()
+    w_rows, x_rows = [5, 1, 6, 3][:weight_rows], [4, 0, 5, 2][:count]
+    out = np.full(17, np.nan, np.float32)
+    _bf16_dots(w.view(torch.uint16).numpy(), np.array(w_rows), xs.view(torch.uint16).numpy(), np.array(x_rows), out)
+    for i, w_row in enumerate(w_rows):
+        for j, x_row in enumerate(x_rows):
+            products = w[w_row].double() * xs[x_row].double()
+            bound = 4 * length * 2.0 ** -24 * float(products.abs().sum())
+            assert abs(float(out[i * count + j]) - float(products.sum())) <= bound
+    assert np.isnan(out[weight_rows * count:]).all()
 
 
 @pytest.mark.parametrize("kernel", ["widened", "bf16_dot"])

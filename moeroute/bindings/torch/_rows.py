@@ -10,6 +10,11 @@ where the CPU has no bfloat16 instructions), and the second GEMM adds its weight
 straight into the float32 sums (the combine). One call (`rows_experts`) runs a whole forward,
 from the routed slots to the output rows, so a decode step enters compiled code once.
 
+On CPUs with AVX512-BF16, `rows_experts_bf16` uses the bfloat16 dot-product instruction
+(``vdpbf16ps``) instead of widening: a tile of four weight rows, read one after the other
+(one sequential stream, which the hardware prefetchers follow), against up to four
+activation rows, the tile's sums reduced together.
+
 Arrays are NumPy: bfloat16 weights as uint16 views, or float32; activations, biases and
 sums float32. The FP8 kernels of `moeroute.quant._host` have the same structure.
 """
@@ -20,12 +25,12 @@ import math
 
 import numba
 import numpy as np
-from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
 from moeroute.bindings.torch.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+from moeroute.quant._dot import BF16_DOT, LANES, BFloat16Type, accumulators, dot_function, row_pointers, sum_lanes
 from moeroute.routing.select._simd import _float32_bits
 
 __all__ = ["plan_rows", "rows_experts", "rows_experts_serial", "rows_experts_bf16", "rows_experts_bf16_serial",
@@ -391,167 +396,179 @@ def rows_experts_serial(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, c
 # bfloat16 layer keeps it). The instruction flushes subnormal inputs and sums to zero.
 
 
-def _host_bf16_dot() -> bool:
-    """AVX512-BF16 on the host, and Numba compiling for the host CPU (the vector code's target)."""
-    features = llvm_binding.get_host_cpu_features()
-    cpu_name = numba.config.CPU_NAME
-    return (features.get("avx512bf16", False) and features.get("avx512f", False)
-            and (cpu_name is None or cpu_name == "host"))
-
-
-#: Whether this CPU runs `rows_experts_bf16` (bfloat16 dot-product instructions).
-BF16_DOT = _host_bf16_dot()
-_LANES = 32  # bfloat16 values per vdpbf16ps operand
 _CHAINS = 4  # independent accumulators: the instruction's latency hidden
-
-
-class _BFloat16Type(ir.types.Type):
-    """LLVM's ``bfloat`` (llvmlite's IR builder has no name for it)."""
-
-    def _to_string(self):
-        return "bfloat"
-
-    def __eq__(self, other):
-        return isinstance(other, _BFloat16Type)
-
-    def __hash__(self):
-        return hash(_BFloat16Type)
-
-
-def _sum_lanes(builder, vector):
-    """The sum of a float vector's lanes: halves added, 16 -> 8 -> 4 -> 2 -> 1 (a fixed order)."""
-    i32 = ir.IntType(32)
-    width = vector.type.count
-    while width > 1:
-        width //= 2
-        low = builder.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(i32, width), list(range(width))))
-        high = builder.shuffle_vector(vector, vector,
-                                      ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width))))
-        vector = builder.fadd(low, high)
-    return builder.extract_element(vector, ir.Constant(i32, 0))
+#: Weight rows per call of the dot instructions' tile (the tuples of four rows below).
+_WEIGHT_TILE = 4
 
 
 @intrinsic
-def _dot_bf16_rows(typingctx, w, xs, rows):
-    """(w . xs[rows[0]], ..) over the first 32 * (n // 32) elements, for one bfloat16 weight
-    row ``w`` (uint16 [n]) and 1 to 4 rows of ``xs`` (uint16 [*, n], C-contiguous): each group
-    of 32 weights is loaded once for all the rows."""
-    if not (isinstance(rows, types.UniTuple) and 1 <= rows.count <= _ROW_TILE
-            and isinstance(rows.dtype, types.Integer)
-            and isinstance(w, types.Array) and isinstance(xs, types.Array) and w.ndim == 1 and xs.ndim == 2
-            and w.dtype == xs.dtype == types.uint16 and w.layout == xs.layout == "C"):
+def _dot_bf16_tile(typingctx, w, w_rows, xs, x_rows, out):
+    """out[i * len(x_rows) + j] = w[w_rows[i]] . xs[x_rows[j]] over the first 32 * (n // 32)
+    elements, for 1 to 4 rows of the bfloat16 weights ``w`` and 1 to 4 rows of the activations
+    ``xs`` (uint16 [*, n], C-contiguous; ``out`` float32 [>= the tile's size]): each weight
+    row is read once for the activation rows, four chains in flight, and the tile's sums are
+    reduced together."""
+    tuples_ok = all(isinstance(t, types.UniTuple) and 1 <= t.count <= max(_ROW_TILE, _WEIGHT_TILE) and isinstance(t.dtype, types.Integer)
+                    for t in (w_rows, x_rows))
+    if not (tuples_ok and isinstance(w, types.Array) and isinstance(xs, types.Array) and w.ndim == xs.ndim == 2
+            and w.dtype == xs.dtype == types.uint16 and w.layout == xs.layout == "C"
+            and isinstance(out, types.Array) and out.ndim == 1 and out.dtype == types.float32):
         return None
-    count = rows.count
-    chains = _CHAINS // count  # accumulators per row: 4 chains in flight whatever the count
+    tile = (w_rows.count, x_rows.count)
+    chains = max(1, _CHAINS // tile[1])
 
     def codegen(context, builder, signature, args):
-        i16, f32 = ir.IntType(16), ir.FloatType()
-        v32i16, v16f = ir.VectorType(i16, _LANES), ir.VectorType(f32, 16)
-        v32bf = ir.VectorType(_BFloat16Type(), _LANES)
-        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v32bf, v32bf]),
-                                             "llvm.x86.avx512bf16.dpbf16ps.512")
-        w_array = context.make_array(signature.args[0])(context, builder, args[0])
-        xs_array = context.make_array(signature.args[1])(context, builder, args[1])
-        n = builder.extract_value(w_array.shape, 0)
-        width = builder.extract_value(xs_array.shape, 1)
+        v32i16, v16f = ir.VectorType(ir.IntType(16), LANES), ir.VectorType(ir.FloatType(), 16)
+        v32bf = ir.VectorType(BFloat16Type(), LANES)
+        dot = dot_function(builder)
+        w_ptrs, n = row_pointers(context, builder, signature.args[0], args[0], w_rows, args[1], v32i16)
+        x_ptrs, _ = row_pointers(context, builder, signature.args[2], args[2], x_rows, args[3], v32i16)
         index_type = n.type
-        w_ptr = builder.bitcast(w_array.data, v32i16.as_pointer())
-        x_ptrs = [builder.bitcast(builder.gep(xs_array.data, [builder.mul(context.cast(builder, row, rows.dtype,
-                                                                                       types.intp), width)]),
-                                  v32i16.as_pointer())
-                  for row in cgutils.unpack_tuple(builder, args[2], count)]
-        zero = ir.Constant(v16f, [0.0] * 16)
-        accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(chains)] for _ in range(count)]
-
-        def step(vector, chain):
-            a = builder.bitcast(builder.load(builder.gep(w_ptr, [vector]), align=2), v32bf)
-            for r in range(count):
-                b = builder.bitcast(builder.load(builder.gep(x_ptrs[r], [vector]), align=2), v32bf)
-                builder.store(builder.call(dot, [builder.load(accs[r][chain]), a, b]), accs[r][chain])
-
-        vectors = builder.udiv(n, ir.Constant(index_type, _LANES))
+        accs = [[accumulators(builder, chains, v16f) for _ in x_ptrs] for _ in w_ptrs]
+        vectors = builder.udiv(n, ir.Constant(index_type, LANES))
         rounds = builder.udiv(vectors, ir.Constant(index_type, chains))
-        with cgutils.for_range(builder, rounds) as loop:
-            first = builder.mul(loop.index, ir.Constant(index_type, chains))
-            for c in range(chains):
-                step(builder.add(first, ir.Constant(index_type, c)), c)
-        with cgutils.for_range_slice(builder, builder.mul(rounds, ir.Constant(index_type, chains)), vectors,
-                                     ir.Constant(index_type, 1)) as (vector, _):
-            step(vector, 0)
-        sums = []
-        for r in range(count):
-            total = builder.load(accs[r][0])
-            for c in range(1, chains):
-                total = builder.fadd(total, builder.load(accs[r][c]))
-            sums.append(_sum_lanes(builder, total))
-        return context.make_tuple(builder, signature.return_type, sums)
+        # The weight rows one after the other (one sequential stream through memory: weight
+        # rows read side by side defeat the hardware prefetchers), each against every
+        # activation row.
+        for w_ptr, row_accs in zip(w_ptrs, accs):
+            def step(vector, chain):
+                a = builder.bitcast(builder.load(builder.gep(w_ptr, [vector]), align=2), v32bf)
+                for x_ptr, chained in zip(x_ptrs, row_accs):
+                    b = builder.bitcast(builder.load(builder.gep(x_ptr, [vector]), align=2), v32bf)
+                    builder.store(builder.call(dot, [builder.load(chained[chain]), a, b]), chained[chain])
 
-    return types.UniTuple(types.float32, count)(w, xs, rows), codegen
+            with cgutils.for_range(builder, rounds) as loop:
+                first = builder.mul(loop.index, ir.Constant(index_type, chains))
+                for c in range(chains):
+                    step(builder.add(first, ir.Constant(index_type, c)), c)
+            with cgutils.for_range_slice(builder, builder.mul(rounds, ir.Constant(index_type, chains)), vectors,
+                                         ir.Constant(index_type, 1)) as (vector, _):
+                step(vector, 0)
+        totals = []
+        for row in accs:
+            for chained in row:
+                total = builder.load(chained[0])
+                for acc in chained[1:]:
+                    total = builder.fadd(total, builder.load(acc))
+                totals.append(total)
+        out_array = context.make_array(signature.args[4])(context, builder, args[4])
+        for k, value in enumerate(sum_lanes(builder, totals)):
+            builder.store(value, builder.gep(out_array.data, [ir.Constant(index_type, k)]))
+        return context.get_dummy_value()
+
+    return types.none(w, w_rows, xs, x_rows, out), codegen
 
 
-@numba.njit(fastmath=True)
+@numba.njit(fastmath=True, inline="always")
 def _tail(w, x, acc):
     """acc plus the widened products past the last whole 32-lane group."""
-    for k in range(w.shape[0] // _LANES * _LANES, w.shape[0]):
+    for k in range(w.shape[0] // LANES * LANES, w.shape[0]):
         acc += _bfloat16_bits_to_float32(w[k]) * _bfloat16_bits_to_float32(x[k])
     return acc
 
 
+@numba.njit(fastmath=True, inline="always")
+def _dots_bf16(weights, w_rows, xs, x_rows, out):
+    """out[i * len(x_rows) + j] = weights[w_rows[i]] . xs[x_rows[j]]: the dot instructions
+    over whole 32-lane groups, the widened products past them."""
+    _dot_bf16_tile(weights, w_rows, xs, x_rows, out)
+    if weights.shape[1] % LANES:
+        for i in range(len(w_rows)):
+            for j in range(len(x_rows)):
+                k = i * len(x_rows) + j
+                out[k] = _tail(weights[w_rows[i]], xs[x_rows[j]], out[k])
+
+
+@numba.njit(fastmath=True, inline="always")
+def _store_gate_up(dots, tile, n, columns, m, bias, e, out):
+    for i in range(tile):
+        add = bias[e, n + i] if bias.shape[0] > 0 else np.float32(0.0)
+        for j in range(columns):
+            out[m + j, n + i] = dots[i * columns + j] + add
+
+
 @numba.njit(fastmath=True)
-def _dots_bf16(w, xs, r0, r1, r2, r3, count, out):
-    """out[i] = w . xs[r_i] for the first ``count`` (1 to 4) of the rows r0..r3, with the dot
-    instructions."""
-    if count == 4:
-        out[0], out[1], out[2], out[3] = _dot_bf16_rows(w, xs, (r0, r1, r2, r3))
-    elif count == 3:
-        out[0], out[1], out[2] = _dot_bf16_rows(w, xs, (r0, r1, r2))
-    elif count == 2:
-        out[0], out[1] = _dot_bf16_rows(w, xs, (r0, r1))
-    else:
-        (out[0],) = _dot_bf16_rows(w, xs, (r0,))
-    if w.shape[0] % _LANES:
-        for i, r in enumerate((r0, r1, r2, r3)):
-            if i < count:
-                out[i] = _tail(w, xs[r], out[i])
+def _gate_up_rows_bf16(weights, first, last, x, x_rows, m, bias, e, out):
+    """out[m + j, n] = weights[n] . x[x_rows[j]] (+ bias[e, n]) for n in [first, last), four
+    weight rows at a time, then one."""
+    dots = np.empty(_WEIGHT_TILE * _ROW_TILE, np.float32)
+    n = first
+    while n + _WEIGHT_TILE <= last:
+        _dots_bf16(weights, (n, n + 1, n + 2, n + 3), x, x_rows, dots)
+        _store_gate_up(dots, _WEIGHT_TILE, n, len(x_rows), m, bias, e, out)
+        n += _WEIGHT_TILE
+    while n < last:
+        _dots_bf16(weights, (n,), x, x_rows, dots)
+        _store_gate_up(dots, 1, n, len(x_rows), m, bias, e, out)
+        n += 1
 
 
 @numba.njit(fastmath=True)
 def _gate_up_item_bf16(x, tokens, offsets, e, b, w_gate_up, bias, out):
-    """`_gate_up_item` on bfloat16 rows ``x`` (uint16 [T, H]) with the dot instructions: each
-    weight row loaded once per four of the expert's rows."""
+    """`_gate_up_item` on bfloat16 rows ``x`` (uint16 [T, H]) with the dot instructions: four
+    weight rows at a time against up to four of the expert's rows."""
     weights = w_gate_up[e]
     start, stop = offsets[e], offsets[e + 1]
-    dots = np.empty(_ROW_TILE, np.float32)
+    first, last = b * ROW_BLOCK, min(w_gate_up.shape[1], (b + 1) * ROW_BLOCK)
     for m in range(start, stop, _ROW_TILE):
         count = min(_ROW_TILE, stop - m)
-        r0, r1 = tokens[m], tokens[min(m + 1, stop - 1)]
-        r2, r3 = tokens[min(m + 2, stop - 1)], tokens[min(m + 3, stop - 1)]
-        for n in range(b * ROW_BLOCK, min(w_gate_up.shape[1], (b + 1) * ROW_BLOCK)):
-            _dots_bf16(weights[n], x, r0, r1, r2, r3, count, dots)
-            add = bias[e, n] if bias.shape[0] > 0 else np.float32(0.0)
-            for i in range(count):
-                out[m + i, n] = dots[i] + add
+        if count == 4:
+            rows4 = (tokens[m], tokens[m + 1], tokens[m + 2], tokens[m + 3])
+            _gate_up_rows_bf16(weights, first, last, x, rows4, m, bias, e, out)
+        elif count == 3:
+            _gate_up_rows_bf16(weights, first, last, x, (tokens[m], tokens[m + 1], tokens[m + 2]), m, bias, e, out)
+        elif count == 2:
+            _gate_up_rows_bf16(weights, first, last, x, (tokens[m], tokens[m + 1]), m, bias, e, out)
+        else:
+            _gate_up_rows_bf16(weights, first, last, x, (tokens[m],), m, bias, e, out)
+
+
+@numba.njit(fastmath=True, inline="always")
+def _add_down(dots, tile, n, a_rows, tokens, slot_weights, bias, e, sums):
+    for i in range(tile):
+        add = bias[e, n + i] if bias.shape[0] > 0 else np.float32(0.0)
+        for j in range(len(a_rows)):
+            m = a_rows[j]
+            sums[tokens[m], n + i] += slot_weights[m] * (dots[i * len(a_rows) + j] + add)
+
+
+@numba.njit(fastmath=True)
+def _down_rows_bf16(weights, first, last, acts, a_rows, tokens, slot_weights, bias, e, sums):
+    """sums[tokens[m], n] += slot_weights[m] * (weights[n] . acts[m] (+ bias[e, n])) for the
+    rows m of ``a_rows`` and n in [first, last), four weight rows at a time, then one."""
+    dots = np.empty(_WEIGHT_TILE * _ROW_TILE, np.float32)
+    n = first
+    while n + _WEIGHT_TILE <= last:
+        _dots_bf16(weights, (n, n + 1, n + 2, n + 3), acts, a_rows, dots)
+        _add_down(dots, _WEIGHT_TILE, n, a_rows, tokens, slot_weights, bias, e, sums)
+        n += _WEIGHT_TILE
+    while n < last:
+        _dots_bf16(weights, (n,), acts, a_rows, dots)
+        _add_down(dots, 1, n, a_rows, tokens, slot_weights, bias, e, sums)
+        n += 1
 
 
 @numba.njit(fastmath=True)
 def _down_block_bf16(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums, b, columns=ROW_BLOCK):
     """`_down_block` on bfloat16 intermediates ``acts`` (uint16 [M, I]) with the dot
-    instructions, each weight row loaded once per four rows, for the output columns of block
-    ``b`` of ``columns``."""
+    instructions, four weight rows at a time against up to four rows, for the output columns
+    of block ``b`` of ``columns``."""
     first, last = b * columns, min(w_down.shape[1], (b + 1) * columns)
-    dots = np.empty(_ROW_TILE, np.float32)
     for i in range(experts.shape[0]):
         e = experts[i]
         weights = w_down[e]
         start, stop = offsets[e], offsets[e + 1]
         for m in range(start, stop, _ROW_TILE):
             count = min(_ROW_TILE, stop - m)
-            r1, r2, r3 = min(m + 1, stop - 1), min(m + 2, stop - 1), min(m + 3, stop - 1)
-            for n in range(first, last):
-                _dots_bf16(weights[n], acts, m, r1, r2, r3, count, dots)
-                add = bias[e, n] if bias.shape[0] > 0 else np.float32(0.0)
-                for j in range(count):
-                    sums[tokens[m + j], n] += slot_weights[m + j] * (dots[j] + add)
+            if count == 4:
+                _down_rows_bf16(weights, first, last, acts, (m, m + 1, m + 2, m + 3), tokens, slot_weights, bias, e,
+                                sums)
+            elif count == 3:
+                _down_rows_bf16(weights, first, last, acts, (m, m + 1, m + 2), tokens, slot_weights, bias, e, sums)
+            elif count == 2:
+                _down_rows_bf16(weights, first, last, acts, (m, m + 1), tokens, slot_weights, bias, e, sums)
+            else:
+                _down_rows_bf16(weights, first, last, acts, (m,), tokens, slot_weights, bias, e, sums)
 
 
 @numba.njit
