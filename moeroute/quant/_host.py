@@ -23,11 +23,14 @@ from __future__ import annotations
 import numba
 import numpy as np
 from llvmlite import ir
-from numba.core import types
+from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-__all__ = ["gate_up_rows", "gate_up_rows_serial", "down_rows", "down_rows_serial", "dequantize_rows",
-           "dequantize_rows_bf16", "ROW_BLOCK"]
+from moeroute.quant._dot import BF16_DOT, LANES, BFloat16Type, accumulators, dot_function, row_pointers, sum_lanes
+
+__all__ = ["gate_up_rows", "gate_up_rows_serial", "down_rows", "down_rows_serial", "gate_up_rows_bf16",
+           "gate_up_rows_bf16_serial", "down_rows_bf16", "down_rows_bf16_serial", "bf16_dot_serves",
+           "dequantize_rows", "dequantize_rows_bf16", "BF16_DOT", "ROW_BLOCK"]
 
 #: 2**120: a float32 holding e4m3 bits in its low exponent/mantissa bits is q * 2**-120.
 _UNBIAS = np.float32(2.0 ** 120)
@@ -381,3 +384,432 @@ def quantize_rows(x, group, round_bf16, min_amax, q_out, s_out):
                     b = q_bits[k]
                     q_bits[k] = ((b + 0x7FFFF + ((b >> 20) & 1)) & np.int32(-1048576)) | (
                         np.int32(-2147483648) if v < 0 else np.int32(0))
+
+
+# ---------------------------------------------------------------- bfloat16 dot-product instructions
+#
+# On CPUs with AVX512-BF16 (`moeroute.quant._dot.BF16_DOT`) the dots take the e4m3 values as
+# bfloat16, both sides exactly: an e4m3 weight byte is rebuilt as bfloat16 bits in registers
+# (sign, exponent rebiased by 120, mantissa shifted; the eight subnormal magnitudes from a
+# table), the activations' e4m3 values are bfloat16 already. ``vdpbf16ps`` then forms the
+# exact products and float32 sums of each group of bk columns, and the group's sum times
+# ``s_a * s_w`` is added to the row's total: the definition's order, one group at a time.
+
+#: Weight rows per call of `_dot_e4m3_tile` (the tuples of four rows below).
+_WEIGHT_TILE = 4
+
+
+def _e4m3_bfloat16_bytes() -> tuple[list[int], list[int]]:
+    """The high and low bytes of the bfloat16 bits of each e4m3 magnitude code (0..127),
+    exact (the NaN code 0x7F as 480, what the float path's decoder gives it)."""
+    codes = np.arange(128, dtype=np.uint8)
+    values = np.array([_e4m3_magnitude(int(c)) for c in codes], np.float32)
+    bits = values.view(np.uint32)
+    assert not (bits & 0xFFFF).any()  # every e4m3 value is a bfloat16
+    words = bits >> 16
+    return [int(w) >> 8 for w in words], [int(w) & 0xFF for w in words]
+
+
+def _e4m3_magnitude(code: int) -> float:
+    """The value of an e4m3 magnitude code (sign bit clear): 2**(e - 7) * (1 + m / 8), or
+    m * 2**-9 for e = 0; code 0x7F (NaN in e4m3fn) read by the same formula (480)."""
+    exponent, mantissa = code >> 3, code & 7
+    if exponent == 0:
+        return mantissa * 2.0 ** -9
+    return 2.0 ** (exponent - 7) * (1 + mantissa / 8)
+
+
+_HIGH_BYTES, _LOW_BYTES = _e4m3_bfloat16_bytes()
+#: Weights decoded per step: one 64-byte load, two 32-lane bfloat16 vectors.
+_STEP = 2 * LANES
+#: Columns per chunk of a tile's dots (whole groups): four activation rows' chunk, 16 KB of
+#: bfloat16, stays in L1 while the tile's weight rows pass.
+_CHUNK_COLUMNS = 2048
+
+
+class _E4M3Decoder:
+    """Rebuilds 64 e4m3 bytes (<64 x i8>) as two <32 x bfloat> (weights 0-31, 32-63), exactly.
+
+    Two 128-entry byte tables (``vpermi2b``, indexed by the low 7 bits) give each code's
+    bfloat16 high and low bytes, the sign bit is or-ed into the high byte, and a two-source
+    byte permutation (``vpermt2b``) interleaves low and high bytes into words: five
+    instructions per 64 weights. The tables and the sign mask are made once, ahead of the
+    loops, and hidden from LLVM behind an empty inline-asm statement: as constants LLVM
+    folds them into the loop's instructions as memory operands, extra loads per step.
+    """
+
+    def __init__(self, builder):
+        self.builder = builder
+        v64i8 = ir.VectorType(ir.IntType(8), _STEP)
+        self.type = v64i8
+        opaque = ir.FunctionType(v64i8, [v64i8])
+
+        def register(values):
+            return builder.asm(opaque, "", "=v,0", [ir.Constant(v64i8, values)], side_effect=False)
+
+        self.high = (register(_HIGH_BYTES[:64]), register(_HIGH_BYTES[64:]))
+        self.low = (register(_LOW_BYTES[:64]), register(_LOW_BYTES[64:]))
+        self.sign = register([0x80] * _STEP)
+        self.lookup = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v64i8, [v64i8, v64i8, v64i8]),
+                                                     "llvm.x86.avx512.vpermi2var.qi.512")
+
+    def __call__(self, raw):
+        builder, i32 = self.builder, ir.IntType(32)
+        high = builder.call(self.lookup, [self.high[0], raw, self.high[1]])
+        high = builder.or_(high, builder.and_(raw, self.sign))
+        low = builder.call(self.lookup, [self.low[0], raw, self.low[1]])
+        halves = []
+        for first in (0, LANES):
+            order = [i for k in range(first, first + LANES) for i in (k, _STEP + k)]  # little-endian words
+            words = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(i32, _STEP), order))
+            halves.append(builder.bitcast(words, ir.VectorType(BFloat16Type(), LANES)))
+        return halves
+
+
+@intrinsic
+def _dot_e4m3_tile(typingctx, w, w_rows, xs, x_rows, factors, bk, out):
+    """out[i * len(x_rows) + j] = sum_g factors[j, g] * (w[w_rows[i]] . xs[x_rows[j]] over
+    group g of bk columns), for 1 to 4 weight rows, e4m3 bytes (``w`` uint8 [*, K], decoded in
+    registers) or already decoded (``w`` uint16 [*, K], bfloat16 bits: `_decode_e4m3_rows`),
+    and 1 to 4 rows of e4m3 activations as bfloat16 bits (``xs`` uint16 [*, K]); both
+    C-contiguous, K and bk multiples of 64 (`_STEP`), ``factors`` float32 [>= len(x_rows), G]
+    C-contiguous (G = ceil(K / bk)), ``out`` float32 [>= the tile's size]. Each weight row is
+    read once for the activation rows, the rows one after the other (one stream through
+    memory)."""
+    tuples_ok = all(isinstance(t, types.UniTuple) and 1 <= t.count <= _WEIGHT_TILE and isinstance(t.dtype, types.Integer)
+                    for t in (w_rows, x_rows))
+    arrays_ok = (isinstance(w, types.Array) and w.ndim == 2 and w.dtype in (types.uint8, types.uint16)
+                 and w.layout == "C"
+                 and isinstance(xs, types.Array) and xs.ndim == 2 and xs.dtype == types.uint16 and xs.layout == "C"
+                 and isinstance(factors, types.Array) and factors.ndim == 2 and factors.dtype == types.float32
+                 and factors.layout == "C" and isinstance(out, types.Array) and out.ndim == 1
+                 and out.dtype == types.float32)
+    if not (tuples_ok and arrays_ok and isinstance(bk, types.Integer)):
+        return None
+    count = x_rows.count
+    decoded = w.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        v64i8, v32i16 = ir.VectorType(ir.IntType(8), _STEP), ir.VectorType(ir.IntType(16), LANES)
+        v16f = ir.VectorType(ir.FloatType(), 16)
+        v32bf = ir.VectorType(BFloat16Type(), LANES)
+        dot = dot_function(builder)
+        w_ptrs, cols = row_pointers(context, builder, signature.args[0], args[0], w_rows, args[1],
+                                    v32i16 if decoded else v64i8)
+        x_ptrs, _ = row_pointers(context, builder, signature.args[2], args[2], x_rows, args[3], v32i16)
+        index_type = cols.type
+        factor_view = context.make_array(signature.args[4])(context, builder, args[4])
+        groups = builder.extract_value(factor_view.shape, 1)
+        per_group_columns = context.cast(builder, args[5], signature.args[5], types.intp)
+        per_group = builder.udiv(per_group_columns, ir.Constant(index_type, _STEP))
+        steps = builder.udiv(cols, ir.Constant(index_type, _STEP))
+        zero = ir.Constant(v16f, [0.0] * 16)
+        # One accumulator per activation row and group, its scaled sum fused into the row's
+        # total (one rounding) at the group's end.
+        group_sums = accumulators(builder, count, v16f)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v16f, v16f]),
+                                             "llvm.fma.v16f32")
+        two = ir.Constant(index_type, 2)
+        if decoded:
+            def decode_step(w_ptr, step):
+                first = builder.mul(step, two)
+                return [builder.bitcast(builder.load(builder.gep(w_ptr, [at]), align=2), v32bf)
+                        for at in (first, builder.add(first, ir.Constant(index_type, 1)))]
+        else:
+            decode = _E4M3Decoder(builder)
+
+            def decode_step(w_ptr, step):
+                return decode(builder.load(builder.gep(w_ptr, [step]), align=1))
+        # Columns in chunks of whole groups, every weight row's chunk in turn: the activation
+        # rows' chunk (4 rows of `_CHUNK_COLUMNS` bfloat16) stays in L1 for the tile's rows.
+        chunk_groups = builder.udiv(ir.Constant(index_type, _CHUNK_COLUMNS), per_group_columns)
+        chunk_groups = builder.select(builder.icmp_unsigned("==", chunk_groups, ir.Constant(index_type, 0)),
+                                      ir.Constant(index_type, 1), chunk_groups)
+        chunks = builder.udiv(builder.add(groups, builder.sub(chunk_groups, ir.Constant(index_type, 1))),
+                              chunk_groups)
+        row_totals = [accumulators(builder, count, v16f) for _ in w_ptrs]
+        with cgutils.for_range(builder, chunks) as chunk:
+            g_first = builder.mul(chunk.index, chunk_groups)
+            g_last = builder.add(g_first, chunk_groups)
+            g_last = builder.select(builder.icmp_unsigned("<", g_last, groups), g_last, groups)
+            for w_ptr, totals_i in zip(w_ptrs, row_totals):
+                with cgutils.for_range_slice(builder, g_first, g_last, ir.Constant(index_type, 1)) as (g, _):
+                    begin = builder.mul(g, per_group)
+                    end = builder.add(begin, per_group)
+                    end = builder.select(builder.icmp_unsigned("<", end, steps), end, steps)
+                    for acc in group_sums:
+                        builder.store(zero, acc)
+                    with cgutils.for_range_slice(builder, begin, end, ir.Constant(index_type, 1)) as (step, _):
+                        halves = decode_step(w_ptr, step)
+                        for x_ptr, acc in zip(x_ptrs, group_sums):
+                            for h, weights in enumerate(halves):
+                                at = builder.add(builder.mul(step, two), ir.Constant(index_type, h))
+                                x = builder.bitcast(builder.load(builder.gep(x_ptr, [at]), align=2), v32bf)
+                                builder.store(builder.call(dot, [builder.load(acc), weights, x]), acc)
+                    for j, (acc, total) in enumerate(zip(group_sums, totals_i)):
+                        at = builder.add(builder.mul(ir.Constant(index_type, j), groups), g)
+                        factor = _splat(builder, builder.load(builder.gep(factor_view.data, [at])), 16)
+                        builder.store(builder.call(fma, [builder.load(acc), factor, builder.load(total)]), total)
+        totals = [builder.load(total) for totals_i in row_totals for total in totals_i]
+        out_view = context.make_array(signature.args[6])(context, builder, args[6])
+        for k, value in enumerate(sum_lanes(builder, totals)):
+            builder.store(value, builder.gep(out_view.data, [ir.Constant(index_type, k)]))
+        return context.get_dummy_value()
+
+    return types.none(w, w_rows, xs, x_rows, factors, bk, out), codegen
+
+
+@intrinsic
+def _decode_e4m3_rows(typingctx, w, first, last, out):
+    """out[r - first] = the bfloat16 bits of e4m3 row w[r] for r in [first, last): ``w`` uint8
+    [*, K], ``out`` uint16 [>= last - first, K], both C-contiguous, K a multiple of 64."""
+    if not (isinstance(w, types.Array) and w.ndim == 2 and w.dtype == types.uint8 and w.layout == "C"
+            and isinstance(out, types.Array) and out.ndim == 2 and out.dtype == types.uint16 and out.layout == "C"
+            and isinstance(first, types.Integer) and isinstance(last, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v64i8, v32i16 = ir.VectorType(ir.IntType(8), _STEP), ir.VectorType(ir.IntType(16), LANES)
+        source = context.make_array(signature.args[0])(context, builder, args[0])
+        target = context.make_array(signature.args[3])(context, builder, args[3])
+        cols = builder.extract_value(source.shape, 1)
+        index_type = cols.type
+        start = context.cast(builder, args[1], signature.args[1], types.intp)
+        stop = context.cast(builder, args[2], signature.args[2], types.intp)
+        steps = builder.udiv(cols, ir.Constant(index_type, _STEP))
+        src = builder.bitcast(source.data, v64i8.as_pointer())
+        dst = builder.bitcast(target.data, v32i16.as_pointer())
+        decode = _E4M3Decoder(builder)
+        with cgutils.for_range_slice(builder, start, stop, ir.Constant(index_type, 1)) as (row, _):
+            row_src = builder.mul(row, steps)
+            row_dst = builder.mul(builder.sub(row, start), builder.mul(steps, ir.Constant(index_type, 2)))
+            with cgutils.for_range(builder, steps) as loop:
+                halves = decode(builder.load(builder.gep(src, [builder.add(row_src, loop.index)]), align=1))
+                first_half = builder.add(row_dst, builder.mul(loop.index, ir.Constant(index_type, 2)))
+                for h, half in enumerate(halves):
+                    at = builder.add(first_half, ir.Constant(index_type, h))
+                    builder.store(builder.bitcast(half, v32i16), builder.gep(dst, [at]), align=2)
+        return context.get_dummy_value()
+
+    return types.none(w, first, last, out), codegen
+
+
+def _splat(builder, scalar, lanes):
+    """A vector of ``lanes`` copies of ``scalar``."""
+    vector_type = ir.VectorType(scalar.type, lanes)
+    single = builder.insert_element(ir.Constant(vector_type, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(single, single, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+
+
+@numba.njit(fastmath=True, inline="always")
+def _group_factors(s_a, rows, scale_row, factors):
+    """factors[j, g] = s_a[rows[j], g] * scale_row[g]: activation row j's factor for group g
+    against one weight block row."""
+    for j in range(len(rows)):
+        for g in range(scale_row.shape[0]):
+            factors[j, g] = s_a[rows[j], g] * scale_row[g]
+
+
+#: Bytes of decoded bfloat16 weight rows an expert with many rows reuses: within a core's L2.
+_DECODED_BYTES = 256 * 1024
+
+
+@numba.njit
+def _decoded_rows(cols):
+    """Weight rows decoded at a time (a multiple of the tile, at most `ROW_BLOCK`)."""
+    rows = _DECODED_BYTES // (2 * cols) // _WEIGHT_TILE * _WEIGHT_TILE
+    return max(_WEIGHT_TILE, min(ROW_BLOCK, rows))
+
+
+@numba.njit(fastmath=True)
+def _gate_up_rows_e4m3(weights, origin, first, last, xs, x_rows, s_a, scale, inter, bn, bk, m, factors, dots, out):
+    """out[m + j, n] for n in [first, last): gate_up rows n of one expert (``weights[n -
+    origin]``: its e4m3 rows, or rows decoded from ``origin`` on) against the activation rows
+    ``x_rows``; gate and up count their block rows apart."""
+    nb = (inter + bn - 1) // bn
+    count = len(x_rows)
+    n = first
+    while n < last:
+        if n < inter:  # gate rows: block rows 0..nb-1
+            b = n // bn
+            segment_end = min(last, (b + 1) * bn, inter)
+        else:  # up rows: block rows nb..2nb-1, counted from row I
+            rb = (n - inter) // bn
+            b = nb + rb
+            segment_end = min(last, inter + (rb + 1) * bn)
+        _group_factors(s_a, x_rows, scale[b], factors)
+        while n + _WEIGHT_TILE <= segment_end:
+            r = n - origin
+            _dot_e4m3_tile(weights, (r, r + 1, r + 2, r + 3), xs, x_rows, factors, bk, dots)
+            for i in range(_WEIGHT_TILE):
+                for j in range(count):
+                    out[m + j, n + i] = dots[i * count + j]
+            n += _WEIGHT_TILE
+        while n < segment_end:
+            _dot_e4m3_tile(weights, (n - origin,), xs, x_rows, factors, bk, dots)
+            for j in range(count):
+                out[m + j, n] = dots[j]
+            n += 1
+
+
+@numba.njit(fastmath=True)
+def _gate_up_groups(weights, origin, first, last, xs, tokens, start, stop, s_a, scale, inter, bn, bk, factors,
+                    dots, out):
+    """`_gate_up_rows_e4m3` for the expert's sorted rows [start, stop), four at a time."""
+    for m in range(start, stop, _ROW_TILE):
+        count = min(_ROW_TILE, stop - m)
+        if count == 4:
+            rows = (tokens[m], tokens[m + 1], tokens[m + 2], tokens[m + 3])
+            _gate_up_rows_e4m3(weights, origin, first, last, xs, rows, s_a, scale, inter, bn, bk, m, factors, dots,
+                               out)
+        elif count == 3:
+            rows3 = (tokens[m], tokens[m + 1], tokens[m + 2])
+            _gate_up_rows_e4m3(weights, origin, first, last, xs, rows3, s_a, scale, inter, bn, bk, m, factors, dots,
+                               out)
+        elif count == 2:
+            rows2 = (tokens[m], tokens[m + 1])
+            _gate_up_rows_e4m3(weights, origin, first, last, xs, rows2, s_a, scale, inter, bn, bk, m, factors, dots,
+                               out)
+        else:
+            _gate_up_rows_e4m3(weights, origin, first, last, xs, (tokens[m],), s_a, scale, inter, bn, bk, m, factors,
+                               dots, out)
+
+
+@numba.njit(fastmath=True)
+def _gate_up_item_bf16(xs, s_a, tokens, offsets, e, chunk, q_gate_up, gate_up_scale, inter, bn, bk, out):
+    """`_gate_up_item` with the dot instructions: four weight rows at a time against up to
+    four of the expert's rows; past four rows the chunk's weight rows are decoded once, some
+    at a time (`_decoded_rows`), into a bfloat16 buffer that every group of four reads in cache."""
+    start, stop = offsets[e], offsets[e + 1]
+    weights, scale = q_gate_up[e], gate_up_scale[e]
+    first, last = chunk * ROW_BLOCK, min(q_gate_up.shape[1], (chunk + 1) * ROW_BLOCK)
+    factors = np.empty((_ROW_TILE, gate_up_scale.shape[2]), np.float32)
+    dots = np.empty(_WEIGHT_TILE * _ROW_TILE, np.float32)
+    if stop - start > _ROW_TILE:
+        rows = _decoded_rows(q_gate_up.shape[2])
+        decoded = np.empty((rows, q_gate_up.shape[2]), np.uint16)
+        for sub in range(first, last, rows):
+            sub_last = min(last, sub + rows)
+            _decode_e4m3_rows(weights, sub, sub_last, decoded)
+            _gate_up_groups(decoded, sub, sub, sub_last, xs, tokens, start, stop, s_a, scale, inter, bn, bk, factors,
+                            dots, out)
+    else:
+        _gate_up_groups(weights, 0, first, last, xs, tokens, start, stop, s_a, scale, inter, bn, bk, factors, dots,
+                        out)
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def gate_up_rows_bf16(xs, s_a, tokens, offsets, work, q_gate_up, gate_up_scale, inter, bn, bk, out):
+    """`gate_up_rows` with the dot instructions (`BF16_DOT`; never call it elsewhere, and only
+    where `bf16_dot_serves`): ``xs`` [T, H] uint16, the activations' e4m3 values as bfloat16
+    bits; the other arguments as `gate_up_rows`."""
+    for item in numba.prange(work.shape[0]):
+        _gate_up_item_bf16(xs, s_a, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale,
+                           inter, bn, bk, out)
+
+
+@numba.njit(fastmath=True, cache=True)
+def gate_up_rows_bf16_serial(xs, s_a, tokens, offsets, work, q_gate_up, gate_up_scale, inter, bn, bk, out):
+    """`gate_up_rows_bf16` on the calling thread."""
+    for item in range(work.shape[0]):
+        _gate_up_item_bf16(xs, s_a, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale,
+                           inter, bn, bk, out)
+
+
+@numba.njit(fastmath=True)
+def _down_rows_e4m3(weights, origin, first, last, acts, a_rows, s_a, scale, bn, bk, tokens, slot_weights, factors,
+                    dots, sums):
+    """sums[tokens[m], n] += slot_weights[m] * (row m of the intermediate) . (down row n,
+    ``weights[n - origin]``), for the rows m of ``a_rows`` and n in [first, last)."""
+    count = len(a_rows)
+    n = first
+    while n < last:
+        b = n // bn
+        segment_end = min(last, (b + 1) * bn)
+        _group_factors(s_a, a_rows, scale[b], factors)
+        while n + _WEIGHT_TILE <= segment_end:
+            r = n - origin
+            _dot_e4m3_tile(weights, (r, r + 1, r + 2, r + 3), acts, a_rows, factors, bk, dots)
+            for i in range(_WEIGHT_TILE):
+                for j in range(count):
+                    m = a_rows[j]
+                    sums[tokens[m], n + i] += slot_weights[m] * dots[i * count + j]
+            n += _WEIGHT_TILE
+        while n < segment_end:
+            _dot_e4m3_tile(weights, (n - origin,), acts, a_rows, factors, bk, dots)
+            for j in range(count):
+                m = a_rows[j]
+                sums[tokens[m], n] += slot_weights[m] * dots[j]
+            n += 1
+
+
+@numba.njit(fastmath=True)
+def _down_groups(weights, origin, first, last, acts, start, stop, s_a, scale, bn, bk, tokens, slot_weights, factors,
+                 dots, sums):
+    """`_down_rows_e4m3` for the expert's sorted rows [start, stop), four at a time."""
+    for m in range(start, stop, _ROW_TILE):
+        count = min(_ROW_TILE, stop - m)
+        if count == 4:
+            _down_rows_e4m3(weights, origin, first, last, acts, (m, m + 1, m + 2, m + 3), s_a, scale, bn, bk, tokens,
+                            slot_weights, factors, dots, sums)
+        elif count == 3:
+            _down_rows_e4m3(weights, origin, first, last, acts, (m, m + 1, m + 2), s_a, scale, bn, bk, tokens,
+                            slot_weights, factors, dots, sums)
+        elif count == 2:
+            _down_rows_e4m3(weights, origin, first, last, acts, (m, m + 1), s_a, scale, bn, bk, tokens, slot_weights,
+                            factors, dots, sums)
+        else:
+            _down_rows_e4m3(weights, origin, first, last, acts, (m,), s_a, scale, bn, bk, tokens, slot_weights,
+                            factors, dots, sums)
+
+
+@numba.njit(fastmath=True)
+def _down_block_bf16(acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, block,
+                     columns):
+    """Output columns [block * columns, ..) over every hit expert, with the dot instructions;
+    an expert with more than four rows has its weight rows decoded once, some at a time
+    (`_decoded_rows`), into a bfloat16 buffer that every group of four reads in cache."""
+    first, last = block * columns, min(q_down.shape[1], (block + 1) * columns)
+    factors = np.empty((_ROW_TILE, down_scale.shape[2]), np.float32)
+    dots = np.empty(_WEIGHT_TILE * _ROW_TILE, np.float32)
+    rows = _decoded_rows(q_down.shape[2])
+    decoded = np.empty((rows, q_down.shape[2]), np.uint16)
+    for i in range(experts.shape[0]):
+        e = experts[i]
+        weights, scale = q_down[e], down_scale[e]
+        start, stop = offsets[e], offsets[e + 1]
+        if stop - start <= _ROW_TILE:
+            _down_groups(weights, 0, first, last, acts, start, stop, s_a, scale, bn, bk, tokens, slot_weights,
+                         factors, dots, sums)
+            continue
+        for sub in range(first, last, rows):
+            sub_last = min(last, sub + rows)
+            _decode_e4m3_rows(weights, sub, sub_last, decoded)
+            _down_groups(decoded, sub, sub, sub_last, acts, start, stop, s_a, scale, bn, bk, tokens, slot_weights,
+                         factors, dots, sums)
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def down_rows_bf16(acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums):
+    """`down_rows` with the dot instructions (`BF16_DOT`, where `bf16_dot_serves`): ``acts``
+    [M, I] uint16, the intermediate's e4m3 values as bfloat16 bits; the other arguments as
+    `down_rows`. Threads split the output columns."""
+    for block in numba.prange((q_down.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
+        _down_block_bf16(acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums,
+                         block, ROW_BLOCK)
+
+
+@numba.njit(fastmath=True, cache=True)
+def down_rows_bf16_serial(acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums):
+    """`down_rows_bf16` on the calling thread: all output columns as one block, each expert's
+    down weights read as one stream (the same sums, bit for bit: a dot does not depend on
+    its neighbours)."""
+    _down_block_bf16(acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, 0,
+                     q_down.shape[1])
+
+
+def bf16_dot_serves(hidden: int, inter: int, gate_up_block, down_block) -> bool:
+    """Whether the bfloat16-dot kernels run these shapes: `BF16_DOT`, and every row length
+    (H for gate_up, I for down) and column block a whole number of 64-weight steps."""
+    return (BF16_DOT and hidden % _STEP == 0 and inter % _STEP == 0
+            and gate_up_block[1] % _STEP == 0 and down_block[1] % _STEP == 0)

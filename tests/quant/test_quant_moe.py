@@ -290,12 +290,18 @@ def test_row_kernel_decodes_every_e4m3_code():
 
 @pytest.mark.parametrize("fmt", ["block64x128", "tensor"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_row_kernels_every_tile_shape_against_reference(fmt, threads):
+@pytest.mark.parametrize("inter", [200, 192])
+def test_row_kernels_every_tile_shape_against_reference(fmt, threads, inter):
     # 1 to 9 rows per expert cover the one-row pass, the pairs and the 2x4 tiles with every
     # remainder; I = 200 leaves partial weight blocks and a block of 64 weight rows that
-    # spans gate and up. One torch thread runs the serial kernels.
+    # spans gate and up. One torch thread runs the serial kernels. I = 192 (rows and blocks
+    # whole 64-weight steps) runs the bfloat16-dot kernels on CPUs that have them.
+    from moeroute.quant import _host
+
     quant = FORMATS[fmt]
-    inter, experts = 200, 9
+    experts = 9
+    blocks = ((64, 128), (64, 128)) if fmt != "tensor" else ((inter, H), (H, inter))
+    assert _host.bf16_dot_serves(H, inter, *blocks) == (_host.BF16_DOT and inter == 192)
     q = quantize_experts(_randn(experts, 2 * inter, H, seed=1, scale=0.1),
                          _randn(experts, H, inter, seed=2, scale=0.1), quant)
     counts = torch.arange(1, experts + 1)
@@ -346,3 +352,134 @@ def test_row_quantizer_matches_quantize_fp8_activations(dtype, cols, group):
     q_ref, s_ref = quantize_fp8_activations((x.float() * 1.01).bfloat16(), group)
     assert torch.equal(torch.from_numpy(q), q_ref.float())
     assert torch.equal(torch.from_numpy(s), s_ref)
+
+
+BF16_DOT_REASON = "this CPU has no bfloat16 dot-product instructions (AVX512-BF16)"
+
+
+def _e4m3_tile(w, w_rows, xs, x_rows, factors, bk, out):
+    import numba
+
+    from moeroute.quant import _host
+
+    @numba.njit
+    def run(w, w_rows, xs, x_rows, factors, bk, out):
+        # The tile's row counts are part of its type: one call per shape (1 or 4 by 1 or 3).
+        if w_rows.shape[0] == 4 and x_rows.shape[0] == 3:
+            _host._dot_e4m3_tile(w, (w_rows[0], w_rows[1], w_rows[2], w_rows[3]), xs,
+                                 (x_rows[0], x_rows[1], x_rows[2]), factors, bk, out)
+        elif w_rows.shape[0] == 4:
+            _host._dot_e4m3_tile(w, (w_rows[0], w_rows[1], w_rows[2], w_rows[3]), xs, (x_rows[0],), factors, bk,
+                                 out)
+        elif x_rows.shape[0] == 3:
+            _host._dot_e4m3_tile(w, (w_rows[0],), xs, (x_rows[0], x_rows[1], x_rows[2]), factors, bk, out)
+        else:
+            _host._dot_e4m3_tile(w, (w_rows[0],), xs, (x_rows[0],), factors, bk, out)
+
+    run(w, w_rows, xs, x_rows, factors, bk, out)
+
+
+@pytest.mark.parametrize("weight_rows,act_rows", [(1, 1), (4, 1), (1, 3), (4, 3)])
+@pytest.mark.parametrize("cols,bk", [(256, 64), (320, 128), (4608, 128), (4160, 192)])
+def test_bf16_dot_e4m3_tile_against_float64(weight_rows, act_rows, cols, bk):
+    # The e4m3 weights decoded to bfloat16 in registers (every one of the 254 finite codes,
+    # subnormals and both zeros, sits in weight row 0) and dotted with the instruction, group
+    # by group of bk columns (a partial last group at 320 / 128 and 4160 / 192), each group's
+    # sum times its factor, in chunks of whole groups past 2048 columns (three chunks at 4608
+    # and 4160): against the float64 sum of the exact e4m3 products.
+    import numpy as np
+
+    from moeroute.quant import _host
+
+    if not _host.BF16_DOT:
+        pytest.skip(BF16_DOT_REASON)
+    generator = torch.Generator().manual_seed(cols + bk)
+    codes = torch.randint(0, 256, (5, cols), generator=generator, dtype=torch.uint8)
+    codes[0, :256] = torch.arange(256, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3A  # no NaN codes
+    weights = codes.view(torch.float8_e4m3fn).double()
+    acts = (torch.randn(4, cols, generator=generator) * 40).to(torch.float8_e4m3fn)
+    groups = -(-cols // bk)
+    w_rows, x_rows = np.array([0, 3, 1, 4][:weight_rows]), np.array([2, 0, 3][:act_rows])
+    factors = (torch.rand(act_rows, groups, generator=generator) + 0.25).numpy()
+    out = np.full(13, np.nan, np.float32)
+    _e4m3_tile(codes.numpy(), w_rows, acts.to(torch.bfloat16).view(torch.uint16).numpy(), x_rows, factors, bk, out)
+    for i, w_row in enumerate(w_rows):
+        for j, x_row in enumerate(x_rows):
+            products = weights[w_row] * acts[x_row].double()
+            group_sums = torch.stack([products[g * bk:(g + 1) * bk].sum() for g in range(groups)])
+            expected = float((group_sums * torch.from_numpy(factors[j]).double()).sum())
+            bound = 2 * cols * 2.0 ** -24 * float((products.abs().view(-1)).sum()) * float(factors[j].max())
+            assert abs(float(out[i * act_rows + j]) - expected) <= bound
+    assert np.isnan(out[weight_rows * act_rows:]).all()
+
+
+def test_bf16_dot_fp8_kernels_serial_and_parallel_give_the_same_bits():
+    # One thread reads each expert's down weights as one stream, the parallel kernels split
+    # the output columns and the gate_up rows: a dot does not depend on its neighbours.
+    from moeroute.quant import _host
+
+    if not _host.BF16_DOT:
+        pytest.skip(BF16_DOT_REASON)
+    quant = FORMATS["block64x128"]
+    inter, experts = 192, 5
+    q = quantize_experts(_randn(experts, 2 * inter, H, seed=1, scale=0.1),
+                         _randn(experts, H, inter, seed=2, scale=0.1), quant)
+    ids = torch.repeat_interleave(torch.arange(experts), torch.arange(1, experts + 1) * 2)
+    ids = torch.stack([ids, ids.flip(0)], 1).int()
+    x = _randn(ids.shape[0], H, seed=3)
+    weights = torch.rand(ids.shape[0], 2, generator=torch.Generator().manual_seed(4))
+    outs = []
+    previous = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            outs.append(fp8_experts_forward(x, ids, weights, *q, quant, strategy="rows"))
+        finally:
+            torch.set_num_threads(previous)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_strategy_choice_follows_the_row_bound_unless_the_dot_kernels_serve():
+    from moeroute.bindings.torch.quant_strategy import ROWS_MAX_ROWS_PER_EXPERT, choose_strategy
+
+    bound = ROWS_MAX_ROWS_PER_EXPERT
+    assert choose_strategy([bound, 0, bound]) == "rows"
+    assert choose_strategy([bound + 1, 0, bound + 1]) == "blocks"
+    assert choose_strategy([]) == "rows"
+    assert choose_strategy([bound * 40, 3], bf16_dot=True) == "rows"
+
+
+def test_e4m3_rows_decode_to_bfloat16_exactly_and_the_tile_reads_them_alike():
+    # `_decode_e4m3_rows` (the buffer experts with more than four rows read) against torch's
+    # e4m3 -> bfloat16 conversion for every finite code and sign, and the tile on the decoded
+    # rows gives the bits of the tile decoding the bytes in registers.
+    import numba
+    import numpy as np
+
+    from moeroute.quant import _host
+
+    if not _host.BF16_DOT:
+        pytest.skip(BF16_DOT_REASON)
+
+    @numba.njit
+    def decode(w, first, last, out):
+        _host._decode_e4m3_rows(w, first, last, out)
+
+    codes = torch.arange(256, dtype=torch.uint8).repeat(3).reshape(3, 256)
+    codes[1] = codes[1].flip(0)
+    decoded = np.zeros((2, 256), np.uint16)
+    decode(codes.numpy(), 1, 3, decoded)
+    finite = (codes[1:] & 0x7F) != 0x7F
+    expected = codes[1:].view(torch.float8_e4m3fn).to(torch.bfloat16).view(torch.uint16)
+    assert torch.equal(torch.from_numpy(decoded.view(np.int16)).view(torch.uint16)[finite], expected[finite])
+    codes[(codes & 0x7F) == 0x7F] = 0x11
+    decode(codes.numpy(), 1, 3, decoded)
+    acts = (torch.randn(4, 256, generator=torch.Generator().manual_seed(9)) * 40).to(torch.float8_e4m3fn)
+    xs = acts.to(torch.bfloat16).view(torch.uint16).numpy()
+    factors = np.array([[0.5, 1.25, 3.0, 0.75]] * 3, np.float32)
+    x_rows = np.array([1, 3, 0])
+    from_bytes, from_decoded = np.zeros(13, np.float32), np.zeros(13, np.float32)
+    _e4m3_tile(codes.numpy()[1:], np.array([0]), xs, x_rows, factors, 64, from_bytes)
+    _e4m3_tile(decoded, np.array([0]), xs, x_rows, factors, 64, from_decoded)
+    assert np.array_equal(from_bytes.view(np.int32), from_decoded.view(np.int32))

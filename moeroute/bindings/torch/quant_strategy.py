@@ -12,9 +12,12 @@ __all__ = ["ROWS_MAX_ROWS_PER_EXPERT", "choose_strategy"]
 ROWS_MAX_ROWS_PER_EXPERT = 16
 
 
-def choose_strategy(counts: list[int]) -> str:
-    """"rows" when the hit experts average at most `ROWS_MAX_ROWS_PER_EXPERT` rows, else "blocks"."""
+def choose_strategy(counts: list[int], bf16_dot: bool = False) -> str:
+    """"rows" when the hit experts average at most `ROWS_MAX_ROWS_PER_EXPERT` rows, or at any
+    count when the row kernels run on the bfloat16 dot instructions (``bf16_dot``: FP8 row
+    kernels register-blocked over four rows, measured faster than the blocks at 32 and at 256
+    rows per expert, bench/quant.py); else "blocks"."""
     hit = [c for c in counts if c]
-    if not hit or sum(hit) <= ROWS_MAX_ROWS_PER_EXPERT * len(hit):
+    if bf16_dot or not hit or sum(hit) <= ROWS_MAX_ROWS_PER_EXPERT * len(hit):
         return "rows"
     return "blocks"
