@@ -422,9 +422,11 @@ def _e4m3_magnitude(code: int) -> float:
 _HIGH_BYTES, _LOW_BYTES = _e4m3_bfloat16_bytes()
 #: Weights decoded per step: one 64-byte load, two 32-lane bfloat16 vectors.
 _STEP = 2 * LANES
-#: Columns per chunk of a tile's dots (whole groups): four activation rows' chunk, 16 KB of
-#: bfloat16, stays in L1 while the tile's weight rows pass.
-_CHUNK_COLUMNS = 2048
+#: bfloat16 activation values per chunk of a tile's dots (whole groups of columns), over all
+#: its activation rows: 16 KB, which stay in L1 while the tile's weight rows pass. One
+#: activation row takes chunks of 8192 columns, four rows 2048: more chunks than needed cost
+#: memory speed, the weight rows then being read a chunk of each in turn.
+_CHUNK_VALUES = 8192
 
 
 class _E4M3Decoder:
@@ -521,8 +523,8 @@ def _dot_e4m3_tile(typingctx, w, w_rows, xs, x_rows, factors, bk, out):
             def decode_step(w_ptr, step):
                 return decode(builder.load(builder.gep(w_ptr, [step]), align=1))
         # Columns in chunks of whole groups, every weight row's chunk in turn: the activation
-        # rows' chunk (4 rows of `_CHUNK_COLUMNS` bfloat16) stays in L1 for the tile's rows.
-        chunk_groups = builder.udiv(ir.Constant(index_type, _CHUNK_COLUMNS), per_group_columns)
+        # rows' chunk (`_CHUNK_VALUES` bfloat16 values over the rows) stays in L1.
+        chunk_groups = builder.udiv(ir.Constant(index_type, _CHUNK_VALUES // count), per_group_columns)
         chunk_groups = builder.select(builder.icmp_unsigned("==", chunk_groups, ir.Constant(index_type, 0)),
                                       ir.Constant(index_type, 1), chunk_groups)
         chunks = builder.udiv(builder.add(groups, builder.sub(chunk_groups, ir.Constant(index_type, 1))),

@@ -385,8 +385,9 @@ def test_bf16_dot_e4m3_tile_against_float64(weight_rows, act_rows, cols, bk):
     # The e4m3 weights decoded to bfloat16 in registers (every one of the 254 finite codes,
     # subnormals and both zeros, sits in weight row 0) and dotted with the instruction, group
     # by group of bk columns (a partial last group at 320 / 128 and 4160 / 192), each group's
-    # sum times its factor, in chunks of whole groups past 2048 columns (three chunks at 4608
-    # and 4160): against the float64 sum of the exact e4m3 products.
+    # sum times its factor, in chunks of whole groups of 8192 values over the activation rows
+    # (two chunks at 4608 and 4160 columns with three activation rows): against the float64
+    # sum of the exact e4m3 products.
     import numpy as np
 
     from moeroute.quant import _host
