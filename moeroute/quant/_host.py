@@ -13,6 +13,11 @@ of vector accumulators: the definition's ``sum_g s_a * s_w * dot_g`` up to float
 and summation order. The dequantizers (`dequantize_rows`)
 decode whole rows into a float32 buffer (`_decode_row`) for the BLAS path.
 
+On CPUs with AVX512-BF16, `gate_up_rows_bf16` / `down_rows_bf16` (and serial forms) take the
+e4m3 values as bfloat16 instead, exactly, and multiply them with the bfloat16 dot
+instruction one group of bk columns at a time, each group's sum times ``s_a * s_w`` (the
+definition's order); see the section at the end of this module.
+
 Arrays are NumPy: weights as uint8 views of float8_e4m3fn tensors, scales float32, sums
 float32. Block scales are indexed ``scale[e, row // bn, col // bk]``; per-tensor FP8 is the
 same kernel with one block spanning each matrix (or each of gate and up).
@@ -390,8 +395,7 @@ def quantize_rows(x, group, round_bf16, min_amax, q_out, s_out):
 #
 # On CPUs with AVX512-BF16 (`moeroute.quant._dot.BF16_DOT`) the dots take the e4m3 values as
 # bfloat16, both sides exactly: an e4m3 weight byte is rebuilt as bfloat16 bits in registers
-# (sign, exponent rebiased by 120, mantissa shifted; the eight subnormal magnitudes from a
-# table), the activations' e4m3 values are bfloat16 already. ``vdpbf16ps`` then forms the
+# from byte tables (`_E4M3Decoder`), the activations' e4m3 values are bfloat16 already. ``vdpbf16ps`` then forms the
 # exact products and float32 sums of each group of bk columns, and the group's sum times
 # ``s_a * s_w`` is added to the row's total: the definition's order, one group at a time.
 
@@ -436,8 +440,9 @@ class _E4M3Decoder:
     bfloat16 high and low bytes, the sign bit is or-ed into the high byte, and a two-source
     byte permutation (``vpermt2b``) interleaves low and high bytes into words: five
     instructions per 64 weights. The tables and the sign mask are made once, ahead of the
-    loops, and hidden from LLVM behind an empty inline-asm statement: as constants LLVM
-    folds them into the loop's instructions as memory operands, extra loads per step.
+    loops, and hidden from LLVM behind an empty inline-asm statement, so that they stay in
+    registers: as constants LLVM folds them into the loop's instructions as memory operands
+    (extra loads per step; no slower on the Zen 4, where the shuffles bound the loop).
     """
 
     def __init__(self, builder):

@@ -149,3 +149,82 @@ def test_dequantize_rows_split_is_the_definition_in_split_order(decode):
             _mxfp4_host._decode_row_split_portable(blocks[r], scales[r], out[r - 1])
     want = split(plain_weights(blocks, scales)[1:5].astype(np.float32))
     np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+
+
+# ------------------------------------------------------------------ bfloat16 dot instructions
+
+BF16_DOT_REASON = "this CPU has no bfloat16 dot-product instructions (AVX512-BF16)"
+
+
+def split_pairs(bits):
+    from moeroute.quant import _mxfp4_dot
+
+    out = np.empty_like(bits)
+    _mxfp4_dot.split_pairs(bits, out)
+    return out
+
+
+def bfloat16_bits(x):
+    """float32 rows rounded to bfloat16: (their bits as uint16, their values as float64)."""
+    import torch
+
+    rounded = torch.from_numpy(x).to(torch.bfloat16)
+    return rounded.view(torch.uint16).numpy(), rounded.double().numpy()
+
+
+def test_split_pairs_puts_each_pair_of_blocks_even_then_odd():
+    x = np.arange(2 * 128, dtype=np.uint16).reshape(2, 128)
+    # per pair of blocks A, B: A even, B even, A odd, B odd
+    expected = x.reshape(2, 2, 2, 16, 2).transpose(0, 1, 4, 2, 3).reshape(2, 128)
+    np.testing.assert_array_equal(split_pairs(x), expected)
+
+
+@pytest.mark.parametrize("serial", [False, True], ids=["parallel", "serial"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("counts", COUNTS)
+@pytest.mark.parametrize("scale_range, magnitude", SCALE_CASES)
+def test_bf16_dot_row_kernels_match_the_definition(counts, with_bias, serial, scale_range, magnitude):
+    # The e2m1 values and the bfloat16 activations multiplied by vdpbf16ps (exact products,
+    # float32 sums), each block's sum times its scale: every tile shape (1 to 4 weight rows,
+    # 1 to 4 activation rows), 2I = 384 in six weight-row blocks, the smallest and largest
+    # scale bytes included.
+    from moeroute.quant import _mxfp4_dot
+
+    if not _mxfp4_dot.BF16_DOT:
+        pytest.skip(BF16_DOT_REASON)
+    hidden, inter, num_experts = 128, 192, len(counts)
+    assert _mxfp4_dot.serves(True, hidden, inter) and not _mxfp4_dot.serves(True, 96, inter)
+    rng = np.random.default_rng(sum(counts) + scale_range[0])
+    ids, weights = plan(counts, sum(counts))
+    num_tokens = ids.shape[0]
+    gate_up_blocks = rng.integers(0, 256, (num_experts, 2 * inter, hidden // 32, 16), dtype=np.uint8)
+    gate_up_scales = rng.integers(*scale_range, (num_experts, 2 * inter, hidden // 32)).astype(np.uint8)
+    down_blocks = rng.integers(0, 256, (num_experts, hidden, inter // 32, 16), dtype=np.uint8)
+    down_scales = rng.integers(*scale_range, (num_experts, hidden, inter // 32)).astype(np.uint8)
+    gate_up_bias = rng.standard_normal((num_experts, 2 * inter)).astype(np.float32)
+    down_bias = rng.standard_normal((num_experts, hidden)).astype(np.float32)
+    no_bias = np.zeros((0, 0), np.float32)
+    x_bits, x = bfloat16_bits((rng.standard_normal((num_tokens, hidden)) * magnitude).astype(np.float32))
+    tokens, slot_weights, offsets, hit, work = _rows.plan_rows(ids, weights, num_experts,
+                                                               -(-2 * inter // _mxfp4_dot.ROW_BLOCK))
+    gate_up_rows = _mxfp4_dot.gate_up_rows_serial if serial else _mxfp4_dot.gate_up_rows
+    down_rows = _mxfp4_dot.down_rows_serial if serial else _mxfp4_dot.down_rows
+
+    gate_up = np.full((tokens.shape[0], 2 * inter), np.nan, np.float32)
+    gate_up_rows(split_pairs(x_bits), tokens, offsets, work, gate_up_blocks, gate_up_scales,
+                 gate_up_bias if with_bias else no_bias, gate_up)
+    acts_bits, acts = bfloat16_bits((rng.standard_normal((tokens.shape[0], inter)) * magnitude).astype(np.float32))
+    sums = np.zeros((num_tokens, hidden), np.float32)
+    down_rows(split_pairs(acts_bits), tokens, slot_weights, offsets, hit, down_blocks, down_scales,
+              down_bias if with_bias else no_bias, sums)
+
+    w_gate_up, w_down = plain_weights(gate_up_blocks, gate_up_scales), plain_weights(down_blocks, down_scales)
+    expected_gate_up = np.empty(gate_up.shape)
+    expected_sums = np.zeros(sums.shape)
+    for e in range(num_experts):
+        for m in range(offsets[e], offsets[e + 1]):
+            expected_gate_up[m] = w_gate_up[e] @ x[tokens[m]] + (gate_up_bias[e] if with_bias else 0.0)
+            expected_sums[tokens[m]] += slot_weights[m] * (w_down[e] @ acts[m] + (down_bias[e] if with_bias else 0.0))
+    if offsets[-1]:
+        assert_close(gate_up, expected_gate_up)
+    assert_close(sums, expected_sums)

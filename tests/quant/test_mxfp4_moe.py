@@ -26,17 +26,17 @@ ROUTER = RouterConfig(N, K, "softmax", renormalize=True)  # gpt-oss: softmax ove
 plain_dequantize = helpers.reference.dequantize_mxfp4
 
 
-def gpt_oss_weights(seed=0):
+def gpt_oss_weights(seed=0, inter=I):
     """Packed experts (gate rows first) and float biases, as a checkpoint would hold them."""
-    w_gate_up, w_down = randn(N, 2 * I, H, seed=seed, scale=0.1), randn(N, H, I, seed=seed + 1, scale=0.1)
-    return (quantize_mxfp4(w_gate_up), quantize_mxfp4(w_down), randn(N, 2 * I, seed=seed + 2, scale=0.5),
+    w_gate_up, w_down = randn(N, 2 * inter, H, seed=seed, scale=0.1), randn(N, H, inter, seed=seed + 1, scale=0.1)
+    return (quantize_mxfp4(w_gate_up), quantize_mxfp4(w_down), randn(N, 2 * inter, seed=seed + 2, scale=0.5),
             randn(N, H, seed=seed + 3, scale=0.5))
 
 
-def build(gemm="auto", seed=0, **kwargs):
-    module = MoE(ROUTER, H, I, activation="swigluoai", expert_bias=True, router_bias=True,
+def build(gemm="auto", seed=0, inter=I, **kwargs):
+    module = MoE(ROUTER, H, inter, activation="swigluoai", expert_bias=True, router_bias=True,
                  quant=QuantConfig("mxfp4"), gemm=gemm, **kwargs)
-    gate_up, down, gate_up_bias, down_bias = weights = gpt_oss_weights(seed)
+    gate_up, down, gate_up_bias, down_bias = weights = gpt_oss_weights(seed, inter)
     with torch.no_grad():
         module.router_weight.copy_(randn(N, H, seed=seed + 4))
         module.router_bias.copy_(randn(N, seed=seed + 5))
@@ -62,8 +62,15 @@ def rel_error(actual, expected):
 @pytest.mark.parametrize("gemm", ["rows", "blocks", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(12, H), (2, 5, H)])
-def test_matches_float32_reference(gemm, dtype, shape):
-    module, weights = build(gemm)
+@pytest.mark.parametrize("inter", [I, 128])
+def test_matches_float32_reference(gemm, dtype, shape, inter):
+    # I = 128 (H and I whole pairs of blocks): with bfloat16 activations the row strategy
+    # runs the bfloat16-dot kernels on CPUs that have them.
+    from moeroute.quant import _mxfp4_dot
+
+    assert _mxfp4_dot.serves(dtype == torch.bfloat16, H, inter) == (
+        _mxfp4_dot.BF16_DOT and dtype == torch.bfloat16 and inter == 128)
+    module, weights = build(gemm, inter=inter)
     x = randn(*shape, seed=99).to(dtype)
     with torch.no_grad():
         out = module(x)

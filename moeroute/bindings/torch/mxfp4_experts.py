@@ -10,7 +10,10 @@ The packed bytes are never dequantized whole. Two strategies:
 * "rows" (every CPU call under "auto"): each packed weight row is read once. With few rows
   per expert, the Numba kernels of `moeroute.quant._mxfp4_host` decode its nibbles in
   registers (AVX2 where the CPU has it) and dot them with up to four of the expert's rows
-  per pass; from `DECODED_MIN_ROWS` rows per hit expert on, `moeroute.bindings.torch._mxfp4_rows`
+  per pass (on a CPU with AVX512-BF16 and bfloat16 activations, `moeroute.quant._mxfp4_dot`
+  at every row count: the e2m1 values and the activations as bfloat16, multiplied with the
+  bfloat16 dot instruction); elsewhere, from `DECODED_MIN_ROWS` rows per hit expert on,
+  `moeroute.bindings.torch._mxfp4_rows`
   decodes each weight row once into cache and the float32 row kernels dot it with all of
   them. Memory reads half a byte per weight. The biases and the combine happen inside the
   kernels, and the bookkeeping is one Numba pass (`moeroute.bindings.torch._rows.plan_rows`),
@@ -37,7 +40,7 @@ from moeroute.bindings.torch import _mxfp4_rows, _rows, arrays
 from moeroute.bindings.torch.activations import gated_activation
 from moeroute.bindings.torch.experts import _bias_view, _numba_threads
 from moeroute.quant import QuantConfig, check_mxfp4
-from moeroute.quant import _mxfp4_host
+from moeroute.quant import _mxfp4_dot, _mxfp4_host
 from moeroute.quant.mxfp4 import decode_mxfp4
 from moeroute.routing._parallel import cpu_threads
 
@@ -142,21 +145,25 @@ def _rows_forward(hidden_states, plan, gate_up_blocks, gate_up_scales, down_bloc
     sums = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     if hit.shape[0] == 0:
         return sums.to(dtype)
-    xs = _split(hidden_states)
     gate_up = torch.empty(tokens.shape[0], 2 * inter, dtype=torch.float32)
     threads = cpu_threads()
-    # Few rows per expert: decode in registers per tile of rows; more: decode each weight row
-    # once into cache for all of them. One thread: the serial kernels (no parallel region).
-    kernels = _mxfp4_rows if tokens.shape[0] >= DECODED_MIN_ROWS * hit.shape[0] else _mxfp4_host
+    # The bfloat16 dot instructions where `_mxfp4_dot.serves`, at every row count (at 64 rows
+    # per expert they took 0.52x the time of the decode-once kernels). Elsewhere few rows per
+    # expert decode in registers per tile of rows; more decode each weight row once into
+    # cache for all of them. One thread: the serial kernels (no parallel region).
+    bf16_dot = _mxfp4_dot.serves(dtype == torch.bfloat16, hidden, inter)
+    many_rows = tokens.shape[0] >= DECODED_MIN_ROWS * hit.shape[0]
+    kernels = _mxfp4_dot if bf16_dot else _mxfp4_rows if many_rows else _mxfp4_host
+    split = _split_pairs if bf16_dot else _split
     gate_up_rows, down_rows = ((kernels.gate_up_rows_serial, kernels.down_rows_serial) if threads == 1
                                else (kernels.gate_up_rows, kernels.down_rows))
     with _numba_threads(threads):
-        gate_up_rows(xs, tokens, offsets, work, _packed(gate_up_blocks), _packed(gate_up_scales),
+        gate_up_rows(split(hidden_states), tokens, offsets, work, _packed(gate_up_blocks), _packed(gate_up_scales),
                      _bias_view(gate_up_bias), gate_up.numpy())
         act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
         if dtype != torch.float32:  # the intermediate in the activation dtype, as the float layer keeps it
             act = act.to(dtype)
-        down_rows(_split(act), tokens, slot_weights, offsets, hit, _packed(down_blocks), _packed(down_scales),
+        down_rows(split(act), tokens, slot_weights, offsets, hit, _packed(down_blocks), _packed(down_scales),
                   _bias_view(down_bias), sums.numpy())
     return sums if dtype == torch.float32 else sums.to(dtype)
 
@@ -166,6 +173,14 @@ def _split(rows: torch.Tensor) -> np.ndarray:
     values = rows.detach().to(torch.float32).contiguous().numpy()
     out = np.empty_like(values)
     _mxfp4_host.split_blocks(values, out)
+    return out
+
+
+def _split_pairs(rows: torch.Tensor) -> np.ndarray:
+    """bfloat16 rows as their bits in the dot kernels' order (`_mxfp4_dot.split_pairs`)."""
+    bits = rows.detach().contiguous().view(torch.uint16).numpy()
+    out = np.empty_like(bits)
+    _mxfp4_dot.split_pairs(bits, out)
     return out
 
 

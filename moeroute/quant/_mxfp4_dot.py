@@ -1,0 +1,277 @@
+"""Numba CPU kernels of the MXFP4 (w4a16) expert GEMMs on the bfloat16 dot instruction.
+
+On CPUs with AVX512-BF16 (`moeroute.quant._dot.BF16_DOT`) and bfloat16 activations, every
+e2m1 value and every activation is a bfloat16, so ``vdpbf16ps`` forms the exact products
+and float32 sums; each block's sum is then multiplied by its scale ``2 ** (s - 127)``, as
+the float kernels of `moeroute.quant._mxfp4_host` do. Only the summation order differs from
+the definition's.
+
+A step takes two blocks (32 packed bytes, 64 values): the bytes widened to 16-bit words, their
+low and high nibbles (the blocks' even and odd elements) looked up in a 16-entry table of
+e2m1 values as bfloat16 (``vpermw``). The activation rows are first reordered per pair of
+blocks A, B as A's 16 even elements, B's 16 even, A's 16 odd, B's 16 odd (`split_pairs`), so
+that a dot instruction's lanes 0-7 hold block A's partial sums and lanes 8-15 block B's, and
+one multiply-add applies both scales. Tiles, as in the bfloat16 row kernels: four weight rows
+per call, read one after the other, against up to four activation rows.
+
+Arrays are NumPy: blocks uint8 [L, R, G, 16] and scales uint8 [L, R, G] (G = cols / 32, even
+here), activations uint16 (bfloat16 bits) in `split_pairs` order, sums float32.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from moeroute.quant._dot import BF16_DOT, LANES, BFloat16Type, accumulators, dot_function, sum_lanes
+from moeroute.quant.mxfp4 import E2M1_VALUES, MXFP4_BLOCK, SCALE_BIAS
+
+__all__ = ["serves", "split_pairs", "gate_up_rows", "gate_up_rows_serial", "down_rows", "down_rows_serial"]
+
+#: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
+ROW_BLOCK = 64
+#: Activation rows per tile, and weight rows per call of `_mxfp4_tile` (tuples of four below).
+_ROW_TILE = 4
+#: Values per step: two blocks.
+_PAIR = 2 * MXFP4_BLOCK
+#: bfloat16 bits of the 16 e2m1 codes (sign included), padded to the 32 words of a table.
+_E2M1_BF16 = [int(np.array(v, np.float32).view(np.uint32)) >> 16 for v in E2M1_VALUES] + [0] * 16
+#: 2 ** (s - 127) for every scale byte (255 is refused at load; NaN here).
+_SCALES = [float(2.0 ** (s - SCALE_BIAS)) for s in range(255)] + [float("nan")]
+
+
+def serves(dtype_is_bfloat16: bool, hidden: int, inter: int) -> bool:
+    """Whether these kernels run: `BF16_DOT`, bfloat16 activations, and both GEMMs' input
+    widths (H, I) whole pairs of blocks."""
+    return BF16_DOT and dtype_is_bfloat16 and hidden % _PAIR == 0 and inter % _PAIR == 0
+
+
+@numba.njit(cache=True)
+def split_pairs(x, out):
+    """out[t] = x[t] (uint16 [T, C], C a multiple of 64) with each pair of blocks A, B
+    reordered as A's even elements, B's even, A's odd, B's odd (16 each)."""
+    half = MXFP4_BLOCK // 2
+    for t in range(x.shape[0]):
+        row, target = x[t], out[t]
+        for base in range(0, x.shape[1], _PAIR):
+            for j in range(half):
+                target[base + j] = row[base + 2 * j]
+                target[base + half + j] = row[base + MXFP4_BLOCK + 2 * j]
+                target[base + 2 * half + j] = row[base + 2 * j + 1]
+                target[base + 3 * half + j] = row[base + MXFP4_BLOCK + 2 * j + 1]
+
+
+def _splat(builder, scalar, lanes):
+    vector_type = ir.VectorType(scalar.type, lanes)
+    single = builder.insert_element(ir.Constant(vector_type, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(single, single, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+
+
+@intrinsic
+def _mxfp4_tile(typingctx, blocks, w_rows, scales, xs, x_rows, out):
+    """out[i * len(x_rows) + j] = W[w_rows[i]] . xs[x_rows[j]] for 1 to 4 packed weight rows
+    of one expert (``blocks`` uint8 [R, G, 16], ``scales`` uint8 [R, G], G even) and 1 to 4
+    activation rows (``xs`` uint16 [*, G * 32], `split_pairs` order); all C-contiguous,
+    ``out`` float32 [>= the tile's size]."""
+    tuples_ok = all(isinstance(t, types.UniTuple) and 1 <= t.count <= _ROW_TILE and isinstance(t.dtype, types.Integer)
+                    for t in (w_rows, x_rows))
+    arrays_ok = (isinstance(blocks, types.Array) and blocks.ndim == 3 and blocks.dtype == types.uint8
+                 and blocks.layout == "C" and isinstance(scales, types.Array) and scales.ndim == 2
+                 and scales.dtype == types.uint8 and scales.layout == "C" and isinstance(xs, types.Array)
+                 and xs.ndim == 2 and xs.dtype == types.uint16 and xs.layout == "C"
+                 and isinstance(out, types.Array) and out.ndim == 1 and out.dtype == types.float32)
+    if not (tuples_ok and arrays_ok):
+        return None
+    count = x_rows.count
+
+    def codegen(context, builder, signature, args):
+        i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+        v32i8, v32i16, v16f = ir.VectorType(i8, LANES), ir.VectorType(i16, LANES), ir.VectorType(f32, 16)
+        v32bf = ir.VectorType(BFloat16Type(), LANES)
+        dot = dot_function(builder)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v16f, v16f]),
+                                             "llvm.fma.v16f32")
+        permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32i16, [v32i16, v32i16]),
+                                                 "llvm.x86.avx512.permvar.hi.512")
+        block_view = context.make_array(signature.args[0])(context, builder, args[0])
+        scale_view = context.make_array(signature.args[2])(context, builder, args[2])
+        x_view = context.make_array(signature.args[3])(context, builder, args[3])
+        groups = builder.extract_value(block_view.shape, 1)
+        index_type = groups.type
+        pairs = builder.udiv(groups, ir.Constant(index_type, 2))
+        width = builder.extract_value(x_view.shape, 1)
+        # The table in a register (an empty inline-asm statement keeps LLVM from folding it
+        # into the loop as a memory operand); the scales from a float32 table in memory.
+        table = builder.asm(ir.FunctionType(v32i16, [v32i16]), "", "=v,0", [ir.Constant(v32i16, _E2M1_BF16)],
+                            side_effect=False)
+        scale_table = cgutils.global_constant(builder, "mxfp4_dot_scales",
+                                              ir.Constant(ir.ArrayType(f32, 256), _SCALES))
+        low_mask = ir.Constant(v32i16, [0x0F] * LANES)
+        four = ir.Constant(v32i16, [4] * LANES)
+        zero = ir.Constant(v16f, [0.0] * 16)
+        x_ptrs = []
+        for row in cgutils.unpack_tuple(builder, args[4], count):
+            start = builder.mul(context.cast(builder, row, x_rows.dtype, types.intp), width)
+            x_ptrs.append(builder.bitcast(builder.gep(x_view.data, [start]), v32i16.as_pointer()))
+        totals = []
+        for row in cgutils.unpack_tuple(builder, args[1], w_rows.count):
+            row = context.cast(builder, row, w_rows.dtype, types.intp)
+            w_ptr = builder.bitcast(builder.gep(block_view.data, [builder.mul(row, builder.mul(
+                groups, ir.Constant(index_type, MXFP4_BLOCK // 2)))]), v32i8.as_pointer())
+            s_ptr = builder.gep(scale_view.data, [builder.mul(row, groups)])
+            row_totals = accumulators(builder, count, v16f)
+            with cgutils.for_range(builder, pairs) as loop:
+                p = loop.index
+                words = builder.zext(builder.load(builder.gep(w_ptr, [p]), align=1), v32i16)
+                even = builder.bitcast(builder.call(permute, [table, builder.and_(words, low_mask)]), v32bf)
+                odd = builder.bitcast(builder.call(permute, [table, builder.lshr(words, four)]), v32bf)
+                g = builder.mul(p, ir.Constant(index_type, 2))
+                block_scales = []
+                for k in range(2):
+                    byte = builder.zext(builder.load(builder.gep(s_ptr, [builder.add(g, ir.Constant(index_type, k))])),
+                                        i32)
+                    block_scales.append(builder.load(builder.gep(scale_table, [ir.Constant(i32, 0), byte])))
+                halves = [_splat(builder, s, 16) for s in block_scales]
+                scale = builder.shuffle_vector(halves[0], halves[1],
+                                               ir.Constant(ir.VectorType(i32, 16), list(range(8)) + list(range(24, 32))))
+                for x_ptr, total in zip(x_ptrs, row_totals):
+                    x_even = builder.bitcast(builder.load(builder.gep(x_ptr, [g]), align=2), v32bf)
+                    x_odd = builder.bitcast(builder.load(builder.gep(x_ptr, [builder.add(g, ir.Constant(index_type, 1))]),
+                                                         align=2), v32bf)
+                    acc = builder.call(dot, [zero, even, x_even])
+                    acc = builder.call(dot, [acc, odd, x_odd])
+                    builder.store(builder.call(fma, [acc, scale, builder.load(total)]), total)
+            totals.extend(builder.load(total) for total in row_totals)
+        out_view = context.make_array(signature.args[5])(context, builder, args[5])
+        for k, value in enumerate(sum_lanes(builder, totals)):
+            builder.store(value, builder.gep(out_view.data, [ir.Constant(index_type, k)]))
+        return context.get_dummy_value()
+
+    return types.none(blocks, w_rows, scales, xs, x_rows, out), codegen
+
+
+@numba.njit(fastmath=True, inline="always")
+def _store_tile(dots, tile, n, count, m, bias, e, out):
+    for i in range(tile):
+        add = bias[e, n + i] if bias.shape[0] > 0 else np.float32(0.0)
+        for j in range(count):
+            out[m + j, n + i] = dots[i * count + j] + add
+
+
+@numba.njit(fastmath=True)
+def _gate_up_rows(blocks, scales, first, last, xs, x_rows, m, bias, e, dots, out):
+    """out[m + j, n] = W_e[n] . xs[x_rows[j]] (+ bias[e, n]) for n in [first, last), four
+    weight rows at a time, then one."""
+    n = first
+    while n + _ROW_TILE <= last:
+        _mxfp4_tile(blocks, (n, n + 1, n + 2, n + 3), scales, xs, x_rows, dots)
+        _store_tile(dots, _ROW_TILE, n, len(x_rows), m, bias, e, out)
+        n += _ROW_TILE
+    while n < last:
+        _mxfp4_tile(blocks, (n,), scales, xs, x_rows, dots)
+        _store_tile(dots, 1, n, len(x_rows), m, bias, e, out)
+        n += 1
+
+
+@numba.njit(fastmath=True)
+def _gate_up_item(xs, tokens, offsets, e, chunk, blocks, scales, bias, out):
+    """Weight rows [chunk * ROW_BLOCK, ..) of expert ``e``'s gate_up for all its sorted rows,
+    four at a time."""
+    start, stop = offsets[e], offsets[e + 1]
+    first, last = chunk * ROW_BLOCK, min(blocks.shape[1], (chunk + 1) * ROW_BLOCK)
+    blocks_e, scales_e = blocks[e], scales[e]
+    dots = np.empty(_ROW_TILE * _ROW_TILE, np.float32)
+    for m in range(start, stop, _ROW_TILE):
+        count = min(_ROW_TILE, stop - m)
+        if count == 4:
+            rows4 = (tokens[m], tokens[m + 1], tokens[m + 2], tokens[m + 3])
+            _gate_up_rows(blocks_e, scales_e, first, last, xs, rows4, m, bias, e, dots, out)
+        elif count == 3:
+            _gate_up_rows(blocks_e, scales_e, first, last, xs, (tokens[m], tokens[m + 1], tokens[m + 2]), m, bias, e,
+                          dots, out)
+        elif count == 2:
+            _gate_up_rows(blocks_e, scales_e, first, last, xs, (tokens[m], tokens[m + 1]), m, bias, e, dots, out)
+        else:
+            _gate_up_rows(blocks_e, scales_e, first, last, xs, (tokens[m],), m, bias, e, dots, out)
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def gate_up_rows(xs, tokens, offsets, work, blocks, scales, bias, out):
+    """`moeroute.quant._mxfp4_host.gate_up_rows` with the dot instructions (only where
+    `serves`): xs [T, H] uint16, bfloat16 bits in `split_pairs` order; the rest as there."""
+    for item in numba.prange(work.shape[0]):
+        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], blocks, scales, bias, out)
+
+
+@numba.njit(fastmath=True, cache=True)
+def gate_up_rows_serial(xs, tokens, offsets, work, blocks, scales, bias, out):
+    """`gate_up_rows` on the calling thread."""
+    for item in range(work.shape[0]):
+        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], blocks, scales, bias, out)
+
+
+@numba.njit(fastmath=True, inline="always")
+def _add_tile(dots, tile, n, a_rows, tokens, slot_weights, bias, e, sums):
+    for i in range(tile):
+        add = bias[e, n + i] if bias.shape[0] > 0 else np.float32(0.0)
+        for j in range(len(a_rows)):
+            m = a_rows[j]
+            sums[tokens[m], n + i] += slot_weights[m] * (dots[i * len(a_rows) + j] + add)
+
+
+@numba.njit(fastmath=True)
+def _down_rows(blocks, scales, first, last, acts, a_rows, tokens, slot_weights, bias, e, dots, sums):
+    """sums[tokens[m], n] += slot_weights[m] * (W_e[n] . acts[m] (+ bias[e, n])) for the rows
+    m of ``a_rows`` and n in [first, last), four weight rows at a time, then one."""
+    n = first
+    while n + _ROW_TILE <= last:
+        _mxfp4_tile(blocks, (n, n + 1, n + 2, n + 3), scales, acts, a_rows, dots)
+        _add_tile(dots, _ROW_TILE, n, a_rows, tokens, slot_weights, bias, e, sums)
+        n += _ROW_TILE
+    while n < last:
+        _mxfp4_tile(blocks, (n,), scales, acts, a_rows, dots)
+        _add_tile(dots, 1, n, a_rows, tokens, slot_weights, bias, e, sums)
+        n += 1
+
+
+@numba.njit(fastmath=True)
+def _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, block, columns):
+    """Output columns [block * columns, ..) over every hit expert."""
+    first, last = block * columns, min(blocks.shape[1], (block + 1) * columns)
+    dots = np.empty(_ROW_TILE * _ROW_TILE, np.float32)
+    for i in range(experts.shape[0]):
+        e = experts[i]
+        blocks_e, scales_e = blocks[e], scales[e]
+        start, stop = offsets[e], offsets[e + 1]
+        for m in range(start, stop, _ROW_TILE):
+            count = min(_ROW_TILE, stop - m)
+            if count == 4:
+                _down_rows(blocks_e, scales_e, first, last, acts, (m, m + 1, m + 2, m + 3), tokens, slot_weights, bias,
+                           e, dots, sums)
+            elif count == 3:
+                _down_rows(blocks_e, scales_e, first, last, acts, (m, m + 1, m + 2), tokens, slot_weights, bias, e,
+                           dots, sums)
+            elif count == 2:
+                _down_rows(blocks_e, scales_e, first, last, acts, (m, m + 1), tokens, slot_weights, bias, e, dots,
+                           sums)
+            else:
+                _down_rows(blocks_e, scales_e, first, last, acts, (m,), tokens, slot_weights, bias, e, dots, sums)
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def down_rows(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums):
+    """`moeroute.quant._mxfp4_host.down_rows` with the dot instructions (only where `serves`):
+    acts [M, I] uint16, bfloat16 bits in `split_pairs` order; threads split the output
+    columns (blocks of `ROW_BLOCK`)."""
+    for block in numba.prange((blocks.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
+        _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, block, ROW_BLOCK)
+
+
+@numba.njit(fastmath=True, cache=True)
+def down_rows_serial(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums):
+    """`down_rows` on the calling thread: all output columns as one block, each expert's down
+    weights read as one stream (the same sums, bit for bit)."""
+    _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, 0, blocks.shape[1])
