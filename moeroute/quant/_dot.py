@@ -10,11 +10,13 @@ and sums to zero.
 from __future__ import annotations
 
 import numba
+import numpy as np
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba.core import cgutils, types
 
-__all__ = ["BF16_DOT", "LANES", "BFloat16Type", "dot_function", "sum_lanes", "row_pointers"]
+__all__ = ["BF16_DOT", "LANES", "BFloat16Type", "dot_function", "sum_lanes", "row_pointers", "accumulators",
+           "splat", "store_tile", "add_tile"]
 
 #: bfloat16 values per vdpbf16ps operand.
 LANES = 32
@@ -107,3 +109,33 @@ def accumulators(builder, count, vector_type):
     """``count`` stack slots holding a zero ``vector_type`` (promoted to registers by LLVM)."""
     zero = ir.Constant(vector_type, [0.0] * vector_type.count)
     return [cgutils.alloca_once_value(builder, zero) for _ in range(count)]
+
+
+def splat(builder, scalar, lanes):
+    """A vector of ``lanes`` copies of ``scalar``."""
+    vector_type = ir.VectorType(scalar.type, lanes)
+    single = builder.insert_element(ir.Constant(vector_type, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(single, single, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+
+
+# The row kernels' tile epilogues: ``dots[i * count + j]`` is weight row n + i against
+# activation row j of the tile.
+
+@numba.njit(fastmath=True, inline="always")
+def store_tile(dots, tile, n, count, m, bias, e, out):
+    """out[m + j, n + i] = dots[i * count + j] (+ bias[e, n + i]): a first GEMM's tile."""
+    for i in range(tile):
+        add = bias[e, n + i] if bias.shape[0] > 0 else np.float32(0.0)
+        for j in range(count):
+            out[m + j, n + i] = dots[i * count + j] + add
+
+
+@numba.njit(fastmath=True, inline="always")
+def add_tile(dots, tile, n, a_rows, tokens, slot_weights, bias, e, sums):
+    """sums[tokens[m], n + i] += slot_weights[m] * (dots[i * len(a_rows) + j] (+ bias[e, n + i]))
+    for m = a_rows[j]: a second GEMM's tile, combined."""
+    for i in range(tile):
+        add = bias[e, n + i] if bias.shape[0] > 0 else np.float32(0.0)
+        for j in range(len(a_rows)):
+            m = a_rows[j]
+            sums[tokens[m], n + i] += slot_weights[m] * (dots[i * len(a_rows) + j] + add)

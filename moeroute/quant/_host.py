@@ -31,7 +31,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from moeroute.quant._dot import BF16_DOT, LANES, BFloat16Type, accumulators, dot_function, row_pointers, sum_lanes
+from moeroute.quant._dot import (BF16_DOT, LANES, BFloat16Type, accumulators, dot_function, row_pointers, splat,
+                                 sum_lanes)
 
 __all__ = ["gate_up_rows", "gate_up_rows_serial", "down_rows", "down_rows_serial", "gate_up_rows_bf16",
            "gate_up_rows_bf16_serial", "down_rows_bf16", "down_rows_bf16_serial", "bf16_dot_serves",
@@ -555,7 +556,7 @@ def _dot_e4m3_tile(typingctx, w, w_rows, xs, x_rows, factors, bk, out):
                                 builder.store(builder.call(dot, [builder.load(acc), weights, x]), acc)
                     for j, (acc, total) in enumerate(zip(group_sums, totals_i)):
                         at = builder.add(builder.mul(ir.Constant(index_type, j), groups), g)
-                        factor = _splat(builder, builder.load(builder.gep(factor_view.data, [at])), 16)
+                        factor = splat(builder, builder.load(builder.gep(factor_view.data, [at])), 16)
                         builder.store(builder.call(fma, [builder.load(acc), factor, builder.load(total)]), total)
         totals = [builder.load(total) for totals_i in row_totals for total in totals_i]
         out_view = context.make_array(signature.args[6])(context, builder, args[6])
@@ -599,13 +600,6 @@ def _decode_e4m3_rows(typingctx, w, first, last, out):
         return context.get_dummy_value()
 
     return types.none(w, first, last, out), codegen
-
-
-def _splat(builder, scalar, lanes):
-    """A vector of ``lanes`` copies of ``scalar``."""
-    vector_type = ir.VectorType(scalar.type, lanes)
-    single = builder.insert_element(ir.Constant(vector_type, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(single, single, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
 
 
 @numba.njit(fastmath=True, inline="always")

@@ -26,7 +26,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from moeroute.quant._dot import BF16_DOT, LANES, BFloat16Type, accumulators, dot_function, sum_lanes
+from moeroute.quant._dot import (BF16_DOT, LANES, BFloat16Type, accumulators, add_tile, dot_function, splat,
+                                 store_tile, sum_lanes)
 from moeroute.quant.mxfp4 import E2M1_VALUES, MXFP4_BLOCK, SCALE_BIAS
 
 __all__ = ["serves", "split_pairs", "gate_up_rows", "gate_up_rows_serial", "down_rows", "down_rows_serial"]
@@ -62,12 +63,6 @@ def split_pairs(x, out):
                 target[base + half + j] = row[base + MXFP4_BLOCK + 2 * j]
                 target[base + 2 * half + j] = row[base + 2 * j + 1]
                 target[base + 3 * half + j] = row[base + MXFP4_BLOCK + 2 * j + 1]
-
-
-def _splat(builder, scalar, lanes):
-    vector_type = ir.VectorType(scalar.type, lanes)
-    single = builder.insert_element(ir.Constant(vector_type, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(single, single, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
 
 
 @intrinsic
@@ -134,7 +129,7 @@ def _mxfp4_tile(typingctx, blocks, w_rows, scales, xs, x_rows, out):
                     byte = builder.zext(builder.load(builder.gep(s_ptr, [builder.add(g, ir.Constant(index_type, k))])),
                                         i32)
                     block_scales.append(builder.load(builder.gep(scale_table, [ir.Constant(i32, 0), byte])))
-                halves = [_splat(builder, s, 16) for s in block_scales]
+                halves = [splat(builder, s, 16) for s in block_scales]
                 scale = builder.shuffle_vector(halves[0], halves[1],
                                                ir.Constant(ir.VectorType(i32, 16), list(range(8)) + list(range(24, 32))))
                 for x_ptr, total in zip(x_ptrs, row_totals):
@@ -153,14 +148,6 @@ def _mxfp4_tile(typingctx, blocks, w_rows, scales, xs, x_rows, out):
     return types.none(blocks, w_rows, scales, xs, x_rows, out), codegen
 
 
-@numba.njit(fastmath=True, inline="always")
-def _store_tile(dots, tile, n, count, m, bias, e, out):
-    for i in range(tile):
-        add = bias[e, n + i] if bias.shape[0] > 0 else np.float32(0.0)
-        for j in range(count):
-            out[m + j, n + i] = dots[i * count + j] + add
-
-
 @numba.njit(fastmath=True)
 def _gate_up_rows(blocks, scales, first, last, xs, x_rows, m, bias, e, dots, out):
     """out[m + j, n] = W_e[n] . xs[x_rows[j]] (+ bias[e, n]) for n in [first, last), four
@@ -168,11 +155,11 @@ def _gate_up_rows(blocks, scales, first, last, xs, x_rows, m, bias, e, dots, out
     n = first
     while n + _ROW_TILE <= last:
         _mxfp4_tile(blocks, (n, n + 1, n + 2, n + 3), scales, xs, x_rows, dots)
-        _store_tile(dots, _ROW_TILE, n, len(x_rows), m, bias, e, out)
+        store_tile(dots, _ROW_TILE, n, len(x_rows), m, bias, e, out)
         n += _ROW_TILE
     while n < last:
         _mxfp4_tile(blocks, (n,), scales, xs, x_rows, dots)
-        _store_tile(dots, 1, n, len(x_rows), m, bias, e, out)
+        store_tile(dots, 1, n, len(x_rows), m, bias, e, out)
         n += 1
 
 
@@ -213,15 +200,6 @@ def gate_up_rows_serial(xs, tokens, offsets, work, blocks, scales, bias, out):
         _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], blocks, scales, bias, out)
 
 
-@numba.njit(fastmath=True, inline="always")
-def _add_tile(dots, tile, n, a_rows, tokens, slot_weights, bias, e, sums):
-    for i in range(tile):
-        add = bias[e, n + i] if bias.shape[0] > 0 else np.float32(0.0)
-        for j in range(len(a_rows)):
-            m = a_rows[j]
-            sums[tokens[m], n + i] += slot_weights[m] * (dots[i * len(a_rows) + j] + add)
-
-
 @numba.njit(fastmath=True)
 def _down_rows(blocks, scales, first, last, acts, a_rows, tokens, slot_weights, bias, e, dots, sums):
     """sums[tokens[m], n] += slot_weights[m] * (W_e[n] . acts[m] (+ bias[e, n])) for the rows
@@ -229,11 +207,11 @@ def _down_rows(blocks, scales, first, last, acts, a_rows, tokens, slot_weights, 
     n = first
     while n + _ROW_TILE <= last:
         _mxfp4_tile(blocks, (n, n + 1, n + 2, n + 3), scales, acts, a_rows, dots)
-        _add_tile(dots, _ROW_TILE, n, a_rows, tokens, slot_weights, bias, e, sums)
+        add_tile(dots, _ROW_TILE, n, a_rows, tokens, slot_weights, bias, e, sums)
         n += _ROW_TILE
     while n < last:
         _mxfp4_tile(blocks, (n,), scales, acts, a_rows, dots)
-        _add_tile(dots, 1, n, a_rows, tokens, slot_weights, bias, e, sums)
+        add_tile(dots, 1, n, a_rows, tokens, slot_weights, bias, e, sums)
         n += 1
 
 

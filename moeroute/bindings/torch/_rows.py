@@ -30,7 +30,8 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
 from moeroute.bindings.torch.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
-from moeroute.quant._dot import BF16_DOT, LANES, BFloat16Type, accumulators, dot_function, row_pointers, sum_lanes
+from moeroute.quant._dot import (BF16_DOT, LANES, BFloat16Type, accumulators, add_tile, dot_function, row_pointers,
+                                 store_tile, sum_lanes)
 from moeroute.routing.select._simd import _float32_bits
 
 __all__ = ["plan_rows", "rows_experts", "rows_experts_serial", "rows_experts_bf16", "rows_experts_bf16_serial",
@@ -479,14 +480,6 @@ def _dots_bf16(weights, w_rows, xs, x_rows, out):
                 out[k] = _tail(weights[w_rows[i]], xs[x_rows[j]], out[k])
 
 
-@numba.njit(fastmath=True, inline="always")
-def _store_gate_up(dots, tile, n, columns, m, bias, e, out):
-    for i in range(tile):
-        add = bias[e, n + i] if bias.shape[0] > 0 else np.float32(0.0)
-        for j in range(columns):
-            out[m + j, n + i] = dots[i * columns + j] + add
-
-
 @numba.njit(fastmath=True)
 def _gate_up_rows_bf16(weights, first, last, x, x_rows, m, bias, e, out):
     """out[m + j, n] = weights[n] . x[x_rows[j]] (+ bias[e, n]) for n in [first, last), four
@@ -495,11 +488,11 @@ def _gate_up_rows_bf16(weights, first, last, x, x_rows, m, bias, e, out):
     n = first
     while n + _WEIGHT_TILE <= last:
         _dots_bf16(weights, (n, n + 1, n + 2, n + 3), x, x_rows, dots)
-        _store_gate_up(dots, _WEIGHT_TILE, n, len(x_rows), m, bias, e, out)
+        store_tile(dots, _WEIGHT_TILE, n, len(x_rows), m, bias, e, out)
         n += _WEIGHT_TILE
     while n < last:
         _dots_bf16(weights, (n,), x, x_rows, dots)
-        _store_gate_up(dots, 1, n, len(x_rows), m, bias, e, out)
+        store_tile(dots, 1, n, len(x_rows), m, bias, e, out)
         n += 1
 
 
@@ -523,15 +516,6 @@ def _gate_up_item_bf16(x, tokens, offsets, e, b, w_gate_up, bias, out):
             _gate_up_rows_bf16(weights, first, last, x, (tokens[m],), m, bias, e, out)
 
 
-@numba.njit(fastmath=True, inline="always")
-def _add_down(dots, tile, n, a_rows, tokens, slot_weights, bias, e, sums):
-    for i in range(tile):
-        add = bias[e, n + i] if bias.shape[0] > 0 else np.float32(0.0)
-        for j in range(len(a_rows)):
-            m = a_rows[j]
-            sums[tokens[m], n + i] += slot_weights[m] * (dots[i * len(a_rows) + j] + add)
-
-
 @numba.njit(fastmath=True)
 def _down_rows_bf16(weights, first, last, acts, a_rows, tokens, slot_weights, bias, e, sums):
     """sums[tokens[m], n] += slot_weights[m] * (weights[n] . acts[m] (+ bias[e, n])) for the
@@ -540,11 +524,11 @@ def _down_rows_bf16(weights, first, last, acts, a_rows, tokens, slot_weights, bi
     n = first
     while n + _WEIGHT_TILE <= last:
         _dots_bf16(weights, (n, n + 1, n + 2, n + 3), acts, a_rows, dots)
-        _add_down(dots, _WEIGHT_TILE, n, a_rows, tokens, slot_weights, bias, e, sums)
+        add_tile(dots, _WEIGHT_TILE, n, a_rows, tokens, slot_weights, bias, e, sums)
         n += _WEIGHT_TILE
     while n < last:
         _dots_bf16(weights, (n,), acts, a_rows, dots)
-        _add_down(dots, 1, n, a_rows, tokens, slot_weights, bias, e, sums)
+        add_tile(dots, 1, n, a_rows, tokens, slot_weights, bias, e, sums)
         n += 1
 
 
