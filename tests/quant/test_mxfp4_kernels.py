@@ -40,6 +40,21 @@ def split(x):
     return out
 
 
+def reference_outputs(packed_weights, x, acts, tokens, slot_weights, offsets, biases, gate_up_shape, sums_shape):
+    """float64 from the definition: each sorted row's gate_up (x[tokens[m]] through its
+    expert), and the weighted down outputs of ``acts`` summed per token."""
+    gate_up_blocks, gate_up_scales, down_blocks, down_scales = packed_weights
+    w_gate_up, w_down = plain_weights(gate_up_blocks, gate_up_scales), plain_weights(down_blocks, down_scales)
+    expected_gate_up = np.empty(gate_up_shape)
+    expected_sums = np.zeros(sums_shape)
+    for e in range(offsets.shape[0] - 1):
+        gate_up_bias, down_bias = (biases[0][e], biases[1][e]) if biases is not None else (0.0, 0.0)
+        for m in range(offsets[e], offsets[e + 1]):
+            expected_gate_up[m] = w_gate_up[e] @ x[tokens[m]] + gate_up_bias
+            expected_sums[tokens[m]] += slot_weights[m] * (w_down[e] @ acts[m] + down_bias)
+    return expected_gate_up, expected_sums
+
+
 def assert_close(actual, expected):
     scale = max(np.abs(expected).max(), 1e-30)
     np.testing.assert_array_less(np.abs(actual - expected) / scale, RTOL)
@@ -112,13 +127,9 @@ def test_row_kernels_match_the_definition(counts, with_bias, serial, kernels):
     down_rows(split(acts), tokens, slot_weights, offsets, hit, down_blocks, down_scales,
               down_bias if with_bias else no_bias, sums)
 
-    w_gate_up, w_down = plain_weights(gate_up_blocks, gate_up_scales), plain_weights(down_blocks, down_scales)
-    expected_gate_up = np.empty(gate_up.shape)
-    expected_sums = np.zeros(sums.shape)
-    for e in range(num_experts):
-        for m in range(offsets[e], offsets[e + 1]):
-            expected_gate_up[m] = w_gate_up[e] @ x[tokens[m]] + (gate_up_bias[e] if with_bias else 0.0)
-            expected_sums[tokens[m]] += slot_weights[m] * (w_down[e] @ acts[m] + (down_bias[e] if with_bias else 0.0))
+    expected_gate_up, expected_sums = reference_outputs(
+        (gate_up_blocks, gate_up_scales, down_blocks, down_scales), x, acts, tokens, slot_weights, offsets,
+        (gate_up_bias, down_bias) if with_bias else None, gate_up.shape, sums.shape)
     assert_close(gate_up, expected_gate_up)
     assert_close(sums, expected_sums)
 
@@ -218,13 +229,9 @@ def test_bf16_dot_row_kernels_match_the_definition(counts, with_bias, serial, sc
     down_rows(split_pairs(acts_bits), tokens, slot_weights, offsets, hit, down_blocks, down_scales,
               down_bias if with_bias else no_bias, sums)
 
-    w_gate_up, w_down = plain_weights(gate_up_blocks, gate_up_scales), plain_weights(down_blocks, down_scales)
-    expected_gate_up = np.empty(gate_up.shape)
-    expected_sums = np.zeros(sums.shape)
-    for e in range(num_experts):
-        for m in range(offsets[e], offsets[e + 1]):
-            expected_gate_up[m] = w_gate_up[e] @ x[tokens[m]] + (gate_up_bias[e] if with_bias else 0.0)
-            expected_sums[tokens[m]] += slot_weights[m] * (w_down[e] @ acts[m] + (down_bias[e] if with_bias else 0.0))
+    expected_gate_up, expected_sums = reference_outputs(
+        (gate_up_blocks, gate_up_scales, down_blocks, down_scales), x, acts, tokens, slot_weights, offsets,
+        (gate_up_bias, down_bias) if with_bias else None, gate_up.shape, sums.shape)
     if offsets[-1]:
         assert_close(gate_up, expected_gate_up)
     assert_close(sums, expected_sums)
