@@ -402,6 +402,8 @@ def quantize_rows(x, group, round_bf16, min_amax, q_out, s_out):
 
 #: Weight rows per call of `_dot_e4m3_tile` (the tuples of four rows below).
 _WEIGHT_TILE = 4
+#: Decoded weight rows (read from cache) dotted together against each activation load.
+_DECODED_TOGETHER = 2
 
 
 def _e4m3_bfloat16_bytes() -> tuple[list[int], list[int]]:
@@ -427,11 +429,17 @@ def _e4m3_magnitude(code: int) -> float:
 _HIGH_BYTES, _LOW_BYTES = _e4m3_bfloat16_bytes()
 #: Weights decoded per step: one 64-byte load, two 32-lane bfloat16 vectors.
 _STEP = 2 * LANES
-#: bfloat16 activation values per chunk of a tile's dots (whole groups of columns), over all
-#: its activation rows: 16 KB, which stay in L1 while the tile's weight rows pass. One
-#: activation row takes chunks of 8192 columns, four rows 2048: more chunks than needed cost
-#: memory speed, the weight rows then being read a chunk of each in turn.
+#: Activation values per chunk of a tile's dots (whole groups of columns, at least one), over
+#: all its activation rows, where the weight rows come decoded from cache: 16 KB of bfloat16,
+#: which stay in L1 while the tile's weight rows pass.
 _CHUNK_VALUES = 8192
+#: Where the weight rows are e4m3 bytes read from memory: whole rows, one stream, while the
+#: activation rows fit in `_CHUNK_VALUES`; else chunks of 512 values over the activation rows
+#: (a group or two of each weight row in turn), four sequential streams the prefetchers keep
+#: up with. DeepSeek-V3's gate_up (7168 columns), one thread: 11.2 GB/s at four activation rows
+#: and 14.4 at two, against 8.5 and 9.8 in chunks of 8192 values and 8.0 and 11.3 unchunked.
+#: Rows of 2048 columns read whole: 13.4 GB/s at two activation rows, 8.8 in chunks of 512.
+_STREAM_CHUNK_VALUES = 512
 
 
 class _E4M3Decoder:
@@ -482,8 +490,10 @@ def _dot_e4m3_tile(typingctx, w, w_rows, xs, x_rows, factors, bk, out):
     and 1 to 4 rows of e4m3 activations as bfloat16 bits (``xs`` uint16 [*, K]); both
     C-contiguous, K and bk multiples of 64 (`_STEP`), ``factors`` float32 [>= len(x_rows), G]
     C-contiguous (G = ceil(K / bk)), ``out`` float32 [>= the tile's size]. Each weight row is
-    read once for the activation rows, the rows one after the other (one stream through
-    memory)."""
+    read once for the activation rows, in chunks of whole groups (`_CHUNK_VALUES`,
+    `_STREAM_CHUNK_VALUES`). Each group's sum is two sums (the first and second 32 columns of
+    each 64-column step) added at the group's end: one summation order whatever the tile's
+    shape or the weights' form, so a dot's bits depend on neither."""
     tuples_ok = all(isinstance(t, types.UniTuple) and 1 <= t.count <= _WEIGHT_TILE and isinstance(t.dtype, types.Integer)
                     for t in (w_rows, x_rows))
     arrays_ok = (isinstance(w, types.Array) and w.ndim == 2 and w.dtype in (types.uint8, types.uint16)
@@ -506,61 +516,100 @@ def _dot_e4m3_tile(typingctx, w, w_rows, xs, x_rows, factors, bk, out):
                                     v32i16 if decoded else v64i8)
         x_ptrs, _ = row_pointers(context, builder, signature.args[2], args[2], x_rows, args[3], v32i16)
         index_type = cols.type
+        one, two = ir.Constant(index_type, 1), ir.Constant(index_type, 2)
         factor_view = context.make_array(signature.args[4])(context, builder, args[4])
         groups = builder.extract_value(factor_view.shape, 1)
         per_group_columns = context.cast(builder, args[5], signature.args[5], types.intp)
         per_group = builder.udiv(per_group_columns, ir.Constant(index_type, _STEP))
         steps = builder.udiv(cols, ir.Constant(index_type, _STEP))
         zero = ir.Constant(v16f, [0.0] * 16)
-        # One accumulator per activation row and group, its scaled sum fused into the row's
-        # total (one rounding) at the group's end.
-        group_sums = accumulators(builder, count, v16f)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v16f, v16f]),
                                              "llvm.fma.v16f32")
-        two = ir.Constant(index_type, 2)
         if decoded:
             def decode_step(w_ptr, step):
                 first = builder.mul(step, two)
                 return [builder.bitcast(builder.load(builder.gep(w_ptr, [at]), align=2), v32bf)
-                        for at in (first, builder.add(first, ir.Constant(index_type, 1)))]
+                        for at in (first, builder.add(first, one))]
         else:
             decode = _E4M3Decoder(builder)
 
             def decode_step(w_ptr, step):
                 return decode(builder.load(builder.gep(w_ptr, [step]), align=1))
-        # Columns in chunks of whole groups, every weight row's chunk in turn: the activation
-        # rows' chunk (`_CHUNK_VALUES` bfloat16 values over the rows) stays in L1.
-        chunk_groups = builder.udiv(ir.Constant(index_type, _CHUNK_VALUES // count), per_group_columns)
+        # Per (weight row, activation row): a group's sum in two parts (the first and the
+        # second 32 columns of each step), added at the group's end, then times the group's
+        # factor fused into the row's total (one rounding). The same order whatever the
+        # tile's shape or the weights' form, so results do not depend on either.
+        parts = {(i, j): accumulators(builder, 2, v16f) for i in range(len(w_ptrs)) for j in range(count)}
+        totals = {(i, j): accumulators(builder, 1, v16f)[0] for i in range(len(w_ptrs)) for j in range(count)}
+        # Rows read from memory as bytes go one at a time (one stream: the prefetchers follow
+        # it); decoded rows, in cache, two at a time against each activation load.
+        together = _DECODED_TOGETHER if decoded else 1
+        batches = [range(i, min(i + together, len(w_ptrs))) for i in range(0, len(w_ptrs), together)]
+
+        def step_dots(batch, step):
+            halves = {i: decode_step(w_ptrs[i], step) for i in batch}
+            for h in range(2):
+                at = builder.add(builder.mul(step, two), ir.Constant(index_type, h))
+                for j, x_ptr in enumerate(x_ptrs):
+                    x = builder.bitcast(builder.load(builder.gep(x_ptr, [at]), align=2), v32bf)
+                    for i in batch:
+                        part = parts[i, j][h]
+                        builder.store(builder.call(dot, [builder.load(part), halves[i][h], x]), part)
+
+        def group(batch, g, steps_of_group):
+            for i in batch:
+                for j in range(count):
+                    for part in parts[i, j]:
+                        builder.store(zero, part)
+            steps_of_group(batch, g)
+            for j in range(count):
+                at = builder.add(builder.mul(ir.Constant(index_type, j), groups), g)
+                factor = splat(builder, builder.load(builder.gep(factor_view.data, [at])), 16)
+                for i in batch:
+                    low, high = (builder.load(part) for part in parts[i, j])
+                    total = totals[i, j]
+                    builder.store(builder.call(fma, [builder.fadd(low, high), factor, builder.load(total)]), total)
+
+        def two_steps(batch, g):  # bk = 128, the checkpoints' block: the group unrolled
+            first = builder.mul(g, two)
+            step_dots(batch, first)
+            step_dots(batch, builder.add(first, one))
+
+        def any_steps(batch, g):
+            begin = builder.mul(g, per_group)
+            end = builder.add(begin, per_group)
+            end = builder.select(builder.icmp_unsigned("<", end, steps), end, steps)
+            with cgutils.for_range_slice(builder, begin, end, one) as (step, _):
+                step_dots(batch, step)
+
+        # Columns in chunks of whole groups, every weight row's chunk in turn (`_CHUNK_VALUES`,
+        # `_STREAM_CHUNK_VALUES`).
+        chunk_columns = ir.Constant(index_type, _CHUNK_VALUES // count)
+        if not decoded:
+            fits = builder.icmp_unsigned("<=", builder.mul(cols, ir.Constant(index_type, count)),
+                                         ir.Constant(index_type, _CHUNK_VALUES))
+            chunk_columns = builder.select(fits, cols, ir.Constant(index_type, _STREAM_CHUNK_VALUES // count))
+        chunk_groups = builder.udiv(chunk_columns, per_group_columns)
         chunk_groups = builder.select(builder.icmp_unsigned("==", chunk_groups, ir.Constant(index_type, 0)),
-                                      ir.Constant(index_type, 1), chunk_groups)
-        chunks = builder.udiv(builder.add(groups, builder.sub(chunk_groups, ir.Constant(index_type, 1))),
-                              chunk_groups)
-        row_totals = [accumulators(builder, count, v16f) for _ in w_ptrs]
-        with cgutils.for_range(builder, chunks) as chunk:
-            g_first = builder.mul(chunk.index, chunk_groups)
-            g_last = builder.add(g_first, chunk_groups)
-            g_last = builder.select(builder.icmp_unsigned("<", g_last, groups), g_last, groups)
-            for w_ptr, totals_i in zip(w_ptrs, row_totals):
-                with cgutils.for_range_slice(builder, g_first, g_last, ir.Constant(index_type, 1)) as (g, _):
-                    begin = builder.mul(g, per_group)
-                    end = builder.add(begin, per_group)
-                    end = builder.select(builder.icmp_unsigned("<", end, steps), end, steps)
-                    for acc in group_sums:
-                        builder.store(zero, acc)
-                    with cgutils.for_range_slice(builder, begin, end, ir.Constant(index_type, 1)) as (step, _):
-                        halves = decode_step(w_ptr, step)
-                        for x_ptr, acc in zip(x_ptrs, group_sums):
-                            for h, weights in enumerate(halves):
-                                at = builder.add(builder.mul(step, two), ir.Constant(index_type, h))
-                                x = builder.bitcast(builder.load(builder.gep(x_ptr, [at]), align=2), v32bf)
-                                builder.store(builder.call(dot, [builder.load(acc), weights, x]), acc)
-                    for j, (acc, total) in enumerate(zip(group_sums, totals_i)):
-                        at = builder.add(builder.mul(ir.Constant(index_type, j), groups), g)
-                        factor = splat(builder, builder.load(builder.gep(factor_view.data, [at])), 16)
-                        builder.store(builder.call(fma, [builder.load(acc), factor, builder.load(total)]), total)
-        totals = [builder.load(total) for totals_i in row_totals for total in totals_i]
+                                      one, chunk_groups)
+        chunks = builder.udiv(builder.add(groups, builder.sub(chunk_groups, one)), chunk_groups)
+        # A whole last group where the columns end on one (the kernels' shapes: K and bk
+        # multiples of 64, and in practice bk = 128).
+        whole_pairs = builder.and_(builder.icmp_unsigned("==", per_group, two),
+                                   builder.icmp_unsigned("==", builder.mul(groups, two), steps))
+        with builder.if_else(whole_pairs) as (unrolled, looped):
+            for steps_of_group, block in ((two_steps, unrolled), (any_steps, looped)):
+                with block:
+                    with cgutils.for_range(builder, chunks) as chunk:
+                        g_first = builder.mul(chunk.index, chunk_groups)
+                        g_last = builder.add(g_first, chunk_groups)
+                        g_last = builder.select(builder.icmp_unsigned("<", g_last, groups), g_last, groups)
+                        for batch in batches:
+                            with cgutils.for_range_slice(builder, g_first, g_last, one) as (g, _):
+                                group(batch, g, steps_of_group)
+        values = [builder.load(totals[i, j]) for i in range(len(w_ptrs)) for j in range(count)]
         out_view = context.make_array(signature.args[6])(context, builder, args[6])
-        for k, value in enumerate(sum_lanes(builder, totals)):
+        for k, value in enumerate(sum_lanes(builder, values)):
             builder.store(value, builder.gep(out_view.data, [ir.Constant(index_type, k)]))
         return context.get_dummy_value()
 
@@ -613,6 +662,12 @@ def _group_factors(s_a, rows, scale_row, factors):
 
 #: Bytes of decoded bfloat16 weight rows an expert with many rows reuses: within a core's L2.
 _DECODED_BYTES = 256 * 1024
+#: Experts with more rows than this have their weight rows decoded once into that buffer;
+#: others read the e4m3 bytes for each group of four rows, from memory, then from cache
+#: (the buffer is written to L2: decoding into it ran at 11.6 GB/s, against 25.7 into L1).
+#: DeepSeek-V3's gate_up, one thread, bytes against buffer: 61 against 80 ms at 5 rows per
+#: expert, 79 against 92 at 8, 146 against 166 at 16, 333 against 250 at 32.
+_DECODE_ROWS_ABOVE = 16
 
 
 @numba.njit
@@ -679,14 +734,15 @@ def _gate_up_groups(weights, origin, first, last, xs, tokens, start, stop, s_a, 
 @numba.njit(fastmath=True)
 def _gate_up_item_bf16(xs, s_a, tokens, offsets, e, chunk, q_gate_up, gate_up_scale, inter, bn, bk, out):
     """`_gate_up_item` with the dot instructions: four weight rows at a time against up to
-    four of the expert's rows; past four rows the chunk's weight rows are decoded once, some
-    at a time (`_decoded_rows`), into a bfloat16 buffer that every group of four reads in cache."""
+    four of the expert's rows; past `_DECODE_ROWS_ABOVE` rows the chunk's weight rows are
+    decoded once, some at a time (`_decoded_rows`), into a bfloat16 buffer that every group
+    of four reads in cache."""
     start, stop = offsets[e], offsets[e + 1]
     weights, scale = q_gate_up[e], gate_up_scale[e]
     first, last = chunk * ROW_BLOCK, min(q_gate_up.shape[1], (chunk + 1) * ROW_BLOCK)
     factors = np.empty((_ROW_TILE, gate_up_scale.shape[2]), np.float32)
     dots = np.empty(_WEIGHT_TILE * _ROW_TILE, np.float32)
-    if stop - start > _ROW_TILE:
+    if stop - start > _DECODE_ROWS_ABOVE:
         rows = _decoded_rows(q_gate_up.shape[2])
         decoded = np.empty((rows, q_gate_up.shape[2]), np.uint16)
         for sub in range(first, last, rows):
@@ -768,8 +824,9 @@ def _down_groups(weights, origin, first, last, acts, start, stop, s_a, scale, bn
 def _down_block_bf16(acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, block,
                      columns):
     """Output columns [block * columns, ..) over every hit expert, with the dot instructions;
-    an expert with more than four rows has its weight rows decoded once, some at a time
-    (`_decoded_rows`), into a bfloat16 buffer that every group of four reads in cache."""
+    an expert with more than `_DECODE_ROWS_ABOVE` rows has its weight rows decoded once, some
+    at a time (`_decoded_rows`), into a bfloat16 buffer that every group of four reads in
+    cache."""
     first, last = block * columns, min(q_down.shape[1], (block + 1) * columns)
     factors = np.empty((_ROW_TILE, down_scale.shape[2]), np.float32)
     dots = np.empty(_WEIGHT_TILE * _ROW_TILE, np.float32)
@@ -779,7 +836,7 @@ def _down_block_bf16(acts, s_a, tokens, slot_weights, offsets, experts, q_down, 
         e = experts[i]
         weights, scale = q_down[e], down_scale[e]
         start, stop = offsets[e], offsets[e + 1]
-        if stop - start <= _ROW_TILE:
+        if stop - start <= _DECODE_ROWS_ABOVE:
             _down_groups(weights, 0, first, last, acts, start, stop, s_a, scale, bn, bk, tokens, slot_weights,
                          factors, dots, sums)
             continue

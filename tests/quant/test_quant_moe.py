@@ -295,16 +295,18 @@ def test_row_kernels_every_tile_shape_against_reference(fmt, threads, inter):
     # 1 to 9 rows per expert cover the one-row pass, the pairs and the 2x4 tiles with every
     # remainder; I = 200 leaves partial weight blocks and a block of 64 weight rows that
     # spans gate and up. One torch thread runs the serial kernels. I = 192 (rows and blocks
-    # whole 64-weight steps) runs the bfloat16-dot kernels on CPUs that have them.
+    # whole 64-weight steps) runs the bfloat16-dot kernels on CPUs that have them, where the
+    # expert with 21 rows has its weight rows decoded into a buffer first.
     from moeroute.quant import _host
 
     quant = FORMATS[fmt]
-    experts = 9
+    experts = 10
     blocks = ((64, 128), (64, 128)) if fmt != "tensor" else ((inter, H), (H, inter))
     assert _host.bf16_dot_serves(H, inter, *blocks) == (_host.BF16_DOT and inter == 192)
     q = quantize_experts(_randn(experts, 2 * inter, H, seed=1, scale=0.1),
                          _randn(experts, H, inter, seed=2, scale=0.1), quant)
-    counts = torch.arange(1, experts + 1)
+    counts = torch.tensor([*range(1, experts), 21])
+    assert 9 <= _host._DECODE_ROWS_ABOVE < 21
     ids = torch.repeat_interleave(torch.arange(experts), counts)
     ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(5))]
     ids = torch.stack([ids, torch.full_like(ids, -1)], 1)  # a slot held elsewhere: skipped
@@ -317,7 +319,14 @@ def test_row_kernels_every_tile_shape_against_reference(fmt, threads, inter):
     finally:
         torch.set_num_threads(previous)
     expected = moe_experts_reference(x, ids, weights, *q, quant.block_size if fmt != "tensor" else None)
-    assert rel_error(out, expected) < 1e-4
+    # As in test_cpu_strategies_agree_with_reference: float32 summation order may flip an
+    # e4m3 rounding tie of the re-quantized intermediate in a row or so (one step of one
+    # value: up to about 1.2e-3 of the largest output here with per-tensor scales, whose
+    # per-token activation scale spans the whole intermediate row); the rest agree to
+    # float32 rounding.
+    row_error = (out - expected).abs().amax(1) / expected.abs().max()
+    assert row_error.max() < 2e-3
+    assert int((row_error > 1e-5).sum()) <= max(1, ids.shape[0] // 50)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -381,13 +390,15 @@ def _e4m3_tile(w, w_rows, xs, x_rows, factors, bk, out):
 
 @pytest.mark.parametrize("weight_rows,act_rows", [(1, 1), (4, 1), (1, 3), (4, 3)])
 @pytest.mark.parametrize("cols,bk", [(256, 64), (320, 128), (4608, 128), (4160, 192)])
-def test_bf16_dot_e4m3_tile_against_float64(weight_rows, act_rows, cols, bk):
-    # The e4m3 weights decoded to bfloat16 in registers (every one of the 254 finite codes,
-    # subnormals and both zeros, sits in weight row 0) and dotted with the instruction, group
-    # by group of bk columns (a partial last group at 320 / 128 and 4160 / 192), each group's
-    # sum times its factor, in chunks of whole groups of 8192 values over the activation rows
-    # (two chunks at 4608 and 4160 columns with three activation rows): against the float64
-    # sum of the exact e4m3 products.
+@pytest.mark.parametrize("form", ["bytes", "decoded"])
+def test_bf16_dot_e4m3_tile_against_float64(weight_rows, act_rows, cols, bk, form):
+    # The e4m3 weights decoded to bfloat16 in registers, or read decoded (every one of the
+    # 254 finite codes, subnormals and both zeros, sits in weight row 0), and dotted with the
+    # instruction, group by group of bk columns (a partial last group at 320 / 128 and
+    # 4160 / 192; two steps unrolled at 4608 / 128), each group's sum times its factor, in
+    # chunks of whole groups: bytes in chunks of one group with three activation rows at 4608
+    # and 4160 columns, decoded rows (two at a time) in two chunks there: against the
+    # float64 sum of the exact e4m3 products.
     import numpy as np
 
     from moeroute.quant import _host
@@ -404,7 +415,8 @@ def test_bf16_dot_e4m3_tile_against_float64(weight_rows, act_rows, cols, bk):
     w_rows, x_rows = np.array([0, 3, 1, 4][:weight_rows]), np.array([2, 0, 3][:act_rows])
     factors = (torch.rand(act_rows, groups, generator=generator) + 0.25).numpy()
     out = np.full(13, np.nan, np.float32)
-    _e4m3_tile(codes.numpy(), w_rows, acts.to(torch.bfloat16).view(torch.uint16).numpy(), x_rows, factors, bk, out)
+    w = codes.numpy() if form == "bytes" else codes.view(torch.float8_e4m3fn).bfloat16().view(torch.uint16).numpy()
+    _e4m3_tile(w, w_rows, acts.to(torch.bfloat16).view(torch.uint16).numpy(), x_rows, factors, bk, out)
     for i, w_row in enumerate(w_rows):
         for j, x_row in enumerate(x_rows):
             products = weights[w_row] * acts[x_row].double()
@@ -418,6 +430,7 @@ def test_bf16_dot_e4m3_tile_against_float64(weight_rows, act_rows, cols, bk):
 def test_bf16_dot_fp8_kernels_serial_and_parallel_give_the_same_bits():
     # One thread reads each expert's down weights as one stream, the parallel kernels split
     # the output columns and the gate_up rows: a dot does not depend on its neighbours.
+    # Experts 0 and 4 (22 rows each) read decoded rows, the others (12) the bytes.
     from moeroute.quant import _host
 
     if not _host.BF16_DOT:
@@ -426,8 +439,9 @@ def test_bf16_dot_fp8_kernels_serial_and_parallel_give_the_same_bits():
     inter, experts = 192, 5
     q = quantize_experts(_randn(experts, 2 * inter, H, seed=1, scale=0.1),
                          _randn(experts, H, inter, seed=2, scale=0.1), quant)
-    ids = torch.repeat_interleave(torch.arange(experts), torch.arange(1, experts + 1) * 2)
+    ids = torch.repeat_interleave(torch.arange(experts), torch.tensor([2, 4, 6, 8, 20]))
     ids = torch.stack([ids, ids.flip(0)], 1).int()
+    assert 12 <= _host._DECODE_ROWS_ABOVE < 22
     x = _randn(ids.shape[0], H, seed=3)
     weights = torch.rand(ids.shape[0], 2, generator=torch.Generator().manual_seed(4))
     outs = []
