@@ -402,8 +402,6 @@ def quantize_rows(x, group, round_bf16, min_amax, q_out, s_out):
 
 #: Weight rows per call of `_dot_e4m3_tile` (the tuples of four rows below).
 _WEIGHT_TILE = 4
-#: Decoded weight rows (read from cache) dotted together against each activation load.
-_DECODED_TOGETHER = 2
 
 
 def _e4m3_bfloat16_bytes() -> tuple[list[int], list[int]]:
@@ -429,14 +427,14 @@ def _e4m3_magnitude(code: int) -> float:
 _HIGH_BYTES, _LOW_BYTES = _e4m3_bfloat16_bytes()
 #: Weights decoded per step: one 64-byte load, two 32-lane bfloat16 vectors.
 _STEP = 2 * LANES
-#: Activation values per chunk of a tile's dots (whole groups of columns, at least one), over
-#: all its activation rows, where the weight rows come decoded from cache: 16 KB of bfloat16,
-#: which stay in L1 while the tile's weight rows pass.
+#: Activation values (16 KB of bfloat16) a tile's activation rows may span whole: the weight
+#: rows are then read whole, one after the other (one stream through memory), while the
+#: activation rows stay in L1.
 _CHUNK_VALUES = 8192
-#: Where the weight rows are e4m3 bytes read from memory: whole rows, one stream, while the
-#: activation rows fit in `_CHUNK_VALUES`; else chunks of 512 values over the activation rows
-#: (a group or two of each weight row in turn), four sequential streams the prefetchers keep
-#: up with. DeepSeek-V3's gate_up (7168 columns), one thread: 11.2 GB/s at four activation rows
+#: Longer activation rows: chunks of whole groups of columns, 512 values over the activation
+#: rows (at least one group), a chunk of each weight row in turn: the activation rows never
+#: leave L1, and the four weight rows are four sequential streams the prefetchers keep up
+#: with. DeepSeek-V3's gate_up (7168 columns), one thread: 11.2 GB/s at four activation rows
 #: and 14.4 at two, against 8.5 and 9.8 in chunks of 8192 values and 8.0 and 11.3 unchunked.
 #: Rows of 2048 columns read whole: 13.4 GB/s at two activation rows, 8.8 in chunks of 512.
 _STREAM_CHUNK_VALUES = 512
@@ -486,18 +484,16 @@ class _E4M3Decoder:
 def _dot_e4m3_tile(typingctx, w, w_rows, xs, x_rows, factors, bk, out):
     """out[i * len(x_rows) + j] = sum_g factors[j, g] * (w[w_rows[i]] . xs[x_rows[j]] over
     group g of bk columns), for 1 to 4 weight rows, e4m3 bytes (``w`` uint8 [*, K], decoded in
-    registers) or already decoded (``w`` uint16 [*, K], bfloat16 bits: `_decode_e4m3_rows`),
-    and 1 to 4 rows of e4m3 activations as bfloat16 bits (``xs`` uint16 [*, K]); both
+    registers), and 1 to 4 rows of e4m3 activations as bfloat16 bits (``xs`` uint16 [*, K]); both
     C-contiguous, K and bk multiples of 64 (`_STEP`), ``factors`` float32 [>= len(x_rows), G]
     C-contiguous (G = ceil(K / bk)), ``out`` float32 [>= the tile's size]. Each weight row is
     read once for the activation rows, in chunks of whole groups (`_CHUNK_VALUES`,
     `_STREAM_CHUNK_VALUES`). Each group's sum is two sums (the first and second 32 columns of
     each 64-column step) added at the group's end: one summation order whatever the tile's
-    shape or the weights' form, so a dot's bits depend on neither."""
+    shape, so a dot's bits do not depend on it."""
     tuples_ok = all(isinstance(t, types.UniTuple) and 1 <= t.count <= _WEIGHT_TILE and isinstance(t.dtype, types.Integer)
                     for t in (w_rows, x_rows))
-    arrays_ok = (isinstance(w, types.Array) and w.ndim == 2 and w.dtype in (types.uint8, types.uint16)
-                 and w.layout == "C"
+    arrays_ok = (isinstance(w, types.Array) and w.ndim == 2 and w.dtype == types.uint8 and w.layout == "C"
                  and isinstance(xs, types.Array) and xs.ndim == 2 and xs.dtype == types.uint16 and xs.layout == "C"
                  and isinstance(factors, types.Array) and factors.ndim == 2 and factors.dtype == types.float32
                  and factors.layout == "C" and isinstance(out, types.Array) and out.ndim == 1
@@ -505,15 +501,13 @@ def _dot_e4m3_tile(typingctx, w, w_rows, xs, x_rows, factors, bk, out):
     if not (tuples_ok and arrays_ok and isinstance(bk, types.Integer)):
         return None
     count = x_rows.count
-    decoded = w.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
         v64i8, v32i16 = ir.VectorType(ir.IntType(8), _STEP), ir.VectorType(ir.IntType(16), LANES)
         v16f = ir.VectorType(ir.FloatType(), 16)
         v32bf = ir.VectorType(BFloat16Type(), LANES)
         dot = dot_function(builder)
-        w_ptrs, cols = row_pointers(context, builder, signature.args[0], args[0], w_rows, args[1],
-                                    v32i16 if decoded else v64i8)
+        w_ptrs, cols = row_pointers(context, builder, signature.args[0], args[0], w_rows, args[1], v64i8)
         x_ptrs, _ = row_pointers(context, builder, signature.args[2], args[2], x_rows, args[3], v32i16)
         index_type = cols.type
         one, two = ir.Constant(index_type, 1), ir.Constant(index_type, 2)
@@ -525,29 +519,18 @@ def _dot_e4m3_tile(typingctx, w, w_rows, xs, x_rows, factors, bk, out):
         zero = ir.Constant(v16f, [0.0] * 16)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v16f, v16f]),
                                              "llvm.fma.v16f32")
-        if decoded:
-            def decode_step(w_ptr, step):
-                first = builder.mul(step, two)
-                return [builder.bitcast(builder.load(builder.gep(w_ptr, [at]), align=2), v32bf)
-                        for at in (first, builder.add(first, one))]
-        else:
-            decode = _E4M3Decoder(builder)
-
-            def decode_step(w_ptr, step):
-                return decode(builder.load(builder.gep(w_ptr, [step]), align=1))
+        decode = _E4M3Decoder(builder)
         # Per (weight row, activation row): a group's sum in two parts (the first and the
         # second 32 columns of each step), added at the group's end, then times the group's
         # factor fused into the row's total (one rounding). The same order whatever the
-        # tile's shape or the weights' form, so results do not depend on either.
+        # tile's shape, so results do not depend on it.
         parts = {(i, j): accumulators(builder, 2, v16f) for i in range(len(w_ptrs)) for j in range(count)}
         totals = {(i, j): accumulators(builder, 1, v16f)[0] for i in range(len(w_ptrs)) for j in range(count)}
-        # Rows read from memory as bytes go one at a time (one stream: the prefetchers follow
-        # it); decoded rows, in cache, two at a time against each activation load.
-        together = _DECODED_TOGETHER if decoded else 1
-        batches = [range(i, min(i + together, len(w_ptrs))) for i in range(0, len(w_ptrs), together)]
+        # The weight rows one at a time (one stream through memory where they are whole).
+        batches = [(i,) for i in range(len(w_ptrs))]
 
         def step_dots(batch, step):
-            halves = {i: decode_step(w_ptrs[i], step) for i in batch}
+            halves = {i: decode(builder.load(builder.gep(w_ptrs[i], [step]), align=1)) for i in batch}
             for h in range(2):
                 at = builder.add(builder.mul(step, two), ir.Constant(index_type, h))
                 for j, x_ptr in enumerate(x_ptrs):
@@ -584,11 +567,9 @@ def _dot_e4m3_tile(typingctx, w, w_rows, xs, x_rows, factors, bk, out):
 
         # Columns in chunks of whole groups, every weight row's chunk in turn (`_CHUNK_VALUES`,
         # `_STREAM_CHUNK_VALUES`).
-        chunk_columns = ir.Constant(index_type, _CHUNK_VALUES // count)
-        if not decoded:
-            fits = builder.icmp_unsigned("<=", builder.mul(cols, ir.Constant(index_type, count)),
-                                         ir.Constant(index_type, _CHUNK_VALUES))
-            chunk_columns = builder.select(fits, cols, ir.Constant(index_type, _STREAM_CHUNK_VALUES // count))
+        fits = builder.icmp_unsigned("<=", builder.mul(cols, ir.Constant(index_type, count)),
+                                     ir.Constant(index_type, _CHUNK_VALUES))
+        chunk_columns = builder.select(fits, cols, ir.Constant(index_type, _STREAM_CHUNK_VALUES // count))
         chunk_groups = builder.udiv(chunk_columns, per_group_columns)
         chunk_groups = builder.select(builder.icmp_unsigned("==", chunk_groups, ir.Constant(index_type, 0)),
                                       one, chunk_groups)
@@ -616,39 +597,142 @@ def _dot_e4m3_tile(typingctx, w, w_rows, xs, x_rows, factors, bk, out):
     return types.none(w, w_rows, xs, x_rows, factors, bk, out), codegen
 
 
+# The many-row path: an expert with more than `_DECODE_ROWS_ABOVE` rows has its weight rows
+# decoded and packed 32 at a time, each pair of columns of 16 rows one vector
+# (`_decode_e4m3_packed`), and the dots run as outer products (`_dot_packed_tile`): each
+# ``vdpbf16ps`` multiplies one activation pair, broadcast, by the pair of 16 weight rows, so
+# a vector lane is one output and a group of bk columns is bk / 2 instructions into the same
+# accumulators before its factor is applied; the dot kernels above close theirs every four
+# instructions.
+
+#: Weight rows per packed buffer (two vectors of 16).
+_PACKED_ROWS = 32
+
+
+def _transpose_16x16(builder, vectors):
+    """The 16 x 16 transpose of 16 vectors of 16 lanes: four stages, each swapping the
+    off-diagonal blocks of b x b lanes between rows i and i + b (b = 8, 4, 2, 1)."""
+    i32 = ir.IntType(32)
+    rows = list(vectors)
+    for b in (8, 4, 2, 1):
+        low = [lane if not lane & b else 16 + lane - b for lane in range(16)]
+        high = [lane + b if not lane & b else 16 + lane for lane in range(16)]
+        for i in range(16):
+            if i & b:
+                continue
+            a, c = rows[i], rows[i + b]
+            rows[i] = builder.shuffle_vector(a, c, ir.Constant(ir.VectorType(i32, 16), low))
+            rows[i + b] = builder.shuffle_vector(a, c, ir.Constant(ir.VectorType(i32, 16), high))
+    return rows
+
+
 @intrinsic
-def _decode_e4m3_rows(typingctx, w, first, last, out):
-    """out[r - first] = the bfloat16 bits of e4m3 row w[r] for r in [first, last): ``w`` uint8
-    [*, K], ``out`` uint16 [>= last - first, K], both C-contiguous, K a multiple of 64."""
+def _decode_e4m3_packed(typingctx, w, first, packed):
+    """packed[p, r] = the bfloat16 bits of (w[first + r, 2p], w[first + r, 2p + 1]) as one
+    uint32 (low half first) for r < 32: 32 e4m3 rows (``w`` uint8 [*, K], C-contiguous, K a
+    multiple of 64) decoded and packed column pair by column pair (``packed`` uint32
+    [K / 2, 32], C-contiguous), through 16 x 16 transposes in registers."""
     if not (isinstance(w, types.Array) and w.ndim == 2 and w.dtype == types.uint8 and w.layout == "C"
-            and isinstance(out, types.Array) and out.ndim == 2 and out.dtype == types.uint16 and out.layout == "C"
-            and isinstance(first, types.Integer) and isinstance(last, types.Integer)):
+            and isinstance(packed, types.Array) and packed.ndim == 2 and packed.dtype == types.uint32
+            and packed.layout == "C" and isinstance(first, types.Integer)):
         return None
 
     def codegen(context, builder, signature, args):
-        v64i8, v32i16 = ir.VectorType(ir.IntType(8), _STEP), ir.VectorType(ir.IntType(16), LANES)
+        v64i8, v16i32 = ir.VectorType(ir.IntType(8), _STEP), ir.VectorType(ir.IntType(32), 16)
         source = context.make_array(signature.args[0])(context, builder, args[0])
-        target = context.make_array(signature.args[3])(context, builder, args[3])
+        target = context.make_array(signature.args[2])(context, builder, args[2])
         cols = builder.extract_value(source.shape, 1)
         index_type = cols.type
         start = context.cast(builder, args[1], signature.args[1], types.intp)
-        stop = context.cast(builder, args[2], signature.args[2], types.intp)
         steps = builder.udiv(cols, ir.Constant(index_type, _STEP))
         src = builder.bitcast(source.data, v64i8.as_pointer())
-        dst = builder.bitcast(target.data, v32i16.as_pointer())
+        dst = builder.bitcast(target.data, v16i32.as_pointer())
         decode = _E4M3Decoder(builder)
-        with cgutils.for_range_slice(builder, start, stop, ir.Constant(index_type, 1)) as (row, _):
-            row_src = builder.mul(row, steps)
-            row_dst = builder.mul(builder.sub(row, start), builder.mul(steps, ir.Constant(index_type, 2)))
+        two = ir.Constant(index_type, 2)
+        for half_block in range(_PACKED_ROWS // 16):
             with cgutils.for_range(builder, steps) as loop:
-                halves = decode(builder.load(builder.gep(src, [builder.add(row_src, loop.index)]), align=1))
-                first_half = builder.add(row_dst, builder.mul(loop.index, ir.Constant(index_type, 2)))
-                for h, half in enumerate(halves):
-                    at = builder.add(first_half, ir.Constant(index_type, h))
-                    builder.store(builder.bitcast(half, v32i16), builder.gep(dst, [at]), align=2)
+                halves = [[], []]
+                for r in range(16):
+                    row = builder.add(start, ir.Constant(index_type, 16 * half_block + r))
+                    raw = builder.load(builder.gep(src, [builder.add(builder.mul(row, steps), loop.index)]), align=1)
+                    for h, half in enumerate(decode(raw)):
+                        halves[h].append(builder.bitcast(half, v16i32))
+                for h in range(2):
+                    for p, vector in enumerate(_transpose_16x16(builder, halves[h])):
+                        pair = builder.add(builder.mul(loop.index, ir.Constant(index_type, LANES)),
+                                           ir.Constant(index_type, 16 * h + p))
+                        at = builder.add(builder.mul(pair, two), ir.Constant(index_type, half_block))
+                        builder.store(vector, builder.gep(dst, [at]), align=4)
         return context.get_dummy_value()
 
-    return types.none(w, first, last, out), codegen
+    return types.none(w, first, packed), codegen
+
+
+@intrinsic
+def _dot_packed_tile(typingctx, packed, xs, x_rows, factors, bk, out):
+    """out[j * 32 + n] = sum_g factors[j, g] * (packed row n . xs[x_rows[j]] over group g of
+    bk columns) for the 32 weight rows of ``packed`` (uint32 [K / 2, 32], `_decode_e4m3_packed`)
+    and 1 to 4 rows of e4m3 activations as bfloat16 bits (``xs`` uint16 [*, K], C-contiguous),
+    K and bk multiples of 64, ``factors`` float32 [>= len(x_rows), G] C-contiguous, ``out``
+    float32 [>= 32 len(x_rows)]. Each lane sums its group in column order, pair by pair."""
+    if not (isinstance(x_rows, types.UniTuple) and 1 <= x_rows.count <= _ROW_TILE
+            and isinstance(x_rows.dtype, types.Integer)
+            and isinstance(packed, types.Array) and packed.ndim == 2 and packed.dtype == types.uint32
+            and packed.layout == "C"
+            and isinstance(xs, types.Array) and xs.ndim == 2 and xs.dtype == types.uint16 and xs.layout == "C"
+            and isinstance(factors, types.Array) and factors.ndim == 2 and factors.dtype == types.float32
+            and factors.layout == "C" and isinstance(out, types.Array) and out.ndim == 1
+            and out.dtype == types.float32 and isinstance(bk, types.Integer)):
+        return None
+    count = x_rows.count
+
+    def codegen(context, builder, signature, args):
+        v16i32, v16f = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.FloatType(), 16)
+        v32bf = ir.VectorType(BFloat16Type(), LANES)
+        dot = dot_function(builder)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v16f, v16f]),
+                                             "llvm.fma.v16f32")
+        x_ptrs, cols = row_pointers(context, builder, signature.args[1], args[1], x_rows, args[2], ir.IntType(32))
+        index_type = cols.type
+        one = ir.Constant(index_type, 1)
+        pairs = builder.udiv(cols, ir.Constant(index_type, 2))
+        weights = builder.bitcast(context.make_array(signature.args[0])(context, builder, args[0]).data,
+                                  v16i32.as_pointer())
+        factor_view = context.make_array(signature.args[3])(context, builder, args[3])
+        groups = builder.extract_value(factor_view.shape, 1)
+        group_pairs = builder.udiv(context.cast(builder, args[4], signature.args[4], types.intp),
+                                   ir.Constant(index_type, 2))
+        zero = ir.Constant(v16f, [0.0] * 16)
+        sums = {(j, t): accumulators(builder, 1, v16f)[0] for j in range(count) for t in range(2)}
+        totals = {(j, t): accumulators(builder, 1, v16f)[0] for j in range(count) for t in range(2)}
+        with cgutils.for_range(builder, groups) as group:
+            g = group.index
+            for acc in sums.values():
+                builder.store(zero, acc)
+            begin = builder.mul(g, group_pairs)
+            end = builder.add(begin, group_pairs)
+            end = builder.select(builder.icmp_unsigned("<", end, pairs), end, pairs)
+            with cgutils.for_range_slice(builder, begin, end, one) as (p, _):
+                row = builder.mul(p, ir.Constant(index_type, 2))
+                w = [builder.bitcast(builder.load(builder.gep(weights, [builder.add(row, ir.Constant(index_type, t))]),
+                                                  align=4), v32bf) for t in range(2)]
+                for j, x_ptr in enumerate(x_ptrs):
+                    x = builder.bitcast(splat(builder, builder.load(builder.gep(x_ptr, [p]), align=2), 16), v32bf)
+                    for t in range(2):
+                        acc = sums[j, t]
+                        builder.store(builder.call(dot, [builder.load(acc), x, w[t]]), acc)
+            for j in range(count):
+                at = builder.add(builder.mul(ir.Constant(index_type, j), groups), g)
+                factor = splat(builder, builder.load(builder.gep(factor_view.data, [at])), 16)
+                for t in range(2):
+                    total = totals[j, t]
+                    builder.store(builder.call(fma, [builder.load(sums[j, t]), factor, builder.load(total)]), total)
+        out = builder.bitcast(context.make_array(signature.args[5])(context, builder, args[5]).data, v16f.as_pointer())
+        for (j, t), total in totals.items():
+            builder.store(builder.load(total), builder.gep(out, [ir.Constant(index_type, 2 * j + t)]), align=4)
+        return context.get_dummy_value()
+
+    return types.none(packed, xs, x_rows, factors, bk, out), codegen
 
 
 @numba.njit(fastmath=True, inline="always")
@@ -660,27 +744,18 @@ def _group_factors(s_a, rows, scale_row, factors):
             factors[j, g] = s_a[rows[j], g] * scale_row[g]
 
 
-#: Bytes of decoded bfloat16 weight rows an expert with many rows reuses: within a core's L2.
-_DECODED_BYTES = 256 * 1024
-#: Experts with more rows than this have their weight rows decoded once into that buffer;
-#: others read the e4m3 bytes for each group of four rows, from memory, then from cache
-#: (the buffer is written to L2: decoding into it ran at 11.6 GB/s, against 25.7 into L1).
-#: DeepSeek-V3's gate_up, one thread, bytes against buffer: 61 against 80 ms at 5 rows per
-#: expert, 79 against 92 at 8, 146 against 166 at 16, 333 against 250 at 32.
-_DECODE_ROWS_ABOVE = 16
-
-
-@numba.njit
-def _decoded_rows(cols):
-    """Weight rows decoded at a time (a multiple of the tile, at most `ROW_BLOCK`)."""
-    rows = _DECODED_BYTES // (2 * cols) // _WEIGHT_TILE * _WEIGHT_TILE
-    return max(_WEIGHT_TILE, min(ROW_BLOCK, rows))
+#: Experts with more rows than this take the packed outer-product path (`_decode_e4m3_packed`,
+#: `_dot_packed_tile`); others read the e4m3 bytes for each group of four rows, from memory,
+#: then from cache. DeepSeek-V3's gate_up, one thread, bytes against packed: 62 against 69 ms
+#: at 5 rows per expert, 66 against 73 at 6, 78 against 76 at 8, 112 against 93 at 12, 145
+#: against 110 at 16 (Qwen3-30B-A3B's: 71 against 76 at 8, 100 against 88 at 12).
+_DECODE_ROWS_ABOVE = 8
 
 
 @numba.njit(fastmath=True)
-def _gate_up_rows_e4m3(weights, origin, first, last, xs, x_rows, s_a, scale, inter, bn, bk, m, factors, dots, out):
-    """out[m + j, n] for n in [first, last): gate_up rows n of one expert (``weights[n -
-    origin]``: its e4m3 rows, or rows decoded from ``origin`` on) against the activation rows
+def _gate_up_rows_e4m3(weights, first, last, xs, x_rows, s_a, scale, inter, bn, bk, m, factors, dots, out):
+    """out[m + j, n] for n in [first, last): gate_up rows n of one expert (``weights[n]``, its
+    e4m3 rows) against the activation rows
     ``x_rows``; gate and up count their block rows apart."""
     nb = (inter + bn - 1) // bn
     count = len(x_rows)
@@ -695,64 +770,118 @@ def _gate_up_rows_e4m3(weights, origin, first, last, xs, x_rows, s_a, scale, int
             segment_end = min(last, inter + (rb + 1) * bn)
         _group_factors(s_a, x_rows, scale[b], factors)
         while n + _WEIGHT_TILE <= segment_end:
-            r = n - origin
+            r = n
             _dot_e4m3_tile(weights, (r, r + 1, r + 2, r + 3), xs, x_rows, factors, bk, dots)
             for i in range(_WEIGHT_TILE):
                 for j in range(count):
                     out[m + j, n + i] = dots[i * count + j]
             n += _WEIGHT_TILE
         while n < segment_end:
-            _dot_e4m3_tile(weights, (n - origin,), xs, x_rows, factors, bk, dots)
+            _dot_e4m3_tile(weights, (n,), xs, x_rows, factors, bk, dots)
             for j in range(count):
                 out[m + j, n] = dots[j]
             n += 1
 
 
 @numba.njit(fastmath=True)
-def _gate_up_groups(weights, origin, first, last, xs, tokens, start, stop, s_a, scale, inter, bn, bk, factors,
+def _gate_up_groups(weights, first, last, xs, tokens, start, stop, s_a, scale, inter, bn, bk, factors,
                     dots, out):
     """`_gate_up_rows_e4m3` for the expert's sorted rows [start, stop), four at a time."""
     for m in range(start, stop, _ROW_TILE):
         count = min(_ROW_TILE, stop - m)
         if count == 4:
             rows = (tokens[m], tokens[m + 1], tokens[m + 2], tokens[m + 3])
-            _gate_up_rows_e4m3(weights, origin, first, last, xs, rows, s_a, scale, inter, bn, bk, m, factors, dots,
+            _gate_up_rows_e4m3(weights, first, last, xs, rows, s_a, scale, inter, bn, bk, m, factors, dots,
                                out)
         elif count == 3:
             rows3 = (tokens[m], tokens[m + 1], tokens[m + 2])
-            _gate_up_rows_e4m3(weights, origin, first, last, xs, rows3, s_a, scale, inter, bn, bk, m, factors, dots,
+            _gate_up_rows_e4m3(weights, first, last, xs, rows3, s_a, scale, inter, bn, bk, m, factors, dots,
                                out)
         elif count == 2:
             rows2 = (tokens[m], tokens[m + 1])
-            _gate_up_rows_e4m3(weights, origin, first, last, xs, rows2, s_a, scale, inter, bn, bk, m, factors, dots,
+            _gate_up_rows_e4m3(weights, first, last, xs, rows2, s_a, scale, inter, bn, bk, m, factors, dots,
                                out)
         else:
-            _gate_up_rows_e4m3(weights, origin, first, last, xs, (tokens[m],), s_a, scale, inter, bn, bk, m, factors,
+            _gate_up_rows_e4m3(weights, first, last, xs, (tokens[m],), s_a, scale, inter, bn, bk, m, factors,
                                dots, out)
+
+
+@numba.njit(fastmath=True)
+def _gate_up_packed(packed, n0, xs, tokens, start, stop, s_a, scale_row, bk, factors, dots, out):
+    """out[m, n0 + n] for the expert's sorted rows m in [start, stop) and the 32 packed gate_up
+    rows n (one weight block row: ``scale_row``), four rows m at a time."""
+    for m in range(start, stop, _ROW_TILE):
+        count = min(_ROW_TILE, stop - m)
+        if count == 4:
+            rows = (tokens[m], tokens[m + 1], tokens[m + 2], tokens[m + 3])
+            _group_factors(s_a, rows, scale_row, factors)
+            _dot_packed_tile(packed, xs, rows, factors, bk, dots)
+        elif count == 3:
+            rows3 = (tokens[m], tokens[m + 1], tokens[m + 2])
+            _group_factors(s_a, rows3, scale_row, factors)
+            _dot_packed_tile(packed, xs, rows3, factors, bk, dots)
+        elif count == 2:
+            rows2 = (tokens[m], tokens[m + 1])
+            _group_factors(s_a, rows2, scale_row, factors)
+            _dot_packed_tile(packed, xs, rows2, factors, bk, dots)
+        else:
+            rows1 = (tokens[m],)
+            _group_factors(s_a, rows1, scale_row, factors)
+            _dot_packed_tile(packed, xs, rows1, factors, bk, dots)
+        for j in range(count):
+            for n in range(_PACKED_ROWS):
+                out[m + j, n0 + n] = dots[j * _PACKED_ROWS + n]
+
+
+@numba.njit(fastmath=True)
+def _down_packed(packed, n0, acts, start, stop, s_a, scale_row, bk, tokens, slot_weights, factors, dots, sums):
+    """sums[tokens[m], n0 + n] += slot_weights[m] * (row m of the intermediate) . (packed down
+    row n) for m in [start, stop), four at a time."""
+    for m in range(start, stop, _ROW_TILE):
+        count = min(_ROW_TILE, stop - m)
+        if count == 4:
+            rows = (m, m + 1, m + 2, m + 3)
+            _group_factors(s_a, rows, scale_row, factors)
+            _dot_packed_tile(packed, acts, rows, factors, bk, dots)
+        elif count == 3:
+            rows3 = (m, m + 1, m + 2)
+            _group_factors(s_a, rows3, scale_row, factors)
+            _dot_packed_tile(packed, acts, rows3, factors, bk, dots)
+        elif count == 2:
+            rows2 = (m, m + 1)
+            _group_factors(s_a, rows2, scale_row, factors)
+            _dot_packed_tile(packed, acts, rows2, factors, bk, dots)
+        else:
+            rows1 = (m,)
+            _group_factors(s_a, rows1, scale_row, factors)
+            _dot_packed_tile(packed, acts, rows1, factors, bk, dots)
+        for j in range(count):
+            t, weight = tokens[m + j], slot_weights[m + j]
+            for n in range(_PACKED_ROWS):
+                sums[t, n0 + n] += weight * dots[j * _PACKED_ROWS + n]
 
 
 @numba.njit(fastmath=True)
 def _gate_up_item_bf16(xs, s_a, tokens, offsets, e, chunk, q_gate_up, gate_up_scale, inter, bn, bk, out):
     """`_gate_up_item` with the dot instructions: four weight rows at a time against up to
-    four of the expert's rows; past `_DECODE_ROWS_ABOVE` rows the chunk's weight rows are
-    decoded once, some at a time (`_decoded_rows`), into a bfloat16 buffer that every group
-    of four reads in cache."""
+    four of the expert's rows (`_dot_e4m3_tile`); past `_DECODE_ROWS_ABOVE` rows, where the
+    weight block rows are whole packs, the chunk's weight rows packed 32 at a time
+    (`_decode_e4m3_packed`) for outer products (`_dot_packed_tile`)."""
     start, stop = offsets[e], offsets[e + 1]
     weights, scale = q_gate_up[e], gate_up_scale[e]
     first, last = chunk * ROW_BLOCK, min(q_gate_up.shape[1], (chunk + 1) * ROW_BLOCK)
     factors = np.empty((_ROW_TILE, gate_up_scale.shape[2]), np.float32)
     dots = np.empty(_WEIGHT_TILE * _ROW_TILE, np.float32)
-    if stop - start > _DECODE_ROWS_ABOVE:
-        rows = _decoded_rows(q_gate_up.shape[2])
-        decoded = np.empty((rows, q_gate_up.shape[2]), np.uint16)
-        for sub in range(first, last, rows):
-            sub_last = min(last, sub + rows)
-            _decode_e4m3_rows(weights, sub, sub_last, decoded)
-            _gate_up_groups(decoded, sub, sub, sub_last, xs, tokens, start, stop, s_a, scale, inter, bn, bk, factors,
-                            dots, out)
+    if stop - start > _DECODE_ROWS_ABOVE and bn % _PACKED_ROWS == 0:  # inter: a multiple of 64
+        packed = np.empty((q_gate_up.shape[2] // 2, _PACKED_ROWS), np.uint32)
+        packed_dots = np.empty(_ROW_TILE * _PACKED_ROWS, np.float32)
+        nb = (inter + bn - 1) // bn
+        for sub in range(first, last, _PACKED_ROWS):
+            _decode_e4m3_packed(weights, sub, packed)
+            b = sub // bn if sub < inter else nb + (sub - inter) // bn
+            _gate_up_packed(packed, sub, xs, tokens, start, stop, s_a, scale[b], bk, factors, packed_dots, out)
     else:
-        _gate_up_groups(weights, 0, first, last, xs, tokens, start, stop, s_a, scale, inter, bn, bk, factors, dots,
-                        out)
+        _gate_up_groups(weights, first, last, xs, tokens, start, stop, s_a, scale, inter, bn, bk, factors, dots, out)
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
@@ -774,10 +903,10 @@ def gate_up_rows_bf16_serial(xs, s_a, tokens, offsets, work, q_gate_up, gate_up_
 
 
 @numba.njit(fastmath=True)
-def _down_rows_e4m3(weights, origin, first, last, acts, a_rows, s_a, scale, bn, bk, tokens, slot_weights, factors,
+def _down_rows_e4m3(weights, first, last, acts, a_rows, s_a, scale, bn, bk, tokens, slot_weights, factors,
                     dots, sums):
     """sums[tokens[m], n] += slot_weights[m] * (row m of the intermediate) . (down row n,
-    ``weights[n - origin]``), for the rows m of ``a_rows`` and n in [first, last)."""
+    ``weights[n]``), for the rows m of ``a_rows`` and n in [first, last)."""
     count = len(a_rows)
     n = first
     while n < last:
@@ -785,7 +914,7 @@ def _down_rows_e4m3(weights, origin, first, last, acts, a_rows, s_a, scale, bn, 
         segment_end = min(last, (b + 1) * bn)
         _group_factors(s_a, a_rows, scale[b], factors)
         while n + _WEIGHT_TILE <= segment_end:
-            r = n - origin
+            r = n
             _dot_e4m3_tile(weights, (r, r + 1, r + 2, r + 3), acts, a_rows, factors, bk, dots)
             for i in range(_WEIGHT_TILE):
                 for j in range(count):
@@ -793,7 +922,7 @@ def _down_rows_e4m3(weights, origin, first, last, acts, a_rows, s_a, scale, bn, 
                     sums[tokens[m], n + i] += slot_weights[m] * dots[i * count + j]
             n += _WEIGHT_TILE
         while n < segment_end:
-            _dot_e4m3_tile(weights, (n - origin,), acts, a_rows, factors, bk, dots)
+            _dot_e4m3_tile(weights, (n,), acts, a_rows, factors, bk, dots)
             for j in range(count):
                 m = a_rows[j]
                 sums[tokens[m], n] += slot_weights[m] * dots[j]
@@ -801,50 +930,49 @@ def _down_rows_e4m3(weights, origin, first, last, acts, a_rows, s_a, scale, bn, 
 
 
 @numba.njit(fastmath=True)
-def _down_groups(weights, origin, first, last, acts, start, stop, s_a, scale, bn, bk, tokens, slot_weights, factors,
+def _down_groups(weights, first, last, acts, start, stop, s_a, scale, bn, bk, tokens, slot_weights, factors,
                  dots, sums):
     """`_down_rows_e4m3` for the expert's sorted rows [start, stop), four at a time."""
     for m in range(start, stop, _ROW_TILE):
         count = min(_ROW_TILE, stop - m)
         if count == 4:
-            _down_rows_e4m3(weights, origin, first, last, acts, (m, m + 1, m + 2, m + 3), s_a, scale, bn, bk, tokens,
+            _down_rows_e4m3(weights, first, last, acts, (m, m + 1, m + 2, m + 3), s_a, scale, bn, bk, tokens,
                             slot_weights, factors, dots, sums)
         elif count == 3:
-            _down_rows_e4m3(weights, origin, first, last, acts, (m, m + 1, m + 2), s_a, scale, bn, bk, tokens,
+            _down_rows_e4m3(weights, first, last, acts, (m, m + 1, m + 2), s_a, scale, bn, bk, tokens,
                             slot_weights, factors, dots, sums)
         elif count == 2:
-            _down_rows_e4m3(weights, origin, first, last, acts, (m, m + 1), s_a, scale, bn, bk, tokens, slot_weights,
+            _down_rows_e4m3(weights, first, last, acts, (m, m + 1), s_a, scale, bn, bk, tokens, slot_weights,
                             factors, dots, sums)
         else:
-            _down_rows_e4m3(weights, origin, first, last, acts, (m,), s_a, scale, bn, bk, tokens, slot_weights,
+            _down_rows_e4m3(weights, first, last, acts, (m,), s_a, scale, bn, bk, tokens, slot_weights,
                             factors, dots, sums)
 
 
 @numba.njit(fastmath=True)
 def _down_block_bf16(acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, block,
                      columns):
-    """Output columns [block * columns, ..) over every hit expert, with the dot instructions;
-    an expert with more than `_DECODE_ROWS_ABOVE` rows has its weight rows decoded once, some
-    at a time (`_decoded_rows`), into a bfloat16 buffer that every group of four reads in
-    cache."""
+    """Output columns [block * columns, ..) over every hit expert, with the dot instructions
+    (`_dot_e4m3_tile`); an expert with more than `_DECODE_ROWS_ABOVE` rows, where the weight
+    block rows are whole packs, has its weight rows packed 32 at a time
+    (`_decode_e4m3_packed`) for outer products (`_dot_packed_tile`)."""
     first, last = block * columns, min(q_down.shape[1], (block + 1) * columns)
     factors = np.empty((_ROW_TILE, down_scale.shape[2]), np.float32)
     dots = np.empty(_WEIGHT_TILE * _ROW_TILE, np.float32)
-    rows = _decoded_rows(q_down.shape[2])
-    decoded = np.empty((rows, q_down.shape[2]), np.uint16)
+    packed = np.empty((q_down.shape[2] // 2, _PACKED_ROWS), np.uint32)
+    packed_dots = np.empty(_ROW_TILE * _PACKED_ROWS, np.float32)
     for i in range(experts.shape[0]):
         e = experts[i]
         weights, scale = q_down[e], down_scale[e]
         start, stop = offsets[e], offsets[e + 1]
-        if stop - start <= _DECODE_ROWS_ABOVE:
-            _down_groups(weights, 0, first, last, acts, start, stop, s_a, scale, bn, bk, tokens, slot_weights,
-                         factors, dots, sums)
-            continue
-        for sub in range(first, last, rows):
-            sub_last = min(last, sub + rows)
-            _decode_e4m3_rows(weights, sub, sub_last, decoded)
-            _down_groups(decoded, sub, sub, sub_last, acts, start, stop, s_a, scale, bn, bk, tokens, slot_weights,
-                         factors, dots, sums)
+        if stop - start > _DECODE_ROWS_ABOVE and bn % _PACKED_ROWS == 0:  # first, last: multiples of 64
+            for sub in range(first, last, _PACKED_ROWS):
+                _decode_e4m3_packed(weights, sub, packed)
+                _down_packed(packed, sub, acts, start, stop, s_a, scale[sub // bn], bk, tokens, slot_weights,
+                             factors, packed_dots, sums)
+        else:
+            _down_groups(weights, first, last, acts, start, stop, s_a, scale, bn, bk, tokens, slot_weights, factors,
+                         dots, sums)
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)

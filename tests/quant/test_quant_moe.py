@@ -296,7 +296,7 @@ def test_row_kernels_every_tile_shape_against_reference(fmt, threads, inter):
     # remainder; I = 200 leaves partial weight blocks and a block of 64 weight rows that
     # spans gate and up. One torch thread runs the serial kernels. I = 192 (rows and blocks
     # whole 64-weight steps) runs the bfloat16-dot kernels on CPUs that have them, where the
-    # expert with 21 rows has its weight rows decoded into a buffer first.
+    # expert with 21 rows takes the packed outer products.
     from moeroute.quant import _host
 
     quant = FORMATS[fmt]
@@ -306,7 +306,7 @@ def test_row_kernels_every_tile_shape_against_reference(fmt, threads, inter):
     q = quantize_experts(_randn(experts, 2 * inter, H, seed=1, scale=0.1),
                          _randn(experts, H, inter, seed=2, scale=0.1), quant)
     counts = torch.tensor([*range(1, experts), 21])
-    assert 9 <= _host._DECODE_ROWS_ABOVE < 21
+    assert 4 < _host._DECODE_ROWS_ABOVE < 21
     ids = torch.repeat_interleave(torch.arange(experts), counts)
     ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(5))]
     ids = torch.stack([ids, torch.full_like(ids, -1)], 1)  # a slot held elsewhere: skipped
@@ -390,15 +390,13 @@ def _e4m3_tile(w, w_rows, xs, x_rows, factors, bk, out):
 
 @pytest.mark.parametrize("weight_rows,act_rows", [(1, 1), (4, 1), (1, 3), (4, 3)])
 @pytest.mark.parametrize("cols,bk", [(256, 64), (320, 128), (4608, 128), (4160, 192)])
-@pytest.mark.parametrize("form", ["bytes", "decoded"])
-def test_bf16_dot_e4m3_tile_against_float64(weight_rows, act_rows, cols, bk, form):
-    # The e4m3 weights decoded to bfloat16 in registers, or read decoded (every one of the
-    # 254 finite codes, subnormals and both zeros, sits in weight row 0), and dotted with the
-    # instruction, group by group of bk columns (a partial last group at 320 / 128 and
-    # 4160 / 192; two steps unrolled at 4608 / 128), each group's sum times its factor, in
-    # chunks of whole groups: bytes in chunks of one group with three activation rows at 4608
-    # and 4160 columns, decoded rows (two at a time) in two chunks there: against the
-    # float64 sum of the exact e4m3 products.
+def test_bf16_dot_e4m3_tile_against_float64(weight_rows, act_rows, cols, bk):
+    # The e4m3 weights decoded to bfloat16 in registers (every one of the 254 finite codes,
+    # subnormals and both zeros, sits in weight row 0) and dotted with the instruction, group
+    # by group of bk columns (a partial last group at 320 / 128 and 4160 / 192; two steps
+    # unrolled at 4608 / 128), each group's sum times its factor, whole rows or, with three
+    # activation rows at 4608 and 4160 columns, chunks of one group of each weight row in
+    # turn: against the float64 sum of the exact e4m3 products.
     import numpy as np
 
     from moeroute.quant import _host
@@ -415,8 +413,7 @@ def test_bf16_dot_e4m3_tile_against_float64(weight_rows, act_rows, cols, bk, for
     w_rows, x_rows = np.array([0, 3, 1, 4][:weight_rows]), np.array([2, 0, 3][:act_rows])
     factors = (torch.rand(act_rows, groups, generator=generator) + 0.25).numpy()
     out = np.full(13, np.nan, np.float32)
-    w = codes.numpy() if form == "bytes" else codes.view(torch.float8_e4m3fn).bfloat16().view(torch.uint16).numpy()
-    _e4m3_tile(w, w_rows, acts.to(torch.bfloat16).view(torch.uint16).numpy(), x_rows, factors, bk, out)
+    _e4m3_tile(codes.numpy(), w_rows, acts.to(torch.bfloat16).view(torch.uint16).numpy(), x_rows, factors, bk, out)
     for i, w_row in enumerate(w_rows):
         for j, x_row in enumerate(x_rows):
             products = weights[w_row] * acts[x_row].double()
@@ -430,7 +427,7 @@ def test_bf16_dot_e4m3_tile_against_float64(weight_rows, act_rows, cols, bk, for
 def test_bf16_dot_fp8_kernels_serial_and_parallel_give_the_same_bits():
     # One thread reads each expert's down weights as one stream, the parallel kernels split
     # the output columns and the gate_up rows: a dot does not depend on its neighbours.
-    # Experts 0 and 4 (22 rows each) read decoded rows, the others (12) the bytes.
+    # Expert 4 (45 rows) takes the packed outer products, the others (2 to 6 rows) the bytes.
     from moeroute.quant import _host
 
     if not _host.BF16_DOT:
@@ -439,9 +436,9 @@ def test_bf16_dot_fp8_kernels_serial_and_parallel_give_the_same_bits():
     inter, experts = 192, 5
     q = quantize_experts(_randn(experts, 2 * inter, H, seed=1, scale=0.1),
                          _randn(experts, H, inter, seed=2, scale=0.1), quant)
-    ids = torch.repeat_interleave(torch.arange(experts), torch.tensor([2, 4, 6, 8, 20]))
-    ids = torch.stack([ids, ids.flip(0)], 1).int()
-    assert 12 <= _host._DECODE_ROWS_ABOVE < 22
+    ids = torch.stack([torch.repeat_interleave(torch.arange(experts), torch.tensor([1, 2, 3, 4, 20])),
+                       torch.repeat_interleave(torch.arange(experts), torch.tensor([1, 1, 1, 2, 25]))], 1).int()
+    assert 6 <= _host._DECODE_ROWS_ABOVE < 45
     x = _randn(ids.shape[0], H, seed=3)
     weights = torch.rand(ids.shape[0], 2, generator=torch.Generator().manual_seed(4))
     outs = []
@@ -465,10 +462,10 @@ def test_strategy_choice_follows_the_row_bound_unless_the_dot_kernels_serve():
     assert choose_strategy([bound * 40, 3], bf16_dot=True) == "rows"
 
 
-def test_e4m3_rows_decode_to_bfloat16_exactly_and_the_tile_reads_them_alike():
-    # `_decode_e4m3_rows` (the buffer experts with more than four rows read) against torch's
-    # e4m3 -> bfloat16 conversion for every finite code and sign, and the tile on the decoded
-    # rows gives the bits of the tile decoding the bytes in registers.
+def test_e4m3_rows_decode_and_pack_to_bfloat16_pairs_exactly():
+    # `_decode_e4m3_packed` (experts with many rows) against torch's e4m3 -> bfloat16
+    # conversion for every finite code and sign: packed[p, r] holds columns 2p and 2p + 1 of
+    # row first + r, the lower column in the low half.
     import numba
     import numpy as np
 
@@ -478,23 +475,65 @@ def test_e4m3_rows_decode_to_bfloat16_exactly_and_the_tile_reads_them_alike():
         pytest.skip(BF16_DOT_REASON)
 
     @numba.njit
-    def decode(w, first, last, out):
-        _host._decode_e4m3_rows(w, first, last, out)
+    def pack(w, first, packed):
+        _host._decode_e4m3_packed(w, first, packed)
 
-    codes = torch.arange(256, dtype=torch.uint8).repeat(3).reshape(3, 256)
-    codes[1] = codes[1].flip(0)
-    decoded = np.zeros((2, 256), np.uint16)
-    decode(codes.numpy(), 1, 3, decoded)
-    finite = (codes[1:] & 0x7F) != 0x7F
-    expected = codes[1:].view(torch.float8_e4m3fn).to(torch.bfloat16).view(torch.uint16)
-    assert torch.equal(torch.from_numpy(decoded.view(np.int16)).view(torch.uint16)[finite], expected[finite])
-    codes[(codes & 0x7F) == 0x7F] = 0x11
-    decode(codes.numpy(), 1, 3, decoded)
-    acts = (torch.randn(4, 256, generator=torch.Generator().manual_seed(9)) * 40).to(torch.float8_e4m3fn)
-    xs = acts.to(torch.bfloat16).view(torch.uint16).numpy()
-    factors = np.array([[0.5, 1.25, 3.0, 0.75]] * 3, np.float32)
-    x_rows = np.array([1, 3, 0])
-    from_bytes, from_decoded = np.zeros(13, np.float32), np.zeros(13, np.float32)
-    _e4m3_tile(codes.numpy()[1:], np.array([0]), xs, x_rows, factors, 64, from_bytes)
-    _e4m3_tile(decoded, np.array([0]), xs, x_rows, factors, 64, from_decoded)
-    assert np.array_equal(from_bytes.view(np.int32), from_decoded.view(np.int32))
+    rows, cols, first = _host._PACKED_ROWS, 512, 3
+    codes = torch.randint(0, 256, (first + rows + 2, cols), generator=torch.Generator().manual_seed(7),
+                          dtype=torch.uint8)
+    codes[first:first + rows, :256] = torch.arange(256, dtype=torch.uint8)
+    codes[first + 1:first + rows, 256:] = codes[first + 1:first + rows, :256].flip(1)
+    codes[(codes & 0x7F) == 0x7F] = 0x11  # no NaN codes
+    packed = np.zeros((cols // 2, rows), np.uint32)
+    pack(codes.numpy(), first, packed)
+    bits = codes[first:first + rows].view(torch.float8_e4m3fn).to(torch.bfloat16).view(torch.int16).numpy()
+    bits = bits.astype(np.uint16).astype(np.uint32)
+    expected = (bits[:, 0::2] | (bits[:, 1::2] << 16)).T
+    assert np.array_equal(packed, expected)
+
+
+@pytest.mark.parametrize("act_rows", [1, 3, 4])
+@pytest.mark.parametrize("cols,bk", [(256, 64), (320, 128), (4160, 192)])
+def test_packed_tile_against_float64(act_rows, cols, bk):
+    # The outer-product dots of 32 packed weight rows against 1 to 4 activation rows, group by
+    # group of bk columns (a partial last group at 320 / 128 and 4160 / 192), each group's
+    # sum times its factor: against the float64 sum of the exact e4m3 products.
+    import numba
+    import numpy as np
+
+    from moeroute.quant import _host
+
+    if not _host.BF16_DOT:
+        pytest.skip(BF16_DOT_REASON)
+
+    @numba.njit
+    def run(codes, packed, xs, x_rows, factors, bk, out):
+        _host._decode_e4m3_packed(codes, 0, packed)
+        if x_rows.shape[0] == 4:
+            _host._dot_packed_tile(packed, xs, (x_rows[0], x_rows[1], x_rows[2], x_rows[3]), factors, bk, out)
+        elif x_rows.shape[0] == 3:
+            _host._dot_packed_tile(packed, xs, (x_rows[0], x_rows[1], x_rows[2]), factors, bk, out)
+        else:
+            _host._dot_packed_tile(packed, xs, (x_rows[0],), factors, bk, out)
+
+    rows = _host._PACKED_ROWS
+    generator = torch.Generator().manual_seed(cols + bk + act_rows)
+    codes = torch.randint(0, 256, (rows, cols), generator=generator, dtype=torch.uint8)
+    codes[0, :256] = torch.arange(256, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3A  # no NaN codes
+    weights = codes.view(torch.float8_e4m3fn).double()
+    acts = (torch.randn(5, cols, generator=generator) * 40).to(torch.float8_e4m3fn)
+    groups = -(-cols // bk)
+    x_rows = np.array([2, 0, 4, 1][:act_rows])
+    factors = (torch.rand(act_rows, groups, generator=generator) + 0.25).numpy()
+    out = np.full(4 * rows + 1, np.nan, np.float32)
+    packed = np.zeros((cols // 2, rows), np.uint32)
+    run(codes.numpy(), packed, acts.to(torch.bfloat16).view(torch.uint16).numpy(), x_rows, factors, bk, out)
+    for j, x_row in enumerate(x_rows):
+        products = weights * acts[x_row].double()
+        group_sums = torch.stack([products[:, g * bk:(g + 1) * bk].sum(1) for g in range(groups)], 1)
+        expected = (group_sums * torch.from_numpy(factors[j]).double()).sum(1)
+        bound = 2 * cols * 2.0 ** -24 * products.abs().sum(1) * float(factors[j].max())
+        got = torch.from_numpy(out[j * rows:(j + 1) * rows]).double()
+        assert bool(((got - expected).abs() <= bound).all())
+    assert np.isnan(out[act_rows * rows:]).all()
