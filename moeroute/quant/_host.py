@@ -16,7 +16,8 @@ decode whole rows into a float32 buffer (`_decode_row`) for the BLAS path.
 On CPUs with AVX512-BF16, `gate_up_rows_bf16` / `down_rows_bf16` (and serial forms) take the
 e4m3 values as bfloat16 instead, exactly, and multiply them with the bfloat16 dot
 instruction one group of bk columns at a time, each group's sum times ``s_a * s_w`` (the
-definition's order); see the section at the end of this module.
+definition's order): as dots of weight rows for experts with few rows, as outer products
+of packed weight rows for experts with many; see the sections at the end of this module.
 
 Arrays are NumPy: weights as uint8 views of float8_e4m3fn tensors, scales float32, sums
 float32. Block scales are indexed ``scale[e, row // bn, col // bk]``; per-tensor FP8 is the

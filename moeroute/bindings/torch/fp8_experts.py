@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from moeroute.bindings.torch import _rows, arrays
+from moeroute.bindings.torch import _fp8_rows, _rows, arrays
 from moeroute.bindings.torch.activations import check_activation, gated_activation
 from moeroute.bindings.torch.experts import _numba_threads
 from moeroute.bindings.torch.mxfp4_experts import mxfp4_experts_forward
@@ -307,6 +307,22 @@ def _rows_forward(hidden_states, received, plan, q_gate_up, gu_scale, gu_block, 
         return sums.to(act_dtype)
     static = config.activation == "static"
     gu_groups, d_groups = gu_scale.shape[2], d_scale.shape[2]
+    threads = cpu_threads()
+    bf16_dot = _host.bf16_dot_serves(hidden, inter, gu_block, d_block)
+    groups = _fused_groups(config, hidden, inter, gu_groups, d_groups)
+    if (bf16_dot and groups is not None and received is None and not static and config.scale_fmt == "float"
+            and act_dtype in (torch.float32, torch.bfloat16) and activation in _rows.ACTIVATION_CODES):
+        # One Numba call from the rows to the output (`_fp8_rows`).
+        bits = act_dtype == torch.bfloat16
+        x = hidden_states.detach().contiguous()
+        out = torch.empty(num_tokens, hidden, dtype=act_dtype)
+        forward = _fp8_rows.rows_experts_fp8_serial if threads == 1 else _fp8_rows.rows_experts_fp8
+        with _numba_threads(threads):
+            forward((x.view(torch.uint16) if bits else x).numpy(), tokens, slot_weights, offsets, hit, work,
+                    q_gate_up.view(torch.uint8).numpy(), gu_scale.numpy(), q_down.view(torch.uint8).numpy(),
+                    d_scale.numpy(), gu_block, d_block, groups, bits, _MIN_AMAX, _rows.ACTIVATION_CODES[activation],
+                    (out.view(torch.uint16) if bits else out).numpy())
+        return out
     if static:  # per (row, expert): the expert's own input scale
         row_expert = torch.from_numpy(np.repeat(np.arange(offsets.shape[0] - 1), np.diff(offsets)))
         q_x, s_x = _quantized_rows(hidden_states[torch.from_numpy(tokens)], config, gu_groups,
@@ -319,10 +335,8 @@ def _rows_forward(hidden_states, received, plan, q_gate_up, gu_scale, gu_block, 
         q_x, s_x = _quantized_rows(hidden_states, config, gu_groups)
         x_rows = tokens
     gate_up = torch.empty(tokens.shape[0], 2 * inter, dtype=torch.float32)
-    threads = cpu_threads()
     # The bfloat16 dot instructions where the CPU has them and the shapes fit their vectors;
     # else the float32 kernels. One thread: the serial kernels, with no parallel region to start.
-    bf16_dot = _host.bf16_dot_serves(hidden, inter, gu_block, d_block)
     if bf16_dot:
         gate_up_rows, down_rows = ((_host.gate_up_rows_bf16_serial, _host.down_rows_bf16_serial) if threads == 1
                                    else (_host.gate_up_rows_bf16, _host.down_rows_bf16))
@@ -340,6 +354,18 @@ def _rows_forward(hidden_states, received, plan, q_gate_up, gu_scale, gu_block, 
         down_rows(_e4m3_operand(q_act, bf16_dot), s_act.numpy(), tokens, slot_weights, offsets, hit,
                   q_down.view(torch.uint8).numpy(), d_scale.numpy(), d_block[0], d_block[1], sums.numpy())
     return sums if act_dtype == torch.float32 else sums.to(act_dtype)
+
+
+def _fused_groups(config: QuantConfig, hidden: int, inter: int, gu_groups: int, d_groups: int):
+    """The activation group sizes of the two GEMMs' inputs for `_fp8_rows`, or None where a
+    group's scales do not map onto the weight column blocks (one per block, or one per row)."""
+    groups = []
+    for cols, blocks in ((hidden, gu_groups), (inter, d_groups)):
+        group = config.activation_group_size or cols
+        if -(-cols // group) not in (1, blocks):
+            return None
+        groups.append(group)
+    return tuple(groups)
 
 
 def _e4m3_operand(q: torch.Tensor, bf16_dot: bool) -> np.ndarray:

@@ -1,0 +1,104 @@
+"""The FP8 expert MLP in one Numba call, on CPUs with AVX512-BF16 (`moeroute.quant._host`'s
+bfloat16-dot kernels), for the common case: dynamic activation scales as floats.
+
+A decode step then enters compiled code once for its experts, as the float layer's
+`moeroute.bindings.torch._rows.rows_experts_bf16` does: the rows quantized per group
+(`moeroute.quant._host.quantize_rows`, bit for bit `quantize_fp8_activations`), the gate_up
+dots, the gated activation (`_rows._gated`), the intermediate rounded to the activation dtype
+and quantized again, the down dots added into the float32 sums, and the sums written out.
+Each step is the one the torch-level path (`fp8_experts._rows_forward`) takes between its
+kernel calls; only the activation is computed by Numba instead of torch (the same formulas,
+float32, within a few ulps).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from moeroute.bindings.torch._rows import _activate_rows, _float32_rows, _store_sums
+from moeroute.quant import _host
+
+__all__ = ["rows_experts_fp8", "rows_experts_fp8_serial"]
+
+
+@numba.njit
+def _quantized_bfloat16(x, group, round_bf16, min_amax, groups):
+    """(e4m3 values as bfloat16 bits [M, K] uint16, scales [M, groups] float32) of float32 rows
+    ``x``, quantized per ``group`` columns (`_host.quantize_rows`); one scale per row
+    (``group`` >= K) is repeated over the ``groups`` weight column blocks."""
+    rows, cols = x.shape
+    q = np.empty((rows, cols), np.float32)
+    scales = np.empty((rows, (cols + group - 1) // group), np.float32)
+    _host.quantize_rows(x, group, round_bf16, min_amax, q, scales)
+    bits = np.empty((rows, cols), np.uint16)
+    for m in range(rows):
+        values = q[m].view(np.uint32)
+        for k in range(cols):
+            bits[m, k] = np.uint16(values[k] >> np.uint32(16))  # an e4m3 value is a bfloat16
+    if scales.shape[1] == groups:
+        return bits, scales
+    repeated = np.empty((rows, groups), np.float32)
+    for m in range(rows):
+        for g in range(groups):
+            repeated[m, g] = scales[m, 0]
+    return bits, repeated
+
+
+@numba.njit
+def _prologue(x, tokens, q_gate_up, gate_up_scale, group, min_amax):
+    """The quantized rows of ``x`` and the gate_up output buffer."""
+    xs = _float32_rows(x)
+    q_x, s_x = _quantized_bfloat16(xs, group, False, min_amax, gate_up_scale.shape[2])
+    return q_x, s_x, np.empty((tokens.shape[0], q_gate_up.shape[1]), np.float32)
+
+
+@numba.njit
+def _intermediate(gate_up, code, round_bf16, group, min_amax, down_scale, x, q_down):
+    """The quantized intermediate (the activation, rounded to bfloat16 first where
+    ``round_bf16``) and the zeroed float32 sums."""
+    acts = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+    _activate_rows(gate_up, code, acts)
+    q_a, s_a = _quantized_bfloat16(acts, group, round_bf16, min_amax, down_scale.shape[2])
+    return q_a, s_a, np.zeros((x.shape[0], q_down.shape[1]), np.float32)
+
+
+@numba.njit(parallel=True, cache=True)
+def rows_experts_fp8(x, tokens, slot_weights, offsets, hit, work, q_gate_up, gate_up_scale, q_down, down_scale,
+                     gate_up_block, down_block, groups, round_intermediate, min_amax, code, out):
+    """out[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), the w8a8 expert MLP, in one call.
+
+    x [T, H] and out [T, H] uint16 (bfloat16 bits) or float32; tokens, slot_weights, offsets,
+    hit, work: `moeroute.bindings.torch._rows.plan_rows`' plan; q_gate_up [L, 2I, H] and
+    q_down [L, H, I] uint8 (e4m3 bytes), gate_up_scale [L, 2nb, G] and down_scale
+    [L, ceil(H/bn), G'] float32, gate_up_block / down_block (bn, bk); ``groups`` the
+    activation group sizes of the two GEMMs' inputs (each a weight column block, or the row
+    length: one scale per row); ``round_intermediate``: the intermediate rounded to bfloat16
+    before it is quantized (bfloat16 activations); ``code`` the activation
+    (`_rows.ACTIVATION_CODES`). Only where `_host.bf16_dot_serves`.
+    """
+    inter = q_gate_up.shape[1] // 2
+    q_x, s_x, gate_up = _prologue(x, tokens, q_gate_up, gate_up_scale, groups[0], min_amax)
+    for item in numba.prange(work.shape[0]):
+        _host._gate_up_item_bf16(q_x, s_x, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale,
+                                 inter, gate_up_block[0], gate_up_block[1], gate_up)
+    q_a, s_a, sums = _intermediate(gate_up, code, round_intermediate, groups[1], min_amax, down_scale, x, q_down)
+    for block in numba.prange((q_down.shape[1] + _host.ROW_BLOCK - 1) // _host.ROW_BLOCK):
+        _host._down_block_bf16(q_a, s_a, tokens, slot_weights, offsets, hit, q_down, down_scale, down_block[0],
+                               down_block[1], sums, block, _host.ROW_BLOCK)
+    _store_sums(sums, out)
+
+
+@numba.njit(cache=True)
+def rows_experts_fp8_serial(x, tokens, slot_weights, offsets, hit, work, q_gate_up, gate_up_scale, q_down, down_scale,
+                            gate_up_block, down_block, groups, round_intermediate, min_amax, code, out):
+    """`rows_experts_fp8` on the calling thread: each expert's down weights read as one stream."""
+    inter = q_gate_up.shape[1] // 2
+    q_x, s_x, gate_up = _prologue(x, tokens, q_gate_up, gate_up_scale, groups[0], min_amax)
+    for item in range(work.shape[0]):
+        _host._gate_up_item_bf16(q_x, s_x, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale,
+                                 inter, gate_up_block[0], gate_up_block[1], gate_up)
+    q_a, s_a, sums = _intermediate(gate_up, code, round_intermediate, groups[1], min_amax, down_scale, x, q_down)
+    _host._down_block_bf16(q_a, s_a, tokens, slot_weights, offsets, hit, q_down, down_scale, down_block[0],
+                           down_block[1], sums, 0, q_down.shape[1])
+    _store_sums(sums, out)
