@@ -298,13 +298,14 @@ def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, we
 def _rows_forward(hidden_states, received, plan, q_gate_up, gu_scale, gu_block, q_down, d_scale, d_block,
                   config, activation, input_scale, act_dtype):
     """The "rows" strategy: both GEMMs in the row kernels of `moeroute.quant._host`, the
-    second adding into the float32 sums; serial kernels when torch has one thread."""
+    second adding into the float32 sums; serial kernels when torch has one thread. With the
+    bfloat16-dot kernels and dynamic float scales, the whole forward is one Numba call
+    (`moeroute.bindings.torch._fp8_rows`)."""
     tokens, slot_weights, offsets, hit, work = plan
     num_tokens, hidden = hidden_states.shape
     inter = q_gate_up.shape[1] // 2
-    sums = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     if hit.shape[0] == 0:
-        return sums.to(act_dtype)
+        return torch.zeros(num_tokens, hidden, dtype=act_dtype)
     static = config.activation == "static"
     gu_groups, d_groups = gu_scale.shape[2], d_scale.shape[2]
     threads = cpu_threads()
@@ -323,6 +324,7 @@ def _rows_forward(hidden_states, received, plan, q_gate_up, gu_scale, gu_block, 
                     d_scale.numpy(), gu_block, d_block, groups, bits, _MIN_AMAX, _rows.ACTIVATION_CODES[activation],
                     (out.view(torch.uint16) if bits else out).numpy())
         return out
+    sums = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     if static:  # per (row, expert): the expert's own input scale
         row_expert = torch.from_numpy(np.repeat(np.arange(offsets.shape[0] - 1), np.diff(offsets)))
         q_x, s_x = _quantized_rows(hidden_states[torch.from_numpy(tokens)], config, gu_groups,
