@@ -117,9 +117,12 @@ def _mxfp4_tile(typingctx, blocks, w_rows, scales, xs, x_rows, out):
             w_ptr = builder.bitcast(builder.gep(block_view.data, [builder.mul(row, builder.mul(
                 groups, ir.Constant(index_type, MXFP4_BLOCK // 2)))]), v32i8.as_pointer())
             s_ptr = builder.gep(scale_view.data, [builder.mul(row, groups)])
-            row_totals = accumulators(builder, count, v16f)
-            with cgutils.for_range(builder, pairs) as loop:
-                p = loop.index
+            # Two totals per activation row, for even and odd pairs: two chains of fused
+            # multiply-adds in flight instead of one (one chain bound a single row's dots by
+            # the instruction's latency).
+            row_totals = [accumulators(builder, 2, v16f) for _ in range(count)]
+
+            def pair_dots(p, parity):
                 words = builder.zext(builder.load(builder.gep(w_ptr, [p]), align=1), v32i16)
                 even = builder.bitcast(builder.call(permute, [table, builder.and_(words, low_mask)]), v32bf)
                 odd = builder.bitcast(builder.call(permute, [table, builder.lshr(words, four)]), v32bf)
@@ -132,14 +135,25 @@ def _mxfp4_tile(typingctx, blocks, w_rows, scales, xs, x_rows, out):
                 halves = [splat(builder, s, 16) for s in block_scales]
                 scale = builder.shuffle_vector(halves[0], halves[1],
                                                ir.Constant(ir.VectorType(i32, 16), list(range(8)) + list(range(24, 32))))
-                for x_ptr, total in zip(x_ptrs, row_totals):
+                for x_ptr, totals_j in zip(x_ptrs, row_totals):
                     x_even = builder.bitcast(builder.load(builder.gep(x_ptr, [g]), align=2), v32bf)
                     x_odd = builder.bitcast(builder.load(builder.gep(x_ptr, [builder.add(g, ir.Constant(index_type, 1))]),
                                                          align=2), v32bf)
                     acc = builder.call(dot, [zero, even, x_even])
                     acc = builder.call(dot, [acc, odd, x_odd])
+                    total = totals_j[parity]
                     builder.store(builder.call(fma, [acc, scale, builder.load(total)]), total)
-            totals.extend(builder.load(total) for total in row_totals)
+
+            two = ir.Constant(index_type, 2)
+            with cgutils.for_range(builder, builder.udiv(pairs, two)) as loop:
+                first = builder.mul(loop.index, two)
+                pair_dots(first, 0)
+                pair_dots(builder.add(first, ir.Constant(index_type, 1)), 1)
+            with cgutils.if_unlikely(builder, builder.icmp_unsigned("!=", builder.urem(pairs, two),
+                                                                    ir.Constant(index_type, 0))):
+                pair_dots(builder.sub(pairs, ir.Constant(index_type, 1)), 0)
+            totals.extend(builder.fadd(builder.load(even_total), builder.load(odd_total))
+                          for even_total, odd_total in row_totals)
         out_view = context.make_array(signature.args[5])(context, builder, args[5])
         for k, value in enumerate(sum_lanes(builder, totals)):
             builder.store(value, builder.gep(out_view.data, [ir.Constant(index_type, k)]))

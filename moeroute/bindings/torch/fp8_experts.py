@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from moeroute.bindings.torch import _fp8_rows, _rows, arrays
+from moeroute.bindings.torch import _quant_rows, _rows, arrays
 from moeroute.bindings.torch.activations import check_activation, gated_activation
 from moeroute.bindings.torch.experts import _numba_threads
 from moeroute.bindings.torch.mxfp4_experts import mxfp4_experts_forward
@@ -300,7 +300,7 @@ def _rows_forward(hidden_states, received, plan, q_gate_up, gu_scale, gu_block, 
     """The "rows" strategy: both GEMMs in the row kernels of `moeroute.quant._host`, the
     second adding into the float32 sums; serial kernels when torch has one thread. With the
     bfloat16-dot kernels and dynamic float scales, the whole forward is one Numba call
-    (`moeroute.bindings.torch._fp8_rows`)."""
+    (`moeroute.bindings.torch._quant_rows`)."""
     tokens, slot_weights, offsets, hit, work = plan
     num_tokens, hidden = hidden_states.shape
     inter = q_gate_up.shape[1] // 2
@@ -313,11 +313,11 @@ def _rows_forward(hidden_states, received, plan, q_gate_up, gu_scale, gu_block, 
     groups = _fused_groups(config, hidden, inter, gu_groups, d_groups)
     if (bf16_dot and groups is not None and received is None and not static and config.scale_fmt == "float"
             and act_dtype in (torch.float32, torch.bfloat16) and activation in _rows.ACTIVATION_CODES):
-        # One Numba call from the rows to the output (`_fp8_rows`).
+        # One Numba call from the rows to the output (`_quant_rows`).
         bits = act_dtype == torch.bfloat16
         x = hidden_states.detach().contiguous()
         out = torch.empty(num_tokens, hidden, dtype=act_dtype)
-        forward = _fp8_rows.rows_experts_fp8_serial if threads == 1 else _fp8_rows.rows_experts_fp8
+        forward = _quant_rows.rows_experts_fp8_serial if threads == 1 else _quant_rows.rows_experts_fp8
         with _numba_threads(threads):
             forward((x.view(torch.uint16) if bits else x).numpy(), tokens, slot_weights, offsets, hit, work,
                     q_gate_up.view(torch.uint8).numpy(), gu_scale.numpy(), q_down.view(torch.uint8).numpy(),
@@ -359,7 +359,7 @@ def _rows_forward(hidden_states, received, plan, q_gate_up, gu_scale, gu_block, 
 
 
 def _fused_groups(config: QuantConfig, hidden: int, inter: int, gu_groups: int, d_groups: int):
-    """The activation group sizes of the two GEMMs' inputs for `_fp8_rows`, or None where a
+    """The activation group sizes of the two GEMMs' inputs for `_quant_rows`, or None where a
     group's scales do not map onto the weight column blocks (one per block, or one per row)."""
     groups = []
     for cols, blocks in ((hidden, gu_groups), (inter, d_groups)):

@@ -36,7 +36,7 @@ import importlib.util
 import numpy as np
 import torch
 
-from moeroute.bindings.torch import _mxfp4_rows, _rows, arrays
+from moeroute.bindings.torch import _mxfp4_rows, _quant_rows, _rows, arrays
 from moeroute.bindings.torch.activations import gated_activation
 from moeroute.bindings.torch.experts import _bias_view, _numba_threads
 from moeroute.quant import QuantConfig, check_mxfp4
@@ -142,16 +142,26 @@ def _rows_forward(hidden_states, plan, gate_up_blocks, gate_up_scales, down_bloc
     num_tokens, hidden = hidden_states.shape
     inter = gate_up_blocks.shape[1] // 2
     dtype = hidden_states.dtype
-    sums = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     if hit.shape[0] == 0:
-        return sums.to(dtype)
-    gate_up = torch.empty(tokens.shape[0], 2 * inter, dtype=torch.float32)
+        return torch.zeros(num_tokens, hidden, dtype=dtype)
     threads = cpu_threads()
     # The bfloat16 dot instructions where `_mxfp4_dot.serves`, at every row count (at 64 rows
-    # per expert they took 0.52x the time of the decode-once kernels). Elsewhere few rows per
-    # expert decode in registers per tile of rows; more decode each weight row once into
-    # cache for all of them. One thread: the serial kernels (no parallel region).
+    # per expert they took 0.52x the time of the decode-once kernels), the whole forward in
+    # one Numba call (`_quant_rows`). Elsewhere few rows per expert decode in registers per
+    # tile of rows; more decode each weight row once into cache for all of them. One thread:
+    # the serial kernels (no parallel region).
     bf16_dot = _mxfp4_dot.serves(dtype == torch.bfloat16, hidden, inter)
+    if bf16_dot and activation in _rows.ACTIVATION_CODES:
+        out = torch.empty(num_tokens, hidden, dtype=dtype)
+        forward = _quant_rows.rows_experts_mxfp4_serial if threads == 1 else _quant_rows.rows_experts_mxfp4
+        with _numba_threads(threads):
+            forward(hidden_states.detach().contiguous().view(torch.uint16).numpy(), tokens, slot_weights, offsets,
+                    hit, work, _packed(gate_up_blocks), _packed(gate_up_scales), _packed(down_blocks),
+                    _packed(down_scales), _bias_view(gate_up_bias), _bias_view(down_bias),
+                    _rows.ACTIVATION_CODES[activation], out.view(torch.uint16).numpy())
+        return out
+    sums = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+    gate_up = torch.empty(tokens.shape[0], 2 * inter, dtype=torch.float32)
     many_rows = tokens.shape[0] >= DECODED_MIN_ROWS * hit.shape[0]
     kernels = _mxfp4_dot if bf16_dot else _mxfp4_rows if many_rows else _mxfp4_host
     split = _split_pairs if bf16_dot else _split

@@ -1,14 +1,17 @@
-"""The FP8 expert MLP in one Numba call, on CPUs with AVX512-BF16 (`moeroute.quant._host`'s
-bfloat16-dot kernels), for the common case: dynamic activation scales as floats.
+"""The quantized expert MLPs in one Numba call each, on CPUs with AVX512-BF16: FP8 (w8a8,
+`moeroute.quant._host`'s bfloat16-dot kernels, dynamic activation scales as floats) and MXFP4
+(w4a16, `moeroute.quant._mxfp4_dot`).
 
 A decode step then enters compiled code once for its experts, as the float layer's
-`moeroute.bindings.torch._rows.rows_experts_bf16` does: the rows quantized per group
+`moeroute.bindings.torch._rows.rows_experts_bf16` does. FP8: the rows quantized per group
 (`moeroute.quant._host.quantize_rows`, bit for bit `quantize_fp8_activations`), the gate_up
 dots, the gated activation (`_rows._gated`), the intermediate rounded to the activation dtype
 and quantized again, the down dots added into the float32 sums, and the sums written out.
-Each step is the one the torch-level path (`fp8_experts._rows_forward`) takes between its
-kernel calls; only the activation is computed by Numba instead of torch (the same formulas,
-float32, within a few ulps).
+MXFP4: the rows reordered for the dot kernels, the gate_up dots (with bias), the activation
+rounded to bfloat16 and reordered, the down dots, the output. Each step is the one the
+torch-level paths (`fp8_experts._rows_forward`, `mxfp4_experts._rows_forward`) take between
+their kernel calls; only the activation is computed by Numba instead of torch (the same
+formulas, float32, within a few ulps).
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from moeroute.bindings.torch._rows import _activate_rows, _float32_rows, _store_sums
-from moeroute.quant import _host
+from moeroute.bindings.torch._rows import _activate_rows, _activate_rows_bf16, _float32_rows, _store_sums
+from moeroute.quant import _host, _mxfp4_dot
 
-__all__ = ["rows_experts_fp8", "rows_experts_fp8_serial"]
+__all__ = ["rows_experts_fp8", "rows_experts_fp8_serial", "rows_experts_mxfp4", "rows_experts_mxfp4_serial"]
 
 
 @numba.njit
@@ -101,4 +104,56 @@ def rows_experts_fp8_serial(x, tokens, slot_weights, offsets, hit, work, q_gate_
     q_a, s_a, sums = _intermediate(gate_up, code, round_intermediate, groups[1], min_amax, down_scale, x, q_down)
     _host._down_block_bf16(q_a, s_a, tokens, slot_weights, offsets, hit, q_down, down_scale, down_block[0],
                            down_block[1], sums, 0, q_down.shape[1])
+    _store_sums(sums, out)
+
+
+@numba.njit
+def _split_rows(x):
+    """bfloat16 rows (uint16 bits) in the MXFP4 dot kernels' order (`_mxfp4_dot.split_pairs`)."""
+    out = np.empty_like(x)
+    _mxfp4_dot.split_pairs(x, out)
+    return out
+
+
+@numba.njit
+def _mxfp4_intermediate(gate_up, code, x, down_blocks):
+    """The intermediate rounded to bfloat16, in `split_pairs` order, and the zeroed sums."""
+    acts = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.uint16)
+    _activate_rows_bf16(gate_up, code, acts)
+    return _split_rows(acts), np.zeros((x.shape[0], down_blocks.shape[1]), np.float32)
+
+
+@numba.njit(parallel=True, cache=True)
+def rows_experts_mxfp4(x, tokens, slot_weights, offsets, hit, work, gate_up_blocks, gate_up_scales, down_blocks,
+                       down_scales, gate_up_bias, down_bias, code, out):
+    """The MXFP4 (w4a16) expert MLP in one call, with `_mxfp4_dot`'s kernels (only where
+    `_mxfp4_dot.serves`): x [T, H] and out [T, H] uint16 (bfloat16 bits); the plan as
+    `rows_experts_fp8`'s; blocks, scales and biases as `_mxfp4_dot.gate_up_rows` /
+    `down_rows` take them; ``code`` the activation (`_rows.ACTIVATION_CODES`). The
+    intermediate is rounded to bfloat16 before the down dots, as the float layer keeps it.
+    """
+    xs = _split_rows(x)
+    gate_up = np.empty((tokens.shape[0], gate_up_blocks.shape[1]), np.float32)
+    for item in numba.prange(work.shape[0]):
+        _mxfp4_dot._gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], gate_up_blocks, gate_up_scales,
+                                 gate_up_bias, gate_up)
+    acts, sums = _mxfp4_intermediate(gate_up, code, x, down_blocks)
+    for block in numba.prange((down_blocks.shape[1] + _mxfp4_dot.ROW_BLOCK - 1) // _mxfp4_dot.ROW_BLOCK):
+        _mxfp4_dot._down_block(acts, tokens, slot_weights, offsets, hit, down_blocks, down_scales, down_bias, sums,
+                               block, _mxfp4_dot.ROW_BLOCK)
+    _store_sums(sums, out)
+
+
+@numba.njit(cache=True)
+def rows_experts_mxfp4_serial(x, tokens, slot_weights, offsets, hit, work, gate_up_blocks, gate_up_scales,
+                              down_blocks, down_scales, gate_up_bias, down_bias, code, out):
+    """`rows_experts_mxfp4` on the calling thread: each expert's down weights read as one stream."""
+    xs = _split_rows(x)
+    gate_up = np.empty((tokens.shape[0], gate_up_blocks.shape[1]), np.float32)
+    for item in range(work.shape[0]):
+        _mxfp4_dot._gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], gate_up_blocks, gate_up_scales,
+                                 gate_up_bias, gate_up)
+    acts, sums = _mxfp4_intermediate(gate_up, code, x, down_blocks)
+    _mxfp4_dot._down_block(acts, tokens, slot_weights, offsets, hit, down_blocks, down_scales, down_bias, sums, 0,
+                           down_blocks.shape[1])
     _store_sums(sums, out)
