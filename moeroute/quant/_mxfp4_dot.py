@@ -38,8 +38,10 @@ ROW_BLOCK = 64
 _ROW_TILE = 4
 #: Values per step: two blocks.
 _PAIR = 2 * MXFP4_BLOCK
-#: bfloat16 bits of the 16 e2m1 codes (sign included), padded to the 32 words of a table.
-_E2M1_BF16 = [int(np.array(v, np.float32).view(np.uint32)) >> 16 for v in E2M1_VALUES] + [0] * 16
+#: bfloat16 bits of the 16 e2m1 codes (sign included), twice: the 32 words of a table that
+#: ``vpermw`` indexes by the low 5 bits of a word, so that a byte widened to a word looks up
+#: its low nibble without masking off the high one (bit 4 selects the copy).
+_E2M1_BF16 = [int(np.array(v, np.float32).view(np.uint32)) >> 16 for v in E2M1_VALUES] * 2
 #: 2 ** (s - 127) for every scale byte (255 is refused at load; NaN here).
 _SCALES = [float(2.0 ** (s - SCALE_BIAS)) for s in range(255)] + [float("nan")]
 
@@ -104,7 +106,6 @@ def _mxfp4_tile(typingctx, blocks, w_rows, scales, xs, x_rows, out):
                             side_effect=False)
         scale_table = cgutils.global_constant(builder, "mxfp4_dot_scales",
                                               ir.Constant(ir.ArrayType(f32, 256), _SCALES))
-        low_mask = ir.Constant(v32i16, [0x0F] * LANES)
         four = ir.Constant(v32i16, [4] * LANES)
         zero = ir.Constant(v16f, [0.0] * 16)
         x_ptrs = []
@@ -124,7 +125,7 @@ def _mxfp4_tile(typingctx, blocks, w_rows, scales, xs, x_rows, out):
 
             def pair_dots(p, parity):
                 words = builder.zext(builder.load(builder.gep(w_ptr, [p]), align=1), v32i16)
-                even = builder.bitcast(builder.call(permute, [table, builder.and_(words, low_mask)]), v32bf)
+                even = builder.bitcast(builder.call(permute, [table, words]), v32bf)
                 odd = builder.bitcast(builder.call(permute, [table, builder.lshr(words, four)]), v32bf)
                 g = builder.mul(p, ir.Constant(index_type, 2))
                 block_scales = []
