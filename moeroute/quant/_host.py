@@ -527,44 +527,39 @@ def _dot_e4m3_tile(typingctx, w, w_rows, xs, x_rows, factors, bk, out):
         # tile's shape, so results do not depend on it.
         parts = {(i, j): accumulators(builder, 2, v16f) for i in range(len(w_ptrs)) for j in range(count)}
         totals = {(i, j): accumulators(builder, 1, v16f)[0] for i in range(len(w_ptrs)) for j in range(count)}
-        # The weight rows one at a time (one stream through memory where they are whole).
-        batches = [(i,) for i in range(len(w_ptrs))]
 
-        def step_dots(batch, step):
-            halves = {i: decode(builder.load(builder.gep(w_ptrs[i], [step]), align=1)) for i in batch}
+        def step_dots(i, step):  # weight row i's 64 columns at ``step`` against every activation row
+            halves = decode(builder.load(builder.gep(w_ptrs[i], [step]), align=1))
             for h in range(2):
                 at = builder.add(builder.mul(step, two), ir.Constant(index_type, h))
                 for j, x_ptr in enumerate(x_ptrs):
                     x = builder.bitcast(builder.load(builder.gep(x_ptr, [at]), align=2), v32bf)
-                    for i in batch:
-                        part = parts[i, j][h]
-                        builder.store(builder.call(dot, [builder.load(part), halves[i][h], x]), part)
+                    part = parts[i, j][h]
+                    builder.store(builder.call(dot, [builder.load(part), halves[h], x]), part)
 
-        def group(batch, g, steps_of_group):
-            for i in batch:
-                for j in range(count):
-                    for part in parts[i, j]:
-                        builder.store(zero, part)
-            steps_of_group(batch, g)
+        def group(i, g, steps_of_group):
+            for j in range(count):
+                for part in parts[i, j]:
+                    builder.store(zero, part)
+            steps_of_group(i, g)
             for j in range(count):
                 at = builder.add(builder.mul(ir.Constant(index_type, j), groups), g)
                 factor = splat(builder, builder.load(builder.gep(factor_view.data, [at])), 16)
-                for i in batch:
-                    low, high = (builder.load(part) for part in parts[i, j])
-                    total = totals[i, j]
-                    builder.store(builder.call(fma, [builder.fadd(low, high), factor, builder.load(total)]), total)
+                low, high = (builder.load(part) for part in parts[i, j])
+                total = totals[i, j]
+                builder.store(builder.call(fma, [builder.fadd(low, high), factor, builder.load(total)]), total)
 
-        def two_steps(batch, g):  # bk = 128, the checkpoints' block: the group unrolled
+        def two_steps(i, g):  # bk = 128, the checkpoints' block: the group unrolled
             first = builder.mul(g, two)
-            step_dots(batch, first)
-            step_dots(batch, builder.add(first, one))
+            step_dots(i, first)
+            step_dots(i, builder.add(first, one))
 
-        def any_steps(batch, g):
+        def any_steps(i, g):
             begin = builder.mul(g, per_group)
             end = builder.add(begin, per_group)
             end = builder.select(builder.icmp_unsigned("<", end, steps), end, steps)
             with cgutils.for_range_slice(builder, begin, end, one) as (step, _):
-                step_dots(batch, step)
+                step_dots(i, step)
 
         # Columns in chunks of whole groups, every weight row's chunk in turn (`_CHUNK_VALUES`,
         # `_STREAM_CHUNK_VALUES`).
@@ -586,9 +581,9 @@ def _dot_e4m3_tile(typingctx, w, w_rows, xs, x_rows, factors, bk, out):
                         g_first = builder.mul(chunk.index, chunk_groups)
                         g_last = builder.add(g_first, chunk_groups)
                         g_last = builder.select(builder.icmp_unsigned("<", g_last, groups), g_last, groups)
-                        for batch in batches:
+                        for i in range(len(w_ptrs)):  # one after the other: one stream where whole
                             with cgutils.for_range_slice(builder, g_first, g_last, one) as (g, _):
-                                group(batch, g, steps_of_group)
+                                group(i, g, steps_of_group)
         values = [builder.load(totals[i, j]) for i in range(len(w_ptrs)) for j in range(count)]
         out_view = context.make_array(signature.args[6])(context, builder, args[6])
         for k, value in enumerate(sum_lanes(builder, values)):
