@@ -2,17 +2,18 @@
 
 Numba checks a cached function against the source file it is defined in, and nothing else.
 A kernel that inlines code or reads constants from another module (the row kernels of
-``select/_host.py`` call ``select/_simd.py``'s intrinsics and read ``select/_common.py``'s
-constants; ``remap.py`` reads the layout's hash multiplier) would be loaded stale from
-``__pycache__`` after an edit to that other module alone. `install` adds cache locators
-for moeroute's functions whose source stamp is the pair (the function's file, `sources_stamp`):
-a hash of every file a kernel can read, the ``moeroute/routing`` package and the two packages
-it imports from (``layout/``, ``config/``). The cache directories stay Numba's own
-(``NUMBA_CACHE_DIR``, else ``__pycache__`` beside the source, else the per-user directory),
-and functions outside moeroute keep Numba's locators.
+``select/_host.py`` call ``select/_simd.py``'s intrinsics; ``remap.py`` reads the layout's
+hash multiplier; the one-call expert forwards of ``bindings/torch/_quant_rows.py`` inline
+the tiles of ``quant/_host.py`` and ``quant/_mxfp4_dot.py``, which build on ``quant/_dot.py``)
+would be loaded stale from ``__pycache__`` after an edit to that other module alone.
+`install` adds cache locators for every moeroute function (routing, quant, bindings, eplb,
+...) whose source stamp is the pair (the function's file, `sources_stamp`): a hash of every
+Python file of the package. The cache directories stay Numba's own (``NUMBA_CACHE_DIR``,
+else ``__pycache__`` beside the source, else the per-user directory), and functions outside
+moeroute keep Numba's locators.
 
 An installed package never changes, so this costs one hash of those files per process
-(~1 ms); in a working tree, an edit to any of them recompiles the CPU kernels once.
+(~5 ms); in a working tree, an edit to any of them recompiles the CPU kernels once.
 
 A cache entry of one of moeroute's kernels that cannot be read (a truncated or corrupted
 ``.nbi`` index or ``.nbc`` data file: Numba would raise ``UnpicklingError``/``EOFError``
@@ -30,18 +31,11 @@ from pathlib import Path
 
 ROUTING_DIR = Path(__file__).resolve().parent
 PACKAGE_DIR = ROUTING_DIR.parent
-#: Modules and packages outside moeroute/routing whose names the kernels read.
-IMPORTED_MODULES = ("layout", "config")
 
 
 def source_files(package_dir: Path = PACKAGE_DIR) -> list[Path]:
-    """The files behind `sources_stamp`: moeroute/routing/**/*.py and `IMPORTED_MODULES`
-    (a package's every .py file)."""
-    files = []
-    for name in ("routing", *IMPORTED_MODULES):
-        path = package_dir / name
-        files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
-    return files
+    """The files behind `sources_stamp`: every .py file of the package, in path order."""
+    return sorted(package_dir.rglob("*.py"))
 
 
 def stamp_of(files, root: Path) -> str:
@@ -60,7 +54,7 @@ def sources_stamp() -> str:
 
 
 def _in_package(py_file) -> bool:
-    return os.path.realpath(py_file).startswith(str(ROUTING_DIR) + os.sep)
+    return os.path.realpath(py_file).startswith(str(PACKAGE_DIR) + os.sep)
 
 
 def _stamped(base):

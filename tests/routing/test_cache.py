@@ -1,6 +1,7 @@
 """Numba's on-disk cache of the CPU kernels (moeroute/routing/_cache.py): every kernel's
-cache entry is stamped with all of its sources, so an edit to a module it reads (and not
-to its own file) still recompiles it, and an unchanged tree still loads from the cache."""
+cache entry (routing, quant, bindings, eplb) is stamped with all of the package's sources,
+so an edit to a module it reads (and not to its own file) still recompiles it, and an
+unchanged tree still loads from the cache."""
 
 import json
 import os
@@ -9,11 +10,12 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from moeroute import runtime
 from moeroute.routing import _cache
 
-# Counts one kernel's cache loads and compiles in a fresh process over a copied package.
+# Count one kernel's cache loads and compiles in a fresh process over a copied package.
 PROBE = """
 import json, numpy as np
 from moeroute.routing import load
@@ -22,6 +24,37 @@ stats = load._count_cpu.stats
 print(json.dumps([counts.tolist(), sum(stats.cache_hits.values()),
                   sum(stats.cache_misses.values())]))
 """
+# split_blocks (quant/_mxfp4_host.py) reads MXFP4_BLOCK from quant/mxfp4.py.
+QUANT_PROBE = """
+import json, numpy as np
+from moeroute.quant import _mxfp4_host
+x = np.arange(64, dtype=np.float32).reshape(1, 64)
+out = np.empty_like(x)
+_mxfp4_host.split_blocks(x, out)
+stats = _mxfp4_host.split_blocks.stats
+print(json.dumps([out[0, :4].tolist(), sum(stats.cache_hits.values()),
+                  sum(stats.cache_misses.values())]))
+"""
+
+
+def _moeroute_dispatchers():
+    """Every Numba CPU dispatcher of moeroute's modules (routing, quant, bindings, eplb, ...)."""
+    import importlib
+    import pkgutil
+
+    from numba.core.registry import CPUDispatcher
+
+    import moeroute
+
+    found = {}
+    for info in pkgutil.walk_packages(moeroute.__path__, prefix="moeroute."):
+        if ".gpu" in info.name or info.name.startswith(("moeroute.compat.vllm_plugin", "moeroute.__main__")):
+            continue  # device code, and the vLLM plugin's entry points (vLLM's venv)
+        module = importlib.import_module(info.name)
+        for value in vars(module).values():
+            if isinstance(value, CPUDispatcher) and value.py_func.__module__ == module.__name__:
+                found[id(value)] = value
+    return list(found.values())
 
 
 def test_every_cpu_kernel_is_stamped_with_all_its_sources():
@@ -33,11 +66,26 @@ def test_every_cpu_kernel_is_stamped_with_all_its_sources():
         assert locator.get_source_stamp()[1] == _cache.sources_stamp()
 
 
+def test_every_cached_kernel_of_the_package_is_stamped():
+    # Not only routing's: the quant tiles, the torch bindings' row forwards (which inline
+    # the quant tiles) and the EPLB policy are cached too.
+    cached = [d for d in _moeroute_dispatchers() if type(d._cache).__name__ != "NullCache"]
+    modules = {d.py_func.__module__ for d in cached}
+    assert {"moeroute.quant._host", "moeroute.quant._mxfp4_dot", "moeroute.quant._mxfp4_host",
+            "moeroute.bindings.torch._rows", "moeroute.bindings.torch._quant_rows",
+            "moeroute.eplb._policy"} <= modules
+    for dispatcher in cached:
+        locator = dispatcher._cache._impl.locator
+        assert type(locator).__name__.startswith("Moeroute"), dispatcher.py_func.__qualname__
+        assert locator.get_source_stamp()[1] == _cache.sources_stamp()
+
+
 def test_the_stamp_covers_the_modules_kernels_read():
     names = {str(p.relative_to(_cache.PACKAGE_DIR)) for p in _cache.source_files()}
     assert {"routing/select/_simd.py", "routing/select/_common.py", "routing/select/_host.py",
             "routing/remap/_common.py", "layout/__init__.py", "layout/placement.py", "config/__init__.py",
-            "config/configs.py"} <= names
+            "config/configs.py", "quant/_dot.py", "quant/_host.py", "quant/mxfp4.py",
+            "bindings/torch/_rows.py", "bindings/torch/_quant_rows.py"} <= names
 
 
 def test_the_stamp_follows_contents_and_names(tmp_path):
@@ -54,26 +102,30 @@ def test_the_stamp_follows_contents_and_names(tmp_path):
     assert _cache.stamp_of([tmp_path / "a.py", tmp_path / "c.py"], tmp_path) != before
 
 
-def test_an_edit_to_another_module_recompiles_and_an_unchanged_tree_loads(tmp_path):
-    """In a copy of the package (in-tree cache): compile, load, then edit only
-    select/_common.py (not load.py) and see load's kernel compiled again."""
+@pytest.mark.parametrize("probe_code, edited, expected", [
+    pytest.param(PROBE, "routing/select/_common.py", [1, 0, 2, 0], id="routing"),
+    pytest.param(QUANT_PROBE, "quant/mxfp4.py", [0.0, 2.0, 4.0, 6.0], id="quant"),
+])
+def test_an_edit_to_another_module_recompiles_and_an_unchanged_tree_loads(tmp_path, probe_code, edited, expected):
+    """In a copy of the package (in-tree cache): compile, load, then edit only another
+    module the kernel reads (not the kernel's own file) and see the kernel compiled again."""
     shutil.copytree(_cache.PACKAGE_DIR, tmp_path / "moeroute",
                     ignore=shutil.ignore_patterns("__pycache__", "*.nbi", "*.nbc"))
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     env["PYTHONPATH"] = str(tmp_path)
 
     def probe():
-        result = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env,
+        result = subprocess.run([sys.executable, "-c", probe_code], cwd=tmp_path, env=env,
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-2000:]
-        counts, hits, misses = __import__("json").loads(result.stdout.strip().splitlines()[-1])
-        np.testing.assert_array_equal(counts, [1, 0, 2, 0])
+        values, hits, misses = json.loads(result.stdout.strip().splitlines()[-1])
+        np.testing.assert_array_equal(values, expected)
         return hits, misses
 
     assert probe() == (0, 1)  # compiled and written
     assert probe() == (1, 0)  # loaded
-    common = tmp_path / "moeroute" / "routing" / "select" / "_common.py"
-    common.write_text(common.read_text() + "\n# edited\n")
+    other = tmp_path / "moeroute" / edited
+    other.write_text(other.read_text() + "\n# edited\n")
     assert probe() == (0, 1)  # another module changed: compiled again
     assert probe() == (1, 0)
 
