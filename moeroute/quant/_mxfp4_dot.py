@@ -34,8 +34,9 @@ __all__ = ["serves", "split_pairs", "gate_up_rows", "gate_up_rows_serial", "down
 
 #: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
 ROW_BLOCK = 64
-#: Activation rows per tile, and weight rows per call of `_mxfp4_tile` (tuples of four below).
-_ROW_TILE = 4
+#: Activation rows per tile, and weight rows per call of `_mxfp4_tile` (tuples of four below);
+#: a block of output columns that starts on a multiple of it tiles as the whole range does.
+ROW_TILE = 4
 #: Values per step: two blocks.
 _PAIR = 2 * MXFP4_BLOCK
 #: bfloat16 bits of the 16 e2m1 codes (sign included), twice: the 32 words of a table that
@@ -73,7 +74,7 @@ def _mxfp4_tile(typingctx, blocks, w_rows, scales, xs, x_rows, out):
     of one expert (``blocks`` uint8 [R, G, 16], ``scales`` uint8 [R, G], G even) and 1 to 4
     activation rows (``xs`` uint16 [*, G * 32], `split_pairs` order); all C-contiguous,
     ``out`` float32 [>= the tile's size]."""
-    tuples_ok = all(isinstance(t, types.UniTuple) and 1 <= t.count <= _ROW_TILE and isinstance(t.dtype, types.Integer)
+    tuples_ok = all(isinstance(t, types.UniTuple) and 1 <= t.count <= ROW_TILE and isinstance(t.dtype, types.Integer)
                     for t in (w_rows, x_rows))
     arrays_ok = (isinstance(blocks, types.Array) and blocks.ndim == 3 and blocks.dtype == types.uint8
                  and blocks.layout == "C" and isinstance(scales, types.Array) and scales.ndim == 2
@@ -168,10 +169,10 @@ def _gate_up_rows(blocks, scales, first, last, xs, x_rows, m, bias, e, dots, out
     """out[m + j, n] = W_e[n] . xs[x_rows[j]] (+ bias[e, n]) for n in [first, last), four
     weight rows at a time, then one."""
     n = first
-    while n + _ROW_TILE <= last:
+    while n + ROW_TILE <= last:
         _mxfp4_tile(blocks, (n, n + 1, n + 2, n + 3), scales, xs, x_rows, dots)
-        store_tile(dots, _ROW_TILE, n, len(x_rows), m, bias, e, out)
-        n += _ROW_TILE
+        store_tile(dots, ROW_TILE, n, len(x_rows), m, bias, e, out)
+        n += ROW_TILE
     while n < last:
         _mxfp4_tile(blocks, (n,), scales, xs, x_rows, dots)
         store_tile(dots, 1, n, len(x_rows), m, bias, e, out)
@@ -185,9 +186,9 @@ def _gate_up_item(xs, tokens, offsets, e, chunk, blocks, scales, bias, out):
     start, stop = offsets[e], offsets[e + 1]
     first, last = chunk * ROW_BLOCK, min(blocks.shape[1], (chunk + 1) * ROW_BLOCK)
     blocks_e, scales_e = blocks[e], scales[e]
-    dots = np.empty(_ROW_TILE * _ROW_TILE, np.float32)
-    for m in range(start, stop, _ROW_TILE):
-        count = min(_ROW_TILE, stop - m)
+    dots = np.empty(ROW_TILE * ROW_TILE, np.float32)
+    for m in range(start, stop, ROW_TILE):
+        count = min(ROW_TILE, stop - m)
         if count == 4:
             rows4 = (tokens[m], tokens[m + 1], tokens[m + 2], tokens[m + 3])
             _gate_up_rows(blocks_e, scales_e, first, last, xs, rows4, m, bias, e, dots, out)
@@ -220,10 +221,10 @@ def _down_rows(blocks, scales, first, last, acts, a_rows, tokens, slot_weights, 
     """sums[tokens[m], n] += slot_weights[m] * (W_e[n] . acts[m] (+ bias[e, n])) for the rows
     m of ``a_rows`` and n in [first, last), four weight rows at a time, then one."""
     n = first
-    while n + _ROW_TILE <= last:
+    while n + ROW_TILE <= last:
         _mxfp4_tile(blocks, (n, n + 1, n + 2, n + 3), scales, acts, a_rows, dots)
-        add_tile(dots, _ROW_TILE, n, a_rows, tokens, slot_weights, bias, e, sums)
-        n += _ROW_TILE
+        add_tile(dots, ROW_TILE, n, a_rows, tokens, slot_weights, bias, e, sums)
+        n += ROW_TILE
     while n < last:
         _mxfp4_tile(blocks, (n,), scales, acts, a_rows, dots)
         add_tile(dots, 1, n, a_rows, tokens, slot_weights, bias, e, sums)
@@ -234,13 +235,13 @@ def _down_rows(blocks, scales, first, last, acts, a_rows, tokens, slot_weights, 
 def _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, block, columns):
     """Output columns [block * columns, ..) over every hit expert."""
     first, last = block * columns, min(blocks.shape[1], (block + 1) * columns)
-    dots = np.empty(_ROW_TILE * _ROW_TILE, np.float32)
+    dots = np.empty(ROW_TILE * ROW_TILE, np.float32)
     for i in range(experts.shape[0]):
         e = experts[i]
         blocks_e, scales_e = blocks[e], scales[e]
         start, stop = offsets[e], offsets[e + 1]
-        for m in range(start, stop, _ROW_TILE):
-            count = min(_ROW_TILE, stop - m)
+        for m in range(start, stop, ROW_TILE):
+            count = min(ROW_TILE, stop - m)
             if count == 4:
                 _down_rows(blocks_e, scales_e, first, last, acts, (m, m + 1, m + 2, m + 3), tokens, slot_weights, bias,
                            e, dots, sums)

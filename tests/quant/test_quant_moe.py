@@ -452,6 +452,20 @@ def test_bf16_dot_fp8_kernels_serial_and_parallel_give_the_same_bits():
     assert torch.equal(outs[0], outs[1])
 
 
+def test_thread_columns_are_one_aligned_contiguous_range_per_thread():
+    # The one-call forwards' down GEMM: the output columns in at most one range per thread,
+    # each a multiple of the tile (or of the 64-row packs), the smallest such size.
+    from moeroute.bindings.torch._quant_rows import thread_columns
+
+    for columns, threads, multiple in [(2880, 2, 4), (7168, 2, 64), (2048, 3, 64), (100, 8, 64), (2880, 7, 4),
+                                       (64, 1, 64)]:
+        size = thread_columns(columns, threads, multiple)
+        assert size % multiple == 0
+        assert -(-columns // size) <= threads
+        assert size - multiple < -(-columns // threads) <= size or size == multiple
+    assert [thread_columns(2880, 2, 4), thread_columns(7168, 2, 64), thread_columns(100, 8, 64)] == [1440, 3584, 64]
+
+
 def test_strategy_choice_follows_the_row_bound_unless_the_dot_kernels_serve():
     from moeroute.bindings.torch.quant_strategy import ROWS_MAX_ROWS_PER_EXPERT, choose_strategy
 

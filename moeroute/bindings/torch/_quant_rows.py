@@ -22,7 +22,39 @@ import numpy as np
 from moeroute.bindings.torch._rows import _activate_rows, _activate_rows_bf16, _float32_rows, _store_sums
 from moeroute.quant import _host, _mxfp4_dot
 
-__all__ = ["rows_experts_fp8", "rows_experts_fp8_serial", "rows_experts_mxfp4", "rows_experts_mxfp4_serial"]
+__all__ = ["rows_experts_fp8", "rows_experts_fp8_serial", "rows_experts_mxfp4", "rows_experts_mxfp4_serial",
+           "thread_columns"]
+
+
+@numba.njit
+def _quantize_row(x, m, group, round_bf16, min_amax, q, scales, bits):
+    """Row m of float32 ``x`` quantized per ``group`` columns (`_host.quantize_rows`): its e4m3
+    values into ``q`` and, as bfloat16 bits, into ``bits``, its scales into ``scales``."""
+    _host.quantize_rows(x[m:m + 1], group, round_bf16, min_amax, q[m:m + 1], scales[m:m + 1])
+    values = q[m].view(np.uint32)
+    for k in range(x.shape[1]):
+        bits[m, k] = np.uint16(values[k] >> np.uint32(16))  # an e4m3 value is a bfloat16
+
+
+@numba.njit
+def _quantization_buffers(x, group):
+    """(q, scales, bits) for `_quantize_row` over the rows of ``x``."""
+    rows, cols = x.shape
+    return (np.empty((rows, cols), np.float32), np.empty((rows, (cols + group - 1) // group), np.float32),
+            np.empty((rows, cols), np.uint16))
+
+
+@numba.njit
+def _weight_group_scales(scales, groups):
+    """``scales`` [M, groups]; one scale per row (a group of the whole row) repeated over the
+    ``groups`` weight column blocks."""
+    if scales.shape[1] == groups:
+        return scales
+    repeated = np.empty((scales.shape[0], groups), np.float32)
+    for m in range(scales.shape[0]):
+        for g in range(groups):
+            repeated[m, g] = scales[m, 0]
+    return repeated
 
 
 @numba.njit
@@ -30,22 +62,10 @@ def _quantized_bfloat16(x, group, round_bf16, min_amax, groups):
     """(e4m3 values as bfloat16 bits [M, K] uint16, scales [M, groups] float32) of float32 rows
     ``x``, quantized per ``group`` columns (`_host.quantize_rows`); one scale per row
     (``group`` >= K) is repeated over the ``groups`` weight column blocks."""
-    rows, cols = x.shape
-    q = np.empty((rows, cols), np.float32)
-    scales = np.empty((rows, (cols + group - 1) // group), np.float32)
-    _host.quantize_rows(x, group, round_bf16, min_amax, q, scales)
-    bits = np.empty((rows, cols), np.uint16)
-    for m in range(rows):
-        values = q[m].view(np.uint32)
-        for k in range(cols):
-            bits[m, k] = np.uint16(values[k] >> np.uint32(16))  # an e4m3 value is a bfloat16
-    if scales.shape[1] == groups:
-        return bits, scales
-    repeated = np.empty((rows, groups), np.float32)
-    for m in range(rows):
-        for g in range(groups):
-            repeated[m, g] = scales[m, 0]
-    return bits, repeated
+    q, scales, bits = _quantization_buffers(x, group)
+    for m in range(x.shape[0]):
+        _quantize_row(x, m, group, round_bf16, min_amax, q, scales, bits)
+    return bits, _weight_group_scales(scales, groups)
 
 
 @numba.njit
@@ -68,7 +88,7 @@ def _intermediate(gate_up, code, round_bf16, group, min_amax, down_scale, x, q_d
 
 @numba.njit(parallel=True, cache=True)
 def rows_experts_fp8(x, tokens, slot_weights, offsets, hit, work, q_gate_up, gate_up_scale, q_down, down_scale,
-                     gate_up_block, down_block, groups, round_intermediate, min_amax, code, out):
+                     gate_up_block, down_block, groups, round_intermediate, min_amax, code, columns, out):
     """out[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), the w8a8 expert MLP, in one call.
 
     x [T, H] and out [T, H] uint16 (bfloat16 bits) or float32; tokens, slot_weights, offsets,
@@ -78,17 +98,24 @@ def rows_experts_fp8(x, tokens, slot_weights, offsets, hit, work, q_gate_up, gat
     activation group sizes of the two GEMMs' inputs (each a weight column block, or the row
     length: one scale per row); ``round_intermediate``: the intermediate rounded to bfloat16
     before it is quantized (bfloat16 activations); ``code`` the activation
-    (`_rows.ACTIVATION_CODES`). Only where `_host.bf16_dot_serves`.
+    (`_rows.ACTIVATION_CODES`); ``columns``: the down GEMM's output columns per unit of
+    parallel work (`thread_columns`, a multiple of 64). Only where `_host.bf16_dot_serves`.
     """
     inter = q_gate_up.shape[1] // 2
     q_x, s_x, gate_up = _prologue(x, tokens, q_gate_up, gate_up_scale, groups[0], min_amax)
     for item in numba.prange(work.shape[0]):
         _host._gate_up_item_bf16(q_x, s_x, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale,
                                  inter, gate_up_block[0], gate_up_block[1], gate_up)
-    q_a, s_a, sums = _intermediate(gate_up, code, round_intermediate, groups[1], min_amax, down_scale, x, q_down)
-    for block in numba.prange((q_down.shape[1] + _host.ROW_BLOCK - 1) // _host.ROW_BLOCK):
+    acts = np.empty((gate_up.shape[0], inter), np.float32)
+    q, scales, q_a = _quantization_buffers(acts, groups[1])
+    for m in numba.prange(acts.shape[0]):  # the activation and its quantization row by row on every thread
+        _activate_rows(gate_up[m:m + 1], code, acts[m:m + 1])
+        _quantize_row(acts, m, groups[1], round_intermediate, min_amax, q, scales, q_a)
+    s_a = _weight_group_scales(scales, down_scale.shape[2])
+    sums = np.zeros((x.shape[0], q_down.shape[1]), np.float32)
+    for block in numba.prange((q_down.shape[1] + columns - 1) // columns):
         _host._down_block_bf16(q_a, s_a, tokens, slot_weights, offsets, hit, q_down, down_scale, down_block[0],
-                               down_block[1], sums, block, _host.ROW_BLOCK)
+                               down_block[1], sums, block, columns)
     _store_sums(sums, out)
 
 
@@ -105,6 +132,13 @@ def rows_experts_fp8_serial(x, tokens, slot_weights, offsets, hit, work, q_gate_
     _host._down_block_bf16(q_a, s_a, tokens, slot_weights, offsets, hit, q_down, down_scale, down_block[0],
                            down_block[1], sums, 0, q_down.shape[1])
     _store_sums(sums, out)
+
+
+def thread_columns(columns: int, threads: int, multiple: int) -> int:
+    """``columns`` output columns split in ``threads`` contiguous ranges, each a multiple of
+    ``multiple`` (where the serial kernels' tiles start too)."""
+    share = -(-columns // threads)
+    return max(multiple, -(-share // multiple) * multiple)
 
 
 @numba.njit
@@ -125,22 +159,31 @@ def _mxfp4_intermediate(gate_up, code, x, down_blocks):
 
 @numba.njit(parallel=True, cache=True)
 def rows_experts_mxfp4(x, tokens, slot_weights, offsets, hit, work, gate_up_blocks, gate_up_scales, down_blocks,
-                       down_scales, gate_up_bias, down_bias, code, out):
+                       down_scales, gate_up_bias, down_bias, code, columns, out):
     """The MXFP4 (w4a16) expert MLP in one call, with `_mxfp4_dot`'s kernels (only where
     `_mxfp4_dot.serves`): x [T, H] and out [T, H] uint16 (bfloat16 bits); the plan as
     `rows_experts_fp8`'s; blocks, scales and biases as `_mxfp4_dot.gate_up_rows` /
     `down_rows` take them; ``code`` the activation (`_rows.ACTIVATION_CODES`). The
     intermediate is rounded to bfloat16 before the down dots, as the float layer keeps it.
+    ``columns``: the down GEMM's output columns per unit of parallel work (`thread_columns`:
+    one contiguous range per thread, so that each expert's down rows are one stream per
+    thread; the same sums, bit for bit, as any other multiple of four).
     """
     xs = _split_rows(x)
-    gate_up = np.empty((tokens.shape[0], gate_up_blocks.shape[1]), np.float32)
+    rows, inter = tokens.shape[0], gate_up_blocks.shape[1] // 2
+    gate_up = np.empty((rows, 2 * inter), np.float32)
     for item in numba.prange(work.shape[0]):
         _mxfp4_dot._gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], gate_up_blocks, gate_up_scales,
                                  gate_up_bias, gate_up)
-    acts, sums = _mxfp4_intermediate(gate_up, code, x, down_blocks)
-    for block in numba.prange((down_blocks.shape[1] + _mxfp4_dot.ROW_BLOCK - 1) // _mxfp4_dot.ROW_BLOCK):
+    natural = np.empty((rows, inter), np.uint16)
+    acts = np.empty((rows, inter), np.uint16)
+    for m in numba.prange(rows):  # the activation row by row on every thread
+        _activate_rows_bf16(gate_up[m:m + 1], code, natural[m:m + 1])
+        _mxfp4_dot.split_pairs(natural[m:m + 1], acts[m:m + 1])
+    sums = np.zeros((x.shape[0], down_blocks.shape[1]), np.float32)
+    for block in numba.prange((down_blocks.shape[1] + columns - 1) // columns):
         _mxfp4_dot._down_block(acts, tokens, slot_weights, offsets, hit, down_blocks, down_scales, down_bias, sums,
-                               block, _mxfp4_dot.ROW_BLOCK)
+                               block, columns)
     _store_sums(sums, out)
 
 

@@ -317,12 +317,16 @@ def _rows_forward(hidden_states, received, plan, q_gate_up, gu_scale, gu_block, 
         bits = act_dtype == torch.bfloat16
         x = hidden_states.detach().contiguous()
         out = torch.empty(num_tokens, hidden, dtype=act_dtype)
-        forward = _quant_rows.rows_experts_fp8_serial if threads == 1 else _quant_rows.rows_experts_fp8
+        args = ((x.view(torch.uint16) if bits else x).numpy(), tokens, slot_weights, offsets, hit, work,
+                q_gate_up.view(torch.uint8).numpy(), gu_scale.numpy(), q_down.view(torch.uint8).numpy(),
+                d_scale.numpy(), gu_block, d_block, groups, bits, _MIN_AMAX, _rows.ACTIVATION_CODES[activation])
+        result = (out.view(torch.uint16) if bits else out).numpy()
         with _numba_threads(threads):
-            forward((x.view(torch.uint16) if bits else x).numpy(), tokens, slot_weights, offsets, hit, work,
-                    q_gate_up.view(torch.uint8).numpy(), gu_scale.numpy(), q_down.view(torch.uint8).numpy(),
-                    d_scale.numpy(), gu_block, d_block, groups, bits, _MIN_AMAX, _rows.ACTIVATION_CODES[activation],
-                    (out.view(torch.uint16) if bits else out).numpy())
+            if threads == 1:
+                _quant_rows.rows_experts_fp8_serial(*args, result)
+            else:  # one contiguous range of output columns per thread, whole packs of weight rows
+                columns = _quant_rows.thread_columns(hidden, threads, _host.ROW_BLOCK)
+                _quant_rows.rows_experts_fp8(*args, columns, result)
         return out
     sums = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     if static:  # per (row, expert): the expert's own input scale

@@ -153,12 +153,15 @@ def _rows_forward(hidden_states, plan, gate_up_blocks, gate_up_scales, down_bloc
     bf16_dot = _mxfp4_dot.serves(dtype == torch.bfloat16, hidden, inter)
     if bf16_dot and activation in _rows.ACTIVATION_CODES:
         out = torch.empty(num_tokens, hidden, dtype=dtype)
-        forward = _quant_rows.rows_experts_mxfp4_serial if threads == 1 else _quant_rows.rows_experts_mxfp4
+        args = (hidden_states.detach().contiguous().view(torch.uint16).numpy(), tokens, slot_weights, offsets, hit,
+                work, _packed(gate_up_blocks), _packed(gate_up_scales), _packed(down_blocks), _packed(down_scales),
+                _bias_view(gate_up_bias), _bias_view(down_bias), _rows.ACTIVATION_CODES[activation])
         with _numba_threads(threads):
-            forward(hidden_states.detach().contiguous().view(torch.uint16).numpy(), tokens, slot_weights, offsets,
-                    hit, work, _packed(gate_up_blocks), _packed(gate_up_scales), _packed(down_blocks),
-                    _packed(down_scales), _bias_view(gate_up_bias), _bias_view(down_bias),
-                    _rows.ACTIVATION_CODES[activation], out.view(torch.uint16).numpy())
+            if threads == 1:
+                _quant_rows.rows_experts_mxfp4_serial(*args, out.view(torch.uint16).numpy())
+            else:
+                columns = _quant_rows.thread_columns(hidden, threads, _mxfp4_dot.ROW_TILE)
+                _quant_rows.rows_experts_mxfp4(*args, columns, out.view(torch.uint16).numpy())
         return out
     sums = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     gate_up = torch.empty(tokens.shape[0], 2 * inter, dtype=torch.float32)
