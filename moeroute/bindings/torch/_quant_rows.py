@@ -77,13 +77,20 @@ def _prologue(x, tokens, q_gate_up, gate_up_scale, group, min_amax):
 
 
 @numba.njit
-def _intermediate(gate_up, code, round_bf16, group, min_amax, down_scale, x, q_down):
-    """The quantized intermediate (the activation, rounded to bfloat16 first where
-    ``round_bf16``) and the zeroed float32 sums."""
+def _intermediate_buffers(gate_up, group):
+    """(acts, q, scales, bits) for `_intermediate_row`: the activation [M, I] float32, its e4m3
+    values, scales and bfloat16 bits."""
     acts = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
-    _activate_rows(gate_up, code, acts)
-    q_a, s_a = _quantized_bfloat16(acts, group, round_bf16, min_amax, down_scale.shape[2])
-    return q_a, s_a, np.zeros((x.shape[0], q_down.shape[1]), np.float32)
+    q, scales, bits = _quantization_buffers(acts, group)
+    return acts, q, scales, bits
+
+
+@numba.njit
+def _intermediate_row(gate_up, m, code, round_bf16, group, min_amax, acts, q, scales, bits):
+    """Row m of the quantized intermediate: the activation, rounded to bfloat16 first where
+    ``round_bf16``, quantized per ``group`` columns (`_quantize_row`)."""
+    _activate_rows(gate_up[m:m + 1], code, acts[m:m + 1])
+    _quantize_row(acts, m, group, round_bf16, min_amax, q, scales, bits)
 
 
 @numba.njit(parallel=True, cache=True)
@@ -106,11 +113,9 @@ def rows_experts_fp8(x, tokens, slot_weights, offsets, hit, work, q_gate_up, gat
     for item in numba.prange(work.shape[0]):
         _host._gate_up_item_bf16(q_x, s_x, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale,
                                  inter, gate_up_block[0], gate_up_block[1], gate_up)
-    acts = np.empty((gate_up.shape[0], inter), np.float32)
-    q, scales, q_a = _quantization_buffers(acts, groups[1])
+    acts, q, scales, q_a = _intermediate_buffers(gate_up, groups[1])
     for m in numba.prange(acts.shape[0]):  # the activation and its quantization row by row on every thread
-        _activate_rows(gate_up[m:m + 1], code, acts[m:m + 1])
-        _quantize_row(acts, m, groups[1], round_intermediate, min_amax, q, scales, q_a)
+        _intermediate_row(gate_up, m, code, round_intermediate, groups[1], min_amax, acts, q, scales, q_a)
     s_a = _weight_group_scales(scales, down_scale.shape[2])
     sums = np.zeros((x.shape[0], q_down.shape[1]), np.float32)
     for block in numba.prange((q_down.shape[1] + columns - 1) // columns):
@@ -128,7 +133,11 @@ def rows_experts_fp8_serial(x, tokens, slot_weights, offsets, hit, work, q_gate_
     for item in range(work.shape[0]):
         _host._gate_up_item_bf16(q_x, s_x, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale,
                                  inter, gate_up_block[0], gate_up_block[1], gate_up)
-    q_a, s_a, sums = _intermediate(gate_up, code, round_intermediate, groups[1], min_amax, down_scale, x, q_down)
+    acts, q, scales, q_a = _intermediate_buffers(gate_up, groups[1])
+    for m in range(acts.shape[0]):
+        _intermediate_row(gate_up, m, code, round_intermediate, groups[1], min_amax, acts, q, scales, q_a)
+    s_a = _weight_group_scales(scales, down_scale.shape[2])
+    sums = np.zeros((x.shape[0], q_down.shape[1]), np.float32)
     _host._down_block_bf16(q_a, s_a, tokens, slot_weights, offsets, hit, q_down, down_scale, down_block[0],
                            down_block[1], sums, 0, q_down.shape[1])
     _store_sums(sums, out)
@@ -150,11 +159,11 @@ def _split_rows(x):
 
 
 @numba.njit
-def _mxfp4_intermediate(gate_up, code, x, down_blocks):
-    """The intermediate rounded to bfloat16, in `split_pairs` order, and the zeroed sums."""
-    acts = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.uint16)
-    _activate_rows_bf16(gate_up, code, acts)
-    return _split_rows(acts), np.zeros((x.shape[0], down_blocks.shape[1]), np.float32)
+def _mxfp4_intermediate_row(gate_up, m, code, natural, acts):
+    """Row m of the intermediate rounded to bfloat16 (``natural``), and in `split_pairs` order
+    (``acts``)."""
+    _activate_rows_bf16(gate_up[m:m + 1], code, natural[m:m + 1])
+    _mxfp4_dot.split_pairs(natural[m:m + 1], acts[m:m + 1])
 
 
 @numba.njit(parallel=True, cache=True)
@@ -175,11 +184,9 @@ def rows_experts_mxfp4(x, tokens, slot_weights, offsets, hit, work, gate_up_bloc
     for item in numba.prange(work.shape[0]):
         _mxfp4_dot._gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], gate_up_blocks, gate_up_scales,
                                  gate_up_bias, gate_up)
-    natural = np.empty((rows, inter), np.uint16)
-    acts = np.empty((rows, inter), np.uint16)
+    natural, acts = np.empty((rows, inter), np.uint16), np.empty((rows, inter), np.uint16)
     for m in numba.prange(rows):  # the activation row by row on every thread
-        _activate_rows_bf16(gate_up[m:m + 1], code, natural[m:m + 1])
-        _mxfp4_dot.split_pairs(natural[m:m + 1], acts[m:m + 1])
+        _mxfp4_intermediate_row(gate_up, m, code, natural, acts)
     sums = np.zeros((x.shape[0], down_blocks.shape[1]), np.float32)
     for block in numba.prange((down_blocks.shape[1] + columns - 1) // columns):
         _mxfp4_dot._down_block(acts, tokens, slot_weights, offsets, hit, down_blocks, down_scales, down_bias, sums,
@@ -192,11 +199,15 @@ def rows_experts_mxfp4_serial(x, tokens, slot_weights, offsets, hit, work, gate_
                               down_blocks, down_scales, gate_up_bias, down_bias, code, out):
     """`rows_experts_mxfp4` on the calling thread: each expert's down weights read as one stream."""
     xs = _split_rows(x)
-    gate_up = np.empty((tokens.shape[0], gate_up_blocks.shape[1]), np.float32)
+    rows, inter = tokens.shape[0], gate_up_blocks.shape[1] // 2
+    gate_up = np.empty((rows, 2 * inter), np.float32)
     for item in range(work.shape[0]):
         _mxfp4_dot._gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], gate_up_blocks, gate_up_scales,
                                  gate_up_bias, gate_up)
-    acts, sums = _mxfp4_intermediate(gate_up, code, x, down_blocks)
+    natural, acts = np.empty((rows, inter), np.uint16), np.empty((rows, inter), np.uint16)
+    for m in range(rows):
+        _mxfp4_intermediate_row(gate_up, m, code, natural, acts)
+    sums = np.zeros((x.shape[0], down_blocks.shape[1]), np.float32)
     _mxfp4_dot._down_block(acts, tokens, slot_weights, offsets, hit, down_blocks, down_scales, down_bias, sums, 0,
                            down_blocks.shape[1])
     _store_sums(sums, out)
