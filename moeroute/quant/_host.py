@@ -802,6 +802,15 @@ def _gate_up_groups(weights, first, last, xs, tokens, start, stop, s_a, scale, i
                                dots, out)
 
 
+@numba.njit(fastmath=True, inline="always")
+def _packed_rows(packed, xs, x_rows, s_a, scale_row, bk, factors, dots):
+    """dots[j * 32 + n] for the activation rows ``x_rows`` (a tuple) against the 32 packed
+    weight rows of one weight block row (``scale_row``): `_dot_packed_tile` with the rows'
+    group factors."""
+    _group_factors(s_a, x_rows, scale_row, factors)
+    _dot_packed_tile(packed, xs, x_rows, factors, bk, dots)
+
+
 @numba.njit(fastmath=True)
 def _gate_up_packed(packed, n0, xs, tokens, start, stop, s_a, scale_row, bk, factors, dots, out):
     """out[m, n0 + n] for the expert's sorted rows m in [start, stop) and the 32 packed gate_up
@@ -809,21 +818,14 @@ def _gate_up_packed(packed, n0, xs, tokens, start, stop, s_a, scale_row, bk, fac
     for m in range(start, stop, _ROW_TILE):
         count = min(_ROW_TILE, stop - m)
         if count == 4:
-            rows = (tokens[m], tokens[m + 1], tokens[m + 2], tokens[m + 3])
-            _group_factors(s_a, rows, scale_row, factors)
-            _dot_packed_tile(packed, xs, rows, factors, bk, dots)
+            _packed_rows(packed, xs, (tokens[m], tokens[m + 1], tokens[m + 2], tokens[m + 3]), s_a, scale_row, bk,
+                         factors, dots)
         elif count == 3:
-            rows3 = (tokens[m], tokens[m + 1], tokens[m + 2])
-            _group_factors(s_a, rows3, scale_row, factors)
-            _dot_packed_tile(packed, xs, rows3, factors, bk, dots)
+            _packed_rows(packed, xs, (tokens[m], tokens[m + 1], tokens[m + 2]), s_a, scale_row, bk, factors, dots)
         elif count == 2:
-            rows2 = (tokens[m], tokens[m + 1])
-            _group_factors(s_a, rows2, scale_row, factors)
-            _dot_packed_tile(packed, xs, rows2, factors, bk, dots)
+            _packed_rows(packed, xs, (tokens[m], tokens[m + 1]), s_a, scale_row, bk, factors, dots)
         else:
-            rows1 = (tokens[m],)
-            _group_factors(s_a, rows1, scale_row, factors)
-            _dot_packed_tile(packed, xs, rows1, factors, bk, dots)
+            _packed_rows(packed, xs, (tokens[m],), s_a, scale_row, bk, factors, dots)
         for j in range(count):
             for n in range(_PACKED_ROWS):
                 out[m + j, n0 + n] = dots[j * _PACKED_ROWS + n]
@@ -836,21 +838,13 @@ def _down_packed(packed, n0, acts, start, stop, s_a, scale_row, bk, tokens, slot
     for m in range(start, stop, _ROW_TILE):
         count = min(_ROW_TILE, stop - m)
         if count == 4:
-            rows = (m, m + 1, m + 2, m + 3)
-            _group_factors(s_a, rows, scale_row, factors)
-            _dot_packed_tile(packed, acts, rows, factors, bk, dots)
+            _packed_rows(packed, acts, (m, m + 1, m + 2, m + 3), s_a, scale_row, bk, factors, dots)
         elif count == 3:
-            rows3 = (m, m + 1, m + 2)
-            _group_factors(s_a, rows3, scale_row, factors)
-            _dot_packed_tile(packed, acts, rows3, factors, bk, dots)
+            _packed_rows(packed, acts, (m, m + 1, m + 2), s_a, scale_row, bk, factors, dots)
         elif count == 2:
-            rows2 = (m, m + 1)
-            _group_factors(s_a, rows2, scale_row, factors)
-            _dot_packed_tile(packed, acts, rows2, factors, bk, dots)
+            _packed_rows(packed, acts, (m, m + 1), s_a, scale_row, bk, factors, dots)
         else:
-            rows1 = (m,)
-            _group_factors(s_a, rows1, scale_row, factors)
-            _dot_packed_tile(packed, acts, rows1, factors, bk, dots)
+            _packed_rows(packed, acts, (m,), s_a, scale_row, bk, factors, dots)
         for j in range(count):
             t, weight = tokens[m + j], slot_weights[m + j]
             for n in range(_PACKED_ROWS):
