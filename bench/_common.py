@@ -140,12 +140,39 @@ def host_copy_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
     return 2 * source.nbytes / best / 1e9
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name as the OS reports it (``/proc/cpuinfo``), or None where unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def cpu_isa() -> str | None:
+    """The ISA path moeroute's CPU kernels take (``moeroute.cpu_isa()``), or None where the
+    installed moeroute does not report one."""
+    try:
+        import moeroute
+    except ImportError:
+        return None
+    answer = getattr(moeroute, "cpu_isa", None)
+    return str(answer()) if callable(answer) else None
+
+
 def machine_info() -> dict:
+    """The run's machine: date, platform, CPU model, ISA path, versions and thread counts (the
+    `machine` object of every result file; docs/performance.md describes the layout)."""
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "isa": cpu_isa(),
         "numpy": np.__version__,
     }
     for name in ("numba", "torch", "cupy"):
