@@ -101,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dispatch-dtype", choices=("auto", "fp8"), default="auto",
                         help="fp8: send the tokens as e4m3 rows with their scales (needs --quant)")
     parser.add_argument("--json", action="store_true",
-                        help="print one JSON object on stdout instead of the text (keys: README, Command line)")
+                        help="print one JSON object on stdout instead of the text (keys: docs/cli.md)")
 
 
 def _under_torchrun() -> bool:
@@ -417,7 +417,7 @@ def _format(args, reports: list[dict]) -> tuple[str, int]:
 
 
 def _json(args, reports: list[dict]) -> dict[str, Any]:
-    """``run --json``: the text's values as one object (keys documented in the README)."""
+    """``run --json``: the text's values as one object (keys documented in docs/cli.md)."""
     first = reports[0]
     checks = _checks(args, reports)
     reference = None
