@@ -20,8 +20,8 @@ Qwen3_5Moe                 sigmoid-gated shared MLP: S = shared size / I slots (
 Qwen3Moe, Mixtral          softmax top-k, optional (Qwen3) or always (Mixtral) renormalized;
                            no shared expert. Exact.
 GptOssMLP                  router linear with a bias, top-k of the logits then softmax over
-                           the K picked (= softmax + renormalize); experts with biases,
-                           gate/up columns interleaved in ``gate_up_proj`` [N, H, 2I]
+(Mxfp4GptOssMLP: the       the K picked (= softmax + renormalize); experts with biases,
+MXFP4 experts kept packed) gate/up columns interleaved in ``gate_up_proj`` [N, H, 2I]
                            (transposed: gate = columns 0, 2, 4, ..., up = 1, 3, 5, ...),
                            ``down_proj`` [N, I, H]; activation "swigluoai". Exact in float32.
 =========================  ==================================================================
@@ -35,6 +35,7 @@ jitter noise is not reproduced (inference only).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -54,7 +55,7 @@ from moeroute.bindings.torch.mxfp4_experts import gate_rows_first
 from moeroute.config import RouterConfig
 from moeroute.quant import FP8_DTYPE, QuantConfig, quantize_experts
 
-__all__ = ["from_hf", "replace_moe_blocks", "SUPPORTED_BLOCKS", "EXPERTS_IMPLEMENTATION",
+__all__ = ["from_hf", "replace_moe_blocks", "SUPPORTED_BLOCKS", "SUPPORTED_MODEL_TYPES", "EXPERTS_IMPLEMENTATION",
            "experts_forward", "register_experts_implementation", "TupleOutputMoE", "TransformersCheckpoint"]
 
 #: The name under which moeroute registers in transformers' experts interface.
@@ -159,13 +160,48 @@ def _gpt_oss_experts(experts: nn.Module) -> tuple[torch.Tensor, ...]:
 GPT_OSS_MXFP4_KEYS = tuple(key[len("experts."):] for key in MXFP4_CHECKPOINT_KEYS)
 
 
+def _unswizzled(tensor) -> torch.Tensor:
+    """The plain torch tensor behind a triton_kernels tensor (``storage.data`` in
+    ``storage.layout``), transposed back to the checkpoint's [N, rows, ...] order: the inverse
+    of what transformers' MXFP4 loader does (swizzle_mxfp4 of the transposed checkpoint tensor)."""
+    storage = tensor.storage
+    return storage.layout.unswizzle_data(storage.data).transpose(-1, -2)
+
+
+def _mxfp4_tensors(experts: nn.Module):
+    """(gate_up blocks, gate_up scales, down blocks, down scales) of an experts module holding
+    MXFP4 weights, in the checkpoint's shapes ([N, rows, cols / 32, 16] and [N, rows, cols / 32]),
+    or None when it holds float weights.
+
+    Two forms: the checkpoint's names as tensors (``gate_up_proj_blocks`` ...), and
+    transformers' ``Mxfp4GptOssExperts`` after loading, whose ``gate_up_proj`` / ``down_proj``
+    are triton_kernels tensors (packed bytes in a hardware layout) with the scale bytes in
+    ``<proj>_precision_config.weight_scale``."""
+    tensors = [getattr(experts, name, None) for name in GPT_OSS_MXFP4_KEYS]
+    if all(isinstance(t, torch.Tensor) for t in tensors):
+        return tensors
+    found = []
+    for proj in ("gate_up_proj", "down_proj"):
+        weight = getattr(experts, proj, None)
+        if isinstance(weight, torch.Tensor) and weight.dtype != torch.uint8:
+            return None  # float (or FP8) experts
+        config = getattr(experts, f"{proj}_precision_config", None)
+        if not hasattr(weight, "storage") or not hasattr(getattr(config, "weight_scale", None), "storage"):
+            raise ValueError(f"{type(experts).__name__}.{proj} holds packed MXFP4 bytes without their scales "
+                             f"({proj}_precision_config.weight_scale); moeroute reads the checkpoint's "
+                             f"{proj}_blocks / {proj}_scales or transformers' loaded MXFP4 experts")
+        scales = _unswizzled(config.weight_scale)
+        found += [_unswizzled(weight).reshape(*scales.shape, -1), scales]
+    return found
+
+
 def _gpt_oss_mxfp4_experts(experts: nn.Module):
     """MXFP4 gpt-oss experts in moeroute's row order, or None when ``experts`` holds no MXFP4
     tensors: ((gate_up blocks, scales) gate rows first, (down blocks, scales), gate_up_bias
     gate entries first, down_bias). gate_up's rows alternate gate, up; MXFP4 rows are
     independent, so putting the gate rows first is a row permutation of blocks and scales."""
-    tensors = [getattr(experts, name, None) for name in GPT_OSS_MXFP4_KEYS]
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
+    tensors = _mxfp4_tensors(experts)
+    if tensors is None:
         return None
     gate_up_blocks, gate_up_scales, down_blocks, down_scales = tensors
     order = gate_rows_first(gate_up_blocks.shape[1], gate_up_blocks.device)
@@ -214,7 +250,15 @@ SUPPORTED_BLOCKS: dict[str, Callable[[nn.Module], dict]] = {
     "Qwen3MoeSparseMoeBlock": _read_qwen,
     "MixtralSparseMoeBlock": _read_qwen,
     "GptOssMLP": _read_gpt_oss,
+    # transformers >= 5 swaps GptOssMLP for this class when it keeps an MXFP4 checkpoint's
+    # experts packed (transformers 4.x patched GptOssMLP's forward in place instead).
+    "Mxfp4GptOssMLP": _read_gpt_oss,
 }
+
+#: transformers ``config.model_type`` of the families whose blocks `SUPPORTED_BLOCKS` reads:
+#: in such a model, an MoE block `replace_moe_blocks` cannot read is reported, not skipped silently.
+SUPPORTED_MODEL_TYPES = frozenset({"deepseek_v3", "kimi_k2", "glm4_moe", "qwen2_moe", "qwen3_moe", "qwen3_next",
+                                   "qwen3_5_moe", "qwen3_5_moe_text", "mixtral", "gpt_oss"})
 
 
 
@@ -382,13 +426,50 @@ def _drop_moe_level(module: TupleOutputMoE, state_dict: dict, prefix: str, local
         state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
 
 
-def replace_moe_blocks(model: nn.Module, **kwargs) -> int:
+def _model_types(model: nn.Module) -> set[str]:
+    """``model_type`` of the model's config and of its text config (a multimodal model's)."""
+    config = getattr(model, "config", None)
+    types = {getattr(config, "model_type", None)}
+    get_text_config = getattr(config, "get_text_config", None)
+    if callable(get_text_config):
+        types.add(getattr(get_text_config(), "model_type", None))
+    return types - {None}
+
+
+def _looks_like_moe_block(module: nn.Module) -> bool:
+    """A module with an ``experts`` child beside a ``gate`` or ``router`` child: the shape of
+    every transformers MoE block (and of a renamed one moeroute does not know yet)."""
+    children = dict(module.named_children())
+    return "experts" in children and ("gate" in children or "router" in children)
+
+
+def _unsupported_blocks(model: nn.Module, targets: list[str]) -> list[tuple[str, str]]:
+    """(name, class name) of the MoE-looking modules of ``model`` that are neither supported
+    blocks nor inside one (nor moeroute's own modules)."""
+    skipped = tuple(name + "." for name in targets)
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, (MoE, TupleOutputMoE)):
+            skipped += (name + ".",)
+        elif name and not name.startswith(skipped) and name not in targets and _looks_like_moe_block(module):
+            found.append((name, type(module).__name__))
+    return found
+
+
+def replace_moe_blocks(model: nn.Module, strict: bool = False, **kwargs) -> int:
     """Swap every supported transformers MoE block inside ``model`` for a moeroute `MoE`.
 
     Parameters
     ----------
     model : nn.Module
         E.g. a ``*ForCausalLM``; modified in place.
+    strict : bool
+        What to do when a model of a supported family (its ``config.model_type`` is in
+        `SUPPORTED_MODEL_TYPES`, or it holds a supported block) also holds MoE-looking
+        modules (an ``experts`` child beside a ``gate`` or ``router``) that are not supported
+        blocks, e.g. a block class transformers renamed: False warns (`UserWarning` naming
+        the classes and modules) and replaces the supported blocks; True raises before
+        anything is replaced.
     **kwargs
         Passed to `from_hf` (``ep_group``, ``shared``, ``dispatch``, ``scaling_regime``, ...).
 
@@ -413,13 +494,16 @@ def replace_moe_blocks(model: nn.Module, **kwargs) -> int:
     Raises
     ------
     TypeError
-        ``model`` is not an nn.Module.
+        ``model`` is not an nn.Module; with ``strict=True``, unsupported MoE-looking blocks
+        in a model of a supported family (the model is left unchanged).
     ValueError
         ``model`` is itself a supported MoE block: a swap in place cannot replace the
         caller's reference to it; use ``MoE.from_hf(block)`` (and assign the result).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
     if _reader_for(model) is not None:
         raise ValueError(
             f"model is itself a {type(model).__name__}, a supported MoE block: "
@@ -428,6 +512,17 @@ def replace_moe_blocks(model: nn.Module, **kwargs) -> int:
         )
     # Names only: holding the blocks themselves would keep every original alive to the end.
     targets = [name for name, module in model.named_modules() if name and _reader_for(module) is not None]
+    unsupported = _unsupported_blocks(model, targets)
+    if unsupported and (targets or _model_types(model) & SUPPORTED_MODEL_TYPES):
+        classes = sorted({cls for _, cls in unsupported})
+        message = (f"replace_moe_blocks: {len(unsupported)} MoE block(s) of this model are not supported by moeroute "
+                   f"and keep transformers' forward: class {', '.join(classes)} at "
+                   f"{', '.join(name for name, _ in unsupported[:4])}{', ...' if len(unsupported) > 4 else ''} "
+                   f"({len(targets)} of {len(targets) + len(unsupported)} blocks are supported; "
+                   f"supported classes: {', '.join(SUPPORTED_BLOCKS)})")
+        if strict:
+            raise TypeError(message + "; nothing was replaced")
+        warnings.warn(message + "; pass strict=True to raise instead", UserWarning, stacklevel=2)
     for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
