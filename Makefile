@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?= -n auto --maxprocesses=4
 
-.PHONY: setup demo test test-vllm wheel-check bench hip-toolchain clean
+.PHONY: setup demo test lint test-vllm wheel-check bench hip-toolchain clean
 
 setup: $(VENV)/.installed
 
@@ -32,6 +32,7 @@ demo: setup
 
 test: setup hip-toolchain
 	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The wheel as users get it: built, installed into a fresh venv outside the checkout, demo + routing.
@@ -62,10 +63,19 @@ $(VLLM_VENV)/.installed: $(VLLM_VENV)/.vllm pyproject.toml
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests_vllm
 
+# The linters alone: ruff's rules and formatting, the import layers, and docs/performance.md
+# against bench/results (the page is generated: `python -m bench.report`).
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_bench_report.py
+
+# The CPU benchmarks (`python -m bench --list` names them all), then docs/performance.md
+# re-rendered from their JSON.
 bench: setup
-	$(PY) bench/routing.py
-	$(PY) bench/layer.py
-	$(PY) bench/ep.py
+	$(PY) -m bench cpu
+	$(PY) -m bench.report
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis build *.egg-info

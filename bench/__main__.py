@@ -61,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                 return status
         return 0
     if name not in known:
-        print(f"python -m bench: unknown benchmark {name!r}; choose one of: cpu, {', '.join(known)}",
-              file=sys.stderr)
+        print(f"python -m bench: unknown benchmark {name!r}; choose one of: cpu, {', '.join(known)}", file=sys.stderr)
         return 2
     return run(name, args)
 

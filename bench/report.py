@@ -106,12 +106,16 @@ def run_line(machine: dict) -> str:
         f"ISA path: {machine.get('isa') or NOT_RECORDED}",
         f"{machine.get('cpu_count', '?')} logical CPUs",
     ]
-    versions = [f"{name} {machine[name]}" for name in ("python", "numpy", "numba", "torch", "cupy")
-                if machine.get(name)]
+    versions = [
+        f"{name} {machine[name]}" for name in ("python", "numpy", "numba", "torch", "cupy") if machine.get(name)
+    ]
     if versions:
         parts.append(", ".join(versions))
-    threads = [f"{name} {machine[f'{name}_threads']}" for name in ("torch", "numba")
-               if machine.get(f"{name}_threads") is not None]
+    threads = [
+        f"{name} {machine[f'{name}_threads']}"
+        for name in ("torch", "numba")
+        if machine.get(f"{name}_threads") is not None
+    ]
     if threads:
         parts.append("threads: " + ", ".join(threads))
     return "*" + "; ".join(parts) + ".*"
@@ -122,186 +126,354 @@ def run_line(machine: dict) -> str:
 
 def _routing(data):
     copy = data.get("host_copy_gbps")
-    lines = ["`python -m bench routing --all-presets`: `select_experts` at T = 8192 against the "
-             "torch-native formulation engines run on CPU (sigmoid/softmax, group top-k, masked "
-             "fill, top-k), same logits, same process."
-             + (f" Host copy bandwidth {copy:.1f} GB/s." if copy else ""), ""]
-    rows = [(r["preset"], r["num_experts"], r["top_k"], _time_us(r["moeroute_us"]), _time_us(r["torch_us"]),
-             _ratio(r["speedup"], r.get("speedup_range")),
-             f"{r['logits_gbps']:.1f} ({_share(r['fraction_of_copy_bandwidth'])})")
-            for r in data["select_experts"]]
-    lines += _table(["preset", "experts", "top_k", "moeroute", "torch", "speed-up (range)",
-                     "logits GB/s (of copy bandwidth)"], rows)
+    lines = [
+        "`python -m bench routing --all-presets`: `select_experts` at T = 8192 against the "
+        "torch-native formulation engines run on CPU (sigmoid/softmax, group top-k, masked "
+        "fill, top-k), same logits, same process." + (f" Host copy bandwidth {copy:.1f} GB/s." if copy else ""),
+        "",
+    ]
+    rows = [
+        (
+            r["preset"],
+            r["num_experts"],
+            r["top_k"],
+            _time_us(r["moeroute_us"]),
+            _time_us(r["torch_us"]),
+            _ratio(r["speedup"], r.get("speedup_range")),
+            f"{r['logits_gbps']:.1f} ({_share(r['fraction_of_copy_bandwidth'])})",
+        )
+        for r in data["select_experts"]
+    ]
+    lines += _table(
+        ["preset", "experts", "top_k", "moeroute", "torch", "speed-up (range)", "logits GB/s (of copy bandwidth)"], rows
+    )
     return lines
 
 
 def _align(data):
-    lines = ["`python -m bench align`: `align_block_size` against stable `torch.argsort` + `bincount` "
-             "+ padding arithmetic, both single-threaded.", ""]
-    rows = [(r["num_tokens"], r["top_k"], r["num_experts"], r["block_size"], _time_us(r["moeroute_us"]),
-             _time_us(r["torch_us"]), _ratio(r["speedup"], r.get("speedup_range")))
-            for r in data["results"]]
+    lines = [
+        "`python -m bench align`: `align_block_size` against stable `torch.argsort` + `bincount` "
+        "+ padding arithmetic, both single-threaded.",
+        "",
+    ]
+    rows = [
+        (
+            r["num_tokens"],
+            r["top_k"],
+            r["num_experts"],
+            r["block_size"],
+            _time_us(r["moeroute_us"]),
+            _time_us(r["torch_us"]),
+            _ratio(r["speedup"], r.get("speedup_range")),
+        )
+        for r in data["results"]
+    ]
     return lines + _table(["T", "top_k", "experts", "block", "moeroute", "torch", "speed-up"], rows)
 
 
 def _layer(data):
     shape = data.get("shape", {})
-    lines = [f"`python -m bench layer`: the `MoE` module against transformers' `Qwen3MoeSparseMoeBlock` "
-             f"on the same weights (H = {shape.get('hidden')}, I = {shape.get('intermediate')}, "
-             f"N = {shape.get('experts')}, K = {shape.get('top_k')}, {shape.get('dtype')}); moeroute "
-             "with `pack_cpu_weights()`, \"plain weights\" without.", ""]
+    lines = [
+        f"`python -m bench layer`: the `MoE` module against transformers' `Qwen3MoeSparseMoeBlock` "
+        f"on the same weights (H = {shape.get('hidden')}, I = {shape.get('intermediate')}, "
+        f"N = {shape.get('experts')}, K = {shape.get('top_k')}, {shape.get('dtype')}); moeroute "
+        'with `pack_cpu_weights()`, "plain weights" without.',
+        "",
+    ]
     rows = []
     for tokens, r in data.get("results", {}).items():
-        rows.append((tokens, _ms(r["vs_hf_eager"]["moeroute_ms"]), _ms(r["vs_hf_eager"]["base_ms"]),
-                     _ratio(r["vs_hf_eager"]["speedup_median_of_ratios"]),
-                     _ratio(r["vs_hf_eager_plain_weights"]["speedup_median_of_ratios"]),
-                     _ratio(r["vs_hf_grouped_mm"]["speedup_median_of_ratios"]),
-                     _share(r["split"]["beyond_gemm_fraction"])))
-    lines += _table(["T", "moeroute", "transformers (eager)", "speed-up", "plain weights: speed-up",
-                     "vs transformers grouped_mm", "time beyond the GEMMs"], rows)
+        rows.append(
+            (
+                tokens,
+                _ms(r["vs_hf_eager"]["moeroute_ms"]),
+                _ms(r["vs_hf_eager"]["base_ms"]),
+                _ratio(r["vs_hf_eager"]["speedup_median_of_ratios"]),
+                _ratio(r["vs_hf_eager_plain_weights"]["speedup_median_of_ratios"]),
+                _ratio(r["vs_hf_grouped_mm"]["speedup_median_of_ratios"]),
+                _share(r["split"]["beyond_gemm_fraction"]),
+            )
+        )
+    lines += _table(
+        [
+            "T",
+            "moeroute",
+            "transformers (eager)",
+            "speed-up",
+            "plain weights: speed-up",
+            "vs transformers grouped_mm",
+            "time beyond the GEMMs",
+        ],
+        rows,
+    )
     if data.get("decode"):
-        lines += ["", "Decode sizes (`--decode-only`); \"outside the experts\" is the forward's time "
-                  "minus its experts' alone on the same routed rows:", ""]
-        rows = [(f"H = {r['hidden']}, I = {r['intermediate']}, N = {r['experts']}, K = {r['top_k']}", r["dtype"],
-                 r["tokens"], _ms(r["moeroute_ms"]), _ms(r["hf_eager_ms"]),
-                 _ratio(r["speedup"], r.get("speedup_range")), _ms(r["beyond_experts_ms"]))
-                for r in data["decode"]]
-        lines += _table(["shape", "dtype", "T", "moeroute", "transformers", "speed-up (range)",
-                         "outside the experts"], rows)
+        lines += [
+            "",
+            'Decode sizes (`--decode-only`); "outside the experts" is the forward\'s time '
+            "minus its experts' alone on the same routed rows:",
+            "",
+        ]
+        rows = [
+            (
+                f"H = {r['hidden']}, I = {r['intermediate']}, N = {r['experts']}, K = {r['top_k']}",
+                r["dtype"],
+                r["tokens"],
+                _ms(r["moeroute_ms"]),
+                _ms(r["hf_eager_ms"]),
+                _ratio(r["speedup"], r.get("speedup_range")),
+                _ms(r["beyond_experts_ms"]),
+            )
+            for r in data["decode"]
+        ]
+        lines += _table(
+            ["shape", "dtype", "T", "moeroute", "transformers", "speed-up (range)", "outside the experts"], rows
+        )
     if data.get("rows_vs_loop"):
         lines += ["", "The row kernels against the per-expert oneDNN loop, same routing (`--rows-only`):", ""]
-        rows = [(r["dtype"], r["tokens"], f"{r['mean_rows_per_hit_expert']:.1f}", _ms(r["loop_ms"]),
-                 _ms(r["rows_ms"]), _ratio(r["speedup"], r.get("speedup_range")))
-                for r in data["rows_vs_loop"]]
+        rows = [
+            (
+                r["dtype"],
+                r["tokens"],
+                f"{r['mean_rows_per_hit_expert']:.1f}",
+                _ms(r["loop_ms"]),
+                _ms(r["rows_ms"]),
+                _ratio(r["speedup"], r.get("speedup_range")),
+            )
+            for r in data["rows_vs_loop"]
+        ]
         lines += _table(["dtype", "T", "rows per hit expert", "loop", "rows", "speed-up (range)"], rows)
     return lines
 
 
 def _quant(data):
     copy = data.get("host_copy_gbs")
-    lines = [f"`python -m bench quant`: the FP8 layer ({data.get('quant', 'fp8')}) against the same layer "
-             f"in bfloat16 on the same weights and router, {data.get('activation_dtype')} activations."
-             + (f" Host copy bandwidth {copy:.1f} GB/s (bytes read plus written, so a read-only "
-                "stream can exceed 100%)." if copy else ""), ""]
+    lines = [
+        f"`python -m bench quant`: the FP8 layer ({data.get('quant', 'fp8')}) against the same layer "
+        f"in bfloat16 on the same weights and router, {data.get('activation_dtype')} activations."
+        + (
+            f" Host copy bandwidth {copy:.1f} GB/s (bytes read plus written, so a read-only stream can exceed 100%)."
+            if copy
+            else ""
+        ),
+        "",
+    ]
     rows = []
     for shape_name, cases in data["results"].items():
         shape = data.get("shapes", {}).get(shape_name, {})
         label = f"{shape_name} (H = {shape.get('hidden')}, I = {shape.get('inter')}, N = {shape.get('experts')})"
         for r in cases:
-            rows.append((label, r["tokens"], _ms(r["bf16_ms"]), _ms(r["fp8_ms"]),
-                         _ratio(r["speedup"], r.get("speedup_range")),
-                         f"{r['fp8_weight_gbs']:.1f} ({_share(r['fp8_weight_share_of_copy_bandwidth'])})"))
-    return lines + _table(["shape", "T", "bfloat16", "FP8", "bf16 time / FP8 time (range)",
-                           "FP8 weight GB/s (of copy bandwidth)"], rows)
+            rows.append(
+                (
+                    label,
+                    r["tokens"],
+                    _ms(r["bf16_ms"]),
+                    _ms(r["fp8_ms"]),
+                    _ratio(r["speedup"], r.get("speedup_range")),
+                    f"{r['fp8_weight_gbs']:.1f} ({_share(r['fp8_weight_share_of_copy_bandwidth'])})",
+                )
+            )
+    return lines + _table(
+        ["shape", "T", "bfloat16", "FP8", "bf16 time / FP8 time (range)", "FP8 weight GB/s (of copy bandwidth)"], rows
+    )
 
 
 def _quant_mxfp4(data):
     shape, copy = data.get("shape", {}), data.get("host_copy_gbs")
-    lines = [f"`python -m bench quant_mxfp4`: the MXFP4 layer (w4a16) against the same layer in bfloat16, "
-             f"gpt-oss-20b's expert shape (H = {shape.get('hidden')}, I = {shape.get('inter')}, "
-             f"N = {shape.get('experts')}, K = {shape.get('top_k')}), {data.get('activation_dtype')} activations."
-             + (f" Host copy bandwidth {copy:.1f} GB/s." if copy else ""), ""]
-    rows = [(r["tokens"], _ms(r["bf16_ms"]), _ms(r["mxfp4_ms"]), _ratio(r["speedup"], r.get("speedup_range")),
-             f"{r['mxfp4_packed_gbs']:.1f} ({_share(r['mxfp4_share_of_copy_bandwidth'])})")
-            for r in data["results"]]
-    return lines + _table(["T", "bfloat16", "MXFP4", "bf16 time / MXFP4 time (range)",
-                           "packed GB/s (of copy bandwidth)"], rows)
+    lines = [
+        f"`python -m bench quant_mxfp4`: the MXFP4 layer (w4a16) against the same layer in bfloat16, "
+        f"gpt-oss-20b's expert shape (H = {shape.get('hidden')}, I = {shape.get('inter')}, "
+        f"N = {shape.get('experts')}, K = {shape.get('top_k')}), {data.get('activation_dtype')} activations."
+        + (f" Host copy bandwidth {copy:.1f} GB/s." if copy else ""),
+        "",
+    ]
+    rows = [
+        (
+            r["tokens"],
+            _ms(r["bf16_ms"]),
+            _ms(r["mxfp4_ms"]),
+            _ratio(r["speedup"], r.get("speedup_range")),
+            f"{r['mxfp4_packed_gbs']:.1f} ({_share(r['mxfp4_share_of_copy_bandwidth'])})",
+        )
+        for r in data["results"]
+    ]
+    return lines + _table(
+        ["T", "bfloat16", "MXFP4", "bf16 time / MXFP4 time (range)", "packed GB/s (of copy bandwidth)"], rows
+    )
 
 
 def _vllm(data):
-    lines = [f"`.venv-vllm/bin/python -m bench vllm` (vLLM {data.get('vllm')}): one MoE layer, moeroute's "
-             "experts (what the plugin runs) against vLLM's `cpu_fused_moe` on its prepacked weights; same "
-             "weights, routing and input. The last column gives vLLM's weights 2 MB pages too.", ""]
+    lines = [
+        f"`.venv-vllm/bin/python -m bench vllm` (vLLM {data.get('vllm')}): one MoE layer, moeroute's "
+        "experts (what the plugin runs) against vLLM's `cpu_fused_moe` on its prepacked weights; same "
+        "weights, routing and input. The last column gives vLLM's weights 2 MB pages too.",
+        "",
+    ]
     rows = []
     for r in data["layer"]:
-        rows.append((r["tokens"], f"H = {r['hidden']}, I = {r['intermediate']}, K = {r['top_k']}",
-                     r["dtype"], _time_us(r["experts"]["baseline_us"]), _time_us(r["experts"]["candidate_us"]),
-                     _ratio(r["experts"]["speedup"], r["experts"].get("speedup_range")),
-                     _ratio(r["routing_and_experts"]["speedup"], r["routing_and_experts"].get("speedup_range")),
-                     _ratio(r["experts_vllm_on_huge_pages"]["speedup"])))
-    lines += _table(["T", "shape", "dtype", "vLLM experts", "moeroute experts", "speed-up (range)",
-                     "routing + experts", "vLLM on 2 MB pages too"], rows)
+        rows.append(
+            (
+                r["tokens"],
+                f"H = {r['hidden']}, I = {r['intermediate']}, K = {r['top_k']}",
+                r["dtype"],
+                _time_us(r["experts"]["baseline_us"]),
+                _time_us(r["experts"]["candidate_us"]),
+                _ratio(r["experts"]["speedup"], r["experts"].get("speedup_range")),
+                _ratio(r["routing_and_experts"]["speedup"], r["routing_and_experts"].get("speedup_range")),
+                _ratio(r["experts_vllm_on_huge_pages"]["speedup"]),
+            )
+        )
+    lines += _table(
+        [
+            "T",
+            "shape",
+            "dtype",
+            "vLLM experts",
+            "moeroute experts",
+            "speed-up (range)",
+            "routing + experts",
+            "vLLM on 2 MB pages too",
+        ],
+        rows,
+    )
     e2e = data.get("end_to_end")
     if e2e:
-        lines += ["", f"End to end, `LLM.generate` of {e2e['prompts']} prompts x {e2e['tokens_per_prompt']} greedy "
-                  f"tokens on a tiny random Qwen3-MoE of {e2e['layers']} such layers: vLLM "
-                  f"{e2e['vllm_tokens_per_s']:.0f} tokens/s, with the plugin {e2e['moeroute_tokens_per_s']:.0f} "
-                  f"tokens/s, {_ratio(e2e['speedup'], e2e.get('speedup_range'))} over {e2e['repeats']} pairs."]
+        lines += [
+            "",
+            f"End to end, `LLM.generate` of {e2e['prompts']} prompts x {e2e['tokens_per_prompt']} greedy "
+            f"tokens on a tiny random Qwen3-MoE of {e2e['layers']} such layers: vLLM "
+            f"{e2e['vllm_tokens_per_s']:.0f} tokens/s, with the plugin {e2e['moeroute_tokens_per_s']:.0f} "
+            f"tokens/s, {_ratio(e2e['speedup'], e2e.get('speedup_range'))} over {e2e['repeats']} pairs.",
+        ]
     return lines
 
 
 def _ep(data):
     config = data.get("config", {})
-    lines = [f"`python -m bench ep`: {config.get('world_size')} {config.get('backend')} ranks on one machine, "
-             f"{config.get('tokens_per_rank')} tokens per rank, H = {config.get('hidden')}, "
-             f"{config.get('dtype')}. Bytes against the minimum (unique (token, destination rank) "
-             "pairs x H x element size) and against a per-(token, expert) exchange:", ""]
-    rows = [(key, f"{b['ratio_to_minimum']['median']:.2f}", _ratio(b["naive_over_ours"]["median"]))
-            for key, b in data["summary"]["bytes"].items()]
+    lines = [
+        f"`python -m bench ep`: {config.get('world_size')} {config.get('backend')} ranks on one machine, "
+        f"{config.get('tokens_per_rank')} tokens per rank, H = {config.get('hidden')}, "
+        f"{config.get('dtype')}. Bytes against the minimum (unique (token, destination rank) "
+        "pairs x H x element size) and against a per-(token, expert) exchange:",
+        "",
+    ]
+    rows = [
+        (key, f"{b['ratio_to_minimum']['median']:.2f}", _ratio(b["naive_over_ours"]["median"]))
+        for key, b in data["summary"]["bytes"].items()
+    ]
     lines += _table(["preset / dispatch", "bytes / minimum", "per-(token, expert) exchange / moeroute"], rows)
     times = data["summary"].get("time", {})
-    names = {"all2all_vs_naive_per_slot": "all2all against a per-(token, expert) exchange",
-             "allgather_vs_all2all": "allgather against all2all",
-             "allgather_combine_a2a_vs_allreduce": "allgather's combine against an all-reduce of the partials"}
-    rows = [(label, _ratio(times[key]["speedup"]["median"],
-                           [times[key]["speedup"]["min"], times[key]["speedup"]["max"]]))
-            for key, label in names.items() if key in times]
+    names = {
+        "all2all_vs_naive_per_slot": "all2all against a per-(token, expert) exchange",
+        "allgather_vs_all2all": "allgather against all2all",
+        "allgather_combine_a2a_vs_allreduce": "allgather's combine against an all-reduce of the partials",
+    }
+    rows = [
+        (label, _ratio(times[key]["speedup"]["median"], [times[key]["speedup"]["min"], times[key]["speedup"]["max"]]))
+        for key, label in names.items()
+        if key in times
+    ]
     if rows:
         lines += ["", "Dispatch + combine time, median over ranks (range over ranks):", ""]
         lines += _table(["comparison", "speed-up"], rows)
     overlap = data["summary"].get("overlap")
     if overlap:
-        lines += ["", f"Shared MLP overlapped with the dispatch: runner {_time_us(overlap['runner_us']['median'])}, "
-                  f"overlap {_time_us(overlap['overlap_us']['median'])}, the shared MLP alone "
-                  f"{_time_us(overlap['shared_mlp_us']['median'])} (medians over ranks); outputs equal: "
-                  f"{overlap['outputs_equal']}."]
+        lines += [
+            "",
+            f"Shared MLP overlapped with the dispatch: runner {_time_us(overlap['runner_us']['median'])}, "
+            f"overlap {_time_us(overlap['overlap_us']['median'])}, the shared MLP alone "
+            f"{_time_us(overlap['shared_mlp_us']['median'])} (medians over ranks); outputs equal: "
+            f"{overlap['outputs_equal']}.",
+        ]
     return lines
 
 
 def _ep_fp8(data):
     config = data.get("config", {})
-    lines = [f"`python -m bench ep --only fp8`: {config.get('world_size')} {config.get('backend')} ranks, "
-             f"DeepSeek-V3 routing, {config.get('tokens_per_rank')} tokens per rank, H = {config.get('hidden')}: "
-             "FP8 token rows (e4m3 plus a float32 scale per 128 columns) against bfloat16 rows, up to the "
-             "FP8 experts' first GEMM input. Medians over ranks (range over ranks):", ""]
+    lines = [
+        f"`python -m bench ep --only fp8`: {config.get('world_size')} {config.get('backend')} ranks, "
+        f"DeepSeek-V3 routing, {config.get('tokens_per_rank')} tokens per rank, H = {config.get('hidden')}: "
+        "FP8 token rows (e4m3 plus a float32 scale per 128 columns) against bfloat16 rows, up to the "
+        "FP8 experts' first GEMM input. Medians over ranks (range over ranks):",
+        "",
+    ]
     rows = []
     for mode, r in data["summary"]["fp8"].items():
-        rows.append((mode, f"{r['token_bytes_ratio']['median']:.3f}", f"{r['dispatch_bytes_ratio']['median']:.3f}",
-                     _ratio(r["time_speedup"]["median"], [r["time_speedup"]["min"], r["time_speedup"]["max"]])))
+        rows.append(
+            (
+                mode,
+                f"{r['token_bytes_ratio']['median']:.3f}",
+                f"{r['dispatch_bytes_ratio']['median']:.3f}",
+                _ratio(r["time_speedup"]["median"], [r["time_speedup"]["min"], r["time_speedup"]["max"]]),
+            )
+        )
     return lines + _table(["dispatch", "token bytes, FP8 / bf16", "all bytes, FP8 / bf16", "time, bf16 / FP8"], rows)
 
 
 def _eplb(data):
-    lines = ["`python -m bench eplb`: DeepSeek-V3's shape (N = 256, 8 groups), Zipf loads of 65536 tokens x "
-             "top-8 per layer; balancedness (mean rank load / max rank load) averaged over the layers; moves "
-             "per layer with a load drift of 10%, from a fresh plan and from `previous`.", ""]
-    rows = [(s["zipf"], s["ep_size"], s["num_nodes"], s["num_physical_experts"], f"{s['balancedness_linear']:.2f}",
-             f"{s['balancedness_greedy']:.3f}", f"{s['balancedness_moeroute']:.3f}", s["layers_worse_than_greedy"],
-             f"{s['moved_fresh_per_layer']:.0f} / {s['moved_with_previous_per_layer']:.0f}",
-             f"{s['layers']} in {_ms(s['rebalance_seconds'] * 1e3)}")
-            for s in data["settings"]]
-    lines += _table(["Zipf s", "E", "nodes", "P", "linear", "DeepSeek greedy", "moeroute", "layers below greedy",
-                     "moves: fresh / previous", "rebalance"], rows)
+    lines = [
+        "`python -m bench eplb`: DeepSeek-V3's shape (N = 256, 8 groups), Zipf loads of 65536 tokens x "
+        "top-8 per layer; balancedness (mean rank load / max rank load) averaged over the layers; moves "
+        "per layer with a load drift of 10%, from a fresh plan and from `previous`.",
+        "",
+    ]
+    rows = [
+        (
+            s["zipf"],
+            s["ep_size"],
+            s["num_nodes"],
+            s["num_physical_experts"],
+            f"{s['balancedness_linear']:.2f}",
+            f"{s['balancedness_greedy']:.3f}",
+            f"{s['balancedness_moeroute']:.3f}",
+            s["layers_worse_than_greedy"],
+            f"{s['moved_fresh_per_layer']:.0f} / {s['moved_with_previous_per_layer']:.0f}",
+            f"{s['layers']} in {_ms(s['rebalance_seconds'] * 1e3)}",
+        )
+        for s in data["settings"]
+    ]
+    lines += _table(
+        [
+            "Zipf s",
+            "E",
+            "nodes",
+            "P",
+            "linear",
+            "DeepSeek greedy",
+            "moeroute",
+            "layers below greedy",
+            "moves: fresh / previous",
+            "rebalance",
+        ],
+        rows,
+    )
     greedy = data.get("versus_python_greedy")
     if greedy:
-        lines += ["", f"Rebalancing {greedy['layers']} layers against the plain-Python greedy of the tests: "
-                  f"{_ratio(greedy['speedup'], greedy.get('speedup_range'))}."]
+        lines += [
+            "",
+            f"Rebalancing {greedy['layers']} layers against the plain-Python greedy of the tests: "
+            f"{_ratio(greedy['speedup'], greedy.get('speedup_range'))}.",
+        ]
     live = data.get("live_rebalance")
     if live:
-        lines += ["", f"Live (`moeroute run {live['args']}`): heaviest rank {live['heaviest_rank_tokens_before']} -> "
-                  f"{live['heaviest_rank_tokens_after']} routed tokens, balancedness "
-                  f"{live['balancedness_before']:.2f} -> {live['balancedness_after']:.3f}, {live['experts_moved']} "
-                  f"experts ({live['expert_bytes_moved'] / 1e6:.1f} MB) moved, largest relative error after "
-                  f"{live['max_rel_error_after']:.1e}."]
+        lines += [
+            "",
+            f"Live (`moeroute run {live['args']}`): heaviest rank {live['heaviest_rank_tokens_before']} -> "
+            f"{live['heaviest_rank_tokens_after']} routed tokens, balancedness "
+            f"{live['balancedness_before']:.2f} -> {live['balancedness_after']:.3f}, {live['experts_moved']} "
+            f"experts ({live['expert_bytes_moved'] / 1e6:.1f} MB) moved, largest relative error after "
+            f"{live['max_rel_error_after']:.1e}.",
+        ]
     return lines
 
 
 def _threads(data):
     model = data.get("model")
-    lines = [f"`python -m bench threads{' --model ' + model if model else ''}`: each threading option in a fresh "
-             f"process with torch on {data.get('torch_threads')} threads; select_experts at T = "
-             f"{data.get('tokens')} against the torch-native formulation, and an unpatched transformers "
-             "forward before and after moeroute ran (`control` runs torch's routing in moeroute's place).", ""]
+    lines = [
+        f"`python -m bench threads{' --model ' + model if model else ''}`: each threading option in a fresh "
+        f"process with torch on {data.get('torch_threads')} threads; select_experts at T = "
+        f"{data.get('tokens')} against the torch-native formulation, and an unpatched transformers "
+        "forward before and after moeroute ran (`control` runs torch's routing in moeroute's place).",
+        "",
+    ]
     by_option: dict[str, list[dict]] = {}
     for run in data["runs"]:
         by_option.setdefault(run["option"], []).append(run)
@@ -311,20 +483,44 @@ def _threads(data):
         speed = [r["qwen3.5-moe"]["speedup"] for r in runs if "qwen3.5-moe" in r]
         speed_ds = [r["deepseek-v3"]["speedup"] for r in runs if "deepseek-v3" in r]
         spread = f" ({min(after):.2f}-{max(after):.2f})" if len(after) > 1 else ""
-        rows.append((option, len(runs), _ratio(statistics.median(speed)) if speed else "-",
-                     _ratio(statistics.median(speed_ds)) if speed_ds else "-",
-                     f"{statistics.median(after):.2f}{spread}"))
-    return lines + _table(["option", "rounds", "Qwen3.5 select_experts", "DeepSeek-V3 select_experts",
-                           "forward after / before, median (range)"], rows)
+        rows.append(
+            (
+                option,
+                len(runs),
+                _ratio(statistics.median(speed)) if speed else "-",
+                _ratio(statistics.median(speed_ds)) if speed_ds else "-",
+                f"{statistics.median(after):.2f}{spread}",
+            )
+        )
+    return lines + _table(
+        [
+            "option",
+            "rounds",
+            "Qwen3.5 select_experts",
+            "DeepSeek-V3 select_experts",
+            "forward after / before, median (range)",
+        ],
+        rows,
+    )
 
 
 def _launch_overhead(data):
     lines = ["`python -m bench launch_overhead`: " + data.get("measured", "host microseconds per call") + ".", ""]
-    rows = [(r["kernel"], r["num_tokens"], r["arrays"], r["signature"], f"{r['cached_pack_us_per_call']:.1f}",
-             f"{r['numba_typing_us_per_call']:.1f}", _ratio(r["ratio"], r.get("ratio_range")))
-            for r in data["results"]]
-    return lines + _table(["kernel", "T", "arrays", "signature", "cached launcher us", "numba typing us",
-                           "ratio (range)"], rows)
+    rows = [
+        (
+            r["kernel"],
+            r["num_tokens"],
+            r["arrays"],
+            r["signature"],
+            f"{r['cached_pack_us_per_call']:.1f}",
+            f"{r['numba_typing_us_per_call']:.1f}",
+            _ratio(r["ratio"], r.get("ratio_range")),
+        )
+        for r in data["results"]
+    ]
+    return lines + _table(
+        ["kernel", "T", "arrays", "signature", "cached launcher us", "numba typing us", "ratio (range)"], rows
+    )
 
 
 #: file stem -> (section title, renderer), in page order.

@@ -31,16 +31,27 @@ def test_run_line_says_not_recorded_instead_of_guessing():
     line = report.run_line({"date": "2030-01-02T03:04:05+00:00", "cpu_count": 4, "numpy": "2.0"})
     assert line == "*run: 2030-01-02; CPU: not recorded; ISA path: not recorded; 4 logical CPUs; numpy 2.0.*"
     line = report.run_line({"cpu_model": "Some CPU 9000", "isa": "avx512_bf16", "torch_threads": 1})
-    assert line == ("*run: not recorded; CPU: Some CPU 9000; ISA path: avx512_bf16; ? logical CPUs; "
-                    "threads: torch 1.*")
+    assert line == ("*run: not recorded; CPU: Some CPU 9000; ISA path: avx512_bf16; ? logical CPUs; threads: torch 1.*")
 
 
 def test_a_new_file_is_listed_and_a_known_one_is_tabulated(tmp_path):
     machine = {"date": "2030-01-02T00:00:00+00:00", "cpu_model": "X", "isa": "generic", "cpu_count": 1}
     (tmp_path / "newbench.json").write_text(json.dumps({"machine": machine, "cases": []}))
-    align = {"machine": machine, "results": [
-        {"num_tokens": 8, "top_k": 2, "num_experts": 4, "block_size": 16, "moeroute_us": 10.0,
-         "torch_us": 25.0, "speedup": 2.5, "speedup_range": [2.0, 3.0]}]}
+    align = {
+        "machine": machine,
+        "results": [
+            {
+                "num_tokens": 8,
+                "top_k": 2,
+                "num_experts": 4,
+                "block_size": 16,
+                "moeroute_us": 10.0,
+                "torch_us": 25.0,
+                "speedup": 2.5,
+                "speedup_range": [2.0, 3.0],
+            }
+        ],
+    }
     (tmp_path / "align.json").write_text(json.dumps(align))
     page = report.render(tmp_path)
     assert page.index("bench/results/align.json") < page.index("bench/results/newbench.json")

@@ -238,7 +238,6 @@ def quant_reference(args, preset, layout, weights, x):
     import dataclasses
 
     import torch
-    import torch.nn.functional as F
 
     from moeroute.quant import quantize_experts
     from moeroute.quant.reference import _act, moe_experts_reference

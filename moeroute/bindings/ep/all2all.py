@@ -18,7 +18,7 @@ from moeroute.bindings.ep._base import (
     _Tables,
     _unpack_metadata,
 )
-from moeroute.bindings.ep.stats import METADATA_BYTES_PER_SLOT, TransferStats
+from moeroute.bindings.ep.stats import METADATA_BYTES_PER_SLOT
 from moeroute.bindings.torch.dispatch import check_dispatch_inputs
 
 __all__ = ["All2AllDispatcher"]

@@ -18,7 +18,7 @@ from moeroute.bindings.ep._base import (
     _rows_as_sent,
     _unpack_metadata,
 )
-from moeroute.bindings.ep.stats import METADATA_BYTES_PER_SLOT, TransferStats
+from moeroute.bindings.ep.stats import METADATA_BYTES_PER_SLOT
 from moeroute.bindings.torch.dispatch import check_dispatch_inputs
 
 __all__ = ["AllGatherDispatcher"]

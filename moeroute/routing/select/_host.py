@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import float32, int32, njit, prange
+from numba import njit, prange
 from numba.core import types
 from numba.extending import overload
 
