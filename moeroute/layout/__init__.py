@@ -53,7 +53,7 @@ from moeroute.layout._checks import count as _count
 from moeroute.layout.placement import (
     BACKEND_REQUIREMENTS,
     PLACEMENTS,
-    REPLICA_HASH_MODULUS,  # noqa: F401  (a name of this package since it was one module)
+    REPLICA_HASH_MODULUS,  # noqa: F401  (re-exported: part of moeroute.layout's names)
     REPLICA_HASH_MULTIPLIER,
 )
 from moeroute.layout.policy import (

@@ -1,7 +1,8 @@
 """Launch the routing kernels without numba-cuda's per-call argument marshalling.
 
-numba-cuda spends ~6.6 us per launch plus ~3.5 us per array argument on the host (typing
-every argument, wrapping foreign arrays, building ctypes values). For a kernel whose
+numba-cuda spends host time on every launch, and more for every array argument (typing
+every argument, wrapping foreign arrays, building ctypes values): at decode sizes that host
+work, not the kernel, sets the pace (bench/launch_overhead.py measures it). For a kernel whose
 signature is fixed, none of that has to happen per call:
 
 * once per (kernel, signature): numba compiles the kernel to PTX (`cuda.compile_ptx`, which
@@ -320,7 +321,7 @@ def signature_of(args) -> tuple:
 
     Looked up by cheap per-argument keys (`_argument_key`), so a launch whose arguments
     have the dtypes, ranks and layouts of an earlier one reuses that signature object,
-    without typing anything (numba types hash slowly: ~0.3 us each).
+    without typing anything (numba types hash slowly).
     """
     key = tuple(map(_argument_key, args))
     found = _SIGNATURES.get(key)
@@ -468,7 +469,7 @@ class CachedKernel:
 _CACHE: dict = {}  # (dispatcher, signature) -> CachedKernel
 # (dispatcher, id(signature)) -> (CachedKernel, signature): the per-call lookup. The ops'
 # signatures come from lru-cached functions or `signature_of`, one tuple object each, so
-# the identity of the tuple finds the kernel without hashing numba types (~0.3 us per
+# the identity of the tuple finds the kernel without hashing numba types (slow per
 # type); the entry holds the tuple, so its id is never reused while the entry exists.
 _BY_IDENTITY: dict = {}
 

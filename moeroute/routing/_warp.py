@@ -12,8 +12,8 @@ error after `SIM_BARRIER_TIMEOUT_S` instead of hanging.
 
 Kernels launch ``warps_per_block(preferred)`` warps per block: ``preferred`` on a device;
 under the simulator ``MOEROUTE_SIM_WARPS`` of them (default 1, at most ``preferred``), so
-``MOEROUTE_SIM_WARPS=4`` runs the device's launch configuration. Simulated threads cost
-about 2 ms each, which is why one warp is the default.
+``MOEROUTE_SIM_WARPS=4`` runs the device's launch configuration. Every simulated thread is
+a Python thread, which is why one warp is the default.
 
 Both paths define the same helpers with the same signatures, so kernel code is the same
 on a device and under the simulator.

@@ -30,8 +30,8 @@ from moeroute.routing.combine._host import (
 
 __all__ = ["combine", "accumulate_rows"]
 
-#: Output size (T*H elements) from which the CPU kernel runs on all cores. Measured on 2
-#: cores: waking the thread pool costs 7-14 ms; smaller sums finish sooner alone.
+#: Output size (T*H elements) from which the CPU kernel runs on all cores: waking the thread
+#: pool costs more than a smaller sum takes on one thread.
 PARALLEL_COMBINE_MIN_ELEMENTS = 4 << 20
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 _BITS_DTYPES = (np.dtype(np.uint16), np.dtype(np.int16))
@@ -189,8 +189,8 @@ def _combine_device(expert_entry, index_entry, weights_entry, raw_bf16, stream):
 
 #: Rows x width from which accumulate_rows splits float32 rows over the cores (when the
 #: tokens are strictly increasing, hence distinct: no two rows then add into one sum).
-#: One expert's 256 x 1024 rows: the sums of bench/layer.py's T=2048 layer took 4.7 ms a
-#: forward in parallel against 6.7 ms serial (cProfile, 2 cores).
+#: From about one expert's rows in a prefill-sized layer (256 x 1024) the parallel sums win
+#: (bench/layer.py at T = 2048).
 PARALLEL_ACCUMULATE_MIN_ELEMENTS = 1 << 16
 
 

@@ -19,8 +19,8 @@ from moeroute.routing.permute._host import _gather_rows, _gather_rows_parallel
 
 __all__ = ["sort_by_expert", "permute"]
 
-#: Output size from which the CPU gather runs on all cores. Measured on 2 cores: waking
-#: the thread pool costs up to ~7 ms, a sequential 32 MiB gather about 9 ms.
+#: Output size from which the CPU gather runs on all cores: below it, waking the thread pool
+#: costs about as much as a sequential gather of the whole output.
 PARALLEL_GATHER_MIN_BYTES = 32 << 20
 
 # Unsigned integer of each item size: rows are gathered as raw bits.

@@ -23,18 +23,18 @@ from moeroute.routing.select._simd import (
     _keep_alive, _lane_cut, _lane_maxima, _logit_keys, _place_block, _pop_max, _prefetch_row,
     _raw_cut, _sigmoid_keys, _zero_block)
 
-# Below this many logits (T * N) one thread does the whole batch: the serial kernel takes
-# ~50-100 us there on 2 cores, the pool's wake-up ~10 us on an idle machine and far more
-# when the sibling core is busy (scratch timings of serial vs parallel at T = 16..512).
+# Below this many logits (T * N) one thread does the whole batch: the serial kernel is then
+# only a few times the thread pool's wake-up, which grows far beyond it when the other cores
+# are busy.
 PARALLEL_MIN_ELEMENTS = 1 << 15
 # Rows per parallel work item: small enough that a thread stalled by other load leaves its
 # share to the others, large enough that per-item scratch, the first row's full scan (no cut
-# guess yet) and the scheduling stay negligible (at T = 8192 on 2 threads, interleaved with
-# torch: 512 rows took 5% less time than 256 on GLM-4.5, and as long as 1024 and 4096).
+# guess yet) and the scheduling stay negligible (at T = 8192, interleaved with torch, 512
+# rows beat 256 and matched 1024 and 4096).
 PARALLEL_CHUNK_ROWS = 512
 # Each row asks for the row this many ahead (software prefetch): in a model the logits
-# come from memory, the caches holding the layer before. At T = 8192, run right after torch's
-# routing, 4 ahead took 5-10% less time on GLM-4.5 than none; 2 and 8 no better than 4.
+# come from memory, the caches holding the layer before. Run right after torch's routing at
+# T = 8192, 4 ahead beat none, and 2 or 8 did no better than 4.
 PREFETCH_ROWS = 4
 
 # The kernels' has_bias argument: no bias, a bias, a bias with NaN entries (whose choices
@@ -486,8 +486,8 @@ def _exact_row(x, bias, has_bias, scoring, num_groups, topk_group, top_k, renorm
     num_experts = x.shape[0]
     lanes_ready = False
     if scoring == _SIGMOID and has_bias != _BIAS_WITH_NAN:
-        # One 16-lane pass for scores, keys and lane maxima over the whole blocks (about
-        # 1.4x the speed of separate vectorized loops).
+        # One 16-lane pass for scores, keys and lane maxima over the whole blocks: the logits
+        # are read once instead of once per vectorized loop.
         if has_bias:
             _sigmoid_keys(x, bias, scores, keys, lanes)
         else:
