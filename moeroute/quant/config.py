@@ -74,7 +74,10 @@ class QuantConfig:
         "ue8m0": the activation scales are rounded up to powers of two
         (``2 ** ceil(log2(amax / 448))``), as the weight scales of such checkpoints are.
     modules_to_not_convert : tuple of str
-        Module names a checkpoint keeps unquantized (informational; from ``from_hf``).
+        Module names a checkpoint keeps unquantized (informational; from ``from_hf``). Not
+        part of equality or the hash: two configs of the same format are equal whatever
+        their lists (a config read from ``config.json`` agrees with the format read from
+        the weights, e.g. by ``MoE.from_hf(block, quant=...)``).
 
     Raises
     ------
@@ -86,7 +89,7 @@ class QuantConfig:
     block_size: tuple[int, int] | None = None
     activation: str | None = None
     scale_fmt: str = "float"
-    modules_to_not_convert: tuple[str, ...] = ()
+    modules_to_not_convert: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.format, str) or self.format not in FORMAT_FIELDS:

@@ -109,9 +109,10 @@ def _fp8_experts(experts: nn.Module, quant: QuantConfig | None):
                         block_size=None if block is None else tuple(block),
                         activation=getattr(experts, "activation_scheme", "dynamic"),
                         scale_fmt="ue8m0" if gate_up_scale.dtype == e8m0 else "float")
-    if quant is not None and quant != found:
+    if quant is not None and quant != found:  # modules_to_not_convert (informational) is not compared
         raise ValueError(f"quant={quant!r} differs from the block's FP8 experts ({found!r}); leave quant None "
                          "to keep the checkpoint's format")
+    found = quant or found  # the caller's, with its modules_to_not_convert
     num_experts, two_inter, _ = gate_up.shape
     if found.format == "fp8_tensor":
         gate_up_scale, down_scale = gate_up_scale.reshape(num_experts, -1), down_scale.reshape(num_experts)
