@@ -210,9 +210,17 @@ PENDING_PAGES = {"docs/cpu.md"}
 
 
 def _local_links(path: Path) -> list[str]:
-    """Relative link targets of a Markdown file (no scheme, no bare anchors), anchors cut."""
+    """Relative link targets of a Markdown file (no scheme, no bare anchors), anchors kept."""
     targets = re.findall(r"\]\(([^)\s]+)\)", path.read_text(encoding="utf-8"))
-    return [t.split("#")[0] for t in targets if "://" not in t and not t.startswith("#")]
+    return [t for t in targets if "://" not in t and not t.startswith("#")]
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation dropped, spaces
+    to hyphens (fenced code skipped)."""
+    text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.DOTALL)
+    headings = re.findall(r"^#{1,6} (.+)$", text, re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
 
 
 def test_readme_stays_a_short_entry_page():
@@ -227,11 +235,21 @@ def test_readme_stays_a_short_entry_page():
 def test_every_local_link_of_the_readme_and_the_docs_resolves():
     missing = []
     for page in [README, *sorted((ROOT / "docs").glob("*.md"))]:
-        for target in _local_links(page):
+        for link in _local_links(page):
+            target, _, anchor = link.partition("#")
             resolved = (page.parent / target).resolve()
-            if not resolved.exists() and str(resolved.relative_to(ROOT)) not in PENDING_PAGES:
-                missing.append(f"{page.relative_to(ROOT)} -> {target}")
+            if not resolved.exists():
+                if str(resolved.relative_to(ROOT)) not in PENDING_PAGES:
+                    missing.append(f"{page.relative_to(ROOT)} -> {link}")
+            elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+                missing.append(f"{page.relative_to(ROOT)} -> {link} (no such heading)")
     assert missing == []
+
+
+def test_anchor_spelling_follows_github():
+    page = ROOT / "docs" / "performance.md"
+    assert "the-vllm-plugin-against-vllms-cpu-moe" in _anchors(page)
+    assert "cuda-launch-host-cost-per-call-no-gpu" in _anchors(page)
 
 
 def test_readme_headline_figures_are_the_committed_results():
