@@ -1,8 +1,8 @@
 """Launch the routing kernels without numba-cuda's per-call argument marshalling.
 
 numba-cuda spends host time on every launch, and more for every array argument (typing
-every argument, wrapping foreign arrays, building ctypes values): at decode sizes that host
-work, not the kernel, sets the pace (bench/launch_overhead.py measures it). For a kernel whose
+every argument, wrapping foreign arrays, building ctypes values), which adds up at decode
+sizes, where the kernels themselves are short (bench/launch_overhead.py measures it). For a kernel whose
 signature is fixed, none of that has to happen per call:
 
 * once per (kernel, signature): numba compiles the kernel to PTX (`cuda.compile_ptx`, which
