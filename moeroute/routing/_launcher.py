@@ -2,8 +2,8 @@
 
 numba-cuda spends host time on every launch, and more for every array argument (typing
 every argument, wrapping foreign arrays, building ctypes values), which adds up at decode
-sizes, where the kernels themselves are short (bench/launch_overhead.py measures it). For a kernel whose
-signature is fixed, none of that has to happen per call:
+sizes, where the kernels themselves are short (bench/launch_overhead.py measures it). For
+a kernel whose signature is fixed, none of that has to happen per call:
 
 * once per (kernel, signature): numba compiles the kernel to PTX (`cuda.compile_ptx`, which
   links libdevice, so the PTX is self-contained), nvJitLink turns it into a cubin, and the
