@@ -33,8 +33,8 @@ evaluations (~8 each for sigmoid, ~6 for exp), ~6 C for the sort, S shared store
 ~25 per round (6 shuffles, 5 max, vote, popc, ffs, one shared load, bookkeeping). With a
 bias, lane r re-derives pick r's score from its logit (one cached load, the same float32
 operations) and K shuffles sum the weights in pick order. DeepSeek-V3 (S = 8, K = 8):
-~120 sort + ~200 rounds, against ~600 for the previous K rescans of all S slots with a
-64-bit allreduce; Qwen3.5 (S = 16, K = 10): ~380 + ~250 against ~1200.
+~120 sort + ~200 rounds, against ~600 for the plain alternative, K rescans of all S slots
+with a 64-bit allreduce; Qwen3.5 (S = 16, K = 10): ~380 + ~250 against ~1200.
 """
 
 from __future__ import annotations
