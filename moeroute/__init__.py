@@ -9,6 +9,7 @@ are imported on demand.
 """
 
 from moeroute.config import PRESETS, ModelPreset, RouterConfig, get_preset
+from moeroute.cpu_features import cpu_isa  # decides the CPU path before any kernel is defined
 from moeroute.layout import ExpertLayout, LayoutError
 from moeroute.routing import (
     align_block_size,
@@ -35,6 +36,7 @@ __all__ = [
     "align_block_size",
     "append_shared_slots",
     "combine",
+    "cpu_isa",
     "expert_load",
     "get_preset",
     "logical_to_physical",

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba.core import cgutils, types
+
+from moeroute import cpu_features
 
 __all__ = ["BF16_DOT", "LANES", "BFloat16Type", "dot_function", "sum_lanes", "row_pointers", "accumulators",
            "splat", "store_tile", "add_tile"]
@@ -22,16 +23,9 @@ __all__ = ["BF16_DOT", "LANES", "BFloat16Type", "dot_function", "sum_lanes", "ro
 LANES = 32
 
 
-def _host_bf16_dot() -> bool:
-    """AVX512-BF16 on the host, and Numba compiling for the host CPU (the vector code's target)."""
-    features = llvm_binding.get_host_cpu_features()
-    cpu_name = numba.config.CPU_NAME
-    return (features.get("avx512bf16", False) and features.get("avx512f", False)
-            and features.get("avx512bw", False) and (cpu_name is None or cpu_name == "host"))
-
-
-#: Whether this CPU runs the kernels built on the bfloat16 dot-product instruction.
-BF16_DOT = _host_bf16_dot()
+#: Whether the kernels built on the bfloat16 dot-product instruction run: the "avx512bf16"
+#: path of `moeroute.cpu_features`.
+BF16_DOT = cpu_features.BF16_DOT
 
 
 class BFloat16Type(ir.types.Type):

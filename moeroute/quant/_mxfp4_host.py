@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from moeroute import cpu_features
 from moeroute.quant.mxfp4 import E2M1_VALUES, MXFP4_BLOCK, SCALE_BIAS
 
 __all__ = ["SIMD", "ROW_BLOCK", "split_blocks", "gate_up_rows", "gate_up_rows_serial", "down_rows",
@@ -48,16 +48,9 @@ _ROW_TILE = 4
 _BLOCK_BYTES = MXFP4_BLOCK // 2
 
 
-def _host_simd() -> bool:
-    """AVX2, FMA and F16C on the host, and Numba compiling for the host CPU (the vector code's target)."""
-    features = llvm_binding.get_host_cpu_features()
-    cpu_name = numba.config.CPU_NAME
-    return (features.get("avx2", False) and features.get("fma", False) and features.get("f16c", False)
-            and (cpu_name is None or cpu_name == "host"))
-
-
-#: Whether the row kernels use the AVX2 block dot (else the portable loop).
-SIMD = _host_simd()
+#: Whether the row kernels use the AVX2 block dot (else the portable loop): every path of
+#: `moeroute.cpu_features` but "generic".
+SIMD = cpu_features.AVX2_SIMD
 
 
 @numba.njit(fastmath=True, cache=True)

@@ -44,6 +44,7 @@ from torch import nn
 from moeroute.bindings.torch import _rows, arrays
 from moeroute.bindings.torch.activations import (ACTIVATIONS, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, apply_activation,
                                                  check_activation, gated_activation)
+from moeroute import cpu_features
 from moeroute._validate import integer
 from moeroute.routing._parallel import cpu_threads
 from moeroute.routing.combine import accumulate_checked
@@ -317,9 +318,8 @@ def choose_gemm(counts: list[int], onednn: bool = False, dtype: torch.dtype = to
 def rows_bound(dtype: torch.dtype) -> float:
     """The mean rows per hit expert up to which "auto" picks the row kernels for ``dtype``:
     `ROWS_MAX_MEAN_ROWS`, or no bound (inf) for bfloat16 where the CPU lacks bfloat16
-    instructions (AVX512-BF16, AMX)."""
-    if dtype == torch.bfloat16 and not (torch.cpu._is_avx512_bf16_supported()
-                                        or torch.cpu._is_amx_tile_supported()):
+    instructions (AVX512-BF16, AMX) or its path (`moeroute.cpu_isa`) is below them."""
+    if dtype == torch.bfloat16 and not cpu_features.BFLOAT16_INSTRUCTIONS:
         return float("inf")
     return float(ROWS_MAX_MEAN_ROWS)
 

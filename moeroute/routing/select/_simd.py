@@ -4,11 +4,11 @@ lanes (compress, pick rounds, lane maxima, cuts), and the IR builder helpers the
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from moeroute import cpu_features
 from moeroute.routing.reference import FLOAT32_MAX
 from moeroute.routing.select import _common as common
 from moeroute.routing.select._common import _INT32_LOW31, _NAN_KEY, _NO_KEY
@@ -143,12 +143,12 @@ def _llvm_function(builder, name, return_type, argument_types):
 
 
 # How _compress_at_least packs the passing indices of a 16-lane block to the front:
-# * with AVX-512 (vpcompressd), LLVM's vector compress: one instruction;
-# * elsewhere (AVX2, NEON), where LLVM expands that compress into 16 scalar steps, a table:
-#   each 8-lane half's compare mask (vmovmskps) picks a row of _PACK_TABLE holding the set
-#   bits' positions packed left, stored as one 8-lane vector; 3-4x faster on Zen 3.
-_HOST_FEATURES = llvm_binding.get_host_cpu_features().flatten().split(",")
-VECTOR_COMPRESS = "+avx512f" in _HOST_FEATURES
+# * on the AVX-512 paths of moeroute.cpu_features (vpcompressd), LLVM's vector compress:
+#   one instruction;
+# * elsewhere (AVX2, generic, NEON), where LLVM expands that compress into 16 scalar steps, a
+#   table: each 8-lane half's compare mask (vmovmskps) picks a row of _PACK_TABLE holding the
+#   set bits' positions packed left, stored as one 8-lane vector; 3-4x faster on Zen 3.
+VECTOR_COMPRESS = cpu_features.VECTOR_COMPRESS
 _HALF = 8
 _PACK_TABLE = [[bit for bit in range(_HALF) if mask >> bit & 1] for mask in range(1 << _HALF)]
 _PACK_TABLE = [row + [0] * (_HALF - len(row)) for row in _PACK_TABLE]
