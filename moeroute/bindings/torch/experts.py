@@ -93,6 +93,18 @@ def check_dtype(name: str, dtype: torch.dtype) -> None:
                          f"{SUPPORTED_DTYPES} (e.g. module.to(torch.float32))")
 
 
+def check_same_device(reference_name: str, reference: torch.Tensor, **tensors) -> None:
+    """ValueError naming both arguments and devices unless every tensor of ``tensors``
+    (None entries skipped) is on the device of ``reference``: a kernel reads its inputs
+    where ``reference`` lives, and a weight left on another device (the meta device
+    included, which holds no data) would otherwise be read as whatever memory is there."""
+    device = reference.device
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}, {reference_name} on {device}; pass every "
+                             "tensor of the expert compute on one device")
+
+
 def _onednn_linear_op():
     if not torch.backends.mkldnn.is_available():
         return None
@@ -440,7 +452,14 @@ def cpu_experts(
     Returns
     -------
     Tensor [T, H], dtype of ``hidden_states``.
+
+    Raises
+    ------
+    ValueError
+        A tensor on another device than ``hidden_states`` (`check_same_device`).
     """
+    check_same_device("hidden_states", hidden_states, local_ids=local_ids, weights=weights, w_gate_up=w_gate_up,
+                      w_down=w_down, b_gate_up=b_gate_up, b_down=b_down)
     dtype = w_gate_up.dtype
     num_experts = w_gate_up.shape[0]
     strategy = gemm

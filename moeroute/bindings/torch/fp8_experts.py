@@ -35,7 +35,7 @@ from torch import nn
 
 from moeroute.bindings.torch import _quant_rows, _rows, arrays
 from moeroute.bindings.torch.activations import check_activation, gated_activation
-from moeroute.bindings.torch.experts import _numba_threads
+from moeroute.bindings.torch.experts import _numba_threads, check_same_device
 from moeroute.bindings.torch.mxfp4_experts import mxfp4_experts_forward
 from moeroute.bindings.torch.quant_strategy import choose_strategy as choose_fp8_strategy
 from moeroute.quant import FP8_DTYPE, QuantConfig, check_scale, quantize_fp8_activations, quantize_fp8_static
@@ -232,6 +232,9 @@ def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, we
     """
     if strategy not in FP8_STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not an FP8 strategy; use one of {FP8_STRATEGIES}")
+    rows = hidden_states.q if isinstance(hidden_states, FP8Activations) else hidden_states
+    check_same_device("hidden_states", rows, local_ids=local_ids, weights=weights, q_gate_up=q_gate_up,
+                      gate_up_scale=gate_up_scale, q_down=q_down, down_scale=down_scale, input_scale=input_scale)
     received = None
     if isinstance(hidden_states, FP8Activations):
         received = hidden_states

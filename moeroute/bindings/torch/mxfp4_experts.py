@@ -38,7 +38,7 @@ import torch
 
 from moeroute.bindings.torch import _mxfp4_rows, _quant_rows, _rows, arrays
 from moeroute.bindings.torch.activations import gated_activation
-from moeroute.bindings.torch.experts import _bias_view, _numba_threads
+from moeroute.bindings.torch.experts import _bias_view, _numba_threads, check_same_device
 from moeroute.quant import QuantConfig, check_mxfp4
 from moeroute.quant import _mxfp4_dot, _mxfp4_host
 from moeroute.quant.mxfp4 import decode_mxfp4
@@ -82,9 +82,17 @@ def mxfp4_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, 
     Returns
     -------
     Tensor [Tr, H], dtype of ``hidden_states``, accumulated in float32.
+
+    Raises
+    ------
+    ValueError
+        An unknown ``strategy``; a tensor on another device than ``hidden_states``.
     """
     if strategy not in MXFP4_STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not an MXFP4 strategy; use one of {MXFP4_STRATEGIES}")
+    check_same_device("hidden_states", hidden_states, local_ids=local_ids, weights=weights,
+                      gate_up_blocks=gate_up_blocks, gate_up_scales=gate_up_scales, down_blocks=down_blocks,
+                      down_scales=down_scales, gate_up_bias=gate_up_bias, down_bias=down_bias)
     num_tokens, hidden = hidden_states.shape
     num_experts, two_inter = gate_up_blocks.shape[:2]
     inter = two_inter // 2

@@ -52,9 +52,10 @@ from moeroute.bindings.torch.experts import (
     GEMM_STRATEGIES,
     SUPPORTED_DTYPES,
     check_activation,
+    check_same_device,
     cpu_experts,
 )
-from moeroute.bindings.torch.fp8_experts import check_quantized_weights, fp8_experts_forward
+from moeroute.bindings.torch.fp8_experts import FP8_STRATEGIES, check_quantized_weights, fp8_experts_forward
 from moeroute.bindings.torch.mxfp4_experts import MXFP4_STRATEGIES, check_mxfp4_weights, mxfp4_experts_forward
 from moeroute.config import RouterConfig
 from moeroute.layout import ExpertLayout
@@ -311,7 +312,7 @@ def _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights
         raise ValueError(f"hidden_states must be 2-D [T, H], got shape {tuple(hidden_states.shape)}")
     if hidden_states.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"hidden_states has dtype {hidden_states.dtype}; use one of {SUPPORTED_DTYPES}")
-    num_tokens, hidden = hidden_states.shape
+    hidden = hidden_states.shape[1]
     if w_gate_up.dim() != 3 or w_gate_up.shape[2] != hidden or w_gate_up.shape[1] % 2:
         raise ValueError(f"w_gate_up must be [L, 2I, H={hidden}], got shape {tuple(w_gate_up.shape)}")
     num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
@@ -322,17 +323,39 @@ def _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights
         if weight.dtype != hidden_states.dtype:
             raise ValueError(f"{name} has dtype {weight.dtype}, hidden_states {hidden_states.dtype}; "
                              "they must match")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens or topk_ids.dtype != torch.int32:
-        raise ValueError(f"topk_ids must be int32 [T={num_tokens}, K], got {topk_ids.dtype} of shape "
-                         f"{tuple(topk_ids.shape)}")
-    if tuple(topk_weights.shape) != tuple(topk_ids.shape) or topk_weights.dtype != torch.float32:
-        raise ValueError(f"topk_weights must be float32 of the shape of topk_ids {tuple(topk_ids.shape)}, "
-                         f"got {topk_weights.dtype} of shape {tuple(topk_weights.shape)}")
+    _check_routing_args(hidden_states, topk_ids, topk_weights)
     for name, bias, shape in (("b_gate_up", b_gate_up, (num_experts, 2 * inter)),
                               ("b_down", b_down, (num_experts, hidden))):
         if bias is not None and (tuple(bias.shape) != tuple(shape) or bias.dtype != hidden_states.dtype):
             raise ValueError(f"{name} must be {hidden_states.dtype} {list(shape)}, got {bias.dtype} of shape "
                              f"{tuple(bias.shape)}")
+
+
+def _check_routing_args(hidden_states, topk_ids, topk_weights) -> None:
+    """The routing arguments of every weight format, checked at the op's boundary before any
+    kernel: a kernel indexes ``hidden_states`` and the output by the rows of ``topk_ids``,
+    so ids for fewer rows would leave output rows unwritten and ids for more would read and
+    write past both."""
+    num_tokens = hidden_states.shape[0]
+    if topk_ids.dtype != torch.int32 or topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be int32 [T, K], got {topk_ids.dtype} of shape {tuple(topk_ids.shape)}")
+    if topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)} and hidden_states {tuple(hidden_states.shape)}; "
+                         f"topk_ids must be [T, K] with T = hidden_states.shape[0] = {num_tokens} (one row of "
+                         "ids per token)")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape) or topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_weights must be float32 of the shape of topk_ids {tuple(topk_ids.shape)}, "
+                         f"got {topk_weights.dtype} of shape {tuple(topk_weights.shape)}")
+
+
+def _check_experts_devices(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down,
+                           gate_up_scale, down_scale, input_scale) -> None:
+    """Every tensor argument of ``experts`` on the device of ``hidden_states`` (the kernels
+    read them there; a meta-device weight holds no data). ``expert_map`` is held to the
+    device of ``topk_ids`` by `_check_expert_map`."""
+    check_same_device("hidden_states", hidden_states, w_gate_up=w_gate_up, w_down=w_down, topk_ids=topk_ids,
+                      topk_weights=topk_weights, b_gate_up=b_gate_up, b_down=b_down, gate_up_scale=gate_up_scale,
+                      down_scale=down_scale, input_scale=input_scale)
 
 
 def _quant_config(quant_format, block_size, quant_activation, scale_fmt) -> QuantConfig:
@@ -370,10 +393,7 @@ def _check_mxfp4_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_w
         if bias is not None and (tuple(bias.shape) != tuple(shape) or bias.dtype not in SUPPORTED_DTYPES):
             raise ValueError(f"{name} must be {list(shape)} of {SUPPORTED_DTYPES} (added in float32), got "
                              f"{bias.dtype} of shape {tuple(bias.shape)}")
-    if topk_ids.dim() != 2 or topk_ids.dtype != torch.int32 or tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"topk_ids must be int32 [T, K] and topk_weights float32 of its shape, got "
-                         f"{topk_ids.dtype} {tuple(topk_ids.shape)} and {topk_weights.dtype} "
-                         f"{tuple(topk_weights.shape)}")
+    _check_routing_args(hidden_states, topk_ids, topk_weights)
 
 
 def _check_quantized_experts_args(*args):
@@ -386,23 +406,24 @@ def _check_fp8_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_wei
                             b_gate_up, b_down, gate_up_scale, down_scale, input_scale, quant):
     """The FP8 form of `_check_experts_args` (weights float8_e4m3fn, scales per `QuantConfig`)."""
     check_activation(activation)
+    if gemm not in FP8_STRATEGIES:
+        raise ValueError(f"gemm={gemm!r} is not an FP8 strategy; with quant_format={quant.format!r} use one of "
+                         f"{FP8_STRATEGIES}")
     if hidden_states.dim() != 2 or hidden_states.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"hidden_states must be 2-D [T, H] of {SUPPORTED_DTYPES}, got {hidden_states.dtype} of "
                          f"shape {tuple(hidden_states.shape)}")
     if b_gate_up is not None or b_down is not None:
         raise ValueError("FP8 experts carry no biases; pass b_gate_up=b_down=None")
-    if w_gate_up.dim() != 3 or w_gate_up.shape[1] % 2:
-        raise ValueError(f"w_gate_up must be [L, 2I, H], got shape {tuple(w_gate_up.shape)}")
+    if w_gate_up.dim() != 3 or w_gate_up.shape[1] % 2 or w_gate_up.shape[2] != hidden_states.shape[1]:
+        raise ValueError(f"w_gate_up must be [L, 2I, H={hidden_states.shape[1]}] (H of hidden_states), got shape "
+                         f"{tuple(w_gate_up.shape)}")
     num_experts, two_inter, hidden = w_gate_up.shape
     if _static_int(num_experts) and _static_int(hidden) and _static_int(two_inter):
         # Shapes and dtypes only: scale values are checked where weights are loaded, and
         # reading them here would synchronize a device (and cannot run on fake tensors).
         check_quantized_weights(quant, num_experts, hidden, two_inter // 2, w_gate_up, w_down, gate_up_scale,
                                 down_scale, input_scale, check_values=False)
-    if topk_ids.dim() != 2 or topk_ids.dtype != torch.int32 or tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"topk_ids must be int32 [T, K] and topk_weights float32 of its shape, got "
-                         f"{topk_ids.dtype} {tuple(topk_ids.shape)} and {topk_weights.dtype} "
-                         f"{tuple(topk_weights.shape)}")
+    _check_routing_args(hidden_states, topk_ids, topk_weights)
 
 
 def _check_expert_map(expert_map, topk_ids, num_local_experts) -> None:
@@ -487,7 +508,12 @@ def _experts_op(
     ``expert_map[p]``, and slots whose expert is not held contribute nothing (expert
     parallelism: this rank's partial sum). With ``quant_format="mxfp4"``: ``w_gate_up`` /
     ``w_down`` are MXFP4 blocks, ``gate_up_scale`` / ``down_scale`` their scale bytes, the
-    computation of an MXFP4 layer (biases added in float32)."""
+    computation of an MXFP4 layer (biases added in float32).
+
+    Every format checks the same way, before any kernel: ValueError naming the argument when
+    ``topk_ids`` is not int32 [T, K] with T = ``hidden_states.shape[0]``, ``topk_weights``
+    is not float32 of its shape, a tensor is on another device than ``hidden_states`` (the
+    meta device included), or ``gemm`` is not a strategy of the format."""
     return experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm, b_gate_up,
                    b_down, gate_up_scale, down_scale, input_scale, quant_format, block_size, quant_activation,
                    scale_fmt, expert_map)
@@ -498,6 +524,8 @@ def experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation
             quant_format="", block_size=None, quant_activation="", scale_fmt="float", expert_map=None):
     """The body of ``torch.ops.moeroute.experts`` (same arguments and result), called
     directly where `runs_eagerly` allows."""
+    _check_experts_devices(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down,
+                           gate_up_scale, down_scale, input_scale)
     if quant_format:
         quant = _quant_config(quant_format, block_size, quant_activation, scale_fmt)
         _check_quantized_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
@@ -526,6 +554,8 @@ def experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation
 def _(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation="silu", gemm="auto",
       b_gate_up=None, b_down=None, gate_up_scale=None, down_scale=None, input_scale=None, quant_format="",
       block_size=None, quant_activation="", scale_fmt="float", expert_map=None):
+    _check_experts_devices(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down,
+                           gate_up_scale, down_scale, input_scale)
     if quant_format:
         quant = _quant_config(quant_format, block_size, quant_activation, scale_fmt)
         _check_quantized_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
