@@ -18,6 +18,8 @@ share a block even when I is not a multiple of bn.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from moeroute._validate import integer
@@ -74,6 +76,11 @@ def _pad_to_blocks(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
     return w
 
 
+#: Elements of `quantize_fp8_block`'s step (whole block rows): its float32 temporaries stay a
+#: few MB whatever the size of the stack being converted.
+_STEP_ELEMENTS = 1 << 18
+
+
 def quantize_fp8_block(w: torch.Tensor, block_size=(128, 128), scale_fmt: str = "float"):
     """Quantize ``w`` [..., rows, cols] to e4m3 with one float32 scale per (bn, bk) block.
 
@@ -89,6 +96,13 @@ def quantize_fp8_block(w: torch.Tensor, block_size=(128, 128), scale_fmt: str = 
     scale_inv : Tensor [..., ceil(rows/bn), ceil(cols/bk)] float32
         ``w ~= q * scale_inv[i // bn, j // bk]``; zero padding fills partial blocks.
 
+    Memory: each matrix is quantized a few block rows at a time (about ``_STEP_ELEMENTS``,
+    2**18, elements; one block row when that is more), never copying ``w``; beyond ``w`` and
+    the outputs the peak extra memory is one step's float32 temporaries, about 12 bytes an
+    element of a step: 3 MB, or ``12 * bn * cols`` bytes when one block row is larger (11 MB for
+    bn = 128 and 7168 columns), far less than one expert's float32 weights, whatever the
+    number of experts.
+
     Raises
     ------
     TypeError, ValueError
@@ -100,14 +114,29 @@ def quantize_fp8_block(w: torch.Tensor, block_size=(128, 128), scale_fmt: str = 
     bn, bk = _check_block(block_size)
     ue8m0 = _scale_fmt(scale_fmt)
     rows, cols = w.shape[-2:]
-    lead = w.shape[:-2]
+    lead = tuple(w.shape[:-2])
+    q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+    scale = torch.empty(*lead, _cdiv(rows, bn), _cdiv(cols, bk), dtype=torch.float32, device=w.device)
+    if not w.numel():
+        return q, scale  # no block has an element: scale is empty too
+    step_rows = bn * max(1, _STEP_ELEMENTS // (bn * cols))
+    for index in itertools.product(*map(range, lead)):
+        matrix, q_matrix, scale_matrix = w[index], q[index], scale[index]
+        for first in range(0, rows, step_rows):
+            q_step, scale_step = _quantize_block_rows(matrix[first:first + step_rows], bn, bk, ue8m0)
+            q_matrix[first:first + step_rows] = q_step
+            scale_matrix[first // bn:first // bn + scale_step.shape[0]] = scale_step
+    return q, scale
+
+
+def _quantize_block_rows(w: torch.Tensor, bn: int, bk: int, ue8m0: bool):
+    """q [n, cols] float8_e4m3fn and scales [ceil(n/bn), ceil(cols/bk)] of ``w`` [n, cols]."""
+    rows, cols = w.shape
     padded = _pad_to_blocks(w.float(), bn, bk)
     nbr, nbc = padded.shape[-2] // bn, padded.shape[-1] // bk
-    blocks = padded.reshape(*lead, nbr, bn, nbc, bk)
-    amax = blocks.abs().amax(dim=(-3, -1))
-    scale = _scale_from_amax(amax, ue8m0)
-    q = _to_fp8(blocks / scale[..., :, None, :, None]).reshape(padded.shape)[..., :rows, :cols]
-    return q.contiguous(), scale
+    blocks = padded.reshape(nbr, bn, nbc, bk)
+    scale = _scale_from_amax(blocks.abs().amax(dim=(-3, -1)), ue8m0)
+    return _to_fp8(blocks / scale[:, None, :, None]).reshape(padded.shape)[:rows, :cols], scale
 
 
 def _expand_blocks(scale_inv: torch.Tensor, bn: int, bk: int, rows: int, cols: int) -> torch.Tensor:

@@ -21,6 +21,8 @@ Leading dimensions (experts) pass through: ``[..., rows, cols]`` <-> ``[..., row
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["E2M1_VALUES", "MXFP4_BLOCK", "SCALE_BIAS", "dequantize_mxfp4", "decode_mxfp4", "quantize_mxfp4",
@@ -38,6 +40,9 @@ _SCALE_NAN = 255
 _E2M1_MAX = 6.0
 #: Midpoints between consecutive e2m1 magnitudes (codes 0..7): the rounding boundaries.
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+#: Elements quantized per step of `quantize_mxfp4`: its float64 and int32 temporaries (about
+#: 35 bytes an element) stay under 5 MB whatever the size of the stack being converted.
+_STEP_ELEMENTS = 1 << 17
 
 
 def check_mxfp4(blocks, scales, name: str = "weight", check_values: bool = True) -> None:
@@ -147,11 +152,17 @@ def quantize_mxfp4(w: torch.Tensor):
         nearest e2m1 value of ``w / 2**e`` (ties to the even code); ``dequantize_mxfp4``
         returns ``w`` within half an e2m1 step of each element, exactly on grid values.
 
+    Memory: whole rows are quantized a step of about ``_STEP_ELEMENTS`` (2**17) elements at a
+    time (one row when a row is longer), never copying ``w``; beyond ``w`` and the outputs
+    (17/32 byte an element) the peak extra memory is one step's temporaries, about 35 bytes an
+    element of a step (under 5 MB): less than one float32 expert of 2**20 elements or more
+    (gpt-oss-20b's have 16.6M), whatever the number of experts.
+
     Raises
     ------
     TypeError, ValueError
         ``w`` not a float tensor of at least 2 dims, cols not a multiple of 32, a value
-        that is not finite.
+        that is not finite (naming the leading index, e.g. the expert, that holds it).
     """
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
@@ -159,23 +170,70 @@ def quantize_mxfp4(w: torch.Tensor):
         raise ValueError(f"w must be a float32/bfloat16/float16/float64 tensor, got {w.dtype}")
     if w.dim() < 2:
         raise ValueError(f"w must have at least 2 dims [..., rows, cols], got shape {tuple(w.shape)}")
-    cols = w.shape[-1]
+    rows, cols = w.shape[-2:]
     if cols % MXFP4_BLOCK:
         raise ValueError(f"w has {cols} columns; MXFP4 needs a multiple of {MXFP4_BLOCK} (one scale per "
                          f"{MXFP4_BLOCK} input columns)")
-    if w.numel() and not bool(torch.isfinite(w).all()):
-        raise ValueError("w holds inf or NaN values, which MXFP4 cannot represent")
-    groups = w.double().contiguous().reshape(*w.shape[:-1], cols // MXFP4_BLOCK, MXFP4_BLOCK)
-    exponent = _block_exponent(groups.abs().amax(dim=-1))
-    # Dividing by a power of two is exact in float64 for every float32 input.
-    scaled = groups * torch.pow(2.0, -exponent.double())[..., None]
-    magnitude = scaled.abs().clamp(max=_E2M1_MAX)
+    lead = tuple(w.shape[:-2])
+    blocks = torch.empty(*lead, rows, cols // MXFP4_BLOCK, MXFP4_BLOCK // 2, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(*lead, rows, cols // MXFP4_BLOCK, dtype=torch.uint8, device=w.device)
+    if not w.numel():
+        return blocks, scales
     midpoints = torch.tensor(_MIDPOINTS, dtype=torch.float64, device=w.device)
-    code = torch.bucketize(magnitude, midpoints)  # a tie to midpoint k lands on code k
-    tie = (code < len(_MIDPOINTS)) & (magnitude == midpoints[code.clamp(max=len(_MIDPOINTS) - 1)])
-    code = code + (tie & (code % 2 == 1)).long()  # ties go to the even code
-    code = code | (torch.signbit(scaled).long() << 3)
+    step_rows = max(1, _STEP_ELEMENTS // cols)
+    flat_blocks, flat_scales = blocks.view(-1, *blocks.shape[-2:]), scales.view(-1, scales.shape[-1])
+    for first, chunk in _row_steps(w, step_rows):
+        finite = torch.isfinite(chunk)
+        if not bool(finite.all()):
+            bad_row = first + int((~finite).any(dim=-1).nonzero()[0, 0])
+            where = f"w{list(_lead_index(lead, bad_row // rows))}" if lead else "w"
+            raise ValueError(f"{where} holds inf or NaN values, which MXFP4 cannot represent")
+        chunk_blocks, chunk_scales = _quantize_rows(chunk, midpoints)
+        flat_blocks[first:first + chunk.shape[0]] = chunk_blocks
+        flat_scales[first:first + chunk.shape[0]] = chunk_scales
+    return blocks, scales
+
+
+
+def _row_steps(w: torch.Tensor, step_rows: int):
+    """(first flat row, view [n, cols]) pieces of ``w`` [..., rows, cols], ``step_rows`` rows
+    at most, in order; views, never copies (a contiguous ``w`` is stepped across its
+    matrices, another one matrix by matrix)."""
+    rows, cols = w.shape[-2:]
+    if w.is_contiguous():
+        flat = w.view(-1, cols)
+        for first in range(0, flat.shape[0], step_rows):
+            yield first, flat[first:first + step_rows]
+        return
+    for index in range(math.prod(w.shape[:-2])):
+        matrix = w[_lead_index(tuple(w.shape[:-2]), index)]
+        for first in range(0, rows, step_rows):
+            yield index * rows + first, matrix[first:first + step_rows]
+
+
+def _lead_index(lead: tuple, flat: int) -> tuple:
+    """The index into the leading dims ``lead`` of matrix number ``flat`` (row-major)."""
+    index = []
+    for size in reversed(lead):
+        flat, rest = divmod(flat, size)
+        index.append(rest)
+    return tuple(reversed(index))
+
+
+def _quantize_rows(rows: torch.Tensor, midpoints: torch.Tensor):
+    """blocks [n, cols/32, 16] and scales [n, cols/32] uint8 of finite ``rows`` [n, cols]
+    (one float64 copy of ``rows``, worked on in place, and int32 codes)."""
+    scaled = rows.to(torch.float64, memory_format=torch.contiguous_format, copy=True)
+    scaled = scaled.view(rows.shape[0], rows.shape[1] // MXFP4_BLOCK, MXFP4_BLOCK)
+    # amax(|x|) as max(max x, -min x): the same value without an |x| copy.
+    exponent = _block_exponent(torch.maximum(scaled.amax(dim=-1), scaled.amin(dim=-1).neg_()))
+    # Dividing by a power of two is exact in float64 for every float32 input.
+    scaled.mul_(torch.pow(2.0, -exponent.double())[..., None])
+    negative = torch.signbit(scaled)
+    magnitude = scaled.abs_().clamp_(max=_E2M1_MAX)
+    code = torch.bucketize(magnitude, midpoints, out_int32=True)  # a tie to midpoint k lands on code k
+    tie = torch.bucketize(magnitude, midpoints, out_int32=True, right=True) != code  # ... and k + 1 here
+    code += tie & (code % 2 == 1)  # ties go to the even code
+    code |= negative.int() << 3
     pairs = code.to(torch.uint8).reshape(*code.shape[:-1], MXFP4_BLOCK // 2, 2)
-    blocks = pairs[..., 0] | (pairs[..., 1] << 4)
-    scales = (exponent + SCALE_BIAS).to(torch.uint8)
-    return blocks.contiguous(), scales.contiguous()
+    return pairs[..., 0] | (pairs[..., 1] << 4), (exponent + SCALE_BIAS).to(torch.uint8)

@@ -1,0 +1,122 @@
+"""Converting float experts to FP8 or MXFP4 holds a bounded amount beyond its input and output.
+
+`quantize_mxfp4` of one gpt-oss-20b layer's float32 experts (3.2 GB) grew past 12 GB of resident
+memory: the whole stack went through float64 copies and int64 codes at once. Each conversion
+now works through the stack a bounded step at a time. The peak is measured in a fresh process
+(``ru_maxrss`` after the call minus the resident size just before it, which can only
+overstate the growth), and the chunked results must equal the one-step ones bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeroute.quant import fp8, mxfp4, quantize_fp8_block, quantize_mxfp4
+
+ROOT = Path(__file__).resolve().parents[2]
+EXPERTS, ROWS, COLS = 16, 1024, 1024
+#: One expert's float32 weights: the unit of the bound.
+EXPERT_BYTES = ROWS * COLS * 4
+#: Extra memory allowed beyond the input and the output, in experts' float32 weights: the
+#: step's temporaries (at most about 2.5 experts here) plus the allocator's slack.
+BOUND_EXPERTS = 4
+
+PEAK_CODE = textwrap.dedent("""
+    import json, resource, sys
+    import torch
+    from moeroute.quant import quantize_fp8_block, quantize_mxfp4
+
+    def resident():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+
+    name, dtype, experts, rows, cols = sys.argv[1], getattr(torch, sys.argv[2]), *map(int, sys.argv[3:6])
+    convert = {"mxfp4": quantize_mxfp4, "fp8_block": quantize_fp8_block}[name]
+    w = torch.randn(experts, rows, cols, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    convert(w[:1, :32, :64])  # torch's one-time set-up is not the conversion's
+    before = resident()
+    out = convert(w)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"extra": peak - before, "output": sum(t.nbytes for t in out), "before": before}))
+""")
+
+
+def _peak(name: str, dtype: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", PEAK_CODE, name, dtype, str(EXPERTS), str(ROWS), str(COLS)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm; ru_maxrss in KiB")
+@pytest.mark.parametrize("name, dtype", [("mxfp4", "float32"), ("fp8_block", "float32"),
+                                         ("fp8_block", "bfloat16")])
+def test_conversion_peak_is_bounded_by_one_expert(name, dtype):
+    """The whole-stack code held about 10 float32 copies of the stack (600+ MB here)."""
+    report = _peak(name, dtype)
+    allowed = report["output"] + BOUND_EXPERTS * EXPERT_BYTES
+    assert report["extra"] <= allowed, (f"{name} of {EXPERTS} x {ROWS} x {COLS} {dtype}: grew "
+                                        f"{report['extra'] / 2**20:.0f} MiB, allowed {allowed / 2**20:.0f} MiB")
+
+
+def _weights(dtype, contiguous=True, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    w = torch.randn(5, 40, 96, generator=generator) * torch.logspace(-3, 3, 40)[:, None]
+    w[1, 3] = 0.0  # an all-zero row
+    w[2, 5, :32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)  # ties
+    if not contiguous:
+        w = w.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_mxfp4_steps_give_the_one_step_result(monkeypatch, dtype, contiguous):
+    w = _weights(dtype, contiguous)
+    whole = quantize_mxfp4(w.contiguous())  # one step: 19200 elements, less than a step
+    monkeypatch.setattr(mxfp4, "_STEP_ELEMENTS", 7 * 96)  # 7 rows a step: steps straddle experts
+    stepped = quantize_mxfp4(w)
+    assert all(torch.equal(a, b) for a, b in zip(whole, stepped))
+    monkeypatch.setattr(mxfp4, "_STEP_ELEMENTS", 1)  # one row a step
+    assert all(torch.equal(a, b) for a, b in zip(whole, quantize_mxfp4(w)))
+
+
+@pytest.mark.parametrize("block", [(16, 32), (7, 40), (128, 128)])
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+def test_fp8_block_steps_give_the_one_step_result(monkeypatch, block, contiguous, scale_fmt):
+    w = _weights(torch.bfloat16, contiguous, seed=1)
+    whole = quantize_fp8_block(w.contiguous(), block, scale_fmt)
+    monkeypatch.setattr(fp8, "_STEP_ELEMENTS", 1)  # one block row a step
+    stepped = quantize_fp8_block(w, block, scale_fmt)
+    assert stepped[0].view(torch.uint8).equal(whole[0].view(torch.uint8))
+    assert torch.equal(stepped[1], whole[1])
+    # The definition, block by block: the stepped result is the formula's.
+    bn, bk = block
+    q, scale = stepped
+    for e in range(w.shape[0]):
+        for i in range(0, w.shape[1], bn):
+            for j in range(0, w.shape[2], bk):
+                tile = w[e, i:i + bn, j:j + bk].float()
+                s = max(float(tile.abs().max()), 1e-10) / 448
+                if scale_fmt == "ue8m0":
+                    s = 2.0 ** torch.ceil(torch.log2(torch.tensor(s))).item()
+                assert float(scale[e, i // bn, j // bk]) == pytest.approx(s, rel=1e-6)
+                expected = (tile / scale[e, i // bn, j // bk]).clamp(-448, 448).to(torch.float8_e4m3fn)
+                assert q[e, i:i + bn, j:j + bk].view(torch.uint8).equal(expected.view(torch.uint8))
+
+
+def test_mxfp4_names_the_expert_holding_a_nan():
+    w = torch.ones(3, 4, 32)
+    w[2, 1, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"w\[2\] holds inf or NaN"):
+        quantize_mxfp4(w)
