@@ -205,3 +205,18 @@ def test_from_hf_reads_the_loaded_packed_block(checkpoint, monkeypatch):
     del block.experts.down_proj_precision_config
     with pytest.raises(ValueError, match="down_proj holds packed MXFP4 bytes without their scales"):
         MoE.from_hf(block)
+
+
+def test_a_supported_family_with_no_supported_block_warns_another_model_does_not(checkpoint):
+    model = _dequantized_model(checkpoint)
+    for layer in model.model.layers:
+        layer.mlp = RenamedSparseMoeBlock(layer.mlp)
+    # The family is read from config.model_type ("gpt_oss"): 0 of 2 is reported, not silent.
+    with pytest.warns(UserWarning, match=r"class RenamedSparseMoeBlock at model\.layers\.0\.mlp, "
+                                         r"model\.layers\.1\.mlp .*0 of 2"):
+        assert replace_moe_blocks(model) == 0
+    # A model of no supported family (no config, no supported block) is not moeroute's to judge.
+    other = torch.nn.Sequential(model.model.layers[0].mlp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert replace_moe_blocks(other, strict=True) == 0
