@@ -11,6 +11,7 @@ from torch import nn
 from helpers.reference import dense_experts, rel_error
 from helpers.reference import generator as _generator
 from helpers.reference import swigluoai as swigluoai_reference
+from moeroute import cpu_features
 from moeroute.bindings.torch.dispatch import DispatchHandle, LocalDispatcher, check_dispatch_inputs
 from moeroute.bindings.torch import experts as experts_module
 from moeroute.bindings.torch.experts import (PADDED_MAX_ROWS, ROWS_MAX_MEAN_ROWS, LocalExperts, choose_gemm,
@@ -408,7 +409,7 @@ def test_choose_gemm():
         assert choose_gemm([ROWS_MAX_MEAN_ROWS] * 4, dtype=dtype) == "rows"
     assert choose_gemm([many, many, 0, many], onednn=True, dtype=torch.float32) == "loop"
     # bfloat16 without bfloat16 instructions: the row kernels at every count; else bounded.
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    native = cpu_features.BFLOAT16_INSTRUCTIONS
     assert rows_bound(torch.bfloat16) == (ROWS_MAX_MEAN_ROWS if native else float("inf"))
     assert rows_bound(torch.float32) == ROWS_MAX_MEAN_ROWS
     assert choose_gemm([many, 0, many, many], dtype=torch.bfloat16) == ("loop" if native else "rows")
