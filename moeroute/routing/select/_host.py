@@ -675,8 +675,10 @@ def _row_loop(logits, table, bias, has_bias, scoring, num_groups, topk_group, to
 @_cpu_jit
 def _select_serial(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
                    renormalize, rsf, out_w, out_ids):
+    # np.int64(0), not the literal 0: the parallel kernel calls with int64 bounds, and one
+    # _select_rows specialization serves both (a Literal[int](0) one doubled the compile).
     _select_rows(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
-                 renormalize, rsf, 0, logits.shape[0], out_w, out_ids)
+                 renormalize, rsf, np.int64(0), logits.shape[0], out_w, out_ids)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
