@@ -90,7 +90,8 @@ COMMANDS: list[Command] = [
             "against one rank", "moeroute.eplb.run"),  # moeroute.bindings.ep_run + --eplb
     Command("eplb", "plan an expert placement (EPLB) from a measured or synthetic load",
             "moeroute.eplb.cli"),
-    Command("warmup", "compile every CPU kernel the presets use into Numba's on-disk cache",
+    Command("warmup", "compile the CPU kernels the presets use into Numba's on-disk cache (float32; "
+            "more with --dtypes, --formats)",
             "moeroute.runtime", "add_warmup_arguments", "run_warmup"),
 ]
 

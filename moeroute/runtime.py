@@ -1,14 +1,16 @@
 """The CPU runtime: where the compiled kernels are cached, and compiling them ahead of use.
 
 The CPU kernels are Numba functions compiled on first use and cached on disk (``cache=True``),
-so only the first process on a machine pays for compilation. `warmup` pays it up front:
-it runs every CPU kernel the presets use, for every dtype and on both sides of every
-serial/parallel threshold, on small synthetic inputs, so that a later process loads them
-all from the cache. The cache lives where Numba puts it: ``NUMBA_CACHE_DIR`` when that is
-set (read when Numba is imported), else ``__pycache__`` beside the package's sources when
-writable, else a per-user directory (`cache_dir` says which). A cached kernel is stamped with
-all the sources it can read, not only its own file (`moeroute.routing._cache`), so an edit to
-any of them compiles it again.
+so only the first process on a machine pays for compilation. `warmup` pays it up front, one
+kernel family at a time (`warmup_families` lists them): the routing kernels per logits kind,
+the dispatch kernels and the float experts per dtype, each on both sides of every
+serial/parallel threshold, on small synthetic inputs, so that a later process loads them all
+from the cache. The quantized experts' kernels (FP8, MXFP4) compile on their first use, or
+ahead when asked for (``formats=``). The cache lives where Numba puts it: ``NUMBA_CACHE_DIR``
+when that is set (read when Numba is imported), else ``__pycache__`` beside the package's
+sources when writable, else a per-user directory (`cache_dir` says which). A cached kernel is
+stamped with all the sources it can read, not only its own file (`moeroute.routing._cache`),
+so an edit to any of them compiles it again.
 
 Data flows one way: this module imports the routing kernels only inside `warmup`, and the
 torch module only when torch is installed and asked for.
@@ -25,11 +27,20 @@ import numpy as np
 
 from moeroute.routing._cache import cache_dir
 
-__all__ = ["warmup", "warmup_cuda", "cache_dir", "cpu_dispatchers", "WARMUP_DTYPES", "add_warmup_arguments",
-           "run_warmup", "check_arch", "check_cuda_toolchain"]
+__all__ = ["warmup", "warmup_families", "warmup_cuda", "cache_dir", "cpu_dispatchers", "WARMUP_DTYPES",
+           "DEFAULT_WARMUP_DTYPES", "WARMUP_FORMATS", "add_warmup_arguments", "run_warmup", "check_arch",
+           "check_cuda_toolchain"]
 
-#: Activation and logits dtypes compiled by default: each is its own specialization.
+#: Activation and logits dtypes `warmup` can compile for: each is its own specialization.
 WARMUP_DTYPES = ("float32", "float16", "bfloat16")
+#: The dtype compiled by default: float32 (a model built from a config or loaded without a
+#: torch_dtype, and DeepSeek's router, which computes its logits in float32 whatever the
+#: model's dtype). Each further dtype costs about as much again (select_experts' kernel above
+#: all), so bfloat16 and float16 compile on first use, or ahead when asked for.
+DEFAULT_WARMUP_DTYPES = ("float32",)
+#: Expert weight formats `warmup` can compile for: "float" by default; the quantized formats'
+#: kernels compile on first use unless asked for here.
+WARMUP_FORMATS = ("float", "fp8_block", "fp8_tensor", "mxfp4")
 #: Rows of the small calls: the serial kernels (decode-sized batches).
 SMALL_TOKENS = 3
 #: Router and expert sizes of the torch module's warm-up layer: the kernels' compiled
@@ -40,10 +51,18 @@ MODULE_EXPERTS, MODULE_TOP_K, MODULE_HIDDEN, MODULE_INTERMEDIATE = 8, 2, 256, 32
 #: batch) and enough rows per expert for the parallel accumulation (see
 #: `moeroute.routing.combine.PARALLEL_ACCUMULATE_MIN_ELEMENTS`).
 MODULE_TOKENS = (1, 16, 2048)
+#: Intermediate size of the quantized warm-up layers: whole 128-blocks (fp8_block's default) and
+#: 64-weight steps, so that the kernels compiled are those real layers run (the bfloat16-dot
+#: row kernels need whole steps).
+QUANT_INTERMEDIATE = 128
 
 
-def _progress_printer(enabled: bool) -> Callable[[str], None]:
-    if not enabled:
+def _progress_printer(progress) -> Callable[[str], None]:
+    if callable(progress):
+        return progress
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be True, False or a callable taking one line (str), got {progress!r}")
+    if not progress:
         return lambda line: None
 
     def emit(line: str) -> None:
@@ -60,6 +79,17 @@ def _check_dtypes(dtypes) -> tuple[str, ...]:
     if unknown or not dtypes:
         raise ValueError(f"dtypes={dtypes!r}: each must be one of {WARMUP_DTYPES}, at least one")
     return dtypes
+
+
+def _check_formats(formats) -> tuple[str, ...]:
+    if isinstance(formats, str) or not isinstance(formats, Iterable):
+        raise TypeError(f"formats must be a sequence of format names from {WARMUP_FORMATS}, got {formats!r}")
+    formats = tuple(formats)
+    unknown = [f for f in formats if f not in WARMUP_FORMATS]
+    if unknown:
+        raise ValueError(f"formats={formats!r}: {unknown[0]!r} is not a format; each must be one of "
+                         f"{WARMUP_FORMATS}")
+    return formats
 
 
 def _check_presets(presets) -> list:
@@ -84,97 +114,90 @@ def _host_bits(values: np.ndarray, dtype: str) -> tuple[np.ndarray, bool]:
     return values.astype(dtype), False
 
 
+#: Logits kinds of the routing kernels: float16 and bfloat16 logits both reach select_experts'
+#: kernel as 16-bit patterns (one specialization), float32 as themselves.
+_LOGITS_KINDS = {"float32": "float32", "float16": "float16/bfloat16", "bfloat16": "float16/bfloat16"}
+
+
 def _routing_steps(presets, dtypes) -> list[tuple[str, Callable[[], None]]]:
-    """One step per preset: every routing and dispatch kernel on its shapes, each dtype,
-    below and above each serial/parallel threshold."""
+    """One family per logits kind: select_experts on each preset's shapes, below and above its
+    serial/parallel threshold, then the id kernels (shared slots, remap, align, sort, load);
+    one per dtype: the dispatch kernels (permute, combine, accumulate_rows), serial and
+    parallel."""
     from moeroute.layout import ExpertLayout
-    from moeroute.routing import (align_block_size, append_shared_slots, combine, expert_load,
-                                  logical_to_physical, permute, remap_to_local, select_experts,
-                                  sort_by_expert)
-    from moeroute.routing.combine import (PARALLEL_ACCUMULATE_MIN_ELEMENTS,
-                                          PARALLEL_COMBINE_MIN_ELEMENTS, accumulate_rows)
-    from moeroute.routing.permute import PARALLEL_GATHER_MIN_BYTES
+    from moeroute.routing import (align_block_size, append_shared_slots, expert_load, logical_to_physical,
+                                  remap_to_local, select_experts, sort_by_expert)
     from moeroute.routing.select import PARALLEL_MIN_ELEMENTS
 
     rng = np.random.default_rng(0)
-    host_logit_dtypes = [d for d in dtypes if d in ("float32", "float16")]  # NumPy has no bf16
 
-    def routing(preset):
-        router = preset.router
-        num_experts = router.num_experts
-        bias = np.zeros(num_experts, np.float32) if preset.has_correction_bias else None
-        parallel_tokens = math.ceil(PARALLEL_MIN_ELEMENTS / num_experts) + 1
-        ids = None
-        for dtype in host_logit_dtypes:
-            logits = rng.standard_normal((SMALL_TOKENS, num_experts)).astype(dtype)
+    def routing(logits_dtype):
+        for preset in presets:
+            router = preset.router
+            num_experts = router.num_experts
+            bias = np.zeros(num_experts, np.float32) if preset.has_correction_bias else None
+            parallel_tokens = math.ceil(PARALLEL_MIN_ELEMENTS / num_experts) + 1
+            logits = rng.standard_normal((SMALL_TOKENS, num_experts)).astype(logits_dtype)
             weights, ids = select_experts(logits, router, bias)
-            logits = rng.standard_normal((parallel_tokens, num_experts)).astype(dtype)
+            logits = rng.standard_normal((parallel_tokens, num_experts)).astype(logits_dtype)
             select_experts(logits, router, bias)  # the parallel kernel
-        if ids is None:  # only bfloat16 asked for: ids for the dispatch kernels all the same
-            logits = rng.standard_normal((SMALL_TOKENS, num_experts)).astype(np.float32)
-            weights, ids = select_experts(logits, router, bias)
-        layout = ExpertLayout(num_experts, preset.num_shared_experts)
-        tokens = ids.shape[0]
-        gates = np.ones((tokens, max(1, preset.num_shared_experts)), np.float32)
-        for shared_weights in (None, gates[:, 0], gates):
-            slot_ids, slot_weights = append_shared_slots(ids, weights, layout, 0, shared_weights)
-        logical_to_physical(ids, layout)
-        expert_map = layout.expert_map(0)
-        remap_to_local(slot_ids, expert_map)
-        experts = layout.num_physical_experts
-        for id_dtype in (np.int32, np.int64):
-            typed = slot_ids.astype(id_dtype)
-            align_block_size(typed, experts, 64)
-            align_block_size(typed, expert_map.shape[0], 64, expert_map)
-            sort_by_expert(typed, experts)
-            expert_load(typed, experts)
-        _dispatch_kernels(slot_ids, slot_weights, experts, dtypes)
+            layout = ExpertLayout(num_experts, preset.num_shared_experts)
+            gates = np.ones((ids.shape[0], max(1, preset.num_shared_experts)), np.float32)
+            for shared_weights in (None, gates[:, 0], gates):
+                slot_ids, _ = append_shared_slots(ids, weights, layout, 0, shared_weights)
+            logical_to_physical(ids, layout)
+            expert_map = layout.expert_map(0)
+            remap_to_local(slot_ids, expert_map)
+            experts = layout.num_physical_experts
+            for id_dtype in (np.int32, np.int64):
+                typed = slot_ids.astype(id_dtype)
+                align_block_size(typed, experts, 64)
+                align_block_size(typed, expert_map.shape[0], 64, expert_map)
+                sort_by_expert(typed, experts)
+                expert_load(typed, experts)
 
-    def dispatch_parallel():
-        # Above the parallel thresholds of permute, combine and accumulate_rows.
-        experts, top_k = MODULE_EXPERTS, MODULE_TOP_K
-        for dtype in dtypes:
-            width = 2 if dtype != "float32" else 4
-            hidden = 1024
-            tokens = max(math.ceil(PARALLEL_GATHER_MIN_BYTES / (top_k * hidden * width)),
-                         math.ceil(PARALLEL_COMBINE_MIN_ELEMENTS / hidden)) + 1
-            ids = (np.arange(tokens * top_k, dtype=np.int32) % experts).reshape(tokens, top_k)
-            weights = np.full((tokens, top_k), 0.5, np.float32)
-            states, raw = _host_bits(np.zeros((tokens, hidden), np.float32), dtype)
-            permuted, _, inverse = permute(states, ids, experts)
-            combine(permuted, inverse, weights, raw_bf16=raw)
-            rows = math.ceil(PARALLEL_ACCUMULATE_MIN_ELEMENTS / hidden) + 1
-            out = np.zeros((rows, hidden), np.float32)
-            accumulate_rows(out, states[:rows], np.arange(rows), weights[:rows, 0], raw_bf16=raw)
-
-    steps = [(f"routing and dispatch kernels, {preset.name}", lambda p=preset: routing(p))
-             for preset in presets]
-    steps.append(("parallel permute, combine and accumulate_rows", dispatch_parallel))
+    kinds = {}
+    for dtype in dtypes:  # NumPy has no bfloat16: float16 logits compile the 16-bit kernel
+        kinds.setdefault(_LOGITS_KINDS[dtype], "float32" if dtype == "float32" else "float16")
+    steps = [(f"routing kernels, {kind} logits", lambda d=logits_dtype: routing(d))
+             for kind, logits_dtype in kinds.items()]
+    steps += [(f"dispatch kernels, {dtype}", lambda d=dtype: _dispatch_kernels(d)) for dtype in dtypes]
     return steps
 
 
-def _dispatch_kernels(ids, weights, num_experts, dtypes) -> None:
-    """permute, combine and accumulate_rows on small inputs (their serial kernels)."""
+def _dispatch_kernels(dtype) -> None:
+    """permute, combine (with and without weights) and accumulate_rows for ``dtype``, on a
+    small input (their serial kernels) and above each parallel threshold."""
     from moeroute.routing import combine, permute
-    from moeroute.routing.combine import accumulate_rows
+    from moeroute.routing.combine import (PARALLEL_ACCUMULATE_MIN_ELEMENTS, PARALLEL_COMBINE_MIN_ELEMENTS,
+                                          accumulate_rows)
+    from moeroute.routing.permute import PARALLEL_GATHER_MIN_BYTES
 
-    tokens = ids.shape[0]
-    for dtype in dtypes:
-        states, raw = _host_bits(np.ones((tokens, 16), np.float32), dtype)
-        permuted, _, inverse = permute(states, ids, num_experts)
+    experts, top_k, width = MODULE_EXPERTS, MODULE_TOP_K, 2 if dtype != "float32" else 4
+    for tokens, hidden in ((SMALL_TOKENS, 16), (None, 1024)):
+        if tokens is None:
+            tokens = max(math.ceil(PARALLEL_GATHER_MIN_BYTES / (top_k * hidden * width)),
+                         math.ceil(PARALLEL_COMBINE_MIN_ELEMENTS / hidden)) + 1
+        ids = (np.arange(tokens * top_k, dtype=np.int32) % experts).reshape(tokens, top_k)
+        weights = np.full((tokens, top_k), 0.5, np.float32)
+        states, raw = _host_bits(np.ones((tokens, hidden), np.float32), dtype)
+        permuted, _, inverse = permute(states, ids, experts)
         combine(permuted, inverse, weights, raw_bf16=raw)
         combine(permuted, inverse, None, raw_bf16=raw)
-        out = np.zeros((tokens, 16), np.float32)
-        accumulate_rows(out, states, np.arange(tokens), weights[:, 0], raw_bf16=raw)
+        rows = min(tokens, math.ceil(PARALLEL_ACCUMULATE_MIN_ELEMENTS / hidden) + 1)
+        out = np.zeros((rows, hidden), np.float32)
+        accumulate_rows(out, states[:rows], np.arange(rows), weights[:rows, 0], raw_bf16=raw)
 
 
-def _module_steps(dtypes) -> list[tuple[str, Callable[[], None]]]:
-    """The torch MoE module's CPU forward: each dtype, GEMM strategy and shared mode."""
+def _module_steps(dtypes, formats) -> list[tuple[str, Callable[[], None]]]:
+    """The torch MoE module's CPU forward: per format and dtype, every GEMM strategy and
+    shared mode, on both sides of the serial/parallel thresholds (torch's thread count)."""
     import torch
 
     from moeroute.bindings.torch import GatedMLP, MoE
     from moeroute.bindings.torch.experts import ROWS_DTYPES
     from moeroute.config import RouterConfig
+    from moeroute.quant import QuantConfig
 
     hidden, inter = MODULE_HIDDEN, MODULE_INTERMEDIATE
     routers = {
@@ -184,7 +207,19 @@ def _module_steps(dtypes) -> list[tuple[str, Callable[[], None]]]:
                                                 routed_scaling_factor=2.5), True),
     }
 
-    def forward(dtype_name):
+    def run(moe, dtype, token_counts, generator):
+        # The row kernels depend on the dtype only: their serial forms (one torch thread) and
+        # their parallel ones (torch's count).
+        threads = torch.get_num_threads()
+        try:
+            for count in sorted({1, threads}):
+                torch.set_num_threads(count)
+                for tokens in token_counts:
+                    moe(torch.randn(tokens, hidden, generator=generator).to(dtype))
+        finally:
+            torch.set_num_threads(threads)
+
+    def float_forward(dtype_name):
         dtype = getattr(torch, dtype_name)
         generator = torch.Generator().manual_seed(0)
         with torch.inference_mode():
@@ -196,62 +231,41 @@ def _module_steps(dtypes) -> list[tuple[str, Callable[[], None]]]:
                         for tokens in MODULE_TOKENS:
                             moe(torch.randn(tokens, hidden, generator=generator).to(dtype))
             if dtype in ROWS_DTYPES:
-                # The row kernels depend on the dtype only: their serial forms (one torch
-                # thread) and their parallel ones (torch's count), with and without a row tile.
-                moe = MoE(routers["softmax"][0], hidden, inter, gemm="rows", dtype=dtype)
-                threads = torch.get_num_threads()
-                try:
-                    for count in sorted({1, threads}):
-                        torch.set_num_threads(count)
-                        for tokens in MODULE_TOKENS[:2]:
-                            moe(torch.randn(tokens, hidden, generator=generator).to(dtype))
-                finally:
-                    torch.set_num_threads(threads)
+                for gemm in ("rows", "auto"):
+                    run(MoE(routers["softmax"][0], hidden, inter, gemm=gemm, dtype=dtype), dtype,
+                        MODULE_TOKENS[:2], generator)
 
-    return [(f"torch MoE module, {name}", lambda n=name: forward(n)) for name in dtypes]
+    def quantized_forward(quant_format, dtype_name):
+        dtype = getattr(torch, dtype_name)
+        generator = torch.Generator().manual_seed(0)
+        inter_q = QUANT_INTERMEDIATE
+        quant = QuantConfig(quant_format)
+        # gpt-oss's MXFP4 layers carry expert biases and swigluoai; the FP8 ones neither.
+        extra = dict(activation="swigluoai", expert_bias=True) if quant_format == "mxfp4" else {}
+        with torch.inference_mode():
+            for router, bias in routers.values():
+                moe = MoE(router, hidden, inter_q, correction_bias=bias, dtype=dtype, quant=quant, **extra)
+                run(moe, dtype, MODULE_TOKENS, generator)
+
+    steps = []
+    for quant_format in formats:
+        for name in dtypes:
+            if quant_format == "float":
+                steps.append((f"float experts, {name}", lambda n=name: float_forward(n)))
+            else:
+                steps.append((f"{quant_format} experts, {name}",
+                              lambda f=quant_format, n=name: quantized_forward(f, n)))
+    return steps
 
 
-def warmup(presets: Sequence[str] | None = None, *, dtypes: Sequence[str] = WARMUP_DTYPES,
-           torch_module: bool | None = None, progress: bool = True) -> dict:
-    """Compile every CPU kernel the presets use into Numba's on-disk cache.
+def _steps(presets, dtypes, formats, torch_module) -> list[tuple[str, Callable[[], None]]]:
+    steps = _routing_steps(presets, dtypes)
+    if torch_module:
+        steps += _module_steps(dtypes, formats)
+    return steps
 
-    Runs select_experts, append_shared_slots, logical_to_physical, remap_to_local,
-    align_block_size (with and without an expert map), sort_by_expert, expert_load, permute,
-    combine and accumulate_rows on small inputs shaped like each
-    preset, for each dtype, below and above each serial/parallel threshold, and (when
-    torch is installed) the torch `MoE` module's CPU forward. A kernel already in the cache
-    is loaded, not compiled, so a second call is quick. Set ``NUMBA_CACHE_DIR`` before the
-    first import of moeroute to choose the cache directory.
 
-    Parameters
-    ----------
-    presets : sequence of str, optional
-        Preset names (``moeroute.PRESETS``); default: all of them.
-    dtypes : sequence of str
-        Among ``WARMUP_DTYPES`` ("float32", "float16", "bfloat16"): the logits and
-        activation dtypes to compile for.
-    torch_module : bool, optional
-        Also run the torch module's forward; default: when torch is importable.
-    progress : bool
-        Print one line per step (and its seconds) to stderr.
-
-    Returns
-    -------
-    dict
-        ``compiled`` (moeroute functions compiled now), ``loaded`` (functions loaded from the
-        cache), ``seconds``, ``steps`` and ``cache_dir``.
-
-    Raises
-    ------
-    ValueError
-        An unknown preset or dtype, or an empty list of either.
-    TypeError
-        ``presets`` or ``dtypes`` not a sequence of names.
-    """
-    from numba.core import event
-
-    chosen = _check_presets(presets)
-    dtypes = _check_dtypes(dtypes)
+def _resolve_torch_module(torch_module) -> bool:
     if torch_module is None or torch_module:
         # Imported first, as in a model's process (the parallel kernels take torch's thread count).
         try:
@@ -259,12 +273,90 @@ def warmup(presets: Sequence[str] | None = None, *, dtypes: Sequence[str] = WARM
         except ImportError:
             if torch_module:
                 raise
-            torch_module = False
-        else:
-            torch_module = True
-    steps = _routing_steps(chosen, dtypes)
-    if torch_module:
-        steps += _module_steps(dtypes)
+            return False
+        return True
+    return False
+
+
+def warmup_families(presets: Sequence[str] | None = None, *, dtypes: Sequence[str] = DEFAULT_WARMUP_DTYPES,
+                    formats: Sequence[str] = ("float",), torch_module: bool | None = None) -> list[str]:
+    """The kernel families `warmup` compiles with these arguments, in its order (one progress
+    line each). Arguments and errors as `warmup`'s; nothing is compiled."""
+    chosen = _check_presets(presets)
+    return [name for name, _ in _steps(chosen, _check_dtypes(dtypes), _check_formats(formats),
+                                       _resolve_torch_module(torch_module))]
+
+
+def warmup(presets: Sequence[str] | None = None, *, dtypes: Sequence[str] = DEFAULT_WARMUP_DTYPES,
+           formats: Sequence[str] = ("float",), torch_module: bool | None = None,
+           progress: bool | Callable[[str], None] = True) -> dict:
+    """Compile the CPU kernels the presets' forwards use into Numba's on-disk cache.
+
+    One kernel family at a time (`warmup_families` lists them): for each logits kind
+    (float32; float16 and bfloat16 share one), select_experts on small inputs shaped like each
+    preset, below and above its serial/parallel threshold, with append_shared_slots,
+    logical_to_physical, remap_to_local, align_block_size (with and without an expert map),
+    sort_by_expert and expert_load; for each dtype, permute, combine and accumulate_rows, serial
+    and parallel; and (when torch is installed) for each format and dtype, the torch `MoE`
+    module's CPU forward in every GEMM strategy and shared mode, with one torch thread and
+    with torch's count. A first forward of a preset-shaped float model in one of ``dtypes``
+    then compiles nothing. The quantized formats' kernels are compiled only when asked for
+    in ``formats`` (otherwise on their first use). A kernel already in the cache is loaded,
+    not compiled, so a second call is quick. Set ``NUMBA_CACHE_DIR`` before the first import
+    of moeroute to choose the cache directory.
+
+    Parameters
+    ----------
+    presets : sequence of str, optional
+        Preset names (``moeroute.PRESETS``); default: all of them.
+    dtypes : sequence of str
+        Among ``WARMUP_DTYPES`` ("float32", "float16", "bfloat16"): the logits and activation
+        dtypes to compile for; default ``DEFAULT_WARMUP_DTYPES`` (float32; a bfloat16 model
+        wants ``dtypes=("float32", "bfloat16")``: its experts and, unless its router computes
+        in float32 as DeepSeek's does, its routing).
+    formats : sequence of str
+        Among ``WARMUP_FORMATS`` ("float", "fp8_block", "fp8_tensor", "mxfp4"): the expert
+        formats whose forward to compile; default the float experts only. The routing and
+        dispatch kernels are compiled whatever the formats (every format routes). Needs torch.
+    torch_module : bool, optional
+        Also run the torch module's forward (the expert families); default: when torch is
+        importable.
+    progress : bool or callable
+        True (default): one line per family, with its seconds and the functions it compiled,
+        and a summary line, printed to stderr as they finish (a cold family takes seconds to
+        minutes). A callable is called with each line (a str) instead, e.g. ``logging.info``;
+        False: silent.
+
+    Returns
+    -------
+    dict
+        ``compiled`` (moeroute functions compiled now), ``loaded`` (functions loaded from the
+        cache), ``seconds``, ``steps`` (the number of families), ``families`` (one dict per
+        family: ``name``, ``seconds``, ``compiled``) and ``cache_dir``.
+
+    Raises
+    ------
+    ValueError
+        An unknown preset, dtype or format (naming the allowed ones), an empty list of presets
+        or dtypes, or a quantized format with ``torch_module=False``.
+    TypeError
+        ``presets``, ``dtypes`` or ``formats`` not a sequence of names (a bare string is
+        refused); ``progress`` neither a bool nor a callable.
+    """
+    from numba.core import event
+
+    chosen = _check_presets(presets)
+    dtypes = _check_dtypes(dtypes)
+    formats = _check_formats(formats)
+    emit = _progress_printer(progress)
+    quantized = [f for f in formats if f != "float"]
+    if quantized and torch_module is False:
+        raise ValueError(f"formats={formats!r} asks for the quantized experts' forward, which needs the torch "
+                         "module: leave torch_module None or True")
+    torch_module = _resolve_torch_module(torch_module)
+    if quantized and not torch_module:
+        raise ValueError(f"formats={formats!r} asks for the quantized experts' forward, which needs torch")
+    steps = _steps(chosen, dtypes, formats, torch_module)
 
     compiled = 0
 
@@ -277,18 +369,22 @@ def warmup(presets: Sequence[str] | None = None, *, dtypes: Sequence[str] = WARM
             # Numba's own helpers (e.g. carray for the cfuncs) are not moeroute's kernels.
             compiled += event_.data["dispatcher"].py_func.__module__.startswith("moeroute")
 
-    emit = _progress_printer(progress)
     before = _cache_hits()
     listener = _CountCompiles()
+    families = []
     start = time.perf_counter()
     with event.install_listener("numba:compile", listener):
         for index, (name, step) in enumerate(steps, 1):
-            step_start = time.perf_counter()
+            step_start, compiled_before = time.perf_counter(), compiled
             step()
-            emit(f"warmup [{index}/{len(steps)}] {name}: {time.perf_counter() - step_start:.1f} s")
+            family = {"name": name, "seconds": time.perf_counter() - step_start,
+                      "compiled": compiled - compiled_before}
+            families.append(family)
+            emit(f"warmup [{index}/{len(steps)}] {name}: {family['seconds']:.1f} s, "
+                 f"{family['compiled']} functions compiled")
     seconds = time.perf_counter() - start
     result = {"compiled": compiled, "loaded": _cache_hits() - before, "seconds": seconds,
-              "steps": len(steps), "cache_dir": cache_dir()}
+              "steps": len(steps), "families": families, "cache_dir": cache_dir()}
     emit(f"warmup done in {seconds:.1f} s: {result['compiled']} functions compiled, "
          f"{result['loaded']} loaded from {result['cache_dir']}")
     return result
@@ -423,15 +519,18 @@ def add_warmup_arguments(parser) -> None:
 
     parser.add_argument("--presets", nargs="+", choices=sorted(PRESETS), metavar="PRESET",
                         help="presets to compile for (default: all)")
-    parser.add_argument("--dtypes", nargs="+", choices=WARMUP_DTYPES, default=list(WARMUP_DTYPES),
-                        help="logits and activation dtypes (default: all)")
+    parser.add_argument("--dtypes", nargs="+", choices=WARMUP_DTYPES, default=list(DEFAULT_WARMUP_DTYPES),
+                        help=f"logits and activation dtypes (default: {' '.join(DEFAULT_WARMUP_DTYPES)})")
+    parser.add_argument("--formats", nargs="+", choices=WARMUP_FORMATS, default=["float"], metavar="FORMAT",
+                        help=f"expert formats to compile, among {', '.join(WARMUP_FORMATS)} (default: float; "
+                             "the quantized ones otherwise compile on first use)")
     parser.add_argument("--no-torch", action="store_true",
                         help="skip the torch module's forward (routing kernels only)")
     parser.add_argument("--cuda-arch", nargs="+", metavar="ARCH", default=None,
                         type=_arch_argument,
                         help="also compile the device routing kernels for these architectures "
                              "(e.g. sm_90) into the cubin cache; no GPU needed")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines (one per kernel family, on stderr)")
 
 
 def _arch_argument(text: str) -> str:
@@ -452,8 +551,12 @@ def run_warmup(args) -> int:
         except RuntimeError as error:
             print(f"moeroute warmup: error: {error}", file=sys.stderr)
             return 2
-    result = warmup(args.presets, dtypes=args.dtypes, torch_module=False if args.no_torch else None,
-                    progress=not args.quiet)
+    if args.no_torch and set(args.formats) - {"float"}:
+        print("moeroute warmup: error: --formats with a quantized format needs the torch module's forward; "
+              "drop --no-torch", file=sys.stderr)
+        return 2
+    result = warmup(args.presets, dtypes=args.dtypes, formats=args.formats,
+                    torch_module=False if args.no_torch else None, progress=not args.quiet)
     print(f"{result['compiled']} functions compiled, {result['loaded']} loaded from the cache, "
           f"in {result['seconds']:.1f} s; cache: {result['cache_dir']}")
     if args.cuda_arch:

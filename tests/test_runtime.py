@@ -128,3 +128,61 @@ def test_cpu_dispatchers_cover_the_kernels():
     for function in (select._select_serial, select._select_parallel, combine._accumulate_cpu,
                      permute._gather_rows):
         assert function.py_func.__module__ + "." + function.py_func.__name__ in names
+
+
+def test_warmup_families_default_to_the_float_path():
+    """The quantized experts compile on first use, or when asked for; float16 likewise."""
+    assert runtime.warmup_families() == ["routing kernels, float32 logits", "dispatch kernels, float32",
+                                         "float experts, float32"]
+    assert runtime.warmup_families(dtypes=["float32", "bfloat16"]) == [
+        "routing kernels, float32 logits", "routing kernels, float16/bfloat16 logits",
+        "dispatch kernels, float32", "dispatch kernels, bfloat16",
+        "float experts, float32", "float experts, bfloat16"]
+    assert runtime.warmup_families(["qwen3-30b-a3b"], dtypes=["bfloat16"], formats=("fp8_block", "mxfp4")) == [
+        "routing kernels, float16/bfloat16 logits", "dispatch kernels, bfloat16",
+        "fp8_block experts, bfloat16", "mxfp4 experts, bfloat16"]
+    assert runtime.warmup_families(dtypes=["float16"], torch_module=False) == [
+        "routing kernels, float16/bfloat16 logits", "dispatch kernels, float16"]
+
+
+@pytest.mark.parametrize("formats, error, match", [
+    (("fp8",), ValueError, r"formats=\('fp8',\): 'fp8' is not a format; each must be one of "
+                           r"\('float', 'fp8_block', 'fp8_tensor', 'mxfp4'\)"),
+    (("float", "int4"), ValueError, "'int4' is not a format"),
+    ("mxfp4", TypeError, "formats must be a sequence of format names"),
+    (None, TypeError, "formats must be a sequence of format names"),
+])
+def test_warmup_rejects_bad_formats(formats, error, match):
+    with pytest.raises(error, match=match):
+        runtime.warmup_families(formats=formats)
+    with pytest.raises(error, match=match):
+        runtime.warmup(formats=formats, progress=False)
+
+
+def test_warmup_refuses_quantized_formats_without_the_torch_module():
+    with pytest.raises(ValueError, match="formats=.*mxfp4.*needs the torch module"):
+        runtime.warmup(formats=("mxfp4",), torch_module=False, progress=False)
+
+
+def test_warmup_prints_one_progress_line_per_family(monkeypatch, capsys):
+    ran = []
+    monkeypatch.setattr(runtime, "_steps", lambda *args: [(name, lambda n=name: ran.append(n))
+                                                          for name in ("family one", "family two")])
+    result = runtime.warmup(["qwen3-30b-a3b"])
+    err = capsys.readouterr().err.splitlines()
+    assert ran == ["family one", "family two"]
+    assert [line.split(":")[0] for line in err] == ["warmup [1/2] family one", "warmup [2/2] family two",
+                                                   "warmup done in 0.0 s"]
+    assert all("0 functions compiled" in line for line in err)
+    assert [family["name"] for family in result["families"]] == ["family one", "family two"]
+    assert result["steps"] == 2 and result["compiled"] == 0
+
+    lines = []
+    runtime.warmup(["qwen3-30b-a3b"], progress=lines.append)  # a callable gets the lines instead
+    assert capsys.readouterr().err == ""
+    assert [line.split(":")[0] for line in lines] == ["warmup [1/2] family one", "warmup [2/2] family two",
+                                                     "warmup done in 0.0 s"]
+    runtime.warmup(["qwen3-30b-a3b"], progress=False)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(TypeError, match="progress must be True, False or a callable"):
+        runtime.warmup(["qwen3-30b-a3b"], progress="yes")
