@@ -27,12 +27,20 @@ At each forward of the first layer while the transfer is pending, the ranks agre
 one-integer ``all_reduce`` whether every rank's transfer finished; the first forward at
 which it has swaps all layers on every rank together. A failed transfer is dropped on every
 rank (the old placement stays) and reported by the handle's ``error``.
+
+Threads sharing a layer: every swap (synchronous, at a forward, or at ``handle.wait()``)
+holds each layer's placement guard (`moeroute.bindings.torch.placement_guard`) exclusively
+while it writes. A forward holds it shared from its routing to its output, so a forward in
+flight finishes on the placement it routed with, and forwards starting meanwhile wait for
+the swap.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import threading
 import warnings
 from typing import Any
 
@@ -276,6 +284,9 @@ class _Pending:
         self.names, self.received, self.work = names, received, work
         self.recv_buffer, self.group, self.handle = recv_buffer, group, handle
         self.comm_device = recv_buffer.device
+        # One thread finishes (agrees and swaps); another forward's at_forward waits for it.
+        self._finishing = threading.Lock()
+        self._settled = self._warned = False
         self.local_rows = [self._local_rows(layer, plan, layer_names)
                            for layer, plan, layer_names in zip(layers, plans, names)]
 
@@ -317,6 +328,12 @@ class _Pending:
 
     def finish(self, block: bool) -> bool:
         """Swap every layer when every rank's transfer finished; True when swapped."""
+        with self._finishing:
+            if self._settled:  # another thread swapped or dropped it while this one waited
+                return self.handle.done
+            return self._finish(block)
+
+    def _finish(self, block: bool) -> bool:
         if block and self.work is not None:
             try:
                 self.work.wait()
@@ -329,6 +346,7 @@ class _Pending:
         if agreed == 0:
             return False
         self._detach()
+        self._settled = True
         if agreed < 0:
             if self.handle.error is None:
                 self.handle.error = CollectiveError(
@@ -343,7 +361,8 @@ class _Pending:
         """Called by an MoE forward while this transfer is pending (see the module docstring)."""
         if layer is not self.layers[0]:
             return
-        if not self.finish(block=False) and self.handle.error is not None:
+        if not self.finish(block=False) and self.handle.error is not None and not self._warned:
+            self._warned = True
             warnings.warn(str(self.handle.error), RuntimeWarning, stacklevel=3)
 
     def _detach(self) -> None:
@@ -354,7 +373,9 @@ class _Pending:
     def _swap(self) -> None:
         """Every layer to its new placement. All that can fail (new layouts, dispatchers,
         row buffers) is built first; then the rows are written in place and the layouts
-        assigned, steps that allocate nothing."""
+        assigned, steps that allocate nothing, each layer's placement guard held
+        exclusively: the forwards in flight (other threads) finish on the old placement
+        first, and none starts until the swap is done."""
         prepared = []
         with torch.no_grad():
             for index, layer in enumerate(self.layers):
@@ -377,15 +398,18 @@ class _Pending:
                 dispatcher = LocalDispatcher(layout) if isinstance(old, LocalDispatcher) else \
                     make_dispatcher(layout, old.group, layout.dispatch, debug=old.debug)
                 prepared.append((layer, writes, layout, dispatcher))
-            for layer, writes, layout, dispatcher in prepared:
-                for tensor, where, rows in writes:
-                    _storage(tensor).index_copy_(0, where, _storage(rows))
-                layer.layout, layer.dispatcher = layout, dispatcher
-                if layer.load_recorder is not None:
-                    layer.load_recorder.reset()
-        for layer, writes, _, _ in prepared:
-            if writes and getattr(layer.experts, "pack_cpu", False):
-                layer.experts.pack_cpu_weights(True)  # the oneDNN copies are snapshots
+            with contextlib.ExitStack() as guards:
+                for layer in self.layers:  # in layer order, as every swap takes them
+                    guards.enter_context(layer.placement_guard.swap())
+                for layer, writes, layout, dispatcher in prepared:
+                    for tensor, where, rows in writes:
+                        _storage(tensor).index_copy_(0, where, _storage(rows))
+                    layer.layout, layer.dispatcher = layout, dispatcher
+                    if layer.load_recorder is not None:
+                        layer.load_recorder.reset()
+                for layer, writes, _, _ in prepared:
+                    if writes and getattr(layer.experts, "pack_cpu", False):
+                        layer.experts.pack_cpu_weights(True)  # the oneDNN copies are snapshots
 
 
 def _check_request(layers, placement) -> np.ndarray:

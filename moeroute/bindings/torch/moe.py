@@ -86,6 +86,7 @@ from moeroute.bindings.torch.hf_keys import map_transformers_keys
 from moeroute.bindings.torch.hf_keys import split_slots as _split_slots
 from moeroute.bindings.torch.load_window import DEFAULT_LOAD_WINDOW, LoadRecorder, check_window
 from moeroute.bindings.torch.mxfp4_experts import check_mxfp4_weights
+from moeroute.bindings.torch.placement_guard import PlacementGuard
 from moeroute.config import RouterConfig
 from moeroute.layout import EP_DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, ExpertLayout
 from moeroute.quant import QuantConfig, dequantize_fp8_block, dequantize_fp8_tensor, quantize_experts
@@ -493,6 +494,8 @@ class MoE(nn.Module):
             raise ValueError(f"record_load={record_load!r} must be a bool")
         self.load_recorder = LoadRecorder(check_window(load_window)) if record_load else None
         self.pending_placement = None
+        # Forwards share the placement; an EPLB swap waits for those in flight (eplb.live).
+        self.placement_guard = PlacementGuard()
 
     def ep_fingerprint(self) -> dict:
         """The fields every rank of an expert-parallel group must agree on (plain values):
@@ -866,6 +869,12 @@ class MoE(nn.Module):
         self._check_forward_inputs(hidden_states, router_logits)
         if self.pending_placement is not None:  # EPLB: an async apply swaps in here when done
             self.pending_placement.at_forward(self)
+        # From routing to the output one placement: a swap waits until this forward is done.
+        with self.placement_guard.forward():
+            return self._forward_on_placement(hidden_states, router_logits)
+
+    def _forward_on_placement(self, hidden_states, router_logits):
+        """`forward_impl` after its checks, under the placement guard (shared)."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
         layout, rsf = self.layout, self.router.routed_scaling_factor
