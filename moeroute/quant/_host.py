@@ -358,8 +358,10 @@ def quantize_rows(x, group, round_bf16, min_amax, q_out, s_out):
     ``s = max(amax(|x_group|), min_amax) / 448``, ``q = e4m3(clamp(x / s, -448, 448))``
     rounded to nearest, ties to even; q_out [M, K] float32 holds the e4m3 values, s_out
     [M, ceil(K/group)] float32 the scales. ``round_bf16``: ``x`` is first rounded to
-    bfloat16 (nearest, ties to even), as the cast to the activation dtype does. Serial: it
-    runs between other calls on small batches, where a parallel region costs more.
+    bfloat16 (nearest, ties to even), as the cast to the activation dtype does. A NaN in a
+    group makes its scale and every value NaN (torch's amax and clamp propagate it), so that
+    token's output is NaN on every path. Serial: it runs between other calls on small
+    batches, where a parallel region costs more.
     """
     rows, cols = x.shape
     for m in range(rows):
@@ -370,18 +372,29 @@ def quantize_rows(x, group, round_bf16, min_amax, q_out, s_out):
             source = row.view(np.int32)
             for k in range(cols):
                 b = source[k]
-                bits[k] = (b + 0x7FFF + ((b >> 16) & 1)) & np.int32(-65536)
+                if (b & 0x7FFFFFFF) > 0x7F800000:  # NaN stays NaN (rounding could carry it to inf)
+                    bits[k] = np.int32(0x7FC00000)
+                else:
+                    bits[k] = (b + 0x7FFF + ((b >> 16) & 1)) & np.int32(-65536)
             row = q_row
         for g in range((cols + group - 1) // group):
             k0 = g * group
             k1 = min(cols, k0 + group)
             amax = np.float32(0.0)
             for k in range(k0, k1):
-                amax = max(amax, abs(row[k]))
-            scale = max(amax, min_amax) / np.float32(448.0)
+                a = abs(row[k])
+                if not a <= amax:  # NaN included: torch's amax propagates it
+                    amax = a
+                    if a != a:
+                        break
+            scale = amax / np.float32(448.0) if amax != amax else max(amax, min_amax) / np.float32(448.0)
             s_out[m, g] = scale
             for k in range(k0, k1):
-                v = min(max(row[k] / scale, np.float32(-448.0)), np.float32(448.0))
+                v = row[k] / scale
+                if v != v:  # a NaN scale or element (or inf / inf): NaN, as torch's clamp keeps it
+                    q_row[k] = v
+                    continue
+                v = min(max(v, np.float32(-448.0)), np.float32(448.0))
                 a = abs(v)
                 if a < np.float32(2.0 ** -6):  # e4m3 subnormals: multiples of 2**-9
                     r = np.float32(np.rint(a * np.float32(512.0)) / np.float32(512.0))
@@ -407,7 +420,8 @@ _WEIGHT_TILE = 4
 
 def _e4m3_bfloat16_bytes() -> tuple[list[int], list[int]]:
     """The high and low bytes of the bfloat16 bits of each e4m3 magnitude code (0..127),
-    exact (the NaN code 0x7F as 480, what the float path's decoder gives it)."""
+    exact (the NaN code 0x7F as 480, as the float path's decoder reads it: NaN weight bytes
+    are refused at load, `moeroute.quant.fp8.check_fp8_weight`)."""
     codes = np.arange(128, dtype=np.uint8)
     values = np.array([_e4m3_magnitude(int(c)) for c in codes], np.float32)
     bits = values.view(np.uint32)

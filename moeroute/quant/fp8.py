@@ -31,7 +31,7 @@ __all__ = [
     "quantize_fp8_block", "dequantize_fp8_block",
     "quantize_fp8_tensor", "dequantize_fp8_tensor",
     "quantize_fp8_activations", "quantize_fp8_static",
-    "quantize_experts", "dequantize_experts", "check_scale",
+    "quantize_experts", "dequantize_experts", "check_scale", "check_fp8_weight",
 ]
 
 #: The storage dtype of FP8 weights and activations.
@@ -244,6 +244,32 @@ def _check_fp8(name: str, q) -> None:
         raise ValueError(f"{name} must be float8_e4m3fn, got {q.dtype}")
     if q.dim() < 2:
         raise ValueError(f"{name} must have at least 2 dims [..., rows, cols], got shape {tuple(q.shape)}")
+
+
+#: The magnitude bits of float8_e4m3fn's NaN (bytes 0x7F and 0xFF): e4m3fn has no infinities.
+_E4M3_NAN_BITS = 0x7F
+
+
+def check_fp8_weight(name: str, q: torch.Tensor, expert: int | None = None) -> None:
+    """ValueError naming ``name`` and the expert where float8_e4m3fn weights ``q`` hold a NaN.
+
+    The bytes 0x7F and 0xFF are NaN in float8_e4m3fn; the CPU decoders would read them as
+    +-480 (the exponent and mantissa formula), so every token routed to that expert would get
+    a finite, wrong output. They are refused where weights enter a module, as MXFP4's scale
+    byte 255 is. ``q``: stacked [N, rows, cols] (the first index is the expert), or one
+    expert's matrix with ``expert`` its id. Reads the bytes (a CUDA sync): load time only.
+    """
+    if not q.numel():
+        return
+    bad = (q.view(torch.uint8) & _E4M3_NAN_BITS) == _E4M3_NAN_BITS
+    if not bool(bad.any()):
+        return
+    index = tuple(int(i) for i in bad.nonzero()[0])
+    if expert is None:
+        expert = index[0] if q.dim() >= 3 else None
+    which = "" if expert is None else f" (expert {expert})"
+    raise ValueError(f"{name}{list(index)}{which} is the byte 0x{int(q.view(torch.uint8)[index]):02X}, NaN in "
+                     "float8_e4m3fn; FP8 weights must be finite (bytes other than 0x7F and 0xFF)")
 
 
 #: Scale dtypes accepted at the boundary; converted (exactly) to float32.

@@ -14,9 +14,9 @@ The FP8 weights are never dequantized whole. Two strategies, picked by rows per 
   (parallel, or serial when torch has one thread); the second adds into the float32 sums
   directly. The bookkeeping is `moeroute.bindings.torch._rows.plan_rows` (one Numba pass).
 * "blocks" (many rows per expert, prefill): per expert, `CHUNK_BYTES` of weight rows at a
-  time are decoded into one reusable buffer (straight to bfloat16 for bfloat16 activations,
-  else float32), and multiplied by the expert's rows with torch (oneDNN/MKL): the GEMM's
-  compute is then the cost, as in the float layer.
+  time are decoded into one reusable float32 buffer, and multiplied by the expert's
+  quantized rows (float32, whatever the activation dtype: the row kernels' numerics) with
+  torch (oneDNN/MKL): the GEMM's compute is then the cost, as in the float layer.
 
 `choose_fp8_strategy` picks between them; bench/quant.py measured the crossover. On a CPU
 with AVX512-BF16 and shapes whose rows and column blocks are whole 64-weight steps
@@ -39,7 +39,7 @@ from moeroute.bindings.torch.experts import _numba_threads, check_same_device
 from moeroute.bindings.torch.mxfp4_experts import mxfp4_experts_forward
 from moeroute.bindings.torch.quant_strategy import choose_strategy as choose_fp8_strategy
 from moeroute.quant import FP8_DTYPE, QuantConfig, check_scale, quantize_fp8_activations, quantize_fp8_static
-from moeroute.quant.fp8 import MIN_AMAX
+from moeroute.quant.fp8 import MIN_AMAX, check_fp8_weight
 from moeroute.quant import _host
 from moeroute.routing._parallel import cpu_threads
 
@@ -436,12 +436,13 @@ def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None, decoder=
     out = torch.empty(xs.shape[0], rows_out, dtype=torch.float32, device=xs.device)
     # The CPU decodes to float32 and multiplies in float32 whatever the activation dtype: a
     # bfloat16 GEMM is several times slower than float32 on CPUs without bfloat16
-    # instructions, and bfloat16 activations are exact in float32.
+    # instructions. The quantized activations (q_a * s_a, float32) are taken as they are:
+    # rounding them to bfloat16 would leave the definition (up to 1.4e-2 of the output's
+    # largest value), while the row kernels, which every row count takes on AVX512-BF16,
+    # compute it exactly; so every CPU path has one numerics.
     chunk_rows = min(rows_out, max(1, CHUNK_BYTES // (4 * cols)))  # rows need not align to blocks
     buffer = torch.empty(chunk_rows, cols, dtype=torch.float32, device=xs.device)
-    x_cast = xs.to(dtype)
-    if decoder == "numba":
-        x_cast = x_cast.float()
+    x_cast = xs.float() if decoder == "numba" else xs.to(dtype)
     q_bytes = q.view(torch.uint8)
     # Chunks never straddle gate and up (their block rows are numbered apart).
     spans = [(0, rows_out, 0)] if halves is None else [(0, halves[0], 0), (halves[0], rows_out, halves[0])]
@@ -571,6 +572,18 @@ class QuantizedExperts(nn.Module):
                 param.data = old.to(device=param.device)
         return result
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # Every state-dict path into the module (moeroute's own names included) refuses NaN
+        # e4m3 weight bytes before anything is copied, as the other loaders do.
+        if self.quant.format != "mxfp4":
+            for name in ("w_gate_up", "w_down"):
+                tensor = state_dict.get(prefix + name)
+                if isinstance(tensor, torch.Tensor) and tensor.dtype == FP8_DTYPE and not tensor.is_meta:
+                    check_fp8_weight(prefix + name, tensor)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
     def extra_repr(self) -> str:
         return (f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, activation={self.activation!r}, "
@@ -596,15 +609,17 @@ def check_quantized_weights(quant: QuantConfig, num_experts: int, hidden_size: i
                             check_values: bool = True) -> dict:
     """The full stacked FP8 tensors checked at the boundary; name -> tensor (scales float32).
 
-    ``check_values=False`` checks shapes and dtypes only (no read of the scales' values).
+    ``check_values=False`` checks shapes and dtypes only (no read of the weights' bytes or
+    the scales' values).
 
     Raises
     ------
     TypeError, ValueError
         Naming the argument: a float weight (quantize it first), an FP8 weight without its
-        scales, shapes other than `QuantConfig.scale_shapes`, scales that are not float32,
-        not finite or not positive, a static scheme without ``input_scale`` (or one given
-        to a dynamic layer).
+        scales, shapes other than `QuantConfig.scale_shapes`, a weight byte that is NaN in
+        float8_e4m3fn (0x7F, 0xFF; named with its expert: `moeroute.quant.fp8.check_fp8_weight`),
+        scales that are not float32, not finite or not positive, a static scheme without
+        ``input_scale`` (or one given to a dynamic layer).
     """
     expected = {"w_gate_up": (num_experts, 2 * intermediate_size, hidden_size),
                 "w_down": (num_experts, hidden_size, intermediate_size)}
@@ -617,6 +632,8 @@ def check_quantized_weights(quant: QuantConfig, num_experts: int, hidden_size: i
                              "with moeroute.quant.quantize_experts")
         if tuple(weight.shape) != expected[name]:
             raise ValueError(f"{name} has shape {tuple(weight.shape)}, expected {list(expected[name])}")
+        if check_values:
+            check_fp8_weight(name, weight)
     gate_up_shape, down_shape = quant.scale_shapes(num_experts, hidden_size, intermediate_size)
     for name, scale in (("gate_up_scale", gate_up_scale), ("down_scale", down_scale)):
         if scale is None:
