@@ -584,6 +584,24 @@ class QuantizedExperts(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
+    def __getstate__(self):
+        # pickle cannot save float8 storages (torch.save can): the e4m3 weights travel as their
+        # bytes (uint8 views, no copy) and are viewed back as float8_e4m3fn in __setstate__.
+        state = super().__getstate__()
+        parameters = state["_parameters"].copy()
+        as_bytes = [name for name, p in parameters.items() if p is not None and p.dtype == FP8_DTYPE]
+        for name in as_bytes:
+            parameters[name] = parameters[name].detach().view(torch.uint8)
+        state["_parameters"] = parameters
+        state["_fp8_as_bytes"] = as_bytes
+        return state
+
+    def __setstate__(self, state) -> None:
+        as_bytes = state.pop("_fp8_as_bytes", ())
+        super().__setstate__(state)
+        for name in as_bytes:
+            self._parameters[name] = nn.Parameter(self._parameters[name].view(FP8_DTYPE), requires_grad=False)
+
     def extra_repr(self) -> str:
         return (f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, activation={self.activation!r}, "

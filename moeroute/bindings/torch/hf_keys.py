@@ -44,6 +44,7 @@ __all__ = [
     "map_transformers_keys",
     "save_in_checkpoint_format",
     "split_slots",
+    "stacked_fp8_scale",
     "to_gpt_oss_layout",
 ]
 
@@ -52,6 +53,24 @@ TRANSFORMERS_RENAMES = {"gate.weight": "router_weight",
                          "gate.e_score_correction_bias": "correction_bias"}
 #: Where transformers blocks keep their shared MLP (DeepSeek/GLM, Qwen).
 TRANSFORMERS_SHARED = ("shared_experts.", "shared_expert.")
+#: One expert's per-tensor FP8 scales as saved: transformers' FP8Experts keeps [2, 1] (gate,
+#: up) and [1, 1]; moeroute [2] and a scalar. All load, as moeroute's [2] and scalar.
+FP8_TENSOR_SCALE_SHAPES = {"gate_up_scale": ((2,), (2, 1)), "down_scale": ((), (1,), (1, 1))}
+
+
+def stacked_fp8_scale(name: str):
+    """(shapes one expert's row may have, row -> moeroute's shape) of a stacked per-tensor
+    FP8 scale; ``name`` is "gate_up_scale" or "down_scale"."""
+    shape = (2,) if name == "gate_up_scale" else ()
+    return FP8_TENSOR_SCALE_SHAPES[name], lambda row: row.reshape(shape)
+
+
+def _check_shape(key: str, tensor: torch.Tensor, shapes, expert=None) -> None:
+    """ValueError naming the key (and expert) unless ``tensor`` has one of ``shapes``."""
+    if tuple(tensor.shape) not in shapes:
+        where = "" if expert is None else f" (expert {expert})"
+        raise ValueError(f"{key}{where} has shape {list(tensor.shape)}, expected "
+                         f"{' or '.join(str(list(shape)) for shape in shapes)}")
 
 
 def split_slots(gate, up, down, inter: int, num_slots: int):
@@ -85,7 +104,11 @@ def map_transformers_keys(module, state_dict: dict, prefix: str) -> None:
     gate_up_key, down_key = prefix + "experts.gate_up_proj", prefix + "experts.down_proj"
     if module.quant is not None:
         map_quantized_expert_keys(module, state_dict, prefix, shared)
-    elif gate_up_key in state_dict and down_key in state_dict:
+    elif gate_up_key in state_dict or down_key in state_dict:
+        missing = [key for key in (gate_up_key, down_key) if key not in state_dict]
+        if missing:
+            raise KeyError(f"{missing[0]} is missing from the state dict: the routed experts need "
+                           f"{gate_up_key} and {down_key}")
         gate_up, down = state_dict.pop(gate_up_key), state_dict.pop(down_key)
         ids = module.routed_expert_ids()
         if ids != list(range(gate_up.shape[0])):
@@ -109,9 +132,20 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
     Reads DeepSeek-V3's per-expert keys (``experts.{e}.{gate,up,down}_proj.weight`` with
     ``.weight_scale_inv``) or transformers 5's stacked FP8Experts keys; the other ranks'
     experts are dropped. Fused shared slots are the shared MLP (float, or FP8 with
-    ``weight_scale_inv``) quantized with the layer's config.
+    ``weight_scale_inv``) quantized with the layer's config. Per-tensor scales load as
+    transformers' FP8Experts saves them ([N, 2, 1] and [N, 1, 1]) or as moeroute does.
+
+    Raises
+    ------
+    KeyError
+        A tensor the layer takes is missing (named): an expert's weight or scale, a stacked
+        tensor, an MXFP4 expert bias of a layer with ``expert_bias=True``.
+    ValueError
+        Naming the key (and expert): a float weight, a tensor whose shape is not the layer's
+        (checked before anything is stacked), MXFP4 biases for a layer without them.
     """
     if module.quant.format == "mxfp4":  # gpt-oss's MXFP4 names (mxfp4_experts)
+        _check_expert_biases(module, state_dict, prefix, prefix + "experts.gate_up_proj_blocks")
         map_gpt_oss_mxfp4_keys(module, state_dict, prefix)
         return
     quant, inter, hid = module.quant, module.intermediate_size, module.routed_hidden_size
@@ -124,7 +158,18 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
         if match:
             found[int(match.group(1)), match.group(2), match.group(3)] = state_dict.pop(key)
     if found:
+        gate_up_scale_shape, down_scale_shape = (shape[1:] for shape in quant.scale_shapes(1, hid, inter))
+        if quant.format == "fp8_block":
+            scale_shapes = {"gate_proj": (gate_up_scale_shape[0] // 2, gate_up_scale_shape[1]),
+                            "up_proj": (gate_up_scale_shape[0] // 2, gate_up_scale_shape[1]),
+                            "down_proj": down_scale_shape}
+            scale_shapes = {projection: (shape,) for projection, shape in scale_shapes.items()}
+        else:  # one value per projection, saved as a scalar, [1] or [1, 1]
+            scale_shapes = dict.fromkeys(PROJECTIONS, ((), (1,), (1, 1)))
+        weight_shapes = {"gate_proj": ((inter, hid),), "up_proj": ((inter, hid),), "down_proj": ((hid, inter),)}
+
         def take(e, projection, kind):
+            # Each tensor checked before stacking: torch's stack/cat errors name no key.
             key = f"{prefix}experts.{e}.{projection}.{kind}"
             if (e, projection, kind) not in found:
                 raise KeyError(f"{key} is missing from the state dict (this rank holds expert {e})")
@@ -132,6 +177,7 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
             if kind == "weight" and tensor.dtype != torch.float8_e4m3fn:
                 raise ValueError(f"{key} has dtype {tensor.dtype} but the layer has quant={quant.format!r} "
                                  "(float8_e4m3fn weights with their weight_scale_inv)")
+            _check_shape(key, tensor, (weight_shapes if kind == "weight" else scale_shapes)[projection], e)
             return tensor
 
         gate, up, down = ([take(e, p, "weight") for e in ids] for p in PROJECTIONS)
@@ -149,12 +195,25 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
         names = ["experts.gate_up_proj", "experts.down_proj", *STACKED_SCALE_KEYS]
         if quant.activation == "static":
             names += ["experts.gate_up_proj_activation_scale", "experts.down_proj_activation_scale"]
+        missing = [prefix + name for name in names if prefix + name not in state_dict]
+        if missing:
+            raise KeyError(f"{missing[0]} is missing from the state dict (FP8 experts need it)")
+        gate_up_scale_shape, down_scale_shape = (shape[1:] for shape in quant.scale_shapes(1, hid, inter))
+        row_shapes = [((2 * inter, hid),), ((hid, inter),), (gate_up_scale_shape,), (down_scale_shape,),
+                      ((),), ((),)]
+        if quant.format == "fp8_tensor":  # transformers' FP8Experts: [N, 2, 1] and [N, 1, 1]
+            row_shapes[2:4] = [stacked_fp8_scale("gate_up_scale")[0], stacked_fp8_scale("down_scale")[0]]
         stacked = []
-        for name in names:
-            if prefix + name not in state_dict:
-                raise KeyError(f"{prefix + name} is missing from the state dict (FP8 experts need it)")
-            tensor = state_dict.pop(prefix + name)
+        for name, shapes in zip(names, row_shapes):
+            key = prefix + name
+            tensor = state_dict.pop(key)
+            n = module.router.num_experts
+            if tensor.dim() == 0 or tensor.shape[0] != n or tuple(tensor.shape[1:]) not in shapes:
+                raise ValueError(f"{key} has shape {list(tensor.shape)}, expected "
+                                 f"{' or '.join(str([n, *shape]) for shape in shapes)} (the {n} experts)")
             stacked.append(tensor.index_select(0, torch.tensor(ids, device=tensor.device)))
+        if quant.format == "fp8_tensor":
+            stacked[2], stacked[3] = stacked[2].reshape(len(ids), 2), stacked[3].reshape(len(ids))
         gate_up_scale = gate_up_scale_from_stacked(stacked[2], quant, inter)
         input_scale = torch.stack(stacked[4:6], dim=1) if quant.activation == "static" else None
         routed = (stacked[0], stacked[1], gate_up_scale, stacked[3], input_scale)
@@ -182,6 +241,25 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
         if len(parts) == 1 and parts[0].shape[0] < full.shape[0]:  # routed only: keep the slots
             parts.append(full[parts[0].shape[0]:].detach().clone())
         state_dict[prefix + "experts." + name] = torch.cat([p.to(full.device) for p in parts])
+
+
+def _check_expert_biases(module, state_dict: dict, prefix: str, experts_key: str) -> None:
+    """A state dict carrying the routed experts (``experts_key``) carries their biases
+    exactly when the layer has them: a missing one would leave zeros, an extra one would be
+    dropped, both silently."""
+    if experts_key not in state_dict:
+        return
+    keys = (prefix + "experts.gate_up_proj_bias", prefix + "experts.down_proj_bias")
+    if module.experts.b_gate_up is not None:
+        missing = [key for key in keys if key not in state_dict]
+        if missing:
+            raise KeyError(f"{missing[0]} is missing from the state dict: the layer has expert biases "
+                           f"(expert_bias=True) and {experts_key} comes without them")
+    else:
+        present = [key for key in keys if key in state_dict]
+        if present:
+            raise ValueError(f"the state dict holds {present[0]} but the layer has no expert biases, so they "
+                             "would be dropped; build it with expert_bias=True")
 
 
 def fused_slots(module, shared: dict, like: torch.Tensor):
@@ -251,7 +329,12 @@ class TransformersCheckpoint:
                 state_dict[prefix + target] = state_dict.pop(prefix + source)
         sources = [prefix + "experts." + name for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias",
                                                              "down_proj_bias")]
-        if all(key in state_dict for key in sources):
+        present = [key for key in sources if key in state_dict]
+        if present and len(present) != len(sources):
+            missing = [key for key in sources if key not in state_dict]
+            raise KeyError(f"{missing[0]} is missing from the state dict: gpt-oss experts need "
+                           f"{', '.join(sources)}")
+        if present:
             converted = from_gpt_oss_layout(*(state_dict.pop(key) for key in sources))
             ids = module.routed_expert_ids()
             if ids != list(range(converted[0].shape[0])):  # this rank's experts (and replicas)
