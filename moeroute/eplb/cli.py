@@ -8,7 +8,10 @@ Per layer it prints the balancedness (mean rank load / max rank load) of the lin
 round-robin placements and of the plan, the heaviest rank's tokens before (linear) and
 after, and the experts moved (from ``--previous`` when given, else from the linear
 placement). ``--out`` writes the plan: ``.npy`` the int32 [L, P] table, ``.json`` the
-`Placement.to_dict` fields. Every argument error exits with status 2 and one line.
+`Placement.to_dict` fields. Every argument error exits with status 2 and one line on stderr,
+never a traceback: a file that cannot be read as a load (garbage, a ``torch.save`` of
+anything but one tensor, no numbers), an ``--out`` directory that does not exist (checked
+before any work), a plan larger than `MAX_PLAN_ENTRIES`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,13 @@ SYNTHETIC_KEYS = {"zipf": 1.1, "layers": 4, "tokens": 65536, "experts": 256, "se
 #: File suffixes ``--load`` / ``--previous`` read and ``--out`` writes.
 LOAD_SUFFIXES = (".npy", ".pt", ".json")
 OUT_SUFFIXES = (".npy", ".json")
+#: Largest plan, layers x physical experts, the command builds: far above any model
+#: (DeepSeek-V3: 58 x 288), and a bound on what planning allocates (a few arrays of it).
+MAX_PLAN_ENTRIES = 2**22
+#: Largest ``tokens`` of ``--synthetic``: the multinomial draw counts in int64.
+MAX_SYNTHETIC_TOKENS = 2**62
+#: The first bytes of every .npy file.
+NPY_MAGIC = b"\x93NUMPY"
 
 
 def _fail(message: str) -> None:
@@ -90,9 +100,10 @@ def synthetic_load(spec: str) -> np.ndarray:
             raise ValueError(f"--synthetic item {item!r} is not key:value with a key among "
                              f"{', '.join(SYNTHETIC_KEYS)}")
         try:
-            fields[key] = float(value) if key == "zipf" else int(value)
-        except ValueError:
-            raise ValueError(f"--synthetic {key}:{value!r} is not a number") from None
+            fields[key] = float(value) if key == "zipf" else _integer(value)
+        except (ValueError, OverflowError):
+            kind = "a number" if key == "zipf" else "an integer"
+            raise ValueError(f"--synthetic {key}:{value!r} is not {kind}") from None
     if not fields["zipf"] >= 0 or not np.isfinite(fields["zipf"]):
         raise ValueError(f"--synthetic zipf:{fields['zipf']} must be a finite exponent >= 0")
     for key in ("layers", "experts"):
@@ -101,6 +112,11 @@ def synthetic_load(spec: str) -> np.ndarray:
     for key in ("tokens", "seed"):
         if fields[key] < 0:
             raise ValueError(f"--synthetic {key}:{fields[key]} must be >= 0")
+    if fields["layers"] * fields["experts"] > MAX_PLAN_ENTRIES:
+        raise ValueError(f"--synthetic layers:{fields['layers']} x experts:{fields['experts']} exceeds "
+                         f"{MAX_PLAN_ENTRIES} loads (MAX_PLAN_ENTRIES); use fewer layers or experts")
+    if fields["tokens"] > MAX_SYNTHETIC_TOKENS:
+        raise ValueError(f"--synthetic tokens:{fields['tokens']} exceeds {MAX_SYNTHETIC_TOKENS} (2**62)")
     rng = np.random.default_rng(fields["seed"])
     popularity = 1.0 / np.arange(1, fields["experts"] + 1) ** fields["zipf"]
     popularity /= popularity.sum()
@@ -109,8 +125,22 @@ def synthetic_load(spec: str) -> np.ndarray:
     return np.array(rows, dtype=np.float64)
 
 
+def _integer(text: str) -> int:
+    """An integer key's value: digits, or a float spelling of an integer ("1e6")."""
+    try:
+        return int(text)
+    except ValueError:
+        value = float(text)
+        if not value.is_integer():
+            raise
+        return int(value)
+
+
 def read_load(path: str, what: str = "--load") -> Any:
-    """The array stored in ``path`` (.npy, .pt or .json); ValueError saying what is wrong."""
+    """The array stored in ``path`` (.npy, .pt or .json); ValueError saying what is wrong.
+
+    A ``.pt`` file must hold one tensor (or a list of numbers): ``torch.load`` runs with
+    ``weights_only=True``, so a file cannot run code, and anything else is refused."""
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in LOAD_SUFFIXES:
         raise ValueError(f"{what} {path!r} must end in one of {', '.join(LOAD_SUFFIXES)}")
@@ -118,6 +148,9 @@ def read_load(path: str, what: str = "--load") -> Any:
         raise ValueError(f"{what} {path!r} does not exist")
     try:
         if suffix == ".npy":
+            with open(path, "rb") as handle:
+                if handle.read(len(NPY_MAGIC)) != NPY_MAGIC:
+                    raise ValueError("it is not a .npy file (no NumPy header); write it with numpy.save")
             return np.load(path, allow_pickle=False)
         if suffix == ".json":
             with open(path) as handle:
@@ -125,10 +158,22 @@ def read_load(path: str, what: str = "--load") -> Any:
             return value
         import torch  # only .pt files need torch
 
-        value = torch.load(path, map_location="cpu", weights_only=True)
-        return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
-    except (OSError, ValueError, RuntimeError, TypeError) as error:
-        raise ValueError(f"{what} {path!r} cannot be read: {str(error).splitlines()[0]}") from None
+        try:
+            value = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001 (torch's own message suggests unsafe loading)
+            raise ValueError(f"it is not a torch.save file of a tensor ({type(error).__name__})") from None
+        if isinstance(value, torch.Tensor):
+            return value.detach().double().numpy() if value.is_floating_point() else value.numpy()
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"it holds a {type(value).__name__}; save one tensor [N] or [L, N] "
+                             "(torch.save(load, path))")
+        return np.asarray(value)
+    # Whatever a reader raises on a file that is not what it claims to be (torch.load alone
+    # raises UnpicklingError, EOFError, RuntimeError, ...), the answer is this one line.
+    except Exception as error:  # noqa: BLE001
+        text = str(error).strip()
+        first = text.splitlines()[0] if text else type(error).__name__
+        raise ValueError(f"{what} {path!r} cannot be read: {first}") from None
 
 
 def _previous_table(value: Any) -> Any:
@@ -137,6 +182,17 @@ def _previous_table(value: Any) -> Any:
             raise ValueError("--previous JSON must be a table or an object with physical_to_logical")
         return value["physical_to_logical"]
     return value
+
+
+def _check_out(path: str) -> None:
+    """ValueError naming ``--out`` unless ``path`` has a written suffix and its directory exists."""
+    if os.path.splitext(path)[1].lower() not in OUT_SUFFIXES:
+        raise ValueError(f"--out {path!r} must end in one of {', '.join(OUT_SUFFIXES)}")
+    directory = os.path.dirname(path) or "."
+    if not os.path.isdir(directory):
+        raise ValueError(f"--out {path!r}: the directory {directory!r} does not exist; create it first")
+    if os.path.isdir(path):
+        raise ValueError(f"--out {path!r} is a directory; name a file in it")
 
 
 def _write(path: str, plan: Placement) -> None:
@@ -195,6 +251,8 @@ def _format(report: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     """Plan, print, optionally write; 0 on success, 2 (one line on stderr) on bad input."""
     try:
+        if args.out is not None:  # before any work: a plan with nowhere to go is lost
+            _check_out(args.out)
         if args.load is not None:
             raw = read_load(args.load)
             try:
@@ -205,15 +263,36 @@ def run(args: argparse.Namespace) -> int:
             load = synthetic_load(args.synthetic)
         if load.ndim != 2:
             raise ValueError(f"--load holds shape {load.shape}; use [N] or [L, N]")
+        if load.size == 0:
+            raise ValueError(f"--load {args.load!r} holds no loads (shape {load.shape}); it needs [N] or "
+                             "[L, N] with N >= 1 tokens per logical expert")
         if args.redundant < 0:
             raise ValueError(f"--redundant {args.redundant} must be >= 0")
+        if load.shape[0] * (load.shape[1] + args.redundant) > MAX_PLAN_ENTRIES:
+            raise ValueError(f"a plan of {load.shape[0]} layer(s) x {load.shape[1] + args.redundant} physical "
+                             f"experts (N + --redundant) exceeds {MAX_PLAN_ENTRIES} entries (MAX_PLAN_ENTRIES)")
+        with np.errstate(over="ignore", invalid="ignore"):
+            totals = load.sum(axis=1)
+        if np.isfinite(load).all() and not np.isfinite(totals).all():  # each finite, the sum not
+            layer = int(np.flatnonzero(~np.isfinite(totals))[0])
+            raise ValueError(f"--load {args.load!r}: layer {layer} sums to {totals[layer]}; the loads of a "
+                             "layer must have a finite sum (scale them down)")
         previous = None
         if args.previous is not None:
             previous = np.asarray(_previous_table(read_load(args.previous, "--previous")))
-        if args.out is not None and os.path.splitext(args.out)[1].lower() not in OUT_SUFFIXES:
-            raise ValueError(f"--out {args.out!r} must end in one of {', '.join(OUT_SUFFIXES)}")
         plan = rebalance(load, load.shape[1] + args.redundant, args.ep, num_nodes=args.nodes,
                          num_groups=args.groups, previous=previous)
+        report = _report(load, args, plan, previous)
+        if args.out is not None:
+            try:
+                _write(args.out, plan)
+            except OSError as error:
+                raise ValueError(f"--out {args.out!r} cannot be written: {error.strerror or error}") from None
+            report["out"] = args.out
+    except MemoryError:
+        print("moeroute eplb: error: not enough memory to plan this placement; use fewer layers, "
+              "experts or --redundant", file=sys.stderr)
+        return EXIT_USAGE
     except ValueError as error:
         message = str(error)
         for name, flag in (("num_physical_experts", "N + --redundant"), ("ep_size", "--ep"),
@@ -223,9 +302,5 @@ def run(args: argparse.Namespace) -> int:
             message = "--" + message
         print(f"moeroute eplb: error: {message}", file=sys.stderr)
         return EXIT_USAGE
-    report = _report(load, args, plan, previous)
-    if args.out is not None:
-        _write(args.out, plan)
-        report["out"] = args.out
     print(json.dumps(report, indent=2) if args.json else _format(report))
     return 0

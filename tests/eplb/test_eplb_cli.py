@@ -132,3 +132,99 @@ def test_bench_quick_run_matches_or_beats_the_greedy(tmp_path):
         assert setting["layers_worse_than_greedy"] == 0
         assert setting["balancedness_moeroute"] >= setting["balancedness_greedy"] * (1 - 1e-9)
         assert setting["moved_with_previous_per_layer"] <= setting["moved_fresh_per_layer"]
+
+
+# --------------------------------------------------------------------------- hostile input
+
+def _one_line_exit_2(capsys, argv, *words):
+    """Exit status 2, one line on stderr naming ``words``, nothing on stdout, no traceback."""
+    assert main(["eplb", *argv]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moeroute eplb: error:"), captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+def test_load_files_that_hold_no_load_exit_2_with_one_line(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    torch.save({"load": torch.ones(4)}, tmp_path / "dict.pt")
+    (tmp_path / "garbage.pt").write_bytes(b"\x00 not a torch file \xff" * 8)
+    (tmp_path / "garbage.npy").write_bytes(b"\x00 not a numpy file \xff" * 8)
+    np.save(tmp_path / "empty.npy", np.zeros(0))
+    np.save(tmp_path / "no_layers.npy", np.zeros((0, 4)))
+    np.save(tmp_path / "overflow.npy", np.full(4, 1e308))
+    cases = [("dict.pt", ["holds a dict", "one tensor"]),
+             ("garbage.pt", ["cannot be read", "not a torch.save file"]),
+             ("garbage.npy", ["cannot be read", "not a .npy file"]),
+             ("empty.npy", ["holds no loads", "(1, 0)"]),
+             ("no_layers.npy", ["holds no loads", "(0, 4)"]),
+             ("overflow.npy", ["layer 0 sums to inf"])]
+    for name, words in cases:
+        _one_line_exit_2(capsys, ["--load", str(tmp_path / name), "--ep", "2"], "--load", name, *words)
+    # The same reader serves --previous.
+    _one_line_exit_2(capsys, ["--synthetic", "experts:8", "--ep", "2", "--previous", str(tmp_path / "garbage.pt")],
+                     "--previous", "not a torch.save file")
+
+
+def test_out_into_a_missing_directory_is_refused_before_planning(tmp_path, capsys, monkeypatch):
+    import moeroute.eplb.cli as eplb_cli
+
+    def must_not_plan(*args, **kwargs):
+        raise AssertionError("planned before checking --out")
+
+    monkeypatch.setattr(eplb_cli, "rebalance", must_not_plan)
+    monkeypatch.setattr(eplb_cli, "synthetic_load", must_not_plan)
+    missing = tmp_path / "missing" / "plan.npy"
+    _one_line_exit_2(capsys, ["--synthetic", "experts:8", "--ep", "2", "--out", str(missing)],
+                     "--out", "does not exist")
+    (tmp_path / "file").write_text("")
+    _one_line_exit_2(capsys, ["--synthetic", "experts:8", "--ep", "2", "--out", str(tmp_path / "file" / "plan.json")],
+                     "--out", "does not exist")
+    (tmp_path / "dir.npy").mkdir()
+    _one_line_exit_2(capsys, ["--synthetic", "experts:8", "--ep", "2", "--out", str(tmp_path / "dir.npy")],
+                     "--out", "is a directory")
+    assert not missing.parent.exists()
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("experts:1e16", ["experts:10000000000000000", "exceeds"]),
+    ("experts:10000000000000000", ["exceeds", "MAX_PLAN_ENTRIES"]),
+    ("layers:100000000000,experts:8", ["layers:100000000000", "exceeds"]),
+    ("tokens:10000000000000000000,experts:8", ["tokens:10000000000000000000", "2**62"]),
+    ("layers:1e400", ["layers", "not an integer"]),
+    ("experts:2.5", ["experts", "not an integer"]),
+])
+def test_synthetic_sizes_beyond_memory_exit_2_with_one_line(spec, words, capsys):
+    _one_line_exit_2(capsys, ["--synthetic", spec, "--ep", "2"], "--synthetic", *words)
+
+
+def test_redundant_beyond_memory_exits_2_and_float_spelled_integers_work(capsys):
+    _one_line_exit_2(capsys, ["--synthetic", "experts:8", "--ep", "2", "--redundant", "100000000000"],
+                     "--redundant", "exceeds")
+    assert synthetic_load("experts:1e1,tokens:1e3,layers:1").tolist() == \
+        synthetic_load("experts:10,tokens:1000,layers:1").tolist()
+
+
+def test_memory_error_while_planning_exits_2_with_one_line(capsys, monkeypatch):
+    import moeroute.eplb.cli as eplb_cli
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(eplb_cli, "rebalance", out_of_memory)
+    _one_line_exit_2(capsys, ["--synthetic", "experts:8", "--ep", "2"], "not enough memory")
+
+
+def test_hostile_input_in_a_subprocess_never_prints_a_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "garbage.pt").write_bytes(b"\x80\x02garbage")
+    result = subprocess.run([sys.executable, "-m", "moeroute", "eplb", "--load", str(tmp_path / "garbage.pt"),
+                             "--ep", "2", "--out", str(tmp_path / "plan.npy")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
