@@ -6,9 +6,12 @@ replicas into logical experts; `apply` moves the expert weights of live layers t
 
 How `apply` moves the weights (every rank of the EP group calls it with the same arguments):
 
-1. Agreement: the ranks exchange the new placement's digest, their current placements and
-   the shapes and dtypes of their expert tensors (`moeroute.bindings.ep.check_ranks_agree`);
-   a disagreement raises the same `RankMismatchError` on every rank before anything moves.
+1. Agreement: the ranks exchange everything they act on (`_agreement_fields`: the new
+   placement's table, N, P and E, the layer count, their current placements, layouts, sizes,
+   dtypes and formats, the shapes and dtypes of their expert tensors, the async flag;
+   `moeroute.bindings.ep.check_ranks_agree`); a disagreement raises the same
+   `RankMismatchError` on every rank before anything moves, and a request the ranks agree
+   on is refused by all of them or by none.
 2. Plan (computed alike on every rank from the old and new tables): a physical slot whose
    logical expert changes needs that expert's weights. When its rank already holds the
    expert, the rows are copied locally; otherwise they come from the rank holding old
@@ -412,6 +415,32 @@ class _Pending:
                         layer.experts.pack_cpu_weights(True)  # the oneDNN copies are snapshots
 
 
+def _agreement_fields(layers, placement, async_op: bool, group) -> dict:
+    """Everything a rank of `apply` acts on, as plain values: the placement (table, N, P,
+    E), every layer's current placement, layout, sizes, dtypes and format
+    (`MoE.ep_fingerprint`), its expert tensors' names, shapes and dtypes, the async flag and
+    whether the layers' ranks are this group's. Ranks that agree on these all plan the same
+    transfer, or all refuse the request with the same error; one field left out would let
+    one rank refuse alone while the others start the transfer."""
+    fields = {
+        "eplb.layers": len(layers),
+        "eplb.placement": (placement.physical_to_logical.shape, _digest(placement.physical_to_logical)),
+        "eplb.placement.ep_size": placement.ep_size,
+        "eplb.placement.num_logical_experts": placement.num_logical_experts,
+        "eplb.placement.num_physical_experts": placement.num_physical_experts,
+        "eplb.current_placement": _digest(np.stack([layer.layout.physical_to_logical for layer in layers])),
+        "eplb.expert_tensors": tuple(tuple((name, tuple(t.shape), str(t.dtype)) for name, t in _expert_tensors(layer))
+                                     for layer in layers),
+        "eplb.async_op": async_op,
+        "eplb.layers_on_group_ranks": all(layer.rank == dist.get_rank(group) for layer in layers),
+    }
+    for index, layer in enumerate(layers):
+        for name, value in layer.ep_fingerprint().items():
+            if name != "layout.physical_to_logical":  # in eplb.current_placement's digest
+                fields[f"eplb.layer{index}.{name}"] = value
+    return fields
+
+
 def _check_request(layers, placement) -> np.ndarray:
     if placement.num_layers != len(layers):
         raise ValueError(f"placement has {placement.num_layers} layer(s) for {len(layers)} MoE "
@@ -478,8 +507,10 @@ def apply(modules: Any, placement: Placement, group: Any = None, async_op: bool 
         A placement whose layer count, N, P or E does not fit the layers; a layer with a
         transfer still pending.
     moeroute.bindings.ep.RankMismatchError
-        The ranks disagree on the placement, their current placements or their expert
-        tensors: raised on every rank, nothing moved.
+        The ranks disagree on anything a rank acts on: the placement (its table, N, P or
+        E), the layer count, their current placements, layouts, sizes, dtypes, formats or
+        expert tensors, the async flag: raised on every rank, naming the fields, nothing
+        moved.
     CollectiveError
         A peer failed during the transfer or the commit: every layer keeps its old
         placement.
@@ -495,17 +526,11 @@ def apply(modules: Any, placement: Placement, group: Any = None, async_op: bool 
     group = _group_of(layers, group)
     if group is not None:
         # First, so that a placement one rank refuses cannot leave the others waiting.
-        tensors = [[(name, tuple(t.shape), str(t.dtype)) for name, t in _expert_tensors(layer)]
-                   for layer in layers]
-        check_ranks_agree({
-            "eplb.layers": len(layers),
-            "eplb.placement": (placement.physical_to_logical.shape,
-                               _digest(placement.physical_to_logical)),
-            "eplb.current_placement": _digest(np.stack([layer.layout.physical_to_logical
-                                                         for layer in layers])),
-            "eplb.expert_tensors": tuple(tuple(t) for t in tensors),
-            "eplb.async_op": async_op,
-        }, group, "the EPLB placement")
+        check_ranks_agree(_agreement_fields(layers, placement, async_op, group), group,
+                          "the EPLB placement")
+        if any(layer.rank != dist.get_rank(group) for layer in layers):  # agreed: every rank raises
+            raise ValueError(f"the layers' ranks {[layer.rank for layer in layers]} are not this process's "
+                             f"rank {dist.get_rank(group)} in group; pass the layers' EP group")
     tables = _check_request(layers, placement)
     ep_size = layers[0].layout.ep_size
     rank = layers[0].rank
