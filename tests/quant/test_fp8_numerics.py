@@ -82,6 +82,33 @@ def test_nan_weight_byte_refused_by_load_state_dict():
         module.load_state_dict({**per_expert, "gate.weight": module.router_weight.detach().clone()}, strict=False)
 
 
+def test_nan_weight_byte_refused_by_load_experts(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from moeroute.bindings.torch import load_experts
+
+    q_gu, s_gu, q_d, s_d = _poisoned(0x7F, 3, "w_down")
+    model = torch.nn.Module()
+    model.mlp = MoE(RouterConfig(N, K), H, I, quant=QUANT)
+    nb = s_gu.shape[1] // 2
+    state = {}
+    for e in range(N):
+        for name, weight, scale in (("gate_proj", q_gu[e, :I], s_gu[e, :nb]), ("up_proj", q_gu[e, I:], s_gu[e, nb:]),
+                                    ("down_proj", q_d[e], s_d[e])):
+            state[f"mlp.experts.{e}.{name}.weight"] = weight.contiguous()
+            state[f"mlp.experts.{e}.{name}.weight_scale_inv"] = scale.contiguous()
+    safetensors_torch.save_file(state, str(tmp_path / "per_expert.safetensors"))
+    with pytest.raises(ValueError, match=r"mlp\.experts\.3\.down_proj\.weight.*\[5, 7\].*NaN"):
+        load_experts(model, tmp_path / "per_expert.safetensors")
+    assert not model.mlp.experts.w_down.view(torch.uint8).any()
+    stacked = {"mlp.experts.gate_up_proj": q_gu, "mlp.experts.down_proj": q_d,
+               "mlp.experts.gate_up_proj_scale_inv": s_gu, "mlp.experts.down_proj_scale_inv": s_d}
+    (tmp_path / "per_expert.safetensors").unlink()
+    safetensors_torch.save_file(stacked, str(tmp_path / "stacked.safetensors"))
+    with pytest.raises(ValueError, match=r"mlp\.experts\.down_proj\[3\].*\[5, 7\].*NaN"):
+        load_experts(model, tmp_path / "stacked.safetensors")
+    assert not model.mlp.experts.w_down.view(torch.uint8).any()
+
+
 # ------------------------------------------------------------------------- NaN in an activation
 
 def test_quantize_rows_nan_and_inf_as_torch():
