@@ -160,7 +160,7 @@ def read_load(path: str, what: str = "--load") -> Any:
 
         try:
             value = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # noqa: BLE001 (torch's own message suggests unsafe loading)
+        except Exception as error:  # torch's own message would suggest unsafe loading
             raise ValueError(f"it is not a torch.save file of a tensor ({type(error).__name__})") from None
         if isinstance(value, torch.Tensor):
             return value.detach().double().numpy() if value.is_floating_point() else value.numpy()
@@ -170,7 +170,7 @@ def read_load(path: str, what: str = "--load") -> Any:
         return np.asarray(value)
     # Whatever a reader raises on a file that is not what it claims to be (torch.load alone
     # raises UnpicklingError, EOFError, RuntimeError, ...), the answer is this one line.
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         text = str(error).strip()
         first = text.splitlines()[0] if text else type(error).__name__
         raise ValueError(f"{what} {path!r} cannot be read: {first}") from None
