@@ -186,3 +186,21 @@ def test_warmup_prints_one_progress_line_per_family(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
     with pytest.raises(TypeError, match="progress must be True, False or a callable"):
         runtime.warmup(["qwen3-30b-a3b"], progress="yes")
+
+
+def test_warmup_command_passes_formats_and_checks_them_first(monkeypatch, capsys):
+    from moeroute import cli
+
+    calls = []
+    monkeypatch.setattr(runtime, "warmup", lambda *a, **k: calls.append(k) or
+                        {"compiled": 0, "loaded": 0, "seconds": 0.0, "cache_dir": "x"})
+    assert cli.main(["warmup", "--presets", "deepseek-v3", "--formats", "float", "mxfp4", "--quiet"]) == 0
+    assert calls[-1]["formats"] == ["float", "mxfp4"] and calls[-1]["dtypes"] == ["float32"]
+    calls.clear()
+    assert cli.main(["warmup", "--formats", "mxfp4", "--no-torch"]) == 2
+    assert calls == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["moeroute warmup: error: --formats with a quantized format needs the torch module's forward; "
+                   "drop --no-torch"]
+    assert cli.main(["warmup", "--formats", "fp8"]) == 2
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
