@@ -413,3 +413,35 @@ def test_load_experts_reads_gpt_oss_float_experts(tmp_path):
     x = randn(5, MX_H, seed=3)
     with torch.no_grad():
         assert torch.equal(layer(x), MoE.from_hf(saved)(x))
+
+
+# ------------------------------------------------------------------ moeroute's own names
+
+def test_own_names_of_the_wrong_shape_change_nothing():
+    layer = MoE(ROUTER, H, I)
+    state = {name: torch.randn(tensor.shape, generator=torch.Generator().manual_seed(1))
+             for name, tensor in layer.state_dict().items()}
+    state["experts.w_down"] = state["experts.w_down"].transpose(1, 2).contiguous()
+    before = _snapshot(layer)
+    with pytest.raises(ValueError, match=rf"experts\.w_down has shape \[{N}, {I}, {H}\], expected \[{N}, {H}, {I}\]"):
+        layer.load_state_dict(state)
+    _assert_unchanged(layer, before)
+
+
+@pytest.mark.parametrize("quant", [BLOCK, MXFP4, None], ids=["fp8", "mxfp4", "float"])
+def test_weights_of_another_format_are_never_cast(quant):
+    # Float values copied into FP8 or MXFP4 weights (or e4m3 bytes into float weights) would
+    # be cast without their scales.
+    if quant is None:
+        layer, weight = MoE(ROUTER, H, I), _quantized()[0]
+    elif quant.format == "mxfp4":
+        layer = _mxfp4_layer()
+        weight = torch.rand(layer.experts.w_gate_up.shape)
+    else:
+        layer, weight = _loaded_fp8_layer(), torch.rand(N, 2 * I, H)
+    state = dict(layer.state_dict())
+    state["experts.w_gate_up"] = weight
+    before = _snapshot(layer)
+    with pytest.raises(ValueError, match=rf"experts\.w_gate_up has dtype {weight.dtype} but the layer holds"):
+        layer.load_state_dict(state)
+    _assert_unchanged(layer, before)

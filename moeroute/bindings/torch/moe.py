@@ -730,8 +730,27 @@ class MoE(nn.Module):
             self.checkpoint_format.load(self, state_dict, prefix)
         else:
             map_transformers_keys(self, state_dict, prefix)
+        self._check_state_before_copy(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+
+    def _check_state_before_copy(self, state_dict, prefix) -> None:
+        """Every tensor of this layer (its submodules' included) in ``state_dict`` checked
+        before torch copies any: torch reports a wrong shape only after copying the others,
+        and would cast a float tensor into FP8 or MXFP4 weights (or e4m3 bytes into float
+        ones) without their scales. ValueError naming the key."""
+        own = {prefix + name: tensor for name, tensor in [*self.named_parameters(), *self.named_buffers()]}
+        for key, target in own.items():
+            tensor = state_dict.get(key)
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(f"{key} has shape {list(tensor.shape)}, expected {list(target.shape)}")
+            quantized = (torch.float8_e4m3fn, torch.uint8)
+            if tensor.dtype != target.dtype and (tensor.dtype in quantized or target.dtype in quantized):
+                raise ValueError(f"{key} has dtype {tensor.dtype} but the layer holds {target.dtype} there: "
+                                 "quantized weights load as they are, never cast (quantize float weights with "
+                                 "moeroute.quant; build a layer for FP8 or MXFP4 weights with quant=...)")
 
     # ----------------------------------------------------------------- forward
 
