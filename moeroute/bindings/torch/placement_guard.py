@@ -30,21 +30,23 @@ class PlacementGuard:
         self._forwards = 0
         self._swapping = False
         self._swaps_waiting = 0
+        self._forward = _Forward(self)  # stateless: one context manager serves every forward
 
-    @contextlib.contextmanager
-    def forward(self):
-        """Held by a forward from its routing to its output (shared)."""
+    def forward(self) -> "_Forward":
+        """Held by a forward from its routing to its output (shared): ``with guard.forward():``."""
+        return self._forward
+
+    def _enter_forward(self) -> None:
         with self._condition:
             while self._swapping or self._swaps_waiting:
                 self._condition.wait()
             self._forwards += 1
-        try:
-            yield
-        finally:
-            with self._condition:
-                self._forwards -= 1
-                if not self._forwards:
-                    self._condition.notify_all()
+
+    def _exit_forward(self) -> None:
+        with self._condition:
+            self._forwards -= 1
+            if not self._forwards and self._swaps_waiting:
+                self._condition.notify_all()
 
     @contextlib.contextmanager
     def swap(self):
@@ -56,6 +58,7 @@ class PlacementGuard:
                     self._condition.wait()
             finally:
                 self._swaps_waiting -= 1
+                self._condition.notify_all()  # forwards held back by this waiting swap re-check
             self._swapping = True
         try:
             yield
@@ -84,3 +87,19 @@ class PlacementGuard:
 
     def __deepcopy__(self, memo) -> "PlacementGuard":
         return PlacementGuard()
+
+
+class _Forward:
+    """`PlacementGuard.forward`'s context manager (a class, not a generator: the forward path
+    pays two lock round trips and nothing else)."""
+
+    __slots__ = ("_guard",)
+
+    def __init__(self, guard: PlacementGuard) -> None:
+        self._guard = guard
+
+    def __enter__(self) -> None:
+        self._guard._enter_forward()
+
+    def __exit__(self, *exc_info) -> None:
+        self._guard._exit_forward()
