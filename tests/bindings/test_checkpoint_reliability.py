@@ -216,6 +216,7 @@ def _same_bytes(a, b):
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("loader", ["load_state_dict", "load_experts"])
 def test_per_tensor_fp8_experts_block_state_loads(tmp_path, loader):
     q_gu, s_gu, q_d, s_d = expected = _quantized(TENSOR, seed=7)
@@ -382,6 +383,7 @@ def test_copies_of_quantized_layers_compute_the_same_bits(copier, quant):
 
 # ------------------------------------------------------------------ gpt-oss float experts
 
+@pytest.mark.interop
 def test_load_experts_reads_gpt_oss_float_experts(tmp_path):
     # A gpt-oss block's own float checkpoint: gate_up_proj [N, H, 2I] with gate/up columns
     # interleaved, down_proj [N, I, H], and the biases.
