@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?= -n auto --maxprocesses=4
 
-.PHONY: setup demo test lint test-vllm wheel-check bench hip-toolchain clean
+.PHONY: setup demo test lint test-oldest test-vllm wheel-check bench hip-toolchain clean
 
 setup: $(VENV)/.installed
 
@@ -70,6 +70,25 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_bench_report.py
+
+# The interop tests (pytest -m interop: the transformers loaders of every family and format)
+# at the lowest versions pyproject.toml's ranges allow (docs/versions.md), in their own venv;
+# `make test` runs them at the newest. moeroute is installed with its dependencies, so pip
+# checks that the pins lie inside the declared ranges. A Numba cache of its own: entries
+# written by another Numba release are not shared with $(VENV)'s.
+OLDEST_VENV ?= .venv-oldest
+OLDEST_PY := $(OLDEST_VENV)/bin/python
+OLDEST_PINS ?= numpy==1.24.4 numba==0.62.0 transformers==5.13.0
+
+$(OLDEST_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PY) -m pip install -q --upgrade pip
+	$(OLDEST_PY) -m pip install -q "$(TORCH_PIN)"
+	$(OLDEST_PY) -m pip install -q -e ".[hf]" $(OLDEST_PINS) "$(TORCH_PIN)" "pytest>=8" "hypothesis>=6.100"
+	touch $@
+
+test-oldest: $(OLDEST_VENV)/.installed
+	NUMBA_CACHE_DIR=$(abspath $(OLDEST_VENV))/numba-cache $(OLDEST_PY) -m pytest -q -p no:cacheprovider -m interop
 
 # The CPU benchmarks (`python -m bench --list` names them all), then docs/performance.md
 # re-rendered from their JSON.

@@ -365,12 +365,14 @@ def transformers():
     return pytest.importorskip("transformers")
 
 
+@pytest.mark.interop
 def test_from_hf_transformers_deepseek_v3(transformers):
     config = transformers.DeepseekV3Config(scoring_func="sigmoid", topk_method="noaux_tc")
     preset = ModelPreset.from_hf(config, name="deepseek-v3")
     assert preset == PRESETS["deepseek-v3"]
 
 
+@pytest.mark.interop
 def test_from_hf_transformers_qwen3_moe(transformers):
     config = transformers.Qwen3MoeConfig(num_experts=128, num_experts_per_tok=8,
                                          norm_topk_prob=True, moe_intermediate_size=768,
@@ -379,6 +381,7 @@ def test_from_hf_transformers_qwen3_moe(transformers):
     assert RouterConfig.from_hf(transformers.Qwen3MoeConfig()).renormalize is False
 
 
+@pytest.mark.interop
 def test_from_hf_transformers_composite_and_mixtral(transformers):
     preset = ModelPreset.from_hf(transformers.Qwen3_5MoeConfig())
     assert preset.model_type == "qwen3_5_moe"

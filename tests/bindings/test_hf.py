@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.interop
 
 from helpers.modules import randomize  # noqa: E402
 from helpers.reference import rel_error  # noqa: E402
@@ -339,6 +340,7 @@ def test_from_hf_gpt_oss_rejects_other_swiglu_constants():
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
     block = GptOssMLP(_gpt_oss_config(swiglu_limit=5.0))
+    block.experts.limit = 5.0  # what the forward reads (transformers 5.16 and older hard-code 7.0)
     with pytest.raises(ValueError, match="swiglu_limit=5.0"):
         MoE.from_hf(block)
 

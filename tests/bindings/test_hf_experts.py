@@ -11,6 +11,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.interop
 
 from moeroute.bindings.torch import hf  # noqa: E402
 from moeroute.bindings.torch import register_experts_implementation  # noqa: E402

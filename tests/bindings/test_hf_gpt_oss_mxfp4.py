@@ -17,7 +17,9 @@ float32 (the same dequantized values, summed in another order).
 
 from __future__ import annotations
 
+import inspect
 import json
+import sys
 import types
 import warnings
 
@@ -75,8 +77,10 @@ def checkpoint(tmp_path_factory):
 def _dequantized_model(path):
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
+    # .float(): transformers 5.19 and older dequantize the experts to bfloat16 whatever the dtype
+    # asked for (the values, e2m1 times a power of two, are exact in both).
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True),
-                                                dtype=torch.float32).eval()
+                                                dtype=torch.float32).float().eval()
 
 
 class _FlippedLayout:
@@ -119,13 +123,18 @@ def _packed_model(path, monkeypatch):
     mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
     quantizer = pytest.importorskip("transformers.quantizers.quantizer_mxfp4")
     hub_kernels = pytest.importorskip("transformers.integrations.hub_kernels")
-    if not hasattr(mxfp4, "Mxfp4GptOssMLP") or not hasattr(mxfp4, "Mxfp4Deserialize"):
-        pytest.skip("this transformers keeps MXFP4 experts in GptOssMLP itself (checked by test_mxfp4_hf.py)")
+    if not hasattr(mxfp4, "Mxfp4Deserialize"):
+        pytest.skip("this transformers loads MXFP4 checkpoints another way")
     from transformers import AutoModelForCausalLM
 
     # The environment check wants accelerate, triton and the kernels package: the stub stands in.
     monkeypatch.setattr(quantizer.Mxfp4HfQuantizer, "validate_environment", lambda self, *a, **k: None)
     monkeypatch.setattr(hub_kernels, "get_kernel", lambda *a, **k: _stub_triton_kernels_hub())
+    prepare = quantizer.Mxfp4HfQuantizer._process_model_before_weight_loading
+    if "use_kernels" in inspect.signature(prepare).parameters:
+        # transformers 5.1x dequantizes on a CPU unless told use_kernels (on a GPU it keeps the bytes).
+        monkeypatch.setattr(quantizer.Mxfp4HfQuantizer, "_process_model_before_weight_loading",
+                            lambda self, model, **kwargs: prepare(self, model, **{**kwargs, "use_kernels": True}))
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -137,8 +146,12 @@ def test_replace_moe_blocks_of_a_transformers_loaded_mxfp4_checkpoint(checkpoint
     with torch.no_grad():
         expected = reference(input_ids).logits.double()
     packed = _packed_model(checkpoint, monkeypatch)
+    # transformers >= 5.2x swaps the block for Mxfp4GptOssMLP; earlier 5.x patch GptOssMLP's forward.
+    block_class = "Mxfp4GptOssMLP" if hasattr(sys.modules["transformers.integrations.mxfp4"], "Mxfp4GptOssMLP") \
+        else "GptOssMLP"
     mlps = [layer.mlp for layer in packed.model.layers]
-    assert [type(mlp).__name__ for mlp in mlps] == ["Mxfp4GptOssMLP"] * 2
+    assert [(type(mlp).__name__, type(mlp.experts).__name__) for mlp in mlps] == \
+        [(block_class, "Mxfp4GptOssExperts")] * 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every block is supported: nothing to warn about
         assert replace_moe_blocks(packed) == 2

@@ -184,6 +184,7 @@ def test_replace_moe_blocks_peak_memory(case):
                                          ("deepseek_v3", {"shared": "runner"}), ("qwen2_moe", {}),
                                          ("qwen2_moe", {"shared": "runner"}),
                                          ("qwen3_moe", {"num_redundant_experts": 3})])
+@pytest.mark.interop
 def test_patched_model_loads_a_transformers_state_dict(name, kwargs):
     source = MODELS[name](seed=1)
     state = source.state_dict()

@@ -307,6 +307,7 @@ def _case_id(case):
     return family + "".join(f"-{key}={value}" for key, value in kwargs.items())
 
 
+@pytest.mark.interop
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("case", CHECKPOINT_CASES, ids=_case_id)
 def test_patched_model_state_dict_is_the_unpatched_models_both_ways(case):
@@ -331,6 +332,7 @@ def test_patched_model_state_dict_is_the_unpatched_models_both_ways(case):
     assert rel_error(_logits(unpatched), expected_logits) < RTOL[torch.float32]
 
 
+@pytest.mark.interop
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_save_pretrained_of_a_patched_model_loads_into_transformers(family, tmp_path):

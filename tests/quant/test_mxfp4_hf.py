@@ -15,6 +15,7 @@ from moeroute.bindings.torch import MoE, replace_moe_blocks
 from moeroute.quant import QuantConfig, dequantize_mxfp4, quantize_mxfp4
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.interop
 
 H, I, N, K = 64, 64, 8, 4
 RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}

@@ -66,6 +66,7 @@ def test_from_hf_paths(tmp_path):
     assert QuantConfig.from_hf(str(tmp_path / "config.json")) == expected
 
 
+@pytest.mark.interop
 def test_from_hf_transformers_config():
     transformers = pytest.importorskip("transformers")
     config = transformers.DeepseekV3Config(num_hidden_layers=1, quantization_config=dict(DEEPSEEK_V3))

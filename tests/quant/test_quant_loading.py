@@ -150,6 +150,7 @@ def _deepseek_model(seed=0):
     return DeepseekV3ForCausalLM(config)
 
 
+@pytest.mark.interop
 @pytest.mark.parametrize("shared", ["runner", "fused"])
 def test_patched_deepseek_loads_fp8_checkpoint_keys(shared):
     model = _deepseek_model()
@@ -165,6 +166,7 @@ def test_patched_deepseek_loads_fp8_checkpoint_keys(shared):
     assert layer.experts.w_gate_up.dtype == torch.float8_e4m3fn
 
 
+@pytest.mark.interop
 def test_from_hf_fp8_experts_block_keeps_its_tensors():
     from transformers.integrations.finegrained_fp8 import FP8Experts
 
@@ -306,6 +308,7 @@ def test_load_experts_peak_memory(tmp_path):
     assert growth <= 1.1 * fp8_bytes, (growth, fp8_bytes)
 
 
+@pytest.mark.interop
 def test_from_hf_fp8_layer_state_dict_round_trips():
     # An FP8 layer saves its FP8 weights with their scales (moeroute's names) and loads them back.
     model = _deepseek_model()
