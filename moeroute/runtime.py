@@ -265,26 +265,29 @@ def _steps(presets, dtypes, formats, torch_module) -> list[tuple[str, Callable[[
     return steps
 
 
-def _resolve_torch_module(torch_module) -> bool:
-    if torch_module is None or torch_module:
-        # Imported first, as in a model's process (the parallel kernels take torch's thread count).
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            if torch_module:
-                raise
-            return False
-        return True
-    return False
+def _resolve_torch_module(torch_module, formats) -> bool:
+    quantized = any(f != "float" for f in formats)
+    if quantized and torch_module is False:
+        raise ValueError(f"formats={formats!r} asks for the quantized experts' forward, which needs the torch "
+                         "module: leave torch_module None or True")
+    if torch_module is False:
+        return False
+    # Imported first, as in a model's process (the parallel kernels take torch's thread count).
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        if torch_module or quantized:
+            raise
+        return False
+    return True
 
 
 def warmup_families(presets: Sequence[str] | None = None, *, dtypes: Sequence[str] = DEFAULT_WARMUP_DTYPES,
                     formats: Sequence[str] = ("float",), torch_module: bool | None = None) -> list[str]:
     """The kernel families `warmup` compiles with these arguments, in its order (one progress
     line each). Arguments and errors as `warmup`'s; nothing is compiled."""
-    chosen = _check_presets(presets)
-    return [name for name, _ in _steps(chosen, _check_dtypes(dtypes), _check_formats(formats),
-                                       _resolve_torch_module(torch_module))]
+    chosen, dtypes, formats = _check_presets(presets), _check_dtypes(dtypes), _check_formats(formats)
+    return [name for name, _ in _steps(chosen, dtypes, formats, _resolve_torch_module(torch_module, formats))]
 
 
 def warmup(presets: Sequence[str] | None = None, *, dtypes: Sequence[str] = DEFAULT_WARMUP_DTYPES,
@@ -349,14 +352,7 @@ def warmup(presets: Sequence[str] | None = None, *, dtypes: Sequence[str] = DEFA
     dtypes = _check_dtypes(dtypes)
     formats = _check_formats(formats)
     emit = _progress_printer(progress)
-    quantized = [f for f in formats if f != "float"]
-    if quantized and torch_module is False:
-        raise ValueError(f"formats={formats!r} asks for the quantized experts' forward, which needs the torch "
-                         "module: leave torch_module None or True")
-    torch_module = _resolve_torch_module(torch_module)
-    if quantized and not torch_module:
-        raise ValueError(f"formats={formats!r} asks for the quantized experts' forward, which needs torch")
-    steps = _steps(chosen, dtypes, formats, torch_module)
+    steps = _steps(chosen, dtypes, formats, _resolve_torch_module(torch_module, formats))
 
     compiled = 0
 

@@ -162,6 +162,8 @@ def test_warmup_rejects_bad_formats(formats, error, match):
 def test_warmup_refuses_quantized_formats_without_the_torch_module():
     with pytest.raises(ValueError, match="formats=.*mxfp4.*needs the torch module"):
         runtime.warmup(formats=("mxfp4",), torch_module=False, progress=False)
+    with pytest.raises(ValueError, match="formats=.*fp8_block.*needs the torch module"):
+        runtime.warmup_families(formats=("float", "fp8_block"), torch_module=False)
 
 
 def test_warmup_prints_one_progress_line_per_family(monkeypatch, capsys):
