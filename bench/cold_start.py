@@ -119,8 +119,9 @@ def _child(code: str, argument: str, cache: Path, timeout: float) -> dict:
     env = dict(os.environ, NUMBA_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
     wall = time.perf_counter()
     # stderr passes through: warmup's progress lines appear as each family finishes.
-    done = subprocess.run([sys.executable, "-c", code, argument], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          text=True, timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, "-c", code, argument], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout
+    )
     if done.returncode != 0:
         raise RuntimeError(f"child failed ({done.returncode}); its stderr is above")
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -154,11 +155,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=None)
     parser.add_argument("--dtypes", nargs="+", default=None, help="default: warmup's")
-    parser.add_argument("--formats", nargs="*", default=["fp8_block", "fp8_tensor", "mxfp4"],
-                        help="quantized formats measured one at a time on top of the float cache")
+    parser.add_argument(
+        "--formats",
+        nargs="*",
+        default=["fp8_block", "fp8_tensor", "mxfp4"],
+        help="quantized formats measured one at a time on top of the float cache",
+    )
     parser.add_argument("--models", default="qwen3_moe,deepseek_v3")
-    parser.add_argument("--cold-forward", action="store_true",
-                        help="also time the first forward on an empty cache (compiles what it uses)")
+    parser.add_argument(
+        "--cold-forward",
+        action="store_true",
+        help="also time the first forward on an empty cache (compiles what it uses)",
+    )
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out", default="cold_start")
     args = parser.parse_args(argv)
@@ -169,8 +177,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     from moeroute.cpu_features import cpu_isa
 
-    payload = {"cpu": dict(cpu_info(), isa_path=cpu_isa()), "load_average_start": load(),
-               "warmup_arguments": kwargs}
+    payload = {"cpu": dict(cpu_info(), isa_path=cpu_isa()), "load_average_start": load(), "warmup_arguments": kwargs}
     work = Path(tempfile.mkdtemp(prefix="moeroute-cold-"))
     try:
         cache = work / "float"
@@ -181,8 +188,7 @@ def main(argv=None) -> int:
             copy = work / quant_format
             shutil.copytree(cache, copy)
             quant_kwargs = dict(kwargs, formats=[quant_format])
-            payload[f"warmup_{quant_format}_cold"] = _child(WARMUP_CHILD, json.dumps(quant_kwargs), copy,
-                                                            args.timeout)
+            payload[f"warmup_{quant_format}_cold"] = _child(WARMUP_CHILD, json.dumps(quant_kwargs), copy, args.timeout)
         if args.cold_forward:
             payload["first_forward_cold"] = _child(FORWARD_CHILD, args.models, work / "empty", args.timeout)
     finally:
@@ -192,15 +198,18 @@ def main(argv=None) -> int:
     rows = []
     for key in [k for k in payload if k.startswith("warmup_") and k != "warmup_arguments"]:
         for family in payload[key]["families"]:
-            rows.append((key, family["name"], round(family["seconds"], 1), round(family["cpu_seconds"], 1),
-                         family["compiled"]))
+            rows.append(
+                (key, family["name"], round(family["seconds"], 1), round(family["cpu_seconds"], 1), family["compiled"])
+            )
     for row in rows:
         print("  ".join(str(v) for v in row))
     for key in ("first_forward_after_warmup", "first_forward_cold"):
         for name in args.models.split(",") if key in payload else ():
             report = payload[key][name]
-            print(f"{key}, {name}: {report['first_forward']['wall']:.2f} s wall, "
-                  f"{report['first_forward']['cpu']:.2f} s CPU, {len(report['compiled'])} functions compiled")
+            print(
+                f"{key}, {name}: {report['first_forward']['wall']:.2f} s wall, "
+                f"{report['first_forward']['cpu']:.2f} s CPU, {len(report['compiled'])} functions compiled"
+            )
     print(f"wrote {path}")
     return 0
 

@@ -51,21 +51,28 @@ PEAK_CODE = textwrap.dedent("""
 
 def _peak(name: str, dtype: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", PEAK_CODE, name, dtype, str(EXPERTS), str(ROWS), str(COLS)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK_CODE, name, dtype, str(EXPERTS), str(ROWS), str(COLS)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm; ru_maxrss in KiB")
-@pytest.mark.parametrize("name, dtype", [("mxfp4", "float32"), ("fp8_block", "float32"),
-                                         ("fp8_block", "bfloat16")])
+@pytest.mark.parametrize("name, dtype", [("mxfp4", "float32"), ("fp8_block", "float32"), ("fp8_block", "bfloat16")])
 def test_conversion_peak_is_bounded_by_one_expert(name, dtype):
     """The whole-stack code held about 10 float32 copies of the stack (600+ MB here)."""
     report = _peak(name, dtype)
     allowed = report["output"] + BOUND_EXPERTS * EXPERT_BYTES
-    assert report["extra"] <= allowed, (f"{name} of {EXPERTS} x {ROWS} x {COLS} {dtype}: grew "
-                                        f"{report['extra'] / 2**20:.0f} MiB, allowed {allowed / 2**20:.0f} MiB")
+    assert report["extra"] <= allowed, (
+        f"{name} of {EXPERTS} x {ROWS} x {COLS} {dtype}: grew "
+        f"{report['extra'] / 2**20:.0f} MiB, allowed {allowed / 2**20:.0f} MiB"
+    )
 
 
 def _weights(dtype, contiguous=True, seed=0):
@@ -106,13 +113,13 @@ def test_fp8_block_steps_give_the_one_step_result(monkeypatch, block, contiguous
     for e in range(w.shape[0]):
         for i in range(0, w.shape[1], bn):
             for j in range(0, w.shape[2], bk):
-                tile = w[e, i:i + bn, j:j + bk].float()
+                tile = w[e, i : i + bn, j : j + bk].float()
                 s = max(float(tile.abs().max()), 1e-10) / 448
                 if scale_fmt == "ue8m0":
                     s = 2.0 ** torch.ceil(torch.log2(torch.tensor(s))).item()
                 assert float(scale[e, i // bn, j // bk]) == pytest.approx(s, rel=1e-6)
                 expected = (tile / scale[e, i // bn, j // bk]).clamp(-448, 448).to(torch.float8_e4m3fn)
-                assert q[e, i:i + bn, j:j + bk].view(torch.uint8).equal(expected.view(torch.uint8))
+                assert q[e, i : i + bn, j : j + bk].view(torch.uint8).equal(expected.view(torch.uint8))
 
 
 def test_mxfp4_names_the_expert_holding_a_nan():
