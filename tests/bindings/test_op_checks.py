@@ -132,3 +132,33 @@ def test_an_unknown_strategy_names_the_ops_gemm_argument(fmt, gemm, allowed):
     ids, weights = _routing()
     args = (torch.randn(TOKENS, HIDDEN), w_gate_up, w_down, ids, weights, "silu", gemm)
     _raises_everywhere(args, kwargs, rf"^gemm='{gemm}' is not an? .*{allowed}")
+
+
+# ------------------------------------------------------------------ the routing ops and fused_experts
+
+
+def test_routing_ops_refuse_a_tensor_on_another_device():
+    from moeroute.layout import ExpertLayout
+
+    logits = torch.randn(4, EXPERTS)
+    with pytest.raises(ValueError, match="correction_bias is on meta, logits on cpu"):
+        ops.select_experts(logits, RouterConfig(EXPERTS, TOP_K), torch.zeros(EXPERTS, device="meta"))
+    ids, weights = _routing()
+    layout = ExpertLayout(EXPERTS, 1, shared="fused")
+    for kwargs, name in ((dict(topk_weights=weights.to("meta")), "topk_weights"),
+                         (dict(shared_weights=torch.ones(TOKENS, device="meta")), "shared_weights")):
+        args = dict(topk_ids=ids, topk_weights=weights, shared_weights=1.0)
+        args.update(kwargs)
+        with pytest.raises(ValueError, match=rf"{name} is on meta, topk_ids on cpu"):
+            ops.append_shared_slots(args["topk_ids"], args["topk_weights"], layout, 0, args["shared_weights"])
+        with FakeTensorMode(allow_non_fake_inputs=True), \
+                pytest.raises(ValueError, match=rf"{name} is on meta, topk_ids on cpu"):
+            ops.append_shared_slots(args["topk_ids"], args["topk_weights"], layout, 0, args["shared_weights"])
+
+
+@pytest.mark.parametrize("id_rows", [TOKENS - 1, TOKENS + 1])
+def test_fused_experts_fake_refuses_ids_for_another_token_count(id_rows):
+    w_gate_up, w_down, _ = _weights("float")
+    ids, weights = _routing(id_rows)
+    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(ValueError, match="topk_ids has shape"):
+        torch.ops.moeroute.fused_experts(torch.randn(TOKENS, HIDDEN), w_gate_up, w_down, weights, ids)

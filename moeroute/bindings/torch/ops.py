@@ -168,9 +168,11 @@ def _static_int(value) -> bool:
 
 # ------------------------------------------------------------------ select_experts
 
-def _check_logits(logits: torch.Tensor) -> None:
+def _check_logits(logits: torch.Tensor, correction_bias: Optional[torch.Tensor] = None) -> None:
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [T, N], got shape {tuple(logits.shape)}")
+    # A bias on another device (the meta device included) would be read as whatever is there.
+    check_same_device("logits", logits, correction_bias=correction_bias)
 
 
 def _router(num_experts, top_k, scoring, num_expert_group, topk_group, renormalize,
@@ -190,7 +192,7 @@ def _select_experts_op(
     routed_scaling_factor: float = 1.0,
     correction_bias: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_logits(logits)
+    _check_logits(logits, correction_bias)
     router = _router(logits.shape[1], top_k, scoring, num_expert_group, topk_group, renormalize,
                      routed_scaling_factor)
     return arrays.select_experts(logits, router, correction_bias)
@@ -199,7 +201,7 @@ def _select_experts_op(
 @_select_experts_op.register_fake
 def _(logits, top_k, scoring="softmax", num_expert_group=1, topk_group=1, renormalize=True,
       routed_scaling_factor=1.0, correction_bias=None):
-    _check_logits(logits)
+    _check_logits(logits, correction_bias)
     if _static_int(logits.shape[1]):
         _router(logits.shape[1], top_k, scoring, num_expert_group, topk_group, renormalize,
                 routed_scaling_factor)
@@ -256,6 +258,7 @@ def _append_shared_slots_op(
     if shared_weights is not None and shared_weight is not None:
         raise ValueError("pass the shared slot weight as shared_weights (a tensor) or shared_weight "
                          "(a float), not both")
+    check_same_device("topk_ids", topk_ids, topk_weights=topk_weights, shared_weights=shared_weights)
     layout = _registered_layout(layout_key)
     shared = shared_weights if shared_weights is not None else shared_weight
     return arrays.append_shared_slots(topk_ids, topk_weights, layout, home_rank, shared)
@@ -263,6 +266,7 @@ def _append_shared_slots_op(
 
 @_append_shared_slots_op.register_fake
 def _(topk_ids, topk_weights, layout_key, home_rank=0, shared_weights=None, shared_weight=None):
+    check_same_device("topk_ids", topk_ids, topk_weights=topk_weights, shared_weights=shared_weights)
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be 2-D [T, K], got shape {tuple(topk_ids.shape)}")
     slots = _appended_slots(_registered_layout(layout_key))
