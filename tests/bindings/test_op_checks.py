@@ -162,3 +162,15 @@ def test_fused_experts_fake_refuses_ids_for_another_token_count(id_rows):
     ids, weights = _routing(id_rows)
     with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(ValueError, match="topk_ids has shape"):
         torch.ops.moeroute.fused_experts(torch.randn(TOKENS, HIDDEN), w_gate_up, w_down, weights, ids)
+
+
+@pytest.mark.parametrize("tensor", ["router_weight", "correction_bias"])
+def test_moe_forward_refuses_a_routing_tensor_left_on_the_meta_device(tensor):
+    module = MoE(RouterConfig(EXPERTS, TOP_K), HIDDEN, INTER, correction_bias=True)
+    old = getattr(module, tensor)
+    if isinstance(old, torch.nn.Parameter):
+        setattr(module, tensor, torch.nn.Parameter(old.to("meta"), requires_grad=False))
+    else:
+        setattr(module, tensor, old.to("meta"))
+    with pytest.raises(ValueError, match=rf"hidden_states is on cpu but the module's {tensor} is on meta"):
+        module(torch.randn(3, HIDDEN))

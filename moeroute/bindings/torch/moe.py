@@ -787,6 +787,14 @@ class MoE(nn.Module):
         if device != self.experts.w_gate_up.device:
             raise ValueError(f"hidden_states is on {device} but the expert weights are on "
                              f"{self.experts.w_gate_up.device}; move the module or the input")
+        # The routing tensors this forward reads (a meta one holds no data to read).
+        used = ("correction_bias",) if router_logits is not None else ("router_weight", "router_bias",
+                                                                        "correction_bias")
+        for name in used:
+            tensor = getattr(self, name)
+            if tensor is not None and tensor.device != device:
+                raise ValueError(f"hidden_states is on {device} but the module's {name} is on {tensor.device}; "
+                                 "move the module or the input")
         if router_logits is not None:
             if not isinstance(router_logits, torch.Tensor):
                 raise TypeError(f"router_logits must be a torch.Tensor or None, got {type(router_logits).__name__}")
