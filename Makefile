@@ -97,5 +97,5 @@ bench: setup
 	$(PY) -m bench.report
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(OLDEST_VENV) .pytest_cache .hypothesis build *.egg-info
 	find . -name __pycache__ -prune -exec rm -rf {} +
