@@ -102,7 +102,7 @@ def _scaled_rows(q_a, s_a, rows, start, stop, scale_row, bk, dst):
 # (times 2**-8) and multiplied by the scaled activation (`_scaled_rows`). One loop over the
 # row keeps LLVM's vector accumulators from the first column to the last, with one
 # horizontal sum per dot; a sum per group of bk columns, then times the group's factor (the
-# definition's order), closed the vectors every bk columns and took 1.4x the time.
+# definition's order), would close the vectors every bk columns.
 
 
 @numba.njit(fastmath=True)
@@ -302,7 +302,7 @@ def down_rows_serial(q_a, s_a, tokens, slot_weights, offsets, experts, q_down, d
 
 
 # Serial on purpose: it runs between torch GEMMs, where starting Numba's thread pool next to
-# torch's spinning OpenMP workers cost 14 ms a call against 0.6 ms of decoding (3.7M weights).
+# torch's spinning OpenMP workers costs far more than the decoding itself.
 @numba.njit(fastmath=True, cache=True)
 def dequantize_rows(q, scale, row_start, row_stop, scale_row_offset, bn, bk, out):
     """out[r - row_start] = q[r] * scale[(r - scale_row_offset) // bn, k // bk] for r in
@@ -449,9 +449,8 @@ _CHUNK_VALUES = 8192
 #: Longer activation rows: chunks of whole groups of columns, 512 values over the activation
 #: rows (at least one group), a chunk of each weight row in turn: the activation rows never
 #: leave L1, and the four weight rows are four sequential streams the prefetchers keep up
-#: with. DeepSeek-V3's gate_up (7168 columns), one thread: 11.2 GB/s at four activation rows
-#: and 14.4 at two, against 8.5 and 9.8 in chunks of 8192 values and 8.0 and 11.3 unchunked.
-#: Rows of 2048 columns read whole: 13.4 GB/s at two activation rows, 8.8 in chunks of 512.
+#: with. Activation rows that fit `_CHUNK_VALUES` are read whole instead: one weight stream
+#: is then the faster read.
 _STREAM_CHUNK_VALUES = 512
 
 
@@ -464,7 +463,7 @@ class _E4M3Decoder:
     instructions per 64 weights. The tables and the sign mask are made once, ahead of the
     loops, and hidden from LLVM behind an empty inline-asm statement, so that they stay in
     registers: as constants LLVM folds them into the loop's instructions as memory operands
-    (extra loads per step; no slower on the Zen 4, where the shuffles bound the loop).
+    (extra loads per step).
     """
 
     def __init__(self, builder):
@@ -756,9 +755,8 @@ def _group_factors(s_a, rows, scale_row, factors):
 
 #: Experts with more rows than this take the packed outer-product path (`_decode_e4m3_packed`,
 #: `_dot_packed_tile`); others read the e4m3 bytes for each group of four rows, from memory,
-#: then from cache. DeepSeek-V3's gate_up, one thread, bytes against packed: 62 against 69 ms
-#: at 5 rows per expert, 66 against 73 at 6, 78 against 76 at 8, 112 against 93 at 12, 145
-#: against 110 at 16 (Qwen3-30B-A3B's: 71 against 76 at 8, 100 against 88 at 12).
+#: then from cache. Past this row count the packed tile wins (on the DeepSeek-V3 and
+#: Qwen3-30B-A3B gate_up shapes): its decode is amortised over more rows.
 _DECODE_ROWS_ABOVE = 8
 
 

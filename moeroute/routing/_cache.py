@@ -12,8 +12,8 @@ Python file of the package. The cache directories stay Numba's own (``NUMBA_CACH
 else ``__pycache__`` beside the source, else the per-user directory), and functions outside
 moeroute keep Numba's locators.
 
-An installed package never changes, so this costs one hash of those files per process
-(~5 ms); in a working tree, an edit to any of them recompiles the CPU kernels once.
+An installed package never changes, so this costs one hash of those files per process; in
+a working tree, an edit to any of them recompiles the CPU kernels once.
 
 A cache entry of one of moeroute's kernels that cannot be read (a truncated or corrupted
 ``.nbi`` index or ``.nbc`` data file: Numba would raise ``UnpicklingError``/``EOFError``

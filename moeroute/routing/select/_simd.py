@@ -147,7 +147,8 @@ def _llvm_function(builder, name, return_type, argument_types):
 #   one instruction;
 # * elsewhere (AVX2, generic, NEON), where LLVM expands that compress into 16 scalar steps, a
 #   table: each 8-lane half's compare mask (vmovmskps) picks a row of _PACK_TABLE holding the
-#   set bits' positions packed left, stored as one 8-lane vector; 3-4x faster on Zen 3.
+#   set bits' positions packed left, stored as one 8-lane vector: two table lookups and two
+#   stores instead of 16 scalar steps.
 VECTOR_COMPRESS = cpu_features.VECTOR_COMPRESS
 _HALF = 8
 _PACK_TABLE = [[bit for bit in range(_HALF) if mask >> bit & 1] for mask in range(1 << _HALF)]
@@ -175,8 +176,8 @@ def _compress_intrinsic(vector_compress):
     the new count. ``keys``: int32 keys with an int32 cut, or float32 logits with a float32
     cut (an ordered compare: NaN never passes). Stores 16 lanes at ``out[count]``, so ``out``
     needs 16 spare slots. One vector compare, then a compress (``vector_compress``:
-    vpcompressd into a register and a plain store, as its memory form is slow on Zen 4) or
-    two table lookups and 8-lane stores."""
+    vpcompressd into a register and a plain store, as its memory form is microcoded on some
+    AVX-512 CPUs) or two table lookups and 8-lane stores."""
 
     def compress_at_least(typingctx, keys, start, cut, out, count):
         return _compress_typing(vector_compress, keys, cut, out)
@@ -695,9 +696,9 @@ def _sigmoid_keys(typingctx, x, bias, scores, keys, lanes):
             (result,) = _block_loop(builder, count, [maxima], step)
             return result
 
-        # Four blocks at a time as 64-lane vectors, then a pair, then a single block (1.15x
-        # the speed of single blocks for 32 lanes, 1.25x for 64: each constant of the exp
-        # serves more registers); lane l + 16 j of a wider maximum belongs to lane l.
+        # Four blocks at a time as 64-lane vectors, then a pair, then a single block: each
+        # constant of the exp serves more registers; lane l + 16 j of a wider maximum belongs
+        # to lane l.
         done = ir.Constant(i64, 0)
         maxima = _int_splat(ir.VectorType(ir.IntType(32), 4 * _LANES), _NO_KEY)
         for width in (4 * _LANES, 2 * _LANES, _LANES):
