@@ -5,9 +5,12 @@
 ``sum over its local slots of w * expert(x)``: exactly the ``partial_out`` that
 `moeroute.bindings.torch.dispatch.Dispatcher.combine` expects.
 
-CPU: the (row, slot) entries are sorted by expert (the Numba counting sort). Two GEMM
-strategies, picked per call by `choose_gemm` from the rows per expert:
+CPU: three strategies, picked per call by `choose_gemm` from the rows per expert and the
+dtype (`GEMM_STRATEGIES`):
 
+* "rows" (`rows_expert_mlp`): one Numba call (`moeroute.bindings.torch._rows`) reads each hit
+  expert's weight rows once and dots them with every row it serves, adding into float32
+  sums. For decode-sized batches, which are bound by reading the weights.
 * "loop" (`streamed_expert_mlp`): per hit expert, its rows gathered, through gate_up, the
   activation and down (two GEMMs, no wasted flops), and the weighted outputs added into
   float32 sums by a Numba kernel while they are still in cache: no [M, H] permuted or
@@ -17,16 +20,18 @@ strategies, picked per call by `choose_gemm` from the rows per expert:
   for few rows per expert (decode-sized batches, many experts), where a GEMM costs about
   the read of its expert's weights whatever its row count, and one batched call replaces
   2L small ones, each a parallel region whose thread hand-off dominates when the cores
-  are shared. "auto" picks it only where the loop's linears run on torch.mm: on oneDNN
-  the streamed loop measured faster at every size (see `choose_gemm`).
+  are shared. "auto" picks it only for float32 and where the loop's linears run on
+  torch.mm (see `choose_gemm`).
+
+The "loop" and "padded" strategies first sort the (row, slot) entries by expert (the Numba
+counting sort).
 
 Each per-expert GEMM of the "loop" strategy goes to oneDNN (``torch.ops.mkldnn._linear_pointwise``,
 the op torch's own compiler emits for CPU linears) where this torch build has it and it
 serves the dtype, else to ``torch.mm`` (MKL/OpenBLAS). `LocalExperts.pack_cpu_weights`
 (opt-in, a second copy of the weights, explicit: re-pack after changing the weights) keeps
 them in oneDNN's blocked layout, so that oneDNN does not reorder each expert's weights on
-every call. bench/layer.py measures
-both against the torch.mm loop and the transformers block.
+every call. bench/layer.py compares them with the torch.mm loop and the transformers block.
 CUDA: `moeroute.gpu.fused_experts` runs the grouped GEMMs on torch's current stream.
 """
 
@@ -74,14 +79,11 @@ PADDED_DTYPES = (torch.float32,)
 #: Dtypes of the row kernels (`rows_expert_mlp`).
 ROWS_DTYPES = (torch.float32, torch.bfloat16)
 #: Largest mean row count per hit expert that "auto" gives the row kernels: below it an
-#: expert's GEMMs are bound by reading its weights (bench/layer.py --rows-only measures the
-#: crossover against the oneDNN loop). bfloat16 on a CPU without bfloat16 instructions has no
-#: bound: there oneDNN converts (reorders) each expert's weights on every call, and the row
-#: kernels measured ahead at every row count (`rows_bound`). With bfloat16 instructions both
-#: multiply bfloat16 natively (the row kernels with AVX512-BF16's dot products,
-#: `_rows.rows_experts_bf16`), and the bound holds for bfloat16 too: H = 1024, I = 384, N = 64,
-#: K = 8, one thread, AMD EPYC Zen 4: 8 rows per expert 16.5 ms against the loop's 27.0 ms,
-#: 16 rows 30.8 / 34.3, 24 rows 45.9 / 41.3.
+#: expert's GEMMs are bound by reading its weights, which the row kernels read once
+#: (bench/layer.py --rows-only finds the crossover against the oneDNN loop). bfloat16 without
+#: bfloat16 instructions has no bound (`rows_bound`): oneDNN then converts each expert's
+#: weights on every call. With them both sides multiply bfloat16 natively
+#: (`_rows.rows_experts_bf16`) and the same bound holds.
 ROWS_MAX_MEAN_ROWS = 16
 
 
@@ -302,11 +304,11 @@ def choose_gemm(counts: list[int], onednn: bool = False, dtype: torch.dtype = to
 
     "rows" for bfloat16 and float32 experts that serve few rows each (at most `rows_bound`
     per hit expert on average): each weight row is read once and dotted with every row its
-    expert serves (`rows_expert_mlp`); decode-sized batches are bound by that read. Else "padded" for few rows per float32 expert over mostly-hit experts on
-    torch.mm, else the streamed "loop". With oneDNN linears the loop wins over the padded
-    batch at every row count measured (bench/layer.py, T = 16: 1.3x), and so does a
-    half-precision dtype (torch's CPU bmm in bfloat16/float16 ran 1.4-2.1x slower than the
-    loop at T = 8, 16 and 64; H = 1024, I = 384, N = 64, K = 8, interleaved).
+    expert serves (`rows_expert_mlp`); decode-sized batches are bound by that read. Else
+    "padded" for few rows per float32 expert over mostly-hit experts on torch.mm, else the
+    streamed "loop". The loop is kept with oneDNN linears, whose per-expert calls cost less
+    than the padded batch's wasted rows, and in half precision, where torch's CPU bmm is slow
+    (bench/layer.py compares them).
 
     Parameters
     ----------

@@ -18,11 +18,11 @@ The FP8 weights are never dequantized whole. Two strategies, picked by rows per 
   quantized rows (float32, whatever the activation dtype: the row kernels' numerics) with
   torch (oneDNN/MKL): the GEMM's compute is then the cost, as in the float layer.
 
-`choose_fp8_strategy` picks between them; bench/quant.py measured the crossover. On a CPU
+`choose_fp8_strategy` picks between them (bench/quant.py finds the crossover). On a CPU
 with AVX512-BF16 and shapes whose rows and column blocks are whole 64-weight steps
 (`moeroute.quant._host.bf16_dot_serves`), the row kernels decode e4m3 to bfloat16 and use
-the bfloat16 dot instruction, four activation rows per weight row: "rows" at every size there
-(at 32 and 256 rows per expert it took 0.14x and 0.53x the time of "blocks").
+the bfloat16 dot instruction, four activation rows per weight row: "rows" at every size there,
+as the weights are then read once for four rows and the blocks' decode buffer is never written.
 """
 
 from __future__ import annotations
@@ -394,7 +394,7 @@ def _quantized_rows(x: torch.Tensor, config: QuantConfig, groups: int, static_sc
     Dynamic float scales of float32 or bfloat16 values run in one serial Numba pass
     (`moeroute.quant._host.quantize_rows`, bit for bit `quantize_fp8_activations`): at decode
     sizes torch's dozen elementwise ops each start a parallel region, which cost more than
-    the arithmetic (tens of milliseconds on a busy machine).
+    the arithmetic, the more so when the cores are shared.
     """
     round_to = x.dtype if round_to is None else round_to
     if (static_scale is None and config.scale_fmt == "float" and x.device.type == "cpu"
@@ -435,7 +435,7 @@ def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None, decoder=
     bn, bk = block
     out = torch.empty(xs.shape[0], rows_out, dtype=torch.float32, device=xs.device)
     # The CPU decodes to float32 and multiplies in float32 whatever the activation dtype: a
-    # bfloat16 GEMM is several times slower than float32 on CPUs without bfloat16
+    # bfloat16 GEMM is much slower than float32 on CPUs without bfloat16
     # instructions. The quantized activations (q_a * s_a, float32) are taken as they are:
     # rounding them to bfloat16 would leave the definition (up to 1.4e-2 of the output's
     # largest value), while the row kernels, which every row count takes on AVX512-BF16,

@@ -859,9 +859,9 @@ class MoE(nn.Module):
         torch.compile, torch.export and torch.jit.trace see the op and its fake (an empty
         tensor of the input's shape and dtype), never the kernels behind it; the op calls
         `forward_impl`. Called eagerly on plain tensors, the layer runs `forward_impl`
-        directly: the same computation without the op's dispatch (about 0.1-0.2 ms a call on
-        a CPU). Parameters, result and errors are those of `forward_impl`; the inputs are
-        checked once, before anything runs.
+        directly: the same computation without the op's dispatch cost. Parameters, result
+        and errors are those of `forward_impl`; the inputs are checked once, before anything
+        runs.
         """
         if ops.runs_eagerly(hidden_states, router_logits) and isinstance(hidden_states, torch.Tensor):
             return self.forward_impl(hidden_states, router_logits)

@@ -17,8 +17,7 @@ The packed bytes are never dequantized whole. Two strategies:
   decodes each weight row once into cache and the float32 row kernels dot it with all of
   them. Memory reads half a byte per weight. The biases and the combine happen inside the
   kernels, and the bookkeeping is one Numba pass (`moeroute.bindings.torch._rows.plan_rows`),
-  as for the float row kernels. (Measured against "blocks" at T = 128 / 512 / 2048 on the
-  gpt-oss-20b expert shape, 2 threads: 0.62 / 1.05 / 8.6 s against 3.5 / 1.66 / 12.6 s.)
+  as for the float row kernels.
 * "blocks" (on request, and on a device without CuPy): per expert, `CHUNK_BYTES` of weight
   rows at a time are decoded into one reusable float32 buffer and multiplied with torch (a
   float32 GEMM on the CPU: the bfloat16 activations are exact in it). On a device the decode
@@ -153,8 +152,8 @@ def _rows_forward(hidden_states, plan, gate_up_blocks, gate_up_scales, down_bloc
     if hit.shape[0] == 0:
         return torch.zeros(num_tokens, hidden, dtype=dtype)
     threads = cpu_threads()
-    # The bfloat16 dot instructions where `_mxfp4_dot.serves`, at every row count (at 64 rows
-    # per expert they took 0.52x the time of the decode-once kernels), the whole forward in
+    # The bfloat16 dot instructions where `_mxfp4_dot.serves`, at every row count (they
+    # multiply the e2m1 values without widening them), the whole forward in
     # one Numba call (`_quant_rows`). Elsewhere few rows per expert decode in registers per
     # tile of rows; more decode each weight row once into cache for all of them. One thread:
     # the serial kernels (no parallel region).
@@ -212,7 +211,7 @@ def _packed(tensor: torch.Tensor) -> np.ndarray:
 def _blocks_gemm(xs, offsets, hit, blocks, scales, dtype):
     """[M, R] float32: each expert's rows of ``xs`` times its weight decoded in chunks.
 
-    On the CPU the chunks are float32 and so is the GEMM: a bfloat16 GEMM there is about 3x
+    On the CPU the chunks are float32 and so is the GEMM: a bfloat16 GEMM there is much
     slower than float32 where the CPU has no bfloat16 instructions, and the bfloat16
     activations are exact in float32. Both operands are in `_mxfp4_host.split_blocks` order
     (the vector decode writes each block's even values, then its odd ones).

@@ -14,9 +14,9 @@ ROWS_MAX_ROWS_PER_EXPERT = 16
 
 def choose_strategy(counts: list[int], bf16_dot: bool = False) -> str:
     """"rows" when the hit experts average at most `ROWS_MAX_ROWS_PER_EXPERT` rows, or at any
-    count when the row kernels run on the bfloat16 dot instructions (``bf16_dot``: FP8 row
-    kernels register-blocked over four rows, measured faster than the blocks at 32 and at 256
-    rows per expert, bench/quant.py); else "blocks"."""
+    count when the row kernels run on the bfloat16 dot instructions (``bf16_dot``: row
+    kernels register-blocked over four rows, which read each weight once per four rows and
+    write no decode buffer, bench/quant.py); else "blocks"."""
     hit = [c for c in counts if c]
     if bf16_dot or not hit or sum(hit) <= ROWS_MAX_ROWS_PER_EXPERT * len(hit):
         return "rows"
