@@ -26,7 +26,7 @@ crashes is killed and the next one still runs (the whole plan fits `BUDGET_S`):
 5. summary      DIR/gpu_summary.md, a short table of all of the above, also printed.
 
 Everything printed is also appended to DIR/gpu_check.log as it happens. The script never
-installs anything; packages the machine lacks travel as wheels (docs/gpu.md).
+installs anything: install the CUDA extra first (docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -49,7 +49,8 @@ from moeroute.bindings.torch.experts import (choose_gemm, cpu_experts, expert_ml
 from moeroute.bindings.torch.moe import MoE  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 1024, 384, 64, 8
-#: Decode-sized batches: (name, H, I, N, K) shapes, token counts and dtypes.
+#: Decode-sized batches: (name, H, I, N, K) shapes, token counts and dtypes ("readme" is the
+#: Qwen3-MoE-like block above, the name bench/results/layer.json keeps).
 DECODE_SHAPES = (("readme", HIDDEN, INTER, EXPERTS, TOP_K), ("qwen3-30b-a3b", 2048, 768, 128, 8))
 DECODE_TOKENS = (1, 8)
 DECODE_DTYPES = ("float32", "bfloat16")
@@ -245,7 +246,7 @@ def decode_rows(repeats):
 
 
 #: The row kernels against the streamed loop: token counts (mean rows per hit expert from
-#: 1 to 64 on the README shape) and repeats.
+#: 1 to 64 on the Qwen3-MoE-like block of `HIDDEN`, `INTER`, `EXPERTS`, `TOP_K`) and repeats.
 ROWS_TOKENS = (1, 8, 32, 64, 128, 256, 512)
 ROWS_REPEATS = {1: 41, 8: 31, 32: 15, 64: 11, 128: 7, 256: 5, 512: 5}
 

@@ -8,7 +8,7 @@
   pipeline - ``route`` on device logits, then the expert pipeline the module runs on CUDA
   tensors (`moeroute.gpu.gemm.run_fused_experts`: align, two GEMMs, the top-k sum) - counted
   at the two launch points, `moeroute.routing._launcher.launch` (every Numba kernel) and the
-  GEMM backend's ``launch`` (every CuPy kernel). The README quotes the count: route 1,
+  GEMM backend's ``launch`` (every CuPy kernel). docs/guide.md quotes the count: route 1,
   align 2, GEMMs 2, combine 1. The simulator runs the Numba kernels, so their results are
   checked against the CPU ops; the GEMM plans are recorded, not run (the host emulation
   tests run them).
