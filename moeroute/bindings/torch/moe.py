@@ -12,46 +12,20 @@ Who computes the shared expert is decided once, by `moeroute.layout.ExpertLayout
 (``self.layout.shared``); every branch below reads that one field, so each token's shared
 contribution is computed exactly once in every mode.
 
-Where the weights live (all module parameters/buffers, ``requires_grad=False``):
+Parameters and buffers (``requires_grad=False``; N experts, L held here, H' the routed input
+size, H unless a routed_input_transform maps to a smaller one):
 
-* ``router_weight`` [N, H]: the router linear. The logits are
-  ``F.linear(x.to(router_weight.dtype), router_weight)`` cast to float32, so a float32
-  router weight (the default) routes in float32, and a bfloat16 one reproduces checkpoints
-  whose router runs in bfloat16 (Qwen, Mixtral). ``router_compute_dtype`` (None by
-  default) fixes the dtype the logits are computed in whatever the weight's dtype
-  (DeepSeek-V3 and GLM routers upcast a bfloat16 weight to float32).
-* ``correction_bias`` [N] float32 buffer (None unless ``correction_bias=True``): added to
-  the scores for selection only (DeepSeek-V3 ``e_score_correction_bias``). It stays
-  float32, values unchanged, when the module changes dtype (``.half()``, ``.to(dtype)``).
-* ``router_bias`` [N] (None unless ``router_bias=True``): the router linear's bias (gpt-oss),
-  dtype of ``router_weight``.
-* ``experts.b_gate_up`` [L, 2I] and ``experts.b_down`` [L, H'] (None unless
-  ``expert_bias=True``): the experts' biases (gpt-oss); zeros for fused shared slots.
-* ``experts.w_gate_up`` [L, 2I, H'] and ``experts.w_down`` [L, H', I]: this rank's experts
-  in the Hugging Face stacked layout, H' = the routed input size (H unless a
-  routed_input_transform maps to a smaller latent size); with a fused shared expert the
-  last S of the L experts are its slots, filled from ``shared_experts`` at construction.
-  Given ``expert_weights`` that are exactly these experts (one rank, no replicas, no fused
-  slots), the parameters share their memory instead of copying it.
-* Loading accepts the transformers names of the block this module replaces
-  (``_load_from_state_dict`` maps them with `moeroute.bindings.torch.hf_keys`); a module
-  built by ``from_hf`` also saves them (``checkpoint_format``).
-* ``shared_experts`` / ``shared_expert_gate``: the given modules (runner and overlap); with
-  fused, only the gate is kept and called.
+* ``router_weight`` [N, H]; ``router_bias`` [N] (gpt-oss), its dtype; ``correction_bias``
+  [N] float32 (DeepSeek-V3 ``e_score_correction_bias``, selection only), float32 under every
+  dtype change.
+* ``experts.w_gate_up`` [L, 2I, H'] (gate rows first) and ``experts.w_down`` [L, H', I], the
+  Hugging Face stacked layout; with a fused shared expert the last S of the L are its slots.
+  ``experts.b_gate_up`` [L, 2I] and ``experts.b_down`` [L, H'] with ``expert_bias``.
+* ``shared_experts`` / ``shared_expert_gate``: the given modules (fused keeps only the gate).
 
-The forward serves the dtypes of `SUPPORTED_DTYPES` (float32, float16, bfloat16); a
-module moved to any other (``.double()``, a float8 or complex dtype) raises a ValueError
-at its forward naming the dtype.
-
-The module is inference-only, in every shared mode alike: its forward always runs without
-autograd (under ``torch.no_grad()``), whatever ``requires_grad`` its parameters carry (the
-shared MLP and gate taken from transformers keep theirs), and its output never requires grad.
-It raises a RuntimeError only when the caller asks for gradients: grad mode on and
-``hidden_states`` or ``router_logits`` requiring grad.
-
-Under a tracer ``forward`` is one opaque custom op, ``torch.ops.moeroute.moe_forward``
-(`moeroute.bindings.torch.ops`), whose body is ``forward_impl``: torch.compile and
-torch.export see the op, not the kernels; called eagerly it runs ``forward_impl`` itself. ``MoE.from_hf`` is attached by
+The router's dtypes, the forward's dtypes, loading and saving under transformers names,
+inference only, and the custom op a tracer sees: docs/guide.md, "The torch module" and
+"torch.compile / torch.export / custom ops". ``MoE.from_hf`` is attached by
 `moeroute.bindings.torch.hf`, which imports this module (never the other way round).
 """
 
@@ -220,10 +194,8 @@ class MoE(nn.Module):
     shared : {"auto", "runner", "overlap", "fused"}
         Who computes the shared expert (docs/semantics.md section 3); resolved once into ``self.layout``.
     ep_group : torch.distributed.ProcessGroup, optional
-        Expert-parallel group; the module then holds only its rank's experts and dispatches
-        through ``dispatcher_factory``. None: one rank, no communication.
-        Construction with a group is a collective: the ranks exchange `ep_fingerprint`
-        once and must all agree.
+        Expert-parallel group: the module holds only its rank's experts and dispatches through
+        ``dispatcher_factory``; construction is a collective (`ep_fingerprint`). None: one rank.
     dispatch : {"all2all", "allgather"}
         Dispatch mode with ``ep_group``; without one nothing is dispatched (layout
         dispatch "none").
@@ -260,9 +232,8 @@ class MoE(nn.Module):
         Expert placement over the EP ranks (`moeroute.layout.ExpertLayout`); a table sets
         the redundant experts itself (leave ``num_redundant_experts`` 0).
     record_load : bool
-        Count this rank's tokens per physical expert over the last ``load_window`` forwards
-        on the forward's device (`moeroute.bindings.torch.load_window.LoadRecorder`, ``load_recorder``);
-        `moeroute.eplb.gather_load` reads the windows of the EP group.
+        Count tokens per physical expert over the last ``load_window`` forwards
+        (`moeroute.bindings.torch.load_window.LoadRecorder`, docs/eplb.md).
     load_window : int
         Forwards per load window (default 128).
     dispatcher_factory : callable, optional
@@ -271,28 +242,18 @@ class MoE(nn.Module):
     dtype, device
         Of the expert weights; the activations must match.
     quant : moeroute.quant.QuantConfig, optional
-        Keep the routed experts quantized (FP8: docs/quant.md). The expert parameters are then
-        float8_e4m3fn with float32 scales, loaded with `load_routed_weights` (``gate_up_scale``,
-        ``down_scale``, ``input_scale``), ``load_state_dict`` or
-        `moeroute.bindings.torch.load_experts`; activations may be float32, bfloat16 or float16.
-        The shared experts stay as given: who computes them is the layout's answer, the same
-        as without ``quant``. Fused shared slots are quantized with the same config.
-        ``gemm`` then names the FP8 CPU strategy ("auto", "rows", "blocks").
-        ``QuantConfig("mxfp4")``: gpt-oss's MXFP4 experts (uint8 blocks and scale bytes,
-        optionally ``expert_bias``), loaded as ``(blocks, scales)`` pairs.
+        Keep the routed experts quantized (docs/quant.md): FP8 (float8_e4m3fn weights,
+        float32 scales) or ``QuantConfig("mxfp4")`` (gpt-oss's uint8 blocks and scale bytes);
+        ``gemm`` then names the quantized CPU strategy ("auto", "rows", "blocks"). The shared
+        experts stay as given; fused shared slots take the same config.
     dispatch_dtype : {None, "auto", "fp8"}
-        How the routed input rows travel with ``ep_group``. None/"auto": in the activation
-        dtype. "fp8" (FP8 experts with dynamic activation scales only): quantized once on the
-        sending rank, per token and group of ``quant``'s activation columns, exactly as the
-        experts' first GEMM would quantize them, and sent as e4m3 values with their float32
-        scales; the result equals the single-rank FP8 layer's (docs/quant.md, FP8 dispatch).
-        Without ``ep_group`` nothing travels and "fp8" changes nothing.
+        How the routed input rows travel with ``ep_group``: None/"auto" in the activation
+        dtype; "fp8" (FP8 experts with dynamic activation scales) as e4m3 values and float32
+        scales, quantized once as the first GEMM would (docs/quant.md, FP8 dispatch).
     expert_weights : (Tensor [N, 2I, H'], Tensor [N, H', I]), optional
-        The full stacked routed weights (the transformers layout) to take this rank's
-        experts from. When the rank holds exactly these N experts (one rank, no replicas,
-        no fused shared slots) and their dtype and device are ``dtype`` and ``device``, the
-        module's expert parameters share their memory (no copy); otherwise this rank's
-        experts are copied (`load_routed_weights`).
+        The full stacked routed weights (the transformers layout) to take this rank's experts
+        from: shared, not copied, when the module holds exactly these N experts in ``dtype``
+        on ``device`` (one rank, no replicas, no fused shared slots).
 
     Raises
     ------
