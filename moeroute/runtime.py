@@ -295,18 +295,12 @@ def warmup(presets: Sequence[str] | None = None, *, dtypes: Sequence[str] = DEFA
            progress: bool | Callable[[str], None] = True) -> dict:
     """Compile the CPU kernels the presets' forwards use into Numba's on-disk cache.
 
-    One kernel family at a time (`warmup_families` lists them): for each logits kind
-    (float32; float16 and bfloat16 share one), select_experts on small inputs shaped like each
-    preset, below and above its serial/parallel threshold, with append_shared_slots,
-    logical_to_physical, remap_to_local, align_block_size (with and without an expert map),
-    sort_by_expert and expert_load; for each dtype, permute, combine and accumulate_rows, serial
-    and parallel; and (when torch is installed) for each format and dtype, the torch `MoE`
-    module's CPU forward in every GEMM strategy and shared mode, with one torch thread and
-    with torch's count. A first forward of a preset-shaped float model in one of ``dtypes``
-    then compiles nothing. The quantized formats' kernels are compiled only when asked for
-    in ``formats`` (otherwise on their first use). A kernel already in the cache is loaded,
-    not compiled, so a second call is quick. Set ``NUMBA_CACHE_DIR`` before the first import
-    of moeroute to choose the cache directory.
+    One kernel family at a time (`warmup_families` lists them): the routing and dispatch
+    kernels, and with torch the `MoE` module's CPU forward, on small preset-shaped inputs,
+    so that a first forward of a preset-shaped model in one of ``dtypes`` and ``formats``
+    compiles nothing. Cached kernels are loaded, not compiled. What each family covers and
+    where the cache lives (``NUMBA_CACHE_DIR``): docs/guide.md, "Cold start and the kernel
+    cache".
 
     Parameters
     ----------
