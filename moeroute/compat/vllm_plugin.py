@@ -1,60 +1,24 @@
 """moeroute as vLLM's MoE backend: the ``vllm.general_plugins`` entry point ``moeroute``.
 
-Installing moeroute changes nothing in vLLM. The plugin acts only when asked:
+Installing moeroute changes nothing in vLLM. The plugin acts only when ``VLLM_PLUGINS`` names
+``moeroute`` or ``MOEROUTE_VLLM=1``; ``MOEROUTE_VLLM=0`` keeps it off even when
+``VLLM_PLUGINS`` names it, and any other value raises ValueError when vLLM loads its plugins.
 
-* ``VLLM_PLUGINS`` names ``moeroute`` (e.g. ``VLLM_PLUGINS=moeroute``), or
-* ``MOEROUTE_VLLM=1``; ``MOEROUTE_VLLM=0`` keeps it off even when ``VLLM_PLUGINS`` names it.
-  Any other value raises ValueError when vLLM loads its plugins.
+Asked, it registers through vLLM's out-of-tree seam (``register_oot``) `MoerouteMoEMethod` for
+``UnquantizedFusedMoEMethod``, and replacements of ``RoutedExperts`` and
+``GptOssRoutedExperts`` whose quant-method choice swaps vLLM's ``Fp8MoEMethod`` for
+`MoerouteFp8MoEMethod` and, for ``GptOssMxfp4Config``, picks `MoerouteMxfp4MoEMethod` (vLLM's
+FP8 and MXFP4 methods are no CustomOp, so the layer that picks them is the seam). Each keeps
+vLLM's weights and loaders. After a layer's weights are loaded it decides once whether it
+serves the layer: served, the layer becomes "monolithic" (vLLM's runner hands it the router
+logits), routes them with `moeroute.select_experts` and runs ``torch.ops.moeroute.experts`` on
+the layer's own weights; declined, vLLM's own method runs it unchanged and one log line says
+why. The shared expert stays vLLM's runner's (each served layer's `moeroute.ExpertLayout`
+resolves ``shared`` to ``"runner"``, and the method tells the runner so). `STATS` counts what
+the plugin did in this process.
 
-(vLLM loads every installed general plugin when ``VLLM_PLUGINS`` is unset; then this one
-only checks the switch and returns.)
-
-Asked, it registers `MoerouteMoEMethod` as vLLM's out-of-tree replacement of
-``UnquantizedFusedMoEMethod`` (vLLM's ``CustomOp.register_oot`` seam), and replaces vLLM's
-``RoutedExperts`` layer (a ``PluggableLayer``, same seam) by one whose quant-method choice
-swaps vLLM's ``Fp8MoEMethod`` for `MoerouteFp8MoEMethod` (vLLM's FP8 MoE method is no
-CustomOp, so the layer that picks it is the seam). `MoerouteFp8MoEMethod` creates and loads
-the FP8 weights and scales exactly as vLLM's method does (its ``create_weights`` and weight
-loaders): ``w13_weight`` [E, 2I, H] / ``w2_weight`` [E, H, I] float8_e4m3fn with
-``w13_weight_scale_inv`` [E, 2*ceil(I/bn), ceil(H/bk)] / ``w2_weight_scale_inv``
-[E, ceil(H/bn), ceil(I/bk)] float32, which is moeroute's fp8_block layout (gate block rows
-first); served, ``torch.ops.moeroute.experts(..., quant_format="fp8_block")`` runs on them
-as they are (docs/quant.md), never dequantized whole. gpt-oss's MoE layers are vLLM's
-``GptOssRoutedExperts`` (registered under its own name, so replaced too): for its MXFP4
-config (``GptOssMxfp4Config``) the plugin picks `MoerouteMxfp4MoEMethod` before vLLM builds
-``GptOssMxfp4MoEMethod`` (which raises where vLLM has no MXFP4 backend, e.g. a CPU without
-AMX), keeps that method's weights (uint8 nibbles [E, rows, cols/2], e8m0 scale bytes
-[E, rows, cols/32], bfloat16 biases) and loaders, reorders a served layer's interleaved
-gate_up rows gate-first once after loading, and runs moeroute's MXFP4 experts on the bytes.
-For each MoE layer it decides once, after the weights are loaded, whether it serves the
-layer:
-
-* served: the layer becomes "monolithic" for vLLM's runner, which hands it the router
-  logits; ``apply_monolithic`` routes them with `moeroute.select_experts` (a
-  `moeroute.RouterConfig` built from the layer's top_k, renormalize, grouped top-k,
-  scoring_func, routed_scaling_factor; the correction bias read from the layer at every
-  call) and runs ``torch.ops.moeroute.experts`` on the layer's own ``w13_weight`` /
-  ``w2_weight`` (and FP8 scales) (the Hugging Face stacked layout: no second copy, no
-  repacking);
-* declined: vLLM's own method sets the layer up and runs it, unchanged, and one log line
-  per reason says why (another quantized scheme, per-tensor FP8, an activation, tensor or
-  data parallelism of the experts, ...).
-
-Expert parallelism (vLLM's ``enable_expert_parallel`` with tensor parallelism only: every rank
-sees all tokens) is served: the layer holds ``local_num_experts`` experts and an
-``expert_map`` (global id -> local id, -1 = another rank's); routing runs over all experts,
-``torch.ops.moeroute.experts(..., expert_map=layer.expert_map)`` computes this rank's partial
-sums (other ranks' slots add nothing) and vLLM's runner all-reduces them, as it does after its
-own method. Data-parallel EP (all2all dispatch) is declined.
-
-Shared experts: each served layer's plan is an `moeroute.ExpertLayout` whose resolved
-``shared`` mode is ``"runner"``: vLLM's MoE runner computes the shared MLP (and its gate)
-once per token and adds it, and the method tells the runner so
-(``mk_can_overlap_shared_experts`` is read from the plan), while ``apply`` never calls the
-shared experts. One object answers "who computes the shared expert" for both sides.
-
-`STATS` counts what the plugin did in this process (layers served and declined, MoE
-calls and tokens routed in eager mode).
+What is served and declined, the weight layouts, expert parallelism and the limits:
+docs/vllm.md.
 """
 
 from __future__ import annotations
