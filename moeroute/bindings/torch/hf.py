@@ -481,16 +481,9 @@ def replace_moe_blocks(model: nn.Module, strict: bool = False, **kwargs) -> int:
 
     Notes
     -----
-    Blocks are swapped one at a time, and each original block is released before the next
-    one is read. Where the new module aliases the block's expert weights (see `from_hf`),
-    no expert weight is copied; otherwise the extra memory at any moment is one block's
-    copied experts. The patched model still loads a transformers state dict
-    (``model.load_state_dict(hf_state_dict)``) and saves one (``model.state_dict()``,
-    ``save_pretrained``): each new module maps the block's names and layouts
-    (`TransformersCheckpoint`; an expert-parallel module refuses to save a partial one).
-
-    The replaced blocks' router modules are gone, so transformers can no longer record
-    router logits (``output_router_logits``, used for the training-time auxiliary loss).
+    One block at a time, each released before the next is read: at most one block's copied
+    experts of extra memory. The patched model loads and saves transformers state dicts;
+    it no longer records router logits. Details: docs/guide.md, "The torch module".
 
     Raises
     ------
