@@ -557,8 +557,8 @@ class LocalExperts(nn.Module):
         I, one expert's intermediate size.
     activation : str
         One of `ACTIVATIONS`.
-    gemm : {"auto", "loop", "padded"}
-        CPU expert-GEMM strategy; "auto" decides per call (`choose_gemm`).
+    gemm : {"auto", "loop", "padded", "rows"}
+        CPU expert-GEMM strategy (`GEMM_STRATEGIES`); "auto" decides per call (`choose_gemm`).
     bias : bool
         Give every expert a gate_up bias and a down bias (gpt-oss), initialised to zeros.
     dtype, device : torch dtype and device of the weights.
