@@ -164,7 +164,7 @@ def _print_json(value: dict[str, Any]) -> None:
 
 def _add_json_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
-                        help="print one JSON object on stdout instead of the text (keys: README, Command line)")
+                        help="print one JSON object on stdout instead of the text (keys: docs/cli.md, --json)")
 
 
 def _error(message: str) -> int:
