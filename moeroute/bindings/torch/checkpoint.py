@@ -50,7 +50,7 @@ import torch
 from moeroute.bindings.torch.fp8_experts import PROJECTIONS, STACKED_SCALE_KEYS, per_expert_key
 from moeroute.bindings.torch.hf_keys import TRANSFORMERS_RENAMES, TRANSFORMERS_SHARED, stacked_fp8_scale
 from moeroute.bindings.torch.moe import MoE
-from moeroute.bindings.torch.mxfp4_experts import GPT_OSS_MXFP4_KEYS, gate_rows_first
+from moeroute.bindings.torch.mxfp4_experts import gate_rows_first
 from moeroute.quant import FP8_DTYPE, check_scale
 from moeroute.quant.fp8 import check_fp8_weight
 
@@ -220,7 +220,7 @@ def _as_shape(shape) -> Callable:
 def _expert_copies(module, reader: _Reader, prefix: str) -> list[_Copy]:
     """Every tensor the module's routed experts take from the checkpoint (nothing read)."""
     experts, quant = module.experts, module.quant
-    inter, hid = module.intermediate_size, module.routed_hidden_size
+    inter = module.intermediate_size
     ids = module.routed_expert_ids()
     copies = []
     if quant is not None and quant.format == "mxfp4":
