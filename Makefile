@@ -33,6 +33,7 @@ demo: setup
 test: setup hip-toolchain
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The wheel as users get it: built, installed into a fresh venv outside the checkout, demo + routing.

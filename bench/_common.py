@@ -25,8 +25,7 @@ import numpy as np
 
 #: Where write_results puts its JSON: bench/results, or MOEROUTE_BENCH_RESULTS when set (the
 #: test suite runs benchmarks into a temporary directory).
-RESULTS_DIR = Path(os.environ.get("MOEROUTE_BENCH_RESULTS")
-                   or Path(__file__).resolve().parent / "results")
+RESULTS_DIR = Path(os.environ.get("MOEROUTE_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 # Untimed calls before timing: compilation, caches, thread pools.
 WARMUP_CALLS = 3
 # Host copy buffer: far larger than any cache, small enough for a 2-core, 24 GiB machine.
@@ -43,6 +42,7 @@ def wall_clock(fn) -> float:
 def cuda_events(torch):
     """A timer measuring the device time of one call with a pair of CUDA events on torch's
     current stream (it waits for the call to finish)."""
+
     def timer(fn) -> float:
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
@@ -51,6 +51,7 @@ def cuda_events(torch):
         end.record()
         end.synchronize()
         return max(start.elapsed_time(end), 1e-6) / 1e3  # ms -> s
+
     return timer
 
 
@@ -63,6 +64,7 @@ def calls_per_sample(fn, calls: int):
     def batch():
         for _ in range(calls):
             fn()
+
     return batch
 
 
@@ -101,8 +103,7 @@ def median_ratio(numerators, denominators) -> float:
     return statistics.median(n / d for n, d in zip(numerators, denominators))
 
 
-def interleaved(baseline, candidate, repeats: int, warmup: int = WARMUP_CALLS,
-                timer=wall_clock) -> dict:
+def interleaved(baseline, candidate, repeats: int, warmup: int = WARMUP_CALLS, timer=wall_clock) -> dict:
     """Time two zero-argument callables alternately, call by call (`rotated` of the two).
 
     ``timer(fn) -> seconds`` times one call: `wall_clock` (default) or `cuda_events`.
@@ -198,12 +199,12 @@ def write_results(name: str, payload: dict) -> Path:
 
 def print_table(headers, rows) -> None:
     """Print rows (sequences) under headers, right-aligned; floats with 2 decimals."""
+
     def cell(value):
         return f"{value:.2f}" if isinstance(value, float) else str(value)
 
     text = [[cell(v) for v in row] for row in rows]
-    widths = [max(len(str(h)), *(len(r[i]) for r in text)) if text else len(str(h))
-              for i, h in enumerate(headers)]
+    widths = [max(len(str(h)), *(len(r[i]) for r in text)) if text else len(str(h)) for i, h in enumerate(headers)]
     print("  ".join(str(h).rjust(w) for h, w in zip(headers, widths)))
     for row in text:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))

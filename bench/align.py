@@ -58,7 +58,8 @@ def torch_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size:
     total = int(padded.sum())
     expert_ids = torch.full((capacity // block_size,), -1, dtype=torch.int32, device=device)
     expert_ids[: total // block_size] = torch.repeat_interleave(
-        torch.arange(num_experts, dtype=torch.int32, device=device), padded // block_size)
+        torch.arange(num_experts, dtype=torch.int32, device=device), padded // block_size
+    )
     return sorted_token_ids, expert_ids, total
 
 
@@ -70,8 +71,7 @@ def routed_ids(num_tokens: int, top_k: int, num_experts: int, seed: int) -> np.n
     return np.argsort(-keys, axis=1)[:, :top_k].astype(np.int32)
 
 
-def run_align(num_tokens=8192, top_k=8, num_experts=256, block_size=64, repeats=50, seed=0,
-              torch_threads=1):
+def run_align(num_tokens=8192, top_k=8, num_experts=256, block_size=64, repeats=50, seed=0, torch_threads=1):
     """Time moeroute's CPU align_block_size against the torch baseline.
 
     ``torch_threads`` (default 1) sets torch's intra-op threads for the run: both sides
@@ -98,11 +98,17 @@ def _run_align(num_tokens, top_k, num_experts, block_size, repeats, seed):
     ids_tensor = torch.from_numpy(ids)
     ours = align_block_size(ids, num_experts, block_size)
     theirs = torch_align_block_size(ids_tensor, num_experts, block_size)
-    if not (np.array_equal(ours[0], theirs[0].numpy())
-            and np.array_equal(ours[1], theirs[1].numpy()) and ours[2] == theirs[2]):
+    if not (
+        np.array_equal(ours[0], theirs[0].numpy())
+        and np.array_equal(ours[1], theirs[1].numpy())
+        and ours[2] == theirs[2]
+    ):
         raise AssertionError("moeroute and torch align_block_size disagree")
-    timing = interleaved(lambda: torch_align_block_size(ids_tensor, num_experts, block_size),
-                         lambda: align_block_size(ids, num_experts, block_size), repeats)
+    timing = interleaved(
+        lambda: torch_align_block_size(ids_tensor, num_experts, block_size),
+        lambda: align_block_size(ids, num_experts, block_size),
+        repeats,
+    )
     return {
         "op": "align_block_size",
         "num_tokens": num_tokens,
@@ -120,9 +126,21 @@ def _run_align(num_tokens, top_k, num_experts, block_size, repeats, seed):
 
 def main() -> None:
     rows = [run_align(*config) for config in TABLE]
-    print_table(["tokens", "top_k", "experts", "B", "moeroute us", "torch us", "speedup"],
-                [[r["num_tokens"], r["top_k"], r["num_experts"], r["block_size"],
-                  r["moeroute_us"], r["torch_us"], r["speedup"]] for r in rows])
+    print_table(
+        ["tokens", "top_k", "experts", "B", "moeroute us", "torch us", "speedup"],
+        [
+            [
+                r["num_tokens"],
+                r["top_k"],
+                r["num_experts"],
+                r["block_size"],
+                r["moeroute_us"],
+                r["torch_us"],
+                r["speedup"],
+            ]
+            for r in rows
+        ],
+    )
     print(f"wrote {write_results('align', {'results': rows})}")
 
 

@@ -86,8 +86,7 @@ def route(preset_name, layout, rank, tokens, seed):
 
 def layout_for(preset_name, dispatch):
     preset = get_preset(preset_name)
-    return ExpertLayout(preset.router.num_experts, preset.num_shared_experts,
-                        ep_size=WORLD_SIZE, dispatch=dispatch)
+    return ExpertLayout(preset.router.num_experts, preset.num_shared_experts, ep_size=WORLD_SIZE, dispatch=dispatch)
 
 
 def unique_pairs_and_slots(ids, layout, rank):
@@ -121,8 +120,7 @@ class NaiveSlotExchange:
         dist.all_to_all_single(recv_counts, send_counts)
         send, recv = send_counts.tolist(), recv_counts.tolist()
         rows = x.index_select(0, token)
-        meta = torch.stack([flat[order].to(torch.int32),
-                            weights.reshape(-1)[order].view(torch.int32)], dim=1)
+        meta = torch.stack([flat[order].to(torch.int32), weights.reshape(-1)[order].view(torch.int32)], dim=1)
         recv_rows = x.new_empty((sum(recv), x.shape[1]))
         recv_meta = meta.new_empty((sum(recv), 2))
         dist.all_to_all_single(recv_rows, rows, recv, send)
@@ -161,15 +159,18 @@ def byte_figures(rank):
             minimum = pairs * HIDDEN * element
             naive = slots * HIDDEN * element
             per_dispatch[dispatch] = dict(
-                top_k_with_shared=ids.shape[1], unique_token_rank_pairs=pairs,
-                slots_on_other_ranks=slots, hidden_bytes=stats.hidden_bytes,
-                metadata_bytes=stats.metadata_bytes, count_bytes=stats.count_bytes,
-                combine_bytes=stats.combine_bytes, minimum_hidden_bytes=minimum,
+                top_k_with_shared=ids.shape[1],
+                unique_token_rank_pairs=pairs,
+                slots_on_other_ranks=slots,
+                hidden_bytes=stats.hidden_bytes,
+                metadata_bytes=stats.metadata_bytes,
+                count_bytes=stats.count_bytes,
+                combine_bytes=stats.combine_bytes,
+                minimum_hidden_bytes=minimum,
                 ratio_to_minimum=stats.hidden_bytes / minimum,
                 naive_hidden_bytes=naive,
                 naive_metadata_bytes=slots * METADATA_BYTES_PER_SLOT,
-                naive_over_ours=(naive + slots * METADATA_BYTES_PER_SLOT)
-                / stats.dispatch_bytes,
+                naive_over_ours=(naive + slots * METADATA_BYTES_PER_SLOT) / stats.dispatch_bytes,
             )
         figures[preset_name] = per_dispatch
     return figures
@@ -187,11 +188,13 @@ def time_figures(rank, repeats):
     a2a = make_dispatcher(a2a_layout, None, "all2all")
     ag = make_dispatcher(ag_layout, None, "allgather")
     out["all2all_vs_naive_per_slot"] = interleaved(
-        lambda: naive.dispatch_combine(x, ids, weights),
-        lambda: library_dispatch_combine(a2a, x, ids, weights), repeats)
+        lambda: naive.dispatch_combine(x, ids, weights), lambda: library_dispatch_combine(a2a, x, ids, weights), repeats
+    )
     out["allgather_vs_all2all"] = interleaved(
         lambda: library_dispatch_combine(a2a, x, ids, weights),
-        lambda: library_dispatch_combine(ag, x, ag_ids, ag_weights), repeats)
+        lambda: library_dispatch_combine(ag, x, ag_ids, ag_weights),
+        repeats,
+    )
 
     # The allgather combine: exact all_to_all_single (ours) against an all-reduce of the
     # padded [E * T_max, H] partials (every rank then slices its own rows).
@@ -201,13 +204,13 @@ def time_figures(rank, repeats):
 
     def all_reduce_combine():
         buffer = padded.float()
-        buffer[:partial.shape[0]] = partial
+        buffer[: partial.shape[0]] = partial
         dist.all_reduce(buffer)
-        return buffer[rank * TOKENS:(rank + 1) * TOKENS].to(partial.dtype)
+        return buffer[rank * TOKENS : (rank + 1) * TOKENS].to(partial.dtype)
 
     out["allgather_combine_a2a_vs_allreduce"] = interleaved(
-        all_reduce_combine, lambda: ag._reduce_home(partial, [TOKENS] * WORLD_SIZE, TOKENS),
-        repeats)
+        all_reduce_combine, lambda: ag._reduce_home(partial, [TOKENS] * WORLD_SIZE, TOKENS), repeats
+    )
     element = partial.element_size()
     out["allgather_combine_bytes"] = dict(
         all_to_all=(WORLD_SIZE - 1) * TOKENS * HIDDEN * element,
@@ -232,8 +235,16 @@ def overlap_figures(rank, repeats):
     router_weight = torch.randn(c["experts"], c["hidden"]) * 0.02
     modules = {}
     for shared in ("runner", "overlap"):
-        module = MoE(router, c["hidden"], c["intermediate"], shared_mlp, gate, shared=shared,
-                     ep_group=dist.group.WORLD, dispatch="all2all")
+        module = MoE(
+            router,
+            c["hidden"],
+            c["intermediate"],
+            shared_mlp,
+            gate,
+            shared=shared,
+            ep_group=dist.group.WORLD,
+            dispatch="all2all",
+        )
         with torch.no_grad():
             module.router_weight.copy_(router_weight)
         module.load_routed_weights(w_gate_up, w_down)
@@ -242,13 +253,16 @@ def overlap_figures(rank, repeats):
     with torch.no_grad():
         same = torch.allclose(modules["runner"](x), modules["overlap"](x), rtol=1e-5, atol=1e-6)
         pair = interleaved(lambda: modules["runner"](x), lambda: modules["overlap"](x), repeats)
-        shared_us = median_time(lambda: torch.sigmoid(gate(x)) * shared_mlp(x), repeats,
-                                warmup=0) * 1e6
+        shared_us = median_time(lambda: torch.sigmoid(gate(x)) * shared_mlp(x), repeats, warmup=0) * 1e6
     return dict(
-        runner_us=pair["baseline_us"], overlap_us=pair["candidate_us"],
-        speedup=pair["speedup"], shared_mlp_us=shared_us,
+        runner_us=pair["baseline_us"],
+        overlap_us=pair["candidate_us"],
+        speedup=pair["speedup"],
+        shared_mlp_us=shared_us,
         hidden_fraction=(pair["baseline_us"] - pair["candidate_us"]) / shared_us,
-        outputs_equal=same, repeats=repeats, **c,
+        outputs_equal=same,
+        repeats=repeats,
+        **c,
     )
 
 
@@ -277,10 +291,14 @@ def fp8_dispatch_figures(rank, repeats):
         fp8_dispatch_combine()
         fp8 = dispatcher.last_stats
         out[dispatch] = dict(
-            rows_sent=fp8.rows_sent, bf16_token_bytes=bf16.token_bytes,
-            fp8_value_bytes=fp8.hidden_bytes, fp8_scale_bytes=fp8.scale_bytes,
-            fp8_token_bytes=fp8.token_bytes, token_bytes_ratio=fp8.token_bytes / bf16.token_bytes,
-            bf16_dispatch_bytes=bf16.dispatch_bytes, fp8_dispatch_bytes=fp8.dispatch_bytes,
+            rows_sent=fp8.rows_sent,
+            bf16_token_bytes=bf16.token_bytes,
+            fp8_value_bytes=fp8.hidden_bytes,
+            fp8_scale_bytes=fp8.scale_bytes,
+            fp8_token_bytes=fp8.token_bytes,
+            token_bytes_ratio=fp8.token_bytes / bf16.token_bytes,
+            bf16_dispatch_bytes=bf16.dispatch_bytes,
+            fp8_dispatch_bytes=fp8.dispatch_bytes,
             dispatch_bytes_ratio=fp8.dispatch_bytes / bf16.dispatch_bytes,
             time=interleaved(bf16_dispatch_combine, fp8_dispatch_combine, repeats),
         )
@@ -293,12 +311,19 @@ SECTIONS = ("bytes", "time", "overlap", "fp8")
 
 def rank_main(rank, init_file, repeats, result_path, sections=SECTIONS):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD_SIZE,
-                            timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
-    runners = dict(bytes=lambda: byte_figures(rank), time=lambda: time_figures(rank, repeats),
-                   overlap=lambda: overlap_figures(rank, repeats),
-                   fp8=lambda: fp8_dispatch_figures(rank, repeats))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
+    )
+    runners = dict(
+        bytes=lambda: byte_figures(rank),
+        time=lambda: time_figures(rank, repeats),
+        overlap=lambda: overlap_figures(rank, repeats),
+        fp8=lambda: fp8_dispatch_figures(rank, repeats),
+    )
     report = dict(rank=rank, **{name: runners[name]() for name in sections})
     reports = [None] * WORLD_SIZE
     dist.all_gather_object(reports, report)
@@ -317,18 +342,28 @@ def rank_main(rank, init_file, repeats, result_path, sections=SECTIONS):
 def summarize(reports):
     def across(get):
         values = [get(r) for r in reports]
-        return dict(median=statistics.median(values), min=min(values), max=max(values),
-                    per_rank=values)
+        return dict(median=statistics.median(values), min=min(values), max=max(values), per_rank=values)
 
     summary = {}
     if "fp8" in reports[0]:
         summary["fp8"] = {
-            dispatch: {field: across(lambda r: r["fp8"][dispatch][field])
-                       for field in ("bf16_token_bytes", "fp8_token_bytes", "token_bytes_ratio",
-                                     "bf16_dispatch_bytes", "fp8_dispatch_bytes", "dispatch_bytes_ratio")}
-            | {f"time_{field}": across(lambda r: r["fp8"][dispatch]["time"][field])
-               for field in ("baseline_us", "candidate_us", "speedup")}
-            for dispatch in ("all2all", "allgather")}
+            dispatch: {
+                field: across(lambda r: r["fp8"][dispatch][field])
+                for field in (
+                    "bf16_token_bytes",
+                    "fp8_token_bytes",
+                    "token_bytes_ratio",
+                    "bf16_dispatch_bytes",
+                    "fp8_dispatch_bytes",
+                    "dispatch_bytes_ratio",
+                )
+            }
+            | {
+                f"time_{field}": across(lambda r: r["fp8"][dispatch]["time"][field])
+                for field in ("baseline_us", "candidate_us", "speedup")
+            }
+            for dispatch in ("all2all", "allgather")
+        }
     if "bytes" not in reports[0]:
         return summary
     summary.update({"bytes": {}, "time": {}, "overlap": {}})
@@ -337,14 +372,18 @@ def summarize(reports):
             key = f"{preset_name}/{dispatch}"
             summary["bytes"][key] = {
                 field: across(lambda r: r["bytes"][preset_name][dispatch][field])
-                for field in ("ratio_to_minimum", "naive_over_ours", "hidden_bytes",
-                              "metadata_bytes", "minimum_hidden_bytes", "naive_hidden_bytes")
+                for field in (
+                    "ratio_to_minimum",
+                    "naive_over_ours",
+                    "hidden_bytes",
+                    "metadata_bytes",
+                    "minimum_hidden_bytes",
+                    "naive_hidden_bytes",
+                )
             }
-    for name in ("all2all_vs_naive_per_slot", "allgather_vs_all2all",
-                 "allgather_combine_a2a_vs_allreduce"):
+    for name in ("all2all_vs_naive_per_slot", "allgather_vs_all2all", "allgather_combine_a2a_vs_allreduce"):
         summary["time"][name] = {
-            field: across(lambda r: r["time"][name][field])
-            for field in ("baseline_us", "candidate_us", "speedup")
+            field: across(lambda r: r["time"][name][field]) for field in ("baseline_us", "candidate_us", "speedup")
         }
     summary["time"]["allgather_combine_bytes"] = reports[0]["time"]["allgather_combine_bytes"]
     for field in ("runner_us", "overlap_us", "shared_mlp_us", "speedup", "hidden_fraction"):
@@ -356,8 +395,7 @@ def summarize(reports):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_REPEATS} repetitions")
-    parser.add_argument("--only", choices=("fp8",), default=None,
-                        help="run only the FP8 dispatch figures")
+    parser.add_argument("--only", choices=("fp8",), default=None, help="run only the FP8 dispatch figures")
     args = parser.parse_args(argv)
     sections = ("fp8",) if args.only == "fp8" else SECTIONS
     repeats = QUICK_REPEATS if args.quick else REPEATS
@@ -367,55 +405,84 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="moeroute-bench-ep-") as tmp:
         result_path = os.path.join(tmp, "reports.json")
-        mp.start_processes(rank_main, args=(os.path.join(tmp, "store"), repeats, result_path,
-                                            sections),
-                           nprocs=WORLD_SIZE, start_method="spawn")
+        mp.start_processes(
+            rank_main,
+            args=(os.path.join(tmp, "store"), repeats, result_path, sections),
+            nprocs=WORLD_SIZE,
+            start_method="spawn",
+        )
         with open(result_path) as handle:
             reports = json.load(handle)
     summary = summarize(reports)
-    config = dict(world_size=WORLD_SIZE, backend="gloo", tokens_per_rank=TOKENS, hidden=HIDDEN,
-                  dtype=str(DTYPE), repeats=repeats, threads_per_rank=1,
-                  load_average_after=os.getloadavg())
-    path = write_results("ep" if args.only is None else "ep_fp8",
-                         dict(config=config, summary=summary, per_rank=reports))
+    config = dict(
+        world_size=WORLD_SIZE,
+        backend="gloo",
+        tokens_per_rank=TOKENS,
+        hidden=HIDDEN,
+        dtype=str(DTYPE),
+        repeats=repeats,
+        threads_per_rank=1,
+        load_average_after=os.getloadavg(),
+    )
+    path = write_results(
+        "ep" if args.only is None else "ep_fp8", dict(config=config, summary=summary, per_rank=reports)
+    )
 
     if "fp8" in summary:
-        print(f"FP8 dispatch on {WORLD_SIZE} ranks, deepseek-v3 routing, T={TOKENS}/rank, H={HIDDEN}: "
-              "bfloat16 rows against e4m3 rows + float32 scales per 128 columns (medians over ranks)")
-        rows = [(dispatch, round(v["bf16_token_bytes"]["median"]), round(v["fp8_token_bytes"]["median"]),
-                 v["token_bytes_ratio"]["median"], v["dispatch_bytes_ratio"]["median"],
-                 v["time_baseline_us"]["median"], v["time_candidate_us"]["median"],
-                 v["time_speedup"]["median"])
-                for dispatch, v in summary["fp8"].items()]
-        print_table(("dispatch", "bf16_rows_B", "fp8_rows_B", "rows_ratio", "with_meta_ratio", "bf16_us",
-                     "fp8_us", "bf16/fp8"), rows)
+        print(
+            f"FP8 dispatch on {WORLD_SIZE} ranks, deepseek-v3 routing, T={TOKENS}/rank, H={HIDDEN}: "
+            "bfloat16 rows against e4m3 rows + float32 scales per 128 columns (medians over ranks)"
+        )
+        rows = [
+            (
+                dispatch,
+                round(v["bf16_token_bytes"]["median"]),
+                round(v["fp8_token_bytes"]["median"]),
+                v["token_bytes_ratio"]["median"],
+                v["dispatch_bytes_ratio"]["median"],
+                v["time_baseline_us"]["median"],
+                v["time_candidate_us"]["median"],
+                v["time_speedup"]["median"],
+            )
+            for dispatch, v in summary["fp8"].items()
+        ]
+        print_table(
+            ("dispatch", "bf16_rows_B", "fp8_rows_B", "rows_ratio", "with_meta_ratio", "bf16_us", "fp8_us", "bf16/fp8"),
+            rows,
+        )
         if "bytes" not in summary:
             print(f"\nwrote {path}")
             return 0
         print()
-    print(f"bytes per forward on {WORLD_SIZE} ranks, T={TOKENS}/rank, H={HIDDEN}, {DTYPE} "
-          "(medians over ranks)")
+    print(f"bytes per forward on {WORLD_SIZE} ranks, T={TOKENS}/rank, H={HIDDEN}, {DTYPE} (medians over ranks)")
     rows = []
     for key, value in summary["bytes"].items():
-        rows.append((key, round(value["hidden_bytes"]["median"]),
-                     round(value["metadata_bytes"]["median"]),
-                     round(value["minimum_hidden_bytes"]["median"]),
-                     value["ratio_to_minimum"]["median"],
-                     round(value["naive_hidden_bytes"]["median"]),
-                     value["naive_over_ours"]["median"]))
-    print_table(("preset/dispatch", "hidden", "metadata", "minimum", "ratio", "naive",
-                 "naive/ours"), rows)
+        rows.append(
+            (
+                key,
+                round(value["hidden_bytes"]["median"]),
+                round(value["metadata_bytes"]["median"]),
+                round(value["minimum_hidden_bytes"]["median"]),
+                value["ratio_to_minimum"]["median"],
+                round(value["naive_hidden_bytes"]["median"]),
+                value["naive_over_ours"]["median"],
+            )
+        )
+    print_table(("preset/dispatch", "hidden", "metadata", "minimum", "ratio", "naive", "naive/ours"), rows)
     print("\ndispatch + combine on gloo (median over ranks of the median per-pair ratio)")
-    rows = [(name, v["baseline_us"]["median"], v["candidate_us"]["median"],
-             v["speedup"]["median"]) for name, v in summary["time"].items()
-            if "speedup" in v]
-    print_table(("pair (baseline_vs_candidate)", "baseline_us", "candidate_us",
-                 "baseline/candidate"), rows)
+    rows = [
+        (name, v["baseline_us"]["median"], v["candidate_us"]["median"], v["speedup"]["median"])
+        for name, v in summary["time"].items()
+        if "speedup" in v
+    ]
+    print_table(("pair (baseline_vs_candidate)", "baseline_us", "candidate_us", "baseline/candidate"), rows)
     o = summary["overlap"]
-    print(f"\noverlap: runner {o['runner_us']['median']:.0f} us, overlap "
-          f"{o['overlap_us']['median']:.0f} us, shared MLP alone "
-          f"{o['shared_mlp_us']['median']:.0f} us, hidden fraction "
-          f"{o['hidden_fraction']['median']:.2f}, outputs equal: {o['outputs_equal']}")
+    print(
+        f"\noverlap: runner {o['runner_us']['median']:.0f} us, overlap "
+        f"{o['overlap_us']['median']:.0f} us, shared MLP alone "
+        f"{o['shared_mlp_us']['median']:.0f} us, hidden fraction "
+        f"{o['hidden_fraction']['median']:.2f}, outputs equal: {o['outputs_equal']}"
+    )
     print(f"\nwrote {path}")
     return 0
 

@@ -56,8 +56,9 @@ DRIFT = 0.1
 
 
 def greedy_balancedness(load: np.ndarray, p: int, e: int, nodes: int) -> np.ndarray:
-    return np.array([reference.balancedness(reference.greedy_rank_loads(
-        row.tolist(), p, e, nodes, NUM_GROUPS)) for row in load])
+    return np.array(
+        [reference.balancedness(reference.greedy_rank_loads(row.tolist(), p, e, nodes, NUM_GROUPS)) for row in load]
+    )
 
 
 def run(quick: bool) -> dict:
@@ -66,8 +67,7 @@ def run(quick: bool) -> dict:
     p = NUM_EXPERTS + NUM_REDUNDANT
     rows, records = [], []
     for exponent in exponents:
-        load = synthetic_load(f"zipf:{exponent},layers:{layers},tokens:{PAIRS_PER_LAYER},"
-                              f"experts:{NUM_EXPERTS},seed:0")
+        load = synthetic_load(f"zipf:{exponent},layers:{layers},tokens:{PAIRS_PER_LAYER},experts:{NUM_EXPERTS},seed:0")
         drifted = load * np.random.default_rng(1).uniform(1 - DRIFT, 1 + DRIFT, size=load.shape)
         for e in RANKS:
             for nodes in NODES:
@@ -76,15 +76,21 @@ def run(quick: bool) -> dict:
                 greedy = greedy_balancedness(load, p, e, nodes)
                 ours = balancedness(load, plan, e)
                 fresh = rebalance(drifted, p, e, num_nodes=nodes, num_groups=NUM_GROUPS)
-                kept = rebalance(drifted, p, e, num_nodes=nodes, num_groups=NUM_GROUPS,
-                                 previous=plan)
+                kept = rebalance(drifted, p, e, num_nodes=nodes, num_groups=NUM_GROUPS, previous=plan)
                 seconds = median_time(
                     lambda: rebalance(load, p, e, num_nodes=nodes, num_groups=NUM_GROUPS),
-                    repeats=3 if quick else 7, warmup=1)
+                    repeats=3 if quick else 7,
+                    warmup=1,
+                )
                 record = {
-                    "zipf": exponent, "ep_size": e, "num_nodes": nodes, "layers": layers,
-                    "num_logical_experts": NUM_EXPERTS, "num_physical_experts": p,
-                    "num_groups": NUM_GROUPS, "policy": plan.policy,
+                    "zipf": exponent,
+                    "ep_size": e,
+                    "num_nodes": nodes,
+                    "layers": layers,
+                    "num_logical_experts": NUM_EXPERTS,
+                    "num_physical_experts": p,
+                    "num_groups": NUM_GROUPS,
+                    "policy": plan.policy,
                     "balancedness_linear": float(linear.mean()),
                     "balancedness_greedy": float(greedy.mean()),
                     "balancedness_moeroute": float(ours.mean()),
@@ -96,28 +102,55 @@ def run(quick: bool) -> dict:
                     "rebalance_seconds": seconds,
                 }
                 records.append(record)
-                rows.append((exponent, e, nodes, record["balancedness_linear"],
-                             record["balancedness_greedy"], record["balancedness_moeroute"],
-                             record["duplicates_per_layer"], record["moved_fresh_per_layer"],
-                             record["moved_with_previous_per_layer"], seconds * 1e3))
-    print_table(("zipf", "E", "nodes", "linear", "greedy", "moeroute", "dups/layer",
-                 "moved fresh", "moved w/ previous", "ms"), rows)
+                rows.append(
+                    (
+                        exponent,
+                        e,
+                        nodes,
+                        record["balancedness_linear"],
+                        record["balancedness_greedy"],
+                        record["balancedness_moeroute"],
+                        record["duplicates_per_layer"],
+                        record["moved_fresh_per_layer"],
+                        record["moved_with_previous_per_layer"],
+                        seconds * 1e3,
+                    )
+                )
+    print_table(
+        ("zipf", "E", "nodes", "linear", "greedy", "moeroute", "dups/layer", "moved fresh", "moved w/ previous", "ms"),
+        rows,
+    )
 
     # moeroute against the plain-Python greedy, interleaved on the same load.
-    load = synthetic_load(f"zipf:1.1,layers:{layers},tokens:{PAIRS_PER_LAYER},"
-                          f"experts:{NUM_EXPERTS},seed:2")
+    load = synthetic_load(f"zipf:1.1,layers:{layers},tokens:{PAIRS_PER_LAYER},experts:{NUM_EXPERTS},seed:2")
     ratio = interleaved(
         lambda: [reference.greedy_rank_loads(row.tolist(), p, 32, 4, NUM_GROUPS) for row in load],
         lambda: rebalance(load, p, 32, num_nodes=4, num_groups=NUM_GROUPS),
-        repeats=3, warmup=1)
-    print(f"rebalance of {layers} layers vs the plain-Python greedy (E=32, 4 nodes): "
-          f"{ratio['speedup']:.1f}x faster")
+        repeats=3,
+        warmup=1,
+    )
+    print(f"rebalance of {layers} layers vs the plain-Python greedy (E=32, 4 nodes): {ratio['speedup']:.1f}x faster")
     return {"settings": records, "versus_python_greedy": {"layers": layers, **ratio}}
 
 
 #: The live run: ``moeroute run`` arguments (DeepSeek-V3 routing, 4 ranks, 4 replicas).
-LIVE_ARGS = ["--preset", "deepseek-v3", "--ep", "4", "--redundant", "4", "--tokens", "512",
-             "--hidden", "128", "--intermediate", "64", "--repeat", "9", "--eplb"]
+LIVE_ARGS = [
+    "--preset",
+    "deepseek-v3",
+    "--ep",
+    "4",
+    "--redundant",
+    "4",
+    "--tokens",
+    "512",
+    "--hidden",
+    "128",
+    "--intermediate",
+    "64",
+    "--repeat",
+    "9",
+    "--eplb",
+]
 
 
 def live_rebalance() -> dict:
@@ -143,10 +176,12 @@ def live_rebalance() -> dict:
         "expert_bytes_moved": sum(r["bytes_received"] for r in reports),
         "max_rel_error_after": max(r["error_after"] for r in reports),
     }
-    print(f"live rebalance on 4 gloo ranks: heaviest rank {record['heaviest_rank_tokens_before']:.0f} "
-          f"-> {record['heaviest_rank_tokens_after']:.0f} tokens, balancedness "
-          f"{record['balancedness_before']:.3f} -> {record['balancedness_after']:.3f}, layer time "
-          f"ratio old/new per rank {[round(v, 2) for v in record['layer_speedup_per_rank']]}")
+    print(
+        f"live rebalance on 4 gloo ranks: heaviest rank {record['heaviest_rank_tokens_before']:.0f} "
+        f"-> {record['heaviest_rank_tokens_after']:.0f} tokens, balancedness "
+        f"{record['balancedness_before']:.3f} -> {record['balancedness_after']:.3f}, layer time "
+        f"ratio old/new per rank {[round(v, 2) for v in record['layer_speedup_per_rank']]}"
+    )
     return record
 
 

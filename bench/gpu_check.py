@@ -139,8 +139,20 @@ def stage_command(stage: Stage, out: Path) -> list[str] | None:
         if importlib.util.find_spec("pytest_timeout") is not None:
             # A hung test fails alone; the stage goes on and still writes its JUnit XML.
             per_test = [f"--timeout={PER_TEST_TIMEOUT_S}", "--timeout-method=signal"]
-        return [python, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", *per_test,
-                f"--junitxml={out / PYTEST_XML}", *GPU_TEST_FILES]
+        return [
+            python,
+            "-m",
+            "pytest",
+            "-m",
+            "gpu",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            *per_test,
+            f"--junitxml={out / PYTEST_XML}",
+            *GPU_TEST_FILES,
+        ]
     if stage.name == "routing":
         return [python, str(ROUTING_SCRIPT), "--quick"]
     if stage.name == "summary":
@@ -165,8 +177,9 @@ def planned_seconds(stages=STAGES) -> int:
     return sum(s.timeout_s + (KILL_GRACE_S if stage_command(s, Path("out")) else 0) for s in stages)
 
 
-def check_plan(stages=STAGES, test_files=GPU_TEST_FILES, budget_s=BUDGET_S, root: Path = REPO,
-               output_files=OUTPUT_FILES) -> list[str]:
+def check_plan(
+    stages=STAGES, test_files=GPU_TEST_FILES, budget_s=BUDGET_S, root: Path = REPO, output_files=OUTPUT_FILES
+) -> list[str]:
     """Every problem of the plan, as sentences; empty when the plan is sound."""
     problems = []
     names = [s.name for s in stages]
@@ -183,8 +196,10 @@ def check_plan(stages=STAGES, test_files=GPU_TEST_FILES, budget_s=BUDGET_S, root
             problems.append(str(error))
     environment = [s for s in stages if s.name == "environment"]
     if environment and environment[0].timeout_s > ENVIRONMENT_LIMIT_S:
-        problems.append(f"the environment stage takes up to {environment[0].timeout_s} s; "
-                        f"it must answer within {ENVIRONMENT_LIMIT_S} s")
+        problems.append(
+            f"the environment stage takes up to {environment[0].timeout_s} s; "
+            f"it must answer within {ENVIRONMENT_LIMIT_S} s"
+        )
     total = planned_seconds(stages)
     if total > budget_s:
         problems.append(f"stage timeouts plus kill grace sum to {total} s, over the budget of {budget_s} s")
@@ -214,8 +229,10 @@ def dry_run() -> int:
         if command:
             shown = " ".join(command).replace(sys.executable, "python3").replace(f"{REPO}/", "")
         print(f"{stage.name:<12} {stage.timeout_s:>4} s  {shown}")
-    print(f"worst case {planned_seconds()} s (timeouts plus {KILL_GRACE_S} s kill grace per process) "
-          f"against a budget of {BUDGET_S} s")
+    print(
+        f"worst case {planned_seconds()} s (timeouts plus {KILL_GRACE_S} s kill grace per process) "
+        f"against a budget of {BUDGET_S} s"
+    )
     problems = check_plan()
     for problem in problems:
         print(f"PROBLEM: {problem}")
@@ -244,9 +261,16 @@ def run_stage(stage: Stage, command, out: Path, log: Log, env: dict) -> dict:
     """Run one stage; kill its whole process group at its time limit."""
     started = time.monotonic()
     log.write(f"== {stage.name} ({stage.timeout_s} s): {' '.join(command)}\n")
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, errors="replace",
-                               start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
     tail = []
 
     def pump():
@@ -319,9 +343,20 @@ def _versions() -> dict:
     from importlib import metadata
 
     found = {"python": sys.version.split()[0], "platform": platform.platform()}
-    for package in ("numpy", "numba", "numba-cuda", "cupy-cuda13x", "cupy-cuda12x", "torch",
-                    "cuda-python", "cuda-bindings", "nvidia-cuda-nvrtc", "pytest", "hypothesis",
-                    "transformers"):
+    for package in (
+        "numpy",
+        "numba",
+        "numba-cuda",
+        "cupy-cuda13x",
+        "cupy-cuda12x",
+        "torch",
+        "cuda-python",
+        "cuda-bindings",
+        "nvidia-cuda-nvrtc",
+        "pytest",
+        "hypothesis",
+        "transformers",
+    ):
         try:
             found[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
@@ -331,8 +366,9 @@ def _versions() -> dict:
 
 def _nvidia_smi() -> dict:
     query = "name,driver_version,memory.total,compute_cap,clocks.max.sm"
-    result = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
-                            capture_output=True, text=True, timeout=10)
+    result = subprocess.run(
+        ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+    )
     return {"query": query, "output": result.stdout.strip(), "returncode": result.returncode}
 
 
@@ -356,12 +392,14 @@ def _numba_launch_on_torch() -> dict:
 def _nvrtc_compile() -> dict:
     import cupy
 
-    kernel = cupy.RawKernel(r'extern "C" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }',
-                            "twice")
+    kernel = cupy.RawKernel(r'extern "C" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }', "twice")
     values = cupy.ones(32, dtype=cupy.float32)
     kernel((1,), (32,), (values,))
-    return {"ok": bool((values == 2).all()), "nvrtc": cupy.cuda.nvrtc.getVersion(),
-            "runtime": cupy.cuda.runtime.runtimeGetVersion()}
+    return {
+        "ok": bool((values == 2).all()),
+        "nvrtc": cupy.cuda.nvrtc.getVersion(),
+        "runtime": cupy.cuda.runtime.runtimeGetVersion(),
+    }
 
 
 #: Where a CUDA toolkit's libnvvm may live when Numba's own search misses it.
@@ -374,12 +412,17 @@ def find_libnvvm() -> str | None:
     import site
 
     roots = [Path(p) for p in site.getsitepackages() + [site.getusersitepackages()]] + [
-        Path(p) for p in NVVM_SEARCH_ROOTS]
+        Path(p) for p in NVVM_SEARCH_ROOTS
+    ]
     for root in roots:
         if not root.is_dir():
             continue
-        for pattern in ("nvvm/lib64/libnvvm.so*", "*/nvvm/lib64/libnvvm.so*", "nvidia/*/nvvm/lib64/libnvvm.so*",
-                        "nvidia/*/*/nvvm/lib64/libnvvm.so*"):
+        for pattern in (
+            "nvvm/lib64/libnvvm.so*",
+            "*/nvvm/lib64/libnvvm.so*",
+            "nvidia/*/nvvm/lib64/libnvvm.so*",
+            "nvidia/*/*/nvvm/lib64/libnvvm.so*",
+        ):
             for library in root.glob(pattern):
                 return str(library.parents[2])
     return None
@@ -453,12 +496,17 @@ def warm_stage(out: Path) -> int:
     from moeroute.gpu import gemm_fp8, gemm_mxfp4, launch, loader
 
     capability = loader.compute_capability()
-    kernels = {launch.KERNEL_FILE: launch.shipped_name_expressions("cuda"),
-               gemm_fp8.KERNEL_FILE: gemm_fp8.shipped_name_expressions("cuda", capability),
-               gemm_mxfp4.KERNEL_FILE: gemm_mxfp4.shipped_name_expressions("cuda", capability)}
+    kernels = {
+        launch.KERNEL_FILE: launch.shipped_name_expressions("cuda"),
+        gemm_fp8.KERNEL_FILE: gemm_fp8.shipped_name_expressions("cuda", capability),
+        gemm_mxfp4.KERNEL_FILE: gemm_mxfp4.shipped_name_expressions("cuda", capability),
+    }
     commands = [[sys.executable, "-c", _WARM_CPU], [sys.executable, "-c", _WARM_CUBINS]] + [
         [sys.executable, "-c", _WARM_GEMM, kernel_file, *names[i::WARM_GEMM_PROCESSES]]
-        for kernel_file, names in kernels.items() for i in range(WARM_GEMM_PROCESSES) if names[i::WARM_GEMM_PROCESSES]]
+        for kernel_file, names in kernels.items()
+        for i in range(WARM_GEMM_PROCESSES)
+        if names[i::WARM_GEMM_PROCESSES]
+    ]
 
     def run(command):
         result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
@@ -523,10 +571,14 @@ def mxfp4_benchmark(path: Path) -> int:
     H, I, E, K = (MXFP4_SHAPE[key] for key in ("hidden_size", "intermediate_size", "num_experts", "top_k"))
     device = torch.device("cuda")
     g = torch.Generator(device=device).manual_seed(0)
-    gate_up = (torch.randint(0, 256, (E, 2 * I, H // 32, 16), generator=g, dtype=torch.uint8, device=device),
-               torch.randint(120, 124, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8, device=device))
-    down = (torch.randint(0, 256, (E, H, I // 32, 16), generator=g, dtype=torch.uint8, device=device),
-            torch.randint(119, 123, (E, H, I // 32), generator=g, dtype=torch.uint8, device=device))
+    gate_up = (
+        torch.randint(0, 256, (E, 2 * I, H // 32, 16), generator=g, dtype=torch.uint8, device=device),
+        torch.randint(120, 124, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8, device=device),
+    )
+    down = (
+        torch.randint(0, 256, (E, H, I // 32, 16), generator=g, dtype=torch.uint8, device=device),
+        torch.randint(119, 123, (E, H, I // 32), generator=g, dtype=torch.uint8, device=device),
+    )
     bias = (torch.randn(E, 2 * I, generator=g, device=device), torch.randn(E, H, generator=g, device=device))
     packed_bytes = sum(t.numel() for t in (*gate_up, *down))
     quant = QuantConfig(format="mxfp4")
@@ -534,8 +586,9 @@ def mxfp4_benchmark(path: Path) -> int:
     source = torch.empty(MXFP4_COPY_BYTES, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
     target.copy_(source)
-    copy_bandwidth = max(2 * MXFP4_COPY_BYTES / _event_seconds(torch, lambda: target.copy_(source), 10)
-                         for _ in range(MXFP4_SAMPLES))
+    copy_bandwidth = max(
+        2 * MXFP4_COPY_BYTES / _event_seconds(torch, lambda: target.copy_(source), 10) for _ in range(MXFP4_SAMPLES)
+    )
     del source, target
 
     rows, targets = [], []
@@ -546,8 +599,17 @@ def mxfp4_benchmark(path: Path) -> int:
         x = torch.randn(T, H, generator=g, device=device).to(torch.bfloat16)
 
         def call():
-            return fused_experts(x, gate_up, down, topk_weights, topk_ids, activation="swigluoai",
-                                 gate_up_bias=bias[0], down_bias=bias[1], quant=quant)
+            return fused_experts(
+                x,
+                gate_up,
+                down,
+                topk_weights,
+                topk_ids,
+                activation="swigluoai",
+                gate_up_bias=bias[0],
+                down_bias=bias[1],
+                quant=quant,
+            )
 
         out = call().float()
         # Reference: each slot's expert on weights dequantized in float32 (one expert at a time).
@@ -562,18 +624,43 @@ def mxfp4_benchmark(path: Path) -> int:
         error = float((out - expected).abs().max() / expected.abs().max())
         seconds = statistics.median(_event_seconds(torch, call, 10) for _ in range(MXFP4_SAMPLES))
         fraction = packed_bytes / seconds / copy_bandwidth
-        rows.append({"tokens_per_expert": m, "num_tokens": T, "seconds": seconds, "relative_error": error,
-                     "packed_bytes": packed_bytes, "packed_bytes_per_s": packed_bytes / seconds,
-                     "fraction_of_copy_bandwidth": fraction})
-        print(f"mxfp4 m={m:3d}: {seconds * 1e6:8.1f} us, {packed_bytes / seconds / 1e9:7.1f} GB/s packed "
-              f"({fraction:.2f} of copy), relative error {error:.2e}")
-        targets.append({"model": f"gpt-oss-20b mxfp4 m={m}",
-                        "target": f"packed bytes/s >= {MXFP4_TARGET_FRACTION} x copy bandwidth, error <= "
-                                  f"{MXFP4_CHECK_TOLERANCE}",
-                        "value": fraction, "met": fraction >= MXFP4_TARGET_FRACTION and error <= MXFP4_CHECK_TOLERANCE})
-    path.write_text(json.dumps({"shape": MXFP4_SHAPE, "copy_bandwidth_bytes_per_s": copy_bandwidth,
-                                "device": torch.cuda.get_device_name(), "rows": rows, "targets": targets},
-                               indent=2) + "\n")
+        rows.append(
+            {
+                "tokens_per_expert": m,
+                "num_tokens": T,
+                "seconds": seconds,
+                "relative_error": error,
+                "packed_bytes": packed_bytes,
+                "packed_bytes_per_s": packed_bytes / seconds,
+                "fraction_of_copy_bandwidth": fraction,
+            }
+        )
+        print(
+            f"mxfp4 m={m:3d}: {seconds * 1e6:8.1f} us, {packed_bytes / seconds / 1e9:7.1f} GB/s packed "
+            f"({fraction:.2f} of copy), relative error {error:.2e}"
+        )
+        targets.append(
+            {
+                "model": f"gpt-oss-20b mxfp4 m={m}",
+                "target": f"packed bytes/s >= {MXFP4_TARGET_FRACTION} x copy bandwidth, error <= "
+                f"{MXFP4_CHECK_TOLERANCE}",
+                "value": fraction,
+                "met": fraction >= MXFP4_TARGET_FRACTION and error <= MXFP4_CHECK_TOLERANCE,
+            }
+        )
+    path.write_text(
+        json.dumps(
+            {
+                "shape": MXFP4_SHAPE,
+                "copy_bandwidth_bytes_per_s": copy_bandwidth,
+                "device": torch.cuda.get_device_name(),
+                "rows": rows,
+                "targets": targets,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return 0 if all(row["relative_error"] <= MXFP4_CHECK_TOLERANCE for row in rows) else 1
 
 
@@ -589,8 +676,11 @@ def pytest_counts(path: Path):
         return None, []
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     counts = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
-    failed = [f"{case.get('classname')}::{case.get('name')}" for case in root.iter("testcase")
-              if case.find("failure") is not None or case.find("error") is not None]
+    failed = [
+        f"{case.get('classname')}::{case.get('name')}"
+        for case in root.iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
     return counts, failed
 
 
@@ -601,8 +691,10 @@ def _targets(path: Path) -> list[str]:
         data = json.loads(path.read_text())
     except ValueError:
         return [f"{path.name}: unreadable."]
-    return [f"- {t['model']}: {t['target']}: {t['value']:.2f} ({'met' if t['met'] else 'NOT met'})"
-            for t in data.get("targets", [])] or [f"{path.name}: no targets."]
+    return [
+        f"- {t['model']}: {t['target']}: {t['value']:.2f} ({'met' if t['met'] else 'NOT met'})"
+        for t in data.get("targets", [])
+    ] or [f"{path.name}: no targets."]
 
 
 def write_summary(out: Path, records: list[dict]) -> str:
@@ -621,8 +713,9 @@ def write_summary(out: Path, records: list[dict]) -> str:
         lines.append("No JUnit report (the test stage did not finish).")
     else:
         passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-        lines.append(f"{passed} passed, {counts['failures']} failed, {counts['errors']} errors, "
-                     f"{counts['skipped']} skipped.")
+        lines.append(
+            f"{passed} passed, {counts['failures']} failed, {counts['errors']} errors, {counts['skipped']} skipped."
+        )
         lines += [f"- FAILED {name}" for name in failed[:40]]
     lines += ["", "## Routing targets", ""] + _targets(out / ROUTING_JSON)
     lines += ["", "## GEMM targets", ""] + _targets(out / GEMM_JSON)
@@ -634,8 +727,12 @@ def write_summary(out: Path, records: list[dict]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or DEFAULT_OUT),
-                        help="result folder (default: $OUT, else bench/results/gpu_check)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ.get("OUT") or DEFAULT_OUT),
+        help="result folder (default: $OUT, else bench/results/gpu_check)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="check the plan without a GPU and exit")
     parser.add_argument("--stage", choices=("environment", "warm", "gemm"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

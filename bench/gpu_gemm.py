@@ -61,8 +61,8 @@ def build_case(hidden_size, intermediate_size, tokens_per_expert, num_experts, s
     g = torch.Generator(device="cuda").manual_seed(seed)
     T, E, H, I = tokens_per_expert, num_experts, hidden_size, intermediate_size
     x = torch.randn(T, H, device="cuda", generator=g).to(DTYPE)
-    w_gate_up = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H ** 0.5).to(DTYPE)
-    w_down = (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).to(DTYPE)
+    w_gate_up = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(DTYPE)
+    w_down = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(DTYPE)
     topk_ids = torch.arange(E, device="cuda", dtype=torch.int32).repeat(T, 1).contiguous()
     topk_weights = torch.ones(T, E, device="cuda", dtype=torch.float32)
     return x, w_gate_up, w_down, topk_weights, topk_ids
@@ -75,8 +75,13 @@ def moeroute_gemm(x, w_gate_up, w_down, topk_weights, topk_ids, path=None, compu
     import cupy
 
     problem = check_fused_experts_args(x, w_gate_up, w_down, topk_weights, topk_ids, apply_router_weight=False)
-    T, H, I, E, K = (problem.num_tokens, problem.hidden_size, problem.intermediate_size, problem.num_experts,
-                     problem.top_k)
+    T, H, I, E, K = (
+        problem.num_tokens,
+        problem.hidden_size,
+        problem.intermediate_size,
+        problem.num_experts,
+        problem.top_k,
+    )
 
     def allocate(shape, dtype):
         return _torch_as_cupy(torch.empty(shape, dtype=getattr(torch, dtype), device="cuda"))
@@ -93,11 +98,20 @@ def moeroute_gemm(x, w_gate_up, w_down, topk_weights, topk_ids, path=None, compu
         path = "mma" if eligible else "simt"
     if compute_capability is None:
         compute_capability = backend.compute_capability
-    common = dict(path=path, dtype=problem.dtype, block_size=block_size, sorted_token_ids=sorted_ids,
-                  compute_capability=compute_capability, expert_ids=expert_ids,
-                  topk_weights=_torch_as_cupy(topk_weights).reshape(-1), numel=T * K)
-    plans = [L.plan_expert_gemm(gated=True, a=a, b=b13, c=inter, top_k=K, n=I, k=H, **common),
-             L.plan_expert_gemm(gated=False, a=inter, b=b2, c=out, top_k=1, n=H, k=I, **common)]
+    common = dict(
+        path=path,
+        dtype=problem.dtype,
+        block_size=block_size,
+        sorted_token_ids=sorted_ids,
+        compute_capability=compute_capability,
+        expert_ids=expert_ids,
+        topk_weights=_torch_as_cupy(topk_weights).reshape(-1),
+        numel=T * K,
+    )
+    plans = [
+        L.plan_expert_gemm(gated=True, a=a, b=b13, c=inter, top_k=K, n=I, k=H, **common),
+        L.plan_expert_gemm(gated=False, a=inter, b=b2, c=out, top_k=1, n=H, k=I, **common),
+    ]
     kernels = [loader.get_kernel(L.KERNEL_FILE, p.name, p.shared_memory) for p in plans]
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
 
@@ -119,7 +133,7 @@ def torch_baselines(x, w_gate_up, w_down, num_experts):
     def loop():
         ys = []
         for e in range(num_experts):
-            h = x_sorted[e * T:(e + 1) * T] @ w_gate_up[e].T
+            h = x_sorted[e * T : (e + 1) * T] @ w_gate_up[e].T
             ys.append((F.silu(h[:, :I]) * h[:, I:]) @ w_down[e].T)
         outputs["torch_loop"] = ys
         return ys
@@ -161,22 +175,25 @@ def time_calls(fn, inner):
     return cuda_events(torch)(calls_per_sample(fn, inner)) * 1e3 / inner
 
 
-def bench_case(model, hidden_size, intermediate_size, tokens_per_expert, num_experts, repeats, warmup,
-               with_simt=True):
-    x, w_gate_up, w_down, topk_weights, topk_ids = build_case(hidden_size, intermediate_size, tokens_per_expert,
-                                                              num_experts)
+def bench_case(model, hidden_size, intermediate_size, tokens_per_expert, num_experts, repeats, warmup, with_simt=True):
+    x, w_gate_up, w_down, topk_weights, topk_ids = build_case(
+        hidden_size, intermediate_size, tokens_per_expert, num_experts
+    )
     runs, torch_outputs = torch_baselines(x, w_gate_up, w_down, num_experts)
     ours, expert_out, path = moeroute_gemm(x, w_gate_up, w_down, topk_weights, topk_ids)
     implementations = {"moeroute_gemm": ours}
     if with_simt and path != "simt":
-        implementations["moeroute_gemm_simt"], simt_out, _ = moeroute_gemm(x, w_gate_up, w_down, topk_weights,
-                                                                          topk_ids, path="simt")
+        implementations["moeroute_gemm_simt"], simt_out, _ = moeroute_gemm(
+            x, w_gate_up, w_down, topk_weights, topk_ids, path="simt"
+        )
     sm80_tiles = path == "mma" and loader.compute_capability() >= L.HOPPER_COMPUTE_CAPABILITY
     if sm80_tiles:
         implementations["moeroute_gemm_sm80_tiles"], sm80_out, _ = moeroute_gemm(
-            x, w_gate_up, w_down, topk_weights, topk_ids, path="mma", compute_capability=L.MMA_MIN_COMPUTE_CAPABILITY)
-    implementations["moeroute_fused_experts"] = lambda: fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids,
-                                                                      apply_router_weight=False)
+            x, w_gate_up, w_down, topk_weights, topk_ids, path="mma", compute_capability=L.MMA_MIN_COMPUTE_CAPABILITY
+        )
+    implementations["moeroute_fused_experts"] = lambda: fused_experts(
+        x, w_gate_up, w_down, topk_weights, topk_ids, apply_router_weight=False
+    )
     implementations.update(runs)
 
     # Correctness before timing: per-slot outputs against the torch loop.
@@ -188,13 +205,16 @@ def bench_case(model, hidden_size, intermediate_size, tokens_per_expert, num_exp
     checks = {"moeroute_gemm": relative_difference(per_slot, loop_out)}
     if "moeroute_gemm_simt" in implementations:
         checks["moeroute_gemm_simt"] = relative_difference(
-            simt_out.view(tokens_per_expert, num_experts, hidden_size).transpose(0, 1), loop_out)
+            simt_out.view(tokens_per_expert, num_experts, hidden_size).transpose(0, 1), loop_out
+        )
     if sm80_tiles:
         checks["moeroute_gemm_sm80_tiles"] = relative_difference(
-            sm80_out.view(tokens_per_expert, num_experts, hidden_size).transpose(0, 1), loop_out)
+            sm80_out.view(tokens_per_expert, num_experts, hidden_size).transpose(0, 1), loop_out
+        )
     if "torch_grouped_mm" in torch_outputs:
-        checks["torch_grouped_mm"] = relative_difference(torch_outputs["torch_grouped_mm"],
-                                                         loop_out.reshape(-1, hidden_size))
+        checks["torch_grouped_mm"] = relative_difference(
+            torch_outputs["torch_grouped_mm"], loop_out.reshape(-1, hidden_size)
+        )
     fused = implementations["moeroute_fused_experts"]()
     checks["moeroute_fused_experts"] = relative_difference(fused, loop_out.sum(dim=0))
     failed = {k: v for k, v in checks.items() if not v < CHECK_TOLERANCE}
@@ -216,24 +236,38 @@ def bench_case(model, hidden_size, intermediate_size, tokens_per_expert, num_exp
     rows = []
     for name in names:
         ms = statistics.median(samples[name])
-        rows.append({"model": model, "hidden_size": hidden_size, "intermediate_size": intermediate_size,
-                     "num_experts": num_experts, "tokens_per_expert": tokens_per_expert, "impl": name,
-                     "median_ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "calls_per_sample": inner[name],
-                     "max_rel_diff_vs_torch_loop": checks.get(name)})
+        rows.append(
+            {
+                "model": model,
+                "hidden_size": hidden_size,
+                "intermediate_size": intermediate_size,
+                "num_experts": num_experts,
+                "tokens_per_expert": tokens_per_expert,
+                "impl": name,
+                "median_ms": ms,
+                "tflops": flops / (ms * 1e-3) / 1e12,
+                "calls_per_sample": inner[name],
+                "max_rel_diff_vs_torch_loop": checks.get(name),
+            }
+        )
 
     def ratio(numerator, denominator):
         if numerator not in samples or denominator not in samples:
             return None
         return median_ratio(samples[numerator], samples[denominator])
 
-    summary = {"model": model, "tokens_per_expert": tokens_per_expert, "gemm_path": path,
-               "block_size": L.choose_block_size(tokens_per_expert * num_experts, num_experts),
-               "speedup_vs_torch_loop": ratio("torch_loop", "moeroute_gemm"),
-               "speedup_vs_torch_grouped_mm": ratio("torch_grouped_mm", "moeroute_gemm"),
-               "speedup_vs_simt": ratio("moeroute_gemm_simt", "moeroute_gemm"),
-               "mma_tiles": "sm90" if sm80_tiles else "sm80",
-               "speedup_vs_sm80_tiles": ratio("moeroute_gemm_sm80_tiles", "moeroute_gemm"),
-               "fraction_of_dense_cublas": ratio("cublas_dense", "moeroute_gemm")}
+    summary = {
+        "model": model,
+        "tokens_per_expert": tokens_per_expert,
+        "gemm_path": path,
+        "block_size": L.choose_block_size(tokens_per_expert * num_experts, num_experts),
+        "speedup_vs_torch_loop": ratio("torch_loop", "moeroute_gemm"),
+        "speedup_vs_torch_grouped_mm": ratio("torch_grouped_mm", "moeroute_gemm"),
+        "speedup_vs_simt": ratio("moeroute_gemm_simt", "moeroute_gemm"),
+        "mma_tiles": "sm90" if sm80_tiles else "sm80",
+        "speedup_vs_sm80_tiles": ratio("moeroute_gemm_sm80_tiles", "moeroute_gemm"),
+        "fraction_of_dense_cublas": ratio("cublas_dense", "moeroute_gemm"),
+    }
     return rows, summary
 
 
@@ -255,33 +289,66 @@ def main(argv=None) -> int:
     for model in args.models.split(","):
         H, I = MODELS[model]
         for m in (int(v) for v in args.tokens_per_expert.split(",")):
-            case_rows, summary = bench_case(model, H, I, m, args.experts, args.repeats, args.warmup,
-                                            with_simt=not args.no_simt)
+            case_rows, summary = bench_case(
+                model, H, I, m, args.experts, args.repeats, args.warmup, with_simt=not args.no_simt
+            )
             rows += case_rows
             summaries.append(summary)
-            print_table(["model", "m", "path", "impl", "median ms", "TFLOP/s"],
-                        [[model, m, summary["gemm_path"], r["impl"], r["median_ms"], r["tflops"]]
-                         for r in case_rows])
-            print(f"vs torch loop x{summary['speedup_vs_torch_loop']:.2f}, of dense cuBLAS "
-                  f"{summary['fraction_of_dense_cublas']:.2f}", flush=True)
+            print_table(
+                ["model", "m", "path", "impl", "median ms", "TFLOP/s"],
+                [[model, m, summary["gemm_path"], r["impl"], r["median_ms"], r["tflops"]] for r in case_rows],
+            )
+            print(
+                f"vs torch loop x{summary['speedup_vs_torch_loop']:.2f}, of dense cuBLAS "
+                f"{summary['fraction_of_dense_cublas']:.2f}",
+                flush=True,
+            )
 
     targets = []
     for s in summaries:
         if s["tokens_per_expert"] == 4096:
-            targets.append({"model": s["model"], "target": f">= {TARGET_FRACTION_OF_DENSE:.0%} of dense cuBLAS bf16 "
-                            "TFLOP/s at 4096 tokens per expert", "value": s["fraction_of_dense_cublas"],
-                            "met": s["fraction_of_dense_cublas"] >= TARGET_FRACTION_OF_DENSE})
+            targets.append(
+                {
+                    "model": s["model"],
+                    "target": f">= {TARGET_FRACTION_OF_DENSE:.0%} of dense cuBLAS bf16 "
+                    "TFLOP/s at 4096 tokens per expert",
+                    "value": s["fraction_of_dense_cublas"],
+                    "met": s["fraction_of_dense_cublas"] >= TARGET_FRACTION_OF_DENSE,
+                }
+            )
         if s["tokens_per_expert"] == 16:
-            targets.append({"model": s["model"], "target": f">= {TARGET_SPEEDUP_VS_LOOP}x the per-expert torch "
-                            "loop at 16 tokens per expert", "value": s["speedup_vs_torch_loop"],
-                            "met": s["speedup_vs_torch_loop"] >= TARGET_SPEEDUP_VS_LOOP})
+            targets.append(
+                {
+                    "model": s["model"],
+                    "target": f">= {TARGET_SPEEDUP_VS_LOOP}x the per-expert torch loop at 16 tokens per expert",
+                    "value": s["speedup_vs_torch_loop"],
+                    "met": s["speedup_vs_torch_loop"] >= TARGET_SPEEDUP_VS_LOOP,
+                }
+            )
     import cupy
 
-    machine = {"device": torch.cuda.get_device_name(), "platform": platform.platform(), "torch": torch.__version__,
-               "cupy": cupy.__version__, "compute_capability": loader.compute_capability()}
+    machine = {
+        "device": torch.cuda.get_device_name(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cupy": cupy.__version__,
+        "compute_capability": loader.compute_capability(),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine, "dtype": "bfloat16", "repeats": args.repeats,
-                                    "results": rows, "summary": summaries, "targets": targets}, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "machine": machine,
+                "dtype": "bfloat16",
+                "repeats": args.repeats,
+                "results": rows,
+                "summary": summaries,
+                "targets": targets,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -28,8 +28,14 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
-from _common import (calls_per_sample, cuda_events, interleaved, print_table,  # noqa: E402
-                     wall_clock, write_results)
+from _common import (  # noqa: E402
+    calls_per_sample,
+    cuda_events,
+    interleaved,
+    print_table,
+    wall_clock,
+    write_results,
+)
 
 TOKEN_COUNTS = [1, 64, 1024, 16384, 65536]
 PRESET_NAMES = ["deepseek-v3", "qwen3.5-moe"]
@@ -53,8 +59,10 @@ def require_gpu():
     except ImportError as error:
         raise SystemExit(f"gpu_routing needs torch and numba-cuda: {error}") from None
     if not torch.cuda.is_available():
-        raise SystemExit("gpu_routing needs a CUDA GPU: torch.cuda.is_available() is False "
-                         "(a CPU build of torch, or no device). Run bench/routing.py for the CPU.")
+        raise SystemExit(
+            "gpu_routing needs a CUDA GPU: torch.cuda.is_available() is False "
+            "(a CPU build of torch, or no device). Run bench/routing.py for the CPU."
+        )
     if not cuda.is_available():
         raise SystemExit("gpu_routing needs a CUDA GPU: numba.cuda.is_available() is False")
     return torch
@@ -108,17 +116,25 @@ def select_rows(torch, repeats, copy_gbps, token_counts):
             theirs = torch_select(logits, config, bias)
             same = (ours[1].sort(dim=1).values == theirs[1].sort(dim=1).values).all(dim=1)
             base_us, cand_us, speedup = event_pair(
-                torch, lambda: torch_select(logits, config, bias),
-                lambda: select_experts(logits, config, bias), repeats)
+                torch, lambda: torch_select(logits, config, bias), lambda: select_experts(logits, config, bias), repeats
+            )
             wall_us = host_us_per_call(torch, lambda: select_experts(logits, config, bias))
             gbps = logits.numel() * 4 / (cand_us * 1e-6) / 1e9
-            rows.append({
-                "op": "select_experts", "preset": name, "num_tokens": tokens,
-                "moeroute_us": cand_us, "torch_us": base_us, "speedup": speedup,
-                "moeroute_host_us_per_call": wall_us, "logits_gbps": gbps,
-                "fraction_of_copy_bandwidth": gbps / copy_gbps,
-                "same_expert_sets": float(same.float().mean()), "repeats": repeats,
-            })
+            rows.append(
+                {
+                    "op": "select_experts",
+                    "preset": name,
+                    "num_tokens": tokens,
+                    "moeroute_us": cand_us,
+                    "torch_us": base_us,
+                    "speedup": speedup,
+                    "moeroute_host_us_per_call": wall_us,
+                    "logits_gbps": gbps,
+                    "fraction_of_copy_bandwidth": gbps / copy_gbps,
+                    "same_expert_sets": float(same.float().mean()),
+                    "repeats": repeats,
+                }
+            )
     return rows
 
 
@@ -165,23 +181,30 @@ def launcher_rows(torch, repeats, token_counts):
                         os.environ[_launcher.LAUNCHER_ENV] = launcher
                         batch()
                         results[launcher] = call()
+
                     return run
 
                 def synchronized(fn):
                     torch.cuda.synchronize()
                     return wall_clock(lambda: (fn(), torch.cuda.synchronize()))
 
-                result = interleaved(run_with("numba"), run_with("cached"), repeats,
-                                     warmup=WARMUP_CALLS, timer=synchronized)
-                same = all(bool((a == b).all()) for a, b in zip(results["numba"],
-                                                                results["cached"]))
-                rows.append({
-                    "op": f"{op} launch", "preset": LAUNCHER_PRESET, "num_tokens": tokens,
-                    "numba_host_us_per_call": result["baseline_us"] / (HOST_LOOP_CALLS + 1),
-                    "cached_host_us_per_call": result["candidate_us"] / (HOST_LOOP_CALLS + 1),
-                    "speedup": result["speedup"], "same_outputs": same, "repeats": repeats,
-                    "calls_per_sample": HOST_LOOP_CALLS + 1,
-                })
+                result = interleaved(
+                    run_with("numba"), run_with("cached"), repeats, warmup=WARMUP_CALLS, timer=synchronized
+                )
+                same = all(bool((a == b).all()) for a, b in zip(results["numba"], results["cached"]))
+                rows.append(
+                    {
+                        "op": f"{op} launch",
+                        "preset": LAUNCHER_PRESET,
+                        "num_tokens": tokens,
+                        "numba_host_us_per_call": result["baseline_us"] / (HOST_LOOP_CALLS + 1),
+                        "cached_host_us_per_call": result["candidate_us"] / (HOST_LOOP_CALLS + 1),
+                        "speedup": result["speedup"],
+                        "same_outputs": same,
+                        "repeats": repeats,
+                        "calls_per_sample": HOST_LOOP_CALLS + 1,
+                    }
+                )
     finally:
         if previous is None:
             os.environ.pop(_launcher.LAUNCHER_ENV, None)
@@ -199,15 +222,26 @@ def align_rows(torch, repeats, token_counts):
     num_experts, top_k = 256, 8
     for tokens in token_counts:
         generator = torch.Generator(device="cuda").manual_seed(1)
-        ids = torch.randint(0, num_experts, (tokens, top_k), device="cuda", generator=generator,
-                            dtype=torch.int32)
+        ids = torch.randint(0, num_experts, (tokens, top_k), device="cuda", generator=generator, dtype=torch.int32)
         base_us, cand_us, speedup = event_pair(
-            torch, lambda: torch_align_block_size(ids, num_experts, ALIGN_BLOCK_SIZE),
-            lambda: align_block_size(ids, num_experts, ALIGN_BLOCK_SIZE), repeats)
-        rows.append({"op": "align_block_size", "num_tokens": tokens, "top_k": top_k,
-                     "num_experts": num_experts, "block_size": ALIGN_BLOCK_SIZE,
-                     "moeroute_us": cand_us, "torch_us": base_us, "speedup": speedup,
-                     "repeats": repeats})
+            torch,
+            lambda: torch_align_block_size(ids, num_experts, ALIGN_BLOCK_SIZE),
+            lambda: align_block_size(ids, num_experts, ALIGN_BLOCK_SIZE),
+            repeats,
+        )
+        rows.append(
+            {
+                "op": "align_block_size",
+                "num_tokens": tokens,
+                "top_k": top_k,
+                "num_experts": num_experts,
+                "block_size": ALIGN_BLOCK_SIZE,
+                "moeroute_us": cand_us,
+                "torch_us": base_us,
+                "speedup": speedup,
+                "repeats": repeats,
+            }
+        )
     return rows
 
 
@@ -218,16 +252,34 @@ def targets(rows):
         mine = {r["num_tokens"]: r for r in select if r["preset"] == name}
         small = [mine[t]["moeroute_us"] for t in (1, 64) if t in mine]
         if small:
-            found.append({"model": name, "target": f"<= {SMALL_BATCH_US} us per call, T <= 64",
-                          "value": max(small), "met": max(small) <= SMALL_BATCH_US})
+            found.append(
+                {
+                    "model": name,
+                    "target": f"<= {SMALL_BATCH_US} us per call, T <= 64",
+                    "value": max(small),
+                    "met": max(small) <= SMALL_BATCH_US,
+                }
+            )
         if 65536 in mine:
             value = mine[65536]["fraction_of_copy_bandwidth"]
-            found.append({"model": name, "target": ">= 50% of copy bandwidth at T = 65536",
-                          "value": value, "met": value >= COPY_FRACTION_AT_65536})
+            found.append(
+                {
+                    "model": name,
+                    "target": ">= 50% of copy bandwidth at T = 65536",
+                    "value": value,
+                    "met": value >= COPY_FRACTION_AT_65536,
+                }
+            )
         if 16384 in mine:
             value = mine[16384]["speedup"]
-            found.append({"model": name, "target": ">= 5x torch-native at T = 16384",
-                          "value": value, "met": value >= SPEEDUP_AT_16384})
+            found.append(
+                {
+                    "model": name,
+                    "target": ">= 5x torch-native at T = 16384",
+                    "value": value,
+                    "met": value >= SPEEDUP_AT_16384,
+                }
+            )
     return found
 
 
@@ -241,32 +293,57 @@ def main(argv=None) -> None:
     copy_gbps = device_copy_gbps(torch)
     print(f"{torch.cuda.get_device_name()}: device copy bandwidth {copy_gbps:.0f} GB/s")
     select = select_rows(torch, repeats, copy_gbps, TOKEN_COUNTS)
-    print_table(["preset", "T", "moeroute us", "host us/call", "torch us", "speedup", "GB/s",
-                 "of copy"],
-                [[r["preset"], r["num_tokens"], r["moeroute_us"], r["moeroute_host_us_per_call"],
-                  r["torch_us"], r["speedup"], r["logits_gbps"],
-                  f"{100 * r['fraction_of_copy_bandwidth']:.0f}%"] for r in select])
+    print_table(
+        ["preset", "T", "moeroute us", "host us/call", "torch us", "speedup", "GB/s", "of copy"],
+        [
+            [
+                r["preset"],
+                r["num_tokens"],
+                r["moeroute_us"],
+                r["moeroute_host_us_per_call"],
+                r["torch_us"],
+                r["speedup"],
+                r["logits_gbps"],
+                f"{100 * r['fraction_of_copy_bandwidth']:.0f}%",
+            ]
+            for r in select
+        ],
+    )
     launch = launcher_rows(torch, repeats, LAUNCHER_TOKEN_COUNTS)
     if launch:
-        print_table(["launch", "T", "numba us/call", "cached us/call", "speedup",
-                     "same outputs"],
-                    [[r["op"], r["num_tokens"], r["numba_host_us_per_call"],
-                      r["cached_host_us_per_call"], r["speedup"], r["same_outputs"]]
-                     for r in launch])
+        print_table(
+            ["launch", "T", "numba us/call", "cached us/call", "speedup", "same outputs"],
+            [
+                [
+                    r["op"],
+                    r["num_tokens"],
+                    r["numba_host_us_per_call"],
+                    r["cached_host_us_per_call"],
+                    r["speedup"],
+                    r["same_outputs"],
+                ]
+                for r in launch
+            ],
+        )
     align = align_rows(torch, repeats, TOKEN_COUNTS)
     if align:
-        print_table(["align T", "moeroute us", "torch us", "speedup"],
-                    [[r["num_tokens"], r["moeroute_us"], r["torch_us"], r["speedup"]]
-                     for r in align])
+        print_table(
+            ["align T", "moeroute us", "torch us", "speedup"],
+            [[r["num_tokens"], r["moeroute_us"], r["torch_us"], r["speedup"]] for r in align],
+        )
     found = targets(select)
     for target in found:
-        print(f"{target['model']}: {target['target']}: {target['value']:.2f} "
-              f"({'met' if target['met'] else 'NOT met'})")
-    path = write_results("gpu_routing", {
-        "device": torch.cuda.get_device_name(), "device_copy_gbps": copy_gbps,
-        "results": select + launch + align, "targets": found,
-        "numpy": np.__version__,
-    })
+        print(f"{target['model']}: {target['target']}: {target['value']:.2f} ({'met' if target['met'] else 'NOT met'})")
+    path = write_results(
+        "gpu_routing",
+        {
+            "device": torch.cuda.get_device_name(),
+            "device_copy_gbps": copy_gbps,
+            "results": select + launch + align,
+            "targets": found,
+            "numpy": np.__version__,
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -47,8 +47,13 @@ class ArrayInterface:
     """A NumPy array seen only through ``__cuda_array_interface__`` (what numba types)."""
 
     def __init__(self, array):
-        self._interface = {"shape": array.shape, "strides": None, "typestr": array.dtype.str,
-                           "data": (array.ctypes.data, False), "version": 3}
+        self._interface = {
+            "shape": array.shape,
+            "strides": None,
+            "typestr": array.dtype.str,
+            "data": (array.ctypes.data, False),
+            "version": 3,
+        }
 
     @property
     def __cuda_array_interface__(self):
@@ -80,13 +85,22 @@ def route_arguments(num_tokens, wrap):
     layout = ExpertLayout(NUM_EXPERTS, 1, ep_size=8, dispatch="all2all")
     select = arguments(num_tokens, wrap)
     width = TOP_K + 1
-    tables = (wrap(np.array(t)) for t in (
-        layout.replica_offsets, layout.replica_ids, layout.routed_id_map))
-    outputs = (wrap(np.zeros((num_tokens, width), np.float32)),
-               wrap(np.zeros((num_tokens, width), np.int32)))
-    return (*select[:6], NUM_EXPERTS, *tables, int(layout.shared_slot_ids(3)[0]), 1,
-            outputs[0], 0, 0, np.float32(1.0), False,
-            wrap(np.ascontiguousarray(layout.expert_map(3), np.int32)), *outputs)
+    tables = (wrap(np.array(t)) for t in (layout.replica_offsets, layout.replica_ids, layout.routed_id_map))
+    outputs = (wrap(np.zeros((num_tokens, width), np.float32)), wrap(np.zeros((num_tokens, width), np.int32)))
+    return (
+        *select[:6],
+        NUM_EXPERTS,
+        *tables,
+        int(layout.shared_slot_ids(3)[0]),
+        1,
+        outputs[0],
+        0,
+        0,
+        np.float32(1.0),
+        False,
+        wrap(np.ascontiguousarray(layout.expert_map(3), np.int32)),
+        *outputs,
+    )
 
 
 def arguments(num_tokens, wrap):
@@ -95,8 +109,7 @@ def arguments(num_tokens, wrap):
     bias = rng.standard_normal(NUM_EXPERTS).astype(np.float32)
     out_w = np.zeros((num_tokens, TOP_K), np.float32)
     out_ids = np.zeros((num_tokens, TOP_K), np.int32)
-    return (wrap(logits), wrap(bias), num_tokens, TOP_K, 4, np.float32(2.5), wrap(out_w),
-            wrap(out_ids))
+    return (wrap(logits), wrap(bias), num_tokens, TOP_K, 4, np.float32(2.5), wrap(out_w), wrap(out_ids))
 
 
 def main(argv=None) -> None:
@@ -117,7 +130,9 @@ def main(argv=None) -> None:
     kernels = {  # name -> (dispatcher, fixed signature or None, arguments(T, wrap))
         "select_experts": (
             select_module._device_kernel(NUM_EXPERTS, 8, "sigmoid", True, True, "float32"),
-            select_module._device_signature("float32"), arguments),
+            select_module._device_signature("float32"),
+            arguments,
+        ),
         "route": (route_kernel, _route_signature("float32", "C", "C"), route_arguments),
         "route, signature_of": (route_kernel, None, route_arguments),
     }
@@ -141,37 +156,65 @@ def main(argv=None) -> None:
                 pack = _launcher.make_packer(signature)
                 assert len(pack(cached_args)) == len(_launcher.parameter_types(signature))
                 if fixed is None:  # launch(): type, find the kernel of that signature, pack
+
                     def cached(a=cached_args, d=dispatcher):
                         return _launcher.cached_kernel(d, _launcher.signature_of(a)).pack(a)
                 else:  # launch(): find the kernel of the op's signature, pack
+
                     def cached(a=cached_args, d=dispatcher, fixed=fixed):
                         return _launcher.cached_kernel(d, fixed).pack(a)
-                result = interleaved(calls_per_sample(numba_typing, args.calls),
-                                     calls_per_sample(cached, args.calls), args.repeats)
-                rows.append({
-                    "kernel": name, "num_tokens": num_tokens, "arrays": framework,
-                    "arguments": len(cached_args),
-                    "signature": "read from the arguments" if fixed is None else "fixed",
-                    "numba_typing_us_per_call": result["baseline_us"] / args.calls,
-                    "cached_pack_us_per_call": result["candidate_us"] / args.calls,
-                    "ratio": result["speedup"], "ratio_range": result["speedup_range"],
-                    "repeats": args.repeats, "calls_per_sample": args.calls,
-                })
-    print_table(["kernel", "T", "arrays", "numba typing us/call", "cached pack us/call", "ratio"],
-                [[r["kernel"], r["num_tokens"], r["arrays"], r["numba_typing_us_per_call"],
-                  r["cached_pack_us_per_call"], r["ratio"]] for r in rows])
-    path = write_results("launch_overhead", {
-        "kernels": {"select_experts": "8 arguments: 4 arrays (logits, bias, two outputs), 4 "
-                                      "scalars; signature fixed by the op",
-                    "route": "20 arguments: 9 arrays, 11 scalars; signature fixed by the op",
-                    "route, signature_of": "the same, its signature read from the arguments "
-                                           "on each call (signature_of, as the other ops do)"},
-        "measured": ("host microseconds per call of argument preparation only, no GPU: "
-                     "cached = the launcher's whole packing; numba = argument typing only "
-                     "(typeof_pyval on __cuda_array_interface__ objects), a lower bound of "
-                     "numba's per-call cost; neither includes the driver launch"),
-        "results": rows,
-    })
+
+                result = interleaved(
+                    calls_per_sample(numba_typing, args.calls), calls_per_sample(cached, args.calls), args.repeats
+                )
+                rows.append(
+                    {
+                        "kernel": name,
+                        "num_tokens": num_tokens,
+                        "arrays": framework,
+                        "arguments": len(cached_args),
+                        "signature": "read from the arguments" if fixed is None else "fixed",
+                        "numba_typing_us_per_call": result["baseline_us"] / args.calls,
+                        "cached_pack_us_per_call": result["candidate_us"] / args.calls,
+                        "ratio": result["speedup"],
+                        "ratio_range": result["speedup_range"],
+                        "repeats": args.repeats,
+                        "calls_per_sample": args.calls,
+                    }
+                )
+    print_table(
+        ["kernel", "T", "arrays", "numba typing us/call", "cached pack us/call", "ratio"],
+        [
+            [
+                r["kernel"],
+                r["num_tokens"],
+                r["arrays"],
+                r["numba_typing_us_per_call"],
+                r["cached_pack_us_per_call"],
+                r["ratio"],
+            ]
+            for r in rows
+        ],
+    )
+    path = write_results(
+        "launch_overhead",
+        {
+            "kernels": {
+                "select_experts": "8 arguments: 4 arrays (logits, bias, two outputs), 4 "
+                "scalars; signature fixed by the op",
+                "route": "20 arguments: 9 arrays, 11 scalars; signature fixed by the op",
+                "route, signature_of": "the same, its signature read from the arguments "
+                "on each call (signature_of, as the other ops do)",
+            },
+            "measured": (
+                "host microseconds per call of argument preparation only, no GPU: "
+                "cached = the launcher's whole packing; numba = argument typing only "
+                "(typeof_pyval on __cuda_array_interface__ objects), a lower bound of "
+                "numba's per-call cost; neither includes the driver launch"
+            ),
+            "results": rows,
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -43,9 +43,15 @@ from _common import RESULTS_DIR, interleaved, print_table, wall_clock, write_res
 
 from moeroute.bindings.torch import arrays  # noqa: E402
 from moeroute.bindings.torch.activations import gated_activation  # noqa: E402
-from moeroute.bindings.torch.experts import (choose_gemm, cpu_experts, expert_mlp,  # noqa: E402
-                                             onednn_linear_serves, padded_expert_mlp, rows_expert_mlp,
-                                             streamed_expert_mlp)
+from moeroute.bindings.torch.experts import (  # noqa: E402
+    choose_gemm,
+    cpu_experts,
+    expert_mlp,
+    onednn_linear_serves,
+    padded_expert_mlp,
+    rows_expert_mlp,
+    streamed_expert_mlp,
+)
 from moeroute.bindings.torch.moe import MoE  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 1024, 384, 64, 8
@@ -71,8 +77,13 @@ def build_block(hidden=HIDDEN, inter=INTER, experts=EXPERTS, top_k=TOP_K):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
-                            num_experts_per_tok=top_k, norm_topk_prob=True)
+    config = Qwen3MoeConfig(
+        hidden_size=hidden,
+        moe_intermediate_size=inter,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+    )
     block = Qwen3MoeSparseMoeBlock(config).eval()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -87,8 +98,12 @@ def set_experts_implementation(block, name):
 
 def as_ms(result):
     """_common.interleaved's result with times in ms (baseline first, moeroute second)."""
-    return {"base_ms": result["baseline_us"] / 1e3, "moeroute_ms": result["candidate_us"] / 1e3,
-            "speedup_median_of_ratios": result["speedup"], "repeats": result["repeats"]}
+    return {
+        "base_ms": result["baseline_us"] / 1e3,
+        "moeroute_ms": result["candidate_us"] / 1e3,
+        "speedup_median_of_ratios": result["speedup"],
+        "repeats": result["repeats"],
+    }
 
 
 def stage_split(moe, x, repeats):
@@ -104,24 +119,31 @@ def stage_split(moe, x, repeats):
         t0 = time.perf_counter()
         logits = moe.compute_router_logits(x)
         # One rank, as the forward runs it: route gives the local ids, nothing is dispatched.
-        recv_weights, local_ids = arrays.route(logits, moe._selection_router, moe.layout, 0,
-                                               moe.correction_bias)
+        recv_weights, local_ids = arrays.route(logits, moe._selection_router, moe.layout, 0, moe.correction_bias)
         recv_hidden = x
         t1 = time.perf_counter()
         sorted_slots, offsets, inverse = arrays.sort_by_expert(local_ids, experts.num_local_experts)
         offsets_list = offsets.tolist()
-        strategy = choose_gemm([b - a for a, b in zip(offsets_list[:-1], offsets_list[1:])],
-                               onednn_linear_serves(x.dtype), x.dtype)
+        strategy = choose_gemm(
+            [b - a for a, b in zip(offsets_list[:-1], offsets_list[1:])], onednn_linear_serves(x.dtype), x.dtype
+        )
         t2 = time.perf_counter()
         if strategy == "rows":  # the row kernels add into the sums as they go: gemm includes combine
-            rows_expert_mlp(recv_hidden, local_ids, recv_weights, experts.w_gate_up, experts.w_down,
-                            experts.activation)
+            rows_expert_mlp(recv_hidden, local_ids, recv_weights, experts.w_gate_up, experts.w_down, experts.activation)
             permute, gemm, combine = t2 - t1, time.perf_counter() - t2, 0.0
         elif strategy == "loop":
             seconds = {}
             w_gate_up, w_down = experts.cpu_weights()
-            streamed_expert_mlp(recv_hidden, sorted_slots, offsets_list, recv_weights, w_gate_up,
-                                w_down, experts.activation, stage_seconds=seconds)
+            streamed_expert_mlp(
+                recv_hidden,
+                sorted_slots,
+                offsets_list,
+                recv_weights,
+                w_gate_up,
+                w_down,
+                experts.activation,
+                stage_seconds=seconds,
+            )
             t3 = time.perf_counter()
             permute = t2 - t1 + seconds["permute"]
             gemm = seconds["gemm"]
@@ -129,8 +151,7 @@ def stage_split(moe, x, repeats):
         else:
             hidden_sorted, _, _ = arrays.permute(recv_hidden, local_ids, experts.num_local_experts)
             t3 = time.perf_counter()
-            out = padded_expert_mlp(hidden_sorted, offsets_list, experts.w_gate_up, experts.w_down,
-                                    experts.activation)
+            out = padded_expert_mlp(hidden_sorted, offsets_list, experts.w_gate_up, experts.w_down, experts.activation)
             t4 = time.perf_counter()
             arrays.combine(out, inverse, recv_weights)
             permute, gemm, combine = t3 - t1, t4 - t3, time.perf_counter() - t4
@@ -185,9 +206,12 @@ def gemm_strategies(moe, x, repeats):
     }
     if not onednn_linear_serves(x.dtype):
         del others["loop_onednn"]
-    result = {"auto_choice": choose_gemm([b - a for a, b in zip(offsets_list[:-1], offsets_list[1:])],
-                                         onednn_linear_serves(x.dtype), x.dtype),
-              "rows": len(hidden_sorted)}
+    result = {
+        "auto_choice": choose_gemm(
+            [b - a for a, b in zip(offsets_list[:-1], offsets_list[1:])], onednn_linear_serves(x.dtype), x.dtype
+        ),
+        "rows": len(hidden_sorted),
+    }
     for name, fn in others.items():
         torch.testing.assert_close(fn(), loop_mm(), rtol=1e-4, atol=1e-5)
         timing = interleaved(loop_mm, fn, repeats)
@@ -204,8 +228,11 @@ def decode_rows(repeats):
         block32 = build_block(hidden, inter, experts, top_k)
         set_experts_implementation(block32, "eager")
         for dtype_name in DECODE_DTYPES:
-            block = block32 if dtype_name == "float32" else build_block(hidden, inter, experts, top_k).to(
-                getattr(torch, dtype_name))
+            block = (
+                block32
+                if dtype_name == "float32"
+                else build_block(hidden, inter, experts, top_k).to(getattr(torch, dtype_name))
+            )
             set_experts_implementation(block, "eager")
             # Packed oneDNN weights where oneDNN serves the dtype, as the main table runs.
             moe = MoE.from_hf(block).pack_cpu_weights(onednn_linear_serves(block.gate.weight.dtype))
@@ -214,34 +241,60 @@ def decode_rows(repeats):
                 x = x.to(block.gate.weight.dtype)
                 with torch.inference_mode():
                     expected, actual = block(x), moe(x)
-                    error = float((actual.float() - expected.float()).abs().max()
-                                  / expected.float().abs().max())
+                    error = float((actual.float() - expected.float()).abs().max() / expected.float().abs().max())
                     if not error < DECODE_RTOL[dtype_name]:
                         raise AssertionError(f"{name} {dtype_name} T={tokens}: relative error {error}")
                     timing = interleaved(lambda: block(x), lambda: moe(x), repeats)
                     # The forward against its experts alone (same routed rows): what is left is
                     # the router linear, route and the glue around them.
                     flat = x.reshape(-1, hidden)
-                    weights, ids = arrays.route(moe.compute_router_logits(flat), moe._selection_router,
-                                                moe.layout, 0, moe.correction_bias)
+                    weights, ids = arrays.route(
+                        moe.compute_router_logits(flat), moe._selection_router, moe.layout, 0, moe.correction_bias
+                    )
                     split = interleaved(lambda: moe(x), lambda: moe.experts(flat, ids, weights), repeats)
-                rows.append({"shape": name, "hidden": hidden, "intermediate": inter, "experts": experts,
-                             "top_k": top_k, "dtype": dtype_name, "tokens": tokens,
-                             "moeroute_ms": timing["candidate_us"] / 1e3,
-                             "hf_eager_ms": timing["baseline_us"] / 1e3, "speedup": timing["speedup"],
-                             "speedup_range": timing["speedup_range"], "repeats": repeats,
-                             "relative_error": error,
-                             "experts_ms": split["candidate_us"] / 1e3,
-                             "beyond_experts_ms": (split["baseline_us"] - split["candidate_us"]) / 1e3})
+                rows.append(
+                    {
+                        "shape": name,
+                        "hidden": hidden,
+                        "intermediate": inter,
+                        "experts": experts,
+                        "top_k": top_k,
+                        "dtype": dtype_name,
+                        "tokens": tokens,
+                        "moeroute_ms": timing["candidate_us"] / 1e3,
+                        "hf_eager_ms": timing["baseline_us"] / 1e3,
+                        "speedup": timing["speedup"],
+                        "speedup_range": timing["speedup_range"],
+                        "repeats": repeats,
+                        "relative_error": error,
+                        "experts_ms": split["candidate_us"] / 1e3,
+                        "beyond_experts_ms": (split["baseline_us"] - split["candidate_us"]) / 1e3,
+                    }
+                )
                 row = rows[-1]
-                print(f"decode {name} {dtype_name} T={tokens}: moeroute {row['moeroute_ms']:.2f} ms "
-                      f"({row['beyond_experts_ms']:.3f} ms outside the experts), "
-                      f"hf eager {row['hf_eager_ms']:.2f} ms, x{row['speedup']:.2f}", flush=True)
+                print(
+                    f"decode {name} {dtype_name} T={tokens}: moeroute {row['moeroute_ms']:.2f} ms "
+                    f"({row['beyond_experts_ms']:.3f} ms outside the experts), "
+                    f"hf eager {row['hf_eager_ms']:.2f} ms, x{row['speedup']:.2f}",
+                    flush=True,
+                )
             del moe, block
-    print_table(["shape", "dtype", "T", "moeroute ms", "outside experts ms", "hf eager ms", "speedup",
-                 "range"],
-                [[r["shape"], r["dtype"], r["tokens"], r["moeroute_ms"], r["beyond_experts_ms"],
-                  r["hf_eager_ms"], r["speedup"], "{:.2f}-{:.2f}".format(*r["speedup_range"])] for r in rows])
+    print_table(
+        ["shape", "dtype", "T", "moeroute ms", "outside experts ms", "hf eager ms", "speedup", "range"],
+        [
+            [
+                r["shape"],
+                r["dtype"],
+                r["tokens"],
+                r["moeroute_ms"],
+                r["beyond_experts_ms"],
+                r["hf_eager_ms"],
+                r["speedup"],
+                "{:.2f}-{:.2f}".format(*r["speedup_range"]),
+            ]
+            for r in rows
+        ],
+    )
     return rows
 
 
@@ -272,14 +325,24 @@ def rows_crossover(quick: bool) -> list[dict]:
             expected, got = loop().float(), rows_fn().float()
             error = float((expected - got).abs().max() / expected.abs().max())
             timing = interleaved(loop, rows_fn, 3 if quick else ROWS_REPEATS[tokens])
-            rows.append({"dtype": str(dtype).removeprefix("torch."), "tokens": tokens,
-                         "mean_rows_per_hit_expert": mean_rows, "loop_ms": timing["baseline_us"] / 1e3,
-                         "rows_ms": timing["candidate_us"] / 1e3, "speedup": timing["speedup"],
-                         "speedup_range": timing["speedup_range"], "relative_difference": error,
-                         "load_average": os.getloadavg()[0]})
-            print(f"rows vs loop {rows[-1]['dtype']} T={tokens} ({mean_rows:.1f} rows/expert): "
-                  f"{rows[-1]['rows_ms']:.2f} ms vs {rows[-1]['loop_ms']:.2f} ms, x{timing['speedup']:.2f}",
-                  flush=True)
+            rows.append(
+                {
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "tokens": tokens,
+                    "mean_rows_per_hit_expert": mean_rows,
+                    "loop_ms": timing["baseline_us"] / 1e3,
+                    "rows_ms": timing["candidate_us"] / 1e3,
+                    "speedup": timing["speedup"],
+                    "speedup_range": timing["speedup_range"],
+                    "relative_difference": error,
+                    "load_average": os.getloadavg()[0],
+                }
+            )
+            print(
+                f"rows vs loop {rows[-1]['dtype']} T={tokens} ({mean_rows:.1f} rows/expert): "
+                f"{rows[-1]['rows_ms']:.2f} ms vs {rows[-1]['loop_ms']:.2f} ms, x{timing['speedup']:.2f}",
+                flush=True,
+            )
     return rows
 
 
@@ -289,8 +352,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     parser.add_argument("--decode-only", action="store_true", help="only the T = 1 and 8 table")
     parser.add_argument("--no-decode", action="store_true", help="skip the T = 1 and 8 table")
-    parser.add_argument("--rows-only", action="store_true",
-                        help="only the row kernels against the streamed loop (gemm 'rows' vs 'loop')")
+    parser.add_argument(
+        "--rows-only",
+        action="store_true",
+        help="only the row kernels against the streamed loop (gemm 'rows' vs 'loop')",
+    )
     args = parser.parse_args(argv)
     if args.rows_only:
         previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
@@ -307,10 +373,8 @@ def main(argv=None) -> int:
     plain = MoE.from_hf(block)  # the same module without packed weights
     report = {
         "benchmark": "layer",
-        "shape": {"hidden": HIDDEN, "intermediate": INTER, "experts": EXPERTS, "top_k": TOP_K,
-                  "dtype": "float32"},
-        "note": "a shared 2-core machine: each size records the 1-minute load average before and "
-                "after it ran",
+        "shape": {"hidden": HIDDEN, "intermediate": INTER, "experts": EXPERTS, "top_k": TOP_K, "dtype": "float32"},
+        "note": "a shared 2-core machine: each size records the 1-minute load average before and after it ran",
         "results": {},
     }
     previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
@@ -327,8 +391,7 @@ def main(argv=None) -> int:
             torch.testing.assert_close(moe(x), block(x), rtol=1e-4, atol=1e-6)
             entry = {"load_average_before": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
             entry["vs_hf_eager"] = as_ms(interleaved(lambda: block(x), lambda: moe(x), count))
-            entry["vs_hf_eager_plain_weights"] = as_ms(interleaved(lambda: block(x), lambda: plain(x),
-                                                                   count))
+            entry["vs_hf_eager_plain_weights"] = as_ms(interleaved(lambda: block(x), lambda: plain(x), count))
             set_experts_implementation(block, "grouped_mm")
             torch.testing.assert_close(moe(x), block(x), rtol=1e-4, atol=1e-6)
             entry["vs_hf_grouped_mm"] = as_ms(interleaved(lambda: block(x), lambda: moe(x), count))
@@ -339,18 +402,27 @@ def main(argv=None) -> int:
             report["results"][str(tokens)] = entry
             eager, grouped, split = entry["vs_hf_eager"], entry["vs_hf_grouped_mm"], entry["split"]
             unpacked = entry["vs_hf_eager_plain_weights"]
-            print(f"T={tokens:5d}: moeroute {eager['moeroute_ms']:8.2f} ms | hf eager {eager['base_ms']:8.2f} ms "
-                  f"(x{eager['speedup_median_of_ratios']:.2f}) | hf grouped_mm {grouped['base_ms']:8.2f} ms "
-                  f"(x{grouped['speedup_median_of_ratios']:.2f}) | plain weights vs hf eager "
-                  f"x{unpacked['speedup_median_of_ratios']:.2f}")
-            print(f"         split: routing {split['routing_ms']:.2f} ms, permute {split['permute_ms']:.2f} ms, "
-                  f"gemm {split['gemm_ms']:.2f} ms, combine {split['combine_ms']:.2f} ms; beyond GEMM "
-                  f"{split['beyond_gemm_fraction'] * 100:.1f}%", flush=True)
+            print(
+                f"T={tokens:5d}: moeroute {eager['moeroute_ms']:8.2f} ms | hf eager {eager['base_ms']:8.2f} ms "
+                f"(x{eager['speedup_median_of_ratios']:.2f}) | hf grouped_mm {grouped['base_ms']:8.2f} ms "
+                f"(x{grouped['speedup_median_of_ratios']:.2f}) | plain weights vs hf eager "
+                f"x{unpacked['speedup_median_of_ratios']:.2f}"
+            )
+            print(
+                f"         split: routing {split['routing_ms']:.2f} ms, permute {split['permute_ms']:.2f} ms, "
+                f"gemm {split['gemm_ms']:.2f} ms, combine {split['combine_ms']:.2f} ms; beyond GEMM "
+                f"{split['beyond_gemm_fraction'] * 100:.1f}%",
+                flush=True,
+            )
             g = entry["gemm_strategies"]
-            parts = [f"{name} {g[f'{name}_ms']:.2f} ms (x{g[f'{name}_speedup_over_loop_mm_median_of_ratios']:.2f})"
-                     for name in ("loop_onednn", "padded", "grouped_mm") if f"{name}_ms" in g]
-            print(f"         GEMMs vs the torch.mm loop (auto picks {g['auto_choice']}): " + ", ".join(parts),
-                  flush=True)
+            parts = [
+                f"{name} {g[f'{name}_ms']:.2f} ms (x{g[f'{name}_speedup_over_loop_mm_median_of_ratios']:.2f})"
+                for name in ("loop_onednn", "padded", "grouped_mm")
+                if f"{name}_ms" in g
+            ]
+            print(
+                f"         GEMMs vs the torch.mm loop (auto picks {g['auto_choice']}): " + ", ".join(parts), flush=True
+            )
     if not args.no_decode:
         report["decode"] = decode_rows(QUICK_DECODE_REPEATS if args.quick else DECODE_REPEATS)
     path = write_results("layer", report)

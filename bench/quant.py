@@ -37,8 +37,10 @@ from moeroute.bindings.torch import MoE  # noqa: E402
 from moeroute.config import RouterConfig  # noqa: E402
 from moeroute.quant import QuantConfig, quantize_experts  # noqa: E402
 
-SHAPES = {"qwen3_30b_a3b": dict(hidden=2048, inter=768, experts=128, top_k=8),
-          "deepseek_v3_experts": dict(hidden=7168, inter=2048, experts=16, top_k=8)}
+SHAPES = {
+    "qwen3_30b_a3b": dict(hidden=2048, inter=768, experts=128, top_k=8),
+    "deepseek_v3_experts": dict(hidden=7168, inter=2048, experts=16, top_k=8),
+}
 TOKENS = (1, 8, 512)
 QUANT = QuantConfig("fp8_block")
 #: Repeats per (shape, T): decode calls take milliseconds, prefill ones seconds.
@@ -94,35 +96,60 @@ def run(quick: bool) -> dict:
                 timing = interleaved(lambda: bf16(x), lambda: fp8(x), repeats=REPEATS[tokens], warmup=1)
             hit = hit_experts(fp8, x)
             fp8_gbs = hit * per_expert_bytes / (timing["candidate_us"] / 1e6) / 1e9
-            entry = {"tokens": tokens, "bf16_ms": timing["baseline_us"] / 1e3,
-                     "fp8_ms": timing["candidate_us"] / 1e3, "speedup": timing["speedup"],
-                     "speedup_range": timing["speedup_range"], "repeats": timing["repeats"],
-                     "experts_hit": hit, "fp8_weight_gbs": fp8_gbs,
-                     "fp8_weight_share_of_copy_bandwidth": fp8_gbs / copy_gbs}
+            entry = {
+                "tokens": tokens,
+                "bf16_ms": timing["baseline_us"] / 1e3,
+                "fp8_ms": timing["candidate_us"] / 1e3,
+                "speedup": timing["speedup"],
+                "speedup_range": timing["speedup_range"],
+                "repeats": timing["repeats"],
+                "experts_hit": hit,
+                "fp8_weight_gbs": fp8_gbs,
+                "fp8_weight_share_of_copy_bandwidth": fp8_gbs / copy_gbs,
+            }
             if tokens == 8:
+
                 def with_strategy(strategy):
                     def call():
                         fp8.experts.strategy = strategy
                         return fp8(x)
+
                     return call
+
                 with torch.no_grad():
-                    split = interleaved(with_strategy("blocks"), with_strategy("rows"),
-                                        repeats=max(3, REPEATS[tokens] // 3), warmup=1)
+                    split = interleaved(
+                        with_strategy("blocks"), with_strategy("rows"), repeats=max(3, REPEATS[tokens] // 3), warmup=1
+                    )
                 fp8.experts.strategy = "auto"
                 entry["rows_over_blocks_speedup"] = split["speedup"]
             results.setdefault(name, []).append(entry)
-            rows.append([name, tokens, entry["bf16_ms"], entry["fp8_ms"], entry["speedup"], fp8_gbs,
-                         entry["fp8_weight_share_of_copy_bandwidth"],
-                         entry.get("rows_over_blocks_speedup", float("nan"))])
-            print_table(["shape", "T", "bf16 ms", "fp8 ms", "bf16/fp8", "fp8 GB/s", "of copy", "blocks/rows"],
-                        rows[-1:])
+            rows.append(
+                [
+                    name,
+                    tokens,
+                    entry["bf16_ms"],
+                    entry["fp8_ms"],
+                    entry["speedup"],
+                    fp8_gbs,
+                    entry["fp8_weight_share_of_copy_bandwidth"],
+                    entry.get("rows_over_blocks_speedup", float("nan")),
+                ]
+            )
+            print_table(
+                ["shape", "T", "bf16 ms", "fp8 ms", "bf16/fp8", "fp8 GB/s", "of copy", "blocks/rows"], rows[-1:]
+            )
         del bf16, fp8
     print()
     print_table(["shape", "T", "bf16 ms", "fp8 ms", "bf16/fp8", "fp8 GB/s", "of copy", "blocks/rows"], rows)
-    return {"host_copy_gbs": copy_gbs, "quant": repr(QUANT), "activation_dtype": "bfloat16",
-            "shapes": SHAPES, "results": results,
-            "transformers_fp8_experts": "not run: transformers' FP8Experts fetches a GPU kernel from the "
-                                        "kernels hub and has no CPU path"}
+    return {
+        "host_copy_gbs": copy_gbs,
+        "quant": repr(QUANT),
+        "activation_dtype": "bfloat16",
+        "shapes": SHAPES,
+        "results": results,
+        "transformers_fp8_experts": "not run: transformers' FP8Experts fetches a GPU kernel from the "
+        "kernels hub and has no CPU path",
+    }
 
 
 def main(argv=None) -> None:

@@ -82,17 +82,30 @@ def run(quick: bool) -> dict:
             timing = interleaved(lambda: bf16(x), lambda: mxfp4(x), repeats=REPEATS[tokens], warmup=1)
         hit = hit_experts(mxfp4, x)
         gbs = hit * per_expert_bytes / (timing["candidate_us"] / 1e6) / 1e9
-        entry = {"tokens": tokens, "bf16_ms": timing["baseline_us"] / 1e3, "mxfp4_ms": timing["candidate_us"] / 1e3,
-                 "speedup": timing["speedup"], "speedup_range": timing["speedup_range"],
-                 "repeats": timing["repeats"], "experts_hit": hit, "mxfp4_packed_gbs": gbs,
-                 "mxfp4_share_of_copy_bandwidth": gbs / copy_gbs}
+        entry = {
+            "tokens": tokens,
+            "bf16_ms": timing["baseline_us"] / 1e3,
+            "mxfp4_ms": timing["candidate_us"] / 1e3,
+            "speedup": timing["speedup"],
+            "speedup_range": timing["speedup_range"],
+            "repeats": timing["repeats"],
+            "experts_hit": hit,
+            "mxfp4_packed_gbs": gbs,
+            "mxfp4_share_of_copy_bandwidth": gbs / copy_gbs,
+        }
         results.append(entry)
         rows.append([tokens, entry["bf16_ms"], entry["mxfp4_ms"], entry["speedup"], gbs, gbs / copy_gbs])
         print_table(header, rows[-1:])
     print()
     print_table(header, rows)
-    return {"host_copy_gbs": copy_gbs, "quant": repr(QUANT), "activation_dtype": "bfloat16", "shape": SHAPE,
-            "results": results, "threads": torch.get_num_threads()}
+    return {
+        "host_copy_gbs": copy_gbs,
+        "quant": repr(QUANT),
+        "activation_dtype": "bfloat16",
+        "shape": SHAPE,
+        "results": results,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def main(argv=None) -> None:

@@ -85,25 +85,28 @@ def run_select(preset_name: str, num_tokens: int, repeats: int, copy_gbps: float
     logits_t = torch.from_numpy(logits)
     bias_t = None if bias is None else torch.from_numpy(bias)
     same = agreement(select_experts(logits, config, bias), torch_select(logits_t, config, bias_t))
-    timing = interleaved(lambda: torch_select(logits_t, config, bias_t),
-                         lambda: select_experts(logits, config, bias), repeats)
+    timing = interleaved(
+        lambda: torch_select(logits_t, config, bias_t), lambda: select_experts(logits, config, bias), repeats
+    )
     gbps = logits.nbytes / (timing["candidate_us"] * 1e-6) / 1e9
-    return [{
-        "op": "select_experts",
-        "preset": preset_name,
-        "num_tokens": num_tokens,
-        "num_experts": config.num_experts,
-        "top_k": config.top_k,
-        "moeroute_us": timing["candidate_us"],
-        "torch_us": timing["baseline_us"],
-        "speedup": timing["speedup"],
-        "speedup_range": timing["speedup_range"],
-        "repeats": repeats,
-        "logits_gbps": gbps,
-        "fraction_of_copy_bandwidth": gbps / copy_gbps,
-        "same_expert_sets": same,
-        "baseline": "torch sigmoid/softmax + group topk/max + masked_fill + topk",
-    }]
+    return [
+        {
+            "op": "select_experts",
+            "preset": preset_name,
+            "num_tokens": num_tokens,
+            "num_experts": config.num_experts,
+            "top_k": config.top_k,
+            "moeroute_us": timing["candidate_us"],
+            "torch_us": timing["baseline_us"],
+            "speedup": timing["speedup"],
+            "speedup_range": timing["speedup_range"],
+            "repeats": repeats,
+            "logits_gbps": gbps,
+            "fraction_of_copy_bandwidth": gbps / copy_gbps,
+            "same_expert_sets": same,
+            "baseline": "torch sigmoid/softmax + group topk/max + masked_fill + topk",
+        }
+    ]
 
 
 def run_align_rows(num_tokens: int, repeats: int):
@@ -123,31 +126,53 @@ def main(argv=None) -> None:
     parser.add_argument("--presets", nargs="+", default=DEFAULT_PRESETS, choices=sorted(PRESETS))
     parser.add_argument("--all-presets", action="store_true", help="every built-in preset")
     parser.add_argument("--no-align", action="store_true", help="skip align_block_size")
-    parser.add_argument("--torch-threads", type=int, default=TORCH_THREADS,
-                        help="torch.set_num_threads for the whole run")
+    parser.add_argument(
+        "--torch-threads", type=int, default=TORCH_THREADS, help="torch.set_num_threads for the whole run"
+    )
     args = parser.parse_args(argv)
     presets = list(PRESETS) if args.all_presets else args.presets
     torch.set_num_threads(args.torch_threads)
 
     copy_gbps = host_copy_bandwidth()
-    print(f"host copy bandwidth: {copy_gbps:.1f} GB/s (read + write), "
-          f"torch threads {torch.get_num_threads()}")
-    rows = [row for name in presets
-            for row in run_select(name, args.tokens, args.repeats, copy_gbps)]
+    print(f"host copy bandwidth: {copy_gbps:.1f} GB/s (read + write), torch threads {torch.get_num_threads()}")
+    rows = [row for name in presets for row in run_select(name, args.tokens, args.repeats, copy_gbps)]
     print_table(
-        ["preset", "T", "moeroute us", "torch us", "speedup", "range", "GB/s", "of copy",
-         "same"],
-        [[r["preset"], r["num_tokens"], r["moeroute_us"], r["torch_us"], r["speedup"],
-          "{:.1f}-{:.1f}".format(*r["speedup_range"]), r["logits_gbps"],
-          f"{100 * r['fraction_of_copy_bandwidth']:.0f}%", f"{100 * r['same_expert_sets']:.2f}%"]
-         for r in rows])
+        ["preset", "T", "moeroute us", "torch us", "speedup", "range", "GB/s", "of copy", "same"],
+        [
+            [
+                r["preset"],
+                r["num_tokens"],
+                r["moeroute_us"],
+                r["torch_us"],
+                r["speedup"],
+                "{:.1f}-{:.1f}".format(*r["speedup_range"]),
+                r["logits_gbps"],
+                f"{100 * r['fraction_of_copy_bandwidth']:.0f}%",
+                f"{100 * r['same_expert_sets']:.2f}%",
+            ]
+            for r in rows
+        ],
+    )
     align_rows = [] if args.no_align else run_align_rows(args.tokens, args.repeats)
     if align_rows:
-        print_table(["align T", "top_k", "experts", "B", "moeroute us", "torch us", "speedup"],
-                    [[r["num_tokens"], r["top_k"], r["num_experts"], r["block_size"],
-                      r["moeroute_us"], r["torch_us"], r["speedup"]] for r in align_rows])
-    path = write_results("routing", {"host_copy_gbps": copy_gbps, "select_experts": rows,
-                                     "align_block_size": align_rows})
+        print_table(
+            ["align T", "top_k", "experts", "B", "moeroute us", "torch us", "speedup"],
+            [
+                [
+                    r["num_tokens"],
+                    r["top_k"],
+                    r["num_experts"],
+                    r["block_size"],
+                    r["moeroute_us"],
+                    r["torch_us"],
+                    r["speedup"],
+                ]
+                for r in align_rows
+            ],
+        )
+    path = write_results(
+        "routing", {"host_copy_gbps": copy_gbps, "select_experts": rows, "align_block_size": align_rows}
+    )
     print(f"wrote {path}")
 
 

@@ -44,12 +44,36 @@ TOKENS = 8192
 #: forward (~20 ms on 2 cores) is mostly torch GEMMs and attention, or "tiny", one layer at
 #: T = 8 (~1-2 ms a forward), where any thread left competing with torch's shows most.
 MODELS = {
-    "small": (dict(vocab_size=1024, hidden_size=512, num_hidden_layers=2, num_attention_heads=8,
-                   num_key_value_heads=4, intermediate_size=1024, moe_intermediate_size=256,
-                   num_experts=16, num_experts_per_tok=4, max_position_embeddings=512), 128),
-    "tiny": (dict(vocab_size=1024, hidden_size=256, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=512, moe_intermediate_size=128,
-                  num_experts=8, num_experts_per_tok=2, max_position_embeddings=512), 8),
+    "small": (
+        dict(
+            vocab_size=1024,
+            hidden_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            intermediate_size=1024,
+            moe_intermediate_size=256,
+            num_experts=16,
+            num_experts_per_tok=4,
+            max_position_embeddings=512,
+        ),
+        128,
+    ),
+    "tiny": (
+        dict(
+            vocab_size=1024,
+            hidden_size=256,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=512,
+            moe_intermediate_size=128,
+            num_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=512,
+        ),
+        8,
+    ),
 }
 
 
@@ -70,10 +94,25 @@ def _python_pool_select(threads: int):
     from moeroute.routing import select as sel
 
     @njit(nogil=True, cache=True, error_model="numpy")
-    def rows_nogil(logits, table, bias, has_bias, sigmoid, groups, topk_group, top_k, renormalize,
-                   rsf, start, stop, out_w, out_ids):
-        sel._select_rows(logits, table, bias, has_bias, sigmoid, groups, topk_group, top_k,
-                         renormalize, rsf, start, stop, out_w, out_ids)
+    def rows_nogil(
+        logits, table, bias, has_bias, sigmoid, groups, topk_group, top_k, renormalize, rsf, start, stop, out_w, out_ids
+    ):
+        sel._select_rows(
+            logits,
+            table,
+            bias,
+            has_bias,
+            sigmoid,
+            groups,
+            topk_group,
+            top_k,
+            renormalize,
+            rsf,
+            start,
+            stop,
+            out_w,
+            out_ids,
+        )
 
     pool = ThreadPoolExecutor(max(1, threads - 1))
 
@@ -81,13 +120,20 @@ def _python_pool_select(threads: int):
         tokens = logits.shape[0]
         out_w = np.empty((tokens, config.top_k), np.float32)
         out_ids = np.empty((tokens, config.top_k), np.int32)
-        args = (logits, sel._HALF_TO_FLOAT, sel._EMPTY_BIAS if bias is None else bias,
-                bias is not None, config.scoring == "sigmoid", config.num_expert_group,
-                config.topk_group, config.top_k, config.renormalize,
-                np.float32(config.routed_scaling_factor))
+        args = (
+            logits,
+            sel._HALF_TO_FLOAT,
+            sel._EMPTY_BIAS if bias is None else bias,
+            bias is not None,
+            config.scoring == "sigmoid",
+            config.num_expert_group,
+            config.topk_group,
+            config.top_k,
+            config.renormalize,
+            np.float32(config.routed_scaling_factor),
+        )
         bounds = [tokens * i // threads for i in range(threads + 1)]
-        futures = [pool.submit(rows_nogil, *args, bounds[i], bounds[i + 1], out_w, out_ids)
-                   for i in range(1, threads)]
+        futures = [pool.submit(rows_nogil, *args, bounds[i], bounds[i + 1], out_w, out_ids) for i in range(1, threads)]
         rows_nogil(*args, bounds[0], bounds[1], out_w, out_ids)
         for future in futures:
             future.result()
@@ -114,8 +160,12 @@ def child(option: str, torch_threads: int, forwards: int, repeats: int, model_na
         with torch.inference_mode():
             model(input_ids)
 
-    result = {"option": option, "model": model_name, "torch_threads": torch.get_num_threads(),
-              "load_before": os.getloadavg()[0]}
+    result = {
+        "option": option,
+        "model": model_name,
+        "torch_threads": torch.get_num_threads(),
+        "load_before": os.getloadavg()[0],
+    }
     # As many untimed forwards first: torch's first calls (allocator, dispatch caches) would
     # otherwise inflate "before" alone.
     result["forward_before_ms"] = median_time(forward, forwards, warmup=forwards) * 1e3
@@ -125,10 +175,13 @@ def child(option: str, torch_threads: int, forwards: int, repeats: int, model_na
 
     select = _python_pool_select(torch_threads) if option == "python-pool" else select_experts
     if option == "control":  # the same process and calls with torch's routing in moeroute's place
+
         def select(logits, config, bias):
-            weights, ids = torch_select(torch.from_numpy(logits), config,
-                                        None if bias is None else torch.from_numpy(bias))
+            weights, ids = torch_select(
+                torch.from_numpy(logits), config, None if bias is None else torch.from_numpy(bias)
+            )
             return weights.numpy(), ids.numpy()
+
     rng = np.random.default_rng(0)
     for name in PRESETS:
         preset = ALL_PRESETS[name]
@@ -144,12 +197,15 @@ def child(option: str, torch_threads: int, forwards: int, repeats: int, model_na
             actual = select(logits, config, bias)
             if not (np.array_equal(actual[1], expected[1]) and np.array_equal(actual[0], expected[0])):
                 raise AssertionError(f"{option}: {name} routing differs from select_experts")
-        timing = interleaved(lambda: torch_select(logits_t, config, bias_t),
-                             lambda: select(logits, config, bias), repeats)
-        result[name] = {"speedup": timing["speedup"], "moeroute_us": timing["candidate_us"],
-                        "torch_us": timing["baseline_us"],
-                        "moeroute_alone_us": median_time(lambda: select(logits, config, bias),
-                                                         repeats) * 1e6}
+        timing = interleaved(
+            lambda: torch_select(logits_t, config, bias_t), lambda: select(logits, config, bias), repeats
+        )
+        result[name] = {
+            "speedup": timing["speedup"],
+            "moeroute_us": timing["candidate_us"],
+            "torch_us": timing["baseline_us"],
+            "moeroute_alone_us": median_time(lambda: select(logits, config, bias), repeats) * 1e6,
+        }
     result["forward_after_ms"] = median_time(forward, forwards, warmup=0) * 1e3
     result["after_over_before"] = result["forward_after_ms"] / result["forward_before_ms"]
     import numba
@@ -175,8 +231,12 @@ def main(argv=None) -> int:
     parser.add_argument("--forwards", type=int, default=15, help="model forwards per median")
     parser.add_argument("--repeats", type=int, default=30, help="interleaved pairs per figure")
     parser.add_argument("--rounds", type=int, default=1, help="run every option this many times")
-    parser.add_argument("--model", choices=tuple(MODELS), default="small",
-                        help="the unpatched model timed before and after (default small)")
+    parser.add_argument(
+        "--model",
+        choices=tuple(MODELS),
+        default="small",
+        help="the unpatched model timed before and after (default small)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -186,18 +246,32 @@ def main(argv=None) -> int:
     rows = []
     for round_ in range(args.rounds):
         for option in options:
-            command = [sys.executable, __file__, "--child", option, "--torch-threads",
-                       str(args.torch_threads), "--forwards", str(args.forwards), "--repeats",
-                       str(args.repeats), "--model", args.model]
+            command = [
+                sys.executable,
+                __file__,
+                "--child",
+                option,
+                "--torch-threads",
+                str(args.torch_threads),
+                "--forwards",
+                str(args.forwards),
+                "--repeats",
+                str(args.repeats),
+                "--model",
+                args.model,
+            ]
             done = subprocess.run(command, env=_option_env(option), capture_output=True, text=True)
             if done.returncode != 0:
                 print(f"{option}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
                 continue
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             row = rows[-1]
-            print(f"round {round_ + 1} {option}: " + ", ".join(
-                f"{name} x{row[name]['speedup']:.2f}" for name in PRESETS)
-                + f", forward after/before {row['after_over_before']:.2f}", flush=True)
+            print(
+                f"round {round_ + 1} {option}: "
+                + ", ".join(f"{name} x{row[name]['speedup']:.2f}" for name in PRESETS)
+                + f", forward after/before {row['after_over_before']:.2f}",
+                flush=True,
+            )
     summary = []
     for option in options:
         mine = [r for r in rows if r["option"] == option]
@@ -206,16 +280,22 @@ def main(argv=None) -> int:
         line = [option, len(mine)]
         for name in PRESETS:
             speedups = [r[name]["speedup"] for r in mine]
-            line += [statistics.median(speedups), f"{min(speedups):.2f}-{max(speedups):.2f}",
-                     statistics.median(r[name]["moeroute_us"] for r in mine) / 1e3]
+            line += [
+                statistics.median(speedups),
+                f"{min(speedups):.2f}-{max(speedups):.2f}",
+                statistics.median(r[name]["moeroute_us"] for r in mine) / 1e3,
+            ]
         ratios = [r["after_over_before"] for r in mine]
         line += [statistics.median(ratios), f"{min(ratios):.2f}-{max(ratios):.2f}"]
         summary.append(line)
-    print_table(["option", "runs", "Qwen3.5 x", "range", "ms", "DeepSeek-V3 x", "range", "ms",
-                 "fwd after/before", "range"], summary)
-    path = write_results("threads" if args.model == "small" else f"threads_{args.model}",
-                         {"tokens": TOKENS, "torch_threads": args.torch_threads, "model": args.model,
-                                     "runs": rows})
+    print_table(
+        ["option", "runs", "Qwen3.5 x", "range", "ms", "DeepSeek-V3 x", "range", "ms", "fwd after/before", "range"],
+        summary,
+    )
+    path = write_results(
+        "threads" if args.model == "small" else f"threads_{args.model}",
+        {"tokens": TOKENS, "torch_threads": args.torch_threads, "model": args.model, "runs": rows},
+    )
     print(f"wrote {path}")
     return 0
 

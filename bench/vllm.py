@@ -61,8 +61,7 @@ E2E_REPEATS, QUICK_E2E_REPEATS = 7, 3
 
 def vllm_isa() -> str:
     """The ISA of the CPU experts class vLLM's oracle picks on this machine."""
-    from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
-        UnquantizedMoeBackend, backend_to_kernel_cls)
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend, backend_to_kernel_cls
 
     for cls in backend_to_kernel_cls(UnquantizedMoeBackend.CPU):
         if cls._supports_current_device():
@@ -126,27 +125,61 @@ def layer_bench(repeats: dict) -> list[dict]:
         experts = interleaved(vllm_experts, moeroute_experts, repeats[tokens])
         method = interleaved(vllm_method, moeroute_method, repeats[tokens])
         both_huge = interleaved(vllm_experts_huge, moeroute_experts, repeats[tokens])
-        rows.append({"tokens": tokens, "experts": experts, "routing_and_experts": method,
-                     "experts_vllm_on_huge_pages": both_huge, "max_difference_relative": difference})
-        print(f"T={tokens}: experts {experts['speedup']:.2f}x, with routing {method['speedup']:.2f}x, "
-              f"against vLLM on 2 MB pages too {both_huge['speedup']:.2f}x, outputs differ by "
-              f"{difference:.2e} of the largest", flush=True)
+        rows.append(
+            {
+                "tokens": tokens,
+                "experts": experts,
+                "routing_and_experts": method,
+                "experts_vllm_on_huge_pages": both_huge,
+                "max_difference_relative": difference,
+            }
+        )
+        print(
+            f"T={tokens}: experts {experts['speedup']:.2f}x, with routing {method['speedup']:.2f}x, "
+            f"against vLLM on 2 MB pages too {both_huge['speedup']:.2f}x, outputs differ by "
+            f"{difference:.2e} of the largest",
+            flush=True,
+        )
     import numba
 
     threads = {"torch_threads": torch.get_num_threads(), "numba_threads": numba.get_num_threads()}
-    return [{"isa": isa, **threads, "huge_page_bytes": huge_bytes, "vllm_huge_page_bytes": vllm_huge_bytes,
-             "hidden": HIDDEN, "intermediate": INTER, "experts": EXPERTS, "top_k": TOP_K,
-             "dtype": str(DTYPE).removeprefix("torch."), **row} for row in rows]
+    return [
+        {
+            "isa": isa,
+            **threads,
+            "huge_page_bytes": huge_bytes,
+            "vllm_huge_page_bytes": vllm_huge_bytes,
+            "hidden": HIDDEN,
+            "intermediate": INTER,
+            "experts": EXPERTS,
+            "top_k": TOP_K,
+            "dtype": str(DTYPE).removeprefix("torch."),
+            **row,
+        }
+        for row in rows
+    ]
 
 
 def save_checkpoint(directory: str) -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(vocab_size=512, hidden_size=HIDDEN, intermediate_size=4 * INTER,
-                            moe_intermediate_size=INTER, num_hidden_layers=E2E_LAYERS, num_attention_heads=8,
-                            num_key_value_heads=4, head_dim=128, num_experts=EXPERTS,
-                            num_experts_per_tok=TOP_K, norm_topk_prob=True, decoder_sparse_step=1,
-                            mlp_only_layers=[], max_position_embeddings=256, tie_word_embeddings=False)
+    config = Qwen3MoeConfig(
+        vocab_size=512,
+        hidden_size=HIDDEN,
+        intermediate_size=4 * INTER,
+        moe_intermediate_size=INTER,
+        num_hidden_layers=E2E_LAYERS,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     Qwen3MoeForCausalLM(config).to(DTYPE).save_pretrained(directory)
 
@@ -158,8 +191,15 @@ def e2e_bench(repeats: int) -> dict:
 
     directory = tempfile.mkdtemp(prefix="moeroute-vllm-bench-")
     save_checkpoint(directory)
-    arguments = dict(model=directory, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-                     max_model_len=128, seed=0, kv_cache_memory_bytes=64 << 20)
+    arguments = dict(
+        model=directory,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=128,
+        seed=0,
+        kv_cache_memory_bytes=64 << 20,
+    )
     os.environ.pop("MOEROUTE_VLLM", None)
     os.environ.pop("VLLM_PLUGINS", None)
     plain = LLM(**arguments)
@@ -168,26 +208,37 @@ def e2e_bench(repeats: int) -> dict:
     served = LLM(**arguments)
     assert vllm_plugin.STATS["layers"] == E2E_LAYERS, vllm_plugin.STATS
     generator = torch.Generator().manual_seed(1)
-    prompts = [{"prompt_token_ids": torch.randint(0, 512, (16,), generator=generator).tolist()}
-               for _ in range(E2E_PROMPTS)]
+    prompts = [
+        {"prompt_token_ids": torch.randint(0, 512, (16,), generator=generator).tolist()} for _ in range(E2E_PROMPTS)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=E2E_TOKENS, ignore_eos=True, detokenize=False)
     outputs = {}
 
     def run(llm, name):
         def generate():
             outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
         return generate
 
     timing = interleaved(run(plain, "vllm"), run(served, "moeroute"), repeats, warmup=1)
     generated = E2E_PROMPTS * E2E_TOKENS
     same = sum(a == b for a, b in zip(outputs["vllm"], outputs["moeroute"]))
-    result = {"layers": E2E_LAYERS, "prompts": E2E_PROMPTS, "tokens_per_prompt": E2E_TOKENS,
-              "vllm_tokens_per_s": generated / (timing["baseline_us"] / 1e6),
-              "moeroute_tokens_per_s": generated / (timing["candidate_us"] / 1e6),
-              "speedup": timing["speedup"], "speedup_range": timing["speedup_range"], "repeats": repeats,
-              "prompts_with_identical_tokens": same}
-    print(f"end to end: vLLM {result['vllm_tokens_per_s']:.1f} tok/s, with moeroute "
-          f"{result['moeroute_tokens_per_s']:.1f} tok/s ({timing['speedup']:.2f}x)", flush=True)
+    result = {
+        "layers": E2E_LAYERS,
+        "prompts": E2E_PROMPTS,
+        "tokens_per_prompt": E2E_TOKENS,
+        "vllm_tokens_per_s": generated / (timing["baseline_us"] / 1e6),
+        "moeroute_tokens_per_s": generated / (timing["candidate_us"] / 1e6),
+        "speedup": timing["speedup"],
+        "speedup_range": timing["speedup_range"],
+        "repeats": repeats,
+        "prompts_with_identical_tokens": same,
+    }
+    print(
+        f"end to end: vLLM {result['vllm_tokens_per_s']:.1f} tok/s, with moeroute "
+        f"{result['moeroute_tokens_per_s']:.1f} tok/s ({timing['speedup']:.2f}x)",
+        flush=True,
+    )
     return result
 
 
@@ -198,14 +249,31 @@ def main() -> None:
     started = time.time()
     layer = layer_bench(QUICK_REPEATS if args.quick else REPEATS)
     e2e = e2e_bench(QUICK_E2E_REPEATS if args.quick else E2E_REPEATS)
-    print_table(["T", "vLLM experts us", "moeroute us", "experts x", "with routing x"],
-                [[r["tokens"], r["experts"]["baseline_us"], r["experts"]["candidate_us"],
-                  r["experts"]["speedup"], r["routing_and_experts"]["speedup"]] for r in layer])
+    print_table(
+        ["T", "vLLM experts us", "moeroute us", "experts x", "with routing x"],
+        [
+            [
+                r["tokens"],
+                r["experts"]["baseline_us"],
+                r["experts"]["candidate_us"],
+                r["experts"]["speedup"],
+                r["routing_and_experts"]["speedup"],
+            ]
+            for r in layer
+        ],
+    )
     import vllm
 
-    path = write_results("vllm", {"vllm": vllm.__version__, "torch": torch.__version__,
-                                  "layer": layer, "end_to_end": e2e,
-                                  "seconds": round(time.time() - started, 1)})
+    path = write_results(
+        "vllm",
+        {
+            "vllm": vllm.__version__,
+            "torch": torch.__version__,
+            "layer": layer,
+            "end_to_end": e2e,
+            "seconds": round(time.time() - started, 1),
+        },
+    )
     print(f"wrote {path}")
 
 

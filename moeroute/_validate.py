@@ -36,9 +36,16 @@ def _bounds(minimum: int | None, maximum: int | None) -> str:
     return ""
 
 
-def integer(name: str, value: Any, minimum: int | None = None, maximum: int | None = None, *,
-            error: type[Exception] = ValueError,
-            type_error: type[Exception] = IntegerTypeError, why: str = "") -> int:
+def integer(
+    name: str,
+    value: Any,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    *,
+    error: type[Exception] = ValueError,
+    type_error: type[Exception] = IntegerTypeError,
+    why: str = "",
+) -> int:
     """``value`` as a Python int within ``[minimum, maximum]`` (either bound optional).
 
     Accepted: Python ``int`` and NumPy integer scalars. Refused: ``bool`` (and
@@ -50,8 +57,9 @@ def integer(name: str, value: Any, minimum: int | None = None, maximum: int | No
     """
     what = f" ({why})" if why else ""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise type_error(f"{name}={value!r} must be an integer{_bounds(minimum, maximum)}{what}, "
-                         f"got {type(value).__name__}")
+        raise type_error(
+            f"{name}={value!r} must be an integer{_bounds(minimum, maximum)}{what}, got {type(value).__name__}"
+        )
     value = int(value)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise error(f"{name}={value} must be an integer{_bounds(minimum, maximum)}{what}")
@@ -73,8 +81,7 @@ def environ_choice(variable: str, allowed: tuple[str, ...], default: str, why: s
         return default
     if value not in allowed:
         what = f" ({why})" if why else ""
-        raise ValueError(f"{variable}={raw!r} is not one of {allowed}{what}; unset it for "
-                         f"the default {default!r}")
+        raise ValueError(f"{variable}={raw!r} is not one of {allowed}{what}; unset it for the default {default!r}")
     return value
 
 
@@ -91,8 +98,9 @@ def environ_int(variable: str, default: int, minimum: int, why: str = "") -> int
         value = None
     if value is None or value < minimum:
         what = f" ({why})" if why else ""
-        raise ValueError(f"{variable}={raw!r} must be an integer >= {minimum}{what}; unset it "
-                         f"for the default {default}")
+        raise ValueError(
+            f"{variable}={raw!r} must be an integer >= {minimum}{what}; unset it for the default {default}"
+        )
     return value
 
 
@@ -115,6 +123,7 @@ def environ_directory(variable: str, why: str = "") -> Path | str | None:
     path = Path(text).expanduser()
     if path.exists() and not path.is_dir():
         what = f" ({why})" if why else ""
-        raise ValueError(f"{variable}={raw!r} is not a directory{what}; use a directory, "
-                         "'off', or unset it for the default")
+        raise ValueError(
+            f"{variable}={raw!r} is not a directory{what}; use a directory, 'off', or unset it for the default"
+        )
     return path

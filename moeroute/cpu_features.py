@@ -32,9 +32,22 @@ import os
 import numba
 from llvmlite import binding as llvm_binding
 
-__all__ = ["ENVIRONMENT_VARIABLE", "ISA_PATHS", "PATH_FEATURES", "NUMBA_CPU_NAMES", "cpu_isa",
-           "supported_isas", "choose_isa", "host_features", "numba_target_features", "FEATURES",
-           "BF16_DOT", "AVX2_SIMD", "VECTOR_COMPRESS", "BFLOAT16_INSTRUCTIONS"]
+__all__ = [
+    "ENVIRONMENT_VARIABLE",
+    "ISA_PATHS",
+    "PATH_FEATURES",
+    "NUMBA_CPU_NAMES",
+    "cpu_isa",
+    "supported_isas",
+    "choose_isa",
+    "host_features",
+    "numba_target_features",
+    "FEATURES",
+    "BF16_DOT",
+    "AVX2_SIMD",
+    "VECTOR_COMPRESS",
+    "BFLOAT16_INSTRUCTIONS",
+]
 
 #: The environment variable that picks a path.
 ENVIRONMENT_VARIABLE = "MOEROUTE_CPU_ISA"
@@ -106,13 +119,17 @@ def choose_isa(requested: str | None, features: frozenset[str]) -> str:
         return supported[-1]
     path = requested.strip().lower()
     if path not in ISA_PATHS:
-        raise ValueError(f"{ENVIRONMENT_VARIABLE}={requested!r} is not an instruction-set path; use one of "
-                         f"{', '.join(ISA_PATHS)} (this CPU runs {', '.join(supported)}), or leave it unset "
-                         "for the highest one")
+        raise ValueError(
+            f"{ENVIRONMENT_VARIABLE}={requested!r} is not an instruction-set path; use one of "
+            f"{', '.join(ISA_PATHS)} (this CPU runs {', '.join(supported)}), or leave it unset "
+            "for the highest one"
+        )
     if path not in supported:
         missing = ", ".join(sorted(PATH_FEATURES[path] - frozenset(features)))
-        raise ValueError(f"{ENVIRONMENT_VARIABLE}={requested!r} is a path this CPU cannot run ({_lacking(missing)}); "
-                         f"use one of {', '.join(supported)}")
+        raise ValueError(
+            f"{ENVIRONMENT_VARIABLE}={requested!r} is a path this CPU cannot run ({_lacking(missing)}); "
+            f"use one of {', '.join(supported)}"
+        )
     return path
 
 
@@ -120,8 +137,10 @@ def _lacking(missing: str) -> str:
     config = numba.config
     if config.CPU_NAME in (None, "host") and config.CPU_FEATURES is None:
         return f"it lacks {missing}"
-    return (f"Numba's target, NUMBA_CPU_NAME={config.CPU_NAME!r} with NUMBA_CPU_FEATURES={config.CPU_FEATURES!r}, "
-            f"lacks {missing}")
+    return (
+        f"Numba's target, NUMBA_CPU_NAME={config.CPU_NAME!r} with NUMBA_CPU_FEATURES={config.CPU_FEATURES!r}, "
+        f"lacks {missing}"
+    )
 
 
 def cpu_isa() -> str:
@@ -139,10 +158,12 @@ def _lower_numba_target(path: str) -> None:
     # The CPU target context (created with the process's first @njit function) builds its
     # LLVM target machine from the config once; a later change would not reach it.
     if "_toplevel_target_context" in vars(cpu_target):
-        raise RuntimeError(f"{ENVIRONMENT_VARIABLE}={path!r} needs Numba to compile for {name!r}, but Numba's CPU "
-                           "target was created before moeroute was imported (a @njit function was defined "
-                           f"first): import moeroute first, or set NUMBA_CPU_NAME={name} and "
-                           "NUMBA_CPU_FEATURES='' as well")
+        raise RuntimeError(
+            f"{ENVIRONMENT_VARIABLE}={path!r} needs Numba to compile for {name!r}, but Numba's CPU "
+            "target was created before moeroute was imported (a @njit function was defined "
+            f"first): import moeroute first, or set NUMBA_CPU_NAME={name} and "
+            "NUMBA_CPU_FEATURES='' as well"
+        )
     numba.config.CPU_NAME = name
     numba.config.CPU_FEATURES = ""
     cpu_target.target_context  # noqa: B018 -- built now, on this config, not at the first @njit

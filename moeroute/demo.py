@@ -44,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=128, help="tokens per forward (default 128)")
     parser.add_argument("--hidden-size", type=int, default=256, help="H (default 256)")
     parser.add_argument("--intermediate-size", type=int, default=128, help="I (default 128)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: CUDA when a GPU is present, else CPU")
+    parser.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA when a GPU is present, else CPU"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed forwards per mode (median)")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -83,7 +84,7 @@ class _SharedMLP:
         gate = nn.Linear(hidden, 1, bias=False) if gated else None
         with torch.no_grad():
             for module in (mlp, gate):
-                for p in (module.parameters() if module is not None else ()):
+                for p in module.parameters() if module is not None else ():
                     p.copy_(torch.randn(p.shape, generator=generator) * WEIGHT_SCALE)
         return mlp, gate
 
@@ -94,15 +95,14 @@ def _layer_weights(preset, hidden, inter, seed):
     generator = torch.Generator().manual_seed(seed)
     n = preset.router.num_experts
     weights = {
-        "router": torch.randn(n, hidden, generator=generator) * hidden ** ROUTER_SCALE_POWER,
+        "router": torch.randn(n, hidden, generator=generator) * hidden**ROUTER_SCALE_POWER,
         "bias": torch.randn(n, generator=generator) * 0.1 if preset.has_correction_bias else None,
         "w_gate_up": torch.randn(n, 2 * inter, hidden, generator=generator) * WEIGHT_SCALE,
         "w_down": torch.randn(n, hidden, inter, generator=generator) * WEIGHT_SCALE,
     }
     shared_size = preset.num_shared_experts * inter
     if shared_size:
-        weights["shared"], weights["gate"] = _SharedMLP.build(hidden, shared_size, preset.shared_gated,
-                                                              generator)
+        weights["shared"], weights["gate"] = _SharedMLP.build(hidden, shared_size, preset.shared_gated, generator)
     else:
         weights["shared"], weights["gate"] = None, None
     return weights
@@ -159,9 +159,11 @@ def _load_summary(topk_ids, num_experts) -> str:
     counts = np.bincount(topk_ids.reshape(-1), minlength=num_experts)
     hottest = np.argsort(-counts, kind="stable")[:LOAD_TOP]
     hot = ", ".join(f"#{int(e)}: {int(counts[e])}" for e in hottest)
-    return (f"per-expert load (token slots): min {int(counts.min())}, mean {counts.mean():.1f}, "
-            f"max {int(counts.max())}; idle experts {int((counts == 0).sum())}/{num_experts}; "
-            f"hottest {hot}")
+    return (
+        f"per-expert load (token slots): min {int(counts.min())}, mean {counts.mean():.1f}, "
+        f"max {int(counts.max())}; idle experts {int((counts == 0).sum())}/{num_experts}; "
+        f"hottest {hot}"
+    )
 
 
 def _build(preset, weights, hidden, inter, shared, device):
@@ -169,9 +171,15 @@ def _build(preset, weights, hidden, inter, shared, device):
 
     from moeroute.bindings.torch.moe import MoE
 
-    module = MoE(preset.router, hidden, inter, shared_experts=weights["shared"],
-                 shared_expert_gate=weights["gate"], shared=shared,
-                 correction_bias=weights["bias"] is not None)
+    module = MoE(
+        preset.router,
+        hidden,
+        inter,
+        shared_experts=weights["shared"],
+        shared_expert_gate=weights["gate"],
+        shared=shared,
+        correction_bias=weights["bias"] is not None,
+    )
     with torch.no_grad():
         module.router_weight.copy_(weights["router"])
         if weights["bias"] is not None:
@@ -199,17 +207,21 @@ def run(args) -> int:
     device = _device(args.device)
     hidden, inter, tokens = args.hidden_size, args.intermediate_size, args.tokens
     steps = len(DEMO_PRESETS) * len(DEMO_SHARED_MODES) + 1  # + the FP8 check
-    print(f"moeroute demo: {tokens} tokens, H={hidden}, I={inter}, float32, device {device}, "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"moeroute demo: {tokens} tokens, H={hidden}, I={inter}, float32, device {device}, "
+        f"torch threads {torch.get_num_threads()}"
+    )
     failures, step = 0, 0
     with torch.inference_mode():
         for layer_index, name in enumerate(DEMO_PRESETS):
             preset = get_preset(name)
             r = preset.router
-            print(f"\n=== {name}: N={r.num_experts}, K={r.top_k}, {r.scoring}, groups "
-                  f"{r.num_expert_group}/top-{r.topk_group}, renormalize={r.renormalize}, "
-                  f"rsf={r.routed_scaling_factor}, correction bias={preset.has_correction_bias}, "
-                  f"S={preset.num_shared_experts}{' (gated)' if preset.shared_gated else ''}")
+            print(
+                f"\n=== {name}: N={r.num_experts}, K={r.top_k}, {r.scoring}, groups "
+                f"{r.num_expert_group}/top-{r.topk_group}, renormalize={r.renormalize}, "
+                f"rsf={r.routed_scaling_factor}, correction bias={preset.has_correction_bias}, "
+                f"S={preset.num_shared_experts}{' (gated)' if preset.shared_gated else ''}"
+            )
             weights = _layer_weights(preset, hidden, inter, args.seed + layer_index)
             x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(args.seed + 100))
             expected, topk_ids = _reference(preset, weights, x, inter)
@@ -233,8 +245,10 @@ def run(args) -> int:
                 error = float((out.double().cpu() - expected).abs().max() / expected.abs().max())
                 passed = error < FP32_RTOL
                 failures += not passed
-                print(f"  forward median {statistics.median(times) * 1e3:.2f} ms over {args.repeats}; "
-                      f"max relative error {error:.2e} (< {FP32_RTOL:.0e}): {'PASS' if passed else 'FAIL'}")
+                print(
+                    f"  forward median {statistics.median(times) * 1e3:.2f} ms over {args.repeats}; "
+                    f"max relative error {error:.2e} (< {FP32_RTOL:.0e}): {'PASS' if passed else 'FAIL'}"
+                )
         step += 1
         failures += not _fp8_check(args, device, step, steps)
     print(f"\n{steps - failures}/{steps} checks passed")
@@ -257,8 +271,15 @@ def _fp8_check(args, device, step, steps) -> bool:
     weights = _layer_weights(preset, hidden, inter, args.seed)
     quant = QuantConfig("fp8_block")
     q = quantize_experts(weights["w_gate_up"], weights["w_down"], quant)
-    module = MoE(preset.router, hidden, inter, shared_experts=weights["shared"],
-                 shared_expert_gate=weights["gate"], correction_bias=weights["bias"] is not None, quant=quant)
+    module = MoE(
+        preset.router,
+        hidden,
+        inter,
+        shared_experts=weights["shared"],
+        shared_expert_gate=weights["gate"],
+        correction_bias=weights["bias"] is not None,
+        quant=quant,
+    )
     with torch.no_grad():
         module.router_weight.copy_(weights["router"])
         if weights["bias"] is not None:
@@ -266,19 +287,33 @@ def _fp8_check(args, device, step, steps) -> bool:
     module.load_routed_weights(q[0], q[2], gate_up_scale=q[1], down_scale=q[3])
     module = module.to(device)
     x = torch.randn(args.tokens, hidden, generator=torch.Generator().manual_seed(args.seed + 100))
-    print(f"\n[{step}/{steps}] {FP8_PRESET} with FP8 experts ({quant.format}, blocks {quant.block_size}, "
-          f"shared={module.layout.shared!r}): {q[0].numel() + q[2].numel()} one-byte weights")
+    print(
+        f"\n[{step}/{steps}] {FP8_PRESET} with FP8 experts ({quant.format}, blocks {quant.block_size}, "
+        f"shared={module.layout.shared!r}): {q[0].numel() + q[2].numel()} one-byte weights"
+    )
     start = time.perf_counter()
     out = module(x.to(device)).cpu()
     elapsed = time.perf_counter() - start
     settings = types.SimpleNamespace(quant=quant.format, dtype="float32", regime="router", intermediate=inter)
-    expected = quant_reference(settings, preset, module.layout,
-                               dict(router=weights["router"], bias=weights["bias"], routed=(q[0], q[2], q[1], q[3]),
-                                    shared=weights["shared"], gate=weights["gate"]), x)
+    expected = quant_reference(
+        settings,
+        preset,
+        module.layout,
+        dict(
+            router=weights["router"],
+            bias=weights["bias"],
+            routed=(q[0], q[2], q[1], q[3]),
+            shared=weights["shared"],
+            gate=weights["gate"],
+        ),
+        x,
+    )
     error = float((out - expected).abs().max() / expected.abs().max())
     passed = error < FP8_RTOL
-    print(f"  forward {elapsed * 1e3:.2f} ms (first call); max relative error against the w8a8 reference "
-          f"(moeroute.quant.reference) {error:.2e} (< {FP8_RTOL:.0e}): {'PASS' if passed else 'FAIL'}")
+    print(
+        f"  forward {elapsed * 1e3:.2f} ms (first call); max relative error against the w8a8 reference "
+        f"(moeroute.quant.reference) {error:.2e} (< {FP8_RTOL:.0e}): {'PASS' if passed else 'FAIL'}"
+    )
     return passed
 
 

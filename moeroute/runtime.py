@@ -27,9 +27,20 @@ import numpy as np
 
 from moeroute.routing._cache import cache_dir
 
-__all__ = ["warmup", "warmup_families", "warmup_cuda", "cache_dir", "cpu_dispatchers", "WARMUP_DTYPES",
-           "DEFAULT_WARMUP_DTYPES", "WARMUP_FORMATS", "add_warmup_arguments", "run_warmup", "check_arch",
-           "check_cuda_toolchain"]
+__all__ = [
+    "warmup",
+    "warmup_families",
+    "warmup_cuda",
+    "cache_dir",
+    "cpu_dispatchers",
+    "WARMUP_DTYPES",
+    "DEFAULT_WARMUP_DTYPES",
+    "WARMUP_FORMATS",
+    "add_warmup_arguments",
+    "run_warmup",
+    "check_arch",
+    "check_cuda_toolchain",
+]
 
 #: Activation and logits dtypes `warmup` can compile for: each is its own specialization.
 WARMUP_DTYPES = ("float32", "float16", "bfloat16")
@@ -87,8 +98,7 @@ def _check_formats(formats) -> tuple[str, ...]:
     formats = tuple(formats)
     unknown = [f for f in formats if f not in WARMUP_FORMATS]
     if unknown:
-        raise ValueError(f"formats={formats!r}: {unknown[0]!r} is not a format; each must be one of "
-                         f"{WARMUP_FORMATS}")
+        raise ValueError(f"formats={formats!r}: {unknown[0]!r} is not a format; each must be one of {WARMUP_FORMATS}")
     return formats
 
 
@@ -125,8 +135,15 @@ def _routing_steps(presets, dtypes) -> list[tuple[str, Callable[[], None]]]:
     one per dtype: the dispatch kernels (permute, combine, accumulate_rows), serial and
     parallel."""
     from moeroute.layout import ExpertLayout
-    from moeroute.routing import (align_block_size, append_shared_slots, expert_load, logical_to_physical,
-                                  remap_to_local, select_experts, sort_by_expert)
+    from moeroute.routing import (
+        align_block_size,
+        append_shared_slots,
+        expert_load,
+        logical_to_physical,
+        remap_to_local,
+        select_experts,
+        sort_by_expert,
+    )
     from moeroute.routing.select import PARALLEL_MIN_ELEMENTS
 
     rng = np.random.default_rng(0)
@@ -159,8 +176,9 @@ def _routing_steps(presets, dtypes) -> list[tuple[str, Callable[[], None]]]:
     kinds = {}
     for dtype in dtypes:  # NumPy has no bfloat16: float16 logits compile the 16-bit kernel
         kinds.setdefault(_LOGITS_KINDS[dtype], "float32" if dtype == "float32" else "float16")
-    steps = [(f"routing kernels, {kind} logits", lambda d=logits_dtype: routing(d))
-             for kind, logits_dtype in kinds.items()]
+    steps = [
+        (f"routing kernels, {kind} logits", lambda d=logits_dtype: routing(d)) for kind, logits_dtype in kinds.items()
+    ]
     steps += [(f"dispatch kernels, {dtype}", lambda d=dtype: _dispatch_kernels(d)) for dtype in dtypes]
     return steps
 
@@ -169,15 +187,23 @@ def _dispatch_kernels(dtype) -> None:
     """permute, combine (with and without weights) and accumulate_rows for ``dtype``, on a
     small input (their serial kernels) and above each parallel threshold."""
     from moeroute.routing import combine, permute
-    from moeroute.routing.combine import (PARALLEL_ACCUMULATE_MIN_ELEMENTS, PARALLEL_COMBINE_MIN_ELEMENTS,
-                                          accumulate_rows)
+    from moeroute.routing.combine import (
+        PARALLEL_ACCUMULATE_MIN_ELEMENTS,
+        PARALLEL_COMBINE_MIN_ELEMENTS,
+        accumulate_rows,
+    )
     from moeroute.routing.permute import PARALLEL_GATHER_MIN_BYTES
 
     experts, top_k, width = MODULE_EXPERTS, MODULE_TOP_K, 2 if dtype != "float32" else 4
     for tokens, hidden in ((SMALL_TOKENS, 16), (None, 1024)):
         if tokens is None:
-            tokens = max(math.ceil(PARALLEL_GATHER_MIN_BYTES / (top_k * hidden * width)),
-                         math.ceil(PARALLEL_COMBINE_MIN_ELEMENTS / hidden)) + 1
+            tokens = (
+                max(
+                    math.ceil(PARALLEL_GATHER_MIN_BYTES / (top_k * hidden * width)),
+                    math.ceil(PARALLEL_COMBINE_MIN_ELEMENTS / hidden),
+                )
+                + 1
+            )
         ids = (np.arange(tokens * top_k, dtype=np.int32) % experts).reshape(tokens, top_k)
         weights = np.full((tokens, top_k), 0.5, np.float32)
         states, raw = _host_bits(np.ones((tokens, hidden), np.float32), dtype)
@@ -202,9 +228,17 @@ def _module_steps(dtypes, formats) -> list[tuple[str, Callable[[], None]]]:
     hidden, inter = MODULE_HIDDEN, MODULE_INTERMEDIATE
     routers = {
         "softmax": (RouterConfig(MODULE_EXPERTS, MODULE_TOP_K), False),
-        "sigmoid + bias, groups": (RouterConfig(MODULE_EXPERTS, MODULE_TOP_K, scoring="sigmoid",
-                                                num_expert_group=2, topk_group=1,
-                                                routed_scaling_factor=2.5), True),
+        "sigmoid + bias, groups": (
+            RouterConfig(
+                MODULE_EXPERTS,
+                MODULE_TOP_K,
+                scoring="sigmoid",
+                num_expert_group=2,
+                topk_group=1,
+                routed_scaling_factor=2.5,
+            ),
+            True,
+        ),
     }
 
     def run(moe, dtype, token_counts, generator):
@@ -226,14 +260,26 @@ def _module_steps(dtypes, formats) -> list[tuple[str, Callable[[], None]]]:
             for router, bias in routers.values():
                 for shared in ("fused", "runner"):
                     for gemm in ("loop", "padded"):
-                        moe = MoE(router, hidden, inter, shared_experts=GatedMLP(hidden, inter).to(dtype),
-                                  shared=shared, correction_bias=bias, gemm=gemm, dtype=dtype)
+                        moe = MoE(
+                            router,
+                            hidden,
+                            inter,
+                            shared_experts=GatedMLP(hidden, inter).to(dtype),
+                            shared=shared,
+                            correction_bias=bias,
+                            gemm=gemm,
+                            dtype=dtype,
+                        )
                         for tokens in MODULE_TOKENS:
                             moe(torch.randn(tokens, hidden, generator=generator).to(dtype))
             if dtype in ROWS_DTYPES:
                 for gemm in ("rows", "auto"):
-                    run(MoE(routers["softmax"][0], hidden, inter, gemm=gemm, dtype=dtype), dtype,
-                        MODULE_TOKENS[:2], generator)
+                    run(
+                        MoE(routers["softmax"][0], hidden, inter, gemm=gemm, dtype=dtype),
+                        dtype,
+                        MODULE_TOKENS[:2],
+                        generator,
+                    )
 
     def quantized_forward(quant_format, dtype_name):
         dtype = getattr(torch, dtype_name)
@@ -253,8 +299,9 @@ def _module_steps(dtypes, formats) -> list[tuple[str, Callable[[], None]]]:
             if quant_format == "float":
                 steps.append((f"float experts, {name}", lambda n=name: float_forward(n)))
             else:
-                steps.append((f"{quant_format} experts, {name}",
-                              lambda f=quant_format, n=name: quantized_forward(f, n)))
+                steps.append(
+                    (f"{quant_format} experts, {name}", lambda f=quant_format, n=name: quantized_forward(f, n))
+                )
     return steps
 
 
@@ -268,8 +315,10 @@ def _steps(presets, dtypes, formats, torch_module) -> list[tuple[str, Callable[[
 def _resolve_torch_module(torch_module, formats) -> bool:
     quantized = any(f != "float" for f in formats)
     if quantized and torch_module is False:
-        raise ValueError(f"formats={formats!r} asks for the quantized experts' forward, which needs the torch "
-                         "module: leave torch_module None or True")
+        raise ValueError(
+            f"formats={formats!r} asks for the quantized experts' forward, which needs the torch "
+            "module: leave torch_module None or True"
+        )
     if torch_module is False:
         return False
     # Imported first, as in a model's process (the parallel kernels take torch's thread count).
@@ -282,17 +331,27 @@ def _resolve_torch_module(torch_module, formats) -> bool:
     return True
 
 
-def warmup_families(presets: Sequence[str] | None = None, *, dtypes: Sequence[str] = DEFAULT_WARMUP_DTYPES,
-                    formats: Sequence[str] = ("float",), torch_module: bool | None = None) -> list[str]:
+def warmup_families(
+    presets: Sequence[str] | None = None,
+    *,
+    dtypes: Sequence[str] = DEFAULT_WARMUP_DTYPES,
+    formats: Sequence[str] = ("float",),
+    torch_module: bool | None = None,
+) -> list[str]:
     """The kernel families `warmup` compiles with these arguments, in its order (one progress
     line each). Arguments and errors as `warmup`'s; nothing is compiled."""
     chosen, dtypes, formats = _check_presets(presets), _check_dtypes(dtypes), _check_formats(formats)
     return [name for name, _ in _steps(chosen, dtypes, formats, _resolve_torch_module(torch_module, formats))]
 
 
-def warmup(presets: Sequence[str] | None = None, *, dtypes: Sequence[str] = DEFAULT_WARMUP_DTYPES,
-           formats: Sequence[str] = ("float",), torch_module: bool | None = None,
-           progress: bool | Callable[[str], None] = True) -> dict:
+def warmup(
+    presets: Sequence[str] | None = None,
+    *,
+    dtypes: Sequence[str] = DEFAULT_WARMUP_DTYPES,
+    formats: Sequence[str] = ("float",),
+    torch_module: bool | None = None,
+    progress: bool | Callable[[str], None] = True,
+) -> dict:
     """Compile the CPU kernels the presets' forwards use into Numba's on-disk cache.
 
     One kernel family at a time (`warmup_families` lists them): the routing and dispatch
@@ -367,21 +426,35 @@ def warmup(presets: Sequence[str] | None = None, *, dtypes: Sequence[str] = DEFA
         for index, (name, step) in enumerate(steps, 1):
             step_start, compiled_before = time.perf_counter(), compiled
             step()
-            family = {"name": name, "seconds": time.perf_counter() - step_start,
-                      "compiled": compiled - compiled_before}
+            family = {"name": name, "seconds": time.perf_counter() - step_start, "compiled": compiled - compiled_before}
             families.append(family)
-            emit(f"warmup [{index}/{len(steps)}] {name}: {family['seconds']:.1f} s, "
-                 f"{family['compiled']} functions compiled")
+            emit(
+                f"warmup [{index}/{len(steps)}] {name}: {family['seconds']:.1f} s, "
+                f"{family['compiled']} functions compiled"
+            )
     seconds = time.perf_counter() - start
-    result = {"compiled": compiled, "loaded": _cache_hits() - before, "seconds": seconds,
-              "steps": len(steps), "families": families, "cache_dir": cache_dir()}
-    emit(f"warmup done in {seconds:.1f} s: {result['compiled']} functions compiled, "
-         f"{result['loaded']} loaded from {result['cache_dir']}")
+    result = {
+        "compiled": compiled,
+        "loaded": _cache_hits() - before,
+        "seconds": seconds,
+        "steps": len(steps),
+        "families": families,
+        "cache_dir": cache_dir(),
+    }
+    emit(
+        f"warmup done in {seconds:.1f} s: {result['compiled']} functions compiled, "
+        f"{result['loaded']} loaded from {result['cache_dir']}"
+    )
     return result
 
 
-def warmup_cuda(presets: Sequence[str] | None = None, *, archs: Sequence[str] = ("sm_90",),
-                dtypes: Sequence[str] = WARMUP_DTYPES, progress: bool = True) -> dict:
+def warmup_cuda(
+    presets: Sequence[str] | None = None,
+    *,
+    archs: Sequence[str] = ("sm_90",),
+    dtypes: Sequence[str] = WARMUP_DTYPES,
+    progress: bool = True,
+) -> dict:
     """Compile the device routing kernels of the presets into the cubin cache, no GPU needed.
 
     select_experts' and the fused route's kernels (the slow ones to compile: seconds each)
@@ -439,21 +512,32 @@ def warmup_cuda(presets: Sequence[str] | None = None, *, archs: Sequence[str] = 
         for preset in chosen:
             step_start = time.perf_counter()
             router = preset.router
-            constants = (router.num_experts, router.num_expert_group, router.scoring,
-                         preset.has_correction_bias, router.renormalize)
+            constants = (
+                router.num_experts,
+                router.num_expert_group,
+                router.scoring,
+                preset.has_correction_bias,
+                router.renormalize,
+            )
             for kind in dtypes:
                 for kernel, signature in (
-                        (_device._device_kernel(*constants, kind), _device._device_signature(kind)),
-                        (_route_kernel(*constants, kind), _route_signature(kind, "C", "C"))):
+                    (_device._device_kernel(*constants, kind), _device._device_signature(kind)),
+                    (_route_kernel(*constants, kind), _route_signature(kind, "C", "C")),
+                ):
                     _cubins.load_or_compile(kernel, signature, arch, compile_counted)
                     total += 1
             emit(f"warmup_cuda {arch} {preset.name}: {time.perf_counter() - step_start:.1f} s")
     directory = _cubins.cache_dir()
-    result = {"compiled": compiled, "loaded": total - compiled,
-              "seconds": time.perf_counter() - start,
-              "cache_dir": None if directory is None else str(directory)}
-    emit(f"warmup_cuda done in {result['seconds']:.1f} s: {compiled} kernels compiled, "
-         f"{result['loaded']} loaded from {result['cache_dir']}")
+    result = {
+        "compiled": compiled,
+        "loaded": total - compiled,
+        "seconds": time.perf_counter() - start,
+        "cache_dir": None if directory is None else str(directory),
+    }
+    emit(
+        f"warmup_cuda done in {result['seconds']:.1f} s: {compiled} kernels compiled, "
+        f"{result['loaded']} loaded from {result['cache_dir']}"
+    )
     return result
 
 
@@ -463,8 +547,7 @@ def check_arch(arch) -> str:
     import re
 
     if not isinstance(arch, str) or not re.fullmatch(r"sm_\d{2,3}", arch):
-        raise ValueError(f"arch {arch!r} is not of the form 'sm_XY' (e.g. 'sm_90' for "
-                         "H100/H200, 'sm_80' for A100)")
+        raise ValueError(f"arch {arch!r} is not of the form 'sm_XY' (e.g. 'sm_90' for H100/H200, 'sm_80' for A100)")
     return arch
 
 
@@ -475,8 +558,9 @@ def check_cuda_toolchain() -> None:
         import cuda.core  # noqa: F401
         from numba import cuda  # noqa: F401
     except ImportError as error:
-        raise RuntimeError(f"compiling the device kernels needs numba-cuda and cuda.core "
-                           f"(pip install 'moeroute[cuda]'): {error}") from error
+        raise RuntimeError(
+            f"compiling the device kernels needs numba-cuda and cuda.core (pip install 'moeroute[cuda]'): {error}"
+        ) from error
 
 
 def _cache_hits() -> int:
@@ -507,19 +591,37 @@ def add_warmup_arguments(parser) -> None:
     """Arguments of ``moeroute warmup``."""
     from moeroute.config import PRESETS
 
-    parser.add_argument("--presets", nargs="+", choices=sorted(PRESETS), metavar="PRESET",
-                        help="presets to compile for (default: all)")
-    parser.add_argument("--dtypes", nargs="+", choices=WARMUP_DTYPES, default=list(DEFAULT_WARMUP_DTYPES),
-                        help=f"logits and activation dtypes (default: {' '.join(DEFAULT_WARMUP_DTYPES)})")
-    parser.add_argument("--formats", nargs="+", choices=WARMUP_FORMATS, default=["float"], metavar="FORMAT",
-                        help=f"expert formats to compile, among {', '.join(WARMUP_FORMATS)} (default: float; "
-                             "the quantized ones otherwise compile on first use)")
-    parser.add_argument("--no-torch", action="store_true",
-                        help="skip the torch module's forward (routing kernels only)")
-    parser.add_argument("--cuda-arch", nargs="+", metavar="ARCH", default=None,
-                        type=_arch_argument,
-                        help="also compile the device routing kernels for these architectures "
-                             "(e.g. sm_90) into the cubin cache; no GPU needed")
+    parser.add_argument(
+        "--presets", nargs="+", choices=sorted(PRESETS), metavar="PRESET", help="presets to compile for (default: all)"
+    )
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=WARMUP_DTYPES,
+        default=list(DEFAULT_WARMUP_DTYPES),
+        help=f"logits and activation dtypes (default: {' '.join(DEFAULT_WARMUP_DTYPES)})",
+    )
+    parser.add_argument(
+        "--formats",
+        nargs="+",
+        choices=WARMUP_FORMATS,
+        default=["float"],
+        metavar="FORMAT",
+        help=f"expert formats to compile, among {', '.join(WARMUP_FORMATS)} (default: float; "
+        "the quantized ones otherwise compile on first use)",
+    )
+    parser.add_argument(
+        "--no-torch", action="store_true", help="skip the torch module's forward (routing kernels only)"
+    )
+    parser.add_argument(
+        "--cuda-arch",
+        nargs="+",
+        metavar="ARCH",
+        default=None,
+        type=_arch_argument,
+        help="also compile the device routing kernels for these architectures "
+        "(e.g. sm_90) into the cubin cache; no GPU needed",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress lines (one per kernel family, on stderr)")
 
 
@@ -542,16 +644,27 @@ def run_warmup(args) -> int:
             print(f"moeroute warmup: error: {error}", file=sys.stderr)
             return 2
     if args.no_torch and set(args.formats) - {"float"}:
-        print("moeroute warmup: error: --formats with a quantized format needs the torch module's forward; "
-              "drop --no-torch", file=sys.stderr)
+        print(
+            "moeroute warmup: error: --formats with a quantized format needs the torch module's forward; "
+            "drop --no-torch",
+            file=sys.stderr,
+        )
         return 2
-    result = warmup(args.presets, dtypes=args.dtypes, formats=args.formats,
-                    torch_module=False if args.no_torch else None, progress=not args.quiet)
-    print(f"{result['compiled']} functions compiled, {result['loaded']} loaded from the cache, "
-          f"in {result['seconds']:.1f} s; cache: {result['cache_dir']}")
+    result = warmup(
+        args.presets,
+        dtypes=args.dtypes,
+        formats=args.formats,
+        torch_module=False if args.no_torch else None,
+        progress=not args.quiet,
+    )
+    print(
+        f"{result['compiled']} functions compiled, {result['loaded']} loaded from the cache, "
+        f"in {result['seconds']:.1f} s; cache: {result['cache_dir']}"
+    )
     if args.cuda_arch:
-        result = warmup_cuda(args.presets, archs=args.cuda_arch, dtypes=args.dtypes,
-                             progress=not args.quiet)
-        print(f"{result['compiled']} device kernels compiled, {result['loaded']} loaded, in "
-              f"{result['seconds']:.1f} s; cubin cache: {result['cache_dir']}")
+        result = warmup_cuda(args.presets, archs=args.cuda_arch, dtypes=args.dtypes, progress=not args.quiet)
+        print(
+            f"{result['compiled']} device kernels compiled, {result['loaded']} loaded, in "
+            f"{result['seconds']:.1f} s; cubin cache: {result['cache_dir']}"
+        )
     return 0

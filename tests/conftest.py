@@ -30,8 +30,9 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
 # compiles them into Numba's cache once, one process per logits dtype, before the workers
 # start; from then on every process loads them. A warm cache makes this a few seconds.
 WARMUP_DTYPES = ("float32", "float16")
-WARMUP_CODE = ("import sys, moeroute; moeroute.warmup(['deepseek-v3'], dtypes=[sys.argv[1]], "
-               "torch_module=False, progress=False)")
+WARMUP_CODE = (
+    "import sys, moeroute; moeroute.warmup(['deepseek-v3'], dtypes=[sys.argv[1]], torch_module=False, progress=False)"
+)
 
 
 def pytest_sessionstart(session):
@@ -40,9 +41,16 @@ def pytest_sessionstart(session):
         return  # an xdist worker, or a run without workers: kernels compile on first use
     # cwd: the checkout's moeroute, as the tests' own subprocesses import it; the environment
     # (NUMBA_CACHE_DIR included) is the workers'.
-    processes = [subprocess.Popen([sys.executable, "-c", WARMUP_CODE, dtype], cwd=REPO_ROOT,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                 for dtype in WARMUP_DTYPES]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", WARMUP_CODE, dtype],
+            cwd=REPO_ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for dtype in WARMUP_DTYPES
+    ]
     for dtype, process in zip(WARMUP_DTYPES, processes):
         _, stderr = process.communicate()
         if process.returncode != 0:  # the tests that use the kernel fail and say why

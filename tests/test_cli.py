@@ -50,13 +50,32 @@ def test_top_level_help_lists_commands(capsys):
     assert "plan" in out and "route" in out and "--list-presets" in out
 
 
-@pytest.mark.parametrize("command, options", [
-    ("plan", ["--preset", "--config", "--ep", "--dispatch", "--shared", "--slots", "--redundant", "--regime",
-              "--placement", "--quant", "--json"]),
-    ("route", ["--preset", "--config", "--tokens", "--seed", "--ep", "--repeat", "--scoring", "--placement",
-               "--json"]),
-    ("run", ["--preset", "--ep", "--dispatch", "--tokens", "--quant", "--eplb", "--json"]),
-])
+@pytest.mark.parametrize(
+    "command, options",
+    [
+        (
+            "plan",
+            [
+                "--preset",
+                "--config",
+                "--ep",
+                "--dispatch",
+                "--shared",
+                "--slots",
+                "--redundant",
+                "--regime",
+                "--placement",
+                "--quant",
+                "--json",
+            ],
+        ),
+        (
+            "route",
+            ["--preset", "--config", "--tokens", "--seed", "--ep", "--repeat", "--scoring", "--placement", "--json"],
+        ),
+        ("run", ["--preset", "--ep", "--dispatch", "--tokens", "--quant", "--eplb", "--json"]),
+    ],
+)
 def test_command_help_is_complete(capsys, command, options):
     status, out, _ = run(capsys, command, "--help")
     assert status == 0
@@ -70,18 +89,21 @@ def test_missing_command(capsys):
     assert status == 2 and "a command is required" in err
 
 
-@pytest.mark.parametrize("argv", [
-    ["plan"],                                    # no model
-    ["plan", "--preset", "mixtral-8x7b", "--ep", "0"],
-    ["plan", "--preset", "mixtral-8x7b", "--dispatch", "deepep"],
-    ["plan", "--preset", "a", "--config", "b"],  # mutually exclusive
-    ["route", "--preset", "mixtral-8x7b"],       # --tokens required
-    ["route", "--preset", "mixtral-8x7b", "--tokens", "-1"],
-    ["bogus"],
-    ["plan", "--preset", "mixtral-8x7b", "--ep", "two"],
-    ["route", "--preset", "mixtral-8x7b", "--tokens", "4", "--scoring", "relu"],
-    [],                                          # no command
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan"],  # no model
+        ["plan", "--preset", "mixtral-8x7b", "--ep", "0"],
+        ["plan", "--preset", "mixtral-8x7b", "--dispatch", "deepep"],
+        ["plan", "--preset", "a", "--config", "b"],  # mutually exclusive
+        ["route", "--preset", "mixtral-8x7b"],  # --tokens required
+        ["route", "--preset", "mixtral-8x7b", "--tokens", "-1"],
+        ["bogus"],
+        ["plan", "--preset", "mixtral-8x7b", "--ep", "two"],
+        ["route", "--preset", "mixtral-8x7b", "--tokens", "4", "--scoring", "relu"],
+        [],  # no command
+    ],
+)
 def test_usage_errors_exit_2_with_one_line(capsys, argv):
     """argparse's errors too: one line, no usage block (``--help`` shows the usage)."""
     status, out, err = run(capsys, *argv)
@@ -91,13 +113,16 @@ def test_usage_errors_exit_2_with_one_line(capsys, argv):
     assert "usage" not in err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["warmup", "--cuda-arch", "sm9"], "argument --cuda-arch: arch 'sm9' is not of the form 'sm_XY'"),
-    (["warmup", "--cuda-arch", "90"], "argument --cuda-arch: arch '90' is not of the form 'sm_XY'"),
-    (["warmup", "--cuda-arch", "sm_90", "sm90"], "arch 'sm90' is not of the form 'sm_XY'"),
-    (["warmup", "--presets", "nope"], "argument --presets: invalid choice: 'nope'"),
-    (["warmup", "--dtypes", "float64"], "argument --dtypes: invalid choice: 'float64'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["warmup", "--cuda-arch", "sm9"], "argument --cuda-arch: arch 'sm9' is not of the form 'sm_XY'"),
+        (["warmup", "--cuda-arch", "90"], "argument --cuda-arch: arch '90' is not of the form 'sm_XY'"),
+        (["warmup", "--cuda-arch", "sm_90", "sm90"], "arch 'sm90' is not of the form 'sm_XY'"),
+        (["warmup", "--presets", "nope"], "argument --presets: invalid choice: 'nope'"),
+        (["warmup", "--dtypes", "float64"], "argument --dtypes: invalid choice: 'float64'"),
+    ],
+)
 def test_warmup_checks_every_argument_before_any_work(capsys, monkeypatch, argv, message):
     """`warmup --cuda-arch sm9` used to run the whole CPU warm-up, then exit 1 with a
     traceback: now nothing runs, and one line says why."""
@@ -124,21 +149,22 @@ def test_warmup_without_the_cuda_toolchain_stops_before_the_cpu_warmup(capsys, m
     status, out, err = run(capsys, "warmup", "--cuda-arch", "sm_90")
     assert status == 2 and out == "" and calls == []
     assert err.strip().splitlines() == [
-        "moeroute warmup: error: compiling the device kernels needs numba-cuda and cuda.core"]
+        "moeroute warmup: error: compiling the device kernels needs numba-cuda and cuda.core"
+    ]
 
 
 # ----------------------------------------------------------------------------
 # plan
 
 
-@pytest.mark.parametrize("name, ep", [("qwen3.5-moe", 8), ("deepseek-v3", 8), ("mixtral-8x7b", 1),
-                                      ("qwen1.5-moe-a2.7b", 7)])
+@pytest.mark.parametrize(
+    "name, ep", [("qwen3.5-moe", 8), ("deepseek-v3", 8), ("mixtral-8x7b", 1), ("qwen1.5-moe-a2.7b", 7)]
+)
 def test_plan_matches_layout(capsys, name, ep):
     status, out, err = run(capsys, "plan", "--preset", name, "--ep", str(ep))
     assert status == 0 and err == ""
     preset = PRESETS[name]
-    layout = ExpertLayout(preset.router.num_experts, preset.num_shared_experts, ep,
-                          "none" if ep == 1 else "all2all")
+    layout = ExpertLayout(preset.router.num_experts, preset.num_shared_experts, ep, "none" if ep == 1 else "all2all")
     assert f"dispatch={'none' if ep == 1 else 'all2all'}" in out
     assert f"physical experts: {layout.num_physical_experts} " in out
     assert layout.shared_reason in out
@@ -172,16 +198,29 @@ def test_plan_global_slots_under_all2all_exit_2(capsys):
 
 
 def test_plan_allgather_global_and_output_regime(capsys):
-    status, out, _ = run(capsys, "plan", "--preset", "glm-4.5", "--ep", "4", "--dispatch",
-                         "allgather", "--slots", "global", "--regime", "output")
+    status, out, _ = run(
+        capsys,
+        "plan",
+        "--preset",
+        "glm-4.5",
+        "--ep",
+        "4",
+        "--dispatch",
+        "allgather",
+        "--slots",
+        "global",
+        "--regime",
+        "output",
+    )
     assert status == 0
     assert "physical experts: 161" in out and "home rank" in out
     assert "shared slot weight: 1 / 2.5" in out
 
 
 def test_plan_explicit_runner_and_redundant(capsys):
-    status, out, _ = run(capsys, "plan", "--preset", "deepseek-v3", "--ep", "8", "--shared",
-                         "runner", "--redundant", "1")
+    status, out, _ = run(
+        capsys, "plan", "--preset", "deepseek-v3", "--ep", "8", "--shared", "runner", "--redundant", "1"
+    )
     assert status == 0
     assert "physical experts: 257" in out
     assert "shared expert: runner" in out
@@ -189,9 +228,14 @@ def test_plan_explicit_runner_and_redundant(capsys):
 
 
 def test_plan_config_path_and_unfusable_shared(capsys, tmp_path):
-    config = {"model_type": "qwen2_moe", "hidden_size": 2048, "moe_intermediate_size": 1408,
-              "shared_expert_intermediate_size": 5000, "num_experts": 60,
-              "num_experts_per_tok": 4}
+    config = {
+        "model_type": "qwen2_moe",
+        "hidden_size": 2048,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5000,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     status, out, _ = run(capsys, "plan", "--config", str(path), "--ep", "2")
@@ -202,12 +246,15 @@ def test_plan_config_path_and_unfusable_shared(capsys, tmp_path):
     assert "shared='fused' is impossible" in err and "5000 is not a multiple" in err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["plan", "--preset", "gpt-4"], "unknown preset 'gpt-4'"),
-    (["plan", "--preset", "mixtral-8x7b", "--ep", "9"], "leave a rank with no routed expert"),
-    (["plan", "--preset", "mixtral-8x7b", "--ep", "2", "--dispatch", "none"], "dispatch='none'"),
-    (["route", "--preset", "mixtral-8x7b", "--tokens", "4", "--ep", "9"], "no routed expert"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "--preset", "gpt-4"], "unknown preset 'gpt-4'"),
+        (["plan", "--preset", "mixtral-8x7b", "--ep", "9"], "leave a rank with no routed expert"),
+        (["plan", "--preset", "mixtral-8x7b", "--ep", "2", "--dispatch", "none"], "dispatch='none'"),
+        (["route", "--preset", "mixtral-8x7b", "--tokens", "4", "--ep", "9"], "no routed expert"),
+    ],
+)
 def test_plan_and_route_value_errors_exit_2(capsys, argv, message):
     status, out, err = run(capsys, *argv)
     assert status == 2 and out == ""
@@ -238,13 +285,15 @@ class RecordingRouter:
         return np.full(ids.shape, 1.0 / config.top_k, np.float32), ids
 
 
-@pytest.mark.parametrize("name, tokens, ep", [("deepseek-v3", 64, 8), ("mixtral-8x7b", 33, 3),
-                                              ("qwen1.5-moe-a2.7b", 10, 1)])
+@pytest.mark.parametrize(
+    "name, tokens, ep", [("deepseek-v3", 64, 8), ("mixtral-8x7b", 33, 3), ("qwen1.5-moe-a2.7b", 10, 1)]
+)
 def test_route_histograms_sum_to_t_times_k(capsys, monkeypatch, name, tokens, ep):
     router = RecordingRouter()
     monkeypatch.setattr(cli, "_load_select_experts", lambda: router)
-    status, out, _ = run(capsys, "route", "--preset", name, "--tokens", str(tokens),
-                         "--ep", str(ep), "--repeat", "3", "--seed", "5")
+    status, out, _ = run(
+        capsys, "route", "--preset", name, "--tokens", str(tokens), "--ep", str(ep), "--repeat", "3", "--seed", "5"
+    )
     assert status == 0
     top_k = PRESETS[name].router.top_k
     n = PRESETS[name].router.num_experts
@@ -257,7 +306,7 @@ def test_route_histograms_sum_to_t_times_k(capsys, monkeypatch, name, tokens, ep
     layout = ExpertLayout(n, ep_size=ep, dispatch="none" if ep == 1 else "all2all")
     for rank in range(ep):
         start, count = layout.routed_range(rank)
-        assert ranks[f"rank {rank} experts [{start}, {start + count})"] == expected[start:start + count].sum()
+        assert ranks[f"rank {rank} experts [{start}, {start + count})"] == expected[start : start + count].sum()
     assert router.calls == 1 + 3
     assert re.search(r"median time per call: [\d.]+ ms over 3 calls", out)
     assert f"{tokens * top_k} assignments" in out
@@ -267,15 +316,13 @@ def test_route_is_seeded(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_load_select_experts", RecordingRouter)
     outputs = []
     for seed in ("1", "1", "2"):
-        _, out, _ = run(capsys, "route", "--preset", "mixtral-8x7b", "--tokens", "50",
-                        "--seed", seed, "--repeat", "1")
+        _, out, _ = run(capsys, "route", "--preset", "mixtral-8x7b", "--tokens", "50", "--seed", seed, "--repeat", "1")
         outputs.append(histogram(out, "expert "))
     assert outputs[0] == outputs[1] != outputs[2]
 
 
 def test_route_with_library_select_experts(capsys):
-    status, out, _ = run(capsys, "route", "--preset", "deepseek-v3", "--tokens", "32",
-                         "--ep", "4", "--repeat", "1")
+    status, out, _ = run(capsys, "route", "--preset", "deepseek-v3", "--tokens", "32", "--ep", "4", "--repeat", "1")
     assert status == 0
     assert sum(histogram(out, "expert ").values()) == 32 * 8
     assert sum(histogram(out, "rank ").values()) == 32 * 8
@@ -292,14 +339,14 @@ def test_route_zero_tokens(capsys, monkeypatch):
 # ----------------------------------------------------------------------------
 # Extensibility and entry points
 
-DEMO_MODULE = '''
+DEMO_MODULE = """
 def add_arguments(parser):
     parser.add_argument("--answer", type=int, required=True, help="what to return")
 
 def run(args):
     print("demo ran")
     return args.answer
-'''
+"""
 
 
 def test_new_command_is_loaded_lazily(capsys, monkeypatch, tmp_path):
@@ -321,13 +368,17 @@ def test_new_command_is_loaded_lazily(capsys, monkeypatch, tmp_path):
 
 
 def test_python_dash_m():
-    result = subprocess.run([sys.executable, "-m", "moeroute", "--list-presets"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "moeroute", "--list-presets"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0
     assert "deepseek-v3" in result.stdout
-    result = subprocess.run([sys.executable, "-m", "moeroute", "plan", "--preset", "kimi-k2",
-                             "--ep", "8", "--slots", "global"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "moeroute", "plan", "--preset", "kimi-k2", "--ep", "8", "--slots", "global"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "per_rank" in result.stderr
 
 
@@ -359,8 +410,22 @@ def test_route_round_robin_rank_load_and_scoring(capsys, monkeypatch):
         return router(logits, config, correction_bias)
 
     monkeypatch.setattr(cli, "_load_select_experts", lambda: recording)
-    status, out, _ = run(capsys, "route", "--preset", "gpt-oss-20b", "--tokens", "40", "--ep", "4",
-                         "--placement", "round_robin", "--scoring", "none", "--repeat", "1")
+    status, out, _ = run(
+        capsys,
+        "route",
+        "--preset",
+        "gpt-oss-20b",
+        "--tokens",
+        "40",
+        "--ep",
+        "4",
+        "--placement",
+        "round_robin",
+        "--scoring",
+        "none",
+        "--repeat",
+        "1",
+    )
     assert status == 0 and set(seen) == {"none"}
     expected = np.bincount(router.ids.ravel(), minlength=32)
     ranks = histogram(out, "rank ")
@@ -370,8 +435,9 @@ def test_route_round_robin_rank_load_and_scoring(capsys, monkeypatch):
 
 
 def test_route_with_library_sqrtsoftplus(capsys):
-    status, out, _ = run(capsys, "route", "--preset", "deepseek-v3", "--tokens", "16", "--scoring",
-                         "sqrtsoftplus", "--repeat", "1")
+    status, out, _ = run(
+        capsys, "route", "--preset", "deepseek-v3", "--tokens", "16", "--scoring", "sqrtsoftplus", "--repeat", "1"
+    )
     assert status == 0 and "sqrtsoftplus" in out
 
 
@@ -386,28 +452,40 @@ def test_list_presets_names_activation(capsys):
 
 def _zero_intermediate_config(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "qwen2_moe", "num_experts": 8,
-                                "num_experts_per_tok": 2, "moe_intermediate_size": 0}))
+    path.write_text(
+        json.dumps({"model_type": "qwen2_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 0})
+    )
     return str(path)
 
 
 BAD_INPUT = {
     # name: (argv, text of the error line)
-    "route-negative-seed": (["route", "--preset", "mixtral-8x7b", "--tokens", "4", "--seed", "-1"],
-                            "argument --seed: -1 must be an integer >= 0"),
-    "route-huge-tokens": (["route", "--preset", "mixtral-8x7b", "--tokens", "1000000000000"],
-                          "routing --tokens 1000000000000 over 8 experts needs about"),
+    "route-negative-seed": (
+        ["route", "--preset", "mixtral-8x7b", "--tokens", "4", "--seed", "-1"],
+        "argument --seed: -1 must be an integer >= 0",
+    ),
+    "route-huge-tokens": (
+        ["route", "--preset", "mixtral-8x7b", "--tokens", "1000000000000"],
+        "routing --tokens 1000000000000 over 8 experts needs about",
+    ),
     "plan-zero-intermediate": (["plan", "--config", "{zero}"], "moe_intermediate_size=0 must be an integer >= 1"),
-    "route-zero-intermediate": (["route", "--config", "{zero}", "--tokens", "4"],
-                                "moe_intermediate_size=0 must be an integer >= 1"),
-    "plan-huge-layout": (["plan", "--preset", "mixtral-8x7b", "--redundant", "100000000000000"],
-                         "physical experts on --ep 1 ranks needs about"),
-    "run-negative-seed": (["run", "--preset", "mixtral-8x7b", "--tokens", "4", "--seed", "-3"],
-                          "argument --seed: -3 must be an integer >= 0"),
-    "run-huge-tokens": (["run", "--preset", "mixtral-8x7b", "--tokens", "1000000000000"],
-                        "--ep 2 ranks of --tokens 1000000000000"),
-    "plan-zero-ep": (["plan", "--preset", "mixtral-8x7b", "--ep", "0"],
-                     "argument --ep: 0 must be an integer >= 1"),
+    "route-zero-intermediate": (
+        ["route", "--config", "{zero}", "--tokens", "4"],
+        "moe_intermediate_size=0 must be an integer >= 1",
+    ),
+    "plan-huge-layout": (
+        ["plan", "--preset", "mixtral-8x7b", "--redundant", "100000000000000"],
+        "physical experts on --ep 1 ranks needs about",
+    ),
+    "run-negative-seed": (
+        ["run", "--preset", "mixtral-8x7b", "--tokens", "4", "--seed", "-3"],
+        "argument --seed: -3 must be an integer >= 0",
+    ),
+    "run-huge-tokens": (
+        ["run", "--preset", "mixtral-8x7b", "--tokens", "1000000000000"],
+        "--ep 2 ranks of --tokens 1000000000000",
+    ),
+    "plan-zero-ep": (["plan", "--preset", "mixtral-8x7b", "--ep", "0"], "argument --ep: 0 must be an integer >= 1"),
     "warmup-bad-arch": (["warmup", "--cuda-arch", "sm9"], "arch 'sm9' is not of the form 'sm_XY'"),
     "warmup-bad-preset": (["warmup", "--presets", "nope"], "invalid choice: 'nope'"),
 }
@@ -417,8 +495,7 @@ BAD_INPUT = {
 def test_bad_input_exits_2_with_one_clear_line(tmp_path, name):
     argv, message = BAD_INPUT[name]
     argv = [arg.replace("{zero}", _zero_intermediate_config(tmp_path)) for arg in argv]
-    result = subprocess.run([sys.executable, "-m", "moeroute", *argv], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "moeroute", *argv], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
     lines = result.stderr.strip().splitlines()
@@ -448,35 +525,52 @@ def run_json(capsys, *argv):
     return json.loads(out)
 
 
-@pytest.mark.parametrize("argv", [
-    ["--preset", "deepseek-v3", "--ep", "4", "--quant", "fp8_block"],
-    ["--preset", "glm-4.5", "--ep", "4", "--dispatch", "allgather", "--slots", "global", "--regime", "output"],
-    ["--preset", "gpt-oss-20b", "--ep", "4", "--placement", "round_robin"],
-    ["--preset", "deepseek-v3", "--ep", "8", "--shared", "runner", "--redundant", "8"],
-    ["--preset", "mixtral-8x7b"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--preset", "deepseek-v3", "--ep", "4", "--quant", "fp8_block"],
+        ["--preset", "glm-4.5", "--ep", "4", "--dispatch", "allgather", "--slots", "global", "--regime", "output"],
+        ["--preset", "gpt-oss-20b", "--ep", "4", "--placement", "round_robin"],
+        ["--preset", "deepseek-v3", "--ep", "8", "--shared", "runner", "--redundant", "8"],
+        ["--preset", "mixtral-8x7b"],
+    ],
+)
 def test_plan_json_matches_the_layout_and_the_text(capsys, argv):
     plan = run_json(capsys, "plan", *argv)
     options = dict(zip(argv[::2], argv[1::2]))
     preset = PRESETS[options["--preset"]]
     ep = int(options.get("--ep", 1))
-    layout = ExpertLayout(preset.router.num_experts, preset.num_shared_experts, ep,
-                          options.get("--dispatch", "none" if ep == 1 else "all2all"),
-                          options.get("--shared", "auto"), options.get("--slots"),
-                          int(options.get("--redundant", 0)), scaling_regime=options.get("--regime", "router"),
-                          placement=options.get("--placement", "linear"))
+    layout = ExpertLayout(
+        preset.router.num_experts,
+        preset.num_shared_experts,
+        ep,
+        options.get("--dispatch", "none" if ep == 1 else "all2all"),
+        options.get("--shared", "auto"),
+        options.get("--slots"),
+        int(options.get("--redundant", 0)),
+        scaling_regime=options.get("--regime", "router"),
+        placement=options.get("--placement", "linear"),
+    )
     router = preset.router
     assert plan["model"]["name"] == preset.name
     assert (plan["model"]["num_experts"], plan["model"]["top_k"], plan["model"]["scoring"]) == (
-        router.num_experts, router.top_k, router.scoring)
+        router.num_experts,
+        router.top_k,
+        router.scoring,
+    )
     assert plan["model"]["routed_scaling_factor"] == router.routed_scaling_factor
     assert plan["model"]["correction_bias"] == preset.has_correction_bias
     assert plan["layout"] == {
-        "num_routed_experts": router.num_experts, "num_shared_experts": preset.num_shared_experts,
-        "num_redundant_experts": int(options.get("--redundant", 0)), "ep_size": ep,
-        "dispatch": layout.dispatch, "placement": layout.placement,
-        "num_physical_experts": layout.num_physical_experts, "shared": layout.shared,
-        "shared_reason": layout.shared_reason, "shared_slots": layout.shared_slots,
+        "num_routed_experts": router.num_experts,
+        "num_shared_experts": preset.num_shared_experts,
+        "num_redundant_experts": int(options.get("--redundant", 0)),
+        "ep_size": ep,
+        "dispatch": layout.dispatch,
+        "placement": layout.placement,
+        "num_physical_experts": layout.num_physical_experts,
+        "shared": layout.shared,
+        "shared_reason": layout.shared_reason,
+        "shared_slots": layout.shared_slots,
         "scaling_regime": layout.scaling_regime,
         "equal_block_problems": list(layout.check_backend("equal_blocks")),
     }
@@ -510,8 +604,10 @@ def test_plan_json_matches_the_layout_and_the_text(capsys, argv):
         assert (row["rank"], row["num_local_experts"]) == (rank, local)
         assert row["bfloat16_bytes"] == local * 3 * hidden * inter * 2  # gate, up, down; 2 bytes each
         assert row["bytes"] < row["bfloat16_bytes"]
-        assert (f"rank {rank}: {local} experts, {row['bytes'] / 2**30:.2f} GiB {options['--quant']} "
-                f"({row['bfloat16_bytes'] / 2**30:.2f} GiB bfloat16)") in text
+        assert (
+            f"rank {rank}: {local} experts, {row['bytes'] / 2**30:.2f} GiB {options['--quant']} "
+            f"({row['bfloat16_bytes'] / 2**30:.2f} GiB bfloat16)"
+        ) in text
 
 
 def test_plan_json_shared_slot_weight_and_errors(capsys):
@@ -522,21 +618,36 @@ def test_plan_json_shared_slot_weight_and_errors(capsys):
     assert status == 2 and out == "" and "per_rank" in err  # errors stay one line on stderr
 
 
-@pytest.mark.parametrize("name, tokens, ep, placement", [("deepseek-v3", 64, 8, "linear"),
-                                                         ("gpt-oss-20b", 40, 4, "round_robin"),
-                                                         ("mixtral-8x7b", 0, 1, "linear")])
+@pytest.mark.parametrize(
+    "name, tokens, ep, placement",
+    [("deepseek-v3", 64, 8, "linear"), ("gpt-oss-20b", 40, 4, "round_robin"), ("mixtral-8x7b", 0, 1, "linear")],
+)
 def test_route_json_loads_match_the_router_and_the_text(capsys, monkeypatch, name, tokens, ep, placement):
     router = RecordingRouter()
     monkeypatch.setattr(cli, "_load_select_experts", lambda: router)
-    argv = ["route", "--preset", name, "--tokens", str(tokens), "--ep", str(ep), "--repeat", "2",
-            "--seed", "3", "--placement", placement]
+    argv = [
+        "route",
+        "--preset",
+        name,
+        "--tokens",
+        str(tokens),
+        "--ep",
+        str(ep),
+        "--repeat",
+        "2",
+        "--seed",
+        "3",
+        "--placement",
+        placement,
+    ]
     result = run_json(capsys, *argv)
     config = PRESETS[name].router
     expected = np.bincount(router.ids.ravel(), minlength=config.num_experts)
     assert result["expert_load"] == expected.tolist()
     assert result["assignments"] == tokens * config.top_k
-    layout = ExpertLayout(config.num_experts, ep_size=ep, dispatch="none" if ep == 1 else "all2all",
-                          placement=placement)
+    layout = ExpertLayout(
+        config.num_experts, ep_size=ep, dispatch="none" if ep == 1 else "all2all", placement=placement
+    )
     logical = [layout.logical_experts(rank).tolist() for rank in range(ep)]
     assert result["rank_logical_experts"] == logical
     assert result["rank_load"] == [int(expected[experts].sum()) for experts in logical]
@@ -548,7 +659,12 @@ def test_route_json_loads_match_the_router_and_the_text(capsys, monkeypatch, nam
     else:
         assert result["expert_load_max_over_mean"] is None and result["rank_load_max_over_mean"] is None
     assert (result["tokens"], result["seed"], result["ep_size"], result["placement"], result["repeat"]) == (
-        tokens, 3, ep, placement, 2)
+        tokens,
+        3,
+        ep,
+        placement,
+        2,
+    )
     assert result["model"]["name"] == name and router.calls == 1 + 2
     assert result["first_call_ms"] >= 0 and result["median_call_ms"] >= 0
     # The text path routes the same logits to the same load.
@@ -562,8 +678,9 @@ def test_route_json_loads_match_the_router_and_the_text(capsys, monkeypatch, nam
 def test_route_json_with_the_library_equals_select_experts(capsys):
     from moeroute.routing import select_experts
 
-    result = run_json(capsys, "route", "--preset", "deepseek-v3", "--tokens", "32", "--ep", "4", "--repeat", "1",
-                      "--seed", "7")
+    result = run_json(
+        capsys, "route", "--preset", "deepseek-v3", "--tokens", "32", "--ep", "4", "--repeat", "1", "--seed", "7"
+    )
     assert result["select_experts"].endswith(".select_experts")
     # The CLI's logits and bias, drawn from the seed as it draws them.
     preset = PRESETS["deepseek-v3"]
@@ -573,4 +690,4 @@ def test_route_json_with_the_library_equals_select_experts(capsys):
     _, ids = select_experts(logits, preset.router, bias)
     assert result["expert_load"] == np.bincount(np.asarray(ids).ravel(), minlength=256).tolist()
     load = np.bincount(np.asarray(ids).ravel(), minlength=256)
-    assert result["rank_load"] == [int(load[64 * r:64 * r + 64].sum()) for r in range(4)]  # 64 experts a rank
+    assert result["rank_load"] == [int(load[64 * r : 64 * r + 64].sum()) for r in range(4)]  # 64 experts a rank

@@ -29,13 +29,17 @@ def test_router_config_defaults_and_experts_per_group():
 
 
 def test_router_config_normalises_numpy_scalars():
-    config = RouterConfig(np.int64(16), np.int32(2), num_expert_group=np.int64(4),
-                          topk_group=np.int64(2), renormalize=np.bool_(False),
-                          routed_scaling_factor=np.float32(2.0))
+    config = RouterConfig(
+        np.int64(16),
+        np.int32(2),
+        num_expert_group=np.int64(4),
+        topk_group=np.int64(2),
+        renormalize=np.bool_(False),
+        routed_scaling_factor=np.float32(2.0),
+    )
     assert type(config.num_experts) is int and type(config.top_k) is int
     assert type(config.renormalize) is bool and type(config.routed_scaling_factor) is float
-    assert config == RouterConfig(16, 2, num_expert_group=4, topk_group=2,
-                                  renormalize=False, routed_scaling_factor=2.0)
+    assert config == RouterConfig(16, 2, num_expert_group=4, topk_group=2, renormalize=False, routed_scaling_factor=2.0)
 
 
 def test_router_config_is_frozen_and_hashable():
@@ -60,13 +64,20 @@ ROUTER_ERRORS = [
     (dict(num_experts=8, top_k=2, num_expert_group=0), r"num_expert_group=0 must be an integer >= 1"),
     (dict(num_experts=8, top_k=2, num_expert_group=3), r"num_expert_group=3 does not divide num_experts=8"),
     (dict(num_experts=8, top_k=2, num_expert_group=4, topk_group=0), r"topk_group=0 must be an integer >= 1"),
-    (dict(num_experts=8, top_k=2, num_expert_group=4, topk_group=5),
-     r"topk_group=5 exceeds num_expert_group=4; topk_group must be in \[1, 4\]"),
-    (dict(num_experts=16, top_k=9, num_expert_group=8, topk_group=4),
-     r"top_k=9 exceeds topk_group \* experts_per_group = 8"),
+    (
+        dict(num_experts=8, top_k=2, num_expert_group=4, topk_group=5),
+        r"topk_group=5 exceeds num_expert_group=4; topk_group must be in \[1, 4\]",
+    ),
+    (
+        dict(num_experts=16, top_k=9, num_expert_group=8, topk_group=4),
+        r"top_k=9 exceeds topk_group \* experts_per_group = 8",
+    ),
     (dict(num_experts=8, top_k=2, renormalize=1), r"renormalize=1 must be a bool"),
     (dict(num_experts=8, top_k=2, renormalize="yes"), r"renormalize='yes' must be a bool"),
-    (dict(num_experts=8, top_k=2, routed_scaling_factor=0.0), r"routed_scaling_factor=0.0 must be a finite real number in \[1e-06, 1e\+06\]"),
+    (
+        dict(num_experts=8, top_k=2, routed_scaling_factor=0.0),
+        r"routed_scaling_factor=0.0 must be a finite real number in \[1e-06, 1e\+06\]",
+    ),
     (dict(num_experts=8, top_k=2, routed_scaling_factor=1e300), r"routed_scaling_factor=1e\+300 .*\[1e-06, 1e\+06\]"),
     (dict(num_experts=8, top_k=2, routed_scaling_factor=1e-300), r"routed_scaling_factor=1e-300 .*\[1e-06, 1e\+06\]"),
     (dict(num_experts=8, top_k=2, routed_scaling_factor=1.000001e6), r"routed_scaling_factor=1000001"),
@@ -95,84 +106,166 @@ def test_router_config_grouped_limit_is_inclusive():
 HF_CONFIGS = {
     "deepseek-v3": {
         "_name_or_path": "deepseek-ai/DeepSeek-V3",
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
-        "n_group": 8, "topk_group": 4, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
-        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "first_k_dense_replace": 3,
-        "moe_layer_freq": 1, "num_hidden_layers": 61,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "first_k_dense_replace": 3,
+        "moe_layer_freq": 1,
+        "num_hidden_layers": 61,
     },
     "kimi-k2": {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
-        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-        "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 8,
-        "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.827,
-        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "first_k_dense_replace": 1,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "kimi_k2",
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 384,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.827,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "first_k_dense_replace": 1,
     },
     "glm-4.5": {
-        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
-        "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536,
-        "n_routed_experts": 160, "n_shared_experts": 1, "num_experts_per_tok": 8,
-        "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "hidden_size": 5120,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+        "n_routed_experts": 160,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
         "first_k_dense_replace": 3,
     },
     "qwen3-30b-a3b": {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
-        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-        "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
     },
     "qwen3.5-moe": {  # Qwen3-Next-80B-A3B
-        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
-        "hidden_size": 2048, "intermediate_size": 5120, "moe_intermediate_size": 512,
-        "shared_expert_intermediate_size": 512, "num_experts": 512,
-        "num_experts_per_tok": 10, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "hidden_size": 2048,
+        "intermediate_size": 5120,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
     },
     "qwen1.5-moe-a2.7b": {
-        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
-        "hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 1408,
-        "shared_expert_intermediate_size": 5632, "num_experts": 60,
-        "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1,
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
     },
     "mixtral-8x7b": {
-        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-        "hidden_size": 4096, "intermediate_size": 14336, "num_local_experts": 8,
-        "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "router_aux_loss_coef": 0.02,
     },
     # Released config.json files (the 20b one spells top-k as experts_per_token).
     "gpt-oss-20b": {
-        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
-        "hidden_size": 2880, "intermediate_size": 2880, "num_local_experts": 32,
-        "experts_per_token": 4, "swiglu_limit": 7.0, "num_hidden_layers": 24,
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_local_experts": 32,
+        "experts_per_token": 4,
+        "swiglu_limit": 7.0,
+        "num_hidden_layers": 24,
     },
     "gpt-oss-120b": {
-        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
-        "hidden_size": 2880, "intermediate_size": 2880, "num_local_experts": 128,
-        "num_experts_per_tok": 4, "swiglu_limit": 7.0, "num_hidden_layers": 36,
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+        "swiglu_limit": 7.0,
+        "num_hidden_layers": 36,
     },
 }
 
 QWEN3_5_35B = {  # composite: the MoE fields live in text_config
-    "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+    "model_type": "qwen3_5_moe",
     "text_config": {
-        "model_type": "qwen3_5_moe_text", "hidden_size": 2048, "moe_intermediate_size": 512,
-        "shared_expert_intermediate_size": 512, "num_experts": 256, "num_experts_per_tok": 8,
+        "model_type": "qwen3_5_moe_text",
+        "hidden_size": 2048,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
     },
     "vision_config": {"model_type": "qwen3_5_moe", "hidden_size": 1152},
 }
 
 DEEPSEEK_V2 = {
-    "model_type": "deepseek_v2", "hidden_size": 5120, "moe_intermediate_size": 1536,
-    "n_routed_experts": 160, "n_shared_experts": 2, "num_experts_per_tok": 6,
-    "n_group": 8, "topk_group": 3, "topk_method": "group_limited_greedy",
-    "norm_topk_prob": False, "routed_scaling_factor": 16.0, "scoring_func": "softmax",
+    "model_type": "deepseek_v2",
+    "hidden_size": 5120,
+    "moe_intermediate_size": 1536,
+    "n_routed_experts": 160,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "n_group": 8,
+    "topk_group": 3,
+    "topk_method": "group_limited_greedy",
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 16.0,
+    "scoring_func": "softmax",
 }
 
 DEEPSEEK_V2_LITE = {
-    "model_type": "deepseek_v2", "hidden_size": 2048, "moe_intermediate_size": 1408,
-    "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
-    "n_group": 1, "topk_group": 1, "topk_method": "greedy", "norm_topk_prob": False,
-    "routed_scaling_factor": 1.0, "scoring_func": "softmax",
+    "model_type": "deepseek_v2",
+    "hidden_size": 2048,
+    "moe_intermediate_size": 1408,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "n_group": 1,
+    "topk_group": 1,
+    "topk_method": "greedy",
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "scoring_func": "softmax",
 }
 
 
@@ -210,8 +303,9 @@ def test_from_hf_kimi_k2_as_deepseek_v3_and_kimi_k25():
 
 def test_from_hf_deepseek_v2_group_limited_greedy():
     preset = ModelPreset.from_hf(DEEPSEEK_V2)
-    assert preset.router == RouterConfig(160, 6, "softmax", num_expert_group=8, topk_group=3,
-                                         renormalize=False, routed_scaling_factor=16.0)
+    assert preset.router == RouterConfig(
+        160, 6, "softmax", num_expert_group=8, topk_group=3, renormalize=False, routed_scaling_factor=16.0
+    )
     assert not preset.has_correction_bias and not preset.shared_gated
     assert (preset.num_shared_experts, preset.shared_intermediate_size) == (2, 3072)
 
@@ -232,7 +326,8 @@ def test_from_hf_deepseek_v3_without_noaux_tc_has_no_bias():
 def test_from_hf_defaults_follow_transformers():
     # Missing fields take the transformers class defaults.
     assert ModelPreset.from_hf({"model_type": "qwen2_moe", "norm_topk_prob": None}).router == (
-        RouterConfig(60, 4, renormalize=False))
+        RouterConfig(60, 4, renormalize=False)
+    )
     assert ModelPreset.from_hf({"model_type": "qwen3_moe"}).router.renormalize is False
     assert ModelPreset.from_hf({"model_type": "qwen3_next"}).router.renormalize is True
     v3 = ModelPreset.from_hf({"model_type": "deepseek_v3"})
@@ -283,14 +378,21 @@ HF_ERRORS = [
     (dict(HF_CONFIGS["qwen3-30b-a3b"], num_experts_per_tok=200), r"top_k=200 exceeds num_experts=128"),
     (42, r"config must be a dict, a path to config.json or a transformers config, got int"),
     # Values of the wrong kind name the field (they were ZeroDivisionError/TypeError).
-    (dict(HF_CONFIGS["qwen1.5-moe-a2.7b"], moe_intermediate_size=0), r"moe_intermediate_size=0 must be an integer >= 1"),
+    (
+        dict(HF_CONFIGS["qwen1.5-moe-a2.7b"], moe_intermediate_size=0),
+        r"moe_intermediate_size=0 must be an integer >= 1",
+    ),
     (dict(HF_CONFIGS["qwen3-30b-a3b"], moe_intermediate_size=0), r"moe_intermediate_size=0 must be an integer >= 1"),
     (dict(HF_CONFIGS["deepseek-v3"], moe_intermediate_size=0), r"moe_intermediate_size=0 must be an integer >= 1"),
-    (dict(HF_CONFIGS["qwen1.5-moe-a2.7b"], shared_expert_intermediate_size="5632"),
-     r"'shared_expert_intermediate_size'='5632' must be an integer, got str"),
+    (
+        dict(HF_CONFIGS["qwen1.5-moe-a2.7b"], shared_expert_intermediate_size="5632"),
+        r"'shared_expert_intermediate_size'='5632' must be an integer, got str",
+    ),
     (dict(HF_CONFIGS["deepseek-v3"], n_shared_experts="1"), r"'n_shared_experts'='1' must be an integer, got str"),
-    (dict(HF_CONFIGS["deepseek-v3"], routed_scaling_factor="2.5"),
-     r"'routed_scaling_factor'='2.5' must be a real number, got str"),
+    (
+        dict(HF_CONFIGS["deepseek-v3"], routed_scaling_factor="2.5"),
+        r"'routed_scaling_factor'='2.5' must be a real number, got str",
+    ),
     (dict(HF_CONFIGS["deepseek-v3"], norm_topk_prob="yes"), r"'norm_topk_prob'='yes' must be a bool, got str"),
     (dict(HF_CONFIGS["mixtral-8x7b"], num_local_experts=8.0), r"'num_local_experts'=8.0 must be an integer, got float"),
     (dict(HF_CONFIGS["deepseek-v3"], routed_scaling_factor=1e300), r"routed_scaling_factor=1e\+300"),
@@ -352,8 +454,17 @@ def test_unknown_model_type_lists_all_supported():
         RouterConfig.from_hf({"model_type": "gpt2"})
     for model_type in SUPPORTED_MODEL_TYPES:
         assert model_type in str(info.value)
-    assert {"deepseek_v3", "kimi_k2", "deepseek_v2", "glm4_moe", "qwen2_moe", "qwen3_moe",
-            "qwen3_next", "qwen3_5_moe", "mixtral"} <= set(SUPPORTED_MODEL_TYPES)
+    assert {
+        "deepseek_v3",
+        "kimi_k2",
+        "deepseek_v2",
+        "glm4_moe",
+        "qwen2_moe",
+        "qwen3_moe",
+        "qwen3_next",
+        "qwen3_5_moe",
+        "mixtral",
+    } <= set(SUPPORTED_MODEL_TYPES)
 
 
 # ----------------------------------------------------------------------------
@@ -374,9 +485,9 @@ def test_from_hf_transformers_deepseek_v3(transformers):
 
 @pytest.mark.interop
 def test_from_hf_transformers_qwen3_moe(transformers):
-    config = transformers.Qwen3MoeConfig(num_experts=128, num_experts_per_tok=8,
-                                         norm_topk_prob=True, moe_intermediate_size=768,
-                                         hidden_size=2048)
+    config = transformers.Qwen3MoeConfig(
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, moe_intermediate_size=768, hidden_size=2048
+    )
     assert ModelPreset.from_hf(config, name="qwen3-30b-a3b") == PRESETS["qwen3-30b-a3b"]
     assert RouterConfig.from_hf(transformers.Qwen3MoeConfig()).renormalize is False
 
@@ -419,10 +530,19 @@ def test_preset_fields(name):
     preset = get_preset(name)
     router = preset.router
     got = (
-        router.num_experts, router.top_k, router.scoring, router.num_expert_group,
-        router.topk_group, router.renormalize, router.routed_scaling_factor,
-        preset.has_correction_bias, preset.num_shared_experts, preset.shared_intermediate_size,
-        preset.shared_gated, preset.hidden_size, preset.moe_intermediate_size,
+        router.num_experts,
+        router.top_k,
+        router.scoring,
+        router.num_expert_group,
+        router.topk_group,
+        router.renormalize,
+        router.routed_scaling_factor,
+        preset.has_correction_bias,
+        preset.num_shared_experts,
+        preset.shared_intermediate_size,
+        preset.shared_gated,
+        preset.hidden_size,
+        preset.moe_intermediate_size,
     )
     assert got == PRESET_TABLE[name]
     assert preset.name == name and preset.shared_unfusable_reason is None
@@ -441,8 +561,14 @@ PRESET_ERRORS = [
     (dict(moe_intermediate_size=-1), r"moe_intermediate_size=-1"),
     (dict(num_shared_experts=-1), r"num_shared_experts=-1"),
     (dict(num_shared_experts=0), r"num_shared_experts=0 and shared_intermediate_size=2048 disagree"),
-    (dict(num_shared_experts=2), r"shared_intermediate_size=2048 must equal num_shared_experts \* moe_intermediate_size = 4096"),
-    (dict(num_shared_experts=0, shared_intermediate_size=0, shared_gated=True), r"shared_gated=True needs a shared expert"),
+    (
+        dict(num_shared_experts=2),
+        r"shared_intermediate_size=2048 must equal num_shared_experts \* moe_intermediate_size = 4096",
+    ),
+    (
+        dict(num_shared_experts=0, shared_intermediate_size=0, shared_gated=True),
+        r"shared_gated=True needs a shared expert",
+    ),
     (dict(router=(256, 8)), r"router=\(256, 8\) must be a RouterConfig"),
 ]
 
@@ -455,7 +581,9 @@ def test_model_preset_errors(changes, message):
 
 def test_model_preset_with_unfusable_reason_accepts_any_shared_size():
     preset = dataclasses.replace(
-        PRESETS["qwen1.5-moe-a2.7b"], num_shared_experts=1, shared_intermediate_size=5000,
+        PRESETS["qwen1.5-moe-a2.7b"],
+        num_shared_experts=1,
+        shared_intermediate_size=5000,
         shared_unfusable_reason="5000 is not a multiple of 1408",
     )
     assert preset.shared_intermediate_size == 5000

@@ -37,15 +37,18 @@ ZEN4 = SKYLAKE_X | PATH_FEATURES["avx512bf16"] | {"avx512vnni", "avx512vbmi2"}
 NEOVERSE = frozenset({"neon", "fp-armv8", "crc", "sve"})
 
 
-@pytest.mark.parametrize("features, supported", [
-    (NEOVERSE, ("generic",)),
-    (SSE_ONLY, ("generic",)),
-    (HASWELL - {"f16c"}, ("generic",)),
-    (HASWELL, ("generic", "avx2")),
-    (SKYLAKE_X, ("generic", "avx2", "avx512")),
-    (COOPER_LAKE, ("generic", "avx2", "avx512")),
-    (ZEN4, ISA_PATHS),
-])
+@pytest.mark.parametrize(
+    "features, supported",
+    [
+        (NEOVERSE, ("generic",)),
+        (SSE_ONLY, ("generic",)),
+        (HASWELL - {"f16c"}, ("generic",)),
+        (HASWELL, ("generic", "avx2")),
+        (SKYLAKE_X, ("generic", "avx2", "avx512")),
+        (COOPER_LAKE, ("generic", "avx2", "avx512")),
+        (ZEN4, ISA_PATHS),
+    ],
+)
 def test_supported_paths_and_default(features, supported):
     assert supported_isas(features) == supported
     assert choose_isa(None, features) == supported[-1]
@@ -69,22 +72,27 @@ def test_a_path_the_cpu_cannot_run_is_refused_naming_the_variable_and_the_paths(
 def test_an_unknown_value_is_refused_naming_the_paths(value):
     with pytest.raises(ValueError) as error:
         choose_isa(value, HASWELL)
-    assert str(error.value) == (f"MOEROUTE_CPU_ISA={value!r} is not an instruction-set path; use one of generic, "
-                                "avx2, avx512, avx512bf16 (this CPU runs generic, avx2), or leave it unset for "
-                                "the highest one")
+    assert str(error.value) == (
+        f"MOEROUTE_CPU_ISA={value!r} is not an instruction-set path; use one of generic, "
+        "avx2, avx512, avx512bf16 (this CPU runs generic, avx2), or leave it unset for "
+        "the highest one"
+    )
 
 
-@pytest.mark.parametrize("cpu_name, cpu_features_list, expected", [
-    (None, None, ZEN4),
-    ("host", None, ZEN4),
-    ("znver2", None, ZEN4),  # without a feature list Numba passes the host's whole list
-    (None, "-avx512bf16", ZEN4 - {"avx512bf16"}),
-    ("host", "+amx-bf16,-avx512f", ZEN4 - {"avx512f"}),  # a feature the host lacks stays off
-    ("generic", "", frozenset()),
-    ("x86-64-v3", "", PATH_FEATURES["avx2"]),
-    ("x86-64-v4", "+avx512bf16", PATH_FEATURES["avx512"] | {"avx512bf16"}),
-    ("skylake", "", frozenset()),  # a name whose features are not known here: none assumed
-])
+@pytest.mark.parametrize(
+    "cpu_name, cpu_features_list, expected",
+    [
+        (None, None, ZEN4),
+        ("host", None, ZEN4),
+        ("znver2", None, ZEN4),  # without a feature list Numba passes the host's whole list
+        (None, "-avx512bf16", ZEN4 - {"avx512bf16"}),
+        ("host", "+amx-bf16,-avx512f", ZEN4 - {"avx512f"}),  # a feature the host lacks stays off
+        ("generic", "", frozenset()),
+        ("x86-64-v3", "", PATH_FEATURES["avx2"]),
+        ("x86-64-v4", "+avx512bf16", PATH_FEATURES["avx512"] | {"avx512bf16"}),
+        ("skylake", "", frozenset()),  # a name whose features are not known here: none assumed
+    ],
+)
 def test_numba_target_features(cpu_name, cpu_features_list, expected):
     assert cpu_features.numba_target_features(ZEN4, cpu_name, cpu_features_list) == expected
 
@@ -95,8 +103,11 @@ def test_the_process_path_and_the_kernels_flags():
     assert path in ISA_PATHS
     assert os.environ.get(ENVIRONMENT_VARIABLE, "").strip().lower() in ("", path)
     target = cpu_features.numba_target_features(cpu_features.host_features(), None, None)
-    if not os.environ.get(ENVIRONMENT_VARIABLE) and os.environ.get("NUMBA_CPU_NAME") is None \
-            and os.environ.get("NUMBA_CPU_FEATURES") is None:
+    if (
+        not os.environ.get(ENVIRONMENT_VARIABLE)
+        and os.environ.get("NUMBA_CPU_NAME") is None
+        and os.environ.get("NUMBA_CPU_FEATURES") is None
+    ):
         assert path == supported_isas(target)[-1]
     assert _dot.BF16_DOT is cpu_features.BF16_DOT is (path == "avx512bf16")
     assert _mxfp4_host.SIMD is cpu_features.AVX2_SIMD is (path != "generic")
@@ -114,13 +125,14 @@ def _python(code, **environment):
         env.pop(name, None)
         if value is not None:
             env[name] = value
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
-FLAGS = ("import json, moeroute; from moeroute.quant import _dot, _mxfp4_host; from moeroute.routing.select "
-         "import _simd; print(json.dumps([moeroute.cpu_isa(), _dot.BF16_DOT, _mxfp4_host.SIMD, "
-         "_simd.VECTOR_COMPRESS]))")
+FLAGS = (
+    "import json, moeroute; from moeroute.quant import _dot, _mxfp4_host; from moeroute.routing.select "
+    "import _simd; print(json.dumps([moeroute.cpu_isa(), _dot.BF16_DOT, _mxfp4_host.SIMD, "
+    "_simd.VECTOR_COMPRESS]))"
+)
 
 
 def test_numba_compiling_for_a_generic_cpu_gives_routing_and_experts_the_generic_path():
@@ -128,11 +140,12 @@ def test_numba_compiling_for_a_generic_cpu_gives_routing_and_experts_the_generic
     result = _python(FLAGS, NUMBA_CPU_NAME="generic", NUMBA_CPU_FEATURES=None, MOEROUTE_CPU_ISA=None)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.splitlines()[-1]) == ["generic", False, False, False]
-    result = _python("import moeroute", NUMBA_CPU_NAME="generic", NUMBA_CPU_FEATURES=None,
-                     MOEROUTE_CPU_ISA="avx2")
+    result = _python("import moeroute", NUMBA_CPU_NAME="generic", NUMBA_CPU_FEATURES=None, MOEROUTE_CPU_ISA="avx2")
     assert result.returncode != 0
-    assert ("ValueError: MOEROUTE_CPU_ISA='avx2' is a path this CPU cannot run (Numba's target, "
-            "NUMBA_CPU_NAME='generic' with NUMBA_CPU_FEATURES='', lacks avx, avx2") in result.stderr
+    assert (
+        "ValueError: MOEROUTE_CPU_ISA='avx2' is a path this CPU cannot run (Numba's target, "
+        "NUMBA_CPU_NAME='generic' with NUMBA_CPU_FEATURES='', lacks avx, avx2"
+    ) in result.stderr
 
 
 def test_a_lower_path_is_refused_once_numba_has_built_its_cpu_target():
@@ -141,8 +154,10 @@ def test_a_lower_path_is_refused_once_numba_has_built_its_cpu_target():
     code = "import numba\n@numba.njit\ndef one():\n    return 1\nimport moeroute"
     result = _python(code, MOEROUTE_CPU_ISA="generic", NUMBA_CPU_NAME=None, NUMBA_CPU_FEATURES=None)
     assert result.returncode != 0
-    assert ("RuntimeError: MOEROUTE_CPU_ISA='generic' needs Numba to compile for 'generic', but Numba's CPU "
-            "target was created before moeroute was imported") in result.stderr
+    assert (
+        "RuntimeError: MOEROUTE_CPU_ISA='generic' needs Numba to compile for 'generic', but Numba's CPU "
+        "target was created before moeroute was imported"
+    ) in result.stderr
 
 
 # One process on one path: what it reports, the level Numba compiles for, the registers of a

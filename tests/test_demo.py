@@ -70,10 +70,13 @@ def test_demo_fp8_check_fails_on_a_wrong_answer(capsys, monkeypatch):
     assert ": FAIL" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--tokens", "0"], "--tokens=0 must be >= 1"),
-    (["--device", "tpu"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--tokens", "0"], "--tokens=0 must be >= 1"),
+        (["--device", "tpu"], "invalid choice"),
+    ],
+)
 def test_demo_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as raised:
         demo.main(argv)

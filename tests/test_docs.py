@@ -47,8 +47,11 @@ def referenced_sections(text: str) -> set[int]:
 
 def dangling_references(sources: dict[str, str], sections: set[int]) -> list[str]:
     """``"file: section N"`` for every reference naming a section that does not exist."""
-    return [f"{name}: section {n}" for name, text in sorted(sources.items())
-            for n in sorted(referenced_sections(text) - sections)]
+    return [
+        f"{name}: section {n}"
+        for name, text in sorted(sources.items())
+        for n in sorted(referenced_sections(text) - sections)
+    ]
 
 
 def _sources() -> dict[str, str]:
@@ -69,16 +72,19 @@ def test_every_section_reference_in_the_package_and_readme_exists():
     assert dangling_references(_sources(), sections) == []
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("see docs/semantics.md section 4.", {4}),
-    ("(docs/semantics.md sections 2 and 3)", {2, 3}),
-    ("docs/semantics.md sections 1, 2, 4", {1, 2, 4}),
-    ("semantics sections 2-5", {2, 3, 4, 5}),
-    ("(docs/semantics.md, section 6)", {6}),
-    ("# follows docs/semantics.md\n    # section 9 (placements)", {9}),
-    ("the semantics of section 3", set()),  # prose, not a reference
-    ("README section 2", set()),  # another document, not a reference
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("see docs/semantics.md section 4.", {4}),
+        ("(docs/semantics.md sections 2 and 3)", {2, 3}),
+        ("docs/semantics.md sections 1, 2, 4", {1, 2, 4}),
+        ("semantics sections 2-5", {2, 3, 4, 5}),
+        ("(docs/semantics.md, section 6)", {6}),
+        ("# follows docs/semantics.md\n    # section 9 (placements)", {9}),
+        ("the semantics of section 3", set()),  # prose, not a reference
+        ("README section 2", set()),  # another document, not a reference
+    ],
+)
 def test_reference_scanner_reads_every_spelling(text, expected):
     assert referenced_sections(text) == expected
 
@@ -137,7 +143,7 @@ def test_biased_sigmoid_weights_come_from_the_scores():
 
 def test_group_scores_follow_the_formula():
     x = [3.0, 0.0, 2.9, 2.8, 0.0, 0.0, 1.0, 1.0]
-    groups = [[_sigmoid(v) for v in x[g * 2:g * 2 + 2]] for g in range(4)]
+    groups = [[_sigmoid(v) for v in x[g * 2 : g * 2 + 2]] for g in range(4)]
     by_max = max(range(4), key=lambda g: (max(groups[g]), -g))
     by_top_two = max(range(4), key=lambda g: (sum(sorted(groups[g])[-2:]), -g))
     assert (by_max, by_top_two) == (0, 1)  # the document's contrast: groups 0 and 1

@@ -37,7 +37,12 @@ def test_the_scanner_finds_names_and_skips_prose():
 def test_every_variable_the_package_reads_is_in_the_readme_table():
     rows = table_rows((ROOT / "README.md").read_text())
     assert set(rows) == names_in_package()
-    assert names_in_package() == {"MOEROUTE_CPU_ISA", "MOEROUTE_CUBIN_CACHE", "MOEROUTE_CUDA_LAUNCHER",
-                                  "MOEROUTE_SIM_WARPS", "MOEROUTE_VLLM"}
+    assert names_in_package() == {
+        "MOEROUTE_CPU_ISA",
+        "MOEROUTE_CUBIN_CACHE",
+        "MOEROUTE_CUDA_LAUNCHER",
+        "MOEROUTE_SIM_WARPS",
+        "MOEROUTE_VLLM",
+    }
     for name, cells in rows.items():
         assert len(cells) == 3 and all(cells), f"{name}: values, default and purpose must all be given"

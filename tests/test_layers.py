@@ -20,8 +20,7 @@ PACKAGE = ROOT / "moeroute"
 def _layers() -> list[list[str]]:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
     (contract,) = [c for c in config["contracts"] if c["type"] == "layers"]
-    return [[f"moeroute.{name.strip().strip('()')}" for name in line.split("|")]
-            for line in contract["layers"]]
+    return [[f"moeroute.{name.strip().strip('()')}" for name in line.split("|")] for line in contract["layers"]]
 
 
 def _modules() -> dict[str, Path]:
@@ -46,8 +45,7 @@ def _imports(name: str, path: Path, modules) -> set[str]:
                 base = ".".join(parts + ([node.module] if node.module else []))
             # ``from package import module`` imports that module; ``from module import name``
             # the module (a package's __init__ runs first either way, as for any submodule).
-            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
-                       for alias in node.names]
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
         else:
             continue
         for target in targets:
@@ -89,9 +87,11 @@ def test_every_import_goes_down_the_layers():
 
 def test_every_module_has_a_layer():
     layers = _layers()
-    unplaced = [name for name in _modules()
-                if name not in ("moeroute", "moeroute.__main__", "moeroute.bindings")
-                and _layer_of(name, layers) is None]
+    unplaced = [
+        name
+        for name in _modules()
+        if name not in ("moeroute", "moeroute.__main__", "moeroute.bindings") and _layer_of(name, layers) is None
+    ]
     assert unplaced == []
 
 
@@ -104,14 +104,18 @@ def test_no_import_cycles():
         if root in index:
             continue
         work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = counter[0]; counter[0] += 1
-        stack.append(root); on_stack.add(root)
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
         while work:
             node, children = work[-1]
             for child in children:
                 if child not in index:
-                    index[child] = low[child] = counter[0]; counter[0] += 1
-                    stack.append(child); on_stack.add(child)
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
                     work.append((child, iter(sorted(graph[child]))))
                     break
                 if child in on_stack:
@@ -123,7 +127,9 @@ def test_no_import_cycles():
                 if low[node] == index[node]:
                     component = []
                     while True:
-                        member = stack.pop(); on_stack.discard(member); component.append(member)
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
                         if member == node:
                             break
                     if len(component) > 1:
@@ -139,10 +145,11 @@ def test_the_walker_sees_lazy_imports(tmp_path):
     assert _imports("moeroute.config", source, modules) == {"moeroute.cli", "moeroute.layout"}
 
 
-@pytest.mark.skipif(shutil.which("lint-imports", path=str(Path(sys.executable).parent)) is None,
-                    reason="import-linter is not installed (pip install import-linter)")
+@pytest.mark.skipif(
+    shutil.which("lint-imports", path=str(Path(sys.executable).parent)) is None,
+    reason="import-linter is not installed (pip install import-linter)",
+)
 def test_lint_imports_keeps_the_contract():
-    done = subprocess.run([str(Path(sys.executable).parent / "lint-imports")], cwd=ROOT,
-                          capture_output=True, text=True)
+    done = subprocess.run([str(Path(sys.executable).parent / "lint-imports")], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "1 kept, 0 broken" in done.stdout

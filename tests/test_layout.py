@@ -151,9 +151,7 @@ def layouts(draw):
     r = draw(st.integers(0, 12))
     e = draw(st.integers(1, min(n + r, 9)))
     s = draw(st.integers(0, 3))
-    dispatch = "none" if e == 1 and draw(st.booleans()) else draw(
-        st.sampled_from(["all2all", "allgather"])
-    )
+    dispatch = "none" if e == 1 and draw(st.booleans()) else draw(st.sampled_from(["all2all", "allgather"]))
     shared = draw(st.sampled_from(["auto", "fused", "runner", "overlap"]))
     slots = None
     if shared in ("auto", "fused"):
@@ -195,7 +193,9 @@ def test_every_physical_id_held_once_and_local_ids_dense(layout):
 @given(layouts())
 def test_layout_matches_enumeration_reference(layout):
     reference = reference_physical_ids(
-        layout.num_routed_physical, layout.ep_size, layout.num_shared_experts,
+        layout.num_routed_physical,
+        layout.ep_size,
+        layout.num_shared_experts,
         layout.shared_slots,
     )
     for rank, entries in enumerate(reference):
@@ -277,10 +277,16 @@ ERROR_CASES = [
     (dict(num_routed_experts=8, num_shared_experts=-1), r"num_shared_experts=-1"),
     (dict(num_routed_experts=8, num_redundant_experts=-2), r"num_redundant_experts=-2"),
     (dict(num_routed_experts=8, ep_size=2), r"dispatch='none' serves a single rank.*all2all.*allgather"),
-    (dict(num_routed_experts=3, ep_size=4, dispatch="all2all"), r"3 routed physical experts \(N=3 \+ R=0\) over ep_size=4.*ep_size <= 3"),
+    (
+        dict(num_routed_experts=3, ep_size=4, dispatch="all2all"),
+        r"3 routed physical experts \(N=3 \+ R=0\) over ep_size=4.*ep_size <= 3",
+    ),
     (dict(num_routed_experts=8, dispatch="deepep"), r"unknown dispatch='deepep'.*'all2all'"),
     (dict(num_routed_experts=8, shared="always"), r"unknown shared='always'.*'fused'"),
-    (dict(num_routed_experts=8, num_shared_experts=1, shared_slots="local"), r"unknown shared_slots='local'.*'per_rank'"),
+    (
+        dict(num_routed_experts=8, num_shared_experts=1, shared_slots="local"),
+        r"unknown shared_slots='local'.*'per_rank'",
+    ),
     (dict(num_routed_experts=8, scaling_regime="both"), r"unknown scaling_regime='both'.*'output'"),
     (dict(num_routed_experts=8, num_redundant_experts=2, replica_table=[1]), r"replica_table has shape \(1,\).*\[2\]"),
     (dict(num_routed_experts=8, num_redundant_experts=2, replica_table=[1, 8]), r"replica_table\[1\]=8.*\[0, 8\)"),
@@ -288,23 +294,31 @@ ERROR_CASES = [
     (dict(num_routed_experts=8, num_redundant_experts=1, replica_table=[0.5]), r"integers"),
     (dict(num_routed_experts=8, unfusable_reason=""), r"unfusable_reason"),
     (
-        dict(num_routed_experts=8, num_shared_experts=1, shared="fused",
-             unfusable_reason="a routed_input_transform is set"),
+        dict(
+            num_routed_experts=8,
+            num_shared_experts=1,
+            shared="fused",
+            unfusable_reason="a routed_input_transform is set",
+        ),
         r"shared='fused' is impossible: a routed_input_transform is set.*'overlap'.*'runner'",
     ),
     (
-        dict(num_routed_experts=8, num_shared_experts=1, shared_slots="per_rank",
-             unfusable_reason="it does not split"),
+        dict(num_routed_experts=8, num_shared_experts=1, shared_slots="per_rank", unfusable_reason="it does not split"),
         r"shared_slots='per_rank'.*impossible: it does not split",
     ),
     (
-        dict(num_routed_experts=8, num_shared_experts=1, ep_size=2, dispatch="all2all",
-             shared_slots="global"),
+        dict(num_routed_experts=8, num_shared_experts=1, ep_size=2, dispatch="all2all", shared_slots="global"),
         r"shared_slots='global' cannot be served by dispatch='all2all'.*per_rank.*runner",
     ),
     (
-        dict(num_routed_experts=8, num_shared_experts=1, ep_size=2, dispatch="all2all",
-             shared="fused", shared_slots="global"),
+        dict(
+            num_routed_experts=8,
+            num_shared_experts=1,
+            ep_size=2,
+            dispatch="all2all",
+            shared="fused",
+            shared_slots="global",
+        ),
         r"shared_slots='global' cannot be served",
     ),
     (
@@ -312,8 +326,14 @@ ERROR_CASES = [
         r"shared slots only exist when the shared expert is fused",
     ),
     (
-        dict(num_routed_experts=8, num_shared_experts=1, ep_size=2, dispatch="all2all",
-             shared="overlap", shared_slots="per_rank"),
+        dict(
+            num_routed_experts=8,
+            num_shared_experts=1,
+            ep_size=2,
+            dispatch="all2all",
+            shared="overlap",
+            shared_slots="per_rank",
+        ),
         r"shared_slots='per_rank' was requested with shared='overlap'",
     ),
 ]
@@ -341,7 +361,10 @@ def spec_says_invalid(n, s, e, r, dispatch, shared, slots, reason):
 
 @settings(max_examples=300, deadline=None)
 @given(
-    n=st.integers(1, 12), s=st.integers(0, 2), e=st.integers(1, 6), r=st.integers(0, 3),
+    n=st.integers(1, 12),
+    s=st.integers(0, 2),
+    e=st.integers(1, 6),
+    r=st.integers(0, 3),
     dispatch=st.sampled_from(["none", "all2all", "allgather"]),
     shared=st.sampled_from(["auto", "runner", "overlap", "fused"]),
     slots=st.sampled_from([None, "global", "per_rank"]),
@@ -547,13 +570,11 @@ def test_equality_hash_and_repr_round_trip():
 def reference_round_robin(n, r, e, replica_table=None):
     """Logical experts of each rank, by enumeration: entry q of the linear sequence
     (q < N: q, else its replica) goes to rank q % E."""
-    sequence = list(range(n)) + (
-        [(n + i) % n for i in range(r)] if replica_table is None else list(replica_table))
+    sequence = list(range(n)) + ([(n + i) % n for i in range(r)] if replica_table is None else list(replica_table))
     return [[sequence[q] for q in range(len(sequence)) if q % e == rank] for rank in range(e)]
 
 
-@pytest.mark.parametrize("n, r, e", [(8, 0, 2), (16, 0, 4), (10, 0, 3), (8, 2, 3), (64, 7, 8),
-                                     (5, 0, 5), (6, 3, 4)])
+@pytest.mark.parametrize("n, r, e", [(8, 0, 2), (16, 0, 4), (10, 0, 3), (8, 2, 3), (64, 7, 8), (5, 0, 5), (6, 3, 4)])
 @pytest.mark.parametrize("s, dispatch", [(0, "all2all"), (1, "all2all"), (2, "allgather")])
 def test_round_robin_places_logical_r_r_plus_e(n, r, e, s, dispatch):
     layout = ExpertLayout(n, s, e, dispatch, num_redundant_experts=r, placement="round_robin")
@@ -582,8 +603,7 @@ def test_round_robin_places_logical_r_r_plus_e(n, r, e, s, dispatch):
 
 
 def test_round_robin_with_replica_table():
-    layout = ExpertLayout(4, 0, 3, "all2all", num_redundant_experts=2, replica_table=[3, 1],
-                          placement="round_robin")
+    layout = ExpertLayout(4, 0, 3, "all2all", num_redundant_experts=2, replica_table=[3, 1], placement="round_robin")
     # Linear sequence 0, 1, 2, 3, 3, 1: rank 0 takes entries 0 and 3, rank 1 1 and 4, ...
     assert [layout.logical_experts(r).tolist() for r in range(3)] == [[0, 3], [1, 3], [2, 1]]
     assert repr(layout).endswith("replica_table=[3, 1], placement='round_robin')")
@@ -618,31 +638,39 @@ def test_physical_to_logical_table(table, e):
         assert layout.logical_experts(rank).tolist() == [table[p] for p in blocks[rank]]
     for logical in range(4):
         replicas = [p for p, x in enumerate(table) if x == logical]
-        got = layout.replica_ids[layout.replica_offsets[logical]:layout.replica_offsets[logical + 1]]
+        got = layout.replica_ids[layout.replica_offsets[logical] : layout.replica_offsets[logical + 1]]
         assert got.tolist() == replicas
     again = eval(repr(layout), {"ExpertLayout": ExpertLayout})
     assert again == layout and hash(again) == hash(layout)
     # num_redundant_experts may be given when it agrees with the table.
-    assert ExpertLayout(4, 1, e, "all2all", num_redundant_experts=len(table) - 4,
-                        physical_to_logical=table) == layout
+    assert ExpertLayout(4, 1, e, "all2all", num_redundant_experts=len(table) - 4, physical_to_logical=table) == layout
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(physical_to_logical=[0, 1, 2]), r"shape \(3,\).*P >= num_routed_experts=4"),
-    (dict(physical_to_logical=[[0, 1, 2, 3]]), r"shape \(1, 4\)"),
-    (dict(physical_to_logical=[0, 1, 2, 2]), r"no replica of logical expert\(s\) \[3\]"),
-    (dict(physical_to_logical=[0, 1, 2, 3, 4]), r"physical_to_logical\[4\]=4 is not a logical"),
-    (dict(physical_to_logical=[0, 1, 2, -1, 3]), r"physical_to_logical\[3\]=-1"),
-    (dict(physical_to_logical=[0.0, 1.0, 2.0, 3.0]), "must hold integers"),
-    (dict(physical_to_logical=[0, 1, 2, 3, 0], num_redundant_experts=2),
-     "num_redundant_experts=2 disagrees with physical_to_logical of length 5"),
-    (dict(physical_to_logical=[0, 1, 2, 3, 0], num_redundant_experts=1, replica_table=[0]),
-     "physical_to_logical and replica_table"),
-    (dict(physical_to_logical=[0, 1, 2, 3], placement="round_robin"),
-     "placement='round_robin' cannot be combined with physical_to_logical"),
-    (dict(placement="blocked"), "unknown placement='blocked'"),
-    (dict(physical_to_logical=[0, 1, 2, 3], ep_size=5), "would leave a rank with no routed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(physical_to_logical=[0, 1, 2]), r"shape \(3,\).*P >= num_routed_experts=4"),
+        (dict(physical_to_logical=[[0, 1, 2, 3]]), r"shape \(1, 4\)"),
+        (dict(physical_to_logical=[0, 1, 2, 2]), r"no replica of logical expert\(s\) \[3\]"),
+        (dict(physical_to_logical=[0, 1, 2, 3, 4]), r"physical_to_logical\[4\]=4 is not a logical"),
+        (dict(physical_to_logical=[0, 1, 2, -1, 3]), r"physical_to_logical\[3\]=-1"),
+        (dict(physical_to_logical=[0.0, 1.0, 2.0, 3.0]), "must hold integers"),
+        (
+            dict(physical_to_logical=[0, 1, 2, 3, 0], num_redundant_experts=2),
+            "num_redundant_experts=2 disagrees with physical_to_logical of length 5",
+        ),
+        (
+            dict(physical_to_logical=[0, 1, 2, 3, 0], num_redundant_experts=1, replica_table=[0]),
+            "physical_to_logical and replica_table",
+        ),
+        (
+            dict(physical_to_logical=[0, 1, 2, 3], placement="round_robin"),
+            "placement='round_robin' cannot be combined with physical_to_logical",
+        ),
+        (dict(placement="blocked"), "unknown placement='blocked'"),
+        (dict(physical_to_logical=[0, 1, 2, 3], ep_size=5), "would leave a rank with no routed"),
+    ],
+)
 def test_placement_errors(kwargs, message):
     args = dict(num_routed_experts=4, ep_size=2, dispatch="all2all")
     args.update(kwargs)
@@ -659,7 +687,7 @@ def test_preferred_replicas_keep_traffic_on_the_rank():
         for logical in range(4):
             replicas = [p for p, x in enumerate(table) if x == logical]
             local = [p for p in replicas if start <= p < start + count]
-            assert ids[offsets[logical]:offsets[logical + 1]].tolist() == (local or replicas)
+            assert ids[offsets[logical] : offsets[logical + 1]].tolist() == (local or replicas)
     with pytest.raises(ValueError, match=r"prefer_rank=4 is outside \[0, 4\)"):
         layout.preferred_replicas(4)
 
@@ -689,12 +717,14 @@ def test_round_robin_equality_and_repr():
 # ---------------------------------------------------------------------------- int32 id limit
 
 
-@pytest.mark.parametrize("kwargs, total", [
-    (dict(num_routed_experts=2**31 + 5), 2**31 + 5),
-    (dict(num_routed_experts=2**31 - 2, num_redundant_experts=2), 2**31),
-    (dict(num_routed_experts=2**31 - 8, num_shared_experts=2, ep_size=4, dispatch="all2all"),
-     2**31),
-])
+@pytest.mark.parametrize(
+    "kwargs, total",
+    [
+        (dict(num_routed_experts=2**31 + 5), 2**31 + 5),
+        (dict(num_routed_experts=2**31 - 2, num_redundant_experts=2), 2**31),
+        (dict(num_routed_experts=2**31 - 8, num_shared_experts=2, ep_size=4, dispatch="all2all"), 2**31),
+    ],
+)
 def test_layout_refuses_ids_beyond_int32_before_allocating(kwargs, total):
     import tracemalloc
 

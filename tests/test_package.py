@@ -27,8 +27,7 @@ def test_version_is_the_projects(capsys):
 
 
 def test_version_from_the_console_entry_point():
-    done = subprocess.run([sys.executable, "-m", "moeroute", "--version"], capture_output=True,
-                          text=True, cwd=ROOT)
+    done = subprocess.run([sys.executable, "-m", "moeroute", "--version"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"moeroute {moeroute.__version__}"
 
@@ -45,8 +44,7 @@ def test_license_and_type_marker():
 
 def test_cuda12_extra_mirrors_the_cuda13_one():
     extras = _pyproject()["project"]["optional-dependencies"]
-    names = {extra: sorted(req.split("[")[0].split(">")[0] for req in extras[extra])
-             for extra in ("cuda", "cuda12")}
+    names = {extra: sorted(req.split("[")[0].split(">")[0] for req in extras[extra]) for extra in ("cuda", "cuda12")}
     assert names["cuda"] == ["cupy-cuda13x", "numba-cuda"]
     assert names["cuda12"] == ["cupy-cuda12x", "numba-cuda"]
     assert any("numba-cuda[cu12]" in req for req in extras["cuda12"])

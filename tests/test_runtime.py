@@ -69,8 +69,7 @@ FORWARD_AFTER_WARMUP = textwrap.dedent("""
 
 def _run(args, cache_dir, timeout=1800):
     env = dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir), PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -79,8 +78,7 @@ def _run(args, cache_dir, timeout=1800):
 def test_warmup_cache_serves_a_fresh_process(tmp_path):
     pytest.importorskip("transformers")
     cache = tmp_path / "numba-cache"
-    warm = _run(["-m", "moeroute", "warmup", "--presets", "qwen3-30b-a3b", "--dtypes", "float32"],
-                cache)
+    warm = _run(["-m", "moeroute", "warmup", "--presets", "qwen3-30b-a3b", "--dtypes", "float32"], cache)
     assert "warmup [1/" in warm.stderr  # progress lines
     assert str(cache) in warm.stdout
     index_files = list(cache.rglob("*.nbi"))
@@ -100,13 +98,16 @@ def test_warmup_is_public():
     assert moeroute.warmup is runtime.warmup
 
 
-@pytest.mark.parametrize("presets, dtypes, error, match", [
-    (["no-such-model"], ("float32",), ValueError, "presets=.*no-such-model"),
-    ([], ("float32",), ValueError, "at least one"),
-    ("deepseek-v3", ("float32",), TypeError, "sequence of preset names"),
-    (None, ("float64",), ValueError, "dtypes=.*float64.*bfloat16"),
-    (None, "float32", TypeError, "sequence of dtype names"),
-])
+@pytest.mark.parametrize(
+    "presets, dtypes, error, match",
+    [
+        (["no-such-model"], ("float32",), ValueError, "presets=.*no-such-model"),
+        ([], ("float32",), ValueError, "at least one"),
+        ("deepseek-v3", ("float32",), TypeError, "sequence of preset names"),
+        (None, ("float64",), ValueError, "dtypes=.*float64.*bfloat16"),
+        (None, "float32", TypeError, "sequence of dtype names"),
+    ],
+)
 def test_warmup_rejects_bad_arguments(presets, dtypes, error, match):
     with pytest.raises(error, match=match):
         runtime.warmup(presets, dtypes=dtypes, progress=False)
@@ -122,36 +123,55 @@ def test_cache_dir_is_where_numba_writes():
 def test_cpu_dispatchers_cover_the_kernels():
     import importlib
 
-    select, combine, permute = (importlib.import_module(f"moeroute.routing.{name}")
-                                for name in ("select", "combine", "permute"))
+    select, combine, permute = (
+        importlib.import_module(f"moeroute.routing.{name}") for name in ("select", "combine", "permute")
+    )
     names = {d.py_func.__module__ + "." + d.py_func.__name__ for d in runtime.cpu_dispatchers()}
-    for function in (select._select_serial, select._select_parallel, combine._accumulate_cpu,
-                     permute._gather_rows):
+    for function in (select._select_serial, select._select_parallel, combine._accumulate_cpu, permute._gather_rows):
         assert function.py_func.__module__ + "." + function.py_func.__name__ in names
 
 
 def test_warmup_families_default_to_the_float_path():
     """The quantized experts compile on first use, or when asked for; float16 likewise."""
-    assert runtime.warmup_families() == ["routing kernels, float32 logits", "dispatch kernels, float32",
-                                         "float experts, float32"]
+    assert runtime.warmup_families() == [
+        "routing kernels, float32 logits",
+        "dispatch kernels, float32",
+        "float experts, float32",
+    ]
     assert runtime.warmup_families(dtypes=["float32", "bfloat16"]) == [
-        "routing kernels, float32 logits", "routing kernels, float16/bfloat16 logits",
-        "dispatch kernels, float32", "dispatch kernels, bfloat16",
-        "float experts, float32", "float experts, bfloat16"]
+        "routing kernels, float32 logits",
+        "routing kernels, float16/bfloat16 logits",
+        "dispatch kernels, float32",
+        "dispatch kernels, bfloat16",
+        "float experts, float32",
+        "float experts, bfloat16",
+    ]
     assert runtime.warmup_families(["qwen3-30b-a3b"], dtypes=["bfloat16"], formats=("fp8_block", "mxfp4")) == [
-        "routing kernels, float16/bfloat16 logits", "dispatch kernels, bfloat16",
-        "fp8_block experts, bfloat16", "mxfp4 experts, bfloat16"]
+        "routing kernels, float16/bfloat16 logits",
+        "dispatch kernels, bfloat16",
+        "fp8_block experts, bfloat16",
+        "mxfp4 experts, bfloat16",
+    ]
     assert runtime.warmup_families(dtypes=["float16"], torch_module=False) == [
-        "routing kernels, float16/bfloat16 logits", "dispatch kernels, float16"]
+        "routing kernels, float16/bfloat16 logits",
+        "dispatch kernels, float16",
+    ]
 
 
-@pytest.mark.parametrize("formats, error, match", [
-    (("fp8",), ValueError, r"formats=\('fp8',\): 'fp8' is not a format; each must be one of "
-                           r"\('float', 'fp8_block', 'fp8_tensor', 'mxfp4'\)"),
-    (("float", "int4"), ValueError, "'int4' is not a format"),
-    ("mxfp4", TypeError, "formats must be a sequence of format names"),
-    (None, TypeError, "formats must be a sequence of format names"),
-])
+@pytest.mark.parametrize(
+    "formats, error, match",
+    [
+        (
+            ("fp8",),
+            ValueError,
+            r"formats=\('fp8',\): 'fp8' is not a format; each must be one of "
+            r"\('float', 'fp8_block', 'fp8_tensor', 'mxfp4'\)",
+        ),
+        (("float", "int4"), ValueError, "'int4' is not a format"),
+        ("mxfp4", TypeError, "formats must be a sequence of format names"),
+        (None, TypeError, "formats must be a sequence of format names"),
+    ],
+)
 def test_warmup_rejects_bad_formats(formats, error, match):
     with pytest.raises(error, match=match):
         runtime.warmup_families(formats=formats)
@@ -168,13 +188,17 @@ def test_warmup_refuses_quantized_formats_without_the_torch_module():
 
 def test_warmup_prints_one_progress_line_per_family(monkeypatch, capsys):
     ran = []
-    monkeypatch.setattr(runtime, "_steps", lambda *args: [(name, lambda n=name: ran.append(n))
-                                                          for name in ("family one", "family two")])
+    monkeypatch.setattr(
+        runtime, "_steps", lambda *args: [(name, lambda n=name: ran.append(n)) for name in ("family one", "family two")]
+    )
     result = runtime.warmup(["qwen3-30b-a3b"])
     err = capsys.readouterr().err.splitlines()
     assert ran == ["family one", "family two"]
-    assert [line.split(":")[0] for line in err] == ["warmup [1/2] family one", "warmup [2/2] family two",
-                                                   "warmup done in 0.0 s"]
+    assert [line.split(":")[0] for line in err] == [
+        "warmup [1/2] family one",
+        "warmup [2/2] family two",
+        "warmup done in 0.0 s",
+    ]
     assert all("0 functions compiled" in line for line in err)
     assert [family["name"] for family in result["families"]] == ["family one", "family two"]
     assert result["steps"] == 2 and result["compiled"] == 0
@@ -182,8 +206,11 @@ def test_warmup_prints_one_progress_line_per_family(monkeypatch, capsys):
     lines = []
     runtime.warmup(["qwen3-30b-a3b"], progress=lines.append)  # a callable gets the lines instead
     assert capsys.readouterr().err == ""
-    assert [line.split(":")[0] for line in lines] == ["warmup [1/2] family one", "warmup [2/2] family two",
-                                                     "warmup done in 0.0 s"]
+    assert [line.split(":")[0] for line in lines] == [
+        "warmup [1/2] family one",
+        "warmup [2/2] family two",
+        "warmup done in 0.0 s",
+    ]
     runtime.warmup(["qwen3-30b-a3b"], progress=False)
     assert capsys.readouterr().err == ""
     with pytest.raises(TypeError, match="progress must be True, False or a callable"):
@@ -194,15 +221,19 @@ def test_warmup_command_passes_formats_and_checks_them_first(monkeypatch, capsys
     from moeroute import cli
 
     calls = []
-    monkeypatch.setattr(runtime, "warmup", lambda *a, **k: calls.append(k) or
-                        {"compiled": 0, "loaded": 0, "seconds": 0.0, "cache_dir": "x"})
+    monkeypatch.setattr(
+        runtime,
+        "warmup",
+        lambda *a, **k: calls.append(k) or {"compiled": 0, "loaded": 0, "seconds": 0.0, "cache_dir": "x"},
+    )
     assert cli.main(["warmup", "--presets", "deepseek-v3", "--formats", "float", "mxfp4", "--quiet"]) == 0
     assert calls[-1]["formats"] == ["float", "mxfp4"] and calls[-1]["dtypes"] == ["float32"]
     calls.clear()
     assert cli.main(["warmup", "--formats", "mxfp4", "--no-torch"]) == 2
     assert calls == []
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["moeroute warmup: error: --formats with a quantized format needs the torch module's forward; "
-                   "drop --no-torch"]
+    assert err == [
+        "moeroute warmup: error: --formats with a quantized format needs the torch module's forward; drop --no-torch"
+    ]
     assert cli.main(["warmup", "--formats", "fp8"]) == 2
     assert "invalid choice: 'fp8'" in capsys.readouterr().err

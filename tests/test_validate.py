@@ -14,9 +14,18 @@ def test_python_and_numpy_integers_are_integers(value):
     assert result == 3 and type(result) is int
 
 
-@pytest.mark.parametrize("value, kind", [(True, "bool"), (np.bool_(True), "bool"),
-                                         (3.0, "float"), (np.float64(3), "float64"),
-                                         ("3", "str"), ([3], "list"), (None, "NoneType")])
+@pytest.mark.parametrize(
+    "value, kind",
+    [
+        (True, "bool"),
+        (np.bool_(True), "bool"),
+        (3.0, "float"),
+        (np.float64(3), "float64"),
+        ("3", "str"),
+        ([3], "list"),
+        (None, "NoneType"),
+    ],
+)
 def test_other_kinds_are_refused_as_both_type_and_value_errors(value, kind):
     with pytest.raises(IntegerTypeError, match=rf"n=.* must be an integer >= 1, got {kind}") as info:
         integer("n", value, 1)
@@ -36,13 +45,20 @@ def test_the_same_rule_in_config_layout_and_ops():
     """np.int64 accepted and 2.0 refused by RouterConfig, ExpertLayout and the ops alike."""
     from moeroute.routing import align_block_size, expert_load
 
-    assert RouterConfig(np.int64(8), np.int64(2), num_expert_group=np.int32(2)) == RouterConfig(8, 2, num_expert_group=2)
-    assert ExpertLayout(np.int64(8), ep_size=np.int64(2), dispatch="all2all") == \
-        ExpertLayout(8, ep_size=2, dispatch="all2all")
+    assert RouterConfig(np.int64(8), np.int64(2), num_expert_group=np.int32(2)) == RouterConfig(
+        8, 2, num_expert_group=2
+    )
+    assert ExpertLayout(np.int64(8), ep_size=np.int64(2), dispatch="all2all") == ExpertLayout(
+        8, ep_size=2, dispatch="all2all"
+    )
     ids = np.array([[0, 1], [1, 3]])
     np.testing.assert_array_equal(expert_load(ids, np.int64(4)), [1, 2, 0, 1])
-    for call in (lambda: RouterConfig(8, 2.0), lambda: ExpertLayout(8.0),
-                 lambda: expert_load(ids, 4.0), lambda: align_block_size(ids, 4, 2.0)):
+    for call in (
+        lambda: RouterConfig(8, 2.0),
+        lambda: ExpertLayout(8.0),
+        lambda: expert_load(ids, 4.0),
+        lambda: align_block_size(ids, 4, 2.0),
+    ):
         with pytest.raises(ValueError, match=r"=\d\.0 must be an integer"):
             call()
 

@@ -53,7 +53,7 @@ def test_make_test_oldest_installs_each_lower_bound():
     pins = _oldest_pins()
     for name, (low, _) in _ranges().items():
         release, bound = _release(pins[name]), _release(low)
-        assert release[:len(bound)] == bound, f"{name}=={pins[name]} is not the lower bound {name}>={low}"
+        assert release[: len(bound)] == bound, f"{name}=={pins[name]} is not the lower bound {name}>={low}"
 
 
 def test_docs_versions_table_states_each_range():

@@ -29,8 +29,12 @@ import torch
 import checkpoints
 
 BLOCK = (128, 128)
-QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                       "weight_block_size": list(BLOCK)}
+QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": list(BLOCK),
+}
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -97,8 +101,15 @@ def gpt_oss_config():
     import transformers as tf
 
     return tf.GptOssForCausalLM, tf.GptOssConfig(
-        num_hidden_layers=2, head_dim=32, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2,
-        sliding_window=64, layer_types=["sliding_attention", "full_attention"], **checkpoints.COMMON)
+        num_hidden_layers=2,
+        head_dim=32,
+        intermediate_size=128,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"],
+        **checkpoints.COMMON,
+    )
 
 
 def save_mxfp4_gpt_oss(directory, dequantized_directory=None, seed=0):

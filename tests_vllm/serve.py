@@ -50,10 +50,18 @@ def count_calls(model):
     for name, module in model.named_modules():
         if not isinstance(module, MoERunner):
             continue
-        entry = counts.setdefault(name, {"runner_calls": 0, "runner_rows": 0, "shared_calls": 0,
-                                         "shared_rows": 0, "has_shared": module.shared_experts is not None,
-                                         "method": type(module._quant_method).__name__,
-                                         "monolithic": bool(module._quant_method.is_monolithic)})
+        entry = counts.setdefault(
+            name,
+            {
+                "runner_calls": 0,
+                "runner_rows": 0,
+                "shared_calls": 0,
+                "shared_rows": 0,
+                "has_shared": module.shared_experts is not None,
+                "method": type(module._quant_method).__name__,
+                "monolithic": bool(module._quant_method.is_monolithic),
+            },
+        )
 
         def runner_hook(mod, args, kwargs, output, entry=entry):
             entry["runner_calls"] += 1
@@ -61,6 +69,7 @@ def count_calls(model):
 
         module.register_forward_hook(runner_hook, with_kwargs=True)
         if module.shared_experts is not None:
+
             def shared_hook(mod, args, kwargs, output, entry=entry):
                 entry["shared_calls"] += 1
                 entry["shared_rows"] += _rows(args, kwargs)
@@ -86,9 +95,15 @@ def capture_calls(model):
         def apply_monolithic(layer, x, router_logits, input_ids=None, original=original, calls=calls):
             out = original(layer, x, router_logits, input_ids)
             bias = layer.e_score_correction_bias
-            calls.append({"x": x.clone(), "router_logits": router_logits.clone(), "out": out.clone(),
-                          "bias": None if bias is None else bias.clone(),
-                          "routed_scaling_factor": float(layer.routed_scaling_factor)})
+            calls.append(
+                {
+                    "x": x.clone(),
+                    "router_logits": router_logits.clone(),
+                    "out": out.clone(),
+                    "bias": None if bias is None else bias.clone(),
+                    "routed_scaling_factor": float(layer.routed_scaling_factor),
+                }
+            )
             return out
 
         method.apply_monolithic = apply_monolithic
@@ -99,22 +114,31 @@ def serve(model_dir, eager=True, capture=False):
 
     with open(os.path.join(model_dir, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=eager,
-              max_model_len=128, seed=0, kv_cache_memory_bytes=32 << 20)
+    llm = LLM(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=eager,
+        max_model_len=128,
+        seed=0,
+        kv_cache_memory_bytes=32 << 20,
+    )
     llm.apply_model(count_calls)
     if capture:
         llm.apply_model(capture_calls)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2, detokenize=False,
-                            ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2, detokenize=False, ignore_eos=True)
     batches = {}
     for size in (1, 4):
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts(vocab_size)[:size]], params,
-                            use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts(vocab_size)[:size]], params, use_tqdm=False)
         batches[str(size)] = [
-            {"tokens": list(o.outputs[0].token_ids),
-             "top2": [sorted((lp.logprob for lp in step.values()), reverse=True)[:2]
-                      for step in o.outputs[0].logprobs]}
-            for o in outs]
+            {
+                "tokens": list(o.outputs[0].token_ids),
+                "top2": [
+                    sorted((lp.logprob for lp in step.values()), reverse=True)[:2] for step in o.outputs[0].logprobs
+                ],
+            }
+            for o in outs
+        ]
     del llm
     return {"batches": batches, "counts": json.loads(json.dumps(COUNTS))}
 

@@ -52,8 +52,9 @@ def test_quantized_layer_keeps_vllm_method_with_one_line(classes, monkeypatch, p
     monkeypatch.setattr(vllm_plugin, "_declined_reasons", {})
     monkeypatch.setattr(RoutedExperts, "_get_quant_method", lambda self, prefix, quant_config, moe: Fp8MoEMethod())
     experts = object.__new__(experts_cls)
-    methods = [experts_cls._get_quant_method(experts, f"model.layers.{i}.mlp.experts", object(), None)
-               for i in range(3)]
+    methods = [
+        experts_cls._get_quant_method(experts, f"model.layers.{i}.mlp.experts", object(), None) for i in range(3)
+    ]
     assert all(isinstance(m, Fp8MoEMethod) for m in methods)  # vLLM's method is kept
     lines = [r.getMessage() for r in plugin_log]
     assert len(lines) == 1, lines

@@ -48,8 +48,15 @@ def served_fp8(tmp_path_factory):
     on, on_log = _serve(root / "on.json", [fp8_dir], "--capture", VLLM_PLUGINS="moeroute")
     compiled, _ = _serve(root / "compiled.json", [fp8_dir], "--compiled", VLLM_PLUGINS="moeroute")
     dequantized, _ = _serve(root / "dequantized.json", [bf16_dir])
-    return {"fp8": fp8_dir, "bf16": bf16_dir, "on": on, "on_log": on_log, "dequantized": dequantized,
-            "compiled": compiled, "captured": torch.load(str(root / "on.json") + ".0.pt")}
+    return {
+        "fp8": fp8_dir,
+        "bf16": bf16_dir,
+        "on": on,
+        "on_log": on_log,
+        "dequantized": dequantized,
+        "compiled": compiled,
+        "captured": torch.load(str(root / "on.json") + ".0.pt"),
+    }
 
 
 def test_vllm_alone_cannot_serve_it_here(tmp_path):
@@ -58,8 +65,13 @@ def test_vllm_alone_cannot_serve_it_here(tmp_path):
         pytest.skip("this CPU has AMX tiles: vLLM's own CPU FP8 experts may serve the checkpoint")
     fp8_dir = quant_checkpoints.save_fp8_deepseek(str(tmp_path / "fp8"))
     environment = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "MOEROUTE_VLLM")}
-    done = subprocess.run([sys.executable, str(HERE / "serve.py"), str(tmp_path / "off.json"), fp8_dir],
-                          env=environment, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, str(HERE / "serve.py"), str(tmp_path / "off.json"), fp8_dir],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     log = done.stdout + done.stderr
     assert done.returncode != 0, log[-3000:]
     assert "ValueError: Unsupported FP8 MoE backend: NONE" in log, log[-3000:]
@@ -89,12 +101,20 @@ def _checkpoint_experts(fp8_dir, layer_name):
     prefix = layer_name.rsplit(".experts", 1)[0]
 
     def stack(projections, suffix):
-        return torch.stack([torch.cat([tensors[f"{prefix}.experts.{e}.{p}.{suffix}"] for p in projections])
-                            for e in range(NUM_EXPERTS)])
+        return torch.stack(
+            [
+                torch.cat([tensors[f"{prefix}.experts.{e}.{p}.{suffix}"] for p in projections])
+                for e in range(NUM_EXPERTS)
+            ]
+        )
 
-    return (stack(("gate_proj", "up_proj"), "weight"), stack(("gate_proj", "up_proj"), "weight_scale_inv"),
-            stack(("down_proj",), "weight"), stack(("down_proj",), "weight_scale_inv"),
-            tensors[f"{prefix}.gate.e_score_correction_bias"].float())
+    return (
+        stack(("gate_proj", "up_proj"), "weight"),
+        stack(("gate_proj", "up_proj"), "weight_scale_inv"),
+        stack(("down_proj",), "weight"),
+        stack(("down_proj",), "weight_scale_inv"),
+        tensors[f"{prefix}.gate.e_score_correction_bias"].float(),
+    )
 
 
 @pytest.mark.parametrize("layer_name", MOE_LAYERS)
@@ -114,14 +134,27 @@ def test_layer_outputs_match_the_w8a8_reference(served_fp8, layer_name):
         # vLLM's DeepSeek-V3 hands the layer its routed_scaling_factor or applies it outside
         # the layer (per dtype); the layer's output follows the layer's value.
         assert call["routed_scaling_factor"] in (1.0, config["routed_scaling_factor"])
-        router = RouterConfig(config["n_routed_experts"], config["num_experts_per_tok"], "sigmoid",
-                              num_expert_group=config["n_group"], topk_group=config["topk_group"],
-                              renormalize=config["norm_topk_prob"],
-                              routed_scaling_factor=call["routed_scaling_factor"])
+        router = RouterConfig(
+            config["n_routed_experts"],
+            config["num_experts_per_tok"],
+            "sigmoid",
+            num_expert_group=config["n_group"],
+            topk_group=config["topk_group"],
+            renormalize=config["norm_topk_prob"],
+            routed_scaling_factor=call["routed_scaling_factor"],
+        )
         weights, ids = select_experts(call["router_logits"].float().numpy(), router, bias.numpy())
-        reference = moe_experts_reference(call["x"].float(), torch.from_numpy(ids), torch.from_numpy(weights),
-                                          q_gate_up, gate_up_scale, q_down, down_scale,
-                                          block_size=quant_checkpoints.BLOCK, intermediate_dtype=torch.bfloat16)
+        reference = moe_experts_reference(
+            call["x"].float(),
+            torch.from_numpy(ids),
+            torch.from_numpy(weights),
+            q_gate_up,
+            gate_up_scale,
+            q_down,
+            down_scale,
+            block_size=quant_checkpoints.BLOCK,
+            intermediate_dtype=torch.bfloat16,
+        )
         assert call["out"].shape == reference.shape and call["out"].dtype == torch.bfloat16
         errors.append(float((call["out"].float() - reference).abs().max() / reference.abs().max()))
     assert max(errors) <= LAYER_BOUND, errors

@@ -50,8 +50,15 @@ def served_mxfp4(tmp_path_factory):
     on, on_log = _serve(root / "on.json", [mxfp4_dir], "--capture", VLLM_PLUGINS="moeroute")
     compiled, _ = _serve(root / "compiled.json", [mxfp4_dir], "--compiled", VLLM_PLUGINS="moeroute")
     dequantized, _ = _serve(root / "dequantized.json", [bf16_dir])
-    return {"mxfp4": mxfp4_dir, "bf16": bf16_dir, "on": on, "on_log": on_log, "dequantized": dequantized,
-            "compiled": compiled, "captured": torch.load(str(root / "on.json") + ".0.pt")}
+    return {
+        "mxfp4": mxfp4_dir,
+        "bf16": bf16_dir,
+        "on": on,
+        "on_log": on_log,
+        "dequantized": dequantized,
+        "compiled": compiled,
+        "captured": torch.load(str(root / "on.json") + ".0.pt"),
+    }
 
 
 def test_vllm_alone_cannot_serve_it_here(tmp_path):
@@ -60,8 +67,13 @@ def test_vllm_alone_cannot_serve_it_here(tmp_path):
         pytest.skip("this CPU has AMX tiles: vLLM's own CPU MXFP4 experts may serve the checkpoint")
     mxfp4_dir = quant_checkpoints.save_mxfp4_gpt_oss(str(tmp_path / "mxfp4"))
     environment = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "MOEROUTE_VLLM")}
-    done = subprocess.run([sys.executable, str(HERE / "serve.py"), str(tmp_path / "off.json"), mxfp4_dir],
-                          env=environment, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, str(HERE / "serve.py"), str(tmp_path / "off.json"), mxfp4_dir],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     log = done.stdout + done.stderr
     assert done.returncode != 0, log[-3000:]
     assert "NotImplementedError: No MXFP4 MoE backend supports the deployment configuration" in log, log[-3000:]
@@ -113,9 +125,17 @@ def test_layer_outputs_match_the_gpt_oss_reference(served_mxfp4, layer_name):
     from safetensors.torch import load_file
 
     tensors = load_file(os.path.join(served_mxfp4["mxfp4"], "model.safetensors"))
-    weights = tuple(tensors[f"{layer_name}.{name}"] for name in (
-        "gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
-        "down_proj_blocks", "down_proj_scales", "down_proj_bias"))
+    weights = tuple(
+        tensors[f"{layer_name}.{name}"]
+        for name in (
+            "gate_up_proj_blocks",
+            "gate_up_proj_scales",
+            "gate_up_proj_bias",
+            "down_proj_blocks",
+            "down_proj_scales",
+            "down_proj_bias",
+        )
+    )
     calls = served_mxfp4["captured"][layer_name]
     assert len(calls) == served_mxfp4["on"]["stats"]["calls"] // len(MOE_LAYERS)
     errors = []

@@ -37,8 +37,13 @@ MOE_LAYERS = {"qwen3_moe": 2, "qwen2_moe": 2, "mixtral": 2, "deepseek_v3": 2}
 def _serve(out_path, specs, *options, **env):
     environment = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "MOEROUTE_VLLM")}
     environment.update(env)
-    done = subprocess.run([sys.executable, str(HERE / "serve.py"), *options, str(out_path), *specs],
-                          env=environment, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, str(HERE / "serve.py"), *options, str(out_path), *specs],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-6000:]
     with open(out_path) as f:
@@ -104,8 +109,10 @@ def _compare(reference, candidate):
     for step, (ref_token, token) in enumerate(zip(reference["tokens"], candidate["tokens"])):
         gap = reference["top2"][step][0] - reference["top2"][step][1]
         if ref_token != token:
-            assert gap < TIE, (f"step {step}: vLLM picked {ref_token}, with moeroute {token}, but vLLM's "
-                               f"top-2 log-probabilities differ by {gap:.4f} >= {TIE}")
+            assert gap < TIE, (
+                f"step {step}: vLLM picked {ref_token}, with moeroute {token}, but vLLM's "
+                f"top-2 log-probabilities differ by {gap:.4f} >= {TIE}"
+            )
             return step + 1
     assert len(reference["tokens"]) == len(candidate["tokens"])
     return len(reference["tokens"])

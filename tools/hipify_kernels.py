@@ -38,10 +38,7 @@ def hipify_source(source: str, name: str) -> str:
 
 def generated_files(kernel_dir: Path = KERNEL_DIR) -> dict[Path, str]:
     """Map of each .hip path to the text it should hold."""
-    return {
-        cu.with_suffix(".hip"): hipify_source(cu.read_text(), cu.stem)
-        for cu in sorted(kernel_dir.glob("*.cu"))
-    }
+    return {cu.with_suffix(".hip"): hipify_source(cu.read_text(), cu.stem) for cu in sorted(kernel_dir.glob("*.cu"))}
 
 
 def main(argv=None) -> int:

@@ -64,44 +64,74 @@ RANK_ACTIVATION_BUFFERS = 8
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``moeroute run``."""
-    parser.add_argument("--preset", required=True, metavar="NAME",
-                        help=f"model preset: {', '.join(PRESETS)}")
-    parser.add_argument("--ep", type=positive_int, default=None, metavar="N",
-                        help="expert-parallel ranks to spawn (default: WORLD_SIZE under "
-                             "torchrun, else 2)")
-    parser.add_argument("--dispatch", choices=("all2all", "allgather"), default="all2all",
-                        help="token dispatch (default all2all)")
-    parser.add_argument("--shared", choices=SHARED_MODES, default="auto",
-                        help="who computes the shared expert (default auto)")
-    parser.add_argument("--tokens", type=non_negative_int, required=True, metavar="T",
-                        help="tokens per rank")
-    parser.add_argument("--hidden", type=positive_int, default=64, metavar="H",
-                        help="hidden size of the small layer (default 64)")
-    parser.add_argument("--intermediate", type=positive_int, default=32, metavar="I",
-                        help="routed expert intermediate size (default 32)")
-    parser.add_argument("--redundant", type=non_negative_int, default=0, metavar="R",
-                        help="redundant (replica) experts (default 0)")
-    parser.add_argument("--placement", choices=PLACEMENTS, default="linear",
-                        help="which logical experts each rank holds (default linear)")
-    parser.add_argument("--regime", choices=SCALING_REGIMES, default="router",
-                        help="where routed_scaling_factor is applied (default router)")
-    parser.add_argument("--dtype", choices=tuple(TOLERANCE), default="float32",
-                        help="activation and weight dtype (default float32)")
-    parser.add_argument("--repeat", type=positive_int, default=5, metavar="R",
-                        help="timed forwards per rank (default 5)")
-    parser.add_argument("--seed", type=non_negative_int, default=0,
-                        help="random seed, an integer >= 0 (default 0)")
-    parser.add_argument("--timeout", type=positive_int, default=120, metavar="S",
-                        help="process-group timeout in seconds (default 120)")
-    parser.add_argument("--debug", action="store_true",
-                        help="check every (token, slot) is dispatched and combined once")
-    parser.add_argument("--quant", choices=("fp8_block", "fp8_tensor"), default=None,
-                        help="FP8 routed experts (128x128 blocks for fp8_block), also checked "
-                             "against the w8a8 reference")
-    parser.add_argument("--dispatch-dtype", choices=("auto", "fp8"), default="auto",
-                        help="fp8: send the tokens as e4m3 rows with their scales (needs --quant)")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object on stdout instead of the text (keys: docs/cli.md)")
+    parser.add_argument("--preset", required=True, metavar="NAME", help=f"model preset: {', '.join(PRESETS)}")
+    parser.add_argument(
+        "--ep",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="expert-parallel ranks to spawn (default: WORLD_SIZE under torchrun, else 2)",
+    )
+    parser.add_argument(
+        "--dispatch", choices=("all2all", "allgather"), default="all2all", help="token dispatch (default all2all)"
+    )
+    parser.add_argument(
+        "--shared", choices=SHARED_MODES, default="auto", help="who computes the shared expert (default auto)"
+    )
+    parser.add_argument("--tokens", type=non_negative_int, required=True, metavar="T", help="tokens per rank")
+    parser.add_argument(
+        "--hidden", type=positive_int, default=64, metavar="H", help="hidden size of the small layer (default 64)"
+    )
+    parser.add_argument(
+        "--intermediate",
+        type=positive_int,
+        default=32,
+        metavar="I",
+        help="routed expert intermediate size (default 32)",
+    )
+    parser.add_argument(
+        "--redundant", type=non_negative_int, default=0, metavar="R", help="redundant (replica) experts (default 0)"
+    )
+    parser.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="linear",
+        help="which logical experts each rank holds (default linear)",
+    )
+    parser.add_argument(
+        "--regime",
+        choices=SCALING_REGIMES,
+        default="router",
+        help="where routed_scaling_factor is applied (default router)",
+    )
+    parser.add_argument(
+        "--dtype", choices=tuple(TOLERANCE), default="float32", help="activation and weight dtype (default float32)"
+    )
+    parser.add_argument(
+        "--repeat", type=positive_int, default=5, metavar="R", help="timed forwards per rank (default 5)"
+    )
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="random seed, an integer >= 0 (default 0)")
+    parser.add_argument(
+        "--timeout", type=positive_int, default=120, metavar="S", help="process-group timeout in seconds (default 120)"
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="check every (token, slot) is dispatched and combined once"
+    )
+    parser.add_argument(
+        "--quant",
+        choices=("fp8_block", "fp8_tensor"),
+        default=None,
+        help="FP8 routed experts (128x128 blocks for fp8_block), also checked against the w8a8 reference",
+    )
+    parser.add_argument(
+        "--dispatch-dtype",
+        choices=("auto", "fp8"),
+        default="auto",
+        help="fp8: send the tokens as e4m3 rows with their scales (needs --quant)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object on stdout instead of the text (keys: docs/cli.md)"
+    )
 
 
 def _under_torchrun() -> bool:
@@ -113,8 +143,10 @@ def _check_request(args: argparse.Namespace) -> tuple[Any, ExpertLayout]:
     preset = get_preset(args.preset)
     quant = getattr(args, "quant", None)
     if quant is not None and preset.expert_bias:
-        raise ValueError(f"--quant {quant} is not served for preset {args.preset!r}: its experts carry "
-                         "biases, which FP8 experts do not")
+        raise ValueError(
+            f"--quant {quant} is not served for preset {args.preset!r}: its experts carry "
+            "biases, which FP8 experts do not"
+        )
     if getattr(args, "dispatch_dtype", "auto") == "fp8" and quant is None:
         raise ValueError("--dispatch-dtype fp8 needs FP8 experts: add --quant fp8_block (or fp8_tensor)")
     fusable = preset.shared_unfusable_reason is None
@@ -127,10 +159,15 @@ def _check_request(args: argparse.Namespace) -> tuple[Any, ExpertLayout]:
     check_fits_in_memory(
         f"--ep {args.ep} ranks of --tokens {args.tokens} x --hidden {args.hidden} with "
         f"{preset.router.num_experts} experts of --intermediate {args.intermediate}",
-        ranks_here * (weights + activations) * element)
+        ranks_here * (weights + activations) * element,
+    )
     return preset, ExpertLayout(
-        preset.router.num_experts, preset.num_shared_experts, ep_size=args.ep,
-        dispatch=args.dispatch, shared=args.shared, num_redundant_experts=args.redundant,
+        preset.router.num_experts,
+        preset.num_shared_experts,
+        ep_size=args.ep,
+        dispatch=args.dispatch,
+        shared=args.shared,
+        num_redundant_experts=args.redundant,
         scaling_regime=args.regime,
         unfusable_reason=None if fusable else preset.shared_unfusable_reason,
         placement=args.placement,
@@ -183,9 +220,9 @@ def _build_layers(args, preset, group, device, keep=None):
             gate = nn.Linear(hidden, 1, bias=False, dtype=dtype, device=device)
             gate.requires_grad_(False)
             with torch.no_grad():
-                gate.weight.copy_(rand(1, hidden, scale=hidden ** -0.5))
-    w_gate_up = rand(n, 2 * inter, hidden, scale=hidden ** -0.5)
-    w_down = rand(n, hidden, inter, scale=inter ** -0.5)
+                gate.weight.copy_(rand(1, hidden, scale=hidden**-0.5))
+    w_gate_up = rand(n, 2 * inter, hidden, scale=hidden**-0.5)
+    w_down = rand(n, hidden, inter, scale=inter**-0.5)
     router_weight = rand(n, hidden, scale=1.0).float()
     bias = (torch.randn(n, generator=gen) * CORRECTION_BIAS_SCALE).to(device)
     # gpt-oss-style presets: biased experts and router, their own activation.
@@ -200,19 +237,36 @@ def _build_layers(args, preset, group, device, keep=None):
         q = quantize_experts(w_gate_up.float(), w_down.float(), quant)
         routed = (q[0], q[2], q[1], q[3])  # w_gate_up, w_down, gate_up_scale, down_scale
     if keep is not None:
-        keep.update(router=router_weight, bias=bias if preset.has_correction_bias else None,
-                    routed=routed, shared=shared_mlp, gate=gate)
+        keep.update(
+            router=router_weight,
+            bias=bias if preset.has_correction_bias else None,
+            routed=routed,
+            shared=shared_mlp,
+            gate=gate,
+        )
     modules = []
     for ep_group in (group, None):
-        module = MoE(preset.router, hidden, inter, shared_experts=shared_mlp,
-                     shared_expert_gate=gate, shared=args.shared, ep_group=ep_group,
-                     dispatch=args.dispatch, scaling_regime=args.regime,
-                     num_redundant_experts=args.redundant if ep_group is not None else 0,
-                     placement=args.placement if ep_group is not None else "linear",
-                     correction_bias=preset.has_correction_bias, dtype=dtype, device=device,
-                     activation=preset.activation, expert_bias=preset.expert_bias,
-                     router_bias=preset.expert_bias, quant=quant,
-                     dispatch_dtype=getattr(args, "dispatch_dtype", "auto"))
+        module = MoE(
+            preset.router,
+            hidden,
+            inter,
+            shared_experts=shared_mlp,
+            shared_expert_gate=gate,
+            shared=args.shared,
+            ep_group=ep_group,
+            dispatch=args.dispatch,
+            scaling_regime=args.regime,
+            num_redundant_experts=args.redundant if ep_group is not None else 0,
+            placement=args.placement if ep_group is not None else "linear",
+            correction_bias=preset.has_correction_bias,
+            dtype=dtype,
+            device=device,
+            activation=preset.activation,
+            expert_bias=preset.expert_bias,
+            router_bias=preset.expert_bias,
+            quant=quant,
+            dispatch_dtype=getattr(args, "dispatch_dtype", "auto"),
+        )
         with torch.no_grad():
             module.router_weight.copy_(router_weight)
             if preset.has_correction_bias:
@@ -255,25 +309,49 @@ def quant_reference(args, preset, layout, weights, x):
     topk_weights, topk_ids = reference.select_experts(logits, router, bias)
     q = [t.cpu() for t in weights["routed"]]
     block, fmt, act = quant.block_size, quant.scale_fmt, preset.activation
-    out = moe_experts_reference(x, torch.from_numpy(topk_ids).long(), torch.from_numpy(topk_weights),
-                                q[0], q[2], q[1], q[3], block, fmt, act, intermediate_dtype=dtype).double()
+    out = moe_experts_reference(
+        x,
+        torch.from_numpy(topk_ids).long(),
+        torch.from_numpy(topk_weights),
+        q[0],
+        q[2],
+        q[1],
+        q[3],
+        block,
+        fmt,
+        act,
+        intermediate_dtype=dtype,
+    ).double()
     shared_mlp, gate = weights["shared"], weights["gate"]
     if shared_mlp is not None:
         x64 = x.double()
         g = torch.ones(x.shape[0], 1, dtype=torch.float64)
         if gate is not None:
             g = torch.sigmoid(x64 @ gate.weight.detach().cpu().double().T)
-        gate_w, up_w, down_w = (getattr(shared_mlp, name).weight.detach().cpu().float()
-                                for name in ("gate_proj", "up_proj", "down_proj"))
+        gate_w, up_w, down_w = (
+            getattr(shared_mlp, name).weight.detach().cpu().float() for name in ("gate_proj", "up_proj", "down_proj")
+        )
         if layout.shared == "fused":  # S slots of the routed size, quantized as the experts are
             inter, slots = args.intermediate, layout.num_shared_experts
-            gate_up = torch.stack([torch.cat([gate_w[j * inter:(j + 1) * inter], up_w[j * inter:(j + 1) * inter]])
-                                   for j in range(slots)])
-            down = torch.stack([down_w[:, j * inter:(j + 1) * inter] for j in range(slots)])
+            gate_up = torch.stack(
+                [
+                    torch.cat([gate_w[j * inter : (j + 1) * inter], up_w[j * inter : (j + 1) * inter]])
+                    for j in range(slots)
+                ]
+            )
+            down = torch.stack([down_w[:, j * inter : (j + 1) * inter] for j in range(slots)])
             sq = quantize_experts(gate_up, down, quant)
             slot_weight = (g / rsf if output_regime else g).float().expand(-1, slots).contiguous()
-            out += moe_experts_reference(x, torch.arange(slots).expand(x.shape[0], -1), slot_weight,
-                                         *sq, block, fmt, act, intermediate_dtype=dtype).double()
+            out += moe_experts_reference(
+                x,
+                torch.arange(slots).expand(x.shape[0], -1),
+                slot_weight,
+                *sq,
+                block,
+                fmt,
+                act,
+                intermediate_dtype=dtype,
+            ).double()
         if output_regime:
             out *= rsf
         if layout.shared != "fused":
@@ -305,8 +383,7 @@ def _rank_report(args, preset, rank: int, world: int, group, device) -> dict:
         received_rows.append(local_ids.shape[0])
 
     gen = torch.Generator().manual_seed(args.seed + 1 + rank)
-    x = torch.randn(args.tokens, args.hidden, generator=gen).to(device=device,
-                                                               dtype=getattr(torch, args.dtype))
+    x = torch.randn(args.tokens, args.hidden, generator=gen).to(device=device, dtype=getattr(torch, args.dtype))
     hook = ep_module.experts.register_forward_pre_hook(count_load)
     with torch.no_grad():
         out = ep_module(x)
@@ -323,6 +400,7 @@ def _rank_report(args, preset, rank: int, world: int, group, device) -> dict:
                 torch.cuda.synchronize(device)
             if i >= WARMUP_FORWARDS:
                 times.append(time.perf_counter() - start)
+
     def relative_error(reference):
         if not out.numel():
             return 0.0
@@ -333,20 +411,28 @@ def _rank_report(args, preset, rank: int, world: int, group, device) -> dict:
     reference_error = None
     if _quant_config(args) is not None:
         reference_error = relative_error(quant_reference(args, preset, ep_module.layout, weights, x))
-    return dict(reference_error=reference_error,
-        rank=rank, tokens=args.tokens, received_rows=received_rows[0],
-        slots_computed=int(load.sum()), max_expert_load=int(load.max()) if num_local else 0,
-        local_experts=num_local, bytes=None if stats is None else stats.as_dict(),
-        forward_ms=1e3 * statistics.median(times), error=error,
-        shared=ep_module.layout.shared, shared_reason=ep_module.layout.shared_reason,
+    return dict(
+        reference_error=reference_error,
+        rank=rank,
+        tokens=args.tokens,
+        received_rows=received_rows[0],
+        slots_computed=int(load.sum()),
+        max_expert_load=int(load.max()) if num_local else 0,
+        local_experts=num_local,
+        bytes=None if stats is None else stats.as_dict(),
+        forward_ms=1e3 * statistics.median(times),
+        error=error,
+        shared=ep_module.layout.shared,
+        shared_reason=ep_module.layout.shared_reason,
     )
 
 
 def _init_group(args, rank: int, world: int, init_method: str, backend: str):
     import torch.distributed as dist
 
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=args.timeout)
+    )
     return dist.group.WORLD
 
 
@@ -402,16 +488,26 @@ def _format(args, reports: list[dict]) -> tuple[str, int]:
             f"{r['local_experts']:>7}  {r['max_expert_load']:>8}  "
             f"{b.get('hidden_bytes', 0):>11}  {b.get('metadata_bytes', 0):>11}  "
             f"{b.get('combine_bytes', 0):>14}  {r['forward_ms']:>10.3f}  "
-            f"{r['error']:>9.2e}  {'ok' if ok else 'MISMATCH'}")
+            f"{r['error']:>9.2e}  {'ok' if ok else 'MISMATCH'}"
+        )
     if checks.reference is not None:
         worst, bound, passed, scales = checks.reference
-        lines.append(f"w8a8 reference (moeroute.quant.reference): max relative error {worst:.2e} over "
-                     f"{len(reports)} ranks (< {bound:g}): {'PASS' if passed else 'FAIL'}"
-                     + (f"; FP8 rows sent with {scales} bytes of scales" if scales else ""))
-    lines.append(f"bytes sent by all ranks per forward (rows, scales, metadata, counts, combine): "
-                 f"{_total_bytes(reports)}")
-    lines.append("result: " + ("every rank matches the single-process layer" if checks.status == 0 else
-                               f"MISMATCH above tolerance {tolerance:g}"))
+        lines.append(
+            f"w8a8 reference (moeroute.quant.reference): max relative error {worst:.2e} over "
+            f"{len(reports)} ranks (< {bound:g}): {'PASS' if passed else 'FAIL'}"
+            + (f"; FP8 rows sent with {scales} bytes of scales" if scales else "")
+        )
+    lines.append(
+        f"bytes sent by all ranks per forward (rows, scales, metadata, counts, combine): {_total_bytes(reports)}"
+    )
+    lines.append(
+        "result: "
+        + (
+            "every rank matches the single-process layer"
+            if checks.status == 0
+            else f"MISMATCH above tolerance {tolerance:g}"
+        )
+    )
     return "\n".join(lines), checks.status
 
 
@@ -422,21 +518,35 @@ def _json(args, reports: list[dict]) -> dict[str, Any]:
     reference = None
     if checks.reference is not None:
         worst, bound, passed, scales = checks.reference
-        reference = {"max_relative_error": worst, "tolerance": bound, "passed": passed,
-                     "scale_bytes": scales}
+        reference = {"max_relative_error": worst, "tolerance": bound, "passed": passed, "scale_bytes": scales}
     return {
-        "preset": args.preset, "ep_size": args.ep, "dispatch": args.dispatch,
-        "tokens": args.tokens, "hidden": args.hidden, "intermediate": args.intermediate,
-        "dtype": args.dtype, "quant": getattr(args, "quant", None),
+        "preset": args.preset,
+        "ep_size": args.ep,
+        "dispatch": args.dispatch,
+        "tokens": args.tokens,
+        "hidden": args.hidden,
+        "intermediate": args.intermediate,
+        "dtype": args.dtype,
+        "quant": getattr(args, "quant", None),
         "dispatch_dtype": getattr(args, "dispatch_dtype", "auto"),
-        "shared": first["shared"], "shared_reason": first["shared_reason"],
+        "shared": first["shared"],
+        "shared_reason": first["shared_reason"],
         "tolerance": TOLERANCE[args.dtype],
-        "ranks": [{
-            "rank": r["rank"], "tokens": r["tokens"], "received_rows": r["received_rows"],
-            "slots_computed": r["slots_computed"], "local_experts": r["local_experts"],
-            "max_expert_load": r["max_expert_load"], "bytes": r["bytes"],
-            "forward_ms": r["forward_ms"], "relative_error": r["error"], "ok": ok,
-        } for r, ok in zip(reports, checks.rank_ok)],
+        "ranks": [
+            {
+                "rank": r["rank"],
+                "tokens": r["tokens"],
+                "received_rows": r["received_rows"],
+                "slots_computed": r["slots_computed"],
+                "local_experts": r["local_experts"],
+                "max_expert_load": r["max_expert_load"],
+                "bytes": r["bytes"],
+                "forward_ms": r["forward_ms"],
+                "relative_error": r["error"],
+                "ok": ok,
+            }
+            for r, ok in zip(reports, checks.rank_ok)
+        ],
         "reference": reference,
         "total_bytes": _total_bytes(reports),
         "matches": checks.status == 0,
@@ -469,16 +579,14 @@ def _check_preset(args: argparse.Namespace):
 RUN_STEPS = RunSteps(_check_preset, _rank_report, _format, _json)
 
 
-def _spawned_rank(rank: int, args: argparse.Namespace, init_file: str, result_dir: str,
-                  steps: RunSteps) -> None:
+def _spawned_rank(rank: int, args: argparse.Namespace, init_file: str, result_dir: str, steps: RunSteps) -> None:
     import torch
 
     torch.set_num_threads(1)  # E processes share this machine's cores
     try:
         preset = steps.check(args)
         group = _init_group(args, rank, args.ep, f"file://{init_file}", "gloo")
-        result = {"ok": True, "report": steps.rank_report(args, preset, rank, args.ep, group,
-                                                            torch.device("cpu"))}
+        result = {"ok": True, "report": steps.rank_report(args, preset, rank, args.ep, group, torch.device("cpu"))}
     except BaseException:
         result = {"ok": False, "error": traceback.format_exc()}
     with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as handle:
@@ -501,8 +609,9 @@ def spawn_reports(args: argparse.Namespace, steps: RunSteps = RUN_STEPS) -> list
         init_file = os.path.join(tmp, "store")
         result_dir = os.path.join(tmp, "results")
         os.makedirs(result_dir)
-        context = mp.start_processes(_spawned_rank, args=(args, init_file, result_dir, steps),
-                                     nprocs=args.ep, join=False, start_method="spawn")
+        context = mp.start_processes(
+            _spawned_rank, args=(args, init_file, result_dir, steps), nprocs=args.ep, join=False, start_method="spawn"
+        )
         try:
             while not context.join():
                 pass
@@ -576,8 +685,10 @@ def launch(args: argparse.Namespace, steps: RunSteps) -> int:
     if args.ep is None:
         args.ep = int(os.environ["WORLD_SIZE"]) if torchrun else 2
     if torchrun and args.ep != int(os.environ["WORLD_SIZE"]):
-        print(f"moeroute: error: --ep {args.ep} disagrees with torchrun's "
-              f"WORLD_SIZE={os.environ['WORLD_SIZE']}", file=sys.stderr)
+        print(
+            f"moeroute: error: --ep {args.ep} disagrees with torchrun's WORLD_SIZE={os.environ['WORLD_SIZE']}",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     try:
         steps.check(args)

@@ -44,9 +44,15 @@ _DEVICE_TYPES = ("cpu", "cuda")
 
 @functools.lru_cache(maxsize=256)
 def _cached_router(num_experts, top_k, scoring, num_expert_group, topk_group, renormalize, rsf):
-    return RouterConfig(num_experts, top_k, scoring, num_expert_group=num_expert_group,
-                        topk_group=topk_group, renormalize=renormalize,
-                        routed_scaling_factor=rsf)
+    return RouterConfig(
+        num_experts,
+        top_k,
+        scoring,
+        num_expert_group=num_expert_group,
+        topk_group=topk_group,
+        renormalize=renormalize,
+        routed_scaling_factor=rsf,
+    )
 
 
 def _router(num_experts, top_k, scoring, num_expert_group, topk_group, renormalize, rsf):
@@ -57,10 +63,12 @@ def _router(num_experts, top_k, scoring, num_expert_group, topk_group, renormali
     top_k = integer("topk", top_k, 1)
     if isinstance(rsf, (bool, np.bool_)) or not isinstance(rsf, numbers.Real):
         low, high = ROUTED_SCALING_FACTOR_RANGE
-        raise TypeError(f"routed_scaling_factor={rsf!r} must be a real number in "
-                        f"[{low:g}, {high:g}], got {type(rsf).__name__}")
-    return _cached_router(num_experts, top_k, scoring, num_expert_group, topk_group,
-                          _as_bool("renormalize", renormalize), float(rsf))
+        raise TypeError(
+            f"routed_scaling_factor={rsf!r} must be a real number in [{low:g}, {high:g}], got {type(rsf).__name__}"
+        )
+    return _cached_router(
+        num_experts, top_k, scoring, num_expert_group, topk_group, _as_bool("renormalize", renormalize), float(rsf)
+    )
 
 
 def _check_inputs(hidden_states, gating_output):
@@ -69,15 +77,18 @@ def _check_inputs(hidden_states, gating_output):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if gating_output.device.type not in _DEVICE_TYPES:
-        raise ValueError(f"gating_output is on {gating_output.device}; routing runs on "
-                         f"{' or '.join(_DEVICE_TYPES)} tensors (a meta tensor holds no "
-                         "logits to route)")
+        raise ValueError(
+            f"gating_output is on {gating_output.device}; routing runs on "
+            f"{' or '.join(_DEVICE_TYPES)} tensors (a meta tensor holds no "
+            "logits to route)"
+        )
     if gating_output.dim() != 2:
-        raise ValueError(f"gating_output must be 2-D [num_tokens, num_experts], got shape "
-                         f"{tuple(gating_output.shape)}")
+        raise ValueError(f"gating_output must be 2-D [num_tokens, num_experts], got shape {tuple(gating_output.shape)}")
     if hidden_states.dim() < 1 or hidden_states.shape[0] != gating_output.shape[0]:
-        raise ValueError(f"hidden_states has shape {tuple(hidden_states.shape)} but gating_output has "
-                         f"{gating_output.shape[0]} tokens; the first dimensions must match")
+        raise ValueError(
+            f"hidden_states has shape {tuple(hidden_states.shape)} but gating_output has "
+            f"{gating_output.shape[0]} tokens; the first dimensions must match"
+        )
     return int(gating_output.shape[1])
 
 
@@ -86,10 +97,15 @@ def _ids_as(topk_ids, indices_type, num_experts):
     is not an integer dtype or cannot hold every expert id."""
     if indices_type is None or indices_type == torch.int32:
         return topk_ids
-    if not isinstance(indices_type, torch.dtype) or indices_type.is_floating_point \
-            or indices_type.is_complex or indices_type == torch.bool:
-        raise TypeError(f"indices_type={indices_type!r} must be a torch integer dtype (e.g. torch.int32, "
-                        "torch.int64) or None")
+    if (
+        not isinstance(indices_type, torch.dtype)
+        or indices_type.is_floating_point
+        or indices_type.is_complex
+        or indices_type == torch.bool
+    ):
+        raise TypeError(
+            f"indices_type={indices_type!r} must be a torch integer dtype (e.g. torch.int32, torch.int64) or None"
+        )
     if torch.iinfo(indices_type).max < num_experts - 1:
         raise ValueError(f"indices_type={indices_type} cannot hold expert id {num_experts - 1}")
     return topk_ids.to(indices_type)
@@ -101,8 +117,13 @@ def _as_bool(name, value) -> bool:
     return bool(value)
 
 
-def fused_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int,
-               renormalize: bool, indices_type: torch.dtype | None = None):
+def fused_topk(
+    hidden_states: torch.Tensor,
+    gating_output: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    indices_type: torch.dtype | None = None,
+):
     """Softmax top-k routing, as vLLM's ``fused_topk``.
 
     Parameters
@@ -142,10 +163,17 @@ def fused_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: i
     return topk_weights, _ids_as(topk_ids, indices_type, num_experts)
 
 
-def grouped_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int,
-                 renormalize: bool, num_expert_group: int = 0, topk_group: int = 0,
-                 scoring_func: str = "softmax", routed_scaling_factor: float = 1.0,
-                 e_score_correction_bias: torch.Tensor | None = None):
+def grouped_topk(
+    hidden_states: torch.Tensor,
+    gating_output: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    num_expert_group: int = 0,
+    topk_group: int = 0,
+    scoring_func: str = "softmax",
+    routed_scaling_factor: float = 1.0,
+    e_score_correction_bias: torch.Tensor | None = None,
+):
     """Group-limited top-k routing (DeepSeek-V2/V3 style), as vLLM's ``grouped_topk``.
 
     The N experts form ``num_expert_group`` equal groups; each group is scored by its best
@@ -195,13 +223,11 @@ def grouped_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk:
     topk_group = integer("topk_group", topk_group, 0)  # 0: all groups
     groups = max(num_expert_group, 1)
     kept = groups if topk_group == 0 else topk_group
-    router = _router(num_experts, topk, scoring_func, groups, kept, renormalize,
-                     routed_scaling_factor)
+    router = _router(num_experts, topk, scoring_func, groups, kept, renormalize, routed_scaling_factor)
     bias = e_score_correction_bias
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"e_score_correction_bias must be a torch.Tensor or None, got "
-                            f"{type(bias).__name__}")
+            raise TypeError(f"e_score_correction_bias must be a torch.Tensor or None, got {type(bias).__name__}")
         if bias.is_floating_point() and bias.dtype != torch.float32:
             bias = bias.float()  # the kernels read a float32 bias; this is vLLM's upcast too
         bias = bias.contiguous()

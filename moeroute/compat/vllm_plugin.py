@@ -110,9 +110,11 @@ def requested(environ=None) -> bool:
     environ = os.environ if environ is None else environ
     switch = environ.get(SWITCH, "")
     if switch not in _SWITCH_VALUES:
-        raise ValueError(f"{SWITCH}={switch!r} is not a switch value; use '1' (moeroute serves vLLM's MoE "
-                         f"layers), '0' (it does not) or leave it unset (it does when VLLM_PLUGINS names "
-                         f"{PLUGIN_NAME!r})")
+        raise ValueError(
+            f"{SWITCH}={switch!r} is not a switch value; use '1' (moeroute serves vLLM's MoE "
+            f"layers), '0' (it does not) or leave it unset (it does when VLLM_PLUGINS names "
+            f"{PLUGIN_NAME!r})"
+        )
     if switch:
         return switch == "1"
     plugins = environ.get("VLLM_PLUGINS")
@@ -134,8 +136,11 @@ def register() -> None:
     if present is method_cls:
         return
     if present is not None:
-        logger.warning("moeroute: not registered: another plugin already replaced vLLM's "
-                       "UnquantizedFusedMoEMethod with %s; vLLM keeps that one", present.__name__)
+        logger.warning(
+            "moeroute: not registered: another plugin already replaced vLLM's "
+            "UnquantizedFusedMoEMethod with %s; vLLM keeps that one",
+            present.__name__,
+        )
         return
     # vLLM's documented seam: an out-of-tree subclass replaces the in-tree class by name.
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
@@ -148,8 +153,10 @@ def register() -> None:
     gpt_oss_cls = _gpt_oss_routed_experts_class()
     if gpt_oss_cls is not None and "GptOssRoutedExperts" not in op_registry_oot:
         gpt_oss_cls.__bases__[-1].register_oot(gpt_oss_cls)
-    logger.info("moeroute: registered as vLLM's unquantized MoE method (%s)",
-                f"{SWITCH}=1" if os.environ.get(SWITCH) == "1" else f"VLLM_PLUGINS names {PLUGIN_NAME}")
+    logger.info(
+        "moeroute: registered as vLLM's unquantized MoE method (%s)",
+        f"{SWITCH}=1" if os.environ.get(SWITCH) == "1" else f"VLLM_PLUGINS names {PLUGIN_NAME}",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,22 +190,28 @@ class LayerPlan:
 
     def describe(self) -> str:
         r = self.router
-        routing = (f"{r.scoring} top-{r.top_k} of {r.num_experts}"
-                   + (f", {r.topk_group} of {r.num_expert_group} groups" if r.num_expert_group > 1 else "")
-                   + (", renormalized" if r.renormalize else "")
-                   + (f", scaled by {r.routed_scaling_factor:g}" if r.routed_scaling_factor != 1.0 else ""))
+        routing = (
+            f"{r.scoring} top-{r.top_k} of {r.num_experts}"
+            + (f", {r.topk_group} of {r.num_expert_group} groups" if r.num_expert_group > 1 else "")
+            + (", renormalized" if r.renormalize else "")
+            + (f", scaled by {r.routed_scaling_factor:g}" if r.routed_scaling_factor != 1.0 else "")
+        )
         experts = f"{self.activation} experts"
         if self.quant is not None and self.quant.format == "fp8_block":
             experts = f"{self.quant.format} {self.quant.block_size[0]}x{self.quant.block_size[1]} {experts}"
         elif self.quant is not None:
             experts = f"{self.quant.format} {experts}"
-        held = "" if self.num_local_experts is None else \
-            f"; expert parallelism: {self.num_local_experts} of {r.num_experts} experts held here"
+        held = (
+            ""
+            if self.num_local_experts is None
+            else f"; expert parallelism: {self.num_local_experts} of {r.num_experts} experts held here"
+        )
         return f"{routing}; {experts}; shared expert: {self.layout.shared}{held}"
 
 
-def decline_reason(moe_config, layer, runner, weight_dtypes=WEIGHT_DTYPES, activations=ACTIVATIONS,
-                   biases=False) -> str | None:
+def decline_reason(
+    moe_config, layer, runner, weight_dtypes=WEIGHT_DTYPES, activations=ACTIVATIONS, biases=False
+) -> str | None:
     """Why moeroute does not serve this layer, in words, or None when it does.
 
     Parameters
@@ -216,14 +229,19 @@ def decline_reason(moe_config, layer, runner, weight_dtypes=WEIGHT_DTYPES, activ
     sizes = {name: getattr(parallel, f"{name}_size", 1) for name in ("tp", "dp", "ep", "pcp")}
     # Expert parallelism alone (vLLM's TP + EP: tp folded into ep, no all2all): every rank
     # sees all tokens, computes its held experts' partial sums, and vLLM's runner all-reduces.
-    expert_parallel_only = (parallel.use_ep and getattr(parallel, "sp_size", 1) == 1
-                            and all(sizes[name] == 1 for name in ("tp", "dp", "pcp")))
+    expert_parallel_only = (
+        parallel.use_ep
+        and getattr(parallel, "sp_size", 1) == 1
+        and all(sizes[name] == 1 for name in ("tp", "dp", "pcp"))
+    )
     if not expert_parallel_only and (any(size > 1 for size in sizes.values()) or parallel.use_ep):
         settings = ", ".join(f"{name}={size}" for name, size in sizes.items())
         if parallel.use_ep:
             settings += f", sp={getattr(parallel, 'sp_size', 1)}"
-        return (f"it is split over several ranks ({settings}); the plugin serves single-rank layers and "
-                "expert parallelism without tensor, data, context or sequence parallelism")
+        return (
+            f"it is split over several ranks ({settings}); the plugin serves single-rank layers and "
+            "expert parallelism without tensor, data, context or sequence parallelism"
+        )
     if parallel.use_ep and sizes["ep"] > 1 and layer.expert_map is None:
         return f"it is split over ep={sizes['ep']} ranks without an expert_map"
     if parallel.enable_eplb:
@@ -274,8 +292,10 @@ def _expert_map_reason(layer) -> str | None:
         return f"its w13_weight holds {int(weights.shape[0])} experts, local_num_experts is {local}"
     held = sorted(int(e) for e in expert_map.tolist() if int(e) != -1)
     if held != list(range(local)):
-        return (f"its expert_map does not name each of its {local} local experts once (-1 for the others); "
-                f"held ids {held[:8]}{'...' if len(held) > 8 else ''}")
+        return (
+            f"its expert_map does not name each of its {local} local experts once (-1 for the others); "
+            f"held ids {held[:8]}{'...' if len(held) > 8 else ''}"
+        )
     return None
 
 
@@ -295,9 +315,15 @@ def build_plan(layer, runner, quant=None, activations=ACTIVATIONS) -> LayerPlan:
     if layer.use_grouped_topk and layer.num_expert_group:
         groups = int(layer.num_expert_group)
         kept = int(layer.topk_group) if layer.topk_group else groups
-    router = RouterConfig(int(layer.global_num_experts), int(layer.top_k), layer.scoring_func,
-                          num_expert_group=groups, topk_group=kept, renormalize=bool(layer.renormalize),
-                          routed_scaling_factor=float(layer.routed_scaling_factor))
+    router = RouterConfig(
+        int(layer.global_num_experts),
+        int(layer.top_k),
+        layer.scoring_func,
+        num_expert_group=groups,
+        topk_group=kept,
+        renormalize=bool(layer.renormalize),
+        routed_scaling_factor=float(layer.routed_scaling_factor),
+    )
     # vLLM's runner owns the shared MLP (one module, whatever n_shared_experts it fuses):
     # the plan says so, and both sides read it.
     num_shared = 0 if runner.shared_experts is None else 1
@@ -311,8 +337,11 @@ def _decline(layer_name: str, reason: str) -> None:
     if reason in _declined_reasons:
         return
     _declined_reasons[reason] = layer_name
-    logger.warning("moeroute: vLLM's own MoE method serves layer %s (and any other layer for the "
-                   "same reason): %s", layer_name, reason)
+    logger.warning(
+        "moeroute: vLLM's own MoE method serves layer %s (and any other layer for the same reason): %s",
+        layer_name,
+        reason,
+    )
 
 
 def _find_runner(layer):
@@ -348,8 +377,10 @@ def fp8_decline_reason(method, layer) -> str | None:
     if config.activation_scheme != "dynamic":
         return f"its FP8 activation scheme is {config.activation_scheme!r}; the plugin serves 'dynamic'"
     if method.weight_scale_refine is not None or list(method.moe_block_shape) != list(method.weight_block_size):
-        return (f"vLLM refines its scale blocks {list(method.weight_block_size)} to {list(method.moe_block_shape)} "
-                "(tensor parallelism)")
+        return (
+            f"vLLM refines its scale blocks {list(method.weight_block_size)} to {list(method.moe_block_shape)} "
+            "(tensor parallelism)"
+        )
     for name in ("w13_weight_scale_inv", "w2_weight_scale_inv"):
         dtype = str(getattr(getattr(layer, name, None), "dtype", None))
         if dtype != "torch.float32":
@@ -365,8 +396,17 @@ def _fp8_quant_config(method, layer):
 
     quant = QuantConfig("fp8_block", block_size=tuple(int(b) for b in method.weight_block_size))
     w13, w2 = layer.w13_weight, layer.w2_weight
-    check_quantized_weights(quant, int(w13.shape[0]), int(w13.shape[2]), int(w13.shape[1]) // 2, w13, w2,
-                            layer.w13_weight_scale_inv, layer.w2_weight_scale_inv, None)
+    check_quantized_weights(
+        quant,
+        int(w13.shape[0]),
+        int(w13.shape[2]),
+        int(w13.shape[1]) // 2,
+        w13,
+        w2,
+        layer.w13_weight_scale_inv,
+        layer.w2_weight_scale_inv,
+        None,
+    )
     return quant
 
 
@@ -420,8 +460,12 @@ class _ServedMethod:
         from moeroute.bindings.torch.memory import back_with_huge_pages
 
         STATS["huge_page_bytes"] += back_with_huge_pages(
-            *(weight for weight in (getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None))
-              if weight is not None))
+            *(
+                weight
+                for weight in (getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None))
+                if weight is not None
+            )
+        )
         # The loaded w13_weight [E, 2I, H] (gate rows first) and w2_weight [E, H, I] (and FP8
         # block scales) are moeroute's layout already: used as they are, never repacked or copied.
         self.plan = plan
@@ -490,13 +534,32 @@ class _ServedMethod:
         eager = ops.runs_eagerly(x, topk_weights, topk_ids, expert_map)
         experts = ops.experts if eager else torch.ops.moeroute.experts
         if quant is None:
-            return experts(x, layer.w13_weight, layer.w2_weight, topk_ids, topk_weights, self.plan.activation,
-                           "auto", expert_map=expert_map)
+            return experts(
+                x,
+                layer.w13_weight,
+                layer.w2_weight,
+                topk_ids,
+                topk_weights,
+                self.plan.activation,
+                "auto",
+                expert_map=expert_map,
+            )
         return experts(
-            x, layer.w13_weight, layer.w2_weight, topk_ids, topk_weights, self.plan.activation, "auto",
-            gate_up_scale=layer.w13_weight_scale_inv, down_scale=layer.w2_weight_scale_inv,
-            quant_format=quant.format, block_size=list(quant.block_size), quant_activation=quant.activation,
-            scale_fmt=quant.scale_fmt, expert_map=expert_map)
+            x,
+            layer.w13_weight,
+            layer.w2_weight,
+            topk_ids,
+            topk_weights,
+            self.plan.activation,
+            "auto",
+            gate_up_scale=layer.w13_weight_scale_inv,
+            down_scale=layer.w2_weight_scale_inv,
+            quant_format=quant.format,
+            block_size=list(quant.block_size),
+            quant_activation=quant.activation,
+            scale_fmt=quant.scale_fmt,
+            expert_map=expert_map,
+        )
 
 
 @functools.cache
@@ -537,8 +600,11 @@ class _ChoosesQuantMethod:
         if replacement is not None:
             return replacement(quant_config, self)
         if not isinstance(method, UnquantizedFusedMoEMethod):
-            _decline(prefix, f"its experts are quantized ({type(method).__name__}); the plugin "
-                             "serves unquantized, FP8 (Fp8MoEMethod) and gpt-oss MXFP4 experts")
+            _decline(
+                prefix,
+                f"its experts are quantized ({type(method).__name__}); the plugin "
+                "serves unquantized, FP8 (Fp8MoEMethod) and gpt-oss MXFP4 experts",
+            )
         return method
 
 
@@ -615,8 +681,14 @@ def _mxfp4_quant_config(layer):
     num_experts, two_inter = layer.w13_weight.shape[:2]
     hidden = layer.w2_weight.shape[1]
     w13, w2 = _mxfp4_blocks(layer)
-    check_mxfp4_weights(quant, int(num_experts), int(hidden), int(two_inter) // 2,
-                        (w13, layer.w13_weight_scale), (w2, layer.w2_weight_scale))
+    check_mxfp4_weights(
+        quant,
+        int(num_experts),
+        int(hidden),
+        int(two_inter) // 2,
+        (w13, layer.w13_weight_scale),
+        (w2, layer.w2_weight_scale),
+    )
     return quant
 
 
@@ -634,9 +706,21 @@ def _mxfp4_experts(layer, x, topk_weights, topk_ids, expert_map=None):
 
     w13, w2 = _mxfp4_blocks(layer)
     experts = ops.experts if ops.runs_eagerly(x, topk_weights, topk_ids, expert_map) else torch.ops.moeroute.experts
-    return experts(x, w13, w2, topk_ids, topk_weights, "swigluoai", "auto", getattr(layer, "w13_bias", None),
-                   getattr(layer, "w2_bias", None), gate_up_scale=layer.w13_weight_scale,
-                   down_scale=layer.w2_weight_scale, quant_format="mxfp4", expert_map=expert_map)
+    return experts(
+        x,
+        w13,
+        w2,
+        topk_ids,
+        topk_weights,
+        "swigluoai",
+        "auto",
+        getattr(layer, "w13_bias", None),
+        getattr(layer, "w2_bias", None),
+        gate_up_scale=layer.w13_weight_scale,
+        down_scale=layer.w2_weight_scale,
+        quant_format="mxfp4",
+        expert_map=expert_map,
+    )
 
 
 @functools.cache
@@ -692,8 +776,9 @@ def _mxfp4_method_class():
 
         def _vllm_setup(self, layer, reason):
             if self.vllm_unavailable is not None:
-                raise NotImplementedError(f"{self.vllm_unavailable} (moeroute declined layer {layer.layer_name}: "
-                                          f"{reason})")
+                raise NotImplementedError(
+                    f"{self.vllm_unavailable} (moeroute declined layer {layer.layer_name}: {reason})"
+                )
             super()._vllm_setup(layer, reason)
 
         def _adopt_weights(self, layer):

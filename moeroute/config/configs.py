@@ -104,20 +104,17 @@ class RouterConfig:
     def __post_init__(self) -> None:
         num_experts = integer("num_experts", self.num_experts, 1)
         if num_experts > MAX_NUM_EXPERTS:
-            raise ValueError(f"num_experts={num_experts} exceeds {MAX_NUM_EXPERTS}: expert ids "
-                             "are int32; use at most 2**31 - 1 experts")
+            raise ValueError(
+                f"num_experts={num_experts} exceeds {MAX_NUM_EXPERTS}: expert ids "
+                "are int32; use at most 2**31 - 1 experts"
+            )
         top_k = integer("top_k", self.top_k, 1)
         num_groups = integer("num_expert_group", self.num_expert_group, 1)
         topk_group = integer("topk_group", self.topk_group, 1)
         if not isinstance(self.scoring, str) or self.scoring not in SCORING_FUNCTIONS:
-            raise ValueError(
-                f"scoring={self.scoring!r} is not supported; use one of {SCORING_FUNCTIONS}"
-            )
+            raise ValueError(f"scoring={self.scoring!r} is not supported; use one of {SCORING_FUNCTIONS}")
         if not isinstance(self.renormalize, (bool, np.bool_)):
-            raise ValueError(
-                f"renormalize={self.renormalize!r} must be a bool, "
-                f"got {type(self.renormalize).__name__}"
-            )
+            raise ValueError(f"renormalize={self.renormalize!r} must be a bool, got {type(self.renormalize).__name__}")
         rsf = self.routed_scaling_factor
         low, high = ROUTED_SCALING_FACTOR_RANGE
         if isinstance(rsf, bool) or not isinstance(rsf, numbers.Real):
@@ -131,9 +128,7 @@ class RouterConfig:
                 "(outside it float32 weights overflow to inf or vanish to 0)"
             )
         if top_k > num_experts:
-            raise ValueError(
-                f"top_k={top_k} exceeds num_experts={num_experts}; top_k must be in [1, {num_experts}]"
-            )
+            raise ValueError(f"top_k={top_k} exceeds num_experts={num_experts}; top_k must be in [1, {num_experts}]")
         if num_experts % num_groups != 0:
             raise ValueError(
                 f"num_expert_group={num_groups} does not divide num_experts={num_experts}; "
@@ -260,11 +255,7 @@ class ModelPreset:
                 f"num_shared_experts={shared} and shared_intermediate_size={shared_size} "
                 "disagree: both must be 0 (no shared expert) or both positive"
             )
-        if (
-            shared
-            and self.shared_unfusable_reason is None
-            and shared_size != shared * inter
-        ):
+        if shared and self.shared_unfusable_reason is None and shared_size != shared * inter:
             raise ValueError(
                 f"shared_intermediate_size={shared_size} must equal num_shared_experts * "
                 f"moe_intermediate_size = {shared * inter}, or shared_unfusable_reason must say "
@@ -273,8 +264,7 @@ class ModelPreset:
         if self.shared_gated and not shared:
             raise ValueError("shared_gated=True needs a shared expert (num_shared_experts > 0)")
         if self.activation not in EXPERT_ACTIVATIONS:
-            raise ValueError(f"activation={self.activation!r} is not supported; use one of "
-                             f"{EXPERT_ACTIVATIONS}")
+            raise ValueError(f"activation={self.activation!r} is not supported; use one of {EXPERT_ACTIVATIONS}")
         object.__setattr__(self, "expert_bias", bool(self.expert_bias))
         object.__setattr__(self, "hidden_size", hidden)
         object.__setattr__(self, "moe_intermediate_size", inter)

@@ -55,8 +55,7 @@ def _as_dict(config: Any) -> Mapping:
             )
         return fields
     raise ValueError(
-        f"config must be a dict, a path to config.json or a transformers config, "
-        f"got {type(config).__name__}"
+        f"config must be a dict, a path to config.json or a transformers config, got {type(config).__name__}"
     )
 
 
@@ -75,10 +74,7 @@ def _check_field_type(key: str, value: Any, default: Any) -> None:
     else:
         return
     if not ok:
-        raise ValueError(
-            f"Hugging Face config field {key!r}={value!r} must be {kind}, "
-            f"got {type(value).__name__}"
-        )
+        raise ValueError(f"Hugging Face config field {key!r}={value!r} must be {kind}, got {type(value).__name__}")
 
 
 def _field(fields: Mapping, names: str | tuple[str, ...], default: Any = _REQUIRED) -> Any:
@@ -153,8 +149,7 @@ def _read_deepseek_v2(fields: Mapping) -> dict:
         topk_group = _field(fields, "topk_group")
     else:
         raise ValueError(
-            f"topk_method={topk_method!r} is not supported for deepseek_v2; "
-            "use 'greedy' or 'group_limited_greedy'"
+            f"topk_method={topk_method!r} is not supported for deepseek_v2; use 'greedy' or 'group_limited_greedy'"
         )
     inter = _field(fields, "moe_intermediate_size", 1407)
     num_shared = _field(fields, "n_shared_experts", 2)
@@ -214,9 +209,7 @@ def _qwen_reader(
         moe_inter = _field(fields, "moe_intermediate_size", inter)
         shared_size = _field(fields, "shared_expert_intermediate_size", shared) if shared else 0
         num_shared, reason = _shared_split(shared_size, moe_inter)
-        renormalize = True if norm_topk_prob is None else _field(
-            fields, "norm_topk_prob", norm_topk_prob
-        )
+        renormalize = True if norm_topk_prob is None else _field(fields, "norm_topk_prob", norm_topk_prob)
         return dict(
             router=dict(
                 num_experts=_field(fields, "num_experts", experts),
@@ -261,8 +254,7 @@ def _read_gpt_oss(fields: Mapping) -> dict:
     alpha = _field(fields, "swiglu_alpha", 1.702)
     if (float(alpha), float(limit)) != (1.702, 7.0):
         raise ValueError(
-            f"swiglu_alpha={alpha}, swiglu_limit={limit}: moeroute's swigluoai uses alpha=1.702 "
-            "and limit=7.0"
+            f"swiglu_alpha={alpha}, swiglu_limit={limit}: moeroute's swigluoai uses alpha=1.702 and limit=7.0"
         )
     return dict(
         router=dict(
@@ -297,10 +289,7 @@ _READERS: dict[str, Callable[[Mapping], dict]] = {
 }
 
 #: Model types ``from_hf`` reads (top-level ``model_type`` values).
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(
-    sorted(set(_READERS) | set(_COMPOSITE_TEXT_TYPES))
-)
-
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(set(_READERS) | set(_COMPOSITE_TEXT_TYPES)))
 
 
 def read_hf_config(config: Any) -> tuple[str, str, dict]:
@@ -332,10 +321,7 @@ def read_hf_config(config: Any) -> tuple[str, str, dict]:
     top = _as_dict(config)
     model_type = top.get("model_type")
     if model_type is None:
-        raise ValueError(
-            "config has no 'model_type'; supported model types: "
-            + ", ".join(SUPPORTED_MODEL_TYPES)
-        )
+        raise ValueError("config has no 'model_type'; supported model types: " + ", ".join(SUPPORTED_MODEL_TYPES))
     if not isinstance(model_type, str):
         raise ValueError(
             f"model_type={model_type!r} must be a string, got {type(model_type).__name__}; "
@@ -346,15 +332,11 @@ def read_hf_config(config: Any) -> tuple[str, str, dict]:
     if model_type in _COMPOSITE_TEXT_TYPES:
         fields = top.get("text_config")
         if not isinstance(fields, Mapping):
-            raise ValueError(
-                f"model_type={model_type!r} keeps its MoE fields in 'text_config', "
-                "which is missing"
-            )
+            raise ValueError(f"model_type={model_type!r} keeps its MoE fields in 'text_config', which is missing")
         text_type = _COMPOSITE_TEXT_TYPES[model_type]
     reader = _READERS.get(text_type)
     if reader is None:
         raise ValueError(
-            f"model_type={model_type!r} is not supported; supported model types: "
-            + ", ".join(SUPPORTED_MODEL_TYPES)
+            f"model_type={model_type!r} is not supported; supported model types: " + ", ".join(SUPPORTED_MODEL_TYPES)
         )
     return model_type, top.get("_name_or_path") or model_type, reader(fields)

@@ -286,8 +286,7 @@ def _improve(load, phy2log, num_ranks, num_nodes, limit):
     held = _held(phy2log, n, num_ranks)
     _refine(phy2log, weights, loads, held, num_ranks, num_nodes)
     if _duplicates(held) > 0:
-        _remove_duplicates(phy2log, weights, loads, held, num_ranks, num_nodes,
-                           min(limit, loads.max()))
+        _remove_duplicates(phy2log, weights, loads, held, num_ranks, num_nodes, min(limit, loads.max()))
         _refine(phy2log, weights, loads, held, num_ranks, num_nodes)
     # Recomputed from scratch: the running sums drift by the swaps' rounding.
     return _rank_loads(load, phy2log, counts, num_ranks).max()
@@ -370,8 +369,9 @@ def _relabel_ranks(plan, previous, n, num_ranks, num_nodes):
     out = np.empty_like(plan)
     for x in range(num_nodes):
         y = node_map[x]
-        sub = rank_overlap[x * ranks_per_node:(x + 1) * ranks_per_node,
-                           y * ranks_per_node:(y + 1) * ranks_per_node].copy()
+        sub = rank_overlap[
+            x * ranks_per_node : (x + 1) * ranks_per_node, y * ranks_per_node : (y + 1) * ranks_per_node
+        ].copy()
         rank_map = _match(sub)
         for r in range(ranks_per_node):
             source = x * ranks_per_node + r
@@ -421,8 +421,7 @@ def _follow_previous(load, plan, previous, num_ranks, num_nodes, allowed):
     greedy's) and it has no more duplicates and moves no more experts than (a)."""
     n = load.shape[0]
     kept = _keep_slots(plan, previous, num_ranks)
-    relabeled = _keep_slots(_relabel_ranks(plan, previous, n, num_ranks, num_nodes),
-                            previous, num_ranks)
+    relabeled = _keep_slots(_relabel_ranks(plan, previous, n, num_ranks, num_nodes), previous, num_ranks)
     if _moved(relabeled, previous) < _moved(kept, previous):
         kept = relabeled
     swapped = previous.copy()
@@ -446,7 +445,6 @@ def _plan_layers(load, num_physical, num_ranks, num_nodes, num_groups, previous,
         allowed = _greedy_peak(load[layer], num_physical, num_ranks, num_nodes, num_groups)
         plan = _plan_layer(load[layer], num_physical, num_ranks, num_nodes, num_groups, allowed)
         if has_previous:
-            plan = _follow_previous(load[layer], plan, previous[layer], num_ranks, num_nodes,
-                                    allowed)
+            plan = _follow_previous(load[layer], plan, previous[layer], num_ranks, num_nodes, allowed)
         out[layer] = plan
     return out

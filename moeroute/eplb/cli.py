@@ -24,8 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from moeroute.eplb.placement import (Placement, balancedness, linear_placement, rank_load,
-                                     rebalance, round_robin_placement)
+from moeroute.eplb.placement import (
+    Placement,
+    balancedness,
+    linear_placement,
+    rank_load,
+    rebalance,
+    round_robin_placement,
+)
 
 __all__ = ["add_arguments", "run", "synthetic_load", "read_load", "SYNTHETIC_KEYS"]
 
@@ -64,19 +70,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.parse_known_args = parse_strict
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--load", metavar="FILE",
-                        help="tokens per logical expert, [N] or [L, N]: .npy, .pt or .json")
-    source.add_argument("--synthetic", metavar="SPEC",
-                        help="a skewed load, e.g. zipf:1.1,layers:4,tokens:65536 "
-                             "(also experts:N, seed:S)")
+    source.add_argument("--load", metavar="FILE", help="tokens per logical expert, [N] or [L, N]: .npy, .pt or .json")
+    source.add_argument(
+        "--synthetic",
+        metavar="SPEC",
+        help="a skewed load, e.g. zipf:1.1,layers:4,tokens:65536 (also experts:N, seed:S)",
+    )
     parser.add_argument("--ep", type=int, required=True, metavar="E", help="expert-parallel ranks")
-    parser.add_argument("--redundant", type=int, default=0, metavar="R",
-                        help="redundant experts: P = N + R physical experts (default 0)")
+    parser.add_argument(
+        "--redundant",
+        type=int,
+        default=0,
+        metavar="R",
+        help="redundant experts: P = N + R physical experts (default 0)",
+    )
     parser.add_argument("--nodes", type=int, default=1, help="nodes the ranks span (default 1)")
-    parser.add_argument("--groups", type=int, default=1,
-                        help="expert groups (DeepSeek-V3: 8; default 1)")
-    parser.add_argument("--previous", metavar="FILE",
-                        help="the placement in use ([L, P] or [P]; .npy, .pt or .json)")
+    parser.add_argument("--groups", type=int, default=1, help="expert groups (DeepSeek-V3: 8; default 1)")
+    parser.add_argument("--previous", metavar="FILE", help="the placement in use ([L, P] or [P]; .npy, .pt or .json)")
     parser.add_argument("--out", metavar="FILE", help="write the plan (.npy or .json)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
@@ -97,8 +107,7 @@ def synthetic_load(spec: str) -> np.ndarray:
         key, sep, value = item.partition(":")
         key = key.strip()
         if not sep or key not in SYNTHETIC_KEYS:
-            raise ValueError(f"--synthetic item {item!r} is not key:value with a key among "
-                             f"{', '.join(SYNTHETIC_KEYS)}")
+            raise ValueError(f"--synthetic item {item!r} is not key:value with a key among {', '.join(SYNTHETIC_KEYS)}")
         try:
             fields[key] = float(value) if key == "zipf" else _integer(value)
         except (ValueError, OverflowError):
@@ -113,15 +122,19 @@ def synthetic_load(spec: str) -> np.ndarray:
         if fields[key] < 0:
             raise ValueError(f"--synthetic {key}:{fields[key]} must be >= 0")
     if fields["layers"] * fields["experts"] > MAX_PLAN_ENTRIES:
-        raise ValueError(f"--synthetic layers:{fields['layers']} x experts:{fields['experts']} exceeds "
-                         f"{MAX_PLAN_ENTRIES} loads (MAX_PLAN_ENTRIES); use fewer layers or experts")
+        raise ValueError(
+            f"--synthetic layers:{fields['layers']} x experts:{fields['experts']} exceeds "
+            f"{MAX_PLAN_ENTRIES} loads (MAX_PLAN_ENTRIES); use fewer layers or experts"
+        )
     if fields["tokens"] > MAX_SYNTHETIC_TOKENS:
         raise ValueError(f"--synthetic tokens:{fields['tokens']} exceeds {MAX_SYNTHETIC_TOKENS} (2**62)")
     rng = np.random.default_rng(fields["seed"])
     popularity = 1.0 / np.arange(1, fields["experts"] + 1) ** fields["zipf"]
     popularity /= popularity.sum()
-    rows = [rng.multinomial(fields["tokens"], popularity[rng.permutation(fields["experts"])])
-            for _ in range(fields["layers"])]
+    rows = [
+        rng.multinomial(fields["tokens"], popularity[rng.permutation(fields["experts"])])
+        for _ in range(fields["layers"])
+    ]
     return np.array(rows, dtype=np.float64)
 
 
@@ -165,8 +178,9 @@ def read_load(path: str, what: str = "--load") -> Any:
         if isinstance(value, torch.Tensor):
             return value.detach().double().numpy() if value.is_floating_point() else value.numpy()
         if not isinstance(value, (list, tuple)):
-            raise ValueError(f"it holds a {type(value).__name__}; save one tensor [N] or [L, N] "
-                             "(torch.save(load, path))")
+            raise ValueError(
+                f"it holds a {type(value).__name__}; save one tensor [N] or [L, N] (torch.save(load, path))"
+            )
         return np.asarray(value)
     # Whatever a reader raises on a file that is not what it claims to be (torch.load alone
     # raises UnpicklingError, EOFError, RuntimeError, ...), the answer is this one line.
@@ -214,35 +228,52 @@ def _report(load: np.ndarray, args: argparse.Namespace, plan: Placement, previou
     moved = plan.moved(previous if previous is not None else linear)
     rows = []
     for layer in range(layers):
-        rows.append({
-            "layer": layer,
-            "balancedness_linear": float(balancedness(load[layer], linear[layer], e)),
-            "balancedness_round_robin": float(balancedness(load[layer], robin[layer], e)),
-            "balancedness_after": float(balancedness(load[layer], plan.layer(layer), e)),
-            "heaviest_rank_tokens_before": float(before[layer].max()),
-            "heaviest_rank_tokens_after": float(after[layer].max()),
-            "experts_moved": int(moved[layer]),
-            "duplicates": int(plan.duplicates()[layer]),
-        })
-    return {"num_logical_experts": n, "num_physical_experts": p, "ep_size": e,
-            "num_nodes": args.nodes, "num_groups": args.groups, "policy": plan.policy,
-            "moved_from": "previous" if previous is not None else "linear", "layers": rows}
+        rows.append(
+            {
+                "layer": layer,
+                "balancedness_linear": float(balancedness(load[layer], linear[layer], e)),
+                "balancedness_round_robin": float(balancedness(load[layer], robin[layer], e)),
+                "balancedness_after": float(balancedness(load[layer], plan.layer(layer), e)),
+                "heaviest_rank_tokens_before": float(before[layer].max()),
+                "heaviest_rank_tokens_after": float(after[layer].max()),
+                "experts_moved": int(moved[layer]),
+                "duplicates": int(plan.duplicates()[layer]),
+            }
+        )
+    return {
+        "num_logical_experts": n,
+        "num_physical_experts": p,
+        "ep_size": e,
+        "num_nodes": args.nodes,
+        "num_groups": args.groups,
+        "policy": plan.policy,
+        "moved_from": "previous" if previous is not None else "linear",
+        "layers": rows,
+    }
 
 
 def _format(report: dict) -> str:
-    lines = [f"eplb: N={report['num_logical_experts']} -> P={report['num_physical_experts']} "
-             f"physical experts on {report['ep_size']} ranks, {report['num_nodes']} node(s), "
-             f"{report['num_groups']} group(s), {report['policy']} policy; experts moved "
-             f"from the {report['moved_from']} placement"]
-    header = ("layer", "linear", "round_robin", "after", "heaviest before", "heaviest after",
-              "moved", "duplicates")
+    lines = [
+        f"eplb: N={report['num_logical_experts']} -> P={report['num_physical_experts']} "
+        f"physical experts on {report['ep_size']} ranks, {report['num_nodes']} node(s), "
+        f"{report['num_groups']} group(s), {report['policy']} policy; experts moved "
+        f"from the {report['moved_from']} placement"
+    ]
+    header = ("layer", "linear", "round_robin", "after", "heaviest before", "heaviest after", "moved", "duplicates")
     rows = [header]
     for row in report["layers"]:
-        rows.append((str(row["layer"]), f"{row['balancedness_linear']:.3f}",
-                     f"{row['balancedness_round_robin']:.3f}", f"{row['balancedness_after']:.3f}",
-                     f"{row['heaviest_rank_tokens_before']:.0f}",
-                     f"{row['heaviest_rank_tokens_after']:.0f}", str(row["experts_moved"]),
-                     str(row["duplicates"])))
+        rows.append(
+            (
+                str(row["layer"]),
+                f"{row['balancedness_linear']:.3f}",
+                f"{row['balancedness_round_robin']:.3f}",
+                f"{row['balancedness_after']:.3f}",
+                f"{row['heaviest_rank_tokens_before']:.0f}",
+                f"{row['heaviest_rank_tokens_after']:.0f}",
+                str(row["experts_moved"]),
+                str(row["duplicates"]),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join(lines)
@@ -264,24 +295,36 @@ def run(args: argparse.Namespace) -> int:
         if load.ndim != 2:
             raise ValueError(f"--load holds shape {load.shape}; use [N] or [L, N]")
         if load.size == 0:
-            raise ValueError(f"--load {args.load!r} holds no loads (shape {load.shape}); it needs [N] or "
-                             "[L, N] with N >= 1 tokens per logical expert")
+            raise ValueError(
+                f"--load {args.load!r} holds no loads (shape {load.shape}); it needs [N] or "
+                "[L, N] with N >= 1 tokens per logical expert"
+            )
         if args.redundant < 0:
             raise ValueError(f"--redundant {args.redundant} must be >= 0")
         if load.shape[0] * (load.shape[1] + args.redundant) > MAX_PLAN_ENTRIES:
-            raise ValueError(f"a plan of {load.shape[0]} layer(s) x {load.shape[1] + args.redundant} physical "
-                             f"experts (N + --redundant) exceeds {MAX_PLAN_ENTRIES} entries (MAX_PLAN_ENTRIES)")
+            raise ValueError(
+                f"a plan of {load.shape[0]} layer(s) x {load.shape[1] + args.redundant} physical "
+                f"experts (N + --redundant) exceeds {MAX_PLAN_ENTRIES} entries (MAX_PLAN_ENTRIES)"
+            )
         with np.errstate(over="ignore", invalid="ignore"):
             totals = load.sum(axis=1)
         if np.isfinite(load).all() and not np.isfinite(totals).all():  # each finite, the sum not
             layer = int(np.flatnonzero(~np.isfinite(totals))[0])
-            raise ValueError(f"--load {args.load!r}: layer {layer} sums to {totals[layer]}; the loads of a "
-                             "layer must have a finite sum (scale them down)")
+            raise ValueError(
+                f"--load {args.load!r}: layer {layer} sums to {totals[layer]}; the loads of a "
+                "layer must have a finite sum (scale them down)"
+            )
         previous = None
         if args.previous is not None:
             previous = np.asarray(_previous_table(read_load(args.previous, "--previous")))
-        plan = rebalance(load, load.shape[1] + args.redundant, args.ep, num_nodes=args.nodes,
-                         num_groups=args.groups, previous=previous)
+        plan = rebalance(
+            load,
+            load.shape[1] + args.redundant,
+            args.ep,
+            num_nodes=args.nodes,
+            num_groups=args.groups,
+            previous=previous,
+        )
         report = _report(load, args, plan, previous)
         if args.out is not None:
             try:
@@ -290,13 +333,19 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--out {args.out!r} cannot be written: {error.strerror or error}") from None
             report["out"] = args.out
     except MemoryError:
-        print("moeroute eplb: error: not enough memory to plan this placement; use fewer layers, "
-              "experts or --redundant", file=sys.stderr)
+        print(
+            "moeroute eplb: error: not enough memory to plan this placement; use fewer layers, experts or --redundant",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     except ValueError as error:
         message = str(error)
-        for name, flag in (("num_physical_experts", "N + --redundant"), ("ep_size", "--ep"),
-                           ("num_nodes", "--nodes"), ("num_groups", "--groups")):
+        for name, flag in (
+            ("num_physical_experts", "N + --redundant"),
+            ("ep_size", "--ep"),
+            ("num_nodes", "--nodes"),
+            ("num_groups", "--groups"),
+        ):
             message = message.replace(name, flag)
         if message.startswith("previous"):
             message = "--" + message

@@ -73,8 +73,10 @@ def moe_layers(modules: Any) -> list:
         try:
             layers = list(modules)
         except TypeError:
-            raise TypeError(f"modules must be an MoE, a sequence of MoE layers or an nn.Module "
-                            f"holding them, got {type(modules).__name__}") from None
+            raise TypeError(
+                f"modules must be an MoE, a sequence of MoE layers or an nn.Module "
+                f"holding them, got {type(modules).__name__}"
+            ) from None
     if not layers or not all(isinstance(m, MoE) for m in layers):
         raise TypeError("modules must hold at least one moeroute MoE layer (and nothing else)")
     return layers
@@ -132,8 +134,9 @@ def gather_load(modules: Any, group: Any = None) -> np.ndarray:
     if any(layer.layout.num_routed_experts != n for layer in layers):
         raise ValueError("the layers have different numbers of routed experts; gather them apart")
     physical = [layer.load_recorder.physical_load(layer.layout) for layer in layers]
-    device = layers[0].load_recorder.counts.device if layers[0].load_recorder.counts is not None \
-        else torch.device("cpu")
+    device = (
+        layers[0].load_recorder.counts.device if layers[0].load_recorder.counts is not None else torch.device("cpu")
+    )
     widths = [t.numel() for t in physical]
     group = _group_of(layers, group)
     flat = torch.cat([t.to(_comm_device(group, device)) for t in physical])
@@ -144,8 +147,7 @@ def gather_load(modules: Any, group: Any = None) -> np.ndarray:
             raise CollectiveError(f"gather_load: the load reduction failed ({error})") from error
     out = np.zeros((len(layers), n), dtype=np.int64)
     for index, (layer, chunk) in enumerate(zip(layers, flat.cpu().split(widths))):
-        np.add.at(out[index], np.asarray(layer.layout.physical_to_logical, dtype=np.int64),
-                  chunk.numpy())
+        np.add.at(out[index], np.asarray(layer.layout.physical_to_logical, dtype=np.int64), chunk.numpy())
     return out
 
 
@@ -156,9 +158,11 @@ def _expert_tensors(layer) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of every expert parameter/buffer with one row per local expert."""
     experts = layer.experts
     count = experts.num_local_experts
-    found = [(name, t) for name, t in list(experts.named_parameters(recurse=False))
-             + list(experts.named_buffers(recurse=False))
-             if t is not None and t.dim() >= 1 and t.shape[0] == count]
+    found = [
+        (name, t)
+        for name, t in list(experts.named_parameters(recurse=False)) + list(experts.named_buffers(recurse=False))
+        if t is not None and t.dim() >= 1 and t.shape[0] == count
+    ]
     return sorted(found, key=lambda item: item[0])
 
 
@@ -222,18 +226,23 @@ def plan_transfer(old: np.ndarray, new: np.ndarray, ep_size: int, rank: int) -> 
 
 
 def _digest(array: np.ndarray) -> str:
-    return hashlib.blake2b(np.ascontiguousarray(array, dtype=np.int64).tobytes(),
-                           digest_size=8).hexdigest()
+    return hashlib.blake2b(np.ascontiguousarray(array, dtype=np.int64).tobytes(), digest_size=8).hexdigest()
 
 
 def _new_layout(layout: ExpertLayout, table: np.ndarray) -> ExpertLayout:
     """``layout`` with another physical_to_logical table (everything else resolved alike)."""
     shared = layout.shared if layout.shared != "none" else "auto"
     return ExpertLayout(
-        layout.num_routed_experts, layout.num_shared_experts, ep_size=layout.ep_size,
-        dispatch=layout.dispatch, shared=shared, shared_slots=layout.shared_slots,
-        scaling_regime=layout.scaling_regime, unfusable_reason=layout.unfusable_reason,
-        physical_to_logical=np.asarray(table, dtype=np.int64))
+        layout.num_routed_experts,
+        layout.num_shared_experts,
+        ep_size=layout.ep_size,
+        dispatch=layout.dispatch,
+        shared=shared,
+        shared_slots=layout.shared_slots,
+        scaling_regime=layout.scaling_regime,
+        unfusable_reason=layout.unfusable_reason,
+        physical_to_logical=np.asarray(table, dtype=np.int64),
+    )
 
 
 # --------------------------------------------------------------------------- apply
@@ -273,16 +282,20 @@ class ApplyHandle:
         return self
 
     def as_dict(self) -> dict:
-        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-                "experts_moved": self.experts_moved, "experts_received": self.experts_received,
-                "experts_copied": self.experts_copied, "done": self.done}
+        return {
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "experts_moved": self.experts_moved,
+            "experts_received": self.experts_received,
+            "experts_copied": self.experts_copied,
+            "done": self.done,
+        }
 
 
 class _Pending:
     """A posted transfer and what the swap needs; shared by every layer of one `apply`."""
 
-    def __init__(self, layers, tables, plans, names, received, work, recv_buffer, group,
-                 handle) -> None:
+    def __init__(self, layers, tables, plans, names, received, work, recv_buffer, group, handle) -> None:
         self.layers, self.tables, self.plans = layers, tables, plans
         self.names, self.received, self.work = names, received, work
         self.recv_buffer, self.group, self.handle = recv_buffer, group, handle
@@ -290,8 +303,9 @@ class _Pending:
         # One thread finishes (agrees and swaps); another forward's at_forward waits for it.
         self._finishing = threading.Lock()
         self._settled = self._warned = False
-        self.local_rows = [self._local_rows(layer, plan, layer_names)
-                           for layer, plan, layer_names in zip(layers, plans, names)]
+        self.local_rows = [
+            self._local_rows(layer, plan, layer_names) for layer, plan, layer_names in zip(layers, plans, names)
+        ]
 
     @staticmethod
     def _local_rows(layer, plan, names):
@@ -300,8 +314,10 @@ class _Pending:
             return None
         sources = torch.tensor([s for s, _ in plan.local], dtype=torch.long)
         current = dict(_expert_tensors(layer))
-        return {name: _storage(current[name]).index_select(0, sources.to(current[name].device))
-                .view(current[name].dtype) for name in names}
+        return {
+            name: _storage(current[name]).index_select(0, sources.to(current[name].device)).view(current[name].dtype)
+            for name in names
+        }
 
     def _transfer_state(self) -> int:
         """1 finished, 0 in flight, -1 failed (this rank)."""
@@ -312,8 +328,9 @@ class _Pending:
         try:
             self.work.wait()
         except RuntimeError as error:
-            self.handle.error = CollectiveError(f"the EPLB expert transfer failed ({error}); "
-                                                "every layer keeps its old placement")
+            self.handle.error = CollectiveError(
+                f"the EPLB expert transfer failed ({error}); every layer keeps its old placement"
+            )
             return -1
         return 1
 
@@ -326,7 +343,8 @@ class _Pending:
         except RuntimeError as error:
             raise CollectiveError(
                 f"the EPLB commit failed: a peer rank exited or missed the process group's "
-                f"timeout ({error}); every layer keeps its old placement") from error
+                f"timeout ({error}); every layer keeps its old placement"
+            ) from error
         return int(flag.item())
 
     def finish(self, block: bool) -> bool:
@@ -342,8 +360,8 @@ class _Pending:
                 self.work.wait()
             except RuntimeError as error:
                 self.handle.error = CollectiveError(
-                    f"the EPLB expert transfer failed ({error}); every layer keeps its old "
-                    "placement")
+                    f"the EPLB expert transfer failed ({error}); every layer keeps its old placement"
+                )
         state = -1 if self.handle.error is not None else self._transfer_state()
         agreed = self._agree(state)
         if agreed == 0:
@@ -353,8 +371,8 @@ class _Pending:
         if agreed < 0:
             if self.handle.error is None:
                 self.handle.error = CollectiveError(
-                    "the EPLB expert transfer failed on another rank; every layer keeps its "
-                    "old placement")
+                    "the EPLB expert transfer failed on another rank; every layer keeps its old placement"
+                )
             return False
         self._swap()
         self.handle.done = True
@@ -389,8 +407,9 @@ class _Pending:
                     slots += plan.receive[src]
                 writes = []
                 for name in names:
-                    parts = ([self.local_rows[index][name]] if plan.local else []) \
-                        + list(self.received[index].get(name, []))
+                    parts = ([self.local_rows[index][name]] if plan.local else []) + list(
+                        self.received[index].get(name, [])
+                    )
                     if slots:
                         tensor = current[name]
                         rows = torch.cat([part.to(tensor.device) for part in parts])
@@ -398,8 +417,11 @@ class _Pending:
                         writes.append((tensor, where, rows))
                 layout = _new_layout(layer.layout, self.tables[index])
                 old = layer.dispatcher
-                dispatcher = LocalDispatcher(layout) if isinstance(old, LocalDispatcher) else \
-                    make_dispatcher(layout, old.group, layout.dispatch, debug=old.debug)
+                dispatcher = (
+                    LocalDispatcher(layout)
+                    if isinstance(old, LocalDispatcher)
+                    else make_dispatcher(layout, old.group, layout.dispatch, debug=old.debug)
+                )
                 prepared.append((layer, writes, layout, dispatcher))
             with contextlib.ExitStack() as guards:
                 for layer in self.layers:  # in layer order, as every swap takes them
@@ -429,8 +451,9 @@ def _agreement_fields(layers, placement, async_op: bool, group) -> dict:
         "eplb.placement.num_logical_experts": placement.num_logical_experts,
         "eplb.placement.num_physical_experts": placement.num_physical_experts,
         "eplb.current_placement": _digest(np.stack([layer.layout.physical_to_logical for layer in layers])),
-        "eplb.expert_tensors": tuple(tuple((name, tuple(t.shape), str(t.dtype)) for name, t in _expert_tensors(layer))
-                                     for layer in layers),
+        "eplb.expert_tensors": tuple(
+            tuple((name, tuple(t.shape), str(t.dtype)) for name, t in _expert_tensors(layer)) for layer in layers
+        ),
         "eplb.async_op": async_op,
         "eplb.layers_on_group_ranks": all(layer.rank == dist.get_rank(group) for layer in layers),
     }
@@ -443,8 +466,10 @@ def _agreement_fields(layers, placement, async_op: bool, group) -> dict:
 
 def _check_request(layers, placement) -> np.ndarray:
     if placement.num_layers != len(layers):
-        raise ValueError(f"placement has {placement.num_layers} layer(s) for {len(layers)} MoE "
-                         f"layer(s); pass one placement row per layer")
+        raise ValueError(
+            f"placement has {placement.num_layers} layer(s) for {len(layers)} MoE "
+            f"layer(s); pass one placement row per layer"
+        )
     for index, layer in enumerate(layers):
         layout = layer.layout
         expected = (layout.num_routed_experts, layout.num_routed_physical, layout.ep_size)
@@ -452,7 +477,8 @@ def _check_request(layers, placement) -> np.ndarray:
         if expected != got:
             raise ValueError(
                 f"placement (N, P, E) = {got} does not fit layer {index}, whose layout has "
-                f"(N, P, E) = {expected}; plan with rebalance(load, {expected[1]}, {expected[2]})")
+                f"(N, P, E) = {expected}; plan with rebalance(load, {expected[1]}, {expected[2]})"
+            )
     return np.asarray(placement.physical_to_logical, dtype=np.int64)
 
 
@@ -466,8 +492,7 @@ def _storage(tensor: torch.Tensor) -> torch.Tensor:
 
 def _byte_rows(tensor: torch.Tensor, slots: list[int], device: torch.device) -> torch.Tensor:
     """Rows ``slots`` of ``tensor`` as one flat uint8 tensor on ``device``."""
-    rows = _storage(tensor.detach()).index_select(0, torch.tensor(slots, dtype=torch.long,
-                                                                  device=tensor.device))
+    rows = _storage(tensor.detach()).index_select(0, torch.tensor(slots, dtype=torch.long, device=tensor.device))
     return rows.contiguous().to(device).reshape(-1).view(torch.uint8)
 
 
@@ -521,16 +546,16 @@ def apply(modules: Any, placement: Placement, group: Any = None, async_op: bool 
     if not isinstance(async_op, bool):
         raise TypeError(f"async_op={async_op!r} must be a bool")
     if any(layer.pending_placement is not None for layer in layers):
-        raise ValueError("an asynchronous apply is still pending on these layers; call its "
-                         "handle's wait() first")
+        raise ValueError("an asynchronous apply is still pending on these layers; call its handle's wait() first")
     group = _group_of(layers, group)
     if group is not None:
         # First, so that a placement one rank refuses cannot leave the others waiting.
-        check_ranks_agree(_agreement_fields(layers, placement, async_op, group), group,
-                          "the EPLB placement")
+        check_ranks_agree(_agreement_fields(layers, placement, async_op, group), group, "the EPLB placement")
         if any(layer.rank != dist.get_rank(group) for layer in layers):  # agreed: every rank raises
-            raise ValueError(f"the layers' ranks {[layer.rank for layer in layers]} are not this process's "
-                             f"rank {dist.get_rank(group)} in group; pass the layers' EP group")
+            raise ValueError(
+                f"the layers' ranks {[layer.rank for layer in layers]} are not this process's "
+                f"rank {dist.get_rank(group)} in group; pass the layers' EP group"
+            )
     tables = _check_request(layers, placement)
     ep_size = layers[0].layout.ep_size
     rank = layers[0].rank
@@ -565,12 +590,21 @@ def apply(modules: Any, placement: Placement, group: Any = None, async_op: bool 
         try:
             work = _all_to_all(recv_buffer, send_buffer, receive_sizes, send_sizes, group)
         except RuntimeError as error:
-            raise CollectiveError(f"the EPLB expert transfer failed ({error}); every layer "
-                                  "keeps its old placement") from error
+            raise CollectiveError(
+                f"the EPLB expert transfer failed ({error}); every layer keeps its old placement"
+            ) from error
     received = _ReceivedRows(layers, plans, recv_buffer, receive_sizes)
-    pending = _Pending(layers, tables, plans,
-                       [[name for name, _ in _expert_tensors(layer)] for layer in layers],
-                       received, work, recv_buffer, group, handle)
+    pending = _Pending(
+        layers,
+        tables,
+        plans,
+        [[name for name, _ in _expert_tensors(layer)] for layer in layers],
+        received,
+        work,
+        recv_buffer,
+        group,
+        handle,
+    )
     handle._pending = pending
     if async_op:
         for layer in layers:
@@ -584,8 +618,14 @@ def apply(modules: Any, placement: Placement, group: Any = None, async_op: bool 
 
 def _all_to_all(recv_buffer, send_buffer, receive_sizes, send_sizes, group):
     """The one transfer of `apply` (posted asynchronously; its Work is returned)."""
-    return dist.all_to_all_single(recv_buffer, send_buffer, output_split_sizes=receive_sizes,
-                                  input_split_sizes=send_sizes, group=group, async_op=True)
+    return dist.all_to_all_single(
+        recv_buffer,
+        send_buffer,
+        output_split_sizes=receive_sizes,
+        input_split_sizes=send_sizes,
+        group=group,
+        async_op=True,
+    )
 
 
 class _ReceivedRows:
@@ -608,7 +648,7 @@ class _ReceivedRows:
                     continue
                 for name, tensor in _expert_tensors(layer):
                     size = len(dsts) * _row_bytes(tensor)
-                    raw = self.buffer[offset:offset + size]
+                    raw = self.buffer[offset : offset + size]
                     if offset % tensor.element_size():
                         raw = raw.clone()  # a dtype view needs an aligned offset
                     rows = raw.view(tensor.dtype).reshape(len(dsts), *tensor.shape[1:])

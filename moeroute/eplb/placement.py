@@ -54,8 +54,7 @@ def _check_load(load: Any, name: str = "load") -> tuple[np.ndarray, bool]:
         array = np.asarray(load)
     except Exception as error:  # ragged lists and the like
         raise ValueError(f"{name} must be a numeric array [N] or [L, N]: {error}") from None
-    if array.dtype == object or not (np.issubdtype(array.dtype, np.number)
-                                     or array.dtype == np.bool_):
+    if array.dtype == object or not (np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_):
         raise ValueError(f"{name} must hold numbers (tokens per expert), got dtype {array.dtype}")
     if array.ndim not in (1, 2):
         raise ValueError(f"{name} has shape {array.shape}; use [N] (one layer) or [L, N]")
@@ -65,18 +64,17 @@ def _check_load(load: Any, name: str = "load") -> tuple[np.ndarray, bool]:
     bad = ~np.isfinite(values)
     if bad.any():
         index = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"{name}{list(index)}={values[index]} is not finite; loads must be "
-                         "finite numbers >= 0")
+        raise ValueError(f"{name}{list(index)}={values[index]} is not finite; loads must be finite numbers >= 0")
     if (values < 0).any():
         index = tuple(int(i) for i in np.argwhere(values < 0)[0])
-        raise ValueError(f"{name}{list(index)}={values[index]} is negative; loads must be "
-                         "finite numbers >= 0")
+        raise ValueError(f"{name}{list(index)}={values[index]} is negative; loads must be finite numbers >= 0")
     one_layer = array.ndim == 1
     return np.ascontiguousarray(values.reshape(-1, array.shape[-1])), one_layer
 
 
-def _check_table(table: Any, name: str, num_logical: int, num_layers: int | None,
-                 num_physical: int | None = None) -> np.ndarray:
+def _check_table(
+    table: Any, name: str, num_logical: int, num_layers: int | None, num_physical: int | None = None
+) -> np.ndarray:
     """``table`` as int64 [L, P] (a [P] table for one layer); every logical id present."""
     if isinstance(table, Placement):
         table = table.physical_to_logical
@@ -84,37 +82,47 @@ def _check_table(table: Any, name: str, num_logical: int, num_layers: int | None
     if array.ndim == 1:
         array = array[None]
     if array.ndim != 2 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
-        raise ValueError(f"{name} must be an integer array [P] or [L, P], got shape "
-                         f"{np.shape(table)} and dtype {array.dtype}")
+        raise ValueError(
+            f"{name} must be an integer array [P] or [L, P], got shape {np.shape(table)} and dtype {array.dtype}"
+        )
     layers, physical = array.shape
     if num_layers is not None and layers != num_layers:
-        raise ValueError(f"{name} has {layers} layer(s) but load has {num_layers}; pass "
-                         f"[{num_layers}, {num_physical or 'P'}]")
+        raise ValueError(
+            f"{name} has {layers} layer(s) but load has {num_layers}; pass [{num_layers}, {num_physical or 'P'}]"
+        )
     if num_physical is not None and physical != num_physical:
-        raise ValueError(f"{name} has {physical} physical experts per layer; expected "
-                         f"num_physical_experts={num_physical}")
+        raise ValueError(
+            f"{name} has {physical} physical experts per layer; expected num_physical_experts={num_physical}"
+        )
     if physical < num_logical:
-        raise ValueError(f"{name} has {physical} physical experts per layer, fewer than the "
-                         f"{num_logical} logical experts; every logical expert needs a replica")
+        raise ValueError(
+            f"{name} has {physical} physical experts per layer, fewer than the "
+            f"{num_logical} logical experts; every logical expert needs a replica"
+        )
     bad = (array < 0) | (array >= num_logical)
     if bad.any():
         index = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"{name}{list(index)}={int(array[index])} is not a logical expert id; "
-                         f"ids must be in [0, {num_logical})")
+        raise ValueError(
+            f"{name}{list(index)}={int(array[index])} is not a logical expert id; ids must be in [0, {num_logical})"
+        )
     array = array.astype(np.int64)
     for layer in range(layers):
         missing = np.flatnonzero(np.bincount(array[layer], minlength=num_logical) == 0)
         if missing.size:
-            raise ValueError(f"{name}[{layer}] holds no replica of logical expert(s) "
-                             f"{missing[:8].tolist()}; every id in [0, {num_logical}) must appear")
+            raise ValueError(
+                f"{name}[{layer}] holds no replica of logical expert(s) "
+                f"{missing[:8].tolist()}; every id in [0, {num_logical}) must appear"
+            )
     return np.ascontiguousarray(array)
 
 
 def _check_ep(ep_size: Any, num_physical: int, name: str = "ep_size") -> int:
     ep_size = integer(name, ep_size, 1)
     if num_physical % ep_size:
-        raise ValueError(f"{name}={ep_size} does not divide the {num_physical} physical experts; "
-                         f"use an ep_size that divides P (rank r holds [r*P/E, (r+1)*P/E))")
+        raise ValueError(
+            f"{name}={ep_size} does not divide the {num_physical} physical experts; "
+            f"use an ep_size that divides P (rank r holds [r*P/E, (r+1)*P/E))"
+        )
     return ep_size
 
 
@@ -149,8 +157,9 @@ class Placement:
         without a replica, an ep_size that does not divide P.
     """
 
-    def __init__(self, physical_to_logical: Any, ep_size: int, num_logical_experts: int | None = None,
-                 *, policy: str = "given") -> None:
+    def __init__(
+        self, physical_to_logical: Any, ep_size: int, num_logical_experts: int | None = None, *, policy: str = "given"
+    ) -> None:
         if num_logical_experts is None:
             array = np.asarray(physical_to_logical)
             if array.size == 0 or not np.issubdtype(array.dtype, np.integer):
@@ -167,8 +176,7 @@ class Placement:
         replicas = np.full((table.shape[0], n, width), -1, dtype=_ID_DTYPE)
         for layer, row in enumerate(table):
             order = np.argsort(row, kind="stable")  # ascending physical ids per expert
-            rank_in_expert = np.arange(row.size) - np.repeat(np.cumsum(counts[layer]) - counts[layer],
-                                                            counts[layer])
+            rank_in_expert = np.arange(row.size) - np.repeat(np.cumsum(counts[layer]) - counts[layer], counts[layer])
             replicas[layer, row[order], rank_in_expert] = order
         self.logical_to_physical = _readonly(replicas)
 
@@ -209,8 +217,7 @@ class Placement:
         ValueError
             ``previous`` of another shape than this placement's table.
         """
-        table = _check_table(previous, "previous", self.num_logical_experts, self.num_layers,
-                             self.num_physical_experts)
+        table = _check_table(previous, "previous", self.num_logical_experts, self.num_layers, self.num_physical_experts)
         return (table != self.physical_to_logical).sum(axis=1).astype(np.int64)
 
     def duplicates(self) -> np.ndarray:
@@ -225,28 +232,40 @@ class Placement:
 
     def to_dict(self) -> dict:
         """Plain JSON-ready fields (``Placement.from_dict`` reads them back)."""
-        return {"ep_size": self.ep_size, "num_logical_experts": self.num_logical_experts,
-                "policy": self.policy, "physical_to_logical": self.physical_to_logical.tolist()}
+        return {
+            "ep_size": self.ep_size,
+            "num_logical_experts": self.num_logical_experts,
+            "policy": self.policy,
+            "physical_to_logical": self.physical_to_logical.tolist(),
+        }
 
     @classmethod
     def from_dict(cls, fields: dict) -> "Placement":
         try:
-            return cls(fields["physical_to_logical"], fields["ep_size"],
-                       fields.get("num_logical_experts"), policy=fields.get("policy", "given"))
+            return cls(
+                fields["physical_to_logical"],
+                fields["ep_size"],
+                fields.get("num_logical_experts"),
+                policy=fields.get("policy", "given"),
+            )
         except (KeyError, TypeError) as error:
             raise ValueError(f"a placement needs physical_to_logical and ep_size: {error}") from None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Placement):
             return NotImplemented
-        return (self.ep_size == other.ep_size
-                and self.num_logical_experts == other.num_logical_experts
-                and np.array_equal(self.physical_to_logical, other.physical_to_logical))
+        return (
+            self.ep_size == other.ep_size
+            and self.num_logical_experts == other.num_logical_experts
+            and np.array_equal(self.physical_to_logical, other.physical_to_logical)
+        )
 
     def __repr__(self) -> str:
-        return (f"Placement(layers={self.num_layers}, num_logical_experts={self.num_logical_experts}, "
-                f"num_physical_experts={self.num_physical_experts}, ep_size={self.ep_size}, "
-                f"policy={self.policy!r})")
+        return (
+            f"Placement(layers={self.num_layers}, num_logical_experts={self.num_logical_experts}, "
+            f"num_physical_experts={self.num_physical_experts}, ep_size={self.ep_size}, "
+            f"policy={self.policy!r})"
+        )
 
 
 # --------------------------------------------------------------------------- metrics
@@ -363,8 +382,7 @@ def fold_physical_load(physical_load: Any, physical_to_logical: Any, num_logical
     if table.shape[0] == 1 and values.shape[0] > 1:
         table = np.repeat(table, values.shape[0], axis=0)
     elif table.shape[0] != values.shape[0]:
-        raise ValueError(f"physical_to_logical has {table.shape[0]} layers but physical_load has "
-                         f"{values.shape[0]}")
+        raise ValueError(f"physical_to_logical has {table.shape[0]} layers but physical_load has {values.shape[0]}")
     out = np.zeros((values.shape[0], n))
     for layer in range(values.shape[0]):
         np.add.at(out[layer], table[layer], values[layer])
@@ -377,8 +395,9 @@ def linear_placement(num_logical_experts: int, num_physical_experts: int, num_la
     return np.tile(table, (num_layers, 1)).astype(_ID_DTYPE)
 
 
-def round_robin_placement(num_logical_experts: int, num_physical_experts: int, ep_size: int,
-                          num_layers: int = 1) -> np.ndarray:
+def round_robin_placement(
+    num_logical_experts: int, num_physical_experts: int, ep_size: int, num_layers: int = 1
+) -> np.ndarray:
     """int32 [L, P]: ExpertLayout's "round_robin": rank r holds entries r, r+E, ... of linear."""
     linear = np.arange(num_physical_experts) % num_logical_experts
     table = np.concatenate([linear[rank::ep_size] for rank in range(ep_size)])
@@ -388,8 +407,9 @@ def round_robin_placement(num_logical_experts: int, num_physical_experts: int, e
 # --------------------------------------------------------------------------- rebalance
 
 
-def rebalance(load: Any, num_physical_experts: int, ep_size: int, *, num_nodes: int = 1,
-              num_groups: int = 1, previous: Any = None) -> Placement:
+def rebalance(
+    load: Any, num_physical_experts: int, ep_size: int, *, num_nodes: int = 1, num_groups: int = 1, previous: Any = None
+) -> Placement:
     """A placement of P physical experts on E ranks balancing ``load``.
 
     Policy (DeepSeek EPLB's meaning): hierarchical when ``num_groups % num_nodes == 0``:
@@ -450,26 +470,33 @@ def rebalance(load: Any, num_physical_experts: int, ep_size: int, *, num_nodes: 
     layers, n = values.shape
     p = integer("num_physical_experts", num_physical_experts, 1)
     if p < n:
-        raise ValueError(f"num_physical_experts={p} is smaller than the {n} logical experts; "
-                         f"use num_physical_experts >= {n} (every expert needs a replica)")
+        raise ValueError(
+            f"num_physical_experts={p} is smaller than the {n} logical experts; "
+            f"use num_physical_experts >= {n} (every expert needs a replica)"
+        )
     e = integer("ep_size", ep_size, 1)
     if p % e:
-        raise ValueError(f"num_physical_experts={p} is not a multiple of ep_size={e}; every rank "
-                         f"holds P/E experts: use P in {{{(p // e) * e or e}, {(p // e + 1) * e}}}")
+        raise ValueError(
+            f"num_physical_experts={p} is not a multiple of ep_size={e}; every rank "
+            f"holds P/E experts: use P in {{{(p // e) * e or e}, {(p // e + 1) * e}}}"
+        )
     nodes = integer("num_nodes", num_nodes, 1)
     if e % nodes:
-        raise ValueError(f"num_nodes={nodes} does not divide ep_size={e}; use a num_nodes among "
-                         f"{[d for d in range(1, e + 1) if e % d == 0]}")
+        raise ValueError(
+            f"num_nodes={nodes} does not divide ep_size={e}; use a num_nodes among "
+            f"{[d for d in range(1, e + 1) if e % d == 0]}"
+        )
     groups = integer("num_groups", num_groups, 1)
     if n % groups:
-        raise ValueError(f"num_groups={groups} does not divide the {n} logical experts; use a "
-                         f"num_groups among {[d for d in range(1, n + 1) if n % d == 0]}")
+        raise ValueError(
+            f"num_groups={groups} does not divide the {n} logical experts; use a "
+            f"num_groups among {[d for d in range(1, n + 1) if n % d == 0]}"
+        )
     hierarchical = groups % nodes == 0
     policy_nodes, policy_groups = (nodes, groups) if hierarchical else (1, 1)
     if previous is not None:
         prev = _check_table(previous, "previous", n, layers, p)
     else:
         prev = np.zeros((layers, p), np.int64)
-    table = _policy._plan_layers(values, p, e, policy_nodes, policy_groups, prev,
-                                 previous is not None)
+    table = _policy._plan_layers(values, p, e, policy_nodes, policy_groups, prev, previous is not None)
     return Placement(table, e, n, policy="hierarchical" if hierarchical else "global")

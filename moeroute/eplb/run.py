@@ -30,11 +30,19 @@ DEFAULT_SKEW = 1.2
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``moeroute run``'s arguments plus ``--eplb`` and ``--skew``."""
     ep_run.add_arguments(parser)
-    parser.add_argument("--eplb", action="store_true",
-                        help="route skewed tokens, rebalance the experts live once and print "
-                             "the balancedness and per-rank tokens before and after")
-    parser.add_argument("--skew", type=float, default=DEFAULT_SKEW, metavar="S",
-                        help=f"--eplb: logit offset -S*log(1+j) of expert j (default {DEFAULT_SKEW})")
+    parser.add_argument(
+        "--eplb",
+        action="store_true",
+        help="route skewed tokens, rebalance the experts live once and print "
+        "the balancedness and per-rank tokens before and after",
+    )
+    parser.add_argument(
+        "--skew",
+        type=float,
+        default=DEFAULT_SKEW,
+        metavar="S",
+        help=f"--eplb: logit offset -S*log(1+j) of expert j (default {DEFAULT_SKEW})",
+    )
 
 
 def _check(args: argparse.Namespace):
@@ -43,8 +51,10 @@ def _check(args: argparse.Namespace):
     preset, layout = ep_run._check_request(args)
     p, e = layout.num_routed_physical, layout.ep_size
     if p % e:
-        raise ValueError(f"--eplb places P = N + --redundant = {p} physical experts in equal "
-                         f"blocks over --ep {e} ranks; use --redundant {args.redundant + (-p % e)}")
+        raise ValueError(
+            f"--eplb places P = N + --redundant = {p} physical experts in equal "
+            f"blocks over --ep {e} ranks; use --redundant {args.redundant + (-p % e)}"
+        )
     if not math.isfinite(args.skew) or args.skew < 0:
         raise ValueError(f"--skew {args.skew} must be a finite number >= 0")
     return preset
@@ -112,39 +122,55 @@ def _rank_report(args, preset, rank: int, world: int, group, device) -> dict:
     def per_rank(physical):
         return physical.reshape(world, -1).sum(axis=1).tolist()
 
-    return dict(rank=rank, tokens=args.tokens,
-                rank_tokens_before=per_rank(physical_before),
-                rank_tokens_after=per_rank(physical_after),
-                balancedness_before=float(balancedness_from_physical(physical_before, world)),
-                balancedness_after=float(balancedness_from_physical(physical_after, world)),
-                forward_ms_before=ms_before, forward_ms_after=ms_after, speedup=speedup,
-                error_before=error(out_before), error_after=error(out_after),
-                experts_moved=handle.experts_moved, bytes_received=handle.bytes_received,
-                bytes_sent=handle.bytes_sent)
+    return dict(
+        rank=rank,
+        tokens=args.tokens,
+        rank_tokens_before=per_rank(physical_before),
+        rank_tokens_after=per_rank(physical_after),
+        balancedness_before=float(balancedness_from_physical(physical_before, world)),
+        balancedness_after=float(balancedness_from_physical(physical_after, world)),
+        forward_ms_before=ms_before,
+        forward_ms_after=ms_after,
+        speedup=speedup,
+        error_before=error(out_before),
+        error_after=error(out_after),
+        experts_moved=handle.experts_moved,
+        bytes_received=handle.bytes_received,
+        bytes_sent=handle.bytes_sent,
+    )
 
 
 def _format(args, reports: list[dict]) -> tuple[str, int]:
     tolerance = ep_run.TOLERANCE[args.dtype]
     first = reports[0]
-    lines = [f"moeroute run --eplb: preset {args.preset}, ep {args.ep}, dispatch {args.dispatch}, "
-             f"{args.redundant} redundant, {args.tokens} tokens per rank, skew {args.skew:g}",
-             f"balancedness (mean/max rank tokens): before {first['balancedness_before']:.3f}, "
-             f"after {first['balancedness_after']:.3f}; experts moved: {first['experts_moved']}, "
-             f"expert bytes moved: {sum(r['bytes_received'] for r in reports)}",
-             "forward times: the old and the new placement timed in turn, per-pair median",
-             "rank  tokens_before  tokens_after  forward_ms_before  forward_ms_after  "
-             "rel_error_after  check"]
+    lines = [
+        f"moeroute run --eplb: preset {args.preset}, ep {args.ep}, dispatch {args.dispatch}, "
+        f"{args.redundant} redundant, {args.tokens} tokens per rank, skew {args.skew:g}",
+        f"balancedness (mean/max rank tokens): before {first['balancedness_before']:.3f}, "
+        f"after {first['balancedness_after']:.3f}; experts moved: {first['experts_moved']}, "
+        f"expert bytes moved: {sum(r['bytes_received'] for r in reports)}",
+        "forward times: the old and the new placement timed in turn, per-pair median",
+        "rank  tokens_before  tokens_after  forward_ms_before  forward_ms_after  rel_error_after  check",
+    ]
     status = 0
     for r in reports:
         ok = max(r["error_before"], r["error_after"]) < tolerance
         status = status if ok else ep_run.EXIT_MISMATCH
         rank = r["rank"]
-        lines.append(f"{rank:>4}  {first['rank_tokens_before'][rank]:>13.0f}  "
-                     f"{first['rank_tokens_after'][rank]:>12.0f}  {r['forward_ms_before']:>17.3f}  "
-                     f"{r['forward_ms_after']:>16.3f}  {r['error_after']:>15.2e}  "
-                     f"{'ok' if ok else 'MISMATCH'}")
-    lines.append("result: " + ("every rank matches the single-process layer before and after"
-                               if status == 0 else f"MISMATCH above tolerance {tolerance:g}"))
+        lines.append(
+            f"{rank:>4}  {first['rank_tokens_before'][rank]:>13.0f}  "
+            f"{first['rank_tokens_after'][rank]:>12.0f}  {r['forward_ms_before']:>17.3f}  "
+            f"{r['forward_ms_after']:>16.3f}  {r['error_after']:>15.2e}  "
+            f"{'ok' if ok else 'MISMATCH'}"
+        )
+    lines.append(
+        "result: "
+        + (
+            "every rank matches the single-process layer before and after"
+            if status == 0
+            else f"MISMATCH above tolerance {tolerance:g}"
+        )
+    )
     return "\n".join(lines), status
 
 

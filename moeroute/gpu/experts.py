@@ -7,16 +7,36 @@ imports another's front door."""
 from __future__ import annotations
 
 from moeroute.gpu import launch as L
-from moeroute.gpu.gemm import CupyBackend, _require_device_arrays, _torch_as_cupy, check_fused_experts_args, run_fused_experts
+from moeroute.gpu.gemm import (
+    CupyBackend,
+    _require_device_arrays,
+    _torch_as_cupy,
+    check_fused_experts_args,
+    run_fused_experts,
+)
 from moeroute.gpu.gemm_fp8 import fused_experts_fp8
 from moeroute.gpu.gemm_mxfp4 import fused_experts_mxfp4
 
 __all__ = ["fused_experts"]
 
 
-def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, activation="silu",
-                  apply_router_weight=True, block_size=None, gate_up_bias=None, down_bias=None, quant=None,
-                  gate_up_scale=None, down_scale=None, input_scale=None):
+def fused_experts(
+    hidden_states,
+    w_gate_up,
+    w_down,
+    topk_weights,
+    topk_ids,
+    *,
+    activation="silu",
+    apply_router_weight=True,
+    block_size=None,
+    gate_up_bias=None,
+    down_bias=None,
+    quant=None,
+    gate_up_scale=None,
+    down_scale=None,
+    input_scale=None,
+):
     """Routed-expert MLPs of one MoE layer: ``out[t] = sum_k w[t,k] * down_e(act(gate_e x_t) * up_e x_t)``
     over the slots k whose expert e = topk_ids[t, k] is in [0, num_experts).
 
@@ -66,31 +86,66 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, a
         arguments are on different devices.
     """
     if quant is not None and getattr(quant, "format", None) == "mxfp4":
-        unsupported = {"block_size": block_size, "gate_up_scale": gate_up_scale, "down_scale": down_scale,
-                       "input_scale": input_scale}
+        unsupported = {
+            "block_size": block_size,
+            "gate_up_scale": gate_up_scale,
+            "down_scale": down_scale,
+            "input_scale": input_scale,
+        }
         for name, value in unsupported.items():
             if value is not None:
-                raise ValueError(f"{name} is not supported with quant=mxfp4 (the scales travel in the "
-                                 f"(blocks, scales) pairs): pass None")
-        return fused_experts_mxfp4(hidden_states, w_gate_up, w_down, topk_weights, topk_ids,
-                                   gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation,
-                                   apply_router_weight=apply_router_weight)
+                raise ValueError(
+                    f"{name} is not supported with quant=mxfp4 (the scales travel in the "
+                    f"(blocks, scales) pairs): pass None"
+                )
+        return fused_experts_mxfp4(
+            hidden_states,
+            w_gate_up,
+            w_down,
+            topk_weights,
+            topk_ids,
+            gate_up_bias=gate_up_bias,
+            down_bias=down_bias,
+            activation=activation,
+            apply_router_weight=apply_router_weight,
+        )
     if quant is not None:
         unsupported = {"block_size": block_size, "gate_up_bias": gate_up_bias, "down_bias": down_bias}
         for name, value in unsupported.items():
             if value is not None:
                 raise ValueError(f"{name} is not supported with quant= (FP8 experts): pass None")
-        return fused_experts_fp8(hidden_states, w_gate_up, gate_up_scale, w_down, down_scale, topk_weights, topk_ids,
-                                 quant=quant, activation=activation, apply_router_weight=apply_router_weight,
-                                 input_scale=input_scale)
+        return fused_experts_fp8(
+            hidden_states,
+            w_gate_up,
+            gate_up_scale,
+            w_down,
+            down_scale,
+            topk_weights,
+            topk_ids,
+            quant=quant,
+            activation=activation,
+            apply_router_weight=apply_router_weight,
+            input_scale=input_scale,
+        )
     if gate_up_scale is not None or down_scale is not None or input_scale is not None:
-        raise ValueError("gate_up_scale / down_scale / input_scale are FP8 scales: pass quant=QuantConfig(...) "
-                         "with them")
-    problem = check_fused_experts_args(hidden_states, w_gate_up, w_down, topk_weights, topk_ids,
-                                       activation=activation, apply_router_weight=apply_router_weight,
-                                       block_size=block_size, gate_up_bias=gate_up_bias, down_bias=down_bias)
-    named = dict(hidden_states=hidden_states, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights,
-                 topk_ids=topk_ids)
+        raise ValueError(
+            "gate_up_scale / down_scale / input_scale are FP8 scales: pass quant=QuantConfig(...) with them"
+        )
+    problem = check_fused_experts_args(
+        hidden_states,
+        w_gate_up,
+        w_down,
+        topk_weights,
+        topk_ids,
+        activation=activation,
+        apply_router_weight=apply_router_weight,
+        block_size=block_size,
+        gate_up_bias=gate_up_bias,
+        down_bias=down_bias,
+    )
+    named = dict(
+        hidden_states=hidden_states, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights, topk_ids=topk_ids
+    )
     biases = dict(gate_up_bias=gate_up_bias, down_bias=down_bias)
     named.update({name: bias for name, bias in biases.items() if bias is not None})
     framework, device = _require_device_arrays(named)
@@ -110,12 +165,22 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, a
         with cupy.cuda.Device(device), stream:
             # DLPack hands over a tensor with a stream-ordered sync against CuPy's current
             # stream: inside the block that is torch's own stream, so nothing waits.
-            arrays = [_torch_as_cupy(named[name]) for name in
-                      ("hidden_states", "w_gate_up", "w_down", "topk_weights", "topk_ids")]
+            arrays = [
+                _torch_as_cupy(named[name])
+                for name in ("hidden_states", "w_gate_up", "w_down", "topk_weights", "topk_ids")
+            ]
             bias_arrays = {name: None if bias is None else _torch_as_cupy(bias) for name, bias in biases.items()}
             backend = CupyBackend(allocate, align_template=topk_ids)
-            run_fused_experts(backend, problem, *arrays, _torch_as_cupy(out), activation=activation,
-                              apply_router_weight=apply_router_weight, block_size=block_size, **bias_arrays)
+            run_fused_experts(
+                backend,
+                problem,
+                *arrays,
+                _torch_as_cupy(out),
+                activation=activation,
+                apply_router_weight=apply_router_weight,
+                block_size=block_size,
+                **bias_arrays,
+            )
         return out
 
     def allocate(shape, dtype):
@@ -123,6 +188,17 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, a
 
     with cupy.cuda.Device(device):
         out = cupy.empty(shape, dtype=hidden_states.dtype)
-        return run_fused_experts(CupyBackend(allocate), problem, hidden_states, w_gate_up, w_down, topk_weights,
-                                 topk_ids, out, activation=activation, apply_router_weight=apply_router_weight,
-                                 block_size=block_size, **biases)
+        return run_fused_experts(
+            CupyBackend(allocate),
+            problem,
+            hidden_states,
+            w_gate_up,
+            w_down,
+            topk_weights,
+            topk_ids,
+            out,
+            activation=activation,
+            apply_router_weight=apply_router_weight,
+            block_size=block_size,
+            **biases,
+        )

@@ -58,9 +58,19 @@ def _check_array(name: str, x, ndim: int, dtypes) -> None:
         raise ValueError(f"{name} must be C-contiguous (call .contiguous() / cupy.ascontiguousarray)")
 
 
-def check_fused_experts_args(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *,
-                             activation="silu", apply_router_weight=True, block_size=None,
-                             gate_up_bias=None, down_bias=None) -> ExpertProblem:
+def check_fused_experts_args(
+    hidden_states,
+    w_gate_up,
+    w_down,
+    topk_weights,
+    topk_ids,
+    *,
+    activation="silu",
+    apply_router_weight=True,
+    block_size=None,
+    gate_up_bias=None,
+    down_bias=None,
+) -> ExpertProblem:
     """Validate the arguments of :func:`fused_experts` (shapes, dtypes, contiguity, options).
 
     Works on any array with ``shape`` and ``dtype`` (the device is checked by fused_experts).
@@ -82,21 +92,29 @@ def check_fused_experts_args(hidden_states, w_gate_up, w_down, topk_weights, top
     T, H = (int(v) for v in hidden_states.shape)
     E, two_I, H_gate_up = (int(v) for v in w_gate_up.shape)
     if H_gate_up != H:
-        raise ValueError(f"w_gate_up has shape {tuple(w_gate_up.shape)}: last dim {H_gate_up} != hidden size {H} "
-                         f"of hidden_states; expected [num_experts, 2 * intermediate_size, {H}]")
+        raise ValueError(
+            f"w_gate_up has shape {tuple(w_gate_up.shape)}: last dim {H_gate_up} != hidden size {H} "
+            f"of hidden_states; expected [num_experts, 2 * intermediate_size, {H}]"
+        )
     if two_I == 0 or two_I % 2:
-        raise ValueError(f"w_gate_up has shape {tuple(w_gate_up.shape)}: dim 1 must be 2 * intermediate_size "
-                         f"(gate rows, then up rows), a positive even number, got {two_I}")
+        raise ValueError(
+            f"w_gate_up has shape {tuple(w_gate_up.shape)}: dim 1 must be 2 * intermediate_size "
+            f"(gate rows, then up rows), a positive even number, got {two_I}"
+        )
     I = two_I // 2
     if E < 1 or H < 1:
         raise ValueError(f"w_gate_up has shape {tuple(w_gate_up.shape)}: need at least one expert and hidden size >= 1")
     if tuple(int(v) for v in w_down.shape) != (E, H, I):
-        raise ValueError(f"w_down has shape {tuple(w_down.shape)}; expected [num_experts, hidden_size, "
-                         f"intermediate_size] = {[E, H, I]}")
+        raise ValueError(
+            f"w_down has shape {tuple(w_down.shape)}; expected [num_experts, hidden_size, "
+            f"intermediate_size] = {[E, H, I]}"
+        )
     K = int(topk_ids.shape[1])
     if int(topk_ids.shape[0]) != T or K < 1:
-        raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}; expected [{T}, top_k >= 1] "
-                         f"(one row per token of hidden_states)")
+        raise ValueError(
+            f"topk_ids has shape {tuple(topk_ids.shape)}; expected [{T}, top_k >= 1] "
+            f"(one row per token of hidden_states)"
+        )
     if tuple(int(v) for v in topk_weights.shape) != (T, K):
         raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}; expected {[T, K]} like topk_ids")
     for name, bias, shape in (("gate_up_bias", gate_up_bias, (E, two_I)), ("down_bias", down_bias, (E, H))):
@@ -109,21 +127,38 @@ def check_fused_experts_args(hidden_states, w_gate_up, w_down, topk_weights, top
     if not isinstance(apply_router_weight, bool):
         raise TypeError(f"apply_router_weight must be a bool, got {apply_router_weight!r}")
     if block_size is not None and block_size not in L.BLOCK_SIZES:
-        raise ValueError(f"block_size={block_size!r}; expected None (chosen from the shapes) or one of "
-                         f"{list(L.BLOCK_SIZES)}")
+        raise ValueError(
+            f"block_size={block_size!r}; expected None (chosen from the shapes) or one of {list(L.BLOCK_SIZES)}"
+        )
     largest_block = block_size or L.LARGEST_BLOCK_SIZE
     if T * K + E * largest_block > L.INT32_MAX:
-        raise ValueError(f"num_tokens * top_k = {T * K} with {E} experts exceeds the int32 row index of the "
-                         f"kernels; split the batch")
+        raise ValueError(
+            f"num_tokens * top_k = {T * K} with {E} experts exceeds the int32 row index of the kernels; split the batch"
+        )
     if max(H, I) > L.MAX_OUTPUT_COLUMNS:
-        raise ValueError(f"hidden size {H} / intermediate size {I} exceeds {L.MAX_OUTPUT_COLUMNS} columns "
-                         f"(the kernels' grid limit)")
+        raise ValueError(
+            f"hidden size {H} / intermediate size {I} exceeds {L.MAX_OUTPUT_COLUMNS} columns (the kernels' grid limit)"
+        )
     return ExpertProblem(T, H, I, E, K, dtype)
 
 
-def run_fused_experts(backend, problem: ExpertProblem, hidden_states, w_gate_up, w_down, topk_weights,
-                      topk_ids, out, *, activation: str = "silu", apply_router_weight: bool = True,
-                      block_size=None, path=None, gate_up_bias=None, down_bias=None):
+def run_fused_experts(
+    backend,
+    problem: ExpertProblem,
+    hidden_states,
+    w_gate_up,
+    w_down,
+    topk_weights,
+    topk_ids,
+    out,
+    *,
+    activation: str = "silu",
+    apply_router_weight: bool = True,
+    block_size=None,
+    path=None,
+    gate_up_bias=None,
+    down_bias=None,
+):
     """Enqueue the whole computation on ``backend`` (arrays already in its framework and storage
     dtypes, arguments already checked) and return ``out``.
 
@@ -132,8 +167,13 @@ def run_fused_experts(backend, problem: ExpertProblem, hidden_states, w_gate_up,
     ``compute_capability`` and ``is_hip``. ``path`` is "mma", "simt" or None (the fastest
     eligible).
     """
-    T, H, I, E, K = (problem.num_tokens, problem.hidden_size, problem.intermediate_size,
-                     problem.num_experts, problem.top_k)
+    T, H, I, E, K = (
+        problem.num_tokens,
+        problem.hidden_size,
+        problem.intermediate_size,
+        problem.num_experts,
+        problem.top_k,
+    )
     if T == 0:
         return out
     numel = T * K
@@ -145,15 +185,56 @@ def run_fused_experts(backend, problem: ExpertProblem, hidden_states, w_gate_up,
         pointers = [backend.pointer(x) for x in (hidden_states, w_gate_up, w_down, intermediate)]
         eligible = L.mma_eligible(problem.dtype, backend.compute_capability, backend.is_hip, H, I, pointers)
         path = "mma" if eligible else "simt"
-    common = dict(path=path, dtype=problem.dtype, block_size=block_size, sorted_token_ids=sorted_token_ids,
-                  compute_capability=backend.compute_capability,
-                  expert_ids=expert_ids, topk_weights=topk_weights.reshape(-1), numel=numel)
-    backend.launch(L.plan_expert_gemm(gated=True, a=hidden_states, b=w_gate_up, c=intermediate, top_k=K,
-                                      n=I, k=H, activation=activation, bias=gate_up_bias, **common))
-    backend.launch(L.plan_expert_gemm(gated=False, a=intermediate, b=w_down, c=expert_out, top_k=1, n=H,
-                                      k=I, apply_router_weight=apply_router_weight, bias=down_bias, **common))
-    backend.launch(L.plan_sum_topk(dtype=problem.dtype, expert_out=expert_out, topk_ids=topk_ids, out=out,
-                                   num_tokens=T, top_k=K, hidden_size=H, num_experts=E))
+    common = dict(
+        path=path,
+        dtype=problem.dtype,
+        block_size=block_size,
+        sorted_token_ids=sorted_token_ids,
+        compute_capability=backend.compute_capability,
+        expert_ids=expert_ids,
+        topk_weights=topk_weights.reshape(-1),
+        numel=numel,
+    )
+    backend.launch(
+        L.plan_expert_gemm(
+            gated=True,
+            a=hidden_states,
+            b=w_gate_up,
+            c=intermediate,
+            top_k=K,
+            n=I,
+            k=H,
+            activation=activation,
+            bias=gate_up_bias,
+            **common,
+        )
+    )
+    backend.launch(
+        L.plan_expert_gemm(
+            gated=False,
+            a=intermediate,
+            b=w_down,
+            c=expert_out,
+            top_k=1,
+            n=H,
+            k=I,
+            apply_router_weight=apply_router_weight,
+            bias=down_bias,
+            **common,
+        )
+    )
+    backend.launch(
+        L.plan_sum_topk(
+            dtype=problem.dtype,
+            expert_out=expert_out,
+            topk_ids=topk_ids,
+            out=out,
+            num_tokens=T,
+            top_k=K,
+            hidden_size=H,
+            num_experts=E,
+        )
+    )
     return out
 
 
@@ -191,12 +272,14 @@ class CupyBackend:
     def align_block_size(self, topk_ids, num_experts, block_size):
         routing_align = None if self.is_hip else _routing_align()
         if routing_align is None:
-            sorted_token_ids, expert_ids, _ = align_block_size_array_api(topk_ids, num_experts, block_size,
-                                                                         xp=self._cupy)
+            sorted_token_ids, expert_ids, _ = align_block_size_array_api(
+                topk_ids, num_experts, block_size, xp=self._cupy
+            )
         elif self._align_template is not None:
             stream = self._cupy.cuda.get_current_stream().ptr
-            sorted_token_ids, expert_ids, _ = routing_align(self._align_template, num_experts, block_size,
-                                                            stream=stream)
+            sorted_token_ids, expert_ids, _ = routing_align(
+                self._align_template, num_experts, block_size, stream=stream
+            )
             return _torch_as_cupy(sorted_token_ids), _torch_as_cupy(expert_ids)
         else:
             sorted_token_ids, expert_ids, _ = routing_align(topk_ids, num_experts, block_size)
@@ -214,14 +297,17 @@ def _require_device_arrays(named: dict):
         kind = framework_of(x)
         if kind == "torch":
             if x.device.type != "cuda":
-                raise TypeError(f"{name} is a torch tensor on {x.device}; fused_experts needs CUDA (or ROCm) "
-                                f"tensors: move the inputs with .cuda()")
+                raise TypeError(
+                    f"{name} is a torch tensor on {x.device}; fused_experts needs CUDA (or ROCm) "
+                    f"tensors: move the inputs with .cuda()"
+                )
             devices[name] = x.device.index
         elif kind == "cupy":
             devices[name] = x.device.id
         else:
-            raise TypeError(f"{name} must be a CuPy array or a torch CUDA tensor, got "
-                            f"{type(x).__module__}.{type(x).__name__}")
+            raise TypeError(
+                f"{name} must be a CuPy array or a torch CUDA tensor, got {type(x).__module__}.{type(x).__name__}"
+            )
         frameworks[name] = kind
     if len(set(frameworks.values())) > 1:
         raise TypeError(f"mixed array frameworks {frameworks}: pass all CuPy arrays or all torch tensors")

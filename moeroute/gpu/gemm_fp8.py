@@ -32,7 +32,12 @@ class Fp8MmaTile:
 
     def __init__(self, tile_m, block_n, warps_m, warps_n, min_blocks=2):
         self.tile_m, self.block_n, self.warps_m, self.warps_n, self.min_blocks = (
-            tile_m, block_n, warps_m, warps_n, min_blocks)
+            tile_m,
+            block_n,
+            warps_m,
+            warps_n,
+            min_blocks,
+        )
 
     @property
     def threads(self) -> int:
@@ -65,8 +70,10 @@ def simt_name(dtype: str, tile_m: int, gated: bool) -> str:
 
 
 def mma_name(dtype: str, tile: Fp8MmaTile, gated: bool) -> str:
-    return (f"moe_gemm_fp8_mma<{L.KERNEL_TYPE_NAMES[dtype]}, {tile.tile_m}, {tile.block_n}, {tile.warps_m}, "
-            f"{tile.warps_n}, {tile.min_blocks}, {int(gated)}>")
+    return (
+        f"moe_gemm_fp8_mma<{L.KERNEL_TYPE_NAMES[dtype]}, {tile.tile_m}, {tile.block_n}, {tile.warps_m}, "
+        f"{tile.warps_n}, {tile.min_blocks}, {int(gated)}>"
+    )
 
 
 def shipped_name_expressions(platform: str = "cuda", compute_capability=None) -> list:
@@ -75,8 +82,9 @@ def shipped_name_expressions(platform: str = "cuda", compute_capability=None) ->
     do not exist; "hip": SIMT only)."""
     if platform not in ("cuda", "hip"):
         raise ValueError(f"platform={platform!r}: expected 'cuda' or 'hip'")
-    with_mma = platform == "cuda" and (compute_capability is None
-                                       or compute_capability >= FP8_MMA_MIN_COMPUTE_CAPABILITY)
+    with_mma = platform == "cuda" and (
+        compute_capability is None or compute_capability >= FP8_MMA_MIN_COMPUTE_CAPABILITY
+    )
     names = []
     for dtype in L.DTYPES:
         names += [quantize_name(dtype), quantize_static_name(dtype)]
@@ -90,27 +98,80 @@ def shipped_name_expressions(platform: str = "cuda", compute_capability=None) ->
     return names
 
 
-def plan_quantize(*, dtype: str, x, q, scales, rows: int, cols: int, group_size: int,
-                  ue8m0: bool = False) -> L.KernelLaunch:
+def plan_quantize(
+    *, dtype: str, x, q, scales, rows: int, cols: int, group_size: int, ue8m0: bool = False
+) -> L.KernelLaunch:
     """Launch quantizing ``x [rows, cols]`` of ``dtype`` into ``q`` (uint8 e4m3 bits) and
     ``scales [rows, ceil(cols / group_size)]`` float32."""
-    return L.KernelLaunch(quantize_name(dtype), (rows, 1, 1), (QUANT_THREADS, 1, 1), 0,
-                          (x, q, scales, np.int32(cols), np.int32(group_size), np.int32(bool(ue8m0))))
+    return L.KernelLaunch(
+        quantize_name(dtype),
+        (rows, 1, 1),
+        (QUANT_THREADS, 1, 1),
+        0,
+        (x, q, scales, np.int32(cols), np.int32(group_size), np.int32(bool(ue8m0))),
+    )
 
 
-def plan_quantize_static(*, dtype: str, x, q, scales, topk_ids, input_scale, rows: int, cols: int,
-                         row_divisor: int, which: int, num_experts: int) -> L.KernelLaunch:
+def plan_quantize_static(
+    *,
+    dtype: str,
+    x,
+    q,
+    scales,
+    topk_ids,
+    input_scale,
+    rows: int,
+    cols: int,
+    row_divisor: int,
+    which: int,
+    num_experts: int,
+) -> L.KernelLaunch:
     """Launch quantizing, for each slot j < rows, row j // row_divisor of ``x`` with the given
     scale ``input_scale[topk_ids[j], which]`` ([E, 2] float32: gate_up input, down input) into
     row j of ``q`` [rows, cols]; ``scales [rows]`` receives the scale."""
-    return L.KernelLaunch(quantize_static_name(dtype), (rows, 1, 1), (QUANT_THREADS, 1, 1), 0,
-                          (x, q, scales, topk_ids, input_scale, np.int32(cols), np.int32(row_divisor), np.int32(2),
-                           np.int32(which), np.int32(num_experts)))
+    return L.KernelLaunch(
+        quantize_static_name(dtype),
+        (rows, 1, 1),
+        (QUANT_THREADS, 1, 1),
+        0,
+        (
+            x,
+            q,
+            scales,
+            topk_ids,
+            input_scale,
+            np.int32(cols),
+            np.int32(row_divisor),
+            np.int32(2),
+            np.int32(which),
+            np.int32(num_experts),
+        ),
+    )
 
 
-def plan_fp8_gemm(*, path: str, dtype: str, gated: bool, block_size: int, a, a_scale, b, b_scale, c,
-                  sorted_token_ids, expert_ids, topk_weights, numel: int, top_k: int, n: int, k: int,
-                  bn: int, bk: int, activation: str = "silu", apply_router_weight: bool = False) -> L.KernelLaunch:
+def plan_fp8_gemm(
+    *,
+    path: str,
+    dtype: str,
+    gated: bool,
+    block_size: int,
+    a,
+    a_scale,
+    b,
+    b_scale,
+    c,
+    sorted_token_ids,
+    expert_ids,
+    topk_weights,
+    numel: int,
+    top_k: int,
+    n: int,
+    k: int,
+    bn: int,
+    bk: int,
+    activation: str = "silu",
+    apply_router_weight: bool = False,
+) -> L.KernelLaunch:
     """Launch of one FP8 grouped GEMM over ``len(sorted_token_ids)`` block-padded rows.
 
     a: e4m3 bits [rows, k] with a_scale [rows, ceil(k / bk)]; b: [E, GATES * n, k] with
@@ -118,17 +179,43 @@ def plan_fp8_gemm(*, path: str, dtype: str, gated: bool, block_size: int, a, a_s
     FP8: bn = n, bk = k.
     """
     rows = int(sorted_token_ids.shape[0])
-    args = (a, a_scale, b, b_scale, c, sorted_token_ids, expert_ids, topk_weights, np.int32(numel),
-            np.int32(top_k), np.int32(n), np.int32(k), np.int32(bn), np.int32(bk), np.int32(block_size),
-            np.int32(L.ACTIVATIONS[activation]), np.int32(bool(apply_router_weight)))
+    args = (
+        a,
+        a_scale,
+        b,
+        b_scale,
+        c,
+        sorted_token_ids,
+        expert_ids,
+        topk_weights,
+        np.int32(numel),
+        np.int32(top_k),
+        np.int32(n),
+        np.int32(k),
+        np.int32(bn),
+        np.int32(bk),
+        np.int32(block_size),
+        np.int32(L.ACTIVATIONS[activation]),
+        np.int32(bool(apply_router_weight)),
+    )
     if path == "simt":
         tile_m = L.simt_tile_height(block_size)
-        return L.KernelLaunch(simt_name(dtype, tile_m, gated), (rows // tile_m, L.ceil_div(n, L.SIMT_BLOCK_N), 1),
-                              (L.SIMT_THREADS, 1, 1), 0, args)
+        return L.KernelLaunch(
+            simt_name(dtype, tile_m, gated),
+            (rows // tile_m, L.ceil_div(n, L.SIMT_BLOCK_N), 1),
+            (L.SIMT_THREADS, 1, 1),
+            0,
+            args,
+        )
     if path == "mma":
         tile = FP8_MMA_TILES[(next(h for h in FP8_MMA_TILE_HEIGHTS if block_size % h == 0), gated)]
-        return L.KernelLaunch(mma_name(dtype, tile, gated), (rows // tile.tile_m, L.ceil_div(n, tile.block_n), 1),
-                              (tile.threads, 1, 1), 0, args)
+        return L.KernelLaunch(
+            mma_name(dtype, tile, gated),
+            (rows // tile.tile_m, L.ceil_div(n, tile.block_n), 1),
+            (tile.threads, 1, 1),
+            0,
+            args,
+        )
     raise ValueError(f"path={path!r}: expected 'simt' or 'mma'")
 
 
@@ -136,8 +223,18 @@ def _shape(x) -> tuple:
     return tuple(int(v) for v in x.shape)
 
 
-def check_fp8_experts_args(hidden_states, w_gate_up, gate_up_scale, w_down, down_scale, topk_weights, topk_ids,
-                           *, format: str, block_size=(128, 128)):
+def check_fp8_experts_args(
+    hidden_states,
+    w_gate_up,
+    gate_up_scale,
+    w_down,
+    down_scale,
+    topk_weights,
+    topk_ids,
+    *,
+    format: str,
+    block_size=(128, 128),
+):
     """Shapes of an FP8 fused_experts call: returns (T, H, I, E, K, (bn_gate_up, bk_gate_up),
     (bn_down, bk_down)) or raises ValueError naming the argument."""
     if format not in FORMATS:
@@ -155,11 +252,13 @@ def check_fp8_experts_args(hidden_states, w_gate_up, gate_up_scale, w_down, down
         raise ValueError(f"topk_ids {_shape(topk_ids)} and topk_weights {_shape(topk_weights)} must both be [{T}, K]")
     K = _shape(topk_ids)[1]
     if T * K + E * L.LARGEST_BLOCK_SIZE > L.INT32_MAX:
-        raise ValueError(f"num_tokens * top_k = {T * K} with {E} experts exceeds the int32 row index of the "
-                         f"kernels; split the batch")
+        raise ValueError(
+            f"num_tokens * top_k = {T * K} with {E} experts exceeds the int32 row index of the kernels; split the batch"
+        )
     if max(H, I) > L.MAX_OUTPUT_COLUMNS:
-        raise ValueError(f"hidden size {H} / intermediate size {I} exceeds {L.MAX_OUTPUT_COLUMNS} columns "
-                         f"(the kernels' grid limit)")
+        raise ValueError(
+            f"hidden size {H} / intermediate size {I} exceeds {L.MAX_OUTPUT_COLUMNS} columns (the kernels' grid limit)"
+        )
     if format == "fp8_block":
         bn, bk = (int(v) for v in block_size)
         if bn < 1 or bk < 1:
@@ -177,10 +276,27 @@ def check_fp8_experts_args(hidden_states, w_gate_up, gate_up_scale, w_down, down
     return T, H, I, E, K, gate_up_tile, down_tile
 
 
-def run_fp8_experts(backend, dtype: str, hidden_states, w_gate_up, gate_up_scale, w_down, down_scale,
-                    topk_weights, topk_ids, out, *, format: str, block_size=(128, 128), scale_fmt: str = "float",
-                    activation: str = "silu", apply_router_weight: bool = True, align_block=None, path=None,
-                    input_scale=None):
+def run_fp8_experts(
+    backend,
+    dtype: str,
+    hidden_states,
+    w_gate_up,
+    gate_up_scale,
+    w_down,
+    down_scale,
+    topk_weights,
+    topk_ids,
+    out,
+    *,
+    format: str,
+    block_size=(128, 128),
+    scale_fmt: str = "float",
+    activation: str = "silu",
+    apply_router_weight: bool = True,
+    align_block=None,
+    path=None,
+    input_scale=None,
+):
     """Enqueue the FP8 expert MLPs on ``backend`` (arrays in its framework: e4m3 weights as
     uint8 bits, scales float32, hidden_states and out of ``dtype``) and return ``out``.
 
@@ -197,8 +313,16 @@ def run_fp8_experts(backend, dtype: str, hidden_states, w_gate_up, gate_up_scale
     if activation not in L.ACTIVATIONS:
         raise ValueError(f"activation={activation!r}; expected one of {sorted(L.ACTIVATIONS)}")
     T, H, I, E, K, (bn_gu, bk_gu), (bn_d, bk_d) = check_fp8_experts_args(
-        hidden_states, w_gate_up, gate_up_scale, w_down, down_scale, topk_weights, topk_ids,
-        format=format, block_size=block_size)
+        hidden_states,
+        w_gate_up,
+        gate_up_scale,
+        w_down,
+        down_scale,
+        topk_weights,
+        topk_ids,
+        format=format,
+        block_size=block_size,
+    )
     if input_scale is not None:
         if format != "fp8_tensor":
             raise ValueError(f"input_scale (static activation scales) needs format='fp8_tensor', got {format!r}")
@@ -207,7 +331,9 @@ def run_fp8_experts(backend, dtype: str, hidden_states, w_gate_up, gate_up_scale
     if T == 0:
         return out
     if path is None:
-        path = "mma" if (not backend.is_hip and backend.compute_capability >= FP8_MMA_MIN_COMPUTE_CAPABILITY) else "simt"
+        path = (
+            "mma" if (not backend.is_hip and backend.compute_capability >= FP8_MMA_MIN_COMPUTE_CAPABILITY) else "simt"
+        )
     if path not in ("mma", "simt"):
         raise ValueError(f"path={path!r}; expected 'mma', 'simt' or None")
     numel = T * K
@@ -218,37 +344,113 @@ def run_fp8_experts(backend, dtype: str, hidden_states, w_gate_up, gate_up_scale
     if input_scale is None:
         q_x = backend.empty((T, H), "uint8")
         s_x = backend.empty((T, L.ceil_div(H, bk_gu)), "float32")
-        backend.launch(plan_quantize(dtype=dtype, x=hidden_states, q=q_x, scales=s_x, rows=T, cols=H,
-                                     group_size=bk_gu, ue8m0=ue8m0))
+        backend.launch(
+            plan_quantize(
+                dtype=dtype, x=hidden_states, q=q_x, scales=s_x, rows=T, cols=H, group_size=bk_gu, ue8m0=ue8m0
+            )
+        )
         gate_up_top_k = K
     else:  # one quantized row per slot: the scale depends on the slot's expert
         q_x = backend.empty((numel, H), "uint8")
         s_x = backend.empty((numel, 1), "float32")
-        backend.launch(plan_quantize_static(dtype=dtype, x=hidden_states, q=q_x, scales=s_x, topk_ids=flat_ids,
-                                            input_scale=input_scale, rows=numel, cols=H, row_divisor=K, which=0,
-                                            num_experts=E))
+        backend.launch(
+            plan_quantize_static(
+                dtype=dtype,
+                x=hidden_states,
+                q=q_x,
+                scales=s_x,
+                topk_ids=flat_ids,
+                input_scale=input_scale,
+                rows=numel,
+                cols=H,
+                row_divisor=K,
+                which=0,
+                num_experts=E,
+            )
+        )
         gate_up_top_k = 1
     intermediate = backend.empty((numel, I), dtype)
-    common = dict(path=path, dtype=dtype, block_size=align_block, sorted_token_ids=sorted_token_ids,
-                  expert_ids=expert_ids, topk_weights=topk_weights.reshape(-1), numel=numel)
-    backend.launch(plan_fp8_gemm(gated=True, a=q_x, a_scale=s_x, b=w_gate_up, b_scale=gate_up_scale, c=intermediate,
-                                 top_k=gate_up_top_k, n=I, k=H, bn=bn_gu, bk=bk_gu, activation=activation, **common))
+    common = dict(
+        path=path,
+        dtype=dtype,
+        block_size=align_block,
+        sorted_token_ids=sorted_token_ids,
+        expert_ids=expert_ids,
+        topk_weights=topk_weights.reshape(-1),
+        numel=numel,
+    )
+    backend.launch(
+        plan_fp8_gemm(
+            gated=True,
+            a=q_x,
+            a_scale=s_x,
+            b=w_gate_up,
+            b_scale=gate_up_scale,
+            c=intermediate,
+            top_k=gate_up_top_k,
+            n=I,
+            k=H,
+            bn=bn_gu,
+            bk=bk_gu,
+            activation=activation,
+            **common,
+        )
+    )
     q_i = backend.empty((numel, I), "uint8")
     if input_scale is None:
         s_i = backend.empty((numel, L.ceil_div(I, bk_d)), "float32")
-        backend.launch(plan_quantize(dtype=dtype, x=intermediate, q=q_i, scales=s_i, rows=numel, cols=I,
-                                     group_size=bk_d, ue8m0=ue8m0))
+        backend.launch(
+            plan_quantize(
+                dtype=dtype, x=intermediate, q=q_i, scales=s_i, rows=numel, cols=I, group_size=bk_d, ue8m0=ue8m0
+            )
+        )
     else:
         s_i = backend.empty((numel, 1), "float32")
-        backend.launch(plan_quantize_static(dtype=dtype, x=intermediate, q=q_i, scales=s_i, topk_ids=flat_ids,
-                                            input_scale=input_scale, rows=numel, cols=I, row_divisor=1, which=1,
-                                            num_experts=E))
+        backend.launch(
+            plan_quantize_static(
+                dtype=dtype,
+                x=intermediate,
+                q=q_i,
+                scales=s_i,
+                topk_ids=flat_ids,
+                input_scale=input_scale,
+                rows=numel,
+                cols=I,
+                row_divisor=1,
+                which=1,
+                num_experts=E,
+            )
+        )
     expert_out = backend.empty((numel, H), dtype)
-    backend.launch(plan_fp8_gemm(gated=False, a=q_i, a_scale=s_i, b=w_down, b_scale=down_scale, c=expert_out,
-                                 top_k=1, n=H, k=I, bn=bn_d, bk=bk_d, apply_router_weight=apply_router_weight,
-                                 **common))
-    backend.launch(L.plan_sum_topk(dtype=dtype, expert_out=expert_out, topk_ids=topk_ids, out=out, num_tokens=T,
-                                   top_k=K, hidden_size=H, num_experts=E))
+    backend.launch(
+        plan_fp8_gemm(
+            gated=False,
+            a=q_i,
+            a_scale=s_i,
+            b=w_down,
+            b_scale=down_scale,
+            c=expert_out,
+            top_k=1,
+            n=H,
+            k=I,
+            bn=bn_d,
+            bk=bk_d,
+            apply_router_weight=apply_router_weight,
+            **common,
+        )
+    )
+    backend.launch(
+        L.plan_sum_topk(
+            dtype=dtype,
+            expert_out=expert_out,
+            topk_ids=topk_ids,
+            out=out,
+            num_tokens=T,
+            top_k=K,
+            hidden_size=H,
+            num_experts=E,
+        )
+    )
     return out
 
 
@@ -274,9 +476,21 @@ class CupyFp8Backend:
         kernel(plan.grid, plan.block, plan.args, shared_mem=plan.shared_memory)
 
 
-def fused_experts_fp8(hidden_states, w_gate_up, gate_up_scale, w_down, down_scale, topk_weights, topk_ids, *,
-                      quant, activation: str = "silu", apply_router_weight: bool = True, path=None,
-                      input_scale=None):
+def fused_experts_fp8(
+    hidden_states,
+    w_gate_up,
+    gate_up_scale,
+    w_down,
+    down_scale,
+    topk_weights,
+    topk_ids,
+    *,
+    quant,
+    activation: str = "silu",
+    apply_router_weight: bool = True,
+    path=None,
+    input_scale=None,
+):
     """Routed FP8 expert MLPs on torch CUDA tensors: ``out[t] = sum_k w[t,k] * expert(x_t)`` with
     the w8a8 numerics of ``quant`` (a moeroute.quant.QuantConfig with activation="dynamic").
 
@@ -296,25 +510,39 @@ def fused_experts_fp8(hidden_states, w_gate_up, gate_up_scale, w_down, down_scal
         raise TypeError(f"quant must be a moeroute.quant.QuantConfig, got {type(quant).__name__}")
     static = quant.activation == "static"
     if static != (input_scale is not None):
-        raise ValueError(f"input_scale must be given exactly when quant.activation='static' "
-                         f"(got activation={quant.activation!r}, input_scale={'set' if input_scale is not None else None})")
-    named = (("hidden_states", hidden_states, (torch.float32, torch.float16, torch.bfloat16)),
-             ("w_gate_up", w_gate_up, (torch.float8_e4m3fn,)),
-             ("w_down", w_down, (torch.float8_e4m3fn,)),
-             ("gate_up_scale", gate_up_scale, (torch.float32,)),
-             ("down_scale", down_scale, (torch.float32,)),
-             ("topk_weights", topk_weights, (torch.float32,)),
-             ("topk_ids", topk_ids, (torch.int32,))) + ((("input_scale", input_scale, (torch.float32,)),) if static else ())
+        raise ValueError(
+            f"input_scale must be given exactly when quant.activation='static' "
+            f"(got activation={quant.activation!r}, input_scale={'set' if input_scale is not None else None})"
+        )
+    named = (
+        ("hidden_states", hidden_states, (torch.float32, torch.float16, torch.bfloat16)),
+        ("w_gate_up", w_gate_up, (torch.float8_e4m3fn,)),
+        ("w_down", w_down, (torch.float8_e4m3fn,)),
+        ("gate_up_scale", gate_up_scale, (torch.float32,)),
+        ("down_scale", down_scale, (torch.float32,)),
+        ("topk_weights", topk_weights, (torch.float32,)),
+        ("topk_ids", topk_ids, (torch.int32,)),
+    ) + ((("input_scale", input_scale, (torch.float32,)),) if static else ())
     for name, tensor, dtypes in named:
         if tensor is None:
             raise ValueError(f"{name} is required with quant={quant.format!r}")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch tensor, got {type(tensor).__name__}")
         if tensor.dtype not in dtypes:
-            raise ValueError(f"{name} has dtype {tensor.dtype}; expected {' or '.join(map(str, dtypes))} "
-                             f"with quant={quant.format!r}")
-    check_fp8_experts_args(hidden_states, w_gate_up, gate_up_scale, w_down, down_scale, topk_weights, topk_ids,
-                           format=quant.format, block_size=quant.block_size)
+            raise ValueError(
+                f"{name} has dtype {tensor.dtype}; expected {' or '.join(map(str, dtypes))} with quant={quant.format!r}"
+            )
+    check_fp8_experts_args(
+        hidden_states,
+        w_gate_up,
+        gate_up_scale,
+        w_down,
+        down_scale,
+        topk_weights,
+        topk_ids,
+        format=quant.format,
+        block_size=quant.block_size,
+    )
     for name, tensor, _ in named:
         if tensor.device.type != "cuda" or tensor.device != hidden_states.device:
             raise TypeError(f"{name} is on {tensor.device}; all arguments must be torch CUDA tensors on one device")
@@ -329,10 +557,29 @@ def fused_experts_fp8(hidden_states, w_gate_up, gate_up_scale, w_down, down_scal
     out = torch.empty(hidden_states.shape, dtype=hidden_states.dtype, device=device)
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
     with cupy.cuda.Device(device.index), stream:
-        arrays = [_torch_as_cupy(t) for t in (hidden_states, w_gate_up.view(torch.uint8), gate_up_scale,
-                                              w_down.view(torch.uint8), down_scale, topk_weights, topk_ids)]
-        run_fp8_experts(CupyFp8Backend(allocate), dtype, *arrays, _torch_as_cupy(out), format=quant.format,
-                        block_size=quant.block_size, scale_fmt=quant.scale_fmt, activation=activation,
-                        apply_router_weight=apply_router_weight, path=path,
-                        input_scale=_torch_as_cupy(input_scale) if static else None)
+        arrays = [
+            _torch_as_cupy(t)
+            for t in (
+                hidden_states,
+                w_gate_up.view(torch.uint8),
+                gate_up_scale,
+                w_down.view(torch.uint8),
+                down_scale,
+                topk_weights,
+                topk_ids,
+            )
+        ]
+        run_fp8_experts(
+            CupyFp8Backend(allocate),
+            dtype,
+            *arrays,
+            _torch_as_cupy(out),
+            format=quant.format,
+            block_size=quant.block_size,
+            scale_fmt=quant.scale_fmt,
+            activation=activation,
+            apply_router_weight=apply_router_weight,
+            path=path,
+            input_scale=_torch_as_cupy(input_scale) if static else None,
+        )
     return out

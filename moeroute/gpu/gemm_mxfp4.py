@@ -38,7 +38,13 @@ class Mxfp4MmaTile:
 
     def __init__(self, tile_m, block_n, warps_m, warps_n, stages=MMA_STAGES, min_blocks=2):
         self.tile_m, self.block_n, self.warps_m, self.warps_n, self.stages, self.min_blocks = (
-            tile_m, block_n, warps_m, warps_n, stages, min_blocks)
+            tile_m,
+            block_n,
+            warps_m,
+            warps_n,
+            stages,
+            min_blocks,
+        )
 
     @property
     def threads(self) -> int:
@@ -68,8 +74,10 @@ def simt_name(dtype: str, tile_m: int, gated: bool) -> str:
 
 
 def mma_name(dtype: str, tile: Mxfp4MmaTile, gated: bool) -> str:
-    return (f"moe_gemm_mxfp4_mma<{L.KERNEL_TYPE_NAMES[dtype]}, {tile.tile_m}, {tile.block_n}, {tile.warps_m}, "
-            f"{tile.warps_n}, {tile.stages}, {tile.min_blocks}, {int(gated)}>")
+    return (
+        f"moe_gemm_mxfp4_mma<{L.KERNEL_TYPE_NAMES[dtype]}, {tile.tile_m}, {tile.block_n}, {tile.warps_m}, "
+        f"{tile.warps_n}, {tile.stages}, {tile.min_blocks}, {int(gated)}>"
+    )
 
 
 def shipped_name_expressions(platform: str = "cuda", compute_capability=None) -> list:
@@ -78,8 +86,7 @@ def shipped_name_expressions(platform: str = "cuda", compute_capability=None) ->
     is below 80; "hip": SIMT only)."""
     if platform not in ("cuda", "hip"):
         raise ValueError(f"platform={platform!r}: expected 'cuda' or 'hip'")
-    with_mma = platform == "cuda" and (compute_capability is None
-                                       or compute_capability >= L.MMA_MIN_COMPUTE_CAPABILITY)
+    with_mma = platform == "cuda" and (compute_capability is None or compute_capability >= L.MMA_MIN_COMPUTE_CAPABILITY)
     names = []
     for dtype in L.DTYPES:
         names.append(L.sum_name(dtype))
@@ -92,9 +99,27 @@ def shipped_name_expressions(platform: str = "cuda", compute_capability=None) ->
     return names
 
 
-def plan_mxfp4_gemm(*, path: str, dtype: str, gated: bool, block_size: int, a, blocks, scales, c,
-                    sorted_token_ids, expert_ids, topk_weights, numel: int, top_k: int, n: int, k: int,
-                    bias=None, activation: str = "silu", apply_router_weight: bool = False) -> L.KernelLaunch:
+def plan_mxfp4_gemm(
+    *,
+    path: str,
+    dtype: str,
+    gated: bool,
+    block_size: int,
+    a,
+    blocks,
+    scales,
+    c,
+    sorted_token_ids,
+    expert_ids,
+    topk_weights,
+    numel: int,
+    top_k: int,
+    n: int,
+    k: int,
+    bias=None,
+    activation: str = "silu",
+    apply_router_weight: bool = False,
+) -> L.KernelLaunch:
     """Launch of one MXFP4 grouped GEMM over ``len(sorted_token_ids)`` block-padded rows.
 
     a: [rows of A, k] of ``dtype``; blocks uint8 [E, GATES * n, k / 32, 16], scales uint8
@@ -102,20 +127,44 @@ def plan_mxfp4_gemm(*, path: str, dtype: str, gated: bool, block_size: int, a, b
     """
     rows = int(sorted_token_ids.shape[0])
     # Without a bias the kernel never reads the pointer: topk_weights (float32) fills the slot.
-    args = (a, blocks, scales, c, sorted_token_ids, expert_ids, topk_weights,
-            topk_weights if bias is None else bias, np.int32(numel), np.int32(top_k), np.int32(n), np.int32(k),
-            np.int32(block_size), np.int32(L.ACTIVATIONS[activation]), np.int32(bool(apply_router_weight)),
-            np.int32(bias is not None))
+    args = (
+        a,
+        blocks,
+        scales,
+        c,
+        sorted_token_ids,
+        expert_ids,
+        topk_weights,
+        topk_weights if bias is None else bias,
+        np.int32(numel),
+        np.int32(top_k),
+        np.int32(n),
+        np.int32(k),
+        np.int32(block_size),
+        np.int32(L.ACTIVATIONS[activation]),
+        np.int32(bool(apply_router_weight)),
+        np.int32(bias is not None),
+    )
     if path == "simt":
         tile_m = L.simt_tile_height(block_size)
-        return L.KernelLaunch(simt_name(dtype, tile_m, gated), (rows // tile_m, L.ceil_div(n, L.SIMT_BLOCK_N), 1),
-                              (L.SIMT_THREADS, 1, 1), 0, args)
+        return L.KernelLaunch(
+            simt_name(dtype, tile_m, gated),
+            (rows // tile_m, L.ceil_div(n, L.SIMT_BLOCK_N), 1),
+            (L.SIMT_THREADS, 1, 1),
+            0,
+            args,
+        )
     if path == "mma":
         if dtype not in MMA_DTYPES:
             raise ValueError(f"path='mma' needs float16 or bfloat16 activations, got {dtype}")
         tile = MMA_TILES[(next(h for h in MMA_TILE_HEIGHTS if block_size % h == 0), gated)]
-        return L.KernelLaunch(mma_name(dtype, tile, gated), (rows // tile.tile_m, L.ceil_div(n, tile.block_n), 1),
-                              (tile.threads, 1, 1), tile.shared_memory_bytes(gated, k), args)
+        return L.KernelLaunch(
+            mma_name(dtype, tile, gated),
+            (rows // tile.tile_m, L.ceil_div(n, tile.block_n), 1),
+            (tile.threads, 1, 1),
+            tile.shared_memory_bytes(gated, k),
+            args,
+        )
     raise ValueError(f"path={path!r}: expected 'simt' or 'mma'")
 
 
@@ -123,8 +172,17 @@ def _shape(x) -> tuple:
     return tuple(int(v) for v in x.shape)
 
 
-def check_mxfp4_experts_args(hidden_states, gate_up_blocks, gate_up_scales, down_blocks, down_scales, topk_weights,
-                             topk_ids, gate_up_bias=None, down_bias=None):
+def check_mxfp4_experts_args(
+    hidden_states,
+    gate_up_blocks,
+    gate_up_scales,
+    down_blocks,
+    down_scales,
+    topk_weights,
+    topk_ids,
+    gate_up_bias=None,
+    down_bias=None,
+):
     """Shapes of an MXFP4 fused_experts call: returns (T, H, I, E, K) or raises ValueError
     naming the argument."""
     if len(_shape(hidden_states)) != 2:
@@ -134,8 +192,9 @@ def check_mxfp4_experts_args(hidden_states, gate_up_blocks, gate_up_scales, down
         raise ValueError(f"hidden size {H} is not a multiple of {BLOCK_VALUES}, which MXFP4 needs")
     gate_up = _shape(gate_up_blocks)
     if len(gate_up) != 4 or gate_up[1] % 2 or gate_up[2:] != (H // BLOCK_VALUES, BLOCK_BYTES):
-        raise ValueError(f"w_gate_up blocks have shape {gate_up}; expected [num_experts, 2 * I, {H // BLOCK_VALUES}, "
-                         f"{BLOCK_BYTES}]")
+        raise ValueError(
+            f"w_gate_up blocks have shape {gate_up}; expected [num_experts, 2 * I, {H // BLOCK_VALUES}, {BLOCK_BYTES}]"
+        )
     E, two_I = gate_up[:2]
     I = two_I // 2
     if I % BLOCK_VALUES:
@@ -155,17 +214,35 @@ def check_mxfp4_experts_args(hidden_states, gate_up_blocks, gate_up_scales, down
     if down_bias is not None and _shape(down_bias) != (E, H):
         raise ValueError(f"down_bias has shape {_shape(down_bias)}; expected {[E, H]}")
     if T * K + E * L.LARGEST_BLOCK_SIZE > L.INT32_MAX:
-        raise ValueError(f"num_tokens * top_k = {T * K} with {E} experts exceeds the int32 row index of the "
-                         f"kernels; split the batch")
+        raise ValueError(
+            f"num_tokens * top_k = {T * K} with {E} experts exceeds the int32 row index of the kernels; split the batch"
+        )
     if max(H, I) > L.MAX_OUTPUT_COLUMNS:
-        raise ValueError(f"hidden size {H} / intermediate size {I} exceeds {L.MAX_OUTPUT_COLUMNS} columns "
-                         f"(the kernels' grid limit)")
+        raise ValueError(
+            f"hidden size {H} / intermediate size {I} exceeds {L.MAX_OUTPUT_COLUMNS} columns (the kernels' grid limit)"
+        )
     return T, H, I, E, K
 
 
-def run_mxfp4_experts(backend, dtype: str, hidden_states, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
-                      topk_weights, topk_ids, out, *, gate_up_bias=None, down_bias=None, activation: str = "silu",
-                      apply_router_weight: bool = True, align_block=None, path=None):
+def run_mxfp4_experts(
+    backend,
+    dtype: str,
+    hidden_states,
+    gate_up_blocks,
+    gate_up_scales,
+    down_blocks,
+    down_scales,
+    topk_weights,
+    topk_ids,
+    out,
+    *,
+    gate_up_bias=None,
+    down_bias=None,
+    activation: str = "silu",
+    apply_router_weight: bool = True,
+    align_block=None,
+    path=None,
+):
     """Enqueue the MXFP4 expert MLPs on ``backend`` (arrays in its framework: blocks and scales
     uint8, biases float32 or None, hidden_states and out of ``dtype``) and return ``out``.
 
@@ -175,8 +252,17 @@ def run_mxfp4_experts(backend, dtype: str, hidden_states, gate_up_blocks, gate_u
     """
     if activation not in L.ACTIVATIONS:
         raise ValueError(f"activation={activation!r}; expected one of {sorted(L.ACTIVATIONS)}")
-    T, H, I, E, K = check_mxfp4_experts_args(hidden_states, gate_up_blocks, gate_up_scales, down_blocks,
-                                             down_scales, topk_weights, topk_ids, gate_up_bias, down_bias)
+    T, H, I, E, K = check_mxfp4_experts_args(
+        hidden_states,
+        gate_up_blocks,
+        gate_up_scales,
+        down_blocks,
+        down_scales,
+        topk_weights,
+        topk_ids,
+        gate_up_bias,
+        down_bias,
+    )
     if T == 0:
         return out
     numel = T * K
@@ -185,23 +271,67 @@ def run_mxfp4_experts(backend, dtype: str, hidden_states, gate_up_blocks, gate_u
     intermediate = backend.empty((numel, I), dtype)
     if path is None:
         pointers = [backend.pointer(x) for x in (hidden_states, gate_up_blocks, down_blocks, intermediate)]
-        eligible = (dtype in MMA_DTYPES and not backend.is_hip
-                    and backend.compute_capability >= L.MMA_MIN_COMPUTE_CAPABILITY
-                    and all(p % MMA_POINTER_ALIGNMENT == 0 for p in pointers))
+        eligible = (
+            dtype in MMA_DTYPES
+            and not backend.is_hip
+            and backend.compute_capability >= L.MMA_MIN_COMPUTE_CAPABILITY
+            and all(p % MMA_POINTER_ALIGNMENT == 0 for p in pointers)
+        )
         path = "mma" if eligible else "simt"
     if path not in ("mma", "simt"):
         raise ValueError(f"path={path!r}; expected 'mma', 'simt' or None")
-    common = dict(path=path, dtype=dtype, block_size=align_block, sorted_token_ids=sorted_token_ids,
-                  expert_ids=expert_ids, topk_weights=topk_weights.reshape(-1), numel=numel)
-    backend.launch(plan_mxfp4_gemm(gated=True, a=hidden_states, blocks=gate_up_blocks, scales=gate_up_scales,
-                                   c=intermediate, top_k=K, n=I, k=H, bias=gate_up_bias, activation=activation,
-                                   **common))
+    common = dict(
+        path=path,
+        dtype=dtype,
+        block_size=align_block,
+        sorted_token_ids=sorted_token_ids,
+        expert_ids=expert_ids,
+        topk_weights=topk_weights.reshape(-1),
+        numel=numel,
+    )
+    backend.launch(
+        plan_mxfp4_gemm(
+            gated=True,
+            a=hidden_states,
+            blocks=gate_up_blocks,
+            scales=gate_up_scales,
+            c=intermediate,
+            top_k=K,
+            n=I,
+            k=H,
+            bias=gate_up_bias,
+            activation=activation,
+            **common,
+        )
+    )
     expert_out = backend.empty((numel, H), dtype)
-    backend.launch(plan_mxfp4_gemm(gated=False, a=intermediate, blocks=down_blocks, scales=down_scales,
-                                   c=expert_out, top_k=1, n=H, k=I, bias=down_bias,
-                                   apply_router_weight=apply_router_weight, **common))
-    backend.launch(L.plan_sum_topk(dtype=dtype, expert_out=expert_out, topk_ids=topk_ids, out=out, num_tokens=T,
-                                   top_k=K, hidden_size=H, num_experts=E))
+    backend.launch(
+        plan_mxfp4_gemm(
+            gated=False,
+            a=intermediate,
+            blocks=down_blocks,
+            scales=down_scales,
+            c=expert_out,
+            top_k=1,
+            n=H,
+            k=I,
+            bias=down_bias,
+            apply_router_weight=apply_router_weight,
+            **common,
+        )
+    )
+    backend.launch(
+        L.plan_sum_topk(
+            dtype=dtype,
+            expert_out=expert_out,
+            topk_ids=topk_ids,
+            out=out,
+            num_tokens=T,
+            top_k=K,
+            hidden_size=H,
+            num_experts=E,
+        )
+    )
     return out
 
 
@@ -234,13 +364,25 @@ def _pair(name: str, pair):
     import torch
 
     if isinstance(pair, torch.Tensor) or not isinstance(pair, (tuple, list)) or len(pair) != 2:
-        raise TypeError(f"{name} must be a (blocks, scales) pair of uint8 tensors with quant='mxfp4', got "
-                        f"{type(pair).__name__}")
+        raise TypeError(
+            f"{name} must be a (blocks, scales) pair of uint8 tensors with quant='mxfp4', got {type(pair).__name__}"
+        )
     return pair
 
 
-def fused_experts_mxfp4(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, gate_up_bias=None,
-                        down_bias=None, activation: str = "silu", apply_router_weight: bool = True, path=None):
+def fused_experts_mxfp4(
+    hidden_states,
+    w_gate_up,
+    w_down,
+    topk_weights,
+    topk_ids,
+    *,
+    gate_up_bias=None,
+    down_bias=None,
+    activation: str = "silu",
+    apply_router_weight: bool = True,
+    path=None,
+):
     """Routed MXFP4 expert MLPs on torch CUDA tensors: ``out[t] = sum_k w[t,k] * expert(x_t)`` with
     each weight ``e2m1[nibble] * 2 ** (scale - 127)`` decoded in the kernels.
 
@@ -260,20 +402,38 @@ def fused_experts_mxfp4(hidden_states, w_gate_up, w_down, topk_weights, topk_ids
     gate_up_blocks, gate_up_scales = _pair("w_gate_up", w_gate_up)
     down_blocks, down_scales = _pair("w_down", w_down)
     floats = (torch.float32, torch.float16, torch.bfloat16)
-    named = [("hidden_states", hidden_states, floats), ("w_gate_up blocks", gate_up_blocks, (torch.uint8,)),
-             ("w_gate_up scales", gate_up_scales, (torch.uint8,)), ("w_down blocks", down_blocks, (torch.uint8,)),
-             ("w_down scales", down_scales, (torch.uint8,)), ("topk_weights", topk_weights, (torch.float32,)),
-             ("topk_ids", topk_ids, (torch.int32,))]
-    named += [(name, bias, floats) for name, bias in (("gate_up_bias", gate_up_bias), ("down_bias", down_bias))
-              if bias is not None]
+    named = [
+        ("hidden_states", hidden_states, floats),
+        ("w_gate_up blocks", gate_up_blocks, (torch.uint8,)),
+        ("w_gate_up scales", gate_up_scales, (torch.uint8,)),
+        ("w_down blocks", down_blocks, (torch.uint8,)),
+        ("w_down scales", down_scales, (torch.uint8,)),
+        ("topk_weights", topk_weights, (torch.float32,)),
+        ("topk_ids", topk_ids, (torch.int32,)),
+    ]
+    named += [
+        (name, bias, floats)
+        for name, bias in (("gate_up_bias", gate_up_bias), ("down_bias", down_bias))
+        if bias is not None
+    ]
     for name, tensor, dtypes in named:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch tensor, got {type(tensor).__name__}")
         if tensor.dtype not in dtypes:
-            raise ValueError(f"{name} has dtype {tensor.dtype}; expected {' or '.join(map(str, dtypes))} "
-                             f"with quant='mxfp4'")
-    check_mxfp4_experts_args(hidden_states, gate_up_blocks, gate_up_scales, down_blocks, down_scales, topk_weights,
-                             topk_ids, gate_up_bias, down_bias)
+            raise ValueError(
+                f"{name} has dtype {tensor.dtype}; expected {' or '.join(map(str, dtypes))} with quant='mxfp4'"
+            )
+    check_mxfp4_experts_args(
+        hidden_states,
+        gate_up_blocks,
+        gate_up_scales,
+        down_blocks,
+        down_scales,
+        topk_weights,
+        topk_ids,
+        gate_up_bias,
+        down_bias,
+    )
     for name, tensor, _ in named:
         if tensor.device.type != "cuda" or tensor.device != hidden_states.device:
             raise TypeError(f"{name} is on {tensor.device}; all arguments must be torch CUDA tensors on one device")
@@ -289,10 +449,20 @@ def fused_experts_mxfp4(hidden_states, w_gate_up, w_down, topk_weights, topk_ids
     out = torch.empty(hidden_states.shape, dtype=hidden_states.dtype, device=device)
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
     with cupy.cuda.Device(device.index), stream:
-        arrays = [_torch_as_cupy(t) for t in (hidden_states, gate_up_blocks, gate_up_scales, down_blocks,
-                                              down_scales, topk_weights, topk_ids)]
+        arrays = [
+            _torch_as_cupy(t)
+            for t in (hidden_states, gate_up_blocks, gate_up_scales, down_blocks, down_scales, topk_weights, topk_ids)
+        ]
         gate_up_b, down_b = (None if b is None else _torch_as_cupy(b) for b in biases)
-        run_mxfp4_experts(CupyMxfp4Backend(allocate, align_template=topk_ids), dtype, *arrays,
-                          _torch_as_cupy(out), gate_up_bias=gate_up_b, down_bias=down_b, activation=activation,
-                          apply_router_weight=apply_router_weight, path=path)
+        run_mxfp4_experts(
+            CupyMxfp4Backend(allocate, align_template=topk_ids),
+            dtype,
+            *arrays,
+            _torch_as_cupy(out),
+            gate_up_bias=gate_up_b,
+            down_bias=down_b,
+            activation=activation,
+            apply_router_weight=apply_router_weight,
+            path=path,
+        )
     return out

@@ -122,10 +122,10 @@ HOPPER_WIDE_BLOCK_K = 64
 MMA_TILES_SM90 = {
     (16, False): MmaTile(16, 128, 1, 4, stages=HOPPER_STAGES, min_blocks=HOPPER_MIN_BLOCKS),
     (16, True): MmaTile(16, 64, 1, 4, stages=HOPPER_STAGES, min_blocks=HOPPER_MIN_BLOCKS),
-    (64, False): MmaTile(64, 128, 2, 4, block_k=HOPPER_WIDE_BLOCK_K, stages=HOPPER_STAGES,
-                         min_blocks=HOPPER_MIN_BLOCKS),
-    (64, True): MmaTile(64, 64, 2, 4, block_k=HOPPER_WIDE_BLOCK_K, stages=HOPPER_STAGES,
-                        min_blocks=HOPPER_MIN_BLOCKS),
+    (64, False): MmaTile(
+        64, 128, 2, 4, block_k=HOPPER_WIDE_BLOCK_K, stages=HOPPER_STAGES, min_blocks=HOPPER_MIN_BLOCKS
+    ),
+    (64, True): MmaTile(64, 64, 2, 4, block_k=HOPPER_WIDE_BLOCK_K, stages=HOPPER_STAGES, min_blocks=HOPPER_MIN_BLOCKS),
     (128, False): MmaTile(128, 128, 4, 2, stages=HOPPER_STAGES, min_blocks=HOPPER_MIN_BLOCKS),
     (128, True): MmaTile(128, 64, 4, 2, stages=HOPPER_STAGES, min_blocks=HOPPER_MIN_BLOCKS),
 }
@@ -171,8 +171,9 @@ def mma_tiles(compute_capability: int) -> dict:
     return MMA_TILES_SM90 if compute_capability >= HOPPER_COMPUTE_CAPABILITY else MMA_TILES
 
 
-def mma_eligible(dtype: str, compute_capability: int, is_hip: bool, hidden_size: int,
-                 intermediate_size: int, pointers) -> bool:
+def mma_eligible(
+    dtype: str, compute_capability: int, is_hip: bool, hidden_size: int, intermediate_size: int, pointers
+) -> bool:
     """True when the mma.sync path can run: float16/bfloat16 on sm_80+ (not HIP), H and I
     multiples of 8, every pointer 16-byte aligned."""
     return (
@@ -190,8 +191,10 @@ def simt_name(dtype: str, tile_m: int, gated: bool) -> str:
 
 
 def mma_name(dtype: str, tile: MmaTile, gated: bool) -> str:
-    return (f"moe_gemm_mma<{KERNEL_TYPE_NAMES[dtype]}, {tile.tile_m}, {tile.block_n}, "
-            f"{tile.warps_m}, {tile.warps_n}, {tile.block_k}, {tile.stages}, {tile.min_blocks}, {int(gated)}>")
+    return (
+        f"moe_gemm_mma<{KERNEL_TYPE_NAMES[dtype]}, {tile.tile_m}, {tile.block_n}, "
+        f"{tile.warps_m}, {tile.warps_n}, {tile.block_k}, {tile.stages}, {tile.min_blocks}, {int(gated)}>"
+    )
 
 
 def sum_name(dtype: str) -> str:
@@ -216,10 +219,27 @@ def shipped_name_expressions(platform: str = "cuda") -> list:
     return names
 
 
-def plan_expert_gemm(*, path: str, dtype: str, gated: bool, block_size: int, a, b, c,
-                     sorted_token_ids, expert_ids, topk_weights, numel: int, top_k: int, n: int,
-                     k: int, activation: str = "silu", apply_router_weight: bool = False,
-                     bias=None, compute_capability: int = MMA_MIN_COMPUTE_CAPABILITY) -> KernelLaunch:
+def plan_expert_gemm(
+    *,
+    path: str,
+    dtype: str,
+    gated: bool,
+    block_size: int,
+    a,
+    b,
+    c,
+    sorted_token_ids,
+    expert_ids,
+    topk_weights,
+    numel: int,
+    top_k: int,
+    n: int,
+    k: int,
+    activation: str = "silu",
+    apply_router_weight: bool = False,
+    bias=None,
+    compute_capability: int = MMA_MIN_COMPUTE_CAPABILITY,
+) -> KernelLaunch:
     """Launch of one grouped GEMM over ``len(sorted_token_ids)`` block-padded rows.
 
     gate_up (``gated``): a = hidden_states [T, H], b = w_gate_up [E, 2n, k], c = [numel, n],
@@ -230,28 +250,49 @@ def plan_expert_gemm(*, path: str, dtype: str, gated: bool, block_size: int, a, 
     ``compute_capability`` (major * 10 + minor) picks the mma tile table (``mma_tiles``).
     """
     rows = int(sorted_token_ids.shape[0])
-    scalars = (np.int32(numel), np.int32(top_k), np.int32(n), np.int32(k), np.int32(block_size),
-               np.int32(ACTIVATIONS[activation]), np.int32(bool(apply_router_weight)),
-               np.int32(bias is not None))
+    scalars = (
+        np.int32(numel),
+        np.int32(top_k),
+        np.int32(n),
+        np.int32(k),
+        np.int32(block_size),
+        np.int32(ACTIVATIONS[activation]),
+        np.int32(bool(apply_router_weight)),
+        np.int32(bias is not None),
+    )
     # Without a bias the kernel never reads the pointer: b fills the slot.
     arrays = (a, b, c, sorted_token_ids, expert_ids, topk_weights, b if bias is None else bias)
     if path == "simt":
         tile_m = simt_tile_height(block_size)
-        return KernelLaunch(simt_name(dtype, tile_m, gated),
-                            (rows // tile_m, ceil_div(n, SIMT_BLOCK_N), 1), (SIMT_THREADS, 1, 1), 0,
-                            arrays + scalars)
+        return KernelLaunch(
+            simt_name(dtype, tile_m, gated),
+            (rows // tile_m, ceil_div(n, SIMT_BLOCK_N), 1),
+            (SIMT_THREADS, 1, 1),
+            0,
+            arrays + scalars,
+        )
     if path == "mma":
         tile = mma_tiles(compute_capability)[(mma_tile_height(block_size), gated)]
         num_m_tiles = rows // tile.tile_m
         grid = num_m_tiles * ceil_div(n, tile.block_n)
-        return KernelLaunch(mma_name(dtype, tile, gated), (grid, 1, 1), (tile.threads, 1, 1),
-                            tile.shared_memory_bytes(gated), arrays + scalars + (np.int32(num_m_tiles),))
+        return KernelLaunch(
+            mma_name(dtype, tile, gated),
+            (grid, 1, 1),
+            (tile.threads, 1, 1),
+            tile.shared_memory_bytes(gated),
+            arrays + scalars + (np.int32(num_m_tiles),),
+        )
     raise ValueError(f"path={path!r}: expected 'simt' or 'mma'")
 
 
-def plan_sum_topk(*, dtype: str, expert_out, topk_ids, out, num_tokens: int, top_k: int,
-                  hidden_size: int, num_experts: int) -> KernelLaunch:
+def plan_sum_topk(
+    *, dtype: str, expert_out, topk_ids, out, num_tokens: int, top_k: int, hidden_size: int, num_experts: int
+) -> KernelLaunch:
     """Launch of ``out[t] = sum of expert_out[t*top_k + k] over slots with a valid id``."""
-    return KernelLaunch(sum_name(dtype), (num_tokens, 1, 1), (SUM_THREADS, 1, 1), 0,
-                        (expert_out, topk_ids, out, np.int32(top_k), np.int32(hidden_size),
-                         np.int32(num_experts)))
+    return KernelLaunch(
+        sum_name(dtype),
+        (num_tokens, 1, 1),
+        (SUM_THREADS, 1, 1),
+        0,
+        (expert_out, topk_ids, out, np.int32(top_k), np.int32(hidden_size), np.int32(num_experts)),
+    )

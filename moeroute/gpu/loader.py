@@ -35,8 +35,9 @@ def kernel_source(kernel_file: str, hip: bool = False) -> str:
 def _module(kernel_file: str, name_expression: str, device_id: int, hip: bool):
     import cupy
 
-    return cupy.RawModule(code=kernel_source(kernel_file, hip), options=COMPILE_OPTIONS,
-                          name_expressions=(name_expression,))
+    return cupy.RawModule(
+        code=kernel_source(kernel_file, hip), options=COMPILE_OPTIONS, name_expressions=(name_expression,)
+    )
 
 
 @functools.lru_cache(maxsize=None)

@@ -80,6 +80,7 @@ __all__ = [
     "MAX_PHYSICAL_EXPERTS",
 ]
 
+
 class ExpertLayout:
     """Placement of routed experts and shared slots over expert-parallel ranks.
 
@@ -201,16 +202,11 @@ class ExpertLayout:
         if shared_slots is not None:
             _choice("shared_slots", shared_slots, SHARED_SLOT_MODES, " or None (derived)")
         _choice("scaling_regime", scaling_regime, SCALING_REGIMES)
-        if unfusable_reason is not None and (
-            not isinstance(unfusable_reason, str) or not unfusable_reason.strip()
-        ):
-            raise LayoutError(
-                f"unfusable_reason={unfusable_reason!r} must be None or a non-empty sentence"
-            )
+        if unfusable_reason is not None and (not isinstance(unfusable_reason, str) or not unfusable_reason.strip()):
+            raise LayoutError(f"unfusable_reason={unfusable_reason!r} must be None or a non-empty sentence")
         if dispatch == "none" and e > 1:
             raise LayoutError(
-                f"dispatch='none' serves a single rank but ep_size={e}; "
-                "use dispatch='all2all' or dispatch='allgather'"
+                f"dispatch='none' serves a single rank but ep_size={e}; use dispatch='all2all' or dispatch='allgather'"
             )
         p = n + r
         # Checked before any table is allocated: the largest physical id space (per-rank
@@ -276,7 +272,7 @@ class ExpertLayout:
 
     @property
     def dispatch(self) -> str:
-        """"none", "all2all" or "allgather"."""
+        """ "none", "all2all" or "allgather"."""
         return self._dispatch
 
     @property
@@ -291,7 +287,7 @@ class ExpertLayout:
 
     @property
     def scaling_regime(self) -> str:
-        """"router" (rsf in the routed weights) or "output" (rsf after combine)."""
+        """ "router" (rsf in the routed weights) or "output" (rsf after combine)."""
         return self._scaling_regime
 
     @property
@@ -311,7 +307,7 @@ class ExpertLayout:
 
     @property
     def shared_slots(self) -> str | None:
-        """"global" or "per_rank" when the shared expert is fused, else None."""
+        """ "global" or "per_rank" when the shared expert is fused, else None."""
         return self._shared_slots
 
     @property
@@ -326,8 +322,9 @@ class ExpertLayout:
     @property
     def num_physical_experts(self) -> int:
         """Size of the physical id space: P, P + S (global) or P + E*S (per_rank)."""
-        return _placement.num_physical_experts(self.num_routed_physical, self._ep_size,
-                                               self._num_shared_experts, self._shared_slots)
+        return _placement.num_physical_experts(
+            self.num_routed_physical, self._ep_size, self._num_shared_experts, self._shared_slots
+        )
 
     @property
     def routed_id_map(self) -> np.ndarray:
@@ -366,7 +363,7 @@ class ExpertLayout:
 
     @property
     def placement(self) -> str:
-        """"linear", "round_robin", or "table" (built from ``physical_to_logical``)."""
+        """ "linear", "round_robin", or "table" (built from ``physical_to_logical``)."""
         return self._placement
 
     def logical_experts(self, rank: int) -> np.ndarray:
@@ -379,7 +376,7 @@ class ExpertLayout:
             ``rank`` outside [0, E).
         """
         start, count = self.routed_range(rank)
-        return self._physical_to_logical[start:start + count].copy()
+        return self._physical_to_logical[start : start + count].copy()
 
     def preferred_replicas(self, prefer_rank: int) -> tuple[np.ndarray, np.ndarray]:
         """Replica CSR (offsets int32 [N + 1], ids int32 [P']) that keeps traffic on a rank.
@@ -399,8 +396,9 @@ class ExpertLayout:
         if cached is not None:
             return cached
         start, count = self.routed_range(rank)
-        cached = _placement.preferred_replicas(self._replica_offsets, self._replica_ids,
-                                               self._num_routed_experts, start, count)
+        cached = _placement.preferred_replicas(
+            self._replica_offsets, self._replica_ids, self._num_routed_experts, start, count
+        )
         self._preferred_replicas[rank] = cached
         return cached
 
@@ -452,9 +450,15 @@ class ExpertLayout:
             ``rank`` outside [0, E).
         """
         start, count = self.routed_range(rank)
-        return _placement.expert_map(self.num_physical_experts, start, count,
-                                     int(self._block_starts[rank]), self.num_routed_physical,
-                                     self._num_shared_experts, self._shared_slots)
+        return _placement.expert_map(
+            self.num_physical_experts,
+            start,
+            count,
+            int(self._block_starts[rank]),
+            self.num_routed_physical,
+            self._num_shared_experts,
+            self._shared_slots,
+        )
 
     def shared_slot_ids(self, home_rank: int) -> np.ndarray:
         """Physical ids of the shared slots used by tokens from ``home_rank``.
@@ -501,8 +505,7 @@ class ExpertLayout:
         if not 0 <= integer("logical_id", logical_id) < n:
             raise ValueError(f"logical_id={logical_id!r} must be an integer in [0, {n})")
         token_row = integer("token_row", token_row, 0)
-        return _placement.hashed_replica(self._replica_offsets, self._replica_ids,
-                                         logical_id, token_row)
+        return _placement.hashed_replica(self._replica_offsets, self._replica_ids, logical_id, token_row)
 
     def check_backend(self, requirement: str = "equal_blocks") -> list[str]:
         """Explicit incompatibilities of this layout with a backend requirement.
@@ -525,11 +528,11 @@ class ExpertLayout:
         """
         if requirement not in BACKEND_REQUIREMENTS:
             raise ValueError(
-                f"unknown requirement={requirement!r}; use one of "
-                + ", ".join(repr(r) for r in BACKEND_REQUIREMENTS)
+                f"unknown requirement={requirement!r}; use one of " + ", ".join(repr(r) for r in BACKEND_REQUIREMENTS)
             )
-        return _placement.equal_blocks_problems(self.num_routed_physical, self._ep_size,
-                                                self._num_shared_experts, self._shared_slots)
+        return _placement.equal_blocks_problems(
+            self.num_routed_physical, self._ep_size, self._num_shared_experts, self._shared_slots
+        )
 
     def shared_slot_weight(self, gate: Any = None, routed_scaling_factor: float = 1.0) -> Any:
         """Weight of a fused shared slot: the one place it is computed (docs/semantics.md section 3).
@@ -572,11 +575,17 @@ class ExpertLayout:
 
     def _key(self) -> tuple:
         return (
-            self._num_routed_experts, self._num_shared_experts, self._ep_size,
-            self._dispatch, self._shared, self._shared_slots, self._num_redundant_experts,
+            self._num_routed_experts,
+            self._num_shared_experts,
+            self._ep_size,
+            self._dispatch,
+            self._shared,
+            self._shared_slots,
+            self._num_redundant_experts,
             # The full table: it says what every placement (linear, round-robin, any table) does.
             tuple(self._physical_to_logical.tolist()),
-            self._scaling_regime, self._unfusable_reason,
+            self._scaling_regime,
+            self._unfusable_reason,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -603,10 +612,7 @@ class ExpertLayout:
         if self._placement == "table":
             parts.append(f"physical_to_logical={self._physical_to_logical.tolist()!r}")
         elif self._has_replica_table:
-            parts.append(
-                "replica_table="
-                + repr(self._replica_table_values.tolist())
-            )
+            parts.append("replica_table=" + repr(self._replica_table_values.tolist()))
         if self._placement == "round_robin":
             parts.append("placement='round_robin'")
         if self._scaling_regime != "router":

@@ -19,8 +19,7 @@ def describe(layout: Any) -> str:
     p, r = layout.num_routed_physical, layout.num_redundant_experts
     slots_mode = layout.shared_slots
     lines = [
-        f"ExpertLayout: {n} routed + {s} shared expert(s), {r} redundant, "
-        f"ep_size={e}, dispatch={layout.dispatch}",
+        f"ExpertLayout: {n} routed + {s} shared expert(s), {r} redundant, ep_size={e}, dispatch={layout.dispatch}",
     ]
     if slots_mode == "per_rank":
         composition = f"{p} routed + {e} x {s} per-rank shared slots"
@@ -46,8 +45,7 @@ def describe(layout: Any) -> str:
         slots_text = _id_span(slot_ids) if slot_ids.size else "-"
         rows.append((str(rank), physical, str(layout.num_local_experts(rank)), routed, slots_text))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
-              for row in rows]
+    lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
 
     if slots_mode == "per_rank":
         lines.append(
@@ -58,8 +56,7 @@ def describe(layout: Any) -> str:
         masked = " (computed only on the token's home rank)" if layout.home_rank_masked else ""
         local = "local id L_r" if s == 1 else f"local ids L_r..L_r+{s - 1}"
         lines.append(
-            f"shared slots: global ids {_id_span(layout.shared_slot_ids(0))}, held by every "
-            f"rank as {local}{masked}"
+            f"shared slots: global ids {_id_span(layout.shared_slot_ids(0))}, held by every rank as {local}{masked}"
         )
     else:
         lines.append("shared slots: none (the shared expert is not fused)")
@@ -67,20 +64,20 @@ def describe(layout: Any) -> str:
     placement, table = layout.placement, layout.physical_to_logical
     if placement == "linear":
         if r:
-            replicas = ", ".join(
-                f"{n + i}->{int(table[n + i])}" for i in range(min(r, 16))
-            )
+            replicas = ", ".join(f"{n + i}->{int(table[n + i])}" for i in range(min(r, 16)))
             more = f", ... ({r - 16} more)" if r > 16 else ""
             lines.append(f"replicas (physical->logical): {replicas}{more}")
     else:
-        how = ("round_robin: rank r holds entries r, r+E, r+2E, ... of the linear sequence"
-               if placement == "round_robin" else "physical_to_logical table")
+        how = (
+            "round_robin: rank r holds entries r, r+E, r+2E, ... of the linear sequence"
+            if placement == "round_robin"
+            else "physical_to_logical table"
+        )
         lines.append(f"placement: {how}; logical experts of each rank, in local id order:")
         for rank in range(e):
             logical = layout.logical_experts(rank).tolist()
             shown = ", ".join(str(x) for x in logical[:_DESCRIBE_MAX_IDS])
-            more = f", ... ({len(logical) - _DESCRIBE_MAX_IDS} more)" \
-                if len(logical) > _DESCRIBE_MAX_IDS else ""
+            more = f", ... ({len(logical) - _DESCRIBE_MAX_IDS} more)" if len(logical) > _DESCRIBE_MAX_IDS else ""
             lines.append(f"  rank {rank}: {shown}{more}")
     lines.append(f"scaling regime: {layout.scaling_regime}")
     problems = layout.check_backend("equal_blocks")

@@ -80,8 +80,9 @@ def check_physical_to_logical(table: Any, num_routed: int) -> np.ndarray:
     return array.astype(np.int64)
 
 
-def build_replicas(n: int, r: int, ep_size: int, placement: str, replica_table: Any,
-                   full_table: np.ndarray | None = None) -> Replicas:
+def build_replicas(
+    n: int, r: int, ep_size: int, placement: str, replica_table: Any, full_table: np.ndarray | None = None
+) -> Replicas:
     """The replica table of N logical and R redundant experts over ``ep_size`` ranks.
 
     ``full_table`` (checked by `check_physical_to_logical`) is used as it is; otherwise
@@ -103,8 +104,7 @@ def build_replicas(n: int, r: int, ep_size: int, placement: str, replica_table: 
         table = np.asarray(replica_table)
         if table.ndim != 1 or table.shape[0] != r:
             raise LayoutError(
-                f"replica_table has shape {table.shape}; it needs one logical id per "
-                f"redundant expert, shape [{r}]"
+                f"replica_table has shape {table.shape}; it needs one logical id per redundant expert, shape [{r}]"
             )
         if r and not np.issubdtype(table.dtype, np.integer):
             raise LayoutError(f"replica_table must hold integers, got dtype {table.dtype}")
@@ -179,9 +179,7 @@ def rank_blocks(p: int, e: int, s: int, shared_slots: str | None) -> RankBlocks:
         routed_starts=readonly(starts.astype(ID_DTYPE)),
         routed_counts=readonly(counts.astype(ID_DTYPE)),
         block_starts=readonly((starts + ranks * per_rank_s).astype(ID_DTYPE)),
-        routed_id_map=readonly(
-            (np.arange(p, dtype=np.int64) + routed_owner * per_rank_s).astype(ID_DTYPE)
-        ),
+        routed_id_map=readonly((np.arange(p, dtype=np.int64) + routed_owner * per_rank_s).astype(ID_DTYPE)),
         owner_rank=readonly(owner.astype(ID_DTYPE)),
     )
 
@@ -195,13 +193,14 @@ def num_physical_experts(p: int, e: int, s: int, shared_slots: str | None) -> in
     return p
 
 
-def preferred_replicas(offsets: np.ndarray, ids: np.ndarray, n: int, start: int, count: int
-                       ) -> tuple[np.ndarray, np.ndarray]:
+def preferred_replicas(
+    offsets: np.ndarray, ids: np.ndarray, n: int, start: int, count: int
+) -> tuple[np.ndarray, np.ndarray]:
     """The replica CSR (``offsets``, ``ids``) of N logical experts narrowed to the replicas in
     [start, start + count) for each logical expert that has any there; read-only arrays."""
     lists = []
     for logical in range(n):
-        held = ids[offsets[logical]:offsets[logical + 1]]
+        held = ids[offsets[logical] : offsets[logical + 1]]
         local = held[(held >= start) & (held < start + count)]
         lists.append(local if local.size else held)
     new_offsets = np.zeros(n + 1, dtype=ID_DTYPE)
@@ -209,8 +208,7 @@ def preferred_replicas(offsets: np.ndarray, ids: np.ndarray, n: int, start: int,
     return readonly(new_offsets), readonly(np.concatenate(lists).astype(ID_DTYPE))
 
 
-def expert_map(size: int, start: int, count: int, block: int, p: int, s: int,
-               shared_slots: str | None) -> np.ndarray:
+def expert_map(size: int, start: int, count: int, block: int, p: int, s: int, shared_slots: str | None) -> np.ndarray:
     """Physical id -> local id on the rank holding routed [start, start + count) and the
     block starting at ``block``; -1 elsewhere. int32 [size], fresh and writable."""
     result = np.full(size, -1, dtype=ID_DTYPE)

@@ -16,8 +16,18 @@ from numba.core import cgutils, types
 
 from moeroute import cpu_features
 
-__all__ = ["BF16_DOT", "LANES", "BFloat16Type", "dot_function", "sum_lanes", "row_pointers", "accumulators",
-           "splat", "store_tile", "add_tile"]
+__all__ = [
+    "BF16_DOT",
+    "LANES",
+    "BFloat16Type",
+    "dot_function",
+    "sum_lanes",
+    "row_pointers",
+    "accumulators",
+    "splat",
+    "store_tile",
+    "add_tile",
+]
 
 #: bfloat16 values per vdpbf16ps operand.
 LANES = 32
@@ -46,8 +56,9 @@ def dot_function(builder):
     -> acc plus the pairwise products."""
     v16f = ir.VectorType(ir.FloatType(), 16)
     v32bf = ir.VectorType(BFloat16Type(), LANES)
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v32bf, v32bf]),
-                                          "llvm.x86.avx512bf16.dpbf16ps.512")
+    return cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(v16f, [v16f, v32bf, v32bf]), "llvm.x86.avx512bf16.dpbf16ps.512"
+    )
 
 
 def sum_lanes(builder, vectors):
@@ -75,8 +86,7 @@ def sum_lanes(builder, vectors):
                 owners = owners + q_owners
             else:  # alone: halved
                 q, picks = p, (low, high)
-            halves = [builder.shuffle_vector(p, q, ir.Constant(ir.VectorType(i32, len(pick)), pick))
-                      for pick in picks]
+            halves = [builder.shuffle_vector(p, q, ir.Constant(ir.VectorType(i32, len(pick)), pick)) for pick in picks]
             paired.append((builder.fadd(*halves), owners))
         entries, lanes = paired, half
     sums = [None] * len(vectors)
@@ -114,6 +124,7 @@ def splat(builder, scalar, lanes):
 
 # The row kernels' tile epilogues: ``dots[i * count + j]`` is weight row n + i against
 # activation row j of the tile.
+
 
 @numba.njit(fastmath=True, inline="always")
 def store_tile(dots, tile, n, count, m, bias, e, out):

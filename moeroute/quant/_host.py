@@ -32,15 +32,35 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from moeroute.quant._dot import (BF16_DOT, LANES, BFloat16Type, accumulators, dot_function, row_pointers, splat,
-                                 sum_lanes)
+from moeroute.quant._dot import (
+    BF16_DOT,
+    LANES,
+    BFloat16Type,
+    accumulators,
+    dot_function,
+    row_pointers,
+    splat,
+    sum_lanes,
+)
 
-__all__ = ["gate_up_rows", "gate_up_rows_serial", "down_rows", "down_rows_serial", "gate_up_rows_bf16",
-           "gate_up_rows_bf16_serial", "down_rows_bf16", "down_rows_bf16_serial", "bf16_dot_serves",
-           "dequantize_rows", "dequantize_rows_bf16", "BF16_DOT", "ROW_BLOCK"]
+__all__ = [
+    "gate_up_rows",
+    "gate_up_rows_serial",
+    "down_rows",
+    "down_rows_serial",
+    "gate_up_rows_bf16",
+    "gate_up_rows_bf16_serial",
+    "down_rows_bf16",
+    "down_rows_bf16_serial",
+    "bf16_dot_serves",
+    "dequantize_rows",
+    "dequantize_rows_bf16",
+    "BF16_DOT",
+    "ROW_BLOCK",
+]
 
 #: 2**120: a float32 holding e4m3 bits in its low exponent/mantissa bits is q * 2**-120.
-_UNBIAS = np.float32(2.0 ** 120)
+_UNBIAS = np.float32(2.0**120)
 
 
 @numba.njit(fastmath=True)
@@ -63,6 +83,7 @@ def _e4m3_times_2_pow_minus_8(typingctx, byte):
     gives a normal float32 for every finite e4m3 value, so no float32 subnormal reaches the
     multiplies (x86 takes slow assists on those). LLVM vectorizes the shift, mask and widening.
     """
+
     def codegen(context, builder, signature, args):
         i16 = ir.IntType(16)
         high = builder.shl(builder.zext(args[0], i16), ir.Constant(i16, 8))
@@ -73,7 +94,7 @@ def _e4m3_times_2_pow_minus_8(typingctx, byte):
 
 
 #: 2**8: undoes the 2**-8 of `_e4m3_times_2_pow_minus_8`; folded into the group scales.
-_DECODE_UNSCALE = np.float32(2.0 ** 8)
+_DECODE_UNSCALE = np.float32(2.0**8)
 #: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
 ROW_BLOCK = 64
 #: Activation rows dotted per pass over a decoded weight row.
@@ -93,7 +114,7 @@ def _scaled_rows(q_a, s_a, rows, start, stop, scale_row, bk, dst):
             k0 = g * bk
             count = min(cols - k0, bk)
             factor = sa[g] * scale_row[g] * _DECODE_UNSCALE
-            xg, dg = x[k0:k0 + count], d[k0:k0 + count]
+            xg, dg = x[k0 : k0 + count], d[k0 : k0 + count]
             for k in range(count):
                 dg[k] = xg[k] * factor
 
@@ -237,16 +258,18 @@ def gate_up_rows(q_a, s_a, tokens, offsets, work, q_gate_up, gate_up_scale, inte
     0..nb-1 the gate's, nb..2nb-1 the up's, nb = ceil(I / bn)), out [M, 2I] float32.
     """
     for item in numba.prange(work.shape[0]):
-        _gate_up_item(q_a, s_a, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale,
-                      inter, bn, bk, out)
+        _gate_up_item(
+            q_a, s_a, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale, inter, bn, bk, out
+        )
 
 
 @numba.njit(fastmath=True, cache=True)
 def gate_up_rows_serial(q_a, s_a, tokens, offsets, work, q_gate_up, gate_up_scale, inter, bn, bk, out):
     """`gate_up_rows` on the calling thread (no parallel region to start: one thread)."""
     for item in range(work.shape[0]):
-        _gate_up_item(q_a, s_a, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale,
-                      inter, bn, bk, out)
+        _gate_up_item(
+            q_a, s_a, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale, inter, bn, bk, out
+        )
 
 
 @numba.njit(fastmath=True)
@@ -319,7 +342,7 @@ def dequantize_rows(q, scale, row_start, row_stop, scale_row_offset, bn, bk, out
         scale_row = scale[(r - scale_row_offset) // bn]
         for g in range((cols + bk - 1) // bk):
             c = scale_row[g] * _UNBIAS
-            group = values[g * bk:min(cols, (g + 1) * bk)]
+            group = values[g * bk : min(cols, (g + 1) * bk)]
             for k in range(group.shape[0]):
                 group[k] *= c
 
@@ -337,7 +360,7 @@ def dequantize_rows_bf16(q, scale, row_start, row_stop, scale_row_offset, bn, bk
         scale_row = scale[(r - scale_row_offset) // bn]
         for g in range((cols + bk - 1) // bk):
             c = scale_row[g] * _UNBIAS
-            group = work[g * bk:min(cols, (g + 1) * bk)]
+            group = work[g * bk : min(cols, (g + 1) * bk)]
             for k in range(group.shape[0]):
                 group[k] *= c
         target = out[r - row_start]
@@ -396,14 +419,15 @@ def quantize_rows(x, group, round_bf16, min_amax, q_out, s_out):
                     continue
                 v = min(max(v, np.float32(-448.0)), np.float32(448.0))
                 a = abs(v)
-                if a < np.float32(2.0 ** -6):  # e4m3 subnormals: multiples of 2**-9
+                if a < np.float32(2.0**-6):  # e4m3 subnormals: multiples of 2**-9
                     r = np.float32(np.rint(a * np.float32(512.0)) / np.float32(512.0))
                     q_row[k] = -r if v < 0 else r
                 else:  # keep 3 mantissa bits (nearest, ties to even), in q_row's bits
                     q_row[k] = a
                     b = q_bits[k]
                     q_bits[k] = ((b + 0x7FFFF + ((b >> 20) & 1)) & np.int32(-1048576)) | (
-                        np.int32(-2147483648) if v < 0 else np.int32(0))
+                        np.int32(-2147483648) if v < 0 else np.int32(0)
+                    )
 
 
 # ---------------------------------------------------------------- bfloat16 dot-product instructions
@@ -435,7 +459,7 @@ def _e4m3_magnitude(code: int) -> float:
     m * 2**-9 for e = 0; code 0x7F (NaN in e4m3fn) read by the same formula (480)."""
     exponent, mantissa = code >> 3, code & 7
     if exponent == 0:
-        return mantissa * 2.0 ** -9
+        return mantissa * 2.0**-9
     return 2.0 ** (exponent - 7) * (1 + mantissa / 8)
 
 
@@ -478,8 +502,9 @@ class _E4M3Decoder:
         self.high = (register(_HIGH_BYTES[:64]), register(_HIGH_BYTES[64:]))
         self.low = (register(_LOW_BYTES[:64]), register(_LOW_BYTES[64:]))
         self.sign = register([0x80] * _STEP)
-        self.lookup = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v64i8, [v64i8, v64i8, v64i8]),
-                                                     "llvm.x86.avx512.vpermi2var.qi.512")
+        self.lookup = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v64i8, [v64i8, v64i8, v64i8]), "llvm.x86.avx512.vpermi2var.qi.512"
+        )
 
     def __call__(self, raw):
         builder, i32 = self.builder, ir.IntType(32)
@@ -505,13 +530,27 @@ def _dot_e4m3_tile(typingctx, w, w_rows, xs, x_rows, factors, bk, out):
     `_STREAM_CHUNK_VALUES`). Each group's sum is two sums (the first and second 32 columns of
     each 64-column step) added at the group's end: one summation order whatever the tile's
     shape, so a dot's bits do not depend on it."""
-    tuples_ok = all(isinstance(t, types.UniTuple) and 1 <= t.count <= _WEIGHT_TILE and isinstance(t.dtype, types.Integer)
-                    for t in (w_rows, x_rows))
-    arrays_ok = (isinstance(w, types.Array) and w.ndim == 2 and w.dtype == types.uint8 and w.layout == "C"
-                 and isinstance(xs, types.Array) and xs.ndim == 2 and xs.dtype == types.uint16 and xs.layout == "C"
-                 and isinstance(factors, types.Array) and factors.ndim == 2 and factors.dtype == types.float32
-                 and factors.layout == "C" and isinstance(out, types.Array) and out.ndim == 1
-                 and out.dtype == types.float32)
+    tuples_ok = all(
+        isinstance(t, types.UniTuple) and 1 <= t.count <= _WEIGHT_TILE and isinstance(t.dtype, types.Integer)
+        for t in (w_rows, x_rows)
+    )
+    arrays_ok = (
+        isinstance(w, types.Array)
+        and w.ndim == 2
+        and w.dtype == types.uint8
+        and w.layout == "C"
+        and isinstance(xs, types.Array)
+        and xs.ndim == 2
+        and xs.dtype == types.uint16
+        and xs.layout == "C"
+        and isinstance(factors, types.Array)
+        and factors.ndim == 2
+        and factors.dtype == types.float32
+        and factors.layout == "C"
+        and isinstance(out, types.Array)
+        and out.ndim == 1
+        and out.dtype == types.float32
+    )
     if not (tuples_ok and arrays_ok and isinstance(bk, types.Integer)):
         return None
     count = x_rows.count
@@ -531,8 +570,9 @@ def _dot_e4m3_tile(typingctx, w, w_rows, xs, x_rows, factors, bk, out):
         per_group = builder.udiv(per_group_columns, ir.Constant(index_type, _STEP))
         steps = builder.udiv(cols, ir.Constant(index_type, _STEP))
         zero = ir.Constant(v16f, [0.0] * 16)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v16f, v16f]),
-                                             "llvm.fma.v16f32")
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v16f, [v16f, v16f, v16f]), "llvm.fma.v16f32"
+        )
         decode = _E4M3Decoder(builder)
         # Per (weight row, activation row): a group's sum in two parts (the first and the
         # second 32 columns of each step), added at the group's end, then times the group's
@@ -576,17 +616,20 @@ def _dot_e4m3_tile(typingctx, w, w_rows, xs, x_rows, factors, bk, out):
 
         # Columns in chunks of whole groups, every weight row's chunk in turn (`_CHUNK_VALUES`,
         # `_STREAM_CHUNK_VALUES`).
-        fits = builder.icmp_unsigned("<=", builder.mul(cols, ir.Constant(index_type, count)),
-                                     ir.Constant(index_type, _CHUNK_VALUES))
+        fits = builder.icmp_unsigned(
+            "<=", builder.mul(cols, ir.Constant(index_type, count)), ir.Constant(index_type, _CHUNK_VALUES)
+        )
         chunk_columns = builder.select(fits, cols, ir.Constant(index_type, _STREAM_CHUNK_VALUES // count))
         chunk_groups = builder.udiv(chunk_columns, per_group_columns)
-        chunk_groups = builder.select(builder.icmp_unsigned("==", chunk_groups, ir.Constant(index_type, 0)),
-                                      one, chunk_groups)
+        chunk_groups = builder.select(
+            builder.icmp_unsigned("==", chunk_groups, ir.Constant(index_type, 0)), one, chunk_groups
+        )
         chunks = builder.udiv(builder.add(groups, builder.sub(chunk_groups, one)), chunk_groups)
         # A whole last group where the columns end on one (the kernels' shapes: K and bk
         # multiples of 64, and in practice bk = 128).
-        whole_pairs = builder.and_(builder.icmp_unsigned("==", per_group, two),
-                                   builder.icmp_unsigned("==", builder.mul(groups, two), steps))
+        whole_pairs = builder.and_(
+            builder.icmp_unsigned("==", per_group, two), builder.icmp_unsigned("==", builder.mul(groups, two), steps)
+        )
         with builder.if_else(whole_pairs) as (unrolled, looped):
             for steps_of_group, block in ((two_steps, unrolled), (any_steps, looped)):
                 with block:
@@ -641,9 +684,17 @@ def _decode_e4m3_packed(typingctx, w, first, packed):
     uint32 (low half first) for r < 32: 32 e4m3 rows (``w`` uint8 [*, K], C-contiguous, K a
     multiple of 64) decoded and packed column pair by column pair (``packed`` uint32
     [K / 2, 32], C-contiguous), through 16 x 16 transposes in registers."""
-    if not (isinstance(w, types.Array) and w.ndim == 2 and w.dtype == types.uint8 and w.layout == "C"
-            and isinstance(packed, types.Array) and packed.ndim == 2 and packed.dtype == types.uint32
-            and packed.layout == "C" and isinstance(first, types.Integer)):
+    if not (
+        isinstance(w, types.Array)
+        and w.ndim == 2
+        and w.dtype == types.uint8
+        and w.layout == "C"
+        and isinstance(packed, types.Array)
+        and packed.ndim == 2
+        and packed.dtype == types.uint32
+        and packed.layout == "C"
+        and isinstance(first, types.Integer)
+    ):
         return None
 
     def codegen(context, builder, signature, args):
@@ -668,8 +719,9 @@ def _decode_e4m3_packed(typingctx, w, first, packed):
                         halves[h].append(builder.bitcast(half, v16i32))
                 for h in range(2):
                     for p, vector in enumerate(_transpose_16x16(builder, halves[h])):
-                        pair = builder.add(builder.mul(loop.index, ir.Constant(index_type, LANES)),
-                                           ir.Constant(index_type, 16 * h + p))
+                        pair = builder.add(
+                            builder.mul(loop.index, ir.Constant(index_type, LANES)), ir.Constant(index_type, 16 * h + p)
+                        )
                         at = builder.add(builder.mul(pair, two), ir.Constant(index_type, half_block))
                         builder.store(vector, builder.gep(dst, [at]), align=4)
         return context.get_dummy_value()
@@ -684,14 +736,27 @@ def _dot_packed_tile(typingctx, packed, xs, x_rows, factors, bk, out):
     and 1 to 4 rows of e4m3 activations as bfloat16 bits (``xs`` uint16 [*, K], C-contiguous),
     K and bk multiples of 64, ``factors`` float32 [>= len(x_rows), G] C-contiguous, ``out``
     float32 [>= 32 len(x_rows)]. Each lane sums its group in column order, pair by pair."""
-    if not (isinstance(x_rows, types.UniTuple) and 1 <= x_rows.count <= _ROW_TILE
-            and isinstance(x_rows.dtype, types.Integer)
-            and isinstance(packed, types.Array) and packed.ndim == 2 and packed.dtype == types.uint32
-            and packed.layout == "C"
-            and isinstance(xs, types.Array) and xs.ndim == 2 and xs.dtype == types.uint16 and xs.layout == "C"
-            and isinstance(factors, types.Array) and factors.ndim == 2 and factors.dtype == types.float32
-            and factors.layout == "C" and isinstance(out, types.Array) and out.ndim == 1
-            and out.dtype == types.float32 and isinstance(bk, types.Integer)):
+    if not (
+        isinstance(x_rows, types.UniTuple)
+        and 1 <= x_rows.count <= _ROW_TILE
+        and isinstance(x_rows.dtype, types.Integer)
+        and isinstance(packed, types.Array)
+        and packed.ndim == 2
+        and packed.dtype == types.uint32
+        and packed.layout == "C"
+        and isinstance(xs, types.Array)
+        and xs.ndim == 2
+        and xs.dtype == types.uint16
+        and xs.layout == "C"
+        and isinstance(factors, types.Array)
+        and factors.ndim == 2
+        and factors.dtype == types.float32
+        and factors.layout == "C"
+        and isinstance(out, types.Array)
+        and out.ndim == 1
+        and out.dtype == types.float32
+        and isinstance(bk, types.Integer)
+    ):
         return None
     count = x_rows.count
 
@@ -699,18 +764,21 @@ def _dot_packed_tile(typingctx, packed, xs, x_rows, factors, bk, out):
         v16i32, v16f = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.FloatType(), 16)
         v32bf = ir.VectorType(BFloat16Type(), LANES)
         dot = dot_function(builder)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v16f, v16f]),
-                                             "llvm.fma.v16f32")
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v16f, [v16f, v16f, v16f]), "llvm.fma.v16f32"
+        )
         x_ptrs, cols = row_pointers(context, builder, signature.args[1], args[1], x_rows, args[2], ir.IntType(32))
         index_type = cols.type
         one = ir.Constant(index_type, 1)
         pairs = builder.udiv(cols, ir.Constant(index_type, 2))
-        weights = builder.bitcast(context.make_array(signature.args[0])(context, builder, args[0]).data,
-                                  v16i32.as_pointer())
+        weights = builder.bitcast(
+            context.make_array(signature.args[0])(context, builder, args[0]).data, v16i32.as_pointer()
+        )
         factor_view = context.make_array(signature.args[3])(context, builder, args[3])
         groups = builder.extract_value(factor_view.shape, 1)
-        group_pairs = builder.udiv(context.cast(builder, args[4], signature.args[4], types.intp),
-                                   ir.Constant(index_type, 2))
+        group_pairs = builder.udiv(
+            context.cast(builder, args[4], signature.args[4], types.intp), ir.Constant(index_type, 2)
+        )
         zero = ir.Constant(v16f, [0.0] * 16)
         sums = {(j, t): accumulators(builder, 1, v16f)[0] for j in range(count) for t in range(2)}
         totals = {(j, t): accumulators(builder, 1, v16f)[0] for j in range(count) for t in range(2)}
@@ -723,8 +791,13 @@ def _dot_packed_tile(typingctx, packed, xs, x_rows, factors, bk, out):
             end = builder.select(builder.icmp_unsigned("<", end, pairs), end, pairs)
             with cgutils.for_range_slice(builder, begin, end, one) as (p, _):
                 row = builder.mul(p, ir.Constant(index_type, 2))
-                w = [builder.bitcast(builder.load(builder.gep(weights, [builder.add(row, ir.Constant(index_type, t))]),
-                                                  align=4), v32bf) for t in range(2)]
+                w = [
+                    builder.bitcast(
+                        builder.load(builder.gep(weights, [builder.add(row, ir.Constant(index_type, t))]), align=4),
+                        v32bf,
+                    )
+                    for t in range(2)
+                ]
                 for j, x_ptr in enumerate(x_ptrs):
                     x = builder.bitcast(splat(builder, builder.load(builder.gep(x_ptr, [p]), align=2), 16), v32bf)
                     for t in range(2):
@@ -792,26 +865,21 @@ def _gate_up_rows_e4m3(weights, first, last, xs, x_rows, s_a, scale, inter, bn, 
 
 
 @numba.njit(fastmath=True)
-def _gate_up_groups(weights, first, last, xs, tokens, start, stop, s_a, scale, inter, bn, bk, factors,
-                    dots, out):
+def _gate_up_groups(weights, first, last, xs, tokens, start, stop, s_a, scale, inter, bn, bk, factors, dots, out):
     """`_gate_up_rows_e4m3` for the expert's sorted rows [start, stop), four at a time."""
     for m in range(start, stop, _ROW_TILE):
         count = min(_ROW_TILE, stop - m)
         if count == 4:
             rows = (tokens[m], tokens[m + 1], tokens[m + 2], tokens[m + 3])
-            _gate_up_rows_e4m3(weights, first, last, xs, rows, s_a, scale, inter, bn, bk, m, factors, dots,
-                               out)
+            _gate_up_rows_e4m3(weights, first, last, xs, rows, s_a, scale, inter, bn, bk, m, factors, dots, out)
         elif count == 3:
             rows3 = (tokens[m], tokens[m + 1], tokens[m + 2])
-            _gate_up_rows_e4m3(weights, first, last, xs, rows3, s_a, scale, inter, bn, bk, m, factors, dots,
-                               out)
+            _gate_up_rows_e4m3(weights, first, last, xs, rows3, s_a, scale, inter, bn, bk, m, factors, dots, out)
         elif count == 2:
             rows2 = (tokens[m], tokens[m + 1])
-            _gate_up_rows_e4m3(weights, first, last, xs, rows2, s_a, scale, inter, bn, bk, m, factors, dots,
-                               out)
+            _gate_up_rows_e4m3(weights, first, last, xs, rows2, s_a, scale, inter, bn, bk, m, factors, dots, out)
         else:
-            _gate_up_rows_e4m3(weights, first, last, xs, (tokens[m],), s_a, scale, inter, bn, bk, m, factors,
-                               dots, out)
+            _gate_up_rows_e4m3(weights, first, last, xs, (tokens[m],), s_a, scale, inter, bn, bk, m, factors, dots, out)
 
 
 @numba.njit(fastmath=True, inline="always")
@@ -830,8 +898,9 @@ def _gate_up_packed(packed, n0, xs, tokens, start, stop, s_a, scale_row, bk, fac
     for m in range(start, stop, _ROW_TILE):
         count = min(_ROW_TILE, stop - m)
         if count == 4:
-            _packed_rows(packed, xs, (tokens[m], tokens[m + 1], tokens[m + 2], tokens[m + 3]), s_a, scale_row, bk,
-                         factors, dots)
+            _packed_rows(
+                packed, xs, (tokens[m], tokens[m + 1], tokens[m + 2], tokens[m + 3]), s_a, scale_row, bk, factors, dots
+            )
         elif count == 3:
             _packed_rows(packed, xs, (tokens[m], tokens[m + 1], tokens[m + 2]), s_a, scale_row, bk, factors, dots)
         elif count == 2:
@@ -892,21 +961,22 @@ def gate_up_rows_bf16(xs, s_a, tokens, offsets, work, q_gate_up, gate_up_scale, 
     where `bf16_dot_serves`): ``xs`` [T, H] uint16, the activations' e4m3 values as bfloat16
     bits; the other arguments as `gate_up_rows`."""
     for item in numba.prange(work.shape[0]):
-        _gate_up_item_bf16(xs, s_a, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale,
-                           inter, bn, bk, out)
+        _gate_up_item_bf16(
+            xs, s_a, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale, inter, bn, bk, out
+        )
 
 
 @numba.njit(fastmath=True, cache=True)
 def gate_up_rows_bf16_serial(xs, s_a, tokens, offsets, work, q_gate_up, gate_up_scale, inter, bn, bk, out):
     """`gate_up_rows_bf16` on the calling thread."""
     for item in range(work.shape[0]):
-        _gate_up_item_bf16(xs, s_a, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale,
-                           inter, bn, bk, out)
+        _gate_up_item_bf16(
+            xs, s_a, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale, inter, bn, bk, out
+        )
 
 
 @numba.njit(fastmath=True)
-def _down_rows_e4m3(weights, first, last, acts, a_rows, s_a, scale, bn, bk, tokens, slot_weights, factors,
-                    dots, sums):
+def _down_rows_e4m3(weights, first, last, acts, a_rows, s_a, scale, bn, bk, tokens, slot_weights, factors, dots, sums):
     """sums[tokens[m], n] += slot_weights[m] * (row m of the intermediate) . (down row n,
     ``weights[n]``), for the rows m of ``a_rows`` and n in [first, last)."""
     count = len(a_rows)
@@ -932,28 +1002,60 @@ def _down_rows_e4m3(weights, first, last, acts, a_rows, s_a, scale, bn, bk, toke
 
 
 @numba.njit(fastmath=True)
-def _down_groups(weights, first, last, acts, start, stop, s_a, scale, bn, bk, tokens, slot_weights, factors,
-                 dots, sums):
+def _down_groups(
+    weights, first, last, acts, start, stop, s_a, scale, bn, bk, tokens, slot_weights, factors, dots, sums
+):
     """`_down_rows_e4m3` for the expert's sorted rows [start, stop), four at a time."""
     for m in range(start, stop, _ROW_TILE):
         count = min(_ROW_TILE, stop - m)
         if count == 4:
-            _down_rows_e4m3(weights, first, last, acts, (m, m + 1, m + 2, m + 3), s_a, scale, bn, bk, tokens,
-                            slot_weights, factors, dots, sums)
+            _down_rows_e4m3(
+                weights,
+                first,
+                last,
+                acts,
+                (m, m + 1, m + 2, m + 3),
+                s_a,
+                scale,
+                bn,
+                bk,
+                tokens,
+                slot_weights,
+                factors,
+                dots,
+                sums,
+            )
         elif count == 3:
-            _down_rows_e4m3(weights, first, last, acts, (m, m + 1, m + 2), s_a, scale, bn, bk, tokens,
-                            slot_weights, factors, dots, sums)
+            _down_rows_e4m3(
+                weights,
+                first,
+                last,
+                acts,
+                (m, m + 1, m + 2),
+                s_a,
+                scale,
+                bn,
+                bk,
+                tokens,
+                slot_weights,
+                factors,
+                dots,
+                sums,
+            )
         elif count == 2:
-            _down_rows_e4m3(weights, first, last, acts, (m, m + 1), s_a, scale, bn, bk, tokens, slot_weights,
-                            factors, dots, sums)
+            _down_rows_e4m3(
+                weights, first, last, acts, (m, m + 1), s_a, scale, bn, bk, tokens, slot_weights, factors, dots, sums
+            )
         else:
-            _down_rows_e4m3(weights, first, last, acts, (m,), s_a, scale, bn, bk, tokens, slot_weights,
-                            factors, dots, sums)
+            _down_rows_e4m3(
+                weights, first, last, acts, (m,), s_a, scale, bn, bk, tokens, slot_weights, factors, dots, sums
+            )
 
 
 @numba.njit(fastmath=True)
-def _down_block_bf16(acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, block,
-                     columns):
+def _down_block_bf16(
+    acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, block, columns
+):
     """Output columns [block * columns, ..) over every hit expert, with the dot instructions
     (`_dot_e4m3_tile`); an expert with more than `_DECODE_ROWS_ABOVE` rows, where the weight
     block rows are whole packs, has its weight rows packed 32 at a time
@@ -970,11 +1072,25 @@ def _down_block_bf16(acts, s_a, tokens, slot_weights, offsets, experts, q_down, 
         if stop - start > _DECODE_ROWS_ABOVE and bn % _PACKED_ROWS == 0:  # first, last: multiples of 64
             for sub in range(first, last, _PACKED_ROWS):
                 _decode_e4m3_packed(weights, sub, packed)
-                _down_packed(packed, sub, acts, start, stop, s_a, scale[sub // bn], bk, tokens, slot_weights,
-                             factors, packed_dots, sums)
+                _down_packed(
+                    packed,
+                    sub,
+                    acts,
+                    start,
+                    stop,
+                    s_a,
+                    scale[sub // bn],
+                    bk,
+                    tokens,
+                    slot_weights,
+                    factors,
+                    packed_dots,
+                    sums,
+                )
         else:
-            _down_groups(weights, first, last, acts, start, stop, s_a, scale, bn, bk, tokens, slot_weights, factors,
-                         dots, sums)
+            _down_groups(
+                weights, first, last, acts, start, stop, s_a, scale, bn, bk, tokens, slot_weights, factors, dots, sums
+            )
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
@@ -983,8 +1099,9 @@ def down_rows_bf16(acts, s_a, tokens, slot_weights, offsets, experts, q_down, do
     [M, I] uint16, the intermediate's e4m3 values as bfloat16 bits; the other arguments as
     `down_rows`. Threads split the output columns."""
     for block in numba.prange((q_down.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
-        _down_block_bf16(acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums,
-                         block, ROW_BLOCK)
+        _down_block_bf16(
+            acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, block, ROW_BLOCK
+        )
 
 
 @numba.njit(fastmath=True, cache=True)
@@ -992,12 +1109,18 @@ def down_rows_bf16_serial(acts, s_a, tokens, slot_weights, offsets, experts, q_d
     """`down_rows_bf16` on the calling thread: all output columns as one block, each expert's
     down weights read as one stream (the same sums, bit for bit: a dot does not depend on
     its neighbours)."""
-    _down_block_bf16(acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, 0,
-                     q_down.shape[1])
+    _down_block_bf16(
+        acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, 0, q_down.shape[1]
+    )
 
 
 def bf16_dot_serves(hidden: int, inter: int, gate_up_block, down_block) -> bool:
     """Whether the bfloat16-dot kernels run these shapes: `BF16_DOT`, and every row length
     (H for gate_up, I for down) and column block a whole number of 64-weight steps."""
-    return (BF16_DOT and hidden % _STEP == 0 and inter % _STEP == 0
-            and gate_up_block[1] % _STEP == 0 and down_block[1] % _STEP == 0)
+    return (
+        BF16_DOT
+        and hidden % _STEP == 0
+        and inter % _STEP == 0
+        and gate_up_block[1] % _STEP == 0
+        and down_block[1] % _STEP == 0
+    )

@@ -26,8 +26,17 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from moeroute.quant._dot import (BF16_DOT, LANES, BFloat16Type, accumulators, add_tile, dot_function, splat,
-                                 store_tile, sum_lanes)
+from moeroute.quant._dot import (
+    BF16_DOT,
+    LANES,
+    BFloat16Type,
+    accumulators,
+    add_tile,
+    dot_function,
+    splat,
+    store_tile,
+    sum_lanes,
+)
 from moeroute.quant.mxfp4 import E2M1_VALUES, MXFP4_BLOCK, SCALE_BIAS
 
 __all__ = ["serves", "split_pairs", "gate_up_rows", "gate_up_rows_serial", "down_rows", "down_rows_serial"]
@@ -74,13 +83,27 @@ def _mxfp4_tile(typingctx, blocks, w_rows, scales, xs, x_rows, out):
     of one expert (``blocks`` uint8 [R, G, 16], ``scales`` uint8 [R, G], G even) and 1 to 4
     activation rows (``xs`` uint16 [*, G * 32], `split_pairs` order); all C-contiguous,
     ``out`` float32 [>= the tile's size]."""
-    tuples_ok = all(isinstance(t, types.UniTuple) and 1 <= t.count <= ROW_TILE and isinstance(t.dtype, types.Integer)
-                    for t in (w_rows, x_rows))
-    arrays_ok = (isinstance(blocks, types.Array) and blocks.ndim == 3 and blocks.dtype == types.uint8
-                 and blocks.layout == "C" and isinstance(scales, types.Array) and scales.ndim == 2
-                 and scales.dtype == types.uint8 and scales.layout == "C" and isinstance(xs, types.Array)
-                 and xs.ndim == 2 and xs.dtype == types.uint16 and xs.layout == "C"
-                 and isinstance(out, types.Array) and out.ndim == 1 and out.dtype == types.float32)
+    tuples_ok = all(
+        isinstance(t, types.UniTuple) and 1 <= t.count <= ROW_TILE and isinstance(t.dtype, types.Integer)
+        for t in (w_rows, x_rows)
+    )
+    arrays_ok = (
+        isinstance(blocks, types.Array)
+        and blocks.ndim == 3
+        and blocks.dtype == types.uint8
+        and blocks.layout == "C"
+        and isinstance(scales, types.Array)
+        and scales.ndim == 2
+        and scales.dtype == types.uint8
+        and scales.layout == "C"
+        and isinstance(xs, types.Array)
+        and xs.ndim == 2
+        and xs.dtype == types.uint16
+        and xs.layout == "C"
+        and isinstance(out, types.Array)
+        and out.ndim == 1
+        and out.dtype == types.float32
+    )
     if not (tuples_ok and arrays_ok):
         return None
     count = x_rows.count
@@ -90,10 +113,12 @@ def _mxfp4_tile(typingctx, blocks, w_rows, scales, xs, x_rows, out):
         v32i8, v32i16, v16f = ir.VectorType(i8, LANES), ir.VectorType(i16, LANES), ir.VectorType(f32, 16)
         v32bf = ir.VectorType(BFloat16Type(), LANES)
         dot = dot_function(builder)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f, v16f, v16f]),
-                                             "llvm.fma.v16f32")
-        permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32i16, [v32i16, v32i16]),
-                                                 "llvm.x86.avx512.permvar.hi.512")
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v16f, [v16f, v16f, v16f]), "llvm.fma.v16f32"
+        )
+        permute = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v32i16, [v32i16, v32i16]), "llvm.x86.avx512.permvar.hi.512"
+        )
         block_view = context.make_array(signature.args[0])(context, builder, args[0])
         scale_view = context.make_array(signature.args[2])(context, builder, args[2])
         x_view = context.make_array(signature.args[3])(context, builder, args[3])
@@ -103,10 +128,10 @@ def _mxfp4_tile(typingctx, blocks, w_rows, scales, xs, x_rows, out):
         width = builder.extract_value(x_view.shape, 1)
         # The table in a register (an empty inline-asm statement keeps LLVM from folding it
         # into the loop as a memory operand); the scales from a float32 table in memory.
-        table = builder.asm(ir.FunctionType(v32i16, [v32i16]), "", "=v,0", [ir.Constant(v32i16, _E2M1_BF16)],
-                            side_effect=False)
-        scale_table = cgutils.global_constant(builder, "mxfp4_dot_scales",
-                                              ir.Constant(ir.ArrayType(f32, 256), _SCALES))
+        table = builder.asm(
+            ir.FunctionType(v32i16, [v32i16]), "", "=v,0", [ir.Constant(v32i16, _E2M1_BF16)], side_effect=False
+        )
+        scale_table = cgutils.global_constant(builder, "mxfp4_dot_scales", ir.Constant(ir.ArrayType(f32, 256), _SCALES))
         four = ir.Constant(v32i16, [4] * LANES)
         zero = ir.Constant(v16f, [0.0] * 16)
         x_ptrs = []
@@ -116,8 +141,12 @@ def _mxfp4_tile(typingctx, blocks, w_rows, scales, xs, x_rows, out):
         totals = []
         for row in cgutils.unpack_tuple(builder, args[1], w_rows.count):
             row = context.cast(builder, row, w_rows.dtype, types.intp)
-            w_ptr = builder.bitcast(builder.gep(block_view.data, [builder.mul(row, builder.mul(
-                groups, ir.Constant(index_type, MXFP4_BLOCK // 2)))]), v32i8.as_pointer())
+            w_ptr = builder.bitcast(
+                builder.gep(
+                    block_view.data, [builder.mul(row, builder.mul(groups, ir.Constant(index_type, MXFP4_BLOCK // 2)))]
+                ),
+                v32i8.as_pointer(),
+            )
             s_ptr = builder.gep(scale_view.data, [builder.mul(row, groups)])
             # Two totals per activation row, for even and odd pairs: two chains of fused
             # multiply-adds in flight instead of one (one chain bound a single row's dots by
@@ -131,16 +160,19 @@ def _mxfp4_tile(typingctx, blocks, w_rows, scales, xs, x_rows, out):
                 g = builder.mul(p, ir.Constant(index_type, 2))
                 block_scales = []
                 for k in range(2):
-                    byte = builder.zext(builder.load(builder.gep(s_ptr, [builder.add(g, ir.Constant(index_type, k))])),
-                                        i32)
+                    byte = builder.zext(
+                        builder.load(builder.gep(s_ptr, [builder.add(g, ir.Constant(index_type, k))])), i32
+                    )
                     block_scales.append(builder.load(builder.gep(scale_table, [ir.Constant(i32, 0), byte])))
                 halves = [splat(builder, s, 16) for s in block_scales]
-                scale = builder.shuffle_vector(halves[0], halves[1],
-                                               ir.Constant(ir.VectorType(i32, 16), list(range(8)) + list(range(24, 32))))
+                scale = builder.shuffle_vector(
+                    halves[0], halves[1], ir.Constant(ir.VectorType(i32, 16), list(range(8)) + list(range(24, 32)))
+                )
                 for x_ptr, totals_j in zip(x_ptrs, row_totals):
                     x_even = builder.bitcast(builder.load(builder.gep(x_ptr, [g]), align=2), v32bf)
-                    x_odd = builder.bitcast(builder.load(builder.gep(x_ptr, [builder.add(g, ir.Constant(index_type, 1))]),
-                                                         align=2), v32bf)
+                    x_odd = builder.bitcast(
+                        builder.load(builder.gep(x_ptr, [builder.add(g, ir.Constant(index_type, 1))]), align=2), v32bf
+                    )
                     acc = builder.call(dot, [zero, even, x_even])
                     acc = builder.call(dot, [acc, odd, x_odd])
                     total = totals_j[parity]
@@ -151,11 +183,13 @@ def _mxfp4_tile(typingctx, blocks, w_rows, scales, xs, x_rows, out):
                 first = builder.mul(loop.index, two)
                 pair_dots(first, 0)
                 pair_dots(builder.add(first, ir.Constant(index_type, 1)), 1)
-            with cgutils.if_unlikely(builder, builder.icmp_unsigned("!=", builder.urem(pairs, two),
-                                                                    ir.Constant(index_type, 0))):
+            with cgutils.if_unlikely(
+                builder, builder.icmp_unsigned("!=", builder.urem(pairs, two), ir.Constant(index_type, 0))
+            ):
                 pair_dots(builder.sub(pairs, ir.Constant(index_type, 1)), 0)
-            totals.extend(builder.fadd(builder.load(even_total), builder.load(odd_total))
-                          for even_total, odd_total in row_totals)
+            totals.extend(
+                builder.fadd(builder.load(even_total), builder.load(odd_total)) for even_total, odd_total in row_totals
+            )
         out_view = context.make_array(signature.args[5])(context, builder, args[5])
         for k, value in enumerate(sum_lanes(builder, totals)):
             builder.store(value, builder.gep(out_view.data, [ir.Constant(index_type, k)]))
@@ -193,8 +227,9 @@ def _gate_up_item(xs, tokens, offsets, e, chunk, blocks, scales, bias, out):
             rows4 = (tokens[m], tokens[m + 1], tokens[m + 2], tokens[m + 3])
             _gate_up_rows(blocks_e, scales_e, first, last, xs, rows4, m, bias, e, dots, out)
         elif count == 3:
-            _gate_up_rows(blocks_e, scales_e, first, last, xs, (tokens[m], tokens[m + 1], tokens[m + 2]), m, bias, e,
-                          dots, out)
+            _gate_up_rows(
+                blocks_e, scales_e, first, last, xs, (tokens[m], tokens[m + 1], tokens[m + 2]), m, bias, e, dots, out
+            )
         elif count == 2:
             _gate_up_rows(blocks_e, scales_e, first, last, xs, (tokens[m], tokens[m + 1]), m, bias, e, dots, out)
         else:
@@ -243,14 +278,26 @@ def _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bi
         for m in range(start, stop, ROW_TILE):
             count = min(ROW_TILE, stop - m)
             if count == 4:
-                _down_rows(blocks_e, scales_e, first, last, acts, (m, m + 1, m + 2, m + 3), tokens, slot_weights, bias,
-                           e, dots, sums)
+                _down_rows(
+                    blocks_e,
+                    scales_e,
+                    first,
+                    last,
+                    acts,
+                    (m, m + 1, m + 2, m + 3),
+                    tokens,
+                    slot_weights,
+                    bias,
+                    e,
+                    dots,
+                    sums,
+                )
             elif count == 3:
-                _down_rows(blocks_e, scales_e, first, last, acts, (m, m + 1, m + 2), tokens, slot_weights, bias, e,
-                           dots, sums)
+                _down_rows(
+                    blocks_e, scales_e, first, last, acts, (m, m + 1, m + 2), tokens, slot_weights, bias, e, dots, sums
+                )
             elif count == 2:
-                _down_rows(blocks_e, scales_e, first, last, acts, (m, m + 1), tokens, slot_weights, bias, e, dots,
-                           sums)
+                _down_rows(blocks_e, scales_e, first, last, acts, (m, m + 1), tokens, slot_weights, bias, e, dots, sums)
             else:
                 _down_rows(blocks_e, scales_e, first, last, acts, (m,), tokens, slot_weights, bias, e, dots, sums)
 

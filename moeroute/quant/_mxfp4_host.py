@@ -33,8 +33,18 @@ from numba.extending import intrinsic
 from moeroute import cpu_features
 from moeroute.quant.mxfp4 import E2M1_VALUES, MXFP4_BLOCK, SCALE_BIAS
 
-__all__ = ["SIMD", "ROW_BLOCK", "split_blocks", "gate_up_rows", "gate_up_rows_serial", "down_rows",
-           "down_rows_serial", "dots_simd", "dots_portable", "dequantize_rows"]
+__all__ = [
+    "SIMD",
+    "ROW_BLOCK",
+    "split_blocks",
+    "gate_up_rows",
+    "gate_up_rows_serial",
+    "down_rows",
+    "down_rows_serial",
+    "dots_simd",
+    "dots_portable",
+    "dequantize_rows",
+]
 
 _E2M1 = np.array(E2M1_VALUES, dtype=np.float32)
 #: 2 ** (s - 127) for every scale byte (255, e8m0's NaN, is refused at load).
@@ -84,8 +94,9 @@ def _decode_block(builder, block):
     """
     i8, i32 = ir.IntType(8), ir.IntType(32)
     v16i8 = ir.VectorType(i8, 16)
-    pshufb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16i8, [v16i8, v16i8]),
-                                            "llvm.x86.ssse3.pshuf.b.128")
+    pshufb = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(v16i8, [v16i8, v16i8]), "llvm.x86.ssse3.pshuf.b.128"
+    )
     table = ir.Constant(v16i8, _F16_HIGH_BYTES)
     low_mask = ir.Constant(v16i8, [0x0F] * 16)
     low = builder.and_(block, low_mask)
@@ -107,8 +118,11 @@ def _block_dots_simd(typingctx, blocks_row, scales_row, xs, rows):
     """(W . xs[rows[0]], ..) for one packed weight row W (blocks_row [G, 16], scales_row
     [G]) and 1 to 4 rows of ``xs`` [*, G*32] (float32, `split_blocks` order): x86 vector code
     (AVX2, FMA, F16C)."""
-    if not (isinstance(rows, types.UniTuple) and 1 <= rows.count <= _ROW_TILE
-            and all(isinstance(a, types.Array) and a.layout == "C" for a in (blocks_row, scales_row, xs))):
+    if not (
+        isinstance(rows, types.UniTuple)
+        and 1 <= rows.count <= _ROW_TILE
+        and all(isinstance(a, types.Array) and a.layout == "C" for a in (blocks_row, scales_row, xs))
+    ):
         return None
     count = rows.count
     unroll = _UNROLL if count == 1 else 1
@@ -123,12 +137,14 @@ def _block_dots_simd(typingctx, blocks_row, scales_row, xs, rows):
         width = builder.extract_value(xs_array.shape, 1)
         index_type = groups.type
         block_ptr = builder.bitcast(blocks.data, v16i8.as_pointer())
-        x_ptrs = [builder.bitcast(builder.gep(xs_array.data, [builder.mul(row, width)]), v8f.as_pointer())
-                  for row in cgutils.unpack_tuple(builder, args[3], count)]
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f, [v8f, v8f, v8f]),
-                                             "llvm.fma.v8f32")
-        scale_table = cgutils.global_constant(builder, "mxfp4_scales",
-                                              ir.Constant(ir.ArrayType(f32, 256), [float(v) for v in _SCALES]))
+        x_ptrs = [
+            builder.bitcast(builder.gep(xs_array.data, [builder.mul(row, width)]), v8f.as_pointer())
+            for row in cgutils.unpack_tuple(builder, args[3], count)
+        ]
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f, [v8f, v8f, v8f]), "llvm.fma.v8f32")
+        scale_table = cgutils.global_constant(
+            builder, "mxfp4_scales", ir.Constant(ir.ArrayType(f32, 256), [float(v) for v in _SCALES])
+        )
         zero = ir.Constant(v8f, [0.0] * 8)
         # one accumulator per row and unrolled block: independent chains
         accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(count)] for _ in range(unroll)]
@@ -138,14 +154,17 @@ def _block_dots_simd(typingctx, blocks_row, scales_row, xs, rows):
             byte = builder.zext(builder.load(builder.gep(scales.data, [g])), i32)
             scale = builder.load(builder.gep(scale_table, [ir.Constant(i32, 0), byte]))
             scale = builder.insert_element(ir.Constant(v8f, ir.Undefined), scale, ir.Constant(i32, 0))
-            scale = builder.shuffle_vector(scale, ir.Constant(v8f, ir.Undefined),
-                                           ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+            scale = builder.shuffle_vector(
+                scale, ir.Constant(v8f, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8)
+            )
             values = _decode_block(builder, block)
             base = builder.mul(g, ir.Constant(index_type, 4))  # a block's 32 floats are 4 vectors
             for r in range(count):
                 # even elements 0-7, 8-15 at vectors 0, 1; odd elements at 2, 3
-                loads = [builder.load(builder.gep(x_ptrs[r], [builder.add(base, ir.Constant(index_type, k))]),
-                                      align=4) for k in range(4)]
+                loads = [
+                    builder.load(builder.gep(x_ptrs[r], [builder.add(base, ir.Constant(index_type, k))]), align=4)
+                    for k in range(4)
+                ]
                 partial = builder.fmul(values[0], loads[0])
                 partial = builder.call(fma, [values[1], loads[2], partial])
                 partial = builder.call(fma, [values[2], loads[1], partial])
@@ -157,8 +176,9 @@ def _block_dots_simd(typingctx, blocks_row, scales_row, xs, rows):
             first = builder.mul(loop.index, ir.Constant(index_type, unroll))
             for u in range(unroll):
                 block_dots(builder.add(first, ir.Constant(index_type, u)), accs[u])
-        with cgutils.for_range_slice(builder, builder.mul(steps, ir.Constant(index_type, unroll)), groups,
-                                     ir.Constant(index_type, 1)) as (g, _):
+        with cgutils.for_range_slice(
+            builder, builder.mul(steps, ir.Constant(index_type, unroll)), groups, ir.Constant(index_type, 1)
+        ) as (g, _):
             block_dots(g, accs[0])
         sums = []
         for r in range(count):
@@ -307,22 +327,27 @@ def _decode_row_split_simd(typingctx, blocks_row, scales_row, out):
         index_type = groups.type
         block_ptr = builder.bitcast(blocks.data, v16i8.as_pointer())
         out_ptr = builder.bitcast(target.data, v8f.as_pointer())
-        scale_table = cgutils.global_constant(builder, "mxfp4_scales",
-                                              ir.Constant(ir.ArrayType(f32, 256), [float(v) for v in _SCALES]))
+        scale_table = cgutils.global_constant(
+            builder, "mxfp4_scales", ir.Constant(ir.ArrayType(f32, 256), [float(v) for v in _SCALES])
+        )
         with cgutils.for_range(builder, groups) as loop:
             g = loop.index
             block = builder.load(builder.gep(block_ptr, [g]), align=1)
             byte = builder.zext(builder.load(builder.gep(scales.data, [g])), i32)
             scale = builder.load(builder.gep(scale_table, [ir.Constant(i32, 0), byte]))
             scale = builder.insert_element(ir.Constant(v8f, ir.Undefined), scale, ir.Constant(i32, 0))
-            scale = builder.shuffle_vector(scale, ir.Constant(v8f, ir.Undefined),
-                                           ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+            scale = builder.shuffle_vector(
+                scale, ir.Constant(v8f, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8)
+            )
             values = _decode_block(builder, block)
             base = builder.mul(g, ir.Constant(index_type, 4))
             # split order: even bytes 0-7, even bytes 8-15, odd bytes 0-7, odd bytes 8-15
             for k, vector in enumerate((values[0], values[2], values[1], values[3])):
-                builder.store(builder.fmul(vector, scale),
-                              builder.gep(out_ptr, [builder.add(base, ir.Constant(index_type, k))]), align=4)
+                builder.store(
+                    builder.fmul(vector, scale),
+                    builder.gep(out_ptr, [builder.add(base, ir.Constant(index_type, k))]),
+                    align=4,
+                )
         return context.get_dummy_value()
 
     return types.none(blocks_row, scales_row, out), codegen

@@ -98,18 +98,23 @@ class QuantConfig:
         if self.block_size is None:
             object.__setattr__(self, "block_size", default_block)
         elif default_block is None:
-            raise ValueError(f"block_size={self.block_size!r} does not apply to format={self.format!r} "
-                             "(one scale per expert and projection); leave it None")
+            raise ValueError(
+                f"block_size={self.block_size!r} does not apply to format={self.format!r} "
+                "(one scale per expert and projection); leave it None"
+            )
         else:
             object.__setattr__(self, "block_size", _block_size(self.block_size))
             if self.format == "mxfp4" and self.block_size != MXFP4_BLOCK_SIZE:
-                raise ValueError(f"block_size={self.block_size!r} does not apply to format='mxfp4', whose "
-                                 f"blocks are {MXFP4_BLOCK_SIZE} (one scale per row and 32 columns)")
+                raise ValueError(
+                    f"block_size={self.block_size!r} does not apply to format='mxfp4', whose "
+                    f"blocks are {MXFP4_BLOCK_SIZE} (one scale per row and 32 columns)"
+                )
         if self.activation is None:
             object.__setattr__(self, "activation", activations[0])
         if not isinstance(self.activation, str) or self.activation not in activations:
-            raise ValueError(f"activation={self.activation!r} is not served by format={self.format!r}; "
-                             f"use one of {activations}")
+            raise ValueError(
+                f"activation={self.activation!r} is not served by format={self.format!r}; use one of {activations}"
+            )
         if not isinstance(self.scale_fmt, str) or self.scale_fmt not in SCALE_FORMATS:
             raise ValueError(f"scale_fmt={self.scale_fmt!r} is unknown; use one of {SCALE_FORMATS}")
         modules = self.modules_to_not_convert
@@ -138,15 +143,21 @@ class QuantConfig:
         if self.format == "mxfp4":
             for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
                 if size % 32:
-                    raise ValueError(f"{name}={size} is not a multiple of 32, which format='mxfp4' needs "
-                                     "(one scale per 32 input columns)")
-            return ((num_experts, 2 * intermediate_size, hidden_size // 32),
-                    (num_experts, hidden_size, intermediate_size // 32))
+                    raise ValueError(
+                        f"{name}={size} is not a multiple of 32, which format='mxfp4' needs "
+                        "(one scale per 32 input columns)"
+                    )
+            return (
+                (num_experts, 2 * intermediate_size, hidden_size // 32),
+                (num_experts, hidden_size, intermediate_size // 32),
+            )
         if self.block_size is None:
             return (num_experts, 2), (num_experts,)
         bn, bk = self.block_size
-        return ((num_experts, 2 * _cdiv(intermediate_size, bn), _cdiv(hidden_size, bk)),
-                (num_experts, _cdiv(hidden_size, bn), _cdiv(intermediate_size, bk)))
+        return (
+            (num_experts, 2 * _cdiv(intermediate_size, bn), _cdiv(hidden_size, bk)),
+            (num_experts, _cdiv(hidden_size, bn), _cdiv(intermediate_size, bk)),
+        )
 
     def expert_bytes(self, hidden_size: int, intermediate_size: int) -> int:
         """Bytes one expert takes in this format: 3*H*I one-byte weights plus their float32
@@ -199,8 +210,10 @@ class QuantConfig:
         if method in _HF_MXFP4_METHODS:
             return cls(format="mxfp4", modules_to_not_convert=tuple(fields.get("modules_to_not_convert") or ()))
         if method not in _HF_FP8_METHODS:
-            raise ValueError(f"quantization_config quant_method={method!r} is not served; moeroute reads "
-                             f"{_HF_FP8_METHODS + _HF_MXFP4_METHODS} (float8_e4m3fn or MXFP4 weights)")
+            raise ValueError(
+                f"quantization_config quant_method={method!r} is not served; moeroute reads "
+                f"{_HF_FP8_METHODS + _HF_MXFP4_METHODS} (float8_e4m3fn or MXFP4 weights)"
+            )
         fmt = fields.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise ValueError(f"quantization_config fmt={fmt!r} is not served; moeroute's FP8 is 'e4m3'")

@@ -27,11 +27,19 @@ from moeroute.quant.config import QuantConfig, _block_size
 from moeroute.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 __all__ = [
-    "FP8_DTYPE", "FP8_MAX", "MIN_AMAX",
-    "quantize_fp8_block", "dequantize_fp8_block",
-    "quantize_fp8_tensor", "dequantize_fp8_tensor",
-    "quantize_fp8_activations", "quantize_fp8_static",
-    "quantize_experts", "dequantize_experts", "check_scale", "check_fp8_weight",
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "MIN_AMAX",
+    "quantize_fp8_block",
+    "dequantize_fp8_block",
+    "quantize_fp8_tensor",
+    "dequantize_fp8_tensor",
+    "quantize_fp8_activations",
+    "quantize_fp8_static",
+    "quantize_experts",
+    "dequantize_experts",
+    "check_scale",
+    "check_fp8_weight",
 ]
 
 #: The storage dtype of FP8 weights and activations.
@@ -123,9 +131,9 @@ def quantize_fp8_block(w: torch.Tensor, block_size=(128, 128), scale_fmt: str = 
     for index in itertools.product(*map(range, lead)):
         matrix, q_matrix, scale_matrix = w[index], q[index], scale[index]
         for first in range(0, rows, step_rows):
-            q_step, scale_step = _quantize_block_rows(matrix[first:first + step_rows], bn, bk, ue8m0)
-            q_matrix[first:first + step_rows] = q_step
-            scale_matrix[first // bn:first // bn + scale_step.shape[0]] = scale_step
+            q_step, scale_step = _quantize_block_rows(matrix[first : first + step_rows], bn, bk, ue8m0)
+            q_matrix[first : first + step_rows] = q_step
+            scale_matrix[first // bn : first // bn + scale_step.shape[0]] = scale_step
     return q, scale
 
 
@@ -164,8 +172,9 @@ def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block_size=(1
     bn, bk = _check_block(block_size)
     _check_fp8("q", q)
     rows, cols = q.shape[-2:]
-    scale_inv = check_scale("scale_inv", scale_inv, (*q.shape[:-2], _cdiv(rows, bn), _cdiv(cols, bk)),
-                            check_values=False)
+    scale_inv = check_scale(
+        "scale_inv", scale_inv, (*q.shape[:-2], _cdiv(rows, bn), _cdiv(cols, bk)), check_values=False
+    )
     return q.float() * _expand_blocks(scale_inv, bn, bk, rows, cols)
 
 
@@ -268,8 +277,10 @@ def check_fp8_weight(name: str, q: torch.Tensor, expert: int | None = None) -> N
     if expert is None:
         expert = index[0] if q.dim() >= 3 else None
     which = "" if expert is None else f" (expert {expert})"
-    raise ValueError(f"{name}{list(index)}{which} is the byte 0x{int(q.view(torch.uint8)[index]):02X}, NaN in "
-                     "float8_e4m3fn; FP8 weights must be finite (bytes other than 0x7F and 0xFF)")
+    raise ValueError(
+        f"{name}{list(index)}{which} is the byte 0x{int(q.view(torch.uint8)[index]):02X}, NaN in "
+        "float8_e4m3fn; FP8 weights must be finite (bytes other than 0x7F and 0xFF)"
+    )
 
 
 #: Scale dtypes accepted at the boundary; converted (exactly) to float32.
@@ -294,8 +305,7 @@ def check_scale(name: str, scale, shape: tuple, check_values: bool = True) -> to
         bad = ~(torch.isfinite(scale) & (scale > 0))
         if bool(bad.any()):
             index = tuple(int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"{name} must be finite and > 0 everywhere; {name}[{index}] = "
-                             f"{float(scale[index])}")
+            raise ValueError(f"{name} must be finite and > 0 everywhere; {name}[{index}] = {float(scale[index])}")
     return scale
 
 

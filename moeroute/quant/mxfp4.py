@@ -25,8 +25,15 @@ import math
 
 import torch
 
-__all__ = ["E2M1_VALUES", "MXFP4_BLOCK", "SCALE_BIAS", "dequantize_mxfp4", "decode_mxfp4", "quantize_mxfp4",
-           "check_mxfp4"]
+__all__ = [
+    "E2M1_VALUES",
+    "MXFP4_BLOCK",
+    "SCALE_BIAS",
+    "dequantize_mxfp4",
+    "decode_mxfp4",
+    "quantize_mxfp4",
+    "check_mxfp4",
+]
 
 #: The 16 e2m1 values, indexed by a 4-bit code (bit 3 the sign).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -69,22 +76,30 @@ def check_mxfp4(blocks, scales, name: str = "weight", check_values: bool = True)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} {part} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.dtype != torch.uint8:
-            raise ValueError(f"{name} {part} has dtype {tensor.dtype}; MXFP4 {part} are uint8 (a float weight "
-                             "must be quantized first: moeroute.quant.quantize_mxfp4)")
+            raise ValueError(
+                f"{name} {part} has dtype {tensor.dtype}; MXFP4 {part} are uint8 (a float weight "
+                "must be quantized first: moeroute.quant.quantize_mxfp4)"
+            )
     if blocks.dim() < 3 or blocks.shape[-1] != MXFP4_BLOCK // 2:
-        raise ValueError(f"{name} blocks has shape {tuple(blocks.shape)}; MXFP4 blocks are "
-                         f"[..., rows, cols/32, 16] (16 bytes hold 32 values)")
+        raise ValueError(
+            f"{name} blocks has shape {tuple(blocks.shape)}; MXFP4 blocks are "
+            f"[..., rows, cols/32, 16] (16 bytes hold 32 values)"
+        )
     if tuple(scales.shape) != tuple(blocks.shape[:-1]):
-        raise ValueError(f"{name} scales has shape {tuple(scales.shape)} but its blocks "
-                         f"{tuple(blocks.shape)} need scales of shape {list(blocks.shape[:-1])}")
+        raise ValueError(
+            f"{name} scales has shape {tuple(scales.shape)} but its blocks "
+            f"{tuple(blocks.shape)} need scales of shape {list(blocks.shape[:-1])}"
+        )
     if scales.device != blocks.device:
         raise ValueError(f"{name} scales is on {scales.device} but its blocks are on {blocks.device}")
     if check_values and scales.numel():
         bad = scales == _SCALE_NAN
         if bool(bad.any()):
             index = tuple(int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"{name} scales{list(index)} is 255, the e8m0 NaN encoding; an MXFP4 scale byte "
-                             "must be 0..254 (2 ** (s - 127))")
+            raise ValueError(
+                f"{name} scales{list(index)} is 255, the e8m0 NaN encoding; an MXFP4 scale byte "
+                "must be 0..254 (2 ** (s - 127))"
+            )
 
 
 def _scale_values(scales: torch.Tensor) -> torch.Tensor:
@@ -172,8 +187,9 @@ def quantize_mxfp4(w: torch.Tensor):
         raise ValueError(f"w must have at least 2 dims [..., rows, cols], got shape {tuple(w.shape)}")
     rows, cols = w.shape[-2:]
     if cols % MXFP4_BLOCK:
-        raise ValueError(f"w has {cols} columns; MXFP4 needs a multiple of {MXFP4_BLOCK} (one scale per "
-                         f"{MXFP4_BLOCK} input columns)")
+        raise ValueError(
+            f"w has {cols} columns; MXFP4 needs a multiple of {MXFP4_BLOCK} (one scale per {MXFP4_BLOCK} input columns)"
+        )
     lead = tuple(w.shape[:-2])
     blocks = torch.empty(*lead, rows, cols // MXFP4_BLOCK, MXFP4_BLOCK // 2, dtype=torch.uint8, device=w.device)
     scales = torch.empty(*lead, rows, cols // MXFP4_BLOCK, dtype=torch.uint8, device=w.device)
@@ -189,10 +205,9 @@ def quantize_mxfp4(w: torch.Tensor):
             where = f"w{list(_lead_index(lead, bad_row // rows))}" if lead else "w"
             raise ValueError(f"{where} holds inf or NaN values, which MXFP4 cannot represent")
         chunk_blocks, chunk_scales = _quantize_rows(chunk, midpoints)
-        flat_blocks[first:first + chunk.shape[0]] = chunk_blocks
-        flat_scales[first:first + chunk.shape[0]] = chunk_scales
+        flat_blocks[first : first + chunk.shape[0]] = chunk_blocks
+        flat_scales[first : first + chunk.shape[0]] = chunk_scales
     return blocks, scales
-
 
 
 def _row_steps(w: torch.Tensor, step_rows: int):
@@ -203,12 +218,12 @@ def _row_steps(w: torch.Tensor, step_rows: int):
     if w.is_contiguous():
         flat = w.view(-1, cols)
         for first in range(0, flat.shape[0], step_rows):
-            yield first, flat[first:first + step_rows]
+            yield first, flat[first : first + step_rows]
         return
     for index in range(math.prod(w.shape[:-2])):
         matrix = w[_lead_index(tuple(w.shape[:-2]), index)]
         for first in range(0, rows, step_rows):
-            yield index * rows + first, matrix[first:first + step_rows]
+            yield index * rows + first, matrix[first : first + step_rows]
 
 
 def _lead_index(lead: tuple, flat: int) -> tuple:

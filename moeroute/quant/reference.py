@@ -31,8 +31,9 @@ _AMAX_FLOOR = 1e-10
 def _activation_scale(amax: torch.Tensor, ue8m0: bool) -> torch.Tensor:
     scale = torch.maximum(amax, torch.tensor(_AMAX_FLOOR, dtype=amax.dtype)).float() / _E4M3_MAX
     if ue8m0:
-        scale = torch.tensor([2.0 ** math.ceil(math.log2(v)) for v in scale.reshape(-1).tolist()],
-                             dtype=torch.float32).reshape(scale.shape)
+        scale = torch.tensor(
+            [2.0 ** math.ceil(math.log2(v)) for v in scale.reshape(-1).tolist()], dtype=torch.float32
+        ).reshape(scale.shape)
     return scale
 
 
@@ -41,8 +42,14 @@ def _e4m3(values: torch.Tensor) -> torch.Tensor:
     return values.clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn).double()
 
 
-def fp8_linear_reference(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor, block_size=None,
-                         scale_fmt: str = "float", input_scale=None) -> torch.Tensor:
+def fp8_linear_reference(
+    x: torch.Tensor,
+    q_w: torch.Tensor,
+    w_scale: torch.Tensor,
+    block_size=None,
+    scale_fmt: str = "float",
+    input_scale=None,
+) -> torch.Tensor:
     """``y [M, N]`` float32 of the FP8 GEMM of ``x [M, K]`` with ``q_w [N, K]``.
 
     ``block_size`` (bn, bk) with ``w_scale [ceil(N/bn), ceil(K/bk)]``: fp8_block; None with a
@@ -79,7 +86,7 @@ def _act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "gelu":
         return 0.5 * gate * (1 + torch.erf(gate / math.sqrt(2))) * up
     if activation == "gelu_tanh":
-        inner = math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3)
+        inner = math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3)
         return 0.5 * gate * (1 + torch.tanh(inner)) * up
     if activation == "swigluoai":
         gate = gate.clamp(max=7.0)
@@ -87,10 +94,18 @@ def _act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"activation={activation!r} is unknown")
 
 
-def expert_mlp_reference(x: torch.Tensor, q_gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
-                         q_down: torch.Tensor, down_scale: torch.Tensor, block_size=None,
-                         scale_fmt: str = "float", activation: str = "silu", input_scale=None,
-                         intermediate_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def expert_mlp_reference(
+    x: torch.Tensor,
+    q_gate_up: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+    q_down: torch.Tensor,
+    down_scale: torch.Tensor,
+    block_size=None,
+    scale_fmt: str = "float",
+    activation: str = "silu",
+    input_scale=None,
+    intermediate_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """One expert's w8a8 MLP on rows ``x [M, H]``; float32 [M, H].
 
     ``q_gate_up [2I, H]`` (gate rows first) with ``gate_up_scale`` [2*ceil(I/bn), ceil(H/bk)]
@@ -108,16 +123,26 @@ def expert_mlp_reference(x: torch.Tensor, q_gate_up: torch.Tensor, gate_up_scale
             scale = gate_up_scale[half]
         else:
             nbr = gate_up_scale.shape[0] // 2
-            scale = gate_up_scale[half * nbr:(half + 1) * nbr]
+            scale = gate_up_scale[half * nbr : (half + 1) * nbr]
         halves.append(fp8_linear_reference(x, q_gate_up[rows], scale, block_size, scale_fmt, static[0]))
     act = _act(halves[0], halves[1], activation).to(intermediate_dtype)
     return fp8_linear_reference(act, q_down, down_scale, block_size, scale_fmt, static[1])
 
 
-def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                          q_gate_up, gate_up_scale, q_down, down_scale, block_size=None,
-                          scale_fmt: str = "float", activation: str = "silu", input_scale=None,
-                          intermediate_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def moe_experts_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    q_gate_up,
+    gate_up_scale,
+    q_down,
+    down_scale,
+    block_size=None,
+    scale_fmt: str = "float",
+    activation: str = "silu",
+    input_scale=None,
+    intermediate_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """``sum_k w[t, k] * expert_{ids[t, k]}(x_t)`` with w8a8 experts; float32 [T, H].
 
     Weights stacked over experts: ``q_gate_up [N, 2I, H]``, ``gate_up_scale [N, ...]``,
@@ -127,13 +152,23 @@ def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     tokens = x.shape[0]
     out = torch.zeros(tokens, q_down.shape[1], dtype=torch.float64)
     for e in range(q_gate_up.shape[0]):
-        hit = (topk_ids == e)
+        hit = topk_ids == e
         rows = hit.any(dim=1).nonzero().reshape(-1)
         if rows.numel() == 0:
             continue
         static = None if input_scale is None else (float(input_scale[e, 0]), float(input_scale[e, 1]))
-        y = expert_mlp_reference(x[rows], q_gate_up[e], gate_up_scale[e], q_down[e], down_scale[e],
-                                 block_size, scale_fmt, activation, static, intermediate_dtype)
+        y = expert_mlp_reference(
+            x[rows],
+            q_gate_up[e],
+            gate_up_scale[e],
+            q_down[e],
+            down_scale[e],
+            block_size,
+            scale_fmt,
+            activation,
+            static,
+            intermediate_dtype,
+        )
         weight = (topk_weights[rows].double() * hit[rows].double()).sum(dim=1)
         out[rows] += weight[:, None] * y.double()
     return out.float()

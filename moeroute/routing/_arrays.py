@@ -202,7 +202,7 @@ def as_device_array(x):
 
 
 def framework_of(x) -> str:
-    """"torch", "cupy" or "numba": which framework produced ``x``."""
+    """ "torch", "cupy" or "numba": which framework produced ``x``."""
     module = type(x).__module__
     if module.startswith("torch"):
         return "torch"
@@ -233,8 +233,18 @@ class Boundary:
     `empty` (device).
     """
 
-    __slots__ = ("array", "name", "torch", "framework", "on_device", "bfloat16", "_dtype",
-                 "_host", "_kernel", "_contiguous")
+    __slots__ = (
+        "array",
+        "name",
+        "torch",
+        "framework",
+        "on_device",
+        "bfloat16",
+        "_dtype",
+        "_host",
+        "_kernel",
+        "_contiguous",
+    )
 
     def __init__(self, array, name="array"):
         self.array = array
@@ -401,8 +411,7 @@ def column_view(x):
         from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
         stride = x.strides[0]
-        return DeviceNDArray(shape=(int(x.shape[0]), 1), strides=(stride, stride),
-                             dtype=x.dtype, gpu_data=x.gpu_data)
+        return DeviceNDArray(shape=(int(x.shape[0]), 1), strides=(stride, stride), dtype=x.dtype, gpu_data=x.gpu_data)
     return x.reshape(1 if x.ndim == 0 else int(x.shape[0]), 1)
 
 
@@ -581,7 +590,9 @@ def check_no_overlap(outputs: dict, inputs: dict) -> None:
     written = list(outputs.items())
     read = [(n, a) for n, a in inputs.items() if a is not None]
     for index, (name, buffer) in enumerate(written):
-        for other_name, other in written[index + 1:] + read:
+        for other_name, other in written[index + 1 :] + read:
             if _overlapping(buffer, other, span_of):
-                raise ValueError(f"{name} overlaps {other_name} in memory; pass an out= buffer "
-                                 "that shares no memory with the op's other arguments")
+                raise ValueError(
+                    f"{name} overlaps {other_name} in memory; pass an out= buffer "
+                    "that shares no memory with the op's other arguments"
+                )

@@ -112,9 +112,13 @@ def _healing(load_overload):
                 os.unlink(path)
             except OSError:
                 pass
-            warnings.warn(f"moeroute: the cached kernel {path} could not be read "
-                          f"({type(error).__name__}: {error}); compiling it again and "
-                          "replacing the entry", UnreadableCacheWarning, stacklevel=2)
+            warnings.warn(
+                f"moeroute: the cached kernel {path} could not be read "
+                f"({type(error).__name__}: {error}); compiling it again and "
+                "replacing the entry",
+                UnreadableCacheWarning,
+                stacklevel=2,
+            )
             return None
 
     load.moeroute_healing = True
@@ -132,8 +136,10 @@ def install() -> None:
     impl = caching.CacheImpl
     if any(getattr(c, "__name__", "").startswith("Moeroute") for c in impl._locator_classes):
         return
-    ours = [_stamped(c) for c in (caching.UserProvidedCacheLocator,
-                                  caching.InTreeCacheLocator, caching.UserWideCacheLocator)]
+    ours = [
+        _stamped(c)
+        for c in (caching.UserProvidedCacheLocator, caching.InTreeCacheLocator, caching.UserWideCacheLocator)
+    ]
     impl._locator_classes = ours + list(impl._locator_classes)
 
 

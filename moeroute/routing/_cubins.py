@@ -118,8 +118,17 @@ def cache_key(dispatcher, signature, arch: str) -> str | None:
         linker = cuda.core.__version__
     except (ImportError, AttributeError):
         linker = "?"
-    text = "\n".join([_cache.sources_stamp(), description, str(tuple(signature)), arch,
-                      numba.__version__, numba_cuda.__version__, linker])
+    text = "\n".join(
+        [
+            _cache.sources_stamp(),
+            description,
+            str(tuple(signature)),
+            arch,
+            numba.__version__,
+            numba_cuda.__version__,
+            linker,
+        ]
+    )
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -150,9 +159,13 @@ def load_or_compile(dispatcher, signature, arch: str, compile_image):
         if isinstance(entry, tuple):
             return entry
         if entry is not None:
-            warnings.warn(f"moeroute: the cached cubin {entry} is damaged (its SHA-256 is not "
-                          "the one recorded beside it); compiling it again and replacing the "
-                          "entry", UnreadableCacheWarning, stacklevel=2)
+            warnings.warn(
+                f"moeroute: the cached cubin {entry} is damaged (its SHA-256 is not "
+                "the one recorded beside it); compiling it again and replacing the "
+                "entry",
+                UnreadableCacheWarning,
+                stacklevel=2,
+            )
     cubin, name, _ = compile_image(dispatcher, signature, arch)
     if key is not None:
         try:

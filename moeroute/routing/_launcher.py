@@ -54,16 +54,33 @@ ARRAY_HEADER_FIELDS = ("meminfo", "parent", "nitems", "itemsize", "data")
 
 # PTX parameter type of each scalar numba type (what numba's NVVM backend emits).
 _SCALAR_PTX_TYPES = {
-    types.int64: "u64", types.uint64: "u64", types.int32: "u32", types.uint32: "u32",
-    types.int16: "u16", types.uint16: "u16", types.int8: "u8", types.uint8: "u8",
-    types.float64: "f64", types.float32: "f32", types.float16: "u16", types.boolean: "u8",
+    types.int64: "u64",
+    types.uint64: "u64",
+    types.int32: "u32",
+    types.uint32: "u32",
+    types.int16: "u16",
+    types.uint16: "u16",
+    types.int8: "u8",
+    types.uint8: "u8",
+    types.float64: "f64",
+    types.float32: "f32",
+    types.float16: "u16",
+    types.boolean: "u8",
 }
 # Python value CuPy's launcher turns into exactly that many bytes: it passes an int as
 # int64 and a float as float64, NumPy scalars at their own size.
 _SCALAR_CONVERTERS = {
-    types.int64: int, types.uint64: int, types.int32: np.int32, types.uint32: np.uint32,
-    types.int16: np.int16, types.uint16: np.uint16, types.int8: np.int8, types.uint8: np.uint8,
-    types.float64: float, types.float32: np.float32, types.float16: np.float16,
+    types.int64: int,
+    types.uint64: int,
+    types.int32: np.int32,
+    types.uint32: np.uint32,
+    types.int16: np.int16,
+    types.uint16: np.uint16,
+    types.int8: np.int8,
+    types.uint8: np.uint8,
+    types.float64: float,
+    types.float32: np.float32,
+    types.float16: np.float16,
     types.boolean: np.bool_,
 }
 
@@ -88,8 +105,10 @@ def parameter_types(signature) -> list[str]:
             found.append(_SCALAR_PTX_TYPES[argument_type])
         else:
             scalars = sorted(map(str, _SCALAR_PTX_TYPES))
-            raise ValueError(f"argument {position} has type {argument_type}, which the cached "
-                             f"launcher does not marshal (arrays and {scalars})")
+            raise ValueError(
+                f"argument {position} has type {argument_type}, which the cached "
+                f"launcher does not marshal (arrays and {scalars})"
+            )
     return found
 
 
@@ -136,29 +155,32 @@ def _reader(x):
         elif hasattr(getattr(x, "data", None), "ptr"):
             reader = _cupy_fields
         else:
-            raise TypeError(f"the cached launcher takes torch tensors, CuPy arrays or numba "
-                            f"device arrays, got {kind.__name__}")
+            raise TypeError(
+                f"the cached launcher takes torch tensors, CuPy arrays or numba device arrays, got {kind.__name__}"
+            )
         _FIELD_READERS[kind] = reader
     return reader
 
 
 def _wrong_array(position, array_type, shape, itemsize):
-    raise ValueError(f"argument {position} must be a {array_type.ndim}-D array of "
-                     f"{array_type.dtype.bitwidth // 8}-byte items ({array_type}), got shape "
-                     f"{tuple(shape)} of {itemsize}-byte items")
+    raise ValueError(
+        f"argument {position} must be a {array_type.ndim}-D array of "
+        f"{array_type.dtype.bitwidth // 8}-byte items ({array_type}), got shape "
+        f"{tuple(shape)} of {itemsize}-byte items"
+    )
 
 
 def _not_contiguous(position, array_type, strides):
-    raise ValueError(f"argument {position} must be C-contiguous ({array_type}), got strides "
-                     f"{tuple(strides)}")
+    raise ValueError(f"argument {position} must be C-contiguous ({array_type}), got strides {tuple(strides)}")
 
 
 def _array_source(k, array_type):
     """Lines of the generated packer reading array argument ``k``, and its ABI fields."""
     ndim = array_type.ndim
     if ndim == 0:
-        raise ValueError(f"argument {k} is a 0-D array ({array_type}); the cached launcher "
-                         f"marshals arrays of 1 or more dimensions")
+        raise ValueError(
+            f"argument {k} is a 0-D array ({array_type}); the cached launcher marshals arrays of 1 or more dimensions"
+        )
     itemsize = array_type.dtype.bitwidth // 8
     extents = [f"e{k}_{j}" for j in range(ndim)]
     strides = [f"f{k}_{j}" for j in range(ndim)]
@@ -202,13 +224,17 @@ def make_packer(signature):
     signature = tuple(signature)
     parameter_types(signature)  # refuses what cannot be marshalled, naming it
     count = len(signature)
-    body = [f"if len(args) != {count}: raise TypeError("
-            f"f'the kernel takes {count} arguments, got {{len(args)}}')"]
+    body = [f"if len(args) != {count}: raise TypeError(f'the kernel takes {count} arguments, got {{len(args)}}')"]
     if count:
         body.append(f"{''.join(f'x{k}, ' for k in range(count))}= args")
     fields = []
-    namespace = {"readers_get": _FIELD_READERS.get, "reader": _reader, "types": signature,
-                 "wrong_array": _wrong_array, "not_contiguous": _not_contiguous}
+    namespace = {
+        "readers_get": _FIELD_READERS.get,
+        "reader": _reader,
+        "types": signature,
+        "wrong_array": _wrong_array,
+        "not_contiguous": _not_contiguous,
+    }
     for k, argument_type in enumerate(signature):
         if isinstance(argument_type, types.Array):
             lines, array_fields = _array_source(k, argument_type)
@@ -289,8 +315,10 @@ def argument_type(x):
     if flags is not None and hasattr(x, "dtype"):  # CuPy
         layout = "C" if flags.c_contiguous else "F" if flags.f_contiguous else "A"
         return _array_type(np.dtype(x.dtype).name, x.ndim, layout)
-    raise TypeError(f"cannot type kernel argument of type {kind.__name__}: the launcher takes "
-                    f"torch tensors, CuPy arrays, numba device arrays and scalars")
+    raise TypeError(
+        f"cannot type kernel argument of type {kind.__name__}: the launcher takes "
+        f"torch tensors, CuPy arrays, numba device arrays and scalars"
+    )
 
 
 def _argument_key(x):
@@ -337,8 +365,7 @@ def signature_of(args) -> tuple:
 
 def requested_launcher() -> str:
     """The value of MOEROUTE_CUDA_LAUNCHER ("auto" when unset); ValueError for others."""
-    return environ_choice(LAUNCHER_ENV, LAUNCHERS, "auto",
-                          "which launcher starts the routing CUDA kernels")
+    return environ_choice(LAUNCHER_ENV, LAUNCHERS, "auto", "which launcher starts the routing CUDA kernels")
 
 
 @lru_cache(maxsize=None)
@@ -372,7 +399,7 @@ def _resolve(requested: str, simulated: bool) -> str:
 
 
 def active_launcher() -> str:
-    """"cached" or "numba": the launcher the routing ops use now (MOEROUTE_CUDA_LAUNCHER,
+    """ "cached" or "numba": the launcher the routing ops use now (MOEROUTE_CUDA_LAUNCHER,
     resolved against what this process can run; see the module docstring)."""
     return _resolve(requested_launcher(), _arrays.simulator_enabled())
 
@@ -409,13 +436,17 @@ def compile_image(dispatcher, signature, arch: str):
     from numba import cuda
 
     options = dict(dispatcher.targetoptions)
-    unsupported = {k: v for k, v in options.items()
-                   if k not in _PTX_OPTIONS + _IGNORED_OPTIONS and v not in (None, (), [], False, 0)}
+    unsupported = {
+        k: v
+        for k, v in options.items()
+        if k not in _PTX_OPTIONS + _IGNORED_OPTIONS and v not in (None, (), [], False, 0)
+    }
     if unsupported:
         raise RuntimeError(f"the cached launcher cannot reproduce the jit options {unsupported}")
     cc = (int(arch[3:-1]), int(arch[-1]))
-    ptx, _ = cuda.compile_ptx(dispatcher.py_func, tuple(signature), cc=cc,
-                              **{k: options[k] for k in _PTX_OPTIONS if k in options})
+    ptx, _ = cuda.compile_ptx(
+        dispatcher.py_func, tuple(signature), cc=cc, **{k: options[k] for k in _PTX_OPTIONS if k in options}
+    )
     name, _ = parse_entry(ptx)
     from cuda.core import Linker, LinkerOptions, ObjectCode
 
@@ -449,8 +480,9 @@ class CachedKernel:
         from moeroute.routing import _cubins
 
         device = cupy.cuda.Device(device_id)
-        cubin, name = _cubins.load_or_compile(self.dispatcher, self.signature,
-                                              f"sm_{device.compute_capability}", compile_image)
+        cubin, name = _cubins.load_or_compile(
+            self.dispatcher, self.signature, f"sm_{device.compute_capability}", compile_image
+        )
         with device:
             module = cupy.cuda.function.Module()
             module.load(cubin)
@@ -494,8 +526,7 @@ def kernel_array(x, launcher: str):
     return x if launcher == "cached" else _arrays.as_device_array(x)
 
 
-def launch(dispatcher, signature, griddim, blockdim, stream, args,
-           launcher: str | None = None) -> None:
+def launch(dispatcher, signature, griddim, blockdim, stream, args, launcher: str | None = None) -> None:
     """Launch ``dispatcher`` at ``signature`` with ``args`` on ``stream``.
 
     Parameters
@@ -529,7 +560,9 @@ def launch(dispatcher, signature, griddim, blockdim, stream, args,
     cached_kernel(dispatcher, signature)(
         griddim if isinstance(griddim, tuple) else (griddim,),
         blockdim if isinstance(blockdim, tuple) else (blockdim,),
-        _arrays.stream_handle(stream), args)
+        _arrays.stream_handle(stream),
+        args,
+    )
 
 
 def stream_handle_of(template, stream=None) -> int:

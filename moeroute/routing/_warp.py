@@ -143,7 +143,8 @@ else:
             except threading.BrokenBarrierError:
                 raise RuntimeError(
                     "simulated warp collective: not every lane of the warp arrived (divergent "
-                    "lanes or an early return before a full-mask shuffle)") from None
+                    "lanes or an early return before a full-mask shuffle)"
+                ) from None
             return values
 
     _exchanges: dict = {}

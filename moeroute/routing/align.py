@@ -101,18 +101,21 @@ def align_block_size(topk_ids, num_experts, block_size, expert_map=None, *, stre
     if entry.on_device:
         return _align_device(entry, num_experts, block_size, table, stream)
     if table is not None and table.on_device:
-        raise TypeError("expert_map is a device array but topk_ids are on the host; pass "
-                        "both on the device or both as NumPy arrays")
+        raise TypeError(
+            "expert_map is a device array but topk_ids are on the host; pass both on the device or both as NumPy arrays"
+        )
     view = _sort.host_id_view("topk_ids", entry)
     table = None if table is None else _host_expert_map(table)
     num_experts, block_size, numel, capacity = _check_align_args(
-        view.shape, num_experts, block_size)  # before anything is copied
+        view.shape, num_experts, block_size
+    )  # before anything is copied
     ids = _sort.kernel_ids(view)
     sorted_token_ids = np.empty(capacity, np.int32)
     expert_ids = np.empty(capacity // block_size, np.int32)
     use_map = table is not None
-    total = _sort.align_cpu(ids, num_experts, block_size, sorted_token_ids, expert_ids,
-                            table if use_map else _sort.NO_EXPERT_MAP, use_map)
+    total = _sort.align_cpu(
+        ids, num_experts, block_size, sorted_token_ids, expert_ids, table if use_map else _sort.NO_EXPERT_MAP, use_map
+    )
     return entry.wrap(sorted_token_ids), entry.wrap(expert_ids), int(total)
 
 
@@ -121,13 +124,21 @@ def _align_device(entry, num_experts, block_size, expert_map, stream):
     ``expert_map`` (None when absent)."""
     ids = _sort.device_ids("topk_ids", entry)
     table = None if expert_map is None else device_expert_map(expert_map)
-    num_experts, block_size, numel, capacity = _check_align_args(
-        ids.shape, num_experts, block_size)
+    num_experts, block_size, numel, capacity = _check_align_args(ids.shape, num_experts, block_size)
     launch_stream = entry.stream(stream)
     sorted_token_ids, sorted_view = entry.empty((capacity,), np.int32, launch_stream)
     expert_ids, expert_view = entry.empty((capacity // block_size,), np.int32, launch_stream)
     starts, starts_view = entry.empty((num_experts + 1,), np.int32, launch_stream)
-    _sort.counting_sort_device(ids, num_experts, block_size, sorted_view, starts_view,
-                               expert_view, None, launch_stream, expert_map=table,
-                               template=entry)
+    _sort.counting_sort_device(
+        ids,
+        num_experts,
+        block_size,
+        sorted_view,
+        starts_view,
+        expert_view,
+        None,
+        launch_stream,
+        expert_map=table,
+        template=entry,
+    )
     return sorted_token_ids, expert_ids, starts[num_experts:]

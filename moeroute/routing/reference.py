@@ -146,7 +146,7 @@ def logical_to_physical(topk_ids, layout, prefer_rank=None):
     local = np.zeros(table.shape[0], dtype=bool)
     if prefer_rank is not None:
         start, count = layout.routed_range(prefer_rank)
-        local[start:start + count] = True
+        local[start : start + count] = True
     for t in range(T):
         h = (t * REPLICA_HASH_MULTIPLIER) % (1 << 32)
         for k in range(topk_ids.shape[1]):
@@ -192,8 +192,10 @@ def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weig
     if slot_weights.ndim == 1:
         slot_weights = slot_weights[:, None]
     slot_weights = np.broadcast_to(slot_weights, (T, S))
-    return (np.concatenate([ids, slot_ids], axis=1).astype(np.int32),
-            np.concatenate([weights, slot_weights], axis=1).astype(np.float32))
+    return (
+        np.concatenate([ids, slot_ids], axis=1).astype(np.int32),
+        np.concatenate([weights, slot_weights], axis=1).astype(np.float32),
+    )
 
 
 def remap_to_local(ids, expert_map):
@@ -225,8 +227,8 @@ def align_block_size(topk_ids, num_experts, block_size, expert_map=None):
         if indices.size == 0:
             continue
         padded = -(-indices.size // B) * B
-        sorted_token_ids[position:position + indices.size] = indices
-        expert_ids[position // B:(position + padded) // B] = e
+        sorted_token_ids[position : position + indices.size] = indices
+        expert_ids[position // B : (position + padded) // B] = e
         position += padded
     return sorted_token_ids, expert_ids, position
 

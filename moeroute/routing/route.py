@@ -33,18 +33,15 @@ def _check_route_args(config, layout, rank) -> int:
     num_experts = getattr(config, "num_experts", None)
     if num_experts is not None and num_experts != layout.num_routed_experts:
         raise ValueError(
-            f"config.num_experts={num_experts} does not match "
-            f"layout.num_routed_experts={layout.num_routed_experts}"
+            f"config.num_experts={num_experts} does not match layout.num_routed_experts={layout.num_routed_experts}"
         )
     rank = integer("rank", rank)
     if not 0 <= rank < layout.ep_size:
-        raise ValueError(f"rank={rank} is outside [0, {layout.ep_size}) for "
-                         f"ep_size={layout.ep_size}")
+        raise ValueError(f"rank={rank} is outside [0, {layout.ep_size}) for ep_size={layout.ep_size}")
     return int(rank)
 
 
-def route(logits, config, layout, rank=0, correction_bias=None, shared_weights=None,
-          home_rank=0, *, stream=None):
+def route(logits, config, layout, rank=0, correction_bias=None, shared_weights=None, home_rank=0, *, stream=None):
     """Route tokens to the local experts of ``rank`` in one step (docs/semantics.md sections 1, 2, 4).
 
     Equal to ``select_experts`` -> ``append_shared_slots(ids, weights, layout, home_rank,
@@ -101,20 +98,18 @@ def route(logits, config, layout, rank=0, correction_bias=None, shared_weights=N
     entry = _arrays.enter(logits, "logits")
     bias = None if correction_bias is None else _arrays.enter(correction_bias, "correction_bias")
     if entry.on_device:
-        return _route_device(entry, config, layout, rank, bias, shared_weights, home_rank,
-                             stream)
+        return _route_device(entry, config, layout, rank, bias, shared_weights, home_rank, stream)
     # The CPU ops on NumPy views, composed; the results leave through the logits' boundary.
     weights, ids, _ = select._select_host_entry(entry, config, bias)
     if _appends_nothing(layout):
         # No slot to append, one replica per expert at its own index: select_experts' ids
         # (all in [0, N), int32) already are the physical ones.
         home_rank = shared_slots._check_append_args(
-            layout, home_rank, ids.shape, weights.shape, np.float32, shared_weights, None)[0]
+            layout, home_rank, ids.shape, weights.shape, np.float32, shared_weights, None
+        )[0]
     else:
-        shared = (None if shared_weights is None
-                  else _arrays.enter(shared_weights, "shared_weights").host_floats())
-        ids, weights = shared_slots._append_host(ids, weights, layout, home_rank,
-                                                 shared_weights, shared)
+        shared = None if shared_weights is None else _arrays.enter(shared_weights, "shared_weights").host_floats()
+        ids, weights = shared_slots._append_host(ids, weights, layout, home_rank, shared_weights, shared)
     if layout.ep_size > 1:
         # On one rank every physical expert is held at its own index (expert_map(0) is the
         # identity on [0, num_physical_experts)): the physical ids already are local.
@@ -133,10 +128,13 @@ def _appends_nothing(layout) -> bool:
     if entry is not None and entry[0]() is layout:
         return entry[1]
     n = layout.num_routed_experts
-    identity = (layout.shared != "fused" and layout.num_routed_physical == n
-                and np.array_equal(layout.replica_offsets, np.arange(n + 1))
-                and np.array_equal(layout.replica_ids, np.arange(n))
-                and np.array_equal(layout.routed_id_map, np.arange(n)))
+    identity = (
+        layout.shared != "fused"
+        and layout.num_routed_physical == n
+        and np.array_equal(layout.replica_offsets, np.arange(n + 1))
+        and np.array_equal(layout.replica_ids, np.arange(n))
+        and np.array_equal(layout.routed_id_map, np.arange(n))
+    )
     _APPENDS_NOTHING[id(layout)] = (weakref.ref(layout), identity)
     return identity
 
@@ -146,8 +144,9 @@ def _route_kernel(num_experts, num_groups, scoring, has_bias, renormalize, input
     """The compiled route kernel, built once per specialisation."""
     from numba import cuda
 
-    return cuda.jit(_select_device.route_kernel_function(
-        num_experts, num_groups, scoring, has_bias, renormalize, input_kind))
+    return cuda.jit(
+        _select_device.route_kernel_function(num_experts, num_groups, scoring, has_bias, renormalize, input_kind)
+    )
 
 
 @lru_cache(maxsize=None)
@@ -160,20 +159,27 @@ def _route_device(entry, config, layout, rank, bias, shared_weights, home_rank, 
     """route on device logits, from the boundaries of ``logits`` and ``correction_bias``
     (``bias``: None when absent): one launch on the logits' stream."""
     correction_bias = None if bias is None else bias.array
-    select._validate(entry.array, config, correction_bias, True,
-                     bias_on_device=None if bias is None else bias.on_device)
+    select._validate(
+        entry.array, config, correction_bias, True, bias_on_device=None if bias is None else bias.on_device
+    )
     launcher = _launcher.active_launcher()
     array, kind = entry.kernel(launcher, bits16=True), entry.dtype  # bfloat16 as int16 bits
     if not entry.contiguous():
-        raise ValueError(f"device logits must be C-contiguous, got shape {tuple(array.shape)} "
-                         f"with non-contiguous strides")
+        raise ValueError(
+            f"device logits must be C-contiguous, got shape {tuple(array.shape)} with non-contiguous strides"
+        )
     num_tokens, top_k = int(array.shape[0]), config.top_k
-    shared_entry = (None if shared_weights is None
-                    else _arrays.enter(shared_weights, "shared_weights"))
+    shared_entry = None if shared_weights is None else _arrays.enter(shared_weights, "shared_weights")
     shared, scalar = shared_slots.device_shared_weights(shared_entry, launcher, "logits")
     home_rank, slots = shared_slots._check_append_args(
-        layout, home_rank, (num_tokens, top_k), (num_tokens, top_k), np.float32,
-        shared_weights, None if shared is None else tuple(shared.shape))
+        layout,
+        home_rank,
+        (num_tokens, top_k),
+        (num_tokens, top_k),
+        np.float32,
+        shared_weights,
+        None if shared is None else tuple(shared.shape),
+    )
     # The cached launcher takes the raw handle: no numba stream object per call.
     launch_stream = entry.stream(stream, launcher)
     width = top_k + slots
@@ -186,23 +192,50 @@ def _route_device(entry, config, layout, rank, bias, shared_weights, home_rank, 
     # Without a bias (or a shared weight array) the kernel never reads it: any float32
     # array of the right rank fills the slot.
     bias_array = bias.kernel(launcher) if has_bias else weights_out.reshape(-1)
-    slot_weights, use_row, use_col, has_array = shared_slots.device_slot_weights(
-        shared, weights_out)
+    slot_weights, use_row, use_col, has_array = shared_slots.device_slot_weights(shared, weights_out)
     first_slot = int(layout.shared_slot_ids(home_rank)[0]) if slots else 0
     offsets, replica_ids, routed_id_map = layout_device_tables(layout)
     expert_map = expert_map_device_table(layout.expert_map(rank))
-    kernel = _route_kernel(config.num_experts, config.num_expert_group, config.scoring,
-                           has_bias, config.renormalize, kind)
+    kernel = _route_kernel(
+        config.num_experts, config.num_expert_group, config.scoring, has_bias, config.renormalize, kind
+    )
     warps = _select_device.warps_per_block()
     signature = _route_signature(
-        kind, "C" if not has_bias or bias.contiguous() else "A",
-        "C" if shared is None or (shared_entry.contiguous() if slot_weights is shared
-                                  else _arrays.is_c_contiguous(slot_weights)) else "A")
+        kind,
+        "C" if not has_bias or bias.contiguous() else "A",
+        "C"
+        if shared is None
+        or (shared_entry.contiguous() if slot_weights is shared else _arrays.is_c_contiguous(slot_weights))
+        else "A",
+    )
     _launcher.launch(
-        kernel, signature, -(-num_tokens // warps), warps * _select_device.WARP_SIZE, launch_stream,
-        (array, bias_array, num_tokens, top_k, config.topk_group,
-         np.float32(config.routed_scaling_factor), layout.num_routed_experts, offsets,
-         replica_ids, routed_id_map, first_slot, slots, slot_weights, use_row, use_col,
-         scalar, has_array, expert_map, weights_out, ids_out),
-        launcher)
+        kernel,
+        signature,
+        -(-num_tokens // warps),
+        warps * _select_device.WARP_SIZE,
+        launch_stream,
+        (
+            array,
+            bias_array,
+            num_tokens,
+            top_k,
+            config.topk_group,
+            np.float32(config.routed_scaling_factor),
+            layout.num_routed_experts,
+            offsets,
+            replica_ids,
+            routed_id_map,
+            first_slot,
+            slots,
+            slot_weights,
+            use_row,
+            use_col,
+            scalar,
+            has_array,
+            expert_map,
+            weights_out,
+            ids_out,
+        ),
+        launcher,
+    )
     return weights, local_ids

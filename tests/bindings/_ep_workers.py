@@ -37,11 +37,11 @@ BF16_TOLERANCE = 2e-2
 class Layer:
     """A small MoE layer in float32: HF stacked expert weights, SwiGLU, optional shared MLP."""
 
-    router: torch.Tensor          # [N, H]
-    gate_up: torch.Tensor         # [N, 2I, H], gate rows first
-    down: torch.Tensor            # [N, H, I]
+    router: torch.Tensor  # [N, H]
+    gate_up: torch.Tensor  # [N, 2I, H], gate rows first
+    down: torch.Tensor  # [N, H, I]
     shared_gate_up: torch.Tensor  # [2*S*I, H]
-    shared_down: torch.Tensor     # [H, S*I]
+    shared_down: torch.Tensor  # [H, S*I]
     shared_gate: torch.Tensor | None  # [H] per-token sigmoid gate
     intermediate: int
     num_shared: int
@@ -55,10 +55,10 @@ def make_layer(seed, num_experts, hidden, intermediate, num_shared, gated):
 
     return Layer(
         router=rand(num_experts, hidden),
-        gate_up=rand(num_experts, 2 * intermediate, hidden, scale=hidden ** -0.5),
-        down=rand(num_experts, hidden, intermediate, scale=intermediate ** -0.5),
-        shared_gate_up=rand(2 * num_shared * intermediate, hidden, scale=hidden ** -0.5),
-        shared_down=rand(hidden, num_shared * intermediate, scale=intermediate ** -0.5),
+        gate_up=rand(num_experts, 2 * intermediate, hidden, scale=hidden**-0.5),
+        down=rand(num_experts, hidden, intermediate, scale=intermediate**-0.5),
+        shared_gate_up=rand(2 * num_shared * intermediate, hidden, scale=hidden**-0.5),
+        shared_down=rand(hidden, num_shared * intermediate, scale=intermediate**-0.5),
         shared_gate=rand(hidden) if gated and num_shared else None,
         intermediate=intermediate,
         num_shared=num_shared,
@@ -107,9 +107,13 @@ def local_expert_weights(layer, layout, rank, local_id):
         return layer.gate_up[logical], layer.down[logical]
     j, inter = local_id - count, layer.intermediate
     total = layer.num_shared * inter
-    gate_up = torch.cat([layer.shared_gate_up[j * inter:(j + 1) * inter],
-                         layer.shared_gate_up[total + j * inter: total + (j + 1) * inter]])
-    return gate_up, layer.shared_down[:, j * inter:(j + 1) * inter]
+    gate_up = torch.cat(
+        [
+            layer.shared_gate_up[j * inter : (j + 1) * inter],
+            layer.shared_gate_up[total + j * inter : total + (j + 1) * inter],
+        ]
+    )
+    return gate_up, layer.shared_down[:, j * inter : (j + 1) * inter]
 
 
 def local_compute(layer, layout, rank, recv_hidden, recv_local_ids, recv_weights):
@@ -138,9 +142,9 @@ def ep_forward(dispatcher, layer, layout, rank, x, ids, weights, rsf, overlap):
     if isinstance(slot_weight, torch.Tensor):
         slot_weight = slot_weight.numpy()
     phys_ids, phys_weights = reference.append_shared_slots(
-        ids.numpy(), routed_weights.numpy(), layout, rank, slot_weight)
-    handle = dispatcher.dispatch(x, torch.from_numpy(phys_ids), torch.from_numpy(phys_weights),
-                                 async_op=overlap)
+        ids.numpy(), routed_weights.numpy(), layout, rank, slot_weight
+    )
+    handle = dispatcher.dispatch(x, torch.from_numpy(phys_ids), torch.from_numpy(phys_weights), async_op=overlap)
     in_flight = not handle.is_completed()
     shared_out = None
     if layout.shared in ("runner", "overlap"):
@@ -171,9 +175,22 @@ def dispatcher_configs(world_size):
     counts = _COUNT_PATTERNS[world_size]
 
     def add(name, **kw):
-        base = dict(N=8, R=0, K=2, S=0, gated=False, shared="auto", slots=None,
-                    regime="router", rsf=2.5, force_expert=None, dtype="float32",
-                    counts=counts[len(configs) % len(counts)], placement="linear", table=None)
+        base = dict(
+            N=8,
+            R=0,
+            K=2,
+            S=0,
+            gated=False,
+            shared="auto",
+            slots=None,
+            regime="router",
+            rsf=2.5,
+            force_expert=None,
+            dtype="float32",
+            counts=counts[len(configs) % len(counts)],
+            placement="linear",
+            table=None,
+        )
         base.update(kw)
         configs.append(dict(name=name, **base))
 
@@ -186,29 +203,65 @@ def dispatcher_configs(world_size):
             for num_shared in (1, 2):
                 for gated in (False, True):
                     for regime in ("router", "output"):
-                        add(f"{dispatch}-{shared}{'-' + slots if slots else ''}-S{num_shared}"
+                        add(
+                            f"{dispatch}-{shared}{'-' + slots if slots else ''}-S{num_shared}"
                             f"-{'gate' if gated else 'nogate'}-{regime}",
-                            dispatch=dispatch, shared=shared, slots=slots, S=num_shared,
-                            gated=gated, regime=regime)
+                            dispatch=dispatch,
+                            shared=shared,
+                            slots=slots,
+                            S=num_shared,
+                            gated=gated,
+                            regime=regime,
+                        )
         zero = tuple(0 for _ in range(world_size))
         add(f"{dispatch}-no-tokens-anywhere", dispatch=dispatch, S=1, counts=zero)
-        add(f"{dispatch}-all-to-one-expert-K1", dispatch=dispatch, K=1, force_expert=5,
-            counts=tuple(6 for _ in range(world_size)))
-        add(f"{dispatch}-all-to-one-expert-K3", dispatch=dispatch, K=3, S=1, force_expert=0,
-            counts=tuple(6 for _ in range(world_size)))
-        add(f"{dispatch}-redundant-eplb", dispatch=dispatch, N=6, R=world_size, K=3, S=1,
-            gated=True, counts=tuple(9 for _ in range(world_size)))
-        add(f"{dispatch}-uneven-placement", dispatch=dispatch, N=2 * world_size + 1, K=3,
-            S=2, shared="fused")
+        add(
+            f"{dispatch}-all-to-one-expert-K1",
+            dispatch=dispatch,
+            K=1,
+            force_expert=5,
+            counts=tuple(6 for _ in range(world_size)),
+        )
+        add(
+            f"{dispatch}-all-to-one-expert-K3",
+            dispatch=dispatch,
+            K=3,
+            S=1,
+            force_expert=0,
+            counts=tuple(6 for _ in range(world_size)),
+        )
+        add(
+            f"{dispatch}-redundant-eplb",
+            dispatch=dispatch,
+            N=6,
+            R=world_size,
+            K=3,
+            S=1,
+            gated=True,
+            counts=tuple(9 for _ in range(world_size)),
+        )
+        add(f"{dispatch}-uneven-placement", dispatch=dispatch, N=2 * world_size + 1, K=3, S=2, shared="fused")
         add(f"{dispatch}-bf16", dispatch=dispatch, S=1, gated=True, dtype="bfloat16")
-        add(f"{dispatch}-round-robin", dispatch=dispatch, N=9, K=3, S=1, gated=True,
-            placement="round_robin")
-        add(f"{dispatch}-round-robin-redundant", dispatch=dispatch, N=6, R=world_size + 1, K=3,
-            placement="round_robin", counts=tuple(9 for _ in range(world_size)))
+        add(f"{dispatch}-round-robin", dispatch=dispatch, N=9, K=3, S=1, gated=True, placement="round_robin")
+        add(
+            f"{dispatch}-round-robin-redundant",
+            dispatch=dispatch,
+            N=6,
+            R=world_size + 1,
+            K=3,
+            placement="round_robin",
+            counts=tuple(9 for _ in range(world_size)),
+        )
         # An EPLB table: logical 0 on every rank, the others once, in reverse order.
-        add(f"{dispatch}-physical-to-logical-table", dispatch=dispatch, N=6, K=3, S=1,
+        add(
+            f"{dispatch}-physical-to-logical-table",
+            dispatch=dispatch,
+            N=6,
+            K=3,
+            S=1,
             table=[5, 4, 3, 2, 1, 0] + [0] * (world_size - 1),
-            counts=tuple(9 for _ in range(world_size)))
+            counts=tuple(9 for _ in range(world_size)),
+        )
     return configs
 
 
@@ -226,8 +279,9 @@ def _expected_bytes(layout, ids_by_rank, rank, hidden, element_size, top_k):
         return {d for d in range(layout.ep_size) for p in row if maps[d][p] >= 0}
 
     sent = sum(1 for row in ids_by_rank[rank] for d in destinations(rank, row) if d != rank)
-    received = sum(1 for home, ids in enumerate(ids_by_rank) if home != rank
-                   for row in ids if rank in destinations(home, row))
+    received = sum(
+        1 for home, ids in enumerate(ids_by_rank) if home != rank for row in ids if rank in destinations(home, row)
+    )
     return sent * (hidden * element_size + 8 * top_k), received * hidden * element_size
 
 
@@ -236,11 +290,18 @@ def run_config(config, rank, world_size, debug=True):
 
     hidden, inter = 16, 8
     dtype = getattr(torch, config["dtype"])
-    layout = ExpertLayout(config["N"], config["S"], ep_size=world_size,
-                          dispatch=config["dispatch"], shared=config["shared"],
-                          shared_slots=config["slots"], num_redundant_experts=config["R"],
-                          scaling_regime=config["regime"], placement=config["placement"],
-                          physical_to_logical=config["table"])
+    layout = ExpertLayout(
+        config["N"],
+        config["S"],
+        ep_size=world_size,
+        dispatch=config["dispatch"],
+        shared=config["shared"],
+        shared_slots=config["slots"],
+        num_redundant_experts=config["R"],
+        scaling_regime=config["regime"],
+        placement=config["placement"],
+        physical_to_logical=config["table"],
+    )
     layer = make_layer(1234, config["N"], hidden, inter, config["S"], config["gated"])
     counts = config["counts"]
     gen = torch.Generator().manual_seed(99)
@@ -251,8 +312,16 @@ def run_config(config, rank, world_size, debug=True):
 
     dispatcher = make_dispatcher(layout, None, config["dispatch"], debug=debug)
     out, phys_ids, in_flight = ep_forward(
-        dispatcher, layer, layout, rank, x_all[mine], ids_all[mine], w_all[mine],
-        config["rsf"], overlap=layout.shared == "overlap")
+        dispatcher,
+        layer,
+        layout,
+        rank,
+        x_all[mine],
+        ids_all[mine],
+        w_all[mine],
+        config["rsf"],
+        overlap=layout.shared == "overlap",
+    )
     expected = dense_reference(layer, x_all[mine], ids_all[mine], w_all[mine])
     scale = float(expected.abs().max()) if expected.numel() else 1.0
     error = float((out.double() - expected).abs().max()) / scale if out.numel() else 0.0
@@ -261,26 +330,32 @@ def run_config(config, rank, world_size, debug=True):
     ids_by_rank = []
     for r in range(world_size):
         s = sum(counts[:r])
-        routed_w = w_all[s:s + counts[r]]
-        ids_r, _ = reference.append_shared_slots(
-            ids_all[s:s + counts[r]].numpy(), routed_w.numpy(), layout, r, None)
+        routed_w = w_all[s : s + counts[r]]
+        ids_r, _ = reference.append_shared_slots(ids_all[s : s + counts[r]].numpy(), routed_w.numpy(), layout, r, None)
         ids_by_rank.append(ids_r)
     assert np.array_equal(ids_by_rank[rank], phys_ids)
     expected_dispatch, expected_combine = _expected_bytes(
-        layout, ids_by_rank, rank, hidden, x_all.element_size(), phys_ids.shape[1])
+        layout, ids_by_rank, rank, hidden, x_all.element_size(), phys_ids.shape[1]
+    )
     stats = dispatcher.last_stats
     return dict(
-        name=config["name"], shared=layout.shared, shape=tuple(out.shape),
-        expected_shape=(counts[rank], hidden), error=error,
+        name=config["name"],
+        shared=layout.shared,
+        shape=tuple(out.shape),
+        expected_shape=(counts[rank], hidden),
+        error=error,
         tolerance=BF16_TOLERANCE if dtype == torch.bfloat16 else FP32_TOLERANCE,
-        dispatch_bytes=stats.dispatch_bytes, expected_dispatch_bytes=expected_dispatch,
-        combine_bytes=stats.combine_bytes, expected_combine_bytes=expected_combine,
-        replica_slots=int(np.isin(phys_ids[:, :config["K"]],
-                                  layout.routed_id_map[layout.num_routed_experts:]).sum()),
+        dispatch_bytes=stats.dispatch_bytes,
+        expected_dispatch_bytes=expected_dispatch,
+        combine_bytes=stats.combine_bytes,
+        expected_combine_bytes=expected_combine,
+        replica_slots=int(np.isin(phys_ids[:, : config["K"]], layout.routed_id_map[layout.num_routed_experts :]).sum()),
         logical_experts=[layout.logical_experts(r).tolist() for r in range(world_size)],
-        in_flight=in_flight, overlap=layout.shared == "overlap",
-        forced_expert_slots=(int((ids_all[mine][:, 0] == config["force_expert"]).sum())
-                             if config["force_expert"] is not None else None),
+        in_flight=in_flight,
+        overlap=layout.shared == "overlap",
+        forced_expert_slots=(
+            int((ids_all[mine][:, 0] == config["force_expert"]).sum()) if config["force_expert"] is not None else None
+        ),
     )
 
 
@@ -306,8 +381,7 @@ def invalid_argument_cases(rank, world_size):
         "dispatch-unknown": lambda: make_dispatcher(layout, None, "ring"),
         "dispatch-mismatch": lambda: make_dispatcher(layout, None, "allgather"),
         "allgather-class-mismatch": lambda: AllGatherDispatcher(layout),
-        "group-size": lambda: All2AllDispatcher(
-            ExpertLayout(8, 0, ep_size=world_size + 1, dispatch="all2all")),
+        "group-size": lambda: All2AllDispatcher(ExpertLayout(8, 0, ep_size=world_size + 1, dispatch="all2all")),
         "debug-type": lambda: make_dispatcher(layout, None, "all2all", debug="yes"),
         "ids-dtype": lambda: dispatcher.dispatch(x, ids.long(), w),
         "weights-shape": lambda: dispatcher.dispatch(x, ids, w[:, :1]),
@@ -321,14 +395,11 @@ def invalid_argument_cases(rank, world_size):
     handle = dispatcher.dispatch(x, ids, w)
     other = make_dispatcher(layout, None, "all2all")
     recv_rows = handle.wait()[0].shape[0]
-    out["combine-foreign-handle"] = _outcome(lambda: other.combine(torch.zeros(recv_rows, 4),
-                                                                   handle))
-    out["combine-rows"] = _outcome(lambda: dispatcher.combine(torch.zeros(recv_rows + 1, 4),
-                                                              handle))
+    out["combine-foreign-handle"] = _outcome(lambda: other.combine(torch.zeros(recv_rows, 4), handle))
+    out["combine-rows"] = _outcome(lambda: dispatcher.combine(torch.zeros(recv_rows + 1, 4), handle))
     out["combine-handle-type"] = _outcome(lambda: dispatcher.combine(torch.zeros(1, 4), None))
     dispatcher.combine(torch.zeros(recv_rows, 4), handle)
-    out["combine-twice"] = _outcome(lambda: dispatcher.combine(torch.zeros(recv_rows, 4),
-                                                               handle))
+    out["combine-twice"] = _outcome(lambda: dispatcher.combine(torch.zeros(recv_rows, 4), handle))
     return out
 
 
@@ -343,8 +414,7 @@ def debug_fault_cases(rank, world_size):
     layout = ExpertLayout(8, 1, ep_size=world_size, dispatch="all2all")
     per_rank = 8 // world_size
     ids_logical = np.stack([[0, 8 - 1]] * 6).astype(np.int32)
-    phys, weights = reference.append_shared_slots(ids_logical, np.ones((6, 2), np.float32),
-                                                  layout, rank)
+    phys, weights = reference.append_shared_slots(ids_logical, np.ones((6, 2), np.float32), layout, rank)
     ids, w = torch.from_numpy(phys), torch.from_numpy(weights)
 
     class DropsSharedSlot(All2AllDispatcher):
@@ -359,10 +429,8 @@ def debug_fault_cases(rank, world_size):
             local[:, 0] = (local[:, 0] + 1) % per_rank  # a live id of the wrong expert
             return owner, local
 
-    out["all2all-dropped-slot"] = _outcome(
-        lambda: CheckedDispatcher(DropsSharedSlot(layout)).dispatch(x, ids, w))
-    out["all2all-wrong-local-id"] = _outcome(
-        lambda: CheckedDispatcher(WrongLocalId(layout)).dispatch(x, ids, w))
+    out["all2all-dropped-slot"] = _outcome(lambda: CheckedDispatcher(DropsSharedSlot(layout)).dispatch(x, ids, w))
+    out["all2all-wrong-local-id"] = _outcome(lambda: CheckedDispatcher(WrongLocalId(layout)).dispatch(x, ids, w))
 
     def combine_with_duplicated_row():
         dispatcher = CheckedDispatcher(All2AllDispatcher(layout))
@@ -374,10 +442,8 @@ def debug_fault_cases(rank, world_size):
 
     out["all2all-combined-twice"] = _outcome(combine_with_duplicated_row)
 
-    global_layout = ExpertLayout(8, 1, ep_size=world_size, dispatch="allgather",
-                                 shared_slots="global")
-    gphys, gweights = reference.append_shared_slots(
-        ids_logical, np.ones((6, 2), np.float32), global_layout, rank)
+    global_layout = ExpertLayout(8, 1, ep_size=world_size, dispatch="allgather", shared_slots="global")
+    gphys, gweights = reference.append_shared_slots(ids_logical, np.ones((6, 2), np.float32), global_layout, rank)
 
     class NoHomeMask(AllGatherDispatcher):
         def _local_ids(self, recv_ids, sizes):
@@ -388,11 +454,12 @@ def debug_fault_cases(rank, world_size):
 
     out["allgather-unmasked-global-slot"] = _outcome(
         lambda: CheckedDispatcher(NoHomeMask(global_layout)).dispatch(
-            x, torch.from_numpy(gphys), torch.from_numpy(gweights)))
+            x, torch.from_numpy(gphys), torch.from_numpy(gweights)
+        )
+    )
 
     # The same faults without debug mode: no check, no error (the check is what raises).
-    out["all2all-dropped-slot-nodebug"] = _outcome(
-        lambda: DropsSharedSlot(layout).dispatch(x, ids, w).wait())
+    out["all2all-dropped-slot-nodebug"] = _outcome(lambda: DropsSharedSlot(layout).dispatch(x, ids, w).wait())
     out.update(output_fault_cases(rank, world_size))
     return out
 
@@ -414,12 +481,15 @@ def output_fault_cases(rank, world_size):
 
     w = torch.full((3, world_size), 0.5)
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
-    faults = {"dropped": lambda local: -1,            # the slot arrives with no local id
-              "wrong-id": lambda local: local + 1,    # the next local expert of this rank
-              "out-of-range": lambda local: 8}        # no rank holds 8 local experts here
+    faults = {
+        "dropped": lambda local: -1,  # the slot arrives with no local id
+        "wrong-id": lambda local: local + 1,  # the next local expert of this rank
+        "out-of-range": lambda local: 8,
+    }  # no rank holds 8 local experts here
     out = {}
     for cls in (All2AllDispatcher, AllGatherDispatcher):
         for fault, corrupt in faults.items():
+
             class Corrupted(cls):
                 def dispatch(self, *args, _corrupt=corrupt, **kwargs):
                     handle = super().dispatch(*args, **kwargs)
@@ -427,15 +497,16 @@ def output_fault_cases(rank, world_size):
                     recv_local = recv_local.clone()
                     assert int(recv_local[0, self.rank]) == 0  # the first expert of this rank
                     recv_local[0, self.rank] = _corrupt(int(recv_local[0, self.rank]))
-                    return DispatchHandle((recv_hidden, recv_local, recv_weights),
-                                          state=handle.state, num_tokens=handle.num_tokens)
+                    return DispatchHandle(
+                        (recv_hidden, recv_local, recv_weights), state=handle.state, num_tokens=handle.num_tokens
+                    )
 
             layout = ExpertLayout(8, 0, ep_size=world_size, dispatch=cls.mode)
             ids = torch.tensor([first_expert_of_each_rank(layout)] * 3, dtype=torch.int32)
             out[f"output-{cls.mode}-{fault}"] = _outcome(
-                lambda: CheckedDispatcher(Corrupted(layout)).dispatch(x, ids, w))
-            out[f"output-{cls.mode}-{fault}-nodebug"] = _outcome(
-                lambda: Corrupted(layout).dispatch(x, ids, w))
+                lambda: CheckedDispatcher(Corrupted(layout)).dispatch(x, ids, w)
+            )
+            out[f"output-{cls.mode}-{fault}-nodebug"] = _outcome(lambda: Corrupted(layout).dispatch(x, ids, w))
     return out
 
 
@@ -467,14 +538,23 @@ def moe_module_cases(rank, world_size):
                 shared_mlp = _SharedMLP(hidden, num_shared * inter)
                 gate = torch.nn.Linear(hidden, 1, bias=False) if gated else None
                 router = RouterConfig(num_experts, top_k, routed_scaling_factor=2.5)
-                w_gate_up = torch.randn(num_experts, 2 * inter, hidden) * hidden ** -0.5
-                w_down = torch.randn(num_experts, hidden, inter) * inter ** -0.5
+                w_gate_up = torch.randn(num_experts, 2 * inter, hidden) * hidden**-0.5
+                w_down = torch.randn(num_experts, hidden, inter) * inter**-0.5
                 router_weight = torch.randn(num_experts, hidden)
                 x_all = torch.randn(sum(counts), hidden)
                 modules = []
                 for group in (None, dist.group.WORLD):
-                    module = MoE(router, hidden, inter, shared_mlp, gate, shared=shared,
-                                 ep_group=group, dispatch=dispatch, scaling_regime=regime)
+                    module = MoE(
+                        router,
+                        hidden,
+                        inter,
+                        shared_mlp,
+                        gate,
+                        shared=shared,
+                        ep_group=group,
+                        dispatch=dispatch,
+                        scaling_regime=regime,
+                    )
                     with torch.no_grad():
                         module.router_weight.copy_(router_weight)
                     module.load_routed_weights(w_gate_up, w_down)
@@ -484,13 +564,17 @@ def moe_module_cases(rank, world_size):
                 with torch.no_grad():
                     expected = single(x_all)[mine]
                     out = ep(x_all[mine])
-                records.append(dict(
-                    name=f"moe-{dispatch}-{shared}-S{num_shared}-{regime}",
-                    error=_relative_error(out, expected), shape=tuple(out.shape),
-                    expected_shape=tuple(expected.shape), shared=ep.layout.shared,
-                    local_experts=ep.experts.w_gate_up.shape[0],
-                    expected_local_experts=ep.layout.num_local_experts(rank),
-                ))
+                records.append(
+                    dict(
+                        name=f"moe-{dispatch}-{shared}-S{num_shared}-{regime}",
+                        error=_relative_error(out, expected),
+                        shape=tuple(out.shape),
+                        expected_shape=tuple(expected.shape),
+                        shared=ep.layout.shared,
+                        local_experts=ep.experts.w_gate_up.shape[0],
+                        expected_local_experts=ep.layout.num_local_experts(rank),
+                    )
+                )
     return records
 
 
@@ -498,9 +582,15 @@ def _qwen3_5_block(hidden, inter, num_experts, top_k):
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
-    block = Qwen3_5MoeSparseMoeBlock(Qwen3_5MoeTextConfig(
-        hidden_size=hidden, moe_intermediate_size=inter, shared_expert_intermediate_size=inter,
-        num_experts=num_experts, num_experts_per_tok=top_k))
+    block = Qwen3_5MoeSparseMoeBlock(
+        Qwen3_5MoeTextConfig(
+            hidden_size=hidden,
+            moe_intermediate_size=inter,
+            shared_expert_intermediate_size=inter,
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+        )
+    )
     gen = torch.Generator().manual_seed(21)  # the same block on every rank
     with torch.no_grad():
         for parameter in block.parameters():
@@ -530,12 +620,16 @@ def from_hf_cases(rank, world_size):
             with torch.no_grad():
                 out = ep(x_all[mine])
                 expected = single(x_all)[mine]
-            records.append(dict(
-                name=f"from_hf-{dispatch}-{shared}", shared=ep.layout.shared,
-                error=_relative_error(out, expected),
-                error_vs_block=_relative_error(out, block_out[mine]),
-                shape=tuple(out.shape), expected_shape=tuple(expected.shape),
-            ))
+            records.append(
+                dict(
+                    name=f"from_hf-{dispatch}-{shared}",
+                    shared=ep.layout.shared,
+                    error=_relative_error(out, expected),
+                    error_vs_block=_relative_error(out, block_out[mine]),
+                    shape=tuple(out.shape),
+                    expected_shape=tuple(expected.shape),
+                )
+            )
     return records
 
 
@@ -553,19 +647,33 @@ def placement_module_cases(rank, world_size):
     table = list(range(num_experts))[::-1] + [3] * world_size  # logical 3 on every rank
     records = []
     for dispatch in ("all2all", "allgather"):
-        for name, placement_kwargs in (("round_robin", dict(placement="round_robin")),
-                                       ("table", dict(physical_to_logical=table))):
+        for name, placement_kwargs in (
+            ("round_robin", dict(placement="round_robin")),
+            ("table", dict(physical_to_logical=table)),
+        ):
             torch.manual_seed(12)  # identical weights on every rank
             router = RouterConfig(num_experts, top_k)
-            weights = (torch.randn(num_experts, 2 * inter, hidden), torch.randn(num_experts, hidden, inter) * 0.3,
-                       torch.randn(num_experts, 2 * inter), torch.randn(num_experts, hidden))
+            weights = (
+                torch.randn(num_experts, 2 * inter, hidden),
+                torch.randn(num_experts, hidden, inter) * 0.3,
+                torch.randn(num_experts, 2 * inter),
+                torch.randn(num_experts, hidden),
+            )
             router_weight, router_bias = torch.randn(num_experts, hidden), torch.randn(num_experts)
             x_all = torch.randn(sum(counts), hidden)
             modules = []
             for group in (None, dist.group.WORLD):
-                module = MoE(router, hidden, inter, ep_group=group, dispatch=dispatch, activation="swigluoai",
-                             expert_bias=True, router_bias=True,
-                             **(placement_kwargs if group is not None else {}))
+                module = MoE(
+                    router,
+                    hidden,
+                    inter,
+                    ep_group=group,
+                    dispatch=dispatch,
+                    activation="swigluoai",
+                    expert_bias=True,
+                    router_bias=True,
+                    **(placement_kwargs if group is not None else {}),
+                )
                 with torch.no_grad():
                     module.router_weight.copy_(router_weight)
                     module.router_bias.copy_(router_bias)
@@ -576,9 +684,15 @@ def placement_module_cases(rank, world_size):
             with torch.no_grad():
                 expected = single(x_all)[mine]
                 out = ep(x_all[mine])
-            records.append(dict(name=f"placement-{dispatch}-{name}", error=_relative_error(out, expected),
-                                shape=tuple(out.shape), expected_shape=tuple(expected.shape),
-                                logical_experts=ep.routed_expert_ids()))
+            records.append(
+                dict(
+                    name=f"placement-{dispatch}-{name}",
+                    error=_relative_error(out, expected),
+                    shape=tuple(out.shape),
+                    expected_shape=tuple(expected.shape),
+                    logical_experts=ep.routed_expert_ids(),
+                )
+            )
     return records
 
 
@@ -596,38 +710,56 @@ def _moe_mismatch_cases(world_size):
     grouped = dict(num_expert_group=2, topk_group=1)
     transforms = lambda width: dict(  # noqa: E731 - a latent MoE of routed width ``width``
         routed_input_transform=torch.nn.Linear(16, width, bias=False),
-        routed_output_transform=torch.nn.Linear(width, 16, bias=False))
+        routed_output_transform=torch.nn.Linear(width, 16, bias=False),
+    )
     return [
-        ("num_experts", {}, dict(router=RouterConfig(12, 2)),
-         {"router.num_experts": (8, 12), "layout.num_routed_experts": (8, 12)}),
+        (
+            "num_experts",
+            {},
+            dict(router=RouterConfig(12, 2)),
+            {"router.num_experts": (8, 12), "layout.num_routed_experts": (8, 12)},
+        ),
         ("top_k", {}, dict(router=RouterConfig(8, 3)), {"router.top_k": (2, 3)}),
-        ("scoring", {}, dict(router=RouterConfig(8, 2, scoring="sigmoid")),
-         {"router.scoring": ("softmax", "sigmoid")}),
-        ("num_expert_group", {}, dict(router=RouterConfig(8, 2, **grouped)),
-         {"router.num_expert_group": (1, 2)}),
-        ("topk_group", dict(router=RouterConfig(8, 2, **grouped)),
-         dict(router=RouterConfig(8, 2, num_expert_group=2, topk_group=2)),
-         {"router.topk_group": (1, 2)}),
-        ("renormalize", {}, dict(router=RouterConfig(8, 2, renormalize=False)),
-         {"router.renormalize": (True, False)}),
-        ("routed_scaling_factor", {}, dict(router=RouterConfig(8, 2, routed_scaling_factor=2.5)),
-         {"router.routed_scaling_factor": (1.0, 2.5)}),
+        ("scoring", {}, dict(router=RouterConfig(8, 2, scoring="sigmoid")), {"router.scoring": ("softmax", "sigmoid")}),
+        ("num_expert_group", {}, dict(router=RouterConfig(8, 2, **grouped)), {"router.num_expert_group": (1, 2)}),
+        (
+            "topk_group",
+            dict(router=RouterConfig(8, 2, **grouped)),
+            dict(router=RouterConfig(8, 2, num_expert_group=2, topk_group=2)),
+            {"router.topk_group": (1, 2)},
+        ),
+        ("renormalize", {}, dict(router=RouterConfig(8, 2, renormalize=False)), {"router.renormalize": (True, False)}),
+        (
+            "routed_scaling_factor",
+            {},
+            dict(router=RouterConfig(8, 2, routed_scaling_factor=2.5)),
+            {"router.routed_scaling_factor": (1.0, 2.5)},
+        ),
         ("hidden_size", {}, dict(hidden_size=32), {"hidden_size": (16, 32)}),
-        ("intermediate_size", {}, dict(intermediate_size=4),
-         {"intermediate_size": (8, 4), "layout.num_shared_experts": (1, 2)}),
+        (
+            "intermediate_size",
+            {},
+            dict(intermediate_size=4),
+            {"intermediate_size": (8, 4), "layout.num_shared_experts": (1, 2)},
+        ),
         ("routed_hidden_size", transforms(8), transforms(12), {"routed_hidden_size": (8, 12)}),
         ("dtype", {}, dict(dtype=torch.bfloat16), {"dtype": ("torch.float32", "torch.bfloat16")}),
-        ("router_dtype", {}, dict(router_dtype=torch.bfloat16),
-         {"router_dtype": ("torch.float32", "torch.bfloat16")}),
+        ("router_dtype", {}, dict(router_dtype=torch.bfloat16), {"router_dtype": ("torch.float32", "torch.bfloat16")}),
         ("activation", {}, dict(activation="gelu"), {"activation": ("silu", "gelu")}),
-        ("shared", {}, dict(shared="runner"),
-         {"layout.shared": ("fused", "runner"), "layout.shared_slots": ("per_rank", None)}),
-        ("dispatch", {}, dict(dispatch="allgather"),
-         {"layout.dispatch": ("all2all", "allgather")}),
-        ("scaling_regime", {}, dict(scaling_regime="output"),
-         {"layout.scaling_regime": ("router", "output")}),
-        ("num_redundant_experts", {}, dict(num_redundant_experts=world_size),
-         {"layout.num_redundant_experts": (0, world_size)}),
+        (
+            "shared",
+            {},
+            dict(shared="runner"),
+            {"layout.shared": ("fused", "runner"), "layout.shared_slots": ("per_rank", None)},
+        ),
+        ("dispatch", {}, dict(dispatch="allgather"), {"layout.dispatch": ("all2all", "allgather")}),
+        ("scaling_regime", {}, dict(scaling_regime="output"), {"layout.scaling_regime": ("router", "output")}),
+        (
+            "num_redundant_experts",
+            {},
+            dict(num_redundant_experts=world_size),
+            {"layout.num_redundant_experts": (0, world_size)},
+        ),
         ("correction_bias", {}, dict(correction_bias=True), {"correction_bias": (False, True)}),
         ("shared_expert_gate", {}, dict(gated=True), {"shared_expert_gate": (False, True)}),
     ]
@@ -646,8 +778,7 @@ def _build_moe(world_size, overrides):
     from moeroute.bindings.torch.moe import MoE
     from moeroute.config import RouterConfig
 
-    kwargs = dict(router=RouterConfig(8, 2), hidden_size=16, intermediate_size=8,
-                  ep_group=dist.group.WORLD)
+    kwargs = dict(router=RouterConfig(8, 2), hidden_size=16, intermediate_size=8, ep_group=dist.group.WORLD)
     kwargs.update(overrides)
     gated = kwargs.pop("gated", False)
     hidden = kwargs["hidden_size"]
@@ -675,8 +806,10 @@ def _dispatcher_mismatch_cases(rank, world_size, dispatch):
 
     cases = {
         "hidden_states.shape[1]": ((8, 4), lambda: dispatch_once(hidden=4 if last else 8)),
-        "hidden_states.dtype": (("torch.float32", "torch.bfloat16"), lambda: dispatch_once(
-            dtype=torch.bfloat16 if last else torch.float32)),
+        "hidden_states.dtype": (
+            ("torch.float32", "torch.bfloat16"),
+            lambda: dispatch_once(dtype=torch.bfloat16 if last else torch.float32),
+        ),
         "topk_ids.shape[1]": ((2, 3), lambda: dispatch_once(top_k=3 if last else 2)),
         "debug": ((False, True), lambda: dispatch_once(debug=last)),
         "layout.num_routed_experts": ((8, 12), lambda: dispatch_once(layout=other_layout)),
@@ -722,8 +855,10 @@ def agreement_cases(rank, world_size):
     x = torch.randn(3, 16, dtype=module.experts.w_gate_up.dtype)
     with torch.no_grad():
         records["forward:dtype"] = (
-            "hidden_states.dtype", ("torch.float32", "torch.bfloat16"),
-            _mismatch_outcome(lambda: module(x)))
+            "hidden_states.dtype",
+            ("torch.float32", "torch.bfloat16"),
+            _mismatch_outcome(lambda: module(x)),
+        )
     return records
 
 
@@ -739,9 +874,13 @@ def configs_worker(rank, world_size, payload):
         result["faults"] = debug_fault_cases(rank, world_size)
     # The module cases run last: a failure there is recorded without losing the records
     # above, and this rank then exits, so its peers fail fast instead of waiting.
-    for key, cases in (("moe", moe_module_cases), ("from_hf", from_hf_cases),
-                       ("placement", placement_module_cases), ("agreement", agreement_cases),
-                       ("checkpoint", checkpoint_cases)):
+    for key, cases in (
+        ("moe", moe_module_cases),
+        ("from_hf", from_hf_cases),
+        ("placement", placement_module_cases),
+        ("agreement", agreement_cases),
+        ("checkpoint", checkpoint_cases),
+    ):
         if payload and payload.get(key):
             try:
                 result[key] = cases(rank, world_size)
@@ -772,8 +911,7 @@ def peer_failure_worker(rank, world_size, payload):
         try:
             MoE(RouterConfig(8, 2), 8, 4, ep_group=dist.group.WORLD)
         except Exception as error:  # the outcome under test
-            return dict(raised=type(error).__name__, message=str(error)[:300],
-                        elapsed=time.monotonic() - start)
+            return dict(raised=type(error).__name__, message=str(error)[:300], elapsed=time.monotonic() - start)
         return dict(raised=None, elapsed=time.monotonic() - start)
     if rank == 1:
         if payload["failure"] == "exit":
@@ -785,8 +923,7 @@ def peer_failure_worker(rank, world_size, payload):
         handle = dispatcher.dispatch(x, torch.from_numpy(phys), torch.from_numpy(weights))
         dispatcher.combine(torch.zeros(handle.wait()[0].shape), handle)
     except Exception as error:  # the outcome under test
-        return dict(raised=type(error).__name__, message=str(error)[:300],
-                    elapsed=time.monotonic() - start)
+        return dict(raised=type(error).__name__, message=str(error)[:300], elapsed=time.monotonic() - start)
     return dict(raised=None, elapsed=time.monotonic() - start)
 
 
@@ -806,16 +943,22 @@ def qwen35_worker(rank, world_size, payload):
         start = sum(counts[:rank])
         mine = slice(start, start + counts[rank])
         dispatcher = make_dispatcher(layout, None, dispatch, debug=True)
-        out, phys, _ = ep_forward(dispatcher, layer, layout, rank, x_all[mine], ids_all[mine],
-                                  w_all[mine], 1.0, overlap=False)
+        out, phys, _ = ep_forward(
+            dispatcher, layer, layout, rank, x_all[mine], ids_all[mine], w_all[mine], 1.0, overlap=False
+        )
         expected = dense_reference(layer, x_all[mine], ids_all[mine], w_all[mine])
         error = float((out.double() - expected).abs().max() / expected.abs().max())
-        records.append(dict(
-            dispatch=dispatch, shared=layout.shared, slots=layout.shared_slots,
-            num_physical=layout.num_physical_experts, error=error,
-            shared_ids=sorted(set(phys[:, -1].tolist())),
-            expected_shared_ids=layout.shared_slot_ids(rank).tolist(),
-        ))
+        records.append(
+            dict(
+                dispatch=dispatch,
+                shared=layout.shared,
+                slots=layout.shared_slots,
+                num_physical=layout.num_physical_experts,
+                error=error,
+                shared_ids=sorted(set(phys[:, -1].tolist())),
+                expected_shared_ids=layout.shared_slot_ids(rank).tolist(),
+            )
+        )
     return records
 
 
@@ -839,11 +982,16 @@ def checkpoint_cases(rank, world_size):
     routed = len(ids)
     inter = moe.intermediate_size
     return dict(
-        refusal=refusal, missing=list(result.missing_keys), unexpected=list(result.unexpected_keys),
-        ids=ids, shared=moe.layout.shared, keys=sorted(own),
-        routed_equal=bool(torch.equal(own["experts.w_gate_up"][:routed], full["experts.gate_up_proj"][ids])
-                          and torch.equal(own["experts.w_down"][:routed], full["experts.down_proj"][ids])),
-        slot_equal=bool(torch.equal(own["experts.w_gate_up"][routed, :inter],
-                                    full["shared_expert.gate_proj.weight"])),
+        refusal=refusal,
+        missing=list(result.missing_keys),
+        unexpected=list(result.unexpected_keys),
+        ids=ids,
+        shared=moe.layout.shared,
+        keys=sorted(own),
+        routed_equal=bool(
+            torch.equal(own["experts.w_gate_up"][:routed], full["experts.gate_up_proj"][ids])
+            and torch.equal(own["experts.w_down"][:routed], full["experts.down_proj"][ids])
+        ),
+        slot_equal=bool(torch.equal(own["experts.w_gate_up"][routed, :inter], full["shared_expert.gate_proj.weight"])),
         router_equal=bool(torch.equal(own["router_weight"], full["gate.weight"])),
     )

@@ -40,7 +40,7 @@ def test_gated_activation_is_the_formula(name):
         if name == "gelu":
             return 0.5 * g * (1 + math.erf(g / math.sqrt(2))) * u
         if name == "gelu_tanh":
-            return 0.5 * g * (1 + math.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))) * u
+            return 0.5 * g * (1 + math.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))) * u
         g = min(g, 7.0)
         return (min(max(u, -7.0), 7.0) + 1) * g / (1 + math.exp(-1.702 * g))
 

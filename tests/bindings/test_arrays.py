@@ -18,6 +18,7 @@ WEIGHT_RTOL = 1e-6  # float32 routing weights: a few ulps between kernel and ref
 
 # ------------------------------------------------------------------ zero copy
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32])
 def test_host_array_shares_memory(dtype):
     tensor = torch.arange(24).reshape(4, 6).to(dtype)
@@ -85,7 +86,8 @@ def test_append_shared_slots_matches_reference(gate):
     shared = torch.rand(9, generator=_generator(3)) if gate == "tensor" else gate
     out_ids, out_weights = arrays.append_shared_slots(ids, weights, layout, 0, shared)
     ref_ids, ref_weights = reference.append_shared_slots(
-        ids.numpy(), weights.numpy(), layout, 0, shared.numpy() if isinstance(shared, torch.Tensor) else shared)
+        ids.numpy(), weights.numpy(), layout, 0, shared.numpy() if isinstance(shared, torch.Tensor) else shared
+    )
     assert np.array_equal(out_ids.numpy(), ref_ids)
     np.testing.assert_allclose(out_weights.numpy(), ref_weights, rtol=0, atol=0)
 
@@ -93,7 +95,8 @@ def test_append_shared_slots_matches_reference(gate):
 def test_append_shared_slots_zero_tokens_with_gate_tensor():
     layout = ExpertLayout(8, 1)
     out_ids, out_weights = arrays.append_shared_slots(
-        torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, 2), layout, 0, torch.zeros(0))
+        torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, 2), layout, 0, torch.zeros(0)
+    )
     assert out_ids.shape == (0, 3) and out_weights.shape == (0, 3)
 
 

@@ -30,8 +30,7 @@ ROUTER = RouterConfig(N, K, "softmax", renormalize=True)
 
 
 def _quantized(quant=BLOCK, seed=0):
-    return quantize_experts(randn(N, 2 * I, H, seed=seed, scale=0.1), randn(N, H, I, seed=seed + 1, scale=0.1),
-                            quant)
+    return quantize_experts(randn(N, 2 * I, H, seed=seed, scale=0.1), randn(N, H, I, seed=seed + 1, scale=0.1), quant)
 
 
 def _per_expert(prefix, q_gu, s_gu, q_d, s_d):
@@ -39,8 +38,11 @@ def _per_expert(prefix, q_gu, s_gu, q_d, s_d):
     nb = s_gu.shape[1] // 2
     state = {}
     for e in range(q_gu.shape[0]):
-        for name, weight, scale in (("gate_proj", q_gu[e, :I], s_gu[e, :nb]), ("up_proj", q_gu[e, I:], s_gu[e, nb:]),
-                                    ("down_proj", q_d[e], s_d[e])):
+        for name, weight, scale in (
+            ("gate_proj", q_gu[e, :I], s_gu[e, :nb]),
+            ("up_proj", q_gu[e, I:], s_gu[e, nb:]),
+            ("down_proj", q_d[e], s_d[e]),
+        ):
             state[f"{prefix}experts.{e}.{name}.weight"] = weight.contiguous()
             state[f"{prefix}experts.{e}.{name}.weight_scale_inv"] = scale.contiguous()
     return state
@@ -48,8 +50,12 @@ def _per_expert(prefix, q_gu, s_gu, q_d, s_d):
 
 def _snapshot(module):
     """Every tensor of the module as bytes (FP8 included), cloned."""
-    return {name: tensor.detach().clone().view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn
-            else tensor.detach().clone() for name, tensor in module.state_dict(keep_vars=True).items()}
+    return {
+        name: tensor.detach().clone().view(torch.uint8)
+        if tensor.dtype == torch.float8_e4m3fn
+        else tensor.detach().clone()
+        for name, tensor in module.state_dict(keep_vars=True).items()
+    }
 
 
 def _assert_unchanged(module, before):
@@ -79,6 +85,7 @@ def _loaded_fp8_layer(quant=BLOCK, seed=100, **kwargs):
 
 
 # ------------------------------------------------------------------ refused before anything is written
+
 
 def test_missing_down_scale_of_expert_3_changes_nothing(tmp_path):
     state = _per_expert("mlp.", *_quantized())
@@ -129,8 +136,14 @@ def test_a_missing_expert_weight_is_a_value_error_naming_the_key(tmp_path, missi
 
 def test_a_missing_stacked_tensor_is_a_value_error_naming_the_key(tmp_path):
     q_gu, s_gu, q_d, s_d = _quantized()
-    _save(tmp_path, {"mlp.experts.gate_up_proj": q_gu, "mlp.experts.gate_up_proj_scale_inv": s_gu,
-                     "mlp.experts.down_proj_scale_inv": s_d})
+    _save(
+        tmp_path,
+        {
+            "mlp.experts.gate_up_proj": q_gu,
+            "mlp.experts.gate_up_proj_scale_inv": s_gu,
+            "mlp.experts.down_proj_scale_inv": s_d,
+        },
+    )
     model = _holder(mlp=_loaded_fp8_layer())
     before = _snapshot(model)
     with pytest.raises(ValueError, match=r"mlp\.experts\.down_proj is missing from the checkpoint"):
@@ -139,6 +152,7 @@ def test_a_missing_stacked_tensor_is_a_value_error_naming_the_key(tmp_path):
 
 
 # ------------------------------------------------------------------ damaged per-expert tensors
+
 
 def _damaged(kind):
     """A per-expert state dict whose expert 2 has one damaged tensor: (state, key, actual, expected)."""
@@ -185,13 +199,20 @@ def test_load_experts_names_the_damaged_tensor(tmp_path, kind):
 def test_a_stacked_tensor_of_the_wrong_shape_is_named():
     q_gu, s_gu, q_d, s_d = _quantized()
     layer = _loaded_fp8_layer()
-    state = {"experts.gate_up_proj": q_gu, "experts.gate_up_proj_scale_inv": s_gu,
-             "experts.down_proj": q_d.transpose(1, 2).contiguous(), "experts.down_proj_scale_inv": s_d}
-    with pytest.raises(ValueError, match=rf"experts\.down_proj has shape \[{N}, {I}, {H}\], expected \[{N}, {H}, {I}\]"):
+    state = {
+        "experts.gate_up_proj": q_gu,
+        "experts.gate_up_proj_scale_inv": s_gu,
+        "experts.down_proj": q_d.transpose(1, 2).contiguous(),
+        "experts.down_proj_scale_inv": s_d,
+    }
+    with pytest.raises(
+        ValueError, match=rf"experts\.down_proj has shape \[{N}, {I}, {H}\], expected \[{N}, {H}, {I}\]"
+    ):
         layer.load_state_dict(state, strict=False)
 
 
 # ------------------------------------------------------------------ transformers' per-tensor FP8Experts
+
 
 def _fp8_experts_state(q_gu, s_gu, q_d, s_d):
     """transformers' per-tensor FP8Experts block state (scales [N, 2, 1] and [N, 1, 1]),
@@ -200,8 +221,12 @@ def _fp8_experts_state(q_gu, s_gu, q_d, s_d):
         from transformers import DeepseekV3Config
         from transformers.integrations.finegrained_fp8 import FP8Experts
     except ImportError:  # the names and shapes it saves
-        return {"gate_up_proj": q_gu, "gate_up_proj_scale_inv": s_gu[:, :, None],
-                "down_proj": q_d, "down_proj_scale_inv": s_d[:, None, None]}
+        return {
+            "gate_up_proj": q_gu,
+            "gate_up_proj_scale_inv": s_gu[:, :, None],
+            "down_proj": q_d,
+            "down_proj_scale_inv": s_d[:, None, None],
+        }
     config = DeepseekV3Config(hidden_size=H, moe_intermediate_size=I, n_routed_experts=N)
     block = FP8Experts(config, block_size=None)
     with torch.no_grad():
@@ -247,8 +272,12 @@ def test_per_tensor_fp8_experts_block_state_loads(tmp_path, loader):
 def test_per_tensor_scales_of_another_shape_are_refused_naming_the_key():
     q_gu, s_gu, q_d, s_d = _quantized(TENSOR, seed=7)
     layer = _loaded_fp8_layer(TENSOR)
-    state = {"experts.gate_up_proj": q_gu, "experts.gate_up_proj_scale_inv": s_gu[:, :, None].expand(N, 2, 2),
-             "experts.down_proj": q_d, "experts.down_proj_scale_inv": s_d}
+    state = {
+        "experts.gate_up_proj": q_gu,
+        "experts.gate_up_proj_scale_inv": s_gu[:, :, None].expand(N, 2, 2),
+        "experts.down_proj": q_d,
+        "experts.down_proj_scale_inv": s_d,
+    }
     with pytest.raises(ValueError, match=r"experts\.gate_up_proj_scale_inv has shape \[6, 2, 2\]"):
         layer.load_state_dict(state, strict=False)
 
@@ -271,14 +300,16 @@ def _mxfp4_checkpoint(seed=0):
     def bytes_(*shape, low=0, high=256):
         return torch.randint(low, high, shape, generator=generator, dtype=torch.uint8)
 
-    return {"router.weight": torch.randn(N, MX_H, generator=generator),
-            "router.bias": torch.randn(N, generator=generator),
-            "experts.gate_up_proj_blocks": bytes_(N, 2 * MX_I, MX_H // 32, 16),
-            "experts.gate_up_proj_scales": bytes_(N, 2 * MX_I, MX_H // 32, low=120, high=135),
-            "experts.gate_up_proj_bias": torch.randn(N, 2 * MX_I, generator=generator),
-            "experts.down_proj_blocks": bytes_(N, MX_H, MX_I // 32, 16),
-            "experts.down_proj_scales": bytes_(N, MX_H, MX_I // 32, low=120, high=135),
-            "experts.down_proj_bias": torch.randn(N, MX_H, generator=generator)}
+    return {
+        "router.weight": torch.randn(N, MX_H, generator=generator),
+        "router.bias": torch.randn(N, generator=generator),
+        "experts.gate_up_proj_blocks": bytes_(N, 2 * MX_I, MX_H // 32, 16),
+        "experts.gate_up_proj_scales": bytes_(N, 2 * MX_I, MX_H // 32, low=120, high=135),
+        "experts.gate_up_proj_bias": torch.randn(N, 2 * MX_I, generator=generator),
+        "experts.down_proj_blocks": bytes_(N, MX_H, MX_I // 32, 16),
+        "experts.down_proj_scales": bytes_(N, MX_H, MX_I // 32, low=120, high=135),
+        "experts.down_proj_bias": torch.randn(N, MX_H, generator=generator),
+    }
 
 
 def _gate_rows_first(tensor):
@@ -344,6 +375,7 @@ def test_mxfp4_scale_byte_255_of_the_last_expert_changes_nothing(tmp_path):
 
 # ------------------------------------------------------------------ pickle and torch.save of quantized layers
 
+
 def _pickle(module):
     return pickle.loads(pickle.dumps(module))
 
@@ -371,8 +403,11 @@ def test_copies_of_quantized_layers_compute_the_same_bits(copier, quant):
         other = copied.state_dict(keep_vars=True)[name]
         assert other.dtype == tensor.dtype and type(other) is type(tensor), name
         assert other.data_ptr() != tensor.data_ptr(), name
-        assert torch.equal(other.view(torch.uint8), tensor.view(torch.uint8)) if tensor.dtype.itemsize == 1 \
-            else torch.equal(other, tensor), name
+        assert (
+            torch.equal(other.view(torch.uint8), tensor.view(torch.uint8))
+            if tensor.dtype.itemsize == 1
+            else torch.equal(other, tensor)
+        ), name
     assert not any(p.requires_grad for p in copied.experts.parameters())
     with torch.no_grad():
         assert torch.equal(copied(x), layer(x))
@@ -383,6 +418,7 @@ def test_copies_of_quantized_layers_compute_the_same_bits(copier, quant):
 
 # ------------------------------------------------------------------ gpt-oss float experts
 
+
 @pytest.mark.interop
 def test_load_experts_reads_gpt_oss_float_experts(tmp_path):
     # A gpt-oss block's own float checkpoint: gate_up_proj [N, H, 2I] with gate/up columns
@@ -390,9 +426,16 @@ def test_load_experts_reads_gpt_oss_float_experts(tmp_path):
     transformers = pytest.importorskip("transformers")
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-    config = transformers.GptOssConfig(hidden_size=MX_H, intermediate_size=MX_I, num_local_experts=N,
-                                       num_experts_per_tok=K, num_hidden_layers=1, num_attention_heads=4,
-                                       num_key_value_heads=2, head_dim=16)
+    config = transformers.GptOssConfig(
+        hidden_size=MX_H,
+        intermediate_size=MX_I,
+        num_local_experts=N,
+        num_experts_per_tok=K,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
 
     def block(seed):
         generator = torch.Generator().manual_seed(seed)
@@ -419,10 +462,13 @@ def test_load_experts_reads_gpt_oss_float_experts(tmp_path):
 
 # ------------------------------------------------------------------ moeroute's own names
 
+
 def test_own_names_of_the_wrong_shape_change_nothing():
     layer = MoE(ROUTER, H, I)
-    state = {name: torch.randn(tensor.shape, generator=torch.Generator().manual_seed(1))
-             for name, tensor in layer.state_dict().items()}
+    state = {
+        name: torch.randn(tensor.shape, generator=torch.Generator().manual_seed(1))
+        for name, tensor in layer.state_dict().items()
+    }
     state["experts.w_down"] = state["experts.w_down"].transpose(1, 2).contiguous()
     before = _snapshot(layer)
     with pytest.raises(ValueError, match=rf"experts\.w_down has shape \[{N}, {I}, {H}\], expected \[{N}, {H}, {I}\]"):

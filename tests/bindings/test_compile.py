@@ -19,16 +19,28 @@ from moeroute.bindings.torch import MoE, replace_moe_blocks  # noqa: E402
 H = 64
 FP32_TOL = 1e-5  # max |difference| relative to the largest |logit|, float32
 SEQUENCE = (2, 9)  # batch, tokens
-COMMON = dict(vocab_size=128, hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
-              max_position_embeddings=64, intermediate_size=96)
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=H,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    intermediate_size=96,
+)
 MOE_OP = torch.ops.moeroute.moe_forward.default
 
 
 def _qwen3_moe():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(**COMMON, num_key_value_heads=2, moe_intermediate_size=32, num_experts=8,
-                            num_experts_per_tok=2, norm_topk_prob=True)
+    config = Qwen3MoeConfig(
+        **COMMON,
+        num_key_value_heads=2,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    )
     return Qwen3MoeForCausalLM(config), 2
 
 
@@ -37,10 +49,23 @@ def _deepseek_v3():
 
     # One dense layer, then one MoE layer (grouped sigmoid routing, bias, a shared expert).
     # As in DeepSeek-V3, every attention head has its own key/value head.
-    config = DeepseekV3Config(**COMMON, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8,
-                              num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
-                              routed_scaling_factor=2.5, first_k_dense_replace=1, kv_lora_rank=16,
-                              q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    config = DeepseekV3Config(
+        **COMMON,
+        num_key_value_heads=4,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    )
     return DeepseekV3ForCausalLM(config), 1
 
 
@@ -73,8 +98,7 @@ def _private_ops(targets):
     private = []
     for target in targets:
         namespace = getattr(target, "namespace", None)
-        if namespace == "mkldnn" or (namespace not in (None, "aten", "moeroute")) \
-                or "numpy" in str(target):
+        if namespace == "mkldnn" or (namespace not in (None, "aten", "moeroute")) or "numpy" in str(target):
             private.append(target)
     return private
 
@@ -123,6 +147,7 @@ def test_export_matches_eager(patched):
 
 
 # ------------------------------------------------------------------ the ops in user graphs
+
 
 def test_compiled_layer_serves_every_token_count_with_one_graph():
     from moeroute.bindings.torch import GatedMLP
@@ -194,7 +219,6 @@ def test_compiled_append_shared_slots_follows_the_layout_argument():
     # reuse the first one's graph.
     for layout in (ExpertLayout(8, 1), ExpertLayout(8, 2), ExpertLayout(8, 0)):
         got_ids, got_weights = compiled(ids, weights, layout)
-        expected_ids, expected_weights = reference.append_shared_slots(ids.numpy(), weights.numpy(), layout,
-                                                                       0, 0.5)
+        expected_ids, expected_weights = reference.append_shared_slots(ids.numpy(), weights.numpy(), layout, 0, 0.5)
         assert got_ids.tolist() == expected_ids.tolist()
         assert got_weights.tolist() == expected_weights.tolist()

@@ -36,8 +36,7 @@ def compiled_kernels():
     from moeroute.config import RouterConfig
 
     torch.manual_seed(0)
-    for shared, gate in (("fused", torch.nn.Linear(16, 1, bias=False)), ("fused", None),
-                         ("runner", None)):
+    for shared, gate in (("fused", torch.nn.Linear(16, 1, bias=False)), ("fused", None), ("runner", None)):
         module = MoE(RouterConfig(8, 2), 16, 8, _SharedMLP(16, 8), gate, shared=shared)
         with torch.no_grad():
             for tokens in (0, 3):
@@ -51,13 +50,19 @@ def groups(tmp_path_factory):
 
     def get(world_size):
         if world_size not in cache:
-            payload = {"invalid": world_size == 2, "faults": True, "moe": True,
-                       "from_hf": world_size == 2, "placement": world_size == 2, "agreement": True,
-                       "checkpoint": world_size == 2}
+            payload = {
+                "invalid": world_size == 2,
+                "faults": True,
+                "moe": True,
+                "from_hf": world_size == 2,
+                "placement": world_size == 2,
+                "agreement": True,
+                "checkpoint": world_size == 2,
+            }
             try:
                 cache[world_size] = spawn_group(
-                    configs_worker, world_size, tmp_path_factory.mktemp(f"ep{world_size}"), payload,
-                    join_timeout_s=240)
+                    configs_worker, world_size, tmp_path_factory.mktemp(f"ep{world_size}"), payload, join_timeout_s=240
+                )
             except AssertionError as error:  # fail every dependent test without respawning
                 cache[world_size] = error
         if isinstance(cache[world_size], AssertionError):
@@ -77,8 +82,7 @@ def _module_records(results, key):
 
 
 def _records(results, name):
-    found = [next(r for r in rank_result["records"] if r["name"] == name)
-             for rank_result in results]
+    found = [next(r for r in rank_result["records"] if r["name"] == name) for rank_result in results]
     assert len(found) == len(results)
     return found
 
@@ -91,7 +95,8 @@ def test_each_rank_matches_dense_reference(groups, world_size, name):
     for rank, record in enumerate(_records(groups(world_size), name)):
         assert record["shape"] == record["expected_shape"], (rank, record)
         assert record["error"] < record["tolerance"], (
-            f"rank {rank}: relative error {record['error']:.3g} >= {record['tolerance']}")
+            f"rank {rank}: relative error {record['error']:.3g} >= {record['tolerance']}"
+        )
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -166,8 +171,7 @@ def test_debug_check_catches_injected_faults(groups, world_size):
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("dispatch", ["all2all", "allgather"])
-def test_checked_dispatcher_catches_faults_in_a_plain_dispatchers_output(groups, world_size,
-                                                                         dispatch):
+def test_checked_dispatcher_catches_faults_in_a_plain_dispatchers_output(groups, world_size, dispatch):
     """Every rank corrupts its received row 0 (rank 0's token row 0), slot ``rank``: only
     rank 0, the token's home, raises, naming the token, slot and receiving rank."""
     import numpy as np
@@ -176,30 +180,38 @@ def test_checked_dispatcher_catches_faults_in_a_plain_dispatchers_output(groups,
 
     layout = ExpertLayout(8, 0, ep_size=world_size, dispatch=dispatch)
     maps = [layout.expert_map(d) for d in range(world_size)]
-    physical_of = [{int(maps[d][p]): p for p in np.flatnonzero(maps[d] >= 0)}
-                   for d in range(world_size)]
+    physical_of = [{int(maps[d][p]): p for p in np.flatnonzero(maps[d] >= 0)} for d in range(world_size)]
     counted = "dispatched" if dispatch == "all2all" else "dispatched (summed over ranks)"
     expected = {
         # each rank drops the one slot it holds: every slot of token row 0 arrives nowhere
-        "dropped": (f"rank 0: token row 0, slot 0 was {counted} 0 time(s); expected 1 "
-                    f"({world_size} (token, slot) entries wrong)"),
+        "dropped": (
+            f"rank 0: token row 0, slot 0 was {counted} 0 time(s); expected 1 "
+            f"({world_size} (token, slot) entries wrong)"
+        ),
         # each rank relabels slot d as its local expert 1; rank 0's own row is found first
-        "wrong-id": (f"rank 0: token row 0, slot 0 (physical id {physical_of[0][0]}) was sent "
-                     f"to rank 0 as local id 1, which is physical id {physical_of[0][1]} there"),
-        "out-of-range": (f"rank 0: token row 0, slot 0 was sent to rank 0 as local id 8; rank 0 "
-                         f"holds local ids [0, {layout.num_local_experts(0)})"),
+        "wrong-id": (
+            f"rank 0: token row 0, slot 0 (physical id {physical_of[0][0]}) was sent "
+            f"to rank 0 as local id 1, which is physical id {physical_of[0][1]} there"
+        ),
+        "out-of-range": (
+            f"rank 0: token row 0, slot 0 was sent to rank 0 as local id 8; rank 0 "
+            f"holds local ids [0, {layout.num_local_experts(0)})"
+        ),
     }
     for rank, rank_result in enumerate(groups(world_size)):
         faults = rank_result["faults"]
         for fault, message in expected.items():
             got = faults[f"output-{dispatch}-{fault}"]
-            assert got == (("DispatchCheckError", message) if rank == 0 else (None, None)), \
-                (rank, fault, got)
+            assert got == (("DispatchCheckError", message) if rank == 0 else (None, None)), (rank, fault, got)
             assert faults[f"output-{dispatch}-{fault}-nodebug"] == (None, None)
 
 
-MOE_CASES = [f"moe-{dispatch}-{shared}-{variant}" for dispatch in ("all2all", "allgather")
-             for shared in ("runner", "overlap", "fused") for variant in ("S1-router", "S2-output")]
+MOE_CASES = [
+    f"moe-{dispatch}-{shared}-{variant}"
+    for dispatch in ("all2all", "allgather")
+    for shared in ("runner", "overlap", "fused")
+    for variant in ("S1-router", "S2-output")
+]
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -216,8 +228,7 @@ def test_moe_module_with_ep_group_matches_single_process(groups, world_size):
 
 
 def test_from_hf_with_ep_group_matches_block_and_single_process(groups):
-    expected_names = [f"from_hf-{d}-{s}" for d in ("all2all", "allgather")
-                      for s in ("auto", "overlap")]
+    expected_names = [f"from_hf-{d}-{s}" for d in ("all2all", "allgather") for s in ("auto", "overlap")]
     for rank, records in enumerate(_module_records(groups(2), "from_hf")):
         assert [r["name"] for r in records] == expected_names
         for record in records:
@@ -270,7 +281,7 @@ def test_placements_with_gpt_oss_experts_match_single_process(groups):
             if record["name"].endswith("round_robin"):
                 assert record["logical_experts"] == list(range(rank, 8, 2))
             else:
-                assert record["logical_experts"] == table[5 * rank:5 * rank + 5]
+                assert record["logical_experts"] == table[5 * rank : 5 * rank + 5]
 
 
 INVALID_CASES = {
@@ -317,21 +328,19 @@ def test_make_dispatcher_needs_a_process_group():
 def test_transfer_stats_add_and_report():
     from moeroute.bindings.ep import TransferStats
 
-    a = TransferStats(rows_sent=2, hidden_bytes=64, metadata_bytes=32, count_bytes=8,
-                      combine_bytes=64)
-    b = TransferStats(rows_sent=1, hidden_bytes=32, metadata_bytes=16, count_bytes=8,
-                      combine_bytes=32)
+    a = TransferStats(rows_sent=2, hidden_bytes=64, metadata_bytes=32, count_bytes=8, combine_bytes=64)
+    b = TransferStats(rows_sent=1, hidden_bytes=32, metadata_bytes=16, count_bytes=8, combine_bytes=32)
     total = a + b
     assert (total.rows_sent, total.dispatch_bytes, total.total_bytes) == (3, 144, 256)
     assert total.as_dict()["total_bytes"] == 256
 
 
-@pytest.mark.parametrize("dispatch,failure", [("all2all", "exit"), ("allgather", "stall"),
-                                              ("all2all", "build")])
+@pytest.mark.parametrize("dispatch,failure", [("all2all", "exit"), ("allgather", "stall"), ("all2all", "build")])
 def test_dead_or_stalled_peer_raises_within_timeout(tmp_path, dispatch, failure):
     payload = {"dispatch": dispatch, "failure": failure, "stall_s": SHORT_TIMEOUT_S + 2}
-    results = spawn_group(peer_failure_worker, 3, tmp_path, payload, timeout_s=SHORT_TIMEOUT_S,
-                          join_timeout_s=90, every_rank=False)
+    results = spawn_group(
+        peer_failure_worker, 3, tmp_path, payload, timeout_s=SHORT_TIMEOUT_S, join_timeout_s=90, every_rank=False
+    )
     # The exiting rank leaves no result; the stalled one wakes after the others gave up.
     assert results[1] == ("stalled" if failure == "stall" else None)
     for rank in (0, 2):
@@ -360,9 +369,27 @@ def test_qwen35_fused_per_rank_slots_on_eight_ranks(tmp_path):
 def test_run_command_spawns_ranks_and_checks_them(capsys):
     from moeroute.bindings import ep_run
 
-    status = ep_run.main(["--preset", "qwen1.5-moe-a2.7b", "--ep", "2", "--dispatch", "all2all",
-                          "--shared", "auto", "--tokens", "6", "--hidden", "16",
-                          "--intermediate", "8", "--repeat", "1", "--debug"])
+    status = ep_run.main(
+        [
+            "--preset",
+            "qwen1.5-moe-a2.7b",
+            "--ep",
+            "2",
+            "--dispatch",
+            "all2all",
+            "--shared",
+            "auto",
+            "--tokens",
+            "6",
+            "--hidden",
+            "16",
+            "--intermediate",
+            "8",
+            "--repeat",
+            "1",
+            "--debug",
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 0, out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]
@@ -374,9 +401,27 @@ def test_run_command_spawns_ranks_and_checks_them(capsys):
 def test_run_command_gpt_oss_round_robin(capsys):
     from moeroute.bindings import ep_run
 
-    status = ep_run.main(["--preset", "gpt-oss-20b", "--ep", "2", "--placement", "round_robin",
-                          "--redundant", "2", "--tokens", "5", "--hidden", "16", "--intermediate", "8",
-                          "--repeat", "1", "--debug"])
+    status = ep_run.main(
+        [
+            "--preset",
+            "gpt-oss-20b",
+            "--ep",
+            "2",
+            "--placement",
+            "round_robin",
+            "--redundant",
+            "2",
+            "--tokens",
+            "5",
+            "--hidden",
+            "16",
+            "--intermediate",
+            "8",
+            "--repeat",
+            "1",
+            "--debug",
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 0, out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]
@@ -397,11 +442,22 @@ def test_run_command_reports_a_mismatch():
 
     from moeroute.bindings import ep_run
 
-    args = argparse.Namespace(preset="mixtral-8x7b", ep=2, dispatch="all2all", tokens=4,
-                              hidden=16, intermediate=8, dtype="float32")
-    report = dict(rank=0, tokens=4, received_rows=4, slots_computed=8, max_expert_load=3,
-                  local_experts=4, bytes=None, forward_ms=1.0, error=0.0, shared="none",
-                  shared_reason="no shared expert")
+    args = argparse.Namespace(
+        preset="mixtral-8x7b", ep=2, dispatch="all2all", tokens=4, hidden=16, intermediate=8, dtype="float32"
+    )
+    report = dict(
+        rank=0,
+        tokens=4,
+        received_rows=4,
+        slots_computed=8,
+        max_expert_load=3,
+        local_experts=4,
+        bytes=None,
+        forward_ms=1.0,
+        error=0.0,
+        shared="none",
+        shared_reason="no shared expert",
+    )
     text, status = ep_run._format(args, [report, dict(report, rank=1, error=1e-3)])
     assert status == ep_run.EXIT_MISMATCH and "MISMATCH" in text
     assert ep_run._format(args, [report])[1] == 0
@@ -423,15 +479,38 @@ def test_run_json_matches_the_text_and_the_layout(capsys, monkeypatch):
     monkeypatch.setattr(ep_run, "spawn_reports", kept)
     from moeroute.config import get_preset
 
-    argv = ["run", "--preset", "mixtral-8x7b", "--ep", "2", "--dispatch", "all2all", "--tokens", "6",
-            "--hidden", "16", "--intermediate", "8", "--repeat", "1"]
+    argv = [
+        "run",
+        "--preset",
+        "mixtral-8x7b",
+        "--ep",
+        "2",
+        "--dispatch",
+        "all2all",
+        "--tokens",
+        "6",
+        "--hidden",
+        "16",
+        "--intermediate",
+        "8",
+        "--repeat",
+        "1",
+    ]
     status = main(argv + ["--json"])
     out = capsys.readouterr().out
     assert status == 0 and len(out.splitlines()) == 1, out
     result = json.loads(out)
-    assert (result["preset"], result["ep_size"], result["dispatch"], result["tokens"], result["hidden"],
-            result["intermediate"], result["dtype"], result["quant"], result["dispatch_dtype"]) == (
-        "mixtral-8x7b", 2, "all2all", 6, 16, 8, "float32", None, "auto")
+    assert (
+        result["preset"],
+        result["ep_size"],
+        result["dispatch"],
+        result["tokens"],
+        result["hidden"],
+        result["intermediate"],
+        result["dtype"],
+        result["quant"],
+        result["dispatch_dtype"],
+    ) == ("mixtral-8x7b", 2, "all2all", 6, 16, 8, "float32", None, "auto")
     assert result["shared"] == "none" and result["reference"] is None and result["matches"] is True
     ranks = result["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["ok"] for r in ranks)
@@ -447,9 +526,17 @@ def test_run_json_matches_the_text_and_the_layout(capsys, monkeypatch):
     rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["1"])]
     for row, r in zip(rows, ranks):
         b = r["bytes"]
-        assert [int(v) for v in row[:9]] == [r["rank"], r["tokens"], r["received_rows"], r["slots_computed"],
-                                             r["local_experts"], r["max_expert_load"], b["hidden_bytes"],
-                                             b["metadata_bytes"], b["combine_bytes"]]
+        assert [int(v) for v in row[:9]] == [
+            r["rank"],
+            r["tokens"],
+            r["received_rows"],
+            r["slots_computed"],
+            r["local_experts"],
+            r["max_expert_load"],
+            b["hidden_bytes"],
+            b["metadata_bytes"],
+            b["combine_bytes"],
+        ]
     assert f"combine): {result['total_bytes']}" in text
 
 
@@ -458,16 +545,40 @@ def test_run_json_reports_a_mismatch_and_the_w8a8_check():
 
     from moeroute.bindings import ep_run
 
-    args = argparse.Namespace(preset="deepseek-v3", ep=2, dispatch="all2all", tokens=4, hidden=16,
-                              intermediate=8, dtype="float32", quant="fp8_block", dispatch_dtype="fp8")
-    report = dict(rank=0, tokens=4, received_rows=4, slots_computed=8, max_expert_load=3,
-                  local_experts=4, bytes={"scale_bytes": 32, "total_bytes": 100}, forward_ms=1.0,
-                  error=0.0, reference_error=1e-3, shared="fused", shared_reason="fusable")
+    args = argparse.Namespace(
+        preset="deepseek-v3",
+        ep=2,
+        dispatch="all2all",
+        tokens=4,
+        hidden=16,
+        intermediate=8,
+        dtype="float32",
+        quant="fp8_block",
+        dispatch_dtype="fp8",
+    )
+    report = dict(
+        rank=0,
+        tokens=4,
+        received_rows=4,
+        slots_computed=8,
+        max_expert_load=3,
+        local_experts=4,
+        bytes={"scale_bytes": 32, "total_bytes": 100},
+        forward_ms=1.0,
+        error=0.0,
+        reference_error=1e-3,
+        shared="fused",
+        shared_reason="fusable",
+    )
     reports = [report, dict(report, rank=1, error=1e-3, reference_error=0.5)]
     result = ep_run._json(args, reports)
     assert [r["ok"] for r in result["ranks"]] == [True, False] and result["matches"] is False
-    assert result["reference"] == {"max_relative_error": 0.5, "tolerance": ep_run.QUANT_TOLERANCE["float32"],
-                                   "passed": False, "scale_bytes": 64}
+    assert result["reference"] == {
+        "max_relative_error": 0.5,
+        "tolerance": ep_run.QUANT_TOLERANCE["float32"],
+        "passed": False,
+        "scale_bytes": 64,
+    }
     assert result["total_bytes"] == 200
     assert ep_run._format(args, reports)[1] == ep_run.EXIT_MISMATCH
 
@@ -492,14 +603,43 @@ def test_run_command_joins_a_torchrun_group(tmp_path):
         port = probe.getsockname()[1]
     processes = []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   CUDA_VISIBLE_DEVICES="")
-        processes.append(subprocess.Popen(
-            [sys.executable, "-m", "moeroute.bindings.ep_run", "--preset", "glm-4.5",
-             "--dispatch", "allgather", "--tokens", "5", "--hidden", "16",
-             "--intermediate", "8", "--repeat", "1", "--timeout", "60"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            CUDA_VISIBLE_DEVICES="",
+        )
+        processes.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "moeroute.bindings.ep_run",
+                    "--preset",
+                    "glm-4.5",
+                    "--dispatch",
+                    "allgather",
+                    "--tokens",
+                    "5",
+                    "--hidden",
+                    "16",
+                    "--intermediate",
+                    "8",
+                    "--repeat",
+                    "1",
+                    "--timeout",
+                    "60",
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outputs = [process.communicate(timeout=120) for process in processes]
     assert [p.returncode for p in processes] == [0, 0], outputs
     assert "every rank matches" in outputs[0][0]
@@ -511,8 +651,13 @@ def test_run_command_joins_a_torchrun_group(tmp_path):
 from _ep_workers import _moe_mismatch_cases  # noqa: E402
 
 MOE_MISMATCH_NAMES = [case[0] for case in _moe_mismatch_cases(2)]
-DISPATCH_MISMATCH_FIELDS = ["hidden_states.shape[1]", "hidden_states.dtype", "topk_ids.shape[1]",
-                            "debug", "layout.num_routed_experts"]
+DISPATCH_MISMATCH_FIELDS = [
+    "hidden_states.shape[1]",
+    "hidden_states.dtype",
+    "topk_ids.shape[1]",
+    "debug",
+    "layout.num_routed_experts",
+]
 
 
 def _assert_same_error_on_every_rank(outcomes, fields, world_size):
@@ -533,20 +678,19 @@ def _assert_same_error_on_every_rank(outcomes, fields, world_size):
 def test_moe_ranks_that_disagree_raise_the_same_error_at_construction(groups, world_size, name):
     per_rank = _module_records(groups(world_size), "agreement")
     fields = per_rank[0][f"moe:{name}"][0]
-    _assert_same_error_on_every_rank([records[f"moe:{name}"][1] for records in per_rank],
-                                     fields, world_size)
+    _assert_same_error_on_every_rank([records[f"moe:{name}"][1] for records in per_rank], fields, world_size)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("dispatch", ["all2all", "allgather"])
 @pytest.mark.parametrize("field", DISPATCH_MISMATCH_FIELDS)
-def test_dispatch_sizes_that_disagree_raise_instead_of_aborting(groups, world_size, dispatch,
-                                                                field):
+def test_dispatch_sizes_that_disagree_raise_instead_of_aborting(groups, world_size, dispatch, field):
     per_rank = _module_records(groups(world_size), "agreement")
     name, values, _ = per_rank[0][f"{dispatch}:{field}"]
     assert name == field
-    _assert_same_error_on_every_rank([records[f"{dispatch}:{field}"][2] for records in per_rank],
-                                     {field: values}, world_size)
+    _assert_same_error_on_every_rank(
+        [records[f"{dispatch}:{field}"][2] for records in per_rank], {field: values}, world_size
+    )
     # The group survives: a matching dispatch afterwards is exact.
     for records in per_rank:
         assert records[f"{dispatch}:after"] < 1e-6
@@ -556,8 +700,7 @@ def test_dispatch_sizes_that_disagree_raise_instead_of_aborting(groups, world_si
 def test_layer_converted_on_one_rank_raises_in_forward(groups, world_size):
     per_rank = _module_records(groups(world_size), "agreement")
     field, values, _ = per_rank[0]["forward:dtype"]
-    _assert_same_error_on_every_rank([records["forward:dtype"][2] for records in per_rank],
-                                     {field: values}, world_size)
+    _assert_same_error_on_every_rank([records["forward:dtype"][2] for records in per_rank], {field: values}, world_size)
 
 
 @pytest.mark.parametrize("ep_group", ["world", 0, object()])

@@ -29,9 +29,17 @@ def _deepseek_v3(**overrides):
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-    fields = dict(hidden_size=H, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4,
-                  n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
-                  norm_topk_prob=True)
+    fields = dict(
+        hidden_size=H,
+        moe_intermediate_size=32,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
     fields.update(overrides)
     return DeepseekV3MoE(DeepseekV3Config(**fields))
 
@@ -40,9 +48,19 @@ def _glm4_moe():
     from transformers import Glm4MoeConfig
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
 
-    return Glm4MoeMoE(Glm4MoeConfig(hidden_size=H, moe_intermediate_size=32, n_routed_experts=16,
-                                    num_experts_per_tok=4, n_group=1, topk_group=1, n_shared_experts=2,
-                                    routed_scaling_factor=2.5, norm_topk_prob=True))
+    return Glm4MoeMoE(
+        Glm4MoeConfig(
+            hidden_size=H,
+            moe_intermediate_size=32,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+        )
+    )
 
 
 def _qwen2_moe():
@@ -50,50 +68,77 @@ def _qwen2_moe():
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
     # Qwen1.5-MoE shape: the shared expert is 4x the routed one -> S = 4 slots.
-    return Qwen2MoeSparseMoeBlock(Qwen2MoeConfig(hidden_size=H, moe_intermediate_size=16,
-                                                 shared_expert_intermediate_size=64, num_experts=12,
-                                                 num_experts_per_tok=4, norm_topk_prob=False))
+    return Qwen2MoeSparseMoeBlock(
+        Qwen2MoeConfig(
+            hidden_size=H,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=64,
+            num_experts=12,
+            num_experts_per_tok=4,
+            norm_topk_prob=False,
+        )
+    )
 
 
 def _qwen3_moe():
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    return Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=32, num_experts=16,
-                                                 num_experts_per_tok=4, norm_topk_prob=True))
+    return Qwen3MoeSparseMoeBlock(
+        Qwen3MoeConfig(
+            hidden_size=H, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True
+        )
+    )
 
 
 def _qwen3_next():
     from transformers import Qwen3NextConfig
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
-    return Qwen3NextSparseMoeBlock(Qwen3NextConfig(hidden_size=H, moe_intermediate_size=32,
-                                                   shared_expert_intermediate_size=32, num_experts=16,
-                                                   num_experts_per_tok=5, norm_topk_prob=True))
+    return Qwen3NextSparseMoeBlock(
+        Qwen3NextConfig(
+            hidden_size=H,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_experts=16,
+            num_experts_per_tok=5,
+            norm_topk_prob=True,
+        )
+    )
 
 
 def _qwen3_5_moe():
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
-    return Qwen3_5MoeSparseMoeBlock(Qwen3_5MoeTextConfig(hidden_size=H, moe_intermediate_size=32,
-                                                         shared_expert_intermediate_size=32, num_experts=16,
-                                                         num_experts_per_tok=5))
+    return Qwen3_5MoeSparseMoeBlock(
+        Qwen3_5MoeTextConfig(
+            hidden_size=H,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_experts=16,
+            num_experts_per_tok=5,
+        )
+    )
 
 
 def _mixtral():
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    return MixtralSparseMoeBlock(MixtralConfig(hidden_size=H, intermediate_size=32, num_local_experts=8,
-                                               num_experts_per_tok=2))
+    return MixtralSparseMoeBlock(
+        MixtralConfig(hidden_size=H, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)
+    )
 
 
 # name -> (builder, has a shared expert, expected S)
 BLOCKS = {
     "deepseek_v3": (_deepseek_v3, True, 1),
-    "kimi_k2": (lambda: _deepseek_v3(n_routed_experts=12, n_group=1, topk_group=1,
-                                     routed_scaling_factor=2.827), True, 1),
+    "kimi_k2": (
+        lambda: _deepseek_v3(n_routed_experts=12, n_group=1, topk_group=1, routed_scaling_factor=2.827),
+        True,
+        1,
+    ),
     "glm4_moe": (_glm4_moe, True, 2),
     "qwen2_moe": (_qwen2_moe, True, 4),
     "qwen3_moe": (_qwen3_moe, False, 0),
@@ -110,7 +155,7 @@ def _randomize(module, seed=0):
 
 def _cases():
     for name, (_, has_shared, _) in BLOCKS.items():
-        for shared in (("auto", "runner", "overlap", "fused") if has_shared else ("auto",)):
+        for shared in ("auto", "runner", "overlap", "fused") if has_shared else ("auto",):
             yield name, shared
 
 
@@ -156,8 +201,7 @@ def test_from_hf_routing_matches_block_router():
     order = torch.argsort(hf_ids.to(torch.int64), dim=1)
     ours = torch.argsort(ids.to(torch.int64), dim=1)
     assert torch.equal(torch.gather(hf_ids.to(torch.int32), 1, order), torch.gather(ids, 1, ours))
-    torch.testing.assert_close(torch.gather(weights, 1, ours), torch.gather(hf_weights, 1, order),
-                               rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.gather(weights, 1, ours), torch.gather(hf_weights, 1, order), rtol=1e-6, atol=0)
 
 
 def test_from_hf_copies_routed_weights_and_reads_router_fields():
@@ -179,9 +223,15 @@ def test_from_hf_fused_refused_when_shared_does_not_split():
     from transformers import Qwen2MoeConfig
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
-    block = Qwen2MoeSparseMoeBlock(Qwen2MoeConfig(hidden_size=H, moe_intermediate_size=16,
-                                                  shared_expert_intermediate_size=40, num_experts=8,
-                                                  num_experts_per_tok=2))
+    block = Qwen2MoeSparseMoeBlock(
+        Qwen2MoeConfig(
+            hidden_size=H,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=40,
+            num_experts=8,
+            num_experts_per_tok=2,
+        )
+    )
     block = _randomize(block, seed=8)
     assert MoE.from_hf(block).layout.shared == "runner"
     with pytest.raises(LayoutError, match="not a multiple"):
@@ -198,22 +248,64 @@ def test_from_hf_rejects_unsupported_block():
 
 # ------------------------------------------------------------------ whole models
 
-def _tiny_models():
-    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Qwen2MoeConfig,
-                              Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
-    common = dict(vocab_size=128, hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, intermediate_size=96)
+def _tiny_models():
+    from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    common = dict(
+        vocab_size=128,
+        hidden_size=H,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        intermediate_size=96,
+    )
     return {
-        "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=8,
-                                                          num_experts_per_tok=2, norm_topk_prob=True), 2),
-        "qwen2_moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig(**common, moe_intermediate_size=16,
-                                                          shared_expert_intermediate_size=32, num_experts=8,
-                                                          num_experts_per_tok=2), 2),
-        "deepseek_v3": (DeepseekV3ForCausalLM, DeepseekV3Config(
-            **common, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
-            topk_group=1, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
-            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16), 1),
+        "qwen3_moe": (
+            Qwen3MoeForCausalLM,
+            Qwen3MoeConfig(
+                **common, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True
+            ),
+            2,
+        ),
+        "qwen2_moe": (
+            Qwen2MoeForCausalLM,
+            Qwen2MoeConfig(
+                **common,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=32,
+                num_experts=8,
+                num_experts_per_tok=2,
+            ),
+            2,
+        ),
+        "deepseek_v3": (
+            DeepseekV3ForCausalLM,
+            DeepseekV3Config(
+                **common,
+                moe_intermediate_size=32,
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                n_group=2,
+                topk_group=1,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                kv_lora_rank=16,
+                q_lora_rank=32,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=8,
+                v_head_dim=16,
+            ),
+            1,
+        ),
     }
 
 
@@ -244,12 +336,23 @@ def test_replace_moe_blocks_rejects_non_module():
 
 # ------------------------------------------------------------------ gpt-oss
 
+
 def _gpt_oss_config(**overrides):
     from transformers import GptOssConfig
 
-    fields = dict(vocab_size=128, hidden_size=H, intermediate_size=32, num_local_experts=8,
-                  num_experts_per_tok=4, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"])
+    fields = dict(
+        vocab_size=128,
+        hidden_size=H,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=4,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     fields.update(overrides)
     return GptOssConfig(**fields)
 
@@ -391,6 +494,7 @@ def test_replace_moe_blocks_on_a_bare_block_says_to_use_from_hf():
 
 
 # ------------------------------------------------------------------ module structure
+
 
 def test_moe_module_does_not_import_hf():
     # Data flows one way: hf.py builds MoE (and attaches MoE.from_hf); moe.py never imports hf.

@@ -56,9 +56,18 @@ def test_registered_in_all_experts_functions():
 def test_a_model_selects_moeroute_without_patching():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(vocab_size=64, hidden_size=H, intermediate_size=64, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            num_experts=8, num_experts_per_tok=2, head_dim=16)
+    config = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=H,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        head_dim=16,
+    )
     torch.manual_seed(13)
     model = _randomize(Qwen3MoeForCausalLM(config), seed=13)
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(14))
@@ -95,7 +104,8 @@ def test_experts_forward_skips_expert_parallel_sentinels():
             if e < 8:
                 gate, up = torch.nn.functional.linear(x[t], experts.gate_up_proj[e]).chunk(2)
                 expected[t] += weights[t, k] * torch.nn.functional.linear(
-                    experts.act_fn(gate) * up, experts.down_proj[e])
+                    experts.act_fn(gate) * up, experts.down_proj[e]
+                )
     assert rel_error(out, expected) < FP32_RTOL
 
 
@@ -103,5 +113,4 @@ def test_unsupported_experts_layout_is_refused():
     block = BLOCKS["qwen3_moe"][0]()
     block.experts.has_bias = True
     with pytest.raises(ValueError, match="biased"):
-        hf.experts_forward(block.experts, torch.zeros(1, H), torch.zeros(1, 4, dtype=torch.long),
-                           torch.zeros(1, 4))
+        hf.experts_forward(block.experts, torch.zeros(1, H), torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4))

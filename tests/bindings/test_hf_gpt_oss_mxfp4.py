@@ -40,9 +40,19 @@ RTOL = 1e-4
 def _config():
     from transformers import GptOssConfig
 
-    return GptOssConfig(vocab_size=128, hidden_size=H, intermediate_size=I, num_local_experts=N,
-                        num_experts_per_tok=K, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"])
+    return GptOssConfig(
+        vocab_size=128,
+        hidden_size=H,
+        intermediate_size=I,
+        num_local_experts=N,
+        num_experts_per_tok=K,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        layer_types=["sliding_attention", "full_attention"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +78,15 @@ def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt_oss_mxfp4")
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = _config().to_dict()
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
     (path / "config.json").write_text(json.dumps(config))
     return path
 
@@ -79,8 +96,13 @@ def _dequantized_model(path):
 
     # .float(): transformers 5.19 and older dequantize the experts to bfloat16 whatever the dtype
     # asked for (the values, e2m1 times a power of two, are exact in both).
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True),
-                                                dtype=torch.float32).float().eval()
+    return (
+        AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32
+        )
+        .float()
+        .eval()
+    )
 
 
 class _FlippedLayout:
@@ -105,16 +127,20 @@ def _stub_triton_kernels_hub():
 
     def convert_layout(tensor, layout_cls, **options):
         layout = layout_cls()
-        return types.SimpleNamespace(storage=types.SimpleNamespace(data=layout.swizzle_data(tensor.storage.data),
-                                                                   layout=layout), shape=tensor.shape)
+        return types.SimpleNamespace(
+            storage=types.SimpleNamespace(data=layout.swizzle_data(tensor.storage.data), layout=layout),
+            shape=tensor.shape,
+        )
 
-    layout = types.SimpleNamespace(make_default_matmul_mxfp4_w_layout=lambda mx_axis: (_FlippedLayout, {}),
-                                   StridedLayout=_FlippedLayout)
+    layout = types.SimpleNamespace(
+        make_default_matmul_mxfp4_w_layout=lambda mx_axis: (_FlippedLayout, {}), StridedLayout=_FlippedLayout
+    )
     return types.SimpleNamespace(
         tensor=types.SimpleNamespace(FP4="fp4", convert_layout=convert_layout, wrap_torch_tensor=wrap_torch_tensor),
         tensor_details=types.SimpleNamespace(layout=layout),
-        matmul_ogs=types.SimpleNamespace(PrecisionConfig=types.SimpleNamespace, FlexCtx=types.SimpleNamespace,
-                                         InFlexData=types.SimpleNamespace),
+        matmul_ogs=types.SimpleNamespace(
+            PrecisionConfig=types.SimpleNamespace, FlexCtx=types.SimpleNamespace, InFlexData=types.SimpleNamespace
+        ),
     )
 
 
@@ -133,8 +159,11 @@ def _packed_model(path, monkeypatch):
     prepare = quantizer.Mxfp4HfQuantizer._process_model_before_weight_loading
     if "use_kernels" in inspect.signature(prepare).parameters:
         # transformers 5.1x dequantizes on a CPU unless told use_kernels (on a GPU it keeps the bytes).
-        monkeypatch.setattr(quantizer.Mxfp4HfQuantizer, "_process_model_before_weight_loading",
-                            lambda self, model, **kwargs: prepare(self, model, **{**kwargs, "use_kernels": True}))
+        monkeypatch.setattr(
+            quantizer.Mxfp4HfQuantizer,
+            "_process_model_before_weight_loading",
+            lambda self, model, **kwargs: prepare(self, model, **{**kwargs, "use_kernels": True}),
+        )
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -147,11 +176,13 @@ def test_replace_moe_blocks_of_a_transformers_loaded_mxfp4_checkpoint(checkpoint
         expected = reference(input_ids).logits.double()
     packed = _packed_model(checkpoint, monkeypatch)
     # transformers >= 5.2x swaps the block for Mxfp4GptOssMLP; earlier 5.x patch GptOssMLP's forward.
-    block_class = "Mxfp4GptOssMLP" if hasattr(sys.modules["transformers.integrations.mxfp4"], "Mxfp4GptOssMLP") \
-        else "GptOssMLP"
+    block_class = (
+        "Mxfp4GptOssMLP" if hasattr(sys.modules["transformers.integrations.mxfp4"], "Mxfp4GptOssMLP") else "GptOssMLP"
+    )
     mlps = [layer.mlp for layer in packed.model.layers]
-    assert [(type(mlp).__name__, type(mlp.experts).__name__) for mlp in mlps] == \
-        [(block_class, "Mxfp4GptOssExperts")] * 2
+    assert [(type(mlp).__name__, type(mlp.experts).__name__) for mlp in mlps] == [
+        (block_class, "Mxfp4GptOssExperts")
+    ] * 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every block is supported: nothing to warn about
         assert replace_moe_blocks(packed) == 2
@@ -160,8 +191,7 @@ def test_replace_moe_blocks_of_a_transformers_loaded_mxfp4_checkpoint(checkpoint
         assert isinstance(layer.mlp, TupleOutputMoE) and layer.mlp.moe.quant == QuantConfig("mxfp4")
         # The checkpoint's bytes, gate rows (the even rows) first: not dequantized, not requantized.
         blocks = stored[f"model.layers.{index}.mlp.experts.gate_up_proj_blocks"].flatten(2)
-        assert torch.equal(layer.mlp.moe.experts.w_gate_up.flatten(2),
-                           torch.cat([blocks[:, 0::2], blocks[:, 1::2]], 1))
+        assert torch.equal(layer.mlp.moe.experts.w_gate_up.flatten(2), torch.cat([blocks[:, 0::2], blocks[:, 1::2]], 1))
     with torch.no_grad():
         actual = packed(input_ids).logits.double()
     assert float((actual - expected).abs().max()) <= RTOL * float(expected.abs().max())
@@ -225,8 +255,11 @@ def test_a_supported_family_with_no_supported_block_warns_another_model_does_not
     for layer in model.model.layers:
         layer.mlp = RenamedSparseMoeBlock(layer.mlp)
     # The family is read from config.model_type ("gpt_oss"): 0 of 2 is reported, not silent.
-    with pytest.warns(UserWarning, match=r"class RenamedSparseMoeBlock at model\.layers\.0\.mlp, "
-                                         r"model\.layers\.1\.mlp .*0 of 2"):
+    with pytest.warns(
+        UserWarning,
+        match=r"class RenamedSparseMoeBlock at model\.layers\.0\.mlp, "
+        r"model\.layers\.1\.mlp .*0 of 2",
+    ):
         assert replace_moe_blocks(model) == 0
     # A model of no supported family (no config, no supported block) is not moeroute's to judge.
     other = torch.nn.Sequential(model.model.layers[0].mlp)

@@ -33,9 +33,18 @@ MEMORY_TIMEOUT_S = 600  # building a ~300 MB model takes seconds; this guards ag
 def _qwen3_model(layers=2, experts=8, seed=0):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(vocab_size=64, hidden_size=H, intermediate_size=64, moe_intermediate_size=32,
-                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                            num_experts=experts, num_experts_per_tok=2, head_dim=16)
+    config = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=H,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        head_dim=16,
+    )
     torch.manual_seed(seed)
     return _randomize(Qwen3MoeForCausalLM(config), seed=seed)
 
@@ -43,12 +52,27 @@ def _qwen3_model(layers=2, experts=8, seed=0):
 def _deepseek_model(seed=0):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    config = DeepseekV3Config(vocab_size=64, hidden_size=H, intermediate_size=64, moe_intermediate_size=32,
-                              num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
-                              num_key_value_heads=4, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
-                              topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
-                              q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                              v_head_dim=16)
+    config = DeepseekV3Config(
+        vocab_size=64,
+        hidden_size=H,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    )
     torch.manual_seed(seed)
     return _randomize(DeepseekV3ForCausalLM(config), seed=seed)
 
@@ -56,9 +80,18 @@ def _deepseek_model(seed=0):
 def _qwen2_model(seed=0):
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    config = Qwen2MoeConfig(vocab_size=64, hidden_size=H, intermediate_size=64, moe_intermediate_size=16,
-                            shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, num_experts=12, num_experts_per_tok=4)
+    config = Qwen2MoeConfig(
+        vocab_size=64,
+        hidden_size=H,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=12,
+        num_experts_per_tok=4,
+    )
     torch.manual_seed(seed)
     return _randomize(Qwen2MoeForCausalLM(config), seed=seed)
 
@@ -143,22 +176,52 @@ print(json.dumps(dict(expert_bytes=expert_bytes, before=before, peak=status("VmH
 """
 
 # ~300 MB of float32 expert weights in 4 MoE layers (~75 MB each), small everything else.
-QWEN3_BIG = dict(vocab_size=64, hidden_size=512, intermediate_size=256, moe_intermediate_size=384,
-                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_experts=32,
-                 num_experts_per_tok=4, head_dim=64)
+QWEN3_BIG = dict(
+    vocab_size=64,
+    hidden_size=512,
+    intermediate_size=256,
+    moe_intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=32,
+    num_experts_per_tok=4,
+    head_dim=64,
+)
 # Fused shared slots copy each block once: 8 layers of ~38 MB, so one block is ~12%.
-DEEPSEEK_BIG = dict(vocab_size=64, hidden_size=512, intermediate_size=256, moe_intermediate_size=192,
-                    num_hidden_layers=8, first_k_dense_replace=0, num_attention_heads=4, num_key_value_heads=4,
-                    n_routed_experts=32, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
-                    q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32)
+DEEPSEEK_BIG = dict(
+    vocab_size=64,
+    hidden_size=512,
+    intermediate_size=256,
+    moe_intermediate_size=192,
+    num_hidden_layers=8,
+    first_k_dense_replace=0,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=32,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=1,
+    q_lora_rank=64,
+    kv_lora_rank=32,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=32,
+)
 
 
 def _measure(config_cls, model_cls, config, kwargs):
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux /proc/self/clear_refs to reset the peak resident size")
     script = MEMORY_SCRIPT.format(config_cls=config_cls, model_cls=model_cls)
-    result = subprocess.run([sys.executable, "-c", script, json.dumps(config), json.dumps(kwargs)],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=MEMORY_TIMEOUT_S)
+    result = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(config), json.dumps(kwargs)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=MEMORY_TIMEOUT_S,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -180,10 +243,17 @@ def test_replace_moe_blocks_peak_memory(case):
 # ------------------------------------------------------------------ state dict
 
 
-@pytest.mark.parametrize("name,kwargs", [("qwen3_moe", {}), ("deepseek_v3", {}),
-                                         ("deepseek_v3", {"shared": "runner"}), ("qwen2_moe", {}),
-                                         ("qwen2_moe", {"shared": "runner"}),
-                                         ("qwen3_moe", {"num_redundant_experts": 3})])
+@pytest.mark.parametrize(
+    "name,kwargs",
+    [
+        ("qwen3_moe", {}),
+        ("deepseek_v3", {}),
+        ("deepseek_v3", {"shared": "runner"}),
+        ("qwen2_moe", {}),
+        ("qwen2_moe", {"shared": "runner"}),
+        ("qwen3_moe", {"num_redundant_experts": 3}),
+    ],
+)
 @pytest.mark.interop
 def test_patched_model_loads_a_transformers_state_dict(name, kwargs):
     source = MODELS[name](seed=1)
@@ -209,8 +279,7 @@ def test_state_dict_loading_keeps_aliasing_and_own_names_still_load():
     pointer = experts.w_gate_up.data_ptr()
     model.load_state_dict(state)
     assert experts.w_gate_up.data_ptr() == pointer  # copied into, not replaced
-    torch.testing.assert_close(experts.w_gate_up, state["model.layers.0.mlp.experts.gate_up_proj"],
-                               rtol=0, atol=0)
+    torch.testing.assert_close(experts.w_gate_up, state["model.layers.0.mlp.experts.gate_up_proj"], rtol=0, atol=0)
     saved = model.state_dict()  # saved under transformers' names again
     assert set(saved) == set(state)
     blocks = [m for m in model.modules() if isinstance(m, MoE)]

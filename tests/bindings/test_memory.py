@@ -31,13 +31,16 @@ class _At:
         return 1
 
 
-@pytest.mark.parametrize("address,nbytes,expected", [
-    (0, 4 * MB, (0, 4 * MB)),                     # aligned both ends
-    (4096, 4 * MB, (2 * MB, 2 * MB)),             # ragged both ends: one whole page inside
-    (2 * MB - 1, 2 * MB + 1, (2 * MB, 2 * MB)),   # ends exactly on a page
-    (4096, 2 * MB, (2 * MB, 0)),                  # straddles one boundary: no whole page
-    (6 * MB, 2 * MB - 1, (6 * MB, 0)),            # under a page
-])
+@pytest.mark.parametrize(
+    "address,nbytes,expected",
+    [
+        (0, 4 * MB, (0, 4 * MB)),  # aligned both ends
+        (4096, 4 * MB, (2 * MB, 2 * MB)),  # ragged both ends: one whole page inside
+        (2 * MB - 1, 2 * MB + 1, (2 * MB, 2 * MB)),  # ends exactly on a page
+        (4096, 2 * MB, (2 * MB, 0)),  # straddles one boundary: no whole page
+        (6 * MB, 2 * MB - 1, (6 * MB, 0)),  # under a page
+    ],
+)
 def test_span_is_the_whole_pages_inside(address, nbytes, expected):
     start, length = huge_page_span(_At(address, nbytes))
     assert (start, length) == expected

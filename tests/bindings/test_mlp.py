@@ -13,8 +13,7 @@ def test_forward_matches_definition(activation):
     torch.manual_seed(0)
     mlp = GatedMLP(16, 24, activation)
     x = torch.randn(5, 16)
-    act = {"silu": F.silu, "gelu": F.gelu,
-           "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}[activation]
+    act = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}[activation]
     g, u, d = (m.weight.double() for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
     expected = (act(x.double() @ g.T) * (x.double() @ u.T)) @ d.T
     with torch.no_grad():
@@ -29,11 +28,14 @@ def test_splits_into_slots_of_the_routed_size():
     assert slots == 1 and "activation" in reason
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"hidden_size": 0, "intermediate_size": 4}, "hidden_size=0"),
-    ({"hidden_size": 4, "intermediate_size": 2.5}, "intermediate_size=2.5"),
-    ({"hidden_size": 4, "intermediate_size": 4, "activation": "relu"}, "activation='relu'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"hidden_size": 0, "intermediate_size": 4}, "hidden_size=0"),
+        ({"hidden_size": 4, "intermediate_size": 2.5}, "intermediate_size=2.5"),
+        ({"hidden_size": 4, "intermediate_size": 4, "activation": "relu"}, "activation='relu'"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GatedMLP(**kwargs)

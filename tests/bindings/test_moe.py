@@ -14,9 +14,17 @@ from helpers.reference import swigluoai as swigluoai_reference
 from moeroute import cpu_features
 from moeroute.bindings.torch.dispatch import DispatchHandle, LocalDispatcher, check_dispatch_inputs
 from moeroute.bindings.torch import experts as experts_module
-from moeroute.bindings.torch.experts import (PADDED_MAX_ROWS, ROWS_MAX_MEAN_ROWS, LocalExperts, choose_gemm,
-                                             expert_mlp, rows_bound, onednn_linear_serves, padded_expert_mlp,
-                                             streamed_expert_mlp)
+from moeroute.bindings.torch.experts import (
+    PADDED_MAX_ROWS,
+    ROWS_MAX_MEAN_ROWS,
+    LocalExperts,
+    choose_gemm,
+    expert_mlp,
+    rows_bound,
+    onednn_linear_serves,
+    padded_expert_mlp,
+    streamed_expert_mlp,
+)
 from moeroute.bindings.torch.moe import MoE
 from moeroute.config import RouterConfig
 from moeroute.layout import ExpertLayout
@@ -28,6 +36,7 @@ FP32_RTOL = 1e-5
 # Normwise tolerances for half precision: the layer rounds its input, each expert's
 # intermediate and output to the dtype (ulp 2**-11 for float16, 2**-8 for bfloat16).
 HALF_RTOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
 
 def make_moe(seed=0, dtype=torch.float32, activation="silu", **kwargs):
     module = MoE(ROUTER, H, I, activation=activation, dtype=dtype, **kwargs)
@@ -48,6 +57,7 @@ def dense_reference(module, x, weights, activation="silu"):
 
 
 # ------------------------------------------------------------------ the module
+
 
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
 def test_forward_matches_dense_reference(activation):
@@ -118,12 +128,15 @@ def test_inference_only():
     assert not out.requires_grad and torch.equal(out, no_grad_out)
 
 
-@pytest.mark.parametrize("bad,match", [
-    (lambda: torch.randn(4, H + 1), "H=24"),
-    (lambda: torch.randn(H), r"\[T, H\]"),
-    (lambda: torch.randn(4, H, dtype=torch.float64), "dtype"),
-    (lambda: np.zeros((4, H), np.float32), "torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda: torch.randn(4, H + 1), "H=24"),
+        (lambda: torch.randn(H), r"\[T, H\]"),
+        (lambda: torch.randn(4, H, dtype=torch.float64), "dtype"),
+        (lambda: np.zeros((4, H), np.float32), "torch.Tensor"),
+    ],
+)
 def test_forward_rejects_bad_hidden_states(bad, match):
     module, _ = make_moe()
     with pytest.raises((ValueError, TypeError), match=match):
@@ -147,21 +160,24 @@ def test_forward_rejects_device_mismatch():
         module(torch.zeros(2, H))
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    (dict(router=(8, 2)), TypeError, "RouterConfig"),
-    (dict(hidden_size=0), ValueError, "hidden_size=0"),
-    (dict(intermediate_size=2.5), ValueError, "intermediate_size=2.5"),
-    (dict(shared="sometimes"), ValueError, "shared='sometimes'"),
-    (dict(shared_expert_gate=nn.Linear(H, 1)), ValueError, "without shared_experts"),
-    (dict(activation="relu"), ValueError, "activation='relu'"),
-    (dict(scaling_regime="input"), ValueError, "scaling_regime='input'"),
-    (dict(dtype=torch.float64), ValueError, "dtype=torch.float64"),
-    (dict(device="mps"), ValueError, "device=mps"),
-    (dict(shared_experts=3), TypeError, "shared_experts"),
-    (dict(routed_hidden_size=12), ValueError, "routed_hidden_size=12"),
-    (dict(ep_group=object(), dispatch="none"), ValueError, "dispatch='none'"),
-    (dict(dispatch="ring"), ValueError, "dispatch='ring'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(router=(8, 2)), TypeError, "RouterConfig"),
+        (dict(hidden_size=0), ValueError, "hidden_size=0"),
+        (dict(intermediate_size=2.5), ValueError, "intermediate_size=2.5"),
+        (dict(shared="sometimes"), ValueError, "shared='sometimes'"),
+        (dict(shared_expert_gate=nn.Linear(H, 1)), ValueError, "without shared_experts"),
+        (dict(activation="relu"), ValueError, "activation='relu'"),
+        (dict(scaling_regime="input"), ValueError, "scaling_regime='input'"),
+        (dict(dtype=torch.float64), ValueError, "dtype=torch.float64"),
+        (dict(device="mps"), ValueError, "device=mps"),
+        (dict(shared_experts=3), TypeError, "shared_experts"),
+        (dict(routed_hidden_size=12), ValueError, "routed_hidden_size=12"),
+        (dict(ep_group=object(), dispatch="none"), ValueError, "dispatch='none'"),
+        (dict(dispatch="ring"), ValueError, "dispatch='ring'"),
+    ],
+)
 def test_constructor_rejects_bad_arguments(kwargs, error, match):
     args = dict(router=ROUTER, hidden_size=H, intermediate_size=I)
     args.update(kwargs)
@@ -180,6 +196,7 @@ def test_load_weights_checks_shapes_and_mode():
 
 
 # ------------------------------------------------------------------ LocalExperts
+
 
 @pytest.mark.parametrize("gemm", ["auto", "loop", "padded", "rows"])
 def test_local_experts_weighted_sum_skips_foreign_slots(gemm):
@@ -216,8 +233,7 @@ def test_gemm_strategies_agree_with_per_row_reference(counts):
         for r in range(offsets[e], offsets[e + 1]):
             h = w_gate_up[e].double() @ x[r].double()
             expected[r] = w_down[e].double() @ (F.silu(h[:I]) * h[I:])
-    results = [expert_mlp(x, offsets, w_gate_up, w_down, linear="mm"),
-               padded_expert_mlp(x, offsets, w_gate_up, w_down)]
+    results = [expert_mlp(x, offsets, w_gate_up, w_down, linear="mm"), padded_expert_mlp(x, offsets, w_gate_up, w_down)]
     if onednn_linear_serves(torch.float32):
         results.append(expert_mlp(x, offsets, w_gate_up, w_down, linear="onednn"))
     for out in results:
@@ -226,8 +242,9 @@ def test_gemm_strategies_agree_with_per_row_reference(counts):
             assert rel_error(out, expected) < FP32_RTOL
 
 
-@pytest.mark.parametrize("dtype,rtol", [(torch.bfloat16, HALF_RTOL[torch.bfloat16]),
-                                        (torch.float16, HALF_RTOL[torch.float16])])
+@pytest.mark.parametrize(
+    "dtype,rtol", [(torch.bfloat16, HALF_RTOL[torch.bfloat16]), (torch.float16, HALF_RTOL[torch.float16])]
+)
 def test_loop_strategy_half_precision(dtype, rtol):
     """The loop takes oneDNN or torch.mm depending on the dtype; both agree with float64."""
     generator = _generator(21)
@@ -235,9 +252,14 @@ def test_loop_strategy_half_precision(dtype, rtol):
     x = torch.randn(12, H, generator=generator)
     w_gate_up = torch.randn(3, 2 * I, H, generator=generator) * 0.3
     w_down = torch.randn(3, H, I, generator=generator) * 0.3
-    expected = torch.cat([expert_mlp(x[a:b].double(), [0, b - a], w_gate_up[e:e + 1].double(),
-                                     w_down[e:e + 1].double(), linear="mm")
-                          for e, (a, b) in enumerate(zip(offsets[:-1], offsets[1:]))])
+    expected = torch.cat(
+        [
+            expert_mlp(
+                x[a:b].double(), [0, b - a], w_gate_up[e : e + 1].double(), w_down[e : e + 1].double(), linear="mm"
+            )
+            for e, (a, b) in enumerate(zip(offsets[:-1], offsets[1:]))
+        ]
+    )
     out = expert_mlp(x.to(dtype), offsets, w_gate_up.to(dtype), w_down.to(dtype))
     assert out.dtype == dtype
     assert rel_error(out, expected) < rtol
@@ -257,16 +279,24 @@ def test_streamed_expert_mlp_against_slot_reference(dtype):
     x = torch.randn(num_tokens, H, generator=generator)
     local_ids = torch.randint(-1, experts, (num_tokens, 3), generator=generator, dtype=torch.int32)
     local_ids[:, 1] = torch.where(local_ids[:, 1] == local_ids[:, 0], -1, local_ids[:, 1])
-    local_ids[:, 2] = torch.where((local_ids[:, 2] == local_ids[:, 0]) | (local_ids[:, 2] == local_ids[:, 1]),
-                                  -1, local_ids[:, 2])
+    local_ids[:, 2] = torch.where(
+        (local_ids[:, 2] == local_ids[:, 0]) | (local_ids[:, 2] == local_ids[:, 1]), -1, local_ids[:, 2]
+    )
     local_ids[7] = -1  # a row with nothing here
     weights = torch.rand(num_tokens, 3, generator=generator)
     w_gate_up = torch.randn(experts, 2 * I, H, generator=generator) * 0.3
     w_down = torch.randn(experts, H, I, generator=generator) * 0.3
     sorted_slots, offsets, _ = experts_module.arrays.sort_by_expert(local_ids, experts)
     seconds = {}
-    out = streamed_expert_mlp(x.to(dtype), sorted_slots, offsets.tolist(), weights, w_gate_up.to(dtype),
-                              w_down.to(dtype), stage_seconds=seconds)
+    out = streamed_expert_mlp(
+        x.to(dtype),
+        sorted_slots,
+        offsets.tolist(),
+        weights,
+        w_gate_up.to(dtype),
+        w_down.to(dtype),
+        stage_seconds=seconds,
+    )
     assert out.dtype == dtype and out.shape == (num_tokens, H)
     expected = _slot_reference(x.to(dtype), local_ids, weights, w_gate_up.to(dtype), w_down.to(dtype))
     assert rel_error(out, expected) < (FP32_RTOL if dtype == torch.float32 else HALF_RTOL[dtype])
@@ -274,8 +304,9 @@ def test_streamed_expert_mlp_against_slot_reference(dtype):
     assert set(seconds) == {"permute", "gemm", "combine"} and all(v >= 0 for v in seconds.values())
 
 
-NEEDS_ONEDNN = pytest.mark.skipif(not onednn_linear_serves(torch.float32),
-                                  reason="this torch build has no oneDNN linear")
+NEEDS_ONEDNN = pytest.mark.skipif(
+    not onednn_linear_serves(torch.float32), reason="this torch build has no oneDNN linear"
+)
 
 
 @NEEDS_ONEDNN
@@ -313,8 +344,9 @@ def _change_by_load_routed_weights(module, other):
 
 
 @NEEDS_ONEDNN
-@pytest.mark.parametrize("change", [_change_by_copy, _change_by_load_state_dict,
-                                    _change_by_assigning_data, _change_by_load_routed_weights])
+@pytest.mark.parametrize(
+    "change", [_change_by_copy, _change_by_load_state_dict, _change_by_assigning_data, _change_by_load_routed_weights]
+)
 def test_weight_changes_torch_sees_after_packing_ask_for_a_repack(change):
     """Explicit packing: a change torch can see raises at the next CPU forward (it used to
     be served stale or silently repacked); re-packing serves the new weights."""
@@ -325,8 +357,14 @@ def test_weight_changes_torch_sees_after_packing_ask_for_a_repack(change):
     x = torch.randn(50, H, generator=_generator(5))
     module.pack_cpu_weights()
     change(module, other)
-    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"after pack_cpu_weights\(\).*"
-                                                                   r"call pack_cpu_weights\(\) again"):
+    with (
+        torch.inference_mode(),
+        pytest.raises(
+            RuntimeError,
+            match=r"after pack_cpu_weights\(\).*"
+            r"call pack_cpu_weights\(\) again",
+        ),
+    ):
         module(x)
     module.pack_cpu_weights()
     with torch.inference_mode():
@@ -395,8 +433,7 @@ def test_linear_backend_argument():
         expert_mlp(x, [0, 2], torch.zeros(1, 2 * I, H), torch.zeros(1, H, I), linear="mkl")
     if not onednn_linear_serves(torch.float16):
         with pytest.raises(ValueError, match="cannot serve torch.float16"):
-            expert_mlp(x.half(), [0, 2], torch.zeros(1, 2 * I, H).half(), torch.zeros(1, H, I).half(),
-                       linear="onednn")
+            expert_mlp(x.half(), [0, 2], torch.zeros(1, 2 * I, H).half(), torch.zeros(1, H, I).half(), linear="onednn")
 
 
 def test_choose_gemm():
@@ -434,6 +471,7 @@ def test_local_experts_rejects_bad_arguments():
 
 # ------------------------------------------------------------------ LocalDispatcher
 
+
 def test_local_dispatcher_maps_ids_and_passes_rows_through():
     layout = ExpertLayout(8, 1, num_redundant_experts=2)  # physical 0..9 routed, 10 shared
     dispatcher = LocalDispatcher(layout)
@@ -462,12 +500,15 @@ def test_local_dispatcher_rejects_bad_arguments():
         dispatcher.combine(torch.zeros(2, 4), "handle")
 
 
-@pytest.mark.parametrize("args,match", [
-    ((torch.zeros(4), torch.zeros(4, 1, dtype=torch.int32), torch.zeros(4, 1)), "2-D"),
-    ((torch.zeros(4, 2), torch.zeros(3, 1, dtype=torch.int32), torch.zeros(3, 1)), "T=4"),
-    ((torch.zeros(4, 2), torch.zeros(4, 1, dtype=torch.int32), torch.zeros(4, 2)), "must equal"),
-    ((torch.zeros(4, 2), torch.zeros(4, 1, dtype=torch.int32), torch.zeros(4, 1, dtype=torch.float64)), "float32"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((torch.zeros(4), torch.zeros(4, 1, dtype=torch.int32), torch.zeros(4, 1)), "2-D"),
+        ((torch.zeros(4, 2), torch.zeros(3, 1, dtype=torch.int32), torch.zeros(3, 1)), "T=4"),
+        ((torch.zeros(4, 2), torch.zeros(4, 1, dtype=torch.int32), torch.zeros(4, 2)), "must equal"),
+        ((torch.zeros(4, 2), torch.zeros(4, 1, dtype=torch.int32), torch.zeros(4, 1, dtype=torch.float64)), "float32"),
+    ],
+)
 def test_check_dispatch_inputs(args, match):
     with pytest.raises(ValueError, match=match):
         check_dispatch_inputs(*args)
@@ -486,6 +527,7 @@ def test_dispatch_handle_waits_once():
 
 # ------------------------------------------------------------------ GPU path
 
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -502,23 +544,37 @@ def test_cuda_matches_cpu(dtype):
 
 # ------------------------------------------------------------------ biases, swigluoai, weight on input
 
-def biased_reference(router, router_weight, x, w_gate_up, w_down, b_gate_up, b_down, activation,
-                     router_bias=None, weight_on_input=False):
+
+def biased_reference(
+    router, router_weight, x, w_gate_up, w_down, b_gate_up, b_down, activation, router_bias=None, weight_on_input=False
+):
     """sum_k w_k * (down(act(gate x + bg) * (up x + bu)) + bd) in float64."""
     logits = F.linear(x, router_weight, router_bias).float()
     topk_weights, topk_ids = reference.select_experts(logits.numpy(), router)
-    return dense_experts(x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down,
-                         weight_on_input=weight_on_input)
+    return dense_experts(
+        x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, weight_on_input=weight_on_input
+    )
 
 
 def make_biased_moe(seed, activation, **kwargs):
-    module = MoE(ROUTER if "router" not in kwargs else kwargs.pop("router"), H, I, activation=activation,
-                 expert_bias=True, router_bias=True, **kwargs)
+    module = MoE(
+        ROUTER if "router" not in kwargs else kwargs.pop("router"),
+        H,
+        I,
+        activation=activation,
+        expert_bias=True,
+        router_bias=True,
+        **kwargs,
+    )
     g = _generator(seed)
     n = module.router.num_experts
     # Large enough that the swigluoai clamps at +-7 are reached.
-    tensors = (torch.randn(n, 2 * I, H, generator=g) * 1.5, torch.randn(n, H, I, generator=g) * 0.3,
-               torch.randn(n, 2 * I, generator=g) * 2.0, torch.randn(n, H, generator=g))
+    tensors = (
+        torch.randn(n, 2 * I, H, generator=g) * 1.5,
+        torch.randn(n, H, I, generator=g) * 0.3,
+        torch.randn(n, 2 * I, generator=g) * 2.0,
+        torch.randn(n, H, generator=g),
+    )
     with torch.no_grad():
         module.router_weight.copy_(torch.randn(n, H, generator=g))
         module.router_bias.copy_(torch.randn(n, generator=g))
@@ -536,8 +592,9 @@ def test_expert_bias_and_activation_match_reference(gemm, activation):
         assert (pre[..., :I] > 7).any() and (pre[..., I:].abs() > 7).any()
     with torch.no_grad():
         out = module(x)
-    expected = biased_reference(module.router, module.router_weight, x, *tensors, activation,
-                                router_bias=module.router_bias)
+    expected = biased_reference(
+        module.router, module.router_weight, x, *tensors, activation, router_bias=module.router_bias
+    )
     assert (out.double() - expected).abs().max() / expected.abs().max() < FP32_RTOL
 
 
@@ -550,8 +607,7 @@ def test_expert_mlp_bias_backends_agree(linear):
     w_gate_up, w_down = torch.randn(2, 2 * I, H, generator=g), torch.randn(2, H, I, generator=g)
     b_gate_up, b_down = torch.randn(2, 2 * I, generator=g), torch.randn(2, H, generator=g)
     offsets = [0, 4, 10]
-    out = expert_mlp(x, offsets, w_gate_up, w_down, "swigluoai", linear=linear, b_gate_up=b_gate_up,
-                     b_down=b_down)
+    out = expert_mlp(x, offsets, w_gate_up, w_down, "swigluoai", linear=linear, b_gate_up=b_gate_up, b_down=b_down)
     padded = padded_expert_mlp(x, offsets, w_gate_up, w_down, "swigluoai", b_gate_up, b_down)
     for e in range(2):
         rows = slice(offsets[e], offsets[e + 1])
@@ -570,8 +626,9 @@ def test_expert_bias_with_round_robin_replicas_loads_each_logical_expert():
     x = torch.randn(11, H, generator=_generator(35))
     with torch.no_grad():
         out = module(x)
-    expected = biased_reference(module.router, module.router_weight, x, *tensors, "swigluoai",
-                                router_bias=module.router_bias)
+    expected = biased_reference(
+        module.router, module.router_weight, x, *tensors, "swigluoai", router_bias=module.router_bias
+    )
     assert (out.double() - expected).abs().max() / expected.abs().max() < FP32_RTOL
 
 
@@ -581,12 +638,14 @@ def test_apply_router_weight_on_input_matches_reference():
     x = torch.randn(21, H, generator=_generator(37))
     with torch.no_grad():
         out = module(x)
-    expected = biased_reference(router, module.router_weight, x, *tensors, "silu",
-                                router_bias=module.router_bias, weight_on_input=True)
+    expected = biased_reference(
+        router, module.router_weight, x, *tensors, "silu", router_bias=module.router_bias, weight_on_input=True
+    )
     assert (out.double() - expected).abs().max() / expected.abs().max() < FP32_RTOL
     # Not the same as weighting the output: the experts are not linear.
-    weighted_output = biased_reference(router, module.router_weight, x, *tensors, "silu",
-                                       router_bias=module.router_bias)
+    weighted_output = biased_reference(
+        router, module.router_weight, x, *tensors, "silu", router_bias=module.router_bias
+    )
     assert (weighted_output - expected).abs().max() > 1e-2 * expected.abs().max()
 
 
@@ -604,13 +663,19 @@ def test_apply_router_weight_on_input_keeps_the_shared_expert_unscaled():
         torch.testing.assert_close(module(x), shared(x))
 
 
-@pytest.mark.parametrize("kwargs,error,words", [
-    (dict(apply_router_weight_on_input=True), ValueError,
-     "apply_router_weight_on_input=True needs top_k=1.*got top_k=3"),
-    (dict(expert_bias=1), ValueError, "expert_bias=1 must be a bool"),
-    (dict(router_bias="yes"), ValueError, "router_bias='yes' must be a bool"),
-    (dict(activation="swiglu"), ValueError, "activation='swiglu' is not supported"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,words",
+    [
+        (
+            dict(apply_router_weight_on_input=True),
+            ValueError,
+            "apply_router_weight_on_input=True needs top_k=1.*got top_k=3",
+        ),
+        (dict(expert_bias=1), ValueError, "expert_bias=1 must be a bool"),
+        (dict(router_bias="yes"), ValueError, "router_bias='yes' must be a bool"),
+        (dict(activation="swiglu"), ValueError, "activation='swiglu' is not supported"),
+    ],
+)
 def test_bias_and_weight_on_input_errors(kwargs, error, words):
     with pytest.raises(error, match=words):
         MoE(ROUTER, H, I, **kwargs)

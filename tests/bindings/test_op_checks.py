@@ -63,18 +63,23 @@ def test_topk_ids_for_another_token_count_are_refused_in_every_format(fmt, id_ro
     w_gate_up, w_down, kwargs = _weights(fmt)
     x = torch.randn(TOKENS, HIDDEN, generator=_generator(5))
     ids, weights = _routing(id_rows)
-    message = (rf"topk_ids has shape \({id_rows}, {TOP_K}\) and hidden_states \({TOKENS}, {HIDDEN}\); "
-               rf"topk_ids must be \[T, K\] with T = hidden_states.shape\[0\] = {TOKENS}")
+    message = (
+        rf"topk_ids has shape \({id_rows}, {TOP_K}\) and hidden_states \({TOKENS}, {HIDDEN}\); "
+        rf"topk_ids must be \[T, K\] with T = hidden_states.shape\[0\] = {TOKENS}"
+    )
     _raises_everywhere((x, w_gate_up, w_down, ids, weights), kwargs, message)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("change, message", [
-    (dict(weights=torch.rand(TOKENS, TOP_K + 1)), r"topk_weights must be float32 of the shape of topk_ids"),
-    (dict(weights=torch.rand(TOKENS, TOP_K, dtype=torch.float64)), r"topk_weights must be float32.*float64"),
-    (dict(ids=torch.zeros(TOKENS, TOP_K, dtype=torch.int64)), r"topk_ids must be int32 \[T, K\], got torch.int64"),
-    (dict(ids=torch.zeros(TOKENS * TOP_K, dtype=torch.int32)), r"topk_ids must be int32 \[T, K\], got .* \(12,\)"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(weights=torch.rand(TOKENS, TOP_K + 1)), r"topk_weights must be float32 of the shape of topk_ids"),
+        (dict(weights=torch.rand(TOKENS, TOP_K, dtype=torch.float64)), r"topk_weights must be float32.*float64"),
+        (dict(ids=torch.zeros(TOKENS, TOP_K, dtype=torch.int64)), r"topk_ids must be int32 \[T, K\], got torch.int64"),
+        (dict(ids=torch.zeros(TOKENS * TOP_K, dtype=torch.int32)), r"topk_ids must be int32 \[T, K\], got .* \(12,\)"),
+    ],
+)
 def test_topk_weights_and_ids_dtype_and_shape_in_every_format(fmt, change, message):
     w_gate_up, w_down, kwargs = _weights(fmt)
     ids, weights = _routing()
@@ -92,8 +97,7 @@ def _meta_cases(fmt):
 def test_a_tensor_on_the_meta_device_is_refused_naming_both_devices(fmt, name):
     w_gate_up, w_down, kwargs = _weights(fmt)
     ids, weights = _routing()
-    args = dict(x=torch.randn(TOKENS, HIDDEN), w_gate_up=w_gate_up, w_down=w_down, topk_ids=ids,
-                topk_weights=weights)
+    args = dict(x=torch.randn(TOKENS, HIDDEN), w_gate_up=w_gate_up, w_down=w_down, topk_ids=ids, topk_weights=weights)
     if name in args:
         args[name] = args[name].to("meta")
     else:
@@ -108,11 +112,20 @@ def test_meta_hidden_states_with_cpu_weights_are_refused():
         ops.experts(torch.randn(TOKENS, HIDDEN, device="meta"), w_gate_up, w_down, ids, weights, **kwargs)
 
 
-@pytest.mark.parametrize("fmt, tensor", [("float", "w_down"), ("fp8_block", "w_down"), ("fp8_block", "down_scale"),
-                                         ("mxfp4", "w_down"), ("mxfp4", "gate_up_scale")])
+@pytest.mark.parametrize(
+    "fmt, tensor",
+    [
+        ("float", "w_down"),
+        ("fp8_block", "w_down"),
+        ("fp8_block", "down_scale"),
+        ("mxfp4", "w_down"),
+        ("mxfp4", "gate_up_scale"),
+    ],
+)
 def test_moe_forward_refuses_an_expert_tensor_left_on_the_meta_device(fmt, tensor):
-    quant = None if fmt == "float" else QuantConfig(fmt, block_size=(32, 32)) if fmt == "fp8_block" \
-        else QuantConfig(fmt)
+    quant = (
+        None if fmt == "float" else QuantConfig(fmt, block_size=(32, 32)) if fmt == "fp8_block" else QuantConfig(fmt)
+    )
     module = MoE(RouterConfig(EXPERTS, TOP_K), HIDDEN, INTER, quant=quant)
     old = getattr(module.experts, tensor)
     if isinstance(old, torch.nn.Parameter):
@@ -123,10 +136,15 @@ def test_moe_forward_refuses_an_expert_tensor_left_on_the_meta_device(fmt, tenso
         module(torch.randn(3, HIDDEN))
 
 
-@pytest.mark.parametrize("fmt, gemm, allowed", [("fp8_block", "loop", "'auto', 'rows', 'blocks'"),
-                                                ("fp8_tensor", "padded", "'auto', 'rows', 'blocks'"),
-                                                ("mxfp4", "loop", "'auto', 'rows', 'blocks'"),
-                                                ("float", "blocks", "'auto', 'loop', 'padded'")])
+@pytest.mark.parametrize(
+    "fmt, gemm, allowed",
+    [
+        ("fp8_block", "loop", "'auto', 'rows', 'blocks'"),
+        ("fp8_tensor", "padded", "'auto', 'rows', 'blocks'"),
+        ("mxfp4", "loop", "'auto', 'rows', 'blocks'"),
+        ("float", "blocks", "'auto', 'loop', 'padded'"),
+    ],
+)
 def test_an_unknown_strategy_names_the_ops_gemm_argument(fmt, gemm, allowed):
     w_gate_up, w_down, kwargs = _weights(fmt)
     ids, weights = _routing()
@@ -145,14 +163,18 @@ def test_routing_ops_refuse_a_tensor_on_another_device():
         ops.select_experts(logits, RouterConfig(EXPERTS, TOP_K), torch.zeros(EXPERTS, device="meta"))
     ids, weights = _routing()
     layout = ExpertLayout(EXPERTS, 1, shared="fused")
-    for kwargs, name in ((dict(topk_weights=weights.to("meta")), "topk_weights"),
-                         (dict(shared_weights=torch.ones(TOKENS, device="meta")), "shared_weights")):
+    for kwargs, name in (
+        (dict(topk_weights=weights.to("meta")), "topk_weights"),
+        (dict(shared_weights=torch.ones(TOKENS, device="meta")), "shared_weights"),
+    ):
         args = dict(topk_ids=ids, topk_weights=weights, shared_weights=1.0)
         args.update(kwargs)
         with pytest.raises(ValueError, match=rf"{name} is on meta, topk_ids on cpu"):
             ops.append_shared_slots(args["topk_ids"], args["topk_weights"], layout, 0, args["shared_weights"])
-        with FakeTensorMode(allow_non_fake_inputs=True), \
-                pytest.raises(ValueError, match=rf"{name} is on meta, topk_ids on cpu"):
+        with (
+            FakeTensorMode(allow_non_fake_inputs=True),
+            pytest.raises(ValueError, match=rf"{name} is on meta, topk_ids on cpu"),
+        ):
             ops.append_shared_slots(args["topk_ids"], args["topk_weights"], layout, 0, args["shared_weights"])
 
 

@@ -24,8 +24,7 @@ H, I, N = 24, 16, 8
 FP32_ATOL = 1e-5  # float32 outputs of magnitude ~1: a few ulps of accumulation-order difference
 
 SOFTMAX = RouterConfig(N, 3, "softmax", renormalize=True, routed_scaling_factor=1.5)
-GROUPED = RouterConfig(16, 4, "sigmoid", num_expert_group=4, topk_group=2, renormalize=True,
-                       routed_scaling_factor=2.5)
+GROUPED = RouterConfig(16, 4, "sigmoid", num_expert_group=4, topk_group=2, renormalize=True, routed_scaling_factor=2.5)
 
 
 def _opcheck(op, args, kwargs=None):
@@ -43,18 +42,28 @@ def test_ops_are_registered_in_the_moeroute_namespace():
 
 # ------------------------------------------------------------------ select_experts
 
+
 @pytest.mark.parametrize("router, with_bias", [(SOFTMAX, False), (GROUPED, True)])
 def test_select_experts_op_matches_reference(router, with_bias):
     logits = torch.randn(11, router.num_experts, generator=_generator(1))
     bias = torch.randn(router.num_experts, generator=_generator(2)) * 0.1 if with_bias else None
     weights, ids = ops.select_experts(logits, router, bias)
     expected_weights, expected_ids = reference.select_experts(
-        logits.numpy(), router, None if bias is None else bias.numpy())
+        logits.numpy(), router, None if bias is None else bias.numpy()
+    )
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32
     np.testing.assert_array_equal(ids.numpy(), expected_ids)
     np.testing.assert_allclose(weights.numpy(), expected_weights, rtol=1e-6, atol=1e-7)
-    args = (logits, router.top_k, router.scoring, router.num_expert_group, router.topk_group,
-            router.renormalize, float(router.routed_scaling_factor), bias)
+    args = (
+        logits,
+        router.top_k,
+        router.scoring,
+        router.num_expert_group,
+        router.topk_group,
+        router.renormalize,
+        float(router.routed_scaling_factor),
+        bias,
+    )
     _opcheck(ops.OPS["select_experts"], args)
 
 
@@ -79,6 +88,7 @@ def test_select_experts_op_errors():
 
 # ------------------------------------------------------------------ append_shared_slots
 
+
 def test_append_shared_slots_op_worked_example():
     # docs/semantics.md section 2: N=8, S=1, E=2, all2all; a token from rank 1 routed to logical 4 and 7
     # gets physical ids 5 and 8 and shared id 9.
@@ -91,22 +101,31 @@ def test_append_shared_slots_op_worked_example():
 
 
 @pytest.mark.parametrize("weight_form", ["none", "scalar", "tensor"])
-@pytest.mark.parametrize("layout_args", [dict(num_shared_experts=2), dict(num_shared_experts=0),
-                                         dict(num_shared_experts=1, num_redundant_experts=3)])
+@pytest.mark.parametrize(
+    "layout_args",
+    [dict(num_shared_experts=2), dict(num_shared_experts=0), dict(num_shared_experts=1, num_redundant_experts=3)],
+)
 def test_append_shared_slots_op_matches_reference(layout_args, weight_form):
     layout = ExpertLayout(N, **layout_args)
-    topk_weights, topk_ids = reference.select_experts(
-        torch.randn(9, N, generator=_generator(3)).numpy(), SOFTMAX)
+    topk_weights, topk_ids = reference.select_experts(torch.randn(9, N, generator=_generator(3)).numpy(), SOFTMAX)
     gate = torch.rand(9, generator=_generator(4))
     shared_weights = {"none": None, "scalar": 0.25, "tensor": gate}[weight_form]
-    ids, weights = ops.append_shared_slots(torch.from_numpy(topk_ids), torch.from_numpy(topk_weights),
-                                           layout, 0, shared_weights)
+    ids, weights = ops.append_shared_slots(
+        torch.from_numpy(topk_ids), torch.from_numpy(topk_weights), layout, 0, shared_weights
+    )
     expected_ids, expected_weights = reference.append_shared_slots(
-        topk_ids, topk_weights, layout, 0, gate.numpy() if weight_form == "tensor" else shared_weights)
+        topk_ids, topk_weights, layout, 0, gate.numpy() if weight_form == "tensor" else shared_weights
+    )
     np.testing.assert_array_equal(ids.numpy(), expected_ids)
     np.testing.assert_array_equal(weights.numpy(), expected_weights)
-    op_args = (torch.from_numpy(topk_ids), torch.from_numpy(topk_weights), ops.layout_key(layout), 0,
-               gate if weight_form == "tensor" else None, 0.25 if weight_form == "scalar" else None)
+    op_args = (
+        torch.from_numpy(topk_ids),
+        torch.from_numpy(topk_weights),
+        ops.layout_key(layout),
+        0,
+        gate if weight_form == "tensor" else None,
+        0.25 if weight_form == "scalar" else None,
+    )
     _opcheck(ops.OPS["append_shared_slots"], op_args)
 
 
@@ -120,8 +139,9 @@ def test_layout_keys_are_stable_per_layout_and_weak():
     del first
     gc.collect()
     with pytest.raises(ValueError, match="names no live ExpertLayout"):
-        torch.ops.moeroute.append_shared_slots(torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, 2),
-                                               key, 0, None, None)
+        torch.ops.moeroute.append_shared_slots(
+            torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, 2), key, 0, None, None
+        )
     with pytest.raises(TypeError, match="ExpertLayout"):
         ops.layout_key("layout.0")
 
@@ -129,12 +149,14 @@ def test_layout_keys_are_stable_per_layout_and_weak():
 def test_append_shared_slots_op_rejects_both_weight_forms():
     key = ops.layout_key(layout := ExpertLayout(N, 1))
     with pytest.raises(ValueError, match="not both"):
-        torch.ops.moeroute.append_shared_slots(torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, 2),
-                                               key, 0, torch.ones(1), 1.0)
+        torch.ops.moeroute.append_shared_slots(
+            torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, 2), key, 0, torch.ones(1), 1.0
+        )
     assert layout.shared == "fused"
 
 
 # ------------------------------------------------------------------ experts (CPU)
+
 
 def _expert_problem(seed, tokens=10, slots=3, experts=5, dtype=torch.float32):
     generator = _generator(seed)
@@ -158,8 +180,7 @@ def test_experts_op_matches_reference(gemm, activation):
     args = _expert_problem(5)
     out = torch.ops.moeroute.experts(*args, activation, gemm)
     assert out.dtype == torch.float32 and tuple(out.shape) == (10, H)
-    torch.testing.assert_close(out.double(), _experts_reference(*args, activation), rtol=1e-5,
-                               atol=FP32_ATOL)
+    torch.testing.assert_close(out.double(), _experts_reference(*args, activation), rtol=1e-5, atol=FP32_ATOL)
     _opcheck(ops.OPS["experts"], (*args, activation, gemm))
 
 
@@ -193,19 +214,23 @@ def test_experts_op_zero_tokens():
     assert tuple(out.shape) == (0, H)
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(hidden=torch.zeros(10, H + 1)), r"w_gate_up must be \[L, 2I, H=25\]"),
-    (dict(w_down=torch.zeros(5, H, I + 1)), r"w_down must be \[L, H, I\]"),
-    (dict(ids=torch.zeros(10, 3, dtype=torch.int64)), "topk_ids must be int32"),
-    (dict(weights=torch.zeros(10, 2)), "topk_weights must be float32 of the shape"),
-    (dict(w_gate_up=torch.zeros(5, 2 * I, H, dtype=torch.float64)), "dtype"),
-    (dict(activation="relu"), "activation='relu'"),
-    (dict(gemm="grouped"), "gemm='grouped'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(hidden=torch.zeros(10, H + 1)), r"w_gate_up must be \[L, 2I, H=25\]"),
+        (dict(w_down=torch.zeros(5, H, I + 1)), r"w_down must be \[L, H, I\]"),
+        (dict(ids=torch.zeros(10, 3, dtype=torch.int64)), "topk_ids must be int32"),
+        (dict(weights=torch.zeros(10, 2)), "topk_weights must be float32 of the shape"),
+        (dict(w_gate_up=torch.zeros(5, 2 * I, H, dtype=torch.float64)), "dtype"),
+        (dict(activation="relu"), "activation='relu'"),
+        (dict(gemm="grouped"), "gemm='grouped'"),
+    ],
+)
 def test_experts_op_errors(change, message):
     hidden, w_gate_up, w_down, ids, weights = _expert_problem(8)
-    args = dict(hidden=hidden, w_gate_up=w_gate_up, w_down=w_down, ids=ids, weights=weights,
-                activation="silu", gemm="auto")
+    args = dict(
+        hidden=hidden, w_gate_up=w_gate_up, w_down=w_down, ids=ids, weights=weights, activation="silu", gemm="auto"
+    )
     args.update(change)
     with pytest.raises(ValueError, match=message):
         torch.ops.moeroute.experts(*args.values())
@@ -234,8 +259,9 @@ def _physical_problem(seed, tokens=10, slots=3, dtype=torch.float32):
 def _held_ids(ids, expert_map):
     """The reference's local ids, written slot by slot: expert_map[p], -1 for p outside the map."""
     table = expert_map.tolist()
-    return torch.tensor([[table[p] if 0 <= p < len(table) else -1 for p in row] for row in ids.tolist()],
-                        dtype=torch.int64)
+    return torch.tensor(
+        [[table[p] if 0 <= p < len(table) else -1 for p in row] for row in ids.tolist()], dtype=torch.int64
+    )
 
 
 @pytest.mark.parametrize("gemm", ["auto", "loop", "padded", "rows"])
@@ -250,8 +276,7 @@ def test_experts_op_with_expert_map_matches_reference_over_held_experts(gemm):
     # The eager body, an int64 map, and the op agree; opcheck runs schema, fake and AOT with the map.
     eager = ops.experts(hidden, w_gate_up, w_down, ids, weights, "silu", gemm, expert_map=EXPERT_MAP.long())
     torch.testing.assert_close(eager, out, rtol=0, atol=0)
-    _opcheck(ops.OPS["experts"], (hidden, w_gate_up, w_down, ids, weights, "silu", gemm),
-             dict(expert_map=EXPERT_MAP))
+    _opcheck(ops.OPS["experts"], (hidden, w_gate_up, w_down, ids, weights, "silu", gemm), dict(expert_map=EXPERT_MAP))
 
 
 def test_experts_op_with_expert_map_and_biases():
@@ -259,10 +284,10 @@ def test_experts_op_with_expert_map_and_biases():
     generator = _generator(33)
     b_gate_up = torch.randn(5, 2 * I, generator=generator) * 0.5
     b_down = torch.randn(5, H, generator=generator) * 0.5
-    out = torch.ops.moeroute.experts(hidden, w_gate_up, w_down, ids, weights, "silu", "loop", b_gate_up, b_down,
-                                     expert_map=EXPERT_MAP)
-    expected = dense_experts(hidden, _held_ids(ids, EXPERT_MAP), weights, w_gate_up, w_down, "silu", b_gate_up,
-                             b_down)
+    out = torch.ops.moeroute.experts(
+        hidden, w_gate_up, w_down, ids, weights, "silu", "loop", b_gate_up, b_down, expert_map=EXPERT_MAP
+    )
+    expected = dense_experts(hidden, _held_ids(ids, EXPERT_MAP), weights, w_gate_up, w_down, "silu", b_gate_up, b_down)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=FP32_ATOL)
     assert torch.count_nonzero(out[:2]) == 0  # no bias leaks into rows with no held expert
 
@@ -284,20 +309,28 @@ def test_fp8_experts_op_with_expert_map_matches_reference_over_held_experts():
     hidden_size, inter = 128, 80
     quant = QuantConfig("fp8_block", block_size=(32, 64))
     generator = _generator(35)
-    q_gu, s_gu, q_d, s_d = quantize_experts(torch.randn(5, 2 * inter, hidden_size, generator=generator) * 0.1,
-                                            torch.randn(5, hidden_size, inter, generator=generator) * 0.1, quant)
+    q_gu, s_gu, q_d, s_d = quantize_experts(
+        torch.randn(5, 2 * inter, hidden_size, generator=generator) * 0.1,
+        torch.randn(5, hidden_size, inter, generator=generator) * 0.1,
+        quant,
+    )
     _, _, _, ids, weights = _physical_problem(36)
     x = torch.randn(ids.shape[0], hidden_size, generator=generator)
-    kwargs = dict(gate_up_scale=s_gu, down_scale=s_d, quant_format=quant.format,
-                  block_size=list(quant.block_size), expert_map=EXPERT_MAP)
+    kwargs = dict(
+        gate_up_scale=s_gu,
+        down_scale=s_d,
+        quant_format=quant.format,
+        block_size=list(quant.block_size),
+        expert_map=EXPERT_MAP,
+    )
     out = torch.ops.moeroute.experts(x, q_gu, q_d, ids, weights, **kwargs)
-    expected = moe_experts_reference(x, _held_ids(ids, EXPERT_MAP), weights, q_gu, s_gu, q_d, s_d,
-                                     quant.block_size)
+    expected = moe_experts_reference(x, _held_ids(ids, EXPERT_MAP), weights, q_gu, s_gu, q_d, s_d, quant.block_size)
     assert float((out - expected).abs().max() / expected.abs().max()) < 1e-4
     assert torch.count_nonzero(out[:2]) == 0
     # Same as the local ids given directly: the map is the only difference.
-    local = torch.ops.moeroute.experts(x, q_gu, q_d, _held_ids(ids, EXPERT_MAP).int(), weights,
-                                       **{**kwargs, "expert_map": None})
+    local = torch.ops.moeroute.experts(
+        x, q_gu, q_d, _held_ids(ids, EXPERT_MAP).int(), weights, **{**kwargs, "expert_map": None}
+    )
     torch.testing.assert_close(out, local, rtol=0, atol=0)
 
 
@@ -305,8 +338,7 @@ def test_experts_op_with_expert_map_compiles():
     hidden, w_gate_up, w_down, ids, weights = _physical_problem(37)
 
     def layer(x, topk_ids, topk_weights, expert_map):
-        return torch.ops.moeroute.experts(x, w_gate_up, w_down, topk_ids, topk_weights,
-                                          expert_map=expert_map) + x
+        return torch.ops.moeroute.experts(x, w_gate_up, w_down, topk_ids, topk_weights, expert_map=expert_map) + x
 
     compiled = torch.compile(layer, fullgraph=True)
     with torch.inference_mode():
@@ -315,13 +347,16 @@ def test_experts_op_with_expert_map_compiles():
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=FP32_ATOL)
 
 
-@pytest.mark.parametrize("expert_map, error, message", [
-    (EXPERT_MAP.float(), TypeError, "expert_map must hold integers"),
-    (EXPERT_MAP.bool(), TypeError, "expert_map must hold integers"),
-    (EXPERT_MAP.reshape(3, 4), ValueError, r"expert_map must be 1-D"),
-    (torch.where(EXPERT_MAP == 4, 5, EXPERT_MAP), ValueError, r"expert_map values must be .* \[0, 5\).*\[-1, 5\]"),
-    (torch.where(EXPERT_MAP == -1, -2, EXPERT_MAP), ValueError, r"expert_map values .*\[-2, 4\]"),
-])
+@pytest.mark.parametrize(
+    "expert_map, error, message",
+    [
+        (EXPERT_MAP.float(), TypeError, "expert_map must hold integers"),
+        (EXPERT_MAP.bool(), TypeError, "expert_map must hold integers"),
+        (EXPERT_MAP.reshape(3, 4), ValueError, r"expert_map must be 1-D"),
+        (torch.where(EXPERT_MAP == 4, 5, EXPERT_MAP), ValueError, r"expert_map values must be .* \[0, 5\).*\[-1, 5\]"),
+        (torch.where(EXPERT_MAP == -1, -2, EXPERT_MAP), ValueError, r"expert_map values .*\[-2, 4\]"),
+    ],
+)
 def test_experts_op_expert_map_errors(expert_map, error, message):
     hidden, w_gate_up, w_down, ids, weights = _physical_problem(38)
     with pytest.raises(error, match=message):
@@ -355,6 +390,7 @@ def test_experts_eager_body_rejects_a_non_tensor_expert_map():
 
 # ------------------------------------------------------------------ fused_experts (CUDA)
 
+
 def _meta(*tensors):
     return tuple(t.to("meta") for t in tensors)
 
@@ -368,8 +404,9 @@ def test_fused_experts_op_schema_and_fake_on_meta_tensors():
     assert out.device.type == "meta" and tuple(out.shape) == (10, H) and out.dtype == torch.float32
     int64_ids = ids.long()
     with FakeTensorMode() as mode, pytest.raises(ValueError, match="topk_ids must be int32"):
-        torch.ops.moeroute.fused_experts(*(mode.from_tensor(t) for t in (hidden, w_gate_up, w_down, weights)),
-                                         mode.from_tensor(int64_ids))
+        torch.ops.moeroute.fused_experts(
+            *(mode.from_tensor(t) for t in (hidden, w_gate_up, w_down, weights)), mode.from_tensor(int64_ids)
+        )
 
 
 def test_fused_experts_op_refuses_cpu_tensors():
@@ -394,13 +431,15 @@ def test_fused_experts_op_matches_reference_on_cuda():
 
 # ------------------------------------------------------------------ moe_forward
 
+
 def _moe(seed=0, **kwargs):
     module = MoE(SOFTMAX, H, I, **kwargs)
     generator = _generator(seed)
     with torch.no_grad():
         module.router_weight.copy_(torch.randn(N, H, generator=generator))
-        module.load_routed_weights(torch.randn(N, 2 * I, H, generator=generator) * 0.3,
-                                   torch.randn(N, H, I, generator=generator) * 0.3)
+        module.load_routed_weights(
+            torch.randn(N, 2 * I, H, generator=generator) * 0.3, torch.randn(N, H, I, generator=generator) * 0.3
+        )
     return module
 
 
@@ -408,8 +447,9 @@ def _moe_reference(module, x):
     """The layer without a shared expert, in float64 from the reference routing."""
     logits = F.linear(x, module.router_weight).float()
     weights, ids = reference.select_experts(logits.numpy(), module.router)
-    return _experts_reference(x, module.experts.w_gate_up, module.experts.w_down,
-                              torch.from_numpy(ids), torch.from_numpy(weights))
+    return _experts_reference(
+        x, module.experts.w_gate_up, module.experts.w_down, torch.from_numpy(ids), torch.from_numpy(weights)
+    )
 
 
 def test_moe_forward_is_the_op_and_matches_reference():
@@ -419,8 +459,9 @@ def test_moe_forward_is_the_op_and_matches_reference():
         out = module(x)
         direct = torch.ops.moeroute.moe_forward(x, None, module.layer_key)
         eager = module.forward_impl(x)
-    torch.testing.assert_close(out.double(), _moe_reference(module, x.reshape(-1, H)).reshape(x.shape),
-                               rtol=1e-5, atol=FP32_ATOL)
+    torch.testing.assert_close(
+        out.double(), _moe_reference(module, x.reshape(-1, H)).reshape(x.shape), rtol=1e-5, atol=FP32_ATOL
+    )
     assert torch.equal(out, direct) and torch.equal(out, eager)
     with torch.no_grad():
         _opcheck(ops.OPS["moe_forward"], (x, None, module.layer_key))

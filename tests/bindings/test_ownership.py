@@ -27,8 +27,9 @@ FP32_RTOL = 1e-5  # normwise relative error allowed in float32 (the brief's boun
 
 ROUTERS = {
     "softmax": RouterConfig(N, K, "softmax", renormalize=True, routed_scaling_factor=RSF),
-    "sigmoid_grouped": RouterConfig(N, K, "sigmoid", num_expert_group=4, topk_group=2,
-                                    renormalize=True, routed_scaling_factor=RSF),
+    "sigmoid_grouped": RouterConfig(
+        N, K, "sigmoid", num_expert_group=4, topk_group=2, renormalize=True, routed_scaling_factor=RSF
+    ),
 }
 
 
@@ -50,8 +51,17 @@ def build(shared, S, gated, regime, router="softmax", seed=0, **kwargs):
     if gate is not None:
         randomize(gate, seed + 2, 0.3, 0.1)
     config = ROUTERS[router]
-    module = MoE(config, H, I, shared_experts=shared_mlp, shared_expert_gate=gate, shared=shared,
-                 scaling_regime=regime, correction_bias=config.scoring == "sigmoid", **kwargs)
+    module = MoE(
+        config,
+        H,
+        I,
+        shared_experts=shared_mlp,
+        shared_expert_gate=gate,
+        shared=shared,
+        scaling_regime=regime,
+        correction_bias=config.scoring == "sigmoid",
+        **kwargs,
+    )
     generator = torch.Generator().manual_seed(seed)
     routed_in = module.routed_hidden_size
     w_gate_up = torch.randn(N, 2 * I, routed_in, generator=generator) * 0.3
@@ -78,17 +88,17 @@ def dense_reference(module, x, shared_mlp, gate, weights, *, routed_in=None, rou
         routed = F.linear(routed, routed_out.weight.double(), routed_out.bias.double())
     if shared_mlp is None:
         return routed
-    s = shared_mlp.down_proj.weight.double() @ (
-        F.silu(x64 @ shared_mlp.gate_proj.weight.double().T) * (x64 @ shared_mlp.up_proj.weight.double().T)
-    ).T
+    s = (
+        shared_mlp.down_proj.weight.double()
+        @ (F.silu(x64 @ shared_mlp.gate_proj.weight.double().T) * (x64 @ shared_mlp.up_proj.weight.double().T)).T
+    )
     s = s.T
     if gate is not None:
         s = torch.sigmoid(x64 @ gate.weight.double().T) * s
     return routed + s
 
 
-CASES = list(itertools.product(["auto", "runner", "overlap", "fused"], [1, 2], [False, True],
-                               ["router", "output"]))
+CASES = list(itertools.product(["auto", "runner", "overlap", "fused"], [1, 2], [False, True], ["router", "output"]))
 
 
 @pytest.mark.parametrize("shared,S,gated,regime", CASES)
@@ -198,8 +208,9 @@ def test_latent_moe(shared, expected, regime):
     with torch.no_grad():
         for p in list(routed_in.parameters()) + list(routed_out.parameters()):
             p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
-    module, shared_mlp, gate, weights = build(shared, 1, True, regime, routed_input_transform=routed_in,
-                                              routed_output_transform=routed_out)
+    module, shared_mlp, gate, weights = build(
+        shared, 1, True, regime, routed_input_transform=routed_in, routed_output_transform=routed_out
+    )
     assert module.layout.shared == expected
     assert module.experts.w_gate_up.shape == (N, 2 * I, LATENT)
     assert "routed_input_transform" in module.layout.shared_reason or shared != "auto"
@@ -213,9 +224,15 @@ def test_latent_moe(shared, expected, regime):
 
 def test_latent_moe_explicit_fused_is_a_layout_error():
     with pytest.raises(LayoutError, match="routed_input_transform"):
-        MoE(ROUTERS["softmax"], H, I, shared_experts=CountingMLP(H, I), shared="fused",
+        MoE(
+            ROUTERS["softmax"],
+            H,
+            I,
+            shared_experts=CountingMLP(H, I),
+            shared="fused",
             routed_input_transform=nn.Linear(H, LATENT, bias=False),
-            routed_output_transform=nn.Linear(LATENT, H, bias=False))
+            routed_output_transform=nn.Linear(LATENT, H, bias=False),
+        )
 
 
 def test_no_shared_expert_resolves_to_none():

@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from helpers.reference import dense_experts, rel_error
 from helpers.reference import generator as _generator
 from moeroute.bindings.torch import MoE
-from moeroute.bindings.torch.experts import (LocalExperts, SUPPORTED_DTYPES, onednn_linear_serves,
-                                             streamed_expert_mlp)
+from moeroute.bindings.torch.experts import LocalExperts, SUPPORTED_DTYPES, onednn_linear_serves, streamed_expert_mlp
 from moeroute.config import RouterConfig
 from moeroute.routing import reference
 
@@ -32,8 +31,9 @@ N, K, H, I = 8, 2, 16, 8
 #: few ulps of the output's scale in half precision (ulp 2**-11 float16, 2**-8 bfloat16).
 RTOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
-NEEDS_ONEDNN = pytest.mark.skipif(not onednn_linear_serves(torch.float32),
-                                  reason="this torch build has no oneDNN linear")
+NEEDS_ONEDNN = pytest.mark.skipif(
+    not onednn_linear_serves(torch.float32), reason="this torch build has no oneDNN linear"
+)
 
 
 def _biased_moe(seed=0, **kwargs):
@@ -63,8 +63,12 @@ def dense_reference(module, x):
 
 #: Conversions nn.Module offers (floating and complex dtypes), and whether the forward serves them.
 SERVED = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
-REFUSED = {"double": torch.float64, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
-           "complex64": torch.complex64}
+REFUSED = {
+    "double": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "complex64": torch.complex64,
+}
 
 
 def _convert(module, how):
@@ -93,8 +97,11 @@ def test_every_other_dtype_change_is_refused_at_the_forward(how):
     dtype = REFUSED[how]
     assert module.correction_bias.dtype == torch.float32
     x = torch.randn(5, H, generator=_generator(4)).to(dtype)
-    with pytest.raises(ValueError, match=rf"expert weights are {dtype}.*torch.float32, torch.float16, "
-                                         r"torch.bfloat16"):
+    with pytest.raises(
+        ValueError,
+        match=rf"expert weights are {dtype}.*torch.float32, torch.float16, "
+        r"torch.bfloat16",
+    ):
         module(x)
 
 
@@ -142,13 +149,22 @@ def test_transformers_experts_interface_refuses_a_float64_model():
 
 # ------------------------------------------------------------------ correction_bias stays float32
 
+
 @pytest.mark.filterwarnings("ignore:Complex modules:UserWarning")
-@pytest.mark.parametrize("change", [lambda m: m.half(), lambda m: m.bfloat16(), lambda m: m.double(),
-                                    lambda m: m.to(torch.bfloat16), lambda m: m.to(dtype=torch.float16),
-                                    lambda m: m.to("cpu", torch.bfloat16), lambda m: m.float(),
-                                    lambda m: m.to(torch.complex64)],
-                         ids=["half", "bfloat16", "double", "to-bf16", "to-dtype-f16", "to-cpu-bf16", "float",
-                              "complex64"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m.half(),
+        lambda m: m.bfloat16(),
+        lambda m: m.double(),
+        lambda m: m.to(torch.bfloat16),
+        lambda m: m.to(dtype=torch.float16),
+        lambda m: m.to("cpu", torch.bfloat16),
+        lambda m: m.float(),
+        lambda m: m.to(torch.complex64),
+    ],
+    ids=["half", "bfloat16", "double", "to-bf16", "to-dtype-f16", "to-cpu-bf16", "float", "complex64"],
+)
 def test_correction_bias_stays_float32_under_every_dtype_change(change):
     module = _biased_moe(seed=8)
     bias = module.correction_bias.clone()
@@ -159,6 +175,7 @@ def test_correction_bias_stays_float32_under_every_dtype_change(change):
 
 
 # ------------------------------------------------------------------ copies of packed modules
+
 
 def _deepcopy(module):
     return copy.deepcopy(module)
@@ -216,43 +233,76 @@ def test_packed_module_loaded_where_it_cannot_pack_runs_unpacked(monkeypatch):
 # ------------------------------------------------------------------ transformers checkpoints
 
 VOCAB, MODEL_H = 96, 32
-_COMMON = dict(vocab_size=VOCAB, hidden_size=MODEL_H, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64, intermediate_size=48)
-_LINEAR_ATTENTION = dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2,
-                         linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=MODEL_H,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    intermediate_size=48,
+)
+_LINEAR_ATTENTION = dict(
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_value_heads=2,
+    linear_num_key_heads=2,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+)
 
 
 def _config(family):
     """(model class, config) of a tiny two-layer model of each supported family."""
     tf = pytest.importorskip("transformers")
     experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
-    deepseek_style = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-                          first_k_dense_replace=1, routed_scaling_factor=2.5)
+    deepseek_style = dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+    )
     if family == "qwen2_moe":
         return tf.Qwen2MoeForCausalLM, tf.Qwen2MoeConfig(**_COMMON, **experts, shared_expert_intermediate_size=32)
     if family == "qwen3_moe":
         return tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(**_COMMON, **experts, head_dim=8, norm_topk_prob=True)
     if family == "qwen3_next":
-        return tf.Qwen3NextForCausalLM, tf.Qwen3NextConfig(**_COMMON, **experts, head_dim=8,
-                                                           shared_expert_intermediate_size=16, **_LINEAR_ATTENTION)
+        return tf.Qwen3NextForCausalLM, tf.Qwen3NextConfig(
+            **_COMMON, **experts, head_dim=8, shared_expert_intermediate_size=16, **_LINEAR_ATTENTION
+        )
     if family == "qwen3_5_moe":
-        return tf.Qwen3_5MoeForCausalLM, tf.Qwen3_5MoeTextConfig(**_COMMON, **experts, head_dim=8,
-                                                                 shared_expert_intermediate_size=16,
-                                                                 **_LINEAR_ATTENTION)
+        return tf.Qwen3_5MoeForCausalLM, tf.Qwen3_5MoeTextConfig(
+            **_COMMON, **experts, head_dim=8, shared_expert_intermediate_size=16, **_LINEAR_ATTENTION
+        )
     if family == "deepseek_v3":
         return tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(
-            **{**_COMMON, "num_key_value_heads": 4}, **deepseek_style, n_group=2, topk_group=1, n_shared_experts=1,
-            kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+            **{**_COMMON, "num_key_value_heads": 4},
+            **deepseek_style,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        )
     if family == "glm4_moe":
-        return tf.Glm4MoeForCausalLM, tf.Glm4MoeConfig(**_COMMON, **deepseek_style, head_dim=8, n_group=1,
-                                                       topk_group=1, n_shared_experts=2)
+        return tf.Glm4MoeForCausalLM, tf.Glm4MoeConfig(
+            **_COMMON, **deepseek_style, head_dim=8, n_group=1, topk_group=1, n_shared_experts=2
+        )
     if family == "mixtral":
-        return tf.MixtralForCausalLM, tf.MixtralConfig(**_COMMON, head_dim=8, num_local_experts=8,
-                                                       num_experts_per_tok=2)
+        return tf.MixtralForCausalLM, tf.MixtralConfig(
+            **_COMMON, head_dim=8, num_local_experts=8, num_experts_per_tok=2
+        )
     if family == "gpt_oss":  # 2 layers, 4 experts
-        return tf.GptOssForCausalLM, tf.GptOssConfig(**{**_COMMON, "intermediate_size": 16}, head_dim=8,
-                                                     num_local_experts=4, num_experts_per_tok=2,
-                                                     layer_types=["sliding_attention", "full_attention"])
+        return tf.GptOssForCausalLM, tf.GptOssConfig(
+            **{**_COMMON, "intermediate_size": 16},
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"],
+        )
     raise AssertionError(family)
 
 
@@ -297,8 +347,10 @@ def _state(model):
 #: (family, replace_moe_blocks options): every family as patched by default (fused shared
 #: slots where the shared MLP splits), and the other shared modes and replicas.
 CHECKPOINT_CASES = [(family, {}) for family in FAMILIES] + [
-    ("deepseek_v3", {"shared": "runner"}), ("qwen3_5_moe", {"shared": "overlap"}),
-    ("qwen3_moe", {"num_redundant_experts": 3}), ("gpt_oss", {"num_redundant_experts": 2}),
+    ("deepseek_v3", {"shared": "runner"}),
+    ("qwen3_5_moe", {"shared": "overlap"}),
+    ("qwen3_moe", {"num_redundant_experts": 3}),
+    ("gpt_oss", {"num_redundant_experts": 2}),
 ]
 
 

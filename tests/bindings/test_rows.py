@@ -30,8 +30,10 @@ def _problem(tokens, top_k, dtype, seed, bias=False):
     weights = torch.rand(tokens, top_k, generator=generator)
     biases = (None, None)
     if bias:
-        biases = ((torch.randn(L, 2 * I, generator=generator) * 0.5).to(dtype),
-                  (torch.randn(L, H, generator=generator) * 0.5).to(dtype))
+        biases = (
+            (torch.randn(L, 2 * I, generator=generator) * 0.5).to(dtype),
+            (torch.randn(L, H, generator=generator) * 0.5).to(dtype),
+        )
     return x, ids, weights, w_gate_up, w_down, biases
 
 
@@ -64,8 +66,17 @@ def _gate_up_then_down(xs, w_gate_up, acts, w_down, gate_up, sums):
     for b in range((w_gate_up.shape[1] + _rows.ROW_BLOCK - 1) // _rows.ROW_BLOCK):
         _rows._gate_up_item(xs, tokens, offsets, 0, b, w_gate_up, np.zeros((0, 0), np.float32), gate_up)
     for b in range((w_down.shape[1] + _rows.ROW_BLOCK - 1) // _rows.ROW_BLOCK):
-        _rows._down_block(acts, tokens, np.full(1, 2.0, np.float32), offsets, np.zeros(1, np.int64), w_down,
-                          np.zeros((0, 0), np.float32), sums, b)
+        _rows._down_block(
+            acts,
+            tokens,
+            np.full(1, 2.0, np.float32),
+            offsets,
+            np.zeros(1, np.int64),
+            w_down,
+            np.zeros((0, 0), np.float32),
+            sums,
+            b,
+        )
 
 
 def test_rows_widen_bfloat16_exactly():
@@ -78,8 +89,14 @@ def test_rows_widen_bfloat16_exactly():
     gate_up = torch.empty(1, 2 * I)
     sums = torch.zeros(1, H)
     acts = torch.arange(I, dtype=torch.float32)[None] + 1
-    _gate_up_then_down(x.float().numpy(), w_gate_up.view(torch.uint16).numpy(), acts.numpy(),
-                       w_down.view(torch.uint16).numpy(), gate_up.numpy(), sums.numpy())
+    _gate_up_then_down(
+        x.float().numpy(),
+        w_gate_up.view(torch.uint16).numpy(),
+        acts.numpy(),
+        w_down.view(torch.uint16).numpy(),
+        gate_up.numpy(),
+        sums.numpy(),
+    )
     assert torch.equal(gate_up[0], w_gate_up[0, :, 5].float())
     expected = torch.zeros(H)
     expected[:I] = 2 * (torch.arange(I, dtype=torch.float32) + 1)
@@ -89,10 +106,28 @@ def test_rows_widen_bfloat16_exactly():
 def _special_floats() -> torch.Tensor:
     """Float32 values where activations and rounding have edges: signed zeros, infinities, NaN,
     the bfloat16 tie points, the largest finite values, subnormals and a dense grid."""
-    ties = torch.tensor([0x3F808000, 0x3F818000, 0xBF808000, 0x3F80C000, 0x3F807FFF, 0x7F7F8000, 0x7F7FFFFF,
-                         0x00008000, 0x00018000, 0x80000001], dtype=torch.int64).to(torch.int32).view(torch.float32)
-    edges = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 7.0, -7.0, 7.0001, 88.0, -88.0,
-                          -104.0, 1e-30, -1e-30])
+    ties = (
+        torch.tensor(
+            [
+                0x3F808000,
+                0x3F818000,
+                0xBF808000,
+                0x3F80C000,
+                0x3F807FFF,
+                0x7F7F8000,
+                0x7F7FFFFF,
+                0x00008000,
+                0x00018000,
+                0x80000001,
+            ],
+            dtype=torch.int64,
+        )
+        .to(torch.int32)
+        .view(torch.float32)
+    )
+    edges = torch.tensor(
+        [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 7.0, -7.0, 7.0001, 88.0, -88.0, -104.0, 1e-30, -1e-30]
+    )
     grid = torch.linspace(-20, 20, 4001)
     return torch.cat([ties, edges, grid])
 
@@ -110,8 +145,12 @@ def test_fused_activation_matches_torch(activation):
     4 float32 ulps of the result plus 4 ulps of |gate * up| (the GELUs' 1 + erf / 1 + tanh cancel
     in the negative tail, where torch's vectorized erf and tanh and libm's differ by about one
     ulp of 1), NaN exactly where torch has it."""
-    values = torch.cat([torch.tensor([0.0, -0.0, 7.0, -7.0, 7.0001, 88.0, -88.0, -104.0, 1e-30, -1e-30, 1e4,
-                                      -1e4, float("nan")]), torch.linspace(-20, 20, 4001)])
+    values = torch.cat(
+        [
+            torch.tensor([0.0, -0.0, 7.0, -7.0, 7.0001, 88.0, -88.0, -104.0, 1e-30, -1e-30, 1e4, -1e4, float("nan")]),
+            torch.linspace(-20, 20, 4001),
+        ]
+    )
     if activation in ("silu", "swigluoai"):  # the GELUs' overflow at infinity differs (torch: NaN)
         values = torch.cat([values, torch.tensor([float("inf"), -float("inf")])])
     gate = values.repeat(9)
@@ -125,7 +164,7 @@ def test_fused_activation_matches_torch(activation):
     assert torch.equal(got[~finite & ~expected.isnan()], expected[~finite & ~expected.isnan()])
     if activation == "swigluoai":  # the clamped operands
         gate, up = gate.clamp(max=7), up.clamp(-7, 7) + 1
-    eps = 2.0 ** -23
+    eps = 2.0**-23
     bound = 4 * eps * (expected[finite].abs() + (gate[finite] * up[finite]).abs()).double()
     assert bool(((got[finite].double() - expected[finite].double()).abs() <= bound).all())
 
@@ -139,8 +178,13 @@ def test_bfloat16_output_rounds_as_torch():
     """The float32 sums written as bfloat16: the same bits as torch's conversion (nearest, ties
     to even, overflow to infinity); NaN as the quiet NaN 0x7FC0 (torch's scalar conversion's;
     its vector one writes 0xFFFF)."""
-    values = torch.cat([_special_floats(), -torch.tensor([float("nan")]),
-                        torch.randn(4096, generator=torch.Generator().manual_seed(2)) * 1e3])[None]
+    values = torch.cat(
+        [
+            _special_floats(),
+            -torch.tensor([float("nan")]),
+            torch.randn(4096, generator=torch.Generator().manual_seed(2)) * 1e3,
+        ]
+    )[None]
     out = torch.empty(values.shape, dtype=torch.bfloat16)
     _store(values.numpy(), out.view(torch.uint16).numpy())
     nan = values.isnan()
@@ -157,9 +201,18 @@ def test_auto_beyond_the_row_bound_takes_another_strategy():
     x, ids, weights, w_gate_up, w_down, _ = _problem(64, 4, torch.float32, 8)
     ids = ids.clamp(0, L - 1)
     out = torch.full((64, H), 5.0)
-    served = _rows.rows_experts_serial(x.numpy(), ids.numpy(), weights.numpy(), w_gate_up.numpy(), w_down.numpy(),
-                                       np.zeros((0, 0), np.float32), np.zeros((0, 0), np.float32), 0, 16.0,
-                                       out.numpy())
+    served = _rows.rows_experts_serial(
+        x.numpy(),
+        ids.numpy(),
+        weights.numpy(),
+        w_gate_up.numpy(),
+        w_down.numpy(),
+        np.zeros((0, 0), np.float32),
+        np.zeros((0, 0), np.float32),
+        0,
+        16.0,
+        out.numpy(),
+    )
     assert served is False and bool((out == 5.0).all())
     assert 64 * 4 / L > rows_bound(torch.float32)
     auto = cpu_experts(x, ids, weights, w_gate_up, w_down, "silu", "auto")
@@ -253,9 +306,9 @@ def test_bf16_dot_instruction_matches_float64(length, count, weight_rows):
     for i, w_row in enumerate(w_rows):
         for j, x_row in enumerate(x_rows):
             products = w[w_row].double() * xs[x_row].double()
-            bound = 4 * length * 2.0 ** -24 * float(products.abs().sum())
+            bound = 4 * length * 2.0**-24 * float(products.abs().sum())
             assert abs(float(out[i * count + j]) - float(products.sum())) <= bound
-    assert np.isnan(out[weight_rows * count:]).all()
+    assert np.isnan(out[weight_rows * count :]).all()
 
 
 @pytest.mark.parametrize("kernel", ["widened", "bf16_dot"])
@@ -269,10 +322,18 @@ def test_both_bfloat16_kernels_match_reference(kernel, tokens, top_k, bias):
     run = _rows.rows_experts_serial if kernel == "widened" else _rows.rows_experts_bf16_serial
     out = torch.empty(tokens, H, dtype=torch.bfloat16)
     no_bias = np.zeros((0, 0), np.float32)
-    served = run(x.view(torch.uint16).numpy(), ids.numpy(), weights.numpy(), w_gate_up.view(torch.uint16).numpy(),
-                 w_down.view(torch.uint16).numpy(), no_bias if b_gate_up is None else b_gate_up.float().numpy(),
-                 no_bias if b_down is None else b_down.float().numpy(), _rows.ACTIVATION_CODES["silu"], np.inf,
-                 out.view(torch.uint16).numpy())
+    served = run(
+        x.view(torch.uint16).numpy(),
+        ids.numpy(),
+        weights.numpy(),
+        w_gate_up.view(torch.uint16).numpy(),
+        w_down.view(torch.uint16).numpy(),
+        no_bias if b_gate_up is None else b_gate_up.float().numpy(),
+        no_bias if b_down is None else b_down.float().numpy(),
+        _rows.ACTIVATION_CODES["silu"],
+        np.inf,
+        out.view(torch.uint16).numpy(),
+    )
     assert served
     expected = _reference(x, ids, weights, w_gate_up, w_down, "silu", b_gate_up, b_down)
     scale = float(expected.abs().max()) or 1.0
@@ -287,8 +348,11 @@ def test_serial_and_parallel_kernels_give_the_same_bits(dtype, kernels):
     if kernels == "bf16_dot" and (dtype != torch.bfloat16 or not _rows.BF16_DOT):
         pytest.skip(BF16_DOT_REASON if dtype == torch.bfloat16 else "the dot kernels serve bfloat16")
     x, ids, weights, w_gate_up, w_down, (b_gate_up, b_down) = _problem(24, 4, dtype, 13, bias=True)
-    serial, parallel = ((_rows.rows_experts_serial, _rows.rows_experts) if kernels == "widened"
-                        else (_rows.rows_experts_bf16_serial, _rows.rows_experts_bf16))
+    serial, parallel = (
+        (_rows.rows_experts_serial, _rows.rows_experts)
+        if kernels == "widened"
+        else (_rows.rows_experts_bf16_serial, _rows.rows_experts_bf16)
+    )
 
     def view(tensor):
         return tensor.view(torch.uint16).numpy() if tensor.dtype == torch.bfloat16 else tensor.numpy()
@@ -296,8 +360,20 @@ def test_serial_and_parallel_kernels_give_the_same_bits(dtype, kernels):
     outs = []
     for run in (serial, parallel):
         out = torch.empty(24, H, dtype=dtype)
-        assert run(view(x), ids.numpy(), weights.numpy(), view(w_gate_up), view(w_down), b_gate_up.float().numpy(),
-                   b_down.float().numpy(), _rows.ACTIVATION_CODES["gelu"], np.inf, view(out))
+        assert run(
+            view(x),
+            ids.numpy(),
+            weights.numpy(),
+            view(w_gate_up),
+            view(w_down),
+            b_gate_up.float().numpy(),
+            b_down.float().numpy(),
+            _rows.ACTIVATION_CODES["gelu"],
+            np.inf,
+            view(out),
+        )
         outs.append(out)
-    assert torch.equal(outs[0].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                       outs[1].view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert torch.equal(
+        outs[0].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        outs[1].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+    )

@@ -28,8 +28,16 @@ def vllm_fused_topk(gating_output, topk, renormalize):
     return weights, ids.to(torch.int32)
 
 
-def vllm_grouped_topk(gating_output, topk, renormalize, num_expert_group, topk_group,
-                      scoring_func="softmax", routed_scaling_factor=1.0, e_score_correction_bias=None):
+def vllm_grouped_topk(
+    gating_output,
+    topk,
+    renormalize,
+    num_expert_group,
+    topk_group,
+    scoring_func="softmax",
+    routed_scaling_factor=1.0,
+    e_score_correction_bias=None,
+):
     """vLLM's torch grouped_topk, with the scores in float32."""
     logits = gating_output.float()
     scores = torch.softmax(logits, dim=-1) if scoring_func == "softmax" else logits.sigmoid()
@@ -43,8 +51,11 @@ def vllm_grouped_topk(gating_output, topk, renormalize, num_expert_group, topk_g
     group_idx = _topk(group_scores, topk_group)[1]
     group_mask = torch.zeros_like(group_scores)
     group_mask.scatter_(1, group_idx, 1)
-    score_mask = group_mask.unsqueeze(-1).expand(tokens, num_expert_group,
-                                                 scores.shape[-1] // num_expert_group).reshape(tokens, -1)
+    score_mask = (
+        group_mask.unsqueeze(-1)
+        .expand(tokens, num_expert_group, scores.shape[-1] // num_expert_group)
+        .reshape(tokens, -1)
+    )
     masked = scores.masked_fill(~score_mask.bool(), float("-inf"))
     ids = _topk(masked, topk)[1]
     weights = original_scores.gather(1, ids)
@@ -84,14 +95,38 @@ def test_fused_topk_indices_type(indices_type):
 
 GROUPED_CASES = {
     # DeepSeek-V3: sigmoid + bias, 8 groups of 32, keep 4, rsf 2.5
-    "deepseek-v3": dict(experts=256, topk=8, num_expert_group=8, topk_group=4, scoring_func="sigmoid",
-                        routed_scaling_factor=2.5, bias=True, renormalize=True),
+    "deepseek-v3": dict(
+        experts=256,
+        topk=8,
+        num_expert_group=8,
+        topk_group=4,
+        scoring_func="sigmoid",
+        routed_scaling_factor=2.5,
+        bias=True,
+        renormalize=True,
+    ),
     # DeepSeek-V2: softmax, no bias, groups scored by their max, no renormalization
-    "deepseek-v2": dict(experts=160, topk=6, num_expert_group=8, topk_group=3, scoring_func="softmax",
-                        routed_scaling_factor=1.0, bias=False, renormalize=False),
+    "deepseek-v2": dict(
+        experts=160,
+        topk=6,
+        num_expert_group=8,
+        topk_group=3,
+        scoring_func="softmax",
+        routed_scaling_factor=1.0,
+        bias=False,
+        renormalize=False,
+    ),
     # Kimi-K2 / GLM-4.5: one group, sigmoid + bias
-    "one-group": dict(experts=64, topk=8, num_expert_group=1, topk_group=1, scoring_func="sigmoid",
-                      routed_scaling_factor=2.827, bias=True, renormalize=True),
+    "one-group": dict(
+        experts=64,
+        topk=8,
+        num_expert_group=1,
+        topk_group=1,
+        scoring_func="sigmoid",
+        routed_scaling_factor=2.827,
+        bias=True,
+        renormalize=True,
+    ),
 }
 
 
@@ -100,11 +135,14 @@ GROUPED_CASES = {
 def test_grouped_topk_matches_vllm(name, dtype):
     case = GROUPED_CASES[name]
     hidden, logits = _inputs(TOKENS, case["experts"], dtype, 7)
-    bias = (torch.randn(case["experts"], generator=torch.Generator().manual_seed(3)) * 0.1
-            if case["bias"] else None)
-    kwargs = dict(num_expert_group=case["num_expert_group"], topk_group=case["topk_group"],
-                  scoring_func=case["scoring_func"], routed_scaling_factor=case["routed_scaling_factor"],
-                  e_score_correction_bias=bias)
+    bias = torch.randn(case["experts"], generator=torch.Generator().manual_seed(3)) * 0.1 if case["bias"] else None
+    kwargs = dict(
+        num_expert_group=case["num_expert_group"],
+        topk_group=case["topk_group"],
+        scoring_func=case["scoring_func"],
+        routed_scaling_factor=case["routed_scaling_factor"],
+        e_score_correction_bias=bias,
+    )
     weights, ids = grouped_topk(hidden, logits, case["topk"], case["renormalize"], **kwargs)
     ref_weights, ref_ids = vllm_grouped_topk(logits, case["topk"], case["renormalize"], **kwargs)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int32
@@ -161,27 +199,58 @@ def test_bad_arguments_are_named():
 
 # Arguments are checked before the config cache: the same answer whatever came before.
 
-@pytest.mark.parametrize("call, error, match", [
-    (lambda h, g: fused_topk(h, g, [2], True), TypeError, r"topk=\[2\] must be an integer"),
-    (lambda h, g: fused_topk(h, g, 2.0, True), TypeError, r"topk=2.0 must be an integer.*float"),
-    (lambda h, g: fused_topk(h, g, True, True), TypeError, r"topk=True must be an integer"),
-    (lambda h, g: fused_topk(h, g, "2", True), TypeError, r"topk='2' must be an integer"),
-    (lambda h, g: fused_topk(h, g, 2, 1), TypeError, r"renormalize=1 must be a bool"),
-    (lambda h, g: grouped_topk(h, g, 2, True, 4, 2, "softmax", None), TypeError,
-     r"routed_scaling_factor=None must be a real number in \[1e-06, 1e\+06\], got NoneType"),
-    (lambda h, g: grouped_topk(h, g, 2, True, 4, 2, "softmax", "2.5"), TypeError,
-     r"routed_scaling_factor='2.5' must be a real number.*got str"),
-    (lambda h, g: grouped_topk(h, g, 2, True, 4, 2, "softmax", [2.5]), TypeError,
-     r"routed_scaling_factor=\[2.5\]"),
-    (lambda h, g: grouped_topk(h, g, 2, True, 4, 2, "softmax", 0.0), ValueError,
-     r"routed_scaling_factor=0.0 must be a finite real number"),
-    (lambda h, g: grouped_topk(h, g, 2, True, 4.0, 2), TypeError,
-     r"num_expert_group=4.0 must be an integer >= 0, got float"),
-    (lambda h, g: grouped_topk(h, g, 2, True, 4, [2]), TypeError, r"topk_group=\[2\]"),
-    (lambda h, g: fused_topk(h, g.to("meta"), 2, True), ValueError,
-     r"gating_output is on meta; routing runs on cpu or cuda tensors"),
-], ids=["topk-list", "topk-float", "topk-bool", "topk-str", "renormalize-int", "rsf-none",
-        "rsf-str", "rsf-list", "rsf-range", "groups-float", "topk-group-list", "meta"])
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda h, g: fused_topk(h, g, [2], True), TypeError, r"topk=\[2\] must be an integer"),
+        (lambda h, g: fused_topk(h, g, 2.0, True), TypeError, r"topk=2.0 must be an integer.*float"),
+        (lambda h, g: fused_topk(h, g, True, True), TypeError, r"topk=True must be an integer"),
+        (lambda h, g: fused_topk(h, g, "2", True), TypeError, r"topk='2' must be an integer"),
+        (lambda h, g: fused_topk(h, g, 2, 1), TypeError, r"renormalize=1 must be a bool"),
+        (
+            lambda h, g: grouped_topk(h, g, 2, True, 4, 2, "softmax", None),
+            TypeError,
+            r"routed_scaling_factor=None must be a real number in \[1e-06, 1e\+06\], got NoneType",
+        ),
+        (
+            lambda h, g: grouped_topk(h, g, 2, True, 4, 2, "softmax", "2.5"),
+            TypeError,
+            r"routed_scaling_factor='2.5' must be a real number.*got str",
+        ),
+        (lambda h, g: grouped_topk(h, g, 2, True, 4, 2, "softmax", [2.5]), TypeError, r"routed_scaling_factor=\[2.5\]"),
+        (
+            lambda h, g: grouped_topk(h, g, 2, True, 4, 2, "softmax", 0.0),
+            ValueError,
+            r"routed_scaling_factor=0.0 must be a finite real number",
+        ),
+        (
+            lambda h, g: grouped_topk(h, g, 2, True, 4.0, 2),
+            TypeError,
+            r"num_expert_group=4.0 must be an integer >= 0, got float",
+        ),
+        (lambda h, g: grouped_topk(h, g, 2, True, 4, [2]), TypeError, r"topk_group=\[2\]"),
+        (
+            lambda h, g: fused_topk(h, g.to("meta"), 2, True),
+            ValueError,
+            r"gating_output is on meta; routing runs on cpu or cuda tensors",
+        ),
+    ],
+    ids=[
+        "topk-list",
+        "topk-float",
+        "topk-bool",
+        "topk-str",
+        "renormalize-int",
+        "rsf-none",
+        "rsf-str",
+        "rsf-list",
+        "rsf-range",
+        "groups-float",
+        "topk-group-list",
+        "meta",
+    ],
+)
 def test_bad_arguments_refused_whatever_came_before(call, error, match):
     hidden, logits = _inputs(4, 16, torch.float32)
     # Warm the config cache with the valid neighbours first (2 == 2.0, 4 == 4.0 as keys).
@@ -198,8 +267,9 @@ def test_numpy_integers_are_integers_for_every_argument():
     np = pytest.importorskip("numpy")
     hidden, logits = _inputs(TOKENS, 16, torch.float32, seed=3)
     want_w, want_ids = vllm_grouped_topk(logits, 3, True, 4, 2, routed_scaling_factor=2.5)
-    weights, ids = grouped_topk(hidden, logits, np.int64(3), np.bool_(True), np.int64(4),
-                                np.int32(2), "softmax", np.float64(2.5))
+    weights, ids = grouped_topk(
+        hidden, logits, np.int64(3), np.bool_(True), np.int64(4), np.int32(2), "softmax", np.float64(2.5)
+    )
     torch.testing.assert_close(ids, want_ids, rtol=0, atol=0)
     torch.testing.assert_close(weights, want_w, rtol=WEIGHT_RTOL, atol=0)
     weights, ids = fused_topk(hidden, logits, np.int64(3), True)

@@ -19,17 +19,20 @@ from moeroute.compat import vllm_plugin
 from moeroute.config import RouterConfig
 
 
-@pytest.mark.parametrize("environ, expected", [
-    ({}, False),
-    ({"VLLM_PLUGINS": "moeroute"}, True),
-    ({"VLLM_PLUGINS": "lora_filesystem_resolver,moeroute"}, True),
-    ({"VLLM_PLUGINS": "moeroute_extra"}, False),
-    ({"VLLM_PLUGINS": ""}, False),
-    ({"MOEROUTE_VLLM": "1"}, True),
-    ({"MOEROUTE_VLLM": "0", "VLLM_PLUGINS": "moeroute"}, False),
-    ({"MOEROUTE_VLLM": "1", "VLLM_PLUGINS": "other"}, True),
-    ({"MOEROUTE_VLLM": ""}, False),
-])
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({}, False),
+        ({"VLLM_PLUGINS": "moeroute"}, True),
+        ({"VLLM_PLUGINS": "lora_filesystem_resolver,moeroute"}, True),
+        ({"VLLM_PLUGINS": "moeroute_extra"}, False),
+        ({"VLLM_PLUGINS": ""}, False),
+        ({"MOEROUTE_VLLM": "1"}, True),
+        ({"MOEROUTE_VLLM": "0", "VLLM_PLUGINS": "moeroute"}, False),
+        ({"MOEROUTE_VLLM": "1", "VLLM_PLUGINS": "other"}, True),
+        ({"MOEROUTE_VLLM": ""}, False),
+    ],
+)
 def test_requested(environ, expected):
     assert vllm_plugin.requested(environ) is expected
 
@@ -74,15 +77,31 @@ def _layer(**fields):
     """A stand-in vLLM RoutedExperts of a DeepSeek-V3-like layer (16 experts)."""
     import torch
 
-    moe_config = SimpleNamespace(moe_parallel_config=_parallel(), is_lora_enabled=False,
-                                 activation=Activation.SILU, has_bias=False, has_hash_routing=False)
-    values = dict(moe_config=moe_config, layer_name="model.layers.1.mlp.experts", global_num_experts=16,
-                  local_num_experts=16, expert_map=None, top_k=4, use_grouped_topk=True,
-                  num_expert_group=4, topk_group=2, scoring_func="sigmoid", renormalize=True,
-                  routed_scaling_factor=2.5, custom_routing_function=None,
-                  apply_router_weight_on_input=False,
-                  w13_weight=torch.empty(16, 128, 64, dtype=torch.bfloat16),
-                  w2_weight=torch.empty(16, 64, 64, dtype=torch.bfloat16))
+    moe_config = SimpleNamespace(
+        moe_parallel_config=_parallel(),
+        is_lora_enabled=False,
+        activation=Activation.SILU,
+        has_bias=False,
+        has_hash_routing=False,
+    )
+    values = dict(
+        moe_config=moe_config,
+        layer_name="model.layers.1.mlp.experts",
+        global_num_experts=16,
+        local_num_experts=16,
+        expert_map=None,
+        top_k=4,
+        use_grouped_topk=True,
+        num_expert_group=4,
+        topk_group=2,
+        scoring_func="sigmoid",
+        renormalize=True,
+        routed_scaling_factor=2.5,
+        custom_routing_function=None,
+        apply_router_weight_on_input=False,
+        w13_weight=torch.empty(16, 128, 64, dtype=torch.bfloat16),
+        w2_weight=torch.empty(16, 64, 64, dtype=torch.bfloat16),
+    )
     values.update(fields)
     return SimpleNamespace(**values)
 
@@ -93,11 +112,16 @@ _EP_MAP = torch.tensor([-1 if e % 2 == 0 else e // 2 for e in range(16)], dtype=
 
 def _ep_layer(**fields):
     """The stand-in layer on rank 1 of vLLM's TP + EP over two ranks (8 of 16 experts held)."""
-    moe_config = SimpleNamespace(**{**vars(_layer().moe_config),
-                                    "moe_parallel_config": _parallel(ep_size=2, use_ep=True)})
-    values = dict(moe_config=moe_config, local_num_experts=8, expert_map=_EP_MAP,
-                  w13_weight=torch.empty(8, 128, 64, dtype=torch.bfloat16),
-                  w2_weight=torch.empty(8, 64, 64, dtype=torch.bfloat16))
+    moe_config = SimpleNamespace(
+        **{**vars(_layer().moe_config), "moe_parallel_config": _parallel(ep_size=2, use_ep=True)}
+    )
+    values = dict(
+        moe_config=moe_config,
+        local_num_experts=8,
+        expert_map=_EP_MAP,
+        w13_weight=torch.empty(8, 128, 64, dtype=torch.bfloat16),
+        w2_weight=torch.empty(8, 64, 64, dtype=torch.bfloat16),
+    )
     values.update(fields)
     return _layer(**values)
 
@@ -109,8 +133,9 @@ def _runner(router=None, shared=None):
 def test_plan_routes_as_the_layer_says():
     layer = _layer()
     plan = vllm_plugin.build_plan(layer, _runner(shared=object()))
-    assert plan.router == RouterConfig(16, 4, "sigmoid", num_expert_group=4, topk_group=2,
-                                       renormalize=True, routed_scaling_factor=2.5)
+    assert plan.router == RouterConfig(
+        16, 4, "sigmoid", num_expert_group=4, topk_group=2, renormalize=True, routed_scaling_factor=2.5
+    )
     assert plan.activation == "silu"
     # vLLM's runner computes the shared expert; the plan says so.
     assert plan.layout.num_shared_experts == 1
@@ -119,8 +144,14 @@ def test_plan_routes_as_the_layer_says():
 
 
 def test_plan_without_shared_expert_and_without_groups():
-    layer = _layer(use_grouped_topk=False, num_expert_group=None, topk_group=None, scoring_func="softmax",
-                   routed_scaling_factor=1.0, renormalize=False)
+    layer = _layer(
+        use_grouped_topk=False,
+        num_expert_group=None,
+        topk_group=None,
+        scoring_func="softmax",
+        routed_scaling_factor=1.0,
+        renormalize=False,
+    )
     plan = vllm_plugin.build_plan(layer, _runner())
     assert plan.router == RouterConfig(16, 4, "softmax", renormalize=False)
     assert plan.layout.shared == "none"
@@ -141,29 +172,36 @@ def _moe(**fields):
     return SimpleNamespace(**{**vars(moe), **fields})
 
 
-@pytest.mark.parametrize("moe, layer, runner, words", [
-    (_moe(), _layer(), None, "runner is not registered"),
-    (_moe(moe_parallel_config=_parallel(tp_size=2)), _layer(), _runner(), "tp=2"),
-    (_moe(moe_parallel_config=_parallel(ep_size=2, use_ep=True)), _layer(), _runner(),
-     "ep=2 ranks without an expert_map"),
-    (_moe(moe_parallel_config=_parallel(dp_size=2, ep_size=2, use_ep=True)), _layer(), _runner(), "dp=2"),
-    (_moe(moe_parallel_config=_parallel(ep_size=2, use_ep=True, sp_size=2)), _layer(), _runner(), "sp=2"),
-    (_moe(moe_parallel_config=_parallel(enable_eplb=True)), _layer(), _runner(), "EPLB"),
-    (_moe(is_lora_enabled=True), _layer(), _runner(), "LoRA"),
-    (_moe(activation=Activation.RELU2), _layer(), _runner(), "'relu2_no_mul'"),
-    (_moe(activation=Activation.SWIGLUOAI), _layer(), _runner(), "'swigluoai'"),
-    (_moe(has_bias=True), _layer(), _runner(), "biases"),
-    (_moe(), _layer(apply_router_weight_on_input=True), _runner(), "router weight on the input"),
-    (_moe(), _layer(custom_routing_function=vllm_plugin.requested), _runner(), "custom function (requested)"),
-    (_moe(), _layer(scoring_func="sqrtsoftplus"), _runner(), "'sqrtsoftplus'"),
-    (_moe(has_hash_routing=True), _layer(), _runner(), "hash"),
-    (_moe(), _layer(), _runner(router=ZeroExpertRouter()), "ZeroExpertRouter"),
-    (_moe(), _layer(local_num_experts=8), _runner(), "holds 8 of 16 experts without an expert_map"),
-    (_moe(), _ep_layer(expert_map=_EP_MAP[:8]), _runner(), "expert_map has shape (8,)"),
-    (_moe(), _ep_layer(expert_map=_EP_MAP.clamp(max=6)), _runner(), "name each of its 8 local experts once"),
-    (_moe(), _ep_layer(w13_weight=_layer().w13_weight), _runner(), "w13_weight holds 16 experts"),
-    (_moe(), _layer(w13_weight=SimpleNamespace(dtype="torch.float8_e4m3fn")), _runner(), "float8_e4m3fn"),
-])
+@pytest.mark.parametrize(
+    "moe, layer, runner, words",
+    [
+        (_moe(), _layer(), None, "runner is not registered"),
+        (_moe(moe_parallel_config=_parallel(tp_size=2)), _layer(), _runner(), "tp=2"),
+        (
+            _moe(moe_parallel_config=_parallel(ep_size=2, use_ep=True)),
+            _layer(),
+            _runner(),
+            "ep=2 ranks without an expert_map",
+        ),
+        (_moe(moe_parallel_config=_parallel(dp_size=2, ep_size=2, use_ep=True)), _layer(), _runner(), "dp=2"),
+        (_moe(moe_parallel_config=_parallel(ep_size=2, use_ep=True, sp_size=2)), _layer(), _runner(), "sp=2"),
+        (_moe(moe_parallel_config=_parallel(enable_eplb=True)), _layer(), _runner(), "EPLB"),
+        (_moe(is_lora_enabled=True), _layer(), _runner(), "LoRA"),
+        (_moe(activation=Activation.RELU2), _layer(), _runner(), "'relu2_no_mul'"),
+        (_moe(activation=Activation.SWIGLUOAI), _layer(), _runner(), "'swigluoai'"),
+        (_moe(has_bias=True), _layer(), _runner(), "biases"),
+        (_moe(), _layer(apply_router_weight_on_input=True), _runner(), "router weight on the input"),
+        (_moe(), _layer(custom_routing_function=vllm_plugin.requested), _runner(), "custom function (requested)"),
+        (_moe(), _layer(scoring_func="sqrtsoftplus"), _runner(), "'sqrtsoftplus'"),
+        (_moe(has_hash_routing=True), _layer(), _runner(), "hash"),
+        (_moe(), _layer(), _runner(router=ZeroExpertRouter()), "ZeroExpertRouter"),
+        (_moe(), _layer(local_num_experts=8), _runner(), "holds 8 of 16 experts without an expert_map"),
+        (_moe(), _ep_layer(expert_map=_EP_MAP[:8]), _runner(), "expert_map has shape (8,)"),
+        (_moe(), _ep_layer(expert_map=_EP_MAP.clamp(max=6)), _runner(), "name each of its 8 local experts once"),
+        (_moe(), _ep_layer(w13_weight=_layer().w13_weight), _runner(), "w13_weight holds 16 experts"),
+        (_moe(), _layer(w13_weight=SimpleNamespace(dtype="torch.float8_e4m3fn")), _runner(), "float8_e4m3fn"),
+    ],
+)
 def test_unsupported_layers_are_declined_with_the_reason(moe, layer, runner, words):
     reason = vllm_plugin.decline_reason(moe, layer, runner)
     assert reason is not None and words in reason, reason
@@ -184,6 +222,7 @@ def test_one_log_line_per_reason(monkeypatch, caplog):
 
 
 # ------------------------------------------------------------------ expert parallelism (expert_map)
+
 
 def test_expert_parallel_layer_is_served_with_its_plan():
     layer = _ep_layer()
@@ -217,8 +256,10 @@ def _global_ids(tokens, top_k, seed):
 def test_expert_parallel_layer_computes_its_partial_sum(dtype):
     hidden, inter, tokens, top_k = 64, 32, 9, 4
     g = generator(40)
-    layer = _ep_layer(w13_weight=(torch.randn(8, 2 * inter, hidden, generator=g) * 0.2).to(dtype),
-                      w2_weight=(torch.randn(8, hidden, inter, generator=g) * 0.2).to(dtype))
+    layer = _ep_layer(
+        w13_weight=(torch.randn(8, 2 * inter, hidden, generator=g) * 0.2).to(dtype),
+        w2_weight=(torch.randn(8, hidden, inter, generator=g) * 0.2).to(dtype),
+    )
     plan = vllm_plugin.build_plan(layer, _runner())
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     ids, weights = _global_ids(tokens, top_k, 41), torch.rand(tokens, top_k, generator=g)
@@ -229,8 +270,11 @@ def test_expert_parallel_layer_computes_its_partial_sum(dtype):
     assert float((out.double() - expected).norm() / expected.norm()) < tolerance
     # The two ranks' partial sums add up to the whole layer (what vLLM's all-reduce gives).
     other_map = torch.where(_EP_MAP == -1, torch.arange(16, dtype=torch.int32) // 2, -1)
-    other = _ep_layer(expert_map=other_map, w13_weight=(torch.randn(8, 2 * inter, hidden, generator=g) * 0.2).to(dtype),
-                      w2_weight=(torch.randn(8, hidden, inter, generator=g) * 0.2).to(dtype))
+    other = _ep_layer(
+        expert_map=other_map,
+        w13_weight=(torch.randn(8, 2 * inter, hidden, generator=g) * 0.2).to(dtype),
+        w2_weight=(torch.randn(8, hidden, inter, generator=g) * 0.2).to(dtype),
+    )
     total = out.double() + _served(plan)._experts(other, x, weights, ids).double()
     whole_up = torch.empty(16, 2 * inter, hidden, dtype=dtype)
     whole_down = torch.empty(16, hidden, inter, dtype=dtype)
@@ -246,20 +290,36 @@ def test_expert_parallel_mxfp4_layer_computes_its_partial_sum():
 
     hidden, inter, tokens, top_k = 64, 32, 7, 4
     g = generator(42)
-    (gu_blocks, gu_scales), (d_blocks, d_scales) = (quantize_mxfp4(torch.randn(8, 2 * inter, hidden, generator=g) * 0.2),
-                                                    quantize_mxfp4(torch.randn(8, hidden, inter, generator=g) * 0.2))
+    (gu_blocks, gu_scales), (d_blocks, d_scales) = (
+        quantize_mxfp4(torch.randn(8, 2 * inter, hidden, generator=g) * 0.2),
+        quantize_mxfp4(torch.randn(8, hidden, inter, generator=g) * 0.2),
+    )
     gu_bias, d_bias = torch.randn(8, 2 * inter, generator=g) * 0.3, torch.randn(8, hidden, generator=g) * 0.3
     # vLLM's packed bytes [E, rows, cols/2] and scale bytes [E, rows, cols/32].
-    layer = _ep_layer(w13_weight=gu_blocks.reshape(8, 2 * inter, -1), w13_weight_scale=gu_scales,
-                      w2_weight=d_blocks.reshape(8, hidden, -1), w2_weight_scale=d_scales,
-                      w13_bias=gu_bias, w2_bias=d_bias)
-    plan = dataclasses.replace(vllm_plugin.build_plan(layer, _runner()), activation="swigluoai",
-                               quant=QuantConfig("mxfp4"))
+    layer = _ep_layer(
+        w13_weight=gu_blocks.reshape(8, 2 * inter, -1),
+        w13_weight_scale=gu_scales,
+        w2_weight=d_blocks.reshape(8, hidden, -1),
+        w2_weight_scale=d_scales,
+        w13_bias=gu_bias,
+        w2_bias=d_bias,
+    )
+    plan = dataclasses.replace(
+        vllm_plugin.build_plan(layer, _runner()), activation="swigluoai", quant=QuantConfig("mxfp4")
+    )
     x = torch.randn(tokens, hidden, generator=g)
     ids, weights = _global_ids(tokens, top_k, 43), torch.rand(tokens, top_k, generator=g)
     out = _served(plan)._experts(layer, x, weights, ids)
-    expected = dense_experts(x, _held(ids, _EP_MAP), weights, dequantize_mxfp4(gu_blocks, gu_scales),
-                             dequantize_mxfp4(d_blocks, d_scales), "swigluoai", gu_bias, d_bias)
+    expected = dense_experts(
+        x,
+        _held(ids, _EP_MAP),
+        weights,
+        dequantize_mxfp4(gu_blocks, gu_scales),
+        dequantize_mxfp4(d_blocks, d_scales),
+        "swigluoai",
+        gu_bias,
+        d_bias,
+    )
     assert torch.count_nonzero(out[0]) == 0  # no bias reaches a token none of whose experts are here
     assert float((out.double() - expected).abs().max() / expected.abs().max()) < 1e-4
 
@@ -271,7 +331,10 @@ def test_vllm_expert_maps_are_served(placement):
     expert_map_manager = pytest.importorskip("vllm.model_executor.layers.fused_moe.expert_map_manager")
     hidden, inter, tokens, top_k = 64, 32, 5, 4
     g = generator(44)
-    w_up, w_down = torch.randn(16, 2 * inter, hidden, generator=g) * 0.2, torch.randn(16, hidden, inter, generator=g) * 0.2
+    w_up, w_down = (
+        torch.randn(16, 2 * inter, hidden, generator=g) * 0.2,
+        torch.randn(16, hidden, inter, generator=g) * 0.2,
+    )
     x = torch.randn(tokens, hidden, generator=g)
     ids, weights = _global_ids(tokens, top_k, 45), torch.rand(tokens, top_k, generator=g)
     total = torch.zeros(tokens, hidden, dtype=torch.float64)

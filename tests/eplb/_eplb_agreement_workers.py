@@ -32,9 +32,12 @@ def _attempt(layer, placement):
         outcome = "applied"
     except RankMismatchError as error:
         outcome = str(error)
-    return dict(outcome=outcome, table_kept=layer.layout.physical_to_logical.tolist() == table,
-                rows_kept=bool(torch.equal(layer.experts.w_gate_up, rows)),
-                table=layer.layout.physical_to_logical.tolist())
+    return dict(
+        outcome=outcome,
+        table_kept=layer.layout.physical_to_logical.tolist() == table,
+        rows_kept=bool(torch.equal(layer.experts.w_gate_up, rows)),
+        table=layer.layout.physical_to_logical.tolist(),
+    )
 
 
 def agreement_worker(rank, world_size, payload):

@@ -45,13 +45,12 @@ def greedy_rank_loads(load, num_physical, ep_size, num_nodes=1, num_groups=1):
     if num_groups % num_nodes:
         num_nodes = num_groups = 1
     group_size = n // num_groups
-    group_loads = [sum(load[g * group_size:(g + 1) * group_size]) for g in range(num_groups)]
+    group_loads = [sum(load[g * group_size : (g + 1) * group_size]) for g in range(num_groups)]
     group_node = pack(group_loads, num_nodes)
     ranks_per_node = ep_size // num_nodes
     rank_loads = []
     for node in range(num_nodes):
-        experts = [g * group_size + j for g in range(num_groups) if group_node[g] == node
-                   for j in range(group_size)]
+        experts = [g * group_size + j for g in range(num_groups) if group_node[g] == node for j in range(group_size)]
         node_load = [load[e] for e in experts]
         counts = replicate(node_load, num_physical // num_nodes)
         # The order of the replicas: first one per expert, then the extra ones in the
@@ -77,8 +76,9 @@ def rank_loads(load, physical_to_logical, ep_size):
     for logical in physical_to_logical:
         counts[logical] = counts.get(logical, 0) + 1
     per_rank = len(physical_to_logical) // ep_size
-    return [sum(load[x] / counts[x] for x in physical_to_logical[r * per_rank:(r + 1) * per_rank])
-            for r in range(ep_size)]
+    return [
+        sum(load[x] / counts[x] for x in physical_to_logical[r * per_rank : (r + 1) * per_rank]) for r in range(ep_size)
+    ]
 
 
 def balancedness(rank_load_list):
@@ -88,8 +88,7 @@ def balancedness(rank_load_list):
 
 def duplicates(physical_to_logical, ep_size):
     per_rank = len(physical_to_logical) // ep_size
-    return sum(per_rank - len(set(physical_to_logical[r * per_rank:(r + 1) * per_rank]))
-               for r in range(ep_size))
+    return sum(per_rank - len(set(physical_to_logical[r * per_rank : (r + 1) * per_rank])) for r in range(ep_size))
 
 
 def pack_avoiding_rank_loads(load, num_physical, ep_size):

@@ -26,8 +26,7 @@ TOLERANCE = 1e-6
 # --------------------------------------------------------------------------- the layers
 
 
-def build_layers(world_size, dispatch, shared, num_layers=2, record_load=True,
-                 placement="linear"):
+def build_layers(world_size, dispatch, shared, num_layers=2, record_load=True, placement="linear"):
     """``num_layers`` MoE layers on the world group, the same weights on every rank, and
     the full stacked routed weights of each layer."""
     from moeroute.bindings.torch.moe import MoE
@@ -39,12 +38,20 @@ def build_layers(world_size, dispatch, shared, num_layers=2, record_load=True,
         torch.manual_seed(40 + index)  # identical on every rank
         shared_mlp = CountingMLP(HIDDEN, INTER)
         gate = torch.nn.Linear(HIDDEN, 1, bias=False)
-        full = (torch.randn(N, 2 * INTER, HIDDEN) * HIDDEN ** -0.5,
-                torch.randn(N, HIDDEN, INTER) * INTER ** -0.5)
-        layer = MoE(RouterConfig(N, K), HIDDEN, INTER, shared_mlp, gate, shared=shared,
-                    ep_group=dist.group.WORLD, dispatch=dispatch,
-                    num_redundant_experts=redundant, record_load=record_load,
-                    placement=placement)
+        full = (torch.randn(N, 2 * INTER, HIDDEN) * HIDDEN**-0.5, torch.randn(N, HIDDEN, INTER) * INTER**-0.5)
+        layer = MoE(
+            RouterConfig(N, K),
+            HIDDEN,
+            INTER,
+            shared_mlp,
+            gate,
+            shared=shared,
+            ep_group=dist.group.WORLD,
+            dispatch=dispatch,
+            num_redundant_experts=redundant,
+            record_load=record_load,
+            placement=placement,
+        )
         layer.load_routed_weights(*full)
         layers.append(layer)
         weights.append(full)
@@ -101,13 +108,18 @@ def live_worker(rank, world_size, payload):
             # Several layers share one transfer: checked on 2 ranks; 4 ranks run one layer.
             # The overlap cases start from the round-robin placement, the others from linear.
             layers, weights = build_layers(
-                world_size, dispatch, shared, num_layers=2 if world_size == 2 else 1,
-                placement="round_robin" if shared == "overlap" else "linear")
+                world_size,
+                dispatch,
+                shared,
+                num_layers=2 if world_size == 2 else 1,
+                placement="round_robin" if shared == "overlap" else "linear",
+            )
             # Stand-ins for a quantized format's per-expert tensors (scales, packed blocks):
             # any tensor of module.experts with one row per local expert travels with it.
             for layer in layers:
-                logical = torch.tensor(layer.routed_expert_ids() + [N] * layer.num_shared_experts
-                                       * (layer.layout.shared == "fused"))
+                logical = torch.tensor(
+                    layer.routed_expert_ids() + [N] * layer.num_shared_experts * (layer.layout.shared == "fused")
+                )
                 layer.experts.register_buffer("scale_inv", _scale_rows(logical))
                 layer.experts.register_buffer("blocks", logical[:, None].repeat(1, 5).to(torch.uint8))
             steps = 2
@@ -126,33 +138,44 @@ def live_worker(rank, world_size, payload):
             slots = p // world_size
             wrong_weights = 0
             for index, layer in enumerate(layers):
-                for local, logical in enumerate(placement.layer(index)[rank * slots:(rank + 1) * slots]):
+                for local, logical in enumerate(placement.layer(index)[rank * slots : (rank + 1) * slots]):
                     wrong_weights += not torch.equal(layer.experts.w_gate_up[local], weights[index][0][logical])
                     wrong_weights += not torch.equal(layer.experts.w_down[local], weights[index][1][logical])
             for index, layer in enumerate(layers):
-                logical = torch.tensor(placement.layer(index)[rank * slots:(rank + 1) * slots].tolist())
+                logical = torch.tensor(placement.layer(index)[rank * slots : (rank + 1) * slots].tolist())
                 routed = logical.numel()
                 wrong_weights += not torch.equal(layer.experts.scale_inv[:routed], _scale_rows(logical))
-                wrong_weights += not torch.equal(layer.experts.blocks[:routed],
-                                                 logical[:, None].repeat(1, 5).to(torch.uint8))
+                wrong_weights += not torch.equal(
+                    layer.experts.blocks[:routed], logical[:, None].repeat(1, 5).to(torch.uint8)
+                )
             # gate_up + down float32 rows, scale_inv float32 [2, 3], blocks uint8 [5]
             row_bytes = (2 * INTER * HIDDEN + HIDDEN * INTER) * 4 + 6 * 4 + 5
-            expected_bytes = sum(_expected_received_bytes(old[i], placement.layer(i), world_size, rank,
-                                                          row_bytes) for i in range(len(layers)))
+            expected_bytes = sum(
+                _expected_received_bytes(old[i], placement.layer(i), world_size, rank, row_bytes)
+                for i in range(len(layers))
+            )
             totals = torch.tensor([handle.bytes_sent, handle.bytes_received], dtype=torch.int64)
             dist.all_reduce(totals)
-            records.append(dict(
-                name=f"{dispatch}-{shared}", error=_max_error(after, before),
-                load=load.tolist(), expected_load=[local_counts.tolist()] * len(layers),
-                tables=[layer.layout.physical_to_logical.tolist() for layer in layers],
-                expected_tables=placement.physical_to_logical.tolist(),
-                wrong_weights=wrong_weights, bytes_received=handle.bytes_received,
-                expected_bytes_received=expected_bytes, total_sent=int(totals[0]),
-                total_received=int(totals[1]), experts_moved=handle.experts_moved,
-                expected_moved=int(placement.moved(np.stack(old)).sum()),
-                shared_mode=layers[0].layout.shared,
-                balancedness_before=_balancedness(load, np.stack(old), world_size),
-                balancedness_after=_balancedness(load, placement.physical_to_logical, world_size)))
+            records.append(
+                dict(
+                    name=f"{dispatch}-{shared}",
+                    error=_max_error(after, before),
+                    load=load.tolist(),
+                    expected_load=[local_counts.tolist()] * len(layers),
+                    tables=[layer.layout.physical_to_logical.tolist() for layer in layers],
+                    expected_tables=placement.physical_to_logical.tolist(),
+                    wrong_weights=wrong_weights,
+                    bytes_received=handle.bytes_received,
+                    expected_bytes_received=expected_bytes,
+                    total_sent=int(totals[0]),
+                    total_received=int(totals[1]),
+                    experts_moved=handle.experts_moved,
+                    expected_moved=int(placement.moved(np.stack(old)).sum()),
+                    shared_mode=layers[0].layout.shared,
+                    balancedness_before=_balancedness(load, np.stack(old), world_size),
+                    balancedness_after=_balancedness(load, placement.physical_to_logical, world_size),
+                )
+            )
     return records
 
 
@@ -182,10 +205,17 @@ def async_worker(rank, world_size, payload):
             if swapped_at is None and layers[0].pending_placement is None:
                 swapped_at = step
         handle.wait()
-        records.append(dict(name=dispatch, pending_after_apply=pending_after_apply,
-                            swapped_at=swapped_at, errors=errors, done=handle.done,
-                            tables=[layer.layout.physical_to_logical.tolist() for layer in layers],
-                            expected_tables=placement.physical_to_logical.tolist()))
+        records.append(
+            dict(
+                name=dispatch,
+                pending_after_apply=pending_after_apply,
+                swapped_at=swapped_at,
+                errors=errors,
+                done=handle.done,
+                tables=[layer.layout.physical_to_logical.tolist() for layer in layers],
+                expected_tables=placement.physical_to_logical.tolist(),
+            )
+        )
     return records
 
 
@@ -232,8 +262,12 @@ class HeldTransfer:
 
 
 #: (dispatch, shared mode, post_at_apply) of the held asynchronous applies.
-HELD_CASES = [("all2all", "overlap", True), ("all2all", "fused", False),
-              ("allgather", "runner", False), ("allgather", "fused", True)]
+HELD_CASES = [
+    ("all2all", "overlap", True),
+    ("all2all", "fused", False),
+    ("allgather", "runner", False),
+    ("allgather", "fused", True),
+]
 #: Forwards run while the transfer is held open.
 HELD_FORWARDS = 3
 
@@ -254,40 +288,48 @@ def held_async_worker(rank, world_size, payload):
             reference = _forward_all(layers, x, logits)  # the old placement
             old_tables = [layer.layout.physical_to_logical.tolist() for layer in layers]
             old_rows = [layer.experts.w_gate_up.clone() for layer in layers]
-            placement = rebalance(gather_load(layers), layers[0].layout.num_routed_physical,
-                                  world_size)
+            placement = rebalance(gather_load(layers), layers[0].layout.num_routed_physical, world_size)
             held = live._all_to_all = HeldTransfer(real, post_at_apply)
             handle = apply(layers, placement, async_op=True)
             during = []
             for _ in range(HELD_FORWARDS):
                 out = _forward_all(layers, x, logits)
-                during.append(dict(
-                    error=_max_error(out, reference), done=handle.done,
-                    pending=all(layer.pending_placement is not None for layer in layers),
-                    tables=[layer.layout.physical_to_logical.tolist() for layer in layers],
-                    rows_kept=all(torch.equal(layer.experts.w_gate_up, rows)
-                                  for layer, rows in zip(layers, old_rows))))
+                during.append(
+                    dict(
+                        error=_max_error(out, reference),
+                        done=handle.done,
+                        pending=all(layer.pending_placement is not None for layer in layers),
+                        tables=[layer.layout.physical_to_logical.tolist() for layer in layers],
+                        rows_kept=all(
+                            torch.equal(layer.experts.w_gate_up, rows) for layer, rows in zip(layers, old_rows)
+                        ),
+                    )
+                )
             held.release()
             out = _forward_all(layers, x, logits)
             slots = layers[0].layout.num_routed_physical // world_size
             wrong_weights = 0
             for index, layer in enumerate(layers):
-                block = placement.layer(index)[rank * slots:(rank + 1) * slots]
+                block = placement.layer(index)[rank * slots : (rank + 1) * slots]
                 for local, logical in enumerate(block.tolist()):
-                    wrong_weights += not torch.equal(layer.experts.w_gate_up[local],
-                                                     weights[index][0][logical])
-                    wrong_weights += not torch.equal(layer.experts.w_down[local],
-                                                     weights[index][1][logical])
-            records.append(dict(
-                name=f"{dispatch}-{shared}-{'posted' if post_at_apply else 'deferred'}",
-                during=during, old_tables=old_tables,
-                moved=int(placement.moved(np.array(old_tables)).sum()),
-                waited_while_held=held.waited_while_held,
-                after_error=_max_error(out, reference), after_done=handle.done,
-                after_pending=any(layer.pending_placement is not None for layer in layers),
-                after_tables=[layer.layout.physical_to_logical.tolist() for layer in layers],
-                expected_tables=placement.physical_to_logical.tolist(),
-                wrong_weights=wrong_weights, error=repr(handle.error)))
+                    wrong_weights += not torch.equal(layer.experts.w_gate_up[local], weights[index][0][logical])
+                    wrong_weights += not torch.equal(layer.experts.w_down[local], weights[index][1][logical])
+            records.append(
+                dict(
+                    name=f"{dispatch}-{shared}-{'posted' if post_at_apply else 'deferred'}",
+                    during=during,
+                    old_tables=old_tables,
+                    moved=int(placement.moved(np.array(old_tables)).sum()),
+                    waited_while_held=held.waited_while_held,
+                    after_error=_max_error(out, reference),
+                    after_done=handle.done,
+                    after_pending=any(layer.pending_placement is not None for layer in layers),
+                    after_tables=[layer.layout.physical_to_logical.tolist() for layer in layers],
+                    expected_tables=placement.physical_to_logical.tolist(),
+                    wrong_weights=wrong_weights,
+                    error=repr(handle.error),
+                )
+            )
             handle.wait()  # a no-op once swapped
     finally:
         live._all_to_all = real
@@ -311,8 +353,11 @@ def disagree_worker(rank, world_size, payload):
         outcome = str(error)
     x, logits = skewed_inputs(rank, 0)
     _forward_all(layers, x, logits)  # still usable
-    return dict(outcome=outcome, table_kept=layers[0].layout.physical_to_logical.tolist() == old_table,
-                weights_kept=bool(torch.equal(layers[0].experts.w_gate_up, old_weights)))
+    return dict(
+        outcome=outcome,
+        table_kept=layers[0].layout.physical_to_logical.tolist() == old_table,
+        weights_kept=bool(torch.equal(layers[0].experts.w_gate_up, old_weights)),
+    )
 
 
 def dead_peer_worker(rank, world_size, payload):
@@ -325,8 +370,10 @@ def dead_peer_worker(rank, world_size, payload):
     old_table = layers[0].layout.physical_to_logical.tolist()
     old_weights = layers[0].experts.w_gate_up.clone()
     if rank == world_size - 1:
+
         def die(*args, **kwargs):
             os._exit(1)
+
         live._all_to_all = die
     start = time.monotonic()
     try:
@@ -334,7 +381,10 @@ def dead_peer_worker(rank, world_size, payload):
         outcome = "applied"
     except CollectiveError as error:
         outcome = "CollectiveError: " + str(error)
-    return dict(outcome=outcome, seconds=time.monotonic() - start,
-                table_kept=layers[0].layout.physical_to_logical.tolist() == old_table,
-                weights_kept=bool(torch.equal(layers[0].experts.w_gate_up, old_weights)),
-                pending=layers[0].pending_placement is not None)
+    return dict(
+        outcome=outcome,
+        seconds=time.monotonic() - start,
+        table_kept=layers[0].layout.physical_to_logical.tolist() == old_table,
+        weights_kept=bool(torch.equal(layers[0].experts.w_gate_up, old_weights)),
+        pending=layers[0].pending_placement is not None,
+    )

@@ -21,10 +21,13 @@ def records(tmp_path_factory):
     return spawn_group(agreement_worker, 2, tmp_path_factory.mktemp("agreement"), timeout_s=GROUP_TIMEOUT_S)
 
 
-@pytest.mark.parametrize("case, fields", [
-    ("ep_size", ["eplb.placement.ep_size: rank 0=2, rank 1=4"]),
-    ("dtype", ["eplb.layer0.dtype", "torch.bfloat16", "eplb.expert_tensors"]),
-])
+@pytest.mark.parametrize(
+    "case, fields",
+    [
+        ("ep_size", ["eplb.placement.ep_size: rank 0=2, rank 1=4"]),
+        ("dtype", ["eplb.layer0.dtype", "torch.bfloat16", "eplb.expert_tensors"]),
+    ],
+)
 def test_ranks_that_disagree_on_a_field_raise_the_same_error_naming_it(records, case, fields):
     outcomes = [rank_records[case] for rank_records in records]
     messages = {outcome["outcome"] for outcome in outcomes}

@@ -27,8 +27,16 @@ def compiled_kernels():
 
     rebalance([1.0] * N, N + 2, 2, previous=list(range(N)) + [0, 1])
     for shared in ("fused", "runner"):
-        module = MoE(RouterConfig(N, 2), 16, 8, CountingMLP(16, 8), torch.nn.Linear(16, 1, bias=False),
-                     shared=shared, num_redundant_experts=2, record_load=True)
+        module = MoE(
+            RouterConfig(N, 2),
+            16,
+            8,
+            CountingMLP(16, 8),
+            torch.nn.Linear(16, 1, bias=False),
+            shared=shared,
+            num_redundant_experts=2,
+            record_load=True,
+        )
         with torch.no_grad():
             module(torch.randn(5, 16))
 
@@ -40,8 +48,9 @@ def live(tmp_path_factory):
     def get(world_size):
         if world_size not in cache:
             try:
-                cache[world_size] = spawn_group(live_worker, world_size, tmp_path_factory.mktemp(f"live{world_size}"),
-                                                {"more": world_size == 2})
+                cache[world_size] = spawn_group(
+                    live_worker, world_size, tmp_path_factory.mktemp(f"live{world_size}"), {"more": world_size == 2}
+                )
             except AssertionError as error:
                 cache[world_size] = error
         if isinstance(cache[world_size], AssertionError):
@@ -85,8 +94,7 @@ def test_async_apply_swaps_every_rank_at_the_same_forward(live):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("case", ["-".join([d, s, "posted" if p else "deferred"])
-                                  for d, s, p in HELD_CASES])
+@pytest.mark.parametrize("case", ["-".join([d, s, "posted" if p else "deferred"]) for d, s, p in HELD_CASES])
 def test_async_apply_keeps_the_old_placement_while_the_transfer_is_in_flight(live, world_size, case):
     """The transfer is held open (_eplb_workers.HeldTransfer) for several forwards: they
     compute with the old placement and weights; the forward after its release swaps."""

@@ -6,9 +6,16 @@ import numpy as np
 import pytest
 
 import _eplb_reference as ref
-from moeroute.eplb import (Placement, balancedness, balancedness_from_physical, fold_physical_load,
-                           linear_placement, rank_load, rank_load_from_physical,
-                           round_robin_placement)
+from moeroute.eplb import (
+    Placement,
+    balancedness,
+    balancedness_from_physical,
+    fold_physical_load,
+    linear_placement,
+    rank_load,
+    rank_load_from_physical,
+    round_robin_placement,
+)
 from moeroute.layout import ExpertLayout
 
 
@@ -39,25 +46,31 @@ def test_even_split_matches_measured_counters_of_an_even_split():
     physical = load[table] / counts[table]
     assert rank_load(load, table, 4).tolist() == rank_load_from_physical(physical, 4).tolist()
     assert balancedness(load, table, 4) == pytest.approx(balancedness_from_physical(physical, 4))
-    assert balancedness(load, table, 4) == pytest.approx(ref.balancedness(ref.rank_loads(
-        load.tolist(), table.tolist(), 4)))
+    assert balancedness(load, table, 4) == pytest.approx(
+        ref.balancedness(ref.rank_loads(load.tolist(), table.tolist(), 4))
+    )
 
 
 def test_linear_and_round_robin_tables_are_the_layouts():
     for e in (1, 2, 4):
-        assert linear_placement(8, 12)[0].tolist() == ExpertLayout(
-            8, ep_size=e, dispatch="none" if e == 1 else "all2all",
-            num_redundant_experts=4).physical_to_logical.tolist()
-        assert round_robin_placement(8, 12, e)[0].tolist() == ExpertLayout(
-            8, ep_size=e, dispatch="none" if e == 1 else "all2all", num_redundant_experts=4,
-            placement="round_robin").physical_to_logical.tolist()
+        assert (
+            linear_placement(8, 12)[0].tolist()
+            == ExpertLayout(
+                8, ep_size=e, dispatch="none" if e == 1 else "all2all", num_redundant_experts=4
+            ).physical_to_logical.tolist()
+        )
+        assert (
+            round_robin_placement(8, 12, e)[0].tolist()
+            == ExpertLayout(
+                8, ep_size=e, dispatch="none" if e == 1 else "all2all", num_redundant_experts=4, placement="round_robin"
+            ).physical_to_logical.tolist()
+        )
 
 
 def test_placement_round_trips_and_validates():
     plan = Placement([[0, 1, 2, 0], [2, 1, 0, 0]], 2)
     assert plan.replica_counts.tolist() == [[2, 1, 1], [2, 1, 1]]
-    assert plan.logical_to_physical.tolist() == [[[0, 3], [1, -1], [2, -1]],
-                                                 [[2, 3], [1, -1], [0, -1]]]
+    assert plan.logical_to_physical.tolist() == [[[0, 3], [1, -1], [2, -1]], [[2, 3], [1, -1], [0, -1]]]
     assert plan.duplicates().tolist() == [0, 1]
     assert Placement.from_dict(plan.to_dict()) == plan
     with pytest.raises(ValueError, match="ep_size=3 does not divide the 4"):
@@ -70,14 +83,17 @@ def test_placement_round_trips_and_validates():
         Placement.from_dict({"ep_size": 2})
 
 
-@pytest.mark.parametrize("call, words", [
-    (lambda: rank_load([1.0, 2.0], [0, 1, 0], 2), ["ep_size=2", "divide", "3"]),
-    (lambda: rank_load([1.0, 2.0], [0, 5], 2), ["physical_to_logical", "[0, 2)"]),
-    (lambda: rank_load([1.0, 2.0], [0], 1), ["fewer than the 2 logical"]),
-    (lambda: rank_load([[1.0, 2.0]] * 3, [[0, 1]] * 2, 1), ["2 layers", "load has 3"]),
-    (lambda: rank_load_from_physical([1.0, -2.0], 1), ["physical_load", "negative"]),
-    (lambda: fold_physical_load([1.0, 2.0, 3.0], [0, 1], 2), ["2 physical", "num_physical_experts=3"]),
-])
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: rank_load([1.0, 2.0], [0, 1, 0], 2), ["ep_size=2", "divide", "3"]),
+        (lambda: rank_load([1.0, 2.0], [0, 5], 2), ["physical_to_logical", "[0, 2)"]),
+        (lambda: rank_load([1.0, 2.0], [0], 1), ["fewer than the 2 logical"]),
+        (lambda: rank_load([[1.0, 2.0]] * 3, [[0, 1]] * 2, 1), ["2 layers", "load has 3"]),
+        (lambda: rank_load_from_physical([1.0, -2.0], 1), ["physical_load", "negative"]),
+        (lambda: fold_physical_load([1.0, 2.0, 3.0], [0, 1], 2), ["2 physical", "num_physical_experts=3"]),
+    ],
+)
 def test_metric_bad_input(call, words):
     with pytest.raises(ValueError) as info:
         call()

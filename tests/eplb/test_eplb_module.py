@@ -63,8 +63,7 @@ def test_window_leaves_fused_shared_slots_out():
     from moeroute.bindings.torch.mlp import GatedMLP
 
     torch.manual_seed(4)
-    module = MoE(RouterConfig(N, K), HIDDEN, INTER, GatedMLP(HIDDEN, INTER), shared="fused",
-                 record_load=True)
+    module = MoE(RouterConfig(N, K), HIDDEN, INTER, GatedMLP(HIDDEN, INTER), shared="fused", record_load=True)
     x, logits = torch.randn(9, HIDDEN), torch.randn(9, N)
     with torch.no_grad():
         module(x, logits)
@@ -74,10 +73,13 @@ def test_window_leaves_fused_shared_slots_out():
     assert gather_load(module)[0].tolist() == expected.tolist()  # ... but never reported
 
 
-@pytest.mark.parametrize("kwargs, error, words", [
-    (dict(record_load="yes"), ValueError, ["record_load", "bool"]),
-    (dict(record_load=True, load_window=0), ValueError, ["load_window=0", ">= 1"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(record_load="yes"), ValueError, ["record_load", "bool"]),
+        (dict(record_load=True, load_window=0), ValueError, ["load_window=0", ">= 1"]),
+    ],
+)
 def test_bad_recorder_arguments(kwargs, error, words):
     with pytest.raises(error) as info:
         _module(**kwargs)
@@ -99,8 +101,9 @@ def test_apply_on_one_rank_keeps_outputs_and_moves_the_right_weights(bias):
     biases = (torch.randn(N, 2 * INTER), torch.randn(N, HIDDEN)) if bias else ()
     layers = []
     for seed in range(2):
-        module = _module(num_redundant_experts=4, expert_bias=bias, record_load=True,
-                         activation="swigluoai" if bias else "silu")
+        module = _module(
+            num_redundant_experts=4, expert_bias=bias, record_load=True, activation="swigluoai" if bias else "silu"
+        )
         module.load_routed_weights(*full, *biases)
         layers.append(module)
     x, logits = torch.randn(33, HIDDEN), torch.randn(33, N)
@@ -155,8 +158,7 @@ def test_async_apply_swaps_at_the_next_forward():
     with torch.no_grad():
         after = [layer(x, logits) for layer in layers]
     assert handle.done and all(layer.pending_placement is None for layer in layers)
-    assert [layer.layout.physical_to_logical.tolist() for layer in layers] == \
-        placement.physical_to_logical.tolist()
+    assert [layer.layout.physical_to_logical.tolist() for layer in layers] == placement.physical_to_logical.tolist()
     for a, b in zip(before, after):
         assert torch.allclose(a, b, rtol=0, atol=TOLERANCE * float(b.abs().max()))
 
@@ -166,9 +168,16 @@ def test_apply_with_fused_global_shared_slots_on_one_rank():
 
     torch.manual_seed(6)
     full = (torch.randn(N, 2 * INTER, HIDDEN), torch.randn(N, HIDDEN, INTER) * 0.3)
-    module = MoE(RouterConfig(N, K), HIDDEN, INTER, GatedMLP(HIDDEN, 2 * INTER),
-                 torch.nn.Linear(HIDDEN, 1, bias=False), shared="fused", num_redundant_experts=4,
-                 record_load=True)
+    module = MoE(
+        RouterConfig(N, K),
+        HIDDEN,
+        INTER,
+        GatedMLP(HIDDEN, 2 * INTER),
+        torch.nn.Linear(HIDDEN, 1, bias=False),
+        shared="fused",
+        num_redundant_experts=4,
+        record_load=True,
+    )
     module.load_routed_weights(*full)
     assert module.layout.shared_slots == "global"
     shared_rows = module.experts.w_gate_up[12:].clone()  # the 2 fused slots after the 12 routed
@@ -203,8 +212,11 @@ def test_apply_repacks_onednn_copies():
     assert torch.allclose(before, after, rtol=0, atol=TOLERANCE * float(after.abs().max()))
 
 
-@pytest.mark.parametrize("quant", [QuantConfig("fp8_block", block_size=(16, 32)), QuantConfig("fp8_tensor"),
-                                   QuantConfig("mxfp4")], ids=lambda q: q.format)
+@pytest.mark.parametrize(
+    "quant",
+    [QuantConfig("fp8_block", block_size=(16, 32)), QuantConfig("fp8_tensor"), QuantConfig("mxfp4")],
+    ids=lambda q: q.format,
+)
 def test_apply_moves_quantized_experts_with_their_scales(quant):
     """Quantized layers move their packed weights and scales slot by slot, never dequantized."""
     hidden, inter = 32, 32
@@ -226,12 +238,18 @@ def test_apply_moves_quantized_experts_with_their_scales(quant):
     assert handle.experts_moved == int(placement.moved(old[None]).sum()) > 0
     experts = layer.experts
     for slot, logical in enumerate(placement.layer(0).tolist()):
-        for name, source in (("w_gate_up", full[0]), ("gate_up_scale", full[1]), ("w_down", full[2]),
-                             ("down_scale", full[3])):
+        for name, source in (
+            ("w_gate_up", full[0]),
+            ("gate_up_scale", full[1]),
+            ("w_down", full[2]),
+            ("down_scale", full[3]),
+        ):
             moved = getattr(experts, name)[slot]
             assert moved.dtype == source.dtype
-            assert torch.equal(moved.reshape(-1).view(torch.uint8),
-                               source[logical].reshape(-1).view(torch.uint8)), (name, slot)
+            assert torch.equal(moved.reshape(-1).view(torch.uint8), source[logical].reshape(-1).view(torch.uint8)), (
+                name,
+                slot,
+            )
     with torch.no_grad():
         after = layer(x, logits)
     assert torch.allclose(before, after, rtol=0, atol=TOLERANCE * float(after.abs().max()))

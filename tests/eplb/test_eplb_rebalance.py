@@ -58,15 +58,14 @@ def _check_invariants(plan: Placement, load, p, ep, nodes, groups):
             replicas = plan.logical_to_physical[layer, logical]
             held = replicas[replicas >= 0]
             assert np.array_equal(held, np.flatnonzero(table[layer] == logical))
-            assert (replicas[len(held):] == -1).all()
+            assert (replicas[len(held) :] == -1).all()
     if groups % nodes == 0 and nodes > 1:
         # Hierarchical: each group's experts (and all their replicas) on one node.
         node_of_physical = np.arange(p) // (p // nodes)
         group_size = n // groups
         for layer in range(table.shape[0]):
             for g in range(groups):
-                nodes_of_group = {int(node_of_physical[q]) for q in range(p)
-                                  if table[layer, q] // group_size == g}
+                nodes_of_group = {int(node_of_physical[q]) for q in range(p) if table[layer, q] // group_size == g}
                 assert len(nodes_of_group) == 1
 
 
@@ -145,10 +144,11 @@ def test_layers_are_planned_independently():
     for layer in range(5):
         single = rebalance(load[layer], 24, 4, num_nodes=2, num_groups=4)
         assert np.array_equal(single.physical_to_logical[0], plan.physical_to_logical[layer])
-    assert np.allclose(balancedness(load, plan, 4),
-                       [ref.balancedness(ref.rank_loads(load[i].tolist(),
-                                                        plan.physical_to_logical[i].tolist(), 4))
-                        for i in range(5)], rtol=REL)
+    assert np.allclose(
+        balancedness(load, plan, 4),
+        [ref.balancedness(ref.rank_loads(load[i].tolist(), plan.physical_to_logical[i].tolist(), 4)) for i in range(5)],
+        rtol=REL,
+    )
 
 
 def test_groups_not_divisible_by_nodes_use_the_global_policy():
@@ -205,24 +205,27 @@ def test_moved_counts_changed_slots():
 # --------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(load=[1.0, -1.0, 2.0, 3.0]), ["load", "negative", ">= 0"]),
-    (dict(load=[1.0, float("nan"), 2.0, 3.0]), ["load", "not finite"]),
-    (dict(load=[1.0, float("inf"), 2.0, 3.0]), ["load", "not finite"]),
-    (dict(load=np.ones((2, 2, 4))), ["load", "[N]", "[L, N]"]),
-    (dict(load=["a", "b", "c", "d"]), ["load", "numbers"]),
-    (dict(num_physical_experts=3), ["num_physical_experts=3", ">= 4"]),
-    (dict(num_physical_experts=6, ep_size=4), ["num_physical_experts=6", "multiple of ep_size=4"]),
-    (dict(ep_size=0), ["ep_size=0", ">= 1"]),
-    (dict(num_groups=3), ["num_groups=3", "divide", "[1, 2, 4]"]),
-    (dict(num_nodes=3), ["num_nodes=3", "divide", "ep_size=2"]),
-    (dict(num_nodes=0), ["num_nodes=0", ">= 1"]),
-    (dict(previous=[0, 1, 2, 3, 0, 1, 2]), ["previous", "8"]),
-    (dict(previous=[0, 1, 2, 3, 0, 1, 2, 9]), ["previous", "[0, 4)"]),
-    (dict(previous=[0, 1, 2, 2, 0, 1, 2, 2]), ["previous", "no replica", "3"]),
-    (dict(previous=np.zeros((2, 8), int)), ["previous", "2 layer", "1"]),
-    (dict(num_physical_experts=True), ["num_physical_experts=True"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(load=[1.0, -1.0, 2.0, 3.0]), ["load", "negative", ">= 0"]),
+        (dict(load=[1.0, float("nan"), 2.0, 3.0]), ["load", "not finite"]),
+        (dict(load=[1.0, float("inf"), 2.0, 3.0]), ["load", "not finite"]),
+        (dict(load=np.ones((2, 2, 4))), ["load", "[N]", "[L, N]"]),
+        (dict(load=["a", "b", "c", "d"]), ["load", "numbers"]),
+        (dict(num_physical_experts=3), ["num_physical_experts=3", ">= 4"]),
+        (dict(num_physical_experts=6, ep_size=4), ["num_physical_experts=6", "multiple of ep_size=4"]),
+        (dict(ep_size=0), ["ep_size=0", ">= 1"]),
+        (dict(num_groups=3), ["num_groups=3", "divide", "[1, 2, 4]"]),
+        (dict(num_nodes=3), ["num_nodes=3", "divide", "ep_size=2"]),
+        (dict(num_nodes=0), ["num_nodes=0", ">= 1"]),
+        (dict(previous=[0, 1, 2, 3, 0, 1, 2]), ["previous", "8"]),
+        (dict(previous=[0, 1, 2, 3, 0, 1, 2, 9]), ["previous", "[0, 4)"]),
+        (dict(previous=[0, 1, 2, 2, 0, 1, 2, 2]), ["previous", "no replica", "3"]),
+        (dict(previous=np.zeros((2, 8), int)), ["previous", "2 layer", "1"]),
+        (dict(num_physical_experts=True), ["num_physical_experts=True"]),
+    ],
+)
 def test_bad_input_names_the_argument(kwargs, words):
     args = dict(load=[4.0, 3.0, 2.0, 1.0], num_physical_experts=8, ep_size=2)
     args.update(kwargs)
@@ -254,5 +257,4 @@ def test_a_drifting_load_moves_few_experts():
     assert kept.moved(plan).sum() < fresh.moved(plan).sum() / 2
     for layer in range(4):
         greedy = ref.greedy_rank_loads(drifted[layer].tolist(), 80, 8, 2, 8)
-        assert max(ref.rank_loads(drifted[layer].tolist(), kept.layer(layer).tolist(), 8)) \
-            <= max(greedy) * (1 + REL)
+        assert max(ref.rank_loads(drifted[layer].tolist(), kept.layer(layer).tolist(), 8)) <= max(greedy) * (1 + REL)

@@ -10,9 +10,28 @@ from moeroute.config import get_preset
 
 def test_run_eplb_rebalances_and_keeps_the_outputs(capsys):
     tokens, ep = 48, 2
-    status = main(["run", "--preset", "qwen3-30b-a3b", "--ep", str(ep), "--redundant", "2",
-                   "--tokens", str(tokens), "--hidden", "16", "--intermediate", "8",
-                   "--repeat", "2", "--eplb", "--skew", "1.5"])
+    status = main(
+        [
+            "run",
+            "--preset",
+            "qwen3-30b-a3b",
+            "--ep",
+            str(ep),
+            "--redundant",
+            "2",
+            "--tokens",
+            str(tokens),
+            "--hidden",
+            "16",
+            "--intermediate",
+            "8",
+            "--repeat",
+            "2",
+            "--eplb",
+            "--skew",
+            "1.5",
+        ]
+    )
     text = capsys.readouterr().out
     assert status == 0, text
     before, after = map(float, re.search(r"before ([\d.]+), after ([\d.]+)", text).groups())

@@ -45,8 +45,11 @@ def _layer(quant):
 
 
 def _expert_tensors(layer):
-    return {name: t.detach().clone() for name, t in list(layer.experts.named_parameters())
-            + list(layer.experts.named_buffers()) if t is not None}
+    return {
+        name: t.detach().clone()
+        for name, t in list(layer.experts.named_parameters()) + list(layer.experts.named_buffers())
+        if t is not None
+    }
 
 
 def _placement(layer):
@@ -68,8 +71,11 @@ def _wait_until(condition, event):
 
 
 @pytest.mark.parametrize("trigger", ["wait", "forward"])
-@pytest.mark.parametrize("quant", [None, QuantConfig("fp8_block", block_size=(16, 32)), QuantConfig("mxfp4")],
-                         ids=lambda q: "float" if q is None else q.format)
+@pytest.mark.parametrize(
+    "quant",
+    [None, QuantConfig("fp8_block", block_size=(16, 32)), QuantConfig("mxfp4")],
+    ids=lambda q: "float" if q is None else q.format,
+)
 def test_a_swap_waits_for_the_forward_in_flight(quant, trigger):
     layer, (gate_up, down) = _layer(quant)
     generator = torch.Generator().manual_seed(12)
@@ -122,8 +128,10 @@ def test_a_swap_waits_for_the_forward_in_flight(quant, trigger):
         assert not swapped.is_set(), "the swap ran under a forward in flight"
         assert layer.layout.physical_to_logical.tolist() == old_table
         for name, tensor in _expert_tensors(layer).items():
-            assert torch.equal(tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor,
-                               before[name].view(torch.uint8) if tensor.element_size() == 1 else before[name]), name
+            assert torch.equal(
+                tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor,
+                before[name].view(torch.uint8) if tensor.element_size() == 1 else before[name],
+            ), name
     finally:
         release.set()
         a.join(HANG_S)

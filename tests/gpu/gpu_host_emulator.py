@@ -22,8 +22,11 @@ from moeroute.gpu.align_fallback import align_block_size_array_api
 from moeroute.gpu.loader import KERNEL_DIR
 
 GUARD_ELEMENTS = 64  # elements of poison on each side of an emulated device buffer
-POISON_BITS = {np.dtype(np.float32): np.uint32(0x7FC00000), np.dtype(np.float16): np.uint16(0x7E00),
-               np.dtype(np.uint16): np.uint16(0x7FC0)}  # quiet NaN of float32 / float16 / bfloat16
+POISON_BITS = {
+    np.dtype(np.float32): np.uint32(0x7FC00000),
+    np.dtype(np.float16): np.uint16(0x7E00),
+    np.dtype(np.uint16): np.uint16(0x7FC0),
+}  # quiet NaN of float32 / float16 / bfloat16
 HOST_COMPILER = "g++"
 SCHEDULES = {"round_robin": 0, "lowest_first": 1, "highest_first": 2}  # moeroute_emu::Schedule
 ERROR_BUFFER_BYTES = 4096
@@ -104,9 +107,21 @@ class HostEmulator:
             build_dir.mkdir(parents=True, exist_ok=True)
             (build_dir / "kernels.cpp").write_text(source)
             partial = build_dir / f"kernels.{id(self)}.so"
-            command = [HOST_COMPILER, "-std=c++20", "-O1", "-shared", "-fPIC", "-Wall", "-Wextra",
-                       "-Wno-unused-parameter", f"-I{KERNEL_DIR}", f"-I{EMULATION_DIR}",
-                       str(build_dir / "kernels.cpp"), "-o", str(partial)]
+            command = [
+                HOST_COMPILER,
+                "-std=c++20",
+                "-O1",
+                "-shared",
+                "-fPIC",
+                "-Wall",
+                "-Wextra",
+                "-Wno-unused-parameter",
+                f"-I{KERNEL_DIR}",
+                f"-I{EMULATION_DIR}",
+                str(build_dir / "kernels.cpp"),
+                "-o",
+                str(partial),
+            ]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"host build failed:\n{result.stderr}")
@@ -137,8 +152,14 @@ class HostEmulator:
         params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])
         error = ctypes.create_string_buffer(ERROR_BUFFER_BYTES)
         status = self._library.moeroute_emu_launch(
-            plan.name.encode(), *[ctypes.c_uint(v) for v in plan.grid], *[ctypes.c_uint(v) for v in plan.block],
-            ctypes.c_ulong(plan.shared_memory), params, error, ctypes.c_ulong(ERROR_BUFFER_BYTES))
+            plan.name.encode(),
+            *[ctypes.c_uint(v) for v in plan.grid],
+            *[ctypes.c_uint(v) for v in plan.block],
+            ctypes.c_ulong(plan.shared_memory),
+            params,
+            error,
+            ctypes.c_ulong(ERROR_BUFFER_BYTES),
+        )
         if status != 0:
             raise RuntimeError(f"{plan.name}: {error.value.decode()}")
 
@@ -159,7 +180,7 @@ class GuardedArrays:
         else:
             full[:] = np.iinfo(dtype).min
         self._buffers.append((full, full.copy()))
-        return full[GUARD_ELEMENTS:GUARD_ELEMENTS + size].reshape(shape)
+        return full[GUARD_ELEMENTS : GUARD_ELEMENTS + size].reshape(shape)
 
     def copy(self, array):
         out = self.empty(array.shape, array.dtype)
@@ -170,8 +191,10 @@ class GuardedArrays:
         for full, snapshot in self._buffers:
             raw, before = full.view(np.uint8), snapshot.view(np.uint8)
             guard_bytes = GUARD_ELEMENTS * full.itemsize
-            if not (np.array_equal(raw[:guard_bytes], before[:guard_bytes])
-                    and np.array_equal(raw[-guard_bytes:], before[-guard_bytes:])):
+            if not (
+                np.array_equal(raw[:guard_bytes], before[:guard_bytes])
+                and np.array_equal(raw[-guard_bytes:], before[-guard_bytes:])
+            ):
                 raise AssertionError("a kernel wrote outside an array")
 
 

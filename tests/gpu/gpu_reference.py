@@ -51,8 +51,9 @@ def from_storage(x: np.ndarray, dtype: str) -> np.ndarray:
     return np.asarray(x, np.float64)
 
 
-def reference_slots(x, w_gate_up, w_down, topk_weights, topk_ids, *, activation="silu",
-                    apply_router_weight=True, dtype="float32"):
+def reference_slots(
+    x, w_gate_up, w_down, topk_weights, topk_ids, *, activation="silu", apply_router_weight=True, dtype="float32"
+):
     """Per-slot results: intermediate [T*K, I] and expert_out [T*K, H] in float64, NaN rows for
     slots whose id is outside [0, E); x, weights are float64 values of the stored inputs."""
     T, H = x.shape
@@ -78,13 +79,22 @@ def reference_slots(x, w_gate_up, w_down, topk_weights, topk_ids, *, activation=
     return intermediate, expert_out
 
 
-def reference_fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, *, activation="silu",
-                            apply_router_weight=True, dtype="float32"):
+def reference_fused_experts(
+    x, w_gate_up, w_down, topk_weights, topk_ids, *, activation="silu", apply_router_weight=True, dtype="float32"
+):
     """out [T, H] float64: the sum of each token's valid slot outputs, rounded to ``dtype``."""
     T, H = x.shape
     K = topk_ids.shape[1]
-    _, expert_out = reference_slots(x, w_gate_up, w_down, topk_weights, topk_ids, activation=activation,
-                                    apply_router_weight=apply_router_weight, dtype=dtype)
+    _, expert_out = reference_slots(
+        x,
+        w_gate_up,
+        w_down,
+        topk_weights,
+        topk_ids,
+        activation=activation,
+        apply_router_weight=apply_router_weight,
+        dtype=dtype,
+    )
     out = np.nan_to_num(expert_out, nan=0.0).reshape(T, K, H).sum(axis=1)
     return round_to(out, dtype)
 
@@ -116,10 +126,12 @@ def ragged_routing(counts, top_k: int, num_experts: int, rng, num_other_rank: in
 def random_problem(rng, num_tokens, hidden_size, intermediate_size, num_experts):
     """float32 hidden_states [T, H], w_gate_up [E, 2I, H], w_down [E, H, I] with O(1) outputs."""
     x = rng.standard_normal((num_tokens, hidden_size)).astype(np.float32)
-    w_gate_up = (rng.standard_normal((num_experts, 2 * intermediate_size, hidden_size))
-                 / np.sqrt(hidden_size)).astype(np.float32)
-    w_down = (rng.standard_normal((num_experts, hidden_size, intermediate_size))
-              / np.sqrt(intermediate_size)).astype(np.float32)
+    w_gate_up = (rng.standard_normal((num_experts, 2 * intermediate_size, hidden_size)) / np.sqrt(hidden_size)).astype(
+        np.float32
+    )
+    w_down = (rng.standard_normal((num_experts, hidden_size, intermediate_size)) / np.sqrt(intermediate_size)).astype(
+        np.float32
+    )
     return x, w_gate_up, w_down
 
 

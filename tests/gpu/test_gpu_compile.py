@@ -59,11 +59,17 @@ def test_nvrtc_compiles_every_instantiation(arch):
     assert "warning" not in result.log.lower(), result.log
     assert result.cubin, "no cubin produced"
     assert set(result.resources) == set(names)
-    report = "\n".join(f"{arch} {r.registers:4d} registers, {r.spill_store_bytes} B spill stores, "
-                       f"{r.spill_load_bytes} B spill loads  {name}" for name, r in sorted(result.resources.items()))
+    report = "\n".join(
+        f"{arch} {r.registers:4d} registers, {r.spill_store_bytes} B spill stores, "
+        f"{r.spill_load_bytes} B spill loads  {name}"
+        for name, r in sorted(result.resources.items())
+    )
     print(report)
-    spilling = {name: r for name, r in result.resources.items()
-                if r.spill_store_bytes or r.spill_load_bytes or r.stack_frame_bytes}
+    spilling = {
+        name: r
+        for name, r in result.resources.items()
+        if r.spill_store_bytes or r.spill_load_bytes or r.stack_frame_bytes
+    }
     assert not spilling, f"kernels spilling to local memory on {arch}:\n{report}"
     # The Hopper tiles: registers low enough for their min_blocks (>= 2) resident blocks per SM.
     for dtype in ("float16", "bfloat16"):
@@ -86,11 +92,15 @@ def test_hopper_tiles_keep_more_warps_resident():
         for key, hopper in L.MMA_TILES_SM90.items():
             tile_m, gated = key
             ampere = L.MMA_TILES[key]
-            blocks = {name: sm90_resident_blocks(tile, gated, resources[L.mma_name(dtype, tile, gated)].registers)
-                      for name, tile in (("sm90", hopper), ("sm80", ampere))}
+            blocks = {
+                name: sm90_resident_blocks(tile, gated, resources[L.mma_name(dtype, tile, gated)].registers)
+                for name, tile in (("sm90", hopper), ("sm80", ampere))
+            }
             warps = {"sm90": blocks["sm90"] * hopper.threads // 32, "sm80": blocks["sm80"] * ampere.threads // 32}
-            in_flight = {name: blocks[name] * (tile.stages - 1) * tile.shared_memory_bytes(gated) // tile.stages
-                         for name, tile in (("sm90", hopper), ("sm80", ampere))}
+            in_flight = {
+                name: blocks[name] * (tile.stages - 1) * tile.shared_memory_bytes(gated) // tile.stages
+                for name, tile in (("sm90", hopper), ("sm80", ampere))
+            }
             lines.append(f"{dtype} {key}: blocks {blocks}, warps {warps}, bytes in flight {in_flight}")
             assert blocks["sm90"] >= hopper.min_blocks >= HOPPER_MIN_RESIDENT_BLOCKS, lines[-1]
             assert in_flight["sm90"] >= in_flight["sm80"], lines[-1]
@@ -102,8 +112,7 @@ def test_hopper_tiles_keep_more_warps_resident():
 def _hip_translation_unit(names) -> str:
     # Taking each kernel's address instantiates it, as hiprtc's name expressions do.
     refs = ",\n".join(f"    reinterpret_cast<const void*>(&{name})" for name in names)
-    return (f'#include "{L.KERNEL_FILE}.hip"\n'
-            f"const void* moeroute_shipped_kernels[] = {{\n{refs}\n}};\n")
+    return f'#include "{L.KERNEL_FILE}.hip"\nconst void* moeroute_shipped_kernels[] = {{\n{refs}\n}};\n'
 
 
 @pytest.mark.skipif(HIPCC is None, reason="hipcc not found (apt-get install hipcc): HIP compile check skipped")
@@ -112,8 +121,17 @@ def test_hipcc_compiles_every_instantiation(arch, tmp_path):
     source = tmp_path / "shipped.hip"
     source.write_text(_hip_translation_unit(L.shipped_name_expressions("hip")))
     output = tmp_path / f"shipped-{arch}.co"
-    command = [HIPCC, "--genco", f"--offload-arch={arch}", "-std=c++17", "-Wall", f"-I{KERNEL_DIR}", str(source),
-               "-o", str(output)]
+    command = [
+        HIPCC,
+        "--genco",
+        f"--offload-arch={arch}",
+        "-std=c++17",
+        "-Wall",
+        f"-I{KERNEL_DIR}",
+        str(source),
+        "-o",
+        str(output),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HIP_PLATFORM": "amd"})
     assert result.returncode == 0, result.stderr
     assert "warning" not in result.stderr.lower(), result.stderr

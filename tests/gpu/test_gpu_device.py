@@ -23,21 +23,25 @@ pytestmark = [
 RELATIVE_ERROR = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-PATH_CASES = ([("simt", dtype, block_size) for dtype in L.DTYPES for block_size in L.BLOCK_SIZES]
-              + [("mma", dtype, block_size) for dtype in ("float16", "bfloat16") for block_size in L.BLOCK_SIZES])
+PATH_CASES = [("simt", dtype, block_size) for dtype in L.DTYPES for block_size in L.BLOCK_SIZES] + [
+    ("mma", dtype, block_size) for dtype in ("float16", "bfloat16") for block_size in L.BLOCK_SIZES
+]
 # H and I: multiples of 8 (mma-eligible) but of no tile width or k step.
 SHAPE = dict(num_tokens=257, hidden_size=392, intermediate_size=200, num_experts=12, top_k=4)
 
 
-def make_inputs(num_tokens, hidden_size, intermediate_size, num_experts, top_k, dtype, seed=0,
-                other_rank_fraction=0.15):
+def make_inputs(
+    num_tokens, hidden_size, intermediate_size, num_experts, top_k, dtype, seed=0, other_rank_fraction=0.15
+):
     g = torch.Generator(device="cuda").manual_seed(seed)
     cuda = dict(device="cuda", generator=g)
     x = torch.randn(num_tokens, hidden_size, **cuda).to(TORCH[dtype])
-    w_gate_up = (torch.randn(num_experts, 2 * intermediate_size, hidden_size, **cuda)
-                 / hidden_size ** 0.5).to(TORCH[dtype])
-    w_down = (torch.randn(num_experts, hidden_size, intermediate_size, **cuda)
-              / intermediate_size ** 0.5).to(TORCH[dtype])
+    w_gate_up = (torch.randn(num_experts, 2 * intermediate_size, hidden_size, **cuda) / hidden_size**0.5).to(
+        TORCH[dtype]
+    )
+    w_down = (torch.randn(num_experts, hidden_size, intermediate_size, **cuda) / intermediate_size**0.5).to(
+        TORCH[dtype]
+    )
     topk_ids = torch.rand(num_tokens, num_experts, **cuda).topk(top_k, dim=1).indices.int()
     topk_ids[torch.rand(num_tokens, top_k, **cuda) < other_rank_fraction] = -1
     topk_weights = torch.rand(num_tokens, top_k, **cuda) * 0.9 + 0.1
@@ -64,23 +68,38 @@ def relative_error(out, expected):
     return ((out.double() - expected).norm() / expected.norm()).item()
 
 
-def run_path(x, w_gate_up, w_down, topk_weights, topk_ids, *, path, block_size=None, activation="silu",
-             apply_router_weight=True):
+def run_path(
+    x, w_gate_up, w_down, topk_weights, topk_ids, *, path, block_size=None, activation="silu", apply_router_weight=True
+):
     """run_fused_experts with a forced kernel path, on torch's current stream."""
     import cupy
 
-    problem = check_fused_experts_args(x, w_gate_up, w_down, topk_weights, topk_ids, activation=activation,
-                                       apply_router_weight=apply_router_weight, block_size=block_size)
+    problem = check_fused_experts_args(
+        x,
+        w_gate_up,
+        w_down,
+        topk_weights,
+        topk_ids,
+        activation=activation,
+        apply_router_weight=apply_router_weight,
+        block_size=block_size,
+    )
     out = torch.empty_like(x)
 
     def allocate(shape, dtype):
         return _torch_as_cupy(torch.empty(shape, dtype=TORCH[dtype], device=x.device))
 
     with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-        run_fused_experts(CupyBackend(allocate), problem,
-                          *[_torch_as_cupy(v) for v in (x, w_gate_up, w_down, topk_weights, topk_ids)],
-                          _torch_as_cupy(out), activation=activation, apply_router_weight=apply_router_weight,
-                          block_size=block_size, path=path)
+        run_fused_experts(
+            CupyBackend(allocate),
+            problem,
+            *[_torch_as_cupy(v) for v in (x, w_gate_up, w_down, topk_weights, topk_ids)],
+            _torch_as_cupy(out),
+            activation=activation,
+            apply_router_weight=apply_router_weight,
+            block_size=block_size,
+            path=path,
+        )
     return out
 
 
@@ -97,8 +116,7 @@ def test_every_path_matches_torch(path, dtype, block_size):
 @pytest.mark.parametrize("apply_router_weight", [True, False])
 def test_activations_and_router_weight(path, dtype, activation, apply_router_weight):
     inputs = make_inputs(**SHAPE, dtype=dtype, seed=3)
-    out = run_path(*inputs, path=path, block_size=32, activation=activation,
-                   apply_router_weight=apply_router_weight)
+    out = run_path(*inputs, path=path, block_size=32, activation=activation, apply_router_weight=apply_router_weight)
     expected = torch_reference(*inputs, activation=activation, apply_router_weight=apply_router_weight)
     assert relative_error(out, expected) < RELATIVE_ERROR[dtype]
 
@@ -110,10 +128,13 @@ def test_mma_matches_simt():
     assert relative_error(mma, simt.double()) < 5e-3
 
 
-@pytest.mark.parametrize("name, hidden_size, intermediate_size, num_tokens, num_experts, top_k", [
-    ("DeepSeek-V3 decode", 7168, 2048, 64, 8, 8),
-    ("Qwen3-30B-A3B prefill", 2048, 768, 2048, 16, 8),
-])
+@pytest.mark.parametrize(
+    "name, hidden_size, intermediate_size, num_tokens, num_experts, top_k",
+    [
+        ("DeepSeek-V3 decode", 7168, 2048, 64, 8, 8),
+        ("Qwen3-30B-A3B prefill", 2048, 768, 2048, 16, 8),
+    ],
+)
 def test_model_shapes_on_a_side_stream(name, hidden_size, intermediate_size, num_tokens, num_experts, top_k):
     inputs = make_inputs(num_tokens, hidden_size, intermediate_size, num_experts, top_k, "bfloat16", seed=1)
     side = torch.cuda.Stream()
@@ -181,8 +202,9 @@ def test_gpt_oss_experts_with_biases_match_torch(dtype):
     g = torch.Generator(device=x.device).manual_seed(10)
     b_gate_up = (torch.randn(E, two_I, device=x.device, generator=g) * 2.0).to(x.dtype)
     b_down = torch.randn(E, x.shape[1], device=x.device, generator=g).to(x.dtype)
-    out = fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids, activation="swigluoai",
-                        gate_up_bias=b_gate_up, down_bias=b_down)
+    out = fused_experts(
+        x, w_gate_up, w_down, topk_weights, topk_ids, activation="swigluoai", gate_up_bias=b_gate_up, down_bias=b_down
+    )
     expected = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     for e in range(E):
         t, k = torch.nonzero(topk_ids == e, as_tuple=True)

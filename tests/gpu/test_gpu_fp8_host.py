@@ -89,8 +89,18 @@ def test_quantize_kernel_matches_quantize_fp8_activations(fp8_emulator, dtype, g
     stored = arrays.copy(to_storage(x, dtype))
     q = arrays.empty((rows, cols), np.uint8)
     scales = arrays.empty((rows, -(-cols // group)), np.float32)
-    fp8_emulator.launch(G.plan_quantize(dtype=dtype, x=stored, q=q, scales=scales, rows=rows, cols=cols,
-                                        group_size=group, ue8m0=scale_fmt == "ue8m0"))
+    fp8_emulator.launch(
+        G.plan_quantize(
+            dtype=dtype,
+            x=stored,
+            q=q,
+            scales=scales,
+            rows=rows,
+            cols=cols,
+            group_size=group,
+            ue8m0=scale_fmt == "ue8m0",
+        )
+    )
     arrays.check_guards()
     q_ref, s_ref = quantize_fp8_activations(torch.from_numpy(x).to(TORCH[dtype]), group_size, scale_fmt)
     np.testing.assert_array_equal(scales, s_ref.numpy())
@@ -112,8 +122,8 @@ def _problem(config, dtype, seed, H=144, I=100, top_k=2):
     E, T = len(COUNTS), topk_ids.shape[0]
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=gen).to(TORCH[dtype])
-    w_gate_up = torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5
-    w_down = torch.randn(E, H, I, generator=gen) / I ** 0.5
+    w_gate_up = torch.randn(E, 2 * I, H, generator=gen) / H**0.5
+    w_down = torch.randn(E, H, I, generator=gen) / I**0.5
     return x, topk_ids, topk_weights, quantize_experts(w_gate_up, w_down, config)
 
 
@@ -128,15 +138,41 @@ def test_fp8_experts_match_w8a8_reference(fp8_emulator, path, dtype, format, blo
     T, H = x.shape
     out = arrays.empty((T, H), L.STORAGE_DTYPES[dtype])
     bytes_of = lambda q: arrays.copy(q.view(torch.uint8).numpy())  # noqa: E731
-    G.run_fp8_experts(backend, dtype, arrays.copy(to_storage(x.float().numpy(), dtype)), bytes_of(q_gu),
-                      arrays.copy(s_gu.numpy()), bytes_of(q_d), arrays.copy(s_d.numpy()), arrays.copy(topk_weights),
-                      arrays.copy(topk_ids), out, format=format, block_size=block_size or (128, 128),
-                      scale_fmt=scale_fmt, align_block=16, path=path)
+    G.run_fp8_experts(
+        backend,
+        dtype,
+        arrays.copy(to_storage(x.float().numpy(), dtype)),
+        bytes_of(q_gu),
+        arrays.copy(s_gu.numpy()),
+        bytes_of(q_d),
+        arrays.copy(s_d.numpy()),
+        arrays.copy(topk_weights),
+        arrays.copy(topk_ids),
+        out,
+        format=format,
+        block_size=block_size or (128, 128),
+        scale_fmt=scale_fmt,
+        align_block=16,
+        path=path,
+    )
     arrays.check_guards()
     assert any(name.startswith(f"moe_gemm_fp8_{path}") for name in backend.launched)
-    expected = moe_experts_reference(x.float(), torch.from_numpy(topk_ids).long(), torch.from_numpy(topk_weights),
-                                     q_gu, s_gu, q_d, s_d, block_size=block_size, scale_fmt=scale_fmt,
-                                     intermediate_dtype=TORCH[dtype]).double().numpy()
+    expected = (
+        moe_experts_reference(
+            x.float(),
+            torch.from_numpy(topk_ids).long(),
+            torch.from_numpy(topk_weights),
+            q_gu,
+            s_gu,
+            q_d,
+            s_d,
+            block_size=block_size,
+            scale_fmt=scale_fmt,
+            intermediate_dtype=TORCH[dtype],
+        )
+        .double()
+        .numpy()
+    )
     actual = from_storage(out, dtype)
     assert np.isfinite(actual).all()
     error = np.abs(actual - expected).max() / np.abs(expected).max()
@@ -157,11 +193,36 @@ def test_scales_are_applied_per_block(fp8_emulator):
     backend = Fp8HostBackend(fp8_emulator, arrays)
     out = arrays.empty(tuple(x.shape), np.float32)
     bytes_of = lambda q: arrays.copy(q.view(torch.uint8).numpy())  # noqa: E731
-    G.run_fp8_experts(backend, "float32", arrays.copy(x.numpy()), bytes_of(q_gu), arrays.copy(s_gu.numpy()),
-                      bytes_of(q_d), arrays.copy(s_d.numpy()), arrays.copy(topk_weights), arrays.copy(topk_ids), out,
-                      format="fp8_block", block_size=(32, 48), align_block=16, path="mma")
-    expected = moe_experts_reference(x, torch.from_numpy(topk_ids).long(), torch.from_numpy(topk_weights),
-                                     q_gu, s_gu, q_d, s_d, block_size=(32, 48)).double().numpy()
+    G.run_fp8_experts(
+        backend,
+        "float32",
+        arrays.copy(x.numpy()),
+        bytes_of(q_gu),
+        arrays.copy(s_gu.numpy()),
+        bytes_of(q_d),
+        arrays.copy(s_d.numpy()),
+        arrays.copy(topk_weights),
+        arrays.copy(topk_ids),
+        out,
+        format="fp8_block",
+        block_size=(32, 48),
+        align_block=16,
+        path="mma",
+    )
+    expected = (
+        moe_experts_reference(
+            x,
+            torch.from_numpy(topk_ids).long(),
+            torch.from_numpy(topk_weights),
+            q_gu,
+            s_gu,
+            q_d,
+            s_d,
+            block_size=(32, 48),
+        )
+        .double()
+        .numpy()
+    )
     error = np.abs(out - expected).max() / np.abs(expected).max()
     assert error <= TOLERANCE["float32"], error
 
@@ -170,8 +231,9 @@ def test_bad_scale_shape_names_the_argument():
     config = QuantConfig(format="fp8_block", block_size=(64, 128))
     x, topk_ids, topk_weights, (q_gu, s_gu, q_d, s_d) = _problem(config, "float32", seed=1)
     with pytest.raises(ValueError, match="down_scale"):
-        G.check_fp8_experts_args(x, q_gu, s_gu, q_d, s_d[:, :1], topk_weights, topk_ids, format="fp8_block",
-                                 block_size=(64, 128))
+        G.check_fp8_experts_args(
+            x, q_gu, s_gu, q_d, s_d[:, :1], topk_weights, topk_ids, format="fp8_block", block_size=(64, 128)
+        )
     with pytest.raises(ValueError, match="gate_up_scale"):
         G.check_fp8_experts_args(x, q_gu, s_gu, q_d, s_d, topk_weights, topk_ids, format="fp8_tensor")
     with pytest.raises(ValueError, match="format"):
@@ -190,12 +252,15 @@ def test_nvrtc_compiles_without_spills(arch):
     result = _compile(arch)
     assert "warning" not in result.log.lower(), result.log
     assert result.cubin
-    report = "\n".join(f"{arch} {r.registers:4d} registers, {r.spill_store_bytes} B spill stores, "
-                       f"{r.spill_load_bytes} B spill loads, {r.stack_frame_bytes} B stack  {name}"
-                       for name, r in sorted(result.resources.items()))
+    report = "\n".join(
+        f"{arch} {r.registers:4d} registers, {r.spill_store_bytes} B spill stores, "
+        f"{r.spill_load_bytes} B spill loads, {r.stack_frame_bytes} B stack  {name}"
+        for name, r in sorted(result.resources.items())
+    )
     print(report)
-    spilling = [name for name, r in result.resources.items()
-                if r.spill_store_bytes or r.spill_load_bytes or r.stack_frame_bytes]
+    spilling = [
+        name for name, r in result.resources.items() if r.spill_store_bytes or r.spill_load_bytes or r.stack_frame_bytes
+    ]
     assert not spilling, f"kernels spilling to local memory on {arch}:\n{report}"
     for (_, gated), tile in G.FP8_MMA_TILES.items():
         registers = result.resources[G.mma_name("bfloat16", tile, gated)].registers
@@ -226,9 +291,22 @@ def test_hipcc_compiles_the_hip_variant(tmp_path, arch):
     source = tmp_path / "fp8.hip"
     source.write_text(f'#include "{G.KERNEL_FILE}.hip"\nconst void* moeroute_fp8_kernels[] = {{\n{refs}\n}};\n')
     output = tmp_path / f"fp8-{arch}.co"
-    result = subprocess.run([HIPCC, "--genco", f"--offload-arch={arch}", "-std=c++17", "-Wall", f"-I{KERNEL_DIR}",
-                             str(source), "-o", str(output)], capture_output=True, text=True,
-                            env={**os.environ, "HIP_PLATFORM": "amd"})
+    result = subprocess.run(
+        [
+            HIPCC,
+            "--genco",
+            f"--offload-arch={arch}",
+            "-std=c++17",
+            "-Wall",
+            f"-I{KERNEL_DIR}",
+            str(source),
+            "-o",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HIP_PLATFORM": "amd"},
+    )
     assert result.returncode == 0, result.stderr
     assert "warning" not in result.stderr.lower(), result.stderr
     code_object = output.read_bytes()
@@ -255,8 +333,9 @@ def test_fused_experts_quant_rejects_bad_input_before_launching():
     with pytest.raises(ValueError, match="block_size"):
         fused_experts(x, q_gu, q_d, weights, ids, block_size=16, **call)
     with pytest.raises(ValueError, match="input_scale must be given exactly when"):
-        fused_experts(x, q_gu, q_d, weights, ids, **{**call, "quant": QuantConfig(format="fp8_tensor",
-                                                                                   activation="static")})
+        fused_experts(
+            x, q_gu, q_d, weights, ids, **{**call, "quant": QuantConfig(format="fp8_tensor", activation="static")}
+        )
     with pytest.raises(ValueError, match="quant="):
         fused_experts(x, x, x, weights, ids, gate_up_scale=s_gu)
     with pytest.raises(TypeError, match="CUDA"):
@@ -279,23 +358,59 @@ def test_static_activation_scales_match_reference(fp8_emulator, path, dtype):
     config = QuantConfig(format="fp8_tensor", activation="static")
     x, topk_ids, topk_weights, (q_gu, s_gu, q_d, s_d) = _problem(config, dtype, seed=4)
     E = len(COUNTS)
-    input_scale = torch.tensor([[0.004 * 4.0 ** e, 0.0005 * 2.0 ** e] for e in range(E)], dtype=torch.float32)
+    input_scale = torch.tensor([[0.004 * 4.0**e, 0.0005 * 2.0**e] for e in range(E)], dtype=torch.float32)
     arrays = GuardedArrays()
     backend = Fp8HostBackend(fp8_emulator, arrays)
     out = arrays.empty(tuple(x.shape), L.STORAGE_DTYPES[dtype])
     bytes_of = lambda q: arrays.copy(q.view(torch.uint8).numpy())  # noqa: E731
-    G.run_fp8_experts(backend, dtype, arrays.copy(to_storage(x.float().numpy(), dtype)), bytes_of(q_gu),
-                      arrays.copy(s_gu.numpy()), bytes_of(q_d), arrays.copy(s_d.numpy()), arrays.copy(topk_weights),
-                      arrays.copy(topk_ids), out, format="fp8_tensor", align_block=16, path=path,
-                      input_scale=arrays.copy(input_scale.numpy()))
+    G.run_fp8_experts(
+        backend,
+        dtype,
+        arrays.copy(to_storage(x.float().numpy(), dtype)),
+        bytes_of(q_gu),
+        arrays.copy(s_gu.numpy()),
+        bytes_of(q_d),
+        arrays.copy(s_d.numpy()),
+        arrays.copy(topk_weights),
+        arrays.copy(topk_ids),
+        out,
+        format="fp8_tensor",
+        align_block=16,
+        path=path,
+        input_scale=arrays.copy(input_scale.numpy()),
+    )
     arrays.check_guards()
     assert G.quantize_static_name(dtype) in backend.launched
-    expected = moe_experts_reference(x.float(), torch.from_numpy(topk_ids).long(), torch.from_numpy(topk_weights),
-                                     q_gu, s_gu, q_d, s_d, input_scale=input_scale,
-                                     intermediate_dtype=TORCH[dtype]).double().numpy()
+    expected = (
+        moe_experts_reference(
+            x.float(),
+            torch.from_numpy(topk_ids).long(),
+            torch.from_numpy(topk_weights),
+            q_gu,
+            s_gu,
+            q_d,
+            s_d,
+            input_scale=input_scale,
+            intermediate_dtype=TORCH[dtype],
+        )
+        .double()
+        .numpy()
+    )
     actual = from_storage(out, dtype)
     error = np.abs(actual - expected).max() / np.abs(expected).max()
     assert error <= TOLERANCE[dtype], f"static {dtype} {path}: relative error {error:.3g}"
     with pytest.raises(ValueError, match="input_scale has shape"):
-        G.run_fp8_experts(backend, dtype, x, q_gu, s_gu, q_d, s_d, topk_weights, topk_ids, out, format="fp8_tensor",
-                          input_scale=input_scale[:2])
+        G.run_fp8_experts(
+            backend,
+            dtype,
+            x,
+            q_gu,
+            s_gu,
+            q_d,
+            s_d,
+            topk_weights,
+            topk_ids,
+            out,
+            format="fp8_tensor",
+            input_scale=input_scale[:2],
+        )

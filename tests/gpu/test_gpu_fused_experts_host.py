@@ -19,7 +19,7 @@ PIPELINE_CASES = [
     ("float32", 37, 23, 11, 4, 2, None, None),
     ("float16", 72, 40, 20, 6, 3, 16, None),
     ("bfloat16", 72, 40, 20, 6, 3, 64, None),
-    ("bfloat16", 70, 40, 9, 3, 2, 32, None),   # H % 8 != 0: the launcher falls back to SIMT
+    ("bfloat16", 70, 40, 9, 3, 2, 32, None),  # H % 8 != 0: the launcher falls back to SIMT
     ("bfloat16", 72, 40, 9, 3, 2, 32, "simt"),
     ("float16", 64, 32, 1, 8, 4, None, None),  # one token (decode)
 ]
@@ -29,8 +29,9 @@ def run_on_host(emulator, dtype, x, w_gate_up, w_down, topk_weights, topk_ids, *
     backend = HostBackend(emulator)
     stored = [to_storage(v, dtype) for v in (x, w_gate_up, w_down)]
     # NumPy has no bfloat16: check the float32 arrays, then name the stored type.
-    checked = check_fused_experts_args(x, w_gate_up, w_down, topk_weights, topk_ids,
-                                       **{k: v for k, v in options.items() if k != "path"})
+    checked = check_fused_experts_args(
+        x, w_gate_up, w_down, topk_weights, topk_ids, **{k: v for k, v in options.items() if k != "path"}
+    )
     problem = dataclasses.replace(checked, dtype=dtype)
     inputs = [backend.arrays.copy(v) for v in (*stored, topk_weights, topk_ids)]
     out = backend.empty((problem.num_tokens, problem.hidden_size), dtype)
@@ -52,8 +53,9 @@ def test_pipeline_matches_reference(emulator, dtype, H, I, tokens, experts, top_
     rng = np.random.default_rng(tokens * 31 + H)
     x, w_gate_up, w_down = random_problem(rng, tokens, H, I, experts)
     topk_weights, topk_ids = routing(rng, tokens, experts, top_k)
-    out, (xs, w13s, w2s), launched = run_on_host(emulator, dtype, x, w_gate_up, w_down, topk_weights, topk_ids,
-                                                 block_size=block_size, path=path)
+    out, (xs, w13s, w2s), launched = run_on_host(
+        emulator, dtype, x, w_gate_up, w_down, topk_weights, topk_ids, block_size=block_size, path=path
+    )
     expected = reference_fused_experts(xs, w13s, w2s, topk_weights, topk_ids, dtype=dtype)
     assert_close(out, expected, dtype)
     expect_mma = path is None and dtype != "float32" and H % 8 == 0 and I % 8 == 0
@@ -67,10 +69,25 @@ def test_pipeline_options(emulator, activation, apply_router_weight):
     rng = np.random.default_rng(3)
     x, w_gate_up, w_down = random_problem(rng, 7, 40, 24, 3)
     topk_weights, topk_ids = routing(rng, 7, 3, 2)
-    out, values, _ = run_on_host(emulator, "bfloat16", x, w_gate_up, w_down, topk_weights, topk_ids,
-                                 activation=activation, apply_router_weight=apply_router_weight)
-    expected = reference_fused_experts(*values, topk_weights, topk_ids, activation=activation,
-                                       apply_router_weight=apply_router_weight, dtype="bfloat16")
+    out, values, _ = run_on_host(
+        emulator,
+        "bfloat16",
+        x,
+        w_gate_up,
+        w_down,
+        topk_weights,
+        topk_ids,
+        activation=activation,
+        apply_router_weight=apply_router_weight,
+    )
+    expected = reference_fused_experts(
+        *values,
+        topk_weights,
+        topk_ids,
+        activation=activation,
+        apply_router_weight=apply_router_weight,
+        dtype="bfloat16",
+    )
     assert_close(out, expected, "bfloat16")
 
 
@@ -96,15 +113,25 @@ def test_zero_tokens_launch_nothing(emulator):
 
 
 def _valid_args(T=4, H=16, I=8, E=3, K=2):
-    return dict(hidden_states=np.zeros((T, H), np.float16), w_gate_up=np.zeros((E, 2 * I, H), np.float16),
-                w_down=np.zeros((E, H, I), np.float16), topk_weights=np.zeros((T, K), np.float32),
-                topk_ids=np.zeros((T, K), np.int32))
+    return dict(
+        hidden_states=np.zeros((T, H), np.float16),
+        w_gate_up=np.zeros((E, 2 * I, H), np.float16),
+        w_down=np.zeros((E, H, I), np.float16),
+        topk_weights=np.zeros((T, K), np.float32),
+        topk_ids=np.zeros((T, K), np.int32),
+    )
 
 
 def test_check_returns_the_sizes():
     problem = check_fused_experts_args(**_valid_args())
-    assert (problem.num_tokens, problem.hidden_size, problem.intermediate_size, problem.num_experts,
-            problem.top_k, problem.dtype) == (4, 16, 8, 3, 2, "float16")
+    assert (
+        problem.num_tokens,
+        problem.hidden_size,
+        problem.intermediate_size,
+        problem.num_experts,
+        problem.top_k,
+        problem.dtype,
+    ) == (4, 16, 8, 3, 2, "float16")
 
 
 BAD_ARGUMENTS = [
@@ -133,11 +160,14 @@ def test_bad_arrays_raise_value_error(name, value, message):
         check_fused_experts_args(**args)
 
 
-@pytest.mark.parametrize("options, error, message", [
-    (dict(activation="relu"), ValueError, "activation='relu'; expected one of"),
-    (dict(block_size=48), ValueError, r"block_size=48; expected None .* \[16, 32, 64, 128\]"),
-    (dict(apply_router_weight=1), TypeError, "apply_router_weight must be a bool, got 1"),
-])
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        (dict(activation="relu"), ValueError, "activation='relu'; expected one of"),
+        (dict(block_size=48), ValueError, r"block_size=48; expected None .* \[16, 32, 64, 128\]"),
+        (dict(apply_router_weight=1), TypeError, "apply_router_weight must be a bool, got 1"),
+    ],
+)
 def test_bad_options(options, error, message):
     with pytest.raises(error, match=message):
         check_fused_experts_args(**_valid_args(), **options)
@@ -179,15 +209,33 @@ def test_pipeline_with_biases_and_swigluoai(emulator, dtype, H, I):
     b_down = rng.standard_normal((4, H)).astype(np.float32)
     backend = HostBackend(emulator)
     problem = dataclasses.replace(
-        check_fused_experts_args(x.astype(np.float32), w_gate_up.astype(np.float32), w_down.astype(np.float32),
-                                 topk_weights, topk_ids, activation="swigluoai", gate_up_bias=b_gate_up,
-                                 down_bias=b_down), dtype=dtype)
+        check_fused_experts_args(
+            x.astype(np.float32),
+            w_gate_up.astype(np.float32),
+            w_down.astype(np.float32),
+            topk_weights,
+            topk_ids,
+            activation="swigluoai",
+            gate_up_bias=b_gate_up,
+            down_bias=b_down,
+        ),
+        dtype=dtype,
+    )
     stored = [to_storage(v, dtype) for v in (x, w_gate_up, w_down, b_gate_up, b_down)]
-    inputs = [backend.arrays.copy(v) for v in stored[:3]] + [backend.arrays.copy(topk_weights),
-                                                             backend.arrays.copy(topk_ids)]
+    inputs = [backend.arrays.copy(v) for v in stored[:3]] + [
+        backend.arrays.copy(topk_weights),
+        backend.arrays.copy(topk_ids),
+    ]
     out = backend.empty((9, H), dtype)
-    run_fused_experts(backend, problem, *inputs, out, activation="swigluoai",
-                      gate_up_bias=backend.arrays.copy(stored[3]), down_bias=backend.arrays.copy(stored[4]))
+    run_fused_experts(
+        backend,
+        problem,
+        *inputs,
+        out,
+        activation="swigluoai",
+        gate_up_bias=backend.arrays.copy(stored[3]),
+        down_bias=backend.arrays.copy(stored[4]),
+    )
     backend.arrays.check_guards()
     xs, w13, w2, b13, b2 = (from_storage(v, dtype) for v in stored)
     expected = np.zeros((9, H))
@@ -206,11 +254,14 @@ def test_pipeline_with_biases_and_swigluoai(emulator, dtype, H, I):
     assert np.abs(from_storage(out, dtype) - expected).max() <= tolerance * scale
 
 
-@pytest.mark.parametrize("name, bias, words", [
-    ("gate_up_bias", np.zeros((3, 15), np.float16), r"gate_up_bias has shape \(3, 15\); expected \[3, 16\]"),
-    ("down_bias", np.zeros((3, 16), np.float32), "down_bias has dtype float32; expected float16"),
-    ("down_bias", np.zeros(16, np.float16), "down_bias must be 2-D"),
-])
+@pytest.mark.parametrize(
+    "name, bias, words",
+    [
+        ("gate_up_bias", np.zeros((3, 15), np.float16), r"gate_up_bias has shape \(3, 15\); expected \[3, 16\]"),
+        ("down_bias", np.zeros((3, 16), np.float32), "down_bias has dtype float32; expected float16"),
+        ("down_bias", np.zeros(16, np.float16), "down_bias must be 2-D"),
+    ],
+)
 def test_check_rejects_bad_biases(name, bias, words):
     with pytest.raises(ValueError, match=words):
         check_fused_experts_args(**_valid_args(), **{name: bias})

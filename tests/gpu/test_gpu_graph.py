@@ -16,8 +16,7 @@ from moeroute.config import RouterConfig
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not cuda_device_available(),
-                       reason="no CUDA device (run bench/gpu_check.py on a GPU machine)"),
+    pytest.mark.skipif(not cuda_device_available(), reason="no CUDA device (run bench/gpu_check.py on a GPU machine)"),
 ]
 
 H, I, N, K, T = 64, 32, 16, 4, 48
@@ -49,8 +48,10 @@ def make_moe(dtype):
     module = MoE(ROUTER, H, I, dtype=dtype)
     with torch.no_grad():
         module.router_weight.copy_(torch.randn(N, H, generator=generator))
-        module.load_routed_weights((torch.randn(N, 2 * I, H, generator=generator) * 0.3).to(dtype),
-                                   (torch.randn(N, H, I, generator=generator) * 0.3).to(dtype))
+        module.load_routed_weights(
+            (torch.randn(N, 2 * I, H, generator=generator) * 0.3).to(dtype),
+            (torch.randn(N, H, I, generator=generator) * 0.3).to(dtype),
+        )
     return module
 
 

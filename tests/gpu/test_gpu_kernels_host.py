@@ -9,25 +9,40 @@ must not be written (slots of other ranks) must still be NaN, and nothing outsid
 import numpy as np
 import pytest
 
-from gpu_reference import (TOLERANCE, assert_close, from_storage, ragged_routing, random_problem,
-                           reference_slots, round_to, to_storage)
+from gpu_reference import (
+    TOLERANCE,
+    assert_close,
+    from_storage,
+    ragged_routing,
+    random_problem,
+    reference_slots,
+    round_to,
+    to_storage,
+)
 from gpu_host_emulator import GuardedArrays, SCHEDULES
 from moeroute.gpu import launch as L
 from moeroute.routing import reference
 
 TOP_K = 3
 SIMT_SHAPE = (37, 23)  # (H, I): odd, not multiples of any tile
-MMA_SHAPE = (72, 40)   # multiples of 8 (16-byte rows), not of the 32-wide k step or the column tiles
+MMA_SHAPE = (72, 40)  # multiples of 8 (16-byte rows), not of the 32-wide k step or the column tiles
 # gate_up on the mma path needs only H % 8 == 0: an odd I leaves a last column with no pair
 # (scalar tail) and rows starting at odd elements (no aligned 4-byte pair store).
 MMA_ODD_COLUMNS_SHAPE = (72, 37)
 # Compute capabilities of the two mma tile tables (launch.MMA_TILES, launch.MMA_TILES_SM90).
 MMA_ARCHS = [pytest.param(80, id="sm80"), pytest.param(90, id="sm90")]
 
-SIMT_CASES = [("float32", 16), ("float32", 32), ("float32", 64), ("float32", 128),
-              ("float16", 16), ("float16", 64), ("bfloat16", 16), ("bfloat16", 128)]
-MMA_CASES = [("bfloat16", 16), ("bfloat16", 32), ("bfloat16", 64), ("bfloat16", 128),
-             ("float16", 16), ("float16", 64)]
+SIMT_CASES = [
+    ("float32", 16),
+    ("float32", 32),
+    ("float32", 64),
+    ("float32", 128),
+    ("float16", 16),
+    ("float16", 64),
+    ("bfloat16", 16),
+    ("bfloat16", 128),
+]
+MMA_CASES = [("bfloat16", 16), ("bfloat16", 32), ("bfloat16", 64), ("bfloat16", 128), ("float16", 16), ("float16", 64)]
 
 
 class Case:
@@ -62,10 +77,24 @@ class Case:
     def gemm(self, path, gated, a, c, cc=L.MMA_MIN_COMPUTE_CAPABILITY, **options):
         b = self.w_gate_up if gated else self.w_down
         n, k = (self.I, self.H) if gated else (self.H, self.I)
-        return L.plan_expert_gemm(path=path, dtype=self.dtype, gated=gated, block_size=self.block_size, a=a, b=b,
-                                  c=c, sorted_token_ids=self.sorted_token_ids, expert_ids=self.expert_ids,
-                                  topk_weights=self.weights, numel=self.numel, top_k=TOP_K if gated else 1,
-                                  n=n, k=k, compute_capability=cc, **options)
+        return L.plan_expert_gemm(
+            path=path,
+            dtype=self.dtype,
+            gated=gated,
+            block_size=self.block_size,
+            a=a,
+            b=b,
+            c=c,
+            sorted_token_ids=self.sorted_token_ids,
+            expert_ids=self.expert_ids,
+            topk_weights=self.weights,
+            numel=self.numel,
+            top_k=TOP_K if gated else 1,
+            n=n,
+            k=k,
+            compute_capability=cc,
+            **options,
+        )
 
 
 def check_rows(case, actual, expected, what):
@@ -79,8 +108,15 @@ def check_rows(case, actual, expected, what):
 def run_gate_up(emulator, case, path, activation="silu", cc=L.MMA_MIN_COMPUTE_CAPABILITY):
     intermediate = case.empty(case.numel, case.I)
     emulator.launch(case.gemm(path, True, case.x, intermediate, cc=cc, activation=activation))
-    expected, _ = reference_slots(case.values(case.x), case.values(case.w_gate_up), case.values(case.w_down),
-                                  case.topk_weights, case.topk_ids, activation=activation, dtype=case.dtype)
+    expected, _ = reference_slots(
+        case.values(case.x),
+        case.values(case.w_gate_up),
+        case.values(case.w_down),
+        case.topk_weights,
+        case.topk_ids,
+        activation=activation,
+        dtype=case.dtype,
+    )
     check_rows(case, intermediate, expected, f"intermediate ({path}, {activation})")
     return intermediate
 
@@ -135,9 +171,10 @@ def test_mma_gate_up_odd_columns(emulator, dtype, block_size, activation, cc):
     check_rows(case, intermediate, expected, f"odd-column intermediate ({activation}, sm_{cc})")
 
 
-@pytest.mark.parametrize("path, dtype, shape, cc", [("simt", "float32", (150, 70), 80),
-                                                    ("mma", "bfloat16", (264, 136), 80),
-                                                    ("mma", "bfloat16", (264, 136), 90)])
+@pytest.mark.parametrize(
+    "path, dtype, shape, cc",
+    [("simt", "float32", (150, 70), 80), ("mma", "bfloat16", (264, 136), 80), ("mma", "bfloat16", (264, 136), 90)],
+)
 def test_many_tiles(emulator, path, dtype, shape, cc):
     # Several column tiles (gate_up and down) and more row tiles than one group of the mma
     # kernel's grouped tile order (8), with used blocks in the partial last group; k = 264
@@ -187,9 +224,9 @@ def test_sum_topk(emulator, dtype):
     rng = np.random.default_rng(5)
     T, K, H, E = 9, 4, 300, 6  # H > the kernel's 256 threads: two column passes
     topk_ids = rng.integers(0, E, size=(T, K)).astype(np.int32)
-    topk_ids[0, :] = -1          # a token with no slot here
-    topk_ids[1, 1] = -1          # a slot of another rank
-    topk_ids[2, 3] = E + 1       # an id past the local experts
+    topk_ids[0, :] = -1  # a token with no slot here
+    topk_ids[1, 1] = -1  # a slot of another rank
+    topk_ids[2, 3] = E + 1  # an id past the local experts
     valid = (topk_ids >= 0) & (topk_ids < E)
     values = rng.standard_normal((T * K, H)).astype(np.float32)
     arrays = GuardedArrays()
@@ -201,8 +238,18 @@ def test_sum_topk(emulator, dtype):
     expert_out_view[~valid.reshape(-1)] = nan_bits
     ids = arrays.copy(topk_ids)
     out = arrays.empty((T, H), L.STORAGE_DTYPES[dtype])
-    emulator.launch(L.plan_sum_topk(dtype=dtype, expert_out=expert_out, topk_ids=ids, out=out, num_tokens=T,
-                                    top_k=K, hidden_size=H, num_experts=E))
+    emulator.launch(
+        L.plan_sum_topk(
+            dtype=dtype,
+            expert_out=expert_out,
+            topk_ids=ids,
+            out=out,
+            num_tokens=T,
+            top_k=K,
+            hidden_size=H,
+            num_experts=E,
+        )
+    )
     expected = np.where(valid.reshape(-1)[:, None], stored, 0.0).reshape(T, K, H).sum(axis=1)
     actual = from_storage(out, dtype)
     assert (actual[0] == 0).all()
@@ -213,6 +260,7 @@ def test_sum_topk(emulator, dtype):
 
 
 # ------------------------------------------------------------------ biases and swigluoai
+
 
 def swigluoai(gate, up):
     """gpt-oss's activation in float64: gate clamped above at 7, up to [-7, 7]."""
@@ -228,11 +276,18 @@ def act_float64(gate, up, activation):
     return silu * up
 
 
-@pytest.mark.parametrize("path, dtype, shape, block_size, cc", [
-    ("simt", "float32", SIMT_SHAPE, 16, 80), ("simt", "bfloat16", SIMT_SHAPE, 16, 80),
-    ("mma", "bfloat16", MMA_SHAPE, 16, 80), ("mma", "float16", MMA_SHAPE, 16, 80),
-    ("mma", "bfloat16", MMA_SHAPE, 16, 90), ("mma", "float16", MMA_SHAPE, 128, 90),
-    ("mma", "bfloat16", MMA_SHAPE, 64, 90)])
+@pytest.mark.parametrize(
+    "path, dtype, shape, block_size, cc",
+    [
+        ("simt", "float32", SIMT_SHAPE, 16, 80),
+        ("simt", "bfloat16", SIMT_SHAPE, 16, 80),
+        ("mma", "bfloat16", MMA_SHAPE, 16, 80),
+        ("mma", "float16", MMA_SHAPE, 16, 80),
+        ("mma", "bfloat16", MMA_SHAPE, 16, 90),
+        ("mma", "float16", MMA_SHAPE, 128, 90),
+        ("mma", "bfloat16", MMA_SHAPE, 64, 90),
+    ],
+)
 @pytest.mark.parametrize("activation", ["swigluoai", "silu"])
 def test_biased_gemms(emulator, path, dtype, shape, block_size, cc, activation):
     case = Case(dtype, block_size, shape, seed=13)

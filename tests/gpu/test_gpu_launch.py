@@ -27,13 +27,21 @@ def _kernel_constant(name: str) -> int:
     return int(eval(expression, {}))  # integer arithmetic on literals only
 
 
-@pytest.mark.parametrize("python_value, kernel_name", [
-    (L.SIMT_THREADS, "kSimtThreads"), (L.SIMT_BLOCK_N, "kSimtBlockN"), (L.MMA_ROW_PADDING, "kMmaRowPadding"),
-    (L.MMA_CHUNK, "kMmaChunk"), (L.SUM_THREADS, "kSumThreads"), (L.MMA_ROW_MULTIPLE, "kMmaChunk"),
-    (L.ACTIVATIONS["silu"], "kActivationSilu"),
-    (L.ACTIVATIONS["gelu"], "kActivationGelu"), (L.ACTIVATIONS["gelu_tanh"], "kActivationGeluTanh"),
-    (L.ACTIVATIONS["swigluoai"], "kActivationSwigluOai"),
-])
+@pytest.mark.parametrize(
+    "python_value, kernel_name",
+    [
+        (L.SIMT_THREADS, "kSimtThreads"),
+        (L.SIMT_BLOCK_N, "kSimtBlockN"),
+        (L.MMA_ROW_PADDING, "kMmaRowPadding"),
+        (L.MMA_CHUNK, "kMmaChunk"),
+        (L.SUM_THREADS, "kSumThreads"),
+        (L.MMA_ROW_MULTIPLE, "kMmaChunk"),
+        (L.ACTIVATIONS["silu"], "kActivationSilu"),
+        (L.ACTIVATIONS["gelu"], "kActivationGelu"),
+        (L.ACTIVATIONS["gelu_tanh"], "kActivationGeluTanh"),
+        (L.ACTIVATIONS["swigluoai"], "kActivationSwigluOai"),
+    ],
+)
 def test_constants_match_the_kernels(python_value, kernel_name):
     assert python_value == _kernel_constant(kernel_name)
 
@@ -42,10 +50,20 @@ def test_kernel_thread_grid_matches_simt_threads():
     assert _kernel_constant("kSimtThreadsX") * _kernel_constant("kSimtThreadsY") == L.SIMT_THREADS
 
 
-@pytest.mark.parametrize("numel, num_experts, expected", [
-    (8, 8, 16), (24 * 8, 8, 16), (25 * 8, 8, 32), (48, 1, 32), (49, 1, 64), (96 * 4, 4, 64), (97 * 4, 4, 128),
-    (4096 * 8, 8, 128), (0, 4, 16),
-])
+@pytest.mark.parametrize(
+    "numel, num_experts, expected",
+    [
+        (8, 8, 16),
+        (24 * 8, 8, 16),
+        (25 * 8, 8, 32),
+        (48, 1, 32),
+        (49, 1, 64),
+        (96 * 4, 4, 64),
+        (97 * 4, 4, 128),
+        (4096 * 8, 8, 128),
+        (0, 4, 16),
+    ],
+)
 def test_choose_block_size(numel, num_experts, expected):
     assert L.choose_block_size(numel, num_experts) == expected
 
@@ -59,8 +77,9 @@ def test_tiles_divide_every_block_size(block_size):
         assert (L.mma_tile_height(block_size), False) in table
 
 
-@pytest.mark.parametrize("cc, key, tile", [(cc, key, tile) for cc, table in TILE_TABLES
-                                           for key, tile in sorted(table.items())])
+@pytest.mark.parametrize(
+    "cc, key, tile", [(cc, key, tile) for cc, table in TILE_TABLES for key, tile in sorted(table.items())]
+)
 def test_mma_tiles_fit(cc, key, tile):
     tile_m, gated = key
     assert tile.tile_m == tile_m
@@ -91,8 +110,18 @@ def test_hopper_tiles_are_leaner_and_deeper(key, tile):
     assert tile.min_blocks * per_block <= SM90_SHARED_MEMORY_PER_MULTIPROCESSOR
 
 
-@pytest.mark.parametrize("cc, table", [(0, L.MMA_TILES), (75, L.MMA_TILES), (80, L.MMA_TILES), (86, L.MMA_TILES),
-                                       (89, L.MMA_TILES), (90, L.MMA_TILES_SM90), (100, L.MMA_TILES_SM90)])
+@pytest.mark.parametrize(
+    "cc, table",
+    [
+        (0, L.MMA_TILES),
+        (75, L.MMA_TILES),
+        (80, L.MMA_TILES),
+        (86, L.MMA_TILES),
+        (89, L.MMA_TILES),
+        (90, L.MMA_TILES_SM90),
+        (100, L.MMA_TILES_SM90),
+    ],
+)
 def test_mma_tiles_by_compute_capability(cc, table):
     assert L.mma_tiles(cc) is table
 
@@ -107,11 +136,25 @@ def test_shipped_names():
 
 def _plan(path, block_size, rows, n, gated=True, compute_capability=80):
     arrays = [np.zeros(1, np.float32)] * 3
-    return L.plan_expert_gemm(path=path, dtype="bfloat16", gated=gated, block_size=block_size, a=arrays[0],
-                              b=arrays[1], c=arrays[2], sorted_token_ids=np.zeros(rows, np.int32),
-                              expert_ids=np.zeros(rows // block_size, np.int32), topk_weights=arrays[0],
-                              numel=5, top_k=2, n=n, k=64, activation="gelu_tanh", apply_router_weight=True,
-                              compute_capability=compute_capability)
+    return L.plan_expert_gemm(
+        path=path,
+        dtype="bfloat16",
+        gated=gated,
+        block_size=block_size,
+        a=arrays[0],
+        b=arrays[1],
+        c=arrays[2],
+        sorted_token_ids=np.zeros(rows, np.int32),
+        expert_ids=np.zeros(rows // block_size, np.int32),
+        topk_weights=arrays[0],
+        numel=5,
+        top_k=2,
+        n=n,
+        k=64,
+        activation="gelu_tanh",
+        apply_router_weight=True,
+        compute_capability=compute_capability,
+    )
 
 
 def test_simt_plan():
@@ -146,16 +189,19 @@ def test_unknown_path():
         _plan("wmma", 16, 16, 8)
 
 
-@pytest.mark.parametrize("dtype, cc, hip, H, I, pointer, expected", [
-    ("bfloat16", 90, False, 64, 32, 256, True),
-    ("float16", 80, False, 64, 32, 256, True),
-    ("float32", 90, False, 64, 32, 256, False),
-    ("bfloat16", 75, False, 64, 32, 256, False),
-    ("bfloat16", 0, True, 64, 32, 256, False),
-    ("bfloat16", 90, False, 60, 32, 256, False),
-    ("bfloat16", 90, False, 64, 36, 256, False),
-    ("bfloat16", 90, False, 64, 32, 258, False),
-])
+@pytest.mark.parametrize(
+    "dtype, cc, hip, H, I, pointer, expected",
+    [
+        ("bfloat16", 90, False, 64, 32, 256, True),
+        ("float16", 80, False, 64, 32, 256, True),
+        ("float32", 90, False, 64, 32, 256, False),
+        ("bfloat16", 75, False, 64, 32, 256, False),
+        ("bfloat16", 0, True, 64, 32, 256, False),
+        ("bfloat16", 90, False, 60, 32, 256, False),
+        ("bfloat16", 90, False, 64, 36, 256, False),
+        ("bfloat16", 90, False, 64, 32, 258, False),
+    ],
+)
 def test_mma_eligible(dtype, cc, hip, H, I, pointer, expected):
     assert L.mma_eligible(dtype, cc, hip, H, I, [256, pointer]) is expected
 
@@ -163,9 +209,23 @@ def test_mma_eligible(dtype, cc, hip, H, I, pointer, expected):
 def test_plan_with_bias_passes_it_and_sets_the_flag():
     arrays = [np.zeros(1, np.float32)] * 3
     bias = np.zeros(4, np.float32)
-    plan = L.plan_expert_gemm(path="simt", dtype="float32", gated=True, block_size=16, a=arrays[0], b=arrays[1],
-                              c=arrays[2], sorted_token_ids=np.zeros(16, np.int32),
-                              expert_ids=np.zeros(1, np.int32), topk_weights=arrays[0], numel=5, top_k=2,
-                              n=2, k=8, activation="swigluoai", bias=bias)
+    plan = L.plan_expert_gemm(
+        path="simt",
+        dtype="float32",
+        gated=True,
+        block_size=16,
+        a=arrays[0],
+        b=arrays[1],
+        c=arrays[2],
+        sorted_token_ids=np.zeros(16, np.int32),
+        expert_ids=np.zeros(1, np.int32),
+        topk_weights=arrays[0],
+        numel=5,
+        top_k=2,
+        n=2,
+        k=8,
+        activation="swigluoai",
+        bias=bias,
+    )
     assert plan.args[6] is bias
     assert int(plan.args[12]) == L.ACTIVATIONS["swigluoai"] == 3 and int(plan.args[-1]) == 1

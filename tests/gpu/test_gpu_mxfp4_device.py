@@ -31,10 +31,14 @@ def _problem(T=96, H=288, I=160, E=8, K=2, seed=7):
     # H = 9 and I = 5 scale blocks: both GEMMs end on a half-full 64-wide k slice of the mma kernel;
     # 5% of the slots belong to other ranks.
     g = torch.Generator().manual_seed(seed)
-    gate_up = (torch.randint(0, 256, (E, 2 * I, H // 32, 16), generator=g, dtype=torch.uint8),
-               torch.randint(120, 124, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8))
-    down = (torch.randint(0, 256, (E, H, I // 32, 16), generator=g, dtype=torch.uint8),
-            torch.randint(119, 123, (E, H, I // 32), generator=g, dtype=torch.uint8))
+    gate_up = (
+        torch.randint(0, 256, (E, 2 * I, H // 32, 16), generator=g, dtype=torch.uint8),
+        torch.randint(120, 124, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8),
+    )
+    down = (
+        torch.randint(0, 256, (E, H, I // 32, 16), generator=g, dtype=torch.uint8),
+        torch.randint(119, 123, (E, H, I // 32), generator=g, dtype=torch.uint8),
+    )
     x = torch.randn(T, H, generator=g)
     topk_ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32)
     topk_ids[torch.rand(T, K, generator=g) < 0.05] = -1
@@ -48,13 +52,22 @@ def _problem(T=96, H=288, I=160, E=8, K=2, seed=7):
 def test_mxfp4_experts_on_device_match_reference(dtype, activation):
     x, topk_ids, topk_weights, gate_up, down, bias = _problem()
     x = x.to(dtype)
-    expected = dense_experts(x.double(), topk_ids, topk_weights, dequantize_mxfp4(*gate_up), dequantize_mxfp4(*down),
-                             activation, *bias)
+    expected = dense_experts(
+        x.double(), topk_ids, topk_weights, dequantize_mxfp4(*gate_up), dequantize_mxfp4(*down), activation, *bias
+    )
     cuda = lambda pair: tuple(t.cuda() for t in pair)  # noqa: E731
     for path in _paths(dtype):
-        out = G.fused_experts_mxfp4(x.cuda(), cuda(gate_up), cuda(down), topk_weights.cuda(), topk_ids.cuda(),
-                                    gate_up_bias=bias[0].cuda(), down_bias=bias[1].cuda(), activation=activation,
-                                    path=path)
+        out = G.fused_experts_mxfp4(
+            x.cuda(),
+            cuda(gate_up),
+            cuda(down),
+            topk_weights.cuda(),
+            topk_ids.cuda(),
+            gate_up_bias=bias[0].cuda(),
+            down_bias=bias[1].cuda(),
+            activation=activation,
+            path=path,
+        )
         torch.cuda.synchronize()
         error = float((out.double().cpu() - expected).abs().max() / expected.abs().max())
         assert error <= TOLERANCE[dtype], f"{dtype} {activation} {path}: relative error {error:.3g}"
@@ -64,11 +77,27 @@ def test_fused_experts_front_door_takes_the_pairs():
     x, topk_ids, topk_weights, gate_up, down, bias = _problem(T=16)
     x = x.to(torch.bfloat16)
     cuda = lambda pair: tuple(t.cuda() for t in pair)  # noqa: E731
-    out = fused_experts(x.cuda(), cuda(gate_up), cuda(down), topk_weights.cuda(), topk_ids.cuda(),
-                        activation="swigluoai", gate_up_bias=bias[0].cuda().to(torch.bfloat16),
-                        down_bias=bias[1].cuda().to(torch.bfloat16), quant=QuantConfig(format="mxfp4"))
-    expected = dense_experts(x.double(), topk_ids, topk_weights, dequantize_mxfp4(*gate_up), dequantize_mxfp4(*down),
-                             "swigluoai", bias[0].to(torch.bfloat16), bias[1].to(torch.bfloat16))
+    out = fused_experts(
+        x.cuda(),
+        cuda(gate_up),
+        cuda(down),
+        topk_weights.cuda(),
+        topk_ids.cuda(),
+        activation="swigluoai",
+        gate_up_bias=bias[0].cuda().to(torch.bfloat16),
+        down_bias=bias[1].cuda().to(torch.bfloat16),
+        quant=QuantConfig(format="mxfp4"),
+    )
+    expected = dense_experts(
+        x.double(),
+        topk_ids,
+        topk_weights,
+        dequantize_mxfp4(*gate_up),
+        dequantize_mxfp4(*down),
+        "swigluoai",
+        bias[0].to(torch.bfloat16),
+        bias[1].to(torch.bfloat16),
+    )
     error = float((out.double().cpu() - expected).abs().max() / expected.abs().max())
     assert out.dtype == torch.bfloat16 and error <= TOLERANCE[torch.bfloat16], error
 
@@ -83,9 +112,11 @@ def test_mxfp4_experts_forward_runs_cuda_tensors_on_the_kernels(monkeypatch):
     x, topk_ids, topk_weights, gate_up, down, bias = _problem(T=16)
     x = x.to(torch.bfloat16)
     packed = [t.cuda() for t in (*gate_up, *down)]
-    out = mxfp4_experts.mxfp4_experts_forward(x.cuda(), topk_ids.cuda(), topk_weights.cuda(), *packed, bias[0].cuda(),
-                                              bias[1].cuda(), activation="swigluoai")
-    expected = dense_experts(x.double(), topk_ids, topk_weights, dequantize_mxfp4(*gate_up), dequantize_mxfp4(*down),
-                             "swigluoai", *bias)
+    out = mxfp4_experts.mxfp4_experts_forward(
+        x.cuda(), topk_ids.cuda(), topk_weights.cuda(), *packed, bias[0].cuda(), bias[1].cuda(), activation="swigluoai"
+    )
+    expected = dense_experts(
+        x.double(), topk_ids, topk_weights, dequantize_mxfp4(*gate_up), dequantize_mxfp4(*down), "swigluoai", *bias
+    )
     error = float((out.double().cpu() - expected).abs().max() / expected.abs().max())
     assert launched and error <= TOLERANCE[torch.bfloat16], error

@@ -92,18 +92,31 @@ def _problem(seed, biases):
     return x, topk_ids, topk_weights, gate_up, down, bias
 
 
-def _run(emulator, dtype, path, x, topk_ids, topk_weights, gate_up, down, bias, activation, launched=None,
-         align_block=16):
+def _run(
+    emulator, dtype, path, x, topk_ids, topk_weights, gate_up, down, bias, activation, launched=None, align_block=16
+):
     arrays = GuardedArrays()
     backend = Mxfp4HostBackend(emulator, arrays)
     T = x.shape[0]
     out = arrays.empty((T, H), L.STORAGE_DTYPES[dtype])
     bytes_of = lambda t: arrays.copy(t.numpy())  # noqa: E731
     biases = {} if bias is None else dict(gate_up_bias=bytes_of(bias[0]), down_bias=bytes_of(bias[1]))
-    G.run_mxfp4_experts(backend, dtype, arrays.copy(to_storage(x.numpy(), dtype)), bytes_of(gate_up[0]),
-                        bytes_of(gate_up[1]), bytes_of(down[0]), bytes_of(down[1]), arrays.copy(topk_weights),
-                        arrays.copy(topk_ids), out, activation=activation, align_block=align_block, path=path,
-                        **biases)
+    G.run_mxfp4_experts(
+        backend,
+        dtype,
+        arrays.copy(to_storage(x.numpy(), dtype)),
+        bytes_of(gate_up[0]),
+        bytes_of(gate_up[1]),
+        bytes_of(down[0]),
+        bytes_of(down[1]),
+        arrays.copy(topk_weights),
+        arrays.copy(topk_ids),
+        out,
+        activation=activation,
+        align_block=align_block,
+        path=path,
+        **biases,
+    )
     arrays.check_guards()
     assert any(name.startswith(f"moe_gemm_mxfp4_{launched or path}") for name in backend.launched)
     return from_storage(out, dtype)
@@ -112,8 +125,16 @@ def _run(emulator, dtype, path, x, topk_ids, topk_weights, gate_up, down, bias, 
 def _reference(dtype, x, topk_ids, topk_weights, gate_up, down, bias, activation):
     x = x.to(TORCH[dtype]).double()  # the values the kernel reads
     b_gate_up, b_down = bias if bias is not None else (None, None)
-    return dense_experts(x, torch.from_numpy(topk_ids), torch.from_numpy(topk_weights), dequantize_mxfp4(*gate_up),
-                         dequantize_mxfp4(*down), activation, b_gate_up, b_down).numpy()
+    return dense_experts(
+        x,
+        torch.from_numpy(topk_ids),
+        torch.from_numpy(topk_weights),
+        dequantize_mxfp4(*gate_up),
+        dequantize_mxfp4(*down),
+        activation,
+        b_gate_up,
+        b_down,
+    ).numpy()
 
 
 def test_host_build_has_no_warnings(mxfp4_emulator):
@@ -138,8 +159,9 @@ CASES = [  # path (None: the launcher's choice on the emulated sm_90), dtype, ac
 def test_mxfp4_experts_match_dense_reference(mxfp4_emulator, path, dtype, activation, biases, align_block):
     x, topk_ids, topk_weights, gate_up, down, bias = _problem(seed=3, biases=biases)
     launched = path or ("simt" if dtype == "float32" else "mma")
-    actual = _run(mxfp4_emulator, dtype, path, x, topk_ids, topk_weights, gate_up, down, bias, activation, launched,
-                  align_block)
+    actual = _run(
+        mxfp4_emulator, dtype, path, x, topk_ids, topk_weights, gate_up, down, bias, activation, launched, align_block
+    )
     expected = _reference(dtype, x, topk_ids, topk_weights, gate_up, down, bias, activation)
     assert np.isfinite(actual).all()
     error = np.abs(actual - expected).max() / np.abs(expected).max()
@@ -157,12 +179,12 @@ def test_scales_outside_the_16_bit_range_are_exact(mxfp4_emulator, path):
     x, topk_ids, topk_weights, gate_up, down, _ = _problem(seed=5, biases=False)
     blocks, scales = gate_up
     scales = scales.clone()
-    scales[:, :, 0] = 8    # 2^-119 (k block 0)
+    scales[:, :, 0] = 8  # 2^-119 (k block 0)
     scales[:, :, 1] = 250  # 2^123  (k block 1)
     scales[:, :, 2] = 127  # 2^0
     x = x.clone()
-    x[:, :32] *= 2.0 ** 115
-    x[:, 32:64] *= 2.0 ** -127
+    x[:, :32] *= 2.0**115
+    x[:, 32:64] *= 2.0**-127
     x = x.to(torch.bfloat16).float()
     gate_up = (blocks, scales)
     actual = _run(mxfp4_emulator, "bfloat16", path, x, topk_ids, topk_weights, gate_up, down, None, "silu")
@@ -181,9 +203,23 @@ def test_bad_shapes_name_the_argument():
     with pytest.raises(ValueError, match="gate_up_bias"):
         G.check_mxfp4_experts_args(*args, gate_up_bias=torch.zeros(len(COUNTS), I))
     with pytest.raises(ValueError, match="path='mma' needs float16 or bfloat16"):
-        G.plan_mxfp4_gemm(path="mma", dtype="float32", gated=True, block_size=16, a=None, blocks=None,
-                          scales=None, c=None, sorted_token_ids=np.zeros(16, np.int32), expert_ids=None,
-                          topk_weights=None, numel=1, top_k=1, n=I, k=H)
+        G.plan_mxfp4_gemm(
+            path="mma",
+            dtype="float32",
+            gated=True,
+            block_size=16,
+            a=None,
+            blocks=None,
+            scales=None,
+            c=None,
+            sorted_token_ids=np.zeros(16, np.int32),
+            expert_ids=None,
+            topk_weights=None,
+            numel=1,
+            top_k=1,
+            n=I,
+            k=H,
+        )
 
 
 def test_fused_experts_mxfp4_rejects_bad_input_before_launching():
@@ -227,12 +263,15 @@ def test_nvrtc_compiles_without_spills(arch):
     result = _compile(arch)
     assert "warning" not in result.log.lower(), result.log
     assert result.cubin
-    report = "\n".join(f"{arch} {r.registers:4d} registers, {r.spill_store_bytes} B spill stores, "
-                       f"{r.spill_load_bytes} B spill loads, {r.stack_frame_bytes} B stack  {name}"
-                       for name, r in sorted(result.resources.items()))
+    report = "\n".join(
+        f"{arch} {r.registers:4d} registers, {r.spill_store_bytes} B spill stores, "
+        f"{r.spill_load_bytes} B spill loads, {r.stack_frame_bytes} B stack  {name}"
+        for name, r in sorted(result.resources.items())
+    )
     print(report)
-    spilling = [name for name, r in result.resources.items()
-                if r.spill_store_bytes or r.spill_load_bytes or r.stack_frame_bytes]
+    spilling = [
+        name for name, r in result.resources.items() if r.spill_store_bytes or r.spill_load_bytes or r.stack_frame_bytes
+    ]
     assert not spilling, f"kernels spilling to local memory on {arch}:\n{report}"
     for (_, gated), tile in G.MMA_TILES.items():
         registers = result.resources[G.mma_name("bfloat16", tile, gated)].registers
@@ -248,9 +287,12 @@ def test_hipcc_compiles_the_hip_variant(tmp_path):
     source.write_text(f'#include "{G.KERNEL_FILE}.hip"\nconst void* moeroute_mxfp4_kernels[] = {{\n{refs}\n}};\n')
     output = tmp_path / "mxfp4.co"
     arch_flags = [f"--offload-arch={arch}" for arch in HIP_ARCHS]
-    result = subprocess.run([HIPCC, "--genco", *arch_flags, "-std=c++17", "-Wall", f"-I{KERNEL_DIR}", str(source),
-                             "-o", str(output)], capture_output=True, text=True,
-                            env={**os.environ, "HIP_PLATFORM": "amd"})
+    result = subprocess.run(
+        [HIPCC, "--genco", *arch_flags, "-std=c++17", "-Wall", f"-I{KERNEL_DIR}", str(source), "-o", str(output)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HIP_PLATFORM": "amd"},
+    )
     assert result.returncode == 0, result.stderr
     assert "warning" not in result.stderr.lower(), result.stderr
     code_object = output.read_bytes()

@@ -27,9 +27,13 @@ POLL_S = 1.0
 def _entry(rank, world_size, init_file, worker, payload, result_dir, timeout_s):
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     result = {"ok": True}
     try:
         result["value"] = worker(rank, world_size, payload)
@@ -41,8 +45,9 @@ def _entry(rank, world_size, init_file, worker, payload, result_dir, timeout_s):
     os._exit(0)
 
 
-def spawn_group(worker, world_size, tmp_dir, payload=None, *, timeout_s=PROCESS_GROUP_TIMEOUT_S,
-                join_timeout_s=300, every_rank=True):
+def spawn_group(
+    worker, world_size, tmp_dir, payload=None, *, timeout_s=PROCESS_GROUP_TIMEOUT_S, join_timeout_s=300, every_rank=True
+):
     """Run ``worker(rank, world_size, payload)`` on ``world_size`` spawned gloo ranks.
 
     ``worker`` must be a module-level function (the spawned ranks import it by name).
@@ -58,16 +63,19 @@ def spawn_group(worker, world_size, tmp_dir, payload=None, *, timeout_s=PROCESS_
     result_dir = init_file + "_results"
     os.makedirs(result_dir)
     context = mp.start_processes(
-        _entry, args=(world_size, init_file, worker, payload, result_dir, timeout_s),
-        nprocs=world_size, join=False, start_method="spawn")
+        _entry,
+        args=(world_size, init_file, worker, payload, result_dir, timeout_s),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
     deadline = time.monotonic() + join_timeout_s
     try:
         # Poll the processes themselves: torch's context.join would terminate the survivors
         # as soon as one rank exits with an error (a dead-peer run kills one on purpose).
         while alive := [process for process in context.processes if process.is_alive()]:
             if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"{name} on {world_size} ranks did not finish in {join_timeout_s} s")
+                raise AssertionError(f"{name} on {world_size} ranks did not finish in {join_timeout_s} s")
             wait([process.sentinel for process in alive], timeout=POLL_S)
     finally:
         for process in context.processes:
@@ -89,6 +97,7 @@ def spawn_group(worker, world_size, tmp_dir, payload=None, *, timeout_s=PROCESS_
     if failures:
         # A peer's failure shows up on the others as a CollectiveError: list the root first.
         failures.sort(key=lambda failure: "CollectiveError" in failure[1])
-        raise AssertionError("\n".join(
-            f"{name}: rank {rank} of {world_size} raised:\n{text}" for rank, text in failures))
+        raise AssertionError(
+            "\n".join(f"{name}: rank {rank} of {world_size} raised:\n{text}" for rank, text in failures)
+        )
     return results

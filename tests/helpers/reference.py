@@ -54,8 +54,7 @@ def swigluoai(gate, up):
 
 
 #: act(gate) of the gated activations ``act(gate) * up``.
-GATE_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
-                    "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}
+GATE_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}
 
 
 def gated_activation(gate, up, activation="silu"):
@@ -65,8 +64,9 @@ def gated_activation(gate, up, activation="silu"):
     return GATE_ACTIVATIONS[activation](gate) * up
 
 
-def dense_experts(x, ids, weights, w_gate_up, w_down, activation="silu", b_gate_up=None,
-                  b_down=None, weight_on_input=False):
+def dense_experts(
+    x, ids, weights, w_gate_up, w_down, activation="silu", b_gate_up=None, b_down=None, weight_on_input=False
+):
     """``out[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` in float64, slot by slot.
 
     ``expert_e(v) = W_down[e] act(W_gate_up[e] v + b_gate_up[e]) + b_down[e]`` with the gate

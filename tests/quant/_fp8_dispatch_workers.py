@@ -61,10 +61,22 @@ def _rows_sent(router, router_weight, rank, world_size, dispatch) -> int:
 def _layers(quant, inter, dtype, dispatch, shared, q, router_weight, shared_mlp):
     router = RouterConfig(N, K, "softmax", renormalize=True)
     layers = {}
-    for name, group, dispatch_dtype in (("fp8", dist.group.WORLD, "fp8"), ("float", dist.group.WORLD, None),
-                                        ("single", None, None)):
-        module = MoE(router, H, inter, shared_experts=shared_mlp, shared=shared, ep_group=group,
-                     dispatch=dispatch, quant=quant, dispatch_dtype=dispatch_dtype)
+    for name, group, dispatch_dtype in (
+        ("fp8", dist.group.WORLD, "fp8"),
+        ("float", dist.group.WORLD, None),
+        ("single", None, None),
+    ):
+        module = MoE(
+            router,
+            H,
+            inter,
+            shared_experts=shared_mlp,
+            shared=shared,
+            ep_group=group,
+            dispatch=dispatch,
+            quant=quant,
+            dispatch_dtype=dispatch_dtype,
+        )
         with torch.no_grad():
             module.router_weight.copy_(router_weight)
         module.load_routed_weights(q[0], q[2], gate_up_scale=q[1], down_scale=q[3])
@@ -91,8 +103,15 @@ def _case(rank, world_size, quant, inter, dtype, dispatch, shared):
     float_stats = layers["float"].dispatcher.last_stats
     single = outs["single"]
     record = {
-        "case": (quant.format, quant.block_size, quant.scale_fmt, inter, str(dtype), dispatch,
-                 layers["fp8"].layout.shared),
+        "case": (
+            quant.format,
+            quant.block_size,
+            quant.scale_fmt,
+            inter,
+            str(dtype),
+            dispatch,
+            layers["fp8"].layout.shared,
+        ),
         "rank": rank,
         # FP8 dispatch against the single-rank FP8 layer (float32 summation order only).
         "error_vs_single": float((outs["fp8"] - single).abs().max() / single.abs().max()),
@@ -113,8 +132,9 @@ def _case(rank, world_size, quant, inter, dtype, dispatch, shared):
     if dtype == torch.float32 and quant.format == "fp8_block" and shared == "runner":
         # The independent w8a8 definition (plain torch) plus the float shared MLP, once.
         weights, ids = reference.select_experts((x @ router_weight.T).numpy(), router, None)
-        expected = moe_experts_reference(x, torch.from_numpy(ids).long(), torch.from_numpy(weights), *q,
-                                         quant.block_size, quant.scale_fmt)
+        expected = moe_experts_reference(
+            x, torch.from_numpy(ids).long(), torch.from_numpy(weights), *q, quant.block_size, quant.scale_fmt
+        )
         with torch.no_grad():
             expected += shared_mlp(x)
         record["error_vs_reference"] = float((outs["fp8"] - expected).abs().max() / expected.abs().max())
@@ -124,8 +144,14 @@ def _case(rank, world_size, quant, inter, dtype, dispatch, shared):
 def _mismatch(rank, world_size):
     """Rank 0 asks for FP8 dispatch, rank 1 does not: every rank must refuse at construction."""
     try:
-        MoE(RouterConfig(N, K, "softmax", renormalize=True), H, 200, ep_group=dist.group.WORLD,
-            quant=QuantConfig("fp8_block"), dispatch_dtype="fp8" if rank == 0 else None)
+        MoE(
+            RouterConfig(N, K, "softmax", renormalize=True),
+            H,
+            200,
+            ep_group=dist.group.WORLD,
+            quant=QuantConfig("fp8_block"),
+            dispatch_dtype="fp8" if rank == 0 else None,
+        )
     except RankMismatchError as error:
         return str(error)
     return None
@@ -133,13 +159,20 @@ def _mismatch(rank, world_size):
 
 def _float_only_dispatcher(rank, world_size):
     """A dispatcher_factory whose dispatcher does not carry FP8 rows: refused at construction."""
+
     class FloatOnly:
         pass
 
     try:
-        MoE(RouterConfig(N, K, "softmax", renormalize=True), H, 200, ep_group=dist.group.WORLD,
-            quant=QuantConfig("fp8_block"), dispatch_dtype="fp8",
-            dispatcher_factory=lambda layout, group, dispatch: FloatOnly())
+        MoE(
+            RouterConfig(N, K, "softmax", renormalize=True),
+            H,
+            200,
+            ep_group=dist.group.WORLD,
+            quant=QuantConfig("fp8_block"),
+            dispatch_dtype="fp8",
+            dispatcher_factory=lambda layout, group, dispatch: FloatOnly(),
+        )
     except ValueError as error:
         return str(error)
     return None
@@ -147,8 +180,11 @@ def _float_only_dispatcher(rank, world_size):
 
 def fp8_dispatch_worker(rank, world_size, payload=None):
     records = [_case(rank, world_size, *case) for case in CASES]
-    return {"cases": records, "mismatch": _mismatch(rank, world_size),
-            "float_only": _float_only_dispatcher(rank, world_size)}
+    return {
+        "cases": records,
+        "mismatch": _mismatch(rank, world_size),
+        "float_only": _float_only_dispatcher(rank, world_size),
+    }
 
 
 #: Both ranks' whole case loop must finish within this (a loaded 2-core machine).

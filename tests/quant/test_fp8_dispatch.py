@@ -31,8 +31,7 @@ MAX_BYTES_RATIO = 0.53
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return spawn_group(fp8_dispatch_worker, 2, tmp_path_factory.mktemp("fp8_dispatch"),
-                       join_timeout_s=JOIN_TIMEOUT_S)
+    return spawn_group(fp8_dispatch_worker, 2, tmp_path_factory.mktemp("fp8_dispatch"), join_timeout_s=JOIN_TIMEOUT_S)
 
 
 def _records(results):
@@ -58,7 +57,7 @@ def test_bytes_sent_are_fp8_values_and_scales(results):
     for record in _records(results):
         rows = record["expected_rows"]
         assert record["rows_sent"] == record["float_rows_sent"] == rows, record
-        assert record["hidden_bytes"] == rows * H, record            # one byte per e4m3 value
+        assert record["hidden_bytes"] == rows * H, record  # one byte per e4m3 value
         assert record["scale_bytes"] == rows * 4 * record["groups"], record
         assert record["float_hidden_bytes"] == rows * H * record["element_size"], record
         bf16_bytes = rows * H * 2
@@ -98,8 +97,9 @@ def test_fp8_dispatch_needs_fp8_experts_with_dynamic_scales():
 def test_without_a_group_fp8_dispatch_changes_nothing():
     quant = QuantConfig("fp8_block", block_size=(32, 32))
     gen = torch.Generator().manual_seed(0)
-    q = quantize_experts(torch.randn(4, 2 * 24, 40, generator=gen) * 0.1,
-                         torch.randn(4, 40, 24, generator=gen) * 0.1, quant)
+    q = quantize_experts(
+        torch.randn(4, 2 * 24, 40, generator=gen) * 0.1, torch.randn(4, 40, 24, generator=gen) * 0.1, quant
+    )
     outs = []
     for dispatch_dtype in (None, "auto", "fp8"):
         module = MoE(_router(), 40, 24, quant=quant, dispatch_dtype=dispatch_dtype)
@@ -117,13 +117,34 @@ def test_run_command_checks_an_fp8_layer_against_the_reference(capsys):
 
     from moeroute.bindings import ep_run
 
-    status = ep_run.main(["--preset", "qwen1.5-moe-a2.7b", "--ep", "2", "--tokens", "6", "--hidden", "160",
-                          "--intermediate", "40", "--repeat", "1", "--quant", "fp8_block",
-                          "--dispatch-dtype", "fp8", "--debug"])
+    status = ep_run.main(
+        [
+            "--preset",
+            "qwen1.5-moe-a2.7b",
+            "--ep",
+            "2",
+            "--tokens",
+            "6",
+            "--hidden",
+            "160",
+            "--intermediate",
+            "40",
+            "--repeat",
+            "1",
+            "--quant",
+            "fp8_block",
+            "--dispatch-dtype",
+            "fp8",
+            "--debug",
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 0, out
-    found = re.findall(r"w8a8 reference \(moeroute.quant.reference\): max relative error ([0-9.e+-]+) over "
-                       r"2 ranks \(< 0.02\): PASS; FP8 rows sent with (\d+) bytes of scales", out)
+    found = re.findall(
+        r"w8a8 reference \(moeroute.quant.reference\): max relative error ([0-9.e+-]+) over "
+        r"2 ranks \(< 0.02\): PASS; FP8 rows sent with (\d+) bytes of scales",
+        out,
+    )
     assert len(found) == 1, out
     assert float(found[0][0]) < ep_run.QUANT_TOLERANCE["float32"] and int(found[0][1]) > 0
     assert "every rank matches" in out
@@ -134,20 +155,43 @@ def test_run_command_fails_an_fp8_layer_off_the_reference():
 
     from moeroute.bindings import ep_run
 
-    args = argparse.Namespace(preset="mixtral-8x7b", ep=2, dispatch="all2all", tokens=4, hidden=16,
-                              intermediate=8, dtype="float32", quant="fp8_block", dispatch_dtype="fp8")
-    report = dict(rank=0, tokens=4, received_rows=4, slots_computed=8, max_expert_load=3, local_experts=4,
-                  bytes=None, forward_ms=1.0, error=0.0, shared="none", shared_reason="no shared expert",
-                  reference_error=1e-6)
+    args = argparse.Namespace(
+        preset="mixtral-8x7b",
+        ep=2,
+        dispatch="all2all",
+        tokens=4,
+        hidden=16,
+        intermediate=8,
+        dtype="float32",
+        quant="fp8_block",
+        dispatch_dtype="fp8",
+    )
+    report = dict(
+        rank=0,
+        tokens=4,
+        received_rows=4,
+        slots_computed=8,
+        max_expert_load=3,
+        local_experts=4,
+        bytes=None,
+        forward_ms=1.0,
+        error=0.0,
+        shared="none",
+        shared_reason="no shared expert",
+        reference_error=1e-6,
+    )
     assert ep_run._format(args, [report])[1] == 0
     text, status = ep_run._format(args, [report, dict(report, rank=1, reference_error=0.05)])
     assert status == ep_run.EXIT_MISMATCH and "5.00e-02" in text and ": FAIL" in text
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--preset", "deepseek-v3", "--dispatch-dtype", "fp8"], "--dispatch-dtype fp8 needs FP8 experts"),
-    (["--preset", "gpt-oss-20b", "--quant", "fp8_block"], "carry biases"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--preset", "deepseek-v3", "--dispatch-dtype", "fp8"], "--dispatch-dtype fp8 needs FP8 experts"),
+        (["--preset", "gpt-oss-20b", "--quant", "fp8_block"], "carry biases"),
+    ],
+)
 def test_run_command_refuses_fp8_requests_it_cannot_serve(argv, message, capsys):
     from moeroute.bindings import ep_run
 

@@ -19,26 +19,49 @@ pytestmark = pytest.mark.interop
 
 H, I, N, K = 128, 96, 6, 2
 BLOCK = (32, 64)
-HF_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK),
-          "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.gate"]}
+HF_FP8 = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": list(BLOCK),
+    "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.gate"],
+}
 
 
 def _fp8_block():
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     from transformers.integrations.finegrained_fp8 import FP8Experts
 
-    config = DeepseekV3Config(vocab_size=64, hidden_size=H, intermediate_size=128, moe_intermediate_size=I,
-                              num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
-                              num_key_value_heads=4, n_routed_experts=N, num_experts_per_tok=K, n_group=2,
-                              topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, q_lora_rank=32,
-                              kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    config = DeepseekV3Config(
+        vocab_size=64,
+        hidden_size=H,
+        intermediate_size=128,
+        moe_intermediate_size=I,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=N,
+        num_experts_per_tok=K,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    )
     torch.manual_seed(0)
     block = DeepseekV3ForCausalLM(config).model.layers[1].mlp
     generator = torch.Generator().manual_seed(1)
     fp8 = FP8Experts(block.experts.config, block_size=BLOCK)
-    q_gu, s_gu, q_d, s_d = quantize_experts(torch.randn(N, 2 * I, H, generator=generator) * 0.1,
-                                            torch.randn(N, H, I, generator=generator) * 0.1,
-                                            QuantConfig("fp8_block", block_size=BLOCK))
+    q_gu, s_gu, q_d, s_d = quantize_experts(
+        torch.randn(N, 2 * I, H, generator=generator) * 0.1,
+        torch.randn(N, H, I, generator=generator) * 0.1,
+        QuantConfig("fp8_block", block_size=BLOCK),
+    )
     with torch.no_grad():
         fp8.gate_up_proj.data, fp8.gate_up_proj_scale_inv.data = q_gu, s_gu
         fp8.down_proj.data, fp8.down_proj_scale_inv.data = q_d, s_d
@@ -51,8 +74,9 @@ def test_quant_config_with_modules_to_not_convert_agrees_with_the_block():
     quant = QuantConfig.from_hf({"quantization_config": HF_FP8})
     assert quant.modules_to_not_convert == ("lm_head", "model.layers.0.mlp.gate")
     # Informational: not compared, not hashed.
-    assert quant == QuantConfig("fp8_block", block_size=BLOCK) and hash(quant) == hash(QuantConfig(
-        "fp8_block", block_size=BLOCK))
+    assert quant == QuantConfig("fp8_block", block_size=BLOCK) and hash(quant) == hash(
+        QuantConfig("fp8_block", block_size=BLOCK)
+    )
     module = MoE.from_hf(block, quant=quant, shared="runner")
     assert module.quant.modules_to_not_convert == quant.modules_to_not_convert
     reference = MoE.from_hf(block, shared="runner")

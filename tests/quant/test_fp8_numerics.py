@@ -74,8 +74,11 @@ def test_nan_weight_byte_refused_by_load_state_dict():
     nb = s_gu.shape[1] // 2
     per_expert = {}
     for e in range(N):
-        for name, weight, scale in (("gate_proj", q_gu[e, :I], s_gu[e, :nb]), ("up_proj", q_gu[e, I:], s_gu[e, nb:]),
-                                    ("down_proj", q_d[e], s_d[e])):
+        for name, weight, scale in (
+            ("gate_proj", q_gu[e, :I], s_gu[e, :nb]),
+            ("up_proj", q_gu[e, I:], s_gu[e, nb:]),
+            ("down_proj", q_d[e], s_d[e]),
+        ):
             per_expert[f"experts.{e}.{name}.weight"] = weight.contiguous()
             per_expert[f"experts.{e}.{name}.weight_scale_inv"] = scale.contiguous()
     with pytest.raises(ValueError, match=r"w_gate_up\[1, 5, 7\].*NaN"):
@@ -92,16 +95,23 @@ def test_nan_weight_byte_refused_by_load_experts(tmp_path):
     nb = s_gu.shape[1] // 2
     state = {}
     for e in range(N):
-        for name, weight, scale in (("gate_proj", q_gu[e, :I], s_gu[e, :nb]), ("up_proj", q_gu[e, I:], s_gu[e, nb:]),
-                                    ("down_proj", q_d[e], s_d[e])):
+        for name, weight, scale in (
+            ("gate_proj", q_gu[e, :I], s_gu[e, :nb]),
+            ("up_proj", q_gu[e, I:], s_gu[e, nb:]),
+            ("down_proj", q_d[e], s_d[e]),
+        ):
             state[f"mlp.experts.{e}.{name}.weight"] = weight.contiguous()
             state[f"mlp.experts.{e}.{name}.weight_scale_inv"] = scale.contiguous()
     safetensors_torch.save_file(state, str(tmp_path / "per_expert.safetensors"))
     with pytest.raises(ValueError, match=r"mlp\.experts\.3\.down_proj\.weight.*\[5, 7\].*NaN"):
         load_experts(model, tmp_path / "per_expert.safetensors")
     assert not model.mlp.experts.w_down.view(torch.uint8).any()
-    stacked = {"mlp.experts.gate_up_proj": q_gu, "mlp.experts.down_proj": q_d,
-               "mlp.experts.gate_up_proj_scale_inv": s_gu, "mlp.experts.down_proj_scale_inv": s_d}
+    stacked = {
+        "mlp.experts.gate_up_proj": q_gu,
+        "mlp.experts.down_proj": q_d,
+        "mlp.experts.gate_up_proj_scale_inv": s_gu,
+        "mlp.experts.down_proj_scale_inv": s_d,
+    }
     (tmp_path / "per_expert.safetensors").unlink()
     safetensors_torch.save_file(stacked, str(tmp_path / "stacked.safetensors"))
     with pytest.raises(ValueError, match=r"mlp\.experts\.down_proj\[3\].*\[5, 7\].*NaN"):
@@ -110,6 +120,7 @@ def test_nan_weight_byte_refused_by_load_experts(tmp_path):
 
 
 # ------------------------------------------------------------------------- NaN in an activation
+
 
 def test_quantize_rows_nan_and_inf_as_torch():
     x = _randn(3, 256, seed=4, scale=1.0)
@@ -133,8 +144,9 @@ def test_quantize_rows_nan_and_inf_as_torch():
 
 def _fp8_args(hidden, inter, block, tokens, experts, seed=0):
     quant = QuantConfig("fp8_block", block_size=block)
-    q_gu, s_gu, q_d, s_d = quantize_experts(_randn(experts, 2 * inter, hidden, seed=seed),
-                                            _randn(experts, hidden, inter, seed=seed + 1), quant)
+    q_gu, s_gu, q_d, s_d = quantize_experts(
+        _randn(experts, 2 * inter, hidden, seed=seed), _randn(experts, hidden, inter, seed=seed + 1), quant
+    )
     x = randn(tokens, hidden, seed=seed + 2)
     generator = torch.Generator().manual_seed(seed + 3)
     ids = torch.stack([torch.randperm(experts, generator=generator)[:2] for _ in range(tokens)]).int()
@@ -144,8 +156,19 @@ def _fp8_args(hidden, inter, block, tokens, experts, seed=0):
 
 def _op(quant, x, ids, weights, tensors, gemm):
     q_gu, s_gu, q_d, s_d = tensors
-    return torch.ops.moeroute.experts(x, q_gu, q_d, ids, weights, "silu", gemm, gate_up_scale=s_gu, down_scale=s_d,
-                                      quant_format=quant.format, block_size=list(quant.block_size))
+    return torch.ops.moeroute.experts(
+        x,
+        q_gu,
+        q_d,
+        ids,
+        weights,
+        "silu",
+        gemm,
+        gate_up_scale=s_gu,
+        down_scale=s_d,
+        quant_format=quant.format,
+        block_size=list(quant.block_size),
+    )
 
 
 # (H, I, block): whole 64-column steps (the bfloat16-dot kernels and the one-call forward
@@ -171,6 +194,7 @@ def test_nan_activation_gives_nan_for_its_token(shape, tokens, gemm, dtype):
 
 # ----------------------------------------------------------------- one numerics on every CPU path
 
+
 def _path_errors() -> dict:
     """{"bf16_dot": whether the bfloat16-dot kernels serve the shape, "errors": {case: max
     |out - ref| / max |ref|}} of the FP8 layer on this process's CPU path: H = I = 256 in
@@ -179,16 +203,20 @@ def _path_errors() -> dict:
     hidden = inter = 256
     quant = QuantConfig("fp8_block", block_size=(128, 128))
     generator = torch.Generator().manual_seed(0)
-    tensors = quantize_experts(torch.randn(4, 2 * inter, hidden, generator=generator) * 0.05,
-                               torch.randn(4, hidden, inter, generator=generator) * 0.05, quant)
+    tensors = quantize_experts(
+        torch.randn(4, 2 * inter, hidden, generator=generator) * 0.05,
+        torch.randn(4, hidden, inter, generator=generator) * 0.05,
+        quant,
+    )
     errors = {}
     for tokens in (1, 5, 40):
         x = torch.randn(tokens, hidden, generator=generator)
         ids = torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(tokens)]).int()
         weights = torch.rand(tokens, 2, generator=generator)
         for dtype in (torch.float32, torch.bfloat16):
-            expected = moe_experts_reference(x.to(dtype), ids, weights, *tensors, quant.block_size,
-                                             intermediate_dtype=dtype)
+            expected = moe_experts_reference(
+                x.to(dtype), ids, weights, *tensors, quant.block_size, intermediate_dtype=dtype
+            )
             for strategy in ("auto", "rows", "blocks"):
                 out = fp8_experts_forward(x.to(dtype), ids, weights, *tensors, quant, strategy=strategy)
                 errors[f"T={tokens} {dtype} {strategy}"] = rel_error(out, expected)
@@ -198,18 +226,30 @@ def _path_errors() -> dict:
 #: The AVX2 path in a fresh process (the path is decided once per process): NUMBA_CPU_NAME
 #: for a Numba target without AVX-512, MOEROUTE_CPU_ISA for `moeroute.cpu_features`.
 _AVX2 = {"MOEROUTE_CPU_ISA": "avx2", "NUMBA_CPU_NAME": "haswell"}
-_SUBPROCESS = ("import json, sys; sys.path.insert(0, 'tests'); import torch; torch.set_num_threads(1); "
-               "from quant.test_fp8_numerics import _path_errors; print(json.dumps(_path_errors()))")
+_SUBPROCESS = (
+    "import json, sys; sys.path.insert(0, 'tests'); import torch; torch.set_num_threads(1); "
+    "from quant.test_fp8_numerics import _path_errors; print(json.dumps(_path_errors()))"
+)
 
 
 def test_every_cpu_path_one_numerics():
     """The default path (the AVX512-BF16 kernels where the CPU has them) and the AVX2 path
     (the float32 row kernels; the blocks at 40 rows) meet one bound against the reference."""
-    result = subprocess.run([sys.executable, "-c", _SUBPROCESS], cwd=REPO_ROOT, env={**os.environ, **_AVX2},
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", _SUBPROCESS],
+        cwd=REPO_ROOT,
+        env={**os.environ, **_AVX2},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     avx2 = json.loads(result.stdout.strip().splitlines()[-1])
     assert not avx2["bf16_dot"], "the AVX2 run took the bfloat16-dot kernels"
-    failures = [f"{path} {case}: {error:.2e}" for path, report in (("default", _path_errors()), ("avx2", avx2))
-                for case, error in report["errors"].items() if not error < CPU_BOUND]
+    failures = [
+        f"{path} {case}: {error:.2e}"
+        for path, report in (("default", _path_errors()), ("avx2", avx2))
+        for case, error in report["errors"].items()
+        if not error < CPU_BOUND
+    ]
     assert not failures, failures

@@ -16,8 +16,15 @@ from moeroute.quant import QuantConfig, dequantize_experts, dequantize_mxfp4, qu
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
-GPT_OSS = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                      "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}
+GPT_OSS = {
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+    "quant_method": "mxfp4",
+}
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -46,6 +53,7 @@ def local_step(magnitude):
 
 # ------------------------------------------------------------------------------ config
 
+
 def test_config_defaults_and_shapes():
     config = QuantConfig("mxfp4")
     assert (config.block_size, config.activation) == ((1, 32), "none")
@@ -55,11 +63,14 @@ def test_config_defaults_and_shapes():
     assert QuantConfig("fp8_block").activation == "dynamic"  # the FP8 defaults are unchanged
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(format="mxfp4", block_size=(1, 64)), "block_size"),
-    (dict(format="mxfp4", activation="dynamic"), "activation"),
-    (dict(format="fp8_block", activation="none"), "activation"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(format="mxfp4", block_size=(1, 64)), "block_size"),
+        (dict(format="mxfp4", activation="dynamic"), "activation"),
+        (dict(format="fp8_block", activation="none"), "activation"),
+    ],
+)
 def test_config_invalid_fields_are_named(kwargs, field):
     with pytest.raises(ValueError, match=field):
         QuantConfig(**kwargs)
@@ -80,10 +91,11 @@ def test_from_hf_gpt_oss():
 
 # ----------------------------------------------------------------- hand-computed bytes
 
+
 def test_dequantize_hand_computed_bytes():
     blocks = torch.zeros(1, 1, 16, dtype=torch.uint8)
-    blocks[0, 0, 0] = 0x72   # element 0: code 2 (1.0), element 1: code 7 (6.0)
-    blocks[0, 0, 1] = 0xF9   # element 2: code 9 (-0.5), element 3: code 15 (-6.0)
+    blocks[0, 0, 0] = 0x72  # element 0: code 2 (1.0), element 1: code 7 (6.0)
+    blocks[0, 0, 1] = 0xF9  # element 2: code 9 (-0.5), element 3: code 15 (-6.0)
     blocks[0, 0, 15] = 0x0D  # element 30: code 13 (-3.0), element 31: code 0
     scales = torch.tensor([[129]], dtype=torch.uint8)  # 2 ** 2
     expected = torch.zeros(1, 32)
@@ -91,7 +103,7 @@ def test_dequantize_hand_computed_bytes():
     expected[0, 30] = -12.0
     assert torch.equal(dequantize_mxfp4(blocks, scales), expected)
     # Scale byte 0 is 2**-127 (a float32 subnormal), exactly.
-    assert dequantize_mxfp4(blocks, torch.zeros(1, 1, dtype=torch.uint8))[0, 0].item() == 2.0 ** -127
+    assert dequantize_mxfp4(blocks, torch.zeros(1, 1, dtype=torch.uint8))[0, 0].item() == 2.0**-127
 
 
 def test_quantize_hand_computed_bytes():
@@ -108,8 +120,9 @@ def test_quantize_hand_computed_bytes():
     assert zero_scales.tolist() == [[0, 0], [0, 0]] and not zero_blocks.any()
 
 
-@pytest.mark.parametrize("amax, byte", [(6.0, 127), (6.0001, 128), (3.0, 126), (3.5, 127), (0.75, 124),
-                                        (0.7, 124), (1e-30, 127 - 102)])
+@pytest.mark.parametrize(
+    "amax, byte", [(6.0, 127), (6.0001, 128), (3.0, 126), (3.5, 127), (0.75, 124), (0.7, 124), (1e-30, 127 - 102)]
+)
 def test_scale_exponent(amax, byte):
     """byte = 127 + ceil(log2(amax / 6)), at and around powers of two."""
     w = torch.zeros(1, 32)
@@ -120,6 +133,7 @@ def test_scale_exponent(amax, byte):
 
 
 # --------------------------------------------------------------------- round trips
+
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -134,8 +148,9 @@ def test_round_trip_within_half_a_step(device, dtype):
     assert torch.equal(got, reference)
     w64 = w.double()
     scale = (2.0 ** (scales.cpu().double() - 127)).repeat_interleave(32, dim=-1)
-    steps = torch.tensor([local_step(v) for v in (w64.abs() / scale).reshape(-1).tolist()],
-                         dtype=torch.float64).reshape(w.shape)
+    steps = torch.tensor(
+        [local_step(v) for v in (w64.abs() / scale).reshape(-1).tolist()], dtype=torch.float64
+    ).reshape(w.shape)
     assert bool(((got - w64).abs() <= steps * scale / 2).all())
     # The scale is the smallest power of two fitting amax onto 6.
     amax = w64.reshape(3, 8, 4, 32).abs().amax(-1)
@@ -165,6 +180,7 @@ def test_experts_helpers_use_mxfp4():
 
 
 # --------------------------------------------------------------------------- errors
+
 
 def test_errors():
     blocks, scales = quantize_mxfp4(torch.randn(4, 64))

@@ -21,8 +21,7 @@ from moeroute.routing import reference
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return spawn_group(workers.worker, 2, tmp_path_factory.mktemp("mxfp4_ep"),
-                       join_timeout_s=workers.JOIN_TIMEOUT_S)
+    return spawn_group(workers.worker, 2, tmp_path_factory.mktemp("mxfp4_ep"), join_timeout_s=workers.JOIN_TIMEOUT_S)
 
 
 @functools.cache
@@ -36,8 +35,7 @@ def _reference(x):
     x = x.double()
     logits = (x @ w["router_weight"].double().T + w["router_bias"].double()).float()
     topk_weights, topk_ids = reference.select_experts(logits.numpy(), workers.ROUTER, None)
-    return dense_experts(x, topk_ids, topk_weights, w_gate_up, w_down, "swigluoai",
-                         w["gate_up_bias"], w["down_bias"])
+    return dense_experts(x, topk_ids, topk_weights, w_gate_up, w_down, "swigluoai", w["gate_up_bias"], w["down_bias"])
 
 
 def test_every_case_matches_the_reference(results):
@@ -57,6 +55,6 @@ def test_each_rank_holds_only_its_experts(results):
             if case["placement"] == "linear" and case["table"] is None:
                 assert case["local_experts"] == [3 * rank, 3 * rank + 1, 3 * rank + 2]
             elif case["table"] is not None:
-                assert case["local_experts"] == case["table"][3 * rank:3 * rank + 3]
+                assert case["local_experts"] == case["table"][3 * rank : 3 * rank + 3]
             else:  # round robin
                 assert case["local_experts"] == [rank, rank + 2, rank + 4]

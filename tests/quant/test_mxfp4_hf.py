@@ -24,9 +24,19 @@ RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 def _config():
     from transformers import GptOssConfig
 
-    return GptOssConfig(vocab_size=128, hidden_size=H, intermediate_size=I, num_local_experts=N,
-                        num_experts_per_tok=K, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"])
+    return GptOssConfig(
+        vocab_size=128,
+        hidden_size=H,
+        intermediate_size=I,
+        num_local_experts=N,
+        num_experts_per_tok=K,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        layer_types=["sliding_attention", "full_attention"],
+    )
 
 
 def mxfp4_block(seed=0):
@@ -48,8 +58,9 @@ def mxfp4_block(seed=0):
     packed = GptOssMLP(_config()).eval()
     packed.load_state_dict(reference.state_dict())
     del packed.experts.gate_up_proj, packed.experts.down_proj
-    for name, tensor in zip(("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales"),
-                            (*gate_up, *down)):
+    for name, tensor in zip(
+        ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales"), (*gate_up, *down)
+    ):
         packed.experts.register_buffer(name, tensor)
     return reference, packed, gate_up, down
 
@@ -108,11 +119,18 @@ def test_load_state_dict_of_gpt_oss_mxfp4_keys():
     reference, packed, _, _ = mxfp4_block(seed=2)
     state = _checkpoint(packed)
     assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in state
-    moe = MoE(MoE.from_hf(packed).router, H, I, activation="swigluoai", expert_bias=True, router_bias=True,
-              quant=QuantConfig("mxfp4"))
+    moe = MoE(
+        MoE.from_hf(packed).router,
+        H,
+        I,
+        activation="swigluoai",
+        expert_bias=True,
+        router_bias=True,
+        quant=QuantConfig("mxfp4"),
+    )
     holder = torch.nn.Module()
     holder.mlp = moe
-    holder.load_state_dict({k[len("model.layers.0."):]: v for k, v in state.items()})
+    holder.load_state_dict({k[len("model.layers.0.") :]: v for k, v in state.items()})
     x = torch.randn(9, H, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         expected, _ = reference(x[None])

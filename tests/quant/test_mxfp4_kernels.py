@@ -15,9 +15,14 @@ from moeroute.quant import _mxfp4_host
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 RTOL = 1e-5
-DOTS = [pytest.param(_mxfp4_host.dots_portable, id="portable"),
-        pytest.param(_mxfp4_host.dots_simd, id="simd",
-                     marks=pytest.mark.skipif(not _mxfp4_host.SIMD, reason="no AVX2, FMA and F16C here"))]
+DOTS = [
+    pytest.param(_mxfp4_host.dots_portable, id="portable"),
+    pytest.param(
+        _mxfp4_host.dots_simd,
+        id="simd",
+        marks=pytest.mark.skipif(not _mxfp4_host.SIMD, reason="no AVX2, FMA and F16C here"),
+    ),
+]
 ROW_TUPLES = [(0,), (3, 1), (2, 2, 5), (5, 0, 4, 1)]
 #: Rows per expert (0 = not hit): one, the 4-row tile with each remainder, an empty expert.
 COUNTS = [(1, 0, 2, 3), (4, 5, 0, 9), (0, 0, 1, 0), (7, 1, 6, 2)]
@@ -69,8 +74,11 @@ def test_split_blocks_puts_even_then_odd_elements():
 #: Scale bytes of every block, with the activations' magnitude: the usual range, the
 #: smallest scale (2 ** -127, a float32 subnormal) and the largest (2 ** 127, whose weights
 #: exceed float32 unless the dot stays small).
-SCALE_CASES = [pytest.param((112, 136), 1.0, id="usual"), pytest.param((0, 1), 1.0, id="byte_0"),
-               pytest.param((254, 255), 2.0 ** -40, id="byte_254")]
+SCALE_CASES = [
+    pytest.param((112, 136), 1.0, id="usual"),
+    pytest.param((0, 1), 1.0, id="byte_0"),
+    pytest.param((254, 255), 2.0**-40, id="byte_254"),
+]
 
 
 @pytest.mark.parametrize("dots", DOTS)
@@ -85,7 +93,7 @@ def test_block_dots_match_the_definition(dots, rows, scale_range, magnitude):
     out = np.full(4, np.nan, np.float32)
     dots(blocks, scales, split(x), rows, out)
     expected = x.astype(np.float64)[list(rows)] @ plain_weights(blocks, scales)
-    assert_close(out[:len(rows)], expected)
+    assert_close(out[: len(rows)], expected)
 
 
 def plan(counts, seed):
@@ -120,16 +128,34 @@ def test_row_kernels_match_the_definition(counts, with_bias, serial, kernels):
     down_rows = kernels.down_rows_serial if serial else kernels.down_rows
 
     gate_up = np.full((tokens.shape[0], 2 * inter), np.nan, np.float32)
-    gate_up_rows(split(x), tokens, offsets, work, gate_up_blocks, gate_up_scales,
-                 gate_up_bias if with_bias else no_bias, gate_up)
+    gate_up_rows(
+        split(x), tokens, offsets, work, gate_up_blocks, gate_up_scales, gate_up_bias if with_bias else no_bias, gate_up
+    )
     acts = rng.standard_normal((tokens.shape[0], inter)).astype(np.float32)
     sums = np.zeros((num_tokens, hidden), np.float32)
-    down_rows(split(acts), tokens, slot_weights, offsets, hit, down_blocks, down_scales,
-              down_bias if with_bias else no_bias, sums)
+    down_rows(
+        split(acts),
+        tokens,
+        slot_weights,
+        offsets,
+        hit,
+        down_blocks,
+        down_scales,
+        down_bias if with_bias else no_bias,
+        sums,
+    )
 
     expected_gate_up, expected_sums = reference_outputs(
-        (gate_up_blocks, gate_up_scales, down_blocks, down_scales), x, acts, tokens, slot_weights, offsets,
-        (gate_up_bias, down_bias) if with_bias else None, gate_up.shape, sums.shape)
+        (gate_up_blocks, gate_up_scales, down_blocks, down_scales),
+        x,
+        acts,
+        tokens,
+        slot_weights,
+        offsets,
+        (gate_up_bias, down_bias) if with_bias else None,
+        gate_up.shape,
+        sums.shape,
+    )
     assert_close(gate_up, expected_gate_up)
     assert_close(sums, expected_sums)
 
@@ -144,9 +170,13 @@ def test_dequantize_rows_matches_the_definition():
     np.testing.assert_array_equal(out, plain_weights(blocks, scales)[1:4].astype(np.float32))
 
 
-@pytest.mark.parametrize("decode", [
-    pytest.param("simd", marks=pytest.mark.skipif(not _mxfp4_host.SIMD, reason="no AVX2, FMA and F16C here")),
-    "portable"])
+@pytest.mark.parametrize(
+    "decode",
+    [
+        pytest.param("simd", marks=pytest.mark.skipif(not _mxfp4_host.SIMD, reason="no AVX2, FMA and F16C here")),
+        "portable",
+    ],
+)
 def test_dequantize_rows_split_is_the_definition_in_split_order(decode):
     rng = np.random.default_rng(8)
     blocks, scales = packed(rng, 6, 3)
@@ -216,22 +246,48 @@ def test_bf16_dot_row_kernels_match_the_definition(counts, with_bias, serial, sc
     down_bias = rng.standard_normal((num_experts, hidden)).astype(np.float32)
     no_bias = np.zeros((0, 0), np.float32)
     x_bits, x = bfloat16_bits((rng.standard_normal((num_tokens, hidden)) * magnitude).astype(np.float32))
-    tokens, slot_weights, offsets, hit, work = _rows.plan_rows(ids, weights, num_experts,
-                                                               -(-2 * inter // _mxfp4_dot.ROW_BLOCK))
+    tokens, slot_weights, offsets, hit, work = _rows.plan_rows(
+        ids, weights, num_experts, -(-2 * inter // _mxfp4_dot.ROW_BLOCK)
+    )
     gate_up_rows = _mxfp4_dot.gate_up_rows_serial if serial else _mxfp4_dot.gate_up_rows
     down_rows = _mxfp4_dot.down_rows_serial if serial else _mxfp4_dot.down_rows
 
     gate_up = np.full((tokens.shape[0], 2 * inter), np.nan, np.float32)
-    gate_up_rows(split_pairs(x_bits), tokens, offsets, work, gate_up_blocks, gate_up_scales,
-                 gate_up_bias if with_bias else no_bias, gate_up)
+    gate_up_rows(
+        split_pairs(x_bits),
+        tokens,
+        offsets,
+        work,
+        gate_up_blocks,
+        gate_up_scales,
+        gate_up_bias if with_bias else no_bias,
+        gate_up,
+    )
     acts_bits, acts = bfloat16_bits((rng.standard_normal((tokens.shape[0], inter)) * magnitude).astype(np.float32))
     sums = np.zeros((num_tokens, hidden), np.float32)
-    down_rows(split_pairs(acts_bits), tokens, slot_weights, offsets, hit, down_blocks, down_scales,
-              down_bias if with_bias else no_bias, sums)
+    down_rows(
+        split_pairs(acts_bits),
+        tokens,
+        slot_weights,
+        offsets,
+        hit,
+        down_blocks,
+        down_scales,
+        down_bias if with_bias else no_bias,
+        sums,
+    )
 
     expected_gate_up, expected_sums = reference_outputs(
-        (gate_up_blocks, gate_up_scales, down_blocks, down_scales), x, acts, tokens, slot_weights, offsets,
-        (gate_up_bias, down_bias) if with_bias else None, gate_up.shape, sums.shape)
+        (gate_up_blocks, gate_up_scales, down_blocks, down_scales),
+        x,
+        acts,
+        tokens,
+        slot_weights,
+        offsets,
+        (gate_up_bias, down_bias) if with_bias else None,
+        gate_up.shape,
+        sums.shape,
+    )
     if offsets[-1]:
         assert_close(gate_up, expected_gate_up)
     assert_close(sums, expected_sums)

@@ -29,13 +29,26 @@ plain_dequantize = helpers.reference.dequantize_mxfp4
 def gpt_oss_weights(seed=0, inter=I):
     """Packed experts (gate rows first) and float biases, as a checkpoint would hold them."""
     w_gate_up, w_down = randn(N, 2 * inter, H, seed=seed, scale=0.1), randn(N, H, inter, seed=seed + 1, scale=0.1)
-    return (quantize_mxfp4(w_gate_up), quantize_mxfp4(w_down), randn(N, 2 * inter, seed=seed + 2, scale=0.5),
-            randn(N, H, seed=seed + 3, scale=0.5))
+    return (
+        quantize_mxfp4(w_gate_up),
+        quantize_mxfp4(w_down),
+        randn(N, 2 * inter, seed=seed + 2, scale=0.5),
+        randn(N, H, seed=seed + 3, scale=0.5),
+    )
 
 
 def build(gemm="auto", seed=0, inter=I, **kwargs):
-    module = MoE(ROUTER, H, inter, activation="swigluoai", expert_bias=True, router_bias=True,
-                 quant=QuantConfig("mxfp4"), gemm=gemm, **kwargs)
+    module = MoE(
+        ROUTER,
+        H,
+        inter,
+        activation="swigluoai",
+        expert_bias=True,
+        router_bias=True,
+        quant=QuantConfig("mxfp4"),
+        gemm=gemm,
+        **kwargs,
+    )
     gate_up, down, gate_up_bias, down_bias = weights = gpt_oss_weights(seed, inter)
     with torch.no_grad():
         module.router_weight.copy_(randn(N, H, seed=seed + 4))
@@ -69,7 +82,8 @@ def test_matches_float32_reference(gemm, dtype, shape, inter):
     from moeroute.quant import _mxfp4_dot
 
     assert _mxfp4_dot.serves(dtype == torch.bfloat16, H, inter) == (
-        _mxfp4_dot.BF16_DOT and dtype == torch.bfloat16 and inter == 128)
+        _mxfp4_dot.BF16_DOT and dtype == torch.bfloat16 and inter == 128
+    )
     module, weights = build(gemm, inter=inter)
     x = randn(*shape, seed=99).to(dtype)
     with torch.no_grad():
@@ -149,10 +163,10 @@ def test_expert_parallel_slice_keeps_only_local_bytes():
     module, weights = build(physical_to_logical=[3, 1, 4, 1, 5, 0, 2, 6, 7, 3])
     ids = module.routed_expert_ids()
     (gu_blocks, gu_scales), (d_blocks, _), gate_up_bias, _ = weights
-    assert torch.equal(module.experts.w_gate_up[:len(ids)], gu_blocks[ids])
-    assert torch.equal(module.experts.gate_up_scale[:len(ids)], gu_scales[ids])
-    assert torch.equal(module.experts.w_down[:len(ids)], d_blocks[ids])
-    assert torch.equal(module.experts.b_gate_up[:len(ids)], gate_up_bias[ids])
+    assert torch.equal(module.experts.w_gate_up[: len(ids)], gu_blocks[ids])
+    assert torch.equal(module.experts.gate_up_scale[: len(ids)], gu_scales[ids])
+    assert torch.equal(module.experts.w_down[: len(ids)], d_blocks[ids])
+    assert torch.equal(module.experts.b_gate_up[: len(ids)], gate_up_bias[ids])
     x = randn(10, H, seed=3)
     with torch.no_grad():
         out = module(x)
@@ -171,8 +185,7 @@ def test_cuda_blocks_match_reference():
 
 def test_state_dict_round_trip():
     module, weights = build()
-    fresh = MoE(ROUTER, H, I, activation="swigluoai", expert_bias=True, router_bias=True,
-                quant=QuantConfig("mxfp4"))
+    fresh = MoE(ROUTER, H, I, activation="swigluoai", expert_bias=True, router_bias=True, quant=QuantConfig("mxfp4"))
     fresh.load_state_dict(module.state_dict())
     x = randn(6, H, seed=8)
     with torch.no_grad():

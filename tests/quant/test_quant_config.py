@@ -8,8 +8,7 @@ import pytest
 
 from moeroute.quant import QuantConfig
 
-DEEPSEEK_V3 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-               "weight_block_size": [128, 128]}
+DEEPSEEK_V3 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
 def test_defaults_per_format():
@@ -27,17 +26,20 @@ def test_scale_shapes():
     assert QuantConfig("fp8_tensor").scale_shapes(3, 300, 200) == ((3, 2), (3,))
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(format="int8"), "format"),
-    (dict(format="fp8_block", block_size=(0, 128)), "block_size"),
-    (dict(format="fp8_block", block_size=(128,)), "block_size"),
-    (dict(format="fp8_block", block_size=(128.0, 128)), "block_size"),
-    (dict(format="fp8_tensor", block_size=(128, 128)), "block_size"),
-    (dict(format="fp8_block", activation="static"), "activation"),
-    (dict(format="fp8_tensor", activation="per_channel"), "activation"),
-    (dict(format="fp8_block", scale_fmt="e8m0"), "scale_fmt"),
-    (dict(format="fp8_block", modules_to_not_convert="lm_head"), "modules_to_not_convert"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(format="int8"), "format"),
+        (dict(format="fp8_block", block_size=(0, 128)), "block_size"),
+        (dict(format="fp8_block", block_size=(128,)), "block_size"),
+        (dict(format="fp8_block", block_size=(128.0, 128)), "block_size"),
+        (dict(format="fp8_tensor", block_size=(128, 128)), "block_size"),
+        (dict(format="fp8_block", activation="static"), "activation"),
+        (dict(format="fp8_tensor", activation="per_channel"), "activation"),
+        (dict(format="fp8_block", scale_fmt="e8m0"), "scale_fmt"),
+        (dict(format="fp8_block", modules_to_not_convert="lm_head"), "modules_to_not_convert"),
+    ],
+)
 def test_invalid_fields_are_named(kwargs, field):
     with pytest.raises(ValueError, match=field):
         QuantConfig(**kwargs)
@@ -52,15 +54,18 @@ def test_from_hf_deepseek_v3_mapping_and_whole_config():
 
 
 def test_from_hf_per_tensor_and_static():
-    config = QuantConfig.from_hf({"quant_method": "fp8", "activation_scheme": "static",
-                                  "modules_to_not_convert": ["lm_head"]})
+    config = QuantConfig.from_hf(
+        {"quant_method": "fp8", "activation_scheme": "static", "modules_to_not_convert": ["lm_head"]}
+    )
     assert config == QuantConfig("fp8_tensor", activation="static", modules_to_not_convert=("lm_head",))
 
 
 def test_from_hf_paths(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3",
-                                                      "quantization_config": {**DEEPSEEK_V3,
-                                                                              "weight_block_size": [64, 128]}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {"model_type": "deepseek_v3", "quantization_config": {**DEEPSEEK_V3, "weight_block_size": [64, 128]}}
+        )
+    )
     expected = QuantConfig("fp8_block", block_size=(64, 128))
     assert QuantConfig.from_hf(tmp_path) == expected
     assert QuantConfig.from_hf(str(tmp_path / "config.json")) == expected
@@ -78,11 +83,14 @@ def test_from_hf_unquantized_is_none():
     assert QuantConfig.from_hf({"model_type": "qwen3_moe"}) is None
 
 
-@pytest.mark.parametrize("fields, match", [
-    ({"quant_method": "awq"}, "quant_method='awq'"),
-    ({**DEEPSEEK_V3, "fmt": "e5m2"}, "fmt='e5m2'"),
-    ({**DEEPSEEK_V3, "activation_scheme": "static"}, "activation"),
-])
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"quant_method": "awq"}, "quant_method='awq'"),
+        ({**DEEPSEEK_V3, "fmt": "e5m2"}, "fmt='e5m2'"),
+        ({**DEEPSEEK_V3, "activation_scheme": "static"}, "activation"),
+    ],
+)
 def test_from_hf_refuses_what_it_cannot_serve(fields, match):
     with pytest.raises(ValueError, match=match):
         QuantConfig.from_hf(fields)

@@ -42,7 +42,7 @@ def test_block_ue8m0_hand_computed():
     w = torch.tensor([[1.0, -2.0]])
     q, scale = quantize_fp8_block(w, (1, 2), scale_fmt="ue8m0")
     # 2/448 = 2**-7.807 -> rounded up to 2**-7: 1 -> 128, -2 -> -256.
-    assert scale.item() == 2.0 ** -7
+    assert scale.item() == 2.0**-7
     assert q.float().tolist() == [[128.0, -256.0]]
 
 
@@ -54,8 +54,9 @@ def test_block_rounds_to_nearest_e4m3():
     assert q.float().tolist() == [[448.0, 288.0, 16.0, 0.3125]]
 
 
-@pytest.mark.parametrize("rows, cols, block", [(200, 300, (128, 128)), (200, 300, (64, 128)),
-                                               (7, 5, (4, 2)), (128, 256, (128, 128))])
+@pytest.mark.parametrize(
+    "rows, cols, block", [(200, 300, (128, 128)), (200, 300, (64, 128)), (7, 5, (4, 2)), (128, 256, (128, 128))]
+)
 def test_dequantize_formula_with_partial_blocks(rows, cols, block):
     w = _randn(rows, cols)
     q, scale = quantize_fp8_block(w, block)
@@ -67,7 +68,7 @@ def test_dequantize_formula_with_partial_blocks(rows, cols, block):
     assert torch.equal(got, q.float() * scale[i, j])
     # Each block's scale is its own amax / 448.
     for bi, bj in itertools.product(range(scale.shape[0]), range(scale.shape[1])):
-        amax = w[bi * bn:(bi + 1) * bn, bj * bk:(bj + 1) * bk].abs().max()
+        amax = w[bi * bn : (bi + 1) * bn, bj * bk : (bj + 1) * bk].abs().max()
         assert scale[bi, bj].item() == pytest.approx(amax.item() / 448, rel=1e-6)
 
 
@@ -77,7 +78,7 @@ def test_round_trip_error_bound():
     back = dequantize_fp8_block(q, scale, (64, 128))
     per_elem_scale = scale.repeat_interleave(64, 1)[:, :200].repeat_interleave(128, 2)[..., :300]
     # Half an e4m3 step: 2**-4 relative for normals, 2**-10 * s in the subnormal range.
-    assert bool(((back - w).abs() <= w.abs() * 2.0 ** -4 + per_elem_scale * 2.0 ** -10).all())
+    assert bool(((back - w).abs() <= w.abs() * 2.0**-4 + per_elem_scale * 2.0**-10).all())
 
 
 @pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
@@ -86,7 +87,7 @@ def test_round_trip_exact_on_grid(scale_fmt):
     gen = torch.Generator().manual_seed(1)
     q = GRID[torch.randint(len(GRID), (6, 8), generator=gen)]
     q[0::2, 0::4] = 448.0  # each (2, 4) block holds the max
-    s = torch.tensor([[2.0 ** -8, 2.0 ** -6], [2.0 ** -3, 1.0], [4.0, 2.0 ** -10]])
+    s = torch.tensor([[2.0**-8, 2.0**-6], [2.0**-3, 1.0], [4.0, 2.0**-10]])
     w = q * s.repeat_interleave(2, 0).repeat_interleave(4, 1)
     q2, s2 = quantize_fp8_block(w, (2, 4), scale_fmt)
     assert torch.equal(s2, s)
@@ -117,7 +118,7 @@ def test_activations_hand_computed():
     assert q.float().tolist() == [[224.0, -448.0, 448.0, 112.0, 0.0]]
     q, scales = quantize_fp8_activations(x, group_size=2, scale_fmt="ue8m0")
     # 6/448 -> 2**-6; 1/448 -> 2**-8; a zero group gets 2**ceil(log2(1e-10/448)) = 2**ceil(-42.03) = 2**-42.
-    assert scales.tolist() == [[2.0 ** -6, 2.0 ** -8, 2.0 ** -42]]
+    assert scales.tolist() == [[2.0**-6, 2.0**-8, 2.0**-42]]
     assert q.float().tolist() == [[192.0, -384.0, 256.0, 64.0, 0.0]]
 
 
@@ -148,7 +149,7 @@ def test_quantize_experts_keeps_gate_and_up_apart(config):
     assert (tuple(s_gu.shape), tuple(s_d.shape)) == config.scale_shapes(n, h, inter)
     gu, d = dequantize_experts(q_gu, s_gu, q_d, s_d, config)
     for got, want in ((gu[:, :inter], w_gate_up[:, :inter]), (gu[:, inter:], w_gate_up[:, inter:]), (d, w_down)):
-        assert ((got - want).abs().max() / want.abs().max()).item() < 2 ** -4
+        assert ((got - want).abs().max() / want.abs().max()).item() < 2**-4
 
 
 def test_errors_name_the_argument():

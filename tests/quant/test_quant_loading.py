@@ -47,17 +47,20 @@ def per_expert_state(prefix, q_gu, s_gu, q_d, s_d, inter=I, first=0):
     state = {}
     for i in range(q_gu.shape[0]):
         e = first + i
-        for name, weight, scale in (("gate_proj", q_gu[i, :inter], s_gu[i, :nb]),
-                                    ("up_proj", q_gu[i, inter:], s_gu[i, nb:]),
-                                    ("down_proj", q_d[i], s_d[i])):
+        for name, weight, scale in (
+            ("gate_proj", q_gu[i, :inter], s_gu[i, :nb]),
+            ("up_proj", q_gu[i, inter:], s_gu[i, nb:]),
+            ("down_proj", q_d[i], s_d[i]),
+        ):
             state[f"{prefix}experts.{e}.{name}.weight"] = weight.contiguous()
             state[f"{prefix}experts.{e}.{name}.weight_scale_inv"] = scale.contiguous()
     return state
 
 
 def _same_bytes(a, b):
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn \
-        else torch.equal(a, b)
+    return (
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else torch.equal(a, b)
+    )
 
 
 def _assert_holds(module, expected, ids):
@@ -79,8 +82,9 @@ def test_load_state_dict_deepseek_per_expert_keys():
     # The loaded layer computes the w8a8 reference.
     x = _randn(5, H, seed=6, scale=1.0)
     weights, ids = reference.select_experts((x @ state["gate.weight"].T).numpy(), ROUTER, None)
-    want = moe_experts_reference(x, torch.from_numpy(ids).long(), torch.from_numpy(weights), *expected,
-                                 QUANT.block_size)
+    want = moe_experts_reference(
+        x, torch.from_numpy(ids).long(), torch.from_numpy(weights), *expected, QUANT.block_size
+    )
     with torch.no_grad():
         got = module(x)
     assert float((got - want).abs().max() / want.abs().max()) < 2e-2
@@ -106,13 +110,21 @@ def test_fused_shared_slots_from_state_dict(shared_fp8):
         for name, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
             q, s = quantize_fp8_block(w, QUANT.block_size)
             state[f"shared_experts.{name}.weight"], state[f"shared_experts.{name}.weight_scale_inv"] = q, s
-        gate, up, down = (state[f"shared_experts.{n}.weight"].float()
-                          * state[f"shared_experts.{n}.weight_scale_inv"].repeat_interleave(32, 0)
-                          .repeat_interleave(64, 1)[:w.shape[0], :w.shape[1]]
-                          for n, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)))
+        gate, up, down = (
+            state[f"shared_experts.{n}.weight"].float()
+            * state[f"shared_experts.{n}.weight_scale_inv"]
+            .repeat_interleave(32, 0)
+            .repeat_interleave(64, 1)[: w.shape[0], : w.shape[1]]
+            for n, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down))
+        )
     else:
-        state.update({"shared_experts.gate_proj.weight": gate, "shared_experts.up_proj.weight": up,
-                      "shared_experts.down_proj.weight": down})
+        state.update(
+            {
+                "shared_experts.gate_proj.weight": gate,
+                "shared_experts.up_proj.weight": up,
+                "shared_experts.down_proj.weight": down,
+            }
+        )
     module.load_state_dict(state, strict=False)
     _assert_holds(module, expected, list(range(N)))
     slot = quantize_experts(torch.cat([gate, up])[None], down[None], QUANT)
@@ -141,11 +153,27 @@ transformers = pytest.importorskip("transformers")
 def _deepseek_model(seed=0):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    config = DeepseekV3Config(vocab_size=64, hidden_size=H, intermediate_size=128, moe_intermediate_size=I,
-                              num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
-                              num_key_value_heads=4, n_routed_experts=N, num_experts_per_tok=K, n_group=2,
-                              topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, q_lora_rank=32,
-                              kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    config = DeepseekV3Config(
+        vocab_size=64,
+        hidden_size=H,
+        intermediate_size=128,
+        moe_intermediate_size=I,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=N,
+        num_experts_per_tok=K,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    )
     torch.manual_seed(seed)
     return DeepseekV3ForCausalLM(config)
 
@@ -194,11 +222,13 @@ def test_fp8_experts_scales_spanning_gate_and_up_are_refused():
 
 # ------------------------------------------------------------------ safetensors
 
+
 class TwoLayers(nn.Module):
     def __init__(self, **kwargs):
         super().__init__()
-        self.layers = nn.ModuleList([nn.ModuleDict({"mlp": MoE(ROUTER, H, I, quant=QUANT, **kwargs)})
-                                     for _ in range(2)])
+        self.layers = nn.ModuleList(
+            [nn.ModuleDict({"mlp": MoE(ROUTER, H, I, quant=QUANT, **kwargs)}) for _ in range(2)]
+        )
 
 
 def _write_checkpoint(directory, states, shards=2):
@@ -256,9 +286,13 @@ def test_load_experts_errors(tmp_path):
     expected = _experts(seed=22)
     states = per_expert_state("layers.0.mlp.", *expected)
     states.update({k: v.clone() for k, v in per_expert_state("layers.1.mlp.", *expected).items()})
-    states["layers.1.mlp.experts.2.gate_proj.weight_scale_inv"] = -states["layers.1.mlp.experts.2.gate_proj.weight_scale_inv"]
+    states["layers.1.mlp.experts.2.gate_proj.weight_scale_inv"] = -states[
+        "layers.1.mlp.experts.2.gate_proj.weight_scale_inv"
+    ]
     _write_checkpoint(tmp_path, states, shards=1)
-    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.2\.gate_proj\.weight_scale_inv must be finite and > 0"):
+    with pytest.raises(
+        ValueError, match=r"layers\.1\.mlp\.experts\.2\.gate_proj\.weight_scale_inv must be finite and > 0"
+    ):
         load_experts(TwoLayers(), tmp_path)
     with pytest.raises(ValueError, match="neither a safetensors file nor a directory"):
         load_experts(TwoLayers(), tmp_path / "missing")
@@ -299,8 +333,9 @@ def test_load_experts_peak_memory(tmp_path):
     del states
     fp8_bytes = n * 3 * h * inter
     script = _RSS_SCRIPT.format(H=h, I=inter, N=n)
-    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
-                            cwd=REPO_ROOT, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     growth = (figures["peak_kb"] - figures["before_kb"]) * 1024
@@ -316,8 +351,15 @@ def test_from_hf_fp8_layer_state_dict_round_trips():
     layer = model.model.layers[1].mlp
     state = layer.state_dict()
     assert state["experts.w_gate_up"].dtype == torch.float8_e4m3fn and "experts.gate_up_scale" in state
-    copy = MoE(layer.router, H, I, shared_experts=CountingMLP(H, I), shared="runner", quant=QUANT,
-               correction_bias=True)
+    copy = MoE(layer.router, H, I, shared_experts=CountingMLP(H, I), shared="runner", quant=QUANT, correction_bias=True)
     copy.load_state_dict(state)
-    _assert_holds(copy, (state["experts.w_gate_up"], state["experts.gate_up_scale"], state["experts.w_down"],
-                         state["experts.down_scale"]), list(range(N)))
+    _assert_holds(
+        copy,
+        (
+            state["experts.w_gate_up"],
+            state["experts.gate_up_scale"],
+            state["experts.w_down"],
+            state["experts.down_scale"],
+        ),
+        list(range(N)),
+    )

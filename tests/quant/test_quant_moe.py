@@ -48,8 +48,7 @@ def build(quant, inter, shared="runner", num_shared=1, gated=True, dtype=torch.f
                 p.copy_(_randn(*p.shape, seed=seed + 10 + i, scale=0.1))
         shared_mlp.to(dtype)
         gate = gate.to(dtype) if gated else None
-    module = MoE(ROUTER, H, inter, shared_experts=shared_mlp, shared_expert_gate=gate, shared=shared,
-                 quant=quant)
+    module = MoE(ROUTER, H, inter, shared_experts=shared_mlp, shared_expert_gate=gate, shared=shared, quant=quant)
     w_gate_up, w_down = _randn(N, 2 * inter, H, seed=seed, scale=0.1), _randn(N, H, inter, seed=seed + 1, scale=0.1)
     q_gu, s_gu, q_d, s_d = quantize_experts(w_gate_up, w_down, quant)
     input_scale = None
@@ -73,8 +72,19 @@ def reference_output(module, x, quantized, shared_mlp, gate, dtype, shared_times
     quant = module.quant
     q_gu, s_gu, q_d, s_d, input_scale = quantized
     topk_weights, topk_ids = _routing(module, x)
-    routed = moe_experts_reference(x, topk_ids, topk_weights, q_gu, s_gu, q_d, s_d, quant.block_size,
-                                   quant.scale_fmt, input_scale=input_scale, intermediate_dtype=dtype)
+    routed = moe_experts_reference(
+        x,
+        topk_ids,
+        topk_weights,
+        q_gu,
+        s_gu,
+        q_d,
+        s_d,
+        quant.block_size,
+        quant.scale_fmt,
+        input_scale=input_scale,
+        intermediate_dtype=dtype,
+    )
     if shared_mlp is None:
         return routed
     g = torch.ones(x.shape[0], 1) if gate is None else torch.sigmoid(x.double() @ gate.weight.double().T)
@@ -82,18 +92,26 @@ def reference_output(module, x, quantized, shared_mlp, gate, dtype, shared_times
     if module.layout.shared == "fused":
         # The slots hold the shared MLP quantized with the layer's config.
         num_slots = module.num_shared_experts
-        gate_w, up_w, down_w = (shared_mlp.gate_proj.weight.float(), shared_mlp.up_proj.weight.float(),
-                                shared_mlp.down_proj.weight.float())
-        slots_gu = torch.stack([torch.cat([gate_w[j * inter:(j + 1) * inter], up_w[j * inter:(j + 1) * inter]])
-                                for j in range(num_slots)])
-        slots_d = torch.stack([down_w[:, j * inter:(j + 1) * inter] for j in range(num_slots)])
+        gate_w, up_w, down_w = (
+            shared_mlp.gate_proj.weight.float(),
+            shared_mlp.up_proj.weight.float(),
+            shared_mlp.down_proj.weight.float(),
+        )
+        slots_gu = torch.stack(
+            [
+                torch.cat([gate_w[j * inter : (j + 1) * inter], up_w[j * inter : (j + 1) * inter]])
+                for j in range(num_slots)
+            ]
+        )
+        slots_d = torch.stack([down_w[:, j * inter : (j + 1) * inter] for j in range(num_slots)])
         q = quantize_experts(slots_gu, slots_d, quant)
         ids = torch.arange(num_slots).repeat(x.shape[0], 1)
-        shared = moe_experts_reference(x, ids, g.float().expand(-1, num_slots), *q, quant.block_size,
-                                       quant.scale_fmt, intermediate_dtype=dtype)
+        shared = moe_experts_reference(
+            x, ids, g.float().expand(-1, num_slots), *q, quant.block_size, quant.scale_fmt, intermediate_dtype=dtype
+        )
     else:
         x64 = x.double()
-        s = (F.silu(x64 @ shared_mlp.gate_proj.weight.double().T) * (x64 @ shared_mlp.up_proj.weight.double().T))
+        s = F.silu(x64 @ shared_mlp.gate_proj.weight.double().T) * (x64 @ shared_mlp.up_proj.weight.double().T)
         shared = (g * (s @ shared_mlp.down_proj.weight.double().T)).float()
     return routed + shared_times * shared
 
@@ -101,8 +119,11 @@ def reference_output(module, x, quantized, shared_mlp, gate, dtype, shared_times
 # Every (format x shared mode); the (I, activation dtype) pairs rotate over the shared modes so
 # that each format meets I = 200 and I = 100 (EP-split size, not a block multiple) in both dtypes.
 SIZES = [(200, torch.float32), (100, torch.bfloat16), (200, torch.bfloat16), (100, torch.float32)]
-CASES = [(fmt, *SIZES[(i + j) % 4], shared)
-         for i, fmt in enumerate(FORMATS) for j, shared in enumerate(["runner", "overlap", "fused", "auto"])]
+CASES = [
+    (fmt, *SIZES[(i + j) % 4], shared)
+    for i, fmt in enumerate(FORMATS)
+    for j, shared in enumerate(["runner", "overlap", "fused", "auto"])
+]
 
 
 @pytest.mark.parametrize("fmt,inter,dtype,shared", CASES)
@@ -155,8 +176,9 @@ def test_static_per_tensor():
 def test_cpu_strategies_agree_with_reference(strategy, rows_per_expert):
     quant = QuantConfig("fp8_block", block_size=(64, 128))
     inter, experts = 200, 3
-    q = quantize_experts(_randn(experts, 2 * inter, H, seed=1, scale=0.1),
-                         _randn(experts, H, inter, seed=2, scale=0.1), quant)
+    q = quantize_experts(
+        _randn(experts, 2 * inter, H, seed=1, scale=0.1), _randn(experts, H, inter, seed=2, scale=0.1), quant
+    )
     tokens = rows_per_expert * experts
     x = _randn(tokens, H, seed=3)
     ids = torch.stack([torch.arange(tokens) % experts, (torch.arange(tokens) + 1) % (experts + 1) - 1], 1)
@@ -192,9 +214,9 @@ def test_state_dict_round_trip():
 
 # ------------------------------------------------------------------ bad input
 
+
 def _quantized(quant, inter=200):
-    return quantize_experts(_randn(N, 2 * inter, H, seed=0, scale=0.1), _randn(N, H, inter, seed=1, scale=0.1),
-                            quant)
+    return quantize_experts(_randn(N, 2 * inter, H, seed=0, scale=0.1), _randn(N, H, inter, seed=1, scale=0.1), quant)
 
 
 def test_errors_name_the_argument():
@@ -212,7 +234,9 @@ def test_errors_name_the_argument():
         module.load_routed_weights(q_gu, q_d, gate_up_scale=s_gu, down_scale=s_d.bfloat16())
     bad = s_d.clone()
     bad[3, 1, 0] = float("nan")
-    with pytest.raises(ValueError, match=r"down_scale must be finite and > 0.*\[\(3, 1, 0\)\]|down_scale\[\(3, 1, 0\)\]"):
+    with pytest.raises(
+        ValueError, match=r"down_scale must be finite and > 0.*\[\(3, 1, 0\)\]|down_scale\[\(3, 1, 0\)\]"
+    ):
         module.load_routed_weights(q_gu, q_d, gate_up_scale=s_gu, down_scale=bad)
     bad = s_gu.clone()
     bad[0, 0, 0] = 0.0
@@ -258,8 +282,12 @@ def test_torch_decoder_of_the_device_path_matches_numba():
     nb = s_gu.shape[1] // 2
 
     def weight(e):  # gate and up decoded from their own block rows
-        return torch.cat([dequantize_fp8_block(q_gu[e, :200], s_gu[e, :nb], quant.block_size),
-                          dequantize_fp8_block(q_gu[e, 200:], s_gu[e, nb:], quant.block_size)])
+        return torch.cat(
+            [
+                dequantize_fp8_block(q_gu[e, :200], s_gu[e, :nb], quant.block_size),
+                dequantize_fp8_block(q_gu[e, 200:], s_gu[e, nb:], quant.block_size),
+            ]
+        )
 
     expected = torch.cat([x[0:4] @ weight(0).T, x[4:9] @ weight(2).T])
     torch.testing.assert_close(torch_out, expected, rtol=1e-5, atol=1e-5)
@@ -303,8 +331,9 @@ def test_row_kernels_every_tile_shape_against_reference(fmt, threads, inter):
     experts = 10
     blocks = ((64, 128), (64, 128)) if fmt != "tensor" else ((inter, H), (H, inter))
     assert _host.bf16_dot_serves(H, inter, *blocks) == (_host.BF16_DOT and inter == 192)
-    q = quantize_experts(_randn(experts, 2 * inter, H, seed=1, scale=0.1),
-                         _randn(experts, H, inter, seed=2, scale=0.1), quant)
+    q = quantize_experts(
+        _randn(experts, 2 * inter, H, seed=1, scale=0.1), _randn(experts, H, inter, seed=2, scale=0.1), quant
+    )
     counts = torch.tensor([*range(1, experts), 21])
     assert 4 < _host._DECODE_ROWS_ABOVE < 21
     ids = torch.repeat_interleave(torch.arange(experts), counts)
@@ -346,7 +375,7 @@ def test_row_quantizer_matches_quantize_fp8_activations(dtype, cols, group):
     rows = -(-probes.numel() // (group - 1))
     x = _randn(rows + 16, cols, seed=6) * torch.logspace(-6, 3, rows + 16)[:, None]
     grid = torch.zeros(rows, group - 1)
-    grid.view(-1)[:probes.numel()] = probes
+    grid.view(-1)[: probes.numel()] = probes
     x[:rows, 0] = 448.0  # amax 448: scale 1, the probes quantized as they are
     x[:rows, 1:group] = grid
     x = x.to(dtype)
@@ -375,11 +404,11 @@ def _e4m3_tile(w, w_rows, xs, x_rows, factors, bk, out):
     def run(w, w_rows, xs, x_rows, factors, bk, out):
         # The tile's row counts are part of its type: one call per shape (1 or 4 by 1 or 3).
         if w_rows.shape[0] == 4 and x_rows.shape[0] == 3:
-            _host._dot_e4m3_tile(w, (w_rows[0], w_rows[1], w_rows[2], w_rows[3]), xs,
-                                 (x_rows[0], x_rows[1], x_rows[2]), factors, bk, out)
+            _host._dot_e4m3_tile(
+                w, (w_rows[0], w_rows[1], w_rows[2], w_rows[3]), xs, (x_rows[0], x_rows[1], x_rows[2]), factors, bk, out
+            )
         elif w_rows.shape[0] == 4:
-            _host._dot_e4m3_tile(w, (w_rows[0], w_rows[1], w_rows[2], w_rows[3]), xs, (x_rows[0],), factors, bk,
-                                 out)
+            _host._dot_e4m3_tile(w, (w_rows[0], w_rows[1], w_rows[2], w_rows[3]), xs, (x_rows[0],), factors, bk, out)
         elif x_rows.shape[0] == 3:
             _host._dot_e4m3_tile(w, (w_rows[0],), xs, (x_rows[0], x_rows[1], x_rows[2]), factors, bk, out)
         else:
@@ -417,11 +446,11 @@ def test_bf16_dot_e4m3_tile_against_float64(weight_rows, act_rows, cols, bk):
     for i, w_row in enumerate(w_rows):
         for j, x_row in enumerate(x_rows):
             products = weights[w_row] * acts[x_row].double()
-            group_sums = torch.stack([products[g * bk:(g + 1) * bk].sum() for g in range(groups)])
+            group_sums = torch.stack([products[g * bk : (g + 1) * bk].sum() for g in range(groups)])
             expected = float((group_sums * torch.from_numpy(factors[j]).double()).sum())
-            bound = 2 * cols * 2.0 ** -24 * float((products.abs().view(-1)).sum()) * float(factors[j].max())
+            bound = 2 * cols * 2.0**-24 * float((products.abs().view(-1)).sum()) * float(factors[j].max())
             assert abs(float(out[i * act_rows + j]) - expected) <= bound
-    assert np.isnan(out[weight_rows * act_rows:]).all()
+    assert np.isnan(out[weight_rows * act_rows :]).all()
 
 
 def test_bf16_dot_fp8_kernels_serial_and_parallel_give_the_same_bits():
@@ -434,10 +463,16 @@ def test_bf16_dot_fp8_kernels_serial_and_parallel_give_the_same_bits():
         pytest.skip(BF16_DOT_REASON)
     quant = FORMATS["block64x128"]
     inter, experts = 192, 5
-    q = quantize_experts(_randn(experts, 2 * inter, H, seed=1, scale=0.1),
-                         _randn(experts, H, inter, seed=2, scale=0.1), quant)
-    ids = torch.stack([torch.repeat_interleave(torch.arange(experts), torch.tensor([1, 2, 3, 4, 20])),
-                       torch.repeat_interleave(torch.arange(experts), torch.tensor([1, 1, 1, 2, 25]))], 1).int()
+    q = quantize_experts(
+        _randn(experts, 2 * inter, H, seed=1, scale=0.1), _randn(experts, H, inter, seed=2, scale=0.1), quant
+    )
+    ids = torch.stack(
+        [
+            torch.repeat_interleave(torch.arange(experts), torch.tensor([1, 2, 3, 4, 20])),
+            torch.repeat_interleave(torch.arange(experts), torch.tensor([1, 1, 1, 2, 25])),
+        ],
+        1,
+    ).int()
     assert 6 <= _host._DECODE_ROWS_ABOVE < 45
     x = _randn(ids.shape[0], H, seed=3)
     weights = torch.rand(ids.shape[0], 2, generator=torch.Generator().manual_seed(4))
@@ -457,8 +492,14 @@ def test_thread_columns_are_one_aligned_contiguous_range_per_thread():
     # each a multiple of the tile (or of the 64-row packs), the smallest such size.
     from moeroute.bindings.torch._quant_rows import thread_columns
 
-    for columns, threads, multiple in [(2880, 2, 4), (7168, 2, 64), (2048, 3, 64), (100, 8, 64), (2880, 7, 4),
-                                       (64, 1, 64)]:
+    for columns, threads, multiple in [
+        (2880, 2, 4),
+        (7168, 2, 64),
+        (2048, 3, 64),
+        (100, 8, 64),
+        (2880, 7, 4),
+        (64, 1, 64),
+    ]:
         size = thread_columns(columns, threads, multiple)
         assert size % multiple == 0
         assert -(-columns // size) <= threads
@@ -493,14 +534,15 @@ def test_e4m3_rows_decode_and_pack_to_bfloat16_pairs_exactly():
         _host._decode_e4m3_packed(w, first, packed)
 
     rows, cols, first = _host._PACKED_ROWS, 512, 3
-    codes = torch.randint(0, 256, (first + rows + 2, cols), generator=torch.Generator().manual_seed(7),
-                          dtype=torch.uint8)
-    codes[first:first + rows, :256] = torch.arange(256, dtype=torch.uint8)
-    codes[first + 1:first + rows, 256:] = codes[first + 1:first + rows, :256].flip(1)
+    codes = torch.randint(
+        0, 256, (first + rows + 2, cols), generator=torch.Generator().manual_seed(7), dtype=torch.uint8
+    )
+    codes[first : first + rows, :256] = torch.arange(256, dtype=torch.uint8)
+    codes[first + 1 : first + rows, 256:] = codes[first + 1 : first + rows, :256].flip(1)
     codes[(codes & 0x7F) == 0x7F] = 0x11  # no NaN codes
     packed = np.zeros((cols // 2, rows), np.uint32)
     pack(codes.numpy(), first, packed)
-    bits = codes[first:first + rows].view(torch.float8_e4m3fn).to(torch.bfloat16).view(torch.int16).numpy()
+    bits = codes[first : first + rows].view(torch.float8_e4m3fn).to(torch.bfloat16).view(torch.int16).numpy()
     bits = bits.astype(np.uint16).astype(np.uint32)
     expected = (bits[:, 0::2] | (bits[:, 1::2] << 16)).T
     assert np.array_equal(packed, expected)
@@ -545,9 +587,9 @@ def test_packed_tile_against_float64(act_rows, cols, bk):
     run(codes.numpy(), packed, acts.to(torch.bfloat16).view(torch.uint16).numpy(), x_rows, factors, bk, out)
     for j, x_row in enumerate(x_rows):
         products = weights * acts[x_row].double()
-        group_sums = torch.stack([products[:, g * bk:(g + 1) * bk].sum(1) for g in range(groups)], 1)
+        group_sums = torch.stack([products[:, g * bk : (g + 1) * bk].sum(1) for g in range(groups)], 1)
         expected = (group_sums * torch.from_numpy(factors[j]).double()).sum(1)
-        bound = 2 * cols * 2.0 ** -24 * products.abs().sum(1) * float(factors[j].max())
-        got = torch.from_numpy(out[j * rows:(j + 1) * rows]).double()
+        bound = 2 * cols * 2.0**-24 * products.abs().sum(1) * float(factors[j].max())
+        got = torch.from_numpy(out[j * rows : (j + 1) * rows]).double()
         assert bool(((got - expected).abs() <= bound).all())
-    assert np.isnan(out[act_rows * rows:]).all()
+    assert np.isnan(out[act_rows * rows :]).all()

@@ -27,8 +27,12 @@ def _args(quant):
     x = _randn(T, H, seed=2, scale=1.0)
     ids = torch.tensor([[0, 3], [1, -1], [2, 2], [3, 0], [1, 2], [5, 0]], dtype=torch.int32)
     weights = torch.rand(T, K, generator=torch.Generator().manual_seed(3))
-    kwargs = dict(gate_up_scale=s_gu, down_scale=s_d, quant_format=quant.format,
-                  block_size=None if quant.block_size is None else list(quant.block_size))
+    kwargs = dict(
+        gate_up_scale=s_gu,
+        down_scale=s_d,
+        quant_format=quant.format,
+        block_size=None if quant.block_size is None else list(quant.block_size),
+    )
     return (x, q_gu, q_d, ids, weights), kwargs
 
 
@@ -37,13 +41,15 @@ def test_experts_op_values_and_opcheck(quant):
     args, kwargs = _args(quant)
     out = torch.ops.moeroute.experts(*args, **kwargs)
     x, q_gu, q_d, ids, weights = args
-    expected = moe_experts_reference(x, ids.long(), weights, q_gu, kwargs["gate_up_scale"], q_d,
-                                     kwargs["down_scale"], quant.block_size)
+    expected = moe_experts_reference(
+        x, ids.long(), weights, q_gu, kwargs["gate_up_scale"], q_d, kwargs["down_scale"], quant.block_size
+    )
     assert float((out - expected).abs().max() / expected.abs().max()) < 1e-4
     # opcheck's schema test compares inputs before and after with arithmetic torch lacks for
     # float8 on the CPU ("mul_cpu_reduced_float"); the fake-tensor and AOT tests run.
-    results = torch.library.opcheck(ops.OPS["experts"], args, kwargs,
-                                    test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    results = torch.library.opcheck(
+        ops.OPS["experts"], args, kwargs, test_utils=("test_faketensor", "test_aot_dispatch_dynamic")
+    )
     assert set(results.values()) == {"SUCCESS"}, results
 
 
@@ -89,9 +95,16 @@ def test_mxfp4_experts_op_values(gemm, dtype, tolerance):
     outside [0, L) (-1, 5) add nothing."""
     (x, gu_blocks, d_blocks, ids, weights), kwargs = _mxfp4_args()
     out = torch.ops.moeroute.experts(x.to(dtype), gu_blocks, d_blocks, ids, weights, "swigluoai", gemm, **kwargs)
-    expected = dense_experts(x.to(dtype).double(), ids, weights, dequantize_mxfp4(gu_blocks, kwargs["gate_up_scale"]),
-                             dequantize_mxfp4(d_blocks, kwargs["down_scale"]), "swigluoai", kwargs["b_gate_up"],
-                             kwargs["b_down"])
+    expected = dense_experts(
+        x.to(dtype).double(),
+        ids,
+        weights,
+        dequantize_mxfp4(gu_blocks, kwargs["gate_up_scale"]),
+        dequantize_mxfp4(d_blocks, kwargs["down_scale"]),
+        "swigluoai",
+        kwargs["b_gate_up"],
+        kwargs["b_down"],
+    )
     assert out.dtype == dtype
     assert rel_error(out, expected) < tolerance
 
@@ -132,11 +145,14 @@ def test_mxfp4_experts_op_compiles_fullgraph():
 
 
 def test_mxfp4_layer_compiles_fullgraph():
-    module = MoE(RouterConfig(L, K), H, MXFP4_I, activation="swigluoai", expert_bias=True,
-                 quant=QuantConfig("mxfp4"))
+    module = MoE(RouterConfig(L, K), H, MXFP4_I, activation="swigluoai", expert_bias=True, quant=QuantConfig("mxfp4"))
     (_, gu_blocks, d_blocks, _, _), kwargs = _mxfp4_args()
-    module.load_routed_weights((gu_blocks, kwargs["gate_up_scale"]), (d_blocks, kwargs["down_scale"]),
-                               gate_up_bias=kwargs["b_gate_up"], down_bias=kwargs["b_down"])
+    module.load_routed_weights(
+        (gu_blocks, kwargs["gate_up_scale"]),
+        (d_blocks, kwargs["down_scale"]),
+        gate_up_bias=kwargs["b_gate_up"],
+        down_bias=kwargs["b_down"],
+    )
     x = _randn(T, H, seed=11, scale=1.0).bfloat16()
     compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
     with torch.no_grad():

@@ -45,9 +45,9 @@ def test_linear_equals_dequantized_product(block, scale_fmt):
     bk = block[1]
     xq = torch.empty_like(x)
     for g in range(0, 300, bk):
-        amax = x[:, g:g + bk].abs().amax(1, keepdim=True).clamp(min=1e-10)
+        amax = x[:, g : g + bk].abs().amax(1, keepdim=True).clamp(min=1e-10)
         s = amax / 448 if scale_fmt == "float" else torch.exp2(torch.ceil(torch.log2(amax / 448)))
-        xq[:, g:g + bk] = (x[:, g:g + bk] / s).to(torch.float8_e4m3fn).float() * s
+        xq[:, g : g + bk] = (x[:, g : g + bk] / s).to(torch.float8_e4m3fn).float() * s
     expected = xq.double() @ dequantize_fp8_block(q_w, s_w, block).double().T
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-6)
 
@@ -66,7 +66,7 @@ def test_expert_and_moe_reference_compose():
         for k in range(2):
             e = int(ids[row, k])
             if 0 <= e < n:
-                y = expert_mlp_reference(x[row:row + 1], q_gu[e], s_gu[e], q_d[e], s_d[e], config.block_size)
+                y = expert_mlp_reference(x[row : row + 1], q_gu[e], s_gu[e], q_d[e], s_d[e], config.block_size)
                 expected[row] += weights[row, k] * y[0]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     # The expert is w8a8 of the SwiGLU: gate and up from their own block rows.
@@ -75,5 +75,6 @@ def test_expert_and_moe_reference_compose():
     up = fp8_linear_reference(x, q_gu[e, inter:], s_gu[e, nbr:], config.block_size)
     act = torch.nn.functional.silu(gate) * up
     down = fp8_linear_reference(act, q_d[e], s_d[e], config.block_size)
-    torch.testing.assert_close(expert_mlp_reference(x, q_gu[e], s_gu[e], q_d[e], s_d[e], config.block_size),
-                               down, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        expert_mlp_reference(x, q_gu[e], s_gu[e], q_d[e], s_d[e], config.block_size), down, rtol=1e-5, atol=1e-6
+    )

@@ -13,8 +13,7 @@ import torch
 from moeroute.routing._arrays import simulator_enabled
 
 if not simulator_enabled():
-    pytest.skip("needs NUMBA_ENABLE_CUDASIM=1 before numba is imported",
-                allow_module_level=True)
+    pytest.skip("needs NUMBA_ENABLE_CUDASIM=1 before numba is imported", allow_module_level=True)
 
 from numba import cuda  # noqa: E402
 
@@ -36,8 +35,7 @@ def host(array):
 
 
 def bf16_bits(values):
-    return torch.from_numpy(np.asarray(values, np.float32)).to(torch.bfloat16).view(
-        torch.uint16).numpy()
+    return torch.from_numpy(np.asarray(values, np.float32)).to(torch.bfloat16).view(torch.uint16).numpy()
 
 
 # ------------------------------------------------------------------ align / sort
@@ -77,9 +75,18 @@ def test_counting_sort_over_many_chunks_tiles_and_scan_tiles(block_size):
     starts = cuda.device_array(num_experts + 1, np.int32)
     expert_ids = cuda.device_array(capacity // block_size, np.int32)
     inverse = cuda.device_array(ids.shape, np.int32)
-    _sort.counting_sort_device(dev(ids), num_experts, block_size, sorted_out, starts,
-                               expert_ids, inverse, cuda.default_stream(), chunk_size=10,
-                               threads_per_block=4)
+    _sort.counting_sort_device(
+        dev(ids),
+        num_experts,
+        block_size,
+        sorted_out,
+        starts,
+        expert_ids,
+        inverse,
+        cuda.default_stream(),
+        chunk_size=10,
+        threads_per_block=4,
+    )
     want_sorted, want_experts, want_total = align_block_size(ids, num_experts, block_size)
     np.testing.assert_array_equal(host(sorted_out), want_sorted)
     np.testing.assert_array_equal(host(expert_ids), want_experts)
@@ -155,11 +162,12 @@ def test_combine_matches_cpu(kind, weighted):
     values = rng.standard_normal((8, 4)).astype(np.float32)
     raw = kind.startswith("bf16")
     expert_out = {
-        "float32": values, "float16": values.astype(np.float16),
-        "bf16-uint16": bf16_bits(values), "bf16-int16": bf16_bits(values).view(np.int16),
+        "float32": values,
+        "float16": values.astype(np.float16),
+        "bf16-uint16": bf16_bits(values),
+        "bf16-int16": bf16_bits(values).view(np.int16),
     }[kind]
-    got = combine(dev(expert_out), dev(inverse), None if weights is None else dev(weights),
-                  raw_bf16=raw)
+    got = combine(dev(expert_out), dev(inverse), None if weights is None else dev(weights), raw_bf16=raw)
     want = combine(expert_out, inverse, weights, raw_bf16=raw)
     got = host(got)
     assert got.dtype == want.dtype
@@ -168,8 +176,7 @@ def test_combine_matches_cpu(kind, weighted):
 
 
 def test_combine_bf16_rounding_matches_cpu():
-    special = np.array([[1 + 2**-8], [1 + 3 * 2**-8], [3.4e38], [-1e-40], [np.inf], [-2.5]],
-                       np.float32)
+    special = np.array([[1 + 2**-8], [1 + 3 * 2**-8], [3.4e38], [-1e-40], [np.inf], [-2.5]], np.float32)
     one = bf16_bits(np.ones((1, 1)))
     index = np.zeros((6, 1), np.int32)
     got = host(combine(dev(one), dev(index), dev(special), raw_bf16=True))
@@ -177,11 +184,9 @@ def test_combine_bf16_rounding_matches_cpu():
 
 
 def test_combine_empty_and_type_errors():
-    assert host(combine(dev(np.zeros((2, 3), np.float32)), dev(np.zeros((0, 2), np.int32)))
-                ).shape == (0, 3)
+    assert host(combine(dev(np.zeros((2, 3), np.float32)), dev(np.zeros((0, 2), np.int32)))).shape == (0, 3)
     with pytest.raises(TypeError, match="float32"):
-        combine(dev(np.zeros((2, 3), np.float32)), dev(np.zeros((1, 2), np.int32)),
-                dev(np.ones((1, 2), np.float64)))
+        combine(dev(np.zeros((2, 3), np.float32)), dev(np.zeros((1, 2), np.int32)), dev(np.ones((1, 2), np.float64)))
     with pytest.raises(TypeError, match="all be device arrays"):
         combine(dev(np.zeros((2, 3), np.float32)), np.zeros((1, 2), np.int32))
 
@@ -189,8 +194,7 @@ def test_combine_empty_and_type_errors():
 # ------------------------------------------------------------------ ids
 
 
-LAYOUT = ExpertLayout(6, 2, ep_size=2, dispatch="all2all", num_redundant_experts=4,
-                      replica_table=[0, 0, 0, 3])
+LAYOUT = ExpertLayout(6, 2, ep_size=2, dispatch="all2all", num_redundant_experts=4, replica_table=[0, 0, 0, 3])
 # route's layout: the 8 experts of _graph_safety_cases' router, replicas, per-rank slots.
 ROUTE_LAYOUT = ExpertLayout(8, 1, ep_size=2, dispatch="all2all", num_redundant_experts=2)
 
@@ -198,8 +202,7 @@ ROUTE_LAYOUT = ExpertLayout(8, 1, ep_size=2, dispatch="all2all", num_redundant_e
 def test_logical_to_physical_matches_cpu():
     rng = np.random.default_rng(6)
     ids = rng.integers(-1, 8, (9, 3))
-    np.testing.assert_array_equal(host(logical_to_physical(dev(ids), LAYOUT)),
-                                  logical_to_physical(ids, LAYOUT))
+    np.testing.assert_array_equal(host(logical_to_physical(dev(ids), LAYOUT)), logical_to_physical(ids, LAYOUT))
 
 
 @pytest.mark.parametrize("gate", ["none", "scalar", "[T]", "[T,S]"])
@@ -207,8 +210,12 @@ def test_append_shared_slots_matches_cpu(gate):
     rng = np.random.default_rng(8)
     ids = rng.integers(-1, 7, (4, 3)).astype(np.int32)
     weights = rng.random((4, 3)).astype(np.float32)
-    shared = {"none": None, "scalar": 0.5, "[T]": rng.random(4).astype(np.float32),
-              "[T,S]": rng.random((4, 2)).astype(np.float32)}[gate]
+    shared = {
+        "none": None,
+        "scalar": 0.5,
+        "[T]": rng.random(4).astype(np.float32),
+        "[T,S]": rng.random((4, 2)).astype(np.float32),
+    }[gate]
     device_shared = dev(shared) if isinstance(shared, np.ndarray) else shared
     got = append_shared_slots(dev(ids), dev(weights), LAYOUT, 1, device_shared)
     want = append_shared_slots(ids, weights, LAYOUT, 1, shared)
@@ -281,26 +288,32 @@ def traffic(monkeypatch):
             if allowed_from is None or sys._getframe(1).f_code is not allowed_from:
                 record.note(name)
             return function(*args, **kwargs)
+
         return wrapper
 
-    for name in ("device_array", "device_array_like", "pinned_array", "mapped_array",
-                 "managed_array"):
+    for name in ("device_array", "device_array_like", "pinned_array", "mapped_array", "managed_array"):
         if not hasattr(cuda, name):
             continue
         original = getattr(cuda, name)
         monkeypatch.setattr(cuda, name, counted(name, original, allowed_from=gateway))
     for name in ("to_device", "synchronize"):
         monkeypatch.setattr(cuda, name, counted(name, getattr(cuda, name)))
-    monkeypatch.setattr(sim_api.stream, "synchronize",
-                        counted("stream.synchronize", sim_api.stream.synchronize))
-    monkeypatch.setattr(sim_api.Event, "synchronize",
-                        counted("event.synchronize", sim_api.Event.synchronize))
+    monkeypatch.setattr(sim_api.stream, "synchronize", counted("stream.synchronize", sim_api.stream.synchronize))
+    monkeypatch.setattr(sim_api.Event, "synchronize", counted("event.synchronize", sim_api.Event.synchronize))
     fake = sim_arrays.FakeCUDAArray
-    for name in ("copy_to_host", "copy_to_device", "__array__", "__int__", "__float__",
-                 "__index__", "__bool__", "tolist", "item"):
+    for name in (
+        "copy_to_host",
+        "copy_to_device",
+        "__array__",
+        "__int__",
+        "__float__",
+        "__index__",
+        "__bool__",
+        "tolist",
+        "item",
+    ):
         if hasattr(fake, name):
-            monkeypatch.setattr(fake, name, counted(f"FakeCUDAArray.{name}", getattr(fake, name)),
-                                raising=False)
+            monkeypatch.setattr(fake, name, counted(f"FakeCUDAArray.{name}", getattr(fake, name)), raising=False)
     getitem = fake.__getitem__
 
     def host_getitem(self, index):
@@ -348,39 +361,64 @@ def _graph_safety_cases():
     bias = rng.standard_normal(8).astype(np.float32)
     gate = rng.random(3).astype(np.float32)
     return {
-        "select_experts": (lambda d: select_experts(d(logits), config, d(bias)),
-                           lambda: select_experts(logits, config, bias)),
-        "route": (lambda d: route(d(logits), config, ROUTE_LAYOUT, 1, d(bias), d(gate), 1),
-                  lambda: route(logits, config, ROUTE_LAYOUT, 1, bias, gate, 1)),
-        "align_block_size": (lambda d: align_block_size(d(ids), 6, 4),
-                             lambda: align_block_size(ids, 6, 4)),
+        "select_experts": (
+            lambda d: select_experts(d(logits), config, d(bias)),
+            lambda: select_experts(logits, config, bias),
+        ),
+        "route": (
+            lambda d: route(d(logits), config, ROUTE_LAYOUT, 1, d(bias), d(gate), 1),
+            lambda: route(logits, config, ROUTE_LAYOUT, 1, bias, gate, 1),
+        ),
+        "align_block_size": (lambda d: align_block_size(d(ids), 6, 4), lambda: align_block_size(ids, 6, 4)),
         "align_block_size[host map]": (
             lambda d: align_block_size(d(ids), num_local, 4, expert_map),
-            lambda: align_block_size(ids, num_local, 4, expert_map)),
+            lambda: align_block_size(ids, num_local, 4, expert_map),
+        ),
         "align_block_size[device map]": (
             lambda d: align_block_size(d(ids), num_local, 4, d(expert_map)),
-            lambda: align_block_size(ids, num_local, 4, expert_map)),
+            lambda: align_block_size(ids, num_local, 4, expert_map),
+        ),
         "sort_by_expert": (lambda d: sort_by_expert(d(ids), 6), lambda: sort_by_expert(ids, 6)),
         "permute": (lambda d: permute(d(hidden), d(ids), 6), lambda: permute(hidden, ids, 6)),
-        "combine": (lambda d: combine(d(expert_out), d(inverse), d(weights)),
-                    lambda: combine(expert_out, inverse, weights)),
-        "combine-unweighted": (lambda d: combine(d(expert_out), d(inverse)),
-                               lambda: combine(expert_out, inverse)),
-        "logical_to_physical": (lambda d: logical_to_physical(d(ids), LAYOUT),
-                                lambda: logical_to_physical(ids, LAYOUT)),
-        "append_shared_slots": (lambda d: append_shared_slots(d(ids), d(weights), LAYOUT, 1),
-                                lambda: append_shared_slots(ids, weights, LAYOUT, 1)),
-        "remap_to_local[host map]": (lambda d: remap_to_local(d(ids), expert_map),
-                                     lambda: remap_to_local(ids, expert_map)),
-        "remap_to_local[device map]": (lambda d: remap_to_local(d(ids), d(expert_map)),
-                                       lambda: remap_to_local(ids, expert_map)),
+        "combine": (
+            lambda d: combine(d(expert_out), d(inverse), d(weights)),
+            lambda: combine(expert_out, inverse, weights),
+        ),
+        "combine-unweighted": (lambda d: combine(d(expert_out), d(inverse)), lambda: combine(expert_out, inverse)),
+        "logical_to_physical": (
+            lambda d: logical_to_physical(d(ids), LAYOUT),
+            lambda: logical_to_physical(ids, LAYOUT),
+        ),
+        "append_shared_slots": (
+            lambda d: append_shared_slots(d(ids), d(weights), LAYOUT, 1),
+            lambda: append_shared_slots(ids, weights, LAYOUT, 1),
+        ),
+        "remap_to_local[host map]": (
+            lambda d: remap_to_local(d(ids), expert_map),
+            lambda: remap_to_local(ids, expert_map),
+        ),
+        "remap_to_local[device map]": (
+            lambda d: remap_to_local(d(ids), d(expert_map)),
+            lambda: remap_to_local(ids, expert_map),
+        ),
     }
 
 
-GRAPH_SAFETY_OPS = ["select_experts", "route", "align_block_size", "align_block_size[host map]",
-                    "align_block_size[device map]", "sort_by_expert", "permute", "combine",
-                    "combine-unweighted", "logical_to_physical", "append_shared_slots",
-                    "remap_to_local[host map]", "remap_to_local[device map]"]
+GRAPH_SAFETY_OPS = [
+    "select_experts",
+    "route",
+    "align_block_size",
+    "align_block_size[host map]",
+    "align_block_size[device map]",
+    "sort_by_expert",
+    "permute",
+    "combine",
+    "combine-unweighted",
+    "logical_to_physical",
+    "append_shared_slots",
+    "remap_to_local[host map]",
+    "remap_to_local[device map]",
+]
 
 
 def _as_tuple(result):
@@ -411,7 +449,7 @@ def test_device_ops_copy_sync_and_allocate_nothing_outside_the_framework(op, tra
         g = host(g) if hasattr(g, "copy_to_host") else np.asarray(g)
         w = np.asarray(w)
         if op in ("sort_by_expert", "permute") and g.shape != w.shape:
-            g = g[:w.shape[0]]  # device outputs are sized by the upper bound T*K
+            g = g[: w.shape[0]]  # device outputs are sized by the upper bound T*K
         if op == "align_block_size" and g.shape == (1,):
             g = g[0]
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=0)
@@ -429,12 +467,19 @@ def test_the_instrumentation_sees_each_kind_of_traffic(traffic):
     int(array[1])
     remap_to_local(array, np.arange(4, dtype=np.int32))  # first upload of a host map
     permute_module = __import__("moeroute.routing.permute", fromlist=["_gather_kernel"])
-    permute_module._gather_kernel()[(1, 1), 32](np.zeros((1, 1), np.float32), array, array[:1], 1,
-                                                np.zeros((1, 1), np.float32))
+    permute_module._gather_kernel()[(1, 1), 32](
+        np.zeros((1, 1), np.float32), array, array[:1], 1, np.zeros((1, 1), np.float32)
+    )
     traffic.counting = False
     names = set(traffic.events)
-    assert {"stream.synchronize", "FakeCUDAArray.copy_to_host", "to_device", "device_array",
-            "host element read", "NumPy kernel argument"} <= names, traffic.events
+    assert {
+        "stream.synchronize",
+        "FakeCUDAArray.copy_to_host",
+        "to_device",
+        "device_array",
+        "host element read",
+        "NumPy kernel argument",
+    } <= names, traffic.events
 
 
 #: Kernel launches per op on device inputs: align in two (count, then scan + place + pad).
@@ -468,8 +513,7 @@ def test_launches_per_op(op, traffic):
 
 
 @pytest.mark.parametrize("op", GRAPH_SAFETY_OPS)
-def test_every_launch_goes_through_the_launcher_with_numba_typeof_signatures(op, traffic,
-                                                                            monkeypatch):
+def test_every_launch_goes_through_the_launcher_with_numba_typeof_signatures(op, traffic, monkeypatch):
     """Each kernel launch of each op is a `_launcher.launch` (so the cached launcher takes
     it on a GPU), and the signature the cached launcher compiles, `signature_of` the
     launch's arguments, is what numba's dispatcher types the same arguments as."""
@@ -510,10 +554,8 @@ def test_device_tables_are_uploaded_once_and_the_oldest_dropped():
         remap_module.expert_map_device_table(table)
     assert len(remap_module._device_maps) == remap_module._DEVICE_TABLE_CACHE_SIZE
     assert remap_module.expert_map_device_table(maps[0]) is not first  # dropped, uploaded again
-    assert remap_module.expert_map_device_table(maps[-1]) is remap_module.expert_map_device_table(
-        maps[-1])
+    assert remap_module.expert_map_device_table(maps[-1]) is remap_module.expert_map_device_table(maps[-1])
     tables = remap_module.layout_device_tables(LAYOUT)
     assert remap_module.layout_device_tables(LAYOUT) is tables
-    for got, want in zip(tables, (LAYOUT.replica_offsets, LAYOUT.replica_ids,
-                                  LAYOUT.routed_id_map)):
+    for got, want in zip(tables, (LAYOUT.replica_offsets, LAYOUT.replica_ids, LAYOUT.routed_id_map)):
         np.testing.assert_array_equal(host(got), want)

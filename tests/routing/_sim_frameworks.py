@@ -42,8 +42,7 @@ def _assert_device(*arrays):
 # numba device arrays carry no bfloat16; torch CUDA bfloat16 is covered by the gpu tests.
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_select_experts_device_in_device_out(dtype):
-    config = RouterConfig(16, 3, "sigmoid", num_expert_group=4, topk_group=2,
-                          routed_scaling_factor=2.5)
+    config = RouterConfig(16, 3, "sigmoid", num_expert_group=4, topk_group=2, routed_scaling_factor=2.5)
     logits = _rng(1).standard_normal((TOKENS, 16)).astype(dtype)
     bias = (0.1 * _rng(2).standard_normal(16)).astype(np.float32)
     device_logits = dev(logits)
@@ -65,22 +64,20 @@ def test_select_experts_device_out_buffers():
     assert np.array_equal(out[1].copy_to_host(), ref_ids)
     np.testing.assert_allclose(out[0].copy_to_host(), ref_w, rtol=WEIGHT_RTOL, atol=0)
     with pytest.raises(ValueError, match=r"out\[1\] \(topk_ids\) has dtype int64"):
-        moeroute.select_experts(dev(logits), config,
-                                out=(out[0], cuda.device_array((TOKENS, 4), np.int64)))
+        moeroute.select_experts(dev(logits), config, out=(out[0], cuda.device_array((TOKENS, 4), np.int64)))
     with pytest.raises(TypeError, match=r"out\[0\] \(topk_weights\) must be a device array"):
         moeroute.select_experts(dev(logits), config, out=(np.empty((TOKENS, 4), np.float32), out[1]))
     with pytest.raises(ValueError, match=r"has shape \(5, 4\)"):
-        moeroute.select_experts(dev(logits), config,
-                                out=(cuda.device_array((5, 4), np.float32), out[1]))
+        moeroute.select_experts(dev(logits), config, out=(cuda.device_array((5, 4), np.float32), out[1]))
 
 
 def test_select_experts_device_out_buffers_sharing_memory_are_refused():
     config = RouterConfig(16, 4, "softmax")
     buffer = cuda.to_device(_rng(6).standard_normal(TOKENS * 16 + TOKENS * 4).astype(np.float32))
-    logits = buffer[:TOKENS * 16].reshape(TOKENS, 16)
-    spare = buffer[TOKENS * 16:].reshape(TOKENS, 4)
+    logits = buffer[: TOKENS * 16].reshape(TOKENS, 16)
+    spare = buffer[TOKENS * 16 :].reshape(TOKENS, 4)
     ids = cuda.device_array((TOKENS, 4), np.int32)
-    last_row = buffer[TOKENS * 16 - 16:TOKENS * 16 - 16 + TOKENS * 4].reshape(TOKENS, 4)
+    last_row = buffer[TOKENS * 16 - 16 : TOKENS * 16 - 16 + TOKENS * 4].reshape(TOKENS, 4)
     with pytest.raises(ValueError, match=r"out\[0\] \(topk_weights\) overlaps logits"):
         moeroute.select_experts(logits, config, out=(last_row, ids))
     with pytest.raises(ValueError, match=r"out\[0\] \(topk_weights\) overlaps out\[1\]"):
@@ -92,8 +89,7 @@ def test_select_experts_device_out_buffers_sharing_memory_are_refused():
 
 
 def test_dispatch_primitives_device_in_device_out():
-    layout = ExpertLayout(8, num_shared_experts=1, ep_size=2, dispatch="all2all",
-                          num_redundant_experts=2)
+    layout = ExpertLayout(8, num_shared_experts=1, ep_size=2, dispatch="all2all", num_redundant_experts=2)
     ids = _rng(4).integers(-1, 9, size=(TOKENS, 2)).astype(np.int32)
     weights = _rng(5).random((TOKENS, 2)).astype(np.float32)
 
@@ -126,8 +122,7 @@ def test_dispatch_primitives_device_in_device_out():
     _assert_device(got_sorted, got_offsets, got_inverse)
     ref_sorted_slots, ref_offsets, ref_inverse = reference.sort_by_expert(ref_local, num_local)
     kept, numel = len(ref_sorted_slots), ref_local.size
-    assert np.array_equal(got_sorted.copy_to_host(),
-                          np.concatenate([ref_sorted_slots, np.full(numel - kept, numel)]))
+    assert np.array_equal(got_sorted.copy_to_host(), np.concatenate([ref_sorted_slots, np.full(numel - kept, numel)]))
     assert np.array_equal(got_offsets.copy_to_host(), ref_offsets)
     assert np.array_equal(got_inverse.copy_to_host(), ref_inverse)
 
@@ -142,5 +137,6 @@ def test_dispatch_primitives_device_in_device_out():
 
     combined = moeroute.combine(permuted, inverse, out_w)
     _assert_device(combined)
-    np.testing.assert_allclose(combined.copy_to_host(),
-                               reference.combine(ref_perm, ref_inverse, ref_w), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        combined.copy_to_host(), reference.combine(ref_perm, ref_inverse, ref_w), rtol=1e-6, atol=1e-7
+    )

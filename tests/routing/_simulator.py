@@ -12,8 +12,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SIM_TIMEOUT_S = 900
 
 
-def run_simulator_suite(module, warps=None, *, select=None, allow_skipped=False,
-                        timeout=SIM_TIMEOUT_S):
+def run_simulator_suite(module, warps=None, *, select=None, allow_skipped=False, timeout=SIM_TIMEOUT_S):
     """Run the pytest file ``module`` (or a list of files, in one process) under the
     simulator and assert that it passed.
 
@@ -28,8 +27,9 @@ def run_simulator_suite(module, warps=None, *, select=None, allow_skipped=False,
     if select is not None:
         command += ["-k", select]
     modules = module if isinstance(module, (list, tuple)) else [module]
-    result = subprocess.run(command + [str(m) for m in modules], env=env, cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(
+        command + [str(m) for m in modules], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout
+    )
     summary = result.stdout[-3000:] + result.stderr[-2000:]
     assert result.returncode == 0, summary
     passed = re.search(r"(\d+) passed", result.stdout)

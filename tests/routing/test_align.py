@@ -10,13 +10,13 @@ from moeroute.routing.align import align_block_size
 
 # (num_experts N, top_k K) of the built-in presets.
 PRESET_SHAPES = [
-    (256, 8),   # DeepSeek-V3/R1
-    (384, 8),   # Kimi-K2
-    (160, 8),   # GLM-4.5
-    (128, 8),   # Qwen3-30B-A3B
+    (256, 8),  # DeepSeek-V3/R1
+    (384, 8),  # Kimi-K2
+    (160, 8),  # GLM-4.5
+    (128, 8),  # Qwen3-30B-A3B
     (512, 10),  # Qwen3-Next
-    (60, 4),    # Qwen1.5-MoE-A2.7B
-    (8, 2),     # Mixtral
+    (60, 4),  # Qwen1.5-MoE-A2.7B
+    (8, 2),  # Mixtral
 ]
 TOKENS = [0, 1, 7, 333, 4096]
 BLOCK_SIZES = [1, 16, 64, 128]
@@ -53,24 +53,23 @@ def test_presets_match_reference(num_experts, top_k, tokens):
     rng = np.random.default_rng(num_experts * 7919 + tokens)
     ids = skewed_ids(rng, tokens, top_k, num_experts)
     block_size = BLOCK_SIZES[(num_experts + tokens) % len(BLOCK_SIZES)]
-    assert_same(align_block_size(ids, num_experts, block_size),
-                reference.align_block_size(ids, num_experts, block_size))
+    assert_same(
+        align_block_size(ids, num_experts, block_size), reference.align_block_size(ids, num_experts, block_size)
+    )
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_block_sizes_match_reference(block_size):
     rng = np.random.default_rng(block_size)
     ids = skewed_ids(rng, 333, 8, 256)
-    assert_same(align_block_size(ids, 256, block_size),
-                reference.align_block_size(ids, 256, block_size))
+    assert_same(align_block_size(ids, 256, block_size), reference.align_block_size(ids, 256, block_size))
 
 
 @pytest.mark.parametrize("num_experts", [520, 1024, 1])
 def test_many_experts_and_one(num_experts):
     rng = np.random.default_rng(num_experts)
     ids = rng.integers(0, num_experts, (777, 9)).astype(np.int32)
-    assert_same(align_block_size(ids, num_experts, 64),
-                reference.align_block_size(ids, num_experts, 64))
+    assert_same(align_block_size(ids, num_experts, 64), reference.align_block_size(ids, num_experts, 64))
 
 
 def test_out_of_range_ids_are_dropped():
@@ -127,8 +126,9 @@ def test_zero_tokens():
 )
 def test_invariants(tokens, top_k, num_experts, block_size, data):
     ids = np.array(
-        data.draw(st.lists(st.integers(-2, num_experts + 2), min_size=tokens * top_k,
-                            max_size=tokens * top_k)), dtype=np.int32).reshape(tokens, top_k)
+        data.draw(st.lists(st.integers(-2, num_experts + 2), min_size=tokens * top_k, max_size=tokens * top_k)),
+        dtype=np.int32,
+    ).reshape(tokens, top_k)
     sorted_ids, expert_ids, total = align_block_size(ids, num_experts, block_size)
     flat = ids.reshape(-1)
     numel = flat.size
@@ -145,7 +145,7 @@ def test_invariants(tokens, top_k, num_experts, block_size, data):
     assert np.all(expert_ids[used_blocks:] == -1)
     assert np.all(sorted_ids[total:] == numel)
     for b in range(used_blocks):
-        block = sorted_ids[b * block_size:(b + 1) * block_size]
+        block = sorted_ids[b * block_size : (b + 1) * block_size]
         real = block[block != numel]
         assert real.size > 0, "a used block holds at least one entry"
         assert np.all(flat[real] == expert_ids[b])
@@ -153,18 +153,21 @@ def test_invariants(tokens, top_k, num_experts, block_size, data):
     assert np.all(np.diff(expert_ids[:used_blocks]) >= 0)
 
 
-@pytest.mark.parametrize("kwargs,error,words", [
-    (dict(block_size=0), ValueError, "block_size=0"),
-    (dict(block_size=-4), ValueError, "block_size=-4"),
-    (dict(block_size=2.0), TypeError, "block_size=2.0"),
-    (dict(block_size=True), TypeError, "block_size=True"),
-    (dict(num_experts=0), ValueError, "num_experts=0"),
-    (dict(num_experts="8"), TypeError, "num_experts='8'"),
-    (dict(ids=np.zeros(6, np.int32)), ValueError, "topk_ids must be 2-D"),
-    (dict(ids=np.zeros((2, 3, 1), np.int32)), ValueError, "topk_ids must be 2-D"),
-    (dict(ids=np.zeros((2, 3), np.float32)), TypeError, "topk_ids must hold integers"),
-    (dict(num_experts=2**20, block_size=2**12), ValueError, "int32 index limit"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,words",
+    [
+        (dict(block_size=0), ValueError, "block_size=0"),
+        (dict(block_size=-4), ValueError, "block_size=-4"),
+        (dict(block_size=2.0), TypeError, "block_size=2.0"),
+        (dict(block_size=True), TypeError, "block_size=True"),
+        (dict(num_experts=0), ValueError, "num_experts=0"),
+        (dict(num_experts="8"), TypeError, "num_experts='8'"),
+        (dict(ids=np.zeros(6, np.int32)), ValueError, "topk_ids must be 2-D"),
+        (dict(ids=np.zeros((2, 3, 1), np.int32)), ValueError, "topk_ids must be 2-D"),
+        (dict(ids=np.zeros((2, 3), np.float32)), TypeError, "topk_ids must hold integers"),
+        (dict(num_experts=2**20, block_size=2**12), ValueError, "int32 index limit"),
+    ],
+)
 def test_invalid_arguments(kwargs, error, words):
     args = dict(ids=np.zeros((2, 3), np.int32), num_experts=8, block_size=4)
     args.update(kwargs)
@@ -179,14 +182,16 @@ from moeroute.routing.remap import remap_to_local  # noqa: E402
 
 # (label, layout arguments): linear, round-robin, per-rank and global shared slots, EPLB.
 MAP_LAYOUTS = [
-    ("512+1 on 8, all2all", dict(num_routed_experts=512, num_shared_experts=1, ep_size=8,
-                                 dispatch="all2all")),
-    ("60+2 on 7, allgather", dict(num_routed_experts=60, num_shared_experts=2, ep_size=7,
-                                  dispatch="allgather", shared_slots="global")),
-    ("round robin 16 on 4", dict(num_routed_experts=16, ep_size=4, dispatch="all2all",
-                                 placement="round_robin", num_redundant_experts=3)),
-    ("table", dict(num_routed_experts=6, ep_size=2, dispatch="all2all",
-                   physical_to_logical=[5, 0, 1, 2, 3, 4, 0, 0])),
+    ("512+1 on 8, all2all", dict(num_routed_experts=512, num_shared_experts=1, ep_size=8, dispatch="all2all")),
+    (
+        "60+2 on 7, allgather",
+        dict(num_routed_experts=60, num_shared_experts=2, ep_size=7, dispatch="allgather", shared_slots="global"),
+    ),
+    (
+        "round robin 16 on 4",
+        dict(num_routed_experts=16, ep_size=4, dispatch="all2all", placement="round_robin", num_redundant_experts=3),
+    ),
+    ("table", dict(num_routed_experts=6, ep_size=2, dispatch="all2all", physical_to_logical=[5, 0, 1, 2, 3, 4, 0, 0])),
 ]
 
 
@@ -227,21 +232,30 @@ def test_expert_map_worked_example():
 )
 def test_expert_map_property(tokens, top_k, num_physical, num_experts, block_size, data):
     # Any valid map (-1 or a local id), ids past num_experts included: equal to remap then align.
-    expert_map = np.array(data.draw(st.lists(st.integers(-1, num_experts + 2), min_size=num_physical,
-                                             max_size=num_physical)), dtype=np.int64)
-    ids = np.array(data.draw(st.lists(st.integers(-2, num_physical + 2), min_size=tokens * top_k,
-                                      max_size=tokens * top_k)), dtype=np.int32).reshape(tokens, top_k)
-    assert_same(align_block_size(ids, num_experts, block_size, expert_map),
-                align_block_size(remap_to_local(ids, expert_map), num_experts, block_size))
+    expert_map = np.array(
+        data.draw(st.lists(st.integers(-1, num_experts + 2), min_size=num_physical, max_size=num_physical)),
+        dtype=np.int64,
+    )
+    ids = np.array(
+        data.draw(st.lists(st.integers(-2, num_physical + 2), min_size=tokens * top_k, max_size=tokens * top_k)),
+        dtype=np.int32,
+    ).reshape(tokens, top_k)
+    assert_same(
+        align_block_size(ids, num_experts, block_size, expert_map),
+        align_block_size(remap_to_local(ids, expert_map), num_experts, block_size),
+    )
 
 
-@pytest.mark.parametrize("expert_map,error,words", [
-    (np.zeros((2, 5), np.int32), ValueError, "expert_map must be 1-D"),
-    (np.zeros(5, np.float32), TypeError, "expert_map must hold integers"),
-    # The values remap_to_local refuses are refused here too.
-    (np.array([0, -2, 1]), ValueError, r"expert_map values must be -1 .* got values in \[-2, 1\]"),
-    (np.array([0, 2**31]), ValueError, "expert_map values must be -1"),
-])
+@pytest.mark.parametrize(
+    "expert_map,error,words",
+    [
+        (np.zeros((2, 5), np.int32), ValueError, "expert_map must be 1-D"),
+        (np.zeros(5, np.float32), TypeError, "expert_map must hold integers"),
+        # The values remap_to_local refuses are refused here too.
+        (np.array([0, -2, 1]), ValueError, r"expert_map values must be -1 .* got values in \[-2, 1\]"),
+        (np.array([0, 2**31]), ValueError, "expert_map values must be -1"),
+    ],
+)
 def test_expert_map_invalid(expert_map, error, words):
     with pytest.raises(error, match=words):
         align_block_size(np.zeros((2, 3), np.int32), 4, 2, expert_map)
@@ -286,10 +300,13 @@ def test_align_cuda_simulator():
 
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-         "-k", "test_sim_", __file__],
-        env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
-        timeout=900)
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-k", "test_sim_", __file__],
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     summary = result.stdout[-3000:] + result.stderr[-2000:]
     assert result.returncode == 0, summary
     passed = re.search(r"(\d+) passed", result.stdout)
@@ -297,11 +314,15 @@ def test_align_cuda_simulator():
     assert not re.search(r"\d+ (failed|errors?)", result.stdout), summary
 
 
-@pytest.mark.parametrize("make", [
-    lambda: np.broadcast_to(np.zeros((1, 8), np.int64), (2**28 + 1, 8)),
-    lambda: np.broadcast_to(np.zeros((1, 8), np.uint8), (2**28 + 1, 8)),
-    lambda: __import__("torch").zeros(1, 8, dtype=__import__("torch").int64).expand(2**28 + 1, 8),
-], ids=["numpy-int64", "numpy-uint8", "torch-expand"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: np.broadcast_to(np.zeros((1, 8), np.int64), (2**28 + 1, 8)),
+        lambda: np.broadcast_to(np.zeros((1, 8), np.uint8), (2**28 + 1, 8)),
+        lambda: __import__("torch").zeros(1, 8, dtype=__import__("torch").int64).expand(2**28 + 1, 8),
+    ],
+    ids=["numpy-int64", "numpy-uint8", "torch-expand"],
+)
 def test_the_int32_limit_is_checked_before_a_broadcast_view_is_copied(make):
     """Used to copy (and widen) the 2**31 + 8 entries, 8-16 GiB, then refuse them."""
     import tracemalloc
@@ -309,8 +330,11 @@ def test_the_int32_limit_is_checked_before_a_broadcast_view_is_copied(make):
     ids = make()
     tracemalloc.start()
     try:
-        with pytest.raises(ValueError, match=r"numel \+ num_experts\*\(block_size-1\)=.* exceeds "
-                                             r"the int32 index limit 2147483647"):
+        with pytest.raises(
+            ValueError,
+            match=r"numel \+ num_experts\*\(block_size-1\)=.* exceeds "
+            r"the int32 index limit 2147483647",
+        ):
             align_block_size(ids, 8, 64)
         peak = tracemalloc.get_traced_memory()[1]
     finally:

@@ -28,8 +28,11 @@ _ARRAYS_MODULE = _arrays.__name__
 def examined(monkeypatch):
     """A Counter: id(array) -> how many calls from outside ``_arrays`` received it."""
     counts: Counter = Counter()
-    functions = {name: value for name, value in vars(_arrays).items()
-                 if inspect.isfunction(value) and value.__module__ == _ARRAYS_MODULE}
+    functions = {
+        name: value
+        for name, value in vars(_arrays).items()
+        if inspect.isfunction(value) and value.__module__ == _ARRAYS_MODULE
+    }
 
     def spy(function):
         def counted(*args, **kwargs):
@@ -38,6 +41,7 @@ def examined(monkeypatch):
                     if hasattr(value, "shape"):
                         counts[id(value)] += 1
             return function(*args, **kwargs)
+
         return counted
 
     spies = {id(function): spy(function) for function in functions.values()}
@@ -65,8 +69,7 @@ def _assert_same(result, expected):
             assert got == want
 
 
-CONFIG = RouterConfig(64, 6, "sigmoid", num_expert_group=8, topk_group=3,
-                      routed_scaling_factor=2.5)
+CONFIG = RouterConfig(64, 6, "sigmoid", num_expert_group=8, topk_group=3, routed_scaling_factor=2.5)
 
 
 def test_select_experts_examines_each_input_once(examined):
@@ -80,8 +83,7 @@ def test_select_experts_examines_each_input_once(examined):
     # The ids are the reference's: the highest biased sigmoid scores of the kept groups.
     from moeroute.routing import reference
 
-    np.testing.assert_array_equal(result[1].numpy(),
-                                  reference.select_experts(logits_np, CONFIG, bias_np)[1])
+    np.testing.assert_array_equal(result[1].numpy(), reference.select_experts(logits_np, CONFIG, bias_np)[1])
 
 
 def test_select_experts_bfloat16_examines_logits_once(examined):
@@ -92,10 +94,14 @@ def test_select_experts_bfloat16_examines_logits_once(examined):
     _assert_same(result, select_experts(logits.float().numpy(), CONFIG))
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(num_shared_experts=1, ep_size=2, dispatch="all2all", num_redundant_experts=2),
-    dict(),
-], ids=["ep2 fused shared, replicas", "one rank"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_shared_experts=1, ep_size=2, dispatch="all2all", num_redundant_experts=2),
+        dict(),
+    ],
+    ids=["ep2 fused shared, replicas", "one rank"],
+)
 def test_route_examines_each_input_once(examined, kwargs):
     layout = ExpertLayout(64, **kwargs)
     rng = np.random.default_rng(22)
@@ -107,8 +113,7 @@ def test_route_examines_each_input_once(examined, kwargs):
     result = route(logits, CONFIG, layout, rank, bias, shared, home_rank=0)
     assert examined[id(logits)] == 1 and examined[id(bias)] == 1
     assert examined[id(gate)] == (1 if shared is not None else 0)
-    expected = route(logits_np, CONFIG, layout, rank, bias_np,
-                     gate_np if shared is not None else None, home_rank=0)
+    expected = route(logits_np, CONFIG, layout, rank, bias_np, gate_np if shared is not None else None, home_rank=0)
     _assert_same(result, expected)
 
 
@@ -116,7 +121,8 @@ def test_align_block_size_examines_each_input_once(examined):
     rng = np.random.default_rng(23)
     ids, ids_np = _torch_and_numpy(rng.integers(0, 16, (9, 4)).astype(np.int32))
     expert_map, expert_map_np = _torch_and_numpy(
-        np.where(np.arange(16) % 2 == 0, np.arange(16) // 2, -1).astype(np.int32))
+        np.where(np.arange(16) % 2 == 0, np.arange(16) // 2, -1).astype(np.int32)
+    )
     result = align_block_size(ids, 8, 4, expert_map)
     assert examined[id(ids)] == 1 and examined[id(expert_map)] == 1
     expected = align_block_size(ids_np, 8, 4, expert_map_np)
@@ -131,12 +137,11 @@ def test_align_block_size_examines_each_input_once(examined):
         if rows:
             want += rows + [numel] * (-len(rows) % 4)
     assert expected[2] == len(want)
-    np.testing.assert_array_equal(expected[0][:len(want)], want)
+    np.testing.assert_array_equal(expected[0][: len(want)], want)
 
 
 def test_the_other_ops_examine_each_input_once(examined):
-    from moeroute.routing import (append_shared_slots, combine, expert_load, permute,
-                                  remap_to_local)
+    from moeroute.routing import append_shared_slots, combine, expert_load, permute, remap_to_local
 
     rng = np.random.default_rng(24)
     layout = ExpertLayout(16, num_shared_experts=1, ep_size=2, dispatch="all2all")
@@ -146,8 +151,7 @@ def test_the_other_ops_examine_each_input_once(examined):
     hidden, hidden_np = _torch_and_numpy(rng.standard_normal((6, 5)).astype(np.float32))
     expert_map, expert_map_np = _torch_and_numpy(layout.expert_map(1))
     calls = [
-        (lambda i, w, g: append_shared_slots(i, w, layout, 1, g), (ids, weights, gate),
-         (ids_np, weights_np, gate_np)),
+        (lambda i, w, g: append_shared_slots(i, w, layout, 1, g), (ids, weights, gate), (ids_np, weights_np, gate_np)),
         (lambda i, m: (remap_to_local(i, m),), (ids, expert_map), (ids_np, expert_map_np)),
         (lambda i: (expert_load(i, 16),), (ids,), (ids_np,)),
         (lambda h, i: permute(h, i, 16), (hidden, ids), (hidden_np, ids_np)),
@@ -163,15 +167,21 @@ def test_the_other_ops_examine_each_input_once(examined):
     summed = combine(rows, inverse_t, weights)
     assert [examined[id(a)] for a in (rows, inverse_t, weights)] == [1, 1, 1]
     # Each token's rows come back: the weighted sum of its hidden row, sum_k w[t, k] * h[t].
-    np.testing.assert_allclose(summed.numpy(), weights_np.sum(1, keepdims=True) * hidden_np,
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(summed.numpy(), weights_np.sum(1, keepdims=True) * hidden_np, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype, name", [
-    (np.dtype(np.float32), "float32"), (np.dtype(np.uint16), "uint16"),
-    (torch.bfloat16, "bfloat16"), (torch.float16, "float16"), (torch.int32, "int32"),
-    (None, ""), ("float32", "float32"),
-])
+@pytest.mark.parametrize(
+    "dtype, name",
+    [
+        (np.dtype(np.float32), "float32"),
+        (np.dtype(np.uint16), "uint16"),
+        (torch.bfloat16, "bfloat16"),
+        (torch.float16, "float16"),
+        (torch.int32, "int32"),
+        (None, ""),
+        ("float32", "float32"),
+    ],
+)
 def test_dtype_name_of_each_framework(dtype, name):
     from numba.core import types
 

@@ -71,9 +71,14 @@ def test_every_cached_kernel_of_the_package_is_stamped():
     # the quant tiles) and the EPLB policy are cached too.
     cached = [d for d in _moeroute_dispatchers() if type(d._cache).__name__ != "NullCache"]
     modules = {d.py_func.__module__ for d in cached}
-    assert {"moeroute.quant._host", "moeroute.quant._mxfp4_dot", "moeroute.quant._mxfp4_host",
-            "moeroute.bindings.torch._rows", "moeroute.bindings.torch._quant_rows",
-            "moeroute.eplb._policy"} <= modules
+    assert {
+        "moeroute.quant._host",
+        "moeroute.quant._mxfp4_dot",
+        "moeroute.quant._mxfp4_host",
+        "moeroute.bindings.torch._rows",
+        "moeroute.bindings.torch._quant_rows",
+        "moeroute.eplb._policy",
+    } <= modules
     for dispatcher in cached:
         locator = dispatcher._cache._impl.locator
         assert type(locator).__name__.startswith("Moeroute"), dispatcher.py_func.__qualname__
@@ -82,10 +87,21 @@ def test_every_cached_kernel_of_the_package_is_stamped():
 
 def test_the_stamp_covers_the_modules_kernels_read():
     names = {str(p.relative_to(_cache.PACKAGE_DIR)) for p in _cache.source_files()}
-    assert {"routing/select/_simd.py", "routing/select/_common.py", "routing/select/_host.py",
-            "routing/remap/_common.py", "layout/__init__.py", "layout/placement.py", "config/__init__.py",
-            "config/configs.py", "quant/_dot.py", "quant/_host.py", "quant/mxfp4.py",
-            "bindings/torch/_rows.py", "bindings/torch/_quant_rows.py"} <= names
+    assert {
+        "routing/select/_simd.py",
+        "routing/select/_common.py",
+        "routing/select/_host.py",
+        "routing/remap/_common.py",
+        "layout/__init__.py",
+        "layout/placement.py",
+        "config/__init__.py",
+        "config/configs.py",
+        "quant/_dot.py",
+        "quant/_host.py",
+        "quant/mxfp4.py",
+        "bindings/torch/_rows.py",
+        "bindings/torch/_quant_rows.py",
+    } <= names
 
 
 def test_the_stamp_follows_contents_and_names(tmp_path):
@@ -102,21 +118,26 @@ def test_the_stamp_follows_contents_and_names(tmp_path):
     assert _cache.stamp_of([tmp_path / "a.py", tmp_path / "c.py"], tmp_path) != before
 
 
-@pytest.mark.parametrize("probe_code, edited, expected", [
-    pytest.param(PROBE, "routing/select/_common.py", [1, 0, 2, 0], id="routing"),
-    pytest.param(QUANT_PROBE, "quant/mxfp4.py", [0.0, 2.0, 4.0, 6.0], id="quant"),
-])
+@pytest.mark.parametrize(
+    "probe_code, edited, expected",
+    [
+        pytest.param(PROBE, "routing/select/_common.py", [1, 0, 2, 0], id="routing"),
+        pytest.param(QUANT_PROBE, "quant/mxfp4.py", [0.0, 2.0, 4.0, 6.0], id="quant"),
+    ],
+)
 def test_an_edit_to_another_module_recompiles_and_an_unchanged_tree_loads(tmp_path, probe_code, edited, expected):
     """In a copy of the package (in-tree cache): compile, load, then edit only another
     module the kernel reads (not the kernel's own file) and see the kernel compiled again."""
-    shutil.copytree(_cache.PACKAGE_DIR, tmp_path / "moeroute",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.nbi", "*.nbc"))
+    shutil.copytree(
+        _cache.PACKAGE_DIR, tmp_path / "moeroute", ignore=shutil.ignore_patterns("__pycache__", "*.nbi", "*.nbc")
+    )
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     env["PYTHONPATH"] = str(tmp_path)
 
     def probe():
-        result = subprocess.run([sys.executable, "-c", probe_code], cwd=tmp_path, env=env,
-                                capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-c", probe_code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         values, hits, misses = json.loads(result.stdout.strip().splitlines()[-1])
         np.testing.assert_array_equal(values, expected)
@@ -153,8 +174,9 @@ def test_a_corrupted_or_truncated_cache_file_is_recompiled_with_one_warning(tmp_
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
 
     def probe():
-        result = subprocess.run([sys.executable, "-c", HEAL_PROBE], env=env,
-                                capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-c", HEAL_PROBE], env=env, capture_output=True, text=True, timeout=300
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         counts, hits, misses, caught = json.loads(result.stdout.strip().splitlines()[-1])
         np.testing.assert_array_equal(counts, [1, 0, 2, 0])  # reference.expert_load

@@ -101,8 +101,23 @@ def test_bf16_bits_against_torch(tokens, bits_dtype):
 def test_bf16_rounding_matches_torch_bit_for_bit():
     """With y = 1.0 the sum is the weight itself: the encode alone is compared."""
     rng = np.random.default_rng(9)
-    special = np.array([1 + 2**-8, 1 + 3 * 2**-8, 1 - 2**-9, 3.3895e38, 3.4e38, np.inf, -np.inf,
-                        1e-40, -1e-40, 2**-133, 65504.0, -2.5], np.float32)
+    special = np.array(
+        [
+            1 + 2**-8,
+            1 + 3 * 2**-8,
+            1 - 2**-9,
+            3.3895e38,
+            3.4e38,
+            np.inf,
+            -np.inf,
+            1e-40,
+            -1e-40,
+            2**-133,
+            65504.0,
+            -2.5,
+        ],
+        np.float32,
+    )
     weights = np.concatenate([special, rng.standard_normal(500).astype(np.float32)])[:, None]
     one = bf16_bits(np.ones((1, 1), np.float32))
     out = combine(one, np.zeros_like(weights, dtype=np.int32), weights, raw_bf16=True)
@@ -111,8 +126,7 @@ def test_bf16_rounding_matches_torch_bit_for_bit():
 
 def test_bf16_nan_stays_nan():
     one = bf16_bits(np.ones((1, 1), np.float32))
-    out = combine(one, np.zeros((2, 1), np.int32), np.array([[np.nan], [-np.nan]], np.float32),
-                  raw_bf16=True)
+    out = combine(one, np.zeros((2, 1), np.int32), np.array([[np.nan], [-np.nan]], np.float32), raw_bf16=True)
     assert torch.isnan(bf16_values(out)).all()
 
 
@@ -140,11 +154,17 @@ def test_parallel_kernels_match_sequential(monkeypatch):
     inverse, weights = make_case(rng, 64, 4)
     values = rng.standard_normal((256, 24)).astype(np.float32)
     bits = bf16_bits(values)
-    sequential = [combine(values, inverse, weights), combine(bits, inverse, weights, raw_bf16=True),
-                  combine(values.astype(np.float16), inverse, weights)]
+    sequential = [
+        combine(values, inverse, weights),
+        combine(bits, inverse, weights, raw_bf16=True),
+        combine(values.astype(np.float16), inverse, weights),
+    ]
     monkeypatch.setattr(combine_module, "PARALLEL_COMBINE_MIN_ELEMENTS", 0)
-    parallel = [combine(values, inverse, weights), combine(bits, inverse, weights, raw_bf16=True),
-                combine(values.astype(np.float16), inverse, weights)]
+    parallel = [
+        combine(values, inverse, weights),
+        combine(bits, inverse, weights, raw_bf16=True),
+        combine(values.astype(np.float16), inverse, weights),
+    ]
     for got, want in zip(parallel, sequential):
         np.testing.assert_array_equal(got, want)
 
@@ -157,27 +177,32 @@ def test_int64_index_and_float64_weights_are_accepted():
     np.testing.assert_array_equal(wide, combine(values, inverse, weights))
 
 
-GOOD = dict(expert_out=np.zeros((4, 3), np.float32), inverse_index=np.zeros((2, 2), np.int32),
-            topk_weights=np.ones((2, 2), np.float32))
+GOOD = dict(
+    expert_out=np.zeros((4, 3), np.float32),
+    inverse_index=np.zeros((2, 2), np.int32),
+    topk_weights=np.ones((2, 2), np.float32),
+)
 
 
-@pytest.mark.parametrize("change,error,words", [
-    (dict(expert_out=np.zeros((4, 3), np.float64)), TypeError, "float32 or float16"),
-    (dict(expert_out=np.zeros((4, 3), np.uint16)), TypeError, "raw_bf16=True"),
-    (dict(expert_out=np.zeros((4, 3), np.float32), raw_bf16=True), TypeError, "uint16 or int16"),
-    (dict(expert_out=np.zeros(4, np.float32)), ValueError, "expert_out must be 2-D"),
-    (dict(inverse_index=np.zeros(2, np.int32)), ValueError, "inverse_index must be 2-D"),
-    (dict(inverse_index=np.zeros((2, 2), np.float32)), TypeError, "int32 or int64"),
-    (dict(topk_weights=np.ones((2, 3), np.float32)), ValueError, r"shape \(2, 3\)"),
-    (dict(topk_weights=np.ones((2, 2), np.int32)), TypeError, "floating point"),
-    (dict(inverse_index=np.array([[0, 4], [1, 1]], np.int32)), ValueError, "row 4"),
-])
+@pytest.mark.parametrize(
+    "change,error,words",
+    [
+        (dict(expert_out=np.zeros((4, 3), np.float64)), TypeError, "float32 or float16"),
+        (dict(expert_out=np.zeros((4, 3), np.uint16)), TypeError, "raw_bf16=True"),
+        (dict(expert_out=np.zeros((4, 3), np.float32), raw_bf16=True), TypeError, "uint16 or int16"),
+        (dict(expert_out=np.zeros(4, np.float32)), ValueError, "expert_out must be 2-D"),
+        (dict(inverse_index=np.zeros(2, np.int32)), ValueError, "inverse_index must be 2-D"),
+        (dict(inverse_index=np.zeros((2, 2), np.float32)), TypeError, "int32 or int64"),
+        (dict(topk_weights=np.ones((2, 3), np.float32)), ValueError, r"shape \(2, 3\)"),
+        (dict(topk_weights=np.ones((2, 2), np.int32)), TypeError, "floating point"),
+        (dict(inverse_index=np.array([[0, 4], [1, 1]], np.int32)), ValueError, "row 4"),
+    ],
+)
 def test_invalid_arguments(change, error, words):
     args = dict(GOOD, raw_bf16=False)
     args.update(change)
     with pytest.raises(error, match=words):
-        combine(args["expert_out"], args["inverse_index"], args["topk_weights"],
-                raw_bf16=args["raw_bf16"])
+        combine(args["expert_out"], args["inverse_index"], args["topk_weights"], raw_bf16=args["raw_bf16"])
 
 
 # ------------------------------------------------------------------ accumulate_rows
@@ -191,15 +216,15 @@ def _accumulate_reference(out, rows, tokens, weights):
     return expected
 
 
-@pytest.mark.parametrize("num_rows,width,repeat", [(0, 8, False), (5, 8, False),
-                                                   (300, 256, False), (300, 256, True)])
+@pytest.mark.parametrize("num_rows,width,repeat", [(0, 8, False), (5, 8, False), (300, 256, False), (300, 256, True)])
 def test_accumulate_rows_float32(num_rows, width, repeat):
     """Serial, parallel (>= PARALLEL_ACCUMULATE_MIN_ELEMENTS, distinct tokens) and
     repeated tokens (always serial) all equal the float64 sums."""
     rng = np.random.default_rng(num_rows + repeat)
     num_tokens = 400
-    tokens = (rng.integers(0, num_tokens, num_rows) if repeat
-              else np.sort(rng.choice(num_tokens, num_rows, replace=False)))
+    tokens = (
+        rng.integers(0, num_tokens, num_rows) if repeat else np.sort(rng.choice(num_tokens, num_rows, replace=False))
+    )
     rows = rng.standard_normal((num_rows, width)).astype(np.float32)
     weights = rng.random(num_rows).astype(np.float32)
     out = rng.standard_normal((num_tokens, width)).astype(np.float32)
@@ -221,27 +246,35 @@ def test_accumulate_rows_16_bit(kind):
     else:
         rows, exact = values.bfloat16().view(torch.uint16).numpy(), values.bfloat16().float().numpy()
         accumulate_rows(out, rows, tokens, weights, raw_bf16=True)
-    np.testing.assert_allclose(out, _accumulate_reference(np.zeros_like(out), exact, tokens, weights),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        out, _accumulate_reference(np.zeros_like(out), exact, tokens, weights), rtol=1e-6, atol=1e-6
+    )
 
 
-@pytest.mark.parametrize("change,error,words", [
-    ({"out": np.zeros((4, 3), np.float64)}, TypeError, "out must be a 2-D float32"),
-    ({"out": np.zeros((3, 4), np.float32).T}, ValueError, "C-contiguous"),
-    ({"rows": np.zeros((2, 5), np.float32)}, ValueError, "rows must be"),
-    ({"tokens": np.array([0])}, ValueError, "tokens and weights must be"),
-    ({"tokens": np.array([0.0, 1.0])}, TypeError, "tokens must be integers"),
-    ({"tokens": np.array([0, 4])}, ValueError, r"tokens must lie in \[0, 4\)"),
-    ({"weights": np.ones(2)}, TypeError, "weights must be float32"),
-    ({"rows": np.zeros((2, 3), np.int32)}, TypeError, "rows must be float32 or float16"),
-    ({"out": np.zeros((4, 3), np.float32)[:, :]}, None, None),
-    ({"out": np.broadcast_to(np.zeros(3, np.float32), (4, 3)).copy()}, None, None),
-    ({"out": [[0.0] * 3] * 4}, TypeError, "out must be a NumPy array .* got list"),
-    ({"out": np.zeros((4, 3), np.float32)}, "readonly", None),
-])
+@pytest.mark.parametrize(
+    "change,error,words",
+    [
+        ({"out": np.zeros((4, 3), np.float64)}, TypeError, "out must be a 2-D float32"),
+        ({"out": np.zeros((3, 4), np.float32).T}, ValueError, "C-contiguous"),
+        ({"rows": np.zeros((2, 5), np.float32)}, ValueError, "rows must be"),
+        ({"tokens": np.array([0])}, ValueError, "tokens and weights must be"),
+        ({"tokens": np.array([0.0, 1.0])}, TypeError, "tokens must be integers"),
+        ({"tokens": np.array([0, 4])}, ValueError, r"tokens must lie in \[0, 4\)"),
+        ({"weights": np.ones(2)}, TypeError, "weights must be float32"),
+        ({"rows": np.zeros((2, 3), np.int32)}, TypeError, "rows must be float32 or float16"),
+        ({"out": np.zeros((4, 3), np.float32)[:, :]}, None, None),
+        ({"out": np.broadcast_to(np.zeros(3, np.float32), (4, 3)).copy()}, None, None),
+        ({"out": [[0.0] * 3] * 4}, TypeError, "out must be a NumPy array .* got list"),
+        ({"out": np.zeros((4, 3), np.float32)}, "readonly", None),
+    ],
+)
 def test_accumulate_rows_invalid_arguments(change, error, words):
-    args = {"out": np.zeros((4, 3), np.float32), "rows": np.zeros((2, 3), np.float32),
-            "tokens": np.array([0, 1]), "weights": np.ones(2, np.float32)}
+    args = {
+        "out": np.zeros((4, 3), np.float32),
+        "rows": np.zeros((2, 3), np.float32),
+        "tokens": np.array([0, 1]),
+        "weights": np.ones(2, np.float32),
+    }
     args.update(change)
     if error is None:  # writable arrays of other provenance are fine
         accumulate_rows(args["out"], args["rows"], args["tokens"], args["weights"])

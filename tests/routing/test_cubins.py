@@ -17,14 +17,12 @@ no_sim = pytest.mark.skipif(simulator_enabled(), reason="compiles with the real 
 
 def select_kernel(num_experts, scoring="softmax"):
     """A fresh dispatcher (not the lru-cached one) of select's kernel."""
-    return cuda.jit(select_cuda.select_kernel_function(num_experts, 1, scoring, False, True,
-                                                       "float32"))
+    return cuda.jit(select_cuda.select_kernel_function(num_experts, 1, scoring, False, True, "float32"))
 
 
 def test_a_kernel_is_named_by_its_constants_not_by_its_object():
     assert _cubins.describe(select_kernel(8)) == _cubins.describe(select_kernel(8))
-    names = {_cubins.describe(select_kernel(n, s)) for n in (8, 16, 64)
-             for s in ("softmax", "sigmoid")}
+    names = {_cubins.describe(select_kernel(n, s)) for n in (8, 16, 64) for s in ("softmax", "sigmoid")}
     assert len(names) == 6 and None not in names
 
 
@@ -134,20 +132,19 @@ def test_warmup_cuda_fills_the_cache_a_launch_then_reads(cache_env, capsys):
     first = runtime.warmup_cuda(["mixtral-8x7b"], archs=["sm_90"], dtypes=["float32"])
     assert (first["compiled"], first["loaded"]) == (2, 0)
     assert first["cache_dir"] == str(cache_env) and len(list(cache_env.glob("*.cubin"))) == 2
-    again = runtime.warmup_cuda(["mixtral-8x7b"], archs=["sm_90"], dtypes=["float32"],
-                                progress=False)
+    again = runtime.warmup_cuda(["mixtral-8x7b"], archs=["sm_90"], dtypes=["float32"], progress=False)
     assert (again["compiled"], again["loaded"]) == (0, 2)
     assert "warmup_cuda sm_90 mixtral-8x7b" in capsys.readouterr().err
 
     router = PRESETS["mixtral-8x7b"].router
-    kernel = select_device._device_kernel(router.num_experts, router.num_expert_group,
-                                          router.scoring, False, router.renormalize, "float32")
+    kernel = select_device._device_kernel(
+        router.num_experts, router.num_expert_group, router.scoring, False, router.renormalize, "float32"
+    )
 
     def refuse(*args):
         raise AssertionError("compiled again")
 
-    cubin, name = _cubins.load_or_compile(kernel, select_device._device_signature("float32"),
-                                          "sm_90", refuse)
+    cubin, name = _cubins.load_or_compile(kernel, select_device._device_signature("float32"), "sm_90", refuse)
     assert cubin[:4] == b"\x7fELF" and name.encode() in cubin
 
 
@@ -172,11 +169,15 @@ def test_a_cache_variable_naming_a_file_is_refused(monkeypatch, tmp_path):
     assert _cubins.cache_dir() is None
 
 
-@pytest.mark.parametrize("damage", [
-    lambda data: data[:5],                       # truncated
-    lambda data: b"X" + data[1:],                # one byte overwritten
-    lambda data: b"",                            # emptied
-], ids=["truncated", "overwritten", "empty"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: data[:5],  # truncated
+        lambda data: b"X" + data[1:],  # one byte overwritten
+        lambda data: b"",  # emptied
+    ],
+    ids=["truncated", "overwritten", "empty"],
+)
 def test_a_damaged_cubin_is_compiled_again_and_replaced(cache_env, damage):
     """A damaged .cubin entry used to be handed back as it was; now its digest does not
     match, one warning names it, and the fresh compile replaces it."""

@@ -21,6 +21,7 @@ from numba import types as nt  # noqa: E402
 
 from moeroute.layout import ExpertLayout  # noqa: E402
 from moeroute.routing import _sort  # noqa: E402
+
 # Each op's CUDA kernels live in its package's _cuda module.
 combine_module = importlib.import_module("moeroute.routing.combine._cuda")
 permute_module = importlib.import_module("moeroute.routing.permute._cuda")
@@ -50,14 +51,14 @@ def test_device_views_never_synchronize(monkeypatch):
     monkeypatch.setattr(cuda, "as_cuda_array", lambda obj, sync=True: calls.append(sync) or obj)
 
     class Producer:
-        __cuda_array_interface__ = {"shape": (2,), "typestr": "<i4", "data": (0, False),
-                                    "version": 3, "stream": 7}
+        __cuda_array_interface__ = {"shape": (2,), "typestr": "<i4", "data": (0, False), "version": 3, "stream": 7}
 
     _arrays.as_device_array(Producer())
     assert calls == [False]
 
 
 # ------------------------------------------------------------------ compile checks
+
 
 def _array(dtype, ndim):
     return nt.Array(dtype, ndim, "A")
@@ -73,27 +74,73 @@ def _kernel_signatures():
     for name, ids in ids2.items():
         cases += [
             (f"count[{name}]", _sort._count_kernel, (ids, table, BOOL, I64, I64, _array(I32, 2))),
-            (f"place[{name}]", _sort._place_kernel,
-             (ids, table, BOOL, I64, I64, I64, I64, _array(I32, 2), _array(I32, 2), _array(I32, 2),
-              _array(I32, 2), table, table, _array(I32, 2), BOOL, table)),
-            (f"logical_to_physical[{name}]", remap_module.logical_to_physical_kernel,
-             (ids, I64, table, table, table, _array(I32, 2))),
+            (
+                f"place[{name}]",
+                _sort._place_kernel,
+                (
+                    ids,
+                    table,
+                    BOOL,
+                    I64,
+                    I64,
+                    I64,
+                    I64,
+                    _array(I32, 2),
+                    _array(I32, 2),
+                    _array(I32, 2),
+                    _array(I32, 2),
+                    table,
+                    table,
+                    _array(I32, 2),
+                    BOOL,
+                    table,
+                ),
+            ),
+            (
+                f"logical_to_physical[{name}]",
+                remap_module.logical_to_physical_kernel,
+                (ids, I64, table, table, table, _array(I32, 2)),
+            ),
             (f"remap[{name}]", remap_module._remap_kernel, (_array(ids.dtype, 1), table, table)),
-            (f"append[{name}]", shared_slots_module._append_kernel,
-             (ids, _array(F32, 2), I64, table, table, table, I64, _array(F32, 2), I64, I64,
-              F32, BOOL, _array(I32, 2), _array(F32, 2))),
+            (
+                f"append[{name}]",
+                shared_slots_module._append_kernel,
+                (
+                    ids,
+                    _array(F32, 2),
+                    I64,
+                    table,
+                    table,
+                    table,
+                    I64,
+                    _array(F32, 2),
+                    I64,
+                    I64,
+                    F32,
+                    BOOL,
+                    _array(I32, 2),
+                    _array(F32, 2),
+                ),
+            ),
         ]
     cases += [
-        ("gather[uint16]", permute_module._gather_rows_kernel,
-         (_array(U16, 2), table, table, I64, _array(U16, 2))),
-        ("gather[float32]", permute_module._gather_rows_kernel,
-         (_array(F32, 2), table, table, I64, _array(F32, 2))),
-        ("combine[float32]", combine_module._combine_kernel,
-         (_array(F32, 2), _array(I32, 2), _array(F32, 2), BOOL, _array(F32, 2))),
-        ("combine[float16]", combine_module._combine_kernel,
-         (_array(F16, 2), _array(I64, 2), _array(F32, 2), BOOL, _array(F16, 2))),
-        ("combine[bf16-bits]", combine_module._combine_bf16_kernel,
-         (_array(U16, 2), _array(I32, 2), _array(F32, 2), BOOL, _array(U16, 2))),
+        ("gather[uint16]", permute_module._gather_rows_kernel, (_array(U16, 2), table, table, I64, _array(U16, 2))),
+        ("gather[float32]", permute_module._gather_rows_kernel, (_array(F32, 2), table, table, I64, _array(F32, 2))),
+        (
+            "combine[float32]",
+            combine_module._combine_kernel,
+            (_array(F32, 2), _array(I32, 2), _array(F32, 2), BOOL, _array(F32, 2)),
+        ),
+        (
+            "combine[float16]",
+            combine_module._combine_kernel,
+            (_array(F16, 2), _array(I64, 2), _array(F32, 2), BOOL, _array(F16, 2)),
+        ),
+        (
+            "combine[bf16-bits]",
+            combine_module._combine_bf16_kernel,
+            (_array(U16, 2), _array(I32, 2), _array(F32, 2), BOOL, _array(U16, 2)),
+        ),
     ]
     return cases
 
@@ -160,10 +207,16 @@ def _ids(rng, tokens, top_k, num_experts, invalid_fraction=0.0):
 
 @pytest.mark.gpu
 @needs_device
-@pytest.mark.parametrize("tokens,top_k,num_experts,block_size", [
-    (65536, 8, 256, 64), (65536, 9, 520, 128), (4097, 10, 1024, 16), (0, 8, 256, 64),
-    (1, 2, 8, 1),
-])
+@pytest.mark.parametrize(
+    "tokens,top_k,num_experts,block_size",
+    [
+        (65536, 8, 256, 64),
+        (65536, 9, 520, 128),
+        (4097, 10, 1024, 16),
+        (0, 8, 256, 64),
+        (1, 2, 8, 1),
+    ],
+)
 def test_gpu_align_and_sort_match_cpu(tokens, top_k, num_experts, block_size):
     rng = np.random.default_rng(tokens + num_experts)
     ids = _ids(rng, tokens, top_k, num_experts, invalid_fraction=0.01)
@@ -178,8 +231,7 @@ def test_gpu_align_and_sort_match_cpu(tokens, top_k, num_experts, block_size):
     np.testing.assert_array_equal(offsets.copy_to_host(), want_offsets)
     np.testing.assert_array_equal(inverse.copy_to_host(), want_inverse)
     kept = int(want_offsets[-1])  # sized by the upper bound T*K, padded with T*K
-    np.testing.assert_array_equal(slots.copy_to_host(),
-                                  np.r_[want_slots, np.full(ids.size - kept, ids.size)])
+    np.testing.assert_array_equal(slots.copy_to_host(), np.r_[want_slots, np.full(ids.size - kept, ids.size)])
 
 
 @pytest.mark.gpu
@@ -195,16 +247,19 @@ def test_gpu_permute_and_combine_match_cpu():
         got = permute(cuda.to_device(hidden_states), cuda.to_device(ids), num_experts)
         want = permute(hidden_states, ids, num_experts)
         assert got[0].shape == (ids.size, hidden)  # the upper bound; rows past M unwritten
-        assert got[0].copy_to_host()[:want[0].shape[0]].tobytes() == want[0].tobytes()
+        assert got[0].copy_to_host()[: want[0].shape[0]].tobytes() == want[0].tobytes()
         np.testing.assert_array_equal(got[1].copy_to_host(), want[1])
         np.testing.assert_array_equal(got[2].copy_to_host(), want[2])
         permuted[name], inverse = want[0], want[2]
     weights = rng.random((tokens, top_k)).astype(np.float32)
-    for expert_out, raw in ((permuted["float32"], False),
-                            (permuted["float32"].astype(np.float16), False),
-                            (permuted["bf16"], True)):
-        got = combine(cuda.to_device(expert_out), cuda.to_device(inverse),
-                      cuda.to_device(weights), raw_bf16=raw).copy_to_host()
+    for expert_out, raw in (
+        (permuted["float32"], False),
+        (permuted["float32"].astype(np.float16), False),
+        (permuted["bf16"], True),
+    ):
+        got = combine(
+            cuda.to_device(expert_out), cuda.to_device(inverse), cuda.to_device(weights), raw_bf16=raw
+        ).copy_to_host()
         cpu = combine(expert_out, inverse, weights, raw_bf16=raw)
         assert got.dtype == cpu.dtype
         if raw:
@@ -230,17 +285,17 @@ def test_gpu_ids_match_cpu():
     ids = _ids(rng, 65536, 10, 512)
     weights = rng.random(ids.shape).astype(np.float32)
     gate = rng.random(65536).astype(np.float32)
-    np.testing.assert_array_equal(logical_to_physical(cuda.to_device(ids), layout).copy_to_host(),
-                                  logical_to_physical(ids, layout))
-    got = append_shared_slots(cuda.to_device(ids), cuda.to_device(weights), layout, 3,
-                              cuda.to_device(gate))
+    np.testing.assert_array_equal(
+        logical_to_physical(cuda.to_device(ids), layout).copy_to_host(), logical_to_physical(ids, layout)
+    )
+    got = append_shared_slots(cuda.to_device(ids), cuda.to_device(weights), layout, 3, cuda.to_device(gate))
     want = append_shared_slots(ids, weights, layout, 3, gate)
     np.testing.assert_array_equal(got[0].copy_to_host(), want[0])
     np.testing.assert_array_equal(got[1].copy_to_host(), want[1])
     expert_map = layout.expert_map(3)
     np.testing.assert_array_equal(
-        remap_to_local(got[0], cuda.to_device(expert_map)).copy_to_host(),
-        remap_to_local(want[0], expert_map))
+        remap_to_local(got[0], cuda.to_device(expert_map)).copy_to_host(), remap_to_local(want[0], expert_map)
+    )
 
 
 @pytest.mark.gpu
@@ -259,7 +314,7 @@ def test_gpu_framework_arrays_stay_in_their_framework():
     sorted_slots, offsets, inverse = sort_by_expert(tensor_ids, 64)
     assert isinstance(sorted_slots, torch.Tensor) and sorted_slots.device == tensor_ids.device
     want_slots = sort_by_expert(ids, 64)[0]
-    np.testing.assert_array_equal(sorted_slots[:want_slots.shape[0]].cpu().numpy(), want_slots)
+    np.testing.assert_array_equal(sorted_slots[: want_slots.shape[0]].cpu().numpy(), want_slots)
     hidden = torch.randn(1000, 32, device="cuda").to(torch.bfloat16)
     permuted, _, inverse = permute(hidden.view(torch.int16), tensor_ids, 64)
     out = combine(permuted, inverse, None, raw_bf16=True).view(torch.bfloat16)

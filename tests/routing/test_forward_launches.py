@@ -69,8 +69,14 @@ def test_one_rank_forward_routes_once(monkeypatch, shared):
     with torch.no_grad():  # the shared MLP is complete before the layer takes it
         for linear in (shared_mlp.gate_proj, shared_mlp.up_proj, shared_mlp.down_proj):
             linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) * 0.3)
-    module = MoE(RouterConfig(N, K, "softmax", renormalize=True), H, I, shared_experts=shared_mlp,
-                 shared=shared, dtype=torch.float32)
+    module = MoE(
+        RouterConfig(N, K, "softmax", renormalize=True),
+        H,
+        I,
+        shared_experts=shared_mlp,
+        shared=shared,
+        dtype=torch.float32,
+    )
     with torch.no_grad():
         module.router_weight.copy_(torch.randn(N, H, generator=generator))
         w_gate_up = torch.randn(N, 2 * I, H, generator=generator) * 0.3
@@ -87,8 +93,9 @@ def test_one_rank_forward_routes_once(monkeypatch, shared):
     top_w, top_ids = probs.topk(K, dim=-1)
     top_w = top_w / top_w.sum(-1, keepdim=True)
     s = shared_mlp
-    want = (torch.nn.functional.silu(x64 @ s.gate_proj.weight.double().T) * (x64 @ s.up_proj.weight.double().T)
-            ) @ s.down_proj.weight.double().T
+    want = (
+        torch.nn.functional.silu(x64 @ s.gate_proj.weight.double().T) * (x64 @ s.up_proj.weight.double().T)
+    ) @ s.down_proj.weight.double().T
     want += dense_experts(x, top_ids, top_w, w_gate_up, w_down)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
 
@@ -153,8 +160,7 @@ def test_sim_one_forward_launches(monkeypatch):
     w_down = rng.standard_normal((num_local, H, I)).astype(np.float32)
 
     # route: one launch, the CPU composition's ids and weights.
-    weights, local_ids = route(cuda.to_device(logits), CONFIG, layout, 0, cuda.to_device(bias),
-                               cuda.to_device(gate))
+    weights, local_ids = route(cuda.to_device(logits), CONFIG, layout, 0, cuda.to_device(bias), cuda.to_device(gate))
     assert len(numba_launches) == 1
     want_w, want_ids = route(logits, CONFIG, layout, 0, bias, gate)
     np.testing.assert_array_equal(local_ids.copy_to_host(), want_ids)
@@ -164,9 +170,17 @@ def test_sim_one_forward_launches(monkeypatch):
     backend = _RecordingBackend()
     problem = check_fused_experts_args(hidden, w_gate_up, w_down, weights, local_ids)
     block_size = L.choose_block_size(T * (K + 1), num_local)
-    run_fused_experts(backend, problem, cuda.to_device(hidden), cuda.to_device(w_gate_up),
-                      cuda.to_device(w_down), weights, local_ids, cuda.device_array((T, H), np.float32),
-                      block_size=block_size)
+    run_fused_experts(
+        backend,
+        problem,
+        cuda.to_device(hidden),
+        cuda.to_device(w_gate_up),
+        cuda.to_device(w_down),
+        weights,
+        local_ids,
+        cuda.device_array((T, H), np.float32),
+        block_size=block_size,
+    )
     assert len(numba_launches) == 1 + 2, numba_launches
     assert len(backend.plans) == 3, backend.plans
     assert [name.startswith("moe_gemm_") for name in backend.plans] == [True, True, False]
@@ -175,6 +189,6 @@ def test_sim_one_forward_launches(monkeypatch):
     # The align the pipeline ran gives the CPU align's blocks.
     sorted_ids, expert_ids, _ = align_block_size(local_ids, num_local, block_size)
     want_sorted, want_experts, _ = align_block_size(want_ids, num_local, block_size)
-    got_experts = expert_ids.copy_to_host()[:len(want_experts)]
+    got_experts = expert_ids.copy_to_host()[: len(want_experts)]
     np.testing.assert_array_equal(got_experts, want_experts)
-    np.testing.assert_array_equal(sorted_ids.copy_to_host()[:len(want_sorted)], want_sorted)
+    np.testing.assert_array_equal(sorted_ids.copy_to_host()[: len(want_sorted)], want_sorted)

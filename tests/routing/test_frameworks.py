@@ -29,8 +29,7 @@ TOKENS = 37
 ROUTERS = {
     "softmax": RouterConfig(32, 4, "softmax", renormalize=True),
     "softmax-raw": RouterConfig(32, 4, "softmax", renormalize=False, routed_scaling_factor=1.5),
-    "sigmoid-groups": RouterConfig(32, 3, "sigmoid", num_expert_group=4, topk_group=2,
-                                   routed_scaling_factor=2.5),
+    "sigmoid-groups": RouterConfig(32, 3, "sigmoid", num_expert_group=4, topk_group=2, routed_scaling_factor=2.5),
 }
 #: Logit dtypes of CPU torch tensors; every one routes as its float32 upcast.
 TORCH_LOGIT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -62,8 +61,7 @@ def _torch_ids(rows, cols, high, seed=0, dtype=torch.int32):
 def test_select_experts_cpu_torch_routes_as_float32_upcast(name, dtype, tokens):
     config = ROUTERS[name]
     logits = torch.from_numpy(_logits(tokens, config.num_experts)).to(dtype)
-    bias = (torch.from_numpy(_logits(1, config.num_experts, 1)[0]) * 0.1
-            if config.scoring == "sigmoid" else None)
+    bias = torch.from_numpy(_logits(1, config.num_experts, 1)[0]) * 0.1 if config.scoring == "sigmoid" else None
     weights, ids = moeroute.select_experts(logits, config, bias)
     upcast = logits.float().numpy()  # exact for float16 and bfloat16
     ref_w, ref_ids = reference.select_experts(upcast, config, None if bias is None else bias.numpy())
@@ -150,13 +148,19 @@ def test_select_experts_out_buffers_are_validated():
     cases = [
         ((good_w,), TypeError, r"out must be a \(topk_weights, topk_ids\) pair"),
         ((torch.empty(4, 5), good_ids), ValueError, r"out\[0\] \(topk_weights\) has shape \(4, 5\)"),
-        ((good_w, torch.empty(4, 4, dtype=torch.int64)), ValueError,
-         r"out\[1\] \(topk_ids\) has dtype int64, expected int32"),
+        (
+            (good_w, torch.empty(4, 4, dtype=torch.int64)),
+            ValueError,
+            r"out\[1\] \(topk_ids\) has dtype int64, expected int32",
+        ),
         ((torch.empty(4, 4, dtype=torch.float64), good_ids), ValueError, "dtype float64"),
         ((torch.empty(4, 4).T, good_ids), ValueError, "C-contiguous"),
         ((np.empty((4, 4), np.float32), good_ids), TypeError, "must be a torch tensor like logits"),
-        ((good_w, torch.empty(4, 4, dtype=torch.int32, device="meta")), ValueError,
-         r"out\[1\] \(topk_ids\) is on meta but logits is on cpu"),
+        (
+            (good_w, torch.empty(4, 4, dtype=torch.int32, device="meta")),
+            ValueError,
+            r"out\[1\] \(topk_ids\) is on meta but logits is on cpu",
+        ),
     ]
     for out, error, match in cases:
         with pytest.raises(error, match=match):
@@ -181,24 +185,30 @@ def _overlap_cases(framework, tokens, experts, top_k):
         as_int32 = lambda a: a.view(np.int32)  # noqa: E731
         flat = buffer
     else:
-        flat = torch.from_numpy(
-            _rng(5).standard_normal(size + tokens * top_k + 2 * experts).astype(np.float32))
+        flat = torch.from_numpy(_rng(5).standard_normal(size + tokens * top_k + 2 * experts).astype(np.float32))
         as_int32 = lambda a: a.view(torch.int32)  # noqa: E731
     logits = flat[:size].reshape(tokens, experts)
-    bias = flat[size:size + experts]
-    spare = flat[size + experts:size + experts + tokens * top_k].reshape(tokens, top_k)
-    other = (np.empty((tokens, top_k), np.int32) if framework == "numpy"
-             else torch.empty(tokens, top_k, dtype=torch.int32))
-    last_row = flat[size - experts:size - experts + tokens * top_k].reshape(tokens, top_k)
-    two_rows = flat[size - 2 * experts:size - 2 * experts + tokens * top_k].reshape(tokens, top_k)
-    into_bias = flat[size + experts - 1:size + experts - 1 + tokens * top_k].reshape(tokens, top_k)
-    return logits, bias, spare, other, [
-        ((spare, as_int32(spare)), r"out\[0\] \(topk_weights\) overlaps out\[1\] \(topk_ids\)"),
-        ((last_row, other), r"out\[0\] \(topk_weights\) overlaps logits"),
-        ((two_rows, other), r"out\[0\] \(topk_weights\) overlaps logits"),
-        ((spare, as_int32(last_row)), r"out\[1\] \(topk_ids\) overlaps logits"),
-        ((into_bias, other), r"out\[0\] \(topk_weights\) overlaps correction_bias"),
-    ]
+    bias = flat[size : size + experts]
+    spare = flat[size + experts : size + experts + tokens * top_k].reshape(tokens, top_k)
+    other = (
+        np.empty((tokens, top_k), np.int32) if framework == "numpy" else torch.empty(tokens, top_k, dtype=torch.int32)
+    )
+    last_row = flat[size - experts : size - experts + tokens * top_k].reshape(tokens, top_k)
+    two_rows = flat[size - 2 * experts : size - 2 * experts + tokens * top_k].reshape(tokens, top_k)
+    into_bias = flat[size + experts - 1 : size + experts - 1 + tokens * top_k].reshape(tokens, top_k)
+    return (
+        logits,
+        bias,
+        spare,
+        other,
+        [
+            ((spare, as_int32(spare)), r"out\[0\] \(topk_weights\) overlaps out\[1\] \(topk_ids\)"),
+            ((last_row, other), r"out\[0\] \(topk_weights\) overlaps logits"),
+            ((two_rows, other), r"out\[0\] \(topk_weights\) overlaps logits"),
+            ((spare, as_int32(last_row)), r"out\[1\] \(topk_ids\) overlaps logits"),
+            ((into_bias, other), r"out\[0\] \(topk_weights\) overlaps correction_bias"),
+        ],
+    )
 
 
 @pytest.mark.parametrize("framework", ["numpy", "torch"])
@@ -223,8 +233,9 @@ def test_select_experts_names_a_meta_tensor():
     with pytest.raises(ValueError, match=r"logits is on meta; select_experts takes a CPU tensor, a CUDA tensor"):
         moeroute.select_experts(torch.empty(4, config.num_experts, device="meta"), config)
     with pytest.raises(ValueError, match=r"correction_bias is on meta"):
-        moeroute.select_experts(torch.zeros(4, config.num_experts), config,
-                                torch.empty(config.num_experts, device="meta"))
+        moeroute.select_experts(
+            torch.zeros(4, config.num_experts), config, torch.empty(config.num_experts, device="meta")
+        )
 
 
 def test_expert_load_and_accumulate_rows_refuse_out_over_their_inputs():
@@ -238,8 +249,7 @@ def test_expert_load_and_accumulate_rows_refuse_out_over_their_inputs():
     with pytest.raises(ValueError, match=r"out overlaps ids"):
         moeroute.expert_load(tensor_ids, 4, out=tensor_ids[1])
     counter = np.zeros(4, np.int64)
-    np.testing.assert_array_equal(moeroute.expert_load(ids, 4, out=counter),
-                                  reference.expert_load(ids, 4))
+    np.testing.assert_array_equal(moeroute.expert_load(ids, 4, out=counter), reference.expert_load(ids, 4))
 
     buffer = np.arange(18, dtype=np.float32).reshape(6, 3)
     tokens, weights = np.array([0, 2]), np.ones(2, np.float32)
@@ -257,8 +267,13 @@ class _CudaArrayLike:
     """A device array as the CUDA array interface describes it (no memory behind it)."""
 
     def __init__(self, pointer, shape, typestr="<f4", strides=None):
-        self.__cuda_array_interface__ = {"data": (pointer, False), "shape": shape,
-                                         "typestr": typestr, "strides": strides, "version": 3}
+        self.__cuda_array_interface__ = {
+            "data": (pointer, False),
+            "shape": shape,
+            "typestr": typestr,
+            "strides": strides,
+            "version": 3,
+        }
 
 
 def test_device_arrays_overlap_by_their_byte_spans():
@@ -271,9 +286,13 @@ def test_device_arrays_overlap_by_their_byte_spans():
     assert not _arrays.overlaps(a, _CudaArrayLike(4096, (0, 8)))  # empty
     assert not _arrays.overlaps(a, np.zeros(4))  # host and device never overlap
     with pytest.raises(ValueError, match=r"out\[1\] \(topk_ids\) overlaps logits"):
-        _arrays.check_no_overlap({"out[0] (topk_weights)": _CudaArrayLike(8192, (4, 2)),
-                                  "out[1] (topk_ids)": _CudaArrayLike(4200, (4, 2), "<i4")},
-                                 {"logits": a, "correction_bias": None})
+        _arrays.check_no_overlap(
+            {
+                "out[0] (topk_weights)": _CudaArrayLike(8192, (4, 2)),
+                "out[1] (topk_ids)": _CudaArrayLike(4200, (4, 2), "<i4"),
+            },
+            {"logits": a, "correction_bias": None},
+        )
     # torch tensors are measured by their own data_ptr and strides, NumPy arrays by theirs;
     # host spans that meet are then compared exactly.
     t = torch.zeros(6, 8)
@@ -291,8 +310,7 @@ def test_device_arrays_overlap_by_their_byte_spans():
 
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64], ids=str)
 def test_logical_to_physical_and_remap_on_torch(id_dtype):
-    layout = ExpertLayout(16, num_shared_experts=1, ep_size=4, dispatch="all2all",
-                          num_redundant_experts=4)
+    layout = ExpertLayout(16, num_shared_experts=1, ep_size=4, dispatch="all2all", num_redundant_experts=4)
     ids = _torch_ids(TOKENS, 4, 16, 5, id_dtype)
     physical = moeroute.logical_to_physical(ids, layout)
     assert isinstance(physical, torch.Tensor) and physical.dtype == torch.int32
@@ -381,13 +399,16 @@ def test_results_share_memory_with_numpy_outputs():
 
 def test_framework_detection_never_imports_torch():
     # The routing layer finds torch only through sys.modules, and only for torch inputs.
-    code = ("import sys, numpy as np, moeroute;"
-            "w, i = moeroute.select_experts(np.zeros((2, 8), np.float32), moeroute.RouterConfig(8, 2));"
-            "from moeroute.routing import _arrays;"
-            "assert _arrays.torch_of(np.zeros(1)) is None;"
-            "print('torch' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                            text=True, timeout=SIM_TIMEOUT_S)
+    code = (
+        "import sys, numpy as np, moeroute;"
+        "w, i = moeroute.select_experts(np.zeros((2, 8), np.float32), moeroute.RouterConfig(8, 2));"
+        "from moeroute.routing import _arrays;"
+        "assert _arrays.torch_of(np.zeros(1)) is None;"
+        "print('torch' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=SIM_TIMEOUT_S
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "False"
 
@@ -409,8 +430,9 @@ def test_device_frameworks_under_the_simulator():
     run_simulator_suite(SIM_MODULE, allow_skipped=True)
 
 
-requires_torch_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                                         reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+requires_torch_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+)
 
 
 @pytest.mark.gpu
@@ -437,8 +459,7 @@ def test_gpu_torch_cuda_tensors_in_and_out(dtype):
     assert permuted.is_cuda and permuted.dtype == torch.bfloat16
     combined = moeroute.combine(permuted, inverse, dev_w)
     assert combined.is_cuda and combined.dtype == torch.bfloat16
-    expected = reference.combine(permuted.float().cpu().numpy(), inverse.cpu().numpy(),
-                                 dev_w.cpu().numpy())
+    expected = reference.combine(permuted.float().cpu().numpy(), inverse.cpu().numpy(), dev_w.cpu().numpy())
     np.testing.assert_allclose(combined.float().cpu().numpy(), expected, rtol=2**-8, atol=1e-6)
 
 

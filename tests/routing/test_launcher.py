@@ -26,14 +26,27 @@ no_sim = pytest.mark.skipif(SIMULATED, reason="compiles with the real numba.cuda
 
 SELECT_KINDS = ["float32", "float16", "bfloat16"]
 # Every scalar type the packer marshals, around arrays of 1, 2 and 3 dimensions.
-ALL_SCALARS = (types.float32[:, ::1], types.int64, types.int32, types.uint32, types.int16,
-               types.uint16, types.int8, types.uint8, types.float64, types.float32,
-               types.float16, types.boolean, types.int64[::1], types.uint64, types.int8[:, :, ::1])
+ALL_SCALARS = (
+    types.float32[:, ::1],
+    types.int64,
+    types.int32,
+    types.uint32,
+    types.int16,
+    types.uint16,
+    types.int8,
+    types.uint8,
+    types.float64,
+    types.float32,
+    types.float16,
+    types.boolean,
+    types.int64[::1],
+    types.uint64,
+    types.int8[:, :, ::1],
+)
 
 
 def _every_scalar_kernel(a, i64, i32, u32, i16, u16, i8, u8, f64, f32, f16, flag, b, u64, c):
-    a[0, 0] = (i64 + i32 + u32 + i16 + u16 + i8 + u8 + f64 + f32 + f16 + (1 if flag else 0)
-               + b[0] + u64 + c[0, 0, 0])
+    a[0, 0] = i64 + i32 + u32 + i16 + u16 + i8 + u8 + f64 + f32 + f16 + (1 if flag else 0) + b[0] + u64 + c[0, 0, 0]
 
 
 def select_ptx(kind):
@@ -60,8 +73,24 @@ def test_every_scalar_type_matches_numba_ptx():
     _, found = _launcher.parse_entry(ptx)
     assert found == _launcher.parameter_types(ALL_SCALARS)
     packed = _launcher.make_packer(ALL_SCALARS)(
-        (CupyLike(np.zeros((2, 3), np.float32)), 1, 2, 3, 4, 5, 6, 7, 8.0, 9.0, 10.0, True,
-         CupyLike(np.zeros(4, np.int64)), 11, CupyLike(np.zeros((1, 2, 3), np.int8))))
+        (
+            CupyLike(np.zeros((2, 3), np.float32)),
+            1,
+            2,
+            3,
+            4,
+            5,
+            6,
+            7,
+            8.0,
+            9.0,
+            10.0,
+            True,
+            CupyLike(np.zeros(4, np.int64)),
+            11,
+            CupyLike(np.zeros((1, 2, 3), np.int8)),
+        )
+    )
     assert len(packed) == len(found)
     # CuPy copies each value at its own width: ints and floats as 8 bytes, NumPy scalars
     # at their itemsize. Every parameter gets exactly its PTX width.
@@ -79,8 +108,7 @@ def test_unsupported_argument_type_is_refused():
 
 
 def test_parse_entry_reads_name_and_parameters():
-    ptx = (".visible .entry _Z1kPf(\n\t.param .u64 _Z1kPf_param_0,\n\t.param .f32 _Z1kPf_param_1\n)"
-           "\n{\n\tret;\n}\n")
+    ptx = ".visible .entry _Z1kPf(\n\t.param .u64 _Z1kPf_param_0,\n\t.param .f32 _Z1kPf_param_1\n)\n{\n\tret;\n}\n"
     assert _launcher.parse_entry(ptx) == ("_Z1kPf", ["u64", "f32"])
     with pytest.raises(ValueError, match="found 0"):
         _launcher.parse_entry(".version 8.0\n")
@@ -119,16 +147,24 @@ class NumbaLike:
 
 def expected_select_parameters(logits, bias, out_w, out_ids, num_tokens, top_k, topk_group, rsf):
     """numba's ABI for select_experts' kernel, written out by hand from NumPy arrays."""
+
     def fields(a):
         return [0, 0, a.size, a.itemsize, a.ctypes.data, *a.shape, *a.strides]
-    return (fields(logits) + fields(bias) + [num_tokens, top_k, topk_group, np.float32(rsf)]
-            + fields(out_w) + fields(out_ids))
+
+    return (
+        fields(logits)
+        + fields(bias)
+        + [num_tokens, top_k, topk_group, np.float32(rsf)]
+        + fields(out_w)
+        + fields(out_ids)
+    )
 
 
 def select_arrays(kind, num_tokens=5):
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((num_tokens, 8)).astype(
-        {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16}[kind])
+        {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16}[kind]
+    )
     bias = rng.standard_normal(8).astype(np.float32)
     return logits, bias, np.zeros((num_tokens, 2), np.float32), np.zeros((num_tokens, 2), np.int32)
 
@@ -183,6 +219,7 @@ def launcher_env(monkeypatch):
             monkeypatch.delenv(_launcher.LAUNCHER_ENV, raising=False)
         else:
             monkeypatch.setenv(_launcher.LAUNCHER_ENV, value)
+
     return set_value
 
 
@@ -224,8 +261,7 @@ def test_explicit_cached_without_device_says_why(launcher_env):
 def test_compile_image_links_a_cubin_without_a_gpu():
     pytest.importorskip("cuda.core")
     kernel = select_module._device_kernel(8, 1, "softmax", False, True, "float32")
-    cubin, name, ptx = _launcher.compile_image(kernel, select_module._device_signature("float32"),
-                                               "sm_90")
+    cubin, name, ptx = _launcher.compile_image(kernel, select_module._device_signature("float32"), "sm_90")
     assert cubin[:4] == b"\x7fELF"
     assert name.encode() in cubin and _launcher.parse_entry(ptx)[0] == name
     assert ".target sm_90" in ptx
@@ -234,6 +270,7 @@ def test_compile_image_links_a_cubin_without_a_gpu():
 def test_kernels_with_linked_files_stay_on_numba():
     class Dispatcher:
         targetoptions = {"link": ("extra.cu",), "fastmath": False}
+
     with pytest.raises(RuntimeError, match="cannot reproduce the jit options {'link'"):
         _launcher.compile_image(Dispatcher(), (), "sm_90")
 
@@ -242,7 +279,8 @@ def test_kernels_with_linked_files_stay_on_numba():
 
 requires_gpu = pytest.mark.skipif(
     SIMULATED or _launcher.cached_unavailable_reason() is not None,
-    reason=f"needs a CUDA GPU visible to CuPy: {_launcher.cached_unavailable_reason()}")
+    reason=f"needs a CUDA GPU visible to CuPy: {_launcher.cached_unavailable_reason()}",
+)
 
 
 @pytest.mark.gpu
@@ -316,8 +354,18 @@ def test_array_types_are_numba_typeof_of_the_same_memory(case):
 
 
 def test_scalar_types_are_numba_typeof():
-    values = [3, 2.5, True, np.int32(1), np.int64(1), np.uint32(1), np.int8(1), np.float32(1),
-              np.float64(1), np.bool_(True)]
+    values = [
+        3,
+        2.5,
+        True,
+        np.int32(1),
+        np.int64(1),
+        np.uint32(1),
+        np.int8(1),
+        np.float32(1),
+        np.float64(1),
+        np.bool_(True),
+    ]
     assert _launcher.signature_of(values) == tuple(numba.typeof(v) for v in values)
     assert _launcher.signature_of(values)[:3] == (types.int64, types.float64, types.boolean)
 
@@ -333,8 +381,7 @@ def test_signatures_are_one_object_per_argument_types():
     transposed = (torch.zeros(4, 3).t(), *first[1:])
     assert _launcher.signature_of(strided)[0] == types.Array(types.float32, 2, "A")
     assert _launcher.signature_of(transposed)[0] == types.Array(types.float32, 2, "F")
-    assert _launcher.signature_of((torch.zeros(3, 4, dtype=torch.float16), *first[1:]))[0] \
-        == types.float16[:, ::1]
+    assert _launcher.signature_of((torch.zeros(3, 4, dtype=torch.float16), *first[1:]))[0] == types.float16[:, ::1]
 
 
 def test_first_signature_of_a_numpy_scalar_is_the_one_later_launches_find(monkeypatch):
@@ -375,12 +422,14 @@ def op_kernel_launches():
     from moeroute.layout import ExpertLayout
 
     _sort, combine, load, permute, remap, route, shared_slots = (
-        importlib.import_module(f"moeroute.routing.{name}") for name in (
-            "_sort", "combine", "load", "permute", "remap", "route", "shared_slots"))
+        importlib.import_module(f"moeroute.routing.{name}")
+        for name in ("_sort", "combine", "load", "permute", "remap", "route", "shared_slots")
+    )
 
     layout = ExpertLayout(6, 1, ep_size=2, dispatch="all2all", num_redundant_experts=2)
-    offsets, replicas, routed = (np.ascontiguousarray(a) for a in (
-        layout.replica_offsets, layout.replica_ids, layout.routed_id_map))
+    offsets, replicas, routed = (
+        np.ascontiguousarray(a) for a in (layout.replica_offsets, layout.replica_ids, layout.routed_id_map)
+    )
     ids = np.zeros((3, 2), np.int32)
     weights = np.zeros((3, 2), np.float32)
     table = np.zeros(7, np.int32)
@@ -390,33 +439,111 @@ def op_kernel_launches():
         "load.count": (load._kernel("count"), (ids.reshape(-1), np.zeros(6, np.int64))),
         "remap.l2p": (remap._kernel("l2p"), (ids, 6, offsets, replicas, routed, ids.copy())),
         "remap.remap": (remap._kernel("remap"), (ids.reshape(-1), table, ids.reshape(-1).copy())),
-        "shared_slots.append": (shared_slots._kernel(), (
-            ids, weights, 6, offsets, replicas, routed, 6, np.zeros((3, 1), np.float32), 1, 0,
-            np.float32(1), True, np.zeros((3, 3), np.int32), np.zeros((3, 3), np.float32))),
+        "shared_slots.append": (
+            shared_slots._kernel(),
+            (
+                ids,
+                weights,
+                6,
+                offsets,
+                replicas,
+                routed,
+                6,
+                np.zeros((3, 1), np.float32),
+                1,
+                0,
+                np.float32(1),
+                True,
+                np.zeros((3, 3), np.int32),
+                np.zeros((3, 3), np.float32),
+            ),
+        ),
         "sort.count": (_sort.kernel("count"), (ids, table[:1], False, 6, 4, scratch)),
-        "sort.place": (_sort.kernel("place"), (
-            ids.astype(np.int64), table, True, 6, 4, 2, 4, scratch, scratch,
-            np.zeros((2, 7), np.int32), scratch, np.zeros(7, np.int32), np.zeros(32, np.int32),
-            ids.copy(), True, np.zeros(8, np.int32))),
-        "permute.gather": (permute._gather_kernel(), (
-            np.zeros((3, 4), np.float16), np.zeros(6, np.int32), np.zeros(1, np.int32), 2,
-            np.zeros((6, 4), np.float16))),
-        "combine": (combine._kernel(False), (
-            np.zeros((6, 4), np.float32), ids, weights, True, np.zeros((3, 4), np.float32))),
-        "combine.bf16": (combine._kernel(True), (
-            np.zeros((6, 4), np.uint16), ids, weights, False, np.zeros((3, 4), np.uint16))),
-        "route": (route._route_kernel(6, 1, "sigmoid", True, True, "float32"), (
-            np.zeros((3, 6), np.float32), np.zeros(6, np.float32), 3, 2, 1, np.float32(1), 6,
-            offsets, replicas, routed, 6, 1, np.zeros((3, 1), np.float32), 1, 0, np.float32(0),
-            True, table, np.zeros((3, 3), np.float32), np.zeros((3, 3), np.int32))),
+        "sort.place": (
+            _sort.kernel("place"),
+            (
+                ids.astype(np.int64),
+                table,
+                True,
+                6,
+                4,
+                2,
+                4,
+                scratch,
+                scratch,
+                np.zeros((2, 7), np.int32),
+                scratch,
+                np.zeros(7, np.int32),
+                np.zeros(32, np.int32),
+                ids.copy(),
+                True,
+                np.zeros(8, np.int32),
+            ),
+        ),
+        "permute.gather": (
+            permute._gather_kernel(),
+            (
+                np.zeros((3, 4), np.float16),
+                np.zeros(6, np.int32),
+                np.zeros(1, np.int32),
+                2,
+                np.zeros((6, 4), np.float16),
+            ),
+        ),
+        "combine": (
+            combine._kernel(False),
+            (np.zeros((6, 4), np.float32), ids, weights, True, np.zeros((3, 4), np.float32)),
+        ),
+        "combine.bf16": (
+            combine._kernel(True),
+            (np.zeros((6, 4), np.uint16), ids, weights, False, np.zeros((3, 4), np.uint16)),
+        ),
+        "route": (
+            route._route_kernel(6, 1, "sigmoid", True, True, "float32"),
+            (
+                np.zeros((3, 6), np.float32),
+                np.zeros(6, np.float32),
+                3,
+                2,
+                1,
+                np.float32(1),
+                6,
+                offsets,
+                replicas,
+                routed,
+                6,
+                1,
+                np.zeros((3, 1), np.float32),
+                1,
+                0,
+                np.float32(0),
+                True,
+                table,
+                np.zeros((3, 3), np.float32),
+                np.zeros((3, 3), np.int32),
+            ),
+        ),
     }
 
 
 @no_sim
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["load.zero", "load.count", "remap.l2p", "remap.remap",
-                                  "shared_slots.append", "sort.count", "sort.place",
-                                  "permute.gather", "combine", "combine.bf16", "route"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "load.zero",
+        "load.count",
+        "remap.l2p",
+        "remap.remap",
+        "shared_slots.append",
+        "sort.count",
+        "sort.place",
+        "permute.gather",
+        "combine",
+        "combine.bf16",
+        "route",
+    ],
+)
 def test_every_op_kernel_links_for_the_cached_launcher(name):
     """Each op's kernel compiles (PTX, sm_90) and links (nvJitLink) at the signature of its
     launch, and the packer's layout is the ``.entry`` numba emits for it."""
@@ -426,8 +553,7 @@ def test_every_op_kernel_links_for_the_cached_launcher(name):
     cubin, entry, ptx = _launcher.compile_image(dispatcher, signature, "sm_90")
     assert cubin[:4] == b"\x7fELF" and entry.encode() in cubin
     assert _launcher.parse_entry(ptx)[1] == _launcher.parameter_types(signature)
-    packed = _launcher.make_packer(signature)(
-        [CupyTyped(a) if isinstance(a, np.ndarray) else a for a in arguments])
+    packed = _launcher.make_packer(signature)([CupyTyped(a) if isinstance(a, np.ndarray) else a for a in arguments])
     assert len(packed) == len(_launcher.parameter_types(signature))
 
 
@@ -464,9 +590,20 @@ def gpu_op_cases(to_device):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("op", ["route", "align_block_size", "sort_by_expert", "permute",
-                                "combine", "logical_to_physical", "append_shared_slots",
-                                "remap_to_local", "expert_load"])
+@pytest.mark.parametrize(
+    "op",
+    [
+        "route",
+        "align_block_size",
+        "sort_by_expert",
+        "permute",
+        "combine",
+        "logical_to_physical",
+        "append_shared_slots",
+        "remap_to_local",
+        "expert_load",
+    ],
+)
 def test_gpu_every_op_cached_launch_equals_numba_dispatch(op, launcher_env):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
@@ -494,25 +631,30 @@ def test_launch_overhead_bench_runs_without_a_gpu(tmp_path):
 
     repo = Path(__file__).resolve().parents[2]
     result = subprocess.run(
-        [sys.executable, str(repo / "bench" / "launch_overhead.py"), "--repeats", "3",
-         "--calls", "20"], env=dict(os.environ, MOEROUTE_BENCH_RESULTS=str(tmp_path)),
-        cwd=repo, capture_output=True, text=True, timeout=300)
+        [sys.executable, str(repo / "bench" / "launch_overhead.py"), "--repeats", "3", "--calls", "20"],
+        env=dict(os.environ, MOEROUTE_BENCH_RESULTS=str(tmp_path)),
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = json.loads((tmp_path / "launch_overhead.json").read_text())["results"]
     assert {(r["kernel"], r["num_tokens"], r["arrays"]) for r in rows} == {
-        (kernel, tokens, arrays) for kernel in ("select_experts", "route", "route, signature_of")
-        for tokens in (1, 8, 64) for arrays in ("torch", "cupy-like")}
+        (kernel, tokens, arrays)
+        for kernel in ("select_experts", "route", "route, signature_of")
+        for tokens in (1, 8, 64)
+        for arrays in ("torch", "cupy-like")
+    }
     assert {r["arguments"] for r in rows if r["kernel"] != "select_experts"} == {20}
-    assert all(r["cached_pack_us_per_call"] > 0 and r["numba_typing_us_per_call"] > 0
-               for r in rows)
+    assert all(r["cached_pack_us_per_call"] > 0 and r["numba_typing_us_per_call"] > 0 for r in rows)
 
 
 def test_strided_arguments_of_any_shape_share_one_signature():
     """Keys are per dtype, rank and layout letter: strided tensors of ever new shapes (a
     server's varying batch) reuse one signature and one cached kernel entry."""
     torch = pytest.importorskip("torch")
-    signatures = {id(_launcher.signature_of((torch.zeros(rows, 6)[:, ::2], 1)))
-                  for rows in range(2, 40)}
+    signatures = {id(_launcher.signature_of((torch.zeros(rows, 6)[:, ::2], 1))) for rows in range(2, 40)}
     assert len(signatures) == 1
     kernel = select_module._device_kernel(8, 1, "softmax", False, True, "float32")
     entries = len(_launcher._BY_IDENTITY)

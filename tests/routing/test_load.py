@@ -55,8 +55,7 @@ def test_out_accumulates_over_steps():
 
 def test_physical_load_of_a_layout():
     # Per physical expert, replicas and per-rank shared slots included.
-    layout = ExpertLayout(6, 1, ep_size=2, dispatch="all2all", num_redundant_experts=2,
-                          placement="round_robin")
+    layout = ExpertLayout(6, 1, ep_size=2, dispatch="all2all", num_redundant_experts=2, placement="round_robin")
     rng = np.random.default_rng(5)
     logical = rng.integers(0, 6, (400, 3))
     ids, _ = append_shared_slots(logical, np.ones((400, 3), np.float32), layout, home_rank=1)
@@ -87,19 +86,26 @@ class _DeviceLike:
     __cuda_array_interface__ = {}
 
 
-@pytest.mark.parametrize("call,error,words", [
-    (lambda: expert_load(np.zeros(3), 4), TypeError, "ids must hold integers"),
-    (lambda: expert_load(np.zeros(3, np.int32), 0), ValueError, "num_experts=0"),
-    (lambda: expert_load(np.zeros(3, np.int32), 2.0), TypeError, "num_experts=2.0"),
-    (lambda: expert_load(np.zeros(3, np.int32), 4, out=np.zeros(5, np.int64)), ValueError,
-     r"out has shape \(5,\)"),
-    (lambda: expert_load(np.zeros(3, np.int32), 4, out=np.zeros(4, np.int32)), TypeError,
-     "out must hold int64 counters, got dtype int32"),
-    (lambda: expert_load(np.zeros(3, np.int32), 4, out=[0, 0, 0, 0]), TypeError,
-     "out must be a NumPy"),
-    (lambda: expert_load(np.zeros(3, np.int32), 4, out=_DeviceLike()), TypeError,
-     "out is a device array but ids are on the host"),
-])
+@pytest.mark.parametrize(
+    "call,error,words",
+    [
+        (lambda: expert_load(np.zeros(3), 4), TypeError, "ids must hold integers"),
+        (lambda: expert_load(np.zeros(3, np.int32), 0), ValueError, "num_experts=0"),
+        (lambda: expert_load(np.zeros(3, np.int32), 2.0), TypeError, "num_experts=2.0"),
+        (lambda: expert_load(np.zeros(3, np.int32), 4, out=np.zeros(5, np.int64)), ValueError, r"out has shape \(5,\)"),
+        (
+            lambda: expert_load(np.zeros(3, np.int32), 4, out=np.zeros(4, np.int32)),
+            TypeError,
+            "out must hold int64 counters, got dtype int32",
+        ),
+        (lambda: expert_load(np.zeros(3, np.int32), 4, out=[0, 0, 0, 0]), TypeError, "out must be a NumPy"),
+        (
+            lambda: expert_load(np.zeros(3, np.int32), 4, out=_DeviceLike()),
+            TypeError,
+            "out is a device array but ids are on the host",
+        ),
+    ],
+)
 def test_invalid_arguments(call, error, words):
     with pytest.raises(error, match=words):
         call()
@@ -126,8 +132,7 @@ def test_sim_counts_match_cpu(dtype):
     # Accumulating into a device counter.
     more = rng.integers(0, 10, (5, 4)).astype(dtype)
     expert_load(cuda.to_device(more), 10, out=counts)
-    np.testing.assert_array_equal(counts.copy_to_host(),
-                                  bincount_reference(ids, 10) + bincount_reference(more, 10))
+    np.testing.assert_array_equal(counts.copy_to_host(), bincount_reference(ids, 10) + bincount_reference(more, 10))
     empty = expert_load(cuda.to_device(np.zeros((0, 4), dtype)), 3)
     np.testing.assert_array_equal(empty.copy_to_host(), [0, 0, 0])
 
@@ -150,8 +155,7 @@ def test_sim_load_window_ring_row_matches_bincount():
         row.copy_to_device(np.zeros(num_physical, np.int64))  # the recorder's row.zero_()
         assert expert_load(cuda.to_device(ids), num_physical, out=row) is row
         flat = ids.reshape(-1)
-        expected[forward % window] = np.bincount(flat[(flat >= 0) & (flat < num_physical)],
-                                                 minlength=num_physical)
+        expected[forward % window] = np.bincount(flat[(flat >= 0) & (flat < num_physical)], minlength=num_physical)
         np.testing.assert_array_equal(ring.copy_to_host(), expected)
 
 
@@ -159,8 +163,7 @@ def test_sim_load_window_ring_row_matches_bincount():
 def test_sim_prefer_rank_matches_cpu():
     from numba import cuda
 
-    layout = ExpertLayout(4, 1, ep_size=4, dispatch="all2all",
-                          physical_to_logical=[0, 1, 2, 3, 0, 2, 0, 3])
+    layout = ExpertLayout(4, 1, ep_size=4, dispatch="all2all", physical_to_logical=[0, 1, 2, 3, 0, 2, 0, 3])
     ids = np.random.default_rng(2).integers(-1, 5, (6, 3)).astype(np.int32)
     for rank in (None, 0, 3):
         got = logical_to_physical(cuda.to_device(ids), layout, rank).copy_to_host()

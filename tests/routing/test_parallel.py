@@ -52,7 +52,6 @@ def test_the_kernels_take_torchs_thread_count_and_agree_on_one_thread(name):
     np.testing.assert_allclose(single[0][same], ref_w[same], rtol=WEIGHT_RTOL, atol=1e-30)
 
 
-
 _KEEPS_TORCH_THREADS = r"""
 import sys
 import numpy as np
@@ -84,7 +83,8 @@ def test_numbas_workers_leave_torchs_thread_count_alone(first_import):
     import sys
 
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="2")
-    result = subprocess.run([sys.executable, "-c", _KEEPS_TORCH_THREADS, first_import], env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", _KEEPS_TORCH_THREADS, first_import], env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["1"]

@@ -60,7 +60,7 @@ def test_sort_is_stable_and_inverse_points_back():
     sorted_slots, offsets, inverse = sort_by_expert(ids, 4)
     flat = ids.reshape(-1)
     for e in range(4):
-        run = sorted_slots[offsets[e]:offsets[e + 1]]
+        run = sorted_slots[offsets[e] : offsets[e + 1]]
         assert np.all(flat[run] == e)
         assert np.all(np.diff(run) > 0), "ascending flat index within an expert"
     kept = (flat >= 0) & (flat < 4)
@@ -130,27 +130,30 @@ def test_round_trip_bf16_bits_against_torch():
     xt = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).float()
     expected = torch.zeros(50, 32)
     for k in range(4):
-        expected += torch.from_numpy(w[:, k:k + 1]) * xt
+        expected += torch.from_numpy(w[:, k : k + 1]) * xt
     expected_bits = expected.to(torch.bfloat16).view(torch.uint16).numpy()
     # Float32 sums in another order may differ in the last float32 bit: one bf16 ulp at most.
     diff = np.abs(out.astype(np.int32) - expected_bits.astype(np.int32))
     assert diff.max() <= 1 and np.mean(diff == 0) > 0.99
 
 
-@pytest.mark.parametrize("call,error,words", [
-    (lambda: sort_by_expert(np.zeros((2, 3), np.int32), 0), ValueError, "num_experts=0"),
-    (lambda: sort_by_expert(np.zeros((2, 3), np.int32), 2.5), TypeError, "num_experts=2.5"),
-    (lambda: sort_by_expert(np.zeros(6, np.int32), 4), ValueError, "topk_ids must be 2-D"),
-    (lambda: sort_by_expert(np.zeros((2, 3), np.float64), 4), TypeError, "integers"),
-    (lambda: permute(np.zeros((3, 4)), np.zeros((2, 3), np.int32), 4), ValueError,
-     "hidden_states has 3 rows but topk_ids has 2"),
-    (lambda: permute(np.zeros(2), np.zeros((2, 3), np.int32), 4), ValueError,
-     "hidden_states must be 2-D"),
-    (lambda: permute(np.zeros((2, 4)), np.zeros((2, 3), np.int32), -1), ValueError,
-     "num_experts=-1"),
-    (lambda: permute(_DeviceLike(), np.zeros((2, 3), np.int32), 4), TypeError,
-     "both be host"),
-])
+@pytest.mark.parametrize(
+    "call,error,words",
+    [
+        (lambda: sort_by_expert(np.zeros((2, 3), np.int32), 0), ValueError, "num_experts=0"),
+        (lambda: sort_by_expert(np.zeros((2, 3), np.int32), 2.5), TypeError, "num_experts=2.5"),
+        (lambda: sort_by_expert(np.zeros(6, np.int32), 4), ValueError, "topk_ids must be 2-D"),
+        (lambda: sort_by_expert(np.zeros((2, 3), np.float64), 4), TypeError, "integers"),
+        (
+            lambda: permute(np.zeros((3, 4)), np.zeros((2, 3), np.int32), 4),
+            ValueError,
+            "hidden_states has 3 rows but topk_ids has 2",
+        ),
+        (lambda: permute(np.zeros(2), np.zeros((2, 3), np.int32), 4), ValueError, "hidden_states must be 2-D"),
+        (lambda: permute(np.zeros((2, 4)), np.zeros((2, 3), np.int32), -1), ValueError, "num_experts=-1"),
+        (lambda: permute(_DeviceLike(), np.zeros((2, 3), np.int32), 4), TypeError, "both be host"),
+    ],
+)
 def test_invalid_arguments(call, error, words):
     with pytest.raises(error, match=words):
         call()
@@ -176,17 +179,23 @@ def _refused_without_allocating(call, match):
     assert peak < 1 << 20, peak
 
 
-@pytest.mark.parametrize("make", [
-    lambda: np.broadcast_to(np.zeros((1, 8), np.int64), (HUGE_ROWS, 8)),
-    lambda: np.broadcast_to(np.zeros((1, 8), np.int16), (HUGE_ROWS, 8)),  # would be widened
-    lambda: torch.zeros(1, 8, dtype=torch.int32).expand(HUGE_ROWS, 8),
-], ids=["numpy-int64", "numpy-int16", "torch-expand"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: np.broadcast_to(np.zeros((1, 8), np.int64), (HUGE_ROWS, 8)),
+        lambda: np.broadcast_to(np.zeros((1, 8), np.int16), (HUGE_ROWS, 8)),  # would be widened
+        lambda: torch.zeros(1, 8, dtype=torch.int32).expand(HUGE_ROWS, 8),
+    ],
+    ids=["numpy-int64", "numpy-int16", "torch-expand"],
+)
 def test_sort_and_permute_check_the_entry_limit_before_copying(make):
     ids = make()
-    _refused_without_allocating(lambda: sort_by_expert(ids, 8),
-                                r"topk_ids.size=2147483656 exceeds the int32 index limit")
+    _refused_without_allocating(
+        lambda: sort_by_expert(ids, 8), r"topk_ids.size=2147483656 exceeds the int32 index limit"
+    )
     hidden = np.broadcast_to(np.zeros((1, 4), np.float32), (HUGE_ROWS, 4))
     if isinstance(ids, torch.Tensor):
         hidden = torch.zeros(1, 4).expand(HUGE_ROWS, 4)
-    _refused_without_allocating(lambda: permute(hidden, ids, 8),
-                                r"topk_ids.size=2147483656 exceeds the int32 index limit")
+    _refused_without_allocating(
+        lambda: permute(hidden, ids, 8), r"topk_ids.size=2147483656 exceeds the int32 index limit"
+    )

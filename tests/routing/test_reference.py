@@ -10,22 +10,25 @@ from moeroute.routing import reference
 
 ROUTING_CASES = [
     # (num_experts, top_k, scoring, groups, topk_group, renormalize, rsf, bias)
-    (256, 8, "sigmoid", 8, 4, True, 2.5, True),      # DeepSeek-V3
-    (384, 8, "sigmoid", 1, 1, True, 2.827, True),    # Kimi-K2
-    (128, 8, "softmax", 1, 1, True, 1.0, False),     # Qwen3-30B-A3B
-    (60, 4, "softmax", 1, 1, False, 1.0, False),     # Qwen1.5-MoE
-    (64, 6, "softmax", 8, 3, True, 16.0, False),     # DeepSeek-V2 style group_limited_greedy
+    (256, 8, "sigmoid", 8, 4, True, 2.5, True),  # DeepSeek-V3
+    (384, 8, "sigmoid", 1, 1, True, 2.827, True),  # Kimi-K2
+    (128, 8, "softmax", 1, 1, True, 1.0, False),  # Qwen3-30B-A3B
+    (60, 4, "softmax", 1, 1, False, 1.0, False),  # Qwen1.5-MoE
+    (64, 6, "softmax", 8, 3, True, 16.0, False),  # DeepSeek-V2 style group_limited_greedy
     (256, 8, "sqrtsoftplus", 8, 4, True, 2.5, True),  # SGLang's biased top-k, sqrt-softplus
     (64, 4, "sqrtsoftplus", 1, 1, False, 1.0, False),
-    (32, 4, "none", 1, 1, False, 1.5, False),        # FlashInfer's TopK: the raw logits
+    (32, 4, "none", 1, 1, False, 1.5, False),  # FlashInfer's TopK: the raw logits
 ]
 
 
 def torch_route(logits, cfg, bias):
     """Routing as transformers' DeepSeek-V3 / Qwen blocks compute it (float64, no ties here)."""
     x = torch.from_numpy(logits).double()
-    scores = {"sigmoid": x.sigmoid, "sqrtsoftplus": lambda: torch.nn.functional.softplus(x).sqrt(),
-              "none": lambda: x}.get(cfg.scoring, lambda: x.softmax(-1))()
+    scores = {
+        "sigmoid": x.sigmoid,
+        "sqrtsoftplus": lambda: torch.nn.functional.softplus(x).sqrt(),
+        "none": lambda: x,
+    }.get(cfg.scoring, lambda: x.softmax(-1))()
     choice = scores + torch.from_numpy(bias).double() if bias is not None else scores
     T, N = x.shape
     G = cfg.num_expert_group
@@ -45,8 +48,9 @@ def torch_route(logits, cfg, bias):
 @pytest.mark.parametrize("case", ROUTING_CASES)
 def test_select_matches_torch_formulation(case):
     N, K, scoring, G, tg, renorm, rsf, with_bias = case
-    cfg = RouterConfig(N, K, scoring=scoring, num_expert_group=G, topk_group=tg,
-                       renormalize=renorm, routed_scaling_factor=rsf)
+    cfg = RouterConfig(
+        N, K, scoring=scoring, num_expert_group=G, topk_group=tg, renormalize=renorm, routed_scaling_factor=rsf
+    )
     rng = np.random.default_rng(N + K)
     logits = rng.standard_normal((257, N)).astype(np.float32)
     bias = (0.1 * rng.standard_normal(N)).astype(np.float32) if with_bias else None
@@ -68,9 +72,7 @@ def test_select_ties_lower_id_and_lower_group_win():
 
 def test_select_nan_and_inf_rows():
     cfg = RouterConfig(6, 3, scoring="softmax")
-    logits = np.array([[np.nan] * 6,
-                       [0, np.inf, 0, 1, np.nan, 2],
-                       [-np.inf] * 6], np.float32)
+    logits = np.array([[np.nan] * 6, [0, np.inf, 0, 1, np.nan, 2], [-np.inf] * 6], np.float32)
     w, ids = reference.select_experts(logits, cfg)
     # +inf takes all the mass; the rest underflow to exact zeros and tie by id.
     np.testing.assert_array_equal(ids, [[0, 1, 2], [1, 0, 2], [0, 1, 2]])
@@ -84,7 +86,8 @@ def test_select_nan_and_inf_rows():
 
 def test_align_worked_example():
     sorted_ids, expert_ids, padded = reference.align_block_size(
-        np.array([[0, 1], [1, 2], [0, 2]]), num_experts=4, block_size=2)
+        np.array([[0, 1], [1, 2], [0, 2]]), num_experts=4, block_size=2
+    )
     np.testing.assert_array_equal(sorted_ids, [0, 4, 1, 2, 3, 5, 6, 6, 6, 6])
     np.testing.assert_array_equal(expert_ids, [0, 1, 2, -1, -1])
     assert padded == 6

@@ -10,19 +10,32 @@ from moeroute.routing.remap import logical_to_physical, remap_to_local
 # (label, layout arguments)
 LAYOUTS = [
     ("single", dict(num_routed_experts=256, num_shared_experts=1)),
-    ("spec-example", dict(num_routed_experts=8, num_shared_experts=1, ep_size=2,
-                          dispatch="all2all")),
-    ("512+1 on 8", dict(num_routed_experts=512, num_shared_experts=1, ep_size=8,
-                        dispatch="all2all")),
-    ("uneven", dict(num_routed_experts=60, num_shared_experts=2, ep_size=7,
-                    dispatch="allgather")),
-    ("eplb default", dict(num_routed_experts=16, ep_size=4, dispatch="all2all",
-                          num_redundant_experts=8)),
-    ("eplb table", dict(num_routed_experts=6, num_shared_experts=1, ep_size=2,
-                        dispatch="all2all", num_redundant_experts=4,
-                        replica_table=[0, 0, 0, 3])),
-    ("runner", dict(num_routed_experts=64, num_shared_experts=1, ep_size=4,
-                    dispatch="all2all", shared="runner", num_redundant_experts=3)),
+    ("spec-example", dict(num_routed_experts=8, num_shared_experts=1, ep_size=2, dispatch="all2all")),
+    ("512+1 on 8", dict(num_routed_experts=512, num_shared_experts=1, ep_size=8, dispatch="all2all")),
+    ("uneven", dict(num_routed_experts=60, num_shared_experts=2, ep_size=7, dispatch="allgather")),
+    ("eplb default", dict(num_routed_experts=16, ep_size=4, dispatch="all2all", num_redundant_experts=8)),
+    (
+        "eplb table",
+        dict(
+            num_routed_experts=6,
+            num_shared_experts=1,
+            ep_size=2,
+            dispatch="all2all",
+            num_redundant_experts=4,
+            replica_table=[0, 0, 0, 3],
+        ),
+    ),
+    (
+        "runner",
+        dict(
+            num_routed_experts=64,
+            num_shared_experts=1,
+            ep_size=4,
+            dispatch="all2all",
+            shared="runner",
+            num_redundant_experts=3,
+        ),
+    ),
 ]
 TOKENS = [0, 1, 7, 333, 4096]
 
@@ -64,8 +77,7 @@ def test_replicas_follow_the_hash_rule_and_are_all_used():
 
 def test_replica_table_is_honored():
     # Physical 6..9 replicate logical 0, 0, 0, 3; per-rank slots shift rank 1 by S=1.
-    layout = ExpertLayout(6, 1, ep_size=2, dispatch="all2all", num_redundant_experts=4,
-                          replica_table=[0, 0, 0, 3])
+    layout = ExpertLayout(6, 1, ep_size=2, dispatch="all2all", num_redundant_experts=4, replica_table=[0, 0, 0, 3])
     tokens = 2000
     ids = np.tile(np.arange(6), (tokens, 1))
     out = logical_to_physical(ids, layout)
@@ -115,19 +127,22 @@ class _DeviceLike:
     __cuda_array_interface__ = {}
 
 
-@pytest.mark.parametrize("call,error,words", [
-    (lambda: logical_to_physical(np.zeros((2, 2), np.int32), object()), TypeError,
-     "ExpertLayout"),
-    (lambda: logical_to_physical(np.zeros(4, np.int32), ExpertLayout(8)), ValueError, "2-D"),
-    (lambda: logical_to_physical(np.zeros((2, 2)), ExpertLayout(8)), TypeError, "integers"),
-    (lambda: remap_to_local(np.zeros((2, 2)), np.zeros(4, np.int32)), TypeError, "integers"),
-    (lambda: remap_to_local(np.zeros(2, np.int32), np.zeros((2, 2), np.int32)), ValueError,
-     "expert_map must be 1-D"),
-    (lambda: remap_to_local(np.zeros(2, np.int32), np.zeros(4)), TypeError,
-     "expert_map must hold integers"),
-    (lambda: remap_to_local(np.zeros(2, np.int32), _DeviceLike()), TypeError,
-     "expert_map is a device array"),
-])
+@pytest.mark.parametrize(
+    "call,error,words",
+    [
+        (lambda: logical_to_physical(np.zeros((2, 2), np.int32), object()), TypeError, "ExpertLayout"),
+        (lambda: logical_to_physical(np.zeros(4, np.int32), ExpertLayout(8)), ValueError, "2-D"),
+        (lambda: logical_to_physical(np.zeros((2, 2)), ExpertLayout(8)), TypeError, "integers"),
+        (lambda: remap_to_local(np.zeros((2, 2)), np.zeros(4, np.int32)), TypeError, "integers"),
+        (
+            lambda: remap_to_local(np.zeros(2, np.int32), np.zeros((2, 2), np.int32)),
+            ValueError,
+            "expert_map must be 1-D",
+        ),
+        (lambda: remap_to_local(np.zeros(2, np.int32), np.zeros(4)), TypeError, "expert_map must hold integers"),
+        (lambda: remap_to_local(np.zeros(2, np.int32), _DeviceLike()), TypeError, "expert_map is a device array"),
+    ],
+)
 def test_invalid_arguments(call, error, words):
     with pytest.raises(error, match=words):
         call()
@@ -136,14 +151,29 @@ def test_invalid_arguments(call, error, words):
 # ------------------------------------------------------------------ placements, prefer_rank
 
 PREFER_LAYOUTS = [
-    ("round robin + replicas", dict(num_routed_experts=10, num_shared_experts=1, ep_size=3,
-                                    dispatch="all2all", num_redundant_experts=5,
-                                    placement="round_robin")),
-    ("table", dict(num_routed_experts=4, ep_size=4, dispatch="all2all",
-                   physical_to_logical=[0, 1, 2, 3, 0, 2, 0, 3])),
-    ("table, global slots", dict(num_routed_experts=5, num_shared_experts=2, ep_size=2,
-                                 dispatch="allgather", shared_slots="global",
-                                 physical_to_logical=[4, 3, 2, 1, 0, 0, 1])),
+    (
+        "round robin + replicas",
+        dict(
+            num_routed_experts=10,
+            num_shared_experts=1,
+            ep_size=3,
+            dispatch="all2all",
+            num_redundant_experts=5,
+            placement="round_robin",
+        ),
+    ),
+    ("table", dict(num_routed_experts=4, ep_size=4, dispatch="all2all", physical_to_logical=[0, 1, 2, 3, 0, 2, 0, 3])),
+    (
+        "table, global slots",
+        dict(
+            num_routed_experts=5,
+            num_shared_experts=2,
+            ep_size=2,
+            dispatch="allgather",
+            shared_slots="global",
+            physical_to_logical=[4, 3, 2, 1, 0, 0, 1],
+        ),
+    ),
 ]
 
 
@@ -152,8 +182,7 @@ def test_prefer_rank_matches_reference(label, kwargs):
     layout = ExpertLayout(**kwargs)
     rng = np.random.default_rng(len(label))
     ids = logical_ids(rng, 301, layout, top_k=4)
-    np.testing.assert_array_equal(logical_to_physical(ids, layout),
-                                  reference.logical_to_physical(ids, layout))
+    np.testing.assert_array_equal(logical_to_physical(ids, layout), reference.logical_to_physical(ids, layout))
     for rank in range(layout.ep_size):
         out = logical_to_physical(ids, layout, rank)
         np.testing.assert_array_equal(out, reference.logical_to_physical(ids, layout, rank))
@@ -193,8 +222,7 @@ def test_remap_refuses_map_values_that_do_not_fit_int32(values):
 def test_remap_accepts_a_wide_map_within_int32():
     expert_map = np.array([-1, 0, 2**31 - 1], np.int64)
     ids = np.array([2, 1, 0, 3], np.int64)
-    np.testing.assert_array_equal(remap_to_local(ids, expert_map),
-                                  reference.remap_to_local(ids, expert_map))
+    np.testing.assert_array_equal(remap_to_local(ids, expert_map), reference.remap_to_local(ids, expert_map))
     np.testing.assert_array_equal(remap_to_local(ids, expert_map), [2**31 - 1, 0, -1, -1])
 
 

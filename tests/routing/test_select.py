@@ -27,12 +27,18 @@ NEAR_TIE_FLOOR = 1e-2
 # At most this fraction of rows may have ids differing from the reference (only near ties).
 MAX_MISMATCH_FRACTION = 1e-3
 
-PRESET_NAMES = ["deepseek-v3", "kimi-k2", "glm-4.5", "qwen3-30b-a3b", "qwen3.5-moe",
-                "qwen1.5-moe-a2.7b", "mixtral-8x7b"]
+PRESET_NAMES = [
+    "deepseek-v3",
+    "kimi-k2",
+    "glm-4.5",
+    "qwen3-30b-a3b",
+    "qwen3.5-moe",
+    "qwen1.5-moe-a2.7b",
+    "mixtral-8x7b",
+]
 TOKEN_COUNTS = [0, 1, 7, 333, 4096]
 DTYPES = ["float32", "float16"]
-CASES = [(name, tokens, dtype) for name in PRESET_NAMES for tokens in TOKEN_COUNTS
-         for dtype in DTYPES]
+CASES = [(name, tokens, dtype) for name in PRESET_NAMES for tokens in TOKEN_COUNTS for dtype in DTYPES]
 
 
 def rng_for(*key):
@@ -123,32 +129,28 @@ def test_matches_reference(preset_name, num_tokens, dtype):
 
 def test_near_tie_detector_flags_a_rounding_tie_and_not_an_exact_one():
     config = RouterConfig(4, 1, "softmax")
-    logits = np.array([[1.0, 1.0 + 2e-7, 0.0, 0.0], [2.0, 2.0, 0.0, 0.0], [3.0, 1.0, 0.0, 0.0]],
-                      dtype=np.float32)
+    logits = np.array([[1.0, 1.0 + 2e-7, 0.0, 0.0], [2.0, 2.0, 0.0, 0.0], [3.0, 1.0, 0.0, 0.0]], dtype=np.float32)
     np.testing.assert_array_equal(near_tie_rows(logits, config, None), [True, False, False])
 
 
 CONFIG_CASES = {
-    "softmax, no renormalize": RouterConfig(64, 6, "softmax", renormalize=False,
-                                            routed_scaling_factor=1.5),
+    "softmax, no renormalize": RouterConfig(64, 6, "softmax", renormalize=False, routed_scaling_factor=1.5),
     "sigmoid, no bias": RouterConfig(96, 8, "sigmoid", renormalize=True, routed_scaling_factor=2.0),
     "sigmoid, no bias, no renormalize": RouterConfig(96, 8, "sigmoid", renormalize=False),
     "softmax, groups (max)": RouterConfig(128, 8, "softmax", num_expert_group=8, topk_group=3),
-    "sigmoid, groups (max)": RouterConfig(64, 4, "sigmoid", num_expert_group=4, topk_group=2,
-                                          routed_scaling_factor=2.5),
+    "sigmoid, groups (max)": RouterConfig(
+        64, 4, "sigmoid", num_expert_group=4, topk_group=2, routed_scaling_factor=2.5
+    ),
     "K = N": RouterConfig(16, 16, "softmax"),
     "K = 32": RouterConfig(256, 32, "softmax"),
     "K = 1": RouterConfig(64, 1, "sigmoid", renormalize=True),
     "groups of 2": RouterConfig(32, 4, "sigmoid", num_expert_group=16, topk_group=4),
-    "sqrtsoftplus": RouterConfig(96, 8, "sqrtsoftplus", renormalize=True,
-                                 routed_scaling_factor=2.5),
+    "sqrtsoftplus": RouterConfig(96, 8, "sqrtsoftplus", renormalize=True, routed_scaling_factor=2.5),
     "sqrtsoftplus, no renormalize": RouterConfig(64, 6, "sqrtsoftplus", renormalize=False),
-    "sqrtsoftplus, groups": RouterConfig(64, 4, "sqrtsoftplus", num_expert_group=8,
-                                         topk_group=2),
+    "sqrtsoftplus, groups": RouterConfig(64, 4, "sqrtsoftplus", num_expert_group=8, topk_group=2),
     "none": RouterConfig(64, 4, "none", renormalize=False, routed_scaling_factor=1.5),
     "none, renormalize": RouterConfig(32, 1, "none", renormalize=True),
-    "none, groups": RouterConfig(64, 6, "none", num_expert_group=4, topk_group=2,
-                                 renormalize=False),
+    "none, groups": RouterConfig(64, 6, "none", num_expert_group=4, topk_group=2, renormalize=False),
 }
 
 
@@ -164,8 +166,7 @@ def test_configurations_match_reference(name, with_bias):
 
 def test_zero_tokens_returns_empty_outputs():
     config = PRESETS["deepseek-v3"].router
-    weights, ids = select_experts(np.empty((0, 256), np.float32), config,
-                                  np.zeros(256, np.float32))
+    weights, ids = select_experts(np.empty((0, 256), np.float32), config, np.zeros(256, np.float32))
     assert weights.shape == ids.shape == (0, 8)
     assert weights.dtype == np.float32 and ids.dtype == np.int32
 
@@ -189,8 +190,9 @@ def test_ties_at_the_cut_go_to_the_lower_id():
 # places up to 32 candidates by counting and more by pick rounds, and guesses the cut from
 # the previous row otherwise (K > 16 or N < 16). Few distinct values make exact ties, wide
 # ones tens of candidates: every path meets the lower-id rule.
-@pytest.mark.parametrize("num_experts,top_k", [
-    (n, k) for n in (8, 16, 17, 60, 64, 200, 512) for k in (1, 2, 10, 16, 17, 24) if k <= n])
+@pytest.mark.parametrize(
+    "num_experts,top_k", [(n, k) for n in (8, 16, 17, 60, 64, 200, 512) for k in (1, 2, 10, 16, 17, 24) if k <= n]
+)
 @pytest.mark.parametrize("levels", [3, 40, None])
 def test_candidate_paths_match_reference(num_experts, top_k, levels):
     rng = rng_for("paths", num_experts, top_k, levels)
@@ -200,8 +202,7 @@ def test_candidate_paths_match_reference(num_experts, top_k, levels):
     else:
         logits = rng.integers(0, levels, shape).astype(np.float32)
     for scoring in ("softmax", "sigmoid", "sqrtsoftplus", "none"):
-        assert_matches_reference(logits, RouterConfig(num_experts, top_k, scoring,
-                                                      renormalize=scoring != "none"))
+        assert_matches_reference(logits, RouterConfig(num_experts, top_k, scoring, renormalize=scoring != "none"))
 
 
 # float32 softmax rows with renormalize and no groups are ranked straight from the raw
@@ -209,18 +210,20 @@ def test_candidate_paths_match_reference(num_experts, top_k, levels):
 # the tail) either rank as their clipped values there or send the row to the keyed path.
 @pytest.mark.parametrize("num_experts", [16, 17, 64, 70, 512])
 @pytest.mark.parametrize("top_k", [1, 10, 16])
-@pytest.mark.parametrize("palette", [
-    [-0.0, 0.0, 0.5, -1.0, 2.0],
-    [-0.0, 0.0, FLOAT32_MAX, -FLOAT32_MAX, 1.0],
-    [np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0, 1.0, -1.0],
-    [-np.inf, -FLOAT32_MAX, np.nan, -2.0],
-])
+@pytest.mark.parametrize(
+    "palette",
+    [
+        [-0.0, 0.0, 0.5, -1.0, 2.0],
+        [-0.0, 0.0, FLOAT32_MAX, -FLOAT32_MAX, 1.0],
+        [np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0, 1.0, -1.0],
+        [-np.inf, -FLOAT32_MAX, np.nan, -2.0],
+    ],
+)
 def test_raw_logit_path_edge_values(num_experts, top_k, palette):
     rng = rng_for("raw", num_experts, top_k, len(palette), palette[2])
     logits = rng.choice(np.array(palette, np.float32), size=(64, num_experts))
     logits[::3] += rng.standard_normal((len(logits[::3]), num_experts)).astype(np.float32)
-    config = RouterConfig(num_experts, top_k, "softmax", renormalize=True,
-                          routed_scaling_factor=1.5)
+    config = RouterConfig(num_experts, top_k, "softmax", renormalize=True, routed_scaling_factor=1.5)
     with np.errstate(invalid="ignore", over="ignore"):
         weights, ids = select_experts(logits, config)
         ref_weights, ref_ids = reference.select_experts(logits, config)
@@ -251,8 +254,7 @@ def _compress_all(compress):
 def test_compress_at_least_both_ways(kind, dtype):
     # The block compress of the candidate pass, both implementations on this CPU (the one not
     # chosen for it is only slower): the indices passing an ordered >= compare, ascending.
-    compress = {"vector": _simd._compress_vector,
-                "table": _simd._compress_table}[kind]
+    compress = {"vector": _simd._compress_vector, "table": _simd._compress_table}[kind]
     run = _compress_all(compress)
     rng = np.random.default_rng(17)
     palette = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, FLOAT32_MAX], np.float32)
@@ -263,9 +265,9 @@ def test_compress_at_least_both_ways(kind, dtype):
             keys[rng.random(n) < 0.1] = palette[trial % len(palette)]
             cut = np.float32(rng.choice([0.5, 0.0, -np.inf, np.inf, 2.0]))
         else:
-            keys = rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32)
+            keys = rng.integers(-(2**31), 2**31, n, dtype=np.int64).astype(np.int32)
             keys[rng.random(n) < 0.1] = np.int32(2**31 - 1)
-            cut = np.int32(rng.choice([0, -2**31, 2**31 - 1, 2**30]))
+            cut = np.int32(rng.choice([0, -(2**31), 2**31 - 1, 2**30]))
         out = np.full(n + 16, -7, np.int32)
         count = run(keys, cut, out)
         with np.errstate(invalid="ignore"):
@@ -384,12 +386,12 @@ def test_sqrtsoftplus_bias_selects_but_does_not_weigh():
 # scoring "none" + renormalize: divide by sum + 1e-20 only when that is a positive finite
 # number; keep the raw logits otherwise; clamp to the finite float32 range.
 RAW_RENORMALIZE_ROWS = [
-    ([3.0, 1.0, -5.0, 0.5], [0, 1], [0.75, 0.25]),           # positive sum: a plain division
-    ([1.0, -1.0, -5.0, -6.0], [0, 1], [1e20, -1e20]),        # sum 0: divided by 1e-20
-    ([-1.0, -2.0, -5.0, -6.0], [0, 1], [-1.0, -2.0]),        # negative sum: kept as they are
+    ([3.0, 1.0, -5.0, 0.5], [0, 1], [0.75, 0.25]),  # positive sum: a plain division
+    ([1.0, -1.0, -5.0, -6.0], [0, 1], [1e20, -1e20]),  # sum 0: divided by 1e-20
+    ([-1.0, -2.0, -5.0, -6.0], [0, 1], [-1.0, -2.0]),  # negative sum: kept as they are
     ([FLOAT32_MAX, FLOAT32_MAX, 0.0, 0.0], [0, 1], [FLOAT32_MAX, FLOAT32_MAX]),  # sum overflows
     ([1e-30, 1e30, -3e38, 0.0], [1, 0], [1e30 / (1e30 + 1e-20), 1e-30 / 1e30]),
-    ([np.nan, np.inf, -np.inf, 0.0], [1, 3], [1.0, 0.0]),   # +inf clips to FLOAT32_MAX
+    ([np.nan, np.inf, -np.inf, 0.0], [1, 3], [1.0, 0.0]),  # +inf clips to FLOAT32_MAX
 ]
 
 
@@ -474,9 +476,9 @@ def test_parallel_and_serial_paths_agree():
     logits, _ = draw_inputs(preset, 4096, "float32", rng_for("paths"))
     weights, ids = select_experts(logits, preset.router)
     for start in (0, 1000, 4089):
-        part_w, part_ids = select_experts(logits[start:start + 7], preset.router)
-        np.testing.assert_array_equal(part_ids, ids[start:start + 7])
-        np.testing.assert_array_equal(part_w, weights[start:start + 7])
+        part_w, part_ids = select_experts(logits[start : start + 7], preset.router)
+        np.testing.assert_array_equal(part_ids, ids[start : start + 7])
+        np.testing.assert_array_equal(part_w, weights[start : start + 7])
 
 
 # ------------------------------------------------------------------ invalid arguments
@@ -488,27 +490,40 @@ LOGITS = np.zeros((3, 256), np.float32)
 ERROR_CASES = [
     ("1-D logits", dict(logits=np.zeros(256, np.float32)), ValueError, r"2-D.*\(256,\)"),
     ("3-D logits", dict(logits=np.zeros((2, 3, 256), np.float32)), ValueError, r"2-D"),
-    ("N mismatch", dict(logits=np.zeros((3, 255), np.float32)), ValueError,
-     r"logits.shape\[1\]=255 .*num_experts=256"),
-    ("float64 logits", dict(logits=np.zeros((3, 256))), ValueError,
-     r"dtype float64 .*\('float32', 'float16', 'bfloat16'\)"),
+    ("N mismatch", dict(logits=np.zeros((3, 255), np.float32)), ValueError, r"logits.shape\[1\]=255 .*num_experts=256"),
+    (
+        "float64 logits",
+        dict(logits=np.zeros((3, 256))),
+        ValueError,
+        r"dtype float64 .*\('float32', 'float16', 'bfloat16'\)",
+    ),
     ("int logits", dict(logits=np.zeros((3, 256), np.int32)), ValueError, r"dtype int32"),
     ("list logits", dict(logits=[[0.0] * 256]), TypeError, r"logits must be a NumPy array.*list"),
-    ("bias shape", dict(correction_bias=np.zeros(255, np.float32)), ValueError,
-     r"correction_bias shape \(255,\) must be \(256,\)"),
-    ("bias 2-D", dict(correction_bias=np.zeros((1, 256), np.float32)), ValueError,
-     r"correction_bias shape \(1, 256\)"),
-    ("bias dtype", dict(correction_bias=np.zeros(256)), ValueError,
-     r"correction_bias dtype float64 must be float32"),
-    ("bias list", dict(correction_bias=[0.0] * 256), TypeError,
-     r"correction_bias must be a NumPy array, a torch tensor or a CUDA device array, got list"),
-    ("config", dict(config={"num_experts": 256}), TypeError,
-     r"config must be a .*RouterConfig.*dict"),
-    ("groups of one with bias", dict(config=RouterConfig(8, 2, "sigmoid", num_expert_group=8,
-                                                         topk_group=2),
-                                     logits=np.zeros((1, 8), np.float32),
-                                     correction_bias=np.zeros(8, np.float32)),
-     ValueError, r"num_expert_group=8 leaves 1 expert per group"),
+    (
+        "bias shape",
+        dict(correction_bias=np.zeros(255, np.float32)),
+        ValueError,
+        r"correction_bias shape \(255,\) must be \(256,\)",
+    ),
+    ("bias 2-D", dict(correction_bias=np.zeros((1, 256), np.float32)), ValueError, r"correction_bias shape \(1, 256\)"),
+    ("bias dtype", dict(correction_bias=np.zeros(256)), ValueError, r"correction_bias dtype float64 must be float32"),
+    (
+        "bias list",
+        dict(correction_bias=[0.0] * 256),
+        TypeError,
+        r"correction_bias must be a NumPy array, a torch tensor or a CUDA device array, got list",
+    ),
+    ("config", dict(config={"num_experts": 256}), TypeError, r"config must be a .*RouterConfig.*dict"),
+    (
+        "groups of one with bias",
+        dict(
+            config=RouterConfig(8, 2, "sigmoid", num_expert_group=8, topk_group=2),
+            logits=np.zeros((1, 8), np.float32),
+            correction_bias=np.zeros(8, np.float32),
+        ),
+        ValueError,
+        r"num_expert_group=8 leaves 1 expert per group",
+    ),
 ]
 
 
@@ -537,27 +552,39 @@ def routing_problems(draw):
     topk_group = draw(st.integers(1, num_groups))
     top_k = draw(st.integers(1, min(32, topk_group * experts_per_group)))
     config = RouterConfig(
-        num_experts, top_k, draw(st.sampled_from(["softmax", "sigmoid", "sqrtsoftplus", "none"])),
-        num_expert_group=num_groups, topk_group=topk_group,
+        num_experts,
+        top_k,
+        draw(st.sampled_from(["softmax", "sigmoid", "sqrtsoftplus", "none"])),
+        num_expert_group=num_groups,
+        topk_group=topk_group,
         renormalize=draw(st.booleans()),
         routed_scaling_factor=draw(st.floats(0.25, 4.0)),
     )
     num_tokens = draw(st.integers(0, 6))
     values = st.floats(-20, 20, width=32)
-    logits = np.array(draw(st.lists(st.lists(values, min_size=num_experts, max_size=num_experts),
-                                    min_size=num_tokens, max_size=num_tokens)),
-                      dtype=np.float32).reshape(num_tokens, num_experts)
+    logits = np.array(
+        draw(
+            st.lists(
+                st.lists(values, min_size=num_experts, max_size=num_experts), min_size=num_tokens, max_size=num_tokens
+            )
+        ),
+        dtype=np.float32,
+    ).reshape(num_tokens, num_experts)
     bias = None
     if draw(st.booleans()):
-        bias = np.array(draw(st.lists(st.floats(-1, 1, width=32), min_size=num_experts,
-                                      max_size=num_experts)), dtype=np.float32)
+        bias = np.array(
+            draw(st.lists(st.floats(-1, 1, width=32), min_size=num_experts, max_size=num_experts)), dtype=np.float32
+        )
     return config, logits, bias
 
 
 # A bias can pick an expert whose score is ~6e-16: its renormalized weight is then
 # s / (s + 1e-20) = 0.99998, not 1 (docs/semantics.md section 1, rule 5).
-_TINY_PICK = (RouterConfig(2, 1, "softmax", renormalize=True),
-              np.array([[-19.0, 16.0]], np.float32), np.array([1.0, 0.0], np.float32))
+_TINY_PICK = (
+    RouterConfig(2, 1, "softmax", renormalize=True),
+    np.array([[-19.0, 16.0]], np.float32),
+    np.array([1.0, 0.0], np.float32),
+)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -44,8 +44,7 @@ def rng_for(*key):
 @no_sim
 def test_cuda_simulator_suite():
     # The device's launch configuration: four warps per block (exact warp intrinsics).
-    run_simulator_suite(Path(__file__), warps=select_module.DEVICE_WARPS_PER_BLOCK,
-                        select="test_sim_")
+    run_simulator_suite(Path(__file__), warps=select_module.DEVICE_WARPS_PER_BLOCK, select="test_sim_")
 
 
 # ------------------------------------------------------------------ simulator
@@ -67,8 +66,14 @@ def assert_device_matches_host(logits, config, bias=None, **kwargs):
 
 
 SIM_PRESET_CASES = [
-    ("deepseek-v3", 0), ("deepseek-v3", 1), ("kimi-k2", 1), ("glm-4.5", 3),
-    ("qwen3-30b-a3b", 1), ("qwen3.5-moe", 3), ("qwen1.5-moe-a2.7b", 3), ("mixtral-8x7b", 3),
+    ("deepseek-v3", 0),
+    ("deepseek-v3", 1),
+    ("kimi-k2", 1),
+    ("glm-4.5", 3),
+    ("qwen3-30b-a3b", 1),
+    ("qwen3.5-moe", 3),
+    ("qwen1.5-moe-a2.7b", 3),
+    ("mixtral-8x7b", 3),
 ]
 
 
@@ -91,8 +96,11 @@ def test_sim_float16_matches_cpu(preset_name):
     preset = PRESETS[preset_name]
     rng = rng_for("half", preset_name)
     logits = rng.standard_normal((1, preset.router.num_experts)).astype(np.float16)
-    bias = (0.1 * rng.standard_normal(preset.router.num_experts)).astype(np.float32) \
-        if preset.has_correction_bias else None
+    bias = (
+        (0.1 * rng.standard_normal(preset.router.num_experts)).astype(np.float32)
+        if preset.has_correction_bias
+        else None
+    )
     assert_device_matches_host(logits, preset.router, bias)
 
 
@@ -107,8 +115,9 @@ def test_sim_bfloat16_bits_match_cpu():
     out_w = cuda.device_array((2, config.top_k), np.float32)
     out_ids = cuda.device_array((2, config.top_k), np.int32)
     warps = select_module._device_warps_per_block()
-    kernel[-(-2 // warps), warps * 32](cuda.to_device(bits), out_w.reshape(-1), 2, config.top_k, 1,
-                                       np.float32(1.0), out_w, out_ids)
+    kernel[-(-2 // warps), warps * 32](
+        cuda.to_device(bits), out_w.reshape(-1), 2, config.top_k, 1, np.float32(1.0), out_w, out_ids
+    )
     host_w, host_ids = select_experts(as_float, config)
     np.testing.assert_array_equal(out_ids.copy_to_host(), host_ids)
     np.testing.assert_allclose(out_w.copy_to_host(), host_w, rtol=WEIGHT_RTOL)
@@ -116,19 +125,26 @@ def test_sim_bfloat16_bits_match_cpu():
 
 SIM_CONFIGS = {
     # Exact softmax path (bias) with grouped routing by top-2 sums.
-    "softmax, bias, groups": (RouterConfig(64, 4, "softmax", num_expert_group=4, topk_group=2,
-                                           routed_scaling_factor=2.0), True),
-    "sigmoid, no bias, groups": (RouterConfig(48, 5, "sigmoid", num_expert_group=3,
-                                              topk_group=2, renormalize=False), False),
+    "softmax, bias, groups": (
+        RouterConfig(64, 4, "softmax", num_expert_group=4, topk_group=2, routed_scaling_factor=2.0),
+        True,
+    ),
+    "sigmoid, no bias, groups": (
+        RouterConfig(48, 5, "sigmoid", num_expert_group=3, topk_group=2, renormalize=False),
+        False,
+    ),
     "K = 32": (RouterConfig(33, 32, "softmax"), False),
     # Groups of whole slots (64 experts = 2 slots): membership fixed at compile time.
-    "sigmoid, bias, groups of 64": (RouterConfig(128, 6, "sigmoid", num_expert_group=2,
-                                                 topk_group=1, routed_scaling_factor=2.5), True),
+    "sigmoid, bias, groups of 64": (
+        RouterConfig(128, 6, "sigmoid", num_expert_group=2, topk_group=1, routed_scaling_factor=2.5),
+        True,
+    ),
     "N = 33": (RouterConfig(33, 3, "softmax", renormalize=False, routed_scaling_factor=0.5), False),
-    "sqrtsoftplus, bias, groups": (RouterConfig(64, 4, "sqrtsoftplus", num_expert_group=4,
-                                                topk_group=2, routed_scaling_factor=2.5), True),
-    "sqrtsoftplus, no renormalize": (RouterConfig(40, 3, "sqrtsoftplus", renormalize=False),
-                                     False),
+    "sqrtsoftplus, bias, groups": (
+        RouterConfig(64, 4, "sqrtsoftplus", num_expert_group=4, topk_group=2, routed_scaling_factor=2.5),
+        True,
+    ),
+    "sqrtsoftplus, no renormalize": (RouterConfig(40, 3, "sqrtsoftplus", renormalize=False), False),
     "none": (RouterConfig(40, 3, "none", renormalize=False, routed_scaling_factor=1.5), False),
     "none, renormalize, bias": (RouterConfig(48, 4, "none", renormalize=True), True),
 }
@@ -156,14 +172,16 @@ def special_rows(num_experts, rng):
 
 
 @sim_only
-@pytest.mark.parametrize("config,with_bias", [
-    (RouterConfig(64, 4, "sigmoid", num_expert_group=4, topk_group=2, routed_scaling_factor=2.5),
-     True),
-    (RouterConfig(40, 3, "softmax", renormalize=False), False),
-    (RouterConfig(40, 3, "sqrtsoftplus", num_expert_group=4, topk_group=2), True),
-    (RouterConfig(40, 3, "none", renormalize=True, routed_scaling_factor=2.0), False),
-], ids=["sigmoid-bias-groups", "softmax-no-renormalize", "sqrtsoftplus-bias-groups",
-        "none-renormalize"])
+@pytest.mark.parametrize(
+    "config,with_bias",
+    [
+        (RouterConfig(64, 4, "sigmoid", num_expert_group=4, topk_group=2, routed_scaling_factor=2.5), True),
+        (RouterConfig(40, 3, "softmax", renormalize=False), False),
+        (RouterConfig(40, 3, "sqrtsoftplus", num_expert_group=4, topk_group=2), True),
+        (RouterConfig(40, 3, "none", renormalize=True, routed_scaling_factor=2.0), False),
+    ],
+    ids=["sigmoid-bias-groups", "softmax-no-renormalize", "sqrtsoftplus-bias-groups", "none-renormalize"],
+)
 def test_sim_nan_and_inf_rows_match_cpu(config, with_bias):
     rng = rng_for("special", config)
     logits = special_rows(config.num_experts, rng)
@@ -180,19 +198,20 @@ def test_sim_nan_and_inf_rows_match_cpu(config, with_bias):
 def test_sim_raw_logit_renormalize_rule_matches_cpu():
     # Positive, zero, negative and overflowing sums of the picked logits (scoring "none").
     config = RouterConfig(4, 2, "none", renormalize=True)
-    logits = np.array([[3.0, 1.0, -5.0, 0.5], [1.0, -1.0, -5.0, -6.0],
-                       [-1.0, -2.0, -5.0, -6.0], [3e38, 3e38, 0.0, 0.0]], np.float32)
+    logits = np.array(
+        [[3.0, 1.0, -5.0, 0.5], [1.0, -1.0, -5.0, -6.0], [-1.0, -2.0, -5.0, -6.0], [3e38, 3e38, 0.0, 0.0]], np.float32
+    )
     with np.errstate(over="ignore"):
         dev_w, dev_ids = assert_device_matches_host(logits, config)
-    np.testing.assert_allclose(dev_w, [[0.75, 0.25], [1e20, -1e20], [-1.0, -2.0], [3e38, 3e38]],
-                               rtol=WEIGHT_RTOL)
+    np.testing.assert_allclose(dev_w, [[0.75, 0.25], [1e20, -1e20], [-1.0, -2.0], [3e38, 3e38]], rtol=WEIGHT_RTOL)
 
 
 @sim_only
 def test_sim_zero_tokens_returns_empty_device_arrays():
     config = PRESETS["deepseek-v3"].router
-    weights, ids = select_experts(cuda.to_device(np.empty((0, 256), np.float32)), config,
-                                  cuda.to_device(np.zeros(256, np.float32)))
+    weights, ids = select_experts(
+        cuda.to_device(np.empty((0, 256), np.float32)), config, cuda.to_device(np.zeros(256, np.float32))
+    )
     assert _arrays_is_device(weights) and _arrays_is_device(ids)
     assert weights.shape == ids.shape == (0, 8)
     assert weights.dtype == np.float32 and ids.dtype == np.int32
@@ -205,13 +224,19 @@ def _arrays_is_device(array):
 
 
 @sim_only
-@pytest.mark.parametrize("config,error,match", [
-    (RouterConfig(1056, 4, "softmax"), ValueError,
-     r"num_experts=1056 exceeds the device kernel limit 1024"),
-    (RouterConfig(64, 33, "softmax"), ValueError, r"top_k=33 exceeds the device kernel limit 32"),
-    (RouterConfig(128, 4, "softmax", num_expert_group=64, topk_group=8), ValueError,
-     r"num_expert_group=64 exceeds the device kernel limit 32"),
-], ids=["experts", "top_k", "groups"])
+@pytest.mark.parametrize(
+    "config,error,match",
+    [
+        (RouterConfig(1056, 4, "softmax"), ValueError, r"num_experts=1056 exceeds the device kernel limit 1024"),
+        (RouterConfig(64, 33, "softmax"), ValueError, r"top_k=33 exceeds the device kernel limit 32"),
+        (
+            RouterConfig(128, 4, "softmax", num_expert_group=64, topk_group=8),
+            ValueError,
+            r"num_expert_group=64 exceeds the device kernel limit 32",
+        ),
+    ],
+    ids=["experts", "top_k", "groups"],
+)
 def test_sim_device_limits(config, error, match):
     logits = cuda.to_device(np.zeros((1, config.num_experts), np.float32))
     with pytest.raises(error, match=match):
@@ -227,8 +252,7 @@ def test_sim_invalid_device_arguments():
     with pytest.raises(ValueError, match=r"logits dtype float64 is not supported on the device"):
         select_experts(cuda.to_device(np.zeros((1, 160))), config)
     strided = cuda.to_device(np.zeros((2, 320), np.float32))[:, ::2]
-    with pytest.raises(ValueError,
-                       match=r"device logits must be C-contiguous, got strides \(1280, 8\)"):
+    with pytest.raises(ValueError, match=r"device logits must be C-contiguous, got strides \(1280, 8\)"):
         select_experts(strided, config)
     with pytest.raises(ValueError, match=r"logits.shape\[1\]=161 does not match"):
         select_experts(cuda.to_device(np.zeros((1, 161), np.float32)), config)
@@ -249,10 +273,16 @@ def test_sim_warp_helpers_fallback():
         out_float[lane] = _warp.int_as_float(out_bits[lane])
 
     rng = rng_for("warp")
-    keys = rng.integers(-2**62, 2**62, 32).astype(np.int64)
+    keys = rng.integers(-(2**62), 2**62, 32).astype(np.int64)
     values = rng.standard_normal(32).astype(np.float32)
-    outs = [np.zeros(32, np.int64), np.zeros(32, np.float32), np.zeros(32, np.float32),
-            np.zeros(32, np.int64), np.zeros(32, np.int32), np.zeros(32, np.float32)]
+    outs = [
+        np.zeros(32, np.int64),
+        np.zeros(32, np.float32),
+        np.zeros(32, np.float32),
+        np.zeros(32, np.int64),
+        np.zeros(32, np.int32),
+        np.zeros(32, np.float32),
+    ]
     helpers[1, 32](keys, values, *outs)
     out_max, out_sum, out_idx, out_xor, out_bits, out_float = outs
     np.testing.assert_array_equal(out_max, np.full(32, keys.max()))
@@ -288,9 +318,14 @@ LOCAL_MEMORY = re.compile(r"\b(ld|st)\.local\b")
 # sm_90 takes every code shape; sm_80 the shapes that stress registers most (the largest N,
 # grouped sigmoid with a bias, each input kind): the kernel has no per-architecture code.
 SM80_CASES = ("deepseek-v3", "kimi-k2", "qwen3.5-moe", "none-bias-groups")
-PTX_TARGETS = [pytest.param(case, ((9, 0), (8, 0)) if case[0] in SM80_CASES else ((9, 0),),
-                            id=f"{case[0]}-sm90" + ("-sm80" if case[0] in SM80_CASES else ""))
-               for case in PTX_CASES]
+PTX_TARGETS = [
+    pytest.param(
+        case,
+        ((9, 0), (8, 0)) if case[0] in SM80_CASES else ((9, 0),),
+        id=f"{case[0]}-sm90" + ("-sm80" if case[0] in SM80_CASES else ""),
+    )
+    for case in PTX_CASES
+]
 
 
 def _ptx_per_architecture(function, signature, ccs):
@@ -303,8 +338,7 @@ def _ptx_per_architecture(function, signature, ccs):
     from numba.cuda.compiler import _compile_pyfunc_with_fixup
 
     with global_compiler_lock:
-        library, _ = _compile_pyfunc_with_fixup(function, signature, device=False, cc=max(ccs),
-                                                abi="numba")
+        library, _ = _compile_pyfunc_with_fixup(function, signature, device=False, cc=max(ccs), abi="numba")
         return {cc: library.get_asm_str(cc=cc) for cc in ccs}
 
 
@@ -313,8 +347,7 @@ def _ptx_per_architecture(function, signature, ccs):
 @pytest.mark.parametrize("case, ccs", PTX_TARGETS)
 def test_kernel_compiles_to_ptx_without_local_memory(case, ccs):
     name, num_experts, groups, scoring, has_bias, renormalize, kind = case
-    function = select_module._device_kernel_function(num_experts, groups, scoring, has_bias,
-                                                     renormalize, kind)
+    function = select_module._device_kernel_function(num_experts, groups, scoring, has_bias, renormalize, kind)
     ptxes = _ptx_per_architecture(function, select_module._device_signature(kind), ccs)
     for cc, ptx in ptxes.items():
         assert f".target sm_{cc[0]}{cc[1]}" in ptx, cc
@@ -344,7 +377,7 @@ def test_sorting_network_sorts(size):
         rows[:, j] = np.minimum(rows[:, i], rows[:, j])
         rows[:, i] = high
     assert (np.diff(rows.astype(int), axis=1) <= 0).all()
-    keys = rng_for("keys", size).integers(-2**62, 2**62, size)
+    keys = rng_for("keys", size).integers(-(2**62), 2**62, size)
     keys[: size // 2] = keys[0]  # repeated values
     values = keys.copy()
     _sort_descending_function(size)(values)
@@ -356,8 +389,11 @@ def test_warp_helpers_compile_to_shuffles():
     def kernel(keys, values, out_i, out_f):
         lane = cuda.threadIdx.x
         out_i[lane] = _warp.allreduce_max(keys[lane])
-        out_f[lane] = _warp.allreduce_sum(values[lane]) + _warp.shfl_idx(
-            values[lane], 3) + _warp.int_as_float(_warp.float_as_int(values[lane]))
+        out_f[lane] = (
+            _warp.allreduce_sum(values[lane])
+            + _warp.shfl_idx(values[lane], 3)
+            + _warp.int_as_float(_warp.float_as_int(values[lane]))
+        )
 
     from numba import types
 
@@ -370,13 +406,13 @@ def test_warp_helpers_compile_to_shuffles():
 
 # ------------------------------------------------------------------ GPU
 
-requires_gpu = pytest.mark.skipif(SIMULATED or not cuda.is_available(),
-                                  reason="needs a CUDA GPU (numba.cuda.is_available() is False)")
+requires_gpu = pytest.mark.skipif(
+    SIMULATED or not cuda.is_available(), reason="needs a CUDA GPU (numba.cuda.is_available() is False)"
+)
 
 
 def _near_tie_rows():
-    spec = importlib.util.spec_from_file_location("_select_tests", Path(__file__).with_name(
-        "test_select.py"))
+    spec = importlib.util.spec_from_file_location("_select_tests", Path(__file__).with_name("test_select.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.near_tie_rows
@@ -392,8 +428,7 @@ def test_gpu_matches_cpu(preset_name, num_tokens, dtype):
     config = preset.router
     rng = rng_for("gpu", preset_name, num_tokens, dtype)
     logits = rng.standard_normal((num_tokens, config.num_experts)).astype(dtype)
-    bias = (0.1 * rng.standard_normal(config.num_experts)).astype(np.float32) \
-        if preset.has_correction_bias else None
+    bias = (0.1 * rng.standard_normal(config.num_experts)).astype(np.float32) if preset.has_correction_bias else None
     host_w, host_ids = select_experts(logits, config, bias)
     dev_w, dev_ids = device_select(logits, config, bias)
     same = (dev_ids == host_ids).all(axis=1)

@@ -73,8 +73,12 @@ def ulps(a, b):
 def test_exp_is_within_one_ulp_of_the_float64_exp_on_every_31st_float():
     top = np.float32(88.72).view(np.int32)
     bottom = np.float32(103.9).view(np.int32)
-    x = np.concatenate([np.arange(0, top, 31, dtype=np.int32).view(np.float32),
-                        -np.arange(0, bottom, 31, dtype=np.int32).view(np.float32)])
+    x = np.concatenate(
+        [
+            np.arange(0, top, 31, dtype=np.int32).view(np.float32),
+            -np.arange(0, bottom, 31, dtype=np.int32).view(np.float32),
+        ]
+    )
     out = np.empty_like(x)
     _exp_all(x, out)
     expected = np.exp(x.astype(np.float64)).astype(np.float32)
@@ -84,8 +88,7 @@ def test_exp_is_within_one_ulp_of_the_float64_exp_on_every_31st_float():
 
 
 def test_exp_at_its_edges():
-    x = np.array([np.nan, np.inf, 89.0, 88.8, -np.inf, -104.0, -110.0, 0.0, -0.0],
-                 np.float32)
+    x = np.array([np.nan, np.inf, 89.0, 88.8, -np.inf, -104.0, -110.0, 0.0, -0.0], np.float32)
     out = np.empty_like(x)
     _exp_all(x, out)
     # NaN maps to inf (a sigmoid score of 0, as for a NaN logit clipped to -FLOAT32_MAX).
@@ -160,14 +163,14 @@ def test_group_picks_match_the_definition(num_groups, group_size, two_best, valu
             kept = np.empty(num_groups, np.bool_)
             lanes = np.empty(LANES, np.int32)
             _groups(keys, num_groups, topk_group, two_best, kept, lanes)
-            expected_kept, expected_lanes = reference_groups(keys, num_groups, topk_group,
-                                                             two_best)
+            expected_kept, expected_lanes = reference_groups(keys, num_groups, topk_group, two_best)
             assert np.array_equal(kept, expected_kept), (trial, topk_group)
             assert np.array_equal(lanes, expected_lanes), (trial, topk_group)
 
 
-@pytest.mark.parametrize("count, top_k", [(count, top_k) for count in (1, 2, 7, 8, 15, 16)
-                                           for top_k in (1, 4, 8, 16) if top_k <= count])
+@pytest.mark.parametrize(
+    "count, top_k", [(count, top_k) for count in (1, 2, 7, 8, 15, 16) for top_k in (1, 4, 8, 16) if top_k <= count]
+)
 def test_place_block_puts_the_top_k_picks_in_descending_order(count, top_k):
     rng = np.random.default_rng([count, top_k])
     for trial in range(20):

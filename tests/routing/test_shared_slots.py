@@ -11,18 +11,18 @@ from moeroute.routing.shared_slots import append_shared_slots
 LAYOUTS = [
     ("global S=1", dict(num_routed_experts=256, num_shared_experts=1)),
     ("global S=2", dict(num_routed_experts=60, num_shared_experts=2)),
-    ("per_rank S=1 E=2", dict(num_routed_experts=8, num_shared_experts=1, ep_size=2,
-                              dispatch="all2all")),
-    ("per_rank S=2 E=8", dict(num_routed_experts=512, num_shared_experts=2, ep_size=8,
-                              dispatch="all2all")),
-    ("per_rank uneven E=3", dict(num_routed_experts=10, num_shared_experts=1, ep_size=3,
-                                 dispatch="allgather")),
-    ("global allgather", dict(num_routed_experts=16, num_shared_experts=2, ep_size=2,
-                              dispatch="allgather", shared_slots="global")),
-    ("per_rank eplb", dict(num_routed_experts=12, num_shared_experts=1, ep_size=4,
-                           dispatch="all2all", num_redundant_experts=4)),
-    ("not fused", dict(num_routed_experts=32, num_shared_experts=1, ep_size=2,
-                       dispatch="all2all", shared="overlap")),
+    ("per_rank S=1 E=2", dict(num_routed_experts=8, num_shared_experts=1, ep_size=2, dispatch="all2all")),
+    ("per_rank S=2 E=8", dict(num_routed_experts=512, num_shared_experts=2, ep_size=8, dispatch="all2all")),
+    ("per_rank uneven E=3", dict(num_routed_experts=10, num_shared_experts=1, ep_size=3, dispatch="allgather")),
+    (
+        "global allgather",
+        dict(num_routed_experts=16, num_shared_experts=2, ep_size=2, dispatch="allgather", shared_slots="global"),
+    ),
+    (
+        "per_rank eplb",
+        dict(num_routed_experts=12, num_shared_experts=1, ep_size=4, dispatch="all2all", num_redundant_experts=4),
+    ),
+    ("not fused", dict(num_routed_experts=32, num_shared_experts=1, ep_size=2, dispatch="all2all", shared="overlap")),
     ("no shared", dict(num_routed_experts=128)),
 ]
 GATES = ["none", "scalar", "[T]", "[T,1]", "[T,S]"]
@@ -57,10 +57,8 @@ def test_matches_reference_for_every_home_rank(label, kwargs, gate, tokens):
     shared_weights = gate_for(gate, rng, tokens, layout.num_shared_experts)
     slots = layout.num_shared_experts if layout.shared == "fused" else 0
     for home_rank in range(layout.ep_size):
-        out_ids, out_weights = append_shared_slots(ids, weights, layout, home_rank,
-                                                   shared_weights)
-        ref_ids, ref_weights = reference.append_shared_slots(ids, weights, layout, home_rank,
-                                                             shared_weights)
+        out_ids, out_weights = append_shared_slots(ids, weights, layout, home_rank, shared_weights)
+        ref_ids, ref_weights = reference.append_shared_slots(ids, weights, layout, home_rank, shared_weights)
         assert out_ids.dtype == np.int32 and out_weights.dtype == np.float32
         assert out_ids.shape == (tokens, ids.shape[1] + slots)
         np.testing.assert_array_equal(out_ids, ref_ids)
@@ -141,32 +139,34 @@ def test_out_of_range_logical_ids_become_minus_one():
 def test_host_weights_are_converted_to_float32():
     layout = ExpertLayout(8, 1)
     ids = np.array([[1, 2]], np.int32)
-    out = append_shared_slots(ids, np.array([[0.5, 0.25]], np.float16), layout, 0,
-                              np.array([0.5], np.float64))
+    out = append_shared_slots(ids, np.array([[0.5, 0.25]], np.float16), layout, 0, np.array([0.5], np.float64))
     assert out[1].dtype == np.float32 and out[1].tolist() == [[0.5, 0.25, 0.5]]
 
 
 LAYOUT = ExpertLayout(8, 2, ep_size=2, dispatch="all2all")
 
 
-@pytest.mark.parametrize("change,error,words", [
-    (dict(home_rank=2), ValueError, r"home_rank=2 is outside \[0, 2\)"),
-    (dict(home_rank=-1), ValueError, "home_rank=-1"),
-    (dict(home_rank=1.0), TypeError, "home_rank=1.0"),
-    (dict(home_rank=True), TypeError, "home_rank=True"),
-    (dict(layout="layout"), TypeError, "ExpertLayout"),
-    (dict(weights=np.ones((3, 3), np.float32)), ValueError, r"topk_weights has shape \(3, 3\)"),
-    (dict(weights=np.ones((3, 2), np.int32)), TypeError, "floating point"),
-    (dict(ids=np.ones((3, 2))), TypeError, "integers"),
-    (dict(ids=np.ones(6, np.int32), weights=np.ones(6, np.float32)), ValueError, "2-D"),
-    (dict(shared=np.ones((3, 3), np.float32)), ValueError, r"shared_weights has shape \(3, 3\)"),
-    (dict(shared=np.ones(4, np.float32)), ValueError, r"shared_weights has shape \(4,\)"),
-    (dict(shared=np.array(["a"] * 3)), TypeError, "real numbers"),
-])
+@pytest.mark.parametrize(
+    "change,error,words",
+    [
+        (dict(home_rank=2), ValueError, r"home_rank=2 is outside \[0, 2\)"),
+        (dict(home_rank=-1), ValueError, "home_rank=-1"),
+        (dict(home_rank=1.0), TypeError, "home_rank=1.0"),
+        (dict(home_rank=True), TypeError, "home_rank=True"),
+        (dict(layout="layout"), TypeError, "ExpertLayout"),
+        (dict(weights=np.ones((3, 3), np.float32)), ValueError, r"topk_weights has shape \(3, 3\)"),
+        (dict(weights=np.ones((3, 2), np.int32)), TypeError, "floating point"),
+        (dict(ids=np.ones((3, 2))), TypeError, "integers"),
+        (dict(ids=np.ones(6, np.int32), weights=np.ones(6, np.float32)), ValueError, "2-D"),
+        (dict(shared=np.ones((3, 3), np.float32)), ValueError, r"shared_weights has shape \(3, 3\)"),
+        (dict(shared=np.ones(4, np.float32)), ValueError, r"shared_weights has shape \(4,\)"),
+        (dict(shared=np.array(["a"] * 3)), TypeError, "real numbers"),
+    ],
+)
 def test_invalid_arguments(change, error, words):
-    args = dict(ids=np.zeros((3, 2), np.int32), weights=np.ones((3, 2), np.float32),
-                layout=LAYOUT, home_rank=0, shared=None)
+    args = dict(
+        ids=np.zeros((3, 2), np.int32), weights=np.ones((3, 2), np.float32), layout=LAYOUT, home_rank=0, shared=None
+    )
     args.update(change)
     with pytest.raises(error, match=words):
-        append_shared_slots(args["ids"], args["weights"], args["layout"], args["home_rank"],
-                            args["shared"])
+        append_shared_slots(args["ids"], args["weights"], args["layout"], args["home_rank"], args["shared"])

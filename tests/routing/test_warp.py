@@ -35,15 +35,27 @@ def _uses_every_helper(values, out):
 
 def test_device_helpers_compile_to_warp_instructions():
     ptx, _ = cuda.compile_ptx(_uses_every_helper, (nt.int64[::1], nt.int64[::1]), cc=(9, 0))
-    for instruction in ("shfl.sync.bfly", "shfl.sync.idx", "shfl.sync.down", "shfl.sync.up",
-                        "bar.warp.sync", "vote.sync.ballot"):
+    for instruction in (
+        "shfl.sync.bfly",
+        "shfl.sync.idx",
+        "shfl.sync.down",
+        "shfl.sync.up",
+        "bar.warp.sync",
+        "vote.sync.ballot",
+    ):
         assert instruction in ptx, instruction
 
 
 @pytest.mark.parametrize("text", ["0", "-2", "four"])
 def test_bad_warp_count_is_refused_naming_the_variable(text):
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", MOEROUTE_SIM_WARPS=text)
-    result = subprocess.run([sys.executable, "-c", "import moeroute.routing._warp"], env=env, cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", "import moeroute.routing._warp"],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0
     assert f"MOEROUTE_SIM_WARPS={text!r} must be an integer >= 1" in result.stderr

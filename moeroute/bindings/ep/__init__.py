@@ -59,8 +59,9 @@ __all__ = [
 ]
 
 
-def make_dispatcher(layout: ExpertLayout, ep_group: Any = None, dispatch: str | None = None,
-                    *, debug: bool = False) -> Dispatcher:
+def make_dispatcher(
+    layout: ExpertLayout, ep_group: Any = None, dispatch: str | None = None, *, debug: bool = False
+) -> Dispatcher:
     """The dispatcher serving ``layout`` on ``ep_group``.
 
     Parameters

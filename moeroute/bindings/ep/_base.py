@@ -66,8 +66,8 @@ def _check_layout(layout: Any, dispatch: str) -> ExpertLayout:
 class _Tables:
     """Layout tables as int64 tensors on one device (index_select wants int64)."""
 
-    owner: torch.Tensor          # [num_physical] owning rank, -1 = held by every rank
-    local: torch.Tensor          # [E, num_physical] local id on each rank, -1 = not held
+    owner: torch.Tensor  # [num_physical] owning rank, -1 = held by every rank
+    local: torch.Tensor  # [E, num_physical] local id on each rank, -1 = not held
     local_to_physical: torch.Tensor  # [E, max_local] physical id of each local expert
 
 
@@ -79,13 +79,13 @@ class _ForwardState:
     num_tokens: int
     stats: TransferStats
     combined: bool = False
-    received: tuple | None = None       # filled by wait()
+    received: tuple | None = None  # filled by wait()
     # all2all
-    send_token_index: torch.Tensor | None = None   # [M] int64, token row of each sent row
-    send_counts: list[int] | None = None           # rows to each rank
-    recv_counts: list[int] | None = None           # rows from each rank
+    send_token_index: torch.Tensor | None = None  # [M] int64, token row of each sent row
+    send_counts: list[int] | None = None  # rows to each rank
+    recv_counts: list[int] | None = None  # rows from each rank
     # allgather
-    sizes: list[int] | None = None                 # T of every rank
+    sizes: list[int] | None = None  # T of every rank
 
 
 def _as_flag(name: str, value: Any) -> bool:
@@ -120,11 +120,15 @@ class _EPDispatcher(Dispatcher):
 
     def _signature(self, hidden_states: torch.Tensor, top_k: int) -> list[int]:
         """What every rank must agree on before an exchange, as int64-safe integers."""
-        return [hidden_states.shape[1], zlib.crc32(_row_format(hidden_states).encode()), top_k,
-                int(self.debug), self._layout_digest]
+        return [
+            hidden_states.shape[1],
+            zlib.crc32(_row_format(hidden_states).encode()),
+            top_k,
+            int(self.debug),
+            self._layout_digest,
+        ]
 
-    def _check_signatures(self, signatures: list[list[int]], hidden_states: torch.Tensor,
-                          top_k: int) -> None:
+    def _check_signatures(self, signatures: list[list[int]], hidden_states: torch.Tensor, top_k: int) -> None:
         """Raise `RankMismatchError` on every rank unless every rank sent the same signature.
 
         ``signatures[r]`` is rank r's `_signature`; every rank holds the same list, so all
@@ -132,13 +136,17 @@ class _EPDispatcher(Dispatcher):
         """
         if all(row == signatures[0] for row in signatures[1:]):
             return
-        fields = {"hidden_states.shape[1]": hidden_states.shape[1],
-                  "hidden_states.dtype": _row_format(hidden_states),
-                  "topk_ids.shape[1]": top_k, "debug": self.debug, **self._layout_fields}
+        fields = {
+            "hidden_states.shape[1]": hidden_states.shape[1],
+            "hidden_states.dtype": _row_format(hidden_states),
+            "topk_ids.shape[1]": top_k,
+            "debug": self.debug,
+            **self._layout_fields,
+        }
         check_ranks_agree(fields, self.group, f"the {self.mode} dispatch")
         raise RankMismatchError(  # the digests differ, the fields do not: never expected
-            f"the expert-parallel ranks sent different {self.mode} signatures {signatures}",
-            {"signature": signatures})
+            f"the expert-parallel ranks sent different {self.mode} signatures {signatures}", {"signature": signatures}
+        )
 
     def _build_tables(self) -> _Tables:
         layout, e = self.layout, self.ep_size
@@ -158,8 +166,7 @@ class _EPDispatcher(Dispatcher):
         tables = self._tables_on.get(device)
         if tables is None:
             host = self._host_tables
-            tables = _Tables(*(t.to(device) for t in (host.owner, host.local,
-                                                      host.local_to_physical)))
+            tables = _Tables(*(t.to(device) for t in (host.owner, host.local, host.local_to_physical)))
             self._tables_on[device] = tables
         return tables
 
@@ -217,9 +224,7 @@ class _EPDispatcher(Dispatcher):
         if not isinstance(state, _ForwardState) or state.dispatcher is not self:
             raise ValueError("handle was not returned by this dispatcher's dispatch()")
         if state.combined:
-            raise RuntimeError(
-                "this dispatch was already combined; each handle combines exactly once"
-            )
+            raise RuntimeError("this dispatch was already combined; each handle combines exactly once")
         if not isinstance(partial_out, torch.Tensor):
             raise TypeError(f"partial_out must be a torch.Tensor, got {type(partial_out).__name__}")
         recv_hidden = handle.wait()[0]
@@ -229,9 +234,7 @@ class _EPDispatcher(Dispatcher):
                 f"row, got shape {tuple(partial_out.shape)}"
             )
         if partial_out.device != recv_hidden.device:
-            raise ValueError(
-                f"partial_out is on {partial_out.device}, the dispatch on {recv_hidden.device}"
-            )
+            raise ValueError(f"partial_out is on {partial_out.device}, the dispatch on {recv_hidden.device}")
         # The dispatch checked that every rank sent rows of this width and dtype; holding the
         # partials to the same keeps the combine's transfer sizes equal on every rank.
         if partial_out.shape[1] != recv_hidden.shape[1] or partial_out.dtype != recv_hidden.dtype:
@@ -268,8 +271,7 @@ class _EPDispatcher(Dispatcher):
         """
         raise NotImplementedError
 
-    def _home_index(self, state: _ForwardState,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _home_index(self, state: _ForwardState, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(token row [M] int64, source rank [M] int64) on ``device`` of each row
         `_return_home` returns."""
         raise NotImplementedError
@@ -294,8 +296,7 @@ def _rows_as_sent(hidden_states) -> tuple[torch.Tensor, Any]:
     if not isinstance(hidden_states, FP8Activations):
         return hidden_states, None
     hidden_states.check()
-    rows = torch.cat([hidden_states.q.view(torch.uint8), hidden_states.scales.contiguous().view(torch.uint8)],
-                     dim=1)
+    rows = torch.cat([hidden_states.q.view(torch.uint8), hidden_states.scales.contiguous().view(torch.uint8)], dim=1)
     return rows, hidden_states
 
 
@@ -304,8 +305,12 @@ def _rows_as_received(rows: torch.Tensor, like) -> Any:
     if like is None:
         return rows
     hidden = like.q.shape[1]
-    return FP8Activations(rows[:, :hidden].contiguous().view(FP8_DTYPE),
-                          rows[:, hidden:].contiguous().view(torch.float32), like.group_size, like.dtype)
+    return FP8Activations(
+        rows[:, :hidden].contiguous().view(FP8_DTYPE),
+        rows[:, hidden:].contiguous().view(torch.float32),
+        like.group_size,
+        like.dtype,
+    )
 
 
 def _row_bytes(hidden_states) -> tuple[int, int]:
@@ -318,6 +323,8 @@ def _row_bytes(hidden_states) -> tuple[int, int]:
 def _row_format(hidden_states) -> str:
     """How the token rows travel, for the ranks' agreement check."""
     if isinstance(hidden_states, FP8Activations):
-        return (f"float8_e4m3fn with {hidden_states.scales.shape[1]} float32 scales per row "
-                f"(activations {hidden_states.dtype})")
+        return (
+            f"float8_e4m3fn with {hidden_states.scales.shape[1]} float32 scales per row "
+            f"(activations {hidden_states.dtype})"
+        )
     return str(hidden_states.dtype)

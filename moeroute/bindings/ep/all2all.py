@@ -54,8 +54,9 @@ class All2AllDispatcher(_EPDispatcher):
 
     mode = "all2all"
 
-    def _destinations(self, valid: torch.Tensor, safe: torch.Tensor,
-                      tables: _Tables) -> tuple[torch.Tensor, torch.Tensor]:
+    def _destinations(
+        self, valid: torch.Tensor, safe: torch.Tensor, tables: _Tables
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Owner rank and owner-local id of every slot, -1 for invalid slots.
 
         Slots held by every rank (global shared slots, E == 1 only here) stay at home.
@@ -115,15 +116,14 @@ class All2AllDispatcher(_EPDispatcher):
         send_counts_t = in_rank.sum(dim=0, dtype=_COUNT_DTYPE)
 
         live = owner.index_select(0, send_token) == send_dest[:, None]
-        send_local = torch.where(live, local.index_select(0, send_token),
-                                 torch.full_like(live, -1, dtype=torch.int64))
-        send_weights = torch.where(live, topk_weights.index_select(0, send_token),
-                                   torch.zeros((), dtype=torch.float32, device=device))
+        send_local = torch.where(live, local.index_select(0, send_token), torch.full_like(live, -1, dtype=torch.int64))
+        send_weights = torch.where(
+            live, topk_weights.index_select(0, send_token), torch.zeros((), dtype=torch.float32, device=device)
+        )
 
         # One collective of fixed width for the counts and this rank's signature, sent to
         # every rank alike.
-        signature = torch.tensor(self._signature(hidden_states, top_k), dtype=_COUNT_DTYPE,
-                                 device=device).expand(e, -1)
+        signature = torch.tensor(self._signature(hidden_states, top_k), dtype=_COUNT_DTYPE, device=device).expand(e, -1)
         counts_out = torch.cat([send_counts_t[:, None], signature], dim=1)
         counts_in = torch.empty_like(counts_out)
         self._collective("row-count exchange", dist.all_to_all_single, counts_in, counts_out)
@@ -131,8 +131,7 @@ class All2AllDispatcher(_EPDispatcher):
         self._check_signatures([row[1:] for row in received], hidden_states, top_k)
         send_counts = send_counts_t.tolist()
         recv_counts = [row[0] for row in received]
-        state.send_token_index, state.send_counts, state.recv_counts = (
-            send_token, send_counts, recv_counts)
+        state.send_token_index, state.send_counts, state.recv_counts = (send_token, send_counts, recv_counts)
 
         send_hidden = rows.index_select(0, send_token)
         send_meta = _pack_metadata(send_local, send_weights)
@@ -140,10 +139,24 @@ class All2AllDispatcher(_EPDispatcher):
         recv_hidden = rows.new_empty((num_recv, rows.shape[1]))
         recv_meta = send_meta.new_empty((num_recv, 2 * top_k))
         works = [
-            self._collective("token dispatch", dist.all_to_all_single, recv_hidden,
-                             send_hidden, recv_counts, send_counts, async_op=True),
-            self._collective("metadata dispatch", dist.all_to_all_single, recv_meta,
-                             send_meta, recv_counts, send_counts, async_op=True),
+            self._collective(
+                "token dispatch",
+                dist.all_to_all_single,
+                recv_hidden,
+                send_hidden,
+                recv_counts,
+                send_counts,
+                async_op=True,
+            ),
+            self._collective(
+                "metadata dispatch",
+                dist.all_to_all_single,
+                recv_meta,
+                send_meta,
+                recv_counts,
+                send_counts,
+                async_op=True,
+            ),
         ]
 
         rows_out = send_token.shape[0] - send_counts[self.rank]
@@ -194,8 +207,7 @@ class All2AllDispatcher(_EPDispatcher):
         returned = self._return_home(partial_out, state, "combine")
         rows_out = sum(state.recv_counts) - state.recv_counts[self.rank]
         state.stats.combine_bytes = rows_out * hidden * partial_out.element_size()
-        out = torch.zeros((state.num_tokens, hidden), dtype=torch.float32,
-                          device=partial_out.device)
+        out = torch.zeros((state.num_tokens, hidden), dtype=torch.float32, device=partial_out.device)
         out.index_add_(0, state.send_token_index, returned.to(torch.float32))
         self._finish_forward(state)
         return out.to(partial_out.dtype)
@@ -203,11 +215,11 @@ class All2AllDispatcher(_EPDispatcher):
     def _return_home(self, rows, state, what):
         """Rows in send order: by destination rank, then token row (see `_home_index`)."""
         returned = rows.new_empty((state.send_token_index.shape[0], rows.shape[1]))
-        self._collective(what, dist.all_to_all_single, returned, rows,
-                         state.send_counts, state.recv_counts)
+        self._collective(what, dist.all_to_all_single, returned, rows, state.send_counts, state.recv_counts)
         return returned
 
     def _home_index(self, state, device):
-        source = torch.repeat_interleave(torch.arange(self.ep_size, device=device),
-                                         torch.tensor(state.send_counts, device=device))
+        source = torch.repeat_interleave(
+            torch.arange(self.ep_size, device=device), torch.tensor(state.send_counts, device=device)
+        )
         return state.send_token_index.to(device), source

@@ -94,8 +94,9 @@ class AllGatherDispatcher(_EPDispatcher):
         # The token counts travel with every rank's signature (one gather of fixed width).
         mine = [num_tokens] + self._signature(hidden_states, top_k)
         sizes_t = torch.empty(e * len(mine), dtype=_COUNT_DTYPE, device=device)
-        self._collective("token-count gather", _all_gather_single, sizes_t,
-                         torch.tensor(mine, dtype=_COUNT_DTYPE, device=device))
+        self._collective(
+            "token-count gather", _all_gather_single, sizes_t, torch.tensor(mine, dtype=_COUNT_DTYPE, device=device)
+        )
         gathered = sizes_t.view(e, len(mine)).tolist()
         self._check_signatures([row[1:] for row in gathered], hidden_states, top_k)
         sizes = [row[0] for row in gathered]
@@ -109,10 +110,8 @@ class AllGatherDispatcher(_EPDispatcher):
         gathered_hidden = rows.new_empty((e * padded_rows, width))
         gathered_meta = send_meta.new_empty((e * padded_rows, 2 * top_k))
         works = [
-            self._collective("token gather", _all_gather_single, gathered_hidden,
-                             send_hidden, async_op=True),
-            self._collective("metadata gather", _all_gather_single, gathered_meta,
-                             send_meta, async_op=True),
+            self._collective("token gather", _all_gather_single, gathered_hidden, send_hidden, async_op=True),
+            self._collective("metadata gather", _all_gather_single, gathered_meta, send_meta, async_op=True),
         ]
 
         stats = state.stats
@@ -127,16 +126,19 @@ class AllGatherDispatcher(_EPDispatcher):
             if all(size == padded_rows for size in sizes):
                 recv_hidden, recv_meta = gathered_hidden, gathered_meta
             else:
-                keep = torch.cat([
-                    torch.arange(r * padded_rows, r * padded_rows + size, device=device)
-                    for r, size in enumerate(sizes)
-                ])
+                keep = torch.cat(
+                    [
+                        torch.arange(r * padded_rows, r * padded_rows + size, device=device)
+                        for r, size in enumerate(sizes)
+                    ]
+                )
                 recv_hidden = gathered_hidden.index_select(0, keep)
                 recv_meta = gathered_meta.index_select(0, keep)
             recv_ids, recv_weights = _unpack_metadata(recv_meta, top_k)
             recv_local = self._local_ids(recv_ids, sizes)
-            recv_weights = torch.where(recv_local >= 0, recv_weights,
-                                       torch.zeros((), dtype=torch.float32, device=device))
+            recv_weights = torch.where(
+                recv_local >= 0, recv_weights, torch.zeros((), dtype=torch.float32, device=device)
+            )
             return _rows_as_received(recv_hidden, fp8), recv_local, recv_weights
 
         return self._handle(state, finish, async_op)
@@ -149,8 +151,8 @@ class AllGatherDispatcher(_EPDispatcher):
         keep = valid
         if self.layout.home_rank_masked:
             source = torch.repeat_interleave(
-                torch.arange(self.ep_size, device=recv_ids.device),
-                torch.tensor(sizes, device=recv_ids.device))
+                torch.arange(self.ep_size, device=recv_ids.device), torch.tensor(sizes, device=recv_ids.device)
+            )
             held_by_all = tables.owner[safe] < 0
             keep = keep & ~(held_by_all & (source != self.rank)[:, None])
         return torch.where(keep, local, torch.full_like(local, -1)).to(torch.int32)
@@ -196,11 +198,12 @@ class AllGatherDispatcher(_EPDispatcher):
     def _return_home(self, rows, state, what):
         """Rows by source rank, each source's block holding this rank's T tokens in order."""
         returned = rows.new_empty((self.ep_size * state.num_tokens, rows.shape[1]))
-        self._collective(what, dist.all_to_all_single, returned, rows,
-                         [state.num_tokens] * self.ep_size, state.sizes)
+        self._collective(what, dist.all_to_all_single, returned, rows, [state.num_tokens] * self.ep_size, state.sizes)
         return returned
 
     def _home_index(self, state, device):
         tokens = torch.arange(state.num_tokens, device=device)
-        return (tokens.repeat(self.ep_size),
-                torch.arange(self.ep_size, device=device).repeat_interleave(state.num_tokens))
+        return (
+            tokens.repeat(self.ep_size),
+            torch.arange(self.ep_size, device=device).repeat_interleave(state.num_tokens),
+        )

@@ -47,8 +47,8 @@ class _CheckedForward:
 
     dispatcher: CheckedDispatcher
     inner_handle: DispatchHandle
-    topk_ids: torch.Tensor   # [T, K'] int32, as dispatched
-    valid: torch.Tensor      # [T, K'] bool: slots with an id in [0, num_physical)
+    topk_ids: torch.Tensor  # [T, K'] int32, as dispatched
+    valid: torch.Tensor  # [T, K'] bool: slots with an id in [0, num_physical)
 
     @property
     def inner_state(self) -> _ForwardState:
@@ -88,8 +88,7 @@ class CheckedDispatcher(Dispatcher):
 
     def __init__(self, inner: Any) -> None:
         if not isinstance(inner, _EPDispatcher):
-            raise TypeError(f"inner must be an All2AllDispatcher or AllGatherDispatcher, got "
-                            f"{type(inner).__name__}")
+            raise TypeError(f"inner must be an All2AllDispatcher or AllGatherDispatcher, got {type(inner).__name__}")
         if inner.debug:
             raise ValueError("inner is already wrapped by a CheckedDispatcher (inner.debug=True)")
         inner.debug = True
@@ -145,8 +144,7 @@ class CheckedDispatcher(Dispatcher):
         was received live other than once, or under a local id that does not map back to
         the slot's physical id.
         """
-        inner_handle = self.inner.dispatch(hidden_states, topk_ids, topk_weights,
-                                           async_op=async_op)
+        inner_handle = self.inner.dispatch(hidden_states, topk_ids, topk_weights, async_op=async_op)
         valid, _ = self.inner._valid_and_safe(topk_ids)
         forward = _CheckedForward(self, inner_handle, topk_ids, valid)
 
@@ -156,8 +154,7 @@ class CheckedDispatcher(Dispatcher):
             return received
 
         if async_op:  # a bool: the inner dispatch checked it
-            return DispatchHandle(wait_fn=wait_fn, state=forward,
-                                  num_tokens=inner_handle.num_tokens)
+            return DispatchHandle(wait_fn=wait_fn, state=forward, num_tokens=inner_handle.num_tokens)
         return DispatchHandle(wait_fn(), state=forward, num_tokens=inner_handle.num_tokens)
 
     def combine(self, partial_out, handle):
@@ -186,14 +183,16 @@ class CheckedDispatcher(Dispatcher):
 
     def _check_dispatch(self, forward: _CheckedForward, recv_local: torch.Tensor) -> None:
         inner, device = self.inner, recv_local.device
-        returned = inner._return_home(recv_local.to(torch.int32).contiguous(),
-                                      forward.inner_state, "debug dispatch check").long()
+        returned = inner._return_home(
+            recv_local.to(torch.int32).contiguous(), forward.inner_state, "debug dispatch check"
+        ).long()
         token, source = inner._home_index(forward.inner_state, device)
         tables = inner._tables(device)
 
         # Local ids each receiving rank holds: -1 (not here) or [0, num_local_experts).
-        held = torch.tensor([inner.layout.num_local_experts(r) for r in range(inner.ep_size)],
-                            dtype=torch.int64, device=device)
+        held = torch.tensor(
+            [inner.layout.num_local_experts(r) for r in range(inner.ep_size)], dtype=torch.int64, device=device
+        )
         out_of_range = (returned < -1) | (returned >= held[source][:, None])
         if bool(out_of_range.any()):
             row, k = (int(i) for i in out_of_range.nonzero()[0])

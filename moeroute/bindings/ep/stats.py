@@ -59,8 +59,7 @@ class TransferStats:
     def __add__(self, other: TransferStats) -> TransferStats:
         if not isinstance(other, TransferStats):
             return NotImplemented
-        return TransferStats(*(a + b for a, b in zip(dataclasses.astuple(self),
-                                                     dataclasses.astuple(other))))
+        return TransferStats(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
     def as_dict(self) -> dict[str, int]:
         """All fields plus ``token_bytes``, ``dispatch_bytes`` and ``total_bytes`` (for JSON)."""

@@ -78,8 +78,9 @@ def _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bi
         for n in range(first, last, 2):
             pair = n + 1 < last
             _decode_pair(blocks, scales, e, n, pair, buffer)
-            _rows._rows_times_weights(acts[start:stop], rows, 0, stop - start, buffer[0], buffer[1], pair,
-                                      tile, dots, n - first)
+            _rows._rows_times_weights(
+                acts[start:stop], rows, 0, stop - start, buffer[0], buffer[1], pair, tile, dots, n - first
+            )
         for m in range(start, stop):
             t, weight = tokens[m], slot_weights[m]
             for n in range(first, last):

@@ -22,15 +22,20 @@ import numpy as np
 from moeroute.bindings.torch._rows import _activate_rows, _activate_rows_bf16, _float32_rows, _store_sums
 from moeroute.quant import _host, _mxfp4_dot
 
-__all__ = ["rows_experts_fp8", "rows_experts_fp8_serial", "rows_experts_mxfp4", "rows_experts_mxfp4_serial",
-           "thread_columns"]
+__all__ = [
+    "rows_experts_fp8",
+    "rows_experts_fp8_serial",
+    "rows_experts_mxfp4",
+    "rows_experts_mxfp4_serial",
+    "thread_columns",
+]
 
 
 @numba.njit
 def _quantize_row(x, m, group, round_bf16, min_amax, q, scales, bits):
     """Row m of float32 ``x`` quantized per ``group`` columns (`_host.quantize_rows`): its e4m3
     values into ``q`` and, as bfloat16 bits, into ``bits``, its scales into ``scales``."""
-    _host.quantize_rows(x[m:m + 1], group, round_bf16, min_amax, q[m:m + 1], scales[m:m + 1])
+    _host.quantize_rows(x[m : m + 1], group, round_bf16, min_amax, q[m : m + 1], scales[m : m + 1])
     values = q[m].view(np.uint32)
     for k in range(x.shape[1]):
         bits[m, k] = np.uint16(values[k] >> np.uint32(16))  # an e4m3 value is a bfloat16
@@ -40,8 +45,11 @@ def _quantize_row(x, m, group, round_bf16, min_amax, q, scales, bits):
 def _quantization_buffers(x, group):
     """(q, scales, bits) for `_quantize_row` over the rows of ``x``."""
     rows, cols = x.shape
-    return (np.empty((rows, cols), np.float32), np.empty((rows, (cols + group - 1) // group), np.float32),
-            np.empty((rows, cols), np.uint16))
+    return (
+        np.empty((rows, cols), np.float32),
+        np.empty((rows, (cols + group - 1) // group), np.float32),
+        np.empty((rows, cols), np.uint16),
+    )
 
 
 @numba.njit
@@ -89,13 +97,31 @@ def _intermediate_buffers(gate_up, group):
 def _intermediate_row(gate_up, m, code, round_bf16, group, min_amax, acts, q, scales, bits):
     """Row m of the quantized intermediate: the activation, rounded to bfloat16 first where
     ``round_bf16``, quantized per ``group`` columns (`_quantize_row`)."""
-    _activate_rows(gate_up[m:m + 1], code, acts[m:m + 1])
+    _activate_rows(gate_up[m : m + 1], code, acts[m : m + 1])
     _quantize_row(acts, m, group, round_bf16, min_amax, q, scales, bits)
 
 
 @numba.njit(parallel=True, cache=True)
-def rows_experts_fp8(x, tokens, slot_weights, offsets, hit, work, q_gate_up, gate_up_scale, q_down, down_scale,
-                     gate_up_block, down_block, groups, round_intermediate, min_amax, code, columns, out):
+def rows_experts_fp8(
+    x,
+    tokens,
+    slot_weights,
+    offsets,
+    hit,
+    work,
+    q_gate_up,
+    gate_up_scale,
+    q_down,
+    down_scale,
+    gate_up_block,
+    down_block,
+    groups,
+    round_intermediate,
+    min_amax,
+    code,
+    columns,
+    out,
+):
     """out[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), the w8a8 expert MLP, in one call.
 
     x [T, H] and out [T, H] uint16 (bfloat16 bits) or float32; tokens, slot_weights, offsets,
@@ -111,35 +137,102 @@ def rows_experts_fp8(x, tokens, slot_weights, offsets, hit, work, q_gate_up, gat
     inter = q_gate_up.shape[1] // 2
     q_x, s_x, gate_up = _prologue(x, tokens, q_gate_up, gate_up_scale, groups[0], min_amax)
     for item in numba.prange(work.shape[0]):
-        _host._gate_up_item_bf16(q_x, s_x, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale,
-                                 inter, gate_up_block[0], gate_up_block[1], gate_up)
+        _host._gate_up_item_bf16(
+            q_x,
+            s_x,
+            tokens,
+            offsets,
+            work[item, 0],
+            work[item, 1],
+            q_gate_up,
+            gate_up_scale,
+            inter,
+            gate_up_block[0],
+            gate_up_block[1],
+            gate_up,
+        )
     acts, q, scales, q_a = _intermediate_buffers(gate_up, groups[1])
     for m in numba.prange(acts.shape[0]):  # the activation and its quantization row by row on every thread
         _intermediate_row(gate_up, m, code, round_intermediate, groups[1], min_amax, acts, q, scales, q_a)
     s_a = _weight_group_scales(scales, down_scale.shape[2])
     sums = np.zeros((x.shape[0], q_down.shape[1]), np.float32)
     for block in numba.prange((q_down.shape[1] + columns - 1) // columns):
-        _host._down_block_bf16(q_a, s_a, tokens, slot_weights, offsets, hit, q_down, down_scale, down_block[0],
-                               down_block[1], sums, block, columns)
+        _host._down_block_bf16(
+            q_a,
+            s_a,
+            tokens,
+            slot_weights,
+            offsets,
+            hit,
+            q_down,
+            down_scale,
+            down_block[0],
+            down_block[1],
+            sums,
+            block,
+            columns,
+        )
     _store_sums(sums, out)
 
 
 @numba.njit(cache=True)
-def rows_experts_fp8_serial(x, tokens, slot_weights, offsets, hit, work, q_gate_up, gate_up_scale, q_down, down_scale,
-                            gate_up_block, down_block, groups, round_intermediate, min_amax, code, out):
+def rows_experts_fp8_serial(
+    x,
+    tokens,
+    slot_weights,
+    offsets,
+    hit,
+    work,
+    q_gate_up,
+    gate_up_scale,
+    q_down,
+    down_scale,
+    gate_up_block,
+    down_block,
+    groups,
+    round_intermediate,
+    min_amax,
+    code,
+    out,
+):
     """`rows_experts_fp8` on the calling thread: each expert's down weights read as one stream."""
     inter = q_gate_up.shape[1] // 2
     q_x, s_x, gate_up = _prologue(x, tokens, q_gate_up, gate_up_scale, groups[0], min_amax)
     for item in range(work.shape[0]):
-        _host._gate_up_item_bf16(q_x, s_x, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale,
-                                 inter, gate_up_block[0], gate_up_block[1], gate_up)
+        _host._gate_up_item_bf16(
+            q_x,
+            s_x,
+            tokens,
+            offsets,
+            work[item, 0],
+            work[item, 1],
+            q_gate_up,
+            gate_up_scale,
+            inter,
+            gate_up_block[0],
+            gate_up_block[1],
+            gate_up,
+        )
     acts, q, scales, q_a = _intermediate_buffers(gate_up, groups[1])
     for m in range(acts.shape[0]):
         _intermediate_row(gate_up, m, code, round_intermediate, groups[1], min_amax, acts, q, scales, q_a)
     s_a = _weight_group_scales(scales, down_scale.shape[2])
     sums = np.zeros((x.shape[0], q_down.shape[1]), np.float32)
-    _host._down_block_bf16(q_a, s_a, tokens, slot_weights, offsets, hit, q_down, down_scale, down_block[0],
-                           down_block[1], sums, 0, q_down.shape[1])
+    _host._down_block_bf16(
+        q_a,
+        s_a,
+        tokens,
+        slot_weights,
+        offsets,
+        hit,
+        q_down,
+        down_scale,
+        down_block[0],
+        down_block[1],
+        sums,
+        0,
+        q_down.shape[1],
+    )
     _store_sums(sums, out)
 
 
@@ -162,13 +255,28 @@ def _split_rows(x):
 def _mxfp4_intermediate_row(gate_up, m, code, natural, acts):
     """Row m of the intermediate rounded to bfloat16 (``natural``), and in `split_pairs` order
     (``acts``)."""
-    _activate_rows_bf16(gate_up[m:m + 1], code, natural[m:m + 1])
-    _mxfp4_dot.split_pairs(natural[m:m + 1], acts[m:m + 1])
+    _activate_rows_bf16(gate_up[m : m + 1], code, natural[m : m + 1])
+    _mxfp4_dot.split_pairs(natural[m : m + 1], acts[m : m + 1])
 
 
 @numba.njit(parallel=True, cache=True)
-def rows_experts_mxfp4(x, tokens, slot_weights, offsets, hit, work, gate_up_blocks, gate_up_scales, down_blocks,
-                       down_scales, gate_up_bias, down_bias, code, columns, out):
+def rows_experts_mxfp4(
+    x,
+    tokens,
+    slot_weights,
+    offsets,
+    hit,
+    work,
+    gate_up_blocks,
+    gate_up_scales,
+    down_blocks,
+    down_scales,
+    gate_up_bias,
+    down_bias,
+    code,
+    columns,
+    out,
+):
     """The MXFP4 (w4a16) expert MLP in one call, with `_mxfp4_dot`'s kernels (only where
     `_mxfp4_dot.serves`): x [T, H] and out [T, H] uint16 (bfloat16 bits); the plan as
     `rows_experts_fp8`'s; blocks, scales and biases as `_mxfp4_dot.gate_up_rows` /
@@ -182,32 +290,50 @@ def rows_experts_mxfp4(x, tokens, slot_weights, offsets, hit, work, gate_up_bloc
     rows, inter = tokens.shape[0], gate_up_blocks.shape[1] // 2
     gate_up = np.empty((rows, 2 * inter), np.float32)
     for item in numba.prange(work.shape[0]):
-        _mxfp4_dot._gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], gate_up_blocks, gate_up_scales,
-                                 gate_up_bias, gate_up)
+        _mxfp4_dot._gate_up_item(
+            xs, tokens, offsets, work[item, 0], work[item, 1], gate_up_blocks, gate_up_scales, gate_up_bias, gate_up
+        )
     natural, acts = np.empty((rows, inter), np.uint16), np.empty((rows, inter), np.uint16)
     for m in numba.prange(rows):  # the activation row by row on every thread
         _mxfp4_intermediate_row(gate_up, m, code, natural, acts)
     sums = np.zeros((x.shape[0], down_blocks.shape[1]), np.float32)
     for block in numba.prange((down_blocks.shape[1] + columns - 1) // columns):
-        _mxfp4_dot._down_block(acts, tokens, slot_weights, offsets, hit, down_blocks, down_scales, down_bias, sums,
-                               block, columns)
+        _mxfp4_dot._down_block(
+            acts, tokens, slot_weights, offsets, hit, down_blocks, down_scales, down_bias, sums, block, columns
+        )
     _store_sums(sums, out)
 
 
 @numba.njit(cache=True)
-def rows_experts_mxfp4_serial(x, tokens, slot_weights, offsets, hit, work, gate_up_blocks, gate_up_scales,
-                              down_blocks, down_scales, gate_up_bias, down_bias, code, out):
+def rows_experts_mxfp4_serial(
+    x,
+    tokens,
+    slot_weights,
+    offsets,
+    hit,
+    work,
+    gate_up_blocks,
+    gate_up_scales,
+    down_blocks,
+    down_scales,
+    gate_up_bias,
+    down_bias,
+    code,
+    out,
+):
     """`rows_experts_mxfp4` on the calling thread: each expert's down weights read as one stream."""
     xs = _split_rows(x)
     rows, inter = tokens.shape[0], gate_up_blocks.shape[1] // 2
     gate_up = np.empty((rows, 2 * inter), np.float32)
     for item in range(work.shape[0]):
-        _mxfp4_dot._gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], gate_up_blocks, gate_up_scales,
-                                 gate_up_bias, gate_up)
+        _mxfp4_dot._gate_up_item(
+            xs, tokens, offsets, work[item, 0], work[item, 1], gate_up_blocks, gate_up_scales, gate_up_bias, gate_up
+        )
     natural, acts = np.empty((rows, inter), np.uint16), np.empty((rows, inter), np.uint16)
     for m in range(rows):
         _mxfp4_intermediate_row(gate_up, m, code, natural, acts)
     sums = np.zeros((x.shape[0], down_blocks.shape[1]), np.float32)
-    _mxfp4_dot._down_block(acts, tokens, slot_weights, offsets, hit, down_blocks, down_scales, down_bias, sums, 0,
-                           down_blocks.shape[1])
+    _mxfp4_dot._down_block(
+        acts, tokens, slot_weights, offsets, hit, down_blocks, down_scales, down_bias, sums, 0, down_blocks.shape[1]
+    )
     _store_sums(sums, out)

@@ -30,12 +30,29 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
 from moeroute.bindings.torch.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
-from moeroute.quant._dot import (BF16_DOT, LANES, BFloat16Type, accumulators, add_tile, dot_function, row_pointers,
-                                 store_tile, sum_lanes)
+from moeroute.quant._dot import (
+    BF16_DOT,
+    LANES,
+    BFloat16Type,
+    accumulators,
+    add_tile,
+    dot_function,
+    row_pointers,
+    store_tile,
+    sum_lanes,
+)
 from moeroute.routing.select._simd import _float32_bits
 
-__all__ = ["plan_rows", "rows_experts", "rows_experts_serial", "rows_experts_bf16", "rows_experts_bf16_serial",
-           "BF16_DOT", "ACTIVATION_CODES", "ROW_BLOCK"]
+__all__ = [
+    "plan_rows",
+    "rows_experts",
+    "rows_experts_serial",
+    "rows_experts_bf16",
+    "rows_experts_bf16_serial",
+    "BF16_DOT",
+    "ACTIVATION_CODES",
+    "ROW_BLOCK",
+]
 
 #: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
 ROW_BLOCK = 64
@@ -47,6 +64,7 @@ _ROW_TILE = 4
 def _bfloat16_bits_to_float32(typingctx, bits):
     """The float32 whose high 16 bits are ``bits`` (uint16) and low bits zero: a bfloat16's
     value, exactly. Zero-extend, shift, bitcast: LLVM vectorizes all three."""
+
     def codegen(context, builder, signature, args):
         wide = builder.zext(args[0], ir.IntType(32))
         return builder.bitcast(builder.shl(wide, ir.Constant(ir.IntType(32), 16)), ir.FloatType())
@@ -155,8 +173,9 @@ def _gate_up_item(xs, tokens, offsets, e, b, w_gate_up, bias, out):
     else:
         for n in range(b * ROW_BLOCK, last, 2):
             pair = n + 1 < last
-            _rows_times_weights(xs, tokens, start, stop, w_gate_up[e, n], w_gate_up[e, n + 1 if pair else n],
-                                pair, tile, out, n)
+            _rows_times_weights(
+                xs, tokens, start, stop, w_gate_up[e, n], w_gate_up[e, n + 1 if pair else n], pair, tile, out, n
+            )
     if bias.shape[0] > 0:
         for m in range(start, stop):
             for n in range(b * ROW_BLOCK, last):
@@ -192,8 +211,18 @@ def _down_block(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums
         else:
             for n in range(first, last, 2):
                 pair = n + 1 < last
-                _rows_times_weights(acts[start:stop], rows, 0, stop - start, w_down[e, n],
-                                    w_down[e, n + 1 if pair else n], pair, tile, dots, n - first)
+                _rows_times_weights(
+                    acts[start:stop],
+                    rows,
+                    0,
+                    stop - start,
+                    w_down[e, n],
+                    w_down[e, n + 1 if pair else n],
+                    pair,
+                    tile,
+                    dots,
+                    n - first,
+                )
         for m in range(start, stop):
             t, weight = tokens[m], slot_weights[m]
             for n in range(first, last):
@@ -291,12 +320,14 @@ def _float32_rows_impl(x):
     """Activations as float32 rows: bfloat16 bits (uint16) widened into a new array, float32
     as they are."""
     if x.dtype == types.uint16:
+
         def widen(x):
             xs = np.empty(x.shape, np.float32)
             for t in range(x.shape[0]):
                 for k in range(x.shape[1]):
                     xs[t, k] = _bfloat16_bits_to_float32(x[t, k])
             return xs
+
         return widen
     if x.dtype == types.float32:
         return lambda x: x
@@ -312,14 +343,18 @@ def _store_sums_impl(sums, out):
     """The float32 sums into ``out``: copied for float32, rounded to the nearest bfloat16
     (ties to even; NaN as the quiet NaN 0x7FC0, as torch rounds) for uint16 bits."""
     if out.dtype == types.uint16:
+
         def round_to_bfloat16(sums, out):
             for t in range(out.shape[0]):
                 for n in range(out.shape[1]):
                     out[t, n] = _round_bfloat16(sums[t, n])
+
         return round_to_bfloat16
     if out.dtype == types.float32:
+
         def copy(sums, out):
             out[:] = sums
+
         return copy
     return None
 
@@ -340,8 +375,12 @@ def _beyond(offsets, hit, bound):
 def _buffers(x, rows, w_gate_up, w_down):
     """The float32 rows of ``x`` and the scratch of one forward: gate_up [M, 2I], the
     activations [M, I] and the zeroed sums [T, H]."""
-    return (_float32_rows(x), np.empty((rows, w_gate_up.shape[1]), np.float32),
-            np.empty((rows, w_down.shape[2]), np.float32), np.zeros((x.shape[0], w_down.shape[1]), np.float32))
+    return (
+        _float32_rows(x),
+        np.empty((rows, w_gate_up.shape[1]), np.float32),
+        np.empty((rows, w_down.shape[2]), np.float32),
+        np.zeros((x.shape[0], w_down.shape[1]), np.float32),
+    )
 
 
 @numba.njit(parallel=True, cache=True)
@@ -409,11 +448,23 @@ def _dot_bf16_tile(typingctx, w, w_rows, xs, x_rows, out):
     ``xs`` (uint16 [*, n], C-contiguous; ``out`` float32 [>= the tile's size]): each weight
     row is read once for the activation rows, four chains in flight, and the tile's sums are
     reduced together."""
-    tuples_ok = all(isinstance(t, types.UniTuple) and 1 <= t.count <= max(_ROW_TILE, _WEIGHT_TILE) and isinstance(t.dtype, types.Integer)
-                    for t in (w_rows, x_rows))
-    if not (tuples_ok and isinstance(w, types.Array) and isinstance(xs, types.Array) and w.ndim == xs.ndim == 2
-            and w.dtype == xs.dtype == types.uint16 and w.layout == xs.layout == "C"
-            and isinstance(out, types.Array) and out.ndim == 1 and out.dtype == types.float32):
+    tuples_ok = all(
+        isinstance(t, types.UniTuple)
+        and 1 <= t.count <= max(_ROW_TILE, _WEIGHT_TILE)
+        and isinstance(t.dtype, types.Integer)
+        for t in (w_rows, x_rows)
+    )
+    if not (
+        tuples_ok
+        and isinstance(w, types.Array)
+        and isinstance(xs, types.Array)
+        and w.ndim == xs.ndim == 2
+        and w.dtype == xs.dtype == types.uint16
+        and w.layout == xs.layout == "C"
+        and isinstance(out, types.Array)
+        and out.ndim == 1
+        and out.dtype == types.float32
+    ):
         return None
     tile = (w_rows.count, x_rows.count)
     chains = max(1, _CHAINS // tile[1])
@@ -432,6 +483,7 @@ def _dot_bf16_tile(typingctx, w, w_rows, xs, x_rows, out):
         # rows read side by side defeat the hardware prefetchers), each against every
         # activation row.
         for w_ptr, row_accs in zip(w_ptrs, accs):
+
             def step(vector, chain):
                 a = builder.bitcast(builder.load(builder.gep(w_ptr, [vector]), align=2), v32bf)
                 for x_ptr, chained in zip(x_ptrs, row_accs):
@@ -442,8 +494,9 @@ def _dot_bf16_tile(typingctx, w, w_rows, xs, x_rows, out):
                 first = builder.mul(loop.index, ir.Constant(index_type, chains))
                 for c in range(chains):
                     step(builder.add(first, ir.Constant(index_type, c)), c)
-            with cgutils.for_range_slice(builder, builder.mul(rounds, ir.Constant(index_type, chains)), vectors,
-                                         ir.Constant(index_type, 1)) as (vector, _):
+            with cgutils.for_range_slice(
+                builder, builder.mul(rounds, ir.Constant(index_type, chains)), vectors, ir.Constant(index_type, 1)
+            ) as (vector, _):
                 step(vector, 0)
         totals = []
         for row in accs:
@@ -545,8 +598,9 @@ def _down_block_bf16(acts, tokens, slot_weights, offsets, experts, w_down, bias,
         for m in range(start, stop, _ROW_TILE):
             count = min(_ROW_TILE, stop - m)
             if count == 4:
-                _down_rows_bf16(weights, first, last, acts, (m, m + 1, m + 2, m + 3), tokens, slot_weights, bias, e,
-                                sums)
+                _down_rows_bf16(
+                    weights, first, last, acts, (m, m + 1, m + 2, m + 3), tokens, slot_weights, bias, e, sums
+                )
             elif count == 3:
                 _down_rows_bf16(weights, first, last, acts, (m, m + 1, m + 2), tokens, slot_weights, bias, e, sums)
             elif count == 2:

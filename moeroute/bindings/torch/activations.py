@@ -12,8 +12,14 @@ import torch.nn.functional as F
 
 from moeroute.config import EXPERT_ACTIVATIONS
 
-__all__ = ["ACTIVATIONS", "SWIGLUOAI_ALPHA", "SWIGLUOAI_LIMIT", "check_activation", "apply_activation",
-           "gated_activation"]
+__all__ = [
+    "ACTIVATIONS",
+    "SWIGLUOAI_ALPHA",
+    "SWIGLUOAI_LIMIT",
+    "check_activation",
+    "apply_activation",
+    "gated_activation",
+]
 
 #: Activations of the gated MLP: "silu" (SwiGLU), "gelu" (erf GeGLU), "gelu_tanh", and
 #: "swigluoai" (gpt-oss: clamped gate and up, ``(up + 1) * gate * sigmoid(1.702 * gate)``).
@@ -42,8 +48,10 @@ def apply_activation(gate: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "gelu":
         return F.gelu(gate)
     if activation == "swigluoai":
-        raise ValueError("activation='swigluoai' clamps and shifts the up projection too; it has no "
-                         "gate-only form (use gated_activation(gate, up, 'swigluoai'))")
+        raise ValueError(
+            "activation='swigluoai' clamps and shifts the up projection too; it has no "
+            "gate-only form (use gated_activation(gate, up, 'swigluoai'))"
+        )
     return F.gelu(gate, approximate="tanh")
 
 

@@ -154,12 +154,12 @@ def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weig
     """
     if isinstance(shared_weights, torch.Tensor):
         shared_weights = shared_weights.detach().to(torch.float32).contiguous()
-    return ROUTING_KERNELS.append_shared_slots(_contiguous(topk_ids), _contiguous(topk_weights),
-                                               layout, home_rank, shared_weights)
+    return ROUTING_KERNELS.append_shared_slots(
+        _contiguous(topk_ids), _contiguous(topk_weights), layout, home_rank, shared_weights
+    )
 
 
-def route(logits: torch.Tensor, router, layout, rank=0, correction_bias=None, shared_weights=None,
-          home_rank=0):
+def route(logits: torch.Tensor, router, layout, rank=0, correction_bias=None, shared_weights=None, home_rank=0):
     """select_experts, the fused shared slots and the local ids of ``rank`` in one step
     (docs/semantics.md sections 1, 2 and 4; one kernel launch on CUDA tensors).
 
@@ -181,8 +181,9 @@ def route(logits: torch.Tensor, router, layout, rank=0, correction_bias=None, sh
     """
     if isinstance(shared_weights, torch.Tensor):
         shared_weights = shared_weights.detach().to(torch.float32).contiguous()
-    return ROUTING_KERNELS.route(_contiguous(logits), router, layout, rank, _contiguous(correction_bias),
-                                 shared_weights, home_rank)
+    return ROUTING_KERNELS.route(
+        _contiguous(logits), router, layout, rank, _contiguous(correction_bias), shared_weights, home_rank
+    )
 
 
 def remap_to_local(ids: torch.Tensor, expert_map) -> torch.Tensor:
@@ -234,5 +235,4 @@ def combine(expert_out: torch.Tensor, inverse_index: torch.Tensor, topk_weights:
     -------
     Tensor [T, H], dtype of ``expert_out``.
     """
-    return ROUTING_KERNELS.combine(_contiguous(expert_out), _contiguous(inverse_index),
-                                   _contiguous(topk_weights))
+    return ROUTING_KERNELS.combine(_contiguous(expert_out), _contiguous(inverse_index), _contiguous(topk_weights))

@@ -57,10 +57,20 @@ from moeroute.quant.fp8 import check_fp8_weight
 __all__ = ["load_experts"]
 
 #: safetensors header dtype names -> torch dtypes (the ones a layer can take).
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-                       "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-                       "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-                       "I64": torch.int64, "BOOL": torch.bool}
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
+}
 if hasattr(torch, "float8_e8m0fnu"):
     _SAFETENSORS_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 #: Float weights a float layer copies (converted to its dtype).
@@ -132,8 +142,9 @@ class _Reader:
         header's name when torch has no such dtype."""
         entry = self._header(self.location[key]).get(key)
         if entry is None:
-            raise ValueError(f"{key} is listed in model.safetensors.index.json but its file "
-                             f"{self.location[key]!r} does not hold it")
+            raise ValueError(
+                f"{key} is listed in model.safetensors.index.json but its file {self.location[key]!r} does not hold it"
+            )
         return tuple(entry["shape"]), _SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"])
 
     def get(self, key: str, index=None) -> torch.Tensor:
@@ -185,16 +196,21 @@ def _check_meta(reader: _Reader, copy: _Copy, num_experts: int | None) -> None:
     if dtype not in copy.dtypes:
         dtype_name = str(dtype).replace("torch.", "")
         if FP8_DTYPE in copy.dtypes and dtype in _FLOAT_DTYPES:
-            raise ValueError(f"{copy.key} has dtype {dtype_name} but the layer holds FP8 experts "
-                             "(float8_e4m3fn weights with scales)")
+            raise ValueError(
+                f"{copy.key} has dtype {dtype_name} but the layer holds FP8 experts (float8_e4m3fn weights with scales)"
+            )
         if dtype == FP8_DTYPE and FP8_DTYPE not in copy.dtypes and torch.float32 in copy.dtypes:
-            raise ValueError(f"{copy.key} is float8_e4m3fn but the layer holds float experts; build it with "
-                             "quant=QuantConfig.from_hf(config)")
+            raise ValueError(
+                f"{copy.key} is float8_e4m3fn but the layer holds float experts; build it with "
+                "quant=QuantConfig.from_hf(config)"
+            )
         raise ValueError(f"{copy.key} has dtype {dtype_name}, expected {_dtype_text(copy.dtypes)}")
     if copy.index is not None:
         if len(shape) == 0 or shape[0] != num_experts:
-            raise ValueError(f"{copy.key} has shape {list(shape)}: its first dimension must be the "
-                             f"{num_experts} experts of the layer")
+            raise ValueError(
+                f"{copy.key} has shape {list(shape)}: its first dimension must be the "
+                f"{num_experts} experts of the layer"
+            )
         shape = shape[1:]
     if shape not in copy.shapes:
         raise ValueError(f"{copy.what()} has shape {list(shape)}, expected {_shape_text(copy.shapes)}")
@@ -227,13 +243,24 @@ def _expert_copies(module, reader: _Reader, prefix: str) -> list[_Copy]:
         order = gate_rows_first(2 * inter)
         uint8 = (torch.uint8,)
         for local, e in enumerate(ids):
-            for name, target, rows in (("experts.gate_up_proj_blocks", experts.w_gate_up, order),
-                                       ("experts.gate_up_proj_scales", experts.gate_up_scale, order),
-                                       ("experts.down_proj_blocks", experts.w_down, None),
-                                       ("experts.down_proj_scales", experts.down_scale, None)):
-                copies.append(_Copy(prefix + name, e, e, target[local], uint8, (tuple(target.shape[1:]),),
-                                     None if rows is None else _rows(rows),
-                                     _no_scale_byte_255 if name.endswith("_scales") else None))
+            for name, target, rows in (
+                ("experts.gate_up_proj_blocks", experts.w_gate_up, order),
+                ("experts.gate_up_proj_scales", experts.gate_up_scale, order),
+                ("experts.down_proj_blocks", experts.w_down, None),
+                ("experts.down_proj_scales", experts.down_scale, None),
+            ):
+                copies.append(
+                    _Copy(
+                        prefix + name,
+                        e,
+                        e,
+                        target[local],
+                        uint8,
+                        (tuple(target.shape[1:]),),
+                        None if rows is None else _rows(rows),
+                        _no_scale_byte_255 if name.endswith("_scales") else None,
+                    )
+                )
         copies += _bias_copies(module, reader, prefix, ids, order)
         return copies
     float_weights = (FP8_DTYPE,) if quant is not None else _FLOAT_DTYPES
@@ -245,8 +272,17 @@ def _expert_copies(module, reader: _Reader, prefix: str) -> list[_Copy]:
     if prefix + "experts.gate_up_proj" in reader or prefix + "experts.down_proj" in reader:
         for local, e in enumerate(ids):
             for name, target in (("experts.gate_up_proj", experts.w_gate_up), ("experts.down_proj", experts.w_down)):
-                copies.append(_Copy(prefix + name, e, e, target[local], float_weights, (tuple(target.shape[1:]),),
-                                    check=None if quant is None else check_fp8_weight))
+                copies.append(
+                    _Copy(
+                        prefix + name,
+                        e,
+                        e,
+                        target[local],
+                        float_weights,
+                        (tuple(target.shape[1:]),),
+                        check=None if quant is None else check_fp8_weight,
+                    )
+                )
             if quant is None:
                 continue
             for name, attribute in STACKED_SCALE_KEYS.items():
@@ -256,21 +292,36 @@ def _expert_copies(module, reader: _Reader, prefix: str) -> list[_Copy]:
                 if quant.format == "fp8_tensor":
                     shapes, convert = stacked_fp8_scale(attribute)
                 elif attribute == "gate_up_scale" and inter % quant.block_size[0]:
-                    raise ValueError(f"{prefix + name} blocks span the gate and up rows (intermediate size {inter} "
-                                     f"is not a multiple of the block rows {quant.block_size[0]}); moeroute keeps "
-                                     "gate and up in their own block rows: save the per-expert gate_proj/up_proj "
-                                     "weights")
+                    raise ValueError(
+                        f"{prefix + name} blocks span the gate and up rows (intermediate size {inter} "
+                        f"is not a multiple of the block rows {quant.block_size[0]}); moeroute keeps "
+                        "gate and up in their own block rows: save the per-expert gate_proj/up_proj "
+                        "weights"
+                    )
                 copies.append(_Copy(prefix + name, e, e, target, _SCALE_DTYPES, shapes, convert, _positive_scale))
             if quant.activation == "static":
-                for column, name in enumerate(("experts.gate_up_proj_activation_scale",
-                                               "experts.down_proj_activation_scale")):
-                    copies.append(_Copy(prefix + name, e, e, experts.input_scale[local, column], _SCALE_DTYPES,
-                                        ((),), None, _positive_scale))
+                for column, name in enumerate(
+                    ("experts.gate_up_proj_activation_scale", "experts.down_proj_activation_scale")
+                ):
+                    copies.append(
+                        _Copy(
+                            prefix + name,
+                            e,
+                            e,
+                            experts.input_scale[local, column],
+                            _SCALE_DTYPES,
+                            ((),),
+                            None,
+                            _positive_scale,
+                        )
+                    )
         if experts.b_gate_up is not None:
             copies += _bias_copies(module, reader, prefix, ids, None)
         return copies
-    raise ValueError(f"the checkpoint has no routed experts under {prefix!r} (looked for "
-                     f"{prefix + per_expert_key(ids[0], 'gate_proj')} and {prefix}experts.gate_up_proj)")
+    raise ValueError(
+        f"the checkpoint has no routed experts under {prefix!r} (looked for "
+        f"{prefix + per_expert_key(ids[0], 'gate_proj')} and {prefix}experts.gate_up_proj)"
+    )
 
 
 def _per_expert_copies(module, prefix: str, ids, float_weights) -> list[_Copy]:
@@ -291,18 +342,39 @@ def _per_expert_copies(module, prefix: str, ids, float_weights) -> list[_Copy]:
                     scale = experts.gate_up_scale[local, 0 if gate else 1]
                 else:
                     scale = experts.gate_up_scale[local, :nb] if gate else experts.gate_up_scale[local, nb:]
-            copies.append(_Copy(prefix + per_expert_key(e, projection), e, None, weight, float_weights,
-                                (tuple(weight.shape),), check=None if quant is None else check_fp8_weight))
+            copies.append(
+                _Copy(
+                    prefix + per_expert_key(e, projection),
+                    e,
+                    None,
+                    weight,
+                    float_weights,
+                    (tuple(weight.shape),),
+                    check=None if quant is None else check_fp8_weight,
+                )
+            )
             if scale is None:
                 continue
             shapes, convert = (tuple(scale.shape),), None
             if quant.format == "fp8_tensor":  # one value, saved as a scalar, [1] or [1, 1]
                 shapes, convert = ((), (1,), (1, 1)), _as_shape(())
-            copies.append(_Copy(prefix + per_expert_key(e, projection, scale=True), e, None, scale, _SCALE_DTYPES,
-                                shapes, convert, _positive_scale))
+            copies.append(
+                _Copy(
+                    prefix + per_expert_key(e, projection, scale=True),
+                    e,
+                    None,
+                    scale,
+                    _SCALE_DTYPES,
+                    shapes,
+                    convert,
+                    _positive_scale,
+                )
+            )
     if experts.b_gate_up is not None:
-        raise ValueError(f"the layer under {prefix!r} has expert biases, which per-expert checkpoint keys "
-                         f"({prefix}experts.{{e}}.gate_proj.weight, ...) do not carry")
+        raise ValueError(
+            f"the layer under {prefix!r} has expert biases, which per-expert checkpoint keys "
+            f"({prefix}experts.{{e}}.gate_proj.weight, ...) do not carry"
+        )
     return copies
 
 
@@ -313,10 +385,28 @@ def _gpt_oss_float_copies(module, reader: _Reader, prefix: str, ids) -> list[_Co
     order = gate_rows_first(2 * inter)
     copies = []
     for local, e in enumerate(ids):
-        copies.append(_Copy(prefix + "experts.gate_up_proj", e, e, experts.w_gate_up[local], _FLOAT_DTYPES,
-                            ((hid, 2 * inter),), lambda t: t.t()[order]))
-        copies.append(_Copy(prefix + "experts.down_proj", e, e, experts.w_down[local], _FLOAT_DTYPES,
-                            ((inter, hid),), lambda t: t.t()))
+        copies.append(
+            _Copy(
+                prefix + "experts.gate_up_proj",
+                e,
+                e,
+                experts.w_gate_up[local],
+                _FLOAT_DTYPES,
+                ((hid, 2 * inter),),
+                lambda t: t.t()[order],
+            )
+        )
+        copies.append(
+            _Copy(
+                prefix + "experts.down_proj",
+                e,
+                e,
+                experts.w_down[local],
+                _FLOAT_DTYPES,
+                ((inter, hid),),
+                lambda t: t.t(),
+            )
+        )
     return copies + _bias_copies(module, reader, prefix, ids, order)
 
 
@@ -329,14 +419,25 @@ def _bias_copies(module, reader: _Reader, prefix: str, ids, order) -> list[_Copy
     if experts.b_gate_up is None:
         present = [key for key in keys if key in reader]
         if present:
-            raise ValueError(f"the checkpoint holds {present[0]} but the layer under {prefix!r} has no expert "
-                             "biases, so they would be dropped; build it with expert_bias=True")
+            raise ValueError(
+                f"the checkpoint holds {present[0]} but the layer under {prefix!r} has no expert "
+                "biases, so they would be dropped; build it with expert_bias=True"
+            )
         return []
     copies = []
     for local, e in enumerate(ids):
         for key, target, rows in ((keys[0], experts.b_gate_up, order), (keys[1], experts.b_down, None)):
-            copies.append(_Copy(key, e, e, target[local], _FLOAT_DTYPES, (tuple(target.shape[1:]),),
-                                None if rows is None else _rows(rows)))
+            copies.append(
+                _Copy(
+                    key,
+                    e,
+                    e,
+                    target[local],
+                    _FLOAT_DTYPES,
+                    (tuple(target.shape[1:]),),
+                    None if rows is None else _rows(rows),
+                )
+            )
     return copies
 
 
@@ -344,28 +445,33 @@ def _rest_keys(module, reader: _Reader, prefix: str) -> list[str]:
     """The block's router, correction bias and shared MLP keys (not ``experts.*``), checked
     against the module's tensors from the headers: each is one the module has, with its
     shape; a fused shared MLP has its three weights (and an FP8 one its scales)."""
-    keys = [key for key in reader.keys_with_prefix(prefix) if not key[len(prefix):].startswith("experts.")]
+    keys = [key for key in reader.keys_with_prefix(prefix) if not key[len(prefix) :].startswith("experts.")]
     own = dict(module.named_parameters())
     own.update(module.named_buffers())
     fused = module.layout.shared == "fused"
     slots = module.num_shared_experts * module.intermediate_size
-    fused_shapes = {"gate_proj": (slots, module.hidden_size), "up_proj": (slots, module.hidden_size),
-                    "down_proj": (module.hidden_size, slots)}
+    fused_shapes = {
+        "gate_proj": (slots, module.hidden_size),
+        "up_proj": (slots, module.hidden_size),
+        "down_proj": (module.hidden_size, slots),
+    }
     fused_found = {}
     unexpected = []
     for key in keys:
-        name = key[len(prefix):]
+        name = key[len(prefix) :]
         name = _RENAMES.get(name, name)
         for shared_prefix in TRANSFORMERS_SHARED:
             if name.startswith(shared_prefix):
-                name = "shared_experts." + name[len(shared_prefix):]
+                name = "shared_experts." + name[len(shared_prefix) :]
         shape, dtype = reader.meta(key)
-        projection, _, kind = name[len("shared_experts."):].partition(".")
+        projection, _, kind = name[len("shared_experts.") :].partition(".")
         if fused and name.startswith("shared_experts.") and projection in fused_shapes:
             fused_found[projection, kind] = (key, dtype)
             if kind == "weight" and shape != fused_shapes[projection]:
-                raise ValueError(f"{key} has shape {list(shape)}, expected {list(fused_shapes[projection])} (the "
-                                 f"shared MLP fused into {module.num_shared_experts} expert slots)")
+                raise ValueError(
+                    f"{key} has shape {list(shape)}, expected {list(fused_shapes[projection])} (the "
+                    f"shared MLP fused into {module.num_shared_experts} expert slots)"
+                )
         elif name in own:
             if shape != tuple(own[name].shape):
                 raise ValueError(f"{key} has shape {list(shape)}, expected {list(own[name].shape)}")
@@ -377,8 +483,10 @@ def _rest_keys(module, reader: _Reader, prefix: str) -> list[str]:
         for projection in fused_shapes:
             weight = fused_found.get((projection, "weight"))
             if weight is None:
-                raise ValueError(f"{prefix}shared_experts.{projection}.weight is missing: the layer fuses the shared "
-                                 "MLP into expert slots and needs gate_proj, up_proj and down_proj")
+                raise ValueError(
+                    f"{prefix}shared_experts.{projection}.weight is missing: the layer fuses the shared "
+                    "MLP into expert slots and needs gate_proj, up_proj and down_proj"
+                )
             if weight[1] == FP8_DTYPE and (projection, "weight_scale_inv") not in fused_found:
                 raise ValueError(f"{weight[0]} is float8_e4m3fn without its weight_scale_inv")
     return keys
@@ -408,7 +516,7 @@ def _write_layer(module, reader: _Reader, copies, rest_keys, prefix: str) -> Non
         copy.target.copy_(tensor)
     if rest_keys:
         # Through the module's own state-dict mapping (renames, fused shared slots).
-        module.load_state_dict({key[len(prefix):]: reader.get(key) for key in rest_keys}, strict=False)
+        module.load_state_dict({key[len(prefix) :]: reader.get(key) for key in rest_keys}, strict=False)
 
 
 def load_experts(model: torch.nn.Module, path) -> dict:
@@ -455,11 +563,14 @@ def load_experts(model: torch.nn.Module, path) -> dict:
         layer does not have. Nothing is written when one is raised.
     """
     reader = _Reader(path)
-    layers = [(module, f"{name}." if name else "") for name, module in model.named_modules()
-              if isinstance(module, MoE)]
+    layers = [(module, f"{name}." if name else "") for name, module in model.named_modules() if isinstance(module, MoE)]
     checked = [(module, prefix, *_check_layer(module, reader, prefix)) for module, prefix in layers]
     checked_bytes = reader.bytes_read
     for module, prefix, copies, rest_keys in checked:
         _write_layer(module, reader, copies, rest_keys, prefix)
-    return {"layers": len(layers), "tensors": reader.tensors_read, "bytes": reader.bytes_read,
-            "checked_bytes": checked_bytes}
+    return {
+        "layers": len(layers),
+        "tensors": reader.tensors_read,
+        "bytes": reader.bytes_read,
+        "checked_bytes": checked_bytes,
+    }

@@ -31,8 +31,14 @@ import torch
 
 from moeroute.layout import ExpertLayout
 
-__all__ = ["DispatchHandle", "Dispatcher", "LocalDispatcher", "check_dispatch_inputs",
-           "register_ep_dispatcher_factory", "ep_dispatcher_factory"]
+__all__ = [
+    "DispatchHandle",
+    "Dispatcher",
+    "LocalDispatcher",
+    "check_dispatch_inputs",
+    "register_ep_dispatcher_factory",
+    "ep_dispatcher_factory",
+]
 
 
 class DispatchHandle:
@@ -95,9 +101,7 @@ class DispatchHandle:
         return self._received
 
 
-def check_dispatch_inputs(
-    hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-) -> None:
+def check_dispatch_inputs(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
     """Validate the arguments of `Dispatcher.dispatch`.
 
     Raises
@@ -108,23 +112,19 @@ def check_dispatch_inputs(
         hidden_states not 2-D; topk_ids not int32 [T, K']; topk_weights not float32 of
         the shape of topk_ids; the three on different devices.
     """
-    for name, value in (("hidden_states", hidden_states), ("topk_ids", topk_ids),
-                        ("topk_weights", topk_weights)):
+    for name, value in (("hidden_states", hidden_states), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if hidden_states.dim() != 2:
         raise ValueError(f"hidden_states must be 2-D [T, H], got shape {tuple(hidden_states.shape)}")
     num_tokens = hidden_states.shape[0]
     if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
-        raise ValueError(
-            f"topk_ids must be [T={num_tokens}, K'], got shape {tuple(topk_ids.shape)}"
-        )
+        raise ValueError(f"topk_ids must be [T={num_tokens}, K'], got shape {tuple(topk_ids.shape)}")
     if topk_ids.dtype != torch.int32:
         raise ValueError(f"topk_ids must be int32, got {topk_ids.dtype}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise ValueError(
-            f"topk_weights shape {tuple(topk_weights.shape)} must equal topk_ids shape "
-            f"{tuple(topk_ids.shape)}"
+            f"topk_weights shape {tuple(topk_weights.shape)} must equal topk_ids shape {tuple(topk_ids.shape)}"
         )
     if topk_weights.dtype != torch.float32:
         raise ValueError(f"topk_weights must be float32, got {topk_weights.dtype}")
@@ -237,9 +237,7 @@ class LocalDispatcher(Dispatcher):
 
         check_dispatch_inputs(hidden_states, topk_ids, topk_weights)
         local_ids = remap_to_local(topk_ids, self._map_for(hidden_states.device))
-        return DispatchHandle(
-            (hidden_states, local_ids, topk_weights), num_tokens=hidden_states.shape[0]
-        )
+        return DispatchHandle((hidden_states, local_ids, topk_weights), num_tokens=hidden_states.shape[0])
 
     def combine(self, partial_out, handle):
         """See `Dispatcher.combine`; here the partial output already is the result."""
@@ -247,8 +245,7 @@ class LocalDispatcher(Dispatcher):
             raise TypeError(f"handle must be a DispatchHandle, got {type(handle).__name__}")
         if partial_out.shape[0] != handle.num_tokens:
             raise ValueError(
-                f"partial_out has {partial_out.shape[0]} rows; the dispatch sent "
-                f"{handle.num_tokens} tokens"
+                f"partial_out has {partial_out.shape[0]} rows; the dispatch sent {handle.num_tokens} tokens"
             )
         return partial_out
 
@@ -278,6 +275,8 @@ def ep_dispatcher_factory():
         happens when the dispatch module was loaded by hand without its package.
     """
     if _EP_DISPATCHER_FACTORY is None:
-        raise RuntimeError("no expert-parallel dispatcher is registered; import moeroute.bindings.ep "
-                           "or pass MoE(dispatcher_factory=...)")
+        raise RuntimeError(
+            "no expert-parallel dispatcher is registered; import moeroute.bindings.ep "
+            "or pass MoE(dispatcher_factory=...)"
+        )
     return _EP_DISPATCHER_FACTORY

@@ -47,17 +47,39 @@ import torch
 from torch import nn
 
 from moeroute.bindings.torch import _rows, arrays
-from moeroute.bindings.torch.activations import (ACTIVATIONS, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, apply_activation,
-                                                 check_activation, gated_activation)
+from moeroute.bindings.torch.activations import (
+    ACTIVATIONS,
+    SWIGLUOAI_ALPHA,
+    SWIGLUOAI_LIMIT,
+    apply_activation,
+    check_activation,
+    gated_activation,
+)
 from moeroute import cpu_features
 from moeroute._validate import integer
 from moeroute.routing._parallel import cpu_threads
 from moeroute.routing.combine import accumulate_checked
 
-__all__ = ["LocalExperts", "ACTIVATIONS", "SUPPORTED_DTYPES", "GEMM_STRATEGIES", "LINEAR_BACKENDS",
-           "check_dtype", "choose_gemm", "cpu_experts", "onednn_linear_serves", "rows_bound", "rows_expert_mlp",
-           "expert_mlp", "streamed_expert_mlp", "padded_expert_mlp", "apply_activation",
-           "gated_activation", "SWIGLUOAI_ALPHA", "SWIGLUOAI_LIMIT"]
+__all__ = [
+    "LocalExperts",
+    "ACTIVATIONS",
+    "SUPPORTED_DTYPES",
+    "GEMM_STRATEGIES",
+    "LINEAR_BACKENDS",
+    "check_dtype",
+    "choose_gemm",
+    "cpu_experts",
+    "onednn_linear_serves",
+    "rows_bound",
+    "rows_expert_mlp",
+    "expert_mlp",
+    "streamed_expert_mlp",
+    "padded_expert_mlp",
+    "apply_activation",
+    "gated_activation",
+    "SWIGLUOAI_ALPHA",
+    "SWIGLUOAI_LIMIT",
+]
 
 #: Activation dtypes the expert compute serves (docs/semantics.md section 5).
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -91,8 +113,10 @@ def check_dtype(name: str, dtype: torch.dtype) -> None:
     """ValueError naming ``name``, ``dtype`` and `SUPPORTED_DTYPES` unless it is one of them
     (a module can be moved to float64, float8 or complex dtypes; the kernels serve none)."""
     if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{name} are {dtype}, which the expert compute does not serve; use one of "
-                         f"{SUPPORTED_DTYPES} (e.g. module.to(torch.float32))")
+        raise ValueError(
+            f"{name} are {dtype}, which the expert compute does not serve; use one of "
+            f"{SUPPORTED_DTYPES} (e.g. module.to(torch.float32))"
+        )
 
 
 def check_same_device(reference_name: str, reference: torch.Tensor, **tensors) -> None:
@@ -103,8 +127,10 @@ def check_same_device(reference_name: str, reference: torch.Tensor, **tensors) -
     device = reference.device
     for name, tensor in tensors.items():
         if tensor is not None and tensor.device != device:
-            raise ValueError(f"{name} is on {tensor.device}, {reference_name} on {device}; pass every "
-                             "tensor of the expert compute on one device")
+            raise ValueError(
+                f"{name} is on {tensor.device}, {reference_name} on {device}; pass every "
+                "tensor of the expert compute on one device"
+            )
 
 
 def _onednn_linear_op():
@@ -128,8 +154,9 @@ def onednn_linear_serves(dtype: torch.dtype) -> bool:
         return False
     expected = x.to(dtype).double() @ w.to(dtype).double().T
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
-    return got.shape == expected.shape and bool(torch.allclose(got.double(), expected, rtol=tolerance,
-                                                                   atol=tolerance * 16))
+    return got.shape == expected.shape and bool(
+        torch.allclose(got.double(), expected, rtol=tolerance, atol=tolerance * 16)
+    )
 
 
 def _linear_backend(linear: str, dtype: torch.dtype) -> str:
@@ -189,8 +216,16 @@ def expert_mlp(
     for e in range(len(expert_offsets) - 1):
         start, stop = expert_offsets[e], expert_offsets[e + 1]
         if start != stop:
-            _one_expert(hidden_sorted[start:stop], w_gate_up[e], w_down[e], activation, onednn,
-                        out=out[start:stop], b_gate_up=_row(b_gate_up, e), b_down=_row(b_down, e))
+            _one_expert(
+                hidden_sorted[start:stop],
+                w_gate_up[e],
+                w_down[e],
+                activation,
+                onednn,
+                out=out[start:stop],
+                b_gate_up=_row(b_gate_up, e),
+                b_down=_row(b_down, e),
+            )
     return out
 
 
@@ -282,12 +317,12 @@ def streamed_expert_mlp(
         t0 = clock() if clock else 0.0
         x = torch.index_select(hidden_states, 0, tokens[start:stop])
         t1 = clock() if clock else 0.0
-        y = _one_expert(x, w_gate_up[e], w_down[e], activation, onednn, b_gate_up=_row(b_gate_up, e),
-                        b_down=_row(b_down, e))
+        y = _one_expert(
+            x, w_gate_up[e], w_down[e], activation, onednn, b_gate_up=_row(b_gate_up, e), b_down=_row(b_down, e)
+        )
         t2 = clock() if clock else 0.0
         # Valid by construction: the tokens of one expert's sorted slots ascend, each once.
-        accumulate_checked(sums_np, arrays.host_array(y), tokens_np[start:stop],
-                           weights_np[start:stop], raw_bf16, True)
+        accumulate_checked(sums_np, arrays.host_array(y), tokens_np[start:stop], weights_np[start:stop], raw_bf16, True)
         if clock:
             t3 = clock()
             spent[0] += t1 - t0
@@ -367,8 +402,9 @@ def rows_expert_mlp(
     Tensor [T, H], dtype of ``hidden_states``: ``sum_k w[t, k] * expert_k(x_t)`` over the
     slots held here (rows with none are zero).
     """
-    served = _rows_forward(hidden_states, local_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up,
-                           b_down, float("inf"))
+    served = _rows_forward(
+        hidden_states, local_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, float("inf")
+    )
     assert served is not None
     return served
 
@@ -377,8 +413,10 @@ def _rows_forward(hidden_states, local_ids, weights, w_gate_up, w_down, activati
     """The row kernels' whole forward (`moeroute.bindings.torch._rows.rows_experts`, one Numba
     call), or None when the mean rows per hit expert exceed ``bound``."""
     if hidden_states.dtype not in ROWS_DTYPES or w_gate_up.dtype != hidden_states.dtype:
-        raise ValueError(f"the row kernels serve {ROWS_DTYPES} weights and activations of one dtype, got "
-                         f"{hidden_states.dtype} activations and {w_gate_up.dtype} weights")
+        raise ValueError(
+            f"the row kernels serve {ROWS_DTYPES} weights and activations of one dtype, got "
+            f"{hidden_states.dtype} activations and {w_gate_up.dtype} weights"
+        )
     out = torch.empty(hidden_states.shape, dtype=hidden_states.dtype)
     threads = cpu_threads()
     # One thread: the serial kernel, with no parallel region to start. bfloat16 on a CPU with
@@ -388,10 +426,18 @@ def _rows_forward(hidden_states, local_ids, weights, w_gate_up, w_down, activati
     else:
         kernel = _rows.rows_experts_serial if threads == 1 else _rows.rows_experts
     with _numba_threads(threads):
-        served = kernel(_row_view(hidden_states), local_ids.detach().contiguous().numpy(),
-                        weights.detach().to(torch.float32).contiguous().numpy(), _row_view(w_gate_up),
-                        _row_view(w_down), _bias_view(b_gate_up), _bias_view(b_down),
-                        _rows.ACTIVATION_CODES[activation], bound, _row_view(out))
+        served = kernel(
+            _row_view(hidden_states),
+            local_ids.detach().contiguous().numpy(),
+            weights.detach().to(torch.float32).contiguous().numpy(),
+            _row_view(w_gate_up),
+            _row_view(w_down),
+            _bias_view(b_gate_up),
+            _bias_view(b_down),
+            _rows.ACTIVATION_CODES[activation],
+            bound,
+            _row_view(out),
+        )
     return out if served else None
 
 
@@ -460,8 +506,16 @@ def cpu_experts(
     ValueError
         A tensor on another device than ``hidden_states`` (`check_same_device`).
     """
-    check_same_device("hidden_states", hidden_states, local_ids=local_ids, weights=weights, w_gate_up=w_gate_up,
-                      w_down=w_down, b_gate_up=b_gate_up, b_down=b_down)
+    check_same_device(
+        "hidden_states",
+        hidden_states,
+        local_ids=local_ids,
+        weights=weights,
+        w_gate_up=w_gate_up,
+        w_down=w_down,
+        b_gate_up=b_gate_up,
+        b_down=b_down,
+    )
     dtype = w_gate_up.dtype
     num_experts = w_gate_up.shape[0]
     strategy = gemm
@@ -469,19 +523,26 @@ def cpu_experts(
         # One Numba call plans, tests "auto"'s bound (choose_gemm's "rows" test, from the
         # plan's totals) and, within it, computes the whole forward.
         bound = float("inf") if strategy == "rows" else rows_bound(dtype)
-        out = _rows_forward(hidden_states, local_ids, weights, w_gate_up, w_down, activation, b_gate_up, b_down,
-                            bound)
+        out = _rows_forward(hidden_states, local_ids, weights, w_gate_up, w_down, activation, b_gate_up, b_down, bound)
         if out is not None:
             return out
     sorted_slots, expert_offsets, inverse_index = arrays.sort_by_expert(local_ids, num_experts)
     offsets = expert_offsets.tolist()
     if strategy == "auto":
-        strategy = choose_gemm([b - a for a, b in zip(offsets[:-1], offsets[1:])],
-                               onednn_linear_serves(dtype), dtype)
+        strategy = choose_gemm([b - a for a, b in zip(offsets[:-1], offsets[1:])], onednn_linear_serves(dtype), dtype)
     if strategy == "loop":
         gate_up, down = loop_weights if loop_weights is not None else (w_gate_up, w_down)
-        return streamed_expert_mlp(hidden_states.contiguous(), sorted_slots, offsets, weights, gate_up, down,
-                                   activation, b_gate_up=b_gate_up, b_down=b_down)
+        return streamed_expert_mlp(
+            hidden_states.contiguous(),
+            sorted_slots,
+            offsets,
+            weights,
+            gate_up,
+            down,
+            activation,
+            b_gate_up=b_gate_up,
+            b_down=b_down,
+        )
     hidden_sorted, _, _ = arrays.permute(hidden_states, local_ids, num_experts)
     expert_out = padded_expert_mlp(hidden_sorted, offsets, w_gate_up, w_down, activation, b_gate_up, b_down)
     return arrays.combine(expert_out, inverse_index, weights)
@@ -527,18 +588,25 @@ def padded_expert_mlp(
 def _check_adopted_weights(weights, num_local_experts, hidden_size, intermediate_size):
     """``weights`` as a (gate_up, down) pair of tensors of the expected shapes and one
     supported dtype and device; ValueError/TypeError naming the mismatch otherwise."""
-    if not isinstance(weights, (tuple, list)) or len(weights) != 2 \
-            or not all(isinstance(w, torch.Tensor) for w in weights):
+    if (
+        not isinstance(weights, (tuple, list))
+        or len(weights) != 2
+        or not all(isinstance(w, torch.Tensor) for w in weights)
+    ):
         raise TypeError("weights must be a (w_gate_up, w_down) pair of tensors")
     gate_up, down = weights
-    expected = ((num_local_experts, 2 * intermediate_size, hidden_size),
-                (num_local_experts, hidden_size, intermediate_size))
+    expected = (
+        (num_local_experts, 2 * intermediate_size, hidden_size),
+        (num_local_experts, hidden_size, intermediate_size),
+    )
     for name, tensor, shape in (("w_gate_up", gate_up, expected[0]), ("w_down", down, expected[1])):
         if tuple(tensor.shape) != shape:
             raise ValueError(f"weights {name} has shape {tuple(tensor.shape)}, expected {list(shape)}")
     if gate_up.dtype != down.dtype or gate_up.device != down.device:
-        raise ValueError(f"weights must share one dtype and device, got {gate_up.dtype} on {gate_up.device} "
-                         f"and {down.dtype} on {down.device}")
+        raise ValueError(
+            f"weights must share one dtype and device, got {gate_up.dtype} on {gate_up.device} "
+            f"and {down.dtype} on {down.device}"
+        )
     if gate_up.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"weights dtype {gate_up.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
     return gate_up, down
@@ -581,16 +649,25 @@ class LocalExperts(nn.Module):
         `SUPPORTED_DTYPES`.
     """
 
-    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int,
-                 activation: str = "silu", *, gemm: str = "auto", bias: bool = False, dtype=None,
-                 device=None, weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        num_local_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str = "silu",
+        *,
+        gemm: str = "auto",
+        bias: bool = False,
+        dtype=None,
+        device=None,
+        weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
         num_local_experts = integer("num_local_experts", num_local_experts, 1)
         hidden_size = integer("hidden_size", hidden_size, 1)
         intermediate_size = integer("intermediate_size", intermediate_size, 1)
         if weights is not None:
-            adopted = _check_adopted_weights(weights, num_local_experts, hidden_size,
-                                             intermediate_size)
+            adopted = _check_adopted_weights(weights, num_local_experts, hidden_size, intermediate_size)
             dtype, device = adopted[0].dtype, adopted[0].device
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in SUPPORTED_DTYPES:
@@ -611,10 +688,11 @@ class LocalExperts(nn.Module):
         self.b_gate_up = self.b_down = None
         if bias:
             self.b_gate_up = nn.Parameter(
-                torch.zeros(num_local_experts, 2 * intermediate_size, dtype=dtype, device=device),
-                requires_grad=False)
-            self.b_down = nn.Parameter(torch.zeros(num_local_experts, hidden_size, dtype=dtype, device=device),
-                                       requires_grad=False)
+                torch.zeros(num_local_experts, 2 * intermediate_size, dtype=dtype, device=device), requires_grad=False
+            )
+            self.b_down = nn.Parameter(
+                torch.zeros(num_local_experts, hidden_size, dtype=dtype, device=device), requires_grad=False
+            )
         if weights is not None:
             # Parameters over the given tensors' memory: no copy, no initialisation.
             self.w_gate_up = nn.Parameter(adopted[0].detach(), requires_grad=False)
@@ -657,24 +735,27 @@ class LocalExperts(nn.Module):
         torch build's oneDNN cannot serve their dtype.
         """
         if enable and self.w_gate_up.device.type != "cpu":
-            raise ValueError(f"pack_cpu_weights needs the weights on the CPU, they are on "
-                             f"{self.w_gate_up.device}")
+            raise ValueError(f"pack_cpu_weights needs the weights on the CPU, they are on {self.w_gate_up.device}")
         if enable and not onednn_linear_serves(self.w_gate_up.dtype):
-            raise ValueError(f"this torch build's oneDNN cannot serve {self.w_gate_up.dtype} "
-                             "weights; keep the plain weights (enable=False)")
+            raise ValueError(
+                f"this torch build's oneDNN cannot serve {self.w_gate_up.dtype} "
+                "weights; keep the plain weights (enable=False)"
+            )
         self.pack_cpu = bool(enable)
         self._packed = None  # free old copies before building new ones
         if self.pack_cpu:
             reorder = torch.ops.mkldnn._reorder_linear_weight
             with torch.no_grad():
-                self._packed = (self._weights_key(), [reorder(w) for w in self.w_gate_up],
-                                [reorder(w) for w in self.w_down])
+                self._packed = (
+                    self._weights_key(),
+                    [reorder(w) for w in self.w_gate_up],
+                    [reorder(w) for w in self.w_down],
+                )
         return self
 
     def _weights_key(self) -> tuple:
         """What torch can tell about the weights' identity: storage, version, dtype, device."""
-        return tuple((w.data_ptr(), w._version, w.dtype, w.device)
-                     for w in (self.w_gate_up, self.w_down))
+        return tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in (self.w_gate_up, self.w_down))
 
     def cpu_weights(self):
         """(w_gate_up, w_down) as the CPU expert loop uses them: the parameters, or lists of
@@ -721,12 +802,13 @@ class LocalExperts(nn.Module):
             self.pack_cpu_weights(serves)
 
     def extra_repr(self) -> str:
-        return (f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
-                f"intermediate_size={self.intermediate_size}, activation={self.activation!r}, "
-                f"gemm={self.gemm!r}, bias={self.b_gate_up is not None}")
+        return (
+            f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}, activation={self.activation!r}, "
+            f"gemm={self.gemm!r}, bias={self.b_gate_up is not None}"
+        )
 
-    def forward(self, hidden_states: torch.Tensor, local_ids: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Weighted sum of each row's local experts.
 
         Parameters
@@ -749,13 +831,25 @@ class LocalExperts(nn.Module):
         """
         check_dtype("the expert weights", self.w_gate_up.dtype)
         if hidden_states.dtype != self.w_gate_up.dtype:
-            raise ValueError(f"hidden_states dtype {hidden_states.dtype} does not match the expert "
-                             f"weights' dtype {self.w_gate_up.dtype}")
+            raise ValueError(
+                f"hidden_states dtype {hidden_states.dtype} does not match the expert "
+                f"weights' dtype {self.w_gate_up.dtype}"
+            )
         if hidden_states.device.type == "cuda":
             return self._forward_cuda(hidden_states, local_ids, weights)
         loop_weights = self.cpu_weights() if self.pack_cpu else None
-        return cpu_experts(hidden_states, local_ids, weights, self.w_gate_up, self.w_down, self.activation,
-                           self.gemm, self.b_gate_up, self.b_down, loop_weights=loop_weights)
+        return cpu_experts(
+            hidden_states,
+            local_ids,
+            weights,
+            self.w_gate_up,
+            self.w_down,
+            self.activation,
+            self.gemm,
+            self.b_gate_up,
+            self.b_down,
+            loop_weights=loop_weights,
+        )
 
     def _forward_cuda(self, hidden_states, local_ids, weights):
         try:
@@ -765,6 +859,13 @@ class LocalExperts(nn.Module):
                 f"hidden_states on {hidden_states.device} need moeroute's CUDA expert GEMMs, which "
                 f"could not be imported ({error}); install the 'cuda' extra (CuPy, numba-cuda)"
             ) from error
-        return fused_experts(hidden_states.contiguous(), self.w_gate_up, self.w_down,
-                             weights.contiguous(), local_ids.contiguous(), activation=self.activation,
-                             gate_up_bias=self.b_gate_up, down_bias=self.b_down)
+        return fused_experts(
+            hidden_states.contiguous(),
+            self.w_gate_up,
+            self.w_down,
+            weights.contiguous(),
+            local_ids.contiguous(),
+            activation=self.activation,
+            gate_up_bias=self.b_gate_up,
+            down_bias=self.b_down,
+        )

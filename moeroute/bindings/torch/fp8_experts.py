@@ -43,15 +43,26 @@ from moeroute.quant.fp8 import MIN_AMAX, check_fp8_weight
 from moeroute.quant import _host
 from moeroute.routing._parallel import cpu_threads
 
-__all__ = ["QuantizedExperts", "fp8_experts_forward", "choose_fp8_strategy", "FP8_STRATEGIES",
-           "fake_quantize", "check_quantized_weights", "PROJECTIONS", "STACKED_SCALE_KEYS", "per_expert_key",
-           "gate_up_scale_from_stacked", "FP8Activations", "quantize_for_dispatch", "check_dispatch_quant"]
+__all__ = [
+    "QuantizedExperts",
+    "fp8_experts_forward",
+    "choose_fp8_strategy",
+    "FP8_STRATEGIES",
+    "fake_quantize",
+    "check_quantized_weights",
+    "PROJECTIONS",
+    "STACKED_SCALE_KEYS",
+    "per_expert_key",
+    "gate_up_scale_from_stacked",
+    "FP8Activations",
+    "quantize_for_dispatch",
+    "check_dispatch_quant",
+]
 
 #: The three projections of a per-expert checkpoint, in moeroute's row order (gate, up, down).
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 #: transformers 5 FP8Experts scale names (relative to the block) -> QuantizedExperts parameter.
-STACKED_SCALE_KEYS = {"experts.gate_up_proj_scale_inv": "gate_up_scale",
-                      "experts.down_proj_scale_inv": "down_scale"}
+STACKED_SCALE_KEYS = {"experts.gate_up_proj_scale_inv": "gate_up_scale", "experts.down_proj_scale_inv": "down_scale"}
 
 
 def per_expert_key(expert: int, projection: str, scale: bool = False) -> str:
@@ -69,10 +80,13 @@ def gate_up_scale_from_stacked(scale: torch.Tensor, quant: QuantConfig, intermed
         return scale
     bn = quant.block_size[0]
     if intermediate_size % bn:
-        raise ValueError(f"gate_up_proj_scale_inv blocks span the gate and up rows (intermediate size "
-                         f"{intermediate_size} is not a multiple of the block rows {bn}); moeroute keeps "
-                         "gate and up in their own block rows: load the per-expert gate_proj/up_proj weights")
+        raise ValueError(
+            f"gate_up_proj_scale_inv blocks span the gate and up rows (intermediate size "
+            f"{intermediate_size} is not a multiple of the block rows {bn}); moeroute keeps "
+            "gate and up in their own block rows: load the per-expert gate_proj/up_proj weights"
+        )
     return scale
+
 
 #: CPU strategies of the FP8 experts; "auto" picks per call (`choose_fp8_strategy`).
 FP8_STRATEGIES = ("auto", "rows", "blocks")
@@ -135,23 +149,30 @@ class FP8Activations:
         """ValueError naming ``name`` unless q is 2-D e4m3 and scales float32 [T, G] beside it."""
         q, scales = self.q, self.scales
         if not isinstance(q, torch.Tensor) or q.dtype != FP8_DTYPE or q.dim() != 2:
-            raise ValueError(f"{name}.q must be a 2-D float8_e4m3fn tensor [T, H], got "
-                             f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+            raise ValueError(
+                f"{name}.q must be a 2-D float8_e4m3fn tensor [T, H], got "
+                f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}"
+            )
         groups = 1 if self.group_size is None else -(-q.shape[1] // self.group_size)
-        if (not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32
-                or tuple(scales.shape) != (q.shape[0], groups) or scales.device != q.device):
-            raise ValueError(f"{name}.scales must be float32 [{q.shape[0]}, {groups}] on {q.device}, got "
-                             f"{getattr(scales, 'dtype', type(scales).__name__)} "
-                             f"{tuple(getattr(scales, 'shape', ()))}")
+        if (
+            not isinstance(scales, torch.Tensor)
+            or scales.dtype != torch.float32
+            or tuple(scales.shape) != (q.shape[0], groups)
+            or scales.device != q.device
+        ):
+            raise ValueError(
+                f"{name}.scales must be float32 [{q.shape[0]}, {groups}] on {q.device}, got "
+                f"{getattr(scales, 'dtype', type(scales).__name__)} "
+                f"{tuple(getattr(scales, 'shape', ()))}"
+            )
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"{name}.dtype={self.dtype} must be the activation dtype (float32, bfloat16, "
-                             "float16)")
+            raise ValueError(f"{name}.dtype={self.dtype} must be the activation dtype (float32, bfloat16, float16)")
 
 
 def _dequantize_rows(q: torch.Tensor, scales: torch.Tensor, group: int | None) -> torch.Tensor:
     if group is None:
         return q.float() * scales
-    return q.float().mul_(scales.repeat_interleave(group, dim=-1)[..., :q.shape[-1]])
+    return q.float().mul_(scales.repeat_interleave(group, dim=-1)[..., : q.shape[-1]])
 
 
 def check_dispatch_quant(dispatch_dtype, quant: QuantConfig | None) -> str | None:
@@ -168,18 +189,25 @@ def check_dispatch_quant(dispatch_dtype, quant: QuantConfig | None) -> str | Non
     if dispatch_dtype is None or dispatch_dtype == "auto":
         return None
     if dispatch_dtype != "fp8":
-        raise ValueError(f"dispatch_dtype={dispatch_dtype!r} is unknown; use None/'auto' (the activation "
-                         "dtype) or 'fp8'")
+        raise ValueError(
+            f"dispatch_dtype={dispatch_dtype!r} is unknown; use None/'auto' (the activation dtype) or 'fp8'"
+        )
     if quant is None:
-        raise ValueError("dispatch_dtype='fp8' needs FP8 experts (quant=QuantConfig(...)): a float layer's "
-                         "experts would compute on e4m3-rounded inputs and differ from the single-rank layer")
+        raise ValueError(
+            "dispatch_dtype='fp8' needs FP8 experts (quant=QuantConfig(...)): a float layer's "
+            "experts would compute on e4m3-rounded inputs and differ from the single-rank layer"
+        )
     if not quant.format.startswith("fp8"):
-        raise ValueError(f"dispatch_dtype='fp8' needs FP8 experts; {quant.format} experts compute on the "
-                         "activations as they are (w4a16), which e4m3 rows would round")
+        raise ValueError(
+            f"dispatch_dtype='fp8' needs FP8 experts; {quant.format} experts compute on the "
+            "activations as they are (w4a16), which e4m3 rows would round"
+        )
     if quant.activation != "dynamic":
-        raise ValueError("dispatch_dtype='fp8' needs dynamic activation scales; with quant "
-                         "activation='static' each expert quantizes its input with its own scale, which "
-                         "the sending rank cannot apply once per token")
+        raise ValueError(
+            "dispatch_dtype='fp8' needs dynamic activation scales; with quant "
+            "activation='static' each expert quantizes its input with its own scale, which "
+            "the sending rank cannot apply once per token"
+        )
     return "fp8"
 
 
@@ -199,14 +227,27 @@ def _kernel_scales(config: QuantConfig, gate_up_scale, down_scale, hidden, inter
     if config.format == "fp8_block":
         bn, bk = config.block_size
         return gate_up_scale, down_scale, (bn, bk), (bn, bk)
-    return (gate_up_scale.reshape(-1, 2, 1).contiguous(), down_scale.reshape(-1, 1, 1).contiguous(),
-            (inter, hidden), (hidden, inter))
+    return (
+        gate_up_scale.reshape(-1, 2, 1).contiguous(),
+        down_scale.reshape(-1, 1, 1).contiguous(),
+        (inter, hidden),
+        (hidden, inter),
+    )
 
 
-def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor,
-                        q_gate_up: torch.Tensor, gate_up_scale: torch.Tensor, q_down: torch.Tensor,
-                        down_scale: torch.Tensor, config: QuantConfig, activation: str = "silu",
-                        input_scale: torch.Tensor | None = None, strategy: str = "auto") -> torch.Tensor:
+def fp8_experts_forward(
+    hidden_states: torch.Tensor,
+    local_ids: torch.Tensor,
+    weights: torch.Tensor,
+    q_gate_up: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+    q_down: torch.Tensor,
+    down_scale: torch.Tensor,
+    config: QuantConfig,
+    activation: str = "silu",
+    input_scale: torch.Tensor | None = None,
+    strategy: str = "auto",
+) -> torch.Tensor:
     """Weighted sum of each row's local w8a8 experts (CPU).
 
     Parameters
@@ -233,16 +274,27 @@ def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, we
     if strategy not in FP8_STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not an FP8 strategy; use one of {FP8_STRATEGIES}")
     rows = hidden_states.q if isinstance(hidden_states, FP8Activations) else hidden_states
-    check_same_device("hidden_states", rows, local_ids=local_ids, weights=weights, q_gate_up=q_gate_up,
-                      gate_up_scale=gate_up_scale, q_down=q_down, down_scale=down_scale, input_scale=input_scale)
+    check_same_device(
+        "hidden_states",
+        rows,
+        local_ids=local_ids,
+        weights=weights,
+        q_gate_up=q_gate_up,
+        gate_up_scale=gate_up_scale,
+        q_down=q_down,
+        down_scale=down_scale,
+        input_scale=input_scale,
+    )
     received = None
     if isinstance(hidden_states, FP8Activations):
         received = hidden_states
         received.check()
         if config.activation != "dynamic" or received.group_size != config.activation_group_size:
-            raise ValueError(f"hidden_states are FP8 rows in groups of {received.group_size} columns, but "
-                             f"the experts quantize their input with activation={config.activation!r}, "
-                             f"groups of {config.activation_group_size}")
+            raise ValueError(
+                f"hidden_states are FP8 rows in groups of {received.group_size} columns, but "
+                f"the experts quantize their input with activation={config.activation!r}, "
+                f"groups of {config.activation_group_size}"
+            )
         hidden_states = received.q
     act_dtype = hidden_states.dtype if received is None else received.dtype
     num_tokens, hidden = hidden_states.shape
@@ -254,15 +306,32 @@ def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, we
         strategy = "blocks"  # the row kernels are Numba CPU code
     if strategy != "blocks":
         # The row kernels' bookkeeping in one Numba pass; it also gives "auto" its counts.
-        plan = _rows.plan_rows(local_ids.detach().contiguous().numpy(),
-                               weights.detach().to(torch.float32).contiguous().numpy(), num_experts,
-                               -(-two_inter // _host.ROW_BLOCK))
+        plan = _rows.plan_rows(
+            local_ids.detach().contiguous().numpy(),
+            weights.detach().to(torch.float32).contiguous().numpy(),
+            num_experts,
+            -(-two_inter // _host.ROW_BLOCK),
+        )
         if strategy == "auto":
-            strategy = choose_fp8_strategy(np.diff(plan[2]).tolist(),
-                                           _host.bf16_dot_serves(hidden, inter, gu_block, d_block))
+            strategy = choose_fp8_strategy(
+                np.diff(plan[2]).tolist(), _host.bf16_dot_serves(hidden, inter, gu_block, d_block)
+            )
         if strategy == "rows":
-            return _rows_forward(hidden_states, received, plan, q_gate_up, gu_scale, gu_block, q_down, d_scale,
-                                 d_block, config, activation, input_scale, act_dtype)
+            return _rows_forward(
+                hidden_states,
+                received,
+                plan,
+                q_gate_up,
+                gu_scale,
+                gu_block,
+                q_down,
+                d_scale,
+                d_block,
+                config,
+                activation,
+                input_scale,
+                act_dtype,
+            )
     top_k = local_ids.shape[1]
     sorted_slots, expert_offsets, _ = arrays.sort_by_expert(local_ids, num_experts)
     offsets = expert_offsets.to(torch.int64)
@@ -274,8 +343,7 @@ def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, we
     if slots.numel() == 0:
         return sums.to(act_dtype)
     static = config.activation == "static"
-    row_expert = torch.repeat_interleave(torch.arange(num_experts, device=device),
-                                         torch.tensor(counts, device=device))
+    row_expert = torch.repeat_interleave(torch.arange(num_experts, device=device), torch.tensor(counts, device=device))
 
     # First GEMM's input: quantized once per token (dynamic; on the sending rank with FP8
     # dispatch), or per (row, expert) with the expert's static scale.
@@ -286,8 +354,9 @@ def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, we
     else:
         xs = fake_quantize(hidden_states, config)[tokens]
     hit = [e for e, c in enumerate(counts) if c]
-    gate_up = _blocks_gemm(xs, offsets, hit, q_gate_up, gu_scale, gu_block, act_dtype,
-                           halves=(inter, gu_scale.shape[1] // 2))
+    gate_up = _blocks_gemm(
+        xs, offsets, hit, q_gate_up, gu_scale, gu_block, act_dtype, halves=(inter, gu_scale.shape[1] // 2)
+    )
     act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
     if act_dtype != torch.float32:  # the intermediate in the activation dtype, as GPUs keep it
         act = act.to(act_dtype)
@@ -298,8 +367,21 @@ def fp8_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, we
     return sums if act_dtype == torch.float32 else sums.to(act_dtype)
 
 
-def _rows_forward(hidden_states, received, plan, q_gate_up, gu_scale, gu_block, q_down, d_scale, d_block,
-                  config, activation, input_scale, act_dtype):
+def _rows_forward(
+    hidden_states,
+    received,
+    plan,
+    q_gate_up,
+    gu_scale,
+    gu_block,
+    q_down,
+    d_scale,
+    d_block,
+    config,
+    activation,
+    input_scale,
+    act_dtype,
+):
     """The "rows" strategy: both GEMMs in the row kernels of `moeroute.quant._host`, the
     second adding into the float32 sums; serial kernels when torch has one thread. With the
     bfloat16-dot kernels and dynamic float scales, the whole forward is one Numba call
@@ -314,15 +396,37 @@ def _rows_forward(hidden_states, received, plan, q_gate_up, gu_scale, gu_block, 
     threads = cpu_threads()
     bf16_dot = _host.bf16_dot_serves(hidden, inter, gu_block, d_block)
     groups = _fused_groups(config, hidden, inter, gu_groups, d_groups)
-    if (bf16_dot and groups is not None and received is None and not static and config.scale_fmt == "float"
-            and act_dtype in (torch.float32, torch.bfloat16) and activation in _rows.ACTIVATION_CODES):
+    if (
+        bf16_dot
+        and groups is not None
+        and received is None
+        and not static
+        and config.scale_fmt == "float"
+        and act_dtype in (torch.float32, torch.bfloat16)
+        and activation in _rows.ACTIVATION_CODES
+    ):
         # One Numba call from the rows to the output (`_quant_rows`).
         bits = act_dtype == torch.bfloat16
         x = hidden_states.detach().contiguous()
         out = torch.empty(num_tokens, hidden, dtype=act_dtype)
-        args = ((x.view(torch.uint16) if bits else x).numpy(), tokens, slot_weights, offsets, hit, work,
-                q_gate_up.view(torch.uint8).numpy(), gu_scale.numpy(), q_down.view(torch.uint8).numpy(),
-                d_scale.numpy(), gu_block, d_block, groups, bits, _MIN_AMAX, _rows.ACTIVATION_CODES[activation])
+        args = (
+            (x.view(torch.uint16) if bits else x).numpy(),
+            tokens,
+            slot_weights,
+            offsets,
+            hit,
+            work,
+            q_gate_up.view(torch.uint8).numpy(),
+            gu_scale.numpy(),
+            q_down.view(torch.uint8).numpy(),
+            d_scale.numpy(),
+            gu_block,
+            d_block,
+            groups,
+            bits,
+            _MIN_AMAX,
+            _rows.ACTIVATION_CODES[activation],
+        )
         result = (out.view(torch.uint16) if bits else out).numpy()
         with _numba_threads(threads):
             if threads == 1:
@@ -334,8 +438,9 @@ def _rows_forward(hidden_states, received, plan, q_gate_up, gu_scale, gu_block, 
     sums = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     if static:  # per (row, expert): the expert's own input scale
         row_expert = torch.from_numpy(np.repeat(np.arange(offsets.shape[0] - 1), np.diff(offsets)))
-        q_x, s_x = _quantized_rows(hidden_states[torch.from_numpy(tokens)], config, gu_groups,
-                                   input_scale[row_expert, 0].float())
+        q_x, s_x = _quantized_rows(
+            hidden_states[torch.from_numpy(tokens)], config, gu_groups, input_scale[row_expert, 0].float()
+        )
         x_rows = np.arange(tokens.shape[0])
     elif received is not None:  # quantized once per token on the sending rank (FP8 dispatch)
         q_x, s_x = received.q.float(), received.scales.expand(-1, gu_groups).contiguous()
@@ -347,21 +452,49 @@ def _rows_forward(hidden_states, received, plan, q_gate_up, gu_scale, gu_block, 
     # The bfloat16 dot instructions where the CPU has them and the shapes fit their vectors;
     # else the float32 kernels. One thread: the serial kernels, with no parallel region to start.
     if bf16_dot:
-        gate_up_rows, down_rows = ((_host.gate_up_rows_bf16_serial, _host.down_rows_bf16_serial) if threads == 1
-                                   else (_host.gate_up_rows_bf16, _host.down_rows_bf16))
+        gate_up_rows, down_rows = (
+            (_host.gate_up_rows_bf16_serial, _host.down_rows_bf16_serial)
+            if threads == 1
+            else (_host.gate_up_rows_bf16, _host.down_rows_bf16)
+        )
     else:
-        gate_up_rows, down_rows = ((_host.gate_up_rows_serial, _host.down_rows_serial) if threads == 1
-                                   else (_host.gate_up_rows, _host.down_rows))
+        gate_up_rows, down_rows = (
+            (_host.gate_up_rows_serial, _host.down_rows_serial)
+            if threads == 1
+            else (_host.gate_up_rows, _host.down_rows)
+        )
     with _numba_threads(threads):
-        gate_up_rows(_e4m3_operand(q_x, bf16_dot), s_x.numpy(), x_rows, offsets, work,
-                     q_gate_up.view(torch.uint8).numpy(), gu_scale.numpy(), inter, gu_block[0], gu_block[1],
-                     gate_up.numpy())
+        gate_up_rows(
+            _e4m3_operand(q_x, bf16_dot),
+            s_x.numpy(),
+            x_rows,
+            offsets,
+            work,
+            q_gate_up.view(torch.uint8).numpy(),
+            gu_scale.numpy(),
+            inter,
+            gu_block[0],
+            gu_block[1],
+            gate_up.numpy(),
+        )
         act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
         # The intermediate rounded to the activation dtype (as GPUs keep it), then quantized.
-        q_act, s_act = _quantized_rows(act, config, d_groups, input_scale[row_expert, 1].float() if static else None,
-                                       round_to=act_dtype)
-        down_rows(_e4m3_operand(q_act, bf16_dot), s_act.numpy(), tokens, slot_weights, offsets, hit,
-                  q_down.view(torch.uint8).numpy(), d_scale.numpy(), d_block[0], d_block[1], sums.numpy())
+        q_act, s_act = _quantized_rows(
+            act, config, d_groups, input_scale[row_expert, 1].float() if static else None, round_to=act_dtype
+        )
+        down_rows(
+            _e4m3_operand(q_act, bf16_dot),
+            s_act.numpy(),
+            tokens,
+            slot_weights,
+            offsets,
+            hit,
+            q_down.view(torch.uint8).numpy(),
+            d_scale.numpy(),
+            d_block[0],
+            d_block[1],
+            sums.numpy(),
+        )
     return sums if act_dtype == torch.float32 else sums.to(act_dtype)
 
 
@@ -397,14 +530,25 @@ def _quantized_rows(x: torch.Tensor, config: QuantConfig, groups: int, static_sc
     the arithmetic, the more so when the cores are shared.
     """
     round_to = x.dtype if round_to is None else round_to
-    if (static_scale is None and config.scale_fmt == "float" and x.device.type == "cpu"
-            and round_to in (torch.float32, torch.bfloat16) and x.dtype in (torch.float32, torch.bfloat16)):
+    if (
+        static_scale is None
+        and config.scale_fmt == "float"
+        and x.device.type == "cpu"
+        and round_to in (torch.float32, torch.bfloat16)
+        and x.dtype in (torch.float32, torch.bfloat16)
+    ):
         values = x.detach().float().contiguous()  # bfloat16 widened exactly
         group = config.activation_group_size or max(1, x.shape[1])
         q = torch.empty(x.shape, dtype=torch.float32)
         scales = torch.empty(x.shape[0], -(-x.shape[1] // group), dtype=torch.float32)
-        _host.quantize_rows(values.numpy(), group, round_to == torch.bfloat16 and x.dtype == torch.float32,
-                            _MIN_AMAX, q.numpy(), scales.numpy())
+        _host.quantize_rows(
+            values.numpy(),
+            group,
+            round_to == torch.bfloat16 and x.dtype == torch.float32,
+            _MIN_AMAX,
+            q.numpy(),
+            scales.numpy(),
+        )
         return q, scales.expand(-1, groups).contiguous()
     if x.dtype != round_to:
         x = x.to(round_to)
@@ -450,13 +594,12 @@ def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None, decoder=
         start, stop = int(offsets[e]), int(offsets[e + 1])
         x_e = x_cast[start:stop]
         for first, last, origin in spans:
-            scale_e = scale[e] if origin == 0 else scale[e, halves[1]:]
+            scale_e = scale[e] if origin == 0 else scale[e, halves[1] :]
             for r0 in range(first, last, chunk_rows):
                 r1 = min(last, r0 + chunk_rows)
-                w = buffer[:r1 - r0]
+                w = buffer[: r1 - r0]
                 if decoder == "numba":
-                    _host.dequantize_rows(q_bytes[e].numpy(), scale_e.numpy(), r0, r1, origin, bn, bk,
-                                          w.numpy())
+                    _host.dequantize_rows(q_bytes[e].numpy(), scale_e.numpy(), r0, r1, origin, bn, bk, w.numpy())
                 else:  # torch's own e4m3 conversion is fast on devices
                     rows = torch.arange(r0, r1, device=q.device) - origin
                     block_scales = scale_e[rows // bn].repeat_interleave(bk, dim=1)[:, :cols]
@@ -502,9 +645,18 @@ class QuantizedExperts(nn.Module):
     casting FP8 values without their scales would be silently wrong.
     """
 
-    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int,
-                 activation: str = "silu", *, quant: QuantConfig, device=None, strategy: str = "auto",
-                 bias: bool = False) -> None:
+    def __init__(
+        self,
+        num_local_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str = "silu",
+        *,
+        quant: QuantConfig,
+        device=None,
+        strategy: str = "auto",
+        bias: bool = False,
+    ) -> None:
         super().__init__()
         if not isinstance(quant, QuantConfig):
             raise TypeError(f"quant must be a moeroute.quant.QuantConfig, got {type(quant).__name__}")
@@ -534,16 +686,18 @@ class QuantizedExperts(nn.Module):
             self.down_scale = parameter(torch.full(down_shape, 127, dtype=torch.uint8, device=device))
             self.input_scale = None
             if bias:
-                self.b_gate_up = parameter(torch.zeros(num_local_experts, 2 * intermediate_size,
-                                                       dtype=torch.float32, device=device))
-                self.b_down = parameter(torch.zeros(num_local_experts, hidden_size, dtype=torch.float32,
-                                                    device=device))
+                self.b_gate_up = parameter(
+                    torch.zeros(num_local_experts, 2 * intermediate_size, dtype=torch.float32, device=device)
+                )
+                self.b_down = parameter(torch.zeros(num_local_experts, hidden_size, dtype=torch.float32, device=device))
             return
 
-        self.w_gate_up = parameter(torch.zeros(num_local_experts, 2 * intermediate_size, hidden_size,
-                                               dtype=FP8_DTYPE, device=device))
-        self.w_down = parameter(torch.zeros(num_local_experts, hidden_size, intermediate_size, dtype=FP8_DTYPE,
-                                            device=device))
+        self.w_gate_up = parameter(
+            torch.zeros(num_local_experts, 2 * intermediate_size, hidden_size, dtype=FP8_DTYPE, device=device)
+        )
+        self.w_down = parameter(
+            torch.zeros(num_local_experts, hidden_size, intermediate_size, dtype=FP8_DTYPE, device=device)
+        )
         self.gate_up_scale = parameter(torch.ones(gate_up_shape, dtype=torch.float32, device=device))
         self.down_scale = parameter(torch.ones(down_shape, dtype=torch.float32, device=device))
         self.input_scale = None
@@ -557,8 +711,10 @@ class QuantizedExperts(nn.Module):
 
     def pack_cpu_weights(self, enable: bool = True):
         if enable:
-            raise ValueError("pack_cpu_weights packs float weights for oneDNN; FP8 experts are decoded "
-                             "in the expert loop and have nothing to pack")
+            raise ValueError(
+                "pack_cpu_weights packs float weights for oneDNN; FP8 experts are decoded "
+                "in the expert loop and have nothing to pack"
+            )
         return self
 
     def _apply(self, fn, *args, **kwargs):
@@ -572,8 +728,9 @@ class QuantizedExperts(nn.Module):
                 param.data = old.to(device=param.device)
         return result
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         # Every state-dict path into the module (moeroute's own names included) refuses NaN
         # e4m3 weight bytes before anything is copied, as the other loaders do.
         if self.quant.format != "mxfp4":
@@ -581,8 +738,9 @@ class QuantizedExperts(nn.Module):
                 tensor = state_dict.get(prefix + name)
                 if isinstance(tensor, torch.Tensor) and tensor.dtype == FP8_DTYPE and not tensor.is_meta:
                     check_fp8_weight(prefix + name, tensor)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def __getstate__(self):
         # pickle cannot save float8 storages (torch.save can): the e4m3 weights travel as their
@@ -603,28 +761,58 @@ class QuantizedExperts(nn.Module):
             self._parameters[name] = nn.Parameter(self._parameters[name].view(FP8_DTYPE), requires_grad=False)
 
     def extra_repr(self) -> str:
-        return (f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
-                f"intermediate_size={self.intermediate_size}, activation={self.activation!r}, "
-                f"quant={self.quant!r}")
+        return (
+            f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}, activation={self.activation!r}, "
+            f"quant={self.quant!r}"
+        )
 
-    def forward(self, hidden_states: torch.Tensor, local_ids: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Weighted sum of each row's local w8a8 experts: as `LocalExperts.forward`, with the
         numerics of docs/quant.md; any of float32/bfloat16/float16 activations."""
         if isinstance(hidden_states, torch.Tensor):
             hidden_states = hidden_states.contiguous()
         if self.quant.format == "mxfp4":
-            return mxfp4_experts_forward(hidden_states, local_ids.contiguous(), weights.contiguous(),
-                                         self.w_gate_up, self.gate_up_scale, self.w_down, self.down_scale,
-                                         self.b_gate_up, self.b_down, self.activation, self.strategy)
-        return fp8_experts_forward(hidden_states, local_ids.contiguous(), weights.contiguous(),
-                                   self.w_gate_up, self.gate_up_scale, self.w_down, self.down_scale,
-                                   self.quant, self.activation, self.input_scale, self.strategy)
+            return mxfp4_experts_forward(
+                hidden_states,
+                local_ids.contiguous(),
+                weights.contiguous(),
+                self.w_gate_up,
+                self.gate_up_scale,
+                self.w_down,
+                self.down_scale,
+                self.b_gate_up,
+                self.b_down,
+                self.activation,
+                self.strategy,
+            )
+        return fp8_experts_forward(
+            hidden_states,
+            local_ids.contiguous(),
+            weights.contiguous(),
+            self.w_gate_up,
+            self.gate_up_scale,
+            self.w_down,
+            self.down_scale,
+            self.quant,
+            self.activation,
+            self.input_scale,
+            self.strategy,
+        )
 
 
-def check_quantized_weights(quant: QuantConfig, num_experts: int, hidden_size: int, intermediate_size: int,
-                            w_gate_up, w_down, gate_up_scale, down_scale, input_scale,
-                            check_values: bool = True) -> dict:
+def check_quantized_weights(
+    quant: QuantConfig,
+    num_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    w_gate_up,
+    w_down,
+    gate_up_scale,
+    down_scale,
+    input_scale,
+    check_values: bool = True,
+) -> dict:
     """The full stacked FP8 tensors checked at the boundary; name -> tensor (scales float32).
 
     ``check_values=False`` checks shapes and dtypes only (no read of the weights' bytes or
@@ -639,15 +827,19 @@ def check_quantized_weights(quant: QuantConfig, num_experts: int, hidden_size: i
         scales that are not float32, not finite or not positive, a static scheme without
         ``input_scale`` (or one given to a dynamic layer).
     """
-    expected = {"w_gate_up": (num_experts, 2 * intermediate_size, hidden_size),
-                "w_down": (num_experts, hidden_size, intermediate_size)}
+    expected = {
+        "w_gate_up": (num_experts, 2 * intermediate_size, hidden_size),
+        "w_down": (num_experts, hidden_size, intermediate_size),
+    }
     for name, weight in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(weight).__name__}")
         if weight.dtype != FP8_DTYPE:
-            raise ValueError(f"{name} has dtype {weight.dtype} but the layer has quant={quant.format!r}, "
-                             "which stores float8_e4m3fn weights with their scales; quantize float weights "
-                             "with moeroute.quant.quantize_experts")
+            raise ValueError(
+                f"{name} has dtype {weight.dtype} but the layer has quant={quant.format!r}, "
+                "which stores float8_e4m3fn weights with their scales; quantize float weights "
+                "with moeroute.quant.quantize_experts"
+            )
         if tuple(weight.shape) != expected[name]:
             raise ValueError(f"{name} has shape {tuple(weight.shape)}, expected {list(expected[name])}")
         if check_values:
@@ -656,15 +848,21 @@ def check_quantized_weights(quant: QuantConfig, num_experts: int, hidden_size: i
     for name, scale in (("gate_up_scale", gate_up_scale), ("down_scale", down_scale)):
         if scale is None:
             raise ValueError(f"{name} is missing: FP8 weights (quant={quant.format!r}) need their scales")
-    tensors = {"w_gate_up": w_gate_up, "w_down": w_down,
-               "gate_up_scale": check_scale("gate_up_scale", gate_up_scale, gate_up_shape, check_values),
-               "down_scale": check_scale("down_scale", down_scale, down_shape, check_values)}
+    tensors = {
+        "w_gate_up": w_gate_up,
+        "w_down": w_down,
+        "gate_up_scale": check_scale("gate_up_scale", gate_up_scale, gate_up_shape, check_values),
+        "down_scale": check_scale("down_scale", down_scale, down_shape, check_values),
+    }
     if quant.activation == "static":
         if input_scale is None:
-            raise ValueError("input_scale is missing: quant activation='static' needs the [N, 2] activation "
-                             "scales (gate_up input, down input)")
+            raise ValueError(
+                "input_scale is missing: quant activation='static' needs the [N, 2] activation "
+                "scales (gate_up input, down input)"
+            )
         tensors["input_scale"] = check_scale("input_scale", input_scale, (num_experts, 2), check_values)
     elif input_scale is not None:
-        raise ValueError("input_scale was given but the layer quantizes activations dynamically "
-                         "(QuantConfig activation='dynamic')")
+        raise ValueError(
+            "input_scale was given but the layer quantizes activations dynamically (QuantConfig activation='dynamic')"
+        )
     return tensors

@@ -13,8 +13,14 @@ import torch.distributed as dist
 
 from moeroute.layout import ExpertLayout
 
-__all__ = ["CollectiveError", "RankMismatchError", "ep_group_size_and_rank", "layout_fingerprint",
-           "check_ranks_agree", "fields_digest"]
+__all__ = [
+    "CollectiveError",
+    "RankMismatchError",
+    "ep_group_size_and_rank",
+    "layout_fingerprint",
+    "check_ranks_agree",
+    "fields_digest",
+]
 
 #: Bytes of the layout digest kept in the signature: 7 bytes fit a non-negative int64.
 _DIGEST_BYTES = 7
@@ -40,7 +46,7 @@ class RankMismatchError(ValueError):
 
 def _render(value: Any) -> str:
     text = repr(value)
-    return text if len(text) <= _MAX_VALUE_CHARS else text[:_MAX_VALUE_CHARS - 3] + "..."
+    return text if len(text) <= _MAX_VALUE_CHARS else text[: _MAX_VALUE_CHARS - 3] + "..."
 
 
 def ep_group_size_and_rank(ep_group: Any) -> tuple[int, int]:
@@ -134,7 +140,10 @@ def check_ranks_agree(fields: dict[str, Any], group: Any = None, what: str = "th
     if differing:
         details = "; ".join(
             f"{name}: " + ", ".join(f"rank {r}={_render(v)}" for r, v in enumerate(values))
-            for name, values in differing.items())
+            for name, values in differing.items()
+        )
         raise RankMismatchError(
             f"the {len(gathered)} expert-parallel ranks disagree on {what}: {details}; "
-            "build every rank's layer with the same arguments", differing)
+            "build every rank's layer with the same arguments",
+            differing,
+        )

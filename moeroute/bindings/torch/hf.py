@@ -55,24 +55,39 @@ from moeroute.bindings.torch.mxfp4_experts import gate_rows_first
 from moeroute.config import RouterConfig
 from moeroute.quant import FP8_DTYPE, QuantConfig, quantize_experts
 
-__all__ = ["from_hf", "replace_moe_blocks", "SUPPORTED_BLOCKS", "SUPPORTED_MODEL_TYPES", "EXPERTS_IMPLEMENTATION",
-           "experts_forward", "register_experts_implementation", "TupleOutputMoE", "TransformersCheckpoint"]
+__all__ = [
+    "from_hf",
+    "replace_moe_blocks",
+    "SUPPORTED_BLOCKS",
+    "SUPPORTED_MODEL_TYPES",
+    "EXPERTS_IMPLEMENTATION",
+    "experts_forward",
+    "register_experts_implementation",
+    "TupleOutputMoE",
+    "TransformersCheckpoint",
+]
 
 #: The name under which moeroute registers in transformers' experts interface.
 EXPERTS_IMPLEMENTATION = "moeroute"
 
 #: transformers hidden_act name -> moeroute activation (one of moeroute.config.EXPERT_ACTIVATIONS):
 #: transformers has its own spellings, and its gpt-oss blocks hard-code "swigluoai" unnamed.
-_HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
-                   "gelu_new": "gelu_tanh"}
+_HF_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+}
 
 
 def _activation(block: nn.Module) -> str:
     config = getattr(block.experts, "config", None) or getattr(block, "config", None)
     name = getattr(config, "hidden_act", "silu")
     if name not in _HF_ACTIVATIONS:
-        raise ValueError(f"{type(block).__name__} uses hidden_act={name!r}; moeroute supports "
-                         f"{sorted(_HF_ACTIVATIONS)}")
+        raise ValueError(
+            f"{type(block).__name__} uses hidden_act={name!r}; moeroute supports {sorted(_HF_ACTIVATIONS)}"
+        )
     return _HF_ACTIVATIONS[name]
 
 
@@ -85,10 +100,15 @@ def _experts(block: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
             f"{type(block).__name__}.experts has no stacked gate_up_proj [N, 2I, H] / down_proj [N, H, I]; "
             "moeroute reads the transformers >= 5 expert layout"
         )
-    if getattr(experts, "is_transposed", False) or not getattr(experts, "is_concatenated", True) \
-            or getattr(experts, "has_bias", False):
-        raise ValueError(f"{type(block).__name__}.experts stores transposed, interleaved or biased "
-                         "weights; moeroute reads [N, 2I, H] gate-then-up without bias")
+    if (
+        getattr(experts, "is_transposed", False)
+        or not getattr(experts, "is_concatenated", True)
+        or getattr(experts, "has_bias", False)
+    ):
+        raise ValueError(
+            f"{type(block).__name__}.experts stores transposed, interleaved or biased "
+            "weights; moeroute reads [N, 2I, H] gate-then-up without bias"
+        )
     return gate_up, down
 
 
@@ -105,13 +125,17 @@ def _fp8_experts(experts: nn.Module, quant: QuantConfig | None):
     gate_up_scale, down_scale = experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv
     block = getattr(experts, "block_size", None)
     e8m0 = getattr(torch, "float8_e8m0fnu", None)
-    found = QuantConfig("fp8_block" if block is not None else "fp8_tensor",
-                        block_size=None if block is None else tuple(block),
-                        activation=getattr(experts, "activation_scheme", "dynamic"),
-                        scale_fmt="ue8m0" if gate_up_scale.dtype == e8m0 else "float")
+    found = QuantConfig(
+        "fp8_block" if block is not None else "fp8_tensor",
+        block_size=None if block is None else tuple(block),
+        activation=getattr(experts, "activation_scheme", "dynamic"),
+        scale_fmt="ue8m0" if gate_up_scale.dtype == e8m0 else "float",
+    )
     if quant is not None and quant != found:  # modules_to_not_convert (informational) is not compared
-        raise ValueError(f"quant={quant!r} differs from the block's FP8 experts ({found!r}); leave quant None "
-                         "to keep the checkpoint's format")
+        raise ValueError(
+            f"quant={quant!r} differs from the block's FP8 experts ({found!r}); leave quant None "
+            "to keep the checkpoint's format"
+        )
     found = quant or found  # the caller's, with its modules_to_not_convert
     num_experts, two_inter, _ = gate_up.shape
     if found.format == "fp8_tensor":
@@ -122,15 +146,18 @@ def _fp8_experts(experts: nn.Module, quant: QuantConfig | None):
         gate_up_scale = gate_up_scale_from_stacked(gate_up_scale, found, two_inter // 2)
     kwargs = dict(gate_up_scale=gate_up_scale, down_scale=down_scale)
     if found.activation == "static":
-        kwargs["input_scale"] = torch.stack([experts.gate_up_proj_activation_scale,
-                                             experts.down_proj_activation_scale], dim=1)
+        kwargs["input_scale"] = torch.stack(
+            [experts.gate_up_proj_activation_scale, experts.down_proj_activation_scale], dim=1
+        )
     return found, kwargs
 
 
 def _quantize_float_experts(gate_up: torch.Tensor, down: torch.Tensor, quant: QuantConfig):
     """A float block's experts quantized with ``quant`` (a few experts at a time)."""
-    parts = [quantize_experts(gate_up[i:i + _QUANTIZE_EXPERTS_PER_STEP], down[i:i + _QUANTIZE_EXPERTS_PER_STEP],
-                              quant) for i in range(0, gate_up.shape[0], _QUANTIZE_EXPERTS_PER_STEP)]
+    parts = [
+        quantize_experts(gate_up[i : i + _QUANTIZE_EXPERTS_PER_STEP], down[i : i + _QUANTIZE_EXPERTS_PER_STEP], quant)
+        for i in range(0, gate_up.shape[0], _QUANTIZE_EXPERTS_PER_STEP)
+    ]
     q_gate_up, gate_up_scale, q_down, down_scale = (torch.cat(list(t)) for t in zip(*parts))
     return (q_gate_up, q_down), dict(gate_up_scale=gate_up_scale, down_scale=down_scale)
 
@@ -138,27 +165,38 @@ def _quantize_float_experts(gate_up: torch.Tensor, down: torch.Tensor, quant: Qu
 def _read_deepseek(block: nn.Module) -> dict:
     gate = block.gate
     router = RouterConfig(
-        num_experts=gate.num_experts, top_k=gate.top_k, scoring="sigmoid",
-        num_expert_group=gate.num_group, topk_group=gate.topk_group,
-        renormalize=bool(gate.norm_topk_prob), routed_scaling_factor=float(gate.routed_scaling_factor),
+        num_experts=gate.num_experts,
+        top_k=gate.top_k,
+        scoring="sigmoid",
+        num_expert_group=gate.num_group,
+        topk_group=gate.topk_group,
+        renormalize=bool(gate.norm_topk_prob),
+        routed_scaling_factor=float(gate.routed_scaling_factor),
     )
     # The block always computes its logits in float32 (whatever its weight's dtype, which
     # the module keeps: a bfloat16 model saves a bfloat16 gate) and always applies the bias.
-    return dict(router=router, router_weight=gate.weight, router_dtype=gate.weight.dtype,
-                router_compute_dtype=torch.float32, correction_bias=gate.e_score_correction_bias,
-                shared_experts=block.shared_experts, shared_expert_gate=None,
-                checkpoint=TransformersCheckpoint("stacked", "shared_experts."))
+    return dict(
+        router=router,
+        router_weight=gate.weight,
+        router_dtype=gate.weight.dtype,
+        router_compute_dtype=torch.float32,
+        correction_bias=gate.e_score_correction_bias,
+        shared_experts=block.shared_experts,
+        shared_expert_gate=None,
+        checkpoint=TransformersCheckpoint("stacked", "shared_experts."),
+    )
 
 
 def _gpt_oss_experts(experts: nn.Module) -> tuple[torch.Tensor, ...]:
     """gpt-oss expert weights in moeroute's layout: (w_gate_up [N, 2I, H] gate rows first,
     w_down [N, H, I], gate_up_bias [N, 2I] gate entries first, down_bias [N, H])."""
-    return from_gpt_oss_layout(experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias,
-                               experts.down_proj_bias)
+    return from_gpt_oss_layout(
+        experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias, experts.down_proj_bias
+    )
 
 
 #: gpt-oss checkpoint names of MXFP4 experts (relative to the experts module).
-GPT_OSS_MXFP4_KEYS = tuple(key[len("experts."):] for key in MXFP4_CHECKPOINT_KEYS)
+GPT_OSS_MXFP4_KEYS = tuple(key[len("experts.") :] for key in MXFP4_CHECKPOINT_KEYS)
 
 
 def _unswizzled(tensor) -> torch.Tensor:
@@ -188,9 +226,11 @@ def _mxfp4_tensors(experts: nn.Module):
             return None  # float (or FP8) experts
         config = getattr(experts, f"{proj}_precision_config", None)
         if not hasattr(weight, "storage") or not hasattr(getattr(config, "weight_scale", None), "storage"):
-            raise ValueError(f"{type(experts).__name__}.{proj} holds packed MXFP4 bytes without their scales "
-                             f"({proj}_precision_config.weight_scale); moeroute reads the checkpoint's "
-                             f"{proj}_blocks / {proj}_scales or transformers' loaded MXFP4 experts")
+            raise ValueError(
+                f"{type(experts).__name__}.{proj} holds packed MXFP4 bytes without their scales "
+                f"({proj}_precision_config.weight_scale); moeroute reads the checkpoint's "
+                f"{proj}_blocks / {proj}_scales or transformers' loaded MXFP4 experts"
+            )
         scales = _unswizzled(config.weight_scale)
         found += [_unswizzled(weight).reshape(*scales.shape, -1), scales]
     return found
@@ -207,8 +247,12 @@ def _gpt_oss_mxfp4_experts(experts: nn.Module):
     gate_up_blocks, gate_up_scales, down_blocks, down_scales = tensors
     order = gate_rows_first(gate_up_blocks.shape[1], gate_up_blocks.device)
     bias = experts.gate_up_proj_bias
-    return ((gate_up_blocks.index_select(1, order), gate_up_scales.index_select(1, order)),
-            (down_blocks, down_scales), bias.index_select(-1, order.to(bias.device)), experts.down_proj_bias)
+    return (
+        (gate_up_blocks.index_select(1, order), gate_up_scales.index_select(1, order)),
+        (down_blocks, down_scales),
+        bias.index_select(-1, order.to(bias.device)),
+        experts.down_proj_bias,
+    )
 
 
 def _read_gpt_oss(block: nn.Module) -> dict:
@@ -217,28 +261,44 @@ def _read_gpt_oss(block: nn.Module) -> dict:
     router, experts = block.router, block.experts
     alpha, limit = float(experts.alpha), float(experts.limit)
     if (alpha, limit) != (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT):
-        raise ValueError(f"{type(block).__name__} uses swiglu_alpha={alpha}, swiglu_limit={limit}; moeroute's "
-                         f"swigluoai has alpha={SWIGLUOAI_ALPHA}, limit={SWIGLUOAI_LIMIT}")
+        raise ValueError(
+            f"{type(block).__name__} uses swiglu_alpha={alpha}, swiglu_limit={limit}; moeroute's "
+            f"swigluoai has alpha={SWIGLUOAI_ALPHA}, limit={SWIGLUOAI_LIMIT}"
+        )
     # top-k of the logits, then softmax over the K picked: softmax + renormalize (docs/semantics.md section 9).
-    config = RouterConfig(num_experts=router.num_experts, top_k=router.top_k, scoring="softmax",
-                          renormalize=True)
-    return dict(router=config, router_weight=router.weight, router_dtype=router.weight.dtype,
-                router_bias=router.bias, correction_bias=None, shared_experts=None,
-                shared_expert_gate=None, experts=_gpt_oss_mxfp4_experts(experts) or _gpt_oss_experts(experts),
-                activation="swigluoai", checkpoint=TransformersCheckpoint("gpt_oss"))
+    config = RouterConfig(num_experts=router.num_experts, top_k=router.top_k, scoring="softmax", renormalize=True)
+    return dict(
+        router=config,
+        router_weight=router.weight,
+        router_dtype=router.weight.dtype,
+        router_bias=router.bias,
+        correction_bias=None,
+        shared_experts=None,
+        shared_expert_gate=None,
+        experts=_gpt_oss_mxfp4_experts(experts) or _gpt_oss_experts(experts),
+        activation="swigluoai",
+        checkpoint=TransformersCheckpoint("gpt_oss"),
+    )
 
 
 def _read_qwen(block: nn.Module) -> dict:
     gate = block.gate
     router = RouterConfig(
-        num_experts=gate.num_experts, top_k=gate.top_k, scoring="softmax",
+        num_experts=gate.num_experts,
+        top_k=gate.top_k,
+        scoring="softmax",
         # Qwen3.5-MoE and Mixtral routers have no norm_topk_prob: they always renormalize.
         renormalize=bool(getattr(gate, "norm_topk_prob", True)),
     )
-    return dict(router=router, router_weight=gate.weight, router_dtype=gate.weight.dtype,
-                correction_bias=None, shared_experts=getattr(block, "shared_expert", None),
-                shared_expert_gate=getattr(block, "shared_expert_gate", None),
-                checkpoint=TransformersCheckpoint("stacked", "shared_expert."))
+    return dict(
+        router=router,
+        router_weight=gate.weight,
+        router_dtype=gate.weight.dtype,
+        correction_bias=None,
+        shared_experts=getattr(block, "shared_expert", None),
+        shared_expert_gate=getattr(block, "shared_expert_gate", None),
+        checkpoint=TransformersCheckpoint("stacked", "shared_expert."),
+    )
 
 
 #: Block class name -> reader of its routing, router weights and shared expert.
@@ -258,10 +318,20 @@ SUPPORTED_BLOCKS: dict[str, Callable[[nn.Module], dict]] = {
 
 #: transformers ``config.model_type`` of the families whose blocks `SUPPORTED_BLOCKS` reads:
 #: in such a model, an MoE block `replace_moe_blocks` cannot read is reported, not skipped silently.
-SUPPORTED_MODEL_TYPES = frozenset({"deepseek_v3", "kimi_k2", "glm4_moe", "qwen2_moe", "qwen3_moe", "qwen3_next",
-                                   "qwen3_5_moe", "qwen3_5_moe_text", "mixtral", "gpt_oss"})
-
-
+SUPPORTED_MODEL_TYPES = frozenset(
+    {
+        "deepseek_v3",
+        "kimi_k2",
+        "glm4_moe",
+        "qwen2_moe",
+        "qwen3_moe",
+        "qwen3_next",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "mixtral",
+        "gpt_oss",
+    }
+)
 
 
 def _reader_for(block: nn.Module):
@@ -272,8 +342,7 @@ def _reader_for(block: nn.Module):
     return None
 
 
-def from_hf(block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str = "all2all",
-            **kwargs) -> MoE:
+def from_hf(block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str = "all2all", **kwargs) -> MoE:
     """A moeroute `MoE` computing what a transformers MoE block computes.
 
     Parameters
@@ -313,14 +382,17 @@ def from_hf(block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str
 
 
 @torch.no_grad()
-def _build(cls: type[MoE], block: nn.Module, ep_group=None, shared: str = "auto",
-           dispatch: str = "all2all", **kwargs) -> MoE:
+def _build(
+    cls: type[MoE], block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str = "all2all", **kwargs
+) -> MoE:
     """``MoE.from_hf(block, ep_group=None, shared="auto", dispatch="all2all", **kwargs)``:
     `from_hf`, building an instance of the class it is called on (a subclass of `MoE`)."""
     reader = _reader_for(block) if isinstance(block, nn.Module) else None
     if reader is None:
-        raise TypeError(f"block of type {type(block).__name__} is not a supported transformers MoE block; "
-                        f"supported: {', '.join(SUPPORTED_BLOCKS)}")
+        raise TypeError(
+            f"block of type {type(block).__name__} is not a supported transformers MoE block; "
+            f"supported: {', '.join(SUPPORTED_BLOCKS)}"
+        )
     fields = reader(block)
     expert_biases = None
     quant = kwargs.pop("quant", None)
@@ -336,18 +408,30 @@ def _build(cls: type[MoE], block: nn.Module, ep_group=None, shared: str = "auto"
         gate_up, down = _experts(block)
     num_experts, two_inter, hidden = gate_up.shape
     if num_experts != fields["router"].num_experts:
-        raise ValueError(f"{type(block).__name__} routes over {fields['router'].num_experts} experts but "
-                         f"holds {num_experts}; an expert-parallel transformers block cannot be read")
+        raise ValueError(
+            f"{type(block).__name__} routes over {fields['router'].num_experts} experts but "
+            f"holds {num_experts}; an expert-parallel transformers block cannot be read"
+        )
     bias = fields["correction_bias"]
     module = cls(
-        fields["router"], hidden, two_inter // 2,
-        shared_experts=fields["shared_experts"], shared_expert_gate=fields["shared_expert_gate"],
-        shared=shared, ep_group=ep_group, dispatch=dispatch,
+        fields["router"],
+        hidden,
+        two_inter // 2,
+        shared_experts=fields["shared_experts"],
+        shared_expert_gate=fields["shared_expert_gate"],
+        shared=shared,
+        ep_group=ep_group,
+        dispatch=dispatch,
         activation=fields.get("activation") or _activation(block),
-        correction_bias=bias is not None, router_dtype=fields["router_dtype"],
-        dtype=None if quant is not None else gate_up.dtype, device=gate_up.device,
-        expert_weights=None if quant is not None else (gate_up, down), quant=quant,
-        expert_bias=expert_biases is not None, router_bias=fields.get("router_bias") is not None, **kwargs,
+        correction_bias=bias is not None,
+        router_dtype=fields["router_dtype"],
+        dtype=None if quant is not None else gate_up.dtype,
+        device=gate_up.device,
+        expert_weights=None if quant is not None else (gate_up, down),
+        quant=quant,
+        expert_bias=expert_biases is not None,
+        router_bias=fields.get("router_bias") is not None,
+        **kwargs,
     )
     if fp8 is not None:
         module.load_routed_weights(gate_up, down, **fp8_scales)
@@ -376,17 +460,29 @@ def _build_mxfp4(cls, fields, quant, **kwargs) -> MoE:
     bytes are copied as they are (this rank's experts), never dequantized."""
     (gate_up, down, gate_up_bias, down_bias) = fields["experts"]
     if quant is not None and quant.format != "mxfp4":
-        raise ValueError(f"quant={quant!r} differs from the block's MXFP4 experts; leave quant None or pass "
-                         "QuantConfig('mxfp4')")
+        raise ValueError(
+            f"quant={quant!r} differs from the block's MXFP4 experts; leave quant None or pass QuantConfig('mxfp4')"
+        )
     quant = quant or QuantConfig("mxfp4")
     blocks = gate_up[0]
     num_experts, two_inter = blocks.shape[:2]
     if num_experts != fields["router"].num_experts:
-        raise ValueError(f"the block routes over {fields['router'].num_experts} experts but holds {num_experts}; "
-                         "an expert-parallel transformers block cannot be read")
-    module = cls(fields["router"], blocks.shape[2] * 32, two_inter // 2, activation=fields["activation"],
-                 router_dtype=fields["router_dtype"], device=blocks.device, quant=quant, expert_bias=True,
-                 router_bias=fields.get("router_bias") is not None, **kwargs)
+        raise ValueError(
+            f"the block routes over {fields['router'].num_experts} experts but holds {num_experts}; "
+            "an expert-parallel transformers block cannot be read"
+        )
+    module = cls(
+        fields["router"],
+        blocks.shape[2] * 32,
+        two_inter // 2,
+        activation=fields["activation"],
+        router_dtype=fields["router_dtype"],
+        device=blocks.device,
+        quant=quant,
+        expert_bias=True,
+        router_bias=fields.get("router_bias") is not None,
+        **kwargs,
+    )
     module.load_routed_weights(w_gate_up=gate_up, w_down=down, gate_up_bias=gate_up_bias, down_bias=down_bias)
     module.router_weight = nn.Parameter(fields["router_weight"].detach(), requires_grad=False)
     if fields.get("router_bias") is not None:
@@ -409,13 +505,15 @@ class TupleOutputMoE(nn.Module):
         # The block's checkpoint has no "moe." level: saved without it, loaded into it.
         self.register_state_dict_post_hook(_drop_moe_level)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         inner = prefix + "moe."
         for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-            state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+            state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         return self.moe(hidden_states, *args, **kwargs), None
@@ -424,7 +522,7 @@ class TupleOutputMoE(nn.Module):
 def _drop_moe_level(module: TupleOutputMoE, state_dict: dict, prefix: str, local_metadata) -> None:
     inner = prefix + "moe."
     for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
 
 
 def _model_types(model: nn.Module) -> set[str]:
@@ -509,11 +607,13 @@ def replace_moe_blocks(model: nn.Module, strict: bool = False, **kwargs) -> int:
     unsupported = _unsupported_blocks(model, targets)
     if unsupported and (targets or _model_types(model) & SUPPORTED_MODEL_TYPES):
         classes = sorted({cls for _, cls in unsupported})
-        message = (f"replace_moe_blocks: {len(unsupported)} MoE block(s) of this model are not supported by moeroute "
-                   f"and keep transformers' forward: class {', '.join(classes)} at "
-                   f"{', '.join(name for name, _ in unsupported[:4])}{', ...' if len(unsupported) > 4 else ''} "
-                   f"({len(targets)} of {len(targets) + len(unsupported)} blocks are supported; "
-                   f"supported classes: {', '.join(SUPPORTED_BLOCKS)})")
+        message = (
+            f"replace_moe_blocks: {len(unsupported)} MoE block(s) of this model are not supported by moeroute "
+            f"and keep transformers' forward: class {', '.join(classes)} at "
+            f"{', '.join(name for name, _ in unsupported[:4])}{', ...' if len(unsupported) > 4 else ''} "
+            f"({len(targets)} of {len(targets) + len(unsupported)} blocks are supported; "
+            f"supported classes: {', '.join(SUPPORTED_BLOCKS)})"
+        )
         if strict:
             raise TypeError(message + "; nothing was replaced")
         warnings.warn(message + "; pass strict=True to raise instead", UserWarning, stacklevel=2)
@@ -546,24 +646,32 @@ def _local_experts(experts: nn.Module) -> LocalExperts:
     cached = _LOCAL_EXPERTS.get(experts)
     if cached is not None and cached[0] == key:
         return cached[1]
-    if gate_up.dim() != 3 or getattr(experts, "is_transposed", False) \
-            or not getattr(experts, "is_concatenated", True) or getattr(experts, "has_bias", False) \
-            or not getattr(experts, "has_gate", True):
-        raise ValueError(f"{type(experts).__name__} stores transposed, interleaved, biased or ungated "
-                         "weights; the moeroute experts implementation reads gate_up_proj [N, 2I, H] "
-                         "(gate rows first) and down_proj [N, H, I] without bias")
+    if (
+        gate_up.dim() != 3
+        or getattr(experts, "is_transposed", False)
+        or not getattr(experts, "is_concatenated", True)
+        or getattr(experts, "has_bias", False)
+        or not getattr(experts, "has_gate", True)
+    ):
+        raise ValueError(
+            f"{type(experts).__name__} stores transposed, interleaved, biased or ungated "
+            "weights; the moeroute experts implementation reads gate_up_proj [N, 2I, H] "
+            "(gate rows first) and down_proj [N, H, I] without bias"
+        )
     name = getattr(getattr(experts, "config", None), "hidden_act", "silu")
     if name not in _HF_ACTIVATIONS:
-        raise ValueError(f"{type(experts).__name__} uses hidden_act={name!r}; moeroute supports "
-                         f"{sorted(_HF_ACTIVATIONS)}")
+        raise ValueError(
+            f"{type(experts).__name__} uses hidden_act={name!r}; moeroute supports {sorted(_HF_ACTIVATIONS)}"
+        )
     num_experts, two_inter, hidden = gate_up.shape
     local = LocalExperts(num_experts, hidden, two_inter // 2, _HF_ACTIVATIONS[name], weights=(gate_up, down))
     _LOCAL_EXPERTS[experts] = (key, local)
     return local
 
 
-def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor) -> torch.Tensor:
+def experts_forward(
+    experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """transformers' experts-implementation signature, computed by moeroute's expert kernels.
 
     Parameters

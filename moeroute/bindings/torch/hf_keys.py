@@ -49,8 +49,7 @@ __all__ = [
 ]
 
 #: transformers parameter names (relative to the block) -> `MoE`'s.
-TRANSFORMERS_RENAMES = {"gate.weight": "router_weight",
-                         "gate.e_score_correction_bias": "correction_bias"}
+TRANSFORMERS_RENAMES = {"gate.weight": "router_weight", "gate.e_score_correction_bias": "correction_bias"}
 #: Where transformers blocks keep their shared MLP (DeepSeek/GLM, Qwen).
 TRANSFORMERS_SHARED = ("shared_experts.", "shared_expert.")
 #: One expert's per-tensor FP8 scales as saved: transformers' FP8Experts keeps [2, 1] (gate,
@@ -69,15 +68,17 @@ def _check_shape(key: str, tensor: torch.Tensor, shapes, expert=None) -> None:
     """ValueError naming the key (and expert) unless ``tensor`` has one of ``shapes``."""
     if tuple(tensor.shape) not in shapes:
         where = "" if expert is None else f" (expert {expert})"
-        raise ValueError(f"{key}{where} has shape {list(tensor.shape)}, expected "
-                         f"{' or '.join(str(list(shape)) for shape in shapes)}")
+        raise ValueError(
+            f"{key}{where} has shape {list(tensor.shape)}, expected {' or '.join(str(list(shape)) for shape in shapes)}"
+        )
 
 
 def split_slots(gate, up, down, inter: int, num_slots: int):
     """A shared MLP's gate/up [S*I, H] and down [H, S*I] as S expert slots [S, 2I, H], [S, H, I]."""
-    gate_up = torch.stack([torch.cat([gate[j * inter:(j + 1) * inter], up[j * inter:(j + 1) * inter]])
-                           for j in range(num_slots)])
-    down = torch.stack([down[:, j * inter:(j + 1) * inter] for j in range(num_slots)])
+    gate_up = torch.stack(
+        [torch.cat([gate[j * inter : (j + 1) * inter], up[j * inter : (j + 1) * inter]]) for j in range(num_slots)]
+    )
+    down = torch.stack([down[:, j * inter : (j + 1) * inter] for j in range(num_slots)])
     return gate_up, down
 
 
@@ -100,15 +101,16 @@ def map_transformers_keys(module, state_dict: dict, prefix: str) -> None:
     shared = {}
     for shared_prefix in TRANSFORMERS_SHARED:
         for key in [k for k in state_dict if k.startswith(prefix + shared_prefix)]:
-            shared[key[len(prefix + shared_prefix):]] = state_dict.pop(key)
+            shared[key[len(prefix + shared_prefix) :]] = state_dict.pop(key)
     gate_up_key, down_key = prefix + "experts.gate_up_proj", prefix + "experts.down_proj"
     if module.quant is not None:
         map_quantized_expert_keys(module, state_dict, prefix, shared)
     elif gate_up_key in state_dict or down_key in state_dict:
         missing = [key for key in (gate_up_key, down_key) if key not in state_dict]
         if missing:
-            raise KeyError(f"{missing[0]} is missing from the state dict: the routed experts need "
-                           f"{gate_up_key} and {down_key}")
+            raise KeyError(
+                f"{missing[0]} is missing from the state dict: the routed experts need {gate_up_key} and {down_key}"
+            )
         gate_up, down = state_dict.pop(gate_up_key), state_dict.pop(down_key)
         ids = module.routed_expert_ids()
         if ids != list(range(gate_up.shape[0])):
@@ -151,7 +153,9 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
     quant, inter, hid = module.quant, module.intermediate_size, module.routed_hidden_size
     ids = module.routed_expert_ids()
     routed = None
-    pattern = re.compile(re.escape(prefix) + r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
+    pattern = re.compile(
+        re.escape(prefix) + r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$"
+    )
     found = {}
     for key in [k for k in state_dict if k.startswith(prefix + "experts.")]:
         match = pattern.match(key)
@@ -160,9 +164,11 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
     if found:
         gate_up_scale_shape, down_scale_shape = (shape[1:] for shape in quant.scale_shapes(1, hid, inter))
         if quant.format == "fp8_block":
-            scale_shapes = {"gate_proj": (gate_up_scale_shape[0] // 2, gate_up_scale_shape[1]),
-                            "up_proj": (gate_up_scale_shape[0] // 2, gate_up_scale_shape[1]),
-                            "down_proj": down_scale_shape}
+            scale_shapes = {
+                "gate_proj": (gate_up_scale_shape[0] // 2, gate_up_scale_shape[1]),
+                "up_proj": (gate_up_scale_shape[0] // 2, gate_up_scale_shape[1]),
+                "down_proj": down_scale_shape,
+            }
             scale_shapes = {projection: (shape,) for projection, shape in scale_shapes.items()}
         else:  # one value per projection, saved as a scalar, [1] or [1, 1]
             scale_shapes = dict.fromkeys(PROJECTIONS, ((), (1,), (1, 1)))
@@ -175,8 +181,10 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
                 raise KeyError(f"{key} is missing from the state dict (this rank holds expert {e})")
             tensor = found[e, projection, kind]
             if kind == "weight" and tensor.dtype != torch.float8_e4m3fn:
-                raise ValueError(f"{key} has dtype {tensor.dtype} but the layer has quant={quant.format!r} "
-                                 "(float8_e4m3fn weights with their weight_scale_inv)")
+                raise ValueError(
+                    f"{key} has dtype {tensor.dtype} but the layer has quant={quant.format!r} "
+                    "(float8_e4m3fn weights with their weight_scale_inv)"
+                )
             _check_shape(key, tensor, (weight_shapes if kind == "weight" else scale_shapes)[projection], e)
             return tensor
 
@@ -186,11 +194,15 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
             gate_up_scale = torch.stack([torch.cat(pair) for pair in zip(gate_s, up_s)])
             down_scale = torch.stack(down_s)
         else:  # one scale per projection: [L, 2] (gate, up) and [L]
-            gate_up_scale = torch.stack([torch.stack([a.reshape(()), b.reshape(())])
-                                         for a, b in zip(gate_s, up_s)])
+            gate_up_scale = torch.stack([torch.stack([a.reshape(()), b.reshape(())]) for a, b in zip(gate_s, up_s)])
             down_scale = torch.stack([d.reshape(()) for d in down_s])
-        routed = (torch.stack([torch.cat(pair) for pair in zip(gate, up)]), torch.stack(down),
-                  gate_up_scale, down_scale, None)
+        routed = (
+            torch.stack([torch.cat(pair) for pair in zip(gate, up)]),
+            torch.stack(down),
+            gate_up_scale,
+            down_scale,
+            None,
+        )
     elif prefix + "experts.gate_up_proj" in state_dict:
         names = ["experts.gate_up_proj", "experts.down_proj", *STACKED_SCALE_KEYS]
         if quant.activation == "static":
@@ -199,8 +211,7 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
         if missing:
             raise KeyError(f"{missing[0]} is missing from the state dict (FP8 experts need it)")
         gate_up_scale_shape, down_scale_shape = (shape[1:] for shape in quant.scale_shapes(1, hid, inter))
-        row_shapes = [((2 * inter, hid),), ((hid, inter),), (gate_up_scale_shape,), (down_scale_shape,),
-                      ((),), ((),)]
+        row_shapes = [((2 * inter, hid),), ((hid, inter),), (gate_up_scale_shape,), (down_scale_shape,), ((),), ((),)]
         if quant.format == "fp8_tensor":  # transformers' FP8Experts: [N, 2, 1] and [N, 1, 1]
             row_shapes[2:4] = [stacked_fp8_scale("gate_up_scale")[0], stacked_fp8_scale("down_scale")[0]]
         stacked = []
@@ -209,8 +220,10 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
             tensor = state_dict.pop(key)
             n = module.router.num_experts
             if tensor.dim() == 0 or tensor.shape[0] != n or tuple(tensor.shape[1:]) not in shapes:
-                raise ValueError(f"{key} has shape {list(tensor.shape)}, expected "
-                                 f"{' or '.join(str([n, *shape]) for shape in shapes)} (the {n} experts)")
+                raise ValueError(
+                    f"{key} has shape {list(tensor.shape)}, expected "
+                    f"{' or '.join(str([n, *shape]) for shape in shapes)} (the {n} experts)"
+                )
             stacked.append(tensor.index_select(0, torch.tensor(ids, device=tensor.device)))
         if quant.format == "fp8_tensor":
             stacked[2], stacked[3] = stacked[2].reshape(len(ids), 2), stacked[3].reshape(len(ids))
@@ -228,18 +241,20 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
             weight, scale = shared.pop(f"{name}.weight"), shared.pop(f"{name}.weight_scale_inv", None)
             if weight.dtype == torch.float8_e4m3fn:
                 if scale is None:
-                    raise KeyError(f"{prefix}shared_experts.{name}.weight_scale_inv is missing for the FP8 "
-                                   "shared MLP")
-                weight = (dequantize_fp8_block(weight, scale, quant.block_size) if scale.numel() > 1
-                          else dequantize_fp8_tensor(weight, scale.reshape(())))
+                    raise KeyError(f"{prefix}shared_experts.{name}.weight_scale_inv is missing for the FP8 shared MLP")
+                weight = (
+                    dequantize_fp8_block(weight, scale, quant.block_size)
+                    if scale.numel() > 1
+                    else dequantize_fp8_tensor(weight, scale.reshape(()))
+                )
             weights.append(weight.float())
         slots = quantize_experts(*split_slots(*weights, inter, module.num_shared_experts), quant)
         for name, tensor in zip(("w_gate_up", "gate_up_scale", "w_down", "down_scale"), slots):
-            pieces.setdefault(name, [targets[name][:len(ids)].detach().clone()]).append(tensor)
+            pieces.setdefault(name, [targets[name][: len(ids)].detach().clone()]).append(tensor)
     for name, parts in pieces.items():
         full = targets[name]
         if len(parts) == 1 and parts[0].shape[0] < full.shape[0]:  # routed only: keep the slots
-            parts.append(full[parts[0].shape[0]:].detach().clone())
+            parts.append(full[parts[0].shape[0] :].detach().clone())
         state_dict[prefix + "experts." + name] = torch.cat([p.to(full.device) for p in parts])
 
 
@@ -253,13 +268,17 @@ def _check_expert_biases(module, state_dict: dict, prefix: str, experts_key: str
     if module.experts.b_gate_up is not None:
         missing = [key for key in keys if key not in state_dict]
         if missing:
-            raise KeyError(f"{missing[0]} is missing from the state dict: the layer has expert biases "
-                           f"(expert_bias=True) and {experts_key} comes without them")
+            raise KeyError(
+                f"{missing[0]} is missing from the state dict: the layer has expert biases "
+                f"(expert_bias=True) and {experts_key} comes without them"
+            )
     else:
         present = [key for key in keys if key in state_dict]
         if present:
-            raise ValueError(f"the state dict holds {present[0]} but the layer has no expert biases, so they "
-                             "would be dropped; build it with expert_bias=True")
+            raise ValueError(
+                f"the state dict holds {present[0]} but the layer has no expert biases, so they "
+                "would be dropped; build it with expert_bias=True"
+            )
 
 
 def fused_slots(module, shared: dict, like: torch.Tensor):
@@ -268,8 +287,10 @@ def fused_slots(module, shared: dict, like: torch.Tensor):
     try:
         gate, up, down = (shared[f"{name}.weight"] for name in ("gate_proj", "up_proj", "down_proj"))
     except KeyError as missing:
-        raise KeyError(f"the state dict has experts.gate_up_proj but no shared MLP {missing.args[0]} "
-                       "(under shared_experts. or shared_expert.) to fill the fused slots") from None
+        raise KeyError(
+            f"the state dict has experts.gate_up_proj but no shared MLP {missing.args[0]} "
+            "(under shared_experts. or shared_expert.) to fill the fused slots"
+        ) from None
     gate_up, down = split_slots(gate, up, down, inter, s)
     return gate_up.to(like.device), down.to(like.device)
 
@@ -289,8 +310,7 @@ def to_gpt_oss_layout(w_gate_up, w_down, b_gate_up, b_down):
     def interleave(gate_first):  # [..., 2I] gate block then up block -> g0, u0, g1, u1, ...
         return torch.stack([gate_first[..., :inter], gate_first[..., inter:]], dim=-1).flatten(-2)
 
-    return (interleave(w_gate_up.transpose(1, 2)), w_down.transpose(1, 2).contiguous(),
-            interleave(b_gate_up), b_down)
+    return (interleave(w_gate_up.transpose(1, 2)), w_down.transpose(1, 2).contiguous(), interleave(b_gate_up), b_down)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,13 +347,13 @@ class TransformersCheckpoint:
         for source, target in names.items():
             if prefix + source in state_dict:
                 state_dict[prefix + target] = state_dict.pop(prefix + source)
-        sources = [prefix + "experts." + name for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias",
-                                                             "down_proj_bias")]
+        sources = [
+            prefix + "experts." + name for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+        ]
         present = [key for key in sources if key in state_dict]
         if present and len(present) != len(sources):
             missing = [key for key in sources if key not in state_dict]
-            raise KeyError(f"{missing[0]} is missing from the state dict: gpt-oss experts need "
-                           f"{', '.join(sources)}")
+            raise KeyError(f"{missing[0]} is missing from the state dict: gpt-oss experts need {', '.join(sources)}")
         if present:
             converted = from_gpt_oss_layout(*(state_dict.pop(key) for key in sources))
             ids = module.routed_expert_ids()
@@ -372,10 +392,10 @@ class TransformersCheckpoint:
         routed = [_select_rows(gate_up, rows), _select_rows(down, rows)]
         out = {}
         if self.family == "gpt_oss":
-            converted = to_gpt_oss_layout(*routed, *(_select_rows(pop(name), rows)
-                                                      for name in ("experts.b_gate_up", "experts.b_down")))
-            for name, tensor in zip(("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"),
-                                    converted):
+            converted = to_gpt_oss_layout(
+                *routed, *(_select_rows(pop(name), rows) for name in ("experts.b_gate_up", "experts.b_down"))
+            )
+            for name, tensor in zip(("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"), converted):
                 out["experts." + name] = tensor
             out["router.weight"], out["router.bias"] = pop("router_weight"), pop("router_bias")
         else:
@@ -389,14 +409,14 @@ class TransformersCheckpoint:
                 out[self.shared_prefix + "up_proj.weight"] = torch.cat([gate_up[j, inter:] for j in slots])
                 out[self.shared_prefix + "down_proj.weight"] = torch.cat([down[j] for j in slots], dim=1)
             for key in [k for k in state_dict if k.startswith(prefix + "shared_experts.")]:
-                out[self.shared_prefix + key[len(prefix + "shared_experts."):]] = state_dict.pop(key)
+                out[self.shared_prefix + key[len(prefix + "shared_experts.") :]] = state_dict.pop(key)
         state_dict.update((prefix + name, tensor) for name, tensor in out.items())
 
 
 def _select_rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``tensor[rows]``; the tensor itself (or a leading slice of it) when rows are 0, 1, ..."""
     if rows == list(range(len(rows))):
-        return tensor if tensor.shape[0] == len(rows) else tensor[:len(rows)]
+        return tensor if tensor.shape[0] == len(rows) else tensor[: len(rows)]
     return tensor.index_select(0, torch.tensor(rows, device=tensor.device))
 
 

@@ -54,10 +54,8 @@ class LoadRecorder:
     def record(self, physical_ids: torch.Tensor, num_physical_experts: int) -> None:
         """Add one forward: ``physical_ids`` [T, K'] int32 (``append_shared_slots`` output)."""
         counts = self.counts
-        if counts is None or counts.device != physical_ids.device \
-                or counts.shape[1] != num_physical_experts:
-            counts = torch.zeros(self.window, num_physical_experts, dtype=torch.int64,
-                                 device=physical_ids.device)
+        if counts is None or counts.device != physical_ids.device or counts.shape[1] != num_physical_experts:
+            counts = torch.zeros(self.window, num_physical_experts, dtype=torch.int64, device=physical_ids.device)
             self.counts, self.forwards = counts, 0
         row = counts[self.forwards % self.window]
         row.zero_()

@@ -33,8 +33,9 @@ class GatedMLP(nn.Module):
         A size below 1 or an unknown activation.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", *,
-                 dtype=None, device=None) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, activation: str = "silu", *, dtype=None, device=None
+    ) -> None:
         super().__init__()
         hidden_size = integer("hidden_size", hidden_size, 1)
         intermediate_size = integer("intermediate_size", intermediate_size, 1)

@@ -83,13 +83,14 @@ def _linear_weight(module: nn.Module, name: str, out_features: int | None, in_fe
     if layer.bias is not None:
         return None, f"shared_experts.{name} has a bias, which expert slots do not carry"
     if layer.in_features != in_features or (out_features is not None and layer.out_features != out_features):
-        return None, (f"shared_experts.{name} maps {layer.in_features} -> {layer.out_features}, "
-                      f"expected {in_features} -> {out_features if out_features is not None else '?'}")
+        return None, (
+            f"shared_experts.{name} maps {layer.in_features} -> {layer.out_features}, "
+            f"expected {in_features} -> {out_features if out_features is not None else '?'}"
+        )
     return layer.weight, None
 
 
-def shared_mlp_slots(shared_experts: nn.Module, hidden_size: int, intermediate_size: int,
-                     activation: str):
+def shared_mlp_slots(shared_experts: nn.Module, hidden_size: int, intermediate_size: int, activation: str):
     """How a shared MLP splits into expert slots of the routed intermediate size.
 
     A gated MLP ``down(act(gate(x)) * up(x))`` of intermediate size S*I is exactly the sum of
@@ -118,28 +119,35 @@ def shared_mlp_slots(shared_experts: nn.Module, hidden_size: int, intermediate_s
     if reason is None:
         _, reason = _linear_weight(shared_experts, "down_proj", hidden_size, total)
     if reason is None and total % intermediate_size:
-        reason = (f"the shared MLP's intermediate size {total} is not a multiple of the routed "
-                  f"intermediate_size={intermediate_size}, so it does not split into slots")
+        reason = (
+            f"the shared MLP's intermediate size {total} is not a multiple of the routed "
+            f"intermediate_size={intermediate_size}, so it does not split into slots"
+        )
     if reason is None and activation == "swigluoai":
         # swigluoai has no gate-only form to probe: the MLP must say it uses it.
         if getattr(shared_experts, "activation", None) != "swigluoai":
-            reason = ("the shared MLP does not declare activation='swigluoai' (the experts' "
-                      "activation), so it cannot be checked to split into slots")
+            reason = (
+                "the shared MLP does not declare activation='swigluoai' (the experts' "
+                "activation), so it cannot be checked to split into slots"
+            )
     elif reason is None:
         act_fn = getattr(shared_experts, "act_fn", None)
         if act_fn is not None:
             probe = _ACTIVATION_PROBE.to(gate.device)
             try:
-                same = torch.allclose(act_fn(probe), apply_activation(probe, activation),
-                                      atol=_ACTIVATION_PROBE_ATOL, rtol=0)
+                same = torch.allclose(
+                    act_fn(probe), apply_activation(probe, activation), atol=_ACTIVATION_PROBE_ATOL, rtol=0
+                )
             except Exception:  # an act_fn that cannot take a float32 vector is not ours to fuse
                 same = False
             if not same:
-                reason = (f"the shared MLP's act_fn ({type(act_fn).__name__}) is not the experts' "
-                          f"activation {activation!r}")
+                reason = (
+                    f"the shared MLP's act_fn ({type(act_fn).__name__}) is not the experts' activation {activation!r}"
+                )
     if reason is not None:
-        return 1, reason + ("" if reason.startswith("the shared") else
-                            " (fusing needs a gated MLP with gate_proj/up_proj/down_proj)")
+        return 1, reason + (
+            "" if reason.startswith("the shared") else " (fusing needs a gated MLP with gate_proj/up_proj/down_proj)"
+        )
     return total // intermediate_size, None
 
 
@@ -161,6 +169,7 @@ def linear_float_weight(linear: nn.Module) -> torch.Tensor:
 def _runs_as_inference(forward):
     """Run ``forward`` under ``torch.no_grad()`` after `MoE._check_inference`: the layer is
     inference-only whatever its parameters' ``requires_grad``."""
+
     @functools.wraps(forward)
     def run(self, hidden_states, router_logits=None):
         self._check_inference(hidden_states, router_logits)
@@ -315,9 +324,12 @@ class MoE(nn.Module):
             raise TypeError(f"router must be a moeroute RouterConfig, got {type(router).__name__}")
         hidden_size = integer("hidden_size", hidden_size, 1)
         intermediate_size = integer("intermediate_size", intermediate_size, 1)
-        for name, value in (("shared_experts", shared_experts), ("shared_expert_gate", shared_expert_gate),
-                            ("routed_input_transform", routed_input_transform),
-                            ("routed_output_transform", routed_output_transform)):
+        for name, value in (
+            ("shared_experts", shared_experts),
+            ("shared_expert_gate", shared_expert_gate),
+            ("routed_input_transform", routed_input_transform),
+            ("routed_output_transform", routed_output_transform),
+        ):
             _check_module(name, value)
         if shared_expert_gate is not None and shared_experts is None:
             raise ValueError("shared_expert_gate was given without shared_experts; pass both or neither")
@@ -326,28 +338,37 @@ class MoE(nn.Module):
         if not isinstance(scaling_regime, str) or scaling_regime not in SCALING_REGIMES:
             raise ValueError(f"scaling_regime={scaling_regime!r} is unknown; use one of {SCALING_REGIMES}")
         if not isinstance(dispatch, str) or dispatch not in EP_DISPATCH_MODES:
-            raise ValueError(f"dispatch={dispatch!r} is not an expert-parallel dispatch mode; use one of "
-                             f"{EP_DISPATCH_MODES} (it only matters with an ep_group)")
+            raise ValueError(
+                f"dispatch={dispatch!r} is not an expert-parallel dispatch mode; use one of "
+                f"{EP_DISPATCH_MODES} (it only matters with an ep_group)"
+            )
         activation = check_activation(activation)
-        for name, value in (("expert_bias", expert_bias), ("router_bias", router_bias),
-                            ("apply_router_weight_on_input", apply_router_weight_on_input)):
+        for name, value in (
+            ("expert_bias", expert_bias),
+            ("router_bias", router_bias),
+            ("apply_router_weight_on_input", apply_router_weight_on_input),
+        ):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be a bool")
         if quant is not None and not isinstance(quant, QuantConfig):
             raise TypeError(f"quant must be a moeroute.quant.QuantConfig or None, got {type(quant).__name__}")
         if quant is not None and expert_bias and quant.format != "mxfp4":
-            raise ValueError(f"expert_bias=True is not served with quant={quant.format!r} (FP8 experts carry "
-                             "no biases)")
+            raise ValueError(
+                f"expert_bias=True is not served with quant={quant.format!r} (FP8 experts carry no biases)"
+            )
         if quant is not None and expert_weights is not None:
-            raise ValueError("expert_weights takes float weights; with quant, load the FP8 experts and their "
-                             "scales with load_routed_weights(w_gate_up, w_down, gate_up_scale=..., "
-                             "down_scale=...)")
+            raise ValueError(
+                "expert_weights takes float weights; with quant, load the FP8 experts and their "
+                "scales with load_routed_weights(w_gate_up, w_down, gate_up_scale=..., "
+                "down_scale=...)"
+            )
         self.dispatch_dtype = check_dispatch_quant(dispatch_dtype, quant)
         if quant is not None and gemm not in FP8_STRATEGIES:
             raise ValueError(f"gemm={gemm!r} is not an FP8 strategy; with quant use one of {FP8_STRATEGIES}")
         if apply_router_weight_on_input and router.top_k != 1:
-            raise ValueError(f"apply_router_weight_on_input=True needs top_k=1 (one weight per input row), "
-                             f"got top_k={router.top_k}")
+            raise ValueError(
+                f"apply_router_weight_on_input=True needs top_k=1 (one weight per input row), got top_k={router.top_k}"
+            )
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={dtype} is not supported; use one of {SUPPORTED_DTYPES}")
@@ -359,38 +380,54 @@ class MoE(nn.Module):
             routed_hidden_size = getattr(routed_input_transform, "out_features", hidden_size)
         routed_hidden_size = integer("routed_hidden_size", routed_hidden_size, 1)
         if routed_input_transform is None and routed_output_transform is None and routed_hidden_size != hidden_size:
-            raise ValueError(f"routed_hidden_size={routed_hidden_size} differs from hidden_size={hidden_size} "
-                             "but no routed_input_transform/routed_output_transform maps between them")
+            raise ValueError(
+                f"routed_hidden_size={routed_hidden_size} differs from hidden_size={hidden_size} "
+                "but no routed_input_transform/routed_output_transform maps between them"
+            )
 
         # The shared expert's slot count and whether it can be fused: the layout decides.
         num_shared, unfusable = 0, None
         if shared_experts is not None:
             num_shared, unfusable = shared_mlp_slots(shared_experts, hidden_size, intermediate_size, activation)
             if routed_input_transform is not None or routed_output_transform is not None:
-                unfusable = ("a routed_input_transform/routed_output_transform is set, and the shared "
-                             "expert needs the untransformed hidden states")
+                unfusable = (
+                    "a routed_input_transform/routed_output_transform is set, and the shared "
+                    "expert needs the untransformed hidden states"
+                )
             elif apply_router_weight_on_input:
-                unfusable = ("apply_router_weight_on_input scales the routed input rows, and the shared "
-                             "expert needs the unscaled hidden states")
+                unfusable = (
+                    "apply_router_weight_on_input scales the routed input rows, and the shared "
+                    "expert needs the unscaled hidden states"
+                )
             elif quant is not None and quant.activation == "static":
-                unfusable = ("quant activation='static' needs given activation scales for every expert "
-                             "slot, and the shared MLP has none")
+                unfusable = (
+                    "quant activation='static' needs given activation scales for every expert "
+                    "slot, and the shared MLP has none"
+                )
 
         if ep_group is None:
             ep_size, rank, layout_dispatch = 1, 0, "none"
         else:
             (ep_size, rank), layout_dispatch = ep_group_size_and_rank(ep_group), dispatch
         self.layout = ExpertLayout(
-            router.num_experts, num_shared, ep_size=ep_size, dispatch=layout_dispatch, shared=shared,
-            num_redundant_experts=num_redundant_experts, scaling_regime=scaling_regime,
-            unfusable_reason=unfusable, placement=placement, physical_to_logical=physical_to_logical,
+            router.num_experts,
+            num_shared,
+            ep_size=ep_size,
+            dispatch=layout_dispatch,
+            shared=shared,
+            num_redundant_experts=num_redundant_experts,
+            scaling_regime=scaling_regime,
+            unfusable_reason=unfusable,
+            placement=placement,
+            physical_to_logical=physical_to_logical,
         )
         self.apply_router_weight_on_input = apply_router_weight_on_input
         self.rank = rank
         self.router = router
         # "output" regime: route with rsf = 1, scale the combined routed sum afterwards.
-        self._selection_router = (router if scaling_regime == "router"
-                                  else dataclasses.replace(router, routed_scaling_factor=1.0))
+        self._selection_router = (
+            router if scaling_regime == "router" else dataclasses.replace(router, routed_scaling_factor=1.0)
+        )
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.routed_hidden_size = routed_hidden_size
@@ -412,21 +449,45 @@ class MoE(nn.Module):
         )
         self.router_bias = None
         if router_bias:
-            self.router_bias = nn.Parameter(torch.zeros(router.num_experts, dtype=router_dtype, device=device),
-                                            requires_grad=False)
+            self.router_bias = nn.Parameter(
+                torch.zeros(router.num_experts, dtype=router_dtype, device=device), requires_grad=False
+            )
         local_experts = self.layout.num_local_experts(rank)
         self.quant = quant
         if quant is not None:
             # FP8 experts: the format is data; the layout above already decided the plan.
-            self.experts = QuantizedExperts(local_experts, routed_hidden_size, intermediate_size, activation,
-                                            quant=quant, device=device, strategy=gemm, bias=expert_bias)
+            self.experts = QuantizedExperts(
+                local_experts,
+                routed_hidden_size,
+                intermediate_size,
+                activation,
+                quant=quant,
+                device=device,
+                strategy=gemm,
+                bias=expert_bias,
+            )
         elif expert_weights is not None and self._can_alias(expert_weights, dtype, device):
             # This rank holds exactly the given experts: share their memory, copy nothing.
-            self.experts = LocalExperts(local_experts, routed_hidden_size, intermediate_size, activation,
-                                        gemm=gemm, bias=expert_bias, weights=tuple(expert_weights))
+            self.experts = LocalExperts(
+                local_experts,
+                routed_hidden_size,
+                intermediate_size,
+                activation,
+                gemm=gemm,
+                bias=expert_bias,
+                weights=tuple(expert_weights),
+            )
         else:
-            self.experts = LocalExperts(local_experts, routed_hidden_size, intermediate_size, activation,
-                                        gemm=gemm, bias=expert_bias, dtype=dtype, device=device)
+            self.experts = LocalExperts(
+                local_experts,
+                routed_hidden_size,
+                intermediate_size,
+                activation,
+                gemm=gemm,
+                bias=expert_bias,
+                dtype=dtype,
+                device=device,
+            )
             if expert_weights is not None:
                 self.load_routed_weights(*expert_weights)
         self.shared_expert_gate = shared_expert_gate
@@ -448,8 +509,10 @@ class MoE(nn.Module):
             factory = dispatcher_factory or ep_dispatcher_factory()
             self.dispatcher = factory(self.layout, ep_group, dispatch)
             if self.dispatch_dtype == "fp8" and not getattr(self.dispatcher, "carries_fp8", False):
-                raise ValueError(f"dispatch_dtype='fp8' needs a dispatcher that carries FP8 rows "
-                                 f"(carries_fp8 = True); {type(self.dispatcher).__name__} does not")
+                raise ValueError(
+                    f"dispatch_dtype='fp8' needs a dispatcher that carries FP8 rows "
+                    f"(carries_fp8 = True); {type(self.dispatcher).__name__} does not"
+                )
         # EPLB (moeroute.eplb): the load window, and a placement swap waiting for its forward.
         if not isinstance(record_load, bool):
             raise ValueError(f"record_load={record_load!r} must be a bool")
@@ -463,25 +526,26 @@ class MoE(nn.Module):
         the layout, every router field, the sizes, dtypes, activation and the optional
         parts. Exchanged once at construction with ``ep_group``."""
         fields = layout_fingerprint(self.layout)
-        fields.update({f"router.{name}": value
-                       for name, value in dataclasses.asdict(self.router).items()})
-        fields.update({
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "routed_hidden_size": self.routed_hidden_size,
-            "dtype": str(self.experts.w_gate_up.dtype),
-            "router_dtype": str(self.router_weight.dtype),
-            "activation": self.activation,
-            "correction_bias": self.correction_bias is not None,
-            "shared_expert_gate": self.shared_expert_gate is not None,
-            "routed_input_transform": self.routed_input_transform is not None,
-            "routed_output_transform": self.routed_output_transform is not None,
-            "expert_bias": self.experts.b_gate_up is not None,
-            "router_bias": self.router_bias is not None,
-            "apply_router_weight_on_input": self.apply_router_weight_on_input,
-            "quant": repr(self.quant),
-            "dispatch_dtype": self.dispatch_dtype,
-        })
+        fields.update({f"router.{name}": value for name, value in dataclasses.asdict(self.router).items()})
+        fields.update(
+            {
+                "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "routed_hidden_size": self.routed_hidden_size,
+                "dtype": str(self.experts.w_gate_up.dtype),
+                "router_dtype": str(self.router_weight.dtype),
+                "activation": self.activation,
+                "correction_bias": self.correction_bias is not None,
+                "shared_expert_gate": self.shared_expert_gate is not None,
+                "routed_input_transform": self.routed_input_transform is not None,
+                "routed_output_transform": self.routed_output_transform is not None,
+                "expert_bias": self.experts.b_gate_up is not None,
+                "router_bias": self.router_bias is not None,
+                "apply_router_weight_on_input": self.apply_router_weight_on_input,
+                "quant": repr(self.quant),
+                "dispatch_dtype": self.dispatch_dtype,
+            }
+        )
         return fields
 
     # ----------------------------------------------------------------- weights
@@ -492,18 +556,25 @@ class MoE(nn.Module):
         one rank holding all N (a rank's slice would keep the whole tensor alive)."""
         gate_up, down = expert_weights
         n = self.router.num_experts
-        return (self.layout.num_local_experts(self.rank) == n and self.layout.shared != "fused"
-                and self.routed_expert_ids() == list(range(n))
-                and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
-                and gate_up.dtype == down.dtype == dtype and gate_up.device == down.device
-                and (device is None or gate_up.device == torch.device(device))
-                and tuple(gate_up.shape) == (n, 2 * self.intermediate_size, self.routed_hidden_size)
-                and tuple(down.shape) == (n, self.routed_hidden_size, self.intermediate_size))
+        return (
+            self.layout.num_local_experts(self.rank) == n
+            and self.layout.shared != "fused"
+            and self.routed_expert_ids() == list(range(n))
+            and isinstance(gate_up, torch.Tensor)
+            and isinstance(down, torch.Tensor)
+            and gate_up.dtype == down.dtype == dtype
+            and gate_up.device == down.device
+            and (device is None or gate_up.device == torch.device(device))
+            and tuple(gate_up.shape) == (n, 2 * self.intermediate_size, self.routed_hidden_size)
+            and tuple(down.shape) == (n, self.routed_hidden_size, self.intermediate_size)
+        )
 
     def shares_weights_with(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
         """True when the expert parameters alias (share the memory of) these tensors."""
-        return (self.experts.w_gate_up.data_ptr() == w_gate_up.data_ptr()
-                and self.experts.w_down.data_ptr() == w_down.data_ptr())
+        return (
+            self.experts.w_gate_up.data_ptr() == w_gate_up.data_ptr()
+            and self.experts.w_down.data_ptr() == w_down.data_ptr()
+        )
 
     def routed_expert_ids(self) -> list[int]:
         """Logical expert id of each routed local expert of this rank (replicas included)."""
@@ -521,12 +592,17 @@ class MoE(nn.Module):
         return self
 
     @torch.no_grad()
-    def load_routed_weights(self, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                            gate_up_bias: torch.Tensor | None = None,
-                            down_bias: torch.Tensor | None = None, *,
-                            gate_up_scale: torch.Tensor | None = None,
-                            down_scale: torch.Tensor | None = None,
-                            input_scale: torch.Tensor | None = None) -> None:
+    def load_routed_weights(
+        self,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+        *,
+        gate_up_scale: torch.Tensor | None = None,
+        down_scale: torch.Tensor | None = None,
+        input_scale: torch.Tensor | None = None,
+    ) -> None:
         """Copy this rank's routed experts out of the full stacked weights.
 
         With ``quant``, the weights are float8_e4m3fn and stay so (this rank's experts are
@@ -560,11 +636,16 @@ class MoE(nn.Module):
         """
         n, inter, hid = self.router.num_experts, self.intermediate_size, self.routed_hidden_size
         if self.quant is not None and self.quant.format == "mxfp4":
-            for name, scale in (("gate_up_scale", gate_up_scale), ("down_scale", down_scale),
-                                ("input_scale", input_scale)):
+            for name, scale in (
+                ("gate_up_scale", gate_up_scale),
+                ("down_scale", down_scale),
+                ("input_scale", input_scale),
+            ):
                 if scale is not None:
-                    raise ValueError(f"{name} was given but quant='mxfp4' takes each weight as a (blocks, "
-                                     "scales) pair: w_gate_up=(blocks, scales), w_down=(blocks, scales)")
+                    raise ValueError(
+                        f"{name} was given but quant='mxfp4' takes each weight as a (blocks, "
+                        "scales) pair: w_gate_up=(blocks, scales), w_down=(blocks, scales)"
+                    )
             tensors = check_mxfp4_weights(self.quant, n, hid, inter, w_gate_up, w_down)
             targets = self.experts.quantized_tensors()
             pairs = [(targets[name], tensor) for name, tensor in tensors.items()]
@@ -573,27 +654,31 @@ class MoE(nn.Module):
         if self.quant is not None:
             if gate_up_bias is not None or down_bias is not None:
                 raise ValueError("gate_up_bias/down_bias were given but FP8 experts carry no biases")
-            tensors = check_quantized_weights(self.quant, n, hid, inter, w_gate_up, w_down, gate_up_scale,
-                                              down_scale, input_scale)
+            tensors = check_quantized_weights(
+                self.quant, n, hid, inter, w_gate_up, w_down, gate_up_scale, down_scale, input_scale
+            )
             targets = self.experts.quantized_tensors()
             self._copy_expert_rows([(targets[name], tensor) for name, tensor in tensors.items()])
             return
-        for name, scale in (("gate_up_scale", gate_up_scale), ("down_scale", down_scale),
-                            ("input_scale", input_scale)):
+        for name, scale in (("gate_up_scale", gate_up_scale), ("down_scale", down_scale), ("input_scale", input_scale)):
             if scale is not None:
-                raise ValueError(f"{name} was given but this layer holds float experts; build it with "
-                                 "quant=QuantConfig(...) to keep FP8 weights")
+                raise ValueError(
+                    f"{name} was given but this layer holds float experts; build it with "
+                    "quant=QuantConfig(...) to keep FP8 weights"
+                )
         if tuple(w_gate_up.shape) != (n, 2 * inter, hid):
-            raise ValueError(f"w_gate_up has shape {tuple(w_gate_up.shape)}, expected [N, 2I, H'] = "
-                             f"{[n, 2 * inter, hid]}")
+            raise ValueError(
+                f"w_gate_up has shape {tuple(w_gate_up.shape)}, expected [N, 2I, H'] = {[n, 2 * inter, hid]}"
+            )
         if tuple(w_down.shape) != (n, hid, inter):
             raise ValueError(f"w_down has shape {tuple(w_down.shape)}, expected [N, H', I] = {[n, hid, inter]}")
         pairs = [(self.experts.w_gate_up, w_gate_up), (self.experts.w_down, w_down)]
         self._copy_expert_rows(pairs + self._bias_pairs(gate_up_bias, down_bias))
 
     @torch.no_grad()
-    def load_expert_biases(self, gate_up_bias: torch.Tensor | None = None,
-                           down_bias: torch.Tensor | None = None) -> None:
+    def load_expert_biases(
+        self, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None
+    ) -> None:
         """Copy this rank's routed expert biases out of the full stacked biases.
 
         Parameters
@@ -612,13 +697,16 @@ class MoE(nn.Module):
         """(target parameter, source) of the given biases, shapes checked."""
         n, inter, hid = self.router.num_experts, self.intermediate_size, self.routed_hidden_size
         pairs = []
-        for name, bias, shape, target in (("gate_up_bias", gate_up_bias, (n, 2 * inter), self.experts.b_gate_up),
-                                          ("down_bias", down_bias, (n, hid), self.experts.b_down)):
+        for name, bias, shape, target in (
+            ("gate_up_bias", gate_up_bias, (n, 2 * inter), self.experts.b_gate_up),
+            ("down_bias", down_bias, (n, hid), self.experts.b_down),
+        ):
             if bias is None:
                 continue
             if target is None:
-                raise ValueError(f"{name} was given but the module has no expert biases; build it with "
-                                 "expert_bias=True")
+                raise ValueError(
+                    f"{name} was given but the module has no expert biases; build it with expert_bias=True"
+                )
             if tuple(bias.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(bias.shape)}, expected {list(shape)}")
             pairs.append((target, bias))
@@ -630,7 +718,7 @@ class MoE(nn.Module):
         if ids == list(range(ids[0], ids[0] + len(ids))):  # no replicas: one block copy
             rows = slice(ids[0], ids[0] + len(ids))
             for target, source in pairs:
-                target[:len(ids)].copy_(source[rows])
+                target[: len(ids)].copy_(source[rows])
             return
         for local, logical in enumerate(ids):
             for target, source in pairs:
@@ -653,8 +741,10 @@ class MoE(nn.Module):
         inter, s = self.intermediate_size, self.num_shared_experts
         _, first = self.layout.routed_range(self.rank)
         if self.quant is not None:
-            self._load_quantized_slots(first, *(linear_float_weight(getattr(shared_experts, name))
-                                                for name in ("gate_proj", "up_proj", "down_proj")))
+            self._load_quantized_slots(
+                first,
+                *(linear_float_weight(getattr(shared_experts, name)) for name in ("gate_proj", "up_proj", "down_proj")),
+            )
             return
         gate = shared_experts.gate_proj.weight
         up = shared_experts.up_proj.weight
@@ -673,7 +763,7 @@ class MoE(nn.Module):
         quantized = quantize_experts(w_gate_up, w_down, self.quant)
         targets = self.experts.quantized_tensors()
         for name, tensor in zip(("w_gate_up", "gate_up_scale", "w_down", "down_scale"), quantized):
-            targets[name][first:first + s].copy_(tensor)
+            targets[name][first : first + s].copy_(tensor)
 
     # ------------------------------------------------------------ state dict
 
@@ -682,8 +772,9 @@ class MoE(nn.Module):
     #: then saves and loads (`moeroute.bindings.torch.hf_keys.TransformersCheckpoint`).
     checkpoint_format = None
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         # A transformers checkpoint of the block this module replaced loads as it is: its
         # names are mapped to this module's before the usual loading (which copies into the
         # existing parameters, so aliased weights stay aliased).
@@ -692,8 +783,9 @@ class MoE(nn.Module):
         else:
             map_transformers_keys(self, state_dict, prefix)
         self._check_state_before_copy(state_dict, prefix)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def _check_state_before_copy(self, state_dict, prefix) -> None:
         """Every tensor of this layer (its submodules' included) in ``state_dict`` checked
@@ -709,25 +801,31 @@ class MoE(nn.Module):
                 raise ValueError(f"{key} has shape {list(tensor.shape)}, expected {list(target.shape)}")
             quantized = (torch.float8_e4m3fn, torch.uint8)
             if tensor.dtype != target.dtype and (tensor.dtype in quantized or target.dtype in quantized):
-                raise ValueError(f"{key} has dtype {tensor.dtype} but the layer holds {target.dtype} there: "
-                                 "quantized weights load as they are, never cast (quantize float weights with "
-                                 "moeroute.quant; build a layer for FP8 or MXFP4 weights with quant=...)")
+                raise ValueError(
+                    f"{key} has dtype {tensor.dtype} but the layer holds {target.dtype} there: "
+                    "quantized weights load as they are, never cast (quantize float weights with "
+                    "moeroute.quant; build a layer for FP8 or MXFP4 weights with quant=...)"
+                )
 
     # ----------------------------------------------------------------- forward
 
     def extra_repr(self) -> str:
         r = self.router
-        return (f"num_experts={r.num_experts}, top_k={r.top_k}, hidden_size={self.hidden_size}, "
-                f"intermediate_size={self.intermediate_size}, shared={self.layout.shared!r}, "
-                f"num_shared_experts={self.num_shared_experts}, ep_size={self.layout.ep_size}, "
-                f"rank={self.rank}, scaling_regime={self.layout.scaling_regime!r}")
+        return (
+            f"num_experts={r.num_experts}, top_k={r.top_k}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}, shared={self.layout.shared!r}, "
+            f"num_shared_experts={self.num_shared_experts}, ep_size={self.layout.ep_size}, "
+            f"rank={self.rank}, scaling_regime={self.layout.scaling_regime!r}"
+        )
 
     def _check_forward_inputs(self, hidden_states, router_logits):
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
         if hidden_states.dim() not in (2, 3) or hidden_states.shape[-1] != self.hidden_size:
-            raise ValueError(f"hidden_states must be [T, H] or [B, S, H] with H={self.hidden_size}, "
-                             f"got shape {tuple(hidden_states.shape)}")
+            raise ValueError(
+                f"hidden_states must be [T, H] or [B, S, H] with H={self.hidden_size}, "
+                f"got shape {tuple(hidden_states.shape)}"
+            )
         expected = self.experts.w_gate_up.dtype
         # A module moved to another dtype (module.double()) is refused here, never misread:
         # the expert weights first, then the router's.
@@ -736,45 +834,62 @@ class MoE(nn.Module):
         check_dtype("the module's router_weight", self.router_weight.dtype)
         if self.quant is not None:  # quantized experts serve every activation dtype
             if hidden_states.dtype not in SUPPORTED_DTYPES:
-                raise ValueError(f"hidden_states dtype {hidden_states.dtype} is not served; use one of "
-                                 f"{SUPPORTED_DTYPES}")
+                raise ValueError(
+                    f"hidden_states dtype {hidden_states.dtype} is not served; use one of {SUPPORTED_DTYPES}"
+                )
         else:
             if hidden_states.dtype != expected:
-                raise ValueError(f"hidden_states dtype {hidden_states.dtype} does not match the expert weights' "
-                                 f"dtype {expected}; convert one of them (supported: {SUPPORTED_DTYPES})")
+                raise ValueError(
+                    f"hidden_states dtype {hidden_states.dtype} does not match the expert weights' "
+                    f"dtype {expected}; convert one of them (supported: {SUPPORTED_DTYPES})"
+                )
         device = hidden_states.device
         if device.type not in SUPPORTED_DEVICES:
             raise ValueError(f"hidden_states on device {device} is not supported; use one of {SUPPORTED_DEVICES}")
         if device != self.experts.w_gate_up.device:
-            raise ValueError(f"hidden_states is on {device} but the expert weights are on "
-                             f"{self.experts.w_gate_up.device}; move the module or the input")
+            raise ValueError(
+                f"hidden_states is on {device} but the expert weights are on "
+                f"{self.experts.w_gate_up.device}; move the module or the input"
+            )
         # The routing tensors this forward reads (a meta one holds no data to read).
-        used = ("correction_bias",) if router_logits is not None else ("router_weight", "router_bias",
-                                                                        "correction_bias")
+        used = (
+            ("correction_bias",) if router_logits is not None else ("router_weight", "router_bias", "correction_bias")
+        )
         for name in used:
             tensor = getattr(self, name)
             if tensor is not None and tensor.device != device:
-                raise ValueError(f"hidden_states is on {device} but the module's {name} is on {tensor.device}; "
-                                 "move the module or the input")
+                raise ValueError(
+                    f"hidden_states is on {device} but the module's {name} is on {tensor.device}; "
+                    "move the module or the input"
+                )
         if router_logits is not None:
             if not isinstance(router_logits, torch.Tensor):
                 raise TypeError(f"router_logits must be a torch.Tensor or None, got {type(router_logits).__name__}")
             tokens = hidden_states.numel() // self.hidden_size
             if tuple(router_logits.shape) != (tokens, self.router.num_experts):
-                raise ValueError(f"router_logits must be [T={tokens}, N={self.router.num_experts}], got "
-                                 f"shape {tuple(router_logits.shape)}")
+                raise ValueError(
+                    f"router_logits must be [T={tokens}, N={self.router.num_experts}], got "
+                    f"shape {tuple(router_logits.shape)}"
+                )
             if not router_logits.is_floating_point() or router_logits.device != device:
-                raise ValueError(f"router_logits must be a float tensor on {device}, got "
-                                 f"{router_logits.dtype} on {router_logits.device}")
+                raise ValueError(
+                    f"router_logits must be a float tensor on {device}, got "
+                    f"{router_logits.dtype} on {router_logits.device}"
+                )
 
     def _check_inference(self, hidden_states, router_logits) -> None:
         # Only the caller's inputs can ask for gradients: parameters that require grad (as
         # transformers leaves a shared MLP's) do not, so every shared mode behaves alike.
         if not torch.is_grad_enabled():
             return
-        culprit = next((name for name, value in (("hidden_states", hidden_states),
-                                                  ("router_logits", router_logits))
-                        if getattr(value, "requires_grad", False)), None)
+        culprit = next(
+            (
+                name
+                for name, value in (("hidden_states", hidden_states), ("router_logits", router_logits))
+                if getattr(value, "requires_grad", False)
+            ),
+            None,
+        )
         if culprit is not None:
             raise RuntimeError(
                 f"moeroute MoE is inference-only, but gradients are requested ({culprit} requires grad); "
@@ -878,9 +993,8 @@ class MoE(nn.Module):
         if local:
             # One rank: route picks, appends the shared slots and gives local ids in one op
             # (one launch on a device); those ids are the physical ones, and nothing travels.
-            weights, ids = arrays.route(logits, self._selection_router, layout, 0, self.correction_bias,
-                                        slot_weights)
-            topk_weights = weights[:, :self.router.top_k]
+            weights, ids = arrays.route(logits, self._selection_router, layout, 0, self.correction_bias, slot_weights)
+            topk_weights = weights[:, : self.router.top_k]
         else:
             topk_weights, topk_ids = arrays.select_experts(logits, self._selection_router, self.correction_bias)
             ids, weights = arrays.append_shared_slots(topk_ids, topk_weights, layout, self.rank, slot_weights)

@@ -43,8 +43,15 @@ from moeroute.quant import _mxfp4_dot, _mxfp4_host
 from moeroute.quant.mxfp4 import decode_mxfp4
 from moeroute.routing._parallel import cpu_threads
 
-__all__ = ["mxfp4_experts_forward", "check_mxfp4_weights", "MXFP4_STRATEGIES", "CHUNK_BYTES",
-           "map_gpt_oss_mxfp4_keys", "gate_rows_first", "GPT_OSS_MXFP4_KEYS"]
+__all__ = [
+    "mxfp4_experts_forward",
+    "check_mxfp4_weights",
+    "MXFP4_STRATEGIES",
+    "CHUNK_BYTES",
+    "map_gpt_oss_mxfp4_keys",
+    "gate_rows_first",
+    "GPT_OSS_MXFP4_KEYS",
+]
 
 #: CPU strategies; "auto" picks per call as the FP8 experts do.
 MXFP4_STRATEGIES = ("auto", "rows", "blocks")
@@ -55,11 +62,19 @@ CHUNK_BYTES = 16 << 20
 DECODED_MIN_ROWS = 12
 
 
-def mxfp4_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor,
-                          gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor,
-                          down_blocks: torch.Tensor, down_scales: torch.Tensor,
-                          gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                          activation: str = "silu", strategy: str = "auto") -> torch.Tensor:
+def mxfp4_experts_forward(
+    hidden_states: torch.Tensor,
+    local_ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_blocks: torch.Tensor,
+    gate_up_scales: torch.Tensor,
+    down_blocks: torch.Tensor,
+    down_scales: torch.Tensor,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    strategy: str = "auto",
+) -> torch.Tensor:
     """Weighted sum of each row's local MXFP4 experts.
 
     Parameters
@@ -89,9 +104,18 @@ def mxfp4_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, 
     """
     if strategy not in MXFP4_STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not an MXFP4 strategy; use one of {MXFP4_STRATEGIES}")
-    check_same_device("hidden_states", hidden_states, local_ids=local_ids, weights=weights,
-                      gate_up_blocks=gate_up_blocks, gate_up_scales=gate_up_scales, down_blocks=down_blocks,
-                      down_scales=down_scales, gate_up_bias=gate_up_bias, down_bias=down_bias)
+    check_same_device(
+        "hidden_states",
+        hidden_states,
+        local_ids=local_ids,
+        weights=weights,
+        gate_up_blocks=gate_up_blocks,
+        gate_up_scales=gate_up_scales,
+        down_blocks=down_blocks,
+        down_scales=down_scales,
+        gate_up_bias=gate_up_bias,
+        down_bias=down_bias,
+    )
     num_tokens, hidden = hidden_states.shape
     num_experts, two_inter = gate_up_blocks.shape[:2]
     inter = two_inter // 2
@@ -100,18 +124,36 @@ def mxfp4_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, 
     if device.type == "cuda" and strategy == "auto" and _cupy_installed():
         from moeroute.gpu import fused_experts
 
-        return fused_experts(hidden_states.contiguous(), (gate_up_blocks.contiguous(), gate_up_scales.contiguous()),
-                             (down_blocks.contiguous(), down_scales.contiguous()),
-                             weights.to(torch.float32).contiguous(), local_ids.to(torch.int32).contiguous(),
-                             activation=activation, gate_up_bias=gate_up_bias, down_bias=down_bias,
-                             quant=QuantConfig(format="mxfp4"))
+        return fused_experts(
+            hidden_states.contiguous(),
+            (gate_up_blocks.contiguous(), gate_up_scales.contiguous()),
+            (down_blocks.contiguous(), down_scales.contiguous()),
+            weights.to(torch.float32).contiguous(),
+            local_ids.to(torch.int32).contiguous(),
+            activation=activation,
+            gate_up_bias=gate_up_bias,
+            down_bias=down_bias,
+            quant=QuantConfig(format="mxfp4"),
+        )
     if device.type == "cpu" and strategy != "blocks":
         blocks_per_expert = -(-two_inter // _mxfp4_host.ROW_BLOCK)
-        plan = _rows.plan_rows(local_ids.detach().contiguous().numpy(),
-                               weights.detach().to(torch.float32).contiguous().numpy(), num_experts,
-                               blocks_per_expert)
-        return _rows_forward(hidden_states, plan, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
-                             gate_up_bias, down_bias, activation)
+        plan = _rows.plan_rows(
+            local_ids.detach().contiguous().numpy(),
+            weights.detach().to(torch.float32).contiguous().numpy(),
+            num_experts,
+            blocks_per_expert,
+        )
+        return _rows_forward(
+            hidden_states,
+            plan,
+            gate_up_blocks,
+            gate_up_scales,
+            down_blocks,
+            down_scales,
+            gate_up_bias,
+            down_bias,
+            activation,
+        )
     sorted_slots, expert_offsets, _ = arrays.sort_by_expert(local_ids, num_experts)
     offsets = expert_offsets.to(torch.int64)
     counts = (offsets[1:] - offsets[:-1]).tolist()
@@ -122,8 +164,7 @@ def mxfp4_experts_forward(hidden_states: torch.Tensor, local_ids: torch.Tensor, 
     if slots.numel() == 0:
         return sums.to(dtype)
     hit = [e for e, c in enumerate(counts) if c]
-    row_expert = torch.repeat_interleave(torch.arange(num_experts, device=device),
-                                         torch.tensor(counts, device=device))
+    row_expert = torch.repeat_interleave(torch.arange(num_experts, device=device), torch.tensor(counts, device=device))
     gate_up = _blocks_gemm(hidden_states[tokens], offsets, hit, gate_up_blocks, gate_up_scales, dtype)
     if gate_up_bias is not None:
         gate_up += gate_up_bias[row_expert].float()
@@ -142,8 +183,9 @@ def _cupy_installed() -> bool:
     return importlib.util.find_spec("cupy") is not None
 
 
-def _rows_forward(hidden_states, plan, gate_up_blocks, gate_up_scales, down_blocks, down_scales, gate_up_bias,
-                  down_bias, activation):
+def _rows_forward(
+    hidden_states, plan, gate_up_blocks, gate_up_scales, down_blocks, down_scales, gate_up_bias, down_bias, activation
+):
     """The "rows" strategy: `moeroute.quant._mxfp4_host`'s kernels over a `plan_rows` plan."""
     tokens, slot_weights, offsets, hit, work = plan
     num_tokens, hidden = hidden_states.shape
@@ -160,9 +202,21 @@ def _rows_forward(hidden_states, plan, gate_up_blocks, gate_up_scales, down_bloc
     bf16_dot = _mxfp4_dot.serves(dtype == torch.bfloat16, hidden, inter)
     if bf16_dot and activation in _rows.ACTIVATION_CODES:
         out = torch.empty(num_tokens, hidden, dtype=dtype)
-        args = (hidden_states.detach().contiguous().view(torch.uint16).numpy(), tokens, slot_weights, offsets, hit,
-                work, _packed(gate_up_blocks), _packed(gate_up_scales), _packed(down_blocks), _packed(down_scales),
-                _bias_view(gate_up_bias), _bias_view(down_bias), _rows.ACTIVATION_CODES[activation])
+        args = (
+            hidden_states.detach().contiguous().view(torch.uint16).numpy(),
+            tokens,
+            slot_weights,
+            offsets,
+            hit,
+            work,
+            _packed(gate_up_blocks),
+            _packed(gate_up_scales),
+            _packed(down_blocks),
+            _packed(down_scales),
+            _bias_view(gate_up_bias),
+            _bias_view(down_bias),
+            _rows.ACTIVATION_CODES[activation],
+        )
         with _numba_threads(threads):
             if threads == 1:
                 _quant_rows.rows_experts_mxfp4_serial(*args, out.view(torch.uint16).numpy())
@@ -175,16 +229,36 @@ def _rows_forward(hidden_states, plan, gate_up_blocks, gate_up_scales, down_bloc
     many_rows = tokens.shape[0] >= DECODED_MIN_ROWS * hit.shape[0]
     kernels = _mxfp4_dot if bf16_dot else _mxfp4_rows if many_rows else _mxfp4_host
     split = _split_pairs if bf16_dot else _split
-    gate_up_rows, down_rows = ((kernels.gate_up_rows_serial, kernels.down_rows_serial) if threads == 1
-                               else (kernels.gate_up_rows, kernels.down_rows))
+    gate_up_rows, down_rows = (
+        (kernels.gate_up_rows_serial, kernels.down_rows_serial)
+        if threads == 1
+        else (kernels.gate_up_rows, kernels.down_rows)
+    )
     with _numba_threads(threads):
-        gate_up_rows(split(hidden_states), tokens, offsets, work, _packed(gate_up_blocks), _packed(gate_up_scales),
-                     _bias_view(gate_up_bias), gate_up.numpy())
+        gate_up_rows(
+            split(hidden_states),
+            tokens,
+            offsets,
+            work,
+            _packed(gate_up_blocks),
+            _packed(gate_up_scales),
+            _bias_view(gate_up_bias),
+            gate_up.numpy(),
+        )
         act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
         if dtype != torch.float32:  # the intermediate in the activation dtype, as the float layer keeps it
             act = act.to(dtype)
-        down_rows(split(act), tokens, slot_weights, offsets, hit, _packed(down_blocks), _packed(down_scales),
-                  _bias_view(down_bias), sums.numpy())
+        down_rows(
+            split(act),
+            tokens,
+            slot_weights,
+            offsets,
+            hit,
+            _packed(down_blocks),
+            _packed(down_scales),
+            _bias_view(down_bias),
+            sums.numpy(),
+        )
     return sums if dtype == torch.float32 else sums.to(dtype)
 
 
@@ -230,7 +304,7 @@ def _blocks_gemm(xs, offsets, hit, blocks, scales, dtype):
         blocks_e, scales_e = blocks[e], scales[e]
         for r0 in range(0, rows_out, chunk_rows):
             r1 = min(rows_out, r0 + chunk_rows)
-            w = buffer[:r1 - r0]
+            w = buffer[: r1 - r0]
             if on_cpu:
                 _mxfp4_host.dequantize_rows_split(blocks_e.numpy(), scales_e.numpy(), r0, r1, w.numpy())
                 out[start:stop, r0:r1] = torch.mm(x_e, w.t())
@@ -240,8 +314,15 @@ def _blocks_gemm(xs, offsets, hit, blocks, scales, dtype):
     return out
 
 
-def check_mxfp4_weights(quant: QuantConfig, num_experts: int, hidden_size: int, intermediate_size: int,
-                        w_gate_up, w_down, check_values: bool = True) -> dict:
+def check_mxfp4_weights(
+    quant: QuantConfig,
+    num_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    w_gate_up,
+    w_down,
+    check_values: bool = True,
+) -> dict:
     """The full stacked MXFP4 pairs checked at the boundary; name -> tensor of the layer.
 
     ``w_gate_up`` and ``w_down`` are ``(blocks, scales)`` pairs of `QuantConfig.scale_shapes`
@@ -257,17 +338,22 @@ def check_mxfp4_weights(quant: QuantConfig, num_experts: int, hidden_size: int, 
     tensors = {}
     for name, pair, scale_shape in (("w_gate_up", w_gate_up, gate_up_shape), ("w_down", w_down, down_shape)):
         if isinstance(pair, torch.Tensor):
-            raise ValueError(f"{name} is a {pair.dtype} tensor but the layer has quant='mxfp4', which stores "
-                             f"(blocks, scales) pairs; quantize float weights with moeroute.quant.quantize_mxfp4 "
-                             "(or pass the checkpoint's _blocks and _scales tensors)")
+            raise ValueError(
+                f"{name} is a {pair.dtype} tensor but the layer has quant='mxfp4', which stores "
+                f"(blocks, scales) pairs; quantize float weights with moeroute.quant.quantize_mxfp4 "
+                "(or pass the checkpoint's _blocks and _scales tensors)"
+            )
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-            raise TypeError(f"{name} must be a (blocks, scales) pair of uint8 tensors with quant='mxfp4', got "
-                            f"{type(pair).__name__}")
+            raise TypeError(
+                f"{name} must be a (blocks, scales) pair of uint8 tensors with quant='mxfp4', got {type(pair).__name__}"
+            )
         blocks, scales = pair
         check_mxfp4(blocks, scales, name, check_values)
         if tuple(scales.shape) != scale_shape:
-            raise ValueError(f"{name} scales has shape {tuple(scales.shape)}, expected {list(scale_shape)} "
-                             f"(blocks {[*scale_shape, 16]})")
+            raise ValueError(
+                f"{name} scales has shape {tuple(scales.shape)}, expected {list(scale_shape)} "
+                f"(blocks {[*scale_shape, 16]})"
+            )
         prefix = "gate_up" if name == "w_gate_up" else "down"
         tensors[name] = blocks
         tensors[f"{prefix}_scale"] = scales
@@ -275,8 +361,12 @@ def check_mxfp4_weights(quant: QuantConfig, num_experts: int, hidden_size: int, 
 
 
 #: gpt-oss checkpoint names of MXFP4 experts, relative to the block.
-GPT_OSS_MXFP4_KEYS = ("experts.gate_up_proj_blocks", "experts.gate_up_proj_scales", "experts.down_proj_blocks",
-                      "experts.down_proj_scales")
+GPT_OSS_MXFP4_KEYS = (
+    "experts.gate_up_proj_blocks",
+    "experts.gate_up_proj_scales",
+    "experts.down_proj_blocks",
+    "experts.down_proj_scales",
+)
 
 
 def gate_rows_first(rows: int, device=None) -> torch.Tensor:
@@ -314,12 +404,16 @@ def map_gpt_oss_mxfp4_keys(module, state_dict: dict, prefix: str) -> None:
         missing = sorted(set(keys) - set(present))
         raise KeyError(f"{missing} missing from the state dict: MXFP4 experts need their blocks and scales")
     gate_up_blocks, gate_up_scales, down_blocks, down_scales = (state_dict.pop(key) for key in keys)
-    check_mxfp4(gate_up_blocks, gate_up_scales, keys[0][:-len("_blocks")])
-    check_mxfp4(down_blocks, down_scales, keys[2][:-len("_blocks")])
+    check_mxfp4(gate_up_blocks, gate_up_scales, keys[0][: -len("_blocks")])
+    check_mxfp4(down_blocks, down_scales, keys[2][: -len("_blocks")])
     ids = torch.tensor(module.routed_expert_ids(), dtype=torch.long)
     order = gate_rows_first(gate_up_blocks.shape[1])
-    tensors = {"w_gate_up": gate_up_blocks[ids][:, order], "gate_up_scale": gate_up_scales[ids][:, order],
-               "w_down": down_blocks[ids], "down_scale": down_scales[ids]}
+    tensors = {
+        "w_gate_up": gate_up_blocks[ids][:, order],
+        "gate_up_scale": gate_up_scales[ids][:, order],
+        "w_down": down_blocks[ids],
+        "down_scale": down_scales[ids],
+    }
     gate_up_bias, down_bias = prefix + "experts.gate_up_proj_bias", prefix + "experts.down_proj_bias"
     if gate_up_bias in state_dict:
         tensors["b_gate_up"] = state_dict.pop(gate_up_bias)[ids][:, order]

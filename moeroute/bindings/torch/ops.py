@@ -118,8 +118,10 @@ def layout_key(layout: ExpertLayout) -> str:
 def _registered_layout(key: str) -> ExpertLayout:
     layout = _LAYOUTS.get(key)
     if layout is None:
-        raise ValueError(f"layout_key={key!r} names no live ExpertLayout; get keys from "
-                         "moeroute.bindings.torch.ops.layout_key(layout) in this process")
+        raise ValueError(
+            f"layout_key={key!r} names no live ExpertLayout; get keys from "
+            "moeroute.bindings.torch.ops.layout_key(layout) in this process"
+        )
     return layout
 
 
@@ -145,8 +147,10 @@ def registered_layer(key: str) -> torch.nn.Module:
     """
     module = _LAYERS.get(key)
     if module is None:
-        raise ValueError(f"layer_key={key!r} names no live moeroute layer; the MoE module was deleted "
-                         "or built in another process (moe_forward runs only where its layer exists)")
+        raise ValueError(
+            f"layer_key={key!r} names no live moeroute layer; the MoE module was deleted "
+            "or built in another process (moe_forward runs only where its layer exists)"
+        )
     return module
 
 
@@ -168,6 +172,7 @@ def _static_int(value) -> bool:
 
 # ------------------------------------------------------------------ select_experts
 
+
 def _check_logits(logits: torch.Tensor, correction_bias: Optional[torch.Tensor] = None) -> None:
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [T, N], got shape {tuple(logits.shape)}")
@@ -175,10 +180,10 @@ def _check_logits(logits: torch.Tensor, correction_bias: Optional[torch.Tensor] 
     check_same_device("logits", logits, correction_bias=correction_bias)
 
 
-def _router(num_experts, top_k, scoring, num_expert_group, topk_group, renormalize,
-            routed_scaling_factor) -> RouterConfig:
-    return RouterConfig(num_experts, top_k, scoring, num_expert_group, topk_group, renormalize,
-                        routed_scaling_factor)
+def _router(
+    num_experts, top_k, scoring, num_expert_group, topk_group, renormalize, routed_scaling_factor
+) -> RouterConfig:
+    return RouterConfig(num_experts, top_k, scoring, num_expert_group, topk_group, renormalize, routed_scaling_factor)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::select_experts", mutates_args=())
@@ -193,24 +198,29 @@ def _select_experts_op(
     correction_bias: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_logits(logits, correction_bias)
-    router = _router(logits.shape[1], top_k, scoring, num_expert_group, topk_group, renormalize,
-                     routed_scaling_factor)
+    router = _router(logits.shape[1], top_k, scoring, num_expert_group, topk_group, renormalize, routed_scaling_factor)
     return arrays.select_experts(logits, router, correction_bias)
 
 
 @_select_experts_op.register_fake
-def _(logits, top_k, scoring="softmax", num_expert_group=1, topk_group=1, renormalize=True,
-      routed_scaling_factor=1.0, correction_bias=None):
+def _(
+    logits,
+    top_k,
+    scoring="softmax",
+    num_expert_group=1,
+    topk_group=1,
+    renormalize=True,
+    routed_scaling_factor=1.0,
+    correction_bias=None,
+):
     _check_logits(logits, correction_bias)
     if _static_int(logits.shape[1]):
-        _router(logits.shape[1], top_k, scoring, num_expert_group, topk_group, renormalize,
-                routed_scaling_factor)
+        _router(logits.shape[1], top_k, scoring, num_expert_group, topk_group, renormalize, routed_scaling_factor)
     shape = (logits.shape[0], top_k)
     return (logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int32))
 
 
-def select_experts(logits: torch.Tensor, router: RouterConfig,
-                   correction_bias: Optional[torch.Tensor] = None):
+def select_experts(logits: torch.Tensor, router: RouterConfig, correction_bias: Optional[torch.Tensor] = None):
     """``torch.ops.moeroute.select_experts`` with a `RouterConfig`.
 
     Parameters
@@ -236,11 +246,19 @@ def select_experts(logits: torch.Tensor, router: RouterConfig,
     if logits.dim() != 2 or logits.shape[1] != router.num_experts:
         raise ValueError(f"logits must be [T, N={router.num_experts}], got shape {tuple(logits.shape)}")
     return torch.ops.moeroute.select_experts(
-        logits, router.top_k, router.scoring, router.num_expert_group, router.topk_group,
-        router.renormalize, float(router.routed_scaling_factor), correction_bias)
+        logits,
+        router.top_k,
+        router.scoring,
+        router.num_expert_group,
+        router.topk_group,
+        router.renormalize,
+        float(router.routed_scaling_factor),
+        correction_bias,
+    )
 
 
 # ------------------------------------------------------------------ append_shared_slots
+
 
 def _appended_slots(layout: ExpertLayout) -> int:
     return layout.num_shared_experts if layout.shared == "fused" else 0
@@ -256,8 +274,9 @@ def _append_shared_slots_op(
     shared_weight: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if shared_weights is not None and shared_weight is not None:
-        raise ValueError("pass the shared slot weight as shared_weights (a tensor) or shared_weight "
-                         "(a float), not both")
+        raise ValueError(
+            "pass the shared slot weight as shared_weights (a tensor) or shared_weight (a float), not both"
+        )
     check_same_device("topk_ids", topk_ids, topk_weights=topk_weights, shared_weights=shared_weights)
     layout = _registered_layout(layout_key)
     shared = shared_weights if shared_weights is not None else shared_weight
@@ -274,8 +293,9 @@ def _(topk_ids, topk_weights, layout_key, home_rank=0, shared_weights=None, shar
     return (topk_ids.new_empty(shape, dtype=torch.int32), topk_ids.new_empty(shape, dtype=torch.float32))
 
 
-def append_shared_slots(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout,
-                        home_rank: int = 0, shared_weights=None):
+def append_shared_slots(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout, home_rank: int = 0, shared_weights=None
+):
     """``torch.ops.moeroute.append_shared_slots`` with an `ExpertLayout`.
 
     Parameters
@@ -299,16 +319,19 @@ def append_shared_slots(topk_ids: torch.Tensor, topk_weights: torch.Tensor, layo
     """
     key = layout_key(layout)
     if isinstance(shared_weights, torch.Tensor):
-        return torch.ops.moeroute.append_shared_slots(topk_ids, topk_weights, key, home_rank,
-                                                      shared_weights.to(torch.float32), None)
+        return torch.ops.moeroute.append_shared_slots(
+            topk_ids, topk_weights, key, home_rank, shared_weights.to(torch.float32), None
+        )
     scalar = None if shared_weights is None else float(shared_weights)
     return torch.ops.moeroute.append_shared_slots(topk_ids, topk_weights, key, home_rank, None, scalar)
 
 
 # ------------------------------------------------------------------ experts
 
-def _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
-                        b_gate_up=None, b_down=None):
+
+def _check_experts_args(
+    hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm, b_gate_up=None, b_down=None
+):
     check_activation(activation)
     if gemm not in GEMM_STRATEGIES:
         raise ValueError(f"gemm={gemm!r} is not a GEMM strategy; use one of {GEMM_STRATEGIES}")
@@ -321,18 +344,19 @@ def _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights
         raise ValueError(f"w_gate_up must be [L, 2I, H={hidden}], got shape {tuple(w_gate_up.shape)}")
     num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
     if tuple(w_down.shape) != (num_experts, hidden, inter):
-        raise ValueError(f"w_down must be [L, H, I] = {[num_experts, hidden, inter]}, got shape "
-                         f"{tuple(w_down.shape)}")
+        raise ValueError(f"w_down must be [L, H, I] = {[num_experts, hidden, inter]}, got shape {tuple(w_down.shape)}")
     for name, weight in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         if weight.dtype != hidden_states.dtype:
-            raise ValueError(f"{name} has dtype {weight.dtype}, hidden_states {hidden_states.dtype}; "
-                             "they must match")
+            raise ValueError(f"{name} has dtype {weight.dtype}, hidden_states {hidden_states.dtype}; they must match")
     _check_routing_args(hidden_states, topk_ids, topk_weights)
-    for name, bias, shape in (("b_gate_up", b_gate_up, (num_experts, 2 * inter)),
-                              ("b_down", b_down, (num_experts, hidden))):
+    for name, bias, shape in (
+        ("b_gate_up", b_gate_up, (num_experts, 2 * inter)),
+        ("b_down", b_down, (num_experts, hidden)),
+    ):
         if bias is not None and (tuple(bias.shape) != tuple(shape) or bias.dtype != hidden_states.dtype):
-            raise ValueError(f"{name} must be {hidden_states.dtype} {list(shape)}, got {bias.dtype} of shape "
-                             f"{tuple(bias.shape)}")
+            raise ValueError(
+                f"{name} must be {hidden_states.dtype} {list(shape)}, got {bias.dtype} of shape {tuple(bias.shape)}"
+            )
 
 
 def _check_routing_args(hidden_states, topk_ids, topk_weights) -> None:
@@ -344,59 +368,106 @@ def _check_routing_args(hidden_states, topk_ids, topk_weights) -> None:
     if topk_ids.dtype != torch.int32 or topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be int32 [T, K], got {topk_ids.dtype} of shape {tuple(topk_ids.shape)}")
     if topk_ids.shape[0] != num_tokens:
-        raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)} and hidden_states {tuple(hidden_states.shape)}; "
-                         f"topk_ids must be [T, K] with T = hidden_states.shape[0] = {num_tokens} (one row of "
-                         "ids per token)")
+        raise ValueError(
+            f"topk_ids has shape {tuple(topk_ids.shape)} and hidden_states {tuple(hidden_states.shape)}; "
+            f"topk_ids must be [T, K] with T = hidden_states.shape[0] = {num_tokens} (one row of "
+            "ids per token)"
+        )
     if tuple(topk_weights.shape) != tuple(topk_ids.shape) or topk_weights.dtype != torch.float32:
-        raise ValueError(f"topk_weights must be float32 of the shape of topk_ids {tuple(topk_ids.shape)}, "
-                         f"got {topk_weights.dtype} of shape {tuple(topk_weights.shape)}")
+        raise ValueError(
+            f"topk_weights must be float32 of the shape of topk_ids {tuple(topk_ids.shape)}, "
+            f"got {topk_weights.dtype} of shape {tuple(topk_weights.shape)}"
+        )
 
 
-def _check_experts_devices(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down,
-                           gate_up_scale, down_scale, input_scale) -> None:
+def _check_experts_devices(
+    hidden_states, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down, gate_up_scale, down_scale, input_scale
+) -> None:
     """Every tensor argument of ``experts`` on the device of ``hidden_states`` (the kernels
     read them there; a meta-device weight holds no data). ``expert_map`` is held to the
     device of ``topk_ids`` by `_check_expert_map`."""
-    check_same_device("hidden_states", hidden_states, w_gate_up=w_gate_up, w_down=w_down, topk_ids=topk_ids,
-                      topk_weights=topk_weights, b_gate_up=b_gate_up, b_down=b_down, gate_up_scale=gate_up_scale,
-                      down_scale=down_scale, input_scale=input_scale)
+    check_same_device(
+        "hidden_states",
+        hidden_states,
+        w_gate_up=w_gate_up,
+        w_down=w_down,
+        topk_ids=topk_ids,
+        topk_weights=topk_weights,
+        b_gate_up=b_gate_up,
+        b_down=b_down,
+        gate_up_scale=gate_up_scale,
+        down_scale=down_scale,
+        input_scale=input_scale,
+    )
 
 
 def _quant_config(quant_format, block_size, quant_activation, scale_fmt) -> QuantConfig:
     """The op's quantization arguments as a `QuantConfig`; ``quant_activation=""`` is the
     format's default ("dynamic" for FP8, "none" for MXFP4)."""
-    return QuantConfig(quant_format, block_size=None if block_size is None else tuple(block_size),
-                       activation=quant_activation or None, scale_fmt=scale_fmt)
+    return QuantConfig(
+        quant_format,
+        block_size=None if block_size is None else tuple(block_size),
+        activation=quant_activation or None,
+        scale_fmt=scale_fmt,
+    )
 
 
-def _check_mxfp4_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
-                              b_gate_up, b_down, gate_up_scale, down_scale, input_scale, quant):
+def _check_mxfp4_experts_args(
+    hidden_states,
+    w_gate_up,
+    w_down,
+    topk_ids,
+    topk_weights,
+    activation,
+    gemm,
+    b_gate_up,
+    b_down,
+    gate_up_scale,
+    down_scale,
+    input_scale,
+    quant,
+):
     """The MXFP4 form of `_check_experts_args`: blocks uint8 [L, 2I, H/32, 16] and
     [L, H, I/32, 16] with their uint8 scales; biases optional (added in float32)."""
     check_activation(activation)
     if gemm not in MXFP4_STRATEGIES:
         raise ValueError(f"gemm={gemm!r} is not an MXFP4 strategy; use one of {MXFP4_STRATEGIES}")
     if hidden_states.dim() != 2 or hidden_states.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"hidden_states must be 2-D [T, H] of {SUPPORTED_DTYPES}, got {hidden_states.dtype} of "
-                         f"shape {tuple(hidden_states.shape)}")
+        raise ValueError(
+            f"hidden_states must be 2-D [T, H] of {SUPPORTED_DTYPES}, got {hidden_states.dtype} of "
+            f"shape {tuple(hidden_states.shape)}"
+        )
     if input_scale is not None:
         raise ValueError("MXFP4 experts keep their activations in float (w4a16); pass input_scale=None")
     if w_gate_up.dim() != 4 or w_down.dim() != 4:
-        raise ValueError(f"with quant_format='mxfp4' w_gate_up and w_down are blocks [L, rows, cols/32, 16], got "
-                         f"shapes {tuple(w_gate_up.shape)} and {tuple(w_down.shape)}")
+        raise ValueError(
+            f"with quant_format='mxfp4' w_gate_up and w_down are blocks [L, rows, cols/32, 16], got "
+            f"shapes {tuple(w_gate_up.shape)} and {tuple(w_down.shape)}"
+        )
     num_experts, two_inter = w_gate_up.shape[:2]
     hidden = hidden_states.shape[1]
     if _static_int(num_experts) and _static_int(two_inter) and _static_int(hidden):
         if two_inter % 2:
             raise ValueError(f"w_gate_up has {two_inter} rows; gate_up rows are 2I (gate rows, then up rows)")
         # Shapes and dtypes only (reading the scale bytes would synchronize a device).
-        check_mxfp4_weights(quant, num_experts, hidden, two_inter // 2, (w_gate_up, gate_up_scale),
-                            (w_down, down_scale), check_values=False)
-    for name, bias, shape in (("b_gate_up", b_gate_up, (num_experts, two_inter)),
-                              ("b_down", b_down, (num_experts, hidden))):
+        check_mxfp4_weights(
+            quant,
+            num_experts,
+            hidden,
+            two_inter // 2,
+            (w_gate_up, gate_up_scale),
+            (w_down, down_scale),
+            check_values=False,
+        )
+    for name, bias, shape in (
+        ("b_gate_up", b_gate_up, (num_experts, two_inter)),
+        ("b_down", b_down, (num_experts, hidden)),
+    ):
         if bias is not None and (tuple(bias.shape) != tuple(shape) or bias.dtype not in SUPPORTED_DTYPES):
-            raise ValueError(f"{name} must be {list(shape)} of {SUPPORTED_DTYPES} (added in float32), got "
-                             f"{bias.dtype} of shape {tuple(bias.shape)}")
+            raise ValueError(
+                f"{name} must be {list(shape)} of {SUPPORTED_DTYPES} (added in float32), got "
+                f"{bias.dtype} of shape {tuple(bias.shape)}"
+            )
     _check_routing_args(hidden_states, topk_ids, topk_weights)
 
 
@@ -406,27 +477,55 @@ def _check_quantized_experts_args(*args):
     checks(*args)
 
 
-def _check_fp8_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
-                            b_gate_up, b_down, gate_up_scale, down_scale, input_scale, quant):
+def _check_fp8_experts_args(
+    hidden_states,
+    w_gate_up,
+    w_down,
+    topk_ids,
+    topk_weights,
+    activation,
+    gemm,
+    b_gate_up,
+    b_down,
+    gate_up_scale,
+    down_scale,
+    input_scale,
+    quant,
+):
     """The FP8 form of `_check_experts_args` (weights float8_e4m3fn, scales per `QuantConfig`)."""
     check_activation(activation)
     if gemm not in FP8_STRATEGIES:
-        raise ValueError(f"gemm={gemm!r} is not an FP8 strategy; with quant_format={quant.format!r} use one of "
-                         f"{FP8_STRATEGIES}")
+        raise ValueError(
+            f"gemm={gemm!r} is not an FP8 strategy; with quant_format={quant.format!r} use one of {FP8_STRATEGIES}"
+        )
     if hidden_states.dim() != 2 or hidden_states.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"hidden_states must be 2-D [T, H] of {SUPPORTED_DTYPES}, got {hidden_states.dtype} of "
-                         f"shape {tuple(hidden_states.shape)}")
+        raise ValueError(
+            f"hidden_states must be 2-D [T, H] of {SUPPORTED_DTYPES}, got {hidden_states.dtype} of "
+            f"shape {tuple(hidden_states.shape)}"
+        )
     if b_gate_up is not None or b_down is not None:
         raise ValueError("FP8 experts carry no biases; pass b_gate_up=b_down=None")
     if w_gate_up.dim() != 3 or w_gate_up.shape[1] % 2 or w_gate_up.shape[2] != hidden_states.shape[1]:
-        raise ValueError(f"w_gate_up must be [L, 2I, H={hidden_states.shape[1]}] (H of hidden_states), got shape "
-                         f"{tuple(w_gate_up.shape)}")
+        raise ValueError(
+            f"w_gate_up must be [L, 2I, H={hidden_states.shape[1]}] (H of hidden_states), got shape "
+            f"{tuple(w_gate_up.shape)}"
+        )
     num_experts, two_inter, hidden = w_gate_up.shape
     if _static_int(num_experts) and _static_int(hidden) and _static_int(two_inter):
         # Shapes and dtypes only: scale values are checked where weights are loaded, and
         # reading them here would synchronize a device (and cannot run on fake tensors).
-        check_quantized_weights(quant, num_experts, hidden, two_inter // 2, w_gate_up, w_down, gate_up_scale,
-                                down_scale, input_scale, check_values=False)
+        check_quantized_weights(
+            quant,
+            num_experts,
+            hidden,
+            two_inter // 2,
+            w_gate_up,
+            w_down,
+            gate_up_scale,
+            down_scale,
+            input_scale,
+            check_values=False,
+        )
     _check_routing_args(hidden_states, topk_ids, topk_weights)
 
 
@@ -435,29 +534,38 @@ def _check_expert_map(expert_map, topk_ids, num_local_experts) -> None:
     the device of ``topk_ids`` whose values (on the CPU, or wherever they can be read without a
     device sync) are -1 or local ids in [0, num_local_experts)."""
     if not isinstance(expert_map, torch.Tensor):
-        raise TypeError(f"expert_map must be an integer torch.Tensor [num_physical_experts] or None, got "
-                        f"{type(expert_map).__name__}")
+        raise TypeError(
+            f"expert_map must be an integer torch.Tensor [num_physical_experts] or None, got "
+            f"{type(expert_map).__name__}"
+        )
     if expert_map.dtype.is_floating_point or expert_map.dtype.is_complex or expert_map.dtype == torch.bool:
-        raise TypeError(f"expert_map must hold integers (int32: layout.expert_map(rank)), got dtype "
-                        f"{expert_map.dtype}")
+        raise TypeError(f"expert_map must hold integers (int32: layout.expert_map(rank)), got dtype {expert_map.dtype}")
     if expert_map.dim() != 1:
         raise ValueError(f"expert_map must be 1-D [num_physical_experts], got shape {tuple(expert_map.shape)}")
     if expert_map.device != topk_ids.device:
-        raise ValueError(f"expert_map is on {expert_map.device}, topk_ids on {topk_ids.device}; pass both on "
-                         "one device")
+        raise ValueError(
+            f"expert_map is on {expert_map.device}, topk_ids on {topk_ids.device}; pass both on one device"
+        )
     # Values: read on the CPU only (a device read would synchronize the stream). On a device a
     # value outside [-1, L) is not an error but names no local expert: its slots are skipped.
-    if expert_map.device.type == "cpu" and type(expert_map) is torch.Tensor and expert_map.numel() \
-            and _static_int(num_local_experts):
+    if (
+        expert_map.device.type == "cpu"
+        and type(expert_map) is torch.Tensor
+        and expert_map.numel()
+        and _static_int(num_local_experts)
+    ):
         low, high = int(expert_map.min()), int(expert_map.max())
         if low < -1 or high >= num_local_experts:
-            raise ValueError(f"expert_map values must be -1 (not held here) or local ids in "
-                             f"[0, {num_local_experts}) (num_local_experts = w_gate_up.shape[0]), got values "
-                             f"in [{low}, {high}]")
+            raise ValueError(
+                f"expert_map values must be -1 (not held here) or local ids in "
+                f"[0, {num_local_experts}) (num_local_experts = w_gate_up.shape[0]), got values "
+                f"in [{low}, {high}]"
+            )
 
 
-def local_expert_ids(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor],
-                     num_local_experts: int) -> torch.Tensor:
+def local_expert_ids(
+    topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_local_experts: int
+) -> torch.Tensor:
     """``topk_ids`` as the experts body takes them: unchanged without ``expert_map``; with
     one, the physical ids mapped to local ids (``expert_map[id]``, -1 where this rank does
     not hold the expert or the id is outside [0, len(expert_map))) by the routing library's
@@ -518,61 +626,183 @@ def _experts_op(
     ``topk_ids`` is not int32 [T, K] with T = ``hidden_states.shape[0]``, ``topk_weights``
     is not float32 of its shape, a tensor is on another device than ``hidden_states`` (the
     meta device included), or ``gemm`` is not a strategy of the format."""
-    return experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm, b_gate_up,
-                   b_down, gate_up_scale, down_scale, input_scale, quant_format, block_size, quant_activation,
-                   scale_fmt, expert_map)
+    return experts(
+        hidden_states,
+        w_gate_up,
+        w_down,
+        topk_ids,
+        topk_weights,
+        activation,
+        gemm,
+        b_gate_up,
+        b_down,
+        gate_up_scale,
+        down_scale,
+        input_scale,
+        quant_format,
+        block_size,
+        quant_activation,
+        scale_fmt,
+        expert_map,
+    )
 
 
-def experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation="silu", gemm="auto",
-            b_gate_up=None, b_down=None, gate_up_scale=None, down_scale=None, input_scale=None,
-            quant_format="", block_size=None, quant_activation="", scale_fmt="float", expert_map=None):
+def experts(
+    hidden_states,
+    w_gate_up,
+    w_down,
+    topk_ids,
+    topk_weights,
+    activation="silu",
+    gemm="auto",
+    b_gate_up=None,
+    b_down=None,
+    gate_up_scale=None,
+    down_scale=None,
+    input_scale=None,
+    quant_format="",
+    block_size=None,
+    quant_activation="",
+    scale_fmt="float",
+    expert_map=None,
+):
     """The body of ``torch.ops.moeroute.experts`` (same arguments and result), called
     directly where `runs_eagerly` allows."""
-    _check_experts_devices(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down,
-                           gate_up_scale, down_scale, input_scale)
+    _check_experts_devices(
+        hidden_states,
+        w_gate_up,
+        w_down,
+        topk_ids,
+        topk_weights,
+        b_gate_up,
+        b_down,
+        gate_up_scale,
+        down_scale,
+        input_scale,
+    )
     if quant_format:
         quant = _quant_config(quant_format, block_size, quant_activation, scale_fmt)
-        _check_quantized_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
-                                      b_gate_up, b_down, gate_up_scale, down_scale, input_scale, quant)
+        _check_quantized_experts_args(
+            hidden_states,
+            w_gate_up,
+            w_down,
+            topk_ids,
+            topk_weights,
+            activation,
+            gemm,
+            b_gate_up,
+            b_down,
+            gate_up_scale,
+            down_scale,
+            input_scale,
+            quant,
+        )
         topk_ids = local_expert_ids(topk_ids, expert_map, w_gate_up.shape[0])
         if quant.format == "mxfp4":
-            return mxfp4_experts_forward(hidden_states.contiguous(), topk_ids.contiguous(),
-                                         topk_weights.contiguous(), w_gate_up, gate_up_scale, w_down, down_scale,
-                                         b_gate_up, b_down, activation, gemm)
-        return fp8_experts_forward(hidden_states.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
-                                   w_gate_up, gate_up_scale.float(), w_down, down_scale.float(), quant, activation,
-                                   None if input_scale is None else input_scale.float(), gemm)
-    _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
-                        b_gate_up, b_down)
+            return mxfp4_experts_forward(
+                hidden_states.contiguous(),
+                topk_ids.contiguous(),
+                topk_weights.contiguous(),
+                w_gate_up,
+                gate_up_scale,
+                w_down,
+                down_scale,
+                b_gate_up,
+                b_down,
+                activation,
+                gemm,
+            )
+        return fp8_experts_forward(
+            hidden_states.contiguous(),
+            topk_ids.contiguous(),
+            topk_weights.contiguous(),
+            w_gate_up,
+            gate_up_scale.float(),
+            w_down,
+            down_scale.float(),
+            quant,
+            activation,
+            None if input_scale is None else input_scale.float(),
+            gemm,
+        )
+    _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm, b_gate_up, b_down)
     topk_ids = local_expert_ids(topk_ids, expert_map, w_gate_up.shape[0])
     if hidden_states.device.type == "cuda":
         contiguous = [None if t is None else t.contiguous() for t in (b_gate_up, b_down)]
-        return torch.ops.moeroute.fused_experts(hidden_states.contiguous(), w_gate_up.contiguous(),
-                                                w_down.contiguous(), topk_weights.contiguous(),
-                                                topk_ids.contiguous(), activation, True, None, *contiguous)
-    return cpu_experts(hidden_states, topk_ids, topk_weights, w_gate_up, w_down, activation, gemm, b_gate_up,
-                       b_down)
+        return torch.ops.moeroute.fused_experts(
+            hidden_states.contiguous(),
+            w_gate_up.contiguous(),
+            w_down.contiguous(),
+            topk_weights.contiguous(),
+            topk_ids.contiguous(),
+            activation,
+            True,
+            None,
+            *contiguous,
+        )
+    return cpu_experts(hidden_states, topk_ids, topk_weights, w_gate_up, w_down, activation, gemm, b_gate_up, b_down)
 
 
 @_experts_op.register_fake
-def _(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation="silu", gemm="auto",
-      b_gate_up=None, b_down=None, gate_up_scale=None, down_scale=None, input_scale=None, quant_format="",
-      block_size=None, quant_activation="", scale_fmt="float", expert_map=None):
-    _check_experts_devices(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down,
-                           gate_up_scale, down_scale, input_scale)
+def _(
+    hidden_states,
+    w_gate_up,
+    w_down,
+    topk_ids,
+    topk_weights,
+    activation="silu",
+    gemm="auto",
+    b_gate_up=None,
+    b_down=None,
+    gate_up_scale=None,
+    down_scale=None,
+    input_scale=None,
+    quant_format="",
+    block_size=None,
+    quant_activation="",
+    scale_fmt="float",
+    expert_map=None,
+):
+    _check_experts_devices(
+        hidden_states,
+        w_gate_up,
+        w_down,
+        topk_ids,
+        topk_weights,
+        b_gate_up,
+        b_down,
+        gate_up_scale,
+        down_scale,
+        input_scale,
+    )
     if quant_format:
         quant = _quant_config(quant_format, block_size, quant_activation, scale_fmt)
-        _check_quantized_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
-                                      b_gate_up, b_down, gate_up_scale, down_scale, input_scale, quant)
+        _check_quantized_experts_args(
+            hidden_states,
+            w_gate_up,
+            w_down,
+            topk_ids,
+            topk_weights,
+            activation,
+            gemm,
+            b_gate_up,
+            b_down,
+            gate_up_scale,
+            down_scale,
+            input_scale,
+            quant,
+        )
     else:
-        _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm,
-                            b_gate_up, b_down)
+        _check_experts_args(
+            hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm, b_gate_up, b_down
+        )
     if expert_map is not None:
         _check_expert_map(expert_map, topk_ids, w_gate_up.shape[0])
     return hidden_states.new_empty(hidden_states.shape)
 
 
 # ------------------------------------------------------------------ fused_experts (CUDA)
+
 
 @torch.library.custom_op(f"{NAMESPACE}::fused_experts", mutates_args=())
 def _fused_experts_op(
@@ -591,26 +821,47 @@ def _fused_experts_op(
     try:
         from moeroute.gpu import fused_experts
     except ImportError as error:  # CuPy missing: say what the CUDA path needs
-        raise RuntimeError(f"moeroute's CUDA expert GEMMs could not be imported ({error}); install the "
-                           "'cuda' extra (CuPy, numba-cuda)") from error
-    return fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation=activation,
-                         apply_router_weight=apply_router_weight, block_size=block_size,
-                         gate_up_bias=gate_up_bias, down_bias=down_bias)
+        raise RuntimeError(
+            f"moeroute's CUDA expert GEMMs could not be imported ({error}); install the 'cuda' extra (CuPy, numba-cuda)"
+        ) from error
+    return fused_experts(
+        hidden_states,
+        w_gate_up,
+        w_down,
+        topk_weights,
+        topk_ids,
+        activation=activation,
+        apply_router_weight=apply_router_weight,
+        block_size=block_size,
+        gate_up_bias=gate_up_bias,
+        down_bias=down_bias,
+    )
 
 
 @_fused_experts_op.register_fake
-def _(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation="silu",
-      apply_router_weight=True, block_size=None, gate_up_bias=None, down_bias=None):
-    _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, "auto",
-                        gate_up_bias, down_bias)
+def _(
+    hidden_states,
+    w_gate_up,
+    w_down,
+    topk_weights,
+    topk_ids,
+    activation="silu",
+    apply_router_weight=True,
+    block_size=None,
+    gate_up_bias=None,
+    down_bias=None,
+):
+    _check_experts_args(
+        hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, "auto", gate_up_bias, down_bias
+    )
     return hidden_states.new_empty(hidden_states.shape)
 
 
 # ------------------------------------------------------------------ the whole layer
 
+
 @torch.library.custom_op(f"{NAMESPACE}::moe_forward", mutates_args=())
-def _moe_forward_op(hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor],
-                    layer_key: str) -> torch.Tensor:
+def _moe_forward_op(hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor], layer_key: str) -> torch.Tensor:
     """One MoE layer, run eagerly by the registered module's ``forward_impl``."""
     out = registered_layer(layer_key).forward_impl(hidden_states, router_logits)
     # A custom op's output must be a fresh, contiguous tensor (the fake promises one).

@@ -13,7 +13,7 @@ ROWS_MAX_ROWS_PER_EXPERT = 16
 
 
 def choose_strategy(counts: list[int], bf16_dot: bool = False) -> str:
-    """"rows" when the hit experts average at most `ROWS_MAX_ROWS_PER_EXPERT` rows, or at any
+    """ "rows" when the hit experts average at most `ROWS_MAX_ROWS_PER_EXPERT` rows, or at any
     count when the row kernels run on the bfloat16 dot instructions (``bf16_dot``: row
     kernels register-blocked over four rows, which read each weight once per four rows and
     write no decode buffer, bench/quant.py); else "blocks"."""

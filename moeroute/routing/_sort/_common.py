@@ -33,13 +33,11 @@ MAX_GRID_Y = 65535
 PAD_BLOCKS = 264
 
 
-
 def check_cuda_available() -> None:
     """Raise RuntimeError when a device array arrives but numba.cuda is not installed."""
     if cuda is None:
         raise RuntimeError(
-            "a device array was passed but numba.cuda is not available; "
-            "install the 'cuda' extra (numba-cuda)"
+            "a device array was passed but numba.cuda is not available; install the 'cuda' extra (numba-cuda)"
         )
 
 
@@ -71,8 +69,10 @@ def row_launch_config(rows: int, width: int, limit: int = THREADS_PER_BLOCK):
     threads = min(limit, max(32, -(-width // 32) * 32))
     column_tiles = -(-width // threads)
     if column_tiles > MAX_GRID_Y:
-        raise ValueError(f"width={width} needs {column_tiles} column tiles of {threads} threads; "
-                         f"at most {MAX_GRID_Y} fit in gridDim.y")
+        raise ValueError(
+            f"width={width} needs {column_tiles} column tiles of {threads} threads; "
+            f"at most {MAX_GRID_Y} fit in gridDim.y"
+        )
     return (max(1, rows), max(1, column_tiles)), threads
 
 

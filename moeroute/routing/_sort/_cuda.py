@@ -14,8 +14,7 @@ from moeroute.routing._sort._common import (
     cuda,
 )
 
-mapped_id_device = (None if cuda is None
-                    else cuda.jit(device=True, inline="always")(_mapped_id))
+mapped_id_device = None if cuda is None else cuda.jit(device=True, inline="always")(_mapped_id)
 
 
 def _count_kernel(topk_ids, expert_map, use_map, num_experts, chunk_size, chunk_counts):
@@ -36,9 +35,24 @@ def _count_kernel(topk_ids, expert_map, use_map, num_experts, chunk_size, chunk_
             cuda.atomic.add(chunk_counts, (chunk, int32(e)), 1)
 
 
-def _place_kernel(topk_ids, expert_map, use_map, num_experts, chunk_size, num_chunks, block_size, chunk_counts,
-                  cursors, starts, totals, expert_starts, sorted_out, inverse_out, write_inverse,
-                  expert_ids):
+def _place_kernel(
+    topk_ids,
+    expert_map,
+    use_map,
+    num_experts,
+    chunk_size,
+    num_chunks,
+    block_size,
+    chunk_counts,
+    cursors,
+    starts,
+    totals,
+    expert_starts,
+    sorted_out,
+    inverse_out,
+    write_inverse,
+    expert_ids,
+):
     """Scan, place and pad in one launch; block b owns row b of ``cursors``, ``starts`` and
     ``totals`` (scratch [grid, E(+1)]), so blocks never wait for each other.
 
@@ -127,12 +141,10 @@ def _place_kernel(topk_ids, expert_map, use_map, num_experts, chunk_size, num_ch
     row_starts = starts[block]
     row_totals = totals[block]
     for p in range(block * nthreads + tid, sorted_out.shape[0], cuda.gridDim.x * nthreads):
-        pad_position_device(p, row_totals, row_starts, num_experts, block_size, numel,
-                            sorted_out, expert_ids)
+        pad_position_device(p, row_totals, row_starts, num_experts, block_size, numel, sorted_out, expert_ids)
 
 
-def _pad_position(p, expert_counts, expert_starts, num_experts, block_size, pad_value,
-                  sorted_out, expert_ids):
+def _pad_position(p, expert_counts, expert_starts, num_experts, block_size, pad_value, sorted_out, expert_ids):
     """Position p: the pad value when p is past its expert's entries; its block's expert id."""
     total = expert_starts[num_experts]
     e = -1
@@ -155,8 +167,7 @@ def _pad_position(p, expert_counts, expert_starts, num_experts, block_size, pad_
         expert_ids[p // block_size] = e
 
 
-pad_position_device = (None if cuda is None
-                       else cuda.jit(device=True, inline="always")(_pad_position))
+pad_position_device = None if cuda is None else cuda.jit(device=True, inline="always")(_pad_position)
 
 
 _KERNEL_FUNCTIONS = {
@@ -170,9 +181,21 @@ def kernel(name: str):
     return jit_kernel(_KERNEL_FUNCTIONS[name])
 
 
-def counting_sort_device(topk_ids, num_experts, block_size, sorted_out, expert_starts,
-                         expert_ids, inverse_out, stream, *, expert_map=None,
-                         chunk_size=SORT_CHUNK, threads_per_block=SORT_TILE, template=None):
+def counting_sort_device(
+    topk_ids,
+    num_experts,
+    block_size,
+    sorted_out,
+    expert_starts,
+    expert_ids,
+    inverse_out,
+    stream,
+    *,
+    expert_map=None,
+    chunk_size=SORT_CHUNK,
+    threads_per_block=SORT_TILE,
+    template=None,
+):
     """Launch the stable counting sort on ``stream``.
 
     Parameters
@@ -200,8 +223,9 @@ def counting_sort_device(topk_ids, num_experts, block_size, sorted_out, expert_s
         known on the host, so the launches can be captured in a CUDA graph.
     """
     if not 1 <= threads_per_block <= SORT_TILE or chunk_size < 1:
-        raise ValueError(f"threads_per_block={threads_per_block} must be in [1, {SORT_TILE}] "
-                         f"and chunk_size={chunk_size} >= 1")
+        raise ValueError(
+            f"threads_per_block={threads_per_block} must be in [1, {SORT_TILE}] and chunk_size={chunk_size} >= 1"
+        )
     rows, cols = topk_ids.shape
     numel = rows * cols
     num_chunks = max(1, -(-numel // chunk_size))
@@ -213,8 +237,10 @@ def counting_sort_device(topk_ids, num_experts, block_size, sorted_out, expert_s
 
     chunk_counts = scratch((num_chunks, num_experts))
     # Tiny inputs get a block no larger than their chunk or their expert count.
-    threads = min(threads_per_block, max(_power_of_two_at_least(max(min(chunk_size, numel), 1)),
-                                         _power_of_two_at_least(num_experts)))
+    threads = min(
+        threads_per_block,
+        max(_power_of_two_at_least(max(min(chunk_size, numel), 1)), _power_of_two_at_least(num_experts)),
+    )
     capacity = sorted_out.shape[0]
     # One block per chunk, more when the padding pass has far more positions than that.
     grid = max(num_chunks, min(-(-capacity // threads), PAD_BLOCKS))
@@ -226,12 +252,39 @@ def counting_sort_device(topk_ids, num_experts, block_size, sorted_out, expert_s
     use_map = expert_map is not None
     if expert_map is None:
         expert_map = scratch((1,))  # never read (use_map is False)
-    _launcher.launch(kernel("count"), None, num_chunks, threads, stream,
-                     (topk_ids, expert_map, use_map, num_experts, chunk_size, chunk_counts))
-    _launcher.launch(kernel("place"), None, grid, threads, stream, (
-        topk_ids, expert_map, use_map, num_experts, chunk_size, num_chunks, block_size, chunk_counts,
-        scratch((grid, num_experts)), scratch((grid, num_experts + 1)), scratch((grid, num_experts)),
-        expert_starts, sorted_out, inverse_out, write_inverse, expert_ids))
+    _launcher.launch(
+        kernel("count"),
+        None,
+        num_chunks,
+        threads,
+        stream,
+        (topk_ids, expert_map, use_map, num_experts, chunk_size, chunk_counts),
+    )
+    _launcher.launch(
+        kernel("place"),
+        None,
+        grid,
+        threads,
+        stream,
+        (
+            topk_ids,
+            expert_map,
+            use_map,
+            num_experts,
+            chunk_size,
+            num_chunks,
+            block_size,
+            chunk_counts,
+            scratch((grid, num_experts)),
+            scratch((grid, num_experts + 1)),
+            scratch((grid, num_experts)),
+            expert_starts,
+            sorted_out,
+            inverse_out,
+            write_inverse,
+            expert_ids,
+        ),
+    )
 
 
 def _power_of_two_at_least(n: int) -> int:

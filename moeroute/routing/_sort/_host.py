@@ -21,8 +21,7 @@ def _count_cpu(topk_ids, num_experts, expert_map, use_map):
 
 
 @njit(cache=True)
-def align_cpu(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, expert_map,
-              use_map):
+def align_cpu(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, expert_map, use_map):
     """Fill ``sorted_token_ids`` and ``expert_ids``; return num_tokens_post_padded. With
     ``use_map`` each id is first ``expert_map[id]`` (-1 outside the map), in both passes."""
     rows, cols = topk_ids.shape

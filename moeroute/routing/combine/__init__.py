@@ -41,15 +41,13 @@ def _check_activation_dtype(name, dtype, raw_bf16) -> None:
     """float32/float16 activations, or bfloat16 bit patterns with ``raw_bf16``."""
     if raw_bf16:
         if np.dtype(dtype) not in _BITS_DTYPES:
-            raise TypeError(
-                f"raw_bf16=True needs {name} as uint16 or int16 bfloat16 bits, got dtype {dtype}")
+            raise TypeError(f"raw_bf16=True needs {name} as uint16 or int16 bfloat16 bits, got dtype {dtype}")
     elif np.dtype(dtype) not in _FLOAT_DTYPES:
         hint = " (bfloat16 bits? pass raw_bf16=True)" if np.dtype(dtype) in _BITS_DTYPES else ""
         raise TypeError(f"{name} must be float32 or float16, got dtype {dtype}{hint}")
 
 
-def _check_combine_args(out_shape, out_dtype, index_shape, index_dtype, weights_shape,
-                        weights_dtype, raw_bf16) -> None:
+def _check_combine_args(out_shape, out_dtype, index_shape, index_dtype, weights_shape, weights_dtype, raw_bf16) -> None:
     if len(out_shape) != 2:
         raise ValueError(f"expert_out must be 2-D [M, H], got shape {tuple(out_shape)}")
     if len(index_shape) != 2:
@@ -61,11 +59,11 @@ def _check_combine_args(out_shape, out_dtype, index_shape, index_dtype, weights_
         if tuple(weights_shape) != tuple(index_shape):
             raise ValueError(
                 f"topk_weights has shape {tuple(weights_shape)} but inverse_index has shape "
-                f"{tuple(index_shape)}; they must match")
+                f"{tuple(index_shape)}; they must match"
+            )
         if np.dtype(weights_dtype).kind != "f":
             raise TypeError(f"topk_weights must be floating point, got dtype {weights_dtype}")
-    _sort.check_index_limit("inverse_index.shape[0] * expert_out.shape[1]",
-                            int(index_shape[0]) * int(out_shape[1]))
+    _sort.check_index_limit("inverse_index.shape[0] * expert_out.shape[1]", int(index_shape[0]) * int(out_shape[1]))
 
 
 # --------------------------------------------------------------------------- API
@@ -119,29 +117,33 @@ def combine(expert_out, inverse_index, topk_weights=None, *, raw_bf16=False, str
     raw_bf16 = raw_bf16 or expert.bfloat16
     if any(e.on_device != expert.on_device for e in (index, weights) if e is not None):
         raise TypeError(
-            "expert_out, inverse_index and topk_weights must all be host (NumPy) arrays or "
-            "all be device arrays")
+            "expert_out, inverse_index and topk_weights must all be host (NumPy) arrays or all be device arrays"
+        )
     if expert.on_device:
         return expert.from_bits16(_combine_device(expert, index, weights, raw_bf16, stream))
-    return expert.wrap(_combine_host(expert.host(), index.host(),
-                                     None if weights is None else weights.host_floats(),
-                                     raw_bf16), bfloat16=expert.bfloat16)
+    return expert.wrap(
+        _combine_host(expert.host(), index.host(), None if weights is None else weights.host_floats(), raw_bf16),
+        bfloat16=expert.bfloat16,
+    )
 
 
 def _combine_host(expert, index, weights, raw_bf16):
     """`combine` on NumPy arrays (bfloat16 as uint16 bits with ``raw_bf16``)."""
-    _check_combine_args(expert.shape, expert.dtype, index.shape, index.dtype,
-                        None if weights is None else weights.shape,
-                        None if weights is None else weights.dtype, raw_bf16)
+    _check_combine_args(
+        expert.shape,
+        expert.dtype,
+        index.shape,
+        index.dtype,
+        None if weights is None else weights.shape,
+        None if weights is None else weights.dtype,
+        raw_bf16,
+    )
     if index.size and int(index.max()) >= expert.shape[0]:
-        raise ValueError(
-            f"inverse_index holds row {int(index.max())} but expert_out has only "
-            f"{expert.shape[0]} rows")
+        raise ValueError(f"inverse_index holds row {int(index.max())} but expert_out has only {expert.shape[0]} rows")
     index = np.ascontiguousarray(index)
     expert = np.ascontiguousarray(expert)
     has_weights = weights is not None
-    weights = (np.ascontiguousarray(weights, dtype=np.float32) if has_weights
-               else np.empty((1, 1), np.float32))
+    weights = np.ascontiguousarray(weights, dtype=np.float32) if has_weights else np.empty((1, 1), np.float32)
     tokens, width = index.shape[0], expert.shape[1]
     parallel = tokens * width >= PARALLEL_COMBINE_MIN_ELEMENTS and _parallel.cpu_threads() > 1
     if expert.dtype == np.float32:
@@ -151,8 +153,7 @@ def _combine_host(expert, index, weights, raw_bf16):
         return out
     accumulated = np.empty((tokens, width), np.float32)
     kernel = _combine_decoded_cpu_parallel if parallel else _combine_decoded_cpu
-    kernel(expert.view(np.uint16), _decode_table(raw_bf16), index, weights, has_weights,
-           accumulated)
+    kernel(expert.view(np.uint16), _decode_table(raw_bf16), index, weights, has_weights, accumulated)
     if not raw_bf16:
         return accumulated.astype(np.float16)
     out = np.empty((tokens, width), expert.dtype)
@@ -167,9 +168,15 @@ def _combine_device(expert_entry, index_entry, weights_entry, raw_bf16, stream):
     expert = expert_entry.kernel(bits16=True)
     index = index_entry.kernel()
     weights = None if weights_entry is None else weights_entry.kernel()
-    _check_combine_args(expert.shape, expert.dtype, index.shape, index.dtype,
-                        None if weights is None else weights.shape,
-                        None if weights is None else weights.dtype, raw_bf16)
+    _check_combine_args(
+        expert.shape,
+        expert.dtype,
+        index.shape,
+        index.dtype,
+        None if weights is None else weights.shape,
+        None if weights is None else weights.dtype,
+        raw_bf16,
+    )
     if weights is not None and weights.dtype != np.float32:
         raise TypeError(f"topk_weights on the device must be float32, got dtype {weights.dtype}")
     launch_stream = expert_entry.stream(stream)
@@ -182,8 +189,9 @@ def _combine_device(expert_entry, index_entry, weights_entry, raw_bf16, stream):
         if raw_bf16:  # the kernel reads and writes the patterns as uint16
             expert, out_view = expert.view(np.uint16), out_view.view(np.uint16)
         grid, threads = _sort.row_launch_config(tokens, width)
-        _launcher.launch(_kernel(raw_bf16), None, grid, threads, launch_stream,
-                         (expert, index, weights, has_weights, out_view))
+        _launcher.launch(
+            _kernel(raw_bf16), None, grid, threads, launch_stream, (expert, index, weights, has_weights, out_view)
+        )
     return out
 
 
@@ -224,36 +232,34 @@ def accumulate_rows(out, rows, tokens, weights, *, raw_bf16=False):
     """
     if not isinstance(out, np.ndarray):
         # np.asarray would copy a list (or similar), and the sums would be lost with it.
-        raise TypeError(f"out must be a NumPy array (it is updated in place), got "
-                        f"{type(out).__name__}")
+        raise TypeError(f"out must be a NumPy array (it is updated in place), got {type(out).__name__}")
     out_array = out
     rows = np.asarray(rows)
     tokens = np.asarray(tokens)
     weights = np.asarray(weights)
     if out_array.dtype != np.float32 or out_array.ndim != 2:
-        raise TypeError(f"out must be a 2-D float32 array, got {out_array.dtype} "
-                        f"with shape {out_array.shape}")
+        raise TypeError(f"out must be a 2-D float32 array, got {out_array.dtype} with shape {out_array.shape}")
     if not out_array.flags.c_contiguous:
         raise ValueError("out must be C-contiguous (it is updated in place)")
     if not out_array.flags.writeable:
-        raise ValueError("out is read-only (flags.writeable is False); pass a writable "
-                         "float32 array, it is updated in place")
+        raise ValueError(
+            "out is read-only (flags.writeable is False); pass a writable float32 array, it is updated in place"
+        )
     if rows.ndim != 2 or rows.shape[1] != out_array.shape[1]:
         raise ValueError(f"rows must be [R, {out_array.shape[1]}], got shape {rows.shape}")
     if tokens.shape != (rows.shape[0],) or weights.shape != (rows.shape[0],):
-        raise ValueError(f"tokens and weights must be [{rows.shape[0]}], got shapes "
-                         f"{tokens.shape} and {weights.shape}")
+        raise ValueError(f"tokens and weights must be [{rows.shape[0]}], got shapes {tokens.shape} and {weights.shape}")
     if tokens.dtype.kind not in "iu":
         raise TypeError(f"tokens must be integers, got dtype {tokens.dtype}")
     if weights.dtype != np.float32:
         raise TypeError(f"weights must be float32, got dtype {weights.dtype}")
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= out_array.shape[0]):
-        raise ValueError(f"tokens must lie in [0, {out_array.shape[0]}), got "
-                         f"[{int(tokens.min())}, {int(tokens.max())}]")
+        raise ValueError(
+            f"tokens must lie in [0, {out_array.shape[0]}), got [{int(tokens.min())}, {int(tokens.max())}]"
+        )
     _check_activation_dtype("rows", rows.dtype, raw_bf16)
     check_no_overlap({"out": out_array}, {"rows": rows, "tokens": tokens, "weights": weights})
-    accumulate_checked(out_array, np.ascontiguousarray(rows), tokens, weights,
-                       bool(raw_bf16), _distinct(tokens))
+    accumulate_checked(out_array, np.ascontiguousarray(rows), tokens, weights, bool(raw_bf16), _distinct(tokens))
 
 
 def accumulate_checked(out, rows, tokens, weights, raw_bf16, distinct):
@@ -263,5 +269,4 @@ def accumulate_checked(out, rows, tokens, weights, raw_bf16, distinct):
         parallel = distinct and rows.size >= PARALLEL_ACCUMULATE_MIN_ELEMENTS and _parallel.cpu_threads() > 1
         (_accumulate_cpu_parallel if parallel else _accumulate_cpu)(rows, tokens, weights, out)
     else:
-        _accumulate_decoded_cpu(rows.view(np.uint16), _decode_table(raw_bf16), tokens, weights,
-                                out)
+        _accumulate_decoded_cpu(rows.view(np.uint16), _decode_table(raw_bf16), tokens, weights, out)

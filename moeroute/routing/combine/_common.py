@@ -3,6 +3,7 @@
 import numpy as np
 
 from moeroute.routing._float16 import BF16_SHIFT as _BF16_SHIFT
+
 #: The quiet NaN torch writes for any NaN converted to bfloat16.
 _BF16_NAN = 0x7FC0
 #: Half of a bfloat16 ulp minus one, in float32 bits: the round-to-nearest-even bias.

@@ -51,8 +51,7 @@ def _combine_decoded_cpu(expert_bits, table, inverse_index, weights, has_weights
 
 
 @njit(cache=True, parallel=True)
-def _combine_decoded_cpu_parallel(expert_bits, table, inverse_index, weights, has_weights,
-                                  out):
+def _combine_decoded_cpu_parallel(expert_bits, table, inverse_index, weights, has_weights, out):
     for t in prange(out.shape[0]):
         _combine_row_decoded(expert_bits, table, inverse_index, weights, has_weights, t, out)
 

@@ -101,20 +101,19 @@ def expert_load(ids, num_experts, *, out=None, stream=None):
         size = int(np.prod(view.shape, dtype=np.int64))
         if size:
             blocks, threads = _sort.launch_config(size)
-            _launcher.launch(_kernel("count"), None, blocks, threads, launch_stream,
-                             (view.reshape(size), counts_view))
+            _launcher.launch(_kernel("count"), None, blocks, threads, launch_stream, (view.reshape(size), counts_view))
         return counts
     if out_entry is not None and out_entry.on_device:
-        raise TypeError("out is a device array but ids are on the host; pass both on the "
-                        "device or both as NumPy arrays")
+        raise TypeError(
+            "out is a device array but ids are on the host; pass both on the device or both as NumPy arrays"
+        )
     host = _sort.host_ids("ids", entry, ndim=None)
     if out is None:
         counts = np.zeros(num_experts, LOAD_DTYPE)
         _count_cpu(host.reshape(-1), counts)
         return entry.wrap(counts)
     if isinstance(out, (list, tuple)) or not hasattr(out, "shape"):
-        raise TypeError(f"out must be a NumPy (or CPU torch) int64 array for host ids, got "
-                        f"{type(out).__name__}")
+        raise TypeError(f"out must be a NumPy (or CPU torch) int64 array for host ids, got {type(out).__name__}")
     _check_out(out_entry, num_experts, False)
     counts = out_entry.host()  # a CPU torch counter is viewed, not copied
     if not counts.flags.c_contiguous or not counts.flags.writeable:

@@ -40,8 +40,7 @@ def _check_hidden_states(shape, num_tokens) -> None:
         raise ValueError(f"hidden_states must be 2-D [T, H], got shape {tuple(shape)}")
     if int(shape[0]) != num_tokens:
         raise ValueError(
-            f"hidden_states has {shape[0]} rows but topk_ids has {num_tokens}; "
-            "they must describe the same tokens"
+            f"hidden_states has {shape[0]} rows but topk_ids has {num_tokens}; they must describe the same tokens"
         )
 
 
@@ -100,8 +99,17 @@ def _sort_device(entry, num_experts, stream):
     sorted_all, sorted_view = entry.empty((numel,), np.int32, launch_stream)
     offsets, offsets_view = entry.empty((num_experts + 1,), np.int32, launch_stream)
     inverse, inverse_view = entry.empty(tuple(ids.shape), np.int32, launch_stream)
-    _sort.counting_sort_device(ids, num_experts, 1, sorted_view, offsets_view, None,
-                               inverse_view if numel else None, launch_stream, template=entry)
+    _sort.counting_sort_device(
+        ids,
+        num_experts,
+        1,
+        sorted_view,
+        offsets_view,
+        None,
+        inverse_view if numel else None,
+        launch_stream,
+        template=entry,
+    )
     return (sorted_all, offsets, inverse), (sorted_view, offsets_view), launch_stream
 
 
@@ -160,8 +168,11 @@ def permute(hidden_states, topk_ids, num_experts, *, stream=None):
         parallel = permuted.nbytes >= PARALLEL_GATHER_MIN_BYTES and _parallel.cpu_threads() > 1
         gather = _gather_rows_parallel if parallel else _gather_rows
         gather(source, sorted_slots, ids.shape[1], _as_bits(permuted))
-    return (hidden_entry.wrap(permuted, bfloat16=hidden_entry.bfloat16),
-            ids_entry.wrap(expert_offsets), ids_entry.wrap(inverse_index))
+    return (
+        hidden_entry.wrap(permuted, bfloat16=hidden_entry.bfloat16),
+        ids_entry.wrap(expert_offsets),
+        ids_entry.wrap(inverse_index),
+    )
 
 
 def _as_bits(array: np.ndarray) -> np.ndarray:
@@ -179,14 +190,20 @@ def _permute_device(hidden_entry, ids_entry, num_experts, stream):
     _check_hidden_states(hidden_view.shape, int(ids_view.shape[0]))
     top_k = int(ids_view.shape[1])
     (_, expert_offsets, inverse_index), (sorted_view, offsets_view), launch_stream = _sort_device(
-        ids_entry, num_experts, stream)
+        ids_entry, num_experts, stream
+    )
     rows = int(sorted_view.shape[0])
     width = int(hidden_view.shape[1])
-    permuted, permuted_view = hidden_entry.empty((rows, width), hidden_view.dtype,
-                                                 launch_stream)
+    permuted, permuted_view = hidden_entry.empty((rows, width), hidden_view.dtype, launch_stream)
     if rows and width:
         grid, threads = _sort.row_launch_config(rows, width)
         kept_count = offsets_view[num_experts:]  # on the device: no read-back
-        _launcher.launch(_gather_kernel(), None, grid, threads, launch_stream,
-                         (hidden_view, sorted_view, kept_count, top_k, permuted_view))
+        _launcher.launch(
+            _gather_kernel(),
+            None,
+            grid,
+            threads,
+            launch_stream,
+            (hidden_view, sorted_view, kept_count, top_k, permuted_view),
+        )
     return hidden_entry.from_bits16(permuted), expert_offsets, inverse_index

@@ -43,9 +43,7 @@ _LOCAL_ID_MAX = int(np.iinfo(np.int32).max)
 def check_layout(layout) -> ExpertLayout:
     """TypeError unless ``layout`` is an ExpertLayout."""
     if not isinstance(layout, ExpertLayout):
-        raise TypeError(
-            f"layout must be a moeroute ExpertLayout, got {type(layout).__name__}"
-        )
+        raise TypeError(f"layout must be a moeroute ExpertLayout, got {type(layout).__name__}")
     return layout
 
 
@@ -124,8 +122,7 @@ def logical_to_physical(topk_ids, layout, prefer_rank=None, *, stream=None):
     ids = _sort.kernel_ids(view)
     out = np.empty(ids.shape, np.int32)
     offsets, replica_ids = _replica_tables(layout, prefer_rank)
-    logical_to_physical_cpu(ids, layout.num_routed_experts, offsets, replica_ids,
-                            layout.routed_id_map, out)
+    logical_to_physical_cpu(ids, layout.num_routed_experts, offsets, replica_ids, layout.routed_id_map, out)
     return entry.wrap(out)
 
 
@@ -165,8 +162,7 @@ def remap_to_local(ids, expert_map, *, stream=None):
         return _remap_device(entry, table, stream)
     if table.on_device:
         raise TypeError(
-            "expert_map is a device array but ids are on the host; pass both on the "
-            "device or both as NumPy arrays"
+            "expert_map is a device array but ids are on the host; pass both on the device or both as NumPy arrays"
         )
     return entry.wrap(_remap_host(_sort.host_ids("ids", entry, ndim=None), table.host()))
 
@@ -192,8 +188,9 @@ def device_expert_map(expert_map):
         table = entry.kernel()
         _check_expert_map_dtype(table.dtype, table.ndim)
         if table.dtype != np.int32:
-            raise TypeError(f"a device expert_map must be int32, got dtype {table.dtype}; "
-                            "layout.expert_map(rank) is int32")
+            raise TypeError(
+                f"a device expert_map must be int32, got dtype {table.dtype}; layout.expert_map(rank) is int32"
+            )
         return table
     host_table = np.asarray(entry.array)
     _check_expert_map_dtype(host_table.dtype, host_table.ndim)
@@ -213,6 +210,7 @@ def _remap_device(entry, expert_map, stream):
     size = int(np.prod(shape, dtype=np.int64))
     if size:
         blocks, threads = _sort.launch_config(size)
-        _launcher.launch(_kernel("remap"), None, blocks, threads, launch_stream,
-                         (view.reshape(size), table, out_view.reshape(size)))
+        _launcher.launch(
+            _kernel("remap"), None, blocks, threads, launch_stream, (view.reshape(size), table, out_view.reshape(size))
+        )
     return out

@@ -17,20 +17,17 @@ except ImportError:  # pragma: no cover - CPU-only installs
 #: Layouts whose id tables are kept on the device; a process rarely uses more than a few.
 _DEVICE_TABLE_CACHE_SIZE = 32
 
-physical_id_device = (None if cuda is None
-                      else cuda.jit(device=True, inline="always")(_physical_id))
+physical_id_device = None if cuda is None else cuda.jit(device=True, inline="always")(_physical_id)
 
 
-def logical_to_physical_kernel(topk_ids, num_routed, replica_offsets, replica_ids,
-                               routed_id_map, out):
+def logical_to_physical_kernel(topk_ids, num_routed, replica_offsets, replica_ids, routed_id_map, out):
     """One thread per (t, k)."""
     i = cuda.grid(1)
     cols = topk_ids.shape[1]
     if i < topk_ids.shape[0] * cols:
         t = i // cols
         k = i % cols
-        out[t, k] = physical_id_device(topk_ids[t, k], t, num_routed, replica_offsets,
-                                       replica_ids, routed_id_map)
+        out[t, k] = physical_id_device(topk_ids[t, k], t, num_routed, replica_offsets, replica_ids, routed_id_map)
 
 
 def _remap_kernel(ids, expert_map, out):
@@ -70,10 +67,10 @@ def layout_device_tables(layout: ExpertLayout, prefer_rank=None):
     Uploaded once per layout, ``prefer_rank`` and device (a synchronous copy, so any stream
     may use them).
     """
+
     def upload():
         offsets, replica_ids = _replica_tables(layout, prefer_rank)
-        return tuple(cuda.to_device(np.ascontiguousarray(a)) for a in (
-            offsets, replica_ids, layout.routed_id_map))
+        return tuple(cuda.to_device(np.ascontiguousarray(a)) for a in (offsets, replica_ids, layout.routed_id_map))
 
     return _kept(_device_tables, (layout, prefer_rank), upload)
 
@@ -98,6 +95,11 @@ def launch_logical_to_physical(ids_view, layout, out_view, stream, prefer_rank=N
         return
     offsets, replica_ids, routed_id_map = layout_device_tables(layout, prefer_rank)
     blocks, threads = _sort.launch_config(numel)
-    _launcher.launch(_kernel("l2p"), None, blocks, threads, stream,
-                     (ids_view, layout.num_routed_experts, offsets, replica_ids, routed_id_map,
-                      out_view))
+    _launcher.launch(
+        _kernel("l2p"),
+        None,
+        blocks,
+        threads,
+        stream,
+        (ids_view, layout.num_routed_experts, offsets, replica_ids, routed_id_map, out_view),
+    )

@@ -8,14 +8,12 @@ physical_id_cpu = njit(cache=True, inline="always")(_physical_id)
 
 
 @njit(cache=True)
-def logical_to_physical_cpu(topk_ids, num_routed, replica_offsets, replica_ids,
-                            routed_id_map, out):
+def logical_to_physical_cpu(topk_ids, num_routed, replica_offsets, replica_ids, routed_id_map, out):
     """Fill out[:, :K] with the physical ids of topk_ids [T, K]."""
     rows, cols = topk_ids.shape
     for t in range(rows):
         for k in range(cols):
-            out[t, k] = physical_id_cpu(topk_ids[t, k], t, num_routed, replica_offsets,
-                                        replica_ids, routed_id_map)
+            out[t, k] = physical_id_cpu(topk_ids[t, k], t, num_routed, replica_offsets, replica_ids, routed_id_map)
 
 
 @njit(cache=True)

@@ -33,13 +33,30 @@ import numpy as np
 from moeroute.config import RouterConfig
 from moeroute.routing import _arrays
 from moeroute.routing.select._common import (  # noqa: F401 (re-exported)
-    SOFTMAX_EXACT_GAP, WARP_SIZE, _dtype_name)
+    SOFTMAX_EXACT_GAP,
+    WARP_SIZE,
+    _dtype_name,
+)
 from moeroute.routing.select._device import (  # noqa: F401 (re-exported)
-    DEVICE_WARPS_PER_BLOCK, _device_kernel, _device_kernel_function, _device_signature,
-    _device_warps_per_block, _select_device)
+    DEVICE_WARPS_PER_BLOCK,
+    _device_kernel,
+    _device_kernel_function,
+    _device_signature,
+    _device_warps_per_block,
+    _select_device,
+)
 from moeroute.routing.select._host import (  # noqa: F401 (re-exported)
-    _BF16_TO_FLOAT, _EMPTY_BIAS, _HALF_TO_FLOAT, PARALLEL_CHUNK_ROWS, PARALLEL_MIN_ELEMENTS,
-    _lane_order_sum, _select_host, _select_parallel, _select_rows, _select_serial)
+    _BF16_TO_FLOAT,
+    _EMPTY_BIAS,
+    _HALF_TO_FLOAT,
+    PARALLEL_CHUNK_ROWS,
+    PARALLEL_MIN_ELEMENTS,
+    _lane_order_sum,
+    _select_host,
+    _select_parallel,
+    _select_rows,
+    _select_serial,
+)
 
 __all__ = [
     "select_experts",
@@ -64,8 +81,7 @@ _SUPPORTED_DEVICE_DTYPES = ("float32", "float16", "bfloat16")
 # --------------------------------------------------------------------------------------
 
 
-def _validate(logits, config, correction_bias, on_device: bool, dtype_name=None,
-              bias_on_device=None) -> None:
+def _validate(logits, config, correction_bias, on_device: bool, dtype_name=None, bias_on_device=None) -> None:
     """Raise TypeError/ValueError naming the bad argument; return None when all is well.
 
     ``dtype_name`` overrides the dtype of host ``logits`` passed as raw bits (bfloat16);
@@ -74,23 +90,18 @@ def _validate(logits, config, correction_bias, on_device: bool, dtype_name=None,
     if not isinstance(config, RouterConfig):
         raise TypeError(f"config must be a moeroute RouterConfig, got {type(config).__name__}")
     if not on_device and not isinstance(logits, np.ndarray):
-        raise TypeError(
-            f"logits must be a NumPy array or a CUDA device array, got {type(logits).__name__}"
-        )
+        raise TypeError(f"logits must be a NumPy array or a CUDA device array, got {type(logits).__name__}")
     shape = tuple(logits.shape)
     if len(shape) != 2:
         raise ValueError(f"logits must be 2-D [num_tokens, num_experts], got shape {shape}")
     num_experts = config.num_experts
     if shape[1] != num_experts:
-        raise ValueError(
-            f"logits.shape[1]={shape[1]} does not match config.num_experts={num_experts}"
-        )
+        raise ValueError(f"logits.shape[1]={shape[1]} does not match config.num_experts={num_experts}")
     allowed = _SUPPORTED_DEVICE_DTYPES if on_device else _SUPPORTED_HOST_DTYPES
     name = dtype_name or _dtype_name(logits.dtype)
     if name not in allowed:
         where = "device" if on_device else "host"
-        raise ValueError(
-            f"logits dtype {name} is not supported on the {where}; use one of {allowed}")
+        raise ValueError(f"logits dtype {name} is not supported on the {where}; use one of {allowed}")
     if correction_bias is not None:
         if bias_on_device is None:
             bias_on_device = _arrays.is_device_array(correction_bias)
@@ -101,14 +112,10 @@ def _validate(logits, config, correction_bias, on_device: bool, dtype_name=None,
                 f"correction_bias is a {type(correction_bias).__name__}"
             )
         if not on_device and not isinstance(correction_bias, np.ndarray):
-            raise TypeError(
-                f"correction_bias must be a NumPy array, got {type(correction_bias).__name__}"
-            )
+            raise TypeError(f"correction_bias must be a NumPy array, got {type(correction_bias).__name__}")
         bias_shape = tuple(correction_bias.shape)
         if bias_shape != (num_experts,):
-            raise ValueError(
-                f"correction_bias shape {bias_shape} must be ({num_experts},) = [num_experts]"
-            )
+            raise ValueError(f"correction_bias shape {bias_shape} must be ({num_experts},) = [num_experts]")
         bias_dtype = _dtype_name(correction_bias.dtype)
         if bias_dtype != "float32":
             raise ValueError(f"correction_bias dtype {bias_dtype} must be float32")
@@ -120,16 +127,12 @@ def _validate(logits, config, correction_bias, on_device: bool, dtype_name=None,
             )
     if on_device:
         if num_experts > MAX_DEVICE_EXPERTS:
-            raise ValueError(
-                f"num_experts={num_experts} exceeds the device kernel limit {MAX_DEVICE_EXPERTS}"
-            )
+            raise ValueError(f"num_experts={num_experts} exceeds the device kernel limit {MAX_DEVICE_EXPERTS}")
         if config.top_k > MAX_DEVICE_TOP_K:
-            raise ValueError(
-                f"top_k={config.top_k} exceeds the device kernel limit {MAX_DEVICE_TOP_K}")
+            raise ValueError(f"top_k={config.top_k} exceeds the device kernel limit {MAX_DEVICE_TOP_K}")
         if config.num_expert_group > MAX_DEVICE_GROUPS:
             raise ValueError(
-                f"num_expert_group={config.num_expert_group} exceeds the device kernel limit "
-                f"{MAX_DEVICE_GROUPS}"
+                f"num_expert_group={config.num_expert_group} exceeds the device kernel limit {MAX_DEVICE_GROUPS}"
             )
 
 
@@ -197,8 +200,7 @@ def select_experts(logits, config, correction_bias=None, *, stream=None, out=Non
     entry = _arrays.enter(logits, "logits")
     bias = None if correction_bias is None else _arrays.enter(correction_bias, "correction_bias")
     if entry.on_device:
-        _validate(logits, config, correction_bias, True,
-                  bias_on_device=None if bias is None else bias.on_device)
+        _validate(logits, config, correction_bias, True, bias_on_device=None if bias is None else bias.on_device)
         outputs = _check_out(out, entry, config.top_k, True, correction_bias)
         return _select_device(entry, config, bias, stream, outputs)
     weights, ids, outputs = _select_host_entry(entry, config, bias, out)
@@ -218,9 +220,14 @@ def _select_host_entry(entry, config, bias, out=None):
         if bias.bfloat16:  # its raw bits would read as uint16
             raise ValueError("correction_bias dtype bfloat16 must be float32")
         correction_bias = _host_input(bias)
-    _validate(logits, config, correction_bias, False,
-              dtype_name="bfloat16" if entry.bfloat16 else None,
-              bias_on_device=None if bias is None else bias.on_device)
+    _validate(
+        logits,
+        config,
+        correction_bias,
+        False,
+        dtype_name="bfloat16" if entry.bfloat16 else None,
+        bias_on_device=None if bias is None else bias.on_device,
+    )
     outputs = _check_out(out, entry, config.top_k, False, correction_bias)
     host_out = None if outputs is None else tuple(_arrays.host_array(o) for o in outputs)
     weights, ids = _select_host(logits, config, correction_bias, entry.bfloat16, host_out)
@@ -232,12 +239,13 @@ def _host_input(entry):
     name, array = entry.name, entry.array
     if entry.torch is not None and not array.is_cpu:
         # A meta (or other non-CUDA) tensor holds no values the kernels could read.
-        raise ValueError(f"{name} is on {array.device}; select_experts takes a CPU tensor, a CUDA "
-                         "tensor, a NumPy array or a CUDA device array")
+        raise ValueError(
+            f"{name} is on {array.device}; select_experts takes a CPU tensor, a CUDA "
+            "tensor, a NumPy array or a CUDA device array"
+        )
     if entry.framework in ("numpy", "torch"):
         return entry.host()
-    raise TypeError(f"{name} must be a NumPy array, a torch tensor or a CUDA device array, got "
-                    f"{type(array).__name__}")
+    raise TypeError(f"{name} must be a NumPy array, a torch tensor or a CUDA device array, got {type(array).__name__}")
 
 
 def _check_out(out, entry, top_k, on_device, correction_bias=None):
@@ -255,14 +263,15 @@ def _check_out(out, entry, top_k, on_device, correction_bias=None):
         raise TypeError(f"out must be a (topk_weights, topk_ids) pair, got {type(out).__name__}")
     shape = (int(logits.shape[0]), int(top_k))
     torch = entry.torch
-    for name, buffer, dtype in (("out[0] (topk_weights)", out[0], "float32"),
-                                ("out[1] (topk_ids)", out[1], "int32")):
+    for name, buffer, dtype in (("out[0] (topk_weights)", out[0], "float32"), ("out[1] (topk_ids)", out[1], "int32")):
         if _arrays.is_device_array(buffer) != on_device:
             where = "a device array" if on_device else "a host array"
             raise TypeError(f"{name} must be {where} like logits, got {type(buffer).__name__}")
         if on_device and _arrays.framework_of(buffer) != entry.framework:
-            raise TypeError(f"{name} is a {_arrays.framework_of(buffer)} array but logits is a "
-                            f"{entry.framework} one; pass buffers of the same framework")
+            raise TypeError(
+                f"{name} is a {_arrays.framework_of(buffer)} array but logits is a "
+                f"{entry.framework} one; pass buffers of the same framework"
+            )
         if not on_device:
             if torch is not None and _arrays.torch_of(buffer) is None:
                 raise TypeError(f"{name} must be a torch tensor like logits, got {type(buffer).__name__}")
@@ -284,11 +293,16 @@ def _check_out(out, entry, top_k, on_device, correction_bias=None):
             view = _arrays.as_device_array(buffer)
             contiguous = view.is_c_contiguous()
             device_of = getattr(buffer, "device", None)
-            if device_of is not None and getattr(logits, "device", None) is not None \
-                    and str(device_of) != str(logits.device):
+            if (
+                device_of is not None
+                and getattr(logits, "device", None) is not None
+                and str(device_of) != str(logits.device)
+            ):
                 raise ValueError(f"{name} is on {device_of} but logits is on {logits.device}")
         if not contiguous:
             raise ValueError(f"{name} must be C-contiguous")
-    _arrays.check_no_overlap({"out[0] (topk_weights)": out[0], "out[1] (topk_ids)": out[1]},
-                             {"logits": logits, "correction_bias": correction_bias})
+    _arrays.check_no_overlap(
+        {"out[0] (topk_weights)": out[0], "out[1] (topk_ids)": out[1]},
+        {"logits": logits, "correction_bias": correction_bias},
+    )
     return tuple(out)

@@ -37,14 +37,14 @@ _LOG2_E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)  # ln 2 split so that n * hi is exact (9 significant bits)
 _LN2_LO = np.float32(-2.12194440e-4)
 _EXP_P0, _EXP_P1, _EXP_P2, _EXP_P3, _EXP_P4, _EXP_P5 = (
-    np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3,
-                            4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1))
+    np.float32(c)
+    for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+)
 _F32_EXPONENT_BIAS = 127
 
 # config.scoring as the CPU kernel's integer argument (one compiled kernel serves all four).
 _SOFTMAX, _SIGMOID, _SQRTSOFTPLUS, _RAW = 0, 1, 2, 3
-_SCORING_CODES = {"softmax": _SOFTMAX, "sigmoid": _SIGMOID, "sqrtsoftplus": _SQRTSOFTPLUS,
-                  "none": _RAW}
+_SCORING_CODES = {"softmax": _SOFTMAX, "sigmoid": _SIGMOID, "sqrtsoftplus": _SQRTSOFTPLUS, "none": _RAW}
 
 _INT32_LOW31 = np.int32(0x7FFFFFFF)
 # Order keys: int32 that sort like the float32 choices, -0 == +0, NaN below -inf.

@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
 # Kernel code must reach numba.cuda through this module-level name: the CUDA simulator
 # swaps in its own module for the global `cuda` of the functions it runs.
 from numba import cuda, float32, int32, int64
@@ -49,8 +50,17 @@ from numba.core import types
 
 from moeroute.routing import _warp
 from moeroute.routing.select._common import (
-    _F32_EPS, _F32_MAX, _F32_NEG_MAX, _F32_ONE, _F32_ZERO, _NAN_KEY, _NO_KEY, _SCORING_CODES,
-    SOFTMAX_EXACT_GAP, WARP_SIZE)
+    _F32_EPS,
+    _F32_MAX,
+    _F32_NEG_MAX,
+    _F32_ONE,
+    _F32_ZERO,
+    _NAN_KEY,
+    _NO_KEY,
+    _SCORING_CODES,
+    SOFTMAX_EXACT_GAP,
+    WARP_SIZE,
+)
 
 __all__ = [
     "WARP_SIZE",
@@ -311,8 +321,7 @@ def row_routine(num_experts, num_groups, scoring, has_bias, renormalize, input_k
                 keys[j] = order_key(x[j]) if j * lanes + lane < num_experts else pad_key
             if grouped:
                 keep_groups(keys, lane, topk_group, False)
-            my_id, my_weight, total, row_max, last = pick(
-                keys, lane, heads, warp, top_k, True)
+            my_id, my_weight, total, row_max, last = pick(keys, lane, heads, warp, top_k, True)
             exact = last - row_max < exact_gap
             if not exact:
                 if not renormalize:
@@ -356,8 +365,7 @@ def row_routine(num_experts, num_groups, scoring, has_bias, renormalize, input_k
                     keys[j] = pad_key
             if grouped:
                 keep_groups(keys, lane, topk_group, has_bias)
-            my_id, my_weight, weight_sum, first, last = pick(
-                keys, lane, heads, warp, top_k, False)
+            my_id, my_weight, weight_sum, first, last = pick(keys, lane, heads, warp, top_k, False)
             if has_bias:
                 # The key is the choice (score + bias): lane r recomputes its pick's score
                 # from the logit (a cached load, the same float32 operations), and the
@@ -386,8 +394,7 @@ def row_routine(num_experts, num_groups, scoring, has_bias, renormalize, input_k
 
 
 def _element_type(input_kind):
-    return {"float32": types.float32, "float16": types.float16,
-            "bfloat16": types.int16}[input_kind]
+    return {"float32": types.float32, "float16": types.float16, "bfloat16": types.int16}[input_kind]
 
 
 def _warp_row_routine(num_experts, num_groups, scoring, has_bias, renormalize, input_kind):
@@ -395,8 +402,7 @@ def _warp_row_routine(num_experts, num_groups, scoring, has_bias, renormalize, i
     ``pick(logits, bias, T, K, topk_group, rsf) -> (row, lane, id, weight)``: one warp per
     row, `warps_per_block()` rows per block, ``id``/``weight`` lane r's pick r (for
     r < K). Idle warps of the last block mirror row T - 1 (``row`` >= T: store nothing)."""
-    select_row, slots = row_routine(num_experts, num_groups, scoring, has_bias, renormalize,
-                                    input_kind)
+    select_row, slots = row_routine(num_experts, num_groups, scoring, has_bias, renormalize, input_kind)
     warps = warps_per_block()
     lanes = WARP_SIZE
     lane_bits = WARP_SIZE.bit_length() - 1  # tid >> lane_bits is the warp of a thread
@@ -409,23 +415,19 @@ def _warp_row_routine(num_experts, num_groups, scoring, has_bias, renormalize, i
         warp = tid >> lane_bits
         row = cuda.blockIdx.x * warps + warp
         source_row = min(row, num_tokens - 1)
-        my_id, my_weight = select_row(logits, bias, source_row, lane, heads, warp, top_k,
-                                      topk_group, rsf)
+        my_id, my_weight = select_row(logits, bias, source_row, lane, heads, warp, top_k, topk_group, rsf)
         return row, lane, my_id, my_weight
 
     return pick
 
 
-def select_kernel_function(num_experts, num_groups, scoring, has_bias, renormalize,
-                           input_kind):
+def select_kernel_function(num_experts, num_groups, scoring, has_bias, renormalize, input_kind):
     """select_experts' kernel: ``kernel(logits [T, N], bias [N] float32, T, K,
     topk_group, rsf, out_w [T, K] float32, out_ids [T, K] int32)``; one warp per row,
     `warps_per_block()` rows per block; lane r stores pick r (a coalesced store)."""
-    pick = _warp_row_routine(num_experts, num_groups, scoring, has_bias, renormalize,
-                             input_kind)
+    pick = _warp_row_routine(num_experts, num_groups, scoring, has_bias, renormalize, input_kind)
 
-    def select_experts_kernel(logits, bias, num_tokens, top_k, topk_group, rsf, out_w,
-                              out_ids):
+    def select_experts_kernel(logits, bias, num_tokens, top_k, topk_group, rsf, out_w, out_ids):
         row, lane, my_id, my_weight = pick(logits, bias, num_tokens, top_k, topk_group, rsf)
         if row < num_tokens and lane < top_k:
             out_ids[row, lane] = my_id
@@ -437,24 +439,47 @@ def select_kernel_function(num_experts, num_groups, scoring, has_bias, renormali
 def select_signature(input_kind, bias_layout="C"):
     """The numba signature of `select_kernel_function`'s kernel (the cached launcher's
     layout, compile_ptx checks); ``bias_layout`` "A" for a strided bias vector."""
-    return (_element_type(input_kind)[:, ::1], types.Array(types.float32, 1, bias_layout),
-            types.int64, types.int64, types.int64, types.float32, types.float32[:, ::1],
-            types.int32[:, ::1])
+    return (
+        _element_type(input_kind)[:, ::1],
+        types.Array(types.float32, 1, bias_layout),
+        types.int64,
+        types.int64,
+        types.int64,
+        types.float32,
+        types.float32[:, ::1],
+        types.int32[:, ::1],
+    )
 
 
 def route_signature(input_kind, bias_layout="C", slot_layout="C"):
     """The numba signature of `route_kernel_function`'s kernel: "A" layouts for a strided
     bias or shared-weight array (any other argument is C-contiguous)."""
     table = types.int32[::1]
-    return (_element_type(input_kind)[:, ::1], types.Array(types.float32, 1, bias_layout),
-            types.int64, types.int64, types.int64, types.float32, types.int64, table, table,
-            table, types.int64, types.int64, types.Array(types.float32, 2, slot_layout),
-            types.int64, types.int64, types.float32, types.boolean, table,
-            types.float32[:, ::1], types.int32[:, ::1])
+    return (
+        _element_type(input_kind)[:, ::1],
+        types.Array(types.float32, 1, bias_layout),
+        types.int64,
+        types.int64,
+        types.int64,
+        types.float32,
+        types.int64,
+        table,
+        table,
+        table,
+        types.int64,
+        types.int64,
+        types.Array(types.float32, 2, slot_layout),
+        types.int64,
+        types.int64,
+        types.float32,
+        types.boolean,
+        table,
+        types.float32[:, ::1],
+        types.int32[:, ::1],
+    )
 
 
-def route_kernel_function(num_experts, num_groups, scoring, has_bias, renormalize,
-                          input_kind):
+def route_kernel_function(num_experts, num_groups, scoring, has_bias, renormalize, input_kind):
     """The fused route kernel: select_experts' row routine, then in the same warp the
     physical id of each pick (replica hash and per-rank shift, `remap.physical_id_device`),
     the fused shared slots, and the rank's local ids.
@@ -469,20 +494,36 @@ def route_kernel_function(num_experts, num_groups, scoring, has_bias, renormaliz
 
     # Compiled here from remap's one definition: inlined, and compile_ptx needs no context.
     physical_id_device = cuda.jit(device=True, inline="always")(_physical_id)
-    pick = _warp_row_routine(num_experts, num_groups, scoring, has_bias, renormalize,
-                             input_kind)
+    pick = _warp_row_routine(num_experts, num_groups, scoring, has_bias, renormalize, input_kind)
     lanes = WARP_SIZE
 
-    def route_kernel(logits, bias, num_tokens, top_k, topk_group, rsf, num_routed,
-                     replica_offsets, replica_ids, routed_id_map, first_slot, num_slots,
-                     slot_weights, use_row, use_col, scalar_weight, has_array, expert_map,
-                     out_w, out_ids):
+    def route_kernel(
+        logits,
+        bias,
+        num_tokens,
+        top_k,
+        topk_group,
+        rsf,
+        num_routed,
+        replica_offsets,
+        replica_ids,
+        routed_id_map,
+        first_slot,
+        num_slots,
+        slot_weights,
+        use_row,
+        use_col,
+        scalar_weight,
+        has_array,
+        expert_map,
+        out_w,
+        out_ids,
+    ):
         row, lane, my_id, my_weight = pick(logits, bias, num_tokens, top_k, topk_group, rsf)
         if row < num_tokens:
             map_size = expert_map.shape[0]
             if lane < top_k:
-                physical = physical_id_device(my_id, row, num_routed, replica_offsets,
-                                              replica_ids, routed_id_map)
+                physical = physical_id_device(my_id, row, num_routed, replica_offsets, replica_ids, routed_id_map)
                 local = -1
                 if physical >= 0 and physical < map_size:
                     local = expert_map[physical]

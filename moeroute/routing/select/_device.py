@@ -20,8 +20,7 @@ DEVICE_WARPS_PER_BLOCK = _cuda.DEVICE_WARPS_PER_BLOCK
 def _device_kernel_function(num_experts, num_groups, scoring, has_bias, renormalize, input_kind):
     """The CUDA kernel as a Python function specialised to these compile-time constants
     (`moeroute.routing.select._cuda.select_kernel_function`)."""
-    return _cuda.select_kernel_function(num_experts, num_groups, scoring, has_bias,
-                                        renormalize, input_kind)
+    return _cuda.select_kernel_function(num_experts, num_groups, scoring, has_bias, renormalize, input_kind)
 
 
 @lru_cache(maxsize=None)
@@ -34,8 +33,7 @@ def _device_signature(input_kind, bias_layout="C"):
 @lru_cache(maxsize=None)
 def _device_kernel(num_experts, num_groups, scoring, has_bias, renormalize, input_kind):
     """The compiled kernel (a numba.cuda dispatcher), built once per specialisation."""
-    return cuda.jit(_device_kernel_function(num_experts, num_groups, scoring, has_bias,
-                                            renormalize, input_kind))
+    return cuda.jit(_device_kernel_function(num_experts, num_groups, scoring, has_bias, renormalize, input_kind))
 
 
 def _select_device(entry, config, bias, stream, out=None):
@@ -44,8 +42,11 @@ def _select_device(entry, config, bias, stream, out=None):
     launcher = _launcher.active_launcher()
     array, kind = entry.kernel(launcher, bits16=True), entry.dtype  # bfloat16 as int16 bits
     if not entry.contiguous():
-        strides = (tuple(s * array.element_size() for s in array.stride())  # torch, in bytes
-                   if callable(getattr(array, "stride", None)) else tuple(array.strides))
+        strides = (
+            tuple(s * array.element_size() for s in array.stride())  # torch, in bytes
+            if callable(getattr(array, "stride", None))
+            else tuple(array.strides)
+        )
         raise ValueError(f"device logits must be C-contiguous, got strides {strides}")
     num_tokens = array.shape[0]
     top_k = config.top_k
@@ -53,10 +54,8 @@ def _select_device(entry, config, bias, stream, out=None):
     launch_stream = entry.stream(stream, launcher)
     if out is None:
         view = launcher == "numba"
-        topk_weights, out_w = entry.empty((num_tokens, top_k), np.float32, launch_stream,
-                                          view=view)
-        topk_ids, out_ids = entry.empty((num_tokens, top_k), np.int32, launch_stream,
-                                        view=view)
+        topk_weights, out_w = entry.empty((num_tokens, top_k), np.float32, launch_stream, view=view)
+        topk_ids, out_ids = entry.empty((num_tokens, top_k), np.int32, launch_stream, view=view)
     else:
         topk_weights, topk_ids = out
         out_w, out_ids = (_launcher.kernel_array(o, launcher) for o in out)
@@ -64,16 +63,30 @@ def _select_device(entry, config, bias, stream, out=None):
         has_bias = bias is not None
         # Without a bias the kernel never reads it: any float32 vector fills the slot.
         bias_array = bias.kernel(launcher) if has_bias else out_w.reshape(-1)
-        kernel = _device_kernel(config.num_experts, config.num_expert_group,
-                                config.scoring, has_bias, config.renormalize, kind)
+        kernel = _device_kernel(
+            config.num_experts, config.num_expert_group, config.scoring, has_bias, config.renormalize, kind
+        )
         warps = _device_warps_per_block()
         blocks = -(-num_tokens // warps)
         bias_layout = "C" if not has_bias or bias.contiguous() else "A"
-        _launcher.launch(kernel, _device_signature(kind, bias_layout), blocks, warps * WARP_SIZE,
-                         launch_stream,
-                         (array, bias_array, num_tokens, top_k, config.topk_group,
-                          np.float32(config.routed_scaling_factor), out_w, out_ids),
-                         launcher)
+        _launcher.launch(
+            kernel,
+            _device_signature(kind, bias_layout),
+            blocks,
+            warps * WARP_SIZE,
+            launch_stream,
+            (
+                array,
+                bias_array,
+                num_tokens,
+                top_k,
+                config.topk_group,
+                np.float32(config.routed_scaling_factor),
+                out_w,
+                out_ids,
+            ),
+            launcher,
+        )
     return topk_weights, topk_ids
 
 

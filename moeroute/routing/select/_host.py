@@ -12,16 +12,63 @@ from numba.extending import overload
 from moeroute.routing import _parallel
 from moeroute.routing._float16 import decode_table
 from moeroute.routing.select._common import (
-    _F32_EPS, _F32_HALF, _F32_INF, _F32_MAX, _F32_NEG_INF, _F32_NEG_MAX, _F32_ONE, _F32_ZERO,
-    _EXP_HIGHEST, _EXP_LOWEST, _EXP_P0, _EXP_P1, _EXP_P2, _EXP_P3, _EXP_P4, _EXP_P5,
-    _F32_EXPONENT_BIAS, _INT32_LOW31, _LN2_HI, _LN2_LO, _LOG2_E, _NAN_KEY, _NO_KEY, _RAW,
-    _ROUND_MAGIC, _SCORING_CODES, _SIGMOID, _SOFTMAX, _SQRTSOFTPLUS, SOFTMAX_EXACT_GAP,
-    WARP_SIZE)
+    _F32_EPS,
+    _F32_HALF,
+    _F32_INF,
+    _F32_MAX,
+    _F32_NEG_INF,
+    _F32_NEG_MAX,
+    _F32_ONE,
+    _F32_ZERO,
+    _EXP_HIGHEST,
+    _EXP_LOWEST,
+    _EXP_P0,
+    _EXP_P1,
+    _EXP_P2,
+    _EXP_P3,
+    _EXP_P4,
+    _EXP_P5,
+    _F32_EXPONENT_BIAS,
+    _INT32_LOW31,
+    _LN2_HI,
+    _LN2_LO,
+    _LOG2_E,
+    _NAN_KEY,
+    _NO_KEY,
+    _RAW,
+    _ROUND_MAGIC,
+    _SCORING_CODES,
+    _SIGMOID,
+    _SOFTMAX,
+    _SQRTSOFTPLUS,
+    SOFTMAX_EXACT_GAP,
+    WARP_SIZE,
+)
 from moeroute.routing.select._simd import (
-    GROUP_SLOTS, _KEY_NEG_MAX, _LANES, _PACK_LOW31, _PACK_NONE, _bits_float32, _block_top2,
-    _borrowed, _compress_at_least, _count_above, _float32_bits, _fma32, _group_picks,
-    _keep_alive, _lane_cut, _lane_maxima, _logit_keys, _place_block, _pop_max, _prefetch_row,
-    _raw_cut, _sigmoid_keys, _zero_block)
+    GROUP_SLOTS,
+    _KEY_NEG_MAX,
+    _LANES,
+    _PACK_LOW31,
+    _PACK_NONE,
+    _bits_float32,
+    _block_top2,
+    _borrowed,
+    _compress_at_least,
+    _count_above,
+    _float32_bits,
+    _fma32,
+    _group_picks,
+    _keep_alive,
+    _lane_cut,
+    _lane_maxima,
+    _logit_keys,
+    _place_block,
+    _pop_max,
+    _prefetch_row,
+    _raw_cut,
+    _sigmoid_keys,
+    _zero_block,
+)
 
 # Below this many logits (T * N) one thread does the whole batch: the serial kernel is then
 # only a few times the thread pool's wake-up, which grows far beyond it when the other cores
@@ -60,7 +107,6 @@ _cpu_inline = njit(cache=True, error_model="numpy", inline="always")
 _cpu_scalar = _cpu_inline
 
 
-
 # A row's top-k is picked among the keys at or above a cut. With K <= 16 and N >= 16 the
 # cut is the K-th largest of the 16 lane maxima (lane l: keys l, l + 16, ...): 16 distinct
 # keys of the row, so at least K keys pass, typically K to 2K of them on random logits.
@@ -87,13 +133,15 @@ def _exp(value):
     n = _fma32(x, _LOG2_E, _ROUND_MAGIC) - _ROUND_MAGIC
     r = _fma32(-n, _LN2_HI, x)
     r = _fma32(-n, _LN2_LO, r)
-    p = _fma32(_fma32(_fma32(_fma32(_fma32(_EXP_P0, r, _EXP_P1), r, _EXP_P2), r, _EXP_P3), r,
-                      _EXP_P4), r, _EXP_P5)
+    p = _fma32(_fma32(_fma32(_fma32(_fma32(_EXP_P0, r, _EXP_P1), r, _EXP_P2), r, _EXP_P3), r, _EXP_P4), r, _EXP_P5)
     p = _fma32(p, r * r, r) + _F32_ONE
     half = np.int32(n) >> 1
     rest = np.int32(n) - half
-    return (p * _bits_float32(np.int32((half + _F32_EXPONENT_BIAS) << 23))
-            * _bits_float32(np.int32((rest + _F32_EXPONENT_BIAS) << 23)))
+    return (
+        p
+        * _bits_float32(np.int32((half + _F32_EXPONENT_BIAS) << 23))
+        * _bits_float32(np.int32((rest + _F32_EXPONENT_BIAS) << 23))
+    )
 
 
 @_cpu_scalar
@@ -364,8 +412,7 @@ def _place(packed, count, top_k, places, top_keys, top_ids):
 
 
 @_cpu_inline
-def _softmax_fast_row(row, top_k, rsf, candidates, packed, top_keys, top_ids, out_w, out_ids,
-                      t):
+def _softmax_fast_row(row, top_k, rsf, candidates, packed, top_keys, top_ids, out_w, out_ids, t):
     """Softmax with renormalize, without bias or groups, K <= 16 <= N, straight from a
     float32 row: the cut from the raw lane maxima (_raw_cut), candidates by a float
     compare, order keys only for them. Returns False, writing nothing, when the row takes
@@ -420,8 +467,22 @@ def _write_picks(top_keys, top_ids, top_k, out_w, out_ids, t):
 
 
 @_cpu_inline
-def _rank(keys, lanes, lanes_ready, num_groups, topk_group, two_best, top_k, group_keys, kept,
-          spread, candidates, packed, top_keys, top_ids):
+def _rank(
+    keys,
+    lanes,
+    lanes_ready,
+    num_groups,
+    topk_group,
+    two_best,
+    top_k,
+    group_keys,
+    kept,
+    spread,
+    candidates,
+    packed,
+    top_keys,
+    top_ids,
+):
     """Grouped routing, then the top-k; experts of dropped groups get the lowest key.
     ``lanes``: the lane maxima of ``keys`` when ``lanes_ready``."""
     if num_groups > 1:
@@ -438,32 +499,63 @@ def _rank(keys, lanes, lanes_ready, num_groups, topk_group, two_best, top_k, gro
                     if kept[g]:
                         for start in range(g * group_size, (g + 1) * group_size, _LANES):
                             count = _compress_at_least(keys, start, cut, candidates, count)
-                _place_candidates(keys, count, top_k, spread, candidates, packed, top_keys,
-                                  top_ids)
+                _place_candidates(keys, count, top_k, spread, candidates, packed, top_keys, top_ids)
                 return
             lanes_ready = True
         else:
             lanes_ready = False  # the dropped groups change the lane maxima
-            _keep_groups(keys, num_groups, topk_group, two_best, group_keys, kept, top_keys,
-                         top_ids)
+            _keep_groups(keys, num_groups, topk_group, two_best, group_keys, kept, top_keys, top_ids)
         for g in range(num_groups):
             if not kept[g]:
                 # A slice store: one bounds computation, then a vector fill (an indexed loop
                 # pays a negative-index check per key and stays scalar).
-                keys[g * group_size:(g + 1) * group_size] = _NO_KEY
+                keys[g * group_size : (g + 1) * group_size] = _NO_KEY
     _top_k(keys, lanes, lanes_ready, top_k, spread, candidates, packed, top_keys, top_ids)
 
 
 @_cpu_inline
-def _softmax_logit_row(x, keys, lanes, num_groups, topk_group, top_k, renormalize, rsf, scores,
-                       lane_sums, group_keys, kept, spread, candidates, packed, top_keys,
-                       top_ids, out_w, out_ids, t):
+def _softmax_logit_row(
+    x,
+    keys,
+    lanes,
+    num_groups,
+    topk_group,
+    top_k,
+    renormalize,
+    rsf,
+    scores,
+    lane_sums,
+    group_keys,
+    kept,
+    spread,
+    candidates,
+    packed,
+    top_keys,
+    top_ids,
+    out_w,
+    out_ids,
+    t,
+):
     """Softmax without bias: rank the clipped logits ``x`` by their ``keys`` (``lanes``
     their lane maxima). Returns False, writing nothing, when the row's K-th pick is more than
     SOFTMAX_EXACT_GAP below its maximum."""
     num_experts = x.shape[0]
-    _rank(keys, lanes, True, num_groups, topk_group, False, top_k, group_keys, kept, spread,
-          candidates, packed, top_keys, top_ids)
+    _rank(
+        keys,
+        lanes,
+        True,
+        num_groups,
+        topk_group,
+        False,
+        top_k,
+        group_keys,
+        kept,
+        spread,
+        candidates,
+        packed,
+        top_keys,
+        top_ids,
+    )
     if not _within_exact_gap(top_keys, top_k):
         return False
     total = _write_picks(top_keys, top_ids, top_k, out_w, out_ids, t)
@@ -478,9 +570,31 @@ def _softmax_logit_row(x, keys, lanes, num_groups, topk_group, top_k, renormaliz
 
 
 @_cpu_inline
-def _exact_row(x, bias, has_bias, scoring, num_groups, topk_group, top_k, renormalize, rsf,
-               scores, keys, lanes, lane_sums, group_keys, kept, spread, candidates, packed, top_keys,
-               top_ids, out_w, out_ids, t):
+def _exact_row(
+    x,
+    bias,
+    has_bias,
+    scoring,
+    num_groups,
+    topk_group,
+    top_k,
+    renormalize,
+    rsf,
+    scores,
+    keys,
+    lanes,
+    lane_sums,
+    group_keys,
+    kept,
+    spread,
+    candidates,
+    packed,
+    top_keys,
+    top_ids,
+    out_w,
+    out_ids,
+    t,
+):
     """Select one row from its computed scores (sigmoid, sqrt-softplus, raw logits, a bias,
     or a softmax row whose picks reach the underflow range)."""
     num_experts = x.shape[0]
@@ -524,8 +638,22 @@ def _exact_row(x, bias, has_bias, scoring, num_groups, topk_group, top_k, renorm
     else:
         for i in range(num_experts):
             keys[i] = _order_key(scores[i])
-    _rank(keys, lanes, lanes_ready, num_groups, topk_group, has_bias, top_k, group_keys, kept,
-          spread, candidates, packed, top_keys, top_ids)
+    _rank(
+        keys,
+        lanes,
+        lanes_ready,
+        num_groups,
+        topk_group,
+        has_bias,
+        top_k,
+        group_keys,
+        kept,
+        spread,
+        candidates,
+        packed,
+        top_keys,
+        top_ids,
+    )
 
     total = _F32_ZERO
     for k in range(top_k):
@@ -553,12 +681,14 @@ def _load_row(logits, t, table, x, keys, lanes):
 @overload(_load_row, inline="always")
 def _load_row_overload(logits, t, table, x, keys, lanes):
     if logits.dtype == types.float32 and logits.layout == "C":
+
         def load(logits, t, table, x, keys, lanes):
             row = logits[t]
             _logit_keys(row, x, keys, lanes)
             for i in range(row.shape[0] - row.shape[0] % _LANES, row.shape[0]):
                 x[i] = _clip_logit(row[i])
                 keys[i] = _order_key(x[i])
+
         return load
 
     def load_converted(logits, t, table, x, keys, lanes):
@@ -566,6 +696,7 @@ def _load_row_overload(logits, t, table, x, keys, lanes):
             x[i] = _clip_logit(_as_float32(logits[t, i], table))
             keys[i] = _order_key(x[i])
         _lane_maxima(keys, lanes)
+
     return load_converted
 
 
@@ -578,18 +709,21 @@ def _exact_source(logits, t, table, scoring, x):
 @overload(_exact_source, inline="always")
 def _exact_source_overload(logits, t, table, scoring, x):
     if logits.dtype == types.float32 and logits.layout == "C":
+
         def direct(logits, t, table, scoring, x):
             if scoring == _SIGMOID:
                 return logits[t]
             for i in range(logits.shape[1]):
                 x[i] = _clip_logit(logits[t, i])
             return x
+
         return direct
 
     def converted(logits, t, table, scoring, x):
         for i in range(logits.shape[1]):
             x[i] = _clip_logit(_as_float32(logits[t, i], table))
         return x
+
     return converted
 
 
@@ -598,22 +732,37 @@ def _fast_row(logits, t, top_k, rsf, candidates, packed, top_keys, top_ids, out_
 
 
 @overload(_fast_row, inline="always")
-def _fast_row_overload(logits, t, top_k, rsf, candidates, packed, top_keys, top_ids, out_w,
-                       out_ids):
+def _fast_row_overload(logits, t, top_k, rsf, candidates, packed, top_keys, top_ids, out_w, out_ids):
     if logits.dtype == types.float32 and logits.layout == "C":
+
         def fast(logits, t, top_k, rsf, candidates, packed, top_keys, top_ids, out_w, out_ids):
-            return _softmax_fast_row(logits[t], top_k, rsf, candidates, packed, top_keys,
-                                     top_ids, out_w, out_ids, t)
+            return _softmax_fast_row(logits[t], top_k, rsf, candidates, packed, top_keys, top_ids, out_w, out_ids, t)
+
         return fast
 
     def converted(logits, t, top_k, rsf, candidates, packed, top_keys, top_ids, out_w, out_ids):
         return False
+
     return converted
 
 
 @_cpu_jit
-def _select_rows(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
-                 renormalize, rsf, row_start, row_stop, out_w, out_ids):
+def _select_rows(
+    logits,
+    table,
+    bias,
+    has_bias,
+    scoring,
+    num_groups,
+    topk_group,
+    top_k,
+    renormalize,
+    rsf,
+    row_start,
+    row_stop,
+    out_w,
+    out_ids,
+):
     """Rows [row_start, row_stop) of select_experts into out_w / out_ids."""
     num_experts = logits.shape[1]
     if has_bias == _BIAS:
@@ -637,21 +786,66 @@ def _select_rows(logits, table, bias, has_bias, scoring, num_groups, topk_group,
     # The row loop, inlined here, sees borrowed views only: LLVM then sees null owners and
     # drops every reference count update of the loop. The arguments are the caller's; the
     # scratch is kept alive below.
-    _row_loop(_borrowed(logits), _borrowed(table), _borrowed(bias), has_bias, scoring,
-              num_groups, topk_group, top_k, renormalize, rsf, row_start, row_stop,
-              _borrowed(out_w), _borrowed(out_ids), _borrowed(x), _borrowed(scores),
-              _borrowed(keys), _borrowed(lane_sums), _borrowed(group_keys), _borrowed(kept),
-              _borrowed(top_keys), _borrowed(top_ids), _borrowed(candidates),
-              _borrowed(packed), _borrowed(spread), _borrowed(lanes))
-    _keep_alive((x, scores, keys, lane_sums, group_keys, kept, top_keys, top_ids, candidates,
-                 packed, spread, lanes))
+    _row_loop(
+        _borrowed(logits),
+        _borrowed(table),
+        _borrowed(bias),
+        has_bias,
+        scoring,
+        num_groups,
+        topk_group,
+        top_k,
+        renormalize,
+        rsf,
+        row_start,
+        row_stop,
+        _borrowed(out_w),
+        _borrowed(out_ids),
+        _borrowed(x),
+        _borrowed(scores),
+        _borrowed(keys),
+        _borrowed(lane_sums),
+        _borrowed(group_keys),
+        _borrowed(kept),
+        _borrowed(top_keys),
+        _borrowed(top_ids),
+        _borrowed(candidates),
+        _borrowed(packed),
+        _borrowed(spread),
+        _borrowed(lanes),
+    )
+    _keep_alive((x, scores, keys, lane_sums, group_keys, kept, top_keys, top_ids, candidates, packed, spread, lanes))
 
 
 @_cpu_inline
-def _row_loop(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
-              renormalize, rsf, row_start, row_stop, out_w, out_ids, x, scores, keys,
-              lane_sums, group_keys, kept, top_keys, top_ids, candidates, packed, spread,
-              lanes):
+def _row_loop(
+    logits,
+    table,
+    bias,
+    has_bias,
+    scoring,
+    num_groups,
+    topk_group,
+    top_k,
+    renormalize,
+    rsf,
+    row_start,
+    row_stop,
+    out_w,
+    out_ids,
+    x,
+    scores,
+    keys,
+    lane_sums,
+    group_keys,
+    kept,
+    top_keys,
+    top_ids,
+    candidates,
+    packed,
+    spread,
+    lanes,
+):
     """`_select_rows`' loop over its rows, on its scratch arrays."""
     num_experts = logits.shape[1]
     rank_logits = scoring == _SOFTMAX and not has_bias
@@ -659,36 +853,105 @@ def _row_loop(logits, table, bias, has_bias, scoring, num_groups, topk_group, to
     for t in range(row_start, row_stop):
         _prefetch_row(logits, t + PREFETCH_ROWS)
         if rank_logits:
-            if fast and _fast_row(logits, t, top_k, rsf, candidates, packed, top_keys, top_ids,
-                                  out_w, out_ids):
+            if fast and _fast_row(logits, t, top_k, rsf, candidates, packed, top_keys, top_ids, out_w, out_ids):
                 continue
             _load_row(logits, t, table, x, keys, lanes)
-            if _softmax_logit_row(x, keys, lanes, num_groups, topk_group, top_k, renormalize,
-                                  rsf, scores, lane_sums, group_keys, kept, spread, candidates,
-                                  packed, top_keys, top_ids, out_w, out_ids, t):
+            if _softmax_logit_row(
+                x,
+                keys,
+                lanes,
+                num_groups,
+                topk_group,
+                top_k,
+                renormalize,
+                rsf,
+                scores,
+                lane_sums,
+                group_keys,
+                kept,
+                spread,
+                candidates,
+                packed,
+                top_keys,
+                top_ids,
+                out_w,
+                out_ids,
+                t,
+            ):
                 continue
-        _exact_row(_exact_source(logits, t, table, scoring, x), bias, has_bias, scoring, num_groups, topk_group, top_k, renormalize,
-                   rsf, scores, keys, lanes, lane_sums, group_keys, kept, spread, candidates, packed,
-                   top_keys, top_ids, out_w, out_ids, t)
+        _exact_row(
+            _exact_source(logits, t, table, scoring, x),
+            bias,
+            has_bias,
+            scoring,
+            num_groups,
+            topk_group,
+            top_k,
+            renormalize,
+            rsf,
+            scores,
+            keys,
+            lanes,
+            lane_sums,
+            group_keys,
+            kept,
+            spread,
+            candidates,
+            packed,
+            top_keys,
+            top_ids,
+            out_w,
+            out_ids,
+            t,
+        )
 
 
 @_cpu_jit
-def _select_serial(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
-                   renormalize, rsf, out_w, out_ids):
+def _select_serial(
+    logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k, renormalize, rsf, out_w, out_ids
+):
     # np.int64(0), not the literal 0: the parallel kernel calls with int64 bounds, and one
     # _select_rows specialization serves both (a Literal[int](0) one doubled the compile).
-    _select_rows(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
-                 renormalize, rsf, np.int64(0), logits.shape[0], out_w, out_ids)
+    _select_rows(
+        logits,
+        table,
+        bias,
+        has_bias,
+        scoring,
+        num_groups,
+        topk_group,
+        top_k,
+        renormalize,
+        rsf,
+        np.int64(0),
+        logits.shape[0],
+        out_w,
+        out_ids,
+    )
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _select_parallel(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
-                     renormalize, rsf, num_chunks, out_w, out_ids):
+def _select_parallel(
+    logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k, renormalize, rsf, num_chunks, out_w, out_ids
+):
     num_tokens = logits.shape[0]
     for chunk in prange(num_chunks):
-        _select_rows(logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k,
-                     renormalize, rsf, chunk * num_tokens // num_chunks,
-                     (chunk + 1) * num_tokens // num_chunks, out_w, out_ids)
+        _select_rows(
+            logits,
+            table,
+            bias,
+            has_bias,
+            scoring,
+            num_groups,
+            topk_group,
+            top_k,
+            renormalize,
+            rsf,
+            chunk * num_tokens // num_chunks,
+            (chunk + 1) * num_tokens // num_chunks,
+            out_w,
+            out_ids,
+        )
 
 
 _EMPTY_BIAS = np.zeros(1, np.float32)
@@ -715,9 +978,18 @@ def _select_host(logits, config, correction_bias, bfloat16=False, out=None):
     if correction_bias is not None:
         bias = np.ascontiguousarray(correction_bias)
         has_bias = _BIAS  # _select_rows looks for NaN entries
-    args = (logits, table, bias, has_bias, _SCORING_CODES[config.scoring],
-            config.num_expert_group, config.topk_group, top_k, config.renormalize,
-            np.float32(config.routed_scaling_factor))
+    args = (
+        logits,
+        table,
+        bias,
+        has_bias,
+        _SCORING_CODES[config.scoring],
+        config.num_expert_group,
+        config.topk_group,
+        top_k,
+        config.renormalize,
+        np.float32(config.routed_scaling_factor),
+    )
     threads = _parallel.cpu_threads()
     if threads > 1 and num_tokens > 1 and num_tokens * config.num_experts >= PARALLEL_MIN_ELEMENTS:
         chunks = max(threads, -(-num_tokens // PARALLEL_CHUNK_ROWS))

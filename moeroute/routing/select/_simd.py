@@ -63,8 +63,7 @@ def _fma32(typingctx, a, b, c):
 def _prefetch_row(typingctx, array, row):
     """Ask the CPU to bring row ``row`` of the 2-D ``array`` into its caches (llvm.prefetch of
     each 64-byte line; a hint that never faults, so a row past the end is harmless)."""
-    if not (isinstance(array, types.Array) and array.ndim == 2
-            and isinstance(row, types.Integer)):
+    if not (isinstance(array, types.Array) and array.ndim == 2 and isinstance(row, types.Integer)):
         return None
 
     def codegen(context, builder, signature, args):
@@ -77,13 +76,10 @@ def _prefetch_row(typingctx, array, row):
         row_index = context.cast(builder, args[1], signature.args[1], types.int64)
         start = builder.add(builder.ptrtoint(view.data, i64), builder.mul(row_index, strides[0]))
         nbytes = builder.mul(shape[1], strides[1])
-        prefetch = _llvm_function(builder, "llvm.prefetch.p0", ir.VoidType(),
-                                  [byte_ptr, i32, i32, i32])
-        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), nbytes,
-                                     ir.Constant(i64, 64)) as (offset, _):
+        prefetch = _llvm_function(builder, "llvm.prefetch.p0", ir.VoidType(), [byte_ptr, i32, i32, i32])
+        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), nbytes, ir.Constant(i64, 64)) as (offset, _):
             address = builder.inttoptr(builder.add(start, offset), byte_ptr)
-            builder.call(prefetch, [address, ir.Constant(i32, 0), ir.Constant(i32, 3),
-                                    ir.Constant(i32, 1)])
+            builder.call(prefetch, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
         return context.get_dummy_value()
 
     return types.none(array, row), codegen
@@ -125,8 +121,7 @@ def _keep_alive(typingctx, owners):
 
 
 def _is_c_array(value, dtype, ndim=1):
-    return (isinstance(value, types.Array) and value.dtype == dtype and value.ndim == ndim
-            and value.layout == "C")
+    return isinstance(value, types.Array) and value.dtype == dtype and value.ndim == ndim and value.layout == "C"
 
 
 def _splat(builder, vector, value):
@@ -138,8 +133,7 @@ def _splat(builder, vector, value):
 
 def _llvm_function(builder, name, return_type, argument_types):
     module = builder.module
-    return module.globals.get(name) or ir.Function(
-        module, ir.FunctionType(return_type, argument_types), name=name)
+    return module.globals.get(name) or ir.Function(module, ir.FunctionType(return_type, argument_types), name=name)
 
 
 # How _compress_at_least packs the passing indices of a 16-lane block to the front:
@@ -187,16 +181,14 @@ def _compress_intrinsic(vector_compress):
 
 def _compress_typing(vector_compress, keys, cut, out):
     floats = _is_c_array(keys, types.float32) and cut == types.float32
-    if not ((floats or _is_c_array(keys, types.int32) and cut == types.int32)
-            and _is_c_array(out, types.int32)):
+    if not ((floats or _is_c_array(keys, types.int32) and cut == types.int32) and _is_c_array(out, types.int32)):
         return None
     signature = types.intp(keys, types.intp, cut, out, types.intp)
 
     def compare(builder, data, first, cut_value, lanes):
         element = ir.FloatType() if floats else ir.IntType(32)
         vector = ir.VectorType(element, lanes)
-        source = builder.load(builder.bitcast(builder.gep(data, [first]), vector.as_pointer()),
-                              align=4)
+        source = builder.load(builder.bitcast(builder.gep(data, [first]), vector.as_pointer()), align=4)
         if floats:
             return builder.fcmp_ordered(">=", source, _splat(builder, vector, cut_value))
         return builder.icmp_signed(">=", source, _splat(builder, vector, cut_value))
@@ -218,11 +210,15 @@ def _compress_typing(vector_compress, keys, cut, out):
         if vector_compress:
             vector = ir.VectorType(i32, _LANES)
             mask = compare(builder, keys_data, start_value, cut_value, _LANES)
-            indices = builder.add(_splat(builder, vector, builder.trunc(start_value, i32)),
-                                  ir.Constant(vector, list(range(_LANES))))
-            compress = _llvm_function(builder, f"llvm.experimental.vector.compress.v{_LANES}i32",
-                                      vector, [vector, ir.VectorType(ir.IntType(1), _LANES),
-                                               vector])
+            indices = builder.add(
+                _splat(builder, vector, builder.trunc(start_value, i32)), ir.Constant(vector, list(range(_LANES)))
+            )
+            compress = _llvm_function(
+                builder,
+                f"llvm.experimental.vector.compress.v{_LANES}i32",
+                vector,
+                [vector, ir.VectorType(ir.IntType(1), _LANES), vector],
+            )
             packed = builder.call(compress, [indices, mask, ir.Constant(vector, ir.Undefined)])
             return append(builder, out_data, count_value, packed, mask, _LANES)
         table = _pack_table(builder)
@@ -261,11 +257,9 @@ def _pop_max(typingctx, packed, start, previous):
         address = builder.bitcast(builder.gep(data, [start_value]), vector.as_pointer())
         block = builder.load(address, align=8)
         taken = builder.icmp_signed("==", block, _splat(builder, vector, previous_value))
-        block = builder.select(taken, _splat(builder, vector, ir.Constant(i64, int(_PACK_NONE))),
-                               block)
+        block = builder.select(taken, _splat(builder, vector, ir.Constant(i64, int(_PACK_NONE))), block)
         builder.store(block, address, align=8)
-        reduce_max = _llvm_function(builder, f"llvm.vector.reduce.smax.v{_LANES}i64", i64,
-                                    [vector])
+        reduce_max = _llvm_function(builder, f"llvm.vector.reduce.smax.v{_LANES}i64", i64, [vector])
         return builder.call(reduce_max, [block])
 
     return signature, codegen
@@ -285,18 +279,17 @@ def _block_top2(typingctx, keys, start):
         i32 = ir.IntType(32)
         i64 = ir.IntType(64)
         vector = ir.VectorType(i32, _LANES)
-        block = builder.load(builder.bitcast(builder.gep(data, [start_value]),
-                                             vector.as_pointer()), align=4)
+        block = builder.load(builder.bitcast(builder.gep(data, [start_value]), vector.as_pointer()), align=4)
         reduce_max = _reduce_smax(builder)
         best = builder.call(reduce_max, [block])
         equal = builder.icmp_signed("==", block, _splat(builder, vector, best))
         mask_bits = ir.IntType(_LANES)
         popcount = _llvm_function(builder, f"llvm.ctpop.i{_LANES}", mask_bits, [mask_bits])
         repeats = builder.call(popcount, [builder.bitcast(equal, mask_bits)])
-        others = builder.select(equal, _splat(builder, vector, ir.Constant(i32, int(_NO_KEY))),
-                                block)
-        second = builder.select(builder.icmp_unsigned(">", repeats, ir.Constant(mask_bits, 1)),
-                                best, builder.call(reduce_max, [others]))
+        others = builder.select(equal, _splat(builder, vector, ir.Constant(i32, int(_NO_KEY))), block)
+        second = builder.select(
+            builder.icmp_unsigned(">", repeats, ir.Constant(mask_bits, 1)), best, builder.call(reduce_max, [others])
+        )
         high = builder.shl(builder.sext(best, i64), ir.Constant(i64, 32))
         return builder.or_(high, builder.zext(second, i64))
 
@@ -348,17 +341,19 @@ def _vector_key_map(builder, bits):
     ints = bits.type
     i32 = ints.element
     sign = builder.ashr(bits, _splat(builder, ints, ir.Constant(i32, 31)))
-    return builder.xor(bits, builder.and_(sign, _splat(builder, ints,
-                                                       ir.Constant(i32, int(_INT32_LOW31)))))
+    return builder.xor(bits, builder.and_(sign, _splat(builder, ints, ir.Constant(i32, int(_INT32_LOW31)))))
 
 
 def _lane_maxima_loop(builder, blocks, block_keys):
     """Emit the loop over ``blocks`` 16-lane blocks; ``block_keys(index)`` builds block
     ``index``'s int32 keys. Returns the per-lane maxima (_NO_KEY where there is no block)."""
     ints = ir.VectorType(ir.IntType(32), _LANES)
-    (maxima,) = _block_loop(builder, blocks, [ir.Constant(ints, [int(_NO_KEY)] * _LANES)],
-                            lambda index, carried: [_vector_smax(builder, carried[0],
-                                                                 block_keys(index))])
+    (maxima,) = _block_loop(
+        builder,
+        blocks,
+        [ir.Constant(ints, [int(_NO_KEY)] * _LANES)],
+        lambda index, carried: [_vector_smax(builder, carried[0], block_keys(index))],
+    )
     return maxima
 
 
@@ -370,8 +365,7 @@ def _kth_largest(builder, maxima, k):
     at_least = ir.Constant(ints, [0] * _LANES)
     for lane in range(_LANES):
         other = _splat(builder, ints, builder.extract_element(maxima, ir.Constant(i32, lane)))
-        at_least = builder.sub(at_least, builder.sext(builder.icmp_signed(">=", other, maxima),
-                                                      ints))
+        at_least = builder.sub(at_least, builder.sext(builder.icmp_signed(">=", other, maxima), ints))
     if k.type.width != 32:
         k = builder.trunc(k, i32) if k.type.width > 32 else builder.sext(k, i32)
     enough = builder.icmp_signed(">=", at_least, _splat(builder, ints, k))
@@ -382,8 +376,7 @@ def _kth_largest(builder, maxima, k):
 def _reduce_smax(builder):
     """LLVM's signed maximum over a 16-lane int32 vector."""
     ints = ir.VectorType(ir.IntType(32), _LANES)
-    return _llvm_function(builder, f"llvm.vector.reduce.smax.v{_LANES}i32", ints.element,
-                          [ints])
+    return _llvm_function(builder, f"llvm.vector.reduce.smax.v{_LANES}i32", ints.element, [ints])
 
 
 @intrinsic
@@ -399,10 +392,8 @@ def _lane_maxima(typingctx, keys, lanes):
         lanes_data = context.make_array(sig.args[1])(context, builder, value=args[1]).data
         vector = ir.VectorType(ir.IntType(32), _LANES)
         base = builder.bitcast(keys_array.data, vector.as_pointer())
-        blocks = builder.udiv(builder.extract_value(keys_array.shape, 0),
-                              ir.Constant(ir.IntType(64), _LANES))
-        maxima = _lane_maxima_loop(
-            builder, blocks, lambda index: builder.load(builder.gep(base, [index]), align=4))
+        blocks = builder.udiv(builder.extract_value(keys_array.shape, 0), ir.Constant(ir.IntType(64), _LANES))
+        maxima = _lane_maxima_loop(builder, blocks, lambda index: builder.load(builder.gep(base, [index]), align=4))
         builder.store(maxima, builder.bitcast(lanes_data, vector.as_pointer()), align=4)
         return context.get_dummy_value()
 
@@ -429,10 +420,10 @@ def _raw_cut(typingctx, row, top_k):
         i32 = ir.IntType(32)
         ints = ir.VectorType(i32, _LANES)
         base = builder.bitcast(row_array.data, ints.as_pointer())
-        blocks = builder.udiv(builder.extract_value(row_array.shape, 0),
-                              ir.Constant(ir.IntType(64), _LANES))
-        maxima = _lane_maxima_loop(builder, blocks, lambda index: _vector_key_map(
-            builder, builder.load(builder.gep(base, [index]), align=4)))
+        blocks = builder.udiv(builder.extract_value(row_array.shape, 0), ir.Constant(ir.IntType(64), _LANES))
+        maxima = _lane_maxima_loop(
+            builder, blocks, lambda index: _vector_key_map(builder, builder.load(builder.gep(base, [index]), align=4))
+        )
         cut = _kth_largest(builder, maxima, args[1])
         top = builder.call(_reduce_smax(builder), [maxima])
         clean = builder.icmp_signed("<=", top, ir.Constant(i32, int(_KEY_POS_MAX)))
@@ -446,8 +437,12 @@ def _logit_keys(typingctx, row, x, keys, lanes):
     """One pass over the whole 16-logit blocks of a float32 row: the clipped logit into
     ``x`` (NaN -> -inf, then clamped to the finite range: _clip_logit), its order key into
     ``keys`` (_order_key) and the per-lane key maxima into ``lanes`` (_lane_maxima)."""
-    if not (_is_c_array(row, types.float32) and _is_c_array(x, types.float32)
-            and _is_c_array(keys, types.int32) and _is_c_array(lanes, types.int32)):
+    if not (
+        _is_c_array(row, types.float32)
+        and _is_c_array(x, types.float32)
+        and _is_c_array(keys, types.int32)
+        and _is_c_array(lanes, types.int32)
+    ):
         return None
     signature = types.void(row, x, keys, lanes)
 
@@ -462,8 +457,7 @@ def _logit_keys(typingctx, row, x, keys, lanes):
         row_base = builder.bitcast(row_array.data, floats.as_pointer())
         x_base = builder.bitcast(x_data, floats.as_pointer())
         keys_base = builder.bitcast(keys_data, ints.as_pointer())
-        blocks = builder.udiv(builder.extract_value(row_array.shape, 0),
-                              ir.Constant(ir.IntType(64), _LANES))
+        blocks = builder.udiv(builder.extract_value(row_array.shape, 0), ir.Constant(ir.IntType(64), _LANES))
         lowest = _splat(builder, ints, ir.Constant(i32, int(_KEY_NEG_MAX)))
         highest = _splat(builder, ints, ir.Constant(i32, int(_KEY_POS_MAX)))
 
@@ -471,12 +465,10 @@ def _logit_keys(typingctx, row, x, keys, lanes):
             value = builder.load(builder.gep(row_base, [index]), align=4)
             # + 0 turns -0 into +0; the key map is its own inverse.
             bits = builder.bitcast(builder.fadd(value, ir.Constant(floats, [0.0] * _LANES)), ints)
-            key = _vector_smin(builder, _vector_smax(builder, _vector_key_map(builder, bits),
-                                                     lowest), highest)
+            key = _vector_smin(builder, _vector_smax(builder, _vector_key_map(builder, bits), lowest), highest)
             key = builder.select(builder.fcmp_unordered("uno", value, value), lowest, key)
             builder.store(key, builder.gep(keys_base, [index]), align=4)
-            builder.store(builder.bitcast(_vector_key_map(builder, key), floats),
-                          builder.gep(x_base, [index]), align=4)
+            builder.store(builder.bitcast(_vector_key_map(builder, key), floats), builder.gep(x_base, [index]), align=4)
             return key
 
         maxima = _lane_maxima_loop(builder, blocks, block_keys)
@@ -503,13 +495,13 @@ def _count_above(typingctx, packed, block, against, ranks):
         i32 = ir.IntType(32)
         vector = ir.VectorType(ir.IntType(64), _LANES)
         ints = ir.VectorType(i32, _LANES)
-        own = builder.load(builder.bitcast(builder.gep(packed_data, [block_start]),
-                                           vector.as_pointer()), align=8)
+        own = builder.load(builder.bitcast(builder.gep(packed_data, [block_start]), vector.as_pointer()), align=8)
         target = builder.bitcast(builder.gep(ranks_data, [block_start]), ints.as_pointer())
         counts = builder.load(target, align=4)
         for lane in range(_LANES):
-            other = builder.load(builder.gep(packed_data, [
-                builder.add(against_start, ir.Constant(against_start.type, lane))]), align=8)
+            other = builder.load(
+                builder.gep(packed_data, [builder.add(against_start, ir.Constant(against_start.type, lane))]), align=8
+            )
             below = builder.icmp_signed("<", own, _splat(builder, vector, other))
             counts = builder.add(counts, builder.zext(below, ints))
         builder.store(counts, target, align=4)
@@ -529,8 +521,9 @@ def _zero_block(typingctx, counts, start):
     def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
         ints = ir.VectorType(ir.IntType(32), _LANES)
-        builder.store(ir.Constant(ints, [0] * _LANES),
-                      builder.bitcast(builder.gep(data, [args[1]]), ints.as_pointer()), align=4)
+        builder.store(
+            ir.Constant(ints, [0] * _LANES), builder.bitcast(builder.gep(data, [args[1]]), ints.as_pointer()), align=4
+        )
         return context.get_dummy_value()
 
     return signature, codegen
@@ -542,9 +535,13 @@ def _place_block(typingctx, packed, count, top_k, top_keys, top_ids):
     top_keys/top_ids, descending, all in registers: a pick's place is the number of picks
     above it (packed picks are distinct), and places from top_k on go to the spare slot
     ``top_k``. Reads 16 entries of ``packed``; those past ``count`` are ignored."""
-    if not (_is_c_array(packed, types.int64) and _is_c_array(top_keys, types.int32)
-            and _is_c_array(top_ids, types.int64) and isinstance(count, types.Integer)
-            and isinstance(top_k, types.Integer)):
+    if not (
+        _is_c_array(packed, types.int64)
+        and _is_c_array(top_keys, types.int32)
+        and _is_c_array(top_ids, types.int64)
+        and isinstance(count, types.Integer)
+        and isinstance(top_k, types.Integer)
+    ):
         return None
     signature = types.void(packed, count, top_k, top_keys, top_ids)
 
@@ -557,26 +554,23 @@ def _place_block(typingctx, packed, count, top_k, top_keys, top_ids):
         count_value = context.cast(builder, args[1], sig.args[1], types.int64)
         spare = context.cast(builder, args[2], sig.args[2], types.int64)
         picks = builder.load(builder.bitcast(packed_data, longs.as_pointer()), align=8)
-        valid = builder.icmp_signed("<", ir.Constant(longs, list(range(_LANES))),
-                                    _splat(builder, longs, count_value))
+        valid = builder.icmp_signed("<", ir.Constant(longs, list(range(_LANES))), _splat(builder, longs, count_value))
         picks = builder.select(valid, picks, _int_splat(longs, _PACK_NONE))
         above = ir.Constant(longs, [0] * _LANES)
         for lane in range(_LANES):
             other = _splat(builder, longs, builder.extract_element(picks, ir.Constant(i32, lane)))
-            above = builder.add(above, builder.zext(builder.icmp_signed(">", other, picks),
-                                                    longs))
+            above = builder.add(above, builder.zext(builder.icmp_signed(">", other, picks), longs))
         low31 = ir.Constant(i64, int(_PACK_LOW31))
         for lane in range(_LANES):
             index = ir.Constant(i32, lane)
             pick = builder.extract_element(picks, index)
             place = builder.extract_element(above, index)
             place = builder.select(builder.icmp_signed("<", place, spare), place, spare)
-            place = builder.select(builder.icmp_signed("<", ir.Constant(i64, lane), count_value),
-                                   place, spare)
-            builder.store(builder.trunc(builder.ashr(pick, ir.Constant(i64, 32)), i32),
-                          builder.gep(keys_data, [place]))
-            builder.store(builder.sub(low31, builder.and_(pick, ir.Constant(i64, 0xFFFFFFFF))),
-                          builder.gep(ids_data, [place]))
+            place = builder.select(builder.icmp_signed("<", ir.Constant(i64, lane), count_value), place, spare)
+            builder.store(builder.trunc(builder.ashr(pick, ir.Constant(i64, 32)), i32), builder.gep(keys_data, [place]))
+            builder.store(
+                builder.sub(low31, builder.and_(pick, ir.Constant(i64, 0xFFFFFFFF))), builder.gep(ids_data, [place])
+            )
         return context.get_dummy_value()
 
     return signature, codegen
@@ -627,8 +621,7 @@ def _vector_exp(builder, value):
     r = fma(minus_n, _float_splat(floats, common._LN2_HI), x)
     r = fma(minus_n, _float_splat(floats, common._LN2_LO), r)
     p = _float_splat(floats, common._EXP_P0)
-    for coefficient in (common._EXP_P1, common._EXP_P2, common._EXP_P3, common._EXP_P4,
-                        common._EXP_P5):
+    for coefficient in (common._EXP_P1, common._EXP_P2, common._EXP_P3, common._EXP_P4, common._EXP_P5):
         p = fma(p, r, _float_splat(floats, coefficient))
     p = builder.fadd(fma(p, builder.fmul(r, r), r), _float_splat(floats, 1.0))
     whole = builder.fptosi(n, ints)
@@ -653,9 +646,13 @@ def _sigmoid_keys(typingctx, x, bias, scores, keys, lanes):
     nor -0 (+0 + -0 is +0) and its order key is the plain key map of its bits: the NaN and
     -0 handling of _vector_order_key (a third of this pass) is left out."""
     has_bias = bias != types.none
-    if not (_is_c_array(x, types.float32) and _is_c_array(scores, types.float32)
-            and _is_c_array(keys, types.int32) and _is_c_array(lanes, types.int32)
-            and (not has_bias or _is_c_array(bias, types.float32))):
+    if not (
+        _is_c_array(x, types.float32)
+        and _is_c_array(scores, types.float32)
+        and _is_c_array(keys, types.int32)
+        and _is_c_array(lanes, types.int32)
+        and (not has_bias or _is_c_array(bias, types.float32))
+    ):
         return None
     signature = types.void(x, bias, scores, keys, lanes)
 
@@ -675,18 +672,17 @@ def _sigmoid_keys(typingctx, x, bias, scores, keys, lanes):
             wide = ir.VectorType(ir.IntType(32), width)
             x_base, bias_base, scores_base, keys_base = (
                 None if source is None else builder.bitcast(source, kind.as_pointer())
-                for source, kind in zip(sources, (floats, floats, floats, wide)))
+                for source, kind in zip(sources, (floats, floats, floats, wide))
+            )
             one = _float_splat(floats, 1.0)
 
             def step(index, carried):
                 index = builder.add(first, index)
                 value = builder.load(builder.gep(x_base, [index]), align=4)
-                score = builder.fdiv(one, builder.fadd(one, _vector_exp(builder,
-                                                                        builder.fneg(value))))
+                score = builder.fdiv(one, builder.fadd(one, _vector_exp(builder, builder.fneg(value))))
                 builder.store(score, builder.gep(scores_base, [index]), align=4)
                 if has_bias:
-                    choice = builder.fadd(score, builder.load(builder.gep(bias_base, [index]),
-                                                              align=4))
+                    choice = builder.fadd(score, builder.load(builder.gep(bias_base, [index]), align=4))
                     key = _vector_key_map(builder, builder.bitcast(choice, wide))
                 else:
                     key = builder.bitcast(score, wide)  # a float >= +0: its bits are its key
@@ -704,9 +700,14 @@ def _sigmoid_keys(typingctx, x, bias, scores, keys, lanes):
         for width in (4 * _LANES, 2 * _LANES, _LANES):
             while maxima.type.count > width:
                 half = maxima.type.count // 2
-                low, high = [builder.shuffle_vector(maxima, maxima, ir.Constant(
-                    ir.VectorType(ir.IntType(32), half), list(range(start, start + half))))
-                    for start in (0, half)]
+                low, high = [
+                    builder.shuffle_vector(
+                        maxima,
+                        maxima,
+                        ir.Constant(ir.VectorType(ir.IntType(32), half), list(range(start, start + half))),
+                    )
+                    for start in (0, half)
+                ]
                 maxima = _vector_smax(builder, low, high)
             per = ir.Constant(i64, width // _LANES)
             count = builder.udiv(builder.sub(blocks, done), per)
@@ -727,9 +728,10 @@ def _top2_merge(builder, first, second):
     """The per-lane (best, second best) of two (best, second best) vector pairs, repeats
     counted: a best that appears in both is also the second."""
     (best_a, second_a), (best_b, second_b) = first, second
-    return (_vector_smax(builder, best_a, best_b),
-            _vector_smax(builder, _vector_smin(builder, best_a, best_b),
-                         _vector_smax(builder, second_a, second_b)))
+    return (
+        _vector_smax(builder, best_a, best_b),
+        _vector_smax(builder, _vector_smin(builder, best_a, best_b), _vector_smax(builder, second_a, second_b)),
+    )
 
 
 def _halve_groups(builder, pairs, width):
@@ -743,8 +745,7 @@ def _halve_groups(builder, pairs, width):
         low = pairs[index]
         high = pairs[index + 1] if index + 1 < len(pairs) else None
         groups = _LANES // width
-        sources = [(0, j) for j in range(groups)] + ([(_LANES, j) for j in range(groups)]
-                                                    if high is not None else [])
+        sources = [(0, j) for j in range(groups)] + ([(_LANES, j) for j in range(groups)] if high is not None else [])
         first_lanes, second_lanes = [], []
         for offset, group in sources:
             start = offset + group * width
@@ -758,8 +759,11 @@ def _halve_groups(builder, pairs, width):
             mask = ir.Constant(ir.VectorType(i32, _LANES), lanes)
             return builder.shuffle_vector(low[which], other[which], mask)
 
-        merged.append(_top2_merge(builder, (pick(first_lanes, 0), pick(first_lanes, 1)),
-                                  (pick(second_lanes, 0), pick(second_lanes, 1))))
+        merged.append(
+            _top2_merge(
+                builder, (pick(first_lanes, 0), pick(first_lanes, 1)), (pick(second_lanes, 0), pick(second_lanes, 1))
+            )
+        )
     return merged
 
 
@@ -774,10 +778,14 @@ def _group_picks(typingctx, keys, num_groups, topk_group, two_best, kept, lanes)
     Each group's blocks fold into per-lane (best, second) vectors; the groups' vectors then
     meet in a transposed reduction (pairs of vectors shuffled into halves and merged) that
     ends with group g's best and second in lane g, scored and ranked in one vector."""
-    if not (_is_c_array(keys, types.int32) and _is_c_array(kept, types.boolean)
-            and _is_c_array(lanes, types.int32) and isinstance(num_groups, types.Integer)
-            and isinstance(topk_group, types.Integer)
-            and isinstance(two_best, (types.Integer, types.Boolean))):
+    if not (
+        _is_c_array(keys, types.int32)
+        and _is_c_array(kept, types.boolean)
+        and _is_c_array(lanes, types.int32)
+        and isinstance(num_groups, types.Integer)
+        and isinstance(topk_group, types.Integer)
+        and isinstance(two_best, (types.Integer, types.Boolean))
+    ):
         return None
     signature = types.void(keys, num_groups, topk_group, two_best, kept, lanes)
 
@@ -792,43 +800,42 @@ def _group_picks(typingctx, keys, num_groups, topk_group, two_best, kept, lanes)
         base = builder.bitcast(keys_array.data, ints.as_pointer())
         groups = context.cast(builder, args[1], sig.args[1], types.int64)
         chosen = builder.trunc(context.cast(builder, args[2], sig.args[2], types.int64), i32)
-        two = builder.icmp_signed("!=", context.cast(builder, args[3], sig.args[3], types.int64),
-                                  ir.Constant(i64, 0))
-        blocks = builder.udiv(builder.extract_value(keys_array.shape, 0),
-                              ir.Constant(i64, _LANES))
+        two = builder.icmp_signed("!=", context.cast(builder, args[3], sig.args[3], types.int64), ir.Constant(i64, 0))
+        blocks = builder.udiv(builder.extract_value(keys_array.shape, 0), ir.Constant(i64, _LANES))
         group_blocks = builder.udiv(blocks, groups)
 
         slots = []
         for slot in range(GROUP_SLOTS):
             valid = builder.icmp_signed("<", ir.Constant(i64, slot), groups)
-            first = builder.mul(builder.select(valid, ir.Constant(i64, slot), ir.Constant(i64, 0)),
-                                group_blocks)
+            first = builder.mul(builder.select(valid, ir.Constant(i64, slot), ir.Constant(i64, 0)), group_blocks)
 
             def fold(index, carried, first=first):
                 block = builder.load(builder.gep(base, [builder.add(first, index)]), align=4)
                 best, second = carried
-                return [_vector_smax(builder, best, block),
-                        _vector_smax(builder, second, _vector_smin(builder, best, block))]
+                return [
+                    _vector_smax(builder, best, block),
+                    _vector_smax(builder, second, _vector_smin(builder, best, block)),
+                ]
 
             best, second = _block_loop(builder, group_blocks, [no_key, no_key], fold)
-            slots.append((valid, builder.select(valid, best, no_key),
-                          builder.select(valid, second, no_key)))
+            slots.append((valid, builder.select(valid, best, no_key), builder.select(valid, second, no_key)))
 
         pairs = [(best, second) for _, best, second in slots]
         width = _LANES
         while width > 1:
             pairs = _halve_groups(builder, pairs, width)
             width //= 2
-        (best, second), = pairs
+        ((best, second),) = pairs
 
         def value(key):
             return builder.bitcast(_vector_key_map(builder, key), floats)
 
-        total = builder.fadd(builder.fadd(value(best), value(second)),
-                             _float_splat(floats, 0.0))  # + 0: -0 as +0
-        summed = builder.select(builder.fcmp_unordered("uno", total, total),
-                                _int_splat(ints, _NAN_KEY),
-                                _vector_key_map(builder, builder.bitcast(total, ints)))
+        total = builder.fadd(builder.fadd(value(best), value(second)), _float_splat(floats, 0.0))  # + 0: -0 as +0
+        summed = builder.select(
+            builder.fcmp_unordered("uno", total, total),
+            _int_splat(ints, _NAN_KEY),
+            _vector_key_map(builder, builder.bitcast(total, ints)),
+        )
         score = builder.select(two, summed, best)
 
         lane_ids = ir.Constant(ints, list(range(_LANES)))
@@ -837,8 +844,10 @@ def _group_picks(typingctx, keys, num_groups, topk_group, two_best, kept, lanes)
             other = _splat(builder, ints, builder.extract_element(score, ir.Constant(i32, slot)))
             beats = builder.or_(
                 builder.icmp_signed(">", other, score),
-                builder.and_(builder.icmp_signed("==", other, score),
-                             builder.icmp_signed("<", _int_splat(ints, slot), lane_ids)))
+                builder.and_(
+                    builder.icmp_signed("==", other, score), builder.icmp_signed("<", _int_splat(ints, slot), lane_ids)
+                ),
+            )
             beats = builder.and_(beats, _splat(builder, ir.VectorType(i1, _LANES), slots[slot][0]))
             ahead = builder.add(ahead, builder.zext(beats, ints))
         keep = builder.icmp_signed("<", ahead, _splat(builder, ints, chosen))
@@ -848,8 +857,7 @@ def _group_picks(typingctx, keys, num_groups, topk_group, two_best, kept, lanes)
             taken = builder.and_(valid, builder.extract_element(keep, ir.Constant(i32, slot)))
             maxima = _vector_smax(builder, maxima, builder.select(taken, slot_best, no_key))
             with builder.if_then(valid):
-                builder.store(builder.zext(taken, i8),
-                              builder.gep(kept_data, [ir.Constant(i64, slot)]))
+                builder.store(builder.zext(taken, i8), builder.gep(kept_data, [ir.Constant(i64, slot)]))
         builder.store(maxima, builder.bitcast(lanes_data, ints.as_pointer()), align=4)
         return context.get_dummy_value()
 

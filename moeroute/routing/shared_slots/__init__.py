@@ -25,14 +25,13 @@ __all__ = ["append_shared_slots"]
 def _check_home_rank(layout, home_rank) -> int:
     home_rank = integer("home_rank", home_rank)
     if not 0 <= home_rank < layout.ep_size:
-        raise ValueError(
-            f"home_rank={home_rank} is outside [0, {layout.ep_size}) for ep_size={layout.ep_size}"
-        )
+        raise ValueError(f"home_rank={home_rank} is outside [0, {layout.ep_size}) for ep_size={layout.ep_size}")
     return int(home_rank)
 
 
-def _check_append_args(layout, home_rank, ids_shape, weights_shape, weights_dtype,
-                       shared_weights, shared_shape) -> tuple[int, int]:
+def _check_append_args(
+    layout, home_rank, ids_shape, weights_shape, weights_dtype, shared_weights, shared_shape
+) -> tuple[int, int]:
     """Validated (home_rank, S'); S' = number of appended slots.
 
     ``shared_shape`` is None for a scalar (or absent) shared weight.
@@ -41,8 +40,7 @@ def _check_append_args(layout, home_rank, ids_shape, weights_shape, weights_dtyp
     home_rank = _check_home_rank(layout, home_rank)
     if tuple(weights_shape) != tuple(ids_shape):
         raise ValueError(
-            f"topk_weights has shape {tuple(weights_shape)} but topk_ids has shape "
-            f"{tuple(ids_shape)}; they must match"
+            f"topk_weights has shape {tuple(weights_shape)} but topk_ids has shape {tuple(ids_shape)}; they must match"
         )
     if np.dtype(weights_dtype).kind != "f":
         raise TypeError(f"topk_weights must be floating point, got dtype {weights_dtype}")
@@ -80,8 +78,7 @@ def _slot_weight_strides(shape) -> tuple[int, int]:
 # --------------------------------------------------------------------------- API
 
 
-def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weights=None,
-                        *, stream=None):
+def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weights=None, *, stream=None):
     """Physical ids and weights with the fused shared slots appended (docs/semantics.md sections 2, 4).
 
     Parameters
@@ -133,9 +130,9 @@ def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weig
     if entry.on_device:
         return _append_device(entry, weights, layout, home_rank, shared, stream)
     ids = _sort.host_ids("topk_ids", entry)
-    out_ids, out_weights = _append_host(ids, weights.host_floats(), layout, home_rank,
-                                        shared_weights,
-                                        None if shared is None else shared.host_floats())
+    out_ids, out_weights = _append_host(
+        ids, weights.host_floats(), layout, home_rank, shared_weights, None if shared is None else shared.host_floats()
+    )
     return entry.wrap(out_ids), entry.wrap(out_weights)
 
 
@@ -145,8 +142,14 @@ def _append_host(ids, weights, layout, home_rank, shared_weights, shared):
     if shared is not None and shared.dtype.kind not in "fiu":
         raise TypeError(f"shared_weights must be real numbers, got dtype {shared.dtype}")
     home_rank, slots = _check_append_args(
-        layout, home_rank, ids.shape, weights.shape, weights.dtype, shared_weights,
-        None if shared is None else shared.shape)
+        layout,
+        home_rank,
+        ids.shape,
+        weights.shape,
+        weights.dtype,
+        shared_weights,
+        None if shared is None else shared.shape,
+    )
     weights = np.ascontiguousarray(weights, dtype=np.float32)
     first_slot = int(layout.shared_slot_ids(home_rank)[0]) if slots else 0
     if shared is None or shared.ndim == 0:
@@ -161,9 +164,22 @@ def _append_host(ids, weights, layout, home_rank, shared_weights, shared):
     rows, top_k = ids.shape
     out_ids = np.empty((rows, top_k + slots), np.int32)
     out_weights = np.empty((rows, top_k + slots), np.float32)
-    _append_cpu(ids, weights, layout.num_routed_experts, layout.replica_offsets,
-                layout.replica_ids, layout.routed_id_map, first_slot, slot_weights,
-                use_row, use_col, scalar, has_array, out_ids, out_weights)
+    _append_cpu(
+        ids,
+        weights,
+        layout.num_routed_experts,
+        layout.replica_offsets,
+        layout.replica_ids,
+        layout.routed_id_map,
+        first_slot,
+        slot_weights,
+        use_row,
+        use_col,
+        scalar,
+        has_array,
+        out_ids,
+        out_weights,
+    )
     return out_ids, out_weights
 
 
@@ -186,12 +202,12 @@ def device_shared_weights(entry, launcher: str, beside: str):
             raise TypeError(f"shared_weights on the device must be float32, got dtype {dtype}")
         return shared, np.float32(0.0)
     if isinstance(shared_weights, np.ndarray) and shared_weights.ndim > 0:
-        raise TypeError(f"shared_weights is a host array but {beside} is on the device; pass "
-                        f"it on the same device (or a Python scalar)")
-    if not isinstance(shared_weights, (numbers.Real, np.ndarray, np.generic)) \
-            or isinstance(shared_weights, bool):
-        raise TypeError(f"shared_weights must be None, a real scalar or an array, got "
-                        f"{type(shared_weights).__name__}")
+        raise TypeError(
+            f"shared_weights is a host array but {beside} is on the device; pass "
+            f"it on the same device (or a Python scalar)"
+        )
+    if not isinstance(shared_weights, (numbers.Real, np.ndarray, np.generic)) or isinstance(shared_weights, bool):
+        raise TypeError(f"shared_weights must be None, a real scalar or an array, got {type(shared_weights).__name__}")
     return None, np.float32(float(shared_weights))
 
 
@@ -219,8 +235,14 @@ def _append_device(entry, weights_entry, layout, home_rank, shared_entry, stream
     shared, scalar = device_shared_weights(shared_entry, "numba", "topk_ids")
     shared_weights = None if shared_entry is None else shared_entry.array
     home_rank, slots = _check_append_args(
-        layout, home_rank, ids.shape, weights.shape, weights.dtype, shared_weights,
-        None if shared is None else tuple(shared.shape))
+        layout,
+        home_rank,
+        ids.shape,
+        weights.shape,
+        weights.dtype,
+        shared_weights,
+        None if shared is None else tuple(shared.shape),
+    )
     launch_stream = entry.stream(stream)
     first_slot = int(layout.shared_slot_ids(home_rank)[0]) if slots else 0
     slot_weights, use_row, use_col, has_array = device_slot_weights(shared, weights)
@@ -231,8 +253,27 @@ def _append_device(entry, weights_entry, layout, home_rank, shared_entry, stream
     if numel:
         offsets, replica_ids, routed_id_map = layout_device_tables(layout)
         blocks, threads = _sort.launch_config(numel)
-        _launcher.launch(_kernel(), None, blocks, threads, launch_stream, (
-            ids, weights, layout.num_routed_experts, offsets, replica_ids, routed_id_map,
-            first_slot, slot_weights, use_row, use_col, scalar, has_array, ids_view,
-            weights_view))
+        _launcher.launch(
+            _kernel(),
+            None,
+            blocks,
+            threads,
+            launch_stream,
+            (
+                ids,
+                weights,
+                layout.num_routed_experts,
+                offsets,
+                replica_ids,
+                routed_id_map,
+                first_slot,
+                slot_weights,
+                use_row,
+                use_col,
+                scalar,
+                has_array,
+                ids_view,
+                weights_view,
+            ),
+        )
     return out_ids, out_weights
