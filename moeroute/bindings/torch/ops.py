@@ -158,7 +158,7 @@ def runs_eagerly(*tensors) -> bool:
     """True when no tracer can be watching a call on ``tensors`` (None entries skipped):
     plain tensors (not fake, functional or proxy subclasses) outside torch.compile,
     torch.export and torch.jit.trace. Callers then run an op's body directly, without the
-    custom op's dispatch (0.1-0.2 ms a call on a CPU); a tracer must see the op."""
+    custom op's dispatch, whose Python overhead rivals a small layer's work; a tracer must see the op."""
     for tensor in tensors:
         if tensor is not None and type(tensor) is not torch.Tensor:
             return False
