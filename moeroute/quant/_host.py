@@ -54,7 +54,6 @@ __all__ = [
     "down_rows_bf16_serial",
     "bf16_dot_serves",
     "dequantize_rows",
-    "dequantize_rows_bf16",
     "BF16_DOT",
     "ROW_BLOCK",
 ]
@@ -345,29 +344,6 @@ def dequantize_rows(q, scale, row_start, row_stop, scale_row_offset, bn, bk, out
             group = values[g * bk : min(cols, (g + 1) * bk)]
             for k in range(group.shape[0]):
                 group[k] *= c
-
-
-@numba.njit(fastmath=True, cache=True)
-def dequantize_rows_bf16(q, scale, row_start, row_stop, scale_row_offset, bn, bk, work, out):
-    """`dequantize_rows` rounded to bfloat16 (nearest, ties to even) and written as its bits.
-
-    work [K] float32 scratch; out [row_stop - row_start, K] int16 (a view of a bfloat16 tensor).
-    """
-    cols = q.shape[1]
-    bits = work.view(np.int32)
-    for r in range(row_start, row_stop):
-        _decode_row(q[r], bits)
-        scale_row = scale[(r - scale_row_offset) // bn]
-        for g in range((cols + bk - 1) // bk):
-            c = scale_row[g] * _UNBIAS
-            group = work[g * bk : min(cols, (g + 1) * bk)]
-            for k in range(group.shape[0]):
-                group[k] *= c
-        target = out[r - row_start]
-        for k in range(cols):
-            b = bits[k]
-            # Round the float32 to its upper 16 bits: add 0x7fff plus the kept LSB (ties to even).
-            target[k] = np.int16((b + 0x7FFF + ((b >> 16) & 1)) >> 16)
 
 
 # Not fastmath: the scale is an IEEE division, as torch computes it (fastmath would let LLVM
