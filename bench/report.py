@@ -523,6 +523,48 @@ def _launch_overhead(data):
     )
 
 
+def _cold_start(data):
+    start, end = data.get("load_average_start"), data.get("load_average_end")
+    lines = [
+        "`python -m bench cold_start`: `moeroute.warmup()` with an empty Numba cache, per kernel family, "
+        "each run in a fresh process (quantized formats on a copy of the warm float cache); then the first "
+        f"forward of patched tiny models after the warm-up. Load average at start {start}, at end {end}.",
+        "",
+    ]
+    rows = []
+    for key, label in [("warmup_cold", "cold"), ("warmup_warm", "warm")] + [
+        (k, k[len("warmup_") : -len("_cold")] + ", cold, on the float cache")
+        for k in data
+        if k.startswith("warmup_") and k.endswith("_cold") and k != "warmup_cold"
+    ]:
+        run = data.get(key)
+        if not run:
+            continue
+        for family in run["families"]:
+            rows.append(
+                (label, family["name"], f"{family['seconds']:.1f}", f"{family['cpu_seconds']:.1f}", family["compiled"])
+            )
+        rows.append((label, "**total**", f"{run['seconds']:.1f}", f"{run['cpu_seconds']:.1f}", run["compiled"]))
+    lines += _table(["warm-up", "family", "wall s", "CPU s", "functions compiled"], rows)
+    forwards = data.get("first_forward_after_warmup", {})
+    models = [(name, value) for name, value in forwards.items() if isinstance(value, dict)]
+    if models:
+        lines += ["", "First forward after the warm-up:", ""]
+        lines += _table(
+            ["model", "first forward s", "second forward s", "functions compiled"],
+            [
+                (
+                    name,
+                    f"{value['first_forward']['wall']:.3f}",
+                    f"{value['second_forward']['wall']:.4f}",
+                    len(value["compiled"]),
+                )
+                for name, value in models
+            ],
+        )
+    return lines
+
+
 #: file stem -> (section title, renderer), in page order.
 RENDERERS = {
     "routing": ("Routing: `select_experts` on the CPU", _routing),
@@ -538,6 +580,7 @@ RENDERERS = {
     "threads_tiny": ("CPU threads next to torch: a tiny model, quiet machine", _threads),
     "threads_tiny_loaded": ("CPU threads next to torch: a tiny model, loaded machine", _threads),
     "launch_overhead": ("CUDA launch: host cost per call (no GPU)", _launch_overhead),
+    "cold_start": ("Cold start: compiling the CPU kernels", _cold_start),
 }
 
 
