@@ -327,6 +327,8 @@ def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, config: Quan
     """
     if not isinstance(config, QuantConfig):
         raise TypeError(f"config must be a QuantConfig, got {type(config).__name__}")
+    if config.format == "int4":
+        raise ValueError("config format 'int4' is not stacked here; use moeroute.quant.quantize_int4 on each weight")
     if config.format == "mxfp4":
         return (*quantize_mxfp4(w_gate_up), *quantize_mxfp4(w_down))
     _check_float("w_gate_up", w_gate_up)
@@ -348,6 +350,8 @@ def dequantize_experts(q_gate_up, gate_up_scale, q_down, down_scale, config: Qua
     """float32 (w_gate_up [N, 2I, H], w_down [N, H, I]) of `quantize_experts`' outputs."""
     if not isinstance(config, QuantConfig):
         raise TypeError(f"config must be a QuantConfig, got {type(config).__name__}")
+    if config.format == "int4":
+        raise ValueError("config format 'int4' is not stacked here; use moeroute.quant.dequantize_int4 on each weight")
     if config.format == "mxfp4":
         return dequantize_mxfp4(q_gate_up, gate_up_scale), dequantize_mxfp4(q_down, down_scale)
     _check_fp8("q_gate_up", q_gate_up)

@@ -14,6 +14,14 @@ ceil(K/bk)])::
 fp8_tensor: one group spanning the row (s_a[m] per token, or a given static scale) and one
 weight scale. The expert MLP quantizes both GEMM inputs: the hidden rows, and the
 intermediate ``act(gate) * up`` (rounded to the activation dtype first, as GPU kernels do).
+
+int4 (w4a16) of activations x [M, K] with a weight stored as ``packed`` uint8 [N, K/2]
+(element k in the low nibble of byte k // 2 when k is even, the high nibble when odd),
+``scales`` [N, K/g] and ``zeros`` uint8 [N, K/g] (None: z = 8)::
+
+    q[n, k] = (packed[n, k // 2] >> (4 * (k % 2))) & 15
+    w[n, k] = (q[n, k] - z[n, k // g]) * s[n, k // g]
+    y[m, n] = sum_k x[m, k] * w[n, k]                          (activations not quantized)
 """
 
 from __future__ import annotations
@@ -22,7 +30,15 @@ import math
 
 import torch
 
-__all__ = ["fp8_linear_reference", "expert_mlp_reference", "moe_experts_reference"]
+__all__ = [
+    "fp8_linear_reference",
+    "expert_mlp_reference",
+    "moe_experts_reference",
+    "int4_dequantize_reference",
+    "int4_linear_reference",
+    "int4_expert_mlp_reference",
+    "int4_moe_experts_reference",
+]
 
 _E4M3_MAX = 448.0
 _AMAX_FLOOR = 1e-10
@@ -169,6 +185,86 @@ def moe_experts_reference(
             static,
             intermediate_dtype,
         )
+        weight = (topk_weights[rows].double() * hit[rows].double()).sum(dim=1)
+        out[rows] += weight[:, None] * y.double()
+    return out.float()
+
+
+def int4_dequantize_reference(packed: torch.Tensor, scales: torch.Tensor, zeros, group_size: int) -> torch.Tensor:
+    """``w [N, K]`` float64 of one INT4 weight, element by element from the formula above."""
+    packed = packed.cpu().to(torch.int64)
+    scales = scales.cpu().double()
+    rows, cols = packed.shape[0], 2 * packed.shape[1]
+    w = torch.empty(rows, cols, dtype=torch.float64)
+    for k in range(cols):
+        q = (packed[:, k // 2] >> (4 * (k % 2))) & 15
+        z = (
+            torch.full((rows,), 8, dtype=torch.int64)
+            if zeros is None
+            else zeros.cpu().to(torch.int64)[:, k // group_size]
+        )
+        w[:, k] = (q - z).double() * scales[:, k // group_size]
+    return w
+
+
+def int4_linear_reference(x: torch.Tensor, packed, scales, zeros=None, group_size: int = 128) -> torch.Tensor:
+    """``y [M, N]`` float32 = ``x [M, K] @ w^T`` with the INT4 weight dequantized, summed in float64."""
+    w = int4_dequantize_reference(packed, scales, zeros, group_size)
+    return (x.cpu().double() @ w.T).float()
+
+
+def _int4_parts(weight) -> tuple:
+    """(packed, scales, zeros or None) of a (packed, scales[, zeros]) tuple."""
+    packed, scales, *rest = weight
+    return packed, scales, (rest[0] if rest else None)
+
+
+def int4_expert_mlp_reference(
+    x: torch.Tensor,
+    gate_up,
+    down,
+    group_size: int,
+    activation: str = "silu",
+    intermediate_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """One expert's w4a16 MLP on rows ``x [M, H]``; float32 [M, H].
+
+    ``gate_up`` = (packed [2I, H/2], scales [2I, H/g][, zeros]) with the gate rows first,
+    ``down`` = (packed [H, I/2], scales [H, I/g][, zeros]). The intermediate ``act(gate) *
+    up`` is rounded to ``intermediate_dtype`` before the down projection.
+    """
+    packed, scales, zeros = _int4_parts(gate_up)
+    h = int4_linear_reference(x, packed, scales, zeros, group_size).double()
+    inter = h.shape[1] // 2
+    act = _act(h[:, :inter], h[:, inter:], activation).to(intermediate_dtype)
+    packed, scales, zeros = _int4_parts(down)
+    return int4_linear_reference(act, packed, scales, zeros, group_size)
+
+
+def int4_moe_experts_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up,
+    down,
+    group_size: int,
+    activation: str = "silu",
+    intermediate_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``sum_k w[t, k] * expert_{ids[t, k]}(x_t)`` with w4a16 experts; float32 [T, H].
+
+    ``gate_up`` and ``down``: (packed, scales[, zeros]) stacked over experts ([N, 2I, H/2],
+    [N, 2I, H/g], ... and [N, H, I/2], [N, H, I/g], ...). Ids outside [0, N) are skipped.
+    """
+    gate_up, down = _int4_parts(gate_up), _int4_parts(down)
+    out = torch.zeros(x.shape[0], down[0].shape[1], dtype=torch.float64)
+    for e in range(gate_up[0].shape[0]):
+        hit = topk_ids == e
+        rows = hit.any(dim=1).nonzero().reshape(-1)
+        if rows.numel() == 0:
+            continue
+        expert = [tuple(t[e] for t in weight if t is not None) for weight in (gate_up, down)]
+        y = int4_expert_mlp_reference(x[rows], expert[0], expert[1], group_size, activation, intermediate_dtype)
         weight = (topk_weights[rows].double() * hit[rows].double()).sum(dim=1)
         out[rows] += weight[:, None] * y.double()
     return out.float()

@@ -352,6 +352,11 @@ class MoE(nn.Module):
                 raise ValueError(f"{name}={value!r} must be a bool")
         if quant is not None and not isinstance(quant, QuantConfig):
             raise TypeError(f"quant must be a moeroute.quant.QuantConfig or None, got {type(quant).__name__}")
+        if quant is not None and quant.format == "int4":
+            raise ValueError(
+                "quant=QuantConfig('int4') is not served by MoE: INT4 experts have no kernels yet; use "
+                "moeroute.quant.dequantize_int4 for float weights, or one of 'fp8_block', 'fp8_tensor', 'mxfp4'"
+            )
         if quant is not None and expert_bias and quant.format != "mxfp4":
             raise ValueError(
                 f"expert_bias=True is not served with quant={quant.format!r} (FP8 experts carry no biases)"

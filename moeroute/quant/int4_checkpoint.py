@@ -1,0 +1,415 @@
+"""Unpack one INT4 linear weight of a checkpoint into moeroute's INT4 layout (`moeroute.quant.int4`).
+
+Each function takes the tensors a checkpoint stores for one linear weight W [N, K] (N
+output rows, K input columns) and returns an `Int4Weight`: ``packed`` uint8 [N, K/2] (low
+nibble the even column), ``scales`` [N, K/g] in the checkpoint's own dtype, ``zeros`` uint8
+[N, K/g] (None when symmetric: z = 8) and ``perm`` (None, or GPTQ's act-order column order).
+The layouts read, as their writers publish them:
+
+* **compressed-tensors pack-quantized** (`unpack_compressed_tensors`): ``weight_packed``
+  int32 [N, K/8], element k in bits 4*(k % 8) of word k // 8, each stored as the signed
+  integer plus 8 (so the stored nibble is moeroute's q); ``weight_scale`` [N, K/g];
+  ``weight_shape`` [2] = (N, K); when asymmetric ``weight_zero_point``, int32 [ceil(N/8),
+  K/g] packed the same way along the rows (row r in bits 4*(r % 8) of word r // 8), each the
+  signed zero point plus 8 (older writers stored it unpacked, int8 [N, K/g], signed: read
+  as well). ``W = (q - z) * s``.
+* **GPTQ** (`unpack_gptq`): ``qweight`` int32 [K/8, N], element (n, k) in bits 4*(k % 8) of
+  ``qweight[k // 8, n]``; ``qzeros`` int32 [K/g, N/8], the zero point of (n, group) in bits
+  4*(n % 8) of ``qzeros[group, n // 8]``; ``scales`` [K/g, N]; ``g_idx`` [K], the group of
+  each input column. The "gptq" checkpoint format (AutoGPTQ, and GPTQModel's default
+  on disk) stores each zero point minus one, so z = (stored + 1) mod 16; "gptq_v2" stores
+  it as it is. Symmetric GPTQ stores z = 8 everywhere (7 in "gptq"), checked and dropped.
+* **AWQ GEMM** (`unpack_awq`): ``qweight`` int32 [K, N/8], the eight columns 8c .. 8c+7 of
+  word ``qweight[k, c]`` in the nibble order 0, 2, 4, 6, 1, 3, 5, 7 (nibble i, bits 4i,
+  holds column 8c + ORDER[i]); ``qzeros`` int32 [K/g, N/8] in the same order, stored as
+  they are; ``scales`` [K/g, N]. Always asymmetric.
+
+**GPTQ act order.** With ``desc_act`` GPTQ quantizes the columns in a permuted order and
+``g_idx[k]`` names the group of input column k, so a group's columns are scattered. They
+are made contiguous once, here: ``perm = argsort(g_idx)`` (stable), and the returned
+``packed`` holds the checkpoint's columns in that order (canonical column j is checkpoint
+column ``perm[j]``), with the checkpoint's scales and zero points unchanged (canonical group
+j is g_idx's group j). The weight is then ``W[:, perm]``, and ``x @ W^T = x[:, perm] @
+W[:, perm]^T``: a layer applies the same permutation to the activations it multiplies.
+For a down projection that permutation can be folded into the rows of gate and up (its
+input columns are their output rows), at no cost per token; a gate_up projection's input
+is the hidden state, whose permutation (one per expert, shared by gate and up, which GPTQ
+quantizes from the same inputs) a kernel must gather. Each group must hold exactly g
+columns (what GPTQ writes); ``g_idx == k // g`` (no act order) gives ``perm`` None.
+
+Memory: a step of output rows (about 2**20 elements) at a time; beyond the inputs and the
+outputs, the temporaries are those of one step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+
+from moeroute.quant.config import QuantConfig
+from moeroute.quant.int4 import INT4_SCALE_DTYPES, SYMMETRIC_ZERO, _group_size, pack_int4
+
+__all__ = [
+    "AWQ_ORDER",
+    "Int4Weight",
+    "unpack_awq",
+    "unpack_compressed_tensors",
+    "unpack_gptq",
+    "unpack_int4_checkpoint",
+    "INT4_CHECKPOINT_KEYS",
+]
+
+#: AWQ GEMM's packing: nibble i of a word holds column ORDER[i] of its eight.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+#: The nibble holding column m of a word: the inverse of AWQ_ORDER.
+_AWQ_NIBBLE_OF_COLUMN = tuple(AWQ_ORDER.index(m) for m in range(8))
+
+#: Per checkpoint layout: (required keys, optional keys) of one linear weight.
+INT4_CHECKPOINT_KEYS = {
+    "compressed-tensors": (("weight_packed", "weight_scale"), ("weight_shape", "weight_zero_point")),
+    "gptq": (("qweight", "qzeros", "scales"), ("g_idx",)),
+    "gptq_v2": (("qweight", "qzeros", "scales"), ("g_idx",)),
+    "awq": (("qweight", "qzeros", "scales"), ()),
+}
+
+_STEP_ELEMENTS = 1 << 20
+_SHIFTS = tuple(4 * i for i in range(8))
+
+
+class Int4Weight(NamedTuple):
+    """One weight in moeroute's INT4 layout (`moeroute.quant.int4`)."""
+
+    #: uint8 [N, K/2]: element 2j in byte j's low nibble, 2j+1 in its high nibble.
+    packed: torch.Tensor
+    #: [N, K/g] float32, bfloat16 or float16 (the checkpoint's dtype).
+    scales: torch.Tensor
+    #: uint8 [N, K/g] zero points 0..15, or None (symmetric: z = 8).
+    zeros: torch.Tensor | None
+    #: int64 [K]: canonical column j is the checkpoint's input column perm[j] (GPTQ act
+    #: order), or None (the checkpoint's order).
+    perm: torch.Tensor | None = None
+
+    def tensors(self) -> tuple:
+        """(packed, scales) or (packed, scales, zeros): what `dequantize_int4` takes."""
+        return (self.packed, self.scales) if self.zeros is None else (self.packed, self.scales, self.zeros)
+
+
+def _key(name: str, key: str) -> str:
+    return f"{name}.{key}" if name else key
+
+
+def _tensor(name: str, key: str, value, dtypes, dims: int) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{_key(name, key)} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in dtypes:
+        allowed = "/".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{_key(name, key)} must be {allowed}, got {value.dtype}")
+    if value.dim() != dims:
+        raise ValueError(f"{_key(name, key)} must have {dims} dims, got shape {tuple(value.shape)}")
+    return value
+
+
+def _shape(name: str, key: str, value: torch.Tensor, expected: tuple, why: str) -> None:
+    if tuple(value.shape) != tuple(expected):
+        raise ValueError(f"{_key(name, key)} has shape {tuple(value.shape)}; {why} needs {list(expected)}")
+
+
+def _scales(name: str, key: str, value) -> torch.Tensor:
+    scales = _tensor(name, key, value, INT4_SCALE_DTYPES, 2)
+    finite = torch.isfinite(scales)
+    if scales.numel() and not bool(finite.all()):
+        index = [int(i) for i in (~finite).nonzero()[0]]
+        raise ValueError(f"{_key(name, key)}{index} is {float(scales[tuple(index)])}; INT4 scales must be finite")
+    return scales
+
+
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., W, 8]: nibble i (bits 4i) of each int32 word (any sign)."""
+    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=words.device)
+    return ((words[..., None] >> shifts) & 0x0F).to(torch.uint8)
+
+
+def _steps(total: int, per_item: int):
+    step = max(1, _STEP_ELEMENTS // max(1, per_item))
+    for first in range(0, total, step):
+        yield slice(first, min(first + step, total))
+
+
+def _check_symmetric_zeros(name: str, key: str, zeros: torch.Tensor) -> None:
+    bad = zeros != SYMMETRIC_ZERO
+    if zeros.numel() and bool(bad.any()):
+        index = [int(i) for i in bad.nonzero()[0]]
+        raise ValueError(
+            f"{_key(name, key)} gives the zero point {int(zeros[tuple(index)])} at [row, group] {index}, but the "
+            f"weight is symmetric (z = {SYMMETRIC_ZERO}); read it with symmetric=False"
+        )
+
+
+def unpack_compressed_tensors(
+    weight_packed,
+    weight_scale,
+    weight_shape=None,
+    weight_zero_point=None,
+    *,
+    group_size: int,
+    symmetric: bool,
+    name: str = "",
+) -> Int4Weight:
+    """moeroute's INT4 layout of one compressed-tensors pack-quantized weight (module docstring).
+
+    Parameters
+    ----------
+    weight_packed : Tensor int32 [N, K/8]
+    weight_scale : Tensor [N, K/g] float32/bfloat16/float16
+    weight_shape : Tensor [2] integer (N, K), optional (K = 8 * weight_packed.shape[1] without it)
+    weight_zero_point : Tensor int32 [ceil(N/8), K/g] (packed) or int8 [N, K/g] (signed), asymmetric
+        only (a symmetric weight's, if stored, must be all zero points 8, i.e. signed 0)
+    group_size : {32, 64, 128}
+    symmetric : bool
+    name : str
+        The module's key prefix, named in the messages (e.g. "model.layers.3.mlp.experts.7.up_proj").
+
+    Raises
+    ------
+    TypeError, ValueError
+        A tensor of another dtype or shape, K not a multiple of ``group_size``, a missing zero
+        point of an asymmetric weight, a non-finite scale; the message names the key.
+    """
+    group = _group_size(group_size)
+    packed = _tensor(name, "weight_packed", weight_packed, (torch.int32,), 2)
+    rows, words = packed.shape
+    cols = 8 * words
+    if weight_shape is not None:
+        shape = _tensor(name, "weight_shape", weight_shape, (torch.int64, torch.int32), 1)
+        _shape(name, "weight_shape", shape, (2,), "(N, K)")
+        rows_, cols = (int(v) for v in shape.tolist())
+        if rows_ != rows or -(-cols // 8) != words:
+            raise ValueError(
+                f"{_key(name, 'weight_shape')} is {[rows_, cols]} but {_key(name, 'weight_packed')} has shape "
+                f"{tuple(packed.shape)}: {rows} rows of {8 * words - 7}..{8 * words} columns, eight a word"
+            )
+    if cols % group:
+        raise ValueError(f"{_key(name, 'weight_shape')}: K = {cols} is not a multiple of group_size={group}")
+    scales = _scales(name, "weight_scale", weight_scale)
+    _shape(name, "weight_scale", scales, (rows, cols // group), f"[N, K/g] with group_size={group}")
+    zeros = None
+    if weight_zero_point is not None:
+        point = _tensor(name, "weight_zero_point", weight_zero_point, (torch.int32, torch.int8), 2)
+        if point.dtype == torch.int32:
+            _shape(name, "weight_zero_point", point, (-(-rows // 8), cols // group), "packed int32 [ceil(N/8), K/g]")
+            zeros = _nibbles(point).permute(0, 2, 1).reshape(-1, cols // group)[:rows].contiguous()
+        else:
+            _shape(name, "weight_zero_point", point, (rows, cols // group), "int8 [N, K/g]")
+            if point.numel() and bool(((point < -8) | (point > 7)).any()):
+                raise ValueError(f"{_key(name, 'weight_zero_point')} holds values outside -8..7")
+            zeros = (point.to(torch.int16) + SYMMETRIC_ZERO).to(torch.uint8)
+        if symmetric:
+            _check_symmetric_zeros(name, "weight_zero_point", zeros)
+            zeros = None
+    elif not symmetric:
+        raise ValueError(f"{_key(name, 'weight_zero_point')} is missing; an asymmetric weight needs its zero points")
+    out = torch.empty(rows, cols // 2, dtype=torch.uint8, device=packed.device)
+    for step in _steps(rows, cols):
+        out[step] = pack_int4(_nibbles(packed[step]).reshape(-1, 8 * words)[:, :cols])
+    return Int4Weight(out, scales.contiguous(), zeros)
+
+
+def unpack_gptq(
+    qweight,
+    qzeros,
+    scales,
+    g_idx=None,
+    *,
+    group_size: int,
+    symmetric: bool,
+    checkpoint: str = "gptq",
+    name: str = "",
+) -> Int4Weight:
+    """moeroute's INT4 layout of one GPTQ weight (module docstring), act order applied.
+
+    Parameters
+    ----------
+    qweight : Tensor int32 [K/8, N]
+    qzeros : Tensor int32 [K/g, N/8]
+    scales : Tensor [K/g, N] float16/bfloat16/float32
+    g_idx : Tensor int32/int64 [K], optional (None: group k // g)
+    group_size : {32, 64, 128}
+    symmetric : bool
+        True: every zero point must be 8 (checked); none is returned.
+    checkpoint : {"gptq", "gptq_v2"}
+        "gptq" stores zero points minus one, "gptq_v2" as they are.
+    name : str
+        The module's key prefix, named in the messages.
+
+    Returns
+    -------
+    Int4Weight, with ``perm`` set when ``g_idx`` is not k // g.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A tensor of another dtype or shape (N or K not a multiple of 8 and g), a ``g_idx``
+        value outside [0, K/g) or a group without exactly g columns, a symmetric weight with
+        another zero point, a non-finite scale; the message names the key.
+    """
+    group = _group_size(group_size)
+    if checkpoint not in ("gptq", "gptq_v2"):
+        raise ValueError(f"checkpoint={checkpoint!r} is not a GPTQ layout; use 'gptq' or 'gptq_v2'")
+    words = _tensor(name, "qweight", qweight, (torch.int32,), 2)
+    cols, rows = 8 * words.shape[0], words.shape[1]
+    if cols % group:
+        raise ValueError(
+            f"{_key(name, 'qweight')} has shape {tuple(words.shape)}: K = {cols} is not a multiple of "
+            f"group_size={group}"
+        )
+    if rows % 8:
+        raise ValueError(f"{_key(name, 'qweight')} has N = {rows} output columns; GPTQ's qzeros needs a multiple of 8")
+    zero_words = _tensor(name, "qzeros", qzeros, (torch.int32,), 2)
+    _shape(name, "qzeros", zero_words, (cols // group, rows // 8), f"[K/g, N/8] with group_size={group}")
+    scale = _scales(name, "scales", scales)
+    _shape(name, "scales", scale, (cols // group, rows), f"[K/g, N] with group_size={group}")
+    zeros = _nibbles(zero_words).reshape(cols // group, rows)
+    if checkpoint == "gptq":
+        zeros = (zeros + 1) & 0x0F
+    zeros = zeros.t().contiguous()
+    if symmetric:
+        _check_symmetric_zeros(name, "qzeros", zeros)
+        zeros = None
+    perm = None
+    if g_idx is not None:
+        index = _tensor(name, "g_idx", g_idx, (torch.int32, torch.int64), 1)
+        _shape(name, "g_idx", index, (cols,), "one group per input column, [K]")
+        perm = _act_order(name, index.to(torch.int64), group)
+    out = torch.empty(rows, cols // 2, dtype=torch.uint8, device=words.device)
+    for step in _steps(rows, cols):
+        q = _nibbles(words[:, step]).permute(1, 0, 2).reshape(-1, cols)
+        if perm is not None:
+            q = q[:, perm]
+        out[step] = pack_int4(q)
+    return Int4Weight(out, scale.t().contiguous(), zeros, perm)
+
+
+def _act_order(name: str, g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
+    """None when ``g_idx`` is k // g; else the stable argsort making each group contiguous."""
+    cols = g_idx.shape[0]
+    groups = cols // group
+    if g_idx.numel() and bool(((g_idx < 0) | (g_idx >= groups)).any()):
+        bad = int(((g_idx < 0) | (g_idx >= groups)).nonzero()[0, 0])
+        raise ValueError(
+            f"{_key(name, 'g_idx')}[{bad}] is {int(g_idx[bad])}, outside the {groups} groups [0, {groups})"
+        )
+    trivial = torch.arange(cols, device=g_idx.device) // group
+    if bool((g_idx == trivial).all()):
+        return None
+    counts = torch.bincount(g_idx, minlength=groups)
+    if bool((counts != group).any()):
+        bad = int((counts != group).nonzero()[0, 0])
+        raise ValueError(
+            f"{_key(name, 'g_idx')} gives group {bad} {int(counts[bad])} columns; contiguous groups need "
+            f"group_size={group} columns in each"
+        )
+    return torch.argsort(g_idx, stable=True)
+
+
+def unpack_awq(qweight, qzeros, scales, *, group_size: int, name: str = "") -> Int4Weight:
+    """moeroute's INT4 layout of one AWQ GEMM weight (module docstring); always asymmetric.
+
+    Parameters
+    ----------
+    qweight : Tensor int32 [K, N/8]
+    qzeros : Tensor int32 [K/g, N/8]
+    scales : Tensor [K/g, N] float16/bfloat16/float32
+    group_size : {32, 64, 128}
+    name : str
+        The module's key prefix, named in the messages.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A tensor of another dtype or shape, K not a multiple of ``group_size``, a non-finite
+        scale; the message names the key.
+    """
+    group = _group_size(group_size)
+    words = _tensor(name, "qweight", qweight, (torch.int32,), 2)
+    cols, rows = words.shape[0], 8 * words.shape[1]
+    if cols % group:
+        raise ValueError(
+            f"{_key(name, 'qweight')} has shape {tuple(words.shape)}: K = {cols} is not a multiple of "
+            f"group_size={group}"
+        )
+    zero_words = _tensor(name, "qzeros", qzeros, (torch.int32,), 2)
+    _shape(name, "qzeros", zero_words, (cols // group, rows // 8), f"[K/g, N/8] with group_size={group}")
+    scale = _scales(name, "scales", scales)
+    _shape(name, "scales", scale, (cols // group, rows), f"[K/g, N] with group_size={group}")
+    order = torch.tensor(_AWQ_NIBBLE_OF_COLUMN, dtype=torch.int64, device=words.device)
+    zeros = _nibbles(zero_words)[..., order].reshape(cols // group, rows).t().contiguous()
+    out = torch.empty(rows, cols // 2, dtype=torch.uint8, device=words.device)
+    for step in _steps(rows // 8, 8 * cols):
+        q = _nibbles(words[:, step])[..., order].reshape(cols, -1)
+        out[8 * step.start : 8 * step.stop] = pack_int4(q.t())
+    return Int4Weight(out, scale.t().contiguous(), zeros)
+
+
+def unpack_int4_checkpoint(tensors: Mapping, quant, name: str = "") -> Int4Weight:
+    """Unpack one weight from its checkpoint tensors, keyed by their names under the module.
+
+    Parameters
+    ----------
+    tensors : mapping of str to Tensor
+        The module's tensors under their checkpoint names, e.g. ``{"weight_packed": ...,
+        "weight_scale": ..., "weight_shape": ...}`` (compressed-tensors), ``{"qweight": ...,
+        "qzeros": ..., "scales": ..., "g_idx": ...}`` (GPTQ) or without g_idx (AWQ).
+    quant : QuantConfig
+        format "int4" with ``checkpoint`` set (`QuantConfig.from_hf` sets it).
+    name : str
+        The module's key prefix, named in the messages.
+
+    Raises
+    ------
+    KeyError
+        A required tensor missing (named).
+    ValueError
+        A tensor the layout does not have (named), or as the unpack function of the layout.
+    """
+    if not isinstance(quant, QuantConfig) or quant.format != "int4":
+        raise ValueError(f"quant must be a QuantConfig of format 'int4', got {quant!r}")
+    if quant.checkpoint not in INT4_CHECKPOINT_KEYS:
+        raise ValueError(
+            f"quant.checkpoint={quant.checkpoint!r} names no checkpoint layout; use one of "
+            f"{tuple(INT4_CHECKPOINT_KEYS)} (QuantConfig.from_hf sets it)"
+        )
+    required, optional = INT4_CHECKPOINT_KEYS[quant.checkpoint]
+    for key in required:
+        if key not in tensors:
+            raise KeyError(f"{_key(name, key)} is missing from the {quant.checkpoint} checkpoint")
+    extra = sorted(set(tensors) - set(required) - set(optional))
+    if extra:
+        raise ValueError(
+            f"{_key(name, extra[0])} is not a tensor of a {quant.checkpoint} INT4 weight (which has "
+            f"{required + optional})"
+        )
+    group = quant.group_size
+    if quant.checkpoint == "compressed-tensors":
+        return unpack_compressed_tensors(
+            tensors["weight_packed"],
+            tensors["weight_scale"],
+            tensors.get("weight_shape"),
+            tensors.get("weight_zero_point"),
+            group_size=group,
+            symmetric=quant.symmetric,
+            name=name,
+        )
+    if quant.checkpoint == "awq":
+        return unpack_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"], group_size=group, name=name)
+    return unpack_gptq(
+        tensors["qweight"],
+        tensors["qzeros"],
+        tensors["scales"],
+        tensors.get("g_idx"),
+        group_size=group,
+        symmetric=quant.symmetric,
+        checkpoint=quant.checkpoint,
+        name=name,
+    )
