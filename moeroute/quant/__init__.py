@@ -30,6 +30,7 @@ from moeroute.quant.fp8 import (
 from moeroute.quant.int4 import INT4_GROUP_SIZES, check_int4, dequantize_int4, quantize_int4
 from moeroute.quant.int4_checkpoint import (
     Int4Weight,
+    fold_act_order,
     unpack_awq,
     unpack_compressed_tensors,
     unpack_gptq,
@@ -62,6 +63,7 @@ __all__ = [
     "dequantize_int4",
     "check_int4",
     "Int4Weight",
+    "fold_act_order",
     "unpack_compressed_tensors",
     "unpack_gptq",
     "unpack_awq",

@@ -34,7 +34,8 @@ W[:, perm]^T``: a layer applies the same permutation to the activations it multi
 For a down projection that permutation can be folded into the rows of gate and up (its
 input columns are their output rows), at no cost per token; a gate_up projection's input
 is the hidden state, whose permutation (one per expert, shared by gate and up, which GPTQ
-quantizes from the same inputs) a kernel must gather. Each group must hold exactly g
+quantizes from the same inputs) a kernel must gather (`fold_act_order` does the first and
+checks the second). Each group must hold exactly g
 columns (what GPTQ writes); ``g_idx == k // g`` (no act order) gives ``perm`` None.
 
 Memory: a step of output rows (about 2**20 elements) at a time; beyond the inputs and the
@@ -54,6 +55,7 @@ from moeroute.quant.int4 import INT4_SCALE_DTYPES, SYMMETRIC_ZERO, _group_size, 
 __all__ = [
     "AWQ_ORDER",
     "Int4Weight",
+    "fold_act_order",
     "unpack_awq",
     "unpack_compressed_tensors",
     "unpack_gptq",
@@ -413,3 +415,39 @@ def unpack_int4_checkpoint(tensors: Mapping, quant, name: str = "") -> Int4Weigh
         checkpoint=quant.checkpoint,
         name=name,
     )
+
+
+def fold_act_order(gate: Int4Weight, up: Int4Weight, down: Int4Weight, name: str = "") -> tuple:
+    """One expert's (gate, up, down) with the down projection's act order folded into gate and up.
+
+    ``down.perm`` (its input columns, the intermediate units) permutes the rows of ``gate``
+    and ``up`` instead: ``down(act(gate x) * up x) = down[:, p] (act(gate[p] x) * up[p] x)``,
+    exact, with no permutation left per token; the returned down has ``perm`` None, and gate
+    and up keep their shared ``perm`` (of the hidden columns, which a kernel gathers).
+
+    Raises
+    ------
+    ValueError
+        ``gate`` and ``up`` with different permutations (GPTQ derives both from the same
+        inputs; two different ones cannot share one gather), or shapes that do not chain.
+    """
+    if (gate.perm is None) != (up.perm is None) or (gate.perm is not None and not torch.equal(gate.perm, up.perm)):
+        raise ValueError(
+            f"{_key(name, 'gate_proj')} and {_key(name, 'up_proj')} have different act orders (g_idx); "
+            "gate and up multiply the same hidden columns and must share one permutation"
+        )
+    inter = gate.packed.shape[0]
+    if up.packed.shape[0] != inter or 2 * down.packed.shape[1] != inter:
+        raise ValueError(
+            f"{_key(name, 'down_proj')} has {2 * down.packed.shape[1]} input columns but gate and up have "
+            f"{gate.packed.shape[0]} and {up.packed.shape[0]} rows"
+        )
+    if down.perm is None:
+        return gate, up, down
+    rows = down.perm.to(gate.packed.device)
+
+    def permuted(weight: Int4Weight) -> Int4Weight:
+        zeros = None if weight.zeros is None else weight.zeros[rows]
+        return Int4Weight(weight.packed[rows], weight.scales[rows], zeros, weight.perm)
+
+    return permuted(gate), permuted(up), down._replace(perm=None)

@@ -15,6 +15,7 @@ import torch
 from moeroute.quant import (
     QuantConfig,
     dequantize_int4,
+    fold_act_order,
     unpack_awq,
     unpack_compressed_tensors,
     unpack_gptq,
@@ -320,3 +321,45 @@ def test_unpack_by_config_names_missing_and_extra_keys():
         unpack_int4_checkpoint(t, QuantConfig("int4", group_size=32))
     with pytest.raises(ValueError, match="format 'int4'"):
         unpack_int4_checkpoint(t, QuantConfig("mxfp4"))
+
+
+def test_fold_act_order_moves_the_down_permutation_into_gate_and_up():
+    """An expert MLP with GPTQ act order: after the fold, down has no permutation and the
+    expert, with the hidden columns gathered by the shared gate/up permutation, is unchanged."""
+    g, hidden, inter = 32, 64, 96
+    gen = np.random.default_rng(15)
+
+    def act_order(k):
+        order = gen.permutation(k)
+        g_idx = np.empty(k, np.int64)
+        g_idx[order] = np.arange(k) // g
+        return g_idx
+
+    def gptq_weight(n, k, g_idx):
+        q, z, _ = integers(int(gen.integers(1 << 30)), n, k, g, False)
+        z = np.maximum(z, 1)
+        s = (gen.random((n, k // g)) / 8).astype(np.float16)
+        dense = (q - z[:, g_idx]) * s.astype(np.float64)[:, g_idx]
+        return unpack_gptq(**gptq_pack(q, z, s, g_idx, v1=True), group_size=g, symmetric=False), dense
+
+    hidden_order = act_order(hidden)
+    gate, w_gate = gptq_weight(inter, hidden, hidden_order)
+    up, w_up = gptq_weight(inter, hidden, hidden_order)
+    down, w_down = gptq_weight(hidden, inter, act_order(inter))
+    x = gen.standard_normal((4, hidden))
+
+    def silu(v):
+        return v / (1 + np.exp(-v))
+
+    expected = (silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
+    gate2, up2, down2 = fold_act_order(gate, up, down)
+    assert down2.perm is None and torch.equal(gate2.perm, gate.perm) and torch.equal(down2.packed, down.packed)
+    dq = [dequantize_int4(*w.tensors(), group_size=g).double().numpy() for w in (gate2, up2, down2)]
+    xp = x[:, gate2.perm.numpy()]  # the gather a kernel does on the hidden columns
+    got = (silu(xp @ dq[0].T) * (xp @ dq[1].T)) @ dq[2].T
+    np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-10)
+    other, _ = gptq_weight(inter, hidden, act_order(hidden))
+    with pytest.raises(ValueError, match="experts.4.gate_proj and experts.4.up_proj have different act orders"):
+        fold_act_order(gate, other, down, name="experts.4")
+    with pytest.raises(ValueError, match="down_proj has 96 input columns"):
+        fold_act_order(gate._replace(packed=gate.packed[:64]), up, down)
