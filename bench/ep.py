@@ -49,7 +49,7 @@ from _common import interleaved, median_time, print_table, write_results  # noqa
 
 from moeroute.bindings.ep import METADATA_BYTES_PER_SLOT, make_dispatcher  # noqa: E402
 from moeroute.bindings.torch import arrays  # noqa: E402
-from moeroute.bindings.torch.fp8_experts import fake_quantize, quantize_for_dispatch  # noqa: E402
+from moeroute.experts.formats.fp8 import fake_quantize, quantize_for_dispatch  # noqa: E402
 from moeroute.bindings.torch.mlp import GatedMLP  # noqa: E402
 from moeroute.config import get_preset  # noqa: E402
 from moeroute.layout import ExpertLayout  # noqa: E402

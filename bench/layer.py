@@ -42,8 +42,8 @@ sys.path.insert(0, str(BENCH))
 from _common import RESULTS_DIR, interleaved, print_table, wall_clock, write_results  # noqa: E402
 
 from moeroute.bindings.torch import arrays  # noqa: E402
-from moeroute.bindings.torch.activations import gated_activation  # noqa: E402
-from moeroute.bindings.torch.experts import (  # noqa: E402
+from moeroute.experts.activations import gated_activation  # noqa: E402
+from moeroute.experts.formats.unquantized import (  # noqa: E402
     choose_gemm,
     cpu_experts,
     expert_mlp,
@@ -307,7 +307,7 @@ ROWS_REPEATS = {1: 41, 8: 31, 32: 15, 64: 11, 128: 7, 256: 5, 512: 5}
 def rows_crossover(quick: bool) -> list[dict]:
     """The experts body with gemm="rows" against gemm="loop" (oneDNN-packed weights where oneDNN
     serves the dtype), same routing, interleaved: where the row kernels stop paying
-    (`moeroute.bindings.torch.experts.ROWS_MAX_MEAN_ROWS`)."""
+    (`moeroute.experts.formats.unquantized.ROWS_MAX_MEAN_ROWS`)."""
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         moe = MoE.from_hf(build_block()).to(dtype)

@@ -221,7 +221,7 @@ def _module_steps(dtypes, formats) -> list[tuple[str, Callable[[], None]]]:
     import torch
 
     from moeroute.bindings.torch import GatedMLP, MoE
-    from moeroute.bindings.torch.experts import ROWS_DTYPES
+    from moeroute.experts.formats.unquantized import ROWS_DTYPES
     from moeroute.config import RouterConfig
     from moeroute.quant import QuantConfig
 

@@ -20,9 +20,10 @@ import torch
 
 import moeroute
 from moeroute import cpu_features
-from moeroute.bindings.torch.experts import ROWS_MAX_MEAN_ROWS, rows_bound
+from moeroute.experts.formats.unquantized import ROWS_MAX_MEAN_ROWS, rows_bound
 from moeroute.cpu_features import ENVIRONMENT_VARIABLE, ISA_PATHS, PATH_FEATURES, choose_isa, supported_isas
-from moeroute.quant import _dot, _mxfp4_host
+from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
+from moeroute.experts.cpu import dot as cpu_dot
 from moeroute.routing.select import _simd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,8 +110,8 @@ def test_the_process_path_and_the_kernels_flags():
         and os.environ.get("NUMBA_CPU_FEATURES") is None
     ):
         assert path == supported_isas(target)[-1]
-    assert _dot.BF16_DOT is cpu_features.BF16_DOT is (path == "avx512bf16")
-    assert _mxfp4_host.SIMD is cpu_features.AVX2_SIMD is (path != "generic")
+    assert cpu_dot.BF16_DOT is cpu_features.BF16_DOT is (path == "avx512bf16")
+    assert cpu_mxfp4.SIMD is cpu_features.AVX2_SIMD is (path != "generic")
     assert _simd.VECTOR_COMPRESS is cpu_features.VECTOR_COMPRESS is (path in ("avx512", "avx512bf16"))
     native = bool(cpu_features.FEATURES & {"avx512bf16", "amx-bf16"})
     assert rows_bound(torch.bfloat16) == (ROWS_MAX_MEAN_ROWS if native else math.inf)
@@ -129,8 +130,8 @@ def _python(code, **environment):
 
 
 FLAGS = (
-    "import json, moeroute; from moeroute.quant import _dot, _mxfp4_host; from moeroute.routing.select "
-    "import _simd; print(json.dumps([moeroute.cpu_isa(), _dot.BF16_DOT, _mxfp4_host.SIMD, "
+    "import json, moeroute; from moeroute.experts.cpu import dot as cpu_dot, mxfp4 as cpu_mxfp4; from moeroute.routing.select "
+    "import _simd; print(json.dumps([moeroute.cpu_isa(), cpu_dot.BF16_DOT, cpu_mxfp4.SIMD, "
     "_simd.VECTOR_COMPRESS]))"
 )
 
@@ -172,17 +173,19 @@ import torch
 import moeroute
 from helpers.reference import dense_experts, dequantize_mxfp4, randn, rel_error
 from moeroute import cpu_features
-from moeroute.bindings.torch.experts import rows_bound
-from moeroute.bindings.torch.mxfp4_experts import mxfp4_experts_forward
+from moeroute.experts.formats.unquantized import rows_bound
+from moeroute.experts.formats.mxfp4 import mxfp4_experts_forward
 from moeroute.config import RouterConfig
-from moeroute.quant import _dot, _mxfp4_host, quantize_mxfp4
+from moeroute.quant import quantize_mxfp4
+from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
+from moeroute.experts.cpu import dot as cpu_dot
 from moeroute.routing import reference
 from moeroute.routing.select import _simd
 from numba.core.registry import cpu_target
 
 torch.set_num_threads(1)
-facts = {"isa": moeroute.cpu_isa(), "supported": cpu_features.supported_isas(), "bf16_dot": _dot.BF16_DOT,
-         "simd": _mxfp4_host.SIMD, "vector_compress": _simd.VECTOR_COMPRESS,
+facts = {"isa": moeroute.cpu_isa(), "supported": cpu_features.supported_isas(), "bf16_dot": cpu_dot.BF16_DOT,
+         "simd": cpu_mxfp4.SIMD, "vector_compress": _simd.VECTOR_COMPRESS,
          "rows_bound_bf16": rows_bound(torch.bfloat16),
          "numba_target": list(cpu_target.target_context.codegen().magic_tuple()[1:])}
 

@@ -391,7 +391,7 @@ def fp8_decline_reason(method, layer) -> str | None:
 def _fp8_quant_config(method, layer):
     """moeroute's `QuantConfig` of a served FP8 layer, its loaded weights and scales checked
     (shapes, dtypes and scale values, once); ValueError/TypeError with moeroute's message."""
-    from moeroute.bindings.torch.fp8_experts import check_quantized_weights
+    from moeroute.experts.formats.fp8 import check_quantized_weights
     from moeroute.quant import QuantConfig
 
     quant = QuantConfig("fp8_block", block_size=tuple(int(b) for b in method.weight_block_size))
@@ -663,7 +663,7 @@ def _fp8_method_class():
 
 def mxfp4_decline_reason(layer) -> str | None:
     """Why moeroute does not serve this gpt-oss MXFP4 layer (beyond `decline_reason`), or None."""
-    from moeroute.bindings.torch.experts import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+    from moeroute.experts.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 
     for name, value in (("swiglu_alpha", SWIGLUOAI_ALPHA), ("swiglu_limit", SWIGLUOAI_LIMIT)):
         given = getattr(layer, name, None)
@@ -674,7 +674,7 @@ def mxfp4_decline_reason(layer) -> str | None:
 
 def _mxfp4_quant_config(layer):
     """moeroute's QuantConfig("mxfp4") of a served layer, its loaded bytes checked."""
-    from moeroute.bindings.torch.mxfp4_experts import check_mxfp4_weights
+    from moeroute.experts.formats.mxfp4 import check_mxfp4_weights
     from moeroute.quant import QuantConfig
 
     quant = QuantConfig("mxfp4")

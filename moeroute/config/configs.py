@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 #: Expert activations, the one list: a preset may name each, the torch experts
-#: (`moeroute.bindings.torch.activations`) and the GPU kernels implement each, and engine name
+#: (`moeroute.experts.activations`) and the GPU kernels implement each, and engine name
 #: mappings (vLLM, transformers) derive from it. Position = the kernels' activation code
 #: (kActivation* in gpu/kernels/moe_gemm.cu): "silu" SwiGLU, "gelu" exact (erf) GeGLU,
 #: "gelu_tanh" torch's approximate="tanh", "swigluoai" gpt-oss's clamped SwiGLU.

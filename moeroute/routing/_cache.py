@@ -3,10 +3,11 @@
 Numba checks a cached function against the source file it is defined in, and nothing else.
 A kernel that inlines code or reads constants from another module (the row kernels of
 ``select/_host.py`` call ``select/_simd.py``'s intrinsics; ``remap.py`` reads the layout's
-hash multiplier; the one-call expert forwards of ``bindings/torch/_quant_rows.py`` inline
-the tiles of ``quant/_host.py`` and ``quant/_mxfp4_dot.py``, which build on ``quant/_dot.py``)
+hash multiplier; the one-call expert forwards of ``experts/cpu/quant_rows.py`` inline
+the tiles of ``experts/cpu/fp8.py`` and ``experts/cpu/mxfp4_dot.py``, which build on
+``experts/cpu/dot.py``)
 would be loaded stale from ``__pycache__`` after an edit to that other module alone.
-`install` adds cache locators for every moeroute function (routing, quant, bindings, eplb,
+`install` adds cache locators for every moeroute function (routing, experts, eplb,
 ...) whose source stamp is the pair (the function's file, `sources_stamp`): a hash of every
 Python file of the package. The cache directories stay Numba's own (``NUMBA_CACHE_DIR``,
 else ``__pycache__`` beside the source, else the per-user directory), and functions outside

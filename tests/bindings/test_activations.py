@@ -1,11 +1,13 @@
-"""moeroute.bindings.torch.activations: one list of names, their check and their compute."""
+"""moeroute.experts.activations: one list of names, their check and their compute."""
 
 import math
 
 import pytest
 import torch
 
-from moeroute.bindings.torch import activations, experts, hf
+from moeroute.bindings.torch import hf
+from moeroute.experts import activations
+from moeroute.experts.formats import unquantized
 from moeroute.compat import vllm_plugin
 from moeroute.config import EXPERT_ACTIVATIONS
 from moeroute.gpu import launch
@@ -13,9 +15,9 @@ from moeroute.gpu import launch
 
 def test_every_list_of_names_is_the_config_one():
     assert activations.ACTIVATIONS is EXPERT_ACTIVATIONS
-    # The old import path keeps working (users import these names from experts).
+    # The unquantized experts' module re-exports them (users import these names from it).
     for name in activations.__all__:
-        assert getattr(experts, name) is getattr(activations, name)
+        assert getattr(unquantized, name) is getattr(activations, name)
     assert list(launch.ACTIVATIONS) == list(EXPERT_ACTIVATIONS)
     assert list(launch.ACTIVATIONS.values()) == [0, 1, 2, 3]  # kActivation* of moe_gemm.cu
     assert vllm_plugin.ACTIVATIONS == {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh"}

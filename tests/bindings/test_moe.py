@@ -13,11 +13,12 @@ from helpers.reference import generator as _generator
 from helpers.reference import swigluoai as swigluoai_reference
 from moeroute import cpu_features
 from moeroute.bindings.torch.dispatch import DispatchHandle, LocalDispatcher, check_dispatch_inputs
-from moeroute.bindings.torch import experts as experts_module
-from moeroute.bindings.torch.experts import (
+from moeroute.bindings.torch import arrays
+from moeroute.experts import modules as experts_modules
+from moeroute.experts.modules import LocalExperts
+from moeroute.experts.formats.unquantized import (
     PADDED_MAX_ROWS,
     ROWS_MAX_MEAN_ROWS,
-    LocalExperts,
     choose_gemm,
     expert_mlp,
     rows_bound,
@@ -286,7 +287,7 @@ def test_streamed_expert_mlp_against_slot_reference(dtype):
     weights = torch.rand(num_tokens, 3, generator=generator)
     w_gate_up = torch.randn(experts, 2 * I, H, generator=generator) * 0.3
     w_down = torch.randn(experts, H, I, generator=generator) * 0.3
-    sorted_slots, offsets, _ = experts_module.arrays.sort_by_expert(local_ids, experts)
+    sorted_slots, offsets, _ = arrays.sort_by_expert(local_ids, experts)
     seconds = {}
     out = streamed_expert_mlp(
         x.to(dtype),
@@ -422,7 +423,7 @@ def test_to_after_packing():
 
 def test_pack_cpu_weights_refuses_what_onednn_cannot_serve(monkeypatch):
     module, _ = make_moe(seed=1)
-    monkeypatch.setattr(experts_module, "onednn_linear_serves", lambda dtype: False)
+    monkeypatch.setattr(experts_modules, "onednn_linear_serves", lambda dtype: False)
     with pytest.raises(ValueError, match="oneDNN cannot serve torch.float32"):
         module.pack_cpu_weights()
 

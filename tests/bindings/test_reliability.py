@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from helpers.reference import dense_experts, rel_error
 from helpers.reference import generator as _generator
 from moeroute.bindings.torch import MoE
-from moeroute.bindings.torch.experts import LocalExperts, SUPPORTED_DTYPES, onednn_linear_serves, streamed_expert_mlp
+from moeroute.experts.formats.unquantized import SUPPORTED_DTYPES, onednn_linear_serves, streamed_expert_mlp
+from moeroute.experts.modules import LocalExperts
 from moeroute.config import RouterConfig
 from moeroute.routing import reference
 
@@ -220,9 +221,9 @@ def test_packed_module_loaded_where_it_cannot_pack_runs_unpacked(monkeypatch):
     buffer = io.BytesIO()
     torch.save(module, buffer)
     buffer.seek(0)
-    from moeroute.bindings.torch import experts as experts_module
+    from moeroute.experts import modules as experts_modules
 
-    monkeypatch.setattr(experts_module, "onednn_linear_serves", lambda dtype: False)
+    monkeypatch.setattr(experts_modules, "onednn_linear_serves", lambda dtype: False)
     loaded = torch.load(buffer, weights_only=False)
     assert not loaded.experts.pack_cpu
     assert loaded.experts.cpu_weights()[0] is loaded.experts.w_gate_up

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from helpers.reference import dense_experts
-from moeroute.bindings.torch import _rows
-from moeroute.bindings.torch.activations import gated_activation
-from moeroute.bindings.torch.experts import cpu_experts, rows_bound, rows_expert_mlp
+from moeroute.experts.cpu import rows as cpu_rows
+from moeroute.experts.activations import gated_activation
+from moeroute.experts.formats.unquantized import cpu_experts, rows_bound, rows_expert_mlp
 
 H, I, L = 96, 80, 6  # I and 2I not multiples of the row block, H not a multiple of 64
 
@@ -63,10 +63,10 @@ def test_rows_match_reference(dtype, activation, tokens, top_k, bias):
 def _gate_up_then_down(xs, w_gate_up, acts, w_down, gate_up, sums):
     """The row kernels' two passes for one row of expert 0 (weight 2), without the activation."""
     tokens, offsets = np.zeros(1, np.int64), np.array([0, 1], np.int64)
-    for b in range((w_gate_up.shape[1] + _rows.ROW_BLOCK - 1) // _rows.ROW_BLOCK):
-        _rows._gate_up_item(xs, tokens, offsets, 0, b, w_gate_up, np.zeros((0, 0), np.float32), gate_up)
-    for b in range((w_down.shape[1] + _rows.ROW_BLOCK - 1) // _rows.ROW_BLOCK):
-        _rows._down_block(
+    for b in range((w_gate_up.shape[1] + cpu_rows.ROW_BLOCK - 1) // cpu_rows.ROW_BLOCK):
+        cpu_rows._gate_up_item(xs, tokens, offsets, 0, b, w_gate_up, np.zeros((0, 0), np.float32), gate_up)
+    for b in range((w_down.shape[1] + cpu_rows.ROW_BLOCK - 1) // cpu_rows.ROW_BLOCK):
+        cpu_rows._down_block(
             acts,
             tokens,
             np.full(1, 2.0, np.float32),
@@ -133,10 +133,10 @@ def _special_floats() -> torch.Tensor:
 
 
 def test_every_activation_has_a_kernel_code():
-    from moeroute.bindings.torch.activations import ACTIVATIONS
+    from moeroute.experts.activations import ACTIVATIONS
 
-    assert set(_rows.ACTIVATION_CODES) == set(ACTIVATIONS)
-    assert sorted(_rows.ACTIVATION_CODES.values()) == list(range(len(ACTIVATIONS)))
+    assert set(cpu_rows.ACTIVATION_CODES) == set(ACTIVATIONS)
+    assert sorted(cpu_rows.ACTIVATION_CODES.values()) == list(range(len(ACTIVATIONS)))
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "swigluoai"])
@@ -156,7 +156,7 @@ def test_fused_activation_matches_torch(activation):
     gate = values.repeat(9)
     up = values.roll(7).repeat(9)[torch.randperm(9 * values.numel(), generator=torch.Generator().manual_seed(1))]
     acts = torch.empty(1, gate.numel())
-    _rows._activate_rows(torch.cat([gate, up])[None].numpy(), _rows.ACTIVATION_CODES[activation], acts.numpy())
+    cpu_rows.activate_rows(torch.cat([gate, up])[None].numpy(), cpu_rows.ACTIVATION_CODES[activation], acts.numpy())
     expected = gated_activation(gate.clone(), up.clone(), activation)
     got = acts[0]
     assert torch.equal(got.isnan(), expected.isnan())
@@ -171,7 +171,7 @@ def test_fused_activation_matches_torch(activation):
 
 @numba.njit
 def _store(sums, out):
-    _rows._store_sums(sums, out)
+    cpu_rows.store_sums(sums, out)
 
 
 def test_bfloat16_output_rounds_as_torch():
@@ -201,7 +201,7 @@ def test_auto_beyond_the_row_bound_takes_another_strategy():
     x, ids, weights, w_gate_up, w_down, _ = _problem(64, 4, torch.float32, 8)
     ids = ids.clamp(0, L - 1)
     out = torch.full((64, H), 5.0)
-    served = _rows.rows_experts_serial(
+    served = cpu_rows.rows_experts_serial(
         x.numpy(),
         ids.numpy(),
         weights.numpy(),
@@ -250,7 +250,7 @@ def test_plan_rows_is_the_stable_expert_sort(tokens, top_k):
     generator = torch.Generator().manual_seed(tokens)
     ids = torch.randint(-1, L + 1, (tokens, top_k), generator=generator, dtype=torch.int32)
     weights = torch.rand(tokens, top_k, generator=generator)
-    plan_tokens, slot_weights, offsets, hit, work = _rows.plan_rows(ids.numpy(), weights.numpy(), L, 3)
+    plan_tokens, slot_weights, offsets, hit, work = cpu_rows.plan_rows(ids.numpy(), weights.numpy(), L, 3)
     flat = ids.reshape(-1).long()
     valid = torch.nonzero((flat >= 0) & (flat < L)).flatten()
     order = valid[torch.sort(flat[valid], stable=True).indices]
@@ -270,26 +270,26 @@ def _bf16_dots(w, w_rows, xs, x_rows, out):
     if len(w_rows) == 4:
         a = (w_rows[0], w_rows[1], w_rows[2], w_rows[3])
         if len(x_rows) == 4:
-            _rows._dots_bf16(w, a, xs, (x_rows[0], x_rows[1], x_rows[2], x_rows[3]), out)
+            cpu_rows._dots_bf16(w, a, xs, (x_rows[0], x_rows[1], x_rows[2], x_rows[3]), out)
         elif len(x_rows) == 3:
-            _rows._dots_bf16(w, a, xs, (x_rows[0], x_rows[1], x_rows[2]), out)
+            cpu_rows._dots_bf16(w, a, xs, (x_rows[0], x_rows[1], x_rows[2]), out)
         elif len(x_rows) == 2:
-            _rows._dots_bf16(w, a, xs, (x_rows[0], x_rows[1]), out)
+            cpu_rows._dots_bf16(w, a, xs, (x_rows[0], x_rows[1]), out)
         else:
-            _rows._dots_bf16(w, a, xs, (x_rows[0],), out)
+            cpu_rows._dots_bf16(w, a, xs, (x_rows[0],), out)
     else:
         b = (w_rows[0],)
         if len(x_rows) == 4:
-            _rows._dots_bf16(w, b, xs, (x_rows[0], x_rows[1], x_rows[2], x_rows[3]), out)
+            cpu_rows._dots_bf16(w, b, xs, (x_rows[0], x_rows[1], x_rows[2], x_rows[3]), out)
         elif len(x_rows) == 3:
-            _rows._dots_bf16(w, b, xs, (x_rows[0], x_rows[1], x_rows[2]), out)
+            cpu_rows._dots_bf16(w, b, xs, (x_rows[0], x_rows[1], x_rows[2]), out)
         elif len(x_rows) == 2:
-            _rows._dots_bf16(w, b, xs, (x_rows[0], x_rows[1]), out)
+            cpu_rows._dots_bf16(w, b, xs, (x_rows[0], x_rows[1]), out)
         else:
-            _rows._dots_bf16(w, b, xs, (x_rows[0],), out)
+            cpu_rows._dots_bf16(w, b, xs, (x_rows[0],), out)
 
 
-@pytest.mark.skipif(not _rows.BF16_DOT, reason=BF16_DOT_REASON)
+@pytest.mark.skipif(not cpu_rows.BF16_DOT, reason=BF16_DOT_REASON)
 @pytest.mark.parametrize("weight_rows", [1, 4])
 @pytest.mark.parametrize("count", [1, 2, 3, 4])
 @pytest.mark.parametrize("length", [1, 31, 32, 33, 127, 128, 129, 160, 1000])
@@ -316,10 +316,10 @@ def test_bf16_dot_instruction_matches_float64(length, count, weight_rows):
 def test_both_bfloat16_kernels_match_reference(kernel, tokens, top_k, bias):
     """The kernel that widens bfloat16 to float32 and the one with the dot instructions, each
     against the float64 reference (the second rounds the intermediate to bfloat16)."""
-    if kernel == "bf16_dot" and not _rows.BF16_DOT:
+    if kernel == "bf16_dot" and not cpu_rows.BF16_DOT:
         pytest.skip(BF16_DOT_REASON)
     x, ids, weights, w_gate_up, w_down, (b_gate_up, b_down) = _problem(tokens, top_k, torch.bfloat16, 11, bias)
-    run = _rows.rows_experts_serial if kernel == "widened" else _rows.rows_experts_bf16_serial
+    run = cpu_rows.rows_experts_serial if kernel == "widened" else cpu_rows.rows_experts_bf16_serial
     out = torch.empty(tokens, H, dtype=torch.bfloat16)
     no_bias = np.zeros((0, 0), np.float32)
     served = run(
@@ -330,7 +330,7 @@ def test_both_bfloat16_kernels_match_reference(kernel, tokens, top_k, bias):
         w_down.view(torch.uint16).numpy(),
         no_bias if b_gate_up is None else b_gate_up.float().numpy(),
         no_bias if b_down is None else b_down.float().numpy(),
-        _rows.ACTIVATION_CODES["silu"],
+        cpu_rows.ACTIVATION_CODES["silu"],
         np.inf,
         out.view(torch.uint16).numpy(),
     )
@@ -345,13 +345,13 @@ def test_both_bfloat16_kernels_match_reference(kernel, tokens, top_k, bias):
 def test_serial_and_parallel_kernels_give_the_same_bits(dtype, kernels):
     """One thread reads each expert's down weights as one stream, the parallel kernel splits the
     output columns: every sum still adds its experts in one order, so the bits are equal."""
-    if kernels == "bf16_dot" and (dtype != torch.bfloat16 or not _rows.BF16_DOT):
+    if kernels == "bf16_dot" and (dtype != torch.bfloat16 or not cpu_rows.BF16_DOT):
         pytest.skip(BF16_DOT_REASON if dtype == torch.bfloat16 else "the dot kernels serve bfloat16")
     x, ids, weights, w_gate_up, w_down, (b_gate_up, b_down) = _problem(24, 4, dtype, 13, bias=True)
     serial, parallel = (
-        (_rows.rows_experts_serial, _rows.rows_experts)
+        (cpu_rows.rows_experts_serial, cpu_rows.rows_experts)
         if kernels == "widened"
-        else (_rows.rows_experts_bf16_serial, _rows.rows_experts_bf16)
+        else (cpu_rows.rows_experts_bf16_serial, cpu_rows.rows_experts_bf16)
     )
 
     def view(tensor):
@@ -368,7 +368,7 @@ def test_serial_and_parallel_kernels_give_the_same_bits(dtype, kernels):
             view(w_down),
             b_gate_up.float().numpy(),
             b_down.float().numpy(),
-            _rows.ACTIVATION_CODES["gelu"],
+            cpu_rows.ACTIVATION_CODES["gelu"],
             np.inf,
             view(out),
         )

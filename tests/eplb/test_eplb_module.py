@@ -195,7 +195,7 @@ def test_apply_with_fused_global_shared_slots_on_one_rank():
 
 
 def test_apply_repacks_onednn_copies():
-    from moeroute.bindings.torch.experts import onednn_linear_serves
+    from moeroute.experts.formats.unquantized import onednn_linear_serves
 
     if not onednn_linear_serves(torch.float32):
         pytest.skip("this torch build's oneDNN does not serve float32")

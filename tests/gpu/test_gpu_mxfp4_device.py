@@ -103,7 +103,7 @@ def test_fused_experts_front_door_takes_the_pairs():
 
 
 def test_mxfp4_experts_forward_runs_cuda_tensors_on_the_kernels(monkeypatch):
-    from moeroute.bindings.torch import mxfp4_experts
+    from moeroute.experts.formats import mxfp4 as mxfp4_experts
     from moeroute.gpu import gemm_mxfp4
 
     launched = []

@@ -17,10 +17,11 @@ import torch
 
 from helpers.reference import randn, rel_error
 from moeroute.bindings.torch import MoE
-from moeroute.bindings.torch.fp8_experts import QuantizedExperts, fp8_experts_forward
+from moeroute.experts.formats.fp8 import fp8_experts_forward
+from moeroute.experts.modules import QuantizedExperts
 from moeroute.config import RouterConfig
 from moeroute.quant import QuantConfig, quantize_experts, quantize_fp8_activations
-from moeroute.quant import _host
+from moeroute.experts.cpu import fp8 as cpu_fp8
 from moeroute.quant.reference import moe_experts_reference
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -131,14 +132,14 @@ def test_quantize_rows_nan_and_inf_as_torch():
         q_ref, s_ref = quantize_fp8_activations(rows, 128)
         q = np.empty((3, 256), np.float32)
         s = np.empty((3, 2), np.float32)
-        _host.quantize_rows(rows.float().numpy(), 128, False, np.float32(1e-10), q, s)
+        cpu_fp8.quantize_rows(rows.float().numpy(), 128, False, np.float32(1e-10), q, s)
         torch.testing.assert_close(torch.from_numpy(s), s_ref, rtol=0, atol=0, equal_nan=True)
         torch.testing.assert_close(torch.from_numpy(q), q_ref.float(), rtol=0, atol=0, equal_nan=True)
         assert torch.isnan(torch.from_numpy(q[0, :128])).all() and not np.isnan(q[0, 128:]).any()
     # The float32 -> bfloat16 rounding (the intermediate) keeps a NaN a NaN.
     nan_payload = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32)
     x[2, :1] = nan_payload
-    _host.quantize_rows(x.numpy(), 128, True, np.float32(1e-10), q, s)
+    cpu_fp8.quantize_rows(x.numpy(), 128, True, np.float32(1e-10), q, s)
     assert np.isnan(s[2, 0]) and np.isnan(q[2, :128]).all() and not np.isnan(s[2, 1])
 
 
@@ -220,7 +221,7 @@ def _path_errors() -> dict:
             for strategy in ("auto", "rows", "blocks"):
                 out = fp8_experts_forward(x.to(dtype), ids, weights, *tensors, quant, strategy=strategy)
                 errors[f"T={tokens} {dtype} {strategy}"] = rel_error(out, expected)
-    return {"bf16_dot": bool(_host.bf16_dot_serves(hidden, inter, (128, 128), (128, 128))), "errors": errors}
+    return {"bf16_dot": bool(cpu_fp8.bf16_dot_serves(hidden, inter, (128, 128), (128, 128))), "errors": errors}
 
 
 #: The AVX2 path in a fresh process (the path is decided once per process): NUMBA_CPU_NAME

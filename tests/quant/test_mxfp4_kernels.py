@@ -1,4 +1,4 @@
-"""The MXFP4 row kernels (moeroute.quant._mxfp4_host, moeroute.bindings.torch._mxfp4_rows) against plain NumPy from the definition.
+"""The MXFP4 row kernels (moeroute.experts.cpu.mxfp4, moeroute.experts.cpu.mxfp4_rows) against plain NumPy from the definition.
 
 The reference decodes each nibble by table (low nibble = even element, bit 3 the sign),
 multiplies by 2 ** (s - 127) and sums in float64; the kernels sum in float32 in their own
@@ -10,17 +10,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moeroute.bindings.torch import _mxfp4_rows, _rows
-from moeroute.quant import _mxfp4_host
+from moeroute.experts.cpu import mxfp4_rows
+from moeroute.experts.cpu import rows as cpu_rows
+from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 RTOL = 1e-5
 DOTS = [
-    pytest.param(_mxfp4_host.dots_portable, id="portable"),
+    pytest.param(cpu_mxfp4.dots_portable, id="portable"),
     pytest.param(
-        _mxfp4_host.dots_simd,
+        cpu_mxfp4.dots_simd,
         id="simd",
-        marks=pytest.mark.skipif(not _mxfp4_host.SIMD, reason="no AVX2, FMA and F16C here"),
+        marks=pytest.mark.skipif(not cpu_mxfp4.SIMD, reason="no AVX2, FMA and F16C here"),
     ),
 ]
 ROW_TUPLES = [(0,), (3, 1), (2, 2, 5), (5, 0, 4, 1)]
@@ -41,7 +42,7 @@ def packed(rng, *shape):
 
 def split(x):
     out = np.empty_like(x)
-    _mxfp4_host.split_blocks(x, out)
+    cpu_mxfp4.split_blocks(x, out)
     return out
 
 
@@ -107,7 +108,7 @@ def plan(counts, seed):
     return ids, weights
 
 
-@pytest.mark.parametrize("kernels", [_mxfp4_host, _mxfp4_rows], ids=["tiles", "decoded_once"])
+@pytest.mark.parametrize("kernels", [cpu_mxfp4, mxfp4_rows], ids=["tiles", "decoded_once"])
 @pytest.mark.parametrize("serial", [False, True], ids=["parallel", "serial"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("counts", COUNTS)
@@ -122,8 +123,8 @@ def test_row_kernels_match_the_definition(counts, with_bias, serial, kernels):
     down_bias = rng.standard_normal((num_experts, hidden)).astype(np.float32)
     no_bias = np.zeros((0, 0), np.float32)
     x = rng.standard_normal((num_tokens, hidden)).astype(np.float32)
-    blocks_per_expert = -(-2 * inter // _mxfp4_host.ROW_BLOCK)
-    tokens, slot_weights, offsets, hit, work = _rows.plan_rows(ids, weights, num_experts, blocks_per_expert)
+    blocks_per_expert = -(-2 * inter // cpu_mxfp4.ROW_BLOCK)
+    tokens, slot_weights, offsets, hit, work = cpu_rows.plan_rows(ids, weights, num_experts, blocks_per_expert)
     gate_up_rows = kernels.gate_up_rows_serial if serial else kernels.gate_up_rows
     down_rows = kernels.down_rows_serial if serial else kernels.down_rows
 
@@ -166,14 +167,14 @@ def test_dequantize_rows_matches_the_definition():
     blocks[0, 0] = np.arange(0, 256, 16) + np.arange(16)  # every code in both nibbles
     scales[1] = (0, 252, 127)  # the smallest scale (a subnormal 2 ** -127) and a large one
     out = np.full((3, 96), np.nan, np.float32)
-    _mxfp4_host.dequantize_rows(blocks, scales, 1, 4, out)
+    cpu_mxfp4.dequantize_rows(blocks, scales, 1, 4, out)
     np.testing.assert_array_equal(out, plain_weights(blocks, scales)[1:4].astype(np.float32))
 
 
 @pytest.mark.parametrize(
     "decode",
     [
-        pytest.param("simd", marks=pytest.mark.skipif(not _mxfp4_host.SIMD, reason="no AVX2, FMA and F16C here")),
+        pytest.param("simd", marks=pytest.mark.skipif(not cpu_mxfp4.SIMD, reason="no AVX2, FMA and F16C here")),
         "portable",
     ],
 )
@@ -184,10 +185,10 @@ def test_dequantize_rows_split_is_the_definition_in_split_order(decode):
     scales[1] = (0, 252, 127)  # the smallest scale (a subnormal 2 ** -127) and a large one
     out = np.full((4, 96), np.nan, np.float32)
     if decode == "simd":
-        _mxfp4_host.dequantize_rows_split(blocks, scales, 1, 5, out)
+        cpu_mxfp4.dequantize_rows_split(blocks, scales, 1, 5, out)
     else:
         for r in range(1, 5):
-            _mxfp4_host._decode_row_split_portable(blocks[r], scales[r], out[r - 1])
+            cpu_mxfp4._decode_row_split_portable(blocks[r], scales[r], out[r - 1])
     want = split(plain_weights(blocks, scales)[1:5].astype(np.float32))
     np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
 
@@ -198,10 +199,10 @@ BF16_DOT_REASON = "this CPU has no bfloat16 dot-product instructions (AVX512-BF1
 
 
 def split_pairs(bits):
-    from moeroute.quant import _mxfp4_dot
+    from moeroute.experts.cpu import mxfp4_dot
 
     out = np.empty_like(bits)
-    _mxfp4_dot.split_pairs(bits, out)
+    mxfp4_dot.split_pairs(bits, out)
     return out
 
 
@@ -229,12 +230,12 @@ def test_bf16_dot_row_kernels_match_the_definition(counts, with_bias, serial, sc
     # float32 sums), each block's sum times its scale: every tile shape (1 to 4 weight rows,
     # 1 to 4 activation rows), 2I = 384 in six weight-row blocks, the smallest and largest
     # scale bytes included.
-    from moeroute.quant import _mxfp4_dot
+    from moeroute.experts.cpu import mxfp4_dot
 
-    if not _mxfp4_dot.BF16_DOT:
+    if not mxfp4_dot.BF16_DOT:
         pytest.skip(BF16_DOT_REASON)
     hidden, inter, num_experts = 128, 192, len(counts)
-    assert _mxfp4_dot.serves(True, hidden, inter) and not _mxfp4_dot.serves(True, 96, inter)
+    assert mxfp4_dot.serves(True, hidden, inter) and not mxfp4_dot.serves(True, 96, inter)
     rng = np.random.default_rng(sum(counts) + scale_range[0])
     ids, weights = plan(counts, sum(counts))
     num_tokens = ids.shape[0]
@@ -246,11 +247,11 @@ def test_bf16_dot_row_kernels_match_the_definition(counts, with_bias, serial, sc
     down_bias = rng.standard_normal((num_experts, hidden)).astype(np.float32)
     no_bias = np.zeros((0, 0), np.float32)
     x_bits, x = bfloat16_bits((rng.standard_normal((num_tokens, hidden)) * magnitude).astype(np.float32))
-    tokens, slot_weights, offsets, hit, work = _rows.plan_rows(
-        ids, weights, num_experts, -(-2 * inter // _mxfp4_dot.ROW_BLOCK)
+    tokens, slot_weights, offsets, hit, work = cpu_rows.plan_rows(
+        ids, weights, num_experts, -(-2 * inter // mxfp4_dot.ROW_BLOCK)
     )
-    gate_up_rows = _mxfp4_dot.gate_up_rows_serial if serial else _mxfp4_dot.gate_up_rows
-    down_rows = _mxfp4_dot.down_rows_serial if serial else _mxfp4_dot.down_rows
+    gate_up_rows = mxfp4_dot.gate_up_rows_serial if serial else mxfp4_dot.gate_up_rows
+    down_rows = mxfp4_dot.down_rows_serial if serial else mxfp4_dot.down_rows
 
     gate_up = np.full((tokens.shape[0], 2 * inter), np.nan, np.float32)
     gate_up_rows(

@@ -79,10 +79,10 @@ def rel_error(actual, expected):
 def test_matches_float32_reference(gemm, dtype, shape, inter):
     # I = 128 (H and I whole pairs of blocks): with bfloat16 activations the row strategy
     # runs the bfloat16-dot kernels on CPUs that have them.
-    from moeroute.quant import _mxfp4_dot
+    from moeroute.experts.cpu import mxfp4_dot
 
-    assert _mxfp4_dot.serves(dtype == torch.bfloat16, H, inter) == (
-        _mxfp4_dot.BF16_DOT and dtype == torch.bfloat16 and inter == 128
+    assert mxfp4_dot.serves(dtype == torch.bfloat16, H, inter) == (
+        mxfp4_dot.BF16_DOT and dtype == torch.bfloat16 and inter == 128
     )
     module, weights = build(gemm, inter=inter)
     x = randn(*shape, seed=99).to(dtype)

@@ -214,7 +214,7 @@ def test_from_hf_fp8_experts_block_keeps_its_tensors():
 
 
 def test_fp8_experts_scales_spanning_gate_and_up_are_refused():
-    from moeroute.bindings.torch.fp8_experts import gate_up_scale_from_stacked
+    from moeroute.experts.formats.fp8 import gate_up_scale_from_stacked
 
     with pytest.raises(ValueError, match="not a multiple of the block rows 128"):
         gate_up_scale_from_stacked(torch.ones(2, 3, 1), QuantConfig("fp8_block"), 100)

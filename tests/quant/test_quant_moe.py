@@ -18,7 +18,7 @@ from helpers.modules import CountingMLP
 from helpers.reference import randn as _randn
 from helpers.reference import rel_error
 from moeroute.bindings.torch import MoE
-from moeroute.bindings.torch.fp8_experts import fp8_experts_forward
+from moeroute.experts.formats.fp8 import fp8_experts_forward
 from moeroute.config import RouterConfig
 from moeroute.layout import LayoutError
 from moeroute.quant import QuantConfig, dequantize_experts, dequantize_fp8_block, quantize_experts
@@ -268,7 +268,7 @@ def test_errors_name_the_argument():
 def test_torch_decoder_of_the_device_path_matches_numba():
     # The blocks strategy decodes with torch's e4m3 conversion on devices: run that branch on
     # the CPU against the Numba decoder (same chunks, same float32 values).
-    from moeroute.bindings.torch import fp8_experts
+    from moeroute.experts.formats import fp8 as fp8_experts
 
     quant = QuantConfig("fp8_block", block_size=(64, 128))
     q_gu, s_gu, _, _ = quantize_experts(_randn(3, 400, H, seed=1, scale=0.1), _randn(3, H, 200, seed=2), quant)
@@ -299,12 +299,12 @@ def test_row_kernel_decodes_every_e4m3_code():
     import numba
     import numpy as np
 
-    from moeroute.quant import _host
+    from moeroute.experts.cpu import fp8 as cpu_fp8
 
     @numba.njit
     def decode(codes, out):
         for i in range(codes.shape[0]):
-            out[i] = _host._e4m3_times_2_pow_minus_8(codes[i])
+            out[i] = cpu_fp8._e4m3_times_2_pow_minus_8(codes[i])
 
     codes = torch.arange(256, dtype=torch.uint8)
     finite = (codes & 0x7F) != 0x7F
@@ -325,17 +325,17 @@ def test_row_kernels_every_tile_shape_against_reference(fmt, threads, inter):
     # spans gate and up. One torch thread runs the serial kernels. I = 192 (rows and blocks
     # whole 64-weight steps) runs the bfloat16-dot kernels on CPUs that have them, where the
     # expert with 21 rows takes the packed outer products.
-    from moeroute.quant import _host
+    from moeroute.experts.cpu import fp8 as cpu_fp8
 
     quant = FORMATS[fmt]
     experts = 10
     blocks = ((64, 128), (64, 128)) if fmt != "tensor" else ((inter, H), (H, inter))
-    assert _host.bf16_dot_serves(H, inter, *blocks) == (_host.BF16_DOT and inter == 192)
+    assert cpu_fp8.bf16_dot_serves(H, inter, *blocks) == (cpu_fp8.BF16_DOT and inter == 192)
     q = quantize_experts(
         _randn(experts, 2 * inter, H, seed=1, scale=0.1), _randn(experts, H, inter, seed=2, scale=0.1), quant
     )
     counts = torch.tensor([*range(1, experts), 21])
-    assert 4 < _host._DECODE_ROWS_ABOVE < 21
+    assert 4 < cpu_fp8._DECODE_ROWS_ABOVE < 21
     ids = torch.repeat_interleave(torch.arange(experts), counts)
     ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(5))]
     ids = torch.stack([ids, torch.full_like(ids, -1)], 1)  # a slot held elsewhere: skipped
@@ -366,7 +366,8 @@ def test_row_quantizer_matches_quantize_fp8_activations(dtype, cols, group):
     # either side of each, plus random rows over a wide range of magnitudes.
     import numpy as np
 
-    from moeroute.quant import _host, quantize_fp8_activations
+    from moeroute.quant import quantize_fp8_activations
+    from moeroute.experts.cpu import fp8 as cpu_fp8
 
     values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     values = values[torch.isfinite(values)].unique()
@@ -382,11 +383,11 @@ def test_row_quantizer_matches_quantize_fp8_activations(dtype, cols, group):
     q_ref, s_ref = quantize_fp8_activations(x, group)
     q = np.empty(x.shape, np.float32)
     s = np.empty((x.shape[0], -(-cols // group)), np.float32)
-    _host.quantize_rows(x.float().numpy(), group, False, np.float32(1e-10), q, s)
+    cpu_fp8.quantize_rows(x.float().numpy(), group, False, np.float32(1e-10), q, s)
     assert torch.equal(torch.from_numpy(q), q_ref.float())
     assert torch.equal(torch.from_numpy(s), s_ref)
     # Rounded to bfloat16 first, as the intermediate is.
-    _host.quantize_rows(x.float().numpy() * np.float32(1.01), group, True, np.float32(1e-10), q, s)
+    cpu_fp8.quantize_rows(x.float().numpy() * np.float32(1.01), group, True, np.float32(1e-10), q, s)
     q_ref, s_ref = quantize_fp8_activations((x.float() * 1.01).bfloat16(), group)
     assert torch.equal(torch.from_numpy(q), q_ref.float())
     assert torch.equal(torch.from_numpy(s), s_ref)
@@ -398,21 +399,21 @@ BF16_DOT_REASON = "this CPU has no bfloat16 dot-product instructions (AVX512-BF1
 def _e4m3_tile(w, w_rows, xs, x_rows, factors, bk, out):
     import numba
 
-    from moeroute.quant import _host
+    from moeroute.experts.cpu import fp8 as cpu_fp8
 
     @numba.njit
     def run(w, w_rows, xs, x_rows, factors, bk, out):
         # The tile's row counts are part of its type: one call per shape (1 or 4 by 1 or 3).
         if w_rows.shape[0] == 4 and x_rows.shape[0] == 3:
-            _host._dot_e4m3_tile(
+            cpu_fp8._dot_e4m3_tile(
                 w, (w_rows[0], w_rows[1], w_rows[2], w_rows[3]), xs, (x_rows[0], x_rows[1], x_rows[2]), factors, bk, out
             )
         elif w_rows.shape[0] == 4:
-            _host._dot_e4m3_tile(w, (w_rows[0], w_rows[1], w_rows[2], w_rows[3]), xs, (x_rows[0],), factors, bk, out)
+            cpu_fp8._dot_e4m3_tile(w, (w_rows[0], w_rows[1], w_rows[2], w_rows[3]), xs, (x_rows[0],), factors, bk, out)
         elif x_rows.shape[0] == 3:
-            _host._dot_e4m3_tile(w, (w_rows[0],), xs, (x_rows[0], x_rows[1], x_rows[2]), factors, bk, out)
+            cpu_fp8._dot_e4m3_tile(w, (w_rows[0],), xs, (x_rows[0], x_rows[1], x_rows[2]), factors, bk, out)
         else:
-            _host._dot_e4m3_tile(w, (w_rows[0],), xs, (x_rows[0],), factors, bk, out)
+            cpu_fp8._dot_e4m3_tile(w, (w_rows[0],), xs, (x_rows[0],), factors, bk, out)
 
     run(w, w_rows, xs, x_rows, factors, bk, out)
 
@@ -428,9 +429,9 @@ def test_bf16_dot_e4m3_tile_against_float64(weight_rows, act_rows, cols, bk):
     # turn: against the float64 sum of the exact e4m3 products.
     import numpy as np
 
-    from moeroute.quant import _host
+    from moeroute.experts.cpu import fp8 as cpu_fp8
 
-    if not _host.BF16_DOT:
+    if not cpu_fp8.BF16_DOT:
         pytest.skip(BF16_DOT_REASON)
     generator = torch.Generator().manual_seed(cols + bk)
     codes = torch.randint(0, 256, (5, cols), generator=generator, dtype=torch.uint8)
@@ -457,9 +458,9 @@ def test_bf16_dot_fp8_kernels_serial_and_parallel_give_the_same_bits():
     # One thread reads each expert's down weights as one stream, the parallel kernels split
     # the output columns and the gate_up rows: a dot does not depend on its neighbours.
     # Expert 4 (45 rows) takes the packed outer products, the others (2 to 6 rows) the bytes.
-    from moeroute.quant import _host
+    from moeroute.experts.cpu import fp8 as cpu_fp8
 
-    if not _host.BF16_DOT:
+    if not cpu_fp8.BF16_DOT:
         pytest.skip(BF16_DOT_REASON)
     quant = FORMATS["block64x128"]
     inter, experts = 192, 5
@@ -473,7 +474,7 @@ def test_bf16_dot_fp8_kernels_serial_and_parallel_give_the_same_bits():
         ],
         1,
     ).int()
-    assert 6 <= _host._DECODE_ROWS_ABOVE < 45
+    assert 6 <= cpu_fp8._DECODE_ROWS_ABOVE < 45
     x = _randn(ids.shape[0], H, seed=3)
     weights = torch.rand(ids.shape[0], 2, generator=torch.Generator().manual_seed(4))
     outs = []
@@ -490,7 +491,7 @@ def test_bf16_dot_fp8_kernels_serial_and_parallel_give_the_same_bits():
 def test_thread_columns_are_one_aligned_contiguous_range_per_thread():
     # The one-call forwards' down GEMM: the output columns in at most one range per thread,
     # each a multiple of the tile (or of the 64-row packs), the smallest such size.
-    from moeroute.bindings.torch._quant_rows import thread_columns
+    from moeroute.experts.cpu.quant_rows import thread_columns
 
     for columns, threads, multiple in [
         (2880, 2, 4),
@@ -508,7 +509,7 @@ def test_thread_columns_are_one_aligned_contiguous_range_per_thread():
 
 
 def test_strategy_choice_follows_the_row_bound_unless_the_dot_kernels_serve():
-    from moeroute.bindings.torch.quant_strategy import ROWS_MAX_ROWS_PER_EXPERT, choose_strategy
+    from moeroute.experts.choose import ROWS_MAX_ROWS_PER_EXPERT, choose_strategy
 
     bound = ROWS_MAX_ROWS_PER_EXPERT
     assert choose_strategy([bound, 0, bound]) == "rows"
@@ -524,16 +525,16 @@ def test_e4m3_rows_decode_and_pack_to_bfloat16_pairs_exactly():
     import numba
     import numpy as np
 
-    from moeroute.quant import _host
+    from moeroute.experts.cpu import fp8 as cpu_fp8
 
-    if not _host.BF16_DOT:
+    if not cpu_fp8.BF16_DOT:
         pytest.skip(BF16_DOT_REASON)
 
     @numba.njit
     def pack(w, first, packed):
-        _host._decode_e4m3_packed(w, first, packed)
+        cpu_fp8._decode_e4m3_packed(w, first, packed)
 
-    rows, cols, first = _host._PACKED_ROWS, 512, 3
+    rows, cols, first = cpu_fp8._PACKED_ROWS, 512, 3
     codes = torch.randint(
         0, 256, (first + rows + 2, cols), generator=torch.Generator().manual_seed(7), dtype=torch.uint8
     )
@@ -557,22 +558,22 @@ def test_packed_tile_against_float64(act_rows, cols, bk):
     import numba
     import numpy as np
 
-    from moeroute.quant import _host
+    from moeroute.experts.cpu import fp8 as cpu_fp8
 
-    if not _host.BF16_DOT:
+    if not cpu_fp8.BF16_DOT:
         pytest.skip(BF16_DOT_REASON)
 
     @numba.njit
     def run(codes, packed, xs, x_rows, factors, bk, out):
-        _host._decode_e4m3_packed(codes, 0, packed)
+        cpu_fp8._decode_e4m3_packed(codes, 0, packed)
         if x_rows.shape[0] == 4:
-            _host._dot_packed_tile(packed, xs, (x_rows[0], x_rows[1], x_rows[2], x_rows[3]), factors, bk, out)
+            cpu_fp8._dot_packed_tile(packed, xs, (x_rows[0], x_rows[1], x_rows[2], x_rows[3]), factors, bk, out)
         elif x_rows.shape[0] == 3:
-            _host._dot_packed_tile(packed, xs, (x_rows[0], x_rows[1], x_rows[2]), factors, bk, out)
+            cpu_fp8._dot_packed_tile(packed, xs, (x_rows[0], x_rows[1], x_rows[2]), factors, bk, out)
         else:
-            _host._dot_packed_tile(packed, xs, (x_rows[0],), factors, bk, out)
+            cpu_fp8._dot_packed_tile(packed, xs, (x_rows[0],), factors, bk, out)
 
-    rows = _host._PACKED_ROWS
+    rows = cpu_fp8._PACKED_ROWS
     generator = torch.Generator().manual_seed(cols + bk + act_rows)
     codes = torch.randint(0, 256, (rows, cols), generator=generator, dtype=torch.uint8)
     codes[0, :256] = torch.arange(256, dtype=torch.uint8)

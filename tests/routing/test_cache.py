@@ -24,14 +24,14 @@ stats = load._count_cpu.stats
 print(json.dumps([counts.tolist(), sum(stats.cache_hits.values()),
                   sum(stats.cache_misses.values())]))
 """
-# split_blocks (quant/_mxfp4_host.py) reads MXFP4_BLOCK from quant/mxfp4.py.
+# split_blocks (experts/cpu/mxfp4.py) reads MXFP4_BLOCK from quant/mxfp4.py.
 QUANT_PROBE = """
 import json, numpy as np
-from moeroute.quant import _mxfp4_host
+from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
 x = np.arange(64, dtype=np.float32).reshape(1, 64)
 out = np.empty_like(x)
-_mxfp4_host.split_blocks(x, out)
-stats = _mxfp4_host.split_blocks.stats
+cpu_mxfp4.split_blocks(x, out)
+stats = cpu_mxfp4.split_blocks.stats
 print(json.dumps([out[0, :4].tolist(), sum(stats.cache_hits.values()),
                   sum(stats.cache_misses.values())]))
 """
@@ -67,16 +67,16 @@ def test_every_cpu_kernel_is_stamped_with_all_its_sources():
 
 
 def test_every_cached_kernel_of_the_package_is_stamped():
-    # Not only routing's: the quant tiles, the torch bindings' row forwards (which inline
-    # the quant tiles) and the EPLB policy are cached too.
+    # Not only routing's: the experts' tiles, their row forwards (which inline the tiles)
+    # and the EPLB policy are cached too.
     cached = [d for d in _moeroute_dispatchers() if type(d._cache).__name__ != "NullCache"]
     modules = {d.py_func.__module__ for d in cached}
     assert {
-        "moeroute.quant._host",
-        "moeroute.quant._mxfp4_dot",
-        "moeroute.quant._mxfp4_host",
-        "moeroute.bindings.torch._rows",
-        "moeroute.bindings.torch._quant_rows",
+        "moeroute.experts.cpu.fp8",
+        "moeroute.experts.cpu.mxfp4_dot",
+        "moeroute.experts.cpu.mxfp4",
+        "moeroute.experts.cpu.rows",
+        "moeroute.experts.cpu.quant_rows",
         "moeroute.eplb._policy",
     } <= modules
     for dispatcher in cached:
@@ -96,11 +96,11 @@ def test_the_stamp_covers_the_modules_kernels_read():
         "layout/placement.py",
         "config/__init__.py",
         "config/configs.py",
-        "quant/_dot.py",
-        "quant/_host.py",
+        "experts/cpu/dot.py",
+        "experts/cpu/fp8.py",
         "quant/mxfp4.py",
-        "bindings/torch/_rows.py",
-        "bindings/torch/_quant_rows.py",
+        "experts/cpu/rows.py",
+        "experts/cpu/quant_rows.py",
     } <= names
 
 

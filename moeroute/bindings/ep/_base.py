@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from moeroute.bindings.ep.stats import TransferStats
 from moeroute.bindings.torch.dispatch import DispatchHandle, Dispatcher
-from moeroute.bindings.torch.fp8_experts import FP8_DTYPE, FP8Activations
+from moeroute.experts.formats.fp8 import FP8_DTYPE, FP8Activations
 from moeroute.bindings.torch.group import (
     CollectiveError,
     RankMismatchError,

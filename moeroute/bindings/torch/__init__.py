@@ -8,10 +8,10 @@ safetensors checkpoint one tensor at a time (FP8 experts stay FP8). The dispatch
 parallelism implements is in `moeroute.bindings.torch.dispatch`.
 """
 
-from moeroute.routing._parallel import start_threads
+from moeroute.routing.threads import start_threads
 
 # Numba's workers start before any kernel runs, and torch keeps the thread count it was given
-# (the two share one OpenMP runtime; see moeroute.routing._parallel).
+# (the two share one OpenMP runtime; see moeroute.routing.threads).
 start_threads()
 
 from moeroute.bindings.torch.checkpoint import load_experts

@@ -47,10 +47,10 @@ from collections.abc import Callable
 
 import torch
 
-from moeroute.bindings.torch.fp8_experts import PROJECTIONS, STACKED_SCALE_KEYS, per_expert_key
+from moeroute.experts.formats.fp8 import PROJECTIONS, STACKED_SCALE_KEYS, per_expert_key
 from moeroute.bindings.torch.hf_keys import TRANSFORMERS_RENAMES, TRANSFORMERS_SHARED, stacked_fp8_scale
 from moeroute.bindings.torch.moe import MoE
-from moeroute.bindings.torch.mxfp4_experts import gate_rows_first
+from moeroute.experts.formats.mxfp4 import gate_rows_first
 from moeroute.quant import FP8_DTYPE, check_scale
 from moeroute.quant.fp8 import check_fp8_weight
 

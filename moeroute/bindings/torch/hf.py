@@ -42,16 +42,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from moeroute.bindings.torch.experts import LocalExperts
-from moeroute.bindings.torch.fp8_experts import gate_up_scale_from_stacked
+from moeroute.experts.modules import LocalExperts
+from moeroute.experts.formats.fp8 import gate_up_scale_from_stacked
 from moeroute.bindings.torch.hf_keys import (
     TransformersCheckpoint,
     from_gpt_oss_layout,
     save_in_checkpoint_format,
 )
 from moeroute.bindings.torch.moe import MoE
-from moeroute.bindings.torch.mxfp4_experts import GPT_OSS_MXFP4_KEYS as MXFP4_CHECKPOINT_KEYS
-from moeroute.bindings.torch.mxfp4_experts import gate_rows_first
+from moeroute.experts.formats.mxfp4 import GPT_OSS_MXFP4_KEYS as MXFP4_CHECKPOINT_KEYS
+from moeroute.experts.formats.mxfp4 import gate_rows_first
 from moeroute.config import RouterConfig
 from moeroute.quant import FP8_DTYPE, QuantConfig, quantize_experts
 
@@ -256,7 +256,7 @@ def _gpt_oss_mxfp4_experts(experts: nn.Module):
 
 
 def _read_gpt_oss(block: nn.Module) -> dict:
-    from moeroute.bindings.torch.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+    from moeroute.experts.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 
     router, experts = block.router, block.experts
     alpha, limit = float(experts.alpha), float(experts.limit)

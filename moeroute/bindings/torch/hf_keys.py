@@ -25,13 +25,13 @@ import re
 import torch
 from torch import nn
 
-from moeroute.bindings.torch.fp8_experts import (
+from moeroute.experts.formats.fp8 import (
     PROJECTIONS,
     STACKED_SCALE_KEYS,
     check_quantized_weights,
     gate_up_scale_from_stacked,
 )
-from moeroute.bindings.torch.mxfp4_experts import map_gpt_oss_mxfp4_keys
+from moeroute.experts.formats.mxfp4 import map_gpt_oss_mxfp4_keys
 from moeroute.quant import dequantize_fp8_block, dequantize_fp8_tensor, quantize_experts
 
 __all__ = [

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from moeroute._validate import integer
-from moeroute.bindings.torch.activations import apply_activation, check_activation, gated_activation
+from moeroute.experts.activations import apply_activation, check_activation, gated_activation
 
 __all__ = ["GatedMLP"]
 

@@ -41,25 +41,23 @@ from torch import nn
 from moeroute._validate import integer
 from moeroute.bindings.torch import arrays, ops
 from moeroute.bindings.torch.dispatch import Dispatcher, LocalDispatcher, ep_dispatcher_factory
-from moeroute.bindings.torch.fp8_experts import (
+from moeroute.experts.formats.fp8 import (
     FP8_STRATEGIES,
-    QuantizedExperts,
     check_dispatch_quant,
     check_quantized_weights,
     quantize_for_dispatch,
 )
-from moeroute.bindings.torch.experts import (
+from moeroute.experts.activations import apply_activation, check_activation
+from moeroute.experts.formats.unquantized import (
     SUPPORTED_DTYPES,
-    LocalExperts,
-    apply_activation,
-    check_activation,
     check_dtype,
 )
 from moeroute.bindings.torch.group import check_ranks_agree, ep_group_size_and_rank, layout_fingerprint
 from moeroute.bindings.torch.hf_keys import map_transformers_keys
 from moeroute.bindings.torch.hf_keys import split_slots as _split_slots
 from moeroute.bindings.torch.load_window import DEFAULT_LOAD_WINDOW, LoadRecorder, check_window
-from moeroute.bindings.torch.mxfp4_experts import check_mxfp4_weights
+from moeroute.experts.formats.mxfp4 import check_mxfp4_weights
+from moeroute.experts.modules import LocalExperts, QuantizedExperts
 from moeroute.bindings.torch.placement_guard import PlacementGuard
 from moeroute.config import RouterConfig
 from moeroute.layout import EP_DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, ExpertLayout
@@ -209,7 +207,7 @@ class MoE(nn.Module):
         Dispatch mode with ``ep_group``; without one nothing is dispatched (layout
         dispatch "none").
     activation : {"silu", "gelu", "gelu_tanh", "swigluoai"}
-        "swigluoai" is gpt-oss's clamped SwiGLU (`moeroute.bindings.torch.activations.gated_activation`).
+        "swigluoai" is gpt-oss's clamped SwiGLU (`moeroute.experts.activations.gated_activation`).
     routed_input_transform, routed_output_transform : nn.Module, optional
         Latent MoE: map the hidden states to the routed experts' input size H' and the
         routed sum back to H. The router and shared experts see the original hidden states.
@@ -226,7 +224,7 @@ class MoE(nn.Module):
     router_dtype : torch.dtype
         Dtype of ``router_weight`` (float32 by default).
     gemm : {"auto", "loop", "padded", "rows"}
-        CPU expert-GEMM strategy (see `moeroute.bindings.torch.experts`).
+        CPU expert-GEMM strategy (see `moeroute.experts.formats.unquantized`).
     expert_bias : bool
         Experts carry a gate_up bias [2I] and a down bias [H] each (gpt-oss); load them with
         `load_routed_weights` (``gate_up_bias``, ``down_bias``).

@@ -48,15 +48,15 @@ from typing import Optional
 import torch
 
 from moeroute.bindings.torch import arrays
-from moeroute.bindings.torch.experts import (
+from moeroute.experts.activations import check_activation
+from moeroute.experts.formats.unquantized import (
     GEMM_STRATEGIES,
     SUPPORTED_DTYPES,
-    check_activation,
     check_same_device,
     cpu_experts,
 )
-from moeroute.bindings.torch.fp8_experts import FP8_STRATEGIES, check_quantized_weights, fp8_experts_forward
-from moeroute.bindings.torch.mxfp4_experts import MXFP4_STRATEGIES, check_mxfp4_weights, mxfp4_experts_forward
+from moeroute.experts.formats.fp8 import FP8_STRATEGIES, check_quantized_weights, fp8_experts_forward
+from moeroute.experts.formats.mxfp4 import MXFP4_STRATEGIES, check_mxfp4_weights, mxfp4_experts_forward
 from moeroute.config import RouterConfig
 from moeroute.layout import ExpertLayout
 from moeroute.quant import QuantConfig

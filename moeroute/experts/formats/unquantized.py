@@ -1,14 +1,12 @@
-"""The experts one rank holds, and the compute that turns received tokens into partial outputs.
-
-`LocalExperts` owns the stacked weights in the Hugging Face layout (gate_up
-[L, 2I, H] with the gate rows first, down [L, H, I]) and computes, for each received row,
-``sum over its local slots of w * expert(x)``: exactly the ``partial_out`` that
-`moeroute.bindings.torch.dispatch.Dispatcher.combine` expects.
+"""The unquantized experts' compute (float32, float16, bfloat16 weights): the received rows
+in, ``sum over their local slots of w * expert(x)`` out (the ``partial_out`` that
+`moeroute.bindings.torch.dispatch.Dispatcher.combine` expects). The module that holds the
+weights is `moeroute.experts.modules.LocalExperts`.
 
 CPU: three strategies, picked per call by `choose_gemm` from the rows per expert and the
 dtype (`GEMM_STRATEGIES`):
 
-* "rows" (`rows_expert_mlp`): one Numba call (`moeroute.bindings.torch._rows`) reads each hit
+* "rows" (`rows_expert_mlp`): one Numba call (`moeroute.experts.cpu.rows`) reads each hit
   expert's weight rows once and dots them with every row it serves, adding into float32
   sums. For decode-sized batches, which are bound by reading the weights.
 * "loop" (`streamed_expert_mlp`): per hit expert, its rows gathered, through gate_up, the
@@ -28,7 +26,7 @@ counting sort).
 
 Each per-expert GEMM of the "loop" strategy goes to oneDNN (``torch.ops.mkldnn._linear_pointwise``,
 the op torch's own compiler emits for CPU linears) where this torch build has it and it
-serves the dtype, else to ``torch.mm`` (MKL/OpenBLAS). `LocalExperts.pack_cpu_weights`
+serves the dtype, else to ``torch.mm`` (MKL/OpenBLAS). `moeroute.experts.modules.LocalExperts.pack_cpu_weights`
 (opt-in, a second copy of the weights, explicit: re-pack after changing the weights) keeps
 them in oneDNN's blocked layout, so that oneDNN does not reorder each expert's weights on
 every call. bench/layer.py compares them with the torch.mm loop and the transformers block.
@@ -44,10 +42,9 @@ import time
 import numba
 import numpy as np
 import torch
-from torch import nn
 
-from moeroute.bindings.torch import _rows, arrays
-from moeroute.bindings.torch.activations import (
+from moeroute.experts.cpu import rows as cpu_rows
+from moeroute.experts.activations import (
     ACTIVATIONS,
     SWIGLUOAI_ALPHA,
     SWIGLUOAI_LIMIT,
@@ -56,12 +53,11 @@ from moeroute.bindings.torch.activations import (
     gated_activation,
 )
 from moeroute import cpu_features
-from moeroute._validate import integer
-from moeroute.routing._parallel import cpu_threads
+from moeroute import routing
+from moeroute.routing.threads import cpu_threads
 from moeroute.routing.combine import accumulate_checked
 
 __all__ = [
-    "LocalExperts",
     "ACTIVATIONS",
     "SUPPORTED_DTYPES",
     "GEMM_STRATEGIES",
@@ -76,6 +72,7 @@ __all__ = [
     "streamed_expert_mlp",
     "padded_expert_mlp",
     "apply_activation",
+    "check_activation",
     "gated_activation",
     "SWIGLUOAI_ALPHA",
     "SWIGLUOAI_LIMIT",
@@ -105,7 +102,7 @@ ROWS_DTYPES = (torch.float32, torch.bfloat16)
 #: (bench/layer.py --rows-only finds the crossover against the oneDNN loop). bfloat16 without
 #: bfloat16 instructions has no bound (`rows_bound`): oneDNN then converts each expert's
 #: weights on every call. With them both sides multiply bfloat16 natively
-#: (`_rows.rows_experts_bf16`) and the same bound holds.
+#: (`cpu_rows.rows_experts_bf16`) and the same bound holds.
 ROWS_MAX_MEAN_ROWS = 16
 
 
@@ -287,7 +284,7 @@ def streamed_expert_mlp(
     expert_offsets : list of int, length L + 1
     topk_weights : Tensor [T, K'] float32
     w_gate_up, w_down, activation, linear, b_gate_up, b_down : as `expert_mlp`; the weights
-        may also be sequences of one expert's weights each (`LocalExperts.pack_cpu_weights`)
+        may also be sequences of one expert's weights each (`moeroute.experts.modules.LocalExperts.pack_cpu_weights`)
     stage_seconds : dict, optional
         When given, the seconds spent gathering ("permute"), in the expert MLPs ("gemm")
         and summing ("combine") are added to its entries of those names.
@@ -322,7 +319,7 @@ def streamed_expert_mlp(
         )
         t2 = clock() if clock else 0.0
         # Valid by construction: the tokens of one expert's sorted slots ascend, each once.
-        accumulate_checked(sums_np, arrays.host_array(y), tokens_np[start:stop], weights_np[start:stop], raw_bf16, True)
+        accumulate_checked(sums_np, _row_view(y), tokens_np[start:stop], weights_np[start:stop], raw_bf16, True)
         if clock:
             t3 = clock()
             spent[0] += t1 - t0
@@ -383,7 +380,7 @@ def rows_expert_mlp(
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Expert MLPs and combine with the row kernels of `moeroute.bindings.torch._rows` (CPU).
+    """Expert MLPs and combine with the row kernels of `moeroute.experts.cpu.rows` (CPU).
 
     Every hit expert's gate_up rows are read once and dotted with the float32 rows of its
     tokens; the gated activation runs in float32; each down row is read once and its weighted
@@ -410,7 +407,7 @@ def rows_expert_mlp(
 
 
 def _rows_forward(hidden_states, local_ids, weights, w_gate_up, w_down, activation, b_gate_up, b_down, bound):
-    """The row kernels' whole forward (`moeroute.bindings.torch._rows.rows_experts`, one Numba
+    """The row kernels' whole forward (`moeroute.experts.cpu.rows.rows_experts`, one Numba
     call), or None when the mean rows per hit expert exceed ``bound``."""
     if hidden_states.dtype not in ROWS_DTYPES or w_gate_up.dtype != hidden_states.dtype:
         raise ValueError(
@@ -421,20 +418,20 @@ def _rows_forward(hidden_states, local_ids, weights, w_gate_up, w_down, activati
     threads = cpu_threads()
     # One thread: the serial kernel, with no parallel region to start. bfloat16 on a CPU with
     # bfloat16 dot-product instructions: the kernel that uses them.
-    if hidden_states.dtype == torch.bfloat16 and _rows.BF16_DOT:
-        kernel = _rows.rows_experts_bf16_serial if threads == 1 else _rows.rows_experts_bf16
+    if hidden_states.dtype == torch.bfloat16 and cpu_rows.BF16_DOT:
+        kernel = cpu_rows.rows_experts_bf16_serial if threads == 1 else cpu_rows.rows_experts_bf16
     else:
-        kernel = _rows.rows_experts_serial if threads == 1 else _rows.rows_experts
-    with _numba_threads(threads):
+        kernel = cpu_rows.rows_experts_serial if threads == 1 else cpu_rows.rows_experts
+    with numba_threads(threads):
         served = kernel(
             _row_view(hidden_states),
             local_ids.detach().contiguous().numpy(),
             weights.detach().to(torch.float32).contiguous().numpy(),
             _row_view(w_gate_up),
             _row_view(w_down),
-            _bias_view(b_gate_up),
-            _bias_view(b_down),
-            _rows.ACTIVATION_CODES[activation],
+            bias_view(b_gate_up),
+            bias_view(b_down),
+            cpu_rows.ACTIVATION_CODES[activation],
             bound,
             _row_view(out),
         )
@@ -445,7 +442,7 @@ _NO_BIAS = np.zeros((0, 0), np.float32)
 
 
 @contextlib.contextmanager
-def _numba_threads(threads: int):
+def numba_threads(threads: int):
     """Numba's parallel regions take ``threads`` threads inside the block (untouched for one:
     the serial kernels start none)."""
     if threads == 1:
@@ -467,7 +464,7 @@ def _row_view(weight: torch.Tensor) -> np.ndarray:
     return weight.view(torch.uint16).numpy() if weight.dtype == torch.bfloat16 else weight.numpy()
 
 
-def _bias_view(bias: torch.Tensor | None) -> np.ndarray:
+def bias_view(bias: torch.Tensor | None) -> np.ndarray:
     return _NO_BIAS if bias is None else bias.detach().to(torch.float32).contiguous().numpy()
 
 
@@ -526,7 +523,7 @@ def cpu_experts(
         out = _rows_forward(hidden_states, local_ids, weights, w_gate_up, w_down, activation, b_gate_up, b_down, bound)
         if out is not None:
             return out
-    sorted_slots, expert_offsets, inverse_index = arrays.sort_by_expert(local_ids, num_experts)
+    sorted_slots, expert_offsets, inverse_index = routing.sort_by_expert(local_ids.detach().contiguous(), num_experts)
     offsets = expert_offsets.tolist()
     if strategy == "auto":
         strategy = choose_gemm([b - a for a, b in zip(offsets[:-1], offsets[1:])], onednn_linear_serves(dtype), dtype)
@@ -543,9 +540,11 @@ def cpu_experts(
             b_gate_up=b_gate_up,
             b_down=b_down,
         )
-    hidden_sorted, _, _ = arrays.permute(hidden_states, local_ids, num_experts)
+    hidden_sorted, _, _ = routing.permute(
+        hidden_states.detach().contiguous(), local_ids.detach().contiguous(), num_experts
+    )
     expert_out = padded_expert_mlp(hidden_sorted, offsets, w_gate_up, w_down, activation, b_gate_up, b_down)
-    return arrays.combine(expert_out, inverse_index, weights)
+    return routing.combine(expert_out.detach().contiguous(), inverse_index, weights.detach().contiguous())
 
 
 def padded_expert_mlp(
@@ -583,289 +582,3 @@ def padded_expert_mlp(
     if b_down is not None:
         out += b_down[:, None, :]
     return out.view(num_experts * width, hidden).index_select(0, position)
-
-
-def _check_adopted_weights(weights, num_local_experts, hidden_size, intermediate_size):
-    """``weights`` as a (gate_up, down) pair of tensors of the expected shapes and one
-    supported dtype and device; ValueError/TypeError naming the mismatch otherwise."""
-    if (
-        not isinstance(weights, (tuple, list))
-        or len(weights) != 2
-        or not all(isinstance(w, torch.Tensor) for w in weights)
-    ):
-        raise TypeError("weights must be a (w_gate_up, w_down) pair of tensors")
-    gate_up, down = weights
-    expected = (
-        (num_local_experts, 2 * intermediate_size, hidden_size),
-        (num_local_experts, hidden_size, intermediate_size),
-    )
-    for name, tensor, shape in (("w_gate_up", gate_up, expected[0]), ("w_down", down, expected[1])):
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"weights {name} has shape {tuple(tensor.shape)}, expected {list(shape)}")
-    if gate_up.dtype != down.dtype or gate_up.device != down.device:
-        raise ValueError(
-            f"weights must share one dtype and device, got {gate_up.dtype} on {gate_up.device} "
-            f"and {down.dtype} on {down.device}"
-        )
-    if gate_up.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"weights dtype {gate_up.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
-    return gate_up, down
-
-
-class LocalExperts(nn.Module):
-    """Stacked weights of the experts one rank holds, and their compute.
-
-    Parameters
-    ----------
-    num_local_experts : int
-        L: routed experts held here, plus the fused shared slots when the layout fuses them.
-    hidden_size : int
-        H, the experts' input and output size.
-    intermediate_size : int
-        I, one expert's intermediate size.
-    activation : str
-        One of `ACTIVATIONS`.
-    gemm : {"auto", "loop", "padded", "rows"}
-        CPU expert-GEMM strategy (`GEMM_STRATEGIES`); "auto" decides per call (`choose_gemm`).
-    bias : bool
-        Give every expert a gate_up bias and a down bias (gpt-oss), initialised to zeros.
-    dtype, device : torch dtype and device of the weights.
-    weights : (Tensor [L, 2I, H], Tensor [L, H, I]), optional
-        Existing stacked weights to adopt: the parameters share their memory (no copy),
-        and dtype and device are theirs. E.g. a transformers experts module's
-        ``gate_up_proj`` / ``down_proj``, or a contiguous slice of them.
-
-    Attributes
-    ----------
-    w_gate_up : Parameter [L, 2I, H] (gate rows first), requires_grad False
-    w_down : Parameter [L, H, I], requires_grad False
-    b_gate_up : Parameter [L, 2I] (gate entries first) or None, requires_grad False
-    b_down : Parameter [L, H] or None, requires_grad False
-
-    Raises
-    ------
-    ValueError
-        A count or size below 1, an unknown activation or gemm, a dtype outside
-        `SUPPORTED_DTYPES`.
-    """
-
-    def __init__(
-        self,
-        num_local_experts: int,
-        hidden_size: int,
-        intermediate_size: int,
-        activation: str = "silu",
-        *,
-        gemm: str = "auto",
-        bias: bool = False,
-        dtype=None,
-        device=None,
-        weights: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> None:
-        super().__init__()
-        num_local_experts = integer("num_local_experts", num_local_experts, 1)
-        hidden_size = integer("hidden_size", hidden_size, 1)
-        intermediate_size = integer("intermediate_size", intermediate_size, 1)
-        if weights is not None:
-            adopted = _check_adopted_weights(weights, num_local_experts, hidden_size, intermediate_size)
-            dtype, device = adopted[0].dtype, adopted[0].device
-        dtype = torch.get_default_dtype() if dtype is None else dtype
-        if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype={dtype} is not supported; use one of {SUPPORTED_DTYPES}")
-        self.activation = check_activation(activation)
-        if gemm not in GEMM_STRATEGIES:
-            raise ValueError(f"gemm={gemm!r} is not a GEMM strategy; use one of {GEMM_STRATEGIES}")
-        self.gemm = gemm
-        self.num_local_experts = num_local_experts
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        #: Whether the CPU loop uses oneDNN-packed copies (`pack_cpu_weights`), and the
-        #: copies: (key of the weights they were made from, gate_up list, down list).
-        self.pack_cpu = False
-        self._packed = None
-        if not isinstance(bias, bool):
-            raise ValueError(f"bias={bias!r} must be a bool")
-        self.b_gate_up = self.b_down = None
-        if bias:
-            self.b_gate_up = nn.Parameter(
-                torch.zeros(num_local_experts, 2 * intermediate_size, dtype=dtype, device=device), requires_grad=False
-            )
-            self.b_down = nn.Parameter(
-                torch.zeros(num_local_experts, hidden_size, dtype=dtype, device=device), requires_grad=False
-            )
-        if weights is not None:
-            # Parameters over the given tensors' memory: no copy, no initialisation.
-            self.w_gate_up = nn.Parameter(adopted[0].detach(), requires_grad=False)
-            self.w_down = nn.Parameter(adopted[1].detach(), requires_grad=False)
-            return
-        self.w_gate_up = nn.Parameter(
-            torch.empty(num_local_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device),
-            requires_grad=False,
-        )
-        self.w_down = nn.Parameter(
-            torch.empty(num_local_experts, hidden_size, intermediate_size, dtype=dtype, device=device),
-            requires_grad=False,
-        )
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        with torch.no_grad():
-            nn.init.normal_(self.w_gate_up, std=INIT_STD)
-            nn.init.normal_(self.w_down, std=INIT_STD)
-
-    def pack_cpu_weights(self, enable: bool = True) -> "LocalExperts":
-        """Pack the expert weights now into oneDNN copies for the CPU expert loop.
-
-        oneDNN otherwise reorders each expert's weights into its blocked layout on every
-        call; packed once, the loop skips that work (bench/layer.py measures the gain). The
-        copies cost as much memory as the expert weights themselves, so this is opt-in.
-        Results are the same bit for bit.
-
-        Packing is explicit: the copies are a snapshot of the weights at this call, and
-        after changing the weights in any way, call ``pack_cpu_weights()`` again.
-        Changes torch can see (``copy_`` and other in-place ops, ``load_state_dict``,
-        assigning ``.data``, ``module.to(...)`` to another dtype or device) make the next
-        CPU forward raise a RuntimeError instead of computing with stale copies; writes
-        through ``.data`` bypass torch's version counter and are NOT seen: re-pack after
-        them. ``enable=False`` drops the copies (the plain weights serve). Copies of the
-        module (``copy.deepcopy``, pickle, ``torch.save``) never carry the packed copies:
-        they re-pack from their own weights, or run unpacked where they cannot pack.
-
-        Returns ``self``. Raises ValueError when the weights are not on the CPU or this
-        torch build's oneDNN cannot serve their dtype.
-        """
-        if enable and self.w_gate_up.device.type != "cpu":
-            raise ValueError(f"pack_cpu_weights needs the weights on the CPU, they are on {self.w_gate_up.device}")
-        if enable and not onednn_linear_serves(self.w_gate_up.dtype):
-            raise ValueError(
-                f"this torch build's oneDNN cannot serve {self.w_gate_up.dtype} "
-                "weights; keep the plain weights (enable=False)"
-            )
-        self.pack_cpu = bool(enable)
-        self._packed = None  # free old copies before building new ones
-        if self.pack_cpu:
-            reorder = torch.ops.mkldnn._reorder_linear_weight
-            with torch.no_grad():
-                self._packed = (
-                    self._weights_key(),
-                    [reorder(w) for w in self.w_gate_up],
-                    [reorder(w) for w in self.w_down],
-                )
-        return self
-
-    def _weights_key(self) -> tuple:
-        """What torch can tell about the weights' identity: storage, version, dtype, device."""
-        return tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in (self.w_gate_up, self.w_down))
-
-    def cpu_weights(self):
-        """(w_gate_up, w_down) as the CPU expert loop uses them: the parameters, or lists of
-        per-expert oneDNN-packed copies after `pack_cpu_weights`.
-
-        Raises
-        ------
-        RuntimeError
-            The weights changed in a way torch can see since `pack_cpu_weights`.
-        """
-        if not self.pack_cpu:
-            return self.w_gate_up, self.w_down
-        if self._packed is None or self._packed[0] != self._weights_key():
-            raise RuntimeError(
-                "the expert weights changed (written in place, loaded, replaced, moved or "
-                "converted) after pack_cpu_weights(); the packed copies are a snapshot: call "
-                "pack_cpu_weights() again to re-pack them, or pack_cpu_weights(False) to use "
-                "the weights directly"
-            )
-        return self._packed[1], self._packed[2]
-
-    def _apply(self, fn, *args, **kwargs):
-        # module.to / .half() / .cuda(): copies of weights that moved or were converted are
-        # dropped now (their memory goes with them); the next CPU forward then asks for a
-        # re-pack. A .to() that changes nothing keeps them.
-        result = super()._apply(fn, *args, **kwargs)
-        if self._packed is not None and self._packed[0] != self._weights_key():
-            self._packed = None
-        return result
-
-    def __getstate__(self):
-        # oneDNN-packed copies are opaque tensors (no storage to copy or save) and derived
-        # data: copies and pickles (copy.deepcopy, torch.save) carry the weights only.
-        state = super().__getstate__()
-        state["_packed"] = None
-        return state
-
-    def __setstate__(self, state) -> None:
-        super().__setstate__(state)
-        if self.pack_cpu:
-            # Re-packed from the copy's own weights; where they cannot be packed (loaded onto
-            # another device, a dtype oneDNN does not serve) the copy uses them unpacked.
-            serves = self.w_gate_up.device.type == "cpu" and onednn_linear_serves(self.w_gate_up.dtype)
-            self.pack_cpu_weights(serves)
-
-    def extra_repr(self) -> str:
-        return (
-            f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
-            f"intermediate_size={self.intermediate_size}, activation={self.activation!r}, "
-            f"gemm={self.gemm!r}, bias={self.b_gate_up is not None}"
-        )
-
-    def forward(self, hidden_states: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Weighted sum of each row's local experts.
-
-        Parameters
-        ----------
-        hidden_states : Tensor [Tr, H], dtype of the weights
-        local_ids : Tensor [Tr, K'] int32, local expert id per slot, -1 (or any id outside
-            [0, L)) = not computed here
-        weights : Tensor [Tr, K'] float32
-
-        Returns
-        -------
-        Tensor [Tr, H], dtype of ``hidden_states``: ``sum_k weights[t, k] * expert(x_t)``
-        over the slots held here (rows with none are zero).
-
-        Raises
-        ------
-        ValueError
-            The weights are not of a `SUPPORTED_DTYPES` dtype (``module.double()``), or
-            ``hidden_states`` is not of theirs.
-        """
-        check_dtype("the expert weights", self.w_gate_up.dtype)
-        if hidden_states.dtype != self.w_gate_up.dtype:
-            raise ValueError(
-                f"hidden_states dtype {hidden_states.dtype} does not match the expert "
-                f"weights' dtype {self.w_gate_up.dtype}"
-            )
-        if hidden_states.device.type == "cuda":
-            return self._forward_cuda(hidden_states, local_ids, weights)
-        loop_weights = self.cpu_weights() if self.pack_cpu else None
-        return cpu_experts(
-            hidden_states,
-            local_ids,
-            weights,
-            self.w_gate_up,
-            self.w_down,
-            self.activation,
-            self.gemm,
-            self.b_gate_up,
-            self.b_down,
-            loop_weights=loop_weights,
-        )
-
-    def _forward_cuda(self, hidden_states, local_ids, weights):
-        try:
-            from moeroute.gpu import fused_experts
-        except ImportError as error:  # CuPy missing: say what the CUDA path needs
-            raise RuntimeError(
-                f"hidden_states on {hidden_states.device} need moeroute's CUDA expert GEMMs, which "
-                f"could not be imported ({error}); install the 'cuda' extra (CuPy, numba-cuda)"
-            ) from error
-        return fused_experts(
-            hidden_states.contiguous(),
-            self.w_gate_up,
-            self.w_down,
-            weights.contiguous(),
-            local_ids.contiguous(),
-            activation=self.activation,
-            gate_up_bias=self.b_gate_up,
-            down_bias=self.b_down,
-        )

@@ -1,10 +1,10 @@
 """The quantized expert MLPs in one Numba call each, on CPUs with AVX512-BF16: FP8 (w8a8,
-`moeroute.quant._host`'s bfloat16-dot kernels, dynamic activation scales as floats) and MXFP4
-(w4a16, `moeroute.quant._mxfp4_dot`).
+`moeroute.experts.cpu.fp8`'s bfloat16-dot kernels, dynamic activation scales as floats) and MXFP4
+(w4a16, `moeroute.experts.cpu.mxfp4_dot`).
 
 A decode step then enters compiled code once for its experts, as the float layer's
-`moeroute.bindings.torch._rows.rows_experts_bf16` does. FP8: the rows quantized per group
-(`moeroute.quant._host.quantize_rows`, bit for bit `quantize_fp8_activations`), the gate_up
+`moeroute.experts.cpu.rows.rows_experts_bf16` does. FP8: the rows quantized per group
+(`moeroute.experts.cpu.fp8.quantize_rows`, bit for bit `quantize_fp8_activations`), the gate_up
 dots, the gated activation (`_rows._gated`), the intermediate rounded to the activation dtype
 and quantized again, the down dots added into the float32 sums, and the sums written out.
 MXFP4: the rows reordered for the dot kernels, the gate_up dots (with bias), the activation
@@ -19,8 +19,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from moeroute.bindings.torch._rows import _activate_rows, _activate_rows_bf16, _float32_rows, _store_sums
-from moeroute.quant import _host, _mxfp4_dot
+from moeroute.experts.cpu.rows import activate_rows, activate_rows_bf16, float32_rows, store_sums
+from moeroute.experts.cpu import mxfp4_dot
+from moeroute.experts.cpu import fp8 as cpu_fp8
 
 __all__ = [
     "rows_experts_fp8",
@@ -33,9 +34,9 @@ __all__ = [
 
 @numba.njit
 def _quantize_row(x, m, group, round_bf16, min_amax, q, scales, bits):
-    """Row m of float32 ``x`` quantized per ``group`` columns (`_host.quantize_rows`): its e4m3
+    """Row m of float32 ``x`` quantized per ``group`` columns (`cpu_fp8.quantize_rows`): its e4m3
     values into ``q`` and, as bfloat16 bits, into ``bits``, its scales into ``scales``."""
-    _host.quantize_rows(x[m : m + 1], group, round_bf16, min_amax, q[m : m + 1], scales[m : m + 1])
+    cpu_fp8.quantize_rows(x[m : m + 1], group, round_bf16, min_amax, q[m : m + 1], scales[m : m + 1])
     values = q[m].view(np.uint32)
     for k in range(x.shape[1]):
         bits[m, k] = np.uint16(values[k] >> np.uint32(16))  # an e4m3 value is a bfloat16
@@ -68,7 +69,7 @@ def _weight_group_scales(scales, groups):
 @numba.njit
 def _quantized_bfloat16(x, group, round_bf16, min_amax, groups):
     """(e4m3 values as bfloat16 bits [M, K] uint16, scales [M, groups] float32) of float32 rows
-    ``x``, quantized per ``group`` columns (`_host.quantize_rows`); one scale per row
+    ``x``, quantized per ``group`` columns (`cpu_fp8.quantize_rows`); one scale per row
     (``group`` >= K) is repeated over the ``groups`` weight column blocks."""
     q, scales, bits = _quantization_buffers(x, group)
     for m in range(x.shape[0]):
@@ -79,7 +80,7 @@ def _quantized_bfloat16(x, group, round_bf16, min_amax, groups):
 @numba.njit
 def _prologue(x, tokens, q_gate_up, gate_up_scale, group, min_amax):
     """The quantized rows of ``x`` and the gate_up output buffer."""
-    xs = _float32_rows(x)
+    xs = float32_rows(x)
     q_x, s_x = _quantized_bfloat16(xs, group, False, min_amax, gate_up_scale.shape[2])
     return q_x, s_x, np.empty((tokens.shape[0], q_gate_up.shape[1]), np.float32)
 
@@ -97,7 +98,7 @@ def _intermediate_buffers(gate_up, group):
 def _intermediate_row(gate_up, m, code, round_bf16, group, min_amax, acts, q, scales, bits):
     """Row m of the quantized intermediate: the activation, rounded to bfloat16 first where
     ``round_bf16``, quantized per ``group`` columns (`_quantize_row`)."""
-    _activate_rows(gate_up[m : m + 1], code, acts[m : m + 1])
+    activate_rows(gate_up[m : m + 1], code, acts[m : m + 1])
     _quantize_row(acts, m, group, round_bf16, min_amax, q, scales, bits)
 
 
@@ -125,19 +126,19 @@ def rows_experts_fp8(
     """out[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), the w8a8 expert MLP, in one call.
 
     x [T, H] and out [T, H] uint16 (bfloat16 bits) or float32; tokens, slot_weights, offsets,
-    hit, work: `moeroute.bindings.torch._rows.plan_rows`' plan; q_gate_up [L, 2I, H] and
+    hit, work: `moeroute.experts.cpu.rows.plan_rows`' plan; q_gate_up [L, 2I, H] and
     q_down [L, H, I] uint8 (e4m3 bytes), gate_up_scale [L, 2nb, G] and down_scale
     [L, ceil(H/bn), G'] float32, gate_up_block / down_block (bn, bk); ``groups`` the
     activation group sizes of the two GEMMs' inputs (each a weight column block, or the row
     length: one scale per row); ``round_intermediate``: the intermediate rounded to bfloat16
     before it is quantized (bfloat16 activations); ``code`` the activation
     (`_rows.ACTIVATION_CODES`); ``columns``: the down GEMM's output columns per unit of
-    parallel work (`thread_columns`, a multiple of 64). Only where `_host.bf16_dot_serves`.
+    parallel work (`thread_columns`, a multiple of 64). Only where `cpu_fp8.bf16_dot_serves`.
     """
     inter = q_gate_up.shape[1] // 2
     q_x, s_x, gate_up = _prologue(x, tokens, q_gate_up, gate_up_scale, groups[0], min_amax)
     for item in numba.prange(work.shape[0]):
-        _host._gate_up_item_bf16(
+        cpu_fp8._gate_up_item_bf16(
             q_x,
             s_x,
             tokens,
@@ -157,7 +158,7 @@ def rows_experts_fp8(
     s_a = _weight_group_scales(scales, down_scale.shape[2])
     sums = np.zeros((x.shape[0], q_down.shape[1]), np.float32)
     for block in numba.prange((q_down.shape[1] + columns - 1) // columns):
-        _host._down_block_bf16(
+        cpu_fp8._down_block_bf16(
             q_a,
             s_a,
             tokens,
@@ -172,7 +173,7 @@ def rows_experts_fp8(
             block,
             columns,
         )
-    _store_sums(sums, out)
+    store_sums(sums, out)
 
 
 @numba.njit(cache=True)
@@ -199,7 +200,7 @@ def rows_experts_fp8_serial(
     inter = q_gate_up.shape[1] // 2
     q_x, s_x, gate_up = _prologue(x, tokens, q_gate_up, gate_up_scale, groups[0], min_amax)
     for item in range(work.shape[0]):
-        _host._gate_up_item_bf16(
+        cpu_fp8._gate_up_item_bf16(
             q_x,
             s_x,
             tokens,
@@ -218,7 +219,7 @@ def rows_experts_fp8_serial(
         _intermediate_row(gate_up, m, code, round_intermediate, groups[1], min_amax, acts, q, scales, q_a)
     s_a = _weight_group_scales(scales, down_scale.shape[2])
     sums = np.zeros((x.shape[0], q_down.shape[1]), np.float32)
-    _host._down_block_bf16(
+    cpu_fp8._down_block_bf16(
         q_a,
         s_a,
         tokens,
@@ -233,7 +234,7 @@ def rows_experts_fp8_serial(
         0,
         q_down.shape[1],
     )
-    _store_sums(sums, out)
+    store_sums(sums, out)
 
 
 def thread_columns(columns: int, threads: int, multiple: int) -> int:
@@ -245,9 +246,9 @@ def thread_columns(columns: int, threads: int, multiple: int) -> int:
 
 @numba.njit
 def _split_rows(x):
-    """bfloat16 rows (uint16 bits) in the MXFP4 dot kernels' order (`_mxfp4_dot.split_pairs`)."""
+    """bfloat16 rows (uint16 bits) in the MXFP4 dot kernels' order (`mxfp4_dot.split_pairs`)."""
     out = np.empty_like(x)
-    _mxfp4_dot.split_pairs(x, out)
+    mxfp4_dot.split_pairs(x, out)
     return out
 
 
@@ -255,8 +256,8 @@ def _split_rows(x):
 def _mxfp4_intermediate_row(gate_up, m, code, natural, acts):
     """Row m of the intermediate rounded to bfloat16 (``natural``), and in `split_pairs` order
     (``acts``)."""
-    _activate_rows_bf16(gate_up[m : m + 1], code, natural[m : m + 1])
-    _mxfp4_dot.split_pairs(natural[m : m + 1], acts[m : m + 1])
+    activate_rows_bf16(gate_up[m : m + 1], code, natural[m : m + 1])
+    mxfp4_dot.split_pairs(natural[m : m + 1], acts[m : m + 1])
 
 
 @numba.njit(parallel=True, cache=True)
@@ -277,9 +278,9 @@ def rows_experts_mxfp4(
     columns,
     out,
 ):
-    """The MXFP4 (w4a16) expert MLP in one call, with `_mxfp4_dot`'s kernels (only where
-    `_mxfp4_dot.serves`): x [T, H] and out [T, H] uint16 (bfloat16 bits); the plan as
-    `rows_experts_fp8`'s; blocks, scales and biases as `_mxfp4_dot.gate_up_rows` /
+    """The MXFP4 (w4a16) expert MLP in one call, with `moeroute.experts.cpu.mxfp4_dot`'s kernels (only where
+    `mxfp4_dot.serves`): x [T, H] and out [T, H] uint16 (bfloat16 bits); the plan as
+    `rows_experts_fp8`'s; blocks, scales and biases as `mxfp4_dot.gate_up_rows` /
     `down_rows` take them; ``code`` the activation (`_rows.ACTIVATION_CODES`). The
     intermediate is rounded to bfloat16 before the down dots, as the float layer keeps it.
     ``columns``: the down GEMM's output columns per unit of parallel work (`thread_columns`:
@@ -290,7 +291,7 @@ def rows_experts_mxfp4(
     rows, inter = tokens.shape[0], gate_up_blocks.shape[1] // 2
     gate_up = np.empty((rows, 2 * inter), np.float32)
     for item in numba.prange(work.shape[0]):
-        _mxfp4_dot._gate_up_item(
+        mxfp4_dot._gate_up_item(
             xs, tokens, offsets, work[item, 0], work[item, 1], gate_up_blocks, gate_up_scales, gate_up_bias, gate_up
         )
     natural, acts = np.empty((rows, inter), np.uint16), np.empty((rows, inter), np.uint16)
@@ -298,10 +299,10 @@ def rows_experts_mxfp4(
         _mxfp4_intermediate_row(gate_up, m, code, natural, acts)
     sums = np.zeros((x.shape[0], down_blocks.shape[1]), np.float32)
     for block in numba.prange((down_blocks.shape[1] + columns - 1) // columns):
-        _mxfp4_dot._down_block(
+        mxfp4_dot._down_block(
             acts, tokens, slot_weights, offsets, hit, down_blocks, down_scales, down_bias, sums, block, columns
         )
-    _store_sums(sums, out)
+    store_sums(sums, out)
 
 
 @numba.njit(cache=True)
@@ -326,14 +327,14 @@ def rows_experts_mxfp4_serial(
     rows, inter = tokens.shape[0], gate_up_blocks.shape[1] // 2
     gate_up = np.empty((rows, 2 * inter), np.float32)
     for item in range(work.shape[0]):
-        _mxfp4_dot._gate_up_item(
+        mxfp4_dot._gate_up_item(
             xs, tokens, offsets, work[item, 0], work[item, 1], gate_up_blocks, gate_up_scales, gate_up_bias, gate_up
         )
     natural, acts = np.empty((rows, inter), np.uint16), np.empty((rows, inter), np.uint16)
     for m in range(rows):
         _mxfp4_intermediate_row(gate_up, m, code, natural, acts)
     sums = np.zeros((x.shape[0], down_blocks.shape[1]), np.float32)
-    _mxfp4_dot._down_block(
+    mxfp4_dot._down_block(
         acts, tokens, slot_weights, offsets, hit, down_blocks, down_scales, down_bias, sums, 0, down_blocks.shape[1]
     )
-    _store_sums(sums, out)
+    store_sums(sums, out)

@@ -3,7 +3,7 @@
 The GEMM kernels (`gate_up_rows`, `down_rows`, and their one-thread forms) read each weight
 row once and dot it with every row of quantized activations its expert serves, so memory
 carries one byte per weight whatever the row count; the structure is that of the bfloat16
-row kernels of `moeroute.bindings.torch._rows` (one row a plain pass, two weight rows by four
+row kernels of `moeroute.experts.cpu.rows` (one row a plain pass, two weight rows by four
 activation rows at a time, serial forms for one thread). An e4m3 weight byte is decoded with
 integer SIMD and the float16 widening (`_e4m3_times_2_pow_minus_8`: ``q * 2**-8``, exact,
 never a float32 subnormal); the activations come as their e4m3 values (float32) and scales.
@@ -32,7 +32,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from moeroute.quant._dot import (
+from moeroute.experts.cpu.dot import (
     BF16_DOT,
     LANES,
     BFloat16Type,
@@ -408,7 +408,7 @@ def quantize_rows(x, group, round_bf16, min_amax, q_out, s_out):
 
 # ---------------------------------------------------------------- bfloat16 dot-product instructions
 #
-# On CPUs with AVX512-BF16 (`moeroute.quant._dot.BF16_DOT`) the dots take the e4m3 values as
+# On CPUs with AVX512-BF16 (`moeroute.experts.cpu.dot.BF16_DOT`) the dots take the e4m3 values as
 # bfloat16, both sides exactly: an e4m3 weight byte is rebuilt as bfloat16 bits in registers
 # from byte tables (`_E4M3Decoder`), the activations' e4m3 values are bfloat16 already. ``vdpbf16ps`` then forms the
 # exact products and float32 sums of each group of bk columns, and the group's sum times

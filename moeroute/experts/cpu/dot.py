@@ -1,5 +1,5 @@
 """The bfloat16 dot-product instruction (AVX512-BF16) for Numba kernels: the LLVM pieces the
-row kernels share (`moeroute.bindings.torch._rows` on bfloat16 weights, `moeroute.quant._host`
+row kernels share (`moeroute.experts.cpu.rows` on bfloat16 weights, `moeroute.experts.cpu.fp8`
 on e4m3 weights decoded to bfloat16).
 
 ``vdpbf16ps`` adds the two products of each pair of bfloat16 lanes into a float32 lane: one

@@ -8,11 +8,11 @@ activation dtype and quantized again, the down GEMM, and the weighted sum in flo
 
 The FP8 weights are never dequantized whole. Two strategies, picked by rows per expert:
 
-* "rows" (few rows per expert, decode): the Numba kernels of `moeroute.quant._host` decode
+* "rows" (few rows per expert, decode): the Numba kernels of `moeroute.experts.cpu.fp8` decode
   each weight row in registers as they read it and dot it with every row of the expert, so
   memory reads one byte per weight. Both GEMMs of every hit expert run in two calls
   (parallel, or serial when torch has one thread); the second adds into the float32 sums
-  directly. The bookkeeping is `moeroute.bindings.torch._rows.plan_rows` (one Numba pass).
+  directly. The bookkeeping is `moeroute.experts.cpu.rows.plan_rows` (one Numba pass).
 * "blocks" (many rows per expert, prefill): per expert, `CHUNK_BYTES` of weight rows at a
   time are decoded into one reusable float32 buffer, and multiplied by the expert's
   quantized rows (float32, whatever the activation dtype: the row kernels' numerics) with
@@ -20,7 +20,7 @@ The FP8 weights are never dequantized whole. Two strategies, picked by rows per 
 
 `choose_fp8_strategy` picks between them (bench/quant.py finds the crossover). On a CPU
 with AVX512-BF16 and shapes whose rows and column blocks are whole 64-weight steps
-(`moeroute.quant._host.bf16_dot_serves`), the row kernels decode e4m3 to bfloat16 and use
+(`moeroute.experts.cpu.fp8.bf16_dot_serves`), the row kernels decode e4m3 to bfloat16 and use
 the bfloat16 dot instruction, four activation rows per weight row: "rows" at every size there,
 as the weights are then read once for four rows and the blocks' decode buffer is never written.
 """
@@ -31,20 +31,19 @@ import dataclasses
 
 import numpy as np
 import torch
-from torch import nn
 
-from moeroute.bindings.torch import _quant_rows, _rows, arrays
-from moeroute.bindings.torch.activations import check_activation, gated_activation
-from moeroute.bindings.torch.experts import _numba_threads, check_same_device
-from moeroute.bindings.torch.mxfp4_experts import mxfp4_experts_forward
-from moeroute.bindings.torch.quant_strategy import choose_strategy as choose_fp8_strategy
+from moeroute.experts.cpu import quant_rows
+from moeroute.experts.cpu import rows as cpu_rows
+from moeroute.experts.activations import gated_activation
+from moeroute.experts.formats.unquantized import numba_threads, check_same_device
+from moeroute.experts.choose import choose_strategy as choose_fp8_strategy
 from moeroute.quant import FP8_DTYPE, QuantConfig, check_scale, quantize_fp8_activations, quantize_fp8_static
 from moeroute.quant.fp8 import MIN_AMAX, check_fp8_weight
-from moeroute.quant import _host
-from moeroute.routing._parallel import cpu_threads
+from moeroute.experts.cpu import fp8 as cpu_fp8
+from moeroute import routing
+from moeroute.routing.threads import cpu_threads
 
 __all__ = [
-    "QuantizedExperts",
     "fp8_experts_forward",
     "choose_fp8_strategy",
     "FP8_STRATEGIES",
@@ -306,15 +305,15 @@ def fp8_experts_forward(
         strategy = "blocks"  # the row kernels are Numba CPU code
     if strategy != "blocks":
         # The row kernels' bookkeeping in one Numba pass; it also gives "auto" its counts.
-        plan = _rows.plan_rows(
+        plan = cpu_rows.plan_rows(
             local_ids.detach().contiguous().numpy(),
             weights.detach().to(torch.float32).contiguous().numpy(),
             num_experts,
-            -(-two_inter // _host.ROW_BLOCK),
+            -(-two_inter // cpu_fp8.ROW_BLOCK),
         )
         if strategy == "auto":
             strategy = choose_fp8_strategy(
-                np.diff(plan[2]).tolist(), _host.bf16_dot_serves(hidden, inter, gu_block, d_block)
+                np.diff(plan[2]).tolist(), cpu_fp8.bf16_dot_serves(hidden, inter, gu_block, d_block)
             )
         if strategy == "rows":
             return _rows_forward(
@@ -333,7 +332,7 @@ def fp8_experts_forward(
                 act_dtype,
             )
     top_k = local_ids.shape[1]
-    sorted_slots, expert_offsets, _ = arrays.sort_by_expert(local_ids, num_experts)
+    sorted_slots, expert_offsets, _ = routing.sort_by_expert(local_ids.detach().contiguous(), num_experts)
     offsets = expert_offsets.to(torch.int64)
     counts = (offsets[1:] - offsets[:-1]).tolist()
     slots = sorted_slots.to(torch.int64)
@@ -382,10 +381,10 @@ def _rows_forward(
     input_scale,
     act_dtype,
 ):
-    """The "rows" strategy: both GEMMs in the row kernels of `moeroute.quant._host`, the
+    """The "rows" strategy: both GEMMs in the row kernels of `moeroute.experts.cpu.fp8`, the
     second adding into the float32 sums; serial kernels when torch has one thread. With the
     bfloat16-dot kernels and dynamic float scales, the whole forward is one Numba call
-    (`moeroute.bindings.torch._quant_rows`)."""
+    (`moeroute.experts.cpu.quant_rows`)."""
     tokens, slot_weights, offsets, hit, work = plan
     num_tokens, hidden = hidden_states.shape
     inter = q_gate_up.shape[1] // 2
@@ -394,7 +393,7 @@ def _rows_forward(
     static = config.activation == "static"
     gu_groups, d_groups = gu_scale.shape[2], d_scale.shape[2]
     threads = cpu_threads()
-    bf16_dot = _host.bf16_dot_serves(hidden, inter, gu_block, d_block)
+    bf16_dot = cpu_fp8.bf16_dot_serves(hidden, inter, gu_block, d_block)
     groups = _fused_groups(config, hidden, inter, gu_groups, d_groups)
     if (
         bf16_dot
@@ -403,9 +402,9 @@ def _rows_forward(
         and not static
         and config.scale_fmt == "float"
         and act_dtype in (torch.float32, torch.bfloat16)
-        and activation in _rows.ACTIVATION_CODES
+        and activation in cpu_rows.ACTIVATION_CODES
     ):
-        # One Numba call from the rows to the output (`_quant_rows`).
+        # One Numba call from the rows to the output (`moeroute.experts.cpu.quant_rows`).
         bits = act_dtype == torch.bfloat16
         x = hidden_states.detach().contiguous()
         out = torch.empty(num_tokens, hidden, dtype=act_dtype)
@@ -425,15 +424,15 @@ def _rows_forward(
             groups,
             bits,
             _MIN_AMAX,
-            _rows.ACTIVATION_CODES[activation],
+            cpu_rows.ACTIVATION_CODES[activation],
         )
         result = (out.view(torch.uint16) if bits else out).numpy()
-        with _numba_threads(threads):
+        with numba_threads(threads):
             if threads == 1:
-                _quant_rows.rows_experts_fp8_serial(*args, result)
+                quant_rows.rows_experts_fp8_serial(*args, result)
             else:  # one contiguous range of output columns per thread, whole packs of weight rows
-                columns = _quant_rows.thread_columns(hidden, threads, _host.ROW_BLOCK)
-                _quant_rows.rows_experts_fp8(*args, columns, result)
+                columns = quant_rows.thread_columns(hidden, threads, cpu_fp8.ROW_BLOCK)
+                quant_rows.rows_experts_fp8(*args, columns, result)
         return out
     sums = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     if static:  # per (row, expert): the expert's own input scale
@@ -453,17 +452,17 @@ def _rows_forward(
     # else the float32 kernels. One thread: the serial kernels, with no parallel region to start.
     if bf16_dot:
         gate_up_rows, down_rows = (
-            (_host.gate_up_rows_bf16_serial, _host.down_rows_bf16_serial)
+            (cpu_fp8.gate_up_rows_bf16_serial, cpu_fp8.down_rows_bf16_serial)
             if threads == 1
-            else (_host.gate_up_rows_bf16, _host.down_rows_bf16)
+            else (cpu_fp8.gate_up_rows_bf16, cpu_fp8.down_rows_bf16)
         )
     else:
         gate_up_rows, down_rows = (
-            (_host.gate_up_rows_serial, _host.down_rows_serial)
+            (cpu_fp8.gate_up_rows_serial, cpu_fp8.down_rows_serial)
             if threads == 1
-            else (_host.gate_up_rows, _host.down_rows)
+            else (cpu_fp8.gate_up_rows, cpu_fp8.down_rows)
         )
-    with _numba_threads(threads):
+    with numba_threads(threads):
         gate_up_rows(
             _e4m3_operand(q_x, bf16_dot),
             s_x.numpy(),
@@ -499,7 +498,7 @@ def _rows_forward(
 
 
 def _fused_groups(config: QuantConfig, hidden: int, inter: int, gu_groups: int, d_groups: int):
-    """The activation group sizes of the two GEMMs' inputs for `_quant_rows`, or None where a
+    """The activation group sizes of the two GEMMs' inputs for `moeroute.experts.cpu.quant_rows`, or None where a
     group's scales do not map onto the weight column blocks (one per block, or one per row)."""
     groups = []
     for cols, blocks in ((hidden, gu_groups), (inter, d_groups)):
@@ -525,7 +524,7 @@ def _quantized_rows(x: torch.Tensor, config: QuantConfig, groups: int, static_sc
     first rounded to (the activation dtype of the intermediate).
 
     Dynamic float scales of float32 or bfloat16 values run in one serial Numba pass
-    (`moeroute.quant._host.quantize_rows`, bit for bit `quantize_fp8_activations`): at decode
+    (`moeroute.experts.cpu.fp8.quantize_rows`, bit for bit `quantize_fp8_activations`): at decode
     sizes torch's dozen elementwise ops each start a parallel region, which cost more than
     the arithmetic, the more so when the cores are shared.
     """
@@ -541,7 +540,7 @@ def _quantized_rows(x: torch.Tensor, config: QuantConfig, groups: int, static_sc
         group = config.activation_group_size or max(1, x.shape[1])
         q = torch.empty(x.shape, dtype=torch.float32)
         scales = torch.empty(x.shape[0], -(-x.shape[1] // group), dtype=torch.float32)
-        _host.quantize_rows(
+        cpu_fp8.quantize_rows(
             values.numpy(),
             group,
             round_to == torch.bfloat16 and x.dtype == torch.float32,
@@ -569,7 +568,7 @@ def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None, decoder=
     """[M, R] float32: each expert's rows of ``xs`` times its weight decoded in chunks.
 
     ``halves`` (I, nb): the weight is gate_up, whose up rows count block rows from row I.
-    ``decoder``: "numba" (`moeroute.quant._host.dequantize_rows`, CPU) or "torch" (torch's
+    ``decoder``: "numba" (`moeroute.experts.cpu.fp8.dequantize_rows`, CPU) or "torch" (torch's
     e4m3 conversion, fast on devices); default by the weight's device.
     """
     if decoder is None:
@@ -599,206 +598,13 @@ def _blocks_gemm(xs, offsets, hit, q, scale, block, dtype, halves=None, decoder=
                 r1 = min(last, r0 + chunk_rows)
                 w = buffer[: r1 - r0]
                 if decoder == "numba":
-                    _host.dequantize_rows(q_bytes[e].numpy(), scale_e.numpy(), r0, r1, origin, bn, bk, w.numpy())
+                    cpu_fp8.dequantize_rows(q_bytes[e].numpy(), scale_e.numpy(), r0, r1, origin, bn, bk, w.numpy())
                 else:  # torch's own e4m3 conversion is fast on devices
                     rows = torch.arange(r0, r1, device=q.device) - origin
                     block_scales = scale_e[rows // bn].repeat_interleave(bk, dim=1)[:, :cols]
                     torch.mul(q[e, r0:r1].float(), block_scales, out=w)
                 out[start:stop, r0:r1] = torch.mm(x_e, w.t() if decoder == "numba" else w.to(dtype).t())
     return out
-
-
-class QuantizedExperts(nn.Module):
-    """The quantized experts one rank holds (the counterpart of `LocalExperts`): FP8, or
-    MXFP4 packed blocks and scale bytes (`moeroute.bindings.torch.mxfp4_experts`).
-
-    Parameters
-    ----------
-    num_local_experts, hidden_size, intermediate_size, activation
-        As `moeroute.bindings.torch.experts.LocalExperts`.
-    quant : QuantConfig
-    device : torch device of the weights.
-    strategy : {"auto", "rows", "blocks"}
-        CPU strategy (`fp8_experts_forward`, `mxfp4_experts_forward`).
-    bias : bool
-        Experts carry a gate_up bias [2I] and a down bias [H] (gpt-oss; mxfp4 only).
-
-    Attributes
-    ----------
-    w_gate_up : Parameter [L, 2I, H] float8_e4m3fn (gate rows first)
-    w_down : Parameter [L, H, I] float8_e4m3fn
-    gate_up_scale : Parameter float32, [L, 2*ceil(I/bn), ceil(H/bk)] (fp8_block: the gate's
-        block rows, then the up's) or [L, 2] (fp8_tensor: gate, up)
-    down_scale : Parameter float32, [L, ceil(H/bn), ceil(I/bk)] or [L]
-    input_scale : Parameter [L, 2] float32 (gate_up input, down input) with
-        ``activation="static"``, else None
-    b_gate_up, b_down : None (FP8 experts carry no biases)
-
-    With ``quant.format == "mxfp4"``: ``w_gate_up`` uint8 [L, 2I, H/32, 16] and
-    ``gate_up_scale`` uint8 [L, 2I, H/32] (gate rows first), ``w_down`` uint8 [L, H, I/32, 16]
-    and ``down_scale`` uint8 [L, H, I/32] (`moeroute.quant.mxfp4`), and with ``bias``
-    ``b_gate_up`` [L, 2I] and ``b_down`` [L, H] float32.
-
-    The weights start at zero with unit scales (no float copy is ever made); load them with
-    ``MoE.load_routed_weights``, ``load_state_dict`` or `moeroute.bindings.torch.load_experts`.
-    ``module.to(dtype)`` leaves them as they are (it moves them to another device only):
-    casting FP8 values without their scales would be silently wrong.
-    """
-
-    def __init__(
-        self,
-        num_local_experts: int,
-        hidden_size: int,
-        intermediate_size: int,
-        activation: str = "silu",
-        *,
-        quant: QuantConfig,
-        device=None,
-        strategy: str = "auto",
-        bias: bool = False,
-    ) -> None:
-        super().__init__()
-        if not isinstance(quant, QuantConfig):
-            raise TypeError(f"quant must be a moeroute.quant.QuantConfig, got {type(quant).__name__}")
-        if strategy not in FP8_STRATEGIES:
-            raise ValueError(f"strategy={strategy!r} is not an FP8 strategy; use one of {FP8_STRATEGIES}")
-        self.activation = check_activation(activation)
-        self.quant = quant
-        self.strategy = strategy
-        self.num_local_experts = num_local_experts
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.gemm = strategy
-        self.b_gate_up = self.b_down = None
-        self.pack_cpu = False
-        gate_up_shape, down_shape = quant.scale_shapes(num_local_experts, hidden_size, intermediate_size)
-
-        def parameter(tensor):
-            return nn.Parameter(tensor, requires_grad=False)
-
-        if bias and quant.format != "mxfp4":
-            raise ValueError(f"bias=True is not served with quant={quant.format!r} (FP8 experts carry no biases)")
-        if quant.format == "mxfp4":
-            # Packed bytes only (zero codes, unit scales) until loaded; no float copy is made.
-            self.w_gate_up = parameter(torch.zeros(*gate_up_shape, 16, dtype=torch.uint8, device=device))
-            self.w_down = parameter(torch.zeros(*down_shape, 16, dtype=torch.uint8, device=device))
-            self.gate_up_scale = parameter(torch.full(gate_up_shape, 127, dtype=torch.uint8, device=device))
-            self.down_scale = parameter(torch.full(down_shape, 127, dtype=torch.uint8, device=device))
-            self.input_scale = None
-            if bias:
-                self.b_gate_up = parameter(
-                    torch.zeros(num_local_experts, 2 * intermediate_size, dtype=torch.float32, device=device)
-                )
-                self.b_down = parameter(torch.zeros(num_local_experts, hidden_size, dtype=torch.float32, device=device))
-            return
-
-        self.w_gate_up = parameter(
-            torch.zeros(num_local_experts, 2 * intermediate_size, hidden_size, dtype=FP8_DTYPE, device=device)
-        )
-        self.w_down = parameter(
-            torch.zeros(num_local_experts, hidden_size, intermediate_size, dtype=FP8_DTYPE, device=device)
-        )
-        self.gate_up_scale = parameter(torch.ones(gate_up_shape, dtype=torch.float32, device=device))
-        self.down_scale = parameter(torch.ones(down_shape, dtype=torch.float32, device=device))
-        self.input_scale = None
-        if quant.activation == "static":
-            self.input_scale = parameter(torch.ones(num_local_experts, 2, dtype=torch.float32, device=device))
-
-    def quantized_tensors(self) -> dict:
-        """name -> parameter of every tensor a load must fill: weights, scales, input scales."""
-        names = ("w_gate_up", "w_down", "gate_up_scale", "down_scale", "input_scale")
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
-
-    def pack_cpu_weights(self, enable: bool = True):
-        if enable:
-            raise ValueError(
-                "pack_cpu_weights packs float weights for oneDNN; FP8 experts are decoded "
-                "in the expert loop and have nothing to pack"
-            )
-        return self
-
-    def _apply(self, fn, *args, **kwargs):
-        # .to(dtype)/.half() would cast the e4m3 values (and the scales) without their scales:
-        # keep every quantized tensor's dtype, follow only the device.
-        kept = {name: p.data for name, p in self._parameters.items() if p is not None}
-        result = super()._apply(fn, *args, **kwargs)
-        for name, old in kept.items():
-            param = self._parameters[name]
-            if param.dtype != old.dtype:
-                param.data = old.to(device=param.device)
-        return result
-
-    def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ):
-        # Every state-dict path into the module (moeroute's own names included) refuses NaN
-        # e4m3 weight bytes before anything is copied, as the other loaders do.
-        if self.quant.format != "mxfp4":
-            for name in ("w_gate_up", "w_down"):
-                tensor = state_dict.get(prefix + name)
-                if isinstance(tensor, torch.Tensor) and tensor.dtype == FP8_DTYPE and not tensor.is_meta:
-                    check_fp8_weight(prefix + name, tensor)
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-
-    def __getstate__(self):
-        # pickle cannot save float8 storages (torch.save can): the e4m3 weights travel as their
-        # bytes (uint8 views, no copy) and are viewed back as float8_e4m3fn in __setstate__.
-        state = super().__getstate__()
-        parameters = state["_parameters"].copy()
-        as_bytes = [name for name, p in parameters.items() if p is not None and p.dtype == FP8_DTYPE]
-        for name in as_bytes:
-            parameters[name] = parameters[name].detach().view(torch.uint8)
-        state["_parameters"] = parameters
-        state["_fp8_as_bytes"] = as_bytes
-        return state
-
-    def __setstate__(self, state) -> None:
-        as_bytes = state.pop("_fp8_as_bytes", ())
-        super().__setstate__(state)
-        for name in as_bytes:
-            self._parameters[name] = nn.Parameter(self._parameters[name].view(FP8_DTYPE), requires_grad=False)
-
-    def extra_repr(self) -> str:
-        return (
-            f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
-            f"intermediate_size={self.intermediate_size}, activation={self.activation!r}, "
-            f"quant={self.quant!r}"
-        )
-
-    def forward(self, hidden_states: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Weighted sum of each row's local w8a8 experts: as `LocalExperts.forward`, with the
-        numerics of docs/quant.md; any of float32/bfloat16/float16 activations."""
-        if isinstance(hidden_states, torch.Tensor):
-            hidden_states = hidden_states.contiguous()
-        if self.quant.format == "mxfp4":
-            return mxfp4_experts_forward(
-                hidden_states,
-                local_ids.contiguous(),
-                weights.contiguous(),
-                self.w_gate_up,
-                self.gate_up_scale,
-                self.w_down,
-                self.down_scale,
-                self.b_gate_up,
-                self.b_down,
-                self.activation,
-                self.strategy,
-            )
-        return fp8_experts_forward(
-            hidden_states,
-            local_ids.contiguous(),
-            weights.contiguous(),
-            self.w_gate_up,
-            self.gate_up_scale,
-            self.w_down,
-            self.down_scale,
-            self.quant,
-            self.activation,
-            self.input_scale,
-            self.strategy,
-        )
 
 
 def check_quantized_weights(

@@ -1,13 +1,13 @@
 """MXFP4 row kernels for experts that serve many rows: each packed weight row is decoded once
-into a float32 buffer (`moeroute.quant._mxfp4_host`'s vector decode, in `split_blocks`
+into a float32 buffer (`moeroute.experts.cpu.mxfp4`'s vector decode, in `split_blocks`
 order) and dotted with all the expert's rows by the float32 row kernels of
-`moeroute.bindings.torch._rows` (two weight rows by four activation rows per pass).
+`moeroute.experts.cpu.rows` (two weight rows by four activation rows per pass).
 
-The few-row kernels of `moeroute.quant._mxfp4_host` decode in registers for every tile of
+The few-row kernels of `moeroute.experts.cpu.mxfp4` decode in registers for every tile of
 four rows, which is cheapest when an expert serves one to a few rows; past that the decode
 repeats per tile and these kernels, which decode once, win. Activations are float32 in
 `split_blocks` order: a dot product does not depend on the order of its terms. Arguments as
-in `moeroute.quant._mxfp4_host.gate_up_rows` / ``down_rows``.
+in `moeroute.experts.cpu.mxfp4.gate_up_rows` / ``down_rows``.
 """
 
 from __future__ import annotations
@@ -15,20 +15,20 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from moeroute.bindings.torch import _rows
-from moeroute.quant import _mxfp4_host
+from moeroute.experts.cpu import rows as cpu_rows
+from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
 
 __all__ = ["gate_up_rows", "gate_up_rows_serial", "down_rows", "down_rows_serial"]
 
-ROW_BLOCK = _mxfp4_host.ROW_BLOCK
+ROW_BLOCK = cpu_mxfp4.ROW_BLOCK
 _ROW_TILE = 4
 
 
 @numba.njit(fastmath=True)
 def _decode_pair(blocks, scales, e, n, pair, buffer):
-    _mxfp4_host._decode_row_split(blocks[e, n], scales[e, n], buffer[0])
+    cpu_mxfp4._decode_row_split(blocks[e, n], scales[e, n], buffer[0])
     if pair:
-        _mxfp4_host._decode_row_split(blocks[e, n + 1], scales[e, n + 1], buffer[1])
+        cpu_mxfp4._decode_row_split(blocks[e, n + 1], scales[e, n + 1], buffer[1])
 
 
 @numba.njit(fastmath=True)
@@ -41,7 +41,7 @@ def _gate_up_item(xs, tokens, offsets, e, b, blocks, scales, bias, out):
     for n in range(b * ROW_BLOCK, last, 2):
         pair = n + 1 < last
         _decode_pair(blocks, scales, e, n, pair, buffer)
-        _rows._rows_times_weights(xs, tokens, start, stop, buffer[0], buffer[1], pair, tile, out, n)
+        cpu_rows._rows_times_weights(xs, tokens, start, stop, buffer[0], buffer[1], pair, tile, out, n)
     if bias.shape[0] > 0:
         for m in range(start, stop):
             for n in range(b * ROW_BLOCK, last):
@@ -78,7 +78,7 @@ def _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bi
         for n in range(first, last, 2):
             pair = n + 1 < last
             _decode_pair(blocks, scales, e, n, pair, buffer)
-            _rows._rows_times_weights(
+            cpu_rows._rows_times_weights(
                 acts[start:stop], rows, 0, stop - start, buffer[0], buffer[1], pair, tile, dots, n - first
             )
         for m in range(start, stop):

@@ -1,9 +1,9 @@
 """Numba CPU kernels of the MXFP4 (w4a16) expert GEMMs on the bfloat16 dot instruction.
 
-On CPUs with AVX512-BF16 (`moeroute.quant._dot.BF16_DOT`) and bfloat16 activations, every
+On CPUs with AVX512-BF16 (`moeroute.experts.cpu.dot.BF16_DOT`) and bfloat16 activations, every
 e2m1 value and every activation is a bfloat16, so ``vdpbf16ps`` forms the exact products
 and float32 sums; each block's sum is then multiplied by its scale ``2 ** (s - 127)``, as
-the float kernels of `moeroute.quant._mxfp4_host` do. Only the summation order differs from
+the float kernels of `moeroute.experts.cpu.mxfp4` do. Only the summation order differs from
 the definition's.
 
 A step takes two blocks (32 packed bytes, 64 values): the bytes widened to 16-bit words, their
@@ -26,7 +26,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from moeroute.quant._dot import (
+from moeroute.experts.cpu.dot import (
     BF16_DOT,
     LANES,
     BFloat16Type,
@@ -238,7 +238,7 @@ def _gate_up_item(xs, tokens, offsets, e, chunk, blocks, scales, bias, out):
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
 def gate_up_rows(xs, tokens, offsets, work, blocks, scales, bias, out):
-    """`moeroute.quant._mxfp4_host.gate_up_rows` with the dot instructions (only where
+    """`moeroute.experts.cpu.mxfp4.gate_up_rows` with the dot instructions (only where
     `serves`): xs [T, H] uint16, bfloat16 bits in `split_pairs` order; the rest as there."""
     for item in numba.prange(work.shape[0]):
         _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], blocks, scales, bias, out)
@@ -304,7 +304,7 @@ def _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bi
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
 def down_rows(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums):
-    """`moeroute.quant._mxfp4_host.down_rows` with the dot instructions (only where `serves`):
+    """`moeroute.experts.cpu.mxfp4.down_rows` with the dot instructions (only where `serves`):
     acts [M, I] uint16, bfloat16 bits in `split_pairs` order; threads split the output
     columns (blocks of `ROW_BLOCK`)."""
     for block in numba.prange((blocks.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):

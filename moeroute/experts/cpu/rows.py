@@ -16,7 +16,7 @@ On CPUs with AVX512-BF16, `rows_experts_bf16` uses the bfloat16 dot-product inst
 activation rows, the tile's sums reduced together.
 
 Arrays are NumPy: bfloat16 weights as uint16 views, or float32; activations, biases and
-sums float32. The FP8 kernels of `moeroute.quant._host` have the same structure.
+sums float32. The FP8 kernels of `moeroute.experts.cpu.fp8` have the same structure.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
-from moeroute.bindings.torch.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
-from moeroute.quant._dot import (
+from moeroute.experts.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+from moeroute.experts.cpu.dot import (
     BF16_DOT,
     LANES,
     BFloat16Type,
@@ -41,7 +41,6 @@ from moeroute.quant._dot import (
     store_tile,
     sum_lanes,
 )
-from moeroute.routing.select._simd import _float32_bits
 
 __all__ = [
     "plan_rows",
@@ -70,6 +69,18 @@ def _bfloat16_bits_to_float32(typingctx, bits):
         return builder.bitcast(builder.shl(wide, ir.Constant(ir.IntType(32), 16)), ir.FloatType())
 
     return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _float32_bits(typingctx, value):
+    """The bits of a float32 as an int32 (a register move, vectorizable)."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(types.float32), codegen
 
 
 def _as_float32(value):  # pragma: no cover - replaced by the overload inside Numba code
@@ -275,7 +286,7 @@ def plan_rows(ids, weights, num_experts, blocks):
 
 
 #: The gated activations of `rows_experts`, by code (the names of
-#: `moeroute.bindings.torch.activations.ACTIVATIONS`).
+#: `moeroute.experts.activations.ACTIVATIONS`).
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swigluoai": 3}
 _SQRT_HALF = np.float32(0.7071067811865476)
 _SQRT_2_OVER_PI = np.float32(0.7978845608028654)
@@ -303,7 +314,7 @@ def _gated(gate, up, code):
 
 
 @numba.njit
-def _activate_rows(gate_up, code, acts):
+def activate_rows(gate_up, code, acts):
     """acts[m] = gated(gate_up[m, :I], gate_up[m, I:]) for every row m (`_gated`)."""
     inter = acts.shape[1]
     for m in range(acts.shape[0]):
@@ -311,11 +322,11 @@ def _activate_rows(gate_up, code, acts):
             acts[m, n] = _gated(gate_up[m, n], gate_up[m, inter + n], code)
 
 
-def _float32_rows(x):  # pragma: no cover - replaced by the overload inside Numba code
+def float32_rows(x):  # pragma: no cover - replaced by the overload inside Numba code
     raise NotImplementedError
 
 
-@overload(_float32_rows)
+@overload(float32_rows)
 def _float32_rows_impl(x):
     """Activations as float32 rows: bfloat16 bits (uint16) widened into a new array, float32
     as they are."""
@@ -334,11 +345,11 @@ def _float32_rows_impl(x):
     return None
 
 
-def _store_sums(sums, out):  # pragma: no cover - replaced by the overload inside Numba code
+def store_sums(sums, out):  # pragma: no cover - replaced by the overload inside Numba code
     raise NotImplementedError
 
 
-@overload(_store_sums)
+@overload(store_sums)
 def _store_sums_impl(sums, out):
     """The float32 sums into ``out``: copied for float32, rounded to the nearest bfloat16
     (ties to even; NaN as the quiet NaN 0x7FC0, as torch rounds) for uint16 bits."""
@@ -376,7 +387,7 @@ def _buffers(x, rows, w_gate_up, w_down):
     """The float32 rows of ``x`` and the scratch of one forward: gate_up [M, 2I], the
     activations [M, I] and the zeroed sums [T, H]."""
     return (
-        _float32_rows(x),
+        float32_rows(x),
         np.empty((rows, w_gate_up.shape[1]), np.float32),
         np.empty((rows, w_down.shape[2]), np.float32),
         np.zeros((x.shape[0], w_down.shape[1]), np.float32),
@@ -405,10 +416,10 @@ def rows_experts(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, code, bo
     xs, gate_up, acts, sums = _buffers(x, tokens.shape[0], w_gate_up, w_down)
     for item in numba.prange(work.shape[0]):
         _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, b_gate_up, gate_up)
-    _activate_rows(gate_up, code, acts)
+    activate_rows(gate_up, code, acts)
     for b in numba.prange(_blocks(w_down)):
         _down_block(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, b)
-    _store_sums(sums, out)
+    store_sums(sums, out)
     return True
 
 
@@ -421,9 +432,9 @@ def rows_experts_serial(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, c
     xs, gate_up, acts, sums = _buffers(x, tokens.shape[0], w_gate_up, w_down)
     for item in range(work.shape[0]):
         _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, b_gate_up, gate_up)
-    _activate_rows(gate_up, code, acts)
+    activate_rows(gate_up, code, acts)
     _down_block(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, 0, w_down.shape[1])
-    _store_sums(sums, out)
+    store_sums(sums, out)
     return True
 
 
@@ -610,8 +621,8 @@ def _down_block_bf16(acts, tokens, slot_weights, offsets, experts, w_down, bias,
 
 
 @numba.njit
-def _activate_rows_bf16(gate_up, code, acts):
-    """`_activate_rows`, each intermediate rounded to bfloat16 (uint16 bits [M, I])."""
+def activate_rows_bf16(gate_up, code, acts):
+    """`activate_rows`, each intermediate rounded to bfloat16 (uint16 bits [M, I])."""
     inter = acts.shape[1]
     for m in range(acts.shape[0]):
         for n in range(inter):
@@ -639,11 +650,11 @@ def rows_experts_bf16(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, cod
     for item in numba.prange(work.shape[0]):
         _gate_up_item_bf16(x, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, b_gate_up, gate_up)
     acts = np.empty((tokens.shape[0], w_down.shape[2]), np.uint16)
-    _activate_rows_bf16(gate_up, code, acts)
+    activate_rows_bf16(gate_up, code, acts)
     sums = np.zeros((x.shape[0], w_down.shape[1]), np.float32)
     for b in numba.prange(_blocks(w_down)):
         _down_block_bf16(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, b)
-    _store_sums(sums, out)
+    store_sums(sums, out)
     return True
 
 
@@ -657,10 +668,10 @@ def rows_experts_bf16_serial(x, ids, weights, w_gate_up, w_down, b_gate_up, b_do
     for item in range(work.shape[0]):
         _gate_up_item_bf16(x, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, b_gate_up, gate_up)
     acts = np.empty((tokens.shape[0], w_down.shape[2]), np.uint16)
-    _activate_rows_bf16(gate_up, code, acts)
+    activate_rows_bf16(gate_up, code, acts)
     sums = np.zeros((x.shape[0], w_down.shape[1]), np.float32)
     # One thread: all columns as one block, each expert's down weights read as one stream
     # (every sum still adds its experts in the same order: the parallel kernel's bits).
     _down_block_bf16(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, 0, w_down.shape[1])
-    _store_sums(sums, out)
+    store_sums(sums, out)
     return True

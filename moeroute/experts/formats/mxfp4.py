@@ -8,15 +8,15 @@ activations stay in their dtype (bfloat16, float16 or float32); sums are float32
 The packed bytes are never dequantized whole. Two strategies:
 
 * "rows" (every CPU call under "auto"): each packed weight row is read once. With few rows
-  per expert, the Numba kernels of `moeroute.quant._mxfp4_host` decode its nibbles in
+  per expert, the Numba kernels of `moeroute.experts.cpu.mxfp4` decode its nibbles in
   registers (AVX2 where the CPU has it) and dot them with up to four of the expert's rows
-  per pass (on a CPU with AVX512-BF16 and bfloat16 activations, `moeroute.quant._mxfp4_dot`
+  per pass (on a CPU with AVX512-BF16 and bfloat16 activations, `moeroute.experts.cpu.mxfp4_dot`
   at every row count: the e2m1 values and the activations as bfloat16, multiplied with the
   bfloat16 dot instruction); elsewhere, from `DECODED_MIN_ROWS` rows per hit expert on,
-  `moeroute.bindings.torch._mxfp4_rows`
+  `moeroute.experts.cpu.mxfp4_rows`
   decodes each weight row once into cache and the float32 row kernels dot it with all of
   them. Memory reads half a byte per weight. The biases and the combine happen inside the
-  kernels, and the bookkeeping is one Numba pass (`moeroute.bindings.torch._rows.plan_rows`),
+  kernels, and the bookkeeping is one Numba pass (`moeroute.experts.cpu.rows.plan_rows`),
   as for the float row kernels.
 * "blocks" (on request, and on a device without CuPy): per expert, `CHUNK_BYTES` of weight
   rows at a time are decoded into one reusable float32 buffer and multiplied with torch (a
@@ -35,13 +35,17 @@ import importlib.util
 import numpy as np
 import torch
 
-from moeroute.bindings.torch import _mxfp4_rows, _quant_rows, _rows, arrays
-from moeroute.bindings.torch.activations import gated_activation
-from moeroute.bindings.torch.experts import _bias_view, _numba_threads, check_same_device
+from moeroute.experts.cpu import mxfp4_rows
+from moeroute.experts.cpu import quant_rows
+from moeroute.experts.cpu import rows as cpu_rows
+from moeroute.experts.activations import gated_activation
+from moeroute.experts.formats.unquantized import bias_view, numba_threads, check_same_device
 from moeroute.quant import QuantConfig, check_mxfp4
-from moeroute.quant import _mxfp4_dot, _mxfp4_host
+from moeroute.experts.cpu import mxfp4_dot
+from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
 from moeroute.quant.mxfp4 import decode_mxfp4
-from moeroute.routing._parallel import cpu_threads
+from moeroute import routing
+from moeroute.routing.threads import cpu_threads
 
 __all__ = [
     "mxfp4_experts_forward",
@@ -58,7 +62,7 @@ MXFP4_STRATEGIES = ("auto", "rows", "blocks")
 #: Bytes of decoded weights per chunk of the "blocks" strategy (one reusable buffer).
 CHUNK_BYTES = 16 << 20
 #: Mean rows per hit expert from which the row strategy decodes each weight row once into
-#: cache (`moeroute.bindings.torch._mxfp4_rows`) instead of once per tile of four rows.
+#: cache (`moeroute.experts.cpu.mxfp4_rows`) instead of once per tile of four rows.
 DECODED_MIN_ROWS = 12
 
 
@@ -136,8 +140,8 @@ def mxfp4_experts_forward(
             quant=QuantConfig(format="mxfp4"),
         )
     if device.type == "cpu" and strategy != "blocks":
-        blocks_per_expert = -(-two_inter // _mxfp4_host.ROW_BLOCK)
-        plan = _rows.plan_rows(
+        blocks_per_expert = -(-two_inter // cpu_mxfp4.ROW_BLOCK)
+        plan = cpu_rows.plan_rows(
             local_ids.detach().contiguous().numpy(),
             weights.detach().to(torch.float32).contiguous().numpy(),
             num_experts,
@@ -154,7 +158,7 @@ def mxfp4_experts_forward(
             down_bias,
             activation,
         )
-    sorted_slots, expert_offsets, _ = arrays.sort_by_expert(local_ids, num_experts)
+    sorted_slots, expert_offsets, _ = routing.sort_by_expert(local_ids.detach().contiguous(), num_experts)
     offsets = expert_offsets.to(torch.int64)
     counts = (offsets[1:] - offsets[:-1]).tolist()
     slots = sorted_slots.to(torch.int64)
@@ -186,7 +190,7 @@ def _cupy_installed() -> bool:
 def _rows_forward(
     hidden_states, plan, gate_up_blocks, gate_up_scales, down_blocks, down_scales, gate_up_bias, down_bias, activation
 ):
-    """The "rows" strategy: `moeroute.quant._mxfp4_host`'s kernels over a `plan_rows` plan."""
+    """The "rows" strategy: `moeroute.experts.cpu.mxfp4`'s kernels over a `plan_rows` plan."""
     tokens, slot_weights, offsets, hit, work = plan
     num_tokens, hidden = hidden_states.shape
     inter = gate_up_blocks.shape[1] // 2
@@ -194,13 +198,13 @@ def _rows_forward(
     if hit.shape[0] == 0:
         return torch.zeros(num_tokens, hidden, dtype=dtype)
     threads = cpu_threads()
-    # The bfloat16 dot instructions where `_mxfp4_dot.serves`, at every row count (they
+    # The bfloat16 dot instructions where `mxfp4_dot.serves`, at every row count (they
     # multiply the e2m1 values without widening them), the whole forward in
-    # one Numba call (`_quant_rows`). Elsewhere few rows per expert decode in registers per
+    # one Numba call (`moeroute.experts.cpu.quant_rows`). Elsewhere few rows per expert decode in registers per
     # tile of rows; more decode each weight row once into cache for all of them. One thread:
     # the serial kernels (no parallel region).
-    bf16_dot = _mxfp4_dot.serves(dtype == torch.bfloat16, hidden, inter)
-    if bf16_dot and activation in _rows.ACTIVATION_CODES:
+    bf16_dot = mxfp4_dot.serves(dtype == torch.bfloat16, hidden, inter)
+    if bf16_dot and activation in cpu_rows.ACTIVATION_CODES:
         out = torch.empty(num_tokens, hidden, dtype=dtype)
         args = (
             hidden_states.detach().contiguous().view(torch.uint16).numpy(),
@@ -213,28 +217,28 @@ def _rows_forward(
             _packed(gate_up_scales),
             _packed(down_blocks),
             _packed(down_scales),
-            _bias_view(gate_up_bias),
-            _bias_view(down_bias),
-            _rows.ACTIVATION_CODES[activation],
+            bias_view(gate_up_bias),
+            bias_view(down_bias),
+            cpu_rows.ACTIVATION_CODES[activation],
         )
-        with _numba_threads(threads):
+        with numba_threads(threads):
             if threads == 1:
-                _quant_rows.rows_experts_mxfp4_serial(*args, out.view(torch.uint16).numpy())
+                quant_rows.rows_experts_mxfp4_serial(*args, out.view(torch.uint16).numpy())
             else:
-                columns = _quant_rows.thread_columns(hidden, threads, _mxfp4_dot.ROW_TILE)
-                _quant_rows.rows_experts_mxfp4(*args, columns, out.view(torch.uint16).numpy())
+                columns = quant_rows.thread_columns(hidden, threads, mxfp4_dot.ROW_TILE)
+                quant_rows.rows_experts_mxfp4(*args, columns, out.view(torch.uint16).numpy())
         return out
     sums = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     gate_up = torch.empty(tokens.shape[0], 2 * inter, dtype=torch.float32)
     many_rows = tokens.shape[0] >= DECODED_MIN_ROWS * hit.shape[0]
-    kernels = _mxfp4_dot if bf16_dot else _mxfp4_rows if many_rows else _mxfp4_host
+    kernels = mxfp4_dot if bf16_dot else mxfp4_rows if many_rows else cpu_mxfp4
     split = _split_pairs if bf16_dot else _split
     gate_up_rows, down_rows = (
         (kernels.gate_up_rows_serial, kernels.down_rows_serial)
         if threads == 1
         else (kernels.gate_up_rows, kernels.down_rows)
     )
-    with _numba_threads(threads):
+    with numba_threads(threads):
         gate_up_rows(
             split(hidden_states),
             tokens,
@@ -242,7 +246,7 @@ def _rows_forward(
             work,
             _packed(gate_up_blocks),
             _packed(gate_up_scales),
-            _bias_view(gate_up_bias),
+            bias_view(gate_up_bias),
             gate_up.numpy(),
         )
         act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
@@ -256,25 +260,25 @@ def _rows_forward(
             hit,
             _packed(down_blocks),
             _packed(down_scales),
-            _bias_view(down_bias),
+            bias_view(down_bias),
             sums.numpy(),
         )
     return sums if dtype == torch.float32 else sums.to(dtype)
 
 
 def _split(rows: torch.Tensor) -> np.ndarray:
-    """Rows as float32 in the kernels' order (`_mxfp4_host.split_blocks`)."""
+    """Rows as float32 in the kernels' order (`cpu_mxfp4.split_blocks`)."""
     values = rows.detach().to(torch.float32).contiguous().numpy()
     out = np.empty_like(values)
-    _mxfp4_host.split_blocks(values, out)
+    cpu_mxfp4.split_blocks(values, out)
     return out
 
 
 def _split_pairs(rows: torch.Tensor) -> np.ndarray:
-    """bfloat16 rows as their bits in the dot kernels' order (`_mxfp4_dot.split_pairs`)."""
+    """bfloat16 rows as their bits in the dot kernels' order (`mxfp4_dot.split_pairs`)."""
     bits = rows.detach().contiguous().view(torch.uint16).numpy()
     out = np.empty_like(bits)
-    _mxfp4_dot.split_pairs(bits, out)
+    mxfp4_dot.split_pairs(bits, out)
     return out
 
 
@@ -287,7 +291,7 @@ def _blocks_gemm(xs, offsets, hit, blocks, scales, dtype):
 
     On the CPU the chunks are float32 and so is the GEMM: a bfloat16 GEMM there is much
     slower than float32 where the CPU has no bfloat16 instructions, and the bfloat16
-    activations are exact in float32. Both operands are in `_mxfp4_host.split_blocks` order
+    activations are exact in float32. Both operands are in `cpu_mxfp4.split_blocks` order
     (the vector decode writes each block's even values, then its odd ones).
     """
     rows_out, cols = blocks.shape[1], blocks.shape[2] * 32
@@ -306,7 +310,7 @@ def _blocks_gemm(xs, offsets, hit, blocks, scales, dtype):
             r1 = min(rows_out, r0 + chunk_rows)
             w = buffer[: r1 - r0]
             if on_cpu:
-                _mxfp4_host.dequantize_rows_split(blocks_e.numpy(), scales_e.numpy(), r0, r1, w.numpy())
+                cpu_mxfp4.dequantize_rows_split(blocks_e.numpy(), scales_e.numpy(), r0, r1, w.numpy())
                 out[start:stop, r0:r1] = torch.mm(x_e, w.t())
             else:
                 w.copy_(decode_mxfp4(blocks_e[r0:r1], scales_e[r0:r1]))

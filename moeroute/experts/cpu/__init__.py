@@ -1,0 +1,1 @@
+"""The expert compute's Numba CPU kernels (see `moeroute.experts`)."""

@@ -1,0 +1,1 @@
+"""One module per weight format: its data checks and its forward (see `moeroute.experts`)."""
