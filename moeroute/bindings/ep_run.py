@@ -234,7 +234,8 @@ def _build_layers(args, preset, group, device, keep=None):
     quant = _quant_config(args)
     routed = (w_gate_up, w_down)
     if quant is not None:
-        q = quantize_experts(w_gate_up.float(), w_down.float(), quant)
+        # Quantized from the weights' own dtype, a step at a time: no float32 copy of the layer.
+        q = quantize_experts(w_gate_up, w_down, quant)
         routed = (q[0], q[2], q[1], q[3])  # w_gate_up, w_down, gate_up_scale, down_scale
     if keep is not None:
         keep.update(

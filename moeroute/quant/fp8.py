@@ -24,7 +24,7 @@ import torch
 
 from moeroute._validate import integer
 from moeroute.quant.config import QuantConfig, _block_size
-from moeroute.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from moeroute.quant.mxfp4 import MXFP4_BLOCK, _quantize_mxfp4_into, dequantize_mxfp4
 
 __all__ = [
     "FP8_DTYPE",
@@ -125,16 +125,23 @@ def quantize_fp8_block(w: torch.Tensor, block_size=(128, 128), scale_fmt: str = 
     lead = tuple(w.shape[:-2])
     q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
     scale = torch.empty(*lead, _cdiv(rows, bn), _cdiv(cols, bk), dtype=torch.float32, device=w.device)
+    _quantize_fp8_block_into(w, q, scale, bn, bk, ue8m0)
+    return q, scale
+
+
+def _quantize_fp8_block_into(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bn: int, bk: int, ue8m0: bool):
+    """`quantize_fp8_block` of ``w`` [..., rows, cols] written into ``q`` and ``scale`` (views
+    of a larger output allowed), a few block rows at a time."""
     if not w.numel():
-        return q, scale  # no block has an element: scale is empty too
+        return  # no block has an element: scale is empty too
+    rows, cols = w.shape[-2:]
     step_rows = bn * max(1, _STEP_ELEMENTS // (bn * cols))
-    for index in itertools.product(*map(range, lead)):
+    for index in itertools.product(*map(range, w.shape[:-2])):
         matrix, q_matrix, scale_matrix = w[index], q[index], scale[index]
         for first in range(0, rows, step_rows):
             q_step, scale_step = _quantize_block_rows(matrix[first : first + step_rows], bn, bk, ue8m0)
             q_matrix[first : first + step_rows] = q_step
             scale_matrix[first // bn : first // bn + scale_step.shape[0]] = scale_step
-    return q, scale
 
 
 def _quantize_block_rows(w: torch.Tensor, bn: int, bk: int, ue8m0: bool):
@@ -185,12 +192,39 @@ def quantize_fp8_tensor(w: torch.Tensor, scale_fmt: str = "float"):
     -------
     q : Tensor [..., rows, cols] float8_e4m3fn
     scale : Tensor [...] float32, ``w ~= q * scale``
+
+    Memory: each matrix is read twice a step of about ``_STEP_ELEMENTS`` (2**18) elements at
+    a time (whole rows; one row when a row is longer), first for its amax, then for the
+    quotients, never copying ``w``: beyond ``w`` and the outputs, one step's float32
+    temporaries (about 12 bytes an element of a step, 3 MB), whatever the number of experts.
     """
     _check_float("w", w)
     if w.dim() < 2:
         raise ValueError(f"w must have at least 2 dims [..., rows, cols], got shape {tuple(w.shape)}")
-    scale = _scale_from_amax(w.float().abs().amax(dim=(-2, -1)), _scale_fmt(scale_fmt))
-    return _to_fp8(w.float() / scale[..., None, None]).contiguous(), scale
+    ue8m0 = _scale_fmt(scale_fmt)
+    q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+    scale = torch.empty(w.shape[:-2], dtype=torch.float32, device=w.device)
+    _quantize_fp8_tensor_into(w, q, scale, ue8m0)
+    return q, scale
+
+
+def _quantize_fp8_tensor_into(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, ue8m0: bool):
+    """`quantize_fp8_tensor` of ``w`` [..., rows, cols] written into ``q`` and ``scale``, a
+    matrix at a time and a step of rows at a time within it: the amax over the steps (a max
+    of maxes: the same value), then the quotient of each step."""
+    rows, cols = w.shape[-2:]
+    step_rows = max(1, _STEP_ELEMENTS // max(cols, 1))
+    for index in itertools.product(*map(range, w.shape[:-2])):
+        matrix, q_matrix = w[index], q[index]
+        amax = torch.zeros((), dtype=torch.float32, device=w.device)
+        for first in range(0, rows, step_rows):
+            step = matrix[first : first + step_rows]
+            if step.numel():
+                amax = torch.maximum(amax, step.float().abs().amax())
+        matrix_scale = _scale_from_amax(amax, ue8m0)
+        scale[index] = matrix_scale
+        for first in range(0, rows, step_rows):
+            q_matrix[first : first + step_rows] = _to_fp8(matrix[first : first + step_rows].float() / matrix_scale)
 
 
 def dequantize_fp8_tensor(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -270,10 +304,16 @@ def check_fp8_weight(name: str, q: torch.Tensor, expert: int | None = None) -> N
     """
     if not q.numel():
         return
-    bad = (q.view(torch.uint8) & _E4M3_NAN_BITS) == _E4M3_NAN_BITS
-    if not bool(bad.any()):
+    # One matrix at a time: the byte masks of a whole stacked layer would be as large as the
+    # layer's weights.
+    data = q.view(torch.uint8)
+    for lead in itertools.product(*map(range, q.shape[:-2])):
+        bad = (data[lead] & _E4M3_NAN_BITS) == _E4M3_NAN_BITS
+        if bool(bad.any()):
+            index = lead + tuple(int(i) for i in bad.nonzero()[0])
+            break
+    else:
         return
-    index = tuple(int(i) for i in bad.nonzero()[0])
     if expert is None:
         expert = index[0] if q.dim() >= 3 else None
     which = "" if expert is None else f" (expert {expert})"
@@ -309,7 +349,7 @@ def check_scale(name: str, scale, shape: tuple, check_values: bool = True) -> to
     return scale
 
 
-def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, config: QuantConfig):
+def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, config: QuantConfig, *, out=None):
     """Quantize stacked expert weights in moeroute's layout.
 
     Parameters
@@ -317,6 +357,9 @@ def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, config: Quan
     w_gate_up : Tensor [N, 2I, H] float (gate rows first)
     w_down : Tensor [N, H, I] float
     config : QuantConfig
+    out : tuple of 4 tensors, optional
+        Where to write the result (e.g. rows of a layer's own parameters): tensors of the
+        returned shapes, dtypes and device; MXFP4 ones contiguous. Returned as given.
 
     Returns
     -------
@@ -324,26 +367,92 @@ def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, config: Quan
     weights and float32 scales of `QuantConfig.scale_shapes` (fp8_block: the gate's block
     rows, then the up's; fp8_tensor: [N, 2] gate, up and [N]); mxfp4: uint8 blocks and
     scale bytes (`moeroute.quant.mxfp4.quantize_mxfp4` of each stacked weight).
+
+    Memory: the outputs are allocated once (or are ``out``) and every projection of every
+    expert is quantized into them in steps (`quantize_fp8_block`, `quantize_fp8_tensor`,
+    `quantize_mxfp4`): beyond the inputs and the outputs, the peak is one step's
+    temporaries, a few MB, whatever N.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Not a QuantConfig; weights that are not float, of other shapes (named); ``out`` not
+        four tensors of the result's shapes, dtypes and device.
     """
     if not isinstance(config, QuantConfig):
         raise TypeError(f"config must be a QuantConfig, got {type(config).__name__}")
     if config.format == "int4":
         raise ValueError("config format 'int4' is not stacked here; use moeroute.quant.quantize_int4 on each weight")
-    if config.format == "mxfp4":
-        return (*quantize_mxfp4(w_gate_up), *quantize_mxfp4(w_down))
     _check_float("w_gate_up", w_gate_up)
     _check_float("w_down", w_down)
     if w_gate_up.dim() != 3 or w_gate_up.shape[1] % 2:
         raise ValueError(f"w_gate_up must be [N, 2I, H], got shape {tuple(w_gate_up.shape)}")
-    inter = w_gate_up.shape[1] // 2
+    num, two_inter, hidden = w_gate_up.shape
+    inter = two_inter // 2
+    if w_down.dim() != 3 or tuple(w_down.shape) != (num, hidden, inter):
+        raise ValueError(f"w_down has shape {tuple(w_down.shape)}, expected [N, H, I] = {[num, hidden, inter]}")
+    if config.format == "mxfp4":
+        for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+            if w.shape[-1] % MXFP4_BLOCK:
+                raise ValueError(
+                    f"{name} has {w.shape[-1]} columns; MXFP4 needs a multiple of {MXFP4_BLOCK} "
+                    f"(one scale per {MXFP4_BLOCK} input columns)"
+                )
+        gate_up_scale_shape, down_scale_shape = config.scale_shapes(num, hidden, inter)
+        specs = (
+            ((*gate_up_scale_shape, MXFP4_BLOCK // 2), torch.uint8),
+            (gate_up_scale_shape, torch.uint8),
+            ((*down_scale_shape, MXFP4_BLOCK // 2), torch.uint8),
+            (down_scale_shape, torch.uint8),
+        )
+    else:
+        gate_up_scale_shape, down_scale_shape = config.scale_shapes(num, hidden, inter)
+        specs = (
+            (tuple(w_gate_up.shape), FP8_DTYPE),
+            (gate_up_scale_shape, torch.float32),
+            (tuple(w_down.shape), FP8_DTYPE),
+            (down_scale_shape, torch.float32),
+        )
+    out = _experts_out(out, specs, w_gate_up.device, config.format == "mxfp4")
+    q_gate_up, gate_up_scale, q_down, down_scale = out
+    if config.format == "mxfp4":
+        _quantize_mxfp4_into(w_gate_up, q_gate_up, gate_up_scale)
+        _quantize_mxfp4_into(w_down, q_down, down_scale)
+        return out
+    ue8m0 = _scale_fmt(config.scale_fmt)
     gate, up = w_gate_up[:, :inter], w_gate_up[:, inter:]
     if config.format == "fp8_block":
-        (qg, sg), (qu, su) = (quantize_fp8_block(w, config.block_size, config.scale_fmt) for w in (gate, up))
-        q_down, down_scale = quantize_fp8_block(w_down, config.block_size, config.scale_fmt)
-        return torch.cat([qg, qu], 1), torch.cat([sg, su], 1), q_down, down_scale
-    (qg, sg), (qu, su) = (quantize_fp8_tensor(w, config.scale_fmt) for w in (gate, up))
-    q_down, down_scale = quantize_fp8_tensor(w_down, config.scale_fmt)
-    return torch.cat([qg, qu], 1), torch.stack([sg, su], -1), q_down, down_scale
+        bn, bk = config.block_size
+        nbr = gate_up_scale.shape[1] // 2
+        _quantize_fp8_block_into(gate, q_gate_up[:, :inter], gate_up_scale[:, :nbr], bn, bk, ue8m0)
+        _quantize_fp8_block_into(up, q_gate_up[:, inter:], gate_up_scale[:, nbr:], bn, bk, ue8m0)
+        _quantize_fp8_block_into(w_down, q_down, down_scale, bn, bk, ue8m0)
+        return out
+    _quantize_fp8_tensor_into(gate, q_gate_up[:, :inter], gate_up_scale[:, 0], ue8m0)
+    _quantize_fp8_tensor_into(up, q_gate_up[:, inter:], gate_up_scale[:, 1], ue8m0)
+    _quantize_fp8_tensor_into(w_down, q_down, down_scale, ue8m0)
+    return out
+
+
+def _experts_out(out, specs, device, contiguous: bool) -> tuple:
+    """`quantize_experts`' four outputs: ``out`` checked against ``specs`` ((shape, dtype)
+    each), or new tensors."""
+    if out is None:
+        return tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs)
+    names = ("q_gate_up", "gate_up_scale", "q_down", "down_scale")
+    if not isinstance(out, (tuple, list)) or len(out) != 4:
+        raise TypeError(f"out must be a tuple of 4 tensors ({', '.join(names)}), got {type(out).__name__}")
+    for name, tensor, (shape, dtype) in zip(names, out, specs):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"out {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype or tensor.device != torch.device(device):
+            raise ValueError(
+                f"out {name} is {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}, expected "
+                f"{dtype} {list(shape)} on {device}"
+            )
+        if contiguous and not tensor.is_contiguous():
+            raise ValueError(f"out {name} must be contiguous for MXFP4")
+    return tuple(out)
 
 
 def dequantize_experts(q_gate_up, gate_up_scale, q_down, down_scale, config: QuantConfig):

@@ -21,6 +21,7 @@ Leading dimensions (experts) pass through: ``[..., rows, cols]`` <-> ``[..., row
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -92,10 +93,13 @@ def check_mxfp4(blocks, scales, name: str = "weight", check_values: bool = True)
         )
     if scales.device != blocks.device:
         raise ValueError(f"{name} scales is on {scales.device} but its blocks are on {blocks.device}")
-    if check_values and scales.numel():
-        bad = scales == _SCALE_NAN
+    if not (check_values and scales.numel()):
+        return
+    # One matrix at a time: the mask of a whole stacked layer's scales grows with the layer.
+    for lead in itertools.product(*map(range, scales.shape[:-2])):
+        bad = scales[lead] == _SCALE_NAN
         if bool(bad.any()):
-            index = tuple(int(i) for i in bad.nonzero()[0])
+            index = lead + tuple(int(i) for i in bad.nonzero()[0])
             raise ValueError(
                 f"{name} scales{list(index)} is 255, the e8m0 NaN encoding; an MXFP4 scale byte "
                 "must be 0..254 (2 ** (s - 127))"
@@ -179,22 +183,37 @@ def quantize_mxfp4(w: torch.Tensor):
         ``w`` not a float tensor of at least 2 dims, cols not a multiple of 32, a value
         that is not finite (naming the leading index, e.g. the expert, that holds it).
     """
+    _check_input(w)
+    rows, cols = w.shape[-2:]
+    lead = tuple(w.shape[:-2])
+    blocks = torch.empty(*lead, rows, cols // MXFP4_BLOCK, MXFP4_BLOCK // 2, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(*lead, rows, cols // MXFP4_BLOCK, dtype=torch.uint8, device=w.device)
+    _quantize_mxfp4_into(w, blocks, scales)
+    return blocks, scales
+
+
+def _check_input(w) -> None:
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
     if not w.is_floating_point() or w.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         raise ValueError(f"w must be a float32/bfloat16/float16/float64 tensor, got {w.dtype}")
     if w.dim() < 2:
         raise ValueError(f"w must have at least 2 dims [..., rows, cols], got shape {tuple(w.shape)}")
-    rows, cols = w.shape[-2:]
-    if cols % MXFP4_BLOCK:
+    if w.shape[-1] % MXFP4_BLOCK:
         raise ValueError(
-            f"w has {cols} columns; MXFP4 needs a multiple of {MXFP4_BLOCK} (one scale per {MXFP4_BLOCK} input columns)"
+            f"w has {w.shape[-1]} columns; MXFP4 needs a multiple of {MXFP4_BLOCK} (one scale per "
+            f"{MXFP4_BLOCK} input columns)"
         )
-    lead = tuple(w.shape[:-2])
-    blocks = torch.empty(*lead, rows, cols // MXFP4_BLOCK, MXFP4_BLOCK // 2, dtype=torch.uint8, device=w.device)
-    scales = torch.empty(*lead, rows, cols // MXFP4_BLOCK, dtype=torch.uint8, device=w.device)
+
+
+def _quantize_mxfp4_into(w: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    """`quantize_mxfp4` of ``w`` written into contiguous ``blocks`` and ``scales`` of its
+    result's shapes (e.g. rows of a layer's parameters), a step of rows at a time."""
+    _check_input(w)
     if not w.numel():
-        return blocks, scales
+        return
+    rows, cols = w.shape[-2:]
+    lead = tuple(w.shape[:-2])
     midpoints = torch.tensor(_MIDPOINTS, dtype=torch.float64, device=w.device)
     step_rows = max(1, _STEP_ELEMENTS // cols)
     flat_blocks, flat_scales = blocks.view(-1, *blocks.shape[-2:]), scales.view(-1, scales.shape[-1])
@@ -207,7 +226,6 @@ def quantize_mxfp4(w: torch.Tensor):
         chunk_blocks, chunk_scales = _quantize_rows(chunk, midpoints)
         flat_blocks[first : first + chunk.shape[0]] = chunk_blocks
         flat_scales[first : first + chunk.shape[0]] = chunk_scales
-    return blocks, scales
 
 
 def _row_steps(w: torch.Tensor, step_rows: int):

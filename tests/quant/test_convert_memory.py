@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeroute.quant import fp8, mxfp4, quantize_fp8_block, quantize_mxfp4
+from moeroute.quant import QuantConfig, fp8, mxfp4, quantize_experts, quantize_fp8_block, quantize_mxfp4
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERTS, ROWS, COLS = 16, 1024, 1024
@@ -28,20 +28,34 @@ EXPERT_BYTES = ROWS * COLS * 4
 #: Extra memory allowed beyond the input and the output, in experts' float32 weights: the
 #: step's temporaries (at most about 2.5 experts here) plus the allocator's slack.
 BOUND_EXPERTS = 4
+#: `quantize_experts` of [N, 2I, H] and [N, H, I] float32 weights with H = COLS, I = ROWS / 2:
+#: one expert is 3 * H * I float32 values (6 MiB), and the bound is two of them. The
+#: whole-stack code also held the gate's and the up's outputs beside their concatenation
+#: (FP8 block), or |w| of each whole projection (FP8 per tensor).
+EXPERTS_EXPERT_BYTES = 3 * COLS * (ROWS // 2) * 4
+EXPERTS_BOUND_EXPERTS = 2
 
 PEAK_CODE = textwrap.dedent("""
     import json, resource, sys
     import torch
-    from moeroute.quant import quantize_fp8_block, quantize_mxfp4
+    from moeroute.quant import QuantConfig, quantize_experts, quantize_fp8_block, quantize_mxfp4
 
     def resident():
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * resource.getpagesize()
 
     name, dtype, experts, rows, cols = sys.argv[1], getattr(torch, sys.argv[2]), *map(int, sys.argv[3:6])
-    convert = {"mxfp4": quantize_mxfp4, "fp8_block": quantize_fp8_block}[name]
-    w = torch.randn(experts, rows, cols, generator=torch.Generator().manual_seed(0), dtype=dtype)
-    convert(w[:1, :32, :64])  # torch's one-time set-up (and any kernel compile) is not the conversion's
+    generator = torch.Generator().manual_seed(0)
+    if name.startswith("experts_"):
+        config = QuantConfig(name[len("experts_"):])
+        w = (torch.randn(experts, rows, cols, generator=generator, dtype=dtype),
+             torch.randn(experts, cols, rows // 2, generator=generator, dtype=dtype))
+        convert = lambda w: quantize_experts(*w, config)
+        convert((w[0][:1, :64, :64], w[1][:1, :64, :32]))  # torch's one-time set-up is not the conversion's
+    else:
+        convert = {"mxfp4": quantize_mxfp4, "fp8_block": quantize_fp8_block}[name]
+        w = torch.randn(experts, rows, cols, generator=generator, dtype=dtype)
+        convert(w[:1, :32, :64])  # torch's one-time set-up (and any kernel compile) is not the conversion's
 
     def peak_resident():
         with open("/proc/self/status") as f:
@@ -81,6 +95,19 @@ def test_conversion_peak_is_bounded_by_one_expert(name, dtype):
     allowed = report["output"] + BOUND_EXPERTS * EXPERT_BYTES
     assert report["extra"] <= allowed, (
         f"{name} of {EXPERTS} x {ROWS} x {COLS} {dtype}: grew "
+        f"{report['extra'] / 2**20:.0f} MiB, allowed {allowed / 2**20:.0f} MiB"
+    )
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads and resets the peak resident size in /proc/self"
+)
+@pytest.mark.parametrize("fmt", ["fp8_block", "fp8_tensor", "mxfp4"])
+def test_quantize_experts_peak_is_bounded_by_two_experts(fmt):
+    report = _peak("experts_" + fmt, "float32")
+    allowed = report["output"] + EXPERTS_BOUND_EXPERTS * EXPERTS_EXPERT_BYTES
+    assert report["extra"] <= allowed, (
+        f"quantize_experts {fmt} of {EXPERTS} experts, H={COLS}, I={ROWS // 2}: grew "
         f"{report['extra'] / 2**20:.0f} MiB, allowed {allowed / 2**20:.0f} MiB"
     )
 
@@ -137,3 +164,84 @@ def test_mxfp4_names_the_expert_holding_a_nan():
     w[2, 1, 5] = float("nan")
     with pytest.raises(ValueError, match=r"w\[2\] holds inf or NaN"):
         quantize_mxfp4(w)
+
+
+def _old_quantize_experts(w_gate_up, w_down, config):
+    """The whole-stack computation `quantize_experts` replaced: each projection at once, then
+    the gate's and the up's outputs concatenated."""
+    inter = w_gate_up.shape[1] // 2
+    gate, up = w_gate_up[:, :inter], w_gate_up[:, inter:]
+    if config.format == "mxfp4":
+        return (*quantize_mxfp4(w_gate_up), *quantize_mxfp4(w_down))
+    if config.format == "fp8_block":
+        (qg, sg), (qu, su) = (quantize_fp8_block(w, config.block_size, config.scale_fmt) for w in (gate, up))
+        q_down, down_scale = quantize_fp8_block(w_down, config.block_size, config.scale_fmt)
+        return torch.cat([qg, qu], 1), torch.cat([sg, su], 1), q_down, down_scale
+    ue8m0 = config.scale_fmt == "ue8m0"
+
+    def per_tensor(w):  # the formula: one scale per matrix from its amax
+        scale = w.float().abs().amax(dim=(-2, -1)).clamp(min=fp8.MIN_AMAX) / fp8.FP8_MAX
+        if ue8m0:
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        return (w.float() / scale[..., None, None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+    (qg, sg), (qu, su), (qd, sd) = per_tensor(gate), per_tensor(up), per_tensor(w_down)
+    return torch.cat([qg, qu], 1), torch.stack([sg, su], -1), qd, sd
+
+
+def _same(a, b):
+    if a.dtype == torch.float8_e4m3fn:
+        return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        QuantConfig("fp8_block", block_size=(16, 32)),
+        QuantConfig("fp8_block", block_size=(7, 40), scale_fmt="ue8m0"),
+        QuantConfig("fp8_tensor"),
+        QuantConfig("fp8_tensor", scale_fmt="ue8m0"),
+        QuantConfig("mxfp4"),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_experts_gives_the_whole_stack_result(monkeypatch, config, dtype):
+    generator = torch.Generator().manual_seed(3)
+    inter = 32 if config.format == "mxfp4" else 40  # MXFP4 rows hold multiples of 32
+    scales = torch.logspace(-3, 3, 3)[:, None, None]  # experts of very different magnitudes
+    w_gate_up = (torch.randn(3, 2 * inter, 96, generator=generator) * scales).to(dtype)
+    w_down = (torch.randn(3, 96, inter, generator=generator) * scales).to(dtype)
+    expected = _old_quantize_experts(w_gate_up, w_down, config)
+    monkeypatch.setattr(fp8, "_STEP_ELEMENTS", 96 * 3)  # steps of a few rows: steps straddle gate and up
+    monkeypatch.setattr(mxfp4, "_STEP_ELEMENTS", 96 * 3)
+    actual = quantize_experts(w_gate_up, w_down, config)
+    assert all(_same(a, b) for a, b in zip(actual, expected))
+    # Into given tensors (rows of a larger stack): the same values, the tensors returned.
+    big = [torch.zeros((5, *t.shape[1:]), dtype=t.dtype) for t in expected]
+    out = tuple(t[1:4] for t in big)
+    returned = quantize_experts(w_gate_up, w_down, config, out=out)
+    assert all(a is b for a, b in zip(returned, out))
+    assert all(_same(a, b) for a, b in zip(out, expected))
+    assert all(not t[0].to(torch.float32).any() and not t[4].to(torch.float32).any() for t in big)  # untouched
+
+
+def test_quantize_experts_refuses_a_bad_out():
+    config = QuantConfig("fp8_block", block_size=(16, 32))
+    w_gate_up, w_down = torch.randn(2, 32, 64), torch.randn(2, 64, 16)
+    good = quantize_experts(w_gate_up, w_down, config)
+    with pytest.raises(TypeError, match="out must be a tuple of 4 tensors"):
+        quantize_experts(w_gate_up, w_down, config, out=good[:3])
+    with pytest.raises(ValueError, match=r"out gate_up_scale is torch.float32 \(2, 1, 2\)"):
+        quantize_experts(w_gate_up, w_down, config, out=(good[0], good[1][:, :1], good[2], good[3]))
+    with pytest.raises(ValueError, match=r"w_down has shape \(2, 64, 17\), expected \[N, H, I\] = \[2, 64, 16\]"):
+        quantize_experts(w_gate_up, torch.randn(2, 64, 17), config)
+
+
+def test_check_fp8_weight_names_the_expert_of_a_nan_byte():
+    q = torch.zeros(3, 4, 8, dtype=torch.uint8)
+    q[2, 1, 5] = 0xFF
+    with pytest.raises(ValueError, match=r"w\[2, 1, 5\] \(expert 2\) is the byte 0xFF"):
+        fp8.check_fp8_weight("w", q.view(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match=r"w\[1, 5\] \(expert 7\) is the byte 0xFF"):
+        fp8.check_fp8_weight("w", q[2].view(torch.float8_e4m3fn), expert=7)

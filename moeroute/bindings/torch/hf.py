@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from moeroute.experts.modules import LocalExperts
-from moeroute.experts.formats.fp8 import gate_up_scale_from_stacked
+from moeroute.experts.formats.fp8 import check_quantized_weights, gate_up_scale_from_stacked
 from moeroute.bindings.torch.hf_keys import (
     TransformersCheckpoint,
     from_gpt_oss_layout,
@@ -51,7 +51,7 @@ from moeroute.bindings.torch.hf_keys import (
 )
 from moeroute.bindings.torch.moe import MoE
 from moeroute.experts.formats.mxfp4 import GPT_OSS_MXFP4_KEYS as MXFP4_CHECKPOINT_KEYS
-from moeroute.experts.formats.mxfp4 import gate_rows_first
+from moeroute.experts.formats.mxfp4 import check_mxfp4_weights, gate_rows_first
 from moeroute.config import RouterConfig
 from moeroute.quant import FP8_DTYPE, QuantConfig, quantize_experts
 
@@ -112,10 +112,6 @@ def _experts(block: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return gate_up, down
 
 
-#: Experts quantized per call of `_quantize_float_experts` (bounds the float32 copy it makes).
-_QUANTIZE_EXPERTS_PER_STEP = 8
-
-
 def _fp8_experts(experts: nn.Module, quant: QuantConfig | None):
     """(QuantConfig, load_routed_weights kwargs) of a transformers FP8Experts module, or None
     when its weights are not float8_e4m3fn."""
@@ -152,14 +148,36 @@ def _fp8_experts(experts: nn.Module, quant: QuantConfig | None):
     return found, kwargs
 
 
-def _quantize_float_experts(gate_up: torch.Tensor, down: torch.Tensor, quant: QuantConfig):
-    """A float block's experts quantized with ``quant`` (a few experts at a time)."""
-    parts = [
-        quantize_experts(gate_up[i : i + _QUANTIZE_EXPERTS_PER_STEP], down[i : i + _QUANTIZE_EXPERTS_PER_STEP], quant)
-        for i in range(0, gate_up.shape[0], _QUANTIZE_EXPERTS_PER_STEP)
-    ]
-    q_gate_up, gate_up_scale, q_down, down_scale = (torch.cat(list(t)) for t in zip(*parts))
-    return (q_gate_up, q_down), dict(gate_up_scale=gate_up_scale, down_scale=down_scale)
+def _quantize_into(module: MoE, expert: Callable, quant: QuantConfig) -> None:
+    """Quantize a float block's experts with ``quant`` straight into ``module``'s routed
+    rows, one expert at a time: ``expert(e)`` is logical expert e's (gate_up [1, 2I, H],
+    down [1, H, I]) (views of the block's tensors, or one expert's converted copy). Beyond
+    the block's weights and the module's, the peak is one expert's converted copy (gpt-oss
+    only) plus `quantize_experts`' step temporaries. The written rows are checked as
+    `MoE.load_routed_weights` checks them (scales finite and positive, no NaN byte)."""
+    targets = module.experts.quantized_tensors()
+    if "input_scale" in targets:
+        raise ValueError(
+            "input_scale is missing: quant activation='static' needs the [N, 2] activation "
+            "scales (gate_up input, down input), which a float block does not have"
+        )
+    names = ("w_gate_up", "gate_up_scale", "w_down", "down_scale")
+    ids = module.routed_expert_ids()
+    for local, e in enumerate(ids):
+        quantize_experts(*expert(e), quant, out=tuple(targets[name][local : local + 1] for name in names))
+    if quant.format != "mxfp4":
+        rows = {name: targets[name][: len(ids)] for name in names}
+        check_quantized_weights(
+            quant,
+            len(ids),
+            module.routed_hidden_size,
+            module.intermediate_size,
+            rows["w_gate_up"],
+            rows["w_down"],
+            rows["gate_up_scale"],
+            rows["down_scale"],
+            None,
+        )
 
 
 def _read_deepseek(block: nn.Module) -> dict:
@@ -188,11 +206,10 @@ def _read_deepseek(block: nn.Module) -> dict:
 
 
 def _gpt_oss_experts(experts: nn.Module) -> tuple[torch.Tensor, ...]:
-    """gpt-oss expert weights in moeroute's layout: (w_gate_up [N, 2I, H] gate rows first,
-    w_down [N, H, I], gate_up_bias [N, 2I] gate entries first, down_bias [N, H])."""
-    return from_gpt_oss_layout(
-        experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias, experts.down_proj_bias
-    )
+    """gpt-oss expert weights in their own layout (gate_up_proj [N, H, 2I] interleaved,
+    down_proj [N, I, H], the biases), converted by `from_gpt_oss_layout` when used: as a
+    whole for a float layer (which then holds that copy), one expert at a time to quantize."""
+    return (experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias, experts.down_proj_bias)
 
 
 #: gpt-oss checkpoint names of MXFP4 experts (relative to the experts module).
@@ -237,20 +254,19 @@ def _mxfp4_tensors(experts: nn.Module):
 
 
 def _gpt_oss_mxfp4_experts(experts: nn.Module):
-    """MXFP4 gpt-oss experts in moeroute's row order, or None when ``experts`` holds no MXFP4
-    tensors: ((gate_up blocks, scales) gate rows first, (down blocks, scales), gate_up_bias
-    gate entries first, down_bias). gate_up's rows alternate gate, up; MXFP4 rows are
-    independent, so putting the gate rows first is a row permutation of blocks and scales."""
+    """MXFP4 gpt-oss experts in the checkpoint's row order, or None when ``experts`` holds no
+    MXFP4 tensors: ((gate_up blocks, scales), (down blocks, scales), gate_up_bias,
+    down_bias). gate_up's rows alternate gate, up; MXFP4 rows are independent, so putting
+    the gate rows first (`_build_mxfp4`, one expert at a time) is a row permutation of
+    blocks, scales and bias entries."""
     tensors = _mxfp4_tensors(experts)
     if tensors is None:
         return None
     gate_up_blocks, gate_up_scales, down_blocks, down_scales = tensors
-    order = gate_rows_first(gate_up_blocks.shape[1], gate_up_blocks.device)
-    bias = experts.gate_up_proj_bias
     return (
-        (gate_up_blocks.index_select(1, order), gate_up_scales.index_select(1, order)),
+        (gate_up_blocks, gate_up_scales),
         (down_blocks, down_scales),
-        bias.index_select(-1, order.to(bias.device)),
+        experts.gate_up_proj_bias,
         experts.down_proj_bias,
     )
 
@@ -265,6 +281,7 @@ def _read_gpt_oss(block: nn.Module) -> dict:
             f"{type(block).__name__} uses swiglu_alpha={alpha}, swiglu_limit={limit}; moeroute's "
             f"swigluoai has alpha={SWIGLUOAI_ALPHA}, limit={SWIGLUOAI_LIMIT}"
         )
+    mxfp4 = _gpt_oss_mxfp4_experts(experts)
     # top-k of the logits, then softmax over the K picked: softmax + renormalize (docs/semantics.md section 9).
     config = RouterConfig(num_experts=router.num_experts, top_k=router.top_k, scoring="softmax", renormalize=True)
     return dict(
@@ -275,7 +292,8 @@ def _read_gpt_oss(block: nn.Module) -> dict:
         correction_bias=None,
         shared_experts=None,
         shared_expert_gate=None,
-        experts=_gpt_oss_mxfp4_experts(experts) or _gpt_oss_experts(experts),
+        experts=mxfp4,
+        gpt_oss_float=_gpt_oss_experts(experts) if mxfp4 is None else None,
         activation="swigluoai",
         checkpoint=TransformersCheckpoint("gpt_oss"),
     )
@@ -355,8 +373,10 @@ def from_hf(block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str
     dispatch : {"all2all", "allgather"}
     **kwargs
         Passed to `MoE` (e.g. ``scaling_regime``, ``num_redundant_experts``). ``quant``: a
-        `moeroute.quant.QuantConfig` to quantize a float block's experts with (a few experts
-        at a time). A block whose experts are transformers' ``FP8Experts`` (fine-grained FP8)
+        `moeroute.quant.QuantConfig` to quantize a float block's experts with, each straight
+        into the new layer: beyond the block's weights and the layer's, the peak is one
+        quantization step's temporaries (gpt-oss: plus one expert's converted copy). A block
+        whose experts are transformers' ``FP8Experts`` (fine-grained FP8)
         keeps its float8_e4m3fn weights and scales as they are, and its format is read from
         the block (``quant``, when given, must agree).
 
@@ -396,14 +416,18 @@ def _build(
     fields = reader(block)
     expert_biases = None
     quant = kwargs.pop("quant", None)
-    if isinstance(fields.get("experts", (None,))[0], tuple):
+    if fields.get("experts") is not None:
         return _build_mxfp4(cls, fields, quant, ep_group=ep_group, shared=shared, dispatch=dispatch, **kwargs)
     fp8 = _fp8_experts(block.experts, quant) if reader is not _read_gpt_oss else None
+    gpt_oss = fields.get("gpt_oss_float")
     if fp8 is not None:  # transformers FP8Experts: kept as they are
         quant, fp8_scales = fp8
         gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
-    elif "experts" in fields:
-        gate_up, down, *expert_biases = fields["experts"]
+    elif gpt_oss is not None and quant is None:  # the float layer holds the converted weights
+        gate_up, down, *expert_biases = from_gpt_oss_layout(*gpt_oss)
+    elif gpt_oss is not None:  # converted one expert at a time (`_quantize_into`)
+        gate_up, down = gpt_oss[0].transpose(1, 2), gpt_oss[1].transpose(1, 2)  # shapes only
+        expert_biases = list(from_gpt_oss_layout(*(t[:, :0] for t in gpt_oss[:2]), *gpt_oss[2:])[2:])
     else:
         gate_up, down = _experts(block)
     num_experts, two_inter, hidden = gate_up.shape
@@ -435,9 +459,10 @@ def _build(
     )
     if fp8 is not None:
         module.load_routed_weights(gate_up, down, **fp8_scales)
+    elif gpt_oss is not None and quant is not None:
+        _quantize_into(module, lambda e: from_gpt_oss_layout(*(t[e : e + 1] for t in gpt_oss))[:2], quant)
     elif quant is not None:
-        weights, scales = _quantize_float_experts(gate_up, down, quant)
-        module.load_routed_weights(*weights, **scales)
+        _quantize_into(module, lambda e: (gate_up[e : e + 1], down[e : e + 1]), quant)
     module.router_weight = nn.Parameter(fields["router_weight"].detach(), requires_grad=False)
     module.router_compute_dtype = fields.get("router_compute_dtype")
     if fields.get("router_bias") is not None:
@@ -457,7 +482,9 @@ def _build(
 
 def _build_mxfp4(cls, fields, quant, **kwargs) -> MoE:
     """`_build` for experts stored as MXFP4 blocks and scale bytes (gpt-oss): the packed
-    bytes are copied as they are (this rank's experts), never dequantized."""
+    bytes are copied as they are (this rank's experts), never dequantized, one expert at a
+    time with its gate rows put first: beyond the block's tensors and the module's, the
+    peak is one expert's permuted gate_up blocks."""
     (gate_up, down, gate_up_bias, down_bias) = fields["experts"]
     if quant is not None and quant.format != "mxfp4":
         raise ValueError(
@@ -483,7 +510,16 @@ def _build_mxfp4(cls, fields, quant, **kwargs) -> MoE:
         router_bias=fields.get("router_bias") is not None,
         **kwargs,
     )
-    module.load_routed_weights(w_gate_up=gate_up, w_down=down, gate_up_bias=gate_up_bias, down_bias=down_bias)
+    hidden, inter = module.routed_hidden_size, module.intermediate_size
+    check_mxfp4_weights(quant, num_experts, hidden, inter, gate_up, down)
+    order = gate_rows_first(two_inter, blocks.device)
+    targets = module.experts.quantized_tensors()
+    for local, e in enumerate(module.routed_expert_ids()):
+        targets["w_gate_up"][local].copy_(gate_up[0][e].index_select(0, order))
+        targets["gate_up_scale"][local].copy_(gate_up[1][e].index_select(0, order))
+        targets["w_down"][local].copy_(down[0][e])
+        targets["down_scale"][local].copy_(down[1][e])
+    module.load_expert_biases(gate_up_bias.index_select(-1, order.to(gate_up_bias.device)), down_bias)
     module.router_weight = nn.Parameter(fields["router_weight"].detach(), requires_grad=False)
     if fields.get("router_bias") is not None:
         module.router_bias = nn.Parameter(fields["router_bias"].detach(), requires_grad=False)

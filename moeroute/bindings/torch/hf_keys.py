@@ -48,6 +48,8 @@ __all__ = [
     "to_gpt_oss_layout",
 ]
 
+#: FP8 scale dtypes a checkpoint may hold (`moeroute.quant.check_scale`).
+_SCALE_DTYPES = tuple(d for d in (torch.float32, getattr(torch, "float8_e8m0fnu", None)) if d is not None)
 #: transformers parameter names (relative to the block) -> `MoE`'s.
 TRANSFORMERS_RENAMES = {"gate.weight": "router_weight", "gate.e_score_correction_bias": "correction_bias"}
 #: Where transformers blocks keep their shared MLP (DeepSeek/GLM, Qwen).
@@ -73,6 +75,22 @@ def _check_shape(key: str, tensor: torch.Tensor, shapes, expert=None) -> None:
         )
 
 
+def _local_rows(source: torch.Tensor, ids: list, num_experts: int, extra: torch.Tensor | None = None):
+    """This rank's rows ``ids`` of a stacked ``source`` [N, ...], then the rows of ``extra``
+    (fused slots), in one new tensor filled a row at a time: no temporary beyond the result.
+    ``source`` itself (no copy) when it is exactly those rows, or when its first dim is not
+    the layer's N experts (the shape check before the copy then names it)."""
+    if extra is None and ids == list(range(num_experts)) or source.dim() == 0 or source.shape[0] != num_experts:
+        return source
+    rows = len(ids) + (0 if extra is None else extra.shape[0])
+    out = torch.empty((rows, *source.shape[1:]), dtype=source.dtype, device=source.device)
+    for local, e in enumerate(ids):
+        out[local] = source[e]
+    if extra is not None:
+        out[len(ids) :] = extra
+    return out
+
+
 def split_slots(gate, up, down, inter: int, num_slots: int):
     """A shared MLP's gate/up [S*I, H] and down [H, S*I] as S expert slots [S, 2I, H], [S, H, I]."""
     gate_up = torch.stack(
@@ -94,6 +112,10 @@ def map_transformers_keys(module, state_dict: dict, prefix: str) -> None:
     shared slots cut from the shared MLP's ``gate_proj``/``up_proj``/``down_proj``);
     ``gate.weight`` -> ``router_weight``; ``gate.e_score_correction_bias`` ->
     ``correction_bias``; ``shared_expert.*`` -> ``shared_experts.*``.
+
+    The stacked tensors are handed on as they are when they hold exactly this rank's
+    experts; otherwise this rank's rows (and the fused slots) are written one expert at a
+    time into one new tensor per name.
     """
     for source, target in TRANSFORMERS_RENAMES.items():
         if prefix + source in state_dict:
@@ -113,15 +135,10 @@ def map_transformers_keys(module, state_dict: dict, prefix: str) -> None:
             )
         gate_up, down = state_dict.pop(gate_up_key), state_dict.pop(down_key)
         ids = module.routed_expert_ids()
-        if ids != list(range(gate_up.shape[0])):
-            index = torch.tensor(ids, dtype=torch.long, device=gate_up.device)
-            gate_up, down = gate_up.index_select(0, index), down.index_select(0, index)
-        if module.layout.shared == "fused":
-            slots = fused_slots(module, shared, gate_up)
-            gate_up = torch.cat([gate_up, slots[0].to(gate_up.dtype)])
-            down = torch.cat([down, slots[1].to(down.dtype)])
-        state_dict[prefix + "experts.w_gate_up"] = gate_up
-        state_dict[prefix + "experts.w_down"] = down
+        slots = fused_slots(module, shared, gate_up) if module.layout.shared == "fused" else (None, None)
+        n = module.router.num_experts
+        state_dict[prefix + "experts.w_gate_up"] = _local_rows(gate_up, ids, n, slots[0])
+        state_dict[prefix + "experts.w_down"] = _local_rows(down, ids, n, slots[1])
     if module.layout.shared != "fused":
         for name, value in shared.items():
             state_dict[prefix + "shared_experts." + name] = value
@@ -136,6 +153,12 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
     experts are dropped. Fused shared slots are the shared MLP (float, or FP8 with
     ``weight_scale_inv``) quantized with the layer's config. Per-tensor scales load as
     transformers' FP8Experts saves them ([N, 2, 1] and [N, 1, 1]) or as moeroute does.
+
+    Memory: every tensor is checked before any is copied; then this rank's rows are
+    written one expert at a time into one new tensor per name (the state torch copies into
+    the parameters), or the stacked tensors themselves are handed on when they are exactly
+    this rank's experts and the layer has no fused slots. Beyond the state dict and that
+    state, the peak is one expert's tensors (and the S fused slots' float weights).
 
     Raises
     ------
@@ -152,7 +175,6 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
         return
     quant, inter, hid = module.quant, module.intermediate_size, module.routed_hidden_size
     ids = module.routed_expert_ids()
-    routed = None
     pattern = re.compile(
         re.escape(prefix) + r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$"
     )
@@ -161,6 +183,10 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
         match = pattern.match(key)
         if match:
             found[int(match.group(1)), match.group(2), match.group(3)] = state_dict.pop(key)
+    targets = module.experts.quantized_tensors()
+    names = ("w_gate_up", "gate_up_scale", "w_down", "down_scale")
+    num_local = len(ids)
+    routed = None  # name -> this rank's routed rows [L, ...], checked
     if found:
         gate_up_scale_shape, down_scale_shape = (shape[1:] for shape in quant.scale_shapes(1, hid, inter))
         if quant.format == "fp8_block":
@@ -175,7 +201,7 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
         weight_shapes = {"gate_proj": ((inter, hid),), "up_proj": ((inter, hid),), "down_proj": ((hid, inter),)}
 
         def take(e, projection, kind):
-            # Each tensor checked before stacking: torch's stack/cat errors name no key.
+            # Each tensor checked before any is copied: torch's copy errors name no key.
             key = f"{prefix}experts.{e}.{projection}.{kind}"
             if (e, projection, kind) not in found:
                 raise KeyError(f"{key} is missing from the state dict (this rank holds expert {e})")
@@ -185,56 +211,79 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
                     f"{key} has dtype {tensor.dtype} but the layer has quant={quant.format!r} "
                     "(float8_e4m3fn weights with their weight_scale_inv)"
                 )
+            if kind != "weight" and tensor.dtype not in _SCALE_DTYPES:
+                raise ValueError(f"{key} has dtype {tensor.dtype}; FP8 scales are float32 (or float8_e8m0fnu)")
             _check_shape(key, tensor, (weight_shapes if kind == "weight" else scale_shapes)[projection], e)
             return tensor
 
-        gate, up, down = ([take(e, p, "weight") for e in ids] for p in PROJECTIONS)
-        gate_s, up_s, down_s = ([take(e, p, "weight_scale_inv") for e in ids] for p in PROJECTIONS)
-        if quant.format == "fp8_block":  # gate block rows, then up block rows
-            gate_up_scale = torch.stack([torch.cat(pair) for pair in zip(gate_s, up_s)])
-            down_scale = torch.stack(down_s)
-        else:  # one scale per projection: [L, 2] (gate, up) and [L]
-            gate_up_scale = torch.stack([torch.stack([a.reshape(()), b.reshape(())]) for a, b in zip(gate_s, up_s)])
-            down_scale = torch.stack([d.reshape(()) for d in down_s])
-        routed = (
-            torch.stack([torch.cat(pair) for pair in zip(gate, up)]),
-            torch.stack(down),
-            gate_up_scale,
-            down_scale,
-            None,
-        )
+        for kind in ("weight", "weight_scale_inv"):
+            for projection in PROJECTIONS:
+                for e in ids:
+                    take(e, projection, kind)
+        # One expert's tensors at a time into this rank's rows (the checkpoint's tensors are
+        # the input, these rows the layer's new state): no stacked temporaries.
+        routed = {name: torch.empty_like(targets[name][:num_local]) for name in names}
+        nb = gate_up_scale_shape[0] // 2 if quant.format == "fp8_block" else None
+        for local, e in enumerate(ids):
+            routed["w_gate_up"][local, :inter] = found[e, "gate_proj", "weight"]
+            routed["w_gate_up"][local, inter:] = found[e, "up_proj", "weight"]
+            routed["w_down"][local] = found[e, "down_proj", "weight"]
+            gate_s, up_s, down_s = (found[e, p, "weight_scale_inv"] for p in PROJECTIONS)
+            if quant.format == "fp8_block":  # gate block rows, then up block rows
+                routed["gate_up_scale"][local, :nb] = gate_s
+                routed["gate_up_scale"][local, nb:] = up_s
+                routed["down_scale"][local] = down_s
+            else:  # one scale per projection: [L, 2] (gate, up) and [L]
+                routed["gate_up_scale"][local, 0] = gate_s.reshape(())
+                routed["gate_up_scale"][local, 1] = up_s.reshape(())
+                routed["down_scale"][local] = down_s.reshape(())
+        found.clear()
     elif prefix + "experts.gate_up_proj" in state_dict:
-        names = ["experts.gate_up_proj", "experts.down_proj", *STACKED_SCALE_KEYS]
+        stacked_names = ["experts.gate_up_proj", "experts.down_proj", *STACKED_SCALE_KEYS]
         if quant.activation == "static":
-            names += ["experts.gate_up_proj_activation_scale", "experts.down_proj_activation_scale"]
-        missing = [prefix + name for name in names if prefix + name not in state_dict]
+            stacked_names += ["experts.gate_up_proj_activation_scale", "experts.down_proj_activation_scale"]
+        missing = [prefix + name for name in stacked_names if prefix + name not in state_dict]
         if missing:
             raise KeyError(f"{missing[0]} is missing from the state dict (FP8 experts need it)")
         gate_up_scale_shape, down_scale_shape = (shape[1:] for shape in quant.scale_shapes(1, hid, inter))
         row_shapes = [((2 * inter, hid),), ((hid, inter),), (gate_up_scale_shape,), (down_scale_shape,), ((),), ((),)]
         if quant.format == "fp8_tensor":  # transformers' FP8Experts: [N, 2, 1] and [N, 1, 1]
             row_shapes[2:4] = [stacked_fp8_scale("gate_up_scale")[0], stacked_fp8_scale("down_scale")[0]]
+        n = module.router.num_experts
         stacked = []
-        for name, shapes in zip(names, row_shapes):
+        for name, shapes in zip(stacked_names, row_shapes):
             key = prefix + name
             tensor = state_dict.pop(key)
-            n = module.router.num_experts
             if tensor.dim() == 0 or tensor.shape[0] != n or tuple(tensor.shape[1:]) not in shapes:
                 raise ValueError(
                     f"{key} has shape {list(tensor.shape)}, expected "
                     f"{' or '.join(str([n, *shape]) for shape in shapes)} (the {n} experts)"
                 )
-            stacked.append(tensor.index_select(0, torch.tensor(ids, device=tensor.device)))
+            stacked.append(tensor)
         if quant.format == "fp8_tensor":
-            stacked[2], stacked[3] = stacked[2].reshape(len(ids), 2), stacked[3].reshape(len(ids))
-        gate_up_scale = gate_up_scale_from_stacked(stacked[2], quant, inter)
-        input_scale = torch.stack(stacked[4:6], dim=1) if quant.activation == "static" else None
-        routed = (stacked[0], stacked[1], gate_up_scale, stacked[3], input_scale)
-    targets = module.experts.quantized_tensors()
-    pieces = {}
+            stacked[2], stacked[3] = stacked[2].reshape(n, 2), stacked[3].reshape(n)
+        gate_up_scale_from_stacked(stacked[2], quant, inter)
+        # This rank's rows: the checkpoint's tensors themselves when they are exactly those.
+        routed = dict(
+            zip(("w_gate_up", "w_down", "gate_up_scale", "down_scale"), (_local_rows(t, ids, n) for t in stacked))
+        )
+        if quant.activation == "static":
+            index = torch.tensor(ids, device=stacked[4].device)
+            routed["input_scale"] = torch.stack([stacked[4][index], stacked[5][index]], dim=1)
     if routed is not None:
-        checked = check_quantized_weights(quant, len(ids), hid, inter, *routed)
-        pieces.update({name: [tensor] for name, tensor in checked.items()})
+        checked = check_quantized_weights(
+            quant,
+            num_local,
+            hid,
+            inter,
+            routed["w_gate_up"],
+            routed["w_down"],
+            routed["gate_up_scale"],
+            routed["down_scale"],
+            routed.get("input_scale"),
+        )
+        routed = {name: checked[name] for name in routed}
+    slots = None
     if module.layout.shared == "fused" and "gate_proj.weight" in shared:
         weights = []
         for name in ("gate_proj", "up_proj", "down_proj"):
@@ -248,14 +297,22 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
                     else dequantize_fp8_tensor(weight, scale.reshape(()))
                 )
             weights.append(weight.float())
-        slots = quantize_experts(*split_slots(*weights, inter, module.num_shared_experts), quant)
-        for name, tensor in zip(("w_gate_up", "gate_up_scale", "w_down", "down_scale"), slots):
-            pieces.setdefault(name, [targets[name][: len(ids)].detach().clone()]).append(tensor)
-    for name, parts in pieces.items():
+        slots = split_slots(*weights, inter, module.num_shared_experts)
+    if routed is None and slots is None:
+        return
+    for name in {*(routed or ()), *(names if slots is not None else ())}:
         full = targets[name]
-        if len(parts) == 1 and parts[0].shape[0] < full.shape[0]:  # routed only: keep the slots
-            parts.append(full[parts[0].shape[0] :].detach().clone())
-        state_dict[prefix + "experts." + name] = torch.cat([p.to(full.device) for p in parts])
+        if slots is None and routed[name].shape[0] == full.shape[0]:
+            state_dict[prefix + "experts." + name] = routed[name]  # the checked rows as they are
+            continue
+        out = torch.empty_like(full)
+        out[:num_local] = full[:num_local] if routed is None else routed[name]
+        if slots is None or name not in names:
+            out[num_local:] = full[num_local:]  # the fused slots (or their input scales) kept
+        state_dict[prefix + "experts." + name] = out
+    if slots is not None:  # the shared MLP quantized with the layer's config, into its slots
+        out = tuple(state_dict[prefix + "experts." + name][num_local:] for name in names)
+        quantize_experts(*(w.to(out[0].device) for w in slots), quant, out=out)
 
 
 def _check_expert_biases(module, state_dict: dict, prefix: str, experts_key: str) -> None:
@@ -355,11 +412,20 @@ class TransformersCheckpoint:
             missing = [key for key in sources if key not in state_dict]
             raise KeyError(f"{missing[0]} is missing from the state dict: gpt-oss experts need {', '.join(sources)}")
         if present:
-            converted = from_gpt_oss_layout(*(state_dict.pop(key) for key in sources))
-            ids = module.routed_expert_ids()
-            if ids != list(range(converted[0].shape[0])):  # this rank's experts (and replicas)
-                index = torch.tensor(ids, dtype=torch.long, device=converted[0].device)
-                converted = [tensor.index_select(0, index) for tensor in converted]
+            gate_up, down, gate_up_bias, down_bias = (state_dict.pop(key) for key in sources)
+            ids, n = module.routed_expert_ids(), module.router.num_experts
+            if ids == list(range(n)) or gate_up.dim() != 3 or gate_up.shape[0] != n:
+                converted = from_gpt_oss_layout(gate_up, down, gate_up_bias, down_bias)
+            else:  # this rank's experts (and replicas), converted one expert at a time
+                w_gate_up = torch.empty(
+                    (len(ids), gate_up.shape[2], gate_up.shape[1]), dtype=gate_up.dtype, device=gate_up.device
+                )
+                for local, e in enumerate(ids):
+                    w_gate_up[local] = from_gpt_oss_layout(gate_up[e : e + 1], down[:1, :0], gate_up_bias[:1], None)[0][
+                        0
+                    ]
+                _, w_down, b_gate_up, b_down = from_gpt_oss_layout(gate_up[:, :0], down, gate_up_bias, down_bias)
+                converted = (w_gate_up, *(_local_rows(t, ids, n) for t in (w_down, b_gate_up, b_down)))
             for name, tensor in zip(("w_gate_up", "w_down", "b_gate_up", "b_down"), converted):
                 state_dict[prefix + "experts." + name] = tensor
 
