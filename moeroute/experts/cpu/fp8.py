@@ -32,6 +32,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from moeroute.experts.cpu.variants import parallel_and_serial
 from moeroute.experts.cpu.dot import (
     BF16_DOT,
     LANES,
@@ -246,7 +247,7 @@ def _gate_up_item(q_a, s_a, tokens, offsets, e, chunk, q_gate_up, gate_up_scale,
         n = segment_end
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@parallel_and_serial(fastmath=True, cache=True)
 def gate_up_rows(q_a, s_a, tokens, offsets, work, q_gate_up, gate_up_scale, inter, bn, bk, out):
     """out[m, :] = x[tokens[m]] @ W_e^T for each expert e's sorted rows m (first GEMM), with
     x = q_a * s_a per group of bk columns (the quantized activations).
@@ -262,13 +263,7 @@ def gate_up_rows(q_a, s_a, tokens, offsets, work, q_gate_up, gate_up_scale, inte
         )
 
 
-@numba.njit(fastmath=True, cache=True)
-def gate_up_rows_serial(q_a, s_a, tokens, offsets, work, q_gate_up, gate_up_scale, inter, bn, bk, out):
-    """`gate_up_rows` on the calling thread (no parallel region to start: one thread)."""
-    for item in range(work.shape[0]):
-        _gate_up_item(
-            q_a, s_a, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale, inter, bn, bk, out
-        )
+gate_up_rows_serial = gate_up_rows.serial
 
 
 @numba.njit(fastmath=True)
@@ -302,7 +297,7 @@ def _down_block(q_a, s_a, tokens, slot_weights, offsets, experts, q_down, down_s
                 sums[t, n] += weight * d[n - first]
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@parallel_and_serial(fastmath=True, cache=True)
 def down_rows(q_a, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums):
     """sums[tokens[m], n] += slot_weights[m] * (a[m] @ W_e^T)[n] (second GEMM + combine), with
     a = q_a * s_a per group of bk columns (the quantized intermediate).
@@ -316,11 +311,7 @@ def down_rows(q_a, s_a, tokens, slot_weights, offsets, experts, q_down, down_sca
         _down_block(q_a, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, block)
 
 
-@numba.njit(fastmath=True, cache=True)
-def down_rows_serial(q_a, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums):
-    """`down_rows` on the calling thread."""
-    for block in range((q_down.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
-        _down_block(q_a, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, block)
+down_rows_serial = down_rows.serial
 
 
 # Serial on purpose: it runs between torch GEMMs, where starting Numba's thread pool next to
@@ -931,7 +922,7 @@ def _gate_up_item_bf16(xs, s_a, tokens, offsets, e, chunk, q_gate_up, gate_up_sc
         _gate_up_groups(weights, first, last, xs, tokens, start, stop, s_a, scale, inter, bn, bk, factors, dots, out)
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@parallel_and_serial(fastmath=True, cache=True)
 def gate_up_rows_bf16(xs, s_a, tokens, offsets, work, q_gate_up, gate_up_scale, inter, bn, bk, out):
     """`gate_up_rows` with the dot instructions (`BF16_DOT`; never call it elsewhere, and only
     where `bf16_dot_serves`): ``xs`` [T, H] uint16, the activations' e4m3 values as bfloat16
@@ -942,13 +933,7 @@ def gate_up_rows_bf16(xs, s_a, tokens, offsets, work, q_gate_up, gate_up_scale, 
         )
 
 
-@numba.njit(fastmath=True, cache=True)
-def gate_up_rows_bf16_serial(xs, s_a, tokens, offsets, work, q_gate_up, gate_up_scale, inter, bn, bk, out):
-    """`gate_up_rows_bf16` on the calling thread."""
-    for item in range(work.shape[0]):
-        _gate_up_item_bf16(
-            xs, s_a, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale, inter, bn, bk, out
-        )
+gate_up_rows_bf16_serial = gate_up_rows_bf16.serial
 
 
 @numba.njit(fastmath=True)
@@ -1069,25 +1054,20 @@ def _down_block_bf16(
             )
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def down_rows_bf16(acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums):
+@parallel_and_serial(fastmath=True, cache=True)
+def down_rows_bf16(acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, threaded=True):
     """`down_rows` with the dot instructions (`BF16_DOT`, where `bf16_dot_serves`): ``acts``
     [M, I] uint16, the intermediate's e4m3 values as bfloat16 bits; the other arguments as
-    `down_rows`. Threads split the output columns."""
-    for block in numba.prange((q_down.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
+    `down_rows`. Threads split the output columns; the serial form (``threaded=False``) takes
+    them as one block, each expert's down weights read as one stream (the same sums, bit for bit)."""
+    columns = ROW_BLOCK if threaded else max(1, q_down.shape[1])
+    for block in numba.prange((q_down.shape[1] + columns - 1) // columns):
         _down_block_bf16(
-            acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, block, ROW_BLOCK
+            acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, block, columns
         )
 
 
-@numba.njit(fastmath=True, cache=True)
-def down_rows_bf16_serial(acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums):
-    """`down_rows_bf16` on the calling thread: all output columns as one block, each expert's
-    down weights read as one stream (the same sums, bit for bit: a dot does not depend on
-    its neighbours)."""
-    _down_block_bf16(
-        acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, 0, q_down.shape[1]
-    )
+down_rows_bf16_serial = down_rows_bf16.serial
 
 
 def bf16_dot_serves(hidden: int, inter: int, gate_up_block, down_block) -> bool:

@@ -30,6 +30,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from moeroute.experts.cpu.variants import parallel_and_serial
 from moeroute import cpu_features
 from moeroute.quant.mxfp4 import E2M1_VALUES, MXFP4_BLOCK, SCALE_BIAS
 
@@ -251,7 +252,7 @@ def _gate_up_item(xs, tokens, offsets, e, b, blocks, scales, bias, out):
                 out[m + i, n] = tile[i] + add
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@parallel_and_serial(fastmath=True, cache=True)
 def gate_up_rows(xs, tokens, offsets, work, blocks, scales, bias, out):
     """out[m, n] = xs[tokens[m]] . W_e[n] (+ bias[e, n]) for each expert e's sorted rows m.
 
@@ -263,11 +264,7 @@ def gate_up_rows(xs, tokens, offsets, work, blocks, scales, bias, out):
         _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], blocks, scales, bias, out)
 
 
-@numba.njit(fastmath=True, cache=True)
-def gate_up_rows_serial(xs, tokens, offsets, work, blocks, scales, bias, out):
-    """`gate_up_rows` on the calling thread (no parallel region to start: one thread)."""
-    for item in range(work.shape[0]):
-        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], blocks, scales, bias, out)
+gate_up_rows_serial = gate_up_rows.serial
 
 
 @numba.njit(fastmath=True)
@@ -288,7 +285,7 @@ def _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bi
                     sums[tokens[m + j], n] += slot_weights[m + j] * (tile[j] + add)
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@parallel_and_serial(fastmath=True, cache=True)
 def down_rows(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums):
     """sums[tokens[m], n] += slot_weights[m] * (acts[m] . W_e[n] (+ bias[e, n])).
 
@@ -302,11 +299,7 @@ def down_rows(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias
         _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, b)
 
 
-@numba.njit(fastmath=True, cache=True)
-def down_rows_serial(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums):
-    """`down_rows` on the calling thread."""
-    for b in range((blocks.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
-        _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, b)
+down_rows_serial = down_rows.serial
 
 
 @intrinsic

@@ -26,6 +26,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from moeroute.experts.cpu.variants import parallel_and_serial
 from moeroute.experts.cpu.dot import (
     BF16_DOT,
     LANES,
@@ -236,7 +237,7 @@ def _gate_up_item(xs, tokens, offsets, e, chunk, blocks, scales, bias, out):
             _gate_up_rows(blocks_e, scales_e, first, last, xs, (tokens[m],), m, bias, e, dots, out)
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@parallel_and_serial(fastmath=True, cache=True)
 def gate_up_rows(xs, tokens, offsets, work, blocks, scales, bias, out):
     """`moeroute.experts.cpu.mxfp4.gate_up_rows` with the dot instructions (only where
     `serves`): xs [T, H] uint16, bfloat16 bits in `split_pairs` order; the rest as there."""
@@ -244,11 +245,7 @@ def gate_up_rows(xs, tokens, offsets, work, blocks, scales, bias, out):
         _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], blocks, scales, bias, out)
 
 
-@numba.njit(fastmath=True, cache=True)
-def gate_up_rows_serial(xs, tokens, offsets, work, blocks, scales, bias, out):
-    """`gate_up_rows` on the calling thread."""
-    for item in range(work.shape[0]):
-        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], blocks, scales, bias, out)
+gate_up_rows_serial = gate_up_rows.serial
 
 
 @numba.njit(fastmath=True)
@@ -302,17 +299,16 @@ def _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bi
                 _down_rows(blocks_e, scales_e, first, last, acts, (m,), tokens, slot_weights, bias, e, dots, sums)
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def down_rows(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums):
+@parallel_and_serial(fastmath=True, cache=True)
+def down_rows(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, threaded=True):
     """`moeroute.experts.cpu.mxfp4.down_rows` with the dot instructions (only where `serves`):
     acts [M, I] uint16, bfloat16 bits in `split_pairs` order; threads split the output
     columns (blocks of `ROW_BLOCK`)."""
-    for block in numba.prange((blocks.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
-        _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, block, ROW_BLOCK)
+    # The serial form (threaded=False): all output columns as one block, each expert's down
+    # weights read as one stream (the same sums, bit for bit).
+    columns = ROW_BLOCK if threaded else max(1, blocks.shape[1])
+    for block in numba.prange((blocks.shape[1] + columns - 1) // columns):
+        _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, block, columns)
 
 
-@numba.njit(fastmath=True, cache=True)
-def down_rows_serial(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums):
-    """`down_rows` on the calling thread: all output columns as one block, each expert's down
-    weights read as one stream (the same sums, bit for bit)."""
-    _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, 0, blocks.shape[1])
+down_rows_serial = down_rows.serial

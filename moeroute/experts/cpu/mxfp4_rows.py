@@ -15,6 +15,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from moeroute.experts.cpu.variants import parallel_and_serial
 from moeroute.experts.cpu import rows as cpu_rows
 from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
 
@@ -48,18 +49,14 @@ def _gate_up_item(xs, tokens, offsets, e, b, blocks, scales, bias, out):
                 out[m, n] += bias[e, n]
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@parallel_and_serial(fastmath=True, cache=True)
 def gate_up_rows(xs, tokens, offsets, work, blocks, scales, bias, out):
     """out[m, n] = xs[tokens[m]] . W_e[n] (+ bias[e, n]), each weight row decoded once."""
     for item in numba.prange(work.shape[0]):
         _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], blocks, scales, bias, out)
 
 
-@numba.njit(fastmath=True, cache=True)
-def gate_up_rows_serial(xs, tokens, offsets, work, blocks, scales, bias, out):
-    """`gate_up_rows` on the calling thread."""
-    for item in range(work.shape[0]):
-        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], blocks, scales, bias, out)
+gate_up_rows_serial = gate_up_rows.serial
 
 
 @numba.njit(fastmath=True)
@@ -88,7 +85,7 @@ def _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bi
                 sums[t, n] += weight * (dots[m - start, n - first] + add)
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@parallel_and_serial(fastmath=True, cache=True)
 def down_rows(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums):
     """sums[tokens[m], n] += slot_weights[m] * (acts[m] . W_e[n] (+ bias[e, n])), each weight
     row decoded once; threads split the output columns (one writer per sum)."""
@@ -96,8 +93,4 @@ def down_rows(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias
         _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, b)
 
 
-@numba.njit(fastmath=True, cache=True)
-def down_rows_serial(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums):
-    """`down_rows` on the calling thread."""
-    for b in range((blocks.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
-        _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, b)
+down_rows_serial = down_rows.serial

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from moeroute.experts.cpu.variants import parallel_and_serial
 from moeroute.experts.cpu.rows import activate_rows, activate_rows_bf16, float32_rows, store_sums
 from moeroute.experts.cpu import mxfp4_dot
 from moeroute.experts.cpu import fp8 as cpu_fp8
@@ -102,7 +103,7 @@ def _intermediate_row(gate_up, m, code, round_bf16, group, min_amax, acts, q, sc
     _quantize_row(acts, m, group, round_bf16, min_amax, q, scales, bits)
 
 
-@numba.njit(parallel=True, cache=True)
+@parallel_and_serial(cache=True)
 def rows_experts_fp8(
     x,
     tokens,
@@ -176,65 +177,7 @@ def rows_experts_fp8(
     store_sums(sums, out)
 
 
-@numba.njit(cache=True)
-def rows_experts_fp8_serial(
-    x,
-    tokens,
-    slot_weights,
-    offsets,
-    hit,
-    work,
-    q_gate_up,
-    gate_up_scale,
-    q_down,
-    down_scale,
-    gate_up_block,
-    down_block,
-    groups,
-    round_intermediate,
-    min_amax,
-    code,
-    out,
-):
-    """`rows_experts_fp8` on the calling thread: each expert's down weights read as one stream."""
-    inter = q_gate_up.shape[1] // 2
-    q_x, s_x, gate_up = _prologue(x, tokens, q_gate_up, gate_up_scale, groups[0], min_amax)
-    for item in range(work.shape[0]):
-        cpu_fp8._gate_up_item_bf16(
-            q_x,
-            s_x,
-            tokens,
-            offsets,
-            work[item, 0],
-            work[item, 1],
-            q_gate_up,
-            gate_up_scale,
-            inter,
-            gate_up_block[0],
-            gate_up_block[1],
-            gate_up,
-        )
-    acts, q, scales, q_a = _intermediate_buffers(gate_up, groups[1])
-    for m in range(acts.shape[0]):
-        _intermediate_row(gate_up, m, code, round_intermediate, groups[1], min_amax, acts, q, scales, q_a)
-    s_a = _weight_group_scales(scales, down_scale.shape[2])
-    sums = np.zeros((x.shape[0], q_down.shape[1]), np.float32)
-    cpu_fp8._down_block_bf16(
-        q_a,
-        s_a,
-        tokens,
-        slot_weights,
-        offsets,
-        hit,
-        q_down,
-        down_scale,
-        down_block[0],
-        down_block[1],
-        sums,
-        0,
-        q_down.shape[1],
-    )
-    store_sums(sums, out)
+rows_experts_fp8_serial = rows_experts_fp8.serial
 
 
 def thread_columns(columns: int, threads: int, multiple: int) -> int:
@@ -260,7 +203,7 @@ def _mxfp4_intermediate_row(gate_up, m, code, natural, acts):
     mxfp4_dot.split_pairs(natural[m : m + 1], acts[m : m + 1])
 
 
-@numba.njit(parallel=True, cache=True)
+@parallel_and_serial(cache=True)
 def rows_experts_mxfp4(
     x,
     tokens,
@@ -305,36 +248,4 @@ def rows_experts_mxfp4(
     store_sums(sums, out)
 
 
-@numba.njit(cache=True)
-def rows_experts_mxfp4_serial(
-    x,
-    tokens,
-    slot_weights,
-    offsets,
-    hit,
-    work,
-    gate_up_blocks,
-    gate_up_scales,
-    down_blocks,
-    down_scales,
-    gate_up_bias,
-    down_bias,
-    code,
-    out,
-):
-    """`rows_experts_mxfp4` on the calling thread: each expert's down weights read as one stream."""
-    xs = _split_rows(x)
-    rows, inter = tokens.shape[0], gate_up_blocks.shape[1] // 2
-    gate_up = np.empty((rows, 2 * inter), np.float32)
-    for item in range(work.shape[0]):
-        mxfp4_dot._gate_up_item(
-            xs, tokens, offsets, work[item, 0], work[item, 1], gate_up_blocks, gate_up_scales, gate_up_bias, gate_up
-        )
-    natural, acts = np.empty((rows, inter), np.uint16), np.empty((rows, inter), np.uint16)
-    for m in range(rows):
-        _mxfp4_intermediate_row(gate_up, m, code, natural, acts)
-    sums = np.zeros((x.shape[0], down_blocks.shape[1]), np.float32)
-    mxfp4_dot._down_block(
-        acts, tokens, slot_weights, offsets, hit, down_blocks, down_scales, down_bias, sums, 0, down_blocks.shape[1]
-    )
-    store_sums(sums, out)
+rows_experts_mxfp4_serial = rows_experts_mxfp4.serial

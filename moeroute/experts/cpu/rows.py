@@ -29,6 +29,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
+from moeroute.experts.cpu.variants import parallel_and_serial
 from moeroute.experts.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 from moeroute.experts.cpu.dot import (
     BF16_DOT,
@@ -394,8 +395,8 @@ def _buffers(x, rows, w_gate_up, w_down):
     )
 
 
-@numba.njit(parallel=True, cache=True)
-def rows_experts(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, code, bound, out):
+@parallel_and_serial(cache=True)
+def rows_experts(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, code, bound, out, threaded=True):
     """The whole float expert MLP with the row kernels, from the routed slots to the output.
 
     x [T, H] and out [T, H] uint16 (bfloat16 bits) or float32, ids [T, K] int32/int64 local
@@ -417,25 +418,14 @@ def rows_experts(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, code, bo
     for item in numba.prange(work.shape[0]):
         _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, b_gate_up, gate_up)
     activate_rows(gate_up, code, acts)
-    for b in numba.prange(_blocks(w_down)):
-        _down_block(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, b)
+    columns = ROW_BLOCK if threaded else max(1, w_down.shape[1])
+    for b in numba.prange((w_down.shape[1] + columns - 1) // columns):
+        _down_block(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, b, columns)
     store_sums(sums, out)
     return True
 
 
-@numba.njit(cache=True)
-def rows_experts_serial(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, code, bound, out):
-    """`rows_experts` on the calling thread (no parallel region to start: one thread)."""
-    tokens, slot_weights, offsets, hit, work = plan_rows(ids, weights, w_gate_up.shape[0], _blocks(w_gate_up))
-    if _beyond(offsets, hit, bound):
-        return False
-    xs, gate_up, acts, sums = _buffers(x, tokens.shape[0], w_gate_up, w_down)
-    for item in range(work.shape[0]):
-        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, b_gate_up, gate_up)
-    activate_rows(gate_up, code, acts)
-    _down_block(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, 0, w_down.shape[1])
-    store_sums(sums, out)
-    return True
+rows_experts_serial = rows_experts.serial
 
 
 # ---------------------------------------------------------------- bfloat16 dot-product instructions
@@ -638,8 +628,8 @@ def _round_bfloat16(value):
     return np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
-@numba.njit(parallel=True, cache=True)
-def rows_experts_bf16(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, code, bound, out):
+@parallel_and_serial(cache=True)
+def rows_experts_bf16(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, code, bound, out, threaded=True):
     """`rows_experts` for bfloat16 (x, weights and out uint16 bits) with the dot instructions
     (`BF16_DOT`; never call it elsewhere): the intermediate is rounded to bfloat16 before the
     down dots."""
@@ -652,26 +642,11 @@ def rows_experts_bf16(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, cod
     acts = np.empty((tokens.shape[0], w_down.shape[2]), np.uint16)
     activate_rows_bf16(gate_up, code, acts)
     sums = np.zeros((x.shape[0], w_down.shape[1]), np.float32)
-    for b in numba.prange(_blocks(w_down)):
-        _down_block_bf16(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, b)
+    columns = ROW_BLOCK if threaded else max(1, w_down.shape[1])
+    for b in numba.prange((w_down.shape[1] + columns - 1) // columns):
+        _down_block_bf16(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, b, columns)
     store_sums(sums, out)
     return True
 
 
-@numba.njit(cache=True)
-def rows_experts_bf16_serial(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, code, bound, out):
-    """`rows_experts_bf16` on the calling thread."""
-    tokens, slot_weights, offsets, hit, work = plan_rows(ids, weights, w_gate_up.shape[0], _blocks(w_gate_up))
-    if _beyond(offsets, hit, bound):
-        return False
-    gate_up = np.empty((tokens.shape[0], w_gate_up.shape[1]), np.float32)
-    for item in range(work.shape[0]):
-        _gate_up_item_bf16(x, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, b_gate_up, gate_up)
-    acts = np.empty((tokens.shape[0], w_down.shape[2]), np.uint16)
-    activate_rows_bf16(gate_up, code, acts)
-    sums = np.zeros((x.shape[0], w_down.shape[1]), np.float32)
-    # One thread: all columns as one block, each expert's down weights read as one stream
-    # (every sum still adds its experts in the same order: the parallel kernel's bits).
-    _down_block_bf16(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, 0, w_down.shape[1])
-    store_sums(sums, out)
-    return True
+rows_experts_bf16_serial = rows_experts_bf16.serial

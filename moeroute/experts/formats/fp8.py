@@ -427,12 +427,12 @@ def _rows_forward(
             cpu_rows.ACTIVATION_CODES[activation],
         )
         result = (out.view(torch.uint16) if bits else out).numpy()
+        # One contiguous range of output columns per thread (one thread: all of them), whole
+        # packs of weight rows.
+        columns = quant_rows.thread_columns(hidden, threads, cpu_fp8.ROW_BLOCK)
+        kernel = quant_rows.rows_experts_fp8_serial if threads == 1 else quant_rows.rows_experts_fp8
         with numba_threads(threads):
-            if threads == 1:
-                quant_rows.rows_experts_fp8_serial(*args, result)
-            else:  # one contiguous range of output columns per thread, whole packs of weight rows
-                columns = quant_rows.thread_columns(hidden, threads, cpu_fp8.ROW_BLOCK)
-                quant_rows.rows_experts_fp8(*args, columns, result)
+            kernel(*args, columns, result)
         return out
     sums = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     if static:  # per (row, expert): the expert's own input scale

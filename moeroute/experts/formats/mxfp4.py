@@ -221,12 +221,10 @@ def _rows_forward(
             bias_view(down_bias),
             cpu_rows.ACTIVATION_CODES[activation],
         )
+        columns = quant_rows.thread_columns(hidden, threads, mxfp4_dot.ROW_TILE)
+        kernel = quant_rows.rows_experts_mxfp4_serial if threads == 1 else quant_rows.rows_experts_mxfp4
         with numba_threads(threads):
-            if threads == 1:
-                quant_rows.rows_experts_mxfp4_serial(*args, out.view(torch.uint16).numpy())
-            else:
-                columns = quant_rows.thread_columns(hidden, threads, mxfp4_dot.ROW_TILE)
-                quant_rows.rows_experts_mxfp4(*args, columns, out.view(torch.uint16).numpy())
+            kernel(*args, columns, out.view(torch.uint16).numpy())
         return out
     sums = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     gate_up = torch.empty(tokens.shape[0], 2 * inter, dtype=torch.float32)
