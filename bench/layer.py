@@ -43,8 +43,8 @@ from _common import RESULTS_DIR, interleaved, print_table, wall_clock, write_res
 
 from moeroute.bindings.torch import arrays  # noqa: E402
 from moeroute.experts.activations import gated_activation  # noqa: E402
+from moeroute.experts.choose import choose  # noqa: E402
 from moeroute.experts.formats.unquantized import (  # noqa: E402
-    choose_gemm,
     cpu_experts,
     expert_mlp,
     onednn_linear_serves,
@@ -124,8 +124,12 @@ def stage_split(moe, x, repeats):
         t1 = time.perf_counter()
         sorted_slots, offsets, inverse = arrays.sort_by_expert(local_ids, experts.num_local_experts)
         offsets_list = offsets.tolist()
-        strategy = choose_gemm(
-            [b - a for a, b in zip(offsets_list[:-1], offsets_list[1:])], onednn_linear_serves(x.dtype), x.dtype
+        strategy = choose(
+            "float",
+            "cpu",
+            [b - a for a, b in zip(offsets_list[:-1], offsets_list[1:])],
+            dtype=x.dtype,
+            onednn=onednn_linear_serves(x.dtype),
         )
         t2 = time.perf_counter()
         if strategy == "rows":  # the row kernels add into the sums as they go: gemm includes combine
@@ -207,8 +211,12 @@ def gemm_strategies(moe, x, repeats):
     if not onednn_linear_serves(x.dtype):
         del others["loop_onednn"]
     result = {
-        "auto_choice": choose_gemm(
-            [b - a for a, b in zip(offsets_list[:-1], offsets_list[1:])], onednn_linear_serves(x.dtype), x.dtype
+        "auto_choice": choose(
+            "float",
+            "cpu",
+            [b - a for a, b in zip(offsets_list[:-1], offsets_list[1:])],
+            dtype=x.dtype,
+            onednn=onednn_linear_serves(x.dtype),
         ),
         "rows": len(hidden_sorted),
     }
@@ -307,7 +315,7 @@ ROWS_REPEATS = {1: 41, 8: 31, 32: 15, 64: 11, 128: 7, 256: 5, 512: 5}
 def rows_crossover(quick: bool) -> list[dict]:
     """The experts body with gemm="rows" against gemm="loop" (oneDNN-packed weights where oneDNN
     serves the dtype), same routing, interleaved: where the row kernels stop paying
-    (`moeroute.experts.formats.unquantized.ROWS_MAX_MEAN_ROWS`)."""
+    (`moeroute.experts.choose.ROWS_MAX_MEAN_ROWS`)."""
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         moe = MoE.from_hf(build_block()).to(dtype)

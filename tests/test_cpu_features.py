@@ -20,7 +20,7 @@ import torch
 
 import moeroute
 from moeroute import cpu_features
-from moeroute.experts.formats.unquantized import ROWS_MAX_MEAN_ROWS, rows_bound
+from moeroute.experts.choose import ROWS_MAX_MEAN_ROWS, rows_bound
 from moeroute.cpu_features import ENVIRONMENT_VARIABLE, ISA_PATHS, PATH_FEATURES, choose_isa, supported_isas
 from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
 from moeroute.experts.cpu import dot as cpu_dot
@@ -173,7 +173,7 @@ import torch
 import moeroute
 from helpers.reference import dense_experts, dequantize_mxfp4, randn, rel_error
 from moeroute import cpu_features
-from moeroute.experts.formats.unquantized import rows_bound
+from moeroute.experts.choose import rows_bound
 from moeroute.experts.formats.mxfp4 import mxfp4_experts_forward
 from moeroute.config import RouterConfig
 from moeroute.quant import quantize_mxfp4

@@ -1,23 +1,167 @@
-"""How the CPU quantized experts (FP8 and MXFP4) compute a call: "rows" decodes one weight
-row at a time into cache and dots it with the expert's tokens (decode-sized batches);
-"blocks" decodes chunks of rows for BLAS GEMMs (prefill)."""
+"""Which strategy computes a call of the expert compute: one table of what each (weight format,
+backend) combination offers, and one `choose` that the three forwards call.
+
+=====  =======  ===========================================================================
+format backend  "auto" takes
+=====  =======  ===========================================================================
+float  cpu      "rows" up to `rows_bound` mean rows per hit expert; else "padded" (float32
+                on torch.mm, few rows per expert, most experts hit) or "loop"
+fp8    cpu      "rows" up to `ROWS_MAX_MEAN_ROWS` mean rows per hit expert, and at any count
+                where the bfloat16-dot kernels serve the shapes (CPU feature `BF16_DOT`);
+                else "blocks"
+mxfp4  cpu      "rows" (few rows per expert decode in registers, more decode once per call)
+any    cuda     "cuda": `moeroute.gpu.fused_experts` (the quantized formats where CuPy is
+                installed and the call is one its kernels take; else "blocks")
+=====  =======  ===========================================================================
+
+A strategy a caller names is checked against its format's row of `STRATEGIES` (`check_strategy`),
+whatever the device: a module built on the CPU may move to CUDA. On CUDA a CPU strategy
+("rows", "loop", "padded") means the CUDA kernels; "blocks" stays a choice there.
+"""
 
 from __future__ import annotations
 
-__all__ = ["ROWS_MAX_ROWS_PER_EXPERT", "choose_strategy"]
+import functools
+import importlib.util
 
-#: Largest rows-per-expert (mean over hit experts) served by the row-streaming kernels:
-#: their dot products are not register-blocked over rows, so past a few dozen rows a
-#: BLAS GEMM over decoded blocks is faster (bench/quant.py).
-ROWS_MAX_ROWS_PER_EXPERT = 16
+import torch
+
+from moeroute import cpu_features
+
+__all__ = [
+    "FORMATS",
+    "BACKENDS",
+    "STRATEGIES",
+    "ROWS_MAX_MEAN_ROWS",
+    "ROWS_DTYPES",
+    "PADDED_MAX_ROWS",
+    "PADDED_MIN_HIT_FRACTION",
+    "PADDED_DTYPES",
+    "format_of",
+    "cupy_installed",
+    "check_strategy",
+    "rows_bound",
+    "choose",
+]
+
+#: The weight formats of the expert compute ("float": float32, float16 or bfloat16 weights).
+FORMATS = ("float", "fp8", "mxfp4")
+#: Where a call runs: the weights' device type.
+BACKENDS = ("cpu", "cuda")
+#: What a caller may name for each format ("auto" first): the CPU strategies; on CUDA "auto"
+#: (and any CPU strategy) is "cuda", and the quantized formats keep "blocks".
+STRATEGIES = {
+    "float": ("auto", "loop", "padded", "rows"),
+    "fp8": ("auto", "rows", "blocks"),
+    "mxfp4": ("auto", "rows", "blocks"),
+}
+#: Largest mean rows per hit expert that "auto" gives the CPU row kernels: below it an
+#: expert's GEMMs are bound by reading its weights, which the row kernels read once; past it
+#: a BLAS GEMM (over decoded blocks, for the quantized formats) is faster (bench/layer.py
+#: --rows-only, bench/quant.py). bfloat16 without bfloat16 instructions has no bound
+#: (`rows_bound`): oneDNN then converts each expert's weights on every call.
+ROWS_MAX_MEAN_ROWS = 16
+#: Dtypes of the float row kernels.
+ROWS_DTYPES = (torch.float32, torch.bfloat16)
+#: Largest per-expert row count the padded batch is used for: below it an expert's
+#: GEMM is bound by reading its weights, so padding rows costs little compute.
+PADDED_MAX_ROWS = 32
+#: The padded batch covers every local expert; it is used only when at least this share
+#: of them has rows, so idle experts' weights are not read for nothing (decode: few hit).
+PADDED_MIN_HIT_FRACTION = 0.5
+#: Dtypes the padded batch is chosen for: torch's CPU bmm is slow in half precision.
+PADDED_DTYPES = (torch.float32,)
 
 
-def choose_strategy(counts: list[int], bf16_dot: bool = False) -> str:
-    """ "rows" when the hit experts average at most `ROWS_MAX_ROWS_PER_EXPERT` rows, or at any
-    count when the row kernels run on the bfloat16 dot instructions (``bf16_dot``: row
-    kernels register-blocked over four rows, which read each weight once per four rows and
-    write no decode buffer, bench/quant.py); else "blocks"."""
-    hit = [c for c in counts if c]
-    if bf16_dot or not hit or sum(hit) <= ROWS_MAX_ROWS_PER_EXPERT * len(hit):
+def format_of(quant) -> str:
+    """The `FORMATS` entry of a `moeroute.quant.QuantConfig` (None: "float")."""
+    if quant is None:
+        return "float"
+    return "mxfp4" if quant.format == "mxfp4" else "fp8"
+
+
+def cupy_installed() -> bool:
+    """CuPy importable: the CUDA kernels can run (else the quantized formats take "blocks")."""
+    return importlib.util.find_spec("cupy") is not None
+
+
+def check_strategy(name: str, strategy: str, format: str = "float") -> str:
+    """``strategy`` when ``format`` offers it (`STRATEGIES`), else ValueError naming ``name``,
+    the value and the allowed ones."""
+    if format not in STRATEGIES:
+        raise ValueError(f"format={format!r} is not an experts format; use one of {FORMATS}")
+    allowed = STRATEGIES[format]
+    if strategy not in allowed:
+        what = "a GEMM strategy" if format == "float" else f"an {format.upper()} strategy"
+        raise ValueError(f"{name}={strategy!r} is not {what}; use one of {allowed}")
+    return strategy
+
+
+@functools.cache
+def rows_bound(dtype: torch.dtype) -> float:
+    """The mean rows per hit expert up to which "auto" picks the float row kernels for
+    ``dtype``: `ROWS_MAX_MEAN_ROWS`, or no bound (inf) for bfloat16 where the CPU lacks
+    bfloat16 instructions (AVX512-BF16, AMX) or its path (`moeroute.cpu_isa`) is below them."""
+    if dtype == torch.bfloat16 and not cpu_features.BFLOAT16_INSTRUCTIONS:
+        return float("inf")
+    return float(ROWS_MAX_MEAN_ROWS)
+
+
+def choose(
+    format: str,
+    backend: str,
+    counts: list[int] | None = None,
+    *,
+    strategy: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    onednn: bool = False,
+    bf16_dot: bool = False,
+    cuda_kernels: bool = True,
+) -> str:
+    """The strategy that computes one call.
+
+    Parameters
+    ----------
+    format : one of `FORMATS`
+    backend : one of `BACKENDS` (the weights' device type)
+    counts : list of int, rows of each local expert (the CPU "auto" choices read them)
+    strategy : what the caller asked for (`STRATEGIES`); "auto" decides here
+    dtype : the activations' dtype (float: the weights' too)
+    onednn : float on the CPU: the loop's linears run on oneDNN
+    bf16_dot : fp8 on the CPU: the bfloat16-dot row kernels serve these shapes
+    cuda_kernels : quantized formats on CUDA: CuPy is installed and the call is one the
+        CUDA kernels take
+
+    Returns
+    -------
+    str: "rows", "loop", "padded", "blocks" (CPU, quantized formats on CUDA) or "cuda".
+
+    Raises
+    ------
+    ValueError
+        An unknown format, backend or strategy (naming it and the allowed values).
+    """
+    check_strategy("strategy", strategy, format)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not an experts backend; use one of {BACKENDS}")
+    if backend == "cuda":
+        if format != "float" and (strategy == "blocks" or not cuda_kernels):
+            return "blocks"
+        return "cuda"
+    if strategy != "auto":
+        return strategy
+    counts = counts or []
+    hit = sum(1 for c in counts if c)
+    if format == "mxfp4":
         return "rows"
-    return "blocks"
+    if format == "fp8":
+        return "rows" if bf16_dot or not hit or sum(counts) <= ROWS_MAX_MEAN_ROWS * hit else "blocks"
+    if not hit:
+        return "loop"
+    if dtype in ROWS_DTYPES and sum(counts) <= rows_bound(dtype) * hit:
+        return "rows"
+    if onednn or dtype not in PADDED_DTYPES:
+        return "loop"
+    if max(counts) <= PADDED_MAX_ROWS and hit >= PADDED_MIN_HIT_FRACTION * len(counts):
+        return "padded"
+    return "loop"

@@ -12,10 +12,10 @@ from torch import nn
 
 from moeroute._validate import integer
 from moeroute.experts.activations import check_activation
-from moeroute.experts.formats.fp8 import FP8_STRATEGIES, fp8_experts_forward
+from moeroute.experts.choose import check_strategy, format_of
+from moeroute.experts.formats.fp8 import fp8_experts_forward
 from moeroute.experts.formats.mxfp4 import mxfp4_experts_forward
 from moeroute.experts.formats.unquantized import (
-    GEMM_STRATEGIES,
     INIT_STD,
     SUPPORTED_DTYPES,
     check_dtype,
@@ -69,7 +69,7 @@ class LocalExperts(nn.Module):
     activation : str
         One of `ACTIVATIONS`.
     gemm : {"auto", "loop", "padded", "rows"}
-        CPU expert-GEMM strategy (`GEMM_STRATEGIES`); "auto" decides per call (`choose_gemm`).
+        CPU expert-GEMM strategy (`GEMM_STRATEGIES`); "auto" decides per call (`moeroute.experts.choose`).
     bias : bool
         Give every expert a gate_up bias and a down bias (gpt-oss), initialised to zeros.
     dtype, device : torch dtype and device of the weights.
@@ -116,8 +116,7 @@ class LocalExperts(nn.Module):
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={dtype} is not supported; use one of {SUPPORTED_DTYPES}")
         self.activation = check_activation(activation)
-        if gemm not in GEMM_STRATEGIES:
-            raise ValueError(f"gemm={gemm!r} is not a GEMM strategy; use one of {GEMM_STRATEGIES}")
+        check_strategy("gemm", gemm, "float")
         self.gemm = gemm
         self.num_local_experts = num_local_experts
         self.hidden_size = hidden_size
@@ -366,8 +365,7 @@ class QuantizedExperts(nn.Module):
         super().__init__()
         if not isinstance(quant, QuantConfig):
             raise TypeError(f"quant must be a moeroute.quant.QuantConfig, got {type(quant).__name__}")
-        if strategy not in FP8_STRATEGIES:
-            raise ValueError(f"strategy={strategy!r} is not an FP8 strategy; use one of {FP8_STRATEGIES}")
+        check_strategy("strategy", strategy, format_of(quant))
         self.activation = check_activation(activation)
         self.quant = quant
         self.strategy = strategy

@@ -16,12 +16,9 @@ from moeroute.bindings.torch.dispatch import DispatchHandle, LocalDispatcher, ch
 from moeroute.bindings.torch import arrays
 from moeroute.experts import modules as experts_modules
 from moeroute.experts.modules import LocalExperts
+from moeroute.experts.choose import PADDED_MAX_ROWS, ROWS_MAX_MEAN_ROWS, choose, rows_bound
 from moeroute.experts.formats.unquantized import (
-    PADDED_MAX_ROWS,
-    ROWS_MAX_MEAN_ROWS,
-    choose_gemm,
     expert_mlp,
-    rows_bound,
     onednn_linear_serves,
     padded_expert_mlp,
     streamed_expert_mlp,
@@ -437,28 +434,28 @@ def test_linear_backend_argument():
             expert_mlp(x.half(), [0, 2], torch.zeros(1, 2 * I, H).half(), torch.zeros(1, H, I).half(), linear="onednn")
 
 
-def test_choose_gemm():
+def test_choose_float_on_the_cpu():
     many = ROWS_MAX_MEAN_ROWS + 1
     # Row kernels: bfloat16/float32 experts serving few rows each (mean over hit experts).
     for dtype in (torch.float32, torch.bfloat16):
-        assert choose_gemm([3, 0, 5, 1], dtype=dtype) == "rows"
-        assert choose_gemm([1, 0, 0, 0], dtype=dtype) == "rows"  # decode: most experts idle
-        assert choose_gemm([3, 0, 5, 1], onednn=True, dtype=dtype) == "rows"
-        assert choose_gemm([ROWS_MAX_MEAN_ROWS] * 4, dtype=dtype) == "rows"
-    assert choose_gemm([many, many, 0, many], onednn=True, dtype=torch.float32) == "loop"
+        assert choose("float", "cpu", [3, 0, 5, 1], dtype=dtype) == "rows"
+        assert choose("float", "cpu", [1, 0, 0, 0], dtype=dtype) == "rows"  # decode: most experts idle
+        assert choose("float", "cpu", [3, 0, 5, 1], onednn=True, dtype=dtype) == "rows"
+        assert choose("float", "cpu", [ROWS_MAX_MEAN_ROWS] * 4, dtype=dtype) == "rows"
+    assert choose("float", "cpu", [many, many, 0, many], onednn=True, dtype=torch.float32) == "loop"
     # bfloat16 without bfloat16 instructions: the row kernels at every count; else bounded.
     native = cpu_features.BFLOAT16_INSTRUCTIONS
     assert rows_bound(torch.bfloat16) == (ROWS_MAX_MEAN_ROWS if native else float("inf"))
     assert rows_bound(torch.float32) == ROWS_MAX_MEAN_ROWS
-    assert choose_gemm([many, 0, many, many], dtype=torch.bfloat16) == ("loop" if native else "rows")
-    assert choose_gemm([4096, 1], onednn=True, dtype=torch.bfloat16) == ("loop" if native else "rows")
+    assert choose("float", "cpu", [many, 0, many, many], dtype=torch.bfloat16) == ("loop" if native else "rows")
+    assert choose("float", "cpu", [4096, 1], onednn=True, dtype=torch.bfloat16) == ("loop" if native else "rows")
     # float16 has no row kernel: the padded batch or the loop, as before.
-    assert choose_gemm([3, 0, 5, 1], dtype=torch.float16) == "loop"  # half-precision CPU bmm is slow
-    assert choose_gemm([]) == "loop"
-    assert choose_gemm([0, 0]) == "loop"
-    assert choose_gemm([many, many, many, 2 * PADDED_MAX_ROWS], dtype=torch.float32) == "loop"
-    assert choose_gemm([PADDED_MAX_ROWS] * 3 + [many], dtype=torch.float32) == "padded"
-    assert choose_gemm([PADDED_MAX_ROWS] * 3 + [many], onednn=True, dtype=torch.float32) == "loop"
+    assert choose("float", "cpu", [3, 0, 5, 1], dtype=torch.float16) == "loop"  # half-precision CPU bmm is slow
+    assert choose("float", "cpu", []) == "loop"
+    assert choose("float", "cpu", [0, 0]) == "loop"
+    assert choose("float", "cpu", [many, many, many, 2 * PADDED_MAX_ROWS], dtype=torch.float32) == "loop"
+    assert choose("float", "cpu", [PADDED_MAX_ROWS] * 3 + [many], dtype=torch.float32) == "padded"
+    assert choose("float", "cpu", [PADDED_MAX_ROWS] * 3 + [many], onednn=True, dtype=torch.float32) == "loop"
 
 
 def test_local_experts_rejects_bad_arguments():

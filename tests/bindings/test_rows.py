@@ -10,7 +10,8 @@ import torch
 from helpers.reference import dense_experts
 from moeroute.experts.cpu import rows as cpu_rows
 from moeroute.experts.activations import gated_activation
-from moeroute.experts.formats.unquantized import cpu_experts, rows_bound, rows_expert_mlp
+from moeroute.experts.choose import rows_bound
+from moeroute.experts.formats.unquantized import cpu_experts, rows_expert_mlp
 
 H, I, L = 96, 80, 6  # I and 2I not multiples of the row block, H not a multiple of 64
 

@@ -509,13 +509,13 @@ def test_thread_columns_are_one_aligned_contiguous_range_per_thread():
 
 
 def test_strategy_choice_follows_the_row_bound_unless_the_dot_kernels_serve():
-    from moeroute.experts.choose import ROWS_MAX_ROWS_PER_EXPERT, choose_strategy
+    from moeroute.experts.choose import ROWS_MAX_MEAN_ROWS, choose
 
-    bound = ROWS_MAX_ROWS_PER_EXPERT
-    assert choose_strategy([bound, 0, bound]) == "rows"
-    assert choose_strategy([bound + 1, 0, bound + 1]) == "blocks"
-    assert choose_strategy([]) == "rows"
-    assert choose_strategy([bound * 40, 3], bf16_dot=True) == "rows"
+    bound = ROWS_MAX_MEAN_ROWS
+    assert choose("fp8", "cpu", [bound, 0, bound]) == "rows"
+    assert choose("fp8", "cpu", [bound + 1, 0, bound + 1]) == "blocks"
+    assert choose("fp8", "cpu", []) == "rows"
+    assert choose("fp8", "cpu", [bound * 40, 3], bf16_dot=True) == "rows"
 
 
 def test_e4m3_rows_decode_and_pack_to_bfloat16_pairs_exactly():

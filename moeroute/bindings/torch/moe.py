@@ -42,12 +42,12 @@ from moeroute._validate import integer
 from moeroute.bindings.torch import arrays, ops
 from moeroute.bindings.torch.dispatch import Dispatcher, LocalDispatcher, ep_dispatcher_factory
 from moeroute.experts.formats.fp8 import (
-    FP8_STRATEGIES,
     check_dispatch_quant,
     check_quantized_weights,
     quantize_for_dispatch,
 )
 from moeroute.experts.activations import apply_activation, check_activation
+from moeroute.experts.choose import check_strategy, format_of
 from moeroute.experts.formats.unquantized import (
     SUPPORTED_DTYPES,
     check_dtype,
@@ -366,8 +366,7 @@ class MoE(nn.Module):
                 "down_scale=...)"
             )
         self.dispatch_dtype = check_dispatch_quant(dispatch_dtype, quant)
-        if quant is not None and gemm not in FP8_STRATEGIES:
-            raise ValueError(f"gemm={gemm!r} is not an FP8 strategy; with quant use one of {FP8_STRATEGIES}")
+        check_strategy("gemm", gemm, format_of(quant))
         if apply_router_weight_on_input and router.top_k != 1:
             raise ValueError(
                 f"apply_router_weight_on_input=True needs top_k=1 (one weight per input row), got top_k={router.top_k}"

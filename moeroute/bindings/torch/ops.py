@@ -49,14 +49,14 @@ import torch
 
 from moeroute.bindings.torch import arrays
 from moeroute.experts.activations import check_activation
+from moeroute.experts.choose import check_strategy
 from moeroute.experts.formats.unquantized import (
-    GEMM_STRATEGIES,
     SUPPORTED_DTYPES,
     check_same_device,
     cpu_experts,
 )
-from moeroute.experts.formats.fp8 import FP8_STRATEGIES, check_quantized_weights, fp8_experts_forward
-from moeroute.experts.formats.mxfp4 import MXFP4_STRATEGIES, check_mxfp4_weights, mxfp4_experts_forward
+from moeroute.experts.formats.fp8 import check_quantized_weights, fp8_experts_forward
+from moeroute.experts.formats.mxfp4 import check_mxfp4_weights, mxfp4_experts_forward
 from moeroute.config import RouterConfig
 from moeroute.layout import ExpertLayout
 from moeroute.quant import QuantConfig
@@ -333,8 +333,7 @@ def _check_experts_args(
     hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm, b_gate_up=None, b_down=None
 ):
     check_activation(activation)
-    if gemm not in GEMM_STRATEGIES:
-        raise ValueError(f"gemm={gemm!r} is not a GEMM strategy; use one of {GEMM_STRATEGIES}")
+    check_strategy("gemm", gemm, "float")
     if hidden_states.dim() != 2:
         raise ValueError(f"hidden_states must be 2-D [T, H], got shape {tuple(hidden_states.shape)}")
     if hidden_states.dtype not in SUPPORTED_DTYPES:
@@ -430,8 +429,7 @@ def _check_mxfp4_experts_args(
     """The MXFP4 form of `_check_experts_args`: blocks uint8 [L, 2I, H/32, 16] and
     [L, H, I/32, 16] with their uint8 scales; biases optional (added in float32)."""
     check_activation(activation)
-    if gemm not in MXFP4_STRATEGIES:
-        raise ValueError(f"gemm={gemm!r} is not an MXFP4 strategy; use one of {MXFP4_STRATEGIES}")
+    check_strategy("gemm", gemm, "mxfp4")
     if hidden_states.dim() != 2 or hidden_states.dtype not in SUPPORTED_DTYPES:
         raise ValueError(
             f"hidden_states must be 2-D [T, H] of {SUPPORTED_DTYPES}, got {hidden_states.dtype} of "
@@ -494,10 +492,7 @@ def _check_fp8_experts_args(
 ):
     """The FP8 form of `_check_experts_args` (weights float8_e4m3fn, scales per `QuantConfig`)."""
     check_activation(activation)
-    if gemm not in FP8_STRATEGIES:
-        raise ValueError(
-            f"gemm={gemm!r} is not an FP8 strategy; with quant_format={quant.format!r} use one of {FP8_STRATEGIES}"
-        )
+    check_strategy("gemm", gemm, "fp8")
     if hidden_states.dim() != 2 or hidden_states.dtype not in SUPPORTED_DTYPES:
         raise ValueError(
             f"hidden_states must be 2-D [T, H] of {SUPPORTED_DTYPES}, got {hidden_states.dtype} of "

@@ -18,7 +18,7 @@ The FP8 weights are never dequantized whole. Two strategies, picked by rows per 
   quantized rows (float32, whatever the activation dtype: the row kernels' numerics) with
   torch (oneDNN/MKL): the GEMM's compute is then the cost, as in the float layer.
 
-`choose_fp8_strategy` picks between them (bench/quant.py finds the crossover). On a CPU
+`moeroute.experts.choose` picks between them (bench/quant.py finds the crossover). On a CPU
 with AVX512-BF16 and shapes whose rows and column blocks are whole 64-weight steps
 (`moeroute.experts.cpu.fp8.bf16_dot_serves`), the row kernels decode e4m3 to bfloat16 and use
 the bfloat16 dot instruction, four activation rows per weight row: "rows" at every size there,
@@ -36,7 +36,7 @@ from moeroute.experts.cpu import quant_rows
 from moeroute.experts.cpu import rows as cpu_rows
 from moeroute.experts.activations import gated_activation
 from moeroute.experts.formats.unquantized import numba_threads, check_same_device
-from moeroute.experts.choose import choose_strategy as choose_fp8_strategy
+from moeroute.experts.choose import STRATEGIES, check_strategy, choose, cupy_installed
 from moeroute.quant import FP8_DTYPE, QuantConfig, check_scale, quantize_fp8_activations, quantize_fp8_static
 from moeroute.quant.fp8 import MIN_AMAX, check_fp8_weight
 from moeroute.experts.cpu import fp8 as cpu_fp8
@@ -45,7 +45,6 @@ from moeroute.routing.threads import cpu_threads
 
 __all__ = [
     "fp8_experts_forward",
-    "choose_fp8_strategy",
     "FP8_STRATEGIES",
     "fake_quantize",
     "check_quantized_weights",
@@ -87,8 +86,8 @@ def gate_up_scale_from_stacked(scale: torch.Tensor, quant: QuantConfig, intermed
     return scale
 
 
-#: CPU strategies of the FP8 experts; "auto" picks per call (`choose_fp8_strategy`).
-FP8_STRATEGIES = ("auto", "rows", "blocks")
+#: Strategies of the FP8 experts; "auto" picks per call (`moeroute.experts.choose`).
+FP8_STRATEGIES = STRATEGIES["fp8"]
 #: Bytes of decoded weights per chunk of the "blocks" strategy: one reusable buffer, large
 #: enough that the chunked GEMMs keep the speed of whole ones (bench/quant.py).
 CHUNK_BYTES = 16 << 20
@@ -270,8 +269,7 @@ def fp8_experts_forward(
     -------
     Tensor [Tr, H], dtype of ``hidden_states``, accumulated in float32.
     """
-    if strategy not in FP8_STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} is not an FP8 strategy; use one of {FP8_STRATEGIES}")
+    check_strategy("strategy", strategy, "fp8")
     rows = hidden_states.q if isinstance(hidden_states, FP8Activations) else hidden_states
     check_same_device(
         "hidden_states",
@@ -302,7 +300,25 @@ def fp8_experts_forward(
     device = hidden_states.device
     gu_scale, d_scale, gu_block, d_block = _kernel_scales(config, gate_up_scale, down_scale, hidden, inter)
     if device.type != "cpu":
-        strategy = "blocks"  # the row kernels are Numba CPU code
+        # The CUDA kernels take the float rows (not rows quantized by the sender) on a CUDA
+        # device where CuPy is installed; else the torch "blocks".
+        cuda_kernels = device.type == "cuda" and received is None and cupy_installed()
+        strategy = choose("fp8", "cuda", strategy=strategy, cuda_kernels=cuda_kernels)
+        if strategy == "cuda":
+            from moeroute.gpu import fused_experts
+
+            return fused_experts(
+                hidden_states.contiguous(),
+                q_gate_up.contiguous(),
+                q_down.contiguous(),
+                weights.to(torch.float32).contiguous(),
+                local_ids.to(torch.int32).contiguous(),
+                activation=activation,
+                quant=config,
+                gate_up_scale=gate_up_scale.contiguous(),
+                down_scale=down_scale.contiguous(),
+                input_scale=None if input_scale is None else input_scale.contiguous(),
+            )
     if strategy != "blocks":
         # The row kernels' bookkeeping in one Numba pass; it also gives "auto" its counts.
         plan = cpu_rows.plan_rows(
@@ -312,8 +328,11 @@ def fp8_experts_forward(
             -(-two_inter // cpu_fp8.ROW_BLOCK),
         )
         if strategy == "auto":
-            strategy = choose_fp8_strategy(
-                np.diff(plan[2]).tolist(), cpu_fp8.bf16_dot_serves(hidden, inter, gu_block, d_block)
+            strategy = choose(
+                "fp8",
+                "cpu",
+                np.diff(plan[2]).tolist(),
+                bf16_dot=cpu_fp8.bf16_dot_serves(hidden, inter, gu_block, d_block),
             )
         if strategy == "rows":
             return _rows_forward(

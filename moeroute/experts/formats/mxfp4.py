@@ -30,8 +30,6 @@ on torch's current stream. Only when CuPy is not installed do they fall back to 
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import torch
 
@@ -40,6 +38,7 @@ from moeroute.experts.cpu import quant_rows
 from moeroute.experts.cpu import rows as cpu_rows
 from moeroute.experts.activations import gated_activation
 from moeroute.experts.formats.unquantized import bias_view, numba_threads, check_same_device
+from moeroute.experts.choose import STRATEGIES, check_strategy, choose, cupy_installed
 from moeroute.quant import QuantConfig, check_mxfp4
 from moeroute.experts.cpu import mxfp4_dot
 from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
@@ -58,7 +57,7 @@ __all__ = [
 ]
 
 #: CPU strategies; "auto" picks per call as the FP8 experts do.
-MXFP4_STRATEGIES = ("auto", "rows", "blocks")
+MXFP4_STRATEGIES = STRATEGIES["mxfp4"]
 #: Bytes of decoded weights per chunk of the "blocks" strategy (one reusable buffer).
 CHUNK_BYTES = 16 << 20
 #: Mean rows per hit expert from which the row strategy decodes each weight row once into
@@ -106,8 +105,7 @@ def mxfp4_experts_forward(
     ValueError
         An unknown ``strategy``; a tensor on another device than ``hidden_states``.
     """
-    if strategy not in MXFP4_STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} is not an MXFP4 strategy; use one of {MXFP4_STRATEGIES}")
+    check_strategy("strategy", strategy, "mxfp4")
     check_same_device(
         "hidden_states",
         hidden_states,
@@ -125,7 +123,13 @@ def mxfp4_experts_forward(
     inter = two_inter // 2
     top_k = local_ids.shape[1]
     dtype, device = hidden_states.dtype, hidden_states.device
-    if device.type == "cuda" and strategy == "auto" and _cupy_installed():
+    # Another device than the CPU takes the CUDA kernels where it is a CUDA device and CuPy is
+    # installed, else the torch "blocks".
+    backend, cuda_kernels = (
+        ("cpu", False) if device.type == "cpu" else ("cuda", device.type == "cuda" and cupy_installed())
+    )
+    strategy = choose("mxfp4", backend, strategy=strategy, cuda_kernels=cuda_kernels)
+    if strategy == "cuda":
         from moeroute.gpu import fused_experts
 
         return fused_experts(
@@ -139,7 +143,7 @@ def mxfp4_experts_forward(
             down_bias=down_bias,
             quant=QuantConfig(format="mxfp4"),
         )
-    if device.type == "cpu" and strategy != "blocks":
+    if strategy == "rows":
         blocks_per_expert = -(-two_inter // cpu_mxfp4.ROW_BLOCK)
         plan = cpu_rows.plan_rows(
             local_ids.detach().contiguous().numpy(),
@@ -180,11 +184,6 @@ def mxfp4_experts_forward(
         y += down_bias[row_expert].float()
     sums.index_add_(0, tokens, y.mul_(slot_weights[:, None]))
     return sums if dtype == torch.float32 else sums.to(dtype)
-
-
-def _cupy_installed() -> bool:
-    """CuPy importable: the GPU kernels can run (else CUDA tensors take the "blocks" strategy)."""
-    return importlib.util.find_spec("cupy") is not None
 
 
 def _rows_forward(

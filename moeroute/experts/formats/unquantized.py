@@ -3,8 +3,8 @@ in, ``sum over their local slots of w * expert(x)`` out (the ``partial_out`` tha
 `moeroute.bindings.torch.dispatch.Dispatcher.combine` expects). The module that holds the
 weights is `moeroute.experts.modules.LocalExperts`.
 
-CPU: three strategies, picked per call by `choose_gemm` from the rows per expert and the
-dtype (`GEMM_STRATEGIES`):
+CPU: three strategies, picked per call by `moeroute.experts.choose.choose` from the rows per
+expert and the dtype (`GEMM_STRATEGIES`):
 
 * "rows" (`rows_expert_mlp`): one Numba call (`moeroute.experts.cpu.rows`) reads each hit
   expert's weight rows once and dots them with every row it serves, adding into float32
@@ -19,7 +19,7 @@ dtype (`GEMM_STRATEGIES`):
   the read of its expert's weights whatever its row count, and one batched call replaces
   2L small ones, each a parallel region whose thread hand-off dominates when the cores
   are shared. "auto" picks it only for float32 and where the loop's linears run on
-  torch.mm (see `choose_gemm`).
+  torch.mm (see `moeroute.experts.choose`).
 
 The "loop" and "padded" strategies first sort the (row, slot) entries by expert (the Numba
 counting sort).
@@ -52,7 +52,7 @@ from moeroute.experts.activations import (
     check_activation,
     gated_activation,
 )
-from moeroute import cpu_features
+from moeroute.experts.choose import ROWS_DTYPES, STRATEGIES, choose, rows_bound
 from moeroute import routing
 from moeroute.routing.threads import cpu_threads
 from moeroute.routing.combine import accumulate_checked
@@ -63,10 +63,8 @@ __all__ = [
     "GEMM_STRATEGIES",
     "LINEAR_BACKENDS",
     "check_dtype",
-    "choose_gemm",
     "cpu_experts",
     "onednn_linear_serves",
-    "rows_bound",
     "rows_expert_mlp",
     "expert_mlp",
     "streamed_expert_mlp",
@@ -85,25 +83,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INIT_STD = 0.02
 #: Backends of one expert's linear on the CPU; "auto": oneDNN where it serves the dtype.
 LINEAR_BACKENDS = ("auto", "onednn", "mm")
-#: CPU expert-GEMM strategies; "auto" picks one per call with `choose_gemm`.
-GEMM_STRATEGIES = ("auto", "loop", "padded", "rows")
-#: Largest per-expert row count the padded batch is used for: below it an expert's
-#: GEMM is bound by reading its weights, so padding rows costs little compute.
-PADDED_MAX_ROWS = 32
-#: The padded batch covers every local expert; it is used only when at least this share
-#: of them has rows, so idle experts' weights are not read for nothing (decode: few hit).
-PADDED_MIN_HIT_FRACTION = 0.5
-#: Dtypes the padded batch is chosen for: torch's CPU bmm is slow in half precision.
-PADDED_DTYPES = (torch.float32,)
-#: Dtypes of the row kernels (`rows_expert_mlp`).
-ROWS_DTYPES = (torch.float32, torch.bfloat16)
-#: Largest mean row count per hit expert that "auto" gives the row kernels: below it an
-#: expert's GEMMs are bound by reading its weights, which the row kernels read once
-#: (bench/layer.py --rows-only finds the crossover against the oneDNN loop). bfloat16 without
-#: bfloat16 instructions has no bound (`rows_bound`): oneDNN then converts each expert's
-#: weights on every call. With them both sides multiply bfloat16 natively
-#: (`cpu_rows.rows_experts_bf16`) and the same bound holds.
-ROWS_MAX_MEAN_ROWS = 16
+#: CPU expert-GEMM strategies; "auto" picks one per call (`moeroute.experts.choose`).
+GEMM_STRATEGIES = STRATEGIES["float"]
 
 
 def check_dtype(name: str, dtype: torch.dtype) -> None:
@@ -331,45 +312,6 @@ def streamed_expert_mlp(
     return sums if hidden_states.dtype == torch.float32 else sums.to(hidden_states.dtype)
 
 
-def choose_gemm(counts: list[int], onednn: bool = False, dtype: torch.dtype = torch.float32) -> str:
-    """The CPU expert-GEMM strategy for experts with ``counts`` rows each.
-
-    "rows" for bfloat16 and float32 experts that serve few rows each (at most `rows_bound`
-    per hit expert on average): each weight row is read once and dotted with every row its
-    expert serves (`rows_expert_mlp`); decode-sized batches are bound by that read. Else
-    "padded" for few rows per float32 expert over mostly-hit experts on torch.mm, else the
-    streamed "loop". The loop is kept with oneDNN linears, whose per-expert calls cost less
-    than the padded batch's wasted rows, and in half precision, where torch's CPU bmm is slow
-    (bench/layer.py compares them).
-
-    Parameters
-    ----------
-    counts : list of int, rows of each local expert
-    onednn : bool, whether the loop's linears run on oneDNN (`onednn_linear_serves`)
-    dtype : torch.dtype, of the activations and weights
-    """
-    hit = sum(1 for c in counts if c)
-    if not hit:
-        return "loop"
-    if dtype in ROWS_DTYPES and sum(counts) <= rows_bound(dtype) * hit:
-        return "rows"
-    if onednn or dtype not in PADDED_DTYPES:
-        return "loop"
-    if max(counts) <= PADDED_MAX_ROWS and hit >= PADDED_MIN_HIT_FRACTION * len(counts):
-        return "padded"
-    return "loop"
-
-
-@functools.cache
-def rows_bound(dtype: torch.dtype) -> float:
-    """The mean rows per hit expert up to which "auto" picks the row kernels for ``dtype``:
-    `ROWS_MAX_MEAN_ROWS`, or no bound (inf) for bfloat16 where the CPU lacks bfloat16
-    instructions (AVX512-BF16, AMX) or its path (`moeroute.cpu_isa`) is below them."""
-    if dtype == torch.bfloat16 and not cpu_features.BFLOAT16_INSTRUCTIONS:
-        return float("inf")
-    return float(ROWS_MAX_MEAN_ROWS)
-
-
 def rows_expert_mlp(
     hidden_states: torch.Tensor,
     local_ids: torch.Tensor,
@@ -483,7 +425,7 @@ def cpu_experts(
     """The CPU experts body of `LocalExperts` and ``torch.ops.moeroute.experts``.
 
     Sorts the (row, slot) entries by expert, picks the GEMM strategy (``gemm``, or
-    `choose_gemm` from the rows per expert and the dtype for "auto") and runs it.
+    `moeroute.experts.choose.choose` for "auto") and runs it.
 
     Parameters
     ----------
@@ -517,7 +459,7 @@ def cpu_experts(
     num_experts = w_gate_up.shape[0]
     strategy = gemm
     if strategy == "rows" or (strategy == "auto" and dtype in ROWS_DTYPES):
-        # One Numba call plans, tests "auto"'s bound (choose_gemm's "rows" test, from the
+        # One Numba call plans, tests "auto"'s bound (`choose`'s "rows" test, from the
         # plan's totals) and, within it, computes the whole forward.
         bound = float("inf") if strategy == "rows" else rows_bound(dtype)
         out = _rows_forward(hidden_states, local_ids, weights, w_gate_up, w_down, activation, b_gate_up, b_down, bound)
@@ -526,7 +468,8 @@ def cpu_experts(
     sorted_slots, expert_offsets, inverse_index = routing.sort_by_expert(local_ids.detach().contiguous(), num_experts)
     offsets = expert_offsets.tolist()
     if strategy == "auto":
-        strategy = choose_gemm([b - a for a, b in zip(offsets[:-1], offsets[1:])], onednn_linear_serves(dtype), dtype)
+        counts = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+        strategy = choose("float", "cpu", counts, dtype=dtype, onednn=onednn_linear_serves(dtype))
     if strategy == "loop":
         gate_up, down = loop_weights if loop_weights is not None else (w_gate_up, w_down)
         return streamed_expert_mlp(

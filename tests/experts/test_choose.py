@@ -1,0 +1,97 @@
+"""moeroute.experts.choose: the one table of (format, backend, CPU features) -> strategy, its
+checks, and the constructor and forward checks that read it."""
+
+import pytest
+import torch
+
+from moeroute.experts import choose as choose_module
+from moeroute.experts.choose import FORMATS, ROWS_MAX_MEAN_ROWS, STRATEGIES, check_strategy, choose, format_of
+from moeroute.quant import QuantConfig
+
+# (format, backend, counts, keyword arguments, expected): each row is one answer of the table.
+TABLE = [
+    # CPU, quantized: the row bound, lifted where the bfloat16-dot kernels serve the shapes.
+    ("fp8", "cpu", [ROWS_MAX_MEAN_ROWS, 0, ROWS_MAX_MEAN_ROWS], {}, "rows"),
+    ("fp8", "cpu", [ROWS_MAX_MEAN_ROWS + 1, 0, ROWS_MAX_MEAN_ROWS + 1], {}, "blocks"),
+    ("fp8", "cpu", [40 * ROWS_MAX_MEAN_ROWS, 3], {"bf16_dot": True}, "rows"),
+    ("fp8", "cpu", [], {}, "rows"),
+    ("fp8", "cpu", [500, 500], {"strategy": "rows"}, "rows"),
+    ("fp8", "cpu", [1, 1], {"strategy": "blocks"}, "blocks"),
+    ("mxfp4", "cpu", [500, 500], {}, "rows"),
+    ("mxfp4", "cpu", [1], {"strategy": "blocks"}, "blocks"),
+    # CPU, float32: rows, padded over mostly-hit experts on torch.mm, else the loop.
+    ("float", "cpu", [3, 0, 5, 1], {}, "rows"),
+    ("float", "cpu", [ROWS_MAX_MEAN_ROWS + 4] * 4, {}, "padded"),
+    ("float", "cpu", [ROWS_MAX_MEAN_ROWS + 4] * 4, {"onednn": True}, "loop"),
+    ("float", "cpu", [0, 0], {}, "loop"),
+    ("float", "cpu", [3, 0, 5, 1], {"strategy": "padded"}, "padded"),
+    # CUDA: the CUDA kernels for every format; "blocks" stays a choice of the quantized ones,
+    # and is what they take where the CUDA kernels cannot run the call.
+    ("float", "cuda", [3], {}, "cuda"),
+    ("float", "cuda", [3], {"strategy": "rows"}, "cuda"),
+    ("fp8", "cuda", [3], {}, "cuda"),
+    ("fp8", "cuda", [3], {"strategy": "rows"}, "cuda"),
+    ("fp8", "cuda", [3], {"strategy": "blocks"}, "blocks"),
+    ("fp8", "cuda", [3], {"cuda_kernels": False}, "blocks"),
+    ("mxfp4", "cuda", [3], {}, "cuda"),
+    ("mxfp4", "cuda", [3], {"strategy": "blocks"}, "blocks"),
+    ("mxfp4", "cuda", [3], {"cuda_kernels": False}, "blocks"),
+]
+
+
+@pytest.mark.parametrize("format, backend, counts, kwargs, expected", TABLE)
+def test_the_table(format, backend, counts, kwargs, expected):
+    assert choose(format, backend, counts, **kwargs) == expected
+
+
+def test_bfloat16_rows_bound_follows_the_cpu_features(monkeypatch):
+    many = [ROWS_MAX_MEAN_ROWS + 1] * 3
+    for native, expected in ((True, "loop"), (False, "rows")):
+        monkeypatch.setattr(choose_module.cpu_features, "BFLOAT16_INSTRUCTIONS", native)
+        choose_module.rows_bound.cache_clear()
+        assert choose("float", "cpu", many, dtype=torch.bfloat16, onednn=True) == expected
+    choose_module.rows_bound.cache_clear()
+
+
+def test_half_precision_never_takes_the_padded_batch():
+    assert choose("float", "cpu", [ROWS_MAX_MEAN_ROWS + 4] * 4, dtype=torch.float16) == "loop"
+
+
+def test_every_format_has_auto_first():
+    assert tuple(STRATEGIES) == FORMATS
+    assert all(strategies[0] == "auto" for strategies in STRATEGIES.values())
+    assert format_of(None) == "float"
+    assert format_of(QuantConfig("fp8_block")) == format_of(QuantConfig("fp8_tensor")) == "fp8"
+    assert format_of(QuantConfig("mxfp4")) == "mxfp4"
+
+
+@pytest.mark.parametrize(
+    "format, strategy, message",
+    [
+        ("float", "blocks", r"gemm='blocks' is not a GEMM strategy; use one of \('auto', 'loop', 'padded', 'rows'\)"),
+        ("fp8", "loop", r"gemm='loop' is not an FP8 strategy; use one of \('auto', 'rows', 'blocks'\)"),
+        ("mxfp4", "padded", r"gemm='padded' is not an MXFP4 strategy; use one of \('auto', 'rows', 'blocks'\)"),
+    ],
+)
+def test_check_strategy_names_the_argument_and_the_allowed_values(format, strategy, message):
+    with pytest.raises(ValueError, match=message):
+        check_strategy("gemm", strategy, format)
+    assert check_strategy("gemm", "auto", format) == "auto"
+
+
+def test_bad_format_and_backend_are_refused():
+    with pytest.raises(ValueError, match=r"format='int3' is not an experts format"):
+        choose("int3", "cpu", [1])
+    with pytest.raises(ValueError, match=r"backend='tpu' is not an experts backend"):
+        choose("fp8", "tpu", [1])
+
+
+@pytest.mark.parametrize(
+    "quant, gemm", [(QuantConfig("fp8_block"), "loop"), (QuantConfig("mxfp4"), "padded"), (None, "blocks")]
+)
+def test_moe_refuses_a_strategy_its_format_lacks(quant, gemm):
+    from moeroute.bindings.torch import MoE
+    from moeroute.config import RouterConfig
+
+    with pytest.raises(ValueError, match=rf"^gemm='{gemm}' is not an? "):
+        MoE(RouterConfig(4, 2, "softmax"), 64, 64, quant=quant, gemm=gemm)
