@@ -116,7 +116,7 @@ def test_warmup_rejects_bad_arguments(presets, dtypes, error, match):
 def test_cache_dir_is_where_numba_writes():
     from moeroute.routing import select
 
-    assert runtime.cache_dir() == str(select._select_serial._cache._cache_path)
+    assert runtime.cache_dir() == str(select._select_rows._cache._cache_path)
     assert os.path.isabs(runtime.cache_dir())
 
 
@@ -127,7 +127,7 @@ def test_cpu_dispatchers_cover_the_kernels():
         importlib.import_module(f"moeroute.routing.{name}") for name in ("select", "combine", "permute")
     )
     names = {d.py_func.__module__ + "." + d.py_func.__name__ for d in runtime.cpu_dispatchers()}
-    for function in (select._select_serial, select._select_parallel, combine._accumulate_cpu, permute._gather_rows):
+    for function in (select._select_rows, select._select_parallel, combine._accumulate_cpu, permute._gather_rows):
         assert function.py_func.__module__ + "." + function.py_func.__name__ in names
 
 

@@ -481,6 +481,22 @@ def test_parallel_and_serial_paths_agree():
         np.testing.assert_array_equal(part_w, weights[start : start + 7])
 
 
+def test_one_row_kernel_specialization_serves_both_paths():
+    """The serial call (the row kernel on all rows) and the parallel kernel's chunks use one
+    compiled specialization of the row kernel per logits kind: a second one (e.g. literal
+    row bounds) would double the cold compile of the float path that `moeroute.warmup`
+    pays for."""
+    from moeroute.routing.select import _host
+
+    preset = PRESETS["deepseek-v3"]
+    small, bias = draw_inputs(preset, 3, "float32", rng_for("one specialization"))
+    large, _ = draw_inputs(preset, 4096, "float32", rng_for("one specialization", "large"))
+    select_experts(small, preset.router, bias)
+    select_experts(large, preset.router, bias)
+    float32_rows = [sig for sig in _host._select_rows.signatures if str(sig[0].dtype) == "float32"]
+    assert len(float32_rows) == 1, float32_rows
+
+
 # ------------------------------------------------------------------ invalid arguments
 
 DEEPSEEK = PRESETS["deepseek-v3"].router

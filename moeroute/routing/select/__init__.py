@@ -55,7 +55,6 @@ from moeroute.routing.select._host import (  # noqa: F401 (re-exported)
     _select_host,
     _select_parallel,
     _select_rows,
-    _select_serial,
 )
 
 __all__ = [

@@ -98,13 +98,20 @@ _BF16_TO_FLOAT = decode_table(bfloat16=True)
 # error_model="numpy": a float division by zero gives inf instead of raising, which keeps
 # the per-row loops free of branches so that LLVM vectorizes them.
 _cpu_jit = njit(cache=True, error_model="numpy")
-# Helpers that take arrays are inlined in Numba's IR: a real call would pay reference-count
-# updates (atomics) on every array argument, per call, per row.
+# Helpers are inlined into the row kernel, one of two ways. A called helper would pay
+# reference-count updates on every array argument, per call, per row, and a scalar helper
+# (exp, order keys, clipping) left as a call keeps its per-expert loop from vectorizing.
+# * The small leaves: in Numba's IR (inline="always"), so that their loops are compiled in
+#   their caller's context (compiled apart, the pick rounds over fewer than 16 keys lose the
+#   bound their caller's branch gives them, and ran measurably slower).
+# * The composite steps (a row's ranking, a scoring's row, the row loop): compiled once each
+#   as functions of their own and inlined by LLVM (forceinline: LLVM's alwaysinline). Numba's
+#   IR inlining runs the callee's front end and deep-copies its IR at every call site, and
+#   again at every site inside each inlined callee: over this call tree that was most of the
+#   kernel's compile time.
 _cpu_inline = njit(cache=True, error_model="numpy", inline="always")
-# The scalar helpers (exp, order keys, clipping) too: Numba compiles and caches each njit
-# function as its own library, and LLVM does not inline across them, so a called helper
-# stays a scalar call in every per-expert loop and keeps the loop from vectorizing.
 _cpu_scalar = _cpu_inline
+_cpu_step = njit(cache=True, error_model="numpy", forceinline=True)
 
 
 # A row's top-k is picked among the keys at or above a cut. With K <= 16 and N >= 16 the
@@ -246,7 +253,7 @@ def _push_top(key, index, top_keys, top_ids, count, capacity):
     return count
 
 
-@_cpu_inline
+@_cpu_step
 def _keep_groups(keys, num_groups, topk_group, two_best, group_keys, kept, top_keys, top_ids):
     """Mark the topk_group best groups in ``kept`` (ties to the lower group id).
 
@@ -314,7 +321,7 @@ def _small_top_k(keys, top_k, packed, top_keys, top_ids):
         packed[index] = _PACK_NONE
 
 
-@_cpu_inline
+@_cpu_step
 def _top_k(keys, lanes, lanes_ready, top_k, spread, candidates, packed, top_keys, top_ids):
     """The top_k best keys into top_keys/top_ids, descending, the lower id first on ties.
 
@@ -411,7 +418,7 @@ def _place(packed, count, top_k, places, top_keys, top_ids):
             previous = winner
 
 
-@_cpu_inline
+@_cpu_step
 def _softmax_fast_row(row, top_k, rsf, candidates, packed, top_keys, top_ids, out_w, out_ids, t):
     """Softmax with renormalize, without bias or groups, K <= 16 <= N, straight from a
     float32 row: the cut from the raw lane maxima (_raw_cut), candidates by a float
@@ -466,7 +473,7 @@ def _write_picks(top_keys, top_ids, top_k, out_w, out_ids, t):
     return total
 
 
-@_cpu_inline
+@_cpu_step
 def _rank(
     keys,
     lanes,
@@ -513,7 +520,7 @@ def _rank(
     _top_k(keys, lanes, lanes_ready, top_k, spread, candidates, packed, top_keys, top_ids)
 
 
-@_cpu_inline
+@_cpu_step
 def _softmax_logit_row(
     x,
     keys,
@@ -569,7 +576,7 @@ def _softmax_logit_row(
     return True
 
 
-@_cpu_inline
+@_cpu_step
 def _exact_row(
     x,
     bias,
@@ -817,7 +824,7 @@ def _select_rows(
     _keep_alive((x, scores, keys, lane_sums, group_keys, kept, top_keys, top_ids, candidates, packed, spread, lanes))
 
 
-@_cpu_inline
+@_cpu_step
 def _row_loop(
     logits,
     table,
@@ -906,30 +913,6 @@ def _row_loop(
         )
 
 
-@_cpu_jit
-def _select_serial(
-    logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k, renormalize, rsf, out_w, out_ids
-):
-    # np.int64(0), not the literal 0: the parallel kernel calls with int64 bounds, and one
-    # _select_rows specialization serves both (a Literal[int](0) one doubled the compile).
-    _select_rows(
-        logits,
-        table,
-        bias,
-        has_bias,
-        scoring,
-        num_groups,
-        topk_group,
-        top_k,
-        renormalize,
-        rsf,
-        np.int64(0),
-        logits.shape[0],
-        out_w,
-        out_ids,
-    )
-
-
 @njit(parallel=True, cache=True, error_model="numpy")
 def _select_parallel(
     logits, table, bias, has_bias, scoring, num_groups, topk_group, top_k, renormalize, rsf, num_chunks, out_w, out_ids
@@ -1002,5 +985,7 @@ def _select_host(logits, config, correction_bias, bfloat16=False, out=None):
         finally:
             numba.set_parallel_chunksize(previous)
     else:
-        _select_serial(*args, out_w, out_ids)
+        # One thread: the row kernel itself on all rows. Its bounds are int64 as in the
+        # parallel kernel's calls, so that both use one compiled specialization.
+        _select_rows(*args, 0, num_tokens, out_w, out_ids)
     return out_w, out_ids
