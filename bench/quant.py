@@ -16,7 +16,12 @@ strategies against each other at T = 8 (at T = 512, "auto" takes blocks).
 transformers' ``FP8Experts`` does not run on a CPU (its linear fetches a GPU kernel from
 the kernels hub): the script says so instead of timing it.
 
-JSON goes to bench/results/quant.json. Run: ``python bench/quant.py [--quick]``.
+``--w8a16``: instead, FP8 with unquantized activations (``QuantConfig("fp8_block",
+activation="none")``) against the w8a8 layer on the same bytes, interleaved the same way
+(the figure is w8a8 time / w8a16 time), on the Qwen3-30B-A3B shape at T = 1 and 8, torch on
+2 threads; JSON to bench/results/quant_w8a16.json.
+
+JSON goes to bench/results/quant.json. Run: ``python bench/quant.py [--quick] [--w8a16]``.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ SHAPES = {
 }
 TOKENS = (1, 8, 512)
 QUANT = QuantConfig("fp8_block")
+W8A16 = QuantConfig("fp8_block", activation="none")
 #: Repeats per (shape, T): decode calls take milliseconds, prefill ones seconds.
 REPEATS = {1: 15, 8: 15, 512: 2}
 #: Experts quantized per step while building (bounds the float32 temporaries).
@@ -152,10 +158,48 @@ def run(quick: bool) -> dict:
     }
 
 
+def run_w8a16(repeats: int = 30) -> dict:
+    """w8a8 against w8a16 over the same FP8 bytes, Qwen3-30B-A3B shape, T = 1 and 8."""
+    torch.set_num_threads(2)
+    shape = SHAPES["qwen3_30b_a3b"]
+    _, w8a8 = build(shape)
+    w8a16 = MoE(w8a8.router, shape["hidden"], shape["inter"], quant=W8A16)
+    w8a16.load_state_dict(w8a8.state_dict())
+    rows, results = [], []
+    for tokens in (1, 8):
+        x = torch.randn(tokens, shape["hidden"], generator=torch.Generator().manual_seed(tokens)).bfloat16()
+        with torch.no_grad():
+            timing = interleaved(lambda: w8a8(x), lambda: w8a16(x), repeats=repeats, warmup=3)
+        entry = {
+            "tokens": tokens,
+            "w8a8_ms": timing["baseline_us"] / 1e3,
+            "w8a16_ms": timing["candidate_us"] / 1e3,
+            "w8a8_over_w8a16": timing["speedup"],
+            "range": timing["speedup_range"],
+            "repeats": timing["repeats"],
+        }
+        results.append(entry)
+        rows.append(["qwen3_30b_a3b", tokens, entry["w8a8_ms"], entry["w8a16_ms"], entry["w8a8_over_w8a16"]])
+    print_table(["shape", "T", "w8a8 ms", "w8a16 ms", "w8a8/w8a16"], rows)
+    return {
+        "quant": repr(QUANT),
+        "w8a16": repr(W8A16),
+        "activation_dtype": "bfloat16",
+        "torch_threads": 2,
+        "shape": shape,
+        "results": results,
+    }
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="decode sizes only (T = 1, 8)")
+    parser.add_argument("--w8a16", action="store_true", help="w8a16 against w8a8 (Qwen3-30B-A3B, T = 1, 8)")
     args = parser.parse_args(argv)
+    if args.w8a16:
+        path = write_results("quant_w8a16", run_w8a16())
+        print(f"wrote {path}")
+        return
     path = write_results("quant", run(args.quick))
     print(f"wrote {path}")
 

@@ -276,6 +276,22 @@ def _quant(data):
     )
 
 
+def _quant_w8a16(data):
+    shape = data.get("shape", {})
+    lines = [
+        "`python -m bench quant --w8a16`: FP8 with unquantized activations (w8a16) against w8a8 over the "
+        f"same FP8 bytes, Qwen3-30B-A3B's expert shape (H = {shape.get('hidden')}, I = {shape.get('inter')}, "
+        f"N = {shape.get('experts')}, K = {shape.get('top_k')}), {data.get('activation_dtype')} activations, "
+        f"torch on {data.get('torch_threads')} threads.",
+        "",
+    ]
+    rows = [
+        (r["tokens"], _ms(r["w8a8_ms"]), _ms(r["w8a16_ms"]), _ratio(r["w8a8_over_w8a16"], r.get("range")))
+        for r in data["results"]
+    ]
+    return lines + _table(["T", "w8a8", "w8a16", "w8a8 time / w8a16 time (range)"], rows)
+
+
 def _quant_mxfp4(data):
     shape, copy = data.get("shape", {}), data.get("host_copy_gbs")
     lines = [
@@ -572,6 +588,7 @@ RENDERERS = {
     "layer": ("The MoE layer on the CPU against transformers", _layer),
     "vllm": ("The vLLM plugin against vLLM's CPU MoE", _vllm),
     "quant": ("FP8 experts on the CPU", _quant),
+    "quant_w8a16": ("FP8 w8a16 against w8a8 on the CPU", _quant_w8a16),
     "quant_mxfp4": ("MXFP4 experts on the CPU", _quant_mxfp4),
     "ep": ("Expert parallelism: bytes and time", _ep),
     "ep_fp8": ("Expert parallelism: FP8 dispatch", _ep_fp8),

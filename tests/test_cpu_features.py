@@ -222,6 +222,18 @@ for dtype in (torch.float32, torch.bfloat16):
     expected = dense_experts(x, ids, weights, dequantize_mxfp4(gu_blocks, gu_scales),
                              dequantize_mxfp4(d_blocks, d_scales))
     facts[f"mxfp4_{str(dtype).removeprefix('torch.')}_error"] = rel_error(out, expected)
+
+from moeroute.experts.formats.fp8 import fp8_experts_forward
+from moeroute.quant import QuantConfig, quantize_experts
+from moeroute.quant.reference import moe_experts_reference
+w8a16 = QuantConfig("fp8_block", block_size=(64, 64), activation="none")
+fp8_tensors = quantize_experts(w_gate_up, w_down, w8a16)
+for dtype in (torch.float32, torch.bfloat16):
+    x = randn(T, H, seed=3).to(dtype)
+    out = fp8_experts_forward(x, ids, weights, *fp8_tensors, w8a16, strategy="rows")
+    expected = moe_experts_reference(x, ids.long(), weights, *fp8_tensors, (64, 64), intermediate_dtype=dtype,
+                                     quantize_activations=False)
+    facts[f"w8a16_{str(dtype).removeprefix('torch.')}_error"] = rel_error(out, expected)
 print(json.dumps(facts))
 """
 
@@ -251,3 +263,5 @@ def test_a_lower_path_runs_on_its_own_level(path):
     assert facts["weights_error"] <= 1e-6
     for dtype, tolerance in MXFP4_RTOL.items():
         assert facts[f"mxfp4_{dtype}_error"] < tolerance, dtype
+    for dtype in ("float32", "bfloat16"):  # FP8 w8a16 on the path's float32 row kernels
+        assert facts[f"w8a16_{dtype}_error"] < 5e-3, dtype

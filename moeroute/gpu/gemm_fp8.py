@@ -500,6 +500,12 @@ def fused_experts_fp8(
     float32 (gate_up input, down input), required with fp8_tensor and activation="static".
     Returns [T, H] in the dtype of hidden_states, enqueued on torch's current stream.
     """
+    if getattr(quant, "activation", None) == "none":
+        raise ValueError(
+            f"quant={quant!r}: the FP8 CUDA/HIP kernels compute w8a8 (quant activation 'dynamic' or "
+            "'static'); w8a16 FP8 experts (activation='none') run on the devices through MoE's torch "
+            "'blocks' strategy"
+        )
     import cupy
     import torch
 

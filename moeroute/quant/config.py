@@ -36,7 +36,7 @@ __all__ = [
 FORMATS = ("fp8_block", "fp8_tensor", "mxfp4", "int4")
 #: "dynamic": activation scales computed from each call's values (per token group for
 #: fp8_block, per token for fp8_tensor); "static": one given scale per expert and projection;
-#: "none": activations are not quantized (mxfp4's and int4's w4a16).
+#: "none": activations are not quantized (mxfp4's and int4's w4a16; fp8_block's w8a16).
 ACTIVATION_SCHEMES = ("dynamic", "static", "none")
 #: "float": any positive float32 scale; "ue8m0": scales are powers of two (DeepSeek-V3.1).
 SCALE_FORMATS = ("float", "ue8m0")
@@ -59,7 +59,7 @@ INT4_CHECKPOINTS = ("compressed-tensors", "gptq", "gptq_v2", "awq")
 #: default). block_size None means the format has no blocks (one scale per expert and
 #: projection). int4's block is (1, group_size), set from ``group_size``.
 FORMAT_FIELDS = {
-    "fp8_block": (DEFAULT_BLOCK_SIZE, ("dynamic",)),
+    "fp8_block": (DEFAULT_BLOCK_SIZE, ("dynamic", "none")),
     "fp8_tensor": (None, ("dynamic", "static")),
     "mxfp4": (MXFP4_BLOCK_SIZE, ("none",)),
     "int4": ((1, INT4_DEFAULT_GROUP_SIZE), ("none",)),
@@ -80,7 +80,8 @@ class QuantConfig:
     format : {"fp8_block", "fp8_tensor", "mxfp4", "int4"}
         "fp8_block": float8_e4m3fn weights with one float32 scale per block of
         ``block_size`` (rows, columns), activations quantized per token and group of
-        ``block_size[1]`` columns. "fp8_tensor": one float32 scale per expert and projection,
+        ``block_size[1]`` columns (w8a8), or not at all with ``activation="none"`` (w8a16).
+        "fp8_tensor": one float32 scale per expert and projection,
         activations per token (dynamic) or with a given scale (static). "mxfp4": e2m1
         nibbles packed two to a byte with one power-of-two scale byte per row and 32
         columns (`moeroute.quant.mxfp4`), activations unquantized (w4a16). "int4": 4-bit
@@ -92,11 +93,14 @@ class QuantConfig:
         (1, 32) for mxfp4 and (1, group_size) for int4.
     activation : {"dynamic", "static", "none"}, optional
         Activation scales computed per call, or given (`load_routed_weights`'s
-        ``input_scale``; fp8_tensor only), or no activation quantization (mxfp4 only).
-        Default: "dynamic" for the FP8 formats, "none" for mxfp4.
+        ``input_scale``; fp8_tensor only), or no activation quantization (mxfp4, int4, and
+        fp8_block's w8a16: ``y = x @ dequant(W)^T`` in float32 on the activations as they are,
+        docs/quant.md). Default: "dynamic" for the FP8 formats (w8a8, the checkpoints' own
+        inference definition), "none" for mxfp4 and int4.
     scale_fmt : {"float", "ue8m0"}
         "ue8m0": the activation scales are rounded up to powers of two
-        (``2 ** ceil(log2(amax / 448))``), as the weight scales of such checkpoints are.
+        (``2 ** ceil(log2(amax / 448))``), as the weight scales of such checkpoints are. No
+        effect with ``activation="none"`` (there are no activation scales).
     modules_to_not_convert : tuple of str
         Module names a checkpoint keeps unquantized (informational; from ``from_hf``). Not
         part of equality or the hash: two configs of the same format are equal whatever
@@ -200,6 +204,12 @@ class QuantConfig:
     def activation_group_size(self) -> int | None:
         """Columns per activation scale: bk for fp8_block, None (the whole row) for fp8_tensor."""
         return None if self.block_size is None else self.block_size[1]
+
+    @property
+    def quantizes_activations(self) -> bool:
+        """Whether the GEMMs quantize their inputs (w8a8: "dynamic" or "static"); False for
+        activation="none" (w8a16 FP8, w4a16 mxfp4 and int4)."""
+        return self.activation != "none"
 
     @property
     def ue8m0(self) -> bool:

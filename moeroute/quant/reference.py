@@ -15,6 +15,13 @@ fp8_tensor: one group spanning the row (s_a[m] per token, or a given static scal
 weight scale. The expert MLP quantizes both GEMM inputs: the hidden rows, and the
 intermediate ``act(gate) * up`` (rounded to the activation dtype first, as GPU kernels do).
 
+w8a16 (fp8_block with activation="none", ``quantize_activations=False`` here): the same
+weights, the activations as they are::
+
+    y[m, n]   = sum_k x[m, k] * q_w[n, k] * s_w[n // bn, k // bk]
+
+and the intermediate rounded to the activation dtype, not quantized.
+
 int4 (w4a16) of activations x [M, K] with a weight stored as ``packed`` uint8 [N, K/2]
 (element k in the low nibble of byte k // 2 when k is even, the high nibble when odd),
 ``scales`` [N, K/g] and ``zeros`` uint8 [N, K/g] (None: z = 8)::
@@ -65,11 +72,13 @@ def fp8_linear_reference(
     block_size=None,
     scale_fmt: str = "float",
     input_scale=None,
+    quantize_activations: bool = True,
 ) -> torch.Tensor:
     """``y [M, N]`` float32 of the FP8 GEMM of ``x [M, K]`` with ``q_w [N, K]``.
 
     ``block_size`` (bn, bk) with ``w_scale [ceil(N/bn), ceil(K/bk)]``: fp8_block; None with a
     0-dim ``w_scale``: fp8_tensor (dynamic per token, or ``input_scale`` when given).
+    ``quantize_activations=False``: w8a16, ``x`` multiplied as it is (float64 sums).
     """
     x = x.float().cpu()
     q_w = q_w.cpu()
@@ -82,16 +91,19 @@ def fp8_linear_reference(
     for g in range(-(-cols // bk)):
         columns = slice(g * bk, min((g + 1) * bk, cols))
         x_g = x[:, columns]
+        if block_size is None:
+            s_w = w_scale.reshape(()).double().expand(out_features)
+        else:
+            s_w = w_scale[torch.arange(out_features) // bn, g].double()
+        if not quantize_activations:
+            y += x_g.double() @ (q_w[:, columns].double() * s_w[:, None]).T
+            continue
         if input_scale is not None:
             s_a = torch.full((rows,), float(input_scale), dtype=torch.float32)
         else:
             s_a = _activation_scale(x_g.abs().amax(dim=1), ue8m0)
         q_a = _e4m3(x_g / s_a[:, None])
         dots = q_a @ q_w[:, columns].double().T  # exact: products of e4m3 values, few terms
-        if block_size is None:
-            s_w = w_scale.reshape(()).double().expand(out_features)
-        else:
-            s_w = w_scale[torch.arange(out_features) // bn, g].double()
         y += s_a.double()[:, None] * s_w[None, :] * dots
     return y.float()
 
@@ -121,6 +133,7 @@ def expert_mlp_reference(
     activation: str = "silu",
     input_scale=None,
     intermediate_dtype: torch.dtype = torch.float32,
+    quantize_activations: bool = True,
 ) -> torch.Tensor:
     """One expert's w8a8 MLP on rows ``x [M, H]``; float32 [M, H].
 
@@ -128,7 +141,8 @@ def expert_mlp_reference(
     (fp8_block: the gate's block rows, then the up's) or [2] (fp8_tensor: gate, up);
     ``q_down [H, I]`` with ``down_scale``. ``input_scale``: (gate_up, down) static activation
     scales, or None (dynamic). The intermediate is rounded to ``intermediate_dtype`` before
-    it is quantized.
+    it is quantized. ``quantize_activations=False``: the w8a16 MLP (neither input quantized;
+    the intermediate still rounded to ``intermediate_dtype``).
     """
     inter = q_gate_up.shape[0] // 2
     static = (None, None) if input_scale is None else input_scale
@@ -140,9 +154,11 @@ def expert_mlp_reference(
         else:
             nbr = gate_up_scale.shape[0] // 2
             scale = gate_up_scale[half * nbr : (half + 1) * nbr]
-        halves.append(fp8_linear_reference(x, q_gate_up[rows], scale, block_size, scale_fmt, static[0]))
+        halves.append(
+            fp8_linear_reference(x, q_gate_up[rows], scale, block_size, scale_fmt, static[0], quantize_activations)
+        )
     act = _act(halves[0], halves[1], activation).to(intermediate_dtype)
-    return fp8_linear_reference(act, q_down, down_scale, block_size, scale_fmt, static[1])
+    return fp8_linear_reference(act, q_down, down_scale, block_size, scale_fmt, static[1], quantize_activations)
 
 
 def moe_experts_reference(
@@ -158,8 +174,10 @@ def moe_experts_reference(
     activation: str = "silu",
     input_scale=None,
     intermediate_dtype: torch.dtype = torch.float32,
+    quantize_activations: bool = True,
 ) -> torch.Tensor:
-    """``sum_k w[t, k] * expert_{ids[t, k]}(x_t)`` with w8a8 experts; float32 [T, H].
+    """``sum_k w[t, k] * expert_{ids[t, k]}(x_t)`` with w8a8 experts (w8a16 with
+    ``quantize_activations=False``); float32 [T, H].
 
     Weights stacked over experts: ``q_gate_up [N, 2I, H]``, ``gate_up_scale [N, ...]``,
     ``q_down [N, H, I]``, ``down_scale [N, ...]``, ``input_scale`` [N, 2] or None. Ids outside
@@ -184,6 +202,7 @@ def moe_experts_reference(
             activation,
             static,
             intermediate_dtype,
+            quantize_activations,
         )
         weight = (topk_weights[rows].double() * hit[rows].double()).sum(dim=1)
         out[rows] += weight[:, None] * y.double()

@@ -35,6 +35,8 @@ jitter noise is not reproduced (inference only).
 
 from __future__ import annotations
 
+import dataclasses
+
 import warnings
 import weakref
 from collections.abc import Callable
@@ -127,7 +129,10 @@ def _fp8_experts(experts: nn.Module, quant: QuantConfig | None):
         activation=getattr(experts, "activation_scheme", "dynamic"),
         scale_fmt="ue8m0" if gate_up_scale.dtype == e8m0 else "float",
     )
-    if quant is not None and quant != found:  # modules_to_not_convert (informational) is not compared
+    # modules_to_not_convert (informational) is not compared; w8a16 (activation="none") is a
+    # choice of compute over the same dynamic-scheme weights, so it may replace "dynamic".
+    w8a16 = quant is not None and quant.activation == "none" and found.activation == "dynamic"
+    if quant is not None and quant != found and not (w8a16 and dataclasses.replace(found, activation="none") == quant):
         raise ValueError(
             f"quant={quant!r} differs from the block's FP8 experts ({found!r}); leave quant None "
             "to keep the checkpoint's format"

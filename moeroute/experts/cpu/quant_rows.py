@@ -1,5 +1,6 @@
 """The quantized expert MLPs in one Numba call each, on CPUs with AVX512-BF16: FP8 (w8a8,
-`moeroute.experts.cpu.fp8`'s bfloat16-dot kernels, dynamic activation scales as floats) and MXFP4
+`moeroute.experts.cpu.fp8`'s bfloat16-dot kernels, dynamic activation scales as floats, or
+w8a16: the same kernels on the bfloat16 activations with unit scales) and MXFP4
 (w4a16, `moeroute.experts.cpu.mxfp4_dot`).
 
 A decode step then enters compiled code once for its experts, as the float layer's
@@ -20,7 +21,7 @@ import numba
 import numpy as np
 
 from moeroute.experts.cpu.variants import parallel_and_serial
-from moeroute.experts.cpu.rows import activate_rows, activate_rows_bf16, float32_rows, store_sums
+from moeroute.experts.cpu.rows import _round_bfloat16, activate_rows, activate_rows_bf16, float32_rows, store_sums
 from moeroute.experts.cpu import mxfp4_dot
 from moeroute.experts.cpu import fp8 as cpu_fp8
 
@@ -79,10 +80,25 @@ def _quantized_bfloat16(x, group, round_bf16, min_amax, groups):
 
 
 @numba.njit
-def _prologue(x, tokens, q_gate_up, gate_up_scale, group, min_amax):
-    """The quantized rows of ``x`` and the gate_up output buffer."""
+def _bfloat16_operand(xs, groups):
+    """(bfloat16 bits [M, K] uint16, unit scales [M, groups]) of float32 rows ``xs``: the w8a16
+    operand (bfloat16 values exact, float32 ones rounded to the nearest bfloat16)."""
+    bits = np.empty(xs.shape, np.uint16)
+    for m in range(xs.shape[0]):
+        for k in range(xs.shape[1]):
+            bits[m, k] = _round_bfloat16(xs[m, k])
+    return bits, np.ones((xs.shape[0], groups), np.float32)
+
+
+@numba.njit
+def _prologue(x, tokens, q_gate_up, gate_up_scale, group, min_amax, quantize):
+    """The quantized rows of ``x`` (w8a8), or ``x`` as bfloat16 with unit scales (w8a16), and
+    the gate_up output buffer."""
     xs = float32_rows(x)
-    q_x, s_x = _quantized_bfloat16(xs, group, False, min_amax, gate_up_scale.shape[2])
+    if quantize:
+        q_x, s_x = _quantized_bfloat16(xs, group, False, min_amax, gate_up_scale.shape[2])
+    else:
+        q_x, s_x = _bfloat16_operand(xs, gate_up_scale.shape[2])
     return q_x, s_x, np.empty((tokens.shape[0], q_gate_up.shape[1]), np.float32)
 
 
@@ -96,11 +112,24 @@ def _intermediate_buffers(gate_up, group):
 
 
 @numba.njit
-def _intermediate_row(gate_up, m, code, round_bf16, group, min_amax, acts, q, scales, bits):
+def _intermediate_row(gate_up, m, code, round_bf16, group, min_amax, quantize, acts, q, scales, bits):
     """Row m of the quantized intermediate: the activation, rounded to bfloat16 first where
-    ``round_bf16``, quantized per ``group`` columns (`_quantize_row`)."""
-    activate_rows(gate_up[m : m + 1], code, acts[m : m + 1])
-    _quantize_row(acts, m, group, round_bf16, min_amax, q, scales, bits)
+    ``round_bf16``, quantized per ``group`` columns (`_quantize_row`); without ``quantize``
+    (w8a16) the activation rounded to bfloat16 bits, the dot kernels' operand."""
+    if quantize:
+        activate_rows(gate_up[m : m + 1], code, acts[m : m + 1])
+        _quantize_row(acts, m, group, round_bf16, min_amax, q, scales, bits)
+    else:
+        activate_rows_bf16(gate_up[m : m + 1], code, bits[m : m + 1])
+
+
+@numba.njit
+def _intermediate_scales(scales, groups, quantize):
+    """The down GEMM's activation scales per weight column block: the intermediate's (w8a8),
+    or ones (w8a16)."""
+    if quantize:
+        return _weight_group_scales(scales, groups)
+    return np.ones((scales.shape[0], groups), np.float32)
 
 
 @parallel_and_serial(cache=True)
@@ -121,6 +150,7 @@ def rows_experts_fp8(
     round_intermediate,
     min_amax,
     code,
+    quantize,
     columns,
     out,
 ):
@@ -133,11 +163,13 @@ def rows_experts_fp8(
     activation group sizes of the two GEMMs' inputs (each a weight column block, or the row
     length: one scale per row); ``round_intermediate``: the intermediate rounded to bfloat16
     before it is quantized (bfloat16 activations); ``code`` the activation
-    (`_rows.ACTIVATION_CODES`); ``columns``: the down GEMM's output columns per unit of
+    (`_rows.ACTIVATION_CODES`); ``quantize``: False for w8a16 (the rows and the intermediate
+    taken as bfloat16 with unit scales; ``groups``, ``min_amax`` and
+    ``round_intermediate`` unused); ``columns``: the down GEMM's output columns per unit of
     parallel work (`thread_columns`, a multiple of 64). Only where `cpu_fp8.bf16_dot_serves`.
     """
     inter = q_gate_up.shape[1] // 2
-    q_x, s_x, gate_up = _prologue(x, tokens, q_gate_up, gate_up_scale, groups[0], min_amax)
+    q_x, s_x, gate_up = _prologue(x, tokens, q_gate_up, gate_up_scale, groups[0], min_amax, quantize)
     for item in numba.prange(work.shape[0]):
         cpu_fp8._gate_up_item_bf16(
             q_x,
@@ -155,8 +187,8 @@ def rows_experts_fp8(
         )
     acts, q, scales, q_a = _intermediate_buffers(gate_up, groups[1])
     for m in numba.prange(acts.shape[0]):  # the activation and its quantization row by row on every thread
-        _intermediate_row(gate_up, m, code, round_intermediate, groups[1], min_amax, acts, q, scales, q_a)
-    s_a = _weight_group_scales(scales, down_scale.shape[2])
+        _intermediate_row(gate_up, m, code, round_intermediate, groups[1], min_amax, quantize, acts, q, scales, q_a)
+    s_a = _intermediate_scales(scales, down_scale.shape[2], quantize)
     sums = np.zeros((x.shape[0], q_down.shape[1]), np.float32)
     for block in numba.prange((q_down.shape[1] + columns - 1) // columns):
         cpu_fp8._down_block_bf16(

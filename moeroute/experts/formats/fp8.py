@@ -1,10 +1,12 @@
-"""FP8 (w8a8) expert compute on the CPU: the numerics of `moeroute.quant`, streamed.
+"""FP8 (w8a8, or w8a16) expert compute on the CPU: the numerics of `moeroute.quant`, streamed.
 
 For the rows one rank received (``[Tr, H]`` with local expert ids and weights), computes
 ``sum_k w_k * expert_k(x)`` where each expert is the w8a8 MLP of docs/quant.md: its input
 quantized per token group (or per token, or with a static scale), the gate_up GEMM over the
 FP8 weight with its block scales, the activation, the intermediate rounded to the
 activation dtype and quantized again, the down GEMM, and the weighted sum in float32.
+With ``activation="none"`` (w8a16) neither GEMM input is quantized: the same steps on the
+rows and the intermediate as they are (the GEMMs' operands then have unit group scales).
 
 The FP8 weights are never dequantized whole. Two strategies, picked by rows per expert:
 
@@ -200,6 +202,12 @@ def check_dispatch_quant(dispatch_dtype, quant: QuantConfig | None) -> str | Non
             f"dispatch_dtype='fp8' needs FP8 experts; {quant.format} experts compute on the "
             "activations as they are (w4a16), which e4m3 rows would round"
         )
+    if not quant.quantizes_activations:
+        raise ValueError(
+            "dispatch_dtype='fp8' needs w8a8 experts; with quant activation='none' (w8a16) the "
+            "experts compute on the activations as they are, which e4m3 rows would round: "
+            "leave dispatch_dtype None"
+        )
     if quant.activation != "dynamic":
         raise ValueError(
             "dispatch_dtype='fp8' needs dynamic activation scales; with quant "
@@ -246,7 +254,8 @@ def fp8_experts_forward(
     input_scale: torch.Tensor | None = None,
     strategy: str = "auto",
 ) -> torch.Tensor:
-    """Weighted sum of each row's local w8a8 experts (CPU).
+    """Weighted sum of each row's local w8a8 experts (CPU), or w8a16 ones where
+    ``config.activation == "none"``.
 
     Parameters
     ----------
@@ -301,8 +310,9 @@ def fp8_experts_forward(
     gu_scale, d_scale, gu_block, d_block = _kernel_scales(config, gate_up_scale, down_scale, hidden, inter)
     if device.type != "cpu":
         # The CUDA kernels take the float rows (not rows quantized by the sender) on a CUDA
-        # device where CuPy is installed; else the torch "blocks".
-        cuda_kernels = device.type == "cuda" and received is None and cupy_installed()
+        # device where CuPy is installed; else the torch "blocks". They compute w8a8 only:
+        # w8a16 takes the blocks.
+        cuda_kernels = device.type == "cuda" and received is None and config.quantizes_activations and cupy_installed()
         strategy = choose("fp8", "cuda", strategy=strategy, cuda_kernels=cuda_kernels)
         if strategy == "cuda":
             from moeroute.gpu import fused_experts
@@ -332,7 +342,7 @@ def fp8_experts_forward(
                 "fp8",
                 "cpu",
                 np.diff(plan[2]).tolist(),
-                bf16_dot=cpu_fp8.bf16_dot_serves(hidden, inter, gu_block, d_block),
+                bf16_dot=_bf16_dot(config, act_dtype, hidden, inter, gu_block, d_block),
             )
         if strategy == "rows":
             return _rows_forward(
@@ -364,8 +374,10 @@ def fp8_experts_forward(
     row_expert = torch.repeat_interleave(torch.arange(num_experts, device=device), torch.tensor(counts, device=device))
 
     # First GEMM's input: quantized once per token (dynamic; on the sending rank with FP8
-    # dispatch), or per (row, expert) with the expert's static scale.
-    if received is not None:
+    # dispatch), or per (row, expert) with the expert's static scale, or not at all (w8a16).
+    if not config.quantizes_activations:
+        xs = hidden_states[tokens].float()
+    elif received is not None:
         xs = received.dequantize()[tokens]
     elif static:
         xs = fake_quantize(hidden_states[tokens], config, input_scale[row_expert, 0].float())
@@ -379,7 +391,10 @@ def fp8_experts_forward(
     if act_dtype != torch.float32:  # the intermediate in the activation dtype, as GPUs keep it
         act = act.to(act_dtype)
     act_scale = input_scale[row_expert, 1].float() if static else None
-    acts = fake_quantize(act, config, act_scale).contiguous()
+    if config.quantizes_activations:
+        acts = fake_quantize(act, config, act_scale).contiguous()
+    else:
+        acts = act.float().contiguous()
     y = _blocks_gemm(acts, offsets, hit, q_down, d_scale, d_block, act_dtype)
     sums.index_add_(0, tokens, y.mul_(slot_weights[:, None]))
     return sums if act_dtype == torch.float32 else sums.to(act_dtype)
@@ -412,14 +427,15 @@ def _rows_forward(
     static = config.activation == "static"
     gu_groups, d_groups = gu_scale.shape[2], d_scale.shape[2]
     threads = cpu_threads()
-    bf16_dot = cpu_fp8.bf16_dot_serves(hidden, inter, gu_block, d_block)
+    quantize = config.quantizes_activations
+    bf16_dot = _bf16_dot(config, act_dtype, hidden, inter, gu_block, d_block)
     groups = _fused_groups(config, hidden, inter, gu_groups, d_groups)
     if (
         bf16_dot
         and groups is not None
         and received is None
         and not static
-        and config.scale_fmt == "float"
+        and (config.scale_fmt == "float" or not quantize)
         and act_dtype in (torch.float32, torch.bfloat16)
         and activation in cpu_rows.ACTIVATION_CODES
     ):
@@ -444,6 +460,7 @@ def _rows_forward(
             bits,
             _MIN_AMAX,
             cpu_rows.ACTIVATION_CODES[activation],
+            quantize,
         )
         result = (out.view(torch.uint16) if bits else out).numpy()
         # One contiguous range of output columns per thread (one thread: all of them), whole
@@ -460,6 +477,9 @@ def _rows_forward(
             hidden_states[torch.from_numpy(tokens)], config, gu_groups, input_scale[row_expert, 0].float()
         )
         x_rows = np.arange(tokens.shape[0])
+    elif not quantize:  # w8a16: the rows as they are, unit group scales
+        q_x, s_x = hidden_states.float(), torch.ones(num_tokens, gu_groups)
+        x_rows = tokens
     elif received is not None:  # quantized once per token on the sending rank (FP8 dispatch)
         q_x, s_x = received.q.float(), received.scales.expand(-1, gu_groups).contiguous()
         x_rows = tokens
@@ -496,10 +516,13 @@ def _rows_forward(
             gate_up.numpy(),
         )
         act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
-        # The intermediate rounded to the activation dtype (as GPUs keep it), then quantized.
-        q_act, s_act = _quantized_rows(
-            act, config, d_groups, input_scale[row_expert, 1].float() if static else None, round_to=act_dtype
-        )
+        # The intermediate rounded to the activation dtype (as GPUs keep it), then quantized (w8a8).
+        if quantize:
+            q_act, s_act = _quantized_rows(
+                act, config, d_groups, input_scale[row_expert, 1].float() if static else None, round_to=act_dtype
+            )
+        else:
+            q_act, s_act = act.to(act_dtype).float(), torch.ones(act.shape[0], d_groups)
         down_rows(
             _e4m3_operand(q_act, bf16_dot),
             s_act.numpy(),
@@ -516,6 +539,14 @@ def _rows_forward(
     return sums if act_dtype == torch.float32 else sums.to(act_dtype)
 
 
+def _bf16_dot(config: QuantConfig, act_dtype: torch.dtype, hidden: int, inter: int, gu_block, d_block) -> bool:
+    """Whether the row kernels take the bfloat16 dot (`moeroute.experts.cpu.fp8.bf16_dot_serves`).
+    w8a16 takes it for bfloat16 activations only: float32 and float16 ones would be rounded to
+    bfloat16 on the way in, so they take the exact float32 kernels."""
+    served = cpu_fp8.bf16_dot_serves(hidden, inter, gu_block, d_block)
+    return served and (config.quantizes_activations or act_dtype == torch.bfloat16)
+
+
 def _fused_groups(config: QuantConfig, hidden: int, inter: int, gu_groups: int, d_groups: int):
     """The activation group sizes of the two GEMMs' inputs for `moeroute.experts.cpu.quant_rows`, or None where a
     group's scales do not map onto the weight column blocks (one per block, or one per row)."""
@@ -530,7 +561,9 @@ def _fused_groups(config: QuantConfig, hidden: int, inter: int, gu_groups: int, 
 
 def _e4m3_operand(q: torch.Tensor, bf16_dot: bool) -> np.ndarray:
     """Quantized activations (e4m3 values, float32) as the row kernels take them: as they
-    are, or for the bfloat16-dot kernels as bfloat16 bits (exact: e4m3 fits bfloat16)."""
+    are, or for the bfloat16-dot kernels as bfloat16 bits (exact: e4m3 fits bfloat16). w8a16
+    operands are the activations themselves (bfloat16 ones only on the bfloat16-dot kernels,
+    so exact)."""
     if bf16_dot:
         return q.contiguous().to(torch.bfloat16).view(torch.uint16).numpy()
     return q.contiguous().numpy()
@@ -688,6 +721,7 @@ def check_quantized_weights(
         tensors["input_scale"] = check_scale("input_scale", input_scale, (num_experts, 2), check_values)
     elif input_scale is not None:
         raise ValueError(
-            "input_scale was given but the layer quantizes activations dynamically (QuantConfig activation='dynamic')"
+            f"input_scale was given but the layer has no static activation scales (QuantConfig "
+            f"activation={quant.activation!r})"
         )
     return tensors
