@@ -81,7 +81,8 @@ def route(preset_name, layout, rank, tokens, seed):
     if preset.has_correction_bias:
         bias = torch.randn(preset.router.num_experts, generator=gen) * CORRECTION_BIAS_SCALE
     weights, ids = arrays.select_experts(logits, preset.router, bias)
-    return arrays.append_shared_slots(ids, weights, layout, rank, None)
+    weights, ids = arrays.append_shared_slots(weights, ids, layout, rank, None)
+    return ids, weights
 
 
 def layout_for(preset_name, dispatch):

@@ -462,7 +462,7 @@ for dtype in (np.float32, np.float16):
 ids = rng.integers(0, 8, (4, 2)).astype(np.int32)
 weights = rng.random((4, 2)).astype(np.float32)
 layout = ExpertLayout(8, 1, ep_size=2, dispatch="all2all")
-append_shared_slots(ids, weights, layout, 1)
+append_shared_slots(weights, ids, layout, 1)
 remap_to_local(logical_to_physical(ids, layout), layout.expert_map(0))
 align_block_size(ids, 8, 4)
 permuted, _, inverse = permute(rng.random((4, 8)).astype(np.float32), ids, 8)

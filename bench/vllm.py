@@ -8,7 +8,7 @@ Baseline: vLLM's own CPU experts op (``cpu_fused_moe`` on the weights prepacked 
 ``UnquantizedFusedMoEMethod`` runs on a CPU. Candidate: the body of
 ``torch.ops.moeroute.experts`` (``ops.experts``) on the same weights in the loaded (Hugging
 Face) layout, what the plugin runs in vLLM's eager layer call. Both get the
-same routing (topk_ids, topk_weights) and input, and their outputs are compared. A second
+same routing (topk_weights, topk_ids) and input, and their outputs are compared. A second
 pair adds each side's routing from the same logits (vLLM's CPU softmax top-k; moeroute's
 select_experts), i.e. the whole method call. moeroute's weights are on 2 MB pages, as the
 plugin puts them after loading (`moeroute.bindings.torch.memory`); a third pair gives vLLM's
@@ -108,7 +108,7 @@ def layer_bench(repeats: dict) -> list[dict]:
             return out
 
         def moeroute_experts(x=x, topk_weights=topk_weights, topk_ids=topk_ids):
-            return ops.experts(x, w13, w2, topk_ids, topk_weights, "silu", "auto")
+            return ops.experts(x, w13, w2, topk_weights, topk_ids, "silu", "auto")
 
         def vllm_method(x=x, logits=logits):
             weights, ids = _softmax_topk(logits, TOP_K, True)
@@ -118,7 +118,7 @@ def layer_bench(repeats: dict) -> list[dict]:
 
         def moeroute_method(x=x, logits=logits):
             weights, ids = arrays.select_experts(logits, router)
-            return ops.experts(x, w13, w2, ids, weights, "silu", "auto")
+            return ops.experts(x, w13, w2, weights, ids, "silu", "auto")
 
         expected, got = vllm_experts().float(), moeroute_experts().float()
         difference = float((expected - got).abs().max() / expected.abs().max())

@@ -15,7 +15,19 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["IntegerTypeError", "integer", "environ_choice", "environ_int", "environ_directory"]
+__all__ = [
+    "IntegerTypeError",
+    "integer",
+    "weights_then_ids",
+    "ORDER_CHANGED",
+    "environ_choice",
+    "environ_int",
+    "environ_directory",
+]
+
+#: Said by every refusal of a routing pair in the wrong order: before 0.2 some entry points
+#: took (and returned) ids before weights.
+ORDER_CHANGED = "weights come before ids since 0.2"
 
 
 class IntegerTypeError(TypeError, ValueError):
@@ -64,6 +76,33 @@ def integer(
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise error(f"{name}={value} must be an integer{_bounds(minimum, maximum)}{what}")
     return value
+
+
+def _dtype_name(array) -> str:
+    """'float32', 'int64', 'bfloat16', ... for a NumPy, torch, CuPy or Numba array ("" without a dtype)."""
+    dtype = getattr(array, "dtype", None)
+    return "" if dtype is None else str(dtype).rsplit(".", 1)[-1]
+
+
+def weights_then_ids(weights, ids, weights_name: str = "topk_weights", ids_name: str = "topk_ids") -> None:
+    """TypeError unless ``weights`` has a floating dtype and ``ids`` an integer one.
+
+    Every entry point that takes a (weights, ids) pair calls it first, so that a caller still
+    passing the pair in the order before 0.2 (ids first) is refused by name instead of
+    computing with ids read as weights. Arrays without a dtype (lists, scalars) are left to
+    the entry point's own conversion.
+    """
+    weights_dtype, ids_dtype = _dtype_name(weights), _dtype_name(ids)
+    if weights_dtype and not weights_dtype.startswith(("float", "bfloat")):
+        raise TypeError(
+            f"{weights_name} must be a floating array, got dtype {weights_dtype} ({ORDER_CHANGED}: "
+            f"pass {weights_name}, {ids_name})"
+        )
+    if ids_dtype and not ids_dtype.startswith(("int", "uint")):
+        raise TypeError(
+            f"{ids_name} must be an integer array, got dtype {ids_dtype} ({ORDER_CHANGED}: "
+            f"pass {weights_name}, {ids_name})"
+        )
 
 
 def environ_choice(variable: str, allowed: tuple[str, ...], default: str, why: str = "") -> str:

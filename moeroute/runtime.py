@@ -161,7 +161,7 @@ def _routing_steps(presets, dtypes) -> list[tuple[str, Callable[[], None]]]:
             layout = ExpertLayout(num_experts, preset.num_shared_experts)
             gates = np.ones((ids.shape[0], max(1, preset.num_shared_experts)), np.float32)
             for shared_weights in (None, gates[:, 0], gates):
-                slot_ids, _ = append_shared_slots(ids, weights, layout, 0, shared_weights)
+                _, slot_ids = append_shared_slots(weights, ids, layout, 0, shared_weights)
             logical_to_physical(ids, layout)
             expert_map = layout.expert_map(0)
             remap_to_local(slot_ids, expert_map)

@@ -6,6 +6,7 @@ imports another's front door."""
 
 from __future__ import annotations
 
+from moeroute._validate import weights_then_ids
 from moeroute.gpu import launch as L
 from moeroute.gpu.gemm import (
     CupyBackend,
@@ -79,12 +80,14 @@ def fused_experts(
     Raises
     ------
     TypeError
-        an argument is not a CuPy array / torch CUDA tensor, frameworks are mixed, or
-        apply_router_weight is not a bool.
+        an argument is not a CuPy array / torch CUDA tensor, frameworks are mixed,
+        apply_router_weight is not a bool, or topk_weights is not floating / topk_ids not
+        integer (the pair passed ids first).
     ValueError
         a shape, dtype, layout or option is wrong (the message names the argument), or the
         arguments are on different devices.
     """
+    weights_then_ids(topk_weights, topk_ids)
     if quant is not None and getattr(quant, "format", None) == "mxfp4":
         unsupported = {
             "block_size": block_size,

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from moeroute._validate import weights_then_ids
+
 FLOAT32_MAX = np.float32(np.finfo(np.float32).max)
 RENORMALIZE_EPS = 1e-20  # added to the weight sum before dividing (docs/semantics.md section 1, rule 5)
 # Knuth's multiplicative hash constant (2**32 / golden ratio): spreads consecutive token
@@ -168,23 +170,25 @@ def expert_load(ids, num_experts):
     return np.bincount(flat, minlength=num_experts).astype(np.int64)
 
 
-def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weights=None):
-    """Physical ids and weights with the fused shared slots appended (docs/semantics.md section 4).
+def append_shared_slots(topk_weights, topk_ids, layout, home_rank=0, shared_weights=None):
+    """Weights and physical ids with the fused shared slots appended (docs/semantics.md section 4).
 
-    topk_ids : ndarray [T, K] int (logical routed ids)
     topk_weights : ndarray [T, K] float32
+    topk_ids : ndarray [T, K] int (logical routed ids)
     shared_weights : None (1.0), a scalar, ndarray [T] or [T, S] float32: the slot weight,
         i.e. ``layout.shared_slot_weight(gate, rsf)``.
 
-    Returns ids int32 [T, K + S'] and weights float32 [T, K + S'] with S' = S when the
-    layout fuses the shared experts and 0 otherwise.
+    Returns weights float32 [T, K + S'] and ids int32 [T, K + S'] with S' = S when the
+    layout fuses the shared experts and 0 otherwise. TypeError for non-float weights or
+    non-integer ids (ids passed first, the order before 0.2).
     """
+    weights_then_ids(topk_weights, topk_ids)
     ids = logical_to_physical(topk_ids, layout)
     weights = np.asarray(topk_weights, dtype=np.float32)
     T = ids.shape[0]
     S = layout.num_shared_experts if layout.shared == "fused" else 0
     if S == 0:
-        return ids, weights.copy()
+        return weights.copy(), ids
     slot_ids = np.broadcast_to(layout.shared_slot_ids(home_rank), (T, S))
     if shared_weights is None:
         shared_weights = np.float32(1)
@@ -193,8 +197,8 @@ def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weig
         slot_weights = slot_weights[:, None]
     slot_weights = np.broadcast_to(slot_weights, (T, S))
     return (
-        np.concatenate([ids, slot_ids], axis=1).astype(np.int32),
         np.concatenate([weights, slot_weights], axis=1).astype(np.float32),
+        np.concatenate([ids, slot_ids], axis=1).astype(np.int32),
     )
 
 

@@ -44,7 +44,7 @@ def _check_route_args(config, layout, rank) -> int:
 def route(logits, config, layout, rank=0, correction_bias=None, shared_weights=None, home_rank=0, *, stream=None):
     """Route tokens to the local experts of ``rank`` in one step (docs/semantics.md sections 1, 2, 4).
 
-    Equal to ``select_experts`` -> ``append_shared_slots(ids, weights, layout, home_rank,
+    Equal to ``select_experts`` -> ``append_shared_slots(weights, ids, layout, home_rank,
     shared_weights)`` -> ``remap_to_local(ids, layout.expert_map(rank))``: ids exactly,
     weights as computed by select_experts (and the shared slot weights copied).
 
@@ -109,7 +109,7 @@ def route(logits, config, layout, rank=0, correction_bias=None, shared_weights=N
         )[0]
     else:
         shared = None if shared_weights is None else _arrays.enter(shared_weights, "shared_weights").host_floats()
-        ids, weights = shared_slots._append_host(ids, weights, layout, home_rank, shared_weights, shared)
+        weights, ids = shared_slots._append_host(weights, ids, layout, home_rank, shared_weights, shared)
     if layout.ep_size > 1:
         # On one rank every physical expert is held at its own index (expert_map(0) is the
         # identity on [0, num_physical_experts)): the physical ids already are local.

@@ -141,8 +141,8 @@ def ep_forward(dispatcher, layer, layout, rank, x, ids, weights, rsf, overlap):
     slot_weight = layout.shared_slot_weight(gate, rsf)
     if isinstance(slot_weight, torch.Tensor):
         slot_weight = slot_weight.numpy()
-    phys_ids, phys_weights = reference.append_shared_slots(
-        ids.numpy(), routed_weights.numpy(), layout, rank, slot_weight
+    phys_weights, phys_ids = reference.append_shared_slots(
+        routed_weights.numpy(), ids.numpy(), layout, rank, slot_weight
     )
     handle = dispatcher.dispatch(x, torch.from_numpy(phys_ids), torch.from_numpy(phys_weights), async_op=overlap)
     in_flight = not handle.is_completed()
@@ -331,7 +331,7 @@ def run_config(config, rank, world_size, debug=True):
     for r in range(world_size):
         s = sum(counts[:r])
         routed_w = w_all[s : s + counts[r]]
-        ids_r, _ = reference.append_shared_slots(ids_all[s : s + counts[r]].numpy(), routed_w.numpy(), layout, r, None)
+        _, ids_r = reference.append_shared_slots(routed_w.numpy(), ids_all[s : s + counts[r]].numpy(), layout, r, None)
         ids_by_rank.append(ids_r)
     assert np.array_equal(ids_by_rank[rank], phys_ids)
     expected_dispatch, expected_combine = _expected_bytes(
@@ -414,7 +414,7 @@ def debug_fault_cases(rank, world_size):
     layout = ExpertLayout(8, 1, ep_size=world_size, dispatch="all2all")
     per_rank = 8 // world_size
     ids_logical = np.stack([[0, 8 - 1]] * 6).astype(np.int32)
-    phys, weights = reference.append_shared_slots(ids_logical, np.ones((6, 2), np.float32), layout, rank)
+    weights, phys = reference.append_shared_slots(np.ones((6, 2), np.float32), ids_logical, layout, rank)
     ids, w = torch.from_numpy(phys), torch.from_numpy(weights)
 
     class DropsSharedSlot(All2AllDispatcher):
@@ -443,7 +443,7 @@ def debug_fault_cases(rank, world_size):
     out["all2all-combined-twice"] = _outcome(combine_with_duplicated_row)
 
     global_layout = ExpertLayout(8, 1, ep_size=world_size, dispatch="allgather", shared_slots="global")
-    gphys, gweights = reference.append_shared_slots(ids_logical, np.ones((6, 2), np.float32), global_layout, rank)
+    gweights, gphys = reference.append_shared_slots(np.ones((6, 2), np.float32), ids_logical, global_layout, rank)
 
     class NoHomeMask(AllGatherDispatcher):
         def _local_ids(self, recv_ids, sizes):
@@ -899,7 +899,7 @@ def peer_failure_worker(rank, world_size, payload):
     dispatcher = make_dispatcher(layout, None, payload["dispatch"], debug=True)
     x = torch.randn(4, 8)
     ids, w = route(make_layer(0, 8, 8, 4, 1, False), x, 2, 1.0)
-    phys, weights = reference.append_shared_slots(ids.numpy(), w.numpy(), layout, rank)
+    weights, phys = reference.append_shared_slots(w.numpy(), ids.numpy(), layout, rank)
     dist.barrier()
     if payload["failure"] == "build":  # rank 1 dies before the layer's agreement check
         if rank == 1:

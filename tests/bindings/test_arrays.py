@@ -84,9 +84,9 @@ def test_append_shared_slots_matches_reference(gate):
     ids = torch.randint(0, 8, (9, 3), generator=_generator(1), dtype=torch.int32)
     weights = torch.rand(9, 3, generator=_generator(2))
     shared = torch.rand(9, generator=_generator(3)) if gate == "tensor" else gate
-    out_ids, out_weights = arrays.append_shared_slots(ids, weights, layout, 0, shared)
-    ref_ids, ref_weights = reference.append_shared_slots(
-        ids.numpy(), weights.numpy(), layout, 0, shared.numpy() if isinstance(shared, torch.Tensor) else shared
+    out_weights, out_ids = arrays.append_shared_slots(weights, ids, layout, 0, shared)
+    ref_weights, ref_ids = reference.append_shared_slots(
+        weights.numpy(), ids.numpy(), layout, 0, shared.numpy() if isinstance(shared, torch.Tensor) else shared
     )
     assert np.array_equal(out_ids.numpy(), ref_ids)
     np.testing.assert_allclose(out_weights.numpy(), ref_weights, rtol=0, atol=0)
@@ -94,8 +94,8 @@ def test_append_shared_slots_matches_reference(gate):
 
 def test_append_shared_slots_zero_tokens_with_gate_tensor():
     layout = ExpertLayout(8, 1)
-    out_ids, out_weights = arrays.append_shared_slots(
-        torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, 2), layout, 0, torch.zeros(0)
+    out_weights, out_ids = arrays.append_shared_slots(
+        torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.int32), layout, 0, torch.zeros(0)
     )
     assert out_ids.shape == (0, 3) and out_weights.shape == (0, 3)
 

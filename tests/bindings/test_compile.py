@@ -181,8 +181,8 @@ def test_routing_and_expert_ops_compose_under_inductor():
 
     def layer(x):
         weights, ids = ops.select_experts(x @ router_weight.T, router)
-        ids, weights = ops.append_shared_slots(ids, weights, layout, 0, torch.sigmoid(x[:, 0]))
-        return torch.ops.moeroute.experts(x, w_gate_up, w_down, ids, weights) * 2.0 + x
+        weights, ids = ops.append_shared_slots(weights, ids, layout, 0, torch.sigmoid(x[:, 0]))
+        return torch.ops.moeroute.experts(x, w_gate_up, w_down, weights, ids) * 2.0 + x
 
     compiled = torch.compile(layer, fullgraph=True)
     x = torch.randn(7, H, generator=generator)
@@ -209,8 +209,8 @@ def test_compiled_append_shared_slots_follows_the_layout_argument():
     from moeroute.layout import ExpertLayout
     from moeroute.routing import reference
 
-    def append(ids, weights, layout):
-        return ops.append_shared_slots(ids, weights, layout, 0, 0.5)
+    def append(weights, ids, layout):
+        return ops.append_shared_slots(weights, ids, layout, 0, 0.5)
 
     compiled = torch.compile(append, fullgraph=True)
     ids = torch.tensor([[3, 1], [0, 7]], dtype=torch.int32)
@@ -218,7 +218,7 @@ def test_compiled_append_shared_slots_follows_the_layout_argument():
     # Fresh layouts: their keys are made while Dynamo traces; a second layout must not
     # reuse the first one's graph.
     for layout in (ExpertLayout(8, 1), ExpertLayout(8, 2), ExpertLayout(8, 0)):
-        got_ids, got_weights = compiled(ids, weights, layout)
-        expected_ids, expected_weights = reference.append_shared_slots(ids.numpy(), weights.numpy(), layout, 0, 0.5)
+        got_weights, got_ids = compiled(weights, ids, layout)
+        expected_weights, expected_ids = reference.append_shared_slots(weights.numpy(), ids.numpy(), layout, 0, 0.5)
         assert got_ids.tolist() == expected_ids.tolist()
         assert got_weights.tolist() == expected_weights.tolist()

@@ -43,7 +43,7 @@ def _weights(fmt):
 def _routing(tokens=TOKENS):
     generator = _generator(4)
     ids = torch.randint(0, EXPERTS, (tokens, TOP_K), generator=generator, dtype=torch.int32)
-    return ids, torch.rand(tokens, TOP_K, generator=generator)
+    return torch.rand(tokens, TOP_K, generator=generator), ids
 
 
 def _raises_everywhere(args, kwargs, message):
@@ -62,12 +62,12 @@ def test_topk_ids_for_another_token_count_are_refused_in_every_format(fmt, id_ro
     # TOKENS + 3: the case that crashed the interpreter; it must raise here, in-process.
     w_gate_up, w_down, kwargs = _weights(fmt)
     x = torch.randn(TOKENS, HIDDEN, generator=_generator(5))
-    ids, weights = _routing(id_rows)
+    weights, ids = _routing(id_rows)
     message = (
         rf"topk_ids has shape \({id_rows}, {TOP_K}\) and hidden_states \({TOKENS}, {HIDDEN}\); "
         rf"topk_ids must be \[T, K\] with T = hidden_states.shape\[0\] = {TOKENS}"
     )
-    _raises_everywhere((x, w_gate_up, w_down, ids, weights), kwargs, message)
+    _raises_everywhere((x, w_gate_up, w_down, weights, ids), kwargs, message)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -82,8 +82,8 @@ def test_topk_ids_for_another_token_count_are_refused_in_every_format(fmt, id_ro
 )
 def test_topk_weights_and_ids_dtype_and_shape_in_every_format(fmt, change, message):
     w_gate_up, w_down, kwargs = _weights(fmt)
-    ids, weights = _routing()
-    args = dict(x=torch.randn(TOKENS, HIDDEN), w_gate_up=w_gate_up, w_down=w_down, ids=ids, weights=weights)
+    weights, ids = _routing()
+    args = dict(x=torch.randn(TOKENS, HIDDEN), w_gate_up=w_gate_up, w_down=w_down, weights=weights, ids=ids)
     args.update(change)
     _raises_everywhere(tuple(args.values()), kwargs, message)
 
@@ -96,8 +96,8 @@ def _meta_cases(fmt):
 @pytest.mark.parametrize("fmt, name", [case for fmt in FORMATS for case in _meta_cases(fmt)])
 def test_a_tensor_on_the_meta_device_is_refused_naming_both_devices(fmt, name):
     w_gate_up, w_down, kwargs = _weights(fmt)
-    ids, weights = _routing()
-    args = dict(x=torch.randn(TOKENS, HIDDEN), w_gate_up=w_gate_up, w_down=w_down, topk_ids=ids, topk_weights=weights)
+    weights, ids = _routing()
+    args = dict(x=torch.randn(TOKENS, HIDDEN), w_gate_up=w_gate_up, w_down=w_down, topk_weights=weights, topk_ids=ids)
     if name in args:
         args[name] = args[name].to("meta")
     else:
@@ -107,9 +107,9 @@ def test_a_tensor_on_the_meta_device_is_refused_naming_both_devices(fmt, name):
 
 def test_meta_hidden_states_with_cpu_weights_are_refused():
     w_gate_up, w_down, kwargs = _weights("fp8_block")
-    ids, weights = _routing()
+    weights, ids = _routing()
     with pytest.raises(ValueError, match=r"w_gate_up is on cpu, hidden_states on meta"):
-        ops.experts(torch.randn(TOKENS, HIDDEN, device="meta"), w_gate_up, w_down, ids, weights, **kwargs)
+        ops.experts(torch.randn(TOKENS, HIDDEN, device="meta"), w_gate_up, w_down, weights, ids, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -147,8 +147,8 @@ def test_moe_forward_refuses_an_expert_tensor_left_on_the_meta_device(fmt, tenso
 )
 def test_an_unknown_strategy_names_the_ops_gemm_argument(fmt, gemm, allowed):
     w_gate_up, w_down, kwargs = _weights(fmt)
-    ids, weights = _routing()
-    args = (torch.randn(TOKENS, HIDDEN), w_gate_up, w_down, ids, weights, "silu", gemm)
+    weights, ids = _routing()
+    args = (torch.randn(TOKENS, HIDDEN), w_gate_up, w_down, weights, ids, "silu", gemm)
     _raises_everywhere(args, kwargs, rf"^gemm='{gemm}' is not an? .*{allowed}")
 
 
@@ -161,27 +161,27 @@ def test_routing_ops_refuse_a_tensor_on_another_device():
     logits = torch.randn(4, EXPERTS)
     with pytest.raises(ValueError, match="correction_bias is on meta, logits on cpu"):
         ops.select_experts(logits, RouterConfig(EXPERTS, TOP_K), torch.zeros(EXPERTS, device="meta"))
-    ids, weights = _routing()
+    weights, ids = _routing()
     layout = ExpertLayout(EXPERTS, 1, shared="fused")
     for kwargs, name in (
         (dict(topk_weights=weights.to("meta")), "topk_weights"),
         (dict(shared_weights=torch.ones(TOKENS, device="meta")), "shared_weights"),
     ):
-        args = dict(topk_ids=ids, topk_weights=weights, shared_weights=1.0)
+        args = dict(topk_weights=weights, topk_ids=ids, shared_weights=1.0)
         args.update(kwargs)
         with pytest.raises(ValueError, match=rf"{name} is on meta, topk_ids on cpu"):
-            ops.append_shared_slots(args["topk_ids"], args["topk_weights"], layout, 0, args["shared_weights"])
+            ops.append_shared_slots(args["topk_weights"], args["topk_ids"], layout, 0, args["shared_weights"])
         with (
             FakeTensorMode(allow_non_fake_inputs=True),
             pytest.raises(ValueError, match=rf"{name} is on meta, topk_ids on cpu"),
         ):
-            ops.append_shared_slots(args["topk_ids"], args["topk_weights"], layout, 0, args["shared_weights"])
+            ops.append_shared_slots(args["topk_weights"], args["topk_ids"], layout, 0, args["shared_weights"])
 
 
 @pytest.mark.parametrize("id_rows", [TOKENS - 1, TOKENS + 1])
 def test_fused_experts_fake_refuses_ids_for_another_token_count(id_rows):
     w_gate_up, w_down, _ = _weights("float")
-    ids, weights = _routing(id_rows)
+    weights, ids = _routing(id_rows)
     with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(ValueError, match="topk_ids has shape"):
         torch.ops.moeroute.fused_experts(torch.randn(TOKENS, HIDDEN), w_gate_up, w_down, weights, ids)
 

@@ -95,7 +95,7 @@ def test_append_shared_slots_op_worked_example():
     layout = ExpertLayout(8, 1, ep_size=2, dispatch="all2all")
     ids = torch.tensor([[4, 7]], dtype=torch.int32)
     weights = torch.tensor([[0.6, 0.4]])
-    out_ids, out_weights = ops.append_shared_slots(ids, weights, layout, home_rank=1, shared_weights=0.5)
+    out_weights, out_ids = ops.append_shared_slots(weights, ids, layout, home_rank=1, shared_weights=0.5)
     assert out_ids.tolist() == [[5, 8, 9]]
     np.testing.assert_allclose(out_weights.numpy(), [[0.6, 0.4, 0.5]])
 
@@ -110,17 +110,17 @@ def test_append_shared_slots_op_matches_reference(layout_args, weight_form):
     topk_weights, topk_ids = reference.select_experts(torch.randn(9, N, generator=_generator(3)).numpy(), SOFTMAX)
     gate = torch.rand(9, generator=_generator(4))
     shared_weights = {"none": None, "scalar": 0.25, "tensor": gate}[weight_form]
-    ids, weights = ops.append_shared_slots(
-        torch.from_numpy(topk_ids), torch.from_numpy(topk_weights), layout, 0, shared_weights
+    weights, ids = ops.append_shared_slots(
+        torch.from_numpy(topk_weights), torch.from_numpy(topk_ids), layout, 0, shared_weights
     )
-    expected_ids, expected_weights = reference.append_shared_slots(
-        topk_ids, topk_weights, layout, 0, gate.numpy() if weight_form == "tensor" else shared_weights
+    expected_weights, expected_ids = reference.append_shared_slots(
+        topk_weights, topk_ids, layout, 0, gate.numpy() if weight_form == "tensor" else shared_weights
     )
     np.testing.assert_array_equal(ids.numpy(), expected_ids)
     np.testing.assert_array_equal(weights.numpy(), expected_weights)
     op_args = (
-        torch.from_numpy(topk_ids),
         torch.from_numpy(topk_weights),
+        torch.from_numpy(topk_ids),
         ops.layout_key(layout),
         0,
         gate if weight_form == "tensor" else None,
@@ -140,7 +140,7 @@ def test_layout_keys_are_stable_per_layout_and_weak():
     gc.collect()
     with pytest.raises(ValueError, match="names no live ExpertLayout"):
         torch.ops.moeroute.append_shared_slots(
-            torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, 2), key, 0, None, None
+            torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.int32), key, 0, None, None
         )
     with pytest.raises(TypeError, match="ExpertLayout"):
         ops.layout_key("layout.0")
@@ -150,7 +150,7 @@ def test_append_shared_slots_op_rejects_both_weight_forms():
     key = ops.layout_key(layout := ExpertLayout(N, 1))
     with pytest.raises(ValueError, match="not both"):
         torch.ops.moeroute.append_shared_slots(
-            torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, 2), key, 0, torch.ones(1), 1.0
+            torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.int32), key, 0, torch.ones(1), 1.0
         )
     assert layout.shared == "fused"
 
@@ -166,10 +166,10 @@ def _expert_problem(seed, tokens=10, slots=3, experts=5, dtype=torch.float32):
     # Ids outside [0, experts) (another rank's) must be skipped.
     ids = torch.randint(-1, experts + 1, (tokens, slots), generator=generator, dtype=torch.int32)
     weights = torch.rand(tokens, slots, generator=generator)
-    return hidden, w_gate_up, w_down, ids, weights
+    return hidden, w_gate_up, w_down, weights, ids
 
 
-def _experts_reference(hidden, w_gate_up, w_down, ids, weights, activation="silu"):
+def _experts_reference(hidden, w_gate_up, w_down, weights, ids, activation="silu"):
     """sum over the slots with a local id of w * down(act(gate x) * up x), float64."""
     return dense_experts(hidden, ids, weights, w_gate_up, w_down, activation)
 
@@ -186,16 +186,16 @@ def test_experts_op_matches_reference(gemm, activation):
 
 @pytest.mark.parametrize("gemm", ["loop", "padded", "rows"])
 def test_experts_op_with_biases_matches_reference(gemm):
-    hidden, w_gate_up, w_down, ids, weights = _expert_problem(12)
+    hidden, w_gate_up, w_down, weights, ids = _expert_problem(12)
     generator = _generator(13)
     b_gate_up = torch.randn(5, 2 * I, generator=generator) * 0.5
     b_down = torch.randn(5, H, generator=generator) * 0.5
-    out = torch.ops.moeroute.experts(hidden, w_gate_up, w_down, ids, weights, "silu", gemm, b_gate_up, b_down)
+    out = torch.ops.moeroute.experts(hidden, w_gate_up, w_down, weights, ids, "silu", gemm, b_gate_up, b_down)
     expected = dense_experts(hidden, ids, weights, w_gate_up, w_down, "silu", b_gate_up, b_down)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=FP32_ATOL)
-    _opcheck(ops.OPS["experts"], (hidden, w_gate_up, w_down, ids, weights, "silu", gemm, b_gate_up, b_down))
+    _opcheck(ops.OPS["experts"], (hidden, w_gate_up, w_down, weights, ids, "silu", gemm, b_gate_up, b_down))
     with pytest.raises(ValueError, match=r"b_down must be torch.float32 \[5, 24\]"):
-        torch.ops.moeroute.experts(hidden, w_gate_up, w_down, ids, weights, "silu", gemm, b_gate_up, b_down[:, 1:])
+        torch.ops.moeroute.experts(hidden, w_gate_up, w_down, weights, ids, "silu", gemm, b_gate_up, b_down[:, 1:])
 
 
 def test_experts_op_bfloat16():
@@ -209,8 +209,8 @@ def test_experts_op_bfloat16():
 
 
 def test_experts_op_zero_tokens():
-    hidden, w_gate_up, w_down, ids, weights = _expert_problem(7)
-    out = torch.ops.moeroute.experts(hidden[:0], w_gate_up, w_down, ids[:0], weights[:0])
+    hidden, w_gate_up, w_down, weights, ids = _expert_problem(7)
+    out = torch.ops.moeroute.experts(hidden[:0], w_gate_up, w_down, weights[:0], ids[:0])
     assert tuple(out.shape) == (0, H)
 
 
@@ -227,9 +227,9 @@ def test_experts_op_zero_tokens():
     ],
 )
 def test_experts_op_errors(change, message):
-    hidden, w_gate_up, w_down, ids, weights = _expert_problem(8)
+    hidden, w_gate_up, w_down, weights, ids = _expert_problem(8)
     args = dict(
-        hidden=hidden, w_gate_up=w_gate_up, w_down=w_down, ids=ids, weights=weights, activation="silu", gemm="auto"
+        hidden=hidden, w_gate_up=w_gate_up, w_down=w_down, weights=weights, ids=ids, activation="silu", gemm="auto"
     )
     args.update(change)
     with pytest.raises(ValueError, match=message):
@@ -248,12 +248,12 @@ EXPERT_MAP = torch.tensor([-1, 3, -1, 0, -1, -1, 4, 1, -1, 2, -1, -1], dtype=tor
 def _physical_problem(seed, tokens=10, slots=3, dtype=torch.float32):
     """Experts 0..4 held as physical ids 3, 7, 9, 1, 6; rows 0 and 1 route only to unheld
     experts; one slot carries an id past the map (treated as not held)."""
-    hidden, w_gate_up, w_down, _, weights = _expert_problem(seed, tokens, slots, 5, dtype)
+    hidden, w_gate_up, w_down, weights, _ = _expert_problem(seed, tokens, slots, 5, dtype)
     ids = torch.randint(0, NUM_PHYSICAL, (tokens, slots), generator=_generator(seed + 100), dtype=torch.int32)
     ids[0] = torch.tensor([0, 2, 4][:slots], dtype=torch.int32)
     ids[1] = torch.tensor([11, 8, 5][:slots], dtype=torch.int32)
     ids[2, 0] = NUM_PHYSICAL + 3
-    return hidden, w_gate_up, w_down, ids, weights
+    return hidden, w_gate_up, w_down, weights, ids
 
 
 def _held_ids(ids, expert_map):
@@ -266,26 +266,26 @@ def _held_ids(ids, expert_map):
 
 @pytest.mark.parametrize("gemm", ["auto", "loop", "padded", "rows"])
 def test_experts_op_with_expert_map_matches_reference_over_held_experts(gemm):
-    hidden, w_gate_up, w_down, ids, weights = _physical_problem(31)
-    out = torch.ops.moeroute.experts(hidden, w_gate_up, w_down, ids, weights, "silu", gemm, expert_map=EXPERT_MAP)
+    hidden, w_gate_up, w_down, weights, ids = _physical_problem(31)
+    out = torch.ops.moeroute.experts(hidden, w_gate_up, w_down, weights, ids, "silu", gemm, expert_map=EXPERT_MAP)
     expected = dense_experts(hidden, _held_ids(ids, EXPERT_MAP), weights, w_gate_up, w_down)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=FP32_ATOL)
     assert torch.count_nonzero(out[:2]) == 0  # rows whose slots are all held elsewhere
     held_rows = (_held_ids(ids, EXPERT_MAP) >= 0).any(1)
     assert torch.equal(out.abs().sum(1) > 0, held_rows) and int(held_rows.sum()) >= 6
     # The eager body, an int64 map, and the op agree; opcheck runs schema, fake and AOT with the map.
-    eager = ops.experts(hidden, w_gate_up, w_down, ids, weights, "silu", gemm, expert_map=EXPERT_MAP.long())
+    eager = ops.experts(hidden, w_gate_up, w_down, weights, ids, "silu", gemm, expert_map=EXPERT_MAP.long())
     torch.testing.assert_close(eager, out, rtol=0, atol=0)
-    _opcheck(ops.OPS["experts"], (hidden, w_gate_up, w_down, ids, weights, "silu", gemm), dict(expert_map=EXPERT_MAP))
+    _opcheck(ops.OPS["experts"], (hidden, w_gate_up, w_down, weights, ids, "silu", gemm), dict(expert_map=EXPERT_MAP))
 
 
 def test_experts_op_with_expert_map_and_biases():
-    hidden, w_gate_up, w_down, ids, weights = _physical_problem(32)
+    hidden, w_gate_up, w_down, weights, ids = _physical_problem(32)
     generator = _generator(33)
     b_gate_up = torch.randn(5, 2 * I, generator=generator) * 0.5
     b_down = torch.randn(5, H, generator=generator) * 0.5
     out = torch.ops.moeroute.experts(
-        hidden, w_gate_up, w_down, ids, weights, "silu", "loop", b_gate_up, b_down, expert_map=EXPERT_MAP
+        hidden, w_gate_up, w_down, weights, ids, "silu", "loop", b_gate_up, b_down, expert_map=EXPERT_MAP
     )
     expected = dense_experts(hidden, _held_ids(ids, EXPERT_MAP), weights, w_gate_up, w_down, "silu", b_gate_up, b_down)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=FP32_ATOL)
@@ -294,7 +294,7 @@ def test_experts_op_with_expert_map_and_biases():
 
 def test_experts_op_with_expert_map_bfloat16():
     args = _physical_problem(34, dtype=torch.bfloat16)
-    hidden, w_gate_up, w_down, ids, weights = args
+    hidden, w_gate_up, w_down, weights, ids = args
     out = torch.ops.moeroute.experts(*args, expert_map=EXPERT_MAP)
     expected = dense_experts(hidden, _held_ids(ids, EXPERT_MAP), weights, w_gate_up, w_down)
     assert out.dtype == torch.bfloat16
@@ -314,7 +314,7 @@ def test_fp8_experts_op_with_expert_map_matches_reference_over_held_experts():
         torch.randn(5, hidden_size, inter, generator=generator) * 0.1,
         quant,
     )
-    _, _, _, ids, weights = _physical_problem(36)
+    _, _, _, weights, ids = _physical_problem(36)
     x = torch.randn(ids.shape[0], hidden_size, generator=generator)
     kwargs = dict(
         gate_up_scale=s_gu,
@@ -323,26 +323,26 @@ def test_fp8_experts_op_with_expert_map_matches_reference_over_held_experts():
         block_size=list(quant.block_size),
         expert_map=EXPERT_MAP,
     )
-    out = torch.ops.moeroute.experts(x, q_gu, q_d, ids, weights, **kwargs)
+    out = torch.ops.moeroute.experts(x, q_gu, q_d, weights, ids, **kwargs)
     expected = moe_experts_reference(x, _held_ids(ids, EXPERT_MAP), weights, q_gu, s_gu, q_d, s_d, quant.block_size)
     assert float((out - expected).abs().max() / expected.abs().max()) < 1e-4
     assert torch.count_nonzero(out[:2]) == 0
     # Same as the local ids given directly: the map is the only difference.
     local = torch.ops.moeroute.experts(
-        x, q_gu, q_d, _held_ids(ids, EXPERT_MAP).int(), weights, **{**kwargs, "expert_map": None}
+        x, q_gu, q_d, weights, _held_ids(ids, EXPERT_MAP).int(), **{**kwargs, "expert_map": None}
     )
     torch.testing.assert_close(out, local, rtol=0, atol=0)
 
 
 def test_experts_op_with_expert_map_compiles():
-    hidden, w_gate_up, w_down, ids, weights = _physical_problem(37)
+    hidden, w_gate_up, w_down, weights, ids = _physical_problem(37)
 
-    def layer(x, topk_ids, topk_weights, expert_map):
-        return torch.ops.moeroute.experts(x, w_gate_up, w_down, topk_ids, topk_weights, expert_map=expert_map) + x
+    def layer(x, topk_weights, topk_ids, expert_map):
+        return torch.ops.moeroute.experts(x, w_gate_up, w_down, topk_weights, topk_ids, expert_map=expert_map) + x
 
     compiled = torch.compile(layer, fullgraph=True)
     with torch.inference_mode():
-        actual = compiled(hidden, ids, weights, EXPERT_MAP)
+        actual = compiled(hidden, weights, ids, EXPERT_MAP)
     expected = dense_experts(hidden, _held_ids(ids, EXPERT_MAP), weights, w_gate_up, w_down) + hidden.double()
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=FP32_ATOL)
 
@@ -358,14 +358,14 @@ def test_experts_op_with_expert_map_compiles():
     ],
 )
 def test_experts_op_expert_map_errors(expert_map, error, message):
-    hidden, w_gate_up, w_down, ids, weights = _physical_problem(38)
+    hidden, w_gate_up, w_down, weights, ids = _physical_problem(38)
     with pytest.raises(error, match=message):
-        torch.ops.moeroute.experts(hidden, w_gate_up, w_down, ids, weights, expert_map=expert_map)
+        torch.ops.moeroute.experts(hidden, w_gate_up, w_down, weights, ids, expert_map=expert_map)
     with pytest.raises(error, match=message):
-        ops.experts(hidden, w_gate_up, w_down, ids, weights, expert_map=expert_map)
+        ops.experts(hidden, w_gate_up, w_down, weights, ids, expert_map=expert_map)
     if "values" not in message:  # the fake kernel sees shapes and dtypes, not values
         with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(error, match=message):
-            torch.ops.moeroute.experts(hidden, w_gate_up, w_down, ids, weights, expert_map=expert_map)
+            torch.ops.moeroute.experts(hidden, w_gate_up, w_down, weights, ids, expert_map=expert_map)
 
 
 @pytest.mark.gpu
@@ -373,7 +373,7 @@ def test_experts_op_with_expert_map_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     args = _physical_problem(40)
-    hidden, w_gate_up, w_down, ids, weights = args
+    hidden, w_gate_up, w_down, weights, ids = args
     out = torch.ops.moeroute.experts(*(t.cuda() for t in args), expert_map=EXPERT_MAP.cuda())
     expected = dense_experts(hidden, _held_ids(ids, EXPERT_MAP), weights, w_gate_up, w_down)
     torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-4, atol=1e-4)
@@ -383,9 +383,9 @@ def test_experts_op_with_expert_map_on_cuda():
 
 
 def test_experts_eager_body_rejects_a_non_tensor_expert_map():
-    hidden, w_gate_up, w_down, ids, weights = _physical_problem(39)
+    hidden, w_gate_up, w_down, weights, ids = _physical_problem(39)
     with pytest.raises(TypeError, match="expert_map must be an integer torch.Tensor"):
-        ops.experts(hidden, w_gate_up, w_down, ids, weights, expert_map=EXPERT_MAP.tolist())
+        ops.experts(hidden, w_gate_up, w_down, weights, ids, expert_map=EXPERT_MAP.tolist())
 
 
 # ------------------------------------------------------------------ fused_experts (CUDA)
@@ -396,7 +396,7 @@ def _meta(*tensors):
 
 
 def test_fused_experts_op_schema_and_fake_on_meta_tensors():
-    hidden, w_gate_up, w_down, ids, weights = _expert_problem(9)
+    hidden, w_gate_up, w_down, weights, ids = _expert_problem(9)
     # Its real kernel needs CUDA; on the CPU its schema and fake kernel run on meta tensors.
     args = (*_meta(hidden, w_gate_up, w_down, weights, ids), "silu", True, None)
     _opcheck(ops.OPS["fused_experts"], args)
@@ -410,7 +410,7 @@ def test_fused_experts_op_schema_and_fake_on_meta_tensors():
 
 
 def test_fused_experts_op_refuses_cpu_tensors():
-    hidden, w_gate_up, w_down, ids, weights = _expert_problem(10)
+    hidden, w_gate_up, w_down, weights, ids = _expert_problem(10)
     pytest.importorskip("cupy")
     with pytest.raises(TypeError, match="needs CUDA"):
         torch.ops.moeroute.fused_experts(hidden, w_gate_up, w_down, weights, ids)
@@ -421,10 +421,10 @@ def test_fused_experts_op_matches_reference_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     args = _expert_problem(11)
-    hidden, w_gate_up, w_down, ids, weights = (t.cuda() for t in args)
+    hidden, w_gate_up, w_down, weights, ids = (t.cuda() for t in args)
     out = torch.ops.moeroute.fused_experts(hidden, w_gate_up, w_down, weights, ids)
     torch.testing.assert_close(out.double().cpu(), _experts_reference(*args), rtol=1e-4, atol=1e-4)
-    via_experts = torch.ops.moeroute.experts(hidden, w_gate_up, w_down, ids, weights)
+    via_experts = torch.ops.moeroute.experts(hidden, w_gate_up, w_down, weights, ids)
     torch.testing.assert_close(via_experts, out, rtol=0, atol=0)
     _opcheck(ops.OPS["fused_experts"], (hidden, w_gate_up, w_down, weights, ids, "silu", True, None))
 
@@ -448,7 +448,7 @@ def _moe_reference(module, x):
     logits = F.linear(x, module.router_weight).float()
     weights, ids = reference.select_experts(logits.numpy(), module.router)
     return _experts_reference(
-        x, module.experts.w_gate_up, module.experts.w_down, torch.from_numpy(ids), torch.from_numpy(weights)
+        x, module.experts.w_gate_up, module.experts.w_down, torch.from_numpy(weights), torch.from_numpy(ids)
     )
 
 
@@ -508,3 +508,44 @@ def test_moe_forward_checks_inputs_before_the_op():
         module(torch.zeros(3, H), torch.zeros(3, N + 1))
     with pytest.raises(RuntimeError, match="inference-only"):
         module(torch.zeros(3, H, requires_grad=True))
+
+
+# ------------------------------------------------------------------ the routing pair's order
+
+
+ORDER_MESSAGE = r"topk_weights must be a floating array, got dtype int32 \(weights come before ids since 0.2"
+
+
+def test_append_shared_slots_takes_weights_then_ids_and_refuses_the_old_order():
+    layout = ExpertLayout(8, 1, ep_size=2, dispatch="all2all")
+    weights = torch.tensor([[0.6, 0.4], [0.3, 0.7]])
+    ids = torch.tensor([[4, 7], [0, 3]], dtype=torch.int32)
+    out_weights, out_ids = ops.append_shared_slots(weights, ids, layout, 1, 0.5)
+    expected_weights, expected_ids = reference.append_shared_slots(weights.numpy(), ids.numpy(), layout, 1, 0.5)
+    assert out_ids.dtype == torch.int32 and out_weights.dtype == torch.float32
+    np.testing.assert_array_equal(out_ids.numpy(), expected_ids)
+    np.testing.assert_array_equal(out_weights.numpy(), expected_weights)
+    with pytest.raises(TypeError, match=ORDER_MESSAGE):
+        ops.append_shared_slots(ids, weights, layout, 1, 0.5)
+    with pytest.raises(TypeError, match=ORDER_MESSAGE):
+        torch.ops.moeroute.append_shared_slots(ids, weights, ops.layout_key(layout), 1, None, 0.5)
+    with FakeTensorMode() as mode, pytest.raises(TypeError, match=ORDER_MESSAGE):
+        torch.ops.moeroute.append_shared_slots(
+            mode.from_tensor(ids), mode.from_tensor(weights), ops.layout_key(layout), 1, None, 0.5
+        )
+
+
+def test_experts_op_refuses_ids_before_weights():
+    hidden, w_gate_up, w_down, weights, ids = _expert_problem(41)
+    old_order = (hidden, w_gate_up, w_down, ids, weights)
+    with pytest.raises(TypeError, match=ORDER_MESSAGE):
+        torch.ops.moeroute.experts(*old_order)
+    with pytest.raises(TypeError, match=ORDER_MESSAGE):
+        ops.experts(*old_order)
+    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(TypeError, match=ORDER_MESSAGE):
+        torch.ops.moeroute.experts(*old_order)
+    with pytest.raises(TypeError, match=ORDER_MESSAGE):
+        torch.ops.moeroute.fused_experts(*_meta(*old_order))
+    # Float ids with integer-looking weights: the ids' own check names them.
+    with pytest.raises(TypeError, match=r"topk_ids must be an integer array, got dtype float32 \(weights come before"):
+        torch.ops.moeroute.experts(hidden, w_gate_up, w_down, weights, weights)

@@ -130,7 +130,7 @@ def test_local_experts_and_expert_bodies_refuse_float64():
     with pytest.raises(ValueError, match="expert weights are torch.float64"):
         experts(x, ids, weights)
     with pytest.raises(ValueError, match="hidden_states has dtype torch.float64"):
-        torch.ops.moeroute.experts(x, experts.w_gate_up, experts.w_down, ids, weights)
+        torch.ops.moeroute.experts(x, experts.w_gate_up, experts.w_down, weights, ids)
     slots = torch.arange(6, dtype=torch.int32)
     with pytest.raises(ValueError, match="hidden_states are torch.float64"):
         streamed_expert_mlp(x, slots, [0, 2, 4, 5, 6], weights, experts.w_gate_up, experts.w_down)

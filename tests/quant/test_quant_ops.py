@@ -33,14 +33,14 @@ def _args(quant):
         quant_format=quant.format,
         block_size=None if quant.block_size is None else list(quant.block_size),
     )
-    return (x, q_gu, q_d, ids, weights), kwargs
+    return (x, q_gu, q_d, weights, ids), kwargs
 
 
 @pytest.mark.parametrize("quant", [QuantConfig("fp8_block", block_size=(32, 64)), QuantConfig("fp8_tensor")])
 def test_experts_op_values_and_opcheck(quant):
     args, kwargs = _args(quant)
     out = torch.ops.moeroute.experts(*args, **kwargs)
-    x, q_gu, q_d, ids, weights = args
+    x, q_gu, q_d, weights, ids = args
     expected = moe_experts_reference(
         x, ids.long(), weights, q_gu, kwargs["gate_up_scale"], q_d, kwargs["down_scale"], quant.block_size
     )
@@ -85,7 +85,7 @@ def _mxfp4_args(bias=True):
     kwargs = dict(gate_up_scale=gate_up[1], down_scale=down[1], quant_format="mxfp4")
     if bias:
         kwargs.update(b_gate_up=_randn(L, 2 * MXFP4_I, seed=9), b_down=_randn(L, H, seed=10))
-    return (x, gate_up[0], down[0], ids, weights), kwargs
+    return (x, gate_up[0], down[0], weights, ids), kwargs
 
 
 @pytest.mark.parametrize("gemm", ["auto", "rows", "blocks"])
@@ -93,8 +93,8 @@ def _mxfp4_args(bias=True):
 def test_mxfp4_experts_op_values(gemm, dtype, tolerance):
     """The op on packed bytes equals a float64 dense layer on the decoded weights; slot ids
     outside [0, L) (-1, 5) add nothing."""
-    (x, gu_blocks, d_blocks, ids, weights), kwargs = _mxfp4_args()
-    out = torch.ops.moeroute.experts(x.to(dtype), gu_blocks, d_blocks, ids, weights, "swigluoai", gemm, **kwargs)
+    (x, gu_blocks, d_blocks, weights, ids), kwargs = _mxfp4_args()
+    out = torch.ops.moeroute.experts(x.to(dtype), gu_blocks, d_blocks, weights, ids, "swigluoai", gemm, **kwargs)
     expected = dense_experts(
         x.to(dtype).double(),
         ids,
@@ -117,15 +117,15 @@ def test_mxfp4_experts_op_opcheck():
 
 def test_mxfp4_experts_op_errors():
     args, kwargs = _mxfp4_args()
-    x, gu_blocks, d_blocks, ids, weights = args
+    x, gu_blocks, d_blocks, weights, ids = args
     with pytest.raises(ValueError, match="not an MXFP4 strategy"):
         torch.ops.moeroute.experts(*args, gemm="padded", **kwargs)
     with pytest.raises(ValueError, match="w_gate_up scales has shape"):
         torch.ops.moeroute.experts(*args, **{**kwargs, "gate_up_scale": kwargs["gate_up_scale"][:, :1]})
     with pytest.raises(ValueError, match="w_down blocks has dtype torch.float32"):
-        torch.ops.moeroute.experts(x, gu_blocks, d_blocks.float(), ids, weights, **kwargs)
+        torch.ops.moeroute.experts(x, gu_blocks, d_blocks.float(), weights, ids, **kwargs)
     with pytest.raises(ValueError, match="blocks"):
-        torch.ops.moeroute.experts(x, gu_blocks.flatten(-2), d_blocks, ids, weights, **kwargs)
+        torch.ops.moeroute.experts(x, gu_blocks.flatten(-2), d_blocks, weights, ids, **kwargs)
     with pytest.raises(ValueError, match=r"b_down must be \[4, 128\]"):
         torch.ops.moeroute.experts(*args, **{**kwargs, "b_down": kwargs["b_down"][:, :64]})
     with pytest.raises(ValueError, match="activation"):

@@ -217,8 +217,8 @@ def test_append_shared_slots_matches_cpu(gate):
         "[T,S]": rng.random((4, 2)).astype(np.float32),
     }[gate]
     device_shared = dev(shared) if isinstance(shared, np.ndarray) else shared
-    got = append_shared_slots(dev(ids), dev(weights), LAYOUT, 1, device_shared)
-    want = append_shared_slots(ids, weights, LAYOUT, 1, shared)
+    got = append_shared_slots(dev(weights), dev(ids), LAYOUT, 1, device_shared)
+    want = append_shared_slots(weights, ids, LAYOUT, 1, shared)
     np.testing.assert_array_equal(host(got[0]), want[0])
     np.testing.assert_array_equal(host(got[1]), want[1])
 
@@ -227,17 +227,19 @@ def test_append_shared_slots_not_fused_and_errors():
     layout = ExpertLayout(8, 1, ep_size=2, dispatch="all2all", shared="overlap")
     ids = np.array([[1, 6]], np.int32)
     weights = np.ones((1, 2), np.float32)
-    got = append_shared_slots(dev(ids), dev(weights), layout, 0)
-    np.testing.assert_array_equal(host(got[0]), append_shared_slots(ids, weights, layout, 0)[0])
+    got = append_shared_slots(dev(weights), dev(ids), layout, 0)
+    np.testing.assert_array_equal(host(got[1]), append_shared_slots(weights, ids, layout, 0)[1])
     output_regime = ExpertLayout(8, 1, scaling_regime="output")
     with pytest.raises(ValueError, match="shared_slot_weight"):
-        append_shared_slots(dev(ids), dev(weights), output_regime)
+        append_shared_slots(dev(weights), dev(ids), output_regime)
     with pytest.raises(ValueError, match="home_rank=2"):
-        append_shared_slots(dev(ids), dev(weights), LAYOUT, 2)
+        append_shared_slots(dev(weights), dev(ids), LAYOUT, 2)
     with pytest.raises(TypeError, match="host array"):
-        append_shared_slots(dev(ids), dev(weights), LAYOUT, 0, np.ones(1, np.float32))
-    with pytest.raises(TypeError, match="int32 or int64"):
-        append_shared_slots(dev(ids.astype(np.float32)), dev(weights), LAYOUT, 0)
+        append_shared_slots(dev(weights), dev(ids), LAYOUT, 0, np.ones(1, np.float32))
+    with pytest.raises(TypeError, match="topk_ids must be an integer array"):
+        append_shared_slots(dev(weights), dev(ids.astype(np.float32)), LAYOUT, 0)
+    with pytest.raises(TypeError, match="weights come before ids since 0.2"):
+        append_shared_slots(dev(ids), dev(weights), LAYOUT, 0)
 
 
 @pytest.mark.parametrize("device_map", [True, False])
@@ -390,8 +392,8 @@ def _graph_safety_cases():
             lambda: logical_to_physical(ids, LAYOUT),
         ),
         "append_shared_slots": (
-            lambda d: append_shared_slots(d(ids), d(weights), LAYOUT, 1),
-            lambda: append_shared_slots(ids, weights, LAYOUT, 1),
+            lambda d: append_shared_slots(d(weights), d(ids), LAYOUT, 1),
+            lambda: append_shared_slots(weights, ids, LAYOUT, 1),
         ),
         "remap_to_local[host map]": (
             lambda d: remap_to_local(d(ids), expert_map),

@@ -97,9 +97,9 @@ def test_dispatch_primitives_device_in_device_out():
     _assert_device(physical)
     assert np.array_equal(physical.copy_to_host(), reference.logical_to_physical(ids, layout))
 
-    out_ids, out_w = moeroute.append_shared_slots(dev(ids), dev(weights), layout, 1, 0.5)
+    out_w, out_ids = moeroute.append_shared_slots(dev(weights), dev(ids), layout, 1, 0.5)
     _assert_device(out_ids, out_w)
-    ref_ids, ref_w = reference.append_shared_slots(ids, weights, layout, 1, 0.5)
+    ref_w, ref_ids = reference.append_shared_slots(weights, ids, layout, 1, 0.5)
     assert np.array_equal(out_ids.copy_to_host(), ref_ids)
     np.testing.assert_array_equal(out_w.copy_to_host(), ref_w)
 

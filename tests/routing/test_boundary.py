@@ -151,7 +151,7 @@ def test_the_other_ops_examine_each_input_once(examined):
     hidden, hidden_np = _torch_and_numpy(rng.standard_normal((6, 5)).astype(np.float32))
     expert_map, expert_map_np = _torch_and_numpy(layout.expert_map(1))
     calls = [
-        (lambda i, w, g: append_shared_slots(i, w, layout, 1, g), (ids, weights, gate), (ids_np, weights_np, gate_np)),
+        (lambda i, w, g: append_shared_slots(w, i, layout, 1, g), (ids, weights, gate), (ids_np, weights_np, gate_np)),
         (lambda i, m: (remap_to_local(i, m),), (ids, expert_map), (ids_np, expert_map_np)),
         (lambda i: (expert_load(i, 16),), (ids,), (ids_np,)),
         (lambda h, i: permute(h, i, 16), (hidden, ids), (hidden_np, ids_np)),

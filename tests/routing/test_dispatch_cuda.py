@@ -288,13 +288,13 @@ def test_gpu_ids_match_cpu():
     np.testing.assert_array_equal(
         logical_to_physical(cuda.to_device(ids), layout).copy_to_host(), logical_to_physical(ids, layout)
     )
-    got = append_shared_slots(cuda.to_device(ids), cuda.to_device(weights), layout, 3, cuda.to_device(gate))
-    want = append_shared_slots(ids, weights, layout, 3, gate)
+    got = append_shared_slots(cuda.to_device(weights), cuda.to_device(ids), layout, 3, cuda.to_device(gate))
+    want = append_shared_slots(weights, ids, layout, 3, gate)
     np.testing.assert_array_equal(got[0].copy_to_host(), want[0])
     np.testing.assert_array_equal(got[1].copy_to_host(), want[1])
     expert_map = layout.expert_map(3)
     np.testing.assert_array_equal(
-        remap_to_local(got[0], cuda.to_device(expert_map)).copy_to_host(), remap_to_local(want[0], expert_map)
+        remap_to_local(got[1], cuda.to_device(expert_map)).copy_to_host(), remap_to_local(want[1], expert_map)
     )
 
 

@@ -329,9 +329,9 @@ def test_append_shared_slots_on_torch(shared_weights):
     weights = torch.from_numpy(_rng("w").random((TOKENS, 4)).astype(np.float32))
     if shared_weights == "tensor":
         shared_weights = torch.from_numpy(_rng("g").random(TOKENS).astype(np.float32))
-    out_ids, out_w = moeroute.append_shared_slots(ids, weights, layout, 1, shared_weights)
+    out_w, out_ids = moeroute.append_shared_slots(weights, ids, layout, 1, shared_weights)
     ref_shared = shared_weights.numpy() if isinstance(shared_weights, torch.Tensor) else shared_weights
-    ref_ids, ref_w = reference.append_shared_slots(ids.numpy(), weights.numpy(), layout, 1, ref_shared)
+    ref_w, ref_ids = reference.append_shared_slots(weights.numpy(), ids.numpy(), layout, 1, ref_shared)
     assert isinstance(out_ids, torch.Tensor) and isinstance(out_w, torch.Tensor)
     assert out_ids.dtype == torch.int32 and out_w.dtype == torch.float32
     assert np.array_equal(out_ids.numpy(), ref_ids)
@@ -342,7 +342,7 @@ def test_append_shared_slots_bf16_weights_are_converted_by_torch():
     layout = ExpertLayout(8, num_shared_experts=1)
     ids = _torch_ids(6, 2, 8, 7)
     weights = torch.tensor(_rng("w16").random((6, 2)), dtype=torch.bfloat16)
-    _, out_w = moeroute.append_shared_slots(ids, weights, layout)
+    out_w, _ = moeroute.append_shared_slots(weights, ids, layout)
     np.testing.assert_array_equal(out_w[:, :2].numpy(), weights.float().numpy())
 
 
@@ -451,8 +451,8 @@ def test_gpu_torch_cuda_tensors_in_and_out(dtype):
     result = moeroute.select_experts(logits.cuda(), config, bias.cuda(), out=out)
     assert result[0] is out[0] and torch.equal(out[1], ids)
     layout = ExpertLayout(32, num_shared_experts=1)
-    dev_ids, dev_w = moeroute.append_shared_slots(ids, weights, layout)
-    ref_ids2, ref_w2 = reference.append_shared_slots(ids.cpu().numpy(), weights.cpu().numpy(), layout)
+    dev_w, dev_ids = moeroute.append_shared_slots(weights, ids, layout)
+    ref_w2, ref_ids2 = reference.append_shared_slots(weights.cpu().numpy(), ids.cpu().numpy(), layout)
     assert dev_ids.is_cuda and np.array_equal(dev_ids.cpu().numpy(), ref_ids2)
     hidden = torch.randn(TOKENS, 16, dtype=torch.bfloat16, device="cuda")
     permuted, _, inverse = moeroute.permute(hidden, dev_ids, 33)

@@ -582,7 +582,7 @@ def gpu_op_cases(to_device):
         "permute": lambda: routing.permute(hidden, ids, 16),
         "combine": lambda: routing.combine(expert_out, inverse, weights),
         "logical_to_physical": lambda: routing.logical_to_physical(ids, layout),
-        "append_shared_slots": lambda: routing.append_shared_slots(ids, weights, layout, 1),
+        "append_shared_slots": lambda: routing.append_shared_slots(weights, ids, layout, 1),
         "remap_to_local": lambda: routing.remap_to_local(ids, expert_map),
         "expert_load": lambda: routing.expert_load(ids, 16),
     }

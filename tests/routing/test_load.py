@@ -58,7 +58,7 @@ def test_physical_load_of_a_layout():
     layout = ExpertLayout(6, 1, ep_size=2, dispatch="all2all", num_redundant_experts=2, placement="round_robin")
     rng = np.random.default_rng(5)
     logical = rng.integers(0, 6, (400, 3))
-    ids, _ = append_shared_slots(logical, np.ones((400, 3), np.float32), layout, home_rank=1)
+    _, ids = append_shared_slots(np.ones((400, 3), np.float32), logical, layout, home_rank=1)
     counts = expert_load(ids, layout.num_physical_experts)
     np.testing.assert_array_equal(counts, bincount_reference(ids, layout.num_physical_experts))
     assert counts.sum() == 400 * 4

@@ -56,7 +56,7 @@ CONFIGS = [
 
 def composed(logits, config, layout, rank, bias, shared_weights, home_rank):
     topk_weights, topk_ids = select_experts(logits, config, bias)
-    ids, weights = append_shared_slots(topk_ids, topk_weights, layout, home_rank, shared_weights)
+    weights, ids = append_shared_slots(topk_weights, topk_ids, layout, home_rank, shared_weights)
     return weights, remap_to_local(ids, layout.expert_map(rank))
 
 

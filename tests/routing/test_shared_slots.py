@@ -57,8 +57,8 @@ def test_matches_reference_for_every_home_rank(label, kwargs, gate, tokens):
     shared_weights = gate_for(gate, rng, tokens, layout.num_shared_experts)
     slots = layout.num_shared_experts if layout.shared == "fused" else 0
     for home_rank in range(layout.ep_size):
-        out_ids, out_weights = append_shared_slots(ids, weights, layout, home_rank, shared_weights)
-        ref_ids, ref_weights = reference.append_shared_slots(ids, weights, layout, home_rank, shared_weights)
+        out_weights, out_ids = append_shared_slots(weights, ids, layout, home_rank, shared_weights)
+        ref_weights, ref_ids = reference.append_shared_slots(weights, ids, layout, home_rank, shared_weights)
         assert out_ids.dtype == np.int32 and out_weights.dtype == np.float32
         assert out_ids.shape == (tokens, ids.shape[1] + slots)
         np.testing.assert_array_equal(out_ids, ref_ids)
@@ -70,10 +70,10 @@ def test_spec_worked_example():
     layout = ExpertLayout(8, 1, ep_size=2, dispatch="all2all")
     ids = np.array([[4, 7], [0, 3]], np.int32)
     weights = np.array([[0.5, 0.25], [0.125, 0.0625]], np.float32)
-    out_ids, out_weights = append_shared_slots(ids, weights, layout, home_rank=1)
+    out_weights, out_ids = append_shared_slots(weights, ids, layout, home_rank=1)
     assert out_ids.tolist() == [[5, 8, 9], [0, 3, 9]]
     assert out_weights.tolist() == [[0.5, 0.25, 1.0], [0.125, 0.0625, 1.0]]
-    from_rank_0 = append_shared_slots(ids, weights, layout, home_rank=0)[0]
+    from_rank_0 = append_shared_slots(weights, ids, layout, home_rank=0)[1]
     assert from_rank_0[:, 2].tolist() == [4, 4]
 
 
@@ -83,7 +83,7 @@ def test_512_routed_plus_shared_on_8_all2all_ranks(home_rank):
     rng = np.random.default_rng(home_rank)
     ids, weights = routing(rng, 64, layout)
     gate = rng.random(64).astype(np.float32)
-    out_ids, out_weights = append_shared_slots(ids, weights, layout, home_rank, gate)
+    out_weights, out_ids = append_shared_slots(weights, ids, layout, home_rank, gate)
     owner = ids // 64
     routed = out_ids[:, :8]
     assert np.all((routed >= owner * 65) & (routed < owner * 65 + 64))
@@ -102,7 +102,7 @@ def test_per_rank_slots_with_two_shared_experts_and_per_slot_gates():
     rng = np.random.default_rng(1)
     ids, weights = routing(rng, 10, layout, top_k=4)
     gate = rng.random((10, 2)).astype(np.float32)
-    out_ids, out_weights = append_shared_slots(ids, weights, layout, 1, gate)
+    out_weights, out_ids = append_shared_slots(weights, ids, layout, 1, gate)
     # Rank 1 block: routed 8..15 -> 10..17, shared 18, 19.
     assert np.all(out_ids[:, 4:] == [18, 19])
     np.testing.assert_array_equal(out_weights[:, 4:], gate)
@@ -115,32 +115,32 @@ def test_output_regime_needs_explicit_shared_weights():
     ids, weights = routing(rng, 5, layout)
     advice = r"layout\.shared_slot_weight\(gate, routed_scaling_factor\)"
     with pytest.raises(ValueError, match=advice):
-        append_shared_slots(ids, weights, layout)
+        append_shared_slots(weights, ids, layout)
     gate = rng.random(5).astype(np.float32)
     slot_weight = layout.shared_slot_weight(gate, 2.5)
-    _, out_weights = append_shared_slots(ids, weights, layout, 0, slot_weight)
+    out_weights, _ = append_shared_slots(weights, ids, layout, 0, slot_weight)
     np.testing.assert_allclose(out_weights[:, -1], gate / 2.5, rtol=1e-6)
 
 
 def test_output_regime_without_fusion_needs_nothing():
     layout = ExpertLayout(16, 1, shared="runner", scaling_regime="output")
     ids = np.zeros((3, 2), np.int32)
-    out_ids, out_weights = append_shared_slots(ids, np.ones((3, 2), np.float32), layout)
+    out_weights, out_ids = append_shared_slots(np.ones((3, 2), np.float32), ids, layout)
     assert out_ids.shape == (3, 2) and out_weights.shape == (3, 2)
 
 
 def test_out_of_range_logical_ids_become_minus_one():
     layout = ExpertLayout(8, 1, ep_size=2, dispatch="all2all")
     ids = np.array([[-1, 8], [3, 100]], np.int64)
-    out_ids, _ = append_shared_slots(ids, np.ones((2, 2), np.float32), layout, 0)
+    _, out_ids = append_shared_slots(np.ones((2, 2), np.float32), ids, layout, 0)
     assert out_ids.tolist() == [[-1, -1, 4], [3, -1, 4]]
 
 
 def test_host_weights_are_converted_to_float32():
     layout = ExpertLayout(8, 1)
     ids = np.array([[1, 2]], np.int32)
-    out = append_shared_slots(ids, np.array([[0.5, 0.25]], np.float16), layout, 0, np.array([0.5], np.float64))
-    assert out[1].dtype == np.float32 and out[1].tolist() == [[0.5, 0.25, 0.5]]
+    out = append_shared_slots(np.array([[0.5, 0.25]], np.float16), ids, layout, 0, np.array([0.5], np.float64))
+    assert out[0].dtype == np.float32 and out[0].tolist() == [[0.5, 0.25, 0.5]]
 
 
 LAYOUT = ExpertLayout(8, 2, ep_size=2, dispatch="all2all")
@@ -155,8 +155,8 @@ LAYOUT = ExpertLayout(8, 2, ep_size=2, dispatch="all2all")
         (dict(home_rank=True), TypeError, "home_rank=True"),
         (dict(layout="layout"), TypeError, "ExpertLayout"),
         (dict(weights=np.ones((3, 3), np.float32)), ValueError, r"topk_weights has shape \(3, 3\)"),
-        (dict(weights=np.ones((3, 2), np.int32)), TypeError, "floating point"),
-        (dict(ids=np.ones((3, 2))), TypeError, "integers"),
+        (dict(weights=np.ones((3, 2), np.int32)), TypeError, "topk_weights must be a floating array"),
+        (dict(ids=np.ones((3, 2))), TypeError, "topk_ids must be an integer array"),
         (dict(ids=np.ones(6, np.int32), weights=np.ones(6, np.float32)), ValueError, "2-D"),
         (dict(shared=np.ones((3, 3), np.float32)), ValueError, r"shared_weights has shape \(3, 3\)"),
         (dict(shared=np.ones(4, np.float32)), ValueError, r"shared_weights has shape \(4,\)"),
@@ -169,4 +169,25 @@ def test_invalid_arguments(change, error, words):
     )
     args.update(change)
     with pytest.raises(error, match=words):
-        append_shared_slots(args["ids"], args["weights"], args["layout"], args["home_rank"], args["shared"])
+        append_shared_slots(args["weights"], args["ids"], args["layout"], args["home_rank"], args["shared"])
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_ids_before_weights_the_order_before_0_2_is_refused(framework):
+    # The old call append_shared_slots(ids, weights, ...) must not compute with ids read as
+    # weights: both the kernel entry and the reference refuse it by dtype, naming the order.
+    layout = ExpertLayout(8, 1, ep_size=2, dispatch="all2all")
+    ids = np.array([[4, 7], [0, 3]], np.int32)
+    weights = np.array([[0.5, 0.25], [0.125, 0.0625]], np.float32)
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        ids, weights = torch.from_numpy(ids), torch.from_numpy(weights)
+    message = r"topk_weights must be a floating array, got dtype int32 \(weights come before ids since 0.2"
+    with pytest.raises(TypeError, match=message):
+        append_shared_slots(ids, weights, layout, 1)
+    if framework == "numpy":
+        with pytest.raises(TypeError, match=message):
+            reference.append_shared_slots(ids, weights, layout, 1)
+    # Float ids with float weights (no integer in the pair): the ids are named.
+    with pytest.raises(TypeError, match=r"topk_ids must be an integer array, got dtype float32"):
+        append_shared_slots(weights, weights, layout, 1)

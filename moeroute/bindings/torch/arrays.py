@@ -135,13 +135,13 @@ def select_experts(logits: torch.Tensor, router, correction_bias: torch.Tensor |
     return ROUTING_KERNELS.select_experts(_contiguous(logits), router, _contiguous(correction_bias))
 
 
-def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weights=None):
-    """Physical ids and weights with the fused shared slots appended (docs/semantics.md section 4).
+def append_shared_slots(topk_weights, topk_ids, layout, home_rank=0, shared_weights=None):
+    """Weights and physical ids with the fused shared slots appended (docs/semantics.md section 4).
 
     Parameters
     ----------
-    topk_ids : Tensor [T, K] int32, logical routed ids
     topk_weights : Tensor [T, K] float32
+    topk_ids : Tensor [T, K] int32, logical routed ids
     layout : moeroute.layout.ExpertLayout
     home_rank : int
     shared_weights : None, float, or Tensor [T] / [T, 1] float32
@@ -149,13 +149,19 @@ def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weig
 
     Returns
     -------
-    ids : Tensor [T, K + S'] int32, weights : Tensor [T, K + S'] float32
+    weights : Tensor [T, K + S'] float32, ids : Tensor [T, K + S'] int32
         (S' = S when fused, else 0).
+
+    Raises
+    ------
+    TypeError
+        Non-float weights or non-integer ids (the pair in the order before 0.2), and as
+        `moeroute.append_shared_slots`.
     """
     if isinstance(shared_weights, torch.Tensor):
         shared_weights = shared_weights.detach().to(torch.float32).contiguous()
     return ROUTING_KERNELS.append_shared_slots(
-        _contiguous(topk_ids), _contiguous(topk_weights), layout, home_rank, shared_weights
+        _contiguous(topk_weights), _contiguous(topk_ids), layout, home_rank, shared_weights
     )
 
 

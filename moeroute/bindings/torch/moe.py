@@ -999,7 +999,7 @@ class MoE(nn.Module):
             topk_weights = weights[:, : self.router.top_k]
         else:
             topk_weights, topk_ids = arrays.select_experts(logits, self._selection_router, self.correction_bias)
-            ids, weights = arrays.append_shared_slots(topk_ids, topk_weights, layout, self.rank, slot_weights)
+            weights, ids = arrays.append_shared_slots(topk_weights, topk_ids, layout, self.rank, slot_weights)
         if self.load_recorder is not None:  # EPLB load window: this rank's tokens, at home
             self.load_recorder.record(ids, layout.num_physical_experts)
 

@@ -9,11 +9,11 @@ launches, oneDNN linears) is traced.
 num_expert_group, topk_group, renormalize,       float32; correction_bias [N] float32 or None.
 routed_scaling_factor, correction_bias)``        -> (topk_weights [T, K] float32,
                                                  topk_ids [T, K] int32).
-``append_shared_slots(topk_ids, topk_weights,    Fused shared slots appended (docs/semantics.md section 4);
+``append_shared_slots(topk_weights, topk_ids,    Fused shared slots appended (docs/semantics.md section 4);
 layout_key, home_rank, shared_weights,           the layout is found by `layout_key`.
-shared_weight)``                                 -> (ids [T, K+S'] int32, weights float32).
+shared_weight)``                                 -> (weights [T, K+S'] float32, ids int32).
 ``experts(hidden_states, w_gate_up, w_down,      The local experts' weighted sum (CPU: sort,
-topk_ids, topk_weights, activation, gemm,        BLAS/oneDNN GEMMs, combine; CUDA: as
+topk_weights, topk_ids, activation, gemm,        BLAS/oneDNN GEMMs, combine; CUDA: as
 b_gate_up, b_down, gate_up_scale, down_scale,    ``fused_experts``); biases optional. With
 input_scale, quant_format, block_size,           ``quant_format`` ("fp8_block"/"fp8_tensor")
 quant_activation, scale_fmt, expert_map)``       the weights are float8_e4m3fn with their
@@ -38,6 +38,10 @@ lives as long as its object and a compiled graph holds only the string. The plai
 wrappers `select_experts` and `append_shared_slots` below take the config objects and
 call the ops.
 
+Every op that takes a routing pair takes it weights first, then ids (as ``select_experts``
+returns it and as vLLM passes it), and refuses the pair in the other order by dtype with a
+TypeError naming the argument.
+
 None of the ops has an autograd formula: the pipeline is inference-only.
 """
 
@@ -47,6 +51,7 @@ from typing import Optional
 
 import torch
 
+from moeroute._validate import weights_then_ids
 from moeroute.bindings.torch import arrays
 from moeroute.experts.activations import check_activation
 from moeroute.experts.choose import check_strategy
@@ -266,8 +271,8 @@ def _appended_slots(layout: ExpertLayout) -> int:
 
 @torch.library.custom_op(f"{NAMESPACE}::append_shared_slots", mutates_args=())
 def _append_shared_slots_op(
-    topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
     layout_key: str,
     home_rank: int = 0,
     shared_weights: Optional[torch.Tensor] = None,
@@ -277,31 +282,33 @@ def _append_shared_slots_op(
         raise ValueError(
             "pass the shared slot weight as shared_weights (a tensor) or shared_weight (a float), not both"
         )
+    weights_then_ids(topk_weights, topk_ids)
     check_same_device("topk_ids", topk_ids, topk_weights=topk_weights, shared_weights=shared_weights)
     layout = _registered_layout(layout_key)
     shared = shared_weights if shared_weights is not None else shared_weight
-    return arrays.append_shared_slots(topk_ids, topk_weights, layout, home_rank, shared)
+    return arrays.append_shared_slots(topk_weights, topk_ids, layout, home_rank, shared)
 
 
 @_append_shared_slots_op.register_fake
-def _(topk_ids, topk_weights, layout_key, home_rank=0, shared_weights=None, shared_weight=None):
+def _(topk_weights, topk_ids, layout_key, home_rank=0, shared_weights=None, shared_weight=None):
+    weights_then_ids(topk_weights, topk_ids)
     check_same_device("topk_ids", topk_ids, topk_weights=topk_weights, shared_weights=shared_weights)
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be 2-D [T, K], got shape {tuple(topk_ids.shape)}")
     slots = _appended_slots(_registered_layout(layout_key))
     shape = (topk_ids.shape[0], topk_ids.shape[1] + slots)
-    return (topk_ids.new_empty(shape, dtype=torch.int32), topk_ids.new_empty(shape, dtype=torch.float32))
+    return (topk_ids.new_empty(shape, dtype=torch.float32), topk_ids.new_empty(shape, dtype=torch.int32))
 
 
 def append_shared_slots(
-    topk_ids: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout, home_rank: int = 0, shared_weights=None
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, layout: ExpertLayout, home_rank: int = 0, shared_weights=None
 ):
     """``torch.ops.moeroute.append_shared_slots`` with an `ExpertLayout`.
 
     Parameters
     ----------
-    topk_ids : Tensor [T, K] int32, logical routed ids
     topk_weights : Tensor [T, K] float32
+    topk_ids : Tensor [T, K] int32, logical routed ids
     layout : ExpertLayout
     home_rank : int
     shared_weights : None, float, or Tensor [T] / [T, 1] / [T, S] float32
@@ -309,28 +316,28 @@ def append_shared_slots(
 
     Returns
     -------
-    ids : Tensor [T, K + S'] int32, weights : Tensor [T, K + S'] float32
+    weights : Tensor [T, K + S'] float32, ids : Tensor [T, K + S'] int32
         S' = S when the layout fuses the shared expert, else 0.
 
     Raises
     ------
     TypeError, ValueError
-        As `moeroute.append_shared_slots`.
+        As `moeroute.append_shared_slots` (TypeError for ids passed first, the order before 0.2).
     """
     key = layout_key(layout)
     if isinstance(shared_weights, torch.Tensor):
         return torch.ops.moeroute.append_shared_slots(
-            topk_ids, topk_weights, key, home_rank, shared_weights.to(torch.float32), None
+            topk_weights, topk_ids, key, home_rank, shared_weights.to(torch.float32), None
         )
     scalar = None if shared_weights is None else float(shared_weights)
-    return torch.ops.moeroute.append_shared_slots(topk_ids, topk_weights, key, home_rank, None, scalar)
+    return torch.ops.moeroute.append_shared_slots(topk_weights, topk_ids, key, home_rank, None, scalar)
 
 
 # ------------------------------------------------------------------ experts
 
 
 def _check_experts_args(
-    hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm, b_gate_up=None, b_down=None
+    hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation, gemm, b_gate_up=None, b_down=None
 ):
     check_activation(activation)
     check_strategy("gemm", gemm, "float")
@@ -347,7 +354,7 @@ def _check_experts_args(
     for name, weight in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         if weight.dtype != hidden_states.dtype:
             raise ValueError(f"{name} has dtype {weight.dtype}, hidden_states {hidden_states.dtype}; they must match")
-    _check_routing_args(hidden_states, topk_ids, topk_weights)
+    _check_routing_args(hidden_states, topk_weights, topk_ids)
     for name, bias, shape in (
         ("b_gate_up", b_gate_up, (num_experts, 2 * inter)),
         ("b_down", b_down, (num_experts, hidden)),
@@ -358,11 +365,12 @@ def _check_experts_args(
             )
 
 
-def _check_routing_args(hidden_states, topk_ids, topk_weights) -> None:
+def _check_routing_args(hidden_states, topk_weights, topk_ids) -> None:
     """The routing arguments of every weight format, checked at the op's boundary before any
     kernel: a kernel indexes ``hidden_states`` and the output by the rows of ``topk_ids``,
     so ids for fewer rows would leave output rows unwritten and ids for more would read and
-    write past both."""
+    write past both. TypeError first when the pair comes ids first (the order before 0.2)."""
+    weights_then_ids(topk_weights, topk_ids)
     num_tokens = hidden_states.shape[0]
     if topk_ids.dtype != torch.int32 or topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be int32 [T, K], got {topk_ids.dtype} of shape {tuple(topk_ids.shape)}")
@@ -380,7 +388,7 @@ def _check_routing_args(hidden_states, topk_ids, topk_weights) -> None:
 
 
 def _check_experts_devices(
-    hidden_states, w_gate_up, w_down, topk_ids, topk_weights, b_gate_up, b_down, gate_up_scale, down_scale, input_scale
+    hidden_states, w_gate_up, w_down, topk_weights, topk_ids, b_gate_up, b_down, gate_up_scale, down_scale, input_scale
 ) -> None:
     """Every tensor argument of ``experts`` on the device of ``hidden_states`` (the kernels
     read them there; a meta-device weight holds no data). ``expert_map`` is held to the
@@ -390,8 +398,8 @@ def _check_experts_devices(
         hidden_states,
         w_gate_up=w_gate_up,
         w_down=w_down,
-        topk_ids=topk_ids,
         topk_weights=topk_weights,
+        topk_ids=topk_ids,
         b_gate_up=b_gate_up,
         b_down=b_down,
         gate_up_scale=gate_up_scale,
@@ -415,8 +423,8 @@ def _check_mxfp4_experts_args(
     hidden_states,
     w_gate_up,
     w_down,
-    topk_ids,
     topk_weights,
+    topk_ids,
     activation,
     gemm,
     b_gate_up,
@@ -466,7 +474,7 @@ def _check_mxfp4_experts_args(
                 f"{name} must be {list(shape)} of {SUPPORTED_DTYPES} (added in float32), got "
                 f"{bias.dtype} of shape {tuple(bias.shape)}"
             )
-    _check_routing_args(hidden_states, topk_ids, topk_weights)
+    _check_routing_args(hidden_states, topk_weights, topk_ids)
 
 
 def _check_quantized_experts_args(*args):
@@ -479,8 +487,8 @@ def _check_fp8_experts_args(
     hidden_states,
     w_gate_up,
     w_down,
-    topk_ids,
     topk_weights,
+    topk_ids,
     activation,
     gemm,
     b_gate_up,
@@ -521,7 +529,7 @@ def _check_fp8_experts_args(
             input_scale,
             check_values=False,
         )
-    _check_routing_args(hidden_states, topk_ids, topk_weights)
+    _check_routing_args(hidden_states, topk_weights, topk_ids)
 
 
 def _check_expert_map(expert_map, topk_ids, num_local_experts) -> None:
@@ -591,8 +599,8 @@ def _experts_op(
     hidden_states: torch.Tensor,
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
-    topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
     activation: str = "silu",
     gemm: str = "auto",
     b_gate_up: Optional[torch.Tensor] = None,
@@ -617,7 +625,9 @@ def _experts_op(
     ``w_down`` are MXFP4 blocks, ``gate_up_scale`` / ``down_scale`` their scale bytes, the
     computation of an MXFP4 layer (biases added in float32).
 
-    Every format checks the same way, before any kernel: ValueError naming the argument when
+    The routing pair comes weights first (as vLLM passes it); before 0.2 this op took
+    ``topk_ids, topk_weights``, and ids passed first are refused with a TypeError (non-float
+    ``topk_weights``). Every format checks the same way, before any kernel: ValueError naming the argument when
     ``topk_ids`` is not int32 [T, K] with T = ``hidden_states.shape[0]``, ``topk_weights``
     is not float32 of its shape, a tensor is on another device than ``hidden_states`` (the
     meta device included), or ``gemm`` is not a strategy of the format."""
@@ -625,8 +635,8 @@ def _experts_op(
         hidden_states,
         w_gate_up,
         w_down,
-        topk_ids,
         topk_weights,
+        topk_ids,
         activation,
         gemm,
         b_gate_up,
@@ -646,8 +656,8 @@ def experts(
     hidden_states,
     w_gate_up,
     w_down,
-    topk_ids,
     topk_weights,
+    topk_ids,
     activation="silu",
     gemm="auto",
     b_gate_up=None,
@@ -663,12 +673,13 @@ def experts(
 ):
     """The body of ``torch.ops.moeroute.experts`` (same arguments and result), called
     directly where `runs_eagerly` allows."""
+    weights_then_ids(topk_weights, topk_ids)
     _check_experts_devices(
         hidden_states,
         w_gate_up,
         w_down,
-        topk_ids,
         topk_weights,
+        topk_ids,
         b_gate_up,
         b_down,
         gate_up_scale,
@@ -681,8 +692,8 @@ def experts(
             hidden_states,
             w_gate_up,
             w_down,
-            topk_ids,
             topk_weights,
+            topk_ids,
             activation,
             gemm,
             b_gate_up,
@@ -720,7 +731,7 @@ def experts(
             None if input_scale is None else input_scale.float(),
             gemm,
         )
-    _check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm, b_gate_up, b_down)
+    _check_experts_args(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation, gemm, b_gate_up, b_down)
     topk_ids = local_expert_ids(topk_ids, expert_map, w_gate_up.shape[0])
     if hidden_states.device.type == "cuda":
         contiguous = [None if t is None else t.contiguous() for t in (b_gate_up, b_down)]
@@ -743,8 +754,8 @@ def _(
     hidden_states,
     w_gate_up,
     w_down,
-    topk_ids,
     topk_weights,
+    topk_ids,
     activation="silu",
     gemm="auto",
     b_gate_up=None,
@@ -758,12 +769,13 @@ def _(
     scale_fmt="float",
     expert_map=None,
 ):
+    weights_then_ids(topk_weights, topk_ids)
     _check_experts_devices(
         hidden_states,
         w_gate_up,
         w_down,
-        topk_ids,
         topk_weights,
+        topk_ids,
         b_gate_up,
         b_down,
         gate_up_scale,
@@ -776,8 +788,8 @@ def _(
             hidden_states,
             w_gate_up,
             w_down,
-            topk_ids,
             topk_weights,
+            topk_ids,
             activation,
             gemm,
             b_gate_up,
@@ -789,7 +801,7 @@ def _(
         )
     else:
         _check_experts_args(
-            hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, gemm, b_gate_up, b_down
+            hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation, gemm, b_gate_up, b_down
         )
     if expert_map is not None:
         _check_expert_map(expert_map, topk_ids, w_gate_up.shape[0])
@@ -813,6 +825,7 @@ def _fused_experts_op(
     down_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """`moeroute.gpu.fused_experts` on torch CUDA tensors (it raises TypeError for others)."""
+    weights_then_ids(topk_weights, topk_ids)
     try:
         from moeroute.gpu import fused_experts
     except ImportError as error:  # CuPy missing: say what the CUDA path needs
@@ -847,7 +860,7 @@ def _(
     down_bias=None,
 ):
     _check_experts_args(
-        hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation, "auto", gate_up_bias, down_bias
+        hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation, "auto", gate_up_bias, down_bias
     )
     return hidden_states.new_empty(hidden_states.shape)
 

@@ -12,7 +12,7 @@ import numbers
 
 import numpy as np
 
-from moeroute._validate import integer
+from moeroute._validate import integer, weights_then_ids
 from moeroute.routing import _launcher, _sort
 from moeroute.routing._arrays import column_view, dtype_name, enter
 from moeroute.routing.remap import check_layout, layout_device_tables
@@ -78,17 +78,20 @@ def _slot_weight_strides(shape) -> tuple[int, int]:
 # --------------------------------------------------------------------------- API
 
 
-def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weights=None, *, stream=None):
-    """Physical ids and weights with the fused shared slots appended (docs/semantics.md sections 2, 4).
+def append_shared_slots(topk_weights, topk_ids, layout, home_rank=0, shared_weights=None, *, stream=None):
+    """Weights and physical ids with the fused shared slots appended (docs/semantics.md sections 2, 4).
+
+    The pair comes weights first, as ``select_experts`` and ``route`` return it (and as vLLM
+    passes it); before 0.2 this function took and returned ids first.
 
     Parameters
     ----------
+    topk_weights : array [T, K], float
+        float32 on the device; host floats are converted to float32.
     topk_ids : array [T, K], integer
         Logical routed ids (``select_experts`` output); ids outside [0, N) become -1.
         NumPy or CPU torch (any integer dtype) or device (int32/int64). Results come back
         in the framework and on the device of ``topk_ids``.
-    topk_weights : array [T, K], float
-        float32 on the device; host floats are converted to float32.
     layout : moeroute.layout.ExpertLayout
         Decides the routed id map and whether (and where) shared slots are appended.
     home_rank : int
@@ -103,16 +106,16 @@ def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weig
 
     Returns
     -------
-    ids : int32 [T, K + S']
     weights : float32 [T, K + S']
+    ids : int32 [T, K + S']
         S' = layout.num_shared_experts when ``layout.shared == "fused"``, else 0.
 
     Raises
     ------
     TypeError
         ``layout`` not an ExpertLayout; ``home_rank`` not an integer; non-integer ids;
-        non-float weights (not float32 on the device); a host ``shared_weights`` array
-        with device ids.
+        non-float weights (not float32 on the device), which is also what ids passed first
+        (the order before 0.2) raise; a host ``shared_weights`` array with device ids.
     ValueError
         ``home_rank`` outside [0, ep_size); ids not 2-D; weights of another shape;
         ``shared_weights`` of another shape; ``shared_weights`` None while the layout
@@ -124,21 +127,23 @@ def append_shared_slots(topk_ids, topk_weights, layout, home_rank=0, shared_weig
     N=8, S=1, E=2 (all2all): a token from rank 1 routed to logical 4 and 7 gets physical
     ids 5 and 8 and shared id 9.
     """
+    weights_then_ids(topk_weights, topk_ids)
     entry = enter(topk_ids, "topk_ids")
     weights = enter(topk_weights, "topk_weights")
     shared = None if shared_weights is None else enter(shared_weights, "shared_weights")
     if entry.on_device:
-        return _append_device(entry, weights, layout, home_rank, shared, stream)
+        return _append_device(weights, entry, layout, home_rank, shared, stream)
     ids = _sort.host_ids("topk_ids", entry)
-    out_ids, out_weights = _append_host(
-        ids, weights.host_floats(), layout, home_rank, shared_weights, None if shared is None else shared.host_floats()
+    out_weights, out_ids = _append_host(
+        weights.host_floats(), ids, layout, home_rank, shared_weights, None if shared is None else shared.host_floats()
     )
-    return entry.wrap(out_ids), entry.wrap(out_weights)
+    return entry.wrap(out_weights), entry.wrap(out_ids)
 
 
-def _append_host(ids, weights, layout, home_rank, shared_weights, shared):
-    """`append_shared_slots` on NumPy ``ids`` (int32/int64) and float ``weights``;
-    ``shared``: the NumPy view of ``shared_weights`` (None when absent). NumPy results."""
+def _append_host(weights, ids, layout, home_rank, shared_weights, shared):
+    """`append_shared_slots` on float ``weights`` and NumPy ``ids`` (int32/int64);
+    ``shared``: the NumPy view of ``shared_weights`` (None when absent). NumPy results
+    (weights, ids)."""
     if shared is not None and shared.dtype.kind not in "fiu":
         raise TypeError(f"shared_weights must be real numbers, got dtype {shared.dtype}")
     home_rank, slots = _check_append_args(
@@ -180,7 +185,7 @@ def _append_host(ids, weights, layout, home_rank, shared_weights, shared):
         out_ids,
         out_weights,
     )
-    return out_ids, out_weights
+    return out_weights, out_ids
 
 
 def device_shared_weights(entry, launcher: str, beside: str):
@@ -223,9 +228,9 @@ def device_slot_weights(shared, unused):
     return shared, use_row, use_col, True
 
 
-def _append_device(entry, weights_entry, layout, home_rank, shared_entry, stream):
+def _append_device(weights_entry, entry, layout, home_rank, shared_entry, stream):
     """`append_shared_slots` on device ids, from the boundaries of its arrays
-    (``shared_entry``: None when ``shared_weights`` is absent)."""
+    (``shared_entry``: None when ``shared_weights`` is absent); (weights, ids)."""
     ids = _sort.device_ids("topk_ids", entry)
     if not weights_entry.on_device:
         raise TypeError("topk_weights must be a device array when topk_ids is one")
@@ -276,4 +281,4 @@ def _append_device(entry, weights_entry, layout, home_rank, shared_entry, stream
                 weights_view,
             ),
         )
-    return out_ids, out_weights
+    return out_weights, out_ids
