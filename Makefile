@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?= -n auto --maxprocesses=4
 
-.PHONY: setup demo test lint test-oldest test-vllm wheel-check bench hip-toolchain clean
+.PHONY: setup demo test lint test-oldest test-vllm wheel-check bench bench-ktkernel hip-toolchain clean
 
 setup: $(VENV)/.installed
 
@@ -97,6 +97,31 @@ bench: setup
 	$(PY) -m bench cpu
 	$(PY) -m bench.report
 
+# moeroute's CPU experts side by side with kt-kernel's (bench/ktkernel.py), in their own venv:
+# the CPU torch first, then kt-kernel with --no-deps (it pins another torch; its extension
+# does not link libtorch) and the modules its import needs, then moeroute -e with its
+# dependencies (numpy and numba; torch stays the pinned one). Not part of `make test` or `make bench`.
+KT_VENV ?= .venv-kt
+KT_PY := $(KT_VENV)/bin/python
+KT_PIN ?= kt-kernel==0.7.2
+KT_IMPORT_DEPS ?= safetensors gguf "numpy>=1.24,<2.5"
+
+$(KT_VENV)/.kt:
+	$(PYTHON) -m venv $(KT_VENV)
+	$(KT_PY) -m pip install -q --upgrade pip
+	$(KT_PY) -m pip install -q "$(TORCH_PIN)"
+	$(KT_PY) -m pip install -q --no-deps "$(KT_PIN)"
+	$(KT_PY) -m pip install -q $(KT_IMPORT_DEPS) "$(TORCH_PIN)"
+	touch $@
+
+$(KT_VENV)/.installed: $(KT_VENV)/.kt pyproject.toml
+	$(KT_PY) -m pip install -q -e .
+	touch $@
+
+bench-ktkernel: $(KT_VENV)/.installed
+	$(KT_PY) -m bench ktkernel
+	$(KT_PY) -m bench.report
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(OLDEST_VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(OLDEST_VENV) $(KT_VENV) .pytest_cache .hypothesis build *.egg-info
 	find . -name __pycache__ -prune -exec rm -rf {} +

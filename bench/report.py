@@ -581,6 +581,93 @@ def _cold_start(data):
     return lines
 
 
+#: Row labels of the kt-kernel comparison: moeroute's format, and its kt-kernel counterpart.
+_KT_LABELS = {
+    "fp8_block": "FP8 block 128x128",
+    "bf16": "bfloat16",
+    "mxfp4": "MXFP4",
+    "q8_0": "GGUF Q8_0",
+    "q4_0": "GGUF Q4_0",
+}
+
+
+def _ktkernel(data):
+    kt = data.get("kt_kernel", {})
+    classes = ", ".join(f"{_KT_LABELS.get(fmt, fmt)}: `{name}`" for fmt, name in kt.get("moe_classes", {}).items())
+    load = [data.get("loadavg_before"), data.get("loadavg_after")]
+    lines = [
+        f"`make bench-ktkernel` (`.venv-kt`, kt-kernel {kt.get('version')}): moeroute's experts against "
+        "kt-kernel's (KTransformers' CPU MoE kernels) on the same routing and inputs, "
+        f"{data.get('activation_dtype')} activations, {data.get('activation')} experts without biases, "
+        f"{data.get('threads')} threads each. Same bytes where the formats agree (kt-kernel's FP8, BF16 and "
+        "MXFP4 methods read moeroute's weights and scales); its LLAMAFILE method (the ggml kernels) reads "
+        "GGUF Q8_0 / Q4_0 made from the same float weights. kt-kernel loaded its "
+        f"`{kt.get('cpu_variant')}` extension (int8 kernel: {kt.get('int8_kernel')}); classes: {classes}. "
+        "Each call waits for the other's threads to go idle first (kt-kernel's workers spin 50 ms "
+        "after a job).",
+    ]
+    if all(load):
+        lines[-1] += (
+            f" Load average (1, 5, 15 min) {', '.join(f'{v:.1f}' for v in load[0])} before the run and "
+            f"{', '.join(f'{v:.1f}' for v in load[1])} after"
+            + (
+                f" on {data['machine']['cpu_count']} logical CPUs: the machine was busy, read the figures as "
+                "a loaded machine's."
+                if load[0][0] > data.get("machine", {}).get("cpu_count", 1)
+                else "."
+            )
+        )
+    lines += [
+        "",
+        "Bytes per weight, scales included: "
+        + ", ".join(
+            f"{_KT_LABELS.get(fmt, fmt)} {value:.4g}" for fmt, value in data.get("bytes_per_weight", {}).items()
+        )
+        + ". Error: max |out - ref| / max |ref| against the float32 layer on the float weights. "
+        "kt / moeroute: the median of the per-pair time ratios (above 1: moeroute is faster).",
+    ]
+    for shape_name, groups in data["results"].items():
+        shape = data.get("shapes", {}).get(shape_name, {})
+        lines += [
+            "",
+            f"**{shape_name}** (H = {shape.get('hidden')}, I = {shape.get('inter')}, N = {shape.get('experts')}, "
+            f"K = {shape.get('top_k')}):",
+            "",
+        ]
+        rows = []
+        for fmt, entries in groups.items():
+            for e in entries:
+                for kt_fmt, case in e["kt"].items():
+                    rows.append(
+                        (
+                            _KT_LABELS.get(fmt, fmt),
+                            f"{case['method']}",
+                            e["tokens"],
+                            _time_us(case["moeroute_us"]),
+                            _time_us(case["kt_us"]),
+                            _ratio(case["speedup"], case.get("speedup_range")),
+                            f"{e['moeroute_error']:.1e}",
+                            f"{case['error']:.1e}",
+                        )
+                    )
+        lines += _table(
+            [
+                "moeroute",
+                "kt-kernel",
+                "T",
+                "moeroute",
+                "kt-kernel",
+                "kt / moeroute (range)",
+                "error moeroute",
+                "error kt-kernel",
+            ],
+            rows,
+        )
+        for kt_fmt, reason in data.get("not_run", {}).get(shape_name, {}).items():
+            lines += ["", f"Not run: kt-kernel {_KT_LABELS.get(kt_fmt, kt_fmt)} ({reason})."]
+    return lines
+
+
 #: file stem -> (section title, renderer), in page order.
 RENDERERS = {
     "routing": ("Routing: `select_experts` on the CPU", _routing),
@@ -590,6 +677,7 @@ RENDERERS = {
     "quant": ("FP8 experts on the CPU", _quant),
     "quant_w8a16": ("FP8 w8a16 against w8a8 on the CPU", _quant_w8a16),
     "quant_mxfp4": ("MXFP4 experts on the CPU", _quant_mxfp4),
+    "ktkernel": ("CPU experts against kt-kernel", _ktkernel),
     "ep": ("Expert parallelism: bytes and time", _ep),
     "ep_fp8": ("Expert parallelism: FP8 dispatch", _ep_fp8),
     "eplb": ("Expert load balancing", _eplb),

@@ -1,0 +1,147 @@
+"""bench/ktkernel.py's parts that need no kt-kernel: the GGUF Q8_0 / Q4_0 packers against a
+block-by-block reference written from ggml's block definitions, the MXFP4 scale widening, the
+error measure, and the binding of moeroute's experts to given routing."""
+
+from __future__ import annotations
+
+import math
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import ktkernel  # noqa: E402
+
+
+def _round_away(v: float) -> int:
+    """C's roundf: halves away from zero."""
+    r = math.floor(abs(v))
+    if abs(v) - r >= 0.5:
+        r += 1
+    return int(math.copysign(r, v)) if r else 0
+
+
+def q8_0_block(x) -> bytes:
+    """ggml's block_q8_0 {ggml_half d; int8_t qs[32]} of 32 floats (quantize_row_q8_0_ref)."""
+    x = [np.float32(v) for v in x]
+    amax = max(abs(v) for v in x)
+    d = np.float32(amax / np.float32(127))
+    inv = np.float32(1) / d if d else np.float32(0)
+    qs = [_round_away(float(np.float32(v * inv))) for v in x]
+    return struct.pack("<e", float(d)) + struct.pack("<32b", *qs)
+
+
+def q4_0_block(x) -> bytes:
+    """ggml's block_q4_0 {ggml_half d; uint8_t qs[16]} of 32 floats (quantize_row_q4_0_ref):
+    element j in the low nibble of byte j, element j + 16 in its high nibble."""
+    x = [np.float32(v) for v in x]
+    amax, m = np.float32(0), np.float32(0)
+    for v in x:
+        if amax < abs(v):
+            amax, m = abs(v), v
+    d = np.float32(m / np.float32(-8))
+    inv = np.float32(1) / d if d else np.float32(0)
+    q = [min(15, int(np.float32(np.float32(v * inv) + np.float32(8.5)))) for v in x]
+    return struct.pack("<e", float(d)) + bytes(q[j] | (q[j + 16] << 4) for j in range(16))
+
+
+def _weights(rows=6, cols=96, seed=0):
+    w = (np.random.default_rng(seed).standard_normal((rows, cols)) * 0.02).astype(np.float32)
+    w[0, :32] = 0  # an all-zero block: d = 0
+    w[1, :32] = 0.5  # ties in the largest magnitude
+    w[2, 32:64] = np.linspace(-1, 1, 32)  # exact halves after scaling
+    w[3, :32] *= 1e4
+    return w
+
+
+@pytest.mark.parametrize(
+    "pack, block, size",
+    [
+        (ktkernel.quantize_q8_0, q8_0_block, ktkernel.Q8_0_BLOCK_BYTES),
+        (ktkernel.quantize_q4_0, q4_0_block, ktkernel.Q4_0_BLOCK_BYTES),
+    ],
+)
+def test_gguf_packers_match_ggml_blocks_byte_for_byte(pack, block, size):
+    w = _weights()
+    packed = pack(w)
+    assert packed.dtype == np.uint8 and packed.shape == (w.shape[0], w.shape[1] // 32 * size)
+    expected = b"".join(block(w[r, c : c + 32]) for r in range(w.shape[0]) for c in range(0, w.shape[1], 32))
+    assert packed.tobytes() == expected
+    # Leading dimensions are kept (experts x rows x blocks).
+    assert np.array_equal(pack(w.reshape(2, 3, -1)).reshape(packed.shape), packed)
+
+
+def test_gguf_dequantize_is_within_a_step_of_the_floats():
+    w = _weights()
+    for pack, unpack, step in (
+        (ktkernel.quantize_q8_0, ktkernel.dequantize_q8_0, 0.5),
+        (ktkernel.quantize_q4_0, ktkernel.dequantize_q4_0, 1.0),
+    ):
+        packed = pack(w)
+        blocks = packed.reshape(w.shape[0], w.shape[1] // 32, -1)
+        d = np.abs(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+        scale = np.repeat(d, 32, axis=1)
+        error = np.abs(unpack(packed, w.shape[1]) - w)
+        # One quantization step (Q4_0: the top code is 7 of 8), plus float16 rounding of d.
+        assert np.all(error <= step * scale * (1 + 1e-3) + 8 * scale * 2**-10 + 1e-12)
+        assert np.array_equal(unpack(packed, w.shape[1])[0, :32], np.zeros(32, np.float32))
+
+
+def test_gguf_packers_refuse_a_width_off_the_block():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ktkernel.quantize_q8_0(np.zeros((2, 48), np.float32))
+
+
+def test_ue8m0_scales_widen_to_their_power_of_two_in_bfloat16():
+    codes = torch.arange(255, dtype=torch.uint8)
+    widened = ktkernel.ue8m0_to_bfloat16(codes)
+    assert widened.dtype == torch.bfloat16
+    expected = torch.tensor([2.0 ** (c - 127) for c in range(255)], dtype=torch.float64)
+    assert torch.equal(widened.double(), expected)
+
+
+def test_relative_error_is_max_difference_over_max_reference():
+    ref = torch.tensor([[1.0, -4.0], [2.0, 0.0]])
+    out = torch.tensor([[1.5, -4.0], [2.0, -1.0]])
+    assert ktkernel.relative_error(out, ref) == pytest.approx(1.0 / 4.0)
+
+
+def test_bytes_per_weight_count_the_scales():
+    assert ktkernel.BYTES_PER_WEIGHT["q8_0"] == 34 / 32
+    assert ktkernel.BYTES_PER_WEIGHT["q4_0"] == 18 / 32
+    assert ktkernel.BYTES_PER_WEIGHT["mxfp4"] == 17 / 32
+    assert ktkernel.BYTES_PER_WEIGHT["fp8_block"] == 1 + 4 / 128**2
+
+
+def test_llamafile_refuses_intermediate_sizes_off_256():
+    assert ktkernel.llamafile_refusal(ktkernel.SHAPES["qwen3_30b_a3b"]) is None
+    assert "256" in ktkernel.llamafile_refusal(ktkernel.SHAPES["gpt_oss_20b"])
+
+
+def test_check_failures_name_the_case_out_of_bounds():
+    case = {"method": "FP8", "error": 0.5, "difference_to_moeroute": 0.01}
+    payload = {"results": {"s": {"fp8_block": [{"tokens": 8, "moeroute_error": 0.05, "kt": {"fp8_block": case}}]}}}
+    assert ktkernel.check_failures(payload) == ["s T=8 kt fp8_block: error 0.5"]
+    case["error"] = 0.05
+    assert ktkernel.check_failures(payload) == []
+
+
+def test_experts_call_runs_the_module_experts_on_the_given_routing():
+    """The bound call equals the float reference layer on the selection it was given."""
+    shape = dict(hidden=64, inter=32, experts=4, top_k=2)
+    w_gate_up, w_down = ktkernel.float_weights(shape)
+    router_w = ktkernel.router_weight(shape)
+    x, logits, weights, ids = ktkernel.inputs(shape, 5, router_w)
+    module = ktkernel.moeroute_layer(shape, "bf16", w_gate_up, w_down, router_w)
+    out = ktkernel.experts_call(module, x, ids, weights)()
+    ref = ktkernel.reference_layer(x, ids, weights, w_gate_up.bfloat16(), w_down.bfloat16())
+    assert out.shape == (5, 64)
+    assert ktkernel.relative_error(out, ref) < 2e-2
+    with torch.no_grad():
+        assert torch.allclose(out.float(), module(x, logits).float(), rtol=0, atol=1e-6)
