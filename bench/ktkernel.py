@@ -138,6 +138,78 @@ def dequantize_q4_0(packed, k: int) -> np.ndarray:
     return (q * d[..., None]).reshape(*packed.shape[:-1], k)
 
 
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_mxfp4_kernel = None
+
+
+def _mxfp4_rows_kernel():
+    """A Numba kernel quantizing float32 rows ``x [n, cols]`` into blocks/scales (compiled on
+    first use, so that importing this module needs no compile)."""
+    global _mxfp4_kernel
+    if _mxfp4_kernel is None:
+        import math
+
+        import numba
+
+        midpoints = np.array(_E2M1_MIDPOINTS, np.float64)
+
+        @numba.njit(parallel=True, cache=False)
+        def kernel(x, blocks, scales):
+            n, cols = x.shape
+            for r in numba.prange(n):
+                for b in range(cols // 32):
+                    amax = 0.0
+                    for j in range(32):
+                        amax = max(amax, abs(np.float64(x[r, 32 * b + j])))
+                    e = -127
+                    if amax > 0:
+                        mantissa, exponent = math.frexp(amax)
+                        e = exponent - 3 if mantissa <= 0.75 else exponent - 2
+                    e = min(max(e, -127), 127)
+                    scales[r, b] = e + 127
+                    inverse = math.ldexp(1.0, -e)
+                    for j in range(16):
+                        pair = 0
+                        for half in range(2):
+                            v = np.float64(x[r, 32 * b + 2 * j + half]) * inverse
+                            magnitude = min(abs(v), 6.0)
+                            code = 0
+                            while code < 7 and midpoints[code] < magnitude:
+                                code += 1
+                            if code < 7 and magnitude == midpoints[code] and code % 2 == 1:
+                                code += 1  # ties go to the even code
+                            if math.copysign(1.0, v) < 0:
+                                code |= 8
+                            pair |= code << (4 * half)
+                        blocks[r, b, j] = pair
+
+        _mxfp4_kernel = kernel
+    return _mxfp4_kernel
+
+
+def quantize_mxfp4_numba(w: torch.Tensor):
+    """`moeroute.quant.quantize_mxfp4`'s bytes from a Numba loop over the rows (that one works
+    in float64 a few rows at a time to bound its memory, which makes the benchmark's 1.8e9
+    weights take many minutes). Per block of 32: ``e = ceil(log2(amax / 6))`` exactly (from
+    frexp), the codes the nearest e2m1 value of ``w / 2**e`` (exact: a power of two), ties to
+    the even code, the first value of each pair in the low nibble; the tests hold it to
+    moeroute's bytes.
+
+    Returns (blocks uint8 [..., rows, cols/32, 16], scales uint8 [..., rows, cols/32])."""
+    cols = w.shape[-1]
+    if cols % QK:
+        raise ValueError(f"the last dimension ({cols}) must be a multiple of {QK}")
+    x = w.detach().float().contiguous().reshape(-1, cols).numpy()
+    blocks = np.empty((x.shape[0], cols // QK, QK // 2), np.uint8)
+    scales = np.empty((x.shape[0], cols // QK), np.uint8)
+    _mxfp4_rows_kernel()(x, blocks, scales)
+    lead = tuple(w.shape[:-1])
+    return (
+        torch.from_numpy(blocks).reshape(*lead, cols // QK, QK // 2),
+        torch.from_numpy(scales).reshape(*lead, cols // QK),
+    )
+
+
 def ue8m0_to_bfloat16(scales: torch.Tensor) -> torch.Tensor:
     """MXFP4 scale bytes (2 ** (s - 127)) as the bfloat16 values kt-kernel's MXFP4 kernel reads
     (exact: bfloat16 has float32's 8 exponent bits; byte 0 is 2 ** -127, a subnormal)."""
@@ -216,7 +288,7 @@ def moeroute_layer(shape, fmt, w_gate_up, w_down, router_w):
     """moeroute's MoE module holding the weights in ``fmt`` ("bf16", "fp8_block", "mxfp4")."""
     from moeroute.bindings.torch import MoE
     from moeroute.config import RouterConfig
-    from moeroute.quant import QuantConfig, quantize_experts, quantize_mxfp4
+    from moeroute.quant import QuantConfig, quantize_experts
 
     h, inter, n, k = shape["hidden"], shape["inter"], shape["experts"], shape["top_k"]
     router = RouterConfig(n, k, "softmax", renormalize=True)
@@ -237,8 +309,8 @@ def moeroute_layer(shape, fmt, w_gate_up, w_down, router_w):
                 experts.w_gate_up[rows], experts.gate_up_scale[rows] = q_gu, s_gu
                 experts.w_down[rows], experts.down_scale[rows] = q_d, s_d
             else:
-                experts.w_gate_up[rows], experts.gate_up_scale[rows] = quantize_mxfp4(w_gate_up[rows])
-                experts.w_down[rows], experts.down_scale[rows] = quantize_mxfp4(w_down[rows])
+                experts.w_gate_up[rows], experts.gate_up_scale[rows] = quantize_mxfp4_numba(w_gate_up[rows])
+                experts.w_down[rows], experts.down_scale[rows] = quantize_mxfp4_numba(w_down[rows])
     return module
 
 
@@ -571,7 +643,7 @@ def run_shape(kt, shape, tokens_list, repeats, log=print):
     return {"results": results, "not_run": not_run}
 
 
-def run(shapes, tokens_list, repeats) -> dict:
+def run(shapes, tokens_list, repeats, save=None) -> dict:
     import moeroute
 
     torch.set_num_threads(THREADS)
@@ -612,7 +684,10 @@ def run(shapes, tokens_list, repeats) -> dict:
             payload["not_run"][name] = out["not_run"]
         print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
         gc.collect()
+        if save is not None:  # what is measured so far survives an interrupted run
+            save({**payload, "loadavg_after": list(os.getloadavg()), "complete": False})
     payload["loadavg_after"] = list(os.getloadavg())
+    payload["complete"] = True
     return payload
 
 
@@ -664,6 +739,19 @@ def check_failures(payload) -> list[str]:
     return failures
 
 
+def mxfp4_failures() -> list[str]:
+    """`quantize_mxfp4_numba` against moeroute's `quantize_mxfp4`, byte for byte."""
+    from moeroute.quant import quantize_mxfp4
+
+    w = torch.randn(4, 96, 256, generator=torch.Generator().manual_seed(0)) * 0.02
+    w[0, 0, :32] = 0
+    w[1, 0, :64] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 8)
+    ours, theirs = quantize_mxfp4_numba(w), quantize_mxfp4(w)
+    if all(torch.equal(a, b) for a, b in zip(ours, theirs)):
+        return []
+    return ["quantize_mxfp4_numba: the bytes differ from moeroute.quant.quantize_mxfp4's"]
+
+
 def gguf_failures() -> list[str]:
     """The GGUF packers against gguf-py's (kt-kernel's GGUF reader), byte for byte."""
     from gguf import GGMLQuantizationType, quants
@@ -688,11 +776,11 @@ def main(argv=None) -> None:
     if args.check:
         payload = run(CHECK_SHAPES, (1, 8, 64), {1: 2, 8: 2, 64: 2})
         print_summary(payload)
-        failures = check_failures(payload) + gguf_failures()
+        failures = check_failures(payload) + gguf_failures() + mxfp4_failures()
         print("\n".join(failures) if failures else "check: every output within its bound")
         raise SystemExit(1 if failures else 0)
     shapes = {name: SHAPES[name] for name in (args.shapes or SHAPES)}
-    payload = run(shapes, tokens, repeats)
+    payload = run(shapes, tokens, repeats, save=lambda partial: write_results("ktkernel", partial))
     print_summary(payload)
     path = write_results("ktkernel", payload)
     print(f"wrote {path}")

@@ -145,3 +145,20 @@ def test_experts_call_runs_the_module_experts_on_the_given_routing():
     assert ktkernel.relative_error(out, ref) < 2e-2
     with torch.no_grad():
         assert torch.allclose(out.float(), module(x, logits).float(), rtol=0, atol=1e-6)
+
+
+def test_the_mxfp4_packer_writes_moeroutes_bytes():
+    from moeroute.quant import quantize_mxfp4
+
+    w = torch.randn(3, 8, 128, generator=torch.Generator().manual_seed(0)) * 0.02
+    w[0, 0, :32] = 0  # an all-zero block
+    w[0, 1, :32] = -0.0
+    grid = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)
+    w[1, 0, :32] = grid  # every tie between e2m1 values
+    w[1, 1, :32] = -grid * 2.0**-20
+    w[2, 0, :32] *= 1e30
+    blocks, scales = ktkernel.quantize_mxfp4_numba(w)
+    expected_blocks, expected_scales = quantize_mxfp4(w)
+    assert blocks.shape == expected_blocks.shape and scales.shape == expected_scales.shape
+    assert torch.equal(blocks, expected_blocks)
+    assert torch.equal(scales, expected_scales)
