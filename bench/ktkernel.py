@@ -608,8 +608,14 @@ def run_shape(kt, shape, tokens_list, repeats, log=print):
                 tensors = gguf_tensors(kt_fmt, w_gate_up, w_down, shape["inter"])
             else:
                 tensors = moeroute_tensors(module, kt_fmt)
-            layer = kt.layer(shape, kt_fmt, tensors, max_tokens)
-            del tensors
+            try:
+                layer = kt.layer(shape, kt_fmt, tensors, max_tokens)
+            except (ValueError, RuntimeError) as error:  # e.g. FP8 needs H and I multiples of 128
+                not_run[kt_fmt] = f"kt-kernel refused the shape: {error}"
+                log(f"  {KT_METHODS[kt_fmt]}: not run ({error})")
+                continue
+            finally:
+                del tensors
             log(f"  {KT_METHODS[kt_fmt]}: built in {time.perf_counter() - start:.1f} s")
             for t in tokens_list:
                 x, _, weights, ids = cases[t]
@@ -643,7 +649,9 @@ def run_shape(kt, shape, tokens_list, repeats, log=print):
     return {"results": results, "not_run": not_run}
 
 
-def run(shapes, tokens_list, repeats, save=None) -> dict:
+def run(shapes, tokens_list, repeats, save=None, merge=None) -> dict:
+    """Measure ``shapes``; with ``merge`` (an earlier payload), keep its other shapes' results
+    (their run dates in ``earlier_runs``)."""
     import moeroute
 
     torch.set_num_threads(THREADS)
@@ -675,13 +683,29 @@ def run(shapes, tokens_list, repeats, save=None) -> dict:
         "results": {},
         "not_run": {},
     }
+    if merge:
+        payload["shapes"] = {**merge.get("shapes", {}), **shapes}
+        payload["results"].update({k: v for k, v in merge.get("results", {}).items() if k not in shapes})
+        payload["not_run"].update({k: v for k, v in merge.get("not_run", {}).items() if k not in shapes})
+        payload["loadavg_per_shape"] = {k: v for k, v in merge.get("loadavg_per_shape", {}).items() if k not in shapes}
+        payload["earlier_loadavg"] = merge.get("earlier_loadavg") or [
+            merge.get("loadavg_before"),
+            merge.get("loadavg_after"),
+        ]
+        payload["earlier_runs"] = {
+            k: merge.get("earlier_runs", {}).get(k, merge.get("machine", {}).get("date"))
+            for k in merge.get("results", {})
+            if k not in shapes
+        }
     for name, shape in shapes.items():
         print(f"{name}: {shape}", flush=True)
         start = time.perf_counter()
+        before = os.getloadavg()
         out = run_shape(kt, shape, tokens_list, repeats, log=lambda text: print(text, flush=True))
         payload["results"][name] = out["results"]
         if out["not_run"]:
             payload["not_run"][name] = out["not_run"]
+        payload.setdefault("loadavg_per_shape", {})[name] = [list(before), list(os.getloadavg())]
         print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
         gc.collect()
         if save is not None:  # what is measured so far survives an interrupted run
@@ -770,6 +794,9 @@ def main(argv=None) -> None:
     parser.add_argument("--check", action="store_true", help="tiny shapes, no JSON: correctness only")
     parser.add_argument("--shapes", nargs="*", choices=list(SHAPES), help="a subset of the shapes")
     parser.add_argument("--repeats", type=float, default=1.0, help="scale the rounds per T (at least 1)")
+    parser.add_argument(
+        "--merge", action="store_true", help="keep the other shapes of the existing ktkernel.json (with --shapes)"
+    )
     args = parser.parse_args(argv)
     tokens = (1, 8) if args.quick else TOKENS
     repeats = {t: max(1, round(REPEATS[t] * args.repeats)) for t in TOKENS}
@@ -780,7 +807,15 @@ def main(argv=None) -> None:
         print("\n".join(failures) if failures else "check: every output within its bound")
         raise SystemExit(1 if failures else 0)
     shapes = {name: SHAPES[name] for name in (args.shapes or SHAPES)}
-    payload = run(shapes, tokens, repeats, save=lambda partial: write_results("ktkernel", partial))
+    merge = None
+    if args.merge:
+        import json
+
+        from _common import RESULTS_DIR
+
+        existing = RESULTS_DIR / "ktkernel.json"
+        merge = json.loads(existing.read_text(encoding="utf-8")) if existing.exists() else None
+    payload = run(shapes, tokens, repeats, save=lambda partial: write_results("ktkernel", partial), merge=merge)
     print_summary(payload)
     path = write_results("ktkernel", payload)
     print(f"wrote {path}")

@@ -591,10 +591,13 @@ _KT_LABELS = {
 }
 
 
+def _loads(values) -> str:
+    return "/".join(f"{v:.1f}" for v in values)
+
+
 def _ktkernel(data):
     kt = data.get("kt_kernel", {})
     classes = ", ".join(f"{_KT_LABELS.get(fmt, fmt)}: `{name}`" for fmt, name in kt.get("moe_classes", {}).items())
-    load = [data.get("loadavg_before"), data.get("loadavg_after")]
     lines = [
         f"`make bench-ktkernel` (`.venv-kt`, kt-kernel {kt.get('version')}): moeroute's experts against "
         "kt-kernel's (KTransformers' CPU MoE kernels) on the same routing and inputs, "
@@ -604,36 +607,35 @@ def _ktkernel(data):
         "GGUF Q8_0 / Q4_0 made from the same float weights. kt-kernel loaded its "
         f"`{kt.get('cpu_variant')}` extension (int8 kernel: {kt.get('int8_kernel')}); classes: {classes}. "
         "Each call waits for the other's threads to go idle first (kt-kernel's workers spin 50 ms "
-        "after a job).",
+        "after a job). Each shape gives the load average (1, 5, 15 min) around its run: above the "
+        f"{data.get('machine', {}).get('cpu_count', '?')} logical CPUs, other work shared the machine and the "
+        "times are a loaded machine's.",
     ]
-    if all(load):
-        lines[-1] += (
-            f" Load average (1, 5, 15 min) {', '.join(f'{v:.1f}' for v in load[0])} before the run and "
-            f"{', '.join(f'{v:.1f}' for v in load[1])} after"
-            + (
-                f" on {data['machine']['cpu_count']} logical CPUs: the machine was busy, read the figures as "
-                "a loaded machine's."
-                if load[0][0] > data.get("machine", {}).get("cpu_count", 1)
-                else "."
-            )
-        )
     lines += [
         "",
         "Bytes per weight, scales included: "
         + ", ".join(
-            f"{_KT_LABELS.get(fmt, fmt)} {value:.4g}" for fmt, value in data.get("bytes_per_weight", {}).items()
+            f"{_KT_LABELS.get(fmt, fmt)} {value:.5g}" for fmt, value in data.get("bytes_per_weight", {}).items()
         )
         + ". Error: max |out - ref| / max |ref| against the float32 layer on the float weights. "
         "kt / moeroute: the median of the per-pair time ratios (above 1: moeroute is faster).",
     ]
     for shape_name, groups in data["results"].items():
         shape = data.get("shapes", {}).get(shape_name, {})
-        lines += [
-            "",
+        heading = (
             f"**{shape_name}** (H = {shape.get('hidden')}, I = {shape.get('inter')}, N = {shape.get('experts')}, "
-            f"K = {shape.get('top_k')}):",
-            "",
-        ]
+            f"K = {shape.get('top_k')})"
+        )
+        load = data.get("loadavg_per_shape", {}).get(shape_name)
+        earlier = data.get("earlier_runs", {}).get(shape_name)
+        if earlier:
+            heading += f", from the run of {earlier[:16].replace('T', ' ')} UTC"
+            load = data.get("earlier_loadavg")
+            if load and all(load):
+                heading += " (load average " + " before it, ".join(_loads(v) for v in load) + " after)"
+        elif load:
+            heading += " (load average " + " before, ".join(_loads(v) for v in load) + " after)"
+        lines += ["", heading + ":", ""]
         rows = []
         for fmt, entries in groups.items():
             for e in entries:

@@ -162,3 +162,31 @@ def test_the_mxfp4_packer_writes_moeroutes_bytes():
     assert blocks.shape == expected_blocks.shape and scales.shape == expected_scales.shape
     assert torch.equal(blocks, expected_blocks)
     assert torch.equal(scales, expected_scales)
+
+
+def test_the_report_tabulates_each_pair_and_says_what_did_not_run(tmp_path):
+    import json
+
+    from bench import report
+
+    machine = {"date": "2030-01-02T00:00:00+00:00", "cpu_model": "X", "isa": "avx2", "cpu_count": 2}
+    case = {"method": "FP8", "moeroute_us": 1500.0, "kt_us": 3000.0, "speedup": 2.0, "speedup_range": [1.5, 2.5]}
+    case.update(repeats=3, error=0.05)
+    payload = {
+        "machine": machine,
+        "kt_kernel": {"version": "0.7.2", "cpu_variant": "avx2", "moe_classes": {"fp8_block": "AVX2FP8_MOE"}},
+        "threads": 2,
+        "activation": "silu",
+        "activation_dtype": "bfloat16",
+        "shapes": {"s": {"hidden": 256, "inter": 384, "experts": 6, "top_k": 3}},
+        "bytes_per_weight": ktkernel.BYTES_PER_WEIGHT,
+        "results": {"s": {"fp8_block": [{"tokens": 8, "moeroute_error": 0.06, "kt": {"fp8_block": case}}]}},
+        "not_run": {"s": {"q8_0": "LLAMAFILE needs I to be a multiple of 256 (QK_K); I = 384"}},
+        "loadavg_per_shape": {"s": [[1.0, 1.0, 1.0], [3.0, 2.0, 1.0]]},
+    }
+    (tmp_path / "ktkernel.json").write_text(json.dumps(payload))
+    page = report.render(tmp_path)
+    assert "| FP8 block 128x128 | FP8 | 8 | 1.50 ms | 3.00 ms | 2.00x (1.50-2.50) | 6.0e-02 | 5.0e-02 |" in page
+    assert "`avx2` extension" in page and "`AVX2FP8_MOE`" in page
+    assert "(load average 1.0/1.0/1.0 before, 3.0/2.0/1.0 after):" in page
+    assert "Not run: kt-kernel GGUF Q8_0 (LLAMAFILE needs I to be a multiple of 256 (QK_K); I = 384)." in page
