@@ -10,6 +10,8 @@ fp8    cpu      "rows" up to `ROWS_MAX_MEAN_ROWS` mean rows per hit expert, and 
                 where the bfloat16-dot kernels serve the shapes (CPU feature `BF16_DOT`);
                 else "blocks"
 mxfp4  cpu      "rows" (few rows per expert decode in registers, more decode once per call)
+int4   cpu      "rows" up to `ROWS_MAX_MEAN_ROWS` mean rows per hit expert, else "blocks"
+int4   cuda     "blocks" (no INT4 CUDA kernels)
 any    cuda     "cuda": `moeroute.gpu.fused_experts` (the quantized formats where CuPy is
                 installed and the call is one its kernels take; else "blocks")
 =====  =======  ===========================================================================
@@ -45,7 +47,7 @@ __all__ = [
 ]
 
 #: The weight formats of the expert compute ("float": float32, float16 or bfloat16 weights).
-FORMATS = ("float", "fp8", "mxfp4")
+FORMATS = ("float", "fp8", "mxfp4", "int4")
 #: Where a call runs: the weights' device type.
 BACKENDS = ("cpu", "cuda")
 #: What a caller may name for each format ("auto" first): the CPU strategies; on CUDA "auto"
@@ -54,6 +56,7 @@ STRATEGIES = {
     "float": ("auto", "loop", "padded", "rows"),
     "fp8": ("auto", "rows", "blocks"),
     "mxfp4": ("auto", "rows", "blocks"),
+    "int4": ("auto", "rows", "blocks"),
 }
 #: Largest mean rows per hit expert that "auto" gives the CPU row kernels: below it an
 #: expert's GEMMs are bound by reading its weights, which the row kernels read once; past it
@@ -77,7 +80,7 @@ def format_of(quant) -> str:
     """The `FORMATS` entry of a `moeroute.quant.QuantConfig` (None: "float")."""
     if quant is None:
         return "float"
-    return "mxfp4" if quant.format == "mxfp4" else "fp8"
+    return quant.format if quant.format in ("mxfp4", "int4") else "fp8"
 
 
 def cupy_installed() -> bool:
@@ -130,7 +133,7 @@ def choose(
     onednn : float on the CPU: the loop's linears run on oneDNN
     bf16_dot : fp8 on the CPU: the bfloat16-dot row kernels serve these shapes
     cuda_kernels : quantized formats on CUDA: CuPy is installed and the call is one the
-        CUDA kernels take
+        CUDA kernels take (int4 has none: "blocks")
 
     Returns
     -------
@@ -145,7 +148,7 @@ def choose(
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not an experts backend; use one of {BACKENDS}")
     if backend == "cuda":
-        if format != "float" and (strategy == "blocks" or not cuda_kernels):
+        if format != "float" and (strategy == "blocks" or not cuda_kernels or format == "int4"):
             return "blocks"
         return "cuda"
     if strategy != "auto":
@@ -154,6 +157,8 @@ def choose(
     hit = sum(1 for c in counts if c)
     if format == "mxfp4":
         return "rows"
+    if format == "int4":
+        return "rows" if not hit or sum(counts) <= ROWS_MAX_MEAN_ROWS * hit else "blocks"
     if format == "fp8":
         return "rows" if bf16_dot or not hit or sum(counts) <= ROWS_MAX_MEAN_ROWS * hit else "blocks"
     if not hit:

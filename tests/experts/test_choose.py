@@ -19,6 +19,11 @@ TABLE = [
     ("fp8", "cpu", [1, 1], {"strategy": "blocks"}, "blocks"),
     ("mxfp4", "cpu", [500, 500], {}, "rows"),
     ("mxfp4", "cpu", [1], {"strategy": "blocks"}, "blocks"),
+    ("int4", "cpu", [ROWS_MAX_MEAN_ROWS, 0, ROWS_MAX_MEAN_ROWS], {}, "rows"),
+    ("int4", "cpu", [ROWS_MAX_MEAN_ROWS + 1, 0, ROWS_MAX_MEAN_ROWS + 1], {}, "blocks"),
+    ("int4", "cpu", [], {}, "rows"),
+    ("int4", "cpu", [500, 500], {"strategy": "rows"}, "rows"),
+    ("int4", "cpu", [1], {"strategy": "blocks"}, "blocks"),
     # CPU, float32: rows, padded over mostly-hit experts on torch.mm, else the loop.
     ("float", "cpu", [3, 0, 5, 1], {}, "rows"),
     ("float", "cpu", [ROWS_MAX_MEAN_ROWS + 4] * 4, {}, "padded"),
@@ -36,6 +41,9 @@ TABLE = [
     ("mxfp4", "cuda", [3], {}, "cuda"),
     ("mxfp4", "cuda", [3], {"strategy": "blocks"}, "blocks"),
     ("mxfp4", "cuda", [3], {"cuda_kernels": False}, "blocks"),
+    # INT4 has no CUDA kernels: "blocks" whatever is asked.
+    ("int4", "cuda", [3], {}, "blocks"),
+    ("int4", "cuda", [3], {"strategy": "rows"}, "blocks"),
 ]
 
 
@@ -63,6 +71,7 @@ def test_every_format_has_auto_first():
     assert format_of(None) == "float"
     assert format_of(QuantConfig("fp8_block")) == format_of(QuantConfig("fp8_tensor")) == "fp8"
     assert format_of(QuantConfig("mxfp4")) == "mxfp4"
+    assert format_of(QuantConfig("int4", group_size=64, symmetric=False)) == "int4"
 
 
 @pytest.mark.parametrize(
@@ -71,6 +80,7 @@ def test_every_format_has_auto_first():
         ("float", "blocks", r"gemm='blocks' is not a GEMM strategy; use one of \('auto', 'loop', 'padded', 'rows'\)"),
         ("fp8", "loop", r"gemm='loop' is not an FP8 strategy; use one of \('auto', 'rows', 'blocks'\)"),
         ("mxfp4", "padded", r"gemm='padded' is not an MXFP4 strategy; use one of \('auto', 'rows', 'blocks'\)"),
+        ("int4", "loop", r"gemm='loop' is not an INT4 strategy; use one of \('auto', 'rows', 'blocks'\)"),
     ],
 )
 def test_check_strategy_names_the_argument_and_the_allowed_values(format, strategy, message):

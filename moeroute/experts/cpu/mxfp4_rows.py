@@ -3,6 +3,10 @@ into a float32 buffer (`moeroute.experts.cpu.mxfp4`'s vector decode, in `split_b
 order) and dotted with all the expert's rows by the float32 row kernels of
 `moeroute.experts.cpu.rows` (two weight rows by four activation rows per pass).
 
+The same kernels serve INT4 weights (`moeroute.experts.cpu.int4`): the packed bytes have the
+MXFP4 blocks' layout, and the decoder follows the scales' type (uint8 scale bytes: MXFP4;
+float32 ``[P, K/g]`` parameters a row: INT4), chosen when Numba compiles the kernel.
+
 The few-row kernels of `moeroute.experts.cpu.mxfp4` decode in registers for every tile of
 four rows, which is cheapest when an expert serves one to a few rows; past that the decode
 repeats per tile and these kernels, which decode once, win. Activations are float32 in
@@ -14,10 +18,12 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba.extending import overload
 
 from moeroute.experts.cpu.variants import parallel_and_serial
 from moeroute.experts.cpu import rows as cpu_rows
 from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
+from moeroute.experts.cpu import int4 as cpu_int4
 
 __all__ = ["gate_up_rows", "gate_up_rows_serial", "down_rows", "down_rows_serial"]
 
@@ -25,11 +31,30 @@ ROW_BLOCK = cpu_mxfp4.ROW_BLOCK
 _ROW_TILE = 4
 
 
+def _decode_row(blocks_row, scales_row, out):
+    """One weight row in `split_blocks` order (typed by `_decode_row_typed`)."""
+
+
+@overload(_decode_row, jit_options={"fastmath": True})
+def _decode_row_typed(blocks_row, scales_row, out):
+    if scales_row.ndim == 2:  # INT4: float32 scales (and zero points) [P, K/g]
+
+        def decode_int4(blocks_row, scales_row, out):
+            cpu_int4.decode_row_split(blocks_row, scales_row, out)
+
+        return decode_int4
+
+    def decode_mxfp4(blocks_row, scales_row, out):
+        cpu_mxfp4._decode_row_split(blocks_row, scales_row, out)
+
+    return decode_mxfp4
+
+
 @numba.njit(fastmath=True)
 def _decode_pair(blocks, scales, e, n, pair, buffer):
-    cpu_mxfp4._decode_row_split(blocks[e, n], scales[e, n], buffer[0])
+    _decode_row(blocks[e, n], scales[e, n], buffer[0])
     if pair:
-        cpu_mxfp4._decode_row_split(blocks[e, n + 1], scales[e, n + 1], buffer[1])
+        _decode_row(blocks[e, n + 1], scales[e, n + 1], buffer[1])
 
 
 @numba.njit(fastmath=True)
