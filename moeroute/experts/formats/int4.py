@@ -1,0 +1,292 @@
+"""INT4 (w4a16) expert compute: group-quantized 4-bit weights, decoded inside the expert loop.
+
+For the rows one rank received (``[Tr, H]`` with local expert ids and weights), computes
+``sum_k w_k * expert_k(x)`` for gated-MLP experts whose weights are INT4
+(`moeroute.quant.int4`: packed uint8 [L, N, K/2], scales [L, N, K/g], zero points uint8
+[L, N, K/g] when asymmetric; ``w = (q - z) * s``). The activations stay in their dtype
+(bfloat16, float16 or float32); sums are float32; the intermediate ``act(gate) * up`` is
+rounded to the activations' dtype before the down projection, as the float layer keeps it.
+
+Two CPU strategies, both on the MXFP4 machinery (INT4's packed bytes are MXFP4's blocks,
+`moeroute.experts.cpu.int4`):
+
+* "rows" (under "auto" up to `ROWS_MAX_MEAN_ROWS` mean rows per hit expert): each weight row
+  is decoded once into cache and dotted with all of its expert's rows by the float32 row
+  kernels (`moeroute.experts.cpu.mxfp4_rows`); memory reads half a byte per weight.
+* "blocks": per hit expert, `CHUNK_BYTES` of weight rows at a time are decoded into one
+  float32 buffer and multiplied with torch (a float32 GEMM: bfloat16 activations are exact
+  in it). On another device than the CPU the decode is torch's (`decode_int4`).
+
+The kernels take the scales (and zero points) as one float32 array per weight (`params`):
+float32 scales without zero points are viewed as it, others are converted for the hit
+experts only, each call (a float32 copy of 1/g of their weights).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moeroute import routing
+from moeroute.experts.activations import gated_activation
+from moeroute.experts.choose import STRATEGIES, check_strategy, choose
+from moeroute.experts.cpu import int4 as cpu_int4
+from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
+from moeroute.experts.cpu import mxfp4_rows
+from moeroute.experts.cpu import rows as cpu_rows
+from moeroute.experts.formats.unquantized import bias_view, check_same_device, numba_threads
+from moeroute.quant import QuantConfig, check_int4
+from moeroute.quant.int4 import decode_int4
+from moeroute.routing.threads import cpu_threads
+
+__all__ = ["int4_experts_forward", "check_int4_weights", "INT4_STRATEGIES", "CHUNK_BYTES"]
+
+#: CPU strategies ("auto" first).
+INT4_STRATEGIES = STRATEGIES["int4"]
+#: Bytes of decoded weights per chunk of the "blocks" strategy (one reusable buffer).
+CHUNK_BYTES = 16 << 20
+
+
+def int4_experts_forward(
+    hidden_states: torch.Tensor,
+    local_ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: tuple,
+    down: tuple,
+    group_size: int,
+    activation: str = "silu",
+    strategy: str = "auto",
+) -> torch.Tensor:
+    """Weighted sum of each row's local INT4 experts.
+
+    Parameters
+    ----------
+    hidden_states : Tensor [Tr, H] float32/bfloat16/float16
+    local_ids : Tensor [Tr, K'] integer; ids outside [0, L) are not computed here
+    weights : Tensor [Tr, K'] float32
+    gate_up : (packed uint8 [L, 2I, H/2], scales [L, 2I, H/g][, zeros uint8 [L, 2I, H/g]])
+        gate rows first; zeros absent or None: symmetric (z = 8)
+    down : (packed [L, H, I/2], scales [L, H, I/g][, zeros])
+    group_size : {32, 64, 128}
+    activation : str
+    strategy : {"auto", "rows", "blocks"}
+        On another device than the CPU every strategy is "blocks".
+
+    Returns
+    -------
+    Tensor [Tr, H], dtype of ``hidden_states``, accumulated in float32.
+
+    Raises
+    ------
+    ValueError
+        An unknown ``strategy``; tensors that are not an INT4 weight (`check_int4`, shapes
+        that do not fit ``hidden_states``); a tensor on another device.
+    """
+    check_strategy("strategy", strategy, "int4")
+    gate_up, down = _parts("gate_up", gate_up), _parts("down", down)
+    check_int4(*gate_up, group_size=group_size, name="gate_up")
+    check_int4(*down, group_size=group_size, name="down")
+    num_tokens, hidden = hidden_states.shape
+    num_experts, two_inter = gate_up[0].shape[:2]
+    inter = two_inter // 2
+    if gate_up[0].dim() != 3 or tuple(gate_up[0].shape) != (num_experts, two_inter, hidden // 2):
+        raise ValueError(
+            f"gate_up packed has shape {tuple(gate_up[0].shape)}; hidden_states [{num_tokens}, {hidden}] "
+            f"need [L, 2I, {hidden // 2}]"
+        )
+    if tuple(down[0].shape) != (num_experts, hidden, inter // 2):
+        raise ValueError(f"down packed has shape {tuple(down[0].shape)}, expected {[num_experts, hidden, inter // 2]}")
+    check_same_device(
+        "hidden_states",
+        hidden_states,
+        local_ids=local_ids,
+        weights=weights,
+        **{f"gate_up[{i}]": t for i, t in enumerate(gate_up) if t is not None},
+        **{f"down[{i}]": t for i, t in enumerate(down) if t is not None},
+    )
+    dtype, device = hidden_states.dtype, hidden_states.device
+    top_k = local_ids.shape[1]
+    backend = "cpu" if device.type == "cpu" else "cuda"
+    if backend == "cpu":
+        plan = cpu_rows.plan_rows(
+            local_ids.detach().contiguous().numpy(),
+            weights.detach().to(torch.float32).contiguous().numpy(),
+            num_experts,
+            -(-two_inter // cpu_mxfp4.ROW_BLOCK),
+        )
+        tokens, slot_weights, offsets = (torch.from_numpy(a) for a in plan[:3])
+    else:
+        sorted_slots, expert_offsets, _ = routing.sort_by_expert(local_ids.detach().contiguous(), num_experts)
+        offsets = expert_offsets.to(torch.int64).cpu()
+        slots = sorted_slots.to(torch.int64)
+        tokens = slots // top_k
+        slot_weights = weights.reshape(-1).to(torch.float32)[slots].contiguous()
+    counts = (offsets[1:] - offsets[:-1]).tolist()
+    hit = [e for e, c in enumerate(counts) if c]
+    strategy = choose("int4", backend, counts, strategy=strategy, dtype=dtype)
+    if not hit:
+        return torch.zeros(num_tokens, hidden, dtype=dtype, device=device)
+    if strategy == "rows":
+        return _rows_forward(hidden_states, plan, gate_up, down, activation)
+    sums = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
+    h = _blocks_gemm(hidden_states[tokens], offsets, hit, gate_up, group_size, dtype)
+    act = gated_activation(h[:, :inter], h[:, inter:], activation)
+    if dtype != torch.float32:  # the intermediate in the activation dtype, as the float layer keeps it
+        act = act.to(dtype)
+    y = _blocks_gemm(act, offsets, hit, down, group_size, dtype)
+    sums.index_add_(0, tokens, y.mul_(slot_weights[:, None]))
+    return sums if dtype == torch.float32 else sums.to(dtype)
+
+
+def _parts(name: str, weight) -> tuple:
+    """(packed, scales, zeros or None) of a (packed, scales[, zeros]) tuple."""
+    if isinstance(weight, torch.Tensor) or not isinstance(weight, (tuple, list)) or len(weight) not in (2, 3):
+        raise TypeError(
+            f"{name} must be a (packed, scales) or (packed, scales, zeros) tuple of tensors for INT4 weights, "
+            f"got {type(weight).__name__}"
+        )
+    packed, scales, *rest = weight
+    return packed, scales, (rest[0] if rest else None)
+
+
+def kernel_params(scales: torch.Tensor, zeros, experts) -> np.ndarray:
+    """float32 [L, N, P, K/g] of the kernels (`moeroute.experts.cpu.int4`): the scales and,
+    with zero points (P = 2), the zero points as floats. float32 scales without zero points
+    are viewed (no copy); otherwise only ``experts``' entries are written."""
+    if zeros is None and scales.dtype == torch.float32:
+        return scales.detach().contiguous().unsqueeze(2).numpy()
+    parts = 1 if zeros is None else 2
+    params = torch.empty(*scales.shape[:2], parts, scales.shape[2], dtype=torch.float32)
+    index = torch.as_tensor(experts, dtype=torch.int64)
+    params[index, :, 0] = scales.detach()[index].float()
+    if zeros is not None:
+        params[index, :, 1] = zeros.detach()[index].float()
+    return params.numpy()
+
+
+def _blocks_view(packed: torch.Tensor) -> np.ndarray:
+    """packed [L, N, K/2] as the MXFP4 blocks [L, N, K/32, 16] (the same bytes)."""
+    packed = packed.detach().contiguous()
+    return packed.view(*packed.shape[:2], packed.shape[2] // 16, 16).numpy()
+
+
+def _rows_forward(hidden_states, plan, gate_up, down, activation):
+    """The "rows" strategy: `mxfp4_rows`' decode-once kernels with the INT4 decoder."""
+    tokens, slot_weights, offsets, hit, work = plan
+    num_tokens, hidden = hidden_states.shape
+    inter = gate_up[0].shape[1] // 2
+    dtype = hidden_states.dtype
+    threads = cpu_threads()
+    experts = hit.tolist()
+    sums = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+    h = torch.empty(tokens.shape[0], 2 * inter, dtype=torch.float32)
+    gate_up_rows, down_rows = (
+        (mxfp4_rows.gate_up_rows_serial, mxfp4_rows.down_rows_serial)
+        if threads == 1
+        else (mxfp4_rows.gate_up_rows, mxfp4_rows.down_rows)
+    )
+    no_bias = bias_view(None)
+    with numba_threads(threads):
+        gate_up_rows(
+            _split(hidden_states),
+            tokens,
+            offsets,
+            work,
+            _blocks_view(gate_up[0]),
+            kernel_params(gate_up[1], gate_up[2], experts),
+            no_bias,
+            h.numpy(),
+        )
+        act = gated_activation(h[:, :inter], h[:, inter:], activation)
+        if dtype != torch.float32:  # the intermediate in the activation dtype, as the float layer keeps it
+            act = act.to(dtype)
+        down_rows(
+            _split(act),
+            tokens,
+            slot_weights,
+            offsets,
+            hit,
+            _blocks_view(down[0]),
+            kernel_params(down[1], down[2], experts),
+            no_bias,
+            sums.numpy(),
+        )
+    return sums if dtype == torch.float32 else sums.to(dtype)
+
+
+def _split(rows: torch.Tensor) -> np.ndarray:
+    """Rows as float32 in the kernels' order (`cpu_mxfp4.split_blocks`)."""
+    values = rows.detach().to(torch.float32).contiguous().numpy()
+    out = np.empty_like(values)
+    cpu_mxfp4.split_blocks(values, out)
+    return out
+
+
+def _blocks_gemm(xs, offsets, hit, weight, group_size, dtype):
+    """[M, R] float32: each hit expert's rows of ``xs`` times its weight decoded in chunks
+    (on the CPU both operands in `split_blocks` order, the order the decode writes)."""
+    packed, scales, zeros = weight
+    rows_out, cols = packed.shape[1], 2 * packed.shape[2]
+    out = torch.empty(xs.shape[0], rows_out, dtype=torch.float32, device=xs.device)
+    on_cpu = packed.device.type == "cpu"
+    chunk_rows = min(rows_out, max(1, CHUNK_BYTES // (4 * cols)))
+    buffer = torch.empty(chunk_rows, cols, dtype=torch.float32, device=xs.device)
+    x_cast = xs.to(dtype)
+    if on_cpu:
+        x_cast = torch.from_numpy(_split(x_cast))
+        blocks, params = _blocks_view(packed), kernel_params(scales, zeros, hit)
+    for e in hit:
+        start, stop = int(offsets[e]), int(offsets[e + 1])
+        x_e = x_cast[start:stop]
+        for r0 in range(0, rows_out, chunk_rows):
+            r1 = min(rows_out, r0 + chunk_rows)
+            w = buffer[: r1 - r0]
+            if on_cpu:
+                cpu_int4.dequantize_rows_split(blocks[e], params[e], r0, r1, w.numpy())
+                out[start:stop, r0:r1] = torch.mm(x_e, w.t())
+            else:
+                z = None if zeros is None else zeros[e, r0:r1]
+                w.copy_(decode_int4(packed[e, r0:r1], scales[e, r0:r1], z, group_size))
+                out[start:stop, r0:r1] = torch.mm(x_e, w.to(dtype).t())
+    return out
+
+
+def check_int4_weights(quant: QuantConfig, num_experts: int, hidden_size: int, intermediate_size: int, w_gate_up, w_down) -> dict:
+    """The full stacked INT4 weights checked at the boundary; name -> tensor of the layer.
+
+    ``w_gate_up`` and ``w_down`` are what `moeroute.quant.quantize_int4` returns:
+    ``(packed, scales)`` when ``quant.symmetric``, ``(packed, scales, zeros)`` otherwise
+    (gate rows first), with ``quant.group_size``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument: a float weight (quantize it first: `quantize_int4`), a tuple of
+        the wrong length for ``quant.symmetric``, shapes other than the layer's.
+    """
+    gate_up_shape, down_shape = quant.scale_shapes(num_experts, hidden_size, intermediate_size)
+    want = 2 if quant.symmetric else 3
+    what = "(packed, scales)" if quant.symmetric else "(packed, scales, zeros)"
+    tensors = {}
+    for name, weight, scale_shape in (("w_gate_up", w_gate_up, gate_up_shape), ("w_down", w_down, down_shape)):
+        if isinstance(weight, torch.Tensor):
+            raise ValueError(
+                f"{name} is a {weight.dtype} tensor but the layer has quant='int4', which stores {what} tuples; "
+                "quantize float weights with moeroute.quant.quantize_int4"
+            )
+        if not isinstance(weight, (tuple, list)) or len(weight) != want:
+            got = f"a tuple of {len(weight)}" if isinstance(weight, (tuple, list)) else type(weight).__name__
+            raise ValueError(
+                f"{name} must be a {what} tuple with quant=QuantConfig('int4', symmetric={quant.symmetric}), got {got}"
+            )
+        packed, scales, zeros = _parts(name, weight)
+        check_int4(packed, scales, zeros, group_size=quant.group_size, name=name)
+        expected = (*scale_shape[:2], scale_shape[2] * quant.group_size // 2)
+        if tuple(packed.shape) != expected:
+            raise ValueError(f"{name} packed has shape {tuple(packed.shape)}, expected {list(expected)}")
+        prefix = "gate_up" if name == "w_gate_up" else "down"
+        tensors[name] = packed
+        tensors[f"{prefix}_scale"] = scales
+        if zeros is not None:
+            tensors[f"{prefix}_zero"] = zeros
+    return tensors
