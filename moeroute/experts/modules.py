@@ -15,6 +15,7 @@ from moeroute.experts.activations import check_activation
 from moeroute.experts.choose import check_strategy, format_of
 from moeroute.experts.formats.fp8 import fp8_experts_forward
 from moeroute.experts.formats.mxfp4 import mxfp4_experts_forward
+from moeroute.experts.formats.int4 import int4_experts_forward
 from moeroute.experts.formats.unquantized import (
     INIT_STD,
     SUPPORTED_DTYPES,
@@ -314,8 +315,9 @@ class LocalExperts(nn.Module):
 
 
 class QuantizedExperts(nn.Module):
-    """The quantized experts one rank holds (the counterpart of `LocalExperts`): FP8, or
-    MXFP4 packed blocks and scale bytes (`moeroute.experts.formats.mxfp4`).
+    """The quantized experts one rank holds (the counterpart of `LocalExperts`): FP8, MXFP4
+    packed blocks and scale bytes (`moeroute.experts.formats.mxfp4`), or INT4 packed
+    integers, scales and zero points (`moeroute.experts.formats.int4`).
 
     Parameters
     ----------
@@ -324,7 +326,7 @@ class QuantizedExperts(nn.Module):
     quant : QuantConfig
     device : torch device of the weights.
     strategy : {"auto", "rows", "blocks"}
-        CPU strategy (`fp8_experts_forward`, `mxfp4_experts_forward`).
+        CPU strategy (`fp8_experts_forward`, `mxfp4_experts_forward`, `int4_experts_forward`).
     bias : bool
         Experts carry a gate_up bias [2I] and a down bias [H] (gpt-oss; mxfp4 only).
 
@@ -343,6 +345,12 @@ class QuantizedExperts(nn.Module):
     ``gate_up_scale`` uint8 [L, 2I, H/32] (gate rows first), ``w_down`` uint8 [L, H, I/32, 16]
     and ``down_scale`` uint8 [L, H, I/32] (`moeroute.quant.mxfp4`), and with ``bias``
     ``b_gate_up`` [L, 2I] and ``b_down`` [L, H] float32.
+
+    With ``quant.format == "int4"`` (g = ``quant.group_size``): ``w_gate_up`` uint8 [L, 2I,
+    H/2] and ``w_down`` uint8 [L, H, I/2] (two 4-bit integers a byte), ``gate_up_scale``
+    [L, 2I, H/g] and ``down_scale`` [L, H, I/g] float32 (checkpoints' bfloat16 and float16
+    scales load exactly), and when not ``quant.symmetric`` ``gate_up_zero`` / ``down_zero``
+    uint8 of the scales' shapes (else None: z = 8) (`moeroute.quant.int4`).
 
     The weights start at zero with unit scales (no float copy is ever made); load them with
     ``MoE.load_routed_weights``, ``load_state_dict`` or `moeroute.bindings.torch.load_experts`.
@@ -374,6 +382,7 @@ class QuantizedExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.gemm = strategy
         self.b_gate_up = self.b_down = None
+        self.gate_up_zero = self.down_zero = None
         self.pack_cpu = False
         gate_up_shape, down_shape = quant.scale_shapes(num_local_experts, hidden_size, intermediate_size)
 
@@ -382,6 +391,19 @@ class QuantizedExperts(nn.Module):
 
         if bias and quant.format != "mxfp4":
             raise ValueError(f"bias=True is not served with quant={quant.format!r} (FP8 experts carry no biases)")
+        if quant.format == "int4":
+            # Codes 8 (zero weights, z = 8) and unit scales until loaded; no float copy is made.
+            for prefix, (rows, groups) in (("gate_up", gate_up_shape[1:]), ("down", down_shape[1:])):
+                cols = groups * quant.group_size
+                packed = torch.full((num_local_experts, rows, cols // 2), 0x88, dtype=torch.uint8, device=device)
+                setattr(self, "w_" + prefix, parameter(packed))
+                shape = (num_local_experts, rows, groups)
+                setattr(self, prefix + "_scale", parameter(torch.ones(shape, dtype=torch.float32, device=device)))
+                if not quant.symmetric:
+                    zero = torch.full(shape, 8, dtype=torch.uint8, device=device)
+                    setattr(self, prefix + "_zero", parameter(zero))
+            self.input_scale = None
+            return
         if quant.format == "mxfp4":
             # Packed bytes only (zero codes, unit scales) until loaded; no float copy is made.
             self.w_gate_up = parameter(torch.zeros(*gate_up_shape, 16, dtype=torch.uint8, device=device))
@@ -410,7 +432,7 @@ class QuantizedExperts(nn.Module):
 
     def quantized_tensors(self) -> dict:
         """name -> parameter of every tensor a load must fill: weights, scales, input scales."""
-        names = ("w_gate_up", "w_down", "gate_up_scale", "down_scale", "input_scale")
+        names = ("w_gate_up", "w_down", "gate_up_scale", "down_scale", "gate_up_zero", "down_zero", "input_scale")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def pack_cpu_weights(self, enable: bool = True):
@@ -437,7 +459,7 @@ class QuantizedExperts(nn.Module):
     ):
         # Every state-dict path into the module (moeroute's own names included) refuses NaN
         # e4m3 weight bytes before anything is copied, as the other loaders do.
-        if self.quant.format != "mxfp4":
+        if self.quant.format.startswith("fp8"):
             for name in ("w_gate_up", "w_down"):
                 tensor = state_dict.get(prefix + name)
                 if isinstance(tensor, torch.Tensor) and tensor.dtype == FP8_DTYPE and not tensor.is_meta:
@@ -476,6 +498,17 @@ class QuantizedExperts(nn.Module):
         numerics of docs/quant.md; any of float32/bfloat16/float16 activations."""
         if isinstance(hidden_states, torch.Tensor):
             hidden_states = hidden_states.contiguous()
+        if self.quant.format == "int4":
+            return int4_experts_forward(
+                hidden_states,
+                local_ids.contiguous(),
+                weights.contiguous(),
+                (self.w_gate_up, self.gate_up_scale, self.gate_up_zero),
+                (self.w_down, self.down_scale, self.down_zero),
+                self.quant.group_size,
+                self.activation,
+                self.strategy,
+            )
         if self.quant.format == "mxfp4":
             return mxfp4_experts_forward(
                 hidden_states,

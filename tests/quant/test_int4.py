@@ -232,15 +232,11 @@ def test_from_hf_refuses_other_int4_layouts_naming_the_field(fields, match):
         QuantConfig.from_hf(fields)
 
 
-def test_moe_and_stacked_helpers_refuse_int4():
-    """No INT4 kernels exist yet: building such a layer is refused, not run as FP8."""
-    from moeroute import RouterConfig
-    from moeroute.bindings.torch import MoE
+def test_stacked_helpers_refuse_int4():
+    """INT4 is quantized per weight (MoE serves it: tests/quant/test_int4_moe.py), never as FP8."""
     from moeroute.quant import dequantize_experts, quantize_experts
 
     config = QuantConfig("int4", group_size=32)
-    with pytest.raises(ValueError, match="int4"):
-        MoE(RouterConfig(8, 2, "softmax", renormalize=True), 64, 64, quant=config)
     with pytest.raises(ValueError, match="quantize_int4"):
         quantize_experts(torch.zeros(2, 128, 64), torch.zeros(2, 64, 64), config)
     with pytest.raises(ValueError, match="dequantize_int4"):

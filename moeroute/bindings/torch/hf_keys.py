@@ -32,7 +32,7 @@ from moeroute.experts.formats.fp8 import (
     gate_up_scale_from_stacked,
 )
 from moeroute.experts.formats.mxfp4 import map_gpt_oss_mxfp4_keys
-from moeroute.quant import dequantize_fp8_block, dequantize_fp8_tensor, quantize_experts
+from moeroute.quant import dequantize_fp8_block, dequantize_fp8_tensor, quantize_experts, quantize_int4
 
 __all__ = [
     "TRANSFORMERS_RENAMES",
@@ -172,6 +172,9 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
     if module.quant.format == "mxfp4":  # gpt-oss's MXFP4 names (mxfp4_experts)
         _check_expert_biases(module, state_dict, prefix, prefix + "experts.gate_up_proj_blocks")
         map_gpt_oss_mxfp4_keys(module, state_dict, prefix)
+        return
+    if module.quant.format == "int4":  # moeroute's own names; a float shared MLP into the fused slots
+        _int4_shared_slots(module, state_dict, prefix, shared)
         return
     quant, inter, hid = module.quant, module.intermediate_size, module.routed_hidden_size
     ids = module.routed_expert_ids()
@@ -313,6 +316,25 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
     if slots is not None:  # the shared MLP quantized with the layer's config, into its slots
         out = tuple(state_dict[prefix + "experts." + name][num_local:] for name in names)
         quantize_experts(*(w.to(out[0].device) for w in slots), quant, out=out)
+
+
+def _int4_shared_slots(module, state_dict: dict, prefix: str, shared: dict) -> None:
+    """A float shared MLP of ``state_dict`` quantized with the layer's INT4 config into its
+    fused slots; the routed rows are the state dict's (or the layer's own when absent)."""
+    if module.layout.shared != "fused" or "gate_proj.weight" not in shared:
+        return
+    quant, inter, num_local = module.quant, module.intermediate_size, len(module.routed_expert_ids())
+    weights = [shared.pop(f"{name}.weight").float() for name in ("gate_proj", "up_proj", "down_proj")]
+    slots = split_slots(*weights, inter, module.num_shared_experts)
+    targets = module.experts.quantized_tensors()
+    for kind, weight in zip(("gate_up", "down"), slots):
+        parts = quantize_int4(weight, group_size=quant.group_size, symmetric=quant.symmetric)
+        for name, tensor in zip(("w_" + kind, kind + "_scale", kind + "_zero"), parts):
+            full, given = targets[name], state_dict.get(prefix + "experts." + name)
+            out = torch.empty_like(full)
+            out[:num_local] = full[:num_local] if given is None else given[:num_local]
+            out[num_local:] = tensor
+            state_dict[prefix + "experts." + name] = out
 
 
 def _check_expert_biases(module, state_dict: dict, prefix: str, experts_key: str) -> None:

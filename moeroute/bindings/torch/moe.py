@@ -57,11 +57,12 @@ from moeroute.bindings.torch.hf_keys import map_transformers_keys
 from moeroute.bindings.torch.hf_keys import split_slots as _split_slots
 from moeroute.bindings.torch.load_window import DEFAULT_LOAD_WINDOW, LoadRecorder, check_window
 from moeroute.experts.formats.mxfp4 import check_mxfp4_weights
+from moeroute.experts.formats.int4 import check_int4_weights
 from moeroute.experts.modules import LocalExperts, QuantizedExperts
 from moeroute.bindings.torch.placement_guard import PlacementGuard
 from moeroute.config import RouterConfig
 from moeroute.layout import EP_DISPATCH_MODES, SCALING_REGIMES, SHARED_MODES, ExpertLayout
-from moeroute.quant import QuantConfig, dequantize_fp8_block, dequantize_fp8_tensor, quantize_experts
+from moeroute.quant import QuantConfig, dequantize_fp8_block, dequantize_fp8_tensor, quantize_experts, quantize_int4
 
 __all__ = ["MoE", "shared_mlp_slots", "SUPPORTED_DEVICES"]
 
@@ -250,7 +251,8 @@ class MoE(nn.Module):
         Of the expert weights; the activations must match.
     quant : moeroute.quant.QuantConfig, optional
         Keep the routed experts quantized (docs/quant.md): FP8 (float8_e4m3fn weights,
-        float32 scales) or ``QuantConfig("mxfp4")`` (gpt-oss's uint8 blocks and scale bytes);
+        float32 scales), ``QuantConfig("mxfp4")`` (gpt-oss's uint8 blocks and scale bytes) or
+        ``QuantConfig("int4", group_size=, symmetric=)`` (w4a16 with group scales);
         ``gemm`` then names the quantized CPU strategy ("auto", "rows", "blocks"). The shared
         experts stay as given; fused shared slots take the same config.
     dispatch_dtype : {None, "auto", "fp8"}
@@ -350,11 +352,6 @@ class MoE(nn.Module):
                 raise ValueError(f"{name}={value!r} must be a bool")
         if quant is not None and not isinstance(quant, QuantConfig):
             raise TypeError(f"quant must be a moeroute.quant.QuantConfig or None, got {type(quant).__name__}")
-        if quant is not None and quant.format == "int4":
-            raise ValueError(
-                "quant=QuantConfig('int4') is not served by MoE: INT4 experts have no kernels yet; use "
-                "moeroute.quant.dequantize_int4 for float weights, or one of 'fp8_block', 'fp8_tensor', 'mxfp4'"
-            )
         if quant is not None and expert_bias and quant.format != "mxfp4":
             raise ValueError(
                 f"expert_bias=True is not served with quant={quant.format!r} (FP8 experts carry no biases)"
@@ -627,6 +624,10 @@ class MoE(nn.Module):
         With ``quant=QuantConfig("mxfp4")``, ``w_gate_up`` = (blocks uint8 [N, 2I, H'/32, 16],
         scales uint8 [N, 2I, H'/32]) (gate rows first) and ``w_down`` = (blocks [N, H', I/32,
         16], scales [N, H', I/32]) (`moeroute.quant.mxfp4`), copied packed; no ``*_scale``.
+        With ``quant=QuantConfig("int4", group_size=g, symmetric=...)``, each weight is what
+        `moeroute.quant.quantize_int4` returns: (packed uint8 [N, 2I, H'/2], scales [N, 2I,
+        H'/g][, zeros uint8 [N, 2I, H'/g]]) and (packed [N, H', I/2], scales [N, H', I/g][,
+        zeros]), zeros exactly when not symmetric; no ``*_scale``, no biases.
         down_bias : Tensor [N, H'], optional
             Only with ``expert_bias=True``; None leaves the current biases.
 
@@ -637,6 +638,23 @@ class MoE(nn.Module):
             ``expert_bias=True``.
         """
         n, inter, hid = self.router.num_experts, self.intermediate_size, self.routed_hidden_size
+        if self.quant is not None and self.quant.format == "int4":
+            for name, value in (
+                ("gate_up_scale", gate_up_scale),
+                ("down_scale", down_scale),
+                ("input_scale", input_scale),
+                ("gate_up_bias", gate_up_bias),
+                ("down_bias", down_bias),
+            ):
+                if value is not None:
+                    raise ValueError(
+                        f"{name} was given but quant='int4' takes each weight as quantize_int4 returns it: "
+                        "w_gate_up=(packed, scales[, zeros]), w_down=(packed, scales[, zeros]), no biases"
+                    )
+            tensors = check_int4_weights(self.quant, n, hid, inter, w_gate_up, w_down)
+            targets = self.experts.quantized_tensors()
+            self._copy_expert_rows([(targets[name], tensor) for name, tensor in tensors.items()])
+            return
         if self.quant is not None and self.quant.format == "mxfp4":
             for name, scale in (
                 ("gate_up_scale", gate_up_scale),
@@ -762,8 +780,14 @@ class MoE(nn.Module):
         slots from local expert ``first`` on, with the layer's QuantConfig."""
         inter, s = self.intermediate_size, self.num_shared_experts
         w_gate_up, w_down = _split_slots(gate, up, down, inter, s)
-        quantized = quantize_experts(w_gate_up, w_down, self.quant)
         targets = self.experts.quantized_tensors()
+        if self.quant.format == "int4":
+            for prefix, weight in (("gate_up", w_gate_up), ("down", w_down)):
+                parts = quantize_int4(weight, group_size=self.quant.group_size, symmetric=self.quant.symmetric)
+                for name, tensor in zip(("w_" + prefix, prefix + "_scale", prefix + "_zero"), parts):
+                    targets[name][first : first + s].copy_(tensor)
+            return
+        quantized = quantize_experts(w_gate_up, w_down, self.quant)
         for name, tensor in zip(("w_gate_up", "gate_up_scale", "w_down", "down_scale"), quantized):
             targets[name][first : first + s].copy_(tensor)
 

@@ -251,7 +251,9 @@ def _blocks_gemm(xs, offsets, hit, weight, group_size, dtype):
     return out
 
 
-def check_int4_weights(quant: QuantConfig, num_experts: int, hidden_size: int, intermediate_size: int, w_gate_up, w_down) -> dict:
+def check_int4_weights(
+    quant: QuantConfig, num_experts: int, hidden_size: int, intermediate_size: int, w_gate_up, w_down
+) -> dict:
     """The full stacked INT4 weights checked at the boundary; name -> tensor of the layer.
 
     ``w_gate_up`` and ``w_down`` are what `moeroute.quant.quantize_int4` returns:

@@ -1,0 +1,251 @@
+"""INT4 (w4a16) experts: `int4_experts_forward` and MoE(quant=QuantConfig("int4", ...)).
+
+The reference is moeroute.quant.reference's float64 layer on the same packed integers,
+scales and zero points (each weight ``(q - z) * s`` from the definition), routed with
+moeroute.routing.reference. Tolerances (max abs diff / max abs reference): 1e-5 with float32
+activations (float32 sums in another order), 1e-2 with bfloat16 ones (the output, and the
+intermediate before the down projection, rounded to bfloat16: 2 ** -8 relative each).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helpers.modules import CountingMLP
+from helpers.reference import randn, rel_error
+from moeroute.bindings.torch import MoE
+from moeroute.config import RouterConfig
+from moeroute.experts.formats.int4 import int4_experts_forward
+from moeroute.quant import QuantConfig, quantize_int4
+from moeroute.quant.reference import int4_moe_experts_reference
+from moeroute.routing import reference
+
+H, I, N, K = 256, 128, 8, 2
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+ROUTER = RouterConfig(N, K, "softmax", renormalize=True)
+
+
+def experts(group, symmetric, seed=0, inter=I, scale_dtype=torch.bfloat16):
+    gate_up = quantize_int4(
+        randn(N, 2 * inter, H, seed=seed, scale=0.1), group_size=group, symmetric=symmetric, scale_dtype=scale_dtype
+    )
+    down = quantize_int4(
+        randn(N, H, inter, seed=seed + 1, scale=0.1), group_size=group, symmetric=symmetric, scale_dtype=scale_dtype
+    )
+    return gate_up, down
+
+
+def routed(tokens, seed=0):
+    """ids with some outside [0, N) (held by another rank), router weights."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-2, N + 2, (tokens, K), generator=gen, dtype=torch.int32)
+    return ids, torch.rand(tokens, K, generator=gen)
+
+
+@pytest.mark.parametrize("strategy", ["rows", "blocks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_forward_matches_the_float64_reference(group, symmetric, dtype, strategy):
+    gate_up, down = experts(group, symmetric, seed=group + symmetric)
+    x = randn(9, H, seed=5).to(dtype)
+    ids, weights = routed(9, seed=group)
+    out = int4_experts_forward(x, ids, weights, gate_up, down, group, strategy=strategy)
+    assert out.dtype == dtype and out.shape == x.shape
+    expected = int4_moe_experts_reference(x.float(), ids, weights, gate_up, down, group, intermediate_dtype=dtype)
+    assert rel_error(out.float(), expected) < RTOL[dtype]
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+def test_every_scale_dtype_and_auto_past_the_row_bound(scale_dtype):
+    gate_up, down = experts(64, False, seed=3, scale_dtype=scale_dtype)
+    x = randn(80, H, seed=6)  # 160 slots over 8 experts: past the rows bound, "auto" takes "blocks"
+    ids, weights = routed(80, seed=1)
+    expected = int4_moe_experts_reference(x, ids, weights, gate_up, down, 64)
+    for strategy in ("auto", "rows"):
+        out = int4_experts_forward(x, ids, weights, gate_up, down, 64, strategy=strategy)
+        assert rel_error(out, expected) < RTOL[torch.float32]
+
+
+def test_one_thread_and_two_give_the_same_bits():
+    gate_up, down = experts(32, True)
+    x = randn(12, H, seed=8)
+    ids, weights = routed(12, seed=2)
+    outs = []
+    previous = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            outs.append(int4_experts_forward(x, ids, weights, gate_up, down, 32, strategy="rows"))
+        finally:
+            torch.set_num_threads(previous)
+    assert torch.equal(outs[0], outs[1])
+    expected = int4_moe_experts_reference(x, ids, weights, gate_up, down, 32)
+    assert rel_error(outs[0], expected) < RTOL[torch.float32]
+
+
+def test_no_local_rows_gives_zeros():
+    gate_up, down = experts(32, True)
+    out = int4_experts_forward(
+        randn(3, H, seed=1), torch.full((3, K), N, dtype=torch.int32), torch.ones(3, K), gate_up, down, 32
+    )
+    assert torch.equal(out, torch.zeros(3, H))
+
+
+def test_forward_bad_input_names_the_argument():
+    gate_up, down = experts(32, True)
+    x, (ids, weights) = randn(2, H, seed=1), routed(2)
+    with pytest.raises(ValueError, match=r"strategy='loop' is not an INT4 strategy"):
+        int4_experts_forward(x, ids, weights, gate_up, down, 32, strategy="loop")
+    with pytest.raises(TypeError, match="gate_up must be a \\(packed, scales\\)"):
+        int4_experts_forward(x, ids, weights, gate_up[0], down, 32)
+    with pytest.raises(ValueError, match="scales has shape"):
+        int4_experts_forward(x, ids, weights, gate_up, down, 64)
+    with pytest.raises(ValueError, match="gate_up packed has shape"):
+        int4_experts_forward(randn(2, 2 * H, seed=1), ids, weights, gate_up, down, 32)
+
+
+# -- MoE(quant=QuantConfig("int4")) ---------------------------------------------------------------
+
+
+def build(quant, shared="runner", seed=0, inter=I, gemm="auto"):
+    shared_mlp = CountingMLP(H, inter)
+    gate = nn.Linear(H, 1, bias=False)
+    with torch.no_grad():
+        for i, p in enumerate(list(shared_mlp.parameters()) + list(gate.parameters())):
+            p.copy_(randn(*p.shape, seed=seed + 10 + i, scale=0.1))
+    module = MoE(
+        ROUTER, H, inter, shared_experts=shared_mlp, shared_expert_gate=gate, shared=shared, quant=quant, gemm=gemm
+    )
+    gate_up, down = experts(quant.group_size, quant.symmetric, seed=seed, inter=inter)
+    with torch.no_grad():
+        module.router_weight.copy_(randn(N, H, seed=seed + 2))
+    module.load_routed_weights(gate_up, down)
+    return module, shared_mlp, gate, (gate_up, down)
+
+
+@torch.no_grad()
+def reference_output(module, x, weights, shared_mlp, gate, dtype):
+    quant = module.quant
+    logits = F.linear(x.float(), module.router_weight.float())
+    topk_weights, topk_ids = reference.select_experts(logits.numpy(), module.router, None)
+    out = int4_moe_experts_reference(
+        x.float(),
+        torch.from_numpy(topk_ids).long(),
+        torch.from_numpy(topk_weights),
+        *weights,
+        quant.group_size,
+        intermediate_dtype=dtype,
+    )
+    g = torch.sigmoid(x.double() @ gate.weight.double().T)
+    if module.layout.shared == "fused":  # the slot holds the shared MLP quantized with the layer's config
+        w = shared_mlp.gate_proj.weight, shared_mlp.up_proj.weight, shared_mlp.down_proj.weight
+        kwargs = {"group_size": quant.group_size, "symmetric": quant.symmetric}
+        slot_gu = tuple(t[None] for t in quantize_int4(torch.cat(w[:2]).float(), **kwargs))
+        slot_d = tuple(t[None] for t in quantize_int4(w[2].float(), **kwargs))
+        ids = torch.zeros(x.shape[0], 1, dtype=torch.long)
+        shared = int4_moe_experts_reference(
+            x.float(), ids, g.float(), slot_gu, slot_d, quant.group_size, intermediate_dtype=dtype
+        )
+    else:
+        x64 = x.double()
+        s = F.silu(x64 @ shared_mlp.gate_proj.weight.double().T) * (x64 @ shared_mlp.up_proj.weight.double().T)
+        shared = (g * (s @ shared_mlp.down_proj.weight.double().T)).float()
+    return out + shared
+
+
+@pytest.mark.parametrize(
+    "quant, shared, dtype",
+    [
+        (QuantConfig("int4", group_size=32), "runner", torch.float32),
+        (QuantConfig("int4", group_size=128, symmetric=False), "overlap", torch.bfloat16),
+        (QuantConfig("int4", group_size=64, symmetric=False), "fused", torch.float32),
+    ],
+)
+def test_moe_matches_the_reference_and_runs_the_shared_mlp_once(quant, shared, dtype):
+    module, shared_mlp, gate, weights = build(quant, shared)
+    shared_mlp.to(dtype)
+    gate.to(dtype)
+    assert module.layout.shared == shared
+    x = randn(10, H, seed=99).to(dtype)
+    with torch.no_grad():
+        out = module(x)
+    assert out.dtype == dtype and out.shape == x.shape
+    # bfloat16: the shared MLP runs in bfloat16 too (its own rounding, beside the experts')
+    tolerance = RTOL[dtype] if dtype == torch.float32 else 2e-2
+    assert rel_error(out.float(), reference_output(module, x, weights, shared_mlp, gate, dtype)) < tolerance
+    assert shared_mlp.calls == (0 if shared == "fused" else 1)
+
+
+def test_moe_holds_packed_bytes_and_round_trips_its_state():
+    quant = QuantConfig("int4", group_size=64, symmetric=False)
+    module, shared_mlp, gate, weights = build(quant)
+    (gu_q, gu_s, gu_z), (d_q, d_s, d_z) = weights
+    experts_ = module.experts
+    assert torch.equal(experts_.w_gate_up, gu_q) and torch.equal(experts_.gate_up_zero, gu_z)
+    assert torch.equal(experts_.down_scale, d_s.float()) and torch.equal(experts_.w_down, d_q)
+    assert experts_.w_gate_up.dtype == torch.uint8 and experts_.w_gate_up.shape == (N, 2 * I, H // 2)
+    # Into the same layout, and into one that fuses the shared MLP as a slot (quantized there).
+    same = MoE(
+        ROUTER,
+        H,
+        I,
+        shared_experts=CountingMLP(H, I),
+        shared_expert_gate=nn.Linear(H, 1, bias=False),
+        shared="runner",
+        quant=quant,
+    )
+    same.load_state_dict(module.state_dict())
+    fused = MoE(
+        ROUTER,
+        H,
+        I,
+        shared_experts=CountingMLP(H, I),
+        shared_expert_gate=nn.Linear(H, 1, bias=False),
+        shared="fused",
+        quant=quant,
+    )
+    fused.load_state_dict(module.state_dict())
+    x = randn(6, H, seed=8)
+    with torch.no_grad():
+        assert torch.equal(same(x), module(x))
+        out = fused(x)
+    assert rel_error(out, reference_output(fused, x, weights, shared_mlp, gate, torch.float32)) < RTOL[torch.float32]
+    slot = quantize_int4(
+        torch.cat([shared_mlp.gate_proj.weight, shared_mlp.up_proj.weight]).detach(), group_size=64, symmetric=False
+    )
+    for name in ("w_gate_up", "gate_up_scale", "gate_up_zero", "w_down", "down_scale", "down_zero"):
+        assert torch.equal(getattr(fused.experts, name)[:N], getattr(experts_, name)), name
+    assert torch.equal(fused.experts.w_gate_up[N], slot[0]) and torch.equal(fused.experts.gate_up_zero[N], slot[2])
+    module.to(torch.bfloat16)
+    assert module.experts.w_gate_up.dtype == torch.uint8 and module.experts.gate_up_scale.dtype == torch.float32
+
+
+def test_moe_load_errors_are_clear():
+    quant = QuantConfig("int4", group_size=32, symmetric=False)
+    module = MoE(ROUTER, H, I, quant=quant)
+    gate_up, down = experts(32, False)
+    with pytest.raises(ValueError, match="w_gate_up is a torch.float32 tensor.*quantize_int4"):
+        module.load_routed_weights(randn(N, 2 * I, H, seed=0), down)
+    with pytest.raises(ValueError, match=r"w_gate_up must be a \(packed, scales, zeros\) tuple"):
+        module.load_routed_weights(gate_up[:2], down)
+    with pytest.raises(ValueError, match="w_down scales has shape"):
+        module.load_routed_weights(gate_up, (down[0], down[1][:, :, :1], down[2]))
+    with pytest.raises(ValueError, match=r"w_down packed has shape \(8, 128, 64\), expected \[8, 256, 64\]"):
+        module.load_routed_weights(gate_up, tuple(t[:, :128] for t in down))
+    with pytest.raises(ValueError, match="gate_up_scale was given"):
+        module.load_routed_weights(gate_up, down, gate_up_scale=gate_up[1])
+    bad = gate_up[2].clone()
+    bad[1, 2, 3] = 16
+    with pytest.raises(ValueError, match=r"w_gate_up zeros\[1, 2, 3\] is 16"):
+        module.load_routed_weights((gate_up[0], gate_up[1], bad), down)
+    # An expert-parallel slice of I that is not a whole number of groups has no scale for its tail.
+    with pytest.raises(ValueError, match="intermediate_size=48 is not a multiple of group_size=32"):
+        MoE(ROUTER, H, 48, quant=quant)
+    with pytest.raises(ValueError, match="expert_bias=True is not served"):
+        MoE(ROUTER, H, I, expert_bias=True, quant=quant)
+    with pytest.raises(ValueError, match="gemm='padded' is not an INT4 strategy"):
+        MoE(ROUTER, H, I, quant=quant, gemm="padded")
