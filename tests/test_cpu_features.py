@@ -234,6 +234,15 @@ for dtype in (torch.float32, torch.bfloat16):
     expected = moe_experts_reference(x, ids.long(), weights, *fp8_tensors, (64, 64), intermediate_dtype=dtype,
                                      quantize_activations=False)
     facts[f"w8a16_{str(dtype).removeprefix('torch.')}_error"] = rel_error(out, expected)
+
+from moeroute.experts.formats.int4 import int4_experts_forward
+from moeroute.quant import quantize_int4
+from moeroute.quant.reference import int4_moe_experts_reference
+int4_weights = [quantize_int4(w, group_size=64, symmetric=False) for w in (w_gate_up, w_down)]
+x = randn(T, H, seed=3)
+out = int4_experts_forward(x, ids, weights, *int4_weights, 64, strategy="rows")
+expected = int4_moe_experts_reference(x, ids.long(), weights, *int4_weights, 64)
+facts["int4_float32_error"] = rel_error(out, expected)
 print(json.dumps(facts))
 """
 
@@ -265,3 +274,4 @@ def test_a_lower_path_runs_on_its_own_level(path):
         assert facts[f"mxfp4_{dtype}_error"] < tolerance, dtype
     for dtype in ("float32", "bfloat16"):  # FP8 w8a16 on the path's float32 row kernels
         assert facts[f"w8a16_{dtype}_error"] < 5e-3, dtype
+    assert facts["int4_float32_error"] < 1e-5  # INT4 on the MXFP4 rows kernels, this path's decode
