@@ -21,7 +21,12 @@ activation="none")``) against the w8a8 layer on the same bytes, interleaved the 
 (the figure is w8a8 time / w8a16 time), on the Qwen3-30B-A3B shape at T = 1 and 8, torch on
 2 threads; JSON to bench/results/quant_w8a16.json.
 
-JSON goes to bench/results/quant.json. Run: ``python bench/quant.py [--quick] [--w8a16]``.
+``--int4``: INT4 (w4a16, ``QuantConfig("int4", group_size=128)``, GPTQ's usual group) against
+the bfloat16 layer on the same float weights (the figure is bfloat16 time / INT4 time),
+Qwen3-30B-A3B shape, T = 1 and 8, bfloat16 activations, torch on 2 threads, interleaved;
+JSON to bench/results/quant_int4.json.
+
+JSON goes to bench/results/quant.json. Run: ``python bench/quant.py [--quick] [--w8a16] [--int4]``.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from _common import host_copy_bandwidth, interleaved, print_table, write_results
 
 from moeroute.bindings.torch import MoE  # noqa: E402
 from moeroute.config import RouterConfig  # noqa: E402
-from moeroute.quant import QuantConfig, quantize_experts  # noqa: E402
+from moeroute.quant import QuantConfig, quantize_experts, quantize_int4  # noqa: E402
 
 SHAPES = {
     "qwen3_30b_a3b": dict(hidden=2048, inter=768, experts=128, top_k=8),
@@ -49,6 +54,7 @@ SHAPES = {
 TOKENS = (1, 8, 512)
 QUANT = QuantConfig("fp8_block")
 W8A16 = QuantConfig("fp8_block", activation="none")
+INT4 = QuantConfig("int4", group_size=128)
 #: Repeats per (shape, T): decode calls take milliseconds, prefill ones seconds.
 REPEATS = {1: 15, 8: 15, 512: 2}
 #: Experts quantized per step while building (bounds the float32 temporaries).
@@ -191,11 +197,49 @@ def run_w8a16(repeats: int = 30) -> dict:
     }
 
 
+def run_int4(repeats: int = 30) -> dict:
+    """The bfloat16 layer against INT4 (group 128, symmetric) on its weights, Qwen3-30B-A3B, T = 1 and 8."""
+    torch.set_num_threads(2)
+    shape = SHAPES["qwen3_30b_a3b"]
+    bf16, _ = build(shape)
+    int4 = MoE(bf16.router, shape["hidden"], shape["inter"], quant=INT4)
+    with torch.no_grad():
+        int4.router_weight.copy_(bf16.router_weight)
+        for first in range(0, shape["experts"], BUILD_STEP):
+            rows = slice(first, min(shape["experts"], first + BUILD_STEP))
+            for name in ("gate_up", "down"):
+                packed, scales = quantize_int4(getattr(bf16.experts, "w_" + name)[rows].float(), group_size=128)
+                getattr(int4.experts, "w_" + name)[rows] = packed
+                getattr(int4.experts, name + "_scale")[rows] = scales
+    rows, results = [], []
+    for tokens in (1, 8):
+        x = torch.randn(tokens, shape["hidden"], generator=torch.Generator().manual_seed(tokens)).bfloat16()
+        with torch.no_grad():
+            timing = interleaved(lambda: bf16(x), lambda: int4(x), repeats=repeats, warmup=3)
+        entry = {
+            "tokens": tokens,
+            "bfloat16_ms": timing["baseline_us"] / 1e3,
+            "int4_ms": timing["candidate_us"] / 1e3,
+            "bfloat16_over_int4": timing["speedup"],
+            "range": timing["speedup_range"],
+            "repeats": timing["repeats"],
+        }
+        results.append(entry)
+        rows.append(["qwen3_30b_a3b", tokens, entry["bfloat16_ms"], entry["int4_ms"], entry["bfloat16_over_int4"]])
+    print_table(["shape", "T", "bf16 ms", "int4 ms", "bf16/int4"], rows)
+    return {"int4": repr(INT4), "activation_dtype": "bfloat16", "torch_threads": 2, "shape": shape, "results": results}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="decode sizes only (T = 1, 8)")
     parser.add_argument("--w8a16", action="store_true", help="w8a16 against w8a8 (Qwen3-30B-A3B, T = 1, 8)")
+    parser.add_argument("--int4", action="store_true", help="INT4 w4a16 against bfloat16 (Qwen3-30B-A3B, T = 1, 8)")
     args = parser.parse_args(argv)
+    if args.int4:
+        path = write_results("quant_int4", run_int4())
+        print(f"wrote {path}")
+        return
     if args.w8a16:
         path = write_results("quant_w8a16", run_w8a16())
         print(f"wrote {path}")
