@@ -73,7 +73,7 @@ PROCESS_GROUP_TIMEOUT_S = 300
 
 
 def route(preset_name, layout, rank, tokens, seed):
-    """This rank's physical ids [T, K'] int32 and weights, routed by moeroute."""
+    """This rank's weights and physical ids [T, K'] int32, routed by moeroute."""
     preset = get_preset(preset_name)
     gen = torch.Generator().manual_seed(seed + rank)
     logits = torch.randn(tokens, preset.router.num_experts, generator=gen)
@@ -82,7 +82,7 @@ def route(preset_name, layout, rank, tokens, seed):
         bias = torch.randn(preset.router.num_experts, generator=gen) * CORRECTION_BIAS_SCALE
     weights, ids = arrays.select_experts(logits, preset.router, bias)
     weights, ids = arrays.append_shared_slots(weights, ids, layout, rank, None)
-    return ids, weights
+    return weights, ids
 
 
 def layout_for(preset_name, dispatch):
@@ -110,7 +110,7 @@ class NaiveSlotExchange:
         self.owner = torch.from_numpy(layout.owner_rank.astype(np.int64))
         self.local = torch.from_numpy(layout.expert_map(rank).astype(np.int64))
 
-    def dispatch_combine(self, x, ids, weights):
+    def dispatch_combine(self, x, weights, ids):
         num_tokens, top_k = ids.shape
         flat = ids.reshape(-1).long()
         dest = self.owner[flat]
@@ -135,8 +135,8 @@ class NaiveSlotExchange:
         return out.to(x.dtype)
 
 
-def library_dispatch_combine(dispatcher, x, ids, weights):
-    handle = dispatcher.dispatch(x, ids, weights)
+def library_dispatch_combine(dispatcher, x, weights, ids):
+    handle = dispatcher.dispatch(x, weights, ids)
     recv_hidden = handle.wait()[0]
     return dispatcher.combine(recv_hidden, handle)  # identity expert, as the baseline
 
@@ -150,10 +150,10 @@ def byte_figures(rank):
         per_dispatch = {}
         for dispatch in ("all2all", "allgather"):
             layout = layout_for(preset_name, dispatch)
-            ids, weights = route(preset_name, layout, rank, TOKENS, seed=1)
+            weights, ids = route(preset_name, layout, rank, TOKENS, seed=1)
             x = torch.randn(TOKENS, HIDDEN).to(DTYPE)
             dispatcher = make_dispatcher(layout, None, dispatch, debug=True)
-            library_dispatch_combine(dispatcher, x, ids, weights)
+            library_dispatch_combine(dispatcher, x, weights, ids)
             stats = dispatcher.last_stats
             pairs, slots = unique_pairs_and_slots(ids, layout, rank)
             element = x.element_size()
@@ -182,24 +182,24 @@ def time_figures(rank, repeats):
     out = {}
     a2a_layout = layout_for(preset_name, "all2all")
     ag_layout = layout_for(preset_name, "allgather")
-    ids, weights = route(preset_name, a2a_layout, rank, TOKENS, seed=2)
-    ag_ids, ag_weights = route(preset_name, ag_layout, rank, TOKENS, seed=2)
+    weights, ids = route(preset_name, a2a_layout, rank, TOKENS, seed=2)
+    ag_weights, ag_ids = route(preset_name, ag_layout, rank, TOKENS, seed=2)
     x = torch.randn(TOKENS, HIDDEN).to(DTYPE)
     naive = NaiveSlotExchange(a2a_layout, rank)
     a2a = make_dispatcher(a2a_layout, None, "all2all")
     ag = make_dispatcher(ag_layout, None, "allgather")
     out["all2all_vs_naive_per_slot"] = interleaved(
-        lambda: naive.dispatch_combine(x, ids, weights), lambda: library_dispatch_combine(a2a, x, ids, weights), repeats
+        lambda: naive.dispatch_combine(x, weights, ids), lambda: library_dispatch_combine(a2a, x, weights, ids), repeats
     )
     out["allgather_vs_all2all"] = interleaved(
-        lambda: library_dispatch_combine(a2a, x, ids, weights),
-        lambda: library_dispatch_combine(ag, x, ag_ids, ag_weights),
+        lambda: library_dispatch_combine(a2a, x, weights, ids),
+        lambda: library_dispatch_combine(ag, x, ag_weights, ag_ids),
         repeats,
     )
 
     # The allgather combine: exact all_to_all_single (ours) against an all-reduce of the
     # padded [E * T_max, H] partials (every rank then slices its own rows).
-    handle = ag.dispatch(x, ag_ids, ag_weights)
+    handle = ag.dispatch(x, ag_weights, ag_ids)
     partial = handle.wait()[0]
     padded = partial.new_zeros((WORLD_SIZE * TOKENS, HIDDEN))
 
@@ -273,18 +273,18 @@ def fp8_dispatch_figures(rank, repeats):
     out = {}
     for dispatch in ("all2all", "allgather"):
         layout = layout_for("deepseek-v3", dispatch)
-        ids, weights = route("deepseek-v3", layout, rank, TOKENS, seed=3)
+        weights, ids = route("deepseek-v3", layout, rank, TOKENS, seed=3)
         x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank)).to(DTYPE)
         dispatcher = make_dispatcher(layout, None, dispatch)
 
         # Both end with the first GEMM's input of an FP8 expert (an identity expert otherwise):
         # bfloat16 rows are quantized by the receiver, FP8 rows by the sender.
         def bf16_dispatch_combine():
-            handle = dispatcher.dispatch(x, ids, weights)
+            handle = dispatcher.dispatch(x, weights, ids)
             return dispatcher.combine(fake_quantize(handle.wait()[0], quant).to(DTYPE), handle)
 
         def fp8_dispatch_combine():
-            handle = dispatcher.dispatch(quantize_for_dispatch(x, quant), ids, weights)
+            handle = dispatcher.dispatch(quantize_for_dispatch(x, quant), weights, ids)
             return dispatcher.combine(handle.wait()[0].dequantize().to(DTYPE), handle)
 
         bf16_dispatch_combine()

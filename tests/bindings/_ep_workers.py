@@ -116,7 +116,7 @@ def local_expert_weights(layer, layout, rank, local_id):
     return gate_up, layer.shared_down[:, j * inter : (j + 1) * inter]
 
 
-def local_compute(layer, layout, rank, recv_hidden, recv_local_ids, recv_weights):
+def local_compute(layer, layout, rank, recv_hidden, recv_weights, recv_local_ids):
     """Per received row, the sum over its local slots of w * expert(x), in float32."""
     partial = torch.zeros(recv_hidden.shape, dtype=torch.float32)
     x = recv_hidden.float()
@@ -144,7 +144,7 @@ def ep_forward(dispatcher, layer, layout, rank, x, ids, weights, rsf, overlap):
     phys_weights, phys_ids = reference.append_shared_slots(
         routed_weights.numpy(), ids.numpy(), layout, rank, slot_weight
     )
-    handle = dispatcher.dispatch(x, torch.from_numpy(phys_ids), torch.from_numpy(phys_weights), async_op=overlap)
+    handle = dispatcher.dispatch(x, torch.from_numpy(phys_weights), torch.from_numpy(phys_ids), async_op=overlap)
     in_flight = not handle.is_completed()
     shared_out = None
     if layout.shared in ("runner", "overlap"):
@@ -383,16 +383,18 @@ def invalid_argument_cases(rank, world_size):
         "allgather-class-mismatch": lambda: AllGatherDispatcher(layout),
         "group-size": lambda: All2AllDispatcher(ExpertLayout(8, 0, ep_size=world_size + 1, dispatch="all2all")),
         "debug-type": lambda: make_dispatcher(layout, None, "all2all", debug="yes"),
-        "ids-dtype": lambda: dispatcher.dispatch(x, ids.long(), w),
-        "weights-shape": lambda: dispatcher.dispatch(x, ids, w[:, :1]),
-        "hidden-not-tensor": lambda: dispatcher.dispatch(x.numpy(), ids, w),
-        "hidden-rank": lambda: dispatcher.dispatch(x[None], ids, w),
-        "async-type": lambda: dispatcher.dispatch(x, ids, w, async_op=1),
+        "ids-dtype": lambda: dispatcher.dispatch(x, w, ids.long()),
+        "weights-shape": lambda: dispatcher.dispatch(x, w[:, :1], ids),
+        "hidden-not-tensor": lambda: dispatcher.dispatch(x.numpy(), w, ids),
+        "hidden-rank": lambda: dispatcher.dispatch(x[None], w, ids),
+        "async-type": lambda: dispatcher.dispatch(x, w, ids, async_op=1),
+        "old-order": lambda: dispatcher.dispatch(x, ids, w),
+        "old-order-debug": lambda: make_dispatcher(layout, None, "all2all", debug=True).dispatch(x, ids, w),
     }
     out = {name: _outcome(fn) for name, fn in cases.items()}
 
     # Combine misuse (after a real, collective dispatch on every rank).
-    handle = dispatcher.dispatch(x, ids, w)
+    handle = dispatcher.dispatch(x, w, ids)
     other = make_dispatcher(layout, None, "all2all")
     recv_rows = handle.wait()[0].shape[0]
     out["combine-foreign-handle"] = _outcome(lambda: other.combine(torch.zeros(recv_rows, 4), handle))
@@ -429,12 +431,12 @@ def debug_fault_cases(rank, world_size):
             local[:, 0] = (local[:, 0] + 1) % per_rank  # a live id of the wrong expert
             return owner, local
 
-    out["all2all-dropped-slot"] = _outcome(lambda: CheckedDispatcher(DropsSharedSlot(layout)).dispatch(x, ids, w))
-    out["all2all-wrong-local-id"] = _outcome(lambda: CheckedDispatcher(WrongLocalId(layout)).dispatch(x, ids, w))
+    out["all2all-dropped-slot"] = _outcome(lambda: CheckedDispatcher(DropsSharedSlot(layout)).dispatch(x, w, ids))
+    out["all2all-wrong-local-id"] = _outcome(lambda: CheckedDispatcher(WrongLocalId(layout)).dispatch(x, w, ids))
 
     def combine_with_duplicated_row():
         dispatcher = CheckedDispatcher(All2AllDispatcher(layout))
-        handle = dispatcher.dispatch(x, ids, w)
+        handle = dispatcher.dispatch(x, w, ids)
         index = handle.state.inner_state.send_token_index
         index[1] = index[0]  # row 1 goes home to token 0: token 0 combined twice
         partial = torch.zeros(handle.wait()[0].shape)
@@ -454,12 +456,12 @@ def debug_fault_cases(rank, world_size):
 
     out["allgather-unmasked-global-slot"] = _outcome(
         lambda: CheckedDispatcher(NoHomeMask(global_layout)).dispatch(
-            x, torch.from_numpy(gphys), torch.from_numpy(gweights)
+            x, torch.from_numpy(gweights), torch.from_numpy(gphys)
         )
     )
 
     # The same faults without debug mode: no check, no error (the check is what raises).
-    out["all2all-dropped-slot-nodebug"] = _outcome(lambda: DropsSharedSlot(layout).dispatch(x, ids, w).wait())
+    out["all2all-dropped-slot-nodebug"] = _outcome(lambda: DropsSharedSlot(layout).dispatch(x, w, ids).wait())
     out.update(output_fault_cases(rank, world_size))
     return out
 
@@ -493,20 +495,20 @@ def output_fault_cases(rank, world_size):
             class Corrupted(cls):
                 def dispatch(self, *args, _corrupt=corrupt, **kwargs):
                     handle = super().dispatch(*args, **kwargs)
-                    recv_hidden, recv_local, recv_weights = handle.wait()
+                    recv_hidden, recv_weights, recv_local = handle.wait()
                     recv_local = recv_local.clone()
                     assert int(recv_local[0, self.rank]) == 0  # the first expert of this rank
                     recv_local[0, self.rank] = _corrupt(int(recv_local[0, self.rank]))
                     return DispatchHandle(
-                        (recv_hidden, recv_local, recv_weights), state=handle.state, num_tokens=handle.num_tokens
+                        (recv_hidden, recv_weights, recv_local), state=handle.state, num_tokens=handle.num_tokens
                     )
 
             layout = ExpertLayout(8, 0, ep_size=world_size, dispatch=cls.mode)
             ids = torch.tensor([first_expert_of_each_rank(layout)] * 3, dtype=torch.int32)
             out[f"output-{cls.mode}-{fault}"] = _outcome(
-                lambda: CheckedDispatcher(Corrupted(layout)).dispatch(x, ids, w)
+                lambda: CheckedDispatcher(Corrupted(layout)).dispatch(x, w, ids)
             )
-            out[f"output-{cls.mode}-{fault}-nodebug"] = _outcome(lambda: Corrupted(layout).dispatch(x, ids, w))
+            out[f"output-{cls.mode}-{fault}-nodebug"] = _outcome(lambda: Corrupted(layout).dispatch(x, w, ids))
     return out
 
 
@@ -801,7 +803,7 @@ def _dispatcher_mismatch_cases(rank, world_size, dispatch):
         ids = torch.randint(0, 8, (5, top_k), generator=gen, dtype=torch.int32)
         w = torch.rand(5, top_k, generator=gen)
         dispatcher = make_dispatcher(layout, None, dispatch, debug=debug)
-        handle = dispatcher.dispatch(x, ids, w)
+        handle = dispatcher.dispatch(x, w, ids)
         dispatcher.combine(torch.zeros_like(handle.wait()[0]), handle)
 
     cases = {
@@ -824,8 +826,8 @@ def _dispatcher_mismatch_cases(rank, world_size, dispatch):
     x = torch.randn(5, 8, generator=gen)
     ids = torch.randint(0, 8, (5, 2), generator=gen, dtype=torch.int32)
     w = torch.rand(5, 2, generator=gen)
-    handle = dispatcher.dispatch(x, ids, w)
-    recv_hidden, _, recv_weights = handle.wait()
+    handle = dispatcher.dispatch(x, w, ids)
+    recv_hidden, recv_weights, _ = handle.wait()
     out = dispatcher.combine(recv_hidden * recv_weights.sum(1, keepdim=True), handle)
     records[f"{dispatch}:after"] = _relative_error(out, x.double() * w.double().sum(1, keepdim=True))
     return records
@@ -920,7 +922,7 @@ def peer_failure_worker(rank, world_size, payload):
         return "stalled"
     start = time.monotonic()
     try:
-        handle = dispatcher.dispatch(x, torch.from_numpy(phys), torch.from_numpy(weights))
+        handle = dispatcher.dispatch(x, torch.from_numpy(weights), torch.from_numpy(phys))
         dispatcher.combine(torch.zeros(handle.wait()[0].shape), handle)
     except Exception as error:  # the outcome under test
         return dict(raised=type(error).__name__, message=str(error)[:300], elapsed=time.monotonic() - start)

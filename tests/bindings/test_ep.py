@@ -297,6 +297,9 @@ INVALID_CASES = {
     "hidden-not-tensor": ("TypeError", ["hidden_states", "ndarray"]),
     "hidden-rank": ("ValueError", ["hidden_states", "2-D"]),
     "async-type": ("TypeError", ["async_op=1"]),
+    # ids before weights (the order before 0.2): refused by dtype before anything travels
+    "old-order": ("TypeError", ["topk_weights must be a floating array", "int32", "weights come before ids"]),
+    "old-order-debug": ("TypeError", ["topk_weights must be a floating array", "int32", "weights come before ids"]),
     "combine-foreign-handle": ("ValueError", ["handle", "this dispatcher"]),
     "combine-rows": ("ValueError", ["partial_out", "Tr="]),
     "combine-handle-type": ("TypeError", ["handle", "NoneType"]),

@@ -475,9 +475,10 @@ def test_local_dispatcher_maps_ids_and_passes_rows_through():
     dispatcher = LocalDispatcher(layout)
     x = torch.randn(3, 4)
     ids = torch.tensor([[0, 10], [9, 11], [-1, 5]], dtype=torch.int32)
-    handle = dispatcher.dispatch(x, ids, torch.ones(3, 2), async_op=True)
-    recv_hidden, local_ids, recv_weights = handle.wait()
-    assert recv_hidden is x  # nothing travels, nothing is copied
+    weights = torch.rand(3, 2)
+    handle = dispatcher.dispatch(x, weights, ids, async_op=True)
+    recv_hidden, recv_weights, local_ids = handle.wait()
+    assert recv_hidden is x and recv_weights is weights  # nothing travels, nothing is copied
     assert np.array_equal(local_ids.numpy(), reference.remap_to_local(ids.numpy(), layout.expert_map(0)))
     assert local_ids.tolist() == [[0, 10], [9, -1], [-1, 5]]
     partial = torch.randn(3, 4)
@@ -493,7 +494,7 @@ def test_local_dispatcher_rejects_bad_arguments():
         LocalDispatcher("layout")
     dispatcher = LocalDispatcher(ExpertLayout(8))
     with pytest.raises(ValueError, match="int32"):
-        dispatcher.dispatch(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, 1))
+        dispatcher.dispatch(torch.zeros(2, 4), torch.zeros(2, 1), torch.zeros(2, 1, dtype=torch.int64))
     with pytest.raises(TypeError, match="DispatchHandle"):
         dispatcher.combine(torch.zeros(2, 4), "handle")
 
@@ -501,10 +502,10 @@ def test_local_dispatcher_rejects_bad_arguments():
 @pytest.mark.parametrize(
     "args,match",
     [
-        ((torch.zeros(4), torch.zeros(4, 1, dtype=torch.int32), torch.zeros(4, 1)), "2-D"),
-        ((torch.zeros(4, 2), torch.zeros(3, 1, dtype=torch.int32), torch.zeros(3, 1)), "T=4"),
-        ((torch.zeros(4, 2), torch.zeros(4, 1, dtype=torch.int32), torch.zeros(4, 2)), "must equal"),
-        ((torch.zeros(4, 2), torch.zeros(4, 1, dtype=torch.int32), torch.zeros(4, 1, dtype=torch.float64)), "float32"),
+        ((torch.zeros(4), torch.zeros(4, 1), torch.zeros(4, 1, dtype=torch.int32)), "2-D"),
+        ((torch.zeros(4, 2), torch.zeros(3, 1), torch.zeros(3, 1, dtype=torch.int32)), "T=4"),
+        ((torch.zeros(4, 2), torch.zeros(4, 2), torch.zeros(4, 1, dtype=torch.int32)), "must equal"),
+        ((torch.zeros(4, 2), torch.zeros(4, 1, dtype=torch.float64), torch.zeros(4, 1, dtype=torch.int32)), "float32"),
     ],
 )
 def test_check_dispatch_inputs(args, match):
@@ -512,9 +513,39 @@ def test_check_dispatch_inputs(args, match):
         check_dispatch_inputs(*args)
 
 
+def test_dispatch_takes_weights_then_ids_and_refuses_the_old_order():
+    # ids first (the order before 0.2) is refused by dtype, naming the argument, before any
+    # id is read as a weight: by the check every dispatcher runs first and by LocalDispatcher.
+    x, ids, weights = torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.int32), torch.zeros(2, 1)
+    message = r"topk_weights must be a floating array, got dtype int32 \(weights come before ids since 0\.2"
+    with pytest.raises(TypeError, match=message):
+        check_dispatch_inputs(x, ids, weights)
+    with pytest.raises(TypeError, match=message):
+        LocalDispatcher(ExpertLayout(8)).dispatch(x, ids, weights)
+    # float ids in the second place (weights passed twice): named as topk_ids
+    with pytest.raises(TypeError, match=r"topk_ids must be an integer array, got dtype float32"):
+        check_dispatch_inputs(x, weights, weights)
+    check_dispatch_inputs(x, weights, ids)
+
+
+def test_dispatch_handle_refuses_received_in_the_old_order():
+    # A dispatcher handing out (hidden, local_ids, weights) would have its consumers read
+    # ids as weights: the handle refuses it when the entries are set, synchronous or not.
+    hidden, weights, local_ids = torch.zeros(2, 4), torch.zeros(2, 1), torch.zeros(2, 1, dtype=torch.int32)
+    with pytest.raises(TypeError, match="recv_weights must be a floating array, got dtype int32"):
+        DispatchHandle((hidden, local_ids, weights))
+    handle = DispatchHandle(wait_fn=lambda: (hidden, local_ids, weights))
+    with pytest.raises(TypeError, match="recv_weights must be a floating array"):
+        handle.wait()
+    with pytest.raises(ValueError, match="recv_hidden, recv_weights, recv_local_ids"):
+        DispatchHandle((hidden, weights))
+    received = (hidden, weights, local_ids)
+    assert DispatchHandle(received).wait() is received
+
+
 def test_dispatch_handle_waits_once():
     calls = []
-    received = (torch.zeros(1), torch.zeros(1), torch.zeros(1))
+    received = (torch.zeros(1), torch.zeros(1), torch.zeros(1, dtype=torch.int32))
     handle = DispatchHandle(wait_fn=lambda: calls.append(1) or received)
     assert not handle.is_completed()
     assert handle.wait() is received and handle.wait() is received

@@ -67,7 +67,7 @@ class All2AllDispatcher(_EPDispatcher):
         local = tables.local[owner.clamp(min=0), safe]
         return owner, torch.where(valid, local, torch.full_like(local, -1))
 
-    def dispatch(self, hidden_states, topk_ids, topk_weights, *, async_op=False):
+    def dispatch(self, hidden_states, topk_weights, topk_ids, *, async_op=False):
         """Send each token once to every rank holding one of its slots.
 
         Parameters
@@ -75,9 +75,9 @@ class All2AllDispatcher(_EPDispatcher):
         hidden_states : Tensor [T, H], activation dtype, or FP8Activations
             FP8 rows with their scales (FP8 dispatch): they travel as they are and
             ``recv_hidden`` is FP8Activations of the received rows.
+        topk_weights : Tensor [T, K'] float32
         topk_ids : Tensor [T, K'] int32
             Physical ids; ids outside [0, num_physical_experts) are not routed.
-        topk_weights : Tensor [T, K'] float32
         async_op : bool
             Return once the rows are in flight (the count exchange has completed);
             ``handle.wait()`` completes the transfer.
@@ -85,9 +85,9 @@ class All2AllDispatcher(_EPDispatcher):
         Returns
         -------
         DispatchHandle
-            ``wait()`` -> recv_hidden [Tr, H] (dtype of hidden_states), recv_local_ids
-            [Tr, K'] int32 (-1 for slots held elsewhere), recv_weights [Tr, K'] float32
-            (0 where the local id is -1). Rows are grouped by source rank, ascending,
+            ``wait()`` -> recv_hidden [Tr, H] (dtype of hidden_states), recv_weights
+            [Tr, K'] float32 (0 where the local id is -1), recv_local_ids [Tr, K'] int32
+            (-1 for slots held elsewhere). Rows are grouped by source rank, ascending,
             and within a source by token row.
 
         Raises
@@ -98,7 +98,7 @@ class All2AllDispatcher(_EPDispatcher):
             A collective failed (dead peer, timeout of the process group).
         """
         rows, fp8 = _rows_as_sent(hidden_states)
-        check_dispatch_inputs(rows, topk_ids, topk_weights)
+        check_dispatch_inputs(rows, topk_weights, topk_ids)
         async_op = _as_flag("async_op", async_op)
         device, e = rows.device, self.ep_size
         num_tokens, top_k = topk_ids.shape
@@ -170,7 +170,7 @@ class All2AllDispatcher(_EPDispatcher):
         def finish():
             self._wait_all("token dispatch", works)
             recv_local, recv_weights = _unpack_metadata(recv_meta, top_k)
-            return _rows_as_received(recv_hidden, fp8), recv_local, recv_weights
+            return _rows_as_received(recv_hidden, fp8), recv_weights, recv_local
 
         return self._handle(state, finish, async_op)
 

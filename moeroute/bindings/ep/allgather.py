@@ -53,7 +53,7 @@ class AllGatherDispatcher(_EPDispatcher):
 
     mode = "allgather"
 
-    def dispatch(self, hidden_states, topk_ids, topk_weights, *, async_op=False):
+    def dispatch(self, hidden_states, topk_weights, topk_ids, *, async_op=False):
         """All-gather every rank's tokens with their slot ids and weights.
 
         Parameters
@@ -61,9 +61,9 @@ class AllGatherDispatcher(_EPDispatcher):
         hidden_states : Tensor [T, H], activation dtype, or FP8Activations
             FP8 rows with their scales (FP8 dispatch): they travel as they are and
             ``recv_hidden`` is FP8Activations of the received rows.
+        topk_weights : Tensor [T, K'] float32
         topk_ids : Tensor [T, K'] int32
             Physical ids; ids outside [0, num_physical_experts) are not routed.
-        topk_weights : Tensor [T, K'] float32
         async_op : bool
             Return once the gather is in flight (the size exchange has completed);
             ``handle.wait()`` completes it.
@@ -72,9 +72,9 @@ class AllGatherDispatcher(_EPDispatcher):
         -------
         DispatchHandle
             ``wait()`` -> recv_hidden [Tr, H] with Tr = sum of every rank's T, rows of
-            rank 0 first; recv_local_ids [Tr, K'] int32 (-1 for slots held elsewhere,
-            and for global shared slots of other ranks' tokens); recv_weights [Tr, K']
-            float32 (0 where the local id is -1).
+            rank 0 first; recv_weights [Tr, K'] float32 (0 where the local id is -1);
+            recv_local_ids [Tr, K'] int32 (-1 for slots held elsewhere, and for global
+            shared slots of other ranks' tokens).
 
         Raises
         ------
@@ -84,7 +84,7 @@ class AllGatherDispatcher(_EPDispatcher):
             A collective failed (dead peer, timeout of the process group).
         """
         rows, fp8 = _rows_as_sent(hidden_states)
-        check_dispatch_inputs(rows, topk_ids, topk_weights)
+        check_dispatch_inputs(rows, topk_weights, topk_ids)
         async_op = _as_flag("async_op", async_op)
         device, e = rows.device, self.ep_size
         num_tokens, top_k = topk_ids.shape
@@ -139,7 +139,7 @@ class AllGatherDispatcher(_EPDispatcher):
             recv_weights = torch.where(
                 recv_local >= 0, recv_weights, torch.zeros((), dtype=torch.float32, device=device)
             )
-            return _rows_as_received(recv_hidden, fp8), recv_local, recv_weights
+            return _rows_as_received(recv_hidden, fp8), recv_weights, recv_local
 
         return self._handle(state, finish, async_op)
 

@@ -136,7 +136,7 @@ class CheckedDispatcher(Dispatcher):
 
     # ------------------------------------------------------------------ dispatch and combine
 
-    def dispatch(self, hidden_states, topk_ids, topk_weights, *, async_op=False):
+    def dispatch(self, hidden_states, topk_weights, topk_ids, *, async_op=False):
         """The inner dispatch, then the dispatch check (in ``wait()`` when ``async_op``).
 
         Returns and raises as the inner dispatcher's `dispatch`, and also
@@ -144,13 +144,13 @@ class CheckedDispatcher(Dispatcher):
         was received live other than once, or under a local id that does not map back to
         the slot's physical id.
         """
-        inner_handle = self.inner.dispatch(hidden_states, topk_ids, topk_weights, async_op=async_op)
+        inner_handle = self.inner.dispatch(hidden_states, topk_weights, topk_ids, async_op=async_op)
         valid, _ = self.inner._valid_and_safe(topk_ids)
         forward = _CheckedForward(self, inner_handle, topk_ids, valid)
 
         def wait_fn():
             received = inner_handle.wait()
-            self._check_dispatch(forward, received[1])
+            self._check_dispatch(forward, received[2])
             return received
 
         if async_op:  # a bool: the inner dispatch checked it
@@ -169,7 +169,7 @@ class CheckedDispatcher(Dispatcher):
         forward = handle.state
         if not isinstance(forward, _CheckedForward) or forward.dispatcher is not self:
             raise ValueError("handle was not returned by this dispatcher's dispatch()")
-        recv_local = handle.wait()[1]  # runs the dispatch check if the handle was async
+        recv_local = handle.wait()[2]  # runs the dispatch check if the handle was async
         out = self.inner.combine(partial_out, forward.inner_handle)
         live = (recv_local >= 0).to(torch.int32)
         returned = self.inner._return_home(live, forward.inner_state, "debug combine check")

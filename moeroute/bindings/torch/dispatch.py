@@ -8,11 +8,12 @@ expert-parallel dispatchers on torch.distributed live in `moeroute.bindings.ep`.
 
 Contract (every implementation)
 -------------------------------
-``dispatch(hidden_states, topk_ids, topk_weights, *, async_op=False) -> DispatchHandle``
-    hidden_states [T, H], activation dtype; topk_ids [T, K'] int32 in the layout's
-    physical id space (after ``append_shared_slots``: routed + fused shared slots);
-    topk_weights [T, K'] float32. ``handle.wait()`` returns
-    ``(recv_hidden [Tr, H], recv_local_ids [Tr, K'] int32, recv_weights [Tr, K'] float32)``
+``dispatch(hidden_states, topk_weights, topk_ids, *, async_op=False) -> DispatchHandle``
+    hidden_states [T, H], activation dtype; topk_weights [T, K'] float32; topk_ids
+    [T, K'] int32 in the layout's physical id space (after ``append_shared_slots``: routed
+    + fused shared slots). Weights come before ids, as everywhere in moeroute: a call in
+    the order before 0.2 is refused by dtype. ``handle.wait()`` returns
+    ``(recv_hidden [Tr, H], recv_weights [Tr, K'] float32, recv_local_ids [Tr, K'] int32)``
     where ``recv_local_ids`` holds this rank's local expert id of each slot, -1 where the
     slot's expert is not held here. With ``async_op=True`` the call returns while the
     transfer may still be in flight; ``wait()`` blocks until it has landed.
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from moeroute._validate import weights_then_ids
 from moeroute.layout import ExpertLayout
 
 __all__ = [
@@ -47,7 +49,7 @@ class DispatchHandle:
     Parameters
     ----------
     received : tuple of three tensors, optional
-        ``(recv_hidden, recv_local_ids, recv_weights)`` when they are already available.
+        ``(recv_hidden, recv_weights, recv_local_ids)`` when they are already available.
     wait_fn : callable () -> tuple of three tensors, optional
         Called once by the first `wait` when the transfer is asynchronous; exactly one
         of ``received`` and ``wait_fn`` must be given.
@@ -57,7 +59,12 @@ class DispatchHandle:
     Raises
     ------
     ValueError
-        Neither or both of ``received`` and ``wait_fn`` given.
+        Neither or both of ``received`` and ``wait_fn`` given, or ``received`` (or what
+        ``wait_fn`` returns) is not a tuple of three.
+    TypeError
+        ``recv_weights`` is not floating or ``recv_local_ids`` not integer (the two in the
+        order before 0.2): checked when the entries are set, so that no consumer reads
+        ids as weights.
     """
 
     __slots__ = ("_received", "_wait_fn", "state", "num_tokens")
@@ -72,11 +79,11 @@ class DispatchHandle:
     ) -> None:
         if (received is None) == (wait_fn is None):
             raise ValueError(
-                "DispatchHandle needs exactly one of received=(recv_hidden, recv_local_ids, "
-                f"recv_weights) and wait_fn; got received={'set' if received is not None else None}, "
+                "DispatchHandle needs exactly one of received=(recv_hidden, recv_weights, "
+                f"recv_local_ids) and wait_fn; got received={'set' if received is not None else None}, "
                 f"wait_fn={'set' if wait_fn is not None else None}"
             )
-        self._received = received
+        self._received = None if received is None else _checked_received(received)
         self._wait_fn = wait_fn
         self.state = state
         #: T, the number of tokens this rank dispatched (the row count `combine` returns).
@@ -92,27 +99,40 @@ class DispatchHandle:
         Returns
         -------
         recv_hidden : Tensor [Tr, H], activation dtype
-        recv_local_ids : Tensor [Tr, K'] int32, local expert id per slot, -1 = not here
         recv_weights : Tensor [Tr, K'] float32
+        recv_local_ids : Tensor [Tr, K'] int32, local expert id per slot, -1 = not here
         """
         if self._received is None:
-            self._received = self._wait_fn()
+            self._received = _checked_received(self._wait_fn())
             self._wait_fn = None
         return self._received
 
 
-def check_dispatch_inputs(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+def _checked_received(received) -> tuple:
+    """``received`` if it is ``(recv_hidden, recv_weights, recv_local_ids)``, weights floating and ids integer."""
+    if not isinstance(received, tuple) or len(received) != 3:
+        raise ValueError(
+            "a dispatch must deliver (recv_hidden, recv_weights, recv_local_ids), got "
+            f"{type(received).__name__} of length {len(received) if isinstance(received, tuple) else '-'}"
+        )
+    weights_then_ids(received[1], received[2], "recv_weights", "recv_local_ids")
+    return received
+
+
+def check_dispatch_inputs(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
     """Validate the arguments of `Dispatcher.dispatch`.
 
     Raises
     ------
     TypeError
-        An argument is not a torch.Tensor.
+        An argument is not a torch.Tensor, or topk_weights is not floating or topk_ids not
+        integer (the pair in the order before 0.2, ids first; checked first).
     ValueError
         hidden_states not 2-D; topk_ids not int32 [T, K']; topk_weights not float32 of
         the shape of topk_ids; the three on different devices.
     """
-    for name, value in (("hidden_states", hidden_states), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+    weights_then_ids(topk_weights, topk_ids)
+    for name, value in (("hidden_states", hidden_states), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if hidden_states.dim() != 2:
@@ -153,8 +173,8 @@ class Dispatcher:
     def dispatch(
         self,
         hidden_states: torch.Tensor,
-        topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
         *,
         async_op: bool = False,
     ) -> DispatchHandle:
@@ -163,16 +183,16 @@ class Dispatcher:
         Parameters
         ----------
         hidden_states : Tensor [T, H], activation dtype
-        topk_ids : Tensor [T, K'] int32, physical ids (routed + fused shared slots)
         topk_weights : Tensor [T, K'] float32
+        topk_ids : Tensor [T, K'] int32, physical ids (routed + fused shared slots)
         async_op : bool
             Return before the transfer completes; ``handle.wait()`` completes it.
 
         Returns
         -------
         DispatchHandle
-            ``wait()`` -> (recv_hidden [Tr, H], recv_local_ids [Tr, K'] int32,
-            recv_weights [Tr, K'] float32).
+            ``wait()`` -> (recv_hidden [Tr, H], recv_weights [Tr, K'] float32,
+            recv_local_ids [Tr, K'] int32).
         """
         raise NotImplementedError
 
@@ -231,13 +251,13 @@ class LocalDispatcher(Dispatcher):
             self._expert_map_on[device] = table
         return table
 
-    def dispatch(self, hidden_states, topk_ids, topk_weights, *, async_op=False):
+    def dispatch(self, hidden_states, topk_weights, topk_ids, *, async_op=False):
         """See `Dispatcher.dispatch`; here Tr == T and recv_hidden is hidden_states itself."""
         from moeroute.bindings.torch.arrays import remap_to_local
 
-        check_dispatch_inputs(hidden_states, topk_ids, topk_weights)
+        check_dispatch_inputs(hidden_states, topk_weights, topk_ids)
         local_ids = remap_to_local(topk_ids, self._map_for(hidden_states.device))
-        return DispatchHandle((hidden_states, local_ids, topk_weights), num_tokens=hidden_states.shape[0])
+        return DispatchHandle((hidden_states, topk_weights, local_ids), num_tokens=hidden_states.shape[0])
 
     def combine(self, partial_out, handle):
         """See `Dispatcher.combine`; here the partial output already is the result."""

@@ -1039,9 +1039,9 @@ class MoE(nn.Module):
             if self.dispatch_dtype == "fp8":
                 # FP8 dispatch: quantized once, here on the sending rank; the experts use it as is.
                 routed_input = quantize_for_dispatch(routed_input, self.quant)
-            handle = self.dispatcher.dispatch(routed_input, ids, weights, async_op=mode == "overlap")
+            handle = self.dispatcher.dispatch(routed_input, weights, ids, async_op=mode == "overlap")
             shared_out = self._shared_output(x, gate) if mode == "overlap" else None
-            recv_hidden, recv_local_ids, recv_weights = handle.wait()
+            recv_hidden, recv_weights, recv_local_ids = handle.wait()
             partial = self.experts(recv_hidden, recv_local_ids, recv_weights)
             routed = self.dispatcher.combine(partial, handle)
 
