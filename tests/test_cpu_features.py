@@ -243,6 +243,11 @@ x = randn(T, H, seed=3)
 out = int4_experts_forward(x, ids, weights, *int4_weights, 64, strategy="rows")
 expected = int4_moe_experts_reference(x, ids.long(), weights, *int4_weights, 64)
 facts["int4_float32_error"] = rel_error(out, expected)
+# The feature matrix's Numba strategies on this path (tests/helpers/feature_matrix.py).
+from helpers import feature_matrix
+cases = feature_matrix.run(strategies=feature_matrix.NUMBA_STRATEGIES)
+facts["matrix_cases"] = len(cases)
+facts["matrix_failures"] = [f"{c.name}: {c.error:.2e} > {c.bound:.0e}" for c in cases if not c.error <= c.bound]
 print(json.dumps(facts))
 """
 
@@ -275,3 +280,6 @@ def test_a_lower_path_runs_on_its_own_level(path):
     for dtype in ("float32", "bfloat16"):  # FP8 w8a16 on the path's float32 row kernels
         assert facts[f"w8a16_{dtype}_error"] < 5e-3, dtype
     assert facts["int4_float32_error"] < 1e-5  # INT4 on the MXFP4 rows kernels, this path's decode
+    # every format x Numba strategy x threads x dtype of the feature matrix, on this path
+    assert facts["matrix_cases"] >= 8 * len(moeroute.experts.choose.FORMATS), facts["matrix_cases"]
+    assert facts["matrix_failures"] == [], "\n".join(facts["matrix_failures"])
