@@ -245,9 +245,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quant",
-        choices=("fp8_block", "fp8_tensor"),
+        choices=("fp8_block", "fp8_tensor", "int4"),
         default=None,
-        help="report expert bytes per rank in this format (fp8_block: 128x128 blocks) beside bfloat16",
+        help="report expert bytes per rank in this format (fp8_block: 128x128 blocks; int4: symmetric, "
+        "groups of 128 with bfloat16 scales) beside bfloat16",
     )
     _add_json_argument(parser)
 
@@ -266,7 +267,7 @@ def _expert_bytes(preset, layout, quant_format) -> list[tuple[int, int, int]]:
 
 
 def _expert_bytes_lines(preset, layout, quant_format) -> list[str]:
-    """Expert weight bytes each rank holds, in bfloat16 and (with --quant) the FP8 format."""
+    """Expert weight bytes each rank holds, in bfloat16 and (with --quant) the quantized format."""
     lines = [f"routed expert bytes per rank and layer ({quant_format}; bfloat16 for comparison):"]
     for rank, (local, quant_bytes, bfloat16_bytes) in enumerate(_expert_bytes(preset, layout, quant_format)):
         lines.append(
@@ -348,6 +349,8 @@ def run_plan(args: argparse.Namespace) -> int:
             unfusable_reason=preset.shared_unfusable_reason,
             placement=args.placement,
         )
+        if args.quant is not None:  # a size the format cannot group (int4 on gpt-oss's 2880)
+            _expert_bytes(preset, layout, args.quant)
     except ValueError as error:  # LayoutError included: an impossible layout
         return _error(str(error))
     shared_slot_weight = None

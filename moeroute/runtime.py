@@ -5,7 +5,7 @@ so only the first process on a machine pays for compilation. `warmup` pays it up
 kernel family at a time (`warmup_families` lists them): the routing kernels per logits kind,
 the dispatch kernels and the float experts per dtype, each on both sides of every
 serial/parallel threshold, on small synthetic inputs, so that a later process loads them all
-from the cache. The quantized experts' kernels (FP8, MXFP4) compile on their first use, or
+from the cache. The quantized experts' kernels (FP8, MXFP4, INT4) compile on their first use, or
 ahead when asked for (``formats=``). The cache lives where Numba puts it: ``NUMBA_CACHE_DIR``
 when that is set (read when Numba is imported), else ``__pycache__`` beside the package's
 sources when writable, else a per-user directory (`cache_dir` says which). A cached kernel is
@@ -51,7 +51,7 @@ WARMUP_DTYPES = ("float32", "float16", "bfloat16")
 DEFAULT_WARMUP_DTYPES = ("float32",)
 #: Expert weight formats `warmup` can compile for: "float" by default; the quantized formats'
 #: kernels compile on first use unless asked for here.
-WARMUP_FORMATS = ("float", "fp8_block", "fp8_tensor", "mxfp4")
+WARMUP_FORMATS = ("float", "fp8_block", "fp8_tensor", "mxfp4", "int4")
 #: Rows of the small calls: the serial kernels (decode-sized batches).
 SMALL_TOKENS = 3
 #: Router and expert sizes of the torch module's warm-up layer: the kernels' compiled
@@ -286,7 +286,7 @@ def _module_steps(dtypes, formats) -> list[tuple[str, Callable[[], None]]]:
         generator = torch.Generator().manual_seed(0)
         inter_q = QUANT_INTERMEDIATE
         quant = QuantConfig(quant_format)
-        # gpt-oss's MXFP4 layers carry expert biases and swigluoai; the FP8 ones neither.
+        # gpt-oss's MXFP4 layers carry expert biases and swigluoai; the FP8 and INT4 ones neither.
         extra = dict(activation="swigluoai", expert_bias=True) if quant_format == "mxfp4" else {}
         with torch.inference_mode():
             for router, bias in routers.values():
@@ -371,9 +371,10 @@ def warmup(
         wants ``dtypes=("float32", "bfloat16")``: its experts and, unless its router computes
         in float32 as DeepSeek's does, its routing).
     formats : sequence of str
-        Among ``WARMUP_FORMATS`` ("float", "fp8_block", "fp8_tensor", "mxfp4"): the expert
-        formats whose forward to compile; default the float experts only. The routing and
-        dispatch kernels are compiled whatever the formats (every format routes). Needs torch.
+        Among ``WARMUP_FORMATS`` ("float", "fp8_block", "fp8_tensor", "mxfp4", "int4"; int4
+        as ``QuantConfig("int4")``: symmetric, groups of 128): the expert formats whose
+        forward to compile; default the float experts only. The routing and dispatch kernels
+        are compiled whatever the formats (every format routes). Needs torch.
     torch_module : bool, optional
         Also run the torch module's forward (the expert families); default: when torch is
         importable.

@@ -529,6 +529,7 @@ def run_json(capsys, *argv):
     "argv",
     [
         ["--preset", "deepseek-v3", "--ep", "4", "--quant", "fp8_block"],
+        ["--preset", "qwen3-30b-a3b", "--ep", "2", "--quant", "int4"],
         ["--preset", "glm-4.5", "--ep", "4", "--dispatch", "allgather", "--slots", "global", "--regime", "output"],
         ["--preset", "gpt-oss-20b", "--ep", "4", "--placement", "round_robin"],
         ["--preset", "deepseek-v3", "--ep", "8", "--shared", "runner", "--redundant", "8"],
@@ -604,6 +605,8 @@ def test_plan_json_matches_the_layout_and_the_text(capsys, argv):
         assert (row["rank"], row["num_local_experts"]) == (rank, local)
         assert row["bfloat16_bytes"] == local * 3 * hidden * inter * 2  # gate, up, down; 2 bytes each
         assert row["bytes"] < row["bfloat16_bytes"]
+        if options["--quant"] == "int4":  # half a byte a weight, a bfloat16 scale per 128 (symmetric)
+            assert row["bytes"] == local * (3 * hidden * inter // 2 + 3 * hidden * inter // 128 * 2)
         assert (
             f"rank {rank}: {local} experts, {row['bytes'] / 2**30:.2f} GiB {options['--quant']} "
             f"({row['bfloat16_bytes'] / 2**30:.2f} GiB bfloat16)"
@@ -616,6 +619,12 @@ def test_plan_json_shared_slot_weight_and_errors(capsys):
     assert glm["shared_slot_weight"] == "1 / 2.5"
     status, out, err = run(capsys, "plan", "--preset", "deepseek-v3", "--ep", "8", "--slots", "global", "--json")
     assert status == 2 and out == "" and "per_rank" in err  # errors stay one line on stderr
+    status, out, err = run(capsys, "plan", "--preset", "gpt-oss-20b", "--quant", "int4")
+    assert (status, out) == (2, "")
+    assert err.splitlines() == [
+        "moeroute: error: hidden_size=2880 is not a multiple of group_size=128, which format='int4' needs "
+        "(one scale per 128 input columns)"
+    ]
 
 
 @pytest.mark.parametrize(

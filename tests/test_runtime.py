@@ -146,11 +146,12 @@ def test_warmup_families_default_to_the_float_path():
         "float experts, float32",
         "float experts, bfloat16",
     ]
-    assert runtime.warmup_families(["qwen3-30b-a3b"], dtypes=["bfloat16"], formats=("fp8_block", "mxfp4")) == [
+    assert runtime.warmup_families(["qwen3-30b-a3b"], dtypes=["bfloat16"], formats=("fp8_block", "mxfp4", "int4")) == [
         "routing kernels, float16/bfloat16 logits",
         "dispatch kernels, bfloat16",
         "fp8_block experts, bfloat16",
         "mxfp4 experts, bfloat16",
+        "int4 experts, bfloat16",
     ]
     assert runtime.warmup_families(dtypes=["float16"], torch_module=False) == [
         "routing kernels, float16/bfloat16 logits",
@@ -165,9 +166,9 @@ def test_warmup_families_default_to_the_float_path():
             ("fp8",),
             ValueError,
             r"formats=\('fp8',\): 'fp8' is not a format; each must be one of "
-            r"\('float', 'fp8_block', 'fp8_tensor', 'mxfp4'\)",
+            r"\('float', 'fp8_block', 'fp8_tensor', 'mxfp4', 'int4'\)",
         ),
-        (("float", "int4"), ValueError, "'int4' is not a format"),
+        (("float", "int8"), ValueError, "'int8' is not a format"),
         ("mxfp4", TypeError, "formats must be a sequence of format names"),
         (None, TypeError, "formats must be a sequence of format names"),
     ],
@@ -184,6 +185,23 @@ def test_warmup_refuses_quantized_formats_without_the_torch_module():
         runtime.warmup(formats=("mxfp4",), torch_module=False, progress=False)
     with pytest.raises(ValueError, match="formats=.*fp8_block.*needs the torch module"):
         runtime.warmup_families(formats=("float", "fp8_block"), torch_module=False)
+    with pytest.raises(ValueError, match="formats=.*int4.*needs the torch module"):
+        runtime.warmup(formats=("int4",), torch_module=False, progress=False)
+
+
+def test_warmup_runs_the_int4_family(monkeypatch):
+    """The INT4 experts' forward is a family of its own, run with its progress line."""
+    from moeroute.experts import modules
+
+    calls = []
+    forward = modules.int4_experts_forward
+    monkeypatch.setattr(modules, "int4_experts_forward", lambda *a, **k: calls.append(a[0].shape) or forward(*a, **k))
+    monkeypatch.setattr(runtime, "_routing_steps", lambda presets, dtypes: [])
+    lines = []
+    result = runtime.warmup(["qwen3-30b-a3b"], formats=("int4",), progress=lines.append)
+    assert [family["name"] for family in result["families"]] == ["int4 experts, float32"]
+    assert lines[0].startswith("warmup [1/1] int4 experts, float32: ") and lines[0].endswith(" functions compiled")
+    assert calls, "the int4 family ran no INT4 expert forward"
 
 
 def test_warmup_prints_one_progress_line_per_family(monkeypatch, capsys):
@@ -228,6 +246,8 @@ def test_warmup_command_passes_formats_and_checks_them_first(monkeypatch, capsys
     )
     assert cli.main(["warmup", "--presets", "deepseek-v3", "--formats", "float", "mxfp4", "--quiet"]) == 0
     assert calls[-1]["formats"] == ["float", "mxfp4"] and calls[-1]["dtypes"] == ["float32"]
+    assert cli.main(["warmup", "--formats", "int4", "--quiet"]) == 0
+    assert calls[-1]["formats"] == ["int4"]
     calls.clear()
     assert cli.main(["warmup", "--formats", "mxfp4", "--no-torch"]) == 2
     assert calls == []

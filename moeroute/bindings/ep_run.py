@@ -15,6 +15,9 @@ quantized with `moeroute.quant.quantize_experts`), ``--dispatch-dtype fp8`` send
 as e4m3 rows with their scales, and every rank also checks its output against the plain-torch
 w8a8 definition of `moeroute.quant.reference` (routing from the NumPy reference, the shared
 expert in float64 or, fused, as FP8 slots), printing the max relative error and PASS/FAIL.
+``--quant int4`` quantizes the experts as ``QuantConfig("int4")`` (symmetric, groups of 128
+input columns, bfloat16 scales: --hidden and --intermediate multiples of 128) and checks
+against the w4a16 reference (the INT4 weights dequantized, summed in float64).
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 #: activations differ by float32 summation order and the odd e4m3 rounding tie; bfloat16 ones
 #: also round the intermediate and the outputs.
 QUANT_TOLERANCE = {"float32": 2e-2, "bfloat16": 4e-2}
+#: INT4 layers against the w4a16 reference (the same INT4 weights dequantized exactly): float32
+#: activations differ by float32 summation order only; bfloat16 ones also round the
+#: intermediate and the outputs.
+INT4_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 #: Environment variables torchrun sets; all present means "join, don't spawn".
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 #: Scale of the random correction bias: small next to the spread of sigmoid scores, so it
@@ -119,15 +126,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quant",
-        choices=("fp8_block", "fp8_tensor"),
+        choices=("fp8_block", "fp8_tensor", "int4"),
         default=None,
-        help="FP8 routed experts (128x128 blocks for fp8_block), also checked against the w8a8 reference",
+        help="quantized routed experts (fp8_block: 128x128 blocks; int4: symmetric, groups of 128), "
+        "also checked against the w8a8 (FP8) or w4a16 (INT4) reference",
     )
     parser.add_argument(
         "--dispatch-dtype",
         choices=("auto", "fp8"),
         default="auto",
-        help="fp8: send the tokens as e4m3 rows with their scales (needs --quant)",
+        help="fp8: send the tokens as e4m3 rows with their scales (needs --quant fp8_block or fp8_tensor)",
     )
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object on stdout instead of the text (keys: docs/cli.md)"
@@ -145,10 +153,17 @@ def _check_request(args: argparse.Namespace) -> tuple[Any, ExpertLayout]:
     if quant is not None and preset.expert_bias:
         raise ValueError(
             f"--quant {quant} is not served for preset {args.preset!r}: its experts carry "
-            "biases, which FP8 experts do not"
+            "biases, which quantized experts do not"
         )
-    if getattr(args, "dispatch_dtype", "auto") == "fp8" and quant is None:
-        raise ValueError("--dispatch-dtype fp8 needs FP8 experts: add --quant fp8_block (or fp8_tensor)")
+    if getattr(args, "dispatch_dtype", "auto") == "fp8" and quant not in ("fp8_block", "fp8_tensor"):
+        raise ValueError("--dispatch-dtype fp8 needs FP8 experts: --quant fp8_block (or fp8_tensor)")
+    if quant == "int4":
+        group = _quant_config(args).group_size
+        for option, size in (("--hidden", args.hidden), ("--intermediate", args.intermediate)):
+            if size % group:
+                raise ValueError(
+                    f"--quant int4 quantizes groups of {group} input columns: {option} {size} is not a multiple of {group}"
+                )
     fusable = preset.shared_unfusable_reason is None
     # Per spawned rank: the EP and the single-process layer (all N experts: gate_up, down),
     # this rank's tokens and a few activation-sized buffers of every rank's tokens.
@@ -187,7 +202,7 @@ def _quant_config(args):
 def _build_layers(args, preset, group, device, keep=None):
     """(ep_module, single_module) with identical random weights on every rank.
 
-    ``keep``: a dict that receives the weights (router, bias, FP8 tensors, shared MLP and
+    ``keep``: a dict that receives the weights (router, bias, quantized tensors, shared MLP and
     gate) for the reference check.
     """
     import torch
@@ -195,7 +210,7 @@ def _build_layers(args, preset, group, device, keep=None):
 
     from moeroute.bindings.torch.mlp import GatedMLP
     from moeroute.bindings.torch.moe import MoE
-    from moeroute.quant import quantize_experts
+    from moeroute.quant import quantize_experts, quantize_int4
 
     dtype = getattr(torch, args.dtype)
     hidden, inter = args.hidden, args.intermediate
@@ -233,7 +248,12 @@ def _build_layers(args, preset, group, device, keep=None):
 
     quant = _quant_config(args)
     routed = (w_gate_up, w_down)
-    if quant is not None:
+    if quant is not None and quant.format == "int4":
+        # Each stacked weight as quantize_int4 returns it: (packed, scales).
+        routed = tuple(
+            quantize_int4(w, group_size=quant.group_size, symmetric=quant.symmetric) for w in (w_gate_up, w_down)
+        )
+    elif quant is not None:
         # Quantized from the weights' own dtype, a step at a time: no float32 copy of the layer.
         q = quantize_experts(w_gate_up, w_down, quant)
         routed = (q[0], q[2], q[1], q[3])  # w_gate_up, w_down, gate_up_scale, down_scale
@@ -276,6 +296,8 @@ def _build_layers(args, preset, group, device, keep=None):
                 module.router_bias.copy_(router_bias)
         if quant is None:
             module.load_routed_weights(w_gate_up, w_down, *expert_biases)
+        elif quant.format == "int4":
+            module.load_routed_weights(*routed)
         else:
             module.load_routed_weights(routed[0], routed[1], gate_up_scale=routed[2], down_scale=routed[3])
         modules.append(module)
@@ -283,19 +305,20 @@ def _build_layers(args, preset, group, device, keep=None):
 
 
 def quant_reference(args, preset, layout, weights, x):
-    """float32 [T, H] of the FP8 layer written from the definitions, on the CPU.
+    """float32 [T, H] of the quantized layer written from the definitions, on the CPU.
 
     Routing from `moeroute.routing.reference` (NumPy), the routed experts from
-    `moeroute.quant.reference.moe_experts_reference` on the FP8 tensors, the shared expert
-    in float64 (runner/overlap) or as S w8a8 slots quantized from its weights (fused), with
-    the scaling regime applied as docs/semantics.md section 3 defines it.
+    `moeroute.quant.reference.moe_experts_reference` on the FP8 tensors (or
+    `int4_moe_experts_reference` on the INT4 ones: dequantized, summed in float64), the
+    shared expert in float64 (runner/overlap) or as S slots quantized from its weights as the
+    experts are (fused), with the scaling regime applied as docs/semantics.md section 3 defines it.
     """
     import dataclasses
 
     import torch
 
-    from moeroute.quant import quantize_experts
-    from moeroute.quant.reference import _act, moe_experts_reference
+    from moeroute.quant import quantize_experts, quantize_int4
+    from moeroute.quant.reference import _act, int4_moe_experts_reference, moe_experts_reference
     from moeroute.routing import reference
 
     quant = _quant_config(args)
@@ -308,21 +331,33 @@ def quant_reference(args, preset, layout, weights, x):
     logits = (x.float() @ weights["router"].cpu().T).numpy()
     bias = None if weights["bias"] is None else weights["bias"].cpu().numpy()
     topk_weights, topk_ids = reference.select_experts(logits, router, bias)
-    q = [t.cpu() for t in weights["routed"]]
-    block, fmt, act = quant.block_size, quant.scale_fmt, preset.activation
-    out = moe_experts_reference(
-        x,
-        torch.from_numpy(topk_ids).long(),
-        torch.from_numpy(topk_weights),
-        q[0],
-        q[2],
-        q[1],
-        q[3],
-        block,
-        fmt,
-        act,
-        intermediate_dtype=dtype,
-    ).double()
+    act = preset.activation
+
+    def experts(ids, ids_weights, gate_up, down):
+        """The quantized experts' reference; gate_up, down: the format's tensors of each weight."""
+        if quant.format == "int4":
+            return int4_moe_experts_reference(
+                x, ids, ids_weights, gate_up, down, quant.group_size, act, intermediate_dtype=dtype
+            ).double()
+        return moe_experts_reference(
+            x, ids, ids_weights, *gate_up, *down, quant.block_size, quant.scale_fmt, act, intermediate_dtype=dtype
+        ).double()
+
+    def quantized(gate_up, down):
+        """(gate_up's tensors, down's tensors) of float weights in the layer's format."""
+        if quant.format == "int4":
+            return tuple(
+                quantize_int4(w, group_size=quant.group_size, symmetric=quant.symmetric) for w in (gate_up, down)
+            )
+        q = quantize_experts(gate_up, down, quant)
+        return (q[0], q[1]), (q[2], q[3])
+
+    routed = weights["routed"]
+    if quant.format == "int4":  # (packed, scales) of each weight
+        gate_up_q, down_q = (tuple(t.cpu() for t in weight) for weight in routed)
+    else:  # w_gate_up, w_down, gate_up_scale, down_scale
+        gate_up_q, down_q = (routed[0].cpu(), routed[2].cpu()), (routed[1].cpu(), routed[3].cpu())
+    out = experts(torch.from_numpy(topk_ids).long(), torch.from_numpy(topk_weights), gate_up_q, down_q)
     shared_mlp, gate = weights["shared"], weights["gate"]
     if shared_mlp is not None:
         x64 = x.double()
@@ -341,18 +376,8 @@ def quant_reference(args, preset, layout, weights, x):
                 ]
             )
             down = torch.stack([down_w[:, j * inter : (j + 1) * inter] for j in range(slots)])
-            sq = quantize_experts(gate_up, down, quant)
             slot_weight = (g / rsf if output_regime else g).float().expand(-1, slots).contiguous()
-            out += moe_experts_reference(
-                x,
-                torch.arange(slots).expand(x.shape[0], -1),
-                slot_weight,
-                *sq,
-                block,
-                fmt,
-                act,
-                intermediate_dtype=dtype,
-            ).double()
+            out += experts(torch.arange(slots).expand(x.shape[0], -1), slot_weight, *quantized(gate_up, down))
         if output_regime:
             out *= rsf
         if layout.shared != "fused":
@@ -455,7 +480,7 @@ def _checks(args, reports: list[dict]) -> _Checks:
     status = 0 if all(rank_ok) else EXIT_MISMATCH
     reference = None
     if getattr(args, "quant", None) is not None:
-        bound = QUANT_TOLERANCE[args.dtype]
+        bound = (INT4_TOLERANCE if args.quant == "int4" else QUANT_TOLERANCE)[args.dtype]
         worst = max(r["reference_error"] for r in reports)
         passed = worst < bound
         status = status if passed else EXIT_MISMATCH
@@ -494,7 +519,8 @@ def _format(args, reports: list[dict]) -> tuple[str, int]:
     if checks.reference is not None:
         worst, bound, passed, scales = checks.reference
         lines.append(
-            f"w8a8 reference (moeroute.quant.reference): max relative error {worst:.2e} over "
+            f"{'w4a16' if quant == 'int4' else 'w8a8'} reference (moeroute.quant.reference): "
+            f"max relative error {worst:.2e} over "
             f"{len(reports)} ranks (< {bound:g}): {'PASS' if passed else 'FAIL'}"
             + (f"; FP8 rows sent with {scales} bytes of scales" if scales else "")
         )

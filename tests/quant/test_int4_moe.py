@@ -249,3 +249,79 @@ def test_moe_load_errors_are_clear():
         MoE(ROUTER, H, I, expert_bias=True, quant=quant)
     with pytest.raises(ValueError, match="gemm='padded' is not an INT4 strategy"):
         MoE(ROUTER, H, I, quant=quant, gemm="padded")
+
+
+# --------------------------------------------------------------------------- moeroute run --quant int4
+
+
+def test_run_command_checks_an_int4_layer_against_the_reference(capsys):
+    """Two gloo ranks, a fused shared slot quantized as the experts are, bfloat16 activations."""
+    import re
+
+    from moeroute.bindings import ep_run
+
+    argv = ["--preset", "deepseek-v3", "--ep", "2", "--tokens", "4", "--hidden", "128", "--intermediate", "128"]
+    status = ep_run.main(argv + ["--repeat", "1", "--quant", "int4", "--dtype", "bfloat16", "--shared", "fused"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "experts int4, dispatch dtype auto" in out
+    found = re.findall(
+        r"w4a16 reference \(moeroute.quant.reference\): max relative error ([0-9.e+-]+) over 2 ranks \(< 0.02\): PASS",
+        out,
+    )
+    assert len(found) == 1, out
+    assert 0 < float(found[0]) < ep_run.INT4_TOLERANCE["bfloat16"]
+    assert "every rank matches" in out
+
+
+def test_run_command_fails_an_int4_layer_off_its_bound():
+    """INT4's float32 bound (summation order only) is tighter than FP8's."""
+    import argparse
+
+    from moeroute.bindings import ep_run
+
+    args = argparse.Namespace(
+        preset="mixtral-8x7b", ep=2, dispatch="all2all", tokens=4, hidden=128, intermediate=128, dtype="float32"
+    )
+    report = dict(
+        rank=0,
+        tokens=4,
+        received_rows=4,
+        slots_computed=8,
+        max_expert_load=3,
+        local_experts=4,
+        bytes=None,
+        forward_ms=1.0,
+        error=0.0,
+        shared="none",
+        shared_reason="no shared expert",
+        reference_error=1e-6,
+    )
+    reports = [report, dict(report, rank=1, reference_error=5e-4)]
+    text, status = ep_run._format(argparse.Namespace(**vars(args), quant="fp8_block", dispatch_dtype="auto"), reports)
+    assert status == 0 and "w8a8 reference" in text and ": PASS" in text
+    text, status = ep_run._format(argparse.Namespace(**vars(args), quant="int4", dispatch_dtype="auto"), reports)
+    assert status == ep_run.EXIT_MISMATCH and "w4a16 reference" in text and "5.00e-04" in text and ": FAIL" in text
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        ([], "--quant int4 quantizes groups of 128 input columns: --hidden 64 is not a multiple of 128"),
+        (
+            ["--hidden", "256"],
+            "--quant int4 quantizes groups of 128 input columns: --intermediate 32 is not a multiple",
+        ),
+        (["--hidden", "128", "--intermediate", "128", "--dispatch-dtype", "fp8"], "--dispatch-dtype fp8 needs FP8"),
+        (["--preset", "gpt-oss-20b"], "carry biases, which quantized experts do not"),
+    ],
+)
+def test_run_command_refuses_int4_requests_it_cannot_serve(argv, message, capsys):
+    from moeroute.bindings import ep_run
+
+    preset = [] if "--preset" in argv else ["--preset", "deepseek-v3"]
+    assert ep_run.main(preset + argv + ["--ep", "2", "--tokens", "4", "--quant", "int4"]) == ep_run.EXIT_USAGE
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [f"moeroute: error: {captured.err.split('error: ', 1)[1].strip()}"]
+    assert message in captured.err
