@@ -14,13 +14,23 @@ points as floats; P = 1 means symmetric (z = 8). A group of g = 32, 64 or 128 co
 g / 32 blocks that read the same scale (an index division, no repeated scales). Each value
 is ``(float(q) - z) * s`` in float32: exact for bfloat16/float16 scales, one rounding of
 the exact product for float32 ones, the definition's (`moeroute.quant.int4`).
+
+Where `moeroute.experts.cpu.mxfp4.SIMD`, the row decode is MXFP4's vector decode with an
+INT4 table and scale rule: ``pshufb`` looks up q - 8 (-8..7, each a float16 with a zero low
+byte) for 16 nibbles at once, and each block adds 8 - z (asymmetric only) and multiplies by
+its group's scale. q - 8 + 8 - z is an exact small integer, so the one rounding is the
+product's, as in the definition: the same bits as the plain loop, which the generic path
+runs.
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils
 
+from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
 from moeroute.quant.int4 import SYMMETRIC_ZERO
 
 __all__ = ["BLOCK", "decode_row_split", "dequantize_rows_split"]
@@ -30,9 +40,10 @@ BLOCK = 32
 _HALF = BLOCK // 2
 
 
-@numba.njit(fastmath=True, inline="always")
-def decode_row_split(blocks_row, params_row, w):
-    """w [G*32] float32 <- one INT4 row in `split_blocks` order, each value (q - z) * s.
+@numba.njit(fastmath=True)
+def _decode_row_split_portable(blocks_row, params_row, w):
+    """w [G*32] float32 <- one INT4 row in `split_blocks` order, each value (q - z) * s (a
+    plain loop, for any CPU).
 
     blocks_row [G, 16] uint8 (the packed row), params_row [P, G'] float32 (scales; zero
     points when P = 2, else z = 8), G a multiple of G'.
@@ -49,6 +60,46 @@ def decode_row_split(blocks_row, params_row, w):
             byte = np.int32(block[j])
             w[base + j] = (np.float32(byte & 0x0F) - z) * s
             w[base + _HALF + j] = (np.float32(byte >> 4) - z) * s
+
+
+#: float16 high bytes of q - 8 by 4-bit code q: every integer -8..7 is a float16 whose low byte is zero.
+_F16_HIGH_BYTES = [int(np.float16(q - SYMMETRIC_ZERO).view(np.uint16)) >> 8 for q in range(16)]
+
+
+def _int4_block_scale(context, builder, params_type, params_value, groups):
+    """INT4's block rule for `cpu_mxfp4.decode_row_split_intrinsic`: block g reads group
+    g // (G / G') of params_row [P, G'] (C order): scale s = params_row[0, group], offset
+    8 - z with z = params_row[1, group] when P = 2, else no addition (z = 8)."""
+    f32 = ir.FloatType()
+    params = context.make_array(params_type)(context, builder, params_value)
+    parts, width = cgutils.unpack_tuple(builder, params.shape, 2)
+    # a row of no columns has no groups: divide by one, not zero (the loop never runs)
+    empty = builder.icmp_unsigned("==", width, ir.Constant(width.type, 0))
+    per = builder.udiv(groups, builder.select(empty, ir.Constant(width.type, 1), width))
+    zeros = builder.icmp_unsigned("==", parts, ir.Constant(parts.type, 2))
+    eight = ir.Constant(f32, float(SYMMETRIC_ZERO))
+
+    def at(g):
+        group = builder.udiv(g, per)
+        scale = builder.load(builder.gep(params.data, [group]))
+        # the zero point's index only when there is one (P = 1 has no second part to read)
+        zero_index = builder.select(zeros, builder.add(width, group), group)
+        zero = builder.select(zeros, builder.load(builder.gep(params.data, [zero_index])), eight)
+        return builder.fsub(eight, zero), scale
+
+    return at
+
+
+_decode_row_split_simd = cpu_mxfp4.decode_row_split_intrinsic(_F16_HIGH_BYTES, _int4_block_scale)
+
+
+@numba.njit(fastmath=True)
+def _decode_row_split_vector(blocks_row, params_row, w):
+    _decode_row_split_simd(blocks_row, params_row, w)
+
+
+#: The row decode of the kernels: the vector one where the MXFP4 kernels have theirs.
+decode_row_split = _decode_row_split_vector if cpu_mxfp4.SIMD else _decode_row_split_portable
 
 
 @numba.njit(fastmath=True, cache=True)

@@ -45,6 +45,7 @@ __all__ = [
     "dots_simd",
     "dots_portable",
     "dequantize_rows",
+    "decode_row_split_intrinsic",
 ]
 
 _E2M1 = np.array(E2M1_VALUES, dtype=np.float32)
@@ -86,19 +87,20 @@ _F16_HIGH_BYTES = [int(np.float16(value).view(np.uint16)) >> 8 for value in E2M1
 _UNROLL = 2
 
 
-def _decode_block(builder, block):
+def _decode_block(builder, block, table=_F16_HIGH_BYTES):
     """A block's 16 bytes (<16 x i8>) -> four <8 x float>: the low nibbles of bytes 0-7 (the
     even elements 0-14), their high nibbles (odd 1-15), then the same of bytes 8-15.
 
-    ``pshufb`` looks up each code's float16 high byte, interleaving with zero bytes makes
-    the float16 values and ``vcvtph2ps`` widens them to float32, exactly.
+    ``pshufb`` looks up each code's float16 high byte in ``table`` (16 bytes, by 4-bit code:
+    e2m1 by default; any 16 float16 values whose low byte is zero), interleaving with zero
+    bytes makes the float16 values and ``vcvtph2ps`` widens them to float32, exactly.
     """
     i8, i32 = ir.IntType(8), ir.IntType(32)
     v16i8 = ir.VectorType(i8, 16)
     pshufb = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(v16i8, [v16i8, v16i8]), "llvm.x86.ssse3.pshuf.b.128"
     )
-    table = ir.Constant(v16i8, _F16_HIGH_BYTES)
+    table = ir.Constant(v16i8, list(table))
     low_mask = ir.Constant(v16i8, [0x0F] * 16)
     low = builder.and_(block, low_mask)
     high = builder.and_(builder.lshr(block, ir.Constant(v16i8, [4] * 16)), low_mask)
@@ -302,48 +304,80 @@ def down_rows(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias
 down_rows_serial = down_rows.serial
 
 
-@intrinsic
-def _decode_row_split_simd(typingctx, blocks_row, scales_row, out):
-    """out [G*32] float32 <- one packed row's values in `split_blocks` order (per block its 16
-    even then its 16 odd elements), each block scaled: the `_decode_block` vectors stored,
-    not dotted (x86 vector code: AVX2, F16C)."""
-    if not all(isinstance(a, types.Array) and a.layout == "C" for a in (blocks_row, scales_row, out)):
-        return None
+def decode_row_split_intrinsic(table, block_scale):
+    """A Numba intrinsic ``(blocks_row, scales_row, out)``: out [G*32] float32 <- one packed
+    row's values in `split_blocks` order (per block its 16 even then its 16 odd elements),
+    the `_decode_block` vectors of ``table`` scaled per block and stored (x86 vector code:
+    AVX2, F16C; use it where `SIMD`).
 
-    def codegen(context, builder, signature, args):
-        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-        v16i8, v8f = ir.VectorType(i8, 16), ir.VectorType(f32, 8)
-        blocks = context.make_array(signature.args[0])(context, builder, args[0])
-        scales = context.make_array(signature.args[1])(context, builder, args[1])
-        target = context.make_array(signature.args[2])(context, builder, args[2])
-        groups = builder.extract_value(blocks.shape, 0)
-        index_type = groups.type
-        block_ptr = builder.bitcast(blocks.data, v16i8.as_pointer())
-        out_ptr = builder.bitcast(target.data, v8f.as_pointer())
-        scale_table = cgutils.global_constant(
-            builder, "mxfp4_scales", ir.Constant(ir.ArrayType(f32, 256), [float(v) for v in _SCALES])
-        )
-        with cgutils.for_range(builder, groups) as loop:
-            g = loop.index
-            block = builder.load(builder.gep(block_ptr, [g]), align=1)
-            byte = builder.zext(builder.load(builder.gep(scales.data, [g])), i32)
-            scale = builder.load(builder.gep(scale_table, [ir.Constant(i32, 0), byte]))
-            scale = builder.insert_element(ir.Constant(v8f, ir.Undefined), scale, ir.Constant(i32, 0))
-            scale = builder.shuffle_vector(
-                scale, ir.Constant(v8f, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8)
-            )
-            values = _decode_block(builder, block)
-            base = builder.mul(g, ir.Constant(index_type, 4))
-            # split order: even bytes 0-7, even bytes 8-15, odd bytes 0-7, odd bytes 8-15
-            for k, vector in enumerate((values[0], values[2], values[1], values[3])):
-                builder.store(
-                    builder.fmul(vector, scale),
-                    builder.gep(out_ptr, [builder.add(base, ir.Constant(index_type, k))]),
-                    align=4,
+    ``block_scale(context, builder, scales_type, scales_value, groups)`` emits what runs once
+    a row and returns ``at(g)``, which emits block g's ``(offset, scale)`` as float32 scalars
+    (offset None: no addition); each value is ``(code value + offset) * scale``. MXFP4 and
+    INT4 (`moeroute.experts.cpu.int4`) share it with their own tables and scale rules.
+    """
+
+    @intrinsic
+    def decode(typingctx, blocks_row, scales_row, out):
+        if not all(isinstance(a, types.Array) and a.layout == "C" for a in (blocks_row, scales_row, out)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+            v16i8, v8f = ir.VectorType(i8, 16), ir.VectorType(f32, 8)
+            blocks = context.make_array(signature.args[0])(context, builder, args[0])
+            target = context.make_array(signature.args[2])(context, builder, args[2])
+            groups = builder.extract_value(blocks.shape, 0)
+            index_type = groups.type
+            block_ptr = builder.bitcast(blocks.data, v16i8.as_pointer())
+            out_ptr = builder.bitcast(target.data, v8f.as_pointer())
+            at = block_scale(context, builder, signature.args[1], args[1], groups)
+
+            def splat(value):
+                vector = builder.insert_element(ir.Constant(v8f, ir.Undefined), value, ir.Constant(i32, 0))
+                return builder.shuffle_vector(
+                    vector, ir.Constant(v8f, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8)
                 )
-        return context.get_dummy_value()
 
-    return types.none(blocks_row, scales_row, out), codegen
+            with cgutils.for_range(builder, groups) as loop:
+                g = loop.index
+                block = builder.load(builder.gep(block_ptr, [g]), align=1)
+                offset, scale = at(g)
+                scale = splat(scale)
+                offset = None if offset is None else splat(offset)
+                values = _decode_block(builder, block, table)
+                base = builder.mul(g, ir.Constant(index_type, 4))
+                # split order: even bytes 0-7, even bytes 8-15, odd bytes 0-7, odd bytes 8-15
+                for k, vector in enumerate((values[0], values[2], values[1], values[3])):
+                    if offset is not None:
+                        vector = builder.fadd(vector, offset)
+                    builder.store(
+                        builder.fmul(vector, scale),
+                        builder.gep(out_ptr, [builder.add(base, ir.Constant(index_type, k))]),
+                        align=4,
+                    )
+            return context.get_dummy_value()
+
+        return types.none(blocks_row, scales_row, out), codegen
+
+    return decode
+
+
+def _mxfp4_block_scale(context, builder, scales_type, scales_value, groups):
+    """MXFP4's block scale: 2 ** (s - 127) of the block's scale byte (a table), no offset."""
+    i32, f32 = ir.IntType(32), ir.FloatType()
+    scales = context.make_array(scales_type)(context, builder, scales_value)
+    scale_table = cgutils.global_constant(
+        builder, "mxfp4_scales", ir.Constant(ir.ArrayType(f32, 256), [float(v) for v in _SCALES])
+    )
+
+    def at(g):
+        byte = builder.zext(builder.load(builder.gep(scales.data, [g])), i32)
+        return None, builder.load(builder.gep(scale_table, [ir.Constant(i32, 0), byte]))
+
+    return at
+
+
+_decode_row_split_simd = decode_row_split_intrinsic(_F16_HIGH_BYTES, _mxfp4_block_scale)
 
 
 @numba.njit(fastmath=True)
