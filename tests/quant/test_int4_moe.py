@@ -9,6 +9,7 @@ intermediate before the down projection, rounded to bfloat16: 2 ** -8 relative e
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,8 @@ from torch import nn
 from helpers.modules import CountingMLP
 from helpers.reference import randn, rel_error
 from moeroute.bindings.torch import MoE
+from moeroute.experts.cpu import int4 as cpu_int4
+from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
 from moeroute.config import RouterConfig
 from moeroute.experts.formats.int4 import int4_experts_forward
 from moeroute.quant import QuantConfig, quantize_int4
@@ -43,6 +46,38 @@ def routed(tokens, seed=0):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(-2, N + 2, (tokens, K), generator=gen, dtype=torch.int32)
     return ids, torch.rand(tokens, K, generator=gen)
+
+
+@pytest.mark.parametrize(
+    "decode",
+    [
+        pytest.param("simd", marks=pytest.mark.skipif(not cpu_mxfp4.SIMD, reason="no AVX2, FMA and F16C here")),
+        "portable",
+    ],
+)
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_row_decode_is_the_definition_bit_for_bit(group, symmetric, decode):
+    """Each value (float(q) - z) * s in float32, in split order, with float32 scales (the
+    product rounded once) and every code in both nibbles."""
+    rng = np.random.default_rng(group + symmetric)
+    rows, cols = 5, 256
+    blocks = rng.integers(0, 256, (rows, cols // 32, 16), dtype=np.uint8)
+    blocks[0, 0] = np.arange(0, 256, 16) + np.arange(16)
+    params = np.empty((rows, 1 if symmetric else 2, cols // group), np.float32)
+    params[:, 0] = rng.standard_normal((rows, cols // group)) * 0.0123
+    params[1, 0, 0] = 0.0
+    if not symmetric:
+        params[:, 1] = rng.integers(0, 16, (rows, cols // group))
+    out = np.full((rows, cols), np.nan, np.float32)
+    decoder = cpu_int4._decode_row_split_vector if decode == "simd" else cpu_int4._decode_row_split_portable
+    for r in range(rows):
+        decoder(blocks[r], params[r], out[r])
+    q = np.concatenate([blocks & 0x0F, blocks >> 4], axis=2).astype(np.float32)  # split order
+    z = np.float32(8.0) if symmetric else np.repeat(params[:, 1], group // 32, axis=1)[:, :, None]
+    s = np.repeat(params[:, 0], group // 32, axis=1)[:, :, None]
+    want = ((q - z) * s).reshape(rows, cols)
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.parametrize("strategy", ["rows", "blocks"])
