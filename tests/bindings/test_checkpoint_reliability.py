@@ -493,3 +493,21 @@ def test_weights_of_another_format_are_never_cast(quant):
     with pytest.raises(ValueError, match=rf"experts\.w_gate_up has dtype {weight.dtype} but the layer holds"):
         layer.load_state_dict(state)
     _assert_unchanged(layer, before)
+
+
+def test_mxfp4_checkpoint_loads_into_the_layers_own_tensors_and_round_trips():
+    """The gpt-oss keys are written one expert at a time into the layer's tensors (no copy of
+    the layer is built); the layer's own state dict loads back bit for bit."""
+    state = _mxfp4_checkpoint(seed=3)
+    layer = _mxfp4_layer()
+    experts = layer.experts
+    pointers = {name: getattr(experts, name).data_ptr() for name in ("w_gate_up", "gate_up_scale", "w_down")}
+    layer.load_state_dict(state)
+    assert {name: getattr(experts, name).data_ptr() for name in pointers} == pointers
+    assert torch.equal(experts.w_gate_up, _gate_rows_first(state["experts.gate_up_proj_blocks"]))
+    assert torch.equal(experts.down_scale, state["experts.down_proj_scales"])
+    before = {name: tensor.clone() for name, tensor in layer.state_dict().items()}
+    layer.load_state_dict(layer.state_dict())
+    after = layer.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[name], after[name]) for name in before)

@@ -8,8 +8,8 @@ writes one expert at a time into the layer (or into the one tensor a state dict 
 torch). The peak is measured in a fresh process: the kernel's peak resident size
 (``VmHWM``), reset through /proc/self/clear_refs just before the call, minus the resident
 size at that moment. The input is resident before the call; the output is the layer's new
-quantized tensors (for ``load_state_dict``: this rank's rows assembled once, which torch then
-copies into parameters that were resident already).
+quantized tensors; ``load_state_dict`` of per-expert keys writes into the layer's parameters,
+resident before the call, so its bound has no output term.
 """
 
 from __future__ import annotations
@@ -154,10 +154,13 @@ def _peak(case: str, n: int, hidden: int, inter: int) -> dict:
 )
 def test_peak_is_input_output_and_a_few_experts(case, n, hidden, inter):
     report = _peak(case, n, hidden, inter)
-    allowed = report["output"] + BOUND_EXPERTS * report["expert"]
+    # A state dict of per-expert FP8 keys is written into the layer's own (resident) tensors:
+    # no output beyond them.
+    output = 0 if case == "state_dict_fp8_per_expert" else report["output"]
+    allowed = output + BOUND_EXPERTS * report["expert"]
     assert report["extra"] <= allowed, (
         f"{case} ({n} experts, H={hidden}, I={inter}): grew {report['extra'] / 2**20:.1f} MiB, allowed "
-        f"{allowed / 2**20:.1f} MiB (output {report['output'] / 2**20:.1f} MiB + {BOUND_EXPERTS} experts of "
+        f"{allowed / 2**20:.1f} MiB (output {output / 2**20:.1f} MiB + {BOUND_EXPERTS} experts of "
         f"{report['expert'] / 2**20:.2f} MiB)"
     )
 

@@ -33,6 +33,7 @@ from moeroute.experts.formats.fp8 import (
 )
 from moeroute.experts.formats.mxfp4 import map_gpt_oss_mxfp4_keys
 from moeroute.quant import dequantize_fp8_block, dequantize_fp8_tensor, quantize_experts, quantize_int4
+from moeroute.quant.fp8 import check_fp8_weight, check_scale
 
 __all__ = [
     "TRANSFORMERS_RENAMES",
@@ -154,11 +155,13 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
     ``weight_scale_inv``) quantized with the layer's config. Per-tensor scales load as
     transformers' FP8Experts saves them ([N, 2, 1] and [N, 1, 1]) or as moeroute does.
 
-    Memory: every tensor is checked before any is copied; then this rank's rows are
-    written one expert at a time into one new tensor per name (the state torch copies into
-    the parameters), or the stacked tensors themselves are handed on when they are exactly
-    this rank's experts and the layer has no fused slots. Beyond the state dict and that
-    state, the peak is one expert's tensors (and the S fused slots' float weights).
+    Memory: every tensor is checked before any is copied; then per-expert keys are written
+    one expert at a time into the layer's own tensors (handed to torch, which copies each
+    onto itself), or, with fused slots to quantize, static scales, meta tensors or the
+    layer's own tensors as the input, into one new tensor per name that torch copies in;
+    stacked tensors are handed on as they are when they are exactly this rank's experts.
+    Beyond the state dict (and that new state), the peak is one expert's tensors (and the S
+    fused slots' float weights).
 
     Raises
     ------
@@ -190,6 +193,7 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
     names = ("w_gate_up", "gate_up_scale", "w_down", "down_scale")
     num_local = len(ids)
     routed = None  # name -> this rank's routed rows [L, ...], checked
+    found_in_place = False
     if found:
         gate_up_scale_shape, down_scale_shape = (shape[1:] for shape in quant.scale_shapes(1, hid, inter))
         if quant.format == "fp8_block":
@@ -223,23 +227,46 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
             for projection in PROJECTIONS:
                 for e in ids:
                     take(e, projection, kind)
-        # One expert's tensors at a time into this rank's rows (the checkpoint's tensors are
-        # the input, these rows the layer's new state): no stacked temporaries.
-        routed = {name: torch.empty_like(targets[name][:num_local]) for name in names}
+        # Written into the layer's own tensors when nothing can be refused after the first
+        # write (every value checked here; no fused shared slots to quantize, no static
+        # scales) and they hold memory (not meta): the load then holds no copy of the layer.
+        # Otherwise one expert's tensors at a time into new rows that torch copies in.
+        own = {targets[name].untyped_storage().data_ptr() for name in names if not targets[name].is_meta}
+        in_place = (
+            quant.activation != "static"
+            and not (module.layout.shared == "fused" and "gate_proj.weight" in shared)
+            and not any(targets[name].is_meta for name in names)
+            # the layer's own state (a round trip) is read before anything is written
+            and not any(tensor.untyped_storage().data_ptr() in own for tensor in found.values())
+        )
+        if in_place:
+            for e in ids:
+                for projection in PROJECTIONS:
+                    key = f"{prefix}experts.{e}.{projection}.weight"
+                    check_fp8_weight(key, found[e, projection, "weight"], e)
+                    scale = found[e, projection, "weight_scale_inv"]
+                    found[e, projection, "weight_scale_inv"] = check_scale(
+                        key + "_scale_inv", scale, tuple(scale.shape)
+                    )
+            routed = {name: targets[name][:num_local] for name in names}
+            found_in_place = True
+        else:
+            routed = {name: torch.empty_like(targets[name][:num_local]) for name in names}
         nb = gate_up_scale_shape[0] // 2 if quant.format == "fp8_block" else None
-        for local, e in enumerate(ids):
-            routed["w_gate_up"][local, :inter] = found[e, "gate_proj", "weight"]
-            routed["w_gate_up"][local, inter:] = found[e, "up_proj", "weight"]
-            routed["w_down"][local] = found[e, "down_proj", "weight"]
-            gate_s, up_s, down_s = (found[e, p, "weight_scale_inv"] for p in PROJECTIONS)
-            if quant.format == "fp8_block":  # gate block rows, then up block rows
-                routed["gate_up_scale"][local, :nb] = gate_s
-                routed["gate_up_scale"][local, nb:] = up_s
-                routed["down_scale"][local] = down_s
-            else:  # one scale per projection: [L, 2] (gate, up) and [L]
-                routed["gate_up_scale"][local, 0] = gate_s.reshape(())
-                routed["gate_up_scale"][local, 1] = up_s.reshape(())
-                routed["down_scale"][local] = down_s.reshape(())
+        with torch.no_grad():  # the layer's own tensors when in place
+            for local, e in enumerate(ids):
+                routed["w_gate_up"][local, :inter] = found[e, "gate_proj", "weight"]
+                routed["w_gate_up"][local, inter:] = found[e, "up_proj", "weight"]
+                routed["w_down"][local] = found[e, "down_proj", "weight"]
+                gate_s, up_s, down_s = (found[e, p, "weight_scale_inv"] for p in PROJECTIONS)
+                if quant.format == "fp8_block":  # gate block rows, then up block rows
+                    routed["gate_up_scale"][local, :nb] = gate_s
+                    routed["gate_up_scale"][local, nb:] = up_s
+                    routed["down_scale"][local] = down_s
+                else:  # one scale per projection: [L, 2] (gate, up) and [L]
+                    routed["gate_up_scale"][local, 0] = gate_s.reshape(())
+                    routed["gate_up_scale"][local, 1] = up_s.reshape(())
+                    routed["down_scale"][local] = down_s.reshape(())
         found.clear()
     elif prefix + "experts.gate_up_proj" in state_dict:
         stacked_names = ["experts.gate_up_proj", "experts.down_proj", *STACKED_SCALE_KEYS]
@@ -273,6 +300,11 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
         if quant.activation == "static":
             index = torch.tensor(ids, device=stacked[4].device)
             routed["input_scale"] = torch.stack([stacked[4][index], stacked[5][index]], dim=1)
+    if routed is not None and found_in_place:
+        # The rows are the layer's own tensors, checked above: torch copies each onto itself.
+        for name in names:
+            state_dict[prefix + "experts." + name] = targets[name]
+        return
     if routed is not None:
         checked = check_quantized_weights(
             quant,

@@ -407,18 +407,34 @@ def map_gpt_oss_mxfp4_keys(module, state_dict: dict, prefix: str) -> None:
     gate_up_blocks, gate_up_scales, down_blocks, down_scales = (state_dict.pop(key) for key in keys)
     check_mxfp4(gate_up_blocks, gate_up_scales, keys[0][: -len("_blocks")])
     check_mxfp4(down_blocks, down_scales, keys[2][: -len("_blocks")])
-    ids = torch.tensor(module.routed_expert_ids(), dtype=torch.long)
+    ids = module.routed_expert_ids()
     order = gate_rows_first(gate_up_blocks.shape[1])
-    tensors = {
-        "w_gate_up": gate_up_blocks[ids][:, order],
-        "gate_up_scale": gate_up_scales[ids][:, order],
-        "w_down": down_blocks[ids],
-        "down_scale": down_scales[ids],
-    }
     gate_up_bias, down_bias = prefix + "experts.gate_up_proj_bias", prefix + "experts.down_proj_bias"
+    # name -> (the checkpoint's stacked tensor, the row order within an expert or None)
+    sources = {
+        "w_gate_up": (gate_up_blocks, order),
+        "gate_up_scale": (gate_up_scales, order),
+        "w_down": (down_blocks, None),
+        "down_scale": (down_scales, None),
+    }
     if gate_up_bias in state_dict:
-        tensors["b_gate_up"] = state_dict.pop(gate_up_bias)[ids][:, order]
+        sources["b_gate_up"] = (state_dict.pop(gate_up_bias), order)
     if down_bias in state_dict:
-        tensors["b_down"] = state_dict.pop(down_bias)[ids]
-    for name, tensor in tensors.items():
-        state_dict[prefix + "experts." + name] = tensor
+        sources["b_down"] = (state_dict.pop(down_bias), None)
+    experts = module.experts
+    targets = {name: getattr(experts, name, None) for name in sources}
+    own = {t.untyped_storage().data_ptr() for t in targets.values() if t is not None and not t.is_meta}
+    if any(source.untyped_storage().data_ptr() in own for source, _ in sources.values()):
+        targets = dict.fromkeys(sources)  # the layer's own state (a round trip): read before any write
+    # Every value is checked above: this rank's experts are written one at a time into the
+    # layer's own tensors (torch then copies each onto itself), or into new ones of their
+    # shape where the layer's differ (fused slots, another dtype) or hold no memory (meta).
+    with torch.no_grad():
+        for name, (source, rows) in sources.items():
+            target = targets[name]
+            shape = (len(ids), *source.shape[1:])
+            if target is None or target.is_meta or tuple(target.shape) != shape or target.dtype != source.dtype:
+                target = torch.empty(shape, dtype=source.dtype, device=source.device)
+            for local, e in enumerate(ids):
+                target[local] = source[e] if rows is None else source[e][rows]
+            state_dict[prefix + "experts." + name] = target
