@@ -68,7 +68,7 @@ def test_config_defaults_and_shapes():
     [
         (dict(format="mxfp4", block_size=(1, 64)), "block_size"),
         (dict(format="mxfp4", activation="dynamic"), "activation"),
-        (dict(format="fp8_block", activation="none"), "activation"),
+        (dict(format="fp8_tensor", activation="none"), "activation"),  # fp8_block takes "none" (w8a16)
     ],
 )
 def test_config_invalid_fields_are_named(kwargs, field):
