@@ -82,8 +82,11 @@ def test_nan_weight_byte_refused_by_load_state_dict():
         ):
             per_expert[f"experts.{e}.{name}.weight"] = weight.contiguous()
             per_expert[f"experts.{e}.{name}.weight_scale_inv"] = scale.contiguous()
-    with pytest.raises(ValueError, match=r"w_gate_up\[1, 5, 7\].*NaN"):
+    # named by its checkpoint key; checked before anything is written into the layer
+    before = module.experts.w_gate_up.view(torch.uint8).clone()
+    with pytest.raises(ValueError, match=r"experts\.1\.gate_proj\.weight\[5, 7\] \(expert 1\) is the byte 0xFF.*NaN"):
         module.load_state_dict({**per_expert, "gate.weight": module.router_weight.detach().clone()}, strict=False)
+    assert torch.equal(module.experts.w_gate_up.view(torch.uint8), before)
 
 
 def test_nan_weight_byte_refused_by_load_experts(tmp_path):

@@ -99,6 +99,43 @@ def test_load_state_dict_replicas_take_their_logical_experts():
     _assert_holds(module, expected, ids)
 
 
+@pytest.mark.parametrize("keys", ["per_expert", "stacked"])
+def test_replicas_load_into_the_layers_own_tensors(keys):
+    """Per-expert and stacked keys for another subset of the experts (replicas) are written
+    into the layer's own tensors, expert by expert, after every value this rank takes is
+    checked: a NaN byte is refused naming the key and leaves the layer as it was."""
+    expected = _experts(seed=4)
+    module = MoE(ROUTER, H, I, quant=QUANT, num_redundant_experts=2)
+    ids = module.routed_expert_ids()
+    experts = module.experts
+    held = experts.quantized_tensors()
+    pointers = {name: tensor.data_ptr() for name, tensor in held.items()}
+    q_gu, s_gu, q_d, s_d = expected
+    if keys == "per_expert":
+        state = per_expert_state("", *expected)
+        poisoned = {**state, "experts.5.down_proj.weight": q_d[5].clone()}
+        poisoned["experts.5.down_proj.weight"].view(torch.uint8)[3, 4] = 0x7F
+        message = r"experts\.5\.down_proj\.weight\[3, 4\] \(expert 5\) is the byte 0x7F"
+    else:
+        state = {
+            "experts.gate_up_proj": q_gu,
+            "experts.down_proj": q_d,
+            "experts.gate_up_proj_scale_inv": s_gu,
+            "experts.down_proj_scale_inv": s_d,
+        }
+        bad = q_d.clone()
+        bad.view(torch.uint8)[5, 3, 4] = 0x7F
+        poisoned = {**state, "experts.down_proj": bad}
+        message = r"experts\.down_proj\[3, 4\] \(expert 5\) is the byte 0x7F"
+    before = {name: tensor.clone() for name, tensor in held.items()}
+    with pytest.raises(ValueError, match=message):
+        module.load_state_dict(poisoned, strict=False)
+    assert all(_same_bytes(held[name], before[name]) for name in held)
+    module.load_state_dict(state, strict=False)
+    assert {name: tensor.data_ptr() for name, tensor in experts.quantized_tensors().items()} == pointers
+    _assert_holds(module, expected, ids)
+
+
 @pytest.mark.parametrize("shared_fp8", [False, True])
 def test_fused_shared_slots_from_state_dict(shared_fp8):
     expected = _experts(seed=3)

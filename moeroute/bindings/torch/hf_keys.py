@@ -293,11 +293,36 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
         if quant.format == "fp8_tensor":
             stacked[2], stacked[3] = stacked[2].reshape(n, 2), stacked[3].reshape(n)
         gate_up_scale_from_stacked(stacked[2], quant, inter)
-        # This rank's rows: the checkpoint's tensors themselves when they are exactly those.
-        routed = dict(
-            zip(("w_gate_up", "w_down", "gate_up_scale", "down_scale"), (_local_rows(t, ids, n) for t in stacked))
-        )
-        if quant.activation == "static":
+        own = {targets[name].untyped_storage().data_ptr() for name in names if not targets[name].is_meta}
+        if (
+            ids != list(range(n))
+            and quant.activation != "static"
+            and not (module.layout.shared == "fused" and "gate_proj.weight" in shared)
+            and not any(targets[name].is_meta for name in names)
+            and not any(tensor.untyped_storage().data_ptr() in own for tensor in stacked)
+        ):
+            # Another subset or order of the experts (expert parallelism, replicas): the rows
+            # this rank takes are checked, then written one expert at a time into the layer's
+            # own tensors, as the per-expert keys are.
+            scales = [
+                check_scale(prefix + key, stacked[i], tuple(stacked[i].shape))
+                for i, key in ((2, stacked_names[2]), (3, stacked_names[3]))
+            ]
+            for e in dict.fromkeys(ids):
+                check_fp8_weight(prefix + stacked_names[0], stacked[0][e], e)
+                check_fp8_weight(prefix + stacked_names[1], stacked[1][e], e)
+            with torch.no_grad():
+                for name, source in zip(("w_gate_up", "w_down", "gate_up_scale", "down_scale"), stacked[:2] + scales):
+                    for local, e in enumerate(ids):
+                        targets[name][local] = source[e]
+            routed = {name: targets[name][:num_local] for name in names}
+            found_in_place = True
+        else:
+            # This rank's rows: the checkpoint's tensors themselves when they are exactly those.
+            routed = dict(
+                zip(("w_gate_up", "w_down", "gate_up_scale", "down_scale"), (_local_rows(t, ids, n) for t in stacked))
+            )
+        if quant.activation == "static" and not found_in_place:
             index = torch.tensor(ids, device=stacked[4].device)
             routed["input_scale"] = torch.stack([stacked[4][index], stacked[5][index]], dim=1)
     if routed is not None and found_in_place:
