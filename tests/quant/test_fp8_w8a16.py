@@ -215,9 +215,9 @@ def test_fp8_cuda_kernels_refuse_w8a16():
 
 def test_from_hf_chooses_w8a16_over_the_same_bytes():
     pytest.importorskip("transformers")
-    from quant.test_fp8_hf_quant_config import BLOCK as HF_BLOCK
-    from quant.test_fp8_hf_quant_config import H as HF_H
-    from quant.test_fp8_hf_quant_config import _fp8_block
+    from test_fp8_hf_quant_config import BLOCK as HF_BLOCK
+    from test_fp8_hf_quant_config import H as HF_H
+    from test_fp8_hf_quant_config import _fp8_block
 
     block = _fp8_block()
     w8a8 = MoE.from_hf(block, shared="runner")
