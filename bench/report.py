@@ -3,8 +3,9 @@
     python -m bench.report            # rewrite docs/performance.md
     python -m bench.report --check    # exit 1 when the page differs from what the JSON gives
 
-Every table states the run it comes from: the date, the CPU model and the ISA path the CPU
-kernels took, and the library versions, read from the file's ``machine`` object. Files written
+Every table states the run it comes from: the CPU model and the ISA path the CPU kernels took,
+and the library versions, read from the file's ``machine`` object (its date stays in the JSON:
+the page describes the figures, not when they were taken). Files written
 before the benchmarks recorded the CPU model or the ISA path show "not recorded": nothing on
 the page is inferred. A result file with no renderer below still gets its run line, so a new
 benchmark is never silently left off the page.
@@ -98,10 +99,8 @@ def _table(headers, rows) -> list[str]:
 
 
 def run_line(machine: dict) -> str:
-    """The run a table comes from: date, CPU model, ISA path, versions and threads."""
-    date = machine.get("date")
+    """The run a table comes from: CPU model, ISA path, versions and threads."""
     parts = [
-        f"run: {date[:10] if date else NOT_RECORDED}",
         f"CPU: {machine.get('cpu_model') or NOT_RECORDED}",
         f"ISA path: {machine.get('isa') or NOT_RECORDED}",
         f"{machine.get('cpu_count', '?')} logical CPUs",
@@ -629,7 +628,7 @@ def _ktkernel(data):
         load = data.get("loadavg_per_shape", {}).get(shape_name)
         earlier = data.get("earlier_runs", {}).get(shape_name)
         if earlier:
-            heading += f", from the run of {earlier[:16].replace('T', ' ')} UTC"
+            heading += ", from an earlier run"
             load = data.get("earlier_loadavg")
             if load and all(load):
                 heading += " (load average " + " before it, ".join(_loads(v) for v in load) + " after)"
