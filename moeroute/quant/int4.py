@@ -31,11 +31,11 @@ GPTQ, AWQ) are unpacked into this one by `moeroute.quant.int4_checkpoint`.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 from moeroute.quant.config import INT4_GROUP_SIZES
+from moeroute.quant.mxfp4 import lead_index, row_steps
 
 __all__ = [
     "INT4_GROUP_SIZES",
@@ -238,11 +238,11 @@ def quantize_int4(w: torch.Tensor, *, group_size: int = 128, symmetric: bool = T
         return outputs
     flat = [t.view(-1, t.shape[-1]) for t in outputs]
     step = max(1, _STEP_ELEMENTS // cols)
-    for first, chunk in _row_steps(w, step):
+    for first, chunk in row_steps(w, step):
         finite = torch.isfinite(chunk)
         if not bool(finite.all()):
             bad_row = first + int((~finite).any(dim=-1).nonzero()[0, 0])
-            where = f"w{list(_lead_index(lead, bad_row // rows))}" if lead else "w"
+            where = f"w{list(lead_index(lead, bad_row // rows))}" if lead else "w"
             raise ValueError(f"{where} holds inf or NaN values, which INT4 cannot represent")
         pieces = _quantize_rows(chunk, group, symmetric, scale_dtype)
         for target, piece in zip(flat, pieces):
@@ -280,28 +280,3 @@ def _quantize_rows(rows: torch.Tensor, group: int, symmetric: bool, scale_dtype)
     if symmetric:
         return packed, scale
     return packed, scale, zero.to(torch.uint8)
-
-
-def _row_steps(w: torch.Tensor, step_rows: int):
-    """(first flat row, view [n, K]) pieces of ``w`` [..., N, K], ``step_rows`` rows at most,
-    in order; views, never copies (a contiguous ``w`` is stepped across its matrices, another
-    one matrix at a time)."""
-    rows, cols = w.shape[-2:]
-    if w.is_contiguous():
-        flat = w.view(-1, cols)
-        for first in range(0, flat.shape[0], step_rows):
-            yield first, flat[first : first + step_rows]
-        return
-    for index in range(math.prod(w.shape[:-2])):
-        matrix = w[_lead_index(tuple(w.shape[:-2]), index)]
-        for first in range(0, rows, step_rows):
-            yield index * rows + first, matrix[first : first + step_rows]
-
-
-def _lead_index(lead: tuple, flat: int) -> tuple:
-    """The index into the leading dims ``lead`` of matrix number ``flat`` (row-major)."""
-    index = []
-    for size in reversed(lead):
-        flat, rest = divmod(flat, size)
-        index.append(rest)
-    return tuple(reversed(index))

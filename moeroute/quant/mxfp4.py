@@ -34,6 +34,8 @@ __all__ = [
     "decode_mxfp4",
     "quantize_mxfp4",
     "check_mxfp4",
+    "lead_index",
+    "row_steps",
 ]
 
 #: The 16 e2m1 values, indexed by a 4-bit code (bit 3 the sign).
@@ -217,18 +219,18 @@ def _quantize_mxfp4_into(w: torch.Tensor, blocks: torch.Tensor, scales: torch.Te
     midpoints = torch.tensor(_MIDPOINTS, dtype=torch.float64, device=w.device)
     step_rows = max(1, _STEP_ELEMENTS // cols)
     flat_blocks, flat_scales = blocks.view(-1, *blocks.shape[-2:]), scales.view(-1, scales.shape[-1])
-    for first, chunk in _row_steps(w, step_rows):
+    for first, chunk in row_steps(w, step_rows):
         finite = torch.isfinite(chunk)
         if not bool(finite.all()):
             bad_row = first + int((~finite).any(dim=-1).nonzero()[0, 0])
-            where = f"w{list(_lead_index(lead, bad_row // rows))}" if lead else "w"
+            where = f"w{list(lead_index(lead, bad_row // rows))}" if lead else "w"
             raise ValueError(f"{where} holds inf or NaN values, which MXFP4 cannot represent")
         chunk_blocks, chunk_scales = _quantize_rows(chunk, midpoints)
         flat_blocks[first : first + chunk.shape[0]] = chunk_blocks
         flat_scales[first : first + chunk.shape[0]] = chunk_scales
 
 
-def _row_steps(w: torch.Tensor, step_rows: int):
+def row_steps(w: torch.Tensor, step_rows: int):
     """(first flat row, view [n, cols]) pieces of ``w`` [..., rows, cols], ``step_rows`` rows
     at most, in order; views, never copies (a contiguous ``w`` is stepped across its
     matrices, another one matrix by matrix)."""
@@ -239,12 +241,12 @@ def _row_steps(w: torch.Tensor, step_rows: int):
             yield first, flat[first : first + step_rows]
         return
     for index in range(math.prod(w.shape[:-2])):
-        matrix = w[_lead_index(tuple(w.shape[:-2]), index)]
+        matrix = w[lead_index(tuple(w.shape[:-2]), index)]
         for first in range(0, rows, step_rows):
             yield index * rows + first, matrix[first : first + step_rows]
 
 
-def _lead_index(lead: tuple, flat: int) -> tuple:
+def lead_index(lead: tuple, flat: int) -> tuple:
     """The index into the leading dims ``lead`` of matrix number ``flat`` (row-major)."""
     index = []
     for size in reversed(lead):
