@@ -35,6 +35,7 @@ from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
 from moeroute.experts.cpu import mxfp4_rows
 from moeroute.experts.cpu import rows as cpu_rows
 from moeroute.experts.formats.unquantized import bias_view, check_same_device, numba_threads
+from moeroute.experts.formats.mxfp4 import split_rows
 from moeroute.quant import QuantConfig, check_int4
 from moeroute.quant.int4 import decode_int4
 from moeroute.routing.threads import cpu_threads
@@ -188,7 +189,7 @@ def _rows_forward(hidden_states, plan, gate_up, down, activation):
     no_bias = bias_view(None)
     with numba_threads(threads):
         gate_up_rows(
-            _split(hidden_states),
+            split_rows(hidden_states),
             tokens,
             offsets,
             work,
@@ -201,7 +202,7 @@ def _rows_forward(hidden_states, plan, gate_up, down, activation):
         if dtype != torch.float32:  # the intermediate in the activation dtype, as the float layer keeps it
             act = act.to(dtype)
         down_rows(
-            _split(act),
+            split_rows(act),
             tokens,
             slot_weights,
             offsets,
@@ -212,14 +213,6 @@ def _rows_forward(hidden_states, plan, gate_up, down, activation):
             sums.numpy(),
         )
     return sums if dtype == torch.float32 else sums.to(dtype)
-
-
-def _split(rows: torch.Tensor) -> np.ndarray:
-    """Rows as float32 in the kernels' order (`cpu_mxfp4.split_blocks`)."""
-    values = rows.detach().to(torch.float32).contiguous().numpy()
-    out = np.empty_like(values)
-    cpu_mxfp4.split_blocks(values, out)
-    return out
 
 
 def _blocks_gemm(xs, offsets, hit, weight, group_size, dtype):
@@ -233,7 +226,7 @@ def _blocks_gemm(xs, offsets, hit, weight, group_size, dtype):
     buffer = torch.empty(chunk_rows, cols, dtype=torch.float32, device=xs.device)
     x_cast = xs.to(dtype)
     if on_cpu:
-        x_cast = torch.from_numpy(_split(x_cast))
+        x_cast = torch.from_numpy(split_rows(x_cast))
         blocks, params = _blocks_view(packed), kernel_params(scales, zeros, hit)
     for e in hit:
         start, stop = int(offsets[e]), int(offsets[e + 1])

@@ -53,6 +53,7 @@ __all__ = [
     "CHUNK_BYTES",
     "map_gpt_oss_mxfp4_keys",
     "gate_rows_first",
+    "split_rows",
     "GPT_OSS_MXFP4_KEYS",
 ]
 
@@ -229,7 +230,7 @@ def _rows_forward(
     gate_up = torch.empty(tokens.shape[0], 2 * inter, dtype=torch.float32)
     many_rows = tokens.shape[0] >= DECODED_MIN_ROWS * hit.shape[0]
     kernels = mxfp4_dot if bf16_dot else mxfp4_rows if many_rows else cpu_mxfp4
-    split = _split_pairs if bf16_dot else _split
+    split = _split_pairs if bf16_dot else split_rows
     gate_up_rows, down_rows = (
         (kernels.gate_up_rows_serial, kernels.down_rows_serial)
         if threads == 1
@@ -263,7 +264,7 @@ def _rows_forward(
     return sums if dtype == torch.float32 else sums.to(dtype)
 
 
-def _split(rows: torch.Tensor) -> np.ndarray:
+def split_rows(rows: torch.Tensor) -> np.ndarray:
     """Rows as float32 in the kernels' order (`cpu_mxfp4.split_blocks`)."""
     values = rows.detach().to(torch.float32).contiguous().numpy()
     out = np.empty_like(values)
@@ -298,7 +299,7 @@ def _blocks_gemm(xs, offsets, hit, blocks, scales, dtype):
     buffer = torch.empty(chunk_rows, cols, dtype=torch.float32, device=xs.device)
     x_cast = xs.to(dtype)
     if on_cpu:  # float32, each block's even then odd values: the order the decode writes
-        x_cast = torch.from_numpy(_split(x_cast))
+        x_cast = torch.from_numpy(split_rows(x_cast))
     for e in hit:
         start, stop = int(offsets[e]), int(offsets[e + 1])
         x_e = x_cast[start:stop]
