@@ -118,8 +118,12 @@ $(KT_VENV)/.installed: $(KT_VENV)/.kt pyproject.toml
 	$(KT_PY) -m pip install -q -e .
 	touch $@
 
+# KT_ARGS: a piece of the run, kept beside the rest of ktkernel.json, e.g.
+# `make bench-ktkernel KT_ARGS="--formats int4 --tokens 1 8 --merge"`.
+KT_ARGS ?=
+
 bench-ktkernel: $(KT_VENV)/.installed
-	$(KT_PY) -m bench ktkernel
+	$(KT_PY) -m bench ktkernel $(KT_ARGS)
 	$(KT_PY) -m bench.report
 
 clean:

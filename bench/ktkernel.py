@@ -6,6 +6,8 @@ counts and routing (softmax, renormalized top-k, router weights N(0, 0.02)):
 * Qwen3-30B-A3B: H = 2048, I = 768, N = 128, K = 8;
 * a DeepSeek-V3 expert shape: H = 7168, I = 2048, N = 16, K = 8;
 * the gpt-oss-20b expert shape: H = 2880, I = 2880, N = 32, K = 4;
+* Kimi-K2's expert shape (DeepSeek-V3's, 384 experts in the model): H = 7168, I = 2048,
+  N = 16, K = 8, for INT4 only (`SHAPE_GROUPS`);
 
 at T = 1, 8, 64 and 512 tokens, bfloat16 activations, SiLU-gated experts without biases
 (kt-kernel's experts take no biases; the gpt-oss figures are its shape, not its
@@ -17,7 +19,15 @@ activation). One set of float32 weights per shape is converted to every format:
 * 16 bits: moeroute bfloat16 and kt-kernel's BF16 method on the same bfloat16 weights;
 * 4 bits: moeroute ``mxfp4`` (w4a16), kt-kernel's MXFP4 method on the same e2m1 bytes and
   scales (the scale bytes widened to the bfloat16 its kernel reads), and LLAMAFILE on
-  GGUF Q4_0.
+  GGUF Q4_0;
+* INT4 (Qwen3-30B-A3B with group 128, GPTQ's usual, and Kimi-K2 with its checkpoint's group
+  32): moeroute ``QuantConfig("int4", group_size=g, symmetric=True)`` (w4a16), kt-kernel's
+  RAWINT4 method (Kimi-K2's compressed-tensors ``pack-quantized`` layout) on moeroute's very
+  packed bytes with the scales in bfloat16 (`int4_to_rawint4`), and its GPTQ_INT4 method on
+  the same codes repacked as GPTQ ``qweight`` / ``scales`` (`int4_to_gptq`). kt-kernel's
+  AMX/AVX-512 RAWINT4 kernel reads group 32 only; at group 128 the script takes the next
+  RAWINT4 backend kt-kernel's wrapper offers (`KtKernel.moe_class`). Each case records the
+  kt-kernel class that ran.
 
 Each kt-kernel method runs against its moeroute layer in turn, call by call, in one
 process on the same inputs and routing (moeroute's `select_experts` ids and weights, given
@@ -33,7 +43,11 @@ average before and after the run.
 
 JSON goes to bench/results/ktkernel.json. Run it in the environment of ``make
 bench-ktkernel`` (kt-kernel installed beside moeroute): ``python bench/ktkernel.py
-[--quick] [--check]``; ``--check`` runs tiny shapes for correctness only.
+[--quick] [--check] [--shapes ...] [--formats fp8_block bf16 mxfp4 int4] [--tokens 1 8 64
+512] [--merge]``; ``--check`` runs tiny shapes for correctness only; ``--merge`` keeps what
+is not measured now (other shapes, widths and T) from the existing JSON, so that a run can
+be split into short pieces (``make bench-ktkernel KT_ARGS="--formats int4 --tokens 1 8
+--merge"``).
 """
 
 from __future__ import annotations
@@ -58,6 +72,7 @@ SHAPES = {
     "qwen3_30b_a3b": dict(hidden=2048, inter=768, experts=128, top_k=8),
     "deepseek_v3_experts": dict(hidden=7168, inter=2048, experts=16, top_k=8),
     "gpt_oss_20b": dict(hidden=2880, inter=2880, experts=32, top_k=4),
+    "kimi_k2_experts": dict(hidden=7168, inter=2048, experts=16, top_k=8),
 }
 #: Tiny shapes of ``--check``: every kernel family's divisibility (128-blocks, 256-wide
 #: llamafile splits, 32-blocks) with a few experts.
@@ -65,6 +80,19 @@ CHECK_SHAPES = {
     "tiny": dict(hidden=256, inter=256, experts=8, top_k=2),
     "tiny_odd_inter": dict(hidden=256, inter=384, experts=6, top_k=3),
 }
+#: The bit-width groups (`GROUPS`) each shape runs, all of them where a shape is not named:
+#: INT4 on Qwen3-30B-A3B and Kimi-K2 (released natively as INT4), and Kimi-K2's expert shape,
+#: DeepSeek-V3's, for INT4 alone (its other formats are measured on deepseek_v3_experts).
+SHAPE_GROUPS = {
+    "deepseek_v3_experts": ("fp8_block", "bf16", "mxfp4"),
+    "gpt_oss_20b": ("fp8_block", "bf16", "mxfp4"),
+    "kimi_k2_experts": ("int4",),
+}
+#: INT4 group size per shape: Kimi-K2's checkpoint uses 32, GPTQ checkpoints usually 128.
+INT4_GROUP_SIZE = {"kimi_k2_experts": 32, "tiny": 32}
+DEFAULT_INT4_GROUP_SIZE = 128
+#: The one group size of kt-kernel's AMX/AVX-512 RAWINT4 kernel (AMXInt4_KGroup_MOE).
+RAWINT4_AMX_GROUP = 32
 TOKENS = (1, 8, 64, 512)
 THREADS = 2
 #: Rounds per (shape, T): decode calls take milliseconds, prefill ones up to seconds.
@@ -218,6 +246,103 @@ def ue8m0_to_bfloat16(scales: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int16).view(torch.bfloat16).contiguous()
 
 
+_int4_kernel = None
+
+
+def _int4_codes_kernel():
+    """A Numba kernel writing the packed INT4 codes of float32 rows ``x [n, cols]`` for given
+    float64 scales ``divisors [n, cols/g]`` (compiled on first use)."""
+    global _int4_kernel
+    if _int4_kernel is None:
+        import numba
+
+        @numba.njit(parallel=True, cache=False)
+        def kernel(x, divisors, packed):
+            n, cols = x.shape
+            group = cols // divisors.shape[1]
+            for r in numba.prange(n):
+                for j in range(cols // 2):
+                    pair = 0
+                    for half in range(2):
+                        c = 2 * j + half
+                        s = divisors[r, c // group]
+                        q = 8
+                        if s > 0:
+                            # round half to even of the float64 quotient, as torch.round
+                            q = int(min(max(np.rint(np.float64(x[r, c]) / s), -8.0), 7.0)) + 8
+                        pair |= q << (4 * half)
+                    packed[r, j] = pair
+
+        _int4_kernel = kernel
+    return _int4_kernel
+
+
+def quantize_int4_numba(w: torch.Tensor, group_size: int):
+    """`moeroute.quant.quantize_int4`'s symmetric bytes (bfloat16 scales) with the codes from
+    a Numba loop (that one works in float64 a few rows at a time to bound its memory, about a
+    microsecond a weight). The scales come from the same torch operations (``amax / 7`` in
+    float64, rounded to bfloat16), each code is ``clamp(round(w / s), -8, 7) + 8`` in float64
+    (8 where s = 0), element 2j in byte j's low nibble; the tests hold it to moeroute's bytes.
+
+    Returns (packed uint8 [..., rows, cols/2], scales bfloat16 [..., rows, cols/g])."""
+    cols = w.shape[-1]
+    if cols % group_size:
+        raise ValueError(f"the last dimension ({cols}) must be a multiple of group_size={group_size}")
+    x = w.detach().float().contiguous().reshape(-1, cols)
+    groups = x.view(x.shape[0], cols // group_size, group_size)
+    amax = torch.maximum(groups.amax(dim=-1), groups.amin(dim=-1).neg())
+    scales = (amax.double() / 7).to(torch.bfloat16)
+    packed = np.empty((x.shape[0], cols // 2), np.uint8)
+    _int4_codes_kernel()(x.numpy(), scales.double().numpy(), packed)
+    lead = tuple(w.shape[:-1])
+    return torch.from_numpy(packed).reshape(*lead, cols // 2), scales.reshape(*lead, cols // group_size)
+
+
+def exact_bfloat16(scales: torch.Tensor, name: str = "scales") -> torch.Tensor:
+    """``scales`` as bfloat16, refusing any value that bfloat16 does not hold exactly (moeroute
+    keeps INT4 scales in float32; a checkpoint's are bfloat16)."""
+    narrow = scales.to(torch.bfloat16)
+    if not torch.equal(narrow.float(), scales.float()):
+        raise ValueError(f"{name} hold values that bfloat16 cannot represent exactly")
+    return narrow.contiguous()
+
+
+def int4_to_rawint4(packed: torch.Tensor, scales: torch.Tensor):
+    """kt-kernel's RAWINT4 weight (the compressed-tensors ``pack-quantized`` bytes its loader
+    hands the kernel) from moeroute's symmetric INT4 ``packed`` uint8 [..., N, K/2] and
+    ``scales`` [..., N, K/g].
+
+    compressed-tensors stores ``q + 8`` (q in -8..7) eight to a little-endian int32 word,
+    element i of a word at bits 4i; kt-kernel's loader views those words as bytes, so byte j
+    of a row holds element 2j in its low nibble and 2j+1 in its high nibble: moeroute's codes
+    and order. Returns (packed uint8 [..., N, K/2], the same bytes; scales bfloat16
+    [..., N, K/g], exact or refused)."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed must be uint8, got {packed.dtype}")
+    return packed.contiguous(), exact_bfloat16(scales)
+
+
+def int4_to_gptq(packed: torch.Tensor, scales: torch.Tensor):
+    """kt-kernel's GPTQ_INT4 weight (GPTQ's symmetric ``qweight`` / ``scales``, no ``g_idx``) from
+    moeroute's symmetric INT4 ``packed`` uint8 [N, K/2] and ``scales`` [N, K/g] of one matrix.
+
+    GPTQ packs along the input dimension: ``qweight[i, n]`` (int32 [K/8, N]) holds the code
+    of input column 8i + j at bits 4j; the zero point is 8 (what kt-kernel's GPTQ kernels
+    assume for sym=True), ``scales`` is transposed to float32 [K/g, N]. Returns (qweight,
+    scales), contiguous."""
+    if packed.dtype != torch.uint8 or packed.dim() != 2:
+        raise ValueError(f"packed must be uint8 [N, K/2], got {packed.dtype} {tuple(packed.shape)}")
+    n, half = packed.shape
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(n, 2 * half)  # [N, K]
+    if codes.shape[1] % 8:
+        raise ValueError(f"K = {codes.shape[1]} must be a multiple of 8 for GPTQ's int32 words")
+    lanes = codes.T.reshape(codes.shape[1] // 8, 8, n).to(torch.int64)  # [K/8, 8, N]
+    shifts = (4 * torch.arange(8, dtype=torch.int64)).view(1, 8, 1)
+    words = (lanes << shifts).sum(dim=1)  # 0 .. 2**32 - 1
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.contiguous(), scales.float().T.contiguous()
+
+
 #: Bytes per weight of each format, scales included (H and I multiples of the blocks).
 BYTES_PER_WEIGHT = {
     "bf16": 2.0,
@@ -225,6 +350,10 @@ BYTES_PER_WEIGHT = {
     "mxfp4": 0.5 + 1 / 32,
     "q8_0": Q8_0_BLOCK_BYTES / QK,
     "q4_0": Q4_0_BLOCK_BYTES / QK,
+    # INT4 with bfloat16 scales (a checkpoint's, kt-kernel's RAWINT4); moeroute holds its INT4
+    # scales as float32 (2 / g bytes more), kt-kernel's GPTQ_INT4 reads float32 scales too.
+    "int4_g32": 0.5 + 2 / 32,
+    "int4_g128": 0.5 + 2 / 128,
 }
 
 
@@ -284,8 +413,9 @@ def inputs(shape, tokens, router_w):
 # -- moeroute -------------------------------------------------------------------------------
 
 
-def moeroute_layer(shape, fmt, w_gate_up, w_down, router_w):
-    """moeroute's MoE module holding the weights in ``fmt`` ("bf16", "fp8_block", "mxfp4")."""
+def moeroute_layer(shape, fmt, w_gate_up, w_down, router_w, int4_group_size=DEFAULT_INT4_GROUP_SIZE):
+    """moeroute's MoE module holding the weights in ``fmt`` ("bf16", "fp8_block", "mxfp4", or
+    "int4": ``QuantConfig("int4", group_size=int4_group_size, symmetric=True)``)."""
     from moeroute.bindings.torch import MoE
     from moeroute.config import RouterConfig
     from moeroute.quant import QuantConfig, quantize_experts
@@ -294,6 +424,8 @@ def moeroute_layer(shape, fmt, w_gate_up, w_down, router_w):
     router = RouterConfig(n, k, "softmax", renormalize=True)
     if fmt == "bf16":
         module = MoE(router, h, inter, dtype=torch.bfloat16)
+    elif fmt == "int4":
+        module = MoE(router, h, inter, quant=QuantConfig("int4", group_size=int4_group_size, symmetric=True))
     else:
         module = MoE(router, h, inter, quant=QuantConfig(fmt))
     with torch.no_grad():
@@ -308,6 +440,11 @@ def moeroute_layer(shape, fmt, w_gate_up, w_down, router_w):
                 q_gu, s_gu, q_d, s_d = quantize_experts(w_gate_up[rows], w_down[rows], module.quant)
                 experts.w_gate_up[rows], experts.gate_up_scale[rows] = q_gu, s_gu
                 experts.w_down[rows], experts.down_scale[rows] = q_d, s_d
+            elif fmt == "int4":
+                experts.w_gate_up[rows], experts.gate_up_scale[rows] = quantize_int4_numba(
+                    w_gate_up[rows], int4_group_size
+                )
+                experts.w_down[rows], experts.down_scale[rows] = quantize_int4_numba(w_down[rows], int4_group_size)
             else:
                 experts.w_gate_up[rows], experts.gate_up_scale[rows] = quantize_mxfp4_numba(w_gate_up[rows])
                 experts.w_down[rows], experts.down_scale[rows] = quantize_mxfp4_numba(w_down[rows])
@@ -347,6 +484,9 @@ class KtKernel:
             "q8_0": ext.moe.MOE,
             "q4_0": ext.moe.MOE,
         }
+        # INT4: the backend kt-kernel's wrapper selects for a group size (AMX/AVX-512 k-group,
+        # AVX-VNNI-256 or AVX2 for RAWINT4; packed AVX-VNNI-256, AVX-VNNI-256 or AVX2 for GPTQ_INT4).
+        self.int4_selectors = {"int4": kt_amx._select_rawint4_backend, "int4_gptq": kt_amx._select_gptq_int4_backend}
 
     def describe(self) -> dict:
         return {
@@ -354,10 +494,45 @@ class KtKernel:
             "cpu_variant": self.kt_kernel.__cpu_variant__,
             "int8_kernel": getattr(self.kt_kernel, "__int8_kernel__", None),
             "moe_classes": {fmt: cls.__name__ if cls else None for fmt, cls in self.classes.items()},
+            "int4_classes": {
+                fmt: {str(g): self._int4_class_name(fmt, g) for g in (32, 128)} for fmt in self.int4_selectors
+            },
             "threads": self.threads,
             "threadpool_count": 1,
-            "env": {key: os.environ.get(key) for key in ("KT_KERNEL_CPU_VARIANT", "KT_MXFP4_BACKEND")},
+            "env": {
+                key: os.environ.get(key)
+                for key in ("KT_KERNEL_CPU_VARIANT", "KT_MXFP4_BACKEND", "KT_RAWINT4_BACKEND", "KT_GPTQ_INT4_BACKEND")
+            },
         }
+
+    def _int4_class_name(self, fmt, group_size):
+        try:
+            cls = self.moe_class(fmt, group_size)
+        except RuntimeError as error:
+            return f"none ({error})"
+        return cls.__name__ if cls else None
+
+    def moe_class(self, fmt, group_size=None):
+        """The MoE class that runs ``fmt`` (INT4: for ``group_size``): the one kt-kernel's
+        wrapper selects, except that RAWINT4 off group 32 takes the next backend the wrapper
+        offers (as ``KT_RAWINT4_BACKEND=avxvnni``, else ``avx2``): its AMX k-group kernel
+        reads Kimi-K2's group 32 only (group 64 gives NaN, 128 crashes the process)."""
+        select = self.int4_selectors.get(fmt)
+        if select is None:
+            return self.classes[fmt]
+        cls = select(group_size)
+        if fmt == "int4" and group_size != RAWINT4_AMX_GROUP and cls is self.ext.moe.AMXInt4_KGroup_MOE:
+            if not os.environ.get("KT_RAWINT4_BACKEND"):
+                for backend in ("avxvnni", "avx2"):
+                    os.environ["KT_RAWINT4_BACKEND"] = backend
+                    try:
+                        return select(group_size)
+                    except RuntimeError:
+                        continue
+                    finally:
+                        del os.environ["KT_RAWINT4_BACKEND"]
+            raise RuntimeError(f"RAWINT4's {cls.__name__} reads group size {RAWINT4_AMX_GROUP} only, not {group_size}")
+        return cls
 
     def _config(self, shape, max_tokens):
         n = shape["experts"]
@@ -368,15 +543,17 @@ class KtKernel:
         config.max_len = max_tokens
         return config
 
-    def layer(self, shape, fmt, tensors, max_tokens):
+    def layer(self, shape, fmt, tensors, max_tokens, group_size=None):
         """A kt-kernel MoE over ``tensors`` (kept alive by the returned layer):
 
         * "fp8_block": (q_gate_up e4m3 [N, 2I, H], scale [N, 2I/128, H/128], q_down, scale);
         * "bf16": (w_gate_up bfloat16 [N, 2I, H], w_down [N, H, I]);
         * "mxfp4": (blocks uint8 [N, 2I, H/32, 16], scales uint8 [N, 2I, H/32], down ...);
-        * "q8_0" / "q4_0": (gate [N, I, row bytes], up, down [N, H, row bytes]) uint8 GGUF rows.
+        * "q8_0" / "q4_0": (gate [N, I, row bytes], up, down [N, H, row bytes]) uint8 GGUF rows;
+        * "int4" / "int4_gptq" (``group_size``): per-expert lists (gates, ups, downs, gate
+          scales, up scales, down scales) in RAWINT4 / GPTQ_INT4 layout (`kt_int4_tensors`).
         """
-        cls = self.classes[fmt]
+        cls = self.moe_class(fmt, group_size)
         if cls is None:
             raise RuntimeError(f"kt-kernel has no {fmt} kernel on this CPU")
         config = self._config(shape, max_tokens)
@@ -393,7 +570,13 @@ class KtKernel:
             config.gate_type = config.up_type = config.down_type = kind
             config.hidden_type = self.ext.kvcache.ggml_type.BF16
         else:
-            if fmt == "bf16":
+            if fmt in ("int4", "int4_gptq"):
+                gates, ups, downs, *parts = tensors
+                scales = tuple(parts)
+                config.quant_config.bits = 4
+                config.quant_config.group_size = group_size
+                config.quant_config.zero_point = False
+            elif fmt == "bf16":
                 w_gu, w_d = tensors
                 gates, ups, downs = (
                     [w_gu[e, :inter] for e in range(len(w_gu))],
@@ -445,7 +628,9 @@ class KtKernel:
         identity = torch.arange(shape["experts"], dtype=torch.int64)  # uint64_t in the C++ side
         self.cpu_infer.submit(moe.load_weights_task(identity.data_ptr()))
         self.cpu_infer.sync()
-        return KtLayer(self, moe, shape, keep, config)
+        layer = KtLayer(self, moe, shape, keep, config)
+        layer.class_name = cls.__name__
+        return layer
 
 
 class KtLayer:
@@ -535,9 +720,18 @@ GROUPS = (
     ("fp8_block", ("fp8_block", "q8_0")),
     ("bf16", ("bf16",)),
     ("mxfp4", ("mxfp4", "q4_0")),
+    ("int4", ("int4", "int4_gptq")),
 )
 #: Names of kt-kernel's methods for each format the script gives it.
-KT_METHODS = {"fp8_block": "FP8", "bf16": "BF16", "mxfp4": "MXFP4", "q8_0": "LLAMAFILE Q8_0", "q4_0": "LLAMAFILE Q4_0"}
+KT_METHODS = {
+    "fp8_block": "FP8",
+    "bf16": "BF16",
+    "mxfp4": "MXFP4",
+    "q8_0": "LLAMAFILE Q8_0",
+    "q4_0": "LLAMAFILE Q4_0",
+    "int4": "RAWINT4",
+    "int4_gptq": "GPTQ_INT4",
+}
 
 
 def moeroute_tensors(module, fmt):
@@ -545,6 +739,36 @@ def moeroute_tensors(module, fmt):
     if fmt == "bf16":
         return experts.w_gate_up, experts.w_down
     return experts.w_gate_up, experts.gate_up_scale, experts.w_down, experts.down_scale
+
+
+#: kt-kernel formats that read moeroute's own codes and scales (the rest: GGUF of the floats).
+SAME_CODES = ("fp8_block", "bf16", "mxfp4", "int4", "int4_gptq")
+
+
+def kt_int4_tensors(kt_fmt, module, inter):
+    """moeroute's INT4 experts in kt-kernel's layout, per expert: (gates, ups, downs, gate
+    scales, up scales, down scales). RAWINT4 reads moeroute's packed bytes themselves (row
+    slices of its tensors) with the scales in bfloat16; GPTQ_INT4 reads each matrix repacked
+    by `int4_to_gptq`."""
+    experts = module.experts
+    w_gu, s_gu, w_d, s_d = experts.w_gate_up, experts.gate_up_scale, experts.w_down, experts.down_scale
+    n = len(w_gu)
+    if kt_fmt == "int4":
+        (w_gu, s_gu), (w_d, s_d) = int4_to_rawint4(w_gu.data, s_gu.data), int4_to_rawint4(w_d.data, s_d.data)
+        return (
+            [w_gu[e, :inter] for e in range(n)],
+            [w_gu[e, inter:] for e in range(n)],
+            list(w_d),
+            [s_gu[e, :inter] for e in range(n)],
+            [s_gu[e, inter:] for e in range(n)],
+            list(s_d),
+        )
+    gates = [int4_to_gptq(w_gu[e, :inter], s_gu[e, :inter]) for e in range(n)]
+    ups = [int4_to_gptq(w_gu[e, inter:], s_gu[e, inter:]) for e in range(n)]
+    downs = [int4_to_gptq(w_d[e], s_d[e]) for e in range(n)]
+    matrices = [[q for q, _ in part] for part in (gates, ups, downs)]
+    scales = [[scale for _, scale in part] for part in (gates, ups, downs)]
+    return (*matrices, *scales)
 
 
 def gguf_tensors(fmt, w_gate_up, w_down, inter):
@@ -570,8 +794,9 @@ def llamafile_refusal(shape) -> str | None:
     return None
 
 
-def run_shape(kt, shape, tokens_list, repeats, log=print):
-    """Every bit width's layers on one shape: errors and interleaved times per T.
+def run_shape(kt, shape, tokens_list, repeats, log=print, groups=None, int4_group_size=DEFAULT_INT4_GROUP_SIZE):
+    """The bit widths ``groups`` (names of `GROUPS`, all by default) on one shape: errors and
+    interleaved times per T, and the load average around each width.
 
     One kt-kernel layer lives at a time (two of its MoE objects in one process share scratch
     buffers and the first one's output goes wrong), so each kt-kernel method is timed in its
@@ -581,10 +806,13 @@ def run_shape(kt, shape, tokens_list, repeats, log=print):
     cases = {t: inputs(shape, t, router_w) for t in tokens_list}
     refs = {t: reference_layer(cases[t][0], cases[t][3], cases[t][2], w_gate_up, w_down) for t in tokens_list}
     max_tokens = max(tokens_list)
-    results, not_run = {}, {}
+    results, not_run, loads = {}, {}, {}
     for fmt, kt_formats in GROUPS:
+        if groups is not None and fmt not in groups:
+            continue
+        before = os.getloadavg()
         start = time.perf_counter()
-        module = moeroute_layer(shape, fmt, w_gate_up, w_down, router_w)
+        module = moeroute_layer(shape, fmt, w_gate_up, w_down, router_w, int4_group_size)
         entries, ours = {}, {}
         for t in tokens_list:
             x, _, weights, ids = cases[t]
@@ -606,17 +834,19 @@ def run_shape(kt, shape, tokens_list, repeats, log=print):
             start = time.perf_counter()
             if kt_fmt in ("q8_0", "q4_0"):
                 tensors = gguf_tensors(kt_fmt, w_gate_up, w_down, shape["inter"])
+            elif kt_fmt in ("int4", "int4_gptq"):
+                tensors = kt_int4_tensors(kt_fmt, module, shape["inter"])
             else:
                 tensors = moeroute_tensors(module, kt_fmt)
             try:
-                layer = kt.layer(shape, kt_fmt, tensors, max_tokens)
+                layer = kt.layer(shape, kt_fmt, tensors, max_tokens, group_size=int4_group_size)
             except (ValueError, RuntimeError) as error:  # e.g. FP8 needs H and I multiples of 128
                 not_run[kt_fmt] = f"kt-kernel refused the shape: {error}"
                 log(f"  {KT_METHODS[kt_fmt]}: not run ({error})")
                 continue
             finally:
                 del tensors
-            log(f"  {KT_METHODS[kt_fmt]}: built in {time.perf_counter() - start:.1f} s")
+            log(f"  {KT_METHODS[kt_fmt]} ({layer.class_name}): built in {time.perf_counter() - start:.1f} s")
             for t in tokens_list:
                 x, _, weights, ids = cases[t]
                 calls = {"moeroute": experts_call(module, x, ids, weights), "kt": layer.prepare(x, ids, weights)}
@@ -626,6 +856,7 @@ def run_shape(kt, shape, tokens_list, repeats, log=print):
                 ratios = [k / m for k, m in zip(samples["kt"], samples["moeroute"])]
                 case = {
                     "method": KT_METHODS[kt_fmt],
+                    "kt_class": layer.class_name,
                     "moeroute_us": float(np.median(samples["moeroute"])) * 1e6,
                     "kt_us": float(np.median(samples["kt"])) * 1e6,
                     "speedup": float(np.median(ratios)),
@@ -633,7 +864,7 @@ def run_shape(kt, shape, tokens_list, repeats, log=print):
                     "repeats": repeats[t],
                     "error": error,
                 }
-                if kt_fmt == fmt:  # the same bytes: how far the two computations are apart
+                if kt_fmt in SAME_CODES:  # the same codes: how far the two computations are apart
                     case["difference_to_moeroute"] = relative_error(theirs, ours[t])
                 entries[t]["kt"][kt_fmt] = case
                 log(
@@ -643,15 +874,38 @@ def run_shape(kt, shape, tokens_list, repeats, log=print):
                 )
             del layer, calls
             gc.collect()
+        if fmt == "int4":
+            for entry in entries.values():
+                entry["group_size"] = int4_group_size
         results[fmt] = [entries[t] for t in tokens_list]
+        loads[fmt] = [list(before), list(os.getloadavg())]
         del module, ours
         gc.collect()
-    return {"results": results, "not_run": not_run}
+    return {"results": results, "not_run": not_run, "loadavg_per_format": loads}
 
 
-def run(shapes, tokens_list, repeats, save=None, merge=None) -> dict:
-    """Measure ``shapes``; with ``merge`` (an earlier payload), keep its other shapes' results
-    (their run dates in ``earlier_runs``)."""
+def shape_groups(name, formats=None) -> tuple:
+    """The bit widths (`GROUPS` names) that shape ``name`` runs, within ``formats`` if given."""
+    groups = SHAPE_GROUPS.get(name, tuple(fmt for fmt, _ in GROUPS))
+    return tuple(fmt for fmt in groups if formats is None or fmt in formats)
+
+
+def merge_results(earlier: dict, measured: dict) -> dict:
+    """``earlier`` results (shape -> width -> entries) with ``measured``'s laid over them, entry
+    by entry (one per T): a rerun of some shapes, widths or T keeps everything else."""
+    merged = {name: {fmt: list(entries) for fmt, entries in groups.items()} for name, groups in earlier.items()}
+    for name, groups in measured.items():
+        for fmt, entries in groups.items():
+            by_tokens = {e["tokens"]: e for e in merged.setdefault(name, {}).get(fmt, [])}
+            by_tokens.update({e["tokens"]: e for e in entries})
+            merged[name][fmt] = [by_tokens[t] for t in sorted(by_tokens)]
+    return merged
+
+
+def run(shapes, tokens_list, repeats, save=None, merge=None, formats=None) -> dict:
+    """Measure ``shapes`` (the widths `shape_groups` gives each, within ``formats``); with
+    ``merge`` (an earlier payload), keep its results for every shape, width and T not measured
+    now (shapes not measured at all keep their run dates in ``earlier_runs``)."""
     import moeroute
 
     torch.set_num_threads(THREADS)
@@ -663,13 +917,14 @@ def run(shapes, tokens_list, repeats, save=None, merge=None) -> dict:
         pass
     kt = KtKernel(THREADS)
     load_before = os.getloadavg()
+    shapes = {name: shape for name, shape in shapes.items() if shape_groups(name, formats)}
     payload = {
         "cpu_isa": moeroute.cpu_isa(),
         "kt_kernel": kt.describe(),
         "threads": THREADS,
         "activation": "silu",
         "activation_dtype": "bfloat16",
-        "shapes": shapes,
+        "shapes": {name: {**shape, **int4_fields(name)} for name, shape in shapes.items()},
         "bytes_per_weight": BYTES_PER_WEIGHT,
         "formats": {
             "fp8_block": "moeroute QuantConfig('fp8_block') (w8a8) / kt-kernel FP8 on the same bytes",
@@ -677,17 +932,26 @@ def run(shapes, tokens_list, repeats, save=None, merge=None) -> dict:
             "mxfp4": "moeroute QuantConfig('mxfp4') (w4a16) / kt-kernel MXFP4 on the same bytes",
             "q8_0": "kt-kernel LLAMAFILE on GGUF Q8_0 of the float weights",
             "q4_0": "kt-kernel LLAMAFILE on GGUF Q4_0 of the float weights",
+            "int4": "moeroute QuantConfig('int4', group_size=g, symmetric=True) (w4a16, float32 scales in memory) "
+            "/ kt-kernel RAWINT4 on the same packed bytes and their bfloat16 scales (compressed-tensors layout)",
+            "int4_gptq": "kt-kernel GPTQ_INT4 on the same codes repacked as GPTQ qweight int32 [K/8, N] "
+            "with float32 scales [K/g, N] (sym, zero point 8)",
         },
         "settle_s": SETTLE_S,
         "loadavg_before": list(load_before),
         "results": {},
         "not_run": {},
+        "loadavg_per_format": {},
     }
     if merge:
-        payload["shapes"] = {**merge.get("shapes", {}), **shapes}
-        payload["results"].update({k: v for k, v in merge.get("results", {}).items() if k not in shapes})
-        payload["not_run"].update({k: v for k, v in merge.get("not_run", {}).items() if k not in shapes})
-        payload["loadavg_per_shape"] = {k: v for k, v in merge.get("loadavg_per_shape", {}).items() if k not in shapes}
+        measured = set(shapes)
+        payload["shapes"] = {**merge.get("shapes", {}), **payload["shapes"]}
+        payload["results"] = merge_results(merge.get("results", {}), {})
+        payload["not_run"] = {k: dict(v) for k, v in merge.get("not_run", {}).items()}
+        payload["loadavg_per_format"] = {k: dict(v) for k, v in merge.get("loadavg_per_format", {}).items()}
+        payload["loadavg_per_shape"] = {
+            k: v for k, v in merge.get("loadavg_per_shape", {}).items() if k not in measured
+        }
         payload["earlier_loadavg"] = merge.get("earlier_loadavg") or [
             merge.get("loadavg_before"),
             merge.get("loadavg_after"),
@@ -695,16 +959,32 @@ def run(shapes, tokens_list, repeats, save=None, merge=None) -> dict:
         payload["earlier_runs"] = {
             k: merge.get("earlier_runs", {}).get(k, merge.get("machine", {}).get("date"))
             for k in merge.get("results", {})
-            if k not in shapes
+            if k not in measured
         }
     for name, shape in shapes.items():
-        print(f"{name}: {shape}", flush=True)
+        groups = shape_groups(name, formats)
+        print(f"{name}: {shape}, {', '.join(groups)}", flush=True)
         start = time.perf_counter()
         before = os.getloadavg()
-        out = run_shape(kt, shape, tokens_list, repeats, log=lambda text: print(text, flush=True))
-        payload["results"][name] = out["results"]
-        if out["not_run"]:
-            payload["not_run"][name] = out["not_run"]
+        out = run_shape(
+            kt,
+            shape,
+            tokens_list,
+            repeats,
+            log=lambda text: print(text, flush=True),
+            groups=groups,
+            int4_group_size=INT4_GROUP_SIZE.get(name, DEFAULT_INT4_GROUP_SIZE),
+        )
+        payload["results"] = merge_results(payload["results"], {name: out["results"]})
+        not_run = payload["not_run"].setdefault(name, {})
+        for fmt, kt_formats in GROUPS:  # what runs now is no longer "not run"
+            if fmt in groups:
+                for kt_fmt in kt_formats:
+                    not_run.pop(kt_fmt, None)
+        not_run.update(out["not_run"])
+        if not not_run:
+            del payload["not_run"][name]
+        payload["loadavg_per_format"].setdefault(name, {}).update(out["loadavg_per_format"])
         payload.setdefault("loadavg_per_shape", {})[name] = [list(before), list(os.getloadavg())]
         print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
         gc.collect()
@@ -713,6 +993,13 @@ def run(shapes, tokens_list, repeats, save=None, merge=None) -> dict:
     payload["loadavg_after"] = list(os.getloadavg())
     payload["complete"] = True
     return payload
+
+
+def int4_fields(name) -> dict:
+    """The INT4 group size a shape runs with, for the JSON's shapes (shapes without INT4: none)."""
+    if "int4" not in shape_groups(name):
+        return {}
+    return {"int4_group_size": INT4_GROUP_SIZE.get(name, DEFAULT_INT4_GROUP_SIZE)}
 
 
 def print_summary(payload) -> None:
@@ -742,8 +1029,9 @@ def print_summary(payload) -> None:
 #: ``--check``'s bounds: each output against the float layer (max |diff| / max |ref|), and
 #: kt-kernel against moeroute where both read the same bytes (FP8: kt-kernel keeps the
 #: activations in bfloat16, moeroute quantizes them to e4m3 per 128 columns).
-CHECK_ERROR = {"bf16": 0.02, "fp8_block": 0.1, "q8_0": 0.05, "mxfp4": 0.35, "q4_0": 0.35}
-CHECK_DIFFERENCE = {"bf16": 0.02, "fp8_block": 0.1, "mxfp4": 0.02}
+CHECK_ERROR = {"bf16": 0.02, "fp8_block": 0.1, "q8_0": 0.05, "mxfp4": 0.35, "q4_0": 0.35, "int4": 0.35}
+CHECK_ERROR["int4_gptq"] = CHECK_ERROR["int4"]
+CHECK_DIFFERENCE = {"bf16": 0.02, "fp8_block": 0.1, "mxfp4": 0.02, "int4": 0.02, "int4_gptq": 0.02}
 
 
 def check_failures(payload) -> list[str]:
@@ -776,6 +1064,20 @@ def mxfp4_failures() -> list[str]:
     return ["quantize_mxfp4_numba: the bytes differ from moeroute.quant.quantize_mxfp4's"]
 
 
+def int4_failures() -> list[str]:
+    """`quantize_int4_numba` against moeroute's `quantize_int4`, byte for byte."""
+    from moeroute.quant import quantize_int4
+
+    w = torch.randn(2, 16, 256, generator=torch.Generator().manual_seed(0)) * 0.02
+    w[0, 0, :32] = 0
+    failures = []
+    for group in (32, 128):
+        ours, theirs = quantize_int4_numba(w, group), quantize_int4(w, group_size=group)
+        if not all(torch.equal(a, b) for a, b in zip(ours, theirs)):
+            failures.append(f"quantize_int4_numba g{group}: the bytes differ from moeroute.quant.quantize_int4's")
+    return failures
+
+
 def gguf_failures() -> list[str]:
     """The GGUF packers against gguf-py's (kt-kernel's GGUF reader), byte for byte."""
     from gguf import GGMLQuantizationType, quants
@@ -793,17 +1095,23 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="T = 1 and 8 only")
     parser.add_argument("--check", action="store_true", help="tiny shapes, no JSON: correctness only")
     parser.add_argument("--shapes", nargs="*", choices=list(SHAPES), help="a subset of the shapes")
+    parser.add_argument(
+        "--formats", nargs="*", choices=[fmt for fmt, _ in GROUPS], help="a subset of the bit widths (moeroute formats)"
+    )
+    parser.add_argument("--tokens", nargs="*", type=int, choices=TOKENS, help="a subset of T (overrides --quick)")
     parser.add_argument("--repeats", type=float, default=1.0, help="scale the rounds per T (at least 1)")
     parser.add_argument(
-        "--merge", action="store_true", help="keep the other shapes of the existing ktkernel.json (with --shapes)"
+        "--merge",
+        action="store_true",
+        help="keep what is not measured now (other shapes, widths, T) from the existing ktkernel.json",
     )
     args = parser.parse_args(argv)
-    tokens = (1, 8) if args.quick else TOKENS
+    tokens = tuple(sorted(set(args.tokens))) if args.tokens else (1, 8) if args.quick else TOKENS
     repeats = {t: max(1, round(REPEATS[t] * args.repeats)) for t in TOKENS}
     if args.check:
-        payload = run(CHECK_SHAPES, (1, 8, 64), {1: 2, 8: 2, 64: 2})
+        payload = run(CHECK_SHAPES, (1, 8, 64), {1: 2, 8: 2, 64: 2}, formats=args.formats)
         print_summary(payload)
-        failures = check_failures(payload) + gguf_failures() + mxfp4_failures()
+        failures = check_failures(payload) + gguf_failures() + mxfp4_failures() + int4_failures()
         print("\n".join(failures) if failures else "check: every output within its bound")
         raise SystemExit(1 if failures else 0)
     shapes = {name: SHAPES[name] for name in (args.shapes or SHAPES)}
@@ -815,7 +1123,14 @@ def main(argv=None) -> None:
 
         existing = RESULTS_DIR / "ktkernel.json"
         merge = json.loads(existing.read_text(encoding="utf-8")) if existing.exists() else None
-    payload = run(shapes, tokens, repeats, save=lambda partial: write_results("ktkernel", partial), merge=merge)
+    payload = run(
+        shapes,
+        tokens,
+        repeats,
+        save=lambda partial: write_results("ktkernel", partial),
+        merge=merge,
+        formats=args.formats,
+    )
     print_summary(payload)
     path = write_results("ktkernel", payload)
     print(f"wrote {path}")

@@ -190,3 +190,113 @@ def test_the_report_tabulates_each_pair_and_says_what_did_not_run(tmp_path):
     assert "`avx2` extension" in page and "`AVX2FP8_MOE`" in page
     assert "(load average 1.0/1.0/1.0 before, 3.0/2.0/1.0 after):" in page
     assert "Not run: kt-kernel GGUF Q8_0 (LLAMAFILE needs I to be a multiple of 256 (QK_K); I = 384)." in page
+
+
+# -- INT4: moeroute's layout against kt-kernel's RAWINT4 and GPTQ_INT4 -----------------------
+
+
+def _int4_weight(rows=6, cols=128, seed=0):
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.02
+    w[0, :32] = 0  # an all-zero group: s = 0, every code 8
+    s = 2.0**-6  # exact in bfloat16: the group below has amax = 7 s and every tie k s / 2
+    w[1, :32] = torch.tensor([7.0, -7.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5] * 4) * s
+    w[2, 32:64] *= 1e3
+    return w
+
+
+def test_the_int4_packer_writes_moeroutes_bytes():
+    from moeroute.quant import quantize_int4
+
+    w = torch.stack([_int4_weight(seed=0), _int4_weight(seed=1)])
+    for group in (32, 128):
+        packed, scales = ktkernel.quantize_int4_numba(w, group)
+        expected_packed, expected_scales = quantize_int4(w, group_size=group, symmetric=True)
+        assert packed.shape == (2, 6, 64) and scales.shape == (2, 6, 128 // group)
+        assert scales.dtype == torch.bfloat16
+        assert torch.equal(packed, expected_packed)
+        assert torch.equal(scales, expected_scales)
+    with pytest.raises(ValueError, match="multiple of group_size=128"):
+        ktkernel.quantize_int4_numba(torch.zeros(2, 96), 128)
+
+
+def _codes(packed: torch.Tensor) -> list[list[int]]:
+    """The 0..15 codes of moeroute's rows, element 2j in byte j's low nibble."""
+    return [[(byte >> (4 * (k % 2))) & 0xF for byte in row.tolist() for k in (0, 1)] for row in packed]
+
+
+def test_rawint4_is_the_compressed_tensors_words_as_bytes():
+    """kt-kernel's RAWINT4 loader views compressed-tensors' pack-quantized int32 words (q + 8,
+    element i of a word at bits 4i) as bytes: the converter gives those bytes."""
+    from moeroute.quant import quantize_int4
+
+    packed, scales = quantize_int4(_int4_weight(), group_size=32)
+    codes = _codes(packed)
+    words = [
+        sum(row[8 * w + i] << (4 * i) for i in range(8)) for row in codes for w in range(len(row) // 8)
+    ]  # pack_to_int32, unsigned
+    expected = struct.pack(f"<{len(words)}I", *words)
+    raw, raw_scales = ktkernel.int4_to_rawint4(packed, scales.float())
+    assert raw.dtype == torch.uint8 and raw.shape == packed.shape
+    assert raw.numpy().tobytes() == expected
+    assert raw_scales.dtype == torch.bfloat16 and torch.equal(raw_scales, scales)
+    with pytest.raises(ValueError, match="bfloat16 cannot represent"):
+        ktkernel.int4_to_rawint4(packed, scales.float() + 2.0**-20)
+
+
+def test_gptq_repacking_against_the_plain_definition():
+    """GPTQ's qweight[i, n] holds input column 8i + j of output row n at bits 4j (int32 [K/8, N]),
+    scales [K/g, N]; with zero point 8 its weights are moeroute's dequantized ones."""
+    from moeroute.quant import dequantize_int4, quantize_int4
+
+    group = 32
+    packed, scales = quantize_int4(_int4_weight(), group_size=group)
+    codes = _codes(packed)
+    n, k = len(codes), len(codes[0])
+    qweight, gptq_scales = ktkernel.int4_to_gptq(packed, scales.float())
+    assert qweight.dtype == torch.int32 and qweight.shape == (k // 8, n)
+    assert gptq_scales.dtype == torch.float32 and gptq_scales.shape == (k // group, n)
+    words = [[sum(codes[r][8 * i + j] << (4 * j) for j in range(8)) for r in range(n)] for i in range(k // 8)]
+    assert qweight.numpy().view(np.uint32).tolist() == words
+    assert torch.equal(gptq_scales, scales.float().T)
+    unpacked = torch.tensor(
+        [[((words[c // 8][r] >> (4 * (c % 8))) & 0xF) - 8 for c in range(k)] for r in range(n)],
+        dtype=torch.float32,
+    ) * gptq_scales.T.repeat_interleave(group, dim=1)
+    assert torch.equal(unpacked, dequantize_int4(packed, scales, group_size=group))
+    with pytest.raises(ValueError, match="uint8"):
+        ktkernel.int4_to_gptq(packed.to(torch.int32), scales)
+
+
+def test_kt_int4_tensors_hand_kt_kernel_the_modules_own_bytes():
+    shape = dict(hidden=64, inter=32, experts=3, top_k=2)
+    w_gate_up, w_down = ktkernel.float_weights(shape)
+    module = ktkernel.moeroute_layer(shape, "int4", w_gate_up, w_down, ktkernel.router_weight(shape), 32)
+    experts = module.experts
+    gates, ups, downs, gate_s, up_s, down_s = ktkernel.kt_int4_tensors("int4", module, 32)
+    for e in range(3):
+        # RAWINT4 reads moeroute's packed bytes in place: gate rows first, then up.
+        assert gates[e].data_ptr() == experts.w_gate_up[e].data_ptr()
+        assert ups[e].data_ptr() == experts.w_gate_up[e, 32:].data_ptr()
+        assert downs[e].data_ptr() == experts.w_down[e].data_ptr()
+        assert all(t.is_contiguous() for t in (gates[e], ups[e], downs[e], gate_s[e], up_s[e], down_s[e]))
+        assert torch.equal(gate_s[e].float(), experts.gate_up_scale[e, :32])
+        assert torch.equal(down_s[e].float(), experts.down_scale[e])
+    gates, ups, downs, gate_s, up_s, down_s = ktkernel.kt_int4_tensors("int4_gptq", module, 32)
+    assert gates[0].shape == (64 // 8, 32) and downs[0].shape == (32 // 8, 64) and up_s[0].shape == (2, 32)
+    assert torch.equal(ups[1], ktkernel.int4_to_gptq(experts.w_gate_up[1, 32:], experts.gate_up_scale[1, 32:])[0])
+
+
+def test_shapes_run_their_widths_and_a_partial_run_merges_by_t():
+    assert ktkernel.shape_groups("qwen3_30b_a3b") == ("fp8_block", "bf16", "mxfp4", "int4")
+    assert ktkernel.shape_groups("kimi_k2_experts") == ("int4",)
+    assert ktkernel.shape_groups("deepseek_v3_experts", ["int4"]) == ()
+    assert ktkernel.int4_fields("kimi_k2_experts") == {"int4_group_size": 32}
+    assert ktkernel.int4_fields("qwen3_30b_a3b") == {"int4_group_size": 128}
+    assert ktkernel.int4_fields("gpt_oss_20b") == {}
+    earlier = {"a": {"bf16": [{"tokens": 1, "v": 0}, {"tokens": 8, "v": 0}]}, "b": {"bf16": [{"tokens": 1, "v": 0}]}}
+    merged = ktkernel.merge_results(earlier, {"a": {"bf16": [{"tokens": 8, "v": 1}], "int4": [{"tokens": 1, "v": 2}]}})
+    assert merged == {
+        "a": {"bf16": [{"tokens": 1, "v": 0}, {"tokens": 8, "v": 1}], "int4": [{"tokens": 1, "v": 2}]},
+        "b": {"bf16": [{"tokens": 1, "v": 0}]},
+    }
+    assert earlier["a"]["bf16"][1] == {"tokens": 8, "v": 0}  # the earlier payload is left as it was
