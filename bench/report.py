@@ -315,6 +315,45 @@ def _quant_mxfp4(data):
     )
 
 
+def _quant_int4(data):
+    """INT4 against bfloat16: one shape (``shape``, ``results`` a list) or several (``shapes``,
+    ``results`` per shape)."""
+    copy = data.get("host_copy_gbs")
+    lines = [
+        f"`python -m bench quant --int4`: the INT4 layer (w4a16, {data.get('int4', 'int4')}) against the same "
+        f"layer in bfloat16 on the same float weights and router, {data.get('activation_dtype')} activations, "
+        f"torch on {data.get('torch_threads')} threads."
+        + (f" Host copy bandwidth {copy:.1f} GB/s (bytes read plus written)." if copy else ""),
+        "",
+    ]
+    results = data["results"]
+    if isinstance(results, list):
+        results = {"qwen3_30b_a3b": results}
+        shapes = {"qwen3_30b_a3b": data.get("shape", {})}
+    else:
+        shapes = data.get("shapes", {})
+    bandwidth = any("int4_weight_gbs" in r for cases in results.values() for r in cases)
+    rows = []
+    for shape_name, cases in results.items():
+        shape = shapes.get(shape_name, {})
+        label = (
+            f"{shape_name} (H = {shape.get('hidden')}, I = {shape.get('inter')}, N = {shape.get('experts')}, "
+            f"K = {shape.get('top_k')})"
+        )
+        for r in cases:
+            row = [label, r["tokens"], _ms(r["bfloat16_ms"]), _ms(r["int4_ms"])]
+            row.append(_ratio(r["bfloat16_over_int4"], r.get("range")))
+            if bandwidth:
+                gbs = r.get("int4_weight_gbs")
+                share = r.get("int4_weight_share_of_copy_bandwidth")
+                row.append("-" if gbs is None else f"{gbs:.1f}" + ("" if share is None else f" ({_share(share)})"))
+            rows.append(tuple(row))
+    headers = ["shape", "T", "bfloat16", "INT4", "bf16 time / INT4 time (range)"]
+    if bandwidth:
+        headers.append("INT4 weight GB/s (of copy bandwidth)")
+    return lines + _table(headers, rows)
+
+
 def _vllm(data):
     lines = [
         f"`.venv-vllm/bin/python -m bench vllm` (vLLM {data.get('vllm')}): one MoE layer, moeroute's "
@@ -587,7 +626,38 @@ _KT_LABELS = {
     "mxfp4": "MXFP4",
     "q8_0": "GGUF Q8_0",
     "q4_0": "GGUF Q4_0",
+    "int4": "INT4",
+    "int4_gptq": "INT4 (GPTQ layout)",
+    "int4_g32": "INT4 g32 (bfloat16 scales)",
+    "int4_g128": "INT4 g128 (bfloat16 scales)",
 }
+#: kt-kernel's INT4 methods, by the key of ``int4_classes``.
+_KT_INT4_METHODS = {"int4": "RAWINT4", "int4_gptq": "GPTQ_INT4"}
+
+
+def _kt_int4_classes(kt) -> str:
+    """'; RAWINT4 at group 32: `X`, ...' from ``int4_classes`` (empty when not recorded)."""
+    parts = []
+    for fmt, by_group in kt.get("int4_classes", {}).items():
+        for group, name in by_group.items():
+            parts.append(f"{_KT_INT4_METHODS.get(fmt, fmt)} at group {group}: `{name}`")
+    return "; " + ", ".join(parts) if parts else ""
+
+
+_KT_INT4_NOTE = (
+    "INT4: its RAWINT4 method (the compressed-tensors layout of Kimi-K2's checkpoint) reads moeroute's "
+    "packed bytes with the scales in bfloat16, its GPTQ_INT4 method the same codes repacked as GPTQ "
+    "`qweight` / `scales`; each INT4 row names the kt-kernel class that ran. "
+)
+
+
+def _has_int4(data) -> bool:
+    return any("int4" in groups for groups in data.get("results", {}).values())
+
+
+def _kt_moeroute_label(fmt, entry) -> str:
+    label = _KT_LABELS.get(fmt, fmt)
+    return f"{label} g{entry['group_size']}" if "group_size" in entry else label
 
 
 def _loads(values) -> str:
@@ -603,8 +673,11 @@ def _ktkernel(data):
         f"{data.get('activation_dtype')} activations, {data.get('activation')} experts without biases, "
         f"{data.get('threads')} threads each. Same bytes where the formats agree (kt-kernel's FP8, BF16 and "
         "MXFP4 methods read moeroute's weights and scales); its LLAMAFILE method (the ggml kernels) reads "
-        "GGUF Q8_0 / Q4_0 made from the same float weights. kt-kernel loaded its "
-        f"`{kt.get('cpu_variant')}` extension (int8 kernel: {kt.get('int8_kernel')}); classes: {classes}. "
+        "GGUF Q8_0 / Q4_0 made from the same float weights. "
+        + (_KT_INT4_NOTE if _has_int4(data) else "")
+        + "kt-kernel loaded its "
+        f"`{kt.get('cpu_variant')}` extension (int8 kernel: {kt.get('int8_kernel')}); classes: {classes}"
+        f"{_kt_int4_classes(kt)}. "
         "Each call waits for the other's threads to go idle first (kt-kernel's workers spin 50 ms "
         "after a job). Each shape gives the load average (1, 5, 15 min) around its run: above the "
         f"{data.get('machine', {}).get('cpu_count', '?')} logical CPUs, other work shared the machine and the "
@@ -635,14 +708,22 @@ def _ktkernel(data):
         elif load:
             heading += " (load average " + " before, ".join(_loads(v) for v in load) + " after)"
         lines += ["", heading + ":", ""]
+        per_format = data.get("loadavg_per_format", {}).get(shape_name, {})
+        if per_format:
+            loads = "; ".join(
+                f"{_KT_LABELS.get(fmt, fmt)} {_loads(v[0])} before, {_loads(v[1])} after"
+                for fmt, v in per_format.items()
+            )
+            lines += [f"Load average per format: {loads}.", ""]
         rows = []
         for fmt, entries in groups.items():
             for e in entries:
                 for kt_fmt, case in e["kt"].items():
+                    method = case["method"] + (f" (`{case['kt_class']}`)" if case.get("kt_class") else "")
                     rows.append(
                         (
-                            _KT_LABELS.get(fmt, fmt),
-                            f"{case['method']}",
+                            _kt_moeroute_label(fmt, e),
+                            method,
                             e["tokens"],
                             _time_us(case["moeroute_us"]),
                             _time_us(case["kt_us"]),
@@ -678,6 +759,7 @@ RENDERERS = {
     "quant": ("FP8 experts on the CPU", _quant),
     "quant_w8a16": ("FP8 w8a16 against w8a8 on the CPU", _quant_w8a16),
     "quant_mxfp4": ("MXFP4 experts on the CPU", _quant_mxfp4),
+    "quant_int4": ("INT4 experts on the CPU", _quant_int4),
     "ktkernel": ("CPU experts against kt-kernel", _ktkernel),
     "ep": ("Expert parallelism: bytes and time", _ep),
     "ep_fp8": ("Expert parallelism: FP8 dispatch", _ep_fp8),

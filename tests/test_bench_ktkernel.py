@@ -300,3 +300,31 @@ def test_shapes_run_their_widths_and_a_partial_run_merges_by_t():
         "b": {"bf16": [{"tokens": 1, "v": 0}]},
     }
     assert earlier["a"]["bf16"][1] == {"tokens": 8, "v": 0}  # the earlier payload is left as it was
+
+
+def test_the_report_names_the_int4_group_and_the_kt_class_that_ran(tmp_path):
+    import json
+
+    from bench import report
+
+    machine = {"date": "2030-01-02T00:00:00+00:00", "cpu_model": "X", "isa": "avx512bf16", "cpu_count": 2}
+    case = {"method": "RAWINT4", "kt_class": "AMXInt4_KGroup_MOE", "moeroute_us": 1000.0, "kt_us": 1500.0}
+    case.update(speedup=1.5, speedup_range=[1.2, 1.8], repeats=3, error=0.1)
+    entry = {"tokens": 1, "moeroute_error": 0.1, "group_size": 32, "kt": {"int4": case}}
+    kt = {"version": "0.7.2", "cpu_variant": "avx512_bf16", "moe_classes": {"bf16": "AMXBF16_MOE"}}
+    kt["int4_classes"] = {"int4": {"32": "AMXInt4_KGroup_MOE", "128": "AVXVNNI256RawInt4_MOE"}}
+    payload = {
+        "machine": machine,
+        "kt_kernel": kt,
+        "threads": 2,
+        "shapes": {"kimi_k2_experts": {"hidden": 7168, "inter": 2048, "experts": 16, "top_k": 8}},
+        "bytes_per_weight": ktkernel.BYTES_PER_WEIGHT,
+        "results": {"kimi_k2_experts": {"int4": [entry]}},
+        "loadavg_per_format": {"kimi_k2_experts": {"int4": [[1.0, 1.0, 1.0], [2.0, 1.0, 1.0]]}},
+    }
+    (tmp_path / "ktkernel.json").write_text(json.dumps(payload))
+    page = report.render(tmp_path)
+    assert "| INT4 g32 | RAWINT4 (`AMXInt4_KGroup_MOE`) | 1 | 1.00 ms | 1.50 ms | 1.50x (1.20-1.80) |" in page
+    assert "RAWINT4 at group 32: `AMXInt4_KGroup_MOE`, RAWINT4 at group 128: `AVXVNNI256RawInt4_MOE`" in page
+    assert "Load average per format: INT4 1.0/1.0/1.0 before, 2.0/1.0/1.0 after." in page
+    assert "INT4 g32 (bfloat16 scales) 0.5625" in page

@@ -82,3 +82,28 @@ def test_bench_entry_lists_every_script_and_refuses_an_unknown_name(capsys):
     assert sorted(line.split()[0] for line in listed) == sorted(scripts)
     assert entry.main(["no-such-bench"]) == 2
     assert "unknown benchmark 'no-such-bench'" in capsys.readouterr().err
+
+
+def test_quant_int4_is_tabulated_for_one_shape_or_several(tmp_path):
+    machine = {"date": "2030-01-02T00:00:00+00:00", "cpu_model": "X", "isa": "avx512bf16", "cpu_count": 2}
+    entry = {"tokens": 8, "bfloat16_ms": 3.0, "int4_ms": 1.0, "bfloat16_over_int4": 3.0, "range": [2.5, 3.5]}
+    shape = {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8}
+    one = {"machine": machine, "int4": "QuantConfig('int4', group_size=128)", "activation_dtype": "bfloat16"}
+    one.update(torch_threads=2, shape=shape, results=[entry])
+    (tmp_path / "quant_int4.json").write_text(json.dumps(one))
+    page = report.render(tmp_path)
+    assert "### INT4 experts on the CPU" in page and "No table renderer" not in page
+    label = "qwen3_30b_a3b (H = 2048, I = 768, N = 128, K = 8)"
+    assert f"| {label} | 8 | 3.00 ms | 1.00 ms | 3.00x (2.50-3.50) |" in page
+    assert "GB/s" not in page.split("### INT4 experts on the CPU")[1]
+    kimi = {"hidden": 7168, "inter": 2048, "experts": 16, "top_k": 8}
+    wide = dict(entry, int4_weight_gbs=12.5, int4_weight_share_of_copy_bandwidth=0.6)
+    several = dict(one, shapes={"qwen3_30b_a3b": shape, "kimi_k2_experts": kimi}, host_copy_gbs=20.0)
+    several["results"] = {"qwen3_30b_a3b": [entry], "kimi_k2_experts": [wide]}
+    del several["shape"]
+    (tmp_path / "quant_int4.json").write_text(json.dumps(several))
+    page = report.render(tmp_path)
+    assert "Host copy bandwidth 20.0 GB/s" in page
+    assert f"| {label} | 8 | 3.00 ms | 1.00 ms | 3.00x (2.50-3.50) | - |" in page
+    kimi_label = "kimi_k2_experts (H = 7168, I = 2048, N = 16, K = 8)"
+    assert f"| {kimi_label} | 8 | 3.00 ms | 1.00 ms | 3.00x (2.50-3.50) | 12.5 (60%) |" in page
