@@ -11,8 +11,9 @@ crashes is killed and the next one still runs (the whole plan fits `BUDGET_S`):
                 libnvvm, the probe looks for one in the usual places and hands CUDA_HOME to
                 the later stages.
 1. warm         fills the on-disk caches in parallel: the Numba CPU kernels (the host
-                references of the GPU tests), every shipped CuPy GEMM instantiation and
-                the cubins of the select and route kernels the tests and benchmarks use.
+                references of the GPU tests), every shipped CuPy GEMM instantiation (float,
+                FP8 w8a8 and w8a16, MXFP4, INT4) and the cubins of the select and route
+                kernels the tests and benchmarks use.
 2. tests        pytest -m gpu over an explicit file list (no whole-tree collection), JUnit XML
                 written straight to DIR.
 3. routing      bench/gpu_routing.py --quick -> DIR/gpu_routing.json as soon as it finishes
@@ -80,6 +81,7 @@ GPU_TEST_FILES = (
     "tests/gpu/test_gpu_graph.py",
     "tests/gpu/test_gpu_fp8_device.py",
     "tests/gpu/test_gpu_mxfp4_device.py",
+    "tests/gpu/test_gpu_int4_device.py",
     "tests/routing/test_select_cuda.py",
     "tests/routing/test_dispatch_cuda.py",
     "tests/routing/test_frameworks.py",
@@ -493,13 +495,14 @@ print(f"warm: {len(names)} {kernel_file} instantiations compiled")
 
 
 def warm_stage(out: Path) -> int:
-    from moeroute.gpu import gemm_fp8, gemm_mxfp4, launch, loader
+    from moeroute.gpu import gemm_fp8, gemm_int4, gemm_mxfp4, launch, loader
 
     capability = loader.compute_capability()
     kernels = {
         launch.KERNEL_FILE: launch.shipped_name_expressions("cuda"),
         gemm_fp8.KERNEL_FILE: gemm_fp8.shipped_name_expressions("cuda", capability),
         gemm_mxfp4.KERNEL_FILE: gemm_mxfp4.shipped_name_expressions("cuda", capability),
+        gemm_int4.KERNEL_FILE: gemm_int4.shipped_name_expressions("cuda", capability),
     }
     commands = [[sys.executable, "-c", _WARM_CPU], [sys.executable, "-c", _WARM_CUBINS]] + [
         [sys.executable, "-c", _WARM_GEMM, kernel_file, *names[i::WARM_GEMM_PROCESSES]]

@@ -11,9 +11,9 @@ fp8    cpu      "rows" up to `ROWS_MAX_MEAN_ROWS` mean rows per hit expert, and 
                 else "blocks"
 mxfp4  cpu      "rows" (few rows per expert decode in registers, more decode once per call)
 int4   cpu      "rows" up to `ROWS_MAX_MEAN_ROWS` mean rows per hit expert, else "blocks"
-int4   cuda     "blocks" (no INT4 CUDA kernels)
-any    cuda     "cuda": `moeroute.gpu.fused_experts` (the quantized formats where CuPy is
-                installed and the call is one its kernels take; else "blocks")
+any    cuda     "cuda": `moeroute.gpu.fused_experts` (the quantized formats, INT4 and FP8
+                w8a16 included, where CuPy is installed and the call is one its kernels
+                take; else "blocks")
 =====  =======  ===========================================================================
 
 A strategy a caller names is checked against its format's row of `STRATEGIES` (`check_strategy`),
@@ -133,7 +133,7 @@ def choose(
     onednn : float on the CPU: the loop's linears run on oneDNN
     bf16_dot : fp8 on the CPU: the bfloat16-dot row kernels serve these shapes
     cuda_kernels : quantized formats on CUDA: CuPy is installed and the call is one the
-        CUDA kernels take (int4 has none: "blocks")
+        CUDA kernels take
 
     Returns
     -------
@@ -148,7 +148,7 @@ def choose(
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not an experts backend; use one of {BACKENDS}")
     if backend == "cuda":
-        if format != "float" and (strategy == "blocks" or not cuda_kernels or format == "int4"):
+        if format != "float" and (strategy == "blocks" or not cuda_kernels):
             return "blocks"
         return "cuda"
     if strategy != "auto":

@@ -1,7 +1,8 @@
 """``fused_experts``, the front door of the GPU expert GEMMs: float experts run the kernels of
 `moeroute.gpu.gemm` (kernels/moe_gemm.cu), FP8 experts (``quant=``) those of
 `moeroute.gpu.gemm_fp8` (kernels/moe_gemm_fp8.cu), MXFP4 experts those of
-`moeroute.gpu.gemm_mxfp4` (kernels/moe_gemm_mxfp4.cu). All sit below this module, so none
+`moeroute.gpu.gemm_mxfp4` (kernels/moe_gemm_mxfp4.cu), INT4 experts those of
+`moeroute.gpu.gemm_int4` (kernels/moe_gemm_int4.cu). All sit below this module, so none
 imports another's front door."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from moeroute.gpu.gemm import (
     run_fused_experts,
 )
 from moeroute.gpu.gemm_fp8 import fused_experts_fp8
+from moeroute.gpu.gemm_int4 import fused_experts_int4
 from moeroute.gpu.gemm_mxfp4 import fused_experts_mxfp4
 
 __all__ = ["fused_experts"]
@@ -61,13 +63,20 @@ def fused_experts(
     quant : moeroute.quant.QuantConfig, optional
         FP8 experts (torch CUDA tensors only): w_gate_up / w_down are float8_e4m3fn with
         ``gate_up_scale`` / ``down_scale`` float32 of ``quant.scale_shapes``, and the w8a8
-        kernels of moe_gemm_fp8.cu run them (moeroute.gpu.gemm_fp8.fused_experts_fp8);
+        kernels of moe_gemm_fp8.cu run them (moeroute.gpu.gemm_fp8.fused_experts_fp8), or its
+        w8a16 kernels with ``QuantConfig("fp8_block", activation="none")``;
         ``input_scale`` [E, 2] float32 with fp8_tensor and activation="static".
         MXFP4 experts (``QuantConfig(format="mxfp4")``, torch CUDA tensors only): w_gate_up and
         w_down are ``(blocks, scales)`` pairs of uint8 tensors ([E, 2I, H/32, 16] and
         [E, 2I, H/32]; [E, H, I/32, 16] and [E, H, I/32]), decoded in registers by the w4a16
         kernels of moe_gemm_mxfp4.cu (moeroute.gpu.gemm_mxfp4.fused_experts_mxfp4); the biases
         may be of any float dtype (added in float32); no scale arguments.
+        INT4 experts (``QuantConfig("int4", group_size=g, symmetric=...)``, torch CUDA tensors
+        only): w_gate_up and w_down are ``(packed, scales)`` (symmetric) or ``(packed, scales,
+        zeros)`` tuples (`moeroute.quant.int4`: uint8 [E, 2I, H/2], scales float32 / bfloat16 /
+        float16 [E, 2I, H/g], zeros uint8 [E, 2I, H/g]; [E, H, I/2] ... for w_down), decoded in
+        registers by the w4a16 kernels of moe_gemm_int4.cu
+        (moeroute.gpu.gemm_int4.fused_experts_int4); no biases, no scale arguments.
 
     All arrays are CuPy arrays or all are torch CUDA tensors, on one device, C-contiguous.
     Accumulation is float32; intermediate and output are in the input dtype.
@@ -88,6 +97,32 @@ def fused_experts(
         arguments are on different devices.
     """
     weights_then_ids(topk_weights, topk_ids)
+    if quant is not None and getattr(quant, "format", None) == "int4":
+        unsupported = {
+            "block_size": block_size,
+            "gate_up_bias": gate_up_bias,
+            "down_bias": down_bias,
+            "gate_up_scale": gate_up_scale,
+            "down_scale": down_scale,
+            "input_scale": input_scale,
+        }
+        for name, value in unsupported.items():
+            if value is not None:
+                raise ValueError(
+                    f"{name} is not supported with quant=int4 (the scales and zero points travel in the "
+                    f"(packed, scales[, zeros]) tuples; the format has no biases): pass None"
+                )
+        return fused_experts_int4(
+            hidden_states,
+            w_gate_up,
+            w_down,
+            topk_weights,
+            topk_ids,
+            group_size=quant.group_size,
+            symmetric=quant.symmetric,
+            activation=activation,
+            apply_router_weight=apply_router_weight,
+        )
     if quant is not None and getattr(quant, "format", None) == "mxfp4":
         unsupported = {
             "block_size": block_size,

@@ -69,6 +69,10 @@ def simt_name(dtype: str, tile_m: int, gated: bool) -> str:
     return f"moe_gemm_fp8_simt<{L.KERNEL_TYPE_NAMES[dtype]}, {tile_m}, {int(gated)}>"
 
 
+def w8a16_simt_name(dtype: str, tile_m: int, gated: bool) -> str:
+    return f"moe_gemm_fp8w16_simt<{L.KERNEL_TYPE_NAMES[dtype]}, {tile_m}, {int(gated)}>"
+
+
 def mma_name(dtype: str, tile: Fp8MmaTile, gated: bool) -> str:
     return (
         f"moe_gemm_fp8_mma<{L.KERNEL_TYPE_NAMES[dtype]}, {tile.tile_m}, {tile.block_n}, {tile.warps_m}, "
@@ -92,6 +96,7 @@ def shipped_name_expressions(platform: str = "cuda", compute_capability=None) ->
         for tile_m in L.SIMT_TILE_HEIGHTS:
             for gated in (True, False):
                 names.append(simt_name(dtype, tile_m, gated))
+                names.append(w8a16_simt_name(dtype, tile_m, gated))
         if with_mma:
             for (_, gated), tile in FP8_MMA_TILES.items():
                 names.append(mma_name(dtype, tile, gated))
@@ -219,6 +224,58 @@ def plan_fp8_gemm(
     raise ValueError(f"path={path!r}: expected 'simt' or 'mma'")
 
 
+def plan_fp8_w8a16_gemm(
+    *,
+    dtype: str,
+    gated: bool,
+    block_size: int,
+    a,
+    b,
+    b_scale,
+    c,
+    sorted_token_ids,
+    expert_ids,
+    topk_weights,
+    numel: int,
+    top_k: int,
+    n: int,
+    k: int,
+    bn: int,
+    bk: int,
+    activation: str = "silu",
+    apply_router_weight: bool = False,
+) -> L.KernelLaunch:
+    """Launch of one w8a16 FP8 grouped GEMM (moe_gemm_fp8w16_simt): ``a`` [rows, k] of ``dtype``
+    (not quantized), ``b`` and ``b_scale`` as plan_fp8_gemm's, c: [numel, n] of ``dtype``."""
+    rows = int(sorted_token_ids.shape[0])
+    tile_m = L.simt_tile_height(block_size)
+    args = (
+        a,
+        b,
+        b_scale,
+        c,
+        sorted_token_ids,
+        expert_ids,
+        topk_weights,
+        np.int32(numel),
+        np.int32(top_k),
+        np.int32(n),
+        np.int32(k),
+        np.int32(bn),
+        np.int32(bk),
+        np.int32(block_size),
+        np.int32(L.ACTIVATIONS[activation]),
+        np.int32(bool(apply_router_weight)),
+    )
+    return L.KernelLaunch(
+        w8a16_simt_name(dtype, tile_m, gated),
+        (rows // tile_m, L.ceil_div(n, L.SIMT_BLOCK_N), 1),
+        (L.SIMT_THREADS, 1, 1),
+        0,
+        args,
+    )
+
+
 def _shape(x) -> tuple:
     return tuple(int(v) for v in x.shape)
 
@@ -296,6 +353,7 @@ def run_fp8_experts(
     align_block=None,
     path=None,
     input_scale=None,
+    w8a16: bool = False,
 ):
     """Enqueue the FP8 expert MLPs on ``backend`` (arrays in its framework: e4m3 weights as
     uint8 bits, scales float32, hidden_states and out of ``dtype``) and return ``out``.
@@ -303,6 +361,10 @@ def run_fp8_experts(
     ``input_scale`` (fp8_tensor only): [E, 2] float32 static activation scales (gate_up input,
     down input) instead of dynamic per-token ones; each slot's rows are then quantized with
     its expert's scale.
+
+    ``w8a16``: the activations are not quantized (QuantConfig activation="none"): the weights
+    are decoded to float32 (e4m3 * s) in the tiles of moe_gemm_fp8w16_simt, the only path
+    ("simt"; None picks it); ``scale_fmt`` is not used (the weight scales are as stored).
 
     ``backend`` provides ``empty(shape, dtype_name)`` (including "uint8"), ``launch(plan)``,
     ``align_block_size``, ``compute_capability`` and ``is_hip``; ``path`` is "mma", "simt" or
@@ -328,8 +390,29 @@ def run_fp8_experts(
             raise ValueError(f"input_scale (static activation scales) needs format='fp8_tensor', got {format!r}")
         if _shape(input_scale) != (E, 2):
             raise ValueError(f"input_scale has shape {_shape(input_scale)}; expected {[E, 2]} (gate_up, down)")
+    if w8a16 and input_scale is not None:
+        raise ValueError("input_scale (static activation scales) does not apply to w8a16 (activations not quantized)")
     if T == 0:
         return out
+    if w8a16:
+        if path not in (None, "simt"):
+            raise ValueError(f"path={path!r}; the w8a16 FP8 kernels have the 'simt' path only (or None)")
+        return _run_w8a16(
+            backend,
+            dtype,
+            hidden_states,
+            w_gate_up,
+            gate_up_scale,
+            w_down,
+            down_scale,
+            topk_weights,
+            topk_ids,
+            out,
+            tiles=(bn_gu, bk_gu, bn_d, bk_d),
+            activation=activation,
+            apply_router_weight=apply_router_weight,
+            align_block=align_block,
+        )
     if path is None:
         path = (
             "mma" if (not backend.is_hip and backend.compute_capability >= FP8_MMA_MIN_COMPUTE_CAPABILITY) else "simt"
@@ -454,6 +537,87 @@ def run_fp8_experts(
     return out
 
 
+def _run_w8a16(
+    backend,
+    dtype,
+    hidden_states,
+    w_gate_up,
+    gate_up_scale,
+    w_down,
+    down_scale,
+    topk_weights,
+    topk_ids,
+    out,
+    *,
+    tiles,
+    activation,
+    apply_router_weight,
+    align_block,
+):
+    T, H = _shape(hidden_states)
+    E, two_I, _ = _shape(w_gate_up)
+    I, K = two_I // 2, _shape(topk_ids)[1]
+    bn_gu, bk_gu, bn_d, bk_d = tiles
+    numel = T * K
+    align_block = align_block or L.choose_block_size(numel, E)
+    sorted_token_ids, expert_ids = backend.align_block_size(topk_ids, E, align_block)
+    common = dict(
+        dtype=dtype,
+        block_size=align_block,
+        sorted_token_ids=sorted_token_ids,
+        expert_ids=expert_ids,
+        topk_weights=topk_weights.reshape(-1),
+        numel=numel,
+    )
+    intermediate = backend.empty((numel, I), dtype)
+    backend.launch(
+        plan_fp8_w8a16_gemm(
+            gated=True,
+            a=hidden_states,
+            b=w_gate_up,
+            b_scale=gate_up_scale,
+            c=intermediate,
+            top_k=K,
+            n=I,
+            k=H,
+            bn=bn_gu,
+            bk=bk_gu,
+            activation=activation,
+            **common,
+        )
+    )
+    expert_out = backend.empty((numel, H), dtype)
+    backend.launch(
+        plan_fp8_w8a16_gemm(
+            gated=False,
+            a=intermediate,
+            b=w_down,
+            b_scale=down_scale,
+            c=expert_out,
+            top_k=1,
+            n=H,
+            k=I,
+            bn=bn_d,
+            bk=bk_d,
+            apply_router_weight=apply_router_weight,
+            **common,
+        )
+    )
+    backend.launch(
+        L.plan_sum_topk(
+            dtype=dtype,
+            expert_out=expert_out,
+            topk_ids=topk_ids,
+            out=out,
+            num_tokens=T,
+            top_k=K,
+            hidden_size=H,
+            num_experts=E,
+        )
+    )
+    return out
+
+
 class CupyFp8Backend:
     """The backend of ``run_fp8_experts`` on the current CuPy device and stream."""
 
@@ -492,7 +656,8 @@ def fused_experts_fp8(
     input_scale=None,
 ):
     """Routed FP8 expert MLPs on torch CUDA tensors: ``out[t] = sum_k w[t,k] * expert(x_t)`` with
-    the w8a8 numerics of ``quant`` (a moeroute.quant.QuantConfig with activation="dynamic").
+    the numerics of ``quant`` (a moeroute.quant.QuantConfig): w8a8 with activation="dynamic" or
+    "static", w8a16 with activation="none" (activations as they are, weights e4m3 * block scale).
 
     hidden_states [T, H] float32 / float16 / bfloat16; w_gate_up [E, 2I, H] and w_down [E, H, I]
     torch.float8_e4m3fn; scales float32 as QuantConfig.scale_shapes; topk_weights [T, K]
@@ -500,12 +665,6 @@ def fused_experts_fp8(
     float32 (gate_up input, down input), required with fp8_tensor and activation="static".
     Returns [T, H] in the dtype of hidden_states, enqueued on torch's current stream.
     """
-    if getattr(quant, "activation", None) == "none":
-        raise ValueError(
-            f"quant={quant!r}: the FP8 CUDA/HIP kernels compute w8a8 (quant activation 'dynamic' or "
-            "'static'); w8a16 FP8 experts (activation='none') run on the devices through MoE's torch "
-            "'blocks' strategy"
-        )
     import cupy
     import torch
 
@@ -587,5 +746,6 @@ def fused_experts_fp8(
             apply_router_weight=apply_router_weight,
             path=path,
             input_scale=_torch_as_cupy(input_scale) if static else None,
+            w8a16=quant.activation == "none",
         )
     return out

@@ -41,9 +41,10 @@ TABLE = [
     ("mxfp4", "cuda", [3], {}, "cuda"),
     ("mxfp4", "cuda", [3], {"strategy": "blocks"}, "blocks"),
     ("mxfp4", "cuda", [3], {"cuda_kernels": False}, "blocks"),
-    # INT4 has no CUDA kernels: "blocks" whatever is asked.
-    ("int4", "cuda", [3], {}, "blocks"),
-    ("int4", "cuda", [3], {"strategy": "rows"}, "blocks"),
+    ("int4", "cuda", [3], {}, "cuda"),
+    ("int4", "cuda", [3], {"strategy": "rows"}, "cuda"),
+    ("int4", "cuda", [3], {"strategy": "blocks"}, "blocks"),
+    ("int4", "cuda", [3], {"cuda_kernels": False}, "blocks"),
 ]
 
 

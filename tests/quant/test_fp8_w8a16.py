@@ -6,7 +6,7 @@ Every CPU strategy, float32 and bfloat16 activations, one and two threads, again
 float64 layer on the dequantized weights (`moeroute.quant.reference` with
 ``quantize_activations=False``, itself checked against a dense float64 layer written here),
 within the bound of docs/quant.md; then the stack: MoE, load_state_dict, the custom op,
-from_hf, and the refusals (FP8 dispatch, the FP8 CUDA kernels, formats without w8a16).
+from_hf, and the refusals (FP8 dispatch, formats without w8a16); the FP8 CUDA kernels take it.
 """
 
 from __future__ import annotations
@@ -206,11 +206,20 @@ def test_refusals_name_the_argument():
         )
 
 
-def test_fp8_cuda_kernels_refuse_w8a16():
+def test_fp8_cuda_kernels_take_w8a16():
+    # The quant check lets w8a16 through (it has its own CUDA kernel); these CPU tensors are
+    # then stopped by the device check, before anything is launched.
     from moeroute.gpu.gemm_fp8 import fused_experts_fp8
 
-    with pytest.raises(ValueError, match="activation='none'"):
-        fused_experts_fp8(None, None, None, None, None, None, None, quant=QuantConfig("fp8_block", activation="none"))
+    config = QuantConfig("fp8_block", activation="none")
+    gen = torch.Generator().manual_seed(0)
+    q_gu, s_gu, q_d, s_d = quantize_experts(
+        torch.randn(2, 256, 128, generator=gen), torch.randn(2, 128, 128, generator=gen), config
+    )
+    x = torch.randn(3, 128, generator=gen)
+    weights, ids = torch.rand(3, 2, generator=gen), torch.zeros(3, 2, dtype=torch.int32)
+    with pytest.raises(TypeError, match="CUDA tensors"):
+        fused_experts_fp8(x, q_gu, s_gu, q_d, s_d, weights, ids, quant=config)
 
 
 def test_from_hf_chooses_w8a16_over_the_same_bytes():

@@ -309,10 +309,10 @@ def fp8_experts_forward(
     device = hidden_states.device
     gu_scale, d_scale, gu_block, d_block = _kernel_scales(config, gate_up_scale, down_scale, hidden, inter)
     if device.type != "cpu":
-        # The CUDA kernels take the float rows (not rows quantized by the sender) on a CUDA
-        # device where CuPy is installed; else the torch "blocks". They compute w8a8 only:
-        # w8a16 takes the blocks.
-        cuda_kernels = device.type == "cuda" and received is None and config.quantizes_activations and cupy_installed()
+        # The CUDA kernels (w8a8, and w8a16 with activation="none") take the float rows (not
+        # rows quantized by the sender) on a CUDA device where CuPy is installed; else the
+        # torch "blocks".
+        cuda_kernels = device.type == "cuda" and received is None and cupy_installed()
         strategy = choose("fp8", "cuda", strategy=strategy, cuda_kernels=cuda_kernels)
         if strategy == "cuda":
             from moeroute.gpu import fused_experts

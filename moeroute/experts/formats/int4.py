@@ -29,7 +29,7 @@ import torch
 
 from moeroute import routing
 from moeroute.experts.activations import gated_activation
-from moeroute.experts.choose import STRATEGIES, check_strategy, choose
+from moeroute.experts.choose import STRATEGIES, check_strategy, choose, cupy_installed
 from moeroute.experts.cpu import int4 as cpu_int4
 from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
 from moeroute.experts.cpu import mxfp4_rows
@@ -71,7 +71,8 @@ def int4_experts_forward(
     group_size : {32, 64, 128}
     activation : str
     strategy : {"auto", "rows", "blocks"}
-        On another device than the CPU every strategy is "blocks".
+        On a CUDA device every strategy but "blocks" runs `moeroute.gpu.fused_experts` (the
+        INT4 kernels) where CuPy is installed; otherwise, and on other devices, "blocks".
 
     Returns
     -------
@@ -106,6 +107,21 @@ def int4_experts_forward(
         **{f"down[{i}]": t for i, t in enumerate(down) if t is not None},
     )
     dtype, device = hidden_states.dtype, hidden_states.device
+    if device.type != "cpu":
+        # A CUDA device where CuPy is installed takes the INT4 CUDA kernels; else the torch "blocks".
+        cuda_kernels = device.type == "cuda" and cupy_installed()
+        if choose("int4", "cuda", strategy=strategy, cuda_kernels=cuda_kernels) == "cuda":
+            from moeroute.gpu import fused_experts
+
+            return fused_experts(
+                hidden_states.contiguous(),
+                tuple(t.contiguous() for t in gate_up if t is not None),
+                tuple(t.contiguous() for t in down if t is not None),
+                weights.to(torch.float32).contiguous(),
+                local_ids.to(torch.int32).contiguous(),
+                activation=activation,
+                quant=QuantConfig("int4", group_size=group_size, symmetric=gate_up[2] is None),
+            )
     top_k = local_ids.shape[1]
     backend = "cpu" if device.type == "cpu" else "cuda"
     if backend == "cpu":

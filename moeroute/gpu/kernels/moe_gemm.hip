@@ -25,53 +25,32 @@
 //                  packed 4-byte epilogue stores. Needs k % 8 == 0 and 16-byte aligned A / B (the
 //                  launcher checks). Tile shape, k slice, pipeline depth and occupancy are template
 //                  arguments: launch.py holds one configuration for sm_80 and one for sm_90.
-#include "compat.cuh"
+#include "moe_tile.cuh"
 
 namespace moeroute {
 
-// Activation codes, shared with moeroute/gpu/launch.py (ACTIVATIONS).
-constexpr int kActivationSilu = 0;
-constexpr int kActivationGelu = 1;      // exact: 0.5 x (1 + erf(x / sqrt(2)))
-constexpr int kActivationGeluTanh = 2;  // tanh approximation, as torch's approximate="tanh"
-constexpr int kActivationSwigluOai = 3; // gpt-oss: clamped gate and up, (up + 1) * gate * sigmoid(1.702 gate)
+// Float weights: A and B of T (float32, float16, bfloat16) read as they are, bias of T.
+template <typename T, int GATES>
+struct FloatDecoder {
+  static constexpr bool kGrouped = false;
+  const T* a;
+  const T* b;
+  const T* bias_values;
+  int n, k;
 
-constexpr float kInverseSqrt2 = 0.70710678118654752f;
-constexpr float kSqrt2OverPi = 0.79788456080286536f;
-constexpr float kGeluTanhCubic = 0.044715f;
-constexpr float kSwigluOaiAlpha = 1.702f;  // gpt-oss swiglu_alpha
-constexpr float kSwigluOaiLimit = 7.0f;    // gpt-oss swiglu_limit
-
-MOEROUTE_DEVICE float activate(float x, int activation) {
-  switch (activation) {
-    case kActivationGelu:
-      return 0.5f * x * (1.0f + erff(x * kInverseSqrt2));
-    case kActivationGeluTanh:
-      return 0.5f * x * (1.0f + tanhf(kSqrt2OverPi * (x + kGeluTanhCubic * x * x * x)));
-    case kActivationSilu:
-    default:
-      return x / (1.0f + expf(-x));
+  MOEROUTE_DEVICE int group_k() const { return k; }
+  MOEROUTE_DEVICE float a_value(long long a_row, int col) const { return to_float(a[a_row * k + col]); }
+  MOEROUTE_DEVICE void b_pair(int expert, int gate, int col, int kcol, bool hi_valid, float& lo, float& hi) const {
+    const T* row = b + ((static_cast<long long>(expert) * GATES + gate) * n + col) * k + kcol;
+    lo = to_float(row[0]);
+    if (hi_valid) hi = to_float(row[1]);
   }
-}
-
-// The gated MLP's intermediate value from the gate and up products.
-MOEROUTE_DEVICE float gated_activate(float gate, float up, int activation) {
-  if (activation == kActivationSwigluOai) {
-    const float g = fminf(gate, kSwigluOaiLimit);
-    const float u = fminf(fmaxf(up, -kSwigluOaiLimit), kSwigluOaiLimit);
-    return (u + 1.0f) * (g / (1.0f + expf(-kSwigluOaiAlpha * g)));
+  MOEROUTE_DEVICE float bias(int expert, int gate, int col) const {
+    return to_float(bias_values[(static_cast<long long>(expert) * GATES + gate) * n + col]);
   }
-  return activate(gate, activation) * up;
-}
-
-// SIMT tiling: 256 threads as a 16 x 16 grid, each owning TILE_M/16 rows x 4 columns.
-constexpr int kSimtThreadsX = 16;
-constexpr int kSimtThreadsY = 16;
-constexpr int kSimtThreads = kSimtThreadsX * kSimtThreadsY;
-constexpr int kSimtBlockN = 64;  // output columns per block
-constexpr int kSimtBlockK = 16;  // reduction slice staged in shared memory per step
-// Two resident blocks per multiprocessor: one loads its tiles while the other computes. (With
-// the thread count alone, ptxas squeezes the small tiles into 40 registers and spills.)
-constexpr int kSimtMinBlocksPerMultiprocessor = 2;
+  MOEROUTE_DEVICE float row_scale(long long, int) const { return 1.0f; }
+  MOEROUTE_DEVICE float col_scale(int, int, int, int) const { return 1.0f; }
+};
 
 }  // namespace moeroute
 
@@ -83,84 +62,10 @@ __global__ void MOEROUTE_LAUNCH_BOUNDS(moeroute::kSimtThreads, moeroute::kSimtMi
                   const float* __restrict__ topk_weights, const T* __restrict__ bias, int numel, int top_k,
                   int n, int k, int block_size, int activation, int apply_router_weight, int has_bias) {
   using namespace moeroute;
-  constexpr int GATES = GATED ? 2 : 1;
-  constexpr int ROWS_PER_THREAD = TILE_M / kSimtThreadsY;
-  constexpr int COLS_PER_THREAD = kSimtBlockN / kSimtThreadsX;
-  static_assert(TILE_M % kSimtThreadsY == 0, "TILE_M must be a multiple of the thread grid height");
-
-  // +1 column: the transposed stores of a warp hit 32 different banks.
-  __shared__ float a_tile[kSimtBlockK][TILE_M + 1];
-  __shared__ float b_tile[GATES][kSimtBlockK][kSimtBlockN + 1];
-  __shared__ int token_row[TILE_M];
-
-  const int row0 = blockIdx.x * TILE_M;
-  const int n0 = blockIdx.y * kSimtBlockN;
-  const int expert = expert_ids[row0 / block_size];
-  if (expert < 0) return;  // the whole block: no thread reaches a barrier
-
-  const int tid = threadIdx.x;
-  const int tx = tid % kSimtThreadsX, ty = tid / kSimtThreadsX;
-  for (int r = tid; r < TILE_M; r += kSimtThreads) token_row[r] = sorted_token_ids[row0 + r];
-  __syncthreads();
-
-  const T* b_expert = b + static_cast<long long>(expert) * GATES * n * k;
-  float accumulator[GATES][ROWS_PER_THREAD][COLS_PER_THREAD] = {};
-
-  for (int k0 = 0; k0 < k; k0 += kSimtBlockK) {
-    for (int e = tid; e < TILE_M * kSimtBlockK; e += kSimtThreads) {
-      const int m = e / kSimtBlockK, kk = e % kSimtBlockK;
-      const int token = token_row[m];
-      float value = 0.0f;
-      if (token < numel && k0 + kk < k) value = to_float(a[static_cast<long long>(token / top_k) * k + k0 + kk]);
-      a_tile[kk][m] = value;
-    }
-    for (int e = tid; e < GATES * kSimtBlockN * kSimtBlockK; e += kSimtThreads) {
-      const int row = e / kSimtBlockK, kk = e % kSimtBlockK;
-      const int gate = row / kSimtBlockN, col = row % kSimtBlockN;
-      float value = 0.0f;
-      if (n0 + col < n && k0 + kk < k)
-        value = to_float(b_expert[(static_cast<long long>(gate) * n + n0 + col) * k + k0 + kk]);
-      b_tile[gate][kk][col] = value;
-    }
-    __syncthreads();
-    MOEROUTE_UNROLL
-    for (int kk = 0; kk < kSimtBlockK; ++kk) {
-      float a_value[ROWS_PER_THREAD];
-      MOEROUTE_UNROLL
-      for (int i = 0; i < ROWS_PER_THREAD; ++i) a_value[i] = a_tile[kk][ty + kSimtThreadsY * i];
-      MOEROUTE_UNROLL
-      for (int g = 0; g < GATES; ++g) {
-        MOEROUTE_UNROLL
-        for (int j = 0; j < COLS_PER_THREAD; ++j) {
-          const float b_value = b_tile[g][kk][tx + kSimtThreadsX * j];
-          MOEROUTE_UNROLL
-          for (int i = 0; i < ROWS_PER_THREAD; ++i) accumulator[g][i][j] += a_value[i] * b_value;
-        }
-      }
-    }
-    __syncthreads();
-  }
-
-  MOEROUTE_UNROLL
-  for (int i = 0; i < ROWS_PER_THREAD; ++i) {
-    const int token = token_row[ty + kSimtThreadsY * i];
-    if (token >= numel) continue;
-    const float scale = (!GATED && apply_router_weight) ? topk_weights[token] : 1.0f;
-    T* c_row = c + static_cast<long long>(token) * n;
-    const T* bias_row = bias + static_cast<long long>(expert) * GATES * n;
-    MOEROUTE_UNROLL
-    for (int j = 0; j < COLS_PER_THREAD; ++j) {
-      const int col = n0 + tx + kSimtThreadsX * j;
-      if (col >= n) continue;
-      float first = accumulator[0][i][j], second = accumulator[GATES - 1][i][j];
-      if (has_bias) {
-        first += to_float(bias_row[col]);
-        if (GATED) second += to_float(bias_row[n + col]);
-      }
-      const float value = GATED ? gated_activate(first, second, activation) : first * scale;
-      c_row[col] = from_float<T>(value);
-    }
-  }
+  const FloatDecoder<T, GATED ? 2 : 1> decoder{a, b, bias, n, k};
+  moe_tile_simt<FloatDecoder<T, GATED ? 2 : 1>, T, TILE_M, GATED>(decoder, c, sorted_token_ids, expert_ids,
+                                                                  topk_weights, numel, top_k, n, k, block_size,
+                                                                  activation, apply_router_weight, has_bias);
 }
 
 #if MOEROUTE_HAS_MMA
@@ -172,23 +77,6 @@ namespace moeroute {
 constexpr int kMmaRowPadding = 8;  // +16 bytes a row: ldmatrix's 8 row reads hit distinct banks
 constexpr int kMmaChunk = 8;       // 16-bit values per 16-byte cp.async
 constexpr int kMmaGroupM = 8;      // row tiles walked together: their A rows stay in L2
-
-// Writes the pair (lo, hi) to dst[0], dst[1]: one 4-byte store when dst is 4-byte aligned and
-// both columns are in range, else one 2-byte store per column in range (the scalar tail).
-template <typename T>
-MOEROUTE_DEVICE void store_pair(T* dst, float lo, float hi, bool hi_in_range) {
-  const T lo_value = from_float<T>(lo);
-  if (hi_in_range) {
-    const T hi_value = from_float<T>(hi);
-    if ((reinterpret_cast<unsigned long long>(dst) & 3ull) == 0) {
-      *reinterpret_cast<unsigned int*>(dst) =
-          static_cast<unsigned int>(lo_value.bits) | (static_cast<unsigned int>(hi_value.bits) << 16);
-      return;
-    }
-    dst[1] = hi_value;
-  }
-  dst[0] = lo_value;
-}
 
 // Issues the cp.async of one stage: TILE_M rows of A (through token_row), then GATES * BLOCK_N
 // rows of B (gate rows n0.., then up rows n + n0..), BLOCK_K values each from column k0.

@@ -2,7 +2,7 @@
 // do not edit: change moe_gemm_fp8.cu and rerun the script.
 // FP8 (e4m3) expert GEMMs over expert-sorted, block-padded rows: the w8a8 numerics of docs/quant.md.
 //
-// Three kernels, launched by moeroute/gpu/gemm_fp8.py (the same plans drive the host emulation):
+// Four kernels, launched by moeroute/gpu/gemm_fp8.py (the same plans drive the host emulation):
 //
 //   fp8_quantize_groups   x [rows, cols] (float32 / float16 / bfloat16) -> q [rows, cols] e4m3 bytes and
 //                         scales [rows, ceil(cols / group_size)] float32, per row and group of columns:
@@ -10,6 +10,8 @@
 //                         q = e4m3(clamp(x / s, -448, 448)), rounded to nearest even, as torch's cast.
 //   moe_gemm_fp8_simt     every GPU (and the host emulation, and HIP): e4m3 decoded to float in registers.
 //   moe_gemm_fp8_mma      sm_89+: mma.sync m16n8k32 e4m3 x e4m3 -> float32.
+//   moe_gemm_fp8w16_simt  w8a16 (activation="none"), every GPU: activations as they are, each weight
+//                         e4m3 * s decoded to float32 in the tile, y = x @ w^T summed in float32.
 //
 // Both GEMMs compute, for a row m (one (token, slot) of the sorted layout) and an output column n,
 //
@@ -133,6 +135,65 @@ __global__ void __launch_bounds__(moeroute::kQuantThreads)
     q[row * cols + col] = float_to_e4m3(to_float(x_row[col]) / scale);
 }
 
+namespace moeroute {
+
+// w8a8: A e4m3 rows with float32 scales [rows of A, ceil(k / bk)], B e4m3 with block scales
+// [E, GATES * ceil(n / bn), ceil(k / bk)]; products of e4m3 values summed per group of bk
+// columns, promoted with s_a * s_w.
+template <int GATES>
+struct Fp8Decoder {
+  static constexpr bool kGrouped = true;
+  const unsigned char* a;
+  const float* a_scale;
+  const unsigned char* b;
+  const float* b_scale;
+  int n, k, bn, bk;
+
+  MOEROUTE_DEVICE int group_k() const { return bk; }
+  MOEROUTE_DEVICE int groups() const { return (k + bk - 1) / bk; }
+  MOEROUTE_DEVICE float a_value(long long a_row, int col) const { return e4m3_to_float(a[a_row * k + col]); }
+  MOEROUTE_DEVICE void b_pair(int expert, int gate, int col, int kcol, bool hi_valid, float& lo, float& hi) const {
+    const unsigned char* row = b + ((static_cast<long long>(expert) * GATES + gate) * n + col) * k + kcol;
+    lo = e4m3_to_float(row[0]);
+    if (hi_valid) hi = e4m3_to_float(row[1]);
+  }
+  MOEROUTE_DEVICE float row_scale(long long a_row, int g) const { return a_scale[a_row * groups() + g]; }
+  MOEROUTE_DEVICE float col_scale(int expert, int gate, int col, int g) const {
+    const int n_blocks = (n + bn - 1) / bn;
+    return b_scale[((static_cast<long long>(expert) * GATES + gate) * n_blocks + col / bn) * groups() + g];
+  }
+  MOEROUTE_DEVICE float bias(int, int, int) const { return 0.0f; }
+};
+
+// w8a16: A of T as it is; B e4m3 times its block's float32 scale, decoded to float32 in the
+// tile (w = e4m3 * s, the dequantized weight of docs/quant.md), then one float32 sum over k.
+template <typename T, int GATES>
+struct Fp8W16Decoder {
+  static constexpr bool kGrouped = false;
+  const T* a;
+  const unsigned char* b;
+  const float* b_scale;
+  int n, k, bn, bk;
+
+  MOEROUTE_DEVICE int group_k() const { return k; }
+  MOEROUTE_DEVICE float a_value(long long a_row, int col) const { return to_float(a[a_row * k + col]); }
+  MOEROUTE_DEVICE float scale(long long block_row, int kcol) const {
+    return b_scale[block_row * ((k + bk - 1) / bk) + kcol / bk];
+  }
+  MOEROUTE_DEVICE void b_pair(int expert, int gate, int col, int kcol, bool hi_valid, float& lo, float& hi) const {
+    const long long weight_row = (static_cast<long long>(expert) * GATES + gate) * n + col;
+    const long long block_row = (static_cast<long long>(expert) * GATES + gate) * ((n + bn - 1) / bn) + col / bn;
+    const unsigned char* row = b + weight_row * k + kcol;
+    lo = e4m3_to_float(row[0]) * scale(block_row, kcol);
+    if (hi_valid) hi = e4m3_to_float(row[1]) * scale(block_row, kcol + 1);
+  }
+  MOEROUTE_DEVICE float row_scale(long long, int) const { return 1.0f; }
+  MOEROUTE_DEVICE float col_scale(int, int, int, int) const { return 1.0f; }
+  MOEROUTE_DEVICE float bias(int, int, int) const { return 0.0f; }
+};
+
+}  // namespace moeroute
+
 // Grid: (row tiles, ceil(n / kSimtBlockN)); block: kSimtThreads. Tiling as moe_gemm_simt.
 template <typename T, int TILE_M, int GATED>
 __global__ void MOEROUTE_LAUNCH_BOUNDS(moeroute::kSimtThreads, moeroute::kSimtMinBlocksPerMultiprocessor)
@@ -142,102 +203,26 @@ __global__ void MOEROUTE_LAUNCH_BOUNDS(moeroute::kSimtThreads, moeroute::kSimtMi
                       const float* __restrict__ topk_weights, int numel, int top_k, int n, int k, int bn, int bk,
                       int block_size, int activation, int apply_router_weight) {
   using namespace moeroute;
-  constexpr int GATES = GATED ? 2 : 1;
-  constexpr int ROWS_PER_THREAD = TILE_M / kSimtThreadsY;
-  constexpr int COLS_PER_THREAD = kSimtBlockN / kSimtThreadsX;
-  static_assert(TILE_M % kSimtThreadsY == 0, "TILE_M must be a multiple of the thread grid height");
+  using Decoder = Fp8Decoder<GATED ? 2 : 1>;
+  const Decoder decoder{a, a_scale, b, b_scale, n, k, bn, bk};
+  moe_tile_simt<Decoder, T, TILE_M, GATED>(decoder, c, sorted_token_ids, expert_ids, topk_weights, numel, top_k, n,
+                                           k, block_size, activation, apply_router_weight, 0);
+}
 
-  __shared__ float a_tile[kSimtBlockK][TILE_M + 1];
-  __shared__ float b_tile[GATES][kSimtBlockK][kSimtBlockN + 1];
-  __shared__ int token_row[TILE_M];
-
-  const int row0 = blockIdx.x * TILE_M;
-  const int n0 = blockIdx.y * kSimtBlockN;
-  const int expert = expert_ids[row0 / block_size];
-  if (expert < 0) return;  // the whole block: no thread reaches a barrier
-
-  const int tid = threadIdx.x;
-  const int tx = tid % kSimtThreadsX, ty = tid / kSimtThreadsX;
-  for (int r = tid; r < TILE_M; r += kSimtThreads) token_row[r] = sorted_token_ids[row0 + r];
-  __syncthreads();
-
-  const int groups = (k + bk - 1) / bk, n_blocks = (n + bn - 1) / bn;
-  const unsigned char* b_expert = b + static_cast<long long>(expert) * GATES * n * k;
-  const float* scale_expert = b_scale + static_cast<long long>(expert) * GATES * n_blocks * groups;
-  float accumulator[GATES][ROWS_PER_THREAD][COLS_PER_THREAD] = {};
-
-  for (int g = 0; g < groups; ++g) {
-    const int k_begin = g * bk, k_end = k_begin + bk < k ? k_begin + bk : k;
-    float partial[GATES][ROWS_PER_THREAD][COLS_PER_THREAD] = {};
-    for (int k0 = k_begin; k0 < k_end; k0 += kSimtBlockK) {
-      for (int e = tid; e < TILE_M * kSimtBlockK; e += kSimtThreads) {
-        const int m = e / kSimtBlockK, kk = e % kSimtBlockK;
-        const int token = token_row[m];
-        float value = 0.0f;
-        if (token < numel && k0 + kk < k_end)
-          value = e4m3_to_float(a[static_cast<long long>(token / top_k) * k + k0 + kk]);
-        a_tile[kk][m] = value;
-      }
-      for (int e = tid; e < GATES * kSimtBlockN * kSimtBlockK; e += kSimtThreads) {
-        const int row = e / kSimtBlockK, kk = e % kSimtBlockK;
-        const int gate = row / kSimtBlockN, col = row % kSimtBlockN;
-        float value = 0.0f;
-        if (n0 + col < n && k0 + kk < k_end)
-          value = e4m3_to_float(b_expert[(static_cast<long long>(gate) * n + n0 + col) * k + k0 + kk]);
-        b_tile[gate][kk][col] = value;
-      }
-      __syncthreads();
-      MOEROUTE_UNROLL
-      for (int kk = 0; kk < kSimtBlockK; ++kk) {
-        float a_value[ROWS_PER_THREAD];
-        MOEROUTE_UNROLL
-        for (int i = 0; i < ROWS_PER_THREAD; ++i) a_value[i] = a_tile[kk][ty + kSimtThreadsY * i];
-        MOEROUTE_UNROLL
-        for (int gate = 0; gate < GATES; ++gate) {
-          MOEROUTE_UNROLL
-          for (int j = 0; j < COLS_PER_THREAD; ++j) {
-            const float b_value = b_tile[gate][kk][tx + kSimtThreadsX * j];
-            MOEROUTE_UNROLL
-            for (int i = 0; i < ROWS_PER_THREAD; ++i) partial[gate][i][j] += a_value[i] * b_value;
-          }
-        }
-      }
-      __syncthreads();
-    }
-    // Promote the group's sums with s_a[row, g] * s_w[col // bn, g].
-    float row_scale[ROWS_PER_THREAD];
-    MOEROUTE_UNROLL
-    for (int i = 0; i < ROWS_PER_THREAD; ++i) {
-      const int token = token_row[ty + kSimtThreadsY * i];
-      row_scale[i] = token < numel ? a_scale[static_cast<long long>(token / top_k) * groups + g] : 0.0f;
-    }
-    MOEROUTE_UNROLL
-    for (int gate = 0; gate < GATES; ++gate) {
-      MOEROUTE_UNROLL
-      for (int j = 0; j < COLS_PER_THREAD; ++j) {
-        const int col = n0 + tx + kSimtThreadsX * j;
-        const float col_scale = col < n ? scale_expert[(gate * n_blocks + col / bn) * groups + g] : 0.0f;
-        MOEROUTE_UNROLL
-        for (int i = 0; i < ROWS_PER_THREAD; ++i) accumulator[gate][i][j] += partial[gate][i][j] * (row_scale[i] * col_scale);
-      }
-    }
-  }
-
-  MOEROUTE_UNROLL
-  for (int i = 0; i < ROWS_PER_THREAD; ++i) {
-    const int token = token_row[ty + kSimtThreadsY * i];
-    if (token >= numel) continue;
-    const float scale = (!GATED && apply_router_weight) ? topk_weights[token] : 1.0f;
-    T* c_row = c + static_cast<long long>(token) * n;
-    MOEROUTE_UNROLL
-    for (int j = 0; j < COLS_PER_THREAD; ++j) {
-      const int col = n0 + tx + kSimtThreadsX * j;
-      if (col >= n) continue;
-      const float value = GATED ? gated_activate(accumulator[0][i][j], accumulator[GATES - 1][i][j], activation)
-                                : accumulator[0][i][j] * scale;
-      c_row[col] = from_float<T>(value);
-    }
-  }
+// w8a16 (QuantConfig("fp8_block", activation="none")): A of T, not quantized; weights and
+// scales as moe_gemm_fp8_simt's. Grid and block as moe_gemm_simt.
+template <typename T, int TILE_M, int GATED>
+__global__ void MOEROUTE_LAUNCH_BOUNDS(moeroute::kSimtThreads, moeroute::kSimtMinBlocksPerMultiprocessor)
+    moe_gemm_fp8w16_simt(const T* __restrict__ a, const unsigned char* __restrict__ b,
+                         const float* __restrict__ b_scale, T* __restrict__ c,
+                         const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
+                         const float* __restrict__ topk_weights, int numel, int top_k, int n, int k, int bn, int bk,
+                         int block_size, int activation, int apply_router_weight) {
+  using namespace moeroute;
+  using Decoder = Fp8W16Decoder<T, GATED ? 2 : 1>;
+  const Decoder decoder{a, b, b_scale, n, k, bn, bk};
+  moe_tile_simt<Decoder, T, TILE_M, GATED>(decoder, c, sorted_token_ids, expert_ids, topk_weights, numel, top_k, n,
+                                           k, block_size, activation, apply_router_weight, 0);
 }
 
 #if MOEROUTE_HAS_FP8_MMA

@@ -32,7 +32,7 @@
 //     (A B^T + bias) times topk_weights[j] when apply_router_weight.
 // Biases are float32 ([E, 2n] gate entries first, or [E, n]); without has_bias never read.
 // Rows, padding and slots of other ranks are handled as in moe_gemm.cu (included below for its
-// activations, its SIMT tiling constants, mma_m16n8k16 and moe_sum_topk).
+// moe_sum_topk); both GEMMs are the shared tile loops of moe_tile.cuh with Mxfp4Decoder.
 #include "moe_gemm.cu"
 
 namespace moeroute {
@@ -83,6 +83,60 @@ MOEROUTE_DEVICE unsigned int e2m1_pair(unsigned int byte) {
 
 }  // namespace moeroute
 
+namespace moeroute {
+
+// MXFP4 weights: blocks (byte j: values 2j low nibble, 2j + 1 high) and one scale byte per 32
+// values; biases float32. SIMT: each value e2m1 * 2^(s - 127) in float32. mma: the tile's scale
+// bytes staged once, nibbles decoded to exact 16-bit e2m1 values, 2^(s - 127) at promotion.
+template <typename T, int GATES>
+struct Mxfp4Decoder {
+  static constexpr bool kGrouped = false;
+  const T* a;
+  const unsigned char* blocks;
+  const unsigned char* scales;
+  const float* bias_values;
+  int n, k;
+
+  MOEROUTE_DEVICE int group_k() const { return k; }
+  MOEROUTE_DEVICE int k_blocks() const { return k / kMxfp4BlockValues; }
+  MOEROUTE_DEVICE float a_value(long long a_row, int col) const { return to_float(a[a_row * k + col]); }
+  MOEROUTE_DEVICE long long weight_row(int expert, int gate, int col) const {
+    return (static_cast<long long>(expert) * GATES + gate) * n + col;
+  }
+  MOEROUTE_DEVICE void b_pair(int expert, int gate, int col, int kcol, bool, float& lo, float& hi) const {
+    const long long row = weight_row(expert, gate, col);
+    const unsigned int byte = blocks[row * (k / 2) + kcol / 2];
+    const float scale = mxfp4_scale(scales[row * k_blocks() + kcol / kMxfp4BlockValues]);
+    lo = e2m1_to_float(byte & 0xfu) * scale;
+    hi = e2m1_to_float(byte >> 4) * scale;
+  }
+  MOEROUTE_DEVICE float bias(int expert, int gate, int col) const { return bias_values[weight_row(expert, gate, col)]; }
+  MOEROUTE_DEVICE float row_scale(long long, int) const { return 1.0f; }
+  MOEROUTE_DEVICE float col_scale(int, int, int, int) const { return 1.0f; }
+
+  // mma: the tile's scale bytes, GATES * BLOCK_N rows of k / 32; rows out of range read as 0
+  // (they multiply zero sums).
+  template <int BLOCK_N, int TILE_GATES, int THREADS>
+  MOEROUTE_DEVICE void stage_metadata(unsigned char* metadata, int expert, int n0, int tid) const {
+    for (int e = tid; e < TILE_GATES * BLOCK_N * k_blocks(); e += THREADS) {
+      const int row = e / k_blocks(), k_block = e % k_blocks();
+      const int gate = row / BLOCK_N, col = n0 + row % BLOCK_N;
+      metadata[e] = col < n ? scales[weight_row(expert, gate, col) * k_blocks() + k_block] : 0;
+    }
+  }
+#if MOEROUTE_HAS_MMA
+  template <typename U>
+  MOEROUTE_DEVICE unsigned int pair16(const unsigned char*, int, int, unsigned int byte) const {
+    return e2m1_pair<U>(byte);
+  }
+#endif
+  MOEROUTE_DEVICE float block_scale(const unsigned char* metadata, int tile_row, int, int, int, int k_block) const {
+    return mxfp4_scale(metadata[tile_row * k_blocks() + k_block]);
+  }
+};
+
+}  // namespace moeroute
+
 // Grid: (row tiles, ceil(n / kSimtBlockN)); block: kSimtThreads. Tiling as moe_gemm_simt; k is a
 // multiple of 32, so a k slice of kSimtBlockK never straddles two scale blocks.
 template <typename T, int TILE_M, int GATED>
@@ -94,140 +148,19 @@ __global__ void MOEROUTE_LAUNCH_BOUNDS(moeroute::kSimtThreads, moeroute::kSimtMi
                         int top_k, int n, int k, int block_size, int activation, int apply_router_weight,
                         int has_bias) {
   using namespace moeroute;
-  constexpr int GATES = GATED ? 2 : 1;
-  constexpr int ROWS_PER_THREAD = TILE_M / kSimtThreadsY;
-  constexpr int COLS_PER_THREAD = kSimtBlockN / kSimtThreadsX;
-  static_assert(TILE_M % kSimtThreadsY == 0, "TILE_M must be a multiple of the thread grid height");
   static_assert(kMxfp4BlockValues % kSimtBlockK == 0, "a k slice lies inside one scale block");
-
-  __shared__ float a_tile[kSimtBlockK][TILE_M + 1];
-  __shared__ float b_tile[GATES][kSimtBlockK][kSimtBlockN + 1];
-  __shared__ int token_row[TILE_M];
-
-  const int row0 = blockIdx.x * TILE_M;
-  const int n0 = blockIdx.y * kSimtBlockN;
-  const int expert = expert_ids[row0 / block_size];
-  if (expert < 0) return;  // the whole block: no thread reaches a barrier
-
-  const int tid = threadIdx.x;
-  const int tx = tid % kSimtThreadsX, ty = tid / kSimtThreadsX;
-  for (int r = tid; r < TILE_M; r += kSimtThreads) token_row[r] = sorted_token_ids[row0 + r];
-  __syncthreads();
-
-  const int k_blocks = k / kMxfp4BlockValues;
-  const long long expert_rows = static_cast<long long>(expert) * GATES * n;
-  const unsigned char* blocks_expert = b_blocks + expert_rows * k_blocks * kMxfp4BlockBytes;
-  const unsigned char* scales_expert = b_scales + expert_rows * k_blocks;
-  float accumulator[GATES][ROWS_PER_THREAD][COLS_PER_THREAD] = {};
-
-  for (int k0 = 0; k0 < k; k0 += kSimtBlockK) {
-    for (int e = tid; e < TILE_M * kSimtBlockK; e += kSimtThreads) {
-      const int m = e / kSimtBlockK, kk = e % kSimtBlockK;
-      const int token = token_row[m];
-      a_tile[kk][m] = token < numel ? to_float(a[static_cast<long long>(token / top_k) * k + k0 + kk]) : 0.0f;
-    }
-    // Each thread decodes one byte: two neighbouring values of k.
-    for (int e = tid; e < GATES * kSimtBlockN * (kSimtBlockK / 2); e += kSimtThreads) {
-      const int row = e / (kSimtBlockK / 2), pair = e % (kSimtBlockK / 2);
-      const int gate = row / kSimtBlockN, col = row % kSimtBlockN;
-      float low = 0.0f, high = 0.0f;
-      if (n0 + col < n) {
-        const long long weight_row = static_cast<long long>(gate) * n + n0 + col;
-        const unsigned int byte = blocks_expert[weight_row * (k / 2) + k0 / 2 + pair];
-        const float scale = mxfp4_scale(scales_expert[weight_row * k_blocks + k0 / kMxfp4BlockValues]);
-        low = e2m1_to_float(byte & 0xfu) * scale;
-        high = e2m1_to_float(byte >> 4) * scale;
-      }
-      b_tile[gate][2 * pair][col] = low;
-      b_tile[gate][2 * pair + 1][col] = high;
-    }
-    __syncthreads();
-    MOEROUTE_UNROLL
-    for (int kk = 0; kk < kSimtBlockK; ++kk) {
-      float a_value[ROWS_PER_THREAD];
-      MOEROUTE_UNROLL
-      for (int i = 0; i < ROWS_PER_THREAD; ++i) a_value[i] = a_tile[kk][ty + kSimtThreadsY * i];
-      MOEROUTE_UNROLL
-      for (int g = 0; g < GATES; ++g) {
-        MOEROUTE_UNROLL
-        for (int j = 0; j < COLS_PER_THREAD; ++j) {
-          const float b_value = b_tile[g][kk][tx + kSimtThreadsX * j];
-          MOEROUTE_UNROLL
-          for (int i = 0; i < ROWS_PER_THREAD; ++i) accumulator[g][i][j] += a_value[i] * b_value;
-        }
-      }
-    }
-    __syncthreads();
-  }
-
-  MOEROUTE_UNROLL
-  for (int i = 0; i < ROWS_PER_THREAD; ++i) {
-    const int token = token_row[ty + kSimtThreadsY * i];
-    if (token >= numel) continue;
-    const float scale = (!GATED && apply_router_weight) ? topk_weights[token] : 1.0f;
-    T* c_row = c + static_cast<long long>(token) * n;
-    const float* bias_row = bias + expert_rows;
-    MOEROUTE_UNROLL
-    for (int j = 0; j < COLS_PER_THREAD; ++j) {
-      const int col = n0 + tx + kSimtThreadsX * j;
-      if (col >= n) continue;
-      float first = accumulator[0][i][j], second = accumulator[GATES - 1][i][j];
-      if (has_bias) {
-        first += bias_row[col];
-        if (GATED) second += bias_row[n + col];
-      }
-      c_row[col] = from_float<T>(GATED ? gated_activate(first, second, activation) : first * scale);
-    }
-  }
+  using Decoder = Mxfp4Decoder<T, GATED ? 2 : 1>;
+  const Decoder decoder{a, b_blocks, b_scales, bias, n, k};
+  moe_tile_simt<Decoder, T, TILE_M, GATED>(decoder, c, sorted_token_ids, expert_ids, topk_weights, numel, top_k, n,
+                                           k, block_size, activation, apply_router_weight, has_bias);
 }
 
 #if MOEROUTE_HAS_MMA
 
-namespace moeroute {
-
-constexpr int kMxfp4SliceK = 64;  // values of k per pipeline stage: two scale blocks
-constexpr int kMxfp4SliceBlocks = kMxfp4SliceK / kMxfp4BlockValues;
-// A stage rows: 16-bit values, +8 (16 bytes) a row: the fragment loads of a warp hit distinct
-// banks and rows stay 16-byte aligned for cp.async.
-constexpr int kMxfp4APitch = kMxfp4SliceK + 8;
-// B stage rows: packed bytes (two values each), +16 a row for the same two reasons.
-constexpr int kMxfp4BPitch = kMxfp4SliceK / 2 + 16;
-constexpr int kMxfp4AChunks = kMxfp4SliceK / 8;   // 16-byte copies per A row and stage
-constexpr int kMxfp4BChunks = kMxfp4SliceK / 32;  // 16-byte copies per B row and stage
-
-// Issues the cp.async of one stage: TILE_M rows of A (through token_row), then GATES * BLOCK_N
-// rows of packed B (gate rows n0.., then up rows n + n0..), from k value k0. Rows and columns
-// out of range are zero-filled (zero bytes decode to e2m1 zeros).
-template <int TILE_M, int BLOCK_N, int GATES, int THREADS>
-MOEROUTE_DEVICE void mxfp4_load_stage(unsigned char* stage, const unsigned char* a_bytes,
-                                      const unsigned char* blocks_expert, const int* token_row, int numel,
-                                      int top_k, int n, int k, int n0, int k0, int tid) {
-  unsigned char* b_stage = stage + TILE_M * kMxfp4APitch * 2;
-  for (int chunk = tid; chunk < TILE_M * kMxfp4AChunks; chunk += THREADS) {
-    const int row = chunk / kMxfp4AChunks, offset = (chunk % kMxfp4AChunks) * 8;
-    const int token = token_row[row];
-    const bool valid = token < numel && k0 + offset < k;
-    const unsigned char* source =
-        valid ? a_bytes + (static_cast<long long>(token / top_k) * k + k0 + offset) * 2 : a_bytes;
-    cp_async_16(stage + (row * kMxfp4APitch + offset) * 2, source, valid);
-  }
-  for (int chunk = tid; chunk < GATES * BLOCK_N * kMxfp4BChunks; chunk += THREADS) {
-    const int row = chunk / kMxfp4BChunks, offset = (chunk % kMxfp4BChunks) * 16;
-    const int gate = row / BLOCK_N, col = n0 + row % BLOCK_N;
-    const bool valid = col < n && k0 / 2 + offset < k / 2;
-    const unsigned char* source =
-        valid ? blocks_expert + (static_cast<long long>(gate) * n + col) * (k / 2) + k0 / 2 + offset : blocks_expert;
-    cp_async_16(b_stage + row * kMxfp4BPitch + offset, source, valid);
-  }
-}
-
-}  // namespace moeroute
-
-// Grid: (row tiles, ceil(n / BLOCK_N)); block: WARPS_M * WARPS_N warps. Each warp owns
-// (TILE_M / WARPS_M) x (BLOCK_N / WARPS_N) outputs per gate as 16x8 mma tiles. Dynamic shared
-// memory: STAGES stages of (TILE_M * kMxfp4APitch * 2 + GATES * BLOCK_N * kMxfp4BPitch) bytes,
-// then the tile's scale bytes, GATES * BLOCK_N rows of k / 32. Needs A and the blocks 16-byte
-// aligned (the launcher checks; k % 32 == 0 by the format keeps every row aligned).
+// Grid: (row tiles, ceil(n / BLOCK_N)); block: WARPS_M * WARPS_N warps (moe_tile_narrow_mma).
+// Dynamic shared memory: STAGES stages of (TILE_M * kNarrowAPitch * 2 + GATES * BLOCK_N *
+// kNarrowBPitch) bytes, then the tile's scale bytes, GATES * BLOCK_N rows of k / 32. Needs A and
+// the blocks 16-byte aligned (the launcher checks; k % 32 == 0 by the format keeps every row aligned).
 template <typename T, int TILE_M, int BLOCK_N, int WARPS_M, int WARPS_N, int STAGES, int MIN_BLOCKS, int GATED>
 __global__ void MOEROUTE_LAUNCH_BOUNDS(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE, MIN_BLOCKS)
     moe_gemm_mxfp4_mma(const T* __restrict__ a, const unsigned char* __restrict__ b_blocks,
@@ -237,148 +170,12 @@ __global__ void MOEROUTE_LAUNCH_BOUNDS(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE, MIN
                        int top_k, int n, int k, int block_size, int activation, int apply_router_weight,
                        int has_bias) {
   using namespace moeroute;
-  static_assert(MOEROUTE_WARP_SIZE == 32, "mma.sync fragments are laid out over 32 lanes");
-  static_assert(STAGES >= 2, "one stage loading while one computes");
-  constexpr int THREADS = WARPS_M * WARPS_N * MOEROUTE_WARP_SIZE;
-  constexpr int GATES = GATED ? 2 : 1;
-  constexpr int WARP_M = TILE_M / WARPS_M, WARP_N = BLOCK_N / WARPS_N;
-  constexpr int M_TILES = WARP_M / 16, N_TILES = WARP_N / 8;
-  static_assert(WARP_M % 16 == 0 && WARP_N % 8 == 0, "warp tiles are whole 16x8 mma tiles");
-  constexpr int STAGE_BYTES = TILE_M * kMxfp4APitch * 2 + GATES * BLOCK_N * kMxfp4BPitch;
-
-  MOEROUTE_DYNAMIC_SHARED(shared_bytes);
-  unsigned char* scale_bytes = shared_bytes + STAGES * STAGE_BYTES;
-  __shared__ int token_row[TILE_M];
-
-  const int row0 = blockIdx.x * TILE_M;
-  const int n0 = blockIdx.y * BLOCK_N;
-  const int expert = expert_ids[row0 / block_size];
-  if (expert < 0) return;  // the whole block: no thread reaches a barrier
-
-  const int tid = threadIdx.x;
-  const int lane = tid % MOEROUTE_WARP_SIZE, warp = tid / MOEROUTE_WARP_SIZE;
-  const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
-  const int group = lane / 4, thread_in_group = lane % 4;
-  for (int r = tid; r < TILE_M; r += THREADS) token_row[r] = sorted_token_ids[row0 + r];
-  __syncthreads();
-
-  const int k_blocks = k / kMxfp4BlockValues;
-  const int k_steps = (k + kMxfp4SliceK - 1) / kMxfp4SliceK;
-  const long long expert_rows = static_cast<long long>(expert) * GATES * n;
-  const unsigned char* blocks_expert = b_blocks + expert_rows * k_blocks * kMxfp4BlockBytes;
-  const unsigned char* a_bytes = reinterpret_cast<const unsigned char*>(a);
-
-  // Every step commits one group (possibly empty) so that wait_group counts stay in step.
-  MOEROUTE_UNROLL
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < k_steps)
-      mxfp4_load_stage<TILE_M, BLOCK_N, GATES, THREADS>(shared_bytes + s * STAGE_BYTES, a_bytes, blocks_expert,
-                                                        token_row, numel, top_k, n, k, n0, s * kMxfp4SliceK, tid);
-    cp_async_commit();
-  }
-  // The tile's scale bytes, all of k, while the first stages are in flight (the first barrier of
-  // the loop publishes them). Rows out of range read as 0; they multiply zero sums.
-  const unsigned char* scales_expert = b_scales + expert_rows * k_blocks;
-  for (int e = tid; e < GATES * BLOCK_N * k_blocks; e += THREADS) {
-    const int row = e / k_blocks, k_block = e % k_blocks;
-    const int gate = row / BLOCK_N, col = n0 + row % BLOCK_N;
-    scale_bytes[e] = col < n ? scales_expert[(static_cast<long long>(gate) * n + col) * k_blocks + k_block] : 0;
-  }
-
-  float accumulator[GATES][M_TILES][N_TILES][4] = {};
-  for (int kt = 0; kt < k_steps; ++kt) {
-    cp_async_wait<STAGES - 2>();
-    // Stage kt is visible to all threads, and every warp is done with the stage refilled below.
-    __syncthreads();
-    const int next = kt + STAGES - 1;
-    if (next < k_steps)
-      mxfp4_load_stage<TILE_M, BLOCK_N, GATES, THREADS>(shared_bytes + (next % STAGES) * STAGE_BYTES, a_bytes,
-                                                        blocks_expert, token_row, numel, top_k, n, k, n0,
-                                                        next * kMxfp4SliceK, tid);
-    cp_async_commit();
-
-    const unsigned short* a_stage = reinterpret_cast<const unsigned short*>(shared_bytes + (kt % STAGES) * STAGE_BYTES);
-    const unsigned char* b_stage = shared_bytes + (kt % STAGES) * STAGE_BYTES + TILE_M * kMxfp4APitch * 2;
-    MOEROUTE_UNROLL
-    for (int slice_block = 0; slice_block < kMxfp4SliceBlocks; ++slice_block) {
-      const int k_block = kt * kMxfp4SliceBlocks + slice_block;
-      if (k_block >= k_blocks) break;  // the last step of a k that is an odd number of blocks
-      float partial[GATES][M_TILES][N_TILES][4] = {};
-      MOEROUTE_UNROLL
-      for (int step = 0; step < kMxfp4BlockValues; step += 16) {
-        const int kk = slice_block * kMxfp4BlockValues + step;
-        // A regs (g, 2t) (g+8, 2t) (g, 2t+8) (g+8, 2t+8), two 16-bit values each.
-        unsigned int a_fragment[M_TILES][4];
-        MOEROUTE_UNROLL
-        for (int mt = 0; mt < M_TILES; ++mt) {
-          const unsigned short* base = a_stage + (warp_m * WARP_M + mt * 16 + group) * kMxfp4APitch + kk +
-                                       2 * thread_in_group;
-          a_fragment[mt][0] = *reinterpret_cast<const unsigned int*>(base);
-          a_fragment[mt][1] = *reinterpret_cast<const unsigned int*>(base + 8 * kMxfp4APitch);
-          a_fragment[mt][2] = *reinterpret_cast<const unsigned int*>(base + 8);
-          a_fragment[mt][3] = *reinterpret_cast<const unsigned int*>(base + 8 * kMxfp4APitch + 8);
-        }
-        MOEROUTE_UNROLL
-        for (int gate = 0; gate < GATES; ++gate) {
-          MOEROUTE_UNROLL
-          for (int nt = 0; nt < N_TILES; ++nt) {
-            // B regs (k = 2t..2t+1, n = g) and (k = 2t+8..2t+9, n = g): bytes t and 4 + t of the
-            // k16 step in row g, decoded in registers.
-            const unsigned char* row =
-                b_stage + (gate * BLOCK_N + warp_n * WARP_N + nt * 8 + group) * kMxfp4BPitch + kk / 2;
-            const unsigned int b0 = e2m1_pair<T>(row[thread_in_group]);
-            const unsigned int b1 = e2m1_pair<T>(row[4 + thread_in_group]);
-            MOEROUTE_UNROLL
-            for (int mt = 0; mt < M_TILES; ++mt) mma_m16n8k16<T>(partial[gate][mt][nt], a_fragment[mt], b0, b1);
-          }
-        }
-      }
-      // Promote the block's sums with its scale 2^(s - 127), per output column, in float32.
-      MOEROUTE_UNROLL
-      for (int gate = 0; gate < GATES; ++gate) {
-        MOEROUTE_UNROLL
-        for (int nt = 0; nt < N_TILES; ++nt) {
-          const int row = gate * BLOCK_N + warp_n * WARP_N + nt * 8 + 2 * thread_in_group;
-          const float scale[2] = {mxfp4_scale(scale_bytes[row * k_blocks + k_block]),
-                                  mxfp4_scale(scale_bytes[(row + 1) * k_blocks + k_block])};
-          MOEROUTE_UNROLL
-          for (int mt = 0; mt < M_TILES; ++mt) {
-            MOEROUTE_UNROLL
-            for (int i = 0; i < 4; ++i) accumulator[gate][mt][nt][i] += partial[gate][mt][nt][i] * scale[i % 2];
-          }
-        }
-      }
-    }
-  }
-  cp_async_wait<0>();
-
-  MOEROUTE_UNROLL
-  for (int mt = 0; mt < M_TILES; ++mt) {
-    MOEROUTE_UNROLL
-    for (int half = 0; half < 2; ++half) {
-      const int token = token_row[warp_m * WARP_M + mt * 16 + group + 8 * half];
-      if (token >= numel) continue;
-      const float scale = (!GATED && apply_router_weight) ? topk_weights[token] : 1.0f;
-      T* c_row = c + static_cast<long long>(token) * n;
-      const float* bias_row = bias + expert_rows;
-      MOEROUTE_UNROLL
-      for (int nt = 0; nt < N_TILES; ++nt) {
-        const int col = n0 + warp_n * WARP_N + nt * 8 + 2 * thread_in_group;
-        if (col >= n) continue;
-        float value[2];
-        MOEROUTE_UNROLL
-        for (int j = 0; j < 2; ++j) {
-          float first = accumulator[0][mt][nt][2 * half + j], second = accumulator[GATES - 1][mt][nt][2 * half + j];
-          if (has_bias && col + j < n) {
-            first += bias_row[col + j];
-            if (GATED) second += bias_row[n + col + j];
-          }
-          value[j] = GATED ? gated_activate(first, second, activation) : first * scale;
-        }
-        store_pair(c_row + col, value[0], value[1], col + 1 < n);
-      }
-    }
-  }
+  static_assert(kNarrowBlockValues == kMxfp4BlockValues, "one promotion per scale block");
+  using Decoder = Mxfp4Decoder<T, GATED ? 2 : 1>;
+  const Decoder decoder{a, b_blocks, b_scales, bias, n, k};
+  moe_tile_narrow_mma<Decoder, T, TILE_M, BLOCK_N, WARPS_M, WARPS_N, STAGES, GATED>(
+      decoder, a, b_blocks, c, sorted_token_ids, expert_ids, topk_weights, numel, top_k, n, k, block_size, activation,
+      apply_router_weight, has_bias);
 }
 
 #endif  // MOEROUTE_HAS_MMA

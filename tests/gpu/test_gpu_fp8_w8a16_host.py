@@ -1,0 +1,165 @@
+"""The FP8 w8a16 kernels of moe_gemm_fp8.cu (``QuantConfig("fp8_block", activation="none")``) without
+a GPU: compiled for the host (tests/gpu/host_emulation.h) and run against a float64 reference on the
+dequantized weights (each e4m3 value times its (bn, bk) block's scale, written here from the format)
+with the activations as they are; the NVRTC and hipcc compiles of every shipped instantiation are
+test_gpu_fp8_host.py's.
+
+Problems are ragged (experts with 0, 1, B-1 and B+1 rows, slots of other ranks), H and I are not
+multiples of the weight blocks (partial last blocks both ways), and one block shape has a bk that
+is no multiple of the kernels' k slices.
+"""
+
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+
+import gpu_host_emulator
+from gpu_host_emulator import GuardedArrays, HostBackend, HostEmulator, compiler_available
+from gpu_reference import from_storage, ragged_routing, to_storage
+from helpers.reference import dense_experts
+from moeroute.gpu import gemm_fp8 as G
+from moeroute.gpu import launch as L
+from moeroute.quant import QuantConfig
+from moeroute.quant.fp8 import quantize_experts
+
+TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# max |kernel - reference| / max |reference|. float32: each weight is one float32 rounding of
+# e4m3 * s, sums float32 against float64. bfloat16: the activations are exact in the reference,
+# but the kernels round the intermediate and the output to bfloat16.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+COUNTS = [0, 1, 15, 17]
+BLOCKS = [(128, 128), (64, 128), (32, 48)]
+
+
+def _host_names():
+    names = [L.sum_name(dtype) for dtype in TORCH]
+    names += [G.w8a16_simt_name(dtype, tile_m, gated) for dtype in TORCH for tile_m in (16,) for gated in (True, False)]
+    return names
+
+
+@pytest.fixture(scope="module")
+def w8a16_emulator(tmp_path_factory):
+    if not compiler_available():
+        pytest.skip("g++ not found: the host emulation of the kernels needs a C++20 compiler")
+    original = gpu_host_emulator._translation_unit
+
+    def translation_unit(names):
+        return original(names).replace(f'#include "{L.KERNEL_FILE}.cu"', f'#include "{G.KERNEL_FILE}.cu"')
+
+    with mock.patch.object(gpu_host_emulator, "_translation_unit", translation_unit):
+        emulator = HostEmulator(_host_names(), build_dir=tmp_path_factory.mktemp("fp8-w8a16-emulator"))
+    emulator.configure()
+    return emulator
+
+
+class Fp8HostBackend(HostBackend):
+    def empty(self, shape, dtype):
+        return self.arrays.empty(shape, np.uint8 if dtype == "uint8" else L.STORAGE_DTYPES[dtype])
+
+
+def dequantize_blocks(q, scale, block, halves):
+    """float64 [E, rows, cols] of e4m3 ``q`` and block scales (``halves`` 2: gate_up, whose scale
+    rows are the gate's blocks then the up's; 1: down)."""
+    bn, bk = block
+    values = q.to(torch.float64)
+    rows, cols = values.shape[1] // halves, values.shape[2]
+    parts = []
+    for half, s in enumerate(scale.double().chunk(halves, dim=1)):
+        full = s.repeat_interleave(bn, dim=1)[:, :rows].repeat_interleave(bk, dim=2)[:, :, :cols]
+        parts.append(values[:, half * rows : (half + 1) * rows] * full)
+    return torch.cat(parts, dim=1)
+
+
+def _problem(block, dtype, seed, H=144, I=100, top_k=2):
+    rng = np.random.default_rng(seed)
+    topk_ids, topk_weights = ragged_routing(COUNTS, top_k, len(COUNTS), rng)
+    E, T = len(COUNTS), topk_ids.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(TORCH[dtype])
+    w_gate_up = torch.randn(E, 2 * I, H, generator=gen) / H**0.5
+    w_down = torch.randn(E, H, I, generator=gen) / I**0.5
+    config = QuantConfig("fp8_block", block_size=block, activation="none")
+    return x, topk_ids, topk_weights, quantize_experts(w_gate_up, w_down, config)
+
+
+@pytest.mark.parametrize("dtype", list(TORCH))
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"block{b[0]}x{b[1]}")
+def test_w8a16_experts_match_the_dequantized_reference(w8a16_emulator, dtype, block):
+    x, topk_ids, topk_weights, (q_gu, s_gu, q_d, s_d) = _problem(block, dtype, seed=3)
+    arrays = GuardedArrays()
+    backend = Fp8HostBackend(w8a16_emulator, arrays)
+    T, H = x.shape
+    out = arrays.empty((T, H), L.STORAGE_DTYPES[dtype])
+    bytes_of = lambda q: arrays.copy(q.view(torch.uint8).numpy())  # noqa: E731
+    G.run_fp8_experts(
+        backend,
+        dtype,
+        arrays.copy(to_storage(x.float().numpy(), dtype)),
+        bytes_of(q_gu),
+        arrays.copy(s_gu.numpy()),
+        bytes_of(q_d),
+        arrays.copy(s_d.numpy()),
+        arrays.copy(topk_weights),
+        arrays.copy(topk_ids),
+        out,
+        format="fp8_block",
+        block_size=block,
+        align_block=16,
+        w8a16=True,
+    )
+    arrays.check_guards()
+    assert backend.launched[0].startswith("moe_gemm_fp8w16_simt"), backend.launched
+    assert not any(name.startswith("fp8_quantize") for name in backend.launched), "w8a16 quantizes no activations"
+    expected = dense_experts(
+        x.double(),
+        torch.from_numpy(topk_ids),
+        torch.from_numpy(topk_weights),
+        dequantize_blocks(q_gu, s_gu, block, 2),
+        dequantize_blocks(q_d, s_d, block, 1),
+    ).numpy()
+    actual = from_storage(out, dtype)
+    assert np.isfinite(actual).all()
+    error = np.abs(actual - expected).max() / np.abs(expected).max()
+    assert error <= TOLERANCE[dtype], f"{block} {dtype}: relative error {error:.3g}"
+    on_device = ((topk_ids >= 0) & (topk_ids < len(COUNTS))).any(axis=1)
+    assert (actual[~on_device] == 0).all()
+
+
+def test_w8a16_has_the_simt_path_only():
+    x, topk_ids, topk_weights, (q_gu, s_gu, q_d, s_d) = _problem((128, 128), "float32", seed=1)
+    arrays = GuardedArrays()
+    args = (x.numpy(), q_gu.view(torch.uint8).numpy(), s_gu.numpy(), q_d.view(torch.uint8).numpy(), s_d.numpy())
+    with pytest.raises(ValueError, match="'simt' path only"):
+        G.run_fp8_experts(
+            HostBackend(None, arrays),
+            "float32",
+            *args,
+            topk_weights,
+            topk_ids,
+            None,
+            format="fp8_block",
+            w8a16=True,
+            path="mma",
+        )
+
+
+def test_fused_experts_takes_w8a16_to_the_kernels():
+    # CPU tensors: the argument checks pass (w8a16 is no longer refused by name) and the
+    # device check is what stops the call.
+    from moeroute.gpu import fused_experts
+
+    x, topk_ids, topk_weights, (q_gu, s_gu, q_d, s_d) = _problem((128, 128), "bfloat16", seed=2)
+    quant = QuantConfig("fp8_block", activation="none")
+    with pytest.raises(TypeError, match="CUDA"):
+        fused_experts(
+            x,
+            q_gu,
+            q_d,
+            torch.from_numpy(topk_weights),
+            torch.from_numpy(topk_ids),
+            quant=quant,
+            gate_up_scale=s_gu,
+            down_scale=s_d,
+        )
