@@ -1,8 +1,9 @@
 """The FP8 w8a16 kernels of moe_gemm_fp8.cu (``QuantConfig("fp8_block", activation="none")``) without
 a GPU: compiled for the host (tests/gpu/host_emulation.h) and run against a float64 reference on the
 dequantized weights (each e4m3 value times its (bn, bk) block's scale, written here from the format)
-with the activations as they are; the NVRTC and hipcc compiles of every shipped instantiation are
-test_gpu_fp8_host.py's.
+with the activations as they are; NVRTC compiles the w8a16 kernels for sm_80 (the sm_89 / sm_90
+NVRTC and the hipcc compiles of every shipped FP8 instantiation, w8a16 included, are
+test_gpu_fp8_host.py's).
 
 Problems are ragged (experts with 0, 1, B-1 and B+1 rows, slots of other ranks), H and I are not
 multiples of the weight blocks (partial last blocks both ways), and one block shape has a bk that
@@ -16,11 +17,12 @@ import pytest
 import torch
 
 import gpu_host_emulator
-from gpu_host_emulator import GuardedArrays, HostBackend, HostEmulator, compiler_available
+from gpu_host_emulator import GuardedArrays, HostBackend, HostEmulator, compiler_available, nvrtc_available
 from gpu_reference import from_storage, ragged_routing, to_storage
 from helpers.reference import dense_experts
 from moeroute.gpu import gemm_fp8 as G
 from moeroute.gpu import launch as L
+from moeroute.gpu.loader import nvrtc_compile
 from moeroute.quant import QuantConfig
 from moeroute.quant.fp8 import quantize_experts
 
@@ -163,3 +165,19 @@ def test_fused_experts_takes_w8a16_to_the_kernels():
             gate_up_scale=s_gu,
             down_scale=s_d,
         )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not nvrtc_available(), reason="CuPy's NVRTC binding is not available")
+@pytest.mark.parametrize("arch", ["sm_80"])
+def test_nvrtc_compiles_the_w8a16_kernels_without_spills(arch):
+    # w8a16 needs no FP8 instruction, so it runs below sm_89 too, where the shipped FP8 list is
+    # the SIMT kernels alone. (sm_89 / sm_90 compile it with every FP8 kernel: test_gpu_fp8_host.)
+    names = [name for name in G.shipped_name_expressions("cuda", 80) if name.startswith("moe_gemm_fp8w16_simt")]
+    assert len(names) == len(L.DTYPES) * len(L.SIMT_TILE_HEIGHTS) * 2
+    result = nvrtc_compile(G.KERNEL_FILE, names, arch)
+    assert "warning" not in result.log.lower(), result.log
+    spilling = [
+        name for name, r in result.resources.items() if r.spill_store_bytes or r.spill_load_bytes or r.stack_frame_bytes
+    ]
+    assert not spilling, f"kernels spilling to local memory on {arch}: {spilling}"

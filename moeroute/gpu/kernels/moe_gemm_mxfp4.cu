@@ -103,7 +103,7 @@ struct Mxfp4Decoder {
   }
   MOEROUTE_DEVICE void b_pair(int expert, int gate, int col, int kcol, bool, float& lo, float& hi) const {
     const long long row = weight_row(expert, gate, col);
-    const unsigned int byte = blocks[row * (k / 2) + kcol / 2];
+    const unsigned int byte = blocks[row * k_blocks() * kMxfp4BlockBytes + kcol / 2];
     const float scale = mxfp4_scale(scales[row * k_blocks() + kcol / kMxfp4BlockValues]);
     lo = e2m1_to_float(byte & 0xfu) * scale;
     hi = e2m1_to_float(byte >> 4) * scale;
