@@ -24,7 +24,9 @@ activation). One set of float32 weights per shape is converted to every format:
   32): moeroute ``QuantConfig("int4", group_size=g, symmetric=True)`` (w4a16), kt-kernel's
   RAWINT4 method (Kimi-K2's compressed-tensors ``pack-quantized`` layout) on moeroute's very
   packed bytes with the scales in bfloat16 (`int4_to_rawint4`), and its GPTQ_INT4 method on
-  the same codes repacked as GPTQ ``qweight`` / ``scales`` (`int4_to_gptq`). kt-kernel's
+  the same codes repacked as GPTQ ``qweight`` / ``scales`` (`int4_to_gptq`), and its AMXINT4
+  method (its default), which quantizes the bfloat16 weights itself while loading: its own
+  codes, so only its error against the float layer compares. kt-kernel's
   AMX/AVX-512 RAWINT4 kernel reads group 32 only; at group 128 the script takes the next
   RAWINT4 backend kt-kernel's wrapper offers (`KtKernel.moe_class`). Each case records the
   kt-kernel class that ran.
@@ -93,6 +95,8 @@ INT4_GROUP_SIZE = {"kimi_k2_experts": 32, "tiny": 32}
 DEFAULT_INT4_GROUP_SIZE = 128
 #: The one group size of kt-kernel's AMX/AVX-512 RAWINT4 kernel (AMXInt4_KGroup_MOE).
 RAWINT4_AMX_GROUP = 32
+#: AMXINT4's row step: its ``max_len`` must be a multiple of it.
+AMXINT4_M_STEP = 32
 TOKENS = (1, 8, 64, 512)
 THREADS = 2
 #: Rounds per (shape, T): decode calls take milliseconds, prefill ones up to seconds.
@@ -483,6 +487,7 @@ class KtKernel:
             "mxfp4": kt_amx._select_mxfp4_backend(),
             "q8_0": ext.moe.MOE,
             "q4_0": ext.moe.MOE,
+            "int4_amx": getattr(ext.moe, "AMXInt4_MOE", None),
         }
         # INT4: the backend kt-kernel's wrapper selects for a group size (AMX/AVX-512 k-group,
         # AVX-VNNI-256 or AVX2 for RAWINT4; packed AVX-VNNI-256, AVX-VNNI-256 or AVX2 for GPTQ_INT4).
@@ -551,7 +556,9 @@ class KtKernel:
         * "mxfp4": (blocks uint8 [N, 2I, H/32, 16], scales uint8 [N, 2I, H/32], down ...);
         * "q8_0" / "q4_0": (gate [N, I, row bytes], up, down [N, H, row bytes]) uint8 GGUF rows;
         * "int4" / "int4_gptq" (``group_size``): per-expert lists (gates, ups, downs, gate
-          scales, up scales, down scales) in RAWINT4 / GPTQ_INT4 layout (`kt_int4_tensors`).
+          scales, up scales, down scales) in RAWINT4 / GPTQ_INT4 layout (`kt_int4_tensors`);
+        * "int4_amx": (gate [N, I, H], up [N, I, H], down [N, H, I]) bfloat16, which AMXINT4
+          quantizes itself while loading (writing its INT4 copy to a temporary folder).
         """
         cls = self.moe_class(fmt, group_size)
         if cls is None:
@@ -559,7 +566,17 @@ class KtKernel:
         config = self._config(shape, max_tokens)
         inter = shape["inter"]
         keep = list(tensors)
-        if fmt in ("q8_0", "q4_0"):
+        if fmt == "int4_amx":
+            import tempfile
+
+            gate, up, down = (t.contiguous() for t in tensors)
+            folder = tempfile.TemporaryDirectory(prefix="moeroute-kt-amxint4-")
+            keep = [gate, up, down, folder]
+            # its activation buffers come in whole steps of 32 rows
+            config.max_len = -(-max_tokens // AMXINT4_M_STEP) * AMXINT4_M_STEP
+            config.save, config.load, config.path = True, False, folder.name
+            config.gate_proj, config.up_proj, config.down_proj = gate.data_ptr(), up.data_ptr(), down.data_ptr()
+        elif fmt in ("q8_0", "q4_0"):
             gate, up, down = (t.contiguous() for t in tensors)
             keep = [gate, up, down]
             kind = getattr(self.ext.kvcache.ggml_type, fmt.upper())
@@ -720,7 +737,7 @@ GROUPS = (
     ("fp8_block", ("fp8_block", "q8_0")),
     ("bf16", ("bf16",)),
     ("mxfp4", ("mxfp4", "q4_0")),
-    ("int4", ("int4", "int4_gptq")),
+    ("int4", ("int4", "int4_gptq", "int4_amx")),
 )
 #: Names of kt-kernel's methods for each format the script gives it.
 KT_METHODS = {
@@ -731,6 +748,7 @@ KT_METHODS = {
     "q4_0": "LLAMAFILE Q4_0",
     "int4": "RAWINT4",
     "int4_gptq": "GPTQ_INT4",
+    "int4_amx": "AMXINT4",
 }
 
 
@@ -836,6 +854,9 @@ def run_shape(kt, shape, tokens_list, repeats, log=print, groups=None, int4_grou
                 tensors = gguf_tensors(kt_fmt, w_gate_up, w_down, shape["inter"])
             elif kt_fmt in ("int4", "int4_gptq"):
                 tensors = kt_int4_tensors(kt_fmt, module, shape["inter"])
+            elif kt_fmt == "int4_amx":  # kt-kernel's own INT4 codes, from the bfloat16 weights
+                inter = shape["inter"]
+                tensors = (w_gate_up[:, :inter].bfloat16(), w_gate_up[:, inter:].bfloat16(), w_down.bfloat16())
             else:
                 tensors = moeroute_tensors(module, kt_fmt)
             try:
@@ -936,6 +957,8 @@ def run(shapes, tokens_list, repeats, save=None, merge=None, formats=None) -> di
             "/ kt-kernel RAWINT4 on the same packed bytes and their bfloat16 scales (compressed-tensors layout)",
             "int4_gptq": "kt-kernel GPTQ_INT4 on the same codes repacked as GPTQ qweight int32 [K/8, N] "
             "with float32 scales [K/g, N] (sym, zero point 8)",
+            "int4_amx": "kt-kernel AMXINT4 quantizing the bfloat16 weights itself while loading (its own "
+            "codes: compare its error against the float layer, not the bytes)",
         },
         "settle_s": SETTLE_S,
         "loadavg_before": list(load_before),
@@ -1030,7 +1053,7 @@ def print_summary(payload) -> None:
 #: kt-kernel against moeroute where both read the same bytes (FP8: kt-kernel keeps the
 #: activations in bfloat16, moeroute quantizes them to e4m3 per 128 columns).
 CHECK_ERROR = {"bf16": 0.02, "fp8_block": 0.1, "q8_0": 0.05, "mxfp4": 0.35, "q4_0": 0.35, "int4": 0.35}
-CHECK_ERROR["int4_gptq"] = CHECK_ERROR["int4"]
+CHECK_ERROR["int4_gptq"] = CHECK_ERROR["int4_amx"] = CHECK_ERROR["int4"]
 CHECK_DIFFERENCE = {"bf16": 0.02, "fp8_block": 0.1, "mxfp4": 0.02, "int4": 0.02, "int4_gptq": 0.02}
 
 

@@ -628,6 +628,7 @@ _KT_LABELS = {
     "q4_0": "GGUF Q4_0",
     "int4": "INT4",
     "int4_gptq": "INT4 (GPTQ layout)",
+    "int4_amx": "INT4 (kt-kernel's own quantization)",
     "int4_g32": "INT4 g32 (bfloat16 scales)",
     "int4_g128": "INT4 g128 (bfloat16 scales)",
 }
@@ -647,7 +648,9 @@ def _kt_int4_classes(kt) -> str:
 _KT_INT4_NOTE = (
     "INT4: its RAWINT4 method (the compressed-tensors layout of Kimi-K2's checkpoint) reads moeroute's "
     "packed bytes with the scales in bfloat16, its GPTQ_INT4 method the same codes repacked as GPTQ "
-    "`qweight` / `scales`; each INT4 row names the kt-kernel class that ran. "
+    "`qweight` / `scales`, and its AMXINT4 method (its default) quantizes the bfloat16 weights itself "
+    "while loading: its own codes, so only its error compares, not the bytes. Each INT4 row names the "
+    "kt-kernel class that ran. "
 )
 
 

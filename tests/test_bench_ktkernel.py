@@ -328,3 +328,15 @@ def test_the_report_names_the_int4_group_and_the_kt_class_that_ran(tmp_path):
     assert "RAWINT4 at group 32: `AMXInt4_KGroup_MOE`, RAWINT4 at group 128: `AVXVNNI256RawInt4_MOE`" in page
     assert "Load average per format: INT4 1.0/1.0/1.0 before, 2.0/1.0/1.0 after." in page
     assert "INT4 g32 (bfloat16 scales) 0.5625" in page
+
+
+def test_every_kt_method_has_a_name_a_bound_and_a_label():
+    from bench import report
+
+    for fmt, kt_formats in ktkernel.GROUPS:
+        assert fmt in ktkernel.CHECK_ERROR and fmt in report._KT_LABELS
+        for kt_fmt in kt_formats:
+            assert kt_fmt in ktkernel.KT_METHODS and kt_fmt in ktkernel.CHECK_ERROR and kt_fmt in report._KT_LABELS
+            if kt_fmt in ktkernel.SAME_CODES:
+                assert kt_fmt in ktkernel.CHECK_DIFFERENCE
+    assert [kt for fmt, kts in ktkernel.GROUPS if fmt == "int4" for kt in kts] == ["int4", "int4_gptq", "int4_amx"]
