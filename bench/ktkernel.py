@@ -332,19 +332,17 @@ def int4_to_gptq(packed: torch.Tensor, scales: torch.Tensor):
 
     GPTQ packs along the input dimension: ``qweight[i, n]`` (int32 [K/8, N]) holds the code
     of input column 8i + j at bits 4j; the zero point is 8 (what kt-kernel's GPTQ kernels
-    assume for sym=True), ``scales`` is transposed to float32 [K/g, N]. Returns (qweight,
-    scales), contiguous."""
+    assume for sym=True), ``scales`` is transposed to float32 [K/g, N]. Bytes 4i..4i+3 of
+    moeroute's row n hold columns 8i..8i+7, element 8i + j at bits 4j of their little-endian
+    int32: that word is ``qweight[i, n]``, so the repacking is a transpose of the words.
+    Returns (qweight, scales), contiguous."""
     if packed.dtype != torch.uint8 or packed.dim() != 2:
         raise ValueError(f"packed must be uint8 [N, K/2], got {packed.dtype} {tuple(packed.shape)}")
-    n, half = packed.shape
-    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(n, 2 * half)  # [N, K]
-    if codes.shape[1] % 8:
-        raise ValueError(f"K = {codes.shape[1]} must be a multiple of 8 for GPTQ's int32 words")
-    lanes = codes.T.reshape(codes.shape[1] // 8, 8, n).to(torch.int64)  # [K/8, 8, N]
-    shifts = (4 * torch.arange(8, dtype=torch.int64)).view(1, 8, 1)
-    words = (lanes << shifts).sum(dim=1)  # 0 .. 2**32 - 1
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return words.contiguous(), scales.float().T.contiguous()
+    if packed.shape[1] % 4:
+        raise ValueError(f"K = {2 * packed.shape[1]} must be a multiple of 8 for GPTQ's int32 words")
+    if sys.byteorder != "little":
+        raise RuntimeError("the int32 view of the packed bytes assumes a little-endian host")
+    return packed.contiguous().view(torch.int32).T.contiguous(), scales.float().T.contiguous()
 
 
 #: Bytes per weight of each format, scales included (H and I multiples of the blocks).
