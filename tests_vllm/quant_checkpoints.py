@@ -142,3 +142,94 @@ def save_mxfp4_gpt_oss(directory, dequantized_directory=None, seed=0):
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config_json, f, indent=2)
     return directory
+
+
+#: compressed-tensors W4A16 as Kimi-K2-Thinking publishes it: int4 weights, symmetric,
+#: groups of 32 input columns, bfloat16 scales, 16-bit activations, ``pack-quantized``.
+INT4_GROUP = 32
+INT4_QUANTIZATION_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": INT4_GROUP,
+                "dynamic": False,
+                "actorder": None,
+                "observer": "minmax",
+            },
+            "input_activations": None,
+            "output_activations": None,
+        }
+    },
+    # Everything but the routed experts stays bfloat16: attention, the shared expert, the
+    # dense first layer's MLP, the routers (not Linear targets in vLLM) and the head.
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+    "kv_cache_scheme": None,
+}
+
+
+def pack_quantized_int4(weight, group=INT4_GROUP):
+    """compressed-tensors ``pack-quantized`` tensors of a float weight [N, K], symmetric INT4
+    in groups of ``group`` input columns, written from the published layout (not with moeroute).
+
+    ``weight_scale`` [N, K/group] bfloat16: the group's max |w| / 7.5 (the min-max observer's
+    symmetric range [-8, 7]) rounded to 5 significant bits, so that every ``q * scale`` is
+    a bfloat16 value; ``q = clamp(round(w / scale), -8, 7)``; ``weight_packed`` int32
+    [N, K/8], column k's ``q + 8`` in bits ``4 * (k % 8)`` of word ``k // 8``;
+    ``weight_shape`` int64 [2] = (N, K). Returns those three and the dequantized weight
+    ``q * scale`` (float32, exact)."""
+    rows, cols = weight.shape
+    w = weight.float().reshape(rows, cols // group, group)
+    amax = w.abs().amax(dim=2).clamp(min=1e-8)
+    mantissa, exponent = torch.frexp(amax / 7.5)
+    scale = torch.ldexp(torch.round(mantissa * 32) / 32, exponent).to(torch.bfloat16)
+    q = torch.clamp(torch.round(w / scale.float()[:, :, None]), -8, 7)
+    dequantized = (q * scale.float()[:, :, None]).reshape(rows, cols)
+    nibbles = (q.reshape(rows, cols // 8, 8).to(torch.int64) + 8) << (4 * torch.arange(8))
+    words = nibbles.sum(dim=2)
+    packed = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    shape = torch.tensor([rows, cols], dtype=torch.int64)
+    return packed, scale, shape, dequantized
+
+
+def save_int4_deepseek(directory, dequantized_directory=None, seed=0):
+    """Save the tiny DeepSeek-V3 (Kimi-K2's architecture) with its routed experts as
+    compressed-tensors W4A16 into ``directory``: ``mlp.experts.{e}.{gate,up,down}_proj``
+    ``.weight_packed``, ``.weight_scale`` and ``.weight_shape`` (`pack_quantized_int4`), and
+    Kimi-K2's ``quantization_config``; when given, the same model with those experts
+    dequantized to bfloat16 (exact) into ``dequantized_directory``."""
+    from safetensors.torch import load_file, save_file
+
+    model_cls, config = checkpoints._config("deepseek_v3")
+    checkpoints.save_model(model_cls, config, directory, seed)
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    quantized, dequantized = {}, {}
+    for key, value in tensors.items():
+        if not _is_routed_expert(key):
+            quantized[key] = dequantized[key] = value
+            continue
+        packed, scale, shape, exact = pack_quantized_int4(value)
+        module = key[: -len(".weight")]
+        quantized[module + ".weight_packed"] = packed
+        quantized[module + ".weight_scale"] = scale
+        quantized[module + ".weight_shape"] = shape
+        dequantized[key] = exact.to(torch.bfloat16)
+        assert torch.equal(dequantized[key].float(), exact)
+    if dequantized_directory is not None:
+        checkpoints.save_model(model_cls, config, dequantized_directory, seed)
+        save_file(dequantized, os.path.join(dequantized_directory, "model.safetensors"), metadata={"format": "pt"})
+    save_file(quantized, path, metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json")) as f:
+        config_json = json.load(f)
+    config_json["quantization_config"] = INT4_QUANTIZATION_CONFIG
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config_json, f, indent=2)
+    return directory

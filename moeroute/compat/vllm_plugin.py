@@ -7,8 +7,9 @@ Installing moeroute changes nothing in vLLM. The plugin acts only when ``VLLM_PL
 Asked, it registers through vLLM's out-of-tree seam (``register_oot``) `MoerouteMoEMethod` for
 ``UnquantizedFusedMoEMethod``, and replacements of ``RoutedExperts`` and
 ``GptOssRoutedExperts`` whose quant-method choice swaps vLLM's ``Fp8MoEMethod`` for
-`MoerouteFp8MoEMethod` and, for ``GptOssMxfp4Config``, picks `MoerouteMxfp4MoEMethod` (vLLM's
-FP8 and MXFP4 methods are no CustomOp, so the layer that picks them is the seam). Each keeps
+`MoerouteFp8MoEMethod` and, for ``GptOssMxfp4Config``, picks `MoerouteMxfp4MoEMethod`, and for
+compressed-tensors W4A16 experts (``pack-quantized`` INT4) `MoerouteInt4MoEMethod` (vLLM's
+quantized methods are no CustomOp, so the layer that picks them is the seam). Each keeps
 vLLM's weights and loaders. After a layer's weights are loaded it decides once whether it
 serves the layer: served, the layer becomes "monolithic" (vLLM's runner hands it the router
 logits), routes them with `moeroute.select_experts` and runs ``torch.ops.moeroute.experts`` on
@@ -63,6 +64,9 @@ FP8_WEIGHT_DTYPES = ("torch.float8_e4m3fn",)
 #: "swigluoai": alpha 1.702, limit 7, the rows gate-first after the plugin reorders them).
 MXFP4_WEIGHT_DTYPES = ("torch.uint8",)
 MXFP4_ACTIVATIONS = {"swigluoai": "swigluoai"}
+#: compressed-tensors W4A16 layers (``pack-quantized``, 4 bits, group scales): vLLM loads
+#: the experts' ``weight_packed`` as int32 words, eight 4-bit values each.
+INT4_WEIGHT_DTYPES = ("torch.int32",)
 
 #: What the plugin did in this process: "layers" served, "declined" layers, "calls" of the
 #: served layers' forward and "tokens" routed by moeroute (eager calls; not counted inside
@@ -175,7 +179,7 @@ class LayerPlan:
     activation : str
         moeroute's name of the experts' gated activation.
     quant : moeroute.quant.QuantConfig or None
-        The experts' quantization (fp8_block), None for float experts.
+        The experts' quantization (fp8_block, mxfp4, int4), None for float experts.
     num_local_experts : int or None
         Expert parallelism: the experts this rank holds (the layer's ``expert_map`` maps
         the routed ids to them at every call, and the other ranks' slots add nothing);
@@ -199,6 +203,9 @@ class LayerPlan:
         experts = f"{self.activation} experts"
         if self.quant is not None and self.quant.format == "fp8_block":
             experts = f"{self.quant.format} {self.quant.block_size[0]}x{self.quant.block_size[1]} {experts}"
+        elif self.quant is not None and self.quant.format == "int4":
+            kind = "symmetric" if self.quant.symmetric else "asymmetric"
+            experts = f"int4 (groups of {self.quant.group_size}, {kind}) {experts}"
         elif self.quant is not None:
             experts = f"{self.quant.format} {experts}"
         held = (
@@ -527,6 +534,8 @@ class _ServedMethod:
         expert_map = layer.expert_map
         if quant is not None and quant.format == "mxfp4":
             return _mxfp4_experts(layer, x, topk_weights, topk_ids, expert_map)
+        if quant is not None and quant.format == "int4":
+            return _int4_experts(layer, x, topk_weights, topk_ids, expert_map, quant, self.plan.activation)
         from moeroute.bindings.torch import ops
 
         # Called eagerly (as vLLM runs a layer's method, inside its own op), the op's body
@@ -595,6 +604,10 @@ class _ChoosesQuantMethod:
         if _is_gpt_oss_mxfp4(quant_config):
             # Chosen before vLLM's method is built: on a CPU without AMX building it raises.
             return _mxfp4_method_class()(moe_config)
+        int4_scheme = _compressed_tensors_int4_scheme(quant_config, self, prefix)
+        if int4_scheme is not None:
+            # The same: vLLM's CPU W4A16 experts need AMX, and building its method raises.
+            return _int4_method_class()(*int4_scheme, moe_config, prefix)
         method = super()._get_quant_method(prefix, quant_config, moe_config)
         replacement = _quant_replacement(method)
         if replacement is not None:
@@ -602,8 +615,8 @@ class _ChoosesQuantMethod:
         if not isinstance(method, UnquantizedFusedMoEMethod):
             _decline(
                 prefix,
-                f"its experts are quantized ({type(method).__name__}); the plugin "
-                "serves unquantized, FP8 (Fp8MoEMethod) and gpt-oss MXFP4 experts",
+                f"its experts are quantized ({type(method).__name__}); the plugin serves unquantized, "
+                "FP8 (Fp8MoEMethod), gpt-oss MXFP4 and compressed-tensors W4A16 (pack-quantized INT4) experts",
             )
         return method
 
@@ -795,3 +808,252 @@ def _mxfp4_method_class():
             return super().get_fused_moe_quant_config(layer)
 
     return MoerouteMxfp4MoEMethod
+
+
+def _compressed_tensors_int4_scheme(quant_config, layer, prefix):
+    """(weight_quant, input_quant) of a compressed-tensors MoE layer whose experts are 4-bit
+    ``pack-quantized`` weights with 16-bit activations (W4A16), as vLLM's own choice of
+    ``CompressedTensorsWNA16MoEMethod`` reads them; None for any other layer."""
+    try:
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+            CompressedTensorsConfig,
+        )
+    except ImportError:
+        return None
+    if type(quant_config) is not CompressedTensorsConfig:
+        return None
+    quant_config._add_fused_moe_to_target_scheme_map()
+    names = (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)
+    schemes = [quant_config.get_scheme_dict(layer, f"{prefix}.0.{name}") for name in names]
+    if schemes[0] is None or any(scheme != schemes[0] for scheme in schemes):
+        return None  # an ignored layer, or one vLLM refuses itself
+    weight_quant, input_quant = schemes[0].get("weights"), schemes[0].get("input_activations")
+    if weight_quant is None or not quant_config._is_wNa16_group_channel(weight_quant, input_quant):
+        return None
+    if weight_quant.num_bits != 4 or schemes[0].get("format") != "pack-quantized":
+        return None
+    return weight_quant, input_quant
+
+
+def int4_decline_reason(method) -> str | None:
+    """Why moeroute does not serve this compressed-tensors W4A16 layer (beyond
+    `decline_reason`), or None: symmetric or asymmetric INT4 in groups of 32, 64 or 128 input
+    columns, without activation ordering."""
+    from moeroute.quant.config import INT4_GROUP_SIZES
+
+    quant = method.weight_quant
+    strategy = getattr(quant.strategy, "value", quant.strategy)
+    if strategy != "group":
+        return f"its INT4 experts have {strategy} scales; the plugin serves group scales"
+    if quant.group_size not in INT4_GROUP_SIZES:
+        return f"its INT4 group size is {quant.group_size}; the plugin serves {', '.join(map(str, INT4_GROUP_SIZES))}"
+    actorder = getattr(quant.actorder, "value", quant.actorder)
+    if actorder not in (None, "static", "weight"):
+        return f"its INT4 experts have activation ordering {actorder!r} (g_idx); the plugin serves none"
+    return None
+
+
+def int4_from_compressed_tensors(weight_packed, weight_scale, weight_zero_point, *, group_size, symmetric, name):
+    """moeroute's INT4 experts tensors (packed uint8 [E, N, K/2], scales [E, N, K/g], zeros
+    uint8 [E, N, K/g] or None) of vLLM's stacked compressed-tensors buffers: ``weight_packed``
+    int32 [E, N, K/8] and ``weight_scale`` [E, N, K/g] as each expert's checkpoint stores them
+    (`moeroute.quant.int4_checkpoint.unpack_compressed_tensors`), ``weight_zero_point`` int32
+    [E, N/8, K/g] packed along the rows (asymmetric only).
+
+    The experts' rows are independent, so the stack is read as one weight of E*N rows (the
+    zero points' words too: N is a multiple of 8). ValueError/TypeError naming ``name``.
+    """
+    from moeroute.quant.int4_checkpoint import unpack_compressed_tensors
+
+    if weight_packed.dim() != 3 or weight_scale.dim() != 3:
+        raise ValueError(
+            f"{name}: weight_packed and weight_scale must be [E, N, K/8] and [E, N, K/g], got shapes "
+            f"{tuple(weight_packed.shape)} and {tuple(weight_scale.shape)}"
+        )
+    experts, rows = weight_packed.shape[:2]
+    zeros = None
+    if weight_zero_point is not None:
+        if rows % 8 or weight_zero_point.dim() != 3 or tuple(weight_zero_point.shape[:2]) != (experts, rows // 8):
+            raise ValueError(
+                f"{name}.weight_zero_point has shape {tuple(weight_zero_point.shape)}; packed along "
+                f"{rows} rows it needs [{experts}, {rows // 8}, K/g] (N a multiple of 8)"
+            )
+        zeros = weight_zero_point.reshape(experts * (rows // 8), -1)
+    unpacked = unpack_compressed_tensors(
+        weight_packed.reshape(experts * rows, -1),
+        weight_scale.reshape(experts * rows, -1),
+        None,
+        zeros,
+        group_size=group_size,
+        symmetric=symmetric,
+        name=name,
+    )
+    return tuple(None if t is None else t.reshape(experts, rows, -1) for t in unpacked[:3])
+
+
+def _int4_experts(layer, x, topk_weights, topk_ids, expert_map, quant, activation):
+    """The layer's INT4 experts: moeroute's INT4 forward on the tensors `_adopt_weights`
+    installed; under a tracer, through ``torch.ops.moeroute.vllm_int4_experts``."""
+    import torch
+
+    from moeroute.bindings.torch import ops
+
+    gate_up = (layer.w13_weight_packed, layer.w13_weight_scale, getattr(layer, "w13_weight_zero_point", None))
+    down = (layer.w2_weight_packed, layer.w2_weight_scale, getattr(layer, "w2_weight_zero_point", None))
+    if ops.runs_eagerly(x, topk_weights, topk_ids, expert_map):
+        return _int4_experts_body(x, topk_weights, topk_ids, *gate_up, *down, expert_map, quant.group_size, activation)
+    return torch.ops.moeroute.vllm_int4_experts(
+        x, topk_weights, topk_ids, *gate_up, *down, expert_map, quant.group_size, activation
+    )
+
+
+def _int4_experts_body(
+    x, topk_weights, topk_ids, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, expert_map, group_size, activation
+):
+    from moeroute.bindings.torch import ops
+    from moeroute.experts.formats.int4 import int4_experts_forward
+
+    local_ids = ops.local_expert_ids(topk_ids, expert_map, w13.shape[0])
+    return int4_experts_forward(
+        x.contiguous(),
+        local_ids.contiguous(),
+        topk_weights.contiguous(),
+        (w13, w13_scale, w13_zero),
+        (w2, w2_scale, w2_zero),
+        group_size,
+        activation,
+    )
+
+
+@functools.cache
+def _register_int4_op() -> None:
+    """``torch.ops.moeroute.vllm_int4_experts``: the INT4 experts as one opaque op for a
+    traced vLLM graph (torch.compile), with a fake kernel giving the output's shape."""
+    import torch
+
+    # The schema is spelled out: this module's annotations are strings.
+    @torch.library.custom_op(
+        "moeroute::vllm_int4_experts",
+        mutates_args=(),
+        schema=(
+            "(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w13_scale, Tensor? w13_zero, "
+            "Tensor w2, Tensor w2_scale, Tensor? w2_zero, Tensor? expert_map, int group_size, str activation) "
+            "-> Tensor"
+        ),
+    )
+    def vllm_int4_experts(
+        x, topk_weights, topk_ids, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, expert_map, group_size, activation
+    ):
+        return _int4_experts_body(
+            x,
+            topk_weights,
+            topk_ids,
+            w13,
+            w13_scale,
+            w13_zero,
+            w2,
+            w2_scale,
+            w2_zero,
+            expert_map,
+            group_size,
+            activation,
+        )
+
+    @vllm_int4_experts.register_fake
+    def _(x, *args):
+        return torch.empty_like(x)
+
+
+@functools.cache
+def _int4_method_class():
+    import torch
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_wna16 import (  # noqa: E501
+        CompressedTensorsWNA16MoEMethod,
+    )
+
+    _register_int4_op()  # before any trace: a tracer cannot register an op
+
+    class MoerouteInt4MoEMethod(_ServedMethod, CompressedTensorsWNA16MoEMethod):
+        """vLLM's compressed-tensors W4A16 MoE method: its buffers and loaders (each expert's
+        ``weight_packed``, ``weight_scale``, ``weight_zero_point`` stacked into w13/w2);
+        served, moeroute's routing and INT4 experts run on them.
+
+        After loading, a served layer's int32 words become moeroute's INT4 bytes (the same
+        4-bit values, two to a byte: half the memory of vLLM's words, a copy made once) and
+        its packed zero points one byte each; the scales stay as loaded."""
+
+        weight_dtypes = INT4_WEIGHT_DTYPES
+
+        def __init__(self, weight_quant, input_quant, moe, layer_name=None):
+            try:
+                super().__init__(weight_quant, input_quant, moe, layer_name)
+                #: vLLM's reason it has no W4A16 MoE backend here, or None when it has one.
+                self.vllm_unavailable = None
+            except NotImplementedError as error:
+                # vLLM's __init__ set the format's fields before its backend choice raised.
+                self.wna16_backend, self.experts_cls = None, None
+                self.is_marlin, self.is_transposed = False, False
+                self.input_dtype = torch.bfloat16
+                self.moe_kernel = None
+                self.vllm_unavailable = str(error)
+            self._int4_tensors = None
+
+        @property
+        def is_monolithic(self) -> bool:
+            if self.plan is not None:
+                return True
+            if self.experts_cls is None:
+                return False
+            return super().is_monolithic
+
+        def process_weights_after_loading(self, layer) -> None:
+            # vLLM's names for the loaded words, which the shared checks read (vLLM's own
+            # set-up aliases them so too).
+            layer.w13_weight = layer.w13_weight_packed
+            layer.w2_weight = layer.w2_weight_packed
+            super().process_weights_after_loading(layer)
+
+        def _quant_reason(self, layer):
+            return int4_decline_reason(self)
+
+        def _quant_config(self, layer):
+            from moeroute.quant import QuantConfig
+
+            quant = QuantConfig("int4", group_size=int(self.group_size), symmetric=bool(self.symmetric))
+            name = getattr(layer, "layer_name", "experts")
+            self._int4_tensors = {
+                prefix: int4_from_compressed_tensors(
+                    getattr(layer, f"{prefix}_weight_packed"),
+                    getattr(layer, f"{prefix}_weight_scale"),
+                    getattr(layer, f"{prefix}_weight_zero_point", None),
+                    group_size=quant.group_size,
+                    symmetric=quant.symmetric,
+                    name=f"{name}.{prefix}",
+                )
+                for prefix in ("w13", "w2")
+            }
+            return quant
+
+        def _adopt_weights(self, layer):
+            for prefix, (packed, scales, zeros) in self._int4_tensors.items():
+                for suffix, tensor in (("weight_packed", packed), ("weight_scale", scales)):
+                    getattr(layer, f"{prefix}_{suffix}").data = tensor
+                if zeros is not None:
+                    getattr(layer, f"{prefix}_weight_zero_point").data = zeros
+                elif hasattr(layer, f"{prefix}_weight_zero_point"):
+                    delattr(layer, f"{prefix}_weight_zero_point")
+            self._int4_tensors = None
+
+        def _vllm_setup(self, layer, reason):
+            if self.vllm_unavailable is not None:
+                raise NotImplementedError(
+                    f"{self.vllm_unavailable} (moeroute declined layer {layer.layer_name}: {reason})"
+                )
+            super()._vllm_setup(layer, reason)
+
+        def get_fused_moe_quant_config(self, layer):
+            if self.plan is not None and self.experts_cls is None:
+                return None  # no vLLM kernel runs this layer
+            return super().get_fused_moe_quant_config(layer)
+
+    return MoerouteInt4MoEMethod

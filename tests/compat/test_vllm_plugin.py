@@ -324,6 +324,74 @@ def test_expert_parallel_mxfp4_layer_computes_its_partial_sum():
     assert float((out.double() - expected).abs().max() / expected.abs().max()) < 1e-4
 
 
+def _words(nibbles):
+    """int32 words of 4-bit values along the last dim: value j in bits 4 * (j % 8) of word j // 8."""
+    shifted = nibbles.to(torch.int64).reshape(*nibbles.shape[:-1], -1, 8) << (4 * torch.arange(8))
+    words = shifted.sum(dim=-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _compressed_tensors_stack(experts, rows, cols, group, symmetric, g):
+    """vLLM's stacked compressed-tensors buffers of random INT4 experts (weight_packed int32
+    [E, N, K/8], weight_scale bfloat16 [E, N, K/g], weight_zero_point int32 [E, N/8, K/g]
+    packed along the rows, or None) and the weights they hold, float64 [E, N, K]."""
+    q = torch.randint(0, 16, (experts, rows, cols), generator=g)
+    scale = (torch.rand(experts, rows, cols // group, generator=g) * 0.05 + 0.01).to(torch.bfloat16)
+    zeros = (
+        torch.full_like(scale, 8, dtype=torch.int64) if symmetric else torch.randint(0, 16, scale.shape, generator=g)
+    )
+    zero_point = None if symmetric else _words(zeros.transpose(1, 2)).transpose(1, 2).contiguous()
+    weight = (q - zeros.repeat_interleave(group, dim=2)).double() * scale.double().repeat_interleave(group, dim=2)
+    return _words(q), scale, zero_point, weight
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_expert_parallel_int4_layer_computes_its_partial_sum(symmetric):
+    """vLLM's compressed-tensors W4A16 buffers, converted once into moeroute's INT4 tensors,
+    give rank 1's partial sum of the dense float64 experts on the same 4-bit values."""
+    from moeroute.quant import QuantConfig
+
+    hidden, inter, tokens, top_k, group = 64, 32, 7, 4, 32
+    g = generator(46)
+    w13 = _compressed_tensors_stack(8, 2 * inter, hidden, group, symmetric, g)
+    w2 = _compressed_tensors_stack(8, hidden, inter, group, symmetric, g)
+    fields = {}
+    for prefix, (packed, scale, zero_point, _) in (("w13", w13), ("w2", w2)):
+        converted = vllm_plugin.int4_from_compressed_tensors(
+            packed, scale, zero_point, group_size=group, symmetric=symmetric, name=f"layer.{prefix}"
+        )
+        assert converted[0].dtype == torch.uint8 and converted[0].shape == (8, packed.shape[1], 4 * packed.shape[2])
+        assert torch.equal(converted[1], scale) and (converted[2] is None) == symmetric
+        fields[f"{prefix}_weight_packed"], fields[f"{prefix}_weight_scale"] = converted[:2]
+        if not symmetric:
+            fields[f"{prefix}_weight_zero_point"] = converted[2]
+    layer = _ep_layer(**fields)
+    quant = QuantConfig("int4", group_size=group, symmetric=symmetric)
+    plan = dataclasses.replace(vllm_plugin.build_plan(layer, _runner()), quant=quant)
+    assert "int4 (groups of 32, " + ("symmetric" if symmetric else "asymmetric") + ") silu experts" in plan.describe()
+    x = torch.randn(tokens, hidden, generator=g)
+    ids, weights = _global_ids(tokens, top_k, 47), torch.rand(tokens, top_k, generator=g)
+    out = _served(plan)._experts(layer, x, weights, ids)
+    expected = dense_experts(x, _held(ids, _EP_MAP), weights, w13[3], w2[3])
+    assert torch.count_nonzero(out[0]) == 0
+    assert float((out.double() - expected).abs().max() / expected.abs().max()) < 1e-5
+
+
+def test_int4_buffers_of_another_shape_are_refused_by_name():
+    g = generator(48)
+    packed, scale, zero_point, _ = _compressed_tensors_stack(2, 16, 64, 32, False, g)
+    with pytest.raises(ValueError, match=r"layer.w13.weight_zero_point has shape \(2, 1, 2\)"):
+        vllm_plugin.int4_from_compressed_tensors(
+            packed, scale, zero_point[:, :1], group_size=32, symmetric=False, name="layer.w13"
+        )
+    with pytest.raises(ValueError, match="layer.w13.weight_scale has shape"):
+        vllm_plugin.int4_from_compressed_tensors(
+            packed, scale[:, :, :1], zero_point, group_size=32, symmetric=False, name="layer.w13"
+        )
+    with pytest.raises(ValueError, match="layer.w13.weight_zero_point is missing"):
+        vllm_plugin.int4_from_compressed_tensors(packed, scale, None, group_size=32, symmetric=False, name="layer.w13")
+
+
 @pytest.mark.parametrize("placement", ["linear", "round_robin"])
 def test_vllm_expert_maps_are_served(placement):
     """vLLM's own maps (its determine_expert_map, rank 1 of two) pass the plugin's checks and
@@ -347,3 +415,19 @@ def test_vllm_expert_maps_are_served(placement):
         total += _served(vllm_plugin.build_plan(layer, _runner()))._experts(layer, x, weights, ids).double()
     expected = dense_experts(x, ids, weights, w_up, w_down)
     assert float((total - expected).norm() / expected.norm()) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({}, None),
+        ({"group_size": 128, "actorder": "weight"}, None),
+        ({"strategy": "channel", "group_size": None}, "have channel scales; the plugin serves group scales"),
+        ({"group_size": 16}, "its INT4 group size is 16; the plugin serves 32, 64, 128"),
+        ({"actorder": "group"}, "activation ordering 'group' (g_idx)"),
+    ],
+)
+def test_int4_decline_rules(fields, words):
+    quant = SimpleNamespace(**{"strategy": "group", "group_size": 32, "actorder": None, **fields})
+    reason = vllm_plugin.int4_decline_reason(SimpleNamespace(weight_quant=quant))
+    assert reason is None if words is None else words in reason, reason
