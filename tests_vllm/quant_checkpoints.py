@@ -1,5 +1,5 @@
-"""Tiny quantized MoE checkpoints for vLLM: DeepSeek-V3 with FP8 block-scaled routed experts
-and gpt-oss with MXFP4 experts.
+"""Tiny quantized MoE checkpoints for vLLM: DeepSeek-V3 with FP8 block-scaled or INT4 routed
+experts and gpt-oss with MXFP4 experts.
 
 The checkpoint is a tiny random DeepSeek-V3 (as in `checkpoints`, with moe_intermediate_size
 128 so that every expert weight is whole 128 x 128 blocks) saved with transformers, whose
@@ -17,7 +17,12 @@ even rows gate, odd rows up), ``down_proj_blocks`` [E, H, I/32, 16] and ``_scale
 biases in bfloat16, and ``quantization_config`` ``{"quant_method": "mxfp4",
 "modules_to_not_convert": [...]}``.
 
-Both also write the same model with those experts dequantized back to
+`save_int4_deepseek` saves the tiny DeepSeek-V3 (Kimi-K2's architecture) with its routed
+experts as compressed-tensors W4A16 as Kimi-K2-Thinking publishes them (``pack-quantized``,
+symmetric, groups of 32), packed by `pack_quantized_int4`, written here from the published
+layout.
+
+All three also write the same model with those experts dequantized back to
 bfloat16 (the exact values q * scale_inv), for vLLM to serve without quantization.
 """
 
