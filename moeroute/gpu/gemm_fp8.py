@@ -18,12 +18,19 @@ from __future__ import annotations
 import numpy as np
 
 from moeroute.gpu import launch as L
+from moeroute.gpu.gemm_mxfp4 import MMA_A_PITCH, MMA_DTYPES, MMA_POINTER_ALIGNMENT, MMA_SLICE_K, MMA_TILE_HEIGHTS
+from moeroute.gpu.gemm_mxfp4 import MMA_TILES as NARROW_MMA_TILES
+from moeroute.gpu.gemm_mxfp4 import Mxfp4MmaTile
 
 KERNEL_FILE = "moe_gemm_fp8"  # kernels/moe_gemm_fp8.cu, kernels/moe_gemm_fp8.hip
 
 QUANT_THREADS = 128  # kQuantThreads
 FP8_MMA_MIN_COMPUTE_CAPABILITY = 89  # mma.sync m16n8k32 e4m3 arrived with sm_89 (Ada)
 FORMATS = ("fp8_block", "fp8_tensor")
+# w8a16 mma (moe_gemm_fp8w16_mma): MXFP4's pipeline and tiles with one e4m3 byte per value; B
+# rows of a stage are 64 bytes + 16 (NarrowBPitch<1>), scales applied per 32 columns.
+W8A16_MMA_B_PITCH = MMA_SLICE_K + 16
+W8A16_MMA_COLUMNS = 32  # kNarrowBlockValues: k, bk (and so each scale group) in whole blocks of it
 
 
 class Fp8MmaTile:
@@ -73,6 +80,19 @@ def w8a16_simt_name(dtype: str, tile_m: int, gated: bool) -> str:
     return f"moe_gemm_fp8w16_simt<{L.KERNEL_TYPE_NAMES[dtype]}, {tile_m}, {int(gated)}>"
 
 
+def w8a16_mma_name(dtype: str, tile: Mxfp4MmaTile, gated: bool) -> str:
+    return (
+        f"moe_gemm_fp8w16_mma<{L.KERNEL_TYPE_NAMES[dtype]}, {tile.tile_m}, {tile.block_n}, {tile.warps_m}, "
+        f"{tile.warps_n}, {tile.stages}, {tile.min_blocks}, {int(gated)}>"
+    )
+
+
+def w8a16_shared_memory_bytes(tile: Mxfp4MmaTile, gated: bool) -> int:
+    """Dynamic shared memory of moe_gemm_fp8w16_mma: the pipeline's stages, nothing after."""
+    rows = (2 if gated else 1) * tile.block_n
+    return tile.stages * (tile.tile_m * MMA_A_PITCH * 2 + rows * W8A16_MMA_B_PITCH)
+
+
 def mma_name(dtype: str, tile: Fp8MmaTile, gated: bool) -> str:
     return (
         f"moe_gemm_fp8_mma<{L.KERNEL_TYPE_NAMES[dtype]}, {tile.tile_m}, {tile.block_n}, {tile.warps_m}, "
@@ -82,12 +102,16 @@ def mma_name(dtype: str, tile: Fp8MmaTile, gated: bool) -> str:
 
 def shipped_name_expressions(platform: str = "cuda", compute_capability=None) -> list:
     """Every instantiation of moe_gemm_fp8.cu the launcher can ask for on ``platform``
-    ("cuda": with the sm_89+ mma kernels, unless ``compute_capability`` is below 89, where they
-    do not exist; "hip": SIMT only)."""
+    ("cuda": with the sm_89+ w8a8 mma kernels, unless ``compute_capability`` is below 89, where
+    they do not exist, and the sm_80+ w8a16 mma kernels for float16 / bfloat16; "hip": SIMT
+    only)."""
     if platform not in ("cuda", "hip"):
         raise ValueError(f"platform={platform!r}: expected 'cuda' or 'hip'")
     with_mma = platform == "cuda" and (
         compute_capability is None or compute_capability >= FP8_MMA_MIN_COMPUTE_CAPABILITY
+    )
+    with_w8a16_mma = platform == "cuda" and (
+        compute_capability is None or compute_capability >= L.MMA_MIN_COMPUTE_CAPABILITY
     )
     names = []
     for dtype in L.DTYPES:
@@ -100,6 +124,9 @@ def shipped_name_expressions(platform: str = "cuda", compute_capability=None) ->
         if with_mma:
             for (_, gated), tile in FP8_MMA_TILES.items():
                 names.append(mma_name(dtype, tile, gated))
+        if with_w8a16_mma and dtype in MMA_DTYPES:
+            for (_, gated), tile in NARROW_MMA_TILES.items():
+                names.append(w8a16_mma_name(dtype, tile, gated))
     return names
 
 
@@ -226,6 +253,7 @@ def plan_fp8_gemm(
 
 def plan_fp8_w8a16_gemm(
     *,
+    path: str = "simt",
     dtype: str,
     gated: bool,
     block_size: int,
@@ -245,10 +273,10 @@ def plan_fp8_w8a16_gemm(
     activation: str = "silu",
     apply_router_weight: bool = False,
 ) -> L.KernelLaunch:
-    """Launch of one w8a16 FP8 grouped GEMM (moe_gemm_fp8w16_simt): ``a`` [rows, k] of ``dtype``
+    """Launch of one w8a16 FP8 grouped GEMM (moe_gemm_fp8w16_simt, or moe_gemm_fp8w16_mma with
+    ``path="mma"``: float16 / bfloat16, k and bk multiples of 32): ``a`` [rows, k] of ``dtype``
     (not quantized), ``b`` and ``b_scale`` as plan_fp8_gemm's, c: [numel, n] of ``dtype``."""
     rows = int(sorted_token_ids.shape[0])
-    tile_m = L.simt_tile_height(block_size)
     args = (
         a,
         b,
@@ -267,13 +295,31 @@ def plan_fp8_w8a16_gemm(
         np.int32(L.ACTIVATIONS[activation]),
         np.int32(bool(apply_router_weight)),
     )
-    return L.KernelLaunch(
-        w8a16_simt_name(dtype, tile_m, gated),
-        (rows // tile_m, L.ceil_div(n, L.SIMT_BLOCK_N), 1),
-        (L.SIMT_THREADS, 1, 1),
-        0,
-        args,
-    )
+    if path == "simt":
+        tile_m = L.simt_tile_height(block_size)
+        return L.KernelLaunch(
+            w8a16_simt_name(dtype, tile_m, gated),
+            (rows // tile_m, L.ceil_div(n, L.SIMT_BLOCK_N), 1),
+            (L.SIMT_THREADS, 1, 1),
+            0,
+            args,
+        )
+    if path == "mma":
+        if dtype not in MMA_DTYPES:
+            raise ValueError(f"path='mma' needs float16 or bfloat16 activations, got {dtype}")
+        if k % W8A16_MMA_COLUMNS or bk % W8A16_MMA_COLUMNS:
+            raise ValueError(
+                f"path='mma' needs k ({k}) and the scale block's bk ({bk}) to be multiples of {W8A16_MMA_COLUMNS}"
+            )
+        tile = NARROW_MMA_TILES[(next(h for h in MMA_TILE_HEIGHTS if block_size % h == 0), gated)]
+        return L.KernelLaunch(
+            w8a16_mma_name(dtype, tile, gated),
+            (rows // tile.tile_m, L.ceil_div(n, tile.block_n), 1),
+            (tile.threads, 1, 1),
+            w8a16_shared_memory_bytes(tile, gated),
+            args,
+        )
+    raise ValueError(f"path={path!r}: expected 'simt' or 'mma'")
 
 
 def _shape(x) -> tuple:
@@ -362,9 +408,12 @@ def run_fp8_experts(
     down input) instead of dynamic per-token ones; each slot's rows are then quantized with
     its expert's scale.
 
-    ``w8a16``: the activations are not quantized (QuantConfig activation="none"): the weights
-    are decoded to float32 (e4m3 * s) in the tiles of moe_gemm_fp8w16_simt, the only path
-    ("simt"; None picks it); ``scale_fmt`` is not used (the weight scales are as stored).
+    ``w8a16``: the activations are not quantized (QuantConfig activation="none"):
+    moe_gemm_fp8w16_simt decodes the weights to float32 (e4m3 * s) in its tiles;
+    moe_gemm_fp8w16_mma (float16 / bfloat16 on sm_80+, H, I and bk multiples of 32, 16-byte
+    aligned activations and weights: what None picks there) decodes e4m3 to 16-bit values in
+    registers and applies the scales per 32 columns. ``scale_fmt`` is not used (the weight
+    scales are as stored).
 
     ``backend`` provides ``empty(shape, dtype_name)`` (including "uint8"), ``launch(plan)``,
     ``align_block_size``, ``compute_capability`` and ``is_hip``; ``path`` is "mma", "simt" or
@@ -395,8 +444,8 @@ def run_fp8_experts(
     if T == 0:
         return out
     if w8a16:
-        if path not in (None, "simt"):
-            raise ValueError(f"path={path!r}; the w8a16 FP8 kernels have the 'simt' path only (or None)")
+        if path not in (None, "simt", "mma"):
+            raise ValueError(f"path={path!r}; expected 'mma', 'simt' or None")
         return _run_w8a16(
             backend,
             dtype,
@@ -412,6 +461,7 @@ def run_fp8_experts(
             activation=activation,
             apply_router_weight=apply_router_weight,
             align_block=align_block,
+            path=path,
         )
     if path is None:
         path = (
@@ -553,6 +603,7 @@ def _run_w8a16(
     activation,
     apply_router_weight,
     align_block,
+    path,
 ):
     T, H = _shape(hidden_states)
     E, two_I, _ = _shape(w_gate_up)
@@ -561,7 +612,19 @@ def _run_w8a16(
     numel = T * K
     align_block = align_block or L.choose_block_size(numel, E)
     sorted_token_ids, expert_ids = backend.align_block_size(topk_ids, E, align_block)
+    intermediate = backend.empty((numel, I), dtype)
+    if path is None:
+        pointers = [backend.pointer(x) for x in (hidden_states, w_gate_up, w_down, intermediate)]
+        eligible = (
+            dtype in MMA_DTYPES
+            and not backend.is_hip
+            and backend.compute_capability >= L.MMA_MIN_COMPUTE_CAPABILITY
+            and all(v % W8A16_MMA_COLUMNS == 0 for v in (H, I, bk_gu, bk_d))
+            and all(p % MMA_POINTER_ALIGNMENT == 0 for p in pointers)
+        )
+        path = "mma" if eligible else "simt"
     common = dict(
+        path=path,
         dtype=dtype,
         block_size=align_block,
         sorted_token_ids=sorted_token_ids,
@@ -569,7 +632,6 @@ def _run_w8a16(
         topk_weights=topk_weights.reshape(-1),
         numel=numel,
     )
-    intermediate = backend.empty((numel, I), dtype)
     backend.launch(
         plan_fp8_w8a16_gemm(
             gated=True,
@@ -631,6 +693,9 @@ class CupyFp8Backend:
 
     def empty(self, shape, dtype):
         return self._inner.empty(shape, dtype)
+
+    def pointer(self, array) -> int:
+        return self._inner.pointer(array)
 
     def align_block_size(self, topk_ids, num_experts, block_size):
         return self._inner.align_block_size(topk_ids, num_experts, block_size)

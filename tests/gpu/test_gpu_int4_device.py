@@ -100,12 +100,13 @@ def test_int4_experts_forward_runs_cuda_tensors_on_the_kernels(monkeypatch):
     assert launched and error <= TOLERANCE[torch.bfloat16], error
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_fp8_w8a16_experts_on_device_match_reference(dtype):
+    from moeroute.gpu.gemm_fp8 import fused_experts_fp8
     from moeroute.quant.fp8 import quantize_experts
 
     g = torch.Generator().manual_seed(3)
-    T, H, I, E, K = 64, 384, 200, 8, 2
+    T, H, I, E, K = 64, 384, 192, 8, 2
     quant = QuantConfig("fp8_block", activation="none")
     q_gu, s_gu, q_d, s_d = quantize_experts(
         torch.randn(E, 2 * I, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5, quant
@@ -113,16 +114,6 @@ def test_fp8_w8a16_experts_on_device_match_reference(dtype):
     x = torch.randn(T, H, generator=g).to(dtype)
     topk_ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32)
     topk_weights = torch.rand(T, K, generator=g)
-    out = fused_experts(
-        x.cuda(),
-        q_gu.cuda(),
-        q_d.cuda(),
-        topk_weights.cuda(),
-        topk_ids.cuda(),
-        quant=quant,
-        gate_up_scale=s_gu.cuda(),
-        down_scale=s_d.cuda(),
-    )
     expected = dense_experts(
         x.double(),
         topk_ids,
@@ -130,5 +121,14 @@ def test_fp8_w8a16_experts_on_device_match_reference(dtype):
         dequantize_blocks(q_gu, s_gu, quant.block_size, 2),
         dequantize_blocks(q_d, s_d, quant.block_size, 1),
     )
+    cuda = [t.cuda() for t in (x, q_gu, s_gu, q_d, s_d, topk_weights, topk_ids)]
+    for path in _paths(dtype):
+        out = fused_experts_fp8(*cuda, quant=quant, path=path)
+        error = float((out.double().cpu() - expected).abs().max() / expected.abs().max())
+        assert out.dtype == dtype and error <= TOLERANCE[dtype], f"{dtype} {path}: relative error {error:.3g}"
+    # The front door takes it too (the launcher's own path choice).
+    out = fused_experts(
+        cuda[0], cuda[1], cuda[3], cuda[5], cuda[6], quant=quant, gate_up_scale=cuda[2], down_scale=cuda[4]
+    )
     error = float((out.double().cpu() - expected).abs().max() / expected.abs().max())
-    assert out.dtype == dtype and error <= TOLERANCE[dtype], error
+    assert error <= TOLERANCE[dtype], f"{dtype} fused_experts: relative error {error:.3g}"

@@ -2,7 +2,7 @@
 // do not edit: change moe_gemm_fp8.cu and rerun the script.
 // FP8 (e4m3) expert GEMMs over expert-sorted, block-padded rows: the w8a8 numerics of docs/quant.md.
 //
-// Four kernels, launched by moeroute/gpu/gemm_fp8.py (the same plans drive the host emulation):
+// Five kernels, launched by moeroute/gpu/gemm_fp8.py (the same plans drive the host emulation):
 //
 //   fp8_quantize_groups   x [rows, cols] (float32 / float16 / bfloat16) -> q [rows, cols] e4m3 bytes and
 //                         scales [rows, ceil(cols / group_size)] float32, per row and group of columns:
@@ -12,6 +12,9 @@
 //   moe_gemm_fp8_mma      sm_89+: mma.sync m16n8k32 e4m3 x e4m3 -> float32.
 //   moe_gemm_fp8w16_simt  w8a16 (activation="none"), every GPU: activations as they are, each weight
 //                         e4m3 * s decoded to float32 in the tile, y = x @ w^T summed in float32.
+//   moe_gemm_fp8w16_mma   w8a16, float16 / bfloat16 on sm_80+: e4m3 decoded in registers to exact
+//                         16-bit values, mma.sync m16n8k16 per 32 columns, the block scale applied
+//                         to the float32 sums (moe_tile_narrow_mma).
 //
 // Both GEMMs compute, for a row m (one (token, slot) of the sorted layout) and an output column n,
 //
@@ -170,6 +173,7 @@ struct Fp8Decoder {
 template <typename T, int GATES>
 struct Fp8W16Decoder {
   static constexpr bool kGrouped = false;
+  static constexpr int kValuesPerByte = 1;
   const T* a;
   const unsigned char* b;
   const float* b_scale;
@@ -190,6 +194,25 @@ struct Fp8W16Decoder {
   MOEROUTE_DEVICE float row_scale(long long, int) const { return 1.0f; }
   MOEROUTE_DEVICE float col_scale(int, int, int, int) const { return 1.0f; }
   MOEROUTE_DEVICE float bias(int, int, int) const { return 0.0f; }
+
+  // mma (moe_tile_narrow_mma): the e4m3 bytes staged as they are, each decoded in registers to
+  // its exact 16-bit value (at most 4 significant bits, exponents 2^-9 .. 2^8: exact in float16
+  // and bfloat16), the (bn, bk) block's scale applied to each 32-column block's float32 sums;
+  // needs bk % 32 == 0 (the launcher checks). No per-tile metadata.
+  template <int BLOCK_N, int TILE_GATES, int THREADS>
+  MOEROUTE_DEVICE void stage_metadata(unsigned char*, int, int, int) const {}
+#if MOEROUTE_HAS_MMA
+  template <typename U>
+  MOEROUTE_DEVICE unsigned int pair16(const unsigned char*, int, int, const unsigned char* row, int first) const {
+    return static_cast<unsigned int>(from_float<U>(e4m3_to_float(row[first])).bits) |
+           (static_cast<unsigned int>(from_float<U>(e4m3_to_float(row[first + 1])).bits) << 16);
+  }
+  MOEROUTE_DEVICE float block_scale(const unsigned char*, int, int expert, int gate, int col, int k_block) const {
+    if (col >= n) return 0.0f;
+    const long long block_row = (static_cast<long long>(expert) * GATES + gate) * ((n + bn - 1) / bn) + col / bn;
+    return scale(block_row, k_block * kNarrowBlockValues);
+  }
+#endif
 };
 
 }  // namespace moeroute
@@ -224,6 +247,29 @@ __global__ void MOEROUTE_LAUNCH_BOUNDS(moeroute::kSimtThreads, moeroute::kSimtMi
   moe_tile_simt<Decoder, T, TILE_M, GATED>(decoder, c, sorted_token_ids, expert_ids, topk_weights, numel, top_k, n,
                                            k, block_size, activation, apply_router_weight, 0);
 }
+
+#if MOEROUTE_HAS_MMA
+
+// w8a16 on sm_80+ for float16 / bfloat16 activations (moe_tile_narrow_mma with Fp8W16Decoder):
+// grid (row tiles, ceil(n / BLOCK_N)), block WARPS_M * WARPS_N warps, dynamic shared memory
+// STAGES * (TILE_M * kNarrowAPitch * 2 + GATES * BLOCK_N * NarrowBPitch<1>::value) bytes. Needs
+// k % 32 == 0, bk % 32 == 0 and A and B 16-byte aligned (the launcher checks).
+template <typename T, int TILE_M, int BLOCK_N, int WARPS_M, int WARPS_N, int STAGES, int MIN_BLOCKS, int GATED>
+__global__ void MOEROUTE_LAUNCH_BOUNDS(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE, MIN_BLOCKS)
+    moe_gemm_fp8w16_mma(const T* __restrict__ a, const unsigned char* __restrict__ b,
+                        const float* __restrict__ b_scale, T* __restrict__ c,
+                        const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
+                        const float* __restrict__ topk_weights, int numel, int top_k, int n, int k, int bn, int bk,
+                        int block_size, int activation, int apply_router_weight) {
+  using namespace moeroute;
+  using Decoder = Fp8W16Decoder<T, GATED ? 2 : 1>;
+  const Decoder decoder{a, b, b_scale, n, k, bn, bk};
+  moe_tile_narrow_mma<Decoder, T, TILE_M, BLOCK_N, WARPS_M, WARPS_N, STAGES, GATED>(
+      decoder, a, b, c, sorted_token_ids, expert_ids, topk_weights, numel, top_k, n, k, block_size, activation,
+      apply_router_weight, 0);
+}
+
+#endif  // MOEROUTE_HAS_MMA
 
 #if MOEROUTE_HAS_FP8_MMA
 

@@ -50,6 +50,7 @@ MOEROUTE_DEVICE unsigned int small_int_bits16<float16>(int value) {
 template <typename T, typename S, int GATES>
 struct Int4Decoder {
   static constexpr bool kGrouped = false;
+  static constexpr int kValuesPerByte = 2;
   const T* a;
   const unsigned char* packed;
   const S* scales;
@@ -88,9 +89,11 @@ struct Int4Decoder {
     }
   }
 #if MOEROUTE_HAS_MMA
+  // Byte first / 2 of the staged row holds columns first (low nibble) and first + 1.
   template <typename U>
   MOEROUTE_DEVICE unsigned int pair16(const unsigned char* metadata, int tile_row, int k_block,
-                                      unsigned int byte) const {
+                                      const unsigned char* row, int first) const {
+    const unsigned int byte = row[first / 2];
     const int zero = has_zeros ? static_cast<int>(metadata[tile_row * groups() + k_block * kNarrowBlockValues / group_size])
                                : kInt4SymmetricZero;
     return small_int_bits16<U>(static_cast<int>(byte & 0xfu) - zero) |
@@ -125,7 +128,7 @@ __global__ void MOEROUTE_LAUNCH_BOUNDS(moeroute::kSimtThreads, moeroute::kSimtMi
 
 // Grid: (row tiles, ceil(n / BLOCK_N)); block: WARPS_M * WARPS_N warps (moe_tile_narrow_mma).
 // Dynamic shared memory: STAGES stages of (TILE_M * kNarrowAPitch * 2 + GATES * BLOCK_N *
-// kNarrowBPitch) bytes, then (asymmetric only) the tile's zero points, GATES * BLOCK_N rows of
+// NarrowBPitch<2>::value) bytes, then (asymmetric only) the tile's zero points, GATES * BLOCK_N rows of
 // k / g bytes. Needs A and the packed bytes 16-byte aligned (the launcher checks).
 template <typename T, typename S, int TILE_M, int BLOCK_N, int WARPS_M, int WARPS_N, int STAGES, int MIN_BLOCKS,
           int GATED>

@@ -91,6 +91,7 @@ namespace moeroute {
 template <typename T, int GATES>
 struct Mxfp4Decoder {
   static constexpr bool kGrouped = false;
+  static constexpr int kValuesPerByte = 2;
   const T* a;
   const unsigned char* blocks;
   const unsigned char* scales;
@@ -125,9 +126,10 @@ struct Mxfp4Decoder {
     }
   }
 #if MOEROUTE_HAS_MMA
+  // Byte first / 2 of the staged row holds columns first (low nibble) and first + 1.
   template <typename U>
-  MOEROUTE_DEVICE unsigned int pair16(const unsigned char*, int, int, unsigned int byte) const {
-    return e2m1_pair<U>(byte);
+  MOEROUTE_DEVICE unsigned int pair16(const unsigned char*, int, int, const unsigned char* row, int first) const {
+    return e2m1_pair<U>(row[first / 2]);
   }
 #endif
   MOEROUTE_DEVICE float block_scale(const unsigned char* metadata, int tile_row, int, int, int, int k_block) const {
@@ -159,7 +161,7 @@ __global__ void MOEROUTE_LAUNCH_BOUNDS(moeroute::kSimtThreads, moeroute::kSimtMi
 
 // Grid: (row tiles, ceil(n / BLOCK_N)); block: WARPS_M * WARPS_N warps (moe_tile_narrow_mma).
 // Dynamic shared memory: STAGES stages of (TILE_M * kNarrowAPitch * 2 + GATES * BLOCK_N *
-// kNarrowBPitch) bytes, then the tile's scale bytes, GATES * BLOCK_N rows of k / 32. Needs A and
+// NarrowBPitch<2>::value) bytes, then the tile's scale bytes, GATES * BLOCK_N rows of k / 32. Needs A and
 // the blocks 16-byte aligned (the launcher checks; k % 32 == 0 by the format keeps every row aligned).
 template <typename T, int TILE_M, int BLOCK_N, int WARPS_M, int WARPS_N, int STAGES, int MIN_BLOCKS, int GATED>
 __global__ void MOEROUTE_LAUNCH_BOUNDS(WARPS_M* WARPS_N* MOEROUTE_WARP_SIZE, MIN_BLOCKS)

@@ -18,18 +18,22 @@
 //   Decoders: FloatDecoder (moe_gemm.cu), Fp8Decoder (w8a8) and Fp8W16Decoder (w8a16,
 //   moe_gemm_fp8.cu), Mxfp4Decoder (moe_gemm_mxfp4.cu), Int4Decoder (moe_gemm_int4.cu).
 //
-//   Narrow-weight mma loop (moe_tile_narrow_mma, sm_80+): 16-bit activations and weights packed
-//   below 16 bits, decoded in registers to exact 16-bit values and multiplied with mma.sync
+//   Narrow-weight mma loop (moe_tile_narrow_mma, sm_80+): 16-bit activations and weights of 8
+//   or 4 bits, decoded in registers to exact 16-bit values and multiplied with mma.sync
 //   m16n8k16 in blocks of 32 k columns whose float32 sums are promoted with the block's scale.
-//     kValuesPerByte (2: nibbles)         packed layout of a weight row: k / kValuesPerByte bytes
-//     stage_metadata(shared, ...)         per-tile bytes staged once (MXFP4 scale bytes, INT4
-//                                         zero points), metadata_bytes(rows, k) of them
-//     pair16<T>(shared, row, k_block, byte)
-//                                         the B fragment register of two 16-bit values
-//     block_scale(shared, expert_row, row, k_block)
+//     kValuesPerByte (1: bytes, 2: nibbles)
+//                                         a weight row is k / kValuesPerByte bytes
+//     stage_metadata(shared, expert, n0, tid)
+//                                         per-tile bytes staged once after the stages (MXFP4
+//                                         scale bytes, INT4 zero points; the launcher sizes them)
+//     pair16<T>(shared, tile_row, k_block, row, first)
+//                                         the B fragment register of the two 16-bit values at
+//                                         k columns first, first + 1 of a staged row
+//     block_scale(shared, tile_row, expert, gate, col, k_block)
 //                                         the float32 scale of a 32-column block
-//   Decoders: Mxfp4Decoder, Int4Decoder. The float (moe_gemm_mma) and the FP8 e4m3 x e4m3
-//   (moe_gemm_fp8_mma) matrix kernels keep their own loops: their B operand is not decoded.
+//   Decoders: Fp8W16Decoder (e4m3 bytes), Mxfp4Decoder, Int4Decoder. The float (moe_gemm_mma)
+//   and the FP8 e4m3 x e4m3 (moe_gemm_fp8_mma) matrix kernels keep their own loops: their B
+//   operand is not decoded.
 #pragma once
 
 #include "compat.cuh"
@@ -227,18 +231,23 @@ constexpr int kNarrowSliceBlocks = kNarrowSliceK / kNarrowBlockValues;
 // A stage rows: 16-bit values, +8 (16 bytes) a row: the fragment loads of a warp hit distinct
 // banks and rows stay 16-byte aligned for cp.async.
 constexpr int kNarrowAPitch = kNarrowSliceK + 8;
-// B stage rows: packed bytes (two values each), +16 a row for the same two reasons.
-constexpr int kNarrowBPitch = kNarrowSliceK / 2 + 16;
-constexpr int kNarrowAChunks = kNarrowSliceK / 8;   // 16-byte copies per A row and stage
-constexpr int kNarrowBChunks = kNarrowSliceK / 32;  // 16-byte copies per B row and stage
+// B stage rows: packed bytes (VALUES_PER_BYTE values each), +16 a row for the same two reasons.
+template <int VALUES_PER_BYTE>
+struct NarrowBPitch {
+  static constexpr int value = kNarrowSliceK / VALUES_PER_BYTE + 16;
+};
+constexpr int kNarrowAChunks = kNarrowSliceK / 8;  // 16-byte copies per A row and stage
 
 // Issues the cp.async of one stage: TILE_M rows of A (through token_row), then GATES * BLOCK_N
 // rows of packed B (gate rows n0.., then up rows n + n0..), from k value k0. Rows and columns
 // out of range are zero-filled (their sums are never stored, or are multiplied by zero).
-template <int TILE_M, int BLOCK_N, int GATES, int THREADS>
+template <int TILE_M, int BLOCK_N, int GATES, int THREADS, int VALUES_PER_BYTE>
 MOEROUTE_DEVICE void narrow_load_stage(unsigned char* stage, const unsigned char* a_bytes,
                                        const unsigned char* packed_expert, const int* token_row, int numel,
                                        int top_k, int n, int k, int n0, int k0, int tid) {
+  constexpr int B_PITCH = NarrowBPitch<VALUES_PER_BYTE>::value;
+  constexpr int B_CHUNKS = kNarrowSliceK / VALUES_PER_BYTE / 16;  // 16-byte copies per B row and stage
+  const int row_bytes = k / VALUES_PER_BYTE, k0_bytes = k0 / VALUES_PER_BYTE;
   unsigned char* b_stage = stage + TILE_M * kNarrowAPitch * 2;
   for (int chunk = tid; chunk < TILE_M * kNarrowAChunks; chunk += THREADS) {
     const int row = chunk / kNarrowAChunks, offset = (chunk % kNarrowAChunks) * 8;
@@ -248,21 +257,21 @@ MOEROUTE_DEVICE void narrow_load_stage(unsigned char* stage, const unsigned char
         valid ? a_bytes + (static_cast<long long>(token / top_k) * k + k0 + offset) * 2 : a_bytes;
     cp_async_16(stage + (row * kNarrowAPitch + offset) * 2, source, valid);
   }
-  for (int chunk = tid; chunk < GATES * BLOCK_N * kNarrowBChunks; chunk += THREADS) {
-    const int row = chunk / kNarrowBChunks, offset = (chunk % kNarrowBChunks) * 16;
+  for (int chunk = tid; chunk < GATES * BLOCK_N * B_CHUNKS; chunk += THREADS) {
+    const int row = chunk / B_CHUNKS, offset = (chunk % B_CHUNKS) * 16;
     const int gate = row / BLOCK_N, col = n0 + row % BLOCK_N;
-    const bool valid = col < n && k0 / 2 + offset < k / 2;
+    const bool valid = col < n && k0_bytes + offset < row_bytes;
     const unsigned char* source =
-        valid ? packed_expert + (static_cast<long long>(gate) * n + col) * (k / 2) + k0 / 2 + offset : packed_expert;
-    cp_async_16(b_stage + row * kNarrowBPitch + offset, source, valid);
+        valid ? packed_expert + (static_cast<long long>(gate) * n + col) * row_bytes + k0_bytes + offset : packed_expert;
+    cp_async_16(b_stage + row * B_PITCH + offset, source, valid);
   }
 }
 
 // Grid: (row tiles, ceil(n / BLOCK_N)); block: WARPS_M * WARPS_N warps. Each warp owns
 // (TILE_M / WARPS_M) x (BLOCK_N / WARPS_N) outputs per gate as 16x8 mma tiles. Dynamic shared
-// memory: STAGES stages of (TILE_M * kNarrowAPitch * 2 + GATES * BLOCK_N * kNarrowBPitch) bytes,
-// then the decoder's metadata bytes. B: packed rows of k / 2 bytes, [experts * GATES * n]; needs
-// A and B 16-byte aligned and k % 32 == 0 (the launchers check).
+// memory: STAGES stages of (TILE_M * kNarrowAPitch * 2 + GATES * BLOCK_N * NarrowBPitch) bytes,
+// then the decoder's metadata bytes. B: packed rows of k / kValuesPerByte bytes, [experts *
+// GATES * n]; needs A and B 16-byte aligned and k % 32 == 0 (the launchers check).
 template <typename Decoder, typename T, int TILE_M, int BLOCK_N, int WARPS_M, int WARPS_N, int STAGES, int GATED>
 MOEROUTE_DEVICE void moe_tile_narrow_mma(const Decoder& decoder, const T* __restrict__ a,
                                          const unsigned char* __restrict__ packed, T* __restrict__ c,
@@ -276,7 +285,9 @@ MOEROUTE_DEVICE void moe_tile_narrow_mma(const Decoder& decoder, const T* __rest
   constexpr int WARP_M = TILE_M / WARPS_M, WARP_N = BLOCK_N / WARPS_N;
   constexpr int M_TILES = WARP_M / 16, N_TILES = WARP_N / 8;
   static_assert(WARP_M % 16 == 0 && WARP_N % 8 == 0, "warp tiles are whole 16x8 mma tiles");
-  constexpr int STAGE_BYTES = TILE_M * kNarrowAPitch * 2 + GATES * BLOCK_N * kNarrowBPitch;
+  constexpr int VALUES_PER_BYTE = Decoder::kValuesPerByte;
+  constexpr int B_PITCH = NarrowBPitch<VALUES_PER_BYTE>::value;
+  constexpr int STAGE_BYTES = TILE_M * kNarrowAPitch * 2 + GATES * BLOCK_N * B_PITCH;
 
   MOEROUTE_DYNAMIC_SHARED(shared_bytes);
   unsigned char* metadata = shared_bytes + STAGES * STAGE_BYTES;
@@ -297,14 +308,14 @@ MOEROUTE_DEVICE void moe_tile_narrow_mma(const Decoder& decoder, const T* __rest
   const int k_blocks = k / kNarrowBlockValues;
   const int k_steps = (k + kNarrowSliceK - 1) / kNarrowSliceK;
   const long long expert_rows = static_cast<long long>(expert) * GATES * n;
-  const unsigned char* packed_expert = packed + expert_rows * (k / 2);
+  const unsigned char* packed_expert = packed + expert_rows * (k / VALUES_PER_BYTE);
   const unsigned char* a_bytes = reinterpret_cast<const unsigned char*>(a);
 
   // Every step commits one group (possibly empty) so that wait_group counts stay in step.
   MOEROUTE_UNROLL
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < k_steps)
-      narrow_load_stage<TILE_M, BLOCK_N, GATES, THREADS>(shared_bytes + s * STAGE_BYTES, a_bytes, packed_expert,
+      narrow_load_stage<TILE_M, BLOCK_N, GATES, THREADS, VALUES_PER_BYTE>(shared_bytes + s * STAGE_BYTES, a_bytes, packed_expert,
                                                          token_row, numel, top_k, n, k, n0, s * kNarrowSliceK, tid);
     cp_async_commit();
   }
@@ -319,7 +330,7 @@ MOEROUTE_DEVICE void moe_tile_narrow_mma(const Decoder& decoder, const T* __rest
     __syncthreads();
     const int next = kt + STAGES - 1;
     if (next < k_steps)
-      narrow_load_stage<TILE_M, BLOCK_N, GATES, THREADS>(shared_bytes + (next % STAGES) * STAGE_BYTES, a_bytes,
+      narrow_load_stage<TILE_M, BLOCK_N, GATES, THREADS, VALUES_PER_BYTE>(shared_bytes + (next % STAGES) * STAGE_BYTES, a_bytes,
                                                          packed_expert, token_row, numel, top_k, n, k, n0,
                                                          next * kNarrowSliceK, tid);
     cp_async_commit();
@@ -349,12 +360,13 @@ MOEROUTE_DEVICE void moe_tile_narrow_mma(const Decoder& decoder, const T* __rest
         for (int gate = 0; gate < GATES; ++gate) {
           MOEROUTE_UNROLL
           for (int nt = 0; nt < N_TILES; ++nt) {
-            // B regs (k = 2t..2t+1, n = g) and (k = 2t+8..2t+9, n = g): bytes t and 4 + t of the
-            // k16 step in row g, decoded in registers.
+            // B regs (k = 2t..2t+1, n = g) and (k = 2t+8..2t+9, n = g) of the k16 step in
+            // row g, decoded in registers.
             const int tile_row = gate * BLOCK_N + warp_n * WARP_N + nt * 8 + group;
-            const unsigned char* row = b_stage + tile_row * kNarrowBPitch + kk / 2;
-            const unsigned int b0 = decoder.template pair16<T>(metadata, tile_row, k_block, row[thread_in_group]);
-            const unsigned int b1 = decoder.template pair16<T>(metadata, tile_row, k_block, row[4 + thread_in_group]);
+            const unsigned char* row = b_stage + tile_row * B_PITCH;
+            const int first = kk + 2 * thread_in_group;
+            const unsigned int b0 = decoder.template pair16<T>(metadata, tile_row, k_block, row, first);
+            const unsigned int b1 = decoder.template pair16<T>(metadata, tile_row, k_block, row, first + 8);
             MOEROUTE_UNROLL
             for (int mt = 0; mt < M_TILES; ++mt) mma_m16n8k16<T>(partial[gate][mt][nt], a_fragment[mt], b0, b1);
           }
