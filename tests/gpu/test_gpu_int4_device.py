@@ -132,3 +132,31 @@ def test_fp8_w8a16_experts_on_device_match_reference(dtype):
     )
     error = float((out.double().cpu() - expected).abs().max() / expected.abs().max())
     assert error <= TOLERANCE[dtype], f"{dtype} fused_experts: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_moe_int4_on_cuda_reaches_the_kernels_and_matches_cpu(monkeypatch, symmetric):
+    # MoE(quant=int4) moved to CUDA: the chooser takes the INT4 kernels (not "blocks"), and the
+    # output equals the CPU module's (float32 on both sides, sums in another order).
+    from moeroute.bindings.torch import MoE
+    from moeroute.config import RouterConfig
+    from moeroute.quant import quantize_int4
+
+    launched = []
+    original = G.run_int4_experts
+    monkeypatch.setattr(G, "run_int4_experts", lambda *a, **k: launched.append(1) or original(*a, **k))
+    H, I, N, K = 256, 128, 8, 2
+    g = torch.Generator().manual_seed(5)
+    quant = QuantConfig("int4", group_size=32, symmetric=symmetric)
+    module = MoE(RouterConfig(N, K), H, I, quant=quant)
+    module.load_routed_weights(
+        quantize_int4(torch.randn(N, 2 * I, H, generator=g) / 16, group_size=32, symmetric=symmetric),
+        quantize_int4(torch.randn(N, H, I, generator=g) / 11, group_size=32, symmetric=symmetric),
+    )
+    with torch.no_grad():
+        module.router_weight.copy_(torch.randn(N, H, generator=g))
+        x = torch.randn(33, H, generator=g)
+        expected = module(x)
+        out = module.to("cuda")(x.cuda())
+    error = float((out.double().cpu() - expected.double()).abs().max() / expected.double().abs().max())
+    assert launched and out.device.type == "cuda" and error <= 1e-4, error
