@@ -133,7 +133,7 @@ def stage_split(moe, x, repeats):
         )
         t2 = time.perf_counter()
         if strategy == "rows":  # the row kernels add into the sums as they go: gemm includes combine
-            rows_expert_mlp(recv_hidden, local_ids, recv_weights, experts.w_gate_up, experts.w_down, experts.activation)
+            rows_expert_mlp(recv_hidden, recv_weights, local_ids, experts.w_gate_up, experts.w_down, experts.activation)
             permute, gemm, combine = t2 - t1, time.perf_counter() - t2, 0.0
         elif strategy == "loop":
             seconds = {}
@@ -259,7 +259,7 @@ def decode_rows(repeats):
                     weights, ids = arrays.route(
                         moe.compute_router_logits(flat), moe._selection_router, moe.layout, 0, moe.correction_bias
                     )
-                    split = interleaved(lambda: moe(x), lambda: moe.experts(flat, ids, weights), repeats)
+                    split = interleaved(lambda: moe(x), lambda: moe.experts(flat, weights, ids), repeats)
                 rows.append(
                     {
                         "shape": name,
@@ -327,7 +327,7 @@ def rows_crossover(quick: bool) -> list[dict]:
             counts = torch.bincount(ids.flatten().long(), minlength=EXPERTS)
             mean_rows = float(counts.sum() / (counts > 0).sum())
             loop_weights = experts.cpu_weights() if experts.pack_cpu else None
-            args = (x, ids, weights, experts.w_gate_up, experts.w_down, "silu")
+            args = (x, weights, ids, experts.w_gate_up, experts.w_down, "silu")
             loop = lambda: cpu_experts(*args, "loop", loop_weights=loop_weights)  # noqa: E731
             rows_fn = lambda: cpu_experts(*args, "rows")  # noqa: E731
             expected, got = loop().float(), rows_fn().float()

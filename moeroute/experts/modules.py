@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeroute._validate import integer
+from moeroute._validate import integer, weights_then_ids
 from moeroute.experts.activations import check_activation
 from moeroute.experts.choose import check_strategy, format_of
 from moeroute.experts.formats.fp8 import fp8_experts_forward
@@ -251,15 +251,15 @@ class LocalExperts(nn.Module):
             f"gemm={self.gemm!r}, bias={self.b_gate_up is not None}"
         )
 
-    def forward(self, hidden_states: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Weighted sum of each row's local experts.
 
         Parameters
         ----------
         hidden_states : Tensor [Tr, H], dtype of the weights
+        weights : Tensor [Tr, K'] float32
         local_ids : Tensor [Tr, K'] int32, local expert id per slot, -1 (or any id outside
             [0, L)) = not computed here
-        weights : Tensor [Tr, K'] float32
 
         Returns
         -------
@@ -268,10 +268,14 @@ class LocalExperts(nn.Module):
 
         Raises
         ------
+        TypeError
+            ``weights`` not floating or ``local_ids`` not integer (the pair passed ids first,
+            the order before 0.2).
         ValueError
             The weights are not of a `SUPPORTED_DTYPES` dtype (``module.double()``), or
             ``hidden_states`` is not of theirs.
         """
+        weights_then_ids(weights, local_ids, "weights", "local_ids")
         check_dtype("the expert weights", self.w_gate_up.dtype)
         if hidden_states.dtype != self.w_gate_up.dtype:
             raise ValueError(
@@ -279,12 +283,12 @@ class LocalExperts(nn.Module):
                 f"weights' dtype {self.w_gate_up.dtype}"
             )
         if hidden_states.device.type == "cuda":
-            return self._forward_cuda(hidden_states, local_ids, weights)
+            return self._forward_cuda(hidden_states, weights, local_ids)
         loop_weights = self.cpu_weights() if self.pack_cpu else None
         return cpu_experts(
             hidden_states,
-            local_ids,
             weights,
+            local_ids,
             self.w_gate_up,
             self.w_down,
             self.activation,
@@ -294,7 +298,7 @@ class LocalExperts(nn.Module):
             loop_weights=loop_weights,
         )
 
-    def _forward_cuda(self, hidden_states, local_ids, weights):
+    def _forward_cuda(self, hidden_states, weights, local_ids):
         try:
             from moeroute.gpu import fused_experts
         except ImportError as error:  # CuPy missing: say what the CUDA path needs
@@ -493,16 +497,17 @@ class QuantizedExperts(nn.Module):
             f"quant={self.quant!r}"
         )
 
-    def forward(self, hidden_states: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Weighted sum of each row's local w8a8 experts: as `LocalExperts.forward`, with the
         numerics of docs/quant.md; any of float32/bfloat16/float16 activations."""
+        weights_then_ids(weights, local_ids, "weights", "local_ids")
         if isinstance(hidden_states, torch.Tensor):
             hidden_states = hidden_states.contiguous()
         if self.quant.format == "int4":
             return int4_experts_forward(
                 hidden_states,
-                local_ids.contiguous(),
                 weights.contiguous(),
+                local_ids.contiguous(),
                 (self.w_gate_up, self.gate_up_scale, self.gate_up_zero),
                 (self.w_down, self.down_scale, self.down_zero),
                 self.quant.group_size,
@@ -512,8 +517,8 @@ class QuantizedExperts(nn.Module):
         if self.quant.format == "mxfp4":
             return mxfp4_experts_forward(
                 hidden_states,
-                local_ids.contiguous(),
                 weights.contiguous(),
+                local_ids.contiguous(),
                 self.w_gate_up,
                 self.gate_up_scale,
                 self.w_down,
@@ -525,8 +530,8 @@ class QuantizedExperts(nn.Module):
             )
         return fp8_experts_forward(
             hidden_states,
-            local_ids.contiguous(),
             weights.contiguous(),
+            local_ids.contiguous(),
             self.w_gate_up,
             self.gate_up_scale,
             self.w_down,

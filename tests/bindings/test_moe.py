@@ -206,7 +206,7 @@ def test_local_experts_weighted_sum_skips_foreign_slots(gemm):
     x = torch.randn(6, H, generator=generator)
     ids = torch.tensor([[0, 3], [-1, 2], [-1, -1], [1, 1], [4, 0], [2, -1]], dtype=torch.int32)
     weights = torch.rand(6, 2, generator=generator)
-    out = experts(x, ids, weights)
+    out = experts(x, weights, ids)
     expected = torch.zeros(6, H, dtype=torch.float64)
     for t in range(6):
         for k in range(2):

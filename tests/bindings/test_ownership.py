@@ -127,9 +127,9 @@ def _record_expert_inputs(module):
     seen = []
     original = module.experts.forward
 
-    def recording(hidden, local_ids, weights):
+    def recording(hidden, weights, local_ids):
         seen.append((hidden.shape[0], local_ids.clone(), weights.clone()))
-        return original(hidden, local_ids, weights)
+        return original(hidden, weights, local_ids)
 
     module.experts.forward = recording
     return seen

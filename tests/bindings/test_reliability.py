@@ -128,7 +128,7 @@ def test_local_experts_and_expert_bodies_refuse_float64():
     ids = torch.tensor([[0, 1], [2, 3], [1, 0]], dtype=torch.int32)
     weights = torch.full((3, 2), 0.5)
     with pytest.raises(ValueError, match="expert weights are torch.float64"):
-        experts(x, ids, weights)
+        experts(x, weights, ids)
     with pytest.raises(ValueError, match="hidden_states has dtype torch.float64"):
         torch.ops.moeroute.experts(x, experts.w_gate_up, experts.w_down, weights, ids)
     slots = torch.arange(6, dtype=torch.int32)

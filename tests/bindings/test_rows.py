@@ -49,14 +49,14 @@ TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rto
 @pytest.mark.parametrize("tokens,top_k,bias", [(1, 1, False), (3, 2, True), (7, 4, False), (33, 3, True)])
 def test_rows_match_reference(dtype, activation, tokens, top_k, bias):
     x, ids, weights, w_gate_up, w_down, (b_gate_up, b_down) = _problem(tokens, top_k, dtype, tokens, bias)
-    out = rows_expert_mlp(x, ids, weights, w_gate_up, w_down, activation, b_gate_up, b_down)
+    out = rows_expert_mlp(x, weights, ids, w_gate_up, w_down, activation, b_gate_up, b_down)
     assert out.dtype == dtype and tuple(out.shape) == (tokens, H)
     expected = _reference(x, ids, weights, w_gate_up, w_down, activation, b_gate_up, b_down)
     scale = float(expected.abs().max()) or 1.0  # all slots held elsewhere: zeros
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(out.double() / scale, expected / scale, **tolerance)
     # The same sum through the strategy switch of the experts body.
-    again = cpu_experts(x, ids, weights, w_gate_up, w_down, activation, "rows", b_gate_up, b_down)
+    again = cpu_experts(x, weights, ids, w_gate_up, w_down, activation, "rows", b_gate_up, b_down)
     assert torch.equal(again, out)
 
 
@@ -216,7 +216,7 @@ def test_auto_beyond_the_row_bound_takes_another_strategy():
     )
     assert served is False and bool((out == 5.0).all())
     assert 64 * 4 / L > rows_bound(torch.float32)
-    auto = cpu_experts(x, ids, weights, w_gate_up, w_down, "silu", "auto")
+    auto = cpu_experts(x, weights, ids, w_gate_up, w_down, "silu", "auto")
     expected = _reference(x, ids, weights, w_gate_up, w_down, "silu")
     scale = float(expected.abs().max())
     torch.testing.assert_close(auto.double() / scale, expected / scale, **TOLERANCE[torch.float32])
@@ -228,9 +228,9 @@ def test_rows_same_bits_on_any_thread_count():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_experts(x, ids, weights, w_gate_up, w_down, "silu", "rows")
+        one = cpu_experts(x, weights, ids, w_gate_up, w_down, "silu", "rows")
         torch.set_num_threads(2)
-        two = cpu_experts(x, ids, weights, w_gate_up, w_down, "silu", "rows")
+        two = cpu_experts(x, weights, ids, w_gate_up, w_down, "silu", "rows")
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
@@ -239,10 +239,10 @@ def test_rows_same_bits_on_any_thread_count():
 def test_rows_empty_and_refused_dtypes():
     x, ids, weights, w_gate_up, w_down, _ = _problem(4, 2, torch.float32, 6)
     none_here = torch.full_like(ids, -1)
-    out = cpu_experts(x, none_here, weights, w_gate_up, w_down, "silu", "rows")
+    out = cpu_experts(x, weights, none_here, w_gate_up, w_down, "silu", "rows")
     assert torch.equal(out, torch.zeros_like(x))
     with pytest.raises(ValueError, match="row kernels serve"):
-        cpu_experts(x.half(), ids, weights, w_gate_up.half(), w_down.half(), "silu", "rows")
+        cpu_experts(x.half(), weights, ids, w_gate_up.half(), w_down.half(), "silu", "rows")
 
 
 @pytest.mark.parametrize("tokens,top_k", [(1, 1), (5, 3), (64, 8)])

@@ -113,7 +113,7 @@ def test_mxfp4_experts_forward_runs_cuda_tensors_on_the_kernels(monkeypatch):
     x = x.to(torch.bfloat16)
     packed = [t.cuda() for t in (*gate_up, *down)]
     out = mxfp4_experts.mxfp4_experts_forward(
-        x.cuda(), topk_ids.cuda(), topk_weights.cuda(), *packed, bias[0].cuda(), bias[1].cuda(), activation="swigluoai"
+        x.cuda(), topk_weights.cuda(), topk_ids.cuda(), *packed, bias[0].cuda(), bias[1].cuda(), activation="swigluoai"
     )
     expected = dense_experts(
         x.double(), topk_ids, topk_weights, dequantize_mxfp4(*gate_up), dequantize_mxfp4(*down), "swigluoai", *bias

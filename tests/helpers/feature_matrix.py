@@ -68,7 +68,7 @@ def _float_cases(dtype):
     from moeroute.experts.formats.unquantized import cpu_experts
 
     def call(x, ids, weights, strategy):
-        return cpu_experts(x, ids, weights, w_gate_up, w_down, gemm=strategy)
+        return cpu_experts(x, weights, ids, w_gate_up, w_down, gemm=strategy)
 
     def ref(x, ids, weights):
         return dense_experts(x, ids, weights, w_gate_up.double(), w_down.double())
@@ -90,7 +90,7 @@ def _fp8_cases(dtype):
         q_gu, s_gu, q_d, s_d = quantize_experts(w_gate_up, w_down, config)
 
         def call(x, ids, weights, strategy, config=config, q=(q_gu, s_gu, q_d, s_d)):
-            return fp8_experts_forward(x, ids, weights, *q, config, strategy=strategy)
+            return fp8_experts_forward(x, weights, ids, *q, config, strategy=strategy)
 
         def ref(x, ids, weights, q=(q_gu, s_gu, q_d, s_d), config=config, w8a8=variant != "w8a16"):
             return reference.moe_experts_reference(
@@ -114,7 +114,7 @@ def _mxfp4_cases(dtype):
     (gu_b, gu_s), (d_b, d_s) = quantize_mxfp4(w_gate_up), quantize_mxfp4(w_down)
 
     def call(x, ids, weights, strategy):
-        return mxfp4_experts_forward(x, ids, weights, gu_b, gu_s, d_b, d_s, strategy=strategy)
+        return mxfp4_experts_forward(x, weights, ids, gu_b, gu_s, d_b, d_s, strategy=strategy)
 
     def ref(x, ids, weights):
         return dense_experts(x, ids, weights, dequantize_mxfp4(gu_b, gu_s), dequantize_mxfp4(d_b, d_s))
@@ -136,7 +136,7 @@ def _int4_cases(dtype):
             dq_d = dequantize_int4(*d, group_size=group)
 
             def call(x, ids, weights, strategy, gu=gu, d=d, group=group):
-                return int4_format.int4_experts_forward(x, ids, weights, gu, d, group, strategy=strategy)
+                return int4_format.int4_experts_forward(x, weights, ids, gu, d, group, strategy=strategy)
 
             def ref(x, ids, weights, w=(dq_gu, dq_d)):
                 return dense_experts(x, ids, weights, w[0].double(), w[1].double())

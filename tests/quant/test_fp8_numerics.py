@@ -222,7 +222,7 @@ def _path_errors() -> dict:
                 x.to(dtype), ids, weights, *tensors, quant.block_size, intermediate_dtype=dtype
             )
             for strategy in ("auto", "rows", "blocks"):
-                out = fp8_experts_forward(x.to(dtype), ids, weights, *tensors, quant, strategy=strategy)
+                out = fp8_experts_forward(x.to(dtype), weights, ids, *tensors, quant, strategy=strategy)
                 errors[f"T={tokens} {dtype} {strategy}"] = rel_error(out, expected)
     return {"bf16_dot": bool(cpu_fp8.bf16_dot_serves(hidden, inter, (128, 128), (128, 128))), "errors": errors}
 

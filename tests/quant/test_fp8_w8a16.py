@@ -115,7 +115,7 @@ def test_every_strategy_within_the_bound(shape, dtype, threads):
             )
             w8a8 = moe_experts_reference(x, ids, weights, *tensors, block, intermediate_dtype=dtype)
             for strategy in ("auto", "rows", "blocks"):
-                out = fp8_experts_forward(x, ids, weights, *tensors, quant, strategy=strategy)
+                out = fp8_experts_forward(x, weights, ids, *tensors, quant, strategy=strategy)
                 assert out.dtype == dtype
                 error = rel_error(out, expected)
                 assert error < W8A16_BOUND, (tokens, strategy, error)
@@ -187,7 +187,7 @@ def test_custom_op_takes_quant_activation_none():
         block_size=[64, 64],
         quant_activation="none",
     )
-    direct = fp8_experts_forward(x, ids, weights, q_gu, s_gu, q_d, s_d, quant)
+    direct = fp8_experts_forward(x, weights, ids, q_gu, s_gu, q_d, s_d, quant)
     assert torch.equal(out, direct)
 
 

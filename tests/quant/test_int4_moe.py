@@ -88,7 +88,7 @@ def test_forward_matches_the_float64_reference(group, symmetric, dtype, strategy
     gate_up, down = experts(group, symmetric, seed=group + symmetric)
     x = randn(9, H, seed=5).to(dtype)
     ids, weights = routed(9, seed=group)
-    out = int4_experts_forward(x, ids, weights, gate_up, down, group, strategy=strategy)
+    out = int4_experts_forward(x, weights, ids, gate_up, down, group, strategy=strategy)
     assert out.dtype == dtype and out.shape == x.shape
     expected = int4_moe_experts_reference(x.float(), ids, weights, gate_up, down, group, intermediate_dtype=dtype)
     assert rel_error(out.float(), expected) < RTOL[dtype]
@@ -101,7 +101,7 @@ def test_every_scale_dtype_and_auto_past_the_row_bound(scale_dtype):
     ids, weights = routed(80, seed=1)
     expected = int4_moe_experts_reference(x, ids, weights, gate_up, down, 64)
     for strategy in ("auto", "rows"):
-        out = int4_experts_forward(x, ids, weights, gate_up, down, 64, strategy=strategy)
+        out = int4_experts_forward(x, weights, ids, gate_up, down, 64, strategy=strategy)
         assert rel_error(out, expected) < RTOL[torch.float32]
 
 
@@ -114,7 +114,7 @@ def test_one_thread_and_two_give_the_same_bits():
     for threads in (1, 2):
         torch.set_num_threads(threads)
         try:
-            outs.append(int4_experts_forward(x, ids, weights, gate_up, down, 32, strategy="rows"))
+            outs.append(int4_experts_forward(x, weights, ids, gate_up, down, 32, strategy="rows"))
         finally:
             torch.set_num_threads(previous)
     assert torch.equal(outs[0], outs[1])
@@ -125,7 +125,7 @@ def test_one_thread_and_two_give_the_same_bits():
 def test_no_local_rows_gives_zeros():
     gate_up, down = experts(32, True)
     out = int4_experts_forward(
-        randn(3, H, seed=1), torch.full((3, K), N, dtype=torch.int32), torch.ones(3, K), gate_up, down, 32
+        randn(3, H, seed=1), torch.ones(3, K), torch.full((3, K), N, dtype=torch.int32), gate_up, down, 32
     )
     assert torch.equal(out, torch.zeros(3, H))
 
@@ -134,13 +134,13 @@ def test_forward_bad_input_names_the_argument():
     gate_up, down = experts(32, True)
     x, (ids, weights) = randn(2, H, seed=1), routed(2)
     with pytest.raises(ValueError, match=r"strategy='loop' is not an INT4 strategy"):
-        int4_experts_forward(x, ids, weights, gate_up, down, 32, strategy="loop")
+        int4_experts_forward(x, weights, ids, gate_up, down, 32, strategy="loop")
     with pytest.raises(TypeError, match="gate_up must be a \\(packed, scales\\)"):
-        int4_experts_forward(x, ids, weights, gate_up[0], down, 32)
+        int4_experts_forward(x, weights, ids, gate_up[0], down, 32)
     with pytest.raises(ValueError, match="scales has shape"):
-        int4_experts_forward(x, ids, weights, gate_up, down, 64)
+        int4_experts_forward(x, weights, ids, gate_up, down, 64)
     with pytest.raises(ValueError, match="gate_up packed has shape"):
-        int4_experts_forward(randn(2, 2 * H, seed=1), ids, weights, gate_up, down, 32)
+        int4_experts_forward(randn(2, 2 * H, seed=1), weights, ids, gate_up, down, 32)
 
 
 # -- MoE(quant=QuantConfig("int4")) ---------------------------------------------------------------

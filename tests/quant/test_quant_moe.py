@@ -183,7 +183,7 @@ def test_cpu_strategies_agree_with_reference(strategy, rows_per_expert):
     x = _randn(tokens, H, seed=3)
     ids = torch.stack([torch.arange(tokens) % experts, (torch.arange(tokens) + 1) % (experts + 1) - 1], 1)
     weights = torch.rand(tokens, 2, generator=torch.Generator().manual_seed(4))
-    out = fp8_experts_forward(x, ids.int(), weights, *q, quant, strategy=strategy)
+    out = fp8_experts_forward(x, weights, ids.int(), *q, quant, strategy=strategy)
     expected = moe_experts_reference(x, ids, weights, *q, quant.block_size)
     # float32: the same numerics up to float32 rounding and summation order, which can flip an
     # e4m3 rounding tie of the re-quantized intermediate (one step of one value moves that
@@ -344,7 +344,7 @@ def test_row_kernels_every_tile_shape_against_reference(fmt, threads, inter):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = fp8_experts_forward(x, ids.int(), weights, *q, quant, strategy="rows")
+        out = fp8_experts_forward(x, weights, ids.int(), *q, quant, strategy="rows")
     finally:
         torch.set_num_threads(previous)
     expected = moe_experts_reference(x, ids, weights, *q, quant.block_size if fmt != "tensor" else None)
@@ -482,7 +482,7 @@ def test_bf16_dot_fp8_kernels_serial_and_parallel_give_the_same_bits():
     for threads in (1, 2):
         torch.set_num_threads(threads)
         try:
-            outs.append(fp8_experts_forward(x, ids, weights, *q, quant, strategy="rows"))
+            outs.append(fp8_experts_forward(x, weights, ids, *q, quant, strategy="rows"))
         finally:
             torch.set_num_threads(previous)
     assert torch.equal(outs[0], outs[1])

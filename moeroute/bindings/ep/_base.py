@@ -277,13 +277,14 @@ class _EPDispatcher(Dispatcher):
         raise NotImplementedError
 
 
-def _pack_metadata(ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """int32 [rows, 2K']: ids then the weights' float32 bits (one collective for both)."""
-    return torch.cat([ids.to(torch.int32), weights.to(torch.float32).view(torch.int32)], dim=1)
+def _pack_metadata(weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int32 [rows, 2K']: the weights' float32 bits then the ids (one collective for both)."""
+    return torch.cat([weights.to(torch.float32).view(torch.int32), ids.to(torch.int32)], dim=1)
 
 
 def _unpack_metadata(meta: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return meta[:, :top_k].contiguous(), meta[:, top_k:].contiguous().view(torch.float32)
+    """(weights [rows, K'] float32, ids [rows, K'] int32) of `_pack_metadata`'s rows."""
+    return meta[:, :top_k].contiguous().view(torch.float32), meta[:, top_k:].contiguous()
 
 
 def _rows_as_sent(hidden_states) -> tuple[torch.Tensor, Any]:

@@ -134,7 +134,7 @@ class All2AllDispatcher(_EPDispatcher):
         state.send_token_index, state.send_counts, state.recv_counts = (send_token, send_counts, recv_counts)
 
         send_hidden = rows.index_select(0, send_token)
-        send_meta = _pack_metadata(send_local, send_weights)
+        send_meta = _pack_metadata(send_weights, send_local)
         num_recv = sum(recv_counts)
         recv_hidden = rows.new_empty((num_recv, rows.shape[1]))
         recv_meta = send_meta.new_empty((num_recv, 2 * top_k))
@@ -169,7 +169,7 @@ class All2AllDispatcher(_EPDispatcher):
 
         def finish():
             self._wait_all("token dispatch", works)
-            recv_local, recv_weights = _unpack_metadata(recv_meta, top_k)
+            recv_weights, recv_local = _unpack_metadata(recv_meta, top_k)
             return _rows_as_received(recv_hidden, fp8), recv_weights, recv_local
 
         return self._handle(state, finish, async_op)

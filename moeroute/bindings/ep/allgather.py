@@ -106,7 +106,7 @@ class AllGatherDispatcher(_EPDispatcher):
         send_hidden = rows.new_zeros((padded_rows, width))
         send_hidden[:num_tokens] = rows
         send_meta = torch.full((padded_rows, 2 * top_k), -1, dtype=torch.int32, device=device)
-        send_meta[:num_tokens] = _pack_metadata(topk_ids, topk_weights)
+        send_meta[:num_tokens] = _pack_metadata(topk_weights, topk_ids)
         gathered_hidden = rows.new_empty((e * padded_rows, width))
         gathered_meta = send_meta.new_empty((e * padded_rows, 2 * top_k))
         works = [
@@ -134,7 +134,7 @@ class AllGatherDispatcher(_EPDispatcher):
                 )
                 recv_hidden = gathered_hidden.index_select(0, keep)
                 recv_meta = gathered_meta.index_select(0, keep)
-            recv_ids, recv_weights = _unpack_metadata(recv_meta, top_k)
+            recv_weights, recv_ids = _unpack_metadata(recv_meta, top_k)
             recv_local = self._local_ids(recv_ids, sizes)
             recv_weights = torch.where(
                 recv_local >= 0, recv_weights, torch.zeros((), dtype=torch.float32, device=device)

@@ -741,7 +741,7 @@ def experts_forward(
     ids = top_k_index.to(torch.int32).contiguous()
     weights = top_k_weights.to(torch.float32).contiguous()
     with torch.no_grad():  # moeroute's experts are inference-only
-        out = local(hidden_states.contiguous(), ids, weights)
+        out = local(hidden_states.contiguous(), weights, ids)
     return out.to(hidden_states.dtype)
 
 

@@ -1033,7 +1033,7 @@ class MoE(nn.Module):
             routed_input = routed_input * topk_weights.to(routed_input.dtype)
             weights = torch.ones_like(weights)
         if local:
-            routed = self.experts(routed_input, ids, weights)
+            routed = self.experts(routed_input, weights, ids)
             shared_out = self._shared_output(x, gate) if mode == "overlap" else None
         else:
             if self.dispatch_dtype == "fp8":
@@ -1042,7 +1042,7 @@ class MoE(nn.Module):
             handle = self.dispatcher.dispatch(routed_input, weights, ids, async_op=mode == "overlap")
             shared_out = self._shared_output(x, gate) if mode == "overlap" else None
             recv_hidden, recv_weights, recv_local_ids = handle.wait()
-            partial = self.experts(recv_hidden, recv_local_ids, recv_weights)
+            partial = self.experts(recv_hidden, recv_weights, recv_local_ids)
             routed = self.dispatcher.combine(partial, handle)
 
         if layout.scaling_regime == "output" and rsf != 1.0:

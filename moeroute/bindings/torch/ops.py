@@ -707,8 +707,8 @@ def experts(
         if quant.format == "mxfp4":
             return mxfp4_experts_forward(
                 hidden_states.contiguous(),
-                topk_ids.contiguous(),
                 topk_weights.contiguous(),
+                topk_ids.contiguous(),
                 w_gate_up,
                 gate_up_scale,
                 w_down,
@@ -720,8 +720,8 @@ def experts(
             )
         return fp8_experts_forward(
             hidden_states.contiguous(),
-            topk_ids.contiguous(),
             topk_weights.contiguous(),
+            topk_ids.contiguous(),
             w_gate_up,
             gate_up_scale.float(),
             w_down,
@@ -746,7 +746,7 @@ def experts(
             None,
             *contiguous,
         )
-    return cpu_experts(hidden_states, topk_ids, topk_weights, w_gate_up, w_down, activation, gemm, b_gate_up, b_down)
+    return cpu_experts(hidden_states, topk_weights, topk_ids, w_gate_up, w_down, activation, gemm, b_gate_up, b_down)
 
 
 @_experts_op.register_fake

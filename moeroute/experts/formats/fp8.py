@@ -34,6 +34,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from moeroute._validate import weights_then_ids
 from moeroute.experts.cpu import quant_rows
 from moeroute.experts.cpu import rows as cpu_rows
 from moeroute.experts.activations import gated_activation
@@ -243,8 +244,8 @@ def _kernel_scales(config: QuantConfig, gate_up_scale, down_scale, hidden, inter
 
 def fp8_experts_forward(
     hidden_states: torch.Tensor,
-    local_ids: torch.Tensor,
     weights: torch.Tensor,
+    local_ids: torch.Tensor,
     q_gate_up: torch.Tensor,
     gate_up_scale: torch.Tensor,
     q_down: torch.Tensor,
@@ -263,8 +264,8 @@ def fp8_experts_forward(
         FP8Activations (FP8 dispatch): rows quantized once on the sending rank with this
         config's groups; the first GEMM uses their q and scales as they are (dynamic scheme
         only), so the result is that of the float rows they were quantized from.
-    local_ids : Tensor [Tr, K'] int32; ids outside [0, L) are not computed here
     weights : Tensor [Tr, K'] float32
+    local_ids : Tensor [Tr, K'] int32; ids outside [0, L) are not computed here
     q_gate_up : Tensor [L, 2I, H] float8_e4m3fn (gate rows first)
     gate_up_scale : Tensor float32, [L, 2*ceil(I/bn), ceil(H/bk)] (fp8_block) or [L, 2]
     q_down : Tensor [L, H, I] float8_e4m3fn
@@ -278,13 +279,14 @@ def fp8_experts_forward(
     -------
     Tensor [Tr, H], dtype of ``hidden_states``, accumulated in float32.
     """
+    weights_then_ids(weights, local_ids, "weights", "local_ids")
     check_strategy("strategy", strategy, "fp8")
     rows = hidden_states.q if isinstance(hidden_states, FP8Activations) else hidden_states
     check_same_device(
         "hidden_states",
         rows,
-        local_ids=local_ids,
         weights=weights,
+        local_ids=local_ids,
         q_gate_up=q_gate_up,
         gate_up_scale=gate_up_scale,
         q_down=q_down,

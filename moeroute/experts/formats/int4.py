@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from moeroute._validate import weights_then_ids
 from moeroute import routing
 from moeroute.experts.activations import gated_activation
 from moeroute.experts.choose import STRATEGIES, check_strategy, choose, cupy_installed
@@ -50,8 +51,8 @@ CHUNK_BYTES = 16 << 20
 
 def int4_experts_forward(
     hidden_states: torch.Tensor,
-    local_ids: torch.Tensor,
     weights: torch.Tensor,
+    local_ids: torch.Tensor,
     gate_up: tuple,
     down: tuple,
     group_size: int,
@@ -63,8 +64,8 @@ def int4_experts_forward(
     Parameters
     ----------
     hidden_states : Tensor [Tr, H] float32/bfloat16/float16
-    local_ids : Tensor [Tr, K'] integer; ids outside [0, L) are not computed here
     weights : Tensor [Tr, K'] float32
+    local_ids : Tensor [Tr, K'] integer; ids outside [0, L) are not computed here
     gate_up : (packed uint8 [L, 2I, H/2], scales [L, 2I, H/g][, zeros uint8 [L, 2I, H/g]])
         gate rows first; zeros absent or None: symmetric (z = 8)
     down : (packed [L, H, I/2], scales [L, H, I/g][, zeros])
@@ -84,6 +85,7 @@ def int4_experts_forward(
         An unknown ``strategy``; tensors that are not an INT4 weight (`check_int4`, shapes
         that do not fit ``hidden_states``); a tensor on another device.
     """
+    weights_then_ids(weights, local_ids, "weights", "local_ids")
     check_strategy("strategy", strategy, "int4")
     gate_up, down = _parts("gate_up", gate_up), _parts("down", down)
     check_int4(*gate_up, group_size=group_size, name="gate_up")
@@ -101,8 +103,8 @@ def int4_experts_forward(
     check_same_device(
         "hidden_states",
         hidden_states,
-        local_ids=local_ids,
         weights=weights,
+        local_ids=local_ids,
         **{f"gate_up[{i}]": t for i, t in enumerate(gate_up) if t is not None},
         **{f"down[{i}]": t for i, t in enumerate(down) if t is not None},
     )

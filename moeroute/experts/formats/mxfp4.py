@@ -33,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from moeroute._validate import weights_then_ids
 from moeroute.experts.cpu import mxfp4_rows
 from moeroute.experts.cpu import quant_rows
 from moeroute.experts.cpu import rows as cpu_rows
@@ -68,8 +69,8 @@ DECODED_MIN_ROWS = 12
 
 def mxfp4_experts_forward(
     hidden_states: torch.Tensor,
-    local_ids: torch.Tensor,
     weights: torch.Tensor,
+    local_ids: torch.Tensor,
     gate_up_blocks: torch.Tensor,
     gate_up_scales: torch.Tensor,
     down_blocks: torch.Tensor,
@@ -84,8 +85,8 @@ def mxfp4_experts_forward(
     Parameters
     ----------
     hidden_states : Tensor [Tr, H] float32/bfloat16/float16
-    local_ids : Tensor [Tr, K'] int32; ids outside [0, L) are not computed here
     weights : Tensor [Tr, K'] float32
+    local_ids : Tensor [Tr, K'] int32; ids outside [0, L) are not computed here
     gate_up_blocks : Tensor [L, 2I, H/32, 16] uint8 (gate rows first)
     gate_up_scales : Tensor [L, 2I, H/32] uint8
     down_blocks : Tensor [L, H, I/32, 16] uint8
@@ -106,12 +107,13 @@ def mxfp4_experts_forward(
     ValueError
         An unknown ``strategy``; a tensor on another device than ``hidden_states``.
     """
+    weights_then_ids(weights, local_ids, "weights", "local_ids")
     check_strategy("strategy", strategy, "mxfp4")
     check_same_device(
         "hidden_states",
         hidden_states,
-        local_ids=local_ids,
         weights=weights,
+        local_ids=local_ids,
         gate_up_blocks=gate_up_blocks,
         gate_up_scales=gate_up_scales,
         down_blocks=down_blocks,

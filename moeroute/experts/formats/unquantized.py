@@ -43,6 +43,7 @@ import numba
 import numpy as np
 import torch
 
+from moeroute._validate import weights_then_ids
 from moeroute.experts.cpu import rows as cpu_rows
 from moeroute.experts.activations import (
     ACTIVATIONS,
@@ -314,8 +315,8 @@ def streamed_expert_mlp(
 
 def rows_expert_mlp(
     hidden_states: torch.Tensor,
-    local_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    local_ids: torch.Tensor,
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     activation: str = "silu",
@@ -332,8 +333,8 @@ def rows_expert_mlp(
     Parameters
     ----------
     hidden_states : Tensor [T, H], bfloat16 or float32
-    local_ids : Tensor [T, K'] int32, local expert id per slot (outside [0, L) = skipped)
     topk_weights : Tensor [T, K'] float32
+    local_ids : Tensor [T, K'] int32, local expert id per slot (outside [0, L) = skipped)
     w_gate_up, w_down, activation, b_gate_up, b_down : as `expert_mlp`, dtype of ``hidden_states``
 
     Returns
@@ -341,14 +342,15 @@ def rows_expert_mlp(
     Tensor [T, H], dtype of ``hidden_states``: ``sum_k w[t, k] * expert_k(x_t)`` over the
     slots held here (rows with none are zero).
     """
+    weights_then_ids(topk_weights, local_ids, "topk_weights", "local_ids")
     served = _rows_forward(
-        hidden_states, local_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, float("inf")
+        hidden_states, topk_weights, local_ids, w_gate_up, w_down, activation, b_gate_up, b_down, float("inf")
     )
     assert served is not None
     return served
 
 
-def _rows_forward(hidden_states, local_ids, weights, w_gate_up, w_down, activation, b_gate_up, b_down, bound):
+def _rows_forward(hidden_states, weights, local_ids, w_gate_up, w_down, activation, b_gate_up, b_down, bound):
     """The row kernels' whole forward (`moeroute.experts.cpu.rows.rows_experts`, one Numba
     call), or None when the mean rows per hit expert exceed ``bound``."""
     if hidden_states.dtype not in ROWS_DTYPES or w_gate_up.dtype != hidden_states.dtype:
@@ -412,8 +414,8 @@ def bias_view(bias: torch.Tensor | None) -> np.ndarray:
 
 def cpu_experts(
     hidden_states: torch.Tensor,
-    local_ids: torch.Tensor,
     weights: torch.Tensor,
+    local_ids: torch.Tensor,
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     activation: str = "silu",
@@ -429,8 +431,8 @@ def cpu_experts(
 
     Parameters
     ----------
-    hidden_states : Tensor [T, H]; local_ids : Tensor [T, K'] int32 (ids outside [0, L) are
-        skipped); weights : Tensor [T, K'] float32
+    hidden_states : Tensor [T, H]; weights : Tensor [T, K'] float32; local_ids : Tensor
+        [T, K'] int32 (ids outside [0, L) are skipped)
     w_gate_up, w_down, activation, b_gate_up, b_down : as `expert_mlp`
     gemm : one of `GEMM_STRATEGIES`
     loop_weights : (gate_up, down) the "loop" strategy uses instead of the plain weights
@@ -442,14 +444,18 @@ def cpu_experts(
 
     Raises
     ------
+    TypeError
+        ``weights`` not floating or ``local_ids`` not integer (the pair passed ids first, the
+        order before 0.2).
     ValueError
         A tensor on another device than ``hidden_states`` (`check_same_device`).
     """
+    weights_then_ids(weights, local_ids, "weights", "local_ids")
     check_same_device(
         "hidden_states",
         hidden_states,
-        local_ids=local_ids,
         weights=weights,
+        local_ids=local_ids,
         w_gate_up=w_gate_up,
         w_down=w_down,
         b_gate_up=b_gate_up,
@@ -462,7 +468,7 @@ def cpu_experts(
         # One Numba call plans, tests "auto"'s bound (`choose`'s "rows" test, from the
         # plan's totals) and, within it, computes the whole forward.
         bound = float("inf") if strategy == "rows" else rows_bound(dtype)
-        out = _rows_forward(hidden_states, local_ids, weights, w_gate_up, w_down, activation, b_gate_up, b_down, bound)
+        out = _rows_forward(hidden_states, weights, local_ids, w_gate_up, w_down, activation, b_gate_up, b_down, bound)
         if out is not None:
             return out
     sorted_slots, expert_offsets, inverse_index = routing.sort_by_expert(local_ids.detach().contiguous(), num_experts)
