@@ -916,8 +916,8 @@ def _int4_experts_body(
     local_ids = ops.local_expert_ids(topk_ids, expert_map, w13.shape[0])
     return int4_experts_forward(
         x.contiguous(),
-        local_ids.contiguous(),
         topk_weights.contiguous(),
+        local_ids.contiguous(),
         (w13, w13_scale, w13_zero),
         (w2, w2_scale, w2_zero),
         group_size,
