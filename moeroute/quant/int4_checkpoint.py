@@ -38,24 +38,36 @@ quantizes from the same inputs) a kernel must gather (`fold_act_order` does the 
 checks the second). Each group must hold exactly g
 columns (what GPTQ writes); ``g_idx == k // g`` (no act order) gives ``perm`` None.
 
+The ``pack_*`` functions write moeroute's layout back into these (`pack_int4_checkpoint` by
+``QuantConfig.checkpoint``): unpacking what they write gives back the same bytes, scales and
+zero points, and packing what the unpackers read gives back the checkpoint's tensors byte for
+byte, except GPTQ act order (packed in its canonical column order, ``g_idx`` = k // g).
+
 Memory: a step of output rows (about 2**20 elements) at a time; beyond the inputs and the
-outputs, the temporaries are those of one step.
+outputs, the temporaries are those of one step. On little-endian hosts compressed-tensors'
+and GPTQ's words are read as bytes (a view and a byte transpose, no nibble arithmetic), and
+``out=`` writes straight into a layer's rows.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
 
 from moeroute.quant.config import QuantConfig
-from moeroute.quant.int4 import INT4_SCALE_DTYPES, SYMMETRIC_ZERO, _group_size, pack_int4
+from moeroute.quant.int4 import INT4_SCALE_DTYPES, SYMMETRIC_ZERO, _group_size, check_int4, pack_int4, unpack_int4
 
 __all__ = [
     "AWQ_ORDER",
     "Int4Weight",
     "fold_act_order",
+    "pack_awq",
+    "pack_compressed_tensors",
+    "pack_gptq",
+    "pack_int4_checkpoint",
     "unpack_awq",
     "unpack_compressed_tensors",
     "unpack_gptq",
@@ -78,6 +90,8 @@ INT4_CHECKPOINT_KEYS = {
 
 _STEP_ELEMENTS = 1 << 20
 _SHIFTS = tuple(4 * i for i in range(8))
+#: The layouts' words read as bytes (a view, no nibble arithmetic) on little-endian hosts.
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 class Int4Weight(NamedTuple):
@@ -133,6 +147,18 @@ def _nibbles(words: torch.Tensor) -> torch.Tensor:
     return ((words[..., None] >> shifts) & 0x0F).to(torch.uint8)
 
 
+def _out(out, rows: int, cols: int, device) -> torch.Tensor:
+    """``out`` checked to be uint8 [rows, cols/2] on ``device``, or a new one."""
+    if out is None:
+        return torch.empty(rows, cols // 2, dtype=torch.uint8, device=device)
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or tuple(out.shape) != (rows, cols // 2):
+        got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"out must be uint8 [{rows}, {cols // 2}] for a [{rows}, {cols}] weight, got {got}")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device} but the checkpoint tensors are on {device}")
+    return out
+
+
 def _steps(total: int, per_item: int):
     step = max(1, _STEP_ELEMENTS // max(1, per_item))
     for first in range(0, total, step):
@@ -158,6 +184,7 @@ def unpack_compressed_tensors(
     group_size: int,
     symmetric: bool,
     name: str = "",
+    out: torch.Tensor | None = None,
 ) -> Int4Weight:
     """moeroute's INT4 layout of one compressed-tensors pack-quantized weight (module docstring).
 
@@ -172,6 +199,8 @@ def unpack_compressed_tensors(
     symmetric : bool
     name : str
         The module's key prefix, named in the messages (e.g. "model.layers.3.mlp.experts.7.up_proj").
+    out : Tensor uint8 [N, K/2], optional
+        Where to write the packed integers (e.g. a layer's own rows); a new tensor when None.
 
     Raises
     ------
@@ -179,6 +208,15 @@ def unpack_compressed_tensors(
         A tensor of another dtype or shape, K not a multiple of ``group_size``, a missing zero
         point of an asymmetric weight, a non-finite scale; the message names the key.
     """
+    packed, scales, zeros = _ct_side(
+        name, weight_packed, weight_scale, weight_shape, weight_zero_point, group_size, symmetric
+    )
+    return Int4Weight(_ct_weight(packed, scales.shape[1] * group_size, out), scales, zeros)
+
+
+def _ct_side(name, weight_packed, weight_scale, weight_shape, weight_zero_point, group_size, symmetric):
+    """(weight_packed checked, scales, zeros) of a compressed-tensors weight: every check, the
+    weight's integers not read (it may be a meta tensor)."""
     group = _group_size(group_size)
     packed = _tensor(name, "weight_packed", weight_packed, (torch.int32,), 2)
     rows, words = packed.shape
@@ -212,10 +250,21 @@ def unpack_compressed_tensors(
             zeros = None
     elif not symmetric:
         raise ValueError(f"{_key(name, 'weight_zero_point')} is missing; an asymmetric weight needs its zero points")
-    out = torch.empty(rows, cols // 2, dtype=torch.uint8, device=packed.device)
+    return packed, scales.contiguous(), zeros
+
+
+def _ct_weight(packed: torch.Tensor, cols: int, out) -> torch.Tensor:
+    # Element k in bits 4 * (k % 8) of word k // 8: the little-endian bytes of the words are
+    # moeroute's bytes (element 2j low, 2j + 1 high nibble of byte j), stored q = signed + 8.
+    rows = packed.shape[0]
+    out = _out(out, rows, cols, packed.device)
+    if _LITTLE_ENDIAN:
+        out.copy_(packed.view(torch.uint8)[:, : cols // 2])
+        return out
+    words = packed.shape[1]
     for step in _steps(rows, cols):
         out[step] = pack_int4(_nibbles(packed[step]).reshape(-1, 8 * words)[:, :cols])
-    return Int4Weight(out, scales.contiguous(), zeros)
+    return out
 
 
 def unpack_gptq(
@@ -228,6 +277,7 @@ def unpack_gptq(
     symmetric: bool,
     checkpoint: str = "gptq",
     name: str = "",
+    out: torch.Tensor | None = None,
 ) -> Int4Weight:
     """moeroute's INT4 layout of one GPTQ weight (module docstring), act order applied.
 
@@ -244,6 +294,8 @@ def unpack_gptq(
         "gptq" stores zero points minus one, "gptq_v2" as they are.
     name : str
         The module's key prefix, named in the messages.
+    out : Tensor uint8 [N, K/2], optional
+        Where to write the packed integers; a new tensor when None.
 
     Returns
     -------
@@ -256,6 +308,13 @@ def unpack_gptq(
         value outside [0, K/g) or a group without exactly g columns, a symmetric weight with
         another zero point, a non-finite scale; the message names the key.
     """
+    words, scale, zeros, perm = _gptq_side(name, qweight, qzeros, scales, g_idx, group_size, symmetric, checkpoint)
+    return Int4Weight(_gptq_weight(words, perm, out), scale, zeros, perm)
+
+
+def _gptq_side(name, qweight, qzeros, scales, g_idx, group_size, symmetric, checkpoint):
+    """(qweight checked, scales [N, K/g], zeros, perm) of a GPTQ weight: every check, the
+    weight's integers not read (it may be a meta tensor)."""
     group = _group_size(group_size)
     if checkpoint not in ("gptq", "gptq_v2"):
         raise ValueError(f"checkpoint={checkpoint!r} is not a GPTQ layout; use 'gptq' or 'gptq_v2'")
@@ -284,13 +343,29 @@ def unpack_gptq(
         index = _tensor(name, "g_idx", g_idx, (torch.int32, torch.int64), 1)
         _shape(name, "g_idx", index, (cols,), "one group per input column, [K]")
         perm = _act_order(name, index.to(torch.int64), group)
-    out = torch.empty(rows, cols // 2, dtype=torch.uint8, device=words.device)
+    return words, scale.t().contiguous(), zeros, perm
+
+
+def _gptq_weight(words: torch.Tensor, perm, out) -> torch.Tensor:
+    # Element (n, k) in bits 4 * (k % 8) of word [k // 8, n]: byte b of that word holds k =
+    # 8 (k // 8) + 2b (low nibble) and + 1 (high), so moeroute's row n is a byte transpose.
+    cols, rows = 8 * words.shape[0], words.shape[1]
+    out = _out(out, rows, cols, words.device)
+    if _LITTLE_ENDIAN and perm is None and words.is_contiguous() and out.is_contiguous():
+        # One strided copy of the bytes, no temporaries.
+        out.view(rows, cols // 8, 4).copy_(words.view(torch.uint8).view(cols // 8, rows, 4).permute(1, 0, 2))
+        return out
     for step in _steps(rows, cols):
-        q = _nibbles(words[:, step]).permute(1, 0, 2).reshape(-1, cols)
-        if perm is not None:
-            q = q[:, perm]
-        out[step] = pack_int4(q)
-    return Int4Weight(out, scale.t().contiguous(), zeros, perm)
+        if _LITTLE_ENDIAN:
+            block = words[:, step].contiguous().view(torch.uint8).view(cols // 8, -1, 4).permute(1, 0, 2)
+            if perm is None:
+                out[step].view(-1, cols // 8, 4).copy_(block)
+                continue
+            q = unpack_int4(block.reshape(-1, cols // 2))
+        else:
+            q = _nibbles(words[:, step]).permute(1, 0, 2).reshape(-1, cols)
+        out[step] = pack_int4(q if perm is None else q[:, perm])
+    return out
 
 
 def _act_order(name: str, g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
@@ -315,7 +390,7 @@ def _act_order(name: str, g_idx: torch.Tensor, group: int) -> torch.Tensor | Non
     return torch.argsort(g_idx, stable=True)
 
 
-def unpack_awq(qweight, qzeros, scales, *, group_size: int, name: str = "") -> Int4Weight:
+def unpack_awq(qweight, qzeros, scales, *, group_size: int, name: str = "", out=None) -> Int4Weight:
     """moeroute's INT4 layout of one AWQ GEMM weight (module docstring); always asymmetric.
 
     Parameters
@@ -326,6 +401,8 @@ def unpack_awq(qweight, qzeros, scales, *, group_size: int, name: str = "") -> I
     group_size : {32, 64, 128}
     name : str
         The module's key prefix, named in the messages.
+    out : Tensor uint8 [N, K/2], optional
+        Where to write the packed integers; a new tensor when None.
 
     Raises
     ------
@@ -333,6 +410,13 @@ def unpack_awq(qweight, qzeros, scales, *, group_size: int, name: str = "") -> I
         A tensor of another dtype or shape, K not a multiple of ``group_size``, a non-finite
         scale; the message names the key.
     """
+    words, scale, zeros = _awq_side(name, qweight, qzeros, scales, group_size)
+    return Int4Weight(_awq_weight(words, out), scale, zeros)
+
+
+def _awq_side(name, qweight, qzeros, scales, group_size):
+    """(qweight checked, scales [N, K/g], zeros) of an AWQ weight: every check, the weight's
+    integers not read (it may be a meta tensor)."""
     group = _group_size(group_size)
     words = _tensor(name, "qweight", qweight, (torch.int32,), 2)
     cols, rows = words.shape[0], 8 * words.shape[1]
@@ -347,14 +431,26 @@ def unpack_awq(qweight, qzeros, scales, *, group_size: int, name: str = "") -> I
     _shape(name, "scales", scale, (cols // group, rows), f"[K/g, N] with group_size={group}")
     order = torch.tensor(_AWQ_NIBBLE_OF_COLUMN, dtype=torch.int64, device=words.device)
     zeros = _nibbles(zero_words)[..., order].reshape(cols // group, rows).t().contiguous()
-    out = torch.empty(rows, cols // 2, dtype=torch.uint8, device=words.device)
+    return words, scale.t().contiguous(), zeros
+
+
+def _awq_weight(words: torch.Tensor, out) -> torch.Tensor:
+    cols, rows = words.shape[0], 8 * words.shape[1]
+    out = _out(out, rows, cols, words.device)
+    order = torch.tensor(_AWQ_NIBBLE_OF_COLUMN, dtype=torch.int64, device=words.device)
     for step in _steps(rows // 8, 8 * cols):
-        q = _nibbles(words[:, step])[..., order].reshape(cols, -1)
+        if _LITTLE_ENDIAN:  # nibble 2b is byte b's low nibble, 2b + 1 its high one
+            q = unpack_int4(words[:, step].contiguous().view(torch.uint8))
+            q = q.view(cols, -1, 8)[..., order].reshape(cols, -1)
+        else:
+            q = _nibbles(words[:, step])[..., order].reshape(cols, -1)
         out[8 * step.start : 8 * step.stop] = pack_int4(q.t())
-    return Int4Weight(out, scale.t().contiguous(), zeros)
+    return out
 
 
-def unpack_int4_checkpoint(tensors: Mapping, quant, name: str = "") -> Int4Weight:
+def unpack_int4_checkpoint(
+    tensors: Mapping, quant, name: str = "", *, out: torch.Tensor | None = None, check_only: bool = False
+) -> Int4Weight:
     """Unpack one weight from its checkpoint tensors, keyed by their names under the module.
 
     Parameters
@@ -367,6 +463,11 @@ def unpack_int4_checkpoint(tensors: Mapping, quant, name: str = "") -> Int4Weigh
         format "int4" with ``checkpoint`` set (`QuantConfig.from_hf` sets it).
     name : str
         The module's key prefix, named in the messages.
+    out : Tensor uint8 [N, K/2], optional
+        Where to write the packed integers (e.g. a layer's own rows); a new tensor when None.
+    check_only : bool
+        Every check, without reading the weight's integers (``weight_packed`` / ``qweight``
+        may then be a meta tensor of the file's shape and dtype): ``packed`` is None.
 
     Raises
     ------
@@ -394,26 +495,171 @@ def unpack_int4_checkpoint(tensors: Mapping, quant, name: str = "") -> Int4Weigh
         )
     group = quant.group_size
     if quant.checkpoint == "compressed-tensors":
-        return unpack_compressed_tensors(
+        words, scales, zeros = _ct_side(
+            name,
             tensors["weight_packed"],
             tensors["weight_scale"],
             tensors.get("weight_shape"),
             tensors.get("weight_zero_point"),
-            group_size=group,
-            symmetric=quant.symmetric,
-            name=name,
+            group,
+            quant.symmetric,
         )
+        packed = None if check_only else _ct_weight(words, scales.shape[1] * group, out)
+        return Int4Weight(packed, scales, zeros)
     if quant.checkpoint == "awq":
-        return unpack_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"], group_size=group, name=name)
-    return unpack_gptq(
+        words, scales, zeros = _awq_side(name, tensors["qweight"], tensors["qzeros"], tensors["scales"], group)
+        return Int4Weight(None if check_only else _awq_weight(words, out), scales, zeros)
+    words, scales, zeros, perm = _gptq_side(
+        name,
         tensors["qweight"],
         tensors["qzeros"],
         tensors["scales"],
         tensors.get("g_idx"),
+        group,
+        quant.symmetric,
+        quant.checkpoint,
+    )
+    return Int4Weight(None if check_only else _gptq_weight(words, perm, out), scales, zeros, perm)
+
+
+# -- packers: moeroute's layout back into a checkpoint's -------------------------------------------
+
+
+def _pairs(values: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., M/2] of values 0..15 [..., M]: element 2j low nibble, 2j + 1 high."""
+    return pack_int4(values)
+
+
+def _as_words(data: torch.Tensor) -> torch.Tensor:
+    """int32 [..., M/4] of uint8 bytes [..., M] (little-endian words)."""
+    if _LITTLE_ENDIAN:
+        return data.contiguous().view(torch.int32)
+    b = data.to(torch.int64).view(*data.shape[:-1], -1, 4)
+    value = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    return torch.where(value >= 1 << 31, value - (1 << 32), value).to(torch.int32)
+
+
+def _check_weight(weight, group: int, symmetric: bool) -> tuple:
+    if not isinstance(weight, (tuple, list)) or len(weight) not in (2, 3):
+        raise TypeError("weight must be an Int4Weight or a (packed, scales[, zeros]) tuple")
+    packed, scales, *rest = weight
+    zeros = rest[0] if rest else None
+    if getattr(weight, "perm", None) is not None:
+        raise ValueError("weight has an act-order perm; pack the weight in its canonical column order (perm None)")
+    check_int4(packed, scales, zeros, group_size=group, name="weight")
+    if packed.dim() != 2:
+        raise ValueError(f"weight packed must be one [N, K/2] weight, got shape {tuple(packed.shape)}")
+    if symmetric and zeros is not None and bool((zeros != SYMMETRIC_ZERO).any()):
+        raise ValueError(f"weight has zero points other than {SYMMETRIC_ZERO} but symmetric=True")
+    rows, groups = scales.shape
+    if zeros is None:
+        zeros = torch.full((rows, groups), SYMMETRIC_ZERO, dtype=torch.uint8, device=packed.device)
+    return packed, scales, zeros
+
+
+def pack_compressed_tensors(
+    weight, *, group_size: int, symmetric: bool, scale_dtype=None, zero_point_dtype=torch.int32
+) -> dict:
+    """The compressed-tensors pack-quantized tensors of one weight in moeroute's layout (the
+    inverse of `unpack_compressed_tensors`): ``weight_packed`` int32 [N, K/8],
+    ``weight_scale`` [N, K/g] (``scale_dtype``, default the weight's), ``weight_shape`` int64
+    [2] and, when not ``symmetric``, ``weight_zero_point`` (int32 [ceil(N/8), K/g] packed along
+    the rows, the rows past N zero; or int8 [N, K/g] signed with ``zero_point_dtype=torch.int8``).
+    ``weight`` is an `Int4Weight` without act order or a (packed, scales[, zeros]) tuple."""
+    group = _group_size(group_size)
+    packed, scales, zeros = _check_weight(weight, group, symmetric)
+    rows, cols = packed.shape[0], 2 * packed.shape[1]
+    out = {
+        "weight_packed": _as_words(packed),
+        "weight_scale": scales.to(scale_dtype or scales.dtype).contiguous(),
+        "weight_shape": torch.tensor([rows, cols], dtype=torch.int64),
+    }
+    if not symmetric:
+        if zero_point_dtype == torch.int8:
+            out["weight_zero_point"] = (zeros.to(torch.int16) - SYMMETRIC_ZERO).to(torch.int8)
+        elif zero_point_dtype == torch.int32:
+            padded = torch.zeros(-(-rows // 8) * 8, zeros.shape[1], dtype=torch.uint8, device=zeros.device)
+            padded[:rows] = zeros
+            out["weight_zero_point"] = _as_words(_pairs(padded.t())).t().contiguous()
+        else:
+            raise ValueError(f"zero_point_dtype={zero_point_dtype!r} is not a layout; use torch.int32 or torch.int8")
+    return out
+
+
+def pack_gptq(weight, *, group_size: int, symmetric: bool, checkpoint: str = "gptq", scale_dtype=None, g_idx=True):
+    """The GPTQ tensors of one weight in moeroute's layout (the inverse of `unpack_gptq`
+    without act order): ``qweight`` int32 [K/8, N], ``qzeros`` int32 [K/g, N/8] (zero points
+    minus one in "gptq", as they are in "gptq_v2"; 8 when symmetric), ``scales`` [K/g, N]
+    (``scale_dtype``, default the weight's) and, with ``g_idx``, ``g_idx`` int32 [K] = k // g.
+    A zero point 0 is stored as 15 in "gptq" (what its minus-one wraps to)."""
+    group = _group_size(group_size)
+    if checkpoint not in ("gptq", "gptq_v2"):
+        raise ValueError(f"checkpoint={checkpoint!r} is not a GPTQ layout; use 'gptq' or 'gptq_v2'")
+    packed, scales, zeros = _check_weight(weight, group, symmetric)
+    rows, cols = packed.shape[0], 2 * packed.shape[1]
+    if rows % 8:
+        raise ValueError(f"weight has N = {rows} rows; GPTQ's qzeros needs a multiple of 8")
+    stored = (zeros.to(torch.int16) - 1).remainder(16).to(torch.uint8) if checkpoint == "gptq" else zeros
+    out = {
+        "qweight": _as_words(packed.view(rows, cols // 8, 4).permute(1, 0, 2).reshape(cols // 8, rows * 4)),
+        "qzeros": _as_words(_pairs(stored.t())),
+        "scales": scales.t().to(scale_dtype or scales.dtype).contiguous(),
+    }
+    if g_idx:
+        out["g_idx"] = (torch.arange(cols, device=packed.device) // group).to(torch.int32)
+    return out
+
+
+def pack_awq(weight, *, group_size: int, scale_dtype=None) -> dict:
+    """The AWQ GEMM tensors of one weight in moeroute's layout (the inverse of `unpack_awq`):
+    ``qweight`` int32 [K, N/8] and ``qzeros`` int32 [K/g, N/8] in the nibble order AWQ_ORDER,
+    ``scales`` [K/g, N] (``scale_dtype``, default the weight's). Symmetric weights get zero
+    points 8."""
+    group = _group_size(group_size)
+    packed, scales, zeros = _check_weight(weight, group, False)
+    rows, cols = packed.shape[0], 2 * packed.shape[1]
+    if rows % 8:
+        raise ValueError(f"weight has N = {rows} rows; AWQ packs eight output columns a word")
+    order = torch.tensor(AWQ_ORDER, dtype=torch.int64, device=packed.device)
+
+    def columns(values):  # [M, N] values 0..15 -> int32 [M, N/8], nibble i holding column 8c + ORDER[i]
+        return _as_words(_pairs(values.reshape(values.shape[0], -1, 8)[..., order].reshape(values.shape[0], -1)))
+
+    qweight = torch.empty(cols, rows // 8, dtype=torch.int32, device=packed.device)
+    step = max(2, _STEP_ELEMENTS // rows // 2 * 2)  # an even number of input columns at a time
+    for first in range(0, cols, step):
+        q = unpack_int4(packed[:, first // 2 : (first + step) // 2])
+        qweight[first : first + q.shape[1]] = columns(q.t().contiguous())
+    return {
+        "qweight": qweight,
+        "qzeros": columns(zeros.t()),
+        "scales": scales.t().to(scale_dtype or scales.dtype).contiguous(),
+    }
+
+
+def pack_int4_checkpoint(weight, quant, *, scale_dtype=None, g_idx=True, zero_point_dtype=torch.int32) -> dict:
+    """The checkpoint tensors of one weight for ``quant.checkpoint``'s layout: the inverse of
+    `unpack_int4_checkpoint` (without act order), keyed by their names under the module."""
+    if not isinstance(quant, QuantConfig) or quant.format != "int4" or quant.checkpoint not in INT4_CHECKPOINT_KEYS:
+        raise ValueError(f"quant must be a QuantConfig of format 'int4' with a checkpoint layout, got {quant!r}")
+    group = quant.group_size
+    if quant.checkpoint == "compressed-tensors":
+        return pack_compressed_tensors(
+            weight,
+            group_size=group,
+            symmetric=quant.symmetric,
+            scale_dtype=scale_dtype,
+            zero_point_dtype=zero_point_dtype,
+        )
+    if quant.checkpoint == "awq":
+        return pack_awq(weight, group_size=group, scale_dtype=scale_dtype)
+    return pack_gptq(
+        weight,
         group_size=group,
         symmetric=quant.symmetric,
         checkpoint=quant.checkpoint,
-        name=name,
+        scale_dtype=scale_dtype,
+        g_idx=g_idx,
     )
 
 
