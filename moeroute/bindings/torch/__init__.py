@@ -23,6 +23,7 @@ from moeroute.bindings.torch.hf import (
     register_experts_implementation,
     replace_moe_blocks,
 )
+from moeroute.bindings.torch.int4_keys import Int4Checkpoint
 from moeroute.bindings.torch.mlp import GatedMLP
 from moeroute.bindings.torch.moe import MoE
 
@@ -30,6 +31,7 @@ __all__ = [
     "MoE",
     "GatedMLP",
     "load_experts",
+    "Int4Checkpoint",
     "replace_moe_blocks",
     "register_experts_implementation",
     "experts_forward",

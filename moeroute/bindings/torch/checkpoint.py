@@ -22,6 +22,12 @@ gpt-oss float (a module `from_hf` built from gpt-oss)  ``experts.gate_up_proj`` 
                                                        (gate/up columns interleaved),
                                                        ``experts.down_proj`` [N, I, H],
                                                        ``experts.*_proj_bias``
+INT4 (compressed-tensors, GPTQ, AWQ; per expert)       ``experts.{e}.{gate,up,down}_proj.`` and
+                                                       the layout's keys (``weight_packed``,
+                                                       ``weight_scale``, ``weight_shape``,
+                                                       ``weight_zero_point``; ``qweight``,
+                                                       ``qzeros``, ``scales``, ``g_idx``),
+                                                       `moeroute.bindings.torch.int4_keys`
 MXFP4 (gpt-oss)                                        ``experts.gate_up_proj_blocks`` [N, 2I,
                                                        H/32, 16] and ``_scales`` [N, 2I, H/32]
                                                        uint8 (rows gate, up, gate, ...),
@@ -48,6 +54,7 @@ from collections.abc import Callable
 import torch
 
 from moeroute.experts.formats.fp8 import PROJECTIONS, STACKED_SCALE_KEYS, per_expert_key
+from moeroute.bindings.torch.int4_keys import read_int4_plan, write_int4_plan
 from moeroute.bindings.torch.hf_keys import TRANSFORMERS_RENAMES, TRANSFORMERS_SHARED, stacked_fp8_scale
 from moeroute.bindings.torch.moe import MoE
 from moeroute.experts.formats.mxfp4 import gate_rows_first
@@ -495,6 +502,14 @@ def _rest_keys(module, reader: _Reader, prefix: str) -> list[str]:
 @torch.no_grad()
 def _check_layer(module, reader: _Reader, prefix: str):
     """The first pass for one layer: (expert copies, rest keys), every check passed."""
+    if module.quant is not None and module.quant.format == "int4":
+        plan = read_int4_plan(module, reader.location, prefix, reader.meta, reader.get)
+        if not plan[0]:
+            raise ValueError(
+                f"the checkpoint has no INT4 routed experts under {prefix!r} (looked for "
+                f"{prefix}experts.{{e}}.gate_proj.* of the layer's {module.quant.checkpoint!r} layout)"
+            )
+        return plan, _rest_keys(module, reader, prefix)
     copies = _expert_copies(module, reader, prefix)
     num_experts = module.router.num_experts
     for copy in copies:
@@ -509,6 +524,9 @@ def _check_layer(module, reader: _Reader, prefix: str):
 @torch.no_grad()
 def _write_layer(module, reader: _Reader, copies, rest_keys, prefix: str) -> None:
     """The second pass for one layer: each checked tensor read alone and copied into its slot."""
+    if isinstance(copies, tuple):  # INT4: one expert's tensors at a time, unpacked into its rows
+        write_int4_plan(module, copies[0], prefix, reader.get, copies[1])
+        copies = []
     for copy in copies:
         tensor = reader.get(copy.key, copy.index)
         if copy.convert is not None:
@@ -542,7 +560,9 @@ def load_experts(model: torch.nn.Module, path) -> dict:
     Notes
     -----
     Each layer takes only its rank's experts (expert parallelism: the others are never
-    read); FP8 weights stay FP8 and MXFP4 bytes stay packed (never dequantized). Two passes:
+    read); FP8 weights stay FP8 and MXFP4 and INT4 integers stay packed (never dequantized;
+    INT4 checkpoints' words are unpacked one expert at a time straight into the layer's
+    rows, `moeroute.bindings.torch.int4_keys`). Two passes:
     the first checks every layer (each tensor present, with its dtype and shape from the
     files' headers; the values with rules, scales and FP8 weight bytes, read one at a time
     and checked) and writes nothing; the second reads each tensor from its file alone and

@@ -49,13 +49,13 @@ from moeroute.experts.formats.fp8 import check_quantized_weights, gate_up_scale_
 from moeroute.bindings.torch.hf_keys import (
     TransformersCheckpoint,
     from_gpt_oss_layout,
-    save_in_checkpoint_format,
 )
+from moeroute.bindings.torch.int4_keys import int4_checkpoint_for
 from moeroute.bindings.torch.moe import MoE
 from moeroute.experts.formats.mxfp4 import GPT_OSS_MXFP4_KEYS as MXFP4_CHECKPOINT_KEYS
 from moeroute.experts.formats.mxfp4 import check_mxfp4_weights, gate_rows_first
 from moeroute.config import RouterConfig
-from moeroute.quant import FP8_DTYPE, QuantConfig, quantize_experts
+from moeroute.quant import FP8_DTYPE, QuantConfig, quantize_experts, quantize_int4
 
 __all__ = [
     "from_hf",
@@ -166,8 +166,15 @@ def _quantize_into(module: MoE, expert: Callable, quant: QuantConfig) -> None:
             "input_scale is missing: quant activation='static' needs the [N, 2] activation "
             "scales (gate_up input, down input), which a float block does not have"
         )
-    names = ("w_gate_up", "gate_up_scale", "w_down", "down_scale")
     ids = module.routed_expert_ids()
+    if quant.format == "int4":  # each expert's two weights with quantize_int4, into its rows
+        for local, e in enumerate(ids):
+            for kind, weight in zip(("gate_up", "down"), expert(e)):
+                parts = quantize_int4(weight[0], group_size=quant.group_size, symmetric=quant.symmetric)
+                for name, tensor in zip(("w_" + kind, kind + "_scale", kind + "_zero"), parts):
+                    targets[name][local].copy_(tensor)
+        return
+    names = ("w_gate_up", "gate_up_scale", "w_down", "down_scale")
     for local, e in enumerate(ids):
         quantize_experts(*expert(e), quant, out=tuple(targets[name][local : local + 1] for name in names))
     if quant.format != "mxfp4":
@@ -479,9 +486,13 @@ def _build(
     # Saved and loaded under the block's names and layouts (see TransformersCheckpoint). FP8
     # layers save under moeroute's names (weights and scales together); they still load the
     # transformers and DeepSeek-V3 FP8 names (hf_keys.map_quantized_expert_keys).
-    if quant is None:
-        module.checkpoint_format = fields["checkpoint"]
-        module.register_state_dict_post_hook(save_in_checkpoint_format)
+    # INT4 layers whose quant names a checkpoint layout save and load its per-expert keys
+    # (`moeroute.bindings.torch.int4_keys.Int4Checkpoint`).
+    checkpoint = (
+        fields["checkpoint"] if quant is None else int4_checkpoint_for(quant, fields["checkpoint"].shared_prefix)
+    )
+    if checkpoint is not None:
+        module.checkpoint_format = checkpoint  # saved by MoE's state-dict post-hook
     return module
 
 

@@ -32,6 +32,7 @@ from moeroute.experts.formats.fp8 import (
     gate_up_scale_from_stacked,
 )
 from moeroute.experts.formats.mxfp4 import map_gpt_oss_mxfp4_keys
+from moeroute.bindings.torch.int4_keys import map_int4_expert_keys
 from moeroute.quant import dequantize_fp8_block, dequantize_fp8_tensor, quantize_experts, quantize_int4
 from moeroute.quant.fp8 import check_fp8_weight, check_scale
 
@@ -151,7 +152,8 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
 
     Reads DeepSeek-V3's per-expert keys (``experts.{e}.{gate,up,down}_proj.weight`` with
     ``.weight_scale_inv``) or transformers 5's stacked FP8Experts keys; the other ranks'
-    experts are dropped. Fused shared slots are the shared MLP (float, or FP8 with
+    experts are dropped. INT4 layers read their checkpoint's per-expert keys
+    (`moeroute.bindings.torch.int4_keys.map_int4_expert_keys`) or moeroute's names. Fused shared slots are the shared MLP (float, or FP8 with
     ``weight_scale_inv``) quantized with the layer's config. Per-tensor scales load as
     transformers' FP8Experts saves them ([N, 2, 1] and [N, 1, 1]) or as moeroute does.
 
@@ -176,7 +178,8 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
         _check_expert_biases(module, state_dict, prefix, prefix + "experts.gate_up_proj_blocks")
         map_gpt_oss_mxfp4_keys(module, state_dict, prefix)
         return
-    if module.quant.format == "int4":  # moeroute's own names; a float shared MLP into the fused slots
+    if module.quant.format == "int4":  # per-expert checkpoint keys or moeroute's names; a float shared MLP
+        map_int4_expert_keys(module, state_dict, prefix)
         _int4_shared_slots(module, state_dict, prefix, shared)
         return
     quant, inter, hid = module.quant, module.intermediate_size, module.routed_hidden_size

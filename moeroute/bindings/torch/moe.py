@@ -53,7 +53,7 @@ from moeroute.experts.formats.unquantized import (
     check_dtype,
 )
 from moeroute.bindings.torch.group import check_ranks_agree, ep_group_size_and_rank, layout_fingerprint
-from moeroute.bindings.torch.hf_keys import map_transformers_keys
+from moeroute.bindings.torch.hf_keys import map_transformers_keys, save_in_checkpoint_format
 from moeroute.bindings.torch.hf_keys import split_slots as _split_slots
 from moeroute.bindings.torch.load_window import DEFAULT_LOAD_WINDOW, LoadRecorder, check_window
 from moeroute.experts.formats.mxfp4 import check_mxfp4_weights
@@ -519,6 +519,8 @@ class MoE(nn.Module):
         self.pending_placement = None
         # Forwards share the placement; an EPLB swap waits for those in flight (eplb.live).
         self.placement_guard = PlacementGuard()
+        # state_dict() saves under checkpoint_format's names when one is set (from_hf sets it).
+        self.register_state_dict_post_hook(save_in_checkpoint_format)
 
     def ep_fingerprint(self) -> dict:
         """The fields every rank of an expert-parallel group must agree on (plain values):
@@ -794,8 +796,10 @@ class MoE(nn.Module):
     # ------------------------------------------------------------ state dict
 
     #: How checkpoints name this module's state: None, moeroute's names (loading also maps
-    #: the transformers stacked names); `from_hf` sets the block's format, which the module
-    #: then saves and loads (`moeroute.bindings.torch.hf_keys.TransformersCheckpoint`).
+    #: the transformers stacked names and INT4 checkpoints' per-expert keys); `from_hf` sets
+    #: the block's format, which the module then saves and loads
+    #: (`moeroute.bindings.torch.hf_keys.TransformersCheckpoint`, or for INT4 layers
+    #: `moeroute.bindings.torch.int4_keys.Int4Checkpoint`, which can also be set by hand).
     checkpoint_format = None
 
     def _load_from_state_dict(
