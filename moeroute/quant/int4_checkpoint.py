@@ -259,7 +259,7 @@ def _ct_weight(packed: torch.Tensor, cols: int, out) -> torch.Tensor:
     rows = packed.shape[0]
     out = _out(out, rows, cols, packed.device)
     if _LITTLE_ENDIAN:
-        out.copy_(packed.view(torch.uint8)[:, : cols // 2])
+        out.copy_(packed.contiguous().view(torch.uint8)[:, : cols // 2])
         return out
     words = packed.shape[1]
     for step in _steps(rows, cols):
