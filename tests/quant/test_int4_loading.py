@@ -541,3 +541,31 @@ def test_load_experts_peak_is_the_packed_bytes_and_ten_percent(tmp_path, layout,
         f"{layout}: grew {figures['growth'] / 2**20:.1f} MiB for a layer of {figures['held'] / 2**20:.1f} MiB "
         f"({checkpoint_bytes / 2**20:.1f} MiB in the checkpoint)"
     )
+
+
+@pytest.mark.interop
+def test_kimi_k2_with_fused_shared_slots_loads_and_refuses_to_save_the_checkpoint():
+    """shared="auto" fuses Kimi-K2's float shared MLP into INT4 expert slots (quantized with the
+    layer's config): the routed experts load from the checkpoint's keys as they are; saving
+    the checkpoint, which keeps the shared MLP as a module of its own, is refused."""
+    from moeroute.bindings.torch import replace_moe_blocks
+
+    model, layout, symmetric, _ = _kimi_k2()
+    float_state = model.state_dict()
+    replace_moe_blocks(model, quant=QuantConfig.from_hf(model.config))
+    layer = model.model.layers[1].mlp
+    assert layer.layout.shared == "fused"
+    state, dense = checkpoint(layout, symmetric, prefix="model.layers.1.mlp.", seed=30)
+    state.update(
+        {k: v for k, v in float_state.items() if ".mlp.experts." not in k and "layers.1.mlp.gate.weight" not in k}
+    )
+    model.load_state_dict(state)
+    held = layer.experts
+    for e, (gate, up, down) in enumerate(dense):
+        gu = dequantize_int4(held.w_gate_up[e], held.gate_up_scale[e], group_size=G).double().numpy()
+        np.testing.assert_array_equal(gu, np.concatenate([gate, up]))
+    shared = float_state["model.layers.1.mlp.shared_experts.down_proj.weight"].double()
+    slot = dequantize_int4(held.w_down[N], held.down_scale[N], group_size=G).double()
+    assert (slot - shared).abs().max() <= held.down_scale[N].max() / 2 + 1e-6  # quantized to the nearest step
+    with pytest.raises(RuntimeError, match="fused INT4 expert slots"):
+        model.state_dict()
