@@ -22,9 +22,10 @@ activation="none")``) against the w8a8 layer on the same bytes, interleaved the 
 2 threads; JSON to bench/results/quant_w8a16.json.
 
 ``--int4``: INT4 (w4a16, ``QuantConfig("int4", group_size=128)``, GPTQ's usual group) against
-the bfloat16 layer on the same float weights (the figure is bfloat16 time / INT4 time),
-Qwen3-30B-A3B shape, T = 1 and 8, bfloat16 activations, torch on 2 threads, interleaved;
-JSON to bench/results/quant_int4.json.
+the bfloat16 layer on the same float weights (the figure is bfloat16 time / INT4 time), on the
+Qwen3-30B-A3B and Kimi-K2 expert shapes (H = 7168, I = 2048, N = 16, K = 8), T = 1, 8 and 512
+(``--quick``: 1 and 8), bfloat16 activations, torch on 2 threads, interleaved; also the packed
+bytes read per second against the copy bandwidth; JSON to bench/results/quant_int4.json.
 
 JSON goes to bench/results/quant.json. Run: ``python bench/quant.py [--quick] [--w8a16] [--int4]``.
 """
@@ -54,6 +55,12 @@ SHAPES = {
 TOKENS = (1, 8, 512)
 QUANT = QuantConfig("fp8_block")
 W8A16 = QuantConfig("fp8_block", activation="none")
+#: The INT4 shapes: Qwen3-30B-A3B and Kimi-K2's experts (H = 7168, I = 2048, top-8; 16 of its
+#: 384 experts held, as the DeepSeek-V3 shape does: a decode step reads at most 8 per row).
+INT4_SHAPES = {
+    "qwen3_30b_a3b": SHAPES["qwen3_30b_a3b"],
+    "kimi_k2_experts": dict(hidden=7168, inter=2048, experts=16, top_k=8),
+}
 INT4 = QuantConfig("int4", group_size=128)
 #: Repeats per (shape, T): decode calls take milliseconds, prefill ones seconds.
 REPEATS = {1: 15, 8: 15, 512: 2}
@@ -197,10 +204,8 @@ def run_w8a16(repeats: int = 30) -> dict:
     }
 
 
-def run_int4(repeats: int = 30) -> dict:
-    """The bfloat16 layer against INT4 (group 128, symmetric) on its weights, Qwen3-30B-A3B, T = 1 and 8."""
-    torch.set_num_threads(2)
-    shape = SHAPES["qwen3_30b_a3b"]
+def build_int4(shape):
+    """The bfloat16 layer and the INT4 layer on its weights (group 128, symmetric)."""
     bf16, _ = build(shape)
     int4 = MoE(bf16.router, shape["hidden"], shape["inter"], quant=INT4)
     with torch.no_grad():
@@ -211,33 +216,71 @@ def run_int4(repeats: int = 30) -> dict:
                 packed, scales = quantize_int4(getattr(bf16.experts, "w_" + name)[rows].float(), group_size=128)
                 getattr(int4.experts, "w_" + name)[rows] = packed
                 getattr(int4.experts, name + "_scale")[rows] = scales
-    rows, results = [], []
-    for tokens in (1, 8):
-        x = torch.randn(tokens, shape["hidden"], generator=torch.Generator().manual_seed(tokens)).bfloat16()
-        with torch.no_grad():
-            timing = interleaved(lambda: bf16(x), lambda: int4(x), repeats=repeats, warmup=3)
-        entry = {
-            "tokens": tokens,
-            "bfloat16_ms": timing["baseline_us"] / 1e3,
-            "int4_ms": timing["candidate_us"] / 1e3,
-            "bfloat16_over_int4": timing["speedup"],
-            "range": timing["speedup_range"],
-            "repeats": timing["repeats"],
-        }
-        results.append(entry)
-        rows.append(["qwen3_30b_a3b", tokens, entry["bfloat16_ms"], entry["int4_ms"], entry["bfloat16_over_int4"]])
-    print_table(["shape", "T", "bf16 ms", "int4 ms", "bf16/int4"], rows)
-    return {"int4": repr(INT4), "activation_dtype": "bfloat16", "torch_threads": 2, "shape": shape, "results": results}
+    return bf16, int4
+
+
+def run_int4(quick: bool, repeats: int = 30) -> dict:
+    """The bfloat16 layer against INT4 (group 128, symmetric) on its weights, `INT4_SHAPES`,
+    T = 1, 8 (and 512 unless ``quick``)."""
+    torch.set_num_threads(2)
+    copy_gbs = host_copy_bandwidth()
+    print(f"host copy bandwidth {copy_gbs:.1f} GB/s (read + write)")
+    rows, results = [], {}
+    for name, shape in INT4_SHAPES.items():
+        bf16, int4 = build_int4(shape)
+        # half a byte per weight and a bfloat16 scale per 128 weights
+        per_expert_bytes = 3 * shape["hidden"] * shape["inter"] * (0.5 + 2 / 128)
+        for tokens in TOKENS:
+            if quick and tokens == 512:
+                continue
+            x = torch.randn(tokens, shape["hidden"], generator=torch.Generator().manual_seed(tokens)).bfloat16()
+            with torch.no_grad():
+                timing = interleaved(
+                    lambda: bf16(x), lambda: int4(x), repeats=repeats if tokens < 512 else REPEATS[512], warmup=2
+                )
+            int4_gbs = hit_experts(int4, x) * per_expert_bytes / (timing["candidate_us"] / 1e6) / 1e9
+            entry = {
+                "tokens": tokens,
+                "bfloat16_ms": timing["baseline_us"] / 1e3,
+                "int4_ms": timing["candidate_us"] / 1e3,
+                "bfloat16_over_int4": timing["speedup"],
+                "range": timing["speedup_range"],
+                "repeats": timing["repeats"],
+                "int4_weight_gbs": int4_gbs,
+                "int4_weight_share_of_copy_bandwidth": int4_gbs / copy_gbs,
+            }
+            results.setdefault(name, []).append(entry)
+            rows.append(
+                [
+                    name,
+                    tokens,
+                    entry["bfloat16_ms"],
+                    entry["int4_ms"],
+                    entry["bfloat16_over_int4"],
+                    int4_gbs,
+                    int4_gbs / copy_gbs,
+                ]
+            )
+            print_table(["shape", "T", "bf16 ms", "int4 ms", "bf16/int4", "int4 GB/s", "of copy"], rows[-1:])
+    print_table(["shape", "T", "bf16 ms", "int4 ms", "bf16/int4", "int4 GB/s", "of copy"], rows)
+    return {
+        "int4": repr(INT4),
+        "activation_dtype": "bfloat16",
+        "torch_threads": 2,
+        "host_copy_gbs": copy_gbs,
+        "shapes": INT4_SHAPES,
+        "results": results,
+    }
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="decode sizes only (T = 1, 8)")
     parser.add_argument("--w8a16", action="store_true", help="w8a16 against w8a8 (Qwen3-30B-A3B, T = 1, 8)")
-    parser.add_argument("--int4", action="store_true", help="INT4 w4a16 against bfloat16 (Qwen3-30B-A3B, T = 1, 8)")
+    parser.add_argument("--int4", action="store_true", help="INT4 w4a16 against bfloat16 (Qwen3-30B-A3B, Kimi-K2)")
     args = parser.parse_args(argv)
     if args.int4:
-        path = write_results("quant_int4", run_int4())
+        path = write_results("quant_int4", run_int4(args.quick))
         print(f"wrote {path}")
         return
     if args.w8a16:

@@ -10,7 +10,7 @@ fp8    cpu      "rows" up to `ROWS_MAX_MEAN_ROWS` mean rows per hit expert, and 
                 where the bfloat16-dot kernels serve the shapes (CPU feature `BF16_DOT`);
                 else "blocks"
 mxfp4  cpu      "rows" (few rows per expert decode in registers, more decode once per call)
-int4   cpu      "rows" up to `ROWS_MAX_MEAN_ROWS` mean rows per hit expert, else "blocks"
+int4   cpu      as fp8 (the bfloat16-dot tiles: symmetric weights, bfloat16 activations)
 any    cuda     "cuda": `moeroute.gpu.fused_experts` (the quantized formats, INT4 and FP8
                 w8a16 included, where CuPy is installed and the call is one its kernels
                 take; else "blocks")
@@ -131,7 +131,7 @@ def choose(
     strategy : what the caller asked for (`STRATEGIES`); "auto" decides here
     dtype : the activations' dtype (float: the weights' too)
     onednn : float on the CPU: the loop's linears run on oneDNN
-    bf16_dot : fp8 on the CPU: the bfloat16-dot row kernels serve these shapes
+    bf16_dot : fp8 and int4 on the CPU: the bfloat16-dot row kernels serve this call
     cuda_kernels : quantized formats on CUDA: CuPy is installed and the call is one the
         CUDA kernels take
 
@@ -157,9 +157,7 @@ def choose(
     hit = sum(1 for c in counts if c)
     if format == "mxfp4":
         return "rows"
-    if format == "int4":
-        return "rows" if not hit or sum(counts) <= ROWS_MAX_MEAN_ROWS * hit else "blocks"
-    if format == "fp8":
+    if format in ("fp8", "int4"):
         return "rows" if bf16_dot or not hit or sum(counts) <= ROWS_MAX_MEAN_ROWS * hit else "blocks"
     if not hit:
         return "loop"

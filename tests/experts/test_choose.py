@@ -23,6 +23,7 @@ TABLE = [
     ("int4", "cpu", [ROWS_MAX_MEAN_ROWS + 1, 0, ROWS_MAX_MEAN_ROWS + 1], {}, "blocks"),
     ("int4", "cpu", [], {}, "rows"),
     ("int4", "cpu", [500, 500], {"strategy": "rows"}, "rows"),
+    ("int4", "cpu", [500, 500], {"bf16_dot": True}, "rows"),
     ("int4", "cpu", [1], {"strategy": "blocks"}, "blocks"),
     # CPU, float32: rows, padded over mostly-hit experts on torch.mm, else the loop.
     ("float", "cpu", [3, 0, 5, 1], {}, "rows"),

@@ -99,3 +99,80 @@ def test_both_forms_cache_apart_and_load_in_a_new_process(tmp_path):
     assert runs[1]["stats"] == [[1, 0], [1, 0]]  # both loaded from the cache
     indexes = sorted(p.name.split("-")[0] for p in (tmp_path / "cache").rglob("*.nbi"))
     assert indexes == ["kernel.blocked_double", "kernel.blocked_double_serial"]
+
+
+TEMPLATES = textwrap.dedent(
+    """
+    import numba
+    from moeroute.experts.cpu.variants import specialize
+
+    def value(x):  # bound per format
+        raise NotImplementedError
+
+    def _item(x, i):
+        return value(x[i]) + 1.0
+
+    def apply(x, out):
+        for i in numba.prange(x.shape[0]):
+            out[i] = _item(x, i)
+
+    made = {
+        prefix: specialize(__name__, prefix, dict(globals(), value=numba.njit(f)), helpers=(_item,), kernels=(apply,))
+        for prefix, f in (("twice", lambda v: 2.0 * v), ("square", lambda v: v * v))
+    }
+    twice_apply, square_apply = made["twice"]["apply"], made["square"]["apply"]
+    square_apply_serial = made["square"]["apply_serial"]
+    """
+)
+
+RUN_TEMPLATES = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[1])
+    import formats
+    x = np.arange(4, dtype=np.float64)
+    kernels = (formats.twice_apply, formats.square_apply, formats.square_apply_serial)
+    outs = []
+    for f in kernels:
+        out = np.zeros(4)
+        f(x, out)
+        outs.append(out.tolist())
+    stats = [[sum(f.stats.cache_hits.values()), sum(f.stats.cache_misses.values())] for f in kernels]
+    names = [[f.py_func.__qualname__, f.py_func.__module__] for f in kernels]
+    print(json.dumps({"outs": outs, "stats": stats, "names": names}))
+    """
+)
+
+
+def test_specialized_copies_bind_their_own_functions_and_cache_apart(tmp_path):
+    # Two formats' copies of one template: each calls its own bound function, is named after
+    # its prefix (so Numba's cache indexes differ) and loads from the cache in a new process.
+    (tmp_path / "formats.py").write_text(TEMPLATES)
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=ROOT)
+    runs = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-c", RUN_TEMPLATES, str(tmp_path)],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
+        for _ in range(2)
+    ]
+    x = np.arange(4.0)
+    for run in runs:
+        np.testing.assert_array_equal(run["outs"][0], 2 * x + 1)
+        np.testing.assert_array_equal(run["outs"][1], x * x + 1)
+        np.testing.assert_array_equal(run["outs"][2], x * x + 1)
+        assert run["names"] == [
+            ["twice_apply", "formats"],
+            ["square_apply", "formats"],
+            ["square_apply_serial", "formats"],
+        ]
+    assert runs[0]["stats"] == [[0, 1]] * 3
+    assert runs[1]["stats"] == [[1, 0]] * 3
+    indexes = sorted(p.name.split("-")[0] for p in (tmp_path / "cache").rglob("*.nbi"))
+    assert indexes == ["formats.square_apply", "formats.square_apply_serial", "formats.twice_apply"]

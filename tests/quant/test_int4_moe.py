@@ -80,6 +80,39 @@ def test_row_decode_is_the_definition_bit_for_bit(group, symmetric, decode):
     np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize(
+    "dots",
+    [
+        pytest.param("simd", marks=pytest.mark.skipif(not cpu_mxfp4.SIMD, reason="no AVX2, FMA and F16C here")),
+        "portable",
+    ],
+)
+@pytest.mark.parametrize("rows", [(0,), (3, 1), (2, 2, 5), (5, 0, 4, 1)])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group", [32, 128])
+def test_block_dots_match_the_definition(group, symmetric, rows, dots):
+    """The few-row kernels' dot (a packed row decoded in registers) against float64 sums of
+    x * (q - z) * s, every code in both nibbles."""
+    rng = np.random.default_rng(group + len(rows))
+    cols = 256
+    blocks = rng.integers(0, 256, (cols // 32, 16), dtype=np.uint8)
+    blocks[0] = np.arange(0, 256, 16) + np.arange(16)
+    params = np.empty((1 if symmetric else 2, cols // group), np.float32)
+    params[0] = rng.standard_normal(cols // group) * 0.0123
+    if not symmetric:
+        params[1] = rng.integers(0, 16, cols // group)
+    x = rng.standard_normal((6, cols)).astype(np.float32)
+    xs = np.empty_like(x)
+    cpu_mxfp4.split_blocks(x, xs)
+    out = np.full(4, np.nan, np.float32)
+    (cpu_int4.dots_simd if dots == "simd" else cpu_int4.dots_portable)(blocks, params, xs, rows, out)
+    q = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(-1).astype(np.float64)  # natural order
+    z = 8.0 if symmetric else np.repeat(params[1].astype(np.float64), group)
+    w = (q - z) * np.repeat(params[0].astype(np.float64), group)
+    expected = x.astype(np.float64)[list(rows)] @ w
+    np.testing.assert_array_less(np.abs(out[: len(rows)] - expected) / np.abs(expected).max(), 1e-5)
+
+
 @pytest.mark.parametrize("strategy", ["rows", "blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("symmetric", [True, False])

@@ -28,12 +28,25 @@ from __future__ import annotations
 import numba
 import numpy as np
 from llvmlite import ir
-from numba.core import cgutils
+from numba.core import cgutils, types
 
 from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
+from moeroute.experts.cpu import mxfp4_dot, tiles
 from moeroute.quant.int4 import SYMMETRIC_ZERO
 
-__all__ = ["BLOCK", "decode_row_split", "dequantize_rows_split"]
+__all__ = [
+    "BLOCK",
+    "decode_row_split",
+    "dequantize_rows_split",
+    "dots_simd",
+    "dots_portable",
+    "gate_up_rows",
+    "gate_up_rows_serial",
+    "down_rows",
+    "down_rows_serial",
+    "tile_family",
+    "tile_serves",
+]
 
 #: Columns per packed block (16 bytes): the MXFP4 kernels' block.
 BLOCK = 32
@@ -91,6 +104,7 @@ def _int4_block_scale(context, builder, params_type, params_value, groups):
 
 
 _decode_row_split_simd = cpu_mxfp4.decode_row_split_intrinsic(_F16_HIGH_BYTES, _int4_block_scale)
+_block_dots_simd = cpu_mxfp4.block_dots_intrinsic(_F16_HIGH_BYTES, _int4_block_scale)
 
 
 @numba.njit(fastmath=True)
@@ -100,6 +114,85 @@ def _decode_row_split_vector(blocks_row, params_row, w):
 
 #: The row decode of the kernels: the vector one where the MXFP4 kernels have theirs.
 decode_row_split = _decode_row_split_vector if cpu_mxfp4.SIMD else _decode_row_split_portable
+
+
+@numba.njit(fastmath=True)
+def dots_simd(blocks_row, params_row, xs, rows, out):
+    """out[i] = W . xs[rows[i]] for a tuple of 1 to 4 ``rows`` of `split_blocks` activations
+    [*, G*32] float32 and one INT4 row (blocks_row [G, 16] uint8, params_row [P, G']
+    float32): MXFP4's in-register block dot with INT4's table and scale rule (needs `SIMD`)."""
+    sums = _block_dots_simd(blocks_row, params_row, xs, rows)
+    for i in range(len(rows)):
+        out[i] = sums[i]
+
+
+@numba.njit(fastmath=True)
+def dots_portable(blocks_row, params_row, xs, rows, out):
+    """`dots_simd` as a plain loop, for any CPU: per block ``s * sum((q - z) * x)``."""
+    per = blocks_row.shape[0] // max(1, params_row.shape[1])
+    zeros = params_row.shape[0] == 2
+    for i in range(len(rows)):
+        x = xs[rows[i]]
+        acc = np.float32(0.0)
+        for g in range(blocks_row.shape[0]):
+            group = g // per
+            z = params_row[1, group] if zeros else np.float32(SYMMETRIC_ZERO)
+            base = g * BLOCK
+            partial = np.float32(0.0)
+            for j in range(_HALF):
+                byte = np.int32(blocks_row[g, j])
+                partial += (np.float32(byte & 0x0F) - z) * x[base + j] + (np.float32(byte >> 4) - z) * x[
+                    base + _HALF + j
+                ]
+            acc += params_row[0, group] * partial
+        out[i] = acc
+
+
+#: The few-row kernels (`moeroute.experts.cpu.tiles`): each packed row decoded in registers
+#: for every tile of up to four activation rows, cheapest at one to a few rows per expert.
+_kernels = tiles.row_kernels(__name__, "int4", dots_simd if cpu_mxfp4.SIMD else dots_portable)
+gate_up_rows = _kernels["gate_up_rows"]
+gate_up_rows_serial = _kernels["gate_up_rows_serial"]
+down_rows = _kernels["down_rows"]
+down_rows_serial = _kernels["down_rows_serial"]
+
+
+#: bfloat16 bits of q - 8 by 4-bit code q, twice: the table of `mxfp4_dot.tile_intrinsic`
+#: (every integer -8..7 is a bfloat16, exactly).
+_BF16_WORDS = [int(np.array(q - SYMMETRIC_ZERO, np.float32).view(np.uint32)) >> 16 for q in range(16)] * 2
+
+
+def _int4_tile_scale(context, builder, params_type, params_value, groups):
+    """Symmetric INT4's scales in a tile of `mxfp4_dot.tile_intrinsic`: block g of weight row
+    ``row`` reads ``params[row, 0, g // (G / G')]`` of the expert's params [R, 1, G'] (the
+    offset 8 - z is zero: symmetric only, see `tile_serves`)."""
+    params = context.make_array(params_type)(context, builder, params_value)
+    _, parts, width = cgutils.unpack_tuple(builder, params.shape, 3)
+    empty = builder.icmp_unsigned("==", width, ir.Constant(width.type, 0))
+    per = builder.udiv(groups, builder.select(empty, ir.Constant(width.type, 1), width))
+    row_stride = builder.mul(parts, width)
+
+    def row_at(row):
+        base = builder.gep(params.data, [builder.mul(row, row_stride)])
+
+        def at(g):
+            return builder.load(builder.gep(base, [builder.udiv(g, per)]))
+
+        return at
+
+    return row_at
+
+
+_int4_tile = mxfp4_dot.tile_intrinsic(_BF16_WORDS, _int4_tile_scale, 3, types.float32)
+#: The tiled loop around the bfloat16-dot tile, for symmetric weights where `tile_serves`.
+tile_family = tiles.tile_kernels(__name__, "int4_dot", _int4_tile)
+
+
+def tile_serves(dtype_is_bfloat16: bool, hidden: int, inter: int, symmetric: bool) -> bool:
+    """Whether the bfloat16-dot tiles run: `mxfp4_dot.serves` (AVX512-BF16, bfloat16
+    activations, whole pairs of blocks) and symmetric weights (z = 8: a block's dot is s
+    times the dot of its q - 8, bfloat16 values that the instruction multiplies exactly)."""
+    return symmetric and mxfp4_dot.serves(dtype_is_bfloat16, hidden, inter)
 
 
 @numba.njit(fastmath=True, cache=True)

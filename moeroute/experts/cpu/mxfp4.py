@@ -30,7 +30,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from moeroute.experts.cpu.variants import parallel_and_serial
+from moeroute.experts.cpu import tiles
 from moeroute import cpu_features
 from moeroute.quant.mxfp4 import E2M1_VALUES, MXFP4_BLOCK, SCALE_BIAS
 
@@ -46,16 +46,17 @@ __all__ = [
     "dots_portable",
     "dequantize_rows",
     "decode_row_split_intrinsic",
+    "block_dots_intrinsic",
 ]
 
 _E2M1 = np.array(E2M1_VALUES, dtype=np.float32)
 #: 2 ** (s - 127) for every scale byte (255, e8m0's NaN, is refused at load).
 _SCALES = np.array([2.0 ** (s - SCALE_BIAS) for s in range(255)] + [np.nan], dtype=np.float32)
 #: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
-ROW_BLOCK = 64
+ROW_BLOCK = tiles.ROW_BLOCK
 #: Activation rows dotted per pass over a weight row: one decode serves them all (four
 #: accumulators and four decoded vectors fit the 16 AVX2 registers).
-_ROW_TILE = 4
+_ROW_TILE = tiles.ROW_TILE
 #: Bytes per block (32 nibbles) and even values per block.
 _BLOCK_BYTES = MXFP4_BLOCK // 2
 
@@ -116,85 +117,99 @@ def _decode_block(builder, block, table=_F16_HIGH_BYTES):
     return [values["low", 0], values["high", 0], values["low", 1], values["high", 1]]
 
 
-@intrinsic
-def _block_dots_simd(typingctx, blocks_row, scales_row, xs, rows):
-    """(W . xs[rows[0]], ..) for one packed weight row W (blocks_row [G, 16], scales_row
-    [G]) and 1 to 4 rows of ``xs`` [*, G*32] (float32, `split_blocks` order): x86 vector code
-    (AVX2, FMA, F16C)."""
-    if not (
-        isinstance(rows, types.UniTuple)
-        and 1 <= rows.count <= _ROW_TILE
-        and all(isinstance(a, types.Array) and a.layout == "C" for a in (blocks_row, scales_row, xs))
-    ):
-        return None
-    count = rows.count
-    unroll = _UNROLL if count == 1 else 1
+def block_dots_intrinsic(table, block_scale):
+    """A Numba intrinsic ``(blocks_row, scales_row, xs, rows)`` -> (W . xs[rows[0]], ..) for one
+    packed weight row W (blocks_row [G, 16], its scales ``scales_row``) and a tuple of 1 to 4
+    rows of ``xs`` [*, G*32] (float32, `split_blocks` order): x86 vector code (AVX2, FMA,
+    F16C; use it where `SIMD`), two blocks per step for one row.
 
-    def codegen(context, builder, signature, args):
-        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-        v16i8, v8f = ir.VectorType(i8, 16), ir.VectorType(f32, 8)
-        blocks = context.make_array(signature.args[0])(context, builder, args[0])
-        scales = context.make_array(signature.args[1])(context, builder, args[1])
-        xs_array = context.make_array(signature.args[2])(context, builder, args[2])
-        groups = builder.extract_value(blocks.shape, 0)
-        width = builder.extract_value(xs_array.shape, 1)
-        index_type = groups.type
-        block_ptr = builder.bitcast(blocks.data, v16i8.as_pointer())
-        x_ptrs = [
-            builder.bitcast(builder.gep(xs_array.data, [builder.mul(row, width)]), v8f.as_pointer())
-            for row in cgutils.unpack_tuple(builder, args[3], count)
-        ]
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f, [v8f, v8f, v8f]), "llvm.fma.v8f32")
-        scale_table = cgutils.global_constant(
-            builder, "mxfp4_scales", ir.Constant(ir.ArrayType(f32, 256), [float(v) for v in _SCALES])
-        )
-        zero = ir.Constant(v8f, [0.0] * 8)
-        # one accumulator per row and unrolled block: independent chains
-        accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(count)] for _ in range(unroll)]
+    ``table`` and ``block_scale`` as `decode_row_split_intrinsic` takes them: each block's
+    partial dot is ``sum((code value + offset) * x)`` over its 32 values, multiplied by its
+    scale once. MXFP4 and INT4 (`moeroute.experts.cpu.int4`) share it.
+    """
 
-        def block_dots(g, accs_g):
-            block = builder.load(builder.gep(block_ptr, [g]), align=1)
-            byte = builder.zext(builder.load(builder.gep(scales.data, [g])), i32)
-            scale = builder.load(builder.gep(scale_table, [ir.Constant(i32, 0), byte]))
-            scale = builder.insert_element(ir.Constant(v8f, ir.Undefined), scale, ir.Constant(i32, 0))
-            scale = builder.shuffle_vector(
-                scale, ir.Constant(v8f, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8)
+    @intrinsic
+    def block_dots(typingctx, blocks_row, scales_row, xs, rows):
+        if not (
+            isinstance(rows, types.UniTuple)
+            and 1 <= rows.count <= _ROW_TILE
+            and all(isinstance(a, types.Array) and a.layout == "C" for a in (blocks_row, scales_row, xs))
+        ):
+            return None
+        count = rows.count
+        unroll = _UNROLL if count == 1 else 1
+
+        def codegen(context, builder, signature, args):
+            i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+            v16i8, v8f = ir.VectorType(i8, 16), ir.VectorType(f32, 8)
+            blocks = context.make_array(signature.args[0])(context, builder, args[0])
+            xs_array = context.make_array(signature.args[2])(context, builder, args[2])
+            groups = builder.extract_value(blocks.shape, 0)
+            width = builder.extract_value(xs_array.shape, 1)
+            index_type = groups.type
+            block_ptr = builder.bitcast(blocks.data, v16i8.as_pointer())
+            x_ptrs = [
+                builder.bitcast(builder.gep(xs_array.data, [builder.mul(row, width)]), v8f.as_pointer())
+                for row in cgutils.unpack_tuple(builder, args[3], count)
+            ]
+            fma = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(v8f, [v8f, v8f, v8f]), "llvm.fma.v8f32"
             )
-            values = _decode_block(builder, block)
-            base = builder.mul(g, ir.Constant(index_type, 4))  # a block's 32 floats are 4 vectors
+            at = block_scale(context, builder, signature.args[1], args[1], groups)
+            zero = ir.Constant(v8f, [0.0] * 8)
+            # one accumulator per row and unrolled block: independent chains
+            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(count)] for _ in range(unroll)]
+
+            def splat(value):
+                vector = builder.insert_element(ir.Constant(v8f, ir.Undefined), value, ir.Constant(i32, 0))
+                return builder.shuffle_vector(
+                    vector, ir.Constant(v8f, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8)
+                )
+
+            def block_dots(g, accs_g):
+                block = builder.load(builder.gep(block_ptr, [g]), align=1)
+                offset, scale = at(g)
+                scale = splat(scale)
+                values = _decode_block(builder, block, table)
+                if offset is not None:
+                    offset = splat(offset)
+                    values = [builder.fadd(value, offset) for value in values]
+                base = builder.mul(g, ir.Constant(index_type, 4))  # a block's 32 floats are 4 vectors
+                for r in range(count):
+                    # even elements 0-7, 8-15 at vectors 0, 1; odd elements at 2, 3
+                    loads = [
+                        builder.load(builder.gep(x_ptrs[r], [builder.add(base, ir.Constant(index_type, k))]), align=4)
+                        for k in range(4)
+                    ]
+                    partial = builder.fmul(values[0], loads[0])
+                    partial = builder.call(fma, [values[1], loads[2], partial])
+                    partial = builder.call(fma, [values[2], loads[1], partial])
+                    partial = builder.call(fma, [values[3], loads[3], partial])
+                    builder.store(builder.call(fma, [partial, scale, builder.load(accs_g[r])]), accs_g[r])
+
+            steps = builder.udiv(groups, ir.Constant(index_type, unroll))
+            with cgutils.for_range(builder, steps) as loop:
+                first = builder.mul(loop.index, ir.Constant(index_type, unroll))
+                for u in range(unroll):
+                    block_dots(builder.add(first, ir.Constant(index_type, u)), accs[u])
+            with cgutils.for_range_slice(
+                builder, builder.mul(steps, ir.Constant(index_type, unroll)), groups, ir.Constant(index_type, 1)
+            ) as (g, _):
+                block_dots(g, accs[0])
+            sums = []
             for r in range(count):
-                # even elements 0-7, 8-15 at vectors 0, 1; odd elements at 2, 3
-                loads = [
-                    builder.load(builder.gep(x_ptrs[r], [builder.add(base, ir.Constant(index_type, k))]), align=4)
-                    for k in range(4)
-                ]
-                partial = builder.fmul(values[0], loads[0])
-                partial = builder.call(fma, [values[1], loads[2], partial])
-                partial = builder.call(fma, [values[2], loads[1], partial])
-                partial = builder.call(fma, [values[3], loads[3], partial])
-                builder.store(builder.call(fma, [partial, scale, builder.load(accs_g[r])]), accs_g[r])
+                acc = builder.load(accs[0][r])
+                for u in range(1, unroll):
+                    acc = builder.fadd(acc, builder.load(accs[u][r]))
+                lanes = [builder.extract_element(acc, ir.Constant(i32, k)) for k in range(8)]
+                while len(lanes) > 1:
+                    lanes = [builder.fadd(lanes[k], lanes[k + 1]) for k in range(0, len(lanes), 2)]
+                sums.append(lanes[0])
+            return context.make_tuple(builder, signature.return_type, sums)
 
-        steps = builder.udiv(groups, ir.Constant(index_type, unroll))
-        with cgutils.for_range(builder, steps) as loop:
-            first = builder.mul(loop.index, ir.Constant(index_type, unroll))
-            for u in range(unroll):
-                block_dots(builder.add(first, ir.Constant(index_type, u)), accs[u])
-        with cgutils.for_range_slice(
-            builder, builder.mul(steps, ir.Constant(index_type, unroll)), groups, ir.Constant(index_type, 1)
-        ) as (g, _):
-            block_dots(g, accs[0])
-        sums = []
-        for r in range(count):
-            acc = builder.load(accs[0][r])
-            for u in range(1, unroll):
-                acc = builder.fadd(acc, builder.load(accs[u][r]))
-            lanes = [builder.extract_element(acc, ir.Constant(i32, k)) for k in range(8)]
-            while len(lanes) > 1:
-                lanes = [builder.fadd(lanes[k], lanes[k + 1]) for k in range(0, len(lanes), 2)]
-            sums.append(lanes[0])
-        return context.make_tuple(builder, signature.return_type, sums)
+        return types.UniTuple(types.float32, count)(blocks_row, scales_row, xs, rows), codegen
 
-    return types.UniTuple(types.float32, count)(blocks_row, scales_row, xs, rows), codegen
+    return block_dots
 
 
 @numba.njit(fastmath=True)
@@ -222,86 +237,11 @@ def dots_portable(blocks_row, scales_row, xs, rows, out):
         out[i] = acc
 
 
-_dots = dots_simd if SIMD else dots_portable
-
-
-@numba.njit(fastmath=True)
-def _row_tile(blocks_row, scales_row, xs, index, m, stop, tile):
-    """tile[i] = W . xs[index[m + i]] for up to `_ROW_TILE` rows from m; returns how many."""
-    count = min(_ROW_TILE, stop - m)
-    if count == 4:
-        _dots(blocks_row, scales_row, xs, (index[m], index[m + 1], index[m + 2], index[m + 3]), tile)
-    elif count == 3:
-        _dots(blocks_row, scales_row, xs, (index[m], index[m + 1], index[m + 2]), tile)
-    elif count == 2:
-        _dots(blocks_row, scales_row, xs, (index[m], index[m + 1]), tile)
-    else:
-        _dots(blocks_row, scales_row, xs, (index[m],), tile)
-    return count
-
-
-@numba.njit(fastmath=True)
-def _gate_up_item(xs, tokens, offsets, e, b, blocks, scales, bias, out):
-    """Block ``b`` of expert ``e``'s gate_up rows for all its sorted rows (`gate_up_rows`)."""
-    tile = np.empty(_ROW_TILE, np.float32)
-    start, stop = offsets[e], offsets[e + 1]
-    for n in range(b * ROW_BLOCK, min(blocks.shape[1], (b + 1) * ROW_BLOCK)):
-        add = bias[e, n] if bias.shape[0] > 0 else np.float32(0.0)
-        blocks_row, scales_row = blocks[e, n], scales[e, n]
-        for m in range(start, stop, _ROW_TILE):
-            count = _row_tile(blocks_row, scales_row, xs, tokens, m, stop, tile)
-            for i in range(count):
-                out[m + i, n] = tile[i] + add
-
-
-@parallel_and_serial(fastmath=True, cache=True)
-def gate_up_rows(xs, tokens, offsets, work, blocks, scales, bias, out):
-    """out[m, n] = xs[tokens[m]] . W_e[n] (+ bias[e, n]) for each expert e's sorted rows m.
-
-    xs [T, H] float32 in `split_blocks` order, tokens [M] int64, offsets [L + 1] int64, work
-    [W, 2] int64 (expert, block of `ROW_BLOCK` weight rows), blocks [L, 2I, H/32, 16] uint8,
-    scales [L, 2I, H/32] uint8, bias [L, 2I] float32 or [0, 0] (none), out [M, 2I] float32.
-    """
-    for item in numba.prange(work.shape[0]):
-        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], blocks, scales, bias, out)
-
-
-gate_up_rows_serial = gate_up_rows.serial
-
-
-@numba.njit(fastmath=True)
-def _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, b):
-    """Output columns of block ``b`` over every hit expert (`down_rows`)."""
-    index = np.arange(acts.shape[0])
-    tile = np.empty(_ROW_TILE, np.float32)
-    first, last = b * ROW_BLOCK, min(blocks.shape[1], (b + 1) * ROW_BLOCK)
-    for i in range(experts.shape[0]):
-        e = experts[i]
-        start, stop = offsets[e], offsets[e + 1]
-        for n in range(first, last):
-            add = bias[e, n] if bias.shape[0] > 0 else np.float32(0.0)
-            blocks_row, scales_row = blocks[e, n], scales[e, n]
-            for m in range(start, stop, _ROW_TILE):
-                count = _row_tile(blocks_row, scales_row, acts, index, m, stop, tile)
-                for j in range(count):
-                    sums[tokens[m + j], n] += slot_weights[m + j] * (tile[j] + add)
-
-
-@parallel_and_serial(fastmath=True, cache=True)
-def down_rows(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums):
-    """sums[tokens[m], n] += slot_weights[m] * (acts[m] . W_e[n] (+ bias[e, n])).
-
-    The second GEMM and the combine. Threads split the output columns (blocks of
-    `ROW_BLOCK`), so each sum has one writer, and experts are added in ``experts`` order
-    (deterministic). acts [M, I] float32 in `split_blocks` order, experts [E'] int64 (the
-    hit experts), blocks [L, H, I/32, 16], scales [L, H, I/32], bias [L, H] float32 or
-    [0, 0], sums [T, H] float32.
-    """
-    for b in numba.prange((blocks.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
-        _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, b)
-
-
-down_rows_serial = down_rows.serial
+_kernels = tiles.row_kernels(__name__, "mxfp4", dots_simd if SIMD else dots_portable)
+gate_up_rows = _kernels["gate_up_rows"]
+gate_up_rows_serial = _kernels["gate_up_rows_serial"]
+down_rows = _kernels["down_rows"]
+down_rows_serial = _kernels["down_rows_serial"]
 
 
 def decode_row_split_intrinsic(table, block_scale):
@@ -378,6 +318,7 @@ def _mxfp4_block_scale(context, builder, scales_type, scales_value, groups):
 
 
 _decode_row_split_simd = decode_row_split_intrinsic(_F16_HIGH_BYTES, _mxfp4_block_scale)
+_block_dots_simd = block_dots_intrinsic(_F16_HIGH_BYTES, _mxfp4_block_scale)
 
 
 @numba.njit(fastmath=True)

@@ -26,16 +26,14 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from moeroute.experts.cpu.variants import parallel_and_serial
+from moeroute.experts.cpu import tiles
 from moeroute.experts.cpu.dot import (
     BF16_DOT,
     LANES,
     BFloat16Type,
     accumulators,
-    add_tile,
     dot_function,
     splat,
-    store_tile,
     sum_lanes,
 )
 from moeroute.quant.mxfp4 import E2M1_VALUES, MXFP4_BLOCK, SCALE_BIAS
@@ -43,10 +41,10 @@ from moeroute.quant.mxfp4 import E2M1_VALUES, MXFP4_BLOCK, SCALE_BIAS
 __all__ = ["serves", "split_pairs", "gate_up_rows", "gate_up_rows_serial", "down_rows", "down_rows_serial"]
 
 #: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
-ROW_BLOCK = 64
+ROW_BLOCK = tiles.ROW_BLOCK
 #: Activation rows per tile, and weight rows per call of `_mxfp4_tile` (tuples of four below);
 #: a block of output columns that starts on a multiple of it tiles as the whole range does.
-ROW_TILE = 4
+ROW_TILE = tiles.ROW_TILE
 #: Values per step: two blocks.
 _PAIR = 2 * MXFP4_BLOCK
 #: bfloat16 bits of the 16 e2m1 codes (sign included), twice: the 32 words of a table that
@@ -78,237 +76,161 @@ def split_pairs(x, out):
                 target[base + 3 * half + j] = row[base + MXFP4_BLOCK + 2 * j + 1]
 
 
-@intrinsic
-def _mxfp4_tile(typingctx, blocks, w_rows, scales, xs, x_rows, out):
-    """out[i * len(x_rows) + j] = W[w_rows[i]] . xs[x_rows[j]] for 1 to 4 packed weight rows
-    of one expert (``blocks`` uint8 [R, G, 16], ``scales`` uint8 [R, G], G even) and 1 to 4
-    activation rows (``xs`` uint16 [*, G * 32], `split_pairs` order); all C-contiguous,
-    ``out`` float32 [>= the tile's size]."""
-    tuples_ok = all(
-        isinstance(t, types.UniTuple) and 1 <= t.count <= ROW_TILE and isinstance(t.dtype, types.Integer)
-        for t in (w_rows, x_rows)
-    )
-    arrays_ok = (
-        isinstance(blocks, types.Array)
-        and blocks.ndim == 3
-        and blocks.dtype == types.uint8
-        and blocks.layout == "C"
-        and isinstance(scales, types.Array)
-        and scales.ndim == 2
-        and scales.dtype == types.uint8
-        and scales.layout == "C"
-        and isinstance(xs, types.Array)
-        and xs.ndim == 2
-        and xs.dtype == types.uint16
-        and xs.layout == "C"
-        and isinstance(out, types.Array)
-        and out.ndim == 1
-        and out.dtype == types.float32
-    )
-    if not (tuples_ok and arrays_ok):
-        return None
-    count = x_rows.count
+def tile_intrinsic(table, tile_scale, scales_ndim, scales_dtype):
+    """A Numba intrinsic ``(blocks, w_rows, scales, xs, x_rows, out)``: out[i * len(x_rows) + j]
+    = W[w_rows[i]] . xs[x_rows[j]] for 1 to 4 packed weight rows of one expert (``blocks``
+    uint8 [R, G, 16], G even; their scales ``scales``, an array of ``scales_ndim`` dimensions
+    of ``scales_dtype``) and 1 to 4 activation rows (``xs`` uint16 [*, G * 32], `split_pairs`
+    order); all C-contiguous, ``out`` float32 [>= the tile's size].
 
-    def codegen(context, builder, signature, args):
-        i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
-        v32i8, v32i16, v16f = ir.VectorType(i8, LANES), ir.VectorType(i16, LANES), ir.VectorType(f32, 16)
-        v32bf = ir.VectorType(BFloat16Type(), LANES)
-        dot = dot_function(builder)
-        fma = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(v16f, [v16f, v16f, v16f]), "llvm.fma.v16f32"
+    ``table``: the 32 bfloat16 words ``vpermw`` looks the 4-bit codes up in (the 16 values
+    by code, twice). ``tile_scale(context, builder, scales_type, scales_value, groups)`` emits
+    what runs once a call and returns ``row_at(row)``, which returns ``at(g)``: block g's
+    scale of weight row ``row`` as a float32 scalar. MXFP4 and symmetric INT4
+    (`moeroute.experts.cpu.int4`) share it with their own tables and scale rules.
+    """
+
+    @intrinsic
+    def tile(typingctx, blocks, w_rows, scales, xs, x_rows, out):
+        tuples_ok = all(
+            isinstance(t, types.UniTuple) and 1 <= t.count <= ROW_TILE and isinstance(t.dtype, types.Integer)
+            for t in (w_rows, x_rows)
         )
-        permute = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(v32i16, [v32i16, v32i16]), "llvm.x86.avx512.permvar.hi.512"
+        arrays_ok = (
+            isinstance(blocks, types.Array)
+            and blocks.ndim == 3
+            and blocks.dtype == types.uint8
+            and blocks.layout == "C"
+            and isinstance(scales, types.Array)
+            and scales.ndim == scales_ndim
+            and scales.dtype == scales_dtype
+            and scales.layout == "C"
+            and isinstance(xs, types.Array)
+            and xs.ndim == 2
+            and xs.dtype == types.uint16
+            and xs.layout == "C"
+            and isinstance(out, types.Array)
+            and out.ndim == 1
+            and out.dtype == types.float32
         )
-        block_view = context.make_array(signature.args[0])(context, builder, args[0])
-        scale_view = context.make_array(signature.args[2])(context, builder, args[2])
-        x_view = context.make_array(signature.args[3])(context, builder, args[3])
-        groups = builder.extract_value(block_view.shape, 1)
-        index_type = groups.type
-        pairs = builder.udiv(groups, ir.Constant(index_type, 2))
-        width = builder.extract_value(x_view.shape, 1)
-        # The table in a register (an empty inline-asm statement keeps LLVM from folding it
-        # into the loop as a memory operand); the scales from a float32 table in memory.
-        table = builder.asm(
-            ir.FunctionType(v32i16, [v32i16]), "", "=v,0", [ir.Constant(v32i16, _E2M1_BF16)], side_effect=False
-        )
-        scale_table = cgutils.global_constant(builder, "mxfp4_dot_scales", ir.Constant(ir.ArrayType(f32, 256), _SCALES))
-        four = ir.Constant(v32i16, [4] * LANES)
-        zero = ir.Constant(v16f, [0.0] * 16)
-        x_ptrs = []
-        for row in cgutils.unpack_tuple(builder, args[4], count):
-            start = builder.mul(context.cast(builder, row, x_rows.dtype, types.intp), width)
-            x_ptrs.append(builder.bitcast(builder.gep(x_view.data, [start]), v32i16.as_pointer()))
-        totals = []
-        for row in cgutils.unpack_tuple(builder, args[1], w_rows.count):
-            row = context.cast(builder, row, w_rows.dtype, types.intp)
-            w_ptr = builder.bitcast(
-                builder.gep(
-                    block_view.data, [builder.mul(row, builder.mul(groups, ir.Constant(index_type, MXFP4_BLOCK // 2)))]
-                ),
-                v32i8.as_pointer(),
+        if not (tuples_ok and arrays_ok):
+            return None
+        count = x_rows.count
+
+        def codegen(context, builder, signature, args):
+            i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+            v32i8, v32i16, v16f = ir.VectorType(i8, LANES), ir.VectorType(i16, LANES), ir.VectorType(f32, 16)
+            v32bf = ir.VectorType(BFloat16Type(), LANES)
+            dot = dot_function(builder)
+            fma = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(v16f, [v16f, v16f, v16f]), "llvm.fma.v16f32"
             )
-            s_ptr = builder.gep(scale_view.data, [builder.mul(row, groups)])
-            # Two totals per activation row, for even and odd pairs: two chains of fused
-            # multiply-adds in flight instead of one (one chain bound a single row's dots by
-            # the instruction's latency).
-            row_totals = [accumulators(builder, 2, v16f) for _ in range(count)]
+            permute = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(v32i16, [v32i16, v32i16]), "llvm.x86.avx512.permvar.hi.512"
+            )
+            block_view = context.make_array(signature.args[0])(context, builder, args[0])
+            x_view = context.make_array(signature.args[3])(context, builder, args[3])
+            groups = builder.extract_value(block_view.shape, 1)
+            index_type = groups.type
+            pairs = builder.udiv(groups, ir.Constant(index_type, 2))
+            width = builder.extract_value(x_view.shape, 1)
+            # The table in a register (an empty inline-asm statement keeps LLVM from folding it
+            # into the loop as a memory operand).
+            words = builder.asm(
+                ir.FunctionType(v32i16, [v32i16]), "", "=v,0", [ir.Constant(v32i16, list(table))], side_effect=False
+            )
+            row_at = tile_scale(context, builder, signature.args[2], args[2], groups)
+            four = ir.Constant(v32i16, [4] * LANES)
+            zero = ir.Constant(v16f, [0.0] * 16)
+            x_ptrs = []
+            for row in cgutils.unpack_tuple(builder, args[4], count):
+                start = builder.mul(context.cast(builder, row, x_rows.dtype, types.intp), width)
+                x_ptrs.append(builder.bitcast(builder.gep(x_view.data, [start]), v32i16.as_pointer()))
+            totals = []
+            for row in cgutils.unpack_tuple(builder, args[1], w_rows.count):
+                row = context.cast(builder, row, w_rows.dtype, types.intp)
+                w_ptr = builder.bitcast(
+                    builder.gep(
+                        block_view.data,
+                        [builder.mul(row, builder.mul(groups, ir.Constant(index_type, MXFP4_BLOCK // 2)))],
+                    ),
+                    v32i8.as_pointer(),
+                )
+                at = row_at(row)
+                # Two totals per activation row, for even and odd pairs: two chains of fused
+                # multiply-adds in flight instead of one (one chain bound a single row's dots by
+                # the instruction's latency).
+                row_totals = [accumulators(builder, 2, v16f) for _ in range(count)]
 
-            def pair_dots(p, parity):
-                words = builder.zext(builder.load(builder.gep(w_ptr, [p]), align=1), v32i16)
-                even = builder.bitcast(builder.call(permute, [table, words]), v32bf)
-                odd = builder.bitcast(builder.call(permute, [table, builder.lshr(words, four)]), v32bf)
-                g = builder.mul(p, ir.Constant(index_type, 2))
-                block_scales = []
-                for k in range(2):
-                    byte = builder.zext(
-                        builder.load(builder.gep(s_ptr, [builder.add(g, ir.Constant(index_type, k))])), i32
+                def pair_dots(p, parity):
+                    codes = builder.zext(builder.load(builder.gep(w_ptr, [p]), align=1), v32i16)
+                    even = builder.bitcast(builder.call(permute, [words, codes]), v32bf)
+                    odd = builder.bitcast(builder.call(permute, [words, builder.lshr(codes, four)]), v32bf)
+                    g = builder.mul(p, ir.Constant(index_type, 2))
+                    block_scales = [at(builder.add(g, ir.Constant(index_type, k))) for k in range(2)]
+                    halves = [splat(builder, s, 16) for s in block_scales]
+                    scale = builder.shuffle_vector(
+                        halves[0], halves[1], ir.Constant(ir.VectorType(i32, 16), list(range(8)) + list(range(24, 32)))
                     )
-                    block_scales.append(builder.load(builder.gep(scale_table, [ir.Constant(i32, 0), byte])))
-                halves = [splat(builder, s, 16) for s in block_scales]
-                scale = builder.shuffle_vector(
-                    halves[0], halves[1], ir.Constant(ir.VectorType(i32, 16), list(range(8)) + list(range(24, 32)))
+                    for x_ptr, totals_j in zip(x_ptrs, row_totals):
+                        x_even = builder.bitcast(builder.load(builder.gep(x_ptr, [g]), align=2), v32bf)
+                        x_odd = builder.bitcast(
+                            builder.load(builder.gep(x_ptr, [builder.add(g, ir.Constant(index_type, 1))]), align=2),
+                            v32bf,
+                        )
+                        acc = builder.call(dot, [zero, even, x_even])
+                        acc = builder.call(dot, [acc, odd, x_odd])
+                        total = totals_j[parity]
+                        builder.store(builder.call(fma, [acc, scale, builder.load(total)]), total)
+
+                two = ir.Constant(index_type, 2)
+                with cgutils.for_range(builder, builder.udiv(pairs, two)) as loop:
+                    first = builder.mul(loop.index, two)
+                    pair_dots(first, 0)
+                    pair_dots(builder.add(first, ir.Constant(index_type, 1)), 1)
+                with cgutils.if_unlikely(
+                    builder, builder.icmp_unsigned("!=", builder.urem(pairs, two), ir.Constant(index_type, 0))
+                ):
+                    pair_dots(builder.sub(pairs, ir.Constant(index_type, 1)), 0)
+                totals.extend(
+                    builder.fadd(builder.load(even_total), builder.load(odd_total))
+                    for even_total, odd_total in row_totals
                 )
-                for x_ptr, totals_j in zip(x_ptrs, row_totals):
-                    x_even = builder.bitcast(builder.load(builder.gep(x_ptr, [g]), align=2), v32bf)
-                    x_odd = builder.bitcast(
-                        builder.load(builder.gep(x_ptr, [builder.add(g, ir.Constant(index_type, 1))]), align=2), v32bf
-                    )
-                    acc = builder.call(dot, [zero, even, x_even])
-                    acc = builder.call(dot, [acc, odd, x_odd])
-                    total = totals_j[parity]
-                    builder.store(builder.call(fma, [acc, scale, builder.load(total)]), total)
+            out_view = context.make_array(signature.args[5])(context, builder, args[5])
+            for k, value in enumerate(sum_lanes(builder, totals)):
+                builder.store(value, builder.gep(out_view.data, [ir.Constant(index_type, k)]))
+            return context.get_dummy_value()
 
-            two = ir.Constant(index_type, 2)
-            with cgutils.for_range(builder, builder.udiv(pairs, two)) as loop:
-                first = builder.mul(loop.index, two)
-                pair_dots(first, 0)
-                pair_dots(builder.add(first, ir.Constant(index_type, 1)), 1)
-            with cgutils.if_unlikely(
-                builder, builder.icmp_unsigned("!=", builder.urem(pairs, two), ir.Constant(index_type, 0))
-            ):
-                pair_dots(builder.sub(pairs, ir.Constant(index_type, 1)), 0)
-            totals.extend(
-                builder.fadd(builder.load(even_total), builder.load(odd_total)) for even_total, odd_total in row_totals
-            )
-        out_view = context.make_array(signature.args[5])(context, builder, args[5])
-        for k, value in enumerate(sum_lanes(builder, totals)):
-            builder.store(value, builder.gep(out_view.data, [ir.Constant(index_type, k)]))
-        return context.get_dummy_value()
+        return types.none(blocks, w_rows, scales, xs, x_rows, out), codegen
 
-    return types.none(blocks, w_rows, scales, xs, x_rows, out), codegen
+    return tile
 
 
-@numba.njit(fastmath=True)
-def _gate_up_rows(blocks, scales, first, last, xs, x_rows, m, bias, e, dots, out):
-    """out[m + j, n] = W_e[n] . xs[x_rows[j]] (+ bias[e, n]) for n in [first, last), four
-    weight rows at a time, then one."""
-    n = first
-    while n + ROW_TILE <= last:
-        _mxfp4_tile(blocks, (n, n + 1, n + 2, n + 3), scales, xs, x_rows, dots)
-        store_tile(dots, ROW_TILE, n, len(x_rows), m, bias, e, out)
-        n += ROW_TILE
-    while n < last:
-        _mxfp4_tile(blocks, (n,), scales, xs, x_rows, dots)
-        store_tile(dots, 1, n, len(x_rows), m, bias, e, out)
-        n += 1
+def _mxfp4_tile_scale(context, builder, scales_type, scales_value, groups):
+    """MXFP4's scales in a tile: 2 ** (s - 127) of byte g of the row's scales [R, G] (a
+    float32 table in memory)."""
+    i32, f32 = ir.IntType(32), ir.FloatType()
+    scale_view = context.make_array(scales_type)(context, builder, scales_value)
+    scale_table = cgutils.global_constant(builder, "mxfp4_dot_scales", ir.Constant(ir.ArrayType(f32, 256), _SCALES))
+
+    def row_at(row):
+        s_ptr = builder.gep(scale_view.data, [builder.mul(row, groups)])
+
+        def at(g):
+            byte = builder.zext(builder.load(builder.gep(s_ptr, [g])), i32)
+            return builder.load(builder.gep(scale_table, [ir.Constant(i32, 0), byte]))
+
+        return at
+
+    return row_at
 
 
-@numba.njit(fastmath=True)
-def _gate_up_item(xs, tokens, offsets, e, chunk, blocks, scales, bias, out):
-    """Weight rows [chunk * ROW_BLOCK, ..) of expert ``e``'s gate_up for all its sorted rows,
-    four at a time."""
-    start, stop = offsets[e], offsets[e + 1]
-    first, last = chunk * ROW_BLOCK, min(blocks.shape[1], (chunk + 1) * ROW_BLOCK)
-    blocks_e, scales_e = blocks[e], scales[e]
-    dots = np.empty(ROW_TILE * ROW_TILE, np.float32)
-    for m in range(start, stop, ROW_TILE):
-        count = min(ROW_TILE, stop - m)
-        if count == 4:
-            rows4 = (tokens[m], tokens[m + 1], tokens[m + 2], tokens[m + 3])
-            _gate_up_rows(blocks_e, scales_e, first, last, xs, rows4, m, bias, e, dots, out)
-        elif count == 3:
-            _gate_up_rows(
-                blocks_e, scales_e, first, last, xs, (tokens[m], tokens[m + 1], tokens[m + 2]), m, bias, e, dots, out
-            )
-        elif count == 2:
-            _gate_up_rows(blocks_e, scales_e, first, last, xs, (tokens[m], tokens[m + 1]), m, bias, e, dots, out)
-        else:
-            _gate_up_rows(blocks_e, scales_e, first, last, xs, (tokens[m],), m, bias, e, dots, out)
+_mxfp4_tile = tile_intrinsic(_E2M1_BF16, _mxfp4_tile_scale, 2, types.uint8)
 
 
-@parallel_and_serial(fastmath=True, cache=True)
-def gate_up_rows(xs, tokens, offsets, work, blocks, scales, bias, out):
-    """`moeroute.experts.cpu.mxfp4.gate_up_rows` with the dot instructions (only where
-    `serves`): xs [T, H] uint16, bfloat16 bits in `split_pairs` order; the rest as there."""
-    for item in numba.prange(work.shape[0]):
-        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], blocks, scales, bias, out)
-
-
-gate_up_rows_serial = gate_up_rows.serial
-
-
-@numba.njit(fastmath=True)
-def _down_rows(blocks, scales, first, last, acts, a_rows, tokens, slot_weights, bias, e, dots, sums):
-    """sums[tokens[m], n] += slot_weights[m] * (W_e[n] . acts[m] (+ bias[e, n])) for the rows
-    m of ``a_rows`` and n in [first, last), four weight rows at a time, then one."""
-    n = first
-    while n + ROW_TILE <= last:
-        _mxfp4_tile(blocks, (n, n + 1, n + 2, n + 3), scales, acts, a_rows, dots)
-        add_tile(dots, ROW_TILE, n, a_rows, tokens, slot_weights, bias, e, sums)
-        n += ROW_TILE
-    while n < last:
-        _mxfp4_tile(blocks, (n,), scales, acts, a_rows, dots)
-        add_tile(dots, 1, n, a_rows, tokens, slot_weights, bias, e, sums)
-        n += 1
-
-
-@numba.njit(fastmath=True)
-def _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, block, columns):
-    """Output columns [block * columns, ..) over every hit expert."""
-    first, last = block * columns, min(blocks.shape[1], (block + 1) * columns)
-    dots = np.empty(ROW_TILE * ROW_TILE, np.float32)
-    for i in range(experts.shape[0]):
-        e = experts[i]
-        blocks_e, scales_e = blocks[e], scales[e]
-        start, stop = offsets[e], offsets[e + 1]
-        for m in range(start, stop, ROW_TILE):
-            count = min(ROW_TILE, stop - m)
-            if count == 4:
-                _down_rows(
-                    blocks_e,
-                    scales_e,
-                    first,
-                    last,
-                    acts,
-                    (m, m + 1, m + 2, m + 3),
-                    tokens,
-                    slot_weights,
-                    bias,
-                    e,
-                    dots,
-                    sums,
-                )
-            elif count == 3:
-                _down_rows(
-                    blocks_e, scales_e, first, last, acts, (m, m + 1, m + 2), tokens, slot_weights, bias, e, dots, sums
-                )
-            elif count == 2:
-                _down_rows(blocks_e, scales_e, first, last, acts, (m, m + 1), tokens, slot_weights, bias, e, dots, sums)
-            else:
-                _down_rows(blocks_e, scales_e, first, last, acts, (m,), tokens, slot_weights, bias, e, dots, sums)
-
-
-@parallel_and_serial(fastmath=True, cache=True)
-def down_rows(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, threaded=True):
-    """`moeroute.experts.cpu.mxfp4.down_rows` with the dot instructions (only where `serves`):
-    acts [M, I] uint16, bfloat16 bits in `split_pairs` order; threads split the output
-    columns (blocks of `ROW_BLOCK`)."""
-    # The serial form (threaded=False): all output columns as one block, each expert's down
-    # weights read as one stream (the same sums, bit for bit).
-    columns = ROW_BLOCK if threaded else max(1, blocks.shape[1])
-    for block in numba.prange((blocks.shape[1] + columns - 1) // columns):
-        _down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, block, columns)
-
-
-down_rows_serial = down_rows.serial
+#: The tiled loop around the tile (`moeroute.experts.cpu.tiles.tile_kernels`).
+tile_family = tiles.tile_kernels(__name__, "mxfp4_dot", _mxfp4_tile)
+gate_up_rows = tile_family["gate_up_rows"]
+gate_up_rows_serial = tile_family["gate_up_rows_serial"]
+down_rows = tile_family["down_rows"]
+down_rows_serial = tile_family["down_rows_serial"]

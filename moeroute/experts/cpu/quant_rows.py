@@ -1,7 +1,8 @@
 """The quantized expert MLPs in one Numba call each, on CPUs with AVX512-BF16: FP8 (w8a8,
 `moeroute.experts.cpu.fp8`'s bfloat16-dot kernels, dynamic activation scales as floats, or
 w8a16: the same kernels on the bfloat16 activations with unit scales) and MXFP4
-(w4a16, `moeroute.experts.cpu.mxfp4_dot`).
+(w4a16, `moeroute.experts.cpu.mxfp4_dot`) and symmetric INT4 (w4a16, the same tiles with
+INT4's table and scales).
 
 A decode step then enters compiled code once for its experts, as the float layer's
 `moeroute.experts.cpu.rows.rows_experts_bf16` does. FP8: the rows quantized per group
@@ -20,8 +21,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from moeroute.experts.cpu.variants import parallel_and_serial
+from moeroute.experts.cpu.variants import parallel_and_serial, specialize
 from moeroute.experts.cpu.rows import _round_bfloat16, activate_rows, activate_rows_bf16, float32_rows, store_sums
+from moeroute.experts.cpu import int4 as cpu_int4
 from moeroute.experts.cpu import mxfp4_dot
 from moeroute.experts.cpu import fp8 as cpu_fp8
 
@@ -30,6 +32,8 @@ __all__ = [
     "rows_experts_fp8_serial",
     "rows_experts_mxfp4",
     "rows_experts_mxfp4_serial",
+    "rows_experts_int4",
+    "rows_experts_int4_serial",
     "thread_columns",
 ]
 
@@ -235,8 +239,7 @@ def _mxfp4_intermediate_row(gate_up, m, code, natural, acts):
     mxfp4_dot.split_pairs(natural[m : m + 1], acts[m : m + 1])
 
 
-@parallel_and_serial(cache=True)
-def rows_experts_mxfp4(
+def rows_experts(
     x,
     tokens,
     slot_weights,
@@ -253,10 +256,11 @@ def rows_experts_mxfp4(
     columns,
     out,
 ):
-    """The MXFP4 (w4a16) expert MLP in one call, with `moeroute.experts.cpu.mxfp4_dot`'s kernels (only where
-    `mxfp4_dot.serves`): x [T, H] and out [T, H] uint16 (bfloat16 bits); the plan as
-    `rows_experts_fp8`'s; blocks, scales and biases as `mxfp4_dot.gate_up_rows` /
-    `down_rows` take them; ``code`` the activation (`_rows.ACTIVATION_CODES`). The
+    """The 4-bit (w4a16) expert MLP in one call, with the bfloat16-dot tiles of
+    `moeroute.experts.cpu.mxfp4_dot` (a template: `rows_experts_mxfp4`, `rows_experts_int4`;
+    only where `mxfp4_dot.serves`): x [T, H] and out [T, H] uint16 (bfloat16 bits); the plan
+    as `rows_experts_fp8`'s; blocks, scales and biases as the format's ``gate_up_rows`` /
+    ``down_rows`` take them (MXFP4: `mxfp4_dot`; symmetric INT4: `moeroute.experts.cpu.int4`); ``code`` the activation (`_rows.ACTIVATION_CODES`). The
     intermediate is rounded to bfloat16 before the down dots, as the float layer keeps it.
     ``columns``: the down GEMM's output columns per unit of parallel work (`thread_columns`:
     one contiguous range per thread, so that each expert's down rows are one stream per
@@ -266,7 +270,7 @@ def rows_experts_mxfp4(
     rows, inter = tokens.shape[0], gate_up_blocks.shape[1] // 2
     gate_up = np.empty((rows, 2 * inter), np.float32)
     for item in numba.prange(work.shape[0]):
-        mxfp4_dot._gate_up_item(
+        gate_up_item(
             xs, tokens, offsets, work[item, 0], work[item, 1], gate_up_blocks, gate_up_scales, gate_up_bias, gate_up
         )
     natural, acts = np.empty((rows, inter), np.uint16), np.empty((rows, inter), np.uint16)
@@ -274,10 +278,29 @@ def rows_experts_mxfp4(
         _mxfp4_intermediate_row(gate_up, m, code, natural, acts)
     sums = np.zeros((x.shape[0], down_blocks.shape[1]), np.float32)
     for block in numba.prange((down_blocks.shape[1] + columns - 1) // columns):
-        mxfp4_dot._down_block(
-            acts, tokens, slot_weights, offsets, hit, down_blocks, down_scales, down_bias, sums, block, columns
-        )
+        down_block(acts, tokens, slot_weights, offsets, hit, down_blocks, down_scales, down_bias, sums, block, columns)
     store_sums(sums, out)
 
 
-rows_experts_mxfp4_serial = rows_experts_mxfp4.serial
+def gate_up_item(xs, tokens, offsets, e, chunk, blocks, scales, bias, out):  # pragma: no cover - bound per format
+    """The format's gate_up work item (`moeroute.experts.cpu.tiles.tile_kernels`)."""
+    raise NotImplementedError
+
+
+def down_block(
+    acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, block, columns
+):  # pragma: no cover
+    """The format's down column block (`moeroute.experts.cpu.tiles.tile_kernels`)."""
+    raise NotImplementedError
+
+
+def _one_call(prefix: str, kernels: dict) -> dict:
+    """`rows_experts` (and its serial form) around one format's tile kernels."""
+    namespace = dict(globals(), gate_up_item=kernels["_tile_gate_up_item"], down_block=kernels["_tile_down_block"])
+    return specialize(__name__, prefix, namespace, kernels=(rows_experts,))
+
+
+_mxfp4 = _one_call("mxfp4", mxfp4_dot.tile_family)
+rows_experts_mxfp4, rows_experts_mxfp4_serial = _mxfp4["rows_experts"], _mxfp4["rows_experts_serial"]
+_int4 = _one_call("int4", cpu_int4.tile_family)
+rows_experts_int4, rows_experts_int4_serial = _int4["rows_experts"], _int4["rows_experts_serial"]

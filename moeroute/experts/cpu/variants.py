@@ -20,7 +20,7 @@ import types
 
 import numba
 
-__all__ = ["parallel_and_serial"]
+__all__ = ["parallel_and_serial", "specialize"]
 
 
 def parallel_and_serial(**options):
@@ -54,3 +54,34 @@ def parallel_and_serial(**options):
         return parallel
 
     return compile_both
+
+
+def specialize(module: str, prefix: str, namespace: dict, helpers=(), kernels=(), **options):
+    """One format's copies of template kernels: each function of ``helpers`` (compiled with
+    ``numba.njit(**options)``) and of ``kernels`` (`parallel_and_serial(cache=True, **options)`)
+    recompiled with ``namespace`` as its globals, where the format binds what the templates
+    call (its dot, its decode), and the helpers bound there under their own names in order.
+
+    Each copy is named ``<prefix>_<name>`` and belongs to ``module`` (the caller's
+    ``__name__``): Numba's cache files follow the qualified name, so two formats' copies of
+    one template never share them, and warm-up finds the kernels in the module that binds
+    them. Returns {name: dispatcher} for the helpers, the kernels and the kernels'
+    ``<name>_serial`` forms.
+    """
+    namespace = dict(namespace, __name__=module)
+
+    def copy(function):
+        name = f"{prefix}_{function.__name__}"
+        clone = types.FunctionType(function.__code__, namespace, name, function.__defaults__, function.__closure__)
+        clone.__qualname__ = name
+        clone.__doc__ = function.__doc__
+        clone.__kwdefaults__ = function.__kwdefaults__
+        return clone
+
+    made = {}
+    for function in helpers:
+        namespace[function.__name__] = made[function.__name__] = numba.njit(**options)(copy(function))
+    for function in kernels:
+        kernel = parallel_and_serial(cache=True, **options)(copy(function))
+        made[function.__name__], made[function.__name__ + "_serial"] = kernel, kernel.serial
+    return made

@@ -10,9 +10,15 @@ rounded to the activations' dtype before the down projection, as the float layer
 Two CPU strategies, both on the MXFP4 machinery (INT4's packed bytes are MXFP4's blocks,
 `moeroute.experts.cpu.int4`):
 
-* "rows" (under "auto" up to `ROWS_MAX_MEAN_ROWS` mean rows per hit expert): each weight row
-  is decoded once into cache and dotted with all of its expert's rows by the float32 row
-  kernels (`moeroute.experts.cpu.mxfp4_rows`); memory reads half a byte per weight.
+* "rows" (under "auto" up to `ROWS_MAX_MEAN_ROWS` mean rows per hit expert, and at any count
+  where the bfloat16-dot tiles serve the call): each packed weight row is read once, half a
+  byte per weight. With AVX512-BF16, bfloat16 activations and symmetric weights, the tiles of
+  `moeroute.experts.cpu.mxfp4_dot` with INT4's table and scales, the whole forward in one
+  Numba call (`moeroute.experts.cpu.quant_rows.rows_experts_int4`). Elsewhere few rows per
+  expert decode each row in registers per tile of four rows (`moeroute.experts.cpu.int4`'s
+  row kernels, MXFP4's in-register block dot with INT4's rule); from `DECODED_MIN_ROWS` mean
+  rows on, each weight row is decoded once into cache and dotted with all of its expert's
+  rows by the float32 row kernels (`moeroute.experts.cpu.mxfp4_rows`).
 * "blocks": per hit expert, `CHUNK_BYTES` of weight rows at a time are decoded into one
   float32 buffer and multiplied with torch (a float32 GEMM: bfloat16 activations are exact
   in it). On another device than the CPU the decode is torch's (`decode_int4`).
@@ -33,10 +39,10 @@ from moeroute.experts.activations import gated_activation
 from moeroute.experts.choose import STRATEGIES, check_strategy, choose, cupy_installed
 from moeroute.experts.cpu import int4 as cpu_int4
 from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
-from moeroute.experts.cpu import mxfp4_rows
+from moeroute.experts.cpu import mxfp4_dot, mxfp4_rows, quant_rows
 from moeroute.experts.cpu import rows as cpu_rows
 from moeroute.experts.formats.unquantized import bias_view, check_same_device, numba_threads
-from moeroute.experts.formats.mxfp4 import split_rows
+from moeroute.experts.formats.mxfp4 import DECODED_MIN_ROWS, split_rows
 from moeroute.quant import QuantConfig, check_int4
 from moeroute.quant.int4 import decode_int4
 from moeroute.routing.threads import cpu_threads
@@ -142,7 +148,8 @@ def int4_experts_forward(
         slot_weights = weights.reshape(-1).to(torch.float32)[slots].contiguous()
     counts = (offsets[1:] - offsets[:-1]).tolist()
     hit = [e for e, c in enumerate(counts) if c]
-    strategy = choose("int4", backend, counts, strategy=strategy, dtype=dtype)
+    bf16_dot = backend == "cpu" and _tile_serves(dtype, hidden, inter, gate_up, down)
+    strategy = choose("int4", backend, counts, strategy=strategy, dtype=dtype, bf16_dot=bf16_dot)
     if not hit:
         return torch.zeros(num_tokens, hidden, dtype=dtype, device=device)
     if strategy == "rows":
@@ -190,21 +197,49 @@ def _blocks_view(packed: torch.Tensor) -> np.ndarray:
 
 
 def _rows_forward(hidden_states, plan, gate_up, down, activation):
-    """The "rows" strategy: `mxfp4_rows`' decode-once kernels with the INT4 decoder."""
+    """The "rows" strategy: MXFP4's row kernels with INT4's decode and block dots."""
     tokens, slot_weights, offsets, hit, work = plan
     num_tokens, hidden = hidden_states.shape
     inter = gate_up[0].shape[1] // 2
     dtype = hidden_states.dtype
     threads = cpu_threads()
     experts = hit.tolist()
+    no_bias = bias_view(None)
+    gate_up_params = kernel_params(gate_up[1], gate_up[2], experts)
+    down_params = kernel_params(down[1], down[2], experts)
+    if _tile_serves(dtype, hidden, inter, gate_up, down) and activation in cpu_rows.ACTIVATION_CODES:
+        # the bfloat16 dot instructions, at every row count, the whole forward in one call
+        out = torch.empty(num_tokens, hidden, dtype=dtype)
+        kernel = quant_rows.rows_experts_int4_serial if threads == 1 else quant_rows.rows_experts_int4
+        with numba_threads(threads):
+            kernel(
+                hidden_states.detach().contiguous().view(torch.uint16).numpy(),
+                tokens,
+                slot_weights,
+                offsets,
+                hit,
+                work,
+                _blocks_view(gate_up[0]),
+                gate_up_params,
+                _blocks_view(down[0]),
+                down_params,
+                no_bias,
+                no_bias,
+                cpu_rows.ACTIVATION_CODES[activation],
+                quant_rows.thread_columns(hidden, threads, mxfp4_dot.ROW_TILE),
+                out.view(torch.uint16).numpy(),
+            )
+        return out
+    # Few rows per expert: each packed row decoded in registers per tile of rows
+    # (`cpu_int4.gate_up_rows`); more: each decoded once into cache for all of them.
+    kernels = mxfp4_rows if tokens.shape[0] >= DECODED_MIN_ROWS * hit.shape[0] else cpu_int4
+    gate_up_rows, down_rows = (
+        (kernels.gate_up_rows_serial, kernels.down_rows_serial)
+        if threads == 1
+        else (kernels.gate_up_rows, kernels.down_rows)
+    )
     sums = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     h = torch.empty(tokens.shape[0], 2 * inter, dtype=torch.float32)
-    gate_up_rows, down_rows = (
-        (mxfp4_rows.gate_up_rows_serial, mxfp4_rows.down_rows_serial)
-        if threads == 1
-        else (mxfp4_rows.gate_up_rows, mxfp4_rows.down_rows)
-    )
-    no_bias = bias_view(None)
     with numba_threads(threads):
         gate_up_rows(
             split_rows(hidden_states),
@@ -212,7 +247,7 @@ def _rows_forward(hidden_states, plan, gate_up, down, activation):
             offsets,
             work,
             _blocks_view(gate_up[0]),
-            kernel_params(gate_up[1], gate_up[2], experts),
+            gate_up_params,
             no_bias,
             h.numpy(),
         )
@@ -226,11 +261,17 @@ def _rows_forward(hidden_states, plan, gate_up, down, activation):
             offsets,
             hit,
             _blocks_view(down[0]),
-            kernel_params(down[1], down[2], experts),
+            down_params,
             no_bias,
             sums.numpy(),
         )
     return sums if dtype == torch.float32 else sums.to(dtype)
+
+
+def _tile_serves(dtype, hidden, inter, gate_up, down) -> bool:
+    """Whether the bfloat16-dot tiles compute this call (`cpu_int4.tile_serves`)."""
+    symmetric = gate_up[2] is None and down[2] is None
+    return cpu_int4.tile_serves(dtype == torch.bfloat16, hidden, inter, symmetric)
 
 
 def _blocks_gemm(xs, offsets, hit, weight, group_size, dtype):
