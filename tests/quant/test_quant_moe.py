@@ -294,7 +294,7 @@ def test_torch_decoder_of_the_device_path_matches_numba():
 
 
 def test_row_kernel_decodes_every_e4m3_code():
-    # The row kernels' in-register decode (through float16) against torch's e4m3 conversion,
+    # The row kernels' in-register decode (integer bit moves) against torch's e4m3 conversion,
     # for all 254 finite codes, subnormals and both zeros included.
     import numba
     import numpy as np
@@ -304,16 +304,89 @@ def test_row_kernel_decodes_every_e4m3_code():
     @numba.njit
     def decode(codes, out):
         for i in range(codes.shape[0]):
-            out[i] = cpu_fp8._e4m3_times_2_pow_minus_8(codes[i])
+            out[i] = cpu_fp8._e4m3_times_2_pow_minus_120(codes[i])
 
     codes = torch.arange(256, dtype=torch.uint8)
     finite = (codes & 0x7F) != 0x7F
     out = np.empty(256, np.float32)
     decode(codes.numpy(), out)
     expected = codes.view(torch.float8_e4m3fn).float()
-    decoded = torch.from_numpy(out) * 256.0
-    assert torch.equal(decoded[finite], expected[finite])
+    decoded = torch.from_numpy(out).double() * 2.0**120
+    assert torch.equal(decoded[finite], expected[finite].double())
     assert torch.equal(torch.signbit(decoded[finite]), torch.signbit(expected[finite]))
+
+
+def test_float_row_kernels_rescale_large_activations():
+    # The float row kernels fold the decode's 2**120 into the scaled activations; a row whose
+    # values times its group factors would pass float32's range there (unquantized w8a16 rows,
+    # large scales) is scaled down by a power of two that its dots undo. Rows from 1e-3 to
+    # 1e25, experts with 1 to 7 rows (the one-row pass, pairs and 2x4 tiles): finite, equal
+    # to the float64 dots of the dequantized operands, and scaling the rows by 2**40 scales
+    # the dots by exactly 2**40.
+    import numpy as np
+
+    from moeroute.experts.cpu import fp8 as cpu_fp8
+
+    hidden, inter, bn, bk = 256, 96, 64, 128
+    generator = torch.Generator().manual_seed(11)
+    counts = [1, 2, 3, 4, 7]
+    experts, rows = len(counts), sum(counts)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    codes = torch.randint(0, 256, (experts, 2 * inter + hidden, max(hidden, inter)), generator=generator)
+    codes = torch.where((codes & 0x7F) == 0x7F, 0, codes).to(torch.uint8)
+    q_gu, q_d = codes[:, : 2 * inter, :hidden].contiguous(), codes[:, 2 * inter :, :inter].contiguous()
+    nb = -(-inter // bn)
+    s_gu = torch.rand(experts, 2 * nb, hidden // bk, generator=generator) * 4 + 0.5
+    s_d = torch.rand(experts, hidden // bn, -(-inter // bk), generator=generator) * 4 + 0.5
+    magnitudes = torch.logspace(-3, 25, rows, dtype=torch.float64)
+    x = (torch.randn(rows, hidden, generator=generator, dtype=torch.float64) * magnitudes[:, None]).float()
+    acts = (torch.randn(rows, inter, generator=generator, dtype=torch.float64) * magnitudes[:, None]).float()
+    s_x = torch.rand(rows, hidden // bk, generator=generator) + 0.5
+    s_act = torch.rand(rows, -(-inter // bk), generator=generator) + 0.5
+    tokens = np.arange(rows, dtype=np.int64)
+    work = np.array([(e, c) for e in range(experts) for c in range(-(-2 * inter // cpu_fp8.ROW_BLOCK))], np.int64)
+    hit = np.arange(experts, dtype=np.int64)
+    slot_weights = np.ones(rows, np.float32)
+
+    def kernels(x, acts):
+        gate_up = np.zeros((rows, 2 * inter), np.float32)
+        cpu_fp8.gate_up_rows_serial(
+            x.numpy(), s_x.numpy(), tokens, offsets, work, q_gu.numpy(), s_gu.numpy(), inter, bn, bk, gate_up
+        )
+        sums = np.zeros((rows, hidden), np.float32)
+        cpu_fp8.down_rows_serial(
+            acts.numpy(), s_act.numpy(), tokens, slot_weights, offsets, hit, q_d.numpy(), s_d.numpy(), bn, bk, sums
+        )
+        return torch.from_numpy(gate_up), torch.from_numpy(sums)
+
+    def dequantized(q, scale, row_block):
+        values = q.view(torch.float8_e4m3fn).double()
+        rows_of = torch.arange(q.shape[0]) // row_block
+        return values * scale.double()[rows_of][:, torch.arange(q.shape[1]) // bk]
+
+    gate_up, sums = kernels(x, acts)
+    expected_gu = torch.empty(rows, 2 * inter, dtype=torch.float64)
+    expected_d = torch.empty(rows, hidden, dtype=torch.float64)
+    for e in range(experts):
+        m = slice(offsets[e], offsets[e + 1])
+        w_gu = torch.cat(
+            [dequantized(q_gu[e, :inter], s_gu[e, :nb], bn), dequantized(q_gu[e, inter:], s_gu[e, nb:], bn)]
+        )
+        expected_gu[m] = (x[m].double() * s_x[m].double().repeat_interleave(bk, 1)) @ w_gu.T
+        a = acts[m].double() * s_act[m].double().repeat_interleave(bk, 1)[:, :inter]
+        expected_d[m] = a @ dequantized(q_d[e], s_d[e], bn).T
+    for got, expected in ((gate_up, expected_gu), (sums, expected_d)):
+        assert torch.isfinite(got).all()
+        error = (got.double() - expected).abs().amax(1) / expected.abs().amax(1)
+        assert error.max() < 1e-5
+    gate_up_up, sums_up = kernels(x * 2.0**40, acts * 2.0**40)
+    assert torch.equal(gate_up_up, gate_up * 2.0**40)
+    assert torch.equal(sums_up, sums * 2.0**40)
+    # An inf in a row: that row's dots are inf or NaN, the others as before.
+    x[2, 5] = float("inf")
+    gate_up_inf, _ = kernels(x, acts)
+    assert not torch.isfinite(gate_up_inf[2]).all()
+    assert torch.equal(torch.cat([gate_up_inf[:2], gate_up_inf[3:]]), torch.cat([gate_up[:2], gate_up[3:]]))
 
 
 @pytest.mark.parametrize("fmt", ["block64x128", "tensor"])

@@ -5,12 +5,14 @@ row once and dot it with every row of quantized activations its expert serves, s
 carries one byte per weight whatever the row count; the structure is that of the bfloat16
 row kernels of `moeroute.experts.cpu.rows` (one row a plain pass, two weight rows by four
 activation rows at a time, serial forms for one thread). An e4m3 weight byte is decoded with
-integer SIMD and the float16 widening (`_e4m3_times_2_pow_minus_8`: ``q * 2**-8``, exact,
-never a float32 subnormal); the activations come as their e4m3 values (float32) and scales.
-For each weight block row, the activation rows are scaled first (`_scaled_rows`: the e4m3
-value times ``s_a * s_w * 2**8`` of its group), so a dot runs over the whole row with one set
-of vector accumulators: the definition's ``sum_g s_a * s_w * dot_g`` up to float32 rounding
-and summation order. The dequantizers (`dequantize_rows`)
+three integer SIMD instructions (`_e4m3_times_2_pow_minus_120`: ``q * 2**-120``, exact; e4m3
+subnormals become float32 subnormals, so a process that sets the CPU's denormals-are-zero
+mode would read those weights, below 2**-6 of their block's largest, as zero); the
+activations come as their e4m3 values (float32) and scales. For each weight block row, the
+activation rows are scaled first (`_scaled_rows`: the e4m3 value times ``s_a * s_w * 2**120``
+of its group, a row with values that large scaled down by a power of two that its dots
+then undo), so a dot runs over the whole row with one set of vector accumulators: the
+definition's ``sum_g s_a * s_w * dot_g`` up to float32 rounding and summation order. The dequantizers (`dequantize_rows`)
 decode whole rows into a float32 buffer (`_decode_row`) for the BLAS path.
 
 On CPUs with AVX512-BF16, `gate_up_rows_bf16` / `down_rows_bf16` (and serial forms) take the
@@ -25,6 +27,8 @@ same kernel with one block spanning each matrix (or each of gate and up).
 """
 
 from __future__ import annotations
+
+import math
 
 import numba
 import numpy as np
@@ -72,51 +76,130 @@ def _decode_row(q_row, bits):
 
 
 @intrinsic
-def _e4m3_times_2_pow_minus_8(typingctx, byte):
-    """The float32 ``q * 2**-8`` of an e4m3 byte, exactly, by way of a float16.
+def _e4m3_times_2_pow_minus_120(typingctx, byte):
+    """The float32 ``q * 2**-120`` of an e4m3 byte, exactly, in integer operations only.
 
-    The byte moved into a 16-bit word's high half (``b << 8``: sign at bit 15, exponent and
-    mantissa at bits 8-14), shifted right arithmetically by one and masked to clear the
-    copy of the sign at bit 14, is a float16 with e4m3's 4 exponent and 3 mantissa bits on
-    top of float16's 5 and 10: its value is ``q * 2**(7 - 15)``, e4m3 subnormals included
-    (they land on float16 subnormals). The widening to float32 (``vcvtph2ps``) is exact and
-    gives a normal float32 for every finite e4m3 value, so no float32 subnormal reaches the
-    multiplies (x86 takes slow assists on those). LLVM vectorizes the shift, mask and widening.
+    The byte sign-extended to 32 bits and shifted left by 20 puts e4m3's 4 exponent and 3
+    mantissa bits at float32's exponent bits 23-26 and mantissa bits 20-22, and the sign at
+    bit 31 (bits 27-30 hold copies of the sign, masked off): a float32 whose exponent field
+    is e4m3's, so its value is ``q * 2**(7 - 127)``, e4m3 subnormals included (they land on
+    float32 subnormals, exactly). Three vector instructions per eight weights on AVX2
+    (``vpmovsxbd``, ``vpslld``, ``vpand``), and portable integer code on any CPU: no
+    half-precision widening, which needs F16C and costs a two-uop conversion per eight
+    weights. The 2**120 is folded into the activations' group factors (`_scaled_rows`).
     """
 
     def codegen(context, builder, signature, args):
-        i16 = ir.IntType(16)
-        high = builder.shl(builder.zext(args[0], i16), ir.Constant(i16, 8))
-        half = builder.and_(builder.ashr(high, ir.Constant(i16, 1)), ir.Constant(i16, 0xBFFF))
-        return builder.fpext(builder.bitcast(half, ir.HalfType()), ir.FloatType())
+        i32 = ir.IntType(32)
+        wide = builder.shl(builder.sext(args[0], i32), ir.Constant(i32, 20))
+        bits = builder.and_(wide, ir.Constant(i32, _E4M3_FLOAT32_MASK))
+        return builder.bitcast(bits, ir.FloatType())
 
     return types.float32(types.uint8), codegen
 
 
-#: 2**8: undoes the 2**-8 of `_e4m3_times_2_pow_minus_8`; folded into the group scales.
-_DECODE_UNSCALE = np.float32(2.0**8)
+#: The sign bit and e4m3's seven exponent and mantissa bits once shifted left by 20 (as int32).
+_E4M3_FLOAT32_MASK = 0x87F00000 - (1 << 32)
+#: 2**120: undoes the 2**-120 of `_e4m3_times_2_pow_minus_120`; folded into the group factors.
+_DECODE_UNSCALE = 2.0**120
+#: The largest magnitude of a scaled activation (`_scaled_rows`): its products with decoded
+#: weights (at most 448 * 2**-120) and their sums stay far from float32's overflow.
+_SCALED_MAX = 2.0**125
 #: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
 ROW_BLOCK = 64
 #: Activation rows dotted per pass over a decoded weight row.
 _ROW_TILE = 4
 
 
+@numba.njit
+def _rescale(top):
+    """2**d, the power of two that brings ``top * 2**120`` (the largest scaled activation
+    magnitude of a row at d = 0; finite) to at most `_SCALED_MAX`, or 1.0 where it already is."""
+    if not top * _DECODE_UNSCALE > _SCALED_MAX:
+        return 1.0
+    return 2.0 ** (math.ceil(math.log2(top)) + 120 - 125)
+
+
+#: float32 bits: the magnitude mask, and the smallest magnitude that is inf or NaN.
+_MAGNITUDE_BITS = np.int32(0x7FFFFFFF)
+_NONFINITE_BITS = np.int32(0x7F800000)
+
+
 @numba.njit(fastmath=True)
-def _scaled_rows(q_a, s_a, rows, start, stop, scale_row, bk, dst):
-    """dst[i, k] = q_a[r, k] * (s_a[r, g] * scale_row[g] * 2**8) for r = rows[start + i] and
-    g = k // bk: activation row r with the factor of its group g against one weight block
-    row folded in, so that the dots below are plain dots over every column."""
+def _row_shift(x, sa, scale_row, bk):
+    """`_rescale` of activation row ``x``'s largest scaled magnitude, ``max_g s_a[g] *
+    scale_row[g] * max(1, amax(|x_g|))``, or 1.0 where a value or scale is inf or NaN (the
+    dots are then inf or NaN whatever the scale). The magnitudes are compared as integer
+    bits, so that no inf or NaN reaches floating-point code that fastmath assumes free of
+    them, and the loop still vectorizes."""
+    bits, sa_bits, sw_bits = x.view(np.int32), sa.view(np.int32), scale_row.view(np.int32)
+    cols = x.shape[0]
+    top = 0.0
+    for g in range(scale_row.shape[0]):
+        k0 = g * bk
+        group = bits[k0 : k0 + min(cols - k0, bk)]
+        amax = np.int32(0)
+        for k in range(group.shape[0]):
+            amax = max(amax, group[k] & _MAGNITUDE_BITS)
+        if max(amax, sa_bits[g] & _MAGNITUDE_BITS, sw_bits[g] & _MAGNITUDE_BITS) >= _NONFINITE_BITS:
+            return 1.0
+        magnitude = max(1.0, float(_float32_of_bits(amax)))
+        top = max(top, float(sa[g] * scale_row[g]) * magnitude)
+    return _rescale(top)
+
+
+@intrinsic
+def _float32_of_bits(typingctx, bits):
+    """The float32 whose bits are the low 32 of integer ``bits``: a register move."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        low = builder.trunc(args[0], ir.IntType(32)) if bits.bitwidth > 32 else args[0]
+        return builder.bitcast(low, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@numba.njit(fastmath=True)
+def _scaled_rows(q_a, s_a, rows, start, stop, scale_row, bk, dst, unscale):
+    """dst[i, k] = q_a[r, k] * (s_a[r, g] * scale_row[g] * 2**120 / unscale[i]) for r =
+    rows[start + i] and g = k // bk: activation row r with the factor of its group g
+    against one weight block row folded in, so that the dots below are plain dots over every
+    column, and the 2**120 of the weights' decode (`_e4m3_times_2_pow_minus_120`) undone.
+
+    unscale[i] (float64) is 1.0 unless the row's scaled values would exceed `_SCALED_MAX`
+    (large activations times large scales, e.g. unquantized rows of w8a16): then a power of
+    two (`_row_shift`) by which the row's dots must be multiplied; exact either way. Returns
+    whether any row has one."""
     cols = q_a.shape[1]
+    groups = scale_row.shape[0]
+    rescaled = False
     for i in range(stop - start):
         r = rows[start + i]
         x, sa, d = q_a[r], s_a[r], dst[i]
-        for g in range(scale_row.shape[0]):
+        shift = _row_shift(x, sa, scale_row, bk)
+        unscale[i] = shift
+        rescaled = rescaled or shift != 1.0
+        up = _DECODE_UNSCALE / shift
+        for g in range(groups):
             k0 = g * bk
             count = min(cols - k0, bk)
-            factor = sa[g] * scale_row[g] * _DECODE_UNSCALE
+            factor = np.float32(float(sa[g] * scale_row[g]) * up)
             xg, dg = x[k0 : k0 + count], d[k0 : k0 + count]
             for k in range(count):
                 dg[k] = xg[k] * factor
+    return rescaled
+
+
+@numba.njit(fastmath=True)
+def _unscale_dots(out, count, first, last, unscale):
+    """out[i, first:last] *= unscale[i] for i < count (the dots of rows `_scaled_rows` rescaled)."""
+    for i in range(count):
+        if unscale[i] != 1.0:
+            row = out[i]
+            for n in range(first, last):
+                row[n] = np.float32(row[n] * unscale[i])
 
 
 # The dots below run over every column of a weight row at once: each e4m3 weight decoded
@@ -132,7 +215,7 @@ def _dot(w, x):
     scaled activation row (float32)."""
     acc = np.float32(0.0)
     for k in range(w.shape[0]):
-        acc += _e4m3_times_2_pow_minus_8(w[k]) * x[k]
+        acc += _e4m3_times_2_pow_minus_120(w[k]) * x[k]
     return acc
 
 
@@ -141,7 +224,7 @@ def _dot2(w, x0, x1):
     """(`_dot`(w, x0), `_dot`(w, x1)), w read and decoded once for the two."""
     a0 = a1 = np.float32(0.0)
     for k in range(w.shape[0]):
-        wk = _e4m3_times_2_pow_minus_8(w[k])
+        wk = _e4m3_times_2_pow_minus_120(w[k])
         a0 += wk * x0[k]
         a1 += wk * x1[k]
     return a0, a1
@@ -152,7 +235,7 @@ def _dot4(w, x0, x1, x2, x3, out):
     """out[i] = `_dot`(w, x_i) for four rows (w read and decoded once for the four)."""
     a0 = a1 = a2 = a3 = np.float32(0.0)
     for k in range(w.shape[0]):
-        wk = _e4m3_times_2_pow_minus_8(w[k])
+        wk = _e4m3_times_2_pow_minus_120(w[k])
         a0 += wk * x0[k]
         a1 += wk * x1[k]
         a2 += wk * x2[k]
@@ -166,7 +249,7 @@ def _dot2x4(w0, w1, x0, x1, x2, x3, out):
     sums in registers for six loads a step."""
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
     for k in range(w0.shape[0]):
-        u, v = _e4m3_times_2_pow_minus_8(w0[k]), _e4m3_times_2_pow_minus_8(w1[k])
+        u, v = _e4m3_times_2_pow_minus_120(w0[k]), _e4m3_times_2_pow_minus_120(w1[k])
         p = x0[k]
         a0 += u * p
         b0 += v * p
@@ -183,6 +266,38 @@ def _dot2x4(w0, w1, x0, x1, x2, x3, out):
     out[4], out[5], out[6], out[7] = a2, b2, a3, b3
 
 
+@intrinsic
+def _prefetch_row(typingctx, array, row):
+    """Ask the CPU to bring row ``row`` of the 2-D C-contiguous ``array`` into its caches
+    (``llvm.prefetch`` of each 64-byte line); a row past the end is skipped."""
+    if not (isinstance(array, types.Array) and array.ndim == 2 and isinstance(row, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        view = context.make_array(signature.args[0])(context, builder, value=args[0])
+        i64, i32, byte_ptr = ir.IntType(64), ir.IntType(32), ir.IntType(8).as_pointer()
+        strides = cgutils.unpack_tuple(builder, view.strides, 2)
+        shape = cgutils.unpack_tuple(builder, view.shape, 2)
+        row_index = context.cast(builder, args[1], signature.args[1], types.int64)
+        inside = builder.icmp_unsigned("<", row_index, shape[0])
+        with builder.if_then(inside):
+            start = builder.add(builder.ptrtoint(view.data, i64), builder.mul(row_index, strides[0]))
+            nbytes = builder.mul(shape[1], strides[1])
+            prefetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]), "llvm.prefetch.p0"
+            )
+            with cgutils.for_range_slice(builder, ir.Constant(i64, 0), nbytes, ir.Constant(i64, 64)) as (offset, _):
+                address = builder.inttoptr(builder.add(start, offset), byte_ptr)
+                builder.call(prefetch, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(array, row), codegen
+
+
+#: Weight rows asked for ahead of the one being dotted (`_prefetch_row`).
+_PREFETCH_ROWS = 2
+
+
 @numba.njit(fastmath=True)
 def _weight_rows_dots(xs, count, weights, first, last, tile, out, column):
     """out[i, column + n - first] = `_dot`(weights[n], xs[i]) for i < count, n in [first,
@@ -191,12 +306,15 @@ def _weight_rows_dots(xs, count, weights, first, last, tile, out, column):
     if count == 1:
         x, row = xs[0], out[0]
         for n in range(first, last):
+            _prefetch_row(weights, n + _PREFETCH_ROWS)
             row[column + n - first] = _dot(weights[n], x)
         return
     tiled = count // _ROW_TILE * _ROW_TILE
     paired = tiled + (count - tiled) // 2 * 2
     for n in range(first, last, 2):
         pair = n + 1 < last
+        _prefetch_row(weights, n + _PREFETCH_ROWS)
+        _prefetch_row(weights, n + _PREFETCH_ROWS + 1)
         w0, w1 = weights[n], weights[n + 1 if pair else n]
         col = column + n - first
         for i in range(0, tiled, _ROW_TILE):
@@ -230,6 +348,7 @@ def _gate_up_item(q_a, s_a, tokens, offsets, e, chunk, q_gate_up, gate_up_scale,
     nb = (inter + bn - 1) // bn
     start, stop = offsets[e], offsets[e + 1]
     scaled = np.empty((stop - start, q_a.shape[1]), np.float32)
+    unscale = np.empty(stop - start, np.float64)
     tile = np.empty(2 * _ROW_TILE, np.float32)
     rows_out = out[start:stop]
     weights = q_gate_up[e]
@@ -242,8 +361,10 @@ def _gate_up_item(q_a, s_a, tokens, offsets, e, chunk, q_gate_up, gate_up_scale,
             rb = (n - inter) // bn
             b = nb + rb
             segment_end = min(last, inter + (rb + 1) * bn)
-        _scaled_rows(q_a, s_a, tokens, start, stop, gate_up_scale[e, b], bk, scaled)
+        rescaled = _scaled_rows(q_a, s_a, tokens, start, stop, gate_up_scale[e, b], bk, scaled, unscale)
         _weight_rows_dots(scaled, stop - start, weights, n, segment_end, tile, rows_out, n)
+        if rescaled:
+            _unscale_dots(rows_out, stop - start, n, segment_end, unscale)
         n = segment_end
 
 
@@ -274,6 +395,7 @@ def _down_block(q_a, s_a, tokens, slot_weights, offsets, experts, q_down, down_s
     tile = np.empty(2 * _ROW_TILE, np.float32)
     first, last = block * ROW_BLOCK, min(hidden, (block + 1) * ROW_BLOCK)
     scaled = np.empty((0, q_a.shape[1]), np.float32)
+    unscale = np.empty(0, np.float64)
     dots = np.empty((0, ROW_BLOCK), np.float32)
     for i in range(experts.shape[0]):
         e = experts[i]
@@ -281,14 +403,17 @@ def _down_block(q_a, s_a, tokens, slot_weights, offsets, experts, q_down, down_s
         count = stop - start
         if scaled.shape[0] < count:
             scaled = np.empty((count, q_a.shape[1]), np.float32)
+            unscale = np.empty(count, np.float64)
             dots = np.empty((count, ROW_BLOCK), np.float32)
         weights = q_down[e]
         n = first
         while n < last:
             b = n // bn
             segment_end = min(last, (b + 1) * bn)
-            _scaled_rows(q_a, s_a, rows, start, stop, down_scale[e, b], bk, scaled)
+            rescaled = _scaled_rows(q_a, s_a, rows, start, stop, down_scale[e, b], bk, scaled, unscale)
             _weight_rows_dots(scaled, count, weights, n, segment_end, tile, dots, n - first)
+            if rescaled:
+                _unscale_dots(dots, count, n - first, segment_end - first, unscale)
             n = segment_end
         for m in range(start, stop):
             t, weight = tokens[m], slot_weights[m]
