@@ -1,9 +1,11 @@
 """FP8 experts on the CPU: the FP8 MoE layer against the same layer in bfloat16.
 
-Two shapes, each at T = 1, 8 and 512 tokens, bfloat16 activations:
+Three shapes, each at T = 1, 8 and 512 tokens, bfloat16 activations:
 
 * Qwen3-30B-A3B: H = 2048, I = 768, N = 128, K = 8;
-* a DeepSeek-V3 expert shape: H = 7168, I = 2048, N = 16, K = 8.
+* a DeepSeek-V3 expert shape: H = 7168, I = 2048, N = 16, K = 8;
+* the gpt-oss-20b expert shape: H = 2880, I = 2880, N = 32, K = 4 (its sizes only: SiLU, no
+  biases; H and I are not whole 128-column blocks, so the last block of each row is partial).
 
 Both layers share the router weights (so the same experts are hit) and hold the same
 weights: the bfloat16 layer the float values, the FP8 layer those quantized with
@@ -27,7 +29,12 @@ Qwen3-30B-A3B and Kimi-K2 expert shapes (H = 7168, I = 2048, N = 16, K = 8), T =
 (``--quick``: 1 and 8), bfloat16 activations, torch on 2 threads, interleaved; also the packed
 bytes read per second against the copy bandwidth; JSON to bench/results/quant_int4.json.
 
-JSON goes to bench/results/quant.json. Run: ``python bench/quant.py [--quick] [--w8a16] [--int4]``.
+``--shape NAME`` (repeatable): only those shapes. The JSON records the instruction-set path
+the kernels took (``moeroute.cpu_isa()``, see `MOEROUTE_CPU_ISA`), so a run under
+``MOEROUTE_CPU_ISA=avx2`` reports the AVX2 path's share of the copy bandwidth.
+
+JSON goes to bench/results/quant.json. Run:
+``python bench/quant.py [--quick] [--shape NAME ...] [--w8a16] [--int4]``.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from moeroute.quant import QuantConfig, quantize_experts, quantize_int4  # noqa:
 SHAPES = {
     "qwen3_30b_a3b": dict(hidden=2048, inter=768, experts=128, top_k=8),
     "deepseek_v3_experts": dict(hidden=7168, inter=2048, experts=16, top_k=8),
+    "gpt_oss_20b": dict(hidden=2880, inter=2880, experts=32, top_k=4),
 }
 TOKENS = (1, 8, 512)
 QUANT = QuantConfig("fp8_block")
@@ -100,11 +108,12 @@ def hit_experts(module, x) -> int:
     return len(set(ids.reshape(-1).tolist()))
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, shapes=None) -> dict:
+    shapes = {name: SHAPES[name] for name in (shapes or SHAPES)}
     copy_gbs = host_copy_bandwidth()
     print(f"host copy bandwidth {copy_gbs:.1f} GB/s (read + write)")
     rows, results = [], {}
-    for name, shape in SHAPES.items():
+    for name, shape in shapes.items():
         bf16, fp8 = build(shape)
         per_expert_bytes = 3 * shape["hidden"] * shape["inter"]
         for tokens in TOKENS:
@@ -164,7 +173,7 @@ def run(quick: bool) -> dict:
         "host_copy_gbs": copy_gbs,
         "quant": repr(QUANT),
         "activation_dtype": "bfloat16",
-        "shapes": SHAPES,
+        "shapes": shapes,
         "results": results,
         "transformers_fp8_experts": "not run: transformers' FP8Experts fetches a GPU kernel from the "
         "kernels hub and has no CPU path",
@@ -278,6 +287,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="decode sizes only (T = 1, 8)")
     parser.add_argument("--w8a16", action="store_true", help="w8a16 against w8a8 (Qwen3-30B-A3B, T = 1, 8)")
     parser.add_argument("--int4", action="store_true", help="INT4 w4a16 against bfloat16 (Qwen3-30B-A3B, Kimi-K2)")
+    parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="only this shape (repeatable)")
     args = parser.parse_args(argv)
     if args.int4:
         path = write_results("quant_int4", run_int4(args.quick))
@@ -287,7 +297,7 @@ def main(argv=None) -> None:
         path = write_results("quant_w8a16", run_w8a16())
         print(f"wrote {path}")
         return
-    path = write_results("quant", run(args.quick))
+    path = write_results("quant", run(args.quick, args.shape))
     print(f"wrote {path}")
 
 

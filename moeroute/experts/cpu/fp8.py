@@ -37,6 +37,13 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from moeroute.experts.cpu.variants import parallel_and_serial
+from moeroute.experts.cpu.rows import (
+    _bfloat16_bits_to_float32,
+    _round_bfloat16,
+    activate_rows,
+    float32_rows,
+    store_sums,
+)
 from moeroute.experts.cpu.dot import (
     BF16_DOT,
     LANES,
@@ -53,6 +60,8 @@ __all__ = [
     "gate_up_rows_serial",
     "down_rows",
     "down_rows_serial",
+    "rows_experts",
+    "rows_experts_serial",
     "gate_up_rows_bf16",
     "gate_up_rows_bf16_serial",
     "down_rows_bf16",
@@ -437,6 +446,112 @@ def down_rows(q_a, s_a, tokens, slot_weights, offsets, experts, q_down, down_sca
 
 
 down_rows_serial = down_rows.serial
+
+
+@numba.njit
+def _quantized(x, group, round_bf16, min_amax, groups):
+    """(e4m3 values [M, K] float32, scales [M, groups] float32) of float32 rows ``x`` quantized
+    per ``group`` columns (`quantize_rows`); one scale per row (``group`` >= K) is repeated
+    over the ``groups`` weight column blocks."""
+    rows, cols = x.shape
+    q = np.empty((rows, cols), np.float32)
+    scales = np.empty((rows, (cols + group - 1) // group), np.float32)
+    quantize_rows(x, group, round_bf16, min_amax, q, scales)
+    if scales.shape[1] == groups:
+        return q, scales
+    repeated = np.empty((rows, groups), np.float32)
+    for m in range(rows):
+        for g in range(groups):
+            repeated[m, g] = scales[m, 0]
+    return q, repeated
+
+
+@numba.njit
+def _unquantized(x, round_bf16, groups):
+    """(``x`` [M, K] float32, rounded to bfloat16 values where ``round_bf16``, unit scales
+    [M, groups]): the w8a16 operand."""
+    if round_bf16:
+        rounded = np.empty(x.shape, np.float32)
+        for m in range(x.shape[0]):
+            for k in range(x.shape[1]):
+                rounded[m, k] = _bfloat16_bits_to_float32(_round_bfloat16(x[m, k]))
+        x = rounded
+    return x, np.ones((x.shape[0], groups), np.float32)
+
+
+@parallel_and_serial(cache=True)
+def rows_experts(
+    x,
+    tokens,
+    slot_weights,
+    offsets,
+    hit,
+    work,
+    q_gate_up,
+    gate_up_scale,
+    q_down,
+    down_scale,
+    gate_up_block,
+    down_block,
+    groups,
+    round_intermediate,
+    min_amax,
+    code,
+    quantize,
+    out,
+):
+    """out[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), the w8a8 (or with ``quantize``
+    False, w8a16) expert MLP with the float row kernels (`gate_up_rows`, `down_rows`), in one
+    call: the steps of the torch-level "rows" forward between its kernel calls, so that a
+    decode step enters compiled code once. The activation is computed by Numba
+    (`moeroute.experts.cpu.rows.activate_rows`: torch's formulas in float32, within a few ulps).
+
+    x [T, H] and out [T, H] uint16 (bfloat16 bits) or float32; tokens, slot_weights, offsets,
+    hit, work: `moeroute.experts.cpu.rows.plan_rows`' plan; q_gate_up, gate_up_scale, q_down,
+    down_scale as `gate_up_rows` / `down_rows`, gate_up_block / down_block (bn, bk);
+    ``groups`` the activation group sizes of the two GEMMs' inputs (each a weight column
+    block, or the row length: one scale per row); ``round_intermediate``: the intermediate
+    rounded to bfloat16 first (bfloat16 activations); ``code`` the activation
+    (`moeroute.experts.cpu.rows.ACTIVATION_CODES`); ``quantize``: False for w8a16 (the rows
+    and the intermediate as they are, unit scales; ``groups`` and ``min_amax`` unused).
+    """
+    inter = q_gate_up.shape[1] // 2
+    xs = float32_rows(x)
+    if quantize:
+        q_x, s_x = _quantized(xs, groups[0], False, min_amax, gate_up_scale.shape[2])
+    else:
+        q_x, s_x = _unquantized(xs, False, gate_up_scale.shape[2])
+    gate_up = np.empty((tokens.shape[0], 2 * inter), np.float32)
+    for item in numba.prange(work.shape[0]):
+        _gate_up_item(
+            q_x,
+            s_x,
+            tokens,
+            offsets,
+            work[item, 0],
+            work[item, 1],
+            q_gate_up,
+            gate_up_scale,
+            inter,
+            gate_up_block[0],
+            gate_up_block[1],
+            gate_up,
+        )
+    acts = np.empty((tokens.shape[0], inter), np.float32)
+    activate_rows(gate_up, code, acts)
+    if quantize:
+        q_a, s_a = _quantized(acts, groups[1], round_intermediate, min_amax, down_scale.shape[2])
+    else:
+        q_a, s_a = _unquantized(acts, round_intermediate, down_scale.shape[2])
+    sums = np.zeros((x.shape[0], q_down.shape[1]), np.float32)
+    for block in numba.prange((q_down.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
+        _down_block(
+            q_a, s_a, tokens, slot_weights, offsets, hit, q_down, down_scale, down_block[0], down_block[1], sums, block
+        )
+    store_sums(sums, out)
+
+
+rows_experts_serial = rows_experts.serial
 
 
 # Serial on purpose: it runs between torch GEMMs, where starting Numba's thread pool next to

@@ -418,9 +418,10 @@ def _rows_forward(
     act_dtype,
 ):
     """The "rows" strategy: both GEMMs in the row kernels of `moeroute.experts.cpu.fp8`, the
-    second adding into the float32 sums; serial kernels when torch has one thread. With the
-    bfloat16-dot kernels and dynamic float scales, the whole forward is one Numba call
-    (`moeroute.experts.cpu.quant_rows`)."""
+    second adding into the float32 sums; serial kernels when torch has one thread. With
+    dynamic float scales (or w8a16), the whole forward is one Numba call:
+    `moeroute.experts.cpu.quant_rows` with the bfloat16-dot kernels, else
+    `moeroute.experts.cpu.fp8.rows_experts`."""
     tokens, slot_weights, offsets, hit, work = plan
     num_tokens, hidden = hidden_states.shape
     inter = q_gate_up.shape[1] // 2
@@ -432,15 +433,45 @@ def _rows_forward(
     quantize = config.quantizes_activations
     bf16_dot = _bf16_dot(config, act_dtype, hidden, inter, gu_block, d_block)
     groups = _fused_groups(config, hidden, inter, gu_groups, d_groups)
-    if (
-        bf16_dot
-        and groups is not None
+    fused = (
+        groups is not None
         and received is None
         and not static
         and (config.scale_fmt == "float" or not quantize)
         and act_dtype in (torch.float32, torch.bfloat16)
         and activation in cpu_rows.ACTIVATION_CODES
-    ):
+    )
+    if fused and not bf16_dot:
+        # One Numba call from the rows to the output with the float kernels
+        # (`moeroute.experts.cpu.fp8.rows_experts`): the same steps as below, without the
+        # torch calls between them, which cost a decode step as much as a third of its time.
+        bits = act_dtype == torch.bfloat16
+        x = hidden_states.detach().contiguous()
+        out = torch.empty(num_tokens, hidden, dtype=act_dtype)
+        kernel = cpu_fp8.rows_experts_serial if threads == 1 else cpu_fp8.rows_experts
+        with numba_threads(threads):
+            kernel(
+                (x.view(torch.uint16) if bits else x).numpy(),
+                tokens,
+                slot_weights,
+                offsets,
+                hit,
+                work,
+                q_gate_up.view(torch.uint8).numpy(),
+                gu_scale.numpy(),
+                q_down.view(torch.uint8).numpy(),
+                d_scale.numpy(),
+                gu_block,
+                d_block,
+                groups,
+                bits,
+                _MIN_AMAX,
+                cpu_rows.ACTIVATION_CODES[activation],
+                quantize,
+                (out.view(torch.uint16) if bits else out).numpy(),
+            )
+        return out
+    if fused:
         # One Numba call from the rows to the output (`moeroute.experts.cpu.quant_rows`).
         bits = act_dtype == torch.bfloat16
         x = hidden_states.detach().contiguous()
