@@ -4,13 +4,16 @@ backend) combination offers, and one `choose` that the three forwards call.
 =====  =======  ===========================================================================
 format backend  "auto" takes
 =====  =======  ===========================================================================
-float  cpu      "rows" up to `rows_bound` mean rows per hit expert; else "padded" (float32
-                on torch.mm, few rows per expert, most experts hit) or "loop"
+float  cpu      "rows" up to `rows_bound` mean rows per hit expert (bfloat16: any count but
+                with AMX); else "padded" (float32 on torch.mm, few rows per expert, most
+                experts hit) or "loop"
 fp8    cpu      "rows" up to `ROWS_MAX_MEAN_ROWS` mean rows per hit expert, and at any count
                 where the bfloat16-dot kernels serve the shapes (CPU feature `BF16_DOT`);
                 else "blocks"
 mxfp4  cpu      "rows" (few rows per expert decode in registers, more decode once per call)
-int4   cpu      as fp8 (the bfloat16-dot tiles: symmetric weights, bfloat16 activations)
+int4   cpu      "rows" at every row count (the bfloat16-dot tiles where they serve: symmetric
+                weights, bfloat16 activations; else the decode-once row kernels, which beat
+                "blocks" at prefill sizes too)
 any    cuda     "cuda": `moeroute.gpu.fused_experts` (the quantized formats, INT4 and FP8
                 w8a16 included, where CuPy is installed and the call is one its kernels
                 take; else "blocks")
@@ -61,8 +64,7 @@ STRATEGIES = {
 #: Largest mean rows per hit expert that "auto" gives the CPU row kernels: below it an
 #: expert's GEMMs are bound by reading its weights, which the row kernels read once; past it
 #: a BLAS GEMM (over decoded blocks, for the quantized formats) is faster (bench/layer.py
-#: --rows-only, bench/quant.py). bfloat16 without bfloat16 instructions has no bound
-#: (`rows_bound`): oneDNN then converts each expert's weights on every call.
+#: --rows-only, bench/quant.py). bfloat16 has no bound but on CPUs with AMX (`rows_bound`).
 ROWS_MAX_MEAN_ROWS = 16
 #: Dtypes of the float row kernels.
 ROWS_DTYPES = (torch.float32, torch.bfloat16)
@@ -103,9 +105,15 @@ def check_strategy(name: str, strategy: str, format: str = "float") -> str:
 @functools.cache
 def rows_bound(dtype: torch.dtype) -> float:
     """The mean rows per hit expert up to which "auto" picks the float row kernels for
-    ``dtype``: `ROWS_MAX_MEAN_ROWS`, or no bound (inf) for bfloat16 where the CPU lacks
-    bfloat16 instructions (AVX512-BF16, AMX) or its path (`moeroute.cpu_isa`) is below them."""
-    if dtype == torch.bfloat16 and not cpu_features.BFLOAT16_INSTRUCTIONS:
+    ``dtype``: `ROWS_MAX_MEAN_ROWS`, or no bound (inf) for bfloat16 unless the CPU has AMX.
+
+    bfloat16 without bfloat16 instructions (or on a path below them, `moeroute.cpu_isa`):
+    oneDNN converts each expert's weights on every call. With AVX512-BF16 the row kernels'
+    bfloat16 dots (`moeroute.experts.cpu.dot`) beat oneDNN's per-expert bfloat16 GEMMs at
+    every row count, prefill included (tens to hundreds of rows per expert, bench/ktkernel.py).
+    Only AMX's tile multiply is expected to outrun them on large row counts.
+    """
+    if dtype == torch.bfloat16 and "amx-bf16" not in cpu_features.FEATURES:
         return float("inf")
     return float(ROWS_MAX_MEAN_ROWS)
 
@@ -155,9 +163,9 @@ def choose(
         return strategy
     counts = counts or []
     hit = sum(1 for c in counts if c)
-    if format == "mxfp4":
+    if format in ("mxfp4", "int4"):
         return "rows"
-    if format in ("fp8", "int4"):
+    if format == "fp8":
         return "rows" if bf16_dot or not hit or sum(counts) <= ROWS_MAX_MEAN_ROWS * hit else "blocks"
     if not hit:
         return "loop"

@@ -443,12 +443,12 @@ def test_choose_float_on_the_cpu():
         assert choose("float", "cpu", [3, 0, 5, 1], onednn=True, dtype=dtype) == "rows"
         assert choose("float", "cpu", [ROWS_MAX_MEAN_ROWS] * 4, dtype=dtype) == "rows"
     assert choose("float", "cpu", [many, many, 0, many], onednn=True, dtype=torch.float32) == "loop"
-    # bfloat16 without bfloat16 instructions: the row kernels at every count; else bounded.
-    native = cpu_features.BFLOAT16_INSTRUCTIONS
-    assert rows_bound(torch.bfloat16) == (ROWS_MAX_MEAN_ROWS if native else float("inf"))
+    # bfloat16: the row kernels at every count; bounded only where the CPU has AMX.
+    amx = "amx-bf16" in cpu_features.FEATURES
+    assert rows_bound(torch.bfloat16) == (ROWS_MAX_MEAN_ROWS if amx else float("inf"))
     assert rows_bound(torch.float32) == ROWS_MAX_MEAN_ROWS
-    assert choose("float", "cpu", [many, 0, many, many], dtype=torch.bfloat16) == ("loop" if native else "rows")
-    assert choose("float", "cpu", [4096, 1], onednn=True, dtype=torch.bfloat16) == ("loop" if native else "rows")
+    assert choose("float", "cpu", [many, 0, many, many], dtype=torch.bfloat16) == ("loop" if amx else "rows")
+    assert choose("float", "cpu", [4096, 1], onednn=True, dtype=torch.bfloat16) == ("loop" if amx else "rows")
     # float16 has no row kernel: the padded batch or the loop, as before.
     assert choose("float", "cpu", [3, 0, 5, 1], dtype=torch.float16) == "loop"  # half-precision CPU bmm is slow
     assert choose("float", "cpu", []) == "loop"

@@ -20,7 +20,8 @@ TABLE = [
     ("mxfp4", "cpu", [500, 500], {}, "rows"),
     ("mxfp4", "cpu", [1], {"strategy": "blocks"}, "blocks"),
     ("int4", "cpu", [ROWS_MAX_MEAN_ROWS, 0, ROWS_MAX_MEAN_ROWS], {}, "rows"),
-    ("int4", "cpu", [ROWS_MAX_MEAN_ROWS + 1, 0, ROWS_MAX_MEAN_ROWS + 1], {}, "blocks"),
+    ("int4", "cpu", [ROWS_MAX_MEAN_ROWS + 1, 0, ROWS_MAX_MEAN_ROWS + 1], {}, "rows"),
+    ("int4", "cpu", [500, 500], {}, "rows"),
     ("int4", "cpu", [], {}, "rows"),
     ("int4", "cpu", [500, 500], {"strategy": "rows"}, "rows"),
     ("int4", "cpu", [500, 500], {"bf16_dot": True}, "rows"),
@@ -56,10 +57,15 @@ def test_the_table(format, backend, counts, kwargs, expected):
 
 def test_bfloat16_rows_bound_follows_the_cpu_features(monkeypatch):
     many = [ROWS_MAX_MEAN_ROWS + 1] * 3
-    for native, expected in ((True, "loop"), (False, "rows")):
-        monkeypatch.setattr(choose_module.cpu_features, "BFLOAT16_INSTRUCTIONS", native)
+    for features, expected in (
+        (frozenset({"avx512bf16", "amx-bf16"}), "loop"),
+        (frozenset({"avx512bf16"}), "rows"),
+        (frozenset({"avx2"}), "rows"),
+    ):
+        monkeypatch.setattr(choose_module.cpu_features, "FEATURES", features)
         choose_module.rows_bound.cache_clear()
         assert choose("float", "cpu", many, dtype=torch.bfloat16, onednn=True) == expected
+        assert choose("float", "cpu", many, dtype=torch.float32, onednn=True) == "loop"
     choose_module.rows_bound.cache_clear()
 
 

@@ -130,10 +130,10 @@ def test_forward_matches_the_float64_reference(group, symmetric, dtype, strategy
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
 def test_every_scale_dtype_and_auto_past_the_row_bound(scale_dtype):
     gate_up, down = experts(64, False, seed=3, scale_dtype=scale_dtype)
-    x = randn(80, H, seed=6)  # 160 slots over 8 experts: past the rows bound, "auto" takes "blocks"
+    x = randn(80, H, seed=6)  # 160 slots over 8 experts: prefill-sized, "auto" still takes "rows"
     ids, weights = routed(80, seed=1)
     expected = int4_moe_experts_reference(x, ids, weights, gate_up, down, 64)
-    for strategy in ("auto", "rows"):
+    for strategy in ("auto", "rows", "blocks"):
         out = int4_experts_forward(x, weights, ids, gate_up, down, 64, strategy=strategy)
         assert rel_error(out, expected) < RTOL[torch.float32]
 

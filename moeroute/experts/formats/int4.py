@@ -10,16 +10,17 @@ rounded to the activations' dtype before the down projection, as the float layer
 Two CPU strategies, both on the MXFP4 machinery (INT4's packed bytes are MXFP4's blocks,
 `moeroute.experts.cpu.int4`):
 
-* "rows" (under "auto" up to `ROWS_MAX_MEAN_ROWS` mean rows per hit expert, and at any count
-  where the bfloat16-dot tiles serve the call): each packed weight row is read once, half a
+* "rows" ("auto" on the CPU, at every row count): each packed weight row is read once, half a
   byte per weight. With AVX512-BF16, bfloat16 activations and symmetric weights, the tiles of
   `moeroute.experts.cpu.mxfp4_dot` with INT4's table and scales, the whole forward in one
   Numba call (`moeroute.experts.cpu.quant_rows.rows_experts_int4`). Elsewhere few rows per
   expert decode each row in registers per tile of four rows (`moeroute.experts.cpu.int4`'s
   row kernels, MXFP4's in-register block dot with INT4's rule); from `DECODED_MIN_ROWS` mean
   rows on, each weight row is decoded once into cache and dotted with all of its expert's
-  rows by the float32 row kernels (`moeroute.experts.cpu.mxfp4_rows`).
-* "blocks": per hit expert, `CHUNK_BYTES` of weight rows at a time are decoded into one
+  rows by the float32 row kernels (`moeroute.experts.cpu.mxfp4_rows`), which beat "blocks" at
+  prefill sizes too (the decoded row stays in cache for all the rows; "blocks" writes and reads
+  back every decoded chunk and pays torch's per-expert GEMM calls).
+* "blocks" (on request): per hit expert, `CHUNK_BYTES` of weight rows at a time are decoded into one
   float32 buffer and multiplied with torch (a float32 GEMM: bfloat16 activations are exact
   in it). On another device than the CPU the decode is torch's (`decode_int4`).
 
