@@ -148,8 +148,8 @@ def _row_shift(x, sa, scale_row, bk):
         k0 = g * bk
         group = bits[k0 : k0 + min(cols - k0, bk)]
         amax = np.int32(0)
-        for k in range(group.shape[0]):
-            amax = max(amax, group[k] & _MAGNITUDE_BITS)
+        for k in range(group.shape[0]):  # int32 lanes (Numba widens ``&`` to int64)
+            amax = max(amax, np.int32(group[k] & _MAGNITUDE_BITS))
         if max(amax, sa_bits[g] & _MAGNITUDE_BITS, sw_bits[g] & _MAGNITUDE_BITS) >= _NONFINITE_BITS:
             return 1.0
         magnitude = max(1.0, float(_float32_of_bits(amax)))
