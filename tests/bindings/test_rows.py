@@ -65,7 +65,7 @@ def _gate_up_then_down(xs, w_gate_up, acts, w_down, gate_up, sums):
     """The row kernels' two passes for one row of expert 0 (weight 2), without the activation."""
     tokens, offsets = np.zeros(1, np.int64), np.array([0, 1], np.int64)
     for b in range((w_gate_up.shape[1] + cpu_rows.ROW_BLOCK - 1) // cpu_rows.ROW_BLOCK):
-        cpu_rows._gate_up_item(xs, tokens, offsets, 0, b, w_gate_up, np.zeros((0, 0), np.float32), gate_up)
+        cpu_rows._gate_up_item(xs, tokens, offsets, 0, b, w_gate_up, w_gate_up, np.zeros((0, 0), np.float32), gate_up)
     for b in range((w_down.shape[1] + cpu_rows.ROW_BLOCK - 1) // cpu_rows.ROW_BLOCK):
         cpu_rows._down_block(
             acts,
@@ -74,9 +74,11 @@ def _gate_up_then_down(xs, w_gate_up, acts, w_down, gate_up, sums):
             offsets,
             np.zeros(1, np.int64),
             w_down,
+            w_down,
             np.zeros((0, 0), np.float32),
             sums,
             b,
+            cpu_rows.ROW_BLOCK,
         )
 
 

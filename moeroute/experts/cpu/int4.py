@@ -150,11 +150,17 @@ def dots_portable(blocks_row, params_row, xs, rows, out):
 
 #: The few-row kernels (`moeroute.experts.cpu.tiles`): each packed row decoded in registers
 #: for every tile of up to four activation rows, cheapest at one to a few rows per expert.
-_kernels = tiles.row_kernels(__name__, "int4", dots_simd if cpu_mxfp4.SIMD else dots_portable)
-gate_up_rows = _kernels["gate_up_rows"]
-gate_up_rows_serial = _kernels["gate_up_rows_serial"]
-down_rows = _kernels["down_rows"]
-down_rows_serial = _kernels["down_rows_serial"]
+_dots = dots_simd if cpu_mxfp4.SIMD else dots_portable
+
+
+@numba.njit(fastmath=True)
+def _row_dots(operand, n, count, xs, x_rows, out):
+    """The tiled loop's dots: one weight row n of the expert's (blocks, params)."""
+    _dots(operand[0][n], operand[1][n], xs, x_rows, out)
+
+
+_kernels = tiles.row_kernels(__name__, "int4", tiles.expert_weights, _row_dots, 1)
+gate_up_rows, gate_up_rows_serial, down_rows, down_rows_serial = (_kernels[name] for name in tiles.KERNELS)
 
 
 #: bfloat16 bits of q - 8 by 4-bit code q, twice: the table of `mxfp4_dot.tile_intrinsic`
@@ -184,8 +190,23 @@ def _int4_tile_scale(context, builder, params_type, params_value, groups):
 
 
 _int4_tile = mxfp4_dot.tile_intrinsic(_BF16_WORDS, _int4_tile_scale, 3, types.float32)
-#: The tiled loop around the bfloat16-dot tile, for symmetric weights where `tile_serves`.
-tile_family = tiles.tile_kernels(__name__, "int4_dot", _int4_tile)
+
+
+@numba.njit(fastmath=True)
+def _tile_dots(operand, n, count, xs, x_rows, out):
+    """The tiled loop's dots with the bfloat16-dot tile: weight rows n .. n + count - 1."""
+    blocks, params = operand
+    if count == mxfp4_dot.ROW_TILE:
+        _int4_tile(blocks, (n, n + 1, n + 2, n + 3), params, xs, x_rows, out)
+    else:
+        _int4_tile(blocks, (n,), params, xs, x_rows, out)
+
+
+#: The tiled loop around the bfloat16-dot tile, for symmetric weights where `tile_serves`
+#: (run by `moeroute.experts.cpu.quant_rows.rows_experts_int4`).
+tile_family = tiles.row_kernels(
+    __name__, "int4_dot", tiles.expert_weights, _tile_dots, mxfp4_dot.ROW_TILE, standalone=False
+)
 
 
 def tile_serves(dtype_is_bfloat16: bool, hidden: int, inter: int, symmetric: bool) -> bool:

@@ -31,6 +31,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from moeroute.experts.cpu import tiles
+from moeroute.experts.cpu.dot import splat
 from moeroute import cpu_features
 from moeroute.quant.mxfp4 import E2M1_VALUES, MXFP4_BLOCK, SCALE_BIAS
 
@@ -160,19 +161,13 @@ def block_dots_intrinsic(table, block_scale):
             # one accumulator per row and unrolled block: independent chains
             accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(count)] for _ in range(unroll)]
 
-            def splat(value):
-                vector = builder.insert_element(ir.Constant(v8f, ir.Undefined), value, ir.Constant(i32, 0))
-                return builder.shuffle_vector(
-                    vector, ir.Constant(v8f, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8)
-                )
-
             def block_dots(g, accs_g):
                 block = builder.load(builder.gep(block_ptr, [g]), align=1)
                 offset, scale = at(g)
-                scale = splat(scale)
+                scale = splat(builder, scale, 8)
                 values = _decode_block(builder, block, table)
                 if offset is not None:
-                    offset = splat(offset)
+                    offset = splat(builder, offset, 8)
                     values = [builder.fadd(value, offset) for value in values]
                 base = builder.mul(g, ir.Constant(index_type, 4))  # a block's 32 floats are 4 vectors
                 for r in range(count):
@@ -237,11 +232,18 @@ def dots_portable(blocks_row, scales_row, xs, rows, out):
         out[i] = acc
 
 
-_kernels = tiles.row_kernels(__name__, "mxfp4", dots_simd if SIMD else dots_portable)
-gate_up_rows = _kernels["gate_up_rows"]
-gate_up_rows_serial = _kernels["gate_up_rows_serial"]
-down_rows = _kernels["down_rows"]
-down_rows_serial = _kernels["down_rows_serial"]
+_dots = dots_simd if SIMD else dots_portable
+
+
+@numba.njit(fastmath=True)
+def _row_dots(operand, n, count, xs, x_rows, out):
+    """The tiled loop's dots (`moeroute.experts.cpu.tiles`): one weight row n of the expert's
+    (blocks, scales) in registers against up to four activation rows."""
+    _dots(operand[0][n], operand[1][n], xs, x_rows, out)
+
+
+_kernels = tiles.row_kernels(__name__, "mxfp4", tiles.expert_weights, _row_dots, 1)
+gate_up_rows, gate_up_rows_serial, down_rows, down_rows_serial = (_kernels[name] for name in tiles.KERNELS)
 
 
 def decode_row_split_intrinsic(table, block_scale):
@@ -262,8 +264,7 @@ def decode_row_split_intrinsic(table, block_scale):
             return None
 
         def codegen(context, builder, signature, args):
-            i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-            v16i8, v8f = ir.VectorType(i8, 16), ir.VectorType(f32, 8)
+            v16i8, v8f = ir.VectorType(ir.IntType(8), 16), ir.VectorType(ir.FloatType(), 8)
             blocks = context.make_array(signature.args[0])(context, builder, args[0])
             target = context.make_array(signature.args[2])(context, builder, args[2])
             groups = builder.extract_value(blocks.shape, 0)
@@ -272,18 +273,12 @@ def decode_row_split_intrinsic(table, block_scale):
             out_ptr = builder.bitcast(target.data, v8f.as_pointer())
             at = block_scale(context, builder, signature.args[1], args[1], groups)
 
-            def splat(value):
-                vector = builder.insert_element(ir.Constant(v8f, ir.Undefined), value, ir.Constant(i32, 0))
-                return builder.shuffle_vector(
-                    vector, ir.Constant(v8f, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8)
-                )
-
             with cgutils.for_range(builder, groups) as loop:
                 g = loop.index
                 block = builder.load(builder.gep(block_ptr, [g]), align=1)
                 offset, scale = at(g)
-                scale = splat(scale)
-                offset = None if offset is None else splat(offset)
+                scale = splat(builder, scale, 8)
+                offset = None if offset is None else splat(builder, offset, 8)
                 values = _decode_block(builder, block, table)
                 base = builder.mul(g, ir.Constant(index_type, 4))
                 # split order: even bytes 0-7, even bytes 8-15, odd bytes 0-7, odd bytes 8-15

@@ -228,9 +228,17 @@ def _mxfp4_tile_scale(context, builder, scales_type, scales_value, groups):
 _mxfp4_tile = tile_intrinsic(_E2M1_BF16, _mxfp4_tile_scale, 2, types.uint8)
 
 
-#: The tiled loop around the tile (`moeroute.experts.cpu.tiles.tile_kernels`).
-tile_family = tiles.tile_kernels(__name__, "mxfp4_dot", _mxfp4_tile)
-gate_up_rows = tile_family["gate_up_rows"]
-gate_up_rows_serial = tile_family["gate_up_rows_serial"]
-down_rows = tile_family["down_rows"]
-down_rows_serial = tile_family["down_rows_serial"]
+@numba.njit(fastmath=True)
+def _tile_dots(operand, n, count, xs, x_rows, out):
+    """The tiled loop's dots (`moeroute.experts.cpu.tiles`): weight rows n .. n + count - 1 of
+    the expert's (blocks, scales), four or one."""
+    blocks, scales = operand
+    if count == ROW_TILE:
+        _mxfp4_tile(blocks, (n, n + 1, n + 2, n + 3), scales, xs, x_rows, out)
+    else:
+        _mxfp4_tile(blocks, (n,), scales, xs, x_rows, out)
+
+
+#: The tiled loop around the tile (`moeroute.experts.cpu.tiles`).
+tile_family = tiles.row_kernels(__name__, "mxfp4_dot", tiles.expert_weights, _tile_dots, ROW_TILE)
+gate_up_rows, gate_up_rows_serial, down_rows, down_rows_serial = (tile_family[name] for name in tiles.KERNELS)

@@ -283,20 +283,20 @@ def rows_experts(
 
 
 def gate_up_item(xs, tokens, offsets, e, chunk, blocks, scales, bias, out):  # pragma: no cover - bound per format
-    """The format's gate_up work item (`moeroute.experts.cpu.tiles.tile_kernels`)."""
+    """The format's gate_up work item (`moeroute.experts.cpu.tiles.row_kernels`)."""
     raise NotImplementedError
 
 
 def down_block(
     acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, block, columns
 ):  # pragma: no cover
-    """The format's down column block (`moeroute.experts.cpu.tiles.tile_kernels`)."""
+    """The format's down column block (`moeroute.experts.cpu.tiles.row_kernels`)."""
     raise NotImplementedError
 
 
 def _one_call(prefix: str, kernels: dict) -> dict:
     """`rows_experts` (and its serial form) around one format's tile kernels."""
-    namespace = dict(globals(), gate_up_item=kernels["_tile_gate_up_item"], down_block=kernels["_tile_down_block"])
+    namespace = dict(globals(), gate_up_item=kernels["_gate_up_item"], down_block=kernels["_down_block"])
     return specialize(__name__, prefix, namespace, kernels=(rows_experts,))
 
 

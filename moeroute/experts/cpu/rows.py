@@ -29,6 +29,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
+from moeroute.experts.cpu import tiles
 from moeroute.experts.cpu.variants import parallel_and_serial
 from moeroute.experts.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 from moeroute.experts.cpu.dot import (
@@ -36,10 +37,8 @@ from moeroute.experts.cpu.dot import (
     LANES,
     BFloat16Type,
     accumulators,
-    add_tile,
     dot_function,
     row_pointers,
-    store_tile,
     sum_lanes,
 )
 
@@ -55,9 +54,9 @@ __all__ = [
 ]
 
 #: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
-ROW_BLOCK = 64
+ROW_BLOCK = tiles.ROW_BLOCK
 #: Activation rows dotted per pass over a widened weight row.
-_ROW_TILE = 4
+_ROW_TILE = tiles.ROW_TILE
 
 
 @intrinsic
@@ -121,7 +120,7 @@ def _dot4(w, x0, x1, x2, x3, out):
 
 @numba.njit(fastmath=True)
 def _dot2x4(w0, w1, x0, x1, x2, x3, out):
-    """out[2i + j] = dot(w_j, x_i) for two weight rows and four activation rows: eight sums
+    """out[4i + j] = dot(w_i, x_j) for two weight rows and four activation rows: eight sums
     in registers for six loads a step, where `_dot4` has four for five."""
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
     for k in range(w0.shape[0]):
@@ -138,108 +137,54 @@ def _dot2x4(w0, w1, x0, x1, x2, x3, out):
         p = x3[k]
         a3 += u * p
         b3 += v * p
-    out[0], out[1], out[2], out[3] = a0, b0, a1, b1
-    out[4], out[5], out[6], out[7] = a2, b2, a3, b3
+    out[0], out[1], out[2], out[3] = a0, a1, a2, a3
+    out[4], out[5], out[6], out[7] = b0, b1, b2, b3
 
 
-@numba.njit(fastmath=True)
-def _rows_times_weights(xs, tokens, start, stop, w0, w1, pair, tile, out, n):
-    """out[m, n] = xs[tokens[m]] . w0, and with ``pair`` out[m, n + 1] = xs[tokens[m]] . w1,
-    for the rows m in [start, stop)."""
-    tiled = start + (stop - start) // _ROW_TILE * _ROW_TILE
-    for m in range(start, tiled, _ROW_TILE):
-        x0, x1, x2, x3 = xs[tokens[m]], xs[tokens[m + 1]], xs[tokens[m + 2]], xs[tokens[m + 3]]
-        if pair:
-            _dot2x4(w0, w1, x0, x1, x2, x3, tile)
-            for i in range(_ROW_TILE):
-                out[m + i, n] = tile[2 * i]
-                out[m + i, n + 1] = tile[2 * i + 1]
-        else:
-            _dot4(w0, x0, x1, x2, x3, tile)
-            for i in range(_ROW_TILE):
-                out[m + i, n] = tile[i]
-    for m in range(tiled, stop):
-        out[m, n] = _dot(w0, xs[tokens[m]])
-        if pair:
-            out[m, n + 1] = _dot(w1, xs[tokens[m]])
+def widened_dots(operand, n, count, xs, x_rows, out):  # pragma: no cover - replaced by the overload inside Numba code
+    raise NotImplementedError
 
 
-@numba.njit(fastmath=True)
-def _gate_up_item(xs, tokens, offsets, e, b, w_gate_up, bias, out):
-    """out[m, n] = xs[tokens[m]] . W_e[n] (+ bias[e, n]) for the weight rows n of block ``b``
-    of expert ``e`` and all its sorted rows m (`plan_rows`' order)."""
-    rows = w_gate_up.shape[1]
-    tile = np.empty(2 * _ROW_TILE, np.float32)
-    start, stop = offsets[e], offsets[e + 1]
-    last = min(rows, (b + 1) * ROW_BLOCK)
-    if stop - start == 1:  # decode: one row, a plain pass over the weights
-        x, weights, row = xs[tokens[start]], w_gate_up[e], out[start]
-        for n in range(b * ROW_BLOCK, last):
-            row[n] = _dot(weights[n], x)
-    elif stop - start < _ROW_TILE:  # two or three rows: each weight row read once, dotted in cache
-        weights = w_gate_up[e]
-        for n in range(b * ROW_BLOCK, last):
-            w = weights[n]
-            for m in range(start, stop):
-                out[m, n] = _dot(w, xs[tokens[m]])
-    else:
-        for n in range(b * ROW_BLOCK, last, 2):
-            pair = n + 1 < last
-            _rows_times_weights(
-                xs, tokens, start, stop, w_gate_up[e, n], w_gate_up[e, n + 1 if pair else n], pair, tile, out, n
-            )
-    if bias.shape[0] > 0:
-        for m in range(start, stop):
-            for n in range(b * ROW_BLOCK, last):
-                out[m, n] += bias[e, n]
+@overload(widened_dots, jit_options={"fastmath": True})
+def _widened_dots_impl(operand, n, count, xs, x_rows, out):
+    """The tiled loop's dots (`moeroute.experts.cpu.tiles`) of ``count`` (1 or 2) weight rows
+    ``operand`` (bfloat16 bits or float32, widened as read) with a tuple of activation rows:
+    two weight rows by four activation rows in one pass (`_dot2x4`), one by four (`_dot4`),
+    fewer rows one dot each."""
+    if isinstance(x_rows, types.UniTuple) and x_rows.count == _ROW_TILE:
+
+        def four(operand, n, count, xs, x_rows, out):
+            w0, w1 = operand
+            x0, x1, x2, x3 = xs[x_rows[0]], xs[x_rows[1]], xs[x_rows[2]], xs[x_rows[3]]
+            if count == 2:
+                _dot2x4(w0, w1, x0, x1, x2, x3, out)
+            else:
+                _dot4(w0, x0, x1, x2, x3, out)
+
+        return four
+
+    def fewer(operand, n, count, xs, x_rows, out):
+        w0, w1 = operand
+        rows = len(x_rows)
+        for j in range(rows):
+            x = xs[x_rows[j]]
+            out[j] = _dot(w0, x)
+            if count == 2:
+                out[rows + j] = _dot(w1, x)
+
+    return fewer
 
 
-@numba.njit(fastmath=True)
-def _down_block(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums, b, columns=ROW_BLOCK):
-    """sums[tokens[m], n] += slot_weights[m] * (acts[m] . W_e[n] (+ bias[e, n])) for the output
-    columns n of block ``b`` of ``columns``, over every hit expert in ``experts`` order.
-    Parallel callers split the blocks, so each sum has one writer and the order of additions
-    is fixed; one thread takes all columns as one block (each expert's weights one stream)."""
-    hidden = w_down.shape[1]
-    rows = np.arange(acts.shape[0])
-    tile = np.empty(2 * _ROW_TILE, np.float32)
-    first, last = b * columns, min(hidden, (b + 1) * columns)
-    dots = np.empty((0, columns), np.float32)
-    for i in range(experts.shape[0]):
-        e = experts[i]
-        start, stop = offsets[e], offsets[e + 1]
-        if dots.shape[0] < stop - start:
-            dots = np.empty((stop - start, columns), np.float32)
-        if stop - start == 1:  # decode: one row, a plain pass over the weights
-            x, weights, row = acts[start], w_down[e], dots[0]
-            for n in range(first, last):
-                row[n - first] = _dot(weights[n], x)
-        elif stop - start < _ROW_TILE:
-            weights = w_down[e]
-            for n in range(first, last):
-                w = weights[n]
-                for m in range(start, stop):
-                    dots[m - start, n - first] = _dot(w, acts[m])
-        else:
-            for n in range(first, last, 2):
-                pair = n + 1 < last
-                _rows_times_weights(
-                    acts[start:stop],
-                    rows,
-                    0,
-                    stop - start,
-                    w_down[e, n],
-                    w_down[e, n + 1 if pair else n],
-                    pair,
-                    tile,
-                    dots,
-                    n - first,
-                )
-        for m in range(start, stop):
-            t, weight = tokens[m], slot_weights[m]
-            for n in range(first, last):
-                add = bias[e, n] if bias.shape[0] > 0 else np.float32(0.0)
-                sums[t, n] += weight * (dots[m - start, n - first] + add)
+@numba.njit
+def _weight_rows(w, s, e, n, count, scratch):
+    """The tiled loop's ``load`` of the float weights: rows n and n + count - 1 of expert e
+    (views: the weights are read as they are, no copy)."""
+    return w[e, n], w[e, n + count - 1]
+
+
+#: The tiled loop around the widened dots: two weight rows by four activation rows.
+_float = tiles.row_kernels(__name__, "float", _weight_rows, widened_dots, 2, standalone=False)
+_gate_up_item, _down_block = _float["_gate_up_item"], _float["_down_block"]
 
 
 @numba.njit(cache=True)
@@ -416,11 +361,11 @@ def rows_experts(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, code, bo
         return False
     xs, gate_up, acts, sums = _buffers(x, tokens.shape[0], w_gate_up, w_down)
     for item in numba.prange(work.shape[0]):
-        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, b_gate_up, gate_up)
+        _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, w_gate_up, b_gate_up, gate_up)
     activate_rows(gate_up, code, acts)
     columns = ROW_BLOCK if threaded else max(1, w_down.shape[1])
     for b in numba.prange((w_down.shape[1] + columns - 1) // columns):
-        _down_block(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, b, columns)
+        _down_block(acts, tokens, slot_weights, offsets, hit, w_down, w_down, b_down, sums, b, columns)
     store_sums(sums, out)
     return True
 
@@ -534,80 +479,24 @@ def _dots_bf16(weights, w_rows, xs, x_rows, out):
                 out[k] = _tail(weights[w_rows[i]], xs[x_rows[j]], out[k])
 
 
-@numba.njit(fastmath=True)
-def _gate_up_rows_bf16(weights, first, last, x, x_rows, m, bias, e, out):
-    """out[m + j, n] = weights[n] . x[x_rows[j]] (+ bias[e, n]) for n in [first, last), four
-    weight rows at a time, then one."""
-    dots = np.empty(_WEIGHT_TILE * _ROW_TILE, np.float32)
-    n = first
-    while n + _WEIGHT_TILE <= last:
-        _dots_bf16(weights, (n, n + 1, n + 2, n + 3), x, x_rows, dots)
-        store_tile(dots, _WEIGHT_TILE, n, len(x_rows), m, bias, e, out)
-        n += _WEIGHT_TILE
-    while n < last:
-        _dots_bf16(weights, (n,), x, x_rows, dots)
-        store_tile(dots, 1, n, len(x_rows), m, bias, e, out)
-        n += 1
+@numba.njit
+def _expert_rows(w, s, e, n, count, scratch):
+    """The tiled loop's ``load`` for the dot instructions: expert e's weights (a view)."""
+    return w[e]
 
 
 @numba.njit(fastmath=True)
-def _gate_up_item_bf16(x, tokens, offsets, e, b, w_gate_up, bias, out):
-    """`_gate_up_item` on bfloat16 rows ``x`` (uint16 [T, H]) with the dot instructions: four
-    weight rows at a time against up to four of the expert's rows."""
-    weights = w_gate_up[e]
-    start, stop = offsets[e], offsets[e + 1]
-    first, last = b * ROW_BLOCK, min(w_gate_up.shape[1], (b + 1) * ROW_BLOCK)
-    for m in range(start, stop, _ROW_TILE):
-        count = min(_ROW_TILE, stop - m)
-        if count == 4:
-            rows4 = (tokens[m], tokens[m + 1], tokens[m + 2], tokens[m + 3])
-            _gate_up_rows_bf16(weights, first, last, x, rows4, m, bias, e, out)
-        elif count == 3:
-            _gate_up_rows_bf16(weights, first, last, x, (tokens[m], tokens[m + 1], tokens[m + 2]), m, bias, e, out)
-        elif count == 2:
-            _gate_up_rows_bf16(weights, first, last, x, (tokens[m], tokens[m + 1]), m, bias, e, out)
-        else:
-            _gate_up_rows_bf16(weights, first, last, x, (tokens[m],), m, bias, e, out)
+def _bf16_dots(weights, n, count, xs, x_rows, out):
+    """The tiled loop's dots with the dot instructions: weight rows n .. n + count - 1, four or one."""
+    if count == _WEIGHT_TILE:
+        _dots_bf16(weights, (n, n + 1, n + 2, n + 3), xs, x_rows, out)
+    else:
+        _dots_bf16(weights, (n,), xs, x_rows, out)
 
 
-@numba.njit(fastmath=True)
-def _down_rows_bf16(weights, first, last, acts, a_rows, tokens, slot_weights, bias, e, sums):
-    """sums[tokens[m], n] += slot_weights[m] * (weights[n] . acts[m] (+ bias[e, n])) for the
-    rows m of ``a_rows`` and n in [first, last), four weight rows at a time, then one."""
-    dots = np.empty(_WEIGHT_TILE * _ROW_TILE, np.float32)
-    n = first
-    while n + _WEIGHT_TILE <= last:
-        _dots_bf16(weights, (n, n + 1, n + 2, n + 3), acts, a_rows, dots)
-        add_tile(dots, _WEIGHT_TILE, n, a_rows, tokens, slot_weights, bias, e, sums)
-        n += _WEIGHT_TILE
-    while n < last:
-        _dots_bf16(weights, (n,), acts, a_rows, dots)
-        add_tile(dots, 1, n, a_rows, tokens, slot_weights, bias, e, sums)
-        n += 1
-
-
-@numba.njit(fastmath=True)
-def _down_block_bf16(acts, tokens, slot_weights, offsets, experts, w_down, bias, sums, b, columns=ROW_BLOCK):
-    """`_down_block` on bfloat16 intermediates ``acts`` (uint16 [M, I]) with the dot
-    instructions, four weight rows at a time against up to four rows, for the output columns
-    of block ``b`` of ``columns``."""
-    first, last = b * columns, min(w_down.shape[1], (b + 1) * columns)
-    for i in range(experts.shape[0]):
-        e = experts[i]
-        weights = w_down[e]
-        start, stop = offsets[e], offsets[e + 1]
-        for m in range(start, stop, _ROW_TILE):
-            count = min(_ROW_TILE, stop - m)
-            if count == 4:
-                _down_rows_bf16(
-                    weights, first, last, acts, (m, m + 1, m + 2, m + 3), tokens, slot_weights, bias, e, sums
-                )
-            elif count == 3:
-                _down_rows_bf16(weights, first, last, acts, (m, m + 1, m + 2), tokens, slot_weights, bias, e, sums)
-            elif count == 2:
-                _down_rows_bf16(weights, first, last, acts, (m, m + 1), tokens, slot_weights, bias, e, sums)
-            else:
-                _down_rows_bf16(weights, first, last, acts, (m,), tokens, slot_weights, bias, e, sums)
+#: The tiled loop around the dot instructions' tile: four weight rows by four activation rows.
+_bf16 = tiles.row_kernels(__name__, "bf16_dot", _expert_rows, _bf16_dots, _WEIGHT_TILE, standalone=False)
+_gate_up_item_bf16, _down_block_bf16 = _bf16["_gate_up_item"], _bf16["_down_block"]
 
 
 @numba.njit
@@ -638,13 +527,13 @@ def rows_experts_bf16(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, cod
         return False
     gate_up = np.empty((tokens.shape[0], w_gate_up.shape[1]), np.float32)
     for item in numba.prange(work.shape[0]):
-        _gate_up_item_bf16(x, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, b_gate_up, gate_up)
+        _gate_up_item_bf16(x, tokens, offsets, work[item, 0], work[item, 1], w_gate_up, w_gate_up, b_gate_up, gate_up)
     acts = np.empty((tokens.shape[0], w_down.shape[2]), np.uint16)
     activate_rows_bf16(gate_up, code, acts)
     sums = np.zeros((x.shape[0], w_down.shape[1]), np.float32)
     columns = ROW_BLOCK if threaded else max(1, w_down.shape[1])
     for b in numba.prange((w_down.shape[1] + columns - 1) // columns):
-        _down_block_bf16(acts, tokens, slot_weights, offsets, hit, w_down, b_down, sums, b, columns)
+        _down_block_bf16(acts, tokens, slot_weights, offsets, hit, w_down, w_down, b_down, sums, b, columns)
     store_sums(sums, out)
     return True
 

@@ -1,24 +1,32 @@
 """The tiled loop of the CPU row kernels, written once for every weight format.
 
-A format plugs in its dot: ``dots(w_row, s_row, xs, rows, out)`` sets ``out[i] = W . xs[rows[i]]``
-for one weight row (``w_row`` its packed or float values, ``s_row`` its scales, whatever the
-format keeps per row) and a tuple of 1 to `ROW_TILE` activation rows. `row_kernels` returns
-the format's kernels around it, each with a serial twin (`parallel_and_serial`):
+A row kernel computes, for each hit expert e and the rows m it serves (sorted by expert:
+`moeroute.experts.cpu.rows.plan_rows`), the first GEMM ``out[m, n] = xs[tokens[m]] . W_e[n]
+(+ bias[e, n])`` and the second with the combine, ``sums[tokens[m], n] += slot_weights[m] *
+(acts[m] . W_e[n] (+ bias[e, n]))``. The loop is the same for every format:
 
-* ``gate_up_rows(xs, tokens, offsets, work, w, s, bias, out)``: ``out[m, n] = xs[tokens[m]]
-  . W_e[n] (+ bias[e, n])`` for each expert e's sorted rows m (`moeroute.experts.cpu.rows.plan_rows`'
-  order); the parallel work items are (expert, block of `ROW_BLOCK` weight rows) pairs
-  (``work [W, 2]``), each weight row read once and dotted with the expert's rows a tile of up
-  to `ROW_TILE` at a time.
-* ``down_rows(acts, tokens, slot_weights, offsets, experts, w, s, bias, sums)``: the second
-  GEMM and the combine, ``sums[tokens[m], n] += slot_weights[m] * (acts[m] . W_e[n] (+ bias[e,
-  n]))``; threads split the output columns (blocks of `ROW_BLOCK`), so each sum has one
-  writer, and experts add in ``experts`` order (deterministic).
+* gate_up: the parallel work items are (expert, block of `ROW_BLOCK` weight rows) pairs
+  (``work [W, 2]``); down: threads split the output columns in blocks (`ROW_BLOCK`; the
+  serial form takes them all as one block, each expert's weights one stream), so each sum
+  has one writer and experts add in ``experts`` order (deterministic, the same sums bit for
+  bit at any block size);
+* within a block, a tile of ``WEIGHT_TILE`` weight rows (the block's last rows one at a time)
+  is loaded once, then dotted with the expert's rows a tile of up to `ROW_TILE` at a time.
 
-``bias`` is float32 [L, N] or [0, 0] (none); sums and outputs float32. The format's dot sees
-the activations as the kernels are given them (e.g. in `moeroute.experts.cpu.mxfp4.split_blocks`
-order for the 4-bit formats). MXFP4 (`moeroute.experts.cpu.mxfp4`) and INT4
-(`moeroute.experts.cpu.int4`) instantiate it with their in-register block dots.
+A format plugs in three Numba functions and a constant (`row_kernels`):
+
+* ``load(w, s, e, n, count, scratch)`` -> ``operand``: weight rows n .. n + count - 1 of
+  expert e as its ``dots`` reads them (views of the weights, or rows decoded into
+  ``scratch``, what ``scratch(w, xs)`` allocated once per work item);
+* ``dots(operand, n, count, xs, x_rows, out)``: ``out[i * len(x_rows) + j] = W_e[n + i] .
+  xs[x_rows[j]]`` for a tuple ``x_rows`` of 1 to `ROW_TILE` activation rows;
+* ``WEIGHT_TILE``: the weight rows of a whole tile (``count`` is it or 1).
+
+The float formats (`moeroute.experts.cpu.rows`: widened rows, or the bfloat16 dot
+instruction), MXFP4 and INT4 (`moeroute.experts.cpu.mxfp4`, `moeroute.experts.cpu.int4`:
+nibbles decoded in registers; `moeroute.experts.cpu.mxfp4_rows`: rows decoded once;
+`moeroute.experts.cpu.mxfp4_dot`: the bfloat16 dot instruction) are such plug-ins. Each
+dot is the format's own, so the loop changes no sum's value: only which dots run together.
 """
 
 from __future__ import annotations
@@ -29,49 +37,73 @@ import numpy as np
 from moeroute.experts.cpu.dot import add_tile, store_tile
 from moeroute.experts.cpu.variants import specialize
 
-__all__ = ["ROW_BLOCK", "ROW_TILE", "row_kernels"]
+__all__ = ["ROW_BLOCK", "ROW_TILE", "KERNELS", "row_kernels", "no_scratch", "expert_weights"]
 
 #: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
 ROW_BLOCK = 64
-#: Activation rows dotted per pass over a weight row: one read (and decode) serves them all.
+#: Activation rows per tile: one load of a weight tile serves them.
 ROW_TILE = 4
+#: The names of the standalone kernels `row_kernels` returns.
+KERNELS = ("gate_up_rows", "gate_up_rows_serial", "down_rows", "down_rows_serial")
+#: Placeholder of the format's weight tile (bound per format by `row_kernels`).
+WEIGHT_TILE = 1
 
 
-def dots(w_row, s_row, xs, rows, out):  # pragma: no cover - each format's copies bind its own
-    """The format's dot of one weight row with a tuple of activation rows (`row_kernels`)."""
+def load(w, s, e, n, count, scratch):  # pragma: no cover - each format's copies bind their own
+    """The format's weight rows n .. n + count - 1 of expert e, as its ``dots`` reads them."""
     raise NotImplementedError
 
 
-def tile(w_e, w_rows, s_e, xs, x_rows, out):  # pragma: no cover - each format's copies bind its own
-    """The format's dots of a tile of weight rows with a tuple of activation rows (`tile_kernels`)."""
+def dots(operand, n, count, xs, x_rows, out):  # pragma: no cover - each format's copies bind their own
+    """The format's dots of a weight tile with a tuple of activation rows."""
     raise NotImplementedError
 
 
-def _row_tile(w_row, s_row, xs, index, m, stop, tile):
-    """tile[i] = W . xs[index[m + i]] for up to `ROW_TILE` rows from m; returns how many."""
-    count = min(ROW_TILE, stop - m)
-    if count == 4:
-        dots(w_row, s_row, xs, (index[m], index[m + 1], index[m + 2], index[m + 3]), tile)
-    elif count == 3:
-        dots(w_row, s_row, xs, (index[m], index[m + 1], index[m + 2]), tile)
-    elif count == 2:
-        dots(w_row, s_row, xs, (index[m], index[m + 1]), tile)
+def scratch(w, xs):  # pragma: no cover - each format's copies bind their own
+    """The format's scratch for ``load``, allocated once per work item."""
+    raise NotImplementedError
+
+
+@numba.njit
+def no_scratch(w, xs):
+    """``scratch`` of the formats that load views (no decode)."""
+    return np.empty((0, 0), np.float32)
+
+
+@numba.njit
+def expert_weights(w, s, e, n, count, scratch):
+    """``load`` of the formats whose ``dots`` index the expert's weights and scales themselves."""
+    return w[e], s[e]
+
+
+def _tile_rows(operand, n, count, xs, tokens, m, stop, tile):
+    """``dots`` of a weight tile with rows tokens[m], .. (up to `ROW_TILE`); returns how many."""
+    rows = min(ROW_TILE, stop - m)
+    if rows == 4:
+        dots(operand, n, count, xs, (tokens[m], tokens[m + 1], tokens[m + 2], tokens[m + 3]), tile)
+    elif rows == 3:
+        dots(operand, n, count, xs, (tokens[m], tokens[m + 1], tokens[m + 2]), tile)
+    elif rows == 2:
+        dots(operand, n, count, xs, (tokens[m], tokens[m + 1]), tile)
     else:
-        dots(w_row, s_row, xs, (index[m],), tile)
-    return count
+        dots(operand, n, count, xs, (tokens[m],), tile)
+    return rows
 
 
 def _gate_up_item(xs, tokens, offsets, e, b, w, s, bias, out):
     """Block ``b`` of expert ``e``'s gate_up rows for all its sorted rows."""
-    tile = np.empty(ROW_TILE, np.float32)
     start, stop = offsets[e], offsets[e + 1]
-    for n in range(b * ROW_BLOCK, min(w.shape[1], (b + 1) * ROW_BLOCK)):
-        add = bias[e, n] if bias.shape[0] > 0 else np.float32(0.0)
-        w_row, s_row = w[e, n], s[e, n]
+    first, last = b * ROW_BLOCK, min(w.shape[1], (b + 1) * ROW_BLOCK)
+    tile = np.empty(WEIGHT_TILE * ROW_TILE, np.float32)
+    buffer = scratch(w, xs)
+    n = first
+    while n < last:
+        count = WEIGHT_TILE if n + WEIGHT_TILE <= last else 1
+        operand = load(w, s, e, n, count, buffer)
         for m in range(start, stop, ROW_TILE):
-            count = _row_tile(w_row, s_row, xs, tokens, m, stop, tile)
-            for i in range(count):
-                out[m + i, n] = tile[i] + add
+            rows = _tile_rows(operand, n, count, xs, tokens, m, stop, tile)
+            store_tile(tile, count, n, rows, m, bias, e, out)
+        n += count
 
 
 def gate_up_rows(xs, tokens, offsets, work, w, s, bias, out):
@@ -81,171 +113,47 @@ def gate_up_rows(xs, tokens, offsets, work, w, s, bias, out):
         _gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], w, s, bias, out)
 
 
-def _down_block(acts, tokens, slot_weights, offsets, experts, w, s, bias, sums, b):
-    """Output columns of block ``b`` over every hit expert."""
+def _down_block(acts, tokens, slot_weights, offsets, experts, w, s, bias, sums, block, columns):
+    """Output columns [block * columns, ..) over every hit expert."""
+    first, last = block * columns, min(w.shape[1], (block + 1) * columns)
     index = np.arange(acts.shape[0])
-    tile = np.empty(ROW_TILE, np.float32)
-    first, last = b * ROW_BLOCK, min(w.shape[1], (b + 1) * ROW_BLOCK)
+    tile = np.empty(WEIGHT_TILE * ROW_TILE, np.float32)
+    buffer = scratch(w, acts)
     for i in range(experts.shape[0]):
         e = experts[i]
         start, stop = offsets[e], offsets[e + 1]
-        for n in range(first, last):
-            add = bias[e, n] if bias.shape[0] > 0 else np.float32(0.0)
-            w_row, s_row = w[e, n], s[e, n]
+        n = first
+        while n < last:
+            count = WEIGHT_TILE if n + WEIGHT_TILE <= last else 1
+            operand = load(w, s, e, n, count, buffer)
             for m in range(start, stop, ROW_TILE):
-                count = _row_tile(w_row, s_row, acts, index, m, stop, tile)
-                for j in range(count):
-                    sums[tokens[m + j], n] += slot_weights[m + j] * (tile[j] + add)
+                rows = _tile_rows(operand, n, count, acts, index, m, stop, tile)
+                add_tile(tile, count, n, index[m : m + rows], tokens, slot_weights, bias, e, sums)
+            n += count
 
 
-def down_rows(acts, tokens, slot_weights, offsets, experts, w, s, bias, sums):
+def down_rows(acts, tokens, slot_weights, offsets, experts, w, s, bias, sums, threaded=True):
     """sums[tokens[m], n] += slot_weights[m] * (acts[m] . W_e[n] (+ bias[e, n])); threads split
     the output columns (`moeroute.experts.cpu.tiles`)."""
-    for b in numba.prange((w.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
-        _down_block(acts, tokens, slot_weights, offsets, experts, w, s, bias, sums, b)
+    columns = ROW_BLOCK if threaded else max(1, w.shape[1])
+    for block in numba.prange((w.shape[1] + columns - 1) // columns):
+        _down_block(acts, tokens, slot_weights, offsets, experts, w, s, bias, sums, block, columns)
 
 
-def row_kernels(module: str, prefix: str, dots) -> dict:
-    """``gate_up_rows``, ``down_rows`` and their ``_serial`` forms around the format's ``dots``
-    (a Numba function, see the module's docstring); bind them at module level in ``module``
-    (the caller's ``__name__``), named ``<prefix>_gate_up_rows`` and so on."""
+def row_kernels(
+    module: str, prefix: str, load, dots, weight_tile: int, scratch=no_scratch, standalone: bool = True
+) -> dict:
+    """The format's copies of the loop (see the module's docstring), named ``<prefix>_<name>``
+    and belonging to ``module`` (the caller's ``__name__``; bind them at module level there):
+    the work item ``_gate_up_item`` and the column block ``_down_block`` (for one-call
+    forwards) and, with ``standalone``, the kernels ``gate_up_rows``, ``down_rows`` and their
+    ``_serial`` forms."""
+    namespace = dict(globals(), load=load, dots=dots, scratch=scratch, WEIGHT_TILE=weight_tile)
     return specialize(
         module,
         prefix,
-        dict(globals(), dots=dots),
-        helpers=(_row_tile, _gate_up_item, _down_block),
-        kernels=(gate_up_rows, down_rows),
+        namespace,
+        helpers=(_tile_rows, _gate_up_item, _down_block),
+        kernels=(gate_up_rows, down_rows) if standalone else (),
         fastmath=True,
     )
-
-
-# ---------------------------------------------------------------- tiles of weight rows
-#
-# Where the format's dot takes several weight rows at once (the bfloat16 dot instruction:
-# `moeroute.experts.cpu.mxfp4_dot`), ``tile(w_e, w_rows, s_e, xs, x_rows, dots)`` sets
-# ``dots[i * len(x_rows) + j] = W_e[w_rows[i]] . xs[x_rows[j]]`` for tuples of 1 to `ROW_TILE`
-# weight and activation rows of one expert (``w_e``, ``s_e`` the expert's weights and scales).
-
-
-def _tile_gate_up_rows(blocks, scales, first, last, xs, x_rows, m, bias, e, dots, out):
-    """out[m + j, n] = W_e[n] . xs[x_rows[j]] (+ bias[e, n]) for n in [first, last), four
-    weight rows at a time, then one."""
-    n = first
-    while n + ROW_TILE <= last:
-        tile(blocks, (n, n + 1, n + 2, n + 3), scales, xs, x_rows, dots)
-        store_tile(dots, ROW_TILE, n, len(x_rows), m, bias, e, out)
-        n += ROW_TILE
-    while n < last:
-        tile(blocks, (n,), scales, xs, x_rows, dots)
-        store_tile(dots, 1, n, len(x_rows), m, bias, e, out)
-        n += 1
-
-
-def _tile_gate_up_item(xs, tokens, offsets, e, chunk, blocks, scales, bias, out):
-    """Weight rows [chunk * ROW_BLOCK, ..) of expert ``e``'s gate_up for all its sorted rows,
-    four at a time."""
-    start, stop = offsets[e], offsets[e + 1]
-    first, last = chunk * ROW_BLOCK, min(blocks.shape[1], (chunk + 1) * ROW_BLOCK)
-    blocks_e, scales_e = blocks[e], scales[e]
-    dots = np.empty(ROW_TILE * ROW_TILE, np.float32)
-    for m in range(start, stop, ROW_TILE):
-        count = min(ROW_TILE, stop - m)
-        if count == 4:
-            rows4 = (tokens[m], tokens[m + 1], tokens[m + 2], tokens[m + 3])
-            _tile_gate_up_rows(blocks_e, scales_e, first, last, xs, rows4, m, bias, e, dots, out)
-        elif count == 3:
-            _tile_gate_up_rows(
-                blocks_e, scales_e, first, last, xs, (tokens[m], tokens[m + 1], tokens[m + 2]), m, bias, e, dots, out
-            )
-        elif count == 2:
-            _tile_gate_up_rows(blocks_e, scales_e, first, last, xs, (tokens[m], tokens[m + 1]), m, bias, e, dots, out)
-        else:
-            _tile_gate_up_rows(blocks_e, scales_e, first, last, xs, (tokens[m],), m, bias, e, dots, out)
-
-
-def tile_gate_up_rows(xs, tokens, offsets, work, blocks, scales, bias, out):
-    """`moeroute.experts.cpu.mxfp4.gate_up_rows` with the dot instructions (only where
-    `serves`): xs [T, H] uint16, bfloat16 bits in `split_pairs` order; the rest as there."""
-    for item in numba.prange(work.shape[0]):
-        _tile_gate_up_item(xs, tokens, offsets, work[item, 0], work[item, 1], blocks, scales, bias, out)
-
-
-def _tile_down_rows(blocks, scales, first, last, acts, a_rows, tokens, slot_weights, bias, e, dots, sums):
-    """sums[tokens[m], n] += slot_weights[m] * (W_e[n] . acts[m] (+ bias[e, n])) for the rows
-    m of ``a_rows`` and n in [first, last), four weight rows at a time, then one."""
-    n = first
-    while n + ROW_TILE <= last:
-        tile(blocks, (n, n + 1, n + 2, n + 3), scales, acts, a_rows, dots)
-        add_tile(dots, ROW_TILE, n, a_rows, tokens, slot_weights, bias, e, sums)
-        n += ROW_TILE
-    while n < last:
-        tile(blocks, (n,), scales, acts, a_rows, dots)
-        add_tile(dots, 1, n, a_rows, tokens, slot_weights, bias, e, sums)
-        n += 1
-
-
-def _tile_down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, block, columns):
-    """Output columns [block * columns, ..) over every hit expert."""
-    first, last = block * columns, min(blocks.shape[1], (block + 1) * columns)
-    dots = np.empty(ROW_TILE * ROW_TILE, np.float32)
-    for i in range(experts.shape[0]):
-        e = experts[i]
-        blocks_e, scales_e = blocks[e], scales[e]
-        start, stop = offsets[e], offsets[e + 1]
-        for m in range(start, stop, ROW_TILE):
-            count = min(ROW_TILE, stop - m)
-            if count == 4:
-                _tile_down_rows(
-                    blocks_e,
-                    scales_e,
-                    first,
-                    last,
-                    acts,
-                    (m, m + 1, m + 2, m + 3),
-                    tokens,
-                    slot_weights,
-                    bias,
-                    e,
-                    dots,
-                    sums,
-                )
-            elif count == 3:
-                _tile_down_rows(
-                    blocks_e, scales_e, first, last, acts, (m, m + 1, m + 2), tokens, slot_weights, bias, e, dots, sums
-                )
-            elif count == 2:
-                _tile_down_rows(
-                    blocks_e, scales_e, first, last, acts, (m, m + 1), tokens, slot_weights, bias, e, dots, sums
-                )
-            else:
-                _tile_down_rows(blocks_e, scales_e, first, last, acts, (m,), tokens, slot_weights, bias, e, dots, sums)
-
-
-def tile_down_rows(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, threaded=True):
-    """`moeroute.experts.cpu.mxfp4.down_rows` with the dot instructions (only where `serves`):
-    acts [M, I] uint16, bfloat16 bits in `split_pairs` order; threads split the output
-    columns (blocks of `ROW_BLOCK`)."""
-    # The serial form (threaded=False): all output columns as one block, each expert's down
-    # weights read as one stream (the same sums, bit for bit).
-    columns = ROW_BLOCK if threaded else max(1, blocks.shape[1])
-    for block in numba.prange((blocks.shape[1] + columns - 1) // columns):
-        _tile_down_block(acts, tokens, slot_weights, offsets, experts, blocks, scales, bias, sums, block, columns)
-
-
-def tile_kernels(module: str, prefix: str, tile) -> dict:
-    """``gate_up_rows``, ``down_rows`` (and ``_serial`` forms) over tiles of up to `ROW_TILE`
-    weight rows by `ROW_TILE` activation rows, around the format's ``tile``; also the work
-    item ``_tile_gate_up_item`` and the column block ``_tile_down_block``, for one-call
-    forwards. The serial ``down_rows`` takes all output columns as one block (each expert's
-    down weights one stream; the same sums, bit for bit)."""
-    made = specialize(
-        module,
-        prefix,
-        dict(globals(), tile=tile),
-        helpers=(_tile_gate_up_rows, _tile_gate_up_item, _tile_down_rows, _tile_down_block),
-        kernels=(tile_gate_up_rows, tile_down_rows),
-        fastmath=True,
-    )
-    for name in ("gate_up_rows", "down_rows"):
-        made[name], made[name + "_serial"] = made.pop("tile_" + name), made.pop(f"tile_{name}_serial")
-    return made
