@@ -191,7 +191,7 @@ def test_layer_outputs_match_the_float64_reference(served_int4, layer_name):
 @pytest.mark.parametrize("batch", ["1", "4"])
 def test_greedy_tokens_match_the_dequantized_model(served_int4, batch, run):
     # "compiled": vLLM's torch.compile (enforce_eager=False) with the plugin's INT4 layers
-    # inside the graph (torch.ops.moeroute.vllm_int4_experts, an opaque custom op).
+    # inside the graph (torch.ops.moeroute.experts with quant_format="int4", an opaque custom op).
     if run == "compiled":
         counts = served_int4["compiled"][served_int4["int4"]]["counts"].values()
         assert all(c["method"] == "MoerouteInt4MoEMethod" and c["monolithic"] for c in counts), counts

@@ -892,76 +892,31 @@ def int4_from_compressed_tensors(weight_packed, weight_scale, weight_zero_point,
 
 
 def _int4_experts(layer, x, topk_weights, topk_ids, expert_map, quant, activation):
-    """The layer's INT4 experts: moeroute's INT4 forward on the tensors `_adopt_weights`
-    installed; under a tracer, through ``torch.ops.moeroute.vllm_int4_experts``."""
+    """The layer's INT4 experts: ``torch.ops.moeroute.experts`` with ``quant_format="int4"``
+    on the tensors `_adopt_weights` installed (its body directly when called eagerly)."""
     import torch
 
     from moeroute.bindings.torch import ops
 
-    gate_up = (layer.w13_weight_packed, layer.w13_weight_scale, getattr(layer, "w13_weight_zero_point", None))
-    down = (layer.w2_weight_packed, layer.w2_weight_scale, getattr(layer, "w2_weight_zero_point", None))
-    if ops.runs_eagerly(x, topk_weights, topk_ids, expert_map):
-        return _int4_experts_body(x, topk_weights, topk_ids, *gate_up, *down, expert_map, quant.group_size, activation)
-    return torch.ops.moeroute.vllm_int4_experts(
-        x, topk_weights, topk_ids, *gate_up, *down, expert_map, quant.group_size, activation
-    )
-
-
-def _int4_experts_body(
-    x, topk_weights, topk_ids, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, expert_map, group_size, activation
-):
-    from moeroute.bindings.torch import ops
-    from moeroute.experts.formats.int4 import int4_experts_forward
-
-    local_ids = ops.local_expert_ids(topk_ids, expert_map, w13.shape[0])
-    return int4_experts_forward(
-        x.contiguous(),
-        topk_weights.contiguous(),
-        local_ids.contiguous(),
-        (w13, w13_scale, w13_zero),
-        (w2, w2_scale, w2_zero),
-        group_size,
+    eager = ops.runs_eagerly(x, topk_weights, topk_ids, expert_map)
+    experts = ops.experts if eager else torch.ops.moeroute.experts
+    return experts(
+        x,
+        layer.w13_weight_packed,
+        layer.w2_weight_packed,
+        topk_weights,
+        topk_ids,
         activation,
+        "auto",
+        gate_up_scale=layer.w13_weight_scale,
+        down_scale=layer.w2_weight_scale,
+        quant_format="int4",
+        expert_map=expert_map,
+        gate_up_zero=getattr(layer, "w13_weight_zero_point", None),
+        down_zero=getattr(layer, "w2_weight_zero_point", None),
+        group_size=quant.group_size,
+        symmetric=quant.symmetric,
     )
-
-
-@functools.cache
-def _register_int4_op() -> None:
-    """``torch.ops.moeroute.vllm_int4_experts``: the INT4 experts as one opaque op for a
-    traced vLLM graph (torch.compile), with a fake kernel giving the output's shape."""
-    import torch
-
-    # The schema is spelled out: this module's annotations are strings.
-    @torch.library.custom_op(
-        "moeroute::vllm_int4_experts",
-        mutates_args=(),
-        schema=(
-            "(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w13_scale, Tensor? w13_zero, "
-            "Tensor w2, Tensor w2_scale, Tensor? w2_zero, Tensor? expert_map, int group_size, str activation) "
-            "-> Tensor"
-        ),
-    )
-    def vllm_int4_experts(
-        x, topk_weights, topk_ids, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, expert_map, group_size, activation
-    ):
-        return _int4_experts_body(
-            x,
-            topk_weights,
-            topk_ids,
-            w13,
-            w13_scale,
-            w13_zero,
-            w2,
-            w2_scale,
-            w2_zero,
-            expert_map,
-            group_size,
-            activation,
-        )
-
-    @vllm_int4_experts.register_fake
-    def _(x, *args):
-        return torch.empty_like(x)
 
 
 @functools.cache
@@ -970,8 +925,6 @@ def _int4_method_class():
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_wna16 import (  # noqa: E501
         CompressedTensorsWNA16MoEMethod,
     )
-
-    _register_int4_op()  # before any trace: a tracer cannot register an op
 
     class MoerouteInt4MoEMethod(_ServedMethod, CompressedTensorsWNA16MoEMethod):
         """vLLM's compressed-tensors W4A16 MoE method: its buffers and loaders (each expert's

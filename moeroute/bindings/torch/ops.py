@@ -16,10 +16,12 @@ shared_weight)``                                 -> (weights [T, K+S'] float32, 
 topk_weights, topk_ids, activation, gemm,        BLAS/oneDNN GEMMs, combine; CUDA: as
 b_gate_up, b_down, gate_up_scale, down_scale,    ``fused_experts``); biases optional. With
 input_scale, quant_format, block_size,           ``quant_format`` ("fp8_block"/"fp8_tensor")
-quant_activation, scale_fmt, expert_map)``       the weights are float8_e4m3fn with their
-                                                 scales; with "mxfp4" the weights are the
-                                                 packed uint8 blocks and the scales their
-                                                 uint8 exponents (docs/quant.md). With
+quant_activation, scale_fmt, expert_map,         the weights are float8_e4m3fn with their
+gate_up_zero, down_zero, group_size,             scales; with "mxfp4" the weights are the
+symmetric)``                                     packed uint8 blocks and the scales their
+                                                 uint8 exponents; with "int4" the packed
+                                                 uint8 nibbles, their group scales and
+                                                 (asymmetric) zero points (docs/quant.md). With
                                                  ``expert_map`` (int [N_physical], -1 = not
                                                  held) the ids are physical and mapped to
                                                  local ids first. -> [T, H].
@@ -61,10 +63,11 @@ from moeroute.experts.formats.unquantized import (
     cpu_experts,
 )
 from moeroute.experts.formats.fp8 import check_quantized_weights, fp8_experts_forward
+from moeroute.experts.formats.int4 import int4_experts_forward
 from moeroute.experts.formats.mxfp4 import check_mxfp4_weights, mxfp4_experts_forward
 from moeroute.config import RouterConfig
 from moeroute.layout import ExpertLayout
-from moeroute.quant import QuantConfig
+from moeroute.quant import QuantConfig, check_int4
 
 __all__ = [
     "NAMESPACE",
@@ -388,7 +391,18 @@ def _check_routing_args(hidden_states, topk_weights, topk_ids) -> None:
 
 
 def _check_experts_devices(
-    hidden_states, w_gate_up, w_down, topk_weights, topk_ids, b_gate_up, b_down, gate_up_scale, down_scale, input_scale
+    hidden_states,
+    w_gate_up,
+    w_down,
+    topk_weights,
+    topk_ids,
+    b_gate_up,
+    b_down,
+    gate_up_scale,
+    down_scale,
+    input_scale,
+    gate_up_zero=None,
+    down_zero=None,
 ) -> None:
     """Every tensor argument of ``experts`` on the device of ``hidden_states`` (the kernels
     read them there; a meta-device weight holds no data). ``expert_map`` is held to the
@@ -405,18 +419,107 @@ def _check_experts_devices(
         gate_up_scale=gate_up_scale,
         down_scale=down_scale,
         input_scale=input_scale,
+        gate_up_zero=gate_up_zero,
+        down_zero=down_zero,
     )
 
 
-def _quant_config(quant_format, block_size, quant_activation, scale_fmt) -> QuantConfig:
+def _quant_config(
+    quant_format, block_size, quant_activation, scale_fmt, group_size=None, symmetric=None, zeros=(None, None)
+) -> QuantConfig:
     """The op's quantization arguments as a `QuantConfig`; ``quant_activation=""`` is the
-    format's default ("dynamic" for FP8, "none" for MXFP4)."""
+    format's default ("dynamic" for FP8, "none" for MXFP4 and INT4). ``group_size`` and
+    ``symmetric`` are INT4's (None: 128, and symmetric unless zero points are passed); zero
+    points with another format are refused here, naming the argument."""
+    if quant_format != "int4":
+        for name, zero in zip(("gate_up_zero", "down_zero"), zeros):
+            if zero is not None:
+                raise ValueError(
+                    f"{name} is given but quant_format={quant_format!r}; zero points belong to "
+                    "quant_format='int4' with symmetric=False"
+                )
+    elif symmetric is None:
+        symmetric = zeros[0] is None and zeros[1] is None
     return QuantConfig(
         quant_format,
         block_size=None if block_size is None else tuple(block_size),
         activation=quant_activation or None,
         scale_fmt=scale_fmt,
+        group_size=group_size,
+        symmetric=symmetric,
     )
+
+
+def _check_int4_experts_args(
+    hidden_states,
+    w_gate_up,
+    w_down,
+    topk_weights,
+    topk_ids,
+    activation,
+    gemm,
+    b_gate_up,
+    b_down,
+    gate_up_scale,
+    down_scale,
+    input_scale,
+    gate_up_zero,
+    down_zero,
+    quant,
+):
+    """The INT4 form of `_check_experts_args`: packed uint8 [L, 2I, H/2] and [L, H, I/2],
+    scales [L, 2I, H/g] and [L, H, I/g] (float32/bfloat16/float16), zero points uint8 of
+    the scales' shape exactly when ``quant.symmetric`` is False; no biases, no input scale."""
+    check_activation(activation)
+    check_strategy("gemm", gemm, "int4")
+    if hidden_states.dim() != 2 or hidden_states.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"hidden_states must be 2-D [T, H] of {SUPPORTED_DTYPES}, got {hidden_states.dtype} of "
+            f"shape {tuple(hidden_states.shape)}"
+        )
+    if b_gate_up is not None or b_down is not None:
+        raise ValueError("INT4 experts carry no biases; pass b_gate_up=b_down=None")
+    if input_scale is not None:
+        raise ValueError("INT4 experts keep their activations in float (w4a16); pass input_scale=None")
+    for name, zero in (("gate_up_zero", gate_up_zero), ("down_zero", down_zero)):
+        if quant.symmetric and zero is not None:
+            raise ValueError(f"{name} is given with symmetric=True; symmetric INT4 has no zero points (z = 8)")
+        if not quant.symmetric and zero is None:
+            raise ValueError(f"{name} is missing; symmetric=False needs the zero points (uint8, the scales' shape)")
+    if w_gate_up.dim() != 3 or w_down.dim() != 3:
+        raise ValueError(
+            f"with quant_format='int4' w_gate_up and w_down are packed uint8 [L, rows, cols/2], got shapes "
+            f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}"
+        )
+    num_experts, two_inter = w_gate_up.shape[:2]
+    hidden = hidden_states.shape[1]
+    if _static_int(num_experts) and _static_int(two_inter) and _static_int(hidden):
+        if two_inter % 2:
+            raise ValueError(f"w_gate_up has {two_inter} rows; gate_up rows are 2I (gate rows, then up rows)")
+        inter = two_inter // 2
+        for name, packed, scale, zero, shape in (
+            ("w_gate_up", w_gate_up, gate_up_scale, gate_up_zero, (num_experts, two_inter, hidden // 2)),
+            ("w_down", w_down, down_scale, down_zero, (num_experts, hidden, inter // 2)),
+        ):
+            if scale is None:
+                raise ValueError(
+                    f"{name}'s scales are missing; pass gate_up_scale and down_scale with quant_format='int4'"
+                )
+            # Zero point values are read only where that is free (plain CPU tensors): a
+            # device read would synchronize, and a fake tensor has none.
+            readable = zero is None or (type(zero) is torch.Tensor and zero.device.type == "cpu")
+            check_int4(packed, scale, zero if readable else None, group_size=quant.group_size, name=name)
+            if not readable and (zero.dtype != torch.uint8 or tuple(zero.shape) != tuple(scale.shape)):
+                raise ValueError(
+                    f"{name} zeros must be uint8 of the scales' shape {tuple(scale.shape)}, got {zero.dtype} of "
+                    f"shape {tuple(zero.shape)}"
+                )
+            if tuple(packed.shape) != shape:
+                raise ValueError(
+                    f"{name} packed has shape {tuple(packed.shape)}; hidden_states [T, {hidden}] and "
+                    f"{two_inter} gate_up rows need {list(shape)}"
+                )
+    _check_routing_args(hidden_states, topk_weights, topk_ids)
 
 
 def _check_mxfp4_experts_args(
@@ -613,6 +716,10 @@ def _experts_op(
     quant_activation: str = "",
     scale_fmt: str = "float",
     expert_map: Optional[torch.Tensor] = None,
+    gate_up_zero: Optional[torch.Tensor] = None,
+    down_zero: Optional[torch.Tensor] = None,
+    group_size: Optional[int] = None,
+    symmetric: Optional[bool] = None,
 ) -> torch.Tensor:
     """``sum_k w[t, k] * expert_{ids[t, k]}(x_t)`` over the ids in [0, L); the others are
     computed elsewhere and skipped. Optional biases b_gate_up [L, 2I] and b_down [L, H].
@@ -623,7 +730,13 @@ def _experts_op(
     ``expert_map[p]``, and slots whose expert is not held contribute nothing (expert
     parallelism: this rank's partial sum). With ``quant_format="mxfp4"``: ``w_gate_up`` /
     ``w_down`` are MXFP4 blocks, ``gate_up_scale`` / ``down_scale`` their scale bytes, the
-    computation of an MXFP4 layer (biases added in float32).
+    computation of an MXFP4 layer (biases added in float32). With ``quant_format="int4"``:
+    ``w_gate_up`` / ``w_down`` are packed uint8 [L, 2I, H/2] / [L, H, I/2] (two 4-bit
+    integers a byte, low nibble first), ``gate_up_scale`` / ``down_scale`` their group scales
+    [L, rows, cols/group_size], and with ``symmetric=False`` ``gate_up_zero`` / ``down_zero``
+    their uint8 zero points of the scales' shape (``w = (q - z) * s``, z = 8 when
+    symmetric); ``group_size`` 32, 64 or 128 (None: 128), ``symmetric`` None: symmetric
+    unless zero points are passed; ``gemm`` names the INT4 strategy ("auto", "rows", "blocks").
 
     The routing pair comes weights first (as vLLM passes it); before 0.2 this op took
     ``topk_ids, topk_weights``, and ids passed first are refused with a TypeError (non-float
@@ -649,6 +762,10 @@ def _experts_op(
         quant_activation,
         scale_fmt,
         expert_map,
+        gate_up_zero,
+        down_zero,
+        group_size,
+        symmetric,
     )
 
 
@@ -670,6 +787,10 @@ def experts(
     quant_activation="",
     scale_fmt="float",
     expert_map=None,
+    gate_up_zero=None,
+    down_zero=None,
+    group_size=None,
+    symmetric=None,
 ):
     """The body of ``torch.ops.moeroute.experts`` (same arguments and result), called
     directly where `runs_eagerly` allows."""
@@ -685,9 +806,42 @@ def experts(
         gate_up_scale,
         down_scale,
         input_scale,
+        gate_up_zero,
+        down_zero,
     )
     if quant_format:
-        quant = _quant_config(quant_format, block_size, quant_activation, scale_fmt)
+        quant = _quant_config(
+            quant_format, block_size, quant_activation, scale_fmt, group_size, symmetric, (gate_up_zero, down_zero)
+        )
+        if quant.format == "int4":
+            _check_int4_experts_args(
+                hidden_states,
+                w_gate_up,
+                w_down,
+                topk_weights,
+                topk_ids,
+                activation,
+                gemm,
+                b_gate_up,
+                b_down,
+                gate_up_scale,
+                down_scale,
+                input_scale,
+                gate_up_zero,
+                down_zero,
+                quant,
+            )
+            topk_ids = local_expert_ids(topk_ids, expert_map, w_gate_up.shape[0])
+            return int4_experts_forward(
+                hidden_states.contiguous(),
+                topk_weights.contiguous(),
+                topk_ids.contiguous(),
+                (w_gate_up, gate_up_scale, gate_up_zero),
+                (w_down, down_scale, down_zero),
+                quant.group_size,
+                activation,
+                gemm,
+            )
         _check_quantized_experts_args(
             hidden_states,
             w_gate_up,
@@ -768,6 +922,10 @@ def _(
     quant_activation="",
     scale_fmt="float",
     expert_map=None,
+    gate_up_zero=None,
+    down_zero=None,
+    group_size=None,
+    symmetric=None,
 ):
     weights_then_ids(topk_weights, topk_ids)
     _check_experts_devices(
@@ -781,24 +939,47 @@ def _(
         gate_up_scale,
         down_scale,
         input_scale,
+        gate_up_zero,
+        down_zero,
     )
     if quant_format:
-        quant = _quant_config(quant_format, block_size, quant_activation, scale_fmt)
-        _check_quantized_experts_args(
-            hidden_states,
-            w_gate_up,
-            w_down,
-            topk_weights,
-            topk_ids,
-            activation,
-            gemm,
-            b_gate_up,
-            b_down,
-            gate_up_scale,
-            down_scale,
-            input_scale,
-            quant,
+        quant = _quant_config(
+            quant_format, block_size, quant_activation, scale_fmt, group_size, symmetric, (gate_up_zero, down_zero)
         )
+        if quant.format == "int4":
+            _check_int4_experts_args(
+                hidden_states,
+                w_gate_up,
+                w_down,
+                topk_weights,
+                topk_ids,
+                activation,
+                gemm,
+                b_gate_up,
+                b_down,
+                gate_up_scale,
+                down_scale,
+                input_scale,
+                gate_up_zero,
+                down_zero,
+                quant,
+            )
+        else:
+            _check_quantized_experts_args(
+                hidden_states,
+                w_gate_up,
+                w_down,
+                topk_weights,
+                topk_ids,
+                activation,
+                gemm,
+                b_gate_up,
+                b_down,
+                gate_up_scale,
+                down_scale,
+                input_scale,
+                quant,
+            )
     else:
         _check_experts_args(
             hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation, gemm, b_gate_up, b_down
