@@ -36,7 +36,7 @@ def test_grouped_expert_mlp_matches_per_row_reference(bench_layer, counts):
     w_down = torch.randn(4, H, I, generator=g) * 0.3
     # Row r belongs to expert e for offsets[e] <= r < offsets[e + 1], with weight 1.
     ids = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))[:, None]
-    expected = dense_experts(x, ids, torch.ones(rows, 1), w_gate_up, w_down)
+    expected = dense_experts(x, torch.ones(rows, 1), ids, w_gate_up, w_down)
     out = bench_layer.grouped_expert_mlp(x, torch.tensor(offsets, dtype=torch.int32), w_gate_up, w_down)
     assert out.shape == (rows, H)
     if rows:

@@ -219,7 +219,7 @@ weights = torch.tensor([[0.75, 0.25], [0.5, 0.5], [0.125, 0.875]])
 for dtype in (torch.float32, torch.bfloat16):
     x = randn(T, H, seed=3).to(dtype)
     out = mxfp4_experts_forward(x, weights, ids, gu_blocks, gu_scales, d_blocks, d_scales, strategy="rows")
-    expected = dense_experts(x, ids, weights, dequantize_mxfp4(gu_blocks, gu_scales),
+    expected = dense_experts(x, weights, ids, dequantize_mxfp4(gu_blocks, gu_scales),
                              dequantize_mxfp4(d_blocks, d_scales))
     facts[f"mxfp4_{str(dtype).removeprefix('torch.')}_error"] = rel_error(out, expected)
 
@@ -231,7 +231,7 @@ fp8_tensors = quantize_experts(w_gate_up, w_down, w8a16)
 for dtype in (torch.float32, torch.bfloat16):
     x = randn(T, H, seed=3).to(dtype)
     out = fp8_experts_forward(x, weights, ids, *fp8_tensors, w8a16, strategy="rows")
-    expected = moe_experts_reference(x, ids.long(), weights, *fp8_tensors, (64, 64), intermediate_dtype=dtype,
+    expected = moe_experts_reference(x, weights, ids.long(), *fp8_tensors, (64, 64), intermediate_dtype=dtype,
                                      quantize_activations=False)
     facts[f"w8a16_{str(dtype).removeprefix('torch.')}_error"] = rel_error(out, expected)
 
@@ -241,7 +241,7 @@ from moeroute.quant.reference import int4_moe_experts_reference
 int4_weights = [quantize_int4(w, group_size=64, symmetric=False) for w in (w_gate_up, w_down)]
 x = randn(T, H, seed=3)
 out = int4_experts_forward(x, weights, ids, *int4_weights, 64, strategy="rows")
-expected = int4_moe_experts_reference(x, ids.long(), weights, *int4_weights, 64)
+expected = int4_moe_experts_reference(x, weights, ids.long(), *int4_weights, 64)
 facts["int4_float32_error"] = rel_error(out, expected)
 # The feature matrix's Numba strategies on this path (tests/helpers/feature_matrix.py).
 from helpers import feature_matrix

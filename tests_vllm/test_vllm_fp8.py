@@ -146,8 +146,8 @@ def test_layer_outputs_match_the_w8a8_reference(served_fp8, layer_name):
         weights, ids = select_experts(call["router_logits"].float().numpy(), router, bias.numpy())
         reference = moe_experts_reference(
             call["x"].float(),
-            torch.from_numpy(ids),
             torch.from_numpy(weights),
+            torch.from_numpy(ids),
             q_gate_up,
             gate_up_scale,
             q_down,

@@ -333,14 +333,14 @@ def quant_reference(args, preset, layout, weights, x):
     topk_weights, topk_ids = reference.select_experts(logits, router, bias)
     act = preset.activation
 
-    def experts(ids, ids_weights, gate_up, down):
+    def experts(slot_weights, ids, gate_up, down):
         """The quantized experts' reference; gate_up, down: the format's tensors of each weight."""
         if quant.format == "int4":
             return int4_moe_experts_reference(
-                x, ids, ids_weights, gate_up, down, quant.group_size, act, intermediate_dtype=dtype
+                x, slot_weights, ids, gate_up, down, quant.group_size, act, intermediate_dtype=dtype
             ).double()
         return moe_experts_reference(
-            x, ids, ids_weights, *gate_up, *down, quant.block_size, quant.scale_fmt, act, intermediate_dtype=dtype
+            x, slot_weights, ids, *gate_up, *down, quant.block_size, quant.scale_fmt, act, intermediate_dtype=dtype
         ).double()
 
     def quantized(gate_up, down):
@@ -357,7 +357,7 @@ def quant_reference(args, preset, layout, weights, x):
         gate_up_q, down_q = (tuple(t.cpu() for t in weight) for weight in routed)
     else:  # w_gate_up, w_down, gate_up_scale, down_scale
         gate_up_q, down_q = (routed[0].cpu(), routed[2].cpu()), (routed[1].cpu(), routed[3].cpu())
-    out = experts(torch.from_numpy(topk_ids).long(), torch.from_numpy(topk_weights), gate_up_q, down_q)
+    out = experts(torch.from_numpy(topk_weights), torch.from_numpy(topk_ids).long(), gate_up_q, down_q)
     shared_mlp, gate = weights["shared"], weights["gate"]
     if shared_mlp is not None:
         x64 = x.double()
@@ -377,7 +377,7 @@ def quant_reference(args, preset, layout, weights, x):
             )
             down = torch.stack([down_w[:, j * inter : (j + 1) * inter] for j in range(slots)])
             slot_weight = (g / rsf if output_regime else g).float().expand(-1, slots).contiguous()
-            out += experts(torch.arange(slots).expand(x.shape[0], -1), slot_weight, *quantized(gate_up, down))
+            out += experts(slot_weight, torch.arange(slots).expand(x.shape[0], -1), *quantized(gate_up, down))
         if output_regime:
             out *= rsf
         if layout.shared != "fused":

@@ -37,6 +37,8 @@ import math
 
 import torch
 
+from moeroute._validate import weights_then_ids
+
 __all__ = [
     "fp8_linear_reference",
     "expert_mlp_reference",
@@ -163,8 +165,8 @@ def expert_mlp_reference(
 
 def moe_experts_reference(
     x: torch.Tensor,
-    topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
     q_gate_up,
     gate_up_scale,
     q_down,
@@ -181,8 +183,10 @@ def moe_experts_reference(
 
     Weights stacked over experts: ``q_gate_up [N, 2I, H]``, ``gate_up_scale [N, ...]``,
     ``q_down [N, H, I]``, ``down_scale [N, ...]``, ``input_scale`` [N, 2] or None. Ids outside
-    [0, N) are skipped.
+    [0, N) are skipped. The routing pair comes weights then ids, as the ops take it; ids
+    first (the order before 0.2) is refused with a TypeError naming ``topk_weights``.
     """
+    weights_then_ids(topk_weights, topk_ids)
     tokens = x.shape[0]
     out = torch.zeros(tokens, q_down.shape[1], dtype=torch.float64)
     for e in range(q_gate_up.shape[0]):
@@ -262,8 +266,8 @@ def int4_expert_mlp_reference(
 
 def int4_moe_experts_reference(
     x: torch.Tensor,
-    topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
     gate_up,
     down,
     group_size: int,
@@ -274,7 +278,9 @@ def int4_moe_experts_reference(
 
     ``gate_up`` and ``down``: (packed, scales[, zeros]) stacked over experts ([N, 2I, H/2],
     [N, 2I, H/g], ... and [N, H, I/2], [N, H, I/g], ...). Ids outside [0, N) are skipped.
+    The routing pair comes weights then ids; ids first is refused with a TypeError.
     """
+    weights_then_ids(topk_weights, topk_ids)
     gate_up, down = _int4_parts(gate_up), _int4_parts(down)
     out = torch.zeros(x.shape[0], down[0].shape[1], dtype=torch.float64)
     for e in range(gate_up[0].shape[0]):

@@ -90,7 +90,7 @@ def route(layer, x, top_k, rsf, force_expert=None):
 
 def dense_reference(layer, x, ids, weights):
     """float64 ``sum_k w_k expert_k(x) + g * shared(x)`` for every token."""
-    out = dense_experts(x, ids, weights, layer.gate_up, layer.down)
+    out = dense_experts(x, weights, ids, layer.gate_up, layer.down)
     x = x.double()
     if layer.num_shared:
         shared = swiglu(x, layer.shared_gate_up.double(), layer.shared_down.double())

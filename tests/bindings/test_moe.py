@@ -51,7 +51,7 @@ def dense_reference(module, x, weights, activation="silu"):
     """sum_k w_k * expert_k(x) in float64, routing from moeroute.routing.reference."""
     logits = F.linear(x.to(module.router_weight.dtype), module.router_weight).float()
     topk_weights, topk_ids = reference.select_experts(logits.numpy(), module.router)
-    return dense_experts(x, topk_ids, topk_weights, *weights, activation)
+    return dense_experts(x, topk_weights, topk_ids, *weights, activation)
 
 
 # ------------------------------------------------------------------ the module
@@ -265,7 +265,7 @@ def test_loop_strategy_half_precision(dtype, rtol):
 
 def _slot_reference(x, local_ids, weights, w_gate_up, w_down):
     """sum over each row's valid slots of w * expert(x), in float64, slot by slot."""
-    return dense_experts(x, local_ids, weights, w_gate_up, w_down)
+    return dense_experts(x, weights, local_ids, w_gate_up, w_down)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -581,7 +581,7 @@ def biased_reference(
     logits = F.linear(x, router_weight, router_bias).float()
     topk_weights, topk_ids = reference.select_experts(logits.numpy(), router)
     return dense_experts(
-        x, topk_ids, topk_weights, w_gate_up, w_down, activation, b_gate_up, b_down, weight_on_input=weight_on_input
+        x, topk_weights, topk_ids, w_gate_up, w_down, activation, b_gate_up, b_down, weight_on_input=weight_on_input
     )
 
 

@@ -171,7 +171,7 @@ def _expert_problem(seed, tokens=10, slots=3, experts=5, dtype=torch.float32):
 
 def _experts_reference(hidden, w_gate_up, w_down, weights, ids, activation="silu"):
     """sum over the slots with a local id of w * down(act(gate x) * up x), float64."""
-    return dense_experts(hidden, ids, weights, w_gate_up, w_down, activation)
+    return dense_experts(hidden, weights, ids, w_gate_up, w_down, activation)
 
 
 @pytest.mark.parametrize("gemm", ["auto", "loop", "padded", "rows"])
@@ -191,7 +191,7 @@ def test_experts_op_with_biases_matches_reference(gemm):
     b_gate_up = torch.randn(5, 2 * I, generator=generator) * 0.5
     b_down = torch.randn(5, H, generator=generator) * 0.5
     out = torch.ops.moeroute.experts(hidden, w_gate_up, w_down, weights, ids, "silu", gemm, b_gate_up, b_down)
-    expected = dense_experts(hidden, ids, weights, w_gate_up, w_down, "silu", b_gate_up, b_down)
+    expected = dense_experts(hidden, weights, ids, w_gate_up, w_down, "silu", b_gate_up, b_down)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=FP32_ATOL)
     _opcheck(ops.OPS["experts"], (hidden, w_gate_up, w_down, weights, ids, "silu", gemm, b_gate_up, b_down))
     with pytest.raises(ValueError, match=r"b_down must be torch.float32 \[5, 24\]"):
@@ -268,7 +268,7 @@ def _held_ids(ids, expert_map):
 def test_experts_op_with_expert_map_matches_reference_over_held_experts(gemm):
     hidden, w_gate_up, w_down, weights, ids = _physical_problem(31)
     out = torch.ops.moeroute.experts(hidden, w_gate_up, w_down, weights, ids, "silu", gemm, expert_map=EXPERT_MAP)
-    expected = dense_experts(hidden, _held_ids(ids, EXPERT_MAP), weights, w_gate_up, w_down)
+    expected = dense_experts(hidden, weights, _held_ids(ids, EXPERT_MAP), w_gate_up, w_down)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=FP32_ATOL)
     assert torch.count_nonzero(out[:2]) == 0  # rows whose slots are all held elsewhere
     held_rows = (_held_ids(ids, EXPERT_MAP) >= 0).any(1)
@@ -287,7 +287,7 @@ def test_experts_op_with_expert_map_and_biases():
     out = torch.ops.moeroute.experts(
         hidden, w_gate_up, w_down, weights, ids, "silu", "loop", b_gate_up, b_down, expert_map=EXPERT_MAP
     )
-    expected = dense_experts(hidden, _held_ids(ids, EXPERT_MAP), weights, w_gate_up, w_down, "silu", b_gate_up, b_down)
+    expected = dense_experts(hidden, weights, _held_ids(ids, EXPERT_MAP), w_gate_up, w_down, "silu", b_gate_up, b_down)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=FP32_ATOL)
     assert torch.count_nonzero(out[:2]) == 0  # no bias leaks into rows with no held expert
 
@@ -296,7 +296,7 @@ def test_experts_op_with_expert_map_bfloat16():
     args = _physical_problem(34, dtype=torch.bfloat16)
     hidden, w_gate_up, w_down, weights, ids = args
     out = torch.ops.moeroute.experts(*args, expert_map=EXPERT_MAP)
-    expected = dense_experts(hidden, _held_ids(ids, EXPERT_MAP), weights, w_gate_up, w_down)
+    expected = dense_experts(hidden, weights, _held_ids(ids, EXPERT_MAP), w_gate_up, w_down)
     assert out.dtype == torch.bfloat16
     assert ((out.double() - expected).norm() / expected.norm()).item() < 3e-2
     assert torch.count_nonzero(out[:2]) == 0
@@ -324,7 +324,7 @@ def test_fp8_experts_op_with_expert_map_matches_reference_over_held_experts():
         expert_map=EXPERT_MAP,
     )
     out = torch.ops.moeroute.experts(x, q_gu, q_d, weights, ids, **kwargs)
-    expected = moe_experts_reference(x, _held_ids(ids, EXPERT_MAP), weights, q_gu, s_gu, q_d, s_d, quant.block_size)
+    expected = moe_experts_reference(x, weights, _held_ids(ids, EXPERT_MAP), q_gu, s_gu, q_d, s_d, quant.block_size)
     assert float((out - expected).abs().max() / expected.abs().max()) < 1e-4
     assert torch.count_nonzero(out[:2]) == 0
     # Same as the local ids given directly: the map is the only difference.
@@ -343,7 +343,7 @@ def test_experts_op_with_expert_map_compiles():
     compiled = torch.compile(layer, fullgraph=True)
     with torch.inference_mode():
         actual = compiled(hidden, weights, ids, EXPERT_MAP)
-    expected = dense_experts(hidden, _held_ids(ids, EXPERT_MAP), weights, w_gate_up, w_down) + hidden.double()
+    expected = dense_experts(hidden, weights, _held_ids(ids, EXPERT_MAP), w_gate_up, w_down) + hidden.double()
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=FP32_ATOL)
 
 
@@ -375,7 +375,7 @@ def test_experts_op_with_expert_map_on_cuda():
     args = _physical_problem(40)
     hidden, w_gate_up, w_down, weights, ids = args
     out = torch.ops.moeroute.experts(*(t.cuda() for t in args), expert_map=EXPERT_MAP.cuda())
-    expected = dense_experts(hidden, _held_ids(ids, EXPERT_MAP), weights, w_gate_up, w_down)
+    expected = dense_experts(hidden, weights, _held_ids(ids, EXPERT_MAP), w_gate_up, w_down)
     torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-4, atol=1e-4)
     assert torch.count_nonzero(out[:2]) == 0
     with pytest.raises(ValueError, match="expert_map is on cpu"):

@@ -83,7 +83,7 @@ def dense_reference(module, x, shared_mlp, gate, weights, *, routed_in=None, rou
     topk_weights, topk_ids = reference.select_experts(logits.numpy(), module.router, bias)
     x64 = x.double()
     routed_x = x64 if routed_in is None else F.linear(x64, routed_in.weight.double())
-    routed = dense_experts(routed_x, topk_ids, topk_weights, w_gate_up, w_down)
+    routed = dense_experts(routed_x, topk_weights, topk_ids, w_gate_up, w_down)
     if routed_out is not None:
         routed = F.linear(routed, routed_out.weight.double(), routed_out.bias.double())
     if shared_mlp is None:

@@ -57,7 +57,7 @@ def dense_reference(module, x):
     logits = F.linear(x.to(weight.dtype), weight).float()
     bias = None if module.correction_bias is None else module.correction_bias.numpy()
     topk_weights, topk_ids = reference.select_experts(logits.numpy(), module.router, bias)
-    return dense_experts(x, topk_ids, topk_weights, module.experts.w_gate_up, module.experts.w_down)
+    return dense_experts(x, topk_weights, topk_ids, module.experts.w_gate_up, module.experts.w_down)
 
 
 # ------------------------------------------------------------------ dtypes a module can take

@@ -18,7 +18,7 @@ H, I, L = 96, 80, 6  # I and 2I not multiples of the row block, H not a multiple
 
 def _reference(x, ids, weights, w_gate_up, w_down, activation, b_gate_up=None, b_down=None):
     """sum_k w[t,k] * (W_down_e act(W_gate_up_e x_t + b) + b_down), float64 from the same values."""
-    return dense_experts(x, ids, weights, w_gate_up, w_down, activation, b_gate_up, b_down)
+    return dense_experts(x, weights, ids, w_gate_up, w_down, activation, b_gate_up, b_down)
 
 
 def _problem(tokens, top_k, dtype, seed, bias=False):

@@ -264,7 +264,7 @@ def test_expert_parallel_layer_computes_its_partial_sum(dtype):
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     ids, weights = _global_ids(tokens, top_k, 41), torch.rand(tokens, top_k, generator=g)
     out = _served(plan)._experts(layer, x, weights, ids)
-    expected = dense_experts(x, _held(ids, _EP_MAP), weights, layer.w13_weight, layer.w2_weight)
+    expected = dense_experts(x, weights, _held(ids, _EP_MAP), layer.w13_weight, layer.w2_weight)
     assert out.dtype == dtype and torch.count_nonzero(out[0]) == 0
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     assert float((out.double() - expected).norm() / expected.norm()) < tolerance
@@ -280,7 +280,7 @@ def test_expert_parallel_layer_computes_its_partial_sum(dtype):
     whole_down = torch.empty(16, hidden, inter, dtype=dtype)
     whole_up[1::2], whole_up[0::2] = layer.w13_weight, other.w13_weight
     whole_down[1::2], whole_down[0::2] = layer.w2_weight, other.w2_weight
-    whole = dense_experts(x, ids, weights, whole_up, whole_down)
+    whole = dense_experts(x, weights, ids, whole_up, whole_down)
     assert float((total - whole).norm() / whole.norm()) < tolerance
 
 
@@ -312,8 +312,8 @@ def test_expert_parallel_mxfp4_layer_computes_its_partial_sum():
     out = _served(plan)._experts(layer, x, weights, ids)
     expected = dense_experts(
         x,
-        _held(ids, _EP_MAP),
         weights,
+        _held(ids, _EP_MAP),
         dequantize_mxfp4(gu_blocks, gu_scales),
         dequantize_mxfp4(d_blocks, d_scales),
         "swigluoai",
@@ -372,7 +372,7 @@ def test_expert_parallel_int4_layer_computes_its_partial_sum(symmetric):
     x = torch.randn(tokens, hidden, generator=g)
     ids, weights = _global_ids(tokens, top_k, 47), torch.rand(tokens, top_k, generator=g)
     out = _served(plan)._experts(layer, x, weights, ids)
-    expected = dense_experts(x, _held(ids, _EP_MAP), weights, w13[3], w2[3])
+    expected = dense_experts(x, weights, _held(ids, _EP_MAP), w13[3], w2[3])
     assert torch.count_nonzero(out[0]) == 0
     assert float((out.double() - expected).abs().max() / expected.abs().max()) < 1e-5
 
@@ -413,7 +413,7 @@ def test_vllm_expert_maps_are_served(placement):
         layer = _ep_layer(local_num_experts=local, expert_map=expert_map, w13_weight=w_up[held], w2_weight=w_down[held])
         assert vllm_plugin.decline_reason(layer.moe_config, layer, _runner()) is None
         total += _served(vllm_plugin.build_plan(layer, _runner()))._experts(layer, x, weights, ids).double()
-    expected = dense_experts(x, ids, weights, w_up, w_down)
+    expected = dense_experts(x, weights, ids, w_up, w_down)
     assert float((total - expected).norm() / expected.norm()) < 1e-5
 
 

@@ -86,7 +86,7 @@ def test_a_swap_waits_for_the_forward_in_flight(quant, trigger):
     if quant is None:  # the old placement's output is the layer's definition
         probs = torch.softmax(logits, dim=-1)
         weights, ids = torch.topk(probs, K, dim=-1)
-        expected = dense_experts(x, ids, weights / weights.sum(-1, keepdim=True), gate_up, down, "silu")
+        expected = dense_experts(x, weights / weights.sum(-1, keepdim=True), ids, gate_up, down, "silu")
         torch.testing.assert_close(old_output.double(), expected.double(), rtol=0, atol=1e-5)
     placement = _placement(layer)
     old_table = layer.layout.physical_to_logical.tolist()

@@ -57,7 +57,7 @@ def test_local_experts_weights_then_ids(gemm):
         experts.w_gate_up.copy_(torch.randn(N, 2 * I, H, generator=g) * 0.3)
         experts.w_down.copy_(torch.randn(N, H, I, generator=g) * 0.3)
     x, weights, ids = _routing(4)
-    expected = dense_experts(x, ids, weights, experts.w_gate_up, experts.w_down)
+    expected = dense_experts(x, weights, ids, experts.w_gate_up, experts.w_down)
     assert rel_error(experts(x, weights, ids), expected) < 1e-5
     assert rel_error(cpu_experts(x, weights, ids, experts.w_gate_up, experts.w_down, gemm=gemm), expected) < 1e-5
     assert rel_error(rows_expert_mlp(x, weights, ids, experts.w_gate_up, experts.w_down), expected) < 1e-5

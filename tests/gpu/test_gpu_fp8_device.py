@@ -48,8 +48,8 @@ def test_fp8_experts_on_device_match_reference(path, dtype, format, block_size, 
     torch.cuda.synchronize()
     expected = moe_experts_reference(
         x.float(),
-        topk_ids.long(),
         topk_weights,
+        topk_ids.long(),
         q_gu,
         s_gu,
         q_d,
@@ -119,8 +119,8 @@ def test_fused_experts_quant_routes_to_the_fp8_kernels():
     )
     expected = moe_experts_reference(
         x.float(),
-        topk_ids.long(),
         topk_weights,
+        topk_ids.long(),
         q_gu,
         s_gu,
         q_d,
@@ -146,6 +146,6 @@ def test_static_activation_scales_on_device(path):
     input_scale = torch.tensor([[0.004 * 4.0**e, 0.0005 * 2.0**e] for e in range(E)], dtype=torch.float32)
     cuda = [t.cuda() for t in (x, q_gu, s_gu, q_d, s_d, topk_weights, topk_ids)]
     out = G.fused_experts_fp8(*cuda, quant=config, path=path, input_scale=input_scale.cuda())
-    expected = moe_experts_reference(x, topk_ids.long(), topk_weights, q_gu, s_gu, q_d, s_d, input_scale=input_scale)
+    expected = moe_experts_reference(x, topk_weights, topk_ids.long(), q_gu, s_gu, q_d, s_d, input_scale=input_scale)
     error = float((out.cpu() - expected).abs().max() / expected.abs().max())
     assert error <= TOLERANCE[torch.float32], error

@@ -160,8 +160,8 @@ def test_fp8_experts_match_w8a8_reference(fp8_emulator, path, dtype, format, blo
     expected = (
         moe_experts_reference(
             x.float(),
-            torch.from_numpy(topk_ids).long(),
             torch.from_numpy(topk_weights),
+            torch.from_numpy(topk_ids).long(),
             q_gu,
             s_gu,
             q_d,
@@ -212,8 +212,8 @@ def test_scales_are_applied_per_block(fp8_emulator):
     expected = (
         moe_experts_reference(
             x,
-            torch.from_numpy(topk_ids).long(),
             torch.from_numpy(topk_weights),
+            torch.from_numpy(topk_ids).long(),
             q_gu,
             s_gu,
             q_d,
@@ -384,8 +384,8 @@ def test_static_activation_scales_match_reference(fp8_emulator, path, dtype):
     expected = (
         moe_experts_reference(
             x.float(),
-            torch.from_numpy(topk_ids).long(),
             torch.from_numpy(topk_weights),
+            torch.from_numpy(topk_ids).long(),
             q_gu,
             s_gu,
             q_d,

@@ -125,8 +125,8 @@ def _check(emulator, dtype, block, path, align_block=16, H=144, I=100):
     assert not any(name.startswith("fp8_quantize") for name in backend.launched), "w8a16 quantizes no activations"
     expected = dense_experts(
         x.double(),
-        torch.from_numpy(topk_ids),
         torch.from_numpy(topk_weights),
+        torch.from_numpy(topk_ids),
         dequantize_blocks(q_gu, s_gu, block, 2),
         dequantize_blocks(q_d, s_d, block, 1),
     ).numpy()

@@ -51,7 +51,7 @@ def _problem(group_size, symmetric, scale_dtype, T=96, H=384, I=256, E=8, K=2, s
 
 def _expected(x, topk_ids, topk_weights, gate_up, down, group_size):
     full = lambda w: dequantize(w[0], w[1], w[2] if len(w) == 3 else None, group_size)  # noqa: E731
-    return dense_experts(x.double(), topk_ids, topk_weights, full(gate_up), full(down))
+    return dense_experts(x.double(), topk_weights, topk_ids, full(gate_up), full(down))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -116,8 +116,8 @@ def test_fp8_w8a16_experts_on_device_match_reference(dtype):
     topk_weights = torch.rand(T, K, generator=g)
     expected = dense_experts(
         x.double(),
-        topk_ids,
         topk_weights,
+        topk_ids,
         dequantize_blocks(q_gu, s_gu, quant.block_size, 2),
         dequantize_blocks(q_d, s_d, quant.block_size, 1),
     )

@@ -147,8 +147,8 @@ def _run(emulator, path, dtype, scale_dtype, group_size, x, topk_ids, topk_weigh
 def _reference(dtype, group_size, x, topk_ids, topk_weights, gate_up, down):
     return dense_experts(
         x.to(TORCH[dtype]).double(),  # the values the kernel reads
-        torch.from_numpy(topk_ids),
         torch.from_numpy(topk_weights),
+        torch.from_numpy(topk_ids),
         dequantize(*gate_up, group_size),
         dequantize(*down, group_size),
     ).numpy()

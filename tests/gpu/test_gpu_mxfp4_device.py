@@ -53,7 +53,7 @@ def test_mxfp4_experts_on_device_match_reference(dtype, activation):
     x, topk_ids, topk_weights, gate_up, down, bias = _problem()
     x = x.to(dtype)
     expected = dense_experts(
-        x.double(), topk_ids, topk_weights, dequantize_mxfp4(*gate_up), dequantize_mxfp4(*down), activation, *bias
+        x.double(), topk_weights, topk_ids, dequantize_mxfp4(*gate_up), dequantize_mxfp4(*down), activation, *bias
     )
     cuda = lambda pair: tuple(t.cuda() for t in pair)  # noqa: E731
     for path in _paths(dtype):
@@ -90,8 +90,8 @@ def test_fused_experts_front_door_takes_the_pairs():
     )
     expected = dense_experts(
         x.double(),
-        topk_ids,
         topk_weights,
+        topk_ids,
         dequantize_mxfp4(*gate_up),
         dequantize_mxfp4(*down),
         "swigluoai",
@@ -116,7 +116,7 @@ def test_mxfp4_experts_forward_runs_cuda_tensors_on_the_kernels(monkeypatch):
         x.cuda(), topk_weights.cuda(), topk_ids.cuda(), *packed, bias[0].cuda(), bias[1].cuda(), activation="swigluoai"
     )
     expected = dense_experts(
-        x.double(), topk_ids, topk_weights, dequantize_mxfp4(*gate_up), dequantize_mxfp4(*down), "swigluoai", *bias
+        x.double(), topk_weights, topk_ids, dequantize_mxfp4(*gate_up), dequantize_mxfp4(*down), "swigluoai", *bias
     )
     error = float((out.double().cpu() - expected).abs().max() / expected.abs().max())
     assert launched and error <= TOLERANCE[torch.bfloat16], error

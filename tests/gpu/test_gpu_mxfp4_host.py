@@ -127,8 +127,8 @@ def _reference(dtype, x, topk_ids, topk_weights, gate_up, down, bias, activation
     b_gate_up, b_down = bias if bias is not None else (None, None)
     return dense_experts(
         x,
-        torch.from_numpy(topk_ids),
         torch.from_numpy(topk_weights),
+        torch.from_numpy(topk_ids),
         dequantize_mxfp4(*gate_up),
         dequantize_mxfp4(*down),
         activation,

@@ -71,7 +71,7 @@ def _float_cases(dtype):
         return cpu_experts(x, weights, ids, w_gate_up, w_down, gemm=strategy)
 
     def ref(x, ids, weights):
-        return dense_experts(x, ids, weights, w_gate_up.double(), w_down.double())
+        return dense_experts(x, weights, ids, w_gate_up.double(), w_down.double())
 
     yield "float", str(dtype).removeprefix("torch."), call, ref
 
@@ -95,8 +95,8 @@ def _fp8_cases(dtype):
         def ref(x, ids, weights, q=(q_gu, s_gu, q_d, s_d), config=config, w8a8=variant != "w8a16"):
             return reference.moe_experts_reference(
                 x.float(),
-                ids,
                 weights,
+                ids,
                 *q,
                 block_size=config.block_size,
                 intermediate_dtype=x.dtype,
@@ -117,7 +117,7 @@ def _mxfp4_cases(dtype):
         return mxfp4_experts_forward(x, weights, ids, gu_b, gu_s, d_b, d_s, strategy=strategy)
 
     def ref(x, ids, weights):
-        return dense_experts(x, ids, weights, dequantize_mxfp4(gu_b, gu_s), dequantize_mxfp4(d_b, d_s))
+        return dense_experts(x, weights, ids, dequantize_mxfp4(gu_b, gu_s), dequantize_mxfp4(d_b, d_s))
 
     yield "mxfp4", "mxfp4", call, ref
 
@@ -139,7 +139,7 @@ def _int4_cases(dtype):
                 return int4_format.int4_experts_forward(x, weights, ids, gu, d, group, strategy=strategy)
 
             def ref(x, ids, weights, w=(dq_gu, dq_d)):
-                return dense_experts(x, ids, weights, w[0].double(), w[1].double())
+                return dense_experts(x, weights, ids, w[0].double(), w[1].double())
 
             kind = "sym" if symmetric else "asym"
             yield "int4", f"{kind} g{group}", call, ref

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeroute._validate import weights_then_ids
+
 #: gpt-oss's clamped SwiGLU ("swigluoai"): gate clamped above, up clamped both sides, at 7;
 #: the gate's sigmoid is scaled by 1.702.
 SWIGLUOAI_LIMIT = 7.0
@@ -65,15 +67,17 @@ def gated_activation(gate, up, activation="silu"):
 
 
 def dense_experts(
-    x, ids, weights, w_gate_up, w_down, activation="silu", b_gate_up=None, b_down=None, weight_on_input=False
+    x, weights, ids, w_gate_up, w_down, activation="silu", b_gate_up=None, b_down=None, weight_on_input=False
 ):
     """``out[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` in float64, slot by slot.
 
     ``expert_e(v) = W_down[e] act(W_gate_up[e] v + b_gate_up[e]) + b_down[e]`` with the gate
     rows first in ``W_gate_up`` ([E, 2I, H], ``W_down`` [E, H, I]); a slot whose id is outside
     [0, E) (held elsewhere, or -1) adds nothing. With ``weight_on_input`` the weight scales the
-    expert's input row instead of its output.
+    expert's input row instead of its output. The routing pair comes weights then ids, as the
+    library's entry points take it (ids first: TypeError naming the argument).
     """
+    weights_then_ids(weights, ids, "weights", "ids")
     inter = w_down.shape[2]
     x64 = x.double()
     out = torch.zeros(x.shape[0], w_down.shape[1], dtype=torch.float64)

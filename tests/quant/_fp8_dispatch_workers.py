@@ -133,7 +133,7 @@ def _case(rank, world_size, quant, inter, dtype, dispatch, shared):
         # The independent w8a8 definition (plain torch) plus the float shared MLP, once.
         weights, ids = reference.select_experts((x @ router_weight.T).numpy(), router, None)
         expected = moe_experts_reference(
-            x, torch.from_numpy(ids).long(), torch.from_numpy(weights), *q, quant.block_size, quant.scale_fmt
+            x, torch.from_numpy(weights), torch.from_numpy(ids).long(), *q, quant.block_size, quant.scale_fmt
         )
         with torch.no_grad():
             expected += shared_mlp(x)

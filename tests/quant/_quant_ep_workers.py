@@ -55,13 +55,13 @@ def _case(rank, world_size, quant, inter, dispatch, shared):
         out = module(x)
     weights, ids = reference.select_experts((x @ router_weight.T).numpy(), router, None)
     expected = moe_experts_reference(
-        x, torch.from_numpy(ids).long(), torch.from_numpy(weights), *q, quant.block_size, quant.scale_fmt
+        x, torch.from_numpy(weights), torch.from_numpy(ids).long(), *q, quant.block_size, quant.scale_fmt
     )
     if module.layout.shared == "fused":
         slots_gu = torch.cat([shared_mlp.gate_proj.weight, shared_mlp.up_proj.weight])[None].detach()
         slots = quantize_experts(slots_gu, shared_mlp.down_proj.weight[None].detach(), quant)
         expected += moe_experts_reference(
-            x, torch.zeros(T, 1, dtype=torch.long), torch.ones(T, 1), *slots, quant.block_size, quant.scale_fmt
+            x, torch.ones(T, 1), torch.zeros(T, 1, dtype=torch.long), *slots, quant.block_size, quant.scale_fmt
         )
     else:
         with torch.no_grad():

@@ -187,7 +187,7 @@ def test_nan_activation_gives_nan_for_its_token(shape, tokens, gemm, dtype):
     x[1, 7] = float("nan")
     x = x.to(dtype)
     out = _op(quant, x, ids, weights, tensors, gemm)
-    expected = moe_experts_reference(x, ids.long(), weights, *tensors, quant.block_size, intermediate_dtype=dtype)
+    expected = moe_experts_reference(x, weights, ids.long(), *tensors, quant.block_size, intermediate_dtype=dtype)
     assert torch.isnan(expected[1]).all()  # the definition
     assert torch.isnan(out[1]).all(), f"finite outputs for the NaN token: {out[1][~torch.isnan(out[1])][:4]}"
     rest = torch.ones(tokens, dtype=torch.bool)
@@ -219,7 +219,7 @@ def _path_errors() -> dict:
         weights = torch.rand(tokens, 2, generator=generator)
         for dtype in (torch.float32, torch.bfloat16):
             expected = moe_experts_reference(
-                x.to(dtype), ids, weights, *tensors, quant.block_size, intermediate_dtype=dtype
+                x.to(dtype), weights, ids, *tensors, quant.block_size, intermediate_dtype=dtype
             )
             for strategy in ("auto", "rows", "blocks"):
                 out = fp8_experts_forward(x.to(dtype), weights, ids, *tensors, quant, strategy=strategy)

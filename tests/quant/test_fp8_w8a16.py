@@ -94,7 +94,7 @@ def test_reference_is_the_dense_layer_on_dequantized_weights(dtype):
         x, ids, weights, _gate_up_dequantized(q_gu, s_gu, block, inter), _dequantize(q_d, s_d, block), dtype
     )
     got = moe_experts_reference(
-        x, ids, weights, q_gu, s_gu, q_d, s_d, block, intermediate_dtype=dtype, quantize_activations=False
+        x, weights, ids, q_gu, s_gu, q_d, s_d, block, intermediate_dtype=dtype, quantize_activations=False
     )
     assert rel_error(got, expected) < 1e-6
 
@@ -111,9 +111,9 @@ def test_every_strategy_within_the_bound(shape, dtype, threads):
             quant, x, ids, weights, tensors = _case(hidden, inter, block, tokens, seed=tokens)
             x = x.to(dtype)
             expected = moe_experts_reference(
-                x, ids, weights, *tensors, block, intermediate_dtype=dtype, quantize_activations=False
+                x, weights, ids, *tensors, block, intermediate_dtype=dtype, quantize_activations=False
             )
-            w8a8 = moe_experts_reference(x, ids, weights, *tensors, block, intermediate_dtype=dtype)
+            w8a8 = moe_experts_reference(x, weights, ids, *tensors, block, intermediate_dtype=dtype)
             for strategy in ("auto", "rows", "blocks"):
                 out = fp8_experts_forward(x, weights, ids, *tensors, quant, strategy=strategy)
                 assert out.dtype == dtype
@@ -161,7 +161,7 @@ def test_moe_load_state_dict_and_forward():
         weights, ids = arrays.select_experts(w8a16.compute_router_logits(x), w8a16.router, None)
         out = w8a16(x)
     expected = moe_experts_reference(
-        x, torch.as_tensor(ids).long(), torch.as_tensor(weights), *tensors, BLOCK,
+        x, torch.as_tensor(weights), torch.as_tensor(ids).long(), *tensors, BLOCK,
         intermediate_dtype=torch.bfloat16, quantize_activations=False,
     )  # fmt: skip
     assert out.dtype == torch.bfloat16

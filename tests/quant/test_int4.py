@@ -404,7 +404,7 @@ def test_reference_expert_mlp_and_moe():
         rtol=1e-5,
         atol=1e-5,
     )
-    out = int4_moe_experts_reference(x, ids, weights, gate_up, down, 32)
+    out = int4_moe_experts_reference(x, weights, ids, gate_up, down, 32)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 

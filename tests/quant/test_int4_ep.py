@@ -56,7 +56,7 @@ def _reference(case, x):
     x64 = x.double()
     logits = (x64 @ w["router_weight"].double().T).float()
     topk_weights, topk_ids = reference.select_experts(logits.numpy(), workers.ROUTER, None)
-    out = dense_experts(x64, topk_ids, topk_weights, w_gate_up, w_down)
+    out = dense_experts(x64, topk_weights, topk_ids, w_gate_up, w_down)
     # The shared MLP and its gate as the layer holds them (cast to the activations' dtype).
     float_dtype = getattr(torch, dtype.split(".")[1])
     gate_w, up_w, down_w = (t.to(float_dtype).double() for t in w["shared"])
@@ -66,7 +66,7 @@ def _reference(case, x):
         slot_gu = plain_dequantize(*quantize_int4(torch.cat([gate_w, up_w]).float(), **kwargs), group=group)
         slot_d = plain_dequantize(*quantize_int4(down_w.float(), **kwargs), group=group)
         ids = torch.zeros(x.shape[0], 1, dtype=torch.long)
-        return out + dense_experts(x64, ids, g, slot_gu[None], slot_d[None])
+        return out + dense_experts(x64, g, ids, slot_gu[None], slot_d[None])
     act = torch.nn.functional.silu(x64 @ gate_w.T) * (x64 @ up_w.T)
     return out + g * (act @ down_w.T)
 

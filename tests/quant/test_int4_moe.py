@@ -123,7 +123,7 @@ def test_forward_matches_the_float64_reference(group, symmetric, dtype, strategy
     ids, weights = routed(9, seed=group)
     out = int4_experts_forward(x, weights, ids, gate_up, down, group, strategy=strategy)
     assert out.dtype == dtype and out.shape == x.shape
-    expected = int4_moe_experts_reference(x.float(), ids, weights, gate_up, down, group, intermediate_dtype=dtype)
+    expected = int4_moe_experts_reference(x.float(), weights, ids, gate_up, down, group, intermediate_dtype=dtype)
     assert rel_error(out.float(), expected) < RTOL[dtype]
 
 
@@ -132,7 +132,7 @@ def test_every_scale_dtype_and_auto_past_the_row_bound(scale_dtype):
     gate_up, down = experts(64, False, seed=3, scale_dtype=scale_dtype)
     x = randn(80, H, seed=6)  # 160 slots over 8 experts: prefill-sized, "auto" still takes "rows"
     ids, weights = routed(80, seed=1)
-    expected = int4_moe_experts_reference(x, ids, weights, gate_up, down, 64)
+    expected = int4_moe_experts_reference(x, weights, ids, gate_up, down, 64)
     for strategy in ("auto", "rows", "blocks"):
         out = int4_experts_forward(x, weights, ids, gate_up, down, 64, strategy=strategy)
         assert rel_error(out, expected) < RTOL[torch.float32]
@@ -151,7 +151,7 @@ def test_one_thread_and_two_give_the_same_bits():
         finally:
             torch.set_num_threads(previous)
     assert torch.equal(outs[0], outs[1])
-    expected = int4_moe_experts_reference(x, ids, weights, gate_up, down, 32)
+    expected = int4_moe_experts_reference(x, weights, ids, gate_up, down, 32)
     assert rel_error(outs[0], expected) < RTOL[torch.float32]
 
 
@@ -202,8 +202,8 @@ def reference_output(module, x, weights, shared_mlp, gate, dtype):
     topk_weights, topk_ids = reference.select_experts(logits.numpy(), module.router, None)
     out = int4_moe_experts_reference(
         x.float(),
-        torch.from_numpy(topk_ids).long(),
         torch.from_numpy(topk_weights),
+        torch.from_numpy(topk_ids).long(),
         *weights,
         quant.group_size,
         intermediate_dtype=dtype,
@@ -216,7 +216,7 @@ def reference_output(module, x, weights, shared_mlp, gate, dtype):
         slot_d = tuple(t[None] for t in quantize_int4(w[2].float(), **kwargs))
         ids = torch.zeros(x.shape[0], 1, dtype=torch.long)
         shared = int4_moe_experts_reference(
-            x.float(), ids, g.float(), slot_gu, slot_d, quant.group_size, intermediate_dtype=dtype
+            x.float(), g.float(), ids, slot_gu, slot_d, quant.group_size, intermediate_dtype=dtype
         )
     else:
         x64 = x.double()

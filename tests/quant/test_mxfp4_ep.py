@@ -35,7 +35,7 @@ def _reference(x):
     x = x.double()
     logits = (x @ w["router_weight"].double().T + w["router_bias"].double()).float()
     topk_weights, topk_ids = reference.select_experts(logits.numpy(), workers.ROUTER, None)
-    return dense_experts(x, topk_ids, topk_weights, w_gate_up, w_down, "swigluoai", w["gate_up_bias"], w["down_bias"])
+    return dense_experts(x, topk_weights, topk_ids, w_gate_up, w_down, "swigluoai", w["gate_up_bias"], w["down_bias"])
 
 
 def test_every_case_matches_the_reference(results):

@@ -64,7 +64,7 @@ def reference_output(module, x, weights):
     x = x.reshape(-1, H).double()
     logits = (x @ module.router_weight.double().T + module.router_bias.double()).float()
     topk_weights, topk_ids = reference.select_experts(logits.numpy(), module.router, None)
-    return dense_experts(x, topk_ids, topk_weights, w_gate_up, w_down, "swigluoai", gate_up_bias, down_bias)
+    return dense_experts(x, topk_weights, topk_ids, w_gate_up, w_down, "swigluoai", gate_up_bias, down_bias)
 
 
 def rel_error(actual, expected):

@@ -83,7 +83,7 @@ def test_load_state_dict_deepseek_per_expert_keys():
     x = _randn(5, H, seed=6, scale=1.0)
     weights, ids = reference.select_experts((x @ state["gate.weight"].T).numpy(), ROUTER, None)
     want = moe_experts_reference(
-        x, torch.from_numpy(ids).long(), torch.from_numpy(weights), *expected, QUANT.block_size
+        x, torch.from_numpy(weights), torch.from_numpy(ids).long(), *expected, QUANT.block_size
     )
     with torch.no_grad():
         got = module(x)

@@ -74,8 +74,8 @@ def reference_output(module, x, quantized, shared_mlp, gate, dtype, shared_times
     topk_weights, topk_ids = _routing(module, x)
     routed = moe_experts_reference(
         x,
-        topk_ids,
         topk_weights,
+        topk_ids,
         q_gu,
         s_gu,
         q_d,
@@ -107,7 +107,7 @@ def reference_output(module, x, quantized, shared_mlp, gate, dtype, shared_times
         q = quantize_experts(slots_gu, slots_d, quant)
         ids = torch.arange(num_slots).repeat(x.shape[0], 1)
         shared = moe_experts_reference(
-            x, ids, g.float().expand(-1, num_slots), *q, quant.block_size, quant.scale_fmt, intermediate_dtype=dtype
+            x, g.float().expand(-1, num_slots), ids, *q, quant.block_size, quant.scale_fmt, intermediate_dtype=dtype
         )
     else:
         x64 = x.double()
@@ -184,7 +184,7 @@ def test_cpu_strategies_agree_with_reference(strategy, rows_per_expert):
     ids = torch.stack([torch.arange(tokens) % experts, (torch.arange(tokens) + 1) % (experts + 1) - 1], 1)
     weights = torch.rand(tokens, 2, generator=torch.Generator().manual_seed(4))
     out = fp8_experts_forward(x, weights, ids.int(), *q, quant, strategy=strategy)
-    expected = moe_experts_reference(x, ids, weights, *q, quant.block_size)
+    expected = moe_experts_reference(x, weights, ids, *q, quant.block_size)
     # float32: the same numerics up to float32 rounding and summation order, which can flip an
     # e4m3 rounding tie of the re-quantized intermediate (one step of one value moves that
     # token's row by up to about 5e-4 of the largest output, docs/quant.md). Every other row
@@ -420,7 +420,7 @@ def test_row_kernels_every_tile_shape_against_reference(fmt, threads, inter):
         out = fp8_experts_forward(x, weights, ids.int(), *q, quant, strategy="rows")
     finally:
         torch.set_num_threads(previous)
-    expected = moe_experts_reference(x, ids, weights, *q, quant.block_size if fmt != "tensor" else None)
+    expected = moe_experts_reference(x, weights, ids, *q, quant.block_size if fmt != "tensor" else None)
     # As in test_cpu_strategies_agree_with_reference: float32 summation order may flip an
     # e4m3 rounding tie of the re-quantized intermediate in a row or so (one step of one
     # value: up to about 1.2e-3 of the largest output here with per-tensor scales, whose

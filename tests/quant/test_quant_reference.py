@@ -60,7 +60,7 @@ def test_expert_and_moe_reference_compose():
     x = _randn(t, h, seed=2)
     ids = torch.tensor([[0, 2], [1, -1], [2, 0], [5, 1], [0, 1], [2, 2]])
     weights = torch.rand(t, 2, generator=torch.Generator().manual_seed(3))
-    got = moe_experts_reference(x, ids, weights, q_gu, s_gu, q_d, s_d, config.block_size)
+    got = moe_experts_reference(x, weights, ids, q_gu, s_gu, q_d, s_d, config.block_size)
     expected = torch.zeros(t, h)
     for row in range(t):
         for k in range(2):
@@ -77,4 +77,30 @@ def test_expert_and_moe_reference_compose():
     down = fp8_linear_reference(act, q_d[e], s_d[e], config.block_size)
     torch.testing.assert_close(
         expert_mlp_reference(x, q_gu[e], s_gu[e], q_d[e], s_d[e], config.block_size), down, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_layer_references_refuse_ids_first():
+    """The routing pair comes weights then ids; the order before 0.2 is refused by name
+    instead of summing ids read as weights."""
+    from moeroute.quant import quantize_int4
+    from moeroute.quant.reference import int4_moe_experts_reference
+
+    x = _randn(2, 64)
+    ids = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
+    weights = torch.full((2, 2), 0.5)
+    q_gu, s_gu, q_d, s_d = quantize_experts(
+        _randn(2, 64, 64, seed=1), _randn(2, 64, 32, seed=2), QuantConfig("fp8_tensor")
+    )
+    with pytest.raises(TypeError, match="topk_weights must be a floating array, got dtype int32"):
+        moe_experts_reference(x, ids, weights, q_gu, s_gu, q_d, s_d)
+    gate_up = quantize_int4(_randn(2, 64, 64, seed=1), group_size=32)
+    down = quantize_int4(_randn(2, 64, 32, seed=2), group_size=32)
+    with pytest.raises(TypeError, match="topk_weights must be a floating array, got dtype int32"):
+        int4_moe_experts_reference(x, ids, weights, gate_up, down, 32)
+    # The order taken: one expert at weight 1 is that expert's MLP.
+    one = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    assert torch.equal(
+        int4_moe_experts_reference(x, one, ids, gate_up, down, 32)[0],
+        int4_moe_experts_reference(x[:1], one[:1, :1], ids[:1, :1], gate_up, down, 32)[0],
     )

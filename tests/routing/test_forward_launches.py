@@ -96,7 +96,7 @@ def test_one_rank_forward_routes_once(monkeypatch, shared):
     want = (
         torch.nn.functional.silu(x64 @ s.gate_proj.weight.double().T) * (x64 @ s.up_proj.weight.double().T)
     ) @ s.down_proj.weight.double().T
-    want += dense_experts(x, top_ids, top_w, w_gate_up, w_down)
+    want += dense_experts(x, top_w, top_ids, w_gate_up, w_down)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
 
 

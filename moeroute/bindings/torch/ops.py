@@ -505,11 +505,10 @@ def _check_int4_experts_args(
                 raise ValueError(
                     f"{name}'s scales are missing; pass gate_up_scale and down_scale with quant_format='int4'"
                 )
-            # Zero point values are read only where that is free (plain CPU tensors): a
-            # device read would synchronize, and a fake tensor has none.
-            readable = zero is None or (type(zero) is torch.Tensor and zero.device.type == "cpu")
-            check_int4(packed, scale, zero if readable else None, group_size=quant.group_size, name=name)
-            if not readable and (zero.dtype != torch.uint8 or tuple(zero.shape) != tuple(scale.shape)):
+            # Shapes and dtypes only: zero point values are checked by the forward (here a read
+            # would synchronize a device, and a fake tensor has none).
+            check_int4(packed, scale, None, group_size=quant.group_size, name=name)
+            if zero is not None and (zero.dtype != torch.uint8 or tuple(zero.shape) != tuple(scale.shape)):
                 raise ValueError(
                     f"{name} zeros must be uint8 of the scales' shape {tuple(scale.shape)}, got {zero.dtype} of "
                     f"shape {tuple(zero.shape)}"
