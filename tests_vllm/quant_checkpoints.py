@@ -26,6 +26,7 @@ All three also write the same model with those experts dequantized back to
 bfloat16 (the exact values q * scale_inv), for vLLM to serve without quantization.
 """
 
+import copy
 import json
 import os
 
@@ -180,18 +181,40 @@ INT4_QUANTIZATION_CONFIG = {
 }
 
 
-def pack_quantized_int4(weight, group=INT4_GROUP):
-    """compressed-tensors ``pack-quantized`` tensors of a float weight [N, K], symmetric INT4
-    in groups of ``group`` input columns, written from the published layout (not with moeroute).
+def pack_quantized_int4(weight, group=INT4_GROUP, symmetric=True):
+    """compressed-tensors ``pack-quantized`` tensors of a float weight [N, K], INT4 in groups
+    of ``group`` input columns, written from the published layout (not with moeroute).
 
     ``weight_scale`` [N, K/group] bfloat16: the group's max |w| / 7.5 (the min-max observer's
     symmetric range [-8, 7]) rounded to 5 significant bits, so that every ``q * scale`` is
     a bfloat16 value; ``q = clamp(round(w / scale), -8, 7)``; ``weight_packed`` int32
     [N, K/8], column k's ``q + 8`` in bits ``4 * (k % 8)`` of word ``k // 8``;
     ``weight_shape`` int64 [2] = (N, K). Returns those three and the dequantized weight
-    ``q * scale`` (float32, exact)."""
+    ``q * scale`` (float32, exact).
+
+    ``symmetric=False``: the min-max range widened to hold 0, ``scale = (hi - lo) / 15``
+    rounded to 4 significant bits (so that every ``(q - zp) * scale`` is a bfloat16 value),
+    a signed zero point ``zp = clamp(round(-lo / scale), 0, 15) - 8`` per group,
+    ``q = clamp(round(w / scale) + zp, -8, 7)`` stored as ``q + 8`` as above, and
+    ``weight_zero_point`` int32 [N/8, K/group]: row n's ``zp + 8`` in bits ``4 * (n % 8)`` of
+    word ``n // 8`` (packed along the rows), returned after the dequantized weight."""
     rows, cols = weight.shape
     w = weight.float().reshape(rows, cols // group, group)
+    if not symmetric:
+        lo = w.amin(dim=2).clamp(max=0)
+        hi = w.amax(dim=2).clamp(min=0)
+        mantissa, exponent = torch.frexp(((hi - lo) / 15).clamp(min=1e-8))
+        scale = torch.ldexp(torch.round(mantissa * 16) / 16, exponent).to(torch.bfloat16)
+        zp = torch.clamp(torch.round(-lo / scale.float()), 0, 15) - 8
+        q = torch.clamp(torch.round(w / scale.float()[:, :, None]) + zp[:, :, None], -8, 7)
+        dequantized = ((q - zp[:, :, None]) * scale.float()[:, :, None]).reshape(rows, cols)
+        nibbles = (q.reshape(rows, cols // 8, 8).to(torch.int64) + 8) << (4 * torch.arange(8))
+        words = nibbles.sum(dim=2)
+        packed = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        zp_words = ((zp.to(torch.int64) + 8).reshape(rows // 8, 8, -1) << (4 * torch.arange(8))[:, None]).sum(dim=1)
+        zero_point = torch.where(zp_words >= 2**31, zp_words - 2**32, zp_words).to(torch.int32)
+        shape = torch.tensor([rows, cols], dtype=torch.int64)
+        return packed, scale, shape, dequantized, zero_point
     amax = w.abs().amax(dim=2).clamp(min=1e-8)
     mantissa, exponent = torch.frexp(amax / 7.5)
     scale = torch.ldexp(torch.round(mantissa * 32) / 32, exponent).to(torch.bfloat16)
@@ -204,12 +227,13 @@ def pack_quantized_int4(weight, group=INT4_GROUP):
     return packed, scale, shape, dequantized
 
 
-def save_int4_deepseek(directory, dequantized_directory=None, seed=0):
+def save_int4_deepseek(directory, dequantized_directory=None, seed=0, symmetric=True):
     """Save the tiny DeepSeek-V3 (Kimi-K2's architecture) with its routed experts as
     compressed-tensors W4A16 into ``directory``: ``mlp.experts.{e}.{gate,up,down}_proj``
     ``.weight_packed``, ``.weight_scale`` and ``.weight_shape`` (`pack_quantized_int4`), and
     Kimi-K2's ``quantization_config``; when given, the same model with those experts
-    dequantized to bfloat16 (exact) into ``dequantized_directory``."""
+    dequantized to bfloat16 (exact) into ``dequantized_directory``. ``symmetric=False``: the
+    asymmetric form, with each weight's ``.weight_zero_point`` and ``"symmetric": false``."""
     from safetensors.torch import load_file, save_file
 
     model_cls, config = checkpoints._config("deepseek_v3")
@@ -221,8 +245,10 @@ def save_int4_deepseek(directory, dequantized_directory=None, seed=0):
         if not _is_routed_expert(key):
             quantized[key] = dequantized[key] = value
             continue
-        packed, scale, shape, exact = pack_quantized_int4(value)
+        packed, scale, shape, exact, *zero_point = pack_quantized_int4(value, symmetric=symmetric)
         module = key[: -len(".weight")]
+        if zero_point:
+            quantized[module + ".weight_zero_point"] = zero_point[0]
         quantized[module + ".weight_packed"] = packed
         quantized[module + ".weight_scale"] = scale
         quantized[module + ".weight_shape"] = shape
@@ -234,7 +260,8 @@ def save_int4_deepseek(directory, dequantized_directory=None, seed=0):
     save_file(quantized, path, metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json")) as f:
         config_json = json.load(f)
-    config_json["quantization_config"] = INT4_QUANTIZATION_CONFIG
+    config_json["quantization_config"] = copy.deepcopy(INT4_QUANTIZATION_CONFIG)
+    config_json["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = symmetric
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config_json, f, indent=2)
     return directory

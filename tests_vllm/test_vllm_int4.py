@@ -23,6 +23,10 @@ Checked against two references:
   identical except after a step where that run's top-2 log-probabilities are within `TIE`;
   eager, and with vLLM's torch.compile.
 
+The asymmetric form (``"symmetric": false``, each weight's ``weight_zero_point`` packed
+along its rows) is served too and checked layer by layer against the same float64 MoE on
+``(q - zp) * scale``.
+
 The shared expert is vLLM's runner's with INT4 routed experts as with float ones: its calls
 and rows are counted in both runs and must be equal.
 """
@@ -47,6 +51,14 @@ MOE_LAYERS = ("model.layers.1.mlp.experts", "model.layers.2.mlp.experts")
 #: Largest |moeroute - reference| / max |reference| per call, bfloat16 activations (the
 #: layer's intermediate and output rounded to bfloat16: 2 ** -8 relative each).
 LAYER_BOUND = 2e-2
+
+
+@pytest.fixture(scope="session")
+def served_int4_asymmetric(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_int4_asymmetric")
+    int4_dir = quant_checkpoints.save_int4_deepseek(str(root / "int4"), symmetric=False)
+    on, on_log = _serve(root / "on.json", [int4_dir], "--capture", VLLM_PLUGINS="moeroute")
+    return {"int4": int4_dir, "on": on, "on_log": on_log, "captured": torch.load(str(root / "on.json") + ".0.pt")}
 
 
 @pytest.fixture(scope="session")
@@ -114,14 +126,21 @@ def test_shared_expert_calls_are_the_float_models(served_int4):
         assert c["shared_calls"] == c["runner_calls"] > 0 and c["shared_rows"] == c["runner_rows"], c
 
 
-def _decode(packed, scale, shape):
+def _decode(packed, scale, shape, zero_point=None):
     """float64 [N, K] of one compressed-tensors pack-quantized weight, from the published
-    layout: column k's q + 8 in bits 4 * (k % 8) of word k // 8, W = q * scale per group."""
+    layout: column k's q + 8 in bits 4 * (k % 8) of word k // 8, W = q * scale per group;
+    asymmetric, W = (q - zp) * scale with row n's zp + 8 in bits 4 * (n % 8) of word n // 8
+    of ``zero_point``."""
     rows, cols = (int(v) for v in shape)
     words = packed.to(torch.int64) & 0xFFFFFFFF
     nibbles = (words[:, :, None] >> (4 * torch.arange(8))) & 0xF
     q = nibbles.reshape(rows, -1)[:, :cols].double() - 8
-    return q * scale.double().repeat_interleave(cols // scale.shape[1], dim=1)
+    group = cols // scale.shape[1]
+    if zero_point is not None:
+        zp_words = zero_point.to(torch.int64) & 0xFFFFFFFF
+        zp = ((zp_words[:, None, :] >> (4 * torch.arange(8))[:, None]) & 0xF).reshape(-1, scale.shape[1])[:rows]
+        q = q - (zp.double() - 8).repeat_interleave(group, dim=1)
+    return q * scale.double().repeat_interleave(group, dim=1)
 
 
 def _checkpoint_experts(int4_dir, layer_name):
@@ -134,7 +153,12 @@ def _checkpoint_experts(int4_dir, layer_name):
 
     def weight(e, p):
         key = f"{prefix}.experts.{e}.{p}"
-        return _decode(tensors[key + ".weight_packed"], tensors[key + ".weight_scale"], tensors[key + ".weight_shape"])
+        return _decode(
+            tensors[key + ".weight_packed"],
+            tensors[key + ".weight_scale"],
+            tensors[key + ".weight_shape"],
+            tensors.get(key + ".weight_zero_point"),
+        )
 
     gate_up = torch.stack([torch.cat([weight(e, "gate_proj"), weight(e, "up_proj")]) for e in range(NUM_EXPERTS)])
     down = torch.stack([weight(e, "down_proj") for e in range(NUM_EXPERTS)])
@@ -159,14 +183,32 @@ def _moe_reference(x, ids, weights, w_gate_up, w_down):
 
 @pytest.mark.parametrize("layer_name", MOE_LAYERS)
 def test_layer_outputs_match_the_float64_reference(served_int4, layer_name):
+    _check_layer_outputs(served_int4, layer_name)
+
+
+def test_plugin_serves_the_asymmetric_int4_layers(served_int4_asymmetric):
+    served = served_int4_asymmetric
+    counts = list(served["on"][served["int4"]]["counts"].values())
+    assert len(counts) == len(MOE_LAYERS)
+    assert all(c["method"] == "MoerouteInt4MoEMethod" and c["monolithic"] for c in counts), counts
+    assert served["on"]["stats"]["quantized_layers"] == len(MOE_LAYERS)
+    assert "int4 (groups of 32, asymmetric) silu experts; shared expert: runner" in served["on_log"]
+
+
+@pytest.mark.parametrize("layer_name", MOE_LAYERS)
+def test_asymmetric_layer_outputs_match_the_float64_reference(served_int4_asymmetric, layer_name):
+    _check_layer_outputs(served_int4_asymmetric, layer_name)
+
+
+def _check_layer_outputs(served, layer_name):
     from moeroute.config import RouterConfig
     from moeroute.routing.reference import select_experts
 
-    calls = served_int4["captured"][layer_name]
-    assert len(calls) == served_int4["on"]["stats"]["calls"] // len(MOE_LAYERS)
-    with open(os.path.join(served_int4["int4"], "config.json")) as f:
+    calls = served["captured"][layer_name]
+    assert len(calls) == served["on"]["stats"]["calls"] // len(MOE_LAYERS)
+    with open(os.path.join(served["int4"], "config.json")) as f:
         config = json.load(f)
-    w_gate_up, w_down, bias = _checkpoint_experts(served_int4["int4"], layer_name)
+    w_gate_up, w_down, bias = _checkpoint_experts(served["int4"], layer_name)
     errors = []
     for call in calls:
         assert torch.equal(call["bias"].float(), bias)
