@@ -79,6 +79,16 @@ def _decode_row_split_portable(blocks_row, params_row, w):
 _F16_HIGH_BYTES = [int(np.float16(q - SYMMETRIC_ZERO).view(np.uint16)) >> 8 for q in range(16)]
 
 
+def _group_shift(builder, blocks, groups):
+    """log2 of the blocks per group (blocks / groups: 1, 2 or 4 for groups of 32, 64 or 128
+    columns, a power of two), so that a block's group is a shift, not a division per block."""
+    per = builder.udiv(blocks, groups)
+    cttz = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(per.type, [per.type, ir.IntType(1)]), f"llvm.cttz.i{per.type.width}"
+    )
+    return builder.call(cttz, [per, ir.Constant(ir.IntType(1), 0)])
+
+
 def _int4_block_scale(context, builder, params_type, params_value, groups):
     """INT4's block rule for `cpu_mxfp4.decode_row_split_intrinsic`: block g reads group
     g // (G / G') of params_row [P, G'] (C order): scale s = params_row[0, group], offset
@@ -88,12 +98,12 @@ def _int4_block_scale(context, builder, params_type, params_value, groups):
     parts, width = cgutils.unpack_tuple(builder, params.shape, 2)
     # a row of no columns has no groups: divide by one, not zero (the loop never runs)
     empty = builder.icmp_unsigned("==", width, ir.Constant(width.type, 0))
-    per = builder.udiv(groups, builder.select(empty, ir.Constant(width.type, 1), width))
+    shift = _group_shift(builder, groups, builder.select(empty, ir.Constant(width.type, 1), width))
     zeros = builder.icmp_unsigned("==", parts, ir.Constant(parts.type, 2))
     eight = ir.Constant(f32, float(SYMMETRIC_ZERO))
 
     def at(g):
-        group = builder.udiv(g, per)
+        group = builder.lshr(g, shift)
         scale = builder.load(builder.gep(params.data, [group]))
         # the zero point's index only when there is one (P = 1 has no second part to read)
         zero_index = builder.select(zeros, builder.add(width, group), group)
@@ -175,14 +185,14 @@ def _int4_tile_scale(context, builder, params_type, params_value, groups):
     params = context.make_array(params_type)(context, builder, params_value)
     _, parts, width = cgutils.unpack_tuple(builder, params.shape, 3)
     empty = builder.icmp_unsigned("==", width, ir.Constant(width.type, 0))
-    per = builder.udiv(groups, builder.select(empty, ir.Constant(width.type, 1), width))
+    shift = _group_shift(builder, groups, builder.select(empty, ir.Constant(width.type, 1), width))
     row_stride = builder.mul(parts, width)
 
     def row_at(row):
         base = builder.gep(params.data, [builder.mul(row, row_stride)])
 
         def at(g):
-            return builder.load(builder.gep(base, [builder.udiv(g, per)]))
+            return builder.load(builder.gep(base, [builder.lshr(g, shift)]))
 
         return at
 
