@@ -189,6 +189,14 @@ def machine_info() -> dict:
     return info
 
 
+def isa_suffix() -> str:
+    """The suffix "_<path>" when ``MOEROUTE_CPU_ISA`` holds the kernels to a lower instruction-set path than the
+    CPU's own, else "": such a run is written beside the CPU's own (quant_avx2.json by quant.json)."""
+    import moeroute
+
+    return f"_{moeroute.cpu_isa()}" if os.environ.get("MOEROUTE_CPU_ISA") else ""
+
+
 def write_results(name: str, payload: dict) -> Path:
     """Write ``payload`` plus machine info to bench/results/<name>.json; return the path."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)

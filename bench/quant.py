@@ -31,7 +31,9 @@ bytes read per second against the copy bandwidth; JSON to bench/results/quant_in
 
 ``--shape NAME`` (repeatable): only those shapes. The JSON records the instruction-set path
 the kernels took (``moeroute.cpu_isa()``, see `MOEROUTE_CPU_ISA`), so a run under
-``MOEROUTE_CPU_ISA=avx2`` reports the AVX2 path's share of the copy bandwidth.
+``MOEROUTE_CPU_ISA=avx2`` reports the AVX2 path's share of the copy bandwidth, and writes beside
+the CPU's own run (quant_avx2.json, quant_int4_avx2.json); hold torch to AVX2 as well
+(``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2``) for the bfloat16 layer of such a CPU.
 
 JSON goes to bench/results/quant.json. Run:
 ``python bench/quant.py [--quick] [--shape NAME ...] [--w8a16] [--int4]``.
@@ -49,7 +51,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
-from _common import host_copy_bandwidth, interleaved, print_table, write_results  # noqa: E402
+from _common import host_copy_bandwidth, interleaved, isa_suffix, print_table, write_results  # noqa: E402
 
 from moeroute.bindings.torch import MoE  # noqa: E402
 from moeroute.config import RouterConfig  # noqa: E402
@@ -290,14 +292,14 @@ def main(argv=None) -> None:
     parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="only this shape (repeatable)")
     args = parser.parse_args(argv)
     if args.int4:
-        path = write_results("quant_int4", run_int4(args.quick))
+        path = write_results("quant_int4" + isa_suffix(), run_int4(args.quick))
         print(f"wrote {path}")
         return
     if args.w8a16:
-        path = write_results("quant_w8a16", run_w8a16())
+        path = write_results("quant_w8a16" + isa_suffix(), run_w8a16())
         print(f"wrote {path}")
         return
-    path = write_results("quant", run(args.quick, args.shape))
+    path = write_results("quant" + isa_suffix(), run(args.quick, args.shape))
     print(f"wrote {path}")
 
 

@@ -23,7 +23,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
-from _common import host_copy_bandwidth, interleaved, print_table, write_results  # noqa: E402
+from _common import host_copy_bandwidth, interleaved, isa_suffix, print_table, write_results  # noqa: E402
 
 from moeroute.bindings.torch import MoE  # noqa: E402
 from moeroute.config import RouterConfig  # noqa: E402
@@ -112,7 +112,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="decode sizes only (T = 1, 8)")
     args = parser.parse_args(argv)
-    path = write_results("quant_mxfp4", run(args.quick))
+    path = write_results("quant_mxfp4" + isa_suffix(), run(args.quick))
     print(f"wrote {path}")
 
 

@@ -763,6 +763,11 @@ RENDERERS = {
     "quant_w8a16": ("FP8 w8a16 against w8a8 on the CPU", _quant_w8a16),
     "quant_mxfp4": ("MXFP4 experts on the CPU", _quant_mxfp4),
     "quant_int4": ("INT4 experts on the CPU", _quant_int4),
+    # the same benchmarks with the kernels and torch held to AVX2 (MOEROUTE_CPU_ISA=avx2,
+    # ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2), as on a CPU without AVX-512
+    "quant_avx2": ("FP8 experts on the CPU, AVX2 path", _quant),
+    "quant_mxfp4_avx2": ("MXFP4 experts on the CPU, AVX2 path", _quant_mxfp4),
+    "quant_int4_avx2": ("INT4 experts on the CPU, AVX2 path", _quant_int4),
     "ktkernel": ("CPU experts against kt-kernel", _ktkernel),
     "ep": ("Expert parallelism: bytes and time", _ep),
     "ep_fp8": ("Expert parallelism: FP8 dispatch", _ep_fp8),
