@@ -122,6 +122,18 @@ def test_a_tensor_the_layer_does_not_have_changes_nothing(tmp_path):
     _assert_unchanged(model, before)
 
 
+def test_a_misshapen_router_beside_per_expert_fp8_keys_changes_nothing():
+    """The per-expert FP8 keys are written into the layer's own tensors (no second copy of the
+    layer): the router's shape is checked before the first write, not after."""
+    state = _per_expert("", *_quantized())
+    state["gate.weight"] = randn(N + 1, H, seed=3)
+    layer = _loaded_fp8_layer()
+    before = _snapshot(layer)
+    with pytest.raises(ValueError, match=r"router_weight has shape \[7, 128\], expected \[6, 128\]"):
+        layer.load_state_dict(state)
+    _assert_unchanged(layer, before)
+
+
 @pytest.mark.parametrize("missing", ["mlp.experts.2.up_proj.weight", "mlp.experts.5.gate_proj.weight"])
 def test_a_missing_expert_weight_is_a_value_error_naming_the_key(tmp_path, missing):
     state = _per_expert("mlp.", *_quantized())

@@ -103,6 +103,16 @@ def split_slots(gate, up, down, inter: int, num_slots: int):
 
 
 @torch.no_grad()
+def _check_rest_before_write(module, state_dict: dict, prefix: str, shared: dict) -> None:
+    """The layer's tensors besides its routed experts (router, correction bias, a separate
+    shared MLP) checked before the experts are written into the layer's own tensors: the
+    usual check runs after the mapping, and a refused load must leave the layer as it was."""
+    rest = dict(state_dict)
+    if module.layout.shared != "fused":
+        rest.update({prefix + "shared_experts." + name: value for name, value in shared.items()})
+    module._check_state_before_copy(rest, prefix)
+
+
 def map_transformers_keys(module, state_dict: dict, prefix: str) -> None:
     """Rename (and for a rank's slice or fused slots, assemble) transformers keys in place.
 
@@ -251,6 +261,7 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
                     found[e, projection, "weight_scale_inv"] = check_scale(
                         key + "_scale_inv", scale, tuple(scale.shape)
                     )
+            _check_rest_before_write(module, state_dict, prefix, shared)
             routed = {name: targets[name][:num_local] for name in names}
             found_in_place = True
         else:
@@ -314,6 +325,7 @@ def map_quantized_expert_keys(module, state_dict: dict, prefix: str, shared: dic
             for e in dict.fromkeys(ids):
                 check_fp8_weight(prefix + stacked_names[0], stacked[0][e], e)
                 check_fp8_weight(prefix + stacked_names[1], stacked[1][e], e)
+            _check_rest_before_write(module, state_dict, prefix, shared)
             with torch.no_grad():
                 for name, source in zip(("w_gate_up", "w_down", "gate_up_scale", "down_scale"), stacked[:2] + scales):
                     for local, e in enumerate(ids):
