@@ -403,7 +403,7 @@ def _rank_report(args, preset, rank: int, world: int, group, device) -> dict:
     received_rows = []
 
     def count_load(_module, inputs):
-        _, local_ids, _ = inputs
+        _, _, local_ids = inputs  # the experts take (hidden, weights, ids)
         held = local_ids[(local_ids >= 0) & (local_ids < num_local)].long().cpu()
         load.add_(torch.bincount(held, minlength=num_local))
         received_rows.append(local_ids.shape[0])

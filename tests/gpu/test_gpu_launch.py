@@ -1,5 +1,5 @@
 """Launch configuration: block size choice, tile selection, grids, shared memory, and the
-constants that must agree with kernels/moe_gemm.cu."""
+constants that must agree with kernels/moe_gemm.cu and moe_tile.cuh."""
 
 import re
 
@@ -9,7 +9,8 @@ import pytest
 from moeroute.gpu import launch as L
 from moeroute.gpu.loader import KERNEL_DIR
 
-KERNEL_SOURCE = (KERNEL_DIR / "moe_gemm.cu").read_text()
+# the float kernels' file and the tile loop they share with the other formats
+KERNEL_SOURCE = (KERNEL_DIR / "moe_gemm.cu").read_text() + (KERNEL_DIR / "moe_tile.cuh").read_text()
 # Largest dynamic shared memory a block may opt into on sm_80 (A100: 163 KB) and sm_90 (227 KB),
 # and the shared memory of one multiprocessor on sm_90 (228 KB, 1 KB of it reserved per block).
 SM80_SHARED_MEMORY_OPT_IN = 163 * 1024
@@ -20,7 +21,7 @@ TILE_TABLES = [(80, L.MMA_TILES), (90, L.MMA_TILES_SM90)]
 
 def _kernel_constant(name: str) -> int:
     match = re.search(rf"constexpr int {name} = ([^;]+);", KERNEL_SOURCE)
-    assert match, f"{name} not found in moe_gemm.cu"
+    assert match, f"{name} not found in moe_gemm.cu or moe_tile.cuh"
     expression = match.group(1)
     for other in re.findall(r"k[A-Z]\w+", expression):  # e.g. kMmaBlockK + 8
         expression = expression.replace(other, str(_kernel_constant(other)))

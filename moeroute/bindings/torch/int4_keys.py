@@ -350,11 +350,10 @@ class Int4Checkpoint:
     g_idx: bool = True
     zero_point_dtype: torch.dtype = torch.int32
 
-    def load(self, module: nn.Module, state_dict: dict, prefix: str) -> None:
-        """Map the checkpoint's keys under ``prefix`` to the module's, in place."""
-        from moeroute.bindings.torch.hf_keys import map_transformers_keys
-
-        map_transformers_keys(module, state_dict, prefix)
+    #: No mapping of its own: the checkpoint's per-expert keys are the transformers names
+    #: that `MoE` maps on every load (`moeroute.bindings.torch.hf_keys`, which reads INT4's
+    #: through `map_int4_expert_keys`).
+    load = None
 
     def save(self, module: nn.Module, state_dict: dict, prefix: str) -> None:
         """Replace the module's keys under ``prefix`` by the checkpoint's, in place.

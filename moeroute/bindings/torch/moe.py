@@ -808,8 +808,11 @@ class MoE(nn.Module):
         # A transformers checkpoint of the block this module replaced loads as it is: its
         # names are mapped to this module's before the usual loading (which copies into the
         # existing parameters, so aliased weights stay aliased).
-        if self.checkpoint_format is not None:
-            self.checkpoint_format.load(self, state_dict, prefix)
+        # A checkpoint format without a mapping of its own (INT4's per-expert keys) is read by
+        # the transformers one.
+        load = getattr(self.checkpoint_format, "load", None)
+        if load is not None:
+            load(self, state_dict, prefix)
         else:
             map_transformers_keys(self, state_dict, prefix)
         self._check_state_before_copy(state_dict, prefix)
