@@ -20,7 +20,7 @@ import torch
 
 import moeroute
 from moeroute import cpu_features
-from moeroute.experts.choose import ROWS_MAX_MEAN_ROWS, rows_bound
+from moeroute.experts.choose import BF16_ROWS_MAX_MEAN_ROWS, ROWS_MAX_MEAN_ROWS, rows_bound
 from moeroute.cpu_features import ENVIRONMENT_VARIABLE, ISA_PATHS, PATH_FEATURES, choose_isa, supported_isas
 from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
 from moeroute.experts.cpu import dot as cpu_dot
@@ -113,8 +113,8 @@ def test_the_process_path_and_the_kernels_flags():
     assert cpu_dot.BF16_DOT is cpu_features.BF16_DOT is (path == "avx512bf16")
     assert cpu_mxfp4.SIMD is cpu_features.AVX2_SIMD is (path != "generic")
     assert _simd.VECTOR_COMPRESS is cpu_features.VECTOR_COMPRESS is (path in ("avx512", "avx512bf16"))
-    matrix_units = "amx-bf16" in cpu_features.FEATURES
-    assert rows_bound(torch.bfloat16) == (ROWS_MAX_MEAN_ROWS if matrix_units else math.inf)
+    bf16_units = bool({"avx512bf16", "amx-bf16"} & cpu_features.FEATURES)
+    assert rows_bound(torch.bfloat16) == (BF16_ROWS_MAX_MEAN_ROWS if bf16_units else math.inf)
     assert rows_bound(torch.float32) == ROWS_MAX_MEAN_ROWS
 
 
@@ -269,7 +269,7 @@ def test_a_lower_path_runs_on_its_own_level(path):
     assert facts["bf16_dot"] is False
     assert facts["simd"] is (path != "generic")
     assert facts["vector_compress"] is (path == "avx512")
-    assert facts["rows_bound_bf16"] == math.inf  # the path has no AMX
+    assert facts["rows_bound_bf16"] == math.inf  # the path has no bfloat16 dot instructions
     assert facts["numba_target"] == [cpu_features.NUMBA_CPU_NAMES[path], ""]
     allowed = {"generic": {"xmm"}, "avx2": {"xmm", "ymm"}, "avx512": {"xmm", "ymm", "zmm"}}[path]
     assert set(facts["registers"]) <= allowed

@@ -4,8 +4,8 @@ backend) combination offers, and one `choose` that the three forwards call.
 =====  =======  ===========================================================================
 format backend  "auto" takes
 =====  =======  ===========================================================================
-float  cpu      "rows" up to `rows_bound` mean rows per hit expert (bfloat16: any count but
-                with AMX); else "padded" (float32 on torch.mm, few rows per expert, most
+float  cpu      "rows" up to `rows_bound` mean rows per hit expert (bfloat16: 8 where the
+                CPU has bfloat16 dot instructions, else any count); else "padded" (float32 on torch.mm, few rows per expert, most
                 experts hit) or "loop"
 fp8    cpu      "rows" up to `ROWS_MAX_MEAN_ROWS` mean rows per hit expert, and at any count
                 where the bfloat16-dot kernels serve the shapes (CPU feature `BF16_DOT`);
@@ -38,6 +38,7 @@ __all__ = [
     "BACKENDS",
     "STRATEGIES",
     "ROWS_MAX_MEAN_ROWS",
+    "BF16_ROWS_MAX_MEAN_ROWS",
     "ROWS_DTYPES",
     "PADDED_MAX_ROWS",
     "PADDED_MIN_HIT_FRACTION",
@@ -64,8 +65,13 @@ STRATEGIES = {
 #: Largest mean rows per hit expert that "auto" gives the CPU row kernels: below it an
 #: expert's GEMMs are bound by reading its weights, which the row kernels read once; past it
 #: a BLAS GEMM (over decoded blocks, for the quantized formats) is faster (bench/layer.py
-#: --rows-only, bench/quant.py). bfloat16 has no bound but on CPUs with AMX (`rows_bound`).
+#: --rows-only, bench/quant.py). bfloat16 has its own bound (`rows_bound`).
 ROWS_MAX_MEAN_ROWS = 16
+#: bfloat16's bound where oneDNN multiplies bfloat16 on the CPU's own dot instructions
+#: (AVX512-BF16, AMX): past about 8 rows per expert its blocked GEMM outruns the row kernels
+#: (1.1-3x at 16-256 rows per expert on the Qwen3-30B-A3B, DeepSeek-V3 and gpt-oss-20b
+#: expert shapes, bench/ktkernel.py), below it reading each weight once wins.
+BF16_ROWS_MAX_MEAN_ROWS = 8
 #: Dtypes of the float row kernels.
 ROWS_DTYPES = (torch.float32, torch.bfloat16)
 #: Largest per-expert row count the padded batch is used for: below it an expert's
@@ -105,15 +111,17 @@ def check_strategy(name: str, strategy: str, format: str = "float") -> str:
 @functools.cache
 def rows_bound(dtype: torch.dtype) -> float:
     """The mean rows per hit expert up to which "auto" picks the float row kernels for
-    ``dtype``: `ROWS_MAX_MEAN_ROWS`, or no bound (inf) for bfloat16 unless the CPU has AMX.
+    ``dtype``: `ROWS_MAX_MEAN_ROWS`; for bfloat16 `BF16_ROWS_MAX_MEAN_ROWS` where the CPU
+    (on the path in use, `moeroute.cpu_isa`) has bfloat16 dot instructions, else no bound (inf).
 
-    bfloat16 without bfloat16 instructions (or on a path below them, `moeroute.cpu_isa`):
-    oneDNN converts each expert's weights on every call. With AVX512-BF16 the row kernels'
-    bfloat16 dots (`moeroute.experts.cpu.dot`) beat oneDNN's per-expert bfloat16 GEMMs at
-    every row count, prefill included (tens to hundreds of rows per expert, bench/ktkernel.py).
-    Only AMX's tile multiply is expected to outrun them on large row counts.
+    bfloat16 without bfloat16 instructions: oneDNN converts each expert's weights on every
+    call, and the row kernels win at every row count. With them oneDNN's per-expert GEMM is
+    blocked for the caches and registers and outruns the row kernels (one weight tile dotted
+    with four activation rows at a time) once an expert serves more than a few rows.
     """
-    if dtype == torch.bfloat16 and "amx-bf16" not in cpu_features.FEATURES:
+    if dtype == torch.bfloat16:
+        if cpu_features.FEATURES & {"avx512bf16", "amx-bf16"}:
+            return float(BF16_ROWS_MAX_MEAN_ROWS)
         return float("inf")
     return float(ROWS_MAX_MEAN_ROWS)
 

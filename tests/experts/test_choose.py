@@ -5,7 +5,15 @@ import pytest
 import torch
 
 from moeroute.experts import choose as choose_module
-from moeroute.experts.choose import FORMATS, ROWS_MAX_MEAN_ROWS, STRATEGIES, check_strategy, choose, format_of
+from moeroute.experts.choose import (
+    BF16_ROWS_MAX_MEAN_ROWS,
+    FORMATS,
+    ROWS_MAX_MEAN_ROWS,
+    STRATEGIES,
+    check_strategy,
+    choose,
+    format_of,
+)
 from moeroute.quant import QuantConfig
 
 # (format, backend, counts, keyword arguments, expected): each row is one answer of the table.
@@ -56,16 +64,21 @@ def test_the_table(format, backend, counts, kwargs, expected):
 
 
 def test_bfloat16_rows_bound_follows_the_cpu_features(monkeypatch):
-    many = [ROWS_MAX_MEAN_ROWS + 1] * 3
+    few = [BF16_ROWS_MAX_MEAN_ROWS] * 3
+    many = [BF16_ROWS_MAX_MEAN_ROWS + 1] * 3
     for features, expected in (
         (frozenset({"avx512bf16", "amx-bf16"}), "loop"),
-        (frozenset({"avx512bf16"}), "rows"),
+        (frozenset({"avx512bf16"}), "loop"),
         (frozenset({"avx2"}), "rows"),
+        (frozenset(), "rows"),
     ):
         monkeypatch.setattr(choose_module.cpu_features, "FEATURES", features)
         choose_module.rows_bound.cache_clear()
+        assert choose("float", "cpu", few, dtype=torch.bfloat16, onednn=True) == "rows"
         assert choose("float", "cpu", many, dtype=torch.bfloat16, onednn=True) == expected
-        assert choose("float", "cpu", many, dtype=torch.float32, onednn=True) == "loop"
+        assert choose("float", "cpu", [40 * ROWS_MAX_MEAN_ROWS] * 3, dtype=torch.bfloat16, onednn=True) == expected
+        assert choose("float", "cpu", many, dtype=torch.float32, onednn=True) == "rows"
+        assert choose("float", "cpu", [ROWS_MAX_MEAN_ROWS + 1] * 3, dtype=torch.float32, onednn=True) == "loop"
     choose_module.rows_bound.cache_clear()
 
 
