@@ -354,7 +354,11 @@ class QuantizedExperts(nn.Module):
     H/2] and ``w_down`` uint8 [L, H, I/2] (two 4-bit integers a byte), ``gate_up_scale``
     [L, 2I, H/g] and ``down_scale`` [L, H, I/g] float32 (checkpoints' bfloat16 and float16
     scales load exactly), and when not ``quant.symmetric`` ``gate_up_zero`` / ``down_zero``
-    uint8 of the scales' shapes (else None: z = 8) (`moeroute.quant.int4`).
+    uint8 of the scales' shapes (else None: z = 8) (`moeroute.quant.int4`), and
+    ``gate_up_perm``: None, or int32 [L, H] where a GPTQ checkpoint has act order on
+    gate_proj/up_proj: expert l's gate_up weights hold the hidden columns in the order
+    ``gate_up_perm[l]`` (groups contiguous), and its rows multiply ``x[gate_up_perm[l]]``
+    (`moeroute.bindings.torch.int4_keys` sets it; a state dict carries it when set).
 
     The weights start at zero with unit scales (no float copy is ever made); load them with
     ``MoE.load_routed_weights``, ``load_state_dict`` or `moeroute.bindings.torch.load_experts`.
@@ -407,6 +411,7 @@ class QuantizedExperts(nn.Module):
                     zero = torch.full(shape, 8, dtype=torch.uint8, device=device)
                     setattr(self, prefix + "_zero", parameter(zero))
             self.input_scale = None
+            self.register_buffer("gate_up_perm", None)
             return
         if quant.format == "mxfp4":
             # Packed bytes only (zero codes, unit scales) until loaded; no float copy is made.
@@ -468,9 +473,35 @@ class QuantizedExperts(nn.Module):
                 tensor = state_dict.get(prefix + name)
                 if isinstance(tensor, torch.Tensor) and tensor.dtype == FP8_DTYPE and not tensor.is_meta:
                     check_fp8_weight(prefix + name, tensor)
+        if self.quant.format == "int4":
+            self._load_gate_up_perm(state_dict, prefix)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+
+    def _load_gate_up_perm(self, state_dict, prefix) -> None:
+        """``gate_up_perm`` follows the state dict: taken (checked) when it has one, None when
+        it holds the weights without one (a layer saved without act order)."""
+        key = prefix + "gate_up_perm"
+        perm = state_dict.get(key)
+        if perm is None:
+            if prefix + "w_gate_up" in state_dict:
+                self.gate_up_perm = None
+            return
+        shape = (self.num_local_experts, self.hidden_size)
+        if not isinstance(perm, torch.Tensor) or perm.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{key} must be an int32 tensor [L, H], got {getattr(perm, 'dtype', type(perm).__name__)}")
+        if tuple(perm.shape) != shape:
+            raise ValueError(f"{key} has shape {list(perm.shape)}, expected {list(shape)}")
+        if not perm.is_meta:
+            arange = torch.arange(self.hidden_size, device=perm.device)
+            bad = (torch.sort(perm.to(torch.int64), dim=1).values != arange).any(dim=1)
+            if bool(bad.any()):
+                raise ValueError(
+                    f"{key}[{int(bad.nonzero()[0, 0])}] is not a permutation of the {self.hidden_size} hidden columns"
+                )
+        if self.gate_up_perm is None:
+            self.gate_up_perm = torch.empty(shape, dtype=torch.int32, device=self.w_gate_up.device)
 
     def __getstate__(self):
         # pickle cannot save float8 storages (torch.save can): the e4m3 weights travel as their
@@ -513,6 +544,7 @@ class QuantizedExperts(nn.Module):
                 self.quant.group_size,
                 self.activation,
                 self.strategy,
+                gate_up_perm=self.gate_up_perm,
             )
         if self.quant.format == "mxfp4":
             return mxfp4_experts_forward(

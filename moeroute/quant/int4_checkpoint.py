@@ -34,14 +34,16 @@ W[:, perm]^T``: a layer applies the same permutation to the activations it multi
 For a down projection that permutation can be folded into the rows of gate and up (its
 input columns are their output rows), at no cost per token; a gate_up projection's input
 is the hidden state, whose permutation (one per expert, shared by gate and up, which GPTQ
-quantizes from the same inputs) a kernel must gather (`fold_act_order` does the first and
-checks the second). Each group must hold exactly g
-columns (what GPTQ writes); ``g_idx == k // g`` (no act order) gives ``perm`` None.
+quantizes from the same inputs) the INT4 experts gather per routed row
+(`moeroute.experts.formats.int4`; `fold_act_order` does the first and checks the second).
+Each group must hold exactly g columns (what GPTQ writes); ``g_idx == k // g`` (no act
+order) gives ``perm`` None.
 
 The ``pack_*`` functions write moeroute's layout back into these (`pack_int4_checkpoint` by
 ``QuantConfig.checkpoint``): unpacking what they write gives back the same bytes, scales and
 zero points, and packing what the unpackers read gives back the checkpoint's tensors byte for
-byte, except GPTQ act order (packed in its canonical column order, ``g_idx`` = k // g).
+byte (GPTQ act order included: `pack_gptq` writes an `Int4Weight`'s columns back in the
+order of its ``perm`` and ``g_idx`` from it).
 
 Memory: a step of output rows (about 2**20 elements) at a time; beyond the inputs and the
 outputs, the temporaries are those of one step. On little-endian hosts compressed-tensors'
@@ -539,13 +541,19 @@ def _as_words(data: torch.Tensor) -> torch.Tensor:
     return torch.where(value >= 1 << 31, value - (1 << 32), value).to(torch.int32)
 
 
-def _check_weight(weight, group: int, symmetric: bool) -> tuple:
-    if not isinstance(weight, (tuple, list)) or len(weight) not in (2, 3):
+def _check_weight(weight, group: int, symmetric: bool, act_order: bool = False) -> tuple:
+    if isinstance(weight, Int4Weight):
+        packed, scales, zeros = weight[:3]
+    elif isinstance(weight, (tuple, list)) and len(weight) in (2, 3):
+        packed, scales, *rest = weight
+        zeros = rest[0] if rest else None
+    else:
         raise TypeError("weight must be an Int4Weight or a (packed, scales[, zeros]) tuple")
-    packed, scales, *rest = weight
-    zeros = rest[0] if rest else None
-    if getattr(weight, "perm", None) is not None:
-        raise ValueError("weight has an act-order perm; pack the weight in its canonical column order (perm None)")
+    if getattr(weight, "perm", None) is not None and not act_order:
+        raise ValueError(
+            "weight has an act-order perm, which only GPTQ's g_idx stores; pack the weight in its canonical "
+            "column order (perm None)"
+        )
     check_int4(packed, scales, zeros, group_size=group, name="weight")
     if packed.dim() != 2:
         raise ValueError(f"weight packed must be one [N, K/2] weight, got shape {tuple(packed.shape)}")
@@ -587,18 +595,33 @@ def pack_compressed_tensors(
 
 
 def pack_gptq(weight, *, group_size: int, symmetric: bool, checkpoint: str = "gptq", scale_dtype=None, g_idx=True):
-    """The GPTQ tensors of one weight in moeroute's layout (the inverse of `unpack_gptq`
-    without act order): ``qweight`` int32 [K/8, N], ``qzeros`` int32 [K/g, N/8] (zero points
-    minus one in "gptq", as they are in "gptq_v2"; 8 when symmetric), ``scales`` [K/g, N]
-    (``scale_dtype``, default the weight's) and, with ``g_idx``, ``g_idx`` int32 [K] = k // g.
+    """The GPTQ tensors of one weight in moeroute's layout (the inverse of `unpack_gptq`):
+    ``qweight`` int32 [K/8, N], ``qzeros`` int32 [K/g, N/8] (zero points minus one in
+    "gptq", as they are in "gptq_v2"; 8 when symmetric), ``scales`` [K/g, N] (``scale_dtype``,
+    default the weight's) and, with ``g_idx``, ``g_idx`` int32 [K] = k // g. An `Int4Weight`
+    with act order (``perm``) is written back in the checkpoint's column order: canonical
+    column j goes to column ``perm[j]``, and ``g_idx[perm[j]] = j // g``.
     A zero point 0 is stored as 15 in "gptq" (what its minus-one wraps to)."""
     group = _group_size(group_size)
     if checkpoint not in ("gptq", "gptq_v2"):
         raise ValueError(f"checkpoint={checkpoint!r} is not a GPTQ layout; use 'gptq' or 'gptq_v2'")
-    packed, scales, zeros = _check_weight(weight, group, symmetric)
+    packed, scales, zeros = _check_weight(weight, group, symmetric, act_order=True)
     rows, cols = packed.shape[0], 2 * packed.shape[1]
     if rows % 8:
         raise ValueError(f"weight has N = {rows} rows; GPTQ's qzeros needs a multiple of 8")
+    perm = getattr(weight, "perm", None)
+    groups = torch.arange(cols, device=packed.device) // group
+    if perm is not None:
+        perm = _check_perm(perm, cols, packed.device)
+        if not g_idx:
+            raise ValueError("weight has an act-order perm, which GPTQ stores as g_idx; pack it with g_idx=True")
+        # Canonical column j is the checkpoint's column perm[j], of group j // g.
+        original = torch.empty_like(groups)
+        original[perm] = groups
+        groups = original
+        q = torch.empty(rows, cols, dtype=torch.uint8, device=packed.device)
+        q[:, perm] = unpack_int4(packed)
+        packed = pack_int4(q)
     stored = (zeros.to(torch.int16) - 1).remainder(16).to(torch.uint8) if checkpoint == "gptq" else zeros
     out = {
         "qweight": _as_words(packed.view(rows, cols // 8, 4).permute(1, 0, 2).reshape(cols // 8, rows * 4)),
@@ -606,8 +629,18 @@ def pack_gptq(weight, *, group_size: int, symmetric: bool, checkpoint: str = "gp
         "scales": scales.t().to(scale_dtype or scales.dtype).contiguous(),
     }
     if g_idx:
-        out["g_idx"] = (torch.arange(cols, device=packed.device) // group).to(torch.int32)
+        out["g_idx"] = groups.to(torch.int32)
     return out
+
+
+def _check_perm(perm, cols: int, device) -> torch.Tensor:
+    """``perm`` as int64 on ``device``: ValueError unless a permutation of [0, cols)."""
+    if not isinstance(perm, torch.Tensor) or perm.dtype not in (torch.int16, torch.int32, torch.int64):
+        raise TypeError(f"weight perm must be an integer tensor, got {getattr(perm, 'dtype', type(perm).__name__)}")
+    perm = perm.to(device=device, dtype=torch.int64)
+    if perm.shape != (cols,) or not torch.equal(torch.sort(perm).values, torch.arange(cols, device=device)):
+        raise ValueError(f"weight perm must be a permutation of the {cols} input columns, got shape {list(perm.shape)}")
+    return perm
 
 
 def pack_awq(weight, *, group_size: int, scale_dtype=None) -> dict:
@@ -639,7 +672,7 @@ def pack_awq(weight, *, group_size: int, scale_dtype=None) -> dict:
 
 def pack_int4_checkpoint(weight, quant, *, scale_dtype=None, g_idx=True, zero_point_dtype=torch.int32) -> dict:
     """The checkpoint tensors of one weight for ``quant.checkpoint``'s layout: the inverse of
-    `unpack_int4_checkpoint` (without act order), keyed by their names under the module."""
+    `unpack_int4_checkpoint` (act order: GPTQ only, `pack_gptq`), keyed by their names under the module."""
     if not isinstance(quant, QuantConfig) or quant.format != "int4" or quant.checkpoint not in INT4_CHECKPOINT_KEYS:
         raise ValueError(f"quant must be a QuantConfig of format 'int4' with a checkpoint layout, got {quant!r}")
     group = quant.group_size

@@ -170,14 +170,14 @@ def test_gptq_down_act_order_is_folded_into_gate_and_up():
     np.testing.assert_array_equal(down, dense[1][2][:, perm])
 
 
-def test_gptq_gate_act_order_is_refused_naming_the_key():
+def test_gptq_act_order_on_gate_alone_is_refused_naming_gate_and_up():
     state, _ = checkpoint("gptq", False, seed=4)
     g_idx = np.empty(H, np.int64)
     g_idx[np.random.default_rng(5).permutation(H)] = np.arange(H) // G
     state["mlp.experts.2.gate_proj.g_idx"] = torch.from_numpy(g_idx).to(torch.int32)
     model = Holder(quant_of("gptq", False))
     before = snapshot(model)
-    with pytest.raises(ValueError, match=r"mlp\.experts\.2\.gate_proj\.g_idx orders the hidden columns"):
+    with pytest.raises(ValueError, match=r"mlp\.experts\.2\.gate_proj\.g_idx and mlp\.experts\.2\.up_proj\.g_idx"):
         model.load_state_dict(state)
     assert_unchanged(model, before)
 

@@ -19,7 +19,9 @@ no key the layout does not have, dtypes and shapes, scales finite, zero points a
 before it writes anything, then writes one expert at a time straight into the layer's own
 tensors. GPTQ act order on down_proj (``g_idx`` of the intermediate columns) is folded into
 the rows of gate_proj and up_proj once, here (`moeroute.quant.fold_act_order`); act order on
-gate_proj/up_proj (the hidden columns, a per-expert gather of the activations) is refused.
+gate_proj/up_proj (the hidden columns, the same ``g_idx`` for both) makes their groups
+contiguous here and leaves the layer one hidden-column permutation per expert
+(``experts.gate_up_perm``), which the forward gathers the routed rows' activations with.
 
 `Int4Checkpoint` is the ``checkpoint_format`` that saves such a layer back under these names
 and packing (``state_dict`` / ``save_pretrained``).
@@ -35,7 +37,12 @@ import torch
 from torch import nn
 
 from moeroute.quant import QuantConfig
-from moeroute.quant.int4_checkpoint import INT4_CHECKPOINT_KEYS, pack_int4_checkpoint, unpack_int4_checkpoint
+from moeroute.quant.int4_checkpoint import (
+    INT4_CHECKPOINT_KEYS,
+    Int4Weight,
+    pack_int4_checkpoint,
+    unpack_int4_checkpoint,
+)
 
 __all__ = [
     "INT4_WEIGHT_KEY",
@@ -47,6 +54,7 @@ __all__ = [
     "map_int4_expert_keys",
     "note_int4_layout",
     "read_int4_plan",
+    "set_gate_up_perms",
     "write_int4_expert",
     "write_int4_plan",
 ]
@@ -129,14 +137,15 @@ def check_int4_expert(module, e: int, tensors: dict, prefix: str) -> torch.Tenso
     """Check one expert's checkpoint tensors ``{projection: {name: tensor}}`` against the
     layer (the packed weights may be meta tensors: only their dtype and shape are read).
 
-    Returns down_proj's act-order permutation (None without one).
+    Returns (down_proj's act-order permutation, gate_proj's and up_proj's), each None
+    without one.
 
     Raises
     ------
     KeyError, ValueError, TypeError
         Naming the key: a missing or extra tensor, a dtype or shape other than the layer's
-        projection needs, a non-finite scale, a zero point or ``g_idx`` the layout refuses,
-        act order on gate_proj/up_proj.
+        projection needs, a non-finite scale, a zero point or ``g_idx`` the layout refuses;
+        gate_proj and up_proj with different ``g_idx`` (naming both).
     """
     quant, inter, hid = module.quant, module.intermediate_size, module.routed_hidden_size
     layout = quant.checkpoint
@@ -154,14 +163,14 @@ def check_int4_expert(module, e: int, tensors: dict, prefix: str) -> torch.Tenso
             )
         unpacked = unpack_int4_checkpoint(tensors[projection], quant, name, check_only=True)
         perms[projection] = unpacked.perm
-    for projection in ("gate_proj", "up_proj"):
-        if perms[projection] is not None:
-            raise ValueError(
-                f"{_expert_name(prefix, e, projection)}.g_idx orders the hidden columns (GPTQ act order on "
-                "gate_proj/up_proj), which moeroute's INT4 experts do not gather per expert; down_proj's act "
-                "order is served (folded into the gate and up rows)"
-            )
-    return perms["down_proj"]
+    gate, up = perms["gate_proj"], perms["up_proj"]
+    if (gate is None) != (up is None) or (gate is not None and not torch.equal(gate, up)):
+        raise ValueError(
+            f"{_expert_name(prefix, e, 'gate_proj')}.g_idx and {_expert_name(prefix, e, 'up_proj')}.g_idx "
+            "give different column orders (GPTQ act order); gate_proj and up_proj multiply the same hidden "
+            "columns and must share one g_idx"
+        )
+    return perms["down_proj"], gate
 
 
 def _slots(module, local: int, projection: str) -> tuple:
@@ -176,9 +185,12 @@ def _slots(module, local: int, projection: str) -> tuple:
 
 
 @torch.no_grad()
-def write_int4_expert(module, locals_: list, e: int, tensors: dict, prefix: str, down_perm) -> None:
+def write_int4_expert(module, locals_: list, e: int, tensors: dict, prefix: str, perms) -> None:
     """Unpack one checked expert into its local rows ``locals_`` (its replicas after the
-    first are copies of it); down_proj's act order folded into the gate and up rows."""
+    first are copies of it); ``perms`` = `check_int4_expert`'s: down_proj's act order folded
+    into the gate and up rows, gate_proj's and up_proj's into the layer's ``gate_up_perm``
+    rows (`set_gate_up_perms` made it)."""
+    down_perm, gate_up_perm = perms
     quant, inter = module.quant, module.intermediate_size
     targets = module.experts.quantized_tensors()
     own = {t.untyped_storage().data_ptr() for t in targets.values()}
@@ -203,6 +215,22 @@ def write_int4_expert(module, locals_: list, e: int, tensors: dict, prefix: str,
     for local in locals_[1:]:
         for tensor in targets.values():
             tensor[local].copy_(tensor[first])
+    held = module.experts.gate_up_perm
+    if gate_up_perm is not None:
+        held[locals_] = gate_up_perm.to(device=held.device, dtype=held.dtype)
+
+
+def set_gate_up_perms(module, perms: dict) -> None:
+    """The layer's ``experts.gate_up_perm`` for a load whose checked experts have ``perms``
+    ``{e: check_int4_expert's}``: None when no expert has act order on gate_proj/up_proj,
+    else int32 [L, H] of identity rows, which `write_int4_expert` overwrites per expert."""
+    experts = module.experts
+    if all(p[1] is None for p in perms.values()):
+        experts.gate_up_perm = None
+        return
+    local, hidden = experts.num_local_experts, experts.hidden_size
+    device = experts.w_gate_up.device
+    experts.gate_up_perm = torch.arange(hidden, dtype=torch.int32, device=device).repeat(local, 1)
 
 
 def _local_rows(module) -> dict:
@@ -269,6 +297,7 @@ def map_int4_expert_keys(module, state_dict: dict, prefix: str) -> bool:
     perms = {e: check_int4_expert(module, e, tensors_of(e), prefix) for e in ids}
     module._check_state_before_copy(state_dict, prefix)  # the layer's other tensors, before any write
     note_int4_layout(module, tensors_of(ids[0])["gate_proj"])
+    set_gate_up_perms(module, perms)
     for e, locals_ in _local_rows(module).items():
         write_int4_expert(module, locals_, e, tensors_of(e), prefix, perms[e])
     for names in found.values():
@@ -276,6 +305,8 @@ def map_int4_expert_keys(module, state_dict: dict, prefix: str) -> bool:
             state_dict.pop(key)
     for name, tensor in targets.items():
         state_dict[prefix + "experts." + name] = tensor
+    if module.experts.gate_up_perm is not None:
+        state_dict[prefix + "experts.gate_up_perm"] = module.experts.gate_up_perm
     return True
 
 
@@ -283,7 +314,7 @@ def read_int4_plan(module, keys, prefix: str, meta: Callable, get: Callable) -> 
     """The first pass of a file load for one INT4 layer: every expert this rank holds checked
     (dtypes and shapes from the files' headers through ``meta(key) -> (shape, dtype)``, the
     small tensors read with ``get(key)``), nothing written. Returns ``[(e, local rows,
-    {projection: {name: key}}, down perm)]`` for `write_int4_plan`, and the first expert's
+    {projection: {name: key}}, perms)]`` for `write_int4_plan`, and the first expert's
     gate_proj tensors (what `note_int4_layout` records)."""
     found = find_int4_expert_keys(keys, prefix)
     if not found:
@@ -316,6 +347,7 @@ def write_int4_plan(module, plan: list, prefix: str, get: Callable, first: dict 
     released before the next; ``first`` (from `read_int4_plan`) recorded by an `Int4Checkpoint`."""
     if first is not None:
         note_int4_layout(module, first)
+    set_gate_up_perms(module, {e: perm for e, _, _, perm in plan})
     for e, locals_, keys, perm in plan:
         tensors = {p: {name: get(key) for name, key in keys[p].items()} for p in PROJECTIONS}
         write_int4_expert(module, locals_, e, tensors, prefix, perm)
@@ -383,6 +415,7 @@ class Int4Checkpoint:
             for name in names
             if prefix + "experts." + name in state_dict
         }
+        perms = state_dict.pop(prefix + "experts.gate_up_perm", None)
         out = {"gate.weight": state_dict.pop(prefix + "router_weight")}
         if prefix + "correction_bias" in state_dict:
             out["gate.e_score_correction_bias"] = state_dict.pop(prefix + "correction_bias")
@@ -390,17 +423,21 @@ class Int4Checkpoint:
         rows = _local_rows(module)
         scale_dtype = self.scale_dtype or _DEFAULT_SCALE_DTYPE[quant.checkpoint]
         inter = module.intermediate_size
+        hidden = torch.arange(module.routed_hidden_size, dtype=torch.int64)
         for e in range(module.router.num_experts):
             local = rows[e][0]
+            perm = None if perms is None else perms[local].to(torch.int64)
+            if perm is not None and torch.equal(perm.cpu(), hidden):
+                perm = None
             for projection in PROJECTIONS:
                 kind, cut = ("down", slice(None)) if projection == "down_proj" else ("gate_up", None)
                 if cut is None:
                     cut = slice(0, inter) if projection == "gate_proj" else slice(inter, 2 * inter)
-                parts = [held["w_" + kind][local, cut], held[kind + "_scale"][local, cut]]
-                if kind + "_zero" in held:
-                    parts.append(held[kind + "_zero"][local, cut])
+                zero = held[kind + "_zero"][local, cut] if kind + "_zero" in held else None
+                # gate_proj's and up_proj's act order back to the checkpoint's column order and g_idx
+                columns = perm if kind == "gate_up" else None
                 packed = pack_int4_checkpoint(
-                    tuple(parts),
+                    Int4Weight(held["w_" + kind][local, cut], held[kind + "_scale"][local, cut], zero, columns),
                     quant,
                     scale_dtype=scale_dtype,
                     g_idx=self.g_idx,

@@ -656,6 +656,7 @@ class MoE(nn.Module):
             tensors = check_int4_weights(self.quant, n, hid, inter, w_gate_up, w_down)
             targets = self.experts.quantized_tensors()
             self._copy_expert_rows([(targets[name], tensor) for name, tensor in tensors.items()])
+            self.experts.gate_up_perm = None  # the given weights are in the hidden columns' order
             return
         if self.quant is not None and self.quant.format == "mxfp4":
             for name, scale in (
@@ -788,6 +789,9 @@ class MoE(nn.Module):
                 parts = quantize_int4(weight, group_size=self.quant.group_size, symmetric=self.quant.symmetric)
                 for name, tensor in zip(("w_" + prefix, prefix + "_scale", prefix + "_zero"), parts):
                     targets[name][first : first + s].copy_(tensor)
+            perm = self.experts.gate_up_perm
+            if perm is not None:  # the shared MLP's slots multiply the hidden columns in order
+                perm[first : first + s] = torch.arange(perm.shape[1], dtype=perm.dtype, device=perm.device)
             return
         quantized = quantize_experts(w_gate_up, w_down, self.quant)
         for name, tensor in zip(("w_gate_up", "gate_up_scale", "w_down", "down_scale"), quantized):

@@ -24,6 +24,12 @@ Two CPU strategies, both on the MXFP4 machinery (INT4's packed bytes are MXFP4's
   float32 buffer and multiplied with torch (a float32 GEMM: bfloat16 activations are exact
   in it). On another device than the CPU the decode is torch's (`decode_int4`).
 
+GPTQ act order on gate/up (``gate_up_perm``, one hidden-column order per expert): the
+gate_up GEMM reads each routed row's activations gathered in its expert's order, built once
+per call in expert-sorted order (`act_order_rows`) and handed to the same kernels with
+identity token indices; the bfloat16-dot one-call forward and the CUDA kernels are not used
+then. Without it nothing changes.
+
 The kernels take the scales (and zero points) as one float32 array per weight (`params`):
 float32 scales without zero points are viewed as it, others are converted for the hit
 experts only, each call (a float32 copy of 1/g of their weights).
@@ -48,7 +54,7 @@ from moeroute.quant import QuantConfig, check_int4
 from moeroute.quant.int4 import decode_int4
 from moeroute.routing.threads import cpu_threads
 
-__all__ = ["int4_experts_forward", "check_int4_weights", "INT4_STRATEGIES", "CHUNK_BYTES"]
+__all__ = ["int4_experts_forward", "act_order_rows", "check_int4_weights", "INT4_STRATEGIES", "CHUNK_BYTES"]
 
 #: CPU strategies ("auto" first).
 INT4_STRATEGIES = STRATEGIES["int4"]
@@ -65,6 +71,8 @@ def int4_experts_forward(
     group_size: int,
     activation: str = "silu",
     strategy: str = "auto",
+    *,
+    gate_up_perm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weighted sum of each row's local INT4 experts.
 
@@ -81,6 +89,10 @@ def int4_experts_forward(
     strategy : {"auto", "rows", "blocks"}
         On a CUDA device every strategy but "blocks" runs `moeroute.gpu.fused_experts` (the
         INT4 kernels) where CuPy is installed; otherwise, and on other devices, "blocks".
+    gate_up_perm : Tensor int32/int64 [L, H], optional
+        GPTQ act order on gate/up: expert l's gate_up columns are the hidden columns
+        ``gate_up_perm[l]``, so its rows multiply ``x[gate_up_perm[l]]`` (`act_order_rows`;
+        the CUDA kernels and the CPU's bfloat16-dot one-call forward are then not used).
 
     Returns
     -------
@@ -116,7 +128,12 @@ def int4_experts_forward(
         **{f"down[{i}]": t for i, t in enumerate(down) if t is not None},
     )
     dtype, device = hidden_states.dtype, hidden_states.device
-    if device.type != "cpu":
+    if gate_up_perm is not None and tuple(gate_up_perm.shape) != (num_experts, hidden):
+        raise ValueError(
+            f"gate_up_perm has shape {tuple(gate_up_perm.shape)}, expected {[num_experts, hidden]} (one hidden-column "
+            "order per expert)"
+        )
+    if device.type != "cpu" and gate_up_perm is None:
         # A CUDA device where CuPy is installed takes the INT4 CUDA kernels; else the torch "blocks".
         cuda_kernels = device.type == "cuda" and cupy_installed()
         if choose("int4", "cuda", strategy=strategy, cuda_kernels=cuda_kernels) == "cuda":
@@ -149,14 +166,15 @@ def int4_experts_forward(
         slot_weights = weights.reshape(-1).to(torch.float32)[slots].contiguous()
     counts = (offsets[1:] - offsets[:-1]).tolist()
     hit = [e for e, c in enumerate(counts) if c]
-    bf16_dot = backend == "cpu" and _tile_serves(dtype, hidden, inter, gate_up, down)
+    bf16_dot = backend == "cpu" and gate_up_perm is None and _tile_serves(dtype, hidden, inter, gate_up, down)
     strategy = choose("int4", backend, counts, strategy=strategy, dtype=dtype, bf16_dot=bf16_dot)
     if not hit:
         return torch.zeros(num_tokens, hidden, dtype=dtype, device=device)
     if strategy == "rows":
-        return _rows_forward(hidden_states, plan, gate_up, down, activation)
+        return _rows_forward(hidden_states, plan, gate_up, down, activation, gate_up_perm)
     sums = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
-    h = _blocks_gemm(hidden_states[tokens], offsets, hit, gate_up, group_size, dtype)
+    x_rows, x_tokens = act_order_rows(hidden_states, tokens, offsets, hit, gate_up_perm)
+    h = _blocks_gemm(x_rows[x_tokens], offsets, hit, gate_up, group_size, dtype)
     act = gated_activation(h[:, :inter], h[:, inter:], activation)
     if dtype != torch.float32:  # the intermediate in the activation dtype, as the float layer keeps it
         act = act.to(dtype)
@@ -197,7 +215,24 @@ def _blocks_view(packed: torch.Tensor) -> np.ndarray:
     return packed.view(*packed.shape[:2], packed.shape[2] // 16, 16).numpy()
 
 
-def _rows_forward(hidden_states, plan, gate_up, down, activation):
+def act_order_rows(hidden_states, tokens, offsets, hit, perm):
+    """(rows, row tokens) the gate_up GEMM reads: row m of the expert-sorted slots is
+    ``rows[row_tokens[m]]``. Without ``perm`` the hidden states and ``tokens`` as they are;
+    with GPTQ act order (``perm`` [L, H], `int4_experts_forward`) each slot's token row
+    gathered in its expert's column order, ``x[tokens[m]][perm[e]]``, once per call (an [M, H]
+    copy), with identity tokens."""
+    if perm is None:
+        return hidden_states, tokens
+    tokens = torch.as_tensor(tokens).to(hidden_states.device)
+    perm = perm.to(hidden_states.device)
+    rows = torch.empty(tokens.shape[0], hidden_states.shape[1], dtype=hidden_states.dtype, device=hidden_states.device)
+    for e in torch.as_tensor(hit).tolist():
+        start, stop = int(offsets[e]), int(offsets[e + 1])
+        rows[start:stop] = hidden_states.index_select(0, tokens[start:stop]).index_select(1, perm[e])
+    return rows, torch.arange(tokens.shape[0], dtype=tokens.dtype, device=tokens.device)
+
+
+def _rows_forward(hidden_states, plan, gate_up, down, activation, gate_up_perm=None):
     """The "rows" strategy: MXFP4's row kernels with INT4's decode and block dots."""
     tokens, slot_weights, offsets, hit, work = plan
     num_tokens, hidden = hidden_states.shape
@@ -208,7 +243,8 @@ def _rows_forward(hidden_states, plan, gate_up, down, activation):
     no_bias = bias_view(None)
     gate_up_params = kernel_params(gate_up[1], gate_up[2], experts)
     down_params = kernel_params(down[1], down[2], experts)
-    if _tile_serves(dtype, hidden, inter, gate_up, down) and activation in cpu_rows.ACTIVATION_CODES:
+    tile = gate_up_perm is None and _tile_serves(dtype, hidden, inter, gate_up, down)
+    if tile and activation in cpu_rows.ACTIVATION_CODES:
         # the bfloat16 dot instructions, at every row count, the whole forward in one call
         out = torch.empty(num_tokens, hidden, dtype=dtype)
         kernel = quant_rows.rows_experts_int4_serial if threads == 1 else quant_rows.rows_experts_int4
@@ -241,10 +277,11 @@ def _rows_forward(hidden_states, plan, gate_up, down, activation):
     )
     sums = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     h = torch.empty(tokens.shape[0], 2 * inter, dtype=torch.float32)
+    x_rows, x_tokens = act_order_rows(hidden_states, torch.from_numpy(tokens), offsets, hit, gate_up_perm)
     with numba_threads(threads):
         gate_up_rows(
-            split_rows(hidden_states),
-            tokens,
+            split_rows(x_rows),
+            x_tokens.numpy(),
             offsets,
             work,
             _blocks_view(gate_up[0]),
