@@ -9,13 +9,8 @@ from __future__ import annotations
 
 from moeroute._validate import weights_then_ids
 from moeroute.gpu import launch as L
-from moeroute.gpu.gemm import (
-    CupyBackend,
-    _require_device_arrays,
-    _torch_as_cupy,
-    check_fused_experts_args,
-    run_fused_experts,
-)
+from moeroute.gpu.driver import CupyBackend, torch_as_cupy, torch_stream
+from moeroute.gpu.gemm import _require_device_arrays, check_fused_experts_args, run_fused_experts
 from moeroute.gpu.gemm_fp8 import fused_experts_fp8
 from moeroute.gpu.gemm_int4 import fused_experts_int4
 from moeroute.gpu.gemm_mxfp4 import fused_experts_mxfp4
@@ -193,27 +188,19 @@ def fused_experts(
     if framework == "torch":
         import torch
 
-        torch_device = hidden_states.device
-
-        def allocate(shape, dtype):
-            return _torch_as_cupy(torch.empty(shape, dtype=getattr(torch, dtype), device=torch_device))
-
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(torch_device).cuda_stream, device)
-        out = torch.empty(shape, dtype=hidden_states.dtype, device=torch_device)
-        with cupy.cuda.Device(device), stream:
-            # DLPack hands over a tensor with a stream-ordered sync against CuPy's current
-            # stream: inside the block that is torch's own stream, so nothing waits.
+        out = torch.empty(shape, dtype=hidden_states.dtype, device=hidden_states.device)
+        with torch_stream(hidden_states.device) as allocate:
             arrays = [
-                _torch_as_cupy(named[name])
+                torch_as_cupy(named[name])
                 for name in ("hidden_states", "w_gate_up", "w_down", "topk_weights", "topk_ids")
             ]
-            bias_arrays = {name: None if bias is None else _torch_as_cupy(bias) for name, bias in biases.items()}
+            bias_arrays = {name: None if bias is None else torch_as_cupy(bias) for name, bias in biases.items()}
             backend = CupyBackend(allocate, align_template=topk_ids)
             run_fused_experts(
                 backend,
                 problem,
                 *arrays,
-                _torch_as_cupy(out),
+                torch_as_cupy(out),
                 activation=activation,
                 apply_router_weight=apply_router_weight,
                 block_size=block_size,

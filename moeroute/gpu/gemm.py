@@ -12,13 +12,15 @@ here, before anything is launched.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from moeroute.gpu import launch as L
-from moeroute.gpu import loader
-from moeroute.gpu.align_fallback import align_block_size_array_api
+from moeroute.gpu.driver import CupyBackend, check_activation, check_kernel_limits, run_expert_mlp, torch_as_cupy
 from moeroute.routing._arrays import framework_of
+
+__all__ = ["CupyBackend", "ExpertProblem", "check_fused_experts_args", "run_fused_experts"]
+
+_torch_as_cupy = torch_as_cupy  # the name the benchmarks and device tests import
 
 _TORCH_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -122,23 +124,14 @@ def check_fused_experts_args(
             _check_array(name, bias, 2, (dtype,))
             if tuple(int(v) for v in bias.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(bias.shape)}; expected {list(shape)}")
-    if activation not in L.ACTIVATIONS:
-        raise ValueError(f"activation={activation!r}; expected one of {sorted(L.ACTIVATIONS)}")
+    check_activation(activation)
     if not isinstance(apply_router_weight, bool):
         raise TypeError(f"apply_router_weight must be a bool, got {apply_router_weight!r}")
     if block_size is not None and block_size not in L.BLOCK_SIZES:
         raise ValueError(
             f"block_size={block_size!r}; expected None (chosen from the shapes) or one of {list(L.BLOCK_SIZES)}"
         )
-    largest_block = block_size or L.LARGEST_BLOCK_SIZE
-    if T * K + E * largest_block > L.INT32_MAX:
-        raise ValueError(
-            f"num_tokens * top_k = {T * K} with {E} experts exceeds the int32 row index of the kernels; split the batch"
-        )
-    if max(H, I) > L.MAX_OUTPUT_COLUMNS:
-        raise ValueError(
-            f"hidden size {H} / intermediate size {I} exceeds {L.MAX_OUTPUT_COLUMNS} columns (the kernels' grid limit)"
-        )
+    check_kernel_limits(T, K, E, H, I, largest_block=block_size or L.LARGEST_BLOCK_SIZE)
     return ExpertProblem(T, H, I, E, K, dtype)
 
 
@@ -174,120 +167,30 @@ def run_fused_experts(
         problem.num_experts,
         problem.top_k,
     )
-    if T == 0:
-        return out
-    numel = T * K
-    block_size = block_size or L.choose_block_size(numel, E)
-    sorted_token_ids, expert_ids = backend.align_block_size(topk_ids, E, block_size)
-    intermediate = backend.empty((numel, I), problem.dtype)
-    expert_out = backend.empty((numel, H), problem.dtype)
-    if path is None:
+
+    def choose_path(intermediate):
         pointers = [backend.pointer(x) for x in (hidden_states, w_gate_up, w_down, intermediate)]
         eligible = L.mma_eligible(problem.dtype, backend.compute_capability, backend.is_hip, H, I, pointers)
-        path = "mma" if eligible else "simt"
-    common = dict(
+        return "mma" if eligible else "simt"
+
+    return run_expert_mlp(
+        backend,
+        L.plan_expert_gemm,
+        problem.dtype,
+        (T, H, I, E, K),
+        hidden_states,
+        topk_weights,
+        topk_ids,
+        out,
+        gate_up=dict(b=w_gate_up, bias=gate_up_bias),
+        down=dict(b=w_down, bias=down_bias),
+        activation=activation,
+        apply_router_weight=apply_router_weight,
+        align_block=block_size,
         path=path,
-        dtype=problem.dtype,
-        block_size=block_size,
-        sorted_token_ids=sorted_token_ids,
-        compute_capability=backend.compute_capability,
-        expert_ids=expert_ids,
-        topk_weights=topk_weights.reshape(-1),
-        numel=numel,
+        choose_path=choose_path,
+        plan_args=dict(compute_capability=backend.compute_capability),
     )
-    backend.launch(
-        L.plan_expert_gemm(
-            gated=True,
-            a=hidden_states,
-            b=w_gate_up,
-            c=intermediate,
-            top_k=K,
-            n=I,
-            k=H,
-            activation=activation,
-            bias=gate_up_bias,
-            **common,
-        )
-    )
-    backend.launch(
-        L.plan_expert_gemm(
-            gated=False,
-            a=intermediate,
-            b=w_down,
-            c=expert_out,
-            top_k=1,
-            n=H,
-            k=I,
-            apply_router_weight=apply_router_weight,
-            bias=down_bias,
-            **common,
-        )
-    )
-    backend.launch(
-        L.plan_sum_topk(
-            dtype=problem.dtype,
-            expert_out=expert_out,
-            topk_ids=topk_ids,
-            out=out,
-            num_tokens=T,
-            top_k=K,
-            hidden_size=H,
-            num_experts=E,
-        )
-    )
-    return out
-
-
-@functools.lru_cache(maxsize=1)
-def _routing_align():
-    """moeroute.routing.align.align_block_size (Numba CUDA) when it exists, else None."""
-    try:
-        from moeroute.routing.align import align_block_size
-    except ImportError:
-        return None
-    return align_block_size
-
-
-class CupyBackend:
-    """Runs the plans with CuPy on the current device and stream; ``allocate(shape, dtype_name)``
-    makes the scratch arrays (CuPy's pool, or torch's caching allocator for torch callers)."""
-
-    def __init__(self, allocate, align_template=None):
-        import cupy
-
-        self._cupy = cupy
-        self._allocate = allocate
-        # The caller's topk_ids (a torch tensor): the Numba align then allocates through
-        # torch's caching allocator too, not CuPy's pool (CUDA graph capture needs one).
-        self._align_template = align_template
-        self.is_hip = loader.is_hip()
-        self.compute_capability = loader.compute_capability()
-
-    def empty(self, shape, dtype):
-        return self._allocate(shape, dtype)
-
-    def pointer(self, array) -> int:
-        return int(array.data.ptr)
-
-    def align_block_size(self, topk_ids, num_experts, block_size):
-        routing_align = None if self.is_hip else _routing_align()
-        if routing_align is None:
-            sorted_token_ids, expert_ids, _ = align_block_size_array_api(
-                topk_ids, num_experts, block_size, xp=self._cupy
-            )
-        elif self._align_template is not None:
-            stream = self._cupy.cuda.get_current_stream().ptr
-            sorted_token_ids, expert_ids, _ = routing_align(
-                self._align_template, num_experts, block_size, stream=stream
-            )
-            return _torch_as_cupy(sorted_token_ids), _torch_as_cupy(expert_ids)
-        else:
-            sorted_token_ids, expert_ids, _ = routing_align(topk_ids, num_experts, block_size)
-        return self._cupy.asarray(sorted_token_ids), self._cupy.asarray(expert_ids)
-
-    def launch(self, plan: L.KernelLaunch) -> None:
-        kernel = loader.get_kernel(L.KERNEL_FILE, plan.name, plan.shared_memory)
-        kernel(plan.grid, plan.block, plan.args, shared_mem=plan.shared_memory)
 
 
 def _require_device_arrays(named: dict):
@@ -314,13 +217,3 @@ def _require_device_arrays(named: dict):
     if len(set(devices.values())) > 1:
         raise ValueError(f"arguments are on different devices {devices}: put them on one device")
     return next(iter(frameworks.values())), next(iter(devices.values()))
-
-
-def _torch_as_cupy(tensor):
-    import cupy
-    import torch
-
-    # CuPy has no bfloat16: the kernels read the same 16 bits through an int16 view.
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return cupy.from_dlpack(tensor)

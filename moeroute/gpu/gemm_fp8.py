@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from moeroute.gpu import driver as D
 from moeroute.gpu import launch as L
-from moeroute.gpu.gemm_mxfp4 import MMA_A_PITCH, MMA_DTYPES, MMA_POINTER_ALIGNMENT, MMA_SLICE_K, MMA_TILE_HEIGHTS
+from moeroute.gpu.gemm_mxfp4 import MMA_A_PITCH, MMA_DTYPES, MMA_SLICE_K, MMA_TILE_HEIGHTS
 from moeroute.gpu.gemm_mxfp4 import MMA_TILES as NARROW_MMA_TILES
 from moeroute.gpu.gemm_mxfp4 import Mxfp4MmaTile
 
@@ -322,8 +323,7 @@ def plan_fp8_w8a16_gemm(
     raise ValueError(f"path={path!r}: expected 'simt' or 'mma'")
 
 
-def _shape(x) -> tuple:
-    return tuple(int(v) for v in x.shape)
+_shape = D.shape
 
 
 def check_fp8_experts_args(
@@ -351,17 +351,8 @@ def check_fp8_experts_args(
     I = two_I // 2
     if _shape(w_down) != (E, H, I):
         raise ValueError(f"w_down has shape {_shape(w_down)}; expected {[E, H, I]}")
-    if _shape(topk_ids) != _shape(topk_weights) or len(_shape(topk_ids)) != 2 or _shape(topk_ids)[0] != T:
-        raise ValueError(f"topk_ids {_shape(topk_ids)} and topk_weights {_shape(topk_weights)} must both be [{T}, K]")
-    K = _shape(topk_ids)[1]
-    if T * K + E * L.LARGEST_BLOCK_SIZE > L.INT32_MAX:
-        raise ValueError(
-            f"num_tokens * top_k = {T * K} with {E} experts exceeds the int32 row index of the kernels; split the batch"
-        )
-    if max(H, I) > L.MAX_OUTPUT_COLUMNS:
-        raise ValueError(
-            f"hidden size {H} / intermediate size {I} exceeds {L.MAX_OUTPUT_COLUMNS} columns (the kernels' grid limit)"
-        )
+    K = D.check_routing(topk_weights, topk_ids, T)
+    D.check_kernel_limits(T, K, E, H, I)
     if format == "fp8_block":
         bn, bk = (int(v) for v in block_size)
         if bn < 1 or bk < 1:
@@ -421,8 +412,7 @@ def run_fp8_experts(
     """
     if scale_fmt not in ("float", "ue8m0"):
         raise ValueError(f"scale_fmt={scale_fmt!r}; expected 'float' or 'ue8m0'")
-    if activation not in L.ACTIVATIONS:
-        raise ValueError(f"activation={activation!r}; expected one of {sorted(L.ACTIVATIONS)}")
+    D.check_activation(activation)
     T, H, I, E, K, (bn_gu, bk_gu), (bn_d, bk_d) = check_fp8_experts_args(
         hidden_states,
         w_gate_up,
@@ -441,268 +431,82 @@ def run_fp8_experts(
             raise ValueError(f"input_scale has shape {_shape(input_scale)}; expected {[E, 2]} (gate_up, down)")
     if w8a16 and input_scale is not None:
         raise ValueError("input_scale (static activation scales) does not apply to w8a16 (activations not quantized)")
-    if T == 0:
-        return out
+    problem = (dtype, (T, H, I, E, K), hidden_states, topk_weights, topk_ids, out)
+    run = dict(
+        gate_up=dict(b=w_gate_up, b_scale=gate_up_scale, bn=bn_gu, bk=bk_gu),
+        down=dict(b=w_down, b_scale=down_scale, bn=bn_d, bk=bk_d),
+        activation=activation,
+        apply_router_weight=apply_router_weight,
+        align_block=align_block,
+        path=path,
+    )
     if w8a16:
-        if path not in (None, "simt", "mma"):
-            raise ValueError(f"path={path!r}; expected 'mma', 'simt' or None")
-        return _run_w8a16(
-            backend,
-            dtype,
-            hidden_states,
-            w_gate_up,
-            gate_up_scale,
-            w_down,
-            down_scale,
-            topk_weights,
-            topk_ids,
-            out,
-            tiles=(bn_gu, bk_gu, bn_d, bk_d),
-            activation=activation,
-            apply_router_weight=apply_router_weight,
-            align_block=align_block,
-            path=path,
-        )
-    if path is None:
-        path = (
-            "mma" if (not backend.is_hip and backend.compute_capability >= FP8_MMA_MIN_COMPUTE_CAPABILITY) else "simt"
-        )
-    if path not in ("mma", "simt"):
-        raise ValueError(f"path={path!r}; expected 'mma', 'simt' or None")
+        columns = all(v % W8A16_MMA_COLUMNS == 0 for v in (H, I, bk_gu, bk_d))
+        choose_w8a16_path = D.narrow_path_chooser(backend, dtype, hidden_states, w_gate_up, w_down, eligible=columns)
+        return D.run_expert_mlp(backend, plan_fp8_w8a16_gemm, *problem, choose_path=choose_w8a16_path, **run)
+
+    def choose_path(intermediate):
+        sm89 = not backend.is_hip and backend.compute_capability >= FP8_MMA_MIN_COMPUTE_CAPABILITY
+        return "mma" if sm89 else "simt"
+
     numel = T * K
-    align_block = align_block or L.choose_block_size(numel, E)
     ue8m0 = scale_fmt == "ue8m0"
-    sorted_token_ids, expert_ids = backend.align_block_size(topk_ids, E, align_block)
     flat_ids = topk_ids.reshape(-1)
-    if input_scale is None:
-        q_x = backend.empty((T, H), "uint8")
-        s_x = backend.empty((T, L.ceil_div(H, bk_gu)), "float32")
-        backend.launch(
-            plan_quantize(
-                dtype=dtype, x=hidden_states, q=q_x, scales=s_x, rows=T, cols=H, group_size=bk_gu, ue8m0=ue8m0
+
+    def quantize(x, rows, cols, group_size, row_divisor, which):
+        """A operand of one FP8 GEMM: ``x`` [rows / row_divisor, cols] quantized per group of
+        ``group_size`` columns, or per slot with the static ``input_scale`` column ``which``."""
+        q = backend.empty((rows, cols), "uint8")
+        if input_scale is None:
+            scales = backend.empty((rows, L.ceil_div(cols, group_size)), "float32")
+            backend.launch(
+                plan_quantize(
+                    dtype=dtype, x=x, q=q, scales=scales, rows=rows, cols=cols, group_size=group_size, ue8m0=ue8m0
+                )
             )
-        )
-        gate_up_top_k = K
-    else:  # one quantized row per slot: the scale depends on the slot's expert
-        q_x = backend.empty((numel, H), "uint8")
-        s_x = backend.empty((numel, 1), "float32")
-        backend.launch(
-            plan_quantize_static(
-                dtype=dtype,
-                x=hidden_states,
-                q=q_x,
-                scales=s_x,
-                topk_ids=flat_ids,
-                input_scale=input_scale,
-                rows=numel,
-                cols=H,
-                row_divisor=K,
-                which=0,
-                num_experts=E,
+        else:
+            scales = backend.empty((rows, 1), "float32")
+            backend.launch(
+                plan_quantize_static(
+                    dtype=dtype,
+                    x=x,
+                    q=q,
+                    scales=scales,
+                    topk_ids=flat_ids,
+                    input_scale=input_scale,
+                    rows=rows,
+                    cols=cols,
+                    row_divisor=row_divisor,
+                    which=which,
+                    num_experts=E,
+                )
             )
-        )
-        gate_up_top_k = 1
-    intermediate = backend.empty((numel, I), dtype)
-    common = dict(
-        path=path,
-        dtype=dtype,
-        block_size=align_block,
-        sorted_token_ids=sorted_token_ids,
-        expert_ids=expert_ids,
-        topk_weights=topk_weights.reshape(-1),
-        numel=numel,
+        return dict(a=q, a_scale=scales)
+
+    def gate_up_input():
+        if input_scale is None:
+            return dict(quantize(hidden_states, T, H, bk_gu, 1, 0), top_k=K)
+        # one quantized row per slot: the scale depends on the slot's expert
+        return dict(quantize(hidden_states, numel, H, bk_gu, K, 0), top_k=1)
+
+    def down_input(intermediate):
+        return quantize(intermediate, numel, I, bk_d, 1, 1)
+
+    return D.run_expert_mlp(
+        backend,
+        plan_fp8_gemm,
+        *problem,
+        choose_path=choose_path,
+        gate_up_input=gate_up_input,
+        down_input=down_input,
+        **run,
     )
-    backend.launch(
-        plan_fp8_gemm(
-            gated=True,
-            a=q_x,
-            a_scale=s_x,
-            b=w_gate_up,
-            b_scale=gate_up_scale,
-            c=intermediate,
-            top_k=gate_up_top_k,
-            n=I,
-            k=H,
-            bn=bn_gu,
-            bk=bk_gu,
-            activation=activation,
-            **common,
-        )
-    )
-    q_i = backend.empty((numel, I), "uint8")
-    if input_scale is None:
-        s_i = backend.empty((numel, L.ceil_div(I, bk_d)), "float32")
-        backend.launch(
-            plan_quantize(
-                dtype=dtype, x=intermediate, q=q_i, scales=s_i, rows=numel, cols=I, group_size=bk_d, ue8m0=ue8m0
-            )
-        )
-    else:
-        s_i = backend.empty((numel, 1), "float32")
-        backend.launch(
-            plan_quantize_static(
-                dtype=dtype,
-                x=intermediate,
-                q=q_i,
-                scales=s_i,
-                topk_ids=flat_ids,
-                input_scale=input_scale,
-                rows=numel,
-                cols=I,
-                row_divisor=1,
-                which=1,
-                num_experts=E,
-            )
-        )
-    expert_out = backend.empty((numel, H), dtype)
-    backend.launch(
-        plan_fp8_gemm(
-            gated=False,
-            a=q_i,
-            a_scale=s_i,
-            b=w_down,
-            b_scale=down_scale,
-            c=expert_out,
-            top_k=1,
-            n=H,
-            k=I,
-            bn=bn_d,
-            bk=bk_d,
-            apply_router_weight=apply_router_weight,
-            **common,
-        )
-    )
-    backend.launch(
-        L.plan_sum_topk(
-            dtype=dtype,
-            expert_out=expert_out,
-            topk_ids=topk_ids,
-            out=out,
-            num_tokens=T,
-            top_k=K,
-            hidden_size=H,
-            num_experts=E,
-        )
-    )
-    return out
 
 
-def _run_w8a16(
-    backend,
-    dtype,
-    hidden_states,
-    w_gate_up,
-    gate_up_scale,
-    w_down,
-    down_scale,
-    topk_weights,
-    topk_ids,
-    out,
-    *,
-    tiles,
-    activation,
-    apply_router_weight,
-    align_block,
-    path,
-):
-    T, H = _shape(hidden_states)
-    E, two_I, _ = _shape(w_gate_up)
-    I, K = two_I // 2, _shape(topk_ids)[1]
-    bn_gu, bk_gu, bn_d, bk_d = tiles
-    numel = T * K
-    align_block = align_block or L.choose_block_size(numel, E)
-    sorted_token_ids, expert_ids = backend.align_block_size(topk_ids, E, align_block)
-    intermediate = backend.empty((numel, I), dtype)
-    if path is None:
-        pointers = [backend.pointer(x) for x in (hidden_states, w_gate_up, w_down, intermediate)]
-        eligible = (
-            dtype in MMA_DTYPES
-            and not backend.is_hip
-            and backend.compute_capability >= L.MMA_MIN_COMPUTE_CAPABILITY
-            and all(v % W8A16_MMA_COLUMNS == 0 for v in (H, I, bk_gu, bk_d))
-            and all(p % MMA_POINTER_ALIGNMENT == 0 for p in pointers)
-        )
-        path = "mma" if eligible else "simt"
-    common = dict(
-        path=path,
-        dtype=dtype,
-        block_size=align_block,
-        sorted_token_ids=sorted_token_ids,
-        expert_ids=expert_ids,
-        topk_weights=topk_weights.reshape(-1),
-        numel=numel,
-    )
-    backend.launch(
-        plan_fp8_w8a16_gemm(
-            gated=True,
-            a=hidden_states,
-            b=w_gate_up,
-            b_scale=gate_up_scale,
-            c=intermediate,
-            top_k=K,
-            n=I,
-            k=H,
-            bn=bn_gu,
-            bk=bk_gu,
-            activation=activation,
-            **common,
-        )
-    )
-    expert_out = backend.empty((numel, H), dtype)
-    backend.launch(
-        plan_fp8_w8a16_gemm(
-            gated=False,
-            a=intermediate,
-            b=w_down,
-            b_scale=down_scale,
-            c=expert_out,
-            top_k=1,
-            n=H,
-            k=I,
-            bn=bn_d,
-            bk=bk_d,
-            apply_router_weight=apply_router_weight,
-            **common,
-        )
-    )
-    backend.launch(
-        L.plan_sum_topk(
-            dtype=dtype,
-            expert_out=expert_out,
-            topk_ids=topk_ids,
-            out=out,
-            num_tokens=T,
-            top_k=K,
-            hidden_size=H,
-            num_experts=E,
-        )
-    )
-    return out
-
-
-class CupyFp8Backend:
+class CupyFp8Backend(D.CupyBackend):
     """The backend of ``run_fp8_experts`` on the current CuPy device and stream."""
 
-    def __init__(self, allocate):
-        from moeroute.gpu import gemm, loader
-
-        self._inner = gemm.CupyBackend(allocate)
-        self._loader = loader
-        self.is_hip = self._inner.is_hip
-        self.compute_capability = self._inner.compute_capability
-
-    def empty(self, shape, dtype):
-        return self._inner.empty(shape, dtype)
-
-    def pointer(self, array) -> int:
-        return self._inner.pointer(array)
-
-    def align_block_size(self, topk_ids, num_experts, block_size):
-        return self._inner.align_block_size(topk_ids, num_experts, block_size)
-
-    def launch(self, plan: L.KernelLaunch) -> None:
-        kernel = self._loader.get_kernel(KERNEL_FILE, plan.name, plan.shared_memory)
-        kernel(plan.grid, plan.block, plan.args, shared_mem=plan.shared_memory)
+    kernel_file = KERNEL_FILE
 
 
 def fused_experts_fp8(
@@ -730,10 +534,8 @@ def fused_experts_fp8(
     float32 (gate_up input, down input), required with fp8_tensor and activation="static".
     Returns [T, H] in the dtype of hidden_states, enqueued on torch's current stream.
     """
-    import cupy
     import torch
 
-    from moeroute.gpu.gemm import _torch_as_cupy
     from moeroute.quant import QuantConfig
 
     if not isinstance(quant, QuantConfig):
@@ -753,15 +555,7 @@ def fused_experts_fp8(
         ("topk_weights", topk_weights, (torch.float32,)),
         ("topk_ids", topk_ids, (torch.int32,)),
     ) + ((("input_scale", input_scale, (torch.float32,)),) if static else ())
-    for name, tensor, dtypes in named:
-        if tensor is None:
-            raise ValueError(f"{name} is required with quant={quant.format!r}")
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name} must be a torch tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in dtypes:
-            raise ValueError(
-                f"{name} has dtype {tensor.dtype}; expected {' or '.join(map(str, dtypes))} with quant={quant.format!r}"
-            )
+    D.check_torch_dtypes(named, repr(quant.format))
     check_fp8_experts_args(
         hidden_states,
         w_gate_up,
@@ -773,22 +567,13 @@ def fused_experts_fp8(
         format=quant.format,
         block_size=quant.block_size,
     )
-    for name, tensor, _ in named:
-        if tensor.device.type != "cuda" or tensor.device != hidden_states.device:
-            raise TypeError(f"{name} is on {tensor.device}; all arguments must be torch CUDA tensors on one device")
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+    D.check_torch_placement(named, hidden_states.device)
     device = hidden_states.device
     dtype = str(hidden_states.dtype).removeprefix("torch.")
-
-    def allocate(shape, name):
-        return _torch_as_cupy(torch.empty(shape, dtype=getattr(torch, name), device=device))
-
     out = torch.empty(hidden_states.shape, dtype=hidden_states.dtype, device=device)
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
-    with cupy.cuda.Device(device.index), stream:
+    with D.torch_stream(device) as allocate:
         arrays = [
-            _torch_as_cupy(t)
+            D.torch_as_cupy(t)
             for t in (
                 hidden_states,
                 w_gate_up.view(torch.uint8),
@@ -803,14 +588,14 @@ def fused_experts_fp8(
             CupyFp8Backend(allocate),
             dtype,
             *arrays,
-            _torch_as_cupy(out),
+            D.torch_as_cupy(out),
             format=quant.format,
             block_size=quant.block_size,
             scale_fmt=quant.scale_fmt,
             activation=activation,
             apply_router_weight=apply_router_weight,
             path=path,
-            input_scale=_torch_as_cupy(input_scale) if static else None,
+            input_scale=D.torch_as_cupy(input_scale) if static else None,
             w8a16=quant.activation == "none",
         )
     return out

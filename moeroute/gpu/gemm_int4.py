@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from moeroute.gpu import driver as D
 from moeroute.gpu import launch as L
-from moeroute.gpu.gemm_mxfp4 import MMA_A_PITCH, MMA_B_PITCH, MMA_DTYPES, MMA_POINTER_ALIGNMENT, MMA_TILES
+from moeroute.gpu.gemm_mxfp4 import MMA_A_PITCH, MMA_B_PITCH, MMA_DTYPES, MMA_TILES
 from moeroute.gpu.gemm_mxfp4 import MMA_TILE_HEIGHTS, Mxfp4MmaTile
 
 KERNEL_FILE = "moe_gemm_int4"  # kernels/moe_gemm_int4.cu, kernels/moe_gemm_int4.hip
@@ -160,8 +161,7 @@ def plan_int4_gemm(
     raise ValueError(f"path={path!r}: expected 'simt' or 'mma'")
 
 
-def _shape(x) -> tuple:
-    return tuple(int(v) for v in x.shape)
+_shape = D.shape
 
 
 def _parts(name: str, weight) -> tuple:
@@ -206,17 +206,8 @@ def check_int4_experts_args(hidden_states, gate_up, down, topk_weights, topk_ids
             raise ValueError(f"{label} zeros has shape {_shape(z)}; expected {list(groups)}")
     if (gate_up[2] is None) != (down[2] is None):
         raise ValueError("w_gate_up and w_down must both have zero points (asymmetric) or neither (symmetric)")
-    if _shape(topk_ids) != _shape(topk_weights) or len(_shape(topk_ids)) != 2 or _shape(topk_ids)[0] != T:
-        raise ValueError(f"topk_ids {_shape(topk_ids)} and topk_weights {_shape(topk_weights)} must both be [{T}, K]")
-    K = _shape(topk_ids)[1]
-    if T * K + E * L.LARGEST_BLOCK_SIZE > L.INT32_MAX:
-        raise ValueError(
-            f"num_tokens * top_k = {T * K} with {E} experts exceeds the int32 row index of the kernels; split the batch"
-        )
-    if max(H, I) > L.MAX_OUTPUT_COLUMNS:
-        raise ValueError(
-            f"hidden size {H} / intermediate size {I} exceeds {L.MAX_OUTPUT_COLUMNS} columns (the kernels' grid limit)"
-        )
+    K = D.check_routing(topk_weights, topk_ids, T)
+    D.check_kernel_limits(T, K, E, H, I)
     return T, H, I, E, K
 
 
@@ -247,108 +238,34 @@ def run_int4_experts(
     for float16 / bfloat16 on sm_80+ CUDA with 16-byte aligned activations and packed bytes, else
     simt).
     """
-    if activation not in L.ACTIVATIONS:
-        raise ValueError(f"activation={activation!r}; expected one of {sorted(L.ACTIVATIONS)}")
+    D.check_activation(activation)
     gate_up, down = _parts("w_gate_up", gate_up), _parts("w_down", down)
-    T, H, I, E, K = check_int4_experts_args(hidden_states, gate_up, down, topk_weights, topk_ids, group_size=group_size)
-    if T == 0:
-        return out
-    numel = T * K
-    align_block = align_block or L.choose_block_size(numel, E)
-    sorted_token_ids, expert_ids = backend.align_block_size(topk_ids, E, align_block)
-    intermediate = backend.empty((numel, I), dtype)
-    if path is None:
-        pointers = [backend.pointer(x) for x in (hidden_states, gate_up[0], down[0], intermediate)]
-        eligible = (
-            dtype in MMA_DTYPES
-            and not backend.is_hip
-            and backend.compute_capability >= L.MMA_MIN_COMPUTE_CAPABILITY
-            and all(p % MMA_POINTER_ALIGNMENT == 0 for p in pointers)
-        )
-        path = "mma" if eligible else "simt"
-    if path not in ("mma", "simt"):
-        raise ValueError(f"path={path!r}; expected 'mma', 'simt' or None")
-    common = dict(
+    sizes = check_int4_experts_args(hidden_states, gate_up, down, topk_weights, topk_ids, group_size=group_size)
+
+    choose_path = D.narrow_path_chooser(backend, dtype, hidden_states, gate_up[0], down[0])
+
+    def weight(parts, scale_dtype):
+        return dict(packed=parts[0], scales=parts[1], zeros=parts[2], scale_dtype=scale_dtype)
+
+    return D.run_expert_mlp(
+        backend,
+        plan_int4_gemm,
+        *(dtype, sizes, hidden_states, topk_weights, topk_ids, out),
+        gate_up=weight(gate_up, gate_up_scale_dtype),
+        down=weight(down, down_scale_dtype),
+        activation=activation,
+        apply_router_weight=apply_router_weight,
+        align_block=align_block,
         path=path,
-        dtype=dtype,
-        block_size=align_block,
-        sorted_token_ids=sorted_token_ids,
-        expert_ids=expert_ids,
-        topk_weights=topk_weights.reshape(-1),
-        numel=numel,
-        group_size=group_size,
+        choose_path=choose_path,
+        plan_args=dict(group_size=group_size),
     )
-    backend.launch(
-        plan_int4_gemm(
-            gated=True,
-            scale_dtype=gate_up_scale_dtype,
-            a=hidden_states,
-            packed=gate_up[0],
-            scales=gate_up[1],
-            zeros=gate_up[2],
-            c=intermediate,
-            top_k=K,
-            n=I,
-            k=H,
-            activation=activation,
-            **common,
-        )
-    )
-    expert_out = backend.empty((numel, H), dtype)
-    backend.launch(
-        plan_int4_gemm(
-            gated=False,
-            scale_dtype=down_scale_dtype,
-            a=intermediate,
-            packed=down[0],
-            scales=down[1],
-            zeros=down[2],
-            c=expert_out,
-            top_k=1,
-            n=H,
-            k=I,
-            apply_router_weight=apply_router_weight,
-            **common,
-        )
-    )
-    backend.launch(
-        L.plan_sum_topk(
-            dtype=dtype,
-            expert_out=expert_out,
-            topk_ids=topk_ids,
-            out=out,
-            num_tokens=T,
-            top_k=K,
-            hidden_size=H,
-            num_experts=E,
-        )
-    )
-    return out
 
 
-class CupyInt4Backend:
+class CupyInt4Backend(D.CupyBackend):
     """The backend of ``run_int4_experts`` on the current CuPy device and stream."""
 
-    def __init__(self, allocate, align_template=None):
-        from moeroute.gpu import gemm, loader
-
-        self._inner = gemm.CupyBackend(allocate, align_template=align_template)
-        self._loader = loader
-        self.is_hip = self._inner.is_hip
-        self.compute_capability = self._inner.compute_capability
-
-    def empty(self, shape, dtype):
-        return self._inner.empty(shape, dtype)
-
-    def pointer(self, array) -> int:
-        return self._inner.pointer(array)
-
-    def align_block_size(self, topk_ids, num_experts, block_size):
-        return self._inner.align_block_size(topk_ids, num_experts, block_size)
-
-    def launch(self, plan: L.KernelLaunch) -> None:
-        kernel = self._loader.get_kernel(KERNEL_FILE, plan.name, plan.shared_memory)
-        kernel(plan.grid, plan.block, plan.args, shared_mem=plan.shared_memory)
+    kernel_file = KERNEL_FILE
 
 
 def fused_experts_int4(
@@ -392,44 +309,26 @@ def fused_experts_int4(
         named += [(f"{label} packed", p, (torch.uint8,)), (f"{label} scales", s, floats)]
         if z is not None:
             named.append((f"{label} zeros", z, (torch.uint8,)))
-    for name, tensor, dtypes in named:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name} must be a torch tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in dtypes:
-            raise ValueError(
-                f"{name} has dtype {tensor.dtype}; expected {' or '.join(map(str, dtypes))} with quant='int4'"
-            )
+    D.check_torch_dtypes(named, "'int4'")
     check_int4_experts_args(hidden_states, gate_up, down, topk_weights, topk_ids, group_size=group_size)
-    for name, tensor, _ in named:
-        if tensor.device.type != "cuda" or tensor.device != hidden_states.device:
-            raise TypeError(f"{name} is on {tensor.device}; all arguments must be torch CUDA tensors on one device")
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    import cupy
-
-    from moeroute.gpu.gemm import _torch_as_cupy
-
+    D.check_torch_placement(named, hidden_states.device)
     device = hidden_states.device
     name_of = lambda t: str(t.dtype).removeprefix("torch.")  # noqa: E731
 
-    def allocate(shape, name):
-        return _torch_as_cupy(torch.empty(shape, dtype=getattr(torch, name), device=device))
-
     def as_cupy(weight):
-        return tuple(None if t is None else _torch_as_cupy(t) for t in weight)
+        return tuple(None if t is None else D.torch_as_cupy(t) for t in weight)
 
     out = torch.empty(hidden_states.shape, dtype=hidden_states.dtype, device=device)
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
-    with cupy.cuda.Device(device.index), stream:
+    with D.torch_stream(device) as allocate:
         run_int4_experts(
             CupyInt4Backend(allocate, align_template=topk_ids),
             name_of(hidden_states),
-            _torch_as_cupy(hidden_states),
+            D.torch_as_cupy(hidden_states),
             as_cupy(gate_up),
             as_cupy(down),
-            _torch_as_cupy(topk_weights),
-            _torch_as_cupy(topk_ids),
-            _torch_as_cupy(out),
+            D.torch_as_cupy(topk_weights),
+            D.torch_as_cupy(topk_ids),
+            D.torch_as_cupy(out),
             group_size=group_size,
             gate_up_scale_dtype=name_of(gate_up[1]),
             down_scale_dtype=name_of(down[1]),

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from moeroute.gpu import driver as D
 from moeroute.gpu import launch as L
 
 KERNEL_FILE = "moe_gemm_mxfp4"  # kernels/moe_gemm_mxfp4.cu, kernels/moe_gemm_mxfp4.hip
 
 BLOCK_VALUES = 32  # kMxfp4BlockValues: values per scale byte
 BLOCK_BYTES = 16  # kMxfp4BlockBytes: packed bytes per block
-MMA_DTYPES = ("float16", "bfloat16")  # mma.sync m16n8k16 takes 16-bit activations
-MMA_POINTER_ALIGNMENT = 16  # the mma kernel copies A and the blocks in 16-byte cp.async chunks
+MMA_DTYPES = D.NARROW_MMA_DTYPES
+MMA_POINTER_ALIGNMENT = D.NARROW_MMA_POINTER_ALIGNMENT
 # Mirrors of moe_gemm_mxfp4.cu: k values per pipeline stage, and the shared-memory row pitches
 # of a stage (A in 16-bit values, B in packed bytes).
 MMA_SLICE_K = 64  # kMxfp4SliceK
@@ -168,8 +169,7 @@ def plan_mxfp4_gemm(
     raise ValueError(f"path={path!r}: expected 'simt' or 'mma'")
 
 
-def _shape(x) -> tuple:
-    return tuple(int(v) for v in x.shape)
+_shape = D.shape
 
 
 def check_mxfp4_experts_args(
@@ -206,21 +206,12 @@ def check_mxfp4_experts_args(
         raise ValueError(f"w_down blocks have shape {_shape(down_blocks)}; expected {list(down)}")
     if _shape(down_scales) != down[:3]:
         raise ValueError(f"w_down scales have shape {_shape(down_scales)}; expected {list(down[:3])}")
-    if _shape(topk_ids) != _shape(topk_weights) or len(_shape(topk_ids)) != 2 or _shape(topk_ids)[0] != T:
-        raise ValueError(f"topk_ids {_shape(topk_ids)} and topk_weights {_shape(topk_weights)} must both be [{T}, K]")
-    K = _shape(topk_ids)[1]
+    K = D.check_routing(topk_weights, topk_ids, T)
     if gate_up_bias is not None and _shape(gate_up_bias) != (E, 2 * I):
         raise ValueError(f"gate_up_bias has shape {_shape(gate_up_bias)}; expected {[E, 2 * I]}")
     if down_bias is not None and _shape(down_bias) != (E, H):
         raise ValueError(f"down_bias has shape {_shape(down_bias)}; expected {[E, H]}")
-    if T * K + E * L.LARGEST_BLOCK_SIZE > L.INT32_MAX:
-        raise ValueError(
-            f"num_tokens * top_k = {T * K} with {E} experts exceeds the int32 row index of the kernels; split the batch"
-        )
-    if max(H, I) > L.MAX_OUTPUT_COLUMNS:
-        raise ValueError(
-            f"hidden size {H} / intermediate size {I} exceeds {L.MAX_OUTPUT_COLUMNS} columns (the kernels' grid limit)"
-        )
+    D.check_kernel_limits(T, K, E, H, I)
     return T, H, I, E, K
 
 
@@ -250,9 +241,8 @@ def run_mxfp4_experts(
     ``pointer``, ``compute_capability`` and ``is_hip``; ``path`` is "mma", "simt" or None (mma
     for float16 / bfloat16 on sm_80+ CUDA with 16-byte aligned activations and blocks, else simt).
     """
-    if activation not in L.ACTIVATIONS:
-        raise ValueError(f"activation={activation!r}; expected one of {sorted(L.ACTIVATIONS)}")
-    T, H, I, E, K = check_mxfp4_experts_args(
+    D.check_activation(activation)
+    sizes = check_mxfp4_experts_args(
         hidden_states,
         gate_up_blocks,
         gate_up_scales,
@@ -263,101 +253,27 @@ def run_mxfp4_experts(
         gate_up_bias,
         down_bias,
     )
-    if T == 0:
-        return out
-    numel = T * K
-    align_block = align_block or L.choose_block_size(numel, E)
-    sorted_token_ids, expert_ids = backend.align_block_size(topk_ids, E, align_block)
-    intermediate = backend.empty((numel, I), dtype)
-    if path is None:
-        pointers = [backend.pointer(x) for x in (hidden_states, gate_up_blocks, down_blocks, intermediate)]
-        eligible = (
-            dtype in MMA_DTYPES
-            and not backend.is_hip
-            and backend.compute_capability >= L.MMA_MIN_COMPUTE_CAPABILITY
-            and all(p % MMA_POINTER_ALIGNMENT == 0 for p in pointers)
-        )
-        path = "mma" if eligible else "simt"
-    if path not in ("mma", "simt"):
-        raise ValueError(f"path={path!r}; expected 'mma', 'simt' or None")
-    common = dict(
+
+    choose_path = D.narrow_path_chooser(backend, dtype, hidden_states, gate_up_blocks, down_blocks)
+
+    return D.run_expert_mlp(
+        backend,
+        plan_mxfp4_gemm,
+        *(dtype, sizes, hidden_states, topk_weights, topk_ids, out),
+        gate_up=dict(blocks=gate_up_blocks, scales=gate_up_scales, bias=gate_up_bias),
+        down=dict(blocks=down_blocks, scales=down_scales, bias=down_bias),
+        activation=activation,
+        apply_router_weight=apply_router_weight,
+        align_block=align_block,
         path=path,
-        dtype=dtype,
-        block_size=align_block,
-        sorted_token_ids=sorted_token_ids,
-        expert_ids=expert_ids,
-        topk_weights=topk_weights.reshape(-1),
-        numel=numel,
+        choose_path=choose_path,
     )
-    backend.launch(
-        plan_mxfp4_gemm(
-            gated=True,
-            a=hidden_states,
-            blocks=gate_up_blocks,
-            scales=gate_up_scales,
-            c=intermediate,
-            top_k=K,
-            n=I,
-            k=H,
-            bias=gate_up_bias,
-            activation=activation,
-            **common,
-        )
-    )
-    expert_out = backend.empty((numel, H), dtype)
-    backend.launch(
-        plan_mxfp4_gemm(
-            gated=False,
-            a=intermediate,
-            blocks=down_blocks,
-            scales=down_scales,
-            c=expert_out,
-            top_k=1,
-            n=H,
-            k=I,
-            bias=down_bias,
-            apply_router_weight=apply_router_weight,
-            **common,
-        )
-    )
-    backend.launch(
-        L.plan_sum_topk(
-            dtype=dtype,
-            expert_out=expert_out,
-            topk_ids=topk_ids,
-            out=out,
-            num_tokens=T,
-            top_k=K,
-            hidden_size=H,
-            num_experts=E,
-        )
-    )
-    return out
 
 
-class CupyMxfp4Backend:
+class CupyMxfp4Backend(D.CupyBackend):
     """The backend of ``run_mxfp4_experts`` on the current CuPy device and stream."""
 
-    def __init__(self, allocate, align_template=None):
-        from moeroute.gpu import gemm, loader
-
-        self._inner = gemm.CupyBackend(allocate, align_template=align_template)
-        self._loader = loader
-        self.is_hip = self._inner.is_hip
-        self.compute_capability = self._inner.compute_capability
-
-    def empty(self, shape, dtype):
-        return self._inner.empty(shape, dtype)
-
-    def pointer(self, array) -> int:
-        return self._inner.pointer(array)
-
-    def align_block_size(self, topk_ids, num_experts, block_size):
-        return self._inner.align_block_size(topk_ids, num_experts, block_size)
-
-    def launch(self, plan: L.KernelLaunch) -> None:
-        kernel = self._loader.get_kernel(KERNEL_FILE, plan.name, plan.shared_memory)
-        kernel(plan.grid, plan.block, plan.args, shared_mem=plan.shared_memory)
+    kernel_file = KERNEL_FILE
 
 
 def _pair(name: str, pair):
@@ -394,10 +310,7 @@ def fused_experts_mxfp4(
     loaders refuse it). Returns [T, H] in the dtype of hidden_states, enqueued on torch's
     current stream.
     """
-    import cupy
     import torch
-
-    from moeroute.gpu.gemm import _torch_as_cupy
 
     gate_up_blocks, gate_up_scales = _pair("w_gate_up", w_gate_up)
     down_blocks, down_scales = _pair("w_down", w_down)
@@ -416,13 +329,7 @@ def fused_experts_mxfp4(
         for name, bias in (("gate_up_bias", gate_up_bias), ("down_bias", down_bias))
         if bias is not None
     ]
-    for name, tensor, dtypes in named:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name} must be a torch tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in dtypes:
-            raise ValueError(
-                f"{name} has dtype {tensor.dtype}; expected {' or '.join(map(str, dtypes))} with quant='mxfp4'"
-            )
+    D.check_torch_dtypes(named, "'mxfp4'")
     check_mxfp4_experts_args(
         hidden_states,
         gate_up_blocks,
@@ -434,31 +341,23 @@ def fused_experts_mxfp4(
         gate_up_bias,
         down_bias,
     )
-    for name, tensor, _ in named:
-        if tensor.device.type != "cuda" or tensor.device != hidden_states.device:
-            raise TypeError(f"{name} is on {tensor.device}; all arguments must be torch CUDA tensors on one device")
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+    D.check_torch_placement(named, hidden_states.device)
     device = hidden_states.device
     dtype = str(hidden_states.dtype).removeprefix("torch.")
     biases = [None if b is None else b.to(torch.float32).contiguous() for b in (gate_up_bias, down_bias)]
 
-    def allocate(shape, name):
-        return _torch_as_cupy(torch.empty(shape, dtype=getattr(torch, name), device=device))
-
     out = torch.empty(hidden_states.shape, dtype=hidden_states.dtype, device=device)
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
-    with cupy.cuda.Device(device.index), stream:
+    with D.torch_stream(device) as allocate:
         arrays = [
-            _torch_as_cupy(t)
+            D.torch_as_cupy(t)
             for t in (hidden_states, gate_up_blocks, gate_up_scales, down_blocks, down_scales, topk_weights, topk_ids)
         ]
-        gate_up_b, down_b = (None if b is None else _torch_as_cupy(b) for b in biases)
+        gate_up_b, down_b = (None if b is None else D.torch_as_cupy(b) for b in biases)
         run_mxfp4_experts(
             CupyMxfp4Backend(allocate, align_template=topk_ids),
             dtype,
             *arrays,
-            _torch_as_cupy(out),
+            D.torch_as_cupy(out),
             gate_up_bias=gate_up_b,
             down_bias=down_b,
             activation=activation,
