@@ -89,6 +89,24 @@ def _group_shift(builder, blocks, groups):
     return builder.call(cttz, [per, ir.Constant(ir.IntType(1), 0)])
 
 
+#: The scales' element types the vector kernels read directly: float32, bfloat16 (its bits, as
+#: uint16) and float16; each widens to float32 exactly.
+SCALE_TYPES = (types.float32, types.uint16, types.float16)
+
+
+def _load_scale(builder, dtype, pointer):
+    """float32 of the scale at ``pointer``: a float32 as it is; bfloat16 bits zero-extended and
+    shifted to a float32's high half; float16 widened (both exact)."""
+    f32 = ir.FloatType()
+    value = builder.load(pointer)
+    if dtype == types.uint16:
+        bits = builder.shl(builder.zext(value, ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(bits, f32)
+    if dtype == types.float16:
+        return builder.fpext(value, f32)
+    return value
+
+
 def _int4_block_scale(context, builder, params_type, params_value, groups):
     """INT4's block rule for `cpu_mxfp4.decode_row_split_intrinsic`: block g reads group
     g // (G / G') of params_row [P, G'] (C order): scale s = params_row[0, group], offset
@@ -102,9 +120,13 @@ def _int4_block_scale(context, builder, params_type, params_value, groups):
     zeros = builder.icmp_unsigned("==", parts, ir.Constant(parts.type, 2))
     eight = ir.Constant(f32, float(SYMMETRIC_ZERO))
 
+    dtype = params_type.dtype
+
     def at(g):
         group = builder.lshr(g, shift)
-        scale = builder.load(builder.gep(params.data, [group]))
+        scale = _load_scale(builder, dtype, builder.gep(params.data, [group]))
+        if dtype != types.float32:  # 16-bit scales come without zero points (symmetric only)
+            return None, scale
         # the zero point's index only when there is one (P = 1 has no second part to read)
         zero_index = builder.select(zeros, builder.add(width, group), group)
         zero = builder.select(zeros, builder.load(builder.gep(params.data, [zero_index])), eight)
@@ -181,25 +203,29 @@ _BF16_WORDS = [int(np.array(q - SYMMETRIC_ZERO, np.float32).view(np.uint32)) >> 
 def _int4_tile_scale(context, builder, params_type, params_value, groups):
     """Symmetric INT4's scales in a tile of `mxfp4_dot.tile_intrinsic`: block g of weight row
     ``row`` reads ``params[row, 0, g // (G / G')]`` of the expert's params [R, 1, G'] (the
-    offset 8 - z is zero: symmetric only, see `tile_serves`)."""
+    offset 8 - z is zero: symmetric only, see `tile_serves`), float32, bfloat16 bits or
+    float16 (`SCALE_TYPES`)."""
     params = context.make_array(params_type)(context, builder, params_value)
     _, parts, width = cgutils.unpack_tuple(builder, params.shape, 3)
     empty = builder.icmp_unsigned("==", width, ir.Constant(width.type, 0))
     shift = _group_shift(builder, groups, builder.select(empty, ir.Constant(width.type, 1), width))
     row_stride = builder.mul(parts, width)
+    dtype = params_type.dtype
 
     def row_at(row):
         base = builder.gep(params.data, [builder.mul(row, row_stride)])
 
         def at(g):
-            return builder.load(builder.gep(base, [builder.lshr(g, shift)]))
+            return _load_scale(builder, dtype, builder.gep(base, [builder.lshr(g, shift)]))
 
+        # blocks a scale, as a shift: the tile sums a whole group's dots before one multiply
+        at.group_shift = shift
         return at
 
     return row_at
 
 
-_int4_tile = mxfp4_dot.tile_intrinsic(_BF16_WORDS, _int4_tile_scale, 3, types.float32)
+_int4_tile = mxfp4_dot.tile_intrinsic(_BF16_WORDS, _int4_tile_scale, 3, SCALE_TYPES)
 
 
 @numba.njit(fastmath=True)

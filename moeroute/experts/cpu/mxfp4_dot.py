@@ -86,9 +86,13 @@ def tile_intrinsic(table, tile_scale, scales_ndim, scales_dtype):
     ``table``: the 32 bfloat16 words ``vpermw`` looks the 4-bit codes up in (the 16 values
     by code, twice). ``tile_scale(context, builder, scales_type, scales_value, groups)`` emits
     what runs once a call and returns ``row_at(row)``, which returns ``at(g)``: block g's
-    scale of weight row ``row`` as a float32 scalar. MXFP4 and symmetric INT4
-    (`moeroute.experts.cpu.int4`) share it with their own tables and scale rules.
+    scale of weight row ``row`` as a float32 scalar. Where ``at.group_shift`` is set (an
+    integer value: log2 of the blocks that share a scale), a scale is applied once to the summed
+    dots of a whole pair, or two pairs, instead of per block. ``scales_dtype``: a Numba type or
+    a tuple of those accepted. MXFP4 and symmetric INT4 (`moeroute.experts.cpu.int4`) share it
+    with their own tables and scale rules.
     """
+    scales_dtypes = scales_dtype if isinstance(scales_dtype, tuple) else (scales_dtype,)
 
     @intrinsic
     def tile(typingctx, blocks, w_rows, scales, xs, x_rows, out):
@@ -103,7 +107,7 @@ def tile_intrinsic(table, tile_scale, scales_ndim, scales_dtype):
             and blocks.layout == "C"
             and isinstance(scales, types.Array)
             and scales.ndim == scales_ndim
-            and scales.dtype == scales_dtype
+            and scales.dtype in scales_dtypes
             and scales.layout == "C"
             and isinstance(xs, types.Array)
             and xs.ndim == 2
@@ -142,6 +146,7 @@ def tile_intrinsic(table, tile_scale, scales_ndim, scales_dtype):
             row_at = tile_scale(context, builder, signature.args[2], args[2], groups)
             four = ir.Constant(v32i16, [4] * LANES)
             zero = ir.Constant(v16f, [0.0] * 16)
+            one, two, zero_index = (ir.Constant(index_type, k) for k in (1, 2, 0))
             x_ptrs = []
             for row in cgutils.unpack_tuple(builder, args[4], count):
                 start = builder.mul(context.cast(builder, row, x_rows.dtype, types.intp), width)
@@ -162,36 +167,79 @@ def tile_intrinsic(table, tile_scale, scales_ndim, scales_dtype):
                 # the instruction's latency).
                 row_totals = [accumulators(builder, 2, v16f) for _ in range(count)]
 
-                def pair_dots(p, parity):
+                def decoded(p):
                     codes = builder.zext(builder.load(builder.gep(w_ptr, [p]), align=1), v32i16)
                     even = builder.bitcast(builder.call(permute, [words, codes]), v32bf)
                     odd = builder.bitcast(builder.call(permute, [words, builder.lshr(codes, four)]), v32bf)
-                    g = builder.mul(p, ir.Constant(index_type, 2))
-                    block_scales = [at(builder.add(g, ir.Constant(index_type, k))) for k in range(2)]
-                    halves = [splat(builder, s, 16) for s in block_scales]
-                    scale = builder.shuffle_vector(
-                        halves[0], halves[1], ir.Constant(ir.VectorType(i32, 16), list(range(8)) + list(range(24, 32)))
-                    )
-                    for x_ptr, totals_j in zip(x_ptrs, row_totals):
-                        x_even = builder.bitcast(builder.load(builder.gep(x_ptr, [g]), align=2), v32bf)
-                        x_odd = builder.bitcast(
-                            builder.load(builder.gep(x_ptr, [builder.add(g, ir.Constant(index_type, 1))]), align=2),
-                            v32bf,
+                    return even, odd
+
+                def dots(first, n, parity, scale):
+                    """Pairs first .. first + n - 1 (n = 1 or 2) under one scale vector: their dots
+                    summed in one chain, then one multiply-add into the totals."""
+                    pairs_codes = [
+                        (
+                            builder.add(first, ir.Constant(index_type, k)),
+                            decoded(builder.add(first, ir.Constant(index_type, k))),
                         )
-                        acc = builder.call(dot, [zero, even, x_even])
-                        acc = builder.call(dot, [acc, odd, x_odd])
+                        for k in range(n)
+                    ]
+                    for x_ptr, totals_j in zip(x_ptrs, row_totals):
+                        acc = zero
+                        for p, (even, odd) in pairs_codes:
+                            g = builder.mul(p, two)
+                            x_even = builder.bitcast(builder.load(builder.gep(x_ptr, [g]), align=2), v32bf)
+                            x_odd = builder.bitcast(
+                                builder.load(builder.gep(x_ptr, [builder.add(g, one)]), align=2), v32bf
+                            )
+                            acc = builder.call(dot, [acc, even, x_even])
+                            acc = builder.call(dot, [acc, odd, x_odd])
                         total = totals_j[parity]
                         builder.store(builder.call(fma, [acc, scale, builder.load(total)]), total)
 
-                two = ir.Constant(index_type, 2)
-                with cgutils.for_range(builder, builder.udiv(pairs, two)) as loop:
-                    first = builder.mul(loop.index, two)
-                    pair_dots(first, 0)
-                    pair_dots(builder.add(first, ir.Constant(index_type, 1)), 1)
-                with cgutils.if_unlikely(
-                    builder, builder.icmp_unsigned("!=", builder.urem(pairs, two), ir.Constant(index_type, 0))
-                ):
-                    pair_dots(builder.sub(pairs, ir.Constant(index_type, 1)), 0)
+                def block_scales(p):
+                    """Lanes 0-7 block 2p's scale, lanes 8-15 block 2p + 1's."""
+                    g = builder.mul(p, two)
+                    halves = [splat(builder, at(builder.add(g, ir.Constant(index_type, k))), 16) for k in range(2)]
+                    return builder.shuffle_vector(
+                        halves[0], halves[1], ir.Constant(ir.VectorType(i32, 16), list(range(8)) + list(range(24, 32)))
+                    )
+
+                def pair_loop(scale_of):
+                    """Pair by pair, even and odd pairs into their own totals."""
+                    with cgutils.for_range(builder, builder.udiv(pairs, two)) as loop:
+                        first = builder.mul(loop.index, two)
+                        dots(first, 1, 0, scale_of(first))
+                        second = builder.add(first, one)
+                        dots(second, 1, 1, scale_of(second))
+                    with cgutils.if_unlikely(
+                        builder, builder.icmp_unsigned("!=", builder.urem(pairs, two), zero_index)
+                    ):
+                        last = builder.sub(pairs, one)
+                        dots(last, 1, 0, scale_of(last))
+
+                def shared_scale(p):
+                    return splat(builder, at(builder.mul(p, two)), 16)
+
+                shift = getattr(at, "group_shift", None)
+                if shift is None:
+                    pair_loop(block_scales)
+                else:
+                    # groups of 4+ blocks (two pairs or more a scale, whole pairs of pairs):
+                    # two pairs' dots in one chain, one multiply by their scale
+                    quads = builder.icmp_unsigned(">=", shift, ir.Constant(shift.type, 2))
+                    with builder.if_else(quads) as (whole_group, smaller):
+                        with whole_group:
+                            with cgutils.for_range(builder, builder.udiv(pairs, two)) as loop:
+                                first = builder.mul(loop.index, two)
+                                dots(first, 2, 0, shared_scale(first))
+                        with smaller:
+                            # a pair shares its scale from 2 blocks a group on
+                            pairs_shared = builder.icmp_unsigned("==", shift, ir.Constant(shift.type, 1))
+                            with builder.if_else(pairs_shared) as (shared, per_block):
+                                with shared:
+                                    pair_loop(shared_scale)
+                                with per_block:
+                                    pair_loop(block_scales)
                 totals.extend(
                     builder.fadd(builder.load(even_total), builder.load(odd_total))
                     for even_total, odd_total in row_totals

@@ -30,9 +30,12 @@ per call in expert-sorted order (`act_order_rows`) and handed to the same kernel
 identity token indices; the bfloat16-dot one-call forward and the CUDA kernels are not used
 then. Without it nothing changes.
 
-The kernels take the scales (and zero points) as one float32 array per weight (`params`):
-float32 scales without zero points are viewed as it, others are converted for the hit
-experts only, each call (a float32 copy of 1/g of their weights).
+The kernels take the scales (and zero points) as one array per weight (`params`). Scales
+without zero points are viewed as they are held, no copy: float32, and where the vector
+kernels run (`moeroute.experts.cpu.mxfp4.SIMD`) bfloat16 (its bits) and float16 too, which
+they widen to float32 as they read them. Otherwise (zero points, or 16-bit scales on the
+generic path) the hit experts' entries are converted to float32 each call (1/g of their
+weights).
 """
 
 from __future__ import annotations
@@ -195,11 +198,15 @@ def _parts(name: str, weight) -> tuple:
 
 
 def kernel_params(scales: torch.Tensor, zeros, experts) -> np.ndarray:
-    """float32 [L, N, P, K/g] of the kernels (`moeroute.experts.cpu.int4`): the scales and,
-    with zero points (P = 2), the zero points as floats. float32 scales without zero points
-    are viewed (no copy); otherwise only ``experts``' entries are written."""
-    if zeros is None and scales.dtype == torch.float32:
-        return scales.detach().contiguous().unsqueeze(2).numpy()
+    """[L, N, P, K/g] of the kernels (`moeroute.experts.cpu.int4`): the scales and, with zero
+    points (P = 2), the zero points as floats. Scales without zero points are viewed (no copy):
+    float32, and where `cpu_mxfp4.SIMD` bfloat16 (as uint16 bits) and float16; otherwise a
+    float32 array of which only ``experts``' entries are written."""
+    if zeros is None and (scales.dtype == torch.float32 or (cpu_mxfp4.SIMD and scales.dtype in _WIDENED)):
+        view = scales.detach().contiguous().unsqueeze(2)
+        if view.dtype == torch.bfloat16:
+            return view.view(torch.int16).numpy().view(np.uint16)
+        return view.numpy()
     parts = 1 if zeros is None else 2
     params = torch.empty(*scales.shape[:2], parts, scales.shape[2], dtype=torch.float32)
     index = torch.as_tensor(experts, dtype=torch.int64)
@@ -207,6 +214,10 @@ def kernel_params(scales: torch.Tensor, zeros, experts) -> np.ndarray:
     if zeros is not None:
         params[index, :, 1] = zeros.detach()[index].float()
     return params.numpy()
+
+
+#: 16-bit scale dtypes the vector kernels read as they are held (`cpu_int4.SCALE_TYPES`).
+_WIDENED = (torch.bfloat16, torch.float16)
 
 
 def _blocks_view(packed: torch.Tensor) -> np.ndarray:
