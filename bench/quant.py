@@ -23,13 +23,14 @@ activation="none")``) against the w8a8 layer on the same bytes, interleaved the 
 (the figure is w8a8 time / w8a16 time), on the Qwen3-30B-A3B shape at T = 1 and 8, torch on
 2 threads; JSON to bench/results/quant_w8a16.json.
 
-``--int4``: INT4 (w4a16, ``QuantConfig("int4", group_size=128)``, GPTQ's usual group) against
-the bfloat16 layer on the same float weights (the figure is bfloat16 time / INT4 time), on the
-Qwen3-30B-A3B and Kimi-K2 expert shapes (H = 7168, I = 2048, N = 16, K = 8), T = 1, 8 and 512
+``--int4``: INT4 (w4a16, symmetric, bfloat16 scales) against the bfloat16 layer on the same
+float weights (the figure is bfloat16 time / INT4 time), on the Qwen3-30B-A3B shape with
+groups of 128 (GPTQ's usual group) and the Kimi-K2 expert shape (H = 7168, I = 2048, N = 16,
+K = 8) with Kimi-K2's groups of 32, T = 1, 8 and 512
 (``--quick``: 1 and 8), bfloat16 activations, torch on 2 threads, interleaved; also the packed
 bytes read per second against the copy bandwidth; JSON to bench/results/quant_int4.json.
 
-``--shape NAME`` (repeatable): only those shapes. The JSON records the instruction-set path
+``--shape NAME`` (repeatable): only those shapes (of `INT4_SHAPES` with ``--int4``). The JSON records the instruction-set path
 the kernels took (``moeroute.cpu_isa()``, see `MOEROUTE_CPU_ISA`), so a run under
 ``MOEROUTE_CPU_ISA=avx2`` reports the AVX2 path's share of the copy bandwidth, and writes beside
 the CPU's own run (quant_avx2.json, quant_int4_avx2.json); hold torch to AVX2 as well
@@ -68,10 +69,9 @@ W8A16 = QuantConfig("fp8_block", activation="none")
 #: The INT4 shapes: Qwen3-30B-A3B and Kimi-K2's experts (H = 7168, I = 2048, top-8; 16 of its
 #: 384 experts held, as the DeepSeek-V3 shape does: a decode step reads at most 8 per row).
 INT4_SHAPES = {
-    "qwen3_30b_a3b": SHAPES["qwen3_30b_a3b"],
-    "kimi_k2_experts": dict(hidden=7168, inter=2048, experts=16, top_k=8),
+    "qwen3_30b_a3b": dict(SHAPES["qwen3_30b_a3b"], group=128),
+    "kimi_k2_experts": dict(hidden=7168, inter=2048, experts=16, top_k=8, group=32),
 }
-INT4 = QuantConfig("int4", group_size=128)
 #: Repeats per (shape, T): decode calls take milliseconds, prefill ones seconds.
 REPEATS = {1: 15, 8: 15, 512: 2}
 #: Experts quantized per step while building (bounds the float32 temporaries).
@@ -216,31 +216,34 @@ def run_w8a16(repeats: int = 30) -> dict:
 
 
 def build_int4(shape):
-    """The bfloat16 layer and the INT4 layer on its weights (group 128, symmetric)."""
+    """The bfloat16 layer and the INT4 layer on its weights (the shape's group, symmetric)."""
     bf16, _ = build(shape)
-    int4 = MoE(bf16.router, shape["hidden"], shape["inter"], quant=INT4)
+    group = shape["group"]
+    int4 = MoE(bf16.router, shape["hidden"], shape["inter"], quant=QuantConfig("int4", group_size=group))
     with torch.no_grad():
         int4.router_weight.copy_(bf16.router_weight)
         for first in range(0, shape["experts"], BUILD_STEP):
             rows = slice(first, min(shape["experts"], first + BUILD_STEP))
             for name in ("gate_up", "down"):
-                packed, scales = quantize_int4(getattr(bf16.experts, "w_" + name)[rows].float(), group_size=128)
+                packed, scales = quantize_int4(getattr(bf16.experts, "w_" + name)[rows].float(), group_size=group)
                 getattr(int4.experts, "w_" + name)[rows] = packed
                 getattr(int4.experts, name + "_scale")[rows] = scales
     return bf16, int4
 
 
-def run_int4(quick: bool, repeats: int = 30) -> dict:
-    """The bfloat16 layer against INT4 (group 128, symmetric) on its weights, `INT4_SHAPES`,
-    T = 1, 8 (and 512 unless ``quick``)."""
+def run_int4(quick: bool, names=None, repeats: int = 30) -> dict:
+    """The bfloat16 layer against INT4 (symmetric, each shape's group) on its weights,
+    `INT4_SHAPES` (those of ``names`` when given), T = 1, 8 (and 512 unless ``quick``)."""
     torch.set_num_threads(2)
     copy_gbs = host_copy_bandwidth()
     print(f"host copy bandwidth {copy_gbs:.1f} GB/s (read + write)")
     rows, results = [], {}
     for name, shape in INT4_SHAPES.items():
+        if names and name not in names:
+            continue
         bf16, int4 = build_int4(shape)
-        # half a byte per weight and a bfloat16 scale per 128 weights
-        per_expert_bytes = 3 * shape["hidden"] * shape["inter"] * (0.5 + 2 / 128)
+        # half a byte per weight and a bfloat16 scale per group
+        per_expert_bytes = 3 * shape["hidden"] * shape["inter"] * (0.5 + 2 / shape["group"])
         for tokens in TOKENS:
             if quick and tokens == 512:
                 continue
@@ -275,7 +278,7 @@ def run_int4(quick: bool, repeats: int = 30) -> dict:
             print_table(["shape", "T", "bf16 ms", "int4 ms", "bf16/int4", "int4 GB/s", "of copy"], rows[-1:])
     print_table(["shape", "T", "bf16 ms", "int4 ms", "bf16/int4", "int4 GB/s", "of copy"], rows)
     return {
-        "int4": repr(INT4),
+        "int4": {name: repr(QuantConfig("int4", group_size=shape["group"])) for name, shape in INT4_SHAPES.items()},
         "activation_dtype": "bfloat16",
         "torch_threads": 2,
         "host_copy_gbs": copy_gbs,
@@ -289,10 +292,12 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="decode sizes only (T = 1, 8)")
     parser.add_argument("--w8a16", action="store_true", help="w8a16 against w8a8 (Qwen3-30B-A3B, T = 1, 8)")
     parser.add_argument("--int4", action="store_true", help="INT4 w4a16 against bfloat16 (Qwen3-30B-A3B, Kimi-K2)")
-    parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="only this shape (repeatable)")
+    parser.add_argument(
+        "--shape", action="append", choices=sorted({*SHAPES, *INT4_SHAPES}), help="only this shape (repeatable)"
+    )
     args = parser.parse_args(argv)
     if args.int4:
-        path = write_results("quant_int4" + isa_suffix(), run_int4(args.quick))
+        path = write_results("quant_int4" + isa_suffix(), run_int4(args.quick, args.shape))
         print(f"wrote {path}")
         return
     if args.w8a16:

@@ -318,6 +318,10 @@ class LocalExperts(nn.Module):
         )
 
 
+#: Scale dtypes an INT4 layer holds (`QuantizedExperts.hold_int4_scales`).
+_SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 class QuantizedExperts(nn.Module):
     """The quantized experts one rank holds (the counterpart of `LocalExperts`): FP8, MXFP4
     packed blocks and scale bytes (`moeroute.experts.formats.mxfp4`), or INT4 packed
@@ -352,13 +356,15 @@ class QuantizedExperts(nn.Module):
 
     With ``quant.format == "int4"`` (g = ``quant.group_size``): ``w_gate_up`` uint8 [L, 2I,
     H/2] and ``w_down`` uint8 [L, H, I/2] (two 4-bit integers a byte), ``gate_up_scale``
-    [L, 2I, H/g] and ``down_scale`` [L, H, I/g] float32 (checkpoints' bfloat16 and float16
-    scales load exactly), and when not ``quant.symmetric`` ``gate_up_zero`` / ``down_zero``
-    uint8 of the scales' shapes (else None: z = 8) (`moeroute.quant.int4`), and
-    ``gate_up_perm``: None, or int32 [L, H] where a GPTQ checkpoint has act order on
-    gate_proj/up_proj: expert l's gate_up weights hold the hidden columns in the order
-    ``gate_up_perm[l]`` (groups contiguous), and its rows multiply ``x[gate_up_perm[l]]``
-    (`moeroute.bindings.torch.int4_keys` sets it; a state dict carries it when set).
+    [L, 2I, H/g] and ``down_scale`` [L, H, I/g] in the dtype they are loaded in (bfloat16
+    until then, `moeroute.quant.quantize_int4`'s; a checkpoint's float16 or float32 scales
+    are held as float16 or float32, see `hold_int4_scales`), and when not ``quant.symmetric``
+    ``gate_up_zero`` / ``down_zero`` uint8 of the scales' shapes (else None: z = 8)
+    (`moeroute.quant.int4`), and ``gate_up_perm``: None, or int32 [L, H] where a GPTQ
+    checkpoint has act order on gate_proj/up_proj: expert l's gate_up weights hold the hidden
+    columns in the order ``gate_up_perm[l]`` (groups contiguous), and its rows multiply
+    ``x[gate_up_perm[l]]`` (`moeroute.bindings.torch.int4_keys` sets it; a state dict carries
+    it when set).
 
     The weights start at zero with unit scales (no float copy is ever made); load them with
     ``MoE.load_routed_weights``, ``load_state_dict`` or `moeroute.bindings.torch.load_experts`.
@@ -406,7 +412,8 @@ class QuantizedExperts(nn.Module):
                 packed = torch.full((num_local_experts, rows, cols // 2), 0x88, dtype=torch.uint8, device=device)
                 setattr(self, "w_" + prefix, parameter(packed))
                 shape = (num_local_experts, rows, groups)
-                setattr(self, prefix + "_scale", parameter(torch.ones(shape, dtype=torch.float32, device=device)))
+                # 16-bit scales until loaded (`hold_int4_scales` takes a load's dtype)
+                setattr(self, prefix + "_scale", parameter(torch.ones(shape, dtype=torch.bfloat16, device=device)))
                 if not quant.symmetric:
                     zero = torch.full(shape, 8, dtype=torch.uint8, device=device)
                     setattr(self, prefix + "_zero", parameter(zero))
@@ -444,6 +451,27 @@ class QuantizedExperts(nn.Module):
         names = ("w_gate_up", "w_down", "gate_up_scale", "down_scale", "gate_up_zero", "down_zero", "input_scale")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
+    @torch.no_grad()
+    def hold_int4_scales(self, name: str, dtype: torch.dtype) -> None:
+        """Hold INT4 scales ``name`` ("gate_up_scale" or "down_scale") so that scales of
+        ``dtype`` (bfloat16, float16 or float32) copy into them exactly, in as few bytes as
+        that allows: the kernels read them as held, so a layer keeps its checkpoint's dtype.
+        Unit scales (nothing loaded yet) are replaced by ``dtype``'s, the old tensor freed first
+        (no second copy at any time); held values that ``dtype`` represents exactly are
+        converted to it; otherwise the scales become float32, which holds both. Nothing
+        happens when they already are ``dtype``, or for other formats or dtypes."""
+        param = getattr(self, name, None)
+        if self.quant.format != "int4" or param is None or param.dtype == dtype or dtype not in _SCALE_DTYPES:
+            return
+        held = param.data
+        if held.is_meta or all(bool((row == 1).all()) for row in held):
+            shape, device = held.shape, held.device
+            param.data = torch.empty(0, dtype=dtype, device=device)
+            param.data = torch.ones(shape, dtype=dtype, device=device)
+            return
+        exact = all(torch.equal(row.to(dtype).to(held.dtype), row) for row in held)
+        param.data = held.to(dtype if exact else torch.float32)
+
     def pack_cpu_weights(self, enable: bool = True):
         if enable:
             raise ValueError(
@@ -468,6 +496,11 @@ class QuantizedExperts(nn.Module):
     ):
         # Every state-dict path into the module (moeroute's own names included) refuses NaN
         # e4m3 weight bytes before anything is copied, as the other loaders do.
+        if self.quant.format == "int4":  # the scales take the dtype they come in
+            for name in ("gate_up_scale", "down_scale"):
+                tensor = state_dict.get(prefix + name)
+                if isinstance(tensor, torch.Tensor):
+                    self.hold_int4_scales(name, tensor.dtype)
         if self.quant.format.startswith("fp8"):
             for name in ("w_gate_up", "w_down"):
                 tensor = state_dict.get(prefix + name)

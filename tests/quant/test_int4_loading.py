@@ -520,8 +520,8 @@ print(json.dumps({"growth": status("VmHWM") - before, "held": held}))
 def test_load_experts_peak_is_the_packed_bytes_and_ten_percent(tmp_path, layout, symmetric, how):
     """Building a layer of 32 experts of H = 2048, I = 1024 and loading them from the files
     (one module per expert and projection): the resident size grows by at most the layer's
-    INT4 bytes (packed integers, float32 scales, zero points; 126 or 120 MiB) + 10%. The
-    checkpoint's bytes are a little less (16-bit scales). compressed-tensors' words are the
+    INT4 bytes (packed integers, scales in the checkpoint's float16, zero points) + 10%.
+    compressed-tensors' words are the
     layer's bytes (a copy, no temporaries); AWQ's are reordered nibble by nibble, the most
     temporaries of the three layouts (GPTQ's are a byte transpose). ``load_state_dict`` of the
     same keys (the layer built and the state dict read before the call) writes into the
@@ -555,7 +555,9 @@ def test_load_experts_peak_is_the_packed_bytes_and_ten_percent(tmp_path, layout,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(done.stdout.strip().splitlines()[-1])
-    assert figures["held"] >= checkpoint_bytes
+    # the layer holds the checkpoint's packed bytes and float16 scales (zero points a byte each):
+    # QuantConfig.expert_bytes of every expert
+    assert figures["held"] == quant.expert_bytes(hidden, inter) * n
     allowed = (0.1 if how == "state_dict" else 1.1) * figures["held"]
     assert figures["growth"] <= allowed, (
         f"{layout}: grew {figures['growth'] / 2**20:.1f} MiB for a layer of {figures['held'] / 2**20:.1f} MiB "

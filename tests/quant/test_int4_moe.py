@@ -254,7 +254,11 @@ def test_moe_holds_packed_bytes_and_round_trips_its_state():
     (gu_q, gu_s, gu_z), (d_q, d_s, d_z) = weights
     experts_ = module.experts
     assert torch.equal(experts_.w_gate_up, gu_q) and torch.equal(experts_.gate_up_zero, gu_z)
-    assert torch.equal(experts_.down_scale, d_s.float()) and torch.equal(experts_.w_down, d_q)
+    assert (
+        torch.equal(experts_.down_scale, d_s)
+        and experts_.down_scale.dtype == d_s.dtype
+        and torch.equal(experts_.w_down, d_q)
+    )
     assert experts_.w_gate_up.dtype == torch.uint8 and experts_.w_gate_up.shape == (N, 2 * I, H // 2)
     # Into the same layout, and into one that fuses the shared MLP as a slot (quantized there).
     same = MoE(
@@ -289,7 +293,7 @@ def test_moe_holds_packed_bytes_and_round_trips_its_state():
         assert torch.equal(getattr(fused.experts, name)[:N], getattr(experts_, name)), name
     assert torch.equal(fused.experts.w_gate_up[N], slot[0]) and torch.equal(fused.experts.gate_up_zero[N], slot[2])
     module.to(torch.bfloat16)
-    assert module.experts.w_gate_up.dtype == torch.uint8 and module.experts.gate_up_scale.dtype == torch.float32
+    assert module.experts.w_gate_up.dtype == torch.uint8 and module.experts.gate_up_scale.dtype == gu_s.dtype
 
 
 def test_moe_load_errors_are_clear():

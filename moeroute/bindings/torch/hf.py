@@ -171,6 +171,8 @@ def _quantize_into(module: MoE, expert: Callable, quant: QuantConfig) -> None:
         for local, e in enumerate(ids):
             for kind, weight in zip(("gate_up", "down"), expert(e)):
                 parts = quantize_int4(weight[0], group_size=quant.group_size, symmetric=quant.symmetric)
+                module.experts.hold_int4_scales(kind + "_scale", parts[1].dtype)
+                targets = module.experts.quantized_tensors()
                 for name, tensor in zip(("w_" + kind, kind + "_scale", kind + "_zero"), parts):
                     targets[name][local].copy_(tensor)
         return

@@ -203,6 +203,10 @@ def write_int4_expert(module, locals_: list, e: int, tensors: dict, prefix: str,
         }
         packed, scales, zeros = _slots(module, first, projection)
         weight = unpack_int4_checkpoint(given, quant, _expert_name(prefix, e, projection), out=packed)
+        module.experts.hold_int4_scales(
+            "down_scale" if projection == "down_proj" else "gate_up_scale", weight.scales.dtype
+        )
+        scales = _slots(module, first, projection)[1]  # the scales as now held
         scales.copy_(weight.scales)
         if zeros is not None:
             zeros.copy_(weight.zeros)

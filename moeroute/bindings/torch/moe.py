@@ -654,6 +654,8 @@ class MoE(nn.Module):
                         "w_gate_up=(packed, scales[, zeros]), w_down=(packed, scales[, zeros]), no biases"
                     )
             tensors = check_int4_weights(self.quant, n, hid, inter, w_gate_up, w_down)
+            for name in ("gate_up_scale", "down_scale"):
+                self.experts.hold_int4_scales(name, tensors[name].dtype)
             targets = self.experts.quantized_tensors()
             self._copy_expert_rows([(targets[name], tensor) for name, tensor in tensors.items()])
             self.experts.gate_up_perm = None  # the given weights are in the hidden columns' order
@@ -787,6 +789,8 @@ class MoE(nn.Module):
         if self.quant.format == "int4":
             for prefix, weight in (("gate_up", w_gate_up), ("down", w_down)):
                 parts = quantize_int4(weight, group_size=self.quant.group_size, symmetric=self.quant.symmetric)
+                self.experts.hold_int4_scales(prefix + "_scale", parts[1].dtype)
+                targets = self.experts.quantized_tensors()
                 for name, tensor in zip(("w_" + prefix, prefix + "_scale", prefix + "_zero"), parts):
                     targets[name][first : first + s].copy_(tensor)
             perm = self.experts.gate_up_perm

@@ -89,21 +89,22 @@ def _group_shift(builder, blocks, groups):
     return builder.call(cttz, [per, ir.Constant(ir.IntType(1), 0)])
 
 
-#: The scales' element types the vector kernels read directly: float32, bfloat16 (its bits, as
-#: uint16) and float16; each widens to float32 exactly.
-SCALE_TYPES = (types.float32, types.uint16, types.float16)
+#: The scales' element types the vector kernels read directly: float32, bfloat16 bits as uint16
+#: and float16 bits as int16 (Numba has no CPU float16 arrays); each widens to float32 exactly.
+SCALE_TYPES = (types.float32, types.uint16, types.int16)
 
 
 def _load_scale(builder, dtype, pointer):
-    """float32 of the scale at ``pointer``: a float32 as it is; bfloat16 bits zero-extended and
-    shifted to a float32's high half; float16 widened (both exact)."""
+    """float32 of the scale at ``pointer``: a float32 as it is; bfloat16 bits (uint16)
+    zero-extended and shifted to a float32's high half; float16 bits (int16) widened (both
+    exact)."""
     f32 = ir.FloatType()
     value = builder.load(pointer)
     if dtype == types.uint16:
         bits = builder.shl(builder.zext(value, ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
         return builder.bitcast(bits, f32)
-    if dtype == types.float16:
-        return builder.fpext(value, f32)
+    if dtype == types.int16:
+        return builder.fpext(builder.bitcast(value, ir.HalfType()), f32)
     return value
 
 

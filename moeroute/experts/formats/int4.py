@@ -200,13 +200,14 @@ def _parts(name: str, weight) -> tuple:
 def kernel_params(scales: torch.Tensor, zeros, experts) -> np.ndarray:
     """[L, N, P, K/g] of the kernels (`moeroute.experts.cpu.int4`): the scales and, with zero
     points (P = 2), the zero points as floats. Scales without zero points are viewed (no copy):
-    float32, and where `cpu_mxfp4.SIMD` bfloat16 (as uint16 bits) and float16; otherwise a
+    float32, and where `cpu_mxfp4.SIMD` bfloat16 (its bits as uint16) and float16 (its bits as
+    int16, `cpu_int4.SCALE_TYPES`); otherwise a
     float32 array of which only ``experts``' entries are written."""
     if zeros is None and (scales.dtype == torch.float32 or (cpu_mxfp4.SIMD and scales.dtype in _WIDENED)):
         view = scales.detach().contiguous().unsqueeze(2)
         if view.dtype == torch.bfloat16:
             return view.view(torch.int16).numpy().view(np.uint16)
-        return view.numpy()
+        return view.view(torch.int16).numpy() if view.dtype == torch.float16 else view.numpy()
     parts = 1 if zeros is None else 2
     params = torch.empty(*scales.shape[:2], parts, scales.shape[2], dtype=torch.float32)
     index = torch.as_tensor(experts, dtype=torch.int64)
