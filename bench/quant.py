@@ -278,7 +278,8 @@ def run_int4(quick: bool, names=None, repeats: int = 30) -> dict:
             print_table(["shape", "T", "bf16 ms", "int4 ms", "bf16/int4", "int4 GB/s", "of copy"], rows[-1:])
     print_table(["shape", "T", "bf16 ms", "int4 ms", "bf16/int4", "int4 GB/s", "of copy"], rows)
     return {
-        "int4": {name: repr(QuantConfig("int4", group_size=shape["group"])) for name, shape in INT4_SHAPES.items()},
+        "int4": "symmetric, bfloat16 scales, groups of "
+        + ", ".join(f"{shape['group']} ({name})" for name, shape in INT4_SHAPES.items()),
         "activation_dtype": "bfloat16",
         "torch_threads": 2,
         "host_copy_gbs": copy_gbs,

@@ -338,7 +338,7 @@ def _quant_int4(data):
         shape = shapes.get(shape_name, {})
         label = (
             f"{shape_name} (H = {shape.get('hidden')}, I = {shape.get('inter')}, N = {shape.get('experts')}, "
-            f"K = {shape.get('top_k')})"
+            f"K = {shape.get('top_k')}" + (f", g = {shape['group']})" if "group" in shape else ")")
         )
         for r in cases:
             row = [label, r["tokens"], _ms(r["bfloat16_ms"]), _ms(r["int4_ms"])]
