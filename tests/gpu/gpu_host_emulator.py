@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from moeroute.gpu import launch as L
 from moeroute.gpu.align_fallback import align_block_size_array_api
@@ -30,6 +32,8 @@ POISON_BITS = {
 HOST_COMPILER = "g++"
 SCHEDULES = {"round_robin": 0, "lowest_first": 1, "highest_first": 2}  # moeroute_emu::Schedule
 ERROR_BUFFER_BYTES = 4096
+HIPCC = shutil.which("hipcc")
+HIP_ARCHS = ("gfx90a", "gfx940")
 #: Holds host_emulation.h, which compat.cuh includes in the host build only (not part of the package).
 EMULATION_DIR = Path(__file__).resolve().parent
 EMULATION_HEADER = EMULATION_DIR / "host_emulation.h"
@@ -50,10 +54,10 @@ def compiler_available() -> bool:
     return shutil.which(HOST_COMPILER) is not None
 
 
-def _translation_unit(names) -> str:
+def _translation_unit(names, kernel_file: str = L.KERNEL_FILE) -> str:
     entries = "\n".join(f'    {{"{name}", &launch<&{name}>}},' for name in names)
     return f"""#define MOEROUTE_HOST_EMULATION 1
-#include "{L.KERNEL_FILE}.cu"
+#include "{kernel_file}.cu"
 #include <cstdio>
 #include <cstring>
 
@@ -93,11 +97,12 @@ extern "C" void moeroute_emu_configure(int schedule, int eager_async_copies) {{
 
 
 class HostEmulator:
-    """A g++ build of the given kernel instantiations, launched like cuLaunchKernel."""
+    """A g++ build of the given kernel instantiations of kernels/<kernel_file>.cu, launched like
+    cuLaunchKernel."""
 
-    def __init__(self, names, build_dir=None):
+    def __init__(self, names, build_dir=None, kernel_file: str = L.KERNEL_FILE):
         self.names = tuple(names)
-        source = _translation_unit(self.names)
+        source = _translation_unit(self.names, kernel_file)
         kernel_text = "".join(p.read_text() for p in sorted(KERNEL_DIR.iterdir()) if p.suffix in (".cu", ".cuh"))
         kernel_text += EMULATION_HEADER.read_text()
         digest = hashlib.sha256((source + kernel_text).encode()).hexdigest()[:16]
@@ -210,7 +215,8 @@ class HostBackend:
         self.launched = []
 
     def empty(self, shape, dtype):
-        return self.arrays.empty(shape, L.STORAGE_DTYPES[dtype])
+        # uint8: the quantized formats' scratch (FP8 activations)
+        return self.arrays.empty(shape, np.uint8 if dtype == "uint8" else L.STORAGE_DTYPES[dtype])
 
     def pointer(self, array) -> int:
         return int(array.ctypes.data)
@@ -223,3 +229,55 @@ class HostBackend:
         self.launched.append(plan.name)
         self.emulator.launch(plan)
         self.arrays.check_guards()
+
+
+def format_emulator(kernel_file: str, names, tmp_path_factory) -> HostEmulator:
+    """The host build of ``names`` from kernels/<kernel_file>.cu in its default interleaving (a
+    module fixture of a weight format's tests); skips without g++."""
+    if not compiler_available():
+        pytest.skip("g++ not found: the host emulation of the kernels needs a C++20 compiler")
+    emulator = HostEmulator(
+        names, build_dir=tmp_path_factory.mktemp(f"{kernel_file}-emulator"), kernel_file=kernel_file
+    )
+    emulator.configure()
+    return emulator
+
+
+def assert_no_spills(result, arch: str) -> str:
+    """Assert an NVRTC build (`moeroute.gpu.loader.nvrtc_compile`'s result) without warnings in
+    which no kernel spills to local memory; returns (and prints) the per-kernel report."""
+    assert "warning" not in result.log.lower(), result.log
+    assert result.cubin
+    report = "\n".join(
+        f"{arch} {r.registers:4d} registers, {r.spill_store_bytes} B spill stores, "
+        f"{r.spill_load_bytes} B spill loads, {r.stack_frame_bytes} B stack  {name}"
+        for name, r in sorted(result.resources.items())
+    )
+    print(report)
+    spilling = [
+        name for name, r in result.resources.items() if r.spill_store_bytes or r.spill_load_bytes or r.stack_frame_bytes
+    ]
+    assert not spilling, f"kernels spilling to local memory on {arch}:\n{report}"
+    return report
+
+
+def hipcc_code_object(kernel_file: str, names, tmp_path, archs=HIP_ARCHS) -> bytes:
+    """Compile ``names`` of kernels/<kernel_file>.hip for ``archs`` in one hipcc call (the source
+    is parsed once); assert it builds without warnings and return the code object."""
+    refs = ",\n".join(f"    reinterpret_cast<const void*>(&{name})" for name in names)
+    source = tmp_path / f"check_{kernel_file}.hip"  # not the kernel's own name: #include "" looks here first
+    source.write_text(f'#include "{kernel_file}.hip"\nconst void* moeroute_kernels[] = {{\n{refs}\n}};\n')
+    output = tmp_path / f"{kernel_file}.co"
+    arch_flags = [f"--offload-arch={arch}" for arch in archs]
+    result = subprocess.run(
+        [HIPCC, "--genco", *arch_flags, "-std=c++17", "-Wall", f"-I{KERNEL_DIR}", str(source), "-o", str(output)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HIP_PLATFORM": "amd"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "warning" not in result.stderr.lower(), result.stderr
+    code_object = output.read_bytes()
+    for arch in archs:
+        assert arch.encode() in code_object
+    return code_object

@@ -9,17 +9,13 @@ shapes include one whose bk is no multiple of the kernels' k slices.
 """
 
 import functools
-import os
-import shutil
-import subprocess
-from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 
-import gpu_host_emulator
-from gpu_host_emulator import GuardedArrays, HostBackend, HostEmulator, compiler_available, nvrtc_available
+import gpu_host_emulator as host
+from gpu_host_emulator import HIPCC, GuardedArrays, HostBackend, nvrtc_available
 from gpu_reference import from_storage, ragged_routing, to_storage
 from moeroute.gpu import gemm_fp8 as G
 from moeroute.gpu import launch as L
@@ -35,7 +31,6 @@ TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # rounds the intermediate and the output.
 TOLERANCE = {"float32": 5e-3, "bfloat16": 2e-2}
 HOST_DTYPES = ("float32", "bfloat16")
-HIPCC = shutil.which("hipcc")
 
 
 def _host_names():
@@ -50,22 +45,7 @@ def _host_names():
 @pytest.fixture(scope="module")
 def fp8_emulator(tmp_path_factory):
     """moe_gemm_fp8.cu's kernels (SIMT, and mma with m16n8k32 emulated from the PTX tables) on the host."""
-    if not compiler_available():
-        pytest.skip("g++ not found: the host emulation of the kernels needs a C++20 compiler")
-    original = gpu_host_emulator._translation_unit
-
-    def translation_unit(names):
-        return original(names).replace(f'#include "{L.KERNEL_FILE}.cu"', f'#include "{G.KERNEL_FILE}.cu"')
-
-    with mock.patch.object(gpu_host_emulator, "_translation_unit", translation_unit):
-        emulator = HostEmulator(_host_names(), build_dir=tmp_path_factory.mktemp("fp8-emulator"))
-    emulator.configure()
-    return emulator
-
-
-class Fp8HostBackend(HostBackend):
-    def empty(self, shape, dtype):
-        return self.arrays.empty(shape, np.uint8 if dtype == "uint8" else L.STORAGE_DTYPES[dtype])
+    return host.format_emulator(G.KERNEL_FILE, _host_names(), tmp_path_factory)
 
 
 def test_host_build_has_no_warnings(fp8_emulator):
@@ -134,7 +114,7 @@ def test_fp8_experts_match_w8a8_reference(fp8_emulator, path, dtype, format, blo
     config = QuantConfig(format=format, block_size=block_size, scale_fmt=scale_fmt)
     x, topk_ids, topk_weights, (q_gu, s_gu, q_d, s_d) = _problem(config, dtype, seed=3)
     arrays = GuardedArrays()
-    backend = Fp8HostBackend(fp8_emulator, arrays)
+    backend = HostBackend(fp8_emulator, arrays)
     T, H = x.shape
     out = arrays.empty((T, H), L.STORAGE_DTYPES[dtype])
     bytes_of = lambda q: arrays.copy(q.view(torch.uint8).numpy())  # noqa: E731
@@ -190,7 +170,7 @@ def test_scales_are_applied_per_block(fp8_emulator):
     s_d = s_d.clone()
     s_d[:, 2, 1] *= 1024.0
     arrays = GuardedArrays()
-    backend = Fp8HostBackend(fp8_emulator, arrays)
+    backend = HostBackend(fp8_emulator, arrays)
     out = arrays.empty(tuple(x.shape), np.float32)
     bytes_of = lambda q: arrays.copy(q.view(torch.uint8).numpy())  # noqa: E731
     G.run_fp8_experts(
@@ -250,18 +230,7 @@ def _compile(arch):
 @pytest.mark.parametrize("arch", ["sm_89", "sm_90"])
 def test_nvrtc_compiles_without_spills(arch):
     result = _compile(arch)
-    assert "warning" not in result.log.lower(), result.log
-    assert result.cubin
-    report = "\n".join(
-        f"{arch} {r.registers:4d} registers, {r.spill_store_bytes} B spill stores, "
-        f"{r.spill_load_bytes} B spill loads, {r.stack_frame_bytes} B stack  {name}"
-        for name, r in sorted(result.resources.items())
-    )
-    print(report)
-    spilling = [
-        name for name, r in result.resources.items() if r.spill_store_bytes or r.spill_load_bytes or r.stack_frame_bytes
-    ]
-    assert not spilling, f"kernels spilling to local memory on {arch}:\n{report}"
+    report = host.assert_no_spills(result, arch)
     for (_, gated), tile in G.FP8_MMA_TILES.items():
         registers = result.resources[G.mma_name("bfloat16", tile, gated)].registers
         assert registers <= L.REGISTERS_PER_MULTIPROCESSOR // (tile.min_blocks * tile.threads), report
@@ -286,30 +255,7 @@ def test_mma_kernel_emits_the_e4m3_instruction(tmp_path):
 @pytest.mark.skipif(HIPCC is None, reason="hipcc not found (apt-get install hipcc): HIP compile check skipped")
 @pytest.mark.parametrize("arch", ["gfx90a", "gfx940"])
 def test_hipcc_compiles_the_hip_variant(tmp_path, arch):
-    names = G.shipped_name_expressions("hip")
-    refs = ",\n".join(f"    reinterpret_cast<const void*>(&{name})" for name in names)
-    source = tmp_path / "fp8.hip"
-    source.write_text(f'#include "{G.KERNEL_FILE}.hip"\nconst void* moeroute_fp8_kernels[] = {{\n{refs}\n}};\n')
-    output = tmp_path / f"fp8-{arch}.co"
-    result = subprocess.run(
-        [
-            HIPCC,
-            "--genco",
-            f"--offload-arch={arch}",
-            "-std=c++17",
-            "-Wall",
-            f"-I{KERNEL_DIR}",
-            str(source),
-            "-o",
-            str(output),
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HIP_PLATFORM": "amd"},
-    )
-    assert result.returncode == 0, result.stderr
-    assert "warning" not in result.stderr.lower(), result.stderr
-    code_object = output.read_bytes()
+    code_object = host.hipcc_code_object(G.KERNEL_FILE, G.shipped_name_expressions("hip"), tmp_path, archs=(arch,))
     assert b"moe_gemm_fp8_simt" in code_object and b"fp8_quantize_groups" in code_object
     assert b"moe_gemm_fp8_mma" not in code_object, "the FP8 mma.sync path must be compiled out on AMD"
 
@@ -360,7 +306,7 @@ def test_static_activation_scales_match_reference(fp8_emulator, path, dtype):
     E = len(COUNTS)
     input_scale = torch.tensor([[0.004 * 4.0**e, 0.0005 * 2.0**e] for e in range(E)], dtype=torch.float32)
     arrays = GuardedArrays()
-    backend = Fp8HostBackend(fp8_emulator, arrays)
+    backend = HostBackend(fp8_emulator, arrays)
     out = arrays.empty(tuple(x.shape), L.STORAGE_DTYPES[dtype])
     bytes_of = lambda q: arrays.copy(q.view(torch.uint8).numpy())  # noqa: E731
     G.run_fp8_experts(

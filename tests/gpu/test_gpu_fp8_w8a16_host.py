@@ -10,14 +10,11 @@ multiples of the weight blocks (partial last blocks both ways), and one block sh
 is no multiple of the kernels' k slices.
 """
 
-from unittest import mock
-
 import numpy as np
 import pytest
 import torch
 
-import gpu_host_emulator
-from gpu_host_emulator import GuardedArrays, HostBackend, HostEmulator, compiler_available, nvrtc_available
+from gpu_host_emulator import GuardedArrays, HostBackend, assert_no_spills, format_emulator, nvrtc_available
 from gpu_reference import from_storage, ragged_routing, to_storage
 from helpers.reference import dense_experts
 from moeroute.gpu import gemm_fp8 as G
@@ -53,22 +50,7 @@ def _host_names():
 
 @pytest.fixture(scope="module")
 def w8a16_emulator(tmp_path_factory):
-    if not compiler_available():
-        pytest.skip("g++ not found: the host emulation of the kernels needs a C++20 compiler")
-    original = gpu_host_emulator._translation_unit
-
-    def translation_unit(names):
-        return original(names).replace(f'#include "{L.KERNEL_FILE}.cu"', f'#include "{G.KERNEL_FILE}.cu"')
-
-    with mock.patch.object(gpu_host_emulator, "_translation_unit", translation_unit):
-        emulator = HostEmulator(_host_names(), build_dir=tmp_path_factory.mktemp("fp8-w8a16-emulator"))
-    emulator.configure()
-    return emulator
-
-
-class Fp8HostBackend(HostBackend):
-    def empty(self, shape, dtype):
-        return self.arrays.empty(shape, np.uint8 if dtype == "uint8" else L.STORAGE_DTYPES[dtype])
+    return format_emulator(G.KERNEL_FILE, _host_names(), tmp_path_factory)
 
 
 def dequantize_blocks(q, scale, block, halves):
@@ -99,7 +81,7 @@ def _problem(block, dtype, seed, H=144, I=100, top_k=2):
 def _check(emulator, dtype, block, path, align_block=16, H=144, I=100):
     x, topk_ids, topk_weights, (q_gu, s_gu, q_d, s_d) = _problem(block, dtype, seed=3, H=H, I=I)
     arrays = GuardedArrays()
-    backend = Fp8HostBackend(emulator, arrays)
+    backend = HostBackend(emulator, arrays)
     T, H = x.shape
     out = arrays.empty((T, H), L.STORAGE_DTYPES[dtype])
     bytes_of = lambda q: arrays.copy(q.view(torch.uint8).numpy())  # noqa: E731
@@ -206,12 +188,7 @@ def test_nvrtc_compiles_the_w8a16_kernels_without_spills(arch):
     names = [name for name in G.shipped_name_expressions("cuda", 80) if name.startswith("moe_gemm_fp8w16")]
     assert len(names) == len(L.DTYPES) * len(L.SIMT_TILE_HEIGHTS) * 2 + len(G.MMA_DTYPES) * len(G.NARROW_MMA_TILES)
     result = nvrtc_compile(G.KERNEL_FILE, names, arch)
-    assert "warning" not in result.log.lower(), result.log
-    spilling = [
-        name for name, r in result.resources.items() if r.spill_store_bytes or r.spill_load_bytes or r.stack_frame_bytes
-    ]
-    assert not spilling, f"kernels spilling to local memory on {arch}: {spilling}"
+    assert_no_spills(result, arch)
     for (_, gated), tile in G.NARROW_MMA_TILES.items():
         registers = result.resources[G.w8a16_mma_name("bfloat16", tile, gated)].registers
         assert registers <= L.REGISTERS_PER_MULTIPROCESSOR // (tile.min_blocks * tile.threads), registers
-    print("\n".join(f"{arch} {r.registers:4d} registers  {name}" for name, r in sorted(result.resources.items())))

@@ -8,30 +8,24 @@ module, shapes of a few hundred columns.
 """
 
 import functools
-import os
-import shutil
-import subprocess
-from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 
-import gpu_host_emulator
-from gpu_host_emulator import GuardedArrays, HostBackend, HostEmulator, compiler_available, nvrtc_available
+import gpu_host_emulator as host
+from gpu_host_emulator import HIPCC, GuardedArrays, HostBackend, nvrtc_available
 from gpu_reference import from_storage, ragged_routing, to_storage
 from helpers.reference import dense_experts, dequantize_mxfp4
 from moeroute.gpu import gemm_mxfp4 as G
 from moeroute.gpu import launch as L
-from moeroute.gpu.loader import KERNEL_DIR, nvrtc_compile
+from moeroute.gpu.loader import nvrtc_compile
 
 # max |kernel - reference| / max |reference|. float32: the decoded weights are exact, only float32
 # against float64 accumulation differs. bfloat16: the activations, the intermediate and the
 # output are rounded to bfloat16 (float16) by the kernels (the reference keeps float64 throughout).
 TOLERANCE = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 2e-2}
 TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-HIPCC = shutil.which("hipcc")
-HIP_ARCHS = ("gfx90a", "gfx940")
 COUNTS = [0, 1, 15, 17]  # B - 1 and B + 1 rows at align block 16; expert 0 has none
 H, I, TOP_K = 288, 64, 2  # 9 and 2 scale blocks: the mma kernel's 4-stage ring wraps and ends half full
 
@@ -50,22 +44,7 @@ def _host_names():
 @pytest.fixture(scope="module")
 def mxfp4_emulator(tmp_path_factory):
     """moe_gemm_mxfp4.cu's kernels (SIMT, and mma with m16n8k16 emulated from the PTX tables) on the host."""
-    if not compiler_available():
-        pytest.skip("g++ not found: the host emulation of the kernels needs a C++20 compiler")
-    original = gpu_host_emulator._translation_unit
-
-    def translation_unit(names):
-        return original(names).replace(f'#include "{L.KERNEL_FILE}.cu"', f'#include "{G.KERNEL_FILE}.cu"')
-
-    with mock.patch.object(gpu_host_emulator, "_translation_unit", translation_unit):
-        emulator = HostEmulator(_host_names(), build_dir=tmp_path_factory.mktemp("mxfp4-emulator"))
-    emulator.configure()
-    return emulator
-
-
-class Mxfp4HostBackend(HostBackend):
-    def empty(self, shape, dtype):
-        return self.arrays.empty(shape, np.uint8 if dtype == "uint8" else L.STORAGE_DTYPES[dtype])
+    return host.format_emulator(G.KERNEL_FILE, _host_names(), tmp_path_factory)
 
 
 def _packed(rows, cols, seed, scale_range=(118, 128)):
@@ -96,7 +75,7 @@ def _run(
     emulator, dtype, path, x, topk_ids, topk_weights, gate_up, down, bias, activation, launched=None, align_block=16
 ):
     arrays = GuardedArrays()
-    backend = Mxfp4HostBackend(emulator, arrays)
+    backend = HostBackend(emulator, arrays)
     T = x.shape[0]
     out = arrays.empty((T, H), L.STORAGE_DTYPES[dtype])
     bytes_of = lambda t: arrays.copy(t.numpy())  # noqa: E731
@@ -261,18 +240,7 @@ def _compile(arch):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_nvrtc_compiles_without_spills(arch):
     result = _compile(arch)
-    assert "warning" not in result.log.lower(), result.log
-    assert result.cubin
-    report = "\n".join(
-        f"{arch} {r.registers:4d} registers, {r.spill_store_bytes} B spill stores, "
-        f"{r.spill_load_bytes} B spill loads, {r.stack_frame_bytes} B stack  {name}"
-        for name, r in sorted(result.resources.items())
-    )
-    print(report)
-    spilling = [
-        name for name, r in result.resources.items() if r.spill_store_bytes or r.spill_load_bytes or r.stack_frame_bytes
-    ]
-    assert not spilling, f"kernels spilling to local memory on {arch}:\n{report}"
+    report = host.assert_no_spills(result, arch)
     for (_, gated), tile in G.MMA_TILES.items():
         registers = result.resources[G.mma_name("bfloat16", tile, gated)].registers
         assert registers <= L.REGISTERS_PER_MULTIPROCESSOR // (tile.min_blocks * tile.threads), report
@@ -280,23 +248,6 @@ def test_nvrtc_compiles_without_spills(arch):
 
 @pytest.mark.skipif(HIPCC is None, reason="hipcc not found (apt-get install hipcc): HIP compile check skipped")
 def test_hipcc_compiles_the_hip_variant(tmp_path):
-    # Both architectures in one hipcc call: the source is parsed once.
-    names = G.shipped_name_expressions("hip")
-    refs = ",\n".join(f"    reinterpret_cast<const void*>(&{name})" for name in names)
-    source = tmp_path / "mxfp4.hip"
-    source.write_text(f'#include "{G.KERNEL_FILE}.hip"\nconst void* moeroute_mxfp4_kernels[] = {{\n{refs}\n}};\n')
-    output = tmp_path / "mxfp4.co"
-    arch_flags = [f"--offload-arch={arch}" for arch in HIP_ARCHS]
-    result = subprocess.run(
-        [HIPCC, "--genco", *arch_flags, "-std=c++17", "-Wall", f"-I{KERNEL_DIR}", str(source), "-o", str(output)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HIP_PLATFORM": "amd"},
-    )
-    assert result.returncode == 0, result.stderr
-    assert "warning" not in result.stderr.lower(), result.stderr
-    code_object = output.read_bytes()
-    for arch in HIP_ARCHS:
-        assert arch.encode() in code_object
+    code_object = host.hipcc_code_object(G.KERNEL_FILE, G.shipped_name_expressions("hip"), tmp_path)
     assert b"moe_gemm_mxfp4_simt" in code_object
     assert b"moe_gemm_mxfp4_mma" not in code_object, "the mma.sync path must be compiled out on AMD"
