@@ -47,7 +47,9 @@ TypeError naming the argument.
 None of the ops has an autograd formula: the pipeline is inference-only.
 """
 
+import inspect
 import itertools
+import types
 import weakref
 from typing import Optional
 
@@ -390,38 +392,13 @@ def _check_routing_args(hidden_states, topk_weights, topk_ids) -> None:
         )
 
 
-def _check_experts_devices(
-    hidden_states,
-    w_gate_up,
-    w_down,
-    topk_weights,
-    topk_ids,
-    b_gate_up,
-    b_down,
-    gate_up_scale,
-    down_scale,
-    input_scale,
-    gate_up_zero=None,
-    down_zero=None,
-) -> None:
-    """Every tensor argument of ``experts`` on the device of ``hidden_states`` (the kernels
-    read them there; a meta-device weight holds no data). ``expert_map`` is held to the
-    device of ``topk_ids`` by `_check_expert_map`."""
-    check_same_device(
-        "hidden_states",
-        hidden_states,
-        w_gate_up=w_gate_up,
-        w_down=w_down,
-        topk_weights=topk_weights,
-        topk_ids=topk_ids,
-        b_gate_up=b_gate_up,
-        b_down=b_down,
-        gate_up_scale=gate_up_scale,
-        down_scale=down_scale,
-        input_scale=input_scale,
-        gate_up_zero=gate_up_zero,
-        down_zero=down_zero,
-    )
+def _check_experts_devices(call) -> None:
+    """Every tensor argument of ``experts`` (``call``: its arguments by name) on the device of
+    ``hidden_states`` (the kernels read them there; a meta-device weight holds no data).
+    ``expert_map`` is held to the device of ``topk_ids`` by `_check_expert_map`."""
+    names = ("w_gate_up", "w_down", "topk_weights", "topk_ids", "b_gate_up", "b_down", "gate_up_scale")
+    names += ("down_scale", "input_scale", "gate_up_zero", "down_zero")
+    check_same_device("hidden_states", call.hidden_states, **{name: getattr(call, name) for name in names})
 
 
 def _quant_config(
@@ -450,38 +427,16 @@ def _quant_config(
     )
 
 
-def _check_int4_experts_args(
-    hidden_states,
-    w_gate_up,
-    w_down,
-    topk_weights,
-    topk_ids,
-    activation,
-    gemm,
-    b_gate_up,
-    b_down,
-    gate_up_scale,
-    down_scale,
-    input_scale,
-    gate_up_zero,
-    down_zero,
-    quant,
-):
+def _check_int4_experts_args(call, quant):
     """The INT4 form of `_check_experts_args`: packed uint8 [L, 2I, H/2] and [L, H, I/2],
     scales [L, 2I, H/g] and [L, H, I/g] (float32/bfloat16/float16), zero points uint8 of
     the scales' shape exactly when ``quant.symmetric`` is False; no biases, no input scale."""
-    check_activation(activation)
-    check_strategy("gemm", gemm, "int4")
-    if hidden_states.dim() != 2 or hidden_states.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"hidden_states must be 2-D [T, H] of {SUPPORTED_DTYPES}, got {hidden_states.dtype} of "
-            f"shape {tuple(hidden_states.shape)}"
-        )
-    if b_gate_up is not None or b_down is not None:
+    hidden_states, w_gate_up, w_down = call.hidden_states, call.w_gate_up, call.w_down
+    if call.b_gate_up is not None or call.b_down is not None:
         raise ValueError("INT4 experts carry no biases; pass b_gate_up=b_down=None")
-    if input_scale is not None:
+    if call.input_scale is not None:
         raise ValueError("INT4 experts keep their activations in float (w4a16); pass input_scale=None")
-    for name, zero in (("gate_up_zero", gate_up_zero), ("down_zero", down_zero)):
+    for name, zero in (("gate_up_zero", call.gate_up_zero), ("down_zero", call.down_zero)):
         if quant.symmetric and zero is not None:
             raise ValueError(f"{name} is given with symmetric=True; symmetric INT4 has no zero points (z = 8)")
         if not quant.symmetric and zero is None:
@@ -498,8 +453,8 @@ def _check_int4_experts_args(
             raise ValueError(f"w_gate_up has {two_inter} rows; gate_up rows are 2I (gate rows, then up rows)")
         inter = two_inter // 2
         for name, packed, scale, zero, shape in (
-            ("w_gate_up", w_gate_up, gate_up_scale, gate_up_zero, (num_experts, two_inter, hidden // 2)),
-            ("w_down", w_down, down_scale, down_zero, (num_experts, hidden, inter // 2)),
+            ("w_gate_up", w_gate_up, call.gate_up_scale, call.gate_up_zero, (num_experts, two_inter, hidden // 2)),
+            ("w_down", w_down, call.down_scale, call.down_zero, (num_experts, hidden, inter // 2)),
         ):
             if scale is None:
                 raise ValueError(
@@ -518,34 +473,13 @@ def _check_int4_experts_args(
                     f"{name} packed has shape {tuple(packed.shape)}; hidden_states [T, {hidden}] and "
                     f"{two_inter} gate_up rows need {list(shape)}"
                 )
-    _check_routing_args(hidden_states, topk_weights, topk_ids)
 
 
-def _check_mxfp4_experts_args(
-    hidden_states,
-    w_gate_up,
-    w_down,
-    topk_weights,
-    topk_ids,
-    activation,
-    gemm,
-    b_gate_up,
-    b_down,
-    gate_up_scale,
-    down_scale,
-    input_scale,
-    quant,
-):
+def _check_mxfp4_experts_args(call, quant):
     """The MXFP4 form of `_check_experts_args`: blocks uint8 [L, 2I, H/32, 16] and
     [L, H, I/32, 16] with their uint8 scales; biases optional (added in float32)."""
-    check_activation(activation)
-    check_strategy("gemm", gemm, "mxfp4")
-    if hidden_states.dim() != 2 or hidden_states.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"hidden_states must be 2-D [T, H] of {SUPPORTED_DTYPES}, got {hidden_states.dtype} of "
-            f"shape {tuple(hidden_states.shape)}"
-        )
-    if input_scale is not None:
+    hidden_states, w_gate_up, w_down = call.hidden_states, call.w_gate_up, call.w_down
+    if call.input_scale is not None:
         raise ValueError("MXFP4 experts keep their activations in float (w4a16); pass input_scale=None")
     if w_gate_up.dim() != 4 or w_down.dim() != 4:
         raise ValueError(
@@ -563,52 +497,25 @@ def _check_mxfp4_experts_args(
             num_experts,
             hidden,
             two_inter // 2,
-            (w_gate_up, gate_up_scale),
-            (w_down, down_scale),
+            (w_gate_up, call.gate_up_scale),
+            (w_down, call.down_scale),
             check_values=False,
         )
     for name, bias, shape in (
-        ("b_gate_up", b_gate_up, (num_experts, two_inter)),
-        ("b_down", b_down, (num_experts, hidden)),
+        ("b_gate_up", call.b_gate_up, (num_experts, two_inter)),
+        ("b_down", call.b_down, (num_experts, hidden)),
     ):
         if bias is not None and (tuple(bias.shape) != tuple(shape) or bias.dtype not in SUPPORTED_DTYPES):
             raise ValueError(
                 f"{name} must be {list(shape)} of {SUPPORTED_DTYPES} (added in float32), got "
                 f"{bias.dtype} of shape {tuple(bias.shape)}"
             )
-    _check_routing_args(hidden_states, topk_weights, topk_ids)
 
 
-def _check_quantized_experts_args(*args):
-    """`_check_mxfp4_experts_args` or `_check_fp8_experts_args` by the config's format."""
-    checks = _check_mxfp4_experts_args if args[-1].format == "mxfp4" else _check_fp8_experts_args
-    checks(*args)
-
-
-def _check_fp8_experts_args(
-    hidden_states,
-    w_gate_up,
-    w_down,
-    topk_weights,
-    topk_ids,
-    activation,
-    gemm,
-    b_gate_up,
-    b_down,
-    gate_up_scale,
-    down_scale,
-    input_scale,
-    quant,
-):
+def _check_fp8_experts_args(call, quant):
     """The FP8 form of `_check_experts_args` (weights float8_e4m3fn, scales per `QuantConfig`)."""
-    check_activation(activation)
-    check_strategy("gemm", gemm, "fp8")
-    if hidden_states.dim() != 2 or hidden_states.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"hidden_states must be 2-D [T, H] of {SUPPORTED_DTYPES}, got {hidden_states.dtype} of "
-            f"shape {tuple(hidden_states.shape)}"
-        )
-    if b_gate_up is not None or b_down is not None:
+    hidden_states, w_gate_up, w_down = call.hidden_states, call.w_gate_up, call.w_down
+    if call.b_gate_up is not None or call.b_down is not None:
         raise ValueError("FP8 experts carry no biases; pass b_gate_up=b_down=None")
     if w_gate_up.dim() != 3 or w_gate_up.shape[1] % 2 or w_gate_up.shape[2] != hidden_states.shape[1]:
         raise ValueError(
@@ -626,12 +533,57 @@ def _check_fp8_experts_args(
             two_inter // 2,
             w_gate_up,
             w_down,
-            gate_up_scale,
-            down_scale,
-            input_scale,
+            call.gate_up_scale,
+            call.down_scale,
+            call.input_scale,
             check_values=False,
         )
-    _check_routing_args(hidden_states, topk_weights, topk_ids)
+
+
+#: quant.format -> (the gemm strategies' format name, the check of its arguments)
+_QUANT_CHECKS = {
+    "int4": ("int4", _check_int4_experts_args),
+    "mxfp4": ("mxfp4", _check_mxfp4_experts_args),
+    "fp8_block": ("fp8", _check_fp8_experts_args),
+    "fp8_tensor": ("fp8", _check_fp8_experts_args),
+}
+
+
+def _check_experts_call(call: dict) -> Optional[QuantConfig]:
+    """The checks of ``experts`` and of its fake, on its arguments by name, before any kernel:
+    devices, then the arguments of the float, INT4, MXFP4 or FP8 form, then the routing pair.
+    Returns the `QuantConfig` of ``quant_format`` (None for float experts)."""
+    call = types.SimpleNamespace(**call)
+    weights_then_ids(call.topk_weights, call.topk_ids)
+    _check_experts_devices(call)
+    if not call.quant_format:
+        _check_experts_args(
+            *(call.hidden_states, call.w_gate_up, call.w_down, call.topk_weights, call.topk_ids, call.activation),
+            *(call.gemm, call.b_gate_up, call.b_down),
+        )
+        return None
+    zeros = (call.gate_up_zero, call.down_zero)
+    quant = _quant_config(
+        call.quant_format,
+        call.block_size,
+        call.quant_activation,
+        call.scale_fmt,
+        call.group_size,
+        call.symmetric,
+        zeros,
+    )
+    strategies, check_format_args = _QUANT_CHECKS[quant.format]
+    check_activation(call.activation)
+    check_strategy("gemm", call.gemm, strategies)
+    hidden_states = call.hidden_states
+    if hidden_states.dim() != 2 or hidden_states.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"hidden_states must be 2-D [T, H] of {SUPPORTED_DTYPES}, got {hidden_states.dtype} of "
+            f"shape {tuple(hidden_states.shape)}"
+        )
+    check_format_args(call, quant)
+    _check_routing_args(hidden_states, call.topk_weights, call.topk_ids)
+    return quant
 
 
 def _check_expert_map(expert_map, topk_ids, num_local_experts) -> None:
@@ -696,8 +648,7 @@ def local_expert_ids(
     return arrays.remap_to_local(topk_ids, expert_map)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::experts", mutates_args=())
-def _experts_op(
+def experts(
     hidden_states: torch.Tensor,
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
@@ -742,95 +693,14 @@ def _experts_op(
     ``topk_weights``). Every format checks the same way, before any kernel: ValueError naming the argument when
     ``topk_ids`` is not int32 [T, K] with T = ``hidden_states.shape[0]``, ``topk_weights``
     is not float32 of its shape, a tensor is on another device than ``hidden_states`` (the
-    meta device included), or ``gemm`` is not a strategy of the format."""
-    return experts(
-        hidden_states,
-        w_gate_up,
-        w_down,
-        topk_weights,
-        topk_ids,
-        activation,
-        gemm,
-        b_gate_up,
-        b_down,
-        gate_up_scale,
-        down_scale,
-        input_scale,
-        quant_format,
-        block_size,
-        quant_activation,
-        scale_fmt,
-        expert_map,
-        gate_up_zero,
-        down_zero,
-        group_size,
-        symmetric,
-    )
+    meta device included), or ``gemm`` is not a strategy of the format.
 
-
-def experts(
-    hidden_states,
-    w_gate_up,
-    w_down,
-    topk_weights,
-    topk_ids,
-    activation="silu",
-    gemm="auto",
-    b_gate_up=None,
-    b_down=None,
-    gate_up_scale=None,
-    down_scale=None,
-    input_scale=None,
-    quant_format="",
-    block_size=None,
-    quant_activation="",
-    scale_fmt="float",
-    expert_map=None,
-    gate_up_zero=None,
-    down_zero=None,
-    group_size=None,
-    symmetric=None,
-):
-    """The body of ``torch.ops.moeroute.experts`` (same arguments and result), called
-    directly where `runs_eagerly` allows."""
-    weights_then_ids(topk_weights, topk_ids)
-    _check_experts_devices(
-        hidden_states,
-        w_gate_up,
-        w_down,
-        topk_weights,
-        topk_ids,
-        b_gate_up,
-        b_down,
-        gate_up_scale,
-        down_scale,
-        input_scale,
-        gate_up_zero,
-        down_zero,
-    )
-    if quant_format:
-        quant = _quant_config(
-            quant_format, block_size, quant_activation, scale_fmt, group_size, symmetric, (gate_up_zero, down_zero)
-        )
+    The body of ``torch.ops.moeroute.experts``, called directly where `runs_eagerly` allows.
+    """
+    quant = _check_experts_call(locals())
+    topk_ids = local_expert_ids(topk_ids, expert_map, w_gate_up.shape[0])
+    if quant is not None:
         if quant.format == "int4":
-            _check_int4_experts_args(
-                hidden_states,
-                w_gate_up,
-                w_down,
-                topk_weights,
-                topk_ids,
-                activation,
-                gemm,
-                b_gate_up,
-                b_down,
-                gate_up_scale,
-                down_scale,
-                input_scale,
-                gate_up_zero,
-                down_zero,
-                quant,
-            )
-            topk_ids = local_expert_ids(topk_ids, expert_map, w_gate_up.shape[0])
             return int4_experts_forward(
                 hidden_states.contiguous(),
                 topk_weights.contiguous(),
@@ -841,22 +711,6 @@ def experts(
                 activation,
                 gemm,
             )
-        _check_quantized_experts_args(
-            hidden_states,
-            w_gate_up,
-            w_down,
-            topk_weights,
-            topk_ids,
-            activation,
-            gemm,
-            b_gate_up,
-            b_down,
-            gate_up_scale,
-            down_scale,
-            input_scale,
-            quant,
-        )
-        topk_ids = local_expert_ids(topk_ids, expert_map, w_gate_up.shape[0])
         if quant.format == "mxfp4":
             return mxfp4_experts_forward(
                 hidden_states.contiguous(),
@@ -884,8 +738,6 @@ def experts(
             None if input_scale is None else input_scale.float(),
             gemm,
         )
-    _check_experts_args(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation, gemm, b_gate_up, b_down)
-    topk_ids = local_expert_ids(topk_ids, expert_map, w_gate_up.shape[0])
     if hidden_states.device.type == "cuda":
         contiguous = [None if t is None else t.contiguous() for t in (b_gate_up, b_down)]
         return torch.ops.moeroute.fused_experts(
@@ -902,90 +754,19 @@ def experts(
     return cpu_experts(hidden_states, topk_weights, topk_ids, w_gate_up, w_down, activation, gemm, b_gate_up, b_down)
 
 
+_experts_op = torch.library.custom_op(f"{NAMESPACE}::experts", mutates_args=())(experts)
+_EXPERTS_SIGNATURE = inspect.signature(experts)
+
+
 @_experts_op.register_fake
-def _(
-    hidden_states,
-    w_gate_up,
-    w_down,
-    topk_weights,
-    topk_ids,
-    activation="silu",
-    gemm="auto",
-    b_gate_up=None,
-    b_down=None,
-    gate_up_scale=None,
-    down_scale=None,
-    input_scale=None,
-    quant_format="",
-    block_size=None,
-    quant_activation="",
-    scale_fmt="float",
-    expert_map=None,
-    gate_up_zero=None,
-    down_zero=None,
-    group_size=None,
-    symmetric=None,
-):
-    weights_then_ids(topk_weights, topk_ids)
-    _check_experts_devices(
-        hidden_states,
-        w_gate_up,
-        w_down,
-        topk_weights,
-        topk_ids,
-        b_gate_up,
-        b_down,
-        gate_up_scale,
-        down_scale,
-        input_scale,
-        gate_up_zero,
-        down_zero,
-    )
-    if quant_format:
-        quant = _quant_config(
-            quant_format, block_size, quant_activation, scale_fmt, group_size, symmetric, (gate_up_zero, down_zero)
-        )
-        if quant.format == "int4":
-            _check_int4_experts_args(
-                hidden_states,
-                w_gate_up,
-                w_down,
-                topk_weights,
-                topk_ids,
-                activation,
-                gemm,
-                b_gate_up,
-                b_down,
-                gate_up_scale,
-                down_scale,
-                input_scale,
-                gate_up_zero,
-                down_zero,
-                quant,
-            )
-        else:
-            _check_quantized_experts_args(
-                hidden_states,
-                w_gate_up,
-                w_down,
-                topk_weights,
-                topk_ids,
-                activation,
-                gemm,
-                b_gate_up,
-                b_down,
-                gate_up_scale,
-                down_scale,
-                input_scale,
-                quant,
-            )
-    else:
-        _check_experts_args(
-            hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation, gemm, b_gate_up, b_down
-        )
-    if expert_map is not None:
-        _check_expert_map(expert_map, topk_ids, w_gate_up.shape[0])
-    return hidden_states.new_empty(hidden_states.shape)
+def _(*args, **kwargs):
+    bound = _EXPERTS_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    call = bound.arguments
+    _check_experts_call(call)
+    if call["expert_map"] is not None:
+        _check_expert_map(call["expert_map"], call["topk_ids"], call["w_gate_up"].shape[0])
+    return call["hidden_states"].new_empty(call["hidden_states"].shape)
 
 
 # ------------------------------------------------------------------ fused_experts (CUDA)
