@@ -11,9 +11,10 @@ fp8    cpu      "rows" up to `ROWS_MAX_MEAN_ROWS` mean rows per hit expert, and 
                 where the bfloat16-dot kernels serve the shapes (CPU feature `BF16_DOT`);
                 else "blocks"
 mxfp4  cpu      "rows" (few rows per expert decode in registers, more decode once per call)
-int4   cpu      "rows" at every row count (the bfloat16-dot tiles where they serve: symmetric
-                weights, bfloat16 activations; else the decode-once row kernels, which beat
-                "blocks" at prefill sizes too)
+int4   cpu      "rows" (the bfloat16-dot tiles where they serve: symmetric weights, bfloat16
+                activations; else the decode-once row kernels); bfloat16 activations where
+                the CPU has bfloat16 dot instructions: "blocks" (bfloat16 decode, oneDNN's
+                bfloat16 GEMMs) past `int4_rows_bound` mean rows per hit expert
 any    cuda     "cuda": `moeroute.gpu.fused_experts` (the quantized formats, INT4 and FP8
                 w8a16 included, where CuPy is installed and the call is one its kernels
                 take; else "blocks")
@@ -39,6 +40,7 @@ __all__ = [
     "STRATEGIES",
     "ROWS_MAX_MEAN_ROWS",
     "BF16_ROWS_MAX_MEAN_ROWS",
+    "INT4_BF16_ROWS_MAX_MEAN_ROWS",
     "ROWS_DTYPES",
     "PADDED_MAX_ROWS",
     "PADDED_MIN_HIT_FRACTION",
@@ -47,6 +49,7 @@ __all__ = [
     "cupy_installed",
     "check_strategy",
     "rows_bound",
+    "int4_rows_bound",
     "choose",
 ]
 
@@ -72,6 +75,13 @@ ROWS_MAX_MEAN_ROWS = 16
 #: (1.1-3x at 16-256 rows per expert on the Qwen3-30B-A3B, DeepSeek-V3 and gpt-oss-20b
 #: expert shapes, bench/ktkernel.py), below it reading each weight once wins.
 BF16_ROWS_MAX_MEAN_ROWS = 8
+#: INT4's bound for bfloat16 activations where the CPU has bfloat16 dot instructions: past it
+#: "blocks" (each chunk of weight rows decoded to bfloat16, then oneDNN's bfloat16 GEMM)
+#: outruns the row kernels, which read half a byte per weight but dot four rows at a time.
+#: Higher than bfloat16's: "blocks" pays the decode and a store and load of each decoded
+#: chunk besides the GEMM; at 32 rows per expert (Qwen3-30B-A3B, T = 512) the two are about
+#: even, at 256 (Kimi-K2's experts, T = 512) "blocks" wins (bench/quant.py --int4).
+INT4_BF16_ROWS_MAX_MEAN_ROWS = 32
 #: Dtypes of the float row kernels.
 ROWS_DTYPES = (torch.float32, torch.bfloat16)
 #: Largest per-expert row count the padded batch is used for: below it an expert's
@@ -126,6 +136,17 @@ def rows_bound(dtype: torch.dtype) -> float:
     return float(ROWS_MAX_MEAN_ROWS)
 
 
+@functools.cache
+def int4_rows_bound(dtype: torch.dtype) -> float:
+    """The mean rows per hit expert up to which "auto" keeps INT4 on "rows":
+    `INT4_BF16_ROWS_MAX_MEAN_ROWS` for bfloat16 where the CPU (on the path in use) has bfloat16
+    dot instructions, else no bound (inf): without them, or for float32 activations, "blocks"
+    runs float32 GEMMs, which the decode-once row kernels beat at every row count."""
+    if dtype == torch.bfloat16 and cpu_features.FEATURES & {"avx512bf16", "amx-bf16"}:
+        return float(INT4_BF16_ROWS_MAX_MEAN_ROWS)
+    return float("inf")
+
+
 def choose(
     format: str,
     backend: str,
@@ -171,7 +192,9 @@ def choose(
         return strategy
     counts = counts or []
     hit = sum(1 for c in counts if c)
-    if format in ("mxfp4", "int4"):
+    if format == "int4":
+        return "blocks" if hit and sum(counts) > int4_rows_bound(dtype) * hit else "rows"
+    if format == "mxfp4":
         return "rows"
     if format == "fp8":
         return "rows" if bf16_dot or not hit or sum(counts) <= ROWS_MAX_MEAN_ROWS * hit else "blocks"

@@ -8,6 +8,7 @@ from moeroute.experts import choose as choose_module
 from moeroute.experts.choose import (
     BF16_ROWS_MAX_MEAN_ROWS,
     FORMATS,
+    INT4_BF16_ROWS_MAX_MEAN_ROWS,
     ROWS_MAX_MEAN_ROWS,
     STRATEGIES,
     check_strategy,
@@ -80,6 +81,34 @@ def test_bfloat16_rows_bound_follows_the_cpu_features(monkeypatch):
         assert choose("float", "cpu", many, dtype=torch.float32, onednn=True) == "rows"
         assert choose("float", "cpu", [ROWS_MAX_MEAN_ROWS + 1] * 3, dtype=torch.float32, onednn=True) == "loop"
     choose_module.rows_bound.cache_clear()
+
+
+def test_int4_takes_blocks_past_its_bound_for_bfloat16_with_the_dot_instructions(monkeypatch):
+    few = [INT4_BF16_ROWS_MAX_MEAN_ROWS, 0, INT4_BF16_ROWS_MAX_MEAN_ROWS]
+    many = [INT4_BF16_ROWS_MAX_MEAN_ROWS + 1, 0, INT4_BF16_ROWS_MAX_MEAN_ROWS + 1]
+    for features, expected in (
+        (frozenset({"avx512bf16", "amx-bf16"}), "blocks"),
+        (frozenset({"amx-bf16"}), "blocks"),
+        (frozenset({"avx512bf16"}), "blocks"),
+        (frozenset({"avx2"}), "rows"),
+        (frozenset(), "rows"),
+    ):
+        monkeypatch.setattr(choose_module.cpu_features, "FEATURES", features)
+        choose_module.int4_rows_bound.cache_clear()
+        assert choose("int4", "cpu", few, dtype=torch.bfloat16) == "rows"
+        assert choose("int4", "cpu", few, dtype=torch.bfloat16, bf16_dot=True) == "rows"
+        assert choose("int4", "cpu", many, dtype=torch.bfloat16) == expected
+        assert choose("int4", "cpu", many, dtype=torch.bfloat16, bf16_dot=True) == expected
+        assert choose("int4", "cpu", [500, 500], dtype=torch.bfloat16) == expected
+        assert choose("int4", "cpu", [], dtype=torch.bfloat16) == "rows"
+        # float32 and float16 activations keep the row kernels at every count; a named strategy is kept
+        assert choose("int4", "cpu", [500, 500], dtype=torch.float32) == "rows"
+        assert choose("int4", "cpu", [500, 500], dtype=torch.float16) == "rows"
+        assert choose("int4", "cpu", [500, 500], dtype=torch.bfloat16, strategy="rows") == "rows"
+        assert choose("int4", "cpu", [1], dtype=torch.bfloat16, strategy="blocks") == "blocks"
+        # on CUDA the bound plays no part
+        assert choose("int4", "cuda", many, dtype=torch.bfloat16) == "cuda"
+    choose_module.int4_rows_bound.cache_clear()
 
 
 def test_half_precision_never_takes_the_padded_batch():

@@ -17,10 +17,12 @@ from torch import nn
 
 from helpers.modules import CountingMLP
 from helpers.reference import randn, rel_error
+from moeroute import cpu_features
 from moeroute.bindings.torch import MoE
 from moeroute.experts.cpu import int4 as cpu_int4
 from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
 from moeroute.config import RouterConfig
+from moeroute.experts.choose import INT4_BF16_ROWS_MAX_MEAN_ROWS
 from moeroute.experts.formats.int4 import int4_experts_forward
 from moeroute.quant import QuantConfig, quantize_int4
 from moeroute.quant.reference import int4_moe_experts_reference
@@ -136,6 +138,51 @@ def test_every_scale_dtype_and_auto_past_the_row_bound(scale_dtype):
     for strategy in ("auto", "rows", "blocks"):
         out = int4_experts_forward(x, weights, ids, gate_up, down, 64, strategy=strategy)
         assert rel_error(out, expected) < RTOL[torch.float32]
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_bfloat16_decode_is_the_float32_decode_rounded_once(group, symmetric):
+    from moeroute.experts.cpu import decode_bf16
+
+    blocks = np.random.default_rng(group).integers(0, 256, (5, 2 * 128 // 32, 16), dtype=np.uint8)
+    params = np.empty((5, 1 if symmetric else 2, 256 // group), np.float32)
+    params[:, 0] = np.random.default_rng(1).standard_normal(params[:, 0].shape) * 0.0123
+    if not symmetric:
+        params[:, 1] = np.random.default_rng(2).integers(0, 16, params[:, 1].shape)
+    out = np.full((4, 256), 0xFFFF, np.uint16)
+    decode_bf16.dequantize_rows_bf16(blocks, params, 1, 4, out)
+    # the definition in float64, in `split_blocks` order: per block of 32 its 16 low then its 16 high nibbles
+    q = np.concatenate([blocks & 0x0F, blocks >> 4], axis=-1).reshape(5, 256).astype(np.float64)
+    z = 8.0 if symmetric else np.repeat(params[:, 1].astype(np.float64), group, axis=1)
+    w = torch.from_numpy((q - z) * np.repeat(params[:, 0].astype(np.float64), group, axis=1))
+    expected = w.float().to(torch.bfloat16).view(torch.uint16).numpy()  # float32 product, one bfloat16 rounding
+    np.testing.assert_array_equal(out[:3], expected[1:4])
+    assert (out[3] == 0xFFFF).all()  # rows past row_stop - row_start are left alone
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_bfloat16_blocks_past_the_row_bound(group, symmetric):
+    """bfloat16 activations with ~53 rows per expert: "auto" takes "blocks" where the CPU has
+    bfloat16 dot instructions (the weights decoded to bfloat16 for oneDNN's GEMMs), within the
+    bfloat16 tolerance of the float64 reference."""
+    gate_up, down = experts(group, symmetric, seed=7 + group + symmetric)
+    x = randn(320, H, seed=9).to(torch.bfloat16)
+    ids, weights = routed(320, seed=group + 1)
+    counts = torch.bincount(ids[(ids >= 0) & (ids < N)].long(), minlength=N)
+    assert counts.sum() > INT4_BF16_ROWS_MAX_MEAN_ROWS * (counts > 0).sum()
+    expected = int4_moe_experts_reference(
+        x.float(), weights, ids, gate_up, down, group, intermediate_dtype=torch.bfloat16
+    )
+    blocks = int4_experts_forward(x, weights, ids, gate_up, down, group, strategy="blocks")
+    assert blocks.dtype == torch.bfloat16
+    assert rel_error(blocks.float(), expected) < RTOL[torch.bfloat16]
+    auto = int4_experts_forward(x, weights, ids, gate_up, down, group)
+    if cpu_features.BFLOAT16_INSTRUCTIONS:
+        assert torch.equal(auto, blocks)
+    else:
+        assert torch.equal(auto, int4_experts_forward(x, weights, ids, gate_up, down, group, strategy="rows"))
 
 
 def test_one_thread_and_two_give_the_same_bits():

@@ -10,19 +10,23 @@ rounded to the activations' dtype before the down projection, as the float layer
 Two CPU strategies, both on the MXFP4 machinery (INT4's packed bytes are MXFP4's blocks,
 `moeroute.experts.cpu.int4`):
 
-* "rows" ("auto" on the CPU, at every row count): each packed weight row is read once, half a
-  byte per weight. With AVX512-BF16, bfloat16 activations and symmetric weights, the tiles of
+* "rows" ("auto" on the CPU; for bfloat16 activations where the CPU has bfloat16 dot
+  instructions only up to `choose.int4_rows_bound` mean rows per hit expert): each packed
+  weight row is read once, half a byte per weight. With AVX512-BF16, bfloat16 activations and symmetric weights, the tiles of
   `moeroute.experts.cpu.mxfp4_dot` with INT4's table and scales, the whole forward in one
   Numba call (`moeroute.experts.cpu.quant_rows.rows_experts_int4`). Elsewhere few rows per
   expert decode each row in registers per tile of four rows (`moeroute.experts.cpu.int4`'s
   row kernels, MXFP4's in-register block dot with INT4's rule); from `DECODED_MIN_ROWS` mean
   rows on, each weight row is decoded once into cache and dotted with all of its expert's
-  rows by the float32 row kernels (`moeroute.experts.cpu.mxfp4_rows`), which beat "blocks" at
-  prefill sizes too (the decoded row stays in cache for all the rows; "blocks" writes and reads
-  back every decoded chunk and pays torch's per-expert GEMM calls).
-* "blocks" (on request): per hit expert, `CHUNK_BYTES` of weight rows at a time are decoded into one
+  rows by the float32 row kernels (`moeroute.experts.cpu.mxfp4_rows`), which beat float32
+  "blocks" at prefill sizes too (the decoded row stays in cache for all the rows; "blocks"
+  writes and reads back every decoded chunk and pays torch's per-expert GEMM calls).
+* "blocks": per hit expert, `CHUNK_BYTES` of weight rows at a time are decoded into one
   float32 buffer and multiplied with torch (a float32 GEMM: bfloat16 activations are exact
-  in it). On another device than the CPU the decode is torch's (`decode_int4`).
+  in it). bfloat16 activations on a CPU with bfloat16 dot instructions (`bf16_blocks`) take
+  `BF16_CHUNK_BYTES` of rows decoded to bfloat16 (`moeroute.experts.cpu.decode_bf16`) and
+  oneDNN's bfloat16 GEMM instead, which "auto" picks past `choose.int4_rows_bound` mean rows
+  per hit expert. On another device than the CPU the decode is torch's (`decode_int4`).
 
 GPTQ act order on gate/up (``gate_up_perm``, one hidden-column order per expert): the
 gate_up GEMM reads each routed row's activations gathered in its expert's order, built once
@@ -47,6 +51,8 @@ from moeroute._validate import weights_then_ids
 from moeroute import routing
 from moeroute.experts.activations import gated_activation
 from moeroute.experts.choose import STRATEGIES, check_strategy, choose, cupy_installed
+from moeroute import cpu_features
+from moeroute.experts.cpu import decode_bf16
 from moeroute.experts.cpu import int4 as cpu_int4
 from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
 from moeroute.experts.cpu import mxfp4_dot, mxfp4_rows, quant_rows
@@ -63,6 +69,9 @@ __all__ = ["int4_experts_forward", "act_order_rows", "check_int4_weights", "INT4
 INT4_STRATEGIES = STRATEGIES["int4"]
 #: Bytes of decoded weights per chunk of the "blocks" strategy (one reusable buffer).
 CHUNK_BYTES = 16 << 20
+#: Bytes of decoded bfloat16 weights per chunk where "blocks" runs oneDNN's bfloat16 GEMMs
+#: (`bf16_blocks`): small enough to stay in the caches between the decode and the GEMM.
+BF16_CHUNK_BYTES = 2 << 20
 
 
 def int4_experts_forward(
@@ -324,9 +333,47 @@ def _tile_serves(dtype, hidden, inter, gate_up, down) -> bool:
     return cpu_int4.tile_serves(dtype == torch.bfloat16, hidden, inter, symmetric)
 
 
+def bf16_blocks(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether "blocks" decodes to bfloat16 for oneDNN's bfloat16 GEMMs: bfloat16 activations
+    on a CPU (on the path in use) with bfloat16 dot instructions; else it decodes to float32."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and cpu_features.BFLOAT16_INSTRUCTIONS
+
+
+def _split_bf16(xs: torch.Tensor) -> torch.Tensor:
+    """bfloat16 rows [M, K] in `split_blocks` order (per block of 32 columns its 16 even then
+    its 16 odd ones), the order `decode_bf16` writes the weights in."""
+    rows, cols = xs.shape
+    return xs.reshape(rows, cols // 32, 16, 2).transpose(2, 3).reshape(rows, cols).contiguous()
+
+
+def _blocks_gemm_bf16(xs, offsets, hit, weight):
+    """`_blocks_gemm` on oneDNN's bfloat16 GEMMs: each chunk of `BF16_CHUNK_BYTES` of weight
+    rows decoded to bfloat16 in parallel (`decode_bf16`), then multiplied with the expert's
+    bfloat16 rows (bfloat16 results, float32 sums inside the GEMM)."""
+    packed, scales, zeros = weight
+    rows_out, cols = packed.shape[1], 2 * packed.shape[2]
+    out = torch.empty(xs.shape[0], rows_out, dtype=torch.float32)
+    chunk_rows = min(rows_out, max(1, BF16_CHUNK_BYTES // (2 * cols)))
+    buffer = torch.empty(chunk_rows, cols, dtype=torch.bfloat16)
+    bits = buffer.view(torch.uint16).numpy()
+    x = _split_bf16(xs.to(torch.bfloat16))
+    blocks, params = _blocks_view(packed), kernel_params(scales, zeros, hit)
+    with numba_threads(cpu_threads()):
+        for e in hit:
+            start, stop = int(offsets[e]), int(offsets[e + 1])
+            x_e = x[start:stop]
+            for r0 in range(0, rows_out, chunk_rows):
+                r1 = min(rows_out, r0 + chunk_rows)
+                decode_bf16.dequantize_rows_bf16(blocks[e], params[e], r0, r1, bits)
+                out[start:stop, r0:r1] = torch.mm(x_e, buffer[: r1 - r0].t())
+    return out
+
+
 def _blocks_gemm(xs, offsets, hit, weight, group_size, dtype):
     """[M, R] float32: each hit expert's rows of ``xs`` times its weight decoded in chunks
     (on the CPU both operands in `split_blocks` order, the order the decode writes)."""
+    if bf16_blocks(dtype, xs.device):
+        return _blocks_gemm_bf16(xs, offsets, hit, weight)
     packed, scales, zeros = weight
     rows_out, cols = packed.shape[1], 2 * packed.shape[2]
     out = torch.empty(xs.shape[0], rows_out, dtype=torch.float32, device=xs.device)
