@@ -23,6 +23,7 @@ from moeroute.experts.cpu import int4 as cpu_int4
 from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
 from moeroute.config import RouterConfig
 from moeroute.experts.choose import INT4_BF16_ROWS_MAX_MEAN_ROWS
+from moeroute.experts.formats import int4 as int4_formats
 from moeroute.experts.formats.int4 import int4_experts_forward
 from moeroute.quant import QuantConfig, quantize_int4
 from moeroute.quant.reference import int4_moe_experts_reference
@@ -163,10 +164,12 @@ def test_bfloat16_decode_is_the_float32_decode_rounded_once(group, symmetric):
 
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_bfloat16_blocks_past_the_row_bound(group, symmetric):
+def test_bfloat16_blocks_past_the_row_bound(group, symmetric, monkeypatch):
     """bfloat16 activations with ~53 rows per expert: "auto" takes "blocks" where the CPU has
     bfloat16 dot instructions (the weights decoded to bfloat16 for oneDNN's GEMMs), within the
     bfloat16 tolerance of the float64 reference."""
+    # chunks of 100 gate_up rows (200 down rows): several per weight, the last one partial
+    monkeypatch.setattr(int4_formats, "BF16_CHUNK_BYTES", 100 * 2 * H)
     gate_up, down = experts(group, symmetric, seed=7 + group + symmetric)
     x = randn(320, H, seed=9).to(torch.bfloat16)
     ids, weights = routed(320, seed=group + 1)

@@ -70,8 +70,9 @@ INT4_STRATEGIES = STRATEGIES["int4"]
 #: Bytes of decoded weights per chunk of the "blocks" strategy (one reusable buffer).
 CHUNK_BYTES = 16 << 20
 #: Bytes of decoded bfloat16 weights per chunk where "blocks" runs oneDNN's bfloat16 GEMMs
-#: (`bf16_blocks`): small enough to stay in the caches between the decode and the GEMM.
-BF16_CHUNK_BYTES = 2 << 20
+#: (`bf16_blocks`): within the last-level cache, and few chunks per expert, since each one
+#: hands the cores from Numba's threads (the decode) to torch's (the GEMM) and back.
+BF16_CHUNK_BYTES = 16 << 20
 
 
 def int4_experts_forward(
