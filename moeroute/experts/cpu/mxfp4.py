@@ -9,9 +9,13 @@ ones; the block scale 2 ** (s - 127) multiplies the block's partial dot once, no
 value. Sums are float32; only their order differs from the definition's.
 
 On x86 with AVX2, FMA and F16C (`SIMD`) the block dot is LLVM vector code, two blocks per
-step: one ``pshufb`` looks up sixteen codes' float16 high bytes (every e2m1 value is a
-float16 whose low byte is zero, sign included), ``vcvtph2ps`` widens eight at a time to
-float32, exactly, and they are multiplied into the rows' accumulators. Elsewhere the same
+step: twice every e2m1 value is an integer (-12..12), so one ``pshufb`` looks up sixteen
+codes' doubled values as signed bytes, ``vpmovsxbd`` and ``vcvtdq2ps`` widen eight at a time
+to float32, exactly, they are multiplied into the rows' accumulators and each row's sum is
+halved once (exact: a power of two). Widening
+float16 values instead (``vcvtph2ps``) costs more shuffles, which bound the dot; the row
+decode, which stores the values and keeps negative zero, does that (every e2m1 value is a
+float16 whose low byte is zero, sign included). Elsewhere the same
 kernels use a plain Numba loop (`dots_portable`), which the tests compare with the vector
 block dot (`dots_simd`) and with the definition.
 
@@ -89,9 +93,59 @@ _F16_HIGH_BYTES = [int(np.float16(value).view(np.uint16)) >> 8 for value in E2M1
 _UNROLL = 2
 
 
+def _int8_table(table):
+    """``table`` (16 float16 high bytes, by 4-bit code) as 16 signed bytes k * value and the
+    power of two k that makes every value an integer in [-128, 127] (MXFP4's e2m1 values:
+    k = 2, the integers -12..12; INT4's q - 8: k = 1)."""
+    values = [float(np.array(byte << 8, np.uint16).view(np.float16)) for byte in table]
+    k = 1
+    while any(v * k != int(v * k) for v in values):
+        k *= 2
+    ints = [int(v * k) for v in values]
+    if not all(-128 <= i <= 127 for i in ints):
+        raise ValueError(f"table: values {values} are not small multiples of a power of two")
+    return [i & 0xFF for i in ints], k
+
+
 def _decode_block(builder, block, table=_F16_HIGH_BYTES):
-    """A block's 16 bytes (<16 x i8>) -> four <8 x float>: the low nibbles of bytes 0-7 (the
-    even elements 0-14), their high nibbles (odd 1-15), then the same of bytes 8-15.
+    """A block's 16 bytes (<16 x i8>) -> (four <8 x float>, k): k times the values of the low
+    nibbles of bytes 0-7 (the even elements 0-14), their high nibbles (odd 1-15), then the same
+    of bytes 8-15.
+
+    ``table`` holds each code's float16 high byte (16 bytes, by 4-bit code: e2m1 by default;
+    any 16 float16 values whose low byte is zero and whose multiples by a power of two k are
+    small integers, `_int8_table`). ``pshufb`` looks up k * value as a signed byte for 16
+    codes at once, ``vpmovsxbd`` widens eight to 32 bits and ``vcvtdq2ps`` makes them
+    float32, exactly: fewer shuffles than widening float16 values (``vcvtph2ps``), which
+    bound the block dot. The caller divides by k (a power of two: exact).
+    """
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+    v16i8 = ir.VectorType(i8, 16)
+    pshufb = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(v16i8, [v16i8, v16i8]), "llvm.x86.ssse3.pshuf.b.128"
+    )
+    ints, k = _int8_table(table)
+    table = ir.Constant(v16i8, ints)
+    low_mask = ir.Constant(v16i8, [0x0F] * 16)
+    low = builder.and_(block, low_mask)
+    high = builder.and_(builder.lshr(block, ir.Constant(v16i8, [4] * 16)), low_mask)
+    values = {}
+    for name, codes in (("low", low), ("high", high)):
+        looked_up = builder.call(pshufb, [table, codes])
+        for part in range(2):  # bytes 0-7, then 8-15
+            eight = builder.shuffle_vector(
+                looked_up, looked_up, ir.Constant(ir.VectorType(i32, 8), list(range(8 * part, 8 * part + 8)))
+            )
+            wide = builder.sext(eight, ir.VectorType(i32, 8))
+            values[name, part] = builder.sitofp(wide, ir.VectorType(ir.FloatType(), 8))
+    return [values["low", 0], values["high", 0], values["low", 1], values["high", 1]], k
+
+
+def _decode_block_half(builder, block, table=_F16_HIGH_BYTES):
+    """A block's 16 bytes (<16 x i8>) -> four <8 x float>: the values of the low nibbles of
+    bytes 0-7 (the even elements 0-14), their high nibbles (odd 1-15), then the same of bytes
+    8-15; for the row decode, which stores them (negative zero included, which `_decode_block`'s
+    integers lack and a dot does not need).
 
     ``pshufb`` looks up each code's float16 high byte in ``table`` (16 bytes, by 4-bit code:
     e2m1 by default; any 16 float16 values whose low byte is zero), interleaving with zero
@@ -124,9 +178,11 @@ def block_dots_intrinsic(table, block_scale):
     rows of ``xs`` [*, G*32] (float32, `split_blocks` order): x86 vector code (AVX2, FMA,
     F16C; use it where `SIMD`), two blocks per step for one row.
 
-    ``table`` and ``block_scale`` as `decode_row_split_intrinsic` takes them: each block's
-    partial dot is ``sum((code value + offset) * x)`` over its 32 values, multiplied by its
-    scale once. MXFP4 and INT4 (`moeroute.experts.cpu.int4`) share it.
+    ``table`` and ``block_scale`` as `decode_row_split_intrinsic` takes them (the table's
+    values times some power of two k must be integers in [-128, 127], `_int8_table`): each
+    block's partial dot is ``sum((code value + offset) * x)`` over its 32 values, multiplied by
+    its scale once (computed k times over and divided by k at the end). MXFP4 and INT4
+    (`moeroute.experts.cpu.int4`) share it.
     """
 
     @intrinsic
@@ -165,8 +221,10 @@ def block_dots_intrinsic(table, block_scale):
                 block = builder.load(builder.gep(block_ptr, [g]), align=1)
                 offset, scale = at(g)
                 scale = splat(builder, scale, 8)
-                values = _decode_block(builder, block, table)
+                values, k = _decode_block(builder, block, table)
                 if offset is not None:
+                    if k != 1:
+                        offset = builder.fmul(offset, ir.Constant(f32, float(k)))
                     offset = splat(builder, offset, 8)
                     values = [builder.fadd(value, offset) for value in values]
                 base = builder.mul(g, ir.Constant(index_type, 4))  # a block's 32 floats are 4 vectors
@@ -199,7 +257,9 @@ def block_dots_intrinsic(table, block_scale):
                 lanes = [builder.extract_element(acc, ir.Constant(i32, k)) for k in range(8)]
                 while len(lanes) > 1:
                     lanes = [builder.fadd(lanes[k], lanes[k + 1]) for k in range(0, len(lanes), 2)]
-                sums.append(lanes[0])
+                # the decode's values were k times the table's (a power of two: exact)
+                _, k = _int8_table(table)
+                sums.append(lanes[0] if k == 1 else builder.fmul(lanes[0], ir.Constant(f32, 1.0 / k)))
             return context.make_tuple(builder, signature.return_type, sums)
 
         return types.UniTuple(types.float32, count)(blocks_row, scales_row, xs, rows), codegen
@@ -249,7 +309,7 @@ gate_up_rows, gate_up_rows_serial, down_rows, down_rows_serial = (_kernels[name]
 def decode_row_split_intrinsic(table, block_scale):
     """A Numba intrinsic ``(blocks_row, scales_row, out)``: out [G*32] float32 <- one packed
     row's values in `split_blocks` order (per block its 16 even then its 16 odd elements),
-    the `_decode_block` vectors of ``table`` scaled per block and stored (x86 vector code:
+    the `_decode_block_half` vectors of ``table`` scaled per block and stored (x86 vector code:
     AVX2, F16C; use it where `SIMD`).
 
     ``block_scale(context, builder, scales_type, scales_value, groups)`` emits what runs once
@@ -279,7 +339,7 @@ def decode_row_split_intrinsic(table, block_scale):
                 offset, scale = at(g)
                 scale = splat(builder, scale, 8)
                 offset = None if offset is None else splat(builder, offset, 8)
-                values = _decode_block(builder, block, table)
+                values = _decode_block_half(builder, block, table)
                 base = builder.mul(g, ir.Constant(index_type, 4))
                 # split order: even bytes 0-7, even bytes 8-15, odd bytes 0-7, odd bytes 8-15
                 for k, vector in enumerate((values[0], values[2], values[1], values[3])):
