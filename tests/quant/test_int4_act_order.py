@@ -150,6 +150,17 @@ def test_without_a_permutation_the_hook_hands_the_inputs_through():
     perm = torch.randperm(H).to(torch.int32)[None]
     rows, row_tokens = act_order_rows(x, tokens, torch.tensor([0, 3]), [0], perm)
     assert torch.equal(rows, x[tokens][:, perm[0].long()]) and torch.equal(row_tokens, torch.arange(3))
+    # Enough rows for the threaded gather (moeroute.experts.cpu.act_order), every activation dtype.
+    gen = torch.Generator().manual_seed(15)
+    perm = torch.stack([torch.randperm(H, generator=gen) for _ in range(N)]).to(torch.int32)
+    tokens = torch.randint(0, 300, (700,), generator=gen)
+    offsets = torch.tensor([0, 200, 200, 650, 700])  # expert 1 without rows
+    experts = torch.repeat_interleave(torch.arange(N), offsets.diff())
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(300, H, generator=gen).to(dtype)
+        rows, row_tokens = act_order_rows(x, tokens, offsets.numpy(), [0, 2, 3], perm)
+        want = torch.stack([x[tokens[m]][perm[experts[m]].long()] for m in range(700)])
+        assert rows.dtype == dtype and torch.equal(rows, want) and torch.equal(row_tokens, torch.arange(700))
 
 
 def test_a_layer_without_act_order_keeps_no_permutation():

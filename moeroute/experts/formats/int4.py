@@ -53,6 +53,7 @@ from moeroute.experts.activations import gated_activation
 from moeroute.experts.choose import STRATEGIES, check_strategy, choose, cupy_installed
 from moeroute import cpu_features
 from moeroute.experts.cpu import decode_bf16
+from moeroute.experts.cpu import act_order as cpu_act_order
 from moeroute.experts.cpu import int4 as cpu_int4
 from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
 from moeroute.experts.cpu import mxfp4_dot, mxfp4_rows, quant_rows
@@ -242,16 +243,33 @@ def act_order_rows(hidden_states, tokens, offsets, hit, perm):
     ``rows[row_tokens[m]]``. Without ``perm`` the hidden states and ``tokens`` as they are;
     with GPTQ act order (``perm`` [L, H], `int4_experts_forward`) each slot's token row
     gathered in its expert's column order, ``x[tokens[m]][perm[e]]``, once per call (an [M, H]
-    copy), with identity tokens."""
+    copy; `moeroute.experts.cpu.act_order` on the CPU), with identity tokens. ``hit``: the
+    experts with rows (the others' offsets are empty)."""
     if perm is None:
         return hidden_states, tokens
-    tokens = torch.as_tensor(tokens).to(hidden_states.device)
-    perm = perm.to(hidden_states.device)
-    rows = torch.empty(tokens.shape[0], hidden_states.shape[1], dtype=hidden_states.dtype, device=hidden_states.device)
-    for e in torch.as_tensor(hit).tolist():
-        start, stop = int(offsets[e]), int(offsets[e + 1])
-        rows[start:stop] = hidden_states.index_select(0, tokens[start:stop]).index_select(1, perm[e])
-    return rows, torch.arange(tokens.shape[0], dtype=tokens.dtype, device=tokens.device)
+    device = hidden_states.device
+    tokens = torch.as_tensor(tokens).to(device=device, dtype=torch.int64)
+    offsets = torch.as_tensor(offsets).to(device=device, dtype=torch.int64)
+    row_expert = torch.repeat_interleave(torch.arange(offsets.shape[0] - 1, device=device), offsets.diff())
+    rows = torch.empty(tokens.shape[0], hidden_states.shape[1], dtype=hidden_states.dtype, device=device)
+    if device.type == "cpu":
+        bits = {2: torch.int16, 4: torch.int32}[hidden_states.element_size()]
+        arrays = (
+            hidden_states.detach().contiguous().view(bits).numpy(),
+            tokens.numpy(),
+            row_expert.numpy(),
+            perm.detach().to(torch.int32).contiguous().numpy(),
+            rows.view(bits).numpy(),
+        )
+        if rows.numel() < cpu_act_order.SERIAL_ELEMENTS:
+            cpu_act_order.gather_columns_serial(*arrays)
+        else:
+            with numba_threads(cpu_threads()):
+                cpu_act_order.gather_columns(*arrays)
+    else:
+        index = perm.to(device).index_select(0, row_expert).to(torch.int64)
+        torch.gather(hidden_states.index_select(0, tokens), 1, index, out=rows)
+    return rows, torch.arange(tokens.shape[0], dtype=torch.int64, device=device)
 
 
 def _rows_forward(hidden_states, plan, gate_up, down, activation, gate_up_perm=None):
