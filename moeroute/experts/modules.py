@@ -495,31 +495,32 @@ class QuantizedExperts(nn.Module):
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
         # Every state-dict path into the module (moeroute's own names included) refuses NaN
-        # e4m3 weight bytes before anything is copied, as the other loaders do.
+        # e4m3 weight bytes and a malformed act-order permutation before anything is copied,
+        # as the other loaders do (`MoE` runs the same checks before copying its router).
+        self.check_state(state_dict, prefix)
         if self.quant.format == "int4":  # the scales take the dtype they come in
             for name in ("gate_up_scale", "down_scale"):
                 tensor = state_dict.get(prefix + name)
                 if isinstance(tensor, torch.Tensor):
                     self.hold_int4_scales(name, tensor.dtype)
-        if self.quant.format.startswith("fp8"):
-            for name in ("w_gate_up", "w_down"):
-                tensor = state_dict.get(prefix + name)
-                if isinstance(tensor, torch.Tensor) and tensor.dtype == FP8_DTYPE and not tensor.is_meta:
-                    check_fp8_weight(prefix + name, tensor)
-        if self.quant.format == "int4":
             self._load_gate_up_perm(state_dict, prefix)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
 
-    def _load_gate_up_perm(self, state_dict, prefix) -> None:
-        """``gate_up_perm`` follows the state dict: taken (checked) when it has one, None when
-        it holds the weights without one (a layer saved without act order)."""
+    def check_state(self, state_dict, prefix) -> None:
+        """The checks of ``state_dict``'s values for this module (keys under ``prefix``) that
+        run before anything of the layer is copied: FP8 weight bytes without NaN codes, and an
+        INT4 ``gate_up_perm`` that is an int32/int64 [L, H] permutation of the hidden columns
+        per expert. TypeError/ValueError naming the key."""
+        if self.quant.format.startswith("fp8"):
+            for name in ("w_gate_up", "w_down"):
+                tensor = state_dict.get(prefix + name)
+                if isinstance(tensor, torch.Tensor) and tensor.dtype == FP8_DTYPE and not tensor.is_meta:
+                    check_fp8_weight(prefix + name, tensor)
         key = prefix + "gate_up_perm"
         perm = state_dict.get(key)
-        if perm is None:
-            if prefix + "w_gate_up" in state_dict:
-                self.gate_up_perm = None
+        if self.quant.format != "int4" or perm is None:
             return
         shape = (self.num_local_experts, self.hidden_size)
         if not isinstance(perm, torch.Tensor) or perm.dtype not in (torch.int32, torch.int64):
@@ -533,7 +534,17 @@ class QuantizedExperts(nn.Module):
                 raise ValueError(
                     f"{key}[{int(bad.nonzero()[0, 0])}] is not a permutation of the {self.hidden_size} hidden columns"
                 )
+
+    def _load_gate_up_perm(self, state_dict, prefix) -> None:
+        """``gate_up_perm`` follows the state dict: taken (`check_state` checked it) when it
+        has one, None when it holds the weights without one (a layer saved without act order)."""
+        perm = state_dict.get(prefix + "gate_up_perm")
+        if perm is None:
+            if prefix + "w_gate_up" in state_dict:
+                self.gate_up_perm = None
+            return
         if self.gate_up_perm is None:
+            shape = (self.num_local_experts, self.hidden_size)
             self.gate_up_perm = torch.empty(shape, dtype=torch.int32, device=self.w_gate_up.device)
 
     def __getstate__(self):

@@ -70,8 +70,12 @@ def test_nan_weight_byte_refused_by_load_state_dict():
     assert not experts.w_gate_up.view(torch.uint8).any()  # still the zeros it was built with
     # The module's own names under an MoE, and DeepSeek-V3's per-expert keys.
     module = MoE(RouterConfig(N, K), H, I, quant=QUANT)
+    router = module.router_weight.detach().clone()
     with pytest.raises(ValueError, match=r"w_gate_up\[1, 5, 7\].*NaN"):
-        module.load_state_dict({**module.state_dict(), "experts.w_gate_up": q_gu}, strict=False)
+        module.load_state_dict(
+            {**module.state_dict(), "router_weight": router + 1.0, "experts.w_gate_up": q_gu}, strict=False
+        )
+    assert torch.equal(module.router_weight, router)  # refused before the router was copied
     nb = s_gu.shape[1] // 2
     per_expert = {}
     for e in range(N):

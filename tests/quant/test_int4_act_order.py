@@ -277,8 +277,15 @@ def test_moeroute_names_carry_the_permutation():
     check_output(again.mlp, dense)
     bad = dict(own)
     bad["mlp.experts.gate_up_perm"] = torch.zeros(N, H, dtype=torch.int32)
+    bad["mlp.router_weight"] = own["mlp.router_weight"] + 1.0
+    target = Holder(quant_of("gptq_v2", False))
+    before = {key: value.clone() for key, value in target.state_dict().items()}
     with pytest.raises(ValueError, match=r"mlp\.experts\.gate_up_perm\[0\] is not a permutation"):
-        Holder(quant_of("gptq_v2", False)).load_state_dict(bad)
+        target.load_state_dict(bad)
+    # refused before anything is copied: the router and the experts as they were
+    after = target.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[key], after[key]) for key in before)
     # Weights without one (moeroute's names, another layer's) drop it.
     plain = Holder(quant_of("gptq_v2", False)).state_dict()
     again.load_state_dict(plain)

@@ -832,7 +832,12 @@ class MoE(nn.Module):
         """Every tensor of this layer (its submodules' included) in ``state_dict`` checked
         before torch copies any: torch reports a wrong shape only after copying the others,
         and would cast a float tensor into FP8 or MXFP4 weights (or e4m3 bytes into float
-        ones) without their scales. ValueError naming the key."""
+        ones) without their scales; and the experts' own checks of the values (FP8 NaN bytes, an
+        INT4 act-order permutation), so that a refused load leaves the router as it was.
+        ValueError naming the key."""
+        check_state = getattr(self.experts, "check_state", None)
+        if check_state is not None:
+            check_state(state_dict, prefix + "experts.")
         own = {prefix + name: tensor for name, tensor in [*self.named_parameters(), *self.named_buffers()]}
         for key, target in own.items():
             tensor = state_dict.get(key)
