@@ -79,9 +79,10 @@ BF16_ROWS_MAX_MEAN_ROWS = 8
 #: "blocks" (each chunk of weight rows decoded to bfloat16, then oneDNN's bfloat16 GEMM)
 #: outruns the row kernels, which read half a byte per weight but dot four rows at a time.
 #: Higher than bfloat16's: "blocks" pays the decode and a store and load of each decoded
-#: chunk besides the GEMM; at 32 rows per expert (Qwen3-30B-A3B, T = 512) the two are about
-#: even, at 256 (Kimi-K2's experts, T = 512) "blocks" wins (bench/quant.py --int4).
-INT4_BF16_ROWS_MAX_MEAN_ROWS = 32
+#: chunk besides the GEMM. Measured on 2 Zen 4 cores (rows / blocks): Qwen3-30B-A3B's experts
+#: at 16 rows per expert 65 / 77 ms, at 32 126 / 119 ms; Kimi-K2's at 32 136 / 129 ms, at 64
+#: 274 / 211 ms, at 256 1160 / 611 ms.
+INT4_BF16_ROWS_MAX_MEAN_ROWS = 24
 #: Dtypes of the float row kernels.
 ROWS_DTYPES = (torch.float32, torch.bfloat16)
 #: Largest per-expert row count the padded batch is used for: below it an expert's
