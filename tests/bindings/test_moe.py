@@ -16,7 +16,13 @@ from moeroute.bindings.torch.dispatch import DispatchHandle, LocalDispatcher, ch
 from moeroute.bindings.torch import arrays
 from moeroute.experts import modules as experts_modules
 from moeroute.experts.modules import LocalExperts
-from moeroute.experts.choose import PADDED_MAX_ROWS, ROWS_MAX_MEAN_ROWS, choose, rows_bound
+from moeroute.experts.choose import (
+    BF16_ROWS_MAX_MEAN_ROWS,
+    PADDED_MAX_ROWS,
+    ROWS_MAX_MEAN_ROWS,
+    choose,
+    rows_bound,
+)
 from moeroute.experts.formats.unquantized import (
     expert_mlp,
     onednn_linear_serves,
@@ -441,14 +447,16 @@ def test_choose_float_on_the_cpu():
         assert choose("float", "cpu", [3, 0, 5, 1], dtype=dtype) == "rows"
         assert choose("float", "cpu", [1, 0, 0, 0], dtype=dtype) == "rows"  # decode: most experts idle
         assert choose("float", "cpu", [3, 0, 5, 1], onednn=True, dtype=dtype) == "rows"
-        assert choose("float", "cpu", [ROWS_MAX_MEAN_ROWS] * 4, dtype=dtype) == "rows"
+    assert choose("float", "cpu", [ROWS_MAX_MEAN_ROWS] * 4, dtype=torch.float32) == "rows"
     assert choose("float", "cpu", [many, many, 0, many], onednn=True, dtype=torch.float32) == "loop"
-    # bfloat16: the row kernels at every count; bounded only where the CPU has AMX.
-    amx = "amx-bf16" in cpu_features.FEATURES
-    assert rows_bound(torch.bfloat16) == (ROWS_MAX_MEAN_ROWS if amx else float("inf"))
+    # bfloat16: the row kernels at every count, but bounded where the CPU multiplies bfloat16
+    # natively (oneDNN's GEMMs then take prefill).
+    native = bool({"avx512bf16", "amx-bf16"} & cpu_features.FEATURES)
+    assert rows_bound(torch.bfloat16) == (BF16_ROWS_MAX_MEAN_ROWS if native else float("inf"))
     assert rows_bound(torch.float32) == ROWS_MAX_MEAN_ROWS
-    assert choose("float", "cpu", [many, 0, many, many], dtype=torch.bfloat16) == ("loop" if amx else "rows")
-    assert choose("float", "cpu", [4096, 1], onednn=True, dtype=torch.bfloat16) == ("loop" if amx else "rows")
+    assert choose("float", "cpu", [BF16_ROWS_MAX_MEAN_ROWS] * 4, dtype=torch.bfloat16) == "rows"
+    assert choose("float", "cpu", [many, 0, many, many], dtype=torch.bfloat16) == ("loop" if native else "rows")
+    assert choose("float", "cpu", [4096, 1], onednn=True, dtype=torch.bfloat16) == ("loop" if native else "rows")
     # float16 has no row kernel: the padded batch or the loop, as before.
     assert choose("float", "cpu", [3, 0, 5, 1], dtype=torch.float16) == "loop"  # half-precision CPU bmm is slow
     assert choose("float", "cpu", []) == "loop"
