@@ -71,17 +71,17 @@ STRATEGIES = {
 #: --rows-only, bench/quant.py). bfloat16 has its own bound (`rows_bound`).
 ROWS_MAX_MEAN_ROWS = 16
 #: bfloat16's bound where oneDNN multiplies bfloat16 on the CPU's own dot instructions
-#: (AVX512-BF16, AMX): past about 8 rows per expert its blocked GEMM outruns the row kernels
-#: (1.1-3x at 16-256 rows per expert on the Qwen3-30B-A3B, DeepSeek-V3 and gpt-oss-20b
-#: expert shapes, bench/ktkernel.py), below it reading each weight once wins.
+#: (AVX512-BF16, AMX): past about 8 rows per expert its GEMM, blocked for the caches and
+#: registers, outruns the row kernels (which dot one weight tile with four activation rows
+#: at a time); below it reading each weight once wins. The bfloat16 prefill rows of
+#: bench/ktkernel.py (T = 64, 512) run past the bound.
 BF16_ROWS_MAX_MEAN_ROWS = 8
 #: INT4's bound for bfloat16 activations where the CPU has bfloat16 dot instructions: past it
 #: "blocks" (each chunk of weight rows decoded to bfloat16, then oneDNN's bfloat16 GEMM)
 #: outruns the row kernels, which read half a byte per weight but dot four rows at a time.
 #: Higher than bfloat16's: "blocks" pays the decode and a store and load of each decoded
-#: chunk besides the GEMM. Measured on 2 Zen 4 cores (rows / blocks): Qwen3-30B-A3B's experts
-#: at 16 rows per expert 65 / 77 ms, at 32 126 / 119 ms; Kimi-K2's at 32 136 / 129 ms, at 64
-#: 274 / 211 ms, at 256 1160 / 611 ms.
+#: chunk besides the GEMM, so the row kernels still win at 16 rows per expert and the two
+#: meet near 32 (the T = 512 rows of bench/quant.py --int4 run past the bound).
 INT4_BF16_ROWS_MAX_MEAN_ROWS = 24
 #: Dtypes of the float row kernels.
 ROWS_DTYPES = (torch.float32, torch.bfloat16)
