@@ -211,45 +211,31 @@ def plan_fp8_gemm(
     b_scale [E, GATES * ceil(n / bn), ceil(k / bk)]; c: [numel, n] of ``dtype``. Per-tensor
     FP8: bn = n, bk = k.
     """
-    rows = int(sorted_token_ids.shape[0])
-    args = (
-        a,
-        a_scale,
-        b,
-        b_scale,
-        c,
-        sorted_token_ids,
-        expert_ids,
-        topk_weights,
-        np.int32(numel),
-        np.int32(top_k),
-        np.int32(n),
-        np.int32(k),
-        np.int32(bn),
-        np.int32(bk),
-        np.int32(block_size),
-        np.int32(L.ACTIVATIONS[activation]),
-        np.int32(bool(apply_router_weight)),
+    args = (a, a_scale, b, b_scale, c, sorted_token_ids, expert_ids, topk_weights) + L.gemm_scalars(
+        numel,
+        top_k,
+        n,
+        k,
+        bn,
+        bk,
+        block_size=block_size,
+        activation=activation,
+        apply_router_weight=apply_router_weight,
     )
-    if path == "simt":
-        tile_m = L.simt_tile_height(block_size)
-        return L.KernelLaunch(
-            simt_name(dtype, tile_m, gated),
-            (rows // tile_m, L.ceil_div(n, L.SIMT_BLOCK_N), 1),
-            (L.SIMT_THREADS, 1, 1),
-            0,
-            args,
-        )
-    if path == "mma":
-        tile = FP8_MMA_TILES[(next(h for h in FP8_MMA_TILE_HEIGHTS if block_size % h == 0), gated)]
-        return L.KernelLaunch(
-            mma_name(dtype, tile, gated),
-            (rows // tile.tile_m, L.ceil_div(n, tile.block_n), 1),
-            (tile.threads, 1, 1),
-            0,
-            args,
-        )
-    raise ValueError(f"path={path!r}: expected 'simt' or 'mma'")
+
+    def mma():
+        tile = L.pick_tile(FP8_MMA_TILES, FP8_MMA_TILE_HEIGHTS, block_size, gated)
+        return mma_name(dtype, tile, gated), tile, 0
+
+    return L.plan_tiled_gemm(
+        path=path,
+        block_size=block_size,
+        rows=int(sorted_token_ids.shape[0]),
+        n=n,
+        args=args,
+        simt_name=lambda tile_m: simt_name(dtype, tile_m, gated),
+        mma=mma,
+    )
 
 
 def plan_fp8_w8a16_gemm(
@@ -277,50 +263,37 @@ def plan_fp8_w8a16_gemm(
     """Launch of one w8a16 FP8 grouped GEMM (moe_gemm_fp8w16_simt, or moe_gemm_fp8w16_mma with
     ``path="mma"``: float16 / bfloat16, k and bk multiples of 32): ``a`` [rows, k] of ``dtype``
     (not quantized), ``b`` and ``b_scale`` as plan_fp8_gemm's, c: [numel, n] of ``dtype``."""
-    rows = int(sorted_token_ids.shape[0])
-    args = (
-        a,
-        b,
-        b_scale,
-        c,
-        sorted_token_ids,
-        expert_ids,
-        topk_weights,
-        np.int32(numel),
-        np.int32(top_k),
-        np.int32(n),
-        np.int32(k),
-        np.int32(bn),
-        np.int32(bk),
-        np.int32(block_size),
-        np.int32(L.ACTIVATIONS[activation]),
-        np.int32(bool(apply_router_weight)),
+    args = (a, b, b_scale, c, sorted_token_ids, expert_ids, topk_weights) + L.gemm_scalars(
+        numel,
+        top_k,
+        n,
+        k,
+        bn,
+        bk,
+        block_size=block_size,
+        activation=activation,
+        apply_router_weight=apply_router_weight,
     )
-    if path == "simt":
-        tile_m = L.simt_tile_height(block_size)
-        return L.KernelLaunch(
-            w8a16_simt_name(dtype, tile_m, gated),
-            (rows // tile_m, L.ceil_div(n, L.SIMT_BLOCK_N), 1),
-            (L.SIMT_THREADS, 1, 1),
-            0,
-            args,
-        )
-    if path == "mma":
+
+    def mma():
         if dtype not in MMA_DTYPES:
             raise ValueError(f"path='mma' needs float16 or bfloat16 activations, got {dtype}")
         if k % W8A16_MMA_COLUMNS or bk % W8A16_MMA_COLUMNS:
             raise ValueError(
                 f"path='mma' needs k ({k}) and the scale block's bk ({bk}) to be multiples of {W8A16_MMA_COLUMNS}"
             )
-        tile = NARROW_MMA_TILES[(next(h for h in MMA_TILE_HEIGHTS if block_size % h == 0), gated)]
-        return L.KernelLaunch(
-            w8a16_mma_name(dtype, tile, gated),
-            (rows // tile.tile_m, L.ceil_div(n, tile.block_n), 1),
-            (tile.threads, 1, 1),
-            w8a16_shared_memory_bytes(tile, gated),
-            args,
-        )
-    raise ValueError(f"path={path!r}: expected 'simt' or 'mma'")
+        tile = L.pick_tile(NARROW_MMA_TILES, MMA_TILE_HEIGHTS, block_size, gated)
+        return w8a16_mma_name(dtype, tile, gated), tile, w8a16_shared_memory_bytes(tile, gated)
+
+    return L.plan_tiled_gemm(
+        path=path,
+        block_size=block_size,
+        rows=int(sorted_token_ids.shape[0]),
+        n=n,
+        args=args,
+        simt_name=lambda tile_m: w8a16_simt_name(dtype, tile_m, gated),
+        mma=mma,
+    )
 
 
 _shape = D.shape

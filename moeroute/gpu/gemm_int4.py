@@ -14,8 +14,6 @@ are not quantized. The planning functions are pure Python: the same plans run on
 
 from __future__ import annotations
 
-import numpy as np
-
 from moeroute.gpu import driver as D
 from moeroute.gpu import launch as L
 from moeroute.gpu.gemm_mxfp4 import MMA_A_PITCH, MMA_B_PITCH, MMA_DTYPES, MMA_TILES
@@ -116,49 +114,40 @@ def plan_int4_gemm(
         raise ValueError(f"scale_dtype={scale_dtype!r}; expected one of {SCALE_DTYPES}")
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size={group_size!r}; expected one of {GROUP_SIZES}")
-    rows = int(sorted_token_ids.shape[0])
     has_zeros = zeros is not None
     # Symmetric weights: the kernel never reads the zero points; the packed bytes fill the slot.
-    args = (
-        a,
-        packed,
-        scales,
-        zeros if has_zeros else packed,
-        c,
-        sorted_token_ids,
-        expert_ids,
-        topk_weights,
-        np.int32(numel),
-        np.int32(top_k),
-        np.int32(n),
-        np.int32(k),
-        np.int32(group_size),
-        np.int32(has_zeros),
-        np.int32(block_size),
-        np.int32(L.ACTIVATIONS[activation]),
-        np.int32(bool(apply_router_weight)),
+    args = (a, packed, scales, zeros if has_zeros else packed, c, sorted_token_ids, expert_ids, topk_weights)
+    args += L.gemm_scalars(
+        numel,
+        top_k,
+        n,
+        k,
+        group_size,
+        has_zeros,
+        block_size=block_size,
+        activation=activation,
+        apply_router_weight=apply_router_weight,
     )
-    if path == "simt":
-        tile_m = L.simt_tile_height(block_size)
-        return L.KernelLaunch(
-            simt_name(dtype, scale_dtype, tile_m, gated),
-            (rows // tile_m, L.ceil_div(n, L.SIMT_BLOCK_N), 1),
-            (L.SIMT_THREADS, 1, 1),
-            0,
-            args,
-        )
-    if path == "mma":
+
+    def mma():
         if dtype not in MMA_DTYPES:
             raise ValueError(f"path='mma' needs float16 or bfloat16 activations, got {dtype}")
-        tile = MMA_TILES[(next(h for h in MMA_TILE_HEIGHTS if block_size % h == 0), gated)]
-        return L.KernelLaunch(
+        tile = L.pick_tile(MMA_TILES, MMA_TILE_HEIGHTS, block_size, gated)
+        return (
             mma_name(dtype, scale_dtype, tile, gated),
-            (rows // tile.tile_m, L.ceil_div(n, tile.block_n), 1),
-            (tile.threads, 1, 1),
+            tile,
             shared_memory_bytes(tile, gated, k, group_size, has_zeros),
-            args,
         )
-    raise ValueError(f"path={path!r}: expected 'simt' or 'mma'")
+
+    return L.plan_tiled_gemm(
+        path=path,
+        block_size=block_size,
+        rows=int(sorted_token_ids.shape[0]),
+        n=n,
+        args=args,
+        simt_name=lambda tile_m: simt_name(dtype, scale_dtype, tile_m, gated),
+        mma=mma,
+    )
 
 
 _shape = D.shape

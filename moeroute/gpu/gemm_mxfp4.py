@@ -126,47 +126,27 @@ def plan_mxfp4_gemm(
     a: [rows of A, k] of ``dtype``; blocks uint8 [E, GATES * n, k / 32, 16], scales uint8
     [E, GATES * n, k / 32]; c: [numel, n] of ``dtype``; bias float32 [E, GATES * n] or None.
     """
-    rows = int(sorted_token_ids.shape[0])
     # Without a bias the kernel never reads the pointer: topk_weights (float32) fills the slot.
-    args = (
-        a,
-        blocks,
-        scales,
-        c,
-        sorted_token_ids,
-        expert_ids,
-        topk_weights,
-        topk_weights if bias is None else bias,
-        np.int32(numel),
-        np.int32(top_k),
-        np.int32(n),
-        np.int32(k),
-        np.int32(block_size),
-        np.int32(L.ACTIVATIONS[activation]),
-        np.int32(bool(apply_router_weight)),
-        np.int32(bias is not None),
-    )
-    if path == "simt":
-        tile_m = L.simt_tile_height(block_size)
-        return L.KernelLaunch(
-            simt_name(dtype, tile_m, gated),
-            (rows // tile_m, L.ceil_div(n, L.SIMT_BLOCK_N), 1),
-            (L.SIMT_THREADS, 1, 1),
-            0,
-            args,
-        )
-    if path == "mma":
+    args = (a, blocks, scales, c, sorted_token_ids, expert_ids, topk_weights, topk_weights if bias is None else bias)
+    args += L.gemm_scalars(
+        numel, top_k, n, k, block_size=block_size, activation=activation, apply_router_weight=apply_router_weight
+    ) + (np.int32(bias is not None),)
+
+    def mma():
         if dtype not in MMA_DTYPES:
             raise ValueError(f"path='mma' needs float16 or bfloat16 activations, got {dtype}")
-        tile = MMA_TILES[(next(h for h in MMA_TILE_HEIGHTS if block_size % h == 0), gated)]
-        return L.KernelLaunch(
-            mma_name(dtype, tile, gated),
-            (rows // tile.tile_m, L.ceil_div(n, tile.block_n), 1),
-            (tile.threads, 1, 1),
-            tile.shared_memory_bytes(gated, k),
-            args,
-        )
-    raise ValueError(f"path={path!r}: expected 'simt' or 'mma'")
+        tile = L.pick_tile(MMA_TILES, MMA_TILE_HEIGHTS, block_size, gated)
+        return mma_name(dtype, tile, gated), tile, tile.shared_memory_bytes(gated, k)
+
+    return L.plan_tiled_gemm(
+        path=path,
+        block_size=block_size,
+        rows=int(sorted_token_ids.shape[0]),
+        n=n,
+        args=args,
+        simt_name=lambda tile_m: simt_name(dtype, tile_m, gated),
+        mma=mma,
+    )
 
 
 _shape = D.shape

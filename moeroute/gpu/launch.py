@@ -250,16 +250,9 @@ def plan_expert_gemm(
     ``compute_capability`` (major * 10 + minor) picks the mma tile table (``mma_tiles``).
     """
     rows = int(sorted_token_ids.shape[0])
-    scalars = (
-        np.int32(numel),
-        np.int32(top_k),
-        np.int32(n),
-        np.int32(k),
-        np.int32(block_size),
-        np.int32(ACTIVATIONS[activation]),
-        np.int32(bool(apply_router_weight)),
-        np.int32(bias is not None),
-    )
+    scalars = gemm_scalars(
+        numel, top_k, n, k, block_size=block_size, activation=activation, apply_router_weight=apply_router_weight
+    ) + (np.int32(bias is not None),)
     # Without a bias the kernel never reads the pointer: b fills the slot.
     arrays = (a, b, c, sorted_token_ids, expert_ids, topk_weights, b if bias is None else bias)
     if path == "simt":
@@ -281,6 +274,38 @@ def plan_expert_gemm(
             (tile.threads, 1, 1),
             tile.shared_memory_bytes(gated),
             arrays + scalars + (np.int32(num_m_tiles),),
+        )
+    raise ValueError(f"path={path!r}: expected 'simt' or 'mma'")
+
+
+def gemm_scalars(numel: int, top_k: int, n: int, k: int, *shape, block_size: int, activation: str, apply_router_weight):
+    """The int32 scalars every quantized grouped GEMM kernel takes, in its order: numel, top_k, n,
+    k, then the format's own ``shape`` values, block_size, the activation code, apply_router_weight."""
+    return tuple(
+        np.int32(v)
+        for v in (numel, top_k, n, k, *shape, block_size, ACTIVATIONS[activation], bool(apply_router_weight))
+    )
+
+
+def pick_tile(tiles: dict, heights: tuple, block_size: int, gated: bool):
+    """The tile of ``tiles`` ((tile_m, gated) -> tile) whose height is the tallest of ``heights``
+    dividing ``block_size``."""
+    return tiles[(next(h for h in heights if block_size % h == 0), gated)]
+
+
+def plan_tiled_gemm(*, path: str, block_size: int, rows: int, n: int, args: tuple, simt_name, mma) -> KernelLaunch:
+    """Launch of a grouped GEMM whose grid is (row tiles, column tiles): ``path="simt"`` takes the
+    SIMT tile that divides ``block_size`` and ``simt_name(tile_m)``; ``path="mma"`` calls ``mma()``
+    for (name, tile, dynamic shared memory bytes), where it may refuse the problem with a ValueError."""
+    if path == "simt":
+        tile_m = simt_tile_height(block_size)
+        return KernelLaunch(
+            simt_name(tile_m), (rows // tile_m, ceil_div(n, SIMT_BLOCK_N), 1), (SIMT_THREADS, 1, 1), 0, args
+        )
+    if path == "mma":
+        name, tile, shared_memory = mma()
+        return KernelLaunch(
+            name, (rows // tile.tile_m, ceil_div(n, tile.block_n), 1), (tile.threads, 1, 1), shared_memory, args
         )
     raise ValueError(f"path={path!r}: expected 'simt' or 'mma'")
 
