@@ -758,11 +758,16 @@ _experts_op = torch.library.custom_op(f"{NAMESPACE}::experts", mutates_args=())(
 _EXPERTS_SIGNATURE = inspect.signature(experts)
 
 
+def _bound_call(signature: inspect.Signature, args, kwargs) -> dict:
+    """A fake's arguments by name, defaults filled in, as the op's ``signature`` binds them."""
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
 @_experts_op.register_fake
 def _(*args, **kwargs):
-    bound = _EXPERTS_SIGNATURE.bind(*args, **kwargs)
-    bound.apply_defaults()
-    call = bound.arguments
+    call = _bound_call(_EXPERTS_SIGNATURE, args, kwargs)
     _check_experts_call(call)
     if call["expert_map"] is not None:
         _check_expert_map(call["expert_map"], call["topk_ids"], call["w_gate_up"].shape[0])
@@ -772,8 +777,7 @@ def _(*args, **kwargs):
 # ------------------------------------------------------------------ fused_experts (CUDA)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::fused_experts", mutates_args=())
-def _fused_experts_op(
+def _fused_experts(
     hidden_states: torch.Tensor,
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
@@ -807,23 +811,18 @@ def _fused_experts_op(
     )
 
 
+_fused_experts_op = torch.library.custom_op(f"{NAMESPACE}::fused_experts", mutates_args=())(_fused_experts)
+_FUSED_EXPERTS_SIGNATURE = inspect.signature(_fused_experts)
+
+
 @_fused_experts_op.register_fake
-def _(
-    hidden_states,
-    w_gate_up,
-    w_down,
-    topk_weights,
-    topk_ids,
-    activation="silu",
-    apply_router_weight=True,
-    block_size=None,
-    gate_up_bias=None,
-    down_bias=None,
-):
+def _(*args, **kwargs):
+    call = _bound_call(_FUSED_EXPERTS_SIGNATURE, args, kwargs)
     _check_experts_args(
-        hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation, "auto", gate_up_bias, down_bias
+        *(call["hidden_states"], call["w_gate_up"], call["w_down"], call["topk_weights"], call["topk_ids"]),
+        *(call["activation"], "auto", call["gate_up_bias"], call["down_bias"]),
     )
-    return hidden_states.new_empty(hidden_states.shape)
+    return call["hidden_states"].new_empty(call["hidden_states"].shape)
 
 
 # ------------------------------------------------------------------ the whole layer
