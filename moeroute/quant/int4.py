@@ -31,6 +31,7 @@ GPTQ, AWQ) are unpacked into this one by `moeroute.quant.int4_checkpoint`.
 
 from __future__ import annotations
 
+import weakref
 
 import torch
 
@@ -96,6 +97,9 @@ def check_int4(packed, scales, zeros=None, *, group_size, name: str = "weight") 
     ValueError
         A dtype, shape or device other than above, ``group_size`` not one of 32/64/128, a
         zero point above 15 (with its index).
+
+    The zero points' values are read once per version of the tensor: checking the same,
+    unchanged ``zeros`` again (a layer's forward) costs no pass over them.
     """
     group = _group_size(group_size)
     for label, tensor in (("packed", packed), ("scales", scales), ("zeros", zeros)):
@@ -134,6 +138,38 @@ def check_int4(packed, scales, zeros=None, *, group_size, name: str = "weight") 
         )
     if zeros.device != packed.device:
         raise ValueError(f"{name} zeros is on {zeros.device} but packed is on {packed.device}")
+    key = _zeros_key(zeros)
+    entry = _CHECKED_ZEROS.get(id(zeros))
+    if key is not None and entry is not None and entry[0]() is zeros and entry[1] == key:
+        return
+    _scan_zeros(zeros, name)
+    if key is not None:
+        ident = id(zeros)
+        _CHECKED_ZEROS[ident] = (weakref.ref(zeros, lambda ref: _forget_zeros(ident, ref)), key)
+
+
+# Zero point tensors whose values passed `_scan_zeros`, by id: (weak reference, `_zeros_key`).
+# A layer hands its forward the same zero points every call; they are scanned again only when
+# torch sees them change (an in-place write bumps the version, new data moves the pointer).
+_CHECKED_ZEROS: dict = {}
+
+
+def _zeros_key(zeros: torch.Tensor):
+    """What torch can tell about the values' identity, or None where it tracks no version
+    (inference tensors: scanned every time)."""
+    if torch.is_inference(zeros) or zeros.is_meta:
+        return None
+    return (zeros._version, zeros.data_ptr(), tuple(zeros.shape), tuple(zeros.stride()), zeros.device)
+
+
+def _forget_zeros(ident: int, ref) -> None:
+    entry = _CHECKED_ZEROS.get(ident)
+    if entry is not None and entry[0] is ref:
+        del _CHECKED_ZEROS[ident]
+
+
+def _scan_zeros(zeros: torch.Tensor, name: str) -> None:
+    """ValueError naming the first zero point above 15 (a read of every value)."""
     bad = zeros > 15
     if zeros.numel() and bool(bad.any()):
         index = [int(i) for i in bad.nonzero()[0]]

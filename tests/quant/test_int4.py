@@ -359,6 +359,36 @@ def test_check_and_dequantize_refuse_bad_tensors():
         check_int4(packed[..., :32], scales[..., :1], group_size=128)
 
 
+def test_check_int4_reads_zero_points_once_per_version(monkeypatch):
+    scans = []
+    scan = int4_module._scan_zeros
+    monkeypatch.setattr(int4_module, "_scan_zeros", lambda zeros, name: scans.append(name) or scan(zeros, name))
+    packed, scales, zeros = quantize_int4(torch.randn(2, 8, 128), group_size=64, symmetric=False)
+    for _ in range(3):
+        check_int4(packed, scales, zeros, group_size=64)
+    assert len(scans) == 1
+    zeros[1, 3, 1] = 16  # in place: torch bumps the version, so the values are read again
+    for _ in range(2):  # a failed check remembers nothing
+        with pytest.raises(ValueError, match=r"zeros\[1, 3, 1\] is 16"):
+            check_int4(packed, scales, zeros, group_size=64)
+    assert len(scans) == 3
+    zeros[1, 3, 1] = 15
+    check_int4(packed, scales, zeros, group_size=64)
+    check_int4(packed, scales, zeros, group_size=64)
+    assert len(scans) == 4
+    held = torch.nn.Parameter(zeros.clone(), requires_grad=False)
+    check_int4(packed, scales, held, group_size=64)
+    held.data = torch.full_like(zeros, 16)  # new data under the same parameter
+    with pytest.raises(ValueError, match=r"zeros\[0, 0, 0\] is 16"):
+        check_int4(packed, scales, held, group_size=64)
+    with torch.inference_mode():  # no version counter: read every time
+        fresh = zeros.clone()
+    before = len(scans)
+    check_int4(packed, scales, fresh, group_size=64)
+    check_int4(packed, scales, fresh, group_size=64)
+    assert len(scans) == before + 2
+
+
 # -- the reference ---------------------------------------------------------------------------------
 
 

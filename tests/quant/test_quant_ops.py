@@ -269,6 +269,25 @@ def test_int4_experts_op_errors():
         call(x, gu_packed, d_packed, ids, weights, **kwargs)
 
 
+def test_int4_experts_op_reads_zero_points_when_they_change(monkeypatch):
+    """A layer's forward passes the same zero points every call: their values are read on the
+    first call and after a change torch sees, not on every call; the answer stays the same."""
+    from moeroute.quant import int4 as int4_module
+
+    scans = []
+    scan = int4_module._scan_zeros
+    monkeypatch.setattr(int4_module, "_scan_zeros", lambda zeros, name: scans.append(name) or scan(zeros, name))
+    args, kwargs = _int4_args(32, False)
+    first = torch.ops.moeroute.experts(*args, **kwargs)
+    assert scans == ["gate_up", "down"]
+    assert torch.equal(torch.ops.moeroute.experts(*args, **kwargs), first)
+    assert scans == ["gate_up", "down"]
+    kwargs["down_zero"][0, 0, 0] = 16
+    with pytest.raises(ValueError, match=r"down zeros\[0, 0, 0\] is 16"):
+        torch.ops.moeroute.experts(*args, **kwargs)
+    assert scans == ["gate_up", "down", "down"]
+
+
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_int4_experts_op_compiles_fullgraph(symmetric):
     args, kwargs = _int4_args(32, symmetric)
