@@ -414,15 +414,24 @@ def _kimi_k2():
 
 @pytest.mark.interop
 @pytest.mark.parametrize("family", [_qwen3_moe, _kimi_k2], ids=["qwen3_moe-gptq", "kimi_k2-compressed_tensors"])
-def test_patched_model_loads_the_checkpoint_and_save_pretrained_gives_it_back(tmp_path, family):
+def test_patched_model_loads_the_checkpoint_and_save_pretrained_gives_it_back(tmp_path, monkeypatch, family):
     pytest.importorskip("transformers")
-    from moeroute.bindings.torch import replace_moe_blocks
+    from moeroute.bindings.torch import hf, moe, replace_moe_blocks
 
     model, layout, symmetric, moe_layers = family()
     float_state = model.state_dict()
     quant = QuantConfig.from_hf(model.config)
     assert quant.checkpoint == layout
+    quantized = []
+    for where in (hf, moe):  # the block's random float experts are not quantized: the load fills the layer
+        monkeypatch.setattr(where, "quantize_int4", lambda *args, **kwargs: quantized.append(args))
     assert replace_moe_blocks(model, quant=quant, shared="runner") == len(moe_layers)
+    monkeypatch.undo()
+    assert quantized == []
+    for layer in moe_layers:
+        held = model.model.layers[layer].mlp.experts
+        assert torch.equal(held.w_gate_up, torch.full_like(held.w_gate_up, 0x88))  # codes 8: zero weights
+        assert torch.equal(held.down_scale, torch.ones_like(held.down_scale))
     checkpoint_state = {k: v for k, v in float_state.items() if ".mlp.experts." not in k}
     dense = {}
     for layer in moe_layers:

@@ -392,7 +392,10 @@ def from_hf(block: nn.Module, ep_group=None, shared: str = "auto", dispatch: str
         quantization step's temporaries (gpt-oss: plus one expert's converted copy). A block
         whose experts are transformers' ``FP8Experts`` (fine-grained FP8)
         keeps its float8_e4m3fn weights and scales as they are, and its format is read from
-        the block (``quant``, when given, must agree).
+        the block (``quant``, when given, must agree). An INT4 ``quant`` read from a
+        checkpoint (``QuantConfig.from_hf``, which sets ``quant.checkpoint``) is for loading
+        that checkpoint: the block's float experts are not quantized, and the layer holds
+        zero weights until ``load_state_dict`` or ``load_experts`` fills them.
 
     Returns
     -------
@@ -473,6 +476,11 @@ def _build(
     )
     if fp8 is not None:
         module.load_routed_weights(gate_up, down, **fp8_scales)
+    elif quant is not None and quant.format == "int4" and quant.checkpoint is not None:
+        # The routed experts come from the INT4 checkpoint that ``quant.checkpoint`` names: the
+        # block's float weights (random in a model built from its config) are not quantized,
+        # the layer holds its zero weights until the load.
+        pass
     elif gpt_oss is not None and quant is not None:
         _quantize_into(module, lambda e: from_gpt_oss_layout(*(t[e : e + 1] for t in gpt_oss))[:2], quant)
     elif quant is not None:
