@@ -6,4 +6,5 @@
 - gloo: spawn a gloo process group of workers and collect what each rank returns.
 - reference: float64 dense references (activations, expert MLPs) and small generators.
 - modules: small torch modules that tests build layers from (a counting shared MLP).
+- isa: run a test's own function again on the AVX2 path, in a fresh process.
 """

@@ -5,16 +5,12 @@ kernels, the AVX2 and the portable fallbacks) against the w8a8 reference."""
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from helpers.isa import on_avx2
 from helpers.reference import randn, rel_error
 from moeroute.bindings.torch import MoE
 from moeroute.experts.formats.fp8 import fp8_experts_forward
@@ -24,7 +20,6 @@ from moeroute.quant import QuantConfig, quantize_experts, quantize_fp8_activatio
 from moeroute.experts.cpu import fp8 as cpu_fp8
 from moeroute.quant.reference import moe_experts_reference
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 _randn = functools.partial(randn, scale=0.1)
 
 #: The bound every CPU path meets against `moeroute.quant.reference` (max |out - ref| / max
@@ -231,28 +226,10 @@ def _path_errors() -> dict:
     return {"bf16_dot": bool(cpu_fp8.bf16_dot_serves(hidden, inter, (128, 128), (128, 128))), "errors": errors}
 
 
-#: The AVX2 path in a fresh process (the path is decided once per process): NUMBA_CPU_NAME
-#: for a Numba target without AVX-512, MOEROUTE_CPU_ISA for `moeroute.cpu_features`.
-_AVX2 = {"MOEROUTE_CPU_ISA": "avx2", "NUMBA_CPU_NAME": "haswell"}
-_SUBPROCESS = (
-    "import json, sys; sys.path.insert(0, 'tests'); import torch; torch.set_num_threads(1); "
-    "from quant.test_fp8_numerics import _path_errors; print(json.dumps(_path_errors()))"
-)
-
-
 def test_every_cpu_path_one_numerics():
     """The default path (the AVX512-BF16 kernels where the CPU has them) and the AVX2 path
     (the float32 row kernels; the blocks at 40 rows) meet one bound against the reference."""
-    result = subprocess.run(
-        [sys.executable, "-c", _SUBPROCESS],
-        cwd=REPO_ROOT,
-        env={**os.environ, **_AVX2},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    avx2 = json.loads(result.stdout.strip().splitlines()[-1])
+    avx2 = on_avx2("quant.test_fp8_numerics", "_path_errors")
     assert not avx2["bf16_dot"], "the AVX2 run took the bfloat16-dot kernels"
     failures = [
         f"{path} {case}: {error:.2e}"

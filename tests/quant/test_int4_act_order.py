@@ -21,7 +21,6 @@ import torch
 import _int4_act_order_workers as workers
 from helpers.gloo import spawn_group
 from moeroute.bindings.torch import load_experts
-from moeroute.bindings.torch.int4_keys import Int4Checkpoint
 from moeroute.experts.formats.int4 import act_order_rows, int4_experts_forward
 from moeroute.quant import dequantize_int4, pack_gptq, unpack_gptq
 from test_int4_checkpoint import gptq_pack
@@ -32,10 +31,13 @@ from test_int4_loading import (
     I,
     K,
     N,
+    assert_same_tensors,
     assert_unchanged,
+    loaded,
     projection,
     quant_of,
     reference,
+    saved_after_load,
     snapshot,
     write_checkpoint,
 )
@@ -228,10 +230,7 @@ def test_pack_gptq_writes_the_act_order_back_byte_for_byte():
     tensors = gptq_pack(q, z, s, g_idx, False)
     weight = unpack_gptq(**tensors, group_size=G, symmetric=False, checkpoint="gptq_v2")
     assert weight.perm is not None
-    again = pack_gptq(weight, group_size=G, symmetric=False, checkpoint="gptq_v2")
-    assert again.keys() == tensors.keys()
-    for key, value in tensors.items():
-        assert again[key].dtype == value.dtype and torch.equal(again[key], value), key
+    assert_same_tensors(pack_gptq(weight, group_size=G, symmetric=False, checkpoint="gptq_v2"), tensors)
     with pytest.raises(ValueError, match=r"act-order perm, which GPTQ stores as g_idx"):
         pack_gptq(weight, group_size=G, symmetric=False, checkpoint="gptq_v2", g_idx=False)
 
@@ -239,30 +238,18 @@ def test_pack_gptq_writes_the_act_order_back_byte_for_byte():
 @pytest.mark.parametrize("layout, symmetric", [("gptq", True), ("gptq_v2", False)])
 def test_state_dict_round_trip_is_byte_identical(layout, symmetric):
     state, dense, _ = checkpoint(layout, symmetric, seed=9)
-    model = Holder(quant_of(layout, symmetric))
-    model.mlp.checkpoint_format = Int4Checkpoint()
-    model.load_state_dict(state)
-    saved = model.state_dict()
-    assert saved.keys() == state.keys()
-    for key, value in state.items():
-        assert saved[key].dtype == value.dtype and torch.equal(saved[key], value), key
-    again = Holder(quant_of(layout, symmetric))
-    again.load_state_dict(saved)
-    check_output(again.mlp, dense)
+    saved = saved_after_load(quant_of(layout, symmetric), state)
+    assert_same_tensors(saved, state)
+    check_output(loaded(quant_of(layout, symmetric), saved), dense)
 
 
 def test_down_act_order_too_keeps_gate_and_up_g_idx():
     state, dense, _ = checkpoint(seed=10, down_act_order=True)
-    model = Holder(quant_of("gptq_v2", False))
-    model.mlp.checkpoint_format = Int4Checkpoint()
-    model.load_state_dict(state)
-    saved = model.state_dict()
+    saved = saved_after_load(quant_of("gptq_v2", False), state)
     for e in range(N):
         for p in ("gate_proj", "up_proj"):
             assert torch.equal(saved[f"mlp.experts.{e}.{p}.g_idx"], state[f"mlp.experts.{e}.{p}.g_idx"])
-    again = Holder(quant_of("gptq_v2", False))
-    again.load_state_dict(saved)
-    check_output(again.mlp, dense)
+    check_output(loaded(quant_of("gptq_v2", False), saved), dense)
 
 
 def test_moeroute_names_carry_the_permutation():

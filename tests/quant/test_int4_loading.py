@@ -114,6 +114,29 @@ class Holder(nn.Module):
         self.mlp = MoE(ROUTER, H, I, quant=quant, **kwargs)
 
 
+def assert_same_tensors(got: dict, expected: dict) -> None:
+    """The same keys, under each a tensor of the same dtype and bits."""
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+def saved_after_load(quant, state) -> dict:
+    """What a layer of ``quant`` saving the checkpoint's names (`Int4Checkpoint`) saves after
+    loading ``state``."""
+    model = Holder(quant)
+    model.mlp.checkpoint_format = Int4Checkpoint()
+    model.load_state_dict(state)
+    return model.state_dict()
+
+
+def loaded(quant, state) -> MoE:
+    """A new layer of ``quant`` that loaded ``state``."""
+    model = Holder(quant)
+    model.load_state_dict(state)
+    return model.mlp
+
+
 def snapshot(module):
     return {k: v.clone() for k, v in module.state_dict(keep_vars=False).items()}
 
@@ -319,41 +342,29 @@ def test_refused_file_load_leaves_the_layer_bit_identical(tmp_path, layout, symm
 @pytest.mark.parametrize("layout, symmetric, zero_layout", CASES, ids=IDS)
 def test_state_dict_round_trip_is_byte_identical(layout, symmetric, zero_layout):
     state, dense = checkpoint(layout, symmetric, zero_layout, seed=14)
-    model = Holder(quant_of(layout, symmetric))
-    model.mlp.checkpoint_format = Int4Checkpoint()
-    model.load_state_dict(state)
-    saved = model.state_dict()
-    assert saved.keys() == state.keys()
-    for key, value in state.items():
-        assert saved[key].dtype == value.dtype and torch.equal(saved[key], value), key
+    saved = saved_after_load(quant_of(layout, symmetric), state)
+    assert_same_tensors(saved, state)
     # And back in: the same layer.
-    again = Holder(quant_of(layout, symmetric))
-    again.load_state_dict(saved)
-    assert_holds_dense(again.mlp, dense)
+    assert_holds_dense(loaded(quant_of(layout, symmetric), saved), dense)
 
 
 def test_gptq_act_order_saves_the_canonical_order():
     """What differs after act order: g_idx is k // g, down's columns are in group order and
     gate's and up's rows follow them; the dequantized weights are the permuted ones."""
     state, dense = checkpoint("gptq", False, seed=15, down_act_order=True)
-    model = Holder(quant_of("gptq", False))
-    model.mlp.checkpoint_format = Int4Checkpoint()
-    model.load_state_dict(state)
-    saved = model.state_dict()
+    saved = saved_after_load(quant_of("gptq", False), state)
     assert saved.keys() == state.keys()
     for e in range(N):
         perm = np.argsort(state[f"mlp.experts.{e}.down_proj.g_idx"].numpy(), kind="stable")
         assert torch.equal(saved[f"mlp.experts.{e}.down_proj.g_idx"], torch.arange(I, dtype=torch.int32) // G)
-        loaded = Holder(quant_of("gptq", False))
-        single = {k: v for k, v in saved.items()}
-        loaded.load_state_dict(single)
-        held = loaded.mlp.experts
+        layer = loaded(quant_of("gptq", False), saved)
+        held = layer.experts
         gu = dequantize_int4(held.w_gate_up[e], held.gate_up_scale[e], held.gate_up_zero[e], group_size=G)
         dn = dequantize_int4(held.w_down[e], held.down_scale[e], held.down_zero[e], group_size=G)
         gate, up, down = dense[e]
         np.testing.assert_array_equal(gu.double().numpy(), np.concatenate([gate[perm], up[perm]]))
         np.testing.assert_array_equal(dn.double().numpy(), down[:, perm])
-    check_output(loaded.mlp, dense)
+    check_output(layer, dense)
 
 
 # ------------------------------------------------------------------ transformers models
@@ -450,9 +461,7 @@ def test_patched_model_loads_the_checkpoint_and_save_pretrained_gives_it_back(tm
     saved = {}
     for file in tmp_path.glob("*.safetensors"):
         saved.update(safetensors_torch.load_file(str(file)))
-    assert saved.keys() == checkpoint_state.keys()
-    for key, value in checkpoint_state.items():
-        assert saved[key].dtype == value.dtype and torch.equal(saved[key], value), key
+    assert_same_tensors(saved, checkpoint_state)
     # And from the files, one tensor at a time: the same layer.
     again, *_ = family()
     replace_moe_blocks(again, quant=quant, shared="runner")

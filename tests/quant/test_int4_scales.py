@@ -9,16 +9,12 @@ and the intermediate rounded to bfloat16), 1e-5 with float32 ones.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from helpers.isa import on_avx2
 from helpers.reference import randn, rel_error
 from moeroute.bindings.torch import MoE
 from moeroute.config import RouterConfig
@@ -27,7 +23,6 @@ from moeroute.experts.formats.int4 import int4_experts_forward, kernel_params
 from moeroute.quant import QuantConfig, quantize_int4
 from moeroute.quant.reference import int4_moe_experts_reference
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 H, I, N, K = 256, 128, 8, 2
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -62,28 +57,13 @@ def _path_errors() -> dict:
     return {"simd": bool(cpu_mxfp4.SIMD), "errors": errors}
 
 
-_AVX2 = {"MOEROUTE_CPU_ISA": "avx2", "NUMBA_CPU_NAME": "haswell"}
-_SUBPROCESS = (
-    "import json, sys; sys.path.insert(0, 'tests'); import torch; torch.set_num_threads(1); "
-    "from quant.test_int4_scales import _path_errors; print(json.dumps(_path_errors()))"
-)
-
-
 def test_16_bit_scales_on_every_cpu_path_match_the_reference():
     """The default path (the bfloat16-dot tiles where the CPU has AVX512-BF16) and the AVX2 path
     (the float32 block dots) with bfloat16 and float16 scales read as held."""
-    result = subprocess.run(
-        [sys.executable, "-c", _SUBPROCESS],
-        cwd=REPO_ROOT,
-        env={**os.environ, **_AVX2},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    avx2 = on_avx2("quant.test_int4_scales", "_path_errors")
     failures = [
         f"{path} {case}: {error:.2e}"
-        for path, report in (("default", _path_errors()), ("avx2", json.loads(result.stdout.strip().splitlines()[-1])))
+        for path, report in (("default", _path_errors()), ("avx2", avx2))
         for case, (error, dtype) in report["errors"].items()
         if not error < RTOL[getattr(torch, dtype.split(".")[-1])]
     ]
