@@ -21,7 +21,7 @@ from moeroute.gpu import driver as D
 from moeroute.gpu import launch as L
 from moeroute.gpu.gemm_mxfp4 import MMA_A_PITCH, MMA_DTYPES, MMA_SLICE_K, MMA_TILE_HEIGHTS
 from moeroute.gpu.gemm_mxfp4 import MMA_TILES as NARROW_MMA_TILES
-from moeroute.gpu.gemm_mxfp4 import Mxfp4MmaTile
+from moeroute.gpu.gemm_mxfp4 import Mxfp4MmaTile, check_mma_dtype
 
 KERNEL_FILE = "moe_gemm_fp8"  # kernels/moe_gemm_fp8.cu, kernels/moe_gemm_fp8.hip
 
@@ -228,13 +228,7 @@ def plan_fp8_gemm(
         return mma_name(dtype, tile, gated), tile, 0
 
     return L.plan_tiled_gemm(
-        path=path,
-        block_size=block_size,
-        rows=int(sorted_token_ids.shape[0]),
-        n=n,
-        args=args,
-        simt_name=lambda tile_m: simt_name(dtype, tile_m, gated),
-        mma=mma,
+        path, block_size, sorted_token_ids, n, args, lambda tile_m: simt_name(dtype, tile_m, gated), mma
     )
 
 
@@ -276,8 +270,7 @@ def plan_fp8_w8a16_gemm(
     )
 
     def mma():
-        if dtype not in MMA_DTYPES:
-            raise ValueError(f"path='mma' needs float16 or bfloat16 activations, got {dtype}")
+        check_mma_dtype(dtype)
         if k % W8A16_MMA_COLUMNS or bk % W8A16_MMA_COLUMNS:
             raise ValueError(
                 f"path='mma' needs k ({k}) and the scale block's bk ({bk}) to be multiples of {W8A16_MMA_COLUMNS}"
@@ -286,13 +279,7 @@ def plan_fp8_w8a16_gemm(
         return w8a16_mma_name(dtype, tile, gated), tile, w8a16_shared_memory_bytes(tile, gated)
 
     return L.plan_tiled_gemm(
-        path=path,
-        block_size=block_size,
-        rows=int(sorted_token_ids.shape[0]),
-        n=n,
-        args=args,
-        simt_name=lambda tile_m: w8a16_simt_name(dtype, tile_m, gated),
-        mma=mma,
+        path, block_size, sorted_token_ids, n, args, lambda tile_m: w8a16_simt_name(dtype, tile_m, gated), mma
     )
 
 

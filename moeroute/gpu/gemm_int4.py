@@ -17,7 +17,7 @@ from __future__ import annotations
 from moeroute.gpu import driver as D
 from moeroute.gpu import launch as L
 from moeroute.gpu.gemm_mxfp4 import MMA_A_PITCH, MMA_B_PITCH, MMA_DTYPES, MMA_TILES
-from moeroute.gpu.gemm_mxfp4 import MMA_TILE_HEIGHTS, Mxfp4MmaTile
+from moeroute.gpu.gemm_mxfp4 import MMA_TILE_HEIGHTS, Mxfp4MmaTile, check_mma_dtype
 
 KERNEL_FILE = "moe_gemm_int4"  # kernels/moe_gemm_int4.cu, kernels/moe_gemm_int4.hip
 
@@ -130,8 +130,7 @@ def plan_int4_gemm(
     )
 
     def mma():
-        if dtype not in MMA_DTYPES:
-            raise ValueError(f"path='mma' needs float16 or bfloat16 activations, got {dtype}")
+        check_mma_dtype(dtype)
         tile = L.pick_tile(MMA_TILES, MMA_TILE_HEIGHTS, block_size, gated)
         return (
             mma_name(dtype, scale_dtype, tile, gated),
@@ -140,13 +139,7 @@ def plan_int4_gemm(
         )
 
     return L.plan_tiled_gemm(
-        path=path,
-        block_size=block_size,
-        rows=int(sorted_token_ids.shape[0]),
-        n=n,
-        args=args,
-        simt_name=lambda tile_m: simt_name(dtype, scale_dtype, tile_m, gated),
-        mma=mma,
+        path, block_size, sorted_token_ids, n, args, lambda tile_m: simt_name(dtype, scale_dtype, tile_m, gated), mma
     )
 
 

@@ -70,6 +70,12 @@ MMA_TILES = {
 MMA_TILE_HEIGHTS = (64, 16)  # tallest first: the widest tile that divides block_size wins
 
 
+def check_mma_dtype(dtype: str) -> None:
+    """ValueError unless ``dtype`` is one the narrow-weight mma kernels take (float16, bfloat16)."""
+    if dtype not in MMA_DTYPES:
+        raise ValueError(f"path='mma' needs float16 or bfloat16 activations, got {dtype}")
+
+
 def simt_name(dtype: str, tile_m: int, gated: bool) -> str:
     return f"moe_gemm_mxfp4_simt<{L.KERNEL_TYPE_NAMES[dtype]}, {tile_m}, {int(gated)}>"
 
@@ -133,19 +139,12 @@ def plan_mxfp4_gemm(
     ) + (np.int32(bias is not None),)
 
     def mma():
-        if dtype not in MMA_DTYPES:
-            raise ValueError(f"path='mma' needs float16 or bfloat16 activations, got {dtype}")
+        check_mma_dtype(dtype)
         tile = L.pick_tile(MMA_TILES, MMA_TILE_HEIGHTS, block_size, gated)
         return mma_name(dtype, tile, gated), tile, tile.shared_memory_bytes(gated, k)
 
     return L.plan_tiled_gemm(
-        path=path,
-        block_size=block_size,
-        rows=int(sorted_token_ids.shape[0]),
-        n=n,
-        args=args,
-        simt_name=lambda tile_m: simt_name(dtype, tile_m, gated),
-        mma=mma,
+        path, block_size, sorted_token_ids, n, args, lambda tile_m: simt_name(dtype, tile_m, gated), mma
     )
 
 

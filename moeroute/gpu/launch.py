@@ -293,10 +293,12 @@ def pick_tile(tiles: dict, heights: tuple, block_size: int, gated: bool):
     return tiles[(next(h for h in heights if block_size % h == 0), gated)]
 
 
-def plan_tiled_gemm(*, path: str, block_size: int, rows: int, n: int, args: tuple, simt_name, mma) -> KernelLaunch:
-    """Launch of a grouped GEMM whose grid is (row tiles, column tiles): ``path="simt"`` takes the
-    SIMT tile that divides ``block_size`` and ``simt_name(tile_m)``; ``path="mma"`` calls ``mma()``
-    for (name, tile, dynamic shared memory bytes), where it may refuse the problem with a ValueError."""
+def plan_tiled_gemm(path: str, block_size: int, sorted_token_ids, n: int, args: tuple, simt_name, mma) -> KernelLaunch:
+    """Launch of a grouped GEMM over ``len(sorted_token_ids)`` block-padded rows whose grid is
+    (row tiles, column tiles): ``path="simt"`` takes the SIMT tile that divides ``block_size``
+    and ``simt_name(tile_m)``; ``path="mma"`` calls ``mma()`` for (name, tile, dynamic shared
+    memory bytes), where it may refuse the problem with a ValueError."""
+    rows = int(sorted_token_ids.shape[0])
     if path == "simt":
         tile_m = simt_tile_height(block_size)
         return KernelLaunch(
