@@ -31,7 +31,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 
 from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
-from moeroute.experts.cpu import mxfp4_dot, tiles
+from moeroute.experts.cpu import int4_dot, mxfp4_dot, tiles
 from moeroute.quant.int4 import SYMMETRIC_ZERO
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "down_rows_serial",
     "tile_family",
     "tile_serves",
+    "quad_tile_serves",
 ]
 
 #: Columns per packed block (16 bytes): the MXFP4 kernels' block.
@@ -247,10 +248,20 @@ tile_family = tiles.row_kernels(
 
 
 def tile_serves(dtype_is_bfloat16: bool, hidden: int, inter: int, symmetric: bool) -> bool:
-    """Whether the bfloat16-dot tiles run: `mxfp4_dot.serves` (AVX512-BF16, bfloat16
-    activations, whole pairs of blocks) and symmetric weights (z = 8: a block's dot is s
-    times the dot of its q - 8, bfloat16 values that the instruction multiplies exactly)."""
-    return symmetric and mxfp4_dot.serves(dtype_is_bfloat16, hidden, inter)
+    """Whether bfloat16-dot tiles run: `int4_dot.serves` (AVX512-BF16, bfloat16 activations,
+    whole chunks of 128 columns; symmetric or asymmetric weights), else the table tile here
+    where `mxfp4_dot.serves` (whole pairs of blocks) and the weights are symmetric (z = 8: a
+    block's dot is s times the dot of its q - 8, bfloat16 values that the instruction
+    multiplies exactly)."""
+    return quad_tile_serves(dtype_is_bfloat16, hidden, inter) or (
+        symmetric and mxfp4_dot.serves(dtype_is_bfloat16, hidden, inter)
+    )
+
+
+def quad_tile_serves(dtype_is_bfloat16: bool, hidden: int, inter: int) -> bool:
+    """Whether the tiles of `int4_dot` (shifts and masks, no table; symmetric and asymmetric)
+    run rather than the table tile here."""
+    return int4_dot.serves(dtype_is_bfloat16, hidden, inter)
 
 
 @numba.njit(fastmath=True, cache=True)

@@ -10,8 +10,10 @@ A decode step then enters compiled code once for its experts, as the float layer
 dots, the gated activation (`_rows._gated`), the intermediate rounded to the activation dtype
 and quantized again, the down dots added into the float32 sums, and the sums written out.
 MXFP4: the rows reordered for the dot kernels, the gate_up dots (with bias), the activation
-rounded to bfloat16 and reordered, the down dots, the output. Each step is the one the
-torch-level paths (`fp8_experts._rows_forward`, `mxfp4_experts._rows_forward`) take between
+rounded to bfloat16 and reordered, the down dots, the output; INT4 the same, on the tiles
+of `moeroute.experts.cpu.int4_dot` (symmetric and asymmetric, widths in whole chunks of 128
+columns: their own order, with sums of the activations) or else MXFP4's (symmetric). Each
+step is the one the torch-level paths (`fp8_experts._rows_forward`, `mxfp4_experts._rows_forward`) take between
 their kernel calls; only the activation is computed by Numba instead of torch (the same
 formulas, float32, within a few ulps).
 """
@@ -24,7 +26,7 @@ import numpy as np
 from moeroute.experts.cpu.variants import parallel_and_serial, specialize
 from moeroute.experts.cpu.rows import _round_bfloat16, activate_rows, activate_rows_bf16, float32_rows, store_sums
 from moeroute.experts.cpu import int4 as cpu_int4
-from moeroute.experts.cpu import mxfp4_dot
+from moeroute.experts.cpu import int4_dot, mxfp4_dot
 from moeroute.experts.cpu import fp8 as cpu_fp8
 
 __all__ = [
@@ -34,6 +36,8 @@ __all__ = [
     "rows_experts_mxfp4_serial",
     "rows_experts_int4",
     "rows_experts_int4_serial",
+    "rows_experts_int4_quad",
+    "rows_experts_int4_quad_serial",
     "thread_columns",
 ]
 
@@ -224,7 +228,7 @@ def thread_columns(columns: int, threads: int, multiple: int) -> int:
 
 
 @numba.njit
-def _split_rows(x):
+def _split_rows(x, scales):
     """bfloat16 rows (uint16 bits) in the MXFP4 dot kernels' order (`mxfp4_dot.split_pairs`)."""
     out = np.empty_like(x)
     mxfp4_dot.split_pairs(x, out)
@@ -232,11 +236,40 @@ def _split_rows(x):
 
 
 @numba.njit
-def _mxfp4_intermediate_row(gate_up, m, code, natural, acts):
+def _mxfp4_intermediate_row(gate_up, m, code, natural, acts, scales):
     """Row m of the intermediate rounded to bfloat16 (``natural``), and in `split_pairs` order
     (``acts``)."""
     activate_rows_bf16(gate_up[m : m + 1], code, natural[m : m + 1])
     mxfp4_dot.split_pairs(natural[m : m + 1], acts[m : m + 1])
+
+
+@numba.njit
+def _same_width(columns):
+    """Words of a `split_pairs` row: the columns."""
+    return columns
+
+
+@numba.njit
+def _int4_split_width(columns):
+    """Words of a `split_quads` row of ``columns`` activations."""
+    return columns // int4_dot.CHUNK * int4_dot.CHUNK_WORDS
+
+
+@numba.njit
+def _int4_split_rows(x, params):
+    """bfloat16 rows in the order of `int4_dot`'s tile (`int4_dot.split_quads`, with the sums
+    its weights' zero points need: ``params [L, N, P, G']``, P = 2 asymmetric)."""
+    out = np.empty((x.shape[0], _int4_split_width(x.shape[1])), np.uint16)
+    int4_dot.split_quads(x, int4_dot.sums_bias(params.shape[2] == 2), out)
+    return out
+
+
+@numba.njit
+def _int4_intermediate_row(gate_up, m, code, natural, acts, params):
+    """Row m of the intermediate rounded to bfloat16 (``natural``), and in `split_quads` order
+    (``acts``, the width of `_int4_split_rows`)."""
+    activate_rows_bf16(gate_up[m : m + 1], code, natural[m : m + 1])
+    int4_dot.split_quads(natural[m : m + 1], int4_dot.sums_bias(params.shape[2] == 2), acts[m : m + 1])
 
 
 def rows_experts(
@@ -266,16 +299,17 @@ def rows_experts(
     one contiguous range per thread, so that each expert's down rows are one stream per
     thread; the same sums, bit for bit, as any other multiple of four).
     """
-    xs = _split_rows(x)
+    xs = split_rows(x, gate_up_scales)
     rows, inter = tokens.shape[0], gate_up_blocks.shape[1] // 2
     gate_up = np.empty((rows, 2 * inter), np.float32)
     for item in numba.prange(work.shape[0]):
         gate_up_item(
             xs, tokens, offsets, work[item, 0], work[item, 1], gate_up_blocks, gate_up_scales, gate_up_bias, gate_up
         )
-    natural, acts = np.empty((rows, inter), np.uint16), np.empty((rows, inter), np.uint16)
+    natural = np.empty((rows, inter), np.uint16)
+    acts = np.empty((rows, split_width(inter)), np.uint16)
     for m in numba.prange(rows):  # the activation row by row on every thread
-        _mxfp4_intermediate_row(gate_up, m, code, natural, acts)
+        intermediate_row(gate_up, m, code, natural, acts, down_scales)
     sums = np.zeros((x.shape[0], down_blocks.shape[1]), np.float32)
     for block in numba.prange((down_blocks.shape[1] + columns - 1) // columns):
         down_block(acts, tokens, slot_weights, offsets, hit, down_blocks, down_scales, down_bias, sums, block, columns)
@@ -294,9 +328,39 @@ def down_block(
     raise NotImplementedError
 
 
-def _one_call(prefix: str, kernels: dict) -> dict:
-    """`rows_experts` (and its serial form) around one format's tile kernels."""
-    namespace = dict(globals(), gate_up_item=kernels["_gate_up_item"], down_block=kernels["_down_block"])
+def split_rows(x, scales):  # pragma: no cover - bound per format
+    """The activations in the order the format's tile reads (`_split_rows`, `_int4_split_rows`)."""
+    raise NotImplementedError
+
+
+def split_width(columns):  # pragma: no cover - bound per format
+    """Words of a row of ``columns`` activations in that order."""
+    raise NotImplementedError
+
+
+def intermediate_row(gate_up, m, code, natural, acts, scales):  # pragma: no cover - bound per format
+    """Row m of the intermediate, rounded to bfloat16 and in that order."""
+    raise NotImplementedError
+
+
+def _one_call(
+    prefix: str,
+    kernels: dict,
+    split_rows=_split_rows,
+    split_width=_same_width,
+    intermediate_row=_mxfp4_intermediate_row,
+) -> dict:
+    """`rows_experts` (and its serial form) around one format's tile kernels and the order its
+    activations take (``split_rows(x, scales)``, its row width ``split_width(columns)``,
+    ``intermediate_row``)."""
+    namespace = dict(
+        globals(),
+        gate_up_item=kernels["_gate_up_item"],
+        down_block=kernels["_down_block"],
+        split_rows=split_rows,
+        split_width=split_width,
+        intermediate_row=intermediate_row,
+    )
     return specialize(__name__, prefix, namespace, kernels=(rows_experts,))
 
 
@@ -304,3 +368,6 @@ _mxfp4 = _one_call("mxfp4", mxfp4_dot.tile_family)
 rows_experts_mxfp4, rows_experts_mxfp4_serial = _mxfp4["rows_experts"], _mxfp4["rows_experts_serial"]
 _int4 = _one_call("int4", cpu_int4.tile_family)
 rows_experts_int4, rows_experts_int4_serial = _int4["rows_experts"], _int4["rows_experts_serial"]
+_int4_quad = _one_call("int4_quad", int4_dot.tile_family, _int4_split_rows, _int4_split_width, _int4_intermediate_row)
+rows_experts_int4_quad = _int4_quad["rows_experts"]
+rows_experts_int4_quad_serial = _int4_quad["rows_experts_serial"]

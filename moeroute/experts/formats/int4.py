@@ -287,7 +287,10 @@ def _rows_forward(hidden_states, plan, gate_up, down, activation, gate_up_perm=N
     if tile and activation in cpu_rows.ACTIVATION_CODES:
         # the bfloat16 dot instructions, at every row count, the whole forward in one call
         out = torch.empty(num_tokens, hidden, dtype=dtype)
-        kernel = quant_rows.rows_experts_int4_serial if threads == 1 else quant_rows.rows_experts_int4
+        if cpu_int4.quad_tile_serves(True, hidden, inter):
+            kernel = quant_rows.rows_experts_int4_quad_serial if threads == 1 else quant_rows.rows_experts_int4_quad
+        else:
+            kernel = quant_rows.rows_experts_int4_serial if threads == 1 else quant_rows.rows_experts_int4
         with numba_threads(threads):
             kernel(
                 hidden_states.detach().contiguous().view(torch.uint16).numpy(),

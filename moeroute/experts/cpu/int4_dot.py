@@ -1,0 +1,315 @@
+"""Numba CPU kernels of the INT4 (w4a16) expert GEMMs on the bfloat16 dot instruction, with no
+table lookup: symmetric and asymmetric weights.
+
+On CPUs with AVX512-BF16 (`moeroute.experts.cpu.dot.BF16_DOT`) and bfloat16 activations, a
+4-bit code q placed in the top four mantissa bits of the bfloat16 16.0 (bits ``0x4180 | q << 3``)
+is the bfloat16 16 + q, exactly. With w = (q - z) * s,
+
+    x . w = s * (x . (16 + q) - (16 + z) * sum(x))
+
+over a group, so a block decodes with shifts and masks only (no shuffle): one 64-byte load
+holds four blocks (a 128-bit lane each), and word shifts by 4k place nibble k of every
+16-bit word (the block's element 4w + k, w the word) at the mantissa bits. The activations
+are reordered once per call to match (`split_quads`: per chunk of four blocks, four vectors
+of 32 words whose lane L, word w is block L's element 4w + k), and each chunk carries, per
+activation row, the 16 float32 sums of x that the lanes of ``vdpbf16ps`` cover (eight
+consecutive elements each, summed in float64 and rounded once). A chunk's dot of a weight
+row then starts from -(16 + z) times those sums (z per lane: each 128-bit lane is one block,
+so one group), adds the four ``vdpbf16ps`` of its 16 + q words with the activations (exact
+products, float32 sums), and one multiply-add applies the scales (per lane, its block's
+group's).
+
+Numerics: each weight's value is the definition's (q - z) * s and each product exact; the sum
+differs from the plain order's by the float32 roundings of a chunk lane's partial sums (its
+start -(16 + z) * sum(x), then eight products with 16 + q), bounded by ((16 + z) + 31) *
+sum |x| <= 62 * sum |x| over the lane's eight activations instead of 15 * sum |x|: within
+2^-24 * 9 * 62 * s * sum |x| a chunk (about 3.3e-5 * s * sum |x|, the bound
+tests/quant/test_int4_dot.py asserts), a float32 sum's bound with a larger constant, far
+below the bfloat16 output's rounding (2^-8 relative) in practice. The sums of x are float64
+sums rounded once (times 24 for symmetric weights: the start is then a load).
+
+Loop order: with one or two activation rows every weight row of a tile takes each chunk in
+turn (four independent chains, the chunk's activations loaded once); with more, one weight
+row at a time while the tile's activations fit the first-level cache (the totals of every
+pair would not fit the registers), else chunk by chunk again (the chunk's activations stay
+in that cache across the weight rows).
+
+Arrays: blocks uint8 [R, G, 16] (G a multiple of 4: `serves`), params [R, P, G'] as
+`moeroute.experts.cpu.int4` (float32, or 16-bit scales as bits when symmetric), activations
+the uint16 words of `split_quads` [*, G / 4 * 160].
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from moeroute.experts.cpu import tiles
+from moeroute.experts.cpu.dot import BF16_DOT, LANES, BFloat16Type, dot_function, sum_lanes
+from moeroute.quant.int4 import SYMMETRIC_ZERO
+
+__all__ = ["CHUNK", "CHUNK_WORDS", "serves", "split_quads", "sums_bias", "tile_family"]
+
+#: Columns per chunk: four blocks of 32, one 64-byte load of packed codes.
+CHUNK = 128
+#: uint16 words per chunk of `split_quads` activations: 128 bfloat16 values and 16 float32 sums.
+CHUNK_WORDS = CHUNK + 32
+#: The bfloat16 16.0: its top four mantissa bits take q (16 + q, exactly).
+_BIAS_WORD = 0x4180
+_BIAS = 16.0
+#: The mantissa bits q occupies (bits 3..6).
+_CODE_MASK = 0x0078
+ROW_TILE = tiles.ROW_TILE
+#: Activation bytes of a tile that the weight-row-at-a-time order keeps to (the first-level data
+#: cache is 32 KiB or more on CPUs with AVX512-BF16).
+_L1_BYTES = 24 * 1024
+
+
+def serves(dtype_is_bfloat16: bool, hidden: int, inter: int) -> bool:
+    """Whether these kernels run: `BF16_DOT`, bfloat16 activations, and both GEMMs' input widths
+    (H, I) whole chunks of 128 columns."""
+    return BF16_DOT and dtype_is_bfloat16 and hidden % CHUNK == 0 and inter % CHUNK == 0
+
+
+@numba.njit(inline="always")
+def sums_bias(asymmetric):
+    """`split_quads`' ``bias``: 16 + 8 for symmetric weights, 1 for asymmetric ones."""
+    return 1.0 if asymmetric else _BIAS + SYMMETRIC_ZERO
+
+
+@numba.njit(cache=True)
+def split_quads(x, bias, out):
+    """out[t] = x[t] (bfloat16 bits uint16 [T, C], C a multiple of 128) in the tile's order: per
+    chunk c of 128 columns, word 32k + 8L + w = x[128c + 32L + 4w + k] (k, L < 4, w < 8), then
+    16 float32 (as 32 words, little-endian) sums: sum i is -bias * the sum of x[128c + 8i ..
+    128c + 8i + 8], in float64 rounded once. ``out`` uint16 [T, C / 128 * 160]. ``bias``: 16 +
+    8 for symmetric weights (the sums are then where a chunk's dots start), 1 for asymmetric
+    ones (the tile multiplies by 16 + z)."""
+    sums = out.view(np.float32)
+    wide = np.empty(x.shape[1], np.uint32)
+    values = wide.view(np.float32)
+    for t in range(x.shape[0]):
+        row, target, row_sums = x[t], out[t], sums[t]
+        for k in range(x.shape[1]):
+            wide[k] = np.uint32(row[k]) << np.uint32(16)
+        for c in range(x.shape[1] // CHUNK):
+            base, start = c * CHUNK, c * CHUNK_WORDS
+            for k in range(4):
+                for lane in range(4):
+                    for w in range(8):
+                        target[start + 32 * k + 8 * lane + w] = row[base + 32 * lane + 4 * w + k]
+            for i in range(16):
+                total = 0.0
+                for j in range(8):
+                    total += np.float64(values[base + 8 * i + j])
+                row_sums[start // 2 + CHUNK // 2 + i] = np.float32(-bias * total)
+
+
+def _load_scales(builder, dtype, pointer, n):
+    """<n x float> of the n scales at ``pointer``: float32 as they are; bfloat16 bits (uint16) to
+    a float32's high half; float16 bits (int16) widened (both exact)."""
+    f32 = ir.FloatType()
+    if dtype == types.float32:
+        return builder.load(builder.bitcast(pointer, ir.VectorType(f32, n).as_pointer()), align=4)
+    i16, i32 = ir.IntType(16), ir.IntType(32)
+    value = builder.load(builder.bitcast(pointer, ir.VectorType(i16, n).as_pointer()), align=2)
+    if dtype == types.uint16:
+        bits = builder.shl(builder.zext(value, ir.VectorType(i32, n)), ir.Constant(ir.VectorType(i32, n), [16] * n))
+        return builder.bitcast(bits, ir.VectorType(f32, n))
+    return builder.fpext(builder.bitcast(value, ir.VectorType(ir.HalfType(), n)), ir.VectorType(f32, n))
+
+
+def _spread(builder, values, shift):
+    """<16 x float>: lane i takes values[(i // 4) >> shift] (a chunk's 128-bit lane L is block L,
+    of group L >> shift within the chunk)."""
+    i32 = ir.IntType(32)
+    n = values.type.count
+    picks = [min(n - 1, (i // 4) >> shift) for i in range(16)]
+    return builder.shuffle_vector(values, values, ir.Constant(ir.VectorType(i32, 16), picks))
+
+
+@intrinsic
+def _int4_quad_tile(typingctx, blocks, w_rows, params, xs, x_rows, out):
+    """out[i * len(x_rows) + j] = W[w_rows[i]] . xs[x_rows[j]] for 1 to 4 packed INT4 weight rows
+    of one expert (blocks uint8 [R, G, 16], G a multiple of 4; params [R, P, G'], P = 1
+    symmetric, P = 2 with the zero points, float32 or, symmetric, 16-bit scale bits) and 1 to 4
+    `split_quads` activation rows; all C-contiguous, ``out`` float32 [>= the tile's size]."""
+    tuples_ok = all(
+        isinstance(t, types.UniTuple) and 1 <= t.count <= ROW_TILE and isinstance(t.dtype, types.Integer)
+        for t in (w_rows, x_rows)
+    )
+    arrays_ok = (
+        isinstance(blocks, types.Array)
+        and blocks.ndim == 3
+        and blocks.dtype == types.uint8
+        and blocks.layout == "C"
+        and isinstance(params, types.Array)
+        and params.ndim == 3
+        and params.dtype in (types.float32, types.uint16, types.int16)
+        and params.layout == "C"
+        and isinstance(xs, types.Array)
+        and xs.ndim == 2
+        and xs.dtype == types.uint16
+        and xs.layout == "C"
+        and isinstance(out, types.Array)
+        and out.ndim == 1
+        and out.dtype == types.float32
+    )
+    if not (tuples_ok and arrays_ok):
+        return None
+    count = x_rows.count
+    dtype = params.dtype
+
+    def codegen(context, builder, signature, args):
+        i8, i16, f32 = ir.IntType(8), ir.IntType(16), ir.FloatType()
+        v64i8, v32i16, v16f = ir.VectorType(i8, 64), ir.VectorType(i16, LANES), ir.VectorType(f32, 16)
+        v32bf = ir.VectorType(BFloat16Type(), LANES)
+        dot = dot_function(builder)
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v16f, [v16f, v16f, v16f]), "llvm.fma.v16f32"
+        )
+        block_view = context.make_array(signature.args[0])(context, builder, args[0])
+        param_view = context.make_array(signature.args[2])(context, builder, args[2])
+        x_view = context.make_array(signature.args[3])(context, builder, args[3])
+        groups = builder.extract_value(block_view.shape, 1)
+        index_type = groups.type
+        chunks = builder.udiv(groups, ir.Constant(index_type, 4))
+        _, parts, width = cgutils.unpack_tuple(builder, param_view.shape, 3)
+        # blocks per group as a shift (1, 2, 4 blocks: 0, 1, 2); a row of no columns divides by one
+        empty = builder.icmp_unsigned("==", width, ir.Constant(index_type, 0))
+        per = builder.udiv(groups, builder.select(empty, ir.Constant(index_type, 1), width))
+        cttz = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(index_type, [index_type, ir.IntType(1)]), f"llvm.cttz.i{index_type.width}"
+        )
+        shift = builder.call(cttz, [per, ir.Constant(ir.IntType(1), 0)])
+        zeros = builder.icmp_unsigned("==", parts, ir.Constant(index_type, 2))
+        x_width = builder.extract_value(x_view.shape, 1)
+        x_ptrs = []
+        for row in cgutils.unpack_tuple(builder, args[4], count):
+            start = builder.mul(context.cast(builder, row, x_rows.dtype, types.intp), x_width)
+            x_ptrs.append(builder.gep(x_view.data, [start]))
+        masks = [ir.Constant(v32i16, [m] * LANES) for m in (_CODE_MASK, _BIAS_WORD)]
+        zero = ir.Constant(v16f, [0.0] * 16)
+
+        def nibble(raw, k):
+            """Nibble k of every word at the mantissa's bits 3..6, ORed into 16.0: 16 + q."""
+            amount = 3 - 4 * k
+            if amount > 0:
+                moved = builder.shl(raw, ir.Constant(v32i16, [amount] * LANES))
+            else:
+                moved = builder.lshr(raw, ir.Constant(v32i16, [-amount] * LANES))
+            return builder.bitcast(builder.or_(builder.and_(moved, masks[0]), masks[1]), v32bf)
+
+        rows = []
+        for row in cgutils.unpack_tuple(builder, args[1], w_rows.count):
+            row = context.cast(builder, row, w_rows.dtype, types.intp)
+            w_ptr = builder.bitcast(
+                builder.gep(block_view.data, [builder.mul(row, builder.mul(groups, ir.Constant(index_type, 16)))]),
+                v64i8.as_pointer(),
+            )
+            p_ptr = builder.gep(param_view.data, [builder.mul(row, builder.mul(parts, width))])
+            rows.append((w_ptr, p_ptr, [cgutils.alloca_once_value(builder, zero) for _ in range(count)]))
+
+        def chunk_loop(group_shift, asymmetric, rows):
+            """Chunk by chunk, each chunk against every weight row of the tile (the chunk's
+            activations stay in the first-level cache across the weight rows), for groups of
+            2 ** group_shift blocks (2: 4 or more blocks, one scale a chunk)."""
+            n = 4 >> min(group_shift, 2)
+            with cgutils.for_range(builder, chunks) as loop:
+                c = loop.index
+                first = builder.lshr(builder.shl(c, ir.Constant(index_type, 2)), shift)
+                offset = builder.mul(c, ir.Constant(index_type, CHUNK_WORDS))
+                for w_ptr, p_ptr, row_totals in rows:
+                    scales = _spread(builder, _load_scales(builder, dtype, builder.gep(p_ptr, [first]), n), group_shift)
+                    if asymmetric:
+                        z = _load_scales(builder, dtype, builder.gep(p_ptr, [builder.add(width, first)]), n)
+                        start = _spread(builder, builder.fadd(_constant(n, _BIAS), z), group_shift)
+                    raw = builder.bitcast(builder.load(builder.gep(w_ptr, [c]), align=1), v32i16)
+                    decoded = [nibble(raw, k) for k in range(4)]
+                    for x_ptr, total in zip(x_ptrs, row_totals):
+                        base = builder.gep(x_ptr, [offset])
+                        sums = builder.load(
+                            builder.bitcast(builder.gep(base, [ir.Constant(index_type, CHUNK)]), v16f.as_pointer()),
+                            align=4,
+                        )
+                        # symmetric: the sums are -(16 + 8) sum(x) already; else -sum(x), times 16 + z
+                        acc = builder.fmul(sums, start) if asymmetric else sums
+                        for k in range(4):
+                            x_k = builder.load(
+                                builder.bitcast(
+                                    builder.gep(base, [ir.Constant(index_type, 32 * k)]), v32bf.as_pointer()
+                                ),
+                                align=2,
+                            )
+                            acc = builder.call(dot, [acc, decoded[k], x_k])
+                        builder.store(builder.call(fma, [acc, scales, builder.load(total)]), total)
+
+        def by_shift(asymmetric, rows):
+            quads = builder.icmp_unsigned(">=", shift, ir.Constant(index_type, 2))
+            with builder.if_else(quads) as (whole, smaller):
+                with whole:
+                    chunk_loop(2, asymmetric, rows)
+                with smaller:
+                    pairs = builder.icmp_unsigned("==", shift, ir.Constant(index_type, 1))
+                    with builder.if_else(pairs) as (two, one):
+                        with two:
+                            chunk_loop(1, asymmetric, rows)
+                        with one:
+                            chunk_loop(0, asymmetric, rows)
+
+        def run(part):
+            if dtype == types.float32:
+                with builder.if_else(zeros) as (asym, sym):
+                    with asym:
+                        by_shift(True, part)
+                    with sym:
+                        by_shift(False, part)
+            else:  # 16-bit scales come without zero points (symmetric only)
+                by_shift(False, part)
+
+        if count <= 2:
+            # every weight row of the tile per chunk: more chains in flight, the chunk's
+            # activations loaded once
+            run(rows)
+        else:
+            # more activation rows: a weight row at a time while they fit the first-level cache
+            # (the totals of every pair would not fit the registers); past that, per chunk, whose
+            # activations stay in that cache across the weight rows
+            fits = builder.icmp_unsigned(
+                "<=", builder.mul(x_width, ir.Constant(index_type, 2 * count)), ir.Constant(index_type, _L1_BYTES)
+            )
+            with builder.if_else(fits) as (cached, streamed):
+                with cached:
+                    for row in rows:
+                        run([row])
+                with streamed:
+                    run(rows)
+        totals = [builder.load(total) for _, _, row_totals in rows for total in row_totals]
+        out_view = context.make_array(signature.args[5])(context, builder, args[5])
+        for k, value in enumerate(sum_lanes(builder, totals)):
+            builder.store(value, builder.gep(out_view.data, [ir.Constant(index_type, k)]))
+        return context.get_dummy_value()
+
+    return types.none(blocks, w_rows, params, xs, x_rows, out), codegen
+
+
+def _constant(n, value):
+    """<n x float> of ``value``."""
+    return ir.Constant(ir.VectorType(ir.FloatType(), n), [value] * n)
+
+
+@numba.njit(fastmath=True)
+def _tile_dots(operand, n, count, xs, x_rows, out):
+    """The tiled loop's dots: weight rows n .. n + count - 1 of the expert's (blocks, params)."""
+    blocks, params = operand
+    if count == ROW_TILE:
+        _int4_quad_tile(blocks, (n, n + 1, n + 2, n + 3), params, xs, x_rows, out)
+    else:
+        _int4_quad_tile(blocks, (n,), params, xs, x_rows, out)
+
+
+#: The tiled loop around the tile (`moeroute.experts.cpu.tiles`), for the one-call forward.
+tile_family = tiles.row_kernels(__name__, "int4_quad", tiles.expert_weights, _tile_dots, ROW_TILE, standalone=False)
