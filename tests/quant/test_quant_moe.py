@@ -350,12 +350,28 @@ def test_float_row_kernels_rescale_large_activations():
 
     def kernels(x, acts):
         gate_up = np.zeros((rows, 2 * inter), np.float32)
+        no_bias = np.empty((0, 0), np.float32)
         cpu_fp8.gate_up_rows_serial(
-            x.numpy(), s_x.numpy(), tokens, offsets, work, q_gu.numpy(), s_gu.numpy(), inter, bn, bk, gate_up
+            (x.numpy(), s_x.numpy()),
+            tokens,
+            offsets,
+            work,
+            q_gu.numpy(),
+            (s_gu.numpy(), inter, bn, bk),
+            no_bias,
+            gate_up,
         )
         sums = np.zeros((rows, hidden), np.float32)
         cpu_fp8.down_rows_serial(
-            acts.numpy(), s_act.numpy(), tokens, slot_weights, offsets, hit, q_d.numpy(), s_d.numpy(), bn, bk, sums
+            (acts.numpy(), s_act.numpy()),
+            tokens,
+            slot_weights,
+            offsets,
+            hit,
+            q_d.numpy(),
+            (s_d.numpy(), hidden, bn, bk),
+            no_bias,
+            sums,
         )
         return torch.from_numpy(gate_up), torch.from_numpy(sums)
 

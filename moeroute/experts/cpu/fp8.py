@@ -1,25 +1,31 @@
 """Numba CPU kernels of the FP8 expert GEMMs: e4m3 weights decoded in registers as they are read.
 
-The GEMM kernels (`gate_up_rows`, `down_rows`, and their one-thread forms) read each weight
-row once and dot it with every row of quantized activations its expert serves, so memory
-carries one byte per weight whatever the row count; the structure is that of the bfloat16
-row kernels of `moeroute.experts.cpu.rows` (one row a plain pass, two weight rows by four
-activation rows at a time, serial forms for one thread). An e4m3 weight byte is decoded with
-three integer SIMD instructions (`_e4m3_times_2_pow_minus_120`: ``q * 2**-120``, exact; e4m3
-subnormals become float32 subnormals, so a process that sets the CPU's denormals-are-zero
-mode would read those weights, below 2**-6 of their block's largest, as zero); the
-activations come as their e4m3 values (float32) and scales. For each weight block row, the
-activation rows are scaled first (`_scaled_rows`: the e4m3 value times ``s_a * s_w * 2**120``
-of its group, a row with values that large scaled down by a power of two that its dots
-then undo), so a dot runs over the whole row with one set of vector accumulators: the
-definition's ``sum_g s_a * s_w * dot_g`` up to float32 rounding and summation order. The dequantizers (`dequantize_rows`)
-decode whole rows into a float32 buffer (`_decode_row`) for the BLAS path.
+FP8 is a plug-in of the experts' one tiled loop (`moeroute.experts.cpu.tiles`): two families
+of ``load`` / ``dots`` / ``segment``, each `tiles.row_kernels`' copies of the loop (`widened`,
+`bf16_dot`: the standalone `gate_up_rows`, `down_rows` and their generated serial forms, and
+the work item and column block of the one-call forwards of `moeroute.experts.cpu.quant_rows`).
+Each weight row is read once and dotted with every row its expert serves, so memory
+carries one byte per weight whatever the row count. The weights' block scales enter through
+the loop's ``segment``: a tile of weight rows never straddles two weight block rows, and
+the activation rows are prepared for the block row the tile is in.
 
-On CPUs with AVX512-BF16, `gate_up_rows_bf16` / `down_rows_bf16` (and serial forms) take the
-e4m3 values as bfloat16 instead, exactly, and multiply them with the bfloat16 dot
-instruction one group of bk columns at a time, each group's sum times ``s_a * s_w`` (the
-definition's order): as dots of weight rows for experts with few rows, as outer products
-of packed weight rows for experts with many; see the sections at the end of this module.
+`widened` (any CPU): an e4m3 weight byte is decoded with three integer SIMD instructions
+(`_e4m3_times_2_pow_minus_120`: ``q * 2**-120``, exact; e4m3 subnormals become float32
+subnormals, so a process that sets the CPU's denormals-are-zero mode would read those
+weights, below 2**-6 of their block's largest, as zero); the activations come as their e4m3
+values (float32) and scales. For each weight block row, the activation rows are scaled first
+(`_scaled_rows`: the e4m3 value times ``s_a * s_w * 2**120`` of its group, a row with values
+that large scaled down by a power of two that its dots then undo), so a dot runs over the
+whole row with one set of vector accumulators: the definition's ``sum_g s_a * s_w * dot_g``
+up to float32 rounding and summation order. Two weight rows by four activation rows at a
+time (pairs and a plain pass for the last rows). The dequantizers (`dequantize_rows`) decode
+whole rows into a float32 buffer (`_decode_row`) for the BLAS path.
+
+`bf16_dot` (CPUs with AVX512-BF16, where `bf16_dot_serves`): the e4m3 values taken as
+bfloat16, exactly, and multiplied with the bfloat16 dot instruction one group of bk columns
+at a time, each group's sum times ``s_a * s_w`` (the definition's order): as dots of weight
+rows for experts with few rows, as outer products of packed weight rows for experts with
+many; see the sections at the end of this module.
 
 Arrays are NumPy: weights as uint8 views of float8_e4m3fn tensors, scales float32, sums
 float32. Block scales are indexed ``scale[e, row // bn, col // bk]``; per-tensor FP8 is the
@@ -34,16 +40,9 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
-from moeroute.experts.cpu.variants import parallel_and_serial
-from moeroute.experts.cpu.rows import (
-    _bfloat16_bits_to_float32,
-    _round_bfloat16,
-    activate_rows,
-    float32_rows,
-    store_sums,
-)
+from moeroute.experts.cpu import tiles
 from moeroute.experts.cpu.dot import (
     BF16_DOT,
     LANES,
@@ -60,14 +59,15 @@ __all__ = [
     "gate_up_rows_serial",
     "down_rows",
     "down_rows_serial",
-    "rows_experts",
-    "rows_experts_serial",
+    "widened",
     "gate_up_rows_bf16",
     "gate_up_rows_bf16_serial",
     "down_rows_bf16",
     "down_rows_bf16_serial",
+    "bf16_dot",
     "bf16_dot_serves",
     "dequantize_rows",
+    "quantize_rows",
     "BF16_DOT",
     "ROW_BLOCK",
 ]
@@ -115,9 +115,9 @@ _DECODE_UNSCALE = 2.0**120
 #: weights (at most 448 * 2**-120) and their sums stay far from float32's overflow.
 _SCALED_MAX = 2.0**125
 #: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
-ROW_BLOCK = 64
+ROW_BLOCK = tiles.ROW_BLOCK
 #: Activation rows dotted per pass over a decoded weight row.
-_ROW_TILE = 4
+_ROW_TILE = tiles.ROW_TILE
 
 
 @numba.njit
@@ -201,16 +201,6 @@ def _scaled_rows(q_a, s_a, rows, start, stop, scale_row, bk, dst, unscale):
     return rescaled
 
 
-@numba.njit(fastmath=True)
-def _unscale_dots(out, count, first, last, unscale):
-    """out[i, first:last] *= unscale[i] for i < count (the dots of rows `_scaled_rows` rescaled)."""
-    for i in range(count):
-        if unscale[i] != 1.0:
-            row = out[i]
-            for n in range(first, last):
-                row[n] = np.float32(row[n] * unscale[i])
-
-
 # The dots below run over every column of a weight row at once: each e4m3 weight decoded
 # (times 2**-8) and multiplied by the scaled activation (`_scaled_rows`). One loop over the
 # row keeps LLVM's vector accumulators from the first column to the last, with one
@@ -254,7 +244,7 @@ def _dot4(w, x0, x1, x2, x3, out):
 
 @numba.njit(fastmath=True)
 def _dot2x4(w0, w1, x0, x1, x2, x3, out):
-    """out[2i + j] = `_dot`(w_j, x_i) for two weight rows and four activation rows: eight
+    """out[4i + j] = `_dot`(w_i, x_j) for two weight rows and four activation rows: eight
     sums in registers for six loads a step."""
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
     for k in range(w0.shape[0]):
@@ -271,8 +261,8 @@ def _dot2x4(w0, w1, x0, x1, x2, x3, out):
         p = x3[k]
         a3 += u * p
         b3 += v * p
-    out[0], out[1], out[2], out[3] = a0, b0, a1, b1
-    out[4], out[5], out[6], out[7] = a2, b2, a3, b3
+    out[0], out[1], out[2], out[3] = a0, a1, a2, a3
+    out[4], out[5], out[6], out[7] = b0, b1, b2, b3
 
 
 @intrinsic
@@ -307,251 +297,134 @@ def _prefetch_row(typingctx, array, row):
 _PREFETCH_ROWS = 2
 
 
-@numba.njit(fastmath=True)
-def _weight_rows_dots(xs, count, weights, first, last, tile, out, column):
-    """out[i, column + n - first] = `_dot`(weights[n], xs[i]) for i < count, n in [first,
-    last): one activation row a plain pass; else two weight rows by four activation rows at a
-    time, the last one to three activation rows by pairs (`_dot2`) and one plain pass."""
-    if count == 1:
-        x, row = xs[0], out[0]
-        for n in range(first, last):
-            _prefetch_row(weights, n + _PREFETCH_ROWS)
-            row[column + n - first] = _dot(weights[n], x)
-        return
-    tiled = count // _ROW_TILE * _ROW_TILE
-    paired = tiled + (count - tiled) // 2 * 2
-    for n in range(first, last, 2):
-        pair = n + 1 < last
-        _prefetch_row(weights, n + _PREFETCH_ROWS)
-        _prefetch_row(weights, n + _PREFETCH_ROWS + 1)
-        w0, w1 = weights[n], weights[n + 1 if pair else n]
-        col = column + n - first
-        for i in range(0, tiled, _ROW_TILE):
-            x0, x1, x2, x3 = xs[i], xs[i + 1], xs[i + 2], xs[i + 3]
-            if pair:
-                _dot2x4(w0, w1, x0, x1, x2, x3, tile)
-                for j in range(_ROW_TILE):
-                    out[i + j, col] = tile[2 * j]
-                    out[i + j, col + 1] = tile[2 * j + 1]
-            else:
-                _dot4(w0, x0, x1, x2, x3, tile)
-                for j in range(_ROW_TILE):
-                    out[i + j, col] = tile[j]
-        for i in range(tiled, paired, 2):
-            x0, x1 = xs[i], xs[i + 1]
-            out[i, col], out[i + 1, col] = _dot2(w0, x0, x1)
-            if pair:
-                out[i, col + 1], out[i + 1, col + 1] = _dot2(w1, x0, x1)
-        if paired < count:
-            x = xs[paired]
-            out[paired, col] = _dot(w0, x)
-            if pair:
-                out[paired, col + 1] = _dot(w1, x)
-
-
-@numba.njit(fastmath=True)
-def _gate_up_item(q_a, s_a, tokens, offsets, e, chunk, q_gate_up, gate_up_scale, inter, bn, bk, out):
-    """Weight rows [chunk * ROW_BLOCK, ..) of expert ``e``'s gate_up for all its sorted rows,
-    one weight block row at a time (its scaled activation rows: `_scaled_rows`)."""
-    two_inter = q_gate_up.shape[1]
-    nb = (inter + bn - 1) // bn
-    start, stop = offsets[e], offsets[e + 1]
-    scaled = np.empty((stop - start, q_a.shape[1]), np.float32)
-    unscale = np.empty(stop - start, np.float64)
-    tile = np.empty(2 * _ROW_TILE, np.float32)
-    rows_out = out[start:stop]
-    weights = q_gate_up[e]
-    n, last = chunk * ROW_BLOCK, min(two_inter, (chunk + 1) * ROW_BLOCK)
-    while n < last:
-        if n < inter:  # gate rows: block rows 0..nb-1
-            b = n // bn
-            segment_end = min(last, (b + 1) * bn, inter)
-        else:  # up rows: block rows nb..2nb-1, counted from row I
-            rb = (n - inter) // bn
-            b = nb + rb
-            segment_end = min(last, inter + (rb + 1) * bn)
-        rescaled = _scaled_rows(q_a, s_a, tokens, start, stop, gate_up_scale[e, b], bk, scaled, unscale)
-        _weight_rows_dots(scaled, stop - start, weights, n, segment_end, tile, rows_out, n)
-        if rescaled:
-            _unscale_dots(rows_out, stop - start, n, segment_end, unscale)
-        n = segment_end
-
-
-@parallel_and_serial(fastmath=True, cache=True)
-def gate_up_rows(q_a, s_a, tokens, offsets, work, q_gate_up, gate_up_scale, inter, bn, bk, out):
-    """out[m, :] = x[tokens[m]] @ W_e^T for each expert e's sorted rows m (first GEMM), with
-    x = q_a * s_a per group of bk columns (the quantized activations).
-
-    q_a [T, H] float32 (e4m3 values), s_a [T, G] float32 (G = ceil(H / bk)), tokens [M] int64,
-    offsets [L + 1] int64, work [W, 2] int64 (expert, block of `ROW_BLOCK` weight rows of
-    gate_up), q_gate_up [L, 2I, H] uint8, gate_up_scale [L, 2nb, G] float32 (block rows
-    0..nb-1 the gate's, nb..2nb-1 the up's, nb = ceil(I / bn)), out [M, 2I] float32.
-    """
-    for item in numba.prange(work.shape[0]):
-        _gate_up_item(
-            q_a, s_a, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale, inter, bn, bk, out
-        )
-
-
-gate_up_rows_serial = gate_up_rows.serial
-
-
-@numba.njit(fastmath=True)
-def _down_block(q_a, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, block):
-    """Output columns [block * ROW_BLOCK, ..) over every hit expert (`down_rows`)."""
-    hidden = q_down.shape[1]
-    rows = np.arange(q_a.shape[0])
-    tile = np.empty(2 * _ROW_TILE, np.float32)
-    first, last = block * ROW_BLOCK, min(hidden, (block + 1) * ROW_BLOCK)
-    scaled = np.empty((0, q_a.shape[1]), np.float32)
-    unscale = np.empty(0, np.float64)
-    dots = np.empty((0, ROW_BLOCK), np.float32)
-    for i in range(experts.shape[0]):
-        e = experts[i]
-        start, stop = offsets[e], offsets[e + 1]
-        count = stop - start
-        if scaled.shape[0] < count:
-            scaled = np.empty((count, q_a.shape[1]), np.float32)
-            unscale = np.empty(count, np.float64)
-            dots = np.empty((count, ROW_BLOCK), np.float32)
-        weights = q_down[e]
-        n = first
-        while n < last:
-            b = n // bn
-            segment_end = min(last, (b + 1) * bn)
-            rescaled = _scaled_rows(q_a, s_a, rows, start, stop, down_scale[e, b], bk, scaled, unscale)
-            _weight_rows_dots(scaled, count, weights, n, segment_end, tile, dots, n - first)
-            if rescaled:
-                _unscale_dots(dots, count, n - first, segment_end - first, unscale)
-            n = segment_end
-        for m in range(start, stop):
-            t, weight = tokens[m], slot_weights[m]
-            d = dots[m - start]
-            for n in range(first, last):
-                sums[t, n] += weight * d[n - first]
-
-
-@parallel_and_serial(fastmath=True, cache=True)
-def down_rows(q_a, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums):
-    """sums[tokens[m], n] += slot_weights[m] * (a[m] @ W_e^T)[n] (second GEMM + combine), with
-    a = q_a * s_a per group of bk columns (the quantized intermediate).
-
-    Threads split the output columns (blocks of `ROW_BLOCK`), so each sum has one writer,
-    and experts are added in ``experts`` order (deterministic). q_a [M, I] float32 (e4m3
-    values), s_a [M, ceil(I/bk)] float32, experts [E'] int64 (hit experts), q_down
-    [L, H, I] uint8, down_scale [L, ceil(H/bn), ceil(I/bk)] float32, sums [T, H] float32.
-    """
-    for block in numba.prange((q_down.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
-        _down_block(q_a, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, block)
-
-
-down_rows_serial = down_rows.serial
+@numba.njit
+def _block_row(s, n, last):
+    """(b, end): the weight block row b of weight row n of ``s = (scale, split, bn, bk)`` and
+    the row where it ends (at most ``last``); rows from ``split`` on (gate_up's up rows: I;
+    down: H, none) count their block rows from row ``split``, after the first rows' ones."""
+    split, bn = s[1], s[2]
+    if n < split:
+        b = n // bn
+        return b, min(last, (b + 1) * bn, split)
+    rb = (n - split) // bn
+    return (split + bn - 1) // bn + rb, min(last, split + (rb + 1) * bn)
 
 
 @numba.njit
-def _quantized(x, group, round_bf16, min_amax, groups):
-    """(e4m3 values [M, K] float32, scales [M, groups] float32) of float32 rows ``x`` quantized
-    per ``group`` columns (`quantize_rows`); one scale per row (``group`` >= K) is repeated
-    over the ``groups`` weight column blocks."""
-    rows, cols = x.shape
-    q = np.empty((rows, cols), np.float32)
-    scales = np.empty((rows, (cols + group - 1) // group), np.float32)
-    quantize_rows(x, group, round_bf16, min_amax, q, scales)
-    if scales.shape[1] == groups:
-        return q, scales
-    repeated = np.empty((rows, groups), np.float32)
-    for m in range(rows):
-        for g in range(groups):
-            repeated[m, g] = scales[m, 0]
-    return q, repeated
+def _scaled_scratch(w, s, xs, rows):
+    """The float kernels' scratch: the expert's activation rows scaled for one weight block
+    row (`_scaled_rows`), their power-of-two shifts, and their positions 0, 1, ..."""
+    return np.empty((rows, w.shape[2]), np.float32), np.empty(rows, np.float64), np.arange(rows)
+
+
+@numba.njit(fastmath=True)
+def _scaled_segment(xs, rows, w, s, e, n, last, scratch):
+    """The tiled loop's ``segment`` (`moeroute.experts.cpu.tiles`) of the float kernels: the
+    weight rows of one weight block row, and the expert's activation rows ``xs = (q_a, s_a)``
+    scaled for it (`_scaled_rows`), read by position."""
+    b, end = _block_row(s, n, last)
+    scaled, unscale, positions = scratch
+    count = rows.shape[0]
+    _scaled_rows(xs[0], xs[1], rows, 0, count, s[0][e, b], s[3], scaled, unscale)
+    return end, (scaled, unscale), positions[:count]
 
 
 @numba.njit
-def _unquantized(x, round_bf16, groups):
-    """(``x`` [M, K] float32, rounded to bfloat16 values where ``round_bf16``, unit scales
-    [M, groups]): the w8a16 operand."""
-    if round_bf16:
-        rounded = np.empty(x.shape, np.float32)
-        for m in range(x.shape[0]):
-            for k in range(x.shape[1]):
-                rounded[m, k] = _bfloat16_bits_to_float32(_round_bfloat16(x[m, k]))
-        x = rounded
-    return x, np.ones((x.shape[0], groups), np.float32)
+def _expert_rows(w, s, e, n, count, scratch):
+    """The float kernels' ``load``: expert e's e4m3 weights (a view); the dots read rows n ..
+    n + count - 1 from it as they go (`_e4m3_dots`)."""
+    return w[e]
 
 
-@parallel_and_serial(cache=True)
-def rows_experts(
-    x,
-    tokens,
-    slot_weights,
-    offsets,
-    hit,
-    work,
-    q_gate_up,
-    gate_up_scale,
-    q_down,
-    down_scale,
-    gate_up_block,
-    down_block,
-    groups,
-    round_intermediate,
-    min_amax,
-    code,
-    quantize,
-    out,
-):
-    """out[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), the w8a8 (or with ``quantize``
-    False, w8a16) expert MLP with the float row kernels (`gate_up_rows`, `down_rows`), in one
-    call: the steps of the torch-level "rows" forward between its kernel calls, so that a
-    decode step enters compiled code once. The activation is computed by Numba
-    (`moeroute.experts.cpu.rows.activate_rows`: torch's formulas in float32, within a few ulps).
-
-    x [T, H] and out [T, H] uint16 (bfloat16 bits) or float32; tokens, slot_weights, offsets,
-    hit, work: `moeroute.experts.cpu.rows.plan_rows`' plan; q_gate_up, gate_up_scale, q_down,
-    down_scale as `gate_up_rows` / `down_rows`, gate_up_block / down_block (bn, bk);
-    ``groups`` the activation group sizes of the two GEMMs' inputs (each a weight column
-    block, or the row length: one scale per row); ``round_intermediate``: the intermediate
-    rounded to bfloat16 first (bfloat16 activations); ``code`` the activation
-    (`moeroute.experts.cpu.rows.ACTIVATION_CODES`); ``quantize``: False for w8a16 (the rows
-    and the intermediate as they are, unit scales; ``groups`` and ``min_amax`` unused).
-    """
-    inter = q_gate_up.shape[1] // 2
-    xs = float32_rows(x)
-    if quantize:
-        q_x, s_x = _quantized(xs, groups[0], False, min_amax, gate_up_scale.shape[2])
-    else:
-        q_x, s_x = _unquantized(xs, False, gate_up_scale.shape[2])
-    gate_up = np.empty((tokens.shape[0], 2 * inter), np.float32)
-    for item in numba.prange(work.shape[0]):
-        _gate_up_item(
-            q_x,
-            s_x,
-            tokens,
-            offsets,
-            work[item, 0],
-            work[item, 1],
-            q_gate_up,
-            gate_up_scale,
-            inter,
-            gate_up_block[0],
-            gate_up_block[1],
-            gate_up,
-        )
-    acts = np.empty((tokens.shape[0], inter), np.float32)
-    activate_rows(gate_up, code, acts)
-    if quantize:
-        q_a, s_a = _quantized(acts, groups[1], round_intermediate, min_amax, down_scale.shape[2])
-    else:
-        q_a, s_a = _unquantized(acts, round_intermediate, down_scale.shape[2])
-    sums = np.zeros((x.shape[0], q_down.shape[1]), np.float32)
-    for block in numba.prange((q_down.shape[1] + ROW_BLOCK - 1) // ROW_BLOCK):
-        _down_block(
-            q_a, s_a, tokens, slot_weights, offsets, hit, q_down, down_scale, down_block[0], down_block[1], sums, block
-        )
-    store_sums(sums, out)
+def _e4m3_dots(operand, n, count, xs, x_rows, out):  # pragma: no cover - replaced by the overload inside Numba code
+    raise NotImplementedError
 
 
-rows_experts_serial = rows_experts.serial
+@overload(_e4m3_dots, jit_options={"fastmath": True})
+def _e4m3_dots_impl(operand, n, count, xs, x_rows, out):
+    """The float kernels' dots of e4m3 weight rows n .. n + count - 1 of ``operand`` (the
+    expert's weights) with activation rows of ``xs = (scaled, unscale)``: two weight rows by
+    four activation rows in one pass (`_dot2x4`), a last weight row by four (`_dot4`); fewer
+    activation rows by pairs (`_dot2`) and one plain pass (one row: one weight row at a
+    time); then the dots of rows that `_scaled_rows` shifted multiplied back. One call runs a
+    whole tile of weight rows (`_WIDENED_TILE`), the rows `_PREFETCH_ROWS` ahead asked for
+    as it goes: a call per weight row or pair would cost the dots of a decode step as much
+    as a third of their time."""
+    if isinstance(x_rows, types.UniTuple) and x_rows.count == _ROW_TILE:
+
+        def four(operand, n, count, xs, x_rows, out):
+            scaled = xs[0]
+            x0, x1, x2, x3 = scaled[x_rows[0]], scaled[x_rows[1]], scaled[x_rows[2]], scaled[x_rows[3]]
+            paired = count // 2 * 2
+            for i in range(0, paired, 2):
+                r = n + i
+                _prefetch_row(operand, r + _PREFETCH_ROWS)
+                _prefetch_row(operand, r + _PREFETCH_ROWS + 1)
+                _dot2x4(operand[r], operand[r + 1], x0, x1, x2, x3, out[4 * i :])
+            if paired < count:
+                _dot4(operand[n + paired], x0, x1, x2, x3, out[4 * paired :])
+            _unshift(xs[1], x_rows, count, out)
+
+        return four
+
+    def fewer(operand, n, count, xs, x_rows, out):
+        scaled = xs[0]
+        rows = len(x_rows)
+        if rows == 1:
+            x = scaled[x_rows[0]]
+            for i in range(count):
+                _prefetch_row(operand, n + i + _PREFETCH_ROWS)
+                out[i] = _dot(operand[n + i], x)
+        else:
+            paired = rows // 2 * 2
+            for i in range(count):
+                r = n + i
+                if i % 2 == 0:
+                    _prefetch_row(operand, r + _PREFETCH_ROWS)
+                    _prefetch_row(operand, r + _PREFETCH_ROWS + 1)
+                w = operand[r]
+                for j in range(0, paired, 2):
+                    out[i * rows + j], out[i * rows + j + 1] = _dot2(w, scaled[x_rows[j]], scaled[x_rows[j + 1]])
+                if paired < rows:
+                    out[i * rows + paired] = _dot(w, scaled[x_rows[paired]])
+        _unshift(xs[1], x_rows, count, out)
+
+    return fewer
+
+
+@numba.njit(fastmath=True, inline="always")
+def _unshift(unscale, x_rows, count, out):
+    """out[i * len(x_rows) + j] *= unscale[x_rows[j]] where a row was shifted (`_scaled_rows`)."""
+    for j in range(len(x_rows)):
+        u = unscale[x_rows[j]]
+        if u != 1.0:
+            for i in range(count):
+                k = i * len(x_rows) + j
+                out[k] = np.float32(out[k] * u)
+
+
+#: The float kernels' weight tile: a block of `tiles.ROW_BLOCK` rows in one ``dots`` call
+#: (a segment's shorter rest, one call too: its rows paired from its first, as in a whole tile).
+_WIDENED_TILE = tiles.ROW_BLOCK
+
+
+#: The tiled loop (`moeroute.experts.cpu.tiles`) around the float kernels' dots, a block of
+#: e4m3 weight rows by four scaled activation rows. Arguments: ``xs = (q_a, s_a)``, the
+#: activations' e4m3 values (float32 [T, K], or the rows as they are for w8a16) and their
+#: scales [T, G] per weight column block; ``s = (scale, split, bn, bk)``, the weight's block
+#: scales [L, nb', G], the row from which block rows count apart (gate_up: I, down: H) and
+#: the block (bn, bk); ``bias`` [0, 0] (none).
+widened = tiles.row_kernels(
+    __name__,
+    "fp8",
+    _expert_rows,
+    _e4m3_dots,
+    _WIDENED_TILE,
+    scratch=_scaled_scratch,
+    segment=_scaled_segment,
+    partial_tiles=True,
+)
+gate_up_rows, gate_up_rows_serial, down_rows, down_rows_serial = (widened[name] for name in tiles.KERNELS)
 
 
 # Serial on purpose: it runs between torch GEMMs, where starting Numba's thread pool next to
@@ -1040,274 +913,76 @@ def _group_factors(s_a, rows, scale_row, factors):
 _DECODE_ROWS_ABOVE = 8
 
 
-@numba.njit(fastmath=True)
-def _gate_up_rows_e4m3(weights, first, last, xs, x_rows, s_a, scale, inter, bn, bk, m, factors, dots, out):
-    """out[m + j, n] for n in [first, last): gate_up rows n of one expert (``weights[n]``, its
-    e4m3 rows) against the activation rows
-    ``x_rows``; gate and up count their block rows apart."""
-    nb = (inter + bn - 1) // bn
-    count = len(x_rows)
-    n = first
-    while n < last:
-        if n < inter:  # gate rows: block rows 0..nb-1
-            b = n // bn
-            segment_end = min(last, (b + 1) * bn, inter)
-        else:  # up rows: block rows nb..2nb-1, counted from row I
-            rb = (n - inter) // bn
-            b = nb + rb
-            segment_end = min(last, inter + (rb + 1) * bn)
-        _group_factors(s_a, x_rows, scale[b], factors)
-        while n + _WEIGHT_TILE <= segment_end:
-            r = n
-            _dot_e4m3_tile(weights, (r, r + 1, r + 2, r + 3), xs, x_rows, factors, bk, dots)
-            for i in range(_WEIGHT_TILE):
-                for j in range(count):
-                    out[m + j, n + i] = dots[i * count + j]
-            n += _WEIGHT_TILE
-        while n < segment_end:
-            _dot_e4m3_tile(weights, (n,), xs, x_rows, factors, bk, dots)
-            for j in range(count):
-                out[m + j, n] = dots[j]
-            n += 1
+@numba.njit
+def _dot_scratch(w, s, xs, rows):
+    """The dot kernels' scratch: the group factors of a tile's activation rows, the packed
+    weight rows (allocated only where an expert of ``rows`` rows takes them), their dots,
+    and whether the current expert's rows take them (set by `_block_segment`)."""
+    packs = rows > _DECODE_ROWS_ABOVE and s[2] % _PACKED_ROWS == 0
+    return (
+        np.empty((_ROW_TILE, s[0].shape[2]), np.float32),
+        np.empty((w.shape[2] // 2 if packs else 0, _PACKED_ROWS), np.uint32),
+        np.empty(_ROW_TILE * _PACKED_ROWS, np.float32),
+        np.zeros(1, np.bool_),
+    )
+
+
+@numba.njit
+def _block_segment(xs, rows, w, s, e, n, last, scratch):
+    """The tiled loop's ``segment`` of the dot kernels: the weight rows of one weight block
+    row; the activations ``xs = (bits, s_a)`` with that block row's scales. Marks in the
+    scratch whether the expert's rows take the packed tiles (more than `_DECODE_ROWS_ABOVE`
+    rows, block rows of whole packs)."""
+    b, end = _block_row(s, n, last)
+    scratch[3][0] = rows.shape[0] > _DECODE_ROWS_ABOVE and s[2] % _PACKED_ROWS == 0
+    return end, (xs[0], xs[1], s[0][e, b]), rows
+
+
+@numba.njit
+def _e4m3_rows(w, s, e, n, count, scratch):
+    """The dot kernels' ``load``: expert e's e4m3 weights (a view), with a whole tile of
+    `_PACKED_ROWS` rows decoded and packed once (`_decode_e4m3_packed`) where the expert's
+    rows take the packed tiles."""
+    if count == _PACKED_ROWS and scratch[3][0]:
+        _decode_e4m3_packed(w[e], n, scratch[1])
+    return w[e], scratch, s[3]
 
 
 @numba.njit(fastmath=True)
-def _gate_up_groups(weights, first, last, xs, tokens, start, stop, s_a, scale, inter, bn, bk, factors, dots, out):
-    """`_gate_up_rows_e4m3` for the expert's sorted rows [start, stop), four at a time."""
-    for m in range(start, stop, _ROW_TILE):
-        count = min(_ROW_TILE, stop - m)
-        if count == 4:
-            rows = (tokens[m], tokens[m + 1], tokens[m + 2], tokens[m + 3])
-            _gate_up_rows_e4m3(weights, first, last, xs, rows, s_a, scale, inter, bn, bk, m, factors, dots, out)
-        elif count == 3:
-            rows3 = (tokens[m], tokens[m + 1], tokens[m + 2])
-            _gate_up_rows_e4m3(weights, first, last, xs, rows3, s_a, scale, inter, bn, bk, m, factors, dots, out)
-        elif count == 2:
-            rows2 = (tokens[m], tokens[m + 1])
-            _gate_up_rows_e4m3(weights, first, last, xs, rows2, s_a, scale, inter, bn, bk, m, factors, dots, out)
-        else:
-            _gate_up_rows_e4m3(weights, first, last, xs, (tokens[m],), s_a, scale, inter, bn, bk, m, factors, dots, out)
-
-
-@numba.njit(fastmath=True, inline="always")
-def _packed_rows(packed, xs, x_rows, s_a, scale_row, bk, factors, dots):
-    """dots[j * 32 + n] for the activation rows ``x_rows`` (a tuple) against the 32 packed
-    weight rows of one weight block row (``scale_row``): `_dot_packed_tile` with the rows'
-    group factors."""
+def _e4m3_tile_dots(operand, n, count, xs, x_rows, out):
+    """The dot kernels' dots of weight rows n .. n + count - 1 (`_PACKED_ROWS` or 1) with the
+    activation rows ``x_rows`` of ``xs = (bits, s_a, scale_row)``: each row's group factors
+    against the block row (`_group_factors`), then the packed outer products
+    (`_dot_packed_tile`, its dots put in the tile's order) or `_dot_e4m3_tile` four weight
+    rows at a time. A dot's sum does not depend on the tile it is computed in."""
+    weights, scratch, bk = operand
+    factors, packed, packed_dots, packs = scratch
+    bits, s_a, scale_row = xs
     _group_factors(s_a, x_rows, scale_row, factors)
-    _dot_packed_tile(packed, xs, x_rows, factors, bk, dots)
-
-
-@numba.njit(fastmath=True)
-def _gate_up_packed(packed, n0, xs, tokens, start, stop, s_a, scale_row, bk, factors, dots, out):
-    """out[m, n0 + n] for the expert's sorted rows m in [start, stop) and the 32 packed gate_up
-    rows n (one weight block row: ``scale_row``), four rows m at a time."""
-    for m in range(start, stop, _ROW_TILE):
-        count = min(_ROW_TILE, stop - m)
-        if count == 4:
-            _packed_rows(
-                packed, xs, (tokens[m], tokens[m + 1], tokens[m + 2], tokens[m + 3]), s_a, scale_row, bk, factors, dots
-            )
-        elif count == 3:
-            _packed_rows(packed, xs, (tokens[m], tokens[m + 1], tokens[m + 2]), s_a, scale_row, bk, factors, dots)
-        elif count == 2:
-            _packed_rows(packed, xs, (tokens[m], tokens[m + 1]), s_a, scale_row, bk, factors, dots)
-        else:
-            _packed_rows(packed, xs, (tokens[m],), s_a, scale_row, bk, factors, dots)
-        for j in range(count):
-            for n in range(_PACKED_ROWS):
-                out[m + j, n0 + n] = dots[j * _PACKED_ROWS + n]
-
-
-@numba.njit(fastmath=True)
-def _down_packed(packed, n0, acts, start, stop, s_a, scale_row, bk, tokens, slot_weights, factors, dots, sums):
-    """sums[tokens[m], n0 + n] += slot_weights[m] * (row m of the intermediate) . (packed down
-    row n) for m in [start, stop), four at a time."""
-    for m in range(start, stop, _ROW_TILE):
-        count = min(_ROW_TILE, stop - m)
-        if count == 4:
-            _packed_rows(packed, acts, (m, m + 1, m + 2, m + 3), s_a, scale_row, bk, factors, dots)
-        elif count == 3:
-            _packed_rows(packed, acts, (m, m + 1, m + 2), s_a, scale_row, bk, factors, dots)
-        elif count == 2:
-            _packed_rows(packed, acts, (m, m + 1), s_a, scale_row, bk, factors, dots)
-        else:
-            _packed_rows(packed, acts, (m,), s_a, scale_row, bk, factors, dots)
-        for j in range(count):
-            t, weight = tokens[m + j], slot_weights[m + j]
-            for n in range(_PACKED_ROWS):
-                sums[t, n0 + n] += weight * dots[j * _PACKED_ROWS + n]
-
-
-@numba.njit(fastmath=True)
-def _gate_up_item_bf16(xs, s_a, tokens, offsets, e, chunk, q_gate_up, gate_up_scale, inter, bn, bk, out):
-    """`_gate_up_item` with the dot instructions: four weight rows at a time against up to
-    four of the expert's rows (`_dot_e4m3_tile`); past `_DECODE_ROWS_ABOVE` rows, where the
-    weight block rows are whole packs, the chunk's weight rows packed 32 at a time
-    (`_decode_e4m3_packed`) for outer products (`_dot_packed_tile`)."""
-    start, stop = offsets[e], offsets[e + 1]
-    weights, scale = q_gate_up[e], gate_up_scale[e]
-    first, last = chunk * ROW_BLOCK, min(q_gate_up.shape[1], (chunk + 1) * ROW_BLOCK)
-    factors = np.empty((_ROW_TILE, gate_up_scale.shape[2]), np.float32)
-    dots = np.empty(_WEIGHT_TILE * _ROW_TILE, np.float32)
-    if stop - start > _DECODE_ROWS_ABOVE and bn % _PACKED_ROWS == 0:  # inter: a multiple of 64
-        packed = np.empty((q_gate_up.shape[2] // 2, _PACKED_ROWS), np.uint32)
-        packed_dots = np.empty(_ROW_TILE * _PACKED_ROWS, np.float32)
-        nb = (inter + bn - 1) // bn
-        for sub in range(first, last, _PACKED_ROWS):
-            _decode_e4m3_packed(weights, sub, packed)
-            b = sub // bn if sub < inter else nb + (sub - inter) // bn
-            _gate_up_packed(packed, sub, xs, tokens, start, stop, s_a, scale[b], bk, factors, packed_dots, out)
+    rows = len(x_rows)
+    if count == 1:
+        _dot_e4m3_tile(weights, (n,), bits, x_rows, factors, bk, out)
+    elif packs[0]:
+        _dot_packed_tile(packed, bits, x_rows, factors, bk, packed_dots)
+        for i in range(_PACKED_ROWS):
+            for j in range(rows):
+                out[i * rows + j] = packed_dots[j * _PACKED_ROWS + i]
     else:
-        _gate_up_groups(weights, first, last, xs, tokens, start, stop, s_a, scale, inter, bn, bk, factors, dots, out)
+        for i in range(0, count, _WEIGHT_TILE):
+            r = n + i
+            _dot_e4m3_tile(weights, (r, r + 1, r + 2, r + 3), bits, x_rows, factors, bk, out[i * rows :])
 
 
-@parallel_and_serial(fastmath=True, cache=True)
-def gate_up_rows_bf16(xs, s_a, tokens, offsets, work, q_gate_up, gate_up_scale, inter, bn, bk, out):
-    """`gate_up_rows` with the dot instructions (`BF16_DOT`; never call it elsewhere, and only
-    where `bf16_dot_serves`): ``xs`` [T, H] uint16, the activations' e4m3 values as bfloat16
-    bits; the other arguments as `gate_up_rows`."""
-    for item in numba.prange(work.shape[0]):
-        _gate_up_item_bf16(
-            xs, s_a, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scale, inter, bn, bk, out
-        )
-
-
-gate_up_rows_bf16_serial = gate_up_rows_bf16.serial
-
-
-@numba.njit(fastmath=True)
-def _down_rows_e4m3(weights, first, last, acts, a_rows, s_a, scale, bn, bk, tokens, slot_weights, factors, dots, sums):
-    """sums[tokens[m], n] += slot_weights[m] * (row m of the intermediate) . (down row n,
-    ``weights[n]``), for the rows m of ``a_rows`` and n in [first, last)."""
-    count = len(a_rows)
-    n = first
-    while n < last:
-        b = n // bn
-        segment_end = min(last, (b + 1) * bn)
-        _group_factors(s_a, a_rows, scale[b], factors)
-        while n + _WEIGHT_TILE <= segment_end:
-            r = n
-            _dot_e4m3_tile(weights, (r, r + 1, r + 2, r + 3), acts, a_rows, factors, bk, dots)
-            for i in range(_WEIGHT_TILE):
-                for j in range(count):
-                    m = a_rows[j]
-                    sums[tokens[m], n + i] += slot_weights[m] * dots[i * count + j]
-            n += _WEIGHT_TILE
-        while n < segment_end:
-            _dot_e4m3_tile(weights, (n,), acts, a_rows, factors, bk, dots)
-            for j in range(count):
-                m = a_rows[j]
-                sums[tokens[m], n] += slot_weights[m] * dots[j]
-            n += 1
-
-
-@numba.njit(fastmath=True)
-def _down_groups(
-    weights, first, last, acts, start, stop, s_a, scale, bn, bk, tokens, slot_weights, factors, dots, sums
-):
-    """`_down_rows_e4m3` for the expert's sorted rows [start, stop), four at a time."""
-    for m in range(start, stop, _ROW_TILE):
-        count = min(_ROW_TILE, stop - m)
-        if count == 4:
-            _down_rows_e4m3(
-                weights,
-                first,
-                last,
-                acts,
-                (m, m + 1, m + 2, m + 3),
-                s_a,
-                scale,
-                bn,
-                bk,
-                tokens,
-                slot_weights,
-                factors,
-                dots,
-                sums,
-            )
-        elif count == 3:
-            _down_rows_e4m3(
-                weights,
-                first,
-                last,
-                acts,
-                (m, m + 1, m + 2),
-                s_a,
-                scale,
-                bn,
-                bk,
-                tokens,
-                slot_weights,
-                factors,
-                dots,
-                sums,
-            )
-        elif count == 2:
-            _down_rows_e4m3(
-                weights, first, last, acts, (m, m + 1), s_a, scale, bn, bk, tokens, slot_weights, factors, dots, sums
-            )
-        else:
-            _down_rows_e4m3(
-                weights, first, last, acts, (m,), s_a, scale, bn, bk, tokens, slot_weights, factors, dots, sums
-            )
-
-
-@numba.njit(fastmath=True)
-def _down_block_bf16(
-    acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, block, columns
-):
-    """Output columns [block * columns, ..) over every hit expert, with the dot instructions
-    (`_dot_e4m3_tile`); an expert with more than `_DECODE_ROWS_ABOVE` rows, where the weight
-    block rows are whole packs, has its weight rows packed 32 at a time
-    (`_decode_e4m3_packed`) for outer products (`_dot_packed_tile`)."""
-    first, last = block * columns, min(q_down.shape[1], (block + 1) * columns)
-    factors = np.empty((_ROW_TILE, down_scale.shape[2]), np.float32)
-    dots = np.empty(_WEIGHT_TILE * _ROW_TILE, np.float32)
-    packed = np.empty((q_down.shape[2] // 2, _PACKED_ROWS), np.uint32)
-    packed_dots = np.empty(_ROW_TILE * _PACKED_ROWS, np.float32)
-    for i in range(experts.shape[0]):
-        e = experts[i]
-        weights, scale = q_down[e], down_scale[e]
-        start, stop = offsets[e], offsets[e + 1]
-        if stop - start > _DECODE_ROWS_ABOVE and bn % _PACKED_ROWS == 0:  # first, last: multiples of 64
-            for sub in range(first, last, _PACKED_ROWS):
-                _decode_e4m3_packed(weights, sub, packed)
-                _down_packed(
-                    packed,
-                    sub,
-                    acts,
-                    start,
-                    stop,
-                    s_a,
-                    scale[sub // bn],
-                    bk,
-                    tokens,
-                    slot_weights,
-                    factors,
-                    packed_dots,
-                    sums,
-                )
-        else:
-            _down_groups(
-                weights, first, last, acts, start, stop, s_a, scale, bn, bk, tokens, slot_weights, factors, dots, sums
-            )
-
-
-@parallel_and_serial(fastmath=True, cache=True)
-def down_rows_bf16(acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, threaded=True):
-    """`down_rows` with the dot instructions (`BF16_DOT`, where `bf16_dot_serves`): ``acts``
-    [M, I] uint16, the intermediate's e4m3 values as bfloat16 bits; the other arguments as
-    `down_rows`. Threads split the output columns; the serial form (``threaded=False``) takes
-    them as one block, each expert's down weights read as one stream (the same sums, bit for bit)."""
-    columns = ROW_BLOCK if threaded else max(1, q_down.shape[1])
-    for block in numba.prange((q_down.shape[1] + columns - 1) // columns):
-        _down_block_bf16(
-            acts, s_a, tokens, slot_weights, offsets, experts, q_down, down_scale, bn, bk, sums, block, columns
-        )
-
-
-down_rows_bf16_serial = down_rows_bf16.serial
+#: The tiled loop around the dot instructions: tiles of `_PACKED_ROWS` weight rows (packed,
+#: or `_WEIGHT_TILE` at a time) by four activation rows (bfloat16 bits of their e4m3 values,
+#: or of the rows themselves for w8a16). Arguments as `widened`'s, ``xs = (bits, s_a)``. Only
+#: where `bf16_dot_serves` (never call them elsewhere).
+bf16_dot = tiles.row_kernels(
+    __name__, "fp8_dot", _e4m3_rows, _e4m3_tile_dots, _PACKED_ROWS, scratch=_dot_scratch, segment=_block_segment
+)
+gate_up_rows_bf16, gate_up_rows_bf16_serial, down_rows_bf16, down_rows_bf16_serial = (
+    bf16_dot[name] for name in tiles.KERNELS
+)
 
 
 def bf16_dot_serves(hidden: int, inter: int, gate_up_block, down_block) -> bool:

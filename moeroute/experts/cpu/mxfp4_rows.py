@@ -50,7 +50,7 @@ def _decode_row_typed(blocks_row, scales_row, out):
 
 
 @numba.njit
-def _scratch(blocks, xs):
+def _scratch(blocks, scales, xs, rows):
     """Two decoded weight rows of the activations' width."""
     return np.empty((2, xs.shape[1]), np.float32)
 

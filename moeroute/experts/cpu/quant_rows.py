@@ -1,21 +1,24 @@
-"""The quantized expert MLPs in one Numba call each, on CPUs with AVX512-BF16: FP8 (w8a8,
-`moeroute.experts.cpu.fp8`'s bfloat16-dot kernels, dynamic activation scales as floats, or
-w8a16: the same kernels on the bfloat16 activations with unit scales) and MXFP4
-(w4a16, `moeroute.experts.cpu.mxfp4_dot`) and symmetric INT4 (w4a16, the same tiles with
-INT4's table and scales).
+"""The quantized expert MLPs in one Numba call each: FP8 (w8a8, dynamic activation scales as
+floats, or w8a16: the activations as they are with unit scales) on either of
+`moeroute.experts.cpu.fp8`'s families (`rows_experts_fp8_widened` on any CPU,
+`rows_experts_fp8_dot` with the bfloat16 dot instruction), and, on CPUs with AVX512-BF16,
+MXFP4 (w4a16, `moeroute.experts.cpu.mxfp4_dot`) and INT4 (w4a16, `moeroute.experts.cpu.int4_dot`, or MXFP4's tiles
+with INT4's table and scales).
 
 A decode step then enters compiled code once for its experts, as the float layer's
-`moeroute.experts.cpu.rows.rows_experts_bf16` does. FP8: the rows quantized per group
-(`moeroute.experts.cpu.fp8.quantize_rows`, bit for bit `quantize_fp8_activations`), the gate_up
-dots, the gated activation (`_rows._gated`), the intermediate rounded to the activation dtype
-and quantized again, the down dots added into the float32 sums, and the sums written out.
-MXFP4: the rows reordered for the dot kernels, the gate_up dots (with bias), the activation
-rounded to bfloat16 and reordered, the down dots, the output; INT4 the same, on the tiles
-of `moeroute.experts.cpu.int4_dot` (symmetric and asymmetric, widths in whole chunks of 128
-columns: their own order, with sums of the activations) or else MXFP4's (symmetric). Each
-step is the one the torch-level paths (`fp8_experts._rows_forward`, `mxfp4_experts._rows_forward`) take between
-their kernel calls; only the activation is computed by Numba instead of torch (the same
-formulas, float32, within a few ulps).
+`moeroute.experts.cpu.rows.rows_experts_bf16` does. Each forward is a template around one
+format's work item and column block of the tiled loop (`moeroute.experts.cpu.tiles`). FP8:
+the rows quantized per group (`moeroute.experts.cpu.fp8.quantize_rows`, bit for bit
+`quantize_fp8_activations`), the gate_up dots, the gated activation (`_rows._gated`), the
+intermediate rounded to the activation dtype and quantized again, the down dots added into
+the float32 sums, and the sums written out. MXFP4: the rows reordered for the dot kernels,
+the gate_up dots (with bias), the activation rounded to bfloat16 and reordered, the down
+dots, the output; INT4 the same, on the tiles of `moeroute.experts.cpu.int4_dot` (symmetric
+and asymmetric, widths in whole chunks of 128 columns: their own order, with sums of the
+activations) or else MXFP4's (symmetric). Each step is the one the torch-level paths
+(`fp8_experts._rows_forward`, `mxfp4_experts._rows_forward`) take between their kernel calls;
+only the activation is computed by Numba instead of torch (the same formulas, float32, within
+a few ulps).
 """
 
 from __future__ import annotations
@@ -23,15 +26,24 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from moeroute.experts.cpu.variants import parallel_and_serial, specialize
-from moeroute.experts.cpu.rows import _round_bfloat16, activate_rows, activate_rows_bf16, float32_rows, store_sums
+from moeroute.experts.cpu.variants import specialize
+from moeroute.experts.cpu.rows import (
+    _bfloat16_bits_to_float32,
+    _round_bfloat16,
+    activate_rows,
+    activate_rows_bf16,
+    float32_rows,
+    store_sums,
+)
 from moeroute.experts.cpu import int4 as cpu_int4
 from moeroute.experts.cpu import int4_dot, mxfp4_dot
 from moeroute.experts.cpu import fp8 as cpu_fp8
 
 __all__ = [
-    "rows_experts_fp8",
-    "rows_experts_fp8_serial",
+    "rows_experts_fp8_widened",
+    "rows_experts_fp8_widened_serial",
+    "rows_experts_fp8_dot",
+    "rows_experts_fp8_dot_serial",
     "rows_experts_mxfp4",
     "rows_experts_mxfp4_serial",
     "rows_experts_int4",
@@ -76,71 +88,118 @@ def _weight_group_scales(scales, groups):
     return repeated
 
 
-@numba.njit
-def _quantized_bfloat16(x, group, round_bf16, min_amax, groups):
-    """(e4m3 values as bfloat16 bits [M, K] uint16, scales [M, groups] float32) of float32 rows
-    ``x``, quantized per ``group`` columns (`cpu_fp8.quantize_rows`); one scale per row
-    (``group`` >= K) is repeated over the ``groups`` weight column blocks."""
-    q, scales, bits = _quantization_buffers(x, group)
-    for m in range(x.shape[0]):
-        _quantize_row(x, m, group, round_bf16, min_amax, q, scales, bits)
-    return bits, _weight_group_scales(scales, groups)
+# What the two FP8 families' dots read (bound per family by `_fp8_one_call`): the e4m3
+# values as float32 (the widened kernels, `cpu_fp8.widened`) or as bfloat16 bits (the dot
+# kernels, `cpu_fp8.bf16_dot`); for w8a16, the rows and the intermediate as they are, or as
+# bfloat16 bits.
 
 
 @numba.njit
-def _bfloat16_operand(xs, groups):
-    """(bfloat16 bits [M, K] uint16, unit scales [M, groups]) of float32 rows ``xs``: the w8a16
-    operand (bfloat16 values exact, float32 ones rounded to the nearest bfloat16)."""
+def _e4m3_values(q, bits):
+    return q
+
+
+@numba.njit
+def _e4m3_bits(q, bits):
+    return bits
+
+
+@numba.njit
+def _rows_as_given(xs):
+    return xs
+
+
+@numba.njit
+def _rows_as_bfloat16(xs):
+    """bfloat16 bits of float32 rows ``xs`` (bfloat16 values exact, float32 ones rounded to the nearest)."""
     bits = np.empty(xs.shape, np.uint16)
     for m in range(xs.shape[0]):
         for k in range(xs.shape[1]):
             bits[m, k] = _round_bfloat16(xs[m, k])
-    return bits, np.ones((xs.shape[0], groups), np.float32)
+    return bits
 
 
 @numba.njit
-def _prologue(x, tokens, q_gate_up, gate_up_scale, group, min_amax, quantize):
-    """The quantized rows of ``x`` (w8a8), or ``x`` as bfloat16 with unit scales (w8a16), and
-    the gate_up output buffer."""
+def _activated_floats(gate_up, m, code, round_bf16, acts, bits):
+    """Row m of the w8a16 intermediate as float32 ``acts``, rounded to bfloat16 values where ``round_bf16``."""
+    activate_rows(gate_up[m : m + 1], code, acts[m : m + 1])
+    if round_bf16:
+        for k in range(acts.shape[1]):
+            acts[m, k] = _bfloat16_bits_to_float32(_round_bfloat16(acts[m, k]))
+
+
+@numba.njit
+def _activated_bits(gate_up, m, code, round_bf16, acts, bits):
+    """Row m of the w8a16 intermediate as bfloat16 ``bits``."""
+    activate_rows_bf16(gate_up[m : m + 1], code, bits[m : m + 1])
+
+
+def operand(q, bits):  # pragma: no cover - bound per family
+    """The dots' operand of quantized rows."""
+    raise NotImplementedError
+
+
+def unquantized(xs):  # pragma: no cover - bound per family
+    """The dots' operand of w8a16 input rows."""
+    raise NotImplementedError
+
+
+def activated(gate_up, m, code, round_bf16, acts, bits):  # pragma: no cover - bound per family
+    """Row m of the w8a16 intermediate, into ``acts`` or ``bits``."""
+    raise NotImplementedError
+
+
+def intermediate(acts, bits):  # pragma: no cover - bound per family
+    """The dots' operand of the w8a16 intermediate."""
+    raise NotImplementedError
+
+
+#: Whether the intermediate runs row by row on every thread (bound per family).
+THREADED_INTERMEDIATE = True
+
+
+def tile_gate_up_item(xs, tokens, offsets, e, chunk, w, s, bias, out):  # pragma: no cover - bound per family
+    """The FP8 family's gate_up work item (`moeroute.experts.cpu.tiles.row_kernels`)."""
+    raise NotImplementedError
+
+
+def tile_down_block(
+    acts, tokens, slot_weights, offsets, experts, w, s, bias, sums, block, columns
+):  # pragma: no cover - bound per family
+    """The FP8 family's down column block (`moeroute.experts.cpu.tiles.row_kernels`)."""
+    raise NotImplementedError
+
+
+def _fp8_rows(x, group, min_amax, quantize, groups):
+    """The first GEMM's operand: the rows of ``x`` quantized per ``group`` columns (w8a8), or
+    as they are with unit scales (w8a16), as the family's dots read them; scales [T, groups]."""
     xs = float32_rows(x)
-    if quantize:
-        q_x, s_x = _quantized_bfloat16(xs, group, False, min_amax, gate_up_scale.shape[2])
-    else:
-        q_x, s_x = _bfloat16_operand(xs, gate_up_scale.shape[2])
-    return q_x, s_x, np.empty((tokens.shape[0], q_gate_up.shape[1]), np.float32)
+    if not quantize:
+        return unquantized(xs), np.ones((xs.shape[0], groups), np.float32)
+    q, scales, bits = _quantization_buffers(xs, group)
+    for m in range(xs.shape[0]):
+        _quantize_row(xs, m, group, False, min_amax, q, scales, bits)
+    return operand(q, bits), _weight_group_scales(scales, groups)
 
 
-@numba.njit
-def _intermediate_buffers(gate_up, group):
-    """(acts, q, scales, bits) for `_intermediate_row`: the activation [M, I] float32, its e4m3
-    values, scales and bfloat16 bits."""
-    acts = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
-    q, scales, bits = _quantization_buffers(acts, group)
-    return acts, q, scales, bits
-
-
-@numba.njit
-def _intermediate_row(gate_up, m, code, round_bf16, group, min_amax, quantize, acts, q, scales, bits):
-    """Row m of the quantized intermediate: the activation, rounded to bfloat16 first where
+def _fp8_intermediate_row(gate_up, m, code, round_bf16, group, min_amax, quantize, acts, q, scales, bits):
+    """Row m of the intermediate: the activation, rounded to bfloat16 first where
     ``round_bf16``, quantized per ``group`` columns (`_quantize_row`); without ``quantize``
-    (w8a16) the activation rounded to bfloat16 bits, the dot kernels' operand."""
+    (w8a16) as the family's dots read it."""
     if quantize:
         activate_rows(gate_up[m : m + 1], code, acts[m : m + 1])
         _quantize_row(acts, m, group, round_bf16, min_amax, q, scales, bits)
     else:
-        activate_rows_bf16(gate_up[m : m + 1], code, bits[m : m + 1])
+        activated(gate_up, m, code, round_bf16, acts, bits)
 
 
-@numba.njit
-def _intermediate_scales(scales, groups, quantize):
-    """The down GEMM's activation scales per weight column block: the intermediate's (w8a8),
-    or ones (w8a16)."""
+def _fp8_intermediate(q, scales, bits, acts, groups, quantize):
+    """The down GEMM's operand and its scales per weight column block (ones for w8a16)."""
     if quantize:
-        return _weight_group_scales(scales, groups)
-    return np.ones((scales.shape[0], groups), np.float32)
+        return operand(q, bits), _weight_group_scales(scales, groups)
+    return intermediate(acts, bits), np.ones((scales.shape[0], groups), np.float32)
 
 
-@parallel_and_serial(cache=True)
 def rows_experts_fp8(
     x,
     tokens,
@@ -172,52 +231,38 @@ def rows_experts_fp8(
     length: one scale per row); ``round_intermediate``: the intermediate rounded to bfloat16
     before it is quantized (bfloat16 activations); ``code`` the activation
     (`_rows.ACTIVATION_CODES`); ``quantize``: False for w8a16 (the rows and the intermediate
-    taken as bfloat16 with unit scales; ``groups``, ``min_amax`` and
-    ``round_intermediate`` unused); ``columns``: the down GEMM's output columns per unit of
-    parallel work (`thread_columns`, a multiple of 64). Only where `cpu_fp8.bf16_dot_serves`.
+    taken as they are with unit scales; ``groups`` and ``min_amax`` unused); ``columns``:
+    the down GEMM's output columns per unit of parallel work (`thread_columns`, a multiple
+    of 64). A template (`rows_experts_fp8_widened`: `cpu_fp8.widened`'s tiles, any CPU;
+    `rows_experts_fp8_dot`: `cpu_fp8.bf16_dot`'s, only where `cpu_fp8.bf16_dot_serves`).
     """
     inter = q_gate_up.shape[1] // 2
-    q_x, s_x, gate_up = _prologue(x, tokens, q_gate_up, gate_up_scale, groups[0], min_amax, quantize)
+    no_bias = np.empty((0, 0), np.float32)
+    xs = _fp8_rows(x, groups[0], min_amax, quantize, gate_up_scale.shape[2])
+    gate_up = np.empty((tokens.shape[0], 2 * inter), np.float32)
+    gate_up_scales = (gate_up_scale, inter, gate_up_block[0], gate_up_block[1])
     for item in numba.prange(work.shape[0]):
-        cpu_fp8._gate_up_item_bf16(
-            q_x,
-            s_x,
-            tokens,
-            offsets,
-            work[item, 0],
-            work[item, 1],
-            q_gate_up,
-            gate_up_scale,
-            inter,
-            gate_up_block[0],
-            gate_up_block[1],
-            gate_up,
+        tile_gate_up_item(
+            xs, tokens, offsets, work[item, 0], work[item, 1], q_gate_up, gate_up_scales, no_bias, gate_up
         )
-    acts, q, scales, q_a = _intermediate_buffers(gate_up, groups[1])
-    for m in numba.prange(acts.shape[0]):  # the activation and its quantization row by row on every thread
-        _intermediate_row(gate_up, m, code, round_intermediate, groups[1], min_amax, quantize, acts, q, scales, q_a)
-    s_a = _intermediate_scales(scales, down_scale.shape[2], quantize)
+    acts = np.empty((gate_up.shape[0], inter), np.float32)
+    q, scales, bits = _quantization_buffers(acts, groups[1])
+    if THREADED_INTERMEDIATE:
+        for m in numba.prange(acts.shape[0]):  # the activation and its quantization row by row on every thread
+            _fp8_intermediate_row(
+                gate_up, m, code, round_intermediate, groups[1], min_amax, quantize, acts, q, scales, bits
+            )
+    else:
+        for m in range(acts.shape[0]):
+            _fp8_intermediate_row(
+                gate_up, m, code, round_intermediate, groups[1], min_amax, quantize, acts, q, scales, bits
+            )
+    a = _fp8_intermediate(q, scales, bits, acts, down_scale.shape[2], quantize)
     sums = np.zeros((x.shape[0], q_down.shape[1]), np.float32)
+    down_scales = (down_scale, q_down.shape[1], down_block[0], down_block[1])
     for block in numba.prange((q_down.shape[1] + columns - 1) // columns):
-        cpu_fp8._down_block_bf16(
-            q_a,
-            s_a,
-            tokens,
-            slot_weights,
-            offsets,
-            hit,
-            q_down,
-            down_scale,
-            down_block[0],
-            down_block[1],
-            sums,
-            block,
-            columns,
-        )
+        tile_down_block(a, tokens, slot_weights, offsets, hit, q_down, down_scales, no_bias, sums, block, columns)
     store_sums(sums, out)
-
-
-rows_experts_fp8_serial = rows_experts_fp8.serial
 
 
 def thread_columns(columns: int, threads: int, multiple: int) -> int:
@@ -364,6 +409,35 @@ def _one_call(
     return specialize(__name__, prefix, namespace, kernels=(rows_experts,))
 
 
+def _fp8_one_call(prefix: str, kernels: dict, operand, unquantized, activated, intermediate, threaded) -> dict:
+    """`rows_experts_fp8` (and its serial form) around one FP8 family's tile kernels;
+    ``threaded``: the intermediate row by row on every thread (else on the calling thread,
+    between the two GEMMs' parallel regions)."""
+    namespace = dict(
+        globals(),
+        THREADED_INTERMEDIATE=threaded,
+        tile_gate_up_item=kernels["_gate_up_item"],
+        tile_down_block=kernels["_down_block"],
+        operand=operand,
+        unquantized=unquantized,
+        activated=activated,
+        intermediate=intermediate,
+    )
+    return specialize(
+        __name__,
+        prefix,
+        namespace,
+        helpers=(_fp8_rows, _fp8_intermediate_row, _fp8_intermediate),
+        kernels=(rows_experts_fp8,),
+    )
+
+
+# The widened family's intermediate stays on the calling thread: with its float dots a
+# third parallel region costs a decode step more than the rows' activation takes.
+_fp8 = _fp8_one_call("fp8", cpu_fp8.widened, _e4m3_values, _rows_as_given, _activated_floats, _e4m3_values, False)
+rows_experts_fp8_widened, rows_experts_fp8_widened_serial = _fp8["rows_experts_fp8"], _fp8["rows_experts_fp8_serial"]
+_fp8_dot = _fp8_one_call("fp8_dot", cpu_fp8.bf16_dot, _e4m3_bits, _rows_as_bfloat16, _activated_bits, _e4m3_bits, True)
+rows_experts_fp8_dot, rows_experts_fp8_dot_serial = _fp8_dot["rows_experts_fp8"], _fp8_dot["rows_experts_fp8_serial"]
 _mxfp4 = _one_call("mxfp4", mxfp4_dot.tile_family)
 rows_experts_mxfp4, rows_experts_mxfp4_serial = _mxfp4["rows_experts"], _mxfp4["rows_experts_serial"]
 _int4 = _one_call("int4", cpu_int4.tile_family)

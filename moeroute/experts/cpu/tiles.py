@@ -13,19 +13,30 @@ A row kernel computes, for each hit expert e and the rows m it serves (sorted by
 * within a block, a tile of ``WEIGHT_TILE`` weight rows (the block's last rows one at a time)
   is loaded once, then dotted with the expert's rows a tile of up to `ROW_TILE` at a time.
 
-A format plugs in three Numba functions and a constant (`row_kernels`):
+A format plugs in three Numba functions and a constant (`row_kernels`), and may add a fourth:
 
 * ``load(w, s, e, n, count, scratch)`` -> ``operand``: weight rows n .. n + count - 1 of
   expert e as its ``dots`` reads them (views of the weights, or rows decoded into
-  ``scratch``, what ``scratch(w, xs)`` allocated once per work item);
+  ``scratch``, what ``scratch(w, s, xs, rows)`` allocated once per work item for experts
+  of at most ``rows`` rows);
 * ``dots(operand, n, count, xs, x_rows, out)``: ``out[i * len(x_rows) + j] = W_e[n + i] .
   xs[x_rows[j]]`` for a tuple ``x_rows`` of 1 to `ROW_TILE` activation rows;
-* ``WEIGHT_TILE``: the weight rows of a whole tile (``count`` is it or 1).
+* ``WEIGHT_TILE``: the weight rows of a whole tile (``count`` is it or 1; with
+  ``partial_tiles``, a segment's rest after its last whole tile is one shorter tile);
+* ``segment(xs, rows, w, s, e, n, last, scratch)`` -> ``(end, xs', rows')``: where the
+  weight rows n .. end - 1 (end <= last) read the activation rows as ``xs'[rows'[i]]``
+  instead of ``xs[rows[i]]`` (``rows``: the expert's activation rows, in order). The
+  default (`whole_block`) is one segment and the rows as given; block-scaled formats end
+  a segment where the weight scales' block row ends, and hand the dots activations with
+  that block row's scales folded in (`moeroute.experts.cpu.fp8`). A weight tile never
+  straddles two segments.
 
 The float formats (`moeroute.experts.cpu.rows`: widened rows, or the bfloat16 dot
 instruction), MXFP4 and INT4 (`moeroute.experts.cpu.mxfp4`, `moeroute.experts.cpu.int4`:
 nibbles decoded in registers; `moeroute.experts.cpu.mxfp4_rows`: rows decoded once;
-`moeroute.experts.cpu.mxfp4_dot`: the bfloat16 dot instruction) are such plug-ins. Each
+`moeroute.experts.cpu.mxfp4_dot`: the bfloat16 dot instruction) and FP8
+(`moeroute.experts.cpu.fp8`: e4m3 decoded in registers, widened or for the bfloat16 dot
+instruction) are such plug-ins. Each
 dot is the format's own, so the loop changes no sum's value: only which dots run together.
 """
 
@@ -37,7 +48,7 @@ import numpy as np
 from moeroute.experts.cpu.dot import add_tile, store_tile
 from moeroute.experts.cpu.variants import specialize
 
-__all__ = ["ROW_BLOCK", "ROW_TILE", "KERNELS", "row_kernels", "no_scratch", "expert_weights"]
+__all__ = ["ROW_BLOCK", "ROW_TILE", "KERNELS", "row_kernels", "no_scratch", "expert_weights", "whole_block"]
 
 #: Weight rows per unit of parallel work (gate_up) and output columns per thread block (down).
 ROW_BLOCK = 64
@@ -47,6 +58,9 @@ ROW_TILE = 4
 KERNELS = ("gate_up_rows", "gate_up_rows_serial", "down_rows", "down_rows_serial")
 #: Placeholder of the format's weight tile (bound per format by `row_kernels`).
 WEIGHT_TILE = 1
+#: Placeholder: whether a segment's rows past its last whole tile go to ``dots`` as one tile
+#: (else one row at a time; bound per format by `row_kernels`).
+PARTIAL_TILES = False
 
 
 def load(w, s, e, n, count, scratch):  # pragma: no cover - each format's copies bind their own
@@ -59,15 +73,26 @@ def dots(operand, n, count, xs, x_rows, out):  # pragma: no cover - each format'
     raise NotImplementedError
 
 
-def scratch(w, xs):  # pragma: no cover - each format's copies bind their own
+def scratch(w, s, xs, rows):  # pragma: no cover - each format's copies bind their own
     """The format's scratch for ``load``, allocated once per work item."""
     raise NotImplementedError
 
 
+def segment(xs, rows, w, s, e, n, last, scratch):  # pragma: no cover - each format's copies bind their own
+    """The format's weight rows from n that read one form of the activation rows."""
+    raise NotImplementedError
+
+
 @numba.njit
-def no_scratch(w, xs):
+def no_scratch(w, s, xs, rows):
     """``scratch`` of the formats that load views (no decode)."""
     return np.empty((0, 0), np.float32)
+
+
+@numba.njit
+def whole_block(xs, rows, w, s, e, n, last, scratch):
+    """``segment`` of the formats whose dots read the activation rows as they are."""
+    return last, xs, rows
 
 
 @numba.njit
@@ -76,18 +101,18 @@ def expert_weights(w, s, e, n, count, scratch):
     return w[e], s[e]
 
 
-def _tile_rows(operand, n, count, xs, tokens, m, stop, tile):
-    """``dots`` of a weight tile with rows tokens[m], .. (up to `ROW_TILE`); returns how many."""
-    rows = min(ROW_TILE, stop - m)
-    if rows == 4:
-        dots(operand, n, count, xs, (tokens[m], tokens[m + 1], tokens[m + 2], tokens[m + 3]), tile)
-    elif rows == 3:
-        dots(operand, n, count, xs, (tokens[m], tokens[m + 1], tokens[m + 2]), tile)
-    elif rows == 2:
-        dots(operand, n, count, xs, (tokens[m], tokens[m + 1]), tile)
+def _tile_rows(operand, n, count, xs, rows, m, stop, tile):
+    """``dots`` of a weight tile with rows[m], .. (up to `ROW_TILE`, before ``stop``); returns how many."""
+    k = min(ROW_TILE, stop - m)
+    if k == 4:
+        dots(operand, n, count, xs, (rows[m], rows[m + 1], rows[m + 2], rows[m + 3]), tile)
+    elif k == 3:
+        dots(operand, n, count, xs, (rows[m], rows[m + 1], rows[m + 2]), tile)
+    elif k == 2:
+        dots(operand, n, count, xs, (rows[m], rows[m + 1]), tile)
     else:
-        dots(operand, n, count, xs, (tokens[m],), tile)
-    return rows
+        dots(operand, n, count, xs, (rows[m],), tile)
+    return k
 
 
 def _gate_up_item(xs, tokens, offsets, e, b, w, s, bias, out):
@@ -95,15 +120,17 @@ def _gate_up_item(xs, tokens, offsets, e, b, w, s, bias, out):
     start, stop = offsets[e], offsets[e + 1]
     first, last = b * ROW_BLOCK, min(w.shape[1], (b + 1) * ROW_BLOCK)
     tile = np.empty(WEIGHT_TILE * ROW_TILE, np.float32)
-    buffer = scratch(w, xs)
+    buffer = scratch(w, s, xs, stop - start)
     n = first
     while n < last:
-        count = WEIGHT_TILE if n + WEIGHT_TILE <= last else 1
-        operand = load(w, s, e, n, count, buffer)
-        for m in range(start, stop, ROW_TILE):
-            rows = _tile_rows(operand, n, count, xs, tokens, m, stop, tile)
-            store_tile(tile, count, n, rows, m, bias, e, out)
-        n += count
+        end, x, rows = segment(xs, tokens[start:stop], w, s, e, n, last, buffer)
+        while n < end:
+            count = WEIGHT_TILE if n + WEIGHT_TILE <= end else (end - n if PARTIAL_TILES else 1)
+            operand = load(w, s, e, n, count, buffer)
+            for m in range(0, stop - start, ROW_TILE):
+                k = _tile_rows(operand, n, count, x, rows, m, stop - start, tile)
+                store_tile(tile, count, n, k, start + m, bias, e, out)
+            n += count
 
 
 def gate_up_rows(xs, tokens, offsets, work, w, s, bias, out):
@@ -116,20 +143,25 @@ def gate_up_rows(xs, tokens, offsets, work, w, s, bias, out):
 def _down_block(acts, tokens, slot_weights, offsets, experts, w, s, bias, sums, block, columns):
     """Output columns [block * columns, ..) over every hit expert."""
     first, last = block * columns, min(w.shape[1], (block + 1) * columns)
-    index = np.arange(acts.shape[0])
+    index = np.arange(tokens.shape[0])
     tile = np.empty(WEIGHT_TILE * ROW_TILE, np.float32)
-    buffer = scratch(w, acts)
+    most = 0
+    for i in range(experts.shape[0]):
+        most = max(most, offsets[experts[i] + 1] - offsets[experts[i]])
+    buffer = scratch(w, s, acts, most)
     for i in range(experts.shape[0]):
         e = experts[i]
         start, stop = offsets[e], offsets[e + 1]
         n = first
         while n < last:
-            count = WEIGHT_TILE if n + WEIGHT_TILE <= last else 1
-            operand = load(w, s, e, n, count, buffer)
-            for m in range(start, stop, ROW_TILE):
-                rows = _tile_rows(operand, n, count, acts, index, m, stop, tile)
-                add_tile(tile, count, n, index[m : m + rows], tokens, slot_weights, bias, e, sums)
-            n += count
+            end, x, rows = segment(acts, index[start:stop], w, s, e, n, last, buffer)
+            while n < end:
+                count = WEIGHT_TILE if n + WEIGHT_TILE <= end else (end - n if PARTIAL_TILES else 1)
+                operand = load(w, s, e, n, count, buffer)
+                for m in range(0, stop - start, ROW_TILE):
+                    k = _tile_rows(operand, n, count, x, rows, m, stop - start, tile)
+                    add_tile(tile, count, n, index[start + m : start + m + k], tokens, slot_weights, bias, e, sums)
+                n += count
 
 
 def down_rows(acts, tokens, slot_weights, offsets, experts, w, s, bias, sums, threaded=True):
@@ -141,14 +173,30 @@ def down_rows(acts, tokens, slot_weights, offsets, experts, w, s, bias, sums, th
 
 
 def row_kernels(
-    module: str, prefix: str, load, dots, weight_tile: int, scratch=no_scratch, standalone: bool = True
+    module: str,
+    prefix: str,
+    load,
+    dots,
+    weight_tile: int,
+    scratch=no_scratch,
+    segment=whole_block,
+    standalone: bool = True,
+    partial_tiles: bool = False,
 ) -> dict:
     """The format's copies of the loop (see the module's docstring), named ``<prefix>_<name>``
     and belonging to ``module`` (the caller's ``__name__``; bind them at module level there):
     the work item ``_gate_up_item`` and the column block ``_down_block`` (for one-call
     forwards) and, with ``standalone``, the kernels ``gate_up_rows``, ``down_rows`` and their
     ``_serial`` forms."""
-    namespace = dict(globals(), load=load, dots=dots, scratch=scratch, WEIGHT_TILE=weight_tile)
+    namespace = dict(
+        globals(),
+        load=load,
+        dots=dots,
+        scratch=scratch,
+        segment=segment,
+        WEIGHT_TILE=weight_tile,
+        PARTIAL_TILES=partial_tiles,
+    )
     return specialize(
         module,
         prefix,

@@ -419,9 +419,8 @@ def _rows_forward(
 ):
     """The "rows" strategy: both GEMMs in the row kernels of `moeroute.experts.cpu.fp8`, the
     second adding into the float32 sums; serial kernels when torch has one thread. With
-    dynamic float scales (or w8a16), the whole forward is one Numba call:
-    `moeroute.experts.cpu.quant_rows` with the bfloat16-dot kernels, else
-    `moeroute.experts.cpu.fp8.rows_experts`."""
+    dynamic float scales (or w8a16), the whole forward is one Numba call
+    (`moeroute.experts.cpu.quant_rows`, around the bfloat16-dot tiles or the widened ones)."""
     tokens, slot_weights, offsets, hit, work = plan
     num_tokens, hidden = hidden_states.shape
     inter = q_gate_up.shape[1] // 2
@@ -441,38 +440,10 @@ def _rows_forward(
         and act_dtype in (torch.float32, torch.bfloat16)
         and activation in cpu_rows.ACTIVATION_CODES
     )
-    if fused and not bf16_dot:
-        # One Numba call from the rows to the output with the float kernels
-        # (`moeroute.experts.cpu.fp8.rows_experts`): the same steps as below, without the
-        # torch calls between them, which cost a decode step as much as a third of its time.
-        bits = act_dtype == torch.bfloat16
-        x = hidden_states.detach().contiguous()
-        out = torch.empty(num_tokens, hidden, dtype=act_dtype)
-        kernel = cpu_fp8.rows_experts_serial if threads == 1 else cpu_fp8.rows_experts
-        with numba_threads(threads):
-            kernel(
-                (x.view(torch.uint16) if bits else x).numpy(),
-                tokens,
-                slot_weights,
-                offsets,
-                hit,
-                work,
-                q_gate_up.view(torch.uint8).numpy(),
-                gu_scale.numpy(),
-                q_down.view(torch.uint8).numpy(),
-                d_scale.numpy(),
-                gu_block,
-                d_block,
-                groups,
-                bits,
-                _MIN_AMAX,
-                cpu_rows.ACTIVATION_CODES[activation],
-                quantize,
-                (out.view(torch.uint16) if bits else out).numpy(),
-            )
-        return out
     if fused:
-        # One Numba call from the rows to the output (`moeroute.experts.cpu.quant_rows`).
+        # One Numba call from the rows to the output (`moeroute.experts.cpu.quant_rows`): the
+        # same steps as below, without the torch calls between them, which cost a decode step
+        # as much as a third of its time.
         bits = act_dtype == torch.bfloat16
         x = hidden_states.detach().contiguous()
         out = torch.empty(num_tokens, hidden, dtype=act_dtype)
@@ -499,7 +470,10 @@ def _rows_forward(
         # One contiguous range of output columns per thread (one thread: all of them), whole
         # packs of weight rows.
         columns = quant_rows.thread_columns(hidden, threads, cpu_fp8.ROW_BLOCK)
-        kernel = quant_rows.rows_experts_fp8_serial if threads == 1 else quant_rows.rows_experts_fp8
+        if bf16_dot:
+            kernel = quant_rows.rows_experts_fp8_dot_serial if threads == 1 else quant_rows.rows_experts_fp8_dot
+        else:
+            kernel = quant_rows.rows_experts_fp8_widened_serial if threads == 1 else quant_rows.rows_experts_fp8_widened
         with numba_threads(threads):
             kernel(*args, columns, result)
         return out
@@ -536,16 +510,13 @@ def _rows_forward(
         )
     with numba_threads(threads):
         gate_up_rows(
-            _e4m3_operand(q_x, bf16_dot),
-            s_x.numpy(),
+            (_e4m3_operand(q_x, bf16_dot), s_x.numpy()),
             x_rows,
             offsets,
             work,
             q_gate_up.view(torch.uint8).numpy(),
-            gu_scale.numpy(),
-            inter,
-            gu_block[0],
-            gu_block[1],
+            (gu_scale.numpy(), inter, gu_block[0], gu_block[1]),
+            _NO_BIAS,
             gate_up.numpy(),
         )
         act = gated_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
@@ -557,16 +528,14 @@ def _rows_forward(
         else:
             q_act, s_act = act.to(act_dtype).float(), torch.ones(act.shape[0], d_groups)
         down_rows(
-            _e4m3_operand(q_act, bf16_dot),
-            s_act.numpy(),
+            (_e4m3_operand(q_act, bf16_dot), s_act.numpy()),
             tokens,
             slot_weights,
             offsets,
             hit,
             q_down.view(torch.uint8).numpy(),
-            d_scale.numpy(),
-            d_block[0],
-            d_block[1],
+            (d_scale.numpy(), hidden, d_block[0], d_block[1]),
+            _NO_BIAS,
             sums.numpy(),
         )
     return sums if act_dtype == torch.float32 else sums.to(act_dtype)
@@ -645,6 +614,8 @@ def _quantized_rows(x: torch.Tensor, config: QuantConfig, groups: int, static_sc
     return q, scales.expand(-1, groups).contiguous()
 
 
+#: The row kernels' bias argument: none (`moeroute.experts.cpu.tiles`).
+_NO_BIAS = np.empty((0, 0), np.float32)
 #: `moeroute.quant`'s amax floor as float32 (the dynamic scale's ``max(amax, 1e-10)``).
 _MIN_AMAX = np.float32(MIN_AMAX)
 
