@@ -30,6 +30,11 @@ K = 8) with Kimi-K2's groups of 32, T = 1, 8 and 512
 (``--quick``: 1 and 8), bfloat16 activations, torch on 2 threads, interleaved; also the packed
 bytes read per second against the copy bandwidth; JSON to bench/results/quant_int4.json.
 
+``--kernels`` (a CPU with AVX512-BF16): FP8's two row-kernel families against each other, the
+bfloat16-dot kernels and the widened ones, on the Qwen3-30B-A3B and DeepSeek-V3 expert shapes
+with each hit expert given 1 to 6 rows, w8a8 and w8a16, interleaved: where "auto" switches
+between them (`FP8_WIDENED_MAX_MEAN_ROWS`); JSON to bench/results/quant_fp8_kernels.json.
+
 ``--shape NAME`` (repeatable): only those shapes (of `INT4_SHAPES` with ``--int4``). The JSON records the instruction-set path
 the kernels took (``moeroute.cpu_isa()``, see `MOEROUTE_CPU_ISA`), so a run under
 ``MOEROUTE_CPU_ISA=avx2`` reports the AVX2 path's share of the copy bandwidth, and writes beside
@@ -37,7 +42,7 @@ the CPU's own run (quant_avx2.json, quant_int4_avx2.json); hold torch to AVX2 as
 (``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2``) for the bfloat16 layer of such a CPU.
 
 JSON goes to bench/results/quant.json. Run:
-``python bench/quant.py [--quick] [--shape NAME ...] [--w8a16] [--int4]``.
+``python bench/quant.py [--quick] [--shape NAME ...] [--w8a16] [--int4] [--kernels]``.
 """
 
 from __future__ import annotations
@@ -215,6 +220,88 @@ def run_w8a16(repeats: int = 30) -> dict:
     }
 
 
+#: Shapes of the FP8 kernel-family comparison: (name, H, I, hit experts).
+KERNEL_SHAPES = (("qwen3_30b_a3b", 2048, 768, 32), ("deepseek_v3_experts", 7168, 2048, 8))
+#: Rows per hit expert of that comparison (T = hit * rows / 8, top-8).
+KERNEL_ROWS = (1, 2, 3, 4, 6)
+
+
+def run_fp8_kernels(repeats: int = 15) -> dict:
+    """FP8's two row-kernel families against each other where both run (a CPU with
+    AVX512-BF16): the bfloat16-dot kernels (`choose.FP8_WIDENED_MAX_MEAN_ROWS` set to 0) and
+    the widened ones (set to infinity), interleaved, "rows" strategy, bfloat16 activations,
+    w8a8 and w8a16, each hit expert given the same number of rows (`KERNEL_ROWS`)."""
+    from moeroute.experts import choose as experts_choose
+    from moeroute.experts.cpu import fp8 as cpu_fp8
+    from moeroute.experts.formats.fp8 import fp8_experts_forward
+
+    if not cpu_fp8.BF16_DOT:
+        raise SystemExit("--kernels compares FP8's bfloat16-dot kernels, which this CPU path does not run")
+    torch.set_num_threads(2)
+    bound = experts_choose.FP8_WIDENED_MAX_MEAN_ROWS
+    generator = torch.Generator().manual_seed(0)
+    rows, results = [], []
+    try:
+        for name, hidden, inter, hit in KERNEL_SHAPES:
+            weights = quantize_experts(
+                torch.randn(hit, 2 * inter, hidden, generator=generator) * 0.02,
+                torch.randn(hit, hidden, inter, generator=generator) * 0.02,
+                QUANT,
+            )
+            for per_expert in KERNEL_ROWS:
+                tokens = hit * per_expert // 8
+                ids = (torch.arange(tokens * 8) % hit).reshape(tokens, 8).int()
+                slot_weights = torch.rand(tokens, 8, generator=generator)
+                x = torch.randn(tokens, hidden, generator=generator).bfloat16()
+                for quant in (QUANT, W8A16):
+
+                    def family(limit, quant=quant, x=x, slot_weights=slot_weights, ids=ids):
+                        def call():
+                            experts_choose.FP8_WIDENED_MAX_MEAN_ROWS = limit
+                            return fp8_experts_forward(x, slot_weights, ids, *weights, quant, strategy="rows")
+
+                        return call
+
+                    with torch.no_grad():
+                        timing = interleaved(family(0.0), family(float("inf")), repeats=repeats, warmup=2)
+                    entry = {
+                        "shape": name,
+                        "rows_per_expert": per_expert,
+                        "tokens": tokens,
+                        "activation": quant.activation,
+                        "bf16_dot_ms": timing["baseline_us"] / 1e3,
+                        "widened_ms": timing["candidate_us"] / 1e3,
+                        "bf16_dot_over_widened": timing["speedup"],
+                        "range": timing["speedup_range"],
+                        "repeats": timing["repeats"],
+                    }
+                    results.append(entry)
+                    rows.append(
+                        [
+                            name,
+                            per_expert,
+                            quant.activation,
+                            entry["bf16_dot_ms"],
+                            entry["widened_ms"],
+                            entry["bf16_dot_over_widened"],
+                        ]
+                    )
+                    print_table(
+                        ["shape", "rows/expert", "activations", "dot ms", "widened ms", "dot/widened"], rows[-1:]
+                    )
+    finally:
+        experts_choose.FP8_WIDENED_MAX_MEAN_ROWS = bound
+    print()
+    print_table(["shape", "rows/expert", "activations", "dot ms", "widened ms", "dot/widened"], rows)
+    return {
+        "bound": bound,
+        "activation_dtype": "bfloat16",
+        "torch_threads": 2,
+        "shapes": {name: dict(hidden=h, inter=i, hit_experts=n, top_k=8) for name, h, i, n in KERNEL_SHAPES},
+        "results": results,
+    }
+
+
 def build_int4(shape):
     """The bfloat16 layer and the INT4 layer on its weights (the shape's group, symmetric)."""
     bf16, _ = build(shape)
@@ -294,11 +381,18 @@ def main(argv=None) -> None:
     parser.add_argument("--w8a16", action="store_true", help="w8a16 against w8a8 (Qwen3-30B-A3B, T = 1, 8)")
     parser.add_argument("--int4", action="store_true", help="INT4 w4a16 against bfloat16 (Qwen3-30B-A3B, Kimi-K2)")
     parser.add_argument(
+        "--kernels", action="store_true", help="FP8's bfloat16-dot against its widened row kernels (AVX512-BF16)"
+    )
+    parser.add_argument(
         "--shape", action="append", choices=sorted({*SHAPES, *INT4_SHAPES}), help="only this shape (repeatable)"
     )
     args = parser.parse_args(argv)
     if args.int4:
         path = write_results("quant_int4" + isa_suffix(), run_int4(args.quick, args.shape))
+        print(f"wrote {path}")
+        return
+    if args.kernels:
+        path = write_results("quant_fp8_kernels" + isa_suffix(), run_fp8_kernels())
         print(f"wrote {path}")
         return
     if args.w8a16:

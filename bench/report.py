@@ -291,6 +291,32 @@ def _quant_w8a16(data):
     return lines + _table(["T", "w8a8", "w8a16", "w8a8 time / w8a16 time (range)"], rows)
 
 
+def _quant_fp8_kernels(data):
+    lines = [
+        "`python -m bench quant --kernels`: FP8's bfloat16-dot row kernels against its widened ones "
+        f'("rows" strategy, {data.get("activation_dtype")} activations, torch on {data.get("torch_threads")} '
+        'threads), each hit expert given the same number of rows; "auto" takes the widened kernels up to '
+        f"{data.get('bound')} mean rows per hit expert.",
+        "",
+    ]
+    rows = [
+        (
+            r["shape"],
+            r["rows_per_expert"],
+            r["tokens"],
+            "w8a8" if r["activation"] == "dynamic" else "w8a16",
+            _ms(r["bf16_dot_ms"]),
+            _ms(r["widened_ms"]),
+            _ratio(r["bf16_dot_over_widened"], r.get("range")),
+        )
+        for r in data["results"]
+    ]
+    return lines + _table(
+        ["shape", "rows per expert", "T", "activations", "bfloat16 dot", "widened", "dot time / widened time (range)"],
+        rows,
+    )
+
+
 def _quant_mxfp4(data):
     shape, copy = data.get("shape", {}), data.get("host_copy_gbs")
     lines = [
@@ -761,6 +787,7 @@ RENDERERS = {
     "vllm": ("The vLLM plugin against vLLM's CPU MoE", _vllm),
     "quant": ("FP8 experts on the CPU", _quant),
     "quant_w8a16": ("FP8 w8a16 against w8a8 on the CPU", _quant_w8a16),
+    "quant_fp8_kernels": ("FP8 row kernels: bfloat16 dot against widened", _quant_fp8_kernels),
     "quant_mxfp4": ("MXFP4 experts on the CPU", _quant_mxfp4),
     "quant_int4": ("INT4 experts on the CPU", _quant_int4),
     # the same benchmarks with the kernels and torch held to AVX2 (MOEROUTE_CPU_ISA=avx2,

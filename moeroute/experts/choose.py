@@ -9,7 +9,8 @@ float  cpu      "rows" up to `rows_bound` mean rows per hit expert (bfloat16: 8 
                 experts hit) or "loop"
 fp8    cpu      "rows" up to `ROWS_MAX_MEAN_ROWS` mean rows per hit expert, and at any count
                 where the bfloat16-dot kernels serve the shapes (CPU feature `BF16_DOT`);
-                else "blocks"
+                else "blocks". Within "rows", the bfloat16-dot kernels past
+                `FP8_WIDENED_MAX_MEAN_ROWS` (`fp8_bf16_dot`), the widened ones below
 mxfp4  cpu      "rows" (few rows per expert decode in registers, more decode once per call)
 int4   cpu      "rows" (the bfloat16-dot tiles where they serve: symmetric weights, bfloat16
                 activations; else the decode-once row kernels); bfloat16 activations where
@@ -41,6 +42,7 @@ __all__ = [
     "ROWS_MAX_MEAN_ROWS",
     "BF16_ROWS_MAX_MEAN_ROWS",
     "INT4_BF16_ROWS_MAX_MEAN_ROWS",
+    "FP8_WIDENED_MAX_MEAN_ROWS",
     "ROWS_DTYPES",
     "PADDED_MAX_ROWS",
     "PADDED_MIN_HIT_FRACTION",
@@ -50,6 +52,7 @@ __all__ = [
     "check_strategy",
     "rows_bound",
     "int4_rows_bound",
+    "fp8_bf16_dot",
     "choose",
 ]
 
@@ -83,6 +86,13 @@ BF16_ROWS_MAX_MEAN_ROWS = 8
 #: chunk besides the GEMM, so the row kernels still win at 16 rows per expert and the two
 #: meet near 32 (the T = 512 rows of bench/quant.py --int4 run past the bound).
 INT4_BF16_ROWS_MAX_MEAN_ROWS = 24
+#: FP8's row kernels where the bfloat16-dot ones serve: up to this many mean rows per hit
+#: expert the widened kernels (e4m3 widened to float32 in registers, two weight rows per
+#: pass) run instead. With one activation row per expert, as in a decode step, the
+#: bfloat16-dot kernels' conversion of every e4m3 weight to bfloat16 and their four-row
+#: tiles buy nothing, and the widened kernels are faster; from about two rows per expert
+#: the dot instruction's products pay for it (bench/results/quant_fp8_kernels.json).
+FP8_WIDENED_MAX_MEAN_ROWS = 1.5
 #: Dtypes of the float row kernels.
 ROWS_DTYPES = (torch.float32, torch.bfloat16)
 #: Largest per-expert row count the padded batch is used for: below it an expert's
@@ -146,6 +156,13 @@ def int4_rows_bound(dtype: torch.dtype) -> float:
     if dtype == torch.bfloat16 and cpu_features.FEATURES & {"avx512bf16", "amx-bf16"}:
         return float(INT4_BF16_ROWS_MAX_MEAN_ROWS)
     return float("inf")
+
+
+def fp8_bf16_dot(served: bool, rows: int, hit: int) -> bool:
+    """Whether FP8's "rows" strategy runs the bfloat16-dot kernels: they serve the call
+    (``served``: the CPU feature and the shapes, `moeroute.experts.cpu.fp8.bf16_dot_serves`)
+    and its ``rows`` over ``hit`` experts exceed `FP8_WIDENED_MAX_MEAN_ROWS` per expert."""
+    return served and rows > FP8_WIDENED_MAX_MEAN_ROWS * hit
 
 
 def choose(

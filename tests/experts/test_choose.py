@@ -8,12 +8,14 @@ from moeroute.experts import choose as choose_module
 from moeroute.experts.choose import (
     BF16_ROWS_MAX_MEAN_ROWS,
     FORMATS,
+    FP8_WIDENED_MAX_MEAN_ROWS,
     INT4_BF16_ROWS_MAX_MEAN_ROWS,
     ROWS_MAX_MEAN_ROWS,
     STRATEGIES,
     check_strategy,
     choose,
     format_of,
+    fp8_bf16_dot,
 )
 from moeroute.quant import QuantConfig
 
@@ -155,3 +157,41 @@ def test_moe_refuses_a_strategy_its_format_lacks(quant, gemm):
 
     with pytest.raises(ValueError, match=rf"^gemm='{gemm}' is not an? "):
         MoE(RouterConfig(4, 2, "softmax"), 64, 64, quant=quant, gemm=gemm)
+
+
+def test_fp8_bf16_dot_kernels_past_the_widened_bound():
+    """FP8's kernel family within "rows": widened up to `FP8_WIDENED_MAX_MEAN_ROWS` mean rows
+    per hit expert, the bfloat16-dot kernels past it, and never where they do not serve."""
+    hit = 8
+    at_bound = int(FP8_WIDENED_MAX_MEAN_ROWS * hit)
+    assert not fp8_bf16_dot(True, hit, hit)  # a decode step: one row per expert
+    assert not fp8_bf16_dot(True, at_bound, hit)
+    assert fp8_bf16_dot(True, at_bound + 1, hit)
+    assert not fp8_bf16_dot(False, 100 * hit, hit)
+
+
+@pytest.mark.skipif(not choose_module.cpu_features.FEATURES & {"avx512bf16"}, reason="one FP8 kernel family here")
+@pytest.mark.parametrize("tokens, family", [(1, "widened"), (4, "widened"), (16, "bf16_dot")])
+def test_fp8_forward_runs_the_family_the_bound_names(monkeypatch, tokens, family):
+    """The FP8 forward reads the bound per call: its output is, bit for bit, the output of the
+    family `fp8_bf16_dot` names (that family forced by setting the bound to 0 or infinity)."""
+    from moeroute.experts.formats.fp8 import fp8_experts_forward
+    from moeroute.quant import quantize_experts
+
+    quant = QuantConfig("fp8_block")
+    generator = torch.Generator().manual_seed(tokens)
+    weights = quantize_experts(
+        torch.randn(8, 256, 128, generator=generator) * 0.05,
+        torch.randn(8, 128, 128, generator=generator) * 0.05,
+        quant,
+    )
+    ids = (torch.arange(tokens * 2) % 8).reshape(tokens, 2).int()  # tokens * 2 / min(8, 2 * tokens) rows each
+    slot_weights = torch.rand(tokens, 2, generator=generator)
+    x = torch.randn(tokens, 128, generator=generator)  # float32 out: the sums' order shows
+    out = fp8_experts_forward(x, slot_weights, ids, *weights, quant, strategy="rows")
+    monkeypatch.setattr(choose_module, "FP8_WIDENED_MAX_MEAN_ROWS", float("inf") if family == "widened" else 0.0)
+    forced = fp8_experts_forward(x, slot_weights, ids, *weights, quant, strategy="rows")
+    monkeypatch.setattr(choose_module, "FP8_WIDENED_MAX_MEAN_ROWS", 0.0 if family == "widened" else float("inf"))
+    other = fp8_experts_forward(x, slot_weights, ids, *weights, quant, strategy="rows")
+    assert torch.equal(out, forced)
+    assert not torch.equal(out, other)  # the two families sum in different orders

@@ -39,7 +39,7 @@ from moeroute.experts.cpu import quant_rows
 from moeroute.experts.cpu import rows as cpu_rows
 from moeroute.experts.activations import gated_activation
 from moeroute.experts.formats.unquantized import numba_threads, check_same_device
-from moeroute.experts.choose import STRATEGIES, check_strategy, choose, cupy_installed
+from moeroute.experts.choose import STRATEGIES, check_strategy, choose, cupy_installed, fp8_bf16_dot
 from moeroute.quant import FP8_DTYPE, QuantConfig, check_scale, quantize_fp8_activations, quantize_fp8_static
 from moeroute.quant.fp8 import MIN_AMAX, check_fp8_weight
 from moeroute.experts.cpu import fp8 as cpu_fp8
@@ -430,7 +430,9 @@ def _rows_forward(
     gu_groups, d_groups = gu_scale.shape[2], d_scale.shape[2]
     threads = cpu_threads()
     quantize = config.quantizes_activations
-    bf16_dot = _bf16_dot(config, act_dtype, hidden, inter, gu_block, d_block)
+    bf16_dot = fp8_bf16_dot(
+        _bf16_dot(config, act_dtype, hidden, inter, gu_block, d_block), tokens.shape[0], hit.shape[0]
+    )
     groups = _fused_groups(config, hidden, inter, gu_groups, d_groups)
     fused = (
         groups is not None
