@@ -18,7 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from gpu_reference import to_storage
+from moeroute.gpu import gemm_fp8
 from moeroute.gpu import launch as L
 from moeroute.gpu.align_fallback import align_block_size_array_api
 from moeroute.gpu.loader import KERNEL_DIR
@@ -229,6 +232,35 @@ class HostBackend:
         self.launched.append(plan.name)
         self.emulator.launch(plan)
         self.arrays.check_guards()
+
+
+def run_fp8_on_host(emulator: HostEmulator, dtype: str, x, topk_ids, topk_weights, quantized, **options):
+    """`moeroute.gpu.gemm_fp8.run_fp8_experts` on the host: ``x`` (torch, values of ``dtype``),
+    the routing (NumPy) and ``quantized`` (q_gate_up, gate_up_scale, q_down, down_scale: torch
+    e4m3 and float32) copied into guarded arrays, ``options`` passed on (an ``input_scale``
+    tensor copied too); the guards checked after. Returns (out in ``dtype``'s storage, the
+    backend, whose ``launched`` names the kernels)."""
+    arrays = GuardedArrays()
+    backend = HostBackend(emulator, arrays)
+    out = arrays.empty(tuple(x.shape), L.STORAGE_DTYPES[dtype])
+    q_gate_up, gate_up_scale, q_down, down_scale = quantized
+    if options.get("input_scale") is not None:
+        options["input_scale"] = arrays.copy(options["input_scale"].numpy())
+    gemm_fp8.run_fp8_experts(
+        backend,
+        dtype,
+        arrays.copy(to_storage(x.float().numpy(), dtype)),
+        arrays.copy(q_gate_up.view(torch.uint8).numpy()),
+        arrays.copy(gate_up_scale.numpy()),
+        arrays.copy(q_down.view(torch.uint8).numpy()),
+        arrays.copy(down_scale.numpy()),
+        arrays.copy(topk_weights),
+        arrays.copy(topk_ids),
+        out,
+        **options,
+    )
+    arrays.check_guards()
+    return out, backend
 
 
 def format_emulator(kernel_file: str, names, tmp_path_factory) -> HostEmulator:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gpu_host_emulator as host
-from gpu_host_emulator import HIPCC, GuardedArrays, HostBackend, nvrtc_available
+from gpu_host_emulator import HIPCC, GuardedArrays, nvrtc_available, run_fp8_on_host
 from gpu_reference import from_storage, ragged_routing, to_storage
 from moeroute.gpu import gemm_fp8 as G
 from moeroute.gpu import launch as L
@@ -113,29 +113,19 @@ def _problem(config, dtype, seed, H=144, I=100, top_k=2):
 def test_fp8_experts_match_w8a8_reference(fp8_emulator, path, dtype, format, block_size, scale_fmt):
     config = QuantConfig(format=format, block_size=block_size, scale_fmt=scale_fmt)
     x, topk_ids, topk_weights, (q_gu, s_gu, q_d, s_d) = _problem(config, dtype, seed=3)
-    arrays = GuardedArrays()
-    backend = HostBackend(fp8_emulator, arrays)
-    T, H = x.shape
-    out = arrays.empty((T, H), L.STORAGE_DTYPES[dtype])
-    bytes_of = lambda q: arrays.copy(q.view(torch.uint8).numpy())  # noqa: E731
-    G.run_fp8_experts(
-        backend,
+    out, backend = run_fp8_on_host(
+        fp8_emulator,
         dtype,
-        arrays.copy(to_storage(x.float().numpy(), dtype)),
-        bytes_of(q_gu),
-        arrays.copy(s_gu.numpy()),
-        bytes_of(q_d),
-        arrays.copy(s_d.numpy()),
-        arrays.copy(topk_weights),
-        arrays.copy(topk_ids),
-        out,
+        x,
+        topk_ids,
+        topk_weights,
+        (q_gu, s_gu, q_d, s_d),
         format=format,
         block_size=block_size or (128, 128),
         scale_fmt=scale_fmt,
         align_block=16,
         path=path,
     )
-    arrays.check_guards()
     assert any(name.startswith(f"moe_gemm_fp8_{path}") for name in backend.launched)
     expected = (
         moe_experts_reference(
@@ -169,21 +159,13 @@ def test_scales_are_applied_per_block(fp8_emulator):
     x, topk_ids, topk_weights, (q_gu, s_gu, q_d, s_d) = _problem(config, "float32", seed=11)
     s_d = s_d.clone()
     s_d[:, 2, 1] *= 1024.0
-    arrays = GuardedArrays()
-    backend = HostBackend(fp8_emulator, arrays)
-    out = arrays.empty(tuple(x.shape), np.float32)
-    bytes_of = lambda q: arrays.copy(q.view(torch.uint8).numpy())  # noqa: E731
-    G.run_fp8_experts(
-        backend,
+    out, _ = run_fp8_on_host(
+        fp8_emulator,
         "float32",
-        arrays.copy(x.numpy()),
-        bytes_of(q_gu),
-        arrays.copy(s_gu.numpy()),
-        bytes_of(q_d),
-        arrays.copy(s_d.numpy()),
-        arrays.copy(topk_weights),
-        arrays.copy(topk_ids),
-        out,
+        x,
+        topk_ids,
+        topk_weights,
+        (q_gu, s_gu, q_d, s_d),
         format="fp8_block",
         block_size=(32, 48),
         align_block=16,
@@ -305,27 +287,18 @@ def test_static_activation_scales_match_reference(fp8_emulator, path, dtype):
     x, topk_ids, topk_weights, (q_gu, s_gu, q_d, s_d) = _problem(config, dtype, seed=4)
     E = len(COUNTS)
     input_scale = torch.tensor([[0.004 * 4.0**e, 0.0005 * 2.0**e] for e in range(E)], dtype=torch.float32)
-    arrays = GuardedArrays()
-    backend = HostBackend(fp8_emulator, arrays)
-    out = arrays.empty(tuple(x.shape), L.STORAGE_DTYPES[dtype])
-    bytes_of = lambda q: arrays.copy(q.view(torch.uint8).numpy())  # noqa: E731
-    G.run_fp8_experts(
-        backend,
+    out, backend = run_fp8_on_host(
+        fp8_emulator,
         dtype,
-        arrays.copy(to_storage(x.float().numpy(), dtype)),
-        bytes_of(q_gu),
-        arrays.copy(s_gu.numpy()),
-        bytes_of(q_d),
-        arrays.copy(s_d.numpy()),
-        arrays.copy(topk_weights),
-        arrays.copy(topk_ids),
-        out,
+        x,
+        topk_ids,
+        topk_weights,
+        (q_gu, s_gu, q_d, s_d),
         format="fp8_tensor",
         align_block=16,
         path=path,
-        input_scale=arrays.copy(input_scale.numpy()),
+        input_scale=input_scale,
     )
-    arrays.check_guards()
     assert G.quantize_static_name(dtype) in backend.launched
     expected = (
         moe_experts_reference(

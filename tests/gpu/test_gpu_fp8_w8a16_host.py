@@ -14,8 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_host_emulator import GuardedArrays, HostBackend, assert_no_spills, format_emulator, nvrtc_available
-from gpu_reference import from_storage, ragged_routing, to_storage
+from gpu_host_emulator import (
+    GuardedArrays,
+    HostBackend,
+    assert_no_spills,
+    format_emulator,
+    nvrtc_available,
+    run_fp8_on_host,
+)
+from gpu_reference import from_storage, ragged_routing
 from helpers.reference import dense_experts
 from moeroute.gpu import gemm_fp8 as G
 from moeroute.gpu import launch as L
@@ -80,29 +87,19 @@ def _problem(block, dtype, seed, H=144, I=100, top_k=2):
 
 def _check(emulator, dtype, block, path, align_block=16, H=144, I=100):
     x, topk_ids, topk_weights, (q_gu, s_gu, q_d, s_d) = _problem(block, dtype, seed=3, H=H, I=I)
-    arrays = GuardedArrays()
-    backend = HostBackend(emulator, arrays)
-    T, H = x.shape
-    out = arrays.empty((T, H), L.STORAGE_DTYPES[dtype])
-    bytes_of = lambda q: arrays.copy(q.view(torch.uint8).numpy())  # noqa: E731
-    G.run_fp8_experts(
-        backend,
+    out, backend = run_fp8_on_host(
+        emulator,
         dtype,
-        arrays.copy(to_storage(x.float().numpy(), dtype)),
-        bytes_of(q_gu),
-        arrays.copy(s_gu.numpy()),
-        bytes_of(q_d),
-        arrays.copy(s_d.numpy()),
-        arrays.copy(topk_weights),
-        arrays.copy(topk_ids),
-        out,
+        x,
+        topk_ids,
+        topk_weights,
+        (q_gu, s_gu, q_d, s_d),
         format="fp8_block",
         block_size=block,
         align_block=align_block,
         w8a16=True,
         path=path,
     )
-    arrays.check_guards()
     assert backend.launched[0].startswith(f"moe_gemm_fp8w16_{path or 'mma'}"), backend.launched
     assert not any(name.startswith("fp8_quantize") for name in backend.launched), "w8a16 quantizes no activations"
     expected = dense_experts(
