@@ -31,20 +31,24 @@ The shared expert is vLLM's runner's with INT4 routed experts as with float ones
 and rows are counted in both runs and must be equal.
 """
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import quant_checkpoints  # noqa: E402
-from test_vllm_plugin import _compare, _serve  # noqa: E402
+from quant_serving import (  # noqa: E402
+    assert_greedy_tokens_match,
+    assert_plugin_served,
+    deepseek_routing,
+    read_config,
+    serve_quantized,
+    vllm_alone_log,
+)
 
 NUM_EXPERTS = 16
 MOE_LAYERS = ("model.layers.1.mlp.experts", "model.layers.2.mlp.experts")
@@ -53,12 +57,14 @@ MOE_LAYERS = ("model.layers.1.mlp.experts", "model.layers.2.mlp.experts")
 LAYER_BOUND = 2e-2
 
 
+METHOD = "MoerouteInt4MoEMethod"
+
+
 @pytest.fixture(scope="session")
 def served_int4_asymmetric(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_int4_asymmetric")
     int4_dir = quant_checkpoints.save_int4_deepseek(str(root / "int4"), symmetric=False)
-    on, on_log = _serve(root / "on.json", [int4_dir], "--capture", VLLM_PLUGINS="moeroute")
-    return {"int4": int4_dir, "on": on, "on_log": on_log, "captured": torch.load(str(root / "on.json") + ".0.pt")}
+    return serve_quantized(root, "int4", int4_dir)
 
 
 @pytest.fixture(scope="session")
@@ -66,49 +72,20 @@ def served_int4(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_int4")
     int4_dir, bf16_dir = str(root / "int4"), str(root / "dequantized")
     quant_checkpoints.save_int4_deepseek(int4_dir, bf16_dir)
-    on, on_log = _serve(root / "on.json", [int4_dir], "--capture", VLLM_PLUGINS="moeroute")
-    compiled, _ = _serve(root / "compiled.json", [int4_dir], "--compiled", VLLM_PLUGINS="moeroute")
-    dequantized, _ = _serve(root / "dequantized.json", [bf16_dir])
-    return {
-        "int4": int4_dir,
-        "bf16": bf16_dir,
-        "on": on,
-        "on_log": on_log,
-        "dequantized": dequantized,
-        "compiled": compiled,
-        "captured": torch.load(str(root / "on.json") + ".0.pt"),
-    }
+    return serve_quantized(root, "int4", int4_dir, bf16_dir)
 
 
 def test_vllm_alone_cannot_serve_it_here(tmp_path):
     """What vLLM CPU does with the checkpoint without the plugin, on a CPU without AMX."""
     if torch.cpu._is_amx_tile_supported():
         pytest.skip("this CPU has AMX tiles: vLLM's own CPU INT4 experts may serve the checkpoint")
-    int4_dir = quant_checkpoints.save_int4_deepseek(str(tmp_path / "int4"))
-    environment = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "MOEROUTE_VLLM")}
-    done = subprocess.run(
-        [sys.executable, str(HERE / "serve.py"), str(tmp_path / "off.json"), int4_dir],
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    log = done.stdout + done.stderr
-    assert done.returncode != 0, log[-3000:]
+    log = vllm_alone_log(tmp_path / "off.json", quant_checkpoints.save_int4_deepseek(str(tmp_path / "int4")))
     assert "Using CompressedTensorsWNA16MoEMethod" in log, log[-3000:]
     assert "NotImplementedError: No WNA16 MoE backend supports the deployment configuration" in log, log[-3000:]
 
 
 def test_plugin_serves_the_int4_layers(served_int4):
-    on = served_int4["on"]
-    counts = list(on[served_int4["int4"]]["counts"].values())
-    assert len(counts) == len(MOE_LAYERS)
-    assert all(c["method"] == "MoerouteInt4MoEMethod" and c["monolithic"] for c in counts), counts
-    stats = on["stats"]
-    assert stats["layers"] == stats["quantized_layers"] == len(MOE_LAYERS)
-    assert stats.get("declined", 0) == 0
-    assert stats["calls"] == sum(c["runner_calls"] for c in counts) > 0
-    assert stats["tokens"] == sum(c["runner_rows"] for c in counts)
+    assert_plugin_served(served_int4["on"], served_int4["int4"], METHOD, len(MOE_LAYERS))
     assert "int4 (groups of 32, symmetric) silu experts; shared expert: runner" in served_int4["on_log"]
 
 
@@ -188,10 +165,7 @@ def test_layer_outputs_match_the_float64_reference(served_int4, layer_name):
 
 def test_plugin_serves_the_asymmetric_int4_layers(served_int4_asymmetric):
     served = served_int4_asymmetric
-    counts = list(served["on"][served["int4"]]["counts"].values())
-    assert len(counts) == len(MOE_LAYERS)
-    assert all(c["method"] == "MoerouteInt4MoEMethod" and c["monolithic"] for c in counts), counts
-    assert served["on"]["stats"]["quantized_layers"] == len(MOE_LAYERS)
+    assert_plugin_served(served["on"], served["int4"], METHOD, len(MOE_LAYERS), whole=False)
     assert "int4 (groups of 32, asymmetric) silu experts; shared expert: runner" in served["on_log"]
 
 
@@ -201,29 +175,14 @@ def test_asymmetric_layer_outputs_match_the_float64_reference(served_int4_asymme
 
 
 def _check_layer_outputs(served, layer_name):
-    from moeroute.config import RouterConfig
-    from moeroute.routing.reference import select_experts
-
     calls = served["captured"][layer_name]
     assert len(calls) == served["on"]["stats"]["calls"] // len(MOE_LAYERS)
-    with open(os.path.join(served["int4"], "config.json")) as f:
-        config = json.load(f)
+    config = read_config(served["int4"])
     w_gate_up, w_down, bias = _checkpoint_experts(served["int4"], layer_name)
     errors = []
     for call in calls:
-        assert torch.equal(call["bias"].float(), bias)
-        assert call["routed_scaling_factor"] in (1.0, config["routed_scaling_factor"])
-        router = RouterConfig(
-            config["n_routed_experts"],
-            config["num_experts_per_tok"],
-            "sigmoid",
-            num_expert_group=config["n_group"],
-            topk_group=config["topk_group"],
-            renormalize=config["norm_topk_prob"],
-            routed_scaling_factor=call["routed_scaling_factor"],
-        )
-        weights, ids = select_experts(call["router_logits"].float().numpy(), router, bias.numpy())
-        reference = _moe_reference(call["x"], torch.from_numpy(ids), torch.from_numpy(weights), w_gate_up, w_down)
+        weights, ids = deepseek_routing(config, call, bias)
+        reference = _moe_reference(call["x"], ids, weights, w_gate_up, w_down)
         assert call["out"].shape == reference.shape and call["out"].dtype == torch.bfloat16
         errors.append(float((call["out"].double() - reference).abs().max() / reference.abs().max()))
     assert max(errors) <= LAYER_BOUND, errors
@@ -234,12 +193,4 @@ def _check_layer_outputs(served, layer_name):
 def test_greedy_tokens_match_the_dequantized_model(served_int4, batch, run):
     # "compiled": vLLM's torch.compile (enforce_eager=False) with the plugin's INT4 layers
     # inside the graph (torch.ops.moeroute.experts with quant_format="int4", an opaque custom op).
-    if run == "compiled":
-        counts = served_int4["compiled"][served_int4["int4"]]["counts"].values()
-        assert all(c["method"] == "MoerouteInt4MoEMethod" and c["monolithic"] for c in counts), counts
-        assert served_int4["compiled"]["stats"]["quantized_layers"] == len(MOE_LAYERS)
-    reference = served_int4["dequantized"][served_int4["bf16"]]["batches"][batch]
-    candidate = served_int4[run][served_int4["int4"]]["batches"][batch]
-    assert len(reference) == len(candidate) == int(batch)
-    compared = [_compare(r, c) for r, c in zip(reference, candidate)]
-    assert all(n >= 1 for n in compared), compared
+    assert_greedy_tokens_match(served_int4, "int4", METHOD, len(MOE_LAYERS), batch, run)

@@ -21,18 +21,16 @@ Checked against two references:
 """
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import quant_checkpoints  # noqa: E402
-from test_vllm_plugin import _compare, _serve  # noqa: E402
+from quant_serving import assert_greedy_tokens_match, assert_plugin_served, serve_quantized, vllm_alone_log  # noqa: E402
 
 MOE_LAYERS = ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
 NUM_EXPERTS, TOP_K = 8, 2
@@ -42,53 +40,27 @@ ALPHA, LIMIT = 1.702, 7.0
 LAYER_BOUND = 2e-2
 
 
+METHOD = "MoerouteMxfp4MoEMethod"
+
+
 @pytest.fixture(scope="session")
 def served_mxfp4(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_mxfp4")
     mxfp4_dir, bf16_dir = str(root / "mxfp4"), str(root / "dequantized")
     quant_checkpoints.save_mxfp4_gpt_oss(mxfp4_dir, bf16_dir)
-    on, on_log = _serve(root / "on.json", [mxfp4_dir], "--capture", VLLM_PLUGINS="moeroute")
-    compiled, _ = _serve(root / "compiled.json", [mxfp4_dir], "--compiled", VLLM_PLUGINS="moeroute")
-    dequantized, _ = _serve(root / "dequantized.json", [bf16_dir])
-    return {
-        "mxfp4": mxfp4_dir,
-        "bf16": bf16_dir,
-        "on": on,
-        "on_log": on_log,
-        "dequantized": dequantized,
-        "compiled": compiled,
-        "captured": torch.load(str(root / "on.json") + ".0.pt"),
-    }
+    return serve_quantized(root, "mxfp4", mxfp4_dir, bf16_dir)
 
 
 def test_vllm_alone_cannot_serve_it_here(tmp_path):
     """What vLLM CPU does with the checkpoint without the plugin, on a CPU without AMX."""
     if torch.cpu._is_amx_tile_supported():
         pytest.skip("this CPU has AMX tiles: vLLM's own CPU MXFP4 experts may serve the checkpoint")
-    mxfp4_dir = quant_checkpoints.save_mxfp4_gpt_oss(str(tmp_path / "mxfp4"))
-    environment = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "MOEROUTE_VLLM")}
-    done = subprocess.run(
-        [sys.executable, str(HERE / "serve.py"), str(tmp_path / "off.json"), mxfp4_dir],
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    log = done.stdout + done.stderr
-    assert done.returncode != 0, log[-3000:]
+    log = vllm_alone_log(tmp_path / "off.json", quant_checkpoints.save_mxfp4_gpt_oss(str(tmp_path / "mxfp4")))
     assert "NotImplementedError: No MXFP4 MoE backend supports the deployment configuration" in log, log[-3000:]
 
 
 def test_plugin_serves_the_mxfp4_layers(served_mxfp4):
-    on = served_mxfp4["on"]
-    counts = list(on[served_mxfp4["mxfp4"]]["counts"].values())
-    assert len(counts) == len(MOE_LAYERS)
-    assert all(c["method"] == "MoerouteMxfp4MoEMethod" and c["monolithic"] for c in counts), counts
-    stats = on["stats"]
-    assert stats["layers"] == stats["quantized_layers"] == len(MOE_LAYERS)
-    assert stats.get("declined", 0) == 0
-    assert stats["calls"] == sum(c["runner_calls"] for c in counts) > 0
-    assert stats["tokens"] == sum(c["runner_rows"] for c in counts)
+    assert_plugin_served(served_mxfp4["on"], served_mxfp4["mxfp4"], METHOD, len(MOE_LAYERS))
     assert "mxfp4 swigluoai experts" in served_mxfp4["on_log"]
 
 
@@ -151,12 +123,4 @@ def test_layer_outputs_match_the_gpt_oss_reference(served_mxfp4, layer_name):
 def test_greedy_tokens_match_the_dequantized_model(served_mxfp4, batch, run):
     # "compiled": vLLM's torch.compile (enforce_eager=False) with the plugin's MXFP4 layers
     # inside the graph (torch.ops.moeroute.experts on the packed bytes, an opaque custom op).
-    if run == "compiled":
-        counts = served_mxfp4["compiled"][served_mxfp4["mxfp4"]]["counts"].values()
-        assert all(c["method"] == "MoerouteMxfp4MoEMethod" and c["monolithic"] for c in counts), counts
-        assert served_mxfp4["compiled"]["stats"]["quantized_layers"] == len(MOE_LAYERS)
-    reference = served_mxfp4["dequantized"][served_mxfp4["bf16"]]["batches"][batch]
-    candidate = served_mxfp4[run][served_mxfp4["mxfp4"]]["batches"][batch]
-    assert len(reference) == len(candidate) == int(batch)
-    compared = [_compare(r, c) for r, c in zip(reference, candidate)]
-    assert all(n >= 1 for n in compared), compared
+    assert_greedy_tokens_match(served_mxfp4, "mxfp4", METHOD, len(MOE_LAYERS), batch, run)
