@@ -66,6 +66,9 @@ ROW_TILE = tiles.ROW_TILE
 #: Activation bytes of a tile that the weight-row-at-a-time order keeps to (the first-level data
 #: cache is 32 KiB or more on CPUs with AVX512-BF16).
 _L1_BYTES = 24 * 1024
+#: Weight rows ahead of the one being dotted whose lines the tile asks for (`llvm.prefetch`):
+#: the tile after next's (one tile ahead leaves too little time for the lines to arrive).
+_PREFETCH_ROWS = 8
 
 
 def serves(dtype_is_bfloat16: bool, hidden: int, inter: int) -> bool:
@@ -204,14 +207,21 @@ def _int4_quad_tile(typingctx, blocks, w_rows, params, xs, x_rows, out):
             return builder.bitcast(builder.or_(builder.and_(moved, masks[0]), masks[1]), v32bf)
 
         rows = []
+        row_bytes = builder.mul(groups, ir.Constant(index_type, 16))
+        last_row = builder.sub(builder.extract_value(block_view.shape, 0), ir.Constant(index_type, 1))
         for row in cgutils.unpack_tuple(builder, args[1], w_rows.count):
             row = context.cast(builder, row, w_rows.dtype, types.intp)
-            w_ptr = builder.bitcast(
-                builder.gep(block_view.data, [builder.mul(row, builder.mul(groups, ir.Constant(index_type, 16)))]),
-                v64i8.as_pointer(),
-            )
+            w_ptr = builder.bitcast(builder.gep(block_view.data, [builder.mul(row, row_bytes)]), v64i8.as_pointer())
+            # the row `_PREFETCH_ROWS` ahead (the expert's last row past the end: a repeat, no branch)
+            ahead = builder.add(row, ir.Constant(index_type, _PREFETCH_ROWS))
+            ahead = builder.select(builder.icmp_signed("<", ahead, last_row), ahead, last_row)
+            a_ptr = builder.bitcast(builder.gep(block_view.data, [builder.mul(ahead, row_bytes)]), v64i8.as_pointer())
             p_ptr = builder.gep(param_view.data, [builder.mul(row, builder.mul(parts, width))])
-            rows.append((w_ptr, p_ptr, [cgutils.alloca_once_value(builder, zero) for _ in range(count)]))
+            rows.append((w_ptr, p_ptr, a_ptr, [cgutils.alloca_once_value(builder, zero) for _ in range(count)]))
+        i32 = ir.IntType(32)
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0"
+        )
 
         def chunk_loop(group_shift, asymmetric, rows):
             """Chunk by chunk, each chunk against every weight row of the tile (the chunk's
@@ -222,7 +232,11 @@ def _int4_quad_tile(typingctx, blocks, w_rows, params, xs, x_rows, out):
                 c = loop.index
                 first = builder.lshr(builder.shl(c, ir.Constant(index_type, 2)), shift)
                 offset = builder.mul(c, ir.Constant(index_type, CHUNK_WORDS))
-                for w_ptr, p_ptr, row_totals in rows:
+                for w_ptr, p_ptr, a_ptr, row_totals in rows:
+                    # a tile's rows are short streams side by side, which the hardware
+                    # prefetchers pick up late: ask for the same line of a row further on
+                    line = builder.bitcast(builder.gep(a_ptr, [c]), i8.as_pointer())
+                    builder.call(prefetch, [line, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
                     scales = _spread(builder, _load_scales(builder, dtype, builder.gep(p_ptr, [first]), n), group_shift)
                     if asymmetric:
                         z = _load_scales(builder, dtype, builder.gep(p_ptr, [builder.add(width, first)]), n)
@@ -287,7 +301,7 @@ def _int4_quad_tile(typingctx, blocks, w_rows, params, xs, x_rows, out):
                         run([row])
                 with streamed:
                     run(rows)
-        totals = [builder.load(total) for _, _, row_totals in rows for total in row_totals]
+        totals = [builder.load(total) for *_, row_totals in rows for total in row_totals]
         out_view = context.make_array(signature.args[5])(context, builder, args[5])
         for k, value in enumerate(sum_lanes(builder, totals)):
             builder.store(value, builder.gep(out_view.data, [ir.Constant(index_type, k)]))
