@@ -556,6 +556,10 @@ _CHUNK_VALUES = 8192
 #: with. Activation rows that fit `_CHUNK_VALUES` are read whole instead: one weight stream
 #: is then the faster read.
 _STREAM_CHUNK_VALUES = 512
+#: Weight rows ahead of the one being dotted whose lines `_dot_e4m3_tile` asks for
+#: (``llvm.prefetch``): the next tile's (`_WEIGHT_TILE` rows on), whose short streams would
+#: otherwise start cold.
+_DOT_PREFETCH_ROWS = _WEIGHT_TILE
 
 
 class _E4M3Decoder:
@@ -644,6 +648,22 @@ def _dot_e4m3_tile(typingctx, w, w_rows, xs, x_rows, factors, bk, out):
         x_ptrs, _ = row_pointers(context, builder, signature.args[2], args[2], x_rows, args[3], v32i16)
         index_type = cols.type
         one, two = ir.Constant(index_type, 1), ir.Constant(index_type, 2)
+        # The rows `_DOT_PREFETCH_ROWS` past each weight row (the last row where that is past
+        # the end: a repeat, no branch); a tile's rows are short streams side by side, which
+        # the hardware prefetchers pick up late.
+        w_view = context.make_array(signature.args[0])(context, builder, args[0])
+        last_row = builder.sub(builder.extract_value(w_view.shape, 0), one)
+        ahead_ptrs = []
+        for row in cgutils.unpack_tuple(builder, args[1], w_rows.count):
+            ahead = builder.add(
+                context.cast(builder, row, w_rows.dtype, types.intp), ir.Constant(index_type, _DOT_PREFETCH_ROWS)
+            )
+            ahead = builder.select(builder.icmp_signed("<", ahead, last_row), ahead, last_row)
+            ahead_ptrs.append(builder.bitcast(builder.gep(w_view.data, [builder.mul(ahead, cols)]), v64i8.as_pointer()))
+        i8, i32 = ir.IntType(8), ir.IntType(32)
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0"
+        )
         factor_view = context.make_array(signature.args[4])(context, builder, args[4])
         groups = builder.extract_value(factor_view.shape, 1)
         per_group_columns = context.cast(builder, args[5], signature.args[5], types.intp)
@@ -662,6 +682,8 @@ def _dot_e4m3_tile(typingctx, w, w_rows, xs, x_rows, factors, bk, out):
         totals = {(i, j): accumulators(builder, 1, v16f)[0] for i in range(len(w_ptrs)) for j in range(count)}
 
         def step_dots(i, step):  # weight row i's 64 columns at ``step`` against every activation row
+            line = builder.bitcast(builder.gep(ahead_ptrs[i], [step]), i8.as_pointer())
+            builder.call(prefetch, [line, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
             halves = decode(builder.load(builder.gep(w_ptrs[i], [step]), align=1))
             for h in range(2):
                 at = builder.add(builder.mul(step, two), ir.Constant(index_type, h))
