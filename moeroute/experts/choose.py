@@ -209,7 +209,7 @@ def choose(
     if strategy != "auto":
         return strategy
     counts = counts or []
-    hit = sum(1 for c in counts if c)
+    hit = len(counts) - counts.count(0)
     if format == "int4":
         return "blocks" if hit and sum(counts) > int4_rows_bound(dtype) * hit else "rows"
     if format == "mxfp4":

@@ -172,14 +172,15 @@ def int4_experts_forward(
             -(-two_inter // cpu_mxfp4.ROW_BLOCK),
         )
         tokens, slot_weights, offsets = (torch.from_numpy(a) for a in plan[:3])
+        counts, hit = np.diff(plan[2]).tolist(), plan[3].tolist()  # NumPy: a decode step's overhead
     else:
         sorted_slots, expert_offsets, _ = routing.sort_by_expert(local_ids.detach().contiguous(), num_experts)
         offsets = expert_offsets.to(torch.int64).cpu()
         slots = sorted_slots.to(torch.int64)
         tokens = slots // top_k
         slot_weights = weights.reshape(-1).to(torch.float32)[slots].contiguous()
-    counts = (offsets[1:] - offsets[:-1]).tolist()
-    hit = [e for e, c in enumerate(counts) if c]
+        counts = (offsets[1:] - offsets[:-1]).tolist()
+        hit = [e for e, c in enumerate(counts) if c]
     bf16_dot = backend == "cpu" and gate_up_perm is None and _tile_serves(dtype, hidden, inter, gate_up, down)
     strategy = choose("int4", backend, counts, strategy=strategy, dtype=dtype, bf16_dot=bf16_dot)
     if not hit:

@@ -389,10 +389,10 @@ _NO_BIAS = np.zeros((0, 0), np.float32)
 def numba_threads(threads: int):
     """Numba's parallel regions take ``threads`` threads inside the block (untouched for one:
     the serial kernels start none)."""
-    if threads == 1:
+    previous = numba.get_num_threads() if threads > 1 else threads
+    if previous == threads:  # each setting takes Numba's launch locks: a decode step's overhead
         yield
         return
-    previous = numba.get_num_threads()
     numba.set_num_threads(threads)
     try:
         yield
