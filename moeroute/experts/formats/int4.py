@@ -372,10 +372,11 @@ def _split_bf16(xs: torch.Tensor) -> torch.Tensor:
 def _blocks_gemm_bf16(xs, offsets, hit, weight):
     """`_blocks_gemm` on oneDNN's bfloat16 GEMMs: each chunk of `BF16_CHUNK_BYTES` of weight
     rows decoded to bfloat16 in parallel (`decode_bf16`), then multiplied with the expert's
-    bfloat16 rows (bfloat16 results, float32 sums inside the GEMM)."""
+    bfloat16 rows (bfloat16 results, float32 sums inside the GEMM), written straight into one
+    bfloat16 result and widened to float32 once at the end (exactly: they are bfloat16 values)."""
     packed, scales, zeros = weight
     rows_out, cols = packed.shape[1], 2 * packed.shape[2]
-    out = torch.empty(xs.shape[0], rows_out, dtype=torch.float32)
+    out = torch.empty(xs.shape[0], rows_out, dtype=torch.bfloat16)
     chunk_rows = min(rows_out, max(1, BF16_CHUNK_BYTES // (2 * cols)))
     buffer = torch.empty(chunk_rows, cols, dtype=torch.bfloat16)
     bits = buffer.view(torch.uint16).numpy()
@@ -388,8 +389,8 @@ def _blocks_gemm_bf16(xs, offsets, hit, weight):
             for r0 in range(0, rows_out, chunk_rows):
                 r1 = min(rows_out, r0 + chunk_rows)
                 decode_bf16.dequantize_rows_bf16(blocks[e], params[e], r0, r1, bits)
-                out[start:stop, r0:r1] = torch.mm(x_e, buffer[: r1 - r0].t())
-    return out
+                torch.mm(x_e, buffer[: r1 - r0].t(), out=out[start:stop, r0:r1])
+    return out.float()
 
 
 def _blocks_gemm(xs, offsets, hit, weight, group_size, dtype):
