@@ -25,6 +25,8 @@ __all__ = [
     "row_pointers",
     "accumulators",
     "splat",
+    "row_ahead",
+    "prefetch",
     "store_tile",
     "add_tile",
 ]
@@ -107,6 +109,30 @@ def row_pointers(context, builder, array_type, array, rows_type, rows, pointee):
         start = builder.mul(context.cast(builder, row, rows_type.dtype, types.intp), width)
         pointers.append(builder.bitcast(builder.gep(view.data, [start]), pointee.as_pointer()))
     return pointers, width
+
+
+def row_ahead(builder, data, row, ahead, rows, row_bytes, pointee):
+    """A pointer (to ``pointee``) to row ``row + ahead`` of a C-contiguous array at ``data``
+    of ``rows`` rows of ``row_bytes`` bytes, or to its last row where that is past the end (a
+    repeated line to prefetch, no branch)."""
+    index_type = row.type
+    last = builder.sub(rows, ir.Constant(index_type, 1))
+    later = builder.add(row, ir.Constant(index_type, ahead))
+    later = builder.select(builder.icmp_signed("<", later, last), later, last)
+    start = builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [builder.mul(later, row_bytes)])
+    return builder.bitcast(start, pointee.as_pointer())
+
+
+def prefetch(builder, pointer):
+    """``llvm.prefetch`` of the 64-byte line at ``pointer`` (a read, kept in every cache
+    level): a tile's weight rows are short streams side by side, which the hardware
+    prefetchers pick up late."""
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+    function = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0"
+    )
+    line = builder.bitcast(pointer, i8.as_pointer())
+    builder.call(function, [line, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
 
 def accumulators(builder, count, vector_type):

@@ -49,6 +49,8 @@ from moeroute.experts.cpu.dot import (
     BFloat16Type,
     accumulators,
     dot_function,
+    prefetch,
+    row_ahead,
     row_pointers,
     splat,
     sum_lanes,
@@ -274,7 +276,7 @@ def _prefetch_row(typingctx, array, row):
 
     def codegen(context, builder, signature, args):
         view = context.make_array(signature.args[0])(context, builder, value=args[0])
-        i64, i32, byte_ptr = ir.IntType(64), ir.IntType(32), ir.IntType(8).as_pointer()
+        i64, byte_ptr = ir.IntType(64), ir.IntType(8).as_pointer()
         strides = cgutils.unpack_tuple(builder, view.strides, 2)
         shape = cgutils.unpack_tuple(builder, view.shape, 2)
         row_index = context.cast(builder, args[1], signature.args[1], types.int64)
@@ -282,12 +284,8 @@ def _prefetch_row(typingctx, array, row):
         with builder.if_then(inside):
             start = builder.add(builder.ptrtoint(view.data, i64), builder.mul(row_index, strides[0]))
             nbytes = builder.mul(shape[1], strides[1])
-            prefetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]), "llvm.prefetch.p0"
-            )
             with cgutils.for_range_slice(builder, ir.Constant(i64, 0), nbytes, ir.Constant(i64, 64)) as (offset, _):
-                address = builder.inttoptr(builder.add(start, offset), byte_ptr)
-                builder.call(prefetch, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                prefetch(builder, builder.inttoptr(builder.add(start, offset), byte_ptr))
         return context.get_dummy_value()
 
     return types.none(array, row), codegen
@@ -648,22 +646,20 @@ def _dot_e4m3_tile(typingctx, w, w_rows, xs, x_rows, factors, bk, out):
         x_ptrs, _ = row_pointers(context, builder, signature.args[2], args[2], x_rows, args[3], v32i16)
         index_type = cols.type
         one, two = ir.Constant(index_type, 1), ir.Constant(index_type, 2)
-        # The rows `_DOT_PREFETCH_ROWS` past each weight row (the last row where that is past
-        # the end: a repeat, no branch); a tile's rows are short streams side by side, which
-        # the hardware prefetchers pick up late.
+        # each weight row's lines are asked for `_DOT_PREFETCH_ROWS` rows on as it is read
         w_view = context.make_array(signature.args[0])(context, builder, args[0])
-        last_row = builder.sub(builder.extract_value(w_view.shape, 0), one)
-        ahead_ptrs = []
-        for row in cgutils.unpack_tuple(builder, args[1], w_rows.count):
-            ahead = builder.add(
-                context.cast(builder, row, w_rows.dtype, types.intp), ir.Constant(index_type, _DOT_PREFETCH_ROWS)
+        ahead_ptrs = [
+            row_ahead(
+                builder,
+                w_view.data,
+                context.cast(builder, row, w_rows.dtype, types.intp),
+                _DOT_PREFETCH_ROWS,
+                builder.extract_value(w_view.shape, 0),
+                cols,
+                v64i8,
             )
-            ahead = builder.select(builder.icmp_signed("<", ahead, last_row), ahead, last_row)
-            ahead_ptrs.append(builder.bitcast(builder.gep(w_view.data, [builder.mul(ahead, cols)]), v64i8.as_pointer()))
-        i8, i32 = ir.IntType(8), ir.IntType(32)
-        prefetch = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0"
-        )
+            for row in cgutils.unpack_tuple(builder, args[1], w_rows.count)
+        ]
         factor_view = context.make_array(signature.args[4])(context, builder, args[4])
         groups = builder.extract_value(factor_view.shape, 1)
         per_group_columns = context.cast(builder, args[5], signature.args[5], types.intp)
@@ -682,8 +678,7 @@ def _dot_e4m3_tile(typingctx, w, w_rows, xs, x_rows, factors, bk, out):
         totals = {(i, j): accumulators(builder, 1, v16f)[0] for i in range(len(w_ptrs)) for j in range(count)}
 
         def step_dots(i, step):  # weight row i's 64 columns at ``step`` against every activation row
-            line = builder.bitcast(builder.gep(ahead_ptrs[i], [step]), i8.as_pointer())
-            builder.call(prefetch, [line, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            prefetch(builder, builder.gep(ahead_ptrs[i], [step]))
             halves = decode(builder.load(builder.gep(w_ptrs[i], [step]), align=1))
             for h in range(2):
                 at = builder.add(builder.mul(step, two), ir.Constant(index_type, h))

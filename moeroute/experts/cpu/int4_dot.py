@@ -48,7 +48,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from moeroute.experts.cpu import tiles
-from moeroute.experts.cpu.dot import BF16_DOT, LANES, BFloat16Type, dot_function, sum_lanes
+from moeroute.experts.cpu.dot import BF16_DOT, LANES, BFloat16Type, dot_function, prefetch, row_ahead, sum_lanes
 from moeroute.quant.int4 import SYMMETRIC_ZERO
 
 __all__ = ["CHUNK", "CHUNK_WORDS", "serves", "split_quads", "sums_bias", "tile_family"]
@@ -208,20 +208,13 @@ def _int4_quad_tile(typingctx, blocks, w_rows, params, xs, x_rows, out):
 
         rows = []
         row_bytes = builder.mul(groups, ir.Constant(index_type, 16))
-        last_row = builder.sub(builder.extract_value(block_view.shape, 0), ir.Constant(index_type, 1))
+        weight_rows = builder.extract_value(block_view.shape, 0)
         for row in cgutils.unpack_tuple(builder, args[1], w_rows.count):
             row = context.cast(builder, row, w_rows.dtype, types.intp)
             w_ptr = builder.bitcast(builder.gep(block_view.data, [builder.mul(row, row_bytes)]), v64i8.as_pointer())
-            # the row `_PREFETCH_ROWS` ahead (the expert's last row past the end: a repeat, no branch)
-            ahead = builder.add(row, ir.Constant(index_type, _PREFETCH_ROWS))
-            ahead = builder.select(builder.icmp_signed("<", ahead, last_row), ahead, last_row)
-            a_ptr = builder.bitcast(builder.gep(block_view.data, [builder.mul(ahead, row_bytes)]), v64i8.as_pointer())
+            a_ptr = row_ahead(builder, block_view.data, row, _PREFETCH_ROWS, weight_rows, row_bytes, v64i8)
             p_ptr = builder.gep(param_view.data, [builder.mul(row, builder.mul(parts, width))])
             rows.append((w_ptr, p_ptr, a_ptr, [cgutils.alloca_once_value(builder, zero) for _ in range(count)]))
-        i32 = ir.IntType(32)
-        prefetch = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0"
-        )
 
         def chunk_loop(group_shift, asymmetric, rows):
             """Chunk by chunk, each chunk against every weight row of the tile (the chunk's
@@ -233,10 +226,7 @@ def _int4_quad_tile(typingctx, blocks, w_rows, params, xs, x_rows, out):
                 first = builder.lshr(builder.shl(c, ir.Constant(index_type, 2)), shift)
                 offset = builder.mul(c, ir.Constant(index_type, CHUNK_WORDS))
                 for w_ptr, p_ptr, a_ptr, row_totals in rows:
-                    # a tile's rows are short streams side by side, which the hardware
-                    # prefetchers pick up late: ask for the same line of a row further on
-                    line = builder.bitcast(builder.gep(a_ptr, [c]), i8.as_pointer())
-                    builder.call(prefetch, [line, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                    prefetch(builder, builder.gep(a_ptr, [c]))  # the same line of a row further on
                     scales = _spread(builder, _load_scales(builder, dtype, builder.gep(p_ptr, [first]), n), group_shift)
                     if asymmetric:
                         z = _load_scales(builder, dtype, builder.gep(p_ptr, [builder.add(width, first)]), n)

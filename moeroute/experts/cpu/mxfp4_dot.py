@@ -33,6 +33,8 @@ from moeroute.experts.cpu.dot import (
     BFloat16Type,
     accumulators,
     dot_function,
+    prefetch,
+    row_ahead,
     splat,
     sum_lanes,
 )
@@ -151,9 +153,6 @@ def tile_intrinsic(table, tile_scale, scales_ndim, scales_dtype):
             four = ir.Constant(v32i16, [4] * LANES)
             zero = ir.Constant(v16f, [0.0] * 16)
             one, two, zero_index = (ir.Constant(index_type, k) for k in (1, 2, 0))
-            prefetcher = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0"
-            )
             x_ptrs = []
             for row in cgutils.unpack_tuple(builder, args[4], count):
                 start = builder.mul(context.cast(builder, row, x_rows.dtype, types.intp), width)
@@ -169,22 +168,19 @@ def tile_intrinsic(table, tile_scale, scales_ndim, scales_dtype):
                     v32i8.as_pointer(),
                 )
                 at = row_at(row)
-                # the same line of the row PREFETCH_ROWS further on (the last row past the end)
-                rows_total = builder.extract_value(block_view.shape, 0)
-                ahead = builder.add(row, ir.Constant(index_type, PREFETCH_ROWS))
-                last_row = builder.sub(rows_total, one)
-                ahead = builder.select(builder.icmp_signed("<", ahead, last_row), ahead, last_row)
-                a_ptr = builder.bitcast(
-                    builder.gep(
-                        block_view.data,
-                        [builder.mul(ahead, builder.mul(groups, ir.Constant(index_type, MXFP4_BLOCK // 2)))],
-                    ),
-                    v32i8.as_pointer(),
+                # the same line of the row PREFETCH_ROWS further on
+                a_ptr = row_ahead(
+                    builder,
+                    block_view.data,
+                    row,
+                    PREFETCH_ROWS,
+                    builder.extract_value(block_view.shape, 0),
+                    builder.mul(groups, ir.Constant(index_type, MXFP4_BLOCK // 2)),
+                    v32i8,
                 )
 
-                def prefetch(p):
-                    line = builder.bitcast(builder.gep(a_ptr, [p]), i8.as_pointer())
-                    builder.call(prefetcher, [line, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                def prefetch_pair(p):
+                    prefetch(builder, builder.gep(a_ptr, [p]))
 
                 # Two totals per activation row, for even and odd pairs: two chains of fused
                 # multiply-adds in flight instead of one (one chain bound a single row's dots by
@@ -232,7 +228,7 @@ def tile_intrinsic(table, tile_scale, scales_ndim, scales_dtype):
                     """Pair by pair, even and odd pairs into their own totals."""
                     with cgutils.for_range(builder, builder.udiv(pairs, two)) as loop:
                         first = builder.mul(loop.index, two)
-                        prefetch(first)
+                        prefetch_pair(first)
                         dots(first, 1, 0, scale_of(first))
                         second = builder.add(first, one)
                         dots(second, 1, 1, scale_of(second))
@@ -256,7 +252,7 @@ def tile_intrinsic(table, tile_scale, scales_ndim, scales_dtype):
                         with whole_group:
                             with cgutils.for_range(builder, builder.udiv(pairs, two)) as loop:
                                 first = builder.mul(loop.index, two)
-                                prefetch(first)
+                                prefetch_pair(first)
                                 dots(first, 2, 0, shared_scale(first))
                         with smaller:
                             # a pair shares its scale from 2 blocks a group on
