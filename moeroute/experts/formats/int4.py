@@ -189,7 +189,7 @@ def int4_experts_forward(
         return _rows_forward(hidden_states, plan, gate_up, down, activation, gate_up_perm)
     sums = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
     x_rows, x_tokens = act_order_rows(hidden_states, tokens, offsets, hit, gate_up_perm)
-    h = _blocks_gemm(x_rows[x_tokens], offsets, hit, gate_up, group_size, dtype)
+    h = _blocks_gemm(x_rows, offsets, hit, gate_up, group_size, dtype, rows=x_tokens)
     act = gated_activation(h[:, :inter], h[:, inter:], activation)
     if dtype != torch.float32:  # the intermediate in the activation dtype, as the float layer keeps it
         act = act.to(dtype)
@@ -369,18 +369,18 @@ def _split_bf16(xs: torch.Tensor) -> torch.Tensor:
     return xs.reshape(rows, cols // 32, 16, 2).transpose(2, 3).reshape(rows, cols).contiguous()
 
 
-def _blocks_gemm_bf16(xs, offsets, hit, weight):
-    """`_blocks_gemm` on oneDNN's bfloat16 GEMMs: each chunk of `BF16_CHUNK_BYTES` of weight
-    rows decoded to bfloat16 in parallel (`decode_bf16`), then multiplied with the expert's
-    bfloat16 rows (bfloat16 results, float32 sums inside the GEMM), written straight into one
-    bfloat16 result and widened to float32 once at the end (exactly: they are bfloat16 values)."""
+def _blocks_gemm_bf16(x, offsets, hit, weight):
+    """`_blocks_gemm` on oneDNN's bfloat16 GEMMs, ``x`` the bfloat16 rows in `_split_bf16`
+    order: each chunk of `BF16_CHUNK_BYTES` of weight rows decoded to bfloat16 in parallel
+    (`decode_bf16`), then multiplied with the expert's rows (bfloat16 results, float32 sums
+    inside the GEMM), written straight into one bfloat16 result and widened to float32 once at
+    the end (exactly: they are bfloat16 values)."""
     packed, scales, zeros = weight
     rows_out, cols = packed.shape[1], 2 * packed.shape[2]
-    out = torch.empty(xs.shape[0], rows_out, dtype=torch.bfloat16)
+    out = torch.empty(x.shape[0], rows_out, dtype=torch.bfloat16)
     chunk_rows = min(rows_out, max(1, BF16_CHUNK_BYTES // (2 * cols)))
     buffer = torch.empty(chunk_rows, cols, dtype=torch.bfloat16)
     bits = buffer.view(torch.uint16).numpy()
-    x = _split_bf16(xs.to(torch.bfloat16))
     blocks, params = _blocks_view(packed), kernel_params(scales, zeros, hit)
     with numba_threads(cpu_threads()):
         for e in hit:
@@ -393,14 +393,16 @@ def _blocks_gemm_bf16(xs, offsets, hit, weight):
     return out.float()
 
 
-def _blocks_gemm(xs, offsets, hit, weight, group_size, dtype):
-    """[M, R] float32: each hit expert's rows of ``xs`` times its weight decoded in chunks
-    (on the CPU both operands in `split_blocks` order, the order the decode writes)."""
+def _blocks_gemm(xs, offsets, hit, weight, group_size, dtype, rows=None):
+    """[M, R] float32: each hit expert's rows of ``xs`` (of ``xs[rows]`` where ``rows`` is
+    given) times its weight decoded in chunks. On the CPU both operands are in `split_blocks`
+    order, the order the decode writes: the columns of ``xs`` are put in it before ``rows``
+    gathers them (a prefill's top-k rows are K times as many to reorder)."""
     if bf16_blocks(dtype, xs.device):
-        return _blocks_gemm_bf16(xs, offsets, hit, weight)
+        x = _split_bf16(xs.to(torch.bfloat16))
+        return _blocks_gemm_bf16(x if rows is None else x[rows], offsets, hit, weight)
     packed, scales, zeros = weight
     rows_out, cols = packed.shape[1], 2 * packed.shape[2]
-    out = torch.empty(xs.shape[0], rows_out, dtype=torch.float32, device=xs.device)
     on_cpu = packed.device.type == "cpu"
     chunk_rows = min(rows_out, max(1, CHUNK_BYTES // (4 * cols)))
     buffer = torch.empty(chunk_rows, cols, dtype=torch.float32, device=xs.device)
@@ -408,6 +410,9 @@ def _blocks_gemm(xs, offsets, hit, weight, group_size, dtype):
     if on_cpu:
         x_cast = torch.from_numpy(split_rows(x_cast))
         blocks, params = _blocks_view(packed), kernel_params(scales, zeros, hit)
+    if rows is not None:
+        x_cast = x_cast[rows]
+    out = torch.empty(x_cast.shape[0], rows_out, dtype=torch.float32, device=xs.device)
     for e in hit:
         start, stop = int(offsets[e]), int(offsets[e + 1])
         x_e = x_cast[start:stop]
