@@ -731,7 +731,7 @@ def _ktkernel(data):
         earlier = data.get("earlier_runs", {}).get(shape_name)
         if earlier:
             heading += ", from an earlier run"
-            load = data.get("earlier_loadavg")
+            load = load or data.get("earlier_loadavg")  # the shape's own, where that run kept it
             if load and all(load):
                 heading += " (load average " + " before it, ".join(_loads(v) for v in load) + " after)"
         elif load:

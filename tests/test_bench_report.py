@@ -107,3 +107,23 @@ def test_quant_int4_is_tabulated_for_one_shape_or_several(tmp_path):
     assert f"| {label} | 8 | 3.00 ms | 1.00 ms | 3.00x (2.50-3.50) | - |" in page
     kimi_label = "kimi_k2_experts (H = 7168, I = 2048, N = 16, K = 8)"
     assert f"| {kimi_label} | 8 | 3.00 ms | 1.00 ms | 3.00x (2.50-3.50) | 12.5 (60%) |" in page
+
+
+def test_kt_kernel_shapes_from_an_earlier_run_keep_their_own_load_average(tmp_path):
+    machine = {"date": "2030-01-02T00:00:00+00:00", "cpu_model": "X", "isa": "avx512bf16", "cpu_count": 2}
+    case = {"method": "FP8", "moeroute_us": 1000.0, "kt_us": 2000.0, "speedup": 2.0, "error": 0.05}
+    entry = {"tokens": 1, "moeroute_error": 0.05, "kt": {"fp8_block": case}}
+    shape = {"hidden": 64, "inter": 32, "experts": 4, "top_k": 2}
+    data = {"machine": machine, "kt_kernel": {"version": "0.7.2"}, "threads": 2, "activation": "silu"}
+    data.update(activation_dtype="bfloat16", shapes={"a": shape, "b": shape, "c": shape})
+    data["results"] = {name: {"fp8_block": [entry]} for name in ("a", "b", "c")}
+    # "a" measured now; "b" earlier with its own load average kept; "c" earlier, none kept
+    data["loadavg_per_shape"] = {"a": [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]], "b": [[1.0, 1.1, 1.2], [1.3, 1.4, 1.5]]}
+    data["earlier_runs"] = {"b": "2030-01-01T00:00:00+00:00", "c": "2030-01-01T00:00:00+00:00"}
+    data["earlier_loadavg"] = [[5.0, 5.0, 5.0], [6.0, 6.0, 6.0]]
+    (tmp_path / "ktkernel.json").write_text(json.dumps(data))
+    page = report.render(tmp_path)
+    heading = "(H = 64, I = 32, N = 4, K = 2)"
+    assert f"**a** {heading} (load average 0.1/0.2/0.3 before, 0.4/0.5/0.6 after):" in page
+    assert f"**b** {heading}, from an earlier run (load average 1.0/1.1/1.2 before it, 1.3/1.4/1.5 after):" in page
+    assert f"**c** {heading}, from an earlier run (load average 5.0/5.0/5.0 before it, 6.0/6.0/6.0 after):" in page
