@@ -179,13 +179,14 @@ from moeroute.config import RouterConfig
 from moeroute.quant import quantize_mxfp4
 from moeroute.experts.cpu import mxfp4 as cpu_mxfp4
 from moeroute.experts.cpu import dot as cpu_dot
+from moeroute.experts.cpu import int4_dot
 from moeroute.routing import reference
 from moeroute.routing.select import _simd
 from numba.core.registry import cpu_target
 
 torch.set_num_threads(1)
 facts = {"isa": moeroute.cpu_isa(), "supported": cpu_features.supported_isas(), "bf16_dot": cpu_dot.BF16_DOT,
-         "simd": cpu_mxfp4.SIMD, "vector_compress": _simd.VECTOR_COMPRESS,
+         "simd": cpu_mxfp4.SIMD, "int4_fma_tile": int4_dot.FMA_TILE, "vector_compress": _simd.VECTOR_COMPRESS,
          "rows_bound_bf16": rows_bound(torch.bfloat16),
          "numba_target": list(cpu_target.target_context.codegen().magic_tuple()[1:])}
 
@@ -268,6 +269,8 @@ def test_a_lower_path_runs_on_its_own_level(path):
     assert tuple(facts["supported"]) == supported_isas()
     assert facts["bf16_dot"] is False
     assert facts["simd"] is (path != "generic")
+    # INT4's FMA tile, which the feature matrix's bfloat16 decode rows run on this path
+    assert facts["int4_fma_tile"] is (path != "generic")
     assert facts["vector_compress"] is (path == "avx512")
     assert facts["rows_bound_bf16"] == math.inf  # the path has no bfloat16 dot instructions
     assert facts["numba_target"] == [cpu_features.NUMBA_CPU_NAMES[path], ""]

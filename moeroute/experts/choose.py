@@ -12,10 +12,11 @@ fp8    cpu      "rows" up to `ROWS_MAX_MEAN_ROWS` mean rows per hit expert, and 
                 else "blocks". Within "rows", the bfloat16-dot kernels past
                 `FP8_WIDENED_MAX_MEAN_ROWS` (`fp8_bf16_dot`), the widened ones below
 mxfp4  cpu      "rows" (few rows per expert decode in registers, more decode once per call)
-int4   cpu      "rows" (the bfloat16-dot tiles where they serve: symmetric weights, bfloat16
-                activations; else the decode-once row kernels); bfloat16 activations where
-                the CPU has bfloat16 dot instructions: "blocks" (bfloat16 decode, oneDNN's
-                bfloat16 GEMMs) past `int4_rows_bound` mean rows per hit expert
+int4   cpu      "rows" (bfloat16 activations: one call on `int4_dot`'s tiles where they serve,
+                the bfloat16 dot or, at few rows per expert, float32 FMAs; else the row
+                kernels of `moeroute.experts.cpu.int4`); bfloat16 activations where the CPU
+                has bfloat16 dot instructions: "blocks" (bfloat16 decode, oneDNN's bfloat16
+                GEMMs) past `int4_rows_bound` mean rows per hit expert
 any    cuda     "cuda": `moeroute.gpu.fused_experts` (the quantized formats, INT4 and FP8
                 w8a16 included, where CuPy is installed and the call is one its kernels
                 take; else "blocks")

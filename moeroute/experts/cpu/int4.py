@@ -247,21 +247,22 @@ tile_family = tiles.row_kernels(
 )
 
 
-def tile_serves(dtype_is_bfloat16: bool, hidden: int, inter: int, symmetric: bool) -> bool:
-    """Whether bfloat16-dot tiles run: `int4_dot.serves` (AVX512-BF16, bfloat16 activations,
-    whole chunks of 128 columns; symmetric or asymmetric weights), else the table tile here
-    where `mxfp4_dot.serves` (whole pairs of blocks) and the weights are symmetric (z = 8: a
-    block's dot is s times the dot of its q - 8, bfloat16 values that the instruction
-    multiplies exactly)."""
-    return quad_tile_serves(dtype_is_bfloat16, hidden, inter) or (
+def tile_serves(dtype_is_bfloat16: bool, hidden: int, inter: int, symmetric: bool, mean_rows: float = 1.0) -> bool:
+    """Whether the one-call forward's tiles run at ``mean_rows`` rows per hit expert:
+    `int4_dot.serves` (bfloat16 activations, whole chunks of 128 columns; symmetric or
+    asymmetric weights: AVX512-BF16 at any row count, AVX2 at few rows per expert), else the
+    table tile here where `mxfp4_dot.serves` (AVX512-BF16, whole pairs of blocks) and the
+    weights are symmetric (z = 8: a block's dot is s times the dot of its q - 8, bfloat16
+    values that the instruction multiplies exactly)."""
+    return quad_tile_serves(dtype_is_bfloat16, hidden, inter, mean_rows) or (
         symmetric and mxfp4_dot.serves(dtype_is_bfloat16, hidden, inter)
     )
 
 
-def quad_tile_serves(dtype_is_bfloat16: bool, hidden: int, inter: int) -> bool:
+def quad_tile_serves(dtype_is_bfloat16: bool, hidden: int, inter: int, mean_rows: float = 1.0) -> bool:
     """Whether the tiles of `int4_dot` (shifts and masks, no table; symmetric and asymmetric)
     run rather than the table tile here."""
-    return int4_dot.serves(dtype_is_bfloat16, hidden, inter)
+    return int4_dot.serves(dtype_is_bfloat16, hidden, inter, mean_rows)
 
 
 @numba.njit(fastmath=True, cache=True)

@@ -289,32 +289,26 @@ def _mxfp4_intermediate_row(gate_up, m, code, natural, acts, scales):
 
 
 @numba.njit
-def _same_width(columns):
-    """Words of a `split_pairs` row: the columns."""
-    return columns
-
-
-@numba.njit
-def _int4_split_width(columns):
-    """Words of a `split_quads` row of ``columns`` activations."""
-    return columns // int4_dot.CHUNK * int4_dot.CHUNK_WORDS
+def _same_empty(rows, columns):
+    """An empty array of ``rows`` `split_pairs` rows: bfloat16 bits, the columns."""
+    return np.empty((rows, columns), np.uint16)
 
 
 @numba.njit
 def _int4_split_rows(x, params):
-    """bfloat16 rows in the order of `int4_dot`'s tile (`int4_dot.split_quads`, with the sums
-    its weights' zero points need: ``params [L, N, P, G']``, P = 2 asymmetric)."""
-    out = np.empty((x.shape[0], _int4_split_width(x.shape[1])), np.uint16)
-    int4_dot.split_quads(x, int4_dot.sums_bias(params.shape[2] == 2), out)
+    """bfloat16 rows in the order of the tile `int4_dot` runs on this path (`int4_dot.split`,
+    with the sums its weights' zero points need: ``params [L, N, P, G']``, P = 2 asymmetric)."""
+    out = int4_dot.split_empty(x.shape[0], x.shape[1])
+    int4_dot.split(x, int4_dot.sums_bias(params.shape[2] == 2), out)
     return out
 
 
 @numba.njit
 def _int4_intermediate_row(gate_up, m, code, natural, acts, params):
-    """Row m of the intermediate rounded to bfloat16 (``natural``), and in `split_quads` order
-    (``acts``, the width of `_int4_split_rows`)."""
+    """Row m of the intermediate rounded to bfloat16 (``natural``), and in the tile's order
+    (``acts``, as `int4_dot.split_empty` makes them)."""
     activate_rows_bf16(gate_up[m : m + 1], code, natural[m : m + 1])
-    int4_dot.split_quads(natural[m : m + 1], int4_dot.sums_bias(params.shape[2] == 2), acts[m : m + 1])
+    int4_dot.split(natural[m : m + 1], int4_dot.sums_bias(params.shape[2] == 2), acts[m : m + 1])
 
 
 def rows_experts(
@@ -352,7 +346,7 @@ def rows_experts(
             xs, tokens, offsets, work[item, 0], work[item, 1], gate_up_blocks, gate_up_scales, gate_up_bias, gate_up
         )
     natural = np.empty((rows, inter), np.uint16)
-    acts = np.empty((rows, split_width(inter)), np.uint16)
+    acts = split_empty(rows, inter)
     for m in numba.prange(rows):  # the activation row by row on every thread
         intermediate_row(gate_up, m, code, natural, acts, down_scales)
     sums = np.zeros((x.shape[0], down_blocks.shape[1]), np.float32)
@@ -378,8 +372,8 @@ def split_rows(x, scales):  # pragma: no cover - bound per format
     raise NotImplementedError
 
 
-def split_width(columns):  # pragma: no cover - bound per format
-    """Words of a row of ``columns`` activations in that order."""
+def split_empty(rows, columns):  # pragma: no cover - bound per format
+    """An empty array of ``rows`` rows of ``columns`` activations in that order."""
     raise NotImplementedError
 
 
@@ -392,18 +386,18 @@ def _one_call(
     prefix: str,
     kernels: dict,
     split_rows=_split_rows,
-    split_width=_same_width,
+    split_empty=_same_empty,
     intermediate_row=_mxfp4_intermediate_row,
 ) -> dict:
     """`rows_experts` (and its serial form) around one format's tile kernels and the order its
-    activations take (``split_rows(x, scales)``, its row width ``split_width(columns)``,
-    ``intermediate_row``)."""
+    activations take (``split_rows(x, scales)``, an empty array of it ``split_empty(rows,
+    columns)``, ``intermediate_row``)."""
     namespace = dict(
         globals(),
         gate_up_item=kernels["_gate_up_item"],
         down_block=kernels["_down_block"],
         split_rows=split_rows,
-        split_width=split_width,
+        split_empty=split_empty,
         intermediate_row=intermediate_row,
     )
     return specialize(__name__, prefix, namespace, kernels=(rows_experts,))
@@ -442,6 +436,8 @@ _mxfp4 = _one_call("mxfp4", mxfp4_dot.tile_family)
 rows_experts_mxfp4, rows_experts_mxfp4_serial = _mxfp4["rows_experts"], _mxfp4["rows_experts_serial"]
 _int4 = _one_call("int4", cpu_int4.tile_family)
 rows_experts_int4, rows_experts_int4_serial = _int4["rows_experts"], _int4["rows_experts_serial"]
-_int4_quad = _one_call("int4_quad", int4_dot.tile_family, _int4_split_rows, _int4_split_width, _int4_intermediate_row)
+_int4_quad = _one_call(
+    "int4_quad", int4_dot.tile_family, _int4_split_rows, int4_dot.split_empty, _int4_intermediate_row
+)
 rows_experts_int4_quad = _int4_quad["rows_experts"]
 rows_experts_int4_quad_serial = _int4_quad["rows_experts_serial"]

@@ -181,8 +181,7 @@ def int4_experts_forward(
         slot_weights = weights.reshape(-1).to(torch.float32)[slots].contiguous()
         counts = (offsets[1:] - offsets[:-1]).tolist()
         hit = [e for e, c in enumerate(counts) if c]
-    bf16_dot = backend == "cpu" and gate_up_perm is None and _tile_serves(dtype, hidden, inter, gate_up, down)
-    strategy = choose("int4", backend, counts, strategy=strategy, dtype=dtype, bf16_dot=bf16_dot)
+    strategy = choose("int4", backend, counts, strategy=strategy, dtype=dtype)
     if not hit:
         return torch.zeros(num_tokens, hidden, dtype=dtype, device=device)
     if strategy == "rows":
@@ -284,11 +283,12 @@ def _rows_forward(hidden_states, plan, gate_up, down, activation, gate_up_perm=N
     no_bias = bias_view(None)
     gate_up_params = kernel_params(gate_up[1], gate_up[2], experts)
     down_params = kernel_params(down[1], down[2], experts)
-    tile = gate_up_perm is None and _tile_serves(dtype, hidden, inter, gate_up, down)
+    mean_rows = tokens.shape[0] / max(1, hit.shape[0])
+    tile = gate_up_perm is None and _tile_serves(dtype, hidden, inter, gate_up, down, mean_rows)
     if tile and activation in cpu_rows.ACTIVATION_CODES:
         # the bfloat16 dot instructions, at every row count, the whole forward in one call
         out = torch.empty(num_tokens, hidden, dtype=dtype)
-        if cpu_int4.quad_tile_serves(True, hidden, inter):
+        if cpu_int4.quad_tile_serves(True, hidden, inter, mean_rows):
             kernel = quant_rows.rows_experts_int4_quad_serial if threads == 1 else quant_rows.rows_experts_int4_quad
         else:
             kernel = quant_rows.rows_experts_int4_serial if threads == 1 else quant_rows.rows_experts_int4
@@ -350,10 +350,11 @@ def _rows_forward(hidden_states, plan, gate_up, down, activation, gate_up_perm=N
     return sums if dtype == torch.float32 else sums.to(dtype)
 
 
-def _tile_serves(dtype, hidden, inter, gate_up, down) -> bool:
-    """Whether the bfloat16-dot tiles compute this call (`cpu_int4.tile_serves`)."""
+def _tile_serves(dtype, hidden, inter, gate_up, down, mean_rows) -> bool:
+    """Whether the tiles of the one-call forward compute this call, at ``mean_rows`` rows per
+    hit expert (`cpu_int4.tile_serves`)."""
     symmetric = gate_up[2] is None and down[2] is None
-    return cpu_int4.tile_serves(dtype == torch.bfloat16, hidden, inter, symmetric)
+    return cpu_int4.tile_serves(dtype == torch.bfloat16, hidden, inter, symmetric, mean_rows)
 
 
 def bf16_blocks(dtype: torch.dtype, device: torch.device) -> bool:
