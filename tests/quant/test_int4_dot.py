@@ -135,9 +135,8 @@ def _params(rng, rows, groups, scale_dtype, symmetric):
     [("bfloat16", True), ("float16", True), ("float32", True), ("float32", False)],
 )
 def test_tile_matches_the_float64_dots(variant, w_count, x_count, scale_dtype, symmetric):
-    """Every group size on an odd number of groups of 128 (384 columns) and on a row whose
-    activations pass the first-level cache's share (2560 columns, the per-chunk order at 3+
-    activation rows); every code in both nibbles."""
+    """Every group size on an odd number of groups of 128 (384 columns) and on a longer row
+    (2560 columns: 20 chunks, every tile order over many chunks); every code in both nibbles."""
     tile, split, chunk_width, x_dtype = VARIANTS[variant]
     rng = np.random.default_rng(w_count * 10 + x_count)
     for cols in (384, 2560):

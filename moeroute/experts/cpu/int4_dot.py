@@ -38,12 +38,10 @@ vectors (a shift by 16, a mask of the high half): lane d then holds words 2d and
 chain is the 512-bit tile's: the same start, eight products, the same bound. No byte shuffle
 runs, whose lookups and widenings bound the table kernels of `moeroute.experts.cpu.int4`.
 
-Loop order: with one or two activation rows every weight row of a tile takes each chunk in
-turn (four independent chains, the chunk's activations loaded once); with more, one weight
-row at a time while the tile's activations fit the first-level cache (the totals of every
-pair would not fit the registers), else chunk by chunk again (the chunk's activations stay
-in that cache across the weight rows). The FMA tile has 16 vector registers: a weight row at a
-time from three activation rows on.
+Loop order: every weight row of a tile takes each chunk in turn (four weight streams in
+flight, the chunk's activations loaded once for them; the totals of every pair of rows fit
+the 32 vector registers). The FMA tile has 16: a weight row at a time from three activation
+rows on.
 
 Arrays: blocks uint8 [R, G, 16] (G a multiple of 4: `serves`), params [R, P, G'] as
 `moeroute.experts.cpu.int4` (float32, or 16-bit scales as bits when symmetric), activations
@@ -91,9 +89,6 @@ _BIAS = 16.0
 #: The mantissa bits q occupies (bits 3..6).
 _CODE_MASK = 0x0078
 ROW_TILE = tiles.ROW_TILE
-#: Activation bytes of a tile that the weight-row-at-a-time order keeps to (the first-level data
-#: cache is 32 KiB or more on CPUs with AVX512-BF16).
-_L1_BYTES = 24 * 1024
 #: Weight rows ahead of the one being dotted whose lines the tile asks for (`llvm.prefetch`):
 #: the tile after next's (one tile ahead leaves too little time for the lines to arrive).
 _PREFETCH_ROWS = 8
@@ -446,23 +441,11 @@ def _quad_tile_codegen(fma_path, blocks, w_rows, params, xs, x_rows, out):
             # each chunk's activations among weight rows whose totals would not fit)
             for row in rows:
                 run([row])
-        elif count <= 2:
-            # every weight row of the tile per chunk: more chains in flight, the chunk's
-            # activations loaded once
-            run(rows)
         else:
-            # more activation rows: a weight row at a time while they fit the first-level cache
-            # (the totals of every pair would not fit the registers); past that, per chunk, whose
-            # activations stay in that cache across the weight rows
-            fits = builder.icmp_unsigned(
-                "<=", builder.mul(x_width, ir.Constant(index_type, 2 * count)), ir.Constant(index_type, _L1_BYTES)
-            )
-            with builder.if_else(fits) as (cached, streamed):
-                with cached:
-                    for row in rows:
-                        run([row])
-                with streamed:
-                    run(rows)
+            # every weight row of the tile per chunk: four weight streams in flight (with their
+            # prefetches), the chunk's activations loaded once for them; the 32 registers hold
+            # the totals of every pair
+            run(rows)
         totals = [builder.load(total) for *_, row_totals in rows for total in row_totals]
         out_view = context.make_array(signature.args[5])(context, builder, args[5])
         for k, value in enumerate(sum_lanes(builder, totals)):
