@@ -12,9 +12,14 @@ Two CPU strategies, both on the MXFP4 machinery (INT4's packed bytes are MXFP4's
 
 * "rows" ("auto" on the CPU; for bfloat16 activations where the CPU has bfloat16 dot
   instructions only up to `choose.int4_rows_bound` mean rows per hit expert): each packed
-  weight row is read once, half a byte per weight. With AVX512-BF16, bfloat16 activations and symmetric weights, the tiles of
-  `moeroute.experts.cpu.mxfp4_dot` with INT4's table and scales, the whole forward in one
-  Numba call (`moeroute.experts.cpu.quant_rows.rows_experts_int4`). Elsewhere few rows per
+  weight row is read once, half a byte per weight. With bfloat16 activations and H and I
+  multiples of 128, the whole forward is one Numba call on the tiles of
+  `moeroute.experts.cpu.int4_dot` (symmetric or asymmetric weights;
+  `moeroute.experts.cpu.quant_rows.rows_experts_int4_quad`): the bfloat16 dot instruction with
+  AVX512-BF16 at every row count, float32 FMAs on the other vector paths below
+  `int4_dot.FMA_MAX_MEAN_ROWS` mean rows per hit expert. Otherwise, with AVX512-BF16, bfloat16
+  activations and symmetric weights, the tiles of `moeroute.experts.cpu.mxfp4_dot` with
+  INT4's table and scales, in one call too (`rows_experts_int4`). Elsewhere few rows per
   expert decode each row in registers per tile of four rows (`moeroute.experts.cpu.int4`'s
   row kernels, MXFP4's in-register block dot with INT4's rule); from `DECODED_MIN_ROWS` mean
   rows on, each weight row is decoded once into cache and dotted with all of its expert's
@@ -31,8 +36,7 @@ Two CPU strategies, both on the MXFP4 machinery (INT4's packed bytes are MXFP4's
 GPTQ act order on gate/up (``gate_up_perm``, one hidden-column order per expert): the
 gate_up GEMM reads each routed row's activations gathered in its expert's order, built once
 per call in expert-sorted order (`act_order_rows`) and handed to the same kernels with
-identity token indices; the bfloat16-dot one-call forward and the CUDA kernels are not used
-then. Without it nothing changes.
+identity token indices; the CPU's one-call forward and the CUDA kernels are not used then. Without it nothing changes.
 
 The kernels take the scales (and zero points) as one array per weight (`params`). Scales
 without zero points are viewed as they are held, no copy: float32, and where the vector
@@ -106,7 +110,7 @@ def int4_experts_forward(
     gate_up_perm : Tensor int32/int64 [L, H], optional
         GPTQ act order on gate/up: expert l's gate_up columns are the hidden columns
         ``gate_up_perm[l]``, so its rows multiply ``x[gate_up_perm[l]]`` (`act_order_rows`;
-        the CUDA kernels and the CPU's bfloat16-dot one-call forward are then not used).
+        the CUDA kernels and the CPU's one-call forward are then not used).
 
     Returns
     -------
@@ -286,7 +290,7 @@ def _rows_forward(hidden_states, plan, gate_up, down, activation, gate_up_perm=N
     mean_rows = tokens.shape[0] / max(1, hit.shape[0])
     tile = gate_up_perm is None and _tile_serves(dtype, hidden, inter, gate_up, down, mean_rows)
     if tile and activation in cpu_rows.ACTIVATION_CODES:
-        # the bfloat16 dot instructions, at every row count, the whole forward in one call
+        # the whole forward in one call on the tiles (bfloat16 dot, or FMAs at few rows per expert)
         out = torch.empty(num_tokens, hidden, dtype=dtype)
         if cpu_int4.quad_tile_serves(True, hidden, inter, mean_rows):
             kernel = quant_rows.rows_experts_int4_quad_serial if threads == 1 else quant_rows.rows_experts_int4_quad
