@@ -114,6 +114,24 @@ def sums_bias(asymmetric):
     return 1.0 if asymmetric else _BIAS + SYMMETRIC_ZERO
 
 
+@numba.njit(inline="always")
+def _widen(row, wide):
+    """wide[k] = the float32 bits of bfloat16 row[k] (exact)."""
+    for k in range(row.shape[0]):
+        wide[k] = np.uint32(row[k]) << np.uint32(16)
+
+
+@numba.njit(inline="always")
+def _chunk_sums(values, base, bias, sums, at):
+    """sums[at + i] = -bias * the sum of values[base + 8i .. base + 8i + 8], i < 16: float64
+    sums rounded once."""
+    for i in range(16):
+        total = 0.0
+        for j in range(8):
+            total += np.float64(values[base + 8 * i + j])
+        sums[at + i] = np.float32(-bias * total)
+
+
 @numba.njit(cache=True)
 def split_quads(x, bias, out):
     """out[t] = x[t] (bfloat16 bits uint16 [T, C], C a multiple of 128) in the tile's order: per
@@ -126,20 +144,15 @@ def split_quads(x, bias, out):
     wide = np.empty(x.shape[1], np.uint32)
     values = wide.view(np.float32)
     for t in range(x.shape[0]):
-        row, target, row_sums = x[t], out[t], sums[t]
-        for k in range(x.shape[1]):
-            wide[k] = np.uint32(row[k]) << np.uint32(16)
+        row, target = x[t], out[t]
+        _widen(row, wide)
         for c in range(x.shape[1] // CHUNK):
             base, start = c * CHUNK, c * CHUNK_WORDS
             for k in range(4):
                 for lane in range(4):
                     for w in range(8):
                         target[start + 32 * k + 8 * lane + w] = row[base + 32 * lane + 4 * w + k]
-            for i in range(16):
-                total = 0.0
-                for j in range(8):
-                    total += np.float64(values[base + 8 * i + j])
-                row_sums[start // 2 + CHUNK // 2 + i] = np.float32(-bias * total)
+            _chunk_sums(values, base, bias, sums[t], start // 2 + CHUNK // 2)
 
 
 @numba.njit(cache=True)
@@ -153,8 +166,7 @@ def split_quads_float(x, bias, out):
     values = wide.view(np.float32)
     for t in range(x.shape[0]):
         row, target = x[t], out[t]
-        for k in range(x.shape[1]):
-            wide[k] = np.uint32(row[k]) << np.uint32(16)
+        _widen(row, wide)
         for c in range(x.shape[1] // CHUNK):
             base, start = c * CHUNK, c * CHUNK_FLOATS
             for h in range(2):
@@ -163,11 +175,7 @@ def split_quads_float(x, bias, out):
                         for d in range(8):
                             column = base + 32 * (2 * h + d // 4) + 8 * (d % 4) + 4 * p + k
                             target[start + 64 * h + 16 * k + 8 * p + d] = values[column]
-            for i in range(16):
-                total = 0.0
-                for j in range(8):
-                    total += np.float64(values[base + 8 * i + j])
-                target[start + CHUNK + i] = np.float32(-bias * total)
+            _chunk_sums(values, base, bias, target, start + CHUNK)
 
 
 @numba.njit
@@ -208,6 +216,20 @@ def _spread(builder, values, shift, lanes=16, first_block=0):
     n = values.type.count
     picks = [min(n - 1, (first_block + i // 4) >> shift) for i in range(lanes)]
     return builder.shuffle_vector(values, values, ir.Constant(ir.VectorType(i32, lanes), picks))
+
+
+def _code_words(builder, raw, k):
+    """Nibble k of every 16-bit word of ``raw`` (a vector of i16) moved to the mantissa's bits
+    3..6 and ORed into the bfloat16 16.0: the words 16 + q."""
+    words = raw.type
+    lanes = words.count
+    amount = 3 - 4 * k
+    if amount > 0:
+        moved = builder.shl(raw, ir.Constant(words, [amount] * lanes))
+    else:
+        moved = builder.lshr(raw, ir.Constant(words, [-amount] * lanes))
+    masked = builder.and_(moved, ir.Constant(words, [_CODE_MASK] * lanes))
+    return builder.or_(masked, ir.Constant(words, [_BIAS_WORD] * lanes))
 
 
 def _words_as_floats(builder, words):
@@ -291,7 +313,6 @@ def _quad_tile_codegen(fma_path, blocks, w_rows, params, xs, x_rows, out):
         for row in cgutils.unpack_tuple(builder, args[4], count):
             start = builder.mul(context.cast(builder, row, x_rows.dtype, types.intp), x_width)
             x_ptrs.append(builder.gep(x_view.data, [start]))
-        masks = [ir.Constant(v32i16, [m] * LANES) for m in (_CODE_MASK, _BIAS_WORD)]
         zero = ir.Constant(v16f, [0.0] * 16)
         start = ir.Constant(ir.VectorType(f32, 8), [0.0] * 8) if fma_path else zero
         fma8 = cgutils.get_or_insert_function(
@@ -299,13 +320,8 @@ def _quad_tile_codegen(fma_path, blocks, w_rows, params, xs, x_rows, out):
         )
 
         def nibble(raw, k):
-            """Nibble k of every word at the mantissa's bits 3..6, ORed into 16.0: 16 + q."""
-            amount = 3 - 4 * k
-            if amount > 0:
-                moved = builder.shl(raw, ir.Constant(v32i16, [amount] * LANES))
-            else:
-                moved = builder.lshr(raw, ir.Constant(v32i16, [-amount] * LANES))
-            return builder.bitcast(builder.or_(builder.and_(moved, masks[0]), masks[1]), v32bf)
+            """`_code_words` of a 512-bit load, as bfloat16 lanes."""
+            return builder.bitcast(_code_words(builder, raw, k), v32bf)
 
         rows = []
         row_bytes = builder.mul(groups, ir.Constant(index_type, 16))
@@ -353,16 +369,6 @@ def _quad_tile_codegen(fma_path, blocks, w_rows, params, xs, x_rows, out):
                         builder.store(builder.call(fma, [acc, scales, builder.load(total)]), total)
 
         v16i16, v8f = ir.VectorType(i16, 16), ir.VectorType(f32, 8)
-        half_masks = [ir.Constant(v16i16, [m] * 16) for m in (_CODE_MASK, _BIAS_WORD)]
-
-        def half_nibble(raw, k):
-            """`nibble` on the 16 words of a 256-bit half."""
-            amount = 3 - 4 * k
-            if amount > 0:
-                moved = builder.shl(raw, ir.Constant(v16i16, [amount] * 16))
-            else:
-                moved = builder.lshr(raw, ir.Constant(v16i16, [-amount] * 16))
-            return builder.or_(builder.and_(moved, half_masks[0]), half_masks[1])
 
         def chunk_loop_fma(group_shift, asymmetric, rows):
             """`chunk_loop` on 256-bit vectors: each half of a chunk (blocks 2h, 2h + 1) as 16
@@ -401,7 +407,7 @@ def _quad_tile_codegen(fma_path, blocks, w_rows, params, xs, x_rows, out):
                     for k in range(4):
                         for r, (halves, _, _, _) in enumerate(weights):
                             raw = builder.load(builder.gep(halves, [ir.Constant(index_type, h)]), align=1)
-                            w_even, w_odd = _words_as_floats(builder, half_nibble(raw, k))
+                            w_even, w_odd = _words_as_floats(builder, _code_words(builder, raw, k))
                             for j, base in enumerate(bases):
                                 x_even, x_odd = (x_vector(base, 8 * h + 2 * k + p) for p in range(2))
                                 acc = builder.call(fma8, [w_even, x_even, accs[r, j]])

@@ -36,7 +36,8 @@ Two CPU strategies, both on the MXFP4 machinery (INT4's packed bytes are MXFP4's
 GPTQ act order on gate/up (``gate_up_perm``, one hidden-column order per expert): the
 gate_up GEMM reads each routed row's activations gathered in its expert's order, built once
 per call in expert-sorted order (`act_order_rows`) and handed to the same kernels with
-identity token indices; the CPU's one-call forward and the CUDA kernels are not used then. Without it nothing changes.
+identity token indices; the CPU's one-call forward and the CUDA kernels are not used then.
+Without it nothing changes.
 
 The kernels take the scales (and zero points) as one array per weight (`params`). Scales
 without zero points are viewed as they are held, no copy: float32, and where the vector
