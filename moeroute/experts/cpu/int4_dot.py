@@ -38,10 +38,11 @@ vectors (a shift by 16, a mask of the high half): lane d then holds words 2d and
 chain is the 512-bit tile's: the same start, eight products, the same bound. No byte shuffle
 runs, whose lookups and widenings bound the table kernels of `moeroute.experts.cpu.int4`.
 
-Loop order: every weight row of a tile takes each chunk in turn (four weight streams in
-flight, the chunk's activations loaded once for them; the totals of every pair of rows fit
-the 32 vector registers). The FMA tile has 16: a weight row at a time from three activation
-rows on.
+Loop order: with 2 to 4 activation rows, every weight row of a tile takes each chunk in turn
+(four weight streams in flight, the chunk's activations loaded once for them; the totals of
+every pair of rows fit the 32 vector registers). With one activation row there is nothing to
+share, and a weight row at a time (one sequential stream) reads faster. The FMA tile has 16
+registers: a weight row at a time from three activation rows on as well.
 
 Arrays: blocks uint8 [R, G, 16] (G a multiple of 4: `serves`), params [R, P, G'] as
 `moeroute.experts.cpu.int4` (float32, or 16-bit scales as bits when symmetric), activations
@@ -441,10 +442,14 @@ def _quad_tile_codegen(fma_path, blocks, w_rows, params, xs, x_rows, out):
             else:  # 16-bit scales come without zero points (symmetric only)
                 by_shift(False, part)
 
-        if fma_path and count > 2:
-            # 16 vector registers: a weight row at a time (its totals, the chunk's activations;
-            # past the first-level cache they stream from the second, still faster than sharing
-            # each chunk's activations among weight rows whose totals would not fit)
+        if count == 1 or (fma_path and count > 2):
+            # a weight row at a time. One activation row: nothing to share among weight rows,
+            # and one sequential stream (its prefetches a row further on in the same stream)
+            # reads faster than four side by side, most with groups of 32 (their scales a
+            # second stream per row). FMA tile from three activation rows: 16 vector registers
+            # hold one row's totals and the chunk's activations; past the first-level cache
+            # those stream from the second, still faster than sharing each chunk's activations
+            # among weight rows whose totals would not fit.
             for row in rows:
                 run([row])
         else:
