@@ -55,3 +55,12 @@ def pytest_sessionstart(session):
         _, stderr = process.communicate()
         if process.returncode != 0:  # the tests that use the kernel fail and say why
             sys.stderr.write(f"conftest: the {dtype} kernel warm-up failed:\n{stderr[-2000:]}\n")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The modules holding a test marked ``slow`` first, each module's tests together and in
+    their own order: xdist hands tests out in collection order, and the longest ones (cold
+    compiles on another instruction-set path, the CUDA simulator, gloo ranks) collected last
+    left one worker running them while the other sat idle."""
+    slow_modules = {item.module for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.module not in slow_modules)

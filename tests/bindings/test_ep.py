@@ -90,6 +90,7 @@ def _records(results, name):
 CONFIG_IDS = [(w, c["name"]) for w in WORLD_SIZES for c in dispatcher_configs(w)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size,name", CONFIG_IDS, ids=[f"E{w}-{n}" for w, n in CONFIG_IDS])
 def test_each_rank_matches_dense_reference(groups, world_size, name):
     for rank, record in enumerate(_records(groups(world_size), name)):

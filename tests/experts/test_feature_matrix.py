@@ -21,6 +21,7 @@ def matrix():
     return feature_matrix.run()
 
 
+@pytest.mark.slow
 def test_every_strategy_threads_and_dtype_is_covered(matrix):
     seen = {(case.format, case.strategy, case.threads, case.dtype) for case in matrix}
     for fmt in choose.FORMATS:

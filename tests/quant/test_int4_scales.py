@@ -57,6 +57,7 @@ def _path_errors() -> dict:
     return {"simd": bool(cpu_mxfp4.SIMD), "errors": errors}
 
 
+@pytest.mark.slow
 def test_16_bit_scales_on_every_cpu_path_match_the_reference():
     """The default path (the bfloat16-dot tiles where the CPU has AVX512-BF16) and the AVX2 path
     (the float32 block dots) with bfloat16 and float16 scales read as held."""
