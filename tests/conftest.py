@@ -62,5 +62,5 @@ def pytest_collection_modifyitems(session, config, items):
     their own order: xdist hands tests out in collection order, and the longest ones (cold
     compiles on another instruction-set path, the CUDA simulator, gloo ranks) collected last
     left one worker running them while the other sat idle."""
-    slow_modules = {item.module for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.module not in slow_modules)
+    slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)
