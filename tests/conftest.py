@@ -23,6 +23,42 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
     sys.setswitchinterval(1e-4)
 
 
+def _lock_simulator_shared_arrays():
+    """The simulator gives a block's threads one static shared array per source line: the
+    first thread to reach the line creates it (``np.empty``) and the others look it up, with
+    no lock between the lookup and the store. Two threads that both found it missing each
+    made one; one of them then worked on an array no other thread read, and the others read
+    uninitialized values (a routing kernel's scan stored such a value as an expert's start).
+    The same per-line arrays, created under a lock."""
+    import threading
+
+    import numpy as np
+    from numba.cuda import types
+    from numba.cuda.np import numpy_support
+    from numba.cuda.simulator import kernelapi
+
+    original = kernelapi.FakeCUDAShared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # dynamic shared memory, or the simulator's refusal
+            return original(self, shape, dtype, alignment)
+        frame = sys._getframe(1)  # the kernel's line, as the simulator keys it
+        caller = (frame.f_code.co_filename, frame.f_lineno)
+        with lock:
+            found = self._allocations.get(caller)
+            if found is None:
+                dtype = numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else dtype
+                found = self._allocations[caller] = np.empty(shape, dtype)
+            return found
+
+    kernelapi.FakeCUDAShared.array = array
+
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    _lock_simulator_shared_arrays()
+
+
 # The CPU routing kernels (select_experts' serial and parallel kernels above all: about a
 # minute each to compile) are wanted by nearly every test process: both xdist workers, the
 # simulator suites' subprocesses (their host reference), the gloo ranks. With a cold on-disk
