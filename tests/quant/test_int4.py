@@ -466,7 +466,17 @@ PEAK_CODE = textwrap.dedent("""
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads and resets the peak resident size")
 def test_quantize_peak_memory_is_bounded_by_one_expert():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    # 4 KB pages for NumPy's temporaries and a fixed glibc mmap threshold: with transparent
+    # huge pages a temporary's resident size rounds up to 2 MB pages when the kernel has them
+    # free, and glibc's threshold moves after each large free, so the same code's peak moved
+    # by up to an expert between runs
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        NUMPY_MADVISE_HUGEPAGE="0",
+        MALLOC_MMAP_THRESHOLD_="131072",
+    )
     done = subprocess.run(
         [sys.executable, "-c", PEAK_CODE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
